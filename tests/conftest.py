@@ -1,0 +1,55 @@
+"""Shared helpers: tests start real processes through the real CLI and compare their results."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("RANK", None)
+    env.update(extra)
+    return env
+
+
+def run_vpipe(*args: str, timeout: float = 240, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run ``python -m vpipe ARGS`` and return the finished process (stdout/stderr captured)."""
+    return subprocess.run(
+        [sys.executable, "-m", "vpipe", *args],
+        cwd=ROOT, env=env or child_env(), capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def load_run_params(out_dir: Path, stages: int) -> dict[str, torch.Tensor]:
+    """All stages' saved parameters merged into one state dict (names are 'layer_id.param')."""
+    merged: dict[str, torch.Tensor] = {}
+    for rank in range(stages):
+        state = torch.load(out_dir / f"rank{rank}.pt", weights_only=True)
+        merged.update(state["params"])
+    return merged
+
+
+def assert_params_equal(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], rtol: float = 0.0) -> None:
+    assert sorted(actual) == sorted(expected)
+    for name, want in expected.items():
+        got = actual[name]
+        if rtol == 0.0:
+            assert torch.equal(got, want), f"{name}: max abs diff {(got - want).abs().max().item():.3e}"
+        else:
+            rel = ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+            assert rel <= rtol, f"{name}: max relative difference {rel:.3e} > {rtol:.0e}"
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    torch.set_num_threads(1)
+    yield

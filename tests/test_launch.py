@@ -1,0 +1,99 @@
+"""The CLI's runs, torchrun compatibility, and what happens when a rank dies."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from conftest import ROOT, child_env, run_vpipe
+from vpipe.log import read_log
+from vpipe.runtime.launch import rank_env
+
+
+def test_train_pipedream_four_stages_exits_zero():
+    proc = run_vpipe("train", "--stages", "4", "--schedule", "pipedream", "--steps", "5", "--no-progress")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_demo_prints_summary():
+    proc = run_vpipe("demo", "--steps", "6", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "vpipe run summary" in proc.stdout
+    assert "samples/s" in proc.stdout
+
+
+def test_bad_arguments_fail_before_any_rank_starts():
+    proc = run_vpipe("train", "--stages", "3", "--partition", "5,5")
+    assert proc.returncode == 2
+    assert "partition has 2 entries for 3 stages" in proc.stderr
+
+
+def test_rank_env_reads_torchrun_variables():
+    env = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500",
+           "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    got = rank_env(env)
+    assert (got.rank, got.world_size, got.master_addr, got.master_port, got.agent_store) == (1, 4, "10.0.0.1", 29500, True)
+    assert got.is_multi_host
+    assert rank_env({}) is None
+    with pytest.raises(ValueError, match="RANK=4 is outside"):
+        rank_env(dict(env, RANK="4"))
+    with pytest.raises(ValueError, match="MASTER_PORT is missing"):
+        rank_env({k: v for k, v in env.items() if k != "MASTER_PORT"})
+
+
+def test_torchrun_launch_trains():
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "vpipe", "train", "--stages", "2", "--steps", "2", "--no-progress"],
+        cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def _ranks(launcher: subprocess.Popen) -> dict[int, psutil.Process]:
+    found = {}
+    for child in psutil.Process(launcher.pid).children():
+        try:
+            found[int(child.environ()["RANK"])] = child
+        except (psutil.Error, KeyError):
+            pass
+    return found
+
+
+def test_dead_rank_ends_every_rank_with_its_name(tmp_path):
+    log_file = tmp_path / "run.log"
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "vpipe", "train", "--stages", "4", "--steps", "100000", "--no-progress",
+         "--log-file", str(log_file)],
+        cwd=ROOT, env=child_env(VPIPE_HEARTBEAT_TIMEOUT="5"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            started = [r for r in (read_log(log_file) if log_file.exists() else []) if "training layers" in r["msg"]]
+            if len(started) == 4:
+                break
+            time.sleep(0.5)
+        else:
+            pytest.fail("the ranks never started training")
+        time.sleep(2.0)  # mid-run
+        ranks = _ranks(launcher)
+        assert sorted(ranks) == [0, 1, 2, 3]
+        ranks[1].send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        _, stderr = launcher.communicate(timeout=90)
+        elapsed = time.monotonic() - killed_at
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode != 0
+    assert elapsed < 60, f"the run took {elapsed:.0f} s to stop"
+    for rank in (0, 2, 3):
+        lines = [ln for ln in stderr.splitlines() if ln.startswith(f"vpipe [rank {rank}]:")]
+        assert lines and "rank 1 died" in lines[-1], stderr[-3000:]
+    assert "rank 1 exited first with code -9" in stderr

@@ -1,0 +1,125 @@
+"""The ``vpipe`` command line: ``demo | train | plan | logs | plot | bench | planner``.
+
+``vpipe train`` is torchrun-compatible: launched by torchrun (``RANK`` set) it runs one
+rank; run directly it spawns ``--stages`` ranks on this host and waits for them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from vpipe.runtime.config import MODELS, OPTIMIZERS, SCHEDULES, RunConfig
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _partition(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"partition must be comma-separated layer counts like 5,5, got {text!r}") from None
+
+
+def add_run_arguments(p: argparse.ArgumentParser, *, steps: int, stages: int) -> None:
+    p.add_argument("--model", choices=MODELS, default="transformer")
+    p.add_argument("--blocks", type=_positive_int, default=8, help="transformer blocks (default 8)")
+    p.add_argument("--d-model", type=_positive_int, default=64)
+    p.add_argument("--n-heads", type=_positive_int, default=4)
+    p.add_argument("--seq-len", type=_positive_int, default=64)
+    p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--stages", type=_positive_int, default=stages)
+    p.add_argument("--schedule", choices=SCHEDULES, default="gpipe")
+    p.add_argument("--micro-batches", type=_positive_int, default=4)
+    p.add_argument("--micro-batch-size", type=_positive_int, default=4)
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adam")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--partition", type=_partition, default=None, help="layers per stage, e.g. 6,4")
+    p.add_argument("--vertical-sync", action="store_true", help="PipeDream: every stage uses stage 0's weight version")
+    p.add_argument("--log-file", default=None, help="append JSON-lines logs (decisions included) here")
+    p.add_argument("--out-dir", default=None, help="save each rank's final parameters and losses here")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def config_from_args(args: argparse.Namespace) -> RunConfig:
+    return RunConfig(
+        model=args.model, blocks=args.blocks, d_model=args.d_model, n_heads=args.n_heads,
+        seq_len=args.seq_len, dropout=args.dropout, stages=args.stages, schedule=args.schedule,
+        micro_batches=args.micro_batches, micro_batch_size=args.micro_batch_size, steps=args.steps,
+        lr=args.lr, optimizer=args.optimizer, seed=args.seed, partition=args.partition,
+        vertical_sync=args.vertical_sync, log_file=args.log_file, out_dir=args.out_dir,
+        progress=not args.no_progress,
+    )
+
+
+def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from vpipe.runtime.launch import rank_env, spawn
+
+    cfg = config_from_args(args)  # validate before starting any process
+    if rank_env() is None:
+        return spawn([sys.executable, "-m", "vpipe", *argv], cfg.stages)
+    return _run_as_rank(cfg)
+
+
+def _run_as_rank(cfg: RunConfig) -> int:
+    from vpipe import log
+    from vpipe.runtime.launch import init_distributed, run_rank
+    from vpipe.runtime.trainer import train_rank
+
+    ctx = init_distributed()
+    log.configure(cfg.log_file, rank=ctx.rank)
+    run_rank(ctx, train_rank, cfg, ctx)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    train_argv = ["train", "--stages", "2", "--steps", str(args.steps), "--blocks", "8",
+                  "--micro-batches", "4", "--micro-batch-size", "8"]
+    if args.log_file:
+        train_argv += ["--log-file", args.log_file]
+    print("vpipe demo: 2-stage GPipe training of an 8-block byte-level transformer on the Python stdlib's source",
+          flush=True)
+    parser = build_parser()
+    return cmd_train(parser.parse_args(train_argv), train_argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from vpipe import __version__
+
+    parser = argparse.ArgumentParser(prog="vpipe", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"vpipe {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="train a reference model on a pipeline of ranks")
+    add_run_arguments(train, steps=20, stages=2)
+    train.set_defaults(func=cmd_train)
+
+    demo = sub.add_parser("demo", help="a one-minute 2-stage run on this machine")
+    demo.add_argument("--steps", type=int, default=40)
+    demo.add_argument("--log-file", default=None)
+    demo.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args, argv)
+    except ValueError as e:
+        print(f"vpipe: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

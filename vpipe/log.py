@@ -1,0 +1,94 @@
+"""Run logs: one JSON object per line, decisions included, shared by all ranks of a run.
+
+Every rank appends to the same file (``O_APPEND`` writes of one line each do not
+interleave on a local file system). A record has ``t`` (unix time), ``rank``, ``logger``,
+``level`` and ``msg``; decisions (logger ``vpipe.decisions``) also carry ``event`` and the
+numbers that justify them, which is what ``vpipe logs`` and ``vpipe plot`` read back.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+DECISIONS = "vpipe.decisions"
+decision_log = logging.getLogger(DECISIONS)
+
+__all__ = ["configure", "decision", "read_log", "DECISIONS"]
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return str(value)
+
+
+class JsonLineFormatter(logging.Formatter):
+    def __init__(self, rank: int | None) -> None:
+        super().__init__()
+        self.rank = rank
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "t": round(record.created, 6),
+            "rank": self.rank,
+            "logger": record.name,
+            "level": record.levelname,
+        }
+        fields = getattr(record, "vpipe_fields", None)
+        if fields:
+            entry.update(_jsonable(fields))
+        entry["msg"] = record.getMessage()
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry, separators=(",", ":"))
+
+
+def configure(log_file: str | os.PathLike[str] | None, rank: int | None = None, level: int = logging.INFO) -> None:
+    """Send vpipe's loggers (decisions included) to ``log_file`` as JSON lines."""
+    root = logging.getLogger("vpipe")
+    root.setLevel(level)
+    for handler in list(root.handlers):
+        if getattr(handler, "_vpipe", False):
+            root.removeHandler(handler)
+            handler.close()
+    if log_file is None:
+        return
+    Path(log_file).parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(log_file, mode="a", encoding="utf-8")
+    handler.setFormatter(JsonLineFormatter(rank))
+    handler._vpipe = True  # type: ignore[attr-defined]
+    root.addHandler(handler)
+
+
+def decision(event: str, message: str = "", **fields: Any) -> None:
+    """Log one decision (``imbalance``, ``plan``, ``migration_start`` ...) with its numbers."""
+    decision_log.info(message or event, extra={"vpipe_fields": {"event": event, **fields}})
+
+
+def read_log(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The records of a run log, oldest first; lines that are not JSON objects are skipped."""
+    records = []
+    try:
+        lines = Path(path).read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError as e:
+        raise ValueError(f"cannot read log file {str(path)!r}: {e.strerror}") from None
+    for line in lines:
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(entry, dict):
+            records.append(entry)
+    records.sort(key=lambda r: r.get("t", 0) if isinstance(r.get("t"), (int, float)) else 0)
+    return records

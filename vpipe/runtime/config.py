@@ -1,0 +1,119 @@
+"""The reference trainer's configuration, validated where it enters (CLI, JSON, tests)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from vpipe.runtime.models import BLOCK_TYPES, ModelSpec, cnn, transformer_lm
+
+SCHEDULES = ("gpipe", "1f1b", "pipedream")
+MODELS = ("transformer", "cnn")
+OPTIMIZERS = ("adam", "sgd")
+
+
+@dataclass
+class RunConfig:
+    """One training run of a reference model on a pipeline of ``stages`` ranks."""
+
+    model: str = "transformer"
+    blocks: int = 8
+    d_model: int = 64
+    n_heads: int = 4
+    seq_len: int = 64
+    dropout: float = 0.1
+    block_types: list[str] | None = None
+    stages: int = 2
+    schedule: str = "gpipe"
+    micro_batches: int = 4
+    micro_batch_size: int = 4
+    steps: int = 20
+    lr: float = 1e-3
+    optimizer: str = "adam"
+    seed: int = 0
+    partition: list[int] | None = None  # layers per stage, in order
+    vertical_sync: bool = False
+    log_file: str | None = None
+    out_dir: str | None = None
+    progress: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, message: str) -> None:
+            if not ok:
+                raise ValueError(message)
+
+        need(self.model in MODELS, f"model must be one of {', '.join(MODELS)}, got {self.model!r}")
+        need(self.schedule in SCHEDULES, f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        need(self.optimizer in OPTIMIZERS, f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        for name in ("blocks", "d_model", "n_heads", "seq_len", "stages", "micro_batches", "micro_batch_size"):
+            need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1,
+                 f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        need(isinstance(self.steps, int) and self.steps >= 0, f"steps must be >= 0, got {self.steps!r}")
+        need(0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout}")
+        need(self.lr > 0, f"lr must be positive, got {self.lr}")
+        need(self.d_model % self.n_heads == 0, f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
+        if self.block_types is not None:
+            need(len(self.block_types) == self.blocks, f"block_types has {len(self.block_types)} entries for {self.blocks} blocks")
+            bad = [t for t in self.block_types if t not in BLOCK_TYPES]
+            need(not bad, f"unknown block types {bad}; known: {', '.join(BLOCK_TYPES)}")
+        n_layers = self.n_layers
+        need(self.stages <= n_layers, f"{self.stages} stages but the model has only {n_layers} layers")
+        if self.schedule in ("1f1b", "pipedream"):
+            need(self.micro_batches >= self.stages,
+                 f"{self.schedule} needs micro_batches >= stages ({self.micro_batches} < {self.stages})")
+        if self.partition is not None:
+            need(len(self.partition) == self.stages,
+                 f"partition has {len(self.partition)} entries for {self.stages} stages")
+            need(all(isinstance(c, int) and c >= 1 for c in self.partition),
+                 f"every stage needs at least one layer, got partition {self.partition}")
+            need(sum(self.partition) == n_layers,
+                 f"partition {self.partition} covers {sum(self.partition)} layers, the model has {n_layers}")
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.model_spec().layers)
+
+    def model_spec(self) -> ModelSpec:
+        if self.model == "cnn":
+            return cnn()
+        return transformer_lm(
+            n_blocks=self.blocks,
+            d_model=self.d_model,
+            n_heads=self.n_heads,
+            seq_len=self.seq_len,
+            dropout=self.dropout,
+            block_types=self.block_types,
+        )
+
+    def layer_counts(self) -> list[int]:
+        """Layers per stage: the given partition, else as even as possible (extra layers go first)."""
+        if self.partition is not None:
+            return list(self.partition)
+        n, p = self.n_layers, self.stages
+        return [n // p + (1 if s < n % p else 0) for s in range(p)]
+
+    def stage_layer_ids(self) -> list[list[int]]:
+        ids, start = [], 0
+        for count in self.layer_counts():
+            ids.append(list(range(start, start + count)))
+            start += count
+        return ids
+
+    @property
+    def batch_size(self) -> int:
+        return self.micro_batches * self.micro_batch_size
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunConfig:
+        if not isinstance(data, dict):
+            raise ValueError(f"a run config must be a mapping, got {type(data).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown run config keys: {', '.join(unknown)}")
+        return cls(**data)

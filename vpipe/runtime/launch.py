@@ -1,0 +1,222 @@
+"""Starting ranks: torchrun-compatible environment, process group, and a one-host spawner.
+
+A rank reads what torchrun sets (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
+``MASTER_PORT``), so ``torchrun --nnodes N ... -m vpipe train`` works across hosts. For one
+host, :func:`spawn` plays torchrun's part: it hosts the rendezvous store itself (so the
+store survives any rank, like torchrun's agent store) and starts one child per rank with
+that environment, then ends the others if one fails.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from vpipe.runtime.watchdog import Watchdog
+
+log = logging.getLogger("vpipe.runtime")
+
+__all__ = ["RankEnv", "Distributed", "rank_env", "init_distributed", "spawn"]
+
+
+@dataclass(frozen=True)
+class RankEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    agent_store: bool  # the store is hosted by a launcher/agent, not by rank 0
+
+    @property
+    def is_multi_host(self) -> bool:
+        return self.master_addr not in ("127.0.0.1", "localhost", "::1")
+
+
+def rank_env(environ: dict[str, str] | None = None) -> RankEnv | None:
+    """The torchrun-style environment of this process, or None when not launched as a rank."""
+    env = os.environ if environ is None else environ
+    if "RANK" not in env:
+        return None
+    try:
+        rank = int(env["RANK"])
+        world = int(env["WORLD_SIZE"])
+        local = int(env.get("LOCAL_RANK", env["RANK"]))
+        port = int(env["MASTER_PORT"])
+        addr = env["MASTER_ADDR"]
+    except KeyError as e:
+        raise ValueError(f"RANK is set but {e.args[0]} is missing from the environment") from None
+    except ValueError as e:
+        raise ValueError(f"bad torchrun environment: {e}") from None
+    if not 0 <= rank < world:
+        raise ValueError(f"RANK={rank} is outside 0..WORLD_SIZE-1 (WORLD_SIZE={world})")
+    return RankEnv(rank, world, local, addr, port, env.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
+
+
+@dataclass
+class Distributed:
+    """What a rank gets from :func:`init_distributed`."""
+
+    env: RankEnv
+    store: Any
+    watchdog: Watchdog
+    device: torch.device
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
+    def finish(self) -> None:
+        """Normal end of this rank: tell the peers, then leave the process group."""
+        self.watchdog.finish()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def init_distributed(
+    backend: str | None = None,
+    *,
+    timeout_s: float = 300.0,
+    heartbeat_timeout_s: float | None = None,
+) -> Distributed:
+    """Join the run described by the environment: store, process group, watchdog."""
+    env = rank_env()
+    if env is None:
+        raise RuntimeError("not launched as a rank: RANK/WORLD_SIZE are unset (use torchrun or `vpipe train`)")
+    if torch.cuda.is_available():
+        device = torch.device("cuda", env.local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(
+        env.master_addr,
+        env.master_port,
+        env.world_size,
+        is_master=env.rank == 0 and not env.agent_store,
+        timeout=timeout,
+    )
+    hb_timeout = heartbeat_timeout_s or float(os.environ.get("VPIPE_HEARTBEAT_TIMEOUT", "10"))
+    watchdog = Watchdog(store, env.rank, env.world_size, timeout_s=hb_timeout)
+    watchdog.announce()
+    dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
+    watchdog.start()
+    return Distributed(env=env, store=store, watchdog=watchdog, device=device)
+
+
+def run_rank(ctx: Distributed, main: Any, *args: Any, **kwargs: Any) -> Any:
+    """Run ``main`` on this rank; on failure name the culprit and end the process non-zero."""
+    try:
+        result = main(*args, **kwargs)
+    except BaseException as exc:  # noqa: BLE001 - every failure must end the rank cleanly
+        if isinstance(exc, SystemExit) and exc.code in (0, None):
+            raise
+        message = ctx.watchdog.record_failure(exc)
+        if not is_peer_caused(message):
+            log.exception("rank %d failed", ctx.rank)
+        print(f"vpipe [rank {ctx.rank}]: {message}", file=sys.stderr, flush=True)
+        logging.shutdown()
+        os._exit(1)
+    ctx.finish()
+    return result
+
+
+def is_peer_caused(message: str) -> bool:
+    return message.startswith("stopping because")
+
+
+# --------------------------------------------------------------------- spawner
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def spawn(
+    argv: Sequence[str],
+    nprocs: int,
+    *,
+    host: str = "127.0.0.1",
+    extra_env: dict[str, str] | None = None,
+    grace_s: float = 60.0,
+) -> int:
+    """Run ``argv`` as ``nprocs`` ranks on this host, torchrun-style; return the run's exit code.
+
+    The store is hosted here, so a dying rank cannot take it down. When a rank exits
+    non-zero the others get ``grace_s`` to notice it themselves (they print who died),
+    then are killed. Ctrl-C is passed on to every rank.
+    """
+    if nprocs < 1:
+        raise ValueError(f"need at least one rank, got {nprocs}")
+    store = dist.TCPStore(host, 0, nprocs + 1, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=600))
+    base = dict(os.environ)
+    base.update(extra_env or {})
+    base.update(
+        WORLD_SIZE=str(nprocs),
+        LOCAL_WORLD_SIZE=str(nprocs),
+        MASTER_ADDR=host,
+        MASTER_PORT=str(store.port),
+        TORCHELASTIC_USE_AGENT_STORE="True",
+        OMP_NUM_THREADS=base.get("OMP_NUM_THREADS", "1"),
+    )
+    procs = []
+    for rank in range(nprocs):
+        env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0")
+        procs.append(subprocess.Popen(list(argv), env=env))
+
+    def forward_signal(signum: int, _frame: Any) -> None:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    old = {s: signal.signal(s, forward_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return _wait_all(procs, grace_s)
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+        del store
+
+
+def _wait_all(procs: list[subprocess.Popen], grace_s: float) -> int:
+    first_failure: tuple[int, int] | None = None
+    failed_at = 0.0
+    while True:
+        codes = [p.poll() for p in procs]
+        if all(c is not None for c in codes):
+            break
+        for rank, code in enumerate(codes):
+            if code not in (None, 0) and first_failure is None:
+                first_failure = (rank, code)
+                failed_at = time.monotonic()
+        if first_failure is not None and time.monotonic() - failed_at > grace_s:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        time.sleep(0.1)
+    codes = [p.returncode for p in procs]
+    bad = [(r, c) for r, c in enumerate(codes) if c != 0]
+    if bad:
+        rank, code = first_failure or bad[0]
+        print(f"vpipe: run failed; rank {rank} exited first with code {code} "
+              f"(exit codes: {', '.join(f'rank {r}={c}' for r, c in enumerate(codes))})", file=sys.stderr, flush=True)
+        return code if code > 0 else 1
+    return 0

@@ -1,0 +1,253 @@
+"""PipeDream asynchronous 1F1B with weight stashing, on torch's ``PipelineStage``.
+
+torch ships flush schedules only (GPipe, 1F1B, interleaved, zero-bubble). PipeDream never
+flushes: every stage applies an optimizer step after each micro-batch's backward, and a
+micro-batch's backward must use the very weights its forward used, although newer
+weights exist by then. That is weight stashing: each in-flight micro-batch keeps the
+weight version it started with as separate tensors and the stage's module runs on them
+through :func:`torch.func.functional_call` (rewriting ``.data`` or ``load_state_dict``
+would corrupt autograd's saved-tensor version counters).
+
+Micro-batches stream across ``step()`` calls: step ``s`` feeds micro-batches
+``[s*m, (s+1)*m)`` and runs this stage's 1F1B action sequence up to the first forward of
+the next step, so there is no drain between steps; :meth:`flush` drains at the end.
+
+Version numbering: version ``v`` of a stage is its weights after ``v`` optimizer steps.
+Stage ``k`` of ``p`` runs ``p-k`` forwards before its first backward, so micro-batch ``i``
+starts on version ``max(0, i-(p-k)+1)``; with vertical sync every stage uses the version
+stage 0 used, ``max(0, i-p+1)``. Each micro-batch's gradient is that of its own loss
+(no division by the number of micro-batches).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+from torch.func import functional_call
+
+__all__ = ["SchedulePipeDream", "start_version"]
+
+
+def start_version(mb: int, stage_index: int, num_stages: int, vertical_sync: bool) -> int:
+    """Weight version micro-batch ``mb`` uses on a stage (see the module docstring)."""
+    in_flight = num_stages if vertical_sync else num_stages - stage_index
+    return max(0, mb - in_flight + 1)
+
+
+class SchedulePipeDream(PipelineScheduleSingle):
+    """Asynchronous 1F1B with weight stashing and an optimizer step per micro-batch.
+
+    Use like torch's schedules, except that the schedule owns the optimizer steps::
+
+        sched = SchedulePipeDream(stage, n_microbatches, loss_fn, optimizer)
+        for x, y in data:
+            sched.step(x, target=y)     # no optimizer.step() here: one per micro-batch
+        sched.flush()                   # drain the micro-batches still in flight
+    """
+
+    def __init__(
+        self,
+        stage: PipelineStage,
+        n_microbatches: int,
+        loss_fn: Callable[..., torch.Tensor],
+        optimizer: torch.optim.Optimizer,
+        *,
+        vertical_sync: bool = False,
+    ) -> None:
+        super().__init__(stage, n_microbatches, loss_fn, scale_grads=False)
+        if n_microbatches < stage.num_stages:
+            raise ValueError(
+                f"PipeDream needs at least as many micro-batches per step ({n_microbatches}) "
+                f"as stages ({stage.num_stages})"
+            )
+        self.optimizer = optimizer
+        self.vertical_sync = vertical_sync
+        self.updates = 0  # optimizer steps applied on this stage = newest weight version
+        self._stream_start = 0  # micro-batch where the current (unflushed) stream began
+        self._next_fwd = 0
+        self._next_bwd = 0
+        self._versions: dict[int, dict[str, torch.Tensor]] = {}
+        self._mb_version: dict[int, int] = {}
+        self._losses: dict[int, torch.Tensor] = {}
+        self._targets: dict[int, Any] = {}
+        self._send_work: list[dist.Work] = []
+        # hooks for the layer manager (live migration); None when vpipe is not attached
+        self.on_update: Callable[[int], None] | None = None
+
+    # ---------------------------------------------------------------- public
+    @property
+    def in_flight(self) -> list[int]:
+        """Micro-batches whose forward ran here and whose backward did not yet."""
+        return list(range(self._next_bwd, self._next_fwd))
+
+    def version_of(self, mb: int) -> dict[str, torch.Tensor]:
+        """The stashed weights an in-flight micro-batch uses (name -> tensor)."""
+        return self._versions[self._mb_version[mb]]
+
+    def step(self, *args: Any, target: Any = None, losses: list | None = None, **kwargs: Any) -> None:
+        """Feed one batch of ``n_microbatches`` micro-batches; returns once they are all forwarded here."""
+        if not torch.is_grad_enabled():
+            raise RuntimeError("SchedulePipeDream.step() trains; it cannot run under torch.no_grad()")
+        self._stage.has_backward = True
+        arg_mbs, kwarg_mbs = self._split_inputs(args, kwargs)
+        self._step_microbatches(arg_mbs, kwarg_mbs, self._split_target(target), losses)
+
+    def _step_microbatches(
+        self,
+        arg_mbs: list | None = None,
+        kwarg_mbs: list | None = None,
+        target_mbs: list | None = None,
+        losses: list | None = None,
+        return_outputs: bool = True,
+        loss_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        arg_mbs, kwarg_mbs = self._check_inputs(arg_mbs, kwarg_mbs, target_mbs, losses)
+        if not self._stage_forward_initialized:
+            self._initialize_stage(arg_mbs[0], kwarg_mbs[0], target_mbs[0] if target_mbs else None)
+        first, m = self._next_fwd, self._n_microbatches
+        for j in range(m):
+            self._targets[first + j] = target_mbs[j] if target_mbs else None
+        step_losses: list[torch.Tensor] = []
+        while True:
+            action, mb = self._next_action()
+            if action == "F" and mb >= first + m:
+                break
+            if action == "F":
+                self._forward(mb, arg_mbs[mb - first], kwarg_mbs[mb - first])
+            else:
+                loss = self._backward(mb)
+                if loss is not None:
+                    step_losses.append(loss)
+        self._wait_sends()
+        if losses is not None:
+            losses.clear()
+            losses.extend(step_losses)
+
+    def flush(self, losses: list | None = None) -> None:
+        """Run the backward of every micro-batch still in flight (end of training, checkpoint)."""
+        drained = []
+        while self._next_bwd < self._next_fwd:
+            loss = self._backward(self._next_bwd)
+            if loss is not None:
+                drained.append(loss)
+        self._wait_sends()
+        self._stream_start = self._next_fwd
+        self._versions = {}
+        if losses is not None:
+            losses.clear()
+            losses.extend(drained)
+
+    # ---------------------------------------------------------------- schedule
+    def _next_action(self) -> tuple[str, int]:
+        warmup = self._stage.num_stages - self._stage.stage_index
+        done_fwd = self._next_fwd - self._stream_start
+        if done_fwd < warmup:
+            return "F", self._next_fwd
+        # steady state alternates B and F: a backward is due whenever `warmup` micro-batches are in flight
+        if self._next_fwd - self._next_bwd >= warmup:
+            return "B", self._next_bwd
+        return "F", self._next_fwd
+
+    def _slot(self, mb: int) -> int:
+        return mb % self._n_microbatches
+
+    def _split_target(self, target: Any) -> list[Any] | None:
+        if target is None:
+            return None
+        (chunks, _) = split_args_kwargs_into_chunks((target,), None, self._n_microbatches)
+        return [c[0] for c in chunks]
+
+    # ---------------------------------------------------------------- versions
+    def _params(self) -> dict[str, torch.nn.Parameter]:
+        return dict(self._stage.submod.named_parameters())
+
+    def _stash(self, version: int) -> dict[str, torch.Tensor]:
+        if version not in self._versions:
+            if version != self.updates:
+                raise RuntimeError(
+                    f"stage {self._stage.stage_index}: weight version {version} is needed but was not kept "
+                    f"(newest is {self.updates})"
+                )
+            self._versions[version] = {
+                name: p.detach().clone().requires_grad_(p.requires_grad) for name, p in self._params().items()
+            }
+        return self._versions[version]
+
+    def _release_versions(self) -> None:
+        oldest_needed = start_version(self._next_fwd, self._stage.stage_index, self._stage.num_stages, self.vertical_sync)
+        live = set(self._mb_version.values()) | {v for v in self._versions if v >= oldest_needed}
+        for v in [v for v in self._versions if v not in live]:
+            del self._versions[v]
+
+    # ---------------------------------------------------------------- actions
+    def _forward(self, mb: int, args: tuple, kwargs: dict) -> None:
+        stage = self._stage
+        slot = self._slot(mb)
+        self._recv(stage.get_fwd_recv_ops(slot))
+        version = start_version(mb, stage.stage_index, stage.num_stages, self.vertical_sync)
+        weights = self._stash(version)
+        self._mb_version[mb] = version
+        module = stage.submod
+
+        def run_on_version(*a: Any, **kw: Any) -> Any:
+            return functional_call(module, weights, a, kw)
+
+        stage.forward_maybe_with_nosync = run_on_version  # instance attribute, removed below
+        try:
+            output = stage.forward_one_chunk(slot, args, kwargs, save_forward_output=False)
+        finally:
+            del stage.forward_maybe_with_nosync
+        if stage.is_last:
+            self._losses[mb] = self._compute_loss(output, self._targets[mb])
+        self._send(stage.get_fwd_send_ops(slot))
+        self._next_fwd += 1
+
+    def _backward(self, mb: int) -> torch.Tensor | None:
+        stage = self._stage
+        slot = self._slot(mb)
+        self._recv(stage.get_bwd_recv_ops(slot))
+        loss = self._losses.pop(mb, None)
+        stage.backward_one_chunk(slot, loss=loss, last_backward=False)
+        self._send(stage.get_bwd_send_ops(slot))
+        self._apply_update(self._versions[self._mb_version.pop(mb)])
+        self._targets.pop(mb, None)
+        self._next_bwd += 1
+        self._release_versions()
+        return loss.detach() if loss is not None else None
+
+    def _apply_update(self, weights: dict[str, torch.Tensor]) -> None:
+        """Move the micro-batch's gradient from its stashed weights to the live parameters and step."""
+        for name, p in self._params().items():
+            stashed = weights.get(name)
+            grad = stashed.grad if stashed is not None else None
+            if stashed is not None:
+                stashed.grad = None
+            p.grad = grad
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.updates += 1
+        if self.vertical_sync:
+            self._stash(self.updates)  # later micro-batches may start on this version
+        if self.on_update is not None:
+            self.on_update(self.updates)
+
+    # ---------------------------------------------------------------- p2p
+    def _recv(self, ops: list[dist.P2POp]) -> None:
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+
+    def _send(self, ops: list[dist.P2POp]) -> None:
+        if ops:
+            self._send_work.extend(dist.batch_isend_irecv(ops))
+
+    def _wait_sends(self) -> None:
+        for work in self._send_work:
+            work.wait()
+        self._send_work.clear()

@@ -1,0 +1,89 @@
+"""Single-process references that a pipeline run must reproduce exactly.
+
+- Flush schedules (GPipe, 1F1B): the whole model, gradient accumulation over the same
+  micro-batches, gradients divided by their number (what torch's schedules do), one
+  optimizer step per batch.
+- PipeDream: the weight-stashing semantics written out directly: micro-batch ``i`` runs
+  forward and backward on stage ``k``'s weight version ``start_version(i, k, p)``, and each
+  stage applies one optimizer step per micro-batch in completion (= micro-batch) order.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.func import functional_call
+
+from vpipe.runtime.config import RunConfig
+from vpipe.runtime.models import build_model
+from vpipe.runtime.pipedream import start_version
+from vpipe.runtime.trainer import make_optimizer
+
+__all__ = ["reference_flush", "reference_pipedream"]
+
+
+def _micro_batches(cfg: RunConfig, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    x, y = cfg.model_spec().batch(step, cfg.batch_size, cfg.seed)
+    return list(zip(x.tensor_split(cfg.micro_batches), y.tensor_split(cfg.micro_batches)))
+
+
+def reference_flush(cfg: RunConfig) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """Parameters after ``cfg.steps`` steps, and the mean loss of each step."""
+    torch.set_num_threads(1)
+    spec = cfg.model_spec()
+    model = build_model(spec, seed=cfg.seed)
+    # one optimizer per stage, as in the pipeline (Adam's per-parameter math does not care)
+    optimizers = [make_optimizer(cfg, [p for i in ids for p in model.get_submodule(str(i)).parameters()])
+                  for ids in cfg.stage_layer_ids()]
+    loss_fn = spec.loss_fn()
+    step_losses = []
+    for step in range(cfg.steps):
+        losses = []
+        for x, y in _micro_batches(cfg, step):
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            losses.append(loss.detach())
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.div_(cfg.micro_batches)
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        step_losses.append(float(torch.stack(losses).mean()))
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, step_losses
+
+
+def reference_pipedream(cfg: RunConfig) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """Parameters after ``cfg.steps * cfg.micro_batches`` PipeDream updates, and per-step mean losses."""
+    torch.set_num_threads(1)
+    spec = cfg.model_spec()
+    model = build_model(spec, seed=cfg.seed)
+    loss_fn = spec.loss_fn()
+    p = cfg.stages
+    stage_names = [[n for i in ids for n, _ in model.get_submodule(str(i)).named_parameters(prefix=str(i))]
+                   for ids in cfg.stage_layer_ids()]
+    params = dict(model.named_parameters())
+    optimizers = [make_optimizer(cfg, [params[n] for n in names]) for names in stage_names]
+    versions: list[dict[int, dict[str, torch.Tensor]]] = [
+        {0: {n: params[n].detach().clone() for n in names}} for names in stage_names
+    ]
+    step_losses = []
+    mb = 0
+    for step in range(cfg.steps):
+        losses = []
+        for x, y in _micro_batches(cfg, step):
+            weights: dict[str, torch.Tensor] = {}
+            for k in range(p):
+                v = start_version(mb, k, p, cfg.vertical_sync)
+                weights.update({n: t.clone().requires_grad_() for n, t in versions[k][v].items()})
+            loss = loss_fn(functional_call(model, weights, (x,)), y)
+            loss.backward()
+            losses.append(loss.detach())
+            for k in range(p):
+                for n in stage_names[k]:
+                    params[n].grad = weights[n].grad
+                optimizers[k].step()
+                optimizers[k].zero_grad(set_to_none=True)
+                versions[k][mb + 1] = {n: params[n].detach().clone() for n in stage_names[k]}
+            mb += 1
+        step_losses.append(float(torch.stack(losses).mean()))
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, step_losses

@@ -1,0 +1,193 @@
+"""The reference trainer: a reference model on a ``torch.distributed.pipelining`` pipeline.
+
+It is what ``vpipe train`` and ``vpipe demo`` run, what the tests compare against
+single-process references, and what the benchmarks measure. One call of
+:func:`train_rank` is one rank = one stage.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from vpipe.runtime.config import RunConfig
+from vpipe.runtime.launch import Distributed
+from vpipe.runtime.models import build_model
+from vpipe.runtime.pipedream import SchedulePipeDream
+
+log = logging.getLogger("vpipe.runtime")
+
+__all__ = ["StageRun", "build_stage_run", "train_rank", "make_optimizer", "RunResult"]
+
+
+def make_optimizer(cfg: RunConfig, params: Any) -> torch.optim.Optimizer:
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=0.9)
+    return torch.optim.Adam(params, lr=cfg.lr)
+
+
+@dataclass
+class StageRun:
+    """Everything one rank holds: its layers, stage, schedule and optimizer."""
+
+    cfg: RunConfig
+    stage_index: int
+    layer_ids: list[int]
+    module: nn.Sequential
+    stage: PipelineStage
+    schedule: Any
+    optimizer: torch.optim.Optimizer
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage_index == self.cfg.stages - 1
+
+    def step_inputs(self, step: int) -> tuple[tuple[Any, ...], Any]:
+        """(args for schedule.step, target) of this rank for one step."""
+        x, y = self.cfg.model_spec().batch(step, self.cfg.batch_size, self.cfg.seed)
+        return ((x,) if self.is_first else ()), (y if self.is_last else None)
+
+    def run_step(self, step: int) -> list[torch.Tensor]:
+        """One training step; returns the micro-batch losses on the last stage (else empty)."""
+        args, target = self.step_inputs(step)
+        losses: list[torch.Tensor] = []
+        self.schedule.step(*args, target=target, losses=losses if self.is_last else None)
+        if not isinstance(self.schedule, SchedulePipeDream):
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        return losses
+
+
+def build_stage_run(cfg: RunConfig, stage_index: int, device: torch.device, group: Any = None) -> StageRun:
+    spec = cfg.model_spec()
+    layer_ids = cfg.stage_layer_ids()[stage_index]
+    module = build_model(_sub_spec(spec, layer_ids), seed=cfg.seed, ids=layer_ids).to(device)
+    stage = PipelineStage(module, stage_index, cfg.stages, device, group=group)
+    optimizer = make_optimizer(cfg, module.parameters())
+    loss_fn = spec.loss_fn()
+    if cfg.schedule == "gpipe":
+        schedule: Any = ScheduleGPipe(stage, cfg.micro_batches, loss_fn=loss_fn)
+    elif cfg.schedule == "1f1b":
+        schedule = Schedule1F1B(stage, cfg.micro_batches, loss_fn=loss_fn)
+    else:
+        schedule = SchedulePipeDream(stage, cfg.micro_batches, loss_fn, optimizer, vertical_sync=cfg.vertical_sync)
+    return StageRun(cfg, stage_index, layer_ids, module, stage, schedule, optimizer)
+
+
+def _sub_spec(spec: Any, layer_ids: list[int]) -> Any:
+    from dataclasses import replace
+
+    return replace(spec, layers=[spec.layers[i] for i in layer_ids])
+
+
+@dataclass
+class RunResult:
+    steps: int
+    seconds: float
+    losses: list[float] = field(default_factory=list)  # mean loss per step (last stage only)
+
+
+def train_rank(cfg: RunConfig, ctx: Distributed) -> RunResult:
+    """Train ``cfg.steps`` steps as stage ``ctx.rank``; save results to ``cfg.out_dir`` if set."""
+    if ctx.world_size != cfg.stages:
+        raise ValueError(f"the run has {ctx.world_size} ranks but the config asks for {cfg.stages} stages")
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    run = build_stage_run(cfg, ctx.rank, ctx.device)
+    log.info("stage %d of %d: training layers %s with %s", ctx.rank, cfg.stages, run.layer_ids, cfg.schedule)
+    result = RunResult(steps=0, seconds=0.0)
+    progress = _Progress(cfg, enabled=cfg.progress and run.is_last)
+    start = time.perf_counter()
+    with progress:
+        for step in range(cfg.steps):
+            losses = run.run_step(step)
+            result.steps += 1
+            if losses:
+                result.losses.append(float(torch.stack([l.detach() for l in losses]).mean()))
+            progress.update(step, result, time.perf_counter() - start)
+        if isinstance(run.schedule, SchedulePipeDream):
+            run.schedule.flush()
+    result.seconds = time.perf_counter() - start
+    if cfg.out_dir:
+        save_rank_result(cfg, run, result)
+    if run.is_last and cfg.progress:
+        print_summary(cfg, result)
+    return result
+
+
+def save_rank_result(cfg: RunConfig, run: StageRun, result: RunResult) -> None:
+    out = Path(cfg.out_dir or ".")
+    out.mkdir(parents=True, exist_ok=True)
+    state = {
+        "params": {k: v.detach().cpu() for k, v in run.module.state_dict().items()},
+        "optimizer": run.optimizer.state_dict(),
+    }
+    torch.save(state, out / f"rank{run.stage_index}.pt")
+    meta = {"stage": run.stage_index, "layer_ids": run.layer_ids, "losses": result.losses,
+            "steps": result.steps, "seconds": result.seconds}
+    (out / f"rank{run.stage_index}.json").write_text(json.dumps(meta))
+
+
+def samples_per_s(cfg: RunConfig, result: RunResult) -> float:
+    return 0.0 if result.seconds <= 0 else result.steps * cfg.batch_size / result.seconds
+
+
+def print_summary(cfg: RunConfig, result: RunResult) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="vpipe run summary", show_header=False)
+    table.add_row("model", f"{cfg.model_spec().name} ({cfg.n_layers} layers)")
+    table.add_row("pipeline", f"{cfg.stages} stages, {cfg.schedule}, layers per stage {cfg.layer_counts()}")
+    table.add_row("batch", f"{cfg.micro_batches} micro-batches x {cfg.micro_batch_size}")
+    table.add_row("steps", f"{result.steps} in {result.seconds:.1f} s")
+    table.add_row("throughput", f"{samples_per_s(cfg, result):.1f} samples/s")
+    if result.losses:
+        table.add_row("loss", f"{result.losses[0]:.3f} -> {result.losses[-1]:.3f}")
+    Console(stderr=False).print(table)
+
+
+class _Progress:
+    """A rich progress bar with loss and samples/s, shown by one rank only."""
+
+    def __init__(self, cfg: RunConfig, enabled: bool) -> None:
+        self.cfg = cfg
+        self.enabled = enabled
+        self._bar: Any = None
+        self._task: Any = None
+
+    def __enter__(self) -> _Progress:
+        if self.enabled:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self._bar = Progress(
+                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[rate]} samples/s"),
+                TimeRemainingColumn(),
+            )
+            self._bar.__enter__()
+            self._task = self._bar.add_task("train", total=self.cfg.steps, loss="-", rate="-")
+        return self
+
+    def update(self, step: int, result: RunResult, elapsed: float) -> None:
+        if self._bar is None:
+            return
+        loss = f"{result.losses[-1]:.3f}" if result.losses else "-"
+        rate = f"{(step + 1) * self.cfg.batch_size / max(elapsed, 1e-9):.1f}"
+        self._bar.update(self._task, completed=step + 1, loss=loss, rate=rate)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._bar is not None:
+            self._bar.__exit__(*exc)
