@@ -33,6 +33,7 @@ class RunConfig:
     optimizer: str = "adam"
     seed: int = 0
     partition: list[int] | None = None  # layers per stage, in order
+    moves: list[dict[str, Any]] | None = None  # forced repartitions: [{"step": s, "partition": [...]}, ...]
     vertical_sync: bool = False
     log_file: str | None = None
     out_dir: str | None = None
@@ -70,6 +71,17 @@ class RunConfig:
                  f"every stage needs at least one layer, got partition {self.partition}")
             need(sum(self.partition) == n_layers,
                  f"partition {self.partition} covers {sum(self.partition)} layers, the model has {n_layers}")
+        last_step = 0
+        for i, move in enumerate(self.moves or []):
+            need(isinstance(move, dict) and set(move) == {"step", "partition"},
+                 f"moves[{i}] must be {{'step': int, 'partition': [layers per stage]}}, got {move!r}")
+            step, counts = move["step"], move["partition"]
+            need(isinstance(step, int) and step > last_step,
+                 f"moves[{i}]: steps must be increasing integers >= 1, got {step!r}")
+            last_step = step
+            need(isinstance(counts, list) and len(counts) == self.stages and all(isinstance(c, int) and c >= 1 for c in counts)
+                 and sum(counts) == n_layers,
+                 f"moves[{i}]: partition {counts!r} must give each of the {self.stages} stages >= 1 of the {n_layers} layers")
 
     @property
     def n_layers(self) -> int:
@@ -87,16 +99,20 @@ class RunConfig:
             block_types=self.block_types,
         )
 
-    def layer_counts(self) -> list[int]:
-        """Layers per stage: the given partition, else as even as possible (extra layers go first)."""
+    def layer_counts(self, step: int = 0) -> list[int]:
+        """Layers per stage at ``step``: the last forced move before it, else the initial partition
+        (given, or as even as possible with the extra layers first)."""
+        for move in reversed(self.moves or []):
+            if move["step"] <= step:
+                return list(move["partition"])
         if self.partition is not None:
             return list(self.partition)
         n, p = self.n_layers, self.stages
         return [n // p + (1 if s < n % p else 0) for s in range(p)]
 
-    def stage_layer_ids(self) -> list[list[int]]:
+    def stage_layer_ids(self, step: int = 0) -> list[list[int]]:
         ids, start = [], 0
-        for count in self.layer_counts():
+        for count in self.layer_counts(step):
             ids.append(list(range(start, start + count)))
             start += count
         return ids

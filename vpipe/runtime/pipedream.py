@@ -22,7 +22,7 @@ stage 0 used, ``max(0, i-p+1)``. Each micro-batch's gradient is that of its own 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -31,7 +31,26 @@ from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunk
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 from torch.func import functional_call
 
-__all__ = ["SchedulePipeDream", "start_version"]
+__all__ = ["SchedulePipeDream", "StreamMover", "start_version"]
+
+
+class StreamMover(Protocol):
+    """A layer migration carried out inside the stream (see :mod:`vpipe.migration.stream`).
+
+    The schedule calls these at fixed points of its action sequence, so both stages of a
+    move switch at the same micro-batch without a flush.
+    """
+
+    def before_forward(self, mb: int) -> None: ...
+
+    def add_weights(self, version: int, weights: dict[str, torch.Tensor]) -> None: ...
+
+    def before_update(self, mb: int) -> None: ...
+
+    def after_update(self, updates: int) -> None: ...
+
+    @property
+    def done(self) -> bool: ...
 
 
 def start_version(mb: int, stage_index: int, num_stages: int, vertical_sync: bool) -> int:
@@ -77,8 +96,10 @@ class SchedulePipeDream(PipelineScheduleSingle):
         self._losses: dict[int, torch.Tensor] = {}
         self._targets: dict[int, Any] = {}
         self._send_work: list[dist.Work] = []
-        # hooks for the layer manager (live migration); None when vpipe is not attached
-        self.on_update: Callable[[int], None] | None = None
+        # live migration (vpipe.migration.stream): moves in progress, and the parameters of
+        # layers that left the forward but still receive their in-flight micro-batches' updates
+        self.movers: list[StreamMover] = []
+        self.departing: dict[str, torch.nn.Parameter] = {}
 
     # ---------------------------------------------------------------- public
     @property
@@ -165,7 +186,7 @@ class SchedulePipeDream(PipelineScheduleSingle):
 
     # ---------------------------------------------------------------- versions
     def _params(self) -> dict[str, torch.nn.Parameter]:
-        return dict(self._stage.submod.named_parameters())
+        return {**dict(self._stage.submod.named_parameters()), **self.departing}
 
     def _stash(self, version: int) -> dict[str, torch.Tensor]:
         if version not in self._versions:
@@ -175,7 +196,8 @@ class SchedulePipeDream(PipelineScheduleSingle):
                     f"(newest is {self.updates})"
                 )
             self._versions[version] = {
-                name: p.detach().clone().requires_grad_(p.requires_grad) for name, p in self._params().items()
+                name: p.detach().clone().requires_grad_(p.requires_grad)
+                for name, p in self._stage.submod.named_parameters()
             }
         return self._versions[version]
 
@@ -190,8 +212,12 @@ class SchedulePipeDream(PipelineScheduleSingle):
         stage = self._stage
         slot = self._slot(mb)
         self._recv(stage.get_fwd_recv_ops(slot))
+        for mover in self.movers:
+            mover.before_forward(mb)
         version = start_version(mb, stage.stage_index, stage.num_stages, self.vertical_sync)
         weights = self._stash(version)
+        for mover in self.movers:
+            mover.add_weights(version, weights)
         self._mb_version[mb] = version
         module = stage.submod
 
@@ -215,7 +241,12 @@ class SchedulePipeDream(PipelineScheduleSingle):
         loss = self._losses.pop(mb, None)
         stage.backward_one_chunk(slot, loss=loss, last_backward=False)
         self._send(stage.get_bwd_send_ops(slot))
+        for mover in self.movers:
+            mover.before_update(mb)
         self._apply_update(self._versions[self._mb_version.pop(mb)])
+        for mover in self.movers:
+            mover.after_update(self.updates)
+        self.movers = [m for m in self.movers if not m.done]
         self._targets.pop(mb, None)
         self._next_bwd += 1
         self._release_versions()
@@ -234,8 +265,6 @@ class SchedulePipeDream(PipelineScheduleSingle):
         self.updates += 1
         if self.vertical_sync:
             self._stash(self.updates)  # later micro-batches may start on this version
-        if self.on_update is not None:
-            self.on_update(self.updates)
 
     # ---------------------------------------------------------------- p2p
     def _recv(self, ops: list[dist.P2POp]) -> None:

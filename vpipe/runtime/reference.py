@@ -53,37 +53,40 @@ def reference_flush(cfg: RunConfig) -> tuple[dict[str, torch.Tensor], list[float
 
 
 def reference_pipedream(cfg: RunConfig) -> tuple[dict[str, torch.Tensor], list[float]]:
-    """Parameters after ``cfg.steps * cfg.micro_batches`` PipeDream updates, and per-step mean losses."""
+    """Parameters after ``cfg.steps * cfg.micro_batches`` PipeDream updates, and per-step mean losses.
+
+    Layers may change stage during the run (``cfg.moves``): micro-batch ``j`` runs each
+    layer on the stage the partition of step ``j // micro_batches`` gives it, on that
+    stage's weight version. Every parameter is updated once per micro-batch, in order.
+    """
     torch.set_num_threads(1)
     spec = cfg.model_spec()
     model = build_model(spec, seed=cfg.seed)
     loss_fn = spec.loss_fn()
-    p = cfg.stages
-    stage_names = [[n for i in ids for n, _ in model.get_submodule(str(i)).named_parameters(prefix=str(i))]
-                   for ids in cfg.stage_layer_ids()]
+    p, m = cfg.stages, cfg.micro_batches
     params = dict(model.named_parameters())
-    optimizers = [make_optimizer(cfg, [params[n] for n in names]) for names in stage_names]
-    versions: list[dict[int, dict[str, torch.Tensor]]] = [
-        {0: {n: params[n].detach().clone() for n in names}} for names in stage_names
-    ]
+    # one optimizer per parameter: PipeDream's per-stage optimizers update each parameter on its own
+    optimizers = {n: make_optimizer(cfg, [t]) for n, t in params.items()}
+    versions: dict[int, dict[str, torch.Tensor]] = {0: {n: t.detach().clone() for n, t in params.items()}}
     step_losses = []
     mb = 0
     for step in range(cfg.steps):
+        stage_of = {lid: s for s, ids in enumerate(cfg.stage_layer_ids(step)) for lid in ids}
         losses = []
         for x, y in _micro_batches(cfg, step):
-            weights: dict[str, torch.Tensor] = {}
-            for k in range(p):
-                v = start_version(mb, k, p, cfg.vertical_sync)
-                weights.update({n: t.clone().requires_grad_() for n, t in versions[k][v].items()})
+            weights = {}
+            for n in params:
+                v = start_version(mb, stage_of[int(n.split(".")[0])], p, cfg.vertical_sync)
+                weights[n] = versions[v][n].clone().requires_grad_()
             loss = loss_fn(functional_call(model, weights, (x,)), y)
             loss.backward()
             losses.append(loss.detach())
-            for k in range(p):
-                for n in stage_names[k]:
-                    params[n].grad = weights[n].grad
-                optimizers[k].step()
-                optimizers[k].zero_grad(set_to_none=True)
-                versions[k][mb + 1] = {n: params[n].detach().clone() for n in stage_names[k]}
+            for n, t in params.items():
+                t.grad = weights[n].grad
+                optimizers[n].step()
+                optimizers[n].zero_grad(set_to_none=True)
             mb += 1
+            versions[mb] = {n: t.detach().clone() for n, t in params.items()}
+            versions.pop(mb - p - 1, None)
         step_losses.append(float(torch.stack(losses).mean()))
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, step_losses

@@ -1,0 +1,453 @@
+"""The layer manager of one stage: which layers it holds, and moving them to neighbours.
+
+A plan (with an epoch) is diffed against the current placement into rounds of neighbour
+moves (:mod:`vpipe.migration.moves`). In a round every move is an exchange between two
+neighbours over the control plane, the layer's tensors travelling over the migration
+process group (:mod:`vpipe.migration.transfer`)::
+
+    source                                   target
+      migrate_prepare (manifests) ------->     build the layers (meta device, no init cost)
+                      <------------------      migrate_ready
+      migrate_transfer + isend(payload) -->    irecv(payload)
+                      <------------------      migrate_ack
+      ============ vote of all ranks: did every move of the round get its ack? ============
+      yes: drop the layers                     insert the layers, register them with the optimizer
+      no:  keep the layers                     discard what it built
+
+The vote is the commit: no rank changes its layers before every rank knows the outcome,
+so a move that fails (a peer that never answers in time) leaves the old placement
+everywhere and loses nothing. Every phase waits only on an earlier phase of a peer, so a
+round cannot deadlock; a peer that dies is caught by the run's watchdog.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from vpipe.log import decision
+from vpipe.migration.moves import Move, apply_round, plan_rounds
+from vpipe.migration.state import LayerState, detach_from_optimizer, pack_layer, payload_bytes, unpack_layer, validate_manifest
+from vpipe.migration.transfer import MOVE, TransferChannel, transfer_tag
+from vpipe.planner.plan import Plan, PlanError
+
+log = logging.getLogger("vpipe.migration")
+
+__all__ = ["LayerManager", "LayerListener", "MigrationReport", "MigrationError", "Messenger"]
+
+LayerFactory = Callable[[int, Any], nn.Module]
+
+
+class MigrationError(RuntimeError):
+    """A migration that cannot complete safely (the run must stop, nothing was dropped)."""
+
+
+class LayerListener(Protocol):
+    """Parts that keep per-layer state (tensor manager, monitor) follow the placement."""
+
+    def add_layer(self, layer_id: int, module: nn.Module) -> None: ...
+
+    def remove_layer(self, layer_id: int) -> None: ...
+
+
+class Messenger(Protocol):
+    """The control-plane operations a migration needs (see :class:`vpipe.control.channel.ControlPlane`)."""
+
+    def send_to(self, peer: int, type: str, body: dict[str, Any], *, epoch: int) -> None: ...
+
+    def wait_for(self, types: set[str], *, from_rank: int, key: tuple[int, int], timeout_s: float) -> tuple[str, dict[str, Any]] | None: ...
+
+
+@dataclass
+class MigrationReport:
+    epoch: int
+    moved: list[Move] = field(default_factory=list)
+    aborted: list[Move] = field(default_factory=list)
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    seconds: float = 0.0
+    rebuilt: bool = False
+
+
+@dataclass
+class _Incoming:
+    move: Move
+    manifests: list[dict[str, Any]]
+    modules: dict[int, nn.Module]
+    states: list[LayerState] = field(default_factory=list)
+    ok: bool = True
+
+
+class LayerManager:
+    """Holds a stage's layers by global id and applies placement plans by neighbour moves.
+
+    ``module`` is the stage's ``nn.Sequential`` whose children are named by layer id; it
+    is edited in place (children inserted and removed), never replaced. ``factory(id, spec)``
+    builds an empty layer of the right shape on the target; ``specs`` maps every layer id
+    to its spec (what the factory needs) and travels with moved layers.
+    """
+
+    def __init__(
+        self,
+        module: nn.Sequential,
+        *,
+        stage_index: int,
+        placement: Sequence[Sequence[int]],
+        optimizer: torch.optim.Optimizer | None,
+        factory: LayerFactory,
+        specs: Mapping[int, Any] | None,
+        messenger: Messenger,
+        channel: TransferChannel,
+        device: torch.device,
+        timeout_s: float = 30.0,
+        epoch: int = 0,
+    ) -> None:
+        self.module = module
+        self.stage_index = stage_index
+        self.placement = tuple(tuple(s) for s in placement)
+        self.optimizer = optimizer
+        self.factory = factory
+        self.specs: dict[int, Any] = dict(specs or {})
+        self.messenger = messenger
+        self.channel = channel
+        self.device = device
+        self.timeout_s = timeout_s
+        self.epoch = epoch
+        self.listeners: list[LayerListener] = []
+        self.out_meta: dict[int, tuple[Any, ...]] = {}
+        self.in_meta: dict[int, tuple[Any, ...]] = {}
+        self._hooks: dict[int, Any] = {}
+        if list(self.layer_ids) != list(self.placement[stage_index]):
+            raise ValueError(f"stage {stage_index} holds layers {self.layer_ids} but the placement says "
+                             f"{list(self.placement[stage_index])}")
+        for lid, layer in self._children().items():
+            self._watch(lid, layer)
+
+    # ---------------------------------------------------------------- queries
+    @property
+    def num_stages(self) -> int:
+        return len(self.placement)
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return [int(name) for name in self.module._modules]
+
+    def _children(self) -> dict[int, nn.Module]:
+        return {int(name): m for name, m in self.module._modules.items()}
+
+    # ---------------------------------------------------------------- output metadata
+    def _watch(self, lid: int, layer: nn.Module) -> None:
+        def record(_module: nn.Module, inputs: Any, output: Any, lid: int = lid) -> None:
+            if lid not in self.out_meta:
+                self.out_meta[lid] = _meta(output)
+                self.in_meta[lid] = _meta(inputs)
+
+        self._hooks[lid] = layer.register_forward_hook(record)
+
+    def _unwatch(self, lid: int) -> None:
+        handle = self._hooks.pop(lid, None)
+        if handle is not None:
+            handle.remove()
+
+    def close(self) -> None:
+        for lid in list(self._hooks):
+            self._unwatch(lid)
+
+    # ---------------------------------------------------------------- plans
+    def check_plan(self, plan: Plan) -> None:
+        if plan.epoch <= self.epoch:
+            raise PlanError(f"stale plan: epoch {plan.epoch} <= current epoch {self.epoch}")
+        plan.check_against([lid for layers in self.placement for lid in layers], self.num_stages)
+
+    def apply(self, plan: Plan) -> MigrationReport:
+        """Move layers until this stage holds its part of ``plan``.
+
+        Every rank calls this at the same step boundary with the same plan: the rounds end
+        with a collective vote, so all ranks agree on what moved even when a move aborts.
+        """
+        self.check_plan(plan)
+        report = MigrationReport(epoch=plan.epoch)
+        start = time.perf_counter()
+        last_before = self.placement[self.stage_index][-1]
+        out_before = self.out_meta.get(last_before)  # the layer may leave, its metadata with it
+        rounds = plan_rounds(self.placement, plan.stages)
+        mine = [m for moves in rounds for m in moves if self.stage_index in (m.src, m.dst)]
+        if mine:
+            decision("migration_start", f"epoch {plan.epoch}: {len(mine)} move(s) involving stage {self.stage_index}",
+                     epoch=plan.epoch, stage=self.stage_index,
+                     moves=[{"src": m.src, "dst": m.dst, "layers": list(m.layers)} for m in mine])
+        for r, moves in enumerate(rounds):
+            if not self._run_round(plan.epoch, r, moves, report):
+                break  # later rounds assumed this one: stay at the last agreed placement
+            self.placement = apply_round(self.placement, moves)
+        self.epoch = plan.epoch
+        last_after = self.placement[self.stage_index][-1]
+        out_after = self.out_meta.get(last_after)
+        changed = (self.stage_index < self.num_stages - 1 and last_after != last_before
+                   and (out_before is None or out_after is None or out_before != out_after))
+        report.rebuilt = self._vote(changed, all_of=False)
+        report.seconds = time.perf_counter() - start
+        if mine:
+            decision("migration_done",
+                     f"epoch {plan.epoch}: stage {self.stage_index} moved {len(report.moved)}, aborted {len(report.aborted)}",
+                     epoch=plan.epoch, stage=self.stage_index, seconds=report.seconds,
+                     bytes_sent=report.bytes_sent, bytes_received=report.bytes_received,
+                     moved=[list(m.layers) for m in report.moved], aborted=[list(m.layers) for m in report.aborted],
+                     layers=self.layer_ids, rebuilt=report.rebuilt)
+        return report
+
+    def start_streamed(self, plan: Plan, schedule: Any, switch_mb: int) -> list[Any]:
+        """Begin moving towards ``plan`` inside a running PipeDream stream, switching at ``switch_mb``.
+
+        Called on every rank at the same step boundary, before the step that contains
+        ``switch_mb`` starts its forwards. Only the first round of neighbour moves is started
+        (a layer two stages away hops once per plan); the rest follows with a later plan.
+        Returns the movers registered with the schedule (empty when the round aborted).
+        """
+        from vpipe.migration.stream import IncomingStream, OutgoingStream
+
+        self.check_plan(plan)
+        if any(not m.done for m in schedule.movers):
+            raise MigrationError("a streamed move is still in progress; wait for it before the next plan")
+        rounds = plan_rounds(self.placement, plan.stages)
+        if not rounds:
+            self.epoch = plan.epoch
+            return []
+        moves = rounds[0]
+        after = apply_round(self.placement, moves)
+        if self._vote(self._boundary_changed(self.placement, after), all_of=False):
+            raise MigrationError("this move changes a boundary activation's shape; a PipeDream stream cannot "
+                                 "resize its buffers: flush() first and apply it at the step boundary")
+        s, key, epoch = self.stage_index, (plan.epoch, 0), plan.epoch
+        outgoing = [m for m in moves if m.src == s]
+        incoming = [m for m in moves if m.dst == s]
+        children = self._children()
+        for m in outgoing:
+            manifests = [pack_layer(lid, children[lid], None, self.specs.get(lid)).manifest for lid in m.layers]
+            self.messenger.send_to(m.dst, "migrate_prepare", {"round": 0, "src": m.src, "dst": m.dst,
+                                                              "layers": list(m.layers), "manifests": manifests},
+                                   epoch=epoch)
+        arriving = [self._receive_prepare(m, key) for m in incoming]
+        ready = all(inc.ok for inc in arriving)
+        for m in outgoing:
+            if self.messenger.wait_for({"migrate_ready"}, from_rank=m.dst, key=key, timeout_s=self.timeout_s) is None:
+                log.warning("stage %d: no migrate_ready from stage %d for layers %s", s, m.dst, list(m.layers))
+                ready = False
+        if not self._vote(ready, all_of=True):
+            decision("migration_aborted", f"epoch {epoch}: a streamed move was not ready; every stage keeps its layers",
+                     epoch=epoch, stage=s)
+            self.epoch = epoch
+            return []
+        decision("migration_start", f"epoch {epoch}: streamed move at micro-batch {switch_mb}",
+                 epoch=epoch, stage=s, switch_mb=switch_mb,
+                 moves=[{"src": m.src, "dst": m.dst, "layers": list(m.layers)} for m in moves if s in (m.src, m.dst)])
+        movers: list[Any] = []
+        listeners = [self._Bookkeeping(self), *self.listeners]
+        for m in outgoing:
+            movers.append(OutgoingStream(schedule, {lid: children[lid] for lid in m.layers}, forward=m.forward,
+                                         switch_mb=switch_mb, dst=m.dst, epoch=epoch, channel=self.channel,
+                                         messenger=self.messenger, listeners=listeners))
+        for inc in arriving:
+            movers.append(IncomingStream(schedule, inc.modules, inc.manifests, forward=inc.move.forward,
+                                         switch_mb=switch_mb, src=inc.move.src, epoch=epoch, channel=self.channel,
+                                         messenger=self.messenger, timeout_s=3 * self.timeout_s, listeners=listeners))
+        schedule.movers.extend(movers)
+        self.placement = after
+        self.epoch = epoch
+        return movers
+
+    class _Bookkeeping:
+        """Keeps the manager's own per-layer records in step with a streamed move."""
+
+        def __init__(self, manager: LayerManager) -> None:
+            self.manager = manager
+
+        def add_layer(self, layer_id: int, module: nn.Module) -> None:
+            self.manager._watch(layer_id, module)
+
+        def remove_layer(self, layer_id: int) -> None:
+            self.manager._unwatch(layer_id)
+
+    def _vote(self, flag: bool, *, all_of: bool) -> bool:
+        """All ranks learn whether ``flag`` holds on all (``all_of``) or on any rank."""
+        t = torch.tensor([1.0 if flag else 0.0], device=self.channel.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN if all_of else dist.ReduceOp.MAX, group=self.channel.group)
+        return bool(t.item() > 0.5)
+
+    def _boundary_changed(self, before: Sequence[Sequence[int]], after: Sequence[Sequence[int]]) -> bool:
+        """Before a one-round move: whether a boundary next to this stage will carry a different activation.
+
+        Boundary ``b`` (between stages b and b+1) is judged by the stage that held its new
+        last layer before the move: it knows that layer's output and the old boundary (as
+        stage b, the old last layer's output; as stage b+1, its old first layer's input).
+        Unknown metadata (a layer that never ran) counts as a change.
+        """
+        s = self.stage_index
+        changed = False
+        for b in (s - 1, s):
+            if not 0 <= b < self.num_stages - 1 or before[b][-1] == after[b][-1]:
+                continue
+            new_last = after[b][-1]
+            if new_last not in before[s]:
+                continue  # the other neighbour judges this boundary
+            old = self.out_meta.get(before[b][-1]) if b == s else self.in_meta.get(before[b + 1][0])
+            new = self.out_meta.get(new_last)
+            changed = changed or old is None or new is None or old != new
+        return changed
+
+    # ---------------------------------------------------------------- one round
+    def _run_round(self, epoch: int, r: int, moves: Sequence[Move], report: MigrationReport) -> bool:
+        """One round of moves; True if every move of the round went through on every rank."""
+        s = self.stage_index
+        outgoing = [m for m in moves if m.src == s]
+        incoming = [m for m in moves if m.dst == s]
+        key = (epoch, r)
+        ok = True
+        # phase 1: announce what leaves
+        sent_states: dict[Move, list[LayerState]] = {}
+        for m in outgoing:
+            children = self._children()
+            states = [pack_layer(lid, children[lid], self.optimizer, self.specs.get(lid)) for lid in m.layers]
+            for st in states:
+                st.manifest["out_meta"] = _wire_meta(self.out_meta.get(st.layer_id))
+                st.manifest["in_meta"] = _wire_meta(self.in_meta.get(st.layer_id))
+            sent_states[m] = states
+            self.messenger.send_to(m.dst, "migrate_prepare",
+                                   {"round": r, "src": m.src, "dst": m.dst, "layers": list(m.layers),
+                                    "manifests": [st.manifest for st in states]}, epoch=epoch)
+        # phase 2: build what arrives (on the meta device, then empty storage: no init cost)
+        arriving = [self._receive_prepare(m, key) for m in incoming]
+        # phase 3: send each payload once its target is ready
+        works = []
+        for m in outgoing:
+            if self.messenger.wait_for({"migrate_ready"}, from_rank=m.dst, key=key, timeout_s=self.timeout_s) is None:
+                log.warning("stage %d: no migrate_ready from stage %d for layers %s; aborting", s, m.dst, list(m.layers))
+                self.messenger.send_to(m.dst, "migrate_abort", {"round": r, "reason": "no ready"}, epoch=epoch)
+                ok = False
+                continue
+            payload = torch.cat([st.payload for st in sent_states[m]])
+            self.messenger.send_to(m.dst, "migrate_transfer", {"round": r, "nbytes": int(payload.numel())}, epoch=epoch)
+            works.append((m, self.channel.send(payload, m.dst, transfer_tag(epoch, MOVE, 2 * r + (m.dst > m.src))), payload))
+        # phase 4: receive payloads and acknowledge them
+        for inc in arriving:
+            if inc.ok:
+                self._receive_payload(inc, key, report)
+            ok = ok and inc.ok
+        for m, work, payload in works:
+            work.wait()
+            report.bytes_sent += int(payload.numel())
+        # phase 5: the sources collect the acknowledgements
+        for m, _work, _payload in works:
+            if self.messenger.wait_for({"migrate_ack"}, from_rank=m.dst, key=key, timeout_s=self.timeout_s) is None:
+                log.warning("stage %d: no migrate_ack from stage %d for layers %s; aborting", s, m.dst, list(m.layers))
+                ok = False
+        # phase 6: one vote decides the whole round on every rank, then both sides act on it
+        if not self._vote(ok, all_of=True):
+            report.aborted.extend(m for m in moves if s in (m.src, m.dst))
+            decision("migration_aborted", f"epoch {epoch} round {r}: a move failed; every stage keeps its layers",
+                     epoch=epoch, round=r, stage=s)
+            return False
+        for m in outgoing:
+            self._drop(m.layers)
+        for inc in arriving:
+            self._insert(inc)
+        report.moved.extend(m for m in moves if s in (m.src, m.dst))
+        return True
+
+    def _receive_prepare(self, m: Move, key: tuple[int, int]) -> _Incoming:
+        got = self.messenger.wait_for({"migrate_prepare"}, from_rank=m.src, key=key, timeout_s=self.timeout_s)
+        if got is None:
+            log.warning("stage %d: no migrate_prepare from stage %d for layers %s", self.stage_index, m.src, list(m.layers))
+            return _Incoming(m, [], {}, ok=False)
+        body = got[1]
+        if body.get("layers") != list(m.layers) or body.get("src") != m.src or body.get("dst") != m.dst:
+            raise MigrationError(f"stage {self.stage_index}: stage {m.src} announced layers {body.get('layers')} "
+                                 f"but the plan moves {list(m.layers)}")
+        manifests = [validate_manifest(man) for man in body.get("manifests", [])]
+        if [man["layer"] for man in manifests] != list(m.layers):
+            raise MigrationError(f"stage {self.stage_index}: manifests do not match the moved layers {list(m.layers)}")
+        modules = {}
+        for man in manifests:
+            with torch.device("meta"):
+                layer = self.factory(man["layer"], man.get("spec"))
+            modules[man["layer"]] = layer.to_empty(device=self.device)
+        self.messenger.send_to(m.src, "migrate_ready", {"round": key[1]}, epoch=key[0])
+        return _Incoming(m, manifests, modules)
+
+    def _receive_payload(self, inc: _Incoming, key: tuple[int, int], report: MigrationReport) -> None:
+        m, (epoch, r) = inc.move, key
+        got = self.messenger.wait_for({"migrate_transfer", "migrate_abort"}, from_rank=m.src, key=key,
+                                      timeout_s=2 * self.timeout_s)
+        if got is None or got[0] == "migrate_abort":
+            inc.ok = False
+            return
+        nbytes = sum(payload_bytes(man) for man in inc.manifests)
+        if got[1].get("nbytes") != nbytes:
+            raise MigrationError(f"stage {self.stage_index}: stage {m.src} sends {got[1].get('nbytes')} bytes, "
+                                 f"the manifests describe {nbytes}")
+        buf, work = self.channel.recv(nbytes, m.src, transfer_tag(epoch, MOVE, 2 * r + (m.dst > m.src)))
+        work.wait()
+        buf = buf.cpu()
+        offset = 0
+        for man in inc.manifests:
+            size = payload_bytes(man)
+            inc.states.append(LayerState(man["layer"], man, buf[offset:offset + size]))
+            offset += size
+        report.bytes_received += nbytes
+        self.messenger.send_to(m.src, "migrate_ack", {"round": r}, epoch=epoch)
+
+    # ---------------------------------------------------------------- placement edits
+    def _drop(self, layer_ids: Iterable[int]) -> None:
+        children = self._children()
+        for lid in layer_ids:
+            layer = children[lid]
+            detach_from_optimizer(self.optimizer, layer.parameters())
+            for listener in self.listeners:
+                listener.remove_layer(lid)
+            self._unwatch(lid)
+            del self.module._modules[str(lid)]
+
+    def _insert(self, inc: _Incoming) -> None:
+        for st in inc.states:
+            unpack_layer(st, inc.modules[st.layer_id], self.optimizer)
+            for table, key in ((self.out_meta, "out_meta"), (self.in_meta, "in_meta")):
+                meta = _unwire_meta(st.manifest.get(key))
+                if meta is not None:
+                    table[st.layer_id] = meta
+            if st.manifest.get("spec") is not None:
+                self.specs[st.layer_id] = st.manifest["spec"]
+        items = list(self.module._modules.items())
+        new = [(str(lid), inc.modules[lid]) for lid in inc.move.layers]
+        items = new + items if inc.move.forward else items + new
+        self.module._modules.clear()
+        self.module._modules.update(items)
+        for lid in inc.move.layers:
+            self._watch(lid, inc.modules[lid])
+            for listener in self.listeners:
+                listener.add_layer(lid, inc.modules[lid])
+
+
+def _meta(output: Any) -> tuple[Any, ...]:
+    """Shape (without the batch dimension), dtype and arity of a layer's output."""
+    outs = output if isinstance(output, (tuple, list)) else (output,)
+    return tuple((tuple(o.shape[1:]), str(o.dtype)) if isinstance(o, torch.Tensor) else ("?",) for o in outs)
+
+
+def _wire_meta(meta: tuple[Any, ...] | None) -> list[Any] | None:
+    return None if meta is None else [[list(m[0]), m[1]] if len(m) == 2 else ["?"] for m in meta]
+
+
+def _unwire_meta(raw: Any) -> tuple[Any, ...] | None:
+    if not isinstance(raw, list):
+        return None
+    try:
+        return tuple((tuple(int(d) for d in m[0]), str(m[1])) if len(m) == 2 else ("?",) for m in raw)
+    except (TypeError, ValueError, IndexError):
+        return None

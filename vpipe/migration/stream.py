@@ -1,0 +1,220 @@
+"""Moving layers inside a running PipeDream stream: no flush, weight versions unchanged.
+
+A move of layers ``Ls`` between neighbouring stages switches at micro-batch ``S`` (the
+first of a step both stages know): micro-batches before ``S`` run ``Ls`` forward and
+backward on the source, micro-batches from ``S`` on the target. So no autograd graph ever
+spans two processes and the pipeline keeps its in-flight micro-batches. What must travel:
+
+- the stashed weight versions of ``Ls`` that the target's first forwards use (versions up
+  to ``S``, produced by the source's optimizer steps), sent as soon as each exists;
+- at the hand-over, after the source applied the update of micro-batch ``S-1``, the live
+  parameters, buffers and optimizer state; the target applies the update of ``S``.
+
+Each micro-batch thus runs on exactly the weight version the schedule's rule gives for the
+stage that runs it, and every update of ``Ls`` is applied once, in micro-batch order. The
+boundary activation must keep its shape (the stream cannot resize receive buffers); the
+layer manager checks this before starting a streamed move.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from vpipe.migration.state import _DTYPES, LayerState, detach_from_optimizer, pack_layer, payload_bytes, unpack_layer, validate_manifest
+from vpipe.migration.transfer import HANDOVER, VERSION, TransferChannel, transfer_tag
+from vpipe.runtime.pipedream import SchedulePipeDream, start_version
+
+__all__ = ["OutgoingStream", "IncomingStream", "version_window"]
+
+
+def version_window(switch_mb: int, target_stage: int, num_stages: int, vertical_sync: bool) -> range:
+    """Weight versions of the moving layers the target needs before it makes its own."""
+    first = start_version(switch_mb, target_stage, num_stages, vertical_sync)
+    return range(first, switch_mb + 1)
+
+
+def _version_payload(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    flat = [t.detach().contiguous().reshape(-1).view(torch.uint8).cpu() for t in tensors if t.numel() > 0]
+    return torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8)
+
+
+class OutgoingStream:
+    """The source side of a streamed move (a :class:`~vpipe.runtime.pipedream.StreamMover`)."""
+
+    def __init__(self, schedule: SchedulePipeDream, layers: dict[int, nn.Module], *, forward: bool,
+                 switch_mb: int, dst: int, epoch: int, channel: TransferChannel, messenger: Any,
+                 listeners: Sequence[Any] = ()) -> None:
+        self.schedule = schedule
+        self.messenger = messenger
+        self.layers = layers  # layer id -> module, in model order
+        self.forward = forward
+        self.switch_mb = switch_mb
+        self.dst = dst
+        self.epoch = epoch
+        self.channel = channel
+        self.listeners = list(listeners)
+        stage = schedule._stage
+        self.window = version_window(switch_mb, dst, stage.num_stages, schedule.vertical_sync)
+        self.names = [f"{lid}.{n}" for lid, layer in layers.items() for n, _ in layer.named_parameters()]
+        self._sent: set[int] = set()
+        self._works: list[tuple[Any, torch.Tensor]] = []
+        self.done = False
+        self.bytes_sent = 0
+        if schedule._next_fwd >= switch_mb:
+            raise RuntimeError(f"streamed move registered too late: micro-batch {switch_mb} already started")
+        for v in self.window:  # versions that exist already go now
+            if v < schedule.updates:
+                if v not in schedule._versions:
+                    raise RuntimeError(f"stage {stage.stage_index}: weight version {v} of layers {list(layers)} "
+                                       "is no longer kept; register the move earlier")
+                self._send_version(v, [schedule._versions[v][n] for n in self.names])
+        self._send_live_if_due(schedule.updates)
+
+    def _live(self) -> list[torch.Tensor]:
+        params = {f"{lid}.{n}": p for lid, layer in self.layers.items() for n, p in layer.named_parameters()}
+        return [params[n] for n in self.names]
+
+    def _send_version(self, v: int, tensors: list[torch.Tensor]) -> None:
+        payload = _version_payload(tensors)
+        self._works.append((self.channel.send(payload, self.dst, transfer_tag(self.epoch, VERSION, v % 10_000)), payload))
+        self._sent.add(v)
+        self.bytes_sent += int(payload.numel())
+
+    def _send_live_if_due(self, updates: int) -> None:
+        if updates in self.window and updates not in self._sent:
+            self._send_version(updates, self._live())
+
+    # ------------------------------------------------------------- StreamMover
+    def before_forward(self, mb: int) -> None:
+        if mb != self.switch_mb:
+            return
+        submod = self.schedule._stage.submod
+        for lid, layer in self.layers.items():
+            for n, p in layer.named_parameters():
+                self.schedule.departing[f"{lid}.{n}"] = p
+            del submod._modules[str(lid)]
+
+    def add_weights(self, version: int, weights: dict[str, torch.Tensor]) -> None:
+        return None
+
+    def before_update(self, mb: int) -> None:
+        return None
+
+    def after_update(self, updates: int) -> None:
+        self._send_live_if_due(updates)
+        if updates == self.switch_mb:
+            self._hand_over()
+
+    def _hand_over(self) -> None:
+        states = [pack_layer(lid, layer, self.schedule.optimizer) for lid, layer in self.layers.items()]
+        payload = torch.cat([s.payload for s in states])
+        self.messenger.send_to(self.dst, "migrate_handover", {"round": 0, "manifests": [s.manifest for s in states]},
+                               epoch=self.epoch)
+        self._works.append((self.channel.send(payload, self.dst, transfer_tag(self.epoch, HANDOVER, 0)), payload))
+        self.bytes_sent += int(payload.numel())
+        for lid, layer in self.layers.items():
+            detach_from_optimizer(self.schedule.optimizer, layer.parameters())
+            for n, _ in layer.named_parameters():
+                self.schedule.departing.pop(f"{lid}.{n}", None)
+            for listener in self.listeners:
+                listener.remove_layer(lid)
+        for work, _payload in self._works:
+            work.wait()
+        self._works.clear()
+        self.done = True
+
+
+class IncomingStream:
+    """The target side of a streamed move."""
+
+    def __init__(self, schedule: SchedulePipeDream, layers: dict[int, nn.Module], manifests: Sequence[dict[str, Any]], *,
+                 forward: bool, switch_mb: int, src: int, epoch: int, channel: TransferChannel, messenger: Any,
+                 timeout_s: float, listeners: Sequence[Any] = ()) -> None:
+        self.schedule = schedule
+        self.messenger = messenger
+        self.timeout_s = timeout_s
+        self.layers = layers  # freshly built (empty) modules, in model order
+        self.manifests = list(manifests)
+        self.forward = forward
+        self.switch_mb = switch_mb
+        self.src = src
+        self.epoch = epoch
+        self.channel = channel
+        self.listeners = list(listeners)
+        stage = schedule._stage
+        self.window = version_window(switch_mb, stage.stage_index, stage.num_stages, schedule.vertical_sync)
+        self.entries = [(f"{man['layer']}.{e['name']}", e) for man in manifests for e in man["entries"] if e["kind"] == "param"]
+        self._versions: dict[int, dict[str, torch.Tensor]] = {}
+        self._handed_over = False
+        self.bytes_received = 0
+
+    @property
+    def done(self) -> bool:
+        """Handed over, and no later forward can need a version from the source any more."""
+        stage = self.schedule._stage
+        upcoming = start_version(self.schedule._next_fwd, stage.stage_index, stage.num_stages, self.schedule.vertical_sync)
+        return self._handed_over and upcoming > self.switch_mb
+
+    def _receive_version(self, v: int) -> dict[str, torch.Tensor]:
+        if v not in self._versions:
+            nbytes = sum(e["nbytes"] for _, e in self.entries)
+            buf, work = self.channel.recv(nbytes, self.src, transfer_tag(self.epoch, VERSION, v % 10_000))
+            work.wait()
+            buf = buf.cpu()
+            self.bytes_received += nbytes
+            device = self.schedule._stage.device
+            tensors, offset = {}, 0
+            for name, e in self.entries:
+                raw = buf[offset:offset + e["nbytes"]]
+                offset += e["nbytes"]
+                t = raw.view(_DTYPES[e["dtype"]]).reshape(e["shape"]).to(device).clone()
+                tensors[name] = t.requires_grad_(bool(e.get("requires_grad", True)))
+            self._versions[v] = tensors
+        return self._versions[v]
+
+    # ------------------------------------------------------------- StreamMover
+    def before_forward(self, mb: int) -> None:
+        if mb != self.switch_mb:
+            return
+        submod = self.schedule._stage.submod
+        items = list(submod._modules.items())
+        new = [(str(lid), layer) for lid, layer in self.layers.items()]
+        submod._modules.clear()
+        submod._modules.update(new + items if self.forward else items + new)
+
+    def add_weights(self, version: int, weights: dict[str, torch.Tensor]) -> None:
+        if version in self.window:
+            weights.update(self._receive_version(version))
+
+    def before_update(self, mb: int) -> None:
+        if mb != self.switch_mb:
+            return
+        got = self.messenger.wait_for({"migrate_handover"}, from_rank=self.src, key=(self.epoch, 0),
+                                      timeout_s=self.timeout_s)
+        if got is None:
+            raise RuntimeError(f"stage {self.schedule._stage.stage_index}: stage {self.src} never handed over "
+                               f"layers {list(self.layers)} (epoch {self.epoch})")
+        manifests = [validate_manifest(man) for man in got[1].get("manifests", [])]
+        if [man["layer"] for man in manifests] != list(self.layers):
+            raise RuntimeError(f"hand-over of layers {[m['layer'] for m in manifests]}, expected {list(self.layers)}")
+        nbytes = sum(payload_bytes(man) for man in manifests)
+        buf, work = self.channel.recv(nbytes, self.src, transfer_tag(self.epoch, HANDOVER, 0))
+        work.wait()
+        buf = buf.cpu()
+        self.bytes_received += nbytes
+        offset = 0
+        for man in manifests:
+            size = payload_bytes(man)
+            lid = man["layer"]
+            unpack_layer(LayerState(lid, man, buf[offset:offset + size]), self.layers[lid], self.schedule.optimizer)
+            offset += size
+            for listener in self.listeners:
+                listener.add_layer(lid, self.layers[lid])
+        self._handed_over = True
+
+    def after_update(self, updates: int) -> None:
+        return None
