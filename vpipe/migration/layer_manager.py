@@ -403,6 +403,76 @@ class LayerManager:
         report.bytes_received += nbytes
         self.messenger.send_to(m.src, "migrate_ack", {"round": r}, epoch=epoch)
 
+    # ---------------------------------------------------------------- adding and removing layers
+    def add_layers(self, position: int, specs: Sequence[Any], *, seed_ids: Sequence[int] | None = None) -> list[int]:
+        """Insert new layers before model position ``position`` (0 = first); every rank calls it identically.
+
+        New layers get fresh ids above every id in use. They join the stage that holds
+        the layer currently at ``position`` (the last stage when appending), are built by
+        the factory, and their parameters join this stage's optimizer (param group 0).
+        Returns the new ids.
+        """
+        order = [lid for layers in self.placement for lid in layers]
+        if not 0 <= position <= len(order):
+            raise ValueError(f"position {position} is outside 0..{len(order)}")
+        if not specs:
+            return []
+        first_new = max(order) + 1
+        new_ids = list(seed_ids) if seed_ids is not None else list(range(first_new, first_new + len(specs)))
+        if len(new_ids) != len(specs) or set(new_ids) & set(order):
+            raise ValueError(f"new layer ids {new_ids} clash with the model's ids or do not match the specs")
+        if position < len(order):
+            owner, anchor = self._stage_holding(order[position]), order[position]
+        else:
+            owner, anchor = self.num_stages - 1, None
+        stages = [list(layers) for layers in self.placement]
+        at = stages[owner].index(anchor) if anchor is not None else len(stages[owner])
+        stages[owner][at:at] = new_ids
+        if owner == self.stage_index:
+            built = [(lid, self.factory(lid, spec).to(self.device)) for lid, spec in zip(new_ids, specs)]
+            items = list(self.module._modules.items())
+            items[at:at] = [(str(lid), layer) for lid, layer in built]
+            self.module._modules.clear()
+            self.module._modules.update(items)
+            for lid, layer in built:
+                if self.optimizer is not None:
+                    self.optimizer.param_groups[0]["params"].extend(layer.parameters())
+                self._watch(lid, layer)
+                for listener in self.listeners:
+                    listener.add_layer(lid, layer)
+        for lid, spec in zip(new_ids, specs):
+            self.specs[lid] = spec
+        self.placement = tuple(tuple(layers) for layers in stages)
+        decision("layers_added", f"{len(new_ids)} layer(s) added to stage {owner} at position {position}",
+                 stage=owner, layers=new_ids, position=position, placement=[list(s) for s in self.placement])
+        return new_ids
+
+    def remove_layers(self, layer_ids: Iterable[int]) -> None:
+        """Remove layers by id (every rank calls it identically); no stage may be left empty."""
+        doomed = set(layer_ids)
+        unknown = doomed - {lid for layers in self.placement for lid in layers}
+        if unknown:
+            raise ValueError(f"cannot remove unknown layers {sorted(unknown)}")
+        stages = [[lid for lid in layers if lid not in doomed] for layers in self.placement]
+        empty = [s for s, layers in enumerate(stages) if not layers]
+        if empty:
+            raise ValueError(f"removing {sorted(doomed)} would leave stage(s) {empty} without layers")
+        mine = [lid for lid in self.layer_ids if lid in doomed]
+        self._drop(mine)
+        for lid in doomed:
+            self.specs.pop(lid, None)
+            self.out_meta.pop(lid, None)
+            self.in_meta.pop(lid, None)
+        self.placement = tuple(tuple(layers) for layers in stages)
+        decision("layers_removed", f"{len(doomed)} layer(s) removed", layers=sorted(doomed),
+                 placement=[list(s) for s in self.placement])
+
+    def _stage_holding(self, layer_id: int) -> int:
+        for s, layers in enumerate(self.placement):
+            if layer_id in layers:
+                return s
+        raise ValueError(f"layer {layer_id} is not placed")
+
     # ---------------------------------------------------------------- placement edits
     def _drop(self, layer_ids: Iterable[int]) -> None:
         children = self._children()
