@@ -41,6 +41,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--schedule", choices=("gpipe", "1f1b", "pipedream", "zb"), required=True)
     p.add_argument("--model", choices=("transformer", "cnn"), default="transformer")
+    p.add_argument("--blocks", type=int, default=4)
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--micro-batches", type=int, default=4)
@@ -52,7 +53,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def run_config(args: argparse.Namespace) -> RunConfig:
     stages = args.ranks * (2 if args.schedule == "zb" else 1)
-    return RunConfig(model=args.model, blocks=4, d_model=32, n_heads=2, seq_len=16, dropout=0.1,
+    return RunConfig(model=args.model, blocks=args.blocks, d_model=32, n_heads=2, seq_len=16, dropout=0.1,
                      stages=stages, schedule="1f1b" if args.schedule == "zb" else args.schedule,
                      micro_batches=args.micro_batches, micro_batch_size=2, steps=args.steps, progress=False)
 

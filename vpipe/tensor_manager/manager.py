@@ -358,9 +358,12 @@ class TensorManager:
             counter = frame.counter
             activation = counter.bytes if counter is not None else 0
             swappable = counter.swappable if counter is not None else 0
-            self.ledger.inputs[layer.layer_id] = frame.bytes
+            self.ledger.inputs[layer.layer_id] = frame.bytes  # what checkpoint kept: the inputs
         else:
             activation, swappable = frame.bytes, frame.swappable
+            # what a recompute would keep instead: the layer's tensor inputs
+            self.ledger.inputs[layer.layer_id] = sum(
+                a.untyped_storage().nbytes() for a in frame.inputs if isinstance(a, torch.Tensor))
         self.ledger.record_activation(layer.layer_id, frame.mb, activation, swappable)
         self._reserve = max(self._reserve, activation)
         self._engine.poll()
@@ -472,17 +475,20 @@ class TensorManager:
         target = max(0, min(room_now, room_steady))
         if per_mb <= target:
             return
-        least = sum(min(kept_bytes(e, p) for p in Policy) for e in estimates)
+        pool_free = self.host_pool_max_bytes - (self._engine.pool.used_bytes if self._engine.has_pool else 0)
+        least = sum(min(kept_bytes(e, p) for p in Policy if p is not Policy.SWAP or e.swappable_bytes <= pool_free)
+                    for e in estimates)
         if in_flight * least + self._reserve > budget:
             raise MemoryBudgetError(
                 f"stage budget {format_bytes(budget)} cannot hold {in_flight} micro-batches in flight: even with "
                 f"every layer swapped or recomputed each keeps {format_bytes(least)}, plus "
                 f"{format_bytes(self._reserve)} for the largest layer's backward"
             )
+        # what is resident now may come from micro-batches run under older policies: do what can be
+        # done for this one, the per-tensor check at pack time covers the rest
         excess = per_mb - max(target, least)
         if excess <= 0:
             return
-        pool_free = self.host_pool_max_bytes - (self._engine.pool.used_bytes if self._engine.has_pool else 0)
         bandwidth = self._bandwidth(D2H)
         changes = cheapest_escalations(
             estimates, excess, swap_s_per_byte=1.0 / bandwidth, overlap=_SWAP_OVERLAP[self._kind()],

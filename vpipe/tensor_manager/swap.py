@@ -40,6 +40,7 @@ class StorageEntry:
     __slots__ = (
         "key", "layer", "mb", "nbytes", "swapped", "seq", "refs", "counted", "released",
         "source", "host", "d2h", "device_copy", "h2d", "weak", "unpacks", "phases", "last_phase", "phase_unpacks",
+        "users",
     )
 
     def __init__(self, key: int, layer: int, mb: int, nbytes: int, swapped: bool, seq: int) -> None:
@@ -62,6 +63,7 @@ class StorageEntry:
         self.phases = 0  # backward passes (autograd graph tasks) that unpacked it
         self.last_phase = -1
         self.phase_unpacks = 0
+        self.users = [mb]  # micro-batches with handles on it (views of one input are shared by several)
 
 
 class KeptHandle:
@@ -175,6 +177,9 @@ class SwapEngine:
                     entry.counted = True
                     self.ledger.add(layer, mb, nbytes)
                     self._swapping_out.append(entry)
+            elif mb not in entry.users:  # another micro-batch saved the same storage: prefetch it for both
+                entry.users.append(mb)
+                self._swapped.setdefault(mb, {})[entry.seq] = entry
             entry.refs += 1
             return SwappedHandle(t, entry, self.dead)
 
@@ -301,11 +306,12 @@ class SwapEngine:
             self.ledger.sub(entry.layer, entry.mb, entry.nbytes)
         if not entry.swapped:
             return
-        by_mb = self._swapped.get(entry.mb)
-        if by_mb is not None:
-            by_mb.pop(entry.seq, None)
-            if not by_mb:
-                del self._swapped[entry.mb]
+        for mb in entry.users:
+            by_mb = self._swapped.get(mb)
+            if by_mb is not None:
+                by_mb.pop(entry.seq, None)
+                if not by_mb:
+                    del self._swapped[mb]
         if entry.phases > 1:
             self.multi_phase_entries += 1
         pending = [t for t in (entry.d2h, entry.h2d) if t is not None and not t.done()]
