@@ -21,7 +21,7 @@ from vpipe.planner.plan import Policy
 from vpipe.tensor_manager.accounting import format_bytes
 
 __all__ = ["MemoryBudgetError", "LayerEstimate", "Escalation", "check_layer_fits", "cheapest_escalations",
-           "kept_bytes"]
+           "fit_micro_batch", "kept_bytes"]
 
 
 class MemoryBudgetError(ValueError):
@@ -129,3 +129,47 @@ def cheapest_escalations(
             pool_left -= current[change.layer_id].swappable_bytes
         need -= change.saved_bytes
     return changes
+
+
+def fit_micro_batch(
+    estimates: list[LayerEstimate],
+    *,
+    budget_bytes: int,
+    resident_bytes: int,
+    reserve_bytes: int,
+    in_flight: int,
+    pool_free_bytes: int,
+    swap_s_per_byte: float,
+    overlap: float,
+    context: str,
+) -> list[Escalation]:
+    """The escalations the next micro-batch needs, given what is resident and how many are in flight.
+
+    The projection is the larger of now (``resident_bytes`` plus this micro-batch) and the
+    steady state (``in_flight`` micro-batches under the current policies), plus the
+    backward's reserve. Raises :class:`MemoryBudgetError` when even the steady state with
+    every layer at its leanest cannot fit.
+    """
+    if not estimates:
+        return []
+    per_mb = sum(kept_bytes(e, e.policy) for e in estimates)
+    room_now = budget_bytes - reserve_bytes - resident_bytes
+    room_steady = (budget_bytes - reserve_bytes) // in_flight
+    target = max(0, min(room_now, room_steady))
+    if per_mb <= target:
+        return []
+    least = sum(min(kept_bytes(e, p) for p in Policy if p is not Policy.SWAP or e.swappable_bytes <= pool_free_bytes)
+                for e in estimates)
+    if in_flight * least + reserve_bytes > budget_bytes:
+        raise MemoryBudgetError(
+            f"stage budget {format_bytes(budget_bytes)} cannot hold {in_flight} micro-batches in flight: even with "
+            f"every layer swapped or recomputed each keeps {format_bytes(least)}, plus "
+            f"{format_bytes(reserve_bytes)} for the largest layer's backward"
+        )
+    # what is resident now may come from micro-batches run under older policies: do what can be
+    # done for this one; the per-tensor check at pack time covers the rest
+    excess = per_mb - max(target, least)
+    if excess <= 0:
+        return []
+    return cheapest_escalations(estimates, excess, swap_s_per_byte=swap_s_per_byte, overlap=overlap,
+                                pool_free_bytes=pool_free_bytes, budget_bytes=budget_bytes, context=context)

@@ -75,10 +75,6 @@ class CopyEngine:
         """Make the current stream wait for ``ticket`` before it uses ``tensor``."""
         raise NotImplementedError
 
-    def now_ticket(self) -> Ticket:
-        """A ticket that is done when everything queued on the current stream so far is done."""
-        raise NotImplementedError
-
     # -- statistics ---------------------------------------------------------
     def _account(self, ticket: Ticket) -> None:
         self.bytes[ticket.direction] += ticket.nbytes
@@ -129,9 +125,6 @@ class CpuCopyEngine(CopyEngine):
 
     def consume(self, tensor: torch.Tensor, ticket: Ticket) -> None:
         return None
-
-    def now_ticket(self) -> Ticket:
-        return Ticket(H2D, 0, seconds=0.0)
 
 
 class CudaCopyEngine(CopyEngine):
@@ -193,11 +186,6 @@ class CudaCopyEngine(CopyEngine):
         if ticket.event is not None:
             stream.wait_event(ticket.event)
         tensor.record_stream(stream)
-
-    def now_ticket(self) -> Ticket:
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
-        return Ticket(H2D, 0, event, seconds=0.0)
 
 
 def make_copy_engine(device: torch.device) -> CopyEngine:

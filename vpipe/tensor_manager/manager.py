@@ -1,6 +1,7 @@
 """The tensor manager of one stage: keep (D), swap (S) or recompute (R) each layer's saved tensors.
 
-How it attaches (nothing is replaced: ``close()`` restores the modules exactly):
+How it attaches (nothing is replaced: ``close()`` restores the modules exactly, see
+:mod:`.layers`):
 
 * every managed layer (a child of the stage's ``nn.Sequential``, keyed by its global layer
   id) gets a forward pre-hook and an always-called forward hook. Inside a micro-batch's
@@ -20,33 +21,25 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from vpipe.log import decision
 from vpipe.planner.plan import Policy
 from vpipe.tensor_manager.accounting import Ledger, format_bytes
-from vpipe.tensor_manager.budget import (
-    LayerEstimate,
-    MemoryBudgetError,
-    cheapest_escalations,
-    check_layer_fits,
-    kept_bytes,
-)
+from vpipe.tensor_manager.budget import LayerEstimate, check_layer_fits, fit_micro_batch
 from vpipe.tensor_manager.copy_engine import D2H, H2D, make_copy_engine
 from vpipe.tensor_manager.pool import DEFAULT_CHUNK_BYTES, HostPool, default_host_pool_bytes
 from vpipe.tensor_manager.prefetch import BACKWARD, FORWARD, ArrivalPredictor
+from vpipe.tensor_manager.layers import LayerCall, ManagedLayer, claim_module, release_module
 from vpipe.tensor_manager.recompute import RecomputeCounter, run_recomputed
 from vpipe.tensor_manager.stats import LayerStats, TensorManagerStats
-from vpipe.tensor_manager.swap import KeptHandle, StorageEntry, SwapEngine
+from vpipe.tensor_manager.swap import KeptHandle, SwapEngine
 
 log = logging.getLogger("vpipe.tensor_manager")
 
@@ -59,59 +52,8 @@ _ASSUMED_BANDWIDTH = {"cpu": 4e9, "cuda": 12e9}
 # How many forward-times of compute a swap can hide behind when copies are asynchronous.
 _SWAP_OVERLAP = {"cpu": 0.0, "cuda": 3.0}
 
-_MISSING = object()
-_managed_modules: weakref.WeakKeyDictionary[nn.Module, TensorManager] = weakref.WeakKeyDictionary()
-
-
 class LayerBusyError(RuntimeError):
     """A layer cannot be removed while saved tensors of its forwards are alive."""
-
-
-@dataclass(eq=False)
-class _Layer:
-    layer_id: int
-    module: nn.Module
-    policy: Policy
-    hooks: list[RemovableHandle] = field(default_factory=list)
-    has_buffers: bool = False
-    wrapper: Any = None  # the forward instance attribute while the policy is R
-    original_forward: Any = _MISSING  # module.__dict__["forward"] before the wrapper was set
-    forward_s: float | None = None
-    recompute_s: float = 0.0
-    recomputes: int = 0
-
-
-class _Frame:
-    """One managed layer call inside a micro-batch's forward."""
-
-    __slots__ = ("layer", "mb", "policy", "inputs", "t0", "entries", "bytes", "swappable", "counter", "buffers")
-
-    def __init__(self, layer: _Layer, mb: int, args: tuple[Any, ...]) -> None:
-        self.layer = layer
-        self.mb = mb
-        self.policy = layer.policy
-        self.inputs = args
-        self.entries: set[StorageEntry] = set()  # addresses can be reused within a call: count entries
-        self.bytes = 0
-        self.swappable = 0
-        self.counter: RecomputeCounter | None = None
-        self.buffers: frozenset[int] = (
-            frozenset(b.untyped_storage().data_ptr() for b in layer.module.buffers()) if layer.has_buffers
-            else frozenset()
-        )
-        self.t0 = time.perf_counter()
-
-    def is_weight(self, t: torch.Tensor) -> bool:
-        """Parameters, views of them, and stashed weight versions (leaves that require grad)."""
-        if isinstance(t, nn.Parameter):
-            return True
-        base = t._base
-        root = t if base is None else base
-        if isinstance(root, nn.Parameter):
-            return True
-        if root.grad_fn is None and root.requires_grad:
-            return not any(root is a for a in self.inputs)  # a stage input is an activation
-        return bool(self.buffers) and t.untyped_storage().data_ptr() in self.buffers
 
 
 class TensorManager:
@@ -138,6 +80,7 @@ class TensorManager:
         if not isinstance(min_swap_bytes, int) or min_swap_bytes < 0:
             raise ValueError(f"min_swap_bytes must be a non-negative integer, got {min_swap_bytes!r}")
         self.device = device
+        self._device_index = -1 if device.type == "cpu" else device.index  # what Tensor.get_device() says
         self.budget_bytes = budget_bytes
         self.min_swap_bytes = min_swap_bytes
         self.host_pool_max_bytes = host_pool_bytes or default_host_pool_bytes()
@@ -149,7 +92,7 @@ class TensorManager:
         self._predictor = ArrivalPredictor()
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._tls = threading.local()
-        self._layers: dict[int, _Layer] = {}
+        self._layers: dict[int, ManagedLayer] = {}
         self._mb: int | None = None
         self._backward: list[int] = []  # micro-batches whose backward runs now (innermost last)
         self._open: set[int] = set()  # forwarded, backward not finished
@@ -177,16 +120,10 @@ class TensorManager:
             raise TypeError(f"layer {layer_id} must be an nn.Module, got {type(module).__name__}")
         if layer_id in self._layers:
             raise ValueError(f"layer {layer_id} is already managed by this tensor manager")
-        owner = _managed_modules.get(module)
-        if owner is not None:
-            where = "this" if owner is self else "another"
-            raise ValueError(f"the module given for layer {layer_id} is already managed by {where} tensor manager")
-        layer = _Layer(layer_id, module, Policy.KEEP, has_buffers=any(True for _ in module.buffers()))
-        layer.hooks.append(module.register_forward_pre_hook(partial(self._pre_forward, layer)))
-        layer.hooks.append(module.register_forward_hook(partial(self._post_forward, layer), prepend=True,
-                                                        always_call=True))
+        claim_module(module, self, layer_id)
+        layer = ManagedLayer(layer_id, module)
+        layer.attach(partial(self._pre_forward, layer), partial(self._post_forward, layer))
         self._layers[layer_id] = layer
-        _managed_modules[module] = self
         self.set_policy(layer_id, policy)
 
     def remove_layer(self, layer_id: int) -> nn.Module:
@@ -202,25 +139,25 @@ class TensorManager:
         self._detach(layer)
         del self._layers[layer_id]
         self.ledger.forget_layer(layer_id)
+        self._reserve = max((self.ledger.activation_bytes(lid) or 0 for lid in self._layers), default=0)
         return layer.module
 
     @property
     def layer_ids(self) -> list[int]:
         return sorted(self._layers)
 
-    def _layer(self, layer_id: int) -> _Layer:
+    def _layer(self, layer_id: int) -> ManagedLayer:
         try:
             return self._layers[layer_id]
         except KeyError:
             raise KeyError(f"layer {layer_id} is not managed by this tensor manager "
                            f"(it manages layers {self.layer_ids})") from None
 
-    def _detach(self, layer: _Layer) -> None:
-        for handle in layer.hooks:
-            handle.remove()
-        layer.hooks.clear()
-        self._remove_forward(layer)
-        _managed_modules.pop(layer.module, None)
+    def _detach(self, layer: ManagedLayer) -> None:
+        try:
+            layer.detach()
+        finally:
+            release_module(layer.module)
 
     # ================================================================== policies
     def policy(self, layer_id: int) -> Policy:
@@ -236,9 +173,9 @@ class TensorManager:
         policy = policy if isinstance(policy, Policy) else Policy.parse(policy)
         layer.policy = policy
         if policy is Policy.RECOMPUTE:
-            self._install_forward(layer)
+            layer.route_forward(self._forward_layer)
         else:
-            self._remove_forward(layer)
+            layer.restore_forward()
         if policy is Policy.SWAP:
             _ = self._engine.pool  # pin the first chunk now, not in the middle of a forward
 
@@ -249,35 +186,6 @@ class TensorManager:
                            f"(it manages layers {self.layer_ids})")
         for layer_id, policy in policies.items():
             self.set_policy(layer_id, policy)
-
-    def _install_forward(self, layer: _Layer) -> None:
-        if layer.wrapper is not None:
-            return
-        module = layer.module
-        layer.original_forward = module.__dict__.get("forward", _MISSING)
-        inner = module.forward  # the bound method, or an instance attribute someone set before
-
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            return self._forward_layer(layer, inner, args, kwargs)
-
-        layer.wrapper = forward
-        module.forward = forward
-
-    def _remove_forward(self, layer: _Layer) -> None:
-        if layer.wrapper is None:
-            return
-        module = layer.module
-        if module.__dict__.get("forward") is not layer.wrapper:
-            raise RuntimeError(
-                f"layer {layer.layer_id}: its forward attribute was replaced after vpipe set it for recompute; "
-                f"vpipe cannot restore the module without undoing that change"
-            )
-        if layer.original_forward is _MISSING:
-            del module.__dict__["forward"]
-        else:
-            module.__dict__["forward"] = layer.original_forward
-        layer.wrapper = None
-        layer.original_forward = _MISSING
 
     # ================================================================== contexts
     @contextmanager
@@ -325,6 +233,8 @@ class TensorManager:
         engine.poll()
         if self._predictor.observe(FORWARD, mb):  # a new step: remember how many were in flight in the last
             self._open_max_last_step, self._open_max = self._open_max, 0
+        if not torch.is_grad_enabled():
+            return  # an evaluation forward saves nothing and has no backward
         self._open.add(mb)
         self._open_max = max(self._open_max, len(self._open))
         if self.budget_bytes is not None:
@@ -332,22 +242,22 @@ class TensorManager:
         self._pump_prefetch()
 
     # ================================================================== hooks
-    def _frames(self) -> list[_Frame | None]:
+    def _frames(self) -> list[LayerCall | None]:
         frames = getattr(self._tls, "frames", None)
         if frames is None:
             frames = self._tls.frames = []
         return frames
 
-    def _pre_forward(self, layer: _Layer, module: nn.Module, args: tuple[Any, ...]) -> None:
+    def _pre_forward(self, layer: ManagedLayer, module: nn.Module, args: tuple[Any, ...]) -> None:
         frames = self._frames()
         if (self._mb is None or self._backward or not torch.is_grad_enabled()
                 or torch._C._current_graph_task_id() != -1):
             frames.append(None)  # not a managed forward: shape inference, eval, recompute
             return
-        frames.append(_Frame(layer, self._mb, args))
+        frames.append(LayerCall(layer, self._mb, args))
         self._hooks.__enter__()
 
-    def _post_forward(self, layer: _Layer, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+    def _post_forward(self, layer: ManagedLayer, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         frame = self._frames().pop()
         if frame is None:
             return
@@ -362,15 +272,16 @@ class TensorManager:
         else:
             activation, swappable = frame.bytes, frame.swappable
             # what a recompute would keep instead: the layer's tensor inputs
-            self.ledger.inputs[layer.layer_id] = sum(
-                a.untyped_storage().nbytes() for a in frame.inputs if isinstance(a, torch.Tensor))
+            self.ledger.inputs[layer.layer_id] = frame.input_bytes()
         self.ledger.record_activation(layer.layer_id, frame.mb, activation, swappable)
-        self._reserve = max(self._reserve, activation)
-        self._engine.poll()
+        if activation > self._reserve:
+            self._reserve = activation
+        if self._engine.copies_in_flight:
+            self._engine.poll()
         if self.budget_bytes is not None:
             check_layer_fits(layer.layer_id, activation, self.budget_bytes)
 
-    def _forward_layer(self, layer: _Layer, inner: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _forward_layer(self, layer: ManagedLayer, inner: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The forward attribute of a layer under R: checkpoint when managed, else the original."""
         frames = self._frames()
         frame = frames[-1] if frames else None
@@ -380,15 +291,14 @@ class TensorManager:
         return run_recomputed(layer.module, inner, args, kwargs, counter=frame.counter,
                               on_recompute=partial(self._recomputed, layer))
 
-    def _recomputed(self, layer: _Layer, seconds: float) -> None:
+    def _recomputed(self, layer: ManagedLayer, seconds: float) -> None:
         with self._engine.lock:
             layer.recompute_s += seconds
             layer.recomputes += 1
             self._recompute_s += seconds
 
     def _pack(self, t: torch.Tensor) -> Any:
-        frame = self._frames()[-1]
-        assert frame is not None
+        frame: LayerCall = self._tls.frames[-1]
         if frame.is_weight(t):
             self._weights_skipped += 1
             return t
@@ -396,7 +306,7 @@ class TensorManager:
             # a saved output's grad_fn is the node saving it: holding the tensor itself would make
             # a reference cycle (node -> saved handle -> tensor -> node) that only the GC breaks
             t = t.detach()
-        if type(t) is not torch.Tensor or t.layout is not torch.strided or t.device != self.device:
+        if type(t) is not torch.Tensor or t.get_device() != self._device_index or t.layout is not torch.strided:
             return t  # subclasses, sparse tensors, other devices: autograd keeps them as they are
         storage = t.untyped_storage()
         nbytes = storage.nbytes()
@@ -466,33 +376,13 @@ class TensorManager:
         budget = self.budget_bytes
         assert budget is not None
         estimates = self._estimates()
-        if not estimates:
-            return
-        per_mb = sum(kept_bytes(e, e.policy) for e in estimates)
         in_flight = max(self._open_max_last_step, len(self._open), 1)
-        room_now = budget - self._reserve - self.ledger.resident
-        room_steady = (budget - self._reserve) // in_flight
-        target = max(0, min(room_now, room_steady))
-        if per_mb <= target:
-            return
-        pool_free = self.host_pool_max_bytes - (self._engine.pool.used_bytes if self._engine.has_pool else 0)
-        least = sum(min(kept_bytes(e, p) for p in Policy if p is not Policy.SWAP or e.swappable_bytes <= pool_free)
-                    for e in estimates)
-        if in_flight * least + self._reserve > budget:
-            raise MemoryBudgetError(
-                f"stage budget {format_bytes(budget)} cannot hold {in_flight} micro-batches in flight: even with "
-                f"every layer swapped or recomputed each keeps {format_bytes(least)}, plus "
-                f"{format_bytes(self._reserve)} for the largest layer's backward"
-            )
-        # what is resident now may come from micro-batches run under older policies: do what can be
-        # done for this one, the per-tensor check at pack time covers the rest
-        excess = per_mb - max(target, least)
-        if excess <= 0:
-            return
-        bandwidth = self._bandwidth(D2H)
-        changes = cheapest_escalations(
-            estimates, excess, swap_s_per_byte=1.0 / bandwidth, overlap=_SWAP_OVERLAP[self._kind()],
-            pool_free_bytes=pool_free, budget_bytes=budget, context=f"micro-batch {mb}",
+        changes = fit_micro_batch(
+            estimates, budget_bytes=budget, resident_bytes=self.ledger.resident, reserve_bytes=self._reserve,
+            in_flight=in_flight,
+            pool_free_bytes=self.host_pool_max_bytes - (self._engine.pool.used_bytes if self._engine.has_pool else 0),
+            swap_s_per_byte=1.0 / self._bandwidth(D2H), overlap=_SWAP_OVERLAP[self._kind()],
+            context=f"micro-batch {mb}",
         )
         for change in changes:
             self.set_policy(change.layer_id, change.new)
@@ -500,8 +390,7 @@ class TensorManager:
             decision(
                 "policy", f"layer {change.layer_id}: {change.old.value} -> {change.new.value} to fit the budget",
                 layer=change.layer_id, old=change.old.value, new=change.new.value, saved_bytes=change.saved_bytes,
-                cost_s=change.cost_s, budget_bytes=budget, projected_bytes=per_mb * in_flight + self._reserve,
-                micro_batch=mb,
+                cost_s=change.cost_s, budget_bytes=budget, in_flight=in_flight, micro_batch=mb,
             )
 
     # ================================================================== prefetch

@@ -23,6 +23,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -31,28 +32,35 @@ from vpipe.tensor_manager.accounting import Ledger
 from vpipe.tensor_manager.copy_engine import CopyEngine, Ticket
 from vpipe.tensor_manager.pool import HostPool, PoolBlock
 
-__all__ = ["StorageEntry", "KeptHandle", "SwappedHandle", "SwapEngine"]
+__all__ = ["StorageEntry", "SwappedEntry", "KeptHandle", "SwappedHandle", "SwapEngine"]
 
 
 class StorageEntry:
-    """One saved storage of one (layer, micro-batch)."""
+    """One saved storage of one (layer, micro-batch), kept on the device."""
 
-    __slots__ = (
-        "key", "layer", "mb", "nbytes", "swapped", "seq", "refs", "counted", "released",
-        "source", "host", "d2h", "device_copy", "h2d", "weak", "unpacks", "phases", "last_phase", "phase_unpacks",
-        "users",
-    )
+    __slots__ = ("key", "layer", "mb", "nbytes", "seq", "refs", "counted", "released")
+    swapped = False
 
-    def __init__(self, key: int, layer: int, mb: int, nbytes: int, swapped: bool, seq: int) -> None:
+    def __init__(self, key: int, layer: int, mb: int, nbytes: int, seq: int) -> None:
         self.key = key
         self.layer = layer
         self.mb = mb
         self.nbytes = nbytes
-        self.swapped = swapped
         self.seq = seq
         self.refs = 0
         self.counted = False  # its bytes are in the ledger's resident total
         self.released = False
+
+
+class SwappedEntry(StorageEntry):
+    """A storage copied to the host pool, and what brings it back."""
+
+    __slots__ = ("source", "host", "d2h", "device_copy", "h2d", "weak", "unpacks", "phases", "last_phase",
+                 "phase_unpacks", "users")
+    swapped = True
+
+    def __init__(self, key: int, layer: int, mb: int, nbytes: int, seq: int) -> None:
+        super().__init__(key, layer, mb, nbytes, seq)
         self.source: torch.Tensor | None = None  # the original device bytes, while a swap-out is in flight
         self.host: PoolBlock | None = None
         self.d2h: Ticket | None = None
@@ -64,6 +72,9 @@ class StorageEntry:
         self.last_phase = -1
         self.phase_unpacks = 0
         self.users = [mb]  # micro-batches with handles on it (views of one input are shared by several)
+
+
+E = TypeVar("E", bound=StorageEntry)
 
 
 class KeptHandle:
@@ -85,7 +96,7 @@ class SwappedHandle:
 
     __slots__ = ("entry", "dtype", "size", "stride", "offset", "_dead")
 
-    def __init__(self, t: torch.Tensor, entry: StorageEntry, dead: deque) -> None:
+    def __init__(self, t: torch.Tensor, entry: SwappedEntry, dead: deque) -> None:
         self.entry = entry
         self.dtype = t.dtype
         self.size = t.size()
@@ -115,9 +126,9 @@ class SwapEngine:
         self.lock = threading.RLock()
         self.dead: deque[StorageEntry] = deque()
         self._by_key: dict[int, StorageEntry] = {}
-        self._swapped: dict[int, dict[int, StorageEntry]] = {}  # mb -> seq -> live swapped entry
+        self._swapped: dict[int, dict[int, SwappedEntry]] = {}  # mb -> seq -> live swapped entry
         self._live: dict[tuple[int, int], int] = {}  # (layer, mb) -> live entries
-        self._swapping_out: deque[StorageEntry] = deque()
+        self._swapping_out: deque[SwappedEntry] = deque()
         self._deferred: deque[tuple[Ticket, PoolBlock | None, object]] = deque()
         self._seq = 0
         self.sync_fallbacks = 0
@@ -140,7 +151,7 @@ class SwapEngine:
     # ------------------------------------------------------------------ pack side
     def lookup(self, key: int) -> StorageEntry | None:
         entry = self._by_key.get(key)
-        if entry is not None and entry.source is None and entry.weak is not None and entry.weak.expired():
+        if entry is not None and entry.swapped and entry.source is None and entry.weak.expired():  # type: ignore
             # the storage it was saved from died; the address now belongs to another one
             del self._by_key[key]
             return None
@@ -150,7 +161,7 @@ class SwapEngine:
         with self.lock:
             entry = self.lookup(key)
             if entry is None or entry.swapped:
-                entry = self._new_entry(key, layer, mb, nbytes, swapped=False)
+                entry = self._new_entry(StorageEntry, key, layer, mb, nbytes)
                 entry.counted = True
                 self.ledger.add(layer, mb, nbytes)
             entry.refs += 1
@@ -167,7 +178,7 @@ class SwapEngine:
                 block = self.pool.alloc(nbytes)
                 source = flat_bytes(storage, self.device)
                 ticket = self.copies.to_host(source, block.data)
-                entry = self._new_entry(key, layer, mb, nbytes, swapped=True)
+                entry = self._new_entry(SwappedEntry, key, layer, mb, nbytes)
                 entry.host, entry.d2h = block, ticket
                 entry.weak = StorageWeakRef(storage)
                 self._swapped.setdefault(mb, {})[entry.seq] = entry
@@ -183,9 +194,9 @@ class SwapEngine:
             entry.refs += 1
             return SwappedHandle(t, entry, self.dead)
 
-    def _new_entry(self, key: int, layer: int, mb: int, nbytes: int, swapped: bool) -> StorageEntry:
+    def _new_entry(self, kind: type[E], key: int, layer: int, mb: int, nbytes: int) -> E:
         self._seq += 1
-        entry = StorageEntry(key, layer, mb, nbytes, swapped, self._seq)
+        entry = kind(key, layer, mb, nbytes, self._seq)
         self._by_key[key] = entry
         self._live[(layer, mb)] = self._live.get((layer, mb), 0) + 1
         return entry
@@ -220,7 +231,7 @@ class SwapEngine:
                 self._drop_device_copy(entry)
             return restored
 
-    def _fetch(self, entry: StorageEntry, now: bool) -> torch.Tensor:
+    def _fetch(self, entry: SwappedEntry, now: bool) -> torch.Tensor:
         block = entry.host
         assert block is not None
         if now:
@@ -266,7 +277,7 @@ class SwapEngine:
             for entry in self._swapped.get(mb, {}).values():
                 self._drop_device_copy(entry)
 
-    def _drop_device_copy(self, entry: StorageEntry) -> None:
+    def _drop_device_copy(self, entry: SwappedEntry) -> None:
         if entry.device_copy is None:
             return
         if entry.h2d is not None and not entry.h2d.done():
@@ -304,7 +315,7 @@ class SwapEngine:
         if entry.counted:
             entry.counted = False
             self.ledger.sub(entry.layer, entry.mb, entry.nbytes)
-        if not entry.swapped:
+        if not isinstance(entry, SwappedEntry):
             return
         for mb in entry.users:
             by_mb = self._swapped.get(mb)
@@ -322,6 +333,11 @@ class SwapEngine:
             self.pool.free(entry.host)
         entry.host = entry.source = entry.device_copy = None
 
+    @property
+    def copies_in_flight(self) -> bool:
+        """Whether a swap-out or a deferred free waits for a copy (never on CPU)."""
+        return bool(self._swapping_out or self._deferred)
+
     def poll(self) -> None:
         """Finish what completed copies allow: drop swapped-out device bytes, free deferred blocks."""
         with self.lock:
@@ -333,7 +349,7 @@ class SwapEngine:
                     self.pool.free(block)
             self.copies.resolve_timings()
 
-    def _finish_swap_out(self, entry: StorageEntry) -> None:
+    def _finish_swap_out(self, entry: SwappedEntry) -> None:
         if entry.released or entry.source is None:
             return
         entry.source = None
