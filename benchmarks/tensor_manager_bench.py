@@ -167,22 +167,23 @@ class Bench:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
+    variants = ("plain",) + tuple(v for v in VARIANTS if v != "plain" and (not args.only or v in args.only))
     bench = Bench(args)
     all_kept, _ = bench.peak_saved("vpipe D")
     bench.managers["vpipe 40%"].budget_bytes = int(0.4 * all_kept)
     for _ in range(2):  # warm up the allocator, the pool and the managers' measurements
-        for variant in VARIANTS:
+        for variant in variants:
             bench.timed(variant)
-    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    ratios: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    ratios: dict[str, list[float]] = {v: [] for v in variants}
     for r in range(args.rounds):
-        order = VARIANTS if r % 2 == 0 else tuple(reversed(VARIANTS))
+        order = variants if r % 2 == 0 else tuple(reversed(variants))
         got = {v: bench.timed(v) for v in order}
-        for v in VARIANTS:
+        for v in variants:
             times[v].append(got[v])
             ratios[v].append(got[v] / got["plain"])
     rows = []
-    for v in VARIANTS:
+    for v in variants:
         peak, extra = bench.peak_saved(v)
         if v == "save_on_cpu" and bench.device.type == "cpu":
             # it copies nothing when the graph is on the CPU already: the tensors stay where they are
@@ -238,8 +239,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-swap-bytes", type=int, default=64 * 1024)
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--only", type=lambda text: text.split(","), default=None,
+                   help=f"compare plain with these variants only (comma-separated: {', '.join(VARIANTS[1:])})")
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args(argv)
+    unknown = set(args.only or ()) - set(VARIANTS)
+    if unknown:
+        p.error(f"unknown variants {sorted(unknown)}; known: {', '.join(VARIANTS)}")
     result = run(args)
     print_table(result)
     if args.json:

@@ -17,7 +17,7 @@ from tensor_manager_support import (
     model_spec,
     train_grads,
 )
-from vpipe.planner.plan import Policy
+from vpipe.planner.plan import Plan, Policy
 from vpipe.runtime.models import build_model
 
 MODELS = ["transformer", "cnn"]
@@ -92,6 +92,16 @@ def test_string_policies_and_unknown_layers():
         manager.set_policies({7: "D"})
     with pytest.raises(ValueError, match="unknown policy 'X'"):
         manager.set_policy(0, "X")
+
+
+def test_a_plan_sets_the_policies_of_this_stage_only():
+    model = build_model(model_spec("cnn"), seed=0)
+    manager = make_manager(model, {4: "S"})
+    plan = Plan(epoch=1, stages=((0, 1, 2, 3, 4), (5, 6)), policies={1: Policy.RECOMPUTE, 2: Policy.SWAP,
+                                                                    6: Policy.SWAP})
+    manager.apply_plan(plan)
+    assert manager.policies() == {0: Policy.KEEP, 1: Policy.RECOMPUTE, 2: Policy.SWAP, 3: Policy.KEEP,
+                                  4: Policy.KEEP}
 
 
 def test_stashed_weights_under_functional_call_are_neither_swapped_nor_counted():

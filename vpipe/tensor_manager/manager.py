@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from vpipe.log import decision
-from vpipe.planner.plan import Policy
+from vpipe.planner.plan import Plan, Policy
 from vpipe.tensor_manager.accounting import Ledger, format_bytes
 from vpipe.tensor_manager.budget import LayerEstimate, check_layer_fits, fit_micro_batch
 from vpipe.tensor_manager.copy_engine import D2H, H2D, make_copy_engine
@@ -186,6 +186,10 @@ class TensorManager:
                            f"(it manages layers {self.layer_ids})")
         for layer_id, policy in policies.items():
             self.set_policy(layer_id, policy)
+
+    def apply_plan(self, plan: Plan) -> None:
+        """Set this stage's policies from a plan (layers it does not list are kept, D)."""
+        self.set_policies({lid: plan.policy(lid) for lid in self._layers})
 
     # ================================================================== contexts
     @contextmanager
