@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from vpipe.runtime.watchdog import Watchdog
+from vpipe.tensor_manager.copy_engine import comm_process_group_options
 
 log = logging.getLogger("vpipe.runtime")
 
@@ -116,7 +117,9 @@ def init_distributed(
     hb_timeout = heartbeat_timeout_s or float(os.environ.get("VPIPE_HEARTBEAT_TIMEOUT", "10"))
     watchdog = Watchdog(store, env.rank, env.world_size, timeout_s=hb_timeout)
     watchdog.announce()
-    dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
+    # pipeline sends/receives on high-priority NCCL streams: they go before the tensor manager's swap copies
+    dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout,
+                            pg_options=comm_process_group_options(backend))
     watchdog.start()
     return Distributed(env=env, store=store, watchdog=watchdog, device=device)
 

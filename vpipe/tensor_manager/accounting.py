@@ -49,3 +49,76 @@ def count_saved_bytes(module: nn.Module) -> Iterator[SavedBytesCounter]:
     counter = SavedBytesCounter(skip)
     with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
         yield counter
+
+
+def format_bytes(n: float) -> str:
+    """Bytes for messages: '12.0 MiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"  # pragma: no cover
+
+
+class Ledger:
+    """Saved bytes a tensor manager holds on the device, per (layer, micro-batch), and their peak.
+
+    "Resident" counts what the manager itself keeps alive on the device: kept tensors,
+    swapped tensors until their copy to the host finished, and swapped tensors brought
+    back for a backward. The activation sizes (what a layer saves for one micro-batch,
+    whatever its policy) are recorded separately: they are what a planner needs.
+    """
+
+    def __init__(self) -> None:
+        self.resident = 0
+        self.peak = 0
+        self._resident: dict[tuple[int, int], int] = {}
+        self.activation: dict[int, dict[int, int]] = {}  # layer -> micro-batch -> bytes saved
+        self.swappable: dict[int, int] = {}  # layer -> bytes of its last micro-batch that could be swapped
+        self.inputs: dict[int, int] = {}  # layer -> bytes a recomputed micro-batch keeps (its inputs)
+
+    def add(self, layer: int, mb: int, nbytes: int) -> None:
+        key = (layer, mb)
+        self._resident[key] = self._resident.get(key, 0) + nbytes
+        self.resident += nbytes
+        if self.resident > self.peak:
+            self.peak = self.resident
+
+    def sub(self, layer: int, mb: int, nbytes: int) -> None:
+        key = (layer, mb)
+        left = self._resident.get(key, 0) - nbytes
+        if left < 0:
+            raise AssertionError(f"resident bytes of layer {layer} micro-batch {mb} would become negative")
+        if left:
+            self._resident[key] = left
+        else:
+            self._resident.pop(key, None)
+        self.resident -= nbytes
+
+    def reset_peak(self) -> None:
+        self.peak = self.resident
+
+    def resident_by_layer(self) -> dict[int, int]:
+        out: dict[int, int] = {}
+        for (layer, _mb), n in self._resident.items():
+            out[layer] = out.get(layer, 0) + n
+        return out
+
+    def resident_of(self, layer: int) -> dict[int, int]:
+        """Resident bytes of one layer per micro-batch."""
+        return {mb: n for (lid, mb), n in self._resident.items() if lid == layer}
+
+    def record_activation(self, layer: int, mb: int, nbytes: int, swappable: int | None = None) -> None:
+        self.activation.setdefault(layer, {})[mb] = nbytes
+        if swappable is not None:
+            self.swappable[layer] = swappable
+
+    def activation_bytes(self, layer: int) -> int | None:
+        """The largest per-micro-batch activation size seen for ``layer`` (None if never measured)."""
+        sizes = self.activation.get(layer)
+        return max(sizes.values()) if sizes else None
+
+    def forget_layer(self, layer: int) -> None:
+        self.activation.pop(layer, None)
+        self.swappable.pop(layer, None)
+        self.inputs.pop(layer, None)

@@ -1,0 +1,91 @@
+"""Helpers for the tensor manager's single-process tests: models, a GPipe-order loop, comparisons."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+from torch import nn
+
+from vpipe.planner.plan import Policy
+from vpipe.runtime.models import ModelSpec, build_model, cnn, transformer_lm
+from vpipe.tensor_manager import TensorManager
+
+MICRO_BATCH = 2
+
+
+def model_spec(kind: str) -> ModelSpec:
+    if kind == "transformer":
+        return transformer_lm(n_blocks=3, d_model=32, n_heads=2, seq_len=16, dropout=0.1)
+    return cnn(widths=(8, 8, 16, 16))
+
+
+def layers_of(model: nn.Sequential) -> dict[int, nn.Module]:
+    return {int(name): child for name, child in model.named_children()}
+
+
+def make_manager(model: nn.Sequential, policies: Mapping[int, Policy | str] | None = None,
+                 **kwargs: object) -> TensorManager:
+    kwargs = {"min_swap_bytes": 0, "host_pool_bytes": 32 << 20, "host_pool_chunk_bytes": 1 << 20, **kwargs}
+    return TensorManager(layers_of(model), device=torch.device("cpu"), policies=policies, **kwargs)  # type: ignore[arg-type]
+
+
+def gpipe_step(
+    model: nn.Sequential,
+    spec: ModelSpec,
+    step: int,
+    manager: TensorManager | None,
+    micro_batches: int = 3,
+    before_forward: Callable[[int], None] | None = None,
+    before_backward: Callable[[int], None] | None = None,
+) -> list[torch.Tensor]:
+    """All forwards, then all backwards (GPipe order), gradients accumulated; returns the losses."""
+    x, y = spec.batch(step, micro_batches * MICRO_BATCH, 0)
+    losses = []
+    for mb, (xm, ym) in enumerate(zip(x.tensor_split(micro_batches), y.tensor_split(micro_batches))):
+        if before_forward is not None:
+            before_forward(mb)
+        if manager is None:
+            out = model(xm)
+        else:
+            with manager.micro_batch(mb):
+                out = model(xm)
+        losses.append(spec.loss_fn()(out, ym) / micro_batches)
+    for mb, loss in enumerate(losses):
+        if before_backward is not None:
+            before_backward(mb)
+        if manager is None:
+            loss.backward()
+        else:
+            with manager.backward(mb):
+                loss.backward()
+    return [loss.detach() for loss in losses]
+
+
+def train_grads(
+    kind: str,
+    policies: Mapping[int, Policy | str] | None,
+    steps: int = 2,
+    seed: int = 11,
+    **kwargs: object,
+) -> tuple[list[dict[str, torch.Tensor]], TensorManager | None]:
+    """Gradients of each step of a GPipe-order loop (``policies=None``: no manager at all)."""
+    spec = model_spec(kind)
+    model = build_model(spec, seed=0)
+    manager = None if policies is None else make_manager(model, policies)
+    torch.manual_seed(seed)
+    out = []
+    for step in range(steps):
+        gpipe_step(model, spec, step, manager, **kwargs)  # type: ignore[arg-type]
+        out.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        model.zero_grad(set_to_none=True)
+    return out, manager
+
+
+def assert_grads_equal(got: list[dict[str, torch.Tensor]], want: list[dict[str, torch.Tensor]]) -> None:
+    assert len(got) == len(want)
+    for step, (g, w) in enumerate(zip(got, want)):
+        assert sorted(g) == sorted(w)
+        for name in w:
+            assert torch.equal(g[name], w[name]), (
+                f"step {step}, {name}: max abs diff {(g[name] - w[name]).abs().max().item():.3e}")

@@ -1,0 +1,99 @@
+"""The device budget: extra swaps/recomputes when it would be exceeded, clear errors when it cannot be met."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from tensor_manager_support import assert_grads_equal, gpipe_step, make_manager, model_spec, train_grads
+from vpipe.planner.plan import Policy
+from vpipe.runtime.models import build_model
+from vpipe.tensor_manager import MemoryBudgetError
+from vpipe.tensor_manager.budget import LayerEstimate, cheapest_escalations
+
+
+def _peak_all_kept(kind: str, micro_batches: int) -> int:
+    _, manager = train_grads(kind, {}, steps=1, micro_batches=micro_batches)
+    return manager.stats().peak_resident_bytes
+
+
+@pytest.mark.parametrize("kind", ["transformer", "cnn"])
+def test_budget_of_40_percent_holds_and_gradients_stay_exact(kind, caplog):
+    peak = _peak_all_kept(kind, micro_batches=4)
+    budget = int(0.4 * peak)
+    want, _ = train_grads(kind, None, steps=3, micro_batches=4)
+    spec = model_spec(kind)
+    model = build_model(spec, seed=0)
+    manager = make_manager(model, budget_bytes=budget)
+    torch.manual_seed(11)
+    got = []
+    with caplog.at_level(logging.INFO, logger="vpipe.decisions"):
+        for step in range(3):
+            gpipe_step(model, spec, step, manager, micro_batches=4)
+            got.append({n: p.grad.clone() for n, p in model.named_parameters()})
+            model.zero_grad(set_to_none=True)
+    assert_grads_equal(got, want)
+    s = manager.stats()
+    assert 0 < s.peak_resident_bytes <= budget
+    assert s.escalations, "a 40% budget must make the manager swap or recompute something"
+    assert all(old is Policy.KEEP for _, old, _ in s.escalations)
+    logged = [r for r in caplog.records if getattr(r, "vpipe_fields", {}).get("event") == "policy"]
+    assert len(logged) == len(s.escalations)
+    assert logged[0].vpipe_fields["budget_bytes"] == budget
+
+
+def test_budget_recomputes_when_the_host_pool_cannot_take_swaps():
+    peak = _peak_all_kept("transformer", micro_batches=4)
+    spec = model_spec("transformer")
+    model = build_model(spec, seed=0)
+    manager = make_manager(model, budget_bytes=int(0.5 * peak), host_pool_bytes=4096, host_pool_chunk_bytes=4096)
+    for step in range(2):
+        gpipe_step(model, spec, step, manager, micro_batches=4)
+    s = manager.stats()
+    assert s.peak_resident_bytes <= int(0.5 * peak)
+    assert any(new is Policy.RECOMPUTE for _, _, new in s.escalations)
+    assert s.host_pool_used_bytes == 0
+
+
+def test_a_layer_larger_than_the_budget_is_named():
+    spec = model_spec("transformer")
+    model = build_model(spec, seed=0)
+    manager = make_manager(model, budget_bytes=16 * 1024)
+    x, _ = spec.batch(0, 2, 0)
+    with pytest.raises(MemoryBudgetError, match=r"layer 1 needs 85\.5 KiB of saved activations even fully "
+                                                r"recomputed > budget 16\.0 KiB"):
+        with manager.micro_batch(0):
+            model(x)
+    assert isinstance(MemoryBudgetError("x"), ValueError)
+
+
+def test_too_many_micro_batches_in_flight_for_the_budget_is_an_error():
+    spec = model_spec("transformer")
+    model = build_model(spec, seed=0)
+    # room for the largest layer's backward, but not for 4 micro-batches of recomputed inputs besides
+    manager = make_manager(model, budget_bytes=90 * 1024, host_pool_bytes=4096, host_pool_chunk_bytes=4096)
+    with pytest.raises(MemoryBudgetError, match=r"stage budget 90\.0 KiB cannot hold 2 micro-batches in flight: "
+                                                r"even with every layer swapped or recomputed each keeps"):
+        gpipe_step(model, spec, 0, manager, micro_batches=4)
+
+
+def test_escalations_pick_the_cheapest_seconds_per_byte():
+    estimates = [
+        LayerEstimate(0, Policy.KEEP, activation_bytes=1000, swappable_bytes=1000, input_bytes=100, forward_s=1.0),
+        LayerEstimate(1, Policy.KEEP, activation_bytes=1000, swappable_bytes=1000, input_bytes=100, forward_s=0.01),
+        LayerEstimate(2, Policy.SWAP, activation_bytes=800, swappable_bytes=800, input_bytes=100, forward_s=0.01),
+    ]
+    # copies cost 1 ms per byte: recomputing layer 1 (10 ms) beats swapping anything (2 s per 1000 bytes)
+    changes = cheapest_escalations(estimates, 500, swap_s_per_byte=1e-3, overlap=0.0, pool_free_bytes=10**9,
+                                   budget_bytes=4000, context="test")
+    assert [(c.layer_id, c.new) for c in changes] == [(1, Policy.RECOMPUTE)]
+    # free copies (fully overlapped): swap first, the bigger saving among equals
+    changes = cheapest_escalations(estimates, 1500, swap_s_per_byte=1e-9, overlap=3.0, pool_free_bytes=10**9,
+                                   budget_bytes=4000, context="test")
+    assert [(c.layer_id, c.new) for c in changes] == [(0, Policy.SWAP), (1, Policy.SWAP)]
+    # no pool: only recompute is possible (saving 1800 bytes); the error names the 2200 still missing
+    with pytest.raises(MemoryBudgetError, match=r"test: 2\.1 KiB more than the budget 3\.9 KiB even with"):
+        cheapest_escalations(estimates, 4000, swap_s_per_byte=1e-9, overlap=3.0, pool_free_bytes=0,
+                             budget_bytes=4000, context="test")

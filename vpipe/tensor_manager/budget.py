@@ -1,0 +1,175 @@
+"""The device memory budget of one stage: will the next micro-batch fit, and what to give up if not.
+
+The tensor manager measures what each layer saves per micro-batch. Before a micro-batch's
+forward it projects the resident saved bytes: what is resident now, plus what this
+micro-batch will keep under the current policies, plus a working reserve for the backward
+(the largest layer's activations, which a backward brings back or recomputes at once). If
+the projection passes the budget, :func:`cheapest_escalations` picks extra swaps (D->S)
+or recomputes (D->R, S->R), the cheapest seconds per byte saved first, until it fits.
+
+A layer whose own activations for one micro-batch exceed the budget cannot run even when
+fully recomputed (the recompute materialises them): that is a :class:`MemoryBudgetError`
+naming the layer, not something to plan around.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from vpipe.planner.plan import Policy
+from vpipe.tensor_manager.accounting import format_bytes
+
+__all__ = ["MemoryBudgetError", "LayerEstimate", "Escalation", "check_layer_fits", "cheapest_escalations",
+           "fit_micro_batch", "kept_bytes"]
+
+
+class MemoryBudgetError(ValueError):
+    """The stage's saved activations cannot be made to fit its device budget."""
+
+
+@dataclass(frozen=True)
+class LayerEstimate:
+    """What one layer costs per micro-batch, as measured."""
+
+    layer_id: int
+    policy: Policy
+    activation_bytes: int  # saved by one micro-batch when kept
+    swappable_bytes: int  # the part of it a swap can move (tensors at or above the threshold)
+    input_bytes: int  # what a recomputed micro-batch keeps: its inputs
+    forward_s: float  # one forward, which is also what a recompute costs
+
+
+@dataclass(frozen=True)
+class Escalation:
+    layer_id: int
+    old: Policy
+    new: Policy
+    saved_bytes: int
+    cost_s: float
+
+
+def kept_bytes(e: LayerEstimate, policy: Policy) -> int:
+    """Bytes a micro-batch of this layer leaves resident on the device under ``policy``."""
+    if policy is Policy.KEEP:
+        return e.activation_bytes
+    if policy is Policy.SWAP:
+        return e.activation_bytes - e.swappable_bytes
+    return min(e.input_bytes, e.activation_bytes)
+
+
+def check_layer_fits(layer_id: int, activation_bytes: int, budget_bytes: int) -> None:
+    if activation_bytes > budget_bytes:
+        raise MemoryBudgetError(
+            f"layer {layer_id} needs {format_bytes(activation_bytes)} of saved activations even fully recomputed "
+            f"> budget {format_bytes(budget_bytes)}: a recompute materialises them all at once; "
+            f"raise the stage's budget, use smaller micro-batches, or split the layer"
+        )
+
+
+def _change_cost(e: LayerEstimate, old: Policy, new: Policy, swap_s_per_byte: float, overlap_s: float) -> float:
+    """Extra seconds per micro-batch of moving ``e`` from ``old`` to ``new``."""
+    def swap_cost() -> float:
+        # out and back; what overlaps the layer's own compute window is free
+        return max(0.0, 2 * e.swappable_bytes * swap_s_per_byte - overlap_s * e.forward_s)
+
+    if new is Policy.SWAP:
+        return swap_cost()
+    if old is Policy.SWAP:
+        return max(0.0, e.forward_s - swap_cost())
+    return e.forward_s
+
+
+def cheapest_escalations(
+    estimates: Iterable[LayerEstimate],
+    excess_bytes: int,
+    *,
+    swap_s_per_byte: float,
+    overlap: float,
+    pool_free_bytes: int,
+    budget_bytes: int,
+    context: str,
+) -> list[Escalation]:
+    """Policy changes that cut one micro-batch's resident bytes by ``excess_bytes``, cheapest first.
+
+    ``overlap`` is how many forward-times of compute a layer's swap can hide behind (0 when
+    copies are synchronous, as on CPU). Raises :class:`MemoryBudgetError` when even every
+    possible change does not save enough.
+    """
+    current = {e.layer_id: e for e in estimates}
+    policies = {lid: e.policy for lid, e in current.items()}
+    pool_left = pool_free_bytes
+    changes: list[Escalation] = []
+    need = excess_bytes
+    while need > 0:
+        best: tuple[float, float, Escalation] | None = None
+        for lid, e in current.items():
+            old = policies[lid]
+            options = (Policy.SWAP, Policy.RECOMPUTE) if old is Policy.KEEP else (
+                (Policy.RECOMPUTE,) if old is Policy.SWAP else ())
+            for new in options:
+                saved = kept_bytes(e, old) - kept_bytes(e, new)
+                if saved <= 0 or (new is Policy.SWAP and e.swappable_bytes > pool_left):
+                    continue
+                cost = _change_cost(e, old, new, swap_s_per_byte, overlap)
+                # cheapest per byte; among equals the one that saves more, then the earlier layer
+                key = (cost / saved, -saved)
+                if best is None or key < best[:2]:
+                    best = (key[0], key[1], Escalation(lid, old, new, saved, cost))
+        if best is None:
+            raise MemoryBudgetError(
+                f"{context}: {format_bytes(need)} more than the budget {format_bytes(budget_bytes)} "
+                f"even with every layer swapped or recomputed; raise the budget or the host pool, "
+                f"or run fewer micro-batches in flight"
+            )
+        change = best[2]
+        changes.append(change)
+        policies[change.layer_id] = change.new
+        if change.new is Policy.SWAP:
+            pool_left -= current[change.layer_id].swappable_bytes
+        need -= change.saved_bytes
+    return changes
+
+
+def fit_micro_batch(
+    estimates: list[LayerEstimate],
+    *,
+    budget_bytes: int,
+    resident_bytes: int,
+    reserve_bytes: int,
+    in_flight: int,
+    pool_free_bytes: int,
+    swap_s_per_byte: float,
+    overlap: float,
+    context: str,
+) -> list[Escalation]:
+    """The escalations the next micro-batch needs, given what is resident and how many are in flight.
+
+    The projection is the larger of now (``resident_bytes`` plus this micro-batch) and the
+    steady state (``in_flight`` micro-batches under the current policies), plus the
+    backward's reserve. Raises :class:`MemoryBudgetError` when even the steady state with
+    every layer at its leanest cannot fit.
+    """
+    if not estimates:
+        return []
+    per_mb = sum(kept_bytes(e, e.policy) for e in estimates)
+    room_now = budget_bytes - reserve_bytes - resident_bytes
+    room_steady = (budget_bytes - reserve_bytes) // in_flight
+    target = max(0, min(room_now, room_steady))
+    if per_mb <= target:
+        return []
+    least = sum(min(kept_bytes(e, p) for p in Policy if p is not Policy.SWAP or e.swappable_bytes <= pool_free_bytes)
+                for e in estimates)
+    if in_flight * least + reserve_bytes > budget_bytes:
+        raise MemoryBudgetError(
+            f"stage budget {format_bytes(budget_bytes)} cannot hold {in_flight} micro-batches in flight: even with "
+            f"every layer swapped or recomputed each keeps {format_bytes(least)}, plus "
+            f"{format_bytes(reserve_bytes)} for the largest layer's backward"
+        )
+    # what is resident now may come from micro-batches run under older policies: do what can be
+    # done for this one; the per-tensor check at pack time covers the rest
+    excess = per_mb - max(target, least)
+    if excess <= 0:
+        return []
+    return cheapest_escalations(estimates, excess, swap_s_per_byte=swap_s_per_byte, overlap=overlap,
+                                pool_free_bytes=pool_free_bytes, budget_bytes=budget_bytes, context=context)

@@ -1,0 +1,207 @@
+"""Device <-> host copies for swapping, on their own streams, with events and timings.
+
+On CUDA each direction has a dedicated low-priority stream, so a swap-out runs while the
+compute stream goes on and a prefetch runs ahead of the backward that needs it; every
+copy is a :class:`Ticket` holding an event, and the manager releases memory only once a
+ticket is done. Pipeline sends/receives should win the copy engines: NCCL's streams are
+asked for high priority (:func:`comm_process_group_options`), the copy streams take the
+lowest.
+
+Without CUDA the same interface copies synchronously: tickets are born complete and the
+time is measured with the wall clock, so all the tensor manager's logic runs (and is
+tested) on CPU.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Any
+
+import torch
+
+__all__ = ["Ticket", "CopyEngine", "CpuCopyEngine", "CudaCopyEngine", "make_copy_engine", "comm_process_group_options"]
+
+D2H = "d2h"
+H2D = "h2d"
+
+
+class Ticket:
+    """One asynchronous copy: done() polls it, wait() blocks the host until it finished."""
+
+    __slots__ = ("direction", "nbytes", "event", "start", "seconds")
+
+    def __init__(self, direction: str, nbytes: int, event: Any = None, start: Any = None,
+                 seconds: float | None = None) -> None:
+        self.direction = direction
+        self.nbytes = nbytes
+        self.event = event  # None: finished when created (CPU)
+        self.start = start
+        self.seconds = seconds
+
+    def done(self) -> bool:
+        return self.event is None or self.event.query()
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+
+
+class CopyEngine:
+    """Interface shared by the CPU and CUDA engines; keeps the copy statistics."""
+
+    device: torch.device
+    pinned: bool
+
+    def __init__(self) -> None:
+        self.bytes = {D2H: 0, H2D: 0}
+        self.seconds = {D2H: 0.0, H2D: 0.0}
+        self._untimed: deque[Ticket] = deque()
+
+    # -- copies -------------------------------------------------------------
+    def to_host(self, src: torch.Tensor, dst: torch.Tensor) -> Ticket:
+        """Copy device bytes ``src`` into host bytes ``dst`` (a pool block) asynchronously."""
+        raise NotImplementedError
+
+    def to_device(self, src: torch.Tensor, after: Ticket | None = None) -> tuple[torch.Tensor, Ticket]:
+        """Copy host bytes back into a new device tensor ahead of use (prefetch)."""
+        raise NotImplementedError
+
+    def to_device_now(self, src: torch.Tensor) -> tuple[torch.Tensor, Ticket]:
+        """Copy host bytes back on the current stream: the fallback when no prefetch was issued."""
+        raise NotImplementedError
+
+    def consume(self, tensor: torch.Tensor, ticket: Ticket) -> None:
+        """Make the current stream wait for ``ticket`` before it uses ``tensor``."""
+        raise NotImplementedError
+
+    # -- statistics ---------------------------------------------------------
+    def _account(self, ticket: Ticket) -> None:
+        self.bytes[ticket.direction] += ticket.nbytes
+        if ticket.seconds is not None:
+            self.seconds[ticket.direction] += ticket.seconds
+        else:
+            self._untimed.append(ticket)
+
+    def resolve_timings(self) -> None:
+        """Add the durations of finished asynchronous copies to the totals (no device sync)."""
+        while self._untimed and self._untimed[0].done():
+            ticket = self._untimed.popleft()
+            ticket.seconds = ticket.start.elapsed_time(ticket.event) / 1000.0
+            self.seconds[ticket.direction] += ticket.seconds
+
+    def bandwidth(self, direction: str) -> float | None:
+        """Measured bytes per second of one direction, None before the first timed copy."""
+        self.resolve_timings()
+        secs = self.seconds[direction]
+        return self.bytes[direction] / secs if secs > 0 else None
+
+
+class CpuCopyEngine(CopyEngine):
+    """The CPU stand-in: synchronous memcpy, wall-clock timing."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = device
+        self.pinned = False
+
+    def to_host(self, src: torch.Tensor, dst: torch.Tensor) -> Ticket:
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        ticket = Ticket(D2H, src.numel(), seconds=time.perf_counter() - t0)
+        self._account(ticket)
+        return ticket
+
+    def to_device(self, src: torch.Tensor, after: Ticket | None = None) -> tuple[torch.Tensor, Ticket]:
+        return self.to_device_now(src)
+
+    def to_device_now(self, src: torch.Tensor) -> tuple[torch.Tensor, Ticket]:
+        t0 = time.perf_counter()
+        out = torch.empty(src.numel(), dtype=torch.uint8, device=self.device)
+        out.copy_(src)
+        ticket = Ticket(H2D, src.numel(), seconds=time.perf_counter() - t0)
+        self._account(ticket)
+        return out, ticket
+
+    def consume(self, tensor: torch.Tensor, ticket: Ticket) -> None:
+        return None
+
+
+class CudaCopyEngine(CopyEngine):
+    """Swap-out and prefetch on two dedicated lowest-priority CUDA streams."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
+        self.pinned = True
+        # 0 is CUDA's lowest priority (higher priorities are negative): compute and NCCL go first
+        self.d2h_stream = torch.cuda.Stream(device, priority=0)
+        self.h2d_stream = torch.cuda.Stream(device, priority=0)
+
+    def _events(self) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+        return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def to_host(self, src: torch.Tensor, dst: torch.Tensor) -> Ticket:
+        start, end = self._events()
+        # the copy must see the producer's result: wait for what the compute stream queued so far
+        self.d2h_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.d2h_stream):
+            start.record()
+            dst.copy_(src, non_blocking=True)
+            end.record()
+        ticket = Ticket(D2H, src.numel(), end, start)
+        self._account(ticket)
+        return ticket
+
+    def to_device(self, src: torch.Tensor, after: Ticket | None = None) -> tuple[torch.Tensor, Ticket]:
+        start, end = self._events()
+        with torch.cuda.stream(self.h2d_stream):
+            if after is not None and after.event is not None:
+                self.h2d_stream.wait_event(after.event)  # the host bytes must have arrived
+            # allocated on the copy stream: the allocator will not hand this memory to the
+            # compute stream until consume() recorded the compute stream's use of it
+            out = torch.empty(src.numel(), dtype=torch.uint8, device=self.device)
+            start.record()
+            out.copy_(src, non_blocking=True)
+            end.record()
+        ticket = Ticket(H2D, src.numel(), end, start)
+        self._account(ticket)
+        return out, ticket
+
+    def to_device_now(self, src: torch.Tensor) -> tuple[torch.Tensor, Ticket]:
+        start, end = self._events()
+        stream = torch.cuda.current_stream(self.device)
+        start.record(stream)
+        out = torch.empty(src.numel(), dtype=torch.uint8, device=self.device)
+        out.copy_(src, non_blocking=True)
+        end.record(stream)
+        ticket = Ticket(H2D, src.numel(), end, start)
+        self._account(ticket)
+        return out, ticket
+
+    def consume(self, tensor: torch.Tensor, ticket: Ticket) -> None:
+        stream = torch.cuda.current_stream(self.device)
+        if ticket.event is not None:
+            stream.wait_event(ticket.event)
+        tensor.record_stream(stream)
+
+
+def make_copy_engine(device: torch.device) -> CopyEngine:
+    if device.type == "cuda":
+        return CudaCopyEngine(device)
+    return CpuCopyEngine(device)
+
+
+def comm_process_group_options(backend: str) -> Any | None:
+    """Process-group options that put pipeline sends/receives on high-priority streams (NCCL)."""
+    if backend != "nccl" or not torch.cuda.is_available():
+        return None
+    try:
+        from torch.distributed import ProcessGroupNCCL
+    except ImportError:  # pragma: no cover - a build without NCCL
+        return None
+    options = ProcessGroupNCCL.Options()
+    options.is_high_priority_stream = True
+    return options

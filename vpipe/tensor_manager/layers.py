@@ -1,0 +1,132 @@
+"""The modules a tensor manager manages: their hooks, the recompute forward, one layer call.
+
+A managed layer gets a forward pre-hook and an always-called forward hook (so an exception
+in the forward still pops what the pre-hook pushed). While its policy is R it also carries
+an instance attribute ``forward`` that routes the call to the manager; the attribute the
+module had before (usually none) comes back when the policy changes or the layer is
+detached. Nothing else of the module is touched, and its parent is never touched.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from vpipe.planner.plan import Policy
+from vpipe.tensor_manager.recompute import RecomputeCounter
+from vpipe.tensor_manager.swap import StorageEntry
+
+__all__ = ["ManagedLayer", "LayerCall", "claim_module", "release_module"]
+
+_MISSING = object()
+_owners: weakref.WeakKeyDictionary[nn.Module, object] = weakref.WeakKeyDictionary()
+
+
+def claim_module(module: nn.Module, owner: object, layer_id: int) -> None:
+    """A module is managed by one manager at a time (two sets of hooks would fight)."""
+    current = _owners.get(module)
+    if current is not None:
+        where = "this" if current is owner else "another"
+        raise ValueError(f"the module given for layer {layer_id} is already managed by {where} tensor manager")
+    _owners[module] = owner
+
+
+def release_module(module: nn.Module) -> None:
+    _owners.pop(module, None)
+
+
+@dataclass(eq=False)
+class ManagedLayer:
+    layer_id: int
+    module: nn.Module
+    policy: Policy = Policy.KEEP
+    hooks: list[RemovableHandle] = field(default_factory=list)
+    has_buffers: bool = False
+    wrapper: Any = None  # the forward instance attribute while the policy is R
+    original_forward: Any = _MISSING  # module.__dict__["forward"] before the wrapper was set
+    forward_s: float | None = None  # moving average of one managed forward
+    recompute_s: float = 0.0
+    recomputes: int = 0
+
+    def attach(self, pre: Callable[..., None], post: Callable[..., None]) -> None:
+        self.has_buffers = any(True for _ in self.module.buffers())
+        self.hooks.append(self.module.register_forward_pre_hook(pre))
+        self.hooks.append(self.module.register_forward_hook(post, prepend=True, always_call=True))
+
+    def detach(self) -> None:
+        for handle in self.hooks:
+            handle.remove()
+        self.hooks.clear()
+        self.restore_forward()
+
+    def route_forward(self, route: Callable[[ManagedLayer, Callable[..., Any], tuple, dict], Any]) -> None:
+        """Set the instance attribute ``forward`` to ``route(layer, original_forward, args, kwargs)``."""
+        if self.wrapper is not None:
+            return
+        module = self.module
+        self.original_forward = module.__dict__.get("forward", _MISSING)
+        inner = module.forward  # the bound method, or an instance attribute someone set before
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            return route(self, inner, args, kwargs)
+
+        self.wrapper = forward
+        module.forward = forward
+
+    def restore_forward(self) -> None:
+        if self.wrapper is None:
+            return
+        module = self.module
+        if module.__dict__.get("forward") is not self.wrapper:
+            raise RuntimeError(
+                f"layer {self.layer_id}: its forward attribute was replaced after vpipe set it for recompute; "
+                f"vpipe cannot restore the module without undoing that change"
+            )
+        if self.original_forward is _MISSING:
+            del module.__dict__["forward"]
+        else:
+            module.__dict__["forward"] = self.original_forward
+        self.wrapper = None
+        self.original_forward = _MISSING
+
+
+class LayerCall:
+    """One managed call of a layer inside a micro-batch's forward: what it saved."""
+
+    __slots__ = ("layer", "mb", "policy", "inputs", "t0", "entries", "bytes", "swappable", "counter", "buffers")
+
+    def __init__(self, layer: ManagedLayer, mb: int, args: tuple[Any, ...]) -> None:
+        self.layer = layer
+        self.mb = mb
+        self.policy = layer.policy  # read once per call: a plan may change it between micro-batches
+        self.inputs = args
+        self.entries: set[StorageEntry] = set()  # addresses can be reused within a call: count entries
+        self.bytes = 0
+        self.swappable = 0
+        self.counter: RecomputeCounter | None = None
+        self.buffers: frozenset[int] = (
+            frozenset(b.untyped_storage().data_ptr() for b in layer.module.buffers()) if layer.has_buffers
+            else frozenset()
+        )
+        self.t0 = time.perf_counter()
+
+    def is_weight(self, t: torch.Tensor) -> bool:
+        """Parameters, views of them, stashed weight versions (leaves that require grad), buffers."""
+        base = t._base
+        root = t if base is None else base
+        if root.grad_fn is not None:
+            return False  # computed in this forward: an activation
+        if root.requires_grad or root.__class__ is nn.Parameter:
+            return not any(root is a for a in self.inputs)  # a stage input is an activation
+        return bool(self.buffers) and t.untyped_storage().data_ptr() in self.buffers
+
+    def input_bytes(self) -> int:
+        """What a recompute of this call would keep instead of its activations: its tensor inputs."""
+        return sum(a.untyped_storage().nbytes() for a in self.inputs if isinstance(a, torch.Tensor))

@@ -1,0 +1,502 @@
+"""The tensor manager of one stage: keep (D), swap (S) or recompute (R) each layer's saved tensors.
+
+How it attaches (nothing is replaced: ``close()`` restores the modules exactly, see
+:mod:`.layers`):
+
+* every managed layer (a child of the stage's ``nn.Sequential``, keyed by its global layer
+  id) gets a forward pre-hook and an always-called forward hook. Inside a micro-batch's
+  forward they bracket the layer's forward with :class:`torch.autograd.graph.saved_tensors_hooks`,
+  so each tensor autograd saves is attributed to (layer, micro-batch);
+* a layer whose policy is R also carries an instance attribute ``forward`` that runs the
+  original forward under non-reentrant checkpoint (:mod:`.recompute`); it is set when the
+  policy becomes R and deleted when it stops being R or the manager closes.
+
+Forwards outside ``micro_batch()`` (torch pipelining's shape inference, evaluation) and
+forwards run inside a backward (recomputes) pass through untouched and uncounted. The
+policy is read when the layer is called, so a plan may change it between micro-batches.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+
+from vpipe.log import decision
+from vpipe.planner.plan import Plan, Policy
+from vpipe.tensor_manager.accounting import Ledger, format_bytes
+from vpipe.tensor_manager.budget import LayerEstimate, check_layer_fits, fit_micro_batch
+from vpipe.tensor_manager.copy_engine import D2H, H2D, make_copy_engine
+from vpipe.tensor_manager.pool import DEFAULT_CHUNK_BYTES, HostPool, default_host_pool_bytes
+from vpipe.tensor_manager.prefetch import BACKWARD, FORWARD, ArrivalPredictor
+from vpipe.tensor_manager.layers import LayerCall, ManagedLayer, claim_module, release_module
+from vpipe.tensor_manager.recompute import RecomputeCounter, run_recomputed
+from vpipe.tensor_manager.stats import LayerStats, TensorManagerStats
+from vpipe.tensor_manager.swap import KeptHandle, SwapEngine
+
+log = logging.getLogger("vpipe.tensor_manager")
+
+__all__ = ["TensorManager", "LayerBusyError", "DEFAULT_MIN_SWAP_BYTES"]
+
+# Below this a device->host copy is latency-bound and the bookkeeping costs more than it saves.
+DEFAULT_MIN_SWAP_BYTES = 64 * 1024
+# Copy bandwidth assumed before the first copy was timed (bytes/s).
+_ASSUMED_BANDWIDTH = {"cpu": 4e9, "cuda": 12e9}
+# How many forward-times of compute a swap can hide behind when copies are asynchronous.
+_SWAP_OVERLAP = {"cpu": 0.0, "cuda": 3.0}
+
+class LayerBusyError(RuntimeError):
+    """A layer cannot be removed while saved tensors of its forwards are alive."""
+
+
+class TensorManager:
+    """Per-stage manager of saved activations (see the module docstring and DESIGN.md)."""
+
+    def __init__(
+        self,
+        layers: Mapping[int, nn.Module],
+        *,
+        device: torch.device | str,
+        budget_bytes: int | None = None,
+        host_pool_bytes: int | None = None,
+        min_swap_bytes: int = DEFAULT_MIN_SWAP_BYTES,
+        policies: Mapping[int, Policy | str] | None = None,
+        host_pool_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    ) -> None:
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if budget_bytes is not None and (not isinstance(budget_bytes, int) or budget_bytes <= 0):
+            raise ValueError(f"budget_bytes must be a positive integer or None, got {budget_bytes!r}")
+        if host_pool_bytes is not None and (not isinstance(host_pool_bytes, int) or host_pool_bytes <= 0):
+            raise ValueError(f"host_pool_bytes must be a positive integer or None, got {host_pool_bytes!r}")
+        if not isinstance(min_swap_bytes, int) or min_swap_bytes < 0:
+            raise ValueError(f"min_swap_bytes must be a non-negative integer, got {min_swap_bytes!r}")
+        self.device = device
+        self._device_index = -1 if device.type == "cpu" else device.index  # what Tensor.get_device() says
+        self.budget_bytes = budget_bytes
+        self.min_swap_bytes = min_swap_bytes
+        self.host_pool_max_bytes = host_pool_bytes or default_host_pool_bytes()
+        self.ledger = Ledger()
+        self._copies = make_copy_engine(device)
+        self._engine = SwapEngine(device, self.ledger, self._copies, partial(
+            HostPool, self.host_pool_max_bytes, pinned=self._copies.pinned, chunk_bytes=host_pool_chunk_bytes,
+            preallocate=True))
+        self._predictor = ArrivalPredictor()
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._tls = threading.local()
+        self._layers: dict[int, ManagedLayer] = {}
+        self._mb: int | None = None
+        self._backward: list[int] = []  # micro-batches whose backward runs now (innermost last)
+        self._open: set[int] = set()  # forwarded, backward not finished
+        self._open_max = 0
+        self._open_max_last_step = 0
+        self._reserve = 0  # largest activation of one layer and micro-batch seen: the backward's working set
+        self._prefetch_throttled = False
+        self._recompute_s = 0.0
+        self._budget_swaps = 0
+        self._weights_skipped = 0
+        self._escalations: list[tuple[int, Policy, Policy]] = []
+        self._closed = False
+        for layer_id, module in layers.items():
+            self.add_layer(layer_id, module)
+        if policies:
+            self.set_policies(policies)
+
+    # ================================================================== layers
+    def add_layer(self, layer_id: int, module: nn.Module, policy: Policy | str = Policy.KEEP) -> None:
+        """Manage one more layer (e.g. one that migrated to this stage)."""
+        self._check_open()
+        if not isinstance(layer_id, int) or isinstance(layer_id, bool) or layer_id < 0:
+            raise ValueError(f"layer id must be a non-negative integer, got {layer_id!r}")
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"layer {layer_id} must be an nn.Module, got {type(module).__name__}")
+        if layer_id in self._layers:
+            raise ValueError(f"layer {layer_id} is already managed by this tensor manager")
+        claim_module(module, self, layer_id)
+        layer = ManagedLayer(layer_id, module)
+        layer.attach(partial(self._pre_forward, layer), partial(self._post_forward, layer))
+        self._layers[layer_id] = layer
+        self.set_policy(layer_id, policy)
+
+    def remove_layer(self, layer_id: int) -> nn.Module:
+        """Stop managing a layer (it migrates away); its saved tensors must all be gone."""
+        layer = self._layer(layer_id)
+        live = self._engine.live_micro_batches(layer_id)
+        if live:
+            resident = sum(self.ledger.resident_of(layer_id).values())
+            raise LayerBusyError(
+                f"layer {layer_id} still has saved activations of micro-batches {sorted(live)} "
+                f"({format_bytes(resident)} on the device); run their backward before removing the layer"
+            )
+        self._detach(layer)
+        del self._layers[layer_id]
+        self.ledger.forget_layer(layer_id)
+        self._reserve = max((self.ledger.activation_bytes(lid) or 0 for lid in self._layers), default=0)
+        return layer.module
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return sorted(self._layers)
+
+    def _layer(self, layer_id: int) -> ManagedLayer:
+        try:
+            return self._layers[layer_id]
+        except KeyError:
+            raise KeyError(f"layer {layer_id} is not managed by this tensor manager "
+                           f"(it manages layers {self.layer_ids})") from None
+
+    def _detach(self, layer: ManagedLayer) -> None:
+        try:
+            layer.detach()
+        finally:
+            release_module(layer.module)
+
+    # ================================================================== policies
+    def policy(self, layer_id: int) -> Policy:
+        return self._layer(layer_id).policy
+
+    def policies(self) -> dict[int, Policy]:
+        return {lid: layer.policy for lid, layer in sorted(self._layers.items())}
+
+    def set_policy(self, layer_id: int, policy: Policy | str) -> None:
+        """Takes effect at the layer's next call (the next micro-batch)."""
+        self._check_open()
+        layer = self._layer(layer_id)
+        policy = policy if isinstance(policy, Policy) else Policy.parse(policy)
+        layer.policy = policy
+        if policy is Policy.RECOMPUTE:
+            layer.route_forward(self._forward_layer)
+        else:
+            layer.restore_forward()
+        if policy is Policy.SWAP:
+            _ = self._engine.pool  # pin the first chunk now, not in the middle of a forward
+
+    def set_policies(self, policies: Mapping[int, Policy | str]) -> None:
+        unknown = sorted(set(policies) - set(self._layers))
+        if unknown:
+            raise KeyError(f"policies name layers {unknown} that this tensor manager does not manage "
+                           f"(it manages layers {self.layer_ids})")
+        for layer_id, policy in policies.items():
+            self.set_policy(layer_id, policy)
+
+    def apply_plan(self, plan: Plan) -> None:
+        """Set this stage's policies from a plan (layers it does not list are kept, D)."""
+        self.set_policies({lid: plan.policy(lid) for lid in self._layers})
+
+    # ================================================================== contexts
+    @contextmanager
+    def micro_batch(self, mb_id: int) -> Iterator[TensorManager]:
+        """Around one micro-batch's forward: its saved tensors are managed and attributed to ``mb_id``."""
+        self._check_open()
+        if self._mb is not None:
+            raise RuntimeError(f"micro-batch {mb_id}'s forward started inside micro-batch {self._mb}'s forward")
+        self._begin_forward(mb_id)
+        self._mb = mb_id
+        try:
+            yield self
+        finally:
+            self._mb = None
+            self._engine.poll()
+
+    @contextmanager
+    def backward(self, mb_id: int, phase: str = "full") -> Iterator[TensorManager]:
+        """Around one backward phase of a micro-batch: prefetch ordering and release bookkeeping.
+
+        ``phase`` is ``"full"``, or ``"input"`` then ``"weight"`` for schedules that split the
+        backward (zero bubble): swapped tensors are fetched for each phase and freed after the last.
+        """
+        if phase not in ("full", "input", "weight"):
+            raise ValueError(f"backward phase must be 'full', 'input' or 'weight', got {phase!r}")
+        self._predictor.observe(BACKWARD, mb_id)
+        self._backward.append(mb_id)
+        try:
+            self._pump_prefetch()
+            yield self
+        finally:
+            self._backward.pop()
+            self._engine.end_phase(mb_id)
+            self._engine.poll()
+            if phase != "input":
+                self._open.discard(mb_id)
+
+    def prefetch(self, mb_id: int) -> bool:
+        """Start bringing ``mb_id``'s swapped tensors back now; False if the budget held some back."""
+        return self._engine.prefetch(mb_id, self._prefetch_limit())
+
+    def _begin_forward(self, mb: int) -> None:
+        engine = self._engine
+        engine.drain()
+        engine.poll()
+        if self._predictor.observe(FORWARD, mb):  # a new step: remember how many were in flight in the last
+            self._open_max_last_step, self._open_max = self._open_max, 0
+        if not torch.is_grad_enabled():
+            return  # an evaluation forward saves nothing and has no backward
+        self._open.add(mb)
+        self._open_max = max(self._open_max, len(self._open))
+        if self.budget_bytes is not None:
+            self._fit_budget(mb)
+        self._pump_prefetch()
+
+    # ================================================================== hooks
+    def _frames(self) -> list[LayerCall | None]:
+        frames = getattr(self._tls, "frames", None)
+        if frames is None:
+            frames = self._tls.frames = []
+        return frames
+
+    def _pre_forward(self, layer: ManagedLayer, module: nn.Module, args: tuple[Any, ...]) -> None:
+        frames = self._frames()
+        if (self._mb is None or self._backward or not torch.is_grad_enabled()
+                or torch._C._current_graph_task_id() != -1):
+            frames.append(None)  # not a managed forward: shape inference, eval, recompute
+            return
+        frames.append(LayerCall(layer, self._mb, args))
+        self._hooks.__enter__()
+
+    def _post_forward(self, layer: ManagedLayer, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        frame = self._frames().pop()
+        if frame is None:
+            return
+        self._hooks.__exit__(None, None, None)
+        elapsed = time.perf_counter() - frame.t0
+        layer.forward_s = elapsed if layer.forward_s is None else 0.8 * layer.forward_s + 0.2 * elapsed
+        if frame.policy is Policy.RECOMPUTE:
+            counter = frame.counter
+            activation = counter.bytes if counter is not None else 0
+            swappable = counter.swappable if counter is not None else 0
+            self.ledger.inputs[layer.layer_id] = frame.bytes  # what checkpoint kept: the inputs
+        else:
+            activation, swappable = frame.bytes, frame.swappable
+            # what a recompute would keep instead: the layer's tensor inputs
+            self.ledger.inputs[layer.layer_id] = frame.input_bytes()
+        self.ledger.record_activation(layer.layer_id, frame.mb, activation, swappable)
+        if activation > self._reserve:
+            self._reserve = activation
+        if self._engine.copies_in_flight:
+            self._engine.poll()
+        if self.budget_bytes is not None:
+            check_layer_fits(layer.layer_id, activation, self.budget_bytes)
+
+    def _forward_layer(self, layer: ManagedLayer, inner: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The forward attribute of a layer under R: checkpoint when managed, else the original."""
+        frames = self._frames()
+        frame = frames[-1] if frames else None
+        if frame is None or frame.layer is not layer or frame.policy is not Policy.RECOMPUTE:
+            return inner(*args, **kwargs)
+        frame.counter = RecomputeCounter(frame.is_weight, self.min_swap_bytes)
+        return run_recomputed(layer.module, inner, args, kwargs, counter=frame.counter,
+                              on_recompute=partial(self._recomputed, layer))
+
+    def _recomputed(self, layer: ManagedLayer, seconds: float) -> None:
+        with self._engine.lock:
+            layer.recompute_s += seconds
+            layer.recomputes += 1
+            self._recompute_s += seconds
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        frame: LayerCall = self._tls.frames[-1]
+        if frame.is_weight(t):
+            self._weights_skipped += 1
+            return t
+        if t.grad_fn is not None:
+            # a saved output's grad_fn is the node saving it: holding the tensor itself would make
+            # a reference cycle (node -> saved handle -> tensor -> node) that only the GC breaks
+            t = t.detach()
+        if type(t) is not torch.Tensor or t.get_device() != self._device_index or t.layout is not torch.strided:
+            return t  # subclasses, sparse tensors, other devices: autograd keeps them as they are
+        storage = t.untyped_storage()
+        nbytes = storage.nbytes()
+        if nbytes == 0:
+            return t
+        key = storage.data_ptr()
+        engine = self._engine
+        if engine.dead:
+            engine.drain()
+        layer_id = frame.layer.layer_id
+        swap = frame.policy is Policy.SWAP and nbytes >= self.min_swap_bytes
+        if (not swap and self.budget_bytes is not None and nbytes >= self.min_swap_bytes
+                and self._over_budget(key, nbytes)):
+            swap = True
+            self._budget_swaps += 1
+        if swap:
+            handle = engine.swap_out(t, storage, layer_id, frame.mb, key, nbytes)
+        else:
+            handle = engine.keep(t, layer_id, frame.mb, key, nbytes)
+        if handle.entry not in frame.entries:  # count each storage once per layer call
+            frame.entries.add(handle.entry)
+            frame.bytes += nbytes
+            if nbytes >= self.min_swap_bytes:
+                frame.swappable += nbytes
+        return handle
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, torch.Tensor):
+            return packed
+        if packed.__class__ is KeptHandle:
+            return packed.tensor
+        tensor = self._engine.restore(packed)
+        if self._prefetch_throttled:
+            self._pump_prefetch()
+        return tensor
+
+    # ================================================================== budget
+    def _over_budget(self, key: int, nbytes: int) -> bool:
+        """Would keeping this storage pass the budget (minus the backward's reserve)? Frees what it can first."""
+        engine = self._engine
+        existing = engine.lookup(key)
+        if existing is not None and not existing.swapped:
+            return False  # already resident: keeping it costs nothing more
+        limit = self.budget_bytes - self._reserve  # type: ignore[operator]
+        if self.ledger.resident + nbytes <= limit:
+            return False
+        engine.poll()
+        engine.wait_swap_outs(limit - nbytes)
+        if self.ledger.resident + nbytes <= limit:
+            return False
+        return self.host_pool_max_bytes - (engine.pool.used_bytes if engine.has_pool else 0) >= nbytes
+
+    def _estimates(self) -> list[LayerEstimate]:
+        out = []
+        for lid, layer in sorted(self._layers.items()):
+            activation = self.ledger.activation_bytes(lid)
+            if activation is None:
+                continue  # not measured yet: the per-tensor check at pack time covers it
+            check_layer_fits(lid, activation, self.budget_bytes)  # type: ignore[arg-type]
+            swappable = min(self.ledger.swappable.get(lid, activation), activation)
+            inputs = self.ledger.inputs.get(lid, activation)
+            out.append(LayerEstimate(lid, layer.policy, activation, swappable, inputs, layer.forward_s or 0.0))
+        return out
+
+    def _fit_budget(self, mb: int) -> None:
+        """Before micro-batch ``mb``'s forward: escalate the cheapest layers until the projection fits."""
+        budget = self.budget_bytes
+        assert budget is not None
+        estimates = self._estimates()
+        in_flight = max(self._open_max_last_step, len(self._open), 1)
+        changes = fit_micro_batch(
+            estimates, budget_bytes=budget, resident_bytes=self.ledger.resident, reserve_bytes=self._reserve,
+            in_flight=in_flight,
+            pool_free_bytes=self.host_pool_max_bytes - (self._engine.pool.used_bytes if self._engine.has_pool else 0),
+            swap_s_per_byte=1.0 / self._bandwidth(D2H), overlap=_SWAP_OVERLAP[self._kind()],
+            context=f"micro-batch {mb}",
+        )
+        for change in changes:
+            self.set_policy(change.layer_id, change.new)
+            self._escalations.append((change.layer_id, change.old, change.new))
+            decision(
+                "policy", f"layer {change.layer_id}: {change.old.value} -> {change.new.value} to fit the budget",
+                layer=change.layer_id, old=change.old.value, new=change.new.value, saved_bytes=change.saved_bytes,
+                cost_s=change.cost_s, budget_bytes=budget, in_flight=in_flight, micro_batch=mb,
+            )
+
+    # ================================================================== prefetch
+    def _kind(self) -> str:
+        return "cuda" if self.device.type == "cuda" else "cpu"
+
+    def _bandwidth(self, direction: str) -> float:
+        return self._copies.bandwidth(direction) or _ASSUMED_BANDWIDTH[self._kind()]
+
+    def _prefetch_limit(self) -> int | None:
+        return None if self.budget_bytes is None else self.budget_bytes - self._reserve
+
+    def _pump_prefetch(self) -> None:
+        """Issue the prefetches the schedule's order and the predicted arrival times call for now."""
+        engine = self._engine
+        if not engine.has_pool:
+            return
+        bandwidth = self._bandwidth(H2D)
+        targets = self._backward[-1:] + self._predictor.upcoming(lambda mb: engine.host_bytes(mb) / bandwidth)
+        limit = self._prefetch_limit()
+        throttled = False
+        for mb in dict.fromkeys(targets):
+            if not engine.prefetch(mb, limit):
+                throttled = True
+                break
+        self._prefetch_throttled = throttled
+
+    # ================================================================== reporting
+    def stats(self) -> TensorManagerStats:
+        engine = self._engine
+        with engine.lock:
+            engine.drain()
+            engine.poll()
+            d2h_bw, h2d_bw = self._bandwidth(D2H), self._bandwidth(H2D)
+            layers = {}
+            for lid, layer in sorted(self._layers.items()):
+                d2h, h2d = engine.layer_d2h.get(lid, 0), engine.layer_h2d.get(lid, 0)
+                layers[lid] = LayerStats(
+                    layer_id=lid, policy=layer.policy,
+                    activation_bytes=dict(self.ledger.activation.get(lid, {})),
+                    input_bytes=self.ledger.inputs.get(lid),
+                    resident_bytes=sum(self.ledger.resident_of(lid).values()),
+                    forward_s=layer.forward_s, recompute_s=layer.recompute_s, recomputes=layer.recomputes,
+                    d2h_bytes=d2h, h2d_bytes=h2d, d2h_s=d2h / d2h_bw, h2d_s=h2d / h2d_bw,
+                )
+            pool = engine.pool if engine.has_pool else None
+            return TensorManagerStats(
+                layers=layers,
+                resident_bytes=self.ledger.resident,
+                peak_resident_bytes=self.ledger.peak,
+                budget_bytes=self.budget_bytes,
+                host_pool_used_bytes=pool.used_bytes if pool else 0,
+                host_pool_peak_bytes=pool.peak_used_bytes if pool else 0,
+                host_pool_capacity_bytes=pool.capacity_bytes if pool else 0,
+                host_pool_max_bytes=self.host_pool_max_bytes,
+                d2h_bytes=self._copies.bytes[D2H], d2h_s=self._copies.seconds[D2H],
+                h2d_bytes=self._copies.bytes[H2D], h2d_s=self._copies.seconds[H2D],
+                recompute_s=self._recompute_s,
+                sync_fallbacks=engine.sync_fallbacks,
+                prefetched=engine.prefetched,
+                budget_swaps=self._budget_swaps,
+                escalations=tuple(self._escalations),
+                live_saved_storages=engine.live_entries(),
+                multi_phase_storages=engine.multi_phase_entries,
+                weight_tensors_skipped=self._weights_skipped,
+            )
+
+    def layer_saved_bytes(self) -> dict[int, int]:
+        """Per layer, the activation bytes one micro-batch saves (largest seen; 0 if never run)."""
+        return {lid: self.ledger.activation_bytes(lid) or 0 for lid in sorted(self._layers)}
+
+    def reset_peak(self) -> None:
+        self._engine.drain()
+        self.ledger.reset_peak()
+
+    def synchronize(self) -> None:
+        """Wait for every copy in flight (benchmarks and tests; training never needs it)."""
+        self._engine.wait_all()
+
+    # ================================================================== lifetime
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this tensor manager is closed")
+
+    def close(self) -> None:
+        """Remove every hook and forward attribute; saved tensors still alive stay usable."""
+        if self._closed:
+            return
+        self._closed = True
+        for layer in self._layers.values():
+            try:
+                self._detach(layer)
+            except RuntimeError as e:  # someone else's forward attribute: leave it, say so
+                log.warning("tensor manager close: %s", e)
+
+    def __enter__(self) -> TensorManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        pol = "".join(layer.policy.value for _, layer in sorted(self._layers.items()))
+        budget = "none" if self.budget_bytes is None else format_bytes(self.budget_bytes)
+        return f"TensorManager(device={self.device}, layers={self.layer_ids}, policies={pol}, budget={budget})"

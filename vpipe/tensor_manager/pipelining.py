@@ -1,0 +1,86 @@
+"""Attaching a tensor manager to a ``torch.distributed.pipelining`` stage.
+
+The schedules call ``stage.forward_one_chunk(chunk_id, ...)``,
+``stage.backward_one_chunk(chunk_id, ..., full_backward=...)`` and, for zero-bubble
+schedules, ``stage.backward_weight_one_chunk(chunk_id)``. Wrapping those three as
+*instance attributes* gives the manager the micro-batch id of every forward and backward
+without touching ``stage.submod`` (schedules check its type) or the schedule. The
+shape-inference forward of the first ``step()`` does not go through
+``forward_one_chunk``, so it is neither managed nor counted. vpipe's PipeDream schedule
+calls the same methods (its forward runs the module through ``functional_call`` on
+stashed weights, which the manager recognises as weights and leaves alone).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch.distributed.pipelining.stage import _PipelineStageBase
+
+from vpipe.tensor_manager.manager import TensorManager
+
+__all__ = ["install_on_stage", "StageHandle"]
+
+_WRAPPED = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
+_MISSING = object()
+
+
+class StageHandle:
+    """Returned by :func:`install_on_stage`; ``remove()`` puts the stage's methods back."""
+
+    def __init__(self, stage: _PipelineStageBase, manager: TensorManager, saved: dict[str, Any],
+                 wrappers: dict[str, Any]) -> None:
+        self.stage = stage
+        self.manager = manager
+        self._saved = saved
+        self._wrappers = wrappers
+        self.removed = False
+
+    def remove(self) -> None:
+        if self.removed:
+            return
+        for name, wrapper in self._wrappers.items():
+            if self.stage.__dict__.get(name) is not wrapper:
+                raise RuntimeError(f"stage {self.stage.stage_index}: {name} was replaced after vpipe wrapped it; "
+                                   f"cannot restore it")
+        for name, previous in self._saved.items():
+            if previous is _MISSING:
+                del self.stage.__dict__[name]
+            else:
+                self.stage.__dict__[name] = previous
+        del self.stage.__dict__["_vpipe_tensor_manager"]
+        self.removed = True
+
+
+def install_on_stage(stage: _PipelineStageBase, manager: TensorManager) -> StageHandle:
+    """Route the stage's forwards and backwards through ``manager`` (micro-batch id = chunk id)."""
+    if not isinstance(stage, _PipelineStageBase):
+        raise TypeError(f"install_on_stage needs a torch.distributed.pipelining stage, got {type(stage).__name__}")
+    if "_vpipe_tensor_manager" in stage.__dict__:
+        raise RuntimeError(f"stage {stage.stage_index} already has a vpipe tensor manager installed")
+    saved = {name: stage.__dict__.get(name, _MISSING) for name in _WRAPPED}
+    forward = stage.forward_one_chunk
+    backward = stage.backward_one_chunk
+    backward_weight = stage.backward_weight_one_chunk
+
+    def forward_one_chunk(fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        with manager.micro_batch(fwd_chunk_id):
+            return forward(fwd_chunk_id, *args, **kwargs)
+
+    def backward_one_chunk(bwd_chunk_id: int, loss: Any = None, full_backward: bool = True,
+                           last_backward: bool = False) -> Any:
+        with manager.backward(bwd_chunk_id, phase="full" if full_backward else "input"):
+            return backward(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
+
+    def backward_weight_one_chunk(bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        with manager.backward(bwd_chunk_id, phase="weight"):
+            return backward_weight(bwd_chunk_id, *args, **kwargs)
+
+    wrappers = {
+        "forward_one_chunk": forward_one_chunk,
+        "backward_one_chunk": backward_one_chunk,
+        "backward_weight_one_chunk": backward_weight_one_chunk,
+    }
+    stage.__dict__.update(wrappers)
+    stage.__dict__["_vpipe_tensor_manager"] = manager
+    return StageHandle(stage, manager, saved, wrappers)

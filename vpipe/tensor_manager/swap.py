@@ -1,0 +1,397 @@
+"""Saved-tensor storage: kept on the device, or swapped to the host pool and brought back.
+
+Autograd's pack hook returns a *handle* per saved tensor; several handles may share one
+*entry*, the bookkeeping of one storage (``q``, ``k`` and ``v`` are views of one ``qkv``
+storage; a dropout output is saved by the next op too): a storage saved several times is
+copied to the host once, and its bytes are counted once.
+
+Lifetimes follow autograd, not the schedule: an entry is released when the last handle
+that refers to it is destroyed, which autograd does after the last backward that needs
+it. A zero-bubble schedule unpacks twice (input gradients, then weight gradients, with
+``retain_graph`` in between), so the host copy of a swapped tensor outlives the first
+unpack and is freed only after the second. A device copy brought back for a backward
+pass is dropped as soon as every handle of its entry was unpacked in that pass (or at the
+end of the pass), and fetched again if a later pass needs it.
+
+Handles are destroyed wherever autograd runs (on CUDA, its device thread); their
+destructor only queues the entry, and the queue is drained under a lock at the next safe
+point (a pack, an unpack, a context boundary, a stats read).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from vpipe.tensor_manager.accounting import Ledger
+from vpipe.tensor_manager.copy_engine import CopyEngine, Ticket
+from vpipe.tensor_manager.pool import HostPool, PoolBlock
+
+__all__ = ["StorageEntry", "SwappedEntry", "KeptHandle", "SwappedHandle", "SwapEngine"]
+
+
+class StorageEntry:
+    """One saved storage of one (layer, micro-batch), kept on the device."""
+
+    __slots__ = ("key", "layer", "mb", "nbytes", "seq", "refs", "counted", "released")
+    swapped = False
+
+    def __init__(self, key: int, layer: int, mb: int, nbytes: int, seq: int) -> None:
+        self.key = key
+        self.layer = layer
+        self.mb = mb
+        self.nbytes = nbytes
+        self.seq = seq
+        self.refs = 0
+        self.counted = False  # its bytes are in the ledger's resident total
+        self.released = False
+
+
+class SwappedEntry(StorageEntry):
+    """A storage copied to the host pool, and what brings it back."""
+
+    __slots__ = ("source", "host", "d2h", "device_copy", "h2d", "weak", "unpacks", "phases", "last_phase",
+                 "phase_unpacks", "users")
+    swapped = True
+
+    def __init__(self, key: int, layer: int, mb: int, nbytes: int, seq: int) -> None:
+        super().__init__(key, layer, mb, nbytes, seq)
+        self.source: torch.Tensor | None = None  # the original device bytes, while a swap-out is in flight
+        self.host: PoolBlock | None = None
+        self.d2h: Ticket | None = None
+        self.device_copy: torch.Tensor | None = None  # brought back for a backward
+        self.h2d: Ticket | None = None
+        self.weak: StorageWeakRef | None = None
+        self.unpacks = 0
+        self.phases = 0  # backward passes (autograd graph tasks) that unpacked it
+        self.last_phase = -1
+        self.phase_unpacks = 0
+        self.users = [mb]  # micro-batches with handles on it (views of one input are shared by several)
+
+
+E = TypeVar("E", bound=StorageEntry)
+
+
+class KeptHandle:
+    """What the pack hook returns for a tensor that stays on the device."""
+
+    __slots__ = ("tensor", "entry", "_dead")
+
+    def __init__(self, tensor: torch.Tensor, entry: StorageEntry, dead: deque) -> None:
+        self.tensor = tensor
+        self.entry = entry
+        self._dead = dead
+
+    def __del__(self) -> None:
+        self._dead.append(self.entry)
+
+
+class SwappedHandle:
+    """What the pack hook returns for a swapped tensor: the view to rebuild on its storage."""
+
+    __slots__ = ("entry", "dtype", "size", "stride", "offset", "_dead")
+
+    def __init__(self, t: torch.Tensor, entry: SwappedEntry, dead: deque) -> None:
+        self.entry = entry
+        self.dtype = t.dtype
+        self.size = t.size()
+        self.stride = t.stride()
+        self.offset = t.storage_offset()
+        self._dead = dead
+
+    def __del__(self) -> None:
+        self._dead.append(self.entry)
+
+
+def flat_bytes(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
+    """A uint8 tensor over a whole storage (no copy)."""
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+
+
+class SwapEngine:
+    """Keeps, swaps out, prefetches and releases saved storages; feeds the ledger."""
+
+    def __init__(self, device: torch.device, ledger: Ledger, copies: CopyEngine,
+                 make_pool: Callable[[], HostPool]) -> None:
+        self.device = device
+        self.ledger = ledger
+        self.copies = copies
+        self._make_pool = make_pool
+        self._pool: HostPool | None = None
+        self.lock = threading.RLock()
+        self.dead: deque[StorageEntry] = deque()
+        self._by_key: dict[int, StorageEntry] = {}
+        self._swapped: dict[int, dict[int, SwappedEntry]] = {}  # mb -> seq -> live swapped entry
+        self._live: dict[tuple[int, int], int] = {}  # (layer, mb) -> live entries
+        self._swapping_out: deque[SwappedEntry] = deque()
+        self._deferred: deque[tuple[Ticket, PoolBlock | None, object]] = deque()
+        self._seq = 0
+        self.sync_fallbacks = 0
+        self.prefetched = 0
+        self.multi_phase_entries = 0  # released after being unpacked in more than one backward phase
+        self.layer_d2h: dict[int, int] = {}
+        self.layer_h2d: dict[int, int] = {}
+
+    # ------------------------------------------------------------------ pool
+    @property
+    def pool(self) -> HostPool:
+        if self._pool is None:
+            self._pool = self._make_pool()
+        return self._pool
+
+    @property
+    def has_pool(self) -> bool:
+        return self._pool is not None
+
+    # ------------------------------------------------------------------ pack side
+    def lookup(self, key: int) -> StorageEntry | None:
+        entry = self._by_key.get(key)
+        if entry is not None and entry.swapped and entry.source is None and entry.weak.expired():  # type: ignore
+            # the storage it was saved from died; the address now belongs to another one
+            del self._by_key[key]
+            return None
+        return entry
+
+    def keep(self, t: torch.Tensor, layer: int, mb: int, key: int, nbytes: int) -> KeptHandle:
+        with self.lock:
+            entry = self.lookup(key)
+            if entry is None or entry.swapped:
+                entry = self._new_entry(StorageEntry, key, layer, mb, nbytes)
+                entry.counted = True
+                self.ledger.add(layer, mb, nbytes)
+            entry.refs += 1
+            return KeptHandle(t, entry, self.dead)
+
+    def swap_out(self, t: torch.Tensor, storage: torch.UntypedStorage, layer: int, mb: int,
+                 key: int, nbytes: int) -> KeptHandle | SwappedHandle:
+        with self.lock:
+            entry = self.lookup(key)
+            if entry is not None and not entry.swapped:
+                entry.refs += 1  # already kept on the device by another save: copying frees nothing
+                return KeptHandle(t, entry, self.dead)
+            if entry is None:
+                block = self.pool.alloc(nbytes)
+                source = flat_bytes(storage, self.device)
+                ticket = self.copies.to_host(source, block.data)
+                entry = self._new_entry(SwappedEntry, key, layer, mb, nbytes)
+                entry.host, entry.d2h = block, ticket
+                entry.weak = StorageWeakRef(storage)
+                self._swapped.setdefault(mb, {})[entry.seq] = entry
+                self.layer_d2h[layer] = self.layer_d2h.get(layer, 0) + nbytes
+                if not ticket.done():  # hold the device bytes until the copy has read them
+                    entry.source = source
+                    entry.counted = True
+                    self.ledger.add(layer, mb, nbytes)
+                    self._swapping_out.append(entry)
+            elif mb not in entry.users:  # another micro-batch saved the same storage: prefetch it for both
+                entry.users.append(mb)
+                self._swapped.setdefault(mb, {})[entry.seq] = entry
+            entry.refs += 1
+            return SwappedHandle(t, entry, self.dead)
+
+    def _new_entry(self, kind: type[E], key: int, layer: int, mb: int, nbytes: int) -> E:
+        self._seq += 1
+        entry = kind(key, layer, mb, nbytes, self._seq)
+        self._by_key[key] = entry
+        self._live[(layer, mb)] = self._live.get((layer, mb), 0) + 1
+        return entry
+
+    # ------------------------------------------------------------------ unpack side
+    def restore(self, handle: SwappedHandle) -> torch.Tensor:
+        """The saved tensor, on the device: from the original, a prefetched copy, or a copy made now."""
+        with self.lock:
+            self.drain()
+            entry = handle.entry
+            entry.unpacks += 1
+            task = torch._C._current_graph_task_id()  # one id per backward pass
+            if task != entry.last_phase:
+                entry.last_phase = task
+                entry.phases += 1
+                entry.phase_unpacks = 0
+            entry.phase_unpacks += 1
+            if entry.source is not None:
+                base = entry.source
+            elif entry.device_copy is not None:
+                base = entry.device_copy
+                self.copies.consume(base, entry.h2d)  # type: ignore[arg-type]
+            else:
+                self.sync_fallbacks += 1
+                base = self._fetch(entry, now=True)
+            restored = torch.empty(0, dtype=handle.dtype, device=base.device).set_(
+                base.untyped_storage(), handle.offset, handle.size, handle.stride
+            )
+            if entry.phase_unpacks >= entry.refs:
+                # every handle had its unpack in this pass: the node using it holds the storage
+                # until it finished; a later pass (zero-bubble weight gradients) fetches again
+                self._drop_device_copy(entry)
+            return restored
+
+    def _fetch(self, entry: SwappedEntry, now: bool) -> torch.Tensor:
+        block = entry.host
+        assert block is not None
+        if now:
+            copy, ticket = self.copies.to_device_now(block.data)
+        else:
+            copy, ticket = self.copies.to_device(block.data, after=entry.d2h)
+        entry.device_copy, entry.h2d = copy, ticket
+        entry.counted = True
+        self.ledger.add(entry.layer, entry.mb, entry.nbytes)
+        self.layer_h2d[entry.layer] = self.layer_h2d.get(entry.layer, 0) + entry.nbytes
+        return copy
+
+    # ------------------------------------------------------------------ prefetch
+    def host_bytes(self, mb: int) -> int:
+        """Bytes of ``mb`` that are only on the host (what a prefetch would copy)."""
+        return sum(e.nbytes for e in self._swapped.get(mb, {}).values()
+                   if e.source is None and e.device_copy is None)
+
+    def prefetch(self, mb: int, limit_bytes: int | None) -> bool:
+        """Bring ``mb``'s swapped storages back, last saved first (backward order).
+
+        Stops before the resident total would pass ``limit_bytes``; returns False if it
+        stopped early (the rest is fetched later, or on demand).
+        """
+        with self.lock:
+            self.drain()
+            entries = self._swapped.get(mb)
+            if not entries:
+                return True
+            for entry in reversed(list(entries.values())):
+                if entry.source is not None or entry.device_copy is not None or entry.released:
+                    continue
+                if limit_bytes is not None and self.ledger.resident + entry.nbytes > limit_bytes:
+                    return False
+                self._fetch(entry, now=False)
+                self.prefetched += 1
+            return True
+
+    def end_phase(self, mb: int) -> None:
+        """A backward phase of ``mb`` ended: drop its device copies (a later phase fetches again)."""
+        with self.lock:
+            self.drain()
+            for entry in self._swapped.get(mb, {}).values():
+                self._drop_device_copy(entry)
+
+    def _drop_device_copy(self, entry: SwappedEntry) -> None:
+        if entry.device_copy is None:
+            return
+        if entry.h2d is not None and not entry.h2d.done():
+            # the copy still reads the host block: the block must not be reused before it ends
+            self._deferred.append((entry.h2d, None, entry.device_copy))
+        entry.device_copy = None
+        entry.h2d = None
+        if entry.source is None and entry.counted:
+            entry.counted = False
+            self.ledger.sub(entry.layer, entry.mb, entry.nbytes)
+
+    # ------------------------------------------------------------------ release
+    def drain(self) -> bool:
+        """Release the entries whose last handle died; True if any was released."""
+        released = False
+        with self.lock:
+            while self.dead:
+                entry = self.dead.popleft()
+                entry.refs -= 1
+                if entry.refs == 0:
+                    self._release(entry)
+                    released = True
+        return released
+
+    def _release(self, entry: StorageEntry) -> None:
+        entry.released = True
+        if self._by_key.get(entry.key) is entry:
+            del self._by_key[entry.key]
+        key = (entry.layer, entry.mb)
+        left = self._live[key] - 1
+        if left:
+            self._live[key] = left
+        else:
+            del self._live[key]
+        if entry.counted:
+            entry.counted = False
+            self.ledger.sub(entry.layer, entry.mb, entry.nbytes)
+        if not isinstance(entry, SwappedEntry):
+            return
+        for mb in entry.users:
+            by_mb = self._swapped.get(mb)
+            if by_mb is not None:
+                by_mb.pop(entry.seq, None)
+                if not by_mb:
+                    del self._swapped[mb]
+        if entry.phases > 1:
+            self.multi_phase_entries += 1
+        pending = [t for t in (entry.d2h, entry.h2d) if t is not None and not t.done()]
+        if pending:
+            # a copy still uses the block (and the device bytes): free both once it ended
+            self._deferred.append((pending[-1], entry.host, (entry.source, entry.device_copy)))
+        elif entry.host is not None:
+            self.pool.free(entry.host)
+        entry.host = entry.source = entry.device_copy = None
+
+    @property
+    def copies_in_flight(self) -> bool:
+        """Whether a swap-out or a deferred free waits for a copy (never on CPU)."""
+        return bool(self._swapping_out or self._deferred)
+
+    def poll(self) -> None:
+        """Finish what completed copies allow: drop swapped-out device bytes, free deferred blocks."""
+        with self.lock:
+            while self._swapping_out and (self._swapping_out[0].d2h is None or self._swapping_out[0].d2h.done()):
+                self._finish_swap_out(self._swapping_out.popleft())
+            while self._deferred and self._deferred[0][0].done():
+                _, block, _ = self._deferred.popleft()
+                if block is not None:
+                    self.pool.free(block)
+            self.copies.resolve_timings()
+
+    def _finish_swap_out(self, entry: SwappedEntry) -> None:
+        if entry.released or entry.source is None:
+            return
+        entry.source = None
+        if entry.device_copy is None and entry.counted:
+            entry.counted = False
+            self.ledger.sub(entry.layer, entry.mb, entry.nbytes)
+
+    def wait_swap_outs(self, until_resident: int) -> None:
+        """Block until in-flight swap-outs have released enough device bytes (budget pressure)."""
+        with self.lock:
+            while self._swapping_out and self.ledger.resident > until_resident:
+                entry = self._swapping_out.popleft()
+                if entry.d2h is not None:
+                    entry.d2h.wait()
+                self._finish_swap_out(entry)
+
+    def wait_all(self) -> None:
+        """Block until every copy in flight ended (tests, close)."""
+        with self.lock:
+            self.wait_swap_outs(-1)
+            while self._deferred:
+                ticket, block, _ = self._deferred.popleft()
+                ticket.wait()
+                if block is not None:
+                    self.pool.free(block)
+            for entries in self._swapped.values():
+                for entry in entries.values():
+                    if entry.h2d is not None:
+                        entry.h2d.wait()
+            self.copies.resolve_timings()
+
+    # ------------------------------------------------------------------ queries
+    def live_micro_batches(self, layer: int) -> dict[int, int]:
+        """Micro-batches that still hold saved storages of ``layer`` -> how many."""
+        with self.lock:
+            self.drain()
+            return {mb: n for (lid, mb), n in self._live.items() if lid == layer}
+
+    def live_entries(self) -> int:
+        with self.lock:
+            self.drain()
+            return sum(self._live.values())
+
+    def swapped_micro_batches(self) -> list[int]:
+        return list(self._swapped)
