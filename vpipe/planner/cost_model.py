@@ -208,28 +208,16 @@ class GraphProfile:
         self.act = np.array([node.act_bytes for node in nodes], dtype=float)
         self.params = np.array([node.param_bytes for node in nodes], dtype=float)
         pos = {node.id: i for i, node in enumerate(nodes)}
-        by_source: dict[int, dict[int, int]] = {}
-        by_dest: list[dict[int, int]] = [{} for _ in range(n)]
-        for s, d, b in graph.edges:
-            ps, pd = pos[s], pos[d]
-            dests = by_source.setdefault(ps, {})
-            dests[pd] = max(dests.get(pd, 0), b)
-            by_dest[pd][ps] = max(by_dest[pd].get(ps, 0), b)
-        self.in_bytes = np.array([float(sum(srcs.values())) for srcs in by_dest], dtype=float)
-        diff = np.zeros(n + 2, dtype=float)
-        for ps, dests in by_source.items():
-            # Boundary c (ps < c <= last consumer) carries the largest edge still to be consumed.
-            items = sorted(dests.items(), reverse=True)
-            running = 0
-            for idx, (pd, b) in enumerate(items):
-                running = max(running, b)
-                lo = items[idx + 1][0] + 1 if idx + 1 < len(items) else ps + 1
-                if lo <= pd:
-                    diff[lo] += running
-                    diff[pd + 1] -= running
-        self.cut = np.cumsum(diff)[: n + 1]
-        self.cut[0] = 0.0
-        self.cut[n] = 0.0
+        # edges as positions, one row per (source, consumer) pair with the largest bytes
+        raw = np.array([(pos[s], pos[d], b) for s, d, b in graph.edges], dtype=np.int64).reshape(-1, 3)
+        order = np.lexsort((-raw[:, 2], -raw[:, 1], raw[:, 0]))  # by source, consumer descending
+        raw = raw[order]
+        keep = np.ones(len(raw), dtype=bool)
+        keep[1:] = (raw[1:, 0] != raw[:-1, 0]) | (raw[1:, 1] != raw[:-1, 1])
+        src, dst, nbytes = raw[keep, 0], raw[keep, 1], raw[keep, 2]
+        self.edge_src, self.edge_dst = src, dst
+        self.in_bytes = np.bincount(dst, weights=nbytes.astype(float), minlength=n).astype(float)
+        self.cut = _boundary_bytes(n, src, dst, nbytes)
         self.num_edges = len(graph.edges)
 
     def position(self, node_id: int) -> int:
@@ -338,6 +326,34 @@ class StageCosts:
 
     def comm_bytes(self, cuts: Sequence[int]) -> int:
         return int(round(sum(self.profile.cut[c] for c in cuts)))
+
+
+def _boundary_bytes(n: int, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
+    """Bytes crossing each boundary, a source's tensor counted once per boundary.
+
+    Rows are sorted by source, then consumer descending. Boundary ``c`` (``src < c <= dst``)
+    carries, for each source, the largest of its edges whose consumer is at or after ``c``:
+    a running maximum within each source's rows, applied to the boundaries between that
+    consumer and the next nearer one."""
+    cut = np.zeros(n + 1)
+    if src.size == 0:
+        return cut
+    new_source = np.ones(src.size, dtype=bool)
+    new_source[1:] = src[1:] != src[:-1]
+    group = np.cumsum(new_source) - 1
+    offset = group * (int(nbytes.max()) + 1)  # makes a running max restart at each source
+    running = np.maximum.accumulate(nbytes + offset) - offset
+    last_in_group = np.ones(src.size, dtype=bool)
+    last_in_group[:-1] = new_source[1:]
+    nearer = np.where(last_in_group, src, np.roll(dst, -1))  # the next nearer consumer, or the source
+    lo, hi = nearer + 1, dst
+    ok = lo <= hi
+    diff = np.zeros(n + 2)
+    np.add.at(diff, lo[ok], running[ok].astype(float))
+    np.add.at(diff, hi[ok] + 1, -running[ok].astype(float))
+    cut[:] = np.cumsum(diff)[: n + 1]
+    cut[0] = cut[n] = 0.0
+    return cut
 
 
 def _prefix(values: np.ndarray) -> np.ndarray:
