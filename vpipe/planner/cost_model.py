@@ -60,6 +60,7 @@ __all__ = [
     "stage_memory",
     "pipeline_step_time",
     "throughput",
+    "segment_of",
 ]
 
 ScheduleName = Literal["gpipe", "1f1b", "pipedream"]
@@ -363,7 +364,12 @@ def _prefix(values: np.ndarray) -> np.ndarray:
 
 
 # --------------------------------------------------------------------- public helpers
-def _segment(graph: LayerGraph, layer_ids: Sequence[int]) -> tuple[int, int]:
+def segment_of(graph: LayerGraph, layer_ids: Sequence[int]) -> tuple[int, int]:
+    """Positions ``[start, end)`` of a stage given as layer ids; ValueError unless it is a
+    non-empty contiguous run of known layers."""
+    unknown = [lid for lid in layer_ids if lid not in graph._index]
+    if unknown:
+        raise ValueError(f"graph {graph.name!r} has no layer(s) {unknown[:5]}")
     positions = sorted(graph.position(lid) for lid in layer_ids)
     if not positions:
         raise ValueError("a stage needs at least one layer")
@@ -382,7 +388,7 @@ def stage_time(
     profile = GraphProfile(graph)
     setup = PipelineSetup(num_stages=1, hardware=hardware or Hardware())
     costs = StageCosts(profile, setup, profile.codes_from(policies or {}))
-    i, j = _segment(graph, layer_ids)
+    i, j = segment_of(graph, layer_ids)
     return float(costs.time(i, j))
 
 
@@ -403,5 +409,5 @@ def stage_memory(
     profile = GraphProfile(graph)
     setup = PipelineSetup(num_stages, schedule, micro_batches, hardware or Hardware())
     costs = StageCosts(profile, setup, profile.codes_from(policies or {}))
-    i, j = _segment(graph, layer_ids)
+    i, j = segment_of(graph, layer_ids)
     return float(costs.memory(i, j, stage))

@@ -11,7 +11,7 @@ positions and the optimum can be found by dynamic programming over (stage, end p
   bottleneck: :func:`exact_partition` chains the two.
 
 Both honour per-stage memory limits. The DP is banded: in a partition with bottleneck
-<= T every stage computes for <= T, so only segments that short are tried, and T comes
+<= T every stage computes, and swaps, for <= T, so only segments that short are tried, and T comes
 from a valid partition found by the greedy probe, which makes the oracle
 O(n * (n/p) * p) rather than O(p * n^2).
 """
@@ -113,7 +113,9 @@ def _greedy_probe(costs: StageCosts, p: int, budgets: np.ndarray, memory: Memory
         if k == p - 1:
             js = np.array([n])
         else:
-            j_max = min(int(np.searchsorted(prefix, prefix[i] + limit, side="right")) - 1, n - (p - 1 - k))
+            j_max = min(int(np.searchsorted(prefix, prefix[i] + limit, side="right")) - 1,
+                        int(np.searchsorted(costs.swap_prefix, costs.swap_prefix[i] + limit, side="right")) - 1,
+                        n - (p - 1 - k))
             js = np.arange(i + 1, j_max + 1)
         ok = np.asarray(costs.time(i, js)) <= limit
         if np.isfinite(budgets[k]):
@@ -152,16 +154,19 @@ def _banded_dp(costs: StageCosts, p: int, budgets: np.ndarray, limit: float, mem
     n = costs.n
     slack = limit * (1.0 + _REL_TOL) + 1e-18
     prefix = costs.compute_prefix
-    lo = np.searchsorted(prefix, prefix - slack, side="left")  # first start whose compute to j fits
-    total = prefix[-1]
+    # a stage's time is at least its compute and at least its copy-link time (eq. 2)
+    swap = costs.swap_prefix
+    lo = np.maximum(np.searchsorted(prefix, prefix - slack, side="left"),
+                    np.searchsorted(swap, swap - slack, side="left"))
     parents: list[np.ndarray] = []
     value = np.full(n + 1, np.inf)
     value[0] = 0.0
     for k in range(p):
         ja, jb = k + 1, (n - (p - 1 - k) if k < p - 1 else n)
         if k < p - 1:  # the stages before must fit in k limits, the ones after in p - 1 - k
-            ja = max(ja, int(np.searchsorted(prefix, total - (p - 1 - k) * slack, side="left")))
-            jb = min(jb, int(np.searchsorted(prefix, (k + 1) * slack, side="right")) - 1)
+            for busy in (prefix, swap):
+                ja = max(ja, int(np.searchsorted(busy, busy[-1] - (p - 1 - k) * slack, side="left")))
+                jb = min(jb, int(np.searchsorted(busy, (k + 1) * slack, side="right")) - 1)
         else:
             ja = n
         reachable = np.flatnonzero(np.isfinite(value))

@@ -171,48 +171,66 @@ def _cheapest_sums(values: np.ndarray, count: int) -> np.ndarray:
 
 
 def _kl_cut(costs: StageCosts, candidates: np.ndarray, lo: int, hi: int, left_stages: int,
-            right_stages: int) -> int:
+            right_stages: int, first_stage: int, budgets: np.ndarray, memory: MemoryMode) -> int:
     """Kernighan-Lin on one contiguous boundary: best prefix of boundary-vertex moves.
 
-    A side's per-stage load counts its compute, its two outer boundaries, and its inner
-    boundaries (each received twice: activations forward, gradients backward), priced at
-    the cheapest coarse boundaries on that side, where the recursion will put them."""
-    prefix, comm = costs.compute_prefix, costs.comm
+    A move's gain is the change in (memory overflow, imbalance beyond the tolerance,
+    boundary bytes), compared in that order. A side's per-stage load counts its busy time
+    (compute, or copy-link time where swaps dominate), its two outer boundaries, and its
+    inner boundaries (each received twice: activations forward, gradients backward) priced
+    at the cheapest coarse boundaries on that side, where the recursion will put them."""
+    c_pre, x_pre, comm = costs.compute_prefix, costs.swap_prefix, costs.comm
     c_comm = comm[candidates]
     inner_left = _cheapest_sums(c_comm, left_stages - 1)[:-1]  # boundaries strictly left of each
     inner_right = _cheapest_sums(c_comm[::-1], right_stages - 1)[:-1][::-1]
-    left = prefix[candidates] - prefix[lo] + comm[lo] + c_comm + 2.0 * inner_left
-    right = prefix[hi] - prefix[candidates] + c_comm + comm[hi] + 2.0 * inner_right
+    busy_left = np.maximum(c_pre[candidates] - c_pre[lo], x_pre[candidates] - x_pre[lo])
+    busy_right = np.maximum(c_pre[hi] - c_pre[candidates], x_pre[hi] - x_pre[candidates])
+    left = busy_left + comm[lo] + c_comm + 2.0 * inner_left
+    right = busy_right + c_comm + comm[hi] + 2.0 * inner_right
     estimate = np.maximum(left / left_stages, right / right_stages)
-    finite = np.isfinite(estimate)
-    if not finite.any():  # too few coarse boundaries for the inner cuts: balance compute alone
-        estimate = np.maximum((prefix[candidates] - prefix[lo]) / left_stages,
-                              (prefix[hi] - prefix[candidates]) / right_stages)
+    if not np.isfinite(estimate).any():  # too few coarse boundaries for the inner cuts
+        estimate = np.maximum(busy_left / left_stages, busy_right / right_stages)
     penalty = np.maximum(0.0, estimate - (1.0 + _BALANCE_TOL) * estimate.min())
+    overflow = _memory_overflow(costs, candidates, lo, hi, left_stages, right_stages, first_stage, budgets, memory)
     cut_bytes = costs.profile.cut[candidates]
+    keys = (overflow, penalty, cut_bytes)
     # start at the best-balanced boundary, then let passes move it while they gain
-    current = int(np.argmin(estimate))
+    current = int(np.lexsort((estimate, overflow))[0])
     while True:
         best = current
         for direction in (-1, 1):
             moves = np.arange(current + direction, -1 if direction < 0 else len(candidates), direction)
             if moves.size == 0:
                 continue
-            # keys of every prefix of this pass: lexicographic (penalty, bytes)
-            order = np.lexsort((cut_bytes[moves], penalty[moves]))
-            top = int(moves[order[0]])
-            if (penalty[top], cut_bytes[top]) < (penalty[best], cut_bytes[best]):
+            # the best prefix of this pass ends at its best move
+            top = int(moves[np.lexsort(tuple(k[moves] for k in reversed(keys)))[0]])
+            if tuple(k[top] for k in keys) < tuple(k[best] for k in keys):
                 best = top
         if best == current:
             return int(candidates[current])
         current = best
 
 
-def recursive_bisection(costs: StageCosts, coarse: CoarseGraph, num_stages: int) -> list[int]:
+def _memory_overflow(costs: StageCosts, candidates: np.ndarray, lo: int, hi: int, left_stages: int,
+                     right_stages: int, first_stage: int, budgets: np.ndarray, memory: MemoryMode) -> np.ndarray:
+    """How far each side's average stage would exceed its tightest budget (0 when it fits)."""
+    out = np.zeros(candidates.size)
+    sides = ((first_stage, left_stages, lo, candidates), (first_stage + left_stages, right_stages, candidates, hi))
+    for side_first, count, start, end in sides:
+        limit = float(budgets[side_first:side_first + count].min())
+        if np.isfinite(limit):
+            prefix = costs.memory_prefix(side_first, memory == "best_case")  # its first stage holds most
+            out = out + np.maximum(0.0, (prefix[end] - prefix[start]) / count - limit)
+    return out
+
+
+def recursive_bisection(costs: StageCosts, coarse: CoarseGraph, num_stages: int,
+                        budgets: np.ndarray | None = None, memory: MemoryMode = "fixed") -> list[int]:
     """Alg. 3's ``partition``: recursive KL bisection over the coarse boundaries."""
+    budgets = np.full(num_stages, np.inf) if budgets is None else budgets
     cuts: list[int] = []
 
-    def split(lo: int, hi: int, stages: int) -> None:
+    def split(lo: int, hi: int, first_stage: int, stages: int) -> None:
         if stages == 1:
             return
         left_stages = stages // 2
@@ -220,22 +238,22 @@ def recursive_bisection(costs: StageCosts, coarse: CoarseGraph, num_stages: int)
         inner = coarse.bounds[(coarse.bounds >= lo + left_stages) & (coarse.bounds <= hi - right_stages)]
         if inner.size == 0:  # too few coarse nodes here: fall back to full resolution
             inner = np.arange(lo + left_stages, hi - right_stages + 1)
-        cut = _kl_cut(costs, inner, lo, hi, left_stages, right_stages)
-        split(lo, cut, left_stages)
+        cut = _kl_cut(costs, inner, lo, hi, left_stages, right_stages, first_stage, budgets, memory)
+        split(lo, cut, first_stage, left_stages)
         cuts.append(cut)
-        split(cut, hi, right_stages)
+        split(cut, hi, first_stage + left_stages, right_stages)
 
-    split(0, costs.n, num_stages)
+    split(0, costs.n, 0, num_stages)
     return cuts
 
 
 # --------------------------------------------------------------------- refinement
 def _candidates(costs: StageCosts, cut: int, count: int, fine: float, far: np.ndarray) -> np.ndarray:
     """Where a boundary may move in one round, about ``count`` positions: every position
-    within ``fine`` compute-seconds of it, then the ``far`` positions (coarse boundaries and
+    within ``fine`` seconds of busy time (compute plus copy-link time) of it, then the ``far`` positions (coarse boundaries and
     the cheapest boundaries of the graph) nearest to it, so a round can make long moves
     between the places where cutting is cheap. All positions when that is no more."""
-    prefix, n = costs.compute_prefix, costs.n
+    prefix, n = costs.compute_prefix + costs.swap_prefix, costs.n  # distance in busy time
     if count >= n - 1:
         return np.arange(1, n)
     here = prefix[cut]
@@ -305,7 +323,7 @@ def refine(costs: StageCosts, cuts: list[int], budgets: np.ndarray, memory: Memo
     candidates fits the memory limits."""
     if not cuts:
         return cuts
-    mean = costs.compute_prefix[-1] / (len(cuts) + 1)
+    mean = (costs.compute_prefix[-1] + costs.swap_prefix[-1]) / (len(cuts) + 1)
     n = costs.n
     cheapest = np.argsort(costs.profile.cut[1:n], kind="stable")[: 2 * (len(cuts) + 1)] + 1
     far = np.union1d(np.asarray(coarse_bounds if coarse_bounds is not None else [], dtype=np.int64), cheapest)
@@ -340,7 +358,7 @@ def kl_partition(costs: StageCosts, num_stages: int, budgets: np.ndarray | None 
         raise ValueError(f"cannot split {costs.n} layers into {num_stages} non-empty stages")
     budgets = np.full(num_stages, np.inf) if budgets is None else np.asarray(budgets, dtype=float)
     coarse = coarsen(costs, num_stages)
-    cuts = recursive_bisection(costs, coarse, num_stages)
+    cuts = recursive_bisection(costs, coarse, num_stages, budgets, memory)
     refined = refine(costs, cuts, budgets, memory, coarse.bounds)
     if refined is None:
         return None

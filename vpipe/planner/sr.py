@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from vpipe.graph import LayerGraph
-from vpipe.planner.cost_model import Code, GraphProfile, Hardware, PipelineSetup
+from vpipe.planner.cost_model import Code, GraphProfile, Hardware, PipelineSetup, segment_of
 from vpipe.planner.plan import Policy
 
 __all__ = ["SRResult", "SegmentSR", "optimize_sr", "optimize_segment"]
@@ -128,7 +128,7 @@ def _paid_savings(st: _Stage, budget: float) -> None:
     op = np.where(cost[Code.R] < cost[Code.S], Code.R, Code.S)
     idx = np.arange(op.size)
     op_cost, op_save = cost[op, idx], saves[op, idx]
-    with np.errstate(divide="ignore"):
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
         gain = np.where(op_cost > 0, op_save / op_cost, np.inf)
     gain[~np.isfinite(op_cost) | (op_save <= 0) | (st.codes != Code.D)] = -1.0
     for i in np.argsort(-gain, kind="stable"):
@@ -188,10 +188,7 @@ def optimize_sr(
         raise ValueError(f"memory budget must be a non-negative number of bytes, got {memory_budget}")
     profile = GraphProfile(graph)
     setup = PipelineSetup(num_stages, schedule, micro_batches, hardware or Hardware())
-    positions = sorted(graph.position(lid) for lid in layer_ids)
-    if not positions or positions != list(range(positions[0], positions[-1] + 1)):
-        raise ValueError("optimize_sr needs a non-empty, contiguous run of the execution order")
-    start, end = positions[0], positions[-1] + 1
+    start, end = segment_of(graph, layer_ids)
     budget = math.inf if memory_budget is None else float(memory_budget)
     result = optimize_segment(profile, setup, start, end, stage, budget)
     policies = {lid: Code(int(c)).policy() for lid, c in zip(profile.ids[start:end], result.codes)}
