@@ -227,11 +227,12 @@ class GraphProfile:
     def codes_from(self, policies: Mapping[int, Policy]) -> np.ndarray:
         codes = np.zeros(self.n, dtype=np.int8)
         for lid, pol in policies.items():
-            codes[self.position(lid)] = Code.of(pol)
+            codes[self.position(lid)] = _CODE_OF[pol]
         return codes
 
     def policies_from(self, codes: np.ndarray) -> dict[int, Policy]:
-        return {lid: Code(int(c)).policy() for lid, c in zip(self.ids, codes)}
+        by_code = (Policy.KEEP, Policy.SWAP, Policy.RECOMPUTE)
+        return dict(zip(self.ids, (by_code[c] for c in codes.tolist())))
 
     def cuts_of(self, stages: Sequence[Sequence[int]]) -> list[int]:
         """Boundary positions of a contiguous partition given as lists of node ids."""
