@@ -68,7 +68,8 @@ def test_a_layer_that_fits_no_stage_is_named():
     nodes = [*g.nodes[:3], replace(big, name="huge", param_bytes=10**9), *g.nodes[4:]]
     costs = StageCosts(GraphProfile(LayerGraph("g", nodes, g.edges)), PipelineSetup(3))
     # Adam: 3 x 1 GB of parameter state, plus one copy of its 1 kB activation
-    with pytest.raises(InfeasibleError, match=rf"^infeasible: layer {big.id} \(huge\) needs 3000001000 bytes > budget 100000$"):
+    expected = rf"^infeasible: layer {big.id} \(huge\) needs 3000001000 bytes > budget 100000$"
+    with pytest.raises(InfeasibleError, match=expected):
         exact_partition(costs, 3, np.full(3, 100_000.0), memory="best_case")
 
 

@@ -184,6 +184,11 @@ def test_changed_layers_get_a_plan_for_the_new_graph():
     proposal = SRPPlanner(4, "1f1b", 8).propose(grown, current, step=10)
     assert proposal is not None and "layers changed" in proposal.reason
     proposal.plan.check_against(grown.ids, 4)
+    # 20 old layers were 5 per stage, now 6 per stage: the surviving layers shift left
+    old_stage = {lid: k for k, layers in enumerate(current.stages) for lid in layers}
+    moved = [lid for k, layers in enumerate(proposal.plan.stages) for lid in layers
+             if lid in old_stage and old_stage[lid] != k]
+    assert proposal.moved_layers == len(moved) > 0
 
 
 def test_planner_arguments_are_checked():

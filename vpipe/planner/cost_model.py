@@ -47,7 +47,7 @@ from vpipe.planner.plan import Policy
 
 __all__ = [
     "SCHEDULES",
-    "ScheduleName",
+    "Schedule",
     "Hardware",
     "PipelineSetup",
     "GraphProfile",
@@ -63,7 +63,7 @@ __all__ = [
     "segment_of",
 ]
 
-ScheduleName = Literal["gpipe", "1f1b", "pipedream"]
+Schedule = Literal["gpipe", "1f1b", "pipedream"]  # the schedules the cost model knows
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "pipedream")
 
 

@@ -9,24 +9,32 @@ the boundary bytes second.
 1. *Coarsen* (O(n + E)). Layers are ordered by invoke time. Edges between consecutive
    layers are backbone edges; an edge whose ends are further apart in time than a stage's
    mean time is a sparse (long skip) edge and stays an edge of the coarse graph; the rest
-   are subgraph edges, and the layers they span are merged into one coarse node, so that
-   a boundary never cuts through a block's internal branches. Deviation from the paper: a
-   coarse node is capped at ``1 / GRANULARITY`` of a mean stage (a heavier block is split
-   at its cheapest boundaries), because with few coarse nodes per stage no bisection of
-   the coarse graph can balance the stages.
+   are subgraph edges, and no coarse boundary may cut through the layers they span, so a
+   block's internal branches stay together. Deviations from the paper, both because a
+   coarse node must stay small against a stage for any bisection to balance: a node holds
+   between a quarter and one ``1 / GRANULARITY`` of a mean stage (at most two), and where
+   skip edges chain every block to the next (AmoebaNet's cells read the cell before the
+   previous one, so no boundary is free of subgraph edges) boundaries carrying no more
+   bytes than any within half a node ("valleys") are allowed too; among the allowed
+   boundaries in a node's weight window the cheapest wins.
 2. *Partition*. Recursive bisection: ``p`` stages split into ``p // 2`` and the rest, at a
    coarse boundary chosen by Kernighan-Lin: moves carry the boundary vertex across, a
-   move's gain is the change in (imbalance beyond the tolerance, boundary bytes), and each
-   pass keeps its best prefix of moves. With a single contiguous boundary only the two
-   vertices next to it are movable and a moved vertex is locked, so a pass slides the
-   boundary in one direction; a pass's moves are evaluated together with numpy.
+   move's gain is the change in (memory overflow, imbalance beyond a 3 % tolerance,
+   boundary bytes), and each pass keeps its best prefix of moves. A side's load counts its
+   inner boundaries' transfers, priced at its cheapest coarse boundaries. With a single
+   contiguous boundary only the two vertices next to it are movable and a moved vertex is
+   locked, so a pass slides the boundary in one direction; a pass's moves are evaluated
+   together with numpy.
 3. *Uncoarsen*: coarse boundaries are positions of the full graph.
-4. *Refine* every boundary at full resolution: each may move within a band of positions
-   around its coarse position. Moving one boundary changes two stages, so boundaries
-   refined one at a time stall at local peaks (three stages 10, 12, 10 with a heaviest
-   layer of 2 cannot improve pairwise); the band positions are chosen jointly by a
-   Viterbi pass over the bands (min-max time, then min bytes at that time), and the bands
-   are re-centred until no boundary sits on a band edge.
+4. *Refine* the boundaries at full resolution. Moving one boundary changes two stages, so
+   boundaries refined one at a time stall at local peaks (three stages 10, 12, 10 with a
+   heaviest layer of 2 cannot improve pairwise), and shifting work between distant stages
+   needs every boundary between them to move. So each boundary gets a candidate set, every
+   position within a fifth of a mean stage of it plus the nearest coarse boundaries and
+   the graph's cheapest boundaries (all positions when the graph is small enough), and one
+   Viterbi pass over the candidate sets picks the jointly best positions: min-max time,
+   then the fewest bytes at that time. The sets are re-centred on the result and the pass
+   repeated while it improves. Its work is bounded by ``_CELLS`` (start, end) pairs per pass.
 """
 
 from __future__ import annotations
@@ -250,9 +258,10 @@ def recursive_bisection(costs: StageCosts, coarse: CoarseGraph, num_stages: int,
 # --------------------------------------------------------------------- refinement
 def _candidates(costs: StageCosts, cut: int, count: int, fine: float, far: np.ndarray) -> np.ndarray:
     """Where a boundary may move in one round, about ``count`` positions: every position
-    within ``fine`` seconds of busy time (compute plus copy-link time) of it, then the ``far`` positions (coarse boundaries and
-    the cheapest boundaries of the graph) nearest to it, so a round can make long moves
-    between the places where cutting is cheap. All positions when that is no more."""
+    within ``fine`` seconds of busy time (compute plus copy-link time) of it, then the
+    ``far`` positions (coarse boundaries, the graph's cheapest boundaries) nearest to it,
+    so a round can make long moves between the places where cutting is cheap. All
+    positions when there are no more than ``count``."""
     prefix, n = costs.compute_prefix + costs.swap_prefix, costs.n  # distance in busy time
     if count >= n - 1:
         return np.arange(1, n)
@@ -318,9 +327,8 @@ class _Bands:
 
 def refine(costs: StageCosts, cuts: list[int], budgets: np.ndarray, memory: MemoryMode = "fixed",
            coarse_bounds: np.ndarray | None = None) -> list[int] | None:
-    """Move the boundaries to the jointly best positions among their candidates (a fine band
-    plus nearby coarse boundaries), re-centring until they settle. None if no choice of
-    candidates fits the memory limits."""
+    """Move the boundaries to the jointly best positions among their candidates, re-centring
+    the candidates while that improves the plan. None if no choice fits the memory limits."""
     if not cuts:
         return cuts
     mean = (costs.compute_prefix[-1] + costs.swap_prefix[-1]) / (len(cuts) + 1)

@@ -307,7 +307,12 @@ class SRPPlanner:
             raise PlanError(f"current plan has {current.num_stages} stages, the planner {setup.num_stages}")
         before = self._current(profile, current)
         best, _ = _srp_loop(profile, setup, budgets, self.method)
-        candidates = self._candidates(profile, before, best)
+        if before is not None and before.fits and before.step_s - best.step_s < self.min_gain * before.step_s:
+            # even the best plan, moved for free, is inside the hysteresis band: stay (and skip the DPs)
+            policies_only = _optimize_stages(profile, setup, budgets, before.cuts)
+            if before.step_s - policies_only.step_s < self.min_gain * before.step_s:
+                return None
+        candidates = self._candidates(profile, before, best, current)
         chosen = self._choose(before, candidates)
         if chosen is None:
             return None
@@ -331,13 +336,18 @@ class SRPPlanner:
         cuts = profile.cuts_of(current.stages)
         return _evaluate(profile, self.setup, self.budgets, cuts, profile.codes_from(current.policies))
 
-    def _candidates(self, profile: GraphProfile, before: _Evaluated | None,
-                    best: _Evaluated) -> list[tuple[_Evaluated, int, float]]:
+    def _candidates(self, profile: GraphProfile, before: _Evaluated | None, best: _Evaluated,
+                    current: Plan) -> list[tuple[_Evaluated, int, float]]:
         """(plan, layers moved, bytes moved) for: policies only, the best plan, and the plans
         that move fewest bytes to reach bottlenecks between the best and the current one."""
         setup, budgets = self.setup, self.budgets
-        if before is None:
-            return [(best, profile.n, 0.0)]
+        if before is None:  # layers changed: only the surviving layers that change stage move
+            old_stage = {lid: k for k, layers in enumerate(current.stages) for lid in layers}
+            new_stage = np.repeat(np.arange(setup.num_stages), np.diff([0, *best.cuts, profile.n]))
+            was = np.array([old_stage.get(lid, k) for lid, k in zip(profile.ids, new_stage)])
+            hops = np.abs(new_stage - was)
+            per_hop = _per_hop_bytes(profile, setup, was)
+            return [(best, int(np.count_nonzero(hops)), float(np.sum(per_hop * hops)))]
         current_stage = np.repeat(np.arange(setup.num_stages), np.diff([0, *before.cuts, profile.n]))
         migration = _MigrationBytes(profile, setup, current_stage)
         out: list[tuple[_Evaluated, int, float]] = []
