@@ -133,3 +133,15 @@ def test_large_graphs_get_valid_pipelines_never_better_than_the_oracle(graph, p)
     best = exact_partition(costs, p)
     assert best.bottleneck_s <= found.bottleneck_s * (1 + 1e-9)
     assert found.bottleneck_s <= best.bottleneck_s * 1.02  # the acceptance bound, on random chains too
+
+
+@settings(max_examples=8, deadline=None)
+@given(long_dags(), st.sampled_from([4, 8, 16]), st.floats(0.1, 0.9), st.sampled_from([3e10, 1e11, 3e11]),
+       st.integers(0, 2**32 - 1))
+def test_swap_heavy_stages_are_still_partitioned_near_the_optimum(graph, p, share, copy_bw, seed):
+    """With swaps a stage's time is max(compute, copy): not additive, the case the greedy start is for."""
+    profile = GraphProfile(graph)
+    codes = (np.random.default_rng(seed).random(profile.n) < share).astype(np.int8)  # 1 = swap
+    costs = StageCosts(profile, PipelineSetup(p, hardware=Hardware(copy_bytes_per_s=copy_bw)), codes)
+    found = kl_partition(costs, p)
+    assert found.bottleneck_s <= exact_partition(costs, p).bottleneck_s * 1.02

@@ -27,7 +27,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 from vpipe.planner.cost_model import StageCosts
 
 __all__ = ["Partition", "InfeasibleError", "Additive", "CommBytes", "min_bottleneck", "min_secondary",
-           "exact_partition", "check_layers_fit", "MemoryMode"]
+           "exact_partition", "greedy_partition", "check_layers_fit", "MemoryMode"]
 
 MemoryMode = Literal["fixed", "best_case"]
 _BLOCK_ELEMENTS = 1 << 16  # cells per DP block: small enough to stay in cache
@@ -129,10 +129,14 @@ def _greedy_probe(costs: StageCosts, p: int, budgets: np.ndarray, memory: Memory
     return cuts[:-1]
 
 
-def _upper_bound(costs: StageCosts, p: int, budgets: np.ndarray, memory: MemoryMode) -> float:
-    """A bottleneck that some valid partition achieves, by bisection over the greedy probe."""
+def greedy_partition(costs: StageCosts, p: int, budgets: np.ndarray, memory: MemoryMode = "fixed"
+                     ) -> Partition | None:
+    """The classic heuristic: bisection on a time limit, probing each with stages that end as
+    late as the limit allows. Optimal for additive costs; here (boundary transfers, swap
+    exposure) only a good valid partition, or None if the probe never finds one."""
     lo, hi = _lower_bound(costs, p), _upper_limit(costs)
-    best = hi
+    best: list[int] | None = None
+    best_time = np.inf
     for _ in range(40):
         if hi - lo <= 1e-4 * hi:
             break
@@ -140,10 +144,18 @@ def _upper_bound(costs: StageCosts, p: int, budgets: np.ndarray, memory: MemoryM
         cuts = _greedy_probe(costs, p, budgets, memory, mid)
         if cuts is None:
             lo = mid
-        else:
-            best = min(best, float(costs.stage_times(cuts).max()))
-            hi = mid
-    return best
+            continue
+        slowest = float(costs.stage_times(cuts).max())
+        if slowest < best_time:
+            best, best_time = cuts, slowest
+        hi = mid
+    return None if best is None else Partition(tuple(best), best_time, float(costs.comm_bytes(best)))
+
+
+def _upper_bound(costs: StageCosts, p: int, budgets: np.ndarray, memory: MemoryMode) -> float:
+    """A bottleneck that some valid partition achieves."""
+    found = greedy_partition(costs, p, budgets, memory)
+    return _upper_limit(costs) if found is None else found.bottleneck_s
 
 
 # --------------------------------------------------------------------- the DP

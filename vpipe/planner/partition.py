@@ -31,10 +31,13 @@ the boundary bytes second.
    heaviest layer of 2 cannot improve pairwise), and shifting work between distant stages
    needs every boundary between them to move. So each boundary gets a candidate set, every
    position within a fifth of a mean stage of it plus the nearest coarse boundaries and
-   the graph's cheapest boundaries (all positions when the graph is small enough), and one
-   Viterbi pass over the candidate sets picks the jointly best positions: min-max time,
-   then the fewest bytes at that time. The sets are re-centred on the result and the pass
-   repeated while it improves. Its work is bounded by ``_CELLS`` (start, end) pairs per pass.
+   the graph's cheapest boundaries and the positions next to its neighbours (all positions
+   when the graph is small enough), and one Viterbi pass over the candidate sets picks the
+   jointly best positions: min-max time, then the fewest bytes at that time. The sets are
+   re-centred on the result and the pass repeated while it improves. Its work is bounded
+   by ``_CELLS`` (start, end) pairs per pass. When swaps are planned, a stage's time is
+   ``max(compute, copy)``, which the bisection's per-side estimates cannot see, so the
+   refinement also starts from the greedy probe's partition and keeps the better result.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from vpipe.planner.cost_model import StageCosts
-from vpipe.planner.exact import MemoryMode, Partition
+from vpipe.planner.exact import MemoryMode, Partition, greedy_partition
 
 __all__ = ["GRANULARITY", "CoarseGraph", "coarsen", "kl_partition", "recursive_bisection", "refine",
            "is_valid_pipeline"]
@@ -339,7 +342,12 @@ def refine(costs: StageCosts, cuts: list[int], budgets: np.ndarray, memory: Memo
     count = max(2 * _MIN_BAND + 1, int(np.sqrt(_CELLS / (len(cuts) + 1))))
     best: tuple[float, float, list[int]] | None = None
     for _ in range(_ROUNDS):
-        candidates = [_candidates(costs, c, count, _BAND * mean, far) for c in cuts]
+        # a boundary may also take a neighbour's place: shifting every boundary by one slot
+        # is then a single move, which is how work travels between distant stages
+        near = [np.arange(max(1, c - 2 * _MIN_BAND), min(n - 1, c + 2 * _MIN_BAND) + 1) for c in cuts]
+        candidates = [np.union1d(_candidates(costs, c, count, _BAND * mean, far),
+                                 np.union1d(near[max(k - 1, 0)], near[min(k + 1, len(cuts) - 1)]))
+                      for k, c in enumerate(cuts)]
         bands = _Bands(costs, candidates, budgets, memory)
         found = bands.viterbi(None)
         if found is None:
@@ -366,12 +374,23 @@ def kl_partition(costs: StageCosts, num_stages: int, budgets: np.ndarray | None 
         raise ValueError(f"cannot split {costs.n} layers into {num_stages} non-empty stages")
     budgets = np.full(num_stages, np.inf) if budgets is None else np.asarray(budgets, dtype=float)
     coarse = coarsen(costs, num_stages)
-    cuts = recursive_bisection(costs, coarse, num_stages, budgets, memory)
-    refined = refine(costs, cuts, budgets, memory, coarse.bounds)
-    if refined is None:
-        return None
-    return Partition(tuple(refined), float(costs.stage_times(refined).max()),
-                     float(costs.comm_bytes(refined)))
+    starts = [recursive_bisection(costs, coarse, num_stages, budgets, memory)]
+    if costs.swap_prefix[-1] > 0:
+        # swaps make a stage's time max(compute, copy) per stage, which the bisection's side
+        # estimates cannot see: also refine from the greedy probe's partition, which prices
+        # every stage exactly, and keep the better
+        greedy = greedy_partition(costs, num_stages, budgets, memory)
+        if greedy is not None:
+            starts.append(list(greedy.cuts))
+    best: Partition | None = None
+    for cuts in starts:
+        refined = refine(costs, cuts, budgets, memory, coarse.bounds)
+        if refined is None:
+            continue
+        found = Partition(tuple(refined), float(costs.stage_times(refined).max()), float(costs.comm_bytes(refined)))
+        if best is None or (found.bottleneck_s, found.secondary) < (best.bottleneck_s, best.secondary):
+            best = found
+    return best
 
 
 def is_valid_pipeline(graph_ids_in_order: list[int], edges: list[tuple[int, int, int]],
