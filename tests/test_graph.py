@@ -118,3 +118,28 @@ def test_cycle_without_order_violation_is_reported_as_cycle():
     nodes = [LayerNode(i, f"n{i}", 0.0, 0.0, 0, 0, i) for i in range(3)]
     with pytest.raises(ValueError, match="cycle"):
         LayerGraph("g", nodes, [(0, 1, 1), (1, 2, 1), (2, 0, 1)])
+
+
+def test_fx_roofline_costs_are_deterministic_and_views_are_free():
+    from vpipe.graph import Roofline
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(64, 32)
+
+        def forward(self, x):
+            return torch.relu(self.fc(x).view(8, 4, 32))
+
+    with torch.device("meta"):
+        model, x = Tiny(), torch.zeros(32, 64)
+    roof = Roofline(flops_per_s=1e9, bytes_per_s=1e12)
+    g = LayerGraph.from_fx(model, (x,), roofline=roof)
+    by_name = {n.name: n for n in g.nodes}
+    assert by_name["fc"].fwd_s == pytest.approx(2 * 32 * 64 * 32 / 1e9)  # matmul FLOPs / peak
+    assert by_name["fc"].bwd_s == pytest.approx(2 * by_name["fc"].fwd_s)
+    assert by_name["view"].fwd_s == 0 and by_name["view"].act_bytes == 0  # a view allocates nothing
+    assert by_name["relu"].fwd_s == pytest.approx(2 * 32 * 32 * 4 / 1e12)  # memory-bound: read + write
+    assert LayerGraph.from_fx(model, (x,), roofline=roof).nodes == g.nodes
+    with pytest.raises(ValueError, match="flops_per_s must be a positive finite number"):
+        Roofline(flops_per_s=0)

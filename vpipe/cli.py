@@ -107,6 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=int, default=40)
     demo.add_argument("--log-file", default=None)
     demo.set_defaults(func=cmd_demo)
+
+    from vpipe.planner.cli import register as register_plan
+
+    register_plan(sub)
     return parser
 
 

@@ -23,7 +23,28 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["LayerNode", "LayerGraph"]
+__all__ = ["LayerNode", "LayerGraph", "Roofline"]
+
+
+@dataclass(frozen=True)
+class Roofline:
+    """A deterministic cost estimate for fx nodes: time = max(FLOPs / peak, bytes moved / bandwidth).
+
+    Measured times on a shared CPU are noisy and model-sized graphs are too big to run for
+    real, so graphs built for planning and benchmarks can be traced on the meta device and
+    costed from their shapes instead; the same graph then gives the same costs every time.
+    """
+
+    flops_per_s: float = 100e12
+    bytes_per_s: float = 1.5e12
+
+    def __post_init__(self) -> None:
+        for what, value in (("flops_per_s", self.flops_per_s), ("bytes_per_s", self.bytes_per_s)):
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"roofline {what} must be a positive finite number, got {value}")
+
+    def seconds(self, flops: int, moved_bytes: int) -> float:
+        return max(flops / self.flops_per_s, moved_bytes / self.bytes_per_s)
 
 
 @dataclass(frozen=True)
@@ -192,6 +213,7 @@ class LayerGraph:
         name: str | None = None,
         measure: bool = True,
         bwd_factor: float = 2.0,
+        roofline: Roofline | None = None,
     ) -> LayerGraph:
         """One node per node of a ``torch.fx`` trace (placeholders and output included).
 
@@ -200,11 +222,17 @@ class LayerGraph:
         ``get_attr``/``call_module`` node that owns them. With ``measure`` each node's forward
         is timed, else its cost is estimated from its output size; the backward is
         ``bwd_factor`` times the forward (the usual 2x of a matmul-dominated model).
+
+        With ``roofline`` (which overrides ``measure``) the forward is estimated from the
+        node's FLOPs (``torch.utils.flop_counter``) and the bytes it reads and writes, so the
+        module and inputs may live on the meta device: model-sized graphs trace in seconds
+        and get the same costs on every run. View-like nodes (``view``, ``transpose``,
+        ``getitem`` ...) allocate nothing, so in this mode they cost nothing and save nothing.
         """
         from torch import fx
 
         gm = module if isinstance(module, fx.GraphModule) else fx.symbolic_trace(module)
-        recorder = _FxRecorder(gm, measure=measure)
+        recorder = _FxRecorder(gm, measure=measure and roofline is None, count_flops=roofline is not None)
         with torch.no_grad():
             recorder.run(*example_inputs)
         index = {node.name: i for i, node in enumerate(gm.graph.nodes)}
@@ -212,14 +240,24 @@ class LayerGraph:
         edges: list[tuple[int, int, int]] = []
         for i, node in enumerate(gm.graph.nodes):
             out_bytes = recorder.out_bytes.get(node.name, 0)
-            fwd = recorder.seconds.get(node.name, 0.0) if measure else out_bytes * 1e-10
+            act_bytes = out_bytes if node.op not in ("placeholder", "output") else 0
+            if roofline is not None:
+                if _is_view_like(node):
+                    fwd, act_bytes = 0.0, 0
+                else:
+                    moved = out_bytes + sum(recorder.out_bytes.get(a.name, 0) for a in node.all_input_nodes)
+                    fwd = roofline.seconds(recorder.flops.get(node.name, 0), moved) if node.op.startswith("call") else 0.0
+            elif measure:
+                fwd = recorder.seconds.get(node.name, 0.0)
+            else:
+                fwd = out_bytes * 1e-10
             nodes.append(
                 LayerNode(
                     id=i,
                     name=node.name,
                     fwd_s=fwd,
                     bwd_s=fwd * bwd_factor,
-                    act_bytes=out_bytes if node.op not in ("placeholder", "output") else 0,
+                    act_bytes=act_bytes,
                     param_bytes=_fx_param_bytes(gm, node),
                     order=i,
                 )
@@ -314,21 +352,28 @@ def _median(values: list[float]) -> float:
 
 
 class _FxRecorder:
-    """Runs an fx GraphModule node by node, recording output bytes and (optionally) time."""
+    """Runs an fx GraphModule node by node, recording output bytes and (optionally) time or FLOPs."""
 
-    def __init__(self, gm: Any, measure: bool) -> None:
+    def __init__(self, gm: Any, measure: bool, count_flops: bool = False) -> None:
         from torch.fx import Interpreter
+        from torch.utils.flop_counter import FlopCounterMode
 
         recorder = self
         self.out_bytes: dict[str, int] = {}
         self.seconds: dict[str, float] = {}
+        self.flops: dict[str, int] = {}
 
         class _Interp(Interpreter):
             def run_node(self, n):  # noqa: ANN001, ANN202 - fx's signature
-                t0 = time.perf_counter()
-                result = super().run_node(n)
-                if measure:
-                    recorder.seconds[n.name] = time.perf_counter() - t0
+                if count_flops and n.op.startswith("call"):
+                    with FlopCounterMode(display=False) as counter:
+                        result = super().run_node(n)
+                    recorder.flops[n.name] = counter.get_total_flops()
+                else:
+                    t0 = time.perf_counter()
+                    result = super().run_node(n)
+                    if measure:
+                        recorder.seconds[n.name] = time.perf_counter() - t0
                 recorder.out_bytes[n.name] = tensor_bytes(result)
                 return result
 
@@ -336,6 +381,25 @@ class _FxRecorder:
 
     def run(self, *args: Any) -> Any:
         return self._interp.run(*args)
+
+
+_VIEW_TARGETS = frozenset({
+    "view", "reshape", "transpose", "permute", "expand", "unsqueeze", "squeeze", "flatten",
+    "size", "dim", "chunk", "split", "unbind", "narrow", "select", "t", "view_as", "expand_as",
+})
+
+
+def _is_view_like(node: Any) -> bool:
+    """True for fx nodes that return a view or metadata (no new storage, no arithmetic)."""
+    import operator
+
+    if node.op == "call_method":
+        return node.target in _VIEW_TARGETS
+    if node.op == "call_function":
+        if node.target is operator.getitem or node.target is getattr:
+            return True
+        return getattr(node.target, "__name__", "") in _VIEW_TARGETS
+    return False
 
 
 def _fx_param_bytes(gm: Any, node: Any) -> int:

@@ -1,1 +1,36 @@
-"""planner"""
+"""The global planner: cost model, optimize_sr (Alg. 2), partition (Alg. 3), SRP loop (Alg. 1).
+
+Entry points, loaded on first use so that importing :mod:`vpipe.planner.plan` (the wire
+format every component shares) does not pull in the planner's numerics:
+
+- :func:`plan_pipeline` plans a :class:`~vpipe.graph.LayerGraph` offline (``vpipe plan``);
+- :class:`SRPPlanner` turns live statistics into :class:`Proposal` s for the planner daemon;
+- :class:`Hardware` holds the link bandwidths and optimizer factor the cost model uses.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
+
+_EXPORTS = {
+    "plan_pipeline": "vpipe.planner.srp",
+    "PlanResult": "vpipe.planner.srp",
+    "SRPPlanner": "vpipe.planner.srp",
+    "Proposal": "vpipe.planner.srp",
+    "InfeasibleError": "vpipe.planner.exact",
+    "Hardware": "vpipe.planner.cost_model",
+    "optimize_sr": "vpipe.planner.sr",
+    "Plan": "vpipe.planner.plan",
+    "Policy": "vpipe.planner.plan",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    try:
+        module = _EXPORTS[name]
+    except KeyError:
+        raise AttributeError(f"module 'vpipe.planner' has no attribute {name!r}") from None
+    return getattr(import_module(module), name)

@@ -1,0 +1,326 @@
+"""Exact contiguous partitions of the execution order (the oracle the KL planner is measured by).
+
+A pipeline stage is a contiguous run of the execution order, so a plan is ``p - 1`` cut
+positions and the optimum can be found by dynamic programming over (stage, end position):
+
+- :func:`min_bottleneck` minimises the slowest stage (time from :class:`StageCosts`,
+  boundary communication included, so a stage's time is not monotone in its end and the
+  greedy probe of the classic binary search is not exact: it only seeds the DP's band);
+- :func:`min_secondary` minimises an additive per-stage cost (boundary bytes, migration
+  bytes) among partitions whose every stage is within a time limit, e.g. the optimal
+  bottleneck: :func:`exact_partition` chains the two.
+
+Both honour per-stage memory limits. The DP is banded: in a partition with bottleneck
+<= T every stage computes, and swaps, for <= T, so only segments that short are tried, and T comes
+from a valid partition found by the greedy probe, which makes the oracle
+O(n * (n/p) * p) rather than O(p * n^2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from vpipe.planner.cost_model import StageCosts
+
+__all__ = ["Partition", "InfeasibleError", "Additive", "CommBytes", "min_bottleneck", "min_secondary",
+           "exact_partition", "greedy_partition", "check_layers_fit", "MemoryMode"]
+
+MemoryMode = Literal["fixed", "best_case"]
+_BLOCK_ELEMENTS = 1 << 16  # cells per DP block: small enough to stay in cache
+_REL_TOL = 1e-9
+
+
+class InfeasibleError(ValueError):
+    """No partition satisfies the memory limits; the message names the culprit when it can."""
+
+
+@dataclass(frozen=True)
+class Partition:
+    """A contiguous partition: cut positions, its slowest stage, and its secondary cost."""
+
+    cuts: tuple[int, ...]
+    bottleneck_s: float
+    secondary: float = 0.0
+
+
+class Additive(Protocol):
+    """A per-stage cost that is a sum over the stage: ``end[j] + start[i]`` for stage ``[i, j)``."""
+
+    def terms(self, stage: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(end, start)`` arrays of length ``n + 1`` for stage number ``stage``."""
+        ...
+
+
+class CommBytes:
+    """Boundary bytes as an :class:`Additive` cost: each stage but the first pays its start's bytes."""
+
+    def __init__(self, costs: StageCosts) -> None:
+        self._cut = costs.profile.cut
+        self._zero = np.zeros_like(self._cut)
+
+    def terms(self, stage: int) -> tuple[np.ndarray, np.ndarray]:
+        return self._zero, (self._cut if stage > 0 else self._zero)
+
+
+def check_layers_fit(costs: StageCosts, budgets: np.ndarray, memory: MemoryMode = "best_case") -> None:
+    """Raise :class:`InfeasibleError` naming the first layer that fits no stage it could sit in."""
+    if not np.isfinite(budgets).any():
+        return
+    n, p = costs.n, len(budgets)
+    idx = np.arange(n)
+    fits_somewhere = np.zeros(n, dtype=bool)
+    least = np.full(n, np.inf)  # smallest need over the stages a layer may sit in
+    least_budget = np.zeros(n)
+    for k in range(p):
+        allowed = (idx >= k) & (n - idx >= p - k)  # earlier and later stages must stay non-empty
+        prefix = costs.memory_prefix(k, memory == "best_case")
+        alone = prefix[1:] - prefix[:-1]
+        fits_somewhere |= allowed & (alone <= budgets[k])
+        lower = allowed & (alone < least)
+        least = np.where(lower, alone, least)
+        least_budget = np.where(lower, budgets[k], least_budget)
+    bad = np.flatnonzero(~fits_somewhere)
+    if bad.size:
+        i = int(bad[0])
+        node = costs.profile.graph.nodes[i]
+        raise InfeasibleError(
+            f"infeasible: layer {node.id} ({node.name}) needs {int(np.ceil(least[i]))} bytes "
+            f"> budget {int(least_budget[i])}"
+        )
+
+
+# --------------------------------------------------------------------- bounds
+def _lower_bound(costs: StageCosts, p: int) -> float:
+    per_layer = costs.compute_prefix[1:] - costs.compute_prefix[:-1]
+    return max(float(costs.compute_prefix[-1]) / p, float(per_layer.max()))
+
+
+def _upper_limit(costs: StageCosts) -> float:
+    """No segment is slower than this: every layer, all swap traffic, the two worst boundaries."""
+    return float(costs.compute_prefix[-1] + costs.swap_prefix[-1] + 2.0 * costs.comm.max()) + 1e-12
+
+
+def _greedy_probe(costs: StageCosts, p: int, budgets: np.ndarray, memory: MemoryMode,
+                  limit: float) -> list[int] | None:
+    """Each stage ends as late as it can while within ``limit``: a valid partition or None."""
+    n, prefix = costs.n, costs.compute_prefix
+    cuts, i = [], 0
+    for k in range(p):
+        if k == p - 1:
+            js = np.array([n])
+        else:
+            j_max = min(int(np.searchsorted(prefix, prefix[i] + limit, side="right")) - 1,
+                        int(np.searchsorted(costs.swap_prefix, costs.swap_prefix[i] + limit, side="right")) - 1,
+                        n - (p - 1 - k))
+            js = np.arange(i + 1, j_max + 1)
+        ok = np.asarray(costs.time(i, js)) <= limit
+        if np.isfinite(budgets[k]):
+            mem = costs.memory_prefix(k, memory == "best_case")
+            ok &= mem[js] - mem[i] <= budgets[k]
+        hits = np.flatnonzero(ok)
+        if hits.size == 0:
+            return None
+        i = int(js[hits[-1]])
+        cuts.append(i)
+    return cuts[:-1]
+
+
+def greedy_partition(costs: StageCosts, p: int, budgets: np.ndarray, memory: MemoryMode = "fixed"
+                     ) -> Partition | None:
+    """The classic heuristic: bisection on a time limit, probing each with stages that end as
+    late as the limit allows. Optimal for additive costs; here (boundary transfers, swap
+    exposure) only a good valid partition, or None if the probe never finds one."""
+    lo, hi = _lower_bound(costs, p), _upper_limit(costs)
+    best: list[int] | None = None
+    best_time = np.inf
+    for _ in range(40):
+        if hi - lo <= 1e-4 * hi:
+            break
+        mid = 0.5 * (lo + hi)
+        cuts = _greedy_probe(costs, p, budgets, memory, mid)
+        if cuts is None:
+            lo = mid
+            continue
+        slowest = float(costs.stage_times(cuts).max())
+        if slowest < best_time:
+            best, best_time = cuts, slowest
+        hi = mid
+    return None if best is None else Partition(tuple(best), best_time, float(costs.comm_bytes(best)))
+
+
+def _upper_bound(costs: StageCosts, p: int, budgets: np.ndarray, memory: MemoryMode) -> float:
+    """A bottleneck that some valid partition achieves."""
+    found = greedy_partition(costs, p, budgets, memory)
+    return _upper_limit(costs) if found is None else found.bottleneck_s
+
+
+# --------------------------------------------------------------------- the DP
+def _banded_dp(costs: StageCosts, p: int, budgets: np.ndarray, limit: float, memory: MemoryMode,
+               secondary: Additive | None) -> Partition | None:
+    """One DP over (stage, end): min-max time if ``secondary`` is None, else min sum of
+    ``secondary`` subject to every stage's time <= ``limit``."""
+    n = costs.n
+    slack = limit * (1.0 + _REL_TOL) + 1e-18
+    prefix = costs.compute_prefix
+    # a stage's time is at least its compute and at least its copy-link time (eq. 2)
+    swap = costs.swap_prefix
+    lo = np.maximum(np.searchsorted(prefix, prefix - slack, side="left"),
+                    np.searchsorted(swap, swap - slack, side="left"))
+    parents: list[np.ndarray] = []
+    value = np.full(n + 1, np.inf)
+    value[0] = 0.0
+    for k in range(p):
+        ja, jb = k + 1, (n - (p - 1 - k) if k < p - 1 else n)
+        if k < p - 1:  # the stages before must fit in k limits, the ones after in p - 1 - k
+            for busy in (prefix, swap):
+                ja = max(ja, int(np.searchsorted(busy, busy[-1] - (p - 1 - k) * slack, side="left")))
+                jb = min(jb, int(np.searchsorted(busy, (k + 1) * slack, side="right")) - 1)
+        else:
+            ja = n
+        reachable = np.flatnonzero(np.isfinite(value))
+        new_value = np.full(n + 1, np.inf)
+        parent = np.zeros(n + 1, dtype=np.int64)
+        if reachable.size:
+            ja = max(ja, int(reachable[0]) + 1)
+        if reachable.size and ja <= jb:
+            js = np.arange(ja, jb + 1)
+            best, arg = _best_starts(costs, value, js, np.maximum(lo[js], reachable[0]), int(reachable[-1]),
+                                     _StageTerms(costs, k, budgets[k], memory, secondary), slack)
+            new_value[js] = best
+            parent[js] = arg
+        parents.append(parent)
+        value = new_value
+    if not np.isfinite(value[n]):
+        return None
+    cuts, j = [], n
+    for k in range(p - 1, 0, -1):
+        j = int(parents[k][j])
+        cuts.append(j)
+    cuts.reverse()
+    bottleneck = float(costs.stage_times(cuts).max())
+    return Partition(tuple(cuts), bottleneck, float(value[n]) if secondary is not None else 0.0)
+
+
+class _StageTerms:
+    """The arrays one DP step needs besides times: memory prefix (if limited), secondary terms."""
+
+    def __init__(self, costs: StageCosts, stage: int, budget: float, memory: MemoryMode,
+                 secondary: Additive | None) -> None:
+        self.budget = budget
+        self.mem = costs.memory_prefix(stage, memory == "best_case") if np.isfinite(budget) else None
+        self.sec = secondary.terms(stage) if secondary is not None else None
+
+
+def _best_starts(costs: StageCosts, value: np.ndarray, js: np.ndarray, first: np.ndarray, last: int,
+                 terms: _StageTerms, slack: float) -> tuple[np.ndarray, np.ndarray]:
+    """For every end ``j`` in ``js`` (consecutive), the best start in ``[first[j], min(j, last + 1))``.
+
+    For a fixed offset ``d = j - i`` the starts of consecutive ends are consecutive, so a
+    block of offsets is a strided window over the prefix arrays: no gathers, no index math.
+    """
+    nj, ja = js.size, int(js[0])
+    max_d = js - first  # largest offset allowed per end
+    span = int(max_d.max())
+    min_d = max(1, ja - last)
+    best = np.full(nj, np.inf)
+    arg = np.full(nj, -1, dtype=np.int64)
+    if span < min_d:
+        return best, arg
+
+    def window(arr: np.ndarray, fill: float) -> np.ndarray:
+        # left-padded by ``span`` so every offset has a row; padded starts are never valid
+        return sliding_window_view(np.concatenate([np.full(span, fill), arr]), nj)
+
+    c_j, comm_j = costs.compute_prefix[js], costs.comm[js]
+    w_c, w_comm, w_value = window(costs.compute_prefix, 0.0), window(costs.comm, 0.0), window(value, np.inf)
+    has_swap = bool(costs.swap_prefix[-1] > 0)
+    w_x, x_j = (window(costs.swap_prefix, 0.0), costs.swap_prefix[js]) if has_swap else (None, None)
+    w_mem, mem_j = (window(terms.mem, 0.0), terms.mem[js]) if terms.mem is not None else (None, None)
+    w_sec, sec_j = (window(terms.sec[1], 0.0), terms.sec[0][js]) if terms.sec is not None else (None, None)
+    block = max(1, _BLOCK_ELEMENTS // nj)
+    cols = np.arange(nj)
+    for d0 in range(min_d, span + 1, block):
+        d1 = min(span, d0 + block - 1)
+        rows = slice(ja + span - d1, ja + span - d0 + 1)  # row r: starts of offset ja + span - r
+        d = (ja + span - np.arange(rows.start, rows.stop))[:, None]
+        t = c_j - w_c[rows]
+        if w_x is not None:
+            t = np.maximum(t, x_j - w_x[rows])
+        t += w_comm[rows]
+        t += comm_j
+        valid = (d <= max_d) & (t <= slack)
+        if w_mem is not None:
+            valid &= (mem_j - w_mem[rows]) <= terms.budget
+        if w_sec is None:
+            cand = np.maximum(w_value[rows], t)
+        else:
+            cand = w_value[rows] + w_sec[rows]
+            cand += sec_j
+        cand[~valid] = np.inf
+        row = np.argmin(cand, axis=0)
+        got = cand[row, cols]
+        better = got < best
+        best[better] = got[better]
+        arg[better] = (js - d[row, 0])[better]
+    return best, arg
+
+
+# --------------------------------------------------------------------- public entry points
+def _stage_budgets(num_stages: int, budgets: np.ndarray | None) -> np.ndarray:
+    if budgets is None:
+        return np.full(num_stages, np.inf)
+    budgets = np.asarray(budgets, dtype=float)
+    if budgets.shape != (num_stages,):
+        raise ValueError(f"need one memory budget per stage ({num_stages}), got {budgets.size}")
+    return budgets
+
+
+def _check_stages(costs: StageCosts, p: int) -> None:
+    if not isinstance(p, int) or p < 1:
+        raise ValueError(f"number of stages must be a positive integer, got {p!r}")
+    if p > costs.n:
+        raise ValueError(f"cannot split {costs.n} layers into {p} non-empty stages")
+
+
+def min_bottleneck(costs: StageCosts, num_stages: int, budgets: np.ndarray | None = None, *,
+                   memory: MemoryMode = "fixed") -> Partition | None:
+    """The partition into ``num_stages`` contiguous stages with the smallest slowest stage,
+    or None when no partition fits the memory limits."""
+    _check_stages(costs, num_stages)
+    budgets = _stage_budgets(num_stages, budgets)
+    limit, ceiling = _upper_bound(costs, num_stages, budgets, memory), _upper_limit(costs)
+    found = _banded_dp(costs, num_stages, budgets, limit, memory, None)
+    if found is None and limit < ceiling:  # the greedy found no valid partition: try every segment
+        found = _banded_dp(costs, num_stages, budgets, ceiling, memory, None)
+    return found
+
+
+def min_secondary(costs: StageCosts, num_stages: int, limit: float, secondary: Additive,
+                  budgets: np.ndarray | None = None, *, memory: MemoryMode = "fixed") -> Partition | None:
+    """Among partitions whose every stage takes <= ``limit``, one with the least total
+    ``secondary`` cost (None if there is none)."""
+    _check_stages(costs, num_stages)
+    return _banded_dp(costs, num_stages, _stage_budgets(num_stages, budgets), limit, memory, secondary)
+
+
+def exact_partition(costs: StageCosts, num_stages: int, budgets: np.ndarray | None = None, *,
+                    min_comm: bool = True, memory: MemoryMode = "fixed") -> Partition:
+    """The optimal-bottleneck partition; with ``min_comm`` the one among those with the fewest
+    boundary bytes. Raises :class:`InfeasibleError` when the memory limits admit none."""
+    _check_stages(costs, num_stages)
+    budgets = _stage_budgets(num_stages, budgets)
+    check_layers_fit(costs, budgets, memory)
+    best = min_bottleneck(costs, num_stages, budgets, memory=memory)
+    if best is None:
+        raise InfeasibleError(
+            f"infeasible: no split into {num_stages} stages fits the memory budget "
+            f"(every layer fits some stage alone, but not all of them together)"
+        )
+    if not min_comm:
+        return best
+    lean = min_secondary(costs, num_stages, best.bottleneck_s, CommBytes(costs), budgets, memory=memory)
+    return lean if lean is not None else best
