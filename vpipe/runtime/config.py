@@ -37,6 +37,8 @@ class RunConfig:
     log_file: str | None = None
     out_dir: str | None = None
     progress: bool = True
+    monitor_every: int = 0  # sample every k-th step with the monitor + control plane; 0 = off
+    planner: str | None = "vpipe.control.daemon:no_change"  # daemon's planner; None = wait for `vpipe planner`
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -51,6 +53,10 @@ class RunConfig:
             need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1,
                  f"{name} must be a positive integer, got {getattr(self, name)!r}")
         need(isinstance(self.steps, int) and self.steps >= 0, f"steps must be >= 0, got {self.steps!r}")
+        need(isinstance(self.monitor_every, int) and self.monitor_every >= 0,
+             f"monitor_every must be an integer >= 0, got {self.monitor_every!r}")
+        need(self.planner is None or (isinstance(self.planner, str) and ":" in self.planner),
+             f"planner must be an import path module:function, got {self.planner!r}")
         need(0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout}")
         need(self.lr > 0, f"lr must be positive, got {self.lr}")
         need(self.d_model % self.n_heads == 0, f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
