@@ -24,13 +24,23 @@ __all__ = ["KeepAllSource"]
 
 
 class KeepAllSource:
-    """Counts each layer's saved bytes on every forward that records a graph."""
+    """Counts each layer's saved bytes on forwards that record a graph, while enabled.
 
-    def __init__(self, layers: Mapping[int, nn.Module]) -> None:
+    The monitor owns one disabled and enables it for sampled iterations only, so that other
+    iterations run without its hooks; the last counts stay readable in between. With
+    ``first_call_only`` a layer is counted on its first forward after :meth:`set_enabled`
+    and then unhooked: micro-batches of one batch save the same bytes, and the pack hook's
+    Python call per saved tensor is the costly part of monitoring a sampled step.
+    """
+
+    def __init__(self, layers: Mapping[int, nn.Module], *, enabled: bool = True,
+                 first_call_only: bool = False) -> None:
         self._layers: dict[int, nn.Module] = {}
         self._handles: dict[int, list[RemovableHandle]] = {}
         self._open: dict[int, tuple[Any, SavedBytesCounter]] = {}
         self._bytes: dict[int, int] = {}
+        self._enabled = enabled
+        self._first_call_only = first_call_only
         for layer_id, module in layers.items():
             self.add_layer(layer_id, module)
 
@@ -38,16 +48,34 @@ class KeepAllSource:
         if layer_id in self._layers:
             raise ValueError(f"layer {layer_id} is already counted")
         self._layers[layer_id] = module
+        if self._enabled:
+            self._hook(layer_id)
+
+    def remove_layer(self, layer_id: int) -> None:
+        self._unhook(layer_id)
+        self._layers.pop(layer_id, None)
+        self._bytes.pop(layer_id, None)
+
+    def set_enabled(self, enabled: bool) -> None:
+        self._enabled = enabled
+        for layer_id in self._layers:
+            self._hook(layer_id) if enabled else self._unhook(layer_id)
+
+    def _hook(self, layer_id: int) -> None:
+        if layer_id in self._handles:
+            return
+        module = self._layers[layer_id]
         self._handles[layer_id] = [
             module.register_forward_pre_hook(lambda m, a, lid=layer_id: self._enter(lid, m)),
             module.register_forward_hook(lambda m, a, o, lid=layer_id: self._exit(lid), always_call=True),
         ]
 
-    def remove_layer(self, layer_id: int) -> None:
+    def _unhook(self, layer_id: int) -> None:
         for handle in self._handles.pop(layer_id, []):
             handle.remove()
-        self._layers.pop(layer_id, None)
-        self._bytes.pop(layer_id, None)
+        opened = self._open.pop(layer_id, None)
+        if opened is not None:  # removed mid-forward: leave autograd's hook stack balanced
+            opened[0].__exit__(None, None, None)
 
     def close(self) -> None:
         for layer_id in list(self._layers):
@@ -73,6 +101,8 @@ class KeepAllSource:
             hooks, counter = opened
             hooks.__exit__(None, None, None)
             self._bytes[layer_id] = counter.bytes
+            if self._first_call_only:
+                self._unhook(layer_id)
 
 
 def _unpack(t: torch.Tensor) -> torch.Tensor:

@@ -45,11 +45,12 @@ def layer_bytes(
     """Per layer: (parameter + buffer bytes, optimizer-state bytes of its parameters)."""
     out: dict[int, tuple[int, int]] = {}
     seen: set[tuple[int, torch.device]] = set()
-    state = optimizer.state if optimizer is not None else {}
+    # keyed by id: hashing a tensor goes through Python and costs more than the whole count
+    state = {id(p): s for p, s in optimizer.state.items()} if optimizer is not None else {}
     for layer_id, module in layers.items():
         params = list(module.parameters())
         constant = _tensor_bytes(params + list(module.buffers()), seen)
-        opt_tensors = [v for p in params for v in state.get(p, {}).values() if isinstance(v, torch.Tensor)]
+        opt_tensors = [v for p in params for v in state.get(id(p), {}).values() if isinstance(v, torch.Tensor)]
         out[layer_id] = (constant, _tensor_bytes(opt_tensors, seen))
     return out
 

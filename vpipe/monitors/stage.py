@@ -65,7 +65,8 @@ class StageMonitor:
 
     ``saved_source`` reports activation bytes and swap/recompute figures (the tensor
     manager); without one the monitor counts saved bytes itself with a
-    :class:`~vpipe.monitors.keep_all.KeepAllSource` (nothing is swapped or recomputed).
+    :class:`~vpipe.monitors.keep_all.KeepAllSource` (nothing is swapped or recomputed), on
+    the first micro-batch of each sampled iteration.
     """
 
     def __init__(
@@ -86,7 +87,7 @@ class StageMonitor:
         self.device = torch.device(device)
         self.optimizer = optimizer
         self.sample_every = sample_every
-        self._owned_source = KeepAllSource({}) if saved_source is None else None
+        self._owned_source = KeepAllSource({}, enabled=False, first_call_only=True) if saved_source is None else None
         self.saved_source: SavedTensorSource = saved_source or self._owned_source  # type: ignore[assignment]
         self._clock = clock_for(self.device)
         self._memory = DeviceMemory(self.device)
@@ -206,6 +207,8 @@ class StageMonitor:
     def _arm(self) -> None:
         if not self._armed:
             self._armed = True
+            if self._owned_source is not None:  # first, so that its pre-hook runs outside the timed span
+                self._owned_source.set_enabled(True)
             for layer_id in self._layers:
                 self._hook(layer_id)
 
@@ -213,6 +216,8 @@ class StageMonitor:
         self._armed = False
         for layer_id in list(self._handles):
             self._unhook(layer_id)
+        if self._owned_source is not None:
+            self._owned_source.set_enabled(False)
 
     def _hook(self, layer_id: int) -> None:
         module = self._layers[layer_id]
