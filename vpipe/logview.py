@@ -63,6 +63,8 @@ def render(path: str, *, everything: bool = False, events: set[str] | None = Non
 
     rows = timeline_rows(read_log(path), everything=everything, events=events)
     console = Console()
+    if not console.is_terminal:  # into a file or a pipe: wide rows that grep can find whole
+        console = Console(width=max(console.width, 200))
     if not rows:
         console.print(f"no {'records' if everything else 'decisions'} in {path}")
         return 0

@@ -246,17 +246,7 @@ def cmd_planner(args: argparse.Namespace, argv: Any = None) -> int:
         logging.getLogger("vpipe").addHandler(handler)
         logging.getLogger("vpipe").setLevel(logging.INFO)
     daemon = PlannerDaemon(args.connect, planner, planner_name=args.planner, heartbeat_s=args.heartbeat,
-                           stage_timeout_s=max(10.0, 20 * args.heartbeat), idle_timeout_s=args.idle_timeout,
+                           stage_timeout_s=max(30.0, 20 * args.heartbeat), idle_timeout_s=args.idle_timeout,
                            parent_pid=args.parent_pid)
     return daemon.run()
 
-
-if __name__ == "__main__":  # what the last stage runs: `vpipe planner` without importing torch
-    parser = argparse.ArgumentParser(prog="python -m vpipe.control.daemon")
-    register(parser.add_subparsers(dest="command", required=True))
-    arguments = parser.parse_args(["planner", *sys.argv[1:]])
-    try:
-        sys.exit(cmd_planner(arguments))
-    except ValueError as error:
-        print(f"vpipe planner: error: {error}", file=sys.stderr)
-        sys.exit(2)

@@ -77,9 +77,7 @@ class PlannerLink:
     # ---------------------------------------------------------------- lifecycle
     def start(self, planner: str) -> None:
         """Start a daemon process running ``planner`` (an import path ``module:function``)."""
-        # `python -m vpipe.control.daemon` is `vpipe planner` without the CLI's training options,
-        # which import torch: the daemon starts in a fraction of a second instead of seconds
-        cmd: list[str] = [sys.executable, "-m", "vpipe.control.daemon", "--connect", self.plane.endpoint,
+        cmd: list[str] = [sys.executable, "-m", "vpipe", "planner", "--connect", self.plane.endpoint,
                           "--planner", planner, "--parent-pid", str(os.getpid()),
                           "--heartbeat", str(self.heartbeat_s)]
         if self.log_file:

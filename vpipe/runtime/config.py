@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from vpipe.runtime.models import BLOCK_TYPES, ModelSpec, cnn, transformer_lm
+if TYPE_CHECKING:  # models imports torch: the CLI's light commands (logs, planner) must not pay for it
+    from vpipe.runtime.models import ModelSpec
 
 SCHEDULES = ("gpipe", "1f1b", "pipedream")
 MODELS = ("transformer", "cnn")
@@ -62,6 +63,8 @@ class RunConfig:
         need(self.d_model % self.n_heads == 0, f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
         if self.block_types is not None:
             need(len(self.block_types) == self.blocks, f"block_types has {len(self.block_types)} entries for {self.blocks} blocks")
+            from vpipe.runtime.models import BLOCK_TYPES
+
             bad = [t for t in self.block_types if t not in BLOCK_TYPES]
             need(not bad, f"unknown block types {bad}; known: {', '.join(BLOCK_TYPES)}")
         n_layers = self.n_layers
@@ -82,6 +85,8 @@ class RunConfig:
         return len(self.model_spec().layers)
 
     def model_spec(self) -> ModelSpec:
+        from vpipe.runtime.models import cnn, transformer_lm
+
         if self.model == "cnn":
             return cnn()
         return transformer_lm(
