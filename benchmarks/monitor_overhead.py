@@ -16,7 +16,8 @@ times. Each block is timed in wall-clock seconds and in the rank's CPU seconds. 
   by k it is the hooks' and record's share per step;
 - session bookkeeping: wall time inside ``end_step`` per step (record, msgpack, sockets);
 - layer-sum / step: per-layer fwd+bwd over the stage's step time on one sampled step (with
-  ``--stages 1`` there are no bubbles, so this is the monitor's coverage of the step).
+  ``--stages 1`` there are no bubbles, so this is the monitor's coverage of the step);
+- the planner daemon's CPU time over its lifetime (a separate process, so outside the ranks).
 """
 
 from __future__ import annotations
@@ -115,6 +116,13 @@ def rank_main(args: argparse.Namespace) -> None:
                 out["blocks"].append({"round": r, "kind": kind, "seconds": time.perf_counter() - start,
                                       "cpu_s": time.process_time() - cpu})
         out["dropped"] = dict(session.plane.dropped)
+        link = session.agent.planner
+        if link is not None and link.process is not None:  # the daemon's CPU, a cost on the machine
+            import psutil
+
+            times = psutil.Process(link.process.pid).cpu_times()
+            out["daemon_cpu_s"] = times.user + times.system
+            out["daemon_wall_s"] = time.time() - psutil.Process(link.process.pid).create_time()
         session.close()
         Path(args.rank_dir, f"rank{ctx.rank}.json").write_text(json.dumps(out))
 
@@ -158,6 +166,8 @@ def summarise(ranks: list[dict], args: argparse.Namespace) -> dict:
         "bookkeeping_fraction": bookkeeping / step_s,
         "layer_sum_over_step": statistics.median(rank0["coverage"]),
         "dropped_messages": rank0["dropped"],
+        "daemon_cpu_fraction": next((r["daemon_cpu_s"] / r["daemon_wall_s"] for r in ranks if "daemon_cpu_s" in r),
+                                    None),
     }
 
 
@@ -182,6 +192,8 @@ def print_table(result: dict) -> None:
     table.add_row("session bookkeeping per step", f"{1e6 * result['bookkeeping_s_per_step']:.0f} us "
                                                   f"({100 * result['bookkeeping_fraction']:.3f} %)")
     table.add_row("per-layer sum / stage step (stage 0)", f"{result['layer_sum_over_step']:.3f}")
+    if result["daemon_cpu_fraction"] is not None:
+        table.add_row("planner daemon CPU / wall time", f"{100 * result['daemon_cpu_fraction']:.2f} % of a core")
     table.add_row("bad messages dropped", str(result["dropped_messages"] or 0))
     Console().print(table)
 
