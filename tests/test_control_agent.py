@@ -109,6 +109,8 @@ def test_stats_reach_the_planner_and_plans_reach_every_stage(planes, decisions):
     assert wait_for(lambda: link.attached, step=lambda: agents[2].after_step(0, None))
     for it in range(12):
         pump(agents, it, sampled=it % 3 == 2, plans=plans)
+    extra = iter(range(12, 1000))  # a loaded machine may need a few more steps for plans to climb
+    assert wait_for(lambda: plans[0], step=lambda: pump(agents, next(extra), sampled=False, plans=plans))
     for agent in agents:  # end of training, in the order the stages finish their last step
         plans[agent.stage_index] += agent.finish(timeout_s=10)
     thread.join(timeout=10)
@@ -273,3 +275,18 @@ def test_load_planner_names_what_is_wrong():
         load_planner("no_such_module_x:f")
     with pytest.raises(ValueError, match="has no callable 'missing'"):
         load_planner("vpipe.control.daemon:missing")
+
+
+def test_daemon_plans_the_stats_that_arrive_together_with_bye(planes):
+    recorder = Recorder()
+    daemon = PlannerDaemon(planes[0].endpoint, recorder, heartbeat_s=0.05)
+    outbox = Outbox(daemon._context, daemon.inbox.endpoint, linger_ms=0)
+    try:
+        outbox.send(make("welcome", {"plan": Plan(epoch=0, stages=((0, 1),)), "num_stages": 1}))
+        outbox.send(make("stats", (stage_record(0, 4, (0, 1)),), iteration=4, stage=0))
+        outbox.send(make("bye", "training finished", stage=0))
+        time.sleep(0.3)  # all three wait in the inbox: the daemon reads them in one batch
+    finally:
+        outbox.close(linger_ms=0)
+    assert daemon.run() == 0
+    assert [v[0].iteration for v in recorder.vectors] == [4]

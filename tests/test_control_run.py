@@ -36,12 +36,12 @@ def decisions(log_file: Path, event: str) -> list[dict]:
 
 def test_four_stages_every_sampled_iteration_reaches_the_planner_and_plans_come_back(tmp_path):
     out, log_file = tmp_path / "planner.jsonl", tmp_path / "run.log"
-    proc = run_vpipe("train", "--stages", "4", "--steps", "10", "--monitor-every", "2", "--no-progress",
+    proc = run_vpipe("train", "--stages", "4", "--steps", "30", "--monitor-every", "3", "--no-progress",
                      "--blocks", "6", "--d-model", "32", "--seq-len", "16", "--micro-batches", "4",
                      "--planner", MARKER, "--log-file", str(log_file), env=planner_env(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     vectors = received(out)
-    assert [v["iteration"] for v in vectors] == [1, 3, 5, 7, 9]
+    assert [v["iteration"] for v in vectors] == list(range(2, 30, 3))
     all_layers = []
     for v in vectors:
         records = [StageRecord.from_wire(r) for r in v["records"]]
@@ -88,7 +88,7 @@ def _wait(condition, timeout_s: float, what: str, launcher: subprocess.Popen) ->
 
 def test_killed_planner_is_reported_training_finishes_and_a_restarted_one_resumes(tmp_path):
     out, log_file = tmp_path / "planner.jsonl", tmp_path / "run.log"
-    env = planner_env(out, VPIPE_PLANNER_TIMEOUT="1.5")
+    env = planner_env(out)  # the kill is seen as the process exiting, not by a timeout
     launcher = subprocess.Popen(
         [sys.executable, "-m", "vpipe", "train", "--stages", "2", "--steps", "600", "--monitor-every", "5",
          "--blocks", "2", "--d-model", "32", "--seq-len", "16", "--micro-batches", "2", "--micro-batch-size", "2",

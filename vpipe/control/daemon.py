@@ -119,14 +119,15 @@ class PlannerDaemon:
             if messages:
                 self._last_heard = now
             vectors: list[Message] = []
+            bye: Message | None = None
             for message in messages:
                 if message.type == "welcome":
                     self._welcome(message)
                 elif message.type == "stats" and self._attached.is_set():
                     vectors.append(message)
                 elif message.type == "bye":
-                    log.info("planner daemon: the training run said bye (%s); exiting", message.body)
-                    return 0
+                    bye = message
+                    break  # nothing after bye counts; what came before it is still planned
                 elif message.type not in ("ping", "stats"):
                     log.warning("planner daemon: unexpected %r message from rank %d; dropped", message.type, message.src)
             if len(vectors) > self.backlog:
@@ -136,6 +137,9 @@ class PlannerDaemon:
                 vectors = vectors[-self.backlog:]
             for message in vectors:
                 self._plan(message)
+            if bye is not None:
+                log.info("planner daemon: the training run said bye (%s); exiting", bye.body)
+                return 0
             if self._attached.is_set() and now - self._last_heard > self.stage_timeout_s:
                 log.info("planner daemon: no word from the last stage for %.0f s; saying hello again",
                          now - self._last_heard)
