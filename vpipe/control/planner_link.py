@@ -134,8 +134,11 @@ class PlannerLink:
         if self.attached:
             return self._send_vector(iteration, tuple(vector), epoch)
         if len(self._backlog) == self._backlog_size:
-            self._backlog.popleft()
+            dropped_iteration = self._backlog.popleft()[0]
             self.vectors_dropped += 1
+            if self.vectors_dropped == 1 or self.vectors_dropped % 100 == 0:
+                log.info("no planner daemon attached: stats of iteration %d dropped (%d so far); the newest %d wait",
+                         dropped_iteration, self.vectors_dropped, self._backlog_size)
         self._backlog.append((iteration, tuple(vector), epoch))
         return True
 

@@ -9,7 +9,6 @@ stats to the planner). The reference trainer uses it through :func:`open_for_sta
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -27,8 +26,6 @@ from vpipe.control.planner_link import PlannerLink
 from vpipe.monitors.source import SavedTensorSource
 from vpipe.monitors.stage import StageMonitor, layers_of
 from vpipe.planner.plan import Plan
-
-log = logging.getLogger("vpipe.control")
 
 __all__ = ["ControlOptions", "ControlSession", "StepPlans", "open_for_stage_run", "exclude_shape_inference"]
 
