@@ -48,6 +48,11 @@ def add_run_arguments(p: argparse.ArgumentParser, *, steps: int, stages: int) ->
     p.add_argument("--log-file", default=None, help="append JSON-lines logs (decisions included) here")
     p.add_argument("--out-dir", default=None, help="save each rank's final parameters and losses here")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--monitor-every", type=int, default=0, metavar="K",
+                   help="measure every K-th step and send the stats to the planner daemon (default 0: off)")
+    p.add_argument("--planner", default="vpipe.control.daemon:no_change", metavar="MODULE:FUNCTION",
+                   help="planner the last stage's daemon runs; 'none' starts no daemon and waits for "
+                        "`vpipe planner --connect ...`")
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
@@ -57,7 +62,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         micro_batches=args.micro_batches, micro_batch_size=args.micro_batch_size, steps=args.steps,
         lr=args.lr, optimizer=args.optimizer, seed=args.seed, partition=args.partition,
         vertical_sync=args.vertical_sync, log_file=args.log_file, out_dir=args.out_dir,
-        progress=not args.no_progress,
+        progress=not args.no_progress, monitor_every=args.monitor_every,
+        planner=None if args.planner == "none" else args.planner,
     )
 
 
@@ -111,6 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
     from vpipe.planner.cli import register as register_plan
 
     register_plan(sub)
+    from vpipe import logview
+    from vpipe.control import daemon
+
+    logview.register(sub)
+    daemon.register(sub)
     return parser
 
 

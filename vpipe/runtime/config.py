@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from vpipe.runtime.models import BLOCK_TYPES, ModelSpec, cnn, transformer_lm
+if TYPE_CHECKING:  # models imports torch: the CLI's light commands (logs, planner) must not pay for it
+    from vpipe.runtime.models import ModelSpec
 
 SCHEDULES = ("gpipe", "1f1b", "pipedream")
 MODELS = ("transformer", "cnn")
@@ -38,6 +39,8 @@ class RunConfig:
     log_file: str | None = None
     out_dir: str | None = None
     progress: bool = True
+    monitor_every: int = 0  # sample every k-th step with the monitor + control plane; 0 = off
+    planner: str | None = "vpipe.control.daemon:no_change"  # daemon's planner; None = wait for `vpipe planner`
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -52,11 +55,17 @@ class RunConfig:
             need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1,
                  f"{name} must be a positive integer, got {getattr(self, name)!r}")
         need(isinstance(self.steps, int) and self.steps >= 0, f"steps must be >= 0, got {self.steps!r}")
+        need(isinstance(self.monitor_every, int) and self.monitor_every >= 0,
+             f"monitor_every must be an integer >= 0, got {self.monitor_every!r}")
+        need(self.planner is None or (isinstance(self.planner, str) and ":" in self.planner),
+             f"planner must be an import path module:function, got {self.planner!r}")
         need(0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout}")
         need(self.lr > 0, f"lr must be positive, got {self.lr}")
         need(self.d_model % self.n_heads == 0, f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
         if self.block_types is not None:
             need(len(self.block_types) == self.blocks, f"block_types has {len(self.block_types)} entries for {self.blocks} blocks")
+            from vpipe.runtime.models import BLOCK_TYPES
+
             bad = [t for t in self.block_types if t not in BLOCK_TYPES]
             need(not bad, f"unknown block types {bad}; known: {', '.join(BLOCK_TYPES)}")
         n_layers = self.n_layers
@@ -88,6 +97,8 @@ class RunConfig:
         return len(self.model_spec().layers)
 
     def model_spec(self) -> ModelSpec:
+        from vpipe.runtime.models import cnn, transformer_lm
+
         if self.model == "cnn":
             return cnn()
         return transformer_lm(

@@ -107,12 +107,17 @@ def train_rank(cfg: RunConfig, ctx: Distributed) -> RunResult:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     run = build_stage_run(cfg, ctx.rank, ctx.device)
     log.info("stage %d of %d: training layers %s with %s", ctx.rank, cfg.stages, run.layer_ids, cfg.schedule)
+    session = _control_session(cfg, run, ctx)
     result = RunResult(steps=0, seconds=0.0)
     progress = _Progress(cfg, enabled=cfg.progress and run.is_last)
     start = time.perf_counter()
     with progress:
         for step in range(cfg.steps):
+            if session is not None:
+                session.begin_step(step)
             losses = run.run_step(step)
+            if session is not None:
+                session.end_step()  # plans are logged; applying them is the layer manager's job
             result.steps += 1
             if losses:
                 result.losses.append(float(torch.stack([l.detach() for l in losses]).mean()))
@@ -120,11 +125,23 @@ def train_rank(cfg: RunConfig, ctx: Distributed) -> RunResult:
         if isinstance(run.schedule, SchedulePipeDream):
             run.schedule.flush()
     result.seconds = time.perf_counter() - start
+    if session is not None:
+        session.close()
     if cfg.out_dir:
         save_rank_result(cfg, run, result)
     if run.is_last and cfg.progress:
         print_summary(cfg, result)
     return result
+
+
+def _control_session(cfg: RunConfig, run: StageRun, ctx: Distributed) -> Any:
+    """The monitor + control plane session of this rank, when ``cfg.monitor_every`` asks for one."""
+    if not cfg.monitor_every:
+        return None
+    from vpipe.control.session import ControlOptions, open_for_stage_run
+
+    options = ControlOptions(sample_every=cfg.monitor_every, planner=cfg.planner, log_file=cfg.log_file)
+    return open_for_stage_run(run, ctx, options)
 
 
 def save_rank_result(cfg: RunConfig, run: StageRun, result: RunResult) -> None:

@@ -1,0 +1,27 @@
+"""Planners for the control-plane tests; the daemon imports them by path (tests/ is put on PYTHONPATH).
+
+``record_and_mark`` appends every stats vector it gets to ``$VPIPE_TEST_PLANNER_OUT`` (one
+JSON object per line) and answers each with a marker plan: the current placement under
+the next epoch, its reason naming the iteration, so every stage can show it got it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from vpipe.monitors.records import StageRecord
+from vpipe.planner.plan import Plan
+
+
+def record_and_mark(vector: list[StageRecord], current: Plan | None) -> Plan:
+    iteration = vector[0].iteration
+    with open(os.environ["VPIPE_TEST_PLANNER_OUT"], "a", encoding="utf-8") as f:
+        f.write(json.dumps({"pid": os.getpid(), "iteration": iteration,
+                            "records": [r.to_wire() for r in vector]}) + "\n")
+    stages = current.stages if current else tuple(tuple(r.layer_ids) for r in vector)
+    return Plan(epoch=(current.epoch if current else 0) + 1, stages=stages, reason=f"marker {iteration}")
+
+
+def failing(vector: list[StageRecord], current: Plan | None) -> Plan:
+    raise RuntimeError("this planner always fails")

@@ -1,0 +1,68 @@
+"""`vpipe logs` renders a run's decisions; `vpipe planner` refuses bad arguments clearly."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import run_vpipe
+from vpipe.logview import timeline_rows
+
+
+def write_log(path, records) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records) + "not json\n")
+
+
+RECORDS = [
+    {"t": 100.0, "rank": 1, "logger": "vpipe.runtime", "level": "INFO", "msg": "stage 1 of 2: training"},
+    {"t": 100.5, "rank": 1, "logger": "vpipe.decisions", "level": "INFO", "event": "planner_started", "pid": 77,
+     "msg": "started planner daemon pid 77"},
+    {"t": 101.25, "rank": None, "role": "planner", "logger": "vpipe.decisions", "level": "INFO", "event": "plan",
+     "epoch": 3, "layers_per_stage": [5, 3], "predicted_step_s": 0.123456, "msg": "plan epoch 3: rebalance"},
+    {"t": 102.0, "rank": 1, "logger": "vpipe.decisions", "level": "WARNING", "event": "planner_lost",
+     "reason": "no message", "msg": "planner lost"},
+    {"t": 102.5, "rank": 0, "logger": "vpipe.control", "level": "WARNING", "msg": "dropped a bad control message"},
+]
+
+
+def test_timeline_rows_show_time_since_start_who_event_and_numbers():
+    rows = timeline_rows(RECORDS)
+    assert [(r[0].strip(), r[1], r[2]) for r in rows] == [
+        ("0.500", "1", "planner_started"), ("1.250", "planner", "plan"), ("2.000", "1", "planner_lost")]
+    assert rows[1][3] == "plan epoch 3: rebalance"
+    assert "epoch=3" in rows[1][4] and "layers_per_stage=[5, 3]" in rows[1][4] and "predicted_step_s=0.1235" in rows[1][4]
+    assert len(timeline_rows(RECORDS, everything=True)) == 5
+    assert [r[2] for r in timeline_rows(RECORDS, events={"plan"})] == ["plan"]
+
+
+def test_vpipe_logs_prints_a_table(tmp_path):
+    log_file = tmp_path / "run.log"
+    write_log(log_file, RECORDS)
+    proc = run_vpipe("logs", str(log_file), env=None)
+    assert proc.returncode == 0, proc.stderr
+    for text in ("planner_started", "plan epoch 3: rebalance", "planner_lost", "planner"):
+        assert text in proc.stdout
+    assert "dropped a bad control message" not in proc.stdout
+    proc = run_vpipe("logs", str(log_file), "--all")
+    assert "dropped a bad control message" in proc.stdout
+
+
+def test_vpipe_logs_on_a_missing_file_is_a_clear_error(tmp_path):
+    proc = run_vpipe("logs", str(tmp_path / "nope.log"))
+    assert proc.returncode == 2
+    assert "vpipe: error: cannot read log file" in proc.stderr and "nope.log" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_vpipe_planner_refuses_bad_arguments():
+    proc = run_vpipe("planner", "--connect", "tcp://0.0.0.0")
+    assert proc.returncode == 2 and "endpoint must look like tcp://HOST:PORT" in proc.stderr
+    proc = run_vpipe("planner", "--connect", "tcp://127.0.0.1:5", "--planner", "no_such_mod_q:f")
+    assert proc.returncode == 2 and "cannot import planner module 'no_such_mod_q'" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_planner_gives_up_when_no_run_answers(tmp_path):
+    proc = run_vpipe("planner", "--connect", "tcp://127.0.0.1:9", "--heartbeat", "0.1", "--idle-timeout", "1",
+                     timeout=60)
+    assert proc.returncode == 1
+    assert "nothing from tcp://127.0.0.1:9 for 1 s; exiting" in proc.stderr

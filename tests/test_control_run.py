@@ -1,0 +1,127 @@
+"""Whole runs through `python -m vpipe train`: stats from every stage reach the planner daemon,
+its plans reach every stage, and losing the daemon does not stop training."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from conftest import ROOT, child_env, run_vpipe
+from vpipe.log import read_log
+from vpipe.monitors.records import GPU_ONLY_FIELDS, StageRecord
+
+MARKER = "control_planners:record_and_mark"
+
+
+def planner_env(out: Path, **extra: str) -> dict[str, str]:
+    path = os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", str(ROOT))])
+    return child_env(PYTHONPATH=path, VPIPE_TEST_PLANNER_OUT=str(out), **extra)
+
+
+def received(out: Path) -> list[dict]:
+    return [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
+
+
+def decisions(log_file: Path, event: str) -> list[dict]:
+    return [r for r in read_log(log_file) if r.get("event") == event] if log_file.exists() else []
+
+
+def test_four_stages_every_sampled_iteration_reaches_the_planner_and_plans_come_back(tmp_path):
+    out, log_file = tmp_path / "planner.jsonl", tmp_path / "run.log"
+    proc = run_vpipe("train", "--stages", "4", "--steps", "30", "--monitor-every", "3", "--no-progress",
+                     "--blocks", "6", "--d-model", "32", "--seq-len", "16", "--micro-batches", "4",
+                     "--planner", MARKER, "--log-file", str(log_file), env=planner_env(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    vectors = received(out)
+    assert [v["iteration"] for v in vectors] == list(range(2, 30, 3))
+    all_layers = []
+    for v in vectors:
+        records = [StageRecord.from_wire(r) for r in v["records"]]
+        assert [r.stage for r in records] == [0, 1, 2, 3]
+        for r in records:
+            assert r.iteration == v["iteration"]
+            for name, value in vars(r).items():
+                if name in GPU_ONLY_FIELDS:
+                    assert value is None, name  # a CPU run has no GPU figures
+                else:
+                    assert value is not None, name
+            assert r.step_s > 0 and r.device_resident_bytes > 0 and r.device_peak_bytes > 0
+            assert r.host_rss_bytes > 0 and r.param_bytes > 0 and r.optimizer_bytes > 0
+            for layer in r.layers:
+                assert layer.fwd_calls == 4 and layer.bwd_calls == 4
+                assert layer.fwd_s > 0 and layer.bwd_s > 0
+                assert layer.activation_bytes > 0 and layer.param_bytes > 0 and layer.optimizer_bytes > 0
+        all_layers.append([lid for r in records for lid in r.layer_ids])
+    assert all(layers == list(range(8)) for layers in all_layers)
+
+    got = {rank: [r for r in decisions(log_file, "plan_received") if r["rank"] == rank] for rank in range(4)}
+    sent = decisions(log_file, "plan")
+    assert sent and all(r["role"] == "planner" for r in sent)
+    for rank, plans in got.items():
+        assert plans, f"stage {rank} received no plan"
+        epochs = [p["epoch"] for p in plans]
+        assert epochs == sorted(set(epochs))
+        assert all(p["reason"].startswith("marker ") for p in plans)
+        assert plans[0]["stage_layers"] == [[0, 1], [2, 3], [4, 5], [6, 7]][rank]
+    # every plan a stage got came through its downstream neighbour
+    for rank in range(3):
+        assert {p["epoch"] for p in got[rank]} <= {p["epoch"] for p in got[rank + 1]}
+
+
+def _wait(condition, timeout_s: float, what: str, launcher: subprocess.Popen) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if launcher.poll() is not None:
+            pytest.fail(f"the run ended (code {launcher.returncode}) before {what}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.2)
+
+
+def test_killed_planner_is_reported_training_finishes_and_a_restarted_one_resumes(tmp_path):
+    out, log_file = tmp_path / "planner.jsonl", tmp_path / "run.log"
+    env = planner_env(out)  # the kill is seen as the process exiting, not by a timeout
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "vpipe", "train", "--stages", "2", "--steps", "600", "--monitor-every", "5",
+         "--blocks", "2", "--d-model", "32", "--seq-len", "16", "--micro-batches", "2", "--micro-batch-size", "2",
+         "--no-progress", "--planner", MARKER, "--log-file", str(log_file)],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    restarted = None
+    try:
+        _wait(lambda: received(out), 120, "the first stats at the planner", launcher)
+        started = decisions(log_file, "planner_started")[0]
+        first_pid, endpoint = started["pid"], started["endpoint"]
+        assert {v["pid"] for v in received(out)} == {first_pid}
+        os.kill(first_pid, signal.SIGKILL)
+        _wait(lambda: decisions(log_file, "planner_lost"), 60, "planner_lost", launcher)
+        seen_before = len(received(out))
+        restarted = subprocess.Popen(
+            [sys.executable, "-m", "vpipe", "planner", "--connect", endpoint, "--planner", MARKER,
+             "--log-file", str(log_file)], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True,
+        )
+        _wait(lambda: any(v["pid"] == restarted.pid for v in received(out)), 60,
+              "stats at the restarted planner", launcher)
+        _, stderr = launcher.communicate(timeout=240)
+        restarted.wait(timeout=30)
+    finally:
+        for p in (launcher, restarted):
+            if p is not None and p.poll() is None:
+                p.kill()
+    assert launcher.returncode == 0, stderr[-3000:]
+    assert restarted.returncode == 0  # it left on the run's bye
+    lost = decisions(log_file, "planner_lost")
+    assert len(lost) == 1 and lost[0]["pid"] == first_pid and lost[0]["rank"] == 1
+    attached = [r["pid"] for r in decisions(log_file, "planner_attached")]
+    assert attached == [first_pid, restarted.pid]
+    after = [v for v in received(out)[seen_before:] if v["pid"] == restarted.pid]
+    assert len(after) >= 2 and all(len(v["records"]) == 2 for v in after)
+    assert not psutil.pid_exists(first_pid) or psutil.Process(first_pid).status() == psutil.STATUS_ZOMBIE

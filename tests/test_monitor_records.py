@@ -1,0 +1,92 @@
+"""Stats records survive msgpack and reject what a peer could get wrong."""
+
+from __future__ import annotations
+
+import math
+
+import msgpack
+import pytest
+
+from vpipe.monitors.records import GPU_ONLY_FIELDS, MAX_LAYERS, LayerRecord, RecordError, StageRecord
+
+
+def layer(layer_id: int = 3, **changes) -> LayerRecord:
+    fields = dict(layer_id=layer_id, fwd_s=0.01, bwd_s=0.02, fwd_calls=4, bwd_calls=4, activation_bytes=4096,
+                  param_bytes=1024, optimizer_bytes=2048)
+    fields.update(changes)
+    return LayerRecord(**fields)
+
+
+def stage_record(stage: int = 1, iteration: int = 9, layers=(3, 4), **changes) -> StageRecord:
+    fields = dict(stage=stage, iteration=iteration, device="cpu", t=1.7e9, step_s=0.1,
+                  layers=tuple(layer(i) for i in layers), param_bytes=2048, optimizer_bytes=4096,
+                  device_resident_bytes=10 << 20, device_peak_bytes=12 << 20, host_rss_bytes=10 << 20,
+                  host_pool_used_bytes=0, host_pool_peak_bytes=0, host_pool_capacity_bytes=0, d2h_bytes=0,
+                  d2h_s=0.0, h2d_bytes=0, h2d_s=0.0, recompute_s=0.0, gpu_util_pct=None, pcie_rx_bytes_s=None,
+                  pcie_tx_bytes_s=None)
+    fields.update(changes)
+    return StageRecord(**fields)
+
+
+def through_msgpack(wire):
+    return msgpack.unpackb(msgpack.packb(wire, use_bin_type=True), raw=False, strict_map_key=True)
+
+
+def test_stage_record_round_trips_through_msgpack():
+    record = stage_record(gpu_util_pct=55.0, pcie_rx_bytes_s=1e9, pcie_tx_bytes_s=2e9)
+    assert StageRecord.from_wire(through_msgpack(record.to_wire())) == record
+    assert record.layer_ids == [3, 4]
+    assert record.compute_s == pytest.approx(0.06)
+    assert layer().fwd_per_call_s == pytest.approx(0.0025)
+    assert layer(bwd_calls=0, bwd_s=0.0).bwd_per_call_s == 0.0
+
+
+def test_gpu_only_fields_may_be_null_but_nothing_else():
+    wire = stage_record().to_wire()
+    for name in GPU_ONLY_FIELDS:
+        assert wire[name] is None
+    StageRecord.from_wire(wire)
+    for name in ("step_s", "device_peak_bytes", "recompute_s"):
+        with pytest.raises(RecordError, match=name):
+            StageRecord.from_wire(dict(wire, **{name: None}))
+
+
+@pytest.mark.parametrize("name, value, message", [
+    ("stage", -1, "stage must be an integer"),
+    ("iteration", True, "iteration must be an integer"),
+    ("step_s", math.nan, "step_s must be a finite number"),
+    ("step_s", -0.5, "step_s must be a finite number"),
+    ("d2h_bytes", 1.5, "d2h_bytes must be an integer"),
+    ("device", "x" * 65, "device must be a string"),
+    ("gpu_util_pct", "high", "gpu_util_pct must be a finite number"),
+    ("layers", {"0": 1}, "layers must be a list"),
+])
+def test_stage_record_rejects_bad_values_naming_the_field(name, value, message):
+    wire = stage_record().to_wire()
+    wire[name] = value
+    with pytest.raises(RecordError, match=message):
+        StageRecord.from_wire(wire)
+
+
+def test_records_reject_missing_unknown_and_duplicate_fields():
+    wire = stage_record().to_wire()
+    with pytest.raises(RecordError, match="missing step_s"):
+        StageRecord.from_wire({k: v for k, v in wire.items() if k != "step_s"})
+    with pytest.raises(RecordError, match="unknown fields extra"):
+        StageRecord.from_wire(dict(wire, extra=1))
+    with pytest.raises(RecordError, match="must be a map"):
+        StageRecord.from_wire([1, 2])
+    wire["layers"][1]["layer_id"] = wire["layers"][0]["layer_id"]
+    with pytest.raises(RecordError, match="names a layer twice"):
+        StageRecord.from_wire(wire)
+    bad_layer = layer().to_wire()
+    bad_layer["fwd_calls"] = -1
+    with pytest.raises(RecordError, match="fwd_calls"):
+        LayerRecord.from_wire(bad_layer)
+
+
+def test_record_with_absurd_layer_count_is_rejected():
+    wire = stage_record().to_wire()
+    wire["layers"] = [layer(i).to_wire() for i in range(MAX_LAYERS + 1)]
+    with pytest.raises(RecordError, match="at most"):
+        StageRecord.from_wire(wire)

@@ -1,0 +1,234 @@
+"""The control plane's sockets: one validated inbox per process, one outbox per peer.
+
+Each rank binds a zmq PULL socket (its inbox) on the control host (see
+:mod:`vpipe.control.netaddr`) and publishes the endpoint in the run's c10d TCPStore under
+``vpipe/ctl/ep/<rank>``; to talk to a peer it connects a PUSH socket to the peer's inbox.
+PUSH/PULL keeps per-sender order, which the stats and plan forwarding rely on. Every
+socket has ``maxmsgsize`` set (zmq drops the connection of a peer that exceeds it), sends
+never block (a full queue to a dead peer drops the message, counted and logged), and
+every received frame goes through :class:`~vpipe.control.messages.Decoder`. The sockets
+carry small control messages only; tensors travel over torch.distributed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+from collections import Counter, deque
+from typing import Any
+
+import zmq
+
+from vpipe.control.messages import MAX_MESSAGE_BYTES, Decoder, Message, encode
+from vpipe.control.netaddr import check_endpoint, control_host, tcp_endpoint
+
+log = logging.getLogger("vpipe.control")
+
+__all__ = ["Inbox", "Outbox", "ControlPlane", "endpoint_key", "PLANNER_CONNECT_KEY"]
+
+PLANNER_CONNECT_KEY = "vpipe/ctl/planner"  # the endpoint a standalone planner daemon connects to
+_WILDCARDS = ("0.0.0.0", "::", "*")
+
+
+def endpoint_key(rank: int) -> str:
+    return f"vpipe/ctl/ep/{rank}"
+
+
+def _limit(sock: zmq.Socket, max_message_bytes: int, linger_ms: int) -> None:
+    sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+    sock.setsockopt(zmq.LINGER, linger_ms)
+
+
+class Inbox:
+    """A PULL socket on a random port of ``bind_host``; yields validated messages only."""
+
+    def __init__(self, context: zmq.Context, bind_host: str, advertise_host: str, *, name: str,
+                 max_message_bytes: int = MAX_MESSAGE_BYTES) -> None:
+        self.socket = context.socket(zmq.PULL)
+        _limit(self.socket, max_message_bytes, 0)
+        self.socket.setsockopt(zmq.RCVHWM, 10_000)
+        if ":" in bind_host or ":" in advertise_host:
+            self.socket.setsockopt(zmq.IPV6, 1)
+        bind = "*" if bind_host in _WILDCARDS else (f"[{bind_host}]" if ":" in bind_host else bind_host)
+        port = self.socket.bind_to_random_port(f"tcp://{bind}")
+        self.endpoint = tcp_endpoint(advertise_host, port)
+        self.decoder = Decoder(name=name, max_bytes=max_message_bytes)
+
+    def receive(self, timeout_ms: int = 0, limit: int = 1000) -> list[Message]:
+        """Up to ``limit`` valid messages, waiting at most ``timeout_ms`` for the first."""
+        if timeout_ms > 0 and not self.socket.poll(timeout_ms):
+            return []
+        out: list[Message] = []
+        while len(out) < limit:
+            try:
+                frames = self.socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            if len(frames) != 1:
+                self.decoder.drop("multipart", f"{len(frames)} frames; control messages are one frame")
+                continue
+            message = self.decoder.accept(frames[0])
+            if message is not None:
+                out.append(message)
+        return out
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+
+
+class Outbox:
+    """A PUSH socket connected to one peer's inbox; :meth:`send` never blocks."""
+
+    def __init__(self, context: zmq.Context, endpoint: str, *, max_message_bytes: int = MAX_MESSAGE_BYTES,
+                 queue: int = 1000, linger_ms: int = 1000) -> None:
+        host, _ = check_endpoint(endpoint)
+        self.endpoint = endpoint
+        self.max_message_bytes = max_message_bytes
+        self.socket = context.socket(zmq.PUSH)
+        _limit(self.socket, max_message_bytes, linger_ms)
+        self.socket.setsockopt(zmq.SNDHWM, queue)
+        if ":" in host:
+            self.socket.setsockopt(zmq.IPV6, 1)
+        self.socket.connect(endpoint)
+
+    def send(self, message: Message) -> bool:
+        """Queue one message; False when the peer's queue is full (it is gone or stuck)."""
+        data = encode(message, max_bytes=self.max_message_bytes)
+        try:
+            self.socket.send(data, zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        return True
+
+    def close(self, linger_ms: int | None = None) -> None:
+        self.socket.close(linger=linger_ms)
+
+
+class ControlPlane:
+    """One rank's control sockets: its inbox, outboxes to peers, endpoints via the TCPStore."""
+
+    def __init__(
+        self,
+        store: Any,
+        rank: int,
+        world_size: int,
+        *,
+        host: str | None = None,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
+        lookup_timeout_s: float = 60.0,
+    ) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
+        bind, advertise = control_host(explicit=host)
+        self.store = store
+        self.rank = rank
+        self.world_size = world_size
+        self.max_message_bytes = max_message_bytes
+        self.lookup_timeout_s = lookup_timeout_s
+        self._context = zmq.Context()
+        self.inbox = Inbox(self._context, bind, advertise, name=f"rank {rank} control inbox",
+                           max_message_bytes=max_message_bytes)
+        self._peers: dict[int | str, Outbox] = {}
+        self._pending: deque[Message] = deque()
+        self.send_failures: Counter = Counter()
+        store.set(endpoint_key(rank), self.inbox.endpoint)
+        log.info("rank %d: control inbox at %s", rank, self.inbox.endpoint)
+
+    @property
+    def endpoint(self) -> str:
+        return self.inbox.endpoint
+
+    @property
+    def dropped(self) -> Counter:
+        """Received messages dropped as invalid, by reason."""
+        return self.inbox.decoder.dropped
+
+    def endpoint_of(self, rank: int) -> str:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside 0..{self.world_size - 1}")
+        key = endpoint_key(rank)
+        try:
+            self.store.wait([key], datetime.timedelta(seconds=self.lookup_timeout_s))
+            endpoint = self.store.get(key).decode()
+        except Exception as e:  # noqa: BLE001 - c10d raises DistStoreError/RuntimeError on timeout
+            raise TimeoutError(
+                f"rank {self.rank}: rank {rank} did not publish its control endpoint within "
+                f"{self.lookup_timeout_s:.0f} s ({type(e).__name__}: {e})"
+            ) from None
+        check_endpoint(endpoint)
+        return endpoint
+
+    # ---------------------------------------------------------------- sending
+    def connect(self, name: str, endpoint: str) -> None:
+        """Add (or re-point) a named peer that is not a rank, e.g. ``"planner"``."""
+        self.disconnect(name)
+        self._peers[name] = Outbox(self._context, endpoint, max_message_bytes=self.max_message_bytes)
+
+    def disconnect(self, name: int | str) -> None:
+        outbox = self._peers.pop(name, None)
+        if outbox is not None:
+            outbox.close(linger_ms=0)
+
+    def send(self, peer: int | str, message: Message) -> bool:
+        """Send without blocking; False (counted, logged) when the peer's queue is full."""
+        outbox = self._peers.get(peer)
+        if outbox is None:
+            if not isinstance(peer, int):
+                raise KeyError(f"no control peer named {peer!r}; connect() it first")
+            outbox = self._peers[peer] = Outbox(self._context, self.endpoint_of(peer),
+                                                max_message_bytes=self.max_message_bytes)
+        if outbox.send(message):
+            return True
+        self.send_failures[peer] += 1
+        n = self.send_failures[peer]
+        if n <= 10 or n % 1000 == 0:
+            log.warning("rank %d: control queue to %s is full; dropped a %r message (%d so far)",
+                        self.rank, _peer_name(peer), message.type, n)
+        return False
+
+    # ---------------------------------------------------------------- receiving
+    def poll(self, timeout_ms: int = 0) -> list[Message]:
+        """Valid messages received so far (waiting at most ``timeout_ms`` for one); never raises on bad input."""
+        out = list(self._pending)
+        self._pending.clear()
+        out.extend(self.inbox.receive(0 if out else timeout_ms))
+        return out
+
+    def recv(self, type: str, *, from_rank: int | None = None, timeout_s: float) -> Message:
+        """Block until a ``type`` message (from ``from_rank`` if given) arrives; others wait in :meth:`poll`."""
+        for i, message in enumerate(self._pending):
+            if _matches(message, type, from_rank):
+                del self._pending[i]
+                return message
+        deadline = time.monotonic() + timeout_s
+        while True:
+            remaining_ms = int((deadline - time.monotonic()) * 1000)
+            if remaining_ms <= 0:
+                source = f"rank {from_rank}" if from_rank is not None else "any peer"
+                raise TimeoutError(f"rank {self.rank}: no {type!r} message from {source} within {timeout_s:.1f} s")
+            found = None
+            for message in self.inbox.receive(min(remaining_ms, 100)):
+                if found is None and _matches(message, type, from_rank):
+                    found = message
+                else:
+                    self._pending.append(message)
+            if found is not None:
+                return found
+
+    def close(self, linger_ms: int = 1000) -> None:
+        """Close every socket; queued outgoing messages get ``linger_ms`` to leave."""
+        for outbox in self._peers.values():
+            outbox.close(linger_ms=linger_ms)
+        self._peers.clear()
+        self.inbox.close()
+        self._context.term()
+
+
+def _matches(message: Message, type: str, from_rank: int | None) -> bool:
+    return message.type == type and (from_rank is None or message.src == from_rank)
+
+
+def _peer_name(peer: int | str) -> str:
+    return f"rank {peer}" if isinstance(peer, int) else str(peer)
+

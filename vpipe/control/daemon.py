@@ -1,0 +1,256 @@
+"""The planner daemon: a process of its own that turns stats vectors into plans.
+
+The last stage starts it (``python -m vpipe planner --connect ENDPOINT ...``) or a person
+does, against the endpoint the last stage logs and stores under ``vpipe/ctl/planner``.
+It binds only its own inbox, on the address that routes to the last stage (loopback on
+one host), says ``hello`` until welcomed, then for each full stats vector calls the
+planner function ``planner(vector, current) -> Plan | None`` (an import path such as
+``vpipe.control.daemon:no_change``) and sends back any plan with a newer epoch. Every
+vector is planned, in order (a planner may want several samples); if the planner falls
+behind by more than ``backlog`` vectors the oldest waiting ones are dropped, with a log line.
+
+A heartbeat thread pings the last stage; if the stage stops answering (it declared the
+daemon lost, or it is busy for long) the daemon says ``hello`` again, so it re-attaches
+by itself. It exits on ``bye``, when the process that started it is gone, or after
+``idle_timeout_s`` without hearing from any training run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from vpipe.control.channel import Inbox, Outbox
+from vpipe.control.messages import MAX_MESSAGE_BYTES, PLANNER, Message, make
+from vpipe.control.netaddr import check_endpoint, control_host
+from vpipe.log import decision
+from vpipe.monitors.records import StageRecord
+from vpipe.planner.plan import Plan
+
+log = logging.getLogger("vpipe.planner.daemon")
+
+__all__ = ["PlannerFn", "no_change", "load_planner", "PlannerDaemon", "DEFAULT_PLANNER", "register"]
+
+PlannerFn = Callable[[list[StageRecord], "Plan | None"], "Plan | None"]
+DEFAULT_PLANNER = "vpipe.control.daemon:no_change"
+
+
+def no_change(vector: list[StageRecord], current: Plan | None) -> Plan | None:
+    """The planner until the SRP planner lands: never changes the plan."""
+    return None
+
+
+def load_planner(spec: str) -> PlannerFn:
+    """The function named by ``module:function``; ValueError naming what is wrong."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"a planner must be given as module:function, got {spec!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"cannot import planner module {module_name!r}: {e}") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(f"{module_name!r} has no callable {attr!r}")
+    return fn
+
+
+class PlannerDaemon:
+    def __init__(
+        self,
+        connect: str,
+        planner: PlannerFn,
+        *,
+        planner_name: str = "",
+        heartbeat_s: float = 0.5,
+        stage_timeout_s: float = 10.0,
+        idle_timeout_s: float = 300.0,
+        parent_pid: int | None = None,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
+        backlog: int = 16,
+    ) -> None:
+        host, _ = check_endpoint(connect)
+        self.connect = connect
+        self.planner = planner
+        self.planner_name = planner_name or getattr(planner, "__name__", "planner")
+        self.heartbeat_s = heartbeat_s
+        self.stage_timeout_s = stage_timeout_s
+        self.idle_timeout_s = idle_timeout_s
+        self.parent_pid = parent_pid
+        self.current: Plan | None = None
+        self.num_stages: int | None = None
+        self.vectors = 0
+        self.skipped = 0
+        self.backlog = backlog
+        self._context = zmq.Context()
+        bind, advertise = control_host(master_addr=host)
+        self.inbox = Inbox(self._context, bind, advertise, name="planner daemon inbox",
+                           max_message_bytes=max_message_bytes)
+        self._outbox = Outbox(self._context, connect, max_message_bytes=max_message_bytes)
+        self._max_bytes = max_message_bytes
+        self._attached = threading.Event()
+        self._stop = threading.Event()
+        self._last_heard = time.monotonic()
+        self._heartbeat = threading.Thread(target=self._beat, name="vpipe-planner-heartbeat", daemon=True)
+
+    # ---------------------------------------------------------------- main loop
+    def run(self) -> int:
+        log.info("planner daemon pid %d (%s): inbox %s, connecting to %s", os.getpid(), self.planner_name,
+                 self.inbox.endpoint, self.connect)
+        self._heartbeat.start()
+        try:
+            return self._loop()
+        finally:
+            self.close()
+
+    def _loop(self) -> int:
+        while True:
+            messages = self.inbox.receive(timeout_ms=200)
+            now = time.monotonic()
+            if messages:
+                self._last_heard = now
+            vectors: list[Message] = []
+            bye: Message | None = None
+            for message in messages:
+                if message.type == "welcome":
+                    self._welcome(message)
+                elif message.type == "stats" and self._attached.is_set():
+                    vectors.append(message)
+                elif message.type == "bye":
+                    bye = message
+                    break  # nothing after bye counts; what came before it is still planned
+                elif message.type not in ("ping", "stats"):
+                    log.warning("planner daemon: unexpected %r message from rank %d; dropped", message.type, message.src)
+            if len(vectors) > self.backlog:
+                self.skipped += len(vectors) - self.backlog
+                log.warning("planner daemon: the planner is %d stats vectors behind; planning the newest %d",
+                            len(vectors), self.backlog)
+                vectors = vectors[-self.backlog:]
+            for message in vectors:
+                self._plan(message)
+            if bye is not None:
+                log.info("planner daemon: the training run said bye (%s); exiting", bye.body)
+                return 0
+            if self._attached.is_set() and now - self._last_heard > self.stage_timeout_s:
+                log.info("planner daemon: no word from the last stage for %.0f s; saying hello again",
+                         now - self._last_heard)
+                self._attached.clear()
+            if now - self._last_heard > self.idle_timeout_s:
+                log.warning("planner daemon: nothing from %s for %.0f s; exiting", self.connect, self.idle_timeout_s)
+                return 1
+            if self.parent_pid is not None and os.getppid() != self.parent_pid:
+                log.warning("planner daemon: the process that started it (pid %d) is gone; exiting", self.parent_pid)
+                return 1
+
+    def _welcome(self, message: Message) -> None:
+        self.current = message.body["plan"]
+        self.num_stages = message.body["num_stages"]
+        if not self._attached.is_set():
+            self._attached.set()
+            decision("planner_ready", f"planner daemon attached to {self.connect}", role="planner",
+                     pid=os.getpid(), planner=self.planner_name, epoch=self.current.epoch if self.current else None)
+
+    def _plan(self, message: Message) -> None:
+        vector = list(message.body)
+        self.vectors += 1
+        if self.num_stages is not None and len(vector) != self.num_stages:
+            log.warning("planner daemon: a stats vector of %d stages for a %d-stage pipeline; ignored",
+                        len(vector), self.num_stages)
+            return
+        try:
+            plan = self.planner(vector, self.current)
+        except Exception as e:  # noqa: BLE001 - a failing planner must not end the daemon
+            log.exception("planner %s failed", self.planner_name)
+            decision("planner_error", f"planner {self.planner_name} failed: {type(e).__name__}: {e}",
+                     role="planner", iteration=message.iteration, error=f"{type(e).__name__}: {e}")
+            return
+        if plan is None:
+            return
+        problem = self._check(plan)
+        if problem:
+            decision("planner_error", f"planner {self.planner_name} returned an unusable plan: {problem}",
+                     role="planner", iteration=message.iteration, error=problem)
+            return
+        self.current = plan
+        self._outbox.send(make("plan", plan, epoch=plan.epoch, iteration=message.iteration, stage=PLANNER))
+        decision("plan", f"plan epoch {plan.epoch}: {plan.reason or 'no reason given'}", role="planner",
+                 epoch=plan.epoch, layers_per_stage=plan.counts(), reason=plan.reason,
+                 predicted_step_s=plan.predicted_step_s, from_iteration=message.iteration,
+                 stage_step_s=[r.step_s for r in vector], stage_compute_s=[r.compute_s for r in vector])
+
+    def _check(self, plan: Any) -> str | None:
+        if not isinstance(plan, Plan):
+            return f"expected a Plan or None, got {type(plan).__name__}"
+        if self.current is not None and plan.epoch <= self.current.epoch:
+            return f"epoch {plan.epoch} is not newer than the current epoch {self.current.epoch}"
+        if self.num_stages is not None and plan.num_stages != self.num_stages:
+            return f"{plan.num_stages} stages for a {self.num_stages}-stage pipeline"
+        return None
+
+    # ---------------------------------------------------------------- heartbeat
+    def _beat(self) -> None:
+        outbox = Outbox(self._context, self.connect, max_message_bytes=self._max_bytes, linger_ms=0)
+        hello = make("hello", {"pid": os.getpid(), "endpoint": self.inbox.endpoint}, stage=PLANNER)
+        ping = make("ping", stage=PLANNER)
+        try:
+            while True:
+                outbox.send(ping if self._attached.is_set() else hello)
+                if self._stop.wait(self.heartbeat_s):
+                    break
+        finally:
+            outbox.close(linger_ms=0)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._heartbeat.is_alive():
+            self._heartbeat.join(timeout=2.0)
+        self._outbox.close(linger_ms=1000)
+        self.inbox.close()
+        self._context.term()
+
+
+# ---------------------------------------------------------------- command line
+def register(subparsers: Any) -> None:
+    """Add ``vpipe planner`` to the CLI."""
+    p = subparsers.add_parser("planner", help="run the planner daemon against a training run's last stage")
+    p.add_argument("--connect", required=True, metavar="ENDPOINT",
+                   help="the last stage's control endpoint, tcp://HOST:PORT (logged by the run, "
+                        "and stored under vpipe/ctl/planner)")
+    p.add_argument("--planner", default=DEFAULT_PLANNER, metavar="MODULE:FUNCTION",
+                   help=f"planner(vector, current) -> Plan | None (default {DEFAULT_PLANNER})")
+    p.add_argument("--log-file", default=None, help="append JSON-lines logs (decisions included) here")
+    p.add_argument("--heartbeat", type=float, default=0.5, help="seconds between pings (default 0.5)")
+    p.add_argument("--idle-timeout", type=float, default=300.0,
+                   help="exit after this many seconds without hearing from a run (default 300)")
+    p.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
+    p.set_defaults(func=cmd_planner)
+
+
+def cmd_planner(args: argparse.Namespace, argv: Any = None) -> int:
+    from vpipe import log as vlog
+
+    check_endpoint(args.connect)
+    if args.heartbeat <= 0 or args.idle_timeout <= args.heartbeat:
+        raise ValueError("--heartbeat must be > 0 and below --idle-timeout")
+    planner = load_planner(args.planner)
+    if args.log_file:
+        vlog.configure(args.log_file, rank=None)
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("vpipe planner: %(message)s"))
+        logging.getLogger("vpipe").addHandler(handler)
+        logging.getLogger("vpipe").setLevel(logging.INFO)
+    daemon = PlannerDaemon(args.connect, planner, planner_name=args.planner, heartbeat_s=args.heartbeat,
+                           stage_timeout_s=max(30.0, 20 * args.heartbeat), idle_timeout_s=args.idle_timeout,
+                           parent_pid=args.parent_pid)
+    return daemon.run()
+

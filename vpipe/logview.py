@@ -1,0 +1,94 @@
+"""``vpipe logs FILE``: a run's decisions as a readable timeline (a rich table).
+
+Each row is one decision (logger ``vpipe.decisions``): seconds since the first record
+of the log, who made it (a rank, or the planner daemon), the event, its message and the
+numbers that came with it. ``--all`` adds every other log record (warnings and so on).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Iterable
+from typing import Any
+
+from vpipe.log import DECISIONS, read_log
+
+__all__ = ["timeline_rows", "render", "register"]
+
+_BOOKKEEPING = {"t", "rank", "logger", "level", "msg", "event", "exc", "role"}
+
+
+def _who(record: dict[str, Any]) -> str:
+    if record.get("role") == "planner":
+        return "planner"
+    rank = record.get("rank")
+    return "-" if rank is None else str(rank)
+
+
+def _number(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, (list, tuple)) and len(value) > 8:
+        return json.dumps(list(value[:8]))[:-1] + ", ...]"
+    if isinstance(value, (list, tuple, dict)):
+        return json.dumps(value, default=str)
+    return str(value)
+
+
+def timeline_rows(records: Iterable[dict[str, Any]], *, everything: bool = False,
+                  events: set[str] | None = None) -> list[tuple[str, str, str, str, str]]:
+    """(time, who, event, message, details) per record, oldest first."""
+    records = list(records)
+    times = [r["t"] for r in records if isinstance(r.get("t"), (int, float))]
+    start = min(times) if times else 0.0
+    rows = []
+    for r in records:
+        is_decision = r.get("logger") == DECISIONS
+        if not (is_decision or everything):
+            continue
+        event = str(r.get("event", "")) if is_decision else str(r.get("level", "")).lower()
+        if events and event not in events:
+            continue
+        t = r.get("t")
+        when = f"{t - start:9.3f}" if isinstance(t, (int, float)) else "?"
+        details = "  ".join(f"{k}={_number(v)}" for k, v in r.items() if k not in _BOOKKEEPING)
+        rows.append((when, _who(r), event, str(r.get("msg", "")), details))
+    return rows
+
+
+def render(path: str, *, everything: bool = False, events: set[str] | None = None) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    rows = timeline_rows(read_log(path), everything=everything, events=events)
+    console = Console()
+    if not console.is_terminal:  # into a file or a pipe: wide rows that grep can find whole
+        console = Console(width=max(console.width, 200))
+    if not rows:
+        console.print(f"no {'records' if everything else 'decisions'} in {path}")
+        return 0
+    table = Table(title=f"vpipe decisions: {path}", show_lines=False)
+    table.add_column("t [s]", justify="right", no_wrap=True, min_width=9)
+    table.add_column("who", no_wrap=True)
+    table.add_column("event", style="bold", no_wrap=True)
+    table.add_column("message", overflow="fold")
+    table.add_column("numbers", style="dim", overflow="fold")
+    for row in rows:
+        style = "red" if row[2] in ("planner_lost", "planner_error", "error", "warning") else None
+        table.add_row(*row, style=style)
+    console.print(table)
+    return 0
+
+
+def register(subparsers: Any) -> None:
+    """Add ``vpipe logs`` to the CLI."""
+    p = subparsers.add_parser("logs", help="show a run's decisions as a timeline")
+    p.add_argument("file", help="a run log written with --log-file")
+    p.add_argument("--all", action="store_true", help="include every log record, not only decisions")
+    p.add_argument("--event", action="append", default=None, help="show only this event (repeatable)")
+    p.set_defaults(func=cmd_logs)
+
+
+def cmd_logs(args: argparse.Namespace, argv: Any = None) -> int:
+    return render(args.file, everything=args.all, events=set(args.event) if args.event else None)

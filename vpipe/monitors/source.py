@@ -1,0 +1,44 @@
+"""What the monitor needs from whatever manages a stage's saved activations.
+
+The tensor manager knows how many bytes each layer saves per micro-batch and what its
+swap pool and copy streams did; the monitor only reads that. The contract is this
+:class:`SavedTensorSource` protocol, so the real tensor manager plugs in without the
+monitor knowing its type. :class:`~vpipe.monitors.keep_all.KeepAllSource` is the source
+of a stage that keeps every activation (nothing swapped, nothing recomputed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+__all__ = ["SavedTensorStats", "SavedTensorSource"]
+
+
+@dataclass(frozen=True)
+class SavedTensorStats:
+    """A reading of a saved-tensor source.
+
+    Copy and recompute figures are *cumulative* since the source started (never
+    decreasing), so the monitor can difference two readings over any window; the pool
+    figures are gauges. ``host_pool_peak_bytes`` is the peak since the previous
+    :meth:`SavedTensorSource.stats` call (reading restarts the window).
+    """
+
+    activation_bytes: Mapping[int, int] = field(default_factory=dict)  # layer id -> bytes per micro-batch
+    host_pool_used_bytes: int = 0
+    host_pool_peak_bytes: int = 0
+    host_pool_capacity_bytes: int = 0
+    d2h_bytes: int = 0
+    d2h_s: float = 0.0
+    h2d_bytes: int = 0
+    h2d_s: float = 0.0
+    recompute_s: float = 0.0
+
+
+@runtime_checkable
+class SavedTensorSource(Protocol):
+    """Anything that can report a stage's saved-tensor statistics (the tensor manager)."""
+
+    def stats(self) -> SavedTensorStats: ...

@@ -1,0 +1,330 @@
+"""The training monitor of one stage: per-layer times and memory for every k-th iteration.
+
+Timing uses hooks on the layers themselves (never a wrapper module, so schedules and
+``torch.func.functional_call`` see the stage's own modules), and the hooks exist only
+during a sampled iteration: other iterations run exactly as without a monitor.
+
+- Forward: a forward pre-hook and a forward hook per layer time each call.
+- Backward: the forward hook also puts a gradient hook on the layer's output; it fires
+  when the gradient of that output is ready, i.e. when the layer's backward starts. In
+  one backward pass the layers' starts come one after another (a stage is a chain), so a
+  layer's backward lasts until the next start, and the stage's first layer until the
+  pass ends (an autograd engine callback). This works for ``torch.autograd.backward`` on
+  stage outputs (torch's pipelining) and for vpipe's PipeDream schedule alike; the loss's
+  own backward, before the last layer's start, is attributed to no layer. Zero-bubble
+  schedules' separate weight-gradient passes are not timed.
+- A forward that runs inside a backward (recomputation) is not counted as a forward: it
+  is part of the layer's backward, as in the cost model (b + R*f).
+- Forwards without grad (evaluation) are skipped, and :meth:`StageMonitor.suspended` hides
+  the pipeline's first-step shape-inference from the hooks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, defaultdict
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd import Variable
+from torch.utils.hooks import RemovableHandle
+
+from vpipe.monitors.clock import clock_for
+from vpipe.monitors.gpu import NvmlProbe
+from vpipe.monitors.keep_all import KeepAllSource
+from vpipe.monitors.memory import DeviceMemory, host_rss_bytes, layer_bytes
+from vpipe.monitors.records import LayerRecord, StageRecord
+from vpipe.monitors.source import SavedTensorSource, SavedTensorStats
+
+__all__ = ["StageMonitor", "Sample", "layers_of"]
+
+
+def layers_of(module: nn.Module) -> dict[int, nn.Module]:
+    """A stage module's children keyed by global layer id (vpipe names children by id)."""
+    try:
+        return {int(name): child for name, child in module.named_children()}
+    except ValueError:
+        raise ValueError("the stage module's children must be named by integer layer id") from None
+
+
+@dataclass
+class Sample:
+    """Handle of :meth:`StageMonitor.iteration`: ``record`` is set when the block ends."""
+
+    iteration: int
+    record: StageRecord | None = None
+
+
+class StageMonitor:
+    """Measures one stage's layers every ``sample_every``-th iteration.
+
+    ``saved_source`` reports activation bytes and swap/recompute figures (the tensor
+    manager); without one the monitor counts saved bytes itself with a
+    :class:`~vpipe.monitors.keep_all.KeepAllSource` (nothing is swapped or recomputed), on
+    the first micro-batch of each sampled iteration.
+    """
+
+    def __init__(
+        self,
+        layers: Mapping[int, nn.Module],
+        *,
+        stage_index: int,
+        device: torch.device | str,
+        optimizer: torch.optim.Optimizer | None = None,
+        sample_every: int = 10,
+        saved_source: SavedTensorSource | None = None,
+    ) -> None:
+        if not isinstance(sample_every, int) or isinstance(sample_every, bool) or sample_every < 1:
+            raise ValueError(f"sample_every must be a positive integer, got {sample_every!r}")
+        if saved_source is not None and not isinstance(saved_source, SavedTensorSource):
+            raise TypeError(f"saved_source must have a stats() method, got {type(saved_source).__name__}")
+        self.stage_index = stage_index
+        self.device = torch.device(device)
+        self.optimizer = optimizer
+        self.sample_every = sample_every
+        self._owned_source = KeepAllSource({}, enabled=False, first_call_only=True) if saved_source is None else None
+        self.saved_source: SavedTensorSource = saved_source or self._owned_source  # type: ignore[assignment]
+        self._clock = clock_for(self.device)
+        self._memory = DeviceMemory(self.device)
+        self._nvml = NvmlProbe(self.device)
+        self._layers: dict[int, nn.Module] = {}
+        self._handles: dict[int, list[RemovableHandle]] = {}
+        self._armed = False
+        self._suspended = 0
+        self._current: int | None = None  # the open iteration
+        self._sampling = False
+        self._started = 0.0
+        self._baseline = SavedTensorStats()
+        self._fwd_open: dict[int, Any] = {}
+        self._fwd: list[tuple[int, Any, Any]] = []
+        self._bwd_pass: list[tuple[int, Any]] | None = None
+        self._bwd_passes: list[tuple[list[tuple[int, Any]], Any]] = []
+        for layer_id, module in layers.items():
+            self.add_layer(layer_id, module)
+
+    # ---------------------------------------------------------------- layers
+    @property
+    def layer_ids(self) -> list[int]:
+        return sorted(self._layers)
+
+    def add_layer(self, layer_id: int, module: nn.Module) -> None:
+        """Start monitoring a layer that arrived on this stage (migration, NAS)."""
+        if not isinstance(layer_id, int) or isinstance(layer_id, bool) or layer_id < 0:
+            raise ValueError(f"layer id must be a non-negative integer, got {layer_id!r}")
+        if layer_id in self._layers:
+            raise ValueError(f"layer {layer_id} is already monitored on stage {self.stage_index}")
+        self._layers[layer_id] = module
+        if self._owned_source is not None:
+            self._owned_source.add_layer(layer_id, module)
+        if self._armed:
+            self._hook(layer_id)
+
+    def remove_layer(self, layer_id: int) -> None:
+        """Stop monitoring a layer that left this stage; its hooks are removed."""
+        if layer_id not in self._layers:
+            raise KeyError(f"layer {layer_id} is not monitored on stage {self.stage_index}")
+        self._unhook(layer_id)
+        del self._layers[layer_id]
+        self._fwd_open.pop(layer_id, None)
+        if self._owned_source is not None:
+            self._owned_source.remove_layer(layer_id)
+
+    def close(self) -> None:
+        """Remove every hook (the modules are left exactly as they were) and stop NVML sampling."""
+        self._disarm()
+        self._current = None
+        for layer_id in list(self._layers):
+            self.remove_layer(layer_id)
+        if self._owned_source is not None:
+            self._owned_source.close()
+        self._nvml.close()
+
+    # ---------------------------------------------------------------- iterations
+    def is_sampled(self, iteration: int) -> bool:
+        """Iterations k-1, 2k-1, ... are measured (not 0: it carries one-off start-up costs)."""
+        return (iteration + 1) % self.sample_every == 0
+
+    def begin_iteration(self, iteration: int) -> None:
+        if self._current is not None:
+            raise RuntimeError(f"begin_iteration({iteration}) while iteration {self._current} is still open")
+        if not isinstance(iteration, int) or iteration < 0:
+            raise ValueError(f"iteration must be a non-negative integer, got {iteration!r}")
+        self._current = iteration
+        self._sampling = self.is_sampled(iteration)
+        if not self._sampling:
+            return
+        self._fwd_open.clear()
+        self._fwd.clear()
+        self._bwd_pass = None
+        self._bwd_passes.clear()
+        self._memory.reset_peak()
+        self._baseline = self.saved_source.stats()
+        self._arm()
+        self._started = time.perf_counter()
+
+    def end_iteration(self) -> StageRecord | None:
+        """Close the open iteration; its record if it was sampled, else None."""
+        if self._current is None:
+            raise RuntimeError("end_iteration() without begin_iteration()")
+        iteration, self._current = self._current, None
+        if not self._sampling:
+            return None
+        step_s = time.perf_counter() - self._started
+        self._disarm()
+        return self._record(iteration, step_s)
+
+    def abort_iteration(self) -> None:
+        """Drop the open iteration without a record (the step failed)."""
+        self._disarm()
+        self._current = None
+
+    @contextmanager
+    def iteration(self, iteration: int) -> Iterator[Sample]:
+        sample = Sample(iteration)
+        self.begin_iteration(iteration)
+        try:
+            yield sample
+        except BaseException:
+            self.abort_iteration()
+            raise
+        sample.record = self.end_iteration()
+
+    @contextmanager
+    def suspended(self) -> Iterator[None]:
+        """Forwards and backwards inside this block are not measured (shape inference, probes)."""
+        self._suspended += 1
+        try:
+            yield
+        finally:
+            self._suspended -= 1
+
+    # ---------------------------------------------------------------- hooks
+    def _arm(self) -> None:
+        if not self._armed:
+            self._armed = True
+            if self._owned_source is not None:  # first, so that its pre-hook runs outside the timed span
+                self._owned_source.set_enabled(True)
+            for layer_id in self._layers:
+                self._hook(layer_id)
+
+    def _disarm(self) -> None:
+        self._armed = False
+        for layer_id in list(self._handles):
+            self._unhook(layer_id)
+        if self._owned_source is not None:
+            self._owned_source.set_enabled(False)
+
+    def _hook(self, layer_id: int) -> None:
+        module = self._layers[layer_id]
+        self._handles[layer_id] = [
+            module.register_forward_pre_hook(partial(self._forward_start, layer_id)),
+            module.register_forward_hook(partial(self._forward_end, layer_id)),
+        ]
+
+    def _unhook(self, layer_id: int) -> None:
+        for handle in self._handles.pop(layer_id, []):
+            handle.remove()
+
+    def _counts(self, args: tuple[Any, ...]) -> bool:
+        if self._suspended or self._bwd_pass is not None or not torch.is_grad_enabled():
+            return False
+        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        return first is None or not first.is_meta
+
+    def _forward_start(self, layer_id: int, module: nn.Module, args: tuple[Any, ...]) -> None:
+        if self._counts(args):
+            self._fwd_open[layer_id] = self._clock.mark()
+
+    def _forward_end(self, layer_id: int, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        start = self._fwd_open.pop(layer_id, None)
+        if start is None:
+            return
+        self._fwd.append((layer_id, start, self._clock.mark()))
+        out = _first_grad_tensor(output)
+        if out is not None:
+            out.register_hook(partial(self._backward_start, layer_id))
+
+    def _backward_start(self, layer_id: int, grad: torch.Tensor) -> None:
+        if not self._armed or self._suspended:
+            return
+        if self._bwd_pass is None:
+            self._bwd_pass = []
+            Variable._execution_engine.queue_callback(self._backward_done)
+        self._bwd_pass.append((layer_id, self._clock.mark()))
+
+    def _backward_done(self) -> None:
+        if self._bwd_pass is not None:
+            self._bwd_passes.append((self._bwd_pass, self._clock.mark()))
+            self._bwd_pass = None
+
+    # ---------------------------------------------------------------- the record
+    def _layer_times(self) -> tuple[dict[int, float], Counter, dict[int, float], Counter]:
+        clock = self._clock
+        ends = [end for _, _, end in self._fwd[-1:]] + [end for _, end in self._bwd_passes]
+        for end in ends:
+            clock.settle(end)
+        fwd_s: dict[int, float] = defaultdict(float)
+        bwd_s: dict[int, float] = defaultdict(float)
+        fwd_calls: Counter = Counter()
+        bwd_calls: Counter = Counter()
+        for layer_id, start, end in self._fwd:
+            fwd_s[layer_id] += clock.seconds(start, end)
+            fwd_calls[layer_id] += 1
+        for events, end in self._bwd_passes:
+            follow = [mark for _, mark in events[1:]] + [end]
+            for (layer_id, start), stop in zip(events, follow):
+                bwd_s[layer_id] += clock.seconds(start, stop)
+                bwd_calls[layer_id] += 1
+        return fwd_s, fwd_calls, bwd_s, bwd_calls
+
+    def _record(self, iteration: int, step_s: float) -> StageRecord:
+        fwd_s, fwd_calls, bwd_s, bwd_calls = self._layer_times()
+        now = self.saved_source.stats()
+        base = self._baseline
+        constant = layer_bytes(self._layers, self.optimizer)
+        layers = tuple(
+            LayerRecord(
+                layer_id=lid, fwd_s=fwd_s[lid], bwd_s=bwd_s[lid], fwd_calls=fwd_calls[lid],
+                bwd_calls=bwd_calls[lid], activation_bytes=int(now.activation_bytes.get(lid, 0)),
+                param_bytes=constant[lid][0], optimizer_bytes=constant[lid][1],
+            )
+            for lid in sorted(self._layers)
+        )
+        gpu = self._nvml.read()
+        return StageRecord(
+            stage=self.stage_index,
+            iteration=iteration,
+            device=str(self.device),
+            t=time.time(),
+            step_s=step_s,
+            layers=layers,
+            param_bytes=sum(layer.param_bytes for layer in layers),
+            optimizer_bytes=sum(layer.optimizer_bytes for layer in layers),
+            device_resident_bytes=self._memory.resident(),
+            device_peak_bytes=self._memory.peak(),
+            host_rss_bytes=host_rss_bytes(),
+            host_pool_used_bytes=int(now.host_pool_used_bytes),
+            host_pool_peak_bytes=int(now.host_pool_peak_bytes),
+            host_pool_capacity_bytes=int(now.host_pool_capacity_bytes),
+            d2h_bytes=max(0, int(now.d2h_bytes - base.d2h_bytes)),
+            d2h_s=max(0.0, float(now.d2h_s - base.d2h_s)),
+            h2d_bytes=max(0, int(now.h2d_bytes - base.h2d_bytes)),
+            h2d_s=max(0.0, float(now.h2d_s - base.h2d_s)),
+            recompute_s=max(0.0, float(now.recompute_s - base.recompute_s)),
+            gpu_util_pct=gpu.util_pct,
+            pcie_rx_bytes_s=gpu.pcie_rx_bytes_s,
+            pcie_tx_bytes_s=gpu.pcie_tx_bytes_s,
+        )
+
+
+def _first_grad_tensor(output: Any) -> torch.Tensor | None:
+    if isinstance(output, torch.Tensor):
+        return output if output.requires_grad else None
+    if isinstance(output, (tuple, list)):
+        return next((t for t in output if isinstance(t, torch.Tensor) and t.requires_grad), None)
+    return None
