@@ -38,6 +38,22 @@ def load_run_params(out_dir: Path, stages: int) -> dict[str, torch.Tensor]:
     return merged
 
 
+def load_run_optimizer(out_dir: Path, stages: int) -> dict[str, dict[str, torch.Tensor]]:
+    """All stages' optimizer state, keyed by parameter name."""
+    merged: dict[str, dict[str, torch.Tensor]] = {}
+    for rank in range(stages):
+        merged.update(torch.load(out_dir / f"rank{rank}.pt", weights_only=True)["optimizer"])
+    return merged
+
+
+def assert_optimizer_equal(actual: dict[str, dict[str, torch.Tensor]], expected: dict[str, dict[str, torch.Tensor]]) -> None:
+    assert sorted(actual) == sorted(expected)
+    for name, want in expected.items():
+        assert sorted(actual[name]) == sorted(want), name
+        for key, value in want.items():
+            assert torch.equal(actual[name][key], value), f"optimizer state {name}.{key} differs"
+
+
 def assert_params_equal(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], rtol: float = 0.0) -> None:
     assert sorted(actual) == sorted(expected)
     for name, want in expected.items():

@@ -12,7 +12,7 @@ from vpipe.monitors.records import GPU_ONLY_FIELDS, MAX_LAYERS, LayerRecord, Rec
 
 def layer(layer_id: int = 3, **changes) -> LayerRecord:
     fields = dict(layer_id=layer_id, fwd_s=0.01, bwd_s=0.02, fwd_calls=4, bwd_calls=4, activation_bytes=4096,
-                  param_bytes=1024, optimizer_bytes=2048)
+                  param_bytes=1024, optimizer_bytes=2048, output_bytes=512)
     fields.update(changes)
     return LayerRecord(**fields)
 

@@ -28,6 +28,30 @@ def _partition(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"partition must be comma-separated layer counts like 5,5, got {text!r}") from None
 
 
+def _bytes(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    try:
+        value = int(float(text[:-1]) * units[text[-1].upper()]) if text and text[-1].upper() in units else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of bytes like 512M, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
+    return value
+
+
+def _moves(text: str) -> list[dict]:
+    moves = []
+    for part in filter(None, text.split(";")):
+        step, sep, counts = part.partition(":")
+        try:
+            moves.append({"step": int(step), "partition": [int(c) for c in counts.split(",")]})
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"moves look like '3:6,4;8:4,6', got {text!r}") from None
+        if not sep:
+            raise argparse.ArgumentTypeError(f"moves look like '3:6,4;8:4,6', got {text!r}")
+    return moves
+
+
 def add_run_arguments(p: argparse.ArgumentParser, *, steps: int, stages: int) -> None:
     p.add_argument("--model", choices=MODELS, default="transformer")
     p.add_argument("--blocks", type=_positive_int, default=8, help="transformer blocks (default 8)")
@@ -50,9 +74,17 @@ def add_run_arguments(p: argparse.ArgumentParser, *, steps: int, stages: int) ->
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--monitor-every", type=int, default=0, metavar="K",
                    help="measure every K-th step and send the stats to the planner daemon (default 0: off)")
-    p.add_argument("--planner", default="vpipe.control.daemon:no_change", metavar="MODULE:FUNCTION",
-                   help="planner the last stage's daemon runs; 'none' starts no daemon and waits for "
-                        "`vpipe planner --connect ...`")
+    p.add_argument("--planner", default="auto", metavar="MODULE:FUNCTION",
+                   help="planner the last stage's daemon runs (auto: the SRP planner with --vpipe, else one that "
+                        "never plans); 'none' starts no daemon and waits for `vpipe planner --connect ...`")
+    p.add_argument("--vpipe", action="store_true", help="attach vpipe: tensor manager, monitor, planner, live migration")
+    p.add_argument("--memory-budget", type=_bytes, default=None, metavar="BYTES",
+                   help="vpipe: per-stage memory budget (parameters, gradients, optimizer state, activations), e.g. 64M")
+    p.add_argument("--policy", choices=("D", "S", "R"), default="D",
+                   help="vpipe: initial policy of every layer: keep (D), swap (S) or recompute (R) activations")
+    p.add_argument("--no-planning", action="store_true", help="vpipe: monitor only, never apply plans")
+    p.add_argument("--moves", type=_moves, default=None, metavar="STEP:COUNTS[;...]",
+                   help="vpipe: forced repartitions, e.g. '3:6,4;8:4,6' moves layers before steps 3 and 8")
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
@@ -63,8 +95,17 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         lr=args.lr, optimizer=args.optimizer, seed=args.seed, partition=args.partition,
         vertical_sync=args.vertical_sync, log_file=args.log_file, out_dir=args.out_dir,
         progress=not args.no_progress, monitor_every=args.monitor_every,
-        planner=None if args.planner == "none" else args.planner,
+        planner=_planner(args), vpipe=args.vpipe, memory_budget=args.memory_budget, policy=args.policy,
+        planning=not args.no_planning, moves=args.moves,
     )
+
+
+def _planner(args: argparse.Namespace) -> str | None:
+    if args.planner == "none":
+        return None
+    if args.planner == "auto":
+        return "vpipe.planner.online:srp" if args.vpipe else "vpipe.control.daemon:no_change"
+    return args.planner
 
 
 def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:

@@ -37,7 +37,9 @@ from vpipe.planner.plan import Plan
 
 log = logging.getLogger("vpipe.control")
 
-__all__ = ["StageAgent"]
+__all__ = ["StageAgent", "AGENT_TYPES"]
+
+AGENT_TYPES = frozenset({"stats", "plan", "done", "hello", "ping", "bye"})  # what the agent takes from the inbox
 
 
 class StageAgent:
@@ -82,7 +84,7 @@ class StageAgent:
         if record is not None:
             self._own[record.iteration] = record
             self._trim(self._own, "own record")
-        plans = self._handle_all(self.plane.poll())
+        plans = self._handle_all(self.plane.poll(types=AGENT_TYPES))
         self._forward_ready()
         if self.planner is not None:
             self.planner.tick()
@@ -97,9 +99,9 @@ class StageAgent:
                 log.warning("stage %d: stage %d did not finish its stats within %.0f s; sending what arrived",
                             self.stage_index, self.upstream, timeout_s)
                 break
-            plans += self._handle_all(self.plane.poll(timeout_ms=100))
+            plans += self._handle_all(self.plane.poll(timeout_ms=100, types=AGENT_TYPES))
             self._forward_ready()
-        plans += self._handle_all(self.plane.poll())
+        plans += self._handle_all(self.plane.poll(types=AGENT_TYPES))
         self._forward_ready()
         if self._own:
             log.info("stage %d: no upstream stats for iterations %s at the end; dropped",
@@ -111,7 +113,7 @@ class StageAgent:
             # a daemon still starting up gets a moment to attach and take the backlog
             attach_by = min(deadline, time.monotonic() + 10.0)
             while self.planner.starting and time.monotonic() < attach_by:
-                plans += self._handle_all(self.plane.poll(timeout_ms=100))
+                plans += self._handle_all(self.plane.poll(timeout_ms=100, types=AGENT_TYPES))
             self.planner.close()
         return plans
 

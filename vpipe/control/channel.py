@@ -16,6 +16,7 @@ import datetime
 import logging
 import time
 from collections import Counter, deque
+from collections.abc import Collection
 from typing import Any
 
 import zmq
@@ -38,6 +39,9 @@ def endpoint_key(rank: int) -> str:
 def _limit(sock: zmq.Socket, max_message_bytes: int, linger_ms: int) -> None:
     sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
     sock.setsockopt(zmq.LINGER, linger_ms)
+
+
+_MAX_PENDING = 10_000  # queued messages of types nobody has polled for yet
 
 
 class Inbox:
@@ -188,12 +192,28 @@ class ControlPlane:
         return False
 
     # ---------------------------------------------------------------- receiving
-    def poll(self, timeout_ms: int = 0) -> list[Message]:
-        """Valid messages received so far (waiting at most ``timeout_ms`` for one); never raises on bad input."""
-        out = list(self._pending)
-        self._pending.clear()
-        out.extend(self.inbox.receive(0 if out else timeout_ms))
+    def poll(self, timeout_ms: int = 0, *, types: Collection[str] | None = None) -> list[Message]:
+        """Valid messages received so far (waiting at most ``timeout_ms`` for one); never raises on bad input.
+
+        With ``types``, only messages of those types are returned; the others stay queued
+        for whoever polls for them (the stage agent and the migration protocol share one inbox).
+        """
+        fresh = self.inbox.receive(0 if self._has(types) else timeout_ms)
+        self._pending.extend(fresh)
+        while len(self._pending) > _MAX_PENDING:  # nobody polls for these: keep the newest
+            stale = self._pending.popleft()
+            self.inbox.decoder.drop("unclaimed", f"{stale.type!r} from rank {stale.src} was never polled for")
+        if types is None:
+            out = list(self._pending)
+            self._pending.clear()
+            return out
+        out = [m for m in self._pending if m.type in types]
+        if out:
+            self._pending = deque(m for m in self._pending if m.type not in types)
         return out
+
+    def _has(self, types: Collection[str] | None) -> bool:
+        return any(types is None or m.type in types for m in self._pending)
 
     def recv(self, type: str, *, from_rank: int | None = None, timeout_s: float) -> Message:
         """Block until a ``type`` message (from ``from_rank`` if given) arrives; others wait in :meth:`poll`."""

@@ -137,7 +137,13 @@ class LayerManager:
 
     @property
     def layer_ids(self) -> list[int]:
+        """This stage's layers, in order."""
         return [int(name) for name in self.module._modules]
+
+    @property
+    def order(self) -> list[int]:
+        """All layers of the model, in execution order (as this stage knows the placement)."""
+        return [lid for layers in self.placement for lid in layers]
 
     def _children(self) -> dict[int, nn.Module]:
         return {int(name): m for name, m in self.module._modules.items()}
@@ -164,7 +170,7 @@ class LayerManager:
     def check_plan(self, plan: Plan) -> None:
         if plan.epoch <= self.epoch:
             raise PlanError(f"stale plan: epoch {plan.epoch} <= current epoch {self.epoch}")
-        plan.check_against([lid for layers in self.placement for lid in layers], self.num_stages)
+        plan.check_against(self.order, self.num_stages)
 
     def apply(self, plan: Plan) -> MigrationReport:
         """Move layers until this stage holds its part of ``plan``.
@@ -203,17 +209,21 @@ class LayerManager:
                      layers=self.layer_ids, rebuilt=report.rebuilt)
         return report
 
-    def start_streamed(self, plan: Plan, schedule: Any, switch_mb: int) -> list[Any]:
+    def start_streamed(self, plan: Plan, schedule: Any, switch_mb: int, *, continuation: bool = False) -> list[Any]:
         """Begin moving towards ``plan`` inside a running PipeDream stream, switching at ``switch_mb``.
 
         Called on every rank at the same step boundary, before the step that contains
         ``switch_mb`` starts its forwards. Only the first round of neighbour moves is started
         (a layer two stages away hops once per plan); the rest follows with a later plan.
         Returns the movers registered with the schedule (empty when the round aborted).
+        ``continuation`` starts the next round of a plan already begun (same epoch).
         """
         from vpipe.migration.stream import IncomingStream, OutgoingStream
 
-        self.check_plan(plan)
+        if continuation:
+            plan.check_against(self.order, self.num_stages)
+        else:
+            self.check_plan(plan)
         if any(not m.done for m in schedule.movers):
             raise MigrationError("a streamed move is still in progress; wait for it before the next plan")
         rounds = plan_rounds(self.placement, plan.stages)

@@ -61,8 +61,8 @@ class OutgoingStream:
         self.window = version_window(switch_mb, dst, stage.num_stages, schedule.vertical_sync)
         self.names = [f"{lid}.{n}" for lid, layer in layers.items() for n, _ in layer.named_parameters()]
         self._sent: set[int] = set()
-        self._works: list[tuple[Any, torch.Tensor]] = []
-        self.done = False
+        self._switched = False  # Ls left this stage's forward (at micro-batch S)
+        self._handed_over = False  # the live state left (after the update of micro-batch S-1)
         self.bytes_sent = 0
         if schedule._next_fwd >= switch_mb:
             raise RuntimeError(f"streamed move registered too late: micro-batch {switch_mb} already started")
@@ -80,7 +80,8 @@ class OutgoingStream:
 
     def _send_version(self, v: int, tensors: list[torch.Tensor]) -> None:
         payload = _version_payload(tensors)
-        self._works.append((self.channel.send(payload, self.dst, transfer_tag(self.epoch, VERSION, v % 10_000)), payload))
+        self.schedule.defer_wait(self.channel.send(payload, self.dst, transfer_tag(self.epoch, VERSION, v % 10_000)),
+                                 payload)
         self._sent.add(v)
         self.bytes_sent += int(payload.numel())
 
@@ -89,14 +90,21 @@ class OutgoingStream:
             self._send_version(updates, self._live())
 
     # ------------------------------------------------------------- StreamMover
+    @property
+    def done(self) -> bool:
+        return self._switched and self._handed_over
+
     def before_forward(self, mb: int) -> None:
+        # on a stage with one micro-batch in flight (the last), the update of S-1 comes first
         if mb != self.switch_mb:
             return
         submod = self.schedule._stage.submod
         for lid, layer in self.layers.items():
-            for n, p in layer.named_parameters():
-                self.schedule.departing[f"{lid}.{n}"] = p
+            if not self._handed_over:  # its in-flight micro-batches still update it here
+                for n, p in layer.named_parameters():
+                    self.schedule.departing[f"{lid}.{n}"] = p
             del submod._modules[str(lid)]
+        self._switched = True
 
     def add_weights(self, version: int, weights: dict[str, torch.Tensor]) -> None:
         return None
@@ -114,7 +122,7 @@ class OutgoingStream:
         payload = torch.cat([s.payload for s in states])
         self.messenger.send_to(self.dst, "migrate_handover", {"round": 0, "manifests": [s.manifest for s in states]},
                                epoch=self.epoch)
-        self._works.append((self.channel.send(payload, self.dst, transfer_tag(self.epoch, HANDOVER, 0)), payload))
+        self.schedule.defer_wait(self.channel.send(payload, self.dst, transfer_tag(self.epoch, HANDOVER, 0)), payload)
         self.bytes_sent += int(payload.numel())
         for lid, layer in self.layers.items():
             detach_from_optimizer(self.schedule.optimizer, layer.parameters())
@@ -122,10 +130,7 @@ class OutgoingStream:
                 self.schedule.departing.pop(f"{lid}.{n}", None)
             for listener in self.listeners:
                 listener.remove_layer(lid)
-        for work, _payload in self._works:
-            work.wait()
-        self._works.clear()
-        self.done = True
+        self._handed_over = True
 
 
 class IncomingStream:

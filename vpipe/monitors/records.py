@@ -82,6 +82,7 @@ class LayerRecord:
     activation_bytes: int  # saved for the backward, per micro-batch
     param_bytes: int  # parameters and buffers
     optimizer_bytes: int  # optimizer state of the layer's parameters
+    output_bytes: int  # what the layer hands to the next one, per micro-batch (a boundary's size)
 
     @property
     def fwd_per_call_s(self) -> float:
@@ -98,7 +99,7 @@ class LayerRecord:
     def from_wire(cls, data: Any) -> LayerRecord:
         checkers = {"layer_id": _index, "fwd_s": _amount, "bwd_s": _amount, "fwd_calls": _count,
                     "bwd_calls": _count, "activation_bytes": _count, "param_bytes": _count,
-                    "optimizer_bytes": _count}
+                    "optimizer_bytes": _count, "output_bytes": _count}
         return cls(**_read(cls, data, checkers, "a layer record"))
 
 

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-__all__ = ["SavedTensorStats", "SavedTensorSource"]
+__all__ = ["SavedTensorStats", "SavedTensorSource", "TensorManagerSource"]
 
 
 @dataclass(frozen=True)
@@ -42,3 +42,21 @@ class SavedTensorSource(Protocol):
     """Anything that can report a stage's saved-tensor statistics (the tensor manager)."""
 
     def stats(self) -> SavedTensorStats: ...
+
+
+class TensorManagerSource:
+    """The tensor manager as a :class:`SavedTensorSource` (its richer stats, reduced to what the monitor reads)."""
+
+    def __init__(self, manager: object) -> None:
+        self.manager = manager
+
+    def stats(self) -> SavedTensorStats:
+        s = self.manager.stats()  # type: ignore[attr-defined]
+        return SavedTensorStats(
+            activation_bytes={lid: layer.activation_bytes_per_micro_batch for lid, layer in s.layers.items()},
+            host_pool_used_bytes=s.host_pool_used_bytes,
+            host_pool_peak_bytes=s.host_pool_peak_bytes,
+            host_pool_capacity_bytes=s.host_pool_capacity_bytes,
+            d2h_bytes=s.d2h_bytes, d2h_s=s.d2h_s, h2d_bytes=s.h2d_bytes, h2d_s=s.h2d_s,
+            recompute_s=s.recompute_s,
+        )

@@ -34,6 +34,7 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils.hooks import RemovableHandle
 
+from vpipe.graph import tensor_bytes
 from vpipe.monitors.clock import clock_for
 from vpipe.monitors.gpu import NvmlProbe
 from vpipe.monitors.keep_all import KeepAllSource
@@ -101,6 +102,7 @@ class StageMonitor:
         self._started = 0.0
         self._baseline = SavedTensorStats()
         self._fwd_open: dict[int, Any] = {}
+        self._out_bytes: dict[int, int] = {}
         self._fwd: list[tuple[int, Any, Any]] = []
         self._bwd_pass: list[tuple[int, Any]] | None = None
         self._bwd_passes: list[tuple[list[tuple[int, Any]], Any]] = []
@@ -245,6 +247,7 @@ class StageMonitor:
         if start is None:
             return
         self._fwd.append((layer_id, start, self._clock.mark()))
+        self._out_bytes[layer_id] = tensor_bytes(output)
         out = _first_grad_tensor(output)
         if out is not None:
             out.register_hook(partial(self._backward_start, layer_id))
@@ -292,6 +295,7 @@ class StageMonitor:
                 layer_id=lid, fwd_s=fwd_s[lid], bwd_s=bwd_s[lid], fwd_calls=fwd_calls[lid],
                 bwd_calls=bwd_calls[lid], activation_bytes=int(now.activation_bytes.get(lid, 0)),
                 param_bytes=constant[lid][0], optimizer_bytes=constant[lid][1],
+                output_bytes=self._out_bytes.get(lid, 0),
             )
             for lid in sorted(self._layers)
         )

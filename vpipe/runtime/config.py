@@ -41,6 +41,10 @@ class RunConfig:
     progress: bool = True
     monitor_every: int = 0  # sample every k-th step with the monitor + control plane; 0 = off
     planner: str | None = "vpipe.control.daemon:no_change"  # daemon's planner; None = wait for `vpipe planner`
+    vpipe: bool = False  # attach vpipe (tensor manager, monitor, planner, layer manager) to every stage
+    memory_budget: int | None = None  # vpipe: bytes per stage (parameters, gradients, optimizer state, activations)
+    policy: str = "D"  # vpipe: initial keep (D) / swap (S) / recompute (R) policy of every layer
+    planning: bool = True  # vpipe: apply the planner's plans
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -59,6 +63,10 @@ class RunConfig:
              f"monitor_every must be an integer >= 0, got {self.monitor_every!r}")
         need(self.planner is None or (isinstance(self.planner, str) and ":" in self.planner),
              f"planner must be an import path module:function, got {self.planner!r}")
+        need(self.policy in ("D", "S", "R"), f"policy must be D, S or R, got {self.policy!r}")
+        need(self.memory_budget is None or (isinstance(self.memory_budget, int) and self.memory_budget > 0),
+             f"memory_budget must be a positive number of bytes, got {self.memory_budget!r}")
+        need(self.vpipe or not self.moves, "forced moves need vpipe (the layer manager moves the layers)")
         need(0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout}")
         need(self.lr > 0, f"lr must be positive, got {self.lr}")
         need(self.d_model % self.n_heads == 0, f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")

@@ -21,6 +21,8 @@ stage 0 used, ``max(0, i-p+1)``. Each micro-batch's gradient is that of its own 
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -95,11 +97,18 @@ class SchedulePipeDream(PipelineScheduleSingle):
         self._mb_version: dict[int, int] = {}
         self._losses: dict[int, torch.Tensor] = {}
         self._targets: dict[int, Any] = {}
-        self._send_work: list[dist.Work] = []
+        # sends finish when the peer receives, which may be in the peer's *next* step (a stage's
+        # backward sends are received by the stage before it one step later): so a step only
+        # waits for the sends of earlier steps, never its own (that would deadlock)
+        self._send_work: list[tuple[int, Any, Any]] = []  # (step, work, tensor kept alive until done)
+        self._steps = 0
         # live migration (vpipe.migration.stream): moves in progress, and the parameters of
         # layers that left the forward but still receive their in-flight micro-batches' updates
         self.movers: list[StreamMover] = []
         self.departing: dict[str, torch.nn.Parameter] = {}
+        self._held_cache: tuple[tuple[str, ...], set[str]] | None = None
+        # (seconds, "F" | "B", micro-batch, in flight after it) of the latest actions: shows there is no drain
+        self.trace: deque[tuple[float, str, int, int]] = deque(maxlen=20_000)
 
     # ---------------------------------------------------------------- public
     @property
@@ -145,7 +154,9 @@ class SchedulePipeDream(PipelineScheduleSingle):
                 loss = self._backward(mb)
                 if loss is not None:
                     step_losses.append(loss)
-        self._wait_sends()
+            self.trace.append((time.perf_counter(), action, mb, self._next_fwd - self._next_bwd))
+        self._wait_sends(before_step=self._steps)
+        self._steps += 1
         if losses is not None:
             losses.clear()
             losses.extend(step_losses)
@@ -188,6 +199,13 @@ class SchedulePipeDream(PipelineScheduleSingle):
     def _params(self) -> dict[str, torch.nn.Parameter]:
         return {**dict(self._stage.submod.named_parameters()), **self.departing}
 
+    def _held_names(self) -> set[str]:
+        """Names of the parameters the stage's module holds now (cached until its layers change)."""
+        layers = tuple(self._stage.submod._modules)
+        if self._held_cache is None or self._held_cache[0] != layers:
+            self._held_cache = (layers, {name for name, _ in self._stage.submod.named_parameters()})
+        return self._held_cache[1]
+
     def _stash(self, version: int) -> dict[str, torch.Tensor]:
         if version not in self._versions:
             if version != self.updates:
@@ -220,6 +238,9 @@ class SchedulePipeDream(PipelineScheduleSingle):
             mover.add_weights(version, weights)
         self._mb_version[mb] = version
         module = stage.submod
+        held = self._held_names()
+        if len(held) != len(weights):  # a version stashed before a move names layers that left this stage
+            weights = {name: t for name, t in weights.items() if name in held}
 
         def run_on_version(*a: Any, **kw: Any) -> Any:
             return functional_call(module, weights, a, kw)
@@ -274,9 +295,19 @@ class SchedulePipeDream(PipelineScheduleSingle):
 
     def _send(self, ops: list[dist.P2POp]) -> None:
         if ops:
-            self._send_work.extend(dist.batch_isend_irecv(ops))
+            for work in dist.batch_isend_irecv(ops):
+                self.defer_wait(work)
 
-    def _wait_sends(self) -> None:
-        for work in self._send_work:
-            work.wait()
-        self._send_work.clear()
+    def defer_wait(self, work: Any, keep_alive: Any = None) -> None:
+        """Wait for ``work`` (a send) at the end of the next step, keeping ``keep_alive`` until then."""
+        self._send_work.append((self._steps, work, keep_alive))
+
+    def _wait_sends(self, before_step: int | None = None) -> None:
+        """Wait for the sends issued before step ``before_step`` (all of them when None)."""
+        keep = []
+        for step, work, alive in self._send_work:
+            if before_step is None or step < before_step:
+                work.wait()
+            else:
+                keep.append((step, work, alive))
+        self._send_work = keep

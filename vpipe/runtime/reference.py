@@ -18,7 +18,18 @@ from vpipe.runtime.models import build_model
 from vpipe.runtime.pipedream import start_version
 from vpipe.runtime.trainer import make_optimizer
 
-__all__ = ["reference_flush", "reference_pipedream"]
+__all__ = ["reference_flush", "reference_pipedream", "optimizer_state_by_name"]
+
+
+def optimizer_state_by_name(named_params: dict[str, torch.Tensor], optimizers: list[torch.optim.Optimizer]) -> dict[str, dict[str, torch.Tensor]]:
+    """Optimizer state keyed by parameter name (comparable across partitions), tensors only."""
+    by_id = {id(p): n for n, p in named_params.items()}
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for opt in optimizers:
+        for p, state in opt.state.items():
+            if id(p) in by_id:
+                out[by_id[id(p)]] = {k: v.detach().clone() for k, v in state.items() if isinstance(v, torch.Tensor)}
+    return out
 
 
 def _micro_batches(cfg: RunConfig, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -26,8 +37,8 @@ def _micro_batches(cfg: RunConfig, step: int) -> list[tuple[torch.Tensor, torch.
     return list(zip(x.tensor_split(cfg.micro_batches), y.tensor_split(cfg.micro_batches)))
 
 
-def reference_flush(cfg: RunConfig) -> tuple[dict[str, torch.Tensor], list[float]]:
-    """Parameters after ``cfg.steps`` steps, and the mean loss of each step."""
+def reference_flush(cfg: RunConfig) -> tuple[dict[str, torch.Tensor], list[float], dict[str, dict[str, torch.Tensor]]]:
+    """Parameters after ``cfg.steps`` steps, the mean loss of each step, and the optimizer state by name."""
     torch.set_num_threads(1)
     spec = cfg.model_spec()
     model = build_model(spec, seed=cfg.seed)
@@ -49,10 +60,11 @@ def reference_flush(cfg: RunConfig) -> tuple[dict[str, torch.Tensor], list[float
             opt.step()
             opt.zero_grad(set_to_none=True)
         step_losses.append(float(torch.stack(losses).mean()))
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}, step_losses
+    state = optimizer_state_by_name(dict(model.named_parameters()), optimizers)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, step_losses, state
 
 
-def reference_pipedream(cfg: RunConfig) -> tuple[dict[str, torch.Tensor], list[float]]:
+def reference_pipedream(cfg: RunConfig) -> tuple[dict[str, torch.Tensor], list[float], dict[str, dict[str, torch.Tensor]]]:
     """Parameters after ``cfg.steps * cfg.micro_batches`` PipeDream updates, and per-step mean losses.
 
     Layers may change stage during the run (``cfg.moves``): micro-batch ``j`` runs each
@@ -89,4 +101,5 @@ def reference_pipedream(cfg: RunConfig) -> tuple[dict[str, torch.Tensor], list[f
             versions[mb] = {n: t.detach().clone() for n, t in params.items()}
             versions.pop(mb - p - 1, None)
         step_losses.append(float(torch.stack(losses).mean()))
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}, step_losses
+    state = optimizer_state_by_name(params, list(optimizers.values()))
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, step_losses, state

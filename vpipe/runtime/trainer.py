@@ -107,7 +107,8 @@ def train_rank(cfg: RunConfig, ctx: Distributed) -> RunResult:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     run = build_stage_run(cfg, ctx.rank, ctx.device)
     log.info("stage %d of %d: training layers %s with %s", ctx.rank, cfg.stages, run.layer_ids, cfg.schedule)
-    session = _control_session(cfg, run, ctx)
+    vp = _attach_vpipe(cfg, run) if cfg.vpipe else None
+    session = _control_session(cfg, run, ctx) if vp is None else None
     result = RunResult(steps=0, seconds=0.0)
     progress = _Progress(cfg, enabled=cfg.progress and run.is_last)
     start = time.perf_counter()
@@ -127,11 +128,37 @@ def train_rank(cfg: RunConfig, ctx: Distributed) -> RunResult:
     result.seconds = time.perf_counter() - start
     if session is not None:
         session.close()
+    if vp is not None:
+        vp.detach()
     if cfg.out_dir:
         save_rank_result(cfg, run, result)
     if run.is_last and cfg.progress:
         print_summary(cfg, result)
     return result
+
+
+def _attach_vpipe(cfg: RunConfig, run: StageRun) -> Any:
+    """vpipe on this rank of the reference trainer, with the forced moves of ``cfg.moves`` requested."""
+    from vpipe.attach import VpipeConfig, attach
+    from vpipe.planner.plan import Plan, Policy
+    from vpipe.runtime.models import build_layer
+
+    spec = cfg.model_spec()
+    config = VpipeConfig(
+        memory_budget=cfg.memory_budget,
+        planning=cfg.planning and cfg.planner is not None,
+        planner=cfg.planner or "vpipe.planner.online:srp",
+        sample_every=cfg.monitor_every or 10,
+        layer_factory=lambda lid, layer_spec: build_layer(layer_spec, lid, cfg.seed),
+        specs=dict(enumerate(spec.layers)),
+        policies={lid: Policy(cfg.policy) for lid in range(cfg.n_layers)},
+        log_file=cfg.log_file,
+    )
+    vp = attach(run.schedule, optimizer=run.optimizer, config=config)
+    order = list(range(cfg.n_layers))
+    for i, move in enumerate(cfg.moves or []):
+        vp.request_plan(Plan.from_counts(order, move["partition"], epoch=1 + i), at_step=move["step"])
+    return vp
 
 
 def _control_session(cfg: RunConfig, run: StageRun, ctx: Distributed) -> Any:
@@ -147,13 +174,18 @@ def _control_session(cfg: RunConfig, run: StageRun, ctx: Distributed) -> Any:
 def save_rank_result(cfg: RunConfig, run: StageRun, result: RunResult) -> None:
     out = Path(cfg.out_dir or ".")
     out.mkdir(parents=True, exist_ok=True)
+    from vpipe.runtime.reference import optimizer_state_by_name
+
     state = {
         "params": {k: v.detach().cpu() for k, v in run.module.state_dict().items()},
-        "optimizer": run.optimizer.state_dict(),
+        "optimizer": optimizer_state_by_name(dict(run.module.named_parameters()), [run.optimizer]),
     }
     torch.save(state, out / f"rank{run.stage_index}.pt")
-    meta = {"stage": run.stage_index, "layer_ids": run.layer_ids, "losses": result.losses,
+    layer_ids = [int(name) for name in run.module._modules]  # after migrations, not the initial ones
+    meta = {"stage": run.stage_index, "layer_ids": layer_ids, "losses": result.losses,
             "steps": result.steps, "seconds": result.seconds}
+    if isinstance(run.schedule, SchedulePipeDream):
+        meta["trace"] = [list(event) for event in run.schedule.trace]
     (out / f"rank{run.stage_index}.json").write_text(json.dumps(meta))
 
 

@@ -1,0 +1,516 @@
+"""``vpipe.attach``: the one line that puts vpipe underneath an existing pipeline trainer.
+
+It takes the trainer's own objects and changes none of them structurally:
+
+- a ``torch.distributed.pipelining`` single-stage schedule (``ScheduleGPipe``,
+  ``Schedule1F1B``) or vpipe's ``SchedulePipeDream``: ``schedule.step`` is wrapped as an
+  instance attribute (plans are applied before a step starts, i.e. after the user's
+  ``optimizer.step()``, and the step is monitored), the stage's chunk methods are wrapped
+  by the tensor manager, the stage's ``nn.Sequential`` gets hooks on its children and is
+  edited in place when layers migrate — ``stage.submod`` is never replaced;
+- a plain stage module (a hand-written GPipe loop): micro-batches are counted by the
+  module's forward calls, and the step boundary is the optimizer's ``step()`` (a post-hook).
+
+The stage module must be an ``nn.Sequential`` whose children are named by *global* layer
+id (``nn.Sequential(OrderedDict((str(i), layer) for i, layer in my_layers))``), so a layer
+keeps its identity when it moves. ``detach()`` removes every hook and wrapper; layers that
+moved stay where they are.
+
+Plans reach the stages at different times (they travel stage by stage). All ranks must
+apply a plan at the same step, so stage 0 (the last to receive it) decides the step and
+writes it to the rendezvous store; a stage holding a pending plan reads that key at each
+step boundary. Causality makes this exact: stage k cannot start step ``t`` before stage
+0's forwards of step ``t-1``, which stage 0 starts only after writing the key.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from vpipe.log import decision
+from vpipe.planner.plan import Plan, PlanError, Policy
+
+log = logging.getLogger("vpipe.attach")
+
+__all__ = ["attach", "Vpipe", "VpipeConfig"]
+
+_APPLY_KEY = "vpipe/apply/{}"
+_LAYERS_KEY = "vpipe/attach/layers/{}"
+DEFAULT_PLANNER = "vpipe.planner.online:srp"
+
+
+@dataclass
+class VpipeConfig:
+    """What vpipe does underneath the trainer. Every field is validated when attaching."""
+
+    memory_budget: int | None = None  # bytes per stage: parameters, gradients, optimizer state, saved activations
+    planning: bool = True  # run the planner daemon and apply its plans
+    planner: str = DEFAULT_PLANNER  # the daemon's planner function (module:function)
+    sample_every: int = 10  # monitor every k-th step
+    layer_factory: Callable[[int, Any], nn.Module] | None = None  # builds an empty layer by (id, spec) for migration
+    specs: Mapping[int, Any] | None = None  # layer id -> spec handed to the factory (plain msgpack-able values)
+    policies: Mapping[int, Policy | str] | None = None  # initial keep/swap/recompute per layer (default keep)
+    tensor_manager: bool = True
+    min_swap_bytes: int | None = None
+    host_pool_bytes: int | None = None
+    migration_timeout_s: float = 30.0
+    apply_lag_steps: int = 2  # stage 0 schedules a plan this many steps after it has it
+    planner_options: dict[str, Any] = field(default_factory=dict)  # extra OnlineConfig fields
+    log_file: str | None = None
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, message: str) -> None:
+            if not ok:
+                raise ValueError(f"vpipe config: {message}")
+
+        need(self.memory_budget is None or (isinstance(self.memory_budget, int) and self.memory_budget > 0),
+             f"memory_budget must be a positive number of bytes or None, got {self.memory_budget!r}")
+        need(isinstance(self.sample_every, int) and self.sample_every >= 1,
+             f"sample_every must be a positive integer, got {self.sample_every!r}")
+        need(isinstance(self.planner, str) and ":" in self.planner,
+             f"planner must be 'module:function', got {self.planner!r}")
+        need(self.layer_factory is None or callable(self.layer_factory), "layer_factory must be callable")
+        need(math.isfinite(self.migration_timeout_s) and self.migration_timeout_s > 0,
+             f"migration_timeout_s must be positive, got {self.migration_timeout_s!r}")
+        need(isinstance(self.apply_lag_steps, int) and self.apply_lag_steps >= 1,
+             f"apply_lag_steps must be >= 1, got {self.apply_lag_steps!r}")
+        for lid, pol in (self.policies or {}).items():
+            Policy.parse(pol.value if isinstance(pol, Policy) else pol)
+        need(self.min_swap_bytes is None or self.min_swap_bytes >= 0, "min_swap_bytes must be >= 0")
+        need(self.host_pool_bytes is None or self.host_pool_bytes > 0, "host_pool_bytes must be positive")
+
+
+def attach(target: Any, *, optimizer: torch.optim.Optimizer | None = None, config: VpipeConfig | None = None,
+           store: Any = None, **options: Any) -> Vpipe:
+    """Turn vpipe on for this rank's stage. Every rank of the run must call it (it is collective).
+
+    ``target`` is the trainer's schedule or its stage module; ``optimizer`` the stage's
+    optimizer (a PipeDream schedule brings its own); ``options`` override
+    :class:`VpipeConfig` fields. ``store`` is the run's c10d store (default: the one
+    ``torch.distributed`` was initialised with).
+    """
+    if config is not None and options:
+        raise TypeError("pass either config= or keyword options, not both")
+    config = config or VpipeConfig(**options)
+    return Vpipe(target, optimizer=optimizer, config=config, store=store)
+
+
+class Vpipe:
+    """vpipe on one rank: tensor manager, monitor + control session, layer manager, plan application."""
+
+    def __init__(self, target: Any, *, optimizer: torch.optim.Optimizer | None, config: VpipeConfig,
+                 store: Any = None) -> None:
+        from vpipe.runtime.pipedream import SchedulePipeDream
+
+        if not dist.is_initialized():
+            raise RuntimeError("vpipe.attach needs torch.distributed initialised first (torchrun or vpipe train)")
+        self.config = config
+        self.schedule, self.stage, self.module = _unpack_target(target)
+        self.pipedream = isinstance(self.schedule, SchedulePipeDream)
+        if self.pipedream and optimizer is None:
+            optimizer = self.schedule.optimizer
+        self.optimizer = optimizer
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.stage_index = self.stage.stage_index if self.stage is not None else self.rank
+        self.num_stages = self.stage.num_stages if self.stage is not None else self.world_size
+        self.device = torch.device(self.stage.device) if self.stage is not None else _module_device(self.module)
+        self.store = store if store is not None else _default_store()
+        self.iteration = 0
+        self._forced: dict[int, list[Plan]] = {}
+        self._pending: dict[int, Plan] = {}
+        self._undo: list[Callable[[], None]] = []
+        self._detached = False
+        self.placement = self._exchange_placement()
+        initial = Plan(epoch=0, stages=self.placement,
+                       policies={lid: Policy.parse(p.value if isinstance(p, Policy) else p)
+                                 for lid, p in (config.policies or {}).items()})
+        layers = _layers_of(self.module)
+        self.tensor_manager = self._start_tensor_manager(layers, initial) if config.tensor_manager else None
+        self.session = self._start_session(layers, initial)
+        self.layer_manager = self._start_layer_manager()
+        self._install()
+        decision("attached", f"vpipe attached to stage {self.stage_index} of {self.num_stages}",
+                 stage=self.stage_index, layers=list(self.placement[self.stage_index]),
+                 schedule=type(self.schedule).__name__ if self.schedule is not None else "module",
+                 memory_budget=config.memory_budget, planning=config.planning)
+
+    # ------------------------------------------------------------------ set-up
+    def _exchange_placement(self) -> tuple[tuple[int, ...], ...]:
+        mine = [int(name) for name in self.module._modules]
+        self.store.set(_LAYERS_KEY.format(self.stage_index), json.dumps(mine))
+        keys = [_LAYERS_KEY.format(s) for s in range(self.num_stages)]
+        stages = tuple(tuple(json.loads(raw)) for raw in self.store.multi_get(keys))
+        order = [lid for layers in stages for lid in layers]
+        if len(set(order)) != len(order):
+            raise ValueError(f"layer ids must be unique across stages, got placement {[list(s) for s in stages]}")
+        return stages
+
+    def _start_tensor_manager(self, layers: dict[int, nn.Module], initial: Plan) -> Any:
+        from vpipe.tensor_manager import TensorManager, install_on_stage
+
+        kwargs: dict[str, Any] = {"device": self.device, "budget_bytes": self._activation_budget(),
+                                  "policies": {lid: initial.policy(lid) for lid in layers}}
+        if self.config.min_swap_bytes is not None:
+            kwargs["min_swap_bytes"] = self.config.min_swap_bytes
+        if self.config.host_pool_bytes is not None:
+            kwargs["host_pool_bytes"] = self.config.host_pool_bytes
+        manager = TensorManager(layers, **kwargs)
+        if self.stage is not None:
+            handle = install_on_stage(self.stage, manager)
+            self._undo.append(handle.remove)
+        else:
+            self._counter = _MicroBatchCounter(self.module, manager)
+            self._undo.append(self._counter.remove)
+        self._undo.append(manager.close)
+        return manager
+
+    def _activation_budget(self) -> int | None:
+        """The budget left for saved activations once parameters, gradients and optimizer state are paid."""
+        budget = self.config.memory_budget
+        if budget is None:
+            return None
+        fixed = sum(p.numel() * p.element_size() * 2 for p in self.module.parameters())  # weights + grads
+        if self.optimizer is not None:
+            fixed += sum(t.numel() * t.element_size() for st in self.optimizer.state.values()
+                         for t in st.values() if isinstance(t, torch.Tensor))
+        if fixed >= budget:
+            from vpipe.tensor_manager import MemoryBudgetError
+
+            raise MemoryBudgetError(f"stage {self.stage_index}: parameters, gradients and optimizer state take "
+                                    f"{fixed} bytes, the memory budget is {budget} bytes")
+        return budget - fixed
+
+    def _start_session(self, layers: dict[int, nn.Module], initial: Plan) -> Any:
+        from vpipe.control.session import ControlOptions, ControlSession
+        from vpipe.monitors.source import TensorManagerSource
+        from vpipe.planner.online import CONFIG_ENV, OnlineConfig
+
+        if self.config.planning and self.stage_index == self.num_stages - 1:
+            online = OnlineConfig(schedule=self._schedule_name(), micro_batches=self._micro_batches(),
+                                  memory_budget=self.config.memory_budget,
+                                  allow_moves=self.config.layer_factory is not None, **self.config.planner_options)
+            os.environ[CONFIG_ENV] = online.to_env()  # the daemon this stage starts inherits it
+        options = ControlOptions(sample_every=self.config.sample_every,
+                                 planner=self.config.planner if self.config.planning else None,
+                                 log_file=self.config.log_file)
+        session = ControlSession(layers, stage_index=self.stage_index, num_stages=self.num_stages, store=self.store,
+                                 rank=self.rank, world_size=self.world_size, device=self.device,
+                                 optimizer=self.optimizer, plan=initial,
+                                 saved_source=TensorManagerSource(self.tensor_manager) if self.tensor_manager else None,
+                                 options=options, pipeline_stage=self.stage)
+        self._undo.append(session.close)
+        return session
+
+    def _start_layer_manager(self) -> Any:
+        from vpipe.migration.layer_manager import LayerManager
+        from vpipe.migration.messages import ControlMessenger
+        from vpipe.migration.transfer import TransferChannel
+
+        factory = self.config.layer_factory or _no_factory
+        manager = LayerManager(
+            self.module, stage_index=self.stage_index, placement=self.placement, optimizer=self.optimizer,
+            factory=factory, specs=self.config.specs, messenger=ControlMessenger(self.session.plane, self.stage_index),
+            channel=TransferChannel(self.device), device=self.device, timeout_s=self.config.migration_timeout_s,
+        )
+        manager.listeners.append(self.session.monitor)
+        if self.tensor_manager is not None:
+            manager.listeners.append(self.tensor_manager)
+        self._undo.append(manager.close)
+        return manager
+
+    def _install(self) -> None:
+        if self.schedule is not None:
+            original = self.schedule.step
+
+            def step(*args: Any, **kwargs: Any) -> Any:
+                return self._step(original, *args, **kwargs)
+
+            self.schedule.step = step  # instance attribute over the class method
+            self._undo.append(lambda: self.schedule.__dict__.pop("step", None))
+        else:
+            if self.optimizer is None:
+                raise ValueError("attaching to a stage module needs optimizer=: its step() marks the step boundary")
+            self.session.begin_step(self.iteration)
+            handle = self.optimizer.register_step_post_hook(lambda *_: self._module_step_done())
+            self._undo.append(handle.remove)
+
+    def _schedule_name(self) -> str:
+        from torch.distributed.pipelining import Schedule1F1B
+
+        if self.pipedream:
+            return "pipedream"
+        return "1f1b" if isinstance(self.schedule, Schedule1F1B) else "gpipe"
+
+    def _micro_batches(self) -> int:
+        return int(getattr(self.schedule, "_n_microbatches", 1)) if self.schedule is not None else 1
+
+    # ------------------------------------------------------------------ the step
+    def _step(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        self._boundary()
+        self.session.begin_step(self.iteration)
+        try:
+            result = original(*args, **kwargs)
+        except BaseException:
+            self.session.monitor.abort_iteration()
+            raise
+        self._received(self.session.end_step())
+        self.iteration += 1
+        return result
+
+    _counter: _MicroBatchCounter | None = None
+
+    def _module_step_done(self) -> None:
+        if self._counter is not None:
+            self._counter.reset()
+        self._received(self.session.end_step())
+        self.iteration += 1
+        self._boundary()
+        self.session.begin_step(self.iteration)
+
+    def _received(self, plans: list[Plan]) -> None:
+        for plan in plans:
+            if plan.epoch <= self.layer_manager.epoch or plan.epoch in self._pending:
+                continue
+            self._pending[plan.epoch] = plan
+            if self.stage_index == 0:
+                # the plan has reached every stage: schedule it for all of them
+                # a PipeDream stream does not flush, so a stage may finish step t+1 before stage 0 ends
+                # step t: one step more makes the key visible everywhere by the boundary that registers it
+                at = self.iteration + self.config.apply_lag_steps + (1 if self.pipedream else 0)
+                self.store.set(_APPLY_KEY.format(plan.epoch), str(at))
+                decision("plan_scheduled", f"epoch {plan.epoch} will apply before step {at}",
+                         epoch=plan.epoch, step=at)
+
+    @property
+    def _applying_step(self) -> int:
+        """The step whose start the plans applied now take effect at.
+
+        Flush schedules move layers at this boundary. A PipeDream stream registers a move
+        one step ahead and switches at the first micro-batch of the next step, so that both
+        stages of a move are still holding every weight version the switch needs.
+        """
+        return self.iteration + 1 if self.pipedream else self.iteration
+
+    def _due_plans(self) -> list[Plan]:
+        now = self._applying_step
+        due = list(self._forced.pop(now, []))
+        for epoch in sorted(self._pending):
+            key = _APPLY_KEY.format(epoch)
+            if not self.store.check([key]):
+                continue
+            at = int(self.store.get(key))
+            if at > now:
+                continue
+            if at < now:
+                raise RuntimeError(f"stage {self.stage_index}: plan epoch {epoch} was due at step {at} "
+                                   f"but this stage only saw the decision at step {now}")
+            due.append(self._pending.pop(epoch))
+        return due
+
+    def _boundary(self) -> None:
+        for plan in self._due_plans():
+            self._apply(plan)
+        self._continue_streamed()
+
+    # ------------------------------------------------------------------ applying plans
+    def request_plan(self, plan: Plan, at_step: int) -> None:
+        """Apply ``plan`` before step ``at_step`` (forced moves; every rank must call it identically)."""
+        if at_step < self._applying_step:
+            raise ValueError(f"step {at_step} is too early: this rank applies plans from step {self._applying_step} on")
+        plan.check_against(self.layer_manager.order, self.num_stages)
+        self._forced.setdefault(at_step, []).append(plan)
+
+    def _apply(self, plan: Plan) -> None:
+        from vpipe.migration.rebuild import reset_shape_inference
+
+        lm = self.layer_manager
+        if plan.epoch <= lm.epoch:
+            log.info("stage %d: skipping stale plan epoch %d", self.stage_index, plan.epoch)
+            return
+        if self.tensor_manager is not None:
+            self.tensor_manager.set_policies({lid: plan.policy(lid) for lid in lm.layer_ids})
+        moves = [list(s) for s in plan.stages] != [list(s) for s in lm.placement]
+        if moves and self.config.layer_factory is None:
+            decision("plan_skipped", f"epoch {plan.epoch}: moves need a layer_factory; applied policies only",
+                     epoch=plan.epoch, stage=self.stage_index)
+            lm.epoch = plan.epoch
+        elif moves and self.pipedream:
+            lm.start_streamed(plan, self.schedule, switch_mb=self._applying_step * self._micro_batches())
+            if [list(s) for s in lm.placement] != [list(s) for s in plan.stages]:
+                self._streamed_rest = plan  # a two-hop move: its next round follows when this one is done
+        elif moves:
+            report = lm.apply(plan)
+            if report.rebuilt and self.schedule is not None:
+                reset_shape_inference(self.schedule)
+        else:
+            lm.epoch = plan.epoch
+        if self.tensor_manager is not None:
+            self.tensor_manager.set_policies({lid: plan.policy(lid) for lid in lm.layer_ids})
+            self.tensor_manager.budget_bytes = self._activation_budget()
+        self.session.agent.plan = Plan(epoch=plan.epoch, stages=lm.placement, policies=plan.policies,
+                                       predicted_step_s=plan.predicted_step_s, reason=plan.reason)
+        self.placement = lm.placement
+        decision("plan_applied", f"epoch {plan.epoch} takes effect at step {self._applying_step}", epoch=plan.epoch,
+                 stage=self.stage_index, step=self._applying_step, layers=lm.layer_ids,
+                 policies={str(lid): plan.policy(lid).value for lid in lm.layer_ids})
+
+    _streamed_rest: Plan | None = None
+
+    def _continue_streamed(self) -> None:
+        plan = self._streamed_rest
+        if plan is None or any(not m.done for m in self.schedule.movers):
+            return
+        self._streamed_rest = None
+        self.layer_manager.start_streamed(plan, self.schedule, switch_mb=(self.iteration + 1) * self._micro_batches(),
+                                          continuation=True)
+        if [list(s) for s in self.layer_manager.placement] != [list(s) for s in plan.stages]:
+            self._streamed_rest = plan
+        self.placement = self.layer_manager.placement
+
+    # ------------------------------------------------------------------ NAS
+    def add_layers(self, position: int, specs: list[Any]) -> list[int]:
+        """Insert layers before model position ``position`` (every rank calls it at the same step boundary)."""
+        self._require_boundary("add_layers")
+        new_ids = self.layer_manager.add_layers(position, specs)
+        self._after_edit()
+        return new_ids
+
+    def remove_layers(self, layer_ids: list[int]) -> None:
+        """Remove layers by id (every rank calls it at the same step boundary)."""
+        self._require_boundary("remove_layers")
+        self.layer_manager.remove_layers(layer_ids)
+        self._after_edit()
+
+    def _require_boundary(self, what: str) -> None:
+        if self.pipedream and self.schedule.in_flight:
+            raise RuntimeError(f"{what} on a PipeDream stream needs schedule.flush() first "
+                               f"({len(self.schedule.in_flight)} micro-batches in flight)")
+        if self.config.layer_factory is None:
+            raise RuntimeError(f"{what} needs layer_factory= in the vpipe config to build layers")
+
+    def _after_edit(self) -> None:
+        from vpipe.migration.rebuild import reset_shape_inference
+
+        self.placement = self.layer_manager.placement
+        self.session.agent.plan = Plan(epoch=self.layer_manager.epoch, stages=self.placement,
+                                       policies={lid: p for lid, p in (self.session.agent.plan.policies.items()
+                                                                       if self.session.agent.plan else [])
+                                                 if lid in self.layer_manager.order})
+        if self.schedule is not None:
+            reset_shape_inference(self.schedule)  # new layers have never run: redo shape inference everywhere
+        if self.tensor_manager is not None:
+            self.tensor_manager.budget_bytes = self._activation_budget()
+
+    # ------------------------------------------------------------------ status
+    @property
+    def layer_ids(self) -> list[int]:
+        return self.layer_manager.layer_ids
+
+    def state(self) -> dict[str, Any]:
+        return {"epoch": self.layer_manager.epoch, "stages": [list(s) for s in self.layer_manager.placement],
+                "iteration": self.iteration}
+
+    def detach(self) -> None:
+        """Remove every hook and wrapper vpipe installed (the current placement stays)."""
+        if self._detached:
+            return
+        self._detached = True
+        errors = []
+        for undo in reversed(self._undo):
+            try:
+                undo()
+            except Exception as e:  # noqa: BLE001 - undo as much as possible, then report
+                errors.append(e)
+        self._undo.clear()
+        decision("detached", f"vpipe detached from stage {self.stage_index}", stage=self.stage_index)
+        if errors:
+            raise RuntimeError(f"vpipe.detach could not undo everything: {errors[0]}") from errors[0]
+
+
+# ---------------------------------------------------------------------- helpers
+def _unpack_target(target: Any) -> tuple[Any, Any, nn.Sequential]:
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
+
+    from vpipe.migration.rebuild import check_schedule_api
+
+    if isinstance(target, PipelineScheduleMulti):
+        raise TypeError(f"vpipe.attach does not support multi-stage schedules ({type(target).__name__}) yet; "
+                        "use one stage per rank (ScheduleGPipe, Schedule1F1B, SchedulePipeDream)")
+    if isinstance(target, PipelineScheduleSingle):
+        check_schedule_api(target)
+        stage = target._stage
+        return target, stage, _check_module(stage.submod)
+    if isinstance(target, nn.Module):
+        return None, None, _check_module(target)
+    raise TypeError(f"vpipe.attach takes a pipelining schedule or a stage module, got {type(target).__name__}")
+
+
+def _check_module(module: Any) -> nn.Sequential:
+    if not isinstance(module, nn.Sequential):
+        raise TypeError(f"the stage module must be an nn.Sequential of layers, got {type(module).__name__}")
+    bad = [name for name in module._modules if not name.isdigit()]
+    if bad:
+        raise ValueError(f"the stage's layers must be named by global layer id (e.g. '12'), got {bad[:3]}: "
+                         "build it as nn.Sequential(OrderedDict((str(i), layer) for i, layer in layers))")
+    if not module._modules:
+        raise ValueError("the stage module has no layers")
+    return module
+
+
+def _layers_of(module: nn.Sequential) -> dict[int, nn.Module]:
+    return {int(name): m for name, m in module._modules.items()}
+
+
+def _module_device(module: nn.Module) -> torch.device:
+    p = next(module.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+def _default_store() -> Any:
+    getter = getattr(dist.distributed_c10d, "_get_default_store", None)
+    if getter is None:
+        raise RuntimeError("cannot find torch.distributed's store; pass store= to vpipe.attach")
+    return getter()
+
+
+def _no_factory(layer_id: int, spec: Any) -> nn.Module:
+    raise RuntimeError(f"layer {layer_id} must be built here, but vpipe.attach got no layer_factory")
+
+
+class _MicroBatchCounter:
+    """For hand-written loops: the n-th forward of the stage module since the last step is micro-batch n."""
+
+    def __init__(self, module: nn.Module, manager: Any) -> None:
+        self.manager = manager
+        self.next_mb = 0
+        self._open: Any = None
+        self._handles = [module.register_forward_pre_hook(self._pre), module.register_forward_hook(self._post)]
+
+    def _pre(self, _module: nn.Module, _args: Any) -> None:
+        if torch.is_grad_enabled():
+            self._open = self.manager.micro_batch(self.next_mb)
+            self._open.__enter__()
+
+    def _post(self, _module: nn.Module, _args: Any, _output: Any) -> None:
+        if self._open is not None:
+            self._open.__exit__(None, None, None)
+            self._open = None
+            self.next_mb += 1
+
+    def reset(self) -> None:
+        self.next_mb = 0
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()

@@ -1,0 +1,209 @@
+"""The planner the daemon runs on live statistics: stats vectors -> layer graph -> SRP proposal.
+
+The daemon calls ``vpipe.planner.online:srp`` with each full stats vector (one record per
+stage) and the plan the pipeline runs. Per-layer costs are smoothed over the recent
+samples (an exponential average, so one noisy iteration cannot trigger a move), turned
+into a :class:`~vpipe.graph.LayerGraph` in the pipeline's execution order, and handed to
+:class:`~vpipe.planner.srp.SRPPlanner`, whose hysteresis, cooldown and gain-versus-migration
+test decide whether anything changes. Every imbalance it sees and every plan it makes is a
+decision in the run's log.
+
+Configuration comes from the environment variable ``VPIPE_PLANNER_CONFIG`` (a JSON object,
+see :class:`OnlineConfig`), which ``vpipe.attach`` sets for the daemon it starts; a daemon
+started by hand reads the same variable.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from vpipe.log import decision
+from vpipe.monitors.records import StageRecord
+from vpipe.planner.plan import Plan, Policy
+
+log = logging.getLogger("vpipe.planner.online")
+
+__all__ = ["OnlineConfig", "OnlinePlanner", "srp", "CONFIG_ENV"]
+
+CONFIG_ENV = "VPIPE_PLANNER_CONFIG"
+
+
+@dataclass(frozen=True)
+class OnlineConfig:
+    """How the online planner judges the pipeline (all validated on construction)."""
+
+    schedule: str = "1f1b"
+    micro_batches: int = 8
+    memory_budget: int | None = None  # per stage: parameters, gradients, optimizer state and saved activations
+    horizon_steps: int = 500
+    min_gain: float = 0.05
+    cooldown_steps: int = 20
+    smoothing: float = 0.5  # weight of the newest sample in the per-layer average
+    warmup_samples: int = 2  # samples to see before the first plan
+    imbalance_threshold: float = 0.10  # slowest stage over mean stage time that counts as imbalance
+    allow_moves: bool = True  # False: only swap/recompute policies change (no layer factory)
+    copy_bytes_per_s: float = 12e9
+    net_bytes_per_s: float = 10e9
+
+    def __post_init__(self) -> None:
+        from vpipe.planner.cost_model import SCHEDULES
+
+        def need(ok: bool, message: str) -> None:
+            if not ok:
+                raise ValueError(f"{CONFIG_ENV}: {message}")
+
+        need(self.schedule in SCHEDULES, f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        need(_pos_int(self.micro_batches), f"micro_batches must be a positive integer, got {self.micro_batches!r}")
+        need(self.memory_budget is None or _pos_int(self.memory_budget),
+             f"memory_budget must be a positive number of bytes or null, got {self.memory_budget!r}")
+        need(_pos_int(self.horizon_steps), f"horizon_steps must be a positive integer, got {self.horizon_steps!r}")
+        need(0.0 <= self.min_gain < 1.0, f"min_gain must be in [0, 1), got {self.min_gain!r}")
+        need(isinstance(self.cooldown_steps, int) and self.cooldown_steps >= 0,
+             f"cooldown_steps must be >= 0, got {self.cooldown_steps!r}")
+        need(0.0 < self.smoothing <= 1.0, f"smoothing must be in (0, 1], got {self.smoothing!r}")
+        need(isinstance(self.warmup_samples, int) and self.warmup_samples >= 1,
+             f"warmup_samples must be >= 1, got {self.warmup_samples!r}")
+        need(self.imbalance_threshold >= 0, f"imbalance_threshold must be >= 0, got {self.imbalance_threshold!r}")
+        need(self.copy_bytes_per_s > 0 and self.net_bytes_per_s > 0, "bandwidths must be positive")
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> OnlineConfig:
+        raw = (os.environ if environ is None else environ).get(CONFIG_ENV)
+        if not raw:
+            return cls()
+        try:
+            data = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{CONFIG_ENV} is not valid JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{CONFIG_ENV} must be a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"{CONFIG_ENV} has unknown keys: {', '.join(unknown)}")
+        return cls(**data)
+
+    def to_env(self) -> str:
+        return json.dumps(asdict(self))
+
+
+def _pos_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+class OnlinePlanner:
+    """Smooths per-layer statistics and asks the SRP planner for proposals."""
+
+    def __init__(self, config: OnlineConfig | None = None) -> None:
+        from vpipe.planner.cost_model import Hardware
+
+        self.config = config or OnlineConfig()
+        self._hardware = Hardware(copy_bytes_per_s=self.config.copy_bytes_per_s,
+                                  net_bytes_per_s=self.config.net_bytes_per_s)
+        self._costs: dict[int, list[float]] = {}  # layer id -> [fwd_s, bwd_s] per micro-batch, smoothed
+        self._samples = 0
+        self._srp: Any = None
+        self._srp_key: tuple[Any, ...] | None = None
+
+    def __call__(self, vector: list[StageRecord], current: Plan | None) -> Plan | None:
+        if current is None or len(vector) != current.num_stages:
+            return None
+        self._observe(vector, current)
+        if self._samples < self.config.warmup_samples:
+            return None
+        records = {lr.layer_id: lr for rec in vector for lr in rec.layers}
+        if set(records) != set(current.layer_ids):
+            return None  # the layer set is changing under us (a move or NAS edit in flight)
+        graph = self._graph(current, records)
+        self._report_imbalance(vector, current, graph)
+        started = time.perf_counter()
+        proposal = self._planner(graph, records, current).propose(graph, current, vector[-1].iteration)
+        seconds = time.perf_counter() - started
+        if proposal is None:
+            return None
+        plan = proposal.plan
+        if not self.config.allow_moves and [list(s) for s in plan.stages] != [list(s) for s in current.stages]:
+            plan = Plan(epoch=plan.epoch, stages=current.stages, policies=plan.policies,
+                        predicted_step_s=plan.predicted_step_s, reason=plan.reason + " (policies only: no layer factory)")
+        changed = {lid: pol.value for lid, pol in plan.policies.items() if pol != current.policy(lid)}
+        decision(
+            "plan", f"epoch {plan.epoch}: {proposal.reason}",
+            epoch=plan.epoch, iteration=vector[-1].iteration, old_stages=[list(s) for s in current.stages],
+            new_stages=[list(s) for s in plan.stages], policies_changed=changed,
+            predicted_step_s_before=proposal.before_step_s, predicted_step_s_after=proposal.after_step_s,
+            migration_bytes=proposal.migration_bytes, planner_s=seconds,
+        )
+        return plan
+
+    # ---------------------------------------------------------------- statistics
+    def _observe(self, vector: list[StageRecord], current: Plan) -> None:
+        a = self.config.smoothing
+        for rec in vector:
+            for lr in rec.layers:
+                fwd = lr.fwd_per_call_s
+                bwd = lr.bwd_per_call_s
+                if current.policy(lr.layer_id) is Policy.RECOMPUTE:
+                    bwd = max(0.0, bwd - fwd)  # the backward we measured re-ran the forward
+                old = self._costs.get(lr.layer_id)
+                self._costs[lr.layer_id] = [fwd, bwd] if old is None else [
+                    (1 - a) * old[0] + a * fwd, (1 - a) * old[1] + a * bwd]
+        self._samples += 1
+
+    def _graph(self, current: Plan, records: dict[int, Any]) -> Any:
+        from vpipe.graph import LayerGraph, LayerNode
+
+        order = current.layer_ids
+        nodes = [
+            LayerNode(id=lid, name=str(lid), fwd_s=self._costs[lid][0], bwd_s=self._costs[lid][1],
+                      act_bytes=records[lid].activation_bytes, param_bytes=records[lid].param_bytes, order=i)
+            for i, lid in enumerate(order)
+        ]
+        edges = [(a, b, records[a].output_bytes) for a, b in zip(order, order[1:])]
+        return LayerGraph(name="live", nodes=nodes, edges=edges)
+
+    def _planner(self, graph: Any, records: dict[int, Any], current: Plan) -> Any:
+        from vpipe.planner.cost_model import Hardware
+        from vpipe.planner.srp import SRPPlanner
+
+        params = sum(r.param_bytes for r in records.values())
+        state = sum(r.optimizer_bytes for r in records.values())
+        # gradients (one copy of the parameters) and optimizer state, relative to the parameters
+        factor = round(1.0 + state / params, 2) if params else 2.0
+        key = (current.num_stages, factor)
+        if self._srp is None or self._srp_key != key:
+            hardware = Hardware(copy_bytes_per_s=self.config.copy_bytes_per_s,
+                                net_bytes_per_s=self.config.net_bytes_per_s, optimizer_factor=factor)
+            last = self._srp.last_proposal_step if self._srp is not None else None
+            self._srp = SRPPlanner(current.num_stages, self.config.schedule, self.config.micro_batches,
+                                   self.config.memory_budget, hardware, horizon_steps=self.config.horizon_steps,
+                                   min_gain=self.config.min_gain, cooldown_steps=self.config.cooldown_steps)
+            self._srp.last_proposal_step = last
+            self._srp_key = key
+        return self._srp
+
+    def _report_imbalance(self, vector: list[StageRecord], current: Plan, graph: Any) -> None:
+        from vpipe.planner.cost_model import stage_time
+
+        times = [stage_time(graph, list(layers), {lid: current.policy(lid) for lid in layers}, self._hardware)
+                 for layers in current.stages]
+        mean = sum(times) / len(times)
+        if mean > 0 and max(times) / mean - 1.0 > self.config.imbalance_threshold:
+            decision("imbalance", f"slowest stage {times.index(max(times))} is {max(times) / mean - 1.0:.0%} over the mean",
+                     iteration=vector[-1].iteration, epoch=current.epoch, stage_times_s=times,
+                     layers_per_stage=current.counts())
+
+
+_INSTANCE: OnlinePlanner | None = None
+
+
+def srp(vector: list[StageRecord], current: Plan | None) -> Plan | None:
+    """The daemon's planner function (``--planner vpipe.planner.online:srp``)."""
+    global _INSTANCE
+    if _INSTANCE is None:
+        _INSTANCE = OnlinePlanner(OnlineConfig.from_env())
+    return _INSTANCE(vector, current)
