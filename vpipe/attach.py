@@ -29,6 +29,7 @@ import json
 import logging
 import math
 import os
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,7 +64,7 @@ class VpipeConfig:
     tensor_manager: bool = True
     min_swap_bytes: int | None = None
     host_pool_bytes: int | None = None
-    migration_timeout_s: float = 30.0
+    migration_timeout_s: float = field(default_factory=lambda: _env_seconds("VPIPE_MIGRATION_TIMEOUT", 30.0))
     apply_lag_steps: int = 2  # stage 0 schedules a plan this many steps after it has it
     planner_options: dict[str, Any] = field(default_factory=dict)  # extra OnlineConfig fields
     log_file: str | None = None
@@ -88,6 +89,16 @@ class VpipeConfig:
             Policy.parse(pol.value if isinstance(pol, Policy) else pol)
         need(self.min_swap_bytes is None or self.min_swap_bytes >= 0, "min_swap_bytes must be >= 0")
         need(self.host_pool_bytes is None or self.host_pool_bytes > 0, "host_pool_bytes must be positive")
+
+
+def _env_seconds(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be a number of seconds, got {raw!r}") from None
 
 
 def attach(target: Any, *, optimizer: torch.optim.Optimizer | None = None, config: VpipeConfig | None = None,
@@ -127,6 +138,7 @@ class Vpipe:
         self.device = torch.device(self.stage.device) if self.stage is not None else _module_device(self.module)
         self.store = store if store is not None else _default_store()
         self.iteration = 0
+        self.boundary_s: list[float] = []  # seconds spent applying plans before each step (the move stall)
         self._forced: dict[int, list[Plan]] = {}
         self._pending: dict[int, Plan] = {}
         self._undo: list[Callable[[], None]] = []
@@ -319,9 +331,11 @@ class Vpipe:
         return due
 
     def _boundary(self) -> None:
+        started = time.perf_counter()
         for plan in self._due_plans():
             self._apply(plan)
         self._continue_streamed()
+        self.boundary_s.append(time.perf_counter() - started)
 
     # ------------------------------------------------------------------ applying plans
     def request_plan(self, plan: Plan, at_step: int) -> None:

@@ -23,6 +23,7 @@ round cannot deadlock; a peer that dies is caught by the run's watchdog.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ from vpipe.migration.moves import Move, apply_round, plan_rounds
 from vpipe.migration.state import LayerState, detach_from_optimizer, pack_layer, payload_bytes, unpack_layer, validate_manifest
 from vpipe.migration.transfer import MOVE, TransferChannel, transfer_tag
 from vpipe.planner.plan import Plan, PlanError
+from vpipe.runtime import faults
 
 log = logging.getLogger("vpipe.migration")
 
@@ -181,8 +183,6 @@ class LayerManager:
         self.check_plan(plan)
         report = MigrationReport(epoch=plan.epoch)
         start = time.perf_counter()
-        last_before = self.placement[self.stage_index][-1]
-        out_before = self.out_meta.get(last_before)  # the layer may leave, its metadata with it
         rounds = plan_rounds(self.placement, plan.stages)
         mine = [m for moves in rounds for m in moves if self.stage_index in (m.src, m.dst)]
         if mine:
@@ -194,11 +194,6 @@ class LayerManager:
                 break  # later rounds assumed this one: stay at the last agreed placement
             self.placement = apply_round(self.placement, moves)
         self.epoch = plan.epoch
-        last_after = self.placement[self.stage_index][-1]
-        out_after = self.out_meta.get(last_after)
-        changed = (self.stage_index < self.num_stages - 1 and last_after != last_before
-                   and (out_before is None or out_after is None or out_before != out_after))
-        report.rebuilt = self._vote(changed, all_of=False)
         report.seconds = time.perf_counter() - start
         if mine:
             decision("migration_done",
@@ -287,9 +282,15 @@ class LayerManager:
 
     def _vote(self, flag: bool, *, all_of: bool) -> bool:
         """All ranks learn whether ``flag`` holds on all (``all_of``) or on any rank."""
-        t = torch.tensor([1.0 if flag else 0.0], device=self.channel.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN if all_of else dist.ReduceOp.MAX, group=self.channel.group)
-        return bool(t.item() > 0.5)
+        return self._votes([(flag, all_of)])[0]
+
+    def _votes(self, flags: Sequence[tuple[bool, bool]]) -> list[bool]:
+        """Several votes in one collective: each ``(flag, all_of)`` becomes "on all" or "on any" rank."""
+        # MIN of x is "all"; MIN of -x is -"any"
+        values = [(1.0 if f else 0.0) if all_of else -(1.0 if f else 0.0) for f, all_of in flags]
+        t = torch.tensor(values, device=self.channel.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.channel.group)
+        return [(v > 0.5) if all_of else (v < -0.5) for v, (_, all_of) in zip(t.tolist(), flags)]
 
     def _boundary_changed(self, before: Sequence[Sequence[int]], after: Sequence[Sequence[int]]) -> bool:
         """Before a one-round move: whether a boundary next to this stage will carry a different activation.
@@ -358,8 +359,10 @@ class LayerManager:
             if self.messenger.wait_for({"migrate_ack"}, from_rank=m.dst, key=key, timeout_s=self.timeout_s) is None:
                 log.warning("stage %d: no migrate_ack from stage %d for layers %s; aborting", s, m.dst, list(m.layers))
                 ok = False
-        # phase 6: one vote decides the whole round on every rank, then both sides act on it
-        if not self._vote(ok, all_of=True):
+        # phase 6: one vote decides the whole round on every rank, then both sides act on it; the
+        # same collective tells whether a boundary activation changes (every rank must redo shape inference)
+        ok, changed = self._votes([(ok, True), (self._last_output_changes(outgoing, arriving), False)])
+        if not ok:
             report.aborted.extend(m for m in moves if s in (m.src, m.dst))
             decision("migration_aborted", f"epoch {epoch} round {r}: a move failed; every stage keeps its layers",
                      epoch=epoch, round=r, stage=s)
@@ -369,13 +372,48 @@ class LayerManager:
         for inc in arriving:
             self._insert(inc)
         report.moved.extend(m for m in moves if s in (m.src, m.dst))
+        report.rebuilt = report.rebuilt or changed
         return True
 
+    def _last_output_changes(self, outgoing: Sequence[Move], arriving: Sequence[_Incoming]) -> bool:
+        """Whether this round changes what this stage sends downstream (shape, dtype, arity)."""
+        if self.stage_index == self.num_stages - 1:
+            return False
+        leaving = {lid for m in outgoing for lid in m.layers}
+        layers = [lid for lid in self.layer_ids if lid not in leaving]
+        metas = dict(self.out_meta)
+        for inc in arriving:
+            if not inc.manifests:
+                continue
+            for man in inc.manifests:
+                metas[man["layer"]] = _unwire_meta(man.get("out_meta"))
+            layers = list(inc.move.layers) + layers if inc.move.forward else layers + list(inc.move.layers)
+        old_last = self.layer_ids[-1]
+        if not layers or layers[-1] == old_last:
+            return False
+        old, new = self.out_meta.get(old_last), metas.get(layers[-1])
+        return old is None or new is None or old != new
+
+    def _build(self, layer_id: int, spec: Any) -> nn.Module:
+        """An empty layer of the right shape (built on the meta device: no initialisation cost)."""
+        with torch.device("meta"):
+            layer = self.factory(layer_id, spec)
+        return layer.to_empty(device=self.device)
+
     def _receive_prepare(self, m: Move, key: tuple[int, int]) -> _Incoming:
+        # the plan names the layers: build those whose spec we know while the source packs them
+        early = {lid: self._build(lid, self.specs[lid]) for lid in m.layers if lid in self.specs}
         got = self.messenger.wait_for({"migrate_prepare"}, from_rank=m.src, key=key, timeout_s=self.timeout_s)
         if got is None:
             log.warning("stage %d: no migrate_prepare from stage %d for layers %s", self.stage_index, m.src, list(m.layers))
             return _Incoming(m, [], {}, ok=False)
+        rank = dist.get_rank()
+        if faults.active("migration_silent", rank):
+            log.warning("stage %d: fault injected: ignoring migrate_prepare from stage %d", self.stage_index, m.src)
+            return _Incoming(m, [], {}, ok=False)
+        if faults.active("migration_die", rank):
+            log.error("stage %d: fault injected: dying in the middle of a move", self.stage_index)
+            os._exit(9)
         body = got[1]
         if body.get("layers") != list(m.layers) or body.get("src") != m.src or body.get("dst") != m.dst:
             raise MigrationError(f"stage {self.stage_index}: stage {m.src} announced layers {body.get('layers')} "
@@ -385,9 +423,9 @@ class LayerManager:
             raise MigrationError(f"stage {self.stage_index}: manifests do not match the moved layers {list(m.layers)}")
         modules = {}
         for man in manifests:
-            with torch.device("meta"):
-                layer = self.factory(man["layer"], man.get("spec"))
-            modules[man["layer"]] = layer.to_empty(device=self.device)
+            lid = man["layer"]
+            same_spec = lid in early and man.get("spec") in (None, self.specs.get(lid))
+            modules[lid] = early[lid] if same_spec else self._build(lid, man.get("spec"))
         self.messenger.send_to(m.src, "migrate_ready", {"round": key[1]}, epoch=key[0])
         return _Incoming(m, manifests, modules)
 

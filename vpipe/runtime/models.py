@@ -232,12 +232,14 @@ def build_layer(spec: LayerSpec, layer_id: int, seed: int = 0) -> nn.Module:
     builder = _BUILDERS.get(spec["kind"])
     if builder is None:
         raise ValueError(f"unknown layer kind {spec['kind']!r}; known: {', '.join(sorted(_BUILDERS))}")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed * 1_000_003 + layer_id)
-        try:
+    try:
+        if torch.empty(()).is_meta:  # only shapes are wanted (a migration target): no values, no RNG to fork
             return builder(spec)
-        except KeyError as e:
-            raise ValueError(f"layer spec {spec!r} is missing the key {e.args[0]!r}") from None
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed * 1_000_003 + layer_id)
+            return builder(spec)
+    except KeyError as e:
+        raise ValueError(f"layer spec {spec!r} is missing the key {e.args[0]!r}") from None
 
 
 def build_model(spec: ModelSpec, seed: int = 0, ids: list[int] | None = None) -> nn.Sequential:

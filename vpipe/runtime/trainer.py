@@ -98,6 +98,8 @@ class RunResult:
     steps: int
     seconds: float
     losses: list[float] = field(default_factory=list)  # mean loss per step (last stage only)
+    step_s: list[float] = field(default_factory=list)  # wall time of each step on this rank
+    boundary_s: list[float] = field(default_factory=list)  # vpipe: of which applying plans before the step
 
 
 def train_rank(cfg: RunConfig, ctx: Distributed) -> RunResult:
@@ -116,7 +118,9 @@ def train_rank(cfg: RunConfig, ctx: Distributed) -> RunResult:
         for step in range(cfg.steps):
             if session is not None:
                 session.begin_step(step)
+            step_start = time.perf_counter()
             losses = run.run_step(step)
+            result.step_s.append(time.perf_counter() - step_start)
             if session is not None:
                 session.end_step()  # plans are logged; applying them is the layer manager's job
             result.steps += 1
@@ -130,6 +134,8 @@ def train_rank(cfg: RunConfig, ctx: Distributed) -> RunResult:
         session.close()
     if vp is not None:
         vp.detach()
+    if vp is not None:
+        result.boundary_s = list(vp.boundary_s)
     if cfg.out_dir:
         save_rank_result(cfg, run, result)
     if run.is_last and cfg.progress:
@@ -183,7 +189,8 @@ def save_rank_result(cfg: RunConfig, run: StageRun, result: RunResult) -> None:
     torch.save(state, out / f"rank{run.stage_index}.pt")
     layer_ids = [int(name) for name in run.module._modules]  # after migrations, not the initial ones
     meta = {"stage": run.stage_index, "layer_ids": layer_ids, "losses": result.losses,
-            "steps": result.steps, "seconds": result.seconds}
+            "steps": result.steps, "seconds": result.seconds, "step_s": result.step_s,
+            "boundary_s": result.boundary_s}
     if isinstance(run.schedule, SchedulePipeDream):
         meta["trace"] = [list(event) for event in run.schedule.trace]
     (out / f"rank{run.stage_index}.json").write_text(json.dumps(meta))
