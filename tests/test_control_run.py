@@ -63,7 +63,7 @@ def test_four_stages_every_sampled_iteration_reaches_the_planner_and_plans_come_
     assert all(layers == list(range(8)) for layers in all_layers)
 
     got = {rank: [r for r in decisions(log_file, "plan_received") if r["rank"] == rank] for rank in range(4)}
-    sent = decisions(log_file, "plan")
+    sent = decisions(log_file, "plan_sent")
     assert sent and all(r["role"] == "planner" for r in sent)
     for rank, plans in got.items():
         assert plans, f"stage {rank} received no plan"

@@ -18,7 +18,7 @@ def layer(layer_id: int = 3, **changes) -> LayerRecord:
 
 
 def stage_record(stage: int = 1, iteration: int = 9, layers=(3, 4), **changes) -> StageRecord:
-    fields = dict(stage=stage, iteration=iteration, device="cpu", t=1.7e9, step_s=0.1,
+    fields = dict(stage=stage, iteration=iteration, epoch=0, device="cpu", t=1.7e9, step_s=0.1,
                   layers=tuple(layer(i) for i in layers), param_bytes=2048, optimizer_bytes=4096,
                   device_resident_bytes=10 << 20, device_peak_bytes=12 << 20, host_rss_bytes=10 << 20,
                   host_pool_used_bytes=0, host_pool_peak_bytes=0, host_pool_capacity_bytes=0, d2h_bytes=0,

@@ -25,6 +25,7 @@ step boundary. Causality makes this exact: stage k cannot start step ``t`` befor
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import math
@@ -126,6 +127,10 @@ class Vpipe:
         if not dist.is_initialized():
             raise RuntimeError("vpipe.attach needs torch.distributed initialised first (torchrun or vpipe train)")
         self.config = config
+        if config.log_file is not None:
+            from vpipe import log as run_log
+
+            run_log.configure(config.log_file, rank=dist.get_rank())
         self.schedule, self.stage, self.module = _unpack_target(target)
         self.pipedream = isinstance(self.schedule, SchedulePipeDream)
         if self.pipedream and optimizer is None:
@@ -152,6 +157,7 @@ class Vpipe:
         self.session = self._start_session(layers, initial)
         self.layer_manager = self._start_layer_manager()
         self._install()
+        atexit.register(self._at_exit)  # a script that never calls detach() still shuts vpipe down cleanly
         decision("attached", f"vpipe attached to stage {self.stage_index} of {self.num_stages}",
                  stage=self.stage_index, layers=list(self.placement[self.stage_index]),
                  schedule=type(self.schedule).__name__ if self.schedule is not None else "module",
@@ -221,7 +227,7 @@ class Vpipe:
                                  optimizer=self.optimizer, plan=initial,
                                  saved_source=TensorManagerSource(self.tensor_manager) if self.tensor_manager else None,
                                  options=options, pipeline_stage=self.stage)
-        self._undo.append(session.close)
+        self._undo.append(lambda: session.close(self._exit_timeout_s))
         return session
 
     def _start_layer_manager(self) -> Any:
@@ -375,6 +381,7 @@ class Vpipe:
         self.session.agent.plan = Plan(epoch=plan.epoch, stages=lm.placement, policies=plan.policies,
                                        predicted_step_s=plan.predicted_step_s, reason=plan.reason)
         self.placement = lm.placement
+        self.session.monitor.epoch = plan.epoch
         decision("plan_applied", f"epoch {plan.epoch} takes effect at step {self._applying_step}", epoch=plan.epoch,
                  stage=self.stage_index, step=self._applying_step, layers=lm.layer_ids,
                  policies={str(lid): plan.policy(lid).value for lid in lm.layer_ids})
@@ -435,11 +442,19 @@ class Vpipe:
         return {"epoch": self.layer_manager.epoch, "stages": [list(s) for s in self.layer_manager.placement],
                 "iteration": self.iteration}
 
+    def _at_exit(self) -> None:
+        if not self._detached:
+            self._exit_timeout_s = 5.0
+            self.detach()
+
+    _exit_timeout_s: float | None = None
+
     def detach(self) -> None:
         """Remove every hook and wrapper vpipe installed (the current placement stays)."""
         if self._detached:
             return
         self._detached = True
+        atexit.unregister(self._at_exit)
         errors = []
         for undo in reversed(self._undo):
             try:

@@ -20,8 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch import nn
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch loads only when a builder runs: `vpipe plan` and the planner daemon stay light
+    import torch
+    from torch import nn
 
 __all__ = ["LayerNode", "LayerGraph", "Roofline"]
 
@@ -229,6 +232,7 @@ class LayerGraph:
         and get the same costs on every run. View-like nodes (``view``, ``transpose``,
         ``getitem`` ...) allocate nothing, so in this mode they cost nothing and save nothing.
         """
+        import torch
         from torch import fx
 
         gm = module if isinstance(module, fx.GraphModule) else fx.symbolic_trace(module)
@@ -279,6 +283,7 @@ class LayerProfile:
 
 def tensor_bytes(value: Any) -> int:
     """Bytes of all tensors in a (nested) value."""
+    import torch
     if isinstance(value, torch.Tensor):
         return value.numel() * value.element_size()
     if isinstance(value, (tuple, list)):
@@ -299,6 +304,7 @@ def profile_layers(
     repeats: int = 3,
 ) -> list[LayerProfile]:
     """Time each layer's forward and backward in turn, count the bytes it saves."""
+    import torch
     from vpipe.tensor_manager.accounting import count_saved_bytes
 
     inputs = example_input if isinstance(example_input, tuple) else (example_input,)
@@ -335,6 +341,7 @@ def profile_layers(
 
 
 def _as_leaf(x: Any) -> Any:
+    import torch
     if isinstance(x, torch.Tensor):
         return x.detach().requires_grad_(x.is_floating_point())
     return x
@@ -403,6 +410,7 @@ def _is_view_like(node: Any) -> bool:
 
 
 def _fx_param_bytes(gm: Any, node: Any) -> int:
+    from torch import nn
     if node.op == "call_module":
         return param_bytes(gm.get_submodule(node.target))
     if node.op == "get_attr":

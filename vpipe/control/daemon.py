@@ -182,7 +182,7 @@ class PlannerDaemon:
             return
         self.current = plan
         self._outbox.send(make("plan", plan, epoch=plan.epoch, iteration=message.iteration, stage=PLANNER))
-        decision("plan", f"plan epoch {plan.epoch}: {plan.reason or 'no reason given'}", role="planner",
+        decision("plan_sent", f"plan epoch {plan.epoch} sent: {plan.reason or 'no reason given'}", role="planner",
                  epoch=plan.epoch, layers_per_stage=plan.counts(), reason=plan.reason,
                  predicted_step_s=plan.predicted_step_s, from_iteration=message.iteration,
                  stage_step_s=[r.step_s for r in vector], stage_compute_s=[r.compute_s for r in vector])

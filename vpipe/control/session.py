@@ -153,13 +153,13 @@ class ControlSession:
             raise
         result.plans = self.end_step()
 
-    def close(self) -> list[Plan]:
+    def close(self, timeout_s: float | None = None) -> list[Plan]:
         """End of training: drain stats to the planner, stop the daemon, remove every hook."""
         if self._closed:
             return []
         self._closed = True
         try:
-            return self.agent.finish(self.options.finish_timeout_s)
+            return self.agent.finish(self.options.finish_timeout_s if timeout_s is None else timeout_s)
         finally:
             if self._undo_wrap is not None:
                 self._undo_wrap()

@@ -109,6 +109,7 @@ class StageRecord:
 
     stage: int
     iteration: int
+    epoch: int  # the plan (placement and policies) the stage ran this iteration under
     device: str
     t: float  # unix time when the iteration ended
     step_s: float  # wall time of the iteration on this stage (waits included)
@@ -147,7 +148,7 @@ class StageRecord:
     @classmethod
     def from_wire(cls, data: Any) -> StageRecord:
         checkers: dict[str, Callable[[str, Any], Any]] = {
-            "stage": _index, "iteration": _count, "device": _text, "t": _amount, "step_s": _amount,
+            "stage": _index, "iteration": _count, "epoch": _count, "device": _text, "t": _amount, "step_s": _amount,
             "layers": _layers,
         }
         for name in ("param_bytes", "optimizer_bytes", "device_resident_bytes", "device_peak_bytes",

@@ -102,6 +102,7 @@ class StageMonitor:
         self._started = 0.0
         self._baseline = SavedTensorStats()
         self._fwd_open: dict[int, Any] = {}
+        self.epoch = 0  # the plan in force; whoever applies plans updates it (records carry it)
         self._out_bytes: dict[int, int] = {}
         self._fwd: list[tuple[int, Any, Any]] = []
         self._bwd_pass: list[tuple[int, Any]] | None = None
@@ -303,6 +304,7 @@ class StageMonitor:
         return StageRecord(
             stage=self.stage_index,
             iteration=iteration,
+            epoch=self.epoch,
             device=str(self.device),
             t=time.time(),
             step_s=step_s,

@@ -38,11 +38,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
-from vpipe.graph import LayerGraph
+if TYPE_CHECKING:
+    from vpipe.graph import LayerGraph
 from vpipe.planner.plan import Policy
 
 __all__ = [

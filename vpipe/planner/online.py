@@ -113,6 +113,8 @@ class OnlinePlanner:
     def __call__(self, vector: list[StageRecord], current: Plan | None) -> Plan | None:
         if current is None or len(vector) != current.num_stages:
             return None
+        if any(rec.epoch < current.epoch for rec in vector):
+            return None  # measured before the newest plan took effect: judge that plan on its own stats first
         self._observe(vector, current)
         if self._samples < self.config.warmup_samples:
             return None
