@@ -39,6 +39,16 @@ def _bytes(text: str) -> int:
     return value
 
 
+def _json_list(text: str) -> list:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+    if not isinstance(value, list):
+        raise argparse.ArgumentTypeError("expected a JSON list")
+    return value
+
+
 def _moves(text: str) -> list[dict]:
     moves = []
     for part in filter(None, text.split(";")):
@@ -83,6 +93,9 @@ def add_run_arguments(p: argparse.ArgumentParser, *, steps: int, stages: int) ->
     p.add_argument("--policy", choices=("D", "S", "R"), default="D",
                    help="vpipe: initial policy of every layer: keep (D), swap (S) or recompute (R) activations")
     p.add_argument("--no-planning", action="store_true", help="vpipe: monitor only, never apply plans")
+    p.add_argument("--nas", type=_json_list, default=None, metavar="JSON",
+                   help="vpipe: layer edits, e.g. '[{\"step\": 5, \"add\": {\"position\": 1, \"types\": [\"attn\"]}}, "
+                        "{\"step\": 9, \"remove\": [3]}]'")
     p.add_argument("--moves", type=_moves, default=None, metavar="STEP:COUNTS[;...]",
                    help="vpipe: forced repartitions, e.g. '3:6,4;8:4,6' moves layers before steps 3 and 8")
 
@@ -96,7 +109,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         vertical_sync=args.vertical_sync, log_file=args.log_file, out_dir=args.out_dir,
         progress=not args.no_progress, monitor_every=args.monitor_every,
         planner=_planner(args), vpipe=args.vpipe, memory_budget=args.memory_budget, policy=args.policy,
-        planning=not args.no_planning, moves=args.moves,
+        planning=not args.no_planning, moves=args.moves, nas=args.nas,
     )
 
 

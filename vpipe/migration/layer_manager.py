@@ -123,6 +123,7 @@ class LayerManager:
         self.timeout_s = timeout_s
         self.epoch = epoch
         self.listeners: list[LayerListener] = []
+        self._next_id = max(lid for layers in self.placement for lid in layers) + 1
         self.out_meta: dict[int, tuple[Any, ...]] = {}
         self.in_meta: dict[int, tuple[Any, ...]] = {}
         self._hooks: dict[int, Any] = {}
@@ -460,12 +461,12 @@ class LayerManager:
         the factory, and their parameters join this stage's optimizer (param group 0).
         Returns the new ids.
         """
-        order = [lid for layers in self.placement for lid in layers]
+        order = self.order
         if not 0 <= position <= len(order):
             raise ValueError(f"position {position} is outside 0..{len(order)}")
         if not specs:
             return []
-        first_new = max(order) + 1
+        first_new = max(self._next_id, max(order) + 1)  # ids are never reused, even after a removal
         new_ids = list(seed_ids) if seed_ids is not None else list(range(first_new, first_new + len(specs)))
         if len(new_ids) != len(specs) or set(new_ids) & set(order):
             raise ValueError(f"new layer ids {new_ids} clash with the model's ids or do not match the specs")
@@ -490,6 +491,7 @@ class LayerManager:
                     listener.add_layer(lid, layer)
         for lid, spec in zip(new_ids, specs):
             self.specs[lid] = spec
+        self._next_id = max(new_ids) + 1
         self.placement = tuple(tuple(layers) for layers in stages)
         decision("layers_added", f"{len(new_ids)} layer(s) added to stage {owner} at position {position}",
                  stage=owner, layers=new_ids, position=position, placement=[list(s) for s in self.placement])

@@ -35,6 +35,8 @@ class RunConfig:
     seed: int = 0
     partition: list[int] | None = None  # layers per stage, in order
     moves: list[dict[str, Any]] | None = None  # forced repartitions: [{"step": s, "partition": [...]}, ...]
+    nas: list[dict[str, Any]] | None = None  # layer edits: [{"step": s, "add": {"position": p, "types": [...]}},
+    #                                          {"step": s, "remove": [ids]}]; vpipe and flush schedules only
     vertical_sync: bool = False
     log_file: str | None = None
     out_dir: str | None = None
@@ -67,6 +69,9 @@ class RunConfig:
         need(self.memory_budget is None or (isinstance(self.memory_budget, int) and self.memory_budget > 0),
              f"memory_budget must be a positive number of bytes, got {self.memory_budget!r}")
         need(self.vpipe or not self.moves, "forced moves need vpipe (the layer manager moves the layers)")
+        need(self.vpipe or not self.nas, "adding and removing layers needs vpipe (the layer manager does it)")
+        need(not (self.nas and self.moves), "combine either forced moves or layer edits in one run, not both")
+        need(not (self.nas and self.schedule == "pipedream"), "layer edits need a flush schedule (gpipe, 1f1b)")
         need(0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout}")
         need(self.lr > 0, f"lr must be positive, got {self.lr}")
         need(self.d_model % self.n_heads == 0, f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
@@ -88,6 +93,7 @@ class RunConfig:
                  f"every stage needs at least one layer, got partition {self.partition}")
             need(sum(self.partition) == n_layers,
                  f"partition {self.partition} covers {sum(self.partition)} layers, the model has {n_layers}")
+        self._check_nas(n_layers)
         last_step = 0
         for i, move in enumerate(self.moves or []):
             need(isinstance(move, dict) and set(move) == {"step", "partition"},
@@ -99,6 +105,40 @@ class RunConfig:
             need(isinstance(counts, list) and len(counts) == self.stages and all(isinstance(c, int) and c >= 1 for c in counts)
                  and sum(counts) == n_layers,
                  f"moves[{i}]: partition {counts!r} must give each of the {self.stages} stages >= 1 of the {n_layers} layers")
+
+    def _check_nas(self, n_layers: int) -> None:
+        """Replay the layer edits on the layer ids, so a bad one fails before any rank starts."""
+        from vpipe.runtime.models import BLOCK_TYPES
+
+        ids = list(range(n_layers))
+        next_id, last_step = n_layers, 0
+        for i, event in enumerate(self.nas or []):
+            where = f"nas[{i}]"
+            if not isinstance(event, dict) or "step" not in event or len(set(event) & {"add", "remove"}) != 1:
+                raise ValueError(f"{where} must be {{'step': s, 'add': {{...}}}} or {{'step': s, 'remove': [ids]}}")
+            step = event["step"]
+            if not isinstance(step, int) or step < last_step or step < 1:
+                raise ValueError(f"{where}: steps must be non-decreasing integers >= 1, got {step!r}")
+            last_step = step
+            if "add" in event:
+                add = event["add"]
+                types = add.get("types") if isinstance(add, dict) else None
+                position = add.get("position") if isinstance(add, dict) else None
+                if not isinstance(types, list) or not types or any(t not in BLOCK_TYPES for t in types):
+                    raise ValueError(f"{where}: 'types' must list block types from {', '.join(BLOCK_TYPES)}")
+                if not isinstance(position, int) or not 1 <= position <= len(ids) - 1:
+                    raise ValueError(f"{where}: position must be between 1 and {len(ids) - 1} (after the "
+                                     f"embedding, before the head), got {position!r}")
+                ids[position:position] = list(range(next_id, next_id + len(types)))
+                next_id += len(types)
+            else:
+                doomed = event["remove"]
+                if not isinstance(doomed, list) or not all(isinstance(d, int) for d in doomed):
+                    raise ValueError(f"{where}: 'remove' must be a list of layer ids")
+                unknown = sorted(set(doomed) - set(ids[1:-1]))
+                if unknown:
+                    raise ValueError(f"{where}: cannot remove {unknown}: not a block of the model at step {step}")
+                ids = [lid for lid in ids if lid not in doomed]
 
     @property
     def n_layers(self) -> int:

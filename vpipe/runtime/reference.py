@@ -47,7 +47,9 @@ def reference_flush(cfg: RunConfig) -> tuple[dict[str, torch.Tensor], list[float
                   for ids in cfg.stage_layer_ids()]
     loss_fn = spec.loss_fn()
     step_losses = []
+    next_id = len(spec.layers)
     for step in range(cfg.steps):
+        next_id = _edit_layers(cfg, model, optimizers, step, next_id)
         losses = []
         for x, y in _micro_batches(cfg, step):
             loss = loss_fn(model(x), y)
@@ -62,6 +64,31 @@ def reference_flush(cfg: RunConfig) -> tuple[dict[str, torch.Tensor], list[float
         step_losses.append(float(torch.stack(losses).mean()))
     state = optimizer_state_by_name(dict(model.named_parameters()), optimizers)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, step_losses, state
+
+
+def _edit_layers(cfg: RunConfig, model: torch.nn.Sequential, optimizers: list, step: int, next_id: int) -> int:
+    """Apply the layer edits of ``cfg.nas`` due before ``step``, as the layer manager does; returns the next id."""
+    from vpipe.runtime.models import block_spec, build_layer
+
+    for event in cfg.nas or []:
+        if event["step"] != step:
+            continue
+        items = list(model._modules.items())
+        if "add" in event:
+            add = event["add"]
+            new = []
+            for kind in add["types"]:
+                layer = build_layer(block_spec(kind, cfg.d_model, cfg.n_heads, 4 * cfg.d_model, cfg.dropout),
+                                    next_id, cfg.seed)
+                new.append((str(next_id), layer))
+                next_id += 1
+            items[add["position"]:add["position"]] = new
+            optimizers.append(make_optimizer(cfg, [p for _, layer in new for p in layer.parameters()]))
+        else:
+            items = [(name, m) for name, m in items if int(name) not in event["remove"]]
+        model._modules.clear()
+        model._modules.update(items)
+    return next_id
 
 
 def reference_pipedream(cfg: RunConfig) -> tuple[dict[str, torch.Tensor], list[float], dict[str, dict[str, torch.Tensor]]]:

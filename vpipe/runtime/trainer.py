@@ -119,6 +119,8 @@ def train_rank(cfg: RunConfig, ctx: Distributed) -> RunResult:
             if session is not None:
                 session.begin_step(step)
             step_start = time.perf_counter()
+            if vp is not None:
+                apply_layer_edits(cfg, vp, step)
             losses = run.run_step(step)
             result.step_s.append(time.perf_counter() - step_start)
             if session is not None:
@@ -165,6 +167,21 @@ def _attach_vpipe(cfg: RunConfig, run: StageRun) -> Any:
     for i, move in enumerate(cfg.moves or []):
         vp.request_plan(Plan.from_counts(order, move["partition"], epoch=1 + i), at_step=move["step"])
     return vp
+
+
+def apply_layer_edits(cfg: RunConfig, vp: Any, step: int) -> None:
+    """The layer additions and removals ``cfg.nas`` schedules before ``step`` (every rank alike)."""
+    from vpipe.runtime.models import block_spec
+
+    for event in cfg.nas or []:
+        if event["step"] != step:
+            continue
+        if "add" in event:
+            add = event["add"]
+            specs = [block_spec(t, cfg.d_model, cfg.n_heads, 4 * cfg.d_model, cfg.dropout) for t in add["types"]]
+            vp.add_layers(add["position"], specs)
+        else:
+            vp.remove_layers(event["remove"])
 
 
 def _control_session(cfg: RunConfig, run: StageRun, ctx: Distributed) -> Any:
