@@ -40,3 +40,40 @@ def test_bad_layer_edits_are_rejected_before_training():
     assert "cannot remove [0]: not a block of the model at step 2" in proc.stderr
     proc = run_vpipe("train", "--nas", '[{"step": 2, "remove": [3]}]')
     assert "adding and removing layers needs vpipe" in proc.stderr
+
+
+def test_mutations_follow_the_seed_and_respect_the_size_limits():
+    import random
+
+    from vpipe.nas import Architecture
+
+    def walk(seed: int) -> list[tuple[str, ...]]:
+        rng, arch, seen = random.Random(seed), Architecture(("attn", "attn")), []
+        for _ in range(40):
+            arch = arch.mutate(rng, min_blocks=1, max_blocks=4)
+            seen.append(arch.blocks)
+        return seen
+
+    assert walk(5) == walk(5) and walk(5) != walk(6)
+    assert all(1 <= len(blocks) <= 4 for blocks in walk(5))
+    with pytest.raises(ValueError, match="unknown block types \\['lstm'\\]"):
+        Architecture(("attn", "lstm"))
+
+
+def test_search_on_a_live_pipeline_repeats_under_its_seed(tmp_path):
+    """Two searches with one seed: the same candidates, in order, with the same losses; the planner ran."""
+    runs = []
+    for name in ("a", "b"):
+        out = tmp_path / name
+        proc = run_vpipe("nas", "--stages", "2", "--blocks", "2", "--d-model", "32", "--n-heads", "2",
+                         "--seq-len", "16", "--micro-batches", "2", "--micro-batch-size", "2", "--dropout", "0",
+                         "--population", "2", "--sample", "2", "--cycles", "2", "--steps-per-candidate", "2",
+                         "--seed", "3", "--no-progress", "--out-dir", str(out), "--log-file", str(out / "run.log"))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs.append(json.loads((out / "nas.json").read_text()))
+    assert runs[0] == runs[1]
+    history = runs[0]["history"]
+    assert len(history) == 4 and len({tuple(c["architecture"]) for c in history}) > 1
+    assert runs[0]["best"]["loss"] == min(c["loss"] for c in history)
+    logged = [r for r in read_log(tmp_path / "a" / "run.log") if r.get("event") == "nas_candidate"]
+    assert [r["architecture"] for r in logged if r.get("rank") == 1] == [c["architecture"] for c in history]

@@ -242,6 +242,7 @@ class Vpipe:
             channel=TransferChannel(self.device), device=self.device, timeout_s=self.config.migration_timeout_s,
         )
         manager.listeners.append(self.session.monitor)
+        self.session.monitor.layer_order = lambda: manager.layer_ids
         if self.tensor_manager is not None:
             manager.listeners.append(self.tensor_manager)
         self._undo.append(manager.close)
@@ -358,6 +359,10 @@ class Vpipe:
         if plan.epoch <= lm.epoch:
             log.info("stage %d: skipping stale plan epoch %d", self.stage_index, plan.epoch)
             return
+        if sorted(plan.layer_ids) != sorted(lm.order):
+            decision("plan_skipped", f"epoch {plan.epoch}: made for another set of layers (they were edited since)",
+                     epoch=plan.epoch, stage=self.stage_index)
+            return
         if self.tensor_manager is not None:
             self.tensor_manager.set_policies({lid: plan.policy(lid) for lid in lm.layer_ids})
         moves = [list(s) for s in plan.stages] != [list(s) for s in lm.placement]
@@ -423,6 +428,9 @@ class Vpipe:
     def _after_edit(self) -> None:
         from vpipe.migration.rebuild import reset_shape_inference
 
+        # a new epoch: plans made for the old layers become stale, stats say which layers they measured
+        self.layer_manager.epoch += 1
+        self.session.monitor.epoch = self.layer_manager.epoch
         self.placement = self.layer_manager.placement
         self.session.agent.plan = Plan(epoch=self.layer_manager.epoch, stages=self.placement,
                                        policies={lid: p for lid, p in (self.session.agent.plan.policies.items()

@@ -152,6 +152,27 @@ def cmd_demo(args: argparse.Namespace, argv: Sequence[str]) -> int:
     return cmd_train(parser.parse_args(train_argv), train_argv)
 
 
+def cmd_nas(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from vpipe.nas import EvolutionConfig
+    from vpipe.runtime.launch import rank_env, spawn
+
+    cfg = config_from_args(args)
+    if not cfg.vpipe:
+        cfg = RunConfig(**{**cfg.to_dict(), "vpipe": True, "planner": cfg.planner if cfg.planner != "vpipe.control.daemon:no_change" else "vpipe.planner.online:srp"})
+    evo = EvolutionConfig(population=args.population, sample=args.sample, cycles=args.cycles,
+                          steps_per_candidate=args.steps_per_candidate, seed=args.seed)
+    if rank_env() is None:
+        return spawn([sys.executable, "-m", "vpipe", *argv], cfg.stages)
+    from vpipe import log
+    from vpipe.nas import search_rank
+    from vpipe.runtime.launch import init_distributed, run_rank
+
+    ctx = init_distributed()
+    log.configure(cfg.log_file, rank=ctx.rank)
+    run_rank(ctx, search_rank, cfg, evo, ctx)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from vpipe import __version__
 
@@ -162,6 +183,14 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train a reference model on a pipeline of ranks")
     add_run_arguments(train, steps=20, stages=2)
     train.set_defaults(func=cmd_train)
+
+    nas = sub.add_parser("nas", help="regularized evolution over transformer variants, on a live vpipe pipeline")
+    add_run_arguments(nas, steps=0, stages=2)
+    nas.add_argument("--population", type=_positive_int, default=4)
+    nas.add_argument("--sample", type=_positive_int, default=2)
+    nas.add_argument("--cycles", type=int, default=4)
+    nas.add_argument("--steps-per-candidate", type=_positive_int, default=4)
+    nas.set_defaults(func=cmd_nas)
 
     demo = sub.add_parser("demo", help="a one-minute 2-stage run on this machine")
     demo.add_argument("--steps", type=int, default=40)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, defaultdict
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -103,6 +103,8 @@ class StageMonitor:
         self._baseline = SavedTensorStats()
         self._fwd_open: dict[int, Any] = {}
         self.epoch = 0  # the plan in force; whoever applies plans updates it (records carry it)
+        # the stage's layers in model order (records list them so); default: by id
+        self.layer_order: Callable[[], list[int]] | None = None
         self._out_bytes: dict[int, int] = {}
         self._fwd: list[tuple[int, Any, Any]] = []
         self._bwd_pass: list[tuple[int, Any]] | None = None
@@ -286,6 +288,11 @@ class StageMonitor:
                 bwd_calls[layer_id] += 1
         return fwd_s, fwd_calls, bwd_s, bwd_calls
 
+    def _ordered_ids(self) -> list[int]:
+        order = self.layer_order() if self.layer_order is not None else []
+        known = [lid for lid in order if lid in self._layers]
+        return known + sorted(set(self._layers) - set(known))
+
     def _record(self, iteration: int, step_s: float) -> StageRecord:
         fwd_s, fwd_calls, bwd_s, bwd_calls = self._layer_times()
         now = self.saved_source.stats()
@@ -298,7 +305,7 @@ class StageMonitor:
                 param_bytes=constant[lid][0], optimizer_bytes=constant[lid][1],
                 output_bytes=self._out_bytes.get(lid, 0),
             )
-            for lid in sorted(self._layers)
+            for lid in self._ordered_ids()
         )
         gpu = self._nvml.read()
         return StageRecord(

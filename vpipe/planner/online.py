@@ -115,12 +115,14 @@ class OnlinePlanner:
             return None
         if any(rec.epoch < current.epoch for rec in vector):
             return None  # measured before the newest plan took effect: judge that plan on its own stats first
+        records = {lr.layer_id: lr for rec in vector for lr in rec.layers}
+        if vector[0].epoch > current.epoch or set(records) != set(current.layer_ids):
+            current = self._observed_placement(vector, current)  # layers were added or removed meanwhile
+            if current is None:
+                return None
         self._observe(vector, current)
         if self._samples < self.config.warmup_samples:
             return None
-        records = {lr.layer_id: lr for rec in vector for lr in rec.layers}
-        if set(records) != set(current.layer_ids):
-            return None  # the layer set is changing under us (a move or NAS edit in flight)
         graph = self._graph(current, records)
         self._report_imbalance(vector, current, graph)
         started = time.perf_counter()
@@ -141,6 +143,17 @@ class OnlinePlanner:
             migration_bytes=proposal.migration_bytes, planner_s=seconds,
         )
         return plan
+
+    @staticmethod
+    def _observed_placement(vector: list[StageRecord], current: Plan) -> Plan | None:
+        """The placement the stages report (after layer edits the planner did not make)."""
+        if len({rec.epoch for rec in vector}) != 1:
+            return None  # an edit happened between the stages' records: wait for a clean vector
+        stages = tuple(tuple(rec.layer_ids) for rec in vector)
+        if any(not layers for layers in stages):
+            return None
+        policies = {lid: current.policy(lid) for layers in stages for lid in layers if lid in current.layer_ids}
+        return Plan(epoch=vector[0].epoch, stages=stages, policies=policies, reason="observed")
 
     # ---------------------------------------------------------------- statistics
     def _observe(self, vector: list[StageRecord], current: Plan) -> None:

@@ -74,6 +74,9 @@ class StageRun:
 def build_stage_run(cfg: RunConfig, stage_index: int, device: torch.device, group: Any = None) -> StageRun:
     spec = cfg.model_spec()
     layer_ids = cfg.stage_layer_ids()[stage_index]
+    # Dropout draws from this rank's RNG stream: seeded, so a run repeats exactly for a given
+    # placement (masks follow the stage, not the layer, so moved layers draw different masks).
+    torch.manual_seed(cfg.seed * 1_000_003 + 7919 * (stage_index + 1))
     module = build_model(_sub_spec(spec, layer_ids), seed=cfg.seed, ids=layer_ids).to(device)
     stage = PipelineStage(module, stage_index, cfg.stages, device, group=group)
     optimizer = make_optimizer(cfg, module.parameters())
