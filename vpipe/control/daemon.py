@@ -247,9 +247,30 @@ class PlannerDaemon:
 
 
 # ---------------------------------------------------------------- command line
+_HELP = "run the planner daemon against a training run's last stage"
+
+
 def register(subparsers: Any) -> None:
     """Add ``vpipe planner`` to the CLI."""
-    p = subparsers.add_parser("planner", help="run the planner daemon against a training run's last stage")
+    _add_arguments(subparsers.add_parser("planner", help=_HELP))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m vpipe.control.daemon``: the daemon without the full CLI, which imports torch.
+
+    The last stage starts it this way so that it attaches in a fraction of a second.
+    """
+    parser = argparse.ArgumentParser(prog="vpipe planner", description=_HELP)
+    _add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return cmd_planner(args)
+    except ValueError as e:
+        print(f"vpipe: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--connect", required=True, metavar="ENDPOINT",
                    help="the last stage's control endpoint, tcp://HOST:PORT (logged by the run, "
                         "and stored under vpipe/ctl/planner)")
@@ -294,3 +315,8 @@ def cmd_planner(args: argparse.Namespace, argv: Any = None) -> int:
                            parent_pid=args.parent_pid, server_key=_server_key(args.server_key))
     return daemon.run()
 
+
+if __name__ == "__main__":
+    from vpipe.control.daemon import main as _main  # the importable module, not a second copy as __main__
+
+    sys.exit(_main())

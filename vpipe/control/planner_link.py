@@ -81,7 +81,8 @@ class PlannerLink:
     # ---------------------------------------------------------------- lifecycle
     def start(self, planner: str) -> None:
         """Start a daemon process running ``planner`` (an import path ``module:function``)."""
-        cmd: list[str] = [sys.executable, "-m", "vpipe", "planner", "--connect", self.plane.endpoint,
+        # the daemon's own entry point, not `-m vpipe planner`: the full CLI imports torch (seconds)
+        cmd: list[str] = [sys.executable, "-m", "vpipe.control.daemon", "--connect", self.plane.endpoint,
                           "--planner", planner, "--parent-pid", str(os.getpid()),
                           "--heartbeat", str(self.heartbeat_s)]
         if self.plane.curve is not None:
