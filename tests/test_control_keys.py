@@ -9,7 +9,7 @@ import pytest
 import zmq
 import zmq.auth
 
-from conftest import run_vpipe
+from vpipe.cli import main
 from vpipe.control.curve import PUBLIC_ENV, SECRET_ENV, CurveConfig, curve_from_env
 from vpipe.control.keys import KeyFileError, public_keys_from, read_public_file, read_secret_file, write_keypair
 
@@ -34,15 +34,15 @@ def test_write_keypair_uses_zmq_certificate_format_and_safe_modes(tmp_path):
         write_keypair(tmp_path, "../evil")
 
 
-def test_vpipe_keys_cli_writes_a_pair(tmp_path):
-    proc = run_vpipe("keys", str(tmp_path), "--name", "node0", timeout=60)
-    assert proc.returncode == 0, proc.stderr
+def test_vpipe_keys_cli_writes_a_pair(tmp_path, capsys):
+    assert main(["keys", str(tmp_path), "--name", "node0"]) == 0
+    out = capsys.readouterr().out
     public = read_public_file(tmp_path / "node0.key")
-    assert f"({public.decode()})" in proc.stdout
-    assert f"export {SECRET_ENV}={tmp_path / 'node0.key_secret'}" in proc.stdout
+    assert f"({public.decode()})" in out
+    assert f"export {SECRET_ENV}={tmp_path / 'node0.key_secret'}" in out
     assert mode(tmp_path / "node0.key_secret") == 0o600
-    again = run_vpipe("keys", str(tmp_path), "--name", "node0", timeout=60)
-    assert again.returncode == 2 and "never overwrites" in again.stderr
+    assert main(["keys", str(tmp_path), "--name", "node0"]) == 2
+    assert "never overwrites a key file" in capsys.readouterr().err and read_public_file(tmp_path / "node0.key") == public
 
 
 def test_zmq_certificates_and_bare_z85_files_are_accepted(tmp_path):
