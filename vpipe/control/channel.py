@@ -41,8 +41,6 @@ __all__ = ["Inbox", "Outbox", "ControlPlane", "endpoint_key", "curve_key_key", "
 
 PLANNER_CONNECT_KEY = "vpipe/ctl/planner"  # the endpoint a standalone planner daemon connects to
 _WILDCARDS = ("0.0.0.0", "::", "*")
-
-
 FROM_ENV = "env"  # ``curve=FROM_ENV``: CURVE as the environment configures it (off when unset)
 
 

@@ -130,11 +130,6 @@ class CurveGuard:
                         self.name, key.decode("ascii", "replace"), n, "" if n == 1 else "s")
         return False
 
-    @property
-    def total_refused(self) -> int:
-        with self._lock:
-            return sum(self.refused.values())
-
     def close(self) -> None:
         self._auth.stop()
 
