@@ -10,7 +10,7 @@ import torch.distributed as dist
 import zmq
 
 from vpipe.control.channel import ControlPlane, Outbox, endpoint_key
-from vpipe.control.messages import encode, make
+from vpipe.control.messages import encode, frame_limit, make
 from vpipe.control.netaddr import check_endpoint, control_host, route_address, tcp_endpoint
 
 
@@ -47,7 +47,7 @@ def test_endpoints_are_published_in_the_store_and_bound_to_loopback(planes, stor
         assert published.startswith("tcp://127.0.0.1:")
         bound = plane.inbox.socket.getsockopt(zmq.LAST_ENDPOINT).decode()
         assert bound.startswith("tcp://127.0.0.1:"), bound
-        assert plane.inbox.socket.getsockopt(zmq.MAXMSGSIZE) == plane.max_message_bytes
+        assert plane.inbox.socket.getsockopt(zmq.MAXMSGSIZE) == frame_limit(plane.max_message_bytes)
 
 
 def test_send_and_poll_keep_order_per_sender(planes):
@@ -86,7 +86,7 @@ def test_bad_frames_are_dropped_counted_and_never_raise(planes):
         raw.send(b"\xc1garbage")
         raw.send_multipart([b"a", b"b"])
         raw.send(encode(make("ping", stage=0))[:-1])  # truncated
-        raw.send(b"x" * (plane.max_message_bytes + 1))  # over the socket cap: zmq cuts this sender off
+        raw.send(b"x" * (frame_limit(plane.max_message_bytes) + 1))  # over the socket cap: zmq cuts this sender off
         time.sleep(0.2)
         planes[0].send(1, make("ping", stage=0))  # others still get through
         got = poll_until(plane, 1)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
-from conftest import run_vpipe
+from conftest import ROOT, child_env, run_vpipe
 from vpipe.logview import timeline_rows
 
 
@@ -66,3 +68,15 @@ def test_planner_gives_up_when_no_run_answers(tmp_path):
                      timeout=60)
     assert proc.returncode == 1
     assert "nothing from tcp://127.0.0.1:9 for 1 s; exiting" in proc.stderr
+
+
+def test_the_daemon_entry_point_imports_no_torch():
+    """The last stage starts `python -m vpipe.control.daemon`: it must attach in well under a second."""
+    code = ("import sys, runpy; sys.argv = ['x', '--help']\n"
+            "try:\n    runpy.run_module('vpipe.control.daemon', run_name='__main__')\n"
+            "except SystemExit:\n    pass\n"
+            "print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=child_env(), capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "--server-key" in proc.stdout and proc.stdout.strip().endswith("[]")

@@ -1,4 +1,4 @@
-"""The ``vpipe`` command line: ``demo | train | plan | logs | plot | bench | planner``.
+"""The ``vpipe`` command line: ``demo | train | plan | logs | plot | bench | planner | keys``.
 
 ``vpipe train`` is torchrun-compatible: launched by torchrun (``RANK`` set) it runs one
 rank; run directly it spawns ``--stages`` ranks on this host and waits for them.
@@ -201,10 +201,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     register_plan(sub)
     from vpipe import logview
-    from vpipe.control import daemon
+    from vpipe.control import daemon, keys
 
     logview.register(sub)
     daemon.register(sub)
+    keys.register(sub)
     return parser
 
 

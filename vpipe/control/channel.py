@@ -3,11 +3,20 @@
 Each rank binds a zmq PULL socket (its inbox) on the control host (see
 :mod:`vpipe.control.netaddr`) and publishes the endpoint in the run's c10d TCPStore under
 ``vpipe/ctl/ep/<rank>``; to talk to a peer it connects a PUSH socket to the peer's inbox.
-PUSH/PULL keeps per-sender order, which the stats and plan forwarding rely on. Every
-socket has ``maxmsgsize`` set (zmq drops the connection of a peer that exceeds it), sends
+PUSH/PULL keeps per-sender order, which the stats and plan forwarding rely on. Sends
 never block (a full queue to a dead peer drops the message, counted and logged), and
 every received frame goes through :class:`~vpipe.control.messages.Decoder`. The sockets
 carry small control messages only; tensors travel over torch.distributed.
+
+Size caps, on every socket: a frame up to ``max_message_bytes`` is decoded; one up to
+:func:`~vpipe.control.messages.frame_limit` (twice that) is read, counted ``too_large``
+and dropped; zmq itself cuts the connection of a peer sending more (``maxmsgsize``),
+so nothing larger is ever allocated.
+
+With CURVE on (:mod:`vpipe.control.curve`) inboxes are CURVE servers behind the
+context's :class:`~vpipe.control.curve.CurveGuard`, outboxes CURVE clients that connect
+only to trusted server keys, published under ``vpipe/ctl/key/<rank>``. Each inbox
+watches its handshakes and counts (and logs) the connections it refused, by reason.
 """
 
 from __future__ import annotations
@@ -21,46 +30,92 @@ from typing import Any
 
 import zmq
 
-from vpipe.control.messages import MAX_MESSAGE_BYTES, Decoder, Message, encode
+from zmq.utils.monitor import recv_monitor_message
+
+from vpipe.control.curve import HANDSHAKE_EVENTS, CurveConfig, CurveGuard, curve_from_env, handshake_failure, log_due
+from vpipe.control.messages import MAX_MESSAGE_BYTES, Decoder, Message, encode, frame_limit
 from vpipe.control.netaddr import check_endpoint, control_host, tcp_endpoint
 
 log = logging.getLogger("vpipe.control")
 
-__all__ = ["Inbox", "Outbox", "ControlPlane", "endpoint_key", "PLANNER_CONNECT_KEY"]
+__all__ = ["Inbox", "Outbox", "ControlPlane", "endpoint_key", "curve_key_key", "PLANNER_CONNECT_KEY", "FROM_ENV"]
 
 PLANNER_CONNECT_KEY = "vpipe/ctl/planner"  # the endpoint a standalone planner daemon connects to
 _WILDCARDS = ("0.0.0.0", "::", "*")
+FROM_ENV = "env"  # ``curve=FROM_ENV``: CURVE as the environment configures it (off when unset)
 
 
 def endpoint_key(rank: int) -> str:
     return f"vpipe/ctl/ep/{rank}"
 
 
-def _limit(sock: zmq.Socket, max_message_bytes: int, linger_ms: int) -> None:
-    sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+def curve_key_key(rank: int) -> str:
+    """Store key of a rank's CURVE server public key (set before its endpoint, only with CURVE on)."""
+    return f"vpipe/ctl/key/{rank}"
+
+
+def resolve_curve(curve: CurveConfig | str | None) -> CurveConfig | None:
+    if curve == FROM_ENV:
+        return curve_from_env()
+    if curve is not None and not isinstance(curve, CurveConfig):
+        raise TypeError(f"curve must be a CurveConfig, None or {FROM_ENV!r}, got {curve!r:.60}")
+    return curve
+
+
+def new_socket(context: zmq.Context, kind: int, max_message_bytes: int, linger_ms: int) -> zmq.Socket:
+    """Every socket vpipe opens comes from here, so none lacks the size cap."""
+    sock = context.socket(kind)
+    sock.setsockopt(zmq.MAXMSGSIZE, frame_limit(max_message_bytes))
     sock.setsockopt(zmq.LINGER, linger_ms)
+    return sock
 
 
 _MAX_PENDING = 10_000  # queued messages of types nobody has polled for yet
 
 
 class Inbox:
-    """A PULL socket on a random port of ``bind_host``; yields validated messages only."""
+    """A PULL socket on a random port of ``bind_host``; yields validated messages only.
+
+    With a ``guard`` (CURVE on) it is a CURVE server that the guard's ZAP handler protects.
+    """
 
     def __init__(self, context: zmq.Context, bind_host: str, advertise_host: str, *, name: str,
-                 max_message_bytes: int = MAX_MESSAGE_BYTES) -> None:
-        self.socket = context.socket(zmq.PULL)
-        _limit(self.socket, max_message_bytes, 0)
+                 max_message_bytes: int = MAX_MESSAGE_BYTES, guard: CurveGuard | None = None) -> None:
+        self.name = name
+        self.socket = new_socket(context, zmq.PULL, max_message_bytes, 0)
         self.socket.setsockopt(zmq.RCVHWM, 10_000)
         if ":" in bind_host or ":" in advertise_host:
             self.socket.setsockopt(zmq.IPV6, 1)
+        self.curve_key = None if guard is None else guard.config.public
+        if guard is not None:
+            guard.config.make_server(self.socket)
+        self.refused: Counter = Counter()  # connections whose handshake failed, by reason
+        self._monitor = self.socket.get_monitor_socket(HANDSHAKE_EVENTS)
+        self._monitor.setsockopt(zmq.MAXMSGSIZE, frame_limit(max_message_bytes))
         bind = "*" if bind_host in _WILDCARDS else (f"[{bind_host}]" if ":" in bind_host else bind_host)
         port = self.socket.bind_to_random_port(f"tcp://{bind}")
         self.endpoint = tcp_endpoint(advertise_host, port)
         self.decoder = Decoder(name=name, max_bytes=max_message_bytes)
 
+    def check_handshakes(self) -> None:
+        """Count (and log) the connections refused at the handshake since the last look."""
+        while True:
+            try:
+                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            reason = handshake_failure(event["event"], event["value"])
+            if reason is None:
+                continue
+            self.refused[reason] += 1
+            n = self.refused[reason]
+            if reason != "untrusted_key" and log_due(n):  # the guard logged that one, with the key
+                log.warning("%s: refused a connection whose handshake failed (%s; %d so far)%s", self.name,
+                            reason, n, " - a peer without CURVE or with the wrong keys?" if self.curve_key else "")
+
     def receive(self, timeout_ms: int = 0, limit: int = 1000) -> list[Message]:
         """Up to ``limit`` valid messages, waiting at most ``timeout_ms`` for the first."""
+        self.check_handshakes()
         if timeout_ms > 0 and not self.socket.poll(timeout_ms):
             return []
         out: list[Message] = []
@@ -78,22 +133,30 @@ class Inbox:
         return out
 
     def close(self) -> None:
+        self.socket.disable_monitor()
+        self._monitor.close(linger=0)
         self.socket.close(linger=0)
 
 
 class Outbox:
-    """A PUSH socket connected to one peer's inbox; :meth:`send` never blocks."""
+    """A PUSH socket connected to one peer's inbox; :meth:`send` never blocks.
+
+    With ``curve`` it is a CURVE client, and ``server_key`` (the peer's) must be trusted.
+    """
 
     def __init__(self, context: zmq.Context, endpoint: str, *, max_message_bytes: int = MAX_MESSAGE_BYTES,
-                 queue: int = 1000, linger_ms: int = 1000) -> None:
+                 queue: int = 1000, linger_ms: int = 1000, curve: CurveConfig | None = None,
+                 server_key: bytes | str | None = None) -> None:
         host, _ = check_endpoint(endpoint)
+        server = None if curve is None else curve.check_server_key(server_key, f"the control endpoint {endpoint}")
         self.endpoint = endpoint
         self.max_message_bytes = max_message_bytes
-        self.socket = context.socket(zmq.PUSH)
-        _limit(self.socket, max_message_bytes, linger_ms)
+        self.socket = new_socket(context, zmq.PUSH, max_message_bytes, linger_ms)
         self.socket.setsockopt(zmq.SNDHWM, queue)
         if ":" in host:
             self.socket.setsockopt(zmq.IPV6, 1)
+        if curve is not None and server is not None:
+            curve.make_client(self.socket, server)
         self.socket.connect(endpoint)
 
     def send(self, message: Message) -> bool:
@@ -110,7 +173,11 @@ class Outbox:
 
 
 class ControlPlane:
-    """One rank's control sockets: its inbox, outboxes to peers, endpoints via the TCPStore."""
+    """One rank's control sockets: its inbox, outboxes to peers, endpoints via the TCPStore.
+
+    ``curve``: a :class:`~vpipe.control.curve.CurveConfig`, None (off), or ``FROM_ENV``
+    (the default: on when ``VPIPE_CURVE_SECRET_FILE`` / ``VPIPE_CURVE_PUBLIC_KEYS`` are set).
+    """
 
     def __init__(
         self,
@@ -121,23 +188,32 @@ class ControlPlane:
         host: str | None = None,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         lookup_timeout_s: float = 60.0,
+        curve: CurveConfig | str | None = FROM_ENV,
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
         bind, advertise = control_host(explicit=host)
+        self.curve = resolve_curve(curve)
         self.store = store
         self.rank = rank
         self.world_size = world_size
         self.max_message_bytes = max_message_bytes
         self.lookup_timeout_s = lookup_timeout_s
         self._context = zmq.Context()
-        self.inbox = Inbox(self._context, bind, advertise, name=f"rank {rank} control inbox",
-                           max_message_bytes=max_message_bytes)
+        name = f"rank {rank} control inbox"
+        self.guard = None if self.curve is None else CurveGuard(self._context, self.curve, name=name)
+        self.inbox = Inbox(self._context, bind, advertise, name=name, max_message_bytes=max_message_bytes,
+                           guard=self.guard)
         self._peers: dict[int | str, Outbox] = {}
         self._pending: deque[Message] = deque()
         self.send_failures: Counter = Counter()
+        if self.curve is not None:
+            store.set(curve_key_key(rank), self.curve.public)  # before the endpoint: whoever sees one finds both
         store.set(endpoint_key(rank), self.inbox.endpoint)
-        log.info("rank %d: control inbox at %s", rank, self.inbox.endpoint)
+        log.info("rank %d: control inbox at %s (bound to %s%s)", rank, self.inbox.endpoint, bind,
+                 ", CURVE" if self.curve else "",
+                 extra={"vpipe_fields": {"control_endpoint": self.inbox.endpoint, "bind": bind,
+                                         "curve": self.curve is not None}})
 
     @property
     def endpoint(self) -> str:
@@ -147,6 +223,12 @@ class ControlPlane:
     def dropped(self) -> Counter:
         """Received messages dropped as invalid, by reason."""
         return self.inbox.decoder.dropped
+
+    @property
+    def refused(self) -> Counter:
+        """Connections refused at the handshake, by reason (``untrusted_key``, ``mechanism_mismatch`` ...)."""
+        self.inbox.check_handshakes()
+        return self.inbox.refused
 
     def endpoint_of(self, rank: int) -> str:
         if not 0 <= rank < self.world_size:
@@ -163,11 +245,27 @@ class ControlPlane:
         check_endpoint(endpoint)
         return endpoint
 
+    def server_key_of(self, rank: int) -> bytes | None:
+        """The CURVE key rank ``rank`` published (call after :meth:`endpoint_of`); checks both ends agree."""
+        key = curve_key_key(rank)
+        published = self.store.get(key) if self.store.check([key]) else None
+        if self.curve is None:
+            if published is not None:
+                raise ValueError(f"rank {self.rank}: rank {rank} runs its control plane with CURVE but this "
+                                 f"rank does not: set VPIPE_CURVE_SECRET_FILE and VPIPE_CURVE_PUBLIC_KEYS here too")
+            return None
+        return self.curve.check_server_key(published, f"rank {rank}")
+
     # ---------------------------------------------------------------- sending
-    def connect(self, name: str, endpoint: str) -> None:
-        """Add (or re-point) a named peer that is not a rank, e.g. ``"planner"``."""
+    def _outbox(self, endpoint: str, server_key: bytes | str | None) -> Outbox:
+        return Outbox(self._context, endpoint, max_message_bytes=self.max_message_bytes, curve=self.curve,
+                      server_key=server_key)
+
+    def connect(self, name: str, endpoint: str, server_key: bytes | str | None = None) -> None:
+        """Add (or re-point) a named peer that is not a rank, e.g. ``"planner"`` (its CURVE key with CURVE on)."""
+        outbox = self._outbox(endpoint, server_key)  # raises before the old peer is dropped
         self.disconnect(name)
-        self._peers[name] = Outbox(self._context, endpoint, max_message_bytes=self.max_message_bytes)
+        self._peers[name] = outbox
 
     def disconnect(self, name: int | str) -> None:
         outbox = self._peers.pop(name, None)
@@ -180,8 +278,8 @@ class ControlPlane:
         if outbox is None:
             if not isinstance(peer, int):
                 raise KeyError(f"no control peer named {peer!r}; connect() it first")
-            outbox = self._peers[peer] = Outbox(self._context, self.endpoint_of(peer),
-                                                max_message_bytes=self.max_message_bytes)
+            endpoint = self.endpoint_of(peer)
+            outbox = self._peers[peer] = self._outbox(endpoint, self.server_key_of(peer))
         if outbox.send(message):
             return True
         self.send_failures[peer] += 1
@@ -242,6 +340,8 @@ class ControlPlane:
             outbox.close(linger_ms=linger_ms)
         self._peers.clear()
         self.inbox.close()
+        if self.guard is not None:
+            self.guard.close()
         self._context.term()
 
 

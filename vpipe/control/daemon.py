@@ -9,6 +9,10 @@ planner function ``planner(vector, current) -> Plan | None`` (an import path suc
 vector is planned, in order (a planner may want several samples); if the planner falls
 behind by more than ``backlog`` vectors the oldest waiting ones are dropped, with a log line.
 
+With CURVE on (:mod:`vpipe.control.curve`, configured by the environment it inherits) its
+inbox is a CURVE server like every rank's, and it needs the last stage's public key
+(``--server-key``; the last stage passes its own when it starts the daemon, and logs it).
+
 A heartbeat thread pings the last stage; if the stage stops answering (it declared the
 daemon lost, or it is busy for long) the daemon says ``hello`` again, so it re-attaches
 by itself. It exits on ``bye``, when the process that started it is gone, or after
@@ -29,7 +33,9 @@ from typing import Any
 
 import zmq
 
-from vpipe.control.channel import Inbox, Outbox
+from vpipe.control.channel import FROM_ENV, Inbox, Outbox, resolve_curve
+from vpipe.control.curve import CurveConfig, CurveGuard
+from vpipe.control.keys import check_z85_key, read_public_file
 from vpipe.control.messages import MAX_MESSAGE_BYTES, PLANNER, Message, make
 from vpipe.control.netaddr import check_endpoint, control_host
 from vpipe.log import decision
@@ -77,8 +83,17 @@ class PlannerDaemon:
         parent_pid: int | None = None,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         backlog: int = 16,
+        server_key: bytes | str | None = None,
+        curve: CurveConfig | str | None = FROM_ENV,
     ) -> None:
         host, _ = check_endpoint(connect)
+        self.curve = resolve_curve(curve)
+        if self.curve is not None and server_key is None:
+            raise ValueError(f"CURVE is on: the planner daemon needs the last stage's public key "
+                             f"(--server-key, logged by the run next to {connect})")
+        self._server_key = None if self.curve is None else self.curve.check_server_key(
+            server_key, f"the last stage at {connect}")
+        self._max_bytes = max_message_bytes
         self.connect = connect
         self.planner = planner
         self.planner_name = planner_name or getattr(planner, "__name__", "planner")
@@ -93,10 +108,12 @@ class PlannerDaemon:
         self.backlog = backlog
         self._context = zmq.Context()
         bind, advertise = control_host(master_addr=host)
-        self.inbox = Inbox(self._context, bind, advertise, name="planner daemon inbox",
-                           max_message_bytes=max_message_bytes)
-        self._outbox = Outbox(self._context, connect, max_message_bytes=max_message_bytes)
-        self._max_bytes = max_message_bytes
+        self.bind_host = bind
+        name = "planner daemon inbox"
+        self.guard = None if self.curve is None else CurveGuard(self._context, self.curve, name=name)
+        self.inbox = Inbox(self._context, bind, advertise, name=name, max_message_bytes=max_message_bytes,
+                           guard=self.guard)
+        self._outbox = self._new_outbox(1000)
         self._attached = threading.Event()
         self._stop = threading.Event()
         self._last_heard = time.monotonic()
@@ -104,8 +121,10 @@ class PlannerDaemon:
 
     # ---------------------------------------------------------------- main loop
     def run(self) -> int:
-        log.info("planner daemon pid %d (%s): inbox %s, connecting to %s", os.getpid(), self.planner_name,
-                 self.inbox.endpoint, self.connect)
+        log.info("planner daemon pid %d (%s): inbox %s (bound to %s%s), connecting to %s", os.getpid(),
+                 self.planner_name, self.inbox.endpoint, self.bind_host, ", CURVE" if self.curve else "",
+                 self.connect, extra={"vpipe_fields": {"control_endpoint": self.inbox.endpoint, "bind": self.bind_host,
+                                                       "curve": self.curve is not None}})
         self._heartbeat.start()
         try:
             return self._loop()
@@ -197,9 +216,16 @@ class PlannerDaemon:
         return None
 
     # ---------------------------------------------------------------- heartbeat
+    def _new_outbox(self, linger_ms: int) -> Outbox:
+        return Outbox(self._context, self.connect, max_message_bytes=self._max_bytes, linger_ms=linger_ms,
+                      curve=self.curve, server_key=self._server_key)
+
     def _beat(self) -> None:
-        outbox = Outbox(self._context, self.connect, max_message_bytes=self._max_bytes, linger_ms=0)
-        hello = make("hello", {"pid": os.getpid(), "endpoint": self.inbox.endpoint}, stage=PLANNER)
+        outbox = self._new_outbox(0)
+        body: dict[str, Any] = {"pid": os.getpid(), "endpoint": self.inbox.endpoint}
+        if self.curve is not None:
+            body["key"] = self.curve.public.decode()
+        hello = make("hello", body, stage=PLANNER)
         ping = make("ping", stage=PLANNER)
         try:
             while True:
@@ -215,24 +241,59 @@ class PlannerDaemon:
             self._heartbeat.join(timeout=2.0)
         self._outbox.close(linger_ms=1000)
         self.inbox.close()
+        if self.guard is not None:
+            self.guard.close()
         self._context.term()
 
 
 # ---------------------------------------------------------------- command line
+_HELP = "run the planner daemon against a training run's last stage"
+
+
 def register(subparsers: Any) -> None:
     """Add ``vpipe planner`` to the CLI."""
-    p = subparsers.add_parser("planner", help="run the planner daemon against a training run's last stage")
+    _add_arguments(subparsers.add_parser("planner", help=_HELP))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m vpipe.control.daemon``: the daemon without the full CLI, which imports torch.
+
+    The last stage starts it this way so that it attaches in a fraction of a second.
+    """
+    parser = argparse.ArgumentParser(prog="vpipe planner", description=_HELP)
+    _add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return cmd_planner(args)
+    except ValueError as e:
+        print(f"vpipe: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--connect", required=True, metavar="ENDPOINT",
                    help="the last stage's control endpoint, tcp://HOST:PORT (logged by the run, "
                         "and stored under vpipe/ctl/planner)")
     p.add_argument("--planner", default=DEFAULT_PLANNER, metavar="MODULE:FUNCTION",
                    help=f"planner(vector, current) -> Plan | None (default {DEFAULT_PLANNER})")
+    p.add_argument("--server-key", default=None, metavar="KEY|FILE",
+                   help="with CURVE on: the last stage's public key, Z85 or a public key file (logged by the run)")
     p.add_argument("--log-file", default=None, help="append JSON-lines logs (decisions included) here")
     p.add_argument("--heartbeat", type=float, default=0.5, help="seconds between pings (default 0.5)")
     p.add_argument("--idle-timeout", type=float, default=300.0,
                    help="exit after this many seconds without hearing from a run (default 300)")
     p.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_planner)
+
+
+def _server_key(text: str | None) -> bytes | None:
+    """``--server-key``: a Z85 key, or the file holding it."""
+    if text is None:
+        return None
+    try:
+        return check_z85_key(text, "--server-key")
+    except ValueError:
+        return read_public_file(text)
 
 
 def cmd_planner(args: argparse.Namespace, argv: Any = None) -> int:
@@ -251,6 +312,11 @@ def cmd_planner(args: argparse.Namespace, argv: Any = None) -> int:
         logging.getLogger("vpipe").setLevel(logging.INFO)
     daemon = PlannerDaemon(args.connect, planner, planner_name=args.planner, heartbeat_s=args.heartbeat,
                            stage_timeout_s=max(30.0, 20 * args.heartbeat), idle_timeout_s=args.idle_timeout,
-                           parent_pid=args.parent_pid)
+                           parent_pid=args.parent_pid, server_key=_server_key(args.server_key))
     return daemon.run()
 
+
+if __name__ == "__main__":
+    from vpipe.control.daemon import main as _main  # the importable module, not a second copy as __main__
+
+    sys.exit(_main())

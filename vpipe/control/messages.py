@@ -27,6 +27,7 @@ from typing import Any
 
 import msgpack
 
+from vpipe.control.keys import check_z85_key
 from vpipe.control.netaddr import check_endpoint
 from vpipe.monitors.records import MAX_STAGES, StageRecord
 from vpipe.planner.plan import Plan
@@ -35,7 +36,7 @@ log = logging.getLogger("vpipe.control")
 
 __all__ = [
     "SCHEMA_VERSION", "MAX_MESSAGE_BYTES", "PLANNER", "Message", "MessageType", "DecodeError", "Decoder",
-    "register_type", "registered_types", "encode", "decode", "make",
+    "register_type", "registered_types", "encode", "decode", "make", "frame_limit",
 ]
 
 SCHEMA_VERSION = 1
@@ -44,6 +45,15 @@ PLANNER = -1  # the ``stage`` and ``src`` of the planner daemon
 _MAX_INT = (1 << 63) - 1
 _MAX_RANK = 1 << 16
 _ENVELOPE = frozenset({"v", "type", "epoch", "iter", "stage", "src", "body"})
+
+
+def frame_limit(max_message_bytes: int) -> int:
+    """A socket's ``maxmsgsize`` for a message cap: twice the cap.
+
+    Frames between the two are read and dropped as ``too_large`` (counted, logged), so a
+    peer with a bigger cap is noticed; beyond it zmq cuts the peer off without reading.
+    """
+    return 2 * max_message_bytes
 
 
 class DecodeError(ValueError):
@@ -225,10 +235,16 @@ def _parse_plan(body: Any) -> Plan:
 
 
 def _parse_hello(body: Any) -> dict[str, Any]:
-    body = _map(body, {"pid", "endpoint"}, "hello")
+    """``{"pid", "endpoint"}``, plus ``"key"`` (the daemon inbox's CURVE public key) when CURVE is on."""
+    has_key = isinstance(body, dict) and "key" in body
+    body = _map(body, {"pid", "endpoint", "key"} if has_key else {"pid", "endpoint"}, "hello")
     if not isinstance(body["pid"], int) or isinstance(body["pid"], bool) or not 0 < body["pid"] < 1 << 31:
         raise ValueError(f"hello pid must be a positive integer, got {body['pid']!r:.40}")
     check_endpoint(body["endpoint"])  # raises ValueError
+    if has_key:
+        if not isinstance(body["key"], str):
+            raise ValueError(f"hello key must be a string, got {type(body['key']).__name__}")
+        check_z85_key(body["key"], "hello key")  # raises ValueError
     return body
 
 

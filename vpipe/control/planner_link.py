@@ -8,6 +8,7 @@ waits for it, and declares it lost (decision ``planner_lost``, a warning) when i
 been silent for ``timeout_s`` or its process has exited; training goes on with the
 current plan. Any daemon that says ``hello`` later, a restarted one or one started by
 hand with ``vpipe planner --connect ENDPOINT``, attaches again (``planner_attached``).
+With CURVE on, the daemon's hello carries its inbox's public key, which must be trusted.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from collections import deque
 from collections.abc import Sequence
 
 from vpipe.control.channel import PLANNER_CONNECT_KEY, ControlPlane
+from vpipe.control.curve import log_due
 from vpipe.control.messages import Message, make
 from vpipe.log import decision
 from vpipe.monitors.records import StageRecord
@@ -62,8 +64,10 @@ class PlannerLink:
         self._backlog_size = backlog
         self._last_heard = 0.0
         self._last_sent = 0.0
+        self.refused_hellos = 0
         plane.store.set(PLANNER_CONNECT_KEY, plane.endpoint)
-        log.info("planner daemons connect to %s (vpipe planner --connect %s)", plane.endpoint, plane.endpoint)
+        key = f" --server-key '{plane.curve.public.decode()}'" if plane.curve else ""
+        log.info("planner daemons connect to %s (vpipe planner --connect %s%s)", plane.endpoint, plane.endpoint, key)
 
     @property
     def attached(self) -> bool:
@@ -77,9 +81,12 @@ class PlannerLink:
     # ---------------------------------------------------------------- lifecycle
     def start(self, planner: str) -> None:
         """Start a daemon process running ``planner`` (an import path ``module:function``)."""
-        cmd: list[str] = [sys.executable, "-m", "vpipe", "planner", "--connect", self.plane.endpoint,
+        # the daemon's own entry point, not `-m vpipe planner`: the full CLI imports torch (seconds)
+        cmd: list[str] = [sys.executable, "-m", "vpipe.control.daemon", "--connect", self.plane.endpoint,
                           "--planner", planner, "--parent-pid", str(os.getpid()),
                           "--heartbeat", str(self.heartbeat_s)]
+        if self.plane.curve is not None:
+            cmd += ["--server-key", self.plane.curve.public.decode()]
         if self.log_file:
             cmd += ["--log-file", self.log_file]
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "GROUP_RANK")}
@@ -114,7 +121,13 @@ class PlannerLink:
             endpoint, pid = message.body["endpoint"], message.body["pid"]
             if endpoint != self.attached_endpoint:
                 previous = self.attached_pid
-                self.plane.connect(_PEER, endpoint)
+                try:
+                    self.plane.connect(_PEER, endpoint, server_key=message.body.get("key"))
+                except ValueError as e:  # its key is not trusted (or missing): do not talk to it
+                    self.refused_hellos += 1
+                    if log_due(self.refused_hellos):
+                        log.warning("planner daemon pid %d at %s not attached: %s", pid, endpoint, e)
+                    return
                 self.attached_endpoint, self.attached_pid = endpoint, pid
                 decision("planner_attached", f"planner daemon pid {pid} attached at {endpoint}",
                          pid=pid, endpoint=endpoint, replaced=previous)

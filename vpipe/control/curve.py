@@ -1,0 +1,154 @@
+"""Optional CURVE authentication and encryption of the control plane.
+
+On several hosts the control sockets listen on a network interface, where anyone who can
+reach the port could otherwise inject stats or plans. With CURVE on, every inbox is a
+CURVE server that admits only clients whose public key is listed (a ZAP handler on the
+process's zmq context), and every outbox is a CURVE client that only connects to a server
+whose public key is listed, so both ends are authenticated and the traffic is encrypted.
+
+Configured by environment variables, so ``torchrun`` passes it to every rank and the
+planner daemon inherits it; both or neither must be set:
+
+``VPIPE_CURVE_SECRET_FILE``
+    this host's key pair (``NAME.key_secret`` from ``vpipe keys``, mode 0600); its public
+    key is always trusted.
+``VPIPE_CURVE_PUBLIC_KEYS``
+    the public keys admitted: files and/or directories of ``*.key`` files, separated by
+    ``os.pathsep`` (``:``).
+
+CURVE is off when neither is set. A rank publishes its server's public key in the
+TCPStore next to its endpoint (``vpipe/ctl/key/<rank>``); the store is not trusted for
+this: a key that is not listed is refused.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+import zmq
+
+from vpipe.control.keys import KeyFileError, public_keys_from, read_secret_file
+
+log = logging.getLogger("vpipe.control")
+
+__all__ = ["SECRET_ENV", "PUBLIC_ENV", "CurveConfig", "curve_from_env", "CurveGuard", "log_due"]
+
+SECRET_ENV = "VPIPE_CURVE_SECRET_FILE"
+PUBLIC_ENV = "VPIPE_CURVE_PUBLIC_KEYS"
+
+
+def log_due(n: int, first: int = 100, every: int = 1000) -> bool:
+    """Log the ``n``-th occurrence? The first ``first`` ones, then one in ``every``: floods stay short."""
+    return n <= first or n % every == 0
+
+
+@dataclass(frozen=True)
+class CurveConfig:
+    """This process's CURVE key pair and the public keys it trusts (all Z85)."""
+
+    public: bytes
+    secret: bytes
+    trusted: frozenset[bytes]
+
+    @classmethod
+    def from_files(cls, secret_file: str | os.PathLike[str], public_keys: list[str]) -> CurveConfig:
+        """Read and check the key files; :class:`KeyFileError` names the file that is wrong."""
+        if not zmq.has("curve"):
+            raise KeyFileError("this libzmq was built without CURVE support; the control plane cannot encrypt")
+        public, secret = read_secret_file(secret_file)
+        trusted = set(public_keys_from(public_keys))
+        trusted.add(public)
+        return cls(public=public, secret=secret, trusted=frozenset(trusted))
+
+    def check_server_key(self, key: bytes | str | None, peer: str) -> bytes:
+        """``key`` if it is a trusted public key; ValueError naming ``peer`` otherwise."""
+        if key is None:
+            raise ValueError(f"{peer} published no CURVE key, but CURVE is on here ({SECRET_ENV}): "
+                             f"start every process of the run with the same CURVE settings")
+        data = key.encode("ascii", "replace") if isinstance(key, str) else bytes(key)
+        if data not in self.trusted:
+            raise ValueError(f"{peer} presents CURVE key {data[:40].decode('ascii', 'replace')!r}, which is not "
+                             f"among the trusted keys ({PUBLIC_ENV}); refusing to connect")
+        return data
+
+    def make_server(self, socket: zmq.Socket) -> None:
+        socket.setsockopt(zmq.CURVE_SERVER, 1)
+        socket.setsockopt(zmq.CURVE_SECRETKEY, self.secret)
+        socket.setsockopt(zmq.CURVE_PUBLICKEY, self.public)
+
+    def make_client(self, socket: zmq.Socket, server_key: bytes) -> None:
+        socket.setsockopt(zmq.CURVE_SERVERKEY, server_key)
+        socket.setsockopt(zmq.CURVE_PUBLICKEY, self.public)
+        socket.setsockopt(zmq.CURVE_SECRETKEY, self.secret)
+
+
+def curve_from_env(environ: dict[str, str] | None = None) -> CurveConfig | None:
+    """The CURVE configuration the environment asks for, None when CURVE is off; errors name the problem."""
+    env = os.environ if environ is None else environ
+    secret_file = env.get(SECRET_ENV, "").strip()
+    public_keys = [p for p in env.get(PUBLIC_ENV, "").split(os.pathsep) if p.strip()]
+    if not secret_file and not public_keys:
+        return None
+    if not secret_file:
+        raise KeyFileError(f"{PUBLIC_ENV} is set but {SECRET_ENV} is not: CURVE needs this host's secret key file")
+    if not public_keys:
+        raise KeyFileError(f"{SECRET_ENV} is set but {PUBLIC_ENV} is not: CURVE needs the public keys to admit")
+    return CurveConfig.from_files(Path(secret_file), public_keys)
+
+
+class CurveGuard:
+    """The ZAP handler of one zmq context: admits CURVE clients with a trusted key, logs the others.
+
+    It must run before the context's first CURVE server binds: without a ZAP handler
+    libzmq admits every client.
+    """
+
+    def __init__(self, context: zmq.Context, config: CurveConfig, *, name: str) -> None:
+        from zmq.auth.thread import ThreadAuthenticator
+
+        self.config = config
+        self.name = name
+        self.refused: Counter = Counter()  # client public key -> refusals
+        self._lock = threading.Lock()
+        self._auth = ThreadAuthenticator(context, log=logging.getLogger("vpipe.control.zap"))
+        self._auth.start()
+        self._auth.configure_curve_callback(domain="*", credentials_provider=self)
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        """ZAP: is this client's public key trusted? (called on the authenticator's thread)"""
+        if key in self.config.trusted:
+            return True
+        with self._lock:
+            self.refused[key] += 1
+            n = self.refused[key]
+        if log_due(n):
+            log.warning("%s: refused a CURVE client with an untrusted public key %s (%d time%s)",
+                        self.name, key.decode("ascii", "replace"), n, "" if n == 1 else "s")
+        return False
+
+    def close(self) -> None:
+        self._auth.stop()
+
+
+def handshake_failure(event: int, value: int) -> str | None:
+    """The reason a monitored handshake failed, in vpipe's words; None for other events."""
+    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return "untrusted_key"  # ZAP said no (status code in value, 400)
+    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+        return _PROTOCOL_REASONS.get(value, "protocol_error")
+    if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+        return "handshake_failed"
+    return None
+
+
+_PROTOCOL_REASONS = {
+    zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH: "mechanism_mismatch",  # e.g. a client without CURVE
+    zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC: "cryptographic",  # e.g. a client using the wrong server key
+}
+
+HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
