@@ -218,7 +218,7 @@ def test_two_hosts_train_plan_and_listen_only_on_the_rendezvous_interface(hosts,
     assert iterations[-1] == CFG.steps - 1  # the last sampled step is drained at the end
     assert all(it % CFG.monitor_every == CFG.monitor_every - 1 for it in iterations)
     assert all([r["stage"] for r in v["records"]] == [0, 1] for v in vectors)
-    sent = [r for r in records if r.get("event") == "plan" and r.get("role") == "planner"]
+    sent = [r for r in records if r.get("event") == "plan_sent"]
     assert len(sent) == len(vectors)  # the marker planner answers every vector
     assert not [r["msg"] for r in records if "refused" in r["msg"]]  # every handshake succeeded
     for rank in (0, 1):
