@@ -194,20 +194,39 @@ class Vpipe:
         return manager
 
     def _activation_budget(self) -> int | None:
-        """The budget left for saved activations once parameters, gradients and optimizer state are paid."""
+        """The budget left for saved activations once the stage's fixed bytes are paid (see :meth:`fixed_bytes`)."""
         budget = self.config.memory_budget
         if budget is None:
             return None
-        fixed = sum(p.numel() * p.element_size() * 2 for p in self.module.parameters())  # weights + grads
-        if self.optimizer is not None:
-            fixed += sum(t.numel() * t.element_size() for st in self.optimizer.state.values()
-                         for t in st.values() if isinstance(t, torch.Tensor))
+        fixed = self.fixed_bytes()
         if fixed >= budget:
             from vpipe.tensor_manager import MemoryBudgetError
 
-            raise MemoryBudgetError(f"stage {self.stage_index}: parameters, gradients and optimizer state take "
-                                    f"{fixed} bytes, the memory budget is {budget} bytes")
+            raise MemoryBudgetError(f"stage {self.stage_index}: parameters, gradients, optimizer state and stashed "
+                                    f"weight versions take {fixed} bytes, the memory budget is {budget} bytes")
         return budget - fixed
+
+    def fixed_bytes(self) -> int:
+        """Bytes this stage holds whatever the activation policies: weights, gradients, optimizer state and,
+        under PipeDream, the extra weight versions stashed for in-flight micro-batches.
+
+        Optimizer state appears at the first ``step()``: until then it is counted as the
+        optimizer will make it (Adam-like: two moments, momentum SGD: one), so that step 0
+        gets no more room for activations than the steps after it.
+        """
+        from vpipe.tensor_manager.budget import expected_state_factor, stage_fixed_bytes
+
+        params = sum(p.numel() * p.element_size() for p in self.module.parameters())
+        state = 0
+        if self.optimizer is not None:
+            state = sum(t.numel() * t.element_size() for st in self.optimizer.state.values()
+                        for t in st.values() if isinstance(t, torch.Tensor))
+            state = state or expected_state_factor(self.optimizer) * params
+        versions = 1
+        if self.pipedream:
+            versions = self.num_stages if getattr(self.schedule, "vertical_sync", False) else \
+                self.num_stages - self.stage_index
+        return stage_fixed_bytes(params, state, versions)
 
     def _start_session(self, layers: dict[int, nn.Module], initial: Plan) -> Any:
         from vpipe.control.session import ControlOptions, ControlSession
@@ -341,6 +360,8 @@ class Vpipe:
         started = time.perf_counter()
         for plan in self._due_plans():
             self._apply(plan)
+        if self.tensor_manager is not None and self.config.memory_budget is not None:
+            self.tensor_manager.budget_bytes = self._activation_budget()  # the optimizer state may have grown
         self._continue_streamed()
         self.boundary_s.append(time.perf_counter() - started)
 

@@ -16,6 +16,7 @@ single-threaded ranks; the simulation then advances in fluid time.
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -40,7 +41,7 @@ class StageCost:
 
 @dataclass
 class SimResult:
-    step_s: float  # steady-state seconds per step (per m micro-batches)
+    step_s: float  # steady-state seconds per step (m micro-batches): median period over the second half
     total_s: float
     busy_s: list[float] = field(default_factory=list)  # per stage, compute seconds
     finish_s: list[float] = field(default_factory=list)  # per step, when its last action ended
@@ -99,33 +100,39 @@ def simulate(
     cores: int | None = None,
     stall_s: Sequence[float] = (),
 ) -> SimResult:
-    """Simulate ``steps`` steps; ``stall_s[k]`` adds a pause on every stage before step ``k`` (migration)."""
+    """Simulate ``steps`` steps of ``costs`` (one entry per stage) under ``schedule``.
+
+    ``stall_s[k]`` pauses every stage for that long before its first action of step ``k``
+    (a migration at that step boundary); a pause occupies no core. ``cores`` (default: one
+    per stage) are shared equally by the stages that are computing.
+    """
     p, m = len(costs), micro_batches
     if p < 1 or m < 1 or steps < 1:
         raise ValueError("need at least one stage, micro-batch and step")
     if schedule in ("1f1b", "pipedream") and m < p:
         raise ValueError(f"{schedule} needs micro_batches >= stages ({m} < {p})")
+    if any(not math.isfinite(x) or x < 0 for x in stall_s):
+        raise ValueError(f"stalls must be finite and >= 0, got {list(stall_s)}")
     cores = p if cores is None else max(1, cores)
-    orders = [action_order(schedule, s, p, m, steps) for s in range(p)]
+    orders = [_with_stalls(action_order(schedule, s, p, m, steps), stall_s, m) for s in range(p)]
     nxt = [0] * p
     done: dict[tuple[str, int, int], float] = {}
     busy = [0.0] * p
-    now = 0.0
-    running: dict[int, tuple[tuple[str, int], float]] = {}  # stage -> (action, remaining seconds of work)
     step_end = [0.0] * steps
+    now = 0.0
+    computing: dict[int, tuple[str, int, float]] = {}  # stage -> (kind, micro-batch, work left in seconds)
+    pausing: dict[int, float] = {}  # stage -> when its stall ends
 
     def duration(s: int, kind: str) -> float:
         c = costs[s]
         return c.fwd_s if kind == "F" else c.bwd_s if kind == "B" else c.optimizer_s
 
     def ready_at(s: int, kind: str, mb: int) -> float | None:
-        step = mb // m
-        gate = sum(stall_s[: step + 1]) if stall_s else 0.0
         if kind == "F":
             if s == 0:
-                return gate
+                return now
             t = done.get(("F", s - 1, mb))
-            return None if t is None else max(gate, t + costs[s - 1].send_s)
+            return None if t is None else t + costs[s - 1].send_s
         if kind == "B":
             if s == p - 1:
                 return done.get(("F", s, mb))
@@ -133,47 +140,74 @@ def simulate(
             return None if t is None else t + costs[s].send_s
         return now
 
-    ready_time: dict[int, float] = {}
+    def finish(s: int, kind: str, mb: int) -> None:
+        done[(kind, s, mb)] = now
+        k = min(mb // m, steps - 1)
+        step_end[k] = max(step_end[k], now)
+
+    eps = 1e-12
     while True:
+        future: list[float] = []
         for s in range(p):
-            if s in running or nxt[s] >= len(orders[s]):
+            if s in computing or s in pausing or nxt[s] >= len(orders[s]):
                 continue
-            kind, mb = orders[s][nxt[s]]
-            t = ready_at(s, kind, mb)
+            kind, arg = orders[s][nxt[s]]
+            if kind == "W":
+                pausing[s] = now + stall_s[arg]
+                nxt[s] += 1
+                continue
+            t = ready_at(s, kind, arg)
             if t is None:
                 continue
-            if t <= now + 1e-15:
-                running[s] = ((kind, mb), duration(s, kind))
+            if t <= now + eps:
+                computing[s] = (kind, arg, duration(s, kind))
                 nxt[s] += 1
             else:
-                ready_time[s] = t
-        if not running:
-            pending = [ready_time[s] for s in ready_time if s not in running and nxt[s] < len(orders[s])]
-            ready_time.clear()
-            if not pending:
-                break
-            now = min(pending)
-            continue
-        rate = min(1.0, cores / len(running))
-        upcoming = [t for s, t in ready_time.items() if s not in running and t > now]
-        ready_time.clear()
-        dt = min(rem / rate for _, rem in running.values())
-        if upcoming:
-            dt = min(dt, min(upcoming) - now)
+                future.append(t)
+        rate = min(1.0, cores / len(computing)) if computing else 0.0
+        events = future + list(pausing.values()) + [now + work / rate for _, _, work in computing.values()]
+        if not events:
+            break
+        dt = max(0.0, min(events) - now)
         now += dt
-        for s in list(running):
-            (kind, mb), rem = running[s]
-            rem -= dt * rate
+        for s in list(computing):
+            kind, mb, work = computing[s]
+            work -= dt * rate
             busy[s] += dt * rate
-            if rem <= 1e-12:
-                done[(kind, s, mb)] = now
-                step_end[min(mb // m, steps - 1)] = max(step_end[min(mb // m, steps - 1)], now)
-                del running[s]
+            if work <= eps:
+                del computing[s]
+                finish(s, kind, mb)
             else:
-                running[s] = ((kind, mb), rem)
+                computing[s] = (kind, mb, work)
+        for s in [s for s, end in pausing.items() if end <= now + eps]:
+            del pausing[s]
+    if any(nxt[s] < len(orders[s]) for s in range(p)):
+        raise RuntimeError("simulation deadlocked: an action waits for one that never runs")  # pragma: no cover
     total = max(done.values()) if done else 0.0
-    if steps >= 3:
-        step_s = (step_end[-1] - step_end[0]) / (steps - 1)
-    else:
-        step_s = total / steps
-    return SimResult(step_s=step_s, total_s=total, busy_s=busy, finish_s=step_end)
+    return SimResult(step_s=_steady_step_s(step_end, schedule, total), total_s=total, busy_s=busy,
+                     finish_s=step_end)
+
+
+def _with_stalls(order: list[tuple[str, int]], stall_s: Sequence[float], m: int) -> list[tuple[str, int]]:
+    """Insert a pause ``("W", k)`` before this stage's first forward of step ``k`` when ``stall_s[k] > 0``."""
+    out: list[tuple[str, int]] = []
+    for kind, mb in order:
+        k = mb // m
+        if kind == "F" and mb % m == 0 and k < len(stall_s) and stall_s[k] > 0:
+            out.append(("W", k))
+        out.append((kind, mb))
+    return out
+
+
+def _steady_step_s(step_end: list[float], schedule: str, total: float) -> float:
+    """The median step-to-step period over the second half of the steps.
+
+    The first steps fill the pipeline, and PipeDream's last step only drains it (nothing
+    new enters), so neither is the steady state.
+    """
+    gaps = [b - a for a, b in zip(step_end, step_end[1:])]
+    if schedule == "pipedream" and len(gaps) > 1:
+        gaps = gaps[:-1]
+    if not gaps:
+        return total / max(1, len(step_end))
+    return statistics.median(gaps[len(gaps) // 2:])

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from vpipe.planner.plan import Policy
 from vpipe.tensor_manager.accounting import format_bytes
 
 __all__ = ["MemoryBudgetError", "LayerEstimate", "Escalation", "check_layer_fits", "cheapest_escalations",
-           "fit_micro_batch", "kept_bytes"]
+           "fit_micro_batch", "kept_bytes", "stage_fixed_bytes", "expected_state_factor"]
 
 
 class MemoryBudgetError(ValueError):
@@ -56,6 +57,24 @@ def kept_bytes(e: LayerEstimate, policy: Policy) -> int:
     if policy is Policy.SWAP:
         return e.activation_bytes - e.swappable_bytes
     return min(e.input_bytes, e.activation_bytes)
+
+
+def stage_fixed_bytes(param_bytes: int, optimizer_state_bytes: int, weight_versions: int = 1) -> int:
+    """What a stage holds whatever its activation policies: weights and gradients, optimizer
+    state, and ``weight_versions - 1`` extra copies of the weights (PipeDream's stashes)."""
+    return 2 * param_bytes + optimizer_state_bytes + max(0, weight_versions - 1) * param_bytes
+
+
+def expected_state_factor(optimizer: Any) -> int:
+    """Optimizer state per parameter byte before the state exists: Adam's two moments, SGD's momentum."""
+    import torch
+
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
+                              torch.optim.RAdam)):
+        return 2
+    if isinstance(optimizer, torch.optim.SGD):
+        return 1 if any(g.get("momentum", 0) for g in optimizer.param_groups) else 0
+    return 0
 
 
 def check_layer_fits(layer_id: int, activation_bytes: int, budget_bytes: int) -> None:

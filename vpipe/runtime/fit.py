@@ -1,0 +1,190 @@
+"""Does a pipeline configuration fit a per-stage memory budget? Each stage, run for real, in this process.
+
+A stage's memory depends only on its own layers, its schedule's order of forwards and
+backwards, and its budget, so every stage of a configuration can be checked in one
+process, one after another, without launching the pipeline: build the stage's layers,
+feed them micro-batches of the right boundary shape in the order
+:func:`vpipe.runtime.simulate.action_order` gives, under the real tensor manager.
+
+- **managed** (vpipe): the manager gets the activation budget ``attach`` would give it
+  (budget minus the stage's fixed bytes) and escalates keep -> swap -> recompute as it
+  does in training; the stage fits if no :class:`MemoryBudgetError` is raised;
+- **unmanaged** (a baseline without vpipe, every layer on one fixed policy): the manager
+  only counts; the stage fits if its footprint is within the budget.
+
+Footprint = fixed bytes (weights, gradients, optimizer state, PipeDream's extra weight
+versions) + peak saved activations (the manager's ledger) + the working set of the
+largest recomputed layer (a recompute materialises that layer's activations in its
+backward). Swapped bytes live in the host pool and do not count against the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from vpipe.runtime.config import RunConfig
+
+__all__ = ["StageFit", "PipelineFit", "pipeline_fit", "largest_fitting"]
+
+
+@dataclass(frozen=True)
+class StageFit:
+    stage: int
+    budget_bytes: int
+    fixed_bytes: int
+    peak_saved_bytes: int
+    working_bytes: int
+    error: str | None = None  # the MemoryBudgetError of a managed stage
+    policies: str = ""  # per layer after the run, e.g. "DDSR"
+
+    @property
+    def footprint_bytes(self) -> int:
+        return self.fixed_bytes + self.peak_saved_bytes + self.working_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.error is None and self.footprint_bytes <= self.budget_bytes
+
+
+@dataclass(frozen=True)
+class PipelineFit:
+    micro_batch_size: int
+    stages: list[StageFit]
+
+    @property
+    def fits(self) -> bool:
+        return all(s.fits for s in self.stages)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"micro_batch_size": self.micro_batch_size, "fits": self.fits,
+                "stages": [{**s.__dict__, "footprint_bytes": s.footprint_bytes, "fits": s.fits} for s in self.stages]}
+
+
+def pipeline_fit(cfg: RunConfig, budget_bytes: int, *, managed: bool, policy: str = "D",
+                 steps: int = 2) -> PipelineFit:
+    """Run every stage of ``cfg`` (its schedule, partition, micro-batches) for ``steps`` steps and check its
+    memory in the last step (the manager measures activation sizes in the first)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        inputs = _stage_inputs(cfg)
+        fits = [_stage_fit(cfg, k, inputs[k], budget_bytes, managed=managed, policy=policy, steps=steps)
+                for k in range(cfg.stages)]
+    finally:
+        torch.set_num_threads(previous)
+    return PipelineFit(cfg.micro_batch_size, fits)
+
+
+def largest_fitting(fits: Callable[[int], bool], *, low: int = 1, high: int = 1024) -> int:
+    """The largest ``n`` in ``[low, high]`` with ``fits(n)`` (0 if not even ``low``), assuming fit is monotone."""
+    if not fits(low):
+        return 0
+    good, n = low, low
+    while n < high:  # double until it fails, then bisect
+        n = min(high, n * 2)
+        if not fits(n):
+            bad = n
+            break
+        good = n
+    else:
+        return good
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        if fits(mid):
+            good = mid
+        else:
+            bad = mid
+    return good
+
+
+def _stage_inputs(cfg: RunConfig) -> list[list[torch.Tensor]]:
+    """Per stage, the input of each micro-batch of step 0 (the boundary tensors the previous stage sends)."""
+    from vpipe.runtime.models import build_model
+
+    spec = cfg.model_spec()
+    model = build_model(spec, seed=cfg.seed)
+    x, _ = spec.batch(0, cfg.batch_size, cfg.seed)
+    chunks = list(x.tensor_split(cfg.micro_batches))
+    per_stage: list[list[torch.Tensor]] = []
+    start = 0
+    layers = list(model)
+    with torch.no_grad():
+        for count in cfg.layer_counts():
+            per_stage.append(chunks)
+            for layer in layers[start:start + count]:
+                chunks = [layer(c) for c in chunks]
+            start += count
+    return per_stage
+
+
+def _stage_fit(cfg: RunConfig, k: int, inputs: list[torch.Tensor], budget: int, *, managed: bool, policy: str,
+               steps: int) -> StageFit:
+    from vpipe.planner.plan import Policy
+    from vpipe.runtime.models import build_model
+    from vpipe.runtime.simulate import action_order
+    from vpipe.runtime.trainer import _sub_spec, make_optimizer
+    from vpipe.tensor_manager import MemoryBudgetError, TensorManager
+    from vpipe.tensor_manager.budget import expected_state_factor, stage_fixed_bytes
+
+    spec = cfg.model_spec()
+    ids = cfg.stage_layer_ids()[k]
+    module = build_model(_sub_spec(spec, ids), seed=cfg.seed, ids=ids)
+    optimizer = make_optimizer(cfg, module.parameters())
+    params = sum(p.numel() * p.element_size() for p in module.parameters())
+    versions = cfg.stages - k if cfg.schedule == "pipedream" else 1
+    fixed = stage_fixed_bytes(params, expected_state_factor(optimizer) * params, versions)
+    layers = {int(name): child for name, child in module.named_children()}
+    manager = TensorManager(layers, device="cpu", budget_bytes=(budget - fixed) if managed and budget > fixed else None,
+                            policies={lid: Policy(policy) for lid in layers})
+    last = k == cfg.stages - 1
+    loss_fn = spec.loss_fn()
+    _, y = spec.batch(0, cfg.batch_size, cfg.seed)
+    targets = list(y.tensor_split(cfg.micro_batches))
+    error = None if not managed or budget > fixed else f"stage {k}: fixed bytes {fixed} exceed the budget {budget}"
+    try:
+        if error is None:
+            _run_stage(cfg, k, module, manager, optimizer, inputs, targets if last else None, loss_fn, steps,
+                       action_order)
+    except MemoryBudgetError as e:
+        error = str(e)
+    finally:
+        stats = manager.stats()
+        manager.close()
+    recomputed = [lid for lid, s in stats.layers.items() if s.policy is Policy.RECOMPUTE]
+    working = max((stats.layers[lid].activation_bytes_per_micro_batch for lid in recomputed), default=0)
+    return StageFit(stage=k, budget_bytes=budget, fixed_bytes=fixed, peak_saved_bytes=stats.peak_resident_bytes,
+                    working_bytes=working, error=error,
+                    policies="".join(stats.layers[lid].policy.value for lid in sorted(stats.layers)))
+
+
+def _run_stage(cfg: RunConfig, k: int, module: torch.nn.Module, manager: Any, optimizer: torch.optim.Optimizer,
+               inputs: list[torch.Tensor], targets: list[torch.Tensor] | None, loss_fn: Any, steps: int,
+               action_order: Any) -> None:
+    m = cfg.micro_batches
+    outputs: dict[int, torch.Tensor] = {}
+    for kind, mb in action_order(cfg.schedule, k, cfg.stages, m, steps):
+        if kind == "F" and mb == (steps - 1) * m:
+            manager.reset_peak()  # the last step is the steady state: the first ones still measure sizes
+        if kind == "F":
+            x = inputs[mb % m]
+            x = x.detach().requires_grad_(x.is_floating_point())
+            with manager.micro_batch(mb):
+                out = module(x)
+            outputs[mb] = loss_fn(out, targets[mb % m]) if targets is not None else out
+        elif kind == "B":
+            out = outputs.pop(mb)
+            with manager.backward(mb):
+                out.backward(None if targets is not None else torch.ones_like(out))
+        else:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+
+def with_micro_batch(cfg: RunConfig, micro_batch_size: int, global_batch: int | None = None) -> RunConfig:
+    """``cfg`` at another micro-batch size, keeping the global batch when ``global_batch`` is given."""
+    micro_batches = cfg.micro_batches if global_batch is None else max(1, global_batch // micro_batch_size)
+    return replace(cfg, micro_batch_size=micro_batch_size, micro_batches=micro_batches)

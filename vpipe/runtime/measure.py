@@ -1,0 +1,130 @@
+"""Real ``vpipe train`` runs as measurements: steady-state step time and how busy the machine was.
+
+A shared machine makes wall times lie: another user's processes take cores away. Each
+run therefore also reports ``external_cores``, the CPU time that processes other than
+this one and its children used during the run, in cores (system-wide busy time from
+psutil minus the children's and our own CPU time), so callers can tell a quiet
+measurement from a disturbed one and repeat the disturbed ones.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from vpipe.runtime.config import RunConfig
+
+__all__ = ["MeasuredRun", "train_argv", "run_training", "CpuWindow", "steady_step_s"]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def train_argv(cfg: RunConfig) -> list[str]:
+    """``vpipe train`` arguments that reproduce ``cfg`` (the fields the CLI exposes)."""
+    argv = ["train", "--model", cfg.model, "--blocks", str(cfg.blocks), "--d-model", str(cfg.d_model),
+            "--n-heads", str(cfg.n_heads), "--seq-len", str(cfg.seq_len), "--dropout", str(cfg.dropout),
+            "--stages", str(cfg.stages), "--schedule", cfg.schedule, "--micro-batches", str(cfg.micro_batches),
+            "--micro-batch-size", str(cfg.micro_batch_size), "--steps", str(cfg.steps), "--lr", str(cfg.lr),
+            "--optimizer", cfg.optimizer, "--seed", str(cfg.seed), "--no-progress"]
+    if cfg.block_types is not None:
+        raise ValueError("block_types cannot be given on the command line")
+    if cfg.partition is not None:
+        argv += ["--partition", ",".join(map(str, cfg.partition))]
+    if cfg.vpipe:
+        argv += ["--vpipe", "--policy", cfg.policy]
+        if cfg.memory_budget is not None:
+            argv += ["--memory-budget", str(cfg.memory_budget)]
+        if not cfg.planning:
+            argv.append("--no-planning")
+        if cfg.monitor_every:
+            argv += ["--monitor-every", str(cfg.monitor_every)]
+        if cfg.moves:
+            argv += ["--moves", ";".join(f"{m['step']}:{','.join(map(str, m['partition']))}" for m in cfg.moves)]
+    if cfg.log_file:
+        argv += ["--log-file", cfg.log_file]
+    return argv
+
+
+class CpuWindow:
+    """CPU time used by other processes between ``start()`` and ``stop()``, in cores."""
+
+    def start(self) -> CpuWindow:
+        self._wall = time.perf_counter()
+        self._busy = _system_busy_s()
+        self._ours = _own_cpu_s()
+        return self
+
+    def stop(self) -> float:
+        wall = time.perf_counter() - self._wall
+        busy = _system_busy_s() - self._busy
+        ours = _own_cpu_s() - self._ours
+        return max(0.0, busy - ours) / wall if wall > 0 else 0.0
+
+
+def _system_busy_s() -> float:
+    t = psutil.cpu_times()
+    return sum(t) - t.idle - getattr(t, "iowait", 0.0) - getattr(t, "steal", 0.0) - getattr(t, "guest", 0.0) \
+        - getattr(t, "guest_nice", 0.0)
+
+
+def _own_cpu_s() -> float:
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+@dataclass
+class MeasuredRun:
+    """One launch: every rank's per-step wall times and the machine's other load meanwhile."""
+
+    cfg: dict[str, Any]
+    step_s: list[list[float]]  # per rank, per step
+    external_cores: float
+    wall_s: float
+    ranks: list[dict[str, Any]] = field(default_factory=list)  # each rank's rankN.json
+
+    def steady(self, skip: int = 2) -> list[float]:
+        """Per step (after ``skip`` warm-up steps), the mean over ranks of the step's wall time."""
+        return steady_step_s(self.step_s, skip)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"cfg": self.cfg, "step_s": self.step_s, "external_cores": self.external_cores, "wall_s": self.wall_s}
+
+
+def steady_step_s(step_s: list[list[float]], skip: int = 2) -> list[float]:
+    """Step 0 runs torch's shape inference and step 1 still warms caches: the steps after are steady."""
+    steps = min(len(s) for s in step_s)
+    if steps <= skip:
+        raise ValueError(f"need more than {skip} steps to measure a steady state, got {steps}")
+    return [statistics.fmean(s[i] for s in step_s) for i in range(skip, steps)]
+
+
+def run_training(cfg: RunConfig, *, timeout_s: float = 600, extra_env: dict[str, str] | None = None) -> MeasuredRun:
+    """Launch ``vpipe train`` for ``cfg`` (one process per stage, one thread each) and collect its results."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(extra_env or {}))
+    env.pop("RANK", None)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    with tempfile.TemporaryDirectory(prefix="vpipe-measure-") as out:
+        cmd = [sys.executable, "-m", "vpipe", *train_argv(cfg), "--out-dir", out]
+        window = CpuWindow().start()
+        started = time.perf_counter()
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+        wall = time.perf_counter() - started
+        external = window.stop()
+        if proc.returncode:
+            raise RuntimeError(f"vpipe train failed (exit {proc.returncode}): {' '.join(cmd[2:])}\n"
+                               f"{proc.stderr[-3000:]}")
+        ranks = [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(cfg.stages)]
+    return MeasuredRun(cfg=cfg.to_dict(), step_s=[r["step_s"] for r in ranks], external_cores=external,
+                       wall_s=wall, ranks=ranks)
