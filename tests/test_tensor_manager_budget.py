@@ -97,3 +97,17 @@ def test_escalations_pick_the_cheapest_seconds_per_byte():
     with pytest.raises(MemoryBudgetError, match=r"test: 2\.1 KiB more than the budget 3\.9 KiB even with"):
         cheapest_escalations(estimates, 4000, swap_s_per_byte=1e-9, overlap=3.0, pool_free_bytes=0,
                              budget_bytes=4000, context="test")
+    # best effort (the projection before a micro-batch): what helps, without the error
+    changes = cheapest_escalations(estimates, 4000, swap_s_per_byte=1e-9, overlap=3.0, pool_free_bytes=0,
+                                   budget_bytes=4000, context="test", best_effort=True)
+    assert sorted((c.layer_id, c.new) for c in changes) == [(0, Policy.RECOMPUTE), (1, Policy.RECOMPUTE)]
+
+
+def test_a_recomputed_layer_whose_input_is_big_goes_to_swap():
+    # recompute keeps the 900-byte input, a swap keeps only the 100 unswappable bytes
+    estimates = [LayerEstimate(0, Policy.RECOMPUTE, activation_bytes=1000, swappable_bytes=900, input_bytes=900,
+                               forward_s=0.01)]
+    changes = cheapest_escalations(estimates, 800, swap_s_per_byte=1e-9, overlap=0.0, pool_free_bytes=10**9,
+                                   budget_bytes=4000, context="test")
+    assert [(c.layer_id, c.old, c.new, c.saved_bytes) for c in changes] == [(0, Policy.RECOMPUTE, Policy.SWAP, 800)]
+    assert changes[0].cost_s == 0.0  # the copies are cheaper than the forward it no longer repeats

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from vpipe.log import decision
+from vpipe.log import decision, step_record
 from vpipe.planner.plan import Plan, PlanError, Policy
 
 log = logging.getLogger("vpipe.attach")
@@ -144,6 +144,7 @@ class Vpipe:
         self.store = store if store is not None else _default_store()
         self.iteration = 0
         self.boundary_s: list[float] = []  # seconds spent applying plans before each step (the move stall)
+        self._boundary_at: float | None = None  # when the previous step boundary began
         self._forced: dict[int, list[Plan]] = {}
         self._pending: dict[int, Plan] = {}
         self._undo: list[Callable[[], None]] = []
@@ -358,6 +359,10 @@ class Vpipe:
 
     def _boundary(self) -> None:
         started = time.perf_counter()
+        if self._boundary_at is not None and self.stage_index == self.num_stages - 1:
+            step_record(self.iteration - 1, started - self._boundary_at, stage=self.stage_index,
+                        micro_batches=self._micro_batches(), layers=len(self.layer_manager.layer_ids))
+        self._boundary_at = started
         for plan in self._due_plans():
             self._apply(plan)
         if self.tensor_manager is not None and self.config.memory_budget is not None:
@@ -477,6 +482,15 @@ class Vpipe:
             self.detach()
 
     _exit_timeout_s: float | None = None
+
+    def memory_report(self) -> dict[str, Any]:
+        """This stage's memory as vpipe accounts it: budget, fixed bytes, peak saved activations, policies."""
+        tm = self.tensor_manager
+        peak = tm.ledger.peak if tm is not None else 0
+        fixed = self.fixed_bytes()
+        policies = {str(lid): p.value for lid, p in tm.policies().items()} if tm is not None else {}
+        return {"budget_bytes": self.config.memory_budget, "fixed_bytes": fixed, "peak_saved_bytes": peak,
+                "footprint_bytes": fixed + peak, "policies": policies}
 
     def detach(self) -> None:
         """Remove every hook and wrapper vpipe installed (the current placement stays)."""

@@ -200,10 +200,11 @@ def build_parser() -> argparse.ArgumentParser:
     from vpipe.planner.cli import register as register_plan
 
     register_plan(sub)
-    from vpipe import logview
+    from vpipe import logview, plot
     from vpipe.control import daemon, keys
 
     logview.register(sub)
+    plot.register(sub)
     daemon.register(sub)
     keys.register(sub)
     return parser

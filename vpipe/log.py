@@ -17,8 +17,10 @@ from typing import Any
 
 DECISIONS = "vpipe.decisions"
 decision_log = logging.getLogger(DECISIONS)
+STEPS = "vpipe.steps"
+step_log = logging.getLogger(STEPS)
 
-__all__ = ["configure", "decision", "read_log", "DECISIONS"]
+__all__ = ["configure", "decision", "step_record", "read_log", "DECISIONS", "STEPS"]
 
 
 def _jsonable(value: Any) -> Any:
@@ -74,6 +76,11 @@ def configure(log_file: str | os.PathLike[str] | None, rank: int | None = None, 
 def decision(event: str, message: str = "", **fields: Any) -> None:
     """Log one decision (``imbalance``, ``plan``, ``migration_start`` ...) with its numbers."""
     decision_log.info(message or event, extra={"vpipe_fields": {"event": event, **fields}})
+
+
+def step_record(step: int, step_s: float, **fields: Any) -> None:
+    """Log one finished training step (the last stage logs them: its pace is the pipeline's)."""
+    step_log.info("step %d took %.4f s", step, step_s, extra={"vpipe_fields": {"step": step, "step_s": step_s, **fields}})
 
 
 def read_log(path: str | os.PathLike[str]) -> list[dict[str, Any]]:

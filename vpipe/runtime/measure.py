@@ -51,6 +51,8 @@ def train_argv(cfg: RunConfig) -> list[str]:
             argv += ["--monitor-every", str(cfg.monitor_every)]
         if cfg.moves:
             argv += ["--moves", ";".join(f"{m['step']}:{','.join(map(str, m['partition']))}" for m in cfg.moves)]
+    if cfg.nas:
+        argv += ["--nas", json.dumps(cfg.nas)]
     if cfg.log_file:
         argv += ["--log-file", cfg.log_file]
     return argv

@@ -103,6 +103,7 @@ class RunResult:
     losses: list[float] = field(default_factory=list)  # mean loss per step (last stage only)
     step_s: list[float] = field(default_factory=list)  # wall time of each step on this rank
     boundary_s: list[float] = field(default_factory=list)  # vpipe: of which applying plans before the step
+    memory: dict[str, Any] | None = None  # vpipe: Vpipe.memory_report() at the end
 
 
 def train_rank(cfg: RunConfig, ctx: Distributed) -> RunResult:
@@ -138,8 +139,8 @@ def train_rank(cfg: RunConfig, ctx: Distributed) -> RunResult:
     if session is not None:
         session.close()
     if vp is not None:
+        result.memory = vp.memory_report()
         vp.detach()
-    if vp is not None:
         result.boundary_s = list(vp.boundary_s)
     if cfg.out_dir:
         save_rank_result(cfg, run, result)
@@ -210,7 +211,7 @@ def save_rank_result(cfg: RunConfig, run: StageRun, result: RunResult) -> None:
     layer_ids = [int(name) for name in run.module._modules]  # after migrations, not the initial ones
     meta = {"stage": run.stage_index, "layer_ids": layer_ids, "losses": result.losses,
             "steps": result.steps, "seconds": result.seconds, "step_s": result.step_s,
-            "boundary_s": result.boundary_s}
+            "boundary_s": result.boundary_s, "memory": result.memory}
     if isinstance(run.schedule, SchedulePipeDream):
         meta["trace"] = [list(event) for event in run.schedule.trace]
     (out / f"rank{run.stage_index}.json").write_text(json.dumps(meta))

@@ -92,11 +92,10 @@ def _change_cost(e: LayerEstimate, old: Policy, new: Policy, swap_s_per_byte: fl
         # out and back; what overlaps the layer's own compute window is free
         return max(0.0, 2 * e.swappable_bytes * swap_s_per_byte - overlap_s * e.forward_s)
 
-    if new is Policy.SWAP:
-        return swap_cost()
-    if old is Policy.SWAP:
-        return max(0.0, e.forward_s - swap_cost())
-    return e.forward_s
+    def cost(policy: Policy) -> float:
+        return {Policy.KEEP: 0.0, Policy.SWAP: swap_cost(), Policy.RECOMPUTE: e.forward_s}[policy]
+
+    return max(0.0, cost(new) - cost(old))
 
 
 def cheapest_escalations(
@@ -108,8 +107,13 @@ def cheapest_escalations(
     pool_free_bytes: int,
     budget_bytes: int,
     context: str,
+    best_effort: bool = False,
 ) -> list[Escalation]:
     """Policy changes that cut one micro-batch's resident bytes by ``excess_bytes``, cheapest first.
+
+    A layer may go keep -> swap -> recompute, or recompute -> swap where swapping leaves less
+    resident (its input is larger than what a swap keeps). With ``best_effort`` the changes
+    found so far are returned when no further change helps, instead of raising.
 
     ``overlap`` is how many forward-times of compute a layer's swap can hide behind (0 when
     copies are synchronous, as on CPU). Raises :class:`MemoryBudgetError` when even every
@@ -124,11 +128,9 @@ def cheapest_escalations(
         best: tuple[float, float, Escalation] | None = None
         for lid, e in current.items():
             old = policies[lid]
-            options = (Policy.SWAP, Policy.RECOMPUTE) if old is Policy.KEEP else (
-                (Policy.RECOMPUTE,) if old is Policy.SWAP else ())
-            for new in options:
+            for new in (Policy.SWAP, Policy.RECOMPUTE):
                 saved = kept_bytes(e, old) - kept_bytes(e, new)
-                if saved <= 0 or (new is Policy.SWAP and e.swappable_bytes > pool_left):
+                if new is old or saved <= 0 or (new is Policy.SWAP and e.swappable_bytes > pool_left):
                     continue
                 cost = _change_cost(e, old, new, swap_s_per_byte, overlap)
                 # cheapest per byte; among equals the one that saves more, then the earlier layer
@@ -136,6 +138,8 @@ def cheapest_escalations(
                 if best is None or key < best[:2]:
                     best = (key[0], key[1], Escalation(lid, old, new, saved, cost))
         if best is None:
+            if best_effort:
+                break
             raise MemoryBudgetError(
                 f"{context}: {format_bytes(need)} more than the budget {format_bytes(budget_bytes)} "
                 f"even with every layer swapped or recomputed; raise the budget or the host pool, "
@@ -186,9 +190,11 @@ def fit_micro_batch(
             f"{format_bytes(reserve_bytes)} for the largest layer's backward"
         )
     # what is resident now may come from micro-batches run under older policies: do what can be
-    # done for this one; the per-tensor check at pack time covers the rest
+    # done for this one (the pool left may allow less than ``least`` assumed); the per-tensor check
+    # at pack time covers the rest, so the steady-state check above is the only hard failure
     excess = per_mb - max(target, least)
     if excess <= 0:
         return []
     return cheapest_escalations(estimates, excess, swap_s_per_byte=swap_s_per_byte, overlap=overlap,
-                                pool_free_bytes=pool_free_bytes, budget_bytes=budget_bytes, context=context)
+                                pool_free_bytes=pool_free_bytes, budget_bytes=budget_bytes, context=context,
+                                best_effort=True)
