@@ -20,11 +20,22 @@ def test_train_pipedream_four_stages_exits_zero():
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
-def test_demo_prints_summary():
-    proc = run_vpipe("demo", "--steps", "6", timeout=300)
+def test_demo_runs_static_and_vpipe_through_both_edits(tmp_path):
+    proc = run_vpipe("demo", "--steps", "12", "--add-step", "3", "--remove-step", "7", "--log-dir", str(tmp_path),
+                     timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "vpipe run summary" in proc.stdout
-    assert "samples/s" in proc.stdout
+    out = " ".join(proc.stdout.split())
+    for phase in ("before the edits", "6 blocks added to stage 0", "2 blocks removed from stage 1"):
+        assert phase in out
+    assert "layers_added" in out and "layers_removed" in out
+    assert "final layers per stage [9, 1]" in out  # static: the edits stay where they landed
+    assert (tmp_path / "static.log").exists() and (tmp_path / "vpipe.log").exists()
+
+
+def test_demo_rejects_edits_out_of_order():
+    proc = run_vpipe("demo", "--add-step", "20", "--remove-step", "10")
+    assert proc.returncode == 2
+    assert "need 3 <= add step < remove step - 2 < steps - 4" in proc.stderr
 
 
 def test_bad_arguments_fail_before_any_rank_starts():

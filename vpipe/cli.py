@@ -141,17 +141,6 @@ def _run_as_rank(cfg: RunConfig) -> int:
     return 0
 
 
-def cmd_demo(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    train_argv = ["train", "--stages", "2", "--steps", str(args.steps), "--blocks", "8",
-                  "--micro-batches", "4", "--micro-batch-size", "8"]
-    if args.log_file:
-        train_argv += ["--log-file", args.log_file]
-    print("vpipe demo: 2-stage GPipe training of an 8-block byte-level transformer on the Python stdlib's source",
-          flush=True)
-    parser = build_parser()
-    return cmd_train(parser.parse_args(train_argv), train_argv)
-
-
 def cmd_nas(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from vpipe.nas import EvolutionConfig
     from vpipe.runtime.launch import rank_env, spawn
@@ -192,19 +181,16 @@ def build_parser() -> argparse.ArgumentParser:
     nas.add_argument("--steps-per-candidate", type=_positive_int, default=4)
     nas.set_defaults(func=cmd_nas)
 
-    demo = sub.add_parser("demo", help="a one-minute 2-stage run on this machine")
-    demo.add_argument("--steps", type=int, default=40)
-    demo.add_argument("--log-file", default=None)
-    demo.set_defaults(func=cmd_demo)
 
     from vpipe.planner.cli import register as register_plan
 
     register_plan(sub)
-    from vpipe import logview, plot
+    from vpipe import demo, logview, plot
     from vpipe.control import daemon, keys
 
     logview.register(sub)
     plot.register(sub)
+    demo.register(sub)
     daemon.register(sub)
     keys.register(sub)
     return parser
