@@ -77,3 +77,23 @@ def test_search_on_a_live_pipeline_repeats_under_its_seed(tmp_path):
     assert runs[0]["best"]["loss"] == min(c["loss"] for c in history)
     logged = [r for r in read_log(tmp_path / "a" / "run.log") if r.get("event") == "nas_candidate"]
     assert [r["architecture"] for r in logged if r.get("rank") == 1] == [c["architecture"] for c in history]
+
+
+def test_blocks_added_to_stage_0_are_rebalanced_live_and_train_like_one_process(tmp_path):
+    """Planning on: the grown stage 0 is noticed and relieved by live moves; training is unchanged by them."""
+    edits = [{"step": 4, "add": {"position": 1, "types": ["attn"] * 8}}]
+    model = {"blocks": 4, "d_model": 128, "n_heads": 4, "seq_len": 64, "dropout": 0.0, "micro_batches": 4,
+             "micro_batch_size": 4}
+    cfg = RunConfig(stages=2, schedule="1f1b", steps=20, vpipe=True, nas=edits, monitor_every=2, **model)
+    proc = run_vpipe("train", "--stages", "2", "--schedule", "1f1b", "--steps", "20", "--blocks", "4",
+                     "--d-model", "128", "--n-heads", "4", "--seq-len", "64", "--micro-batch-size", "4",
+                     "--dropout", "0", "--vpipe", "--monitor-every", "2", "--nas", json.dumps(edits),
+                     "--no-progress", "--out-dir", str(tmp_path), "--log-file", str(tmp_path / "run.log"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = read_log(tmp_path / "run.log")
+    plans = [r for r in log if r.get("event") == "plan"]
+    assert plans and len(plans[0]["old_stages"][0]) == 11  # the planner saw the grown stage 0 ...
+    assert len(plans[0]["new_stages"][0]) < 11  # ... and moved layers off it
+    final = [json.loads((tmp_path / f"rank{r}.json").read_text())["layer_ids"] for r in range(2)]
+    assert len(final[0]) < 11 and sorted(final[0] + final[1]) == list(range(14))
+    assert_params_equal(load_run_params(tmp_path, 2), reference_flush(cfg)[0], rtol=1e-6)
