@@ -74,3 +74,35 @@ def test_attach_rejects_a_module_not_named_by_layer_id():
                       nn.Sequential(__import__("collections").OrderedDict(head=nn.Linear(2, 2))))
     with pytest.raises(TypeError, match="must be an nn.Sequential"):
         _check_module(nn.Linear(2, 2))
+
+
+def test_config_defaults_and_bad_values():
+    import torch
+
+    from vpipe.attach import VpipeConfig, resolve_memory_budget
+
+    config = VpipeConfig()
+    assert config.memory_budget == "auto" and config.planning
+    assert resolve_memory_budget("auto", torch.device("cpu")) is None  # a CPU stage has no device limit
+    assert resolve_memory_budget(123, torch.device("cpu")) == 123
+    for bad, message in ((-5, "memory_budget must be a positive number of bytes, 'auto' or None, got -5"),
+                         ("16G", "memory_budget must be a positive number of bytes, 'auto' or None, got '16G'")):
+        with pytest.raises(ValueError, match=message):
+            VpipeConfig(memory_budget=bad)
+    with pytest.raises(ValueError, match="sample_every must be a positive integer, got 0"):
+        VpipeConfig(sample_every=0)
+    with pytest.raises(ValueError, match="planner must be 'module:function', got 'srp'"):
+        VpipeConfig(planner="srp")
+
+
+@pytest.mark.cuda
+def test_auto_budget_is_the_gpus_capacity_minus_a_margin():
+    import torch
+
+    from vpipe.attach import resolve_memory_budget
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs an NVIDIA GPU")
+    total = torch.cuda.get_device_properties(0).total_memory
+    budget = resolve_memory_budget("auto", torch.device("cuda", 0))
+    assert budget == total - max(1 << 30, int(total * 0.08)) and 0 < budget < total

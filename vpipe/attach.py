@@ -51,11 +51,28 @@ _LAYERS_KEY = "vpipe/attach/layers/{}"
 DEFAULT_PLANNER = "vpipe.planner.online:srp"
 
 
+AUTO_BUDGET = "auto"
+_DEVICE_MARGIN = 0.08  # of a GPU's memory left to the CUDA context, the allocator's cache and fragmentation
+_DEVICE_MARGIN_MIN = 1 << 30
+
+
+def resolve_memory_budget(budget: int | str | None, device: torch.device) -> int | None:
+    """Bytes for ``budget``: "auto" is the GPU's capacity minus a margin; a CPU stage has no device limit."""
+    if budget != AUTO_BUDGET:
+        return budget  # type: ignore[return-value]
+    if device.type != "cuda":
+        return None
+    total = torch.cuda.get_device_properties(device).total_memory
+    return total - max(_DEVICE_MARGIN_MIN, int(total * _DEVICE_MARGIN))
+
+
 @dataclass
 class VpipeConfig:
     """What vpipe does underneath the trainer. Every field is validated when attaching."""
 
-    memory_budget: int | None = None  # bytes per stage: parameters, gradients, optimizer state, saved activations
+    # bytes per stage: parameters, gradients, optimizer state, saved activations; "auto": the GPU's
+    # capacity minus a margin (on CPU: no budget); None: no budget
+    memory_budget: int | str | None = AUTO_BUDGET
     planning: bool = True  # run the planner daemon and apply its plans
     planner: str = DEFAULT_PLANNER  # the daemon's planner function (module:function)
     sample_every: int = 10  # monitor every k-th step
@@ -75,8 +92,10 @@ class VpipeConfig:
             if not ok:
                 raise ValueError(f"vpipe config: {message}")
 
-        need(self.memory_budget is None or (isinstance(self.memory_budget, int) and self.memory_budget > 0),
-             f"memory_budget must be a positive number of bytes or None, got {self.memory_budget!r}")
+        need(self.memory_budget is None or self.memory_budget == AUTO_BUDGET
+             or (isinstance(self.memory_budget, int) and not isinstance(self.memory_budget, bool)
+                 and self.memory_budget > 0),
+             f"memory_budget must be a positive number of bytes, 'auto' or None, got {self.memory_budget!r}")
         need(isinstance(self.sample_every, int) and self.sample_every >= 1,
              f"sample_every must be a positive integer, got {self.sample_every!r}")
         need(isinstance(self.planner, str) and ":" in self.planner,
@@ -141,6 +160,7 @@ class Vpipe:
         self.stage_index = self.stage.stage_index if self.stage is not None else self.rank
         self.num_stages = self.stage.num_stages if self.stage is not None else self.world_size
         self.device = torch.device(self.stage.device) if self.stage is not None else _module_device(self.module)
+        self.memory_budget = resolve_memory_budget(config.memory_budget, self.device)
         self.store = store if store is not None else _default_store()
         self.iteration = 0
         self.boundary_s: list[float] = []  # seconds spent applying plans before each step (the move stall)
@@ -162,7 +182,7 @@ class Vpipe:
         decision("attached", f"vpipe attached to stage {self.stage_index} of {self.num_stages}",
                  stage=self.stage_index, layers=list(self.placement[self.stage_index]),
                  schedule=type(self.schedule).__name__ if self.schedule is not None else "module",
-                 memory_budget=config.memory_budget, planning=config.planning)
+                 memory_budget=self.memory_budget, planning=config.planning)
 
     # ------------------------------------------------------------------ set-up
     def _exchange_placement(self) -> tuple[tuple[int, ...], ...]:
@@ -196,7 +216,7 @@ class Vpipe:
 
     def _activation_budget(self) -> int | None:
         """The budget left for saved activations once the stage's fixed bytes are paid (see :meth:`fixed_bytes`)."""
-        budget = self.config.memory_budget
+        budget = self.memory_budget
         if budget is None:
             return None
         fixed = self.fixed_bytes()
@@ -236,7 +256,7 @@ class Vpipe:
 
         if self.config.planning and self.stage_index == self.num_stages - 1:
             online = OnlineConfig(schedule=self._schedule_name(), micro_batches=self._micro_batches(),
-                                  memory_budget=self.config.memory_budget,
+                                  memory_budget=self.memory_budget,
                                   allow_moves=self.config.layer_factory is not None, **self.config.planner_options)
             os.environ[CONFIG_ENV] = online.to_env()  # the daemon this stage starts inherits it
         options = ControlOptions(sample_every=self.config.sample_every,
@@ -365,7 +385,7 @@ class Vpipe:
         self._boundary_at = started
         for plan in self._due_plans():
             self._apply(plan)
-        if self.tensor_manager is not None and self.config.memory_budget is not None:
+        if self.tensor_manager is not None and self.memory_budget is not None:
             self.tensor_manager.budget_bytes = self._activation_budget()  # the optimizer state may have grown
         self._continue_streamed()
         self.boundary_s.append(time.perf_counter() - started)
@@ -489,7 +509,7 @@ class Vpipe:
         peak = tm.ledger.peak if tm is not None else 0
         fixed = self.fixed_bytes()
         policies = {str(lid): p.value for lid, p in tm.policies().items()} if tm is not None else {}
-        return {"budget_bytes": self.config.memory_budget, "fixed_bytes": fixed, "peak_saved_bytes": peak,
+        return {"budget_bytes": self.memory_budget, "fixed_bytes": fixed, "peak_saved_bytes": peak,
                 "footprint_bytes": fixed + peak, "policies": policies}
 
     def detach(self) -> None:
