@@ -84,6 +84,7 @@ class VpipeConfig:
     host_pool_bytes: int | None = None
     migration_timeout_s: float = field(default_factory=lambda: _env_seconds("VPIPE_MIGRATION_TIMEOUT", 30.0))
     apply_lag_steps: int = 2  # stage 0 schedules a plan this many steps after it has it
+    micro_batches: int | None = None  # per step of a hand-written loop (the planner models the pipeline with it)
     planner_options: dict[str, Any] = field(default_factory=dict)  # extra OnlineConfig fields
     log_file: str | None = None
 
@@ -108,6 +109,8 @@ class VpipeConfig:
         for lid, pol in (self.policies or {}).items():
             Policy.parse(pol.value if isinstance(pol, Policy) else pol)
         need(self.min_swap_bytes is None or self.min_swap_bytes >= 0, "min_swap_bytes must be >= 0")
+        need(self.micro_batches is None or (isinstance(self.micro_batches, int) and self.micro_batches >= 1),
+             f"micro_batches must be a positive integer or None, got {self.micro_batches!r}")
         need(self.host_pool_bytes is None or self.host_pool_bytes > 0, "host_pool_bytes must be positive")
 
 
@@ -254,6 +257,9 @@ class Vpipe:
         from vpipe.monitors.source import TensorManagerSource
         from vpipe.planner.online import CONFIG_ENV, OnlineConfig
 
+        if self.config.planning and self.schedule is None and self.config.micro_batches is None:
+            log.warning("vpipe.attach(module): micro_batches= not given, the planner assumes 1 micro-batch per step "
+                        "(a pipeline that then never overlaps stages, so it will not rebalance)")
         if self.config.planning and self.stage_index == self.num_stages - 1:
             online = OnlineConfig(schedule=self._schedule_name(), micro_batches=self._micro_batches(),
                                   memory_budget=self.memory_budget,
@@ -312,7 +318,9 @@ class Vpipe:
         return "1f1b" if isinstance(self.schedule, Schedule1F1B) else "gpipe"
 
     def _micro_batches(self) -> int:
-        return int(getattr(self.schedule, "_n_microbatches", 1)) if self.schedule is not None else 1
+        if self.schedule is not None:
+            return int(getattr(self.schedule, "_n_microbatches", 1))
+        return self.config.micro_batches or 1
 
     # ------------------------------------------------------------------ the step
     def _step(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
