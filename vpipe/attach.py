@@ -299,8 +299,11 @@ class Vpipe:
         self.session.begin_step(self.iteration)
         try:
             result = original(*args, **kwargs)
-        except BaseException:
+        except BaseException as exc:
             self.session.monitor.abort_iteration()
+            own = _own_error(exc)
+            if own is not None:  # torch wraps it in "[Stage k] failed to run forward": say what vpipe found
+                raise own from None
             raise
         self._received(self.session.end_step())
         self.iteration += 1
@@ -588,6 +591,20 @@ def _default_store() -> Any:
     if getter is None:
         raise RuntimeError("cannot find torch.distributed's store; pass store= to vpipe.attach")
     return getter()
+
+
+def _own_error(exc: BaseException) -> BaseException | None:
+    """The tensor manager's own error (budget, host pool) inside ``exc``'s cause chain, if ``exc`` wraps one."""
+    from vpipe.tensor_manager import HostPoolFullError, MemoryBudgetError
+
+    seen: set[int] = set()
+    cause = exc.__cause__
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, (MemoryBudgetError, HostPoolFullError)):
+            return cause
+        seen.add(id(cause))
+        cause = cause.__cause__
+    return None
 
 
 def _no_factory(layer_id: int, spec: Any) -> nn.Module:

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+from vpipe.runtime import faults
 from vpipe.runtime.config import RunConfig
 from vpipe.runtime.launch import Distributed
 from vpipe.runtime.models import build_model
@@ -127,9 +128,12 @@ def train_rank(cfg: RunConfig, ctx: Distributed) -> RunResult:
     session = _control_session(cfg, run, ctx) if vp is None else None
     result = RunResult(steps=0, seconds=0.0)
     progress = _Progress(cfg, enabled=cfg.progress and run.is_last)
+    now = {"step": first_step}
+    faults.install_kill(run.module, ctx.rank, lambda: now["step"])  # only when VPIPE_FAULTS asks for it
     start = time.perf_counter()
     with progress:
         for step in range(first_step, cfg.steps):
+            now["step"] = step
             if session is not None:
                 session.begin_step(step)
             step_start = time.perf_counter()
