@@ -206,11 +206,12 @@ def save_run_checkpoint(cfg: RunConfig, run: StageRun, ctx: Distributed, vp: Any
                     extra={"run_config": cfg.to_dict()})
 
 
-def _attach_vpipe(cfg: RunConfig, run: StageRun, resume_state: dict[str, Any] | None = None) -> Any:
+def _attach_vpipe(cfg: RunConfig, run: StageRun, resume_state: dict[str, Any] | None = None,
+                  **overrides: Any) -> Any:
     """vpipe on this rank of the reference trainer, with the forced moves of ``cfg.moves`` requested.
 
     On resume the vpipe state is restored first, and only moves still ahead are requested,
-    with epochs after the restored one."""
+    with epochs after the restored one. ``overrides`` set further :class:`VpipeConfig` fields."""
     from vpipe.attach import VpipeConfig, attach
     from vpipe.planner.plan import Plan, Policy
     from vpipe.runtime.models import build_layer
@@ -225,6 +226,7 @@ def _attach_vpipe(cfg: RunConfig, run: StageRun, resume_state: dict[str, Any] | 
         specs=dict(enumerate(spec.layers)),
         policies={lid: Policy(cfg.policy) for lid in range(cfg.n_layers)},
         log_file=cfg.log_file,
+        **overrides,
     )
     vp = attach(run.schedule, optimizer=run.optimizer, config=config)
     if resume_state is not None:
