@@ -52,11 +52,16 @@ def test_resume_on_the_same_stages_equals_an_uninterrupted_run(tmp_path):
 
 
 def test_resume_two_stages_on_four_matches_the_single_process_reference(tmp_path):
-    train("--stages", "2", "--optimizer", "sgd", "--steps", "3", "--checkpoint-dir", str(tmp_path / "ck"))
-    train("--stages", "4", "--optimizer", "sgd", "--steps", "6", "--resume", str(tmp_path / "ck"),
-          "--out-dir", str(tmp_path / "out"))
+    vpipe = ["--optimizer", "sgd", "--vpipe", "--no-planning"]
+    train("--stages", "2", *vpipe, "--policy", "R", "--steps", "3", "--checkpoint-dir", str(tmp_path / "ck"))
+    assert load_checkpoint(tmp_path / "ck").vpipe["policies"] == {str(lid): "R" for lid in range(6)}
+    train("--stages", "4", *vpipe, "--steps", "6", "--resume", str(tmp_path / "ck"),
+          "--out-dir", str(tmp_path / "out"), "--checkpoint-dir", str(tmp_path / "ck4"))
     layers = [json.loads((tmp_path / "out" / f"rank{r}.json").read_text())["layer_ids"] for r in range(4)]
     assert layers == [[0, 1], [2, 3], [4], [5]]  # re-placed: an even split over four stages
+    final = load_checkpoint(tmp_path / "ck4")
+    assert final.step == 6 and final.placement == layers
+    assert final.vpipe["policies"] == {str(lid): "R" for lid in range(6)}  # the policies came back (not --policy D)
     want, _, want_optim = reference_flush(small_cfg(stages=2, steps=6, optimizer="sgd"))
     assert_params_equal(load_run_params(tmp_path / "out", 4), want)
     assert_optimizer_equal(load_run_optimizer(tmp_path / "out", 4), want_optim)
