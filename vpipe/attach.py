@@ -328,8 +328,11 @@ class Vpipe:
         self.session.begin_step(self.iteration)
         try:
             result = original(*args, **kwargs)
-        except BaseException:
+        except BaseException as exc:
             self.session.monitor.abort_iteration()
+            own = _own_error(exc)
+            if own is not None:  # torch wraps it in "[Stage k] failed to run forward": say what vpipe found
+                raise own from None
             raise
         self._received(self.session.end_step())
         self.iteration += 1
@@ -504,6 +507,54 @@ class Vpipe:
         return {"epoch": self.layer_manager.epoch, "stages": [list(s) for s in self.layer_manager.placement],
                 "iteration": self.iteration}
 
+    def state_dict(self) -> dict[str, Any]:
+        """vpipe's part of a checkpoint (plain JSON values): plan epoch, step, placement, policies, next layer id.
+
+        Policies are this rank's own layers' (what its tensor manager runs now) over the
+        last applied plan's; :func:`vpipe.checkpoint.save_checkpoint` merges the ranks'.
+        """
+        from vpipe.checkpoint import VERSION
+
+        lm = self.layer_manager
+        plan = self.session.agent.plan
+        policies = {lid: p.value for lid, p in (plan.policies.items() if plan is not None else [])}
+        if self.tensor_manager is not None:
+            policies.update({lid: p.value for lid, p in self.tensor_manager.policies().items()})
+        return {"version": VERSION, "epoch": lm.epoch, "iteration": self.iteration,
+                "stages": [list(s) for s in lm.placement],
+                "policies": {str(lid): p for lid, p in sorted(policies.items()) if lid in lm.order},
+                "next_layer_id": max(lm._next_id, max(lm.order) + 1)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from a checkpoint's vpipe state (every rank calls it with the same state, before a step).
+
+        The layers must already be where this run placed them (the same layer set; the
+        placement may differ, e.g. on another number of stages). Restores the plan epoch
+        (so older plans stay stale), the step counter (forced moves name absolute steps),
+        the policies of this stage's layers and the next layer id.
+        """
+        from vpipe.checkpoint import check_vpipe_state
+
+        state = check_vpipe_state(dict(state))
+        lm = self.layer_manager
+        saved = sorted(lid for s in state["stages"] for lid in s)
+        if saved != sorted(lm.order):
+            raise ValueError(f"the checkpoint's layers {saved[:8]} are not this pipeline's layers {sorted(lm.order)[:8]}")
+        policies = {int(k): Policy.parse(v) for k, v in state["policies"].items()}
+        lm.epoch = state["epoch"]
+        lm._next_id = max(lm._next_id, state["next_layer_id"])
+        self.iteration = state["iteration"]
+        if self.tensor_manager is not None:
+            self.tensor_manager.set_policies({lid: policies.get(lid, Policy.KEEP) for lid in lm.layer_ids})
+        self.session.agent.plan = Plan(epoch=lm.epoch, stages=lm.placement, policies=policies)
+        self.session.monitor.epoch = lm.epoch
+        if self.schedule is None:  # a hand-written loop: the open step gets the restored number
+            self.session.monitor.abort_iteration()
+            self.session.begin_step(self.iteration)
+        decision("resumed", f"stage {self.stage_index} resumes at step {self.iteration}, plan epoch {lm.epoch}",
+                 stage=self.stage_index, step=self.iteration, epoch=lm.epoch, layers=lm.layer_ids,
+                 saved_stages=state["stages"], stages=[list(s) for s in lm.placement])
+
     def _at_exit(self) -> None:
         if not self._detached:
             self._exit_timeout_s = 5.0
@@ -582,6 +633,20 @@ def _default_store() -> Any:
     if getter is None:
         raise RuntimeError("cannot find torch.distributed's store; pass store= to vpipe.attach")
     return getter()
+
+
+def _own_error(exc: BaseException) -> BaseException | None:
+    """The tensor manager's own error (budget, host pool) inside ``exc``'s cause chain, if ``exc`` wraps one."""
+    from vpipe.tensor_manager import HostPoolFullError, MemoryBudgetError
+
+    seen: set[int] = set()
+    cause = exc.__cause__
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, (MemoryBudgetError, HostPoolFullError)):
+            return cause
+        seen.add(id(cause))
+        cause = cause.__cause__
+    return None
 
 
 def _no_factory(layer_id: int, spec: Any) -> nn.Module:

@@ -98,6 +98,13 @@ def add_run_arguments(p: argparse.ArgumentParser, *, steps: int, stages: int) ->
                         "{\"step\": 9, \"remove\": [3]}]'")
     p.add_argument("--moves", type=_moves, default=None, metavar="STEP:COUNTS[;...]",
                    help="vpipe: forced repartitions, e.g. '3:6,4;8:4,6' moves layers before steps 3 and 8")
+    p.add_argument("--checkpoint-dir", default=None, metavar="DIR",
+                   help="write checkpoints (one step-N directory each, sealed by a manifest) here, at the end and "
+                        "every --checkpoint-every steps")
+    p.add_argument("--checkpoint-every", type=int, default=0, metavar="N", help="checkpoint every N steps")
+    p.add_argument("--resume", default=None, metavar="DIR",
+                   help="continue from this checkpoint (a step-N directory, or the newest complete one under DIR); "
+                        "--steps counts from the start of the original run; any number of stages")
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
@@ -110,6 +117,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         progress=not args.no_progress, monitor_every=args.monitor_every,
         planner=_planner(args), vpipe=args.vpipe, memory_budget=args.memory_budget, policy=args.policy,
         planning=not args.no_planning, moves=args.moves, nas=args.nas,
+        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, resume=args.resume,
     )
 
 
@@ -126,6 +134,10 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
     cfg = config_from_args(args)  # validate before starting any process
     if rank_env() is None:
+        if cfg.resume:
+            from vpipe.runtime.trainer import load_resume
+
+            load_resume(cfg)  # a bad checkpoint is named here, before any rank starts
         return spawn([sys.executable, "-m", "vpipe", *argv], cfg.stages)
     return _run_as_rank(cfg)
 

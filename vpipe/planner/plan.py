@@ -132,12 +132,14 @@ class Plan:
         for key, value in raw_policies.items():
             try:
                 lid = int(key)
-            except (TypeError, ValueError):
+            except (TypeError, ValueError, OverflowError):
                 raise PlanError(f"policy key {key!r} is not a layer id") from None
             policies[lid] = Policy.parse(value)
         predicted = data.get("predicted_step_s")
         if predicted is not None and (not isinstance(predicted, (int, float)) or isinstance(predicted, bool)):
             raise PlanError("plan 'predicted_step_s' must be a number")
+        if isinstance(predicted, int) and abs(predicted) > 1 << 53:
+            raise PlanError("plan 'predicted_step_s' is out of range (more than 2**53 seconds)")
         reason = data.get("reason", "")
         if not isinstance(reason, str):
             raise PlanError("plan 'reason' must be a string")

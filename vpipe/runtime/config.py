@@ -47,6 +47,9 @@ class RunConfig:
     memory_budget: int | None = None  # vpipe: bytes per stage (parameters, gradients, optimizer state, activations)
     policy: str = "D"  # vpipe: initial keep (D) / swap (S) / recompute (R) policy of every layer
     planning: bool = True  # vpipe: apply the planner's plans
+    checkpoint_dir: str | None = None  # write a checkpoint here every ``checkpoint_every`` steps and at the end
+    checkpoint_every: int = 0  # 0: only at the end (when checkpoint_dir is set)
+    resume: str | None = None  # continue from this checkpoint (a step-* directory, or the newest one under it)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -94,6 +97,7 @@ class RunConfig:
             need(sum(self.partition) == n_layers,
                  f"partition {self.partition} covers {sum(self.partition)} layers, the model has {n_layers}")
         self._check_nas(n_layers)
+        self._check_checkpoints()
         last_step = 0
         for i, move in enumerate(self.moves or []):
             need(isinstance(move, dict) and set(move) == {"step", "partition"},
@@ -105,6 +109,17 @@ class RunConfig:
             need(isinstance(counts, list) and len(counts) == self.stages and all(isinstance(c, int) and c >= 1 for c in counts)
                  and sum(counts) == n_layers,
                  f"moves[{i}]: partition {counts!r} must give each of the {self.stages} stages >= 1 of the {n_layers} layers")
+
+    def _check_checkpoints(self) -> None:
+        if not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every must be an integer >= 0, got {self.checkpoint_every!r}")
+        if self.checkpoint_every and not self.checkpoint_dir:
+            raise ValueError("checkpoint_every needs checkpoint_dir (where to write the checkpoints)")
+        if (self.checkpoint_dir or self.resume) and self.schedule == "pipedream":
+            raise ValueError("checkpoints need a flush schedule (gpipe, 1f1b): a PipeDream stream never has "
+                             "every micro-batch's weights at rest")
+        if (self.checkpoint_dir or self.resume) and self.nas:
+            raise ValueError("checkpoints cannot be combined with layer edits (--nas) yet")
 
     def _check_nas(self, n_layers: int) -> None:
         """Replay the layer edits on the layer ids, so a bad one fails before any rank starts."""

@@ -8,28 +8,38 @@ normal case) it costs a dictionary lookup at those places only.
 Faults:
 - ``migration_silent``: as the target of a move, never answer ``migrate_prepare``.
 - ``migration_die``: as the target of a move, die (SIGKILL-like exit) after the prepare.
-
-A rank that should die mid-step is killed from outside by the tests (a real SIGKILL).
+- ``kill@STEP:RANK``: rank RANK sends itself SIGKILL in the middle of step STEP (at its
+  stage's second forward of that step, so its neighbours are mid-step too); see
+  :func:`kill_step` and :func:`install_kill` (the reference trainer installs it).
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import signal
+from typing import Any
 
-__all__ = ["active", "FAULTS", "parse"]
+__all__ = ["active", "FAULTS", "parse", "kill_step", "install_kill"]
 
 FAULTS = ("migration_silent", "migration_die")
 ENV = "VPIPE_FAULTS"
 
 
 def parse(text: str) -> dict[str, set[int]]:
-    """``"a@1,b@0"`` -> ``{"a": {1}, "b": {0}}``; ValueError naming a bad entry."""
+    """``"a@1,b@0"`` -> ``{"a": {1}, "b": {0}}``; ``"kill@5:2"`` -> ``{"kill@5": {2}}``; ValueError naming a bad entry."""
     faults: dict[str, set[int]] = {}
     for entry in filter(None, (e.strip() for e in text.split(","))):
         name, sep, rank = entry.partition("@")
+        if name == "kill":
+            step, colon, rank = rank.partition(":")
+            if not (colon and step.isdigit() and rank.isdigit()):
+                raise ValueError(f"{ENV}: bad entry {entry!r}; expected kill@STEP:RANK")
+            faults.setdefault(f"kill@{int(step)}", set()).add(int(rank))
+            continue
         if name not in FAULTS or not sep or not rank.isdigit():
-            raise ValueError(f"{ENV}: bad entry {entry!r}; expected NAME@RANK with NAME one of {', '.join(FAULTS)}")
+            raise ValueError(f"{ENV}: bad entry {entry!r}; expected NAME@RANK with NAME one of {', '.join(FAULTS)} "
+                             "or kill@STEP:RANK")
         faults.setdefault(name, set()).add(int(rank))
     return faults
 
@@ -43,3 +53,26 @@ def active(name: str, rank: int) -> bool:
     if name not in FAULTS:
         raise ValueError(f"unknown fault {name!r}")
     return rank in _faults().get(name, ())
+
+
+def kill_step(rank: int) -> int | None:
+    """The step in which ``rank`` must kill itself (``kill@STEP:RANK``), or None."""
+    steps = [int(name.split("@")[1]) for name, ranks in _faults().items() if name.startswith("kill@") and rank in ranks]
+    return min(steps) if steps else None
+
+
+def install_kill(module: Any, rank: int, current_step: Any) -> Any:
+    """If ``kill@STEP:RANK`` names ``rank``: a forward hook on ``module`` that SIGKILLs this process at
+    its second forward of step ``current_step() == STEP``. Returns the hook handle, or None."""
+    step = kill_step(rank)
+    if step is None:
+        return None
+    seen = {"forwards": 0}
+
+    def hook(_module: Any, _args: Any, _output: Any) -> None:
+        if current_step() == step:
+            seen["forwards"] += 1
+            if seen["forwards"] == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    return module.register_forward_hook(hook)

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+from vpipe.runtime import faults
 from vpipe.runtime.config import RunConfig
 from vpipe.runtime.launch import Distributed
 from vpipe.runtime.models import build_model
@@ -71,9 +72,11 @@ class StageRun:
         return losses
 
 
-def build_stage_run(cfg: RunConfig, stage_index: int, device: torch.device, group: Any = None) -> StageRun:
+def build_stage_run(cfg: RunConfig, stage_index: int, device: torch.device, group: Any = None,
+                    layer_ids: list[int] | None = None) -> StageRun:
+    """Stage ``stage_index`` of ``cfg`` holding ``layer_ids`` (default: the config's initial partition)."""
     spec = cfg.model_spec()
-    layer_ids = cfg.stage_layer_ids()[stage_index]
+    layer_ids = cfg.stage_layer_ids()[stage_index] if layer_ids is None else list(layer_ids)
     # Dropout draws from this rank's RNG stream: seeded, so a run repeats exactly for a given
     # placement (masks follow the stage, not the layer, so moved layers draw different masks).
     torch.manual_seed(cfg.seed * 1_000_003 + 7919 * (stage_index + 1))
@@ -111,15 +114,27 @@ def train_rank(cfg: RunConfig, ctx: Distributed) -> RunResult:
     if ctx.world_size != cfg.stages:
         raise ValueError(f"the run has {ctx.world_size} ranks but the config asks for {cfg.stages} stages")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    run = build_stage_run(cfg, ctx.rank, ctx.device)
+    resumed = load_resume(cfg) if cfg.resume else None
+    placement = resume_placement(cfg, resumed) if resumed is not None else None
+    run = build_stage_run(cfg, ctx.rank, ctx.device, layer_ids=placement[ctx.rank] if placement else None)
+    first_step = 0
+    if resumed is not None:
+        from vpipe.checkpoint import restore_stage
+
+        restore_stage(resumed, run.module, run.optimizer)
+        first_step = resumed.step
+        log.info("stage %d: resumed from %s after step %d", ctx.rank, resumed.path, first_step)
     log.info("stage %d of %d: training layers %s with %s", ctx.rank, cfg.stages, run.layer_ids, cfg.schedule)
-    vp = _attach_vpipe(cfg, run) if cfg.vpipe else None
+    vp = _attach_vpipe(cfg, run, resumed.vpipe if resumed is not None else None) if cfg.vpipe else None
     session = _control_session(cfg, run, ctx) if vp is None else None
     result = RunResult(steps=0, seconds=0.0)
     progress = _Progress(cfg, enabled=cfg.progress and run.is_last)
+    now = {"step": first_step}
+    faults.install_kill(run.module, ctx.rank, lambda: now["step"])  # only when VPIPE_FAULTS asks for it
     start = time.perf_counter()
     with progress:
-        for step in range(cfg.steps):
+        for step in range(first_step, cfg.steps):
+            now["step"] = step
             if session is not None:
                 session.begin_step(step)
             step_start = time.perf_counter()
@@ -133,6 +148,10 @@ def train_rank(cfg: RunConfig, ctx: Distributed) -> RunResult:
             if losses:
                 result.losses.append(float(torch.stack([l.detach() for l in losses]).mean()))
             progress.update(step, result, time.perf_counter() - start)
+            if cfg.checkpoint_dir and (step + 1 == cfg.steps or (cfg.checkpoint_every
+                                                                 and (step + 1) % cfg.checkpoint_every == 0)):
+                save_run_checkpoint(cfg, run, ctx, vp, steps_done=step + 1,
+                                    placement=placement or cfg.stage_layer_ids())
         if isinstance(run.schedule, SchedulePipeDream):
             run.schedule.flush()
     result.seconds = time.perf_counter() - start
@@ -149,8 +168,51 @@ def train_rank(cfg: RunConfig, ctx: Distributed) -> RunResult:
     return result
 
 
-def _attach_vpipe(cfg: RunConfig, run: StageRun) -> Any:
-    """vpipe on this rank of the reference trainer, with the forced moves of ``cfg.moves`` requested."""
+def load_resume(cfg: RunConfig) -> Any:
+    """The verified checkpoint ``cfg.resume`` names, checked against ``cfg`` (CheckpointError otherwise)."""
+    from vpipe.checkpoint import CheckpointError, load_checkpoint
+
+    ckpt = load_checkpoint(cfg.resume or "")
+    if ckpt.layer_order != list(range(cfg.n_layers)):
+        raise CheckpointError(f"checkpoint {ckpt.path} holds layers {ckpt.layer_order[:3]}...{ckpt.layer_order[-1:]} "
+                              f"in that order; this run's model has layers 0..{cfg.n_layers - 1}")
+    if ckpt.step > cfg.steps:
+        raise CheckpointError(f"checkpoint {ckpt.path} is after step {ckpt.step}, beyond --steps {cfg.steps}")
+    return ckpt
+
+
+def resume_placement(cfg: RunConfig, ckpt: Any) -> list[list[int]]:
+    """Where the layers go on resume: ``cfg.partition`` if given, the checkpoint's placement on the
+    same number of stages, else an even split (the planner rebalances from there)."""
+    if cfg.partition is None and ckpt.num_stages == cfg.stages:
+        return ckpt.placement
+    return cfg.stage_layer_ids()
+
+
+def save_run_checkpoint(cfg: RunConfig, run: StageRun, ctx: Distributed, vp: Any, steps_done: int,
+                        placement: list[list[int]]) -> None:
+    """Collective: this rank's shard of the checkpoint after ``steps_done`` steps (rank 0 seals it).
+
+    ``placement`` is the run's fixed placement when vpipe is off (vpipe knows its own)."""
+    from vpipe.checkpoint import VERSION, save_checkpoint
+
+    if vp is not None:
+        state = vp.state_dict()
+    else:
+        state = {"version": VERSION, "epoch": 0, "iteration": steps_done, "stages": placement, "policies": {},
+                 "next_layer_id": cfg.n_layers}
+    state["iteration"] = steps_done
+    save_checkpoint(cfg.checkpoint_dir or ".", steps_done, module=run.module, optimizer=run.optimizer,
+                    rank=ctx.rank, world_size=ctx.world_size, store=ctx.store, vpipe_state=state,
+                    extra={"run_config": cfg.to_dict()})
+
+
+def _attach_vpipe(cfg: RunConfig, run: StageRun, resume_state: dict[str, Any] | None = None,
+                  **overrides: Any) -> Any:
+    """vpipe on this rank of the reference trainer, with the forced moves of ``cfg.moves`` requested.
+
+    On resume the vpipe state is restored first, and only moves still ahead are requested,
+    with epochs after the restored one. ``overrides`` set further :class:`VpipeConfig` fields."""
     from vpipe.attach import VpipeConfig, attach
     from vpipe.planner.plan import Plan, Policy
     from vpipe.runtime.models import build_layer
@@ -165,11 +227,16 @@ def _attach_vpipe(cfg: RunConfig, run: StageRun) -> Any:
         specs=dict(enumerate(spec.layers)),
         policies={lid: Policy(cfg.policy) for lid in range(cfg.n_layers)},
         log_file=cfg.log_file,
+        **overrides,
     )
     vp = attach(run.schedule, optimizer=run.optimizer, config=config)
+    if resume_state is not None:
+        vp.load_state_dict(resume_state)
     order = list(range(cfg.n_layers))
-    for i, move in enumerate(cfg.moves or []):
-        vp.request_plan(Plan.from_counts(order, move["partition"], epoch=1 + i), at_step=move["step"])
+    ahead = [move for move in cfg.moves or [] if move["step"] >= vp.iteration]
+    for i, move in enumerate(ahead):
+        vp.request_plan(Plan.from_counts(order, move["partition"], epoch=vp.layer_manager.epoch + 1 + i),
+                        at_step=move["step"])
     return vp
 
 

@@ -30,7 +30,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from vpipe.tensor_manager.accounting import Ledger
 from vpipe.tensor_manager.copy_engine import CopyEngine, Ticket
-from vpipe.tensor_manager.pool import HostPool, PoolBlock
+from vpipe.tensor_manager.pool import HostPool, HostPoolFullError, PoolBlock
 
 __all__ = ["StorageEntry", "SwappedEntry", "KeptHandle", "SwappedHandle", "SwapEngine"]
 
@@ -175,7 +175,10 @@ class SwapEngine:
                 entry.refs += 1  # already kept on the device by another save: copying frees nothing
                 return KeptHandle(t, entry, self.dead)
             if entry is None:
-                block = self.pool.alloc(nbytes)
+                try:
+                    block = self.pool.alloc(nbytes)
+                except HostPoolFullError as e:
+                    raise HostPoolFullError(f"layer {layer}, micro-batch {mb}: {e}") from None
                 source = flat_bytes(storage, self.device)
                 ticket = self.copies.to_host(source, block.data)
                 entry = self._new_entry(SwappedEntry, key, layer, mb, nbytes)
