@@ -152,7 +152,7 @@ def test_unknown_run_config_keys_are_named():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"memory_budget": 0}, "memory_budget must be a positive number of bytes or None, got 0"),
+    ({"memory_budget": 0}, "memory_budget must be a positive number of bytes, 'auto' or None, got 0"),
     ({"sample_every": 0}, "sample_every must be a positive integer, got 0"),
     ({"planner": "nocolon"}, "planner must be 'module:function', got 'nocolon'"),
     ({"migration_timeout_s": -1.0}, "migration_timeout_s must be positive, got -1.0"),
@@ -161,6 +161,8 @@ def test_unknown_run_config_keys_are_named():
     ({"min_swap_bytes": -1}, "min_swap_bytes must be >= 0"),
     ({"host_pool_bytes": 0}, "host_pool_bytes must be positive"),
     ({"layer_factory": 3}, "layer_factory must be callable"),
+    ({"memory_budget": "16G"}, "memory_budget must be a positive number of bytes, 'auto' or None, got '16G'"),
+    ({"micro_batches": 0}, "micro_batches must be a positive integer or None, got 0"),
 ])
 def test_impossible_vpipe_configs_are_rejected(kwargs, message):
     with pytest.raises(ValueError) as err:
