@@ -34,6 +34,15 @@ def test_layer_edits_train_like_the_same_edits_in_one_process(schedule, tmp_path
     assert events.count("layers_added") == 4 and events.count("layers_removed") == 2  # logged by both ranks
 
 
+def test_plot_needs_per_step_records(tmp_path):
+    log = tmp_path / "empty.log"
+    log.write_text('{"t": 1.0, "logger": "vpipe.decisions", "event": "attached", "msg": "x"}\n')
+    proc = run_vpipe("plot", str(log), "-o", str(tmp_path / "x.png"))
+    assert proc.returncode == 2
+    assert "the log has no per-step records (logger vpipe.steps)" in proc.stderr
+    assert not (tmp_path / "x.png").exists()
+
+
 def test_bad_layer_edits_are_rejected_before_training():
     proc = run_vpipe("train", "--vpipe", "--nas", '[{"step": 2, "remove": [0]}]')
     assert proc.returncode == 2
@@ -97,3 +106,16 @@ def test_blocks_added_to_stage_0_are_rebalanced_live_and_train_like_one_process(
     final = [json.loads((tmp_path / f"rank{r}.json").read_text())["layer_ids"] for r in range(2)]
     assert len(final[0]) < 11 and sorted(final[0] + final[1]) == list(range(14))
     assert_params_equal(load_run_params(tmp_path, 2), reference_flush(cfg)[0], rtol=1e-6)
+
+    # the run as a picture: throughput per step, layers per stage, the edit and the moves marked
+    png = tmp_path / "run.png"
+    drawn = run_vpipe("plot", str(tmp_path / "run.log"), "-o", str(png))
+    assert drawn.returncode == 0, drawn.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from vpipe.plot import series_from_log
+
+    series = series_from_log(log)
+    assert len(series.step) == 19  # every step but the last (its end is the run's end, no boundary follows)
+    assert {kind for _, kind in series.marks} == {"added", "moved"}
+    assert series.layers[0][0][1] == 3 and max(n for _, n in series.layers[0]) == 11
+    assert series.layers[0][-1][1] == len(final[0]) and series.layers[1][-1][1] == len(final[1])
