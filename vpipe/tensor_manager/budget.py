@@ -5,7 +5,8 @@ forward it projects the resident saved bytes: what is resident now, plus what th
 micro-batch will keep under the current policies, plus a working reserve for the backward
 (the largest layer's activations, which a backward brings back or recomputes at once). If
 the projection passes the budget, :func:`cheapest_escalations` picks extra swaps (D->S)
-or recomputes (D->R, S->R), the cheapest seconds per byte saved first, until it fits.
+or recomputes (D->R, S->R), or swaps a recomputed layer that still keeps its inputs (R->S),
+the cheapest seconds per byte saved first, until it fits.
 
 A layer whose own activations for one micro-batch exceed the budget cannot run even when
 fully recomputed (the recompute materialises them): that is a :class:`MemoryBudgetError`
@@ -124,8 +125,10 @@ def cheapest_escalations(
         best: tuple[float, float, Escalation] | None = None
         for lid, e in current.items():
             old = policies[lid]
+            # R -> S too: a layer recomputed because that was cheapest may keep more than a swap would,
+            # and without this step the search would stop short of what every layer at its leanest saves
             options = (Policy.SWAP, Policy.RECOMPUTE) if old is Policy.KEEP else (
-                (Policy.RECOMPUTE,) if old is Policy.SWAP else ())
+                (Policy.RECOMPUTE,) if old is Policy.SWAP else (Policy.SWAP,))
             for new in options:
                 saved = kept_bytes(e, old) - kept_bytes(e, new)
                 if saved <= 0 or (new is Policy.SWAP and e.swappable_bytes > pool_left):
