@@ -306,7 +306,7 @@ def print_case(result: dict[str, Any]) -> None:
     Console(width=170).print(table)
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.rank_spec:
         rank_main(args)

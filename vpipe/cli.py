@@ -200,9 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
     from vpipe.planner.cli import register as register_plan
 
     register_plan(sub)
-    from vpipe import logview
+    from vpipe import bench, logview
     from vpipe.control import daemon, keys
 
+    bench.register(sub)
     logview.register(sub)
     daemon.register(sub)
     keys.register(sub)
