@@ -9,11 +9,15 @@ within 15% with more repeats.
 
 **Projection.** A transformer with two identical blocks per stage (every block costs what
 the reference model's median block measured here, the embedding and head as measured),
-``2 x stages`` micro-batches, one device per stage, on 8 to 64 stages, with the compute
-``--speedups`` times faster than this CPU (a GPU-like device) and GPU-like links: a PCIe
-copy engine for swaps (``--pcie-gbs``, fully overlapped with compute when the link keeps
-up) and ``--net-gbs`` between stages. Per configuration, the fraction of the ideal (the
-compute split evenly, no bubble, no recompute) that each reaches:
+``2 x stages`` micro-batches, one device per stage, on 8 to 64 stages, with GPU-like links:
+a PCIe copy engine for swaps (``--pcie-gbs``, overlapped with compute as far as compute
+lasts) and ``--net-gbs`` between stages. What decides swap against recompute on a GPU is
+the ratio of a block's compute (forward + backward) to the time its activations take to go
+out to the host and back over PCIe; the compute is scaled so that this ratio is
+``--ratios`` (2 by default: a large model's blocks on a GPU, whose compute grows with the
+square of the width and activations only linearly) on every depth, and ``--sweep-ratios``
+on the first depth. Per configuration, the fraction of the ideal (the compute split
+evenly, no bubble, no recompute) that each reaches:
 
   GPipe (all R)       every layer recomputed: the memory-lean baseline
   1F1B (all S)        every layer swapped to the host: what vpipe turns to on a GPU
@@ -51,10 +55,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--validation-stages", type=int, nargs="*", default=[2, 4])
     p.add_argument("--no-validation", action="store_true", help="projection only (no real runs)")
     p.add_argument("--stages", type=int, nargs="*", default=[8, 16, 32, 64], help="projected pipeline depths")
-    p.add_argument("--speedups", type=float, nargs="*", default=[100.0],
-                   help="device compute speed over this CPU, for every projected depth")
-    p.add_argument("--sweep-speedups", type=float, nargs="*", default=[10.0, 1000.0],
-                   help="more speedups, at the first projected depth only (where the PCIe link starts to show)")
+    p.add_argument("--ratios", type=float, nargs="*", default=[2.0],
+                   help="a block's compute / its activations' PCIe round trip, on every projected depth")
+    p.add_argument("--sweep-ratios", type=float, nargs="*", default=[0.5, 1.0, 4.0],
+                   help="more ratios, on the first projected depth only")
     p.add_argument("--pcie-gbs", type=float, default=12.0, help="host<->device copies, GB/s")
     p.add_argument("--net-gbs", type=float, default=10.0, help="between stages, GB/s")
     p.add_argument("--json", default=None, help="write the results here")
@@ -79,13 +83,17 @@ def repeated_blocks(costs: ModelCosts, blocks: int) -> ModelCosts:
     return dataclasses.replace(costs, layers=[costs.layers[0], *[typical] * blocks, costs.layers[-1]])
 
 
-def project(costs: ModelCosts, stages: int, speedup: float, link: Link) -> dict[str, Any]:
-    model = scaled(repeated_blocks(costs, 2 * stages - 2), 1.0 / speedup)
+def project(costs: ModelCosts, stages: int, ratio: float, link: Link) -> dict[str, Any]:
+    """Simulate every system on ``stages`` devices whose block compute is ``ratio`` times its PCIe round trip."""
+    model = repeated_blocks(costs, 2 * stages - 2)
+    block = model.layers[1]
+    speedup = (block.fwd_s + block.bwd_s) / (ratio * 2 * block.act_bytes / link.swap_bytes_per_s)
+    model = scaled(model, 1.0 / speedup)
     counts = balanced_counts(model, stages)
     m = 2 * stages
     ideal = ideal_step_s(model, stages, m)
-    row: dict[str, Any] = {"stages": stages, "speedup": speedup, "micro_batches": m, "layers": len(model.layers),
-                           "ideal_step_s": ideal, "systems": {}}
+    row: dict[str, Any] = {"stages": stages, "ratio": ratio, "speedup": speedup, "micro_batches": m,
+                           "layers": len(model.layers), "ideal_step_s": ideal, "systems": {}}
     for name, (schedule, policy) in SYSTEMS.items():
         per_stage = stage_costs(model, counts, schedule=schedule, link=link,
                                 policies={i: policy for i in range(len(model.layers))})
@@ -98,8 +106,8 @@ def project(costs: ModelCosts, stages: int, speedup: float, link: Link) -> dict[
 def projection(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     costs = measure_model_costs(REFERENCE, repeats=3, rounds=2)
     link = Link(send_bytes_per_s=args.net_gbs * 1e9, swap_bytes_per_s=args.pcie_gbs * 1e9, overlap=1.0)
-    cases = [(p, s) for p in args.stages for s in args.speedups]
-    cases += [(args.stages[0], s) for s in args.sweep_speedups if (args.stages[0], s) not in cases]
+    cases = [(p, r) for p in args.stages for r in args.ratios]
+    cases += [(args.stages[0], r) for r in args.sweep_ratios if (args.stages[0], r) not in cases]
     return [project(costs, p, s, link) for p, s in cases], {"link": dataclasses.asdict(link),
                                                              "block_compute_s": statistics.median(
                                                                  c.fwd_s + c.bwd_s for c in costs.layers[1:-1])}
@@ -123,10 +131,10 @@ def print_tables(out: dict[str, Any]) -> None:
     table = Table(title=(f"projection: fraction of ideal, one GPU-like device per stage, PCIe "
                          f"{out['config']['pcie_gbs']:g} GB/s swaps overlapped, {out['config']['net_gbs']:g} GB/s "
                          "between stages, 2 blocks per stage, 2 x stages micro-batches"))
-    for col in ("stages", "compute speedup", *SYSTEMS):
+    for col in ("stages", "compute / PCIe", "speedup over this CPU", *SYSTEMS):
         table.add_column(col, justify="right")
     for r in out["projection"]:
-        table.add_row(str(r["stages"]), f"{r['speedup']:g}x",
+        table.add_row(str(r["stages"]), f"{r['ratio']:g}", f"{r['speedup']:.0f}x",
                       *(f"{r['systems'][n]['of_ideal']:.0%}" for n in SYSTEMS))
     console.print(table)
 

@@ -56,7 +56,8 @@ def headline_rows(results: Results) -> list[list[str]]:
         best_b = max((r for r in budgeted if not r["vpipe"]), key=lambda r: r["samples_per_s"], default=None)
         if best_v and best_b:
             rows.append([f"throughput, {case['model']} on {case['stages']} CPU stages, same memory budget",
-                         f"{best_v['system']}: {best_v['samples_per_s']:.0f} samples/s ({best_v['of_ideal']:.0%} of ideal)",
+                         f"{best_v['system']}: {best_v['samples_per_s']:.0f} samples/s "
+                         f"({best_v['of_ideal']:.0%} of ideal)",
                          f"{best_b['system']}: {best_b['samples_per_s']:.0f} samples/s ({best_b['of_ideal']:.0%})",
                          f"{best_v['samples_per_s'] / best_b['samples_per_s']:.2f}x"])
     for case in results.get("microbatch", {}).get("cases", []):
@@ -113,7 +114,8 @@ def _throughput_md(data: dict[str, Any]) -> str:
         parts.append(f"**{case['model']} on {case['stages']} stages**: budget {case['budget_bytes'] / 2**20:.1f} MiB "
                      f"per stage, global batch {case['global_batch']}, partition {case['partition']}, ideal "
                      f"{case['ideal_samples_per_s']:.0f} samples/s\n\n"
-                     + _table(["system", "mb x n", "samples/s", "vs without vpipe", "vs GPipe (all R)", "of ideal"], rows))
+                     + _table(["system", "mb x n", "samples/s", "vs without vpipe", "vs GPipe (all R)", "of ideal"],
+                              rows))
     return "\n\n".join(parts)
 
 
@@ -148,13 +150,15 @@ def _simulator_md(data: dict[str, Any]) -> str:
             ["stages", "schedule", "predicted ms", "measured ms", "error", "outside load (cores)",
              "calibrated overhead per action (ms)"], rows))
     systems = list(data["projection"][0]["systems"]) if data.get("projection") else []
-    rows = [[str(r["stages"]), f"{r['speedup']:g}x", *(f"{r['systems'][n]['of_ideal']:.0%}" for n in systems)]
+    rows = [[str(r["stages"]), f"{r['ratio']:g}", f"{r['speedup']:.0f}x",
+             *(f"{r['systems'][n]['of_ideal']:.0%}" for n in systems)]
             for r in data.get("projection", [])]
     if rows:
         link = data["link"]
         parts.append(f"Projection (fraction of ideal; PCIe {link['swap_bytes_per_s'] / 1e9:g} GB/s swaps overlapped "
                      f"with compute, {link['send_bytes_per_s'] / 1e9:g} GB/s between stages):\n\n"
-                     + _table(["stages", "compute speedup over this CPU", *systems], rows))
+                     + _table(["stages", "block compute / PCIe round trip", "compute speedup over this CPU", *systems],
+                              rows))
     return "\n\n".join(parts)
 
 
@@ -233,15 +237,15 @@ def plot(results: Results, directory: Path) -> list[Path]:
         written.append(_save(fig, directory / "microbatch.png"))
     projection = results.get("simulator", {}).get("projection", [])
     if projection:
-        speed = projection[0]["speedup"]
-        rows = [r for r in projection if r["speedup"] == speed]
+        ratio = projection[0]["ratio"]
+        rows = [r for r in projection if r["ratio"] == ratio]
         fig, ax = plt.subplots(figsize=(6, 4))
         for name in rows[0]["systems"]:
             ax.plot([r["stages"] for r in rows], [r["systems"][name]["of_ideal"] for r in rows], marker="o", label=name)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("stages (one GPU-like device each)")
         ax.set_ylabel("fraction of ideal throughput")
-        ax.set_title(f"simulated, compute {speed:g}x this CPU, PCIe swaps")
+        ax.set_title(f"simulated: block compute = {ratio:g} x its PCIe round trip")
         ax.legend()
         written.append(_save(fig, directory / "projection.png"))
     return written
