@@ -2,8 +2,8 @@
 
 **Validation.** For the reference transformer (8 blocks, d_model 64, sequence 64, 4
 micro-batches of 8, GPipe) on 2 and 4 stages: the simulator's step time from measured layer
-profiles plus a per-action overhead calibrated on the same pipeline at micro-batch size 1
-(:mod:`vpipe.runtime.calibrate`), against real ``vpipe train`` runs; each run is simulated
+profiles, with a per-action overhead and a compute scale calibrated on the same pipeline
+at micro-batch sizes 1 and 4 (:mod:`vpipe.runtime.calibrate`), against real ``vpipe train`` runs; each run is simulated
 under the outside load it saw. ``tests/test_simulate.py`` asserts the same
 within 15% with more repeats.
 
@@ -120,13 +120,14 @@ def print_tables(out: dict[str, Any]) -> None:
     console = Console(width=150)
     if out["validation"]:
         table = Table(title="simulator vs real runs (reference transformer, GPipe, this machine)")
-        for col in ("stages", "predicted ms", "measured ms (runs)", "error", "outside load", "overhead/action"):
+        for col in ("stages", "predicted ms", "measured ms (runs)", "error", "outside load", "overhead/action",
+                    "compute scale"):
             table.add_column(col, justify="right")
         for r in out["validation"]:
             runs = ", ".join(f"{x * 1e3:.0f}" for x in r["measured_runs_s"])
             table.add_row(str(r["stages"]), f"{r['predicted_s'] * 1e3:.0f}", f"{r['measured_s'] * 1e3:.0f} ({runs})",
-                          f"{r['error']:+.1%}", f"{r['external_cores']:.2f} cores",
-                          f"{r['action_overhead_s'] * 1e3:.2f} ms")
+                          f"{r['error']:+.1%}", f"{r['background']:.1f} threads",
+                          f"{r['action_overhead_s'] * 1e3:.2f} ms", f"{r['compute_scale']:.2f}")
         console.print(table)
     table = Table(title=(f"projection: fraction of ideal, one GPU-like device per stage, PCIe "
                          f"{out['config']['pcie_gbs']:g} GB/s swaps overlapped, {out['config']['net_gbs']:g} GB/s "

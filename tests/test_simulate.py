@@ -13,8 +13,8 @@ import random
 
 import pytest
 
-from vpipe.runtime.calibrate import REFERENCE_RUN, validate
-from vpipe.runtime.costs import LayerCost, Link, ModelCosts, ideal_step_s, stage_costs
+from vpipe.runtime.calibrate import REFERENCE_RUN, calibrate, predict_step_s, validate
+from vpipe.runtime.costs import LayerCost, Link, ModelCosts, ideal_step_s, scaled, stage_costs
 from vpipe.runtime.simulate import StageCost, action_order, simulate
 
 
@@ -164,12 +164,28 @@ def test_ideal_is_the_compute_split_evenly():
     assert ideal_step_s(costs, 4, 4, cores=2) == pytest.approx(4 * costs.compute_s / 2)
 
 
+def test_calibration_recovers_the_overhead_and_compute_scale_that_made_the_runs():
+    """Runs made by the simulator itself with a known overhead and scale, under different outside loads."""
+    costs = _costs(REFERENCE_RUN.n_layers)
+    small, large = (dataclasses.replace(REFERENCE_RUN, stages=2, micro_batch_size=size) for size in (1, 4))
+    small_costs, large_costs = costs, scaled(costs, 4.0)  # compute grows with the micro-batch, overheads do not
+
+    def runs(cfg, c):
+        return [(predict_step_s(cfg, scaled(c, 1.3), action_overhead_s=0.003, background=load), load)
+                for load in (0.0, 0.5, 2.0)]
+
+    found = calibrate((small, small_costs, runs(small, small_costs)), (large, large_costs, runs(large, large_costs)))
+    assert found.action_overhead_s == pytest.approx(0.003, rel=1e-3)
+    assert found.compute_scale == pytest.approx(1.3, rel=1e-3)
+
+
 # ---------------------------------------------------------------------- validation against real runs
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("stages", [2, 4])
 def test_simulated_step_time_is_within_15_percent_of_real_runs(stages):
-    """Real `vpipe train` runs, three of each size, interleaved with runs at micro-batch size 1 that calibrate
-    the per-action overhead; each run simulated under the outside load it saw (vpipe/runtime/calibrate.py)."""
+    """Real `vpipe train` runs, three at the reference size, interleaved with runs at micro-batch sizes 1 and 4
+    that calibrate the per-action overhead and compute scale; each run simulated under the outside load it saw
+    (vpipe/runtime/calibrate.py)."""
     prediction = validate(dataclasses.replace(REFERENCE_RUN, stages=stages), repeats=3)
     assert abs(prediction.error) <= 0.15, prediction.to_dict()

@@ -144,11 +144,12 @@ def _simulator_md(data: dict[str, Any]) -> str:
     parts = []
     if data.get("validation"):
         rows = [[str(r["stages"]), r["schedule"], f"{r['predicted_s'] * 1e3:.0f}", f"{r['measured_s'] * 1e3:.0f}",
-                 f"{r['error']:+.1%}", f"{r['external_cores']:.2f}", f"{r['action_overhead_s'] * 1e3:.2f}"]
+                 f"{r['error']:+.1%}", f"{r['background']:.1f}", f"{r['action_overhead_s'] * 1e3:.2f}",
+                 f"{r.get('compute_scale', 1.0):.2f}"]
                 for r in data["validation"]]
         parts.append("Validation against real runs on this machine:\n\n" + _table(
-            ["stages", "schedule", "predicted ms", "measured ms", "error", "outside load (cores)",
-             "calibrated overhead per action (ms)"], rows))
+            ["stages", "schedule", "predicted ms", "measured ms", "error", "outside load (runnable threads)",
+             "calibrated overhead per action (ms)", "calibrated compute scale"], rows))
     systems = list(data["projection"][0]["systems"]) if data.get("projection") else []
     rows = [[str(r["stages"]), f"{r['ratio']:g}", f"{r['speedup']:.0f}x",
              *(f"{r['systems'][n]['of_ideal']:.0%}" for n in systems)]

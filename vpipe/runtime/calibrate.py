@@ -9,8 +9,10 @@ the simulation match is found by bisection (step time grows monotonically with i
 calibrated overhead is then used, unchanged, to predict runs at other sizes.
 
 A shared machine's other processes take cores away from the ranks. Each real run reports
-that load (``external_cores``, see :mod:`vpipe.runtime.measure`), and the simulation shares
-the cores between the computing stages and that many always-busy outside threads.
+how many outside threads were runnable on average (``outside_threads``, see
+:mod:`vpipe.runtime.measure`; the CPU time other processes used where that is not
+available), and the simulation shares the cores between the computing stages and that many
+always-busy outside threads, as the scheduler does.
 """
 
 from __future__ import annotations
@@ -18,15 +20,16 @@ from __future__ import annotations
 import dataclasses
 import os
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from vpipe.runtime.config import RunConfig
-from vpipe.runtime.costs import Link, ModelCosts, measure_model_costs, stage_costs
+from vpipe.runtime.costs import Link, ModelCosts, measure_model_costs, scaled, stage_costs
 from vpipe.runtime.measure import MeasuredRun, run_training
 from vpipe.runtime.simulate import simulate
 
-__all__ = ["REFERENCE_RUN", "Prediction", "predict_step_s", "calibrate_action_overhead", "validate"]
+__all__ = ["REFERENCE_RUN", "Calibration", "Prediction", "predict_step_s", "calibrate", "validate"]
 
 # The reference run the simulator is validated on (tests and benchmarks/simulator_bench.py): the
 # transformer LM of `vpipe train` at 8 blocks, 4 micro-batches of 8 under GPipe; ``stages`` is set per case.
@@ -43,9 +46,11 @@ class Prediction:
     micro_batch_size: int
     predicted_s: float  # the median measured step x the median over runs of predicted / measured
     measured_s: float
-    external_cores: float
+    background: float  # outside threads the simulation shared the cores with (median over runs)
     action_overhead_s: float
+    compute_scale: float = 1.0
     measured_runs_s: tuple[float, ...] = ()
+    runs: tuple[tuple[int, float, float], ...] = ()  # every real run: (micro-batch size, step seconds, outside load)
 
     @property
     def error(self) -> float:
@@ -66,9 +71,10 @@ def predict_step_s(cfg: RunConfig, costs: ModelCosts, *, action_overhead_s: floa
 
 
 def _measure(cfg: RunConfig, repeats: int) -> list[tuple[float, float]]:
-    """Per real run: its median steady step and the outside load during it (cores)."""
+    """Per real run: its median steady step and the outside load during it (runnable threads)."""
     runs: list[MeasuredRun] = [run_training(cfg) for _ in range(repeats)]
-    return [(statistics.median(r.steady()), r.external_cores) for r in runs]
+    return [(statistics.median(r.steady()), r.external_cores if r.outside_threads is None else r.outside_threads)
+            for r in runs]
 
 
 def _ratio(cfg: RunConfig, costs: ModelCosts, runs: list[tuple[float, float]], overhead: float) -> float:
@@ -77,36 +83,83 @@ def _ratio(cfg: RunConfig, costs: ModelCosts, runs: list[tuple[float, float]], o
                              for step, load in runs)
 
 
-def calibrate_action_overhead(cfg: RunConfig, runs: list[tuple[float, float]], costs: ModelCosts, *,
-                              high_s: float = 0.1) -> float:
-    """Seconds per forward/backward action that make the simulation of ``cfg`` match its real ``runs``
-    (the median over runs of predicted / measured is 1); 0 when the layers alone already match."""
-    if _ratio(cfg, costs, runs, 0.0) >= 1.0:
-        return 0.0
-    low, high = 0.0, high_s
-    for _ in range(30):
+@dataclass(frozen=True)
+class Calibration:
+    """What a running pipeline adds to the layer profiles."""
+
+    action_overhead_s: float  # fixed seconds per forward or backward action
+    compute_scale: float  # layer time in a running pipeline / in the single-threaded profile
+
+
+def _solve(f: Callable[[float], float], low: float, high: float, iterations: int = 25) -> float:
+    """``x`` in ``[low, high]`` with ``f(x) = 1`` for an increasing ``f`` (an end when there is none)."""
+    if f(low) >= 1.0:
+        return low
+    if f(high) <= 1.0:
+        return high
+    for _ in range(iterations):
         mid = (low + high) / 2
-        low, high = (mid, high) if _ratio(cfg, costs, runs, mid) < 1.0 else (low, mid)
+        low, high = (mid, high) if f(mid) < 1.0 else (low, mid)
     return (low + high) / 2
+
+
+def calibrate(small: tuple[RunConfig, ModelCosts, list[tuple[float, float]]],
+              large: tuple[RunConfig, ModelCosts, list[tuple[float, float]]]) -> Calibration:
+    """The overhead per action and compute scale that make the simulation match real runs at two micro-batch
+    sizes: ``small`` (overhead-dominated) and ``large`` (compute-dominated), each ``(config, profile, runs)``."""
+    (small_cfg, small_costs, small_runs), (large_cfg, large_costs, large_runs) = small, large
+
+    def overhead_for(scale: float) -> float:
+        return _solve(lambda o: _ratio(small_cfg, scaled(small_costs, scale), small_runs, o), 0.0, 0.1)
+
+    scale = _solve(lambda k: _ratio(large_cfg, scaled(large_costs, k), large_runs, overhead_for(k)), 0.5, 4.0)
+    return Calibration(action_overhead_s=overhead_for(scale), compute_scale=scale)
+
+
+def _profiles(configs: list[RunConfig], rounds: int = 3) -> list[ModelCosts]:
+    """Layer profiles of ``configs``, taken in turns over ``rounds`` (each time the least disturbed), so that a
+    burst of outside load cannot make one size look slower than the others."""
+    best: list[ModelCosts | None] = [None] * len(configs)
+    for _ in range(rounds):
+        for i, c in enumerate(configs):
+            costs = measure_model_costs(c, rounds=1)
+            best[i] = costs if best[i] is None else _fastest(best[i], costs)
+    return [c for c in best if c is not None]
+
+
+def _fastest(a: ModelCosts, b: ModelCosts) -> ModelCosts:
+    """Per layer, the faster of two profiles of the same model (the loss and batch likewise)."""
+    layers = [x if x.fwd_s + x.bwd_s <= y.fwd_s + y.bwd_s else y for x, y in zip(a.layers, b.layers)]
+    return dataclasses.replace(a, layers=layers, loss_fwd_s=min(a.loss_fwd_s, b.loss_fwd_s),
+                               loss_bwd_s=min(a.loss_bwd_s, b.loss_bwd_s), batch_s=min(a.batch_s, b.batch_s))
 
 
 def validate(cfg: RunConfig, *, repeats: int = 3) -> Prediction:
     """Predict ``cfg``'s step time and compare with ``repeats`` real runs.
 
-    The overhead per action is calibrated on runs of ``cfg`` at micro-batch size 1, each run
-    right before one of ``cfg`` so that both see about the same outside load; every run is
-    predicted under its own outside load, and the reported ratio is the median over runs.
+    The overhead per action and the compute scale are calibrated on runs of the same
+    pipeline at micro-batch sizes 1 and half of ``cfg``'s, interleaved with the runs of
+    ``cfg`` so that all see about the same outside load; every run is predicted under its
+    own outside load, and the reported ratio is the median over runs.
     """
-    tiny = dataclasses.replace(cfg, micro_batch_size=1)
-    tiny_runs: list[tuple[float, float]] = []
+    sizes = (1, max(1, cfg.micro_batch_size // 2))
+    configs = [dataclasses.replace(cfg, micro_batch_size=size) for size in sizes]
+    calibration_runs: list[list[tuple[float, float]]] = [[] for _ in sizes]
     runs: list[tuple[float, float]] = []
     for _ in range(repeats):
-        tiny_runs += _measure(tiny, 1)
+        for i, c in enumerate(configs):
+            calibration_runs[i] += _measure(c, 1)
         runs += _measure(cfg, 1)
-    overhead = calibrate_action_overhead(tiny, tiny_runs, measure_model_costs(tiny))
-    ratio = _ratio(cfg, measure_model_costs(cfg), runs, overhead)
+    small_costs, large_costs, costs = _profiles([*configs, cfg])
+    calibration = calibrate((configs[0], small_costs, calibration_runs[0]),
+                            (configs[1], large_costs, calibration_runs[1]))
+    costs = scaled(costs, calibration.compute_scale)
+    ratio = _ratio(cfg, costs, runs, calibration.action_overhead_s)
     measured = statistics.median(step for step, _ in runs)
     return Prediction(stages=cfg.stages, schedule=cfg.schedule, micro_batch_size=cfg.micro_batch_size,
                       predicted_s=measured * ratio, measured_s=measured,
-                      external_cores=statistics.median(load for _, load in runs), action_overhead_s=overhead,
-                      measured_runs_s=tuple(step for step, _ in runs))
+                      background=statistics.median(load for _, load in runs),
+                      action_overhead_s=calibration.action_overhead_s, compute_scale=calibration.compute_scale,
+                      measured_runs_s=tuple(step for step, _ in runs),
+                      runs=tuple((c.micro_batch_size, step, load)
+                                 for c, r in zip([*configs, cfg], [*calibration_runs, runs]) for step, load in r))

@@ -24,7 +24,8 @@ import torch
 from vpipe.runtime.config import RunConfig
 from vpipe.runtime.simulate import StageCost
 
-__all__ = ["LayerCost", "ModelCosts", "Link", "measure_model_costs", "stage_costs", "ideal_step_s", "scaled", "balanced_counts"]
+__all__ = ["LayerCost", "ModelCosts", "Link", "measure_model_costs", "stage_costs", "ideal_step_s", "scaled",
+           "balanced_counts"]
 
 
 @dataclass(frozen=True)
