@@ -157,17 +157,17 @@ def _worker(raw: str) -> None:
     run_rank(ctx, main)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=42)
     parser.add_argument("--every", type=int, default=4, help="a move every N steps")
     parser.add_argument("--restarts", type=int, default=2)
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.worker:
         _worker(args.worker)
-        return
+        return 0
     from rich.console import Console
     from rich.table import Table
 
@@ -193,7 +193,8 @@ def main() -> None:
               "live_meets_target": live["boundary_median_s"] / live["step_s"] <= 0.10}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,6 +1,6 @@
 """Planner benchmark: time and gap to the optimum of vPipe's partitioner on the paper's models.
 
-For each zoo graph (BERT-large, Transformer, AmoebaNet, GNMT) and 4, 8 and 16 stages it
+For each zoo graph (BERT-large, Transformer, AmoebaNet, GNMT) and 4 to 64 stages it
 reports, like the paper's Table 4:
 
 - the coarse graph (nodes, edges) that Alg. 3's coarsening produces;
@@ -15,7 +15,7 @@ reports, like the paper's Table 4:
 
 Prints a rich table; ``--json OUT`` also writes every number.
 
-    python benchmarks/planner_bench.py [--repeats 5] [--graphs amoebanet gnmt] [--json out.json]
+    python benchmarks/planner_bench.py [--repeats 5] [--graphs amoebanet gnmt] [--stages 16 64] [--json out.json]
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from vpipe.planner.cost_model import GraphProfile, Hardware, PipelineSetup, Stag
 from vpipe.planner.partition import coarsen, is_valid_pipeline  # noqa: E402
 from vpipe.planner.srp import plan_pipeline  # noqa: E402
 
-STAGES = (4, 8, 16)
+STAGES = (4, 8, 16, 32, 64)
 
 
 def networkx_kl(graph: LayerGraph, parts: int, seed: int = 0) -> list[list[int]]:
@@ -78,10 +78,11 @@ def parts_cost(graph: LayerGraph, parts: list[list[int]], hardware: Hardware) ->
     return max(times), sum(received.values())
 
 
-def bench_graph(name: str, graph: LayerGraph, repeats: int, with_networkx: bool) -> list[dict[str, Any]]:
+def bench_graph(name: str, graph: LayerGraph, repeats: int, with_networkx: bool,
+                stages: tuple[int, ...] = STAGES) -> list[dict[str, Any]]:
     rows = []
     hardware = Hardware()
-    for p in STAGES:
+    for p in stages:
         costs = StageCosts(GraphProfile(graph), PipelineSetup(p, hardware=hardware))
         coarse = coarsen(costs, p)
         kl_times, kl = [], None
@@ -133,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5, help="KL runs per case; the median is reported")
     parser.add_argument("--graphs", nargs="*", default=list(zoo.ZOO), choices=list(zoo.ZOO))
+    parser.add_argument("--stages", nargs="*", type=int, default=list(STAGES), help="pipeline depths")
     parser.add_argument("--no-networkx", action="store_true", help="skip networkx's plain KL")
     parser.add_argument("--json", metavar="OUT", default=None, help="also write the results here")
     args = parser.parse_args(argv)
@@ -143,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         graph = zoo.build(name)
         console.print(f"built {name}: {len(graph)} nodes, {len(graph.edges)} edges in "
                       f"{time.perf_counter() - started:.1f} s")
-        rows.extend(bench_graph(name, graph, args.repeats, not args.no_networkx))
+        rows.extend(bench_graph(name, graph, args.repeats, not args.no_networkx, tuple(args.stages)))
     render(rows, console)
     if args.json:
         Path(args.json).write_text(json.dumps({"machine_note": "shared 2-core CPU; times are medians",

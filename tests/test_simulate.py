@@ -8,11 +8,13 @@ on 2 and 4 stages and checks the simulator's predicted step time is within 15%.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 
-from vpipe.runtime.costs import LayerCost, Link, ModelCosts, ideal_step_s, stage_costs
+from vpipe.runtime.calibrate import REFERENCE_RUN, calibrate, predict_step_s, validate
+from vpipe.runtime.costs import LayerCost, Link, ModelCosts, ideal_step_s, scaled, stage_costs
 from vpipe.runtime.simulate import StageCost, action_order, simulate
 
 
@@ -92,6 +94,19 @@ def test_processor_sharing_halves_the_rate_of_two_concurrent_actions():
     assert sum(shared.busy_s) == pytest.approx(0.040)
 
 
+def test_background_load_takes_its_share_of_the_cores():
+    """One stage on one core beside one always-busy outside thread runs at half speed."""
+    alone = simulate([StageCost(0.010, 0.020)], schedule="gpipe", micro_batches=4, steps=4, cores=1)
+    shared = simulate([StageCost(0.010, 0.020)], schedule="gpipe", micro_batches=4, steps=4, cores=1, background=1.0)
+    assert shared.step_s == pytest.approx(2 * alone.step_s)
+    # two cores and one outside thread: alone a stage gets a whole core, two computing stages 2/3 each
+    # F0@s0 [0,10] alone; F1@s0 and F0@s1 together [10,25]; F1@s1 alone [25,35]
+    two = simulate([StageCost(0.010, 0.0)] * 2, schedule="gpipe", micro_batches=2, steps=1, cores=2, background=1.0)
+    assert two.total_s == pytest.approx(0.035)
+    with pytest.raises(ValueError, match="background load"):
+        simulate([StageCost(1, 1)], schedule="gpipe", micro_batches=1, background=-1)
+
+
 def test_migration_stall_delays_every_later_step():
     costs = [StageCost(0.010, 0.020)] * 2
     plain = simulate(costs, schedule="gpipe", micro_batches=4, steps=4)
@@ -147,3 +162,30 @@ def test_ideal_is_the_compute_split_evenly():
     costs = _costs()
     assert ideal_step_s(costs, 2, 4) == pytest.approx(4 * costs.compute_s / 2)
     assert ideal_step_s(costs, 4, 4, cores=2) == pytest.approx(4 * costs.compute_s / 2)
+
+
+def test_calibration_recovers_the_overhead_and_compute_scale_that_made_the_runs():
+    """Runs made by the simulator itself with a known overhead and scale, under different outside loads."""
+    costs = _costs(REFERENCE_RUN.n_layers)
+    small, large = (dataclasses.replace(REFERENCE_RUN, stages=2, micro_batch_size=size) for size in (1, 4))
+    small_costs, large_costs = costs, scaled(costs, 4.0)  # compute grows with the micro-batch, overheads do not
+
+    def runs(cfg, c):
+        return [(predict_step_s(cfg, scaled(c, 1.3), action_overhead_s=0.003, background=load), load)
+                for load in (0.0, 0.5, 2.0)]
+
+    found = calibrate((small, small_costs, runs(small, small_costs)), (large, large_costs, runs(large, large_costs)))
+    assert found.action_overhead_s == pytest.approx(0.003, rel=1e-3)
+    assert found.compute_scale == pytest.approx(1.3, rel=1e-3)
+
+
+# ---------------------------------------------------------------------- validation against real runs
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("stages", [2, 4])
+def test_simulated_step_time_is_within_15_percent_of_real_runs(stages):
+    """Real `vpipe train` runs, three at the reference size, interleaved with runs at micro-batch sizes 1 and 4
+    that calibrate the per-action overhead and compute scale; each run simulated under the outside load it saw
+    (vpipe/runtime/calibrate.py)."""
+    prediction = validate(dataclasses.replace(REFERENCE_RUN, stages=stages), repeats=3)
+    assert abs(prediction.error) <= 0.15, prediction.to_dict()

@@ -79,6 +79,16 @@ def test_too_many_micro_batches_in_flight_for_the_budget_is_an_error():
         gpipe_step(model, spec, 0, manager, micro_batches=4)
 
 
+def test_escalations_go_from_recompute_to_swap_when_recompute_was_not_lean_enough():
+    """A recompute is cheapest per byte but keeps the inputs; only a swap (which keeps nothing) gets there."""
+    estimates = [LayerEstimate(0, Policy.KEEP, activation_bytes=1000, swappable_bytes=1000, input_bytes=400,
+                               forward_s=0.001)]
+    changes = cheapest_escalations(estimates, 1000, swap_s_per_byte=1e-3, overlap=0.0, pool_free_bytes=10**9,
+                                   budget_bytes=4000, context="test")
+    assert [(c.layer_id, c.old, c.new, c.saved_bytes) for c in changes] == [
+        (0, Policy.KEEP, Policy.RECOMPUTE, 600), (0, Policy.RECOMPUTE, Policy.SWAP, 400)]
+
+
 def test_escalations_pick_the_cheapest_seconds_per_byte():
     estimates = [
         LayerEstimate(0, Policy.KEEP, activation_bytes=1000, swappable_bytes=1000, input_bytes=100, forward_s=1.0),

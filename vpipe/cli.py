@@ -197,9 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
     from vpipe.planner.cli import register as register_plan
 
     register_plan(sub)
-    from vpipe import demo, logview, plot
+    from vpipe import bench, demo, logview, plot
     from vpipe.control import daemon, keys
 
+    bench.register(sub)
     logview.register(sub)
     plot.register(sub)
     demo.register(sub)

@@ -24,7 +24,8 @@ import torch
 from vpipe.runtime.config import RunConfig
 from vpipe.runtime.simulate import StageCost
 
-__all__ = ["LayerCost", "ModelCosts", "Link", "measure_model_costs", "stage_costs", "ideal_step_s", "scaled"]
+__all__ = ["LayerCost", "ModelCosts", "Link", "measure_model_costs", "stage_costs", "ideal_step_s", "scaled",
+           "balanced_counts"]
 
 
 @dataclass(frozen=True)
@@ -227,3 +228,35 @@ def scaled(costs: ModelCosts, factor: float) -> ModelCosts:
     layers = [replace(c, fwd_s=c.fwd_s * factor, bwd_s=c.bwd_s * factor, opt_s=c.opt_s * factor) for c in costs.layers]
     return replace(costs, layers=layers, loss_fwd_s=costs.loss_fwd_s * factor, loss_bwd_s=costs.loss_bwd_s * factor,
                    batch_s=costs.batch_s * factor)
+
+
+def balanced_counts(costs: ModelCosts, stages: int) -> list[int]:
+    """Layers per stage minimising the slowest stage's forward + backward (the loss on the last stage).
+
+    What a static partitioner such as torchgpipe's ``balance_by_time`` or PipeDream's
+    planner gives a baseline: exact min-max over contiguous splits (a small DP).
+    """
+    n = len(costs.layers)
+    if not 1 <= stages <= n:
+        raise ValueError(f"cannot split {n} layers into {stages} non-empty stages")
+    w = [c.fwd_s + c.bwd_s for c in costs.layers]
+    w[-1] += costs.loss_fwd_s + costs.loss_bwd_s
+    prefix = [0.0]
+    for x in w:
+        prefix.append(prefix[-1] + x)
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]  # best[k][j]: first j layers on k stages
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, stages + 1):
+        for j in range(k, n - (stages - k) + 1):
+            for i in range(k - 1, j):
+                value = max(best[k - 1][i], prefix[j] - prefix[i])
+                if value < best[k][j] - 1e-15:
+                    best[k][j], cut[k][j] = value, i
+    counts, j = [], n
+    for k in range(stages, 0, -1):
+        i = cut[k][j]
+        counts.append(j - i)
+        j = i
+    return counts[::-1]

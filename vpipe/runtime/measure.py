@@ -5,6 +5,12 @@ run therefore also reports ``external_cores``, the CPU time that processes other
 this one and its children used during the run, in cores (system-wide busy time from
 psutil minus the children's and our own CPU time), so callers can tell a quiet
 measurement from a disturbed one and repeat the disturbed ones.
+
+CPU time cannot tell how many threads competed for the cores once they were all busy
+(three outside threads and two ranks on two cores use two cores, as do one and two). The
+scheduler shares the cores between runnable threads, so each run also reports
+``outside_threads``: the mean number of runnable threads that are not the run's own,
+sampled from ``/proc`` ten times a second (Linux only; None elsewhere).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +32,7 @@ import psutil
 
 from vpipe.runtime.config import RunConfig
 
-__all__ = ["MeasuredRun", "train_argv", "run_training", "CpuWindow", "steady_step_s"]
+__all__ = ["MeasuredRun", "train_argv", "run_training", "CpuWindow", "RunnableSampler", "steady_step_s"]
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -74,6 +81,45 @@ class CpuWindow:
         return max(0.0, busy - ours) / wall if wall > 0 else 0.0
 
 
+class RunnableSampler:
+    """Mean number of runnable threads outside a process tree, sampled every ``interval_s`` on a thread.
+
+    ``procs_running`` in ``/proc/stat`` counts every runnable thread, the sampler's own read
+    included; the tree's runnable processes (state ``R``) are subtracted.
+    """
+
+    def __init__(self, root_pid: int, interval_s: float = 0.1) -> None:
+        self._root = root_pid
+        self._interval = interval_s
+        self._samples: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="vpipe-runnable-sampler", daemon=True)
+
+    @staticmethod
+    def available() -> bool:
+        return Path("/proc/stat").exists()
+
+    def start(self) -> RunnableSampler:
+        self._thread.start()
+        return self
+
+    def stop(self) -> float | None:
+        self._stop.set()
+        self._thread.join()
+        return statistics.fmean(self._samples) if self._samples else None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                root = psutil.Process(self._root)
+                ours = sum(p.status() == psutil.STATUS_RUNNING for p in [root, *root.children(recursive=True)])
+                running = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                               if line.startswith("procs_running"))
+            except (psutil.Error, OSError, StopIteration):
+                continue  # the tree is starting or ending
+            self._samples.append(max(0, running - 1 - ours))
+
+
 def _system_busy_s() -> float:
     t = psutil.cpu_times()
     return sum(t) - t.idle - getattr(t, "iowait", 0.0) - getattr(t, "steal", 0.0) - getattr(t, "guest", 0.0) \
@@ -95,13 +141,15 @@ class MeasuredRun:
     external_cores: float
     wall_s: float
     ranks: list[dict[str, Any]] = field(default_factory=list)  # each rank's rankN.json
+    outside_threads: float | None = None  # mean runnable threads of other processes (Linux), see RunnableSampler
 
     def steady(self, skip: int = 2) -> list[float]:
         """Per step (after ``skip`` warm-up steps), the mean over ranks of the step's wall time."""
         return steady_step_s(self.step_s, skip)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"cfg": self.cfg, "step_s": self.step_s, "external_cores": self.external_cores, "wall_s": self.wall_s}
+        return {"cfg": self.cfg, "step_s": self.step_s, "external_cores": self.external_cores, "wall_s": self.wall_s,
+                "outside_threads": self.outside_threads}
 
 
 def steady_step_s(step_s: list[list[float]], skip: int = 2) -> list[float]:
@@ -121,12 +169,21 @@ def run_training(cfg: RunConfig, *, timeout_s: float = 600, extra_env: dict[str,
         cmd = [sys.executable, "-m", "vpipe", *train_argv(cfg), "--out-dir", out]
         window = CpuWindow().start()
         started = time.perf_counter()
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        sampler = RunnableSampler(proc.pid).start() if RunnableSampler.available() else None
+        try:
+            _, stderr = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            raise
+        finally:
+            outside = sampler.stop() if sampler else None
         wall = time.perf_counter() - started
         external = window.stop()
         if proc.returncode:
             raise RuntimeError(f"vpipe train failed (exit {proc.returncode}): {' '.join(cmd[2:])}\n"
-                               f"{proc.stderr[-3000:]}")
+                               f"{stderr[-3000:]}")
         ranks = [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(cfg.stages)]
     return MeasuredRun(cfg=cfg.to_dict(), step_s=[r["step_s"] for r in ranks], external_cores=external,
-                       wall_s=wall, ranks=ranks)
+                       wall_s=wall, ranks=ranks, outside_threads=outside)

@@ -99,18 +99,22 @@ def simulate(
     steps: int = 4,
     cores: int | None = None,
     stall_s: Sequence[float] = (),
+    background: float = 0.0,
 ) -> SimResult:
     """Simulate ``steps`` steps of ``costs`` (one entry per stage) under ``schedule``.
 
     ``stall_s[k]`` pauses every stage for that long before its first action of step ``k``
     (a migration at that step boundary); a pause occupies no core. ``cores`` (default: one
-    per stage) are shared equally by the stages that are computing.
+    per stage) are shared equally by the stages that are computing and ``background``
+    always-busy threads of other processes (a shared machine's load, in cores).
     """
     p, m = len(costs), micro_batches
     if p < 1 or m < 1 or steps < 1:
         raise ValueError("need at least one stage, micro-batch and step")
     if schedule in ("1f1b", "pipedream") and m < p:
         raise ValueError(f"{schedule} needs micro_batches >= stages ({m} < {p})")
+    if not math.isfinite(background) or background < 0:
+        raise ValueError(f"background load must be finite and >= 0, got {background}")
     if any(not math.isfinite(x) or x < 0 for x in stall_s):
         raise ValueError(f"stalls must be finite and >= 0, got {list(stall_s)}")
     cores = p if cores is None else max(1, cores)
@@ -164,7 +168,7 @@ def simulate(
                 nxt[s] += 1
             else:
                 future.append(t)
-        rate = min(1.0, cores / len(computing)) if computing else 0.0
+        rate = min(1.0, cores / (len(computing) + background)) if computing else 0.0
         events = future + list(pausing.values()) + [now + work / rate for _, _, work in computing.values()]
         if not events:
             break

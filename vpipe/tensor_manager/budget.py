@@ -5,7 +5,8 @@ forward it projects the resident saved bytes: what is resident now, plus what th
 micro-batch will keep under the current policies, plus a working reserve for the backward
 (the largest layer's activations, which a backward brings back or recomputes at once). If
 the projection passes the budget, :func:`cheapest_escalations` picks extra swaps (D->S)
-or recomputes (D->R, S->R), the cheapest seconds per byte saved first, until it fits.
+or recomputes (D->R, S->R), or swaps a recomputed layer that still keeps its inputs (R->S),
+the cheapest seconds per byte saved first, until it fits.
 
 A layer whose own activations for one micro-batch exceed the budget cannot run even when
 fully recomputed (the recompute materialises them): that is a :class:`MemoryBudgetError`

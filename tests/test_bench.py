@@ -1,0 +1,121 @@
+"""`vpipe bench` runs benchmark scripts by name and records what happened; `vpipe.report` renders their JSON."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from vpipe import bench, report
+from vpipe.cli import main as cli_main
+
+SCRIPT = '''
+import argparse, json, sys
+p = argparse.ArgumentParser()
+p.add_argument("--json")
+p.add_argument("--fail", action="store_true")
+a = p.parse_args()
+print("table of fake results")
+if a.fail:
+    sys.exit(3)
+json.dump({"benchmark": "fake", "value": 42}, open(a.json, "w"))
+'''
+
+
+@pytest.fixture
+def fake_benchmarks(tmp_path, monkeypatch):
+    scripts = tmp_path / "benchmarks"
+    scripts.mkdir()
+    (scripts / "fake.py").write_text(SCRIPT)
+    monkeypatch.setattr(bench, "BENCH_DIR", scripts)
+    monkeypatch.setattr(bench, "BENCHMARKS", {
+        "fake": bench.Benchmark("fake", "fake.py", "a fake"),
+        "broken": bench.Benchmark("broken", "fake.py", "always fails", ("--fail",)),
+        "absent": bench.Benchmark("absent", "absent.py", "not written yet"),
+    })
+    return tmp_path
+
+
+def test_every_named_benchmark_of_the_issue_is_registered():
+    assert {"throughput", "microbatch", "planner", "simulator", "migration", "nas", "soak"} <= set(bench.BENCHMARKS)
+    for b in bench.BENCHMARKS.values():
+        if b.name not in ("nas", "soak"):  # written on other branches
+            assert b.path.exists(), b.script
+
+
+def test_all_benchmarks_write_json_and_a_status_file(fake_benchmarks, capfd):
+    out = fake_benchmarks / "results"
+    assert cli_main(["bench", "--json", str(out)]) == 1  # one failed
+    assert json.loads((out / "fake.json").read_text()) == {"benchmark": "fake", "value": 42}
+    status = {r["name"]: r for r in json.loads((out / "bench.json").read_text())["benchmarks"]}
+    assert status["fake"]["status"] == "ok"
+    assert status["broken"] == {**status["broken"], "status": "failed", "reason": "exit status 3"}
+    assert status["absent"]["status"] == "skipped" and "absent.py is not in this checkout" in status["absent"]["reason"]
+    assert "table of fake results" in capfd.readouterr().out
+
+
+def test_one_benchmark_to_one_json_file(fake_benchmarks):
+    target = fake_benchmarks / "fake-out.json"
+    assert cli_main(["bench", "fake", "--json", str(target)]) == 0
+    assert json.loads(target.read_text())["value"] == 42
+    assert not (fake_benchmarks / "bench.json").exists()
+
+
+def test_unknown_benchmark_is_a_clear_error(fake_benchmarks, capsys):
+    assert cli_main(["bench", "nope"]) == 2
+    assert "unknown benchmark nope; choose from fake, broken, absent" in capsys.readouterr().err
+
+
+THROUGHPUT = {"cases": [{"model": "transformer", "stages": 2, "budget_bytes": 5 << 20, "global_batch": 32,
+                         "partition": [3, 3], "ideal_samples_per_s": 600.0, "rows": [
+    {"system": "GPipe (all R)", "vpipe": False, "samples_per_s": 150.0, "of_ideal": 0.25, "micro_batch_size": 8,
+     "micro_batches": 4, "vs_gpipe": None, "vs_without_vpipe": None},
+    {"system": "1F1B + vpipe", "vpipe": True, "samples_per_s": 180.0, "of_ideal": 0.30, "micro_batch_size": 8,
+     "micro_batches": 4, "vs_gpipe": {"median": 1.2, "min": 1.1, "max": 1.3}, "vs_without_vpipe": None},
+    {"system": "1F1B, no budget (all D)", "vpipe": False, "samples_per_s": 300.0, "of_ideal": 0.5,
+     "micro_batch_size": 8, "micro_batches": 4, "vs_gpipe": None, "vs_without_vpipe": None},
+    {"system": "PipeDream (all D)", "fits": False, "samples_per_s": None}]}]}
+
+
+def test_headline_compares_vpipe_with_the_best_baseline_under_the_budget():
+    rows = report.headline_rows({"throughput": THROUGHPUT})
+    # the no-budget row is a reference, not a baseline under the same budget
+    assert rows == [["throughput, transformer on 2 CPU stages, same memory budget",
+                     "1F1B + vpipe: 180 samples/s (30% of ideal)", "GPipe (all R): 150 samples/s (25%)", "1.20x"]]
+
+
+def test_readme_headline_is_rewritten_between_its_markers_only(tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "throughput.json").write_text(json.dumps(THROUGHPUT))
+    readme = tmp_path / "README.md"
+    readme.write_text("# x\nintro\n<!-- headline:start -->\nold numbers\n<!-- headline:end -->\nrest\n")
+    assert report.main([str(results), "--readme", str(readme)]) == 0
+    text = readme.read_text()
+    assert text.startswith("# x\nintro\n<!-- headline:start -->\n| result |") and text.endswith(
+        "<!-- headline:end -->\nrest\n")
+    assert "old numbers" not in text and "1.20x" in text
+    assert report.main([str(results), "--readme", str(readme)]) == 0
+    assert readme.read_text() == text  # regenerating is stable
+
+
+def test_missing_markers_or_results_are_clear_errors(tmp_path, capsys):
+    (tmp_path / "README.md").write_text("no markers\n")
+    assert report.main([str(tmp_path), "--readme", str(tmp_path / "README.md")]) == 2
+    assert "markers <!-- headline:start --> ... <!-- headline:end --> not found" in capsys.readouterr().err
+    assert report.main([str(tmp_path / "nowhere")]) == 2
+    assert "run `vpipe bench --json" in capsys.readouterr().err
+
+
+def test_docs_tables_cover_every_benchmark_and_say_what_is_missing(tmp_path):
+    text = report.results_markdown({"throughput": THROUGHPUT})
+    assert "| PipeDream (all D) | - | does not fit |" in text
+    assert "_No `planner.json`: run `vpipe bench planner`._" in text
+
+
+def test_plots_are_png_files(tmp_path):
+    pytest.importorskip("matplotlib")
+    written = report.plot({"throughput": THROUGHPUT}, tmp_path)
+    assert [p.name for p in written] == ["throughput.png"]
+    assert Path(written[0]).read_bytes()[:4] == b"\x89PNG"

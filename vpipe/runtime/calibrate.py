@@ -1,0 +1,165 @@
+"""Predict a real run's step time with the simulator, and calibrate the framework's fixed cost per action.
+
+Layer profiles (:func:`vpipe.runtime.costs.measure_model_costs`) time the layers alone. A
+pipeline adds a fixed cost to every forward and backward action: the schedule's Python,
+autograd's engine starting a backward, gloo's send and receive calls. That cost does not
+grow with the micro-batch, so it is measured where it matters most: one real run of the
+same model and pipeline at micro-batch size 1, for which the overhead per action that makes
+the simulation match is found by bisection (step time grows monotonically with it). The
+calibrated overhead is then used, unchanged, to predict runs at other sizes.
+
+A shared machine's other processes take cores away from the ranks. Each real run reports
+how many outside threads were runnable on average (``outside_threads``, see
+:mod:`vpipe.runtime.measure`; the CPU time other processes used where that is not
+available), and the simulation shares the cores between the computing stages and that many
+always-busy outside threads, as the scheduler does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from vpipe.runtime.config import RunConfig
+from vpipe.runtime.costs import Link, ModelCosts, measure_model_costs, scaled, stage_costs
+from vpipe.runtime.measure import MeasuredRun, run_training
+from vpipe.runtime.simulate import simulate
+
+__all__ = ["REFERENCE_RUN", "Calibration", "Prediction", "predict_step_s", "calibrate", "validate"]
+
+# The reference run the simulator is validated on (tests and benchmarks/simulator_bench.py): the
+# transformer LM of `vpipe train` at 8 blocks, 4 micro-batches of 8 under GPipe; ``stages`` is set per case.
+REFERENCE_RUN = RunConfig(model="transformer", blocks=8, d_model=64, seq_len=64, schedule="gpipe", micro_batches=4,
+                          micro_batch_size=8, steps=14, progress=False)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Simulated and measured steady step time of one configuration."""
+
+    stages: int
+    schedule: str
+    micro_batch_size: int
+    predicted_s: float  # the median measured step x the median over runs of predicted / measured
+    measured_s: float
+    background: float  # outside threads the simulation shared the cores with (median over runs)
+    action_overhead_s: float
+    compute_scale: float = 1.0
+    measured_runs_s: tuple[float, ...] = ()
+    runs: tuple[tuple[int, float, float], ...] = ()  # every real run: (micro-batch size, step seconds, outside load)
+
+    @property
+    def error(self) -> float:
+        """Relative error of the prediction (positive: predicted slower than measured)."""
+        return self.predicted_s / self.measured_s - 1.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "error": self.error}
+
+
+def predict_step_s(cfg: RunConfig, costs: ModelCosts, *, action_overhead_s: float = 0.0, background: float = 0.0,
+                   cores: int | None = None, link: Link | None = None, steps: int = 8) -> float:
+    """Steady step time the simulator predicts for ``cfg`` (its schedule, partition, micro-batches)."""
+    per_stage = stage_costs(costs, cfg.layer_counts(), schedule=cfg.schedule, link=link,
+                            action_overhead_s=action_overhead_s)
+    return simulate(per_stage, schedule=cfg.schedule, micro_batches=cfg.micro_batches, steps=steps,
+                    cores=cores or os.cpu_count() or 1, background=background).step_s
+
+
+def _measure(cfg: RunConfig, repeats: int) -> list[tuple[float, float]]:
+    """Per real run: its median steady step and the outside load during it (runnable threads)."""
+    runs: list[MeasuredRun] = [run_training(cfg) for _ in range(repeats)]
+    return [(statistics.median(r.steady()), r.external_cores if r.outside_threads is None else r.outside_threads)
+            for r in runs]
+
+
+def _ratio(cfg: RunConfig, costs: ModelCosts, runs: list[tuple[float, float]], overhead: float) -> float:
+    """Median over runs of predicted / measured, each run simulated under its own outside load."""
+    return statistics.median(predict_step_s(cfg, costs, action_overhead_s=overhead, background=load) / step
+                             for step, load in runs)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What a running pipeline adds to the layer profiles."""
+
+    action_overhead_s: float  # fixed seconds per forward or backward action
+    compute_scale: float  # layer time in a running pipeline / in the single-threaded profile
+
+
+def _solve(f: Callable[[float], float], low: float, high: float, iterations: int = 25) -> float:
+    """``x`` in ``[low, high]`` with ``f(x) = 1`` for an increasing ``f`` (an end when there is none)."""
+    if f(low) >= 1.0:
+        return low
+    if f(high) <= 1.0:
+        return high
+    for _ in range(iterations):
+        mid = (low + high) / 2
+        low, high = (mid, high) if f(mid) < 1.0 else (low, mid)
+    return (low + high) / 2
+
+
+def calibrate(small: tuple[RunConfig, ModelCosts, list[tuple[float, float]]],
+              large: tuple[RunConfig, ModelCosts, list[tuple[float, float]]]) -> Calibration:
+    """The overhead per action and compute scale that make the simulation match real runs at two micro-batch
+    sizes: ``small`` (overhead-dominated) and ``large`` (compute-dominated), each ``(config, profile, runs)``."""
+    (small_cfg, small_costs, small_runs), (large_cfg, large_costs, large_runs) = small, large
+
+    def overhead_for(scale: float) -> float:
+        return _solve(lambda o: _ratio(small_cfg, scaled(small_costs, scale), small_runs, o), 0.0, 0.1)
+
+    scale = _solve(lambda k: _ratio(large_cfg, scaled(large_costs, k), large_runs, overhead_for(k)), 0.5, 4.0)
+    return Calibration(action_overhead_s=overhead_for(scale), compute_scale=scale)
+
+
+def _profiles(configs: list[RunConfig], rounds: int = 3) -> list[ModelCosts]:
+    """Layer profiles of ``configs``, taken in turns over ``rounds`` (each time the least disturbed), so that a
+    burst of outside load cannot make one size look slower than the others."""
+    best: list[ModelCosts | None] = [None] * len(configs)
+    for _ in range(rounds):
+        for i, c in enumerate(configs):
+            costs = measure_model_costs(c, rounds=1)
+            best[i] = costs if best[i] is None else _fastest(best[i], costs)
+    return [c for c in best if c is not None]
+
+
+def _fastest(a: ModelCosts, b: ModelCosts) -> ModelCosts:
+    """Per layer, the faster of two profiles of the same model (the loss and batch likewise)."""
+    layers = [x if x.fwd_s + x.bwd_s <= y.fwd_s + y.bwd_s else y for x, y in zip(a.layers, b.layers)]
+    return dataclasses.replace(a, layers=layers, loss_fwd_s=min(a.loss_fwd_s, b.loss_fwd_s),
+                               loss_bwd_s=min(a.loss_bwd_s, b.loss_bwd_s), batch_s=min(a.batch_s, b.batch_s))
+
+
+def validate(cfg: RunConfig, *, repeats: int = 3) -> Prediction:
+    """Predict ``cfg``'s step time and compare with ``repeats`` real runs.
+
+    The overhead per action and the compute scale are calibrated on runs of the same
+    pipeline at micro-batch sizes 1 and half of ``cfg``'s, interleaved with the runs of
+    ``cfg`` so that all see about the same outside load; every run is predicted under its
+    own outside load, and the reported ratio is the median over runs.
+    """
+    sizes = (1, max(1, cfg.micro_batch_size // 2))
+    configs = [dataclasses.replace(cfg, micro_batch_size=size) for size in sizes]
+    calibration_runs: list[list[tuple[float, float]]] = [[] for _ in sizes]
+    runs: list[tuple[float, float]] = []
+    for _ in range(repeats):
+        for i, c in enumerate(configs):
+            calibration_runs[i] += _measure(c, 1)
+        runs += _measure(cfg, 1)
+    small_costs, large_costs, costs = _profiles([*configs, cfg])
+    calibration = calibrate((configs[0], small_costs, calibration_runs[0]),
+                            (configs[1], large_costs, calibration_runs[1]))
+    costs = scaled(costs, calibration.compute_scale)
+    ratio = _ratio(cfg, costs, runs, calibration.action_overhead_s)
+    measured = statistics.median(step for step, _ in runs)
+    return Prediction(stages=cfg.stages, schedule=cfg.schedule, micro_batch_size=cfg.micro_batch_size,
+                      predicted_s=measured * ratio, measured_s=measured,
+                      background=statistics.median(load for _, load in runs),
+                      action_overhead_s=calibration.action_overhead_s, compute_scale=calibration.compute_scale,
+                      measured_runs_s=tuple(step for step, _ in runs),
+                      runs=tuple((c.micro_batch_size, step, load)
+                                 for c, r in zip([*configs, cfg], [*calibration_runs, runs]) for step, load in r))
