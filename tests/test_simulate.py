@@ -180,12 +180,22 @@ def test_calibration_recovers_the_overhead_and_compute_scale_that_made_the_runs(
 
 
 # ---------------------------------------------------------------------- validation against real runs
+QUIET_ENOUGH = 1.0  # other runnable threads, on average over the runs: above this the load comes and goes too much
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(1800)
 @pytest.mark.parametrize("stages", [2, 4])
 def test_simulated_step_time_is_within_15_percent_of_real_runs(stages):
     """Real `vpipe train` runs, three at the reference size, interleaved with runs at micro-batch sizes 1 and 4
     that calibrate the per-action overhead and compute scale; each run simulated under the outside load it saw
-    (vpipe/runtime/calibrate.py)."""
-    prediction = validate(dataclasses.replace(REFERENCE_RUN, stages=stages), repeats=3)
-    assert abs(prediction.error) <= 0.15, prediction.to_dict()
+    (vpipe/runtime/calibrate.py). The simulation models an outside load as steady; one that comes and goes
+    within a run is not, so a measurement under a heavy one is repeated, once, and then the test is skipped."""
+    loads = []
+    for _ in range(2):
+        prediction = validate(dataclasses.replace(REFERENCE_RUN, stages=stages), repeats=3)
+        if prediction.background <= QUIET_ENOUGH:
+            assert abs(prediction.error) <= 0.15, prediction.to_dict()
+            return
+        loads.append(round(prediction.background, 2))
+    pytest.skip(f"machine too busy to validate against: {loads} other runnable threads (limit {QUIET_ENOUGH})")
