@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -88,7 +89,29 @@ def headline_rows(results: Results) -> list[list[str]]:
                      f"live move: {live['stall_ratio']:.1%} (the move itself {migration['live_boundary_ratio']:.1%})",
                      f"stop-and-copy: {sac['stall_ratio']:.0%}",
                      f"{sac['stall_ratio'] / max(live['stall_ratio'], migration['live_boundary_ratio']):.0f}x less"])
+    nas = results.get("nas", {})
+    if nas.get("per_round"):
+        after = {name: statistics.median(r["throughput"][name]["after"] for r in nas["per_round"])
+                 for name in ("static", "vpipe")}
+        rows.append(["NAS edit: 8 blocks added to stage 0 of 2, throughput after it",
+                     f"vpipe: {after['vpipe']:.0f} samples/s ({nas['vpipe_over_optimal_after']['median']:.0%} of the "
+                     f"optimal static partition; 90% reached {_steps(nas['recovery_steps'])} after the edit)",
+                     f"static: {after['static']:.0f} samples/s "
+                     f"({nas['static_over_optimal_after']['median']:.0%} of optimal)",
+                     _ratio(nas["vpipe_over_static_after"])])
+    memory = results.get("memory", {})
+    if memory.get("samples_per_s"):
+        fits = memory["within_budget"]
+        rows.append([f"a {memory['budget_bytes'] / 2**20:.0f} MiB/stage budget plain 1F1B exceeds (2 stages)",
+                     f"1F1B + vpipe: {memory['samples_per_s']['vpipe']:.0f} samples/s, "
+                     f"{'within' if fits['vpipe'] else 'OVER'} budget",
+                     f"GPipe, all recomputed: {memory['samples_per_s']['gpipe_recompute']:.0f} samples/s",
+                     _ratio(memory["vpipe_over_recompute"])])
     return rows
+
+
+def _steps(recoveries: list[int | None]) -> str:
+    return ", ".join("never" if s is None else str(s) for s in recoveries) + " steps"
 
 
 def headline_markdown(results: Results) -> str:
