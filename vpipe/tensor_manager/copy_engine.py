@@ -15,6 +15,7 @@ tested) on CPU.
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from collections import deque
 from typing import Any
 
@@ -47,7 +48,7 @@ class Ticket:
             self.event.synchronize()
 
 
-class CopyEngine:
+class CopyEngine(ABC):
     """Interface shared by the CPU and CUDA engines; keeps the copy statistics."""
 
     device: torch.device
@@ -59,21 +60,25 @@ class CopyEngine:
         self._untimed: deque[Ticket] = deque()
 
     # -- copies -------------------------------------------------------------
+    @abstractmethod
     def to_host(self, src: torch.Tensor, dst: torch.Tensor) -> Ticket:
         """Copy device bytes ``src`` into host bytes ``dst`` (a pool block) asynchronously."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def to_device(self, src: torch.Tensor, after: Ticket | None = None) -> tuple[torch.Tensor, Ticket]:
         """Copy host bytes back into a new device tensor ahead of use (prefetch)."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def to_device_now(self, src: torch.Tensor) -> tuple[torch.Tensor, Ticket]:
         """Copy host bytes back on the current stream: the fallback when no prefetch was issued."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def consume(self, tensor: torch.Tensor, ticket: Ticket) -> None:
         """Make the current stream wait for ``ticket`` before it uses ``tensor``."""
-        raise NotImplementedError
+        ...
 
     # -- statistics ---------------------------------------------------------
     def _account(self, ticket: Ticket) -> None:
