@@ -201,3 +201,15 @@ def test_planner_arguments_are_checked():
     g = chain([1.0] * 8)
     with pytest.raises(ValueError, match="current plan has 2 stages"):
         SRPPlanner(4).propose(g, Plan.from_counts(g.ids, [4, 4]), 0)
+
+
+@pytest.mark.parametrize("method", ["kl", "exact"])
+def test_one_stage_that_cannot_hold_all_layers_is_infeasible(method):
+    """Every layer fits alone (2 bytes each), all of them together (6 bytes) do not: found by hypothesis."""
+    from vpipe.graph import LayerNode
+
+    nodes = [LayerNode(id=i, name=f"n{i}", fwd_s=0.0, bwd_s=0.0, act_bytes=0, param_bytes=int(i >= 2), order=i)
+             for i in range(5)]
+    with pytest.raises(InfeasibleError, match="^infeasible: "):
+        plan_pipeline(LayerGraph("random", nodes, []), 1, schedule="gpipe", micro_batches=4, memory_budget=4.0,
+                      method=method)

@@ -157,6 +157,12 @@ def _srp_loop(profile: GraphProfile, setup: PipelineSetup, budgets: np.ndarray, 
             break
         codes = plan.codes
     assert best is not None
+    over = [k for k in range(setup.num_stages) if best.memory[k] > budgets[k] * (1 + 1e-9)]
+    if over:
+        # every layer fits alone, but the partitioner found no split whose stages all fit
+        k = over[0]
+        raise InfeasibleError(f"infeasible: stage {k} needs {best.memory[k]:.0f} bytes > budget {budgets[k]:.0f} "
+                              f"even with its layers at their leanest policies ({method} partition)")
     return best, iterations
 
 
