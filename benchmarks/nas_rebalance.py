@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from vpipe.runtime.config import RunConfig  # noqa: E402
-from vpipe.runtime.measure import MeasuredRun, run_training  # noqa: E402
+from vpipe.runtime.measure import run_training, samples_per_s  # noqa: E402
 
 VARIANTS = ("static", "vpipe", "optimal")
 MODEL = dict(model="transformer", d_model=128, n_heads=4, seq_len=64, micro_batches=4, micro_batch_size=4,
@@ -61,12 +61,6 @@ def optimal_partition(cfg: RunConfig) -> list[int]:
             best = (slowest, counts)
     assert best is not None
     return best[1]
-
-
-def throughput(run: MeasuredRun, samples_per_step: int) -> list[float]:
-    """Samples per second of every step (the ranks' mean step time: one pipeline period)."""
-    steps = min(len(s) for s in run.step_s)
-    return [samples_per_step / statistics.fmean(s[i] for s in run.step_s) for i in range(steps)]
 
 
 def phases(add_step: int, steps: int) -> dict[str, range]:
@@ -108,7 +102,7 @@ def measure(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
         runs: dict[str, Any] = {}
         for name in order:
             run = run_training(cfgs[name])
-            runs[name] = {"throughput": throughput(run, samples), "external_cores": run.external_cores,
+            runs[name] = {"throughput": samples_per_s(run.step_s, samples), "external_cores": run.external_cores,
                           "final_layers": [len(rank["layer_ids"]) for rank in run.ranks]}
             print(f"round {r + 1}/{args.rounds} {name:8s} done ({run.wall_s:.0f} s, other load "
                   f"{run.external_cores:.2f} cores, final layers per stage {runs[name]['final_layers']})", flush=True)
@@ -148,15 +142,13 @@ def summarise(result: dict[str, Any], add_step: int, steps: int) -> dict[str, An
 
 
 def decisions(log_file: Path) -> list[tuple[str, str, str, str, str]]:
-    """The timeline rows that explain the recovery (one rank's copy of the edit)."""
+    """The timeline rows that explain the recovery."""
     from vpipe.log import read_log
-    from vpipe.logview import timeline_rows
+    from vpipe.logview import decision_rows
 
     if not log_file.exists():
         return []
-    wanted = {"layers_added", "imbalance", "plan", "plan_applied"}
-    return [row for row in timeline_rows(read_log(log_file), events=wanted)
-            if row[2] != "layers_added" or row[1] == "0"]
+    return decision_rows(read_log(log_file), {"layers_added", "imbalance", "plan", "plan_applied"})
 
 
 def report(summary: dict[str, Any], result: dict[str, Any], log_dir: Path) -> None:

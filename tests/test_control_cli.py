@@ -80,3 +80,13 @@ def test_the_daemon_entry_point_imports_no_torch():
                           timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "--server-key" in proc.stdout and proc.stdout.strip().endswith("[]")
+
+
+def test_decision_rows_show_an_edit_once_and_only_the_asked_events():
+    from vpipe.logview import decision_rows
+
+    records = [{"t": 1.0, "rank": r, "logger": "vpipe.decisions", "event": "layers_added", "msg": "added"} for r in (1, 0)]
+    records += [{"t": 2.0, "rank": None, "role": None, "logger": "vpipe.decisions", "event": "plan", "msg": "p"},
+                {"t": 3.0, "rank": 1, "logger": "vpipe.decisions", "event": "plan_received", "msg": "r"}]
+    rows = decision_rows(records, {"layers_added", "plan"})
+    assert [(who, event) for _, who, event, _, _ in rows] == [("0", "layers_added"), ("-", "plan")]

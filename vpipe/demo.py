@@ -47,10 +47,11 @@ class DemoPlan:
 
 
 def phase_throughput(step_s: list[list[float]], samples_per_step: int, phases: dict[str, range]) -> dict[str, float]:
-    """Median samples per second of each phase (a step's time: the mean over ranks)."""
-    steps = min(len(s) for s in step_s)
-    per_step = [samples_per_step / statistics.fmean(s[i] for s in step_s) for i in range(steps)]
-    return {name: statistics.median(per_step[i] for i in span if i < steps) for name, span in phases.items()}
+    """Median samples per second of each phase."""
+    from vpipe.runtime.measure import samples_per_s
+
+    per_step = samples_per_s(step_s, samples_per_step)
+    return {name: statistics.median(per_step[i] for i in span if i < len(per_step)) for name, span in phases.items()}
 
 
 def run_demo(plan: DemoPlan, log_dir: Path) -> int:
@@ -58,7 +59,7 @@ def run_demo(plan: DemoPlan, log_dir: Path) -> int:
     from rich.table import Table
 
     from vpipe.log import read_log
-    from vpipe.logview import timeline_rows
+    from vpipe.logview import decision_rows
     from vpipe.runtime.config import RunConfig
     from vpipe.runtime.measure import run_training
 
@@ -92,9 +93,7 @@ def run_demo(plan: DemoPlan, log_dir: Path) -> int:
     decisions = Table(title="what vpipe decided (vpipe logs " + str(log_dir / "vpipe.log") + " shows every number)")
     for col in ("t (s)", "who", "event", "message"):
         decisions.add_column(col)
-    for when, who, event, message, _ in timeline_rows(read_log(log_dir / "vpipe.log"), events=_SHOWN):
-        if event.startswith("layers_") and who != "0":
-            continue  # every rank logs the edit: show it once
+    for when, who, event, message, _ in decision_rows(read_log(log_dir / "vpipe.log"), _SHOWN):
         decisions.add_row(when, who, event, message)
     console.print(decisions)
     console.print(f"logs: {log_dir}/static.log, {log_dir}/vpipe.log; draw one with "

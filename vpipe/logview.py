@@ -14,7 +14,7 @@ from typing import Any
 
 from vpipe.log import DECISIONS, read_log
 
-__all__ = ["timeline_rows", "render", "register"]
+__all__ = ["timeline_rows", "decision_rows", "render", "register"]
 
 _BOOKKEEPING = {"t", "rank", "logger", "level", "msg", "event", "exc", "role"}
 
@@ -55,6 +55,11 @@ def timeline_rows(records: Iterable[dict[str, Any]], *, everything: bool = False
         details = "  ".join(f"{k}={_number(v)}" for k, v in r.items() if k not in _BOOKKEEPING)
         rows.append((when, _who(r), event, str(r.get("msg", "")), details))
     return rows
+
+
+def decision_rows(records: Iterable[dict[str, Any]], events: set[str]) -> list[tuple[str, str, str, str, str]]:
+    """The timeline of ``events``, with layer edits (which every rank logs) shown once, as rank 0 saw them."""
+    return [row for row in timeline_rows(records, events=events) if not row[2].startswith("layers_") or row[1] == "0"]
 
 
 def render(path: str, *, everything: bool = False, events: set[str] | None = None) -> int:

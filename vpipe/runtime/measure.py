@@ -160,6 +160,12 @@ def steady_step_s(step_s: list[list[float]], skip: int = 2) -> list[float]:
     return [statistics.fmean(s[i] for s in step_s) for i in range(skip, steps)]
 
 
+def samples_per_s(step_s: list[list[float]], samples_per_step: int) -> list[float]:
+    """Throughput of every step: a step lasts one pipeline period, so its time is the mean over ranks."""
+    steps = min(len(s) for s in step_s)
+    return [samples_per_step / statistics.fmean(s[i] for s in step_s) for i in range(steps)]
+
+
 def run_training(cfg: RunConfig, *, timeout_s: float = 600, extra_env: dict[str, str] | None = None) -> MeasuredRun:
     """Launch ``vpipe train`` for ``cfg`` (one process per stage, one thread each) and collect its results."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(extra_env or {}))
