@@ -16,6 +16,7 @@ __all__ = ["reset_shape_inference", "check_schedule_api"]
 
 _SCHEDULE_FLAGS = ("_stage_forward_initialized", "_stage_backward_initialized")
 _STAGE_STATE = ("args_recv_info", "grad_recv_info", "act_send_info", "grad_send_info", "fwd_cache", "bwd_cache")
+_OLD_STAGE_META = ("inputs_meta", "_outputs_meta")
 
 
 def check_schedule_api(schedule: Any) -> None:
@@ -46,3 +47,7 @@ def reset_shape_inference(schedule: Any) -> None:
     stage.grad_recv_info.clear()
     stage.act_send_info.clear()
     stage.grad_send_info = None
+    # torch <= 2.11 keeps the inferred shapes on the stage and infers again only while they are unset
+    for name in _OLD_STAGE_META:
+        if hasattr(stage, name):
+            setattr(stage, name, None)

@@ -21,6 +21,7 @@ stage 0 used, ``max(0, i-p+1)``. Each micro-batch's gradient is that of its own 
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections import deque
 from collections.abc import Callable
@@ -34,6 +35,9 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 from torch.func import functional_call
 
 __all__ = ["SchedulePipeDream", "StreamMover", "start_version"]
+
+# torch's private shape-inference hook grew a `target` argument after 2.11
+_INITIALIZE_TAKES_TARGET = "target" in inspect.signature(PipelineScheduleSingle._initialize_stage).parameters
 
 
 class StreamMover(Protocol):
@@ -139,7 +143,11 @@ class SchedulePipeDream(PipelineScheduleSingle):
     ) -> None:
         arg_mbs, kwarg_mbs = self._check_inputs(arg_mbs, kwarg_mbs, target_mbs, losses)
         if not self._stage_forward_initialized:
-            self._initialize_stage(arg_mbs[0], kwarg_mbs[0], target_mbs[0] if target_mbs else None)
+            target = target_mbs[0] if target_mbs else None
+            if _INITIALIZE_TAKES_TARGET:
+                self._initialize_stage(arg_mbs[0], kwarg_mbs[0], target)
+            else:  # older torch (2.11 and before) infers shapes from the inputs alone
+                self._initialize_stage(arg_mbs[0], kwarg_mbs[0])
         first, m = self._next_fwd, self._n_microbatches
         for j in range(m):
             self._targets[first + j] = target_mbs[j] if target_mbs else None

@@ -17,12 +17,15 @@ from typing import Any
 
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
-from vpipe.tensor_manager.manager import TensorManager
+from vpipe.tensor_manager.budget import MemoryBudgetError
+from vpipe.tensor_manager.manager import LayerBusyError, TensorManager
+from vpipe.tensor_manager.pool import HostPoolFullError
 
 __all__ = ["install_on_stage", "StageHandle"]
 
 _WRAPPED = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
 _MISSING = object()
+_OWN_ERRORS = (MemoryBudgetError, HostPoolFullError, LayerBusyError)
 
 
 class StageHandle:
@@ -65,7 +68,14 @@ def install_on_stage(stage: _PipelineStageBase, manager: TensorManager) -> Stage
 
     def forward_one_chunk(fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         with manager.micro_batch(fwd_chunk_id):
-            return forward(fwd_chunk_id, *args, **kwargs)
+            try:
+                return forward(fwd_chunk_id, *args, **kwargs)
+            except RuntimeError as e:
+                # torch <= 2.11 wraps a forward's error in a bare RuntimeError("[Stage k] failed to run
+                # forward"); the user needs the tensor manager's own error (its type and advice)
+                if isinstance(e.__cause__, _OWN_ERRORS) and type(e) is RuntimeError:
+                    raise e.__cause__ from None
+                raise
 
     def backward_one_chunk(bwd_chunk_id: int, loss: Any = None, full_backward: bool = True,
                            last_backward: bool = False) -> Any:
