@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from vpipe.runtime.watchdog import Watchdog
+from vpipe.runtime.watchdog import Watchdog, stderr_line
 from vpipe.tensor_manager.copy_engine import comm_process_group_options
 
 log = logging.getLogger("vpipe.runtime")
@@ -134,7 +134,7 @@ def run_rank(ctx: Distributed, main: Any, *args: Any, **kwargs: Any) -> Any:
         message = ctx.watchdog.record_failure(exc)
         if not is_peer_caused(message):
             log.exception("rank %d failed", ctx.rank)
-        print(f"vpipe [rank {ctx.rank}]: {message}", file=sys.stderr, flush=True)
+        stderr_line(f"vpipe [rank {ctx.rank}]: {message}")
         logging.shutdown()
         os._exit(1)
     ctx.finish()
@@ -223,3 +223,4 @@ def _wait_all(procs: list[subprocess.Popen], grace_s: float) -> int:
               f"(exit codes: {', '.join(f'rank {r}={c}' for r, c in enumerate(codes))})", file=sys.stderr, flush=True)
         return code if code > 0 else 1
     return 0
+

@@ -138,7 +138,14 @@ class Watchdog:
         return sentence if cause == self.rank else f"stopping because {sentence}"
 
     def _exit(self, message: str, code: int) -> None:
-        print(f"vpipe [rank {self.rank}]: {message}", file=sys.stderr, flush=True)
+        stderr_line(f"vpipe [rank {self.rank}]: {message}")
         log.error("rank %d: %s", self.rank, message)
         logging.shutdown()
         os._exit(code)
+
+
+def stderr_line(line: str) -> None:
+    """One write per line: ranks share the launcher's stderr, and print() writes the newline separately,
+    so two ranks failing together could run their lines into one."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
