@@ -3,7 +3,7 @@
 **Validation.** For the reference transformer (8 blocks, d_model 64, sequence 64, 4
 micro-batches of 8, GPipe) on 2 and 4 stages: the simulator's step time from measured layer
 profiles, with a per-action overhead and a compute scale calibrated on the same pipeline
-at micro-batch sizes 1 and 4 (:mod:`vpipe.runtime.calibrate`), against real ``vpipe train`` runs; each run is simulated
+at micro-batch sizes 1, 4 and 16 (:mod:`vpipe.runtime.calibrate`), against real ``vpipe train`` runs; each run is simulated
 under the outside load it saw. ``tests/test_simulate.py`` asserts the same
 within 15% with more repeats.
 

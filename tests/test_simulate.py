@@ -164,19 +164,31 @@ def test_ideal_is_the_compute_split_evenly():
     assert ideal_step_s(costs, 4, 4, cores=2) == pytest.approx(4 * costs.compute_s / 2)
 
 
-def test_calibration_recovers_the_overhead_and_compute_scale_that_made_the_runs():
+def _synthetic_point(size: int, overhead: float = 0.003, scale: float = 1.3, noise: float = 1.0):
     """Runs made by the simulator itself with a known overhead and scale, under different outside loads."""
-    costs = _costs(REFERENCE_RUN.n_layers)
-    small, large = (dataclasses.replace(REFERENCE_RUN, stages=2, micro_batch_size=size) for size in (1, 4))
-    small_costs, large_costs = costs, scaled(costs, 4.0)  # compute grows with the micro-batch, overheads do not
+    cfg = dataclasses.replace(REFERENCE_RUN, stages=2, micro_batch_size=size)
+    costs = scaled(_costs(REFERENCE_RUN.n_layers), size)  # compute grows with the micro-batch, overheads do not
+    runs = [(noise * predict_step_s(cfg, scaled(costs, scale), action_overhead_s=overhead, background=load), load)
+            for load in (0.0, 0.5, 2.0)]
+    return cfg, costs, runs
 
-    def runs(cfg, c):
-        return [(predict_step_s(cfg, scaled(c, 1.3), action_overhead_s=0.003, background=load), load)
-                for load in (0.0, 0.5, 2.0)]
 
-    found = calibrate((small, small_costs, runs(small, small_costs)), (large, large_costs, runs(large, large_costs)))
-    assert found.action_overhead_s == pytest.approx(0.003, rel=1e-3)
-    assert found.compute_scale == pytest.approx(1.3, rel=1e-3)
+def test_calibration_recovers_the_overhead_and_compute_scale_that_made_the_runs():
+    for sizes in ((1, 4), (1, 4, 16)):
+        found = calibrate(*(_synthetic_point(size) for size in sizes))
+        assert found.action_overhead_s == pytest.approx(0.003, rel=1e-3), sizes
+        assert found.compute_scale == pytest.approx(1.3, rel=1e-3), sizes
+
+
+def test_calibration_on_three_sizes_spreads_one_noisy_run():
+    """A size-4 run 10% slow: an exact solve through sizes 1 and 4 carries the whole error into the scale;
+    the least-squares fit over 1, 4 and 16 keeps the scale closer to the truth."""
+    noisy = _synthetic_point(4, noise=1.10)
+    two = calibrate(_synthetic_point(1), noisy)
+    three = calibrate(_synthetic_point(1), noisy, _synthetic_point(16))
+    assert abs(three.compute_scale - 1.3) < abs(two.compute_scale - 1.3)
+    with pytest.raises(ValueError, match="two or more micro-batch sizes"):
+        calibrate(_synthetic_point(1))
 
 
 # ---------------------------------------------------------------------- validation against real runs
@@ -187,7 +199,7 @@ QUIET_ENOUGH = 1.0  # other runnable threads, on average over the runs: above th
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("stages", [2, 4])
 def test_simulated_step_time_is_within_15_percent_of_real_runs(stages):
-    """Real `vpipe train` runs, three at the reference size, interleaved with runs at micro-batch sizes 1 and 4
+    """Real `vpipe train` runs, three at the reference size, interleaved with runs at micro-batch sizes 1, 4 and 16
     that calibrate the per-action overhead and compute scale; each run simulated under the outside load it saw
     (vpipe/runtime/calibrate.py). The simulation models an outside load as steady; one that comes and goes
     within a run is not, so a measurement under a heavy one is repeated, once, and then the test is skipped."""
@@ -195,6 +207,8 @@ def test_simulated_step_time_is_within_15_percent_of_real_runs(stages):
     for _ in range(2):
         prediction = validate(dataclasses.replace(REFERENCE_RUN, stages=stages), repeats=3)
         if prediction.background <= QUIET_ENOUGH:
+            print(f"{stages} stages: predicted {prediction.predicted_s * 1e3:.1f} ms, measured "
+                  f"{prediction.measured_s * 1e3:.1f} ms, error {prediction.error:+.1%}, load {prediction.background:.2f}")
             assert abs(prediction.error) <= 0.15, prediction.to_dict()
             return
         loads.append(round(prediction.background, 2))

@@ -1,12 +1,12 @@
 """Predict a real run's step time with the simulator, and calibrate the framework's fixed cost per action.
 
 Layer profiles (:func:`vpipe.runtime.costs.measure_model_costs`) time the layers alone. A
-pipeline adds a fixed cost to every forward and backward action: the schedule's Python,
-autograd's engine starting a backward, gloo's send and receive calls. That cost does not
-grow with the micro-batch, so it is measured where it matters most: one real run of the
-same model and pipeline at micro-batch size 1, for which the overhead per action that makes
-the simulation match is found by bisection (step time grows monotonically with it). The
-calibrated overhead is then used, unchanged, to predict runs at other sizes.
+pipeline adds a fixed cost to every forward and backward action (the schedule's Python,
+autograd's engine starting a backward, gloo's send and receive calls), and its layers run
+at a somewhat different speed than in the profile. Both are fitted to real runs of the same
+model and pipeline at several micro-batch sizes: the fixed cost does not grow with the
+micro-batch, so the smallest size pins it, and the largest pins the compute scale. The
+fitted pair is then used, unchanged, to predict the run at the size in between.
 
 A shared machine's other processes take cores away from the ranks. Each real run reports
 how many outside threads were runnable on average (``outside_threads``, see
@@ -18,9 +18,9 @@ always-busy outside threads, as the scheduler does.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import statistics
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,29 +91,51 @@ class Calibration:
     compute_scale: float  # layer time in a running pipeline / in the single-threaded profile
 
 
-def _solve(f: Callable[[float], float], low: float, high: float, iterations: int = 25) -> float:
-    """``x`` in ``[low, high]`` with ``f(x) = 1`` for an increasing ``f`` (an end when there is none)."""
-    if f(low) >= 1.0:
-        return low
-    if f(high) <= 1.0:
-        return high
+CalibrationPoint = tuple[RunConfig, ModelCosts, list[tuple[float, float]]]
+
+
+def calibrate(*points: CalibrationPoint, iterations: int = 30) -> Calibration:
+    """The overhead per action and compute scale that make the simulation best match real runs at two or more
+    micro-batch sizes, each ``(config, profile, runs)``: least squares of log(predicted / measured) over the
+    sizes. A small size pins the overhead, a large one the scale; with more than two sizes, noise in one run
+    moves the fit less than it moves an exact solve through two.
+
+    The simulated step is close to linear in both unknowns (compute scales, every action pays the overhead),
+    so Gauss-Newton with finite-difference slopes converges in a few simulations per size; the overhead
+    is kept at or above zero."""
+    if len(points) < 2:
+        raise ValueError(f"calibration needs runs at two or more micro-batch sizes, got {len(points)}")
+
+    def residuals(overhead: float, scale: float) -> list[float]:
+        return [math.log(_ratio(cfg, scaled(costs, scale), runs, overhead)) for cfg, costs, runs in points]
+
+    overhead, scale = 1e-3, 1.0
     for _ in range(iterations):
-        mid = (low + high) / 2
-        low, high = (mid, high) if f(mid) < 1.0 else (low, mid)
-    return (low + high) / 2
+        r = residuals(overhead, scale)
+        d_overhead, d_scale = 1e-4, 1e-3 * scale
+        j_overhead = [(b - a) / d_overhead for a, b in zip(r, residuals(overhead + d_overhead, scale))]
+        j_scale = [(b - a) / d_scale for a, b in zip(r, residuals(overhead, scale + d_scale))]
+        step_overhead, step_scale = _least_squares_step(j_overhead, j_scale, r)
+        if overhead + step_overhead < 0.0:  # the overhead stops at zero: fit the scale alone
+            step_overhead = -overhead
+            step_scale = _least_squares_step(None, j_scale, [a + ja * step_overhead for a, ja in zip(r, j_overhead)])[1]
+        overhead = overhead + step_overhead
+        scale = min(max(scale + step_scale, 0.05), 20.0)
+        if abs(step_overhead) < 1e-8 and abs(step_scale) < 1e-6 * scale:
+            break
+    return Calibration(action_overhead_s=overhead, compute_scale=scale)
 
 
-def calibrate(small: tuple[RunConfig, ModelCosts, list[tuple[float, float]]],
-              large: tuple[RunConfig, ModelCosts, list[tuple[float, float]]]) -> Calibration:
-    """The overhead per action and compute scale that make the simulation match real runs at two micro-batch
-    sizes: ``small`` (overhead-dominated) and ``large`` (compute-dominated), each ``(config, profile, runs)``."""
-    (small_cfg, small_costs, small_runs), (large_cfg, large_costs, large_runs) = small, large
-
-    def overhead_for(scale: float) -> float:
-        return _solve(lambda o: _ratio(small_cfg, scaled(small_costs, scale), small_runs, o), 0.0, 0.1)
-
-    scale = _solve(lambda k: _ratio(large_cfg, scaled(large_costs, k), large_runs, overhead_for(k)), 0.5, 4.0)
-    return Calibration(action_overhead_s=overhead_for(scale), compute_scale=scale)
+def _least_squares_step(a: list[float] | None, b: list[float], r: list[float]) -> tuple[float, float]:
+    """``(x, y)`` minimising ``sum((a_i x + b_i y + r_i)^2)`` (``x = 0`` when ``a`` is None)."""
+    bb, br = sum(v * v for v in b), sum(v * w for v, w in zip(b, r))
+    if a is None:
+        return 0.0, (-br / bb if bb > 0 else 0.0)
+    aa, ab, ar = sum(v * v for v in a), sum(v * w for v, w in zip(a, b)), sum(v * w for v, w in zip(a, r))
+    det = aa * bb - ab * ab
+    if abs(det) <= 1e-12 * max(aa * bb, 1e-300):
+        return 0.0, (-br / bb if bb > 0 else 0.0)
+    return (-ar * bb + br * ab) / det, (-br * aa + ar * ab) / det
 
 
 def _profiles(configs: list[RunConfig], rounds: int = 3) -> list[ModelCosts]:
@@ -138,11 +160,12 @@ def validate(cfg: RunConfig, *, repeats: int = 3) -> Prediction:
     """Predict ``cfg``'s step time and compare with ``repeats`` real runs.
 
     The overhead per action and the compute scale are calibrated on runs of the same
-    pipeline at micro-batch sizes 1 and half of ``cfg``'s, interleaved with the runs of
-    ``cfg`` so that all see about the same outside load; every run is predicted under its
-    own outside load, and the reported ratio is the median over runs.
+    pipeline at micro-batch sizes 1, half and twice ``cfg``'s (so ``cfg`` is interpolated,
+    never extrapolated), interleaved with the runs of ``cfg`` so that all see about the same
+    outside load; every run is predicted under its own outside load, and the reported ratio
+    is the median over runs.
     """
-    sizes = (1, max(1, cfg.micro_batch_size // 2))
+    sizes = sorted({1, max(1, cfg.micro_batch_size // 2), 2 * cfg.micro_batch_size})
     configs = [dataclasses.replace(cfg, micro_batch_size=size) for size in sizes]
     calibration_runs: list[list[tuple[float, float]]] = [[] for _ in sizes]
     runs: list[tuple[float, float]] = []
@@ -150,9 +173,8 @@ def validate(cfg: RunConfig, *, repeats: int = 3) -> Prediction:
         for i, c in enumerate(configs):
             calibration_runs[i] += _measure(c, 1)
         runs += _measure(cfg, 1)
-    small_costs, large_costs, costs = _profiles([*configs, cfg])
-    calibration = calibrate((configs[0], small_costs, calibration_runs[0]),
-                            (configs[1], large_costs, calibration_runs[1]))
+    *calibration_costs, costs = _profiles([*configs, cfg])
+    calibration = calibrate(*zip(configs, calibration_costs, calibration_runs))
     costs = scaled(costs, calibration.compute_scale)
     ratio = _ratio(cfg, costs, runs, calibration.action_overhead_s)
     measured = statistics.median(step for step, _ in runs)
