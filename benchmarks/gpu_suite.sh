@@ -23,7 +23,7 @@ nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || true
 "$PY" -c 'import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))' | tee "$OUT/torch.txt"
 
 status=0
-"$PY" -m pytest -m cuda -q -x tests 2>&1 | tee "$OUT/cuda-tests.txt" || status=1
+"$PY" -m pytest -m cuda -q -p no:cacheprovider tests 2>&1 | tee "$OUT/cuda-tests.txt" || status=1
 "$PY" benchmarks/swap_bench.py --device cuda --json "$OUT/swap.json" || status=1
 "$PY" benchmarks/tensor_manager_bench.py --device cuda --json "$OUT/tensor_manager.json" || status=1
 CUDA_VISIBLE_DEVICES= "$PY" benchmarks/throughput_bench.py --cases transformer:2 --rounds 3 \

@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -61,14 +62,28 @@ class CopyEngine(ABC):
 
     # -- copies -------------------------------------------------------------
     @abstractmethod
-    def to_host(self, src: torch.Tensor, dst: torch.Tensor) -> Ticket:
-        """Copy device bytes ``src`` into host bytes ``dst`` (a pool block) asynchronously."""
+    def to_host_batch(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Ticket:
+        """Copy each pair's device bytes into its host bytes (a pool block) asynchronously; one ticket for all.
+
+        One layer's saved tensors go together: the stream switch, the wait for the producer and
+        the events cost once per layer, not once per tensor (they dominate small copies).
+        """
         ...
 
+    def to_host(self, src: torch.Tensor, dst: torch.Tensor) -> Ticket:
+        """Copy device bytes ``src`` into host bytes ``dst`` asynchronously."""
+        return self.to_host_batch([(src, dst)])
+
     @abstractmethod
+    def to_device_batch(self, sources: Sequence[torch.Tensor], after: Sequence[Ticket] = ()
+                        ) -> tuple[list[torch.Tensor], Ticket]:
+        """Copy host bytes back into new device tensors ahead of use (prefetch), once ``after`` ended."""
+        ...
+
     def to_device(self, src: torch.Tensor, after: Ticket | None = None) -> tuple[torch.Tensor, Ticket]:
         """Copy host bytes back into a new device tensor ahead of use (prefetch)."""
-        ...
+        outs, ticket = self.to_device_batch([src], [after] if after is not None else ())
+        return outs[0], ticket
 
     @abstractmethod
     def to_device_now(self, src: torch.Tensor) -> tuple[torch.Tensor, Ticket]:
@@ -110,15 +125,21 @@ class CpuCopyEngine(CopyEngine):
         self.device = device
         self.pinned = False
 
-    def to_host(self, src: torch.Tensor, dst: torch.Tensor) -> Ticket:
+    def to_host_batch(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Ticket:
         t0 = time.perf_counter()
-        dst.copy_(src)
-        ticket = Ticket(D2H, src.numel(), seconds=time.perf_counter() - t0)
+        for src, dst in pairs:
+            dst.copy_(src)
+        ticket = Ticket(D2H, sum(src.numel() for src, _ in pairs), seconds=time.perf_counter() - t0)
         self._account(ticket)
         return ticket
 
-    def to_device(self, src: torch.Tensor, after: Ticket | None = None) -> tuple[torch.Tensor, Ticket]:
-        return self.to_device_now(src)
+    def to_device_batch(self, sources: Sequence[torch.Tensor], after: Sequence[Ticket] = ()
+                        ) -> tuple[list[torch.Tensor], Ticket]:
+        t0 = time.perf_counter()
+        outs = [torch.empty(src.numel(), dtype=torch.uint8, device=self.device).copy_(src) for src in sources]
+        ticket = Ticket(H2D, sum(src.numel() for src in sources), seconds=time.perf_counter() - t0)
+        self._account(ticket)
+        return outs, ticket
 
     def to_device_now(self, src: torch.Tensor) -> tuple[torch.Tensor, Ticket]:
         t0 = time.perf_counter()
@@ -140,6 +161,7 @@ class CudaCopyEngine(CopyEngine):
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
+        self._index = device.index
         self.pinned = True
         # 0 is CUDA's lowest priority (higher priorities are negative): compute and NCCL go first
         self.d2h_stream = torch.cuda.Stream(device, priority=0)
@@ -148,36 +170,44 @@ class CudaCopyEngine(CopyEngine):
     def _events(self) -> tuple[torch.cuda.Event, torch.cuda.Event]:
         return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
-    def to_host(self, src: torch.Tensor, dst: torch.Tensor) -> Ticket:
+    def _current_stream(self) -> torch.cuda.Stream:
+        return torch.cuda.current_stream(self._index)  # an int: the cheap path of the device lookup
+
+    def to_host_batch(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Ticket:
         start, end = self._events()
-        # the copy must see the producer's result: wait for what the compute stream queued so far
-        self.d2h_stream.wait_stream(torch.cuda.current_stream(self.device))
+        # the copies must see the producers' results: wait for what the compute stream queued so far
+        self.d2h_stream.wait_stream(self._current_stream())
         with torch.cuda.stream(self.d2h_stream):
             start.record()
-            dst.copy_(src, non_blocking=True)
+            for src, dst in pairs:
+                dst.copy_(src, non_blocking=True)
             end.record()
-        ticket = Ticket(D2H, src.numel(), end, start)
+        ticket = Ticket(D2H, sum(src.numel() for src, _ in pairs), end, start)
         self._account(ticket)
         return ticket
 
-    def to_device(self, src: torch.Tensor, after: Ticket | None = None) -> tuple[torch.Tensor, Ticket]:
+    def to_device_batch(self, sources: Sequence[torch.Tensor], after: Sequence[Ticket] = ()
+                        ) -> tuple[list[torch.Tensor], Ticket]:
         start, end = self._events()
         with torch.cuda.stream(self.h2d_stream):
-            if after is not None and after.event is not None:
-                self.h2d_stream.wait_event(after.event)  # the host bytes must have arrived
+            waited: set[int] = set()
+            for ticket in after:  # the host bytes must have arrived
+                if ticket.event is not None and id(ticket) not in waited:
+                    waited.add(id(ticket))
+                    self.h2d_stream.wait_event(ticket.event)
+            start.record()
             # allocated on the copy stream: the allocator will not hand this memory to the
             # compute stream until consume() recorded the compute stream's use of it
-            out = torch.empty(src.numel(), dtype=torch.uint8, device=self.device)
-            start.record()
-            out.copy_(src, non_blocking=True)
+            outs = [torch.empty(src.numel(), dtype=torch.uint8, device=self.device).copy_(src, non_blocking=True)
+                    for src in sources]
             end.record()
-        ticket = Ticket(H2D, src.numel(), end, start)
+        ticket = Ticket(H2D, sum(src.numel() for src in sources), end, start)
         self._account(ticket)
-        return out, ticket
+        return outs, ticket
 
     def to_device_now(self, src: torch.Tensor) -> tuple[torch.Tensor, Ticket]:
         start, end = self._events()
-        stream = torch.cuda.current_stream(self.device)
+        stream = self._current_stream()
         start.record(stream)
         out = torch.empty(src.numel(), dtype=torch.uint8, device=self.device)
         out.copy_(src, non_blocking=True)
@@ -187,7 +217,7 @@ class CudaCopyEngine(CopyEngine):
         return out, ticket
 
     def consume(self, tensor: torch.Tensor, ticket: Ticket) -> None:
-        stream = torch.cuda.current_stream(self.device)
+        stream = self._current_stream()
         if ticket.event is not None:
             stream.wait_event(ticket.event)
         tensor.record_stream(stream)

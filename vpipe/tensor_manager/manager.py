@@ -204,6 +204,7 @@ class TensorManager:
             yield self
         finally:
             self._mb = None
+            self._engine.flush_swap_outs()
             self._engine.poll()
 
     @contextmanager
@@ -280,6 +281,7 @@ class TensorManager:
         self.ledger.record_activation(layer.layer_id, frame.mb, activation, swappable)
         if activation > self._reserve:
             self._reserve = activation
+        self._engine.flush_swap_outs()  # the layer's swap-outs, as one batch of copies
         if self._engine.copies_in_flight:
             self._engine.poll()
         if self.budget_bytes is not None:

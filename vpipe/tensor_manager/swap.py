@@ -128,6 +128,7 @@ class SwapEngine:
         self._by_key: dict[int, StorageEntry] = {}
         self._swapped: dict[int, dict[int, SwappedEntry]] = {}  # mb -> seq -> live swapped entry
         self._live: dict[tuple[int, int], int] = {}  # (layer, mb) -> live entries
+        self._unissued: list[SwappedEntry] = []  # packed, copy not issued yet (see flush_swap_outs)
         self._swapping_out: deque[SwappedEntry] = deque()
         self._deferred: deque[tuple[Ticket, PoolBlock | None, object]] = deque()
         self._seq = 0
@@ -179,23 +180,36 @@ class SwapEngine:
                     block = self.pool.alloc(nbytes)
                 except HostPoolFullError as e:
                     raise HostPoolFullError(f"layer {layer}, micro-batch {mb}: {e}") from None
-                source = flat_bytes(storage, self.device)
-                ticket = self.copies.to_host(source, block.data)
                 entry = self._new_entry(SwappedEntry, key, layer, mb, nbytes)
-                entry.host, entry.d2h = block, ticket
+                entry.host = block
                 entry.weak = StorageWeakRef(storage)
+                # the device bytes stay held (and counted) until the copy has read them; the copy
+                # itself is issued with the rest of the layer's at flush_swap_outs()
+                entry.source = flat_bytes(storage, self.device)
+                entry.counted = True
+                self.ledger.add(layer, mb, nbytes)
+                self._unissued.append(entry)
                 self._swapped.setdefault(mb, {})[entry.seq] = entry
                 self.layer_d2h[layer] = self.layer_d2h.get(layer, 0) + nbytes
-                if not ticket.done():  # hold the device bytes until the copy has read them
-                    entry.source = source
-                    entry.counted = True
-                    self.ledger.add(layer, mb, nbytes)
-                    self._swapping_out.append(entry)
             elif mb not in entry.users:  # another micro-batch saved the same storage: prefetch it for both
                 entry.users.append(mb)
                 self._swapped.setdefault(mb, {})[entry.seq] = entry
             entry.refs += 1
             return SwappedHandle(t, entry, self.dead)
+
+    def flush_swap_outs(self) -> None:
+        """Issue the swap-out copies packed since the last flush, as one batch (after each layer's forward)."""
+        with self.lock:
+            batch = [e for e in self._unissued if not e.released]
+            self._unissued.clear()
+            if not batch:
+                return
+            ticket = self.copies.to_host_batch([(e.source, e.host.data) for e in batch])  # type: ignore[union-attr]
+            for entry in batch:
+                entry.d2h = ticket
+                self._swapping_out.append(entry)
+            if ticket.done():  # a synchronous copy (CPU): the device bytes can go now
+                self.poll()
 
     def _new_entry(self, kind: type[E], key: int, layer: int, mb: int, nbytes: int) -> E:
         self._seq += 1
@@ -224,7 +238,7 @@ class SwapEngine:
                 self.copies.consume(base, entry.h2d)  # type: ignore[arg-type]
             else:
                 self.sync_fallbacks += 1
-                base = self._fetch(entry, now=True)
+                base = self._fetch_now(entry)
             restored = torch.empty(0, dtype=handle.dtype, device=base.device).set_(
                 base.untyped_storage(), handle.offset, handle.size, handle.stride
             )
@@ -234,18 +248,17 @@ class SwapEngine:
                 self._drop_device_copy(entry)
             return restored
 
-    def _fetch(self, entry: SwappedEntry, now: bool) -> torch.Tensor:
-        block = entry.host
-        assert block is not None
-        if now:
-            copy, ticket = self.copies.to_device_now(block.data)
-        else:
-            copy, ticket = self.copies.to_device(block.data, after=entry.d2h)
+    def _fetch_now(self, entry: SwappedEntry) -> torch.Tensor:
+        assert entry.host is not None
+        copy, ticket = self.copies.to_device_now(entry.host.data)
+        self._fetched(entry, copy, ticket)
+        return copy
+
+    def _fetched(self, entry: SwappedEntry, copy: torch.Tensor, ticket: Ticket) -> None:
         entry.device_copy, entry.h2d = copy, ticket
         entry.counted = True
         self.ledger.add(entry.layer, entry.mb, entry.nbytes)
         self.layer_h2d[entry.layer] = self.layer_h2d.get(entry.layer, 0) + entry.nbytes
-        return copy
 
     # ------------------------------------------------------------------ prefetch
     def host_bytes(self, mb: int) -> int:
@@ -264,14 +277,24 @@ class SwapEngine:
             entries = self._swapped.get(mb)
             if not entries:
                 return True
+            batch: list[SwappedEntry] = []
+            complete = True
+            resident = self.ledger.resident
             for entry in reversed(list(entries.values())):
                 if entry.source is not None or entry.device_copy is not None or entry.released:
                     continue
-                if limit_bytes is not None and self.ledger.resident + entry.nbytes > limit_bytes:
-                    return False
-                self._fetch(entry, now=False)
-                self.prefetched += 1
-            return True
+                if limit_bytes is not None and resident + entry.nbytes > limit_bytes:
+                    complete = False
+                    break
+                resident += entry.nbytes
+                batch.append(entry)
+            if batch:
+                copies, ticket = self.copies.to_device_batch([e.host.data for e in batch],  # type: ignore[union-attr]
+                                                             [e.d2h for e in batch if e.d2h is not None])
+                for entry, copy in zip(batch, copies):
+                    self._fetched(entry, copy, ticket)
+                self.prefetched += len(batch)
+            return complete
 
     def end_phase(self, mb: int) -> None:
         """A backward phase of ``mb`` ended: drop its device copies (a later phase fetches again)."""
@@ -363,6 +386,7 @@ class SwapEngine:
     def wait_swap_outs(self, until_resident: int) -> None:
         """Block until in-flight swap-outs have released enough device bytes (budget pressure)."""
         with self.lock:
+            self.flush_swap_outs()
             while self._swapping_out and self.ledger.resident > until_resident:
                 entry = self._swapping_out.popleft()
                 if entry.d2h is not None:
