@@ -330,6 +330,9 @@ class TensorManager:
             self._budget_swaps += 1
         if swap:
             handle = engine.swap_out(t, storage, layer_id, frame.mb, key, nbytes)
+            if self.budget_bytes is not None and self.ledger.resident > self.budget_bytes - self._reserve:
+                # the swapped bytes are still here until their copy ran: issue it and wait for it
+                engine.wait_swap_outs(self.budget_bytes - self._reserve)
         else:
             handle = engine.keep(t, layer_id, frame.mb, key, nbytes)
         if handle.entry not in frame.entries:  # count each storage once per layer call

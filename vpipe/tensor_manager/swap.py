@@ -35,6 +35,12 @@ from vpipe.tensor_manager.pool import HostPool, HostPoolFullError, PoolBlock
 __all__ = ["StorageEntry", "SwappedEntry", "KeptHandle", "SwappedHandle", "SwapEngine"]
 
 
+# Swap-outs wait for the end of their layer's forward and go as one batch of copies (a stream switch
+# and an event pair per batch, not per tensor), unless this many bytes are waiting already: a batch's
+# device bytes stay held until its copy ran, and past a few MiB the copy time dwarfs the per-call cost.
+DEFAULT_BATCH_BYTES = 8 << 20
+
+
 class StorageEntry:
     """One saved storage of one (layer, micro-batch), kept on the device."""
 
@@ -117,8 +123,9 @@ class SwapEngine:
     """Keeps, swaps out, prefetches and releases saved storages; feeds the ledger."""
 
     def __init__(self, device: torch.device, ledger: Ledger, copies: CopyEngine,
-                 make_pool: Callable[[], HostPool]) -> None:
+                 make_pool: Callable[[], HostPool], batch_bytes: int = DEFAULT_BATCH_BYTES) -> None:
         self.device = device
+        self.batch_bytes = batch_bytes
         self.ledger = ledger
         self.copies = copies
         self._make_pool = make_pool
@@ -129,6 +136,7 @@ class SwapEngine:
         self._swapped: dict[int, dict[int, SwappedEntry]] = {}  # mb -> seq -> live swapped entry
         self._live: dict[tuple[int, int], int] = {}  # (layer, mb) -> live entries
         self._unissued: list[SwappedEntry] = []  # packed, copy not issued yet (see flush_swap_outs)
+        self._unissued_bytes = 0
         self._swapping_out: deque[SwappedEntry] = deque()
         self._deferred: deque[tuple[Ticket, PoolBlock | None, object]] = deque()
         self._seq = 0
@@ -189,8 +197,11 @@ class SwapEngine:
                 entry.counted = True
                 self.ledger.add(layer, mb, nbytes)
                 self._unissued.append(entry)
+                self._unissued_bytes += nbytes
                 self._swapped.setdefault(mb, {})[entry.seq] = entry
                 self.layer_d2h[layer] = self.layer_d2h.get(layer, 0) + nbytes
+                if self._unissued_bytes >= self.batch_bytes:
+                    self.flush_swap_outs()
             elif mb not in entry.users:  # another micro-batch saved the same storage: prefetch it for both
                 entry.users.append(mb)
                 self._swapped.setdefault(mb, {})[entry.seq] = entry
@@ -202,6 +213,7 @@ class SwapEngine:
         with self.lock:
             batch = [e for e in self._unissued if not e.released]
             self._unissued.clear()
+            self._unissued_bytes = 0
             if not batch:
                 return
             ticket = self.copies.to_host_batch([(e.source, e.host.data) for e in batch])  # type: ignore[union-attr]
