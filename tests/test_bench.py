@@ -119,3 +119,15 @@ def test_plots_are_png_files(tmp_path):
     written = report.plot({"throughput": THROUGHPUT}, tmp_path)
     assert [p.name for p in written] == ["throughput.png"]
     assert Path(written[0]).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_gpu_swap_results_give_a_headline_row(tmp_path):
+    gpu = tmp_path / "gpu"
+    gpu.mkdir()
+    (gpu / "swap.json").write_text(json.dumps({
+        "device": "cuda (NVIDIA H100 80GB HBM3)", "overlap": {"overlap": 0.97},
+        "bandwidth": [{"size": 64 << 20, "way": "d2h pool (copy engine)", "gb_per_s": 50.9},
+                      {"size": 64 << 20, "way": "d2h pageable (.cpu())", "gb_per_s": 1.2}]}))
+    rows = report.headline_rows(report.load_results(tmp_path))
+    assert rows == [["GPU swap-out of 64 MiB (NVIDIA H100 80GB HBM3)",
+                     "pinned pool: 50.9 GB/s, 97% hidden under compute", "`.cpu()`: 1.2 GB/s", "42x"]]

@@ -151,3 +151,27 @@ def test_install_on_stage_uses_chunk_ids_and_skips_shape_inference(one_rank_grou
                 "_vpipe_tensor_manager"} & set(stage.__dict__)
     with pytest.raises(TypeError, match="needs a torch.distributed.pipelining stage"):
         install_on_stage(nn.Linear(2, 2), manager)  # type: ignore[arg-type]
+
+
+def test_swap_outs_go_as_one_copy_batch_per_layer_call_and_the_cap_splits_them():
+    """The per-tensor stream switch and events dominated small copies on a GPU: one batch per layer call."""
+    torch.manual_seed(0)
+    spec = model_spec("transformer")
+    model = build_model(spec, seed=0)
+    x, _ = spec.batch(0, 4, 0)
+    for batch_bytes, expect_one_per_layer in ((1 << 30, True), (1, False)):
+        manager = make_manager(model, dict.fromkeys(range(len(model)), Policy.SWAP))
+        manager._engine.batch_bytes = batch_bytes
+        batches: list[int] = []
+        engine_copy = manager._copies.to_host_batch
+        manager._copies.to_host_batch = lambda pairs: (batches.append(len(pairs)), engine_copy(pairs))[1]
+        with manager.micro_batch(0):
+            out = model(x)
+        swapped = manager.stats().d2h_bytes
+        out.float().sum().backward()
+        assert swapped > 0 and sum(batches) > len(model)
+        if expect_one_per_layer:
+            assert len(batches) == len(model) and max(batches) > 1  # every layer saves several storages
+        else:
+            assert batches == [1] * sum(batches)  # a 1-byte cap issues every copy at once
+        manager.close()
