@@ -167,7 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.worker:
         _worker(args.worker)
-        return 0
+        from vpipe.runtime.launch import exit_now
+
+        exit_now(0)  # a finished rank skips torch's slow interpreter shutdown
     from rich.console import Console
     from rich.table import Table
 

@@ -187,7 +187,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("need --steps >= 4 x --sample-every and --move-every >= 1")
     if args.worker:
         worker(Path(args.worker), args.steps, args.move_every, args.sample_every)
-        return 0
+        from vpipe.runtime.launch import exit_now
+
+        exit_now(0)  # a finished rank skips torch's slow interpreter shutdown
     result = soak(args.steps, args.move_every, args.sample_every)
     print_table(result)
     if args.json:

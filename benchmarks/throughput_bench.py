@@ -310,7 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.rank_spec:
         rank_main(args)
-        return 0
+        from vpipe.runtime.launch import exit_now
+
+        exit_now(0)  # a finished rank skips torch's slow interpreter shutdown
     cases = []
     for item in args.cases.split(","):
         model, _, stages = item.partition(":")

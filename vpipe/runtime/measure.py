@@ -167,29 +167,31 @@ def samples_per_s(step_s: list[list[float]], samples_per_step: int) -> list[floa
 
 
 def run_training(cfg: RunConfig, *, timeout_s: float = 600, extra_env: dict[str, str] | None = None) -> MeasuredRun:
-    """Launch ``vpipe train`` for ``cfg`` (one process per stage, one thread each) and collect its results."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(extra_env or {}))
-    env.pop("RANK", None)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    with tempfile.TemporaryDirectory(prefix="vpipe-measure-") as out:
-        cmd = [sys.executable, "-m", "vpipe", *train_argv(cfg), "--out-dir", out]
+    """Run ``vpipe train`` for ``cfg`` (one process per stage, one thread each) and collect its results.
+
+    The ranks are spawned from this process, as ``vpipe train`` would spawn them, so a
+    measurement does not pay for a launcher process of its own (torch's import and shutdown).
+    """
+    from vpipe.runtime.launch import spawn
+
+    env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(extra_env or {})}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    with tempfile.TemporaryDirectory(prefix="vpipe-measure-") as out, \
+            open(Path(out) / "stderr.txt", "w+") as stderr:
+        argv = ["-m", "vpipe", *train_argv(cfg), "--out-dir", out]
         window = CpuWindow().start()
         started = time.perf_counter()
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        sampler = RunnableSampler(proc.pid).start() if RunnableSampler.available() else None
+        sampler = RunnableSampler(os.getpid()).start() if RunnableSampler.available() else None
         try:
-            _, stderr = proc.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
-            raise
+            code = spawn([sys.executable, *argv], cfg.stages, extra_env=env, timeout_s=timeout_s,
+                         stdout=subprocess.DEVNULL, stderr=stderr)
         finally:
             outside = sampler.stop() if sampler else None
         wall = time.perf_counter() - started
         external = window.stop()
-        if proc.returncode:
-            raise RuntimeError(f"vpipe train failed (exit {proc.returncode}): {' '.join(cmd[2:])}\n"
-                               f"{stderr[-3000:]}")
+        if code:
+            stderr.seek(0)
+            raise RuntimeError(f"vpipe train failed (exit {code}): {' '.join(argv[2:])}\n{stderr.read()[-3000:]}")
         ranks = [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(cfg.stages)]
     return MeasuredRun(cfg=cfg.to_dict(), step_s=[r["step_s"] for r in ranks], external_cores=external,
                        wall_s=wall, ranks=ranks, outside_threads=outside)
