@@ -31,8 +31,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-MODEL = ["--blocks", "8", "--d-model", "128", "--n-heads", "4", "--seq-len", "64", "--micro-batches", "4",
-         "--micro-batch-size", "8", "--dropout", "0"]
+MODEL = dict(blocks=8, d_model=128, n_heads=4, seq_len=64, micro_batches=4, micro_batch_size=8, dropout=0.0,
+             stages=2, progress=False)
 PARTITIONS = ([6, 4], [4, 6])  # 10 layers: embed, 8 blocks, head
 
 
@@ -67,15 +67,13 @@ def _stalls(step_times: list[list[float]], moves: list[int]) -> tuple[list[float
 
 
 def run_live(steps: int, every: int) -> dict:
+    from vpipe.runtime.config import RunConfig
+    from vpipe.runtime.measure import run_training
+
     moves = _move_steps(steps, every)
-    spec = ";".join(f"{s}:{','.join(map(str, PARTITIONS[i % 2]))}" for i, s in enumerate(moves))
-    with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, "-m", "vpipe", "train", "--stages", "2", "--steps", str(steps), *MODEL,
-               "--partition", "4,6", "--vpipe", "--no-planning", "--moves", spec, "--no-progress", "--out-dir", out]
-        proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
-        if proc.returncode:
-            raise RuntimeError(f"live run failed:\n{proc.stderr[-2000:]}")
-        ranks = [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(2)]
+    cfg = RunConfig(**MODEL, steps=steps, partition=[4, 6], vpipe=True, planning=False,
+                    moves=[{"step": s, "partition": PARTITIONS[i % 2]} for i, s in enumerate(moves)])
+    ranks = run_training(cfg).ranks
     stalls, step = _stalls([r["step_s"] for r in ranks], moves)
     # the rank that reaches the boundary last waits for nobody: its boundary time is the move's own cost
     boundary = [min(r["boundary_s"][s] for r in ranks) for s in moves]
@@ -97,11 +95,14 @@ def run_stop_and_copy(steps: int, every: int) -> dict:
 
 
 def run_restart(step_s: float, repeats: int) -> dict:
+    from vpipe.runtime.config import RunConfig
+    from vpipe.runtime.measure import train_argv
+
     stalls = []
     for _ in range(repeats):
         start = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-m", "vpipe", "train", "--stages", "2", "--steps", "1", *MODEL,
-                               "--no-progress"], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+        proc = subprocess.run([sys.executable, "-m", "vpipe", *train_argv(RunConfig(**MODEL, steps=1))],
+                              cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
         if proc.returncode:
             raise RuntimeError(f"restart run failed:\n{proc.stderr[-2000:]}")
         stalls.append(time.perf_counter() - start - step_s)
@@ -124,8 +125,7 @@ def _worker(raw: str) -> None:
     ctx = init_distributed()
 
     def main() -> None:
-        base = dict(blocks=8, d_model=128, n_heads=4, seq_len=64, micro_batches=4, micro_batch_size=8, dropout=0.0,
-                    stages=2, steps=opts["steps"], progress=False)
+        base = dict(MODEL, steps=opts["steps"])
         moves = _move_steps(opts["steps"], opts["every"])
         partition = [4, 6]
         run = build_stage_run(RunConfig(**base, partition=partition), ctx.rank, ctx.device)

@@ -40,7 +40,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from vpipe.runtime.calibrate import REFERENCE_RUN as REFERENCE  # noqa: E402
+from vpipe.runtime.calibrate import REFERENCE_RUN as REFERENCE, calibration_sizes, profile_sizes  # noqa: E402
 from vpipe.runtime.costs import Link, ModelCosts, balanced_counts, ideal_step_s, measure_model_costs, scaled, \
     stage_costs  # noqa: E402
 from vpipe.runtime.simulate import simulate  # noqa: E402
@@ -65,14 +65,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def validation(args: argparse.Namespace) -> list[dict[str, Any]]:
+def validation(args: argparse.Namespace, profiles: dict[int, ModelCosts]) -> list[dict[str, Any]]:
     from vpipe.runtime.calibrate import validate
 
-    rows = []
-    for stages in args.validation_stages:
-        cfg = dataclasses.replace(REFERENCE, stages=stages)
-        rows.append(validate(cfg, repeats=args.repeats).to_dict())
-    return rows
+    return [validate(dataclasses.replace(REFERENCE, stages=stages), repeats=args.repeats, profiles=profiles).to_dict()
+            for stages in args.validation_stages]
 
 
 def repeated_blocks(costs: ModelCosts, blocks: int) -> ModelCosts:
@@ -103,8 +100,7 @@ def project(costs: ModelCosts, stages: int, ratio: float, link: Link) -> dict[st
     return row
 
 
-def projection(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    costs = measure_model_costs(REFERENCE, repeats=3, rounds=2)
+def projection(args: argparse.Namespace, costs: ModelCosts) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     link = Link(send_bytes_per_s=args.net_gbs * 1e9, swap_bytes_per_s=args.pcie_gbs * 1e9, overlap=1.0)
     cases = [(p, r) for p in args.stages for r in args.ratios]
     cases += [(args.stages[0], r) for r in args.sweep_ratios if (args.stages[0], r) not in cases]
@@ -143,8 +139,14 @@ def print_tables(out: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.perf_counter()
-    rows = [] if args.no_validation else validation(args)
-    projected, details = projection(args)
+    # one set of layer profiles (the model's, at every size the validation calibrates on) serves every stage
+    # count and the projection
+    if args.no_validation:
+        profiles = {REFERENCE.micro_batch_size: measure_model_costs(REFERENCE, repeats=3, rounds=2)}
+    else:
+        profiles = profile_sizes(REFERENCE, [*calibration_sizes(REFERENCE), REFERENCE.micro_batch_size])
+    rows = [] if args.no_validation else validation(args, profiles)
+    projected, details = projection(args, profiles[REFERENCE.micro_batch_size])
     out = {"benchmark": "simulator", "validation": rows, "projection": projected, **details,
            "seconds": time.perf_counter() - started, "config": {k: v for k, v in vars(args).items() if k != "json"}}
     print_tables(out)

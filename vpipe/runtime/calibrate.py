@@ -29,7 +29,8 @@ from vpipe.runtime.costs import Link, ModelCosts, measure_model_costs, scaled, s
 from vpipe.runtime.measure import MeasuredRun, run_training
 from vpipe.runtime.simulate import simulate
 
-__all__ = ["REFERENCE_RUN", "Calibration", "Prediction", "predict_step_s", "calibrate", "validate"]
+__all__ = ["REFERENCE_RUN", "Calibration", "Prediction", "predict_step_s", "calibrate", "calibration_sizes",
+           "profile_sizes", "validate"]
 
 # The reference run the simulator is validated on (tests and benchmarks/simulator_bench.py): the
 # transformer LM of `vpipe train` at 8 blocks, 4 micro-batches of 8 under GPipe; ``stages`` is set per case.
@@ -138,15 +139,21 @@ def _least_squares_step(a: list[float] | None, b: list[float], r: list[float]) -
     return (-ar * bb + br * ab) / det, (-br * aa + ar * ab) / det
 
 
-def _profiles(configs: list[RunConfig], rounds: int = 3) -> list[ModelCosts]:
-    """Layer profiles of ``configs``, taken in turns over ``rounds`` (each time the least disturbed), so that a
-    burst of outside load cannot make one size look slower than the others."""
-    best: list[ModelCosts | None] = [None] * len(configs)
+def calibration_sizes(cfg: RunConfig) -> list[int]:
+    """The micro-batch sizes :func:`validate` calibrates on: 1, half and twice ``cfg``'s (``cfg`` in between)."""
+    return sorted({1, max(1, cfg.micro_batch_size // 2), 2 * cfg.micro_batch_size})
+
+
+def profile_sizes(cfg: RunConfig, sizes: list[int], rounds: int = 3) -> dict[int, ModelCosts]:
+    """Layer profiles of ``cfg``'s model at each micro-batch size in ``sizes``, taken in turns over ``rounds``
+    (each time the least disturbed), so that a burst of outside load cannot make one size look slower than
+    the others. Profiles do not depend on the pipeline, so one set serves every stage count."""
+    best: dict[int, ModelCosts] = {}
     for _ in range(rounds):
-        for i, c in enumerate(configs):
-            costs = measure_model_costs(c, rounds=1)
-            best[i] = costs if best[i] is None else _fastest(best[i], costs)
-    return [c for c in best if c is not None]
+        for size in sizes:
+            costs = measure_model_costs(dataclasses.replace(cfg, micro_batch_size=size), rounds=1)
+            best[size] = _fastest(best[size], costs) if size in best else costs
+    return best
 
 
 def _fastest(a: ModelCosts, b: ModelCosts) -> ModelCosts:
@@ -156,16 +163,17 @@ def _fastest(a: ModelCosts, b: ModelCosts) -> ModelCosts:
                                loss_bwd_s=min(a.loss_bwd_s, b.loss_bwd_s), batch_s=min(a.batch_s, b.batch_s))
 
 
-def validate(cfg: RunConfig, *, repeats: int = 3) -> Prediction:
+def validate(cfg: RunConfig, *, repeats: int = 3, profiles: dict[int, ModelCosts] | None = None) -> Prediction:
     """Predict ``cfg``'s step time and compare with ``repeats`` real runs.
 
     The overhead per action and the compute scale are calibrated on runs of the same
     pipeline at micro-batch sizes 1, half and twice ``cfg``'s (so ``cfg`` is interpolated,
     never extrapolated), interleaved with the runs of ``cfg`` so that all see about the same
     outside load; every run is predicted under its own outside load, and the reported ratio
-    is the median over runs.
+    is the median over runs. ``profiles`` (from :func:`profile_sizes`, by micro-batch size)
+    are used where given, so that several stage counts of one model share them.
     """
-    sizes = sorted({1, max(1, cfg.micro_batch_size // 2), 2 * cfg.micro_batch_size})
+    sizes = calibration_sizes(cfg)
     configs = [dataclasses.replace(cfg, micro_batch_size=size) for size in sizes]
     calibration_runs: list[list[tuple[float, float]]] = [[] for _ in sizes]
     runs: list[tuple[float, float]] = []
@@ -173,9 +181,11 @@ def validate(cfg: RunConfig, *, repeats: int = 3) -> Prediction:
         for i, c in enumerate(configs):
             calibration_runs[i] += _measure(c, 1)
         runs += _measure(cfg, 1)
-    *calibration_costs, costs = _profiles([*configs, cfg])
-    calibration = calibrate(*zip(configs, calibration_costs, calibration_runs))
-    costs = scaled(costs, calibration.compute_scale)
+    wanted = [*sizes, cfg.micro_batch_size]
+    if profiles is None or any(size not in profiles for size in wanted):
+        profiles = profile_sizes(cfg, wanted)
+    calibration = calibrate(*zip(configs, (profiles[size] for size in sizes), calibration_runs))
+    costs = scaled(profiles[cfg.micro_batch_size], calibration.compute_scale)
     ratio = _ratio(cfg, costs, runs, calibration.action_overhead_s)
     measured = statistics.median(step for step, _ in runs)
     return Prediction(stages=cfg.stages, schedule=cfg.schedule, micro_batch_size=cfg.micro_batch_size,

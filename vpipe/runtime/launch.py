@@ -117,7 +117,7 @@ def init_distributed(
         is_master=env.rank == 0 and not env.agent_store,
         timeout=timeout,
     )
-    hb_timeout = heartbeat_timeout_s or float(os.environ.get("VPIPE_HEARTBEAT_TIMEOUT", "10"))
+    hb_timeout = heartbeat_timeout_s or heartbeat_timeout_from_env()
     watchdog = Watchdog(store, env.rank, env.world_size, timeout_s=hb_timeout)
     watchdog.announce()
     # pipeline sends/receives on high-priority NCCL streams: they go before the tensor manager's swap copies
@@ -125,6 +125,18 @@ def init_distributed(
                             pg_options=comm_process_group_options(backend))
     watchdog.start()
     return Distributed(env=env, store=store, watchdog=watchdog, device=device)
+
+
+def heartbeat_timeout_from_env(environ: dict[str, str] | None = None) -> float:
+    """``VPIPE_HEARTBEAT_TIMEOUT`` in seconds (default 10): how long a silent peer counts as alive."""
+    raw = (os.environ if environ is None else environ).get("VPIPE_HEARTBEAT_TIMEOUT", "10")
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = float("nan")
+    if not 1.0 < seconds < float("inf"):  # the watchdog beats every 0.5 s; nan fails the test too
+        raise ValueError(f"VPIPE_HEARTBEAT_TIMEOUT must be a number of seconds above 1, got {raw!r}")
+    return seconds
 
 
 def run_rank(ctx: Distributed, main: Any, *args: Any, **kwargs: Any) -> Any:
@@ -180,6 +192,7 @@ def spawn(
                           timeout=datetime.timedelta(seconds=600))
     base = dict(os.environ)
     base.update(extra_env or {})
+    heartbeat_timeout_from_env(base)  # a bad value is named here, before any rank starts
     base.update(
         WORLD_SIZE=str(nprocs),
         LOCAL_WORLD_SIZE=str(nprocs),

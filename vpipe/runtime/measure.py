@@ -15,6 +15,7 @@ sampled from ``/proc`` ten times a second (Linux only; None elsewhere).
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import resource
@@ -88,6 +89,8 @@ class RunnableSampler:
     included; the tree's runnable processes (state ``R``) are subtracted.
     """
 
+    REFRESH_EVERY = 10  # samples between two listings of the tree's processes
+
     def __init__(self, root_pid: int, interval_s: float = 0.1) -> None:
         self._root = root_pid
         self._interval = interval_s
@@ -109,15 +112,27 @@ class RunnableSampler:
         return statistics.fmean(self._samples) if self._samples else None
 
     def _run(self) -> None:
-        while not self._stop.wait(self._interval):
+        tree: list[psutil.Process] = []
+        for sample in itertools.count():
+            if self._stop.wait(self._interval):
+                return
             try:
-                root = psutil.Process(self._root)
-                ours = sum(p.status() == psutil.STATUS_RUNNING for p in [root, *root.children(recursive=True)])
+                if sample % self.REFRESH_EVERY == 0:  # walking /proc for the tree costs more than the samples
+                    root = psutil.Process(self._root)
+                    tree = [root, *root.children(recursive=True)]
+                ours = sum(_is_running(p) for p in tree)
                 running = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
                                if line.startswith("procs_running"))
             except (psutil.Error, OSError, StopIteration):
                 continue  # the tree is starting or ending
             self._samples.append(max(0, running - 1 - ours))
+
+
+def _is_running(process: psutil.Process) -> bool:
+    try:
+        return process.status() == psutil.STATUS_RUNNING
+    except psutil.Error:  # ended since the tree was listed
+        return False
 
 
 def _system_busy_s() -> float:

@@ -15,6 +15,7 @@ single-threaded ranks; the simulation then advances in fluid time.
 
 from __future__ import annotations
 
+import heapq
 import math
 import statistics
 from collections.abc import Sequence
@@ -124,8 +125,14 @@ def simulate(
     busy = [0.0] * p
     step_end = [0.0] * steps
     now = 0.0
-    computing: dict[int, tuple[str, int, float]] = {}  # stage -> (kind, micro-batch, work left in seconds)
+    # Computing actions share the cores equally, so all advance at one rate: each ends when the service every
+    # computing action has received (``served``, seconds of work) reaches its start value plus its duration.
+    served = 0.0
+    computing: dict[int, tuple[str, int, float]] = {}  # stage -> (kind, micro-batch, duration)
+    ends: list[tuple[float, int]] = []  # heap of (served at its end, stage) of the computing actions
+    wakes: list[tuple[float, int]] = []  # heap of (time its input arrives, stage) of stages waiting for it
     pausing: dict[int, float] = {}  # stage -> when its stall ends
+    check = set(range(p))  # stages whose next action may be able to start now
 
     def duration(s: int, kind: str) -> float:
         c = costs[s]
@@ -144,15 +151,9 @@ def simulate(
             return None if t is None else t + costs[s].send_s
         return now
 
-    def finish(s: int, kind: str, mb: int) -> None:
-        done[(kind, s, mb)] = now
-        k = min(mb // m, steps - 1)
-        step_end[k] = max(step_end[k], now)
-
     eps = 1e-12
     while True:
-        future: list[float] = []
-        for s in range(p):
+        for s in sorted(check):
             if s in computing or s in pausing or nxt[s] >= len(orders[s]):
                 continue
             kind, arg = orders[s][nxt[s]]
@@ -162,29 +163,36 @@ def simulate(
                 continue
             t = ready_at(s, kind, arg)
             if t is None:
-                continue
+                continue  # its input is not computed yet: the neighbour's finish brings it back to ``check``
             if t <= now + eps:
                 computing[s] = (kind, arg, duration(s, kind))
+                heapq.heappush(ends, (served + computing[s][2], s))
                 nxt[s] += 1
             else:
-                future.append(t)
+                heapq.heappush(wakes, (t, s))
+        check.clear()
         rate = min(1.0, cores / (len(computing) + background)) if computing else 0.0
-        events = future + list(pausing.values()) + [now + work / rate for _, _, work in computing.values()]
+        events = [t for t, _ in wakes[:1]] + ([min(pausing.values())] if pausing else [])
+        if ends:
+            events.append(now + max(0.0, ends[0][0] - served) / rate)
         if not events:
             break
         dt = max(0.0, min(events) - now)
         now += dt
-        for s in list(computing):
-            kind, mb, work = computing[s]
-            work -= dt * rate
-            busy[s] += dt * rate
-            if work <= eps:
-                del computing[s]
-                finish(s, kind, mb)
-            else:
-                computing[s] = (kind, mb, work)
+        served += dt * rate
+        while ends and ends[0][0] <= served + eps:
+            _, s = heapq.heappop(ends)
+            kind, mb, work = computing.pop(s)
+            busy[s] += work
+            done[(kind, s, mb)] = now
+            k = min(mb // m, steps - 1)
+            step_end[k] = max(step_end[k], now)
+            check.update(n for n in (s - 1, s, s + 1) if 0 <= n < p)
+        while wakes and wakes[0][0] <= now + eps:
+            check.add(heapq.heappop(wakes)[1])
         for s in [s for s, end in pausing.items() if end <= now + eps]:
             del pausing[s]
+            check.add(s)
     if any(nxt[s] < len(orders[s]) for s in range(p)):
         raise RuntimeError("simulation deadlocked: an action waits for one that never runs")  # pragma: no cover
     total = max(done.values()) if done else 0.0

@@ -1,0 +1,72 @@
+"""Measured runs: the launcher's timeout, the outside-load sampler, and a failing run's message."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from vpipe.runtime.config import RunConfig
+from vpipe.runtime.launch import heartbeat_timeout_from_env, spawn
+from vpipe.runtime.measure import RunnableSampler, run_training
+
+BUSY = [sys.executable, "-c", "while True: pass"]
+
+
+def test_spawn_kills_every_rank_after_its_timeout():
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"did not finish within 2 s; its 2 ranks were killed"):
+        spawn([sys.executable, "-c", "import time; time.sleep(120)"], 2, timeout_s=2)
+    assert time.monotonic() - started < 60
+    assert not [p for p in psutil.Process().children(recursive=True) if "time.sleep(120)" in " ".join(p.cmdline())]
+
+
+def _outside_threads(root_pid: int, seconds: float = 2.0) -> float:
+    sampler = RunnableSampler(root_pid, interval_s=0.05).start()
+    time.sleep(seconds)
+    load = sampler.stop()
+    assert load is not None
+    return load
+
+
+@pytest.mark.skipif(not RunnableSampler.available(), reason="needs /proc/stat (Linux)")
+def test_runnable_sampler_counts_busy_threads_outside_the_tree_only():
+    """A busy process counts as outside load for another tree, and not for its own."""
+    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    busy = subprocess.Popen(BUSY)
+    try:
+        time.sleep(0.5)
+        seen_from_elsewhere = _outside_threads(idle.pid)
+        seen_from_its_tree = _outside_threads(os.getpid())  # busy is our child
+    finally:
+        for p in (idle, busy):
+            p.kill()
+            p.wait()
+    assert seen_from_elsewhere - seen_from_its_tree > 0.6, (seen_from_elsewhere, seen_from_its_tree)
+
+
+def test_bad_heartbeat_timeout_is_named_before_any_rank_starts():
+    cfg = RunConfig(stages=2, steps=3, blocks=2, d_model=32, progress=False)
+    with pytest.raises(ValueError, match=r"VPIPE_HEARTBEAT_TIMEOUT must be a number of seconds above 1, got 'abc'"):
+        run_training(cfg, extra_env={"VPIPE_HEARTBEAT_TIMEOUT": "abc"})
+    assert heartbeat_timeout_from_env({}) == 10.0
+    for bad in ("0", "1", "nan", "inf", "-3"):
+        with pytest.raises(ValueError, match="VPIPE_HEARTBEAT_TIMEOUT"):
+            heartbeat_timeout_from_env({"VPIPE_HEARTBEAT_TIMEOUT": bad})
+
+
+def test_a_run_measures_every_step_of_every_rank():
+    run = run_training(RunConfig(stages=2, steps=3, blocks=2, d_model=32, progress=False))
+    assert len(run.step_s) == 2 and all(len(s) == 3 for s in run.step_s)
+    assert [r["layer_ids"] for r in run.ranks] == [[0, 1], [2, 3]]
+    assert run.wall_s > sum(run.step_s[0]) and run.outside_threads is not None
+
+
+def test_a_failing_run_raises_with_what_its_ranks_printed():
+    cfg = RunConfig(stages=2, steps=6, blocks=2, d_model=32, progress=False)
+    with pytest.raises(RuntimeError, match=r"(?s)vpipe train failed \(exit .*vpipe \[rank 0\]: stopping because rank 1 died"):
+        run_training(cfg, extra_env={"VPIPE_FAULTS": "kill@2:1", "VPIPE_HEARTBEAT_TIMEOUT": "3"})
