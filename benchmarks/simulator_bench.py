@@ -2,10 +2,11 @@
 
 **Validation.** For the reference transformer (8 blocks, d_model 64, sequence 64, 4
 micro-batches of 8, GPipe) on 2 and 4 stages: the simulator's step time from measured layer
-profiles, with a per-action overhead and a compute scale calibrated on the same pipeline
-at micro-batch sizes 1, 4 and 16 (:mod:`vpipe.runtime.calibrate`), against real ``vpipe train`` runs; each run is simulated
-under the outside load it saw. ``tests/test_simulate.py`` asserts the same
-within 15% with more repeats.
+profiles, with a per-action overhead and a compute scale calibrated on the 2-stage pipeline
+at micro-batch sizes 1, 4 and 16 (:mod:`vpipe.runtime.calibrate`) and used unchanged for
+4 stages (``--recalibrate``: each depth on its own runs), against real ``vpipe train`` runs;
+each run is simulated under the outside load it saw. ``tests/test_simulate.py`` asserts
+within 15% with more repeats, each depth calibrated on its own runs.
 
 **Projection.** A transformer with two identical blocks per stage (every block costs what
 the reference model's median block measured here, the embedding and head as measured),
@@ -52,7 +53,12 @@ SYSTEMS = {"GPipe (all R)": ("gpipe", "R"), "1F1B (all S)": ("1f1b", "S"), "1F1B
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=1, help="real runs per validated configuration")
+    p.add_argument("--run-steps", type=int, default=10,
+                   help=f"steps per real run (the first 2 are warm-up; tests/test_simulate.py runs {REFERENCE.steps})")
     p.add_argument("--validation-stages", type=int, nargs="*", default=[2, 4])
+    p.add_argument("--recalibrate", action="store_true",
+                   help="calibrate every validated depth on its own runs (default: the first depth's calibration "
+                        "predicts the others)")
     p.add_argument("--no-validation", action="store_true", help="projection only (no real runs)")
     p.add_argument("--stages", type=int, nargs="*", default=[8, 16, 32, 64], help="projected pipeline depths")
     p.add_argument("--ratios", type=float, nargs="*", default=[2.0],
@@ -66,10 +72,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def validation(args: argparse.Namespace, profiles: dict[int, ModelCosts]) -> list[dict[str, Any]]:
+    """Calibrate on the first depth's runs; the other depths are predicted with that calibration unless
+    ``--recalibrate`` (each its own, as ``tests/test_simulate.py`` does)."""
     from vpipe.runtime.calibrate import validate
 
-    return [validate(dataclasses.replace(REFERENCE, stages=stages), repeats=args.repeats, profiles=profiles).to_dict()
-            for stages in args.validation_stages]
+    rows = []
+    first = None
+    for stages in args.validation_stages:
+        cfg = dataclasses.replace(REFERENCE, stages=stages, steps=args.run_steps)
+        reuse = first is not None and not args.recalibrate
+        prediction = validate(cfg, repeats=args.repeats, profiles=profiles,
+                              calibration=first.calibration if reuse else None,
+                              calibrated_on_stages=first.stages if reuse else 0)
+        first = first or prediction
+        rows.append(prediction.to_dict())
+    return rows
 
 
 def repeated_blocks(costs: ModelCosts, blocks: int) -> ModelCosts:
@@ -117,13 +134,14 @@ def print_tables(out: dict[str, Any]) -> None:
     if out["validation"]:
         table = Table(title="simulator vs real runs (reference transformer, GPipe, this machine)")
         for col in ("stages", "predicted ms", "measured ms (runs)", "error", "outside load", "overhead/action",
-                    "compute scale"):
+                    "compute scale", "calibrated on"):
             table.add_column(col, justify="right")
         for r in out["validation"]:
             runs = ", ".join(f"{x * 1e3:.0f}" for x in r["measured_runs_s"])
             table.add_row(str(r["stages"]), f"{r['predicted_s'] * 1e3:.0f}", f"{r['measured_s'] * 1e3:.0f} ({runs})",
                           f"{r['error']:+.1%}", f"{r['background']:.1f} threads",
-                          f"{r['action_overhead_s'] * 1e3:.2f} ms", f"{r['compute_scale']:.2f}")
+                          f"{r['action_overhead_s'] * 1e3:.2f} ms", f"{r['compute_scale']:.2f}",
+                          f"{r['calibrated_on_stages']} stages")
         console.print(table)
     table = Table(title=(f"projection: fraction of ideal, one GPU-like device per stage, PCIe "
                          f"{out['config']['pcie_gbs']:g} GB/s swaps overlapped, {out['config']['net_gbs']:g} GB/s "
@@ -144,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_validation:
         profiles = {REFERENCE.micro_batch_size: measure_model_costs(REFERENCE, repeats=3, rounds=2)}
     else:
-        profiles = profile_sizes(REFERENCE, [*calibration_sizes(REFERENCE), REFERENCE.micro_batch_size])
+        profiles = profile_sizes(REFERENCE, [*calibration_sizes(REFERENCE), REFERENCE.micro_batch_size], rounds=2)
     rows = [] if args.no_validation else validation(args, profiles)
     projected, details = projection(args, profiles[REFERENCE.micro_batch_size])
     out = {"benchmark": "simulator", "validation": rows, "projection": projected, **details,

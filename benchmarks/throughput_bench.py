@@ -69,7 +69,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--cnn-micro-batch-size", type=int, default=32, help="the CNN's reference micro-batch size")
     p.add_argument("--budget-fraction", type=float, default=0.5,
                    help="of the largest stage's 1F1B all-kept activations, on top of its fixed bytes")
-    p.add_argument("--adapt", type=int, default=6, help="steps per system before timing (vpipe's planner settles)")
+    p.add_argument("--adapt", type=int, default=4, help="steps per system before timing (vpipe's planner settles)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--block", type=int, default=2, help="steps per system per block (the first is not counted)")
     p.add_argument("--cores", type=int, default=os.cpu_count() or 1, help="for the cores-capped ideal")

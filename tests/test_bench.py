@@ -131,3 +131,33 @@ def test_gpu_swap_results_give_a_headline_row(tmp_path):
     rows = report.headline_rows(report.load_results(tmp_path))
     assert rows == [["GPU swap-out of 64 MiB (NVIDIA H100 80GB HBM3)",
                      "pinned pool: 50.9 GB/s, 97% hidden under compute", "`.cpu()`: 1.2 GB/s", "42x"]]
+
+
+def test_nas_memory_and_soak_results_get_tables():
+    phase = {"before": 100.0, "transition": 40.0, "after": 45.0}
+    nas = {"config": {"blocks": 4, "added": 8, "add_step": 6, "steps": 42, "optimal_partition": [7, 7]},
+           "per_round": [{"throughput": {"static": phase, "vpipe": {**phase, "after": 57.0},
+                                         "optimal": {"steady": 58.0}},
+                          "recovery_steps": 12, "static_recovery_steps": None}],
+           "vpipe_over_static_after": {"median": 1.27, "min": 1.2, "max": 1.3},
+           "vpipe_over_optimal_after": {"median": 0.98, "min": 0.98, "max": 0.98},
+           "static_over_optimal_after": {"median": 0.78, "min": 0.78, "max": 0.78}}
+    memory = {"budget_bytes": 18 << 20, "model": {"micro_batch_size": 8},
+              "samples_per_s": {"gpipe_recompute": 100.0, "vpipe": 126.0},
+              "footprint_bytes": {"1f1b_kept": [25 << 20, 16 << 20], "gpipe_recompute": [9 << 20, 9 << 20],
+                                  "vpipe": [14 << 20, 14 << 20]},
+              "within_budget": {"1f1b_kept": False, "gpipe_recompute": True, "vpipe": True},
+              "vpipe_policies": [{"0": "D", "1": "S"}, {"2": "R"}],
+              "vpipe_over_recompute": {"median": 1.26, "min": 1.2, "max": 1.3}}
+    rank = {"rank": 0, "plans_applied": 399, "rss_first_bytes": 300 << 20, "rss_mid_bytes": 310 << 20,
+            "rss_end_bytes": 311 << 20, "rss_growth_second_half": 0.0032, "pool_peak_bytes": 138 << 10,
+            "pool_used_end_bytes": 0}
+    soak = {"steps": 2000, "move_every": 5, "forced_plans": 399, "ranks": [rank], "params_equal_reference": True,
+            "rss_target": 0.02}
+    text = report.results_markdown({"nas": nas, "memory": memory, "soak": soak})
+    assert "| static | 100.0 | 40.0 | 45.0 | 0.78x (0.78-0.78) | never |" in text
+    assert "| vpipe | 100.0 | 40.0 | 57.0 | 0.98x (0.98-0.98) | 12 steps |" in text
+    assert "| 1f1b_kept | not run (over budget) | 25.0, 16.0 | no |" in text
+    assert "0:D 1:S / 2:R" in text
+    assert "| 0 | 399 | 300.0 | 310.0 | 311.0 | +0.32% | 138 | 0 |" in text
+    assert "bit for bit: yes" in text

@@ -191,6 +191,29 @@ def test_calibration_on_three_sizes_spreads_one_noisy_run():
         calibrate(_synthetic_point(1))
 
 
+def test_validation_predicts_another_depth_with_a_given_calibration(monkeypatch):
+    """The calibration of 2 stages carried to 4: only the 4-stage run is made, and the prediction is the
+    simulator's with that overhead and scale (runs here are simulated, so it is exact)."""
+    from vpipe.runtime import calibrate as calibration_module
+    from vpipe.runtime.calibrate import Calibration
+
+    cfg = dataclasses.replace(REFERENCE_RUN, stages=4, micro_batch_size=8)
+    costs = scaled(_costs(REFERENCE_RUN.n_layers), 8)
+    truth = predict_step_s(cfg, scaled(costs, 1.3), action_overhead_s=0.003)
+    made: list[tuple[int, int]] = []
+
+    def fake_measure(run_cfg, repeats):
+        made.append((run_cfg.stages, run_cfg.micro_batch_size))
+        return [(truth, 0.0)] * repeats
+
+    monkeypatch.setattr(calibration_module, "_measure", fake_measure)
+    prediction = validate(cfg, repeats=2, profiles={8: costs}, calibrated_on_stages=2,
+                          calibration=Calibration(action_overhead_s=0.003, compute_scale=1.3))
+    assert made == [(4, 8), (4, 8)]
+    assert prediction.error == pytest.approx(0.0, abs=1e-9)
+    assert prediction.calibrated_on_stages == 2 and prediction.calibration.compute_scale == 1.3
+
+
 # ---------------------------------------------------------------------- validation against real runs
 QUIET_ENOUGH = 1.0  # other runnable threads, on average over the runs: above this the load comes and goes too much
 

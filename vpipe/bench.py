@@ -63,7 +63,7 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
     Benchmark("simulator", "simulator_bench.py",
               "the pipeline simulator vs real 2- and 4-stage runs, then projected to 8-64 stages and GPU costs"),
     Benchmark("migration", "migration_bench.py",
-              "a live layer move vs stop-and-copy vs restart from a checkpoint", ("--steps", "26", "--restarts", "1")),
+              "a live layer move vs stop-and-copy vs restart from a checkpoint", ("--steps", "22", "--restarts", "1")),
     Benchmark("nas", "nas_rebalance.py",
               "a NAS edit (8 blocks added to stage 0): static vs vpipe vs the optimal static partition, per phase"),
     Benchmark("memory", "memory_budget.py",

@@ -81,7 +81,9 @@ def headline_rows(results: Results) -> list[list[str]]:
                      f"{'valid' if big['nx_valid'] else 'not a valid pipeline'}" if "nx_s" in big else "-",
                      f"{big['nx_s'] / big['kl_s_median']:.1f}x faster" if "nx_s" in big else "-"])
     for r in results.get("simulator", {}).get("validation", []):
-        rows.append([f"simulator vs real run, {r['stages']} stages ({r['schedule']})",
+        on = r.get("calibrated_on_stages") or r["stages"]
+        rows.append([f"simulator vs real run, {r['stages']} stages ({r['schedule']}"
+                     + (f", calibrated on {on} stages)" if on != r["stages"] else ")"),
                      f"predicted {r['predicted_s'] * 1e3:.0f} ms/step", f"measured {r['measured_s'] * 1e3:.0f} ms",
                      f"{r['error']:+.1%}"])
     migration = results.get("migration", {})
@@ -123,6 +125,9 @@ def headline_rows(results: Results) -> list[list[str]]:
 
 
 def _steps(recoveries: list[int | None]) -> str:
+    """``"22, 6 steps"``; a run that never got there reads "never" (``"never"`` alone when none did)."""
+    if all(s is None for s in recoveries):
+        return "never"
     return ", ".join("never" if s is None else str(s) for s in recoveries) + " steps"
 
 
@@ -181,11 +186,11 @@ def _simulator_md(data: dict[str, Any]) -> str:
     if data.get("validation"):
         rows = [[str(r["stages"]), r["schedule"], f"{r['predicted_s'] * 1e3:.0f}", f"{r['measured_s'] * 1e3:.0f}",
                  f"{r['error']:+.1%}", f"{r['background']:.1f}", f"{r['action_overhead_s'] * 1e3:.2f}",
-                 f"{r.get('compute_scale', 1.0):.2f}"]
+                 f"{r.get('compute_scale', 1.0):.2f}", str(r.get("calibrated_on_stages") or r["stages"])]
                 for r in data["validation"]]
         parts.append("Validation against real runs on this machine:\n\n" + _table(
             ["stages", "schedule", "predicted ms", "measured ms", "error", "outside load (runnable threads)",
-             "calibrated overhead per action (ms)", "calibrated compute scale"], rows))
+             "calibrated overhead per action (ms)", "calibrated compute scale", "calibrated on (stages)"], rows))
     systems = list(data["projection"][0]["systems"]) if data.get("projection") else []
     rows = [[str(r["stages"]), f"{r['ratio']:g}", f"{r['speedup']:.0f}x",
              *(f"{r['systems'][n]['of_ideal']:.0%}" for n in systems)]
@@ -205,12 +210,63 @@ def _migration_md(data: dict[str, Any]) -> str:
     return _table(["method", "moves", "stall median ms", "stall / step", "step ms"], rows)
 
 
+def _nas_md(data: dict[str, Any]) -> str:
+    rounds = data["per_round"]
+    phases = ("before", "transition", "after")
+
+    def med(name: str, phase: str) -> str:
+        return f"{statistics.median(r['throughput'][name][phase] for r in rounds):.1f}"
+
+    rows = [[name, *(med(name, ph) for ph in phases), _ratio(data[f"{name}_over_optimal_after"]),
+             _steps([r["recovery_steps" if name == "vpipe" else "static_recovery_steps"] for r in rounds])]
+            for name in ("static", "vpipe")]
+    optimal = statistics.median(r["throughput"]["optimal"]["steady"] for r in rounds)
+    rows.append([f"optimal static {data['config'].get('optimal_partition', '')}", "", "", f"{optimal:.1f}", "1.00x",
+                 ""])
+    cfg = data["config"]
+    return (f"{cfg['added']} blocks added to stage 0 of a {cfg['blocks']}-block transformer at step {cfg['add_step']} "
+            f"of {cfg['steps']} (2 stages, 1F1B), {len(rounds)} rounds; samples/s, median over rounds:\n\n"
+            + _table(["run", "before", "transition (30 steps)", "after", "after / optimal",
+                      "steps to 90% of optimal"], rows)
+            + f"\n\nvpipe / static after the edit: {_ratio(data['vpipe_over_static_after'])}.")
+
+
+def _memory_md(data: dict[str, Any]) -> str:
+    mib = 2**20
+    rows = [[name, f"{data['samples_per_s'][name]:.1f}" if name in data["samples_per_s"] else "not run (over budget)",
+             ", ".join(f"{b / mib:.1f}" for b in footprints), "yes" if data["within_budget"][name] else "no"]
+            for name, footprints in data["footprint_bytes"].items()]
+    return (f"Budget {data['budget_bytes'] / mib:.0f} MiB per stage, 2 stages, micro-batch "
+            f"{data['model']['micro_batch_size']}:\n\n"
+            + _table(["run", "samples/s", "stage footprints (MiB)", "within budget"], rows)
+            + f"\n\nvpipe / GPipe with every layer recomputed: {_ratio(data['vpipe_over_recompute'])}; vpipe's "
+              f"policies per stage at the end (layer: policy): "
+              f"{' / '.join(' '.join(f'{k}:{v}' for k, v in stage.items()) for stage in data['vpipe_policies'])}.")
+
+
+def _soak_md(data: dict[str, Any]) -> str:
+    mib = 2**20
+    rows = [[str(r["rank"]), str(r["plans_applied"]), f"{r['rss_first_bytes'] / mib:.1f}",
+             f"{r['rss_mid_bytes'] / mib:.1f}", f"{r['rss_end_bytes'] / mib:.1f}",
+             f"{r['rss_growth_second_half']:+.2%}", f"{r['pool_peak_bytes'] / 1024:.0f}",
+             f"{r['pool_used_end_bytes'] / 1024:.0f}"] for r in data["ranks"]]
+    return (f"{data['steps']} steps on 2 stages, a forced plan (partition and policies) every {data['move_every']} "
+            f"steps ({data['forced_plans']} plans):\n\n"
+            + _table(["rank", "plans applied", "RSS start MiB", "RSS mid MiB", "RSS end MiB", "growth 2nd half",
+                      "host pool peak KiB", "host pool in use at end KiB"], rows)
+            + f"\n\nFinal parameters equal the no-migration reference bit for bit: "
+              f"{'yes' if data['params_equal_reference'] else 'NO'}; RSS growth target < {data['rss_target']:.0%}.")
+
+
 SECTIONS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "throughput": ("Throughput vs baselines", _throughput_md),
     "microbatch": ("Largest micro-batch under one budget", _microbatch_md),
     "planner": ("Planner: time and gap to the optimum", _planner_md),
     "simulator": ("Simulator: validation and projection", _simulator_md),
     "migration": ("Repartition cost", _migration_md),
+    "nas": ("A NAS edit: static vs vpipe vs the optimal partition", _nas_md),
+    "memory": ("A budget plain 1F1B exceeds", _memory_md),
+    "soak": ("Soak: memory over thousands of moves", _soak_md),
 }
 
 

@@ -52,6 +52,11 @@ class Prediction:
     compute_scale: float = 1.0
     measured_runs_s: tuple[float, ...] = ()
     runs: tuple[tuple[int, float, float], ...] = ()  # every real run: (micro-batch size, step seconds, outside load)
+    calibrated_on_stages: int = 0  # the pipeline depth whose runs gave the overhead and scale
+
+    @property
+    def calibration(self) -> Calibration:
+        return Calibration(action_overhead_s=self.action_overhead_s, compute_scale=self.compute_scale)
 
     @property
     def error(self) -> float:
@@ -163,7 +168,8 @@ def _fastest(a: ModelCosts, b: ModelCosts) -> ModelCosts:
                                loss_bwd_s=min(a.loss_bwd_s, b.loss_bwd_s), batch_s=min(a.batch_s, b.batch_s))
 
 
-def validate(cfg: RunConfig, *, repeats: int = 3, profiles: dict[int, ModelCosts] | None = None) -> Prediction:
+def validate(cfg: RunConfig, *, repeats: int = 3, profiles: dict[int, ModelCosts] | None = None,
+             calibration: Calibration | None = None, calibrated_on_stages: int = 0) -> Prediction:
     """Predict ``cfg``'s step time and compare with ``repeats`` real runs.
 
     The overhead per action and the compute scale are calibrated on runs of the same
@@ -172,8 +178,13 @@ def validate(cfg: RunConfig, *, repeats: int = 3, profiles: dict[int, ModelCosts
     outside load; every run is predicted under its own outside load, and the reported ratio
     is the median over runs. ``profiles`` (from :func:`profile_sizes`, by micro-batch size)
     are used where given, so that several stage counts of one model share them.
+
+    With ``calibration`` (another depth's, from its :attr:`Prediction.calibration`; that
+    depth in ``calibrated_on_stages``) no calibration runs are made: the prediction then
+    also tests that the fitted overhead and scale carry over to a pipeline they were not
+    fitted on.
     """
-    sizes = calibration_sizes(cfg)
+    sizes = [] if calibration is not None else calibration_sizes(cfg)
     configs = [dataclasses.replace(cfg, micro_batch_size=size) for size in sizes]
     calibration_runs: list[list[tuple[float, float]]] = [[] for _ in sizes]
     runs: list[tuple[float, float]] = []
@@ -184,7 +195,9 @@ def validate(cfg: RunConfig, *, repeats: int = 3, profiles: dict[int, ModelCosts
     wanted = [*sizes, cfg.micro_batch_size]
     if profiles is None or any(size not in profiles for size in wanted):
         profiles = profile_sizes(cfg, wanted)
-    calibration = calibrate(*zip(configs, (profiles[size] for size in sizes), calibration_runs))
+    if calibration is None:
+        calibration = calibrate(*zip(configs, (profiles[size] for size in sizes), calibration_runs))
+        calibrated_on_stages = cfg.stages
     costs = scaled(profiles[cfg.micro_batch_size], calibration.compute_scale)
     ratio = _ratio(cfg, costs, runs, calibration.action_overhead_s)
     measured = statistics.median(step for step, _ in runs)
@@ -194,4 +207,5 @@ def validate(cfg: RunConfig, *, repeats: int = 3, profiles: dict[int, ModelCosts
                       action_overhead_s=calibration.action_overhead_s, compute_scale=calibration.compute_scale,
                       measured_runs_s=tuple(step for step, _ in runs),
                       runs=tuple((c.micro_batch_size, step, load)
-                                 for c, r in zip([*configs, cfg], [*calibration_runs, runs]) for step, load in r))
+                                 for c, r in zip([*configs, cfg], [*calibration_runs, runs]) for step, load in r),
+                      calibrated_on_stages=calibrated_on_stages)
