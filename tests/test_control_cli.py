@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 
 from conftest import ROOT, child_env, run_vpipe
+from vpipe.control.daemon import _server_key, build_parser
+from vpipe.control.planner_link import daemon_arguments, manual_command
 from vpipe.logview import timeline_rows
 
 
@@ -90,3 +93,15 @@ def test_decision_rows_show_an_edit_once_and_only_the_asked_events():
                 {"t": 3.0, "rank": 1, "logger": "vpipe.decisions", "event": "plan_received", "msg": "r"}]
     rows = decision_rows(records, {"layers_added", "plan"})
     assert [(who, event) for _, who, event, _, _ in rows] == [("0", "layers_added"), ("-", "plan")]
+
+
+def test_a_server_key_beginning_with_a_dash_reaches_the_daemon():
+    """Z85 keys may begin with '-' (1 in 85): as two words argparse took one for an option, the daemon
+    exited with a usage error and the run trained without a planner (seen in the CURVE multihost test)."""
+    key = b"-4zKfyWc0QhVTtUM:hb4ktg>Xj0Ex74V-JOhHNZ%"
+    started = daemon_arguments("tcp://10.0.0.2:4100", "m:f", parent_pid=7, heartbeat_s=0.5, server_key=key,
+                               log_file=None)
+    assert _server_key(build_parser().parse_args(started).server_key) == key
+    by_hand = shlex.split(manual_command("tcp://10.0.0.2:4100", key))
+    assert by_hand[:2] == ["vpipe", "planner"]
+    assert _server_key(build_parser().parse_args(by_hand[2:]).server_key) == key

@@ -44,7 +44,7 @@ from vpipe.planner.plan import Plan
 
 log = logging.getLogger("vpipe.planner.daemon")
 
-__all__ = ["PlannerFn", "no_change", "load_planner", "PlannerDaemon", "DEFAULT_PLANNER", "register"]
+__all__ = ["PlannerFn", "no_change", "load_planner", "PlannerDaemon", "DEFAULT_PLANNER", "register", "build_parser"]
 
 PlannerFn = Callable[[list[StageRecord], "Plan | None"], "Plan | None"]
 DEFAULT_PLANNER = "vpipe.control.daemon:no_change"
@@ -255,14 +255,19 @@ def register(subparsers: Any) -> None:
     _add_arguments(subparsers.add_parser("planner", help=_HELP))
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``python -m vpipe.control.daemon`` (the same arguments as ``vpipe planner``)."""
+    parser = argparse.ArgumentParser(prog="vpipe planner", description=_HELP)
+    _add_arguments(parser)
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m vpipe.control.daemon``: the daemon without the full CLI, which imports torch.
 
     The last stage starts it this way so that it attaches in a fraction of a second.
     """
-    parser = argparse.ArgumentParser(prog="vpipe planner", description=_HELP)
-    _add_arguments(parser)
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
         return cmd_planner(args)
     except ValueError as e:

@@ -30,9 +30,27 @@ from vpipe.planner.plan import Plan
 
 log = logging.getLogger("vpipe.control")
 
-__all__ = ["PlannerLink"]
+__all__ = ["PlannerLink", "daemon_arguments", "manual_command"]
 
 _PEER = "planner"
+
+
+def daemon_arguments(endpoint: str, planner: str, *, parent_pid: int, heartbeat_s: float,
+                     server_key: bytes | None, log_file: str | None) -> list[str]:
+    """The daemon's command-line arguments for a daemon this stage starts itself."""
+    args = ["--connect", endpoint, "--planner", planner, "--parent-pid", str(parent_pid),
+            "--heartbeat", str(heartbeat_s)]
+    if server_key is not None:  # one word: a Z85 key may begin with '-', which argparse takes for an option
+        args.append(f"--server-key={server_key.decode()}")
+    if log_file:
+        args += ["--log-file", log_file]
+    return args
+
+
+def manual_command(endpoint: str, server_key: bytes | None) -> str:
+    """The shell command, logged at start, that attaches a daemon started by hand."""
+    key = f" --server-key='{server_key.decode()}'" if server_key is not None else ""  # Z85 has no quote
+    return f"vpipe planner --connect {endpoint}{key}"
 
 
 class PlannerLink:
@@ -66,8 +84,8 @@ class PlannerLink:
         self._last_sent = 0.0
         self.refused_hellos = 0
         plane.store.set(PLANNER_CONNECT_KEY, plane.endpoint)
-        key = f" --server-key '{plane.curve.public.decode()}'" if plane.curve else ""
-        log.info("planner daemons connect to %s (vpipe planner --connect %s%s)", plane.endpoint, plane.endpoint, key)
+        server_key = plane.curve.public if plane.curve else None
+        log.info("planner daemons connect to %s (%s)", plane.endpoint, manual_command(plane.endpoint, server_key))
 
     @property
     def attached(self) -> bool:
@@ -82,13 +100,10 @@ class PlannerLink:
     def start(self, planner: str) -> None:
         """Start a daemon process running ``planner`` (an import path ``module:function``)."""
         # the daemon's own entry point, not `-m vpipe planner`: the full CLI imports torch (seconds)
-        cmd: list[str] = [sys.executable, "-m", "vpipe.control.daemon", "--connect", self.plane.endpoint,
-                          "--planner", planner, "--parent-pid", str(os.getpid()),
-                          "--heartbeat", str(self.heartbeat_s)]
-        if self.plane.curve is not None:
-            cmd += ["--server-key", self.plane.curve.public.decode()]
-        if self.log_file:
-            cmd += ["--log-file", self.log_file]
+        cmd = [sys.executable, "-m", "vpipe.control.daemon",
+               *daemon_arguments(self.plane.endpoint, planner, parent_pid=os.getpid(), heartbeat_s=self.heartbeat_s,
+                                 server_key=self.plane.curve.public if self.plane.curve else None,
+                                 log_file=self.log_file)]
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "GROUP_RANK")}
         env["OMP_NUM_THREADS"] = "1"
         self.process = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
