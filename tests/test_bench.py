@@ -138,7 +138,10 @@ def test_nas_memory_and_soak_results_get_tables():
     nas = {"config": {"blocks": 4, "added": 8, "add_step": 6, "steps": 42, "optimal_partition": [7, 7]},
            "per_round": [{"throughput": {"static": phase, "vpipe": {**phase, "after": 57.0},
                                          "optimal": {"steady": 58.0}},
-                          "recovery_steps": 12, "static_recovery_steps": None}],
+                          "recovery_steps": 12, "static_recovery_steps": None},
+                         {"throughput": {"static": phase, "vpipe": {**phase, "after": 57.0},
+                                         "optimal": {"steady": 58.0}},
+                          "recovery_steps": None, "static_recovery_steps": None}],
            "vpipe_over_static_after": {"median": 1.27, "min": 1.2, "max": 1.3},
            "vpipe_over_optimal_after": {"median": 0.98, "min": 0.98, "max": 0.98},
            "static_over_optimal_after": {"median": 0.78, "min": 0.78, "max": 0.78}}
@@ -156,7 +159,7 @@ def test_nas_memory_and_soak_results_get_tables():
             "rss_target": 0.02}
     text = report.results_markdown({"nas": nas, "memory": memory, "soak": soak})
     assert "| static | 100.0 | 40.0 | 45.0 | 0.78x (0.78-0.78) | never |" in text
-    assert "| vpipe | 100.0 | 40.0 | 57.0 | 0.98x (0.98-0.98) | 12 steps |" in text
+    assert "| vpipe | 100.0 | 40.0 | 57.0 | 0.98x (0.98-0.98) | 12 steps, never |" in text
     assert "| 1f1b_kept | not run (over budget) | 25.0, 16.0 | no |" in text
     assert "0:D 1:S / 2:R" in text
     assert "| 0 | 399 | 300.0 | 310.0 | 311.0 | +0.32% | 138 | 0 |" in text

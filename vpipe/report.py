@@ -100,7 +100,7 @@ def headline_rows(results: Results) -> list[list[str]]:
                  for name in ("static", "vpipe")}
         rows.append(["NAS edit: 8 blocks added to stage 0 of 2, throughput after it",
                      f"vpipe: {after['vpipe']:.0f} samples/s ({nas['vpipe_over_optimal_after']['median']:.0%} of the "
-                     f"optimal static partition; 90% reached {_steps(nas['recovery_steps'])} after the edit)",
+                     f"optimal static partition; per round, 90% of it reached after: {_steps(nas['recovery_steps'])})",
                      f"static: {after['static']:.0f} samples/s "
                      f"({nas['static_over_optimal_after']['median']:.0%} of optimal)",
                      _ratio(nas["vpipe_over_static_after"])])
@@ -125,10 +125,10 @@ def headline_rows(results: Results) -> list[list[str]]:
 
 
 def _steps(recoveries: list[int | None]) -> str:
-    """``"22, 6 steps"``; a run that never got there reads "never" (``"never"`` alone when none did)."""
+    """One entry per round: ``"22 steps, never"``; ``"never"`` alone when no round got there."""
     if all(s is None for s in recoveries):
         return "never"
-    return ", ".join("never" if s is None else str(s) for s in recoveries) + " steps"
+    return ", ".join("never" if s is None else f"{s} steps" for s in recoveries)
 
 
 def headline_markdown(results: Results) -> str:
