@@ -240,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--only", type=lambda text: text.split(","), default=None,
-                   help=f"compare plain with these variants only (comma-separated: {', '.join(VARIANTS[1:])})")
+                   help="compare plain with these variants only (comma-separated: "
+                        + ", ".join(VARIANTS[1:]).replace("%", "%%") + ")")
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args(argv)
     unknown = set(args.only or ()) - set(VARIANTS)
