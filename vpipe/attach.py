@@ -6,15 +6,15 @@ It takes the trainer's own objects and changes none of them structurally:
   ``Schedule1F1B``) or vpipe's ``SchedulePipeDream``: ``schedule.step`` is wrapped as an
   instance attribute (plans are applied before a step starts, i.e. after the user's
   ``optimizer.step()``, and the step is monitored), the stage's chunk methods are wrapped
-  by the tensor manager, the stage's ``nn.Sequential`` gets hooks on its children and is
-  edited in place when layers migrate — ``stage.submod`` is never replaced;
+  by the tensor manager, the stage's blocks get hooks and their container is edited in
+  place when layers migrate — ``stage.submod`` and its ``forward`` are never replaced;
 - a plain stage module (a hand-written GPipe loop): micro-batches are counted by the
   module's forward calls, and the step boundary is the optimizer's ``step()`` (a post-hook).
 
-The stage module must be an ``nn.Sequential`` whose children are named by *global* layer
-id (``nn.Sequential(OrderedDict((str(i), layer) for i, layer in my_layers))``), so a layer
-keeps its identity when it moves. ``detach()`` removes every hook and wrapper; layers that
-moved stay where they are.
+The stage module is whatever the trainer built: vpipe finds its run of repeated blocks
+(:mod:`vpipe.migration.blocks`; ``layers=`` names it where that is ambiguous), agrees on
+global layer ids with the other stages, and moves only those blocks. ``detach()`` removes
+every hook and wrapper; layers that moved stay where they are.
 
 Plans reach the stages at different times (they travel stage by stage). All ranks must
 apply a plan at the same step, so stage 0 (the last to receive it) decides the step and
@@ -40,6 +40,8 @@ import torch.distributed as dist
 from torch import nn
 
 from vpipe.log import decision, step_record
+from vpipe.migration.blocks import (BlockContainerError, ContainerLayout, StageBlocks, agree_key_style,
+                                    find_block_container, global_ids, layout_of)
 from vpipe.planner.plan import Plan, PlanError, Policy
 
 log = logging.getLogger("vpipe.attach")
@@ -76,7 +78,8 @@ class VpipeConfig:
     planning: bool = True  # run the planner daemon and apply its plans
     planner: str = DEFAULT_PLANNER  # the daemon's planner function (module:function)
     sample_every: int = 10  # monitor every k-th step
-    layer_factory: Callable[[int, Any], nn.Module] | None = None  # builds an empty layer by (id, spec) for migration
+    layers: str | None = None  # dotted path of the block container in the stage module (default: found)
+    layer_factory: Callable[[int, Any], nn.Module] | None = None  # builds a layer by (id, spec); default: clone one
     specs: Mapping[int, Any] | None = None  # layer id -> spec handed to the factory (plain msgpack-able values)
     policies: Mapping[int, Policy | str] | None = None  # initial keep/swap/recompute per layer (default keep)
     tensor_manager: bool = True
@@ -86,7 +89,8 @@ class VpipeConfig:
     apply_lag_steps: int = 2  # stage 0 schedules a plan this many steps after it has it
     micro_batches: int | None = None  # per step of a hand-written loop (the planner models the pipeline with it)
     planner_options: dict[str, Any] = field(default_factory=dict)  # extra OnlineConfig fields
-    log_file: str | None = None
+    # JSON lines of every decision; default: $VPIPE_LOG_FILE, so a one-line attach can be logged from outside
+    log_file: str | None = field(default_factory=lambda: os.environ.get("VPIPE_LOG_FILE") or None)
 
     def __post_init__(self) -> None:
         def need(ok: bool, message: str) -> None:
@@ -102,6 +106,8 @@ class VpipeConfig:
         need(isinstance(self.planner, str) and ":" in self.planner,
              f"planner must be 'module:function', got {self.planner!r}")
         need(self.layer_factory is None or callable(self.layer_factory), "layer_factory must be callable")
+        need(self.layers is None or (isinstance(self.layers, str) and bool(self.layers.strip())),
+             f"layers must be the dotted path of the block container (e.g. 'layers'), got {self.layers!r}")
         need(math.isfinite(self.migration_timeout_s) and self.migration_timeout_s > 0,
              f"migration_timeout_s must be positive, got {self.migration_timeout_s!r}")
         need(isinstance(self.apply_lag_steps, int) and self.apply_lag_steps >= 1,
@@ -172,11 +178,13 @@ class Vpipe:
         self._pending: dict[int, Plan] = {}
         self._undo: list[Callable[[], None]] = []
         self._detached = False
-        self.placement = self._exchange_placement()
+        _check_group(self.stage, self.world_size)
+        self.blocks, self.placement = self._exchange_placement()
+        self.move_refusal = self._move_refusal()
         initial = Plan(epoch=0, stages=self.placement,
                        policies={lid: Policy.parse(p.value if isinstance(p, Policy) else p)
                                  for lid, p in (config.policies or {}).items()})
-        layers = _layers_of(self.module)
+        layers = self.blocks.blocks()
         self.tensor_manager = self._start_tensor_manager(layers, initial) if config.tensor_manager else None
         self.session = self._start_session(layers, initial)
         self.layer_manager = self._start_layer_manager()
@@ -185,18 +193,44 @@ class Vpipe:
         decision("attached", f"vpipe attached to stage {self.stage_index} of {self.num_stages}",
                  stage=self.stage_index, layers=list(self.placement[self.stage_index]),
                  schedule=type(self.schedule).__name__ if self.schedule is not None else "module",
-                 memory_budget=self.memory_budget, planning=config.planning)
+                 memory_budget=self.memory_budget, planning=config.planning,
+                 container=self.blocks.path or "<stage module>", keys=self.blocks.style.value)
+        if self.move_refusal is not None:
+            decision("moves_off", f"stage {self.stage_index}: layers will not move ({self.move_refusal}); "
+                     "swap and recompute plans still apply", stage=self.stage_index, reason=self.move_refusal)
 
     # ------------------------------------------------------------------ set-up
-    def _exchange_placement(self) -> tuple[tuple[int, ...], ...]:
-        mine = [int(name) for name in self.module._modules]
+    def _exchange_placement(self) -> tuple[StageBlocks, tuple[tuple[int, ...], ...]]:
+        """Find this stage's blocks, tell the other stages how they are keyed, agree on global ids."""
+        try:
+            path, container = find_block_container(self.module, self.config.layers)
+            mine = {"path": path, "kind": type(container).__name__, "keys": list(container._modules)}
+        except BlockContainerError as e:
+            mine = {"error": str(e)}
         self.store.set(_LAYERS_KEY.format(self.stage_index), json.dumps(mine))
         keys = [_LAYERS_KEY.format(s) for s in range(self.num_stages)]
-        stages = tuple(tuple(json.loads(raw)) for raw in self.store.multi_get(keys))
-        order = [lid for layers in stages for lid in layers]
-        if len(set(order)) != len(order):
-            raise ValueError(f"layer ids must be unique across stages, got placement {[list(s) for s in stages]}")
-        return stages
+        found = [json.loads(raw) for raw in self.store.multi_get(keys)]
+        if "error" in mine:
+            raise BlockContainerError(f"stage {self.stage_index}: {mine['error']}")
+        failed = [s for s, f in enumerate(found) if "error" in f]
+        if failed:
+            raise BlockContainerError(f"stage(s) {failed} could not find their blocks (their error says why); "
+                                      f"this stage found {path or '<the stage module>'}")
+        layouts = [ContainerLayout(f["path"], f["kind"], tuple(f["keys"])) for f in found]
+        style = agree_key_style(layouts)
+        stages = tuple(tuple(ids) for ids in global_ids(layouts, style))
+        blocks = StageBlocks(container, stages[self.stage_index], style, path)
+        assert layout_of(path, container).keys == layouts[self.stage_index].keys
+        return blocks, stages
+
+    def _move_refusal(self) -> str | None:
+        """Why this stage's layers cannot move, or None when they can."""
+        if isinstance(self.module, torch.fx.GraphModule):
+            return "the stage is a traced GraphModule (pipeline() split): its forward is a fixed graph of modules"
+        if self.pipedream and (self.blocks.path or self.blocks.style.value != "ids"):
+            return ("a PipeDream stream moves layers only in a stage module that is an nn.Sequential named by "
+                    "global layer id")
+        return None
 
     def _start_tensor_manager(self, layers: dict[int, nn.Module], initial: Plan) -> Any:
         from vpipe.tensor_manager import TensorManager, install_on_stage
@@ -263,7 +297,7 @@ class Vpipe:
         if self.config.planning and self.stage_index == self.num_stages - 1:
             online = OnlineConfig(schedule=self._schedule_name(), micro_batches=self._micro_batches(),
                                   memory_budget=self.memory_budget,
-                                  allow_moves=self.config.layer_factory is not None, **self.config.planner_options)
+                                  allow_moves=self.move_refusal is None, **self.config.planner_options)
             os.environ[CONFIG_ENV] = online.to_env()  # the daemon this stage starts inherits it
         options = ControlOptions(sample_every=self.config.sample_every,
                                  planner=self.config.planner if self.config.planning else None,
@@ -281,10 +315,9 @@ class Vpipe:
         from vpipe.migration.messages import ControlMessenger
         from vpipe.migration.transfer import TransferChannel
 
-        factory = self.config.layer_factory or _no_factory
         manager = LayerManager(
-            self.module, stage_index=self.stage_index, placement=self.placement, optimizer=self.optimizer,
-            factory=factory, specs=self.config.specs, messenger=ControlMessenger(self.session.plane, self.stage_index),
+            self.blocks, stage_index=self.stage_index, placement=self.placement, optimizer=self.optimizer,
+            factory=self.config.layer_factory, specs=self.config.specs, messenger=ControlMessenger(self.session.plane, self.stage_index),
             channel=TransferChannel(self.device), device=self.device, timeout_s=self.config.migration_timeout_s,
         )
         manager.listeners.append(self.session.monitor)
@@ -423,9 +456,9 @@ class Vpipe:
         if self.tensor_manager is not None:
             self.tensor_manager.set_policies({lid: plan.policy(lid) for lid in lm.layer_ids})
         moves = [list(s) for s in plan.stages] != [list(s) for s in lm.placement]
-        if moves and self.config.layer_factory is None:
-            decision("plan_skipped", f"epoch {plan.epoch}: moves need a layer_factory; applied policies only",
-                     epoch=plan.epoch, stage=self.stage_index)
+        if moves and self.move_refusal is not None:
+            decision("plan_skipped", f"epoch {plan.epoch}: layers cannot move ({self.move_refusal}); "
+                     "applied policies only", epoch=plan.epoch, stage=self.stage_index)
             lm.epoch = plan.epoch
         elif moves and self.pipedream:
             lm.start_streamed(plan, self.schedule, switch_mb=self._applying_step * self._micro_batches())
@@ -465,6 +498,8 @@ class Vpipe:
     def add_layers(self, position: int, specs: list[Any]) -> list[int]:
         """Insert layers before model position ``position`` (every rank calls it at the same step boundary)."""
         self._require_boundary("add_layers")
+        if self.config.layer_factory is None:
+            raise RuntimeError("add_layers needs layer_factory= in the vpipe config to build the new layers")
         new_ids = self.layer_manager.add_layers(position, specs)
         self._after_edit()
         return new_ids
@@ -479,8 +514,8 @@ class Vpipe:
         if self.pipedream and self.schedule.in_flight:
             raise RuntimeError(f"{what} on a PipeDream stream needs schedule.flush() first "
                                f"({len(self.schedule.in_flight)} micro-batches in flight)")
-        if self.config.layer_factory is None:
-            raise RuntimeError(f"{what} needs layer_factory= in the vpipe config to build layers")
+        if isinstance(self.module, torch.fx.GraphModule):
+            raise RuntimeError(f"{what} cannot edit a traced GraphModule stage (its forward is a fixed graph)")
 
     def _after_edit(self) -> None:
         from vpipe.migration.rebuild import reset_shape_inference
@@ -590,7 +625,7 @@ class Vpipe:
 
 
 # ---------------------------------------------------------------------- helpers
-def _unpack_target(target: Any) -> tuple[Any, Any, nn.Sequential]:
+def _unpack_target(target: Any) -> tuple[Any, Any, nn.Module]:
     from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
     from vpipe.migration.rebuild import check_schedule_api
@@ -601,26 +636,31 @@ def _unpack_target(target: Any) -> tuple[Any, Any, nn.Sequential]:
     if isinstance(target, PipelineScheduleSingle):
         check_schedule_api(target)
         stage = target._stage
-        return target, stage, _check_module(stage.submod)
+        return target, stage, _unwrap(stage.submod)
     if isinstance(target, nn.Module):
-        return None, None, _check_module(target)
+        return None, None, _unwrap(target)
     raise TypeError(f"vpipe.attach takes a pipelining schedule or a stage module, got {type(target).__name__}")
 
 
-def _check_module(module: Any) -> nn.Sequential:
-    if not isinstance(module, nn.Sequential):
-        raise TypeError(f"the stage module must be an nn.Sequential of layers, got {type(module).__name__}")
-    bad = [name for name in module._modules if not name.isdigit()]
-    if bad:
-        raise ValueError(f"the stage's layers must be named by global layer id (e.g. '12'), got {bad[:3]}: "
-                         "build it as nn.Sequential(OrderedDict((str(i), layer) for i, layer in layers))")
-    if not module._modules:
-        raise ValueError("the stage module has no layers")
+def _unwrap(module: nn.Module) -> nn.Module:
+    """The stage module to find blocks in: refuse wrappers whose forward vpipe cannot see through."""
+    wrapped = type(module).__name__
+    if wrapped in ("DistributedDataParallel", "FullyShardedDataParallel") or hasattr(module, "_fsdp_wrapped_module"):
+        raise TypeError(f"vpipe.attach does not support a stage module wrapped in {wrapped} yet: data-parallel "
+                        "replicas of a pipeline need vpipe on a pipeline process group of its own")
     return module
 
 
-def _layers_of(module: nn.Sequential) -> dict[int, nn.Module]:
-    return {int(name): m for name, m in module._modules.items()}
+def _check_group(stage: Any, world_size: int) -> None:
+    """vpipe's moves and agreement run over the world: refuse a pipeline that is one dimension of a mesh."""
+    group = getattr(stage, "group", None)
+    if stage is None or group is None:
+        return
+    size = dist.get_world_size(group)
+    if size != world_size:
+        raise ValueError(f"vpipe.attach: this pipeline's process group has {size} of the world's {world_size} ranks "
+                         "(a pipeline inside a larger mesh, e.g. with data-parallel replicas); vpipe supports one "
+                         "pipeline over the whole world for now")
 
 
 def _module_device(module: nn.Module) -> torch.device:
@@ -647,10 +687,6 @@ def _own_error(exc: BaseException) -> BaseException | None:
         seen.add(id(cause))
         cause = cause.__cause__
     return None
-
-
-def _no_factory(layer_id: int, spec: Any) -> nn.Module:
-    raise RuntimeError(f"layer {layer_id} must be built here, but vpipe.attach got no layer_factory")
 
 
 class _MicroBatchCounter:

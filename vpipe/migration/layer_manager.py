@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from vpipe.log import decision
+from vpipe.migration.blocks import KeyStyle, StageBlocks, block_attrs, block_kind, clone_block, set_block_attrs
 from vpipe.migration.moves import Move, apply_round, plan_rounds
 from vpipe.migration.state import LayerState, detach_from_optimizer, pack_layer, payload_bytes, unpack_layer, validate_manifest
 from vpipe.migration.transfer import MOVE, TransferChannel, transfer_tag
@@ -90,20 +91,22 @@ class _Incoming:
 class LayerManager:
     """Holds a stage's layers by global id and applies placement plans by neighbour moves.
 
-    ``module`` is the stage's ``nn.Sequential`` whose children are named by layer id; it
-    is edited in place (children inserted and removed), never replaced. ``factory(id, spec)``
-    builds an empty layer of the right shape on the target; ``specs`` maps every layer id
-    to its spec (what the factory needs) and travels with moved layers.
+    ``blocks`` is the stage's block container (:class:`~vpipe.migration.blocks.StageBlocks`,
+    or an ``nn.Sequential`` whose children are named by layer id); it is edited in place
+    (entries inserted and removed), never replaced. A block that arrives is built by
+    ``factory(id, spec)`` when there is one (``specs`` maps layer ids to specs, which travel
+    with moved layers), else cloned from a local block of the same kind
+    (:func:`~vpipe.migration.blocks.clone_block`) and given the moved block's plain attributes.
     """
 
     def __init__(
         self,
-        module: nn.Sequential,
+        blocks: StageBlocks | nn.Sequential,
         *,
         stage_index: int,
         placement: Sequence[Sequence[int]],
         optimizer: torch.optim.Optimizer | None,
-        factory: LayerFactory,
+        factory: LayerFactory | None,
         specs: Mapping[int, Any] | None,
         messenger: Messenger,
         channel: TransferChannel,
@@ -111,7 +114,9 @@ class LayerManager:
         timeout_s: float = 30.0,
         epoch: int = 0,
     ) -> None:
-        self.module = module
+        if isinstance(blocks, nn.Sequential):
+            blocks = StageBlocks(blocks, [int(name) for name in blocks._modules], KeyStyle.IDS)
+        self.blocks = blocks
         self.stage_index = stage_index
         self.placement = tuple(tuple(s) for s in placement)
         self.optimizer = optimizer
@@ -139,9 +144,14 @@ class LayerManager:
         return len(self.placement)
 
     @property
+    def module(self) -> nn.Module:
+        """The block container (edited in place)."""
+        return self.blocks.container
+
+    @property
     def layer_ids(self) -> list[int]:
         """This stage's layers, in order."""
-        return [int(name) for name in self.module._modules]
+        return self.blocks.ids
 
     @property
     def order(self) -> list[int]:
@@ -149,7 +159,17 @@ class LayerManager:
         return [lid for layers in self.placement for lid in layers]
 
     def _children(self) -> dict[int, nn.Module]:
-        return {int(name): m for name, m in self.module._modules.items()}
+        return self.blocks.blocks()
+
+    def can_build(self) -> list[str] | None:
+        """The kinds of block this stage can build for an incoming move (None: any, a factory builds them)."""
+        if self.factory is not None:
+            return None
+        return sorted({block_kind(block) for block in self._children().values()})
+
+    def _describe(self, layer_id: int, block: nn.Module) -> dict[str, Any]:
+        """What a receiving stage needs besides the tensors to rebuild ``block``: kind, key, plain attributes."""
+        return {"kind": block_kind(block), "key": self.blocks.key_of(layer_id), "attrs": block_attrs(block)}
 
     # ---------------------------------------------------------------- output metadata
     def _watch(self, lid: int, layer: nn.Module) -> None:
@@ -236,15 +256,19 @@ class LayerManager:
         incoming = [m for m in moves if m.dst == s]
         children = self._children()
         for m in outgoing:
-            manifests = [pack_layer(lid, children[lid], None, self.specs.get(lid)).manifest for lid in m.layers]
+            manifests = [dict(pack_layer(lid, children[lid], None, self.specs.get(lid)).manifest,
+                              block=self._describe(lid, children[lid])) for lid in m.layers]
             self.messenger.send_to(m.dst, "migrate_prepare", {"round": 0, "src": m.src, "dst": m.dst,
                                                               "layers": list(m.layers), "manifests": manifests},
                                    epoch=epoch)
         arriving = [self._receive_prepare(m, key) for m in incoming]
         ready = all(inc.ok for inc in arriving)
         for m in outgoing:
-            if self.messenger.wait_for({"migrate_ready"}, from_rank=m.dst, key=key, timeout_s=self.timeout_s) is None:
-                log.warning("stage %d: no migrate_ready from stage %d for layers %s", s, m.dst, list(m.layers))
+            answer = self.messenger.wait_for({"migrate_ready", "migrate_abort"}, from_rank=m.dst, key=key,
+                                             timeout_s=self.timeout_s)
+            if answer is None or answer[0] == "migrate_abort":
+                if answer is None:
+                    log.warning("stage %d: no migrate_ready from stage %d for layers %s", s, m.dst, list(m.layers))
                 ready = False
         if not self._vote(ready, all_of=True):
             decision("migration_aborted", f"epoch {epoch}: a streamed move was not ready; every stage keeps its layers",
@@ -328,6 +352,7 @@ class LayerManager:
             children = self._children()
             states = [pack_layer(lid, children[lid], self.optimizer, self.specs.get(lid)) for lid in m.layers]
             for st in states:
+                st.manifest["block"] = self._describe(st.layer_id, children[st.layer_id])
                 st.manifest["out_meta"] = _wire_meta(self.out_meta.get(st.layer_id))
                 st.manifest["in_meta"] = _wire_meta(self.in_meta.get(st.layer_id))
             sent_states[m] = states
@@ -339,9 +364,13 @@ class LayerManager:
         # phase 3: send each payload once its target is ready
         works = []
         for m in outgoing:
-            if self.messenger.wait_for({"migrate_ready"}, from_rank=m.dst, key=key, timeout_s=self.timeout_s) is None:
-                log.warning("stage %d: no migrate_ready from stage %d for layers %s; aborting", s, m.dst, list(m.layers))
-                self.messenger.send_to(m.dst, "migrate_abort", {"round": r, "reason": "no ready"}, epoch=epoch)
+            answer = self.messenger.wait_for({"migrate_ready", "migrate_abort"}, from_rank=m.dst, key=key,
+                                             timeout_s=self.timeout_s)
+            if answer is None or answer[0] == "migrate_abort":
+                if answer is None:
+                    log.warning("stage %d: no migrate_ready from stage %d for layers %s; aborting", s, m.dst,
+                                list(m.layers))
+                    self.messenger.send_to(m.dst, "migrate_abort", {"round": r, "reason": "no ready"}, epoch=epoch)
                 ok = False
                 continue
             payload = torch.cat([st.payload for st in sent_states[m]])
@@ -397,13 +426,31 @@ class LayerManager:
 
     def _build(self, layer_id: int, spec: Any) -> nn.Module:
         """An empty layer of the right shape (built on the meta device: no initialisation cost)."""
+        assert self.factory is not None
         with torch.device("meta"):
             layer = self.factory(layer_id, spec)
         return layer.to_empty(device=self.device)
 
+    def _clone_for(self, manifest: dict[str, Any]) -> nn.Module:
+        """An empty block for ``manifest``, cloned from a local block of the same kind (no factory)."""
+        lid, info = manifest["layer"], manifest.get("block")
+        if not isinstance(info, dict):
+            raise MigrationError(f"layer {lid} arrives without a description of its block, and there is no layer_factory")
+        donor = next((b for b in self._children().values() if block_kind(b) == info["kind"]), None)
+        if donor is None:
+            raise MigrationError(f"stage {self.stage_index} has no block of kind {info['kind']} to build layer {lid} "
+                                 "from; pass layer_factory= to vpipe.attach for models whose blocks differ")
+        block = clone_block(donor)
+        try:
+            set_block_attrs(block, info["attrs"], lid)
+        except ValueError as e:
+            raise MigrationError(str(e)) from None
+        return block
+
     def _receive_prepare(self, m: Move, key: tuple[int, int]) -> _Incoming:
         # the plan names the layers: build those whose spec we know while the source packs them
-        early = {lid: self._build(lid, self.specs[lid]) for lid in m.layers if lid in self.specs}
+        early = ({lid: self._build(lid, self.specs[lid]) for lid in m.layers if lid in self.specs}
+                 if self.factory is not None else {})
         got = self.messenger.wait_for({"migrate_prepare"}, from_rank=m.src, key=key, timeout_s=self.timeout_s)
         if got is None:
             log.warning("stage %d: no migrate_prepare from stage %d for layers %s", self.stage_index, m.src, list(m.layers))
@@ -423,10 +470,19 @@ class LayerManager:
         if [man["layer"] for man in manifests] != list(m.layers):
             raise MigrationError(f"stage {self.stage_index}: manifests do not match the moved layers {list(m.layers)}")
         modules = {}
-        for man in manifests:
-            lid = man["layer"]
-            same_spec = lid in early and man.get("spec") in (None, self.specs.get(lid))
-            modules[lid] = early[lid] if same_spec else self._build(lid, man.get("spec"))
+        try:
+            for man in manifests:
+                lid = man["layer"]
+                if self.factory is None:
+                    modules[lid] = self._clone_for(man)
+                    continue
+                same_spec = lid in early and man.get("spec") in (None, self.specs.get(lid))
+                modules[lid] = early[lid] if same_spec else self._build(lid, man.get("spec"))
+        except MigrationError as e:
+            decision("migration_refused", f"stage {self.stage_index} cannot build layers {list(m.layers)}: {e}",
+                     stage=self.stage_index, layers=list(m.layers), reason=str(e))
+            self.messenger.send_to(m.src, "migrate_abort", {"round": key[1], "reason": str(e)[:200]}, epoch=key[0])
+            return _Incoming(m, [], {}, ok=False)
         self.messenger.send_to(m.src, "migrate_ready", {"round": key[1]}, epoch=key[0])
         return _Incoming(m, manifests, modules)
 
@@ -478,11 +534,10 @@ class LayerManager:
         at = stages[owner].index(anchor) if anchor is not None else len(stages[owner])
         stages[owner][at:at] = new_ids
         if owner == self.stage_index:
+            if self.factory is None:
+                raise ValueError("adding layers needs layer_factory= in the vpipe config to build them")
             built = [(lid, self.factory(lid, spec).to(self.device)) for lid, spec in zip(new_ids, specs)]
-            items = list(self.module._modules.items())
-            items[at:at] = [(str(lid), layer) for lid, layer in built]
-            self.module._modules.clear()
-            self.module._modules.update(items)
+            self.blocks.insert(at, [(lid, layer, str(lid)) for lid, layer in built])
             for lid, layer in built:
                 if self.optimizer is not None:
                     self.optimizer.param_groups[0]["params"].extend(layer.parameters())
@@ -532,7 +587,7 @@ class LayerManager:
             for listener in self.listeners:
                 listener.remove_layer(lid)
             self._unwatch(lid)
-            del self.module._modules[str(lid)]
+            self.blocks.remove([lid])
 
     def _insert(self, inc: _Incoming) -> None:
         for st in inc.states:
@@ -543,11 +598,9 @@ class LayerManager:
                     table[st.layer_id] = meta
             if st.manifest.get("spec") is not None:
                 self.specs[st.layer_id] = st.manifest["spec"]
-        items = list(self.module._modules.items())
-        new = [(str(lid), inc.modules[lid]) for lid in inc.move.layers]
-        items = new + items if inc.move.forward else items + new
-        self.module._modules.clear()
-        self.module._modules.update(items)
+        keys = {man["layer"]: (man.get("block") or {}).get("key") for man in inc.manifests}
+        new = [(lid, inc.modules[lid], keys.get(lid) or str(lid)) for lid in inc.move.layers]
+        self.blocks.insert(0 if inc.move.forward else len(self.blocks.ids), new)
         for lid in inc.move.layers:
             self._watch(lid, inc.modules[lid])
             for listener in self.listeners:

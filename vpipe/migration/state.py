@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from vpipe.migration.blocks import validate_block_info
+
 __all__ = ["LayerState", "pack_layer", "unpack_layer", "detach_from_optimizer", "validate_manifest"]
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
@@ -91,6 +93,8 @@ def validate_manifest(manifest: Any) -> dict[str, Any]:
     layer = manifest.get("layer")
     if not isinstance(layer, int) or isinstance(layer, bool) or layer < 0:
         raise ValueError(f"layer manifest has a bad layer id {layer!r}")
+    if manifest.get("block") is not None:
+        validate_block_info(manifest["block"], layer)
     for i, e in enumerate(manifest["entries"]):
         if not isinstance(e, dict) or e.get("kind") not in ("param", "optim", "optim_value", "buffer"):
             raise ValueError(f"layer {layer}: manifest entry #{i} has an unknown kind")

@@ -23,7 +23,10 @@ from vpipe.planner.plan import Policy
 from vpipe.tensor_manager.recompute import RecomputeCounter
 from vpipe.tensor_manager.swap import StorageEntry
 
-__all__ = ["ManagedLayer", "LayerCall", "claim_module", "release_module"]
+__all__ = ["ManagedLayer", "LayerCall", "claim_module", "release_module", "ROUTED_FORWARD"]
+
+# the ``forward`` instance attribute vpipe sets for recompute carries this attribute (a clone drops it)
+ROUTED_FORWARD = "_vpipe_routed_forward"
 
 _MISSING = object()
 _owners: weakref.WeakKeyDictionary[nn.Module, object] = weakref.WeakKeyDictionary()
@@ -77,6 +80,7 @@ class ManagedLayer:
         def forward(*args: Any, **kwargs: Any) -> Any:
             return route(self, inner, args, kwargs)
 
+        setattr(forward, ROUTED_FORWARD, True)
         self.wrapper = forward
         module.forward = forward
 

@@ -1,0 +1,377 @@
+"""The blocks of a stage: the one run of repeated modules vpipe may move, addressed by global id.
+
+A stage module is whatever the user built: an ``nn.Sequential`` slice, the torch
+pipelining tutorial's / torchtitan's ``Transformer`` (``layers`` is an ``nn.ModuleDict``
+keyed by global layer id, ``tok_embeddings`` / ``norm`` / ``output`` are ``None`` where
+they do not belong), or a wrapper holding ``nn.ModuleList(hf_model.transformer.h[a:b])``.
+vpipe moves only the entries of one container of repeated blocks; everything else stays
+on its stage. :func:`find_block_container` finds that container, :class:`StageBlocks`
+edits it in place (same object, same type, same order), so the user's forward, which
+iterates the container, keeps working and keeps passing its own extra arguments.
+
+Keys: a container whose keys are the global layer ids (integer keys unique across the
+stages) keeps them, so ``state_dict()`` names stay what the user's checkpoint code
+expects; a positional container (an ``nn.ModuleList``, or a ``Sequential`` slice named
+``0..n-1`` on every stage) is renumbered ``0..n-1`` after every edit, exactly as the same
+slice built fresh for the new partition would be; any other keys travel with their block.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+from collections import Counter, OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import torch
+from torch import nn
+
+from vpipe.tensor_manager.layers import ROUTED_FORWARD
+
+__all__ = ["BlockContainerError", "KeyStyle", "StageBlocks", "find_block_container", "clone_block",
+           "block_attrs", "set_block_attrs", "block_kind", "validate_block_info"]
+
+CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+_AMBIGUITY = 0.5  # a second, separate container with at least this share of the best one's parameters
+
+
+class BlockContainerError(ValueError):
+    """The stage module has no container vpipe can move blocks of, or several equally likely."""
+
+
+class KeyStyle(str, Enum):
+    IDS = "ids"  # keys are the global layer ids
+    POSITIONS = "positions"  # keys are 0..n-1, renumbered after every edit
+    NAMES = "names"  # any other keys: each travels with its block
+
+
+# ---------------------------------------------------------------------- finding the container
+def _entries(container: nn.Module) -> list[tuple[str, Any]]:
+    return list(container._modules.items())
+
+
+def _param_count(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _repeats(modules: Sequence[nn.Module]) -> bool:
+    """One block, or one class that appears at least twice and makes at least half the entries."""
+    if len(modules) == 1:
+        return True
+    top = Counter(type(m) for m in modules).most_common(1)[0][1]
+    return top >= 2 and 2 * top >= len(modules)
+
+
+def _describe(path: str, container: nn.Module) -> str:
+    classes = Counter(type(m).__name__ for _, m in _entries(container) if m is not None)
+    kinds = ", ".join(f"{n} x{c}" if c > 1 else n for n, c in classes.most_common(3))
+    return f"{path or '<the stage module>'} ({type(container).__name__} of {kinds or 'nothing'})"
+
+
+def find_block_container(stage_module: nn.Module, path: str | None = None) -> tuple[str, nn.Module]:
+    """The ``(path, container)`` of the stage's blocks: named by ``path``, or found.
+
+    A stage module that is itself an ``nn.Sequential`` is its own container (every child a
+    block). Otherwise the candidates are the ``Sequential`` / ``ModuleList`` / ``ModuleDict``
+    modules inside it whose entries repeat one or a few classes and hold parameters; the
+    one holding the most parameters wins, unless a separate container (neither inside the
+    other) comes close, which is ambiguous: the error names the candidates and ``layers=``.
+    """
+    if path is not None:
+        if not isinstance(path, str):
+            raise BlockContainerError(f"layers= must be the dotted path of the block container, got {path!r}")
+        try:
+            container = stage_module.get_submodule(path)
+        except AttributeError:
+            raise BlockContainerError(f"layers={path!r}: the stage module ({type(stage_module).__name__}) has no "
+                                      f"submodule {path!r}") from None
+        if not isinstance(container, CONTAINERS):
+            raise BlockContainerError(f"layers={path!r} is a {type(container).__name__}; it must name an "
+                                      "nn.Sequential, nn.ModuleList or nn.ModuleDict of blocks")
+        return path, _checked(path, container)
+    if isinstance(stage_module, nn.Sequential):
+        return "", _checked("", stage_module)
+    scored: list[tuple[int, str, nn.Module]] = []
+    seen: list[str] = []
+    for name, module in stage_module.named_modules():
+        if not name or not isinstance(module, CONTAINERS):
+            continue
+        seen.append(_describe(name, module))
+        blocks = [m for _, m in _entries(module) if m is not None]
+        if not blocks or not _repeats(blocks):
+            continue
+        params = sum(_param_count(m) for m in blocks)
+        if params > 0:
+            scored.append((params, name, module))
+    if not scored:
+        found = f"; it has {', '.join(seen[:6])}" if seen else ""
+        raise BlockContainerError(
+            f"vpipe.attach found no container of repeated blocks in the stage module "
+            f"({type(stage_module).__name__}){found}. Put the stage's blocks in an nn.Sequential, nn.ModuleList "
+            "or nn.ModuleDict, or pass layers='path.to.container'")
+    scored.sort(key=lambda item: (-item[0], len(item[1])))
+    best_params, best, container = scored[0]
+    rivals = [(p, n) for p, n, _ in scored[1:]
+              if p >= _AMBIGUITY * best_params and not _nested(n, best)]
+    if rivals:
+        names = ", ".join(_describe(n, stage_module.get_submodule(n)) for n in [best] + [n for _, n in rivals[:3]])
+        raise BlockContainerError(
+            f"vpipe.attach cannot decide which container holds the stage's blocks: {names}. "
+            f"Pass layers='{best}' (or another of them) to vpipe.attach")
+    return best, _checked(best, container)
+
+
+def _nested(a: str, b: str) -> bool:
+    return a.startswith(b + ".") or b.startswith(a + ".")
+
+
+def _checked(path: str, container: nn.Module) -> nn.Module:
+    entries = _entries(container)
+    if not entries:
+        raise BlockContainerError(f"the block container {path or '<the stage module>'} is empty: "
+                                  "every stage needs at least one block")
+    empty = [key for key, m in entries if m is None]
+    if empty:
+        raise BlockContainerError(f"the block container {path or '<the stage module>'} holds None at "
+                                  f"{empty[:3]}: delete the entries a stage does not own instead")
+    return container
+
+
+# ---------------------------------------------------------------------- the container, by global id
+@dataclass(frozen=True)
+class ContainerLayout:
+    """What a stage tells the others at attach time about its container (plain JSON values)."""
+
+    path: str
+    kind: str  # Sequential / ModuleList / ModuleDict
+    keys: tuple[str, ...]
+
+
+def layout_of(path: str, container: nn.Module) -> ContainerLayout:
+    return ContainerLayout(path, type(container).__name__, tuple(container._modules))
+
+
+def agree_key_style(layouts: Sequence[ContainerLayout]) -> KeyStyle:
+    """How every stage's container is keyed, decided from all stages' layouts (the same on every rank)."""
+    all_keys = [k for lay in layouts for k in lay.keys]
+    if any(lay.kind == "ModuleList" for lay in layouts):
+        return KeyStyle.POSITIONS
+    if all(k.lstrip("-").isdigit() for k in all_keys) and len(set(all_keys)) == len(all_keys) \
+            and all(int(k) >= 0 for k in all_keys):
+        return KeyStyle.IDS
+    if all(lay.keys == tuple(str(i) for i in range(len(lay.keys))) for lay in layouts) \
+            and all(lay.kind == "Sequential" for lay in layouts):
+        return KeyStyle.POSITIONS
+    return KeyStyle.NAMES
+
+
+def global_ids(layouts: Sequence[ContainerLayout], style: KeyStyle) -> list[list[int]]:
+    """Every stage's block ids: the keys where they are ids, else by stage order (earlier stages first)."""
+    if style is KeyStyle.IDS:
+        return [[int(k) for k in lay.keys] for lay in layouts]
+    stages, first = [], 0
+    for lay in layouts:
+        stages.append(list(range(first, first + len(lay.keys))))
+        first += len(lay.keys)
+    return stages
+
+
+class StageBlocks:
+    """A stage's block container, addressed by global layer id and edited in place.
+
+    ``ids`` are the global ids of the container's entries, in order. Edits keep the
+    container object and its type; keys follow ``style`` (see the module docstring).
+    """
+
+    def __init__(self, container: nn.Module, ids: Sequence[int], style: KeyStyle, path: str = "") -> None:
+        if not isinstance(container, CONTAINERS):
+            raise TypeError(f"a block container must be an nn.Sequential, nn.ModuleList or nn.ModuleDict, "
+                            f"got {type(container).__name__}")
+        if len(ids) != len(container._modules):
+            raise ValueError(f"{len(ids)} ids for {len(container._modules)} blocks")
+        self.container = container
+        self.style = style
+        self.path = path
+        self._ids = list(ids)
+        self._keys = dict(zip(self._ids, container._modules))
+
+    @property
+    def ids(self) -> list[int]:
+        return list(self._ids)
+
+    def blocks(self) -> dict[int, nn.Module]:
+        """Global id -> block, in order."""
+        return dict(zip(self._ids, self.container._modules.values()))
+
+    def key_of(self, layer_id: int) -> str:
+        return self._keys[layer_id]
+
+    def module_path(self, layer_id: int) -> str:
+        """The block's name inside the stage module (``layers.4``, ``h.0``)."""
+        key = self._keys[layer_id]
+        return f"{self.path}.{key}" if self.path else key
+
+    def insert(self, at: int, new: Sequence[tuple[int, nn.Module, str | None]]) -> None:
+        """Put ``(id, block, key)`` entries before position ``at``; ``key`` matters for name-keyed containers."""
+        if not 0 <= at <= len(self._ids):
+            raise ValueError(f"position {at} is outside 0..{len(self._ids)}")
+        clash = [lid for lid, _, _ in new if lid in self._keys]
+        if clash:
+            raise ValueError(f"layers {clash} are already in this stage's container")
+        entries = list(zip(self._ids, (self._keys[i] for i in self._ids), self.container._modules.values()))
+        added = [(lid, self._new_key(lid, key), block) for lid, block, key in new]
+        taken = {key for _, key, _ in entries}
+        dupes = [key for _, key, _ in added if key in taken]
+        if dupes and self.style is KeyStyle.NAMES:
+            raise ValueError(f"the block container already has entries named {dupes}")
+        entries[at:at] = added
+        self._rebuild(entries)
+
+    def remove(self, layer_ids: Iterable[int]) -> list[nn.Module]:
+        """Take blocks out (returns them, in container order)."""
+        doomed = set(layer_ids)
+        unknown = doomed - set(self._ids)
+        if unknown:
+            raise ValueError(f"layers {sorted(unknown)} are not in this stage's container")
+        entries = list(zip(self._ids, (self._keys[i] for i in self._ids), self.container._modules.values()))
+        self._rebuild([e for e in entries if e[0] not in doomed])
+        return [block for lid, _, block in entries if lid in doomed]
+
+    def _new_key(self, layer_id: int, key: str | None) -> str:
+        if self.style is KeyStyle.IDS:
+            return str(layer_id)
+        if self.style is KeyStyle.NAMES:
+            if not key:
+                raise ValueError(f"layer {layer_id} arrives without its key; this container's keys travel with blocks")
+            return key
+        return ""  # positions: set by _rebuild
+
+    def _rebuild(self, entries: Sequence[tuple[int, str, nn.Module]]) -> None:
+        if self.style is KeyStyle.POSITIONS:
+            entries = [(lid, str(i), block) for i, (lid, _, block) in enumerate(entries)]
+        modules = self.container._modules
+        modules.clear()
+        modules.update(OrderedDict((key, block) for _, key, block in entries))
+        self._ids = [lid for lid, _, _ in entries]
+        self._keys = {lid: key for lid, key, _ in entries}
+
+
+# ---------------------------------------------------------------------- building a block without a factory
+_MODULE_INTERNALS = frozenset(nn.Module().__dict__) - {"training"}
+# forward and backward hooks (vpipe's and the user's) stay with the donor; state-dict hooks are the module's own
+_HOOK_DICTS = tuple(name for name in sorted(_MODULE_INTERNALS)
+                    if name.endswith(("hooks", "hooks_with_kwargs", "hooks_always_called"))
+                    and ("forward" in name or "backward" in name))
+_PLAIN = (bool, int, float, str, type(None))
+_MAX_ATTRS = 512
+_MAX_TEXT = 256
+
+
+def block_kind(block: nn.Module) -> str:
+    """What makes two blocks interchangeable for a clone: class, parameter and buffer names, shapes, dtypes."""
+    cls = type(block)
+    shapes = [(n, tuple(t.shape), str(t.dtype)) for n, t in block.named_parameters()]
+    shapes += [(n, tuple(t.shape), str(t.dtype)) for n, t in block.named_buffers()]
+    digest = hashlib.sha1(repr((cls.__module__, cls.__qualname__, shapes)).encode()).hexdigest()[:10]
+    return f"{cls.__name__[:40]}#{digest}"
+
+
+def _is_plain(value: Any, depth: int = 0) -> bool:
+    if isinstance(value, _PLAIN):
+        return not isinstance(value, str) or len(value) <= _MAX_TEXT
+    if isinstance(value, (tuple, list)) and depth < 2 and len(value) <= 64:
+        return all(_is_plain(v, depth + 1) for v in value)
+    return False
+
+
+def block_attrs(block: nn.Module) -> dict[str, dict[str, Any]]:
+    """The block's plain attributes (numbers, strings, booleans, None, short tuples of them) by submodule.
+
+    These are what blocks of one class may differ in (a layer index, a sliding-window
+    flag); they travel with a moved block and are set on the clone that receives it.
+    Everything else (tensors aside) comes from the receiving stage's block of that class.
+    """
+    attrs: dict[str, dict[str, Any]] = {}
+    for name, module in block.named_modules():
+        mine = {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(module).items()
+                if k not in _MODULE_INTERNALS and k != "forward" and _is_plain(v)}
+        if mine:
+            attrs[name] = mine
+    return attrs
+
+
+def validate_attrs(raw: Any, layer_id: int) -> dict[str, dict[str, Any]]:
+    """Check attributes that came from another rank before any of them is set."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict) or len(raw) > _MAX_ATTRS:
+        raise ValueError(f"layer {layer_id}: block attributes must be a map of at most {_MAX_ATTRS} submodules")
+    for sub, values in raw.items():
+        if not isinstance(sub, str) or len(sub) > _MAX_TEXT or not isinstance(values, dict) or len(values) > _MAX_ATTRS:
+            raise ValueError(f"layer {layer_id}: bad block attributes for submodule {sub!r:.80}")
+        for key, value in values.items():
+            if not isinstance(key, str) or not key.isidentifier() or key in _MODULE_INTERNALS or key == "forward":
+                raise ValueError(f"layer {layer_id}: bad block attribute name {key!r:.80}")
+            if not _is_plain(value):
+                raise ValueError(f"layer {layer_id}: block attribute {key!r} is not a plain value")
+    return raw
+
+
+def validate_block_info(raw: Any, layer_id: int) -> dict[str, Any]:
+    """Check the ``block`` part of a moved layer's manifest (kind, key, plain attributes)."""
+    if not isinstance(raw, dict) or set(raw) != {"kind", "key", "attrs"}:
+        raise ValueError(f"layer {layer_id}: the block description must have kind, key and attrs")
+    if not isinstance(raw["kind"], str) or not 0 < len(raw["kind"]) <= 64:
+        raise ValueError(f"layer {layer_id}: bad block kind {raw['kind']!r:.80}")
+    if raw["key"] is not None and (not isinstance(raw["key"], str) or not 0 < len(raw["key"]) <= _MAX_TEXT
+                                   or "." in raw["key"]):
+        raise ValueError(f"layer {layer_id}: bad block key {raw['key']!r:.80}")
+    validate_attrs(raw["attrs"], layer_id)
+    return raw
+
+
+def set_block_attrs(block: nn.Module, attrs: Mapping[str, Mapping[str, Any]], layer_id: int) -> None:
+    """Give ``block`` (a clone) the moved block's plain attributes; both must have the same ones."""
+    mine = block_attrs(block)
+    if {k: set(v) for k, v in mine.items()} != {k: set(v) for k, v in attrs.items()}:
+        raise ValueError(f"layer {layer_id}: the block here has plain attributes {_names(mine)}, the moved one "
+                         f"{_names(attrs)}: they are not the same kind of block")
+    for sub, values in attrs.items():
+        module = block.get_submodule(sub)
+        for key, value in values.items():
+            old = getattr(module, key)
+            setattr(module, key, tuple(value) if isinstance(old, tuple) and isinstance(value, list) else value)
+
+
+def _names(attrs: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    return sorted(f"{sub}.{k}" if sub else k for sub, values in attrs.items() for k in values)[:6]
+
+
+def clone_block(donor: nn.Module) -> nn.Module:
+    """A structural copy of ``donor`` with uninitialised tensors and no hooks, for a moved block's state.
+
+    ``copy.deepcopy`` with a memo that maps every parameter and buffer to an empty tensor
+    of its shape (no data copied) and every hook table to an empty one (vpipe's and the
+    user's hooks stay on the donor); a forward that vpipe routed for recompute is dropped.
+    """
+    memo: dict[int, Any] = {}
+    for module in donor.modules():
+        for name in _HOOK_DICTS:
+            table = module.__dict__.get(name)
+            if table is not None:
+                memo[id(table)] = type(table)()
+        routed = module.__dict__.get("forward")
+        if routed is not None and getattr(routed, ROUTED_FORWARD, False):
+            memo[id(routed)] = None
+    for p in donor.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p), requires_grad=p.requires_grad)
+    for b in donor.buffers():
+        memo[id(b)] = torch.empty_like(b)
+    clone = copy.deepcopy(donor, memo)
+    for module in clone.modules():
+        if "forward" in module.__dict__ and module.__dict__["forward"] is None:
+            del module.__dict__["forward"]
+    return clone
