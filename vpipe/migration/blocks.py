@@ -88,16 +88,19 @@ def find_block_container(stage_module: nn.Module, path: str | None = None) -> tu
         except AttributeError:
             raise BlockContainerError(f"layers={path!r}: the stage module ({type(stage_module).__name__}) has no "
                                       f"submodule {path!r}") from None
-        if not isinstance(container, CONTAINERS):
+        if not isinstance(container, CONTAINERS) and not isinstance(stage_module, torch.fx.GraphModule):
             raise BlockContainerError(f"layers={path!r} is a {type(container).__name__}; it must name an "
                                       "nn.Sequential, nn.ModuleList or nn.ModuleDict of blocks")
         return path, _checked(path, container)
     if isinstance(stage_module, nn.Sequential):
         return "", _checked("", stage_module)
+    # a traced stage (pipeline() split) keeps the model's hierarchy as plain modules named like the original
+    traced = isinstance(stage_module, torch.fx.GraphModule)
     scored: list[tuple[int, str, nn.Module]] = []
     seen: list[str] = []
     for name, module in stage_module.named_modules():
-        if not name or not isinstance(module, CONTAINERS):
+        by_index = traced and bool(module._modules) and all(k.isdigit() for k in module._modules)
+        if not name or not (isinstance(module, CONTAINERS) or by_index):
             continue
         seen.append(_describe(name, module))
         blocks = [m for _, m in _entries(module) if m is not None]
@@ -183,13 +186,12 @@ class StageBlocks:
     """A stage's block container, addressed by global layer id and edited in place.
 
     ``ids`` are the global ids of the container's entries, in order. Edits keep the
-    container object and its type; keys follow ``style`` (see the module docstring).
+    container object and its type; keys follow ``style`` (see the module docstring). The
+    container is usually an ``nn.Sequential``, ``nn.ModuleList`` or ``nn.ModuleDict``; in a
+    traced stage it is the plain module the tracer kept, which vpipe hooks but never edits.
     """
 
     def __init__(self, container: nn.Module, ids: Sequence[int], style: KeyStyle, path: str = "") -> None:
-        if not isinstance(container, CONTAINERS):
-            raise TypeError(f"a block container must be an nn.Sequential, nn.ModuleList or nn.ModuleDict, "
-                            f"got {type(container).__name__}")
         if len(ids) != len(container._modules):
             raise ValueError(f"{len(ids)} ids for {len(container._modules)} blocks")
         self.container = container

@@ -1,0 +1,189 @@
+"""Rank program for tests/test_stage_shapes.py: one scenario per run, results as JSON from rank 0.
+
+Scenarios (``argv[1]``), launched by ``vpipe.runtime.launch.spawn``:
+
+- ``refusals`` (1 rank): stage shapes and set-ups attach must refuse, each error message;
+- ``subgroup`` (2 ranks): a pipeline on a process group smaller than the world (data-parallel replicas);
+- ``traced`` (2 ranks): a ``pipeline()`` split (GraphModule stages) trained plainly, then with vpipe
+  recomputing every layer and the planner on: losses, what moved, the log;
+- ``nas`` (2 ranks): add and remove blocks in the tutorial-shaped ModuleDict.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, SplitPoint, pipeline
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _tutorial():
+    spec = importlib.util.spec_from_file_location("train_tutorial", ROOT / "examples" / "train_tutorial.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["train_tutorial"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+tut = _tutorial()
+
+
+def _error(fn) -> str:
+    try:
+        fn()
+    except (TypeError, ValueError, RuntimeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def refusals() -> dict:
+    import vpipe
+
+    class Flat(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+            self.b = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.b(self.a(x))
+
+    def attach(module: nn.Module, **options) -> None:
+        stage = PipelineStage(module, 0, 1, torch.device("cpu"))
+        schedule = Schedule1F1B(stage, 2, loss_fn=nn.functional.mse_loss)
+        vp = vpipe.attach(schedule, optimizer=torch.optim.SGD(module.parameters()), planning=False, **options)
+        vp.detach()
+
+    model = tut.split_model(tut.Transformer(tut.ModelArgs(n_layers=2)), 0, [2])
+    ddp = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)))
+    return {
+        "no_container": _error(lambda: attach(Flat())),
+        "bad_path": _error(lambda: attach(model, layers="blocks")),
+        "ddp": _error(lambda: attach(ddp)),
+        "tutorial_ok": _error(lambda: attach(model)),
+    }
+
+
+def subgroup() -> dict:
+    import vpipe
+
+    rank = dist.get_rank()
+    groups = [dist.new_group([r]) for r in range(dist.get_world_size())]  # collective: every rank makes each
+    module = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    stage = PipelineStage(module, 0, 1, torch.device("cpu"), group=groups[rank])
+    schedule = Schedule1F1B(stage, 2, loss_fn=nn.functional.mse_loss)
+    return {"error": _error(lambda: vpipe.attach(schedule, optimizer=torch.optim.SGD(module.parameters())))}
+
+
+def _traced_run(steps: int, with_vpipe: bool) -> tuple[list[list[float]], dict]:
+    import vpipe
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = tut.Transformer(tut.ModelArgs())
+    x0, _ = tut.batch(0, 8, 32, 256)
+    pipe = pipeline(model, mb_args=(x0[:2],), split_spec={"layers.6": SplitPoint.BEGINNING})  # 6,2 on purpose
+    module = pipe.get_stage_module(rank)
+    stage = pipe.build_stage(rank, torch.device("cpu"))
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
+    schedule = Schedule1F1B(stage, 4, loss_fn=tut.tokenwise_loss_fn)
+    vp = None
+    if with_vpipe:
+        ids = range(6) if rank == 0 else range(6, 8)
+        vp = vpipe.attach(schedule, optimizer=optimizer, policies={i: "R" for i in ids}, sample_every=2,
+                          planner_options={"warmup_samples": 1})
+    losses_per_step = []
+    for step in range(steps):
+        x, y = tut.batch(step, 8, 32, 256)
+        losses: list[torch.Tensor] = []
+        if rank == 0:
+            schedule.step(x)
+        else:
+            schedule.step(target=y, losses=losses)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses_per_step.append([float(loss.detach()) for loss in losses])
+    info = {}
+    if vp is not None:
+        info = {"layers": vp.layer_ids, "policies": vp.memory_report()["policies"],
+                "recomputes": sum(layer.recomputes for layer in vp.tensor_manager._layers.values())}
+        vp.detach()
+    return losses_per_step, info
+
+
+def traced() -> dict:
+    plain, _ = _traced_run(16, with_vpipe=False)
+    with_vpipe, info = _traced_run(16, with_vpipe=True)
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, info)
+    return {"plain": plain, "vpipe": with_vpipe, "info": gathered}
+
+
+def nas() -> dict:
+    import vpipe
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    args = tut.ModelArgs()
+    model = tut.split_model(tut.Transformer(args), rank, [4, 4])
+    stage = PipelineStage(model, rank, world, torch.device("cpu"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    schedule = Schedule1F1B(stage, 4, loss_fn=tut.tokenwise_loss_fn)
+
+    def make_block(layer_id: int, spec: object) -> nn.Module:
+        torch.manual_seed(layer_id)
+        return nn.TransformerDecoderLayer(args.dim, args.n_heads, dim_feedforward=4 * args.dim, dropout=0.0)
+
+    vp = vpipe.attach(schedule, optimizer=optimizer, layer_factory=make_block, planning=False)
+    keys, new_before, new_after, losses_seen = [], None, None, []
+    for step in range(6):
+        if step == 2:
+            new_ids = vp.add_layers(2, [None])  # before global position 2: on stage 0, between blocks 1 and 2
+            keys.append(list(model.layers.keys()))
+            if rank == 0:
+                new_before = [p.detach().clone() for p in model.layers[str(new_ids[0])].parameters()]
+        if step == 4:
+            vp.remove_layers([1, 6])
+            keys.append(list(model.layers.keys()))
+        x, y = tut.batch(step, 8, 32, 256)
+        losses: list[torch.Tensor] = []
+        if rank == 0:
+            schedule.step(x)
+        else:
+            schedule.step(target=y, losses=losses)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses_seen += [float(loss) for loss in losses]
+    trained = None
+    if rank == 0:
+        new_after = list(model.layers[str(new_ids[0])].parameters())
+        trained = all(not torch.equal(a, b.detach()) for a, b in zip(new_before, new_after))
+    result = {"rank": rank, "new_ids": new_ids, "keys": keys, "new_layer_trained": trained,
+              "optimizer_params": sum(len(g["params"]) for g in optimizer.param_groups),
+              "module_params": len(list(model.parameters())), "losses": losses_seen}
+    vp.detach()
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, result)
+    return {"ranks": gathered}
+
+
+def main() -> None:
+    scenario, out = sys.argv[1], sys.argv[2]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    result = {"refusals": refusals, "subgroup": subgroup, "traced": traced, "nas": nas}[scenario]()
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,197 @@
+"""The trainers people write attach with one line: Sequential slices, the tutorial/torchtitan shape, Hugging Face.
+
+Each trainer in examples/ is run twice by torchrun, without and with
+``vpipe.attach(schedule, optimizer=opt)`` (the only difference), from an uneven split; the
+losses must match, blocks must have moved, and every rank's own ``state_dict()`` must load
+into the same trainer's model built fresh for the final partition.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, child_env
+from vpipe.log import read_log
+
+STEPS = 40  # the first plan comes from the samples of steps 9 and 19 (defaults), applied at step 24
+
+
+def _load_example(name: str):
+    spec = importlib.util.spec_from_file_location(f"example_{name}", ROOT / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+_RUNS: dict[tuple, tuple[dict, list[dict], list[dict]]] = {}
+
+
+def _train(tmp_path_factory, script: str, ranks: int, partition: str, schedule: str, vpipe: bool):
+    """Losses, vpipe's log records and each rank's saved state_dict of one run (runs are cached per session)."""
+    key = (script, ranks, partition, schedule, vpipe)
+    if key not in _RUNS:
+        tmp = tmp_path_factory.mktemp(script)
+        out, log_file = tmp / "run.json", tmp / "vpipe.log"
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+             str(ROOT / "examples" / f"{script}.py"), "--steps", str(STEPS), "--partition", partition,
+             "--schedule", schedule, "--out", str(out), *(["--vpipe"] if vpipe else [])],
+            cwd=ROOT, env=child_env(VPIPE_LOG_FILE=str(log_file)), capture_output=True, text=True, timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        states = [torch.load(f"{out}.rank{r}.pt", weights_only=True) for r in range(ranks)]
+        _RUNS[key] = (json.loads(out.read_text()), read_log(log_file) if log_file.exists() else [], states)
+    return _RUNS[key]
+
+
+def _final_counts(log: list[dict], ranks: int, partition: str) -> list[int]:
+    counts = [int(c) for c in partition.split(",")]
+    for record in log:
+        if record.get("event") == "plan_applied":
+            counts[record["stage"]] = len(record["layers"])
+    assert sum(counts) == sum(int(c) for c in partition.split(","))
+    return counts
+
+
+def _assert_close_losses(got: list[list[float]], want: list[list[float]], rtol: float) -> None:
+    assert len(got) == len(want) == STEPS
+    for step, (a, b) in enumerate(zip(got, want)):
+        for x, y in zip(a, b):
+            assert abs(x - y) <= rtol * abs(y), f"step {step}: {x} vs {y}"
+
+
+def _fresh_stage(script: str, rank: int, counts: list[int]) -> torch.nn.Module:
+    """The example's own stage module for ``rank``, built fresh for the partition ``counts``."""
+    ex = _load_example(script)
+    first = sum(counts[:rank])
+    if script == "train_tutorial":
+        torch.manual_seed(0)
+        return ex.split_model(ex.Transformer(ex.ModelArgs(n_layers=sum(counts))), rank, counts)
+    if script == "train_hf_gpt2":
+        model = ex.make_model(sum(counts), 64, 256, 32)
+        return ex.GPT2Stage(model, first, first + counts[rank], rank == 0, rank == len(counts) - 1)
+    layers = [ex.ResidualMLP(64) for _ in range(sum(counts))]
+    return torch.nn.Sequential(*layers[first:first + counts[rank]])
+
+
+CASES = [
+    ("train_tutorial", 2, "6,2", "gpipe"),
+    ("train_tutorial", 2, "6,2", "1f1b"),
+    ("train_tutorial", 4, "5,1,1,1", "1f1b"),
+    ("train_sequential", 2, "6,2", "1f1b"),
+    ("train_sequential", 4, "5,1,1,1", "gpipe"),
+    ("train_hf_gpt2", 2, "6,2", "gpipe"),
+    ("train_hf_gpt2", 4, "5,1,1,1", "1f1b"),
+]
+
+
+@pytest.mark.parametrize("script, ranks, partition, schedule", CASES)
+def test_one_line_rebalances_the_trainer_and_keeps_its_losses(tmp_path_factory, script, ranks, partition, schedule):
+    if script == "train_hf_gpt2":
+        pytest.importorskip("transformers")
+    plain, _, _ = _train(tmp_path_factory, script, ranks, partition, schedule, vpipe=False)
+    with_vpipe, log, states = _train(tmp_path_factory, script, ranks, partition, schedule, vpipe=True)
+    moved = [r for r in log if r.get("event") == "migration_done" and r["moved"]]
+    assert moved, f"the planner should have rebalanced the {partition} split within {STEPS} steps"
+    counts = _final_counts(log, ranks, partition)
+    assert counts != [int(c) for c in partition.split(",")]
+    _assert_close_losses(with_vpipe["losses"], plain["losses"], rtol=1e-6)
+    for rank, state in enumerate(states):  # the user's own checkpoint loads into the final partition's model
+        fresh = _fresh_stage(script, rank, counts)
+        fresh.load_state_dict(state, strict=True)
+    if script == "train_hf_gpt2":
+        first_last = sum(counts[:-1])
+        assert with_vpipe["layer_idx"] == list(range(first_last, first_last + counts[-1]))  # layer_idx travelled
+
+
+@pytest.mark.parametrize("script", ["train_tutorial", "train_sequential", "train_hf_gpt2"])
+def test_a_balanced_trainer_with_vpipe_trains_bitwise_like_without(tmp_path_factory, script):
+    if script == "train_hf_gpt2":
+        pytest.importorskip("transformers")
+    plain, _, plain_states = _train(tmp_path_factory, script, 2, "4,4", "1f1b", vpipe=False)
+    with_vpipe, log, states = _train(tmp_path_factory, script, 2, "4,4", "1f1b", vpipe=True)
+    assert not [r for r in log if r.get("event") == "migration_start"]
+    assert {r["rank"] for r in log if r.get("event") == "attached"} == {0, 1}
+    assert with_vpipe["losses"] == plain["losses"]  # bitwise, every micro-batch of every step
+    for got, want in zip(states, plain_states):
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_the_tutorial_model_trains_to_the_same_parameters_after_moves(tmp_path_factory):
+    """The tutorial's ModuleDict keeps global keys, so all ranks' states merge into one model's."""
+    _, _, plain = _train(tmp_path_factory, "train_tutorial", 2, "6,2", "1f1b", vpipe=False)
+    _, _, moved = _train(tmp_path_factory, "train_tutorial", 2, "6,2", "1f1b", vpipe=True)
+    merged_plain = {k: v for state in plain for k, v in state.items()}
+    merged_moved = {k: v for state in moved for k, v in state.items()}
+    assert merged_plain.keys() == merged_moved.keys()
+    assert {k for k in moved[1] if k.startswith("layers.")} != {k for k in plain[1] if k.startswith("layers.")}
+    for name, want in merged_plain.items():
+        assert torch.allclose(merged_moved[name], want, rtol=1e-5, atol=1e-7), name
+
+
+# ---------------------------------------------------------------------- set-ups that attach refuses or limits
+def _scenario(tmp_path: Path, name: str, ranks: int) -> dict:
+    from vpipe.runtime.launch import spawn
+
+    out = tmp_path / f"{name}.json"
+    log_file = tmp_path / f"{name}.log"
+    code = spawn([sys.executable, str(ROOT / "tests" / "shape_worker.py"), name, str(out)], ranks,
+                 extra_env={"PYTHONPATH": str(ROOT), "VPIPE_LOG_FILE": str(log_file)}, timeout_s=240)
+    assert code == 0
+    result = json.loads(out.read_text())
+    result["log"] = read_log(log_file) if log_file.exists() else []
+    return result
+
+
+def test_shapes_attach_cannot_use_get_one_error_that_says_what_was_found_and_what_to_pass(tmp_path):
+    result = _scenario(tmp_path, "refusals", 1)
+    assert result["no_container"].startswith("BlockContainerError: stage 0: vpipe.attach found no container of "
+                                             "repeated blocks in the stage module (Flat)")
+    assert "layers='path.to.container'" in result["no_container"]
+    assert "layers='blocks': the stage module (Transformer) has no submodule 'blocks'" in result["bad_path"]
+    assert result["ddp"].startswith("TypeError: vpipe.attach does not support a stage module wrapped in "
+                                    "DistributedDataParallel")
+    assert result["tutorial_ok"] == "no error"
+
+
+def test_a_pipeline_inside_a_larger_mesh_is_refused_before_anything_is_installed(tmp_path):
+    result = _scenario(tmp_path, "subgroup", 2)
+    assert result["error"] == ("ValueError: vpipe.attach: this pipeline's process group has 1 of the world's 2 "
+                               "ranks (a pipeline inside a larger mesh, e.g. with data-parallel replicas); vpipe "
+                               "supports one pipeline over the whole world for now")
+    assert not [r for r in result["log"] if r.get("event") == "attached"]
+
+
+def test_a_traced_split_gets_recompute_but_no_moves_and_says_so_once(tmp_path):
+    result = _scenario(tmp_path, "traced", 2)
+    assert result["vpipe"] == result["plain"]  # recompute keeps the losses bitwise
+    info = result["info"]
+    assert info[0]["layers"] == [0, 1, 2, 3, 4, 5] and info[1]["layers"] == [6, 7]  # nothing moved
+    assert all(i["recomputes"] > 0 for i in info)  # the layers inside the GraphModule ran under recompute
+    off = [r for r in result["log"] if r.get("event") == "moves_off"]
+    assert sorted(r["stage"] for r in off) == [0, 1] and "traced GraphModule" in off[0]["msg"]
+    assert not [r for r in result["log"] if r.get("event") == "migration_start"]
+    plans = [r for r in result["log"] if r.get("event") == "plan"]
+    assert plans and all(p["new_stages"] == p["old_stages"] for p in plans)  # the planner proposes policies only
+    # with no memory budget, recomputing only costs time: the plan puts every layer back to keep
+    assert plans[-1]["policies_changed"] == {str(i): "D" for i in range(8)}
+    assert all(set(i["policies"].values()) == {"D"} for i in info)
+
+
+def test_layers_are_added_and_removed_in_the_tutorial_module_dict(tmp_path):
+    ranks = _scenario(tmp_path, "nas", 2)["ranks"]
+    first, second = ranks
+    assert first["new_ids"] == [8] and second["new_ids"] == [8]
+    assert first["keys"] == [["0", "1", "8", "2", "3"], ["0", "8", "2", "3"]]
+    assert second["keys"] == [["4", "5", "6", "7"], ["4", "5", "7"]]
+    assert first["new_layer_trained"]  # the user's forward runs the new block and the optimizer updates it
+    assert all(r["optimizer_params"] == r["module_params"] for r in ranks)
+    assert all(torch.isfinite(torch.tensor(loss)) for loss in second["losses"])
