@@ -96,8 +96,7 @@ def _traced_run(steps: int, with_vpipe: bool) -> tuple[list[list[float]], dict]:
     schedule = Schedule1F1B(stage, 4, loss_fn=tut.tokenwise_loss_fn)
     vp = None
     if with_vpipe:
-        ids = range(6) if rank == 0 else range(6, 8)
-        vp = vpipe.attach(schedule, optimizer=optimizer, policies={i: "R" for i in ids}, sample_every=2,
+        vp = vpipe.attach(schedule, optimizer=optimizer, policies={i: "R" for i in range(8)}, sample_every=2,
                           planner_options={"warmup_samples": 1})
     losses_per_step = []
     for step in range(steps):

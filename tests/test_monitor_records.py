@@ -90,3 +90,18 @@ def test_record_with_absurd_layer_count_is_rejected():
     wire["layers"] = [layer(i).to_wire() for i in range(MAX_LAYERS + 1)]
     with pytest.raises(RecordError, match="at most"):
         StageRecord.from_wire(wire)
+
+
+def test_block_kinds_and_what_a_stage_builds_travel_and_are_checked():
+    rec = stage_record(layers=(3,), builds=("Block#ab12", "Head#cd34"))
+    rec = StageRecord(**{**rec.__dict__, "layers": (LayerRecord(**{**rec.layers[0].__dict__, "kind": "Block#ab12"}),)})
+    back = StageRecord.from_wire(through_msgpack(rec.to_wire()))
+    assert back == rec and back.builds == ("Block#ab12", "Head#cd34") and back.layers[0].kind == "Block#ab12"
+    older = rec.to_wire()
+    del older["builds"]
+    del older["layers"][0]["kind"]
+    assert StageRecord.from_wire(older).builds is None and StageRecord.from_wire(older).layers[0].kind == ""
+    with pytest.raises(RecordError, match="builds must be null or a list"):
+        StageRecord.from_wire({**rec.to_wire(), "builds": "Block"})
+    with pytest.raises(RecordError, match="builds must be a string of at most 64"):
+        StageRecord.from_wire({**rec.to_wire(), "builds": ["x" * 65]})

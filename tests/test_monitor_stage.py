@@ -240,3 +240,42 @@ def test_keep_all_source_can_count_only_the_first_call_after_enabling():
     model(torch.randn(2, 16))
     assert source.stats().activation_bytes[5] == 2 * 2 * 16 * 4
     source.close()
+
+
+class WithHead(nn.Module):
+    """A stage with modules outside its blocks: a slow head after them."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.blocks = chain(width, ids=(0, 1))
+        self.head = nn.Linear(width, 4096)  # far more work than the two small blocks
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(x))
+
+
+def test_the_modules_outside_the_blocks_are_timed_and_counted_apart_from_them():
+    stage = WithHead()
+    monitor = StageMonitor(layers_of(stage.blocks), stage_index=1, device="cpu", sample_every=1)
+    monitor.watch_stage(stage)
+    with monitor.iteration(0) as sample:
+        train_step(stage, micro_batches=3)
+    record = sample.record
+    assert record.outside_calls == 3 and record.layer_ids == [0, 1]
+    assert record.outside_param_bytes == (32 * 4096 + 4096) * 4  # the head's, not the blocks'
+    blocks_fwd = sum(layer.fwd_s for layer in record.layers)
+    assert record.outside_fwd_s > blocks_fwd  # the head is the heavy part
+    assert record.outside_bwd_s > 0
+    assert all(layer.bwd_s > 0 for layer in record.layers)
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in stage.modules())  # gone after the sample
+
+
+def test_a_stage_that_ends_with_a_block_has_nothing_outside_in_its_backward():
+    model = chain()
+    monitor = StageMonitor(layers_of(model), stage_index=0, device="cpu", sample_every=1)
+    monitor.watch_stage(model)
+    with monitor.iteration(0) as sample:
+        train_step(model, micro_batches=2)
+    record = sample.record
+    assert record.outside_calls == 2 and record.outside_bwd_s == 0.0 and record.outside_param_bytes == 0
+    assert record.layers[-1].bwd_s > 0  # the last block keeps its own backward time

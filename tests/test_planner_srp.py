@@ -213,3 +213,54 @@ def test_one_stage_that_cannot_hold_all_layers_is_infeasible(method):
     with pytest.raises(InfeasibleError, match="^infeasible: "):
         plan_pipeline(LayerGraph("random", nodes, []), 1, schedule="gpipe", micro_batches=4, memory_budget=4.0,
                       method=method)
+
+
+# --------------------------------------------------------------------- what stages can build
+def _lopsided() -> tuple[LayerGraph, Plan]:
+    g = chain([1.0] * 8)
+    plan = Plan(epoch=0, stages=(tuple(g.ids[:6]), tuple(g.ids[6:])),
+                policies={lid: Policy.RECOMPUTE for lid in g.ids})
+    return g, plan
+
+
+def test_without_moves_the_planner_only_changes_the_policies_of_the_current_partition():
+    g, current = _lopsided()
+    moving = SRPPlanner(2, "1f1b", 4).propose(g, current, 100)
+    assert [len(s) for s in moving.plan.stages] == [4, 4]
+    fixed = SRPPlanner(2, "1f1b", 4, allow_moves=False).propose(g, current, 100)
+    assert fixed.plan.stages == current.stages and fixed.moved_layers == 0
+    assert set(fixed.plan.policies.values()) == {Policy.KEEP}  # no budget: recomputing only costs time
+    assert fixed.after_step_s < fixed.before_step_s
+
+
+def test_a_partition_whose_arrivals_a_stage_cannot_build_is_never_proposed():
+    g, current = _lopsided()
+    current = replace(current, policies={})
+    seen = []
+
+    def placeable(stages: list[list[int]]) -> bool:
+        seen.append([len(s) for s in stages])
+        return False
+
+    assert SRPPlanner(2, "1f1b", 4).propose(g, current, 100, placeable=placeable) is None
+    assert seen and all(counts != [6, 2] for counts in seen)  # every moving candidate was asked about
+
+
+def test_the_online_planner_checks_every_hop_of_a_move_against_what_the_stages_build():
+    from vpipe.monitors.records import LayerRecord, StageRecord
+    from vpipe.planner.online import _placeable
+
+    def stage(index: int, ids: list[int], kinds: list[str], builds: list[str] | None) -> StageRecord:
+        layers = tuple(LayerRecord(lid, 0.1, 0.2, 1, 1, 0, 0, 0, 0, kind=k) for lid, k in zip(ids, kinds))
+        return StageRecord(index, 0, 0, "cpu", 0.0, 1.0, layers, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0.0, 0, 0.0, 0.0,
+                           None, None, None, builds=None if builds is None else tuple(builds))
+
+    vector = [stage(0, [0, 1, 2], ["A", "A", "B"], ["A", "B"]), stage(1, [3], ["A"], ["A"]),
+              stage(2, [4], ["A"], None)]
+    current = Plan(epoch=0, stages=((0, 1, 2), (3,), (4,)))
+    placeable = _placeable(vector, current)
+    assert placeable([[0, 1], [2, 3], [4]]) is False  # stage 1 holds no B block to clone
+    assert placeable([[0], [1, 2, 3], [4]]) is False
+    assert placeable([[0, 1, 2], [3], [4]]) is True
+    assert placeable([[0, 1, 2, 3], [4], []]) is True  # A travels back to stage 0, which builds A
+    assert placeable([[0, 1, 2], [], [3, 4]]) is True  # stage 2 has a factory: it builds anything

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from vpipe.log import decision, step_record
-from vpipe.migration.blocks import (BlockContainerError, ContainerLayout, StageBlocks, agree_key_style,
+from vpipe.migration.blocks import (BlockContainerError, ContainerLayout, StageBlocks, agree_key_style, block_kind,
                                     find_block_container, global_ids, layout_of)
 from vpipe.planner.plan import Plan, PlanError, Policy
 
@@ -320,8 +320,13 @@ class Vpipe:
             factory=self.config.layer_factory, specs=self.config.specs, messenger=ControlMessenger(self.session.plane, self.stage_index),
             channel=TransferChannel(self.device), device=self.device, timeout_s=self.config.migration_timeout_s,
         )
-        manager.listeners.append(self.session.monitor)
-        self.session.monitor.layer_order = lambda: manager.layer_ids
+        monitor = self.session.monitor
+        manager.listeners.append(monitor)
+        monitor.layer_order = lambda: manager.layer_ids
+        monitor.layer_kind = block_kind
+        monitor.builds = manager.can_build
+        if self.blocks.path:  # modules outside the blocks: their cost is the stage's, wherever the blocks go
+            monitor.watch_stage(self.module)
         if self.tensor_manager is not None:
             manager.listeners.append(self.tensor_manager)
         self._undo.append(manager.close)

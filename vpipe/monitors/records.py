@@ -83,6 +83,7 @@ class LayerRecord:
     param_bytes: int  # parameters and buffers
     optimizer_bytes: int  # optimizer state of the layer's parameters
     output_bytes: int  # what the layer hands to the next one, per micro-batch (a boundary's size)
+    kind: str = ""  # which blocks it is interchangeable with (vpipe.migration.blocks.block_kind); "" unknown
 
     @property
     def fwd_per_call_s(self) -> float:
@@ -99,7 +100,9 @@ class LayerRecord:
     def from_wire(cls, data: Any) -> LayerRecord:
         checkers = {"layer_id": _index, "fwd_s": _amount, "bwd_s": _amount, "fwd_calls": _count,
                     "bwd_calls": _count, "activation_bytes": _count, "param_bytes": _count,
-                    "optimizer_bytes": _count, "output_bytes": _count}
+                    "optimizer_bytes": _count, "output_bytes": _count, "kind": _text}
+        if isinstance(data, dict) and "kind" not in data:
+            data = {**data, "kind": ""}
         return cls(**_read(cls, data, checkers, "a layer record"))
 
 
@@ -130,6 +133,13 @@ class StageRecord:
     gpu_util_pct: float | None
     pcie_rx_bytes_s: float | None
     pcie_tx_bytes_s: float | None
+    # the kinds of block this stage can build for an arriving layer; None: any (a layer factory builds them)
+    builds: tuple[str, ...] | None = None
+    # the stage's modules outside its blocks (embeddings, norms, heads): they never move, but cost time and memory
+    outside_fwd_s: float = 0.0  # totals over the iteration's timed forwards, like a layer's
+    outside_bwd_s: float = 0.0  # from the stage output's gradient to its last block's backward (the head's)
+    outside_calls: int = 0
+    outside_param_bytes: int = 0
 
     @property
     def layer_ids(self) -> list[int]:
@@ -143,6 +153,7 @@ class StageRecord:
     def to_wire(self) -> dict[str, Any]:
         wire = {f.name: getattr(self, f.name) for f in fields(self)}
         wire["layers"] = [layer.to_wire() for layer in self.layers]
+        wire["builds"] = None if self.builds is None else list(self.builds)
         return wire
 
     @classmethod
@@ -159,7 +170,23 @@ class StageRecord:
             checkers[name] = _amount
         for name in GPU_ONLY_FIELDS:
             checkers[name] = _optional_amount
+        checkers.update(builds=_kinds, outside_fwd_s=_amount, outside_bwd_s=_amount, outside_calls=_count,
+                        outside_param_bytes=_count)
+        if isinstance(data, dict):  # fields added after the first wire format: absent means none
+            data = {**_OPTIONAL_STAGE_FIELDS, **data}
         return cls(**_read(cls, data, checkers, "a stage record"))
+
+
+_OPTIONAL_STAGE_FIELDS = {"builds": None, "outside_fwd_s": 0.0, "outside_bwd_s": 0.0, "outside_calls": 0,
+                          "outside_param_bytes": 0}
+
+
+def _kinds(name: str, value: Any) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)) or len(value) > MAX_LAYERS:
+        raise RecordError(f"{name} must be null or a list of at most {MAX_LAYERS} block kinds")
+    return tuple(_text(name, v) for v in value)
 
 
 def _layers(name: str, value: Any) -> tuple[LayerRecord, ...]:

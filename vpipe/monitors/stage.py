@@ -44,6 +44,8 @@ from vpipe.monitors.source import SavedTensorSource, SavedTensorStats
 
 __all__ = ["StageMonitor", "Sample", "layers_of"]
 
+_OUTSIDE = -1  # the stage module as a whole, timed like a layer; minus its blocks it is what lies outside them
+
 
 def layers_of(module: nn.Module) -> dict[int, nn.Module]:
     """A stage module's children keyed by global layer id (vpipe names children by id)."""
@@ -105,6 +107,12 @@ class StageMonitor:
         self.epoch = 0  # the plan in force; whoever applies plans updates it (records carry it)
         # the stage's layers in model order (records list them so); default: by id
         self.layer_order: Callable[[], list[int]] | None = None
+        # what the records say about interchangeable blocks (set by whoever moves layers)
+        self.layer_kind: Callable[[nn.Module], str] | None = None
+        self.builds: Callable[[], list[str] | None] | None = None
+        self._kinds: dict[int, str] = {}
+        self._stage_module: nn.Module | None = None
+        self._last_block_out: torch.Tensor | None = None
         self._out_bytes: dict[int, int] = {}
         self._fwd: list[tuple[int, Any, Any]] = []
         self._bwd_pass: list[tuple[int, Any]] | None = None
@@ -116,6 +124,10 @@ class StageMonitor:
     @property
     def layer_ids(self) -> list[int]:
         return sorted(self._layers)
+
+    def watch_stage(self, module: nn.Module) -> None:
+        """Also time ``module`` (the whole stage) so the records can say what its non-block modules cost."""
+        self._stage_module = module
 
     def add_layer(self, layer_id: int, module: nn.Module) -> None:
         """Start monitoring a layer that arrived on this stage (migration, NAS)."""
@@ -135,6 +147,7 @@ class StageMonitor:
             raise KeyError(f"layer {layer_id} is not monitored on stage {self.stage_index}")
         self._unhook(layer_id)
         del self._layers[layer_id]
+        self._kinds.pop(layer_id, None)
         self._fwd_open.pop(layer_id, None)
         if self._owned_source is not None:
             self._owned_source.remove_layer(layer_id)
@@ -216,6 +229,11 @@ class StageMonitor:
                 self._owned_source.set_enabled(True)
             for layer_id in self._layers:
                 self._hook(layer_id)
+            if self._stage_module is not None:
+                self._handles[_OUTSIDE] = [
+                    self._stage_module.register_forward_pre_hook(partial(self._forward_start, _OUTSIDE)),
+                    self._stage_module.register_forward_hook(partial(self._forward_end, _OUTSIDE)),
+                ]
 
     def _disarm(self) -> None:
         self._armed = False
@@ -250,8 +268,14 @@ class StageMonitor:
         if start is None:
             return
         self._fwd.append((layer_id, start, self._clock.mark()))
-        self._out_bytes[layer_id] = tensor_bytes(output)
         out = _first_grad_tensor(output)
+        if layer_id == _OUTSIDE:
+            last, self._last_block_out = self._last_block_out, None
+            if out is None or out is last:
+                return  # the stage ends with a block: nothing after it to time in the backward
+        else:
+            self._out_bytes[layer_id] = tensor_bytes(output)
+            self._last_block_out = out
         if out is not None:
             out.register_hook(partial(self._backward_start, layer_id))
 
@@ -295,15 +319,20 @@ class StageMonitor:
 
     def _record(self, iteration: int, step_s: float) -> StageRecord:
         fwd_s, fwd_calls, bwd_s, bwd_calls = self._layer_times()
+        stage_fwd_s, outside_calls, outside_bwd_s = fwd_s.pop(_OUTSIDE, 0.0), fwd_calls.pop(_OUTSIDE, 0), \
+            bwd_s.pop(_OUTSIDE, 0.0)
         now = self.saved_source.stats()
         base = self._baseline
         constant = layer_bytes(self._layers, self.optimizer)
+        if self.layer_kind is not None:
+            for lid in self._layers.keys() - self._kinds.keys():
+                self._kinds[lid] = self.layer_kind(self._layers[lid])
         layers = tuple(
             LayerRecord(
                 layer_id=lid, fwd_s=fwd_s[lid], bwd_s=bwd_s[lid], fwd_calls=fwd_calls[lid],
                 bwd_calls=bwd_calls[lid], activation_bytes=int(now.activation_bytes.get(lid, 0)),
                 param_bytes=constant[lid][0], optimizer_bytes=constant[lid][1],
-                output_bytes=self._out_bytes.get(lid, 0),
+                output_bytes=self._out_bytes.get(lid, 0), kind=self._kinds.get(lid, ""),
             )
             for lid in self._ordered_ids()
         )
@@ -332,7 +361,23 @@ class StageMonitor:
             gpu_util_pct=gpu.util_pct,
             pcie_rx_bytes_s=gpu.pcie_rx_bytes_s,
             pcie_tx_bytes_s=gpu.pcie_tx_bytes_s,
+            builds=None if self.builds is None else _optional_tuple(self.builds()),
+            outside_fwd_s=max(0.0, stage_fwd_s - sum(fwd_s[lid] for lid in self._layers)) if outside_calls else 0.0,
+            outside_bwd_s=outside_bwd_s,
+            outside_calls=outside_calls,
+            outside_param_bytes=self._outside_param_bytes(layers),
         )
+
+    def _outside_param_bytes(self, layers: tuple[LayerRecord, ...]) -> int:
+        if self._stage_module is None:
+            return 0
+        total = sum(t.numel() * t.element_size() for t in self._stage_module.parameters())
+        total += sum(t.numel() * t.element_size() for t in self._stage_module.buffers())
+        return max(0, total - sum(layer.param_bytes for layer in layers))
+
+
+def _optional_tuple(values: list[str] | None) -> tuple[str, ...] | None:
+    return None if values is None else tuple(values)
 
 
 def _first_grad_tensor(output: Any) -> torch.Tensor | None:

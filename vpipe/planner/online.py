@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -106,6 +107,9 @@ class OnlinePlanner:
         self._hardware = Hardware(copy_bytes_per_s=self.config.copy_bytes_per_s,
                                   net_bytes_per_s=self.config.net_bytes_per_s)
         self._costs: dict[int, list[float]] = {}  # layer id -> [fwd_s, bwd_s] per micro-batch, smoothed
+        # the first and last stages' modules outside their blocks: [fwd_s, bwd_s] per micro-batch, param bytes
+        self._outside: dict[str, list[float]] = {}
+        self._outside_bytes: dict[str, int] = {}
         self._samples = 0
         self._srp: Any = None
         self._srp_key: tuple[Any, ...] | None = None
@@ -126,14 +130,12 @@ class OnlinePlanner:
         graph = self._graph(current, records)
         self._report_imbalance(vector, current, graph)
         started = time.perf_counter()
-        proposal = self._planner(graph, records, current).propose(graph, current, vector[-1].iteration)
+        proposal = self._planner(graph, records, current).propose(graph, current, vector[-1].iteration,
+                                                                  placeable=_placeable(vector, current))
         seconds = time.perf_counter() - started
         if proposal is None:
             return None
         plan = proposal.plan
-        if not self.config.allow_moves and [list(s) for s in plan.stages] != [list(s) for s in current.stages]:
-            plan = Plan(epoch=plan.epoch, stages=current.stages, policies=plan.policies,
-                        predicted_step_s=plan.predicted_step_s, reason=plan.reason + " (policies only: no layer factory)")
         changed = {lid: pol.value for lid, pol in plan.policies.items() if pol != current.policy(lid)}
         decision(
             "plan", f"epoch {plan.epoch}: {proposal.reason}",
@@ -167,15 +169,28 @@ class OnlinePlanner:
                 old = self._costs.get(lr.layer_id)
                 self._costs[lr.layer_id] = [fwd, bwd] if old is None else [
                     (1 - a) * old[0] + a * fwd, (1 - a) * old[1] + a * bwd]
+        for end, rec in (("first", vector[0]), ("last", vector[-1])):
+            calls = rec.outside_calls
+            now = [rec.outside_fwd_s / calls, rec.outside_bwd_s / calls] if calls else [0.0, 0.0]
+            old = self._outside.get(end)
+            self._outside[end] = now if old is None else [(1 - a) * o + a * n for o, n in zip(old, now)]
+            self._outside_bytes[end] = rec.outside_param_bytes
         self._samples += 1
 
     def _graph(self, current: Plan, records: dict[int, Any]) -> Any:
         from vpipe.graph import LayerGraph, LayerNode
 
         order = current.layer_ids
+        # the first layer is always on the first stage and the last on the last: they carry those stages'
+        # embeddings and heads, which never move (a contiguous partition cannot separate them)
+        extra = {lid: [0.0, 0.0, 0] for lid in order}
+        for end, lid in (("first", order[0]), ("last", order[-1])):
+            fwd, bwd = self._outside.get(end, [0.0, 0.0])
+            extra[lid] = [extra[lid][0] + fwd, extra[lid][1] + bwd, extra[lid][2] + self._outside_bytes.get(end, 0)]
         nodes = [
-            LayerNode(id=lid, name=str(lid), fwd_s=self._costs[lid][0], bwd_s=self._costs[lid][1],
-                      act_bytes=records[lid].activation_bytes, param_bytes=records[lid].param_bytes, order=i)
+            LayerNode(id=lid, name=str(lid), fwd_s=self._costs[lid][0] + extra[lid][0],
+                      bwd_s=self._costs[lid][1] + extra[lid][1], act_bytes=records[lid].activation_bytes,
+                      param_bytes=records[lid].param_bytes + int(extra[lid][2]), order=i)
             for i, lid in enumerate(order)
         ]
         edges = [(a, b, records[a].output_bytes) for a, b in zip(order, order[1:])]
@@ -189,14 +204,15 @@ class OnlinePlanner:
         state = sum(r.optimizer_bytes for r in records.values())
         # gradients (one copy of the parameters) and optimizer state, relative to the parameters
         factor = round(1.0 + state / params, 2) if params else 2.0
-        key = (current.num_stages, factor)
+        key = (current.num_stages, factor, self.config.allow_moves)
         if self._srp is None or self._srp_key != key:
             hardware = Hardware(copy_bytes_per_s=self.config.copy_bytes_per_s,
                                 net_bytes_per_s=self.config.net_bytes_per_s, optimizer_factor=factor)
             last = self._srp.last_proposal_step if self._srp is not None else None
             self._srp = SRPPlanner(current.num_stages, self.config.schedule, self.config.micro_batches,
                                    self.config.memory_budget, hardware, horizon_steps=self.config.horizon_steps,
-                                   min_gain=self.config.min_gain, cooldown_steps=self.config.cooldown_steps)
+                                   min_gain=self.config.min_gain, cooldown_steps=self.config.cooldown_steps,
+                                   allow_moves=self.config.allow_moves)
             self._srp.last_proposal_step = last
             self._srp_key = key
         return self._srp
@@ -211,6 +227,25 @@ class OnlinePlanner:
             decision("imbalance", f"slowest stage {times.index(max(times))} is {max(times) / mean - 1.0:.0%} over the mean",
                      iteration=vector[-1].iteration, epoch=current.epoch, stage_times_s=times,
                      layers_per_stage=current.counts())
+
+
+def _placeable(vector: list[StageRecord], current: Plan) -> Callable[[list[list[int]]], bool]:
+    """Whether every layer a partition moves can be built by each stage it arrives on (hops included)."""
+    kinds = {lr.layer_id: lr.kind for rec in vector for lr in rec.layers}
+    builds = [None if rec.builds is None else set(rec.builds) for rec in vector]
+    now = {lid: s for s, layers in enumerate(current.stages) for lid in layers}
+
+    def placeable(stages: list[list[int]]) -> bool:
+        for dst, layers in enumerate(stages):
+            for lid in layers:
+                src = now.get(lid, dst)
+                step = 1 if dst > src else -1
+                for hop in range(src + step, dst + step, step) if dst != src else ():
+                    if builds[hop] is not None and kinds.get(lid, "") not in builds[hop]:
+                        return False
+        return True
+
+    return placeable
 
 
 _INSTANCE: OnlinePlanner | None = None

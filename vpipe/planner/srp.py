@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -278,6 +278,7 @@ class SRPPlanner:
         min_gain: float = 0.05,
         cooldown_steps: int = 20,
         method: str = "kl",
+        allow_moves: bool = True,
     ) -> None:
         self.setup = PipelineSetup(num_stages, schedule, micro_batches, hardware or Hardware())
         self.budgets = self.setup.budgets(memory_budget)
@@ -289,6 +290,7 @@ class SRPPlanner:
             raise ValueError(f"cooldown_steps must be a non-negative integer, got {cooldown_steps!r}")
         self.horizon_steps, self.min_gain, self.cooldown_steps = horizon_steps, min_gain, cooldown_steps
         self.method = _check_method(method)
+        self.allow_moves = allow_moves  # False: only the policies of the current partition change
         self.last_proposal_step: int | None = None
 
     @property
@@ -298,12 +300,15 @@ class SRPPlanner:
     def in_cooldown(self, step: int) -> bool:
         return self.last_proposal_step is not None and step - self.last_proposal_step < self.cooldown_steps
 
-    def propose(self, graph: LayerGraph, current: Plan, step: int) -> Proposal | None:
+    def propose(self, graph: LayerGraph, current: Plan, step: int,
+                placeable: Callable[[list[list[int]]], bool] | None = None) -> Proposal | None:
         """A better plan for ``graph``'s latest statistics than ``current``, or None.
 
         None inside the cooldown, when the predicted gain is under ``min_gain``, or when
         ``horizon_steps`` of gain do not pay for the migration. Raises
-        :class:`InfeasibleError` when no plan can fit the memory budget.
+        :class:`InfeasibleError` when no plan can fit the memory budget. Plans that move
+        layers are left out when moves are off, and when ``placeable(stages)`` says the
+        stages cannot build the layers that would arrive.
         """
         if self.in_cooldown(step):
             return None
@@ -318,7 +323,9 @@ class SRPPlanner:
             policies_only = _optimize_stages(profile, setup, budgets, before.cuts)
             if before.step_s - policies_only.step_s < self.min_gain * before.step_s:
                 return None
-        candidates = self._candidates(profile, before, best, current)
+        candidates = [c for c in self._candidates(profile, before, best, current)
+                      if c[1] == 0 or (self.allow_moves
+                                       and (placeable is None or placeable(profile.stages_of(c[0].cuts))))]
         chosen = self._choose(before, candidates)
         if chosen is None:
             return None
