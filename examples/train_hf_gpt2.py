@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -98,8 +99,9 @@ def main() -> None:
 
         vpipe.attach(schedule, optimizer=optimizer)  # the one line
 
-    losses_per_step = []
+    losses_per_step, step_s = [], []
     for step in range(args.steps):
+        started = time.perf_counter()
         x, y = batch(step, args.micro_batches * args.micro_batch_size, args.seq_len, args.vocab)
         losses: list[torch.Tensor] = []
         if rank == 0:
@@ -110,13 +112,14 @@ def main() -> None:
             schedule.step()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        step_s.append(time.perf_counter() - started)
         if losses:
             losses_per_step.append([float(loss.detach()) for loss in losses])
     if args.out:
         torch.save(module.state_dict(), f"{args.out}.rank{rank}.pt")
         if rank == world - 1:
             with open(args.out, "w") as f:
-                json.dump({"losses": losses_per_step,
+                json.dump({"losses": losses_per_step, "step_s": step_s,
                            "layer_idx": [block.attn.layer_idx for block in module.h]}, f)
     dist.barrier()
     dist.destroy_process_group()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -113,8 +114,9 @@ def main() -> None:
 
         vpipe.attach(schedule, optimizer=optimizer)  # the one line
 
-    losses_per_step = []
+    losses_per_step, step_s = [], []
     for step in range(args.steps):
+        started = time.perf_counter()
         x, y = batch(step, args.micro_batches * args.micro_batch_size, args.seq_len, model_args.vocab_size)
         losses: list[torch.Tensor] = []
         if rank == 0:
@@ -125,13 +127,14 @@ def main() -> None:
             schedule.step()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        step_s.append(time.perf_counter() - started)
         if losses:
             losses_per_step.append([float(loss.detach()) for loss in losses])
     if args.out:
         torch.save(model.state_dict(), f"{args.out}.rank{rank}.pt")  # the user's own checkpoint code
         if rank == world - 1:
             with open(args.out, "w") as f:
-                json.dump({"losses": losses_per_step}, f)
+                json.dump({"losses": losses_per_step, "step_s": step_s}, f)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -68,6 +68,9 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
               "a NAS edit (8 blocks added to stage 0): static vs vpipe vs the optimal static partition, per phase"),
     Benchmark("memory", "memory_budget.py",
               "a budget plain 1F1B exceeds: vpipe within it vs GPipe with full recompute"),
+    Benchmark("shapes", "shapes_bench.py",
+              "the one line on the tutorial, Sequential-slice and Hugging Face trainers: a 6,2 split rebalanced "
+              "vs the hand-balanced 4,4"),
     Benchmark("soak", "soak.py",
               "thousands of steps of forced moves and policy changes: RSS growth, parameters vs the reference"),
 )}

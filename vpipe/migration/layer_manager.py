@@ -281,11 +281,11 @@ class LayerManager:
         movers: list[Any] = []
         listeners = [self._Bookkeeping(self), *self.listeners]
         for m in outgoing:
-            movers.append(OutgoingStream(schedule, {lid: children[lid] for lid in m.layers}, forward=m.forward,
-                                         switch_mb=switch_mb, dst=m.dst, epoch=epoch, channel=self.channel,
-                                         messenger=self.messenger, listeners=listeners))
+            movers.append(OutgoingStream(schedule, self.blocks, {lid: children[lid] for lid in m.layers},
+                                         forward=m.forward, switch_mb=switch_mb, dst=m.dst, epoch=epoch,
+                                         channel=self.channel, messenger=self.messenger, listeners=listeners))
         for inc in arriving:
-            movers.append(IncomingStream(schedule, inc.modules, inc.manifests, forward=inc.move.forward,
+            movers.append(IncomingStream(schedule, self.blocks, inc.modules, inc.manifests, forward=inc.move.forward,
                                          switch_mb=switch_mb, src=inc.move.src, epoch=epoch, channel=self.channel,
                                          messenger=self.messenger, timeout_s=3 * self.timeout_s, listeners=listeners))
         schedule.movers.extend(movers)

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from vpipe.migration.blocks import StageBlocks
 from vpipe.migration.state import _DTYPES, LayerState, detach_from_optimizer, pack_layer, payload_bytes, unpack_layer, validate_manifest
 from vpipe.migration.transfer import HANDOVER, VERSION, TransferChannel, transfer_tag
 from vpipe.runtime.pipedream import SchedulePipeDream, start_version
@@ -45,10 +46,11 @@ def _version_payload(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 class OutgoingStream:
     """The source side of a streamed move (a :class:`~vpipe.runtime.pipedream.StreamMover`)."""
 
-    def __init__(self, schedule: SchedulePipeDream, layers: dict[int, nn.Module], *, forward: bool,
-                 switch_mb: int, dst: int, epoch: int, channel: TransferChannel, messenger: Any,
+    def __init__(self, schedule: SchedulePipeDream, blocks: StageBlocks, layers: dict[int, nn.Module], *,
+                 forward: bool, switch_mb: int, dst: int, epoch: int, channel: TransferChannel, messenger: Any,
                  listeners: Sequence[Any] = ()) -> None:
         self.schedule = schedule
+        self.blocks = blocks
         self.messenger = messenger
         self.layers = layers  # layer id -> module, in model order
         self.forward = forward
@@ -98,12 +100,11 @@ class OutgoingStream:
         # on a stage with one micro-batch in flight (the last), the update of S-1 comes first
         if mb != self.switch_mb:
             return
-        submod = self.schedule._stage.submod
         for lid, layer in self.layers.items():
             if not self._handed_over:  # its in-flight micro-batches still update it here
                 for n, p in layer.named_parameters():
                     self.schedule.departing[f"{lid}.{n}"] = p
-            del submod._modules[str(lid)]
+        self.blocks.remove(self.layers)
         self._switched = True
 
     def add_weights(self, version: int, weights: dict[str, torch.Tensor]) -> None:
@@ -136,10 +137,11 @@ class OutgoingStream:
 class IncomingStream:
     """The target side of a streamed move."""
 
-    def __init__(self, schedule: SchedulePipeDream, layers: dict[int, nn.Module], manifests: Sequence[dict[str, Any]], *,
-                 forward: bool, switch_mb: int, src: int, epoch: int, channel: TransferChannel, messenger: Any,
-                 timeout_s: float, listeners: Sequence[Any] = ()) -> None:
+    def __init__(self, schedule: SchedulePipeDream, blocks: StageBlocks, layers: dict[int, nn.Module],
+                 manifests: Sequence[dict[str, Any]], *, forward: bool, switch_mb: int, src: int, epoch: int,
+                 channel: TransferChannel, messenger: Any, timeout_s: float, listeners: Sequence[Any] = ()) -> None:
         self.schedule = schedule
+        self.blocks = blocks
         self.messenger = messenger
         self.timeout_s = timeout_s
         self.layers = layers  # freshly built (empty) modules, in model order
@@ -185,11 +187,8 @@ class IncomingStream:
     def before_forward(self, mb: int) -> None:
         if mb != self.switch_mb:
             return
-        submod = self.schedule._stage.submod
-        items = list(submod._modules.items())
-        new = [(str(lid), layer) for lid, layer in self.layers.items()]
-        submod._modules.clear()
-        submod._modules.update(new + items if self.forward else items + new)
+        new = [(lid, layer, str(lid)) for lid, layer in self.layers.items()]
+        self.blocks.insert(0 if self.forward else len(self.blocks.ids), new)
 
     def add_weights(self, version: int, weights: dict[str, torch.Tensor]) -> None:
         if version in self.window:
