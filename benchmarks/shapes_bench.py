@@ -12,8 +12,8 @@ dominates (about 180 ms steps on 2 cores), three runs of the same script:
 
 The figure is the median step time of the last ``--measure`` steps of each run (after
 vpipe's move), as a ratio to *balanced* in the same round; rounds alternate the runs
-(balanced, vpipe, uneven, then the reverse), so a machine that slows down shifts all alike.
-Run: ``python benchmarks/shapes_bench.py [--json OUT]`` (about 2-3 minutes on 2 cores).
+(balanced, uneven, vpipe, then the reverse), so a machine that slows down shifts all alike.
+Run: ``python benchmarks/shapes_bench.py [--json OUT]`` (about 2.5 minutes a round on 2 cores).
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPES = {
-    "tutorial": ("train_tutorial.py", ["--dim", "256", "--seq-len", "64", "--micro-batch-size", "4"]),
+    "tutorial": ("train_tutorial.py", ["--dim", "160", "--seq-len", "64", "--micro-batch-size", "4"]),
     "sequential": ("train_sequential.py", ["--width", "256", "--seq-len", "64", "--micro-batch-size", "4"]),
-    "hf_gpt2": ("train_hf_gpt2.py", ["--width", "256", "--seq-len", "64", "--micro-batch-size", "4"]),
+    "hf_gpt2": ("train_hf_gpt2.py", ["--width", "176", "--seq-len", "64", "--micro-batch-size", "4"]),
 }
 RUNS = {"balanced": ("4,4", False), "uneven": ("6,2", False), "vpipe": ("6,2", True)}
 
@@ -73,8 +73,8 @@ def run_once(shape: str, run: str, steps: int, tmp: Path) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated: " + ", ".join(SHAPES))
-    parser.add_argument("--steps", type=int, default=44)
-    parser.add_argument("--measure", type=int, default=14, help="median over the last N steps of each run")
+    parser.add_argument("--steps", type=int, default=56)
+    parser.add_argument("--measure", type=int, default=24, help="median over the last N steps of each run")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)

@@ -164,3 +164,20 @@ def test_nas_memory_and_soak_results_get_tables():
     assert "0:D 1:S / 2:R" in text
     assert "| 0 | 399 | 300.0 | 310.0 | 311.0 | +0.32% | 138 | 0 |" in text
     assert "bit for bit: yes" in text
+
+
+def test_shapes_results_get_a_table_and_a_headline_row_with_the_worst_ratio():
+    row = {"shape": "tutorial", "balanced_step_s": 0.192, "uneven_step_s": 0.211, "vpipe_step_s": 0.195,
+           "vpipe_over_balanced": 1.02, "ratio_range": [1.0, 1.04], "uneven_over_balanced": 1.1, "moved": True,
+           "final_partition": [4, 4], "moved_at_step": 23}
+    other = {**row, "shape": "hf_gpt2", "vpipe_step_s": 0.187, "balanced_step_s": 0.187, "vpipe_over_balanced": 1.0,
+             "moved": False, "final_partition": [6, 2]}
+    shapes = {"steps": 44, "measure_steps": 14, "rounds": 2, "rows": [row, other],
+              "skipped": {"sequential": "not asked"}}
+    text = report.results_markdown({"shapes": shapes})
+    assert "| tutorial | 192 | 211 | 195 | 1.02x (1.00-1.04) | 1.10x | 4,4 at step 23 |" in text
+    assert "| hf_gpt2 | 187 | 211 | 187 | 1.00x (1.00-1.04) | 1.10x | 6,2 (none) |" in text
+    assert "sequential skipped: not asked." in text
+    assert report.headline_rows({"shapes": shapes}) == [[
+        "the one line on users' trainers (tutorial, hf_gpt2), 6,2 split on 2 stages",
+        "+ vpipe: 195, 187 ms/step", "hand-balanced 4,4: 192, 187 ms/step", "1.02x at worst"]]

@@ -666,6 +666,9 @@ def _check_group(stage: Any, world_size: int) -> None:
         raise ValueError(f"vpipe.attach: this pipeline's process group has {size} of the world's {world_size} ranks "
                          "(a pipeline inside a larger mesh, e.g. with data-parallel replicas); vpipe supports one "
                          "pipeline over the whole world for now")
+    if stage.stage_index != dist.get_rank():  # vpipe addresses a stage's peers by rank: never misroute a layer
+        raise ValueError(f"vpipe.attach: stage {stage.stage_index} runs on rank {dist.get_rank()}; vpipe needs "
+                         "stage i on rank i (as torch's single-stage schedules do)")
 
 
 def _module_device(module: nn.Module) -> torch.device:

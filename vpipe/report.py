@@ -112,6 +112,15 @@ def headline_rows(results: Results) -> list[list[str]]:
                      f"{'within' if fits['vpipe'] else 'OVER'} budget",
                      f"GPipe, all recomputed: {memory['samples_per_s']['gpipe_recompute']:.0f} samples/s",
                      _ratio(memory["vpipe_over_recompute"])])
+    shapes = results.get("shapes", {}).get("rows", [])
+    if shapes:
+        worst = max(shapes, key=lambda r: r["vpipe_over_balanced"])
+        rows.append([f"the one line on users' trainers ({', '.join(r['shape'] for r in shapes)}), 6,2 split on 2 "
+                     "stages",
+                     "+ vpipe: " + ", ".join(f"{r['vpipe_step_s'] * 1e3:.0f}" for r in shapes) + " ms/step",
+                     "hand-balanced 4,4: " + ", ".join(f"{r['balanced_step_s'] * 1e3:.0f}" for r in shapes)
+                     + " ms/step",
+                     f"{worst['vpipe_over_balanced']:.2f}x at worst"])
     swap = results.get("gpu_swap", {})
     if swap.get("bandwidth"):
         by = {(r["size"], r["way"]): r["gb_per_s"] for r in swap["bandwidth"]}
@@ -244,6 +253,22 @@ def _memory_md(data: dict[str, Any]) -> str:
               f"{' / '.join(' '.join(f'{k}:{v}' for k, v in stage.items()) for stage in data['vpipe_policies'])}.")
 
 
+def _shapes_md(data: dict[str, Any]) -> str:
+    rows = [[r["shape"], f"{r['balanced_step_s'] * 1e3:.0f}", f"{r['uneven_step_s'] * 1e3:.0f}",
+             f"{r['vpipe_step_s'] * 1e3:.0f}",
+             f"{r['vpipe_over_balanced']:.2f}x ({r['ratio_range'][0]:.2f}-{r['ratio_range'][1]:.2f})",
+             f"{r['uneven_over_balanced']:.2f}x",
+             ",".join(map(str, r["final_partition"])) + (f" at step {r['moved_at_step']}" if r["moved"] else " (none)")]
+            for r in data["rows"]]
+    skipped = "".join(f" {name} skipped: {why}." for name, why in data.get("skipped", {}).items())
+    return (f"2 CPU stages, 1F1B, {data['steps']} steps per run, median step of the last {data['measure_steps']}, "
+            f"{data['rounds']} round(s) (runs alternate):
+
+"
+            + _table(["trainer", "4,4 plain ms", "6,2 plain ms", "6,2 + vpipe ms", "vpipe / 4,4", "6,2 / 4,4",
+                      "vpipe's split"], rows) + skipped)
+
+
 def _soak_md(data: dict[str, Any]) -> str:
     mib = 2**20
     rows = [[str(r["rank"]), str(r["plans_applied"]), f"{r['rss_first_bytes'] / mib:.1f}",
@@ -267,6 +292,7 @@ SECTIONS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "nas": ("A NAS edit: static vs vpipe vs the optimal partition", _nas_md),
     "memory": ("A budget plain 1F1B exceeds", _memory_md),
     "soak": ("Soak: memory over thousands of moves", _soak_md),
+    "shapes": ("The one line on users' trainers", _shapes_md),
 }
 
 
