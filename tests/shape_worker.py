@@ -3,7 +3,8 @@
 Scenarios (``argv[1]``), launched by ``vpipe.runtime.launch.spawn``:
 
 - ``refusals`` (1 rank): stage shapes and set-ups attach must refuse, each error message;
-- ``subgroup`` (2 ranks): a pipeline on a process group smaller than the world (data-parallel replicas);
+- ``subgroup`` (2 ranks): a pipeline on a process group smaller than the world (data-parallel replicas),
+  and stages whose index is not their rank;
 - ``traced`` (2 ranks): a ``pipeline()`` split (GraphModule stages) trained plainly, then with vpipe
   recomputing every layer and the planner on: losses, what moved, the log;
 - ``nas`` (2 ranks): add and remove blocks in the tutorial-shaped ModuleDict.
@@ -79,7 +80,13 @@ def subgroup() -> dict:
     module = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     stage = PipelineStage(module, 0, 1, torch.device("cpu"), group=groups[rank])
     schedule = Schedule1F1B(stage, 2, loss_fn=nn.functional.mse_loss)
-    return {"error": _error(lambda: vpipe.attach(schedule, optimizer=torch.optim.SGD(module.parameters())))}
+    error = _error(lambda: vpipe.attach(schedule, optimizer=torch.optim.SGD(module.parameters())))
+    # stage indices that are not the ranks: stage 1 on rank 0, stage 0 on rank 1
+    module = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    stage = PipelineStage(module, 1 - rank, 2, torch.device("cpu"))
+    schedule = Schedule1F1B(stage, 2, loss_fn=nn.functional.mse_loss)
+    swapped = _error(lambda: vpipe.attach(schedule, optimizer=torch.optim.SGD(module.parameters())))
+    return {"error": error, "swapped": swapped}
 
 
 def _traced_run(steps: int, with_vpipe: bool) -> tuple[list[list[float]], dict]:

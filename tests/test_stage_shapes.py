@@ -168,6 +168,8 @@ def test_a_pipeline_inside_a_larger_mesh_is_refused_before_anything_is_installed
                                "ranks (a pipeline inside a larger mesh, e.g. with data-parallel replicas); vpipe "
                                "supports one pipeline over the whole world for now")
     assert not [r for r in result["log"] if r.get("event") == "attached"]
+    assert result["swapped"] == ("ValueError: vpipe.attach: stage 1 runs on rank 0; vpipe needs stage i on rank i "
+                                 "(as torch's single-stage schedules do)")
 
 
 def test_a_traced_split_gets_recompute_but_no_moves_and_says_so_once(tmp_path):

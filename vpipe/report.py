@@ -262,9 +262,7 @@ def _shapes_md(data: dict[str, Any]) -> str:
             for r in data["rows"]]
     skipped = "".join(f" {name} skipped: {why}." for name, why in data.get("skipped", {}).items())
     return (f"2 CPU stages, 1F1B, {data['steps']} steps per run, median step of the last {data['measure_steps']}, "
-            f"{data['rounds']} round(s) (runs alternate):
-
-"
+            f"{data['rounds']} round(s) (runs alternate):\n\n"
             + _table(["trainer", "4,4 plain ms", "6,2 plain ms", "6,2 + vpipe ms", "vpipe / 4,4", "6,2 / 4,4",
                       "vpipe's split"], rows) + skipped)
 
