@@ -9,6 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import settings
+
+# Property tests draw the same examples on every run (CI included): a property that fails, fails for
+# everyone, not by the luck of the draw. VPIPE_HYPOTHESIS_PROFILE=default explores new examples.
+settings.register_profile("repeatable", derandomize=True, database=None)
+settings.load_profile(os.environ.get("VPIPE_HYPOTHESIS_PROFILE", "repeatable"))
 
 ROOT = Path(__file__).resolve().parent.parent
 

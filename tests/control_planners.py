@@ -25,3 +25,11 @@ def record_and_mark(vector: list[StageRecord], current: Plan | None) -> Plan:
 
 def failing(vector: list[StageRecord], current: Plan | None) -> Plan:
     raise RuntimeError("this planner always fails")
+
+
+def reordering(vector: list[StageRecord], current: Plan | None) -> Plan:
+    """A buggy planner: the right layers and stage sizes, the first two layers swapped."""
+    order = [lid for r in vector for lid in r.layer_ids]
+    order[0], order[1] = order[1], order[0]
+    counts = [len(r.layer_ids) for r in vector]
+    return Plan.from_counts(order, counts, epoch=(current.epoch if current else 0) + 1)

@@ -161,7 +161,10 @@ def test_unknown_run_config_keys_are_named():
     ({"min_swap_bytes": -1}, "min_swap_bytes must be >= 0"),
     ({"host_pool_bytes": 0}, "host_pool_bytes must be positive"),
     ({"layer_factory": 3}, "layer_factory must be callable"),
-    ({"memory_budget": "16G"}, "memory_budget must be a positive number of bytes, 'auto' or None, got '16G'"),
+    ({"memory_budget": "16 apples"}, "memory_budget '16 apples' is not a byte size (examples: 16000000000, 16e9, "
+                                     "16GB, 15GiB, 512M)"),
+    ({"memory_budget": "1e400G"}, "memory_budget '1e400G' is larger than any machine (4611686018427387904 bytes at "
+                                  "most)"),
     ({"micro_batches": 0}, "micro_batches must be a positive integer or None, got 0"),
 ])
 def test_impossible_vpipe_configs_are_rejected(kwargs, message):

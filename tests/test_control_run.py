@@ -127,3 +127,15 @@ def test_killed_planner_is_reported_training_finishes_and_a_restarted_one_resume
     after = [v for v in received(out)[seen_before:] if v["pid"] == restarted.pid]
     assert len(after) >= 2 and all(len(v["records"]) == 2 for v in after)
     assert not psutil.pid_exists(first_pid) or psutil.Process(first_pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_planner_that_reorders_layers_is_caught_by_the_daemon_and_the_run_trains_on(tmp_path):
+    log_file = tmp_path / "run.log"
+    proc = run_vpipe("train", "--stages", "2", "--steps", "12", "--monitor-every", "2", "--no-progress",
+                     "--blocks", "2", "--d-model", "32", "--seq-len", "16", "--micro-batches", "2", "--vpipe",
+                     "--planner", "control_planners:reordering", "--log-file", str(log_file),
+                     env=planner_env(tmp_path / "unused.jsonl"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    errors = decisions(log_file, "planner_error")
+    assert errors and all("plan reorders layers" in r["error"] for r in errors)
+    assert not decisions(log_file, "plan_sent") and not decisions(log_file, "plan_applied")

@@ -43,6 +43,7 @@ from vpipe.log import decision, step_record
 from vpipe.migration.blocks import (BlockContainerError, ContainerLayout, StageBlocks, agree_key_style, block_kind,
                                     find_block_container, global_ids, layout_of)
 from vpipe.planner.plan import Plan, PlanError, Policy
+from vpipe.sizes import parse_bytes
 
 log = logging.getLogger("vpipe.attach")
 
@@ -96,6 +97,12 @@ class VpipeConfig:
         def need(ok: bool, message: str) -> None:
             if not ok:
                 raise ValueError(f"vpipe config: {message}")
+
+        if isinstance(self.memory_budget, str) and self.memory_budget != AUTO_BUDGET:
+            try:  # "16GB", "15GiB", "16e9": read as everywhere else in vpipe
+                self.memory_budget = parse_bytes(self.memory_budget, what="memory_budget")
+            except ValueError as e:
+                raise ValueError(f"vpipe config: {e}") from None
 
         need(self.memory_budget is None or self.memory_budget == AUTO_BUDGET
              or (isinstance(self.memory_budget, int) and not isinstance(self.memory_budget, bool)
@@ -458,6 +465,11 @@ class Vpipe:
             decision("plan_skipped", f"epoch {plan.epoch}: made for another set of layers (they were edited since)",
                      epoch=plan.epoch, stage=self.stage_index)
             return
+        try:  # every rank holds the same order, so every rank skips the same plans
+            plan.check_against(lm.order, self.num_stages)
+        except PlanError as e:
+            decision("plan_skipped", f"epoch {plan.epoch}: {e}", epoch=plan.epoch, stage=self.stage_index)
+            return
         if self.tensor_manager is not None:
             self.tensor_manager.set_policies({lid: plan.policy(lid) for lid in lm.layer_ids})
         moves = [list(s) for s in plan.stages] != [list(s) for s in lm.placement]
@@ -658,10 +670,9 @@ def _unwrap(module: nn.Module) -> nn.Module:
 
 def _check_group(stage: Any, world_size: int) -> None:
     """vpipe's moves and agreement run over the world: refuse a pipeline that is one dimension of a mesh."""
-    group = getattr(stage, "group", None)
-    if stage is None or group is None:
+    if stage is None:
         return
-    size = dist.get_world_size(group)
+    size = dist.get_world_size(getattr(stage, "group", None))  # None: the default group, the world
     if size != world_size:
         raise ValueError(f"vpipe.attach: this pipeline's process group has {size} of the world's {world_size} ranks "
                          "(a pipeline inside a larger mesh, e.g. with data-parallel replicas); vpipe supports one "

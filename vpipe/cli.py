@@ -29,14 +29,12 @@ def _partition(text: str) -> list[int]:
 
 
 def _bytes(text: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    from vpipe.sizes import parse_bytes
+
     try:
-        value = int(float(text[:-1]) * units[text[-1].upper()]) if text and text[-1].upper() in units else int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of bytes like 512M, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
-    return value
+        return parse_bytes(text, what="memory budget")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _json_list(text: str) -> list:

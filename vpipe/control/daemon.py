@@ -40,7 +40,7 @@ from vpipe.control.messages import MAX_MESSAGE_BYTES, PLANNER, Message, make
 from vpipe.control.netaddr import check_endpoint, control_host
 from vpipe.log import decision
 from vpipe.monitors.records import StageRecord
-from vpipe.planner.plan import Plan
+from vpipe.planner.plan import Plan, PlanError
 
 log = logging.getLogger("vpipe.planner.daemon")
 
@@ -194,7 +194,7 @@ class PlannerDaemon:
             return
         if plan is None:
             return
-        problem = self._check(plan)
+        problem = self._check(plan, [lid for rec in vector for lid in rec.layer_ids])
         if problem:
             decision("planner_error", f"planner {self.planner_name} returned an unusable plan: {problem}",
                      role="planner", iteration=message.iteration, error=problem)
@@ -206,13 +206,18 @@ class PlannerDaemon:
                  predicted_step_s=plan.predicted_step_s, from_iteration=message.iteration,
                  stage_step_s=[r.step_s for r in vector], stage_compute_s=[r.compute_s for r in vector])
 
-    def _check(self, plan: Any) -> str | None:
+    def _check(self, plan: Any, layer_order: list[int]) -> str | None:
+        """Why ``plan`` cannot go to the stages (None when it can): checked here, before any stage sees it."""
         if not isinstance(plan, Plan):
             return f"expected a Plan or None, got {type(plan).__name__}"
         if self.current is not None and plan.epoch <= self.current.epoch:
             return f"epoch {plan.epoch} is not newer than the current epoch {self.current.epoch}"
         if self.num_stages is not None and plan.num_stages != self.num_stages:
             return f"{plan.num_stages} stages for a {self.num_stages}-stage pipeline"
+        try:
+            plan.check_against(layer_order, plan.num_stages)  # the layers the stages just reported, in order
+        except PlanError as e:
+            return str(e)
         return None
 
     # ---------------------------------------------------------------- heartbeat

@@ -9,28 +9,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from typing import NoReturn
 
 from vpipe.planner.cost_model import SCHEDULES, Hardware
+from vpipe.sizes import parse_bytes as _parse_size
 
 __all__ = ["register", "parse_bytes", "cmd_plan"]
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
-
-
 def parse_bytes(text: str) -> int:
-    """``"16e9"``, ``"16GB"``, ``"12GiB"`` or ``"4096"`` as a number of bytes."""
-    raw = text.strip()
-    if raw.startswith("-"):
-        raise ValueError(f"memory budget must not be negative, got {raw!r}")
-    match = _SIZE.match(raw)
-    if not match or match.group(2).lower() not in _UNITS:
-        raise ValueError(f"cannot read {raw!r} as bytes (examples: 16000000000, 16e9, 16GB, 15GiB)")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    """A memory budget as the user typed it (see :mod:`vpipe.sizes`)."""
+    return _parse_size(text, what="memory budget")
 
 
 def _positive_int(what: str, text: str) -> int:
