@@ -269,6 +269,12 @@ def find_latest(root: str | os.PathLike[str]) -> Path | None:
     return complete[-1] if complete else None
 
 
+def holds_checkpoints(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a checkpoint or holds step directories (complete or not): a run was here before."""
+    path = Path(path)
+    return (path / MANIFEST).exists() or (path.is_dir() and bool(_step_dirs(path)))
+
+
 def resolve(path: str | os.PathLike[str]) -> Path:
     """``path`` itself if it is a checkpoint, else the newest complete one under it."""
     path = Path(path)

@@ -37,6 +37,12 @@ def _bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _directory_name(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("needs a directory (an empty name would train from scratch)")
+    return text
+
+
 def _json_list(text: str) -> list:
     try:
         value = json.loads(text)
@@ -67,7 +73,9 @@ def add_run_arguments(p: argparse.ArgumentParser, *, steps: int, stages: int) ->
     p.add_argument("--n-heads", type=_positive_int, default=4)
     p.add_argument("--seq-len", type=_positive_int, default=64)
     p.add_argument("--dropout", type=float, default=0.1)
-    p.add_argument("--stages", type=_positive_int, default=stages)
+    p.add_argument("--stages", type=_positive_int, default=None,
+                   help=f"pipeline stages (default: WORLD_SIZE under torchrun, else {stages})")
+    p.set_defaults(default_stages=stages)
     p.add_argument("--schedule", choices=SCHEDULES, default="gpipe")
     p.add_argument("--micro-batches", type=_positive_int, default=4)
     p.add_argument("--micro-batch-size", type=_positive_int, default=4)
@@ -100,7 +108,7 @@ def add_run_arguments(p: argparse.ArgumentParser, *, steps: int, stages: int) ->
                    help="write checkpoints (one step-N directory each, sealed by a manifest) here, at the end and "
                         "every --checkpoint-every steps")
     p.add_argument("--checkpoint-every", type=int, default=0, metavar="N", help="checkpoint every N steps")
-    p.add_argument("--resume", default=None, metavar="DIR",
+    p.add_argument("--resume", default=None, metavar="DIR", type=_directory_name,
                    help="continue from this checkpoint (a step-N directory, or the newest complete one under DIR); "
                         "--steps counts from the start of the original run; any number of stages")
 
@@ -108,7 +116,7 @@ def add_run_arguments(p: argparse.ArgumentParser, *, steps: int, stages: int) ->
 def config_from_args(args: argparse.Namespace) -> RunConfig:
     return RunConfig(
         model=args.model, blocks=args.blocks, d_model=args.d_model, n_heads=args.n_heads,
-        seq_len=args.seq_len, dropout=args.dropout, stages=args.stages, schedule=args.schedule,
+        seq_len=args.seq_len, dropout=args.dropout, stages=_stages(args), schedule=args.schedule,
         micro_batches=args.micro_batches, micro_batch_size=args.micro_batch_size, steps=args.steps,
         lr=args.lr, optimizer=args.optimizer, seed=args.seed, partition=args.partition,
         vertical_sync=args.vertical_sync, log_file=args.log_file, out_dir=args.out_dir,
@@ -117,6 +125,16 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         planning=not args.no_planning, moves=args.moves, nas=args.nas,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, resume=args.resume,
     )
+
+
+def _stages(args: argparse.Namespace) -> int:
+    """--stages, else one stage per rank under torchrun, else the command's default."""
+    if args.stages is not None:
+        return args.stages
+    from vpipe.runtime.launch import rank_env
+
+    env = rank_env()
+    return env.world_size if env is not None else args.default_stages
 
 
 def _planner(args: argparse.Namespace) -> str | None:
@@ -135,7 +153,8 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
         if cfg.resume:
             from vpipe.runtime.trainer import load_resume
 
-            load_resume(cfg)  # a bad checkpoint is named here, before any rank starts
+            if load_resume(cfg) is None:  # a bad checkpoint is named here, before any rank starts
+                print(f"vpipe: --resume {cfg.resume}: no checkpoint there yet; starting from step 0", file=sys.stderr)
         return spawn([sys.executable, "-m", "vpipe", *argv], cfg.stages)
     return _run_as_rank(cfg)
 

@@ -169,9 +169,15 @@ def train_rank(cfg: RunConfig, ctx: Distributed) -> RunResult:
 
 
 def load_resume(cfg: RunConfig) -> Any:
-    """The verified checkpoint ``cfg.resume`` names, checked against ``cfg`` (CheckpointError otherwise)."""
-    from vpipe.checkpoint import CheckpointError, load_checkpoint
+    """The verified checkpoint ``cfg.resume`` names, checked against ``cfg`` (CheckpointError otherwise).
 
+    None when the directory holds no checkpoint at all yet: the first run of a job that is
+    always launched with ``--resume`` (torchrun's restart pattern) starts from step 0.
+    """
+    from vpipe.checkpoint import CheckpointError, holds_checkpoints, load_checkpoint
+
+    if not holds_checkpoints(cfg.resume or ""):
+        return None
     ckpt = load_checkpoint(cfg.resume or "")
     if ckpt.layer_order != list(range(cfg.n_layers)):
         raise CheckpointError(f"checkpoint {ckpt.path} holds layers {ckpt.layer_order[:3]}...{ckpt.layer_order[-1:]} "
