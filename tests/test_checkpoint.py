@@ -214,3 +214,70 @@ def test_vpipe_state_is_validated(change, message):
 def test_checkpoint_options_are_validated_before_any_rank_starts(args, message):
     proc = run_vpipe("train", "--stages", "2", *args, timeout=60)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+def test_resume_keeps_adamw_its_weight_decay_and_a_warmup_cosine_schedule_on_the_same_and_other_stages(tmp_path):
+    """The whole training state comes back: learning rates mid-schedule, weight decay, moments, RNG."""
+    common = ["--optimizer", "adamw", "--weight-decay", "0.1", "--lr-schedule", "warmup-cosine",
+              "--warmup-steps", "3", "--lr", "0.01", "--steps", "8"]
+    train("--stages", "2", *common, "--out-dir", str(tmp_path / "straight"))
+    train("--stages", "2", *common, "--steps", "8", "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every",
+          "4")
+    saved = load_checkpoint(tmp_path / "ck" / "step-00000004")
+    state = saved.load_shards()
+    assert {g["weight_decay"] for g in state["groups"].values()} == {0.1}
+    assert state["scheduler"]["last_epoch"] == 4 and state["rng"] is None  # rng only when a rank asks for its own
+    for stages in ("2", "4"):
+        out = tmp_path / f"resumed{stages}"
+        train("--stages", stages, *common, "--resume", str(tmp_path / "ck" / "step-00000004"), "--out-dir", str(out))
+        assert_params_equal(load_run_params(out, int(stages)), load_run_params(tmp_path / "straight", 2))
+        assert_optimizer_equal(load_run_optimizer(out, int(stages)), load_run_optimizer(tmp_path / "straight", 2))
+        lrs = {lr for r in range(int(stages)) for lr in json.loads((out / f"rank{r}.json").read_text())["lrs"]}
+        want = {lr for r in range(2) for lr in json.loads((tmp_path / "straight" / f"rank{r}.json").read_text())["lrs"]}
+        assert lrs == want and len(want) == 1  # bitwise the uninterrupted run's rate after step 8
+    want, _, _ = reference_flush(small_cfg(stages=2, steps=8, optimizer="adamw", weight_decay=0.1,
+                                           lr_schedule="warmup-cosine", warmup_steps=3, lr=0.01))
+    assert_params_equal(load_run_params(tmp_path / "straight", 2), want)
+
+
+def test_a_resume_without_the_schedulers_state_would_train_at_the_wrong_rate(tmp_path):
+    """What the test above guards against: a fresh scheduler restarts the warm-up."""
+    from vpipe.runtime.trainer import make_optimizer, make_scheduler
+
+    cfg = small_cfg(optimizer="adamw", lr_schedule="warmup-cosine", warmup_steps=3, lr=0.01, steps=8)
+    model = build_model(cfg.model_spec(), seed=0)
+    opt = make_optimizer(cfg, model.parameters())
+    sched = make_scheduler(cfg, opt)
+    for _ in range(4):
+        opt.step()
+        sched.step()
+    fresh = make_scheduler(cfg, make_optimizer(cfg, model.parameters()))
+    assert fresh.get_last_lr() != sched.get_last_lr()
+
+
+def test_param_group_hyperparameters_come_back_by_parameter_name_and_a_conflict_is_refused(tmp_path):
+    stages, optims = two_stage_model()
+    for opt, lr in zip(optims, (0.005, 0.007)):  # e.g. a schedule's current rate, a weight decay set by hand
+        opt.param_groups[0].update(lr=lr, weight_decay=0.2, betas=(0.8, 0.9))
+    step_dir = tmp_path / "ck" / "step-00000001"
+    shards = [save_shard(step_dir, r, stages[r], optims[r], {}) for r in range(2)]
+    write_manifest(step_dir, 1, shards, {"version": 1, "epoch": 0, "iteration": 1,
+                                         "stages": [[int(n) for n in s._modules] for s in stages], "policies": {},
+                                         "next_layer_id": 6})
+    ckpt = load_checkpoint(step_dir)
+    fresh, _ = two_stage_model(seed=1)
+    opt = torch.optim.Adam(fresh[1].parameters(), lr=1e-3)
+    restore_stage(ckpt, fresh[1], opt)
+    assert opt.param_groups[0]["lr"] == 0.007 and opt.param_groups[0]["weight_decay"] == 0.2
+    assert opt.param_groups[0]["betas"] == (0.8, 0.9)
+    # one stage holding layers that were saved with different learning rates cannot take both
+    whole = torch.nn.Sequential()
+    for stage in two_stage_model(seed=2)[0]:
+        for name, layer in stage._modules.items():
+            whole.add_module(name, layer)
+    mixed = torch.optim.Adam(whole.parameters(), lr=1e-3)
+    before = [p.detach().clone() for p in whole.parameters()]
+    with pytest.raises(CheckpointError, match="group 0 had different hyperparameters"):
+        restore_stage(ckpt, whole, mixed)
+    assert all(torch.equal(a, b) for a, b in zip(before, whole.parameters()))  # refused before touching anything
+    assert mixed.param_groups[0]["lr"] == 1e-3

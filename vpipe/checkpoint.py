@@ -3,14 +3,19 @@
 A checkpoint of the run after ``step`` steps is one directory::
 
     ROOT/step-00000120/
-        rank0-3f9c2a1b7d40.pt     # torch.save of {"params": {name: tensor}, "optimizer": {name: {key: value}}}
+        rank0-3f9c2a1b7d40.pt     # torch.save of {"params": {name: tensor}, "optimizer": {name: {key: value}},
+                                  #   "param_groups": [{hyperparameters, "params": [names]}], "scheduler": {...},
+                                  #   "rng": this rank's torch RNG state}
         rank1-a81e0c55d2f3.pt     # names end with the first 12 hex digits of the file's sha256
         manifest.json             # format, version, step, vpipe state, and per shard: file, sha256, bytes, layers
 
 Parameters are named ``"<global layer id>.<name in the layer>"`` (the stage modules are
 ``nn.Sequential``s named by layer id), optimizer state is keyed by the same names, so a
 checkpoint does not depend on which stage held which layer: resuming on another number
-of stages is re-placing the layers and loading each one by name.
+of stages is re-placing the layers and loading each one by name. The optimizer's param
+groups (learning rate, weight decay, betas...) are saved by parameter name too, with the
+learning-rate scheduler's state and each rank's RNG state, so a resumed run continues
+with the learning rate and random stream an uninterrupted run would have.
 
 Writes are atomic: a shard goes to a temporary file, is fsynced and renamed; rank 0
 writes ``manifest.json`` the same way once every rank has reported its shard's sha256
@@ -169,13 +174,28 @@ def atomic_write(path: Path, data: bytes) -> None:
     _fsync_dir(path.parent)
 
 
+def optimizer_groups(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> list[dict[str, Any]]:
+    """The optimizer's param groups with parameters by name: hyperparameters a resume must not lose."""
+    if optimizer is None:
+        return []
+    names = {id(p): name for name, p in module.named_parameters()}
+    return [{**{k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v)
+                for k, v in group.items() if k != "params"},
+             "params": [names[id(p)] for p in group["params"] if id(p) in names]}
+            for group in optimizer.param_groups]
+
+
 def save_shard(step_dir: str | os.PathLike[str], rank: int, module: nn.Module,
-               optimizer: torch.optim.Optimizer | None, policies: Mapping[int, Any] | None = None) -> ShardInfo:
-    """Write this rank's parameters, buffers and optimizer state atomically; return its manifest entry."""
+               optimizer: torch.optim.Optimizer | None, policies: Mapping[int, Any] | None = None,
+               scheduler: Any = None) -> ShardInfo:
+    """Write this rank's parameters, buffers, optimizer state and groups, scheduler and RNG state atomically;
+    return its manifest entry."""
     step_dir = Path(step_dir)
     step_dir.mkdir(parents=True, exist_ok=True)
     state = {"params": {k: v.detach().cpu().clone() for k, v in module.state_dict().items()},
-             "optimizer": optimizer_state(module, optimizer)}
+             "optimizer": optimizer_state(module, optimizer), "param_groups": optimizer_groups(module, optimizer),
+             "scheduler": scheduler.state_dict() if scheduler is not None else None,
+             "rng": torch.get_rng_state()}
     buffer = io.BytesIO()
     torch.save(state, buffer)
     data = buffer.getvalue()
@@ -218,7 +238,7 @@ def write_manifest(step_dir: str | os.PathLike[str], step: int, shards: Iterable
 def save_checkpoint(root: str | os.PathLike[str], step: int, *, module: nn.Module,
                     optimizer: torch.optim.Optimizer | None, rank: int, world_size: int, store: Any,
                     vpipe_state: Mapping[str, Any], extra: Mapping[str, Any] | None = None,
-                    keep_last: int = 2) -> Path:
+                    keep_last: int = 2, scheduler: Any = None) -> Path:
     """Collective: every rank writes its shard, rank 0 writes the manifest and prunes old checkpoints.
 
     ``vpipe_state`` is :meth:`vpipe.Vpipe.state_dict` (or the same map for a run without
@@ -228,7 +248,7 @@ def save_checkpoint(root: str | os.PathLike[str], step: int, *, module: nn.Modul
     step_dir = checkpoint_dir(root, step)
     policies = {int(k): v for k, v in vpipe_state.get("policies", {}).items()}
     mine = {lid: p for lid, p in policies.items() if str(lid) in getattr(module, "_modules", {})}
-    shard = save_shard(step_dir, rank, module, optimizer, mine)
+    shard = save_shard(step_dir, rank, module, optimizer, mine, scheduler)
     store.set(_SHARD_KEY.format(step, rank), json.dumps(shard.to_json()))
     if rank != 0:
         return step_dir
@@ -310,18 +330,28 @@ class Checkpoint:
     def layer_order(self) -> list[int]:
         return [lid for s in self.vpipe["stages"] for lid in s]
 
-    def load_shards(self, layer_ids: Iterable[int] | None = None) -> dict[str, Any]:
-        """Merged ``{"params", "optimizer"}`` of the shards holding ``layer_ids`` (default all)."""
+    def load_shards(self, layer_ids: Iterable[int] | None = None, rng_rank: int | None = None) -> dict[str, Any]:
+        """Merged ``{"params", "optimizer", "groups", "scheduler", "rng"}`` of the shards holding ``layer_ids``
+        (default all): ``groups`` maps each parameter name to its param group's hyperparameters, ``rng``
+        is rank ``rng_rank``'s RNG state (None if not asked for, or absent)."""
         wanted = None if layer_ids is None else set(layer_ids)
         params: dict[str, torch.Tensor] = {}
         optim: dict[str, dict[str, Any]] = {}
+        groups: dict[str, dict[str, Any]] = {}
+        scheduler, rng = None, None
         for shard in self.shards:
-            if wanted is not None and not wanted & set(shard.layers):
+            if wanted is not None and not wanted & set(shard.layers) and shard.rank != rng_rank:
                 continue
             state = _load_shard(self.path / shard.file, shard)
             params.update(state["params"])
             optim.update(state["optimizer"])
-        return {"params": params, "optimizer": optim}
+            for group in state.get("param_groups") or []:
+                hyper = {k: v for k, v in group.items() if k != "params"}
+                groups.update({name: hyper for name in group["params"]})
+            scheduler = scheduler or state.get("scheduler")
+            if shard.rank == rng_rank:
+                rng = state.get("rng")
+        return {"params": params, "optimizer": optim, "groups": groups, "scheduler": scheduler, "rng": rng}
 
 
 def _read_verified(path: Path, shard: ShardInfo) -> bytes:
@@ -392,14 +422,14 @@ def load_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
 
 
 # ====================================================================== restoring
-def stage_state(checkpoint: Checkpoint, module: nn.Module) -> dict[str, Any]:
+def stage_state(checkpoint: Checkpoint, module: nn.Module, rng_rank: int | None = None) -> dict[str, Any]:
     """The checkpoint's state for ``module``'s layers, checked against the module (nothing is loaded yet)."""
     layer_ids = [int(n) for n in module._modules]
     missing_layers = sorted(set(layer_ids) - set(checkpoint.layer_order))
     if missing_layers:
         raise CheckpointError(f"checkpoint {checkpoint.path} has no layers {missing_layers[:5]} "
                               f"(it holds {checkpoint.layer_order[:3]}...{checkpoint.layer_order[-1:]})")
-    state = checkpoint.load_shards(layer_ids)
+    state = checkpoint.load_shards(layer_ids, rng_rank=rng_rank)
     own = module.state_dict()
     for name, target in own.items():
         value = state["params"].get(name)
@@ -409,22 +439,59 @@ def stage_state(checkpoint: Checkpoint, module: nn.Module) -> dict[str, Any]:
         if value.shape != target.shape or value.dtype != target.dtype:
             raise CheckpointError(f"{where}: {name} is {tuple(value.shape)} {value.dtype} there, "
                                   f"{tuple(target.shape)} {target.dtype} in this model")
+    named = dict(module.named_parameters())
     return {"params": {n: state["params"][n] for n in own},
-            "optimizer": {n: s for n, s in state["optimizer"].items() if n in dict(module.named_parameters())}}
+            "optimizer": {n: s for n, s in state["optimizer"].items() if n in named},
+            "groups": {n: g for n, g in state["groups"].items() if n in named},
+            "scheduler": state["scheduler"], "rng": state["rng"]}
 
 
-def restore_stage(checkpoint: Checkpoint, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-    """Load this stage's layers' parameters, buffers and optimizer state from ``checkpoint``.
+def _group_settings(checkpoint: Checkpoint, module: nn.Module, optimizer: torch.optim.Optimizer,
+                    saved: Mapping[str, dict[str, Any]]) -> list[dict[str, Any] | None]:
+    """Per param group of ``optimizer``: the saved hyperparameters of its parameters (None: none saved)."""
+    names = {id(p): name for name, p in module.named_parameters()}
+    out: list[dict[str, Any] | None] = []
+    for g, group in enumerate(optimizer.param_groups):
+        found = [saved[names[id(p)]] for p in group["params"] if names.get(id(p)) in saved]
+        if not found:
+            out.append(None)
+            continue
+        if any(_differs(f, found[0]) for f in found[1:]):
+            raise CheckpointError(f"checkpoint {checkpoint.path}: the parameters of this stage's optimizer group {g} "
+                                  "had different hyperparameters (learning rate, weight decay...) when saved")
+        unknown = sorted(set(found[0]) - set(group))
+        if unknown:
+            raise CheckpointError(f"checkpoint {checkpoint.path}: its optimizer groups have {unknown}, this stage's "
+                                  f"{type(optimizer).__name__} has not")
+        out.append(found[0])
+    return out
 
-    Everything is checked first (shards, names, shapes, optimizer kind); only then are
-    values copied, so an error leaves ``module`` and ``optimizer`` as they were.
+
+def _differs(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    if a.keys() != b.keys():
+        return True
+    return any(not torch.equal(x, y) if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) else x != y
+               for x, y in ((a[k], b[k]) for k in a))
+
+
+def restore_stage(checkpoint: Checkpoint, module: nn.Module, optimizer: torch.optim.Optimizer | None,
+                  scheduler: Any = None, *, rank: int | None = None) -> None:
+    """Load this stage's layers' parameters, buffers, optimizer state and param-group hyperparameters,
+    the learning-rate scheduler's state and, given the ``rank`` of a run on the checkpoint's
+    number of stages, that rank's RNG state.
+
+    Everything is checked first (shards, names, shapes, optimizer kind and groups); only then
+    are values copied, so an error leaves ``module``, ``optimizer`` and ``scheduler`` as they were.
     """
-    state = stage_state(checkpoint, module)
+    state = stage_state(checkpoint, module, rank)
     mine = set(module._modules)
     kinds = {s.optimizer for s in checkpoint.shards if {str(lid) for lid in s.layers} & mine}
     if optimizer is not None and state["optimizer"] and type(optimizer).__name__ not in kinds:
         raise CheckpointError(f"checkpoint {checkpoint.path} holds {sorted(k for k in kinds if k)} optimizer state, "
                               f"this stage's optimizer is {type(optimizer).__name__}")
+    settings = _group_settings(checkpoint, module, optimizer, state["groups"]) if optimizer is not None else []
+    if scheduler is not None and state["scheduler"] is None and checkpoint.step > 0:
+        log.warning("checkpoint %s has no learning-rate scheduler state; the scheduler starts over", checkpoint.path)
     with torch.no_grad():
         for name, target in module.state_dict(keep_vars=True).items():
             target.copy_(state["params"][name])
@@ -435,3 +502,10 @@ def restore_stage(checkpoint: Checkpoint, module: nn.Module, optimizer: torch.op
             # per-element state (moments) lives with its parameter; scalars (Adam's step) stay on the CPU
             optimizer.state[p] = {k: (v.to(p.device) if isinstance(v, torch.Tensor) and v.dim() > 0 else v)
                                   for k, v in values.items()}
+        for group, saved in zip(optimizer.param_groups, settings):
+            if saved is not None:
+                group.update(saved)  # in place: a scheduler holding the optimizer sees the restored values
+    if scheduler is not None and state["scheduler"] is not None:
+        scheduler.load_state_dict(state["scheduler"])
+    if state["rng"] is not None:
+        torch.set_rng_state(state["rng"])

@@ -11,7 +11,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from vpipe.runtime.config import MODELS, OPTIMIZERS, SCHEDULES, RunConfig
+from vpipe.runtime.config import LR_SCHEDULES, MODELS, OPTIMIZERS, SCHEDULES, RunConfig
 
 
 def _positive_int(text: str) -> int:
@@ -82,6 +82,10 @@ def add_run_arguments(p: argparse.ArgumentParser, *, steps: int, stages: int) ->
     p.add_argument("--steps", type=int, default=steps)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adam")
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="constant",
+                   help="warmup-cosine: linear warm-up over --warmup-steps, then cosine to 0 at --steps")
+    p.add_argument("--warmup-steps", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--partition", type=_partition, default=None, help="layers per stage, e.g. 6,4")
     p.add_argument("--vertical-sync", action="store_true", help="PipeDream: every stage uses stage 0's weight version")
@@ -118,7 +122,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         model=args.model, blocks=args.blocks, d_model=args.d_model, n_heads=args.n_heads,
         seq_len=args.seq_len, dropout=args.dropout, stages=_stages(args), schedule=args.schedule,
         micro_batches=args.micro_batches, micro_batch_size=args.micro_batch_size, steps=args.steps,
-        lr=args.lr, optimizer=args.optimizer, seed=args.seed, partition=args.partition,
+        lr=args.lr, optimizer=args.optimizer, weight_decay=args.weight_decay, lr_schedule=args.lr_schedule,
+        warmup_steps=args.warmup_steps, seed=args.seed, partition=args.partition,
         vertical_sync=args.vertical_sync, log_file=args.log_file, out_dir=args.out_dir,
         progress=not args.no_progress, monitor_every=args.monitor_every,
         planner=_planner(args), vpipe=args.vpipe, memory_budget=args.memory_budget, policy=args.policy,

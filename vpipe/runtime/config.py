@@ -11,7 +11,8 @@ if TYPE_CHECKING:  # models imports torch: the CLI's light commands (logs, plann
 
 SCHEDULES = ("gpipe", "1f1b", "pipedream")
 MODELS = ("transformer", "cnn")
-OPTIMIZERS = ("adam", "sgd")
+OPTIMIZERS = ("adam", "adamw", "sgd")
+LR_SCHEDULES = ("constant", "warmup-cosine")
 
 
 @dataclass
@@ -32,6 +33,9 @@ class RunConfig:
     steps: int = 20
     lr: float = 1e-3
     optimizer: str = "adam"
+    weight_decay: float = 0.0
+    lr_schedule: str = "constant"  # warmup-cosine: linear warm-up over warmup_steps, then cosine to 0 at steps
+    warmup_steps: int = 0
     seed: int = 0
     partition: list[int] | None = None  # layers per stage, in order
     moves: list[dict[str, Any]] | None = None  # forced repartitions: [{"step": s, "partition": [...]}, ...]
@@ -60,6 +64,12 @@ class RunConfig:
         need(self.model in MODELS, f"model must be one of {', '.join(MODELS)}, got {self.model!r}")
         need(self.schedule in SCHEDULES, f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         need(self.optimizer in OPTIMIZERS, f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        need(self.lr_schedule in LR_SCHEDULES,
+             f"lr_schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}")
+        need(isinstance(self.warmup_steps, int) and self.warmup_steps >= 0,
+             f"warmup_steps must be a non-negative integer, got {self.warmup_steps!r}")
+        need(self.weight_decay >= 0 and self.weight_decay == self.weight_decay,
+             f"weight_decay must be >= 0, got {self.weight_decay!r}")
         for name in ("blocks", "d_model", "n_heads", "seq_len", "stages", "micro_batches", "micro_batch_size"):
             need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1,
                  f"{name} must be a positive integer, got {getattr(self, name)!r}")

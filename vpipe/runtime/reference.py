@@ -16,7 +16,7 @@ from torch.func import functional_call
 from vpipe.runtime.config import RunConfig
 from vpipe.runtime.models import build_model
 from vpipe.runtime.pipedream import start_version
-from vpipe.runtime.trainer import make_optimizer
+from vpipe.runtime.trainer import make_optimizer, make_scheduler
 
 __all__ = ["reference_flush", "reference_pipedream", "optimizer_state_by_name"]
 
@@ -45,6 +45,7 @@ def reference_flush(cfg: RunConfig) -> tuple[dict[str, torch.Tensor], list[float
     # one optimizer per stage, as in the pipeline (Adam's per-parameter math does not care)
     optimizers = [make_optimizer(cfg, [p for i in ids for p in model.get_submodule(str(i)).parameters()])
                   for ids in cfg.stage_layer_ids()]
+    schedulers = [s for s in (make_scheduler(cfg, opt) for opt in optimizers) if s is not None]
     loss_fn = spec.loss_fn()
     step_losses = []
     next_id = len(spec.layers)
@@ -61,6 +62,8 @@ def reference_flush(cfg: RunConfig) -> tuple[dict[str, torch.Tensor], list[float
         for opt in optimizers:
             opt.step()
             opt.zero_grad(set_to_none=True)
+        for scheduler in schedulers:
+            scheduler.step()
         step_losses.append(float(torch.stack(losses).mean()))
     state = optimizer_state_by_name(dict(model.named_parameters()), optimizers)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, step_losses, state

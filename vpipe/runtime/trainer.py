@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -32,8 +33,24 @@ __all__ = ["StageRun", "build_stage_run", "train_rank", "make_optimizer", "RunRe
 
 def make_optimizer(cfg: RunConfig, params: Any) -> torch.optim.Optimizer:
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=0.9)
-    return torch.optim.Adam(params, lr=cfg.lr)
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=0.9, weight_decay=cfg.weight_decay)
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def make_scheduler(cfg: RunConfig, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler | None:
+    """The run's learning-rate schedule, stepped once per training step (None: constant)."""
+    if cfg.lr_schedule == "constant":
+        return None
+    warmup, total = cfg.warmup_steps, max(cfg.steps, 1)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 @dataclass
@@ -47,6 +64,7 @@ class StageRun:
     stage: PipelineStage
     schedule: Any
     optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
 
     @property
     def is_first(self) -> bool:
@@ -69,6 +87,8 @@ class StageRun:
         if not isinstance(self.schedule, SchedulePipeDream):
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+        if self.scheduler is not None:
+            self.scheduler.step()
         return losses
 
 
@@ -90,7 +110,7 @@ def build_stage_run(cfg: RunConfig, stage_index: int, device: torch.device, grou
         schedule = Schedule1F1B(stage, cfg.micro_batches, loss_fn=loss_fn)
     else:
         schedule = SchedulePipeDream(stage, cfg.micro_batches, loss_fn, optimizer, vertical_sync=cfg.vertical_sync)
-    return StageRun(cfg, stage_index, layer_ids, module, stage, schedule, optimizer)
+    return StageRun(cfg, stage_index, layer_ids, module, stage, schedule, optimizer, make_scheduler(cfg, optimizer))
 
 
 def _sub_spec(spec: Any, layer_ids: list[int]) -> Any:
@@ -121,7 +141,9 @@ def train_rank(cfg: RunConfig, ctx: Distributed) -> RunResult:
     if resumed is not None:
         from vpipe.checkpoint import restore_stage
 
-        restore_stage(resumed, run.module, run.optimizer)
+        # the RNG stream is a rank's: it continues only where the same rank runs the same stage
+        restore_stage(resumed, run.module, run.optimizer, run.scheduler,
+                      rank=ctx.rank if resumed.num_stages == cfg.stages else None)
         first_step = resumed.step
         log.info("stage %d: resumed from %s after step %d", ctx.rank, resumed.path, first_step)
     log.info("stage %d of %d: training layers %s with %s", ctx.rank, cfg.stages, run.layer_ids, cfg.schedule)
@@ -210,7 +232,7 @@ def save_run_checkpoint(cfg: RunConfig, run: StageRun, ctx: Distributed, vp: Any
     state["iteration"] = steps_done
     save_checkpoint(cfg.checkpoint_dir or ".", steps_done, module=run.module, optimizer=run.optimizer,
                     rank=ctx.rank, world_size=ctx.world_size, store=ctx.store, vpipe_state=state,
-                    extra={"run_config": cfg.to_dict()})
+                    extra={"run_config": cfg.to_dict()}, scheduler=run.scheduler)
 
 
 def _attach_vpipe(cfg: RunConfig, run: StageRun, resume_state: dict[str, Any] | None = None,
@@ -284,7 +306,8 @@ def save_rank_result(cfg: RunConfig, run: StageRun, result: RunResult) -> None:
     layer_ids = [int(name) for name in run.module._modules]  # after migrations, not the initial ones
     meta = {"stage": run.stage_index, "layer_ids": layer_ids, "losses": result.losses,
             "steps": result.steps, "seconds": result.seconds, "step_s": result.step_s,
-            "boundary_s": result.boundary_s, "memory": result.memory}
+            "boundary_s": result.boundary_s, "memory": result.memory,
+            "lrs": [group["lr"] for group in run.optimizer.param_groups]}
     if isinstance(run.schedule, SchedulePipeDream):
         meta["trace"] = [list(event) for event in run.schedule.trace]
     (out / f"rank{run.stage_index}.json").write_text(json.dumps(meta))
