@@ -18,9 +18,9 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from typing import TYPE_CHECKING
+from vpipe.sizes import MAX_BYTES
 
 if TYPE_CHECKING:  # torch loads only when a builder runs: `vpipe plan` and the planner daemon stay light
     import torch
@@ -159,6 +159,8 @@ class LayerGraph:
             data = json.loads(text)
         except json.JSONDecodeError as e:
             raise ValueError(f"graph file {str(path)!r} is not valid JSON: {e}") from None
+        except RecursionError:
+            raise ValueError(f"graph file {str(path)!r} nests its JSON too deeply to be a layer graph") from None
         return cls.from_dict(data)
 
     # ----------------------------------------------------------------- builders
@@ -463,6 +465,8 @@ def _edge_from_list(i: int, raw: Any) -> tuple[int, int, int]:
     return (raw[0], raw[1], raw[2])
 
 
+MAX_SECONDS = 1e6  # per micro-batch: 11 days; sums of such values stay finite however many layers there are
+
 def _validate(graph: LayerGraph) -> None:
     if not graph.nodes:
         raise ValueError(f"graph {graph.name!r} has no nodes")
@@ -478,15 +482,22 @@ def _validate(graph: LayerGraph) -> None:
         for what, value in (("fwd time", n.fwd_s), ("bwd time", n.bwd_s)):
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"node {n.id} ({n.name}) has a negative or non-finite {what}: {value}")
+            if value > MAX_SECONDS:
+                raise ValueError(f"node {n.id} ({n.name}) has a {what} of {value:.3g} s, beyond any real layer "
+                                 f"(at most {MAX_SECONDS:.0e} s per micro-batch)")
         for what, value in (("act_bytes", n.act_bytes), ("param_bytes", n.param_bytes)):
             if value < 0:
                 raise ValueError(f"node {n.id} ({n.name}) has negative {what}: {value}")
+            if value > MAX_BYTES:
+                raise ValueError(f"node {n.id} ({n.name}) has {what} of {len(str(value))} digits, larger than any "
+                                 f"machine (at most {MAX_BYTES} bytes)")
     for s, d, b in graph.edges:
         for end in (s, d):
             if end not in seen_ids:
                 raise ValueError(f"edge ({s}, {d}) names an unknown node id {end}")
-        if b < 0:
-            raise ValueError(f"edge ({s}, {d}) has negative bytes: {b}")
+        if b < 0 or b > MAX_BYTES:
+            raise ValueError(f"edge ({s}, {d}) has bytes {b if b < 0 else f'of {len(str(b))} digits'}: it must be "
+                             f"in 0..{MAX_BYTES}")
         if s == d:
             raise ValueError(f"edge ({s}, {d}) is a self-loop: the graph has a cycle")
     _check_acyclic(graph)

@@ -93,7 +93,7 @@ def read_log(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     for line in lines:
         try:
             entry = json.loads(line)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # not a record, or nested beyond any record
             continue
         if isinstance(entry, dict):
             records.append(entry)

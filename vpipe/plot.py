@@ -128,8 +128,15 @@ def register(sub: Any) -> None:
 def _cmd_plot(args: argparse.Namespace, argv: Sequence[str]) -> int:
     import sys
 
+    folder = Path(args.output).resolve().parent
+    if not folder.is_dir():
+        print(f"vpipe plot: cannot write {args.output}: the directory {folder} does not exist", file=sys.stderr)
+        return 2
     try:
         series = plot_run(args.log_file, args.output, title=args.title)
+    except OSError as e:
+        print(f"vpipe plot: cannot write {args.output}: {e.strerror}", file=sys.stderr)
+        return 2
     except (ValueError, RuntimeError) as e:
         print(f"vpipe plot: {e}", file=sys.stderr)
         return 2

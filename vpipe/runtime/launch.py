@@ -147,13 +147,23 @@ def run_rank(ctx: Distributed, main: Any, *args: Any, **kwargs: Any) -> Any:
         if isinstance(exc, SystemExit) and exc.code in (0, None):
             raise
         message = ctx.watchdog.record_failure(exc)
-        if not is_peer_caused(message):
+        if not is_peer_caused(message) and not _explains_itself(exc):
             log.exception("rank %d failed", ctx.rank)
         stderr_line(f"vpipe [rank {ctx.rank}]: {message}")
         logging.shutdown()
         os._exit(1)
     ctx.finish()
     return result
+
+
+def _explains_itself(exc: BaseException) -> bool:
+    """vpipe's own errors about the user's input (a budget, a checkpoint, a stage shape): one line, no traceback."""
+    from vpipe.checkpoint import CheckpointError
+    from vpipe.migration.blocks import BlockContainerError
+    from vpipe.tensor_manager.budget import MemoryBudgetError
+    from vpipe.tensor_manager.pool import HostPoolFullError
+
+    return isinstance(exc, (MemoryBudgetError, HostPoolFullError, CheckpointError, BlockContainerError))
 
 
 def is_peer_caused(message: str) -> bool:

@@ -1,0 +1,64 @@
+"""Input that once reached a traceback: each now gets one line that says what is wrong, and exit code 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import run_vpipe
+
+NODE = {"fwd_ms": 1.0, "bwd_ms": 2.0, "act_bytes": 1, "param_bytes": 1}
+
+
+def _graph(tmp_path, **first) -> str:
+    nodes = [{"id": 0, "order": 0, **NODE, **first}, {"id": 1, "order": 1, **NODE}]
+    path = tmp_path / "g.json"
+    path.write_text(json.dumps({"nodes": nodes, "edges": [[0, 1, 10]]}))
+    return str(path)
+
+
+def _one_line(proc, text: str) -> None:
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == text
+
+
+@pytest.mark.parametrize("first, text", [
+    ({"act_bytes": 10**400}, "vpipe: error: node 0 (0) has act_bytes of 401 digits, larger than any machine (at "
+                             "most 4611686018427387904 bytes)"),
+    ({"fwd_ms": 1e308}, "vpipe: error: node 0 (0) has a fwd time of 1e+305 s, beyond any real layer (at most "
+                        "1e+06 s per micro-batch)"),
+])
+def test_a_graph_with_impossible_numbers_is_refused(tmp_path, first, text):
+    _one_line(run_vpipe("plan", _graph(tmp_path, **first), "--stages", "2", timeout=60), text)
+
+
+def test_a_json_nested_beyond_reason_is_refused_not_a_recursion_error(tmp_path):
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    _one_line(run_vpipe("plan", str(deep), "--stages", "2", timeout=60),
+              f"vpipe: error: graph file {str(deep)!r} nests its JSON too deeply to be a layer graph")
+    log = tmp_path / "run.log"
+    record = {"t": 1.0, "rank": 0, "logger": "vpipe.decisions", "level": "INFO", "event": "attached",
+              "msg": "vpipe attached to stage 0 of 2"}
+    log.write_text(json.dumps(record) + "\n" + '{"a": ' + "[" * 100_000 + "\n")
+    proc = run_vpipe("logs", str(log), timeout=60)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr and "attached" in proc.stdout
+
+
+def test_plot_into_a_missing_directory_says_so(tmp_path):
+    log = tmp_path / "run.log"
+    log.write_text('{"event": "attached", "t": 1.0}\n')
+    _one_line(run_vpipe("plot", str(log), "-o", "/nonexistent/dir/x.png", timeout=60),
+              "vpipe plot: cannot write /nonexistent/dir/x.png: the directory /nonexistent/dir does not exist")
+
+
+def test_a_budget_below_the_weights_ends_the_run_with_one_line_per_rank_and_no_traceback():
+    proc = run_vpipe("train", "--memory-budget", "1", "--vpipe", "--steps", "2", "--blocks", "2", "--d-model", "16",
+                     "--seq-len", "8", "--no-progress")
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    lines = [line for line in proc.stderr.strip().splitlines() if line.startswith("vpipe")]
+    assert any("rank 0 failed: MemoryBudgetError: stage 0: parameters, gradients, optimizer state and stashed "
+               "weight versions take" in line and line.endswith("the memory budget is 1 bytes") for line in lines)
+    assert len(proc.stderr.strip().splitlines()) <= 4, proc.stderr
