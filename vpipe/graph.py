@@ -495,9 +495,11 @@ def _validate(graph: LayerGraph) -> None:
         for end in (s, d):
             if end not in seen_ids:
                 raise ValueError(f"edge ({s}, {d}) names an unknown node id {end}")
-        if b < 0 or b > MAX_BYTES:
-            raise ValueError(f"edge ({s}, {d}) has bytes {b if b < 0 else f'of {len(str(b))} digits'}: it must be "
-                             f"in 0..{MAX_BYTES}")
+        if b < 0:
+            raise ValueError(f"edge ({s}, {d}) has negative bytes: {b}")
+        if b > MAX_BYTES:
+            raise ValueError(f"edge ({s}, {d}) has bytes of {len(str(b))} digits, larger than any machine (at most "
+                             f"{MAX_BYTES})")
         if s == d:
             raise ValueError(f"edge ({s}, {d}) is a self-loop: the graph has a cycle")
     _check_acyclic(graph)
