@@ -7,7 +7,8 @@ Scenarios (``argv[1]``), launched by ``vpipe.runtime.launch.spawn``:
   and stages whose index is not their rank;
 - ``traced`` (2 ranks): a ``pipeline()`` split (GraphModule stages) trained plainly, then with vpipe
   recomputing every layer and the planner on: losses, what moved, the log;
-- ``nas`` (2 ranks): add and remove blocks in the tutorial-shaped ModuleDict.
+- ``nas`` (2 ranks): add and remove blocks in the tutorial-shaped ModuleDict;
+- ``reattach`` (2 ranks): attach, train while plans come, detach, and again.
 """
 
 from __future__ import annotations
@@ -180,11 +181,41 @@ def nas() -> dict:
     return {"ranks": gathered}
 
 
+def reattach() -> dict:
+    """attach -> train with the planner planning -> detach, twice on the same pipeline (plans in both)."""
+    import vpipe
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = tut.split_model(tut.Transformer(tut.ModelArgs()), rank, [6, 2])
+    stage = PipelineStage(model, rank, world, torch.device("cpu"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    schedule = Schedule1F1B(stage, 4, loss_fn=tut.tokenwise_loss_fn)
+    applied, step = [], 0
+    for policies in ({}, {i: "R" for i in range(8)}):  # the second attach gets plans that turn R back to D
+        vp = vpipe.attach(schedule, optimizer=optimizer, sample_every=2, planner_options={"warmup_samples": 1},
+                          policies=policies)
+        for _ in range(14):
+            x, y = tut.batch(step, 8, 32, 256)
+            schedule.step(x) if rank == 0 else schedule.step(target=y, losses=[])
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+        applied.append(vp.layer_manager.epoch)
+        vp.detach()
+    leftover = [k for k in ("vpipe/attach-0/layers/0", "vpipe/attach-0/apply/1", "vpipe/attach-1/layers/0")
+                if dist.distributed_c10d._get_default_store().check([k])]
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, {"epochs": applied, "layers": list(model.layers.keys()), "leftover": leftover})
+    return {"ranks": gathered}
+
+
 def main() -> None:
     scenario, out = sys.argv[1], sys.argv[2]
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    result = {"refusals": refusals, "subgroup": subgroup, "traced": traced, "nas": nas}[scenario]()
+    result = {"refusals": refusals, "subgroup": subgroup, "traced": traced, "nas": nas,
+              "reattach": reattach}[scenario]()
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(result))
     dist.barrier()

@@ -198,3 +198,11 @@ def test_layers_are_added_and_removed_in_the_tutorial_module_dict(tmp_path):
     assert first["new_layer_trained"]  # the user's forward runs the new block and the optimizer updates it
     assert all(r["optimizer_params"] == r["module_params"] for r in ranks)
     assert all(torch.isfinite(torch.tensor(loss)) for loss in second["losses"])
+
+
+def test_attach_detach_attach_with_plans_in_both_does_not_hang_and_leaves_no_keys(tmp_path):
+    ranks = _scenario(tmp_path, "reattach", 2)["ranks"]
+    for r in ranks:
+        assert r["epochs"][0] >= 1 and r["epochs"][1] >= 1  # plans were applied in both attaches
+        assert r["leftover"] == []  # detach removed this rank's keys
+    assert ranks[0]["layers"] == ["0", "1", "2", "3"]  # rebalanced in the first attach, kept in the second

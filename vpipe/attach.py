@@ -26,6 +26,7 @@ step boundary. Causality makes this exact: stage k cannot start step ``t`` befor
 from __future__ import annotations
 
 import atexit
+import itertools
 import json
 import logging
 import math
@@ -49,8 +50,11 @@ log = logging.getLogger("vpipe.attach")
 
 __all__ = ["attach", "Vpipe", "VpipeConfig"]
 
-_APPLY_KEY = "vpipe/apply/{}"
-_LAYERS_KEY = "vpipe/attach/layers/{}"
+_APPLY_KEY = "apply/{}"
+_LAYERS_KEY = "layers/{}"
+# every attach gets keys of its own: attach is collective, so every rank counts its attaches alike, and an
+# attach after a detach never reads the previous one's keys (plan epochs start again at 0)
+_ATTACHES = itertools.count()
 DEFAULT_PLANNER = "vpipe.planner.online:srp"
 
 
@@ -177,7 +181,9 @@ class Vpipe:
         self.num_stages = self.stage.num_stages if self.stage is not None else self.world_size
         self.device = torch.device(self.stage.device) if self.stage is not None else _module_device(self.module)
         self.memory_budget = resolve_memory_budget(config.memory_budget, self.device)
-        self.store = store if store is not None else _default_store()
+        self.namespace = f"vpipe/attach-{next(_ATTACHES)}/"
+        self.store = dist.PrefixStore(self.namespace, store if store is not None else _default_store())
+        self._written: list[str] = []  # this rank's keys, deleted at detach
         self.iteration = 0
         self.boundary_s: list[float] = []  # seconds spent applying plans before each step (the move stall)
         self._boundary_at: float | None = None  # when the previous step boundary began
@@ -214,7 +220,7 @@ class Vpipe:
             mine = {"path": path, "kind": type(container).__name__, "keys": list(container._modules)}
         except BlockContainerError as e:
             mine = {"error": str(e)}
-        self.store.set(_LAYERS_KEY.format(self.stage_index), json.dumps(mine))
+        self._set(_LAYERS_KEY.format(self.stage_index), json.dumps(mine))
         keys = [_LAYERS_KEY.format(s) for s in range(self.num_stages)]
         found = [json.loads(raw) for raw in self.store.multi_get(keys)]
         if "error" in mine:
@@ -403,7 +409,7 @@ class Vpipe:
                 # a PipeDream stream does not flush, so a stage may finish step t+1 before stage 0 ends
                 # step t: one step more makes the key visible everywhere by the boundary that registers it
                 at = self.iteration + self.config.apply_lag_steps + (1 if self.pipedream else 0)
-                self.store.set(_APPLY_KEY.format(plan.epoch), str(at))
+                self._set(_APPLY_KEY.format(plan.epoch), str(at))
                 decision("plan_scheduled", f"epoch {plan.epoch} will apply before step {at}",
                          epoch=plan.epoch, step=at)
 
@@ -623,8 +629,12 @@ class Vpipe:
         return {"budget_bytes": self.memory_budget, "fixed_bytes": fixed, "peak_saved_bytes": peak,
                 "footprint_bytes": fixed + peak, "policies": policies}
 
+    def _set(self, key: str, value: str) -> None:
+        self.store.set(key, value)
+        self._written.append(key)
+
     def detach(self) -> None:
-        """Remove every hook and wrapper vpipe installed (the current placement stays)."""
+        """Remove every hook and wrapper vpipe installed, and this rank's store keys (the current placement stays)."""
         if self._detached:
             return
         self._detached = True
@@ -636,6 +646,12 @@ class Vpipe:
             except Exception as e:  # noqa: BLE001 - undo as much as possible, then report
                 errors.append(e)
         self._undo.clear()
+        for key in self._written:
+            try:
+                self.store.delete_key(key)
+            except Exception as e:  # noqa: BLE001 - a store already gone (the run is ending) holds nothing
+                log.debug("stage %d: could not delete store key %s: %s", self.stage_index, key, e)
+        self._written.clear()
         decision("detached", f"vpipe detached from stage {self.stage_index}", stage=self.stage_index)
         if errors:
             raise RuntimeError(f"vpipe.detach could not undo everything: {errors[0]}") from errors[0]
