@@ -8,7 +8,9 @@ Scenarios (``argv[1]``), launched by ``vpipe.runtime.launch.spawn``:
 - ``traced`` (2 ranks): a ``pipeline()`` split (GraphModule stages) trained plainly, then with vpipe
   recomputing every layer and the planner on: losses, what moved, the log;
 - ``nas`` (2 ranks): add and remove blocks in the tutorial-shaped ModuleDict;
-- ``reattach`` (2 ranks): attach, train while plans come, detach, and again.
+- ``reattach`` (2 ranks): attach, train while plans come, detach, and again;
+- ``misuse`` (2 ranks): an optimizer over other parameters, layer edits that differ between ranks, made
+  inside a forward or on one rank only, attach on one rank only.
 """
 
 from __future__ import annotations
@@ -210,12 +212,44 @@ def reattach() -> dict:
     return {"ranks": gathered}
 
 
+def misuse() -> dict:
+    """Calls that must end in a clear error on every rank involved, not a hang or a gloo abort."""
+    import vpipe
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = tut.split_model(tut.Transformer(tut.ModelArgs()), rank, [4, 4])
+    stage = PipelineStage(model, rank, world, torch.device("cpu"))
+    schedule = Schedule1F1B(stage, 4, loss_fn=tut.tokenwise_loss_fn)
+    out = {"foreign_optimizer": _error(lambda: vpipe.attach(
+        schedule, optimizer=torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)))}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    vp = vpipe.attach(schedule, optimizer=optimizer, planning=False, agree_timeout_s=3.0)
+    out["different_edits"] = _error(lambda: vp.remove_layers([0] if rank == 0 else [7]))
+    seen: list[str] = []  # the hook keeps the error: raising in one rank's forward would stall the other
+    handle = model.register_forward_hook(lambda *a: seen.append(_error(lambda: vp.remove_layers([1]))))
+    x, y = tut.batch(0, 8, 32, 256)
+    schedule.step(x) if rank == 0 else schedule.step(target=y, losses=[])
+    handle.remove()
+    out["edit_in_forward"] = seen[0] if seen else "never called"
+    out["layers_after"] = list(model.layers.keys())
+    out["one_rank_edit"] = _error(lambda: vp.remove_layers([0])) if rank == 0 else "not called"
+    vp.detach()
+    if rank == 0:  # attach on one rank only
+        out["one_rank_attach"] = _error(lambda: vpipe.attach(schedule, optimizer=optimizer, planning=False,
+                                                             agree_timeout_s=3.0))
+    dist.barrier()
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, out)
+    return {"ranks": gathered}
+
+
 def main() -> None:
     scenario, out = sys.argv[1], sys.argv[2]
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     result = {"refusals": refusals, "subgroup": subgroup, "traced": traced, "nas": nas,
-              "reattach": reattach}[scenario]()
+              "reattach": reattach, "misuse": misuse}[scenario]()
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(result))
     dist.barrier()

@@ -206,3 +206,18 @@ def test_attach_detach_attach_with_plans_in_both_does_not_hang_and_leaves_no_key
         assert r["epochs"][0] >= 1 and r["epochs"][1] >= 1  # plans were applied in both attaches
         assert r["leftover"] == []  # detach removed this rank's keys
     assert ranks[0]["layers"] == ["0", "1", "2", "3"]  # rebalanced in the first attach, kept in the second
+
+
+def test_misuse_gets_a_clear_error_on_every_rank_instead_of_a_hang_or_an_abort(tmp_path):
+    first, second = _scenario(tmp_path, "misuse", 2)["ranks"]
+    for r in (first, second):
+        assert r["foreign_optimizer"].startswith("ValueError: vpipe.attach: the optimizer holds none of this "
+                                                 "stage's")
+        assert "made another layer edit at this point" in r["different_edits"]
+        assert "remove_layers must be called between steps (after optimizer.step()), not inside one" in \
+            r["edit_in_forward"]
+    assert first["layers_after"] == ["0", "1", "2", "3"] and second["layers_after"] == ["4", "5", "6", "7"]
+    assert first["one_rank_edit"] == ("RuntimeError: remove_layers on stage 0: stage(s) [1] did not make the same "
+                                      "call within 3 s; every rank must call it, at the same step")
+    assert first["one_rank_attach"] == ("RuntimeError: vpipe.attach on stage 0: stage(s) [1] did not make the same "
+                                        "call within 3 s; every rank must call it, at the same step")

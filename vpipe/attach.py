@@ -91,6 +91,8 @@ class VpipeConfig:
     min_swap_bytes: int | None = None
     host_pool_bytes: int | None = None
     migration_timeout_s: float = field(default_factory=lambda: _env_seconds("VPIPE_MIGRATION_TIMEOUT", 30.0))
+    # how long attach (and a layer edit) waits for every rank to make the same call
+    agree_timeout_s: float = field(default_factory=lambda: _env_seconds("VPIPE_AGREE_TIMEOUT", 120.0))
     apply_lag_steps: int = 2  # stage 0 schedules a plan this many steps after it has it
     micro_batches: int | None = None  # per step of a hand-written loop (the planner models the pipeline with it)
     planner_options: dict[str, Any] = field(default_factory=dict)  # extra OnlineConfig fields
@@ -121,6 +123,8 @@ class VpipeConfig:
              f"layers must be the dotted path of the block container (e.g. 'layers'), got {self.layers!r}")
         need(math.isfinite(self.migration_timeout_s) and self.migration_timeout_s > 0,
              f"migration_timeout_s must be positive, got {self.migration_timeout_s!r}")
+        need(math.isfinite(self.agree_timeout_s) and self.agree_timeout_s > 0,
+             f"agree_timeout_s must be positive, got {self.agree_timeout_s!r}")
         need(isinstance(self.apply_lag_steps, int) and self.apply_lag_steps >= 1,
              f"apply_lag_steps must be >= 1, got {self.apply_lag_steps!r}")
         for lid, pol in (self.policies or {}).items():
@@ -175,6 +179,7 @@ class Vpipe:
         if self.pipedream and optimizer is None:
             optimizer = self.schedule.optimizer
         self.optimizer = optimizer
+        _check_optimizer(optimizer, self.module)
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.stage_index = self.stage.stage_index if self.stage is not None else self.rank
@@ -221,8 +226,7 @@ class Vpipe:
         except BlockContainerError as e:
             mine = {"error": str(e)}
         self._set(_LAYERS_KEY.format(self.stage_index), json.dumps(mine))
-        keys = [_LAYERS_KEY.format(s) for s in range(self.num_stages)]
-        found = [json.loads(raw) for raw in self.store.multi_get(keys)]
+        found = [json.loads(raw) for raw in self._gather(_LAYERS_KEY, "vpipe.attach")]
         if "error" in mine:
             raise BlockContainerError(f"stage {self.stage_index}: {mine['error']}")
         failed = [s for s, f in enumerate(found) if "error" in f]
@@ -235,6 +239,23 @@ class Vpipe:
         blocks = StageBlocks(container, stages[self.stage_index], style, path)
         assert layout_of(path, container).keys == layouts[self.stage_index].keys
         return blocks, stages
+
+    def _gather(self, key: str, call: str) -> list[bytes]:
+        """Every stage's value of ``key`` (a pattern with the stage index), once all have written it.
+
+        A stage that never makes the same call (an attach or an edit on some ranks only) ends
+        the wait after ``agree_timeout_s`` with an error naming it, instead of a hang.
+        """
+        keys = [key.format(s) for s in range(self.num_stages)]
+        deadline = time.monotonic() + self.config.agree_timeout_s
+        while not self.store.check(keys):
+            if time.monotonic() > deadline:
+                missing = [s for s, k in enumerate(keys) if not self.store.check([k])]
+                raise RuntimeError(f"{call} on stage {self.stage_index}: stage(s) {missing} did not make the same "
+                                   f"call within {self.config.agree_timeout_s:.0f} s; every rank must call it, "
+                                   "at the same step")
+            time.sleep(0.01)
+        return self.store.multi_get(keys)
 
     def _move_refusal(self) -> str | None:
         """Why this stage's layers cannot move, or None when they can."""
@@ -374,9 +395,13 @@ class Vpipe:
         return self.config.micro_batches or 1
 
     # ------------------------------------------------------------------ the step
+    _in_step = False
+    _edits = 0
+
     def _step(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         self._boundary()
         self.session.begin_step(self.iteration)
+        self._in_step = True
         try:
             result = original(*args, **kwargs)
         except BaseException as exc:
@@ -385,6 +410,8 @@ class Vpipe:
             if own is not None:  # torch wraps it in "[Stage k] failed to run forward": say what vpipe found
                 raise own from None
             raise
+        finally:
+            self._in_step = False
         self._received(self.session.end_step())
         self.iteration += 1
         return result
@@ -523,6 +550,7 @@ class Vpipe:
         self._require_boundary("add_layers")
         if self.config.layer_factory is None:
             raise RuntimeError("add_layers needs layer_factory= in the vpipe config to build the new layers")
+        self._agree_edit({"call": "add_layers", "position": position, "count": len(specs)})
         new_ids = self.layer_manager.add_layers(position, specs)
         self._after_edit()
         return new_ids
@@ -530,10 +558,24 @@ class Vpipe:
     def remove_layers(self, layer_ids: list[int]) -> None:
         """Remove layers by id (every rank calls it at the same step boundary)."""
         self._require_boundary("remove_layers")
+        self._agree_edit({"call": "remove_layers", "layers": sorted(int(lid) for lid in layer_ids)})
         self.layer_manager.remove_layers(layer_ids)
         self._after_edit()
 
+    def _agree_edit(self, edit: dict[str, Any]) -> None:
+        """Every rank makes the same layer edit, or every rank learns which did not (before anything changes)."""
+        self._edits += 1
+        key = f"edit/{self._edits}/{{}}"
+        self._set(key.format(self.stage_index), json.dumps(edit, sort_keys=True))
+        seen = [json.loads(raw) for raw in self._gather(key, edit["call"])]
+        differ = [s for s, other in enumerate(seen) if other != edit]
+        if differ:
+            raise RuntimeError(f"{edit['call']} on stage {self.stage_index}: stage(s) {differ} made another layer "
+                               f"edit at this point ({seen[differ[0]]} vs {edit}); every rank must make the same one")
+
     def _require_boundary(self, what: str) -> None:
+        if self._in_step or (self._counter is not None and self._counter.next_mb > 0):
+            raise RuntimeError(f"{what} must be called between steps (after optimizer.step()), not inside one")
         if self.pipedream and self.schedule.in_flight:
             raise RuntimeError(f"{what} on a PipeDream stream needs schedule.flush() first "
                                f"({len(self.schedule.in_flight)} micro-batches in flight)")
@@ -682,6 +724,17 @@ def _unwrap(module: nn.Module) -> nn.Module:
         raise TypeError(f"vpipe.attach does not support a stage module wrapped in {wrapped} yet: data-parallel "
                         "replicas of a pipeline need vpipe on a pipeline process group of its own")
     return module
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer | None, module: nn.Module) -> None:
+    """An optimizer that updates none of the stage's parameters would leave the model untrained, silently."""
+    if optimizer is None:
+        return
+    mine = {id(p) for p in module.parameters()}
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    if mine and not mine & held:
+        raise ValueError(f"vpipe.attach: the optimizer holds none of this stage's {len(mine)} parameters; pass the "
+                         "optimizer built over this stage's module (e.g. torch.optim.AdamW(model.parameters()))")
 
 
 def _check_group(stage: Any, world_size: int) -> None:
