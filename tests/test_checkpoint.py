@@ -281,3 +281,49 @@ def test_param_group_hyperparameters_come_back_by_parameter_name_and_a_conflict_
         restore_stage(ckpt, whole, mixed)
     assert all(torch.equal(a, b) for a, b in zip(before, whole.parameters()))  # refused before touching anything
     assert mixed.param_groups[0]["lr"] == 1e-3
+
+
+@pytest.mark.parametrize("target", ["rank1-*.pt", MANIFEST])
+def test_a_fifo_in_place_of_a_checkpoint_file_is_refused_without_reading(tmp_path, target):
+    import os
+
+    step_dir = write_checkpoint(tmp_path)
+    victim = next(step_dir.glob(target))
+    victim.unlink()
+    os.mkfifo(victim)  # reading it would block forever
+    what = "checkpoint manifest" if target == MANIFEST else "checkpoint shard"
+    with pytest.raises(CheckpointError, match=f"{what} .* is not a regular file"):
+        load_checkpoint(step_dir)
+
+
+def test_ranks_hash_only_the_shards_they_load(tmp_path):
+    step_dir = write_checkpoint(tmp_path)
+    damage_flip(next(step_dir.glob("rank1-*.pt")))  # same size, other bytes
+    ckpt = load_checkpoint(step_dir, verify="stat")  # what a rank does: type and size only
+    ckpt.load_shards([0, 1, 2])  # rank 0's layers: its own shard, intact
+    with pytest.raises(CheckpointError, match="is corrupted: sha256"):
+        ckpt.load_shards([3])
+    with pytest.raises(CheckpointError, match="is corrupted: sha256"):
+        load_checkpoint(step_dir)  # the launcher checks them all
+
+
+def test_resume_problems_are_named_at_launch_in_one_line(tmp_path):
+    train("--stages", "2", "--steps", "4", "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "2")
+    (tmp_path / "ck" / "step-00000004" / MANIFEST).unlink()  # the newest is incomplete now
+    older = run_vpipe("train", *SMALL, "--stages", "2", "--steps", "5", "--resume", str(tmp_path / "ck"))
+    assert older.returncode == 0, older.stderr[-2000:]
+    assert (f"vpipe: {tmp_path / 'ck' / 'step-00000004'} has no manifest.json (unfinished or damaged); resuming "
+            "from step-00000002") in older.stderr
+    for args, message in (
+        (["--d-model", "48"], "was saved with d_model 32; this run has 48"),
+        (["--optimizer", "sgd"], "was saved with optimizer 'adam'; this run has 'sgd'"),
+    ):
+        proc = run_vpipe("train", *SMALL, *args, "--stages", "2", "--steps", "5", "--resume", str(tmp_path / "ck"))
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        assert proc.stderr.strip().splitlines()[-1].startswith("vpipe: error: checkpoint ")
+        assert proc.stderr.strip().endswith(message)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    proc = run_vpipe("train", *SMALL, "--steps", "2", "--checkpoint-dir", str(blocker / "ck"))
+    assert proc.returncode == 2 and proc.stderr.strip() == (f"vpipe: error: --checkpoint-dir {blocker / 'ck'} is not "
+                                                            "writable: Not a directory")

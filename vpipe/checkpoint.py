@@ -38,6 +38,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -305,7 +306,17 @@ def resolve(path: str | os.PathLike[str]) -> Path:
     latest = find_latest(path)
     if latest is None:
         raise CheckpointError(f"no complete checkpoint (a step-* directory with a {MANIFEST}) in {path}")
+    newer = skipped_newer(path)
+    if newer is not None:  # an unfinished write, or a manifest lost since: never silently older
+        log.info("%s has no %s (unfinished or damaged); using %s", newer, MANIFEST, latest.name)
     return latest
+
+
+def skipped_newer(root: str | os.PathLike[str]) -> Path | None:
+    """The newest step directory under ``root`` if it has no manifest but an older one has (else None)."""
+    dirs = _step_dirs(Path(root))
+    latest = find_latest(root)
+    return dirs[-1] if dirs and latest is not None and dirs[-1] != latest else None
 
 
 @dataclass(frozen=True)
@@ -354,20 +365,48 @@ class Checkpoint:
         return {"params": params, "optimizer": optim, "groups": groups, "scheduler": scheduler, "rng": rng}
 
 
-def _read_verified(path: Path, shard: ShardInfo) -> bytes:
+_MAX_MANIFEST_BYTES = 64 << 20
+_CHUNK = 4 << 20
+
+
+def _check_file(path: Path, what: str, size: int | None = None, limit: int | None = None) -> None:
+    """A regular file of the expected size, judged by ``stat`` before a byte is read (a FIFO would block
+    a read forever, a padded file would be read whole)."""
     try:
-        data = path.read_bytes()
+        info = path.stat()
     except FileNotFoundError:
-        raise CheckpointError(f"checkpoint shard {path} is missing") from None
+        raise CheckpointError(f"{what} {path} is missing") from None
+    except OSError as e:
+        raise CheckpointError(f"cannot read {what} {path}: {e.strerror}") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise CheckpointError(f"{what} {path} is not a regular file")
+    if size is not None and info.st_size != size:
+        raise CheckpointError(f"{what} {path} is truncated or padded: {info.st_size} bytes, the manifest says {size}")
+    if limit is not None and info.st_size > limit:
+        raise CheckpointError(f"{what} {path} has {info.st_size} bytes, more than a manifest can ({limit})")
+
+
+def _verify(path: Path, shard: ShardInfo, keep: bool) -> bytes | None:
+    """Check a shard's type, size and sha256, reading it once in chunks; its bytes when ``keep``."""
+    _check_file(path, "checkpoint shard", size=shard.bytes)
+    digest, chunks = hashlib.sha256(), []
+    try:
+        with open(path, "rb") as f:
+            while chunk := f.read(_CHUNK):
+                digest.update(chunk)
+                if keep:
+                    chunks.append(chunk)
     except OSError as e:
         raise CheckpointError(f"cannot read checkpoint shard {path}: {e.strerror}") from None
-    if len(data) != shard.bytes:
-        raise CheckpointError(f"checkpoint shard {path} is truncated or padded: {len(data)} bytes, "
-                              f"the manifest says {shard.bytes}")
-    digest = hashlib.sha256(data).hexdigest()
-    if digest != shard.sha256:
-        raise CheckpointError(f"checkpoint shard {path} is corrupted: sha256 {digest[:16]}..., "
+    if digest.hexdigest() != shard.sha256:
+        raise CheckpointError(f"checkpoint shard {path} is corrupted: sha256 {digest.hexdigest()[:16]}..., "
                               f"the manifest says {shard.sha256[:16]}...")
+    return b"".join(chunks) if keep else None
+
+
+def _read_verified(path: Path, shard: ShardInfo) -> bytes:
+    data = _verify(path, shard, keep=True)
+    assert data is not None
     return data
 
 
@@ -383,14 +422,20 @@ def _load_shard(path: Path, shard: ShardInfo) -> dict[str, Any]:
     return state
 
 
-def load_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
+def load_checkpoint(path: str | os.PathLike[str], verify: str = "all") -> Checkpoint:
     """Read and verify a checkpoint (``path`` = a step directory or a root holding them).
 
-    Every shard is read and its size and sha256 compared with the manifest here, so a
-    :class:`Checkpoint` that is returned is whole; nothing outside it is touched.
+    ``verify="all"``: every shard's type, size and sha256 are checked here (streamed, nothing
+    kept), so a :class:`Checkpoint` that is returned is whole; nothing outside it is touched.
+    ``verify="stat"`` (the ranks, after the launcher checked everything): type and size
+    here, the sha256 of each shard when it is loaded, so a rank reads only the shards it
+    needs, once each.
     """
+    if verify not in ("all", "stat"):
+        raise ValueError(f"verify must be 'all' or 'stat', got {verify!r}")
     step_dir = resolve(path)
     manifest_path = step_dir / MANIFEST
+    _check_file(manifest_path, "checkpoint manifest", limit=_MAX_MANIFEST_BYTES)
     try:
         raw = manifest_path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
@@ -417,7 +462,10 @@ def load_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
         raise CheckpointError(f"checkpoint manifest {manifest_path} lists no shards")
     shards = tuple(ShardInfo.from_json(s, str(manifest_path)) for s in manifest["shards"])
     for shard in shards:
-        _read_verified(step_dir / shard.file, shard)
+        if verify == "all":
+            _verify(step_dir / shard.file, shard, keep=False)
+        else:  # each shard is hashed when it is loaded: a rank reads only its own, once
+            _check_file(step_dir / shard.file, "checkpoint shard", size=shard.bytes)
     return Checkpoint(path=step_dir, step=step, vpipe=state, shards=shards, extra=dict(manifest.get("extra") or {}))
 
 

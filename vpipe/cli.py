@@ -154,11 +154,14 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from vpipe.runtime.launch import rank_env, spawn
 
     cfg = config_from_args(args)  # validate before starting any process
+    from vpipe.runtime.trainer import check_checkpoint_dir
+
+    check_checkpoint_dir(cfg)
     if rank_env() is None:
         if cfg.resume:
             from vpipe.runtime.trainer import load_resume
 
-            if load_resume(cfg) is None:  # a bad checkpoint is named here, before any rank starts
+            if load_resume(cfg, verify="all") is None:  # a bad checkpoint is named here, before any rank starts
                 print(f"vpipe: --resume {cfg.resume}: no checkpoint there yet; starting from step 0", file=sys.stderr)
         return spawn([sys.executable, "-m", "vpipe", *argv], cfg.stages)
     return _run_as_rank(cfg)

@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -190,23 +191,51 @@ def train_rank(cfg: RunConfig, ctx: Distributed) -> RunResult:
     return result
 
 
-def load_resume(cfg: RunConfig) -> Any:
+def load_resume(cfg: RunConfig, verify: str = "stat") -> Any:
     """The verified checkpoint ``cfg.resume`` names, checked against ``cfg`` (CheckpointError otherwise).
 
     None when the directory holds no checkpoint at all yet: the first run of a job that is
     always launched with ``--resume`` (torchrun's restart pattern) starts from step 0.
+    ``verify`` is :func:`~vpipe.checkpoint.load_checkpoint`'s: the launcher checks every shard,
+    a rank hashes the shards it loads.
     """
-    from vpipe.checkpoint import CheckpointError, holds_checkpoints, load_checkpoint
+    from vpipe.checkpoint import CheckpointError, holds_checkpoints, load_checkpoint, skipped_newer
 
     if not holds_checkpoints(cfg.resume or ""):
         return None
-    ckpt = load_checkpoint(cfg.resume or "")
+    ckpt = load_checkpoint(cfg.resume or "", verify=verify)
+    newer = skipped_newer(cfg.resume or "")
+    if newer is not None and verify == "all":  # the launcher says it once; ranks log it
+        print(f"vpipe: {newer} has no manifest.json (unfinished or damaged); resuming from {ckpt.path.name}",
+              file=sys.stderr)
     if ckpt.layer_order != list(range(cfg.n_layers)):
         raise CheckpointError(f"checkpoint {ckpt.path} holds layers {ckpt.layer_order[:3]}...{ckpt.layer_order[-1:]} "
                               f"in that order; this run's model has layers 0..{cfg.n_layers - 1}")
     if ckpt.step > cfg.steps:
         raise CheckpointError(f"checkpoint {ckpt.path} is after step {ckpt.step}, beyond --steps {cfg.steps}")
+    saved = ckpt.extra.get("run_config")
+    if isinstance(saved, dict):  # the model and optimizer must be the ones that were saved
+        for name in ("model", "blocks", "d_model", "n_heads", "seq_len", "block_types", "optimizer"):
+            if name in saved and saved[name] != getattr(cfg, name):
+                raise CheckpointError(f"checkpoint {ckpt.path} was saved with {name} {saved[name]!r}; this run has "
+                                      f"{getattr(cfg, name)!r}")
     return ckpt
+
+
+def check_checkpoint_dir(cfg: RunConfig) -> None:
+    """--checkpoint-dir must be writable: found at launch, not at the first checkpoint hours later."""
+    from vpipe.checkpoint import CheckpointError
+
+    if not cfg.checkpoint_dir:
+        return
+    root = Path(cfg.checkpoint_dir)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / f".vpipe-write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise CheckpointError(f"--checkpoint-dir {root} is not writable: {e.strerror}") from None
 
 
 def resume_placement(cfg: RunConfig, ckpt: Any) -> list[list[int]]:
