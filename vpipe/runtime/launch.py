@@ -177,6 +177,28 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def host_store(host: str, world_size: int) -> tuple[Any, socket.socket | None]:
+    """The run's rendezvous store, listening on ``host`` only (loopback for a run on one host).
+
+    A TCPStore given only a port listens on every interface, so anyone on the network could
+    write to it (a ``vpipe/fail`` key ends the run). Handing it a socket already bound to
+    ``host`` keeps it there. Returns the store and the listening socket (keep both alive).
+    """
+    timeout = datetime.timedelta(seconds=600)
+    listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((host, 0))
+    listener.listen(max(128, 4 * world_size))
+    try:
+        store = dist.TCPStore(host, listener.getsockname()[1], world_size, is_master=True, wait_for_workers=False,
+                              timeout=timeout, master_listen_fd=listener.fileno())
+    except (TypeError, RuntimeError) as e:  # a torch without master_listen_fd: the old way, on every interface
+        listener.close()
+        log.warning("rendezvous store listens on every interface (%s)", e)
+        return dist.TCPStore(host, 0, world_size, is_master=True, wait_for_workers=False, timeout=timeout), None
+    return store, listener
+
+
 def spawn(
     argv: Sequence[str],
     nprocs: int,
@@ -198,8 +220,7 @@ def spawn(
     """
     if nprocs < 1:
         raise ValueError(f"need at least one rank, got {nprocs}")
-    store = dist.TCPStore(host, 0, nprocs + 1, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=600))
+    store, _listener = host_store(host, nprocs + 1)
     base = dict(os.environ)
     base.update(extra_env or {})
     heartbeat_timeout_from_env(base)  # a bad value is named here, before any rank starts
