@@ -106,5 +106,37 @@ def test_dead_rank_ends_every_rank_with_its_name(tmp_path):
     assert elapsed < 60, f"the run took {elapsed:.0f} s to stop"
     for rank in (0, 2, 3):
         lines = [ln for ln in stderr.splitlines() if ln.startswith(f"vpipe [rank {rank}]:")]
-        assert lines and "rank 1 died" in lines[-1], stderr[-3000:]
+        assert lines and "rank 1 stopped answering (dead or hung)" in lines[-1], stderr[-3000:]
     assert "rank 1 exited first with code -9" in stderr
+
+
+def test_a_stopped_rank_is_named_and_the_run_ends_within_the_heartbeat_timeout(tmp_path):
+    log_file = tmp_path / "run.log"
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "vpipe", "train", "--stages", "2", "--steps", "100000", "--blocks", "2",
+         "--d-model", "16", "--seq-len", "8", "--no-progress", "--log-file", str(log_file)],
+        cwd=ROOT, env=child_env(VPIPE_HEARTBEAT_TIMEOUT="4"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            started = [r for r in (read_log(log_file) if log_file.exists() else []) if "training layers" in r["msg"]]
+            if len(started) == 2:
+                break
+            time.sleep(0.5)
+        else:
+            pytest.fail("the ranks never started training")
+        time.sleep(1.0)
+        ranks = _ranks(launcher)
+        ranks[1].send_signal(signal.SIGSTOP)  # alive, but silent: no heartbeat, no exit
+        stopped_at = time.monotonic()
+        _, stderr = launcher.communicate(timeout=60)
+        elapsed = time.monotonic() - stopped_at
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode != 0
+    assert elapsed < 4 + 8, f"the run took {elapsed:.0f} s to end after rank 1 stopped"  # timeout + a few seconds
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("vpipe: run failed; rank 1 stopped answering (dead or hung): no heartbeat for "), stderr
+    assert "so it was ended" in last and "rank 0 exited first" not in stderr

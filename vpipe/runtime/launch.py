@@ -10,6 +10,7 @@ that environment, then ends the others if one fails.
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import os
 import signal
@@ -245,15 +246,32 @@ def spawn(
     in_main_thread = threading.current_thread() is threading.main_thread()
     old = {s: signal.signal(s, forward_signal) for s in (signal.SIGINT, signal.SIGTERM)} if in_main_thread else {}
     try:
-        return _wait_all(procs, grace_s, timeout_s)
+        return _wait_all(procs, grace_s, timeout_s, store)
     finally:
         for s, handler in old.items():
             signal.signal(s, handler)
         del store
 
 
-def _wait_all(procs: list[subprocess.Popen], grace_s: float, timeout_s: float | None = None) -> int:
+def _blamed(store: Any, rank: int) -> tuple[int, str] | None:
+    """The rank that ``rank``'s failure record blames, with its sentence (None: no record, or itself)."""
+    if store is None:
+        return None
+    try:
+        key = f"vpipe/fail/{rank}"
+        if not store.check([key]):
+            return None
+        record = json.loads(store.get(key))
+        cause = int(record.get("cause", rank))
+    except Exception:  # noqa: BLE001 - a record we cannot read blames nobody
+        return None
+    return (cause, str(record.get("error", ""))) if cause != rank else None
+
+
+def _wait_all(procs: list[subprocess.Popen], grace_s: float, timeout_s: float | None = None,
+              store: Any = None) -> int:
     first_failure: tuple[int, int] | None = None
+    blamed: tuple[int, str] | None = None  # a rank the others stopped for, still running (hung or stopped)
     failed_at = 0.0
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
@@ -269,6 +287,11 @@ def _wait_all(procs: list[subprocess.Popen], grace_s: float, timeout_s: float | 
             if code not in (None, 0) and first_failure is None:
                 first_failure = (rank, code)
                 failed_at = time.monotonic()
+            if code not in (None, 0) and blamed is None:
+                culprit = _blamed(store, rank)
+                if culprit is not None and 0 <= culprit[0] < len(procs) and codes[culprit[0]] is None:
+                    blamed = culprit  # every other rank gave up on it: no grace for a rank that does not answer
+                    procs[culprit[0]].kill()
         if first_failure is not None and time.monotonic() - failed_at > grace_s:
             for p in procs:
                 if p.poll() is None:
@@ -276,6 +299,10 @@ def _wait_all(procs: list[subprocess.Popen], grace_s: float, timeout_s: float | 
         time.sleep(0.1)
     codes = [p.returncode for p in procs]
     bad = [(r, c) for r, c in enumerate(codes) if c != 0]
+    if bad and blamed is not None:
+        print(f"vpipe: run failed; {blamed[1]}, so it was ended "
+              f"(exit codes: {', '.join(f'rank {r}={c}' for r, c in enumerate(codes))})", file=sys.stderr, flush=True)
+        return 1
     if bad:
         rank, code = first_failure or bad[0]
         print(f"vpipe: run failed; rank {rank} exited first with code {code} "

@@ -77,6 +77,11 @@ class Watchdog:
                 self._exit(f"lost the rendezvous store ({e}); the launcher or rank 0's host is gone", EXIT_PEER_FAILED)
                 return
             if culprit is not None and culprit[0] != self.rank:
+                try:  # say who is to blame, so the launcher can name it (and end it, if it hangs)
+                    store.set(_FAIL.format(self.rank), json.dumps({"cause": culprit[0], "error": culprit[1][:500]}))
+                    store.add(_NFAIL, 1)
+                except Exception:  # noqa: BLE001 - the store is going away with the run
+                    pass
                 self._exit(f"stopping because {culprit[1]}", EXIT_PEER_FAILED)
                 return
 
@@ -108,7 +113,7 @@ class Watchdog:
                 silent.append((now - seen[1], r))
         for seconds, r in sorted(silent, reverse=True):
             if not store.check([_DONE.format(r)]):
-                return r, f"rank {r} died: no heartbeat for {seconds:.1f} s"
+                return r, f"rank {r} stopped answering (dead or hung): no heartbeat for {seconds:.1f} s"
         return None
 
     def blame(self, exc: BaseException) -> tuple[int, str]:
