@@ -177,3 +177,26 @@ def test_with_a_remote_rendezvous_the_inbox_listens_on_that_interface_only(store
         assert listening() - before == {(address, port_of(ep)) for ep in inboxes}
     finally:
         close_all(planes, daemon, thread)
+
+
+# ---------------------------------------------------------------- what nobody asks for
+def test_unsolicited_valid_messages_are_bounded_in_bytes_and_the_drops_are_counted(store):
+    import vpipe.migration.messages  # noqa: F401 - registers migrate_handover
+    from vpipe.control.channel import MAX_PENDING_BYTES, Outbox
+
+    plane = ControlPlane(store, 0, 2)
+    sender = Outbox(zmq.Context.instance(), plane.endpoint)
+    manifest = {"layer": 0, "spec": "x" * 900_000, "entries": []}  # valid, and nearly 1 MB on the wire
+    try:
+        for _ in range(150):  # 135 MB that no protocol step asked for (no move is under way)
+            assert sender.send(make("migrate_handover", {"round": 0, "manifests": [manifest]}, stage=1))
+        got = []
+        deadline = __import__("time").monotonic() + 20
+        while plane.inbox.decoder.dropped["unclaimed"] < 100 and __import__("time").monotonic() < deadline:
+            got += plane.poll(timeout_ms=50, types={"stats"})  # the stage agent's kind of poll
+        assert got == []
+        assert plane._pending_bytes <= MAX_PENDING_BYTES and len(plane._pending) <= MAX_PENDING_BYTES // 900_000 + 1
+        assert plane.inbox.decoder.dropped["unclaimed"] >= 100  # counted (and logged) as dropped
+    finally:
+        sender.close(linger_ms=0)
+        plane.close(linger_ms=0)

@@ -71,6 +71,8 @@ def new_socket(context: zmq.Context, kind: int, max_message_bytes: int, linger_m
 
 
 _MAX_PENDING = 10_000  # queued messages of types nobody has polled for yet
+# and their wire bytes: what nobody asks for must not pile up (a decoded message takes ~10x its frame)
+MAX_PENDING_BYTES = 16 << 20
 
 
 class Inbox:
@@ -115,6 +117,10 @@ class Inbox:
 
     def receive(self, timeout_ms: int = 0, limit: int = 1000) -> list[Message]:
         """Up to ``limit`` valid messages, waiting at most ``timeout_ms`` for the first."""
+        return [message for message, _ in self.receive_sized(timeout_ms, limit)]
+
+    def receive_sized(self, timeout_ms: int = 0, limit: int = 1000) -> list[tuple[Message, int]]:
+        """:meth:`receive`, with each message's size on the wire."""
         self.check_handshakes()
         if timeout_ms > 0 and not self.socket.poll(timeout_ms):
             return []
@@ -129,7 +135,7 @@ class Inbox:
                 continue
             message = self.decoder.accept(frames[0])
             if message is not None:
-                out.append(message)
+                out.append((message, len(frames[0])))
         return out
 
     def close(self) -> None:
@@ -205,7 +211,8 @@ class ControlPlane:
         self.inbox = Inbox(self._context, bind, advertise, name=name, max_message_bytes=max_message_bytes,
                            guard=self.guard)
         self._peers: dict[int | str, Outbox] = {}
-        self._pending: deque[Message] = deque()
+        self._pending: deque[tuple[Message, int]] = deque()  # with their wire bytes
+        self._pending_bytes = 0
         self.send_failures: Counter = Counter()
         if self.curve is not None:
             store.set(curve_key_key(rank), self.curve.public)  # before the endpoint: whoever sees one finds both
@@ -296,28 +303,37 @@ class ControlPlane:
         With ``types``, only messages of those types are returned; the others stay queued
         for whoever polls for them (the stage agent and the migration protocol share one inbox).
         """
-        fresh = self.inbox.receive(0 if self._has(types) else timeout_ms)
-        self._pending.extend(fresh)
-        while len(self._pending) > _MAX_PENDING:  # nobody polls for these: keep the newest
-            stale = self._pending.popleft()
-            self.inbox.decoder.drop("unclaimed", f"{stale.type!r} from rank {stale.src} was never polled for")
+        self._queue(self.inbox.receive_sized(0 if self._has(types) else timeout_ms))
         if types is None:
-            out = list(self._pending)
+            out = [m for m, _ in self._pending]
             self._pending.clear()
+            self._pending_bytes = 0
             return out
-        out = [m for m in self._pending if m.type in types]
+        out = [m for m, _ in self._pending if m.type in types]
         if out:
-            self._pending = deque(m for m in self._pending if m.type not in types)
+            self._pending = deque((m, n) for m, n in self._pending if m.type not in types)
+            self._pending_bytes = sum(n for _, n in self._pending)
         return out
 
+    def _queue(self, fresh: list[tuple[Message, int]]) -> None:
+        """Keep what arrived for whoever polls for it, within a count and a byte cap (the newest stay)."""
+        self._pending.extend(fresh)
+        self._pending_bytes += sum(n for _, n in fresh)
+        while len(self._pending) > _MAX_PENDING or (self._pending_bytes > MAX_PENDING_BYTES and len(self._pending) > 1):
+            stale, nbytes = self._pending.popleft()
+            self._pending_bytes -= nbytes
+            self.inbox.decoder.drop("unclaimed", f"{stale.type!r} from rank {stale.src} ({nbytes} bytes) was never "
+                                                 "polled for")
+
     def _has(self, types: Collection[str] | None) -> bool:
-        return any(types is None or m.type in types for m in self._pending)
+        return any(types is None or m.type in types for m, _ in self._pending)
 
     def recv(self, type: str, *, from_rank: int | None = None, timeout_s: float) -> Message:
         """Block until a ``type`` message (from ``from_rank`` if given) arrives; others wait in :meth:`poll`."""
-        for i, message in enumerate(self._pending):
+        for i, (message, nbytes) in enumerate(self._pending):
             if _matches(message, type, from_rank):
                 del self._pending[i]
+                self._pending_bytes -= nbytes
                 return message
         deadline = time.monotonic() + timeout_s
         while True:
@@ -325,12 +341,13 @@ class ControlPlane:
             if remaining_ms <= 0:
                 source = f"rank {from_rank}" if from_rank is not None else "any peer"
                 raise TimeoutError(f"rank {self.rank}: no {type!r} message from {source} within {timeout_s:.1f} s")
-            found = None
-            for message in self.inbox.receive(min(remaining_ms, 100)):
+            found, others = None, []
+            for message, nbytes in self.inbox.receive_sized(min(remaining_ms, 100)):
                 if found is None and _matches(message, type, from_rank):
                     found = message
                 else:
-                    self._pending.append(message)
+                    others.append((message, nbytes))
+            self._queue(others)
             if found is not None:
                 return found
 
