@@ -290,3 +290,14 @@ def test_daemon_plans_the_stats_that_arrive_together_with_bye(planes):
         outbox.close(linger_ms=0)
     assert daemon.run() == 0
     assert [v[0].iteration for v in recorder.vectors] == [4]
+
+
+def test_a_plan_epoch_that_jumps_far_ahead_is_dropped_and_real_plans_still_come_through(planes, caplog):
+    a1 = StageAgent(planes[1], stage_index=1, num_stages=3, plan=Plan(epoch=5, stages=LAYERS))
+    with caplog.at_level(logging.WARNING, logger="vpipe.control"):
+        planes[2].send(1, make("plan", Plan(epoch=2**63 - 1, stages=LAYERS), epoch=5, stage=2))  # forged
+        planes[2].send(1, make("plan", Plan(epoch=6, stages=LAYERS, reason="real"), epoch=6, stage=2))
+        accepted: list = []
+        assert wait_for(lambda: accepted, step=lambda: accepted.extend(a1.after_step(0, None)))
+    assert [p.reason for p in accepted] == ["real"] and a1.rejected["bad_plan"] == 1
+    assert f"plan epoch {2**63 - 1} from rank 2 jumps more than 1000 past the current epoch 5" in caplog.text

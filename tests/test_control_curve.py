@@ -210,3 +210,12 @@ def test_a_hello_whose_key_is_not_trusted_does_not_attach(store, opened, caplog)
     assert not link.attached and link.refused_hellos == 2 and "planner" not in last._peers
     assert "planner daemon pid 4242 at tcp://127.0.0.1:9 not attached: the control endpoint" in caplog.text
     assert "planner daemon pid 4243 at tcp://127.0.0.1:9 not attached" in caplog.text
+
+
+def test_a_hello_naming_an_endpoint_off_this_host_is_ignored(store, opened, caplog):
+    last = plane(store, 0, 1, opened, None)  # CURVE off: the single-host default
+    link = PlannerLink(last, stage_index=0, num_stages=1, timeout_s=5.0, heartbeat_s=0.1)
+    with caplog.at_level(logging.WARNING, logger="vpipe.control"):
+        link.handle(make("hello", {"pid": 4244, "endpoint": "tcp://203.0.113.9:5555"}, stage=PLANNER), None)
+    assert not link.attached and link.refused_hellos == 1 and "planner" not in last._peers
+    assert "a planner hello names tcp://203.0.113.9:5555: neither loopback nor this run's interface" in caplog.text

@@ -42,6 +42,8 @@ __all__ = ["StageAgent", "AGENT_TYPES"]
 AGENT_TYPES = frozenset({"stats", "plan", "done", "hello", "ping", "bye"})  # what the agent takes from the inbox
 
 
+MAX_EPOCH_STEP = 1000  # plans come one epoch (or a few layer edits) after another: a larger jump is not a plan
+
 class StageAgent:
     def __init__(
         self,
@@ -168,6 +170,10 @@ class StageAgent:
         if plan.epoch <= self.epoch:
             self._reject("stale_plan", f"plan epoch {plan.epoch} from {_who(message)} is not newer than "
                          f"the current epoch {self.epoch}; dropped")
+            return None
+        if plan.epoch > self.epoch + MAX_EPOCH_STEP:  # one forged epoch 2**63-1 would make every real plan stale
+            self._reject("bad_plan", f"plan epoch {plan.epoch} from {_who(message)} jumps more than "
+                         f"{MAX_EPOCH_STEP} past the current epoch {self.epoch}; dropped")
             return None
         if plan.num_stages != self.num_stages:
             self._reject("bad_plan", f"plan epoch {plan.epoch} has {plan.num_stages} stages, "

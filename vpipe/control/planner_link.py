@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from vpipe.control.channel import PLANNER_CONNECT_KEY, ControlPlane
 from vpipe.control.curve import log_due
 from vpipe.control.messages import Message, make
+from vpipe.control.netaddr import check_endpoint
 from vpipe.log import decision
 from vpipe.monitors.records import StageRecord
 from vpipe.planner.plan import Plan
@@ -134,6 +135,13 @@ class PlannerLink:
         now = time.monotonic()
         if message.type == "hello":
             endpoint, pid = message.body["endpoint"], message.body["pid"]
+            host = check_endpoint(endpoint)[0]
+            if host not in ("127.0.0.1", "::1", "localhost", check_endpoint(self.plane.endpoint)[0]):
+                self.refused_hellos += 1
+                if log_due(self.refused_hellos):
+                    log.warning("a planner hello names %s: neither loopback nor this run's interface; ignored",
+                                endpoint)
+                return
             if endpoint != self.attached_endpoint:
                 previous = self.attached_pid
                 try:
