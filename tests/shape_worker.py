@@ -128,8 +128,8 @@ def _traced_run(steps: int, with_vpipe: bool) -> tuple[list[list[float]], dict]:
 
 
 def traced() -> dict:
-    plain, _ = _traced_run(16, with_vpipe=False)
-    with_vpipe, info = _traced_run(16, with_vpipe=True)
+    plain, _ = _traced_run(40, with_vpipe=False)
+    with_vpipe, info = _traced_run(40, with_vpipe=True)
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, info)
     return {"plain": plain, "vpipe": with_vpipe, "info": gathered}
@@ -197,12 +197,17 @@ def reattach() -> dict:
     for policies in ({}, {i: "R" for i in range(8)}):  # the second attach gets plans that turn R back to D
         vp = vpipe.attach(schedule, optimizer=optimizer, sample_every=2, planner_options={"warmup_samples": 1},
                           policies=policies)
-        for _ in range(14):
+        first_plan = None
+        for _ in range(100):  # until a plan took effect (at the same step on every rank), and two steps more
             x, y = tut.batch(step, 8, 32, 256)
             schedule.step(x) if rank == 0 else schedule.step(target=y, losses=[])
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
+            if first_plan is None and vp.layer_manager.epoch >= 1:
+                first_plan = step
+            if first_plan is not None and step >= first_plan + 2:
+                break
         applied.append(vp.layer_manager.epoch)
         vp.detach()
     leftover = [k for k in ("vpipe/attach-0/layers/0", "vpipe/attach-0/apply/1", "vpipe/attach-1/layers/0")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -106,9 +107,15 @@ def test_killed_planner_is_reported_training_finishes_and_a_restarted_one_resume
         os.kill(first_pid, signal.SIGKILL)
         _wait(lambda: decisions(log_file, "planner_lost"), 60, "planner_lost", launcher)
         seen_before = len(received(out))
+        # the command the run logged for a daemon started by hand: the run's key file and the server key
+        command = next(r["manual_command"] for r in read_log(log_file) if "manual_command" in r)
+        secret_file = re.search(r"VPIPE_CURVE_RUN_SECRET_FILE=(\S+) ", command).group(1)
+        server_key = re.search(r"--server-key='([^']+)'", command).group(1)
+        assert f"--connect {endpoint}" in command
         restarted = subprocess.Popen(
-            [sys.executable, "-m", "vpipe", "planner", "--connect", endpoint, "--planner", MARKER,
-             "--log-file", str(log_file)], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True,
+            [sys.executable, "-m", "vpipe", "planner", "--connect", endpoint, f"--server-key={server_key}",
+             "--planner", MARKER, "--log-file", str(log_file)], cwd=ROOT,
+            env=dict(env, VPIPE_CURVE_RUN_SECRET_FILE=secret_file), stderr=subprocess.PIPE, text=True,
         )
         _wait(lambda: any(v["pid"] == restarted.pid for v in received(out)), 60,
               "stats at the restarted planner", launcher)
@@ -139,3 +146,46 @@ def test_a_planner_that_reorders_layers_is_caught_by_the_daemon_and_the_run_trai
     errors = decisions(log_file, "planner_error")
     assert errors and all("plan reorders layers" in r["error"] for r in errors)
     assert not decisions(log_file, "plan_sent") and not decisions(log_file, "plan_applied")
+
+
+def test_a_local_process_without_the_runs_key_cannot_take_over_the_planner_link(tmp_path):
+    """The single-host default: the control plane admits only this run's own key (made by the launcher)."""
+    import zmq
+
+    from vpipe.control.messages import PLANNER, encode, make
+    from vpipe.planner.plan import Plan
+
+    log_file = tmp_path / "run.log"
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "vpipe", "train", "--stages", "2", "--steps", "60", "--vpipe", "--blocks", "2",
+         "--d-model", "16", "--seq-len", "8", "--no-progress", "--log-file", str(log_file)],
+        cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    context = zmq.Context()
+    try:
+        def last_stage_inbox() -> list[str]:
+            return [r["control_endpoint"] for r in (read_log(log_file) if log_file.exists() else [])
+                    if r.get("rank") == 1 and "control_endpoint" in r]
+
+        _wait(lambda: last_stage_inbox(), 120, "the last stage's control inbox", launcher)
+        forger = context.socket(zmq.PUSH)
+        forger.setsockopt(zmq.LINGER, 0)
+        forger.connect(last_stage_inbox()[0])
+        hello = make("hello", {"pid": 4242, "endpoint": "tcp://127.0.0.1:9"}, stage=PLANNER)
+        plan = make("plan", Plan(epoch=2**62, stages=((0, 1), (2, 3))), epoch=2**62, stage=PLANNER)
+        for _ in range(20):
+            for message in (hello, plan):
+                try:
+                    forger.send(encode(message), zmq.NOBLOCK)
+                except zmq.Again:
+                    pass
+            time.sleep(0.05)
+        _, stderr = launcher.communicate(timeout=240)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        context.destroy(linger=0)
+    assert launcher.returncode == 0, stderr[-3000:]
+    assert not [r for r in decisions(log_file, "planner_attached") if r.get("pid") == 4242]
+    assert not [r for r in decisions(log_file, "plan_received") if r.get("epoch") == 2**62]
+    curve_on = [r for r in read_log(log_file) if "control_endpoint" in r]
+    assert curve_on and all(r["curve"] for r in curve_on)  # every inbox is a CURVE server with the run's key

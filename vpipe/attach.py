@@ -203,6 +203,7 @@ class Vpipe:
                        policies={lid: Policy.parse(p.value if isinstance(p, Policy) else p)
                                  for lid, p in (config.policies or {}).items()})
         layers = self.blocks.blocks()
+        self._agree_run_secret()
         self.tensor_manager = self._start_tensor_manager(layers, initial) if config.tensor_manager else None
         self.session = self._start_session(layers, initial)
         self.layer_manager = self._start_layer_manager()
@@ -256,6 +257,25 @@ class Vpipe:
                                    "at the same step")
             time.sleep(0.01)
         return self.store.multi_get(keys)
+
+    def _agree_run_secret(self) -> None:
+        """This run's control-plane key when the launcher made none (torchrun): stage 0 makes it, the others
+        read it from the store. It goes into the environment, so the planner daemon inherits it."""
+        from vpipe.control.curve import RUN_SECRET_ENV, configured_by_files, has_run_secret, new_run_secret
+
+        if configured_by_files() or has_run_secret():
+            return
+        if self.stage_index == 0:
+            self._set("ctl/run-secret", new_run_secret() or "")
+        deadline = time.monotonic() + self.config.agree_timeout_s
+        while not self.store.check(["ctl/run-secret"]):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"vpipe.attach on stage {self.stage_index}: stage 0 did not make the same call "
+                                   f"within {self.config.agree_timeout_s:.0f} s; every rank must call it")
+            time.sleep(0.01)
+        secret = self.store.get("ctl/run-secret").decode("ascii")
+        if secret:
+            os.environ[RUN_SECRET_ENV] = secret
 
     def _move_refusal(self) -> str | None:
         """Why this stage's layers cannot move, or None when they can."""

@@ -16,9 +16,18 @@ planner daemon inherits it; both or neither must be set:
     the public keys admitted: files and/or directories of ``*.key`` files, separated by
     ``os.pathsep`` (``:``).
 
-CURVE is off when neither is set. A rank publishes its server's public key in the
-TCPStore next to its endpoint (``vpipe/ctl/key/<rank>``); the store is not trusted for
-this: a key that is not listed is refused.
+A rank publishes its server's public key in the TCPStore next to its endpoint
+(``vpipe/ctl/key/<rank>``); the store is not trusted for this: a key that is not listed
+is refused.
+
+Without those, a run still authenticates its control plane, at no cost to the user: a key
+pair made for the run (``VPIPE_CURVE_RUN_SECRET``: by ``vpipe train``'s launcher, or by
+stage 0 at attach, handed to the other ranks through the rendezvous store) is shared by its
+ranks and its planner daemon, and is the only key they admit. A process without it cannot
+complete a handshake, so it cannot inject stats, plans or a ``hello``. To attach a planner
+daemon by hand, the last stage writes the secret to a file only its user can read
+(``VPIPE_CURVE_RUN_SECRET_FILE``) and logs the command that uses it. CURVE is off only
+where this libzmq lacks it.
 """
 
 from __future__ import annotations
@@ -35,10 +44,66 @@ from vpipe.control.keys import KeyFileError, public_keys_from, read_secret_file
 
 log = logging.getLogger("vpipe.control")
 
-__all__ = ["SECRET_ENV", "PUBLIC_ENV", "CurveConfig", "curve_from_env", "CurveGuard", "log_due"]
+__all__ = ["SECRET_ENV", "PUBLIC_ENV", "RUN_SECRET_ENV", "RUN_SECRET_FILE_ENV", "CurveConfig", "curve_from_env",
+           "CurveGuard", "log_due", "new_run_secret", "configured_by_files", "has_run_secret", "run_secret_file"]
 
 SECRET_ENV = "VPIPE_CURVE_SECRET_FILE"
 PUBLIC_ENV = "VPIPE_CURVE_PUBLIC_KEYS"
+RUN_SECRET_ENV = "VPIPE_CURVE_RUN_SECRET"
+RUN_SECRET_FILE_ENV = "VPIPE_CURVE_RUN_SECRET_FILE"
+
+
+def new_run_secret() -> str | None:
+    """A fresh CURVE secret key (Z85) for one run, or None when this libzmq has no CURVE."""
+    if not zmq.has("curve"):
+        return None
+    return zmq.curve_keypair()[1].decode("ascii")
+
+
+def configured_by_files(environ: dict[str, str] | None = None) -> bool:
+    """Whether the user set up CURVE with key files (then no run key is made)."""
+    env = os.environ if environ is None else environ
+    return bool(env.get(SECRET_ENV, "").strip() or env.get(PUBLIC_ENV, "").strip())
+
+
+def has_run_secret(environ: dict[str, str] | None = None) -> bool:
+    env = os.environ if environ is None else environ
+    return bool(env.get(RUN_SECRET_ENV, "").strip() or env.get(RUN_SECRET_FILE_ENV, "").strip())
+
+
+def run_secret_file() -> str | None:
+    """A file only this user can read holding the run's secret (written once), for a daemon started by hand."""
+    if os.environ.get(RUN_SECRET_FILE_ENV):
+        return os.environ[RUN_SECRET_FILE_ENV]
+    secret = os.environ.get(RUN_SECRET_ENV, "").strip()
+    if not secret:
+        return None
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="vpipe-run-")  # mode 0700
+    path = os.path.join(folder, "control.key_secret")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secret + "\n")
+    os.environ[RUN_SECRET_FILE_ENV] = path
+    return path
+
+
+def _run_config(env: dict[str, str] | os._Environ) -> CurveConfig | None:
+    secret_text = env.get(RUN_SECRET_ENV, "").strip()
+    if not secret_text and env.get(RUN_SECRET_FILE_ENV, "").strip():
+        try:
+            secret_text = Path(env[RUN_SECRET_FILE_ENV].strip()).read_text().strip()
+        except OSError as e:
+            raise KeyFileError(f"{RUN_SECRET_FILE_ENV}: cannot read {env[RUN_SECRET_FILE_ENV]}: {e.strerror}") from None
+    if not secret_text or not zmq.has("curve"):
+        return None
+    try:
+        secret = secret_text.encode("ascii")
+        public = zmq.curve_public(secret)
+    except (UnicodeEncodeError, ValueError, zmq.ZMQError) as e:
+        raise KeyFileError(f"{RUN_SECRET_ENV} is not a CURVE secret key ({e})") from None
+    return CurveConfig(public=public, secret=secret, trusted=frozenset({public}))
 
 
 def log_due(n: int, first: int = 100, every: int = 1000) -> bool:
@@ -92,7 +157,7 @@ def curve_from_env(environ: dict[str, str] | None = None) -> CurveConfig | None:
     secret_file = env.get(SECRET_ENV, "").strip()
     public_keys = [p for p in env.get(PUBLIC_ENV, "").split(os.pathsep) if p.strip()]
     if not secret_file and not public_keys:
-        return None
+        return _run_config(env)
     if not secret_file:
         raise KeyFileError(f"{PUBLIC_ENV} is set but {SECRET_ENV} is not: CURVE needs this host's secret key file")
     if not public_keys:

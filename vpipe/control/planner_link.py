@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Sequence
 
 from vpipe.control.channel import PLANNER_CONNECT_KEY, ControlPlane
-from vpipe.control.curve import log_due
+from vpipe.control.curve import RUN_SECRET_FILE_ENV, configured_by_files, log_due, run_secret_file
 from vpipe.control.messages import Message, make
 from vpipe.control.netaddr import check_endpoint
 from vpipe.log import decision
@@ -48,10 +48,11 @@ def daemon_arguments(endpoint: str, planner: str, *, parent_pid: int, heartbeat_
     return args
 
 
-def manual_command(endpoint: str, server_key: bytes | None) -> str:
+def manual_command(endpoint: str, server_key: bytes | None, secret_file: str | None = None) -> str:
     """The shell command, logged at start, that attaches a daemon started by hand."""
     key = f" --server-key='{server_key.decode()}'" if server_key is not None else ""  # Z85 has no quote
-    return f"vpipe planner --connect {endpoint}{key}"
+    env = f"{RUN_SECRET_FILE_ENV}={secret_file} " if secret_file else ""
+    return f"{env}vpipe planner --connect {endpoint}{key}"
 
 
 class PlannerLink:
@@ -86,7 +87,10 @@ class PlannerLink:
         self.refused_hellos = 0
         plane.store.set(PLANNER_CONNECT_KEY, plane.endpoint)
         server_key = plane.curve.public if plane.curve else None
-        log.info("planner daemons connect to %s (%s)", plane.endpoint, manual_command(plane.endpoint, server_key))
+        secret_file = run_secret_file() if plane.curve is not None and not configured_by_files() else None
+        self.manual_command = manual_command(plane.endpoint, server_key, secret_file)
+        log.info("planner daemons connect to %s (%s)", plane.endpoint, self.manual_command,
+                 extra={"vpipe_fields": {"manual_command": self.manual_command}})
 
     @property
     def attached(self) -> bool:

@@ -225,6 +225,12 @@ def spawn(
     base = dict(os.environ)
     base.update(extra_env or {})
     heartbeat_timeout_from_env(base)  # a bad value is named here, before any rank starts
+    from vpipe.control.curve import RUN_SECRET_ENV, configured_by_files, has_run_secret, new_run_secret
+
+    if not configured_by_files(base) and not has_run_secret(base):
+        secret = new_run_secret()  # the ranks' control plane admits only this run's key
+        if secret is not None:
+            base[RUN_SECRET_ENV] = secret
     base.update(
         WORLD_SIZE=str(nprocs),
         LOCAL_WORLD_SIZE=str(nprocs),
