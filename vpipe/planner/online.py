@@ -2,7 +2,10 @@
 
 The daemon calls ``vpipe.planner.online:srp`` with each full stats vector (one record per
 stage) and the plan the pipeline runs. Per-layer costs are smoothed over the recent
-samples (an exponential average, so one noisy iteration cannot trigger a move), turned
+samples (an exponential average, so one noisy iteration cannot trigger a move), pooled
+over interchangeable blocks (same kind, same saved and sent bytes: on the homogeneous
+devices a pipeline runs on they do the same work, so their spread is measurement noise,
+and a balanced split of identical blocks is never "rebalanced" on noise), turned
 into a :class:`~vpipe.graph.LayerGraph` in the pipeline's execution order, and handed to
 :class:`~vpipe.planner.srp.SRPPlanner`, whose hysteresis, cooldown and gain-versus-migration
 test decide whether anything changes. Every imbalance it sees and every plan it makes is a
@@ -18,7 +21,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import statistics
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from typing import Any
@@ -187,9 +192,10 @@ class OnlinePlanner:
         for end, lid in (("first", order[0]), ("last", order[-1])):
             fwd, bwd = self._outside.get(end, [0.0, 0.0])
             extra[lid] = [extra[lid][0] + fwd, extra[lid][1] + bwd, extra[lid][2] + self._outside_bytes.get(end, 0)]
+        costs = _pooled(order, records, self._costs)
         nodes = [
-            LayerNode(id=lid, name=str(lid), fwd_s=self._costs[lid][0] + extra[lid][0],
-                      bwd_s=self._costs[lid][1] + extra[lid][1], act_bytes=records[lid].activation_bytes,
+            LayerNode(id=lid, name=str(lid), fwd_s=costs[lid][0] + extra[lid][0],
+                      bwd_s=costs[lid][1] + extra[lid][1], act_bytes=records[lid].activation_bytes,
                       param_bytes=records[lid].param_bytes + int(extra[lid][2]), order=i)
             for i, lid in enumerate(order)
         ]
@@ -227,6 +233,27 @@ class OnlinePlanner:
             decision("imbalance", f"slowest stage {times.index(max(times))} is {max(times) / mean - 1.0:.0%} over the mean",
                      iteration=vector[-1].iteration, epoch=current.epoch, stage_times_s=times,
                      layers_per_stage=current.counts())
+
+
+def _pooled(order: list[int], records: dict[int, Any], costs: dict[int, list[float]]) -> dict[int, list[float]]:
+    """Per layer [fwd_s, bwd_s]: the median over the blocks it is interchangeable with.
+
+    Blocks of one kind (class, parameter shapes) that save and send the same bytes run the
+    same kernels on the same shapes; on the same kind of device their measured times differ
+    only by noise (timer jitter, a busy core), which must not look like imbalance. Blocks
+    of unknown kind ("") keep their own times.
+    """
+    groups: dict[tuple[str, int, int], list[int]] = defaultdict(list)
+    for lid in order:
+        rec = records[lid]
+        if rec.kind:
+            groups[(rec.kind, rec.activation_bytes, rec.output_bytes)].append(lid)
+    pooled = {lid: costs[lid] for lid in order}
+    for members in groups.values():
+        if len(members) > 1:
+            median = [statistics.median(costs[lid][i] for lid in members) for i in (0, 1)]
+            pooled.update({lid: median for lid in members})
+    return pooled
 
 
 def _placeable(vector: list[StageRecord], current: Plan) -> Callable[[list[list[int]]], bool]:
