@@ -57,6 +57,8 @@ class ManagedLayer:
     forward_s: float | None = None  # moving average of one managed forward
     recompute_s: float = 0.0
     recomputes: int = 0
+    kept_bytes: int | None = None  # what its last metered call under D saved
+    input_shapes: tuple[Any, ...] | None = None  # the tensor input shapes of that call
 
     def attach(self, pre: Callable[..., None], post: Callable[..., None]) -> None:
         self.has_buffers = any(True for _ in self.module.buffers())

@@ -11,6 +11,13 @@ How it attaches (nothing is replaced: ``close()`` restores the modules exactly, 
   original forward under non-reentrant checkpoint (:mod:`.recompute`); it is set when the
   policy becomes R and deleted when it stops being R or the manager closes.
 
+A layer whose policy is D needs none of this once its saved bytes are known: with
+``metering`` off (``vpipe.attach`` turns it off on the steps its monitor does not sample),
+every layer kept and the budget, if any, comfortably met, a kept layer's call runs without
+saved-tensor hooks (autograd keeps its tensors as it would without vpipe) and the ledger
+counts the bytes its last metered call saved, until that micro-batch's backward ends. A
+call whose input shapes differ from the metered one's is metered again.
+
 Forwards outside ``micro_batch()`` (torch pipelining's shape inference, evaluation) and
 forwards run inside a backward (recomputes) pass through untouched and uncounted. The
 policy is read when the layer is called, so a plan may change it between micro-batches.
@@ -51,6 +58,25 @@ DEFAULT_MIN_SWAP_BYTES = 64 * 1024
 _ASSUMED_BANDWIDTH = {"cpu": 4e9, "cuda": 12e9}
 # How many forward-times of compute a swap can hide behind when copies are asynchronous.
 _SWAP_OVERLAP = {"cpu": 0.0, "cuda": 3.0}
+# Under a budget, kept layers run without hooks only while a micro-batch's projected bytes stay this far
+# below the room left: the counted bytes are the last metered call's, so leave room for them to be off.
+_UNMETERED_HEADROOM = 0.9
+
+
+class _KeptCall:
+    """A kept layer's call that runs without saved-tensor hooks (see the module docstring)."""
+
+    __slots__ = ("layer", "mb", "t0")
+
+    def __init__(self, layer: ManagedLayer, mb: int) -> None:
+        self.layer = layer
+        self.mb = mb
+        self.t0 = time.perf_counter()
+
+
+def _input_shapes(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return tuple(a.shape for a in args if isinstance(a, torch.Tensor))
+
 
 class LayerBusyError(RuntimeError):
     """A layer cannot be removed while saved tensors of its forwards are alive."""
@@ -104,6 +130,11 @@ class TensorManager:
         self._budget_swaps = 0
         self._weights_skipped = 0
         self._escalations: list[tuple[int, Policy, Policy]] = []
+        # every call goes through the saved-tensor hooks while True; vpipe.attach lowers it on unsampled steps
+        self.metering = True
+        self._all_keep = True
+        self._unmetered = False  # whether kept layers skip the hooks in the current micro-batch
+        self._counted: dict[int, list[tuple[int, int]]] = {}  # mb -> (layer, bytes) of its unmetered calls
         self._closed = False
         for layer_id, module in layers.items():
             self.add_layer(layer_id, module)
@@ -130,6 +161,7 @@ class TensorManager:
         """Stop managing a layer (it migrates away); its saved tensors must all be gone."""
         layer = self._layer(layer_id)
         live = self._engine.live_micro_batches(layer_id)
+        live.update({mb: 1 for mb, calls in self._counted.items() if any(lid == layer_id for lid, _ in calls)})
         if live:
             resident = sum(self.ledger.resident_of(layer_id).values())
             raise LayerBusyError(
@@ -138,6 +170,7 @@ class TensorManager:
             )
         self._detach(layer)
         del self._layers[layer_id]
+        self._all_keep = all(other.policy is Policy.KEEP for other in self._layers.values())
         self.ledger.forget_layer(layer_id)
         self._reserve = max((self.ledger.activation_bytes(lid) or 0 for lid in self._layers), default=0)
         return layer.module
@@ -172,6 +205,7 @@ class TensorManager:
         layer = self._layer(layer_id)
         policy = policy if isinstance(policy, Policy) else Policy.parse(policy)
         layer.policy = policy
+        self._all_keep = all(other.policy is Policy.KEEP for other in self._layers.values())
         if policy is Policy.RECOMPUTE:
             layer.route_forward(self._forward_layer)
         else:
@@ -227,6 +261,7 @@ class TensorManager:
             self._engine.poll()
             if phase != "input":
                 self._open.discard(mb_id)
+                self._uncount(mb_id)
 
     def prefetch(self, mb_id: int) -> bool:
         """Start bringing ``mb_id``'s swapped tensors back now; False if the budget held some back."""
@@ -238,13 +273,40 @@ class TensorManager:
         engine.poll()
         if self._predictor.observe(FORWARD, mb):  # a new step: remember how many were in flight in the last
             self._open_max_last_step, self._open_max = self._open_max, 0
+        self._unmetered = False
         if not torch.is_grad_enabled():
             return  # an evaluation forward saves nothing and has no backward
+        self._uncount(mb)  # a micro-batch of a step that failed before its backward
         self._open.add(mb)
         self._open_max = max(self._open_max, len(self._open))
         if self.budget_bytes is not None:
             self._fit_budget(mb)
+        self._unmetered = not self.metering and self._all_keep and self._comfortably_within_budget()
         self._pump_prefetch()
+
+    def _comfortably_within_budget(self) -> bool:
+        """Whether the next micro-batch, every layer kept, fits with room to spare (always, without a budget)."""
+        if self.budget_bytes is None:
+            return True
+        per_mb = 0
+        for layer in self._layers.values():
+            if layer.kept_bytes is None:
+                return False
+            per_mb += layer.kept_bytes
+        usable = self.budget_bytes - self._reserve
+        in_flight = max(self._open_max_last_step, len(self._open), 1)
+        room = min(usable - self.ledger.resident, usable // in_flight)
+        return per_mb <= _UNMETERED_HEADROOM * room
+
+    def end_of_step(self) -> None:
+        """Every micro-batch's backward has run (a hand-written loop's ``optimizer.step()``): none is counted."""
+        for mb in list(self._counted):
+            self._uncount(mb)
+
+    def _uncount(self, mb: int) -> None:
+        """The backward of ``mb`` ended: the bytes its unmetered calls were counted with are gone."""
+        for layer_id, nbytes in self._counted.pop(mb, ()):
+            self.ledger.sub(layer_id, mb, nbytes)
 
     # ================================================================== hooks
     def _frames(self) -> list[LayerCall | None]:
@@ -259,6 +321,9 @@ class TensorManager:
                 or torch._C._current_graph_task_id() != -1):
             frames.append(None)  # not a managed forward: shape inference, eval, recompute
             return
+        if self._unmetered and layer.policy is Policy.KEEP and layer.input_shapes == _input_shapes(args):
+            frames.append(_KeptCall(layer, self._mb))
+            return
         frames.append(LayerCall(layer, self._mb, args))
         self._hooks.__enter__()
 
@@ -266,9 +331,16 @@ class TensorManager:
         frame = self._frames().pop()
         if frame is None:
             return
-        self._hooks.__exit__(None, None, None)
         elapsed = time.perf_counter() - frame.t0
         layer.forward_s = elapsed if layer.forward_s is None else 0.8 * layer.forward_s + 0.2 * elapsed
+        if frame.__class__ is _KeptCall:
+            nbytes = layer.kept_bytes or 0
+            self.ledger.add(layer.layer_id, frame.mb, nbytes)
+            self._counted.setdefault(frame.mb, []).append((layer.layer_id, nbytes))
+            return
+        self._hooks.__exit__(None, None, None)
+        if frame.policy is Policy.KEEP:  # what an unmetered call of the same shapes will be counted with
+            layer.kept_bytes, layer.input_shapes = frame.bytes, _input_shapes(frame.inputs)
         if frame.policy is Policy.RECOMPUTE:
             counter = frame.counter
             activation = counter.bytes if counter is not None else 0

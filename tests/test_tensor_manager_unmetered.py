@@ -1,0 +1,84 @@
+"""Kept layers run without saved-tensor hooks when nothing needs them, and are still counted."""
+
+from __future__ import annotations
+
+import torch
+
+from tensor_manager_support import gpipe_step, make_manager, model_spec
+from vpipe.runtime.models import build_model
+
+
+class _PackCounter:
+    """Counts the calls of the manager's pack hook (the per-tensor work the fast path avoids)."""
+
+    def __init__(self, manager) -> None:
+        self.calls = 0
+        inner = manager._pack
+
+        def pack(t):
+            self.calls += 1
+            return inner(t)
+
+        manager._hooks = torch.autograd.graph.saved_tensors_hooks(pack, manager._unpack)
+
+
+def _run(steps: int, metering_from: int, policies=None, budget: int | None = None, batch_at=None):
+    """``steps`` GPipe steps of the transformer; metering on for steps before ``metering_from``."""
+    spec = model_spec("transformer")
+    model = build_model(spec, seed=0)
+    manager = make_manager(model, policies, budget_bytes=budget)
+    counter = _PackCounter(manager)
+    packs, resident_mid = [], []
+    torch.manual_seed(0)  # the same dropout masks in every run
+    for step in range(steps):
+        manager.metering = step < metering_from
+        before = counter.calls
+        gpipe_step(model, spec, step, manager,
+                   before_backward=lambda mb: resident_mid.append(manager.ledger.resident) if mb == 0 else None)
+        packs.append(counter.calls - before)
+    return model, manager, packs, resident_mid
+
+
+def test_kept_layers_skip_the_hooks_once_measured_and_train_bitwise_like_metered_ones():
+    metered, _, metered_packs, metered_resident = _run(3, metering_from=3)
+    fast, manager, packs, resident = _run(3, metering_from=1)
+    assert metered_packs[1] > 0 and packs[0] == metered_packs[0]
+    assert packs[1:] == [0, 0]  # no pack hook at all once every layer's bytes are known
+    # gradients accumulated over the three steps (dropout included), bit for bit
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(fast.parameters(), metered.parameters()))
+    # the ledger counts the measured bytes while the micro-batches wait for their backward, and none after
+    per_mb = sum(layer.kept_bytes for layer in manager._layers.values())
+    assert resident[1] == resident[2] == 3 * per_mb  # three micro-batches wait for their backward
+    assert resident[1] >= metered_resident[1] > 0  # never less than the exact count (shared storages twice)
+    assert manager.ledger.resident == 0
+
+
+def test_a_call_with_new_input_shapes_is_measured_again():
+    spec = model_spec("transformer")
+    model = build_model(spec, seed=0)
+    manager = make_manager(model)
+    counter = _PackCounter(manager)
+    gpipe_step(model, spec, 0, manager)
+    small = {lid: layer.kept_bytes for lid, layer in manager._layers.items()}
+    manager.metering = False
+    before = counter.calls
+    x, y = spec.batch(1, 8, 0)  # micro-batches of 4 samples instead of 2
+    with manager.micro_batch(0):
+        out = model(x[:4])
+    assert counter.calls > before
+    with manager.backward(0):
+        spec.loss_fn()(out, y[:4]).backward()
+    for lid, layer in manager._layers.items():  # what later unmetered calls are counted with is the new size
+        assert layer.kept_bytes == manager.ledger.activation[lid][0] > small[lid]
+    assert manager.ledger.resident == 0
+
+
+def test_swapped_layers_and_a_tight_budget_keep_every_call_metered():
+    _, _, swap_packs, _ = _run(2, metering_from=0, policies={1: "S"})
+    assert swap_packs[1] > 0  # one layer swaps: the whole stage is metered (shared storages stay exact)
+    _, probe, _, _ = _run(1, metering_from=1)
+    per_mb = sum(layer.kept_bytes for layer in probe._layers.values())
+    _, _, tight, _ = _run(2, metering_from=1, budget=3 * per_mb + probe._reserve + 1)
+    assert tight[1] > 0  # three micro-batches in flight fill the budget: every byte is counted exactly
+    _, _, roomy, _ = _run(2, metering_from=1, budget=20 * per_mb)
+    assert roomy[1] == 0
