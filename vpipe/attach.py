@@ -398,7 +398,7 @@ class Vpipe:
         else:
             if self.optimizer is None:
                 raise ValueError("attaching to a stage module needs optimizer=: its step() marks the step boundary")
-            self.session.begin_step(self.iteration)
+            self._begin_step()
             handle = self.optimizer.register_step_post_hook(lambda *_: self._module_step_done())
             self._undo.append(handle.remove)
 
@@ -418,9 +418,14 @@ class Vpipe:
     _in_step = False
     _edits = 0
 
+    def _begin_step(self) -> None:
+        self.session.begin_step(self.iteration)
+        if self.tensor_manager is not None:  # the monitor reads saved bytes on its sampled steps only
+            self.tensor_manager.metering = self.session.monitor.is_sampled(self.iteration)
+
     def _step(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         self._boundary()
-        self.session.begin_step(self.iteration)
+        self._begin_step()
         self._in_step = True
         try:
             result = original(*args, **kwargs)
@@ -441,10 +446,12 @@ class Vpipe:
     def _module_step_done(self) -> None:
         if self._counter is not None:
             self._counter.reset()
+        if self.tensor_manager is not None:
+            self.tensor_manager.end_of_step()  # a hand-written loop tells the manager of no backward
         self._received(self.session.end_step())
         self.iteration += 1
         self._boundary()
-        self.session.begin_step(self.iteration)
+        self._begin_step()
 
     def _received(self, plans: list[Plan]) -> None:
         for plan in plans:
@@ -670,7 +677,7 @@ class Vpipe:
         self.session.monitor.epoch = lm.epoch
         if self.schedule is None:  # a hand-written loop: the open step gets the restored number
             self.session.monitor.abort_iteration()
-            self.session.begin_step(self.iteration)
+            self._begin_step()
         decision("resumed", f"stage {self.stage_index} resumes at step {self.iteration}, plan epoch {lm.epoch}",
                  stage=self.stage_index, step=self.iteration, epoch=lm.epoch, layers=lm.layer_ids,
                  saved_stages=state["stages"], stages=[list(s) for s in lm.placement])
