@@ -11,7 +11,7 @@ import json
 import os
 
 from vpipe.monitors.records import StageRecord
-from vpipe.planner.plan import Plan
+from vpipe.planner.plan import Plan, Policy
 
 
 def record_and_mark(vector: list[StageRecord], current: Plan | None) -> Plan:
@@ -33,3 +33,22 @@ def reordering(vector: list[StageRecord], current: Plan | None) -> Plan:
     order[0], order[1] = order[1], order[0]
     counts = [len(r.layer_ids) for r in vector]
     return Plan.from_counts(order, counts, epoch=(current.epoch if current else 0) + 1)
+
+
+def slower_from_the_third(vector: list[StageRecord], current: Plan | None) -> Plan | None:
+    """A bad planner: from its third vector on, whenever the pipeline does not run it yet, every layer
+    but the last on stage 0, all recomputed."""
+    global _CALLS
+    _CALLS += 1
+    if _CALLS < 3 or current is None:
+        return None
+    order = [lid for r in vector for lid in r.layer_ids]
+    counts = [len(order) - len(vector) + 1] + [1] * (len(vector) - 1)
+    stages = Plan.from_counts(order, counts).stages
+    if current.stages == stages:
+        return None
+    return Plan(epoch=current.epoch + 1, stages=stages, policies={lid: Policy.RECOMPUTE for lid in order},
+                reason="rebalance (a bad one, on purpose)")
+
+
+_CALLS = 0

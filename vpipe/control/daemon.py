@@ -40,6 +40,7 @@ from vpipe.control.messages import MAX_MESSAGE_BYTES, PLANNER, Message, make
 from vpipe.control.netaddr import check_endpoint, control_host
 from vpipe.log import decision
 from vpipe.monitors.records import StageRecord
+from vpipe.planner.judge import PlanJudge
 from vpipe.planner.plan import Plan, PlanError
 
 log = logging.getLogger("vpipe.planner.daemon")
@@ -102,6 +103,7 @@ class PlannerDaemon:
         self.idle_timeout_s = idle_timeout_s
         self.parent_pid = parent_pid
         self.current: Plan | None = None
+        self.judge = PlanJudge()
         self.num_stages: int | None = None
         self.vectors = 0
         self.skipped = 0
@@ -185,6 +187,10 @@ class PlannerDaemon:
             log.warning("planner daemon: a stats vector of %d stages for a %d-stage pipeline; ignored",
                         len(vector), self.num_stages)
             return
+        revert = self.judge.observe(vector, self.current)
+        if revert is not None:  # the newest plan made the measured steps slower: undo it first
+            self._send(revert, message, vector)
+            return
         try:
             plan = self.planner(vector, self.current)
         except Exception as e:  # noqa: BLE001 - a failing planner must not end the daemon
@@ -199,6 +205,13 @@ class PlannerDaemon:
             decision("planner_error", f"planner {self.planner_name} returned an unusable plan: {problem}",
                      role="planner", iteration=message.iteration, error=problem)
             return
+        if self.judge.refuses(plan):
+            log.info("planner daemon: epoch %d repeats a plan that made steps slower; not sent", plan.epoch)
+            return
+        self.judge.sent(plan, self.current)
+        self._send(plan, message, vector)
+
+    def _send(self, plan: Plan, message: Message, vector: list[StageRecord]) -> None:
         self.current = plan
         self._outbox.send(make("plan", plan, epoch=plan.epoch, iteration=message.iteration, stage=PLANNER))
         decision("plan_sent", f"plan epoch {plan.epoch} sent: {plan.reason or 'no reason given'}", role="planner",
@@ -296,6 +309,14 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.set_defaults(func=cmd_planner)
 
 
+def _lower_priority() -> None:
+    """The daemon plans in the background: at a lower priority it never takes a core from a rank."""
+    try:
+        os.nice(10)
+    except OSError as e:  # a platform or a sandbox that does not allow it: plan at the same priority
+        log.debug("planner daemon: could not lower its priority: %s", e)
+
+
 def _server_key(text: str | None) -> bytes | None:
     """``--server-key``: a Z85 key, or the file holding it."""
     if text is None:
@@ -320,6 +341,7 @@ def cmd_planner(args: argparse.Namespace, argv: Any = None) -> int:
         handler.setFormatter(logging.Formatter("vpipe planner: %(message)s"))
         logging.getLogger("vpipe").addHandler(handler)
         logging.getLogger("vpipe").setLevel(logging.INFO)
+    _lower_priority()
     daemon = PlannerDaemon(args.connect, planner, planner_name=args.planner, heartbeat_s=args.heartbeat,
                            stage_timeout_s=max(30.0, 20 * args.heartbeat), idle_timeout_s=args.idle_timeout,
                            parent_pid=args.parent_pid, server_key=_server_key(args.server_key))
