@@ -43,3 +43,16 @@ def test_interchangeable_blocks_measured_unevenly_are_not_moved_on_noise():
     plan = _noisy_balanced(("Block#a1", "Wide#b2"))  # different kinds really differ: rebalanced
     assert plan is not None and [len(s) for s in plan.stages] == [5, 3]
     assert _noisy_balanced(("", "")) is not None  # blocks of unknown kind keep their own times
+
+
+def test_the_same_numbers_twice_are_planned_once():
+    planner = OnlinePlanner(OnlineConfig(schedule="1f1b", micro_batches=4, warmup_samples=1, cooldown_steps=0))
+    current = Plan(epoch=0, stages=((0, 1, 2, 3), (4, 5, 6, 7)))
+    assert planner([_stage(0, [0, 1, 2, 3], 9), _stage(1, [4, 5, 6, 7], 9)], current) is None
+    searches = []
+    propose = planner._srp.propose
+    planner._srp.propose = lambda *a, **k: searches.append(a[2]) or propose(*a, **k)
+    planner([_stage(0, [0, 1, 2, 3], 19), _stage(1, [4, 5, 6, 7], 19)], current)
+    assert searches == []  # the same costs and plan as the last search: nothing to search
+    planner([_stage(0, [0, 1, 2, 3], 29, slow=1.5), _stage(1, [4, 5, 6, 7], 29)], current)
+    assert searches == [29]  # new numbers: searched again

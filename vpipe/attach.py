@@ -417,6 +417,7 @@ class Vpipe:
     # ------------------------------------------------------------------ the step
     _in_step = False
     _edits = 0
+    _budget_key: tuple[int, int] | None = None
 
     def _begin_step(self) -> None:
         self.session.begin_step(self.iteration)
@@ -502,7 +503,11 @@ class Vpipe:
         for plan in self._due_plans():
             self._apply(plan)
         if self.tensor_manager is not None and self.memory_budget is not None:
-            self.tensor_manager.budget_bytes = self._activation_budget()  # the optimizer state may have grown
+            # the optimizer state appears at the first step, and layers come and go with plans and edits
+            key = (self.layer_manager.epoch, len(self.optimizer.state) if self.optimizer is not None else 0)
+            if key != self._budget_key:
+                self._budget_key = key
+                self.tensor_manager.budget_bytes = self._activation_budget()
         self._continue_streamed()
         self.boundary_s.append(time.perf_counter() - started)
 

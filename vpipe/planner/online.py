@@ -37,6 +37,7 @@ log = logging.getLogger("vpipe.planner.online")
 __all__ = ["OnlineConfig", "OnlinePlanner", "srp", "CONFIG_ENV"]
 
 CONFIG_ENV = "VPIPE_PLANNER_CONFIG"
+_UNCHANGED = 0.01  # per-layer cost moves under this (relative) since the last search: nothing new to plan
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,7 @@ class OnlinePlanner:
         self._samples = 0
         self._srp: Any = None
         self._srp_key: tuple[Any, ...] | None = None
+        self._last_search: tuple[Plan, list[tuple[float, int]]] | None = None
 
     def __call__(self, vector: list[StageRecord], current: Plan | None) -> Plan | None:
         if current is None or len(vector) != current.num_stages:
@@ -134,9 +136,11 @@ class OnlinePlanner:
             return None
         graph = self._graph(current, records)
         self._report_imbalance(vector, current, graph)
+        planner = self._planner(graph, records, current)
+        if planner.in_cooldown(vector[-1].iteration) or self._unchanged_since_last_search(graph, current):
+            return None  # too soon after a plan, or the same numbers as last time: the daemon idles
         started = time.perf_counter()
-        proposal = self._planner(graph, records, current).propose(graph, current, vector[-1].iteration,
-                                                                  placeable=_placeable(vector, current))
+        proposal = planner.propose(graph, current, vector[-1].iteration, placeable=_placeable(vector, current))
         seconds = time.perf_counter() - started
         if proposal is None:
             return None
@@ -150,6 +154,15 @@ class OnlinePlanner:
             migration_bytes=proposal.migration_bytes, planner_s=seconds,
         )
         return plan
+
+    def _unchanged_since_last_search(self, graph: Any, current: Plan) -> bool:
+        """Whether the last search saw this plan and costs within ``_UNCHANGED`` of these (then it found nothing)."""
+        costs = [(n.fwd_s + n.bwd_s, n.act_bytes) for n in graph.nodes]
+        last, self._last_search = self._last_search, (current, costs)
+        if last is None or last[0] != current or len(last[1]) != len(costs):
+            return False
+        return all(abs(a - b) <= _UNCHANGED * max(b, 1e-12) and x == y
+                   for (a, x), (b, y) in zip(costs, last[1]))
 
     @staticmethod
     def _observed_placement(vector: list[StageRecord], current: Plan) -> Plan | None:
