@@ -50,6 +50,8 @@ def main() -> None:
     parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--micro-batch-size", type=int, default=2)
     parser.add_argument("--vpipe", action="store_true", help="attach vpipe (the one line below)")
+    parser.add_argument("--no-planning", action="store_true",
+                        help="with --vpipe: attach with planning=False (tensor manager and monitor, no planner)")
     parser.add_argument("--out", default=None, help="write the losses and this stage's state here (JSON + .pt)")
     args = parser.parse_args()
 
@@ -71,7 +73,10 @@ def main() -> None:
     if args.vpipe:
         import vpipe
 
-        vpipe.attach(schedule, optimizer=optimizer)  # the one line
+        if args.no_planning:
+            vpipe.attach(schedule, optimizer=optimizer, planning=False)
+        else:
+            vpipe.attach(schedule, optimizer=optimizer)  # the one line
 
     losses_per_step, step_s = [], []
     for step in range(args.steps):

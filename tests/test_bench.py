@@ -181,3 +181,16 @@ def test_shapes_results_get_a_table_and_a_headline_row_with_the_worst_ratio():
     assert report.headline_rows({"shapes": shapes}) == [[
         "the one line on users' trainers (tutorial, hf_gpt2), 6,2 split on 2 stages",
         "+ vpipe: 195, 187 ms/step", "hand-balanced 4,4: 192, 187 ms/step", "1.02x at worst"]]
+
+
+def test_overhead_results_get_a_table_and_a_headline_row_per_size():
+    row = {"size": "small", "steps": 160, "plain_step_s": 0.0131, "attached_step_s": 0.0133,
+           "attached_over_plain": 1.012, "attached_range": [0.99, 1.03], "planned_step_s": 0.0134,
+           "planned_over_plain": 1.021, "planned_range": [1.0, 1.04], "plans_applied": 0}
+    overhead = {"rounds": 3, "rows": [row]}
+    text = report.results_markdown({"overhead": overhead})
+    assert "| small | 160 | 13.1 | 13.3 | 1.012x (0.990-1.030) | 13.4 | 1.021x (1.000-1.040) | 0 |" in text
+    assert report.headline_rows({"overhead": overhead}) == [[
+        "attaching to a balanced 2-stage pipeline that fits, small model (13 ms steps)",
+        "attached: 1.012x plain, planner on: 1.021x (0 plans applied)", "plain: 13.1 ms/step",
+        "1.021x at worst (0.99-1.04)"]]

@@ -71,6 +71,8 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
     Benchmark("shapes", "shapes_bench.py",
               "the one line on the tutorial, Sequential-slice and Hugging Face trainers: a 6,2 split rebalanced "
               "vs the hand-balanced 4,4"),
+    Benchmark("overhead", "overhead_bench.py",
+              "attaching vpipe to a balanced 2-stage pipeline that fits: plain vs attached vs planning, 2 sizes"),
     Benchmark("soak", "soak.py",
               "thousands of steps of forced moves and policy changes: RSS growth, parameters vs the reference"),
 )}

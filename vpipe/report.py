@@ -121,6 +121,16 @@ def headline_rows(results: Results) -> list[list[str]]:
                      "hand-balanced 4,4: " + ", ".join(f"{r['balanced_step_s'] * 1e3:.0f}" for r in shapes)
                      + " ms/step",
                      f"{worst['vpipe_over_balanced']:.2f}x at worst"])
+    for row in results.get("overhead", {}).get("rows", []):
+        lo = min(row["attached_range"][0], row["planned_range"][0])
+        hi = max(row["attached_range"][1], row["planned_range"][1])
+        rows.append([f"attaching to a balanced 2-stage pipeline that fits, {row['size']} model "
+                     f"({row['plain_step_s'] * 1e3:.0f} ms steps)",
+                     f"attached: {row['attached_over_plain']:.3f}x plain, planner on: "
+                     f"{row['planned_over_plain']:.3f}x ({row['plans_applied']} plans applied)",
+                     f"plain: {row['plain_step_s'] * 1e3:.1f} ms/step",
+                     f"{max(row['attached_over_plain'], row['planned_over_plain']):.3f}x at worst "
+                     f"({lo:.2f}-{hi:.2f})"])
     swap = results.get("gpu_swap", {})
     if swap.get("bandwidth"):
         by = {(r["size"], r["way"]): r["gb_per_s"] for r in swap["bandwidth"]}
@@ -267,6 +277,20 @@ def _shapes_md(data: dict[str, Any]) -> str:
                       "vpipe's split"], rows) + skipped)
 
 
+def _overhead_md(data: dict[str, Any]) -> str:
+    rows = [[r["size"], str(r["steps"]), f"{r['plain_step_s'] * 1e3:.1f}",
+             f"{r['attached_step_s'] * 1e3:.1f}",
+             f"{r['attached_over_plain']:.3f}x ({r['attached_range'][0]:.3f}-{r['attached_range'][1]:.3f})",
+             f"{r['planned_step_s'] * 1e3:.1f}",
+             f"{r['planned_over_plain']:.3f}x ({r['planned_range'][0]:.3f}-{r['planned_range'][1]:.3f})",
+             str(r["plans_applied"])] for r in data["rows"]]
+    return (f"`examples/train_sequential.py` on 2 CPU stages split 4,4 (1F1B), {data['rounds']} rounds of plain, "
+            "attached (`planning=False`) and planned (the one line's defaults) in alternating order; median step "
+            "of each run's second half, ratios to plain within a round:\n\n"
+            + _table(["model", "steps", "plain ms", "attached ms", "attached / plain", "planned ms",
+                      "planned / plain", "plans applied"], rows))
+
+
 def _soak_md(data: dict[str, Any]) -> str:
     mib = 2**20
     rows = [[str(r["rank"]), str(r["plans_applied"]), f"{r['rss_first_bytes'] / mib:.1f}",
@@ -291,6 +315,7 @@ SECTIONS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "memory": ("A budget plain 1F1B exceeds", _memory_md),
     "soak": ("Soak: memory over thousands of moves", _soak_md),
     "shapes": ("The one line on users' trainers", _shapes_md),
+    "overhead": ("What attaching costs when there is nothing to gain", _overhead_md),
 }
 
 
