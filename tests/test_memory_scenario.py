@@ -33,3 +33,18 @@ def test_vpipe_holds_a_budget_that_plain_1f1b_exceeds(tmp_path):
     # swapping and recomputing change where activations live, never what is computed (plans may move
     # layers meanwhile, which reorders nothing either: the reference equality holds to rounding)
     assert_params_equal(load_run_params(tmp_path, 2), reference_flush(cfg)[0], rtol=1e-6)
+
+
+def test_a_budget_the_plain_schedule_just_fits_is_held_by_vpipe():
+    """vpipe's projection is never more cautious than the schedule's own footprint (no backward reserve while
+    every layer is kept): a budget with not a byte to spare for the plain schedule fits under vpipe too."""
+    for model in ("cnn", "transformer"):
+        cfg = RunConfig(model=model, stages=2, schedule="1f1b", blocks=4, d_model=64, seq_len=32, micro_batches=4,
+                        micro_batch_size=4)
+        plain = pipeline_fit(cfg, 1 << 62, managed=False)
+        budget = max(s.footprint_bytes for s in plain.stages)  # the fullest stage fits exactly
+        managed = pipeline_fit(cfg, budget, managed=True)
+        assert managed.fits, managed.to_dict()
+        if model == "cnn":  # its micro-batches share nothing: the measured bytes are exact, nothing changes
+            assert [s.policies for s in managed.stages] == ["DDDD", "DDD"]
+            assert [s.footprint_bytes for s in managed.stages] == [s.footprint_bytes for s in plain.stages]

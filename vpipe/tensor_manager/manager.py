@@ -124,7 +124,9 @@ class TensorManager:
         self._open: set[int] = set()  # forwarded, backward not finished
         self._open_max = 0
         self._open_max_last_step = 0
-        self._reserve = 0  # largest activation of one layer and micro-batch seen: the backward's working set
+        # largest activation of one layer and micro-batch seen: what a backward brings back or recomputes at
+        # once; a stage that keeps everything, and fits so, brings nothing back and needs none (_budget_limit)
+        self._reserve = 0
         self._prefetch_throttled = False
         self._recompute_s = 0.0
         self._budget_swaps = 0
@@ -135,6 +137,8 @@ class TensorManager:
         self._all_keep = True
         self._unmetered = False  # whether kept layers skip the hooks in the current micro-batch
         self._counted: dict[int, list[tuple[int, int]]] = {}  # mb -> (layer, bytes) of its unmetered calls
+        self._kept_per_mb: int | None = None  # resident bytes a metered micro-batch added, every layer kept
+        self._keep_all_fits = False  # under a budget: the last projection found that keeping everything fits
         self._closed = False
         for layer_id, module in layers.items():
             self.add_layer(layer_id, module)
@@ -234,12 +238,17 @@ class TensorManager:
             raise RuntimeError(f"micro-batch {mb_id}'s forward started inside micro-batch {self._mb}'s forward")
         self._begin_forward(mb_id)
         self._mb = mb_id
+        start, swaps = self.ledger.resident, self._budget_swaps
+        measured = torch.is_grad_enabled() and not self._unmetered and self._all_keep
         try:
             yield self
         finally:
             self._mb = None
             self._engine.flush_swap_outs()
             self._engine.poll()
+            if measured and self._budget_swaps == swaps:
+                # what one micro-batch keeps, each storage once: the schedule's own footprint per micro-batch
+                self._kept_per_mb = self.ledger.resident - start
 
     @contextmanager
     def backward(self, mb_id: int, phase: str = "full") -> Iterator[TensorManager]:
@@ -288,12 +297,14 @@ class TensorManager:
         """Whether the next micro-batch, every layer kept, fits with room to spare (always, without a budget)."""
         if self.budget_bytes is None:
             return True
+        if not self._keep_all_fits:
+            return False
         per_mb = 0
         for layer in self._layers.values():
             if layer.kept_bytes is None:
                 return False
             per_mb += layer.kept_bytes
-        usable = self.budget_bytes - self._reserve
+        usable = self.budget_bytes  # every layer kept: no backward reserve
         in_flight = max(self._open_max_last_step, len(self._open), 1)
         room = min(usable - self.ledger.resident, usable // in_flight)
         return per_mb <= _UNMETERED_HEADROOM * room
@@ -402,9 +413,10 @@ class TensorManager:
             self._budget_swaps += 1
         if swap:
             handle = engine.swap_out(t, storage, layer_id, frame.mb, key, nbytes)
-            if self.budget_bytes is not None and self.ledger.resident > self.budget_bytes - self._reserve:
+            limit = self._budget_limit()
+            if limit is not None and self.ledger.resident > limit:
                 # the swapped bytes are still here until their copy ran: issue it and wait for it
-                engine.wait_swap_outs(self.budget_bytes - self._reserve)
+                engine.wait_swap_outs(limit)
         else:
             handle = engine.keep(t, layer_id, frame.mb, key, nbytes)
         if handle.entry not in frame.entries:  # count each storage once per layer call
@@ -431,7 +443,8 @@ class TensorManager:
         existing = engine.lookup(key)
         if existing is not None and not existing.swapped:
             return False  # already resident: keeping it costs nothing more
-        limit = self.budget_bytes - self._reserve  # type: ignore[operator]
+        limit = self._budget_limit()
+        assert limit is not None
         if self.ledger.resident + nbytes <= limit:
             return False
         engine.poll()
@@ -458,6 +471,13 @@ class TensorManager:
         assert budget is not None
         estimates = self._estimates()
         in_flight = max(self._open_max_last_step, len(self._open), 1)
+        # keeping everything needs no backward reserve (nothing is brought back or recomputed): when the
+        # measured bytes of a micro-batch, every layer kept, fit that way, as much fits as without vpipe
+        kept = self._kept_per_mb
+        self._keep_all_fits = (self._all_keep and kept is not None and len(estimates) == len(self._layers)
+                               and kept <= min(budget - self.ledger.resident, budget // in_flight))
+        if self._keep_all_fits:
+            return
         changes = fit_micro_batch(
             estimates, budget_bytes=budget, resident_bytes=self.ledger.resident, reserve_bytes=self._reserve,
             in_flight=in_flight,
@@ -481,8 +501,14 @@ class TensorManager:
     def _bandwidth(self, direction: str) -> float:
         return self._copies.bandwidth(direction) or _ASSUMED_BANDWIDTH[self._kind()]
 
+    def _budget_limit(self) -> int | None:
+        """What the resident saved bytes may reach: the budget less the backward's reserve."""
+        if self.budget_bytes is None:
+            return None
+        return self.budget_bytes - (0 if self._keep_all_fits else self._reserve)
+
     def _prefetch_limit(self) -> int | None:
-        return None if self.budget_bytes is None else self.budget_bytes - self._reserve
+        return self._budget_limit()
 
     def _pump_prefetch(self) -> None:
         """Issue the prefetches the schedule's order and the predicted arrival times call for now."""
