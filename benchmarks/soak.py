@@ -48,7 +48,7 @@ def run_config(steps: int) -> Any:
 
 def soak_plans(steps: int, every: int) -> list[tuple[int, Any]]:
     """(step, plan) for every forced change: the next partition and rotated policies."""
-    from vpipe.planner.plan import Plan, Policy
+    from vpipe.plan import Plan, Policy
 
     plans = []
     for i, step in enumerate(range(every, steps, every)):

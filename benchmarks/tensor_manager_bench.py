@@ -36,7 +36,7 @@ from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from vpipe.planner.plan import Policy  # noqa: E402
+from vpipe.plan import Policy  # noqa: E402
 from vpipe.runtime.models import build_model, transformer_lm  # noqa: E402
 from vpipe.tensor_manager import TensorManager  # noqa: E402
 from vpipe.tensor_manager.accounting import format_bytes  # noqa: E402

@@ -11,7 +11,7 @@ import json
 import os
 
 from vpipe.monitors.records import StageRecord
-from vpipe.planner.plan import Plan, Policy
+from vpipe.plan import Plan, Policy
 
 
 def record_and_mark(vector: list[StageRecord], current: Plan | None) -> Plan:

@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import nn
 
-from vpipe.planner.plan import Policy
+from vpipe.plan import Policy
 from vpipe.runtime.models import ModelSpec, build_model, cnn, transformer_lm
 from vpipe.tensor_manager import TensorManager
 

@@ -27,10 +27,10 @@ from typing import Any
 import torch
 from torch.distributed.pipelining import PipelineStage, ScheduleInterleavedZeroBubble
 
-from vpipe.planner.plan import Policy
+from vpipe.plan import Policy
 from vpipe.runtime.config import RunConfig
 from vpipe.runtime.models import build_model
-from vpipe.runtime.pipedream import SchedulePipeDream
+from vpipe.schedules.pipedream import SchedulePipeDream
 from vpipe.runtime.trainer import build_stage_run, make_optimizer
 from vpipe.tensor_manager import TensorManager, install_on_stage
 

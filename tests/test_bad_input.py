@@ -28,7 +28,7 @@ from vpipe.checkpoint import CheckpointError, check_vpipe_state
 from vpipe.control.messages import DecodeError, decode, encode, make, registered_types
 from vpipe.migration.layer_manager import LayerManager
 from vpipe.migration.state import validate_manifest
-from vpipe.planner.plan import Plan, PlanError, Policy
+from vpipe.plan import Plan, PlanError, Policy
 from vpipe.runtime.config import RunConfig
 
 # ---------------------------------------------------------------------- plans
@@ -73,7 +73,7 @@ def test_a_plan_without_epoch_or_stages_is_rejected():
 @pytest.fixture
 def manager() -> LayerManager:
     module = nn.Sequential(OrderedDict((str(i), nn.Linear(2, 2)) for i in range(2)))
-    return LayerManager(module, stage_index=0, placement=[[0, 1], [2, 3]], optimizer=None,
+    return LayerManager({0: module}, placement=[[0, 1], [2, 3]], optimizer=None,
                         factory=lambda lid, spec: nn.Linear(2, 2), specs=None, messenger=None,  # type: ignore[arg-type]
                         channel=None, device=torch.device("cpu"), epoch=5)  # type: ignore[arg-type]
 

@@ -21,7 +21,7 @@ from vpipe.control.channel import ControlPlane, Inbox, Outbox
 from vpipe.control.daemon import PlannerDaemon, load_planner, no_change
 from vpipe.control.messages import PLANNER, make
 from vpipe.control.planner_link import PlannerLink
-from vpipe.planner.plan import Plan
+from vpipe.plan import Plan
 
 LAYERS = ((0, 1), (2, 3), (4, 5))
 

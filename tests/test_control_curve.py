@@ -20,7 +20,7 @@ from vpipe.control.curve import PUBLIC_ENV, SECRET_ENV, CurveConfig
 from vpipe.control.keys import write_keypair
 from vpipe.control.messages import PLANNER, encode, make
 from vpipe.control.planner_link import PlannerLink
-from vpipe.planner.plan import Plan
+from vpipe.plan import Plan
 
 
 def keypairs(n: int) -> list[tuple[bytes, bytes]]:

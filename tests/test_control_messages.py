@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from test_monitor_records import stage_record
 from vpipe.control import messages
 from vpipe.control.messages import PLANNER, DecodeError, Decoder, Message, decode, encode, make, register_type
-from vpipe.planner.plan import Plan, Policy
+from vpipe.plan import Plan, Policy
 
 
 def wire_of(message: Message) -> dict:

@@ -153,7 +153,7 @@ def test_a_local_process_without_the_runs_key_cannot_take_over_the_planner_link(
     import zmq
 
     from vpipe.control.messages import PLANNER, encode, make
-    from vpipe.planner.plan import Plan
+    from vpipe.plan import Plan
 
     log_file = tmp_path / "run.log"
     launcher = subprocess.Popen(

@@ -23,7 +23,7 @@ from vpipe.control.curve import PUBLIC_ENV, SECRET_ENV
 from vpipe.control.messages import MAX_MESSAGE_BYTES, encode, frame_limit, make
 from vpipe.control.netaddr import check_endpoint
 from vpipe.control.planner_link import PlannerLink
-from vpipe.planner.plan import Plan
+from vpipe.plan import Plan
 
 
 @pytest.fixture
@@ -189,7 +189,7 @@ def test_unsolicited_valid_messages_are_bounded_in_bytes_and_the_drops_are_count
     manifest = {"layer": 0, "spec": "x" * 900_000, "entries": []}  # valid, and nearly 1 MB on the wire
     try:
         for _ in range(150):  # 135 MB that no protocol step asked for (no move is under way)
-            assert sender.send(make("migrate_handover", {"round": 0, "manifests": [manifest]}, stage=1))
+            assert sender.send(make("migrate_handover", {"round": 0, "move": 0, "manifests": [manifest]}, stage=1))
         got = []
         deadline = __import__("time").monotonic() + 20
         while plane.inbox.decoder.dropped["unclaimed"] < 100 and __import__("time").monotonic() < deadline:

@@ -20,7 +20,7 @@ import pytest
 
 from conftest import ROOT, assert_params_equal, child_env, load_run_params, run_vpipe
 from vpipe.checkpoint import find_latest, load_checkpoint
-from vpipe.runtime import faults
+from vpipe import faults
 from vpipe.runtime.config import RunConfig
 from vpipe.runtime.launch import spawn
 from vpipe.runtime.reference import reference_flush

@@ -20,7 +20,7 @@ from vpipe.planner.cost_model import (
     throughput,
     weight_versions,
 )
-from vpipe.planner.plan import Policy
+from vpipe.plan import Policy
 
 D, S, R = Policy.KEEP, Policy.SWAP, Policy.RECOMPUTE
 

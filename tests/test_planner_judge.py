@@ -8,7 +8,7 @@ from conftest import run_vpipe
 from test_control_run import decisions, planner_env
 from vpipe.monitors.records import StageRecord
 from vpipe.planner.judge import PlanJudge
-from vpipe.planner.plan import Plan, Policy
+from vpipe.plan import Plan, Policy
 
 
 def _vector(epoch: int, step_s: float, iteration: int = 9) -> list[StageRecord]:

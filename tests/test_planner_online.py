@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from vpipe.monitors.records import LayerRecord, StageRecord
 from vpipe.planner.online import OnlineConfig, OnlinePlanner
-from vpipe.planner.plan import Plan
+from vpipe.plan import Plan
 
 
 def _stage(index: int, ids: list[int], iteration: int, slow: float = 1.0, kind: str = "", **outside) -> StageRecord:

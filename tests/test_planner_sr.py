@@ -9,7 +9,7 @@ from planner_helpers import chain, dags
 
 from vpipe.graph import LayerGraph, LayerNode
 from vpipe.planner.cost_model import Hardware, stage_memory, stage_time
-from vpipe.planner.plan import Policy
+from vpipe.plan import Policy
 from vpipe.planner.sr import optimize_sr
 
 D, S, R = Policy.KEEP, Policy.SWAP, Policy.RECOMPUTE

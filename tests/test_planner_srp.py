@@ -15,7 +15,7 @@ from vpipe.graph import LayerGraph
 from vpipe.planner.cost_model import GraphProfile, Hardware, PipelineSetup, StageCosts
 from vpipe.planner.exact import InfeasibleError
 from vpipe.planner.partition import is_valid_pipeline
-from vpipe.planner.plan import Plan, Policy
+from vpipe.plan import Plan, Policy
 from vpipe.planner.srp import SRPPlanner, plan_pipeline
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tensor_manager_support import assert_grads_equal, gpipe_step, make_manager, model_spec, train_grads
-from vpipe.planner.plan import Policy
+from vpipe.plan import Policy
 from vpipe.runtime.models import build_model
 from vpipe.tensor_manager import MemoryBudgetError
 from vpipe.tensor_manager.budget import LayerEstimate, cheapest_escalations

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from vpipe.planner.plan import Policy
+from vpipe.plan import Policy
 from vpipe.runtime.models import build_model, transformer_lm
 from vpipe.tensor_manager import TensorManager
 from vpipe.tensor_manager.copy_engine import make_copy_engine

@@ -17,7 +17,7 @@ from tensor_manager_support import (
     model_spec,
     train_grads,
 )
-from vpipe.planner.plan import Plan, Policy
+from vpipe.plan import Plan, Policy
 from vpipe.runtime.models import build_model
 
 MODELS = ["transformer", "cnn"]

@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
 from tensor_manager_support import make_manager, model_spec
-from vpipe.planner.plan import Policy
+from vpipe.plan import Policy
 from vpipe.runtime.launch import free_port
 from vpipe.runtime.models import build_model
 from vpipe.tensor_manager import LayerBusyError, install_on_stage

@@ -21,9 +21,9 @@ _PUBLIC = {
     "attach": "vpipe.attach",
     "Vpipe": "vpipe.attach",
     "VpipeConfig": "vpipe.attach",
-    "Plan": "vpipe.planner.plan",
-    "Policy": "vpipe.planner.plan",
-    "SchedulePipeDream": "vpipe.runtime.pipedream",
+    "Plan": "vpipe.plan",
+    "Policy": "vpipe.plan",
+    "SchedulePipeDream": "vpipe.schedules.pipedream",
 }
 __all__ = sorted(_PUBLIC) + ["__version__"]
 

@@ -105,7 +105,7 @@ class ShardInfo:
 # ====================================================================== vpipe state
 def check_vpipe_state(state: Any, where: str = "vpipe state") -> dict[str, Any]:
     """Validate what :meth:`vpipe.Vpipe.state_dict` returns (also as read back from JSON)."""
-    from vpipe.planner.plan import Plan, PlanError, Policy
+    from vpipe.plan import Plan, PlanError, Policy
 
     if not isinstance(state, dict):
         raise CheckpointError(f"{where} must be a map, got {type(state).__name__}")

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from collections.abc import Sequence
 from typing import Any
 
 from vpipe.control.channel import ControlPlane
@@ -33,7 +34,7 @@ from vpipe.control.messages import PLANNER, Message, make
 from vpipe.control.planner_link import PlannerLink
 from vpipe.log import decision
 from vpipe.monitors.records import StageRecord
-from vpipe.planner.plan import Plan
+from vpipe.plan import Plan
 
 log = logging.getLogger("vpipe.control")
 
@@ -45,6 +46,14 @@ AGENT_TYPES = frozenset({"stats", "plan", "done", "hello", "ping", "bye"})  # wh
 MAX_EPOCH_STEP = 1000  # plans come one epoch (or a few layer edits) after another: a larger jump is not a plan
 
 class StageAgent:
+    """One rank's agent in the chain of ranks (``stage_index`` is the rank; see ``stage_ranks``).
+
+    With one stage per rank, rank k runs stage k. Under a multi-stage schedule
+    ``stage_ranks[v]`` is the rank of (virtual) stage ``v``; the chain still runs rank 0 ->
+    last rank, each rank adding the records of its own stages, and the last rank puts the
+    vector in stage order before the planner sees it.
+    """
+
     def __init__(
         self,
         plane: ControlPlane,
@@ -54,15 +63,23 @@ class StageAgent:
         plan: Plan | None = None,
         planner: PlannerLink | None = None,
         keep: int = 16,
+        stage_ranks: Sequence[int] | None = None,
     ) -> None:
-        if not 0 <= stage_index < num_stages:
-            raise ValueError(f"stage {stage_index} is outside 0..{num_stages - 1}")
-        is_last = stage_index == num_stages - 1
+        ranks = tuple(range(num_stages)) if stage_ranks is None else tuple(stage_ranks)
+        if len(ranks) != num_stages:
+            raise ValueError(f"{len(ranks)} stage ranks for {num_stages} stages")
+        num_ranks = max(ranks) + 1
+        if not 0 <= stage_index < num_ranks:
+            raise ValueError(f"stage {stage_index} is outside 0..{num_ranks - 1}")
+        is_last = stage_index == num_ranks - 1
         if planner is not None and not is_last:
             raise ValueError("only the last stage talks to the planner daemon")
         self.plane = plane
         self.stage_index = stage_index
         self.num_stages = num_stages
+        self.local_stages = [v for v, r in enumerate(ranks) if r == stage_index]
+        # the stages whose records come from upstream, in the order the chain adds them
+        self._upstream_stages = [v for rank in range(stage_index) for v, r in enumerate(ranks) if r == rank]
         self.planner = planner
         self.plan = plan
         self.keep = keep
@@ -70,7 +87,7 @@ class StageAgent:
         self.downstream = None if is_last else stage_index + 1
         self.rejected: Counter = Counter()  # valid messages that made no sense here, by reason
         self.vectors_forwarded = 0
-        self._own: dict[int, StageRecord] = {}
+        self._own: dict[int, tuple[StageRecord, ...]] = {}
         self._from_upstream: dict[int, tuple[StageRecord, ...]] = {}
         self._upstream_done: int | None = None
         self._last_iteration = -1
@@ -80,11 +97,16 @@ class StageAgent:
         return self.plan.epoch if self.plan is not None else 0
 
     # ---------------------------------------------------------------- per step
-    def after_step(self, iteration: int, record: StageRecord | None) -> list[Plan]:
-        """Forward what is ready, return the plans that arrived; never waits."""
+    def after_step(self, iteration: int, record: StageRecord | Sequence[StageRecord] | None) -> list[Plan]:
+        """Forward what is ready, return the plans that arrived; never waits.
+
+        ``record`` is this rank's record of a sampled iteration (one per stage it runs, in
+        stage order), or None.
+        """
         self._last_iteration = max(self._last_iteration, iteration)
-        if record is not None:
-            self._own[record.iteration] = record
+        records = (record,) if isinstance(record, StageRecord) else tuple(record or ())
+        if records:
+            self._own[records[0].iteration] = records
             self._trim(self._own, "own record")
         plans = self._handle_all(self.plane.poll(types=AGENT_TYPES))
         self._forward_ready()
@@ -123,11 +145,13 @@ class StageAgent:
     def _forward_ready(self) -> None:
         for iteration in sorted(self._own):
             if self.upstream is None:
-                vector: tuple[StageRecord, ...] = (self._own.pop(iteration),)
+                vector: tuple[StageRecord, ...] = self._own.pop(iteration)
             elif iteration in self._from_upstream:
-                vector = self._from_upstream.pop(iteration) + (self._own.pop(iteration),)
+                vector = self._from_upstream.pop(iteration) + self._own.pop(iteration)
             else:
                 continue
+            if self.downstream is None:
+                vector = tuple(sorted(vector, key=lambda rec: rec.stage))  # stage order for the planner
             self._send_vector(iteration, vector)
 
     def _send_vector(self, iteration: int, vector: tuple[StageRecord, ...]) -> None:
@@ -147,11 +171,12 @@ class StageAgent:
 
     def _take_vector(self, message: Message) -> None:
         vector: tuple[StageRecord, ...] = message.body
+        expected = self._upstream_stages
         problem = None
-        if len(vector) != self.stage_index:
-            problem = f"has {len(vector)} records, stage {self.stage_index} expects {self.stage_index}"
-        elif any(r.stage != s or r.iteration != message.iteration for s, r in enumerate(vector)):
-            problem = f"records are not stages 0..{self.stage_index - 1} of iteration {message.iteration}"
+        if len(vector) != len(expected):
+            problem = f"has {len(vector)} records, stage {self.stage_index} expects {len(expected)}"
+        elif any(r.stage != s or r.iteration != message.iteration for s, r in zip(expected, vector)):
+            problem = f"records are not stages {_stages(expected)} of iteration {message.iteration}"
         if problem:
             self._reject("bad_vector", f"stats vector from rank {message.src} {problem}")
             return
@@ -185,7 +210,7 @@ class StageAgent:
                                                 stage=self.stage_index))
         decision("plan_received", f"stage {self.stage_index} received plan epoch {plan.epoch}",
                  stage=self.stage_index, epoch=plan.epoch, layers_per_stage=plan.counts(),
-                 stage_layers=list(plan.stages[self.stage_index]), reason=plan.reason,
+                 stage_layers=[lid for v in self.local_stages for lid in plan.stages[v]], reason=plan.reason,
                  from_iteration=message.iteration)
         return plan
 
@@ -217,6 +242,12 @@ class StageAgent:
         self.rejected[reason] += 1
         if self.rejected[reason] <= 100 or self.rejected[reason] % 1000 == 0:
             log.warning("stage %d: %s", self.stage_index, text)
+
+
+def _stages(stages: Sequence[int]) -> str:
+    if stages == list(range(len(stages))):
+        return f"0..{len(stages) - 1}"
+    return ", ".join(map(str, stages))
 
 
 def _who(message: Message) -> str:

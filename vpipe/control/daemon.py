@@ -41,7 +41,7 @@ from vpipe.control.netaddr import check_endpoint, control_host
 from vpipe.log import decision
 from vpipe.monitors.records import StageRecord
 from vpipe.planner.judge import PlanJudge
-from vpipe.planner.plan import Plan, PlanError
+from vpipe.plan import Plan, PlanError
 
 log = logging.getLogger("vpipe.planner.daemon")
 

@@ -30,7 +30,7 @@ import msgpack
 from vpipe.control.keys import check_z85_key
 from vpipe.control.netaddr import check_endpoint
 from vpipe.monitors.records import MAX_STAGES, StageRecord
-from vpipe.planner.plan import Plan
+from vpipe.plan import Plan
 
 log = logging.getLogger("vpipe.control")
 

@@ -27,7 +27,7 @@ from vpipe.control.messages import Message, make
 from vpipe.control.netaddr import check_endpoint
 from vpipe.log import decision
 from vpipe.monitors.records import StageRecord
-from vpipe.planner.plan import Plan
+from vpipe.plan import Plan
 
 log = logging.getLogger("vpipe.control")
 

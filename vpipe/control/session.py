@@ -1,16 +1,17 @@
-"""One stage's monitor, control plane and agent, held together around a training loop.
+"""One rank's monitors, control plane and agent, held together around a training loop.
 
-This is the part of vPipe a trainer sees: build a :class:`ControlSession` once per rank,
-wrap each step in :meth:`ControlSession.step` (or call ``begin_step``/``end_step``), use
-the plans it returns, and :meth:`ControlSession.close` at the end (which drains the last
-stats to the planner). The reference trainer uses it through :func:`open_for_stage_run`;
-``vpipe.attach`` is meant to hold one too.
+This is the part of vPipe a trainer sees: build a :class:`ControlSession` once per rank
+(one monitor per stage the rank runs: one, or several under a multi-stage schedule), wrap
+each step in :meth:`ControlSession.step` (or call ``begin_step``/``end_step``), use the
+plans it returns, and :meth:`ControlSession.close` at the end (which drains the last stats
+to the planner). ``vpipe.attach`` holds one; the reference trainer's monitoring-only runs
+use :func:`open_for_stage_run`.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import wraps
@@ -25,7 +26,7 @@ from vpipe.control.daemon import DEFAULT_PLANNER
 from vpipe.control.planner_link import PlannerLink
 from vpipe.monitors.source import SavedTensorSource
 from vpipe.monitors.stage import StageMonitor, layers_of
-from vpipe.planner.plan import Plan
+from vpipe.plan import Plan
 
 __all__ = ["ControlOptions", "ControlSession", "StepPlans", "open_for_stage_run", "exclude_shape_inference"]
 
@@ -84,62 +85,93 @@ def exclude_shape_inference(stage: Any, monitor: StageMonitor) -> Callable[[], N
 
 
 class ControlSession:
-    """Monitor + control plane + agent (+ the planner daemon's link on the last stage)."""
+    """Monitors (one per stage this rank runs) + control plane + agent (+ the planner daemon's link on the
+    last rank)."""
 
     def __init__(
         self,
-        layers: Mapping[int, nn.Module],
+        stages: Mapping[int, Mapping[int, nn.Module]],
         *,
-        stage_index: int,
-        num_stages: int,
-        store: Any,
         rank: int,
+        stage_ranks: Sequence[int],
+        store: Any,
         world_size: int,
         device: torch.device | str,
         optimizer: torch.optim.Optimizer | None = None,
-        saved_source: SavedTensorSource | None = None,
+        saved_sources: Mapping[int, SavedTensorSource] | None = None,
         plan: Plan | None = None,
         options: ControlOptions | None = None,
-        pipeline_stage: Any = None,
+        pipeline_stages: Mapping[int, Any] | None = None,
     ) -> None:
         self.options = options or ControlOptions()
-        self.stage_index = stage_index
-        self.monitor = StageMonitor(layers, stage_index=stage_index, device=device, optimizer=optimizer,
-                                    sample_every=self.options.sample_every, saved_source=saved_source)
+        self.stage_index = rank
+        sources = saved_sources or {}
+        self.monitors = {v: StageMonitor(layers, stage_index=v, device=device, optimizer=optimizer,
+                                         sample_every=self.options.sample_every, saved_source=sources.get(v))
+                         for v, layers in sorted(stages.items())}
         self.plane = ControlPlane(store, rank, world_size)
+        num_stages = len(stage_ranks)
         link = None
-        if stage_index == num_stages - 1:
-            link = PlannerLink(self.plane, stage_index=stage_index, num_stages=num_stages,
+        if rank == max(stage_ranks):
+            link = PlannerLink(self.plane, stage_index=rank, num_stages=num_stages,
                                timeout_s=self.options.planner_timeout_s, heartbeat_s=self.options.heartbeat_s,
                                log_file=self.options.log_file)
-        self.agent = StageAgent(self.plane, stage_index=stage_index, num_stages=num_stages, plan=plan, planner=link)
-        self._undo_wrap = exclude_shape_inference(pipeline_stage, self.monitor) if pipeline_stage is not None else None
-        # without the wrap, the first step's shape inference would pollute its record: drop that one
-        self._distrust_first = pipeline_stage is not None and self._undo_wrap is None
+        self.agent = StageAgent(self.plane, stage_index=rank, num_stages=num_stages, plan=plan, planner=link,
+                                stage_ranks=stage_ranks)
+        self._undo_wraps = []
+        for v, stage in (pipeline_stages or {}).items():
+            undo = exclude_shape_inference(stage, self.monitors[v])
+            # without the wrap, the first step's shape inference would pollute its record: drop that one
+            self._distrust_first = undo is None
+            if undo is not None:
+                self._undo_wraps.append(undo)
         self._steps = 0
         self._open: int | None = None
         self._closed = False
         if link is not None and self.options.planner:
             link.start(self.options.planner)
 
+    _distrust_first = False
+
+    @property
+    def monitor(self) -> StageMonitor:
+        """The monitor of a rank that runs one stage."""
+        if len(self.monitors) != 1:
+            raise ValueError(f"rank {self.stage_index} runs stages {sorted(self.monitors)}: use monitors[stage]")
+        return next(iter(self.monitors.values()))
+
+    def is_sampled(self, iteration: int) -> bool:
+        return next(iter(self.monitors.values())).is_sampled(iteration)
+
     @property
     def plan(self) -> Plan | None:
         return self.agent.plan
 
+    def set_epoch(self, epoch: int) -> None:
+        """The plan in force, which the records carry."""
+        for monitor in self.monitors.values():
+            monitor.epoch = epoch
+
     def begin_step(self, iteration: int) -> None:
-        self.monitor.begin_iteration(iteration)
+        for monitor in self.monitors.values():
+            monitor.begin_iteration(iteration)
         self._open = iteration
 
+    def abort_step(self) -> None:
+        for monitor in self.monitors.values():
+            monitor.abort_iteration()
+        self._open = None
+
     def end_step(self) -> list[Plan]:
-        """Finish the step's record (if sampled), exchange control messages, return new plans."""
+        """Finish the step's records (if sampled), exchange control messages, return new plans."""
         if self._open is None:
             raise RuntimeError("end_step() without begin_step()")
         iteration, self._open = self._open, None
-        record = self.monitor.end_iteration()
+        records = [r for r in (m.end_iteration() for m in self.monitors.values()) if r is not None]
         if self._distrust_first and self._steps == 0:
-            record = None
+            records = []
         self._steps += 1
-        return self.agent.after_step(iteration, record)
+        return self.agent.after_step(iteration, records)
 
     @contextmanager
     def step(self, iteration: int) -> Iterator[StepPlans]:
@@ -148,8 +180,7 @@ class ControlSession:
         try:
             yield result
         except BaseException:
-            self.monitor.abort_iteration()
-            self._open = None
+            self.abort_step()
             raise
         result.plans = self.end_step()
 
@@ -161,9 +192,10 @@ class ControlSession:
         try:
             return self.agent.finish(self.options.finish_timeout_s if timeout_s is None else timeout_s)
         finally:
-            if self._undo_wrap is not None:
-                self._undo_wrap()
-            self.monitor.close()
+            for undo in self._undo_wraps:
+                undo()
+            for monitor in self.monitors.values():
+                monitor.close()
             self.plane.close()
 
 
@@ -172,7 +204,7 @@ def open_for_stage_run(run: Any, ctx: Any, options: ControlOptions) -> ControlSe
     cfg = run.cfg
     plan = Plan.from_counts(range(cfg.n_layers), cfg.layer_counts(), epoch=0)
     return ControlSession(
-        layers_of(run.module), stage_index=run.stage_index, num_stages=cfg.stages, store=ctx.store,
-        rank=ctx.rank, world_size=ctx.world_size, device=ctx.device, optimizer=run.optimizer, plan=plan,
-        options=options, pipeline_stage=run.stage,
+        {run.stage_index: layers_of(run.module)}, rank=ctx.rank, stage_ranks=range(cfg.stages), store=ctx.store,
+        world_size=ctx.world_size, device=ctx.device, optimizer=run.optimizer, plan=plan, options=options,
+        pipeline_stages={run.stage_index: run.stage},
     )

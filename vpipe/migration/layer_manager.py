@@ -1,9 +1,10 @@
-"""The layer manager of one stage: which layers it holds, and moving them to neighbours.
+"""The layer manager of one rank: which layers its stages hold, and moving them to neighbouring stages.
 
 A plan (with an epoch) is diffed against the current placement into rounds of neighbour
-moves (:mod:`vpipe.migration.moves`). In a round every move is an exchange between two
-neighbours over the control plane, the layer's tensors travelling over the migration
-process group (:mod:`vpipe.migration.transfer`)::
+moves (:mod:`vpipe.migration.moves`). A move between two stages this rank runs (the
+multi-stage schedules) re-parents the blocks locally, with nothing sent. A move to another
+rank is an exchange over the control plane, the layers' tensors travelling over the
+migration process group (:mod:`vpipe.migration.transfer`)::
 
     source                                   target
       migrate_prepare (manifests) ------->     build the layers (meta device, no init cost)
@@ -17,55 +18,45 @@ process group (:mod:`vpipe.migration.transfer`)::
 The vote is the commit: no rank changes its layers before every rank knows the outcome,
 so a move that fails (a peer that never answers in time) leaves the old placement
 everywhere and loses nothing. Every phase waits only on an earlier phase of a peer, so a
-round cannot deadlock; a peer that dies is caught by the run's watchdog.
+round cannot deadlock; a peer that dies is caught by the run's watchdog. Streamed moves
+inside a PipeDream stream share the first half (:mod:`vpipe.migration.handshake`) and hand
+the rest to :mod:`vpipe.migration.stream`.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from vpipe.log import decision
-from vpipe.migration.blocks import KeyStyle, StageBlocks, block_attrs, block_kind, clone_block, set_block_attrs
+from vpipe.migration.blocks import KeyStyle, StageBlocks, block_attrs, block_kind
+from vpipe.migration.handshake import (NO_FAULTS, BlockBuilder, FaultHook, Incoming, LayerFactory, Messenger,
+                                       MigrationError, announce, await_ready, move_key, receive_prepare)
 from vpipe.migration.moves import Move, apply_round, plan_rounds
-from vpipe.migration.state import LayerState, detach_from_optimizer, pack_layer, payload_bytes, unpack_layer, validate_manifest
+from vpipe.migration.placement import Placement
+from vpipe.migration.shapes import BoundaryShapes
+from vpipe.migration.state import (LayerState, attach_to_optimizer, detach_from_optimizer, pack_layer, payload_bytes,
+                                   unpack_layer)
 from vpipe.migration.transfer import MOVE, TransferChannel, transfer_tag
-from vpipe.planner.plan import Plan, PlanError
-from vpipe.runtime import faults
+from vpipe.plan import Plan, PlanError
 
 log = logging.getLogger("vpipe.migration")
 
 __all__ = ["LayerManager", "LayerListener", "MigrationReport", "MigrationError", "Messenger"]
 
-LayerFactory = Callable[[int, Any], nn.Module]
-
-
-class MigrationError(RuntimeError):
-    """A migration that cannot complete safely (the run must stop, nothing was dropped)."""
-
 
 class LayerListener(Protocol):
-    """Parts that keep per-layer state (tensor manager, monitor) follow the placement."""
+    """Parts that keep per-layer state (tensor manager, monitor) follow the placement of their stage."""
 
     def add_layer(self, layer_id: int, module: nn.Module) -> None: ...
 
     def remove_layer(self, layer_id: int) -> None: ...
-
-
-class Messenger(Protocol):
-    """The control-plane operations a migration needs (see :class:`vpipe.control.channel.ControlPlane`)."""
-
-    def send_to(self, peer: int, type: str, body: dict[str, Any], *, epoch: int) -> None: ...
-
-    def wait_for(self, types: set[str], *, from_rank: int, key: tuple[int, int], timeout_s: float) -> tuple[str, dict[str, Any]] | None: ...
 
 
 @dataclass
@@ -79,31 +70,23 @@ class MigrationReport:
     rebuilt: bool = False
 
 
-@dataclass
-class _Incoming:
-    move: Move
-    manifests: list[dict[str, Any]]
-    modules: dict[int, nn.Module]
-    states: list[LayerState] = field(default_factory=list)
-    ok: bool = True
-
-
 class LayerManager:
-    """Holds a stage's layers by global id and applies placement plans by neighbour moves.
+    """Holds the blocks of this rank's stages by global id and applies placement plans by neighbour moves.
 
-    ``blocks`` is the stage's block container (:class:`~vpipe.migration.blocks.StageBlocks`,
-    or an ``nn.Sequential`` whose children are named by layer id); it is edited in place
-    (entries inserted and removed), never replaced. A block that arrives is built by
-    ``factory(id, spec)`` when there is one (``specs`` maps layer ids to specs, which travel
-    with moved layers), else cloned from a local block of the same kind
-    (:func:`~vpipe.migration.blocks.clone_block`) and given the moved block's plain attributes.
+    ``blocks`` maps each stage this rank runs to its block container
+    (:class:`~vpipe.migration.blocks.StageBlocks`, or an ``nn.Sequential`` whose children are
+    named by layer id), edited in place, never replaced. ``stage_ranks`` gives the rank of
+    every stage (default: stage ``v`` on rank ``v``). A block that arrives from another
+    rank is built by ``factory(id, spec)`` when there is one (``specs`` maps layer ids to
+    specs, which travel with moved layers), else cloned from a local block of the same kind
+    and given the moved block's plain attributes. One optimizer holds the parameters of all
+    of this rank's stages.
     """
 
     def __init__(
         self,
-        blocks: StageBlocks | nn.Sequential,
+        blocks: Mapping[int, StageBlocks | nn.Sequential] | StageBlocks | nn.Sequential,
         *,
-        stage_index: int,
         placement: Sequence[Sequence[int]],
         optimizer: torch.optim.Optimizer | None,
         factory: LayerFactory | None,
@@ -111,83 +94,93 @@ class LayerManager:
         messenger: Messenger,
         channel: TransferChannel,
         device: torch.device,
+        stage_ranks: Sequence[int] | None = None,
+        stage_index: int | None = None,
         timeout_s: float = 30.0,
         epoch: int = 0,
+        faults: FaultHook = NO_FAULTS,
     ) -> None:
-        if isinstance(blocks, nn.Sequential):
-            blocks = StageBlocks(blocks, [int(name) for name in blocks._modules], KeyStyle.IDS)
-        self.blocks = blocks
-        self.stage_index = stage_index
-        self.placement = tuple(tuple(s) for s in placement)
+        if not isinstance(blocks, Mapping):
+            if stage_index is None:
+                raise ValueError("a single block container needs stage_index=")
+            blocks = {stage_index: blocks}
+        self.blocks: dict[int, StageBlocks] = {
+            v: StageBlocks(b, [int(name) for name in b._modules], KeyStyle.IDS) if isinstance(b, nn.Sequential) else b
+            for v, b in sorted(blocks.items())}
+        self._placement = Placement.of(placement, stage_ranks)
         self.optimizer = optimizer
-        self.factory = factory
         self.specs: dict[int, Any] = dict(specs or {})
+        self.builder = BlockBuilder(self.blocks, factory, self.specs, device)
         self.messenger = messenger
         self.channel = channel
         self.device = device
         self.timeout_s = timeout_s
         self.epoch = epoch
-        self.listeners: list[LayerListener] = []
-        self._next_id = max(lid for layers in self.placement for lid in layers) + 1
-        self.out_meta: dict[int, tuple[Any, ...]] = {}
-        self.in_meta: dict[int, tuple[Any, ...]] = {}
-        self._hooks: dict[int, Any] = {}
-        if list(self.layer_ids) != list(self.placement[stage_index]):
-            raise ValueError(f"stage {stage_index} holds layers {self.layer_ids} but the placement says "
-                             f"{list(self.placement[stage_index])}")
-        for lid, layer in self._children().items():
-            self._watch(lid, layer)
+        self.faults = faults
+        self.listeners: dict[int, list[LayerListener]] = {v: [] for v in self.blocks}
+        self.next_layer_id = max(self._placement.order) + 1
+        self.shapes = BoundaryShapes()
+        for v, stage_blocks in self.blocks.items():
+            if stage_blocks.ids != list(self._placement.stages[v]):
+                raise ValueError(f"stage {v} holds layers {stage_blocks.ids} but the placement says "
+                                 f"{list(self._placement.stages[v])}")
+            for lid, layer in stage_blocks.blocks().items():
+                self.shapes.watch(lid, layer)
+        ranks = {self._placement.rank_of(v) for v in self.blocks}
+        if len(ranks) != 1:
+            raise ValueError(f"the local stages {sorted(self.blocks)} run on ranks {sorted(ranks)}, not on one")
+        self.rank = ranks.pop()
 
     # ---------------------------------------------------------------- queries
     @property
-    def num_stages(self) -> int:
-        return len(self.placement)
+    def placement(self) -> tuple[tuple[int, ...], ...]:
+        return self._placement.stages
 
     @property
-    def module(self) -> nn.Module:
-        """The block container (edited in place)."""
-        return self.blocks.container
+    def stage_ranks(self) -> tuple[int, ...]:
+        return self._placement.stage_ranks
+
+    @property
+    def num_stages(self) -> int:
+        return self._placement.num_stages
+
+    @property
+    def local_stages(self) -> list[int]:
+        return list(self.blocks)
+
+    @property
+    def stage_index(self) -> int:
+        """The one stage of a single-stage rank (PipeDream streams have one)."""
+        if len(self.blocks) != 1:
+            raise ValueError(f"this rank runs stages {self.local_stages}, not one")
+        return next(iter(self.blocks))
 
     @property
     def layer_ids(self) -> list[int]:
-        """This stage's layers, in order."""
-        return self.blocks.ids
+        """This rank's layers, stage by stage, in model order."""
+        return [lid for v in self.blocks for lid in self.blocks[v].ids]
+
+    def layers_of(self, stage: int) -> list[int]:
+        return self.blocks[stage].ids
 
     @property
     def order(self) -> list[int]:
-        """All layers of the model, in execution order (as this stage knows the placement)."""
-        return [lid for layers in self.placement for lid in layers]
+        """All layers of the model, in execution order."""
+        return self._placement.order
 
     def _children(self) -> dict[int, nn.Module]:
-        return self.blocks.blocks()
+        return {lid: block for stage_blocks in self.blocks.values() for lid, block in stage_blocks.blocks().items()}
 
     def can_build(self) -> list[str] | None:
-        """The kinds of block this stage can build for an incoming move (None: any, a factory builds them)."""
-        if self.factory is not None:
-            return None
-        return sorted({block_kind(block) for block in self._children().values()})
+        """The kinds of block this rank can build for an incoming move (None: any, a factory builds them)."""
+        return self.builder.can_build()
 
-    def _describe(self, layer_id: int, block: nn.Module) -> dict[str, Any]:
+    def _describe(self, stage: int, layer_id: int, block: nn.Module) -> dict[str, Any]:
         """What a receiving stage needs besides the tensors to rebuild ``block``: kind, key, plain attributes."""
-        return {"kind": block_kind(block), "key": self.blocks.key_of(layer_id), "attrs": block_attrs(block)}
-
-    # ---------------------------------------------------------------- output metadata
-    def _watch(self, lid: int, layer: nn.Module) -> None:
-        def record(_module: nn.Module, inputs: Any, output: Any, lid: int = lid) -> None:
-            if lid not in self.out_meta:
-                self.out_meta[lid] = _meta(output)
-                self.in_meta[lid] = _meta(inputs)
-
-        self._hooks[lid] = layer.register_forward_hook(record)
-
-    def _unwatch(self, lid: int) -> None:
-        handle = self._hooks.pop(lid, None)
-        if handle is not None:
-            handle.remove()
+        return {"kind": block_kind(block), "key": self.blocks[stage].key_of(layer_id), "attrs": block_attrs(block)}
 
     def close(self) -> None:
-        for lid in list(self._hooks):
-            self._unwatch(lid)
+        self.shapes.close()
 
     # ---------------------------------------------------------------- plans
     def check_plan(self, plan: Plan) -> None:
@@ -195,8 +188,11 @@ class LayerManager:
             raise PlanError(f"stale plan: epoch {plan.epoch} <= current epoch {self.epoch}")
         plan.check_against(self.order, self.num_stages)
 
+    def _involved(self, moves: Iterable[Move]) -> list[Move]:
+        return [m for m in moves if m.src in self.blocks or m.dst in self.blocks]
+
     def apply(self, plan: Plan) -> MigrationReport:
-        """Move layers until this stage holds its part of ``plan``.
+        """Move layers until this rank's stages hold their part of ``plan``.
 
         Every rank calls this at the same step boundary with the same plan: the rounds end
         with a collective vote, so all ranks agree on what moved even when a move aborts.
@@ -205,26 +201,130 @@ class LayerManager:
         report = MigrationReport(epoch=plan.epoch)
         start = time.perf_counter()
         rounds = plan_rounds(self.placement, plan.stages)
-        mine = [m for moves in rounds for m in moves if self.stage_index in (m.src, m.dst)]
+        mine = self._involved(m for moves in rounds for m in moves)
         if mine:
-            decision("migration_start", f"epoch {plan.epoch}: {len(mine)} move(s) involving stage {self.stage_index}",
-                     epoch=plan.epoch, stage=self.stage_index,
+            decision("migration_start", f"epoch {plan.epoch}: {len(mine)} move(s) involving rank {self.rank}",
+                     epoch=plan.epoch, stage=self.local_stages[0], stages=self.local_stages,
                      moves=[{"src": m.src, "dst": m.dst, "layers": list(m.layers)} for m in mine])
         for r, moves in enumerate(rounds):
             if not self._run_round(plan.epoch, r, moves, report):
                 break  # later rounds assumed this one: stay at the last agreed placement
-            self.placement = apply_round(self.placement, moves)
         self.epoch = plan.epoch
         report.seconds = time.perf_counter() - start
         if mine:
             decision("migration_done",
-                     f"epoch {plan.epoch}: stage {self.stage_index} moved {len(report.moved)}, aborted {len(report.aborted)}",
-                     epoch=plan.epoch, stage=self.stage_index, seconds=report.seconds,
+                     f"epoch {plan.epoch}: rank {self.rank} moved {len(report.moved)}, aborted {len(report.aborted)}",
+                     epoch=plan.epoch, stage=self.local_stages[0], stages=self.local_stages, seconds=report.seconds,
                      bytes_sent=report.bytes_sent, bytes_received=report.bytes_received,
                      moved=[list(m.layers) for m in report.moved], aborted=[list(m.layers) for m in report.aborted],
                      layers=self.layer_ids, rebuilt=report.rebuilt)
         return report
 
+    def _rank(self, stage: int) -> int:
+        return self._placement.rank_of(stage)
+
+    def _tag(self, key: tuple[int, int, int]) -> int:
+        """The payload's transfer tag: unique per move of a round (a receive left behind by an aborted round
+        cannot take a later round's bytes)."""
+        epoch, round_index, move = key
+        return transfer_tag(epoch, MOVE, (round_index * 2 * self.num_stages + move) % 10_000)
+
+    def _run_round(self, epoch: int, r: int, moves: Sequence[Move], report: MigrationReport) -> bool:
+        """One round of moves; True if every move of the round went through on every rank."""
+        local = self.blocks
+        outgoing = [m for m in moves if m.src in local and m.dst not in local]
+        incoming = [m for m in moves if m.dst in local and m.src not in local]
+        within = [m for m in moves if m.src in local and m.dst in local]
+        ok = True
+        # phase 1: announce what leaves this rank
+        children = self._children()
+        sent_states: dict[Move, list[LayerState]] = {}
+        for m in outgoing:
+            states = [pack_layer(lid, children[lid], self.optimizer, self.specs.get(lid)) for lid in m.layers]
+            for st in states:
+                st.manifest.update(block=self._describe(m.src, st.layer_id, children[st.layer_id]),
+                                   **self.shapes.describe(st.layer_id))
+            sent_states[m] = states
+            announce(self.messenger, m, self._rank(m.dst), [st.manifest for st in states], move_key(epoch, r, m))
+        # phase 2: build what arrives (on the meta device, then empty storage: no init cost)
+        arriving = [receive_prepare(self.messenger, self.builder, m, self._rank(m.src), move_key(epoch, r, m),
+                                    self.timeout_s, self.faults) for m in incoming]
+        # phase 3: send each payload once its target is ready
+        works = []
+        for m in outgoing:
+            key = move_key(epoch, r, m)
+            if not await_ready(self.messenger, m, self._rank(m.dst), key, self.timeout_s, abort_on_silence=True):
+                ok = False
+                continue
+            payload = torch.cat([st.payload for st in sent_states[m]])
+            self.messenger.send_to(self._rank(m.dst), "migrate_transfer",
+                                   {"round": r, "move": key[2], "nbytes": int(payload.numel())}, epoch=epoch)
+            works.append((m, self.channel.send(payload, self._rank(m.dst), self._tag(key)), payload))
+        # phase 4: receive payloads and acknowledge them
+        for inc in arriving:
+            if inc.ok:
+                self._receive_payload(inc, move_key(epoch, r, inc.move), report)
+            ok = ok and inc.ok
+        for m, work, payload in works:
+            work.wait()
+            report.bytes_sent += int(payload.numel())
+        # phase 5: the sources collect the acknowledgements
+        for m, _work, _payload in works:
+            if self.messenger.wait_for({"migrate_ack"}, from_rank=self._rank(m.dst), key=move_key(epoch, r, m),
+                                       timeout_s=self.timeout_s) is None:
+                log.warning("rank %d: no migrate_ack from stage %d for layers %s; aborting", self.rank, m.dst,
+                            list(m.layers))
+                ok = False
+        # phase 6: one vote decides the whole round on every rank, then both sides act on it; the
+        # same collective tells whether a boundary activation changes (every rank must redo shape inference)
+        after = apply_round(self.placement, moves)
+        ok, changed = self.channel.vote([(ok, True), (self._output_changes(after, arriving), False)])
+        if not ok:
+            report.aborted.extend(self._involved(moves))
+            decision("migration_aborted", f"epoch {epoch} round {r}: a move failed; every stage keeps its layers",
+                     epoch=epoch, round=r, stage=self.local_stages[0])
+            return False
+        for m in outgoing:
+            self._drop(m.src, m.layers)
+        moved_here = [(m, self._take(m.src, m.layers)) for m in within]
+        for inc in arriving:
+            self._insert(inc)
+        for m, entries in moved_here:
+            self._put(m.dst, m.forward, entries)
+        self._placement = self._placement.with_stages(after)
+        report.moved.extend(self._involved(moves))
+        report.rebuilt = report.rebuilt or changed
+        return True
+
+    def _output_changes(self, after: Sequence[Sequence[int]], arriving: Sequence[Incoming]) -> bool:
+        """Whether this round changes what one of this rank's stages sends downstream (shape, dtype, arity)."""
+        manifests = {man["layer"]: man for inc in arriving for man in inc.manifests}
+        return any(self.shapes.last_output_changes(self.placement[v], after[v], manifests)
+                   for v in self.blocks if v != self.num_stages - 1)
+
+    def _receive_payload(self, inc: Incoming, key: tuple[int, int, int], report: MigrationReport) -> None:
+        m, src = inc.move, self._rank(inc.move.src)
+        got = self.messenger.wait_for({"migrate_transfer", "migrate_abort"}, from_rank=src, key=key,
+                                      timeout_s=2 * self.timeout_s)
+        if got is None or got[0] == "migrate_abort":
+            inc.ok = False
+            return
+        nbytes = sum(payload_bytes(man) for man in inc.manifests)
+        if got[1].get("nbytes") != nbytes:
+            raise MigrationError(f"stage {m.dst}: stage {m.src} sends {got[1].get('nbytes')} bytes, "
+                                 f"the manifests describe {nbytes}")
+        buf, work = self.channel.recv(nbytes, src, self._tag(key))
+        work.wait()
+        buf = buf.cpu()
+        offset = 0
+        for man in inc.manifests:
+            size = payload_bytes(man)
+            inc.states.append(LayerState(man["layer"], man, buf[offset:offset + size]))
+            offset += size
+        report.bytes_received += nbytes
+        self.messenger.send_to(src, "migrate_ack", {"round": key[1], "move": key[2]}, epoch=key[0])
+
+    # ---------------------------------------------------------------- streamed moves (PipeDream)
     def start_streamed(self, plan: Plan, schedule: Any, switch_mb: int, *, continuation: bool = False) -> list[Any]:
         """Begin moving towards ``plan`` inside a running PipeDream stream, switching at ``switch_mb``.
 
@@ -248,29 +348,24 @@ class LayerManager:
             return []
         moves = rounds[0]
         after = apply_round(self.placement, moves)
-        if self._vote(self._boundary_changed(self.placement, after), all_of=False):
+        s, epoch = self.stage_index, plan.epoch
+        if self.channel.vote([(self.shapes.boundary_changed(s, self.placement, after), False)])[0]:
             raise MigrationError("this move changes a boundary activation's shape; a PipeDream stream cannot "
                                  "resize its buffers: flush() first and apply it at the step boundary")
-        s, key, epoch = self.stage_index, (plan.epoch, 0), plan.epoch
         outgoing = [m for m in moves if m.src == s]
         incoming = [m for m in moves if m.dst == s]
         children = self._children()
         for m in outgoing:
             manifests = [dict(pack_layer(lid, children[lid], None, self.specs.get(lid)).manifest,
-                              block=self._describe(lid, children[lid])) for lid in m.layers]
-            self.messenger.send_to(m.dst, "migrate_prepare", {"round": 0, "src": m.src, "dst": m.dst,
-                                                              "layers": list(m.layers), "manifests": manifests},
-                                   epoch=epoch)
-        arriving = [self._receive_prepare(m, key) for m in incoming]
+                              block=self._describe(s, lid, children[lid])) for lid in m.layers]
+            announce(self.messenger, m, self._rank(m.dst), manifests, move_key(epoch, 0, m))
+        arriving = [receive_prepare(self.messenger, self.builder, m, self._rank(m.src), move_key(epoch, 0, m),
+                                    self.timeout_s, self.faults) for m in incoming]
         ready = all(inc.ok for inc in arriving)
         for m in outgoing:
-            answer = self.messenger.wait_for({"migrate_ready", "migrate_abort"}, from_rank=m.dst, key=key,
-                                             timeout_s=self.timeout_s)
-            if answer is None or answer[0] == "migrate_abort":
-                if answer is None:
-                    log.warning("stage %d: no migrate_ready from stage %d for layers %s", s, m.dst, list(m.layers))
-                ready = False
-        if not self._vote(ready, all_of=True):
+            ready = await_ready(self.messenger, m, self._rank(m.dst), move_key(epoch, 0, m), self.timeout_s,
+                                abort_on_silence=False) and ready
+        if not self.channel.vote([(ready, True)])[0]:
             decision("migration_aborted", f"epoch {epoch}: a streamed move was not ready; every stage keeps its layers",
                      epoch=epoch, stage=s)
             self.epoch = epoch
@@ -279,348 +374,118 @@ class LayerManager:
                  epoch=epoch, stage=s, switch_mb=switch_mb,
                  moves=[{"src": m.src, "dst": m.dst, "layers": list(m.layers)} for m in moves if s in (m.src, m.dst)])
         movers: list[Any] = []
-        listeners = [self._Bookkeeping(self), *self.listeners]
+        listeners = [_Watching(self.shapes), *self.listeners[s]]
+        blocks = self.blocks[s]
         for m in outgoing:
-            movers.append(OutgoingStream(schedule, self.blocks, {lid: children[lid] for lid in m.layers},
-                                         forward=m.forward, switch_mb=switch_mb, dst=m.dst, epoch=epoch,
-                                         channel=self.channel, messenger=self.messenger, listeners=listeners))
+            movers.append(OutgoingStream(schedule, blocks, {lid: children[lid] for lid in m.layers},
+                                         forward=m.forward, switch_mb=switch_mb, dst=self._rank(m.dst),
+                                         key=move_key(epoch, 0, m), channel=self.channel, messenger=self.messenger,
+                                         listeners=listeners))
         for inc in arriving:
-            movers.append(IncomingStream(schedule, self.blocks, inc.modules, inc.manifests, forward=inc.move.forward,
-                                         switch_mb=switch_mb, src=inc.move.src, epoch=epoch, channel=self.channel,
+            movers.append(IncomingStream(schedule, blocks, inc.modules, inc.manifests, forward=inc.move.forward,
+                                         switch_mb=switch_mb, src=self._rank(inc.move.src),
+                                         key=move_key(epoch, 0, inc.move), channel=self.channel,
                                          messenger=self.messenger, timeout_s=3 * self.timeout_s, listeners=listeners))
         schedule.movers.extend(movers)
-        self.placement = after
+        self._placement = self._placement.with_stages(after)
         self.epoch = epoch
         return movers
 
-    class _Bookkeeping:
-        """Keeps the manager's own per-layer records in step with a streamed move."""
-
-        def __init__(self, manager: LayerManager) -> None:
-            self.manager = manager
-
-        def add_layer(self, layer_id: int, module: nn.Module) -> None:
-            self.manager._watch(layer_id, module)
-
-        def remove_layer(self, layer_id: int) -> None:
-            self.manager._unwatch(layer_id)
-
-    def _vote(self, flag: bool, *, all_of: bool) -> bool:
-        """All ranks learn whether ``flag`` holds on all (``all_of``) or on any rank."""
-        return self._votes([(flag, all_of)])[0]
-
-    def _votes(self, flags: Sequence[tuple[bool, bool]]) -> list[bool]:
-        """Several votes in one collective: each ``(flag, all_of)`` becomes "on all" or "on any" rank."""
-        # MIN of x is "all"; MIN of -x is -"any"
-        values = [(1.0 if f else 0.0) if all_of else -(1.0 if f else 0.0) for f, all_of in flags]
-        t = torch.tensor(values, device=self.channel.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.channel.group)
-        return [(v > 0.5) if all_of else (v < -0.5) for v, (_, all_of) in zip(t.tolist(), flags)]
-
-    def _boundary_changed(self, before: Sequence[Sequence[int]], after: Sequence[Sequence[int]]) -> bool:
-        """Before a one-round move: whether a boundary next to this stage will carry a different activation.
-
-        Boundary ``b`` (between stages b and b+1) is judged by the stage that held its new
-        last layer before the move: it knows that layer's output and the old boundary (as
-        stage b, the old last layer's output; as stage b+1, its old first layer's input).
-        Unknown metadata (a layer that never ran) counts as a change.
-        """
-        s = self.stage_index
-        changed = False
-        for b in (s - 1, s):
-            if not 0 <= b < self.num_stages - 1 or before[b][-1] == after[b][-1]:
-                continue
-            new_last = after[b][-1]
-            if new_last not in before[s]:
-                continue  # the other neighbour judges this boundary
-            old = self.out_meta.get(before[b][-1]) if b == s else self.in_meta.get(before[b + 1][0])
-            new = self.out_meta.get(new_last)
-            changed = changed or old is None or new is None or old != new
-        return changed
-
-    # ---------------------------------------------------------------- one round
-    def _run_round(self, epoch: int, r: int, moves: Sequence[Move], report: MigrationReport) -> bool:
-        """One round of moves; True if every move of the round went through on every rank."""
-        s = self.stage_index
-        outgoing = [m for m in moves if m.src == s]
-        incoming = [m for m in moves if m.dst == s]
-        key = (epoch, r)
-        ok = True
-        # phase 1: announce what leaves
-        sent_states: dict[Move, list[LayerState]] = {}
-        for m in outgoing:
-            children = self._children()
-            states = [pack_layer(lid, children[lid], self.optimizer, self.specs.get(lid)) for lid in m.layers]
-            for st in states:
-                st.manifest["block"] = self._describe(st.layer_id, children[st.layer_id])
-                st.manifest["out_meta"] = _wire_meta(self.out_meta.get(st.layer_id))
-                st.manifest["in_meta"] = _wire_meta(self.in_meta.get(st.layer_id))
-            sent_states[m] = states
-            self.messenger.send_to(m.dst, "migrate_prepare",
-                                   {"round": r, "src": m.src, "dst": m.dst, "layers": list(m.layers),
-                                    "manifests": [st.manifest for st in states]}, epoch=epoch)
-        # phase 2: build what arrives (on the meta device, then empty storage: no init cost)
-        arriving = [self._receive_prepare(m, key) for m in incoming]
-        # phase 3: send each payload once its target is ready
-        works = []
-        for m in outgoing:
-            answer = self.messenger.wait_for({"migrate_ready", "migrate_abort"}, from_rank=m.dst, key=key,
-                                             timeout_s=self.timeout_s)
-            if answer is None or answer[0] == "migrate_abort":
-                if answer is None:
-                    log.warning("stage %d: no migrate_ready from stage %d for layers %s; aborting", s, m.dst,
-                                list(m.layers))
-                    self.messenger.send_to(m.dst, "migrate_abort", {"round": r, "reason": "no ready"}, epoch=epoch)
-                ok = False
-                continue
-            payload = torch.cat([st.payload for st in sent_states[m]])
-            self.messenger.send_to(m.dst, "migrate_transfer", {"round": r, "nbytes": int(payload.numel())}, epoch=epoch)
-            works.append((m, self.channel.send(payload, m.dst, transfer_tag(epoch, MOVE, 2 * r + (m.dst > m.src))), payload))
-        # phase 4: receive payloads and acknowledge them
-        for inc in arriving:
-            if inc.ok:
-                self._receive_payload(inc, key, report)
-            ok = ok and inc.ok
-        for m, work, payload in works:
-            work.wait()
-            report.bytes_sent += int(payload.numel())
-        # phase 5: the sources collect the acknowledgements
-        for m, _work, _payload in works:
-            if self.messenger.wait_for({"migrate_ack"}, from_rank=m.dst, key=key, timeout_s=self.timeout_s) is None:
-                log.warning("stage %d: no migrate_ack from stage %d for layers %s; aborting", s, m.dst, list(m.layers))
-                ok = False
-        # phase 6: one vote decides the whole round on every rank, then both sides act on it; the
-        # same collective tells whether a boundary activation changes (every rank must redo shape inference)
-        ok, changed = self._votes([(ok, True), (self._last_output_changes(outgoing, arriving), False)])
-        if not ok:
-            report.aborted.extend(m for m in moves if s in (m.src, m.dst))
-            decision("migration_aborted", f"epoch {epoch} round {r}: a move failed; every stage keeps its layers",
-                     epoch=epoch, round=r, stage=s)
-            return False
-        for m in outgoing:
-            self._drop(m.layers)
-        for inc in arriving:
-            self._insert(inc)
-        report.moved.extend(m for m in moves if s in (m.src, m.dst))
-        report.rebuilt = report.rebuilt or changed
-        return True
-
-    def _last_output_changes(self, outgoing: Sequence[Move], arriving: Sequence[_Incoming]) -> bool:
-        """Whether this round changes what this stage sends downstream (shape, dtype, arity)."""
-        if self.stage_index == self.num_stages - 1:
-            return False
-        leaving = {lid for m in outgoing for lid in m.layers}
-        layers = [lid for lid in self.layer_ids if lid not in leaving]
-        metas = dict(self.out_meta)
-        for inc in arriving:
-            if not inc.manifests:
-                continue
-            for man in inc.manifests:
-                metas[man["layer"]] = _unwire_meta(man.get("out_meta"))
-            layers = list(inc.move.layers) + layers if inc.move.forward else layers + list(inc.move.layers)
-        old_last = self.layer_ids[-1]
-        if not layers or layers[-1] == old_last:
-            return False
-        old, new = self.out_meta.get(old_last), metas.get(layers[-1])
-        return old is None or new is None or old != new
-
-    def _build(self, layer_id: int, spec: Any) -> nn.Module:
-        """An empty layer of the right shape (built on the meta device: no initialisation cost)."""
-        assert self.factory is not None
-        with torch.device("meta"):
-            layer = self.factory(layer_id, spec)
-        return layer.to_empty(device=self.device)
-
-    def _clone_for(self, manifest: dict[str, Any]) -> nn.Module:
-        """An empty block for ``manifest``, cloned from a local block of the same kind (no factory)."""
-        lid, info = manifest["layer"], manifest.get("block")
-        if not isinstance(info, dict):
-            raise MigrationError(f"layer {lid} arrives without a description of its block, and there is no layer_factory")
-        donor = next((b for b in self._children().values() if block_kind(b) == info["kind"]), None)
-        if donor is None:
-            raise MigrationError(f"stage {self.stage_index} has no block of kind {info['kind']} to build layer {lid} "
-                                 "from; pass layer_factory= to vpipe.attach for models whose blocks differ")
-        block = clone_block(donor)
-        try:
-            set_block_attrs(block, info["attrs"], lid)
-        except ValueError as e:
-            raise MigrationError(str(e)) from None
-        return block
-
-    def _receive_prepare(self, m: Move, key: tuple[int, int]) -> _Incoming:
-        # the plan names the layers: build those whose spec we know while the source packs them
-        early = ({lid: self._build(lid, self.specs[lid]) for lid in m.layers if lid in self.specs}
-                 if self.factory is not None else {})
-        got = self.messenger.wait_for({"migrate_prepare"}, from_rank=m.src, key=key, timeout_s=self.timeout_s)
-        if got is None:
-            log.warning("stage %d: no migrate_prepare from stage %d for layers %s", self.stage_index, m.src, list(m.layers))
-            return _Incoming(m, [], {}, ok=False)
-        rank = dist.get_rank()
-        if faults.active("migration_silent", rank):
-            log.warning("stage %d: fault injected: ignoring migrate_prepare from stage %d", self.stage_index, m.src)
-            return _Incoming(m, [], {}, ok=False)
-        if faults.active("migration_die", rank):
-            log.error("stage %d: fault injected: dying in the middle of a move", self.stage_index)
-            os._exit(9)
-        body = got[1]
-        if body.get("layers") != list(m.layers) or body.get("src") != m.src or body.get("dst") != m.dst:
-            raise MigrationError(f"stage {self.stage_index}: stage {m.src} announced layers {body.get('layers')} "
-                                 f"but the plan moves {list(m.layers)}")
-        manifests = [validate_manifest(man) for man in body.get("manifests", [])]
-        if [man["layer"] for man in manifests] != list(m.layers):
-            raise MigrationError(f"stage {self.stage_index}: manifests do not match the moved layers {list(m.layers)}")
-        modules = {}
-        try:
-            for man in manifests:
-                lid = man["layer"]
-                if self.factory is None:
-                    modules[lid] = self._clone_for(man)
-                    continue
-                same_spec = lid in early and man.get("spec") in (None, self.specs.get(lid))
-                modules[lid] = early[lid] if same_spec else self._build(lid, man.get("spec"))
-        except MigrationError as e:
-            decision("migration_refused", f"stage {self.stage_index} cannot build layers {list(m.layers)}: {e}",
-                     stage=self.stage_index, layers=list(m.layers), reason=str(e))
-            self.messenger.send_to(m.src, "migrate_abort", {"round": key[1], "reason": str(e)[:200]}, epoch=key[0])
-            return _Incoming(m, [], {}, ok=False)
-        self.messenger.send_to(m.src, "migrate_ready", {"round": key[1]}, epoch=key[0])
-        return _Incoming(m, manifests, modules)
-
-    def _receive_payload(self, inc: _Incoming, key: tuple[int, int], report: MigrationReport) -> None:
-        m, (epoch, r) = inc.move, key
-        got = self.messenger.wait_for({"migrate_transfer", "migrate_abort"}, from_rank=m.src, key=key,
-                                      timeout_s=2 * self.timeout_s)
-        if got is None or got[0] == "migrate_abort":
-            inc.ok = False
-            return
-        nbytes = sum(payload_bytes(man) for man in inc.manifests)
-        if got[1].get("nbytes") != nbytes:
-            raise MigrationError(f"stage {self.stage_index}: stage {m.src} sends {got[1].get('nbytes')} bytes, "
-                                 f"the manifests describe {nbytes}")
-        buf, work = self.channel.recv(nbytes, m.src, transfer_tag(epoch, MOVE, 2 * r + (m.dst > m.src)))
-        work.wait()
-        buf = buf.cpu()
-        offset = 0
-        for man in inc.manifests:
-            size = payload_bytes(man)
-            inc.states.append(LayerState(man["layer"], man, buf[offset:offset + size]))
-            offset += size
-        report.bytes_received += nbytes
-        self.messenger.send_to(m.src, "migrate_ack", {"round": r}, epoch=epoch)
-
     # ---------------------------------------------------------------- adding and removing layers
-    def add_layers(self, position: int, specs: Sequence[Any], *, seed_ids: Sequence[int] | None = None) -> list[int]:
+    def add_layers(self, position: int, specs: Sequence[Any]) -> list[int]:
         """Insert new layers before model position ``position`` (0 = first); every rank calls it identically.
 
-        New layers get fresh ids above every id in use. They join the stage that holds
-        the layer currently at ``position`` (the last stage when appending), are built by
-        the factory, and their parameters join this stage's optimizer (param group 0).
-        Returns the new ids.
+        New layers get fresh ids above every id in use (ids are never reused, even after a
+        removal). They join the stage that holds the layer currently at ``position`` (the
+        last stage when appending), are built by the factory, and their parameters join
+        this rank's optimizer (param group 0). Returns the new ids.
         """
-        order = self.order
-        if not 0 <= position <= len(order):
-            raise ValueError(f"position {position} is outside 0..{len(order)}")
         if not specs:
             return []
-        first_new = max(self._next_id, max(order) + 1)  # ids are never reused, even after a removal
-        new_ids = list(seed_ids) if seed_ids is not None else list(range(first_new, first_new + len(specs)))
-        if len(new_ids) != len(specs) or set(new_ids) & set(order):
-            raise ValueError(f"new layer ids {new_ids} clash with the model's ids or do not match the specs")
-        if position < len(order):
-            owner, anchor = self._stage_holding(order[position]), order[position]
-        else:
-            owner, anchor = self.num_stages - 1, None
-        stages = [list(layers) for layers in self.placement]
-        at = stages[owner].index(anchor) if anchor is not None else len(stages[owner])
-        stages[owner][at:at] = new_ids
-        if owner == self.stage_index:
-            if self.factory is None:
+        first_new = max(self.next_layer_id, max(self.order) + 1)
+        new_ids = list(range(first_new, first_new + len(specs)))
+        placement, owner, at = self._placement.with_added(position, new_ids)
+        if owner in self.blocks:
+            if self.builder.factory is None:
                 raise ValueError("adding layers needs layer_factory= in the vpipe config to build them")
-            built = [(lid, self.factory(lid, spec).to(self.device)) for lid, spec in zip(new_ids, specs)]
-            self.blocks.insert(at, [(lid, layer, str(lid)) for lid, layer in built])
+            built = [(lid, self.builder.factory(lid, spec).to(self.device)) for lid, spec in zip(new_ids, specs)]
+            self.blocks[owner].insert(at, [(lid, layer, str(lid)) for lid, layer in built])
             for lid, layer in built:
-                if self.optimizer is not None:
-                    self.optimizer.param_groups[0]["params"].extend(layer.parameters())
-                self._watch(lid, layer)
-                for listener in self.listeners:
-                    listener.add_layer(lid, layer)
-        for lid, spec in zip(new_ids, specs):
-            self.specs[lid] = spec
-        self._next_id = max(new_ids) + 1
-        self.placement = tuple(tuple(layers) for layers in stages)
+                attach_to_optimizer(self.optimizer, layer.parameters())
+                self._welcome(owner, lid, layer)
+        self.specs.update(zip(new_ids, specs))
+        self.next_layer_id = max(new_ids) + 1
+        self._placement = placement
         decision("layers_added", f"{len(new_ids)} layer(s) added to stage {owner} at position {position}",
-                 stage=owner, layers=new_ids, position=position, placement=[list(s) for s in self.placement])
+                 stage=owner, layers=new_ids, position=position, placement=placement.as_lists())
         return new_ids
 
     def remove_layers(self, layer_ids: Iterable[int]) -> None:
         """Remove layers by id (every rank calls it identically); no stage may be left empty."""
         doomed = set(layer_ids)
-        unknown = doomed - {lid for layers in self.placement for lid in layers}
-        if unknown:
-            raise ValueError(f"cannot remove unknown layers {sorted(unknown)}")
-        stages = [[lid for lid in layers if lid not in doomed] for layers in self.placement]
-        empty = [s for s, layers in enumerate(stages) if not layers]
-        if empty:
-            raise ValueError(f"removing {sorted(doomed)} would leave stage(s) {empty} without layers")
-        mine = [lid for lid in self.layer_ids if lid in doomed]
-        self._drop(mine)
+        placement = self._placement.without(doomed)
+        for v in self.blocks:
+            self._drop(v, [lid for lid in self.blocks[v].ids if lid in doomed])
         for lid in doomed:
             self.specs.pop(lid, None)
-            self.out_meta.pop(lid, None)
-            self.in_meta.pop(lid, None)
-        self.placement = tuple(tuple(layers) for layers in stages)
+            self.shapes.forget(lid)
+        self._placement = placement
         decision("layers_removed", f"{len(doomed)} layer(s) removed", layers=sorted(doomed),
-                 placement=[list(s) for s in self.placement])
-
-    def _stage_holding(self, layer_id: int) -> int:
-        for s, layers in enumerate(self.placement):
-            if layer_id in layers:
-                return s
-        raise ValueError(f"layer {layer_id} is not placed")
+                 placement=placement.as_lists())
 
     # ---------------------------------------------------------------- placement edits
-    def _drop(self, layer_ids: Iterable[int]) -> None:
-        children = self._children()
+    def _take(self, stage: int, layer_ids: Sequence[int]) -> list[tuple[int, nn.Module, str]]:
+        """Take blocks out of a local stage, as (id, block, key): still this rank's (a local move follows)."""
+        blocks = self.blocks[stage]
+        keys = [blocks.key_of(lid) for lid in layer_ids]
         for lid in layer_ids:
-            layer = children[lid]
-            detach_from_optimizer(self.optimizer, layer.parameters())
-            for listener in self.listeners:
+            for listener in self.listeners[stage]:
                 listener.remove_layer(lid)
-            self._unwatch(lid)
-            self.blocks.remove([lid])
+        return list(zip(layer_ids, blocks.remove(layer_ids), keys))
 
-    def _insert(self, inc: _Incoming) -> None:
+    def _put(self, stage: int, at_front: bool, entries: Sequence[tuple[int, nn.Module, str]]) -> None:
+        blocks = self.blocks[stage]
+        blocks.insert(0 if at_front else len(blocks.ids), entries)
+        for lid, layer, _ in entries:
+            for listener in self.listeners[stage]:
+                listener.add_layer(lid, layer)
+
+    def _drop(self, stage: int, layer_ids: Sequence[int]) -> None:
+        children = self.blocks[stage].blocks()
+        for lid in layer_ids:
+            detach_from_optimizer(self.optimizer, children[lid].parameters())
+            self.shapes.unwatch(lid)
+        self._take(stage, layer_ids)
+
+    def _welcome(self, stage: int, layer_id: int, layer: nn.Module) -> None:
+        self.shapes.watch(layer_id, layer)
+        for listener in self.listeners[stage]:
+            listener.add_layer(layer_id, layer)
+
+    def _insert(self, inc: Incoming) -> None:
         for st in inc.states:
             unpack_layer(st, inc.modules[st.layer_id], self.optimizer)
-            for table, key in ((self.out_meta, "out_meta"), (self.in_meta, "in_meta")):
-                meta = _unwire_meta(st.manifest.get(key))
-                if meta is not None:
-                    table[st.layer_id] = meta
+            self.shapes.learn(st.layer_id, st.manifest)
             if st.manifest.get("spec") is not None:
                 self.specs[st.layer_id] = st.manifest["spec"]
         keys = {man["layer"]: (man.get("block") or {}).get("key") for man in inc.manifests}
+        blocks = self.blocks[inc.move.dst]
         new = [(lid, inc.modules[lid], keys.get(lid) or str(lid)) for lid in inc.move.layers]
-        self.blocks.insert(0 if inc.move.forward else len(self.blocks.ids), new)
+        blocks.insert(0 if inc.move.forward else len(blocks.ids), new)
         for lid in inc.move.layers:
-            self._watch(lid, inc.modules[lid])
-            for listener in self.listeners:
-                listener.add_layer(lid, inc.modules[lid])
+            self._welcome(inc.move.dst, lid, inc.modules[lid])
 
 
-def _meta(output: Any) -> tuple[Any, ...]:
-    """Shape (without the batch dimension), dtype and arity of a layer's output."""
-    outs = output if isinstance(output, (tuple, list)) else (output,)
-    return tuple((tuple(o.shape[1:]), str(o.dtype)) if isinstance(o, torch.Tensor) else ("?",) for o in outs)
+class _Watching:
+    """Keeps the boundary-shape watchers in step with a streamed move."""
+
+    def __init__(self, shapes: BoundaryShapes) -> None:
+        self.shapes = shapes
+
+    def add_layer(self, layer_id: int, module: nn.Module) -> None:
+        self.shapes.watch(layer_id, module)
+
+    def remove_layer(self, layer_id: int) -> None:
+        self.shapes.unwatch(layer_id)
 
 
-def _wire_meta(meta: tuple[Any, ...] | None) -> list[Any] | None:
-    return None if meta is None else [[list(m[0]), m[1]] if len(m) == 2 else ["?"] for m in meta]
-
-
-def _unwire_meta(raw: Any) -> tuple[Any, ...] | None:
-    if not isinstance(raw, list):
-        return None
-    try:
-        return tuple((tuple(int(d) for d in m[0]), str(m[1])) if len(m) == 2 else ("?",) for m in raw)
-    except (TypeError, ValueError, IndexError):
-        return None

@@ -22,7 +22,8 @@ from torch import nn
 
 from vpipe.migration.blocks import validate_block_info
 
-__all__ = ["LayerState", "pack_layer", "unpack_layer", "detach_from_optimizer", "validate_manifest"]
+__all__ = ["LayerState", "pack_layer", "unpack_layer", "attach_to_optimizer", "detach_from_optimizer",
+           "validate_manifest"]
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
@@ -186,3 +187,10 @@ def detach_from_optimizer(optimizer: torch.optim.Optimizer | None, params: Itera
         group["params"][:] = [p for p in group["params"] if id(p) not in ids]
     for p in [p for p in optimizer.state if id(p) in ids]:
         del optimizer.state[p]
+
+
+def attach_to_optimizer(optimizer: torch.optim.Optimizer | None, params: Iterable[torch.Tensor],
+                        group: int = 0) -> None:
+    """Add new parameters to ``optimizer``'s param group ``group``, in place (their state starts empty)."""
+    if optimizer is not None:
+        optimizer.param_groups[group]["params"].extend(params)

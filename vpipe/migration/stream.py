@@ -27,7 +27,7 @@ from torch import nn
 from vpipe.migration.blocks import StageBlocks
 from vpipe.migration.state import _DTYPES, LayerState, detach_from_optimizer, pack_layer, payload_bytes, unpack_layer, validate_manifest
 from vpipe.migration.transfer import HANDOVER, VERSION, TransferChannel, transfer_tag
-from vpipe.runtime.pipedream import SchedulePipeDream, start_version
+from vpipe.schedules.pipedream import SchedulePipeDream, start_version
 
 __all__ = ["OutgoingStream", "IncomingStream", "version_window"]
 
@@ -44,19 +44,20 @@ def _version_payload(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 class OutgoingStream:
-    """The source side of a streamed move (a :class:`~vpipe.runtime.pipedream.StreamMover`)."""
+    """The source side of a streamed move (a :class:`~vpipe.schedules.pipedream.StreamMover`)."""
 
     def __init__(self, schedule: SchedulePipeDream, blocks: StageBlocks, layers: dict[int, nn.Module], *,
-                 forward: bool, switch_mb: int, dst: int, epoch: int, channel: TransferChannel, messenger: Any,
-                 listeners: Sequence[Any] = ()) -> None:
+                 forward: bool, switch_mb: int, dst: int, key: tuple[int, int, int], channel: TransferChannel,
+                 messenger: Any, listeners: Sequence[Any] = ()) -> None:
         self.schedule = schedule
         self.blocks = blocks
         self.messenger = messenger
         self.layers = layers  # layer id -> module, in model order
         self.forward = forward
         self.switch_mb = switch_mb
-        self.dst = dst
-        self.epoch = epoch
+        self.dst = dst  # the target's rank
+        self.key = key  # the move's message key (epoch, round, move)
+        self.epoch = key[0]
         self.channel = channel
         self.listeners = list(listeners)
         stage = schedule._stage
@@ -121,7 +122,8 @@ class OutgoingStream:
     def _hand_over(self) -> None:
         states = [pack_layer(lid, layer, self.schedule.optimizer) for lid, layer in self.layers.items()]
         payload = torch.cat([s.payload for s in states])
-        self.messenger.send_to(self.dst, "migrate_handover", {"round": 0, "manifests": [s.manifest for s in states]},
+        self.messenger.send_to(self.dst, "migrate_handover", {"round": self.key[1], "move": self.key[2],
+                                                              "manifests": [s.manifest for s in states]},
                                epoch=self.epoch)
         self.schedule.defer_wait(self.channel.send(payload, self.dst, transfer_tag(self.epoch, HANDOVER, 0)), payload)
         self.bytes_sent += int(payload.numel())
@@ -138,8 +140,9 @@ class IncomingStream:
     """The target side of a streamed move."""
 
     def __init__(self, schedule: SchedulePipeDream, blocks: StageBlocks, layers: dict[int, nn.Module],
-                 manifests: Sequence[dict[str, Any]], *, forward: bool, switch_mb: int, src: int, epoch: int,
-                 channel: TransferChannel, messenger: Any, timeout_s: float, listeners: Sequence[Any] = ()) -> None:
+                 manifests: Sequence[dict[str, Any]], *, forward: bool, switch_mb: int, src: int,
+                 key: tuple[int, int, int], channel: TransferChannel, messenger: Any, timeout_s: float,
+                 listeners: Sequence[Any] = ()) -> None:
         self.schedule = schedule
         self.blocks = blocks
         self.messenger = messenger
@@ -148,8 +151,9 @@ class IncomingStream:
         self.manifests = list(manifests)
         self.forward = forward
         self.switch_mb = switch_mb
-        self.src = src
-        self.epoch = epoch
+        self.src = src  # the source's rank
+        self.key = key  # the move's message key (epoch, round, move)
+        self.epoch = key[0]
         self.channel = channel
         self.listeners = list(listeners)
         stage = schedule._stage
@@ -197,8 +201,7 @@ class IncomingStream:
     def before_update(self, mb: int) -> None:
         if mb != self.switch_mb:
             return
-        got = self.messenger.wait_for({"migrate_handover"}, from_rank=self.src, key=(self.epoch, 0),
-                                      timeout_s=self.timeout_s)
+        got = self.messenger.wait_for({"migrate_handover"}, from_rank=self.src, key=self.key, timeout_s=self.timeout_s)
         if got is None:
             raise RuntimeError(f"stage {self.schedule._stage.stage_index}: stage {self.src} never handed over "
                                f"layers {list(self.layers)} (epoch {self.epoch})")

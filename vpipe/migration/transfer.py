@@ -31,7 +31,7 @@ def transfer_tag(epoch: int, kind: int, index: int) -> int:
 
 
 class TransferChannel:
-    """Point-to-point payload transfers between neighbouring stages.
+    """Point-to-point payload transfers between neighbouring stages, and the votes that commit a move.
 
     Creating one is a collective call: every rank of the run must create it at the same
     point (vpipe does so when it attaches).
@@ -48,6 +48,15 @@ class TransferChannel:
     def recv(self, nbytes: int, src: int, tag: int) -> tuple[torch.Tensor, Any]:
         buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         return buf, dist.irecv(buf, src=src, group=self.group, tag=tag)
+
+    def vote(self, flags: list[tuple[bool, bool]]) -> list[bool]:
+        """Every rank learns, for each ``(flag, all_of)``, whether the flag holds on all ranks (``all_of``) or
+        on any. One collective over this channel's group for all of them; every rank must call it alike."""
+        # MIN of x is "all"; MIN of -x is -"any"
+        values = [(1.0 if f else 0.0) if all_of else -(1.0 if f else 0.0) for f, all_of in flags]
+        t = torch.tensor(values, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return [(v > 0.5) if all_of else (v < -0.5) for v, (_, all_of) in zip(t.tolist(), flags)]
 
     @staticmethod
     def wait(work: Any, timeout_s: float) -> None:

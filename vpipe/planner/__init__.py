@@ -1,6 +1,6 @@
 """The global planner: cost model, optimize_sr (Alg. 2), partition (Alg. 3), SRP loop (Alg. 1).
 
-Entry points, loaded on first use so that importing :mod:`vpipe.planner.plan` (the wire
+Entry points, loaded on first use so that importing :mod:`vpipe.plan` (the wire
 format every component shares) does not pull in the planner's numerics:
 
 - :func:`plan_pipeline` plans a :class:`~vpipe.graph.LayerGraph` offline (``vpipe plan``);
@@ -21,8 +21,6 @@ _EXPORTS = {
     "InfeasibleError": "vpipe.planner.exact",
     "Hardware": "vpipe.planner.cost_model",
     "optimize_sr": "vpipe.planner.sr",
-    "Plan": "vpipe.planner.plan",
-    "Policy": "vpipe.planner.plan",
 }
 
 __all__ = sorted(_EXPORTS)

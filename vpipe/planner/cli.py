@@ -111,7 +111,7 @@ def _print_table(graph: object, result: object, args: argparse.Namespace) -> Non
     from rich.console import Console
     from rich.table import Table
 
-    from vpipe.planner.plan import Policy
+    from vpipe.plan import Policy
 
     table = Table(title=f"{getattr(graph, 'name', 'graph')}: {len(result.stages)} stages, "
                         f"{args.schedule}, {args.micro_batches} micro-batches, method {result.method}")

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from vpipe.log import decision
 from vpipe.monitors.records import StageRecord
-from vpipe.planner.plan import Plan
+from vpipe.plan import Plan
 
 __all__ = ["PlanJudge"]
 

@@ -28,9 +28,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from vpipe.checks import require
 from vpipe.log import decision
 from vpipe.monitors.records import StageRecord
-from vpipe.planner.plan import Plan, Policy
+from vpipe.plan import Plan, Policy
 
 log = logging.getLogger("vpipe.planner.online")
 
@@ -56,15 +57,27 @@ class OnlineConfig:
     allow_moves: bool = True  # False: only swap/recompute policies change (no layer factory)
     copy_bytes_per_s: float = 12e9
     net_bytes_per_s: float = 10e9
+    # several stages per rank: each stage's peak in-flight micro-batches and rank, from the schedule's action lists
+    in_flight: list[int] | None = None
+    stage_ranks: list[int] | None = None
 
     def __post_init__(self) -> None:
-        from vpipe.planner.cost_model import SCHEDULES
+        from vpipe.planner.cost_model import MULTI_STAGE, SCHEDULES
 
         def need(ok: bool, message: str) -> None:
-            if not ok:
-                raise ValueError(f"{CONFIG_ENV}: {message}")
+            require(ok, f"{CONFIG_ENV}: {message}")
 
-        need(self.schedule in SCHEDULES, f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        known = SCHEDULES + MULTI_STAGE
+        need(self.schedule in known, f"schedule must be one of {', '.join(known)}, got {self.schedule!r}")
+        for name in ("in_flight", "stage_ranks"):
+            values = getattr(self, name)
+            need(values is None or (isinstance(values, list) and all(_pos_int(v) or v == 0 for v in values)),
+                 f"{name} must be a list of non-negative integers or null, got {values!r}")
+        need((self.in_flight is None) == (self.stage_ranks is None) and (
+            self.in_flight is None or len(self.in_flight) == len(self.stage_ranks)),  # type: ignore[arg-type]
+            "in_flight and stage_ranks come together, one value per stage")
+        need(self.schedule not in MULTI_STAGE or self.in_flight is not None,
+             f"schedule {self.schedule} runs several stages per rank: in_flight and stage_ranks are needed")
         need(_pos_int(self.micro_batches), f"micro_batches must be a positive integer, got {self.micro_batches!r}")
         need(self.memory_budget is None or _pos_int(self.memory_budget),
              f"memory_budget must be a positive number of bytes or null, got {self.memory_budget!r}")
@@ -97,6 +110,10 @@ class OnlineConfig:
 
     def to_env(self) -> str:
         return json.dumps(asdict(self))
+
+
+def _tuple(values: list[int] | None) -> tuple[int, ...] | None:
+    return None if values is None else tuple(values)
 
 
 def _pos_int(value: Any) -> bool:
@@ -231,7 +248,9 @@ class OnlinePlanner:
             self._srp = SRPPlanner(current.num_stages, self.config.schedule, self.config.micro_batches,
                                    self.config.memory_budget, hardware, horizon_steps=self.config.horizon_steps,
                                    min_gain=self.config.min_gain, cooldown_steps=self.config.cooldown_steps,
-                                   allow_moves=self.config.allow_moves)
+                                   allow_moves=self.config.allow_moves,
+                                   in_flight_counts=_tuple(self.config.in_flight),
+                                   stage_ranks=_tuple(self.config.stage_ranks))
             self._srp.last_proposal_step = last
             self._srp_key = key
         return self._srp

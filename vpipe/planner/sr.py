@@ -29,7 +29,7 @@ import numpy as np
 
 from vpipe.graph import LayerGraph
 from vpipe.planner.cost_model import Code, GraphProfile, Hardware, PipelineSetup, segment_of
-from vpipe.planner.plan import Policy
+from vpipe.plan import Policy
 
 __all__ = ["SRResult", "SegmentSR", "optimize_sr", "optimize_segment"]
 

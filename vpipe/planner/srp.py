@@ -37,7 +37,7 @@ from vpipe.graph import LayerGraph
 from vpipe.planner.cost_model import GraphProfile, Hardware, PipelineSetup, StageCosts
 from vpipe.planner.exact import InfeasibleError, Partition, check_layers_fit, exact_partition, min_secondary
 from vpipe.planner.partition import kl_partition
-from vpipe.planner.plan import Plan, PlanError, Policy
+from vpipe.plan import Plan, PlanError, Policy
 from vpipe.planner.sr import optimize_segment
 
 __all__ = ["METHODS", "PlanResult", "Proposal", "SRPPlanner", "plan_pipeline", "InfeasibleError"]
@@ -67,7 +67,7 @@ class PlanResult:
     iterations: int
 
     def to_plan(self, epoch: int = 0, reason: str = "") -> Plan:
-        """The wire-format :class:`~vpipe.planner.plan.Plan` of this result."""
+        """The wire-format :class:`~vpipe.plan.Plan` of this result."""
         return Plan(epoch=epoch, stages=tuple(tuple(s) for s in self.stages), policies=dict(self.policies),
                     predicted_step_s=self.step_s, reason=reason or f"{self.method} plan")
 
@@ -279,8 +279,11 @@ class SRPPlanner:
         cooldown_steps: int = 20,
         method: str = "kl",
         allow_moves: bool = True,
+        in_flight_counts: tuple[int, ...] | None = None,
+        stage_ranks: tuple[int, ...] | None = None,
     ) -> None:
-        self.setup = PipelineSetup(num_stages, schedule, micro_batches, hardware or Hardware())
+        self.setup = PipelineSetup(num_stages, schedule, micro_batches, hardware or Hardware(),
+                                   in_flight_counts=in_flight_counts, stage_ranks=stage_ranks)
         self.budgets = self.setup.budgets(memory_budget)
         if not (isinstance(horizon_steps, int) and horizon_steps >= 1):
             raise ValueError(f"horizon_steps must be a positive integer, got {horizon_steps!r}")

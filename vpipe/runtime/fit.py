@@ -123,7 +123,7 @@ def _stage_inputs(cfg: RunConfig) -> list[list[torch.Tensor]]:
 
 def _stage_fit(cfg: RunConfig, k: int, inputs: list[torch.Tensor], budget: int, *, managed: bool, policy: str,
                steps: int) -> StageFit:
-    from vpipe.planner.plan import Policy
+    from vpipe.plan import Policy
     from vpipe.runtime.models import build_model
     from vpipe.runtime.simulate import action_order
     from vpipe.runtime.trainer import _sub_spec, make_optimizer

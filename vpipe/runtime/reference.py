@@ -15,7 +15,7 @@ from torch.func import functional_call
 
 from vpipe.runtime.config import RunConfig
 from vpipe.runtime.models import build_model
-from vpipe.runtime.pipedream import start_version
+from vpipe.schedules.pipedream import start_version
 from vpipe.runtime.trainer import make_optimizer, make_scheduler
 
 __all__ = ["reference_flush", "reference_pipedream", "optimizer_state_by_name"]

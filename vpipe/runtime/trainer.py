@@ -21,11 +21,11 @@ import torch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from vpipe.runtime import faults
+from vpipe import faults
 from vpipe.runtime.config import RunConfig
 from vpipe.runtime.launch import Distributed
 from vpipe.runtime.models import build_model
-from vpipe.runtime.pipedream import SchedulePipeDream
+from vpipe.schedules.pipedream import SchedulePipeDream
 
 log = logging.getLogger("vpipe.runtime")
 
@@ -271,7 +271,7 @@ def _attach_vpipe(cfg: RunConfig, run: StageRun, resume_state: dict[str, Any] | 
     On resume the vpipe state is restored first, and only moves still ahead are requested,
     with epochs after the restored one. ``overrides`` set further :class:`VpipeConfig` fields."""
     from vpipe.attach import VpipeConfig, attach
-    from vpipe.planner.plan import Plan, Policy
+    from vpipe.plan import Plan, Policy
     from vpipe.runtime.models import build_layer
 
     spec = cfg.model_spec()

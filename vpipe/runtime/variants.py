@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from vpipe.runtime.config import RunConfig
 from vpipe.runtime.launch import Distributed
-from vpipe.runtime.pipedream import SchedulePipeDream
+from vpipe.schedules.pipedream import SchedulePipeDream
 from vpipe.runtime.trainer import StageRun, build_stage_run
 
 __all__ = ["Variant", "VariantRun", "build_variant"]
@@ -101,7 +101,7 @@ def build_variant(variant: Variant, base: RunConfig, ctx: Distributed, index: in
 
 def _attach(cfg: RunConfig, run: StageRun, variant: Variant, store: Any) -> Any:
     from vpipe.attach import VpipeConfig, attach
-    from vpipe.planner.plan import Policy
+    from vpipe.plan import Policy
     from vpipe.runtime.models import build_layer
 
     spec = cfg.model_spec()

@@ -4,7 +4,7 @@
 ``torch.distributed.pipelining`` stage. See ``manager.py`` for how it hooks in.
 """
 
-from vpipe.planner.plan import Policy
+from vpipe.plan import Policy
 from vpipe.tensor_manager.budget import MemoryBudgetError
 from vpipe.tensor_manager.manager import DEFAULT_MIN_SWAP_BYTES, LayerBusyError, TensorManager
 from vpipe.tensor_manager.pipelining import StageHandle, install_on_stage

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from vpipe.planner.plan import Policy
+from vpipe.plan import Policy
 from vpipe.tensor_manager.accounting import format_bytes
 
 __all__ = ["MemoryBudgetError", "LayerEstimate", "Escalation", "check_layer_fits", "cheapest_escalations",

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from vpipe.planner.plan import Policy
+from vpipe.plan import Policy
 from vpipe.tensor_manager.recompute import RecomputeCounter
 from vpipe.tensor_manager.swap import StorageEntry
 

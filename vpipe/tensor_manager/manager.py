@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from vpipe.log import decision
-from vpipe.planner.plan import Plan, Policy
+from vpipe.plan import Plan, Policy
 from vpipe.tensor_manager.accounting import Ledger, format_bytes
 from vpipe.tensor_manager.budget import LayerEstimate, check_layer_fits, fit_micro_batch
 from vpipe.tensor_manager.copy_engine import D2H, H2D, make_copy_engine

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vpipe.planner.plan import Policy
+from vpipe.plan import Policy
 
 __all__ = ["LayerStats", "TensorManagerStats"]
 

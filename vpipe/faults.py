@@ -16,11 +16,15 @@ Faults:
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import signal
+from collections.abc import Callable
 from typing import Any
 
-__all__ = ["active", "FAULTS", "parse", "kill_step", "install_kill"]
+log = logging.getLogger("vpipe.faults")
+
+__all__ = ["active", "FAULTS", "parse", "kill_step", "install_kill", "migration_faults"]
 
 FAULTS = ("migration_silent", "migration_die")
 ENV = "VPIPE_FAULTS"
@@ -76,3 +80,18 @@ def install_kill(module: Any, rank: int, current_step: Any) -> Any:
                 os.kill(os.getpid(), signal.SIGKILL)
 
     return module.register_forward_hook(hook)
+
+
+def migration_faults(rank: int) -> Callable[[str], bool]:
+    """The layer manager's fault hook for ``rank``: at ``prepare_received``, die (``migration_die``) or
+    report a peer gone silent (``migration_silent``); never anything when ``VPIPE_FAULTS`` names none."""
+
+    def hook(point: str) -> bool:
+        if point != "prepare_received":
+            return False
+        if active("migration_die", rank):
+            log.error("rank %d: fault injected: dying in the middle of a move", rank)
+            os._exit(9)
+        return active("migration_silent", rank)
+
+    return hook

@@ -1,0 +1,151 @@
+"""What every rank must agree on before acting, through the run's rendezvous store.
+
+Attach is collective: every stage publishes how its block container is keyed and the ranks
+derive the same global layer ids from all of them; a layer edit is published by every rank
+and checked to be the same edit; plans are scheduled by stage 0 for a step every rank reads.
+All of it lives under a namespace of its own per attach (``vpipe/attach-N/``), so an attach
+after a detach never reads the previous one's keys, and detach deletes this rank's keys.
+
+A rank that never makes the same call (an attach or an edit on some ranks only) ends the
+wait after ``timeout_s`` with an error naming the missing stages, instead of a hang.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch.distributed as dist
+
+from vpipe.control.curve import RUN_SECRET_ENV, configured_by_files, has_run_secret, new_run_secret
+from vpipe.migration.blocks import (BlockContainerError, ContainerLayout, StageBlocks, agree_key_style,
+                                    find_block_container, global_ids, layout_of)
+from vpipe.rank.stages import LocalStage
+
+log = logging.getLogger("vpipe.attach")
+
+__all__ = ["StoreAgreement", "agree_on_blocks"]
+
+# every attach gets keys of its own: attach is collective, so every rank counts its attaches alike, and an
+# attach after a detach never reads the previous one's keys (plan epochs start again at 0)
+_ATTACHES = itertools.count()
+_RUN_SECRET_KEY = "ctl/run-secret"
+
+
+class StoreAgreement:
+    """This rank's view of the attach's namespace in the store: what it wrote, what all wrote."""
+
+    def __init__(self, store: Any, *, rank: int, world_size: int, timeout_s: float) -> None:
+        self.namespace = f"vpipe/attach-{next(_ATTACHES)}/"
+        self.store = dist.PrefixStore(self.namespace, store if store is not None else _default_store())
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self._written: list[str] = []
+        self._edits = 0
+
+    def set(self, key: str, value: str) -> None:
+        self.store.set(key, value)
+        self._written.append(key)
+
+    def get(self, key: str) -> str | None:
+        """The value of ``key`` if some rank wrote it, else None (never waits)."""
+        return self.store.get(key).decode() if self.store.check([key]) else None
+
+    def gather(self, key: str, indices: Sequence[int], call: str, who: str) -> list[bytes]:
+        """The values of ``key`` (a pattern with ``{}``) for every index, once all are written."""
+        keys = [key.format(i) for i in indices]
+        deadline = time.monotonic() + self.timeout_s
+        while not self.store.check(keys):
+            if time.monotonic() > deadline:
+                missing = [i for i, k in zip(indices, keys) if not self.store.check([k])]
+                raise RuntimeError(f"{call} on {who}: stage(s) {missing} did not make the same call within "
+                                   f"{self.timeout_s:.0f} s; every rank must call it, at the same step")
+            time.sleep(0.01)
+        return self.store.multi_get(keys)
+
+    def agree_edit(self, edit: dict[str, Any], who: str) -> None:
+        """Every rank makes the same layer edit, or every rank learns which did not (before anything changes)."""
+        self._edits += 1
+        key = f"edit/{self._edits}/{{}}"
+        self.set(key.format(self.rank), json.dumps(edit, sort_keys=True))
+        seen = [json.loads(raw) for raw in self.gather(key, range(self.world_size), edit["call"], who)]
+        differ = [r for r, other in enumerate(seen) if other != edit]
+        if differ:
+            raise RuntimeError(f"{edit['call']} on {who}: stage(s) {differ} made another layer edit at this point "
+                               f"({seen[differ[0]]} vs {edit}); every rank must make the same one")
+
+    def agree_run_secret(self, first: bool, who: str) -> None:
+        """This run's control-plane key when the launcher made none (torchrun): the first rank makes it, the
+        others read it. It goes into the environment, so the planner daemon inherits it."""
+        if configured_by_files() or has_run_secret():
+            return
+        if first:
+            self.set(_RUN_SECRET_KEY, new_run_secret() or "")
+        deadline = time.monotonic() + self.timeout_s
+        while not self.store.check([_RUN_SECRET_KEY]):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"vpipe.attach on {who}: stage 0 did not make the same call within "
+                                   f"{self.timeout_s:.0f} s; every rank must call it")
+            time.sleep(0.01)
+        secret = self.store.get(_RUN_SECRET_KEY).decode("ascii")
+        if secret:
+            os.environ[RUN_SECRET_ENV] = secret
+
+    def clear(self) -> None:
+        """Delete every key this rank wrote (detach)."""
+        for key in self._written:
+            try:
+                self.store.delete_key(key)
+            except Exception as e:  # noqa: BLE001 - a store already gone (the run is ending) holds nothing
+                log.debug("rank %d: could not delete store key %s: %s", self.rank, key, e)
+        self._written.clear()
+
+
+def agree_on_blocks(agreement: StoreAgreement, stages: Sequence[LocalStage], num_stages: int,
+                    layers_path: str | None) -> tuple[tuple[int, ...], ...]:
+    """Find every local stage's blocks, tell the other ranks how they are keyed, agree on global ids.
+
+    Sets each local stage's ``blocks`` and returns the placement of every stage.
+    """
+    found_here: dict[int, tuple[str, Any]] = {}
+    for stage in stages:
+        try:
+            path, container = find_block_container(stage.module, layers_path)
+            mine = {"path": path, "kind": type(container).__name__, "keys": list(container._modules)}
+            found_here[stage.index] = (path, container)
+        except BlockContainerError as e:
+            mine = {"error": str(e)}
+        agreement.set(f"layers/{stage.index}", json.dumps(mine))
+    for stage in stages:
+        if stage.index not in found_here:
+            error = json.loads(agreement.store.get(f"layers/{stage.index}"))["error"]
+            agreement.gather("layers/{}", range(num_stages), "vpipe.attach", f"stage {stage.index}")
+            raise BlockContainerError(f"stage {stage.index}: {error}")
+    found = [json.loads(raw) for raw in
+             agreement.gather("layers/{}", range(num_stages), "vpipe.attach", f"stage {stages[0].index}")]
+    failed = [s for s, f in enumerate(found) if "error" in f]
+    if failed:
+        path = found_here[stages[0].index][0]
+        raise BlockContainerError(f"stage(s) {failed} could not find their blocks (their error says why); "
+                                  f"this stage found {path or '<the stage module>'}")
+    layouts = [ContainerLayout(f["path"], f["kind"], tuple(f["keys"])) for f in found]
+    style = agree_key_style(layouts)
+    placement = tuple(tuple(ids) for ids in global_ids(layouts, style))
+    for stage in stages:
+        path, container = found_here[stage.index]
+        assert layout_of(path, container).keys == layouts[stage.index].keys
+        stage.blocks = StageBlocks(container, placement[stage.index], style, path)
+    return placement
+
+
+def _default_store() -> Any:
+    getter = getattr(dist.distributed_c10d, "_get_default_store", None)
+    if getter is None:
+        raise RuntimeError("cannot find torch.distributed's store; pass store= to vpipe.attach")
+    return getter()

@@ -1,0 +1,107 @@
+"""What vpipe does underneath the trainer (:class:`VpipeConfig`), validated when it is made."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from vpipe.checks import require
+from vpipe.plan import Policy
+from vpipe.sizes import parse_bytes
+
+__all__ = ["VpipeConfig", "AUTO_BUDGET", "DEFAULT_PLANNER", "resolve_memory_budget"]
+
+DEFAULT_PLANNER = "vpipe.planner.online:srp"
+AUTO_BUDGET = "auto"
+_DEVICE_MARGIN = 0.08  # of a GPU's memory left to the CUDA context, the allocator's cache and fragmentation
+_DEVICE_MARGIN_MIN = 1 << 30
+
+
+def resolve_memory_budget(budget: int | str | None, device: torch.device) -> int | None:
+    """Bytes for ``budget``: "auto" is the GPU's capacity minus a margin; a CPU stage has no device limit."""
+    if budget != AUTO_BUDGET:
+        return budget  # type: ignore[return-value]
+    if device.type != "cuda":
+        return None
+    total = torch.cuda.get_device_properties(device).total_memory
+    return total - max(_DEVICE_MARGIN_MIN, int(total * _DEVICE_MARGIN))
+
+
+def _env_seconds(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be a number of seconds, got {raw!r}") from None
+
+
+@dataclass
+class VpipeConfig:
+    """What vpipe does underneath the trainer. Every field is validated when attaching."""
+
+    # bytes per rank: parameters, gradients, optimizer state, saved activations; "auto": the GPU's
+    # capacity minus a margin (on CPU: no budget); None: no budget
+    memory_budget: int | str | None = AUTO_BUDGET
+    planning: bool = True  # run the planner daemon and apply its plans
+    planner: str = DEFAULT_PLANNER  # the daemon's planner function (module:function)
+    sample_every: int = 10  # monitor every k-th step
+    layers: str | None = None  # dotted path of the block container in the stage module (default: found)
+    layer_factory: Callable[[int, Any], nn.Module] | None = None  # builds a layer by (id, spec); default: clone one
+    specs: Mapping[int, Any] | None = None  # layer id -> spec handed to the factory (plain msgpack-able values)
+    policies: Mapping[int, Policy | str] | None = None  # initial keep/swap/recompute per layer (default keep)
+    tensor_manager: bool = True
+    min_swap_bytes: int | None = None
+    host_pool_bytes: int | None = None
+    migration_timeout_s: float = field(default_factory=lambda: _env_seconds("VPIPE_MIGRATION_TIMEOUT", 30.0))
+    # how long attach (and a layer edit) waits for every rank to make the same call
+    agree_timeout_s: float = field(default_factory=lambda: _env_seconds("VPIPE_AGREE_TIMEOUT", 120.0))
+    apply_lag_steps: int = 2  # stage 0 schedules a plan this many steps after it has it
+    micro_batches: int | None = None  # per step of a hand-written loop (the planner models the pipeline with it)
+    planner_options: dict[str, Any] = field(default_factory=dict)  # extra OnlineConfig fields
+    # JSON lines of every decision; default: $VPIPE_LOG_FILE, so a one-line attach can be logged from outside
+    log_file: str | None = field(default_factory=lambda: os.environ.get("VPIPE_LOG_FILE") or None)
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, message: str) -> None:
+            require(ok, f"vpipe config: {message}")
+
+        if isinstance(self.memory_budget, str) and self.memory_budget != AUTO_BUDGET:
+            try:  # "16GB", "15GiB", "16e9": read as everywhere else in vpipe
+                self.memory_budget = parse_bytes(self.memory_budget, what="memory_budget")
+            except ValueError as e:
+                raise ValueError(f"vpipe config: {e}") from None
+
+        need(self.memory_budget is None or self.memory_budget == AUTO_BUDGET
+             or (isinstance(self.memory_budget, int) and not isinstance(self.memory_budget, bool)
+                 and self.memory_budget > 0),
+             f"memory_budget must be a positive number of bytes, 'auto' or None, got {self.memory_budget!r}")
+        need(isinstance(self.sample_every, int) and self.sample_every >= 1,
+             f"sample_every must be a positive integer, got {self.sample_every!r}")
+        need(isinstance(self.planner, str) and ":" in self.planner,
+             f"planner must be 'module:function', got {self.planner!r}")
+        need(self.layer_factory is None or callable(self.layer_factory), "layer_factory must be callable")
+        need(self.layers is None or (isinstance(self.layers, str) and bool(self.layers.strip())),
+             f"layers must be the dotted path of the block container (e.g. 'layers'), got {self.layers!r}")
+        need(math.isfinite(self.migration_timeout_s) and self.migration_timeout_s > 0,
+             f"migration_timeout_s must be positive, got {self.migration_timeout_s!r}")
+        need(math.isfinite(self.agree_timeout_s) and self.agree_timeout_s > 0,
+             f"agree_timeout_s must be positive, got {self.agree_timeout_s!r}")
+        need(isinstance(self.apply_lag_steps, int) and self.apply_lag_steps >= 1,
+             f"apply_lag_steps must be >= 1, got {self.apply_lag_steps!r}")
+        for pol in (self.policies or {}).values():
+            Policy.parse(pol.value if isinstance(pol, Policy) else pol)
+        need(self.min_swap_bytes is None or self.min_swap_bytes >= 0, "min_swap_bytes must be >= 0")
+        need(self.micro_batches is None or (isinstance(self.micro_batches, int) and self.micro_batches >= 1),
+             f"micro_batches must be a positive integer or None, got {self.micro_batches!r}")
+        need(self.host_pool_bytes is None or self.host_pool_bytes > 0, "host_pool_bytes must be positive")
+
+    def initial_policies(self) -> dict[int, Policy]:
+        return {lid: Policy.parse(p.value if isinstance(p, Policy) else p) for lid, p in (self.policies or {}).items()}

@@ -1,0 +1,82 @@
+"""Changing the model while it trains (neural architecture search): adding and removing layers.
+
+An edit is collective and happens between steps: every rank makes the same call at the
+same step boundary (checked through the store before anything changes), the layer
+manager edits the placement and the stage that owns the position, and then every rank
+starts a new plan epoch (plans made for the old layers become stale) and redoes torch's
+shape inference (new layers have never run).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from vpipe.control.session import ControlSession
+from vpipe.migration.layer_manager import LayerManager
+from vpipe.plan import Plan
+from vpipe.rank.agreement import StoreAgreement
+from vpipe.rank.memory import StageMemory
+from vpipe.rank.stages import Pipeline, reset_shape_inference
+from vpipe.rank.steps import StepDriver
+
+__all__ = ["LayerEdits"]
+
+
+class LayerEdits:
+    def __init__(self, *, pipeline: Pipeline, agreement: StoreAgreement, layer_manager: LayerManager,
+                 driver: StepDriver, session: ControlSession, tensor_managers: Mapping[int, Any],
+                 memories: Mapping[int, StageMemory], has_factory: bool, who: str) -> None:
+        self.pipeline = pipeline
+        self.agreement = agreement
+        self.layer_manager = layer_manager
+        self.driver = driver
+        self.session = session
+        self.tensor_managers = tensor_managers
+        self.memories = memories
+        self.has_factory = has_factory
+        self.who = who
+
+    def add_layers(self, position: int, specs: list[Any]) -> list[int]:
+        """Insert layers before model position ``position`` (every rank calls it at the same step boundary)."""
+        self._require_boundary("add_layers")
+        if not self.has_factory:
+            raise RuntimeError("add_layers needs layer_factory= in the vpipe config to build the new layers")
+        self.agreement.agree_edit({"call": "add_layers", "position": position, "count": len(specs)}, self.who)
+        new_ids = self.layer_manager.add_layers(position, specs)
+        self._after_edit()
+        return new_ids
+
+    def remove_layers(self, layer_ids: list[int]) -> None:
+        """Remove layers by id (every rank calls it at the same step boundary)."""
+        self._require_boundary("remove_layers")
+        self.agreement.agree_edit({"call": "remove_layers", "layers": sorted(int(lid) for lid in layer_ids)},
+                                  self.who)
+        self.layer_manager.remove_layers(layer_ids)
+        self._after_edit()
+
+    def _require_boundary(self, what: str) -> None:
+        counter = self.driver.counter
+        if self.driver.in_step or (counter is not None and counter.next_mb > 0):
+            raise RuntimeError(f"{what} must be called between steps (after optimizer.step()), not inside one")
+        schedule = self.pipeline.schedule
+        if self.pipeline.kind == "pipedream" and schedule.in_flight:
+            raise RuntimeError(f"{what} on a PipeDream stream needs schedule.flush() first "
+                               f"({len(schedule.in_flight)} micro-batches in flight)")
+        if any(isinstance(stage.module, torch.fx.GraphModule) for stage in self.pipeline.stages):
+            raise RuntimeError(f"{what} cannot edit a traced GraphModule stage (its forward is a fixed graph)")
+
+    def _after_edit(self) -> None:
+        # a new epoch: plans made for the old layers become stale, stats say which layers they measured
+        lm = self.layer_manager
+        lm.epoch += 1
+        self.session.set_epoch(lm.epoch)
+        old = self.session.agent.plan
+        policies = {lid: p for lid, p in (old.policies.items() if old else []) if lid in lm.order}
+        self.session.agent.plan = Plan(epoch=lm.epoch, stages=lm.placement, policies=policies)
+        if self.pipeline.schedule is not None:
+            reset_shape_inference(self.pipeline.schedule)  # new layers have never run: redo shape inference
+        for v, manager in self.tensor_managers.items():
+            manager.budget_bytes = self.memories[v].activation_budget(lm.epoch)

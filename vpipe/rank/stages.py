@@ -1,0 +1,239 @@
+"""The stage adapter: what vpipe runs underneath, read from whatever the trainer passed to ``attach``.
+
+A trainer hands vpipe one of:
+
+- a single-stage ``torch.distributed.pipelining`` schedule (``ScheduleGPipe``,
+  ``Schedule1F1B``) or vpipe's ``SchedulePipeDream``: this rank runs one stage, stage i on
+  rank i;
+- a multi-stage schedule (``ScheduleInterleaved1F1B``, ``ScheduleLoopedBFS``,
+  ``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``, or a
+  ``_PipelineScheduleRuntime`` loaded from an action list): this rank runs several
+  *virtual* stages, the schedule knows which rank runs each;
+- a plain stage module, for a hand-written loop: one stage, stage i on rank i.
+
+:func:`inspect_target` turns each into a :class:`Pipeline`: the local stages (torch's stage
+object, the user's module), the rank of every stage, the schedule's name for the cost
+model and, for multi-stage schedules, how many micro-batches each stage holds at its peak
+(read off the schedule's own action lists, so plans are made for the schedule that runs).
+Nothing is replaced: ``stage.submod`` and its ``forward`` stay the user's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from vpipe.migration.blocks import StageBlocks
+from vpipe.schedules.pipedream import SchedulePipeDream
+
+__all__ = ["LocalStage", "Pipeline", "inspect_target", "reset_shape_inference", "check_schedule_api",
+           "in_flight_per_stage", "MULTI_STAGE_SCHEDULES"]
+
+# torch's multi-stage schedules by class name -> the cost model's name for them
+MULTI_STAGE_SCHEDULES = {
+    "ScheduleInterleaved1F1B": "interleaved1f1b",
+    "ScheduleLoopedBFS": "loopedbfs",
+    "ScheduleInterleavedZeroBubble": "interleavedzb",
+    "ScheduleZBVZeroBubble": "zbv",
+    "ScheduleDualPipeV": "dualpipev",
+}
+_SINGLE_FLAGS = ("_stage_forward_initialized", "_stage_backward_initialized")
+_MULTI_FLAGS = ("_stages_forward_initialized", "_stages_backward_initialized")
+_STAGE_STATE = ("args_recv_info", "grad_recv_info", "act_send_info", "grad_send_info", "fwd_cache", "bwd_cache")
+_OLD_STAGE_META = ("inputs_meta", "_outputs_meta")
+
+
+@dataclass
+class LocalStage:
+    """One stage this rank runs: its index in model order, torch's stage object, the user's module."""
+
+    index: int
+    module: nn.Module
+    pipeline_stage: Any = None  # torch's PipelineStage; None for a hand-written loop
+    blocks: StageBlocks | None = None  # its run of repeated blocks, once the stages agreed on layer ids
+
+
+@dataclass
+class Pipeline:
+    """What vpipe learned about the pipeline from the target."""
+
+    schedule: Any  # None for a hand-written loop
+    stages: list[LocalStage]
+    num_stages: int
+    stage_ranks: tuple[int, ...]  # the rank of every stage
+    kind: str  # the cost model's schedule name: gpipe, 1f1b, pipedream, interleaved1f1b, ..., custom
+    device: torch.device
+
+    @property
+    def multi_stage(self) -> bool:
+        return len(self.stage_ranks) != len(set(self.stage_ranks))
+
+    @property
+    def first(self) -> LocalStage:
+        return self.stages[0]
+
+    def micro_batches(self, configured: int | None) -> int:
+        if self.schedule is not None:
+            return int(getattr(self.schedule, "_n_microbatches", 1))
+        return configured or 1
+
+    def in_flight(self) -> list[int] | None:
+        """Per stage, the micro-batches it holds activations of at its peak (multi-stage schedules), else None."""
+        if not self.multi_stage:
+            return None
+        return in_flight_per_stage(self.schedule.pipeline_order, self.num_stages)
+
+
+def inspect_target(target: Any) -> Pipeline:
+    """The pipeline ``target`` (a schedule or a plain stage module) runs on this rank; refuses what vpipe cannot."""
+    from torch.distributed.pipelining.schedules import (PipelineScheduleMulti, PipelineScheduleSingle,
+                                                        _PipelineScheduleRuntime)
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if isinstance(target, PipelineScheduleMulti):
+        if not isinstance(target, _PipelineScheduleRuntime) or getattr(target, "pipeline_order", None) is None:
+            raise TypeError(f"vpipe.attach supports the multi-stage schedules that run an action list "
+                            f"({', '.join(MULTI_STAGE_SCHEDULES)}, or _PipelineScheduleRuntime with a loaded CSV); "
+                            f"{type(target).__name__} has none")
+        check_schedule_api(target)
+        stages = sorted(target._stages, key=lambda s: s.stage_index)
+        _check_group(stages[0], world)
+        mapping = target.stage_index_to_group_rank
+        num_stages = stages[0].num_stages
+        ranks = tuple(int(mapping[v]) for v in range(num_stages))
+        mine = [v for v, r in enumerate(ranks) if r == rank]
+        if [s.stage_index for s in stages] != mine:
+            raise ValueError(f"vpipe.attach: this rank's schedule holds stages {[s.stage_index for s in stages]}, its "
+                             f"action lists give rank {rank} stages {mine}")
+        kind = MULTI_STAGE_SCHEDULES.get(type(target).__name__, "custom")
+        local = [LocalStage(s.stage_index, _unwrap(s.submod), s) for s in stages]
+        return Pipeline(target, local, num_stages, ranks, kind, torch.device(stages[0].device))
+    if isinstance(target, PipelineScheduleSingle):
+        check_schedule_api(target)
+        stage = target._stage
+        _check_group(stage, world)
+        if stage.stage_index != rank:  # vpipe addresses a stage's peers by rank: never misroute a layer
+            raise ValueError(f"vpipe.attach: stage {stage.stage_index} runs on rank {rank}; vpipe needs "
+                             "stage i on rank i (as torch's single-stage schedules do)")
+        local = [LocalStage(stage.stage_index, _unwrap(stage.submod), stage)]
+        return Pipeline(target, local, stage.num_stages, tuple(range(stage.num_stages)), _single_kind(target),
+                        torch.device(stage.device))
+    if isinstance(target, nn.Module):
+        module = _unwrap(target)
+        p = next(module.parameters(), None)
+        device = p.device if p is not None else torch.device("cpu")
+        return Pipeline(None, [LocalStage(rank, module)], world, tuple(range(world)), "gpipe", device)
+    raise TypeError(f"vpipe.attach takes a pipelining schedule or a stage module, got {type(target).__name__}")
+
+
+def _single_kind(schedule: Any) -> str:
+    from torch.distributed.pipelining import Schedule1F1B
+
+    if isinstance(schedule, SchedulePipeDream):
+        return "pipedream"
+    return "1f1b" if isinstance(schedule, Schedule1F1B) else "gpipe"
+
+
+def in_flight_per_stage(pipeline_order: dict[int, Sequence[Any]], num_stages: int) -> list[int]:
+    """For every stage, the most micro-batches whose forward ran and whose backward (the weight pass,
+    under a zero-bubble schedule) has not: what it holds activations of at its peak."""
+    peak = [1] * num_stages
+    for actions in pipeline_order.values():
+        open_: dict[int, set[int]] = {}
+        for action in _flat(actions):
+            kind = getattr(action.computation_type, "value", str(action.computation_type))
+            held = open_.setdefault(action.stage_index, set())
+            if kind == "F":
+                held.add(action.microbatch_index)
+                peak[action.stage_index] = max(peak[action.stage_index], len(held))
+            elif kind in ("B", "W"):
+                held.discard(action.microbatch_index)
+    return peak
+
+
+def _flat(actions: Sequence[Any]) -> list[Any]:
+    out = []
+    for action in actions:
+        if action is None:
+            continue
+        if getattr(action, "sub_actions", None):
+            out.extend(_flat(action.sub_actions))
+        else:
+            out.append(action)
+    return out
+
+
+def _unwrap(module: nn.Module) -> nn.Module:
+    """The stage module to find blocks in: refuse wrappers whose forward vpipe cannot see through."""
+    wrapped = type(module).__name__
+    if wrapped in ("DistributedDataParallel", "FullyShardedDataParallel") or hasattr(module, "_fsdp_wrapped_module"):
+        raise TypeError(f"vpipe.attach does not support a stage module wrapped in {wrapped} yet: data-parallel "
+                        "replicas of a pipeline need vpipe on a pipeline process group of its own")
+    return module
+
+
+def _check_group(stage: Any, world_size: int) -> None:
+    """vpipe's moves and agreement run over the world: refuse a pipeline that is one dimension of a mesh."""
+    size = dist.get_world_size(getattr(stage, "group", None))  # None: the default group, the world
+    if size != world_size:
+        raise ValueError(f"vpipe.attach: this pipeline's process group has {size} of the world's {world_size} ranks "
+                         "(a pipeline inside a larger mesh, e.g. with data-parallel replicas); vpipe supports one "
+                         "pipeline over the whole world for now")
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer | None, modules: Sequence[nn.Module]) -> None:
+    """An optimizer that updates none of the stages' parameters would leave the model untrained, silently."""
+    if optimizer is None:
+        return
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for module in modules:
+        mine = {id(p) for p in module.parameters()}
+        if mine and not mine & held:
+            raise ValueError(f"vpipe.attach: the optimizer holds none of this stage's {len(mine)} parameters; pass "
+                             "the optimizer built over this rank's stage modules (e.g. torch.optim.AdamW(params of "
+                             "every stage this rank runs))")
+
+
+def check_schedule_api(schedule: Any) -> None:
+    """Fail early (at attach) if this torch's pipelining internals differ from what vpipe edits."""
+    multi = hasattr(schedule, "_stages")
+    stages = list(getattr(schedule, "_stages", [])) if multi else [getattr(schedule, "_stage", None)]
+    missing = [f for f in (_MULTI_FLAGS if multi else _SINGLE_FLAGS) if not hasattr(schedule, f)]
+    if not stages or stages[0] is None:
+        missing.append("_stages" if multi else "_stage")
+    for stage in stages if stages and stages[0] is not None else []:
+        missing += [f"stage.{a}" for a in _STAGE_STATE if not hasattr(stage, a)]
+        missing += [f"stage.{m}" for m in ("forward_one_chunk", "backward_one_chunk", "submod") if not hasattr(stage, m)]
+    if missing:
+        raise RuntimeError(
+            f"vpipe cannot attach to {type(schedule).__name__} with torch {torch.__version__}: its pipelining API "
+            f"lacks {', '.join(sorted(set(missing)))} (vpipe supports torch 2.6-2.14)"
+        )
+
+
+def reset_shape_inference(schedule: Any) -> None:
+    """Make the schedule's next ``step()`` redo P2P warm-up and metadata inference on every stage.
+
+    torch's stages size their receive buffers from a metadata pass that runs on the first
+    ``step()`` and chains through every stage. When a move changes the shape, dtype or
+    arity of a boundary activation, every rank must redo that pass at the same step (a
+    rebuild on two ranks only would hang the chain).
+    """
+    check_schedule_api(schedule)
+    multi = hasattr(schedule, "_stages")
+    for flag in _MULTI_FLAGS if multi else _SINGLE_FLAGS:
+        setattr(schedule, flag, False)
+    for stage in schedule._stages if multi else [schedule._stage]:
+        stage.args_recv_info.clear()
+        stage.grad_recv_info.clear()
+        stage.act_send_info.clear()
+        stage.grad_send_info = None
+        # torch <= 2.11 keeps the inferred shapes on the stage and infers again only while they are unset
+        for name in _OLD_STAGE_META:
+            if hasattr(stage, name):
+                setattr(stage, name, None)

@@ -1,0 +1,141 @@
+"""The step boundary of the user's loop, where vpipe acts: around ``schedule.step``, or at ``optimizer.step()``.
+
+With a pipelining schedule, ``schedule.step`` is wrapped as an instance attribute: plans
+due at this step are applied before it starts (after the user's ``optimizer.step()`` of the
+previous one), and the step is monitored. A hand-written loop has no schedule: its stage
+module's forwards are counted as micro-batches, and the optimizer's ``step()`` (a
+post-hook) ends one step and begins the next.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from vpipe.control.session import ControlSession
+from vpipe.log import step_record
+from vpipe.rank.applying import PlanApplier
+from vpipe.rank.boundary import PlanBoundary
+from vpipe.rank.memory import StageMemory
+from vpipe.tensor_manager import HostPoolFullError, MemoryBudgetError
+
+__all__ = ["StepDriver", "MicroBatchCounter"]
+
+
+class StepDriver:
+    """Counts steps, applies due plans at each boundary, monitors each step, hands arriving plans on."""
+
+    def __init__(self, *, session: ControlSession, boundary: PlanBoundary, applier: PlanApplier,
+                 tensor_managers: Mapping[int, Any], memories: Mapping[int, StageMemory], micro_batches: int,
+                 logs_steps: bool) -> None:
+        self.session = session
+        self.boundary = boundary
+        self.applier = applier
+        self.tensor_managers = tensor_managers
+        self.memories = memories
+        self.micro_batches = micro_batches
+        self.logs_steps = logs_steps  # the rank of the last stage: its pace is the pipeline's
+        self.iteration = 0
+        self.in_step = False
+        self.boundary_s: list[float] = []  # seconds spent applying plans before each step (the move stall)
+        self._boundary_at: float | None = None
+        self.counter: MicroBatchCounter | None = None
+
+    def begin(self) -> None:
+        self.session.begin_step(self.iteration)
+        sampled = self.session.is_sampled(self.iteration)
+        for manager in self.tensor_managers.values():  # the monitor reads saved bytes on its sampled steps only
+            manager.metering = sampled
+
+    def run(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """One ``schedule.step`` under vpipe."""
+        self.at_boundary()
+        self.begin()
+        self.in_step = True
+        try:
+            result = original(*args, **kwargs)
+        except BaseException as exc:
+            self.session.abort_step()
+            own = _own_error(exc)
+            if own is not None:  # torch wraps it in "[Stage k] failed to run forward": say what vpipe found
+                raise own from None
+            raise
+        finally:
+            self.in_step = False
+        self.received(self.session.end_step())
+        self.iteration += 1
+        return result
+
+    def module_step_done(self) -> None:
+        """A hand-written loop's ``optimizer.step()``: the step is over, the next begins."""
+        if self.counter is not None:
+            self.counter.reset()
+        for manager in self.tensor_managers.values():
+            manager.end_of_step()  # a hand-written loop tells the manager of no backward
+        self.received(self.session.end_step())
+        self.iteration += 1
+        self.at_boundary()
+        self.begin()
+
+    def received(self, plans: list[Any]) -> None:
+        self.boundary.received(plans, self.iteration, self.applier.layer_manager.epoch)
+
+    def at_boundary(self) -> None:
+        started = time.perf_counter()
+        if self._boundary_at is not None and self.logs_steps:
+            step_record(self.iteration - 1, started - self._boundary_at, stage=self.applier.pipeline.stages[-1].index,
+                        micro_batches=self.micro_batches, layers=len(self.applier.layer_manager.layer_ids))
+        self._boundary_at = started
+        step = self.boundary.applying_step(self.iteration)
+        for plan in self.boundary.due(self.iteration):
+            self.applier.apply(plan, step, self.micro_batches)
+        epoch = self.applier.layer_manager.epoch
+        for v, manager in self.tensor_managers.items():
+            if self.memories[v].budget is not None:  # the optimizer state may have grown
+                manager.budget_bytes = self.memories[v].activation_budget(epoch)
+        self.applier.continue_streamed(step, self.micro_batches)
+        self.boundary_s.append(time.perf_counter() - started)
+
+
+def _own_error(exc: BaseException) -> BaseException | None:
+    """The tensor manager's own error (budget, host pool) inside ``exc``'s cause chain, if ``exc`` wraps one."""
+    seen: set[int] = set()
+    cause = exc.__cause__
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, (MemoryBudgetError, HostPoolFullError)):
+            return cause
+        seen.add(id(cause))
+        cause = cause.__cause__
+    return None
+
+
+class MicroBatchCounter:
+    """For hand-written loops: the n-th forward of the stage module since the last step is micro-batch n."""
+
+    def __init__(self, module: nn.Module, manager: Any) -> None:
+        self.manager = manager
+        self.next_mb = 0
+        self._open: Any = None
+        self._handles = [module.register_forward_pre_hook(self._pre), module.register_forward_hook(self._post)]
+
+    def _pre(self, _module: nn.Module, _args: Any) -> None:
+        if torch.is_grad_enabled():
+            self._open = self.manager.micro_batch(self.next_mb)
+            self._open.__enter__()
+
+    def _post(self, _module: nn.Module, _args: Any, _output: Any) -> None:
+        if self._open is not None:
+            self._open.__exit__(None, None, None)
+            self._open = None
+            self.next_mb += 1
+
+    def reset(self) -> None:
+        self.next_mb = 0
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
