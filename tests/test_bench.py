@@ -181,3 +181,15 @@ def test_shapes_results_get_a_table_and_a_headline_row_with_the_worst_ratio():
     assert report.headline_rows({"shapes": shapes}) == [[
         "the one line on users' trainers (tutorial, hf_gpt2), 6,2 split on 2 stages",
         "+ vpipe: 195, 187 ms/step", "hand-balanced 4,4: 192, 187 ms/step", "1.02x at worst"]]
+
+
+def test_planner_headline_shows_the_worst_gap_over_every_size():
+    def row(graph, nodes, stages, gap, seconds):
+        return {"graph": graph, "nodes": nodes, "stages": stages, "kl_gap": gap, "kl_s_median": seconds,
+                "exact_s": 1.0, "nx_s": 2.0, "nx_valid": False, "nx_gap": 0.12}
+    planner = {"rows": [row("gnmt", 163, 4, 0.0, 0.002), row("amoebanet", 4481, 64, 0.003, 0.05),
+                        row("amoebanet", 4481, 128, 0.001, 0.08)]}
+    assert report.headline_rows({"planner": planner}) == [[
+        "planner, paper graphs (163-4481 nodes) on 4-128 stages",
+        "worst gap to optimum +0.30% (amoebanet, 64 stages); slowest plan 80 ms (amoebanet, 128 stages)",
+        "networkx KL, amoebanet on 128 stages: 2000 ms, gap +12%, not a valid pipeline", "25.0x faster"]]
