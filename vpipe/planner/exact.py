@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
+from numpy.lib.stride_tricks import as_strided
 
 from vpipe.planner.cost_model import StageCosts
 
@@ -290,10 +290,10 @@ def _best_starts(costs: _Padded, value: np.ndarray, js: np.ndarray, first: np.nd
 
     def window(arr: np.ndarray, fill: float) -> np.ndarray:
         # left-padded by ``span`` so every offset has a row; padded starts are never valid
-        return sliding_window_view(np.concatenate([np.full(span, fill), arr]), nj)
+        return _rows(np.concatenate([np.full(span, fill), arr]), nj)
 
     def padded(arr: np.ndarray) -> np.ndarray:  # the same, from an array padded by n
-        return sliding_window_view(arr[costs.n - span:], nj)
+        return _rows(arr[costs.n - span:], nj)
 
     c_j, comm_j = costs.compute_prefix[js], costs.comm[js]
     w_c, w_comm, w_value = padded(costs.pad_compute), padded(costs.pad_comm), window(value, np.inf)
@@ -328,6 +328,13 @@ def _best_starts(costs: _Padded, value: np.ndarray, js: np.ndarray, first: np.nd
         best[better] = got[better]
         arg[better] = (js - (ja + span - top) + row)[better]
     return best, arg
+
+
+def _rows(arr: np.ndarray, width: int) -> np.ndarray:
+    """Row ``r`` is ``arr[r:r + width]``: numpy's sliding_window_view without its checks, which
+    cost more than the DP's work on small stages."""
+    step = arr.strides[0]
+    return as_strided(arr, shape=(arr.size - width + 1, width), strides=(step, step), writeable=False)
 
 
 # --------------------------------------------------------------------- public entry points
