@@ -109,14 +109,21 @@ def test_a_memory_budget_gives_swap_or_recompute_policies_within_it(capsys):
     assert max(tight["stage_memory_bytes"]) <= budget
 
 
-def test_the_measured_graph_is_saved_and_plans_again(capsys, tmp_path):
+def test_the_measured_graph_is_saved_and_planned_again_in_module_names(capsys, tmp_path):
     path = tmp_path / "model.json"
     _json_plan(capsys, *TWO_ARGUMENTS, "--stages", "2", "--save-graph", str(path))
     graph = LayerGraph.load(path)
     assert [n.name for n in graph.nodes] == ENCODER_DECODER_ORDER
     assert json.loads(path.read_text())["model"]["containers"] == ["encoder", "decoder"]
-    code, out, _ = _plan(capsys, str(path), "--stages", "2", "--json")
-    assert code == 0 and len(json.loads(out)["stages"]) == 2
+    again = _json_plan(capsys, str(path), "--stages", "3")  # no measuring again, still in module names
+    assert [name for stage in again["stages"] for name in stage] == ENCODER_DECODER_ORDER
+    assert list(again["layer_counts"]) == ["encoder", "decoder"] and len(again["split_spec"]) == 2
+    data = json.loads(path.read_text())
+    data["model"]["blocks"] = {"decoder.0": "nowhere"}
+    path.write_text(json.dumps(data))
+    code, _, err = _plan(capsys, str(path), "--stages", "2")
+    assert code == 2 and err == ("vpipe: error: graph 'model' annotation: 'blocks' must map module names to one of "
+                                 "'containers'\n")
 
 
 def test_a_hugging_face_gpt2_is_planned_in_its_module_names(capsys):

@@ -125,12 +125,12 @@ def cmd_plan(args: argparse.Namespace, argv: object = None) -> int:
                          if args.network_bandwidth is not None else defaults.net_bytes_per_s),
     )
     if args.model is None:
-        from vpipe.graph import LayerGraph
+        from vpipe.planner.model_plan import load_graph
 
         for flag in ("input_shape", "input_dtype", "layers", "save_graph"):
             if getattr(args, flag) is not None:
                 raise ValueError(f"--{flag.replace('_', '-')} is for --model")
-        graph, model_graph = LayerGraph.load(args.graph), None
+        graph, model_graph = load_graph(args.graph)  # a graph --save-graph wrote plans in module names
         if stages > len(graph):
             raise ValueError(f"--stages {stages} is more than the graph's {len(graph)} layers")
     else:
@@ -264,8 +264,8 @@ def _print_model_table(mg: ModelGraph, pl: ModelPlan, args: argparse.Namespace) 
     from rich.table import Table
 
     containers = {u.name: u.container for u in mg.units}
-    table = Table(title=f"{args.model}: {len(pl.stages)} stages, {args.schedule}, {args.micro_batches} "
-                        f"micro-batches, measured on {mg.device}, method {pl.method}")
+    table = Table(title=f"{args.model or mg.source or args.graph}: {len(pl.stages)} stages, {args.schedule}, "
+                        f"{args.micro_batches} micro-batches, measured on {mg.device or '?'}, method {pl.method}")
     for column in ("stage", "modules", "time ms", "memory", "policies"):
         table.add_column(column, justify="left" if column in ("modules", "policies") else "right",
                          overflow="fold")
