@@ -284,6 +284,10 @@ def _print_model_table(mg: ModelGraph, pl: ModelPlan, args: argparse.Namespace) 
         "policies: D keep, S swap to host, R recompute; one letter per module, in order",
         f"split_spec for torch.distributed.pipelining.pipeline: {pl.split_spec_text()}",
     ]
+    slowest = pl.stages[pl.bottleneck_stage]
+    if len(slowest) == 1 and len(pl.stages) > 1:
+        lines.append(f"the slowest stage is one module, {slowest[0]}: no split makes a stage faster than it, so "
+                     "more stages do not shorten the step")
     for container, counts in pl.layer_counts.items():
         lines.append(f"blocks per stage for a manual split of {container or 'the model'}: "
                      f"{','.join(str(c) for c in counts)}")
