@@ -20,10 +20,12 @@ the boundary bytes second.
 2. *Partition* the coarse graph. Its nodes are in execution order and every stage is a
    contiguous run of them, so it is a chain whose optimal partition (min-max time, then
    fewest bytes, memory limits included) is a DP (:mod:`vpipe.planner.exact` on a
-   :class:`~vpipe.planner.cost_model.CoarseCosts` view), on nodes twice the size above (as
-   coarsened for ``p / 2`` stages). Its work grows with the square of the coarse nodes, a
-   few per stage whatever the graph's size, so it stays well under 0.1 s up to 128 stages; when :func:`~vpipe.planner.exact.dp_cells` says the DP on every
-   boundary is as cheap, that runs instead and its optimum is the result. Deviation from the
+   :class:`~vpipe.planner.cost_model.CoarseCosts` view). Its work grows with the square of
+   the coarse nodes, a few per stage whatever the graph's size, so it stays about 0.1 s up
+   to 128 stages (coarse nodes twice as large would halve that, but gave ten times as many
+   results more than 2 % above the optimum on random chains); when
+   :func:`~vpipe.planner.exact.dp_cells` says the DP on every boundary is as cheap, that
+   runs instead and its optimum is the result. Deviation from the
    paper, which bisects recursively with Kernighan-Lin: bisection decides the stage count of
    each half from estimates, and where every possible cut is heavy (AmoebaNet's first cells)
    those estimates give the cheap tail too many stages, 25 % above the optimum at 32-128
@@ -46,8 +48,9 @@ the boundary bytes second.
    when the graph is small enough), and one Viterbi pass over the candidate sets picks the
    jointly best positions: min-max time, then the fewest bytes at that time. The sets are
    re-centred on the result and the pass repeated while it improves (in the first rounds by
-   anything, later by any time or by more than ``_MIN_GAIN`` of the bytes). Its work is bounded by ``_CELLS`` (start, end)
-   pairs per pass, all of a pass's times computed in one numpy call. When swaps are planned
+   anything, later by any time or by more than ``_MIN_GAIN`` of the bytes). Its work is
+   bounded by ``_CELLS`` (start, end) pairs per pass, all of a pass's times computed in one
+   numpy call. When swaps are planned
    a stage's time is ``max(compute, copy)``, which the bisection's per-side estimates
    cannot see, so after a bisection the refinement also starts from the greedy probe's
    partition and keeps the better result (the DPs price it exactly).
@@ -77,7 +80,6 @@ _MIN_GAIN = 0.01  # ... while a round gains more than this fraction of the bound
 _SURE_ROUNDS = 2  # ... or while it is one of the first rounds (a time gain can follow a round of bytes)
 _EXACT_CELLS = 8_000_000  # the partition step: the exact DP on every boundary up to this estimated work,
 _COARSE_CELLS = 40_000_000  # ... on the coarse boundaries up to this, else KL bisection (see kl_partition)
-_DP_COARSER = 1  # ... coarsened as for this many times fewer stages (2 halves the work, but 10x the >2 % gaps on random chains)
 _REL_TOL = 1e-9
 
 
@@ -447,14 +449,13 @@ def kl_partition(costs: StageCosts, num_stages: int, budgets: np.ndarray | None 
     if dp_cells(costs, num_stages) <= _EXACT_CELLS:
         cuts = chain_dp(costs, np.arange(costs.n + 1), num_stages, budgets, memory)
         return None if cuts is None else _partition_of(costs, cuts)
-    # the DP's coarse chain: nodes twice the size Alg. 3 uses, a quarter of the DP's work
-    coarse = coarsen(costs, max(1, num_stages // _DP_COARSER))
+    coarse = coarsen(costs, num_stages)
     start = None
     if coarse.num_nodes >= num_stages and dp_cells(CoarseCosts(costs, coarse.bounds), num_stages) <= _COARSE_CELLS:
         start = chain_dp(costs, coarse.bounds, num_stages, budgets, memory)
-    starts = [start] if start is not None else []
-    if start is None:
-        coarse = coarsen(costs, num_stages)
+    if start is not None:
+        starts = [start]
+    else:
         starts = [recursive_bisection(costs, coarse, num_stages, budgets, memory)]
         if costs.has_swaps:
             # swaps make a stage's time max(compute, copy) per stage, which the bisection's side
