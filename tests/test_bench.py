@@ -194,3 +194,15 @@ def test_overhead_results_get_a_table_and_a_headline_row_per_size():
         "attaching to a balanced 2-stage pipeline that fits, small model (13 ms steps)",
         "attached: 1.012x plain, planner on: 1.021x (0 plans applied)", "plain: 13.1 ms/step",
         "1.021x at worst (0.99-1.04)"]]
+
+
+def test_planner_headline_shows_the_worst_gap_over_every_size():
+    def row(graph, nodes, stages, gap, seconds):
+        return {"graph": graph, "nodes": nodes, "stages": stages, "kl_gap": gap, "kl_s_median": seconds,
+                "exact_s": 1.0, "nx_s": 2.0, "nx_valid": False, "nx_gap": 0.12}
+    planner = {"rows": [row("gnmt", 163, 4, 0.0, 0.002), row("amoebanet", 4481, 64, 0.003, 0.05),
+                        row("amoebanet", 4481, 128, 0.001, 0.08)]}
+    assert report.headline_rows({"planner": planner}) == [[
+        "planner, paper graphs (163-4481 nodes) on 4-128 stages",
+        "worst gap to optimum +0.30% (amoebanet, 64 stages); slowest plan 80 ms (amoebanet, 128 stages)",
+        "networkx KL, amoebanet on 128 stages: 2000 ms, gap +12%, not a valid pipeline", "25.0x faster"]]

@@ -12,7 +12,8 @@ from planner_helpers import all_cuts, chain, dags
 
 from vpipe.graph import LayerGraph
 from vpipe.planner.cost_model import GraphProfile, Hardware, PipelineSetup, StageCosts
-from vpipe.planner.exact import InfeasibleError, exact_partition, min_bottleneck
+from vpipe.planner.cost_model import CoarseCosts
+from vpipe.planner.exact import InfeasibleError, _lower_bound, exact_partition, min_bottleneck
 
 
 def _brute_force(costs: StageCosts, p: int, budgets: np.ndarray, memory: str = "fixed"):
@@ -54,6 +55,7 @@ def test_exact_oracle_equals_brute_force(problem, memory):
             exact_partition(costs, p, budgets, memory=memory)
         return
     got = exact_partition(costs, p, budgets, memory=memory)
+    assert _lower_bound(costs, p) <= expected[0] * (1 + 1e-9) + 1e-15  # the DP's first limit is below the optimum
     assert got.bottleneck_s == pytest.approx(expected[0], rel=1e-9, abs=1e-15)
     assert costs.comm_bytes(got.cuts) == pytest.approx(expected[1], rel=1e-9, abs=1)
     bounds = [0, *got.cuts, costs.n]
@@ -100,3 +102,24 @@ def test_min_comm_variant_prefers_cheap_boundaries_among_equal_bottlenecks():
     costs = StageCosts(GraphProfile(g), PipelineSetup(2, hardware=Hardware(net_bytes_per_s=1e15)))
     assert exact_partition(costs, 2, min_comm=True).cuts == (3,)
     assert costs.comm_bytes((3,)) == 9
+
+
+@settings(max_examples=60, deadline=None)
+@given(problems(), st.data())
+def test_a_coarse_view_prices_partitions_on_its_positions_exactly(problem, data):
+    costs, p, _ = problem
+    inner = data.draw(st.lists(st.integers(1, max(1, costs.n - 1)), unique=True)) if costs.n > 1 else []
+    positions = np.array(sorted({0, costs.n, *inner}))
+    view = CoarseCosts(costs, positions)
+    q = min(p, view.n)
+    cuts = sorted(data.draw(st.lists(st.integers(1, view.n - 1), min_size=q - 1, max_size=q - 1, unique=True))) \
+        if view.n > 1 else []
+    full = view.full_cuts(cuts)
+    assert np.allclose(view.stage_times(cuts), costs.stage_times(full))
+    assert view.comm_bytes(cuts) == costs.comm_bytes(full)
+    bounds, full_bounds = [0, *cuts, view.n], [0, *full, costs.n]
+    for k in range(len(bounds) - 1):
+        assert view.memory(bounds[k], bounds[k + 1], k) == pytest.approx(
+            costs.memory(full_bounds[k], full_bounds[k + 1], k))
+    with pytest.raises(ValueError, match="rise strictly from 0"):
+        CoarseCosts(costs, positions[1:] if positions.size > 2 else np.array([0, 0]))

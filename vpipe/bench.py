@@ -58,7 +58,7 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
               "the largest micro-batch each system trains under a fixed per-stage budget",
               ("--cases", "transformer:2,cnn:2")),
     Benchmark("planner", "planner_bench.py",
-              "planner time and gap to the exact optimum, 4-64 stages, vs networkx's plain KL",
+              "planner time and gap to the exact optimum, 4-128 stages, vs networkx's plain KL",
               ("--repeats", "3")),
     Benchmark("simulator", "simulator_bench.py",
               "the pipeline simulator vs real 2- and 4-stage runs, then projected to 8-64 stages and GPU costs"),

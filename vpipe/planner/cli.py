@@ -1,8 +1,16 @@
-"""``vpipe plan``: plan a layer graph offline and print the plan (a table, or JSON with ``--json``).
+"""``vpipe plan``: plan a layer graph, or a model, offline and print the plan (a table, or JSON with ``--json``).
 
-Every problem with the input (unreadable or invalid graph, bad numbers, a budget no plan
-fits) ends the command with exit status 2 and one line ``vpipe: error: ...``; argument
-errors too, so scripts get the same one-line diagnostics whatever went wrong.
+``vpipe plan GRAPH.json`` plans a layer graph (``docs/graph-format.md``) and names layers by
+id. ``vpipe plan --model MODULE:FACTORY`` builds the graph itself: it measures the model's
+blocks and other modules on this machine (:mod:`vpipe.planner.model_profile`), plans it,
+and prints the plan in the model's terms (:mod:`vpipe.planner.model_plan`): module names
+per stage, a ``split_spec`` for ``torch.distributed.pipelining.pipeline``, blocks per
+stage for a manual split, each module's policy.
+
+Every problem with the input (unreadable or invalid graph, a factory that cannot be
+imported or fails, bad shapes, bad numbers, a budget no plan fits) ends the command with
+exit status 2 and one line ``vpipe: error: ...``; argument errors too, so scripts get the
+same one-line diagnostics whatever went wrong.
 """
 
 from __future__ import annotations
@@ -10,10 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from vpipe.planner.cost_model import SCHEDULES, Hardware
 from vpipe.sizes import parse_bytes as _parse_size
+
+if TYPE_CHECKING:  # the model path loads torch only when --model is given
+    from vpipe.planner.model_plan import ModelGraph, ModelPlan
 
 __all__ = ["register", "parse_bytes", "cmd_plan"]
 
@@ -50,11 +61,27 @@ def _one_line_error(message: str) -> NoReturn:
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add the ``plan`` subcommand to the ``vpipe`` parser."""
     p = subparsers.add_parser(
-        "plan", help="plan a layer graph onto pipeline stages (partition + swap/recompute policies)",
-        description="Partition GRAPH.json into contiguous pipeline stages and choose each layer's "
-                    "keep (D) / swap (S) / recompute (R) policy (vPipe's SRP search).")
+        "plan", help="plan a layer graph or a model onto pipeline stages (partition + swap/recompute policies)",
+        description="Partition GRAPH.json, or the model a factory builds (--model), into contiguous pipeline "
+                    "stages and choose each layer's keep (D) / swap (S) / recompute (R) policy "
+                    "(vPipe's SRP search).")
     p.error = _one_line_error  # type: ignore[method-assign]  # one line, never a usage dump
-    p.add_argument("graph", metavar="GRAPH.json", help="layer graph (docs/graph-format.md)")
+    p.add_argument("graph", metavar="GRAPH.json", nargs="?", default=None,
+                   help="layer graph (docs/graph-format.md); or use --model")
+    p.add_argument("--model", metavar="MODULE:FACTORY", default=None,
+                   help="plan a model: FACTORY() in MODULE (a module name or a .py file) returns an nn.Module, "
+                        "or (module, example input); its blocks and modules are measured on this machine")
+    p.add_argument("--input-shape", metavar="DIMS", default=None,
+                   help="--model: one micro-batch's input shape, e.g. 8,1024 (for a factory returning only a model)")
+    p.add_argument("--input-dtype", metavar="DTYPE", default=None,
+                   help="--model: the input's dtype, e.g. int64 for token ids (default float32)")
+    p.add_argument("--device", default="auto",
+                   help="--model: where to measure: cpu, cuda, cuda:N, or auto (cuda if there is one; default)")
+    p.add_argument("--layers", metavar="PATH[,PATH]", default=None,
+                   help="--model: the containers of repeated blocks (dotted paths); found when not given")
+    p.add_argument("--repeats", default="3", metavar="N", help="--model: timed runs per module, median (default 3)")
+    p.add_argument("--save-graph", metavar="GRAPH.json", default=None,
+                   help="--model: also write the measured layer graph here (vpipe plan reads it back)")
     p.add_argument("--stages", required=True, metavar="P", help="number of pipeline stages")
     p.add_argument("--memory-budget", metavar="BYTES", default=None,
                    help="device memory per stage, e.g. 16e9, 16GB, 15GiB, or one per stage: 8GB,8GB,12GB")
@@ -78,9 +105,11 @@ def _budget(text: str | None) -> int | list[int] | None:
 
 
 def cmd_plan(args: argparse.Namespace, argv: object = None) -> int:
-    from vpipe.graph import LayerGraph
     from vpipe.planner.srp import METHODS, plan_pipeline
 
+    if (args.graph is None) == (args.model is None):
+        raise ValueError("give either GRAPH.json or --model MODULE:FACTORY" if args.graph is None else
+                         "give GRAPH.json or --model MODULE:FACTORY, not both")
     stages = _positive_int("--stages", args.stages)
     micro_batches = _positive_int("--micro-batches", args.micro_batches)
     if args.schedule not in SCHEDULES:
@@ -95,16 +124,83 @@ def cmd_plan(args: argparse.Namespace, argv: object = None) -> int:
         net_bytes_per_s=(_positive_float("--network-bandwidth", args.network_bandwidth)
                          if args.network_bandwidth is not None else defaults.net_bytes_per_s),
     )
-    graph = LayerGraph.load(args.graph)
-    if stages > len(graph):
-        raise ValueError(f"--stages {stages} is more than the graph's {len(graph)} layers")
+    if args.model is None:
+        from vpipe.planner.model_plan import load_graph
+
+        for flag in ("input_shape", "input_dtype", "layers", "save_graph"):
+            if getattr(args, flag) is not None:
+                raise ValueError(f"--{flag.replace('_', '-')} is for --model")
+        graph, model_graph = load_graph(args.graph)  # a graph --save-graph wrote plans in module names
+        if stages > len(graph):
+            raise ValueError(f"--stages {stages} is more than the graph's {len(graph)} layers")
+    else:
+        model_graph = _measure_model(args)
+        graph = model_graph.graph
+        if stages > len(graph):
+            raise ValueError(f"--stages {stages} is more than the model's {len(graph)} placement units "
+                             f"({_names(model_graph)})")
     result = plan_pipeline(graph, stages, schedule=args.schedule, micro_batches=micro_batches,
                            memory_budget=budget, method=args.method, hardware=hardware)
-    if args.json:
+    if model_graph is not None:
+        from vpipe.planner.model_plan import model_plan
+
+        plan = model_plan(model_graph, result, hardware)
+        if args.json:
+            print(json.dumps({**plan.summary(), "device": model_graph.device}))
+        else:
+            _print_model_table(model_graph, plan, args)
+    elif args.json:
         print(json.dumps(result.summary()))
     else:
         _print_table(graph, result, args)
     return 0
+
+
+def _device(text: str) -> str:
+    import torch
+
+    if text == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"--device must be cpu, cuda, cuda:N or auto; got {text!r}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device must be cpu, cuda, cuda:N or auto; got {text!r}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {text}: this machine has no CUDA device torch can use "
+                             f"(torch {torch.__version__})")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {text}: there are {torch.cuda.device_count()} CUDA device(s)")
+    return str(device)
+
+
+def _measure_model(args: argparse.Namespace) -> ModelGraph:
+    """Load the factory's model, measure it, and write the graph if asked."""
+    repeats = _positive_int("--repeats", args.repeats)
+    device = _device(args.device)
+    layers = [p.strip() for p in args.layers.split(",")] if args.layers is not None else None
+    if layers is not None and not all(layers):
+        raise ValueError(f"--layers must be dotted module paths separated by commas, got {args.layers!r}")
+    from vpipe.planner.factory import load_model
+    from vpipe.planner.model_profile import profile_model
+
+    loaded = load_model(args.model, args.input_shape, args.input_dtype)
+    model_graph = profile_model(loaded.model, loaded.args, loaded.kwargs, device=device, repeats=repeats,
+                                containers=layers, source=args.model)
+    if args.save_graph is not None:
+        try:
+            with open(args.save_graph, "w") as f:
+                json.dump(model_graph.to_dict(), f, indent=1)
+        except OSError as e:
+            raise ValueError(f"cannot write --save-graph {args.save_graph!r}: {e.strerror}") from None
+    return model_graph
+
+
+def _names(model_graph: ModelGraph) -> str:
+    names = [u.name for u in model_graph.units]
+    return ", ".join(names) if len(names) <= 8 else ", ".join(names[:4] + ["..."] + names[-2:])
 
 
 def _print_table(graph: object, result: object, args: argparse.Namespace) -> None:
@@ -143,3 +239,59 @@ def _human(nbytes: float) -> str:
         if nbytes >= size:
             return f"{nbytes / size:.2f} {unit}"
     return f"{int(nbytes)} B"
+
+
+def _compact(names: list[str], containers: dict[str, str | None]) -> str:
+    """Module names with runs of blocks of one container written ``path.first..last``."""
+    parts: list[str] = []
+    i = 0
+    while i < len(names):
+        container = containers.get(names[i])
+        j = i
+        while j + 1 < len(names) and container is not None and containers.get(names[j + 1]) == container:
+            j += 1
+        if j - i >= 2:
+            prefix = f"{container}." if container else ""
+            parts.append(f"{names[i]}..{names[j][len(prefix):]}")
+        else:
+            parts.extend(names[i:j + 1])
+        i = j + 1
+    return ", ".join(parts)
+
+
+def _print_model_table(mg: ModelGraph, pl: ModelPlan, args: argparse.Namespace) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    containers = {u.name: u.container for u in mg.units}
+    table = Table(title=f"{args.model or mg.source or args.graph}: {len(pl.stages)} stages, {args.schedule}, "
+                        f"{args.micro_batches} micro-batches, measured on {mg.device or '?'}, method {pl.method}")
+    for column in ("stage", "modules", "time ms", "memory", "policies"):
+        table.add_column(column, justify="left" if column in ("modules", "policies") else "right",
+                         overflow="fold")
+    for k, names in enumerate(pl.stages):
+        table.add_row(str(k), _compact(names, containers), f"{pl.stage_s[k] * 1e3:.3f}",
+                      _human(pl.stage_memory_bytes[k]), "".join(pl.policies[n] for n in names))
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=120)
+    console.print(table)
+    parts = pl.bottleneck
+    lines = [
+        f"predicted step {pl.step_s * 1e3:.3f} ms (bubble included); slowest stage {pl.bottleneck_stage}: "
+        f"{parts['total'] * 1e3:.3f} ms = compute {parts['compute'] * 1e3:.3f} + transfers "
+        f"{parts['transfers'] * 1e3:.3f} + swaps {parts['swaps'] * 1e3:.3f}",
+        "policies: D keep, S swap to host, R recompute; one letter per module, in order",
+        f"split_spec for torch.distributed.pipelining.pipeline: {pl.split_spec_text()}",
+    ]
+    slowest = pl.stages[pl.bottleneck_stage]
+    if len(slowest) == 1 and len(pl.stages) > 1:
+        lines.append(f"the slowest stage is one module, {slowest[0]}: no split makes a stage faster than it, so "
+                     "more stages do not shorten the step")
+    for container, counts in pl.layer_counts.items():
+        lines.append(f"blocks per stage for a manual split of {container or 'the model'}: "
+                     f"{','.join(str(c) for c in counts)}")
+    if mg.unused:
+        lines.append(f"not called by the forward, so on no stage: {', '.join(mg.unused)}")
+    lines.append(f"planned in {pl.planner_s * 1e3:.1f} ms")
+    print("\n".join(lines))  # plain lines, never wrapped: the split_spec is to be pasted

@@ -64,6 +64,7 @@ __all__ = [
     "PipelineSetup",
     "GraphProfile",
     "StageCosts",
+    "CoarseCosts",
     "Code",
     "check_schedule",
     "in_flight",
@@ -322,11 +323,17 @@ class StageCosts:
         self.staging_prefix = _prefix(np.where(is_s, profile.act, 0.0))
         self.param_prefix = _prefix(profile.params)
         self.comm = profile.cut / hw.net_bytes_per_s
+        self.has_swaps = bool(self.swap_prefix[-1] > 0)
         self._memory_prefix: dict[tuple[int, bool], np.ndarray] = {}
 
     @property
     def n(self) -> int:
         return self.profile.n
+
+    @property
+    def cut(self) -> np.ndarray:
+        """Bytes crossing each boundary position (``cut[0] = cut[n] = 0``)."""
+        return self.profile.cut
 
     def compute(self, i, j):  # noqa: ANN001, ANN201 - ints or numpy arrays
         return self.compute_prefix[j] - self.compute_prefix[i]
@@ -334,8 +341,9 @@ class StageCosts:
     def time(self, i, j):  # noqa: ANN001, ANN201
         """Seconds per micro-batch of the stage ``[i, j)`` (eq. 2 plus boundary receives)."""
         c = self.compute_prefix[j] - self.compute_prefix[i]
-        exposed = np.maximum(0.0, (self.swap_prefix[j] - self.swap_prefix[i]) - c)
-        return c + exposed + self.comm[i] + self.comm[j]
+        if self.has_swaps:
+            c = c + np.maximum(0.0, (self.swap_prefix[j] - self.swap_prefix[i]) - c)
+        return c + self.comm[i] + self.comm[j]
 
     def memory_prefix(self, stage: int, best_case: bool = False) -> np.ndarray:
         """``P`` with ``memory(i, j, stage) == P[j] - P[i]`` (eq. 1 is a sum over layers).
@@ -374,7 +382,52 @@ class StageCosts:
         return np.array([self.memory(b[k], b[k + 1], k) for k in range(len(b) - 1)], dtype=float)
 
     def comm_bytes(self, cuts: Sequence[int]) -> int:
-        return int(round(sum(self.profile.cut[c] for c in cuts)))
+        return int(round(sum(self.cut[c] for c in cuts)))
+
+
+class CoarseCosts(StageCosts):
+    """The same costs seen only at some boundary ``positions`` (0 and n among them).
+
+    Position ``c`` of the view is boundary ``positions[c]`` of the full graph, so a partition
+    of the view is a partition of the graph whose cuts all lie on ``positions``, priced
+    exactly: every term of a stage is a prefix difference or a boundary term, and those
+    are sampled, not approximated. The exact partitioners run on it unchanged, which is
+    how the planner solves the coarse chain of Alg. 3 optimally in O(coarse nodes^2).
+    """
+
+    def __init__(self, costs: StageCosts, positions: np.ndarray) -> None:  # a view: no prefix sums of its own
+        positions = np.asarray(positions, dtype=np.int64)
+        if positions.size < 2 or positions[0] != 0 or positions[-1] != costs.n or np.any(np.diff(positions) <= 0):
+            raise ValueError("positions must rise strictly from 0 to the number of layers")
+        self.base, self.positions = costs, positions
+        self.profile, self.setup, self.codes = costs.profile, costs.setup, costs.codes
+        self.compute_prefix = costs.compute_prefix[positions]
+        self.swap_prefix = costs.swap_prefix[positions]
+        self.resident_prefix = costs.resident_prefix[positions]
+        self.staging_prefix = costs.staging_prefix[positions]
+        self.param_prefix = costs.param_prefix[positions]
+        self.comm = costs.comm[positions]
+        self.has_swaps = costs.has_swaps
+        self._cut = costs.cut[positions]
+        self._memory_prefix = {}
+
+    @property
+    def n(self) -> int:  # type: ignore[override]
+        return self.positions.size - 1
+
+    @property
+    def cut(self) -> np.ndarray:  # type: ignore[override]
+        return self._cut
+
+    def memory_prefix(self, stage: int, best_case: bool = False) -> np.ndarray:
+        key = (stage, best_case)
+        if key not in self._memory_prefix:
+            self._memory_prefix[key] = self.base.memory_prefix(stage, best_case)[self.positions]
+        return self._memory_prefix[key]
+
+    def full_cuts(self, cuts: Sequence[int]) -> list[int]:
+        """The graph's boundary positions of cuts made in this view."""
+        return [int(self.positions[c]) for c in cuts]
 
 
 def _boundary_bytes(n: int, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> np.ndarray:

@@ -11,9 +11,12 @@ positions and the optimum can be found by dynamic programming over (stage, end p
   bottleneck: :func:`exact_partition` chains the two.
 
 Both honour per-stage memory limits. The DP is banded: in a partition with bottleneck
-<= T every stage computes, and swaps, for <= T, so only segments that short are tried, and T comes
-from a valid partition found by the greedy probe, which makes the oracle
-O(n * (n/p) * p) rather than O(p * n^2).
+<= T every stage computes, and swaps, for <= T, so only segments that short are tried,
+which makes the oracle O(n * (n/p) * p) rather than O(p * n^2) when T is near the optimum.
+T starts just above a lower bound that sees boundary transfers (a DP that finds nothing
+proves the optimum is higher) and widens, capped by a valid partition from the greedy
+probe. :func:`dp_cells` estimates the work beforehand, so the planner can choose the DP
+where it is cheap and a coarser search where it is not.
 """
 
 from __future__ import annotations
@@ -22,15 +25,18 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
+from numpy.lib.stride_tricks import as_strided
 
 from vpipe.planner.cost_model import StageCosts
 
 __all__ = ["Partition", "InfeasibleError", "Additive", "CommBytes", "min_bottleneck", "min_secondary",
-           "exact_partition", "greedy_partition", "check_layers_fit", "MemoryMode"]
+           "exact_partition", "greedy_partition", "check_layers_fit", "dp_cells", "MemoryMode"]
 
 MemoryMode = Literal["fixed", "best_case"]
 _BLOCK_ELEMENTS = 1 << 16  # cells per DP block: small enough to stay in cache
+_FIRST_SLACK = 0.05  # the first DP's limit: this much above the lower bound
+_GROWTH = 1.5  # then each limit this much above the last ...
+_GREEDY_AFTER = 2.0  # ... capped by the greedy's bound once the limit passes this many lower bounds
 _REL_TOL = 1e-9
 
 
@@ -59,7 +65,7 @@ class CommBytes:
     """Boundary bytes as an :class:`Additive` cost: each stage but the first pays its start's bytes."""
 
     def __init__(self, costs: StageCosts) -> None:
-        self._cut = costs.profile.cut
+        self._cut = costs.cut
         self._zero = np.zeros_like(self._cut)
 
     def terms(self, stage: int) -> tuple[np.ndarray, np.ndarray]:
@@ -95,8 +101,44 @@ def check_layers_fit(costs: StageCosts, budgets: np.ndarray, memory: MemoryMode 
 
 # --------------------------------------------------------------------- bounds
 def _lower_bound(costs: StageCosts, p: int) -> float:
-    per_layer = costs.compute_prefix[1:] - costs.compute_prefix[:-1]
-    return max(float(costs.compute_prefix[-1]) / p, float(per_layer.max()))
+    """No partition's slowest stage is faster than this.
+
+    Two facts, both cheap: the stages together compute everything and receive every cut
+    twice (the stages on both sides pay it), so the mean stage takes at least the total
+    plus the ``p - 1`` cheapest cuts twice, over ``p``; and the stage holding layer ``i``
+    takes at least its compute plus the cheapest way to reach it from a boundary on each
+    side, which is what makes stages whose every possible cut is heavy (AmoebaNet's first
+    cells) bound the result.
+    """
+    c, comm, n = costs.compute_prefix, costs.comm, costs.n
+    inner = np.sort(comm[1:n])[: p - 1] if p > 1 else np.zeros(0)
+    mean = (float(c[-1]) + 2.0 * float(inner.sum())) / p
+    into = np.minimum.accumulate(comm[:-1] - c[:-1]) + c[:-1]  # min over starts s <= i of comm[s] + C[i] - C[s]
+    out = np.minimum.accumulate((c[1:] + comm[1:])[::-1])[::-1] - c[1:]  # min over ends e > i of C[e] - C[i+1] + comm[e]
+    holding = into + (c[1:] - c[:-1]) + out
+    return max(mean, float(holding.max()))
+
+
+def dp_cells(costs: StageCosts, num_stages: int) -> int:
+    """About how many (start, end) pairs :func:`min_bottleneck`'s first DP examines.
+
+    Every end of every stage pairs with every start within the first limit (just above the
+    lower bound) of it, inside the bands the DP keeps. It ignores what the DP later finds
+    unreachable, so it overestimates, cheaply (O(n + p)): the planner uses it to choose
+    between the exact DP and cheaper partition steps before running anything.
+    """
+    n, p = costs.n, num_stages
+    slack = _lower_bound(costs, p) * (1.0 + _FIRST_SLACK)
+    prefix, swap = costs.compute_prefix, costs.swap_prefix
+    lo = np.maximum(np.searchsorted(prefix, prefix - slack, side="left"),
+                    np.searchsorted(swap, swap - slack, side="left"))
+    pairs = np.concatenate([[0], np.cumsum(np.arange(n + 1) - lo)])  # pairs[j]: pairs of ends before j
+    k = np.arange(p)
+    ja = np.maximum(k + 1, np.searchsorted(prefix, prefix[-1] - (p - 1 - k) * slack, side="left"))
+    jb = np.minimum(n - (p - 1 - k), np.searchsorted(prefix, (k + 1) * slack, side="right") - 1)
+    ja[-1] = jb[-1] = n
+    ok = ja <= jb
+    return int(np.sum(pairs[jb[ok] + 1] - pairs[ja[ok]]))
 
 
 def _upper_limit(costs: StageCosts) -> float:
@@ -173,6 +215,7 @@ def _banded_dp(costs: StageCosts, p: int, budgets: np.ndarray, limit: float, mem
     parents: list[np.ndarray] = []
     value = np.full(n + 1, np.inf)
     value[0] = 0.0
+    padded = _Padded(costs)
     for k in range(p):
         ja, jb = k + 1, (n - (p - 1 - k) if k < p - 1 else n)
         if k < p - 1:  # the stages before must fit in k limits, the ones after in p - 1 - k
@@ -188,7 +231,7 @@ def _banded_dp(costs: StageCosts, p: int, budgets: np.ndarray, limit: float, mem
             ja = max(ja, int(reachable[0]) + 1)
         if reachable.size and ja <= jb:
             js = np.arange(ja, jb + 1)
-            best, arg = _best_starts(costs, value, js, np.maximum(lo[js], reachable[0]), int(reachable[-1]),
+            best, arg = _best_starts(padded, value, js, np.maximum(lo[js], reachable[0]), int(reachable[-1]),
                                      _StageTerms(costs, k, budgets[k], memory, secondary), slack)
             new_value[js] = best
             parent[js] = arg
@@ -205,6 +248,20 @@ def _banded_dp(costs: StageCosts, p: int, budgets: np.ndarray, limit: float, mem
     return Partition(tuple(cuts), bottleneck, float(value[n]) if secondary is not None else 0.0)
 
 
+class _Padded:
+    """The cost arrays left-padded by ``n`` once per DP, so each stage's windows are slices."""
+
+    def __init__(self, costs: StageCosts) -> None:
+        n = costs.n
+        self.n = n
+        self.compute_prefix, self.comm = costs.compute_prefix, costs.comm
+        self.swap_prefix = costs.swap_prefix if costs.has_swaps else None
+        zeros = np.zeros(n)
+        self.pad_compute = np.concatenate([zeros, costs.compute_prefix])
+        self.pad_comm = np.concatenate([zeros, costs.comm])
+        self.pad_swap = np.concatenate([zeros, costs.swap_prefix]) if costs.has_swaps else None
+
+
 class _StageTerms:
     """The arrays one DP step needs besides times: memory prefix (if limited), secondary terms."""
 
@@ -215,7 +272,7 @@ class _StageTerms:
         self.sec = secondary.terms(stage) if secondary is not None else None
 
 
-def _best_starts(costs: StageCosts, value: np.ndarray, js: np.ndarray, first: np.ndarray, last: int,
+def _best_starts(costs: _Padded, value: np.ndarray, js: np.ndarray, first: np.ndarray, last: int,
                  terms: _StageTerms, slack: float) -> tuple[np.ndarray, np.ndarray]:
     """For every end ``j`` in ``js`` (consecutive), the best start in ``[first[j], min(j, last + 1))``.
 
@@ -233,40 +290,51 @@ def _best_starts(costs: StageCosts, value: np.ndarray, js: np.ndarray, first: np
 
     def window(arr: np.ndarray, fill: float) -> np.ndarray:
         # left-padded by ``span`` so every offset has a row; padded starts are never valid
-        return sliding_window_view(np.concatenate([np.full(span, fill), arr]), nj)
+        return _rows(np.concatenate([np.full(span, fill), arr]), nj)
+
+    def padded(arr: np.ndarray) -> np.ndarray:  # the same, from an array padded by n
+        return _rows(arr[costs.n - span:], nj)
 
     c_j, comm_j = costs.compute_prefix[js], costs.comm[js]
-    w_c, w_comm, w_value = window(costs.compute_prefix, 0.0), window(costs.comm, 0.0), window(value, np.inf)
-    has_swap = bool(costs.swap_prefix[-1] > 0)
-    w_x, x_j = (window(costs.swap_prefix, 0.0), costs.swap_prefix[js]) if has_swap else (None, None)
+    w_c, w_comm, w_value = padded(costs.pad_compute), padded(costs.pad_comm), window(value, np.inf)
+    w_x, x_j = (padded(costs.pad_swap), costs.swap_prefix[js]) if costs.pad_swap is not None else (None, None)
     w_mem, mem_j = (window(terms.mem, 0.0), terms.mem[js]) if terms.mem is not None else (None, None)
     w_sec, sec_j = (window(terms.sec[1], 0.0), terms.sec[0][js]) if terms.sec is not None else (None, None)
     block = max(1, _BLOCK_ELEMENTS // nj)
     cols = np.arange(nj)
     for d0 in range(min_d, span + 1, block):
         d1 = min(span, d0 + block - 1)
-        rows = slice(ja + span - d1, ja + span - d0 + 1)  # row r: starts of offset ja + span - r
-        d = (ja + span - np.arange(rows.start, rows.stop))[:, None]
+        top = ja + span - d1
+        rows = slice(top, ja + span - d0 + 1)  # row r: starts of offset ja + span - r
+        # a start before ``first`` is slower than the limit or unreachable (value inf): the
+        # limit and the values exclude it without an index test
         t = c_j - w_c[rows]
         if w_x is not None:
-            t = np.maximum(t, x_j - w_x[rows])
+            np.maximum(t, x_j - w_x[rows], out=t)
         t += w_comm[rows]
         t += comm_j
-        valid = (d <= max_d) & (t <= slack)
+        over = t > slack
         if w_mem is not None:
-            valid &= (mem_j - w_mem[rows]) <= terms.budget
+            over |= (mem_j - w_mem[rows]) > terms.budget
         if w_sec is None:
-            cand = np.maximum(w_value[rows], t)
+            cand = np.maximum(w_value[rows], t, out=t)
         else:
             cand = w_value[rows] + w_sec[rows]
             cand += sec_j
-        cand[~valid] = np.inf
+        np.putmask(cand, over, np.inf)
         row = np.argmin(cand, axis=0)
         got = cand[row, cols]
         better = got < best
         best[better] = got[better]
-        arg[better] = (js - d[row, 0])[better]
+        arg[better] = (js - (ja + span - top) + row)[better]
     return best, arg
+
+
+def _rows(arr: np.ndarray, width: int) -> np.ndarray:
+    """Row ``r`` is ``arr[r:r + width]``: numpy's sliding_window_view without its checks, which
+    cost more than the DP's work on small stages."""
+    step = arr.strides[0]
+    return as_strided(arr, shape=(arr.size - width + 1, width), strides=(step, step), writeable=False)
 
 
 # --------------------------------------------------------------------- public entry points
@@ -292,11 +360,26 @@ def min_bottleneck(costs: StageCosts, num_stages: int, budgets: np.ndarray | Non
     or None when no partition fits the memory limits."""
     _check_stages(costs, num_stages)
     budgets = _stage_budgets(num_stages, budgets)
-    limit, ceiling = _upper_bound(costs, num_stages, budgets, memory), _upper_limit(costs)
-    found = _banded_dp(costs, num_stages, budgets, limit, memory, None)
-    if found is None and limit < ceiling:  # the greedy found no valid partition: try every segment
-        found = _banded_dp(costs, num_stages, budgets, ceiling, memory, None)
-    return found
+    ceiling = _upper_limit(costs)
+    # The DP's work grows with its limit, so start just above the lower bound and widen: a DP
+    # that finds nothing under a limit proves the optimum is above it, and the first that finds
+    # a partition has found the optimum. Once the limit is well above the lower bound the
+    # greedy's partition caps it (or, if the greedy found none, every segment is tried at
+    # once), and if even that limit finds nothing every segment is tried.
+    lower = _lower_bound(costs, num_stages)
+    limit = lower * (1.0 + _FIRST_SLACK)
+    upper: float | None = None
+    while True:
+        if upper is None and (limit <= 0.0 or limit > lower * _GREEDY_AFTER):
+            upper = _upper_bound(costs, num_stages, budgets, memory)
+        if upper is not None:  # a valid partition's bottleneck, or the ceiling if the greedy found none
+            limit = upper if limit <= 0.0 or upper >= ceiling else min(limit, upper)
+        found = _banded_dp(costs, num_stages, budgets, min(limit, ceiling), memory, None)
+        if found is not None or limit >= ceiling:
+            return found
+        if upper is not None and limit >= upper:
+            return _banded_dp(costs, num_stages, budgets, ceiling, memory, None)
+        limit *= _GROWTH
 
 
 def min_secondary(costs: StageCosts, num_stages: int, limit: float, secondary: Additive,

@@ -1,4 +1,4 @@
-"""Layer partition (vPipe Alg. 3): coarsen, recursive Kernighan-Lin bisection, uncoarsen, refine.
+"""Layer partition (vPipe Alg. 3): coarsen, partition the coarse chain, uncoarsen, refine.
 
 Every result is a valid pipeline: a stage is a contiguous run of the execution order, so
 no edge can go from a later stage to an earlier one (general graph partitioners, plain KL
@@ -17,7 +17,20 @@ the boundary bytes second.
    previous one, so no boundary is free of subgraph edges) boundaries carrying no more
    bytes than any within half a node ("valleys") are allowed too; among the allowed
    boundaries in a node's weight window the cheapest wins.
-2. *Partition*. Recursive bisection: ``p`` stages split into ``p // 2`` and the rest, at a
+2. *Partition* the coarse graph. Its nodes are in execution order and every stage is a
+   contiguous run of them, so it is a chain whose optimal partition (min-max time, then
+   fewest bytes, memory limits included) is a DP (:mod:`vpipe.planner.exact` on a
+   :class:`~vpipe.planner.cost_model.CoarseCosts` view). Its work grows with the square of
+   the coarse nodes, a few per stage whatever the graph's size, so it stays about 0.1 s up
+   to 128 stages (coarse nodes twice as large would halve that, but gave ten times as many
+   results more than 2 % above the optimum on random chains); when
+   :func:`~vpipe.planner.exact.dp_cells` says the DP on every boundary is as cheap, that
+   runs instead and its optimum is the result. Deviation from the
+   paper, which bisects recursively with Kernighan-Lin: bisection decides the stage count of
+   each half from estimates, and where every possible cut is heavy (AmoebaNet's first cells)
+   those estimates give the cheap tail too many stages, 25 % above the optimum at 32-128
+   stages. The KL bisection remains for coarse chains too big for the DP (far beyond 128
+   stages): ``p`` stages split into ``p // 2`` and the rest, at a
    coarse boundary chosen by Kernighan-Lin: moves carry the boundary vertex across, a
    move's gain is the change in (memory overflow, imbalance beyond a 3 % tolerance,
    boundary bytes), and each pass keeps its best prefix of moves. A side's load counts its
@@ -34,10 +47,13 @@ the boundary bytes second.
    the graph's cheapest boundaries and the positions next to its neighbours (all positions
    when the graph is small enough), and one Viterbi pass over the candidate sets picks the
    jointly best positions: min-max time, then the fewest bytes at that time. The sets are
-   re-centred on the result and the pass repeated while it improves. Its work is bounded
-   by ``_CELLS`` (start, end) pairs per pass. When swaps are planned, a stage's time is
-   ``max(compute, copy)``, which the bisection's per-side estimates cannot see, so the
-   refinement also starts from the greedy probe's partition and keeps the better result.
+   re-centred on the result and the pass repeated while it improves (in the first rounds by
+   anything, later by any time or by more than ``_MIN_GAIN`` of the bytes). Its work is
+   bounded by ``_CELLS`` (start, end) pairs per pass, all of a pass's times computed in one
+   numpy call. When swaps are planned
+   a stage's time is ``max(compute, copy)``, which the bisection's per-side estimates
+   cannot see, so after a bisection the refinement also starts from the greedy probe's
+   partition and keeps the better result (the DPs price it exactly).
 """
 
 from __future__ import annotations
@@ -46,18 +62,24 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vpipe.planner.cost_model import StageCosts
-from vpipe.planner.exact import MemoryMode, Partition, greedy_partition
+from vpipe.planner.cost_model import CoarseCosts, StageCosts
+from vpipe.planner.exact import (CommBytes, MemoryMode, Partition, dp_cells, greedy_partition, min_bottleneck,
+                                 min_secondary)
 
-__all__ = ["GRANULARITY", "CoarseGraph", "coarsen", "kl_partition", "recursive_bisection", "refine",
+__all__ = ["GRANULARITY", "CoarseGraph", "coarsen", "chain_dp", "kl_partition", "recursive_bisection", "refine",
            "is_valid_pipeline"]
 
 GRANULARITY = 8  # coarse nodes per mean stage, at least
+_EARLY_CUT = 0.8  # coarsening: a node may end early at a boundary this much cheaper than its choice
 _BALANCE_TOL = 0.03  # bisection: imbalance below this is free, so boundary bytes decide
 _CELLS = 600_000  # refinement: (stage start, stage end) pairs examined per Viterbi pass
 _BAND = 0.2  # ... every position within +- this fraction of a mean stage's compute,
 _MIN_BAND = 4  # ... at least this many either side, then the nearest coarse boundaries
 _ROUNDS = 6
+_MIN_GAIN = 0.01  # ... while a round gains more than this fraction of the boundary bytes (or any time),
+_SURE_ROUNDS = 2  # ... or while it is one of the first rounds (a time gain can follow a round of bytes)
+_EXACT_CELLS = 8_000_000  # the partition step: the exact DP on every boundary up to this estimated work,
+_COARSE_CELLS = 40_000_000  # ... on the coarse boundaries up to this, else KL bisection (see kl_partition)
 _REL_TOL = 1e-9
 
 
@@ -104,7 +126,7 @@ def coarsen(costs: StageCosts, num_stages: int) -> CoarseGraph:
 def _valleys(costs: StageCosts, reach: float) -> np.ndarray:
     """Boundaries carrying no more bytes than any other within ``reach`` compute-seconds:
     where a block ends even when skip edges make every boundary cross some edge."""
-    prefix, cut, n = costs.compute_prefix, costs.profile.cut, costs.n
+    prefix, cut, n = costs.compute_prefix, costs.cut, costs.n
     if n < 2:
         return np.zeros(0, dtype=np.int64)
     pos = np.arange(1, n)
@@ -135,8 +157,11 @@ def _select_bounds(costs: StageCosts, allowed: np.ndarray, cap: float) -> np.nda
     """Coarse node boundaries: from each start, the cheapest allowed boundary that leaves the
     node between a quarter and all of ``cap``, else the next allowed one if the node stays
     under twice ``cap``; a block heavier than that with no allowed boundary inside is split
-    at the cheapest plain boundary that fills the node half to full."""
-    prefix, cut, n = costs.compute_prefix, costs.profile.cut, costs.n
+    at the cheapest plain boundary that fills the node half to full. An allowed boundary
+    nearer than a quarter wins when it carries at most ``_EARLY_CUT`` of that choice's bytes:
+    without it a run of equal, heavy boundaries decides where nodes end and can step over
+    the cheap boundary that ends a block, which then no coarse partition can use."""
+    prefix, cut, n = costs.compute_prefix, costs.cut, costs.n
     at = prefix[allowed]
     bounds, start = [0], 0
     while prefix[n] - prefix[start] > cap and start < n - 1:
@@ -153,10 +178,22 @@ def _select_bounds(costs: StageCosts, allowed: np.ndarray, cap: float) -> np.nda
             lo = max(start + 1, int(np.searchsorted(prefix, base + cap / 2, side="left")))
             hi = max(lo, min(n - 1, int(np.searchsorted(prefix, base + cap, side="right")) - 1))
             window = np.arange(lo, hi + 1)
-        start = int(window[len(window) - 1 - np.argmin(cut[window][::-1])])  # the latest of the cheapest
+        choice = _latest_cheapest(window, cut)
+        early = allowed[first:max(first, min(i_lo, i_hi))]  # allowed, but would leave a node under cap / 4
+        if early.size:
+            light = _latest_cheapest(early, cut)
+            if cut[light] <= _EARLY_CUT * cut[choice]:
+                # much cheaper than anything in the window: a small node, but a boundary that a
+                # stage may well want (a block's end just after the previous choice)
+                choice = light
+        start = choice
         bounds.append(start)
     bounds.append(n)
     return np.unique(np.array(bounds, dtype=np.int64))
+
+
+def _latest_cheapest(positions: np.ndarray, cut: np.ndarray) -> int:
+    return int(positions[len(positions) - 1 - np.argmin(cut[positions][::-1])])
 
 
 # --------------------------------------------------------------------- KL bisection
@@ -203,7 +240,7 @@ def _kl_cut(costs: StageCosts, candidates: np.ndarray, lo: int, hi: int, left_st
         estimate = np.maximum(busy_left / left_stages, busy_right / right_stages)
     penalty = np.maximum(0.0, estimate - (1.0 + _BALANCE_TOL) * estimate.min())
     overflow = _memory_overflow(costs, candidates, lo, hi, left_stages, right_stages, first_stage, budgets, memory)
-    cut_bytes = costs.profile.cut[candidates]
+    cut_bytes = costs.cut[candidates]
     keys = (overflow, penalty, cut_bytes)
     # start at the best-balanced boundary, then let passes move it while they gain
     current = int(np.lexsort((estimate, overflow))[0])
@@ -259,71 +296,90 @@ def recursive_bisection(costs: StageCosts, coarse: CoarseGraph, num_stages: int,
 
 
 # --------------------------------------------------------------------- refinement
-def _candidates(costs: StageCosts, cut: int, count: int, fine: float, far: np.ndarray) -> np.ndarray:
-    """Where a boundary may move in one round, about ``count`` positions: every position
-    within ``fine`` seconds of busy time (compute plus copy-link time) of it, then the
-    ``far`` positions (coarse boundaries, the graph's cheapest boundaries) nearest to it,
-    so a round can make long moves between the places where cutting is cheap. All
-    positions when there are no more than ``count``."""
+def _candidates(costs: StageCosts, cuts: np.ndarray, count: int, fine: float, far: np.ndarray) -> np.ndarray:
+    """Where each boundary may move in one round: one row of about ``count`` positions per cut
+    (repeats allowed). Every position within ``fine`` seconds of busy time (compute plus
+    copy-link time) of the cut, at least ``_MIN_BAND`` either side, then the ``far`` positions
+    (coarse boundaries, the graph's cheapest boundaries) nearest to it on each side, so a round
+    can make long moves between the places where cutting is cheap; and the positions next to
+    its neighbours, so that shifting every boundary by one slot is a single move, which is how
+    work travels between distant stages. All positions when there are no more than ``count``."""
     prefix, n = costs.compute_prefix + costs.swap_prefix, costs.n  # distance in busy time
     if count >= n - 1:
-        return np.arange(1, n)
-    here = prefix[cut]
+        return np.broadcast_to(np.arange(1, n), (cuts.size, n - 1))
+    here = prefix[cuts]
     half = max(_MIN_BAND, count // 4)
-    lo = int(np.searchsorted(prefix, here - fine, side="left"))
-    hi = int(np.searchsorted(prefix, here + fine, side="right")) - 1
-    lo = max(1, min(lo, cut - _MIN_BAND), cut - half)
-    hi = min(n - 1, max(hi, cut + _MIN_BAND), cut + half)
-    near = np.arange(lo, hi + 1)
-    room = count - near.size
-    if room > 0 and far.size:
-        outside = far[(far < lo) | (far > hi)]
-        outside = outside[np.argsort(np.abs(prefix[outside] - here), kind="stable")[:room]]
-        near = np.union1d(near, outside)
-    return near
+    lo = np.searchsorted(prefix, here - fine, side="left")
+    hi = np.searchsorted(prefix, here + fine, side="right") - 1
+    lo = np.maximum.reduce([np.ones_like(cuts), np.minimum(lo, cuts - _MIN_BAND), cuts - half])
+    hi = np.minimum.reduce([np.full_like(cuts, n - 1), np.maximum(hi, cuts + _MIN_BAND), cuts + half])
+    near = np.minimum(lo[:, None] + np.arange(2 * half + 1), hi[:, None])
+    columns = [near]
+    room = count - near.shape[1]
+    if far.size and room > 0:  # the ``room`` far positions outside the band nearest to the cut
+        left = np.searchsorted(far, lo)[:, None] - 1 - np.arange(room)
+        right = np.searchsorted(far, hi, side="right")[:, None] + np.arange(room)
+        around = np.concatenate([left, right], axis=1)
+        outside = (around >= 0) & (around < far.size)
+        picks = far[np.clip(around, 0, far.size - 1)]
+        distance = np.where(outside, np.abs(prefix[picks] - here[:, None]), np.inf)
+        nearest = np.argpartition(distance, room - 1, axis=1)[:, :room]
+        columns.append(np.where(np.take_along_axis(outside, nearest, axis=1),
+                                np.take_along_axis(picks, nearest, axis=1), cuts[:, None]))
+    reach = np.arange(-2 * _MIN_BAND, 2 * _MIN_BAND + 1)
+    before = np.concatenate([cuts[:1], cuts[:-1]])
+    after = np.concatenate([cuts[1:], cuts[-1:]])
+    columns += [before[:, None] + reach, after[:, None] + reach]
+    return np.clip(np.concatenate(columns, axis=1), 1, n - 1)
 
 
 class _Bands:
     """Candidate positions for every boundary and the stage times between consecutive bands."""
 
-    def __init__(self, costs: StageCosts, bands: list[np.ndarray], budgets: np.ndarray, memory: MemoryMode) -> None:
+    def __init__(self, costs: StageCosts, bands: np.ndarray, budgets: np.ndarray, memory: MemoryMode) -> None:
         n = costs.n
-        self.nodes = [np.array([0]), *bands, np.array([n])]
-        self.times: list[np.ndarray] = []
-        self.allowed: list[np.ndarray] = []
-        for k in range(len(self.nodes) - 1):
-            i, j = self.nodes[k][:, None], self.nodes[k + 1][None, :]
-            self.times.append(np.asarray(costs.time(i, j), dtype=float))
-            ok = i < j
-            if np.isfinite(budgets[k]):
-                mem = costs.memory_prefix(k, memory == "best_case")
-                ok = ok & ((mem[j] - mem[i]) <= budgets[k])
-            self.allowed.append(ok)
-        self.cut_bytes = costs.profile.cut
+        q, width = bands.shape
+        self.bands = bands
+        # stage k runs from a position of band k - 1 to one of band k; the first starts at 0 and
+        # the last ends at n (their rows repeat it, and the Viterbi uses one of them)
+        starts = np.concatenate([np.zeros((1, width), dtype=np.int64), bands])[:, :, None]
+        ends = np.concatenate([bands, np.full((1, width), n, dtype=np.int64)])[:, None, :]
+        self.times = np.asarray(costs.time(starts, ends), dtype=float)  # (stage, start, end)
+        ok = starts < ends
+        finite = np.flatnonzero(np.isfinite(budgets))
+        if finite.size:
+            mem = np.stack([costs.memory_prefix(int(k), memory == "best_case") for k in finite])
+            k_of = np.searchsorted(finite, np.arange(q + 1))
+            rows = np.minimum(k_of, finite.size - 1)
+            limited = np.isfinite(budgets)[:, None, None]
+            need = mem[rows[:, None, None], ends] - mem[rows[:, None, None], starts]
+            ok &= ~limited | (need <= budgets[:, None, None])
+        self.times[~ok] = np.inf
+        self.start_bytes = costs.cut[starts[:, :, 0]]
+        self.start_bytes[0] = 0.0
 
     def viterbi(self, limit: float | None) -> tuple[list[int], float] | None:
         """One boundary from each band: min-max time, or (given ``limit``) min bytes within it."""
-        value = np.zeros(1)
+        width = self.bands.shape[1]
+        value = np.zeros(width)
+        value[1:] = np.inf  # one start for the first stage
         parents: list[np.ndarray] = []
         slack = None if limit is None else limit * (1.0 + _REL_TOL) + 1e-18
-        for k, (t, ok) in enumerate(zip(self.times, self.allowed)):
-            valid = ok & np.isfinite(value)[:, None]
+        cols = np.arange(width)
+        for t, start_bytes in zip(self.times, self.start_bytes):
             if slack is None:
                 cand = np.maximum(value[:, None], t)
             else:
-                valid = valid & (t <= slack)
-                start_bytes = self.cut_bytes[self.nodes[k]] if k > 0 else np.zeros(1)
-                cand = np.broadcast_to((value + start_bytes)[:, None], t.shape)
-            cand = np.where(valid, cand, np.inf)
+                cand = np.where(t <= slack, (value + start_bytes)[:, None], np.inf)
             arg = np.argmin(cand, axis=0)
-            value = cand[arg, np.arange(cand.shape[1])]
+            value = cand[arg, cols]
             parents.append(arg)
         if not np.isfinite(value[0]):
             return None
         cuts, idx = [], 0
-        for k in range(len(self.nodes) - 2, 0, -1):
+        for k in range(len(parents) - 1, 0, -1):
             idx = int(parents[k][idx])
-            cuts.append(int(self.nodes[k][idx]))
+            cuts.append(int(self.bands[k - 1][idx]))
         cuts.reverse()
         return cuts, float(value[0])
 
@@ -336,19 +392,14 @@ def refine(costs: StageCosts, cuts: list[int], budgets: np.ndarray, memory: Memo
         return cuts
     mean = (costs.compute_prefix[-1] + costs.swap_prefix[-1]) / (len(cuts) + 1)
     n = costs.n
-    cheapest = np.argsort(costs.profile.cut[1:n], kind="stable")[: 2 * (len(cuts) + 1)] + 1
+    cheapest = np.argsort(costs.cut[1:n], kind="stable")[: 2 * (len(cuts) + 1)] + 1
     far = np.union1d(np.asarray(coarse_bounds if coarse_bounds is not None else [], dtype=np.int64), cheapest)
     far = far[(far >= 1) & (far <= n - 1)]
     count = max(2 * _MIN_BAND + 1, int(np.sqrt(_CELLS / (len(cuts) + 1))))
     best: tuple[float, float, list[int]] | None = None
-    for _ in range(_ROUNDS):
-        # a boundary may also take a neighbour's place: shifting every boundary by one slot
-        # is then a single move, which is how work travels between distant stages
-        near = [np.arange(max(1, c - 2 * _MIN_BAND), min(n - 1, c + 2 * _MIN_BAND) + 1) for c in cuts]
-        candidates = [np.union1d(_candidates(costs, c, count, _BAND * mean, far),
-                                 np.union1d(near[max(k - 1, 0)], near[min(k + 1, len(cuts) - 1)]))
-                      for k, c in enumerate(cuts)]
-        bands = _Bands(costs, candidates, budgets, memory)
+    for done in range(_ROUNDS):
+        bands = _Bands(costs, _candidates(costs, np.asarray(cuts, dtype=np.int64), count, _BAND * mean, far),
+                       budgets, memory)
         found = bands.viterbi(None)
         if found is None:
             break
@@ -357,40 +408,75 @@ def refine(costs: StageCosts, cuts: list[int], budgets: np.ndarray, memory: Memo
         key = (float(costs.stage_times(new).max()), float(costs.comm_bytes(new)), new)
         if best is not None and key[:2] >= best[:2]:
             break  # re-centring no longer helps
+        settled = (done >= _SURE_ROUNDS and best is not None and key[0] >= best[0] * (1 - _REL_TOL)
+                   and key[1] >= best[1] * (1 - _MIN_GAIN))
         best = key
-        if new == cuts:
+        if new == cuts or settled:  # the slowest stage holds and the bytes hardly move: stop
             break
         cuts = new
     return None if best is None else best[2]
 
 
+def chain_dp(costs: StageCosts, positions: np.ndarray, num_stages: int, budgets: np.ndarray,
+             memory: MemoryMode = "fixed") -> list[int] | None:
+    """The optimal partition whose cuts all lie on ``positions`` (0 and n among them): the
+    smallest slowest stage, then the fewest boundary bytes; None when none fits the memory
+    limits. Stages are contiguous, so the coarse graph is a chain and its optimum is a DP."""
+    view = CoarseCosts(costs, positions)
+    best = min_bottleneck(view, num_stages, budgets, memory=memory)
+    if best is None:
+        return None
+    lean = min_secondary(view, num_stages, best.bottleneck_s, CommBytes(view), budgets, memory=memory)
+    return view.full_cuts((lean or best).cuts)
+
+
 def kl_partition(costs: StageCosts, num_stages: int, budgets: np.ndarray | None = None, *,
                  memory: MemoryMode = "fixed") -> Partition | None:
-    """Alg. 3: coarsen, recursive KL bisection, uncoarsen, refine. None when the refinement
-    finds no placement of the boundaries that fits the memory limits."""
+    """Alg. 3: coarsen, partition the coarse chain, uncoarsen, refine. None when no placement
+    of the boundaries it finds fits the memory limits.
+
+    The partition step takes the cheapest of three that the graph allows: the exact DP on
+    every boundary when its estimated work is small (the optimum, nothing to refine), the
+    exact DP on the coarse chain's boundaries (coarsening keeps a few coarse nodes per stage
+    whatever the graph's size, so this stays cheap up to about 128 stages), and beyond that
+    the paper's recursive KL bisection.
+    """
     if not isinstance(num_stages, int) or num_stages < 1:
         raise ValueError(f"number of stages must be a positive integer, got {num_stages!r}")
     if num_stages > costs.n:
         raise ValueError(f"cannot split {costs.n} layers into {num_stages} non-empty stages")
     budgets = np.full(num_stages, np.inf) if budgets is None else np.asarray(budgets, dtype=float)
+    if dp_cells(costs, num_stages) <= _EXACT_CELLS:
+        cuts = chain_dp(costs, np.arange(costs.n + 1), num_stages, budgets, memory)
+        return None if cuts is None else _partition_of(costs, cuts)
     coarse = coarsen(costs, num_stages)
-    starts = [recursive_bisection(costs, coarse, num_stages, budgets, memory)]
-    if costs.swap_prefix[-1] > 0:
-        # swaps make a stage's time max(compute, copy) per stage, which the bisection's side
-        # estimates cannot see: also refine from the greedy probe's partition, which prices
-        # every stage exactly, and keep the better
-        greedy = greedy_partition(costs, num_stages, budgets, memory)
-        if greedy is not None:
-            starts.append(list(greedy.cuts))
+    start = None
+    if coarse.num_nodes >= num_stages and dp_cells(CoarseCosts(costs, coarse.bounds), num_stages) <= _COARSE_CELLS:
+        start = chain_dp(costs, coarse.bounds, num_stages, budgets, memory)
+    if start is not None:
+        starts = [start]
+    else:
+        starts = [recursive_bisection(costs, coarse, num_stages, budgets, memory)]
+        if costs.has_swaps:
+            # swaps make a stage's time max(compute, copy) per stage, which the bisection's side
+            # estimates cannot see: also refine from the greedy probe's partition, which prices
+            # every stage exactly, and keep the better
+            greedy = greedy_partition(costs, num_stages, budgets, memory)
+            if greedy is not None:
+                starts.append(list(greedy.cuts))
     best: Partition | None = None
     for cuts in starts:
         refined = refine(costs, cuts, budgets, memory, coarse.bounds)
         if refined is None:
             continue
-        found = Partition(tuple(refined), float(costs.stage_times(refined).max()), float(costs.comm_bytes(refined)))
+        found = _partition_of(costs, refined)
         if best is None or (found.bottleneck_s, found.secondary) < (best.bottleneck_s, best.secondary):
             best = found
     return best
+
+
+def _partition_of(costs: StageCosts, cuts: list[int]) -> Partition:
+    return Partition(tuple(cuts), float(costs.stage_times(cuts).max()), float(costs.comm_bytes(cuts)))
 
 
 def is_valid_pipeline(graph_ids_in_order: list[int], edges: list[tuple[int, int, int]],

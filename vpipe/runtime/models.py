@@ -26,6 +26,7 @@ from torch import nn
 __all__ = [
     "ModelSpec",
     "transformer_lm",
+    "reference_transformer",
     "cnn",
     "build_layer",
     "build_model",
@@ -246,3 +247,9 @@ def build_model(spec: ModelSpec, seed: int = 0, ids: list[int] | None = None) ->
     """The whole model as an ``nn.Sequential`` whose children are named by layer id."""
     ids = list(range(len(spec.layers))) if ids is None else ids
     return nn.Sequential(OrderedDict((str(i), build_layer(s, i, seed)) for i, s in zip(ids, spec.layers)))
+
+
+def reference_transformer(blocks: int = 8, d_model: int = 64, seq_len: int = 64, dropout: float = 0.1) -> nn.Sequential:
+    """The reference transformer LM as one module, for ``vpipe plan --model``: its input is a
+    micro-batch of token ids, shape ``(batch, seq_len)``, dtype int64."""
+    return build_model(transformer_lm(n_blocks=blocks, d_model=d_model, seq_len=seq_len, dropout=dropout))
