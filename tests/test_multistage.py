@@ -1,0 +1,92 @@
+"""The schedules with several stages per rank, under vpipe: torch's five, with 2 virtual stages per rank.
+
+Each case runs tests/multistage_worker.py (the examples/train_multistage.py trainer, torchtitan
+style: one chunk per virtual stage, one optimizer) with torchrun, without vpipe and with it,
+and compares the losses: bitwise when vpipe keeps everything or swaps or recomputes every
+block, to rounding when policies and moves are forced mid-run (a move across ranks, and on
+the V-shaped schedules one between the two stages of a rank).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, child_env
+from vpipe.log import read_log
+
+SCHEDULES = ["interleaved1f1b", "loopedbfs", "interleavedzb", "zbv", "dualpipev"]
+V_SHAPED = ("zbv", "dualpipev")
+_RUNS: dict[tuple, dict] = {}
+
+
+def _run(tmp_path_factory, schedule: str, partition: str, scenario: str, ranks: int = 2, steps: int = 10) -> dict:
+    key = (schedule, partition, scenario, ranks, steps)
+    if key not in _RUNS:
+        tmp = tmp_path_factory.mktemp(f"{schedule}-{scenario}")
+        out, log_file = tmp / "run", tmp / "vpipe.log"
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+             str(ROOT / "tests" / "multistage_worker.py"), schedule, partition, scenario, str(out), str(steps)],
+            cwd=ROOT, env=child_env(VPIPE_LOG_FILE=str(log_file)), capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        results = [json.loads((tmp / f"run.rank{r}.json").read_text()) for r in range(ranks)]
+        states = [torch.load(tmp / f"run.rank{r}.pt", weights_only=True) for r in range(ranks)]
+        losses = next(r["losses"] for r in results if r["losses"])
+        _RUNS[key] = {"losses": losses, "ranks": results, "states": states,
+                      "log": read_log(log_file) if log_file.exists() else []}
+    return _RUNS[key]
+
+
+def _close(got: list[list[float]], want: list[list[float]], rtol: float) -> None:
+    assert len(got) == len(want) > 0
+    for step, (a, b) in enumerate(zip(got, want)):
+        for x, y in zip(a, b):
+            assert abs(x - y) <= rtol * abs(y), f"step {step}: {x} vs {y}"
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_kept_swapped_and_recomputed_blocks_train_bitwise_like_the_schedule_alone(tmp_path_factory, schedule):
+    plain = _run(tmp_path_factory, schedule, "2,2,2,2", "plain")
+    for scenario in ("keep", "swap", "recompute"):
+        run = _run(tmp_path_factory, schedule, "2,2,2,2", scenario)
+        assert run["losses"] == plain["losses"], scenario  # every micro-batch of every step, bit for bit
+        for got, want in zip(run["states"], plain["states"]):
+            assert all(torch.equal(got[v][k], want[v][k]) for v in want for k in want[v]), scenario
+    swapped = _run(tmp_path_factory, schedule, "2,2,2,2", "swap")["ranks"]
+    assert all(s["d2h"] > 0 and s["live"] == 0 for r in swapped for s in r["stats"].values())
+    recomputed = _run(tmp_path_factory, schedule, "2,2,2,2", "recompute")["ranks"]
+    assert all(s["recompute_s"] > 0 for r in recomputed for s in r["stats"].values())
+    attached = {(r["stage"], r["rank"]) for r in _run(tmp_path_factory, schedule, "2,2,2,2", "keep")["log"]
+                if r.get("event") == "attached"}
+    assert {stage for stage, _ in attached} == {0, 1, 2, 3} and {rank for _, rank in attached} == {0, 1}
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_forced_policies_and_moves_keep_the_losses(tmp_path_factory, schedule):
+    plain = _run(tmp_path_factory, schedule, "2,2,2,2", "plain")
+    forced = _run(tmp_path_factory, schedule, "2,2,2,2", "forced")
+    _close(forced["losses"], plain["losses"], rtol=1e-6)
+    placement = forced["ranks"][0]["placement"]
+    moves = [r for r in forced["log"] if r.get("event") == "migration_done" and r.get("moved")]
+    assert moves, "the forced moves must have run"
+    if schedule in V_SHAPED:  # stages 1 and 2 share rank 1: the third plan moved a block between them
+        assert [len(s) for s in placement] == [1, 4, 1, 2]
+    else:  # stages 0 and 1 are on ranks 0 and 1: one block went across
+        assert [len(s) for s in placement] == [1, 3, 2, 2]
+    for r in forced["ranks"]:  # the user's chunks hold what the placement says, under their global keys
+        assert {v: [int(k) for k in keys] for v, keys in r["layers"].items()} == \
+            {str(v): placement[v] for v in r["stages"]}
+
+
+def test_the_one_line_rebalances_an_uneven_v_shaped_split(tmp_path_factory):
+    plain = _run(tmp_path_factory, "zbv", "5,1,1,1", "plain", steps=40)
+    planned = _run(tmp_path_factory, "zbv", "5,1,1,1", "planned", steps=40)
+    applied = [r for r in planned["log"] if r.get("event") == "plan_applied"]
+    assert applied and [r for r in planned["log"] if r.get("event") == "migration_done" and r.get("moved")]
+    assert [len(s) for s in planned["ranks"][0]["placement"]] != [5, 1, 1, 1]
+    _close(planned["losses"], plain["losses"], rtol=1e-6)
