@@ -2,7 +2,9 @@
 
 ``python -m torch.distributed.run ... tests/multistage_worker.py SCHEDULE PARTITION SCENARIO OUT STEPS``
 
-Scenarios: ``plain`` (no vpipe), ``keep`` (vpipe attached, planning off, everything kept),
+SCHEDULE is one of examples/train_multistage.py's, or ``custom``: Interleaved 1F1B's action
+lists written to a CSV file and run by torch's ``_PipelineScheduleRuntime``. Scenarios:
+``plain`` (no vpipe), ``keep`` (vpipe attached, planning off, everything kept),
 ``swap`` / ``recompute`` (every block swapped / recomputed from the start), ``forced``
 (policies and moves forced mid-run: swaps and recomputes at step 2, a move across ranks at
 step 4, a move between two stages of one rank at step 6 where the schedule has such
@@ -47,6 +49,17 @@ def _forced_plans(vp, counts: list[int]):
     return plans
 
 
+def _from_csv(schedule, stages, path: Path):
+    """A _PipelineScheduleRuntime that runs ``schedule``'s compute-only action lists, loaded from a CSV file."""
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti, _PipelineScheduleRuntime
+    from train_tutorial import tokenwise_loss_fn
+
+    PipelineScheduleMulti._dump_csv(schedule, str(path))  # the compute-only actions (the runtime's own adds comms)
+    runtime = _PipelineScheduleRuntime(stages, 4, loss_fn=tokenwise_loss_fn)
+    runtime._load_csv(str(path))
+    return runtime
+
+
 def main() -> None:
     schedule_name, partition, scenario, out, steps = sys.argv[1:5] + [int(sys.argv[5])]
     torch.set_num_threads(1)
@@ -54,8 +67,12 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     counts = [int(c) for c in partition.split(",")]
     model_args = ModelArgs(dim=32, n_layers=sum(counts), n_heads=2, vocab_size=64)
-    chunks, _, optimizer, schedule = build(schedule_name, counts, rank, world, model_args, micro_batches=4)
-    mine = stages_of_rank(schedule_name, rank, world, len(counts) // world)
+    custom = schedule_name == "custom"  # Interleaved 1F1B's action lists, written to a CSV and run from it
+    built = "interleaved1f1b" if custom else schedule_name
+    chunks, stages, optimizer, schedule = build(built, counts, rank, world, model_args, micro_batches=4)
+    if custom:
+        schedule = _from_csv(schedule, stages, Path(f"{out}.schedule.rank{rank}.csv"))
+    mine = stages_of_rank(built, rank, world, len(counts) // world)
     vp = None
     if scenario != "plain":
         import vpipe

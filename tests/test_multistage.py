@@ -83,6 +83,17 @@ def test_forced_policies_and_moves_keep_the_losses(tmp_path_factory, schedule):
             {str(v): placement[v] for v in r["stages"]}
 
 
+def test_a_schedule_run_from_an_action_list_file_is_attached_like_the_others(tmp_path_factory):
+    plain = _run(tmp_path_factory, "custom", "2,2,2,2", "plain")
+    assert _run(tmp_path_factory, "custom", "2,2,2,2", "keep")["losses"] == plain["losses"]
+    forced = _run(tmp_path_factory, "custom", "2,2,2,2", "forced")
+    _close(forced["losses"], plain["losses"], rtol=1e-6)
+    assert [len(s) for s in forced["ranks"][0]["placement"]] == [1, 3, 2, 2]
+    schedules = {r["schedule"] for r in _run(tmp_path_factory, "custom", "2,2,2,2", "keep")["log"]
+                 if r.get("event") == "attached"}
+    assert schedules == {"_PipelineScheduleRuntime"}
+
+
 def test_the_one_line_rebalances_an_uneven_v_shaped_split(tmp_path_factory):
     plain = _run(tmp_path_factory, "zbv", "5,1,1,1", "plain", steps=40)
     planned = _run(tmp_path_factory, "zbv", "5,1,1,1", "planned", steps=40)

@@ -129,3 +129,25 @@ def test_segment_queries_agree_with_the_public_helpers(graph):
                 assert costs.memory(i, j, k) == pytest.approx(
                     stage_memory(graph, ids, policies, stage=k, num_stages=3, schedule="pipedream", micro_batches=4))
                 assert costs.best_case_memory(i, j, k) <= costs.memory(i, j, k) * (1 + 1e-12) + 1e-6
+
+
+# ---------------------------------------------------------------------- several stages per rank
+def test_a_rank_running_several_stages_pays_for_all_of_them_and_the_bubble_shrinks_with_zero_bubble():
+    times = [1.0, 2.0, 1.0, 1.0]  # stages 0..3 on ranks 0, 1, 0, 1 (interleaved) or 0, 1, 1, 0 (V)
+    looped = pipeline_step_time(times, "interleaved1f1b", 4, stage_ranks=[0, 1, 0, 1])
+    assert looped == 4 * 3.0 + (2 - 1) * 2.0  # rank 1 runs 2 + 1 per micro-batch; one fill/drain of 2
+    v_shaped = pipeline_step_time(times, "zbv", 4, stage_ranks=[0, 1, 1, 0])
+    assert v_shaped == pytest.approx(4 * 3.0 + 2.0 / 3)
+    with pytest.raises(ValueError, match="interleaved1f1b needs the rank of each of its 4 stages"):
+        pipeline_step_time(times, "interleaved1f1b", 4)
+
+
+def test_virtual_stages_take_their_in_flight_counts_from_the_schedule_and_share_their_rank_budget():
+    setup = PipelineSetup(4, "interleaved1f1b", 4, in_flight_counts=(4, 3, 2, 1), stage_ranks=(0, 1, 0, 1))
+    assert [setup.in_flight(k) for k in range(4)] == [4, 3, 2, 1]
+    assert list(setup.budgets(8e9)) == [4e9] * 4  # two stages per rank: half the rank's budget each
+    assert setup.step_time([1.0, 1.0, 1.0, 1.0]) == 4 * 2.0 + 1.0
+    with pytest.raises(ValueError, match="zbv runs several stages per rank: give in_flight_counts and stage_ranks"):
+        PipelineSetup(4, "zbv", 4)
+    with pytest.raises(ValueError, match="in_flight_counts must give a non-negative integer for each of the 4"):
+        PipelineSetup(4, "zbv", 4, in_flight_counts=(1, 2), stage_ranks=(0, 1, 1, 0))

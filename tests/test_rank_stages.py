@@ -1,0 +1,26 @@
+"""The stage adapter reads a multi-stage schedule's action lists: how many micro-batches each stage holds."""
+
+from __future__ import annotations
+
+from torch.distributed.pipelining.schedules import (BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD,
+                                                    OVERLAP_F_B, _Action)
+
+from vpipe.rank.stages import in_flight_per_stage
+
+
+def _a(stage: int, kind, mb: int) -> _Action:
+    return _Action(stage, kind, mb)
+
+
+def test_a_stage_holds_a_micro_batch_from_its_forward_to_its_full_or_weight_backward():
+    rank0 = [_a(0, FORWARD, 0), _a(0, FORWARD, 1), _a(2, FORWARD, 0), _a(2, FULL_BACKWARD, 0), _a(0, FORWARD, 2),
+             _a(0, FULL_BACKWARD, 0), None, _a(2, FORWARD, 1), _a(2, FULL_BACKWARD, 1)]
+    # zero bubble: the input-gradient pass keeps what the weight pass needs; the weight pass frees it
+    rank1 = [_a(1, FORWARD, 0), _a(1, FORWARD, 1), _a(1, BACKWARD_INPUT, 0), _a(1, FORWARD, 2),
+             _a(1, BACKWARD_WEIGHT, 0), _a(3, FORWARD, 0),
+             _Action(3, OVERLAP_F_B, None, (_a(3, FORWARD, 1), _a(3, FULL_BACKWARD, 0)))]
+    assert in_flight_per_stage({0: rank0, 1: rank1}, 4) == [3, 3, 1, 2]
+
+
+def test_a_stage_that_never_runs_a_forward_counts_as_holding_one():
+    assert in_flight_per_stage({0: [_a(0, FORWARD, 0), _a(0, FULL_BACKWARD, 0)]}, 2) == [1, 1]
