@@ -15,6 +15,14 @@ planned, then the reverse), so a machine that slows down shifts all alike. Each 
 figure is the median step of its second half; a round's ratio is a run's figure over
 plain's in that round; the table gives the median over rounds and their range.
 
+Where the attached run's time goes (``--profile``, on by default): one more attached run
+of the small model, every rank under ``cProfile``; vpipe's own functions are grouped by
+what they run for: per saved tensor (the pack and unpack hooks), per layer call (the
+tensor manager's forward hooks, the monitor's on sampled steps), per micro-batch (the
+chunk wrappers and contexts), per step (the step boundary, the monitor's records, the
+control plane). cProfile slows Python down (each call pays for being counted), so the
+figures are upper bounds; their shares say where the time goes.
+
 Run: ``python benchmarks/overhead_bench.py [--json OUT]`` (about 6 minutes on 2 cores).
 """
 
@@ -63,10 +71,66 @@ def run_once(size: str, run: str, steps: int, tmp: Path) -> dict:
             "plans": sum(1 for r in log if r.get("event") == "plan_applied")}
 
 
+# vpipe's functions by what they run for (the rest, set-up at attach, runs once)
+_PER = {
+    "saved tensor": ("tensor_manager/manager.py:_pack", "tensor_manager/manager.py:_unpack", "tensor_manager/swap.py:",
+                     "tensor_manager/accounting.py:", "tensor_manager/layers.py:is_weight"),
+    "layer call": ("tensor_manager/manager.py:_pre_forward", "tensor_manager/manager.py:_post_forward",
+                   "tensor_manager/manager.py:_frames", "tensor_manager/layers.py:__init__",
+                   "tensor_manager/manager.py:__init__", "monitors/stage.py:_forward", "monitors/stage.py:_backward",
+                   "monitors/stage.py:_counts"),
+    "micro-batch": ("tensor_manager/pipelining.py:", "tensor_manager/manager.py:micro_batch",
+                    "tensor_manager/manager.py:backward", "tensor_manager/manager.py:_begin_forward",
+                    "tensor_manager/manager.py:_uncount", "tensor_manager/manager.py:_comfortably",
+                    "tensor_manager/manager.py:_pump_prefetch", "tensor_manager/prefetch.py:"),
+    "step": ("rank/", "control/", "monitors/", "log.py:"),
+}
+
+
+def profile_breakdown(steps: int, tmp: Path) -> dict:
+    """Per-step seconds of vpipe's own functions on each rank of an attached small run, under cProfile."""
+    import pstats
+
+    args, _ = SIZES["small"]
+    out, log_file = tmp / "profiled.json", tmp / "profiled.log"
+    script = str(ROOT / "examples" / "train_sequential.py")
+    wrapper = f'exec "{sys.executable}" -m cProfile -o "{tmp}/rank$RANK.prof" "{script}" "$@"'
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--no-python",
+           "sh", "-c", wrapper, "sh", "--steps", str(steps), "--partition", "4,4", "--out", str(out), *args,
+           "--vpipe"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(log_file), capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"profiled run failed:\n{proc.stderr[-2000:]}")
+    ranks = []
+    for rank in range(2):
+        stats = pstats.Stats(str(tmp / f"rank{rank}.prof")).stats  # type: ignore[attr-defined]
+        groups = {name: 0.0 for name in _PER}
+        calls = {"saved tensor": 0, "layer call": 0, "micro-batch": 0}
+        for (path, _line, func), (_cc, ncalls, tottime, _ct, _callers) in stats.items():
+            where = path.split("/vpipe/", 1)[1] + ":" + func if "/vpipe/" in path else None
+            if where is None or where.startswith(("attach.py", "rank/agreement.py", "rank/stages.py")):
+                continue
+            group = next((g for g, prefixes in _PER.items() if where.startswith(prefixes)), None)
+            if group is not None:
+                groups[group] += tottime
+            if where == "tensor_manager/manager.py:_pack":
+                calls["saved tensor"] = ncalls
+            elif where == "tensor_manager/manager.py:_pre_forward":
+                calls["layer call"] = ncalls
+            elif where == "tensor_manager/manager.py:micro_batch":
+                calls["micro-batch"] = ncalls
+        step_s = json.loads(out.read_text())["step_s"]
+        ranks.append({"rank": rank, "per_step_s": {g: t / steps for g, t in groups.items()},
+                      "calls_per_step": {g: n / steps for g, n in calls.items()},
+                      "step_s": statistics.median(step_s[len(step_s) // 2:])})
+    return {"steps": steps, "ranks": ranks}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default=",".join(SIZES), help="comma-separated: " + ", ".join(SIZES))
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--no-profile", action="store_true", help="skip the cProfile breakdown")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
     sizes = [s for s in args.sizes.split(",") if s]
@@ -98,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                 row[f"{run}_over_plain"] = statistics.median(ratios)
                 row[f"{run}_range"] = [min(ratios), max(ratios)]
             rows.append(row)
+        breakdown = None if args.no_profile else profile_breakdown(SIZES["small"][1], Path(tmp))
     table = Table(title="attaching vpipe to a balanced 2-stage pipeline that fits (examples/train_sequential.py, 4,4)")
     for col in ("size", "plain", "attached", "attached / plain", "planned", "planned / plain", "plans applied"):
         table.add_column(col, justify="left" if col == "size" else "right")
@@ -108,7 +173,17 @@ def main(argv: list[str] | None = None) -> int:
             cells += [f"{row[f'{run}_step_s'] * 1e3:.1f} ms", f"{row[f'{run}_over_plain']:.3f}x ({lo:.3f}-{hi:.3f})"]
         table.add_row(*cells, str(row["plans_applied"]))
     Console().print(table)
-    result = {"benchmark": "overhead", "rounds": args.rounds, "rows": rows}
+    if breakdown is not None:
+        parts = Table(title="vpipe's own time per step of the small attached run, under cProfile (upper bounds)")
+        for col in ("rank", "step", "per step", "per micro-batch", "per layer call", "per saved tensor"):
+            parts.add_column(col, justify="right")
+        for r in breakdown["ranks"]:
+            per, calls = r["per_step_s"], r["calls_per_step"]
+            parts.add_row(str(r["rank"]), f"{r['step_s'] * 1e3:.1f} ms", f"{per['step'] * 1e6:.0f} us",
+                          *(f"{per[g] * 1e6:.0f} us ({calls[g]:.0f} calls)" for g in
+                            ("micro-batch", "layer call", "saved tensor")))
+        Console().print(parts)
+    result = {"benchmark": "overhead", "rounds": args.rounds, "rows": rows, "breakdown": breakdown}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return 0

@@ -295,11 +295,22 @@ def _overhead_md(data: dict[str, Any]) -> str:
              f"{r['planned_step_s'] * 1e3:.1f}",
              f"{r['planned_over_plain']:.3f}x ({r['planned_range'][0]:.3f}-{r['planned_range'][1]:.3f})",
              str(r["plans_applied"])] for r in data["rows"]]
-    return (f"`examples/train_sequential.py` on 2 CPU stages split 4,4 (1F1B), {data['rounds']} rounds of plain, "
+    text = (f"`examples/train_sequential.py` on 2 CPU stages split 4,4 (1F1B), {data['rounds']} rounds of plain, "
             "attached (`planning=False`) and planned (the one line's defaults) in alternating order; median step "
             "of each run's second half, ratios to plain within a round:\n\n"
             + _table(["model", "steps", "plain ms", "attached ms", "attached / plain", "planned ms",
                       "planned / plain", "plans applied"], rows))
+    breakdown = data.get("breakdown")
+    if breakdown:
+        parts = [[str(r["rank"]), f"{r['step_s'] * 1e3:.1f}", f"{r['per_step_s']['step'] * 1e6:.0f}"]
+                 + [f"{r['per_step_s'][g] * 1e6:.0f} ({r['calls_per_step'][g]:.0f} calls)"
+                    for g in ("micro-batch", "layer call", "saved tensor")] for r in breakdown["ranks"]]
+        text += ("\n\nWhere vpipe's own time goes, per step of the small attached run (microseconds, under cProfile, "
+                 f"which inflates every Python call: upper bounds; {breakdown['steps']} steps, the saved-tensor hooks "
+                 "run on the monitor's sampled steps only):\n\n"
+                 + _table(["rank", "step ms", "per step (boundary, monitor, control)", "per micro-batch",
+                           "per layer call", "per saved tensor"], parts))
+    return text
 
 
 def _soak_md(data: dict[str, Any]) -> str:
