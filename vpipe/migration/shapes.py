@@ -48,10 +48,14 @@ class BoundaryShapes:
         self._hooks: dict[int, Any] = {}
 
     def watch(self, layer_id: int, layer: nn.Module) -> None:
+        """Record the layer's input and output metadata at its next call (then the hook goes: no cost per call)."""
+        if layer_id in self.out_meta:
+            return
+
         def record(_module: nn.Module, inputs: Any, output: Any) -> None:
-            if layer_id not in self.out_meta:
-                self.out_meta[layer_id] = meta_of(output)
-                self.in_meta[layer_id] = meta_of(inputs)
+            self.out_meta[layer_id] = meta_of(output)
+            self.in_meta[layer_id] = meta_of(inputs)
+            self.unwatch(layer_id)
 
         self._hooks[layer_id] = layer.register_forward_hook(record)
 
