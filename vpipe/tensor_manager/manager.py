@@ -143,7 +143,8 @@ class TensorManager:
         self._lag_max_last_step = 0
         self._lag_kept: set[Any] = set()  # under a budget: kept storages an input pass flagged for its weight pass
         self._recompute = RecomputeStore(device, self.ledger, self._engine.lock, phase=self._unpack_phase,
-                                         needed_later=self._needed_by_weight_pass, on_recompute=self._recomputed)
+                                         needed_later=self._needed_by_weight_pass, may_keep=self._may_keep,
+                                         on_recompute=self._recomputed)
         self._repeat_recomputes = 0
         # largest activation of one layer and micro-batch seen: what a backward brings back or recomputes at
         # once; a stage that keeps everything, and fits so, brings nothing back and needs none (_budget_limit)
@@ -289,19 +290,30 @@ class TensorManager:
         self._phase_serial += 1
         self._backward.append((mb_id, phase))
         self._phase_unpacked = False
+        dropped = self._lag_dropped_bytes()
         try:
             self._pump_prefetch()
             yield self
         finally:
             self._backward.pop()
-            self._end_phase(mb_id, phase)
+            self._end_phase(mb_id, phase, dropped)
             self._engine.poll()
             if phase != "input":
                 self._open.discard(mb_id)
                 self._uncount(mb_id)
 
-    def _end_phase(self, mb: int, phase: str) -> None:
-        """Drop what no later pass of ``mb`` needs; after an input pass keep the rest within the budget."""
+    def _lag_dropped_bytes(self) -> tuple[int, int]:
+        """Bytes kept for weight passes that were dropped to stay under the budget: (swapped, recomputed)."""
+        return self._engine.dropped_bytes, self._recompute.dropped_bytes
+
+    def _end_phase(self, mb: int, phase: str, dropped_before: tuple[int, int]) -> None:
+        """Drop what no later pass of ``mb`` needs; after an input pass keep the rest within the budget.
+
+        What the weight pass needs stays on the device unless that passes the budget less the
+        backward's reserve: then the largest copies go first (a copy back is cheaper than a
+        forward), then recomputed tensors; the weight pass fetches or recomputes them again.
+        Each input pass that dropped something logs one ``weight_pass_drop`` decision.
+        """
         unpacked = self._phase_unpacked
         held = self._engine.end_phase(mb, phase, unpacked)
         recomputed = self._recompute.end_phase(mb, phase, unpacked)
@@ -322,19 +334,20 @@ class TensorManager:
             if lid in held or measured or layer.policy is not Policy.KEEP:
                 self.ledger.lag[lid] = held.get(lid, 0)
         limit = self._budget_limit()
-        if limit is None or self.ledger.resident <= limit:
-            return
-        # keeping them would pass the budget: drop copies (a copy back) before recomputed tensors (a forward)
-        excess = self.ledger.resident - limit
-        swapped = self._engine.drop_held(mb, excess)
-        recomputed_bytes = self._recompute.drop_held(mb, excess - swapped) if swapped < excess else 0
-        decision(
-            "weight_pass_drop",
-            f"micro-batch {mb}: dropped {format_bytes(swapped + recomputed_bytes)} kept for its weight pass to stay "
-            f"under the budget ({format_bytes(swapped)} to fetch again, {format_bytes(recomputed_bytes)} to "
-            f"recompute again)", micro_batch=mb, swapped_bytes=swapped, recomputed_bytes=recomputed_bytes,
-            budget_bytes=self.budget_bytes, lagging=len(self._lagging),
-        )
+        if limit is not None and self.ledger.resident > limit:
+            excess = self.ledger.resident - limit
+            freed = self._engine.drop_held(mb, excess)
+            if freed < excess:
+                self._recompute.drop_held(mb, excess - freed)
+        swapped, recomputed_bytes = (now - before for now, before in zip(self._lag_dropped_bytes(), dropped_before))
+        if swapped or recomputed_bytes:
+            decision(
+                "weight_pass_drop",
+                f"micro-batch {mb}: dropped {format_bytes(swapped + recomputed_bytes)} its weight pass needs to stay "
+                f"under the budget ({format_bytes(swapped)} to fetch again, {format_bytes(recomputed_bytes)} to "
+                f"recompute again)", micro_batch=mb, swapped_bytes=swapped, recomputed_bytes=recomputed_bytes,
+                budget_bytes=self.budget_bytes, lagging=len(self._lagging),
+            )
 
     def _fetch_phase(self, mb: int) -> str:
         """The backward phase a fetch for ``mb`` now serves."""
@@ -514,7 +527,7 @@ class TensorManager:
             return packed.tensor
         phase = self._unpack_phase()
         later = phase == "input" and self._needed_by_weight_pass()
-        tensor = self._engine.restore(packed, phase, self._phase_serial, later)
+        tensor = self._engine.restore(packed, phase, self._phase_serial, later, self._budget_limit())
         if self._prefetch_throttled:
             self._pump_prefetch()
         return tensor
@@ -523,6 +536,12 @@ class TensorManager:
         """The phase of the backward unpacking now (``"full"`` outside any ``backward()``); marks it as used."""
         self._phase_unpacked = True
         return self._backward[-1][1] if self._backward else "full"
+
+    def _may_keep(self, transient_bytes: int) -> bool:
+        """Whether a recomputed tensor may stay for the weight pass: the resident total, less the
+        recompute's tensors about to go, stays within the budget less the backward's reserve."""
+        limit = self._budget_limit()
+        return limit is None or self.ledger.resident - transient_bytes <= limit
 
     def _lag_measured(self) -> bool:
         """Under a budget, an input pass also learns what kept layers' weight passes need (for the projection)."""

@@ -221,6 +221,10 @@ class _Frame:
             slot.later = phase == "input" and store.needed_later()
             if not slot.later:
                 self.drop(slot)
+            elif not store.may_keep(self.transient_bytes()):
+                # over the budget: the weight pass recomputes it (the slot stays flagged as wanted)
+                store.dropped_bytes += self.drop(slot, wanted=True)
+                store.dropped += 1
             return value
 
     def recompute(self, asked: _Slot, phase: str) -> None:
@@ -322,21 +326,30 @@ class _Frame:
         else:
             record[1] += 1
 
-    def drop(self, slot: _Slot) -> None:
+    def drop(self, slot: _Slot, wanted: bool = False) -> int:
+        """Let go of a slot's tensor; ``wanted``: a later pass still needs it (it recomputes).
+        Returns the device bytes this freed (0 while another slot holds the storage)."""
         if slot.value is None:
-            return
+            return 0
         key = slot.key
         slot.value = slot.key = None
-        slot.later = False
-        if key is not None:
-            self.release(key)
+        slot.later = wanted
+        return self.release(key) if key is not None else 0
 
-    def release(self, key: int) -> None:
+    def transient_bytes(self) -> int:
+        """Bytes of this call's recomputed storages that no slot keeps for a later pass (they go soon)."""
+        kept = {slot.key for slot in self.live_slots() if slot.later}
+        return sum(nbytes for key, (nbytes, _) in self.storages.items() if key not in kept)
+
+    def release(self, key: int) -> int:
+        """One slot less holds storage ``key``; returns its bytes if that was the last."""
         record = self.storages[key]
         record[1] -= 1
-        if record[1] == 0:
-            del self.storages[key]
-            self.store.ledger.sub(self.layer, self.mb, record[0])
+        if record[1]:
+            return 0
+        del self.storages[key]
+        self.store.ledger.sub(self.layer, self.mb, record[0])
+        return record[0]
 
     def live_slots(self) -> Iterator[_Slot]:
         for ref in self.slots:
@@ -371,23 +384,27 @@ class RecomputeStore:
 
     ``phase()`` names the backward pass running now (``"full"``, ``"input"`` or
     ``"weight"``); ``needed_later()`` says whether the autograd node unpacking now runs
-    again in the weight pass; ``on_recompute(layer, seconds, repeat)`` is told of every
-    recompute (``repeat``: the call had been recomputed before).
+    again in the weight pass; ``may_keep(transient)`` whether a tensor may stay for it
+    within the budget (``transient``: held bytes about to go); ``on_recompute(layer,
+    seconds, repeat)`` is told of every recompute (``repeat``: the call had been
+    recomputed before).
     """
 
     def __init__(self, device: torch.device, ledger: Ledger, lock: threading.RLock, *,
-                 phase: Callable[[], str], needed_later: Callable[[], bool],
+                 phase: Callable[[], str], needed_later: Callable[[], bool], may_keep: Callable[[int], bool],
                  on_recompute: Callable[[int, float, bool], None]) -> None:
         self.device = device
         self.ledger = ledger
         self.lock = lock
         self.phase = phase
         self.needed_later = needed_later
+        self.may_keep = may_keep
         self.on_recompute = on_recompute
         self.dead: deque[tuple[_Frame, int]] = deque()
         self.unpacking_inputs = 0  # > 0 while a recompute unpacks its inputs (not a use by a backward node)
         self._frames: dict[int, weakref.WeakSet[_Frame]] = {}
         self.dropped = 0  # recomputed tensors kept for a weight pass, dropped to stay under the budget
+        self.dropped_bytes = 0
 
     def run(self, module: nn.Module, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], *,
             layer: int, mb: int, counter: RecomputeCounter, is_weight: Callable[[torch.Tensor], bool]) -> Any:
@@ -474,7 +491,8 @@ class RecomputeStore:
                     break
                 for slot in list(frame.live_slots()):
                     if slot.key == key:
-                        frame.drop(slot)
+                        frame.drop(slot, wanted=True)
                         self.dropped += 1
                 freed += size
+            self.dropped_bytes += freed
         return freed

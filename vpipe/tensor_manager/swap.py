@@ -166,6 +166,7 @@ class SwapEngine:
         self.h2d_by_phase: dict[str, int] = {}  # bytes brought back, by the backward phase they were for
         self.refetched_bytes = 0  # bytes brought back again for a storage that had been brought back before
         self.dropped = 0  # device copies kept for a weight pass, dropped to stay under the budget
+        self.dropped_bytes = 0
 
     # ------------------------------------------------------------------ pool
     @property
@@ -253,13 +254,15 @@ class SwapEngine:
         return entry
 
     # ------------------------------------------------------------------ unpack side
-    def restore(self, handle: SwappedHandle, phase: str = "full", serial: int = 0, later: bool = False
-                ) -> torch.Tensor:
+    def restore(self, handle: SwappedHandle, phase: str = "full", serial: int = 0, later: bool = False,
+                limit_bytes: int | None = None) -> torch.Tensor:
         """The saved tensor, on the device: from the original, a prefetched copy, or a copy made now.
 
         ``phase`` is the backward phase unpacking it and ``serial`` that phase's number (a
         storage unpacked under two serials counts as multi-phase); ``later``: the weight pass
-        will unpack this handle again (only an input pass says so).
+        will unpack this handle again (only an input pass says so). A copy kept for a weight
+        pass while the resident total is above ``limit_bytes`` is dropped once this pass is done
+        with it (the handle stays flagged: the weight pass's prefetch brings it back).
         """
         with self.lock:
             self.drain()
@@ -296,8 +299,14 @@ class SwapEngine:
             # the node using it holds the storage until it finished; drop the entry's copy once no
             # live handle expects another unpack: in a weight pass the handles the input pass was
             # the last user of are never unpacked, elsewhere every handle is unpacked once per pass
-            if entry.later == 0 and entry.unseen == 0 and (phase == "weight" or entry.task_unpacks >= entry.refs):
-                self._drop_device_copy(entry)
+            if entry.unseen == 0 and (phase == "weight" or entry.task_unpacks >= entry.refs):
+                if entry.later == 0:
+                    self._drop_device_copy(entry)
+                elif (phase != "weight" and limit_bytes is not None and entry.device_copy is not None
+                      and self.ledger.resident > limit_bytes):
+                    self._drop_device_copy(entry)
+                    self.dropped += 1
+                    self.dropped_bytes += entry.nbytes
             return restored
 
     def _fetch_now(self, entry: SwappedEntry, phase: str) -> torch.Tensor:
@@ -319,10 +328,15 @@ class SwapEngine:
     # ------------------------------------------------------------------ prefetch
     @staticmethod
     def _wanted(entry: SwappedEntry, weight_only: bool) -> bool:
-        """Only on the host, and (for a weight pass) expected by a live handle."""
+        """Only on the host, and expected again: by a weight pass (a handle flagged for it or never
+        unpacked), or by a plain or input pass that has not unpacked every handle yet."""
         if entry.source is not None or entry.device_copy is not None or entry.released:
             return False
-        return not weight_only or entry.later > 0 or entry.unseen > 0
+        if entry.later > 0 or entry.unseen > 0:
+            return True
+        if weight_only:
+            return False
+        return entry.task != torch._C._current_graph_task_id() or entry.task_unpacks < entry.refs
 
     def host_bytes(self, mb: int, weight_only: bool = False) -> int:
         """Bytes of ``mb`` that are only on the host and its next pass needs (what a prefetch would copy)."""
@@ -397,6 +411,7 @@ class SwapEngine:
                     break
                 self._drop_device_copy(entry)
                 self.dropped += 1
+                self.dropped_bytes += entry.nbytes
                 freed += entry.nbytes
         return freed
 
