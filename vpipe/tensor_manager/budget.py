@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from vpipe.planner.plan import Policy
@@ -191,7 +191,10 @@ def fit_micro_batch(
     steady state (``in_flight`` micro-batches under the current policies, each with its
     share of what lagging micro-batches keep for their weight pass: :func:`kept_bytes`),
     plus the backward's reserve. Raises :class:`MemoryBudgetError` when even the steady state with
-    every layer at its leanest cannot fit.
+    every layer at its leanest cannot fit, not counting what lagging micro-batches keep for their
+    weight pass: the manager can always drop that and fetch or recompute it again (slower, not
+    larger), so a budget the lag does not fit in escalates as far as it can and leaves the rest
+    to those drops.
     """
     if not estimates:
         return []
@@ -201,12 +204,17 @@ def fit_micro_batch(
     target = max(0, min(room_now, room_steady))
     if per_mb <= target:
         return []
-    least = sum(min(kept_bytes(e, p) for p in Policy if p is not Policy.SWAP or e.swappable_bytes <= pool_free_bytes)
-                for e in estimates)
-    if in_flight * least + reserve_bytes > budget_bytes:
+
+    def leanest(estimate: LayerEstimate) -> int:
+        return min(kept_bytes(estimate, p) for p in Policy
+                   if p is not Policy.SWAP or estimate.swappable_bytes <= pool_free_bytes)
+
+    least = sum(leanest(e) for e in estimates)
+    least_without_lag = sum(leanest(replace(e, lag_share=0.0)) for e in estimates)
+    if in_flight * least_without_lag + reserve_bytes > budget_bytes:
         raise MemoryBudgetError(
             f"stage budget {format_bytes(budget_bytes)} cannot hold {in_flight} micro-batches in flight: even with "
-            f"every layer swapped or recomputed each keeps {format_bytes(least)}, plus "
+            f"every layer swapped or recomputed each keeps {format_bytes(least_without_lag)}, plus "
             f"{format_bytes(reserve_bytes)} for the largest layer's backward"
         )
     # what is resident now may come from micro-batches run under older policies: do what can be
