@@ -302,11 +302,11 @@ class TensorManager:
                 self._open.discard(mb_id)
                 self._uncount(mb_id)
 
-    def _lag_dropped_bytes(self) -> tuple[int, int]:
-        """Bytes kept for weight passes that were dropped to stay under the budget: (swapped, recomputed)."""
-        return self._engine.dropped_bytes, self._recompute.dropped_bytes
+    def _lag_dropped_bytes(self) -> tuple[dict[int, int], dict[int, int]]:
+        """Per layer, bytes kept for weight passes that were dropped for the budget: (swapped, recomputed)."""
+        return dict(self._engine.dropped_bytes), dict(self._recompute.dropped_bytes)
 
-    def _end_phase(self, mb: int, phase: str, dropped_before: tuple[int, int]) -> None:
+    def _end_phase(self, mb: int, phase: str, dropped_before: tuple[dict[int, int], dict[int, int]]) -> None:
         """Drop what no later pass of ``mb`` needs; after an input pass keep the rest within the budget.
 
         What the weight pass needs stays on the device unless that passes the budget less the
@@ -329,6 +329,11 @@ class TensorManager:
         self._lag_kept.clear()
         for lid, nbytes in recomputed.items():
             held[lid] = held.get(lid, 0) + nbytes
+        # what the budget dropped during the pass was needed too: the projection must count it
+        for now, before in zip(self._lag_dropped_bytes(), dropped_before):
+            for lid, nbytes in now.items():
+                if nbytes > before.get(lid, 0):
+                    held[lid] = held.get(lid, 0) + nbytes - before.get(lid, 0)
         measured = self.budget_bytes is not None  # kept layers were measured too (_lag_kept)
         for lid, layer in self._layers.items():
             if lid in held or measured or layer.policy is not Policy.KEEP:
@@ -339,7 +344,8 @@ class TensorManager:
             freed = self._engine.drop_held(mb, excess)
             if freed < excess:
                 self._recompute.drop_held(mb, excess - freed)
-        swapped, recomputed_bytes = (now - before for now, before in zip(self._lag_dropped_bytes(), dropped_before))
+        swapped, recomputed_bytes = (sum(now.values()) - sum(before.values())
+                                     for now, before in zip(self._lag_dropped_bytes(), dropped_before))
         if swapped or recomputed_bytes:
             decision(
                 "weight_pass_drop",

@@ -30,7 +30,8 @@ The recomputed tensors the store holds are counted in the manager's ledger (one 
 storage; a slot on one of the layer's own inputs costs nothing more: the input is saved
 and counted already), so a budget sees what waits for a weight pass.
 
-Two more things plain checkpointing would get wrong under vpipe:
+Parameters, buffers and stashed weight versions the layer saves are kept as they are
+(autograd holds them anyway; there is nothing to recompute). Two more things vpipe needs:
 
 * Weight versions. PipeDream runs the stage through ``torch.func.functional_call`` with
   stashed weight tensors; the recompute happens in the backward, after functional_call
@@ -223,8 +224,7 @@ class _Frame:
                 self.drop(slot)
             elif not store.may_keep(self.transient_bytes()):
                 # over the budget: the weight pass recomputes it (the slot stays flagged as wanted)
-                store.dropped_bytes += self.drop(slot, wanted=True)
-                store.dropped += 1
+                store.dropped_for_budget(self.layer, self.drop(slot, wanted=True))
             return value
 
     def recompute(self, asked: _Slot, phase: str) -> None:
@@ -404,7 +404,7 @@ class RecomputeStore:
         self.unpacking_inputs = 0  # > 0 while a recompute unpacks its inputs (not a use by a backward node)
         self._frames: dict[int, weakref.WeakSet[_Frame]] = {}
         self.dropped = 0  # recomputed tensors kept for a weight pass, dropped to stay under the budget
-        self.dropped_bytes = 0
+        self.dropped_bytes: dict[int, int] = {}  # layer -> bytes of such tensors
 
     def run(self, module: nn.Module, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], *,
             layer: int, mb: int, counter: RecomputeCounter, is_weight: Callable[[torch.Tensor], bool]) -> Any:
@@ -491,8 +491,10 @@ class RecomputeStore:
                     break
                 for slot in list(frame.live_slots()):
                     if slot.key == key:
-                        frame.drop(slot, wanted=True)
-                        self.dropped += 1
+                        self.dropped_for_budget(frame.layer, frame.drop(slot, wanted=True))
                 freed += size
-            self.dropped_bytes += freed
         return freed
+
+    def dropped_for_budget(self, layer: int, nbytes: int) -> None:
+        self.dropped += 1
+        self.dropped_bytes[layer] = self.dropped_bytes.get(layer, 0) + nbytes

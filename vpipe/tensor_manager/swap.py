@@ -17,7 +17,7 @@ entry expects another unpack:
   autograd pass per parameter group). The manager tells :meth:`SwapEngine.restore`, for
   each unpack of the input pass, whether the unpacking autograd node runs again in the
   weight pass (measured on torch 2.13: the inputs of Linear layers, LayerNorm's input,
-  mean and rstd; not attention's q, k, v, scores or softmax, nor activations' saved
+  mean and rstd; not attention's q, k, v, masks or softmax output, nor activations' saved
   outputs or dropout masks). Such a handle is flagged ``later``: its entry's device copy
   stays until the weight pass unpacked it, so the storage is fetched once. Handles the
   input pass never unpacked (ops on the weights alone) also keep their entry's copy.
@@ -166,7 +166,7 @@ class SwapEngine:
         self.h2d_by_phase: dict[str, int] = {}  # bytes brought back, by the backward phase they were for
         self.refetched_bytes = 0  # bytes brought back again for a storage that had been brought back before
         self.dropped = 0  # device copies kept for a weight pass, dropped to stay under the budget
-        self.dropped_bytes = 0
+        self.dropped_bytes: dict[int, int] = {}  # layer -> bytes of such copies
 
     # ------------------------------------------------------------------ pool
     @property
@@ -304,9 +304,7 @@ class SwapEngine:
                     self._drop_device_copy(entry)
                 elif (phase != "weight" and limit_bytes is not None and entry.device_copy is not None
                       and self.ledger.resident > limit_bytes):
-                    self._drop_device_copy(entry)
-                    self.dropped += 1
-                    self.dropped_bytes += entry.nbytes
+                    self._drop_for_budget(entry)
             return restored
 
     def _fetch_now(self, entry: SwappedEntry, phase: str) -> torch.Tensor:
@@ -409,11 +407,15 @@ class SwapEngine:
             for entry in kept:
                 if freed >= nbytes:
                     break
-                self._drop_device_copy(entry)
-                self.dropped += 1
-                self.dropped_bytes += entry.nbytes
+                self._drop_for_budget(entry)
                 freed += entry.nbytes
         return freed
+
+    def _drop_for_budget(self, entry: SwappedEntry) -> None:
+        """Drop a copy a later pass still needs (it is fetched again then)."""
+        self._drop_device_copy(entry)
+        self.dropped += 1
+        self.dropped_bytes[entry.layer] = self.dropped_bytes.get(entry.layer, 0) + entry.nbytes
 
     def _drop_device_copy(self, entry: SwappedEntry) -> None:
         if entry.device_copy is None:
