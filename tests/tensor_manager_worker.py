@@ -10,8 +10,11 @@ final parameter equals the baseline bit for bit, and the manager's statistics.
 Scenarios: ``D``/``S``/``R`` (every layer), ``mix`` (a fixed random mix), ``switch``
 (policies change before every micro-batch's forward, mid-step), ``budget`` (a budget of
 ``--budget-fraction`` of the ``D`` scenario's peak on this rank; needs ``D`` first).
-Schedules: ``gpipe``, ``1f1b``, ``pipedream`` (one stage per rank) and ``zb``
-(ScheduleInterleavedZeroBubble, two stages per rank).
+Schedules: ``gpipe``, ``1f1b``, ``pipedream`` (one stage per rank) and the zero-bubble
+ones, two stages per rank, which split every backward into an input and a weight pass:
+``zb`` (ScheduleInterleavedZeroBubble, stages r and r + ranks), ``zbv``
+(ScheduleZBVZeroBubble) and ``dualpipev`` (ScheduleDualPipeV), both V-shaped (stages r and
+2 ranks - 1 - r, so rank 0 holds the first and the last stage).
 """
 
 from __future__ import annotations
@@ -25,7 +28,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.pipelining import PipelineStage, ScheduleInterleavedZeroBubble
+from torch.distributed.pipelining import (
+    PipelineStage,
+    ScheduleDualPipeV,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
 
 from vpipe.plan import Policy
 from vpipe.runtime.config import RunConfig
@@ -35,11 +43,12 @@ from vpipe.runtime.trainer import build_stage_run, make_optimizer
 from vpipe.tensor_manager import TensorManager, install_on_stage
 
 CYCLE = (Policy.SWAP, Policy.RECOMPUTE, Policy.KEEP)
+SPLIT = {"zb": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser()
-    p.add_argument("--schedule", choices=("gpipe", "1f1b", "pipedream", "zb"), required=True)
+    p.add_argument("--schedule", choices=("gpipe", "1f1b", "pipedream", *SPLIT), required=True)
     p.add_argument("--model", choices=("transformer", "cnn"), default="transformer")
     p.add_argument("--blocks", type=int, default=4)
     p.add_argument("--ranks", type=int, default=2)
@@ -52,9 +61,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def run_config(args: argparse.Namespace) -> RunConfig:
-    stages = args.ranks * (2 if args.schedule == "zb" else 1)
+    stages = args.ranks * (2 if args.schedule in SPLIT else 1)
     return RunConfig(model=args.model, blocks=args.blocks, d_model=32, n_heads=2, seq_len=16, dropout=0.1,
-                     stages=stages, schedule="1f1b" if args.schedule == "zb" else args.schedule,
+                     stages=stages, schedule="1f1b" if args.schedule in SPLIT else args.schedule,
                      micro_batches=args.micro_batches, micro_batch_size=2, steps=args.steps, progress=False)
 
 
@@ -63,9 +72,10 @@ class Pipeline:
 
     def __init__(self, args: argparse.Namespace, cfg: RunConfig, rank: int, device: torch.device) -> None:
         self.args, self.cfg, self.rank = args, cfg, rank
-        if args.schedule == "zb":
+        if args.schedule in SPLIT:
             spec = cfg.model_spec()
-            self.stage_ids = [rank, rank + args.ranks]
+            v_shaped = args.schedule != "zb"
+            self.stage_ids = [rank, 2 * args.ranks - 1 - rank if v_shaped else rank + args.ranks]
             self.modules = []
             stages = []
             for s in self.stage_ids:
@@ -74,7 +84,7 @@ class Pipeline:
                 self.modules.append(module)
                 stages.append(PipelineStage(module, s, cfg.stages, device))
             self.stages = stages
-            self.schedule: Any = ScheduleInterleavedZeroBubble(stages, cfg.micro_batches, loss_fn=spec.loss_fn())
+            self.schedule: Any = SPLIT[args.schedule](stages, cfg.micro_batches, loss_fn=spec.loss_fn())
             self.optimizer = make_optimizer(cfg, [p for m in self.modules for p in m.parameters()])
         else:
             run = build_stage_run(cfg, rank, device)
@@ -175,6 +185,11 @@ def stats_record(managers: list[TensorManager]) -> list[dict[str, Any]]:
             "live": s.live_saved_storages, "multi_phase": s.multi_phase_storages,
             "weights_skipped": s.weight_tensors_skipped, "host_used": s.host_pool_used_bytes,
             "policies": {str(k): v.value for k, v in s.policies.items()},
+            "refetched": s.refetched_bytes, "h2d_by_phase": s.h2d_bytes_by_phase, "lag_dropped": s.lag_dropped,
+            "recomputes": sum(v.recomputes for v in s.layers.values()),
+            "recompute_calls": sum(v.recompute_calls for v in s.layers.values()),
+            "repeat_recomputes": s.repeat_recomputes,
+            "layer_copies": {str(k): [v.d2h_bytes, v.h2d_bytes] for k, v in s.layers.items()},
             "activation": {str(k): v.activation_bytes_per_micro_batch for k, v in s.layers.items()},
         })
     return out

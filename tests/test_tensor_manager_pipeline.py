@@ -54,14 +54,36 @@ def test_flush_schedules_exact_and_under_budget(schedule, tmp_path):
     assert all(s["recompute_s"] > 0 for s in _managers(ranks, "R"))
 
 
-def test_zero_bubble_two_stages_per_rank_exact_with_double_unpack(tmp_path):
-    ranks = _launch(tmp_path, "zb", "D,S,R,mix")
+@pytest.mark.parametrize("schedule", ["zb", "zbv", "dualpipev"])
+def test_zero_bubble_two_stages_per_rank_exact_fetched_once_recomputed_once(schedule, tmp_path):
+    """Split backwards (input pass, weight pass later): every layer swapped, recomputed, or a mix; a budget."""
+    ranks = _launch(tmp_path, schedule, "D,S,R,mix,budget")
     _assert_exact(ranks)
+    for stats in _managers(ranks, "budget"):  # 40% of the rank's largest all-kept peak, weight passes lagging
+        assert stats["budget"] is not None and stats["peak"] <= stats["budget"], stats
+        assert stats["host_used"] == 0 and stats["live"] == 0 and stats["resident"] == 0, stats
+    assert any(s["escalations"] for s in _managers(ranks, "budget"))
     swapped = _managers(ranks, "S")
     assert len(swapped) == 2 * RANKS  # one manager per stage
-    # the input- and weight-gradient passes both unpacked swapped storages, freed after the second
+    for stats in swapped + _managers(ranks, "mix"):
+        # brought back once, for both passes, and nothing left behind; except the embedding's token ids:
+        # one storage for every micro-batch of the step (chunks of one batch), brought back for each
+        # micro-batch's backward, which is not about split passes
+        for lid, (d2h, h2d) in stats["layer_copies"].items():
+            assert h2d == d2h or lid == "0", (lid, stats)
+        assert stats["h2d_bytes"] - stats["d2h_bytes"] == stats["refetched"], stats
+        assert stats["refetched"] == 0 or stats["layers"] == [0, 1], stats
+        assert stats["host_used"] == 0 and stats["live"] == 0 and stats["resident"] == 0, stats
+    # the first stage runs its whole backward in the weight call (one pass); the others unpack in both,
+    # and their weight passes found on the device all they needed (DualPipeV also runs full backwards)
     assert all(s["multi_phase"] > 0 for s in swapped if s["layers"] != [0, 1])
-    assert all(s["host_used"] == 0 and s["live"] == 0 for s in swapped)
+    assert all(set(s["h2d_by_phase"]) == {"full"} for s in swapped if s["layers"] == [0, 1])
+    assert all("input" in s["h2d_by_phase"] and "weight" not in s["h2d_by_phase"]
+               for s in swapped if s["layers"] != [0, 1])
+    for stats in _managers(ranks, "R") + _managers(ranks, "mix"):
+        # one recompute per layer call, serving both passes
+        assert stats["recomputes"] == stats["recompute_calls"] and stats["repeat_recomputes"] == 0, stats
+    assert all(s["recompute_calls"] > 0 for s in _managers(ranks, "R"))
 
 
 def test_pipedream_weight_stashing_exact(tmp_path):

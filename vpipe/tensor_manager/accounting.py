@@ -76,6 +76,9 @@ class Ledger:
         self.activation: dict[int, dict[int, int]] = {}  # layer -> micro-batch -> bytes saved
         self.swappable: dict[int, int] = {}  # layer -> bytes of its last micro-batch that could be swapped
         self.inputs: dict[int, int] = {}  # layer -> bytes a recomputed micro-batch keeps (its inputs)
+        # layer -> bytes one micro-batch keeps on the device between the input and the weight pass of a
+        # split backward (what the weight pass unpacks again: brought back or recomputed once, kept)
+        self.lag: dict[int, int] = {}
 
     def add(self, layer: int, mb: int, nbytes: int) -> None:
         key = (layer, mb)
@@ -122,3 +125,4 @@ class Ledger:
         self.activation.pop(layer, None)
         self.swappable.pop(layer, None)
         self.inputs.pop(layer, None)
+        self.lag.pop(layer, None)

@@ -8,6 +8,15 @@ the projection passes the budget, :func:`cheapest_escalations` picks extra swaps
 or recomputes (D->R, S->R), or swaps a recomputed layer that still keeps its inputs (R->S),
 the cheapest seconds per byte saved first, until it fits.
 
+Zero-bubble schedules split a backward into an input pass and a weight pass that may run
+much later. In between, a swapped layer keeps on the device the storages the weight pass
+unpacks again (brought back once, for both passes) and a recomputed layer keeps those of
+its recomputed tensors (recomputed once, for both); a kept layer holds everything anyway.
+The manager measures these bytes per layer (``lag_bytes``) and how many micro-batches sat
+between their two passes at once in the last step (``lagging``); the steady state then
+counts ``in_flight`` micro-batches at their forward footprint plus ``lagging`` of them
+also holding their lag bytes, spread over the micro-batches in flight as ``lag_share``.
+
 A layer whose own activations for one micro-batch exceed the budget cannot run even when
 fully recomputed (the recompute materialises them): that is a :class:`MemoryBudgetError`
 naming the layer, not something to plan around.
@@ -15,8 +24,9 @@ naming the layer, not something to plan around.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from vpipe.plan import Policy
@@ -40,6 +50,8 @@ class LayerEstimate:
     swappable_bytes: int  # the part of it a swap can move (tensors at or above the threshold)
     input_bytes: int  # what a recomputed micro-batch keeps: its inputs
     forward_s: float  # one forward, which is also what a recompute costs
+    lag_bytes: int = 0  # kept between the input and the weight pass of a split backward (swapped or recomputed)
+    lag_share: float = 0.0  # lagging micro-batches per micro-batch in flight (0: the backward is not split)
 
 
 @dataclass(frozen=True)
@@ -52,12 +64,18 @@ class Escalation:
 
 
 def kept_bytes(e: LayerEstimate, policy: Policy) -> int:
-    """Bytes a micro-batch of this layer leaves resident on the device under ``policy``."""
+    """Bytes a micro-batch of this layer leaves resident on the device under ``policy``.
+
+    Under a split backward a swapped or recomputed layer also holds its ``lag_bytes`` while the
+    micro-batch waits for its weight pass: ``lag_share`` of them per micro-batch in flight.
+    """
     if policy is Policy.KEEP:
         return e.activation_bytes
     if policy is Policy.SWAP:
-        return e.activation_bytes - e.swappable_bytes
-    return min(e.input_bytes, e.activation_bytes)
+        lag = min(e.lag_bytes, e.swappable_bytes)
+        return e.activation_bytes - e.swappable_bytes + math.ceil(e.lag_share * lag)
+    lag = min(e.lag_bytes, e.activation_bytes)
+    return min(e.input_bytes, e.activation_bytes) + math.ceil(e.lag_share * lag)
 
 
 def stage_fixed_bytes(param_bytes: int, optimizer_state_bytes: int, weight_versions: int = 1) -> int:
@@ -170,9 +188,13 @@ def fit_micro_batch(
     """The escalations the next micro-batch needs, given what is resident and how many are in flight.
 
     The projection is the larger of now (``resident_bytes`` plus this micro-batch) and the
-    steady state (``in_flight`` micro-batches under the current policies), plus the
-    backward's reserve. Raises :class:`MemoryBudgetError` when even the steady state with
-    every layer at its leanest cannot fit.
+    steady state (``in_flight`` micro-batches under the current policies, each with its
+    share of what lagging micro-batches keep for their weight pass: :func:`kept_bytes`),
+    plus the backward's reserve. Raises :class:`MemoryBudgetError` when even the steady state with
+    every layer at its leanest cannot fit, not counting what lagging micro-batches keep for their
+    weight pass: the manager can always drop that and fetch or recompute it again (slower, not
+    larger), so a budget the lag does not fit in escalates as far as it can and leaves the rest
+    to those drops.
     """
     if not estimates:
         return []
@@ -182,12 +204,17 @@ def fit_micro_batch(
     target = max(0, min(room_now, room_steady))
     if per_mb <= target:
         return []
-    least = sum(min(kept_bytes(e, p) for p in Policy if p is not Policy.SWAP or e.swappable_bytes <= pool_free_bytes)
-                for e in estimates)
-    if in_flight * least + reserve_bytes > budget_bytes:
+
+    def leanest(estimate: LayerEstimate) -> int:
+        return min(kept_bytes(estimate, p) for p in Policy
+                   if p is not Policy.SWAP or estimate.swappable_bytes <= pool_free_bytes)
+
+    least = sum(leanest(e) for e in estimates)
+    least_without_lag = sum(leanest(replace(e, lag_share=0.0)) for e in estimates)
+    if in_flight * least_without_lag + reserve_bytes > budget_bytes:
         raise MemoryBudgetError(
             f"stage budget {format_bytes(budget_bytes)} cannot hold {in_flight} micro-batches in flight: even with "
-            f"every layer swapped or recomputed each keeps {format_bytes(least)}, plus "
+            f"every layer swapped or recomputed each keeps {format_bytes(least_without_lag)}, plus "
             f"{format_bytes(reserve_bytes)} for the largest layer's backward"
         )
     # what is resident now may come from micro-batches run under older policies: do what can be

@@ -56,7 +56,8 @@ class ManagedLayer:
     original_forward: Any = _MISSING  # module.__dict__["forward"] before the wrapper was set
     forward_s: float | None = None  # moving average of one managed forward
     recompute_s: float = 0.0
-    recomputes: int = 0
+    recomputes: int = 0  # forwards run again in a backward
+    recompute_calls: int = 0  # managed calls under R (each is recomputed once, whatever the schedule)
     kept_bytes: int | None = None  # what its last metered call under D saved
     input_shapes: tuple[Any, ...] | None = None  # the tensor input shapes of that call
 

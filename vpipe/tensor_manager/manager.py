@@ -8,8 +8,19 @@ How it attaches (nothing is replaced: ``close()`` restores the modules exactly, 
   forward they bracket the layer's forward with :class:`torch.autograd.graph.saved_tensors_hooks`,
   so each tensor autograd saves is attributed to (layer, micro-batch);
 * a layer whose policy is R also carries an instance attribute ``forward`` that runs the
-  original forward under non-reentrant checkpoint (:mod:`.recompute`); it is set when the
-  policy becomes R and deleted when it stops being R or the manager closes.
+  original forward with what it saves replaced by recompute slots (:mod:`.recompute`); it
+  is set when the policy becomes R and deleted when it stops being R or the manager closes.
+
+Backward passes are bracketed by :meth:`TensorManager.backward` with a phase: ``"full"``,
+or, for the zero-bubble schedules that split a backward, ``"input"`` (input gradients,
+``retain_graph``) and later ``"weight"`` (weight gradients). In the input pass every unpack
+of a swapped or recomputed tensor asks autograd whether the node unpacking it runs again
+in the weight pass (:meth:`TensorManager._needed_by_weight_pass`); those tensors stay on
+the device until the weight pass used them, so each is fetched once and each layer call
+recomputed once, and the bytes they hold count as resident. A micro-batch between its two
+passes is *lagging*; the budget projection counts what lagging micro-batches hold (see
+:mod:`.budget`), and if keeping them would pass the budget at the end of an input pass the
+largest are dropped (fetched or recomputed again for the weight pass, counted and logged).
 
 A layer whose policy is D needs none of this once its saved bytes are known: with
 ``metering`` off (``vpipe.attach`` turns it off on the steps its monitor does not sample),
@@ -44,7 +55,7 @@ from vpipe.tensor_manager.copy_engine import D2H, H2D, make_copy_engine
 from vpipe.tensor_manager.pool import DEFAULT_CHUNK_BYTES, HostPool, default_host_pool_bytes
 from vpipe.tensor_manager.prefetch import BACKWARD, FORWARD, ArrivalPredictor
 from vpipe.tensor_manager.layers import LayerCall, ManagedLayer, claim_module, release_module
-from vpipe.tensor_manager.recompute import RecomputeCounter, run_recomputed
+from vpipe.tensor_manager.recompute import RecomputeCounter, RecomputeStore
 from vpipe.tensor_manager.stats import LayerStats, TensorManagerStats
 from vpipe.tensor_manager.swap import KeptHandle, SwapEngine
 
@@ -120,10 +131,21 @@ class TensorManager:
         self._tls = threading.local()
         self._layers: dict[int, ManagedLayer] = {}
         self._mb: int | None = None
-        self._backward: list[int] = []  # micro-batches whose backward runs now (innermost last)
+        self._backward: list[tuple[int, str]] = []  # (micro-batch, phase) of the backwards running now
+        self._phase_serial = 0  # numbers the backward() contexts (a storage unpacked in two is multi-phase)
+        self._phase_unpacked = False  # the running phase unpacked a swapped or recomputed tensor
         self._open: set[int] = set()  # forwarded, backward not finished
         self._open_max = 0
         self._open_max_last_step = 0
+        self._split = False  # an input phase was seen: this stage's backwards are split (zero bubble)
+        self._lagging: set[int] = set()  # input pass done, weight pass not yet
+        self._lag_max = 0
+        self._lag_max_last_step = 0
+        self._lag_kept: set[Any] = set()  # under a budget: kept storages an input pass flagged for its weight pass
+        self._recompute = RecomputeStore(device, self.ledger, self._engine.lock, phase=self._unpack_phase,
+                                         needed_later=self._needed_by_weight_pass, may_keep=self._may_keep,
+                                         on_recompute=self._recomputed)
+        self._repeat_recomputes = 0
         # largest activation of one layer and micro-batch seen: what a backward brings back or recomputes at
         # once; a stage that keeps everything, and fits so, brings nothing back and needs none (_budget_limit)
         self._reserve = 0
@@ -255,33 +277,104 @@ class TensorManager:
         """Around one backward phase of a micro-batch: prefetch ordering and release bookkeeping.
 
         ``phase`` is ``"full"``, or ``"input"`` then ``"weight"`` for schedules that split the
-        backward (zero bubble): swapped tensors are fetched for each phase and freed after the last.
+        backward (zero bubble): what the input pass brings back or recomputes and the weight
+        pass needs stays on the device between the two (counted as resident), everything else
+        goes after the input pass; the micro-batch holds its bytes until its weight pass ends.
         """
         if phase not in ("full", "input", "weight"):
             raise ValueError(f"backward phase must be 'full', 'input' or 'weight', got {phase!r}")
         self._predictor.observe(BACKWARD, mb_id)
-        self._backward.append(mb_id)
+        if phase == "input":
+            self._split = True
+            self._lagging.discard(mb_id)  # a new input pass (a retried step): not lagging until it ends
+        self._phase_serial += 1
+        self._backward.append((mb_id, phase))
+        self._phase_unpacked = False
+        dropped = self._lag_dropped_bytes()
         try:
             self._pump_prefetch()
             yield self
         finally:
             self._backward.pop()
-            self._engine.end_phase(mb_id)
+            self._end_phase(mb_id, phase, dropped)
             self._engine.poll()
             if phase != "input":
                 self._open.discard(mb_id)
                 self._uncount(mb_id)
 
+    def _lag_dropped_bytes(self) -> tuple[dict[int, int], dict[int, int]]:
+        """Per layer, bytes kept for weight passes that were dropped for the budget: (swapped, recomputed)."""
+        return dict(self._engine.dropped_bytes), dict(self._recompute.dropped_bytes)
+
+    def _end_phase(self, mb: int, phase: str, dropped_before: tuple[dict[int, int], dict[int, int]]) -> None:
+        """Drop what no later pass of ``mb`` needs; after an input pass keep the rest within the budget.
+
+        What the weight pass needs stays on the device unless that passes the budget less the
+        backward's reserve: then the largest copies go first (a copy back is cheaper than a
+        forward), then recomputed tensors; the weight pass fetches or recomputes them again.
+        Each input pass that dropped something logs one ``weight_pass_drop`` decision.
+        """
+        unpacked = self._phase_unpacked
+        held = self._engine.end_phase(mb, phase, unpacked)
+        recomputed = self._recompute.end_phase(mb, phase, unpacked)
+        if phase != "input":
+            self._lagging.discard(mb)
+            self._lag_kept.clear()
+            return
+        self._lagging.add(mb)
+        self._lag_max = max(self._lag_max, len(self._lagging))
+        # what each layer of this micro-batch holds for its weight pass: the budget's projection uses it
+        for entry in self._lag_kept:
+            held[entry.layer] = held.get(entry.layer, 0) + entry.nbytes
+        self._lag_kept.clear()
+        for lid, nbytes in recomputed.items():
+            held[lid] = held.get(lid, 0) + nbytes
+        # what the budget dropped during the pass was needed too: the projection must count it
+        for now, before in zip(self._lag_dropped_bytes(), dropped_before):
+            for lid, nbytes in now.items():
+                if nbytes > before.get(lid, 0):
+                    held[lid] = held.get(lid, 0) + nbytes - before.get(lid, 0)
+        measured = self.budget_bytes is not None  # kept layers were measured too (_lag_kept)
+        for lid, layer in self._layers.items():
+            if lid in held or measured or layer.policy is not Policy.KEEP:
+                self.ledger.lag[lid] = held.get(lid, 0)
+        limit = self._budget_limit()
+        if limit is not None and self.ledger.resident > limit:
+            excess = self.ledger.resident - limit
+            freed = self._engine.drop_held(mb, excess)
+            if freed < excess:
+                self._recompute.drop_held(mb, excess - freed)
+        swapped, recomputed_bytes = (sum(now.values()) - sum(before.values())
+                                     for now, before in zip(self._lag_dropped_bytes(), dropped_before))
+        if swapped or recomputed_bytes:
+            decision(
+                "weight_pass_drop",
+                f"micro-batch {mb}: dropped {format_bytes(swapped + recomputed_bytes)} its weight pass needs to stay "
+                f"under the budget ({format_bytes(swapped)} to fetch again, {format_bytes(recomputed_bytes)} to "
+                f"recompute again)", micro_batch=mb, swapped_bytes=swapped, recomputed_bytes=recomputed_bytes,
+                budget_bytes=self.budget_bytes, lagging=len(self._lagging),
+            )
+
+    def _fetch_phase(self, mb: int) -> str:
+        """The backward phase a fetch for ``mb`` now serves."""
+        if self._backward and self._backward[-1][0] == mb:
+            return self._backward[-1][1]
+        if mb in self._lagging:
+            return "weight"
+        return "input" if self._split else "full"
+
     def prefetch(self, mb_id: int) -> bool:
         """Start bringing ``mb_id``'s swapped tensors back now; False if the budget held some back."""
-        return self._engine.prefetch(mb_id, self._prefetch_limit())
+        return self._engine.prefetch(mb_id, self._prefetch_limit(), self._fetch_phase(mb_id))
 
     def _begin_forward(self, mb: int) -> None:
         engine = self._engine
         engine.drain()
+        self._recompute.drain()
         engine.poll()
         if self._predictor.observe(FORWARD, mb):  # a new step: remember how many were in flight in the last
             self._open_max_last_step, self._open_max = self._open_max, 0
+            self._lag_max_last_step, self._lag_max = self._lag_max, len(self._lagging)
         self._unmetered = False
         if not torch.is_grad_enabled():
             return  # an evaluation forward saves nothing and has no backward
@@ -353,7 +446,7 @@ class TensorManager:
         if frame.policy is Policy.KEEP:  # what an unmetered call of the same shapes will be counted with
             layer.kept_bytes, layer.input_shapes = frame.bytes, _input_shapes(frame.inputs)
         if frame.policy is Policy.RECOMPUTE:
-            counter = frame.counter
+            counter, frame.counter = frame.counter, None  # it holds frame.is_weight: no cycle left behind
             activation = counter.bytes if counter is not None else 0
             swappable = counter.swappable if counter is not None else 0
             self.ledger.inputs[layer.layer_id] = frame.bytes  # what checkpoint kept: the inputs
@@ -377,14 +470,19 @@ class TensorManager:
         if frame is None or frame.layer is not layer or frame.policy is not Policy.RECOMPUTE:
             return inner(*args, **kwargs)
         frame.counter = RecomputeCounter(frame.is_weight, self.min_swap_bytes)
-        return run_recomputed(layer.module, inner, args, kwargs, counter=frame.counter,
-                              on_recompute=partial(self._recomputed, layer))
+        layer.recompute_calls += 1
+        return self._recompute.run(layer.module, inner, args, kwargs, layer=layer.layer_id, mb=frame.mb,
+                                   counter=frame.counter, is_weight=frame.is_weight)
 
-    def _recomputed(self, layer: ManagedLayer, seconds: float) -> None:
+    def _recomputed(self, layer_id: int, seconds: float, repeat: bool) -> None:
         with self._engine.lock:
-            layer.recompute_s += seconds
-            layer.recomputes += 1
+            layer = self._layers.get(layer_id)
+            if layer is not None:  # (a layer removed since holds no saved tensors: never recomputed)
+                layer.recompute_s += seconds
+                layer.recomputes += 1
             self._recompute_s += seconds
+            if repeat:
+                self._repeat_recomputes += 1
 
     def _pack(self, t: torch.Tensor) -> Any:
         frame: LayerCall = self._tls.frames[-1]
@@ -430,11 +528,64 @@ class TensorManager:
         if isinstance(packed, torch.Tensor):
             return packed
         if packed.__class__ is KeptHandle:
+            if self._lag_measured() and self._needed_by_weight_pass():
+                self._lag_kept.add(packed.entry)
             return packed.tensor
-        tensor = self._engine.restore(packed)
+        phase = self._unpack_phase()
+        later = phase == "input" and self._needed_by_weight_pass()
+        tensor = self._engine.restore(packed, phase, self._phase_serial, later, self._budget_limit())
         if self._prefetch_throttled:
             self._pump_prefetch()
         return tensor
+
+    def _unpack_phase(self) -> str:
+        """The phase of the backward unpacking now (``"full"`` outside any ``backward()``); marks it as used."""
+        self._phase_unpacked = True
+        return self._backward[-1][1] if self._backward else "full"
+
+    def _may_keep(self, transient_bytes: int) -> bool:
+        """Whether a recomputed tensor may stay for the weight pass: the resident total, less the
+        recompute's tensors about to go, stays within the budget less the backward's reserve."""
+        limit = self._budget_limit()
+        return limit is None or self.ledger.resident - transient_bytes <= limit
+
+    def _lag_measured(self) -> bool:
+        """Under a budget, an input pass also learns what kept layers' weight passes need (for the projection)."""
+        return self.budget_bytes is not None and bool(self._backward) and self._backward[-1][1] == "input"
+
+    def _needed_by_weight_pass(self) -> bool:
+        """Whether the autograd node unpacking now runs again in the weight pass of a split backward.
+
+        The input pass (``autograd.grad`` towards the stage inputs) runs only nodes on a path
+        to an input; the weight pass later starts from the nodes where that part of the graph
+        meets the parameters' (torch's ``stage_backward_weight``) and runs those and the
+        nodes below them towards the parameters. So a node runs again exactly when one of its
+        next functions is a parameter's gradient accumulator or a node this pass does not
+        execute (it leads to parameters only). Measured on torch 2.13 for Linear, LayerNorm,
+        attention (matmul and SDPA) and weight-normalised matmuls, this matches the unpacks
+        of both passes one for one. A node that reaches parameters only through nodes the
+        input pass executes too (a weight tied inside the stage) is missed: its tensors are
+        fetched or recomputed again, and counted.
+        """
+        if self._recompute.unpacking_inputs:
+            return False  # a recompute reading its inputs, not a backward node
+        node = torch._C._current_autograd_node()
+        if node is None:
+            return False
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            variable = getattr(child, "variable", None)
+            if variable is not None:  # a leaf's gradient accumulator
+                if isinstance(variable, nn.Parameter):
+                    return True
+                continue
+            try:
+                if not torch._C._will_engine_execute_node(child):
+                    return True
+            except RuntimeError:  # not a node of this pass's graph task: keep rather than fetch twice
+                return True
+        return False
 
     # ================================================================== budget
     def _over_budget(self, key: int, nbytes: int) -> bool:
@@ -453,7 +604,7 @@ class TensorManager:
             return False
         return self.host_pool_max_bytes - (engine.pool.used_bytes if engine.has_pool else 0) >= nbytes
 
-    def _estimates(self) -> list[LayerEstimate]:
+    def _estimates(self, lag_share: float = 0.0) -> list[LayerEstimate]:
         out = []
         for lid, layer in sorted(self._layers.items()):
             activation = self.ledger.activation_bytes(lid)
@@ -462,15 +613,22 @@ class TensorManager:
             check_layer_fits(lid, activation, self.budget_bytes)  # type: ignore[arg-type]
             swappable = min(self.ledger.swappable.get(lid, activation), activation)
             inputs = self.ledger.inputs.get(lid, activation)
-            out.append(LayerEstimate(lid, layer.policy, activation, swappable, inputs, layer.forward_s or 0.0))
+            out.append(LayerEstimate(lid, layer.policy, activation, swappable, inputs, layer.forward_s or 0.0,
+                                     lag_bytes=self.ledger.lag.get(lid, 0), lag_share=lag_share))
         return out
+
+    def _lag_share(self, in_flight: int) -> float:
+        """Micro-batches between their input and weight pass per micro-batch in flight (last step or now)."""
+        if not self._split:
+            return 0.0
+        return min(1.0, max(self._lag_max_last_step, len(self._lagging), 1) / in_flight)
 
     def _fit_budget(self, mb: int) -> None:
         """Before micro-batch ``mb``'s forward: escalate the cheapest layers until the projection fits."""
         budget = self.budget_bytes
         assert budget is not None
-        estimates = self._estimates()
         in_flight = max(self._open_max_last_step, len(self._open), 1)
+        estimates = self._estimates(self._lag_share(in_flight))
         # keeping everything needs no backward reserve (nothing is brought back or recomputed): when the
         # measured bytes of a micro-batch, every layer kept, fit that way, as much fits as without vpipe
         kept = self._kept_per_mb
@@ -516,11 +674,12 @@ class TensorManager:
         if not engine.has_pool:
             return
         bandwidth = self._bandwidth(H2D)
-        targets = self._backward[-1:] + self._predictor.upcoming(lambda mb: engine.host_bytes(mb) / bandwidth)
+        targets = [mb for mb, _ in self._backward[-1:]] + self._predictor.upcoming(
+            lambda mb: engine.host_bytes(mb, mb in self._lagging) / bandwidth)
         limit = self._prefetch_limit()
         throttled = False
         for mb in dict.fromkeys(targets):
-            if not engine.prefetch(mb, limit):
+            if not engine.prefetch(mb, limit, self._fetch_phase(mb)):
                 throttled = True
                 break
         self._prefetch_throttled = throttled
@@ -530,6 +689,7 @@ class TensorManager:
         engine = self._engine
         with engine.lock:
             engine.drain()
+            self._recompute.drain()
             engine.poll()
             d2h_bw, h2d_bw = self._bandwidth(D2H), self._bandwidth(H2D)
             layers = {}
@@ -542,6 +702,7 @@ class TensorManager:
                     resident_bytes=sum(self.ledger.resident_of(lid).values()),
                     forward_s=layer.forward_s, recompute_s=layer.recompute_s, recomputes=layer.recomputes,
                     d2h_bytes=d2h, h2d_bytes=h2d, d2h_s=d2h / d2h_bw, h2d_s=h2d / h2d_bw,
+                    recompute_calls=layer.recompute_calls, lag_bytes=self.ledger.lag.get(lid),
                 )
             pool = engine.pool if engine.has_pool else None
             return TensorManagerStats(
@@ -563,6 +724,11 @@ class TensorManager:
                 live_saved_storages=engine.live_entries(),
                 multi_phase_storages=engine.multi_phase_entries,
                 weight_tensors_skipped=self._weights_skipped,
+                h2d_bytes_by_phase=dict(engine.h2d_by_phase),
+                refetched_bytes=engine.refetched_bytes,
+                repeat_recomputes=self._repeat_recomputes,
+                lag_resident_bytes=sum(engine.held_bytes(mb) + self._recompute.held_bytes(mb) for mb in self._lagging),
+                lag_dropped=engine.dropped + self._recompute.dropped,
             )
 
     def layer_saved_bytes(self) -> dict[int, int]:
@@ -571,6 +737,7 @@ class TensorManager:
 
     def reset_peak(self) -> None:
         self._engine.drain()
+        self._recompute.drain()
         self.ledger.reset_peak()
 
     def synchronize(self) -> None:

@@ -6,7 +6,15 @@ schedules, ``stage.backward_weight_one_chunk(chunk_id)``. Wrapping those three a
 *instance attributes* gives the manager the micro-batch id of every forward and backward
 without touching ``stage.submod`` (schedules check its type) or the schedule. The
 shape-inference forward of the first ``step()`` does not go through
-``forward_one_chunk``, so it is neither managed nor counted. vpipe's PipeDream schedule
+``forward_one_chunk``, so it is neither managed nor counted.
+
+Zero-bubble schedules call ``backward_one_chunk(full_backward=False)`` (the manager's
+``"input"`` phase) and later ``backward_weight_one_chunk`` (``"weight"``). On the first
+stage torch computes nothing in the first call (no input needs a gradient) and runs the
+whole backward in the second: the manager sees no input phase there and one ``"full"``
+phase, so nothing is brought back early and held across the gap. A stage built with a
+``dw_builder`` runs its full backward in the first call: ``"full"``, then ``"weight"``
+around the user's weight function. vpipe's PipeDream schedule
 calls the same methods (its forward runs the module through ``functional_call`` on
 stashed weights, which the manager recognises as weights and leaves alone).
 """
@@ -55,6 +63,16 @@ class StageHandle:
         self.removed = True
 
 
+def _custom_weight_pass(stage: _PipelineStageBase) -> bool:
+    """A ``dw_builder`` stage: its first backward call is a full backward, the second the user's function."""
+    return getattr(stage, "dw_builder", None) is not None
+
+
+def _whole_backward_deferred(stage: _PipelineStageBase) -> bool:
+    """The first stage of a split backward: torch runs all of it in ``backward_weight_one_chunk``."""
+    return stage.is_first and not _custom_weight_pass(stage)
+
+
 def install_on_stage(stage: _PipelineStageBase, manager: TensorManager) -> StageHandle:
     """Route the stage's forwards and backwards through ``manager`` (micro-batch id = chunk id)."""
     if not isinstance(stage, _PipelineStageBase):
@@ -79,11 +97,14 @@ def install_on_stage(stage: _PipelineStageBase, manager: TensorManager) -> Stage
 
     def backward_one_chunk(bwd_chunk_id: int, loss: Any = None, full_backward: bool = True,
                            last_backward: bool = False) -> Any:
-        with manager.backward(bwd_chunk_id, phase="full" if full_backward else "input"):
+        if not full_backward and _whole_backward_deferred(stage):
+            return backward(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
+        phase = "full" if full_backward or _custom_weight_pass(stage) else "input"
+        with manager.backward(bwd_chunk_id, phase=phase):
             return backward(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
 
     def backward_weight_one_chunk(bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-        with manager.backward(bwd_chunk_id, phase="weight"):
+        with manager.backward(bwd_chunk_id, phase="full" if _whole_backward_deferred(stage) else "weight"):
             return backward_weight(bwd_chunk_id, *args, **kwargs)
 
     wrappers = {

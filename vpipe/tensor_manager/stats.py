@@ -23,6 +23,8 @@ class LayerStats:
     h2d_bytes: int
     d2h_s: float  # bytes over the measured copy bandwidth
     h2d_s: float
+    recompute_calls: int = 0  # managed calls under R: each should be recomputed once (``recomputes``)
+    lag_bytes: int | None = None  # kept between the input and the weight pass of a split backward, per micro-batch
 
     @property
     def activation_bytes_per_micro_batch(self) -> int:
@@ -51,6 +53,15 @@ class TensorManagerStats:
     live_saved_storages: int = 0
     multi_phase_storages: int = 0  # swapped storages freed after being unpacked by several backward passes
     weight_tensors_skipped: int = 0  # saves of parameters / stashed weights, left alone
+    # split backwards (zero bubble): bytes brought back per phase ("full", "input", "weight"), bytes brought
+    # back again for a storage already brought back once (0: every storage fetched once), recomputes of a
+    # layer call beyond its first (0: every call recomputed once), what lagging micro-batches hold for their
+    # weight pass now, and how many kept storages/tensors were dropped to stay under the budget
+    h2d_bytes_by_phase: dict[str, int] = field(default_factory=dict)
+    refetched_bytes: int = 0
+    repeat_recomputes: int = 0
+    lag_resident_bytes: int = 0
+    lag_dropped: int = 0
 
     @property
     def policies(self) -> dict[int, Policy]:
