@@ -17,7 +17,7 @@ import torch
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from tensor_manager_support import assert_grads_equal, make_manager, model_spec
-from vpipe.planner.plan import Policy
+from vpipe.plan import Policy
 from vpipe.runtime.models import build_model
 from vpipe.tensor_manager import TensorManager
 
