@@ -43,6 +43,7 @@ from vpipe.migration.placement import Placement
 from vpipe.migration.shapes import BoundaryShapes
 from vpipe.migration.state import (LayerState, attach_to_optimizer, detach_from_optimizer, pack_layer, payload_bytes,
                                    unpack_layer)
+from vpipe.migration.stream import start_streamed
 from vpipe.migration.transfer import MOVE, TransferChannel, transfer_tag
 from vpipe.plan import Plan, PlanError
 
@@ -168,14 +169,14 @@ class LayerManager:
         """All layers of the model, in execution order."""
         return self._placement.order
 
-    def _children(self) -> dict[int, nn.Module]:
+    def blocks_by_id(self) -> dict[int, nn.Module]:
         return {lid: block for stage_blocks in self.blocks.values() for lid, block in stage_blocks.blocks().items()}
 
     def can_build(self) -> list[str] | None:
         """The kinds of block this rank can build for an incoming move (None: any, a factory builds them)."""
         return self.builder.can_build()
 
-    def _describe(self, stage: int, layer_id: int, block: nn.Module) -> dict[str, Any]:
+    def describe_block(self, stage: int, layer_id: int, block: nn.Module) -> dict[str, Any]:
         """What a receiving stage needs besides the tensors to rebuild ``block``: kind, key, plain attributes."""
         return {"kind": block_kind(block), "key": self.blocks[stage].key_of(layer_id), "attrs": block_attrs(block)}
 
@@ -220,7 +221,7 @@ class LayerManager:
                      layers=self.layer_ids, rebuilt=report.rebuilt)
         return report
 
-    def _rank(self, stage: int) -> int:
+    def rank_of(self, stage: int) -> int:
         return self._placement.rank_of(stage)
 
     def _tag(self, key: tuple[int, int, int]) -> int:
@@ -237,29 +238,29 @@ class LayerManager:
         within = [m for m in moves if m.src in local and m.dst in local]
         ok = True
         # phase 1: announce what leaves this rank
-        children = self._children()
+        children = self.blocks_by_id()
         sent_states: dict[Move, list[LayerState]] = {}
         for m in outgoing:
             states = [pack_layer(lid, children[lid], self.optimizer, self.specs.get(lid)) for lid in m.layers]
             for st in states:
-                st.manifest.update(block=self._describe(m.src, st.layer_id, children[st.layer_id]),
+                st.manifest.update(block=self.describe_block(m.src, st.layer_id, children[st.layer_id]),
                                    **self.shapes.describe(st.layer_id))
             sent_states[m] = states
-            announce(self.messenger, m, self._rank(m.dst), [st.manifest for st in states], move_key(epoch, r, m))
+            announce(self.messenger, m, self.rank_of(m.dst), [st.manifest for st in states], move_key(epoch, r, m))
         # phase 2: build what arrives (on the meta device, then empty storage: no init cost)
-        arriving = [receive_prepare(self.messenger, self.builder, m, self._rank(m.src), move_key(epoch, r, m),
+        arriving = [receive_prepare(self.messenger, self.builder, m, self.rank_of(m.src), move_key(epoch, r, m),
                                     self.timeout_s, self.faults) for m in incoming]
         # phase 3: send each payload once its target is ready
         works = []
         for m in outgoing:
             key = move_key(epoch, r, m)
-            if not await_ready(self.messenger, m, self._rank(m.dst), key, self.timeout_s, abort_on_silence=True):
+            if not await_ready(self.messenger, m, self.rank_of(m.dst), key, self.timeout_s, abort_on_silence=True):
                 ok = False
                 continue
             payload = torch.cat([st.payload for st in sent_states[m]])
-            self.messenger.send_to(self._rank(m.dst), "migrate_transfer",
+            self.messenger.send_to(self.rank_of(m.dst), "migrate_transfer",
                                    {"round": r, "move": key[2], "nbytes": int(payload.numel())}, epoch=epoch)
-            works.append((m, self.channel.send(payload, self._rank(m.dst), self._tag(key)), payload))
+            works.append((m, self.channel.send(payload, self.rank_of(m.dst), self._tag(key)), payload))
         # phase 4: receive payloads and acknowledge them
         for inc in arriving:
             if inc.ok:
@@ -270,7 +271,7 @@ class LayerManager:
             report.bytes_sent += int(payload.numel())
         # phase 5: the sources collect the acknowledgements
         for m, _work, _payload in works:
-            if self.messenger.wait_for({"migrate_ack"}, from_rank=self._rank(m.dst), key=move_key(epoch, r, m),
+            if self.messenger.wait_for({"migrate_ack"}, from_rank=self.rank_of(m.dst), key=move_key(epoch, r, m),
                                        timeout_s=self.timeout_s) is None:
                 log.warning("rank %d: no migrate_ack from stage %d for layers %s; aborting", self.rank, m.dst,
                             list(m.layers))
@@ -303,7 +304,7 @@ class LayerManager:
                    for v in self.blocks if v != self.num_stages - 1)
 
     def _receive_payload(self, inc: Incoming, key: tuple[int, int, int], report: MigrationReport) -> None:
-        m, src = inc.move, self._rank(inc.move.src)
+        m, src = inc.move, self.rank_of(inc.move.src)
         got = self.messenger.wait_for({"migrate_transfer", "migrate_abort"}, from_rank=src, key=key,
                                       timeout_s=2 * self.timeout_s)
         if got is None or got[0] == "migrate_abort":
@@ -326,70 +327,13 @@ class LayerManager:
 
     # ---------------------------------------------------------------- streamed moves (PipeDream)
     def start_streamed(self, plan: Plan, schedule: Any, switch_mb: int, *, continuation: bool = False) -> list[Any]:
-        """Begin moving towards ``plan`` inside a running PipeDream stream, switching at ``switch_mb``.
+        """Begin moving towards ``plan`` inside a running PipeDream stream (see :func:`.stream.start_streamed`)."""
+        return start_streamed(self, plan, schedule, switch_mb, continuation=continuation)
 
-        Called on every rank at the same step boundary, before the step that contains
-        ``switch_mb`` starts its forwards. Only the first round of neighbour moves is started
-        (a layer two stages away hops once per plan); the rest follows with a later plan.
-        Returns the movers registered with the schedule (empty when the round aborted).
-        ``continuation`` starts the next round of a plan already begun (same epoch).
-        """
-        from vpipe.migration.stream import IncomingStream, OutgoingStream
-
-        if continuation:
-            plan.check_against(self.order, self.num_stages)
-        else:
-            self.check_plan(plan)
-        if any(not m.done for m in schedule.movers):
-            raise MigrationError("a streamed move is still in progress; wait for it before the next plan")
-        rounds = plan_rounds(self.placement, plan.stages)
-        if not rounds:
-            self.epoch = plan.epoch
-            return []
-        moves = rounds[0]
-        after = apply_round(self.placement, moves)
-        s, epoch = self.stage_index, plan.epoch
-        if self.channel.vote([(self.shapes.boundary_changed(s, self.placement, after), False)])[0]:
-            raise MigrationError("this move changes a boundary activation's shape; a PipeDream stream cannot "
-                                 "resize its buffers: flush() first and apply it at the step boundary")
-        outgoing = [m for m in moves if m.src == s]
-        incoming = [m for m in moves if m.dst == s]
-        children = self._children()
-        for m in outgoing:
-            manifests = [dict(pack_layer(lid, children[lid], None, self.specs.get(lid)).manifest,
-                              block=self._describe(s, lid, children[lid])) for lid in m.layers]
-            announce(self.messenger, m, self._rank(m.dst), manifests, move_key(epoch, 0, m))
-        arriving = [receive_prepare(self.messenger, self.builder, m, self._rank(m.src), move_key(epoch, 0, m),
-                                    self.timeout_s, self.faults) for m in incoming]
-        ready = all(inc.ok for inc in arriving)
-        for m in outgoing:
-            ready = await_ready(self.messenger, m, self._rank(m.dst), move_key(epoch, 0, m), self.timeout_s,
-                                abort_on_silence=False) and ready
-        if not self.channel.vote([(ready, True)])[0]:
-            decision("migration_aborted", f"epoch {epoch}: a streamed move was not ready; every stage keeps its layers",
-                     epoch=epoch, stage=s)
-            self.epoch = epoch
-            return []
-        decision("migration_start", f"epoch {epoch}: streamed move at micro-batch {switch_mb}",
-                 epoch=epoch, stage=s, switch_mb=switch_mb,
-                 moves=[{"src": m.src, "dst": m.dst, "layers": list(m.layers)} for m in moves if s in (m.src, m.dst)])
-        movers: list[Any] = []
-        listeners = [_Watching(self.shapes), *self.listeners[s]]
-        blocks = self.blocks[s]
-        for m in outgoing:
-            movers.append(OutgoingStream(schedule, blocks, {lid: children[lid] for lid in m.layers},
-                                         forward=m.forward, switch_mb=switch_mb, dst=self._rank(m.dst),
-                                         key=move_key(epoch, 0, m), channel=self.channel, messenger=self.messenger,
-                                         listeners=listeners))
-        for inc in arriving:
-            movers.append(IncomingStream(schedule, blocks, inc.modules, inc.manifests, forward=inc.move.forward,
-                                         switch_mb=switch_mb, src=self._rank(inc.move.src),
-                                         key=move_key(epoch, 0, inc.move), channel=self.channel,
-                                         messenger=self.messenger, timeout_s=3 * self.timeout_s, listeners=listeners))
-        schedule.movers.extend(movers)
-        self._placement = self._placement.with_stages(after)
+    def commit_placement(self, stages: Sequence[Sequence[int]], epoch: int) -> None:
+        """The placement a streamed round leads to, taken now (its blocks switch inside the stream)."""
+        self._placement = self._placement.with_stages(stages)
         self.epoch = epoch
-        return movers
 
     # ---------------------------------------------------------------- adding and removing layers
     def add_layers(self, position: int, specs: Sequence[Any]) -> list[int]:
@@ -474,18 +418,3 @@ class LayerManager:
         blocks.insert(0 if inc.move.forward else len(blocks.ids), new)
         for lid in inc.move.layers:
             self._welcome(inc.move.dst, lid, inc.modules[lid])
-
-
-class _Watching:
-    """Keeps the boundary-shape watchers in step with a streamed move."""
-
-    def __init__(self, shapes: BoundaryShapes) -> None:
-        self.shapes = shapes
-
-    def add_layer(self, layer_id: int, module: nn.Module) -> None:
-        self.shapes.watch(layer_id, module)
-
-    def remove_layer(self, layer_id: int) -> None:
-        self.shapes.unwatch(layer_id)
-
-

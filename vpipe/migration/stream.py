@@ -19,17 +19,25 @@ layer manager checks this before starting a streamed move.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from vpipe.log import decision
 from vpipe.migration.blocks import StageBlocks
+from vpipe.migration.handshake import MigrationError, announce, await_ready, move_key, receive_prepare
+from vpipe.migration.moves import apply_round, plan_rounds
+from vpipe.migration.shapes import BoundaryShapes
 from vpipe.migration.state import _DTYPES, LayerState, detach_from_optimizer, pack_layer, payload_bytes, unpack_layer, validate_manifest
 from vpipe.migration.transfer import HANDOVER, VERSION, TransferChannel, transfer_tag
+from vpipe.plan import Plan
 from vpipe.schedules.pipedream import SchedulePipeDream, start_version
 
-__all__ = ["OutgoingStream", "IncomingStream", "version_window"]
+if TYPE_CHECKING:
+    from vpipe.migration.layer_manager import LayerManager
+
+__all__ = ["OutgoingStream", "IncomingStream", "version_window", "start_streamed"]
 
 
 def version_window(switch_mb: int, target_stage: int, num_stages: int, vertical_sync: bool) -> range:
@@ -225,3 +233,81 @@ class IncomingStream:
 
     def after_update(self, updates: int) -> None:
         return None
+
+
+def start_streamed(manager: LayerManager, plan: Plan, schedule: Any, switch_mb: int, *,
+                   continuation: bool = False) -> list[Any]:
+    """Begin moving towards ``plan`` inside a running PipeDream stream, switching at ``switch_mb``.
+
+    Called on every rank at the same step boundary, before the step that contains
+    ``switch_mb`` starts its forwards. Only the first round of neighbour moves is started
+    (a layer two stages away hops once per plan); the rest follows with a later plan.
+    Returns the movers registered with the schedule (empty when the round aborted).
+    ``continuation`` starts the next round of a plan already begun (same epoch).
+    """
+    if continuation:
+        plan.check_against(manager.order, manager.num_stages)
+    else:
+        manager.check_plan(plan)
+    if any(not m.done for m in schedule.movers):
+        raise MigrationError("a streamed move is still in progress; wait for it before the next plan")
+    rounds = plan_rounds(manager.placement, plan.stages)
+    if not rounds:
+        manager.epoch = plan.epoch
+        return []
+    moves = rounds[0]
+    after = apply_round(manager.placement, moves)
+    s, epoch = manager.stage_index, plan.epoch
+    if manager.channel.vote([(manager.shapes.boundary_changed(s, manager.placement, after), False)])[0]:
+        raise MigrationError("this move changes a boundary activation's shape; a PipeDream stream cannot "
+                             "resize its buffers: flush() first and apply it at the step boundary")
+    outgoing = [m for m in moves if m.src == s]
+    incoming = [m for m in moves if m.dst == s]
+    children = manager.blocks_by_id()
+    for m in outgoing:
+        manifests = [dict(pack_layer(lid, children[lid], None, manager.specs.get(lid)).manifest,
+                          block=manager.describe_block(s, lid, children[lid])) for lid in m.layers]
+        announce(manager.messenger, m, manager.rank_of(m.dst), manifests, move_key(epoch, 0, m))
+    arriving = [receive_prepare(manager.messenger, manager.builder, m, manager.rank_of(m.src), move_key(epoch, 0, m),
+                                manager.timeout_s, manager.faults) for m in incoming]
+    ready = all(inc.ok for inc in arriving)
+    for m in outgoing:
+        ready = await_ready(manager.messenger, m, manager.rank_of(m.dst), move_key(epoch, 0, m), manager.timeout_s,
+                            abort_on_silence=False) and ready
+    if not manager.channel.vote([(ready, True)])[0]:
+        decision("migration_aborted", f"epoch {epoch}: a streamed move was not ready; every stage keeps its layers",
+                 epoch=epoch, stage=s)
+        manager.epoch = epoch
+        return []
+    decision("migration_start", f"epoch {epoch}: streamed move at micro-batch {switch_mb}",
+             epoch=epoch, stage=s, switch_mb=switch_mb,
+             moves=[{"src": m.src, "dst": m.dst, "layers": list(m.layers)} for m in moves if s in (m.src, m.dst)])
+    movers: list[Any] = []
+    listeners = [_Watching(manager.shapes), *manager.listeners[s]]
+    blocks = manager.blocks[s]
+    for m in outgoing:
+        movers.append(OutgoingStream(schedule, blocks, {lid: children[lid] for lid in m.layers},
+                                     forward=m.forward, switch_mb=switch_mb, dst=manager.rank_of(m.dst),
+                                     key=move_key(epoch, 0, m), channel=manager.channel, messenger=manager.messenger,
+                                     listeners=listeners))
+    for inc in arriving:
+        movers.append(IncomingStream(schedule, blocks, inc.modules, inc.manifests, forward=inc.move.forward,
+                                     switch_mb=switch_mb, src=manager.rank_of(inc.move.src),
+                                     key=move_key(epoch, 0, inc.move), channel=manager.channel,
+                                     messenger=manager.messenger, timeout_s=3 * manager.timeout_s, listeners=listeners))
+    schedule.movers.extend(movers)
+    manager.commit_placement(after, epoch)
+    return movers
+
+
+class _Watching:
+    """Keeps the boundary-shape watchers in step with a streamed move."""
+
+    def __init__(self, shapes: BoundaryShapes) -> None:
+        self.shapes = shapes
+
+    def add_layer(self, layer_id: int, module: nn.Module) -> None:
+        self.shapes.watch(layer_id, module)
+
+    def remove_layer(self, layer_id: int) -> None:
+        self.shapes.unwatch(layer_id)
