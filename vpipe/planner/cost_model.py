@@ -29,32 +29,22 @@ resident`` + ``swap_staging``, where
   a swapped (S) layer holds one micro-batch's activations (the copy being written out or
   prefetched back), independent of ``in_flight``.
 
-*Step time* for ``m`` micro-batches: flush schedules (GPipe, 1F1B) ``sum_k t_k + (m - 1) *
-max_k t_k`` (fill and drain, the bubble); PipeDream (no flush) ``m * max_k t_k``.
-
-*Several stages per rank* (Interleaved 1F1B, LoopedBFS, the zero-bubble schedules; their
-stages are virtual, ``stage_ranks[v]`` runs stage ``v``): a rank runs its stages one after
-another, so a micro-batch costs rank ``r`` ``T_r = sum of t_v over its stages``, and a step
-``m * max_r T_r`` plus the bubble, which a virtual stage fills and drains once per rank
-boundary: ``(W - 1) * max_v t_v`` for the interleaved and looped schedules (W ranks), a
-third of that for the zero-bubble ones (ZB-H1 keeps about a third of 1F1B's bubble; ZBV
-and DualPipeV no more). Each virtual stage holds its own in-flight micro-batches, read off
-the schedule's action lists by the ranks (``in_flight_counts``), and gets an equal share of
-its rank's memory budget.
+The schedule rules (in-flight micro-batches, weight versions, step time, the hardware) are
+in :mod:`vpipe.planner.setup`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from enum import IntEnum
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 if TYPE_CHECKING:
     from vpipe.graph import LayerGraph
 from vpipe.plan import Policy
+from vpipe.planner.setup import (MULTI_STAGE, SCHEDULES, Code, Hardware, PipelineSetup, Schedule, check_schedule,
+                                 in_flight, pipeline_step_time, throughput, weight_versions)
 
 __all__ = [
     "SCHEDULES",
@@ -75,166 +65,6 @@ __all__ = [
     "throughput",
     "segment_of",
 ]
-
-Schedule = Literal["gpipe", "1f1b", "pipedream"]  # the one-stage-per-rank schedules
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "pipedream")
-# several (virtual) stages per rank: planned with the in-flight counts and stage ranks the ranks read off the
-# schedule's action lists; "custom" is an action list loaded from a file
-MULTI_STAGE: tuple[str, ...] = ("interleaved1f1b", "loopedbfs", "interleavedzb", "zbv", "dualpipev", "custom")
-ZERO_BUBBLE: tuple[str, ...] = ("interleavedzb", "zbv", "dualpipev")
-_ZERO_BUBBLE_SHARE = 1 / 3  # of the interleaved bubble that a zero-bubble schedule keeps
-
-
-class Code(IntEnum):
-    """Policies as small integers, for numpy arrays indexed by execution position."""
-
-    D = 0
-    S = 1
-    R = 2
-
-    @classmethod
-    def of(cls, policy: Policy) -> Code:
-        return _CODE_OF[policy]
-
-    def policy(self) -> Policy:
-        return _POLICY_OF[self]
-
-
-_CODE_OF = {Policy.KEEP: Code.D, Policy.SWAP: Code.S, Policy.RECOMPUTE: Code.R}
-_POLICY_OF = {v: k for k, v in _CODE_OF.items()}
-
-
-def check_schedule(schedule: str) -> str:
-    if schedule not in SCHEDULES + MULTI_STAGE:
-        raise ValueError(f"unknown schedule {schedule!r}; expected one of {', '.join(SCHEDULES + MULTI_STAGE)}")
-    return schedule
-
-
-def in_flight(schedule: str, stage: int, num_stages: int, micro_batches: int) -> int:
-    """Micro-batches whose activations stage ``stage`` (0-based) holds at its peak."""
-    check_schedule(schedule)
-    if schedule in MULTI_STAGE:
-        raise ValueError(f"{schedule} runs several stages per rank: its in-flight counts come from its action lists "
-                         "(PipelineSetup(in_flight_counts=...))")
-    if schedule == "gpipe":
-        return micro_batches
-    if schedule == "1f1b":
-        return max(1, min(num_stages - stage, micro_batches))
-    return num_stages - stage
-
-
-def weight_versions(schedule: str, stage: int, num_stages: int) -> int:
-    """Weight versions a stage keeps: PipeDream stashes one per in-flight micro-batch."""
-    return num_stages - stage if check_schedule(schedule) == "pipedream" else 1
-
-
-@dataclass(frozen=True)
-class Hardware:
-    """Links and training constants the cost model needs.
-
-    ``copy_bytes_per_s`` is the device<->host copy link that swaps use (PCIe 4 x16 ~ 12 GB/s
-    achieved); ``net_bytes_per_s`` the link between neighbouring stages; ``optimizer_factor``
-    the optimizer state per parameter byte (2 for Adam's two moments, 1 for momentum SGD).
-    """
-
-    copy_bytes_per_s: float = 12e9
-    net_bytes_per_s: float = 10e9
-    optimizer_factor: float = 2.0
-
-    def __post_init__(self) -> None:
-        for what in ("copy_bytes_per_s", "net_bytes_per_s"):
-            value = getattr(self, what)
-            if not (np.isfinite(value) and value > 0):
-                raise ValueError(f"hardware {what} must be a positive finite number, got {value}")
-        if not (np.isfinite(self.optimizer_factor) and self.optimizer_factor >= 0):
-            raise ValueError(f"hardware optimizer_factor must be >= 0, got {self.optimizer_factor}")
-
-
-@dataclass(frozen=True)
-class PipelineSetup:
-    """The fixed facts of a pipeline a plan is made for."""
-
-    num_stages: int
-    schedule: str = "1f1b"
-    micro_batches: int = 8
-    hardware: Hardware = Hardware()
-    in_flight_counts: tuple[int, ...] | None = None  # per stage, when the schedule's action lists give them
-    stage_ranks: tuple[int, ...] | None = None  # the rank of every stage, when a rank runs several
-
-    def __post_init__(self) -> None:
-        check_schedule(self.schedule)
-        if not isinstance(self.num_stages, int) or self.num_stages < 1:
-            raise ValueError(f"number of stages must be a positive integer, got {self.num_stages!r}")
-        if not isinstance(self.micro_batches, int) or self.micro_batches < 1:
-            raise ValueError(f"micro-batches must be a positive integer, got {self.micro_batches!r}")
-        for name in ("in_flight_counts", "stage_ranks"):
-            values = getattr(self, name)
-            if values is not None and (len(values) != self.num_stages or any(
-                    not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in values)):
-                raise ValueError(f"{name} must give a non-negative integer for each of the {self.num_stages} stages")
-        if self.schedule in MULTI_STAGE and (self.in_flight_counts is None or self.stage_ranks is None):
-            raise ValueError(f"{self.schedule} runs several stages per rank: give in_flight_counts and stage_ranks")
-
-    def in_flight(self, stage: int) -> int:
-        if self.in_flight_counts is not None:
-            return max(1, self.in_flight_counts[stage])
-        return in_flight(self.schedule, stage, self.num_stages, self.micro_batches)
-
-    def stages_per_rank(self, stage: int) -> int:
-        """How many stages share stage ``stage``'s rank (and its device budget)."""
-        if self.stage_ranks is None:
-            return 1
-        return self.stage_ranks.count(self.stage_ranks[stage])
-
-    def param_factor(self, stage: int) -> float:
-        """Bytes held per parameter byte: weight versions plus optimizer state."""
-        return weight_versions(self.schedule, stage, self.num_stages) + self.hardware.optimizer_factor
-
-    def step_time(self, stage_times: Sequence[float] | np.ndarray) -> float:
-        return pipeline_step_time(stage_times, self.schedule, self.micro_batches, self.stage_ranks)
-
-    def budgets(self, memory_budget: int | float | Sequence[int | float] | None) -> np.ndarray:
-        """Per-stage memory limits as an array (``inf`` where there is none)."""
-        p = self.num_stages
-        if memory_budget is None:
-            return np.full(p, np.inf)
-        if isinstance(memory_budget, (int, float, np.integer, np.floating)) and not isinstance(memory_budget, bool):
-            # a rank's budget, shared equally by the stages it runs
-            values = [float(memory_budget) / self.stages_per_rank(k) for k in range(p)]
-        else:
-            values = [float(v) for v in memory_budget]
-            if len(values) != p:
-                raise ValueError(f"got {len(values)} memory budgets for {p} stages")
-        for k, v in enumerate(values):
-            if not v >= 0:
-                raise ValueError(f"memory budget of stage {k} must be a non-negative number of bytes, got {v}")
-        return np.array(values, dtype=float)
-
-
-def pipeline_step_time(stage_times: Sequence[float] | np.ndarray, schedule: str, micro_batches: int,
-                       stage_ranks: Sequence[int] | None = None) -> float:
-    """Seconds for one training step of ``micro_batches`` micro-batches, bubble included."""
-    check_schedule(schedule)
-    times = np.asarray(stage_times, dtype=float)
-    if times.size == 0:
-        raise ValueError("a pipeline needs at least one stage")
-    slowest = float(times.max())
-    if schedule in MULTI_STAGE:
-        if stage_ranks is None or len(stage_ranks) != times.size:
-            raise ValueError(f"{schedule} needs the rank of each of its {times.size} stages")
-        ranks = np.asarray(stage_ranks)
-        per_rank = np.bincount(ranks, weights=times)
-        bubble = (per_rank.size - 1) * slowest * (_ZERO_BUBBLE_SHARE if schedule in ZERO_BUBBLE else 1.0)
-        return micro_batches * float(per_rank.max()) + bubble
-    if schedule == "pipedream":
-        return micro_batches * slowest
-    return float(times.sum()) + (micro_batches - 1) * slowest
-
-
-def throughput(stage_times: Sequence[float] | np.ndarray, schedule: str, micro_batches: int,
-               stage_ranks: Sequence[int] | None = None) -> float:
-    """Micro-batches per second in steady state."""
-    return micro_batches / pipeline_step_time(stage_times, schedule, micro_batches, stage_ranks)
 
 
 # --------------------------------------------------------------------- per-graph arrays
@@ -275,7 +105,7 @@ class GraphProfile:
     def codes_from(self, policies: Mapping[int, Policy]) -> np.ndarray:
         codes = np.zeros(self.n, dtype=np.int8)
         for lid, pol in policies.items():
-            codes[self.position(lid)] = _CODE_OF[pol]
+            codes[self.position(lid)] = Code.of(pol)
         return codes
 
     def policies_from(self, codes: np.ndarray) -> dict[int, Policy]:
