@@ -244,23 +244,3 @@ def test_a_partition_whose_arrivals_a_stage_cannot_build_is_never_proposed():
 
     assert SRPPlanner(2, "1f1b", 4).propose(g, current, 100, placeable=placeable) is None
     assert seen and all(counts != [6, 2] for counts in seen)  # every moving candidate was asked about
-
-
-def test_the_online_planner_checks_every_hop_of_a_move_against_what_the_stages_build():
-    from vpipe.monitors.records import LayerRecord, StageRecord
-    from vpipe.planner.online import _placeable
-
-    def stage(index: int, ids: list[int], kinds: list[str], builds: list[str] | None) -> StageRecord:
-        layers = tuple(LayerRecord(lid, 0.1, 0.2, 1, 1, 0, 0, 0, 0, kind=k) for lid, k in zip(ids, kinds))
-        return StageRecord(index, 0, 0, "cpu", 0.0, 1.0, layers, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0.0, 0, 0.0, 0.0,
-                           None, None, None, builds=None if builds is None else tuple(builds))
-
-    vector = [stage(0, [0, 1, 2], ["A", "A", "B"], ["A", "B"]), stage(1, [3], ["A"], ["A"]),
-              stage(2, [4], ["A"], None)]
-    current = Plan(epoch=0, stages=((0, 1, 2), (3,), (4,)))
-    placeable = _placeable(vector, current)
-    assert placeable([[0, 1], [2, 3], [4]]) is False  # stage 1 holds no B block to clone
-    assert placeable([[0], [1, 2, 3], [4]]) is False
-    assert placeable([[0, 1, 2], [3], [4]]) is True
-    assert placeable([[0, 1, 2, 3], [4], []]) is True  # A travels back to stage 0, which builds A
-    assert placeable([[0, 1, 2], [], [3, 4]]) is True  # stage 2 has a factory: it builds anything
