@@ -241,3 +241,13 @@ def test_a_bad_configuration_is_named(raw, message):
     with pytest.raises(ValueError) as err:
         OnlineConfig.from_env({CONFIG_ENV: raw})
     assert str(err.value).startswith(message), str(err.value)
+
+
+@pytest.mark.xfail(strict=True, reason="bug: OnlineConfig checks in_flight/stage_ranks entries with "
+                                       "`_pos_int(v) or v == 0`, so 0.0 and False pass as the integer 0")
+@pytest.mark.parametrize("field", ["in_flight", "stage_ranks"])
+@pytest.mark.parametrize("value", [0.0, False])
+def test_counts_and_ranks_that_are_not_integers_are_refused(field, value):
+    lists = {"in_flight": [2, 1], "stage_ranks": [0, 1], field: [1, value]}
+    with pytest.raises(ValueError, match=f"{field} must be a list of non-negative integers or null"):
+        OnlineConfig(schedule="zbv", **lists)
