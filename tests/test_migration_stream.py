@@ -1,4 +1,5 @@
-"""Streamed moves inside a PipeDream stream, source and target driven by hand through the schedule's hooks.
+"""Streamed moves inside a PipeDream stream, source and target driven by hand through the schedule's hooks,
+and the layer manager starting them (both ranks on threads).
 
 :class:`FakeSchedule` is what the movers use of :class:`~vpipe.schedules.pipedream.SchedulePipeDream`
 (the stage's place, the update count, the stashed weight versions, the parameters still
@@ -8,6 +9,7 @@ them; payloads and the hand-over message go through :mod:`migration_support`'s f
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from types import SimpleNamespace
 
@@ -17,8 +19,11 @@ from torch import nn
 
 from migration_support import FakeChannel, FakeMessenger, Hub, Recorder
 from vpipe.migration.blocks import KeyStyle, StageBlocks
+from vpipe.migration.handshake import NO_FAULTS, MigrationError
+from vpipe.migration.layer_manager import LayerManager
 from vpipe.migration.state import pack_layer
 from vpipe.migration.stream import IncomingStream, OutgoingStream, version_window
+from vpipe.plan import Plan
 
 KEY = (1, 0, 1)  # epoch 1, round 0, move 2 * src + forward
 
@@ -185,3 +190,95 @@ def test_the_version_window_follows_the_weight_stashing_rule():
     assert list(version_window(8, 1, 4, vertical_sync=False)) == [6, 7, 8]
     assert list(version_window(8, 1, 4, vertical_sync=True)) == [5, 6, 7, 8]
     assert list(version_window(1, 0, 4, vertical_sync=True)) == [0, 1]  # never before version 0
+
+
+# ---------------------------------------------------------------------- starting a streamed move (the layer manager)
+def _streaming_ranks(run_forward: bool = True, faults=None):
+    """Two single-stage ranks with layer managers, mid-stream: 2 updates applied, micro-batch 3 forwarded."""
+    hub = Hub(2)
+    sides, managers = [], []
+    for rank, ids in enumerate(([0, 1, 2], [3, 4])):
+        side = Side(rank, ids, 2, updates=2, next_fwd=3, seed=rank)
+        side.schedule.movers = []
+        manager = LayerManager(side.container, placement=[[0, 1, 2], [3, 4]], optimizer=side.optimizer, factory=None,
+                               specs=None, messenger=FakeMessenger(hub, rank), channel=FakeChannel(hub, rank),
+                               device=torch.device("cpu"), stage_index=rank, timeout_s=0.5,
+                               faults=faults if faults is not None and rank == 1 else NO_FAULTS)
+        manager.listeners[rank].append(side.listener)
+        if run_forward:
+            side.container(torch.randn(2, 4))  # the boundary shapes the manager checks before streaming
+        sides.append(side)
+        managers.append(manager)
+    return hub, sides, managers
+
+
+def _start(managers, sides, plan, switch_mb=4):
+    results: list = [None, None]
+
+    def go(i: int) -> None:
+        try:
+            results[i] = managers[i].start_streamed(plan, sides[i].schedule, switch_mb)
+        except BaseException as e:  # noqa: BLE001 - handed to the test thread
+            results[i] = e
+
+    threads = [threading.Thread(target=go, args=(i,), daemon=True) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    return results
+
+
+def test_a_streamed_move_starts_on_both_ranks_and_completes_through_the_schedule_hooks():
+    hub, (src, dst), managers = _streaming_ranks()
+    moving = src.container._modules["2"]
+    outgoing, incoming = _start(managers, [src, dst], Plan(epoch=1, stages=((0, 1), (2, 3, 4))))
+    assert [type(m) for m in outgoing] == [OutgoingStream] and [type(m) for m in incoming] == [IncomingStream]
+    assert src.schedule.movers == outgoing and dst.schedule.movers == incoming
+    assert all(m.placement == ((0, 1), (2, 3, 4)) and m.epoch == 1 for m in managers)
+    assert [(m[0], m[1], m[2]) for m in hub.log] == [(0, 1, "migrate_prepare"), (1, 0, "migrate_ready")]
+    assert hub.votes == 2  # the boundary check, then "every target ready"
+    out, inc = outgoing[0], incoming[0]
+    # nothing has moved yet: the switch is at micro-batch 4
+    assert list(src.container._modules) == ["0", "1", "2"] and list(dst.container._modules) == ["3", "4"]
+    src.update()
+    out.after_update(3)
+    out.before_forward(4)
+    src.update()
+    out.after_update(4)
+    inc.before_forward(4)
+    inc.add_weights(4, {})
+    inc.before_update(4)
+    arrived = dst.container._modules["2"]
+    assert list(src.container._modules) == ["0", "1"] and list(dst.container._modules) == ["2", "3", "4"]
+    assert managers[0].layer_ids == [0, 1] and managers[1].layer_ids == [2, 3, 4]
+    assert all(torch.equal(a.detach(), b.detach()) for a, b in zip(arrived.parameters(), moving.parameters()))
+    assert src.listener.events == [("remove", 2, None)] and dst.listener.events == [("add", 2, arrived)]
+    assert 2 in managers[1].shapes._hooks and 2 not in managers[0].shapes._hooks  # the shape watchers followed
+
+
+def test_a_streamed_move_whose_target_is_not_ready_starts_nowhere():
+    hub, sides, managers = _streaming_ranks(faults=lambda point: True)
+    results = _start(managers, sides, Plan(epoch=1, stages=((0, 1), (2, 3, 4))))
+    assert results == [[], []]
+    assert all(s.schedule.movers == [] for s in sides)
+    assert all(m.placement == ((0, 1, 2), (3, 4)) and m.epoch == 1 for m in managers)
+    assert [list(s.container._modules) for s in sides] == [["0", "1", "2"], ["3", "4"]]
+
+
+def test_a_streamed_move_that_changes_a_boundary_shape_is_refused_on_every_rank():
+    hub, sides, managers = _streaming_ranks(run_forward=False)  # stage 0 never ran: its boundary is unknown
+    results = _start(managers, sides, Plan(epoch=1, stages=((0, 1), (2, 3, 4))))
+    for r in results:
+        assert isinstance(r, MigrationError) and str(r).startswith(
+            "this move changes a boundary activation's shape; a PipeDream stream cannot resize its buffers")
+    assert not hub.log and all(m.placement == ((0, 1, 2), (3, 4)) for m in managers)
+
+
+def test_a_new_streamed_move_waits_for_the_last_one():
+    _, (src, _), managers = _streaming_ranks()
+    src.schedule.movers = [SimpleNamespace(done=False)]
+    with pytest.raises(MigrationError, match="^a streamed move is still in progress; wait for it before the next "
+                                             "plan$"):
+        managers[0].start_streamed(Plan(epoch=1, stages=((0, 1), (2, 3, 4))), src.schedule, 4)
+    assert managers[0].epoch == 0
