@@ -481,3 +481,16 @@ def test_removing_layers_that_would_empty_a_stage_or_do_not_exist_changes_nothin
             r.manager.remove_layers(doomed)
     _unchanged(ranks, keys, params, states)
     assert all(r.manager.placement == tuple(map(tuple, TWO)) for r in ranks)
+
+
+def test_a_stage_that_gives_layers_to_both_neighbours_in_one_round():
+    placement = [[0], [1, 2, 3], [4]]
+    hub = Hub(3)
+    ranks = [Rank(r, placement, [0, 1, 2], hub) for r in range(3)]
+    want = {lid: snapshot(ranks[1].block(lid), ranks[1].optimizer) for lid in (1, 3)}
+    reports = run_ranks(ranks, Plan(epoch=1, stages=((0, 1), (2,), (3, 4))))
+    assert reports[1].moved == [Move(1, 0, (1,)), Move(1, 2, (3,))] and hub.votes == 1
+    assert [r.keys() for r in ranks] == [{0: ["0", "1"]}, {1: ["2"]}, {2: ["3", "4"]}]
+    assert_state_equal(ranks[0].block(1), ranks[0].optimizer, want[1])
+    assert_state_equal(ranks[2].block(3), ranks[2].optimizer, want[3])
+    assert ranks[1].optimizer_params() == [id(p) for p in ranks[1].block(2).parameters()]
