@@ -2,22 +2,44 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
+import torch
 
-from conftest import ROOT, child_env, run_vpipe
+from conftest import ROOT, assert_params_equal, child_env, load_run_params, run_vpipe
 from vpipe.log import read_log
+from vpipe.runtime.config import RunConfig
 from vpipe.runtime.launch import rank_env
+from vpipe.runtime.reference import reference_flush, reference_pipedream
 
 
-def test_train_pipedream_four_stages_exits_zero():
-    proc = run_vpipe("train", "--stages", "4", "--schedule", "pipedream", "--steps", "5", "--no-progress")
+def _saved_run(out: Path, cfg: RunConfig) -> tuple[list[dict], dict[str, torch.Tensor]]:
+    """Every rank's saved summary (rankN.json) and all ranks' parameters, checked to cover the model once."""
+    metas = [json.loads((out / f"rank{r}.json").read_text()) for r in range(cfg.stages)]
+    assert [m["stage"] for m in metas] == list(range(cfg.stages))
+    assert [m["layer_ids"] for m in metas] == cfg.stage_layer_ids()  # every layer once, in model order
+    assert all(m["steps"] == cfg.steps for m in metas)
+    return metas, load_run_params(out, cfg.stages)
+
+
+def test_train_pipedream_four_stages_trains_like_weight_stashing(tmp_path):
+    cfg = RunConfig(stages=4, schedule="pipedream", steps=5, dropout=0.0)
+    proc = run_vpipe("train", "--stages", "4", "--schedule", "pipedream", "--steps", "5", "--dropout", "0",
+                     "--out-dir", str(tmp_path), "--no-progress")
     assert proc.returncode == 0, proc.stderr[-2000:]
+    metas, params = _saved_run(tmp_path, cfg)
+    assert all(m["trace"] for m in metas)  # the PipeDream schedule itself ran on every stage
+    want_params, want_losses, _ = reference_pipedream(cfg)
+    assert metas[-1]["losses"] == want_losses and len(want_losses) == 5
+    assert all(not m["losses"] for m in metas[:-1])  # only the last stage computes the loss
+    assert_params_equal(params, want_params)
 
 
 def test_demo_runs_static_and_vpipe_through_both_edits(tmp_path):
@@ -57,13 +79,19 @@ def test_rank_env_reads_torchrun_variables():
         rank_env({k: v for k, v in env.items() if k != "MASTER_PORT"})
 
 
-def test_torchrun_launch_trains():
+def test_torchrun_launch_trains_like_one_process(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "vpipe", "train", "--stages", "2", "--steps", "2", "--no-progress"],
+         "-m", "vpipe", "train", "--stages", "2", "--steps", "2", "--dropout", "0", "--out-dir", str(tmp_path),
+         "--no-progress"],
         cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=240,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
+    cfg = RunConfig(stages=2, steps=2, dropout=0.0)
+    metas, params = _saved_run(tmp_path, cfg)
+    want_params, want_losses, _ = reference_flush(cfg)
+    assert metas[-1]["losses"] == want_losses and len(want_losses) == 2
+    assert_params_equal(params, want_params)  # the ranks torchrun started trained as one pipeline
 
 
 def _ranks(launcher: subprocess.Popen) -> dict[int, psutil.Process]:

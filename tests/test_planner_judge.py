@@ -79,3 +79,65 @@ def test_a_run_whose_planner_slows_it_down_is_put_back_and_says_so(tmp_path):
     applied = {(r["rank"], r["epoch"]): r["layers"] for r in decisions(log_file, "plan_applied")}
     assert len(applied[(0, 1)]) == 7 and len(applied[(1, 1)]) == 1  # the bad plan ran
     assert len(applied[(0, 2)]) == len(applied[(1, 2)]) == 4  # back to the 4,4 split of 8 layers
+
+
+def test_only_the_last_samples_under_the_replaced_plan_make_the_before_time():
+    # an early slow phase of the old plan (warm-up) is forgotten: only the last three samples count
+    judge, revert = _judge_after([0.130, 0.125, 0.128], before_s=(0.300, 0.290, 0.100, 0.104, 0.098))
+    assert revert is not None and revert.predicted_step_s == pytest.approx(0.100)
+    assert judge.reverted == 1
+
+
+def test_a_custom_tolerance_and_sample_counts():
+    judge = PlanJudge(before_samples=1, after_samples=1, tolerance=0.5)
+    judge.observe(_vector(0, 0.100), OLD)
+    judge.sent(NEW, OLD)
+    assert judge.observe(_vector(1, 0.145), NEW) is None  # 45% slower: within a 50% tolerance
+    judge = PlanJudge(before_samples=1, after_samples=1, tolerance=0.5)
+    judge.observe(_vector(0, 0.100), OLD)
+    judge.sent(NEW, OLD)
+    revert = judge.observe(_vector(1, 0.160), NEW)
+    assert revert is not None and revert.stages == OLD.stages
+    with pytest.raises(ValueError, match="before_samples and after_samples must be >= 1, tolerance >= 0"):
+        PlanJudge(after_samples=0)
+
+
+@pytest.mark.parametrize("reason", ["layers changed: 2 added", "revert epoch 1: measured ..."])
+def test_plans_after_layer_edits_and_reverts_themselves_are_not_judged(reason):
+    assert _judge_after([0.3] * 3, plan=Plan(epoch=1, stages=NEW.stages, reason=reason))[1] is None
+
+
+def test_the_slowest_stage_is_the_step_and_vectors_across_a_plan_change_count_for_neither():
+    judge = PlanJudge()
+    for t in (0.100, 0.100, 0.100):
+        judge.observe(_vector(0, t), OLD)  # stage 0 reports 90 ms, stage 1 100 ms: the step is 100 ms
+    judge.sent(NEW, OLD)
+    mixed = _vector(1, 0.5)
+    mixed[0] = _vector(0, 0.5)[0]  # stage 0 still under the old plan, stage 1 under the new one
+    assert judge.observe(mixed, NEW) is None
+    verdicts = [judge.observe(_vector(1, t), NEW) for t in (0.5, 0.105, 0.108)]
+    assert verdicts == [None, None, None]  # the mixed vector was not an "after" sample: the median is 108 ms
+
+
+def test_no_trial_without_samples_under_the_plan_it_replaces():
+    judge = PlanJudge()
+    judge.sent(NEW, OLD)  # nothing measured yet
+    assert all(judge.observe(_vector(1, 0.3), NEW) is None for _ in range(3))
+    judge = PlanJudge()
+    judge.observe(_vector(0, 0.1), OLD)
+    judge.sent(NEW, None)  # the first plan of a run replaces nothing
+    assert all(judge.observe(_vector(1, 0.3), NEW) is None for _ in range(3))
+    judge = PlanJudge()
+    judge.observe(_vector(0, 0.1), OLD)
+    judge.sent(Plan(epoch=2, stages=NEW.stages), Plan(epoch=1, stages=OLD.stages))  # samples of epoch 0, not 1
+    assert all(judge.observe(_vector(2, 0.3), NEW) is None for _ in range(3))
+
+
+def test_no_revert_when_another_plan_is_already_on_its_way():
+    judge = PlanJudge()
+    for t in (0.1, 0.1, 0.1):
+        judge.observe(_vector(0, t), OLD)
+    judge.sent(NEW, OLD)
+    later = Plan(epoch=2, stages=((0, 1, 2), (3, 4, 5, 6, 7)))
+    verdicts = [judge.observe(_vector(1, 0.3), later) for _ in range(3)]  # the daemon sent epoch 2 meanwhile
+    assert verdicts == [None, None, None] and not judge.refuses(NEW) and judge.reverted == 0

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from planner_helpers import chain, dags
 
 from vpipe.graph import LayerGraph
-from vpipe.planner.cost_model import GraphProfile, Hardware, PipelineSetup, StageCosts
+from vpipe.planner.cost_model import GraphProfile, Hardware, PipelineSetup, StageCosts, stage_memory
 from vpipe.planner.exact import InfeasibleError
 from vpipe.planner.partition import is_valid_pipeline
 from vpipe.plan import Plan, Policy
@@ -48,10 +48,30 @@ def test_a_tight_budget_turns_on_swap_and_recompute_and_is_respected():
     assert tight.bottleneck_s >= free.bottleneck_s
 
 
-def test_per_stage_budgets_and_bad_arguments():
+def test_per_stage_budgets_hold_stage_by_stage():
     g = chain([1.0] * 8)
-    result = plan_pipeline(g, 2, memory_budget=[10**12, 10**11], schedule="gpipe", micro_batches=2)
-    assert len(result.stages) == 2
+    free = plan_pipeline(g, 2, schedule="gpipe", micro_batches=2)
+    assert [len(s) for s in free.stages] == [4, 4] and set(free.policies.values()) == {Policy.KEEP}
+    tight = 0.7 * free.stage_memory_bytes[0]
+    plans = []
+    for budgets in ([tight, 10**12], [10**12, tight]):
+        result = plan_pipeline(g, 2, memory_budget=budgets, schedule="gpipe", micro_batches=2)
+        # each stage's peak, priced again from its layers and policies, is within that stage's own budget
+        memory = [stage_memory(g, layers, result.policies, stage=k, num_stages=2, schedule="gpipe", micro_batches=2)
+                  for k, layers in enumerate(result.stages)]
+        assert memory == pytest.approx(result.stage_memory_bytes)
+        assert all(m <= b for m, b in zip(memory, budgets)), (memory, budgets)
+        assert max(memory) > tight  # the loose stage holds more than the tight one could
+        assert is_valid_pipeline(g.ids, g.edges, result.stages)
+        plans.append(result)
+    # the tight stage is the one the budgets name: it gets fewer layers and swaps, the other keeps
+    assert [len(s) for s in plans[0].stages] == [3, 5] and [len(s) for s in plans[1].stages] == [5, 3]
+    assert {plans[0].policies[lid] for lid in plans[0].stages[1]} == {Policy.KEEP}
+    assert {plans[1].policies[lid] for lid in plans[1].stages[0]} == {Policy.KEEP}
+
+
+def test_bad_arguments():
+    g = chain([1.0] * 8)
     with pytest.raises(ValueError, match="got 3 memory budgets for 2 stages"):
         plan_pipeline(g, 2, memory_budget=[1, 2, 3])
     with pytest.raises(ValueError, match="cannot split 8 layers into 9"):
@@ -244,23 +264,3 @@ def test_a_partition_whose_arrivals_a_stage_cannot_build_is_never_proposed():
 
     assert SRPPlanner(2, "1f1b", 4).propose(g, current, 100, placeable=placeable) is None
     assert seen and all(counts != [6, 2] for counts in seen)  # every moving candidate was asked about
-
-
-def test_the_online_planner_checks_every_hop_of_a_move_against_what_the_stages_build():
-    from vpipe.monitors.records import LayerRecord, StageRecord
-    from vpipe.planner.online import _placeable
-
-    def stage(index: int, ids: list[int], kinds: list[str], builds: list[str] | None) -> StageRecord:
-        layers = tuple(LayerRecord(lid, 0.1, 0.2, 1, 1, 0, 0, 0, 0, kind=k) for lid, k in zip(ids, kinds))
-        return StageRecord(index, 0, 0, "cpu", 0.0, 1.0, layers, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0.0, 0, 0.0, 0.0,
-                           None, None, None, builds=None if builds is None else tuple(builds))
-
-    vector = [stage(0, [0, 1, 2], ["A", "A", "B"], ["A", "B"]), stage(1, [3], ["A"], ["A"]),
-              stage(2, [4], ["A"], None)]
-    current = Plan(epoch=0, stages=((0, 1, 2), (3,), (4,)))
-    placeable = _placeable(vector, current)
-    assert placeable([[0, 1], [2, 3], [4]]) is False  # stage 1 holds no B block to clone
-    assert placeable([[0], [1, 2, 3], [4]]) is False
-    assert placeable([[0, 1, 2], [3], [4]]) is True
-    assert placeable([[0, 1, 2, 3], [4], []]) is True  # A travels back to stage 0, which builds A
-    assert placeable([[0, 1, 2], [], [3, 4]]) is True  # stage 2 has a factory: it builds anything

@@ -9,12 +9,15 @@ on 2 and 4 stages and checks the simulator's predicted step time is within 15%.
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
+import time
 
 import pytest
 
 from vpipe.runtime.calibrate import REFERENCE_RUN, calibrate, predict_step_s, validate
 from vpipe.runtime.costs import LayerCost, Link, ModelCosts, ideal_step_s, scaled, stage_costs
+from vpipe.runtime.measure import RunnableSampler
 from vpipe.runtime.simulate import StageCost, action_order, simulate
 
 
@@ -216,23 +219,46 @@ def test_validation_predicts_another_depth_with_a_given_calibration(monkeypatch)
 
 # ---------------------------------------------------------------------- validation against real runs
 QUIET_ENOUGH = 1.0  # other runnable threads, on average over the runs: above this the load comes and goes too much
+ATTEMPTS = 3
+SETTLE_S = 60.0  # at most this long between attempts for the machine's load to fall
+
+
+def _settle() -> None:
+    """Wait (a bounded time) until the outside load, measured as the validation measures it, is tolerable."""
+    if not RunnableSampler.available():
+        return
+    deadline = time.monotonic() + SETTLE_S
+    while time.monotonic() < deadline:
+        sampler = RunnableSampler(os.getpid()).start()
+        time.sleep(5.0)
+        if (sampler.stop() or 0.0) <= QUIET_ENOUGH:
+            return
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1800)
+@pytest.mark.timeout(3600)
 @pytest.mark.parametrize("stages", [2, 4])
 def test_simulated_step_time_is_within_15_percent_of_real_runs(stages):
     """Real `vpipe train` runs, three at the reference size, interleaved with runs at micro-batch sizes 1, 4 and 16
     that calibrate the per-action overhead and compute scale; each run simulated under the outside load it saw
     (vpipe/runtime/calibrate.py). The simulation models an outside load as steady; one that comes and goes
-    within a run is not, so a measurement under a heavy one is repeated, once, and then the test is skipped."""
-    loads = []
-    for _ in range(2):
+    within a run is not, so a measurement under a heavy one is repeated (up to three times, waiting for the load
+    to fall in between). If the machine never got quiet enough, the test fails and names the loads: it never
+    passes without having validated anything."""
+    attempts = []
+    for attempt in range(ATTEMPTS):
+        if attempt:
+            _settle()
         prediction = validate(dataclasses.replace(REFERENCE_RUN, stages=stages), repeats=3)
+        attempts.append(prediction)
+        print(f"{stages} stages, attempt {attempt + 1}: predicted {prediction.predicted_s * 1e3:.1f} ms, measured "
+              f"{prediction.measured_s * 1e3:.1f} ms, error {prediction.error:+.1%}, load {prediction.background:.2f}")
         if prediction.background <= QUIET_ENOUGH:
-            print(f"{stages} stages: predicted {prediction.predicted_s * 1e3:.1f} ms, measured "
-                  f"{prediction.measured_s * 1e3:.1f} ms, error {prediction.error:+.1%}, load {prediction.background:.2f}")
-            assert abs(prediction.error) <= 0.15, prediction.to_dict()
-            return
-        loads.append(round(prediction.background, 2))
-    pytest.skip(f"machine too busy to validate against: {loads} other runnable threads (limit {QUIET_ENOUGH})")
+            break
+    quietest = min(attempts, key=lambda p: p.background)
+    if quietest.background > QUIET_ENOUGH:
+        pytest.fail(f"machine too busy to validate the simulator: {ATTEMPTS} attempts saw "
+                    f"{[round(p.background, 2) for p in attempts]} other runnable threads (limit {QUIET_ENOUGH}), "
+                    f"errors {[f'{p.error:+.1%}' for p in attempts]}; run `pytest -m slow tests/test_simulate.py` "
+                    "on a quiet machine")
+    assert abs(quietest.error) <= 0.15, quietest.to_dict()

@@ -27,23 +27,35 @@ def _launch(tmp_path, schedule: str, scenarios: str, model: str = "transformer",
         cwd=ROOT, env=child_env(PYTHONPATH=path), capture_output=True, text=True, timeout=280,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(RANKS)]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(RANKS)]
+    assert [record["rank"] for record in ranks] == list(range(RANKS))
+    for record in ranks:  # every rank ran every scenario asked for (an empty report must not pass for exact)
+        assert list(record["scenarios"]) == scenarios.split(","), (record["rank"], list(record["scenarios"]))
+    return ranks
 
 
 def _assert_exact(ranks: list[dict]) -> None:
     for record in ranks:
+        assert record["scenarios"]
         for scenario, result in record["scenarios"].items():
             assert result["diff"] is None, f"rank {record['rank']}, scenario {scenario}: {result['diff']}"
 
 
 def _managers(ranks: list[dict], scenario: str) -> list[dict]:
-    return [stats for record in ranks for stats in record["scenarios"][scenario]["stats"]]
+    """Every stage's manager statistics under ``scenario``: each rank has its stages' managers, and together
+    they manage every layer of the model exactly once."""
+    per_rank = [record["scenarios"][scenario]["stats"] for record in ranks]
+    assert per_rank[0] and all(len(stats) == len(per_rank[0]) for stats in per_rank), [len(s) for s in per_rank]
+    layers = sorted(lid for stats in per_rank for s in stats for lid in s["layers"])
+    assert layers == list(range(len(layers))) and all(s["layers"] for stats in per_rank for s in stats), layers
+    return [s for stats in per_rank for s in stats]
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_flush_schedules_exact_and_under_budget(schedule, tmp_path):
     ranks = _launch(tmp_path, schedule, "D,S,R,mix,switch,budget", blocks=6)
     _assert_exact(ranks)
+    assert all(len(_managers(ranks, scenario)) == RANKS for scenario in ("D", "S", "R", "mix", "switch", "budget"))
     for stats in _managers(ranks, "budget"):
         assert stats["budget"] is not None and 0 < stats["peak"] <= stats["budget"], stats
     all_kept = {tuple(s["layers"]): s["peak"] for s in _managers(ranks, "D")}
@@ -89,6 +101,7 @@ def test_zero_bubble_two_stages_per_rank_exact_fetched_once_recomputed_once(sche
 def test_pipedream_weight_stashing_exact(tmp_path):
     ranks = _launch(tmp_path, "pipedream", "S,R,mix")
     _assert_exact(ranks)
+    assert len(_managers(ranks, "S")) == RANKS
     for stats in _managers(ranks, "S"):
         assert stats["weights_skipped"] > 0 and stats["d2h_bytes"] > 0
 
