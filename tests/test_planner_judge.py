@@ -65,7 +65,7 @@ def test_a_layer_edit_while_judging_ends_the_judging():
 
 def test_a_run_whose_planner_slows_it_down_is_put_back_and_says_so(tmp_path):
     log_file = tmp_path / "run.log"
-    proc = run_vpipe("train", "--stages", "2", "--steps", "40", "--monitor-every", "3", "--no-progress",
+    proc = run_vpipe("train", "--stages", "2", "--steps", "60", "--monitor-every", "3", "--no-progress",
                      "--blocks", "6", "--d-model", "64", "--seq-len", "32", "--micro-batches", "4",
                      "--vpipe", "--planner", "control_planners:slower_from_the_third", "--log-file", str(log_file),
                      env=planner_env(tmp_path / "unused.jsonl"))

@@ -243,8 +243,6 @@ def test_a_bad_configuration_is_named(raw, message):
     assert str(err.value).startswith(message), str(err.value)
 
 
-@pytest.mark.xfail(strict=True, reason="bug: OnlineConfig checks in_flight/stage_ranks entries with "
-                                       "`_pos_int(v) or v == 0`, so 0.0 and False pass as the integer 0")
 @pytest.mark.parametrize("field", ["in_flight", "stage_ranks"])
 @pytest.mark.parametrize("value", [0.0, False])
 def test_counts_and_ranks_that_are_not_integers_are_refused(field, value):

@@ -71,7 +71,7 @@ class OnlineConfig:
         need(self.schedule in known, f"schedule must be one of {', '.join(known)}, got {self.schedule!r}")
         for name in ("in_flight", "stage_ranks"):
             values = getattr(self, name)
-            need(values is None or (isinstance(values, list) and all(_pos_int(v) or v == 0 for v in values)),
+            need(values is None or (isinstance(values, list) and all(_count(v) for v in values)),
                  f"{name} must be a list of non-negative integers or null, got {values!r}")
         need((self.in_flight is None) == (self.stage_ranks is None) and (
             self.in_flight is None or len(self.in_flight) == len(self.stage_ranks)),  # type: ignore[arg-type]
@@ -114,6 +114,11 @@ class OnlineConfig:
 
 def _tuple(values: list[int] | None) -> tuple[int, ...] | None:
     return None if values is None else tuple(values)
+
+
+def _count(value: Any) -> bool:
+    """A non-negative integer (not a bool, not a float that happens to be whole)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _pos_int(value: Any) -> bool:
