@@ -147,7 +147,8 @@ def test_every_virtual_stage_reports_to_the_planner_daemon(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--schedule", "zbv", "--stages-per-rank", "3"], "zbv runs exactly 2 stages per rank (a V), got stages_per_rank 3"),
+    (["--schedule", "zbv", "--stages-per-rank", "3"],
+     "zbv runs exactly 2 stages per rank (a V), got stages_per_rank 3"),
     (["--schedule", "1f1b", "--stages-per-rank", "2"],
      "1f1b runs one stage per rank; 2 stages per rank need a multi-stage schedule (interleaved1f1b, loopedbfs, "
      "interleavedzb, zbv, dualpipev)"),

@@ -91,7 +91,7 @@ class RunConfig:
         need(self.vpipe or not self.moves, "forced moves need vpipe (the layer manager moves the layers)")
         need(self.vpipe or not self.nas, "adding and removing layers needs vpipe (the layer manager does it)")
         need(not (self.nas and self.moves), "combine either forced moves or layer edits in one run, not both")
-        need(not (self.nas and self.schedule == "pipedream"), "layer edits need a flush schedule (gpipe, 1f1b)")
+        need(not (self.nas and self.schedule == "pipedream"), "layer edits need a flush schedule (any but pipedream)")
         need(0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout}")
         need(self.lr > 0, f"lr must be positive, got {self.lr}")
         need(self.d_model % self.n_heads == 0, f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
@@ -159,7 +159,7 @@ class RunConfig:
         if self.checkpoint_every and not self.checkpoint_dir:
             raise ValueError("checkpoint_every needs checkpoint_dir (where to write the checkpoints)")
         if (self.checkpoint_dir or self.resume) and self.schedule == "pipedream":
-            raise ValueError("checkpoints need a flush schedule (gpipe, 1f1b): a PipeDream stream never has "
+            raise ValueError("checkpoints need a flush schedule (any but pipedream): a PipeDream stream never has "
                              "every micro-batch's weights at rest")
         if (self.checkpoint_dir or self.resume) and self.nas:
             raise ValueError("checkpoints cannot be combined with layer edits (--nas) yet")
