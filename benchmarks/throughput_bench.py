@@ -9,19 +9,28 @@ schedule, optimizer and gloo group each; see ``vpipe/runtime/variants.py``):
   GPipe / 1F1B / PipeDream + vpipe   the reference micro-batch size, vpipe enforcing the
                           budget (keep -> swap -> recompute as needed) and its online planner
                           rebalancing layers and policies from live statistics
+  Interleaved 1F1B (all D), ZBV (all D)   two virtual stages per rank (torch's multi-stage
+                          schedules), every activation kept, the largest micro-batch that fits
+  Interleaved 1F1B / ZBV + vpipe   the same under vpipe, whose planner also moves layers
+                          between virtual stages (within a rank on ZBV's V), at the reference
+                          size or, where half a rank's budget (each stage's share) cannot hold
+                          a recomputed block's working set at that size, the largest that fits
   1F1B, no budget         all kept at the reference size: what unlimited memory would give
 
-The global batch (micro-batch size x micro-batches) is the same for all. Every system
-starts on the time-balanced partition of the measured layer costs (what a static
-partitioner gives a baseline). The budget is the same for every stage and system:
-the largest stage's fixed bytes (weights, gradients, Adam state) plus ``--budget-fraction``
-of the largest stage's saved activations under 1F1B all-kept at the reference size, so
-plain 1F1B does not fit at that size and must shrink its micro-batches, and at least what
-GPipe with every layer recomputed needs, so that every baseline runs. "Fits" for a
-baseline means its footprint by the tensor manager's accounting (fixed bytes + peak saved
-activations + a recomputed layer's working set, each stage run in one process under its
-schedule's order, ``vpipe/runtime/fit.py``) is within the budget; micro-batch sizes are
-divisors of the global batch.
+The multi-stage rows run where the model has a layer for each of the 2 x stages virtual
+stages (the 2-rank cases by default). The global batch (micro-batch size x micro-batches)
+is the same for all. Every system starts on the time-balanced partition of the measured
+layer costs (what a static partitioner gives a baseline; over the virtual stages for the
+multi-stage rows). The budget is the same for every rank and system (a rank that runs two
+virtual stages shares it between them, as vpipe does): the largest stage's fixed bytes
+(weights, gradients, Adam state) plus ``--budget-fraction`` of the largest stage's saved
+activations under 1F1B all-kept at the reference size, so plain 1F1B does not fit at that
+size and must shrink its micro-batches, and at least what GPipe with every layer
+recomputed needs, so that every baseline runs. "Fits" for a baseline means its footprint
+by the tensor manager's accounting (fixed bytes + peak saved activations + a recomputed
+layer's working set, each rank run in one process under its schedule's order,
+``vpipe/runtime/fit.py``) is within the budget; micro-batch sizes are divisors of the
+global batch.
 
 Timing: after ``--adapt`` steps that let vpipe's planner settle, ``--rounds`` rounds run
 every system for a block of ``--block`` steps in order and then in reverse order
@@ -54,7 +63,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 BASELINE = "GPipe (all R)"
-WITHOUT_VPIPE = {"GPipe + vpipe": "GPipe (all R)", "1F1B + vpipe": "1F1B (all D)", "PipeDream + vpipe": "PipeDream (all D)"}
+WITHOUT_VPIPE = {"GPipe + vpipe": "GPipe (all R)", "1F1B + vpipe": "1F1B (all D)",
+                 "PipeDream + vpipe": "PipeDream (all D)", "Interleaved 1F1B + vpipe": "Interleaved 1F1B (all D)", "ZBV + vpipe": "ZBV (all D)"}
+MULTI_STAGE = (("interleaved1f1b", "Interleaved 1F1B"), ("zbv", "ZBV"))  # two virtual stages per rank
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -105,13 +116,23 @@ def plan_case(args: argparse.Namespace, model: str, stages: int) -> dict[str, An
                                                                max(s.peak_saved_bytes for s in kept.stages)),
                  max(s.footprint_bytes for s in recomputed.stages))
 
-    def fit(schedule: str, size: int, *, policy: str = "D", managed: bool = False) -> dict[str, Any]:
-        cfg = dataclasses.replace(base, schedule=schedule, micro_batch_size=size, micro_batches=batch // size)
-        return pipeline_fit(cfg, budget, managed=managed, policy=policy).to_dict()
+    def config(schedule: str, size: int, partition: list[int] | None) -> Any:
+        return dataclasses.replace(base, schedule=schedule, micro_batch_size=size, micro_batches=batch // size,
+                                   partition=partition or base.partition)
 
-    def largest(schedule: str) -> tuple[int, dict[str, Any] | None]:
-        for size in sorted((d for d in range(1, batch + 1) if batch % d == 0 and batch // d >= stages), reverse=True):
-            result = fit(schedule, size)
+    def fit(schedule: str, size: int, *, policy: str = "D", managed: bool = False,
+            partition: list[int] | None = None) -> dict[str, Any]:
+        return pipeline_fit(config(schedule, size, partition), budget, managed=managed, policy=policy).to_dict()
+
+    def largest(schedule: str, partition: list[int] | None = None, *, managed: bool = False,
+                at_most: int = batch) -> tuple[int, dict[str, Any] | None]:
+        for size in sorted((d for d in range(1, at_most + 1) if batch % d == 0 and batch // d >= stages),
+                           reverse=True):
+            try:
+                config(schedule, size, partition)
+            except ValueError:  # a micro-batch count the schedule does not take
+                continue
+            result = fit(schedule, size, managed=managed, partition=partition)
             if result["fits"]:
                 return size, result
         return 0, None
@@ -133,9 +154,23 @@ def plan_case(args: argparse.Namespace, model: str, stages: int) -> dict[str, An
             # that needs a flush, and the stream does not restart cleanly after one; policies only there
             moves = not (schedule == "pipedream" and model == "cnn")
             variants.append(Variant(label, schedule, mbs, m, vpipe=True, memory_budget=budget, moves=moves))
+    virtual = balanced_counts(costs, 2 * stages) if 2 * stages <= len(costs.layers) else None
+    if virtual is not None:
+        for schedule, name in MULTI_STAGE:
+            size, result = largest(schedule, virtual)
+            fits[f"{name} (all D)"] = result or {"fits": False}
+            if size:
+                variants.append(Variant(f"{name} (all D)", schedule, size, batch // size, partition=virtual))
+            # vpipe gives each of a rank's stages half its budget: where half cannot hold a recomputed block's
+            # working set at the reference size, the largest size below it that fits
+            size, result = largest(schedule, virtual, managed=True, at_most=mbs)
+            fits[f"{name} + vpipe"] = result or {"fits": False}
+            if size:
+                variants.append(Variant(f"{name} + vpipe", schedule, size, batch // size, vpipe=True,
+                                        memory_budget=budget, partition=virtual))
     variants.append(Variant("1F1B, no budget (all D)", "1f1b", mbs, m))
     return {"model": model, "stages": stages, "base": base.to_dict(), "budget_bytes": budget,
-            "partition": base.partition, "global_batch": batch, "fits": fits,
+            "partition": base.partition, "virtual_partition": virtual, "global_batch": batch, "fits": fits,
             "variants": [v.to_dict() for v in variants], "profile_compute_s": costs.compute_s}
 
 
@@ -165,7 +200,8 @@ def rank_main(args: argparse.Namespace) -> None:
                 r.step()
         for r in runs:  # the planner has had its samples: monitor at vpipe's default rate from now on
             if r.vp is not None:
-                r.vp.session.monitor.sample_every = VpipeConfig().sample_every
+                for monitor in r.vp.session.monitors.values():
+                    monitor.sample_every = VpipeConfig().sample_every
         times: dict[str, list[list[float]]] = {n: [] for n in names}
         ideal: list[float] = []
         for _ in range(spec["rounds"]):
@@ -254,7 +290,8 @@ def summarise(args: argparse.Namespace, case: dict[str, Any], ranks: list[dict[s
         if not fit.get("fits"):
             rows.append({"system": label, "fits": False, "samples_per_s": None})
     return {"model": case["model"], "stages": stages, "budget_bytes": case["budget_bytes"],
-            "partition": case["partition"], "global_batch": batch, "micro_batches_ref": m,
+            "partition": case["partition"], "virtual_partition": case.get("virtual_partition"),
+            "global_batch": batch, "micro_batches_ref": m,
             "ideal_samples_per_s": statistics.median(batch / i for i in ideal),
             "ideal_cores_samples_per_s": statistics.median(batch / c for c in capped),
             "rows": rows, "fits": case["fits"], "config": case["base"]}
@@ -287,8 +324,9 @@ def print_case(result: dict[str, Any]) -> None:
 
     from vpipe.tensor_manager.accounting import format_bytes
 
+    virtual = f" ({result['virtual_partition']} on virtual stages)" if result.get("virtual_partition") else ""
     table = Table(title=(f"{result['model']} on {result['stages']} stages: budget {format_bytes(result['budget_bytes'])}"
-                         f" per stage, global batch {result['global_batch']}, partition {result['partition']}; "
+                         f" per rank, global batch {result['global_batch']}, partition {result['partition']}{virtual}; "
                          f"ideal {result['ideal_samples_per_s']:.0f} samples/s "
                          f"({result['ideal_cores_samples_per_s']:.0f} on the cores)"))
     for col in ("system", "mb x n", "samples/s", "vs without vpipe", f"vs {BASELINE}", "of ideal", "of ideal (cores)",

@@ -210,3 +210,35 @@ def test_planner_headline_shows_the_worst_gap_over_every_size():
         "planner, paper graphs (163-4481 nodes) on 4-128 stages",
         "worst gap to optimum +0.30% (amoebanet, 64 stages); slowest plan 80 ms (amoebanet, 128 stages)",
         "networkx KL, amoebanet on 128 stages: 2000 ms, gap +12%, not a valid pipeline", "25.0x faster"]]
+
+
+def _throughput_bench():
+    import importlib.util
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "throughput_bench.py"
+    spec = importlib.util.spec_from_file_location("benchmark_throughput_bench", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_multi_stage_rows_are_compared_with_the_same_schedule_without_vpipe():
+    bench_module = _throughput_bench()
+    names = ["GPipe (all R)", "ZBV (all D)", "ZBV + vpipe", "Interleaved 1F1B (all D)"]
+    variants = [{"name": n, "schedule": "zbv" if "ZBV" in n else "gpipe", "vpipe": "vpipe" in n,
+                 "micro_batch_size": 8, "micro_batches": 4} for n in names]
+    case = {"model": "transformer", "stages": 2, "global_batch": 32, "budget_bytes": 5 << 20, "partition": [3, 3],
+            "virtual_partition": [2, 1, 1, 2], "base": {"micro_batches": 4}, "variants": variants,
+            "fits": {"Interleaved 1F1B + vpipe": {"fits": False}}}
+    seconds = {"GPipe (all R)": 0.1, "ZBV (all D)": 0.2, "ZBV + vpipe": 0.1, "Interleaved 1F1B (all D)": 0.4}
+    ranks = [{"times": {n: [[s], [s]] for n, s in seconds.items()}, "ideal_compute_s": [0.01, 0.01], "states": {}}
+             for _ in range(2)]
+    args = bench_module.parse_args(["--cores", "2"])
+    result = bench_module.summarise(args, case, ranks)
+    rows = {r["system"]: r for r in result["rows"]}
+    assert rows["ZBV + vpipe"]["vs_without_vpipe"]["median"] == pytest.approx(2.0)  # against ZBV (all D)
+    assert rows["Interleaved 1F1B (all D)"]["vs_without_vpipe"] is None
+    text = report.results_markdown({"throughput": {"cases": [result]}})
+    assert "budget 5.0 MiB per rank, global batch 32, partition [3, 3] ([2, 1, 1, 2] on the virtual stages)" in text
+    assert "| ZBV + vpipe | 8 x 4 | 320.0 | 2.00x (2.00-2.00) | 1.00x (1.00-1.00) | 20% |" in text
+    assert "| Interleaved 1F1B + vpipe | - | does not fit |" in text

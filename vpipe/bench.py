@@ -52,7 +52,8 @@ class Benchmark:
 
 BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
     Benchmark("throughput", "throughput_bench.py",
-              "samples/s of GPipe / 1F1B / PipeDream with and without vpipe under one memory budget, vs ideal",
+              "samples/s of GPipe / 1F1B / PipeDream / Interleaved 1F1B / ZBV with and without vpipe under one "
+              "memory budget, vs ideal",
               ("--rounds", "2")),
     Benchmark("microbatch", "microbatch_bench.py",
               "the largest micro-batch each system trains under a fixed per-stage budget",

@@ -12,6 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from vpipe.runtime.config import LR_SCHEDULES, MODELS, OPTIMIZERS, SCHEDULES, RunConfig
+from vpipe.runtime.layout import MULTI_STAGE
 
 
 def _positive_int(text: str) -> int:
@@ -74,9 +75,14 @@ def add_run_arguments(p: argparse.ArgumentParser, *, steps: int, stages: int) ->
     p.add_argument("--seq-len", type=_positive_int, default=64)
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--stages", type=_positive_int, default=None,
-                   help=f"pipeline stages (default: WORLD_SIZE under torchrun, else {stages})")
+                   help=f"pipeline ranks, one stage each under gpipe, 1f1b, pipedream (default: WORLD_SIZE under "
+                        f"torchrun, else {stages})")
     p.set_defaults(default_stages=stages)
-    p.add_argument("--schedule", choices=SCHEDULES, default="gpipe")
+    p.add_argument("--schedule", choices=SCHEDULES, default="gpipe",
+                   help=f"{', '.join(MULTI_STAGE)} run several virtual stages per rank")
+    p.add_argument("--stages-per-rank", type=_positive_int, default=None, metavar="N",
+                   help="virtual stages per rank under a multi-stage schedule (default 2; zbv and dualpipev: "
+                        "exactly 2); --partition and --moves then count layers per virtual stage")
     p.add_argument("--micro-batches", type=_positive_int, default=4)
     p.add_argument("--micro-batch-size", type=_positive_int, default=4)
     p.add_argument("--steps", type=int, default=steps)
@@ -87,7 +93,8 @@ def add_run_arguments(p: argparse.ArgumentParser, *, steps: int, stages: int) ->
                    help="warmup-cosine: linear warm-up over --warmup-steps, then cosine to 0 at --steps")
     p.add_argument("--warmup-steps", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--partition", type=_partition, default=None, help="layers per stage, e.g. 6,4")
+    p.add_argument("--partition", type=_partition, default=None,
+                   help="layers per (virtual) stage, in model order, e.g. 6,4")
     p.add_argument("--vertical-sync", action="store_true", help="PipeDream: every stage uses stage 0's weight version")
     p.add_argument("--log-file", default=None, help="append JSON-lines logs (decisions included) here")
     p.add_argument("--out-dir", default=None, help="save each rank's final parameters and losses here")
@@ -121,6 +128,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     return RunConfig(
         model=args.model, blocks=args.blocks, d_model=args.d_model, n_heads=args.n_heads,
         seq_len=args.seq_len, dropout=args.dropout, stages=_stages(args), schedule=args.schedule,
+        stages_per_rank=args.stages_per_rank,
         micro_batches=args.micro_batches, micro_batch_size=args.micro_batch_size, steps=args.steps,
         lr=args.lr, optimizer=args.optimizer, weight_decay=args.weight_decay, lr_schedule=args.lr_schedule,
         warmup_steps=args.warmup_steps, seed=args.seed, partition=args.partition,

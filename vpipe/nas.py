@@ -208,7 +208,7 @@ def search_rank(cfg: Any, evo: EvolutionConfig, ctx: Any) -> SearchResult:
     kinds = cfg.block_types or ["attn"] * cfg.blocks
     start = list(zip(range(1, cfg.blocks + 1), kinds))
     result = regularized_evolution(vp, train_steps, start, evo, block_spec_for(cfg.d_model, cfg.n_heads, cfg.dropout),
-                                   last_rank=ctx.world_size - 1)
+                                   last_rank=cfg.stage_rank(cfg.virtual_stages - 1))
     vp.detach()
     if cfg.out_dir and run.is_last:
         out = Path(cfg.out_dir)

@@ -166,8 +166,9 @@ def _throughput_md(data: dict[str, Any]) -> str:
                 continue
             rows.append([r["system"], f"{r['micro_batch_size']} x {r['micro_batches']}", f"{r['samples_per_s']:.1f}",
                          _ratio(r.get("vs_without_vpipe")), _ratio(r.get("vs_gpipe")), f"{r['of_ideal']:.0%}"])
+        virtual = f" ({case['virtual_partition']} on the virtual stages)" if case.get("virtual_partition") else ""
         parts.append(f"**{case['model']} on {case['stages']} stages**: budget {case['budget_bytes'] / 2**20:.1f} MiB "
-                     f"per stage, global batch {case['global_batch']}, partition {case['partition']}, ideal "
+                     f"per rank, global batch {case['global_batch']}, partition {case['partition']}{virtual}, ideal "
                      f"{case['ideal_samples_per_s']:.0f} samples/s\n\n"
                      + _table(["system", "mb x n", "samples/s", "vs without vpipe", "vs GPipe (all R)", "of ideal"],
                               rows))

@@ -200,11 +200,13 @@ class ControlSession:
 
 
 def open_for_stage_run(run: Any, ctx: Any, options: ControlOptions) -> ControlSession:
-    """A session for one rank of the reference trainer (a ``StageRun`` and its ``Distributed``)."""
+    """A session for one rank of the reference trainer (a ``StageRun`` and its ``Distributed``): one
+    monitor per stage the rank runs."""
     cfg = run.cfg
     plan = Plan.from_counts(range(cfg.n_layers), cfg.layer_counts(), epoch=0)
     return ControlSession(
-        {run.stage_index: layers_of(run.module)}, rank=ctx.rank, stage_ranks=range(cfg.stages), store=ctx.store,
+        {v: layers_of(module) for v, module in zip(run.stage_indices, run.modules)}, rank=ctx.rank,
+        stage_ranks=[cfg.stage_rank(v) for v in range(cfg.virtual_stages)], store=ctx.store,
         world_size=ctx.world_size, device=ctx.device, optimizer=run.optimizer, plan=plan, options=options,
-        pipeline_stages={run.stage_index: run.stage},
+        pipeline_stages=dict(zip(run.stage_indices, run.stages)),
     )

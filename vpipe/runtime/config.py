@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # models imports torch: the CLI's light commands (logs, planner) must not pay for it
     from vpipe.runtime.models import ModelSpec
 
-SCHEDULES = ("gpipe", "1f1b", "pipedream")
+from vpipe.runtime.layout import MULTI_STAGE, SCHEDULES, V_SHAPED, rank_stages, stage_rank
+
 MODELS = ("transformer", "cnn")
 OPTIMIZERS = ("adam", "adamw", "sgd")
 LR_SCHEDULES = ("constant", "warmup-cosine")
@@ -17,7 +18,12 @@ LR_SCHEDULES = ("constant", "warmup-cosine")
 
 @dataclass
 class RunConfig:
-    """One training run of a reference model on a pipeline of ``stages`` ranks."""
+    """One training run of a reference model on a pipeline of ``stages`` ranks.
+
+    Each rank runs ``n_local_stages`` stages (1 under GPipe, 1F1B and PipeDream; 2 by
+    default under the multi-stage schedules, laid out as :mod:`vpipe.runtime.layout` says),
+    so ``partition`` and forced ``moves`` count layers per *virtual* stage, in model order.
+    """
 
     model: str = "transformer"
     blocks: int = 8
@@ -26,8 +32,9 @@ class RunConfig:
     seq_len: int = 64
     dropout: float = 0.1
     block_types: list[str] | None = None
-    stages: int = 2
+    stages: int = 2  # ranks
     schedule: str = "gpipe"
+    stages_per_rank: int | None = None  # virtual stages per rank; None: 1, or 2 under a multi-stage schedule
     micro_batches: int = 4
     micro_batch_size: int = 4
     steps: int = 20
@@ -37,7 +44,7 @@ class RunConfig:
     lr_schedule: str = "constant"  # warmup-cosine: linear warm-up over warmup_steps, then cosine to 0 at steps
     warmup_steps: int = 0
     seed: int = 0
-    partition: list[int] | None = None  # layers per stage, in order
+    partition: list[int] | None = None  # layers per (virtual) stage, in order
     moves: list[dict[str, Any]] | None = None  # forced repartitions: [{"step": s, "partition": [...]}, ...]
     nas: list[dict[str, Any]] | None = None  # layer edits: [{"step": s, "add": {"position": p, "types": [...]}},
     #                                          {"step": s, "remove": [ids]}]; vpipe and flush schedules only
@@ -84,7 +91,7 @@ class RunConfig:
         need(self.vpipe or not self.moves, "forced moves need vpipe (the layer manager moves the layers)")
         need(self.vpipe or not self.nas, "adding and removing layers needs vpipe (the layer manager does it)")
         need(not (self.nas and self.moves), "combine either forced moves or layer edits in one run, not both")
-        need(not (self.nas and self.schedule == "pipedream"), "layer edits need a flush schedule (gpipe, 1f1b)")
+        need(not (self.nas and self.schedule == "pipedream"), "layer edits need a flush schedule (any but pipedream)")
         need(0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout}")
         need(self.lr > 0, f"lr must be positive, got {self.lr}")
         need(self.d_model % self.n_heads == 0, f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
@@ -94,14 +101,15 @@ class RunConfig:
 
             bad = [t for t in self.block_types if t not in BLOCK_TYPES]
             need(not bad, f"unknown block types {bad}; known: {', '.join(BLOCK_TYPES)}")
+        self._check_layout()
         n_layers = self.n_layers
-        need(self.stages <= n_layers, f"{self.stages} stages but the model has only {n_layers} layers")
+        need(self.virtual_stages <= n_layers, f"{self._stages_text} but the model has only {n_layers} layers")
         if self.schedule in ("1f1b", "pipedream"):
             need(self.micro_batches >= self.stages,
                  f"{self.schedule} needs micro_batches >= stages ({self.micro_batches} < {self.stages})")
         if self.partition is not None:
-            need(len(self.partition) == self.stages,
-                 f"partition has {len(self.partition)} entries for {self.stages} stages")
+            need(len(self.partition) == self.virtual_stages,
+                 f"partition has {len(self.partition)} entries for {self._stages_text}")
             need(all(isinstance(c, int) and c >= 1 for c in self.partition),
                  f"every stage needs at least one layer, got partition {self.partition}")
             need(sum(self.partition) == n_layers,
@@ -116,9 +124,34 @@ class RunConfig:
             need(isinstance(step, int) and step > last_step,
                  f"moves[{i}]: steps must be increasing integers >= 1, got {step!r}")
             last_step = step
-            need(isinstance(counts, list) and len(counts) == self.stages and all(isinstance(c, int) and c >= 1 for c in counts)
-                 and sum(counts) == n_layers,
-                 f"moves[{i}]: partition {counts!r} must give each of the {self.stages} stages >= 1 of the {n_layers} layers")
+            need(isinstance(counts, list) and len(counts) == self.virtual_stages
+                 and all(isinstance(c, int) and c >= 1 for c in counts) and sum(counts) == n_layers,
+                 f"moves[{i}]: partition {counts!r} must give each of the {self._stages_text} >= 1 of the "
+                 f"{n_layers} layers")
+
+    def _check_layout(self) -> None:
+        """Virtual stages per rank as the schedule runs them, and the micro-batch counts torch's schedules accept."""
+        per_rank, name, m = self.stages_per_rank, self.schedule, self.micro_batches
+        if per_rank is not None and (not isinstance(per_rank, int) or isinstance(per_rank, bool) or per_rank < 1):
+            raise ValueError(f"stages_per_rank must be a positive integer, got {per_rank!r}")
+        if name not in MULTI_STAGE:
+            if per_rank not in (None, 1):
+                raise ValueError(f"{name} runs one stage per rank; {per_rank} stages per rank need a multi-stage "
+                                 f"schedule ({', '.join(MULTI_STAGE)})")
+            return
+        if name in V_SHAPED and per_rank not in (None, 2):
+            raise ValueError(f"{name} runs exactly 2 stages per rank (a V), got stages_per_rank {per_rank}")
+        if per_rank == 1:
+            raise ValueError(f"{name} runs several stages per rank: stages_per_rank must be >= 2, got 1 "
+                             "(1f1b runs one stage per rank)")
+        if self.vertical_sync:
+            raise ValueError(f"vertical_sync is a PipeDream option; {name} keeps no weight versions")
+        rounds = max(1, m // self.stages)
+        if name in ("interleaved1f1b", "interleavedzb") and m % rounds:
+            raise ValueError(f"{name} needs micro_batches to be a multiple of its rounds, max(1, micro_batches // "
+                             f"ranks) = {rounds}; got {m} micro-batches on {self.stages} ranks")
+        if name == "dualpipev" and m < self.virtual_stages:
+            raise ValueError(f"dualpipev needs micro_batches >= its {self.virtual_stages} stages, got {m}")
 
     def _check_checkpoints(self) -> None:
         if not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 0:
@@ -126,7 +159,7 @@ class RunConfig:
         if self.checkpoint_every and not self.checkpoint_dir:
             raise ValueError("checkpoint_every needs checkpoint_dir (where to write the checkpoints)")
         if (self.checkpoint_dir or self.resume) and self.schedule == "pipedream":
-            raise ValueError("checkpoints need a flush schedule (gpipe, 1f1b): a PipeDream stream never has "
+            raise ValueError("checkpoints need a flush schedule (any but pipedream): a PipeDream stream never has "
                              "every micro-batch's weights at rest")
         if (self.checkpoint_dir or self.resume) and self.nas:
             raise ValueError("checkpoints cannot be combined with layer edits (--nas) yet")
@@ -166,6 +199,36 @@ class RunConfig:
                 ids = [lid for lid in ids if lid not in doomed]
 
     @property
+    def n_local_stages(self) -> int:
+        """Virtual stages each rank runs."""
+        if self.stages_per_rank is not None:
+            return self.stages_per_rank
+        return 2 if self.schedule in MULTI_STAGE else 1
+
+    @property
+    def virtual_stages(self) -> int:
+        """Stages of the pipeline (ranks x stages per rank): what ``partition`` and ``moves`` count."""
+        return self.stages * self.n_local_stages
+
+    @property
+    def multi_stage(self) -> bool:
+        return self.schedule in MULTI_STAGE
+
+    @property
+    def _stages_text(self) -> str:
+        if not self.multi_stage:
+            return f"{self.stages} stages"
+        return f"{self.virtual_stages} stages ({self.stages} ranks x {self.n_local_stages})"
+
+    def stage_rank(self, stage: int) -> int:
+        """The rank that runs virtual stage ``stage``."""
+        return stage_rank(self.schedule, stage, self.stages)
+
+    def rank_stages(self, rank: int) -> list[int]:
+        """The virtual stages ``rank`` runs, in model order."""
+        return rank_stages(self.schedule, rank, self.stages, self.n_local_stages)
+
+    @property
     def n_layers(self) -> int:
         return len(self.model_spec().layers)
 
@@ -184,14 +247,14 @@ class RunConfig:
         )
 
     def layer_counts(self, step: int = 0) -> list[int]:
-        """Layers per stage at ``step``: the last forced move before it, else the initial partition
+        """Layers per (virtual) stage at ``step``: the last forced move before it, else the initial partition
         (given, or as even as possible with the extra layers first)."""
         for move in reversed(self.moves or []):
             if move["step"] <= step:
                 return list(move["partition"])
         if self.partition is not None:
             return list(self.partition)
-        n, p = self.n_layers, self.stages
+        n, p = self.n_layers, self.virtual_stages
         return [n // p + (1 if s < n % p else 0) for s in range(p)]
 
     def stage_layer_ids(self, step: int = 0) -> list[list[int]]:

@@ -16,6 +16,13 @@ Footprint = fixed bytes (weights, gradients, optimizer state, PipeDream's extra 
 versions) + peak saved activations (the manager's ledger) + the working set of the
 largest recomputed layer (a recompute materialises that layer's activations in its
 backward). Swapped bytes live in the host pool and do not count against the device.
+
+Under a multi-stage schedule the budget is a rank's: its virtual stages run together in the
+rank's own order (torch's action lists), each under its own tensor manager; managed, each
+gets an equal share of the budget (as ``attach`` splits it). A rank's peak saved bytes are
+the peak of its stages' sum (unmanaged; saved bytes only grow in forwards) or the sum of
+their peaks (managed). A zero-bubble schedule's activations are freed at the weight pass
+(W), the input pass (I) frees nothing here: a slight overestimate, never an underestimate.
 """
 
 from __future__ import annotations
@@ -33,13 +40,13 @@ __all__ = ["StageFit", "PipelineFit", "pipeline_fit", "largest_fitting"]
 
 @dataclass(frozen=True)
 class StageFit:
-    stage: int
+    stage: int  # the rank, under a multi-stage schedule
     budget_bytes: int
     fixed_bytes: int
     peak_saved_bytes: int
     working_bytes: int
     error: str | None = None  # the MemoryBudgetError of a managed stage
-    policies: str = ""  # per layer after the run, e.g. "DDSR"
+    policies: str = ""  # per layer after the run, e.g. "DDSR" ("DD/SR": a rank's two stages)
 
     @property
     def footprint_bytes(self) -> int:
@@ -67,13 +74,18 @@ class PipelineFit:
 def pipeline_fit(cfg: RunConfig, budget_bytes: int, *, managed: bool, policy: str = "D",
                  steps: int = 2) -> PipelineFit:
     """Run every stage of ``cfg`` (its schedule, partition, micro-batches) for ``steps`` steps and check its
-    memory in the last step (the manager measures activation sizes in the first)."""
+    memory in the last step (the manager measures activation sizes in the first). One :class:`StageFit`
+    per stage, or per rank under a multi-stage schedule."""
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         inputs = _stage_inputs(cfg)
-        fits = [_stage_fit(cfg, k, inputs[k], budget_bytes, managed=managed, policy=policy, steps=steps)
-                for k in range(cfg.stages)]
+        if cfg.multi_stage:
+            fits = [_rank_fit(cfg, r, inputs, budget_bytes, managed=managed, policy=policy, steps=steps)
+                    for r in range(cfg.stages)]
+        else:
+            fits = [_stage_fit(cfg, k, inputs[k], budget_bytes, managed=managed, policy=policy, steps=steps)
+                    for k in range(cfg.stages)]
     finally:
         torch.set_num_threads(previous)
     return PipelineFit(cfg.micro_batch_size, fits)
@@ -182,6 +194,119 @@ def _run_stage(cfg: RunConfig, k: int, module: torch.nn.Module, manager: Any, op
         else:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+
+
+def _rank_fit(cfg: RunConfig, rank: int, inputs: list[list[torch.Tensor]], budget: int, *, managed: bool,
+              policy: str, steps: int) -> StageFit:
+    """One rank of a multi-stage schedule: its stages in the rank's action order, one optimizer over them."""
+    from vpipe.plan import Policy
+    from vpipe.runtime.models import build_model
+    from vpipe.runtime.trainer import _sub_spec, make_optimizer
+    from vpipe.tensor_manager import MemoryBudgetError, TensorManager
+    from vpipe.tensor_manager.budget import expected_state_factor, stage_fixed_bytes
+
+    spec = cfg.model_spec()
+    placement = cfg.stage_layer_ids()
+    indices = cfg.rank_stages(rank)
+    modules = {v: build_model(_sub_spec(spec, placement[v]), seed=cfg.seed, ids=placement[v]) for v in indices}
+    optimizer = make_optimizer(cfg, [p for v in indices for p in modules[v].parameters()])
+    factor = expected_state_factor(optimizer)
+    share = budget // len(indices)
+    fixed, managers = {}, {}
+    for v in indices:
+        params = sum(p.numel() * p.element_size() for p in modules[v].parameters())
+        fixed[v] = stage_fixed_bytes(params, factor * params)
+        layers = {int(name): child for name, child in modules[v].named_children()}
+        stage_budget = share - fixed[v] if managed and share > fixed[v] else None
+        managers[v] = TensorManager(layers, device="cpu", budget_bytes=stage_budget,
+                                    policies={lid: Policy(policy) for lid in layers})
+    over = [v for v in indices if share <= fixed[v]]
+    error = (f"rank {rank}: stage {over[0]}'s fixed bytes {fixed[over[0]]} exceed its share {share} of the budget "
+             f"{budget}") if managed and over else None
+    peak = 0
+    try:
+        if error is None:
+            peak = _run_rank(cfg, rank, modules, managers, optimizer, inputs, spec, steps)
+    except MemoryBudgetError as e:
+        error = str(e)
+    finally:
+        stats = {v: managers[v].stats() for v in indices}
+        for manager in managers.values():
+            manager.close()
+    if managed:
+        peak = sum(s.peak_resident_bytes for s in stats.values())
+    working = max((s.layers[lid].activation_bytes_per_micro_batch for s in stats.values() for lid in s.layers
+                   if s.layers[lid].policy is Policy.RECOMPUTE), default=0)
+    return StageFit(stage=rank, budget_bytes=budget, fixed_bytes=sum(fixed.values()), peak_saved_bytes=peak,
+                    working_bytes=working, error=error,
+                    policies="/".join("".join(s.layers[lid].policy.value for lid in sorted(s.layers))
+                                      for s in stats.values()))
+
+
+def _run_rank(cfg: RunConfig, rank: int, modules: dict[int, torch.nn.Module], managers: dict[int, Any],
+              optimizer: torch.optim.Optimizer, inputs: list[list[torch.Tensor]], spec: Any, steps: int) -> int:
+    """Run ``steps`` steps of the rank; returns the peak of its stages' summed saved bytes in the last step."""
+    m, last = cfg.micro_batches, cfg.virtual_stages - 1
+    loss_fn = spec.loss_fn()
+    _, y = spec.batch(0, cfg.batch_size, cfg.seed)
+    targets = list(y.tensor_split(m))
+    outputs: dict[tuple[int, int], torch.Tensor] = {}
+    peak = 0
+    for kind, v, mb in rank_action_order(cfg, rank, steps):
+        if kind == "F" and mb == (steps - 1) * m and v == min(modules):
+            peak = 0
+            for manager in managers.values():
+                manager.reset_peak()  # the last step is the steady state: the first ones still measure sizes
+        if kind == "F":
+            x = inputs[v][mb % m]
+            x = x.detach().requires_grad_(x.is_floating_point())
+            with managers[v].micro_batch(mb):
+                out = modules[v](x)
+            outputs[(v, mb)] = loss_fn(out, targets[mb % m]) if v == last else out
+            peak = max(peak, sum(manager.ledger.resident for manager in managers.values()))
+        elif kind == "B":
+            out = outputs.pop((v, mb))
+            with managers[v].backward(mb):
+                out.backward(None if v == last else torch.ones_like(out))
+        else:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    return peak
+
+
+def rank_action_order(cfg: RunConfig, rank: int, steps: int) -> list[tuple[str, int, int]]:
+    """``(kind, stage, global micro-batch)`` of ``rank`` under ``cfg``'s multi-stage schedule over ``steps`` steps,
+    read off torch's own action lists: ``F`` forward, ``B`` backward (a zero-bubble weight pass ``W``; its input
+    pass ``I`` is left out), ``O`` the optimizer step at the end of each step."""
+    try:
+        from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+    except ImportError:
+        raise RuntimeError(f"torch {torch.__version__} has no schedule visualizer to read {cfg.schedule}'s action "
+                           "lists from") from None
+    from vpipe.runtime.trainer import multi_stage_class
+
+    actions = get_schedule_ops(multi_stage_class(cfg.schedule), cfg.stages, cfg.micro_batches,
+                               cfg.n_local_stages)[rank]
+    one_step = []
+    for action in _flat(actions):
+        kind = getattr(action.computation_type, "value", str(action.computation_type))
+        if kind in ("F", "B", "W"):
+            one_step.append(("F" if kind == "F" else "B", action.stage_index, action.microbatch_index))
+    out = []
+    for step in range(steps):
+        out += [(kind, v, step * cfg.micro_batches + mb) for kind, v, mb in one_step]
+        out.append(("O", -1, (step + 1) * cfg.micro_batches - 1))
+    return out
+
+
+def _flat(actions: list[Any]) -> list[Any]:
+    """Actions with overlapped ones (DualPipeV's forward + backward pairs) unpacked, idle slots dropped."""
+    out = []
+    for action in actions:
+        if action is None:
+            continue
+        out.extend(_flat(list(action.sub_actions)) if getattr(action, "sub_actions", None) else [action])
+    return out
 
 
 def with_micro_batch(cfg: RunConfig, micro_batch_size: int, global_batch: int | None = None) -> RunConfig:

@@ -1,8 +1,9 @@
 """Single-process references that a pipeline run must reproduce exactly.
 
-- Flush schedules (GPipe, 1F1B): the whole model, gradient accumulation over the same
-  micro-batches, gradients divided by their number (what torch's schedules do), one
-  optimizer step per batch.
+- Flush schedules (GPipe, 1F1B, and the multi-stage ones: Interleaved 1F1B, LoopedBFS,
+  the zero-bubble schedules): the whole model, gradient accumulation over the same
+  micro-batches in the order the schedule runs their backwards, gradients divided by
+  their number (what torch's schedules do), one optimizer step per batch.
 - PipeDream: the weight-stashing semantics written out directly: micro-batch ``i`` runs
   forward and backward on stage ``k``'s weight version ``start_version(i, k, p)``, and each
   stage applies one optimizer step per micro-batch in completion (= micro-batch) order.
@@ -18,7 +19,7 @@ from vpipe.runtime.models import build_model
 from vpipe.schedules.pipedream import start_version
 from vpipe.runtime.trainer import make_optimizer, make_scheduler
 
-__all__ = ["reference_flush", "reference_pipedream", "optimizer_state_by_name"]
+__all__ = ["reference_flush", "reference_pipedream", "optimizer_state_by_name", "backward_order"]
 
 
 def optimizer_state_by_name(named_params: dict[str, torch.Tensor], optimizers: list[torch.optim.Optimizer]) -> dict[str, dict[str, torch.Tensor]]:
@@ -51,11 +52,9 @@ def reference_flush(cfg: RunConfig) -> tuple[dict[str, torch.Tensor], list[float
     next_id = len(spec.layers)
     for step in range(cfg.steps):
         next_id = _edit_layers(cfg, model, optimizers, step, next_id)
-        losses = []
-        for x, y in _micro_batches(cfg, step):
-            loss = loss_fn(model(x), y)
-            loss.backward()
-            losses.append(loss.detach())
+        losses = [loss_fn(model(x), y) for x, y in _micro_batches(cfg, step)]
+        for i in backward_order(cfg):  # gradients accumulate in the schedule's order: rounding follows it
+            losses[i].backward()
         for p in model.parameters():
             if p.grad is not None:
                 p.grad.div_(cfg.micro_batches)
@@ -64,9 +63,16 @@ def reference_flush(cfg: RunConfig) -> tuple[dict[str, torch.Tensor], list[float
             opt.zero_grad(set_to_none=True)
         for scheduler in schedulers:
             scheduler.step()
-        step_losses.append(float(torch.stack(losses).mean()))
+        step_losses.append(float(torch.stack([loss.detach() for loss in losses]).mean()))
     state = optimizer_state_by_name(dict(model.named_parameters()), optimizers)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, step_losses, state
+
+
+def backward_order(cfg: RunConfig) -> list[int]:
+    """The micro-batches in the order every stage runs their backwards: LoopedBFS runs them last first,
+    every other flush schedule first first."""
+    order = list(range(cfg.micro_batches))
+    return order[::-1] if cfg.schedule == "loopedbfs" else order
 
 
 def _edit_layers(cfg: RunConfig, model: torch.nn.Sequential, optimizers: list, step: int, next_id: int) -> int:

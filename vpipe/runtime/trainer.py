@@ -2,7 +2,8 @@
 
 It is what ``vpipe train`` and ``vpipe demo`` run, what the tests compare against
 single-process references, and what the benchmarks measure. One call of
-:func:`train_rank` is one rank = one stage.
+:func:`train_rank` is one rank: one stage, or several virtual stages under a multi-stage
+schedule (Interleaved 1F1B, LoopedBFS, the zero-bubble schedules; :mod:`vpipe.runtime.layout`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import math
 import os
 import sys
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,24 +58,57 @@ def make_scheduler(cfg: RunConfig, optimizer: torch.optim.Optimizer) -> torch.op
 
 @dataclass
 class StageRun:
-    """Everything one rank holds: its layers, stage, schedule and optimizer."""
+    """Everything one rank holds: one chunk per stage it runs (one, or several virtual stages under a
+    multi-stage schedule), their torch stages, the schedule and one optimizer over every chunk."""
 
     cfg: RunConfig
-    stage_index: int
-    layer_ids: list[int]
-    module: nn.Sequential
-    stage: PipelineStage
+    rank: int
+    stage_indices: list[int]  # the stages this rank runs, in model order
+    modules: list[nn.Sequential]  # one chunk per stage, children named by global layer id
+    stages: list[PipelineStage]
     schedule: Any
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
 
     @property
+    def stage_index(self) -> int:
+        """The first stage this rank runs (its only one under a single-stage schedule)."""
+        return self.stage_indices[0]
+
+    @property
+    def module(self) -> nn.Sequential:
+        """This rank's only chunk; under a multi-stage schedule use :attr:`modules` or :meth:`layers_view`."""
+        if len(self.modules) != 1:
+            raise ValueError(f"rank {self.rank} runs stages {self.stage_indices}: use modules[i] or layers_view()")
+        return self.modules[0]
+
+    @property
+    def stage(self) -> PipelineStage:
+        """This rank's only torch stage; under a multi-stage schedule use :attr:`stages`."""
+        if len(self.stages) != 1:
+            raise ValueError(f"rank {self.rank} runs stages {self.stage_indices}: use stages[i]")
+        return self.stages[0]
+
+    @property
+    def layer_ids(self) -> list[int]:
+        """The layers this rank holds now (after any moves), chunk by chunk."""
+        return [int(name) for module in self.modules for name in module._modules]
+
+    def layers_view(self) -> nn.Sequential:
+        """Every layer of this rank in one ``Sequential`` named by global layer id: the chunks' own modules,
+        not copies, so checkpoints and results save and load them by the same names on any layout."""
+        if len(self.modules) == 1:
+            return self.modules[0]
+        return nn.Sequential(OrderedDict((name, layer) for module in self.modules
+                                         for name, layer in module._modules.items()))
+
+    @property
     def is_first(self) -> bool:
-        return self.stage_index == 0
+        return 0 in self.stage_indices
 
     @property
     def is_last(self) -> bool:
-        return self.stage_index == self.cfg.stages - 1
+        return self.cfg.virtual_stages - 1 in self.stage_indices
 
     def step_inputs(self, step: int) -> tuple[tuple[Any, ...], Any]:
         """(args for schedule.step, target) of this rank for one step."""
@@ -81,7 +116,7 @@ class StageRun:
         return ((x,) if self.is_first else ()), (y if self.is_last else None)
 
     def run_step(self, step: int) -> list[torch.Tensor]:
-        """One training step; returns the micro-batch losses on the last stage (else empty)."""
+        """One training step; returns the micro-batch losses on the rank of the last stage (else empty)."""
         args, target = self.step_inputs(step)
         losses: list[torch.Tensor] = []
         self.schedule.step(*args, target=target, losses=losses if self.is_last else None)
@@ -93,25 +128,52 @@ class StageRun:
         return losses
 
 
-def build_stage_run(cfg: RunConfig, stage_index: int, device: torch.device, group: Any = None,
-                    layer_ids: list[int] | None = None) -> StageRun:
-    """Stage ``stage_index`` of ``cfg`` holding ``layer_ids`` (default: the config's initial partition)."""
+def build_stage_run(cfg: RunConfig, rank: int, device: torch.device, group: Any = None,
+                    placement: list[list[int]] | None = None) -> StageRun:
+    """Rank ``rank`` of ``cfg``: its stages with the layers ``placement`` gives them (the layer ids of every
+    stage; default: the config's initial partition), the schedule and one optimizer."""
     spec = cfg.model_spec()
-    layer_ids = cfg.stage_layer_ids()[stage_index] if layer_ids is None else list(layer_ids)
+    placement = cfg.stage_layer_ids() if placement is None else placement
     # Dropout draws from this rank's RNG stream: seeded, so a run repeats exactly for a given
     # placement (masks follow the stage, not the layer, so moved layers draw different masks).
-    torch.manual_seed(cfg.seed * 1_000_003 + 7919 * (stage_index + 1))
-    module = build_model(_sub_spec(spec, layer_ids), seed=cfg.seed, ids=layer_ids).to(device)
-    stage = PipelineStage(module, stage_index, cfg.stages, device, group=group)
-    optimizer = make_optimizer(cfg, module.parameters())
-    loss_fn = spec.loss_fn()
+    torch.manual_seed(cfg.seed * 1_000_003 + 7919 * (rank + 1))
+    indices = cfg.rank_stages(rank)
+    modules = [build_model(_sub_spec(spec, placement[v]), seed=cfg.seed, ids=list(placement[v])).to(device)
+               for v in indices]
+    stages = [PipelineStage(module, v, cfg.virtual_stages, device, group=group) for module, v in zip(modules, indices)]
+    optimizer = make_optimizer(cfg, [p for module in modules for p in module.parameters()])
+    schedule = _schedule(cfg, stages, spec.loss_fn(), optimizer)
+    return StageRun(cfg, rank, indices, modules, stages, schedule, optimizer, make_scheduler(cfg, optimizer))
+
+
+def multi_stage_class(schedule: str) -> type:
+    """torch's schedule class for one of the multi-stage schedule names (``interleaved1f1b`` ...)."""
+    import torch.distributed.pipelining as pipelining
+
+    from vpipe.rank.stages import MULTI_STAGE_SCHEDULES
+
+    names = [cls for cls, kind in MULTI_STAGE_SCHEDULES.items() if kind == schedule]
+    if not names:
+        raise ValueError(f"{schedule!r} is not a multi-stage schedule")
+    return getattr(pipelining, names[0])
+
+
+def _schedule(cfg: RunConfig, stages: list[PipelineStage], loss_fn: Any, optimizer: torch.optim.Optimizer) -> Any:
+    """``cfg.schedule`` over this rank's stages; a multi-stage one must place stages where ``cfg`` does."""
     if cfg.schedule == "gpipe":
-        schedule: Any = ScheduleGPipe(stage, cfg.micro_batches, loss_fn=loss_fn)
-    elif cfg.schedule == "1f1b":
-        schedule = Schedule1F1B(stage, cfg.micro_batches, loss_fn=loss_fn)
-    else:
-        schedule = SchedulePipeDream(stage, cfg.micro_batches, loss_fn, optimizer, vertical_sync=cfg.vertical_sync)
-    return StageRun(cfg, stage_index, layer_ids, module, stage, schedule, optimizer, make_scheduler(cfg, optimizer))
+        return ScheduleGPipe(stages[0], cfg.micro_batches, loss_fn=loss_fn)
+    if cfg.schedule == "1f1b":
+        return Schedule1F1B(stages[0], cfg.micro_batches, loss_fn=loss_fn)
+    if cfg.schedule == "pipedream":
+        return SchedulePipeDream(stages[0], cfg.micro_batches, loss_fn, optimizer, vertical_sync=cfg.vertical_sync)
+    cls = multi_stage_class(cfg.schedule)
+    name = cls.__name__
+    schedule = cls(stages, cfg.micro_batches, loss_fn=loss_fn)
+    placed = [int(schedule.stage_index_to_group_rank[v]) for v in range(cfg.virtual_stages)]
+    if placed != [cfg.stage_rank(v) for v in range(cfg.virtual_stages)]:  # a torch that lays stages out otherwise
+        raise RuntimeError(f"torch {torch.__version__}'s {name} runs stages on ranks {placed}; the reference "
+                           f"trainer built them for ranks {[cfg.stage_rank(v) for v in range(cfg.virtual_stages)]}")
+    return schedule
 
 
 def _sub_spec(spec: Any, layer_ids: list[int]) -> Any:
@@ -131,29 +193,33 @@ class RunResult:
 
 
 def train_rank(cfg: RunConfig, ctx: Distributed) -> RunResult:
-    """Train ``cfg.steps`` steps as stage ``ctx.rank``; save results to ``cfg.out_dir`` if set."""
+    """Train ``cfg.steps`` steps as rank ``ctx.rank`` (its stage, or its virtual stages); save results to
+    ``cfg.out_dir`` if set."""
     if ctx.world_size != cfg.stages:
-        raise ValueError(f"the run has {ctx.world_size} ranks but the config asks for {cfg.stages} stages")
+        raise ValueError(f"the run has {ctx.world_size} ranks but the config asks for {cfg.stages} "
+                         f"{'ranks' if cfg.multi_stage else 'stages'}")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     resumed = load_resume(cfg) if cfg.resume else None
     placement = resume_placement(cfg, resumed) if resumed is not None else None
-    run = build_stage_run(cfg, ctx.rank, ctx.device, layer_ids=placement[ctx.rank] if placement else None)
+    run = build_stage_run(cfg, ctx.rank, ctx.device, placement=placement)
     first_step = 0
     if resumed is not None:
         from vpipe.checkpoint import restore_stage
 
-        # the RNG stream is a rank's: it continues only where the same rank runs the same stage
-        restore_stage(resumed, run.module, run.optimizer, run.scheduler,
-                      rank=ctx.rank if resumed.num_stages == cfg.stages else None)
+        # the RNG stream is a rank's: it continues only where the same rank runs the same stages
+        same_layout = resumed.num_stages == cfg.virtual_stages and len(resumed.shards) == cfg.stages
+        restore_stage(resumed, run.layers_view(), run.optimizer, run.scheduler,
+                      rank=ctx.rank if same_layout else None)
         first_step = resumed.step
         log.info("stage %d: resumed from %s after step %d", ctx.rank, resumed.path, first_step)
-    log.info("stage %d of %d: training layers %s with %s", ctx.rank, cfg.stages, run.layer_ids, cfg.schedule)
+    log.info("rank %d of %d: stages %s of %d, training layers %s with %s", ctx.rank, cfg.stages, run.stage_indices,
+             cfg.virtual_stages, run.layer_ids, cfg.schedule)
     vp = _attach_vpipe(cfg, run, resumed.vpipe if resumed is not None else None) if cfg.vpipe else None
     session = _control_session(cfg, run, ctx) if vp is None else None
     result = RunResult(steps=0, seconds=0.0)
     progress = _Progress(cfg, enabled=cfg.progress and run.is_last)
     now = {"step": first_step}
-    faults.install_kill(run.module, ctx.rank, lambda: now["step"])  # only when VPIPE_FAULTS asks for it
+    faults.install_kill(run.modules[0], ctx.rank, lambda: now["step"])  # only when VPIPE_FAULTS asks for it
     start = time.perf_counter()
     with progress:
         for step in range(first_step, cfg.steps):
@@ -240,8 +306,8 @@ def check_checkpoint_dir(cfg: RunConfig) -> None:
 
 def resume_placement(cfg: RunConfig, ckpt: Any) -> list[list[int]]:
     """Where the layers go on resume: ``cfg.partition`` if given, the checkpoint's placement on the
-    same number of stages, else an even split (the planner rebalances from there)."""
-    if cfg.partition is None and ckpt.num_stages == cfg.stages:
+    same number of (virtual) stages, else an even split (the planner rebalances from there)."""
+    if cfg.partition is None and ckpt.num_stages == cfg.virtual_stages:
         return ckpt.placement
     return cfg.stage_layer_ids()
 
@@ -259,7 +325,7 @@ def save_run_checkpoint(cfg: RunConfig, run: StageRun, ctx: Distributed, vp: Any
         state = {"version": VERSION, "epoch": 0, "iteration": steps_done, "stages": placement, "policies": {},
                  "next_layer_id": cfg.n_layers}
     state["iteration"] = steps_done
-    save_checkpoint(cfg.checkpoint_dir or ".", steps_done, module=run.module, optimizer=run.optimizer,
+    save_checkpoint(cfg.checkpoint_dir or ".", steps_done, module=run.layers_view(), optimizer=run.optimizer,
                     rank=ctx.rank, world_size=ctx.world_size, store=ctx.store, vpipe_state=state,
                     extra={"run_config": cfg.to_dict()}, scheduler=run.scheduler)
 
@@ -327,19 +393,22 @@ def save_rank_result(cfg: RunConfig, run: StageRun, result: RunResult) -> None:
     out.mkdir(parents=True, exist_ok=True)
     from vpipe.runtime.reference import optimizer_state_by_name
 
+    layers = run.layers_view()
     state = {
-        "params": {k: v.detach().cpu() for k, v in run.module.state_dict().items()},
-        "optimizer": optimizer_state_by_name(dict(run.module.named_parameters()), [run.optimizer]),
+        "params": {k: v.detach().cpu() for k, v in layers.state_dict().items()},
+        "optimizer": optimizer_state_by_name(dict(layers.named_parameters()), [run.optimizer]),
     }
-    torch.save(state, out / f"rank{run.stage_index}.pt")
-    layer_ids = [int(name) for name in run.module._modules]  # after migrations, not the initial ones
-    meta = {"stage": run.stage_index, "layer_ids": layer_ids, "losses": result.losses,
+    torch.save(state, out / f"rank{run.rank}.pt")
+    # after migrations, not the initial ones: all of the rank's layers, and each of its stages' layers
+    per_stage = [[int(name) for name in module._modules] for module in run.modules]
+    meta = {"stage": run.stage_index, "layer_ids": [lid for ids in per_stage for lid in ids],
+            "stages": run.stage_indices, "stage_layer_ids": per_stage, "losses": result.losses,
             "steps": result.steps, "seconds": result.seconds, "step_s": result.step_s,
             "boundary_s": result.boundary_s, "memory": result.memory,
             "lrs": [group["lr"] for group in run.optimizer.param_groups]}
     if isinstance(run.schedule, SchedulePipeDream):
         meta["trace"] = [list(event) for event in run.schedule.trace]
-    (out / f"rank{run.stage_index}.json").write_text(json.dumps(meta))
+    (out / f"rank{run.rank}.json").write_text(json.dumps(meta))
 
 
 def samples_per_s(cfg: RunConfig, result: RunResult) -> float:
@@ -352,7 +421,8 @@ def print_summary(cfg: RunConfig, result: RunResult) -> None:
 
     table = Table(title="vpipe run summary", show_header=False)
     table.add_row("model", f"{cfg.model_spec().name} ({cfg.n_layers} layers)")
-    table.add_row("pipeline", f"{cfg.stages} stages, {cfg.schedule}, layers per stage {cfg.layer_counts()}")
+    stages = f"{cfg.virtual_stages} stages on {cfg.stages} ranks" if cfg.multi_stage else f"{cfg.stages} stages"
+    table.add_row("pipeline", f"{stages}, {cfg.schedule}, layers per stage {cfg.layer_counts()}")
     table.add_row("batch", f"{cfg.micro_batches} micro-batches x {cfg.micro_batch_size}")
     table.add_row("steps", f"{result.steps} in {result.seconds:.1f} s")
     table.add_row("throughput", f"{samples_per_s(cfg, result):.1f} samples/s")

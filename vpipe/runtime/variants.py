@@ -19,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from vpipe.runtime.config import RunConfig
 from vpipe.runtime.launch import Distributed
+from vpipe.runtime.layout import MULTI_STAGE
 from vpipe.schedules.pipedream import SchedulePipeDream
 from vpipe.runtime.trainer import StageRun, build_stage_run
 
@@ -27,7 +28,8 @@ __all__ = ["Variant", "VariantRun", "build_variant"]
 
 @dataclass(frozen=True)
 class Variant:
-    """One configuration to compare: a schedule, a micro-batch size, a policy, with or without vpipe."""
+    """One configuration to compare: a schedule (one stage per rank, or several), a micro-batch size, a
+    policy, with or without vpipe."""
 
     name: str
     schedule: str
@@ -39,10 +41,14 @@ class Variant:
     planning: bool = True  # vpipe only: run the online planner (rebalancing) and apply its plans
     sample_every: int = 2  # vpipe only: monitor every k-th step
     moves: bool = True  # vpipe only: plans may move layers (False: policies only)
+    partition: list[int] | None = None  # layers per (virtual) stage; None: the base's (an even split if multi-stage)
 
     def config(self, base: RunConfig) -> RunConfig:
+        partition = self.partition
+        if partition is None and self.schedule not in MULTI_STAGE:
+            partition = base.partition
         return replace(base, schedule=self.schedule, micro_batch_size=self.micro_batch_size,
-                       micro_batches=self.micro_batches, vpipe=self.vpipe, policy=self.policy,
+                       micro_batches=self.micro_batches, vpipe=self.vpipe, policy=self.policy, partition=partition,
                        memory_budget=self.memory_budget if self.vpipe else None, progress=False)
 
     def to_dict(self) -> dict[str, Any]:
@@ -67,12 +73,15 @@ class VariantRun:
         if self.vp is None:
             return {}
         out: dict[str, Any] = dict(self.vp.state())
-        tm = self.vp.tensor_manager
-        if tm is not None:
-            stats = tm.stats()
-            out.update(policies="".join(stats.layers[lid].policy.value for lid in sorted(stats.layers)),
-                       peak_saved_bytes=stats.peak_resident_bytes, budget_bytes=stats.budget_bytes,
-                       escalations=len(stats.escalations), d2h_bytes=stats.d2h_bytes)
+        managers = [tm for _, tm in sorted(self.vp.tensor_managers.items())]
+        if managers:  # a rank's stages in model order; policies of two stages read "DD/SR"
+            stats = [tm.stats() for tm in managers]
+            budgets = [s.budget_bytes for s in stats]
+            policies = ("".join(s.layers[lid].policy.value for lid in sorted(s.layers)) for s in stats)
+            out.update(policies="/".join(policies),
+                       peak_saved_bytes=sum(s.peak_resident_bytes for s in stats),
+                       budget_bytes=None if None in budgets else sum(budgets),
+                       escalations=sum(len(s.escalations) for s in stats), d2h_bytes=sum(s.d2h_bytes for s in stats))
             out["fixed_bytes"] = self.vp.fixed_bytes()
         return out
 
@@ -92,7 +101,7 @@ def build_variant(variant: Variant, base: RunConfig, ctx: Distributed, index: in
     if variant.vpipe:
         vp = _attach(cfg, run, variant, dist.PrefixStore(f"vpipe-variant-{index}/", ctx.store))
     elif variant.policy == "R":
-        for layer in run.module:
+        for layer in (layer for module in run.modules for layer in module):
             layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
     elif variant.policy != "D":
         raise ValueError(f"variant {variant.name}: without vpipe the policy is D or R, got {variant.policy!r}")
