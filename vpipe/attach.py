@@ -127,18 +127,18 @@ class Vpipe:
 
     # ------------------------------------------------------------------ set-up
     def _memories(self) -> dict[int, StageMemory]:
-        """Each local stage's share of the rank's budget (equal shares, as the planner plans them)."""
-        stages = self.pipeline.stages
-        share = None if self.memory_budget is None else self.memory_budget // len(stages)
+        """Each local stage's budget for activations: equal shares of what the rank's fixed bytes leave."""
+        siblings: list[StageMemory] = []
         memories = {}
-        for stage in stages:
+        for stage in self.pipeline.stages:
             versions = 1
             if self.pipeline.kind == "pipedream":
                 schedule = self.pipeline.schedule
                 versions = self.num_stages if schedule.vertical_sync else self.num_stages - stage.index
-            memories[stage.index] = StageMemory(stage.index, stage.module, self.optimizer, share,
-                                                weight_versions=versions)
-            memories[stage.index].activation_budget()  # a budget below the fixed bytes fails here, at attach
+            memories[stage.index] = StageMemory(stage.index, stage.module, self.optimizer, self.memory_budget,
+                                                weight_versions=versions, siblings=siblings)
+        for memory in memories.values():
+            memory.activation_budget()  # a budget below the fixed bytes fails here, at attach
         return memories
 
     def _start_tensor_managers(self, initial: Plan) -> dict[int, TensorManager]:

@@ -4,8 +4,8 @@ A rank's budget (bytes on its device) pays first for what the stages hold whatev
 activation policies: weights and gradients, optimizer state and, under PipeDream, the
 extra weight versions stashed for in-flight micro-batches. What is left goes to saved
 activations, which the tensor managers keep under it. A rank that runs several stages
-(multi-stage schedules) gives each an equal share of the budget, the same split the
-planner plans with.
+(multi-stage schedules) pays all their fixed bytes first and gives each stage an equal
+share of what is left for activations.
 
 Optimizer state appears at the first ``step()``: until then it is counted as the optimizer
 will make it (Adam-like: two moments, momentum SGD: one), so that step 0 gets no more room
@@ -30,15 +30,19 @@ def tensor_bytes_of(tensors: Any) -> int:
 
 
 class StageMemory:
-    """The activation budget of one stage: its share of the rank's budget less its fixed bytes."""
+    """The activation budget of one stage: its share of what the rank's budget leaves after every local
+    stage's fixed bytes."""
 
     def __init__(self, stage_index: int, module: nn.Module, optimizer: torch.optim.Optimizer | None,
-                 budget: int | None, *, weight_versions: int = 1) -> None:
+                 budget: int | None, *, weight_versions: int = 1, siblings: list[StageMemory] | None = None) -> None:
         self.stage_index = stage_index
         self.module = module
         self.optimizer = optimizer
-        self.budget = budget
+        self.budget = budget  # the rank's
         self.weight_versions = weight_versions
+        self.siblings = siblings if siblings is not None else [self]  # the rank's stages, this one among them
+        if self not in self.siblings:
+            self.siblings.append(self)
         self._key: tuple[int, int] | None = None
         self._activation: int | None = None
 
@@ -63,10 +67,11 @@ class StageMemory:
             return None
         key = (layers_epoch, len(self.optimizer.state) if self.optimizer is not None else 0)
         if key != self._key or self._activation is None:
-            fixed = self.fixed_bytes()
+            fixed = sum(stage.fixed_bytes() for stage in self.siblings)
             if fixed >= self.budget:
-                raise MemoryBudgetError(f"stage {self.stage_index}: parameters, gradients, optimizer state and "
-                                        f"stashed weight versions take {fixed} bytes, the memory budget is "
-                                        f"{self.budget} bytes")
-            self._key, self._activation = key, self.budget - fixed
+                what = (f"stage {self.stage_index}" if len(self.siblings) == 1
+                        else f"stages {sorted(s.stage_index for s in self.siblings)}")
+                raise MemoryBudgetError(f"{what}: parameters, gradients, optimizer state and stashed weight versions "
+                                        f"take {fixed} bytes, the memory budget is {self.budget} bytes")
+            self._key, self._activation = key, (self.budget - fixed) // len(self.siblings)
         return self._activation

@@ -19,7 +19,7 @@ backward). Swapped bytes live in the host pool and do not count against the devi
 
 Under a multi-stage schedule the budget is a rank's: its virtual stages run together in the
 rank's own order (torch's action lists), each under its own tensor manager; managed, each
-gets an equal share of the budget (as ``attach`` splits it). A rank's peak saved bytes are
+gets an equal share of what the rank's fixed bytes leave of the budget (as ``attach`` splits it). A rank's peak saved bytes are
 the peak of its stages' sum (unmanaged; saved bytes only grow in forwards) or the sum of
 their peaks (managed). A zero-bubble schedule's activations are freed at the weight pass
 (W), the input pass (I) frees nothing here: a slight overestimate, never an underestimate.
@@ -211,18 +211,17 @@ def _rank_fit(cfg: RunConfig, rank: int, inputs: list[list[torch.Tensor]], budge
     modules = {v: build_model(_sub_spec(spec, placement[v]), seed=cfg.seed, ids=placement[v]) for v in indices}
     optimizer = make_optimizer(cfg, [p for v in indices for p in modules[v].parameters()])
     factor = expected_state_factor(optimizer)
-    share = budget // len(indices)
     fixed, managers = {}, {}
     for v in indices:
         params = sum(p.numel() * p.element_size() for p in modules[v].parameters())
         fixed[v] = stage_fixed_bytes(params, factor * params)
+    share = (budget - sum(fixed.values())) // len(indices)  # each stage's room for activations
+    for v in indices:
         layers = {int(name): child for name, child in modules[v].named_children()}
-        stage_budget = share - fixed[v] if managed and share > fixed[v] else None
-        managers[v] = TensorManager(layers, device="cpu", budget_bytes=stage_budget,
+        managers[v] = TensorManager(layers, device="cpu", budget_bytes=share if managed and share > 0 else None,
                                     policies={lid: Policy(policy) for lid in layers})
-    over = [v for v in indices if share <= fixed[v]]
-    error = (f"rank {rank}: stage {over[0]}'s fixed bytes {fixed[over[0]]} exceed its share {share} of the budget "
-             f"{budget}") if managed and over else None
+    error = (f"rank {rank}: its stages' fixed bytes {sum(fixed.values())} exceed the budget {budget}"
+             if managed and share <= 0 else None)
     peak = 0
     try:
         if error is None:
