@@ -57,7 +57,9 @@ from vpipe.tensor_manager.prefetch import BACKWARD, FORWARD, ArrivalPredictor
 from vpipe.tensor_manager.layers import LayerCall, ManagedLayer, claim_module, release_module
 from vpipe.tensor_manager.recompute import RecomputeCounter, RecomputeStore
 from vpipe.tensor_manager.stats import LayerStats, TensorManagerStats
-from vpipe.tensor_manager.swap import KeptHandle, SwapEngine
+from vpipe.tensor_manager.handles import KeptHandle
+from vpipe.tensor_manager.swap import SwapEngine
+from vpipe.tensor_manager.swap_in import SwapIn
 
 log = logging.getLogger("vpipe.tensor_manager")
 
@@ -126,6 +128,7 @@ class TensorManager:
         self._engine = SwapEngine(device, self.ledger, self._copies, partial(
             HostPool, self.host_pool_max_bytes, pinned=self._copies.pinned, chunk_bytes=host_pool_chunk_bytes,
             preallocate=True))
+        self._swap_in = SwapIn(self._engine)
         self._predictor = ArrivalPredictor()
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._tls = threading.local()
@@ -304,7 +307,7 @@ class TensorManager:
 
     def _lag_dropped_bytes(self) -> tuple[dict[int, int], dict[int, int]]:
         """Per layer, bytes kept for weight passes that were dropped for the budget: (swapped, recomputed)."""
-        return dict(self._engine.dropped_bytes), dict(self._recompute.dropped_bytes)
+        return dict(self._swap_in.dropped_bytes), dict(self._recompute.dropped_bytes)
 
     def _end_phase(self, mb: int, phase: str, dropped_before: tuple[dict[int, int], dict[int, int]]) -> None:
         """Drop what no later pass of ``mb`` needs; after an input pass keep the rest within the budget.
@@ -315,7 +318,7 @@ class TensorManager:
         Each input pass that dropped something logs one ``weight_pass_drop`` decision.
         """
         unpacked = self._phase_unpacked
-        held = self._engine.end_phase(mb, phase, unpacked)
+        held = self._swap_in.end_phase(mb, phase, unpacked)
         recomputed = self._recompute.end_phase(mb, phase, unpacked)
         if phase != "input":
             self._lagging.discard(mb)
@@ -341,7 +344,7 @@ class TensorManager:
         limit = self._budget_limit()
         if limit is not None and self.ledger.resident > limit:
             excess = self.ledger.resident - limit
-            freed = self._engine.drop_held(mb, excess)
+            freed = self._swap_in.drop_held(mb, excess)
             if freed < excess:
                 self._recompute.drop_held(mb, excess - freed)
         swapped, recomputed_bytes = (sum(now.values()) - sum(before.values())
@@ -365,7 +368,7 @@ class TensorManager:
 
     def prefetch(self, mb_id: int) -> bool:
         """Start bringing ``mb_id``'s swapped tensors back now; False if the budget held some back."""
-        return self._engine.prefetch(mb_id, self._prefetch_limit(), self._fetch_phase(mb_id))
+        return self._swap_in.prefetch(mb_id, self._prefetch_limit(), self._fetch_phase(mb_id))
 
     def _begin_forward(self, mb: int) -> None:
         engine = self._engine
@@ -533,7 +536,7 @@ class TensorManager:
             return packed.tensor
         phase = self._unpack_phase()
         later = phase == "input" and self._needed_by_weight_pass()
-        tensor = self._engine.restore(packed, phase, self._phase_serial, later, self._budget_limit())
+        tensor = self._swap_in.restore(packed, phase, self._phase_serial, later, self._budget_limit())
         if self._prefetch_throttled:
             self._pump_prefetch()
         return tensor
@@ -670,16 +673,16 @@ class TensorManager:
 
     def _pump_prefetch(self) -> None:
         """Issue the prefetches the schedule's order and the predicted arrival times call for now."""
-        engine = self._engine
-        if not engine.has_pool:
+        if not self._engine.has_pool:
             return
+        swap_in = self._swap_in
         bandwidth = self._bandwidth(H2D)
         targets = [mb for mb, _ in self._backward[-1:]] + self._predictor.upcoming(
-            lambda mb: engine.host_bytes(mb, mb in self._lagging) / bandwidth)
+            lambda mb: swap_in.host_bytes(mb, mb in self._lagging) / bandwidth)
         limit = self._prefetch_limit()
         throttled = False
         for mb in dict.fromkeys(targets):
-            if not engine.prefetch(mb, limit, self._fetch_phase(mb)):
+            if not swap_in.prefetch(mb, limit, self._fetch_phase(mb)):
                 throttled = True
                 break
         self._prefetch_throttled = throttled
@@ -694,7 +697,7 @@ class TensorManager:
             d2h_bw, h2d_bw = self._bandwidth(D2H), self._bandwidth(H2D)
             layers = {}
             for lid, layer in sorted(self._layers.items()):
-                d2h, h2d = engine.layer_d2h.get(lid, 0), engine.layer_h2d.get(lid, 0)
+                d2h, h2d = engine.layer_d2h.get(lid, 0), self._swap_in.layer_h2d.get(lid, 0)
                 layers[lid] = LayerStats(
                     layer_id=lid, policy=layer.policy,
                     activation_bytes=dict(self.ledger.activation.get(lid, {})),
@@ -717,18 +720,19 @@ class TensorManager:
                 d2h_bytes=self._copies.bytes[D2H], d2h_s=self._copies.seconds[D2H],
                 h2d_bytes=self._copies.bytes[H2D], h2d_s=self._copies.seconds[H2D],
                 recompute_s=self._recompute_s,
-                sync_fallbacks=engine.sync_fallbacks,
-                prefetched=engine.prefetched,
+                sync_fallbacks=self._swap_in.sync_fallbacks,
+                prefetched=self._swap_in.prefetched,
                 budget_swaps=self._budget_swaps,
                 escalations=tuple(self._escalations),
                 live_saved_storages=engine.live_entries(),
                 multi_phase_storages=engine.multi_phase_entries,
                 weight_tensors_skipped=self._weights_skipped,
-                h2d_bytes_by_phase=dict(engine.h2d_by_phase),
-                refetched_bytes=engine.refetched_bytes,
+                h2d_bytes_by_phase=dict(self._swap_in.h2d_by_phase),
+                refetched_bytes=self._swap_in.refetched_bytes,
                 repeat_recomputes=self._repeat_recomputes,
-                lag_resident_bytes=sum(engine.held_bytes(mb) + self._recompute.held_bytes(mb) for mb in self._lagging),
-                lag_dropped=engine.dropped + self._recompute.dropped,
+                lag_resident_bytes=sum(self._swap_in.held_bytes(mb) + self._recompute.held_bytes(mb)
+                                       for mb in self._lagging),
+                lag_dropped=self._swap_in.dropped + self._recompute.dropped,
             )
 
     def layer_saved_bytes(self) -> dict[int, int]:
