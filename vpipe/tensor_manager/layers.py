@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from vpipe.plan import Policy
-from vpipe.tensor_manager.recompute import RecomputeCounter
+from vpipe.tensor_manager.accounting import RecomputeCounter
 from vpipe.tensor_manager.handles import StorageEntry
 
 __all__ = ["ManagedLayer", "LayerCall", "claim_module", "release_module", "ROUTED_FORWARD"]

@@ -49,13 +49,13 @@ from torch import nn
 
 from vpipe.log import decision
 from vpipe.plan import Plan, Policy
-from vpipe.tensor_manager.accounting import Ledger, format_bytes
+from vpipe.tensor_manager.accounting import Ledger, RecomputeCounter, format_bytes
 from vpipe.tensor_manager.budget import LayerEstimate, check_layer_fits, fit_micro_batch
 from vpipe.tensor_manager.copy_engine import D2H, H2D, make_copy_engine
 from vpipe.tensor_manager.pool import DEFAULT_CHUNK_BYTES, HostPool, default_host_pool_bytes
 from vpipe.tensor_manager.prefetch import BACKWARD, FORWARD, ArrivalPredictor
 from vpipe.tensor_manager.layers import LayerCall, ManagedLayer, claim_module, release_module
-from vpipe.tensor_manager.recompute import RecomputeCounter, RecomputeStore
+from vpipe.tensor_manager.recompute_store import RecomputeStore
 from vpipe.tensor_manager.stats import LayerStats, TensorManagerStats
 from vpipe.tensor_manager.handles import KeptHandle
 from vpipe.tensor_manager.swap import SwapEngine
@@ -148,12 +148,10 @@ class TensorManager:
         self._recompute = RecomputeStore(device, self.ledger, self._engine.lock, phase=self._unpack_phase,
                                          needed_later=self._needed_by_weight_pass, may_keep=self._may_keep,
                                          on_recompute=self._recomputed)
-        self._repeat_recomputes = 0
         # largest activation of one layer and micro-batch seen: what a backward brings back or recomputes at
         # once; a stage that keeps everything, and fits so, brings nothing back and needs none (_budget_limit)
         self._reserve = 0
         self._prefetch_throttled = False
-        self._recompute_s = 0.0
         self._budget_swaps = 0
         self._weights_skipped = 0
         self._escalations: list[tuple[int, Policy, Policy]] = []
@@ -477,15 +475,12 @@ class TensorManager:
         return self._recompute.run(layer.module, inner, args, kwargs, layer=layer.layer_id, mb=frame.mb,
                                    counter=frame.counter, is_weight=frame.is_weight)
 
-    def _recomputed(self, layer_id: int, seconds: float, repeat: bool) -> None:
+    def _recomputed(self, layer_id: int, seconds: float) -> None:
         with self._engine.lock:
             layer = self._layers.get(layer_id)
             if layer is not None:  # (a layer removed since holds no saved tensors: never recomputed)
                 layer.recompute_s += seconds
                 layer.recomputes += 1
-            self._recompute_s += seconds
-            if repeat:
-                self._repeat_recomputes += 1
 
     def _pack(self, t: torch.Tensor) -> Any:
         frame: LayerCall = self._tls.frames[-1]
@@ -719,7 +714,7 @@ class TensorManager:
                 host_pool_max_bytes=self.host_pool_max_bytes,
                 d2h_bytes=self._copies.bytes[D2H], d2h_s=self._copies.seconds[D2H],
                 h2d_bytes=self._copies.bytes[H2D], h2d_s=self._copies.seconds[H2D],
-                recompute_s=self._recompute_s,
+                recompute_s=self._recompute.recompute_s,
                 sync_fallbacks=self._swap_in.sync_fallbacks,
                 prefetched=self._swap_in.prefetched,
                 budget_swaps=self._budget_swaps,
@@ -729,7 +724,7 @@ class TensorManager:
                 weight_tensors_skipped=self._weights_skipped,
                 h2d_bytes_by_phase=dict(self._swap_in.h2d_by_phase),
                 refetched_bytes=self._swap_in.refetched_bytes,
-                repeat_recomputes=self._repeat_recomputes,
+                repeat_recomputes=self._recompute.repeat_recomputes,
                 lag_resident_bytes=sum(self._swap_in.held_bytes(mb) + self._recompute.held_bytes(mb)
                                        for mb in self._lagging),
                 lag_dropped=self._swap_in.dropped + self._recompute.dropped,
