@@ -73,16 +73,16 @@ def run_once(size: str, run: str, steps: int, tmp: Path) -> dict:
 
 # vpipe's functions by what they run for (the rest, set-up at attach, runs once)
 _PER = {
-    "saved tensor": ("tensor_manager/manager.py:_pack", "tensor_manager/manager.py:_unpack", "tensor_manager/swap.py:",
-                     "tensor_manager/accounting.py:", "tensor_manager/layers.py:is_weight"),
-    "layer call": ("tensor_manager/manager.py:_pre_forward", "tensor_manager/manager.py:_post_forward",
-                   "tensor_manager/manager.py:_frames", "tensor_manager/layers.py:__init__",
-                   "tensor_manager/manager.py:__init__", "monitors/stage.py:_forward", "monitors/stage.py:_backward",
-                   "monitors/stage.py:_counts"),
+    "saved tensor": ("tensor_manager/interception.py:pack", "tensor_manager/interception.py:unpack",
+                     "tensor_manager/swap", "tensor_manager/handles.py:", "tensor_manager/accounting.py:",
+                     "tensor_manager/layers.py:is_weight"),
+    "layer call": ("tensor_manager/interception.py:pre_forward", "tensor_manager/interception.py:post_forward",
+                   "tensor_manager/interception.py:_frames", "tensor_manager/layers.py:__init__",
+                   "monitors/stage.py:_forward", "monitors/stage.py:_backward", "monitors/stage.py:_counts"),
     "micro-batch": ("tensor_manager/pipelining.py:", "tensor_manager/manager.py:micro_batch",
                     "tensor_manager/manager.py:backward", "tensor_manager/manager.py:_begin_forward",
-                    "tensor_manager/manager.py:_uncount", "tensor_manager/manager.py:_comfortably",
-                    "tensor_manager/manager.py:_pump_prefetch", "tensor_manager/prefetch.py:"),
+                    "tensor_manager/interception.py:uncount", "tensor_manager/governor.py:comfortably_within",
+                    "tensor_manager/prefetch.py:"),
     "step": ("rank/", "control/", "monitors/", "log.py:"),
 }
 
@@ -113,9 +113,9 @@ def profile_breakdown(steps: int, tmp: Path) -> dict:
             group = next((g for g, prefixes in _PER.items() if where.startswith(prefixes)), None)
             if group is not None:
                 groups[group] += tottime
-            if where == "tensor_manager/manager.py:_pack":
+            if where == "tensor_manager/interception.py:pack":
                 calls["saved tensor"] = ncalls
-            elif where == "tensor_manager/manager.py:_pre_forward":
+            elif where == "tensor_manager/interception.py:pre_forward":
                 calls["layer call"] = ncalls
             elif where == "tensor_manager/manager.py:micro_batch":
                 calls["micro-batch"] = ncalls

@@ -13,13 +13,14 @@ class _PackCounter:
 
     def __init__(self, manager) -> None:
         self.calls = 0
-        inner = manager._pack
+        hooks = manager._interceptor
+        inner = hooks.pack
 
         def pack(t):
             self.calls += 1
             return inner(t)
 
-        manager._hooks = torch.autograd.graph.saved_tensors_hooks(pack, manager._unpack)
+        hooks.hooks = torch.autograd.graph.saved_tensors_hooks(pack, hooks.unpack)
 
 
 def _run(steps: int, metering_from: int, policies=None, budget: int | None = None, batch_at=None):
@@ -78,7 +79,7 @@ def test_swapped_layers_and_a_tight_budget_keep_every_call_metered():
     assert swap_packs[1] > 0  # one layer swaps: the whole stage is metered (shared storages stay exact)
     _, probe, _, _ = _run(1, metering_from=1)
     per_mb = sum(layer.kept_bytes for layer in probe._layers.values())
-    _, _, tight, _ = _run(2, metering_from=1, budget=3 * per_mb + probe._reserve + 1)
+    _, _, tight, _ = _run(2, metering_from=1, budget=3 * per_mb + probe._budget.reserve + 1)
     assert tight[1] > 0  # three micro-batches in flight fill the budget: every byte is counted exactly
     _, _, roomy, _ = _run(2, metering_from=1, budget=20 * per_mb)
     assert roomy[1] == 0

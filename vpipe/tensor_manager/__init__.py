@@ -1,7 +1,8 @@
 """The tensor manager: keep (D), swap (S) or recompute (R) each layer's saved activations.
 
 ``TensorManager`` is the per-stage facade; ``install_on_stage`` attaches one to a
-``torch.distributed.pipelining`` stage. See ``manager.py`` for how it hooks in.
+``torch.distributed.pipelining`` stage. See ``manager.py`` for the parts it wires (one job
+per module) and ``interception.py`` for how it hooks in.
 """
 
 from vpipe.plan import Policy

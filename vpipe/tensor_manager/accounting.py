@@ -8,11 +8,12 @@ counts each storage once.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 
 def storage_key(t: torch.Tensor) -> tuple[int, torch.device]:
@@ -49,6 +50,38 @@ def count_saved_bytes(module: nn.Module) -> Iterator[SavedBytesCounter]:
     counter = SavedBytesCounter(skip)
     with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
         yield counter
+
+
+class RecomputeCounter:
+    """Bytes a recomputed forward saves (distinct storages, weights excluded).
+
+    A recomputed layer's saved tensors are replaced by slots, so the ledger never sees them;
+    the slots' pack hook shows them to this counter instead: a budget needs that number for
+    recomputed layers too.
+    """
+
+    def __init__(self, is_weight: Callable[[torch.Tensor], bool], min_swap_bytes: int) -> None:
+        self._is_weight = is_weight
+        self._min_swap = min_swap_bytes
+        # nothing is kept, so a storage can die and its address be reused within the
+        # forward: a weak reference tells a new storage from one seen before
+        self._seen: dict[int, StorageWeakRef] = {}
+        self.bytes = 0
+        self.swappable = 0
+
+    def see(self, t: torch.Tensor) -> None:
+        if self._is_weight(t) or t.layout is not torch.strided:
+            return
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        seen = self._seen.get(key)
+        if seen is not None and not seen.expired():
+            return
+        self._seen[key] = StorageWeakRef(storage)
+        n = storage.nbytes()
+        self.bytes += n
+        if n >= self._min_swap:
+            self.swappable += n
 
 
 def format_bytes(n: float) -> str:

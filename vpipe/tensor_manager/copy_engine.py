@@ -26,6 +26,8 @@ __all__ = ["Ticket", "CopyEngine", "CpuCopyEngine", "CudaCopyEngine", "make_copy
 
 D2H = "d2h"
 H2D = "h2d"
+# Copy bandwidth assumed before the first copy was timed (bytes/s).
+ASSUMED_BANDWIDTH = {"cpu": 4e9, "cuda": 12e9}
 
 
 class Ticket:
@@ -115,6 +117,15 @@ class CopyEngine(ABC):
         self.resolve_timings()
         secs = self.seconds[direction]
         return self.bytes[direction] / secs if secs > 0 else None
+
+    @property
+    def kind(self) -> str:
+        """``"cuda"`` or ``"cpu"``: which assumptions hold for these copies."""
+        return "cuda" if self.device.type == "cuda" else "cpu"
+
+    def expected_bandwidth(self, direction: str) -> float:
+        """Measured bytes per second of one direction, or the assumed figure before the first timed copy."""
+        return self.bandwidth(direction) or ASSUMED_BANDWIDTH[self.kind]
 
 
 class CpuCopyEngine(CopyEngine):

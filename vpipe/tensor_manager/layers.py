@@ -20,10 +20,11 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from vpipe.plan import Policy
-from vpipe.tensor_manager.recompute import RecomputeCounter
-from vpipe.tensor_manager.swap import StorageEntry
+from vpipe.tensor_manager.accounting import RecomputeCounter
+from vpipe.tensor_manager.handles import StorageEntry
 
-__all__ = ["ManagedLayer", "LayerCall", "claim_module", "release_module", "ROUTED_FORWARD"]
+__all__ = ["ManagedLayer", "LayerCall", "KeptCall", "input_shapes", "claim_module", "release_module",
+           "ROUTED_FORWARD"]
 
 # the ``forward`` instance attribute vpipe sets for recompute carries this attribute (a clone drops it)
 ROUTED_FORWARD = "_vpipe_routed_forward"
@@ -137,3 +138,19 @@ class LayerCall:
     def input_bytes(self) -> int:
         """What a recompute of this call would keep instead of its activations: its tensor inputs."""
         return sum(a.untyped_storage().nbytes() for a in self.inputs if isinstance(a, torch.Tensor))
+
+
+class KeptCall:
+    """A kept layer's call that runs without saved-tensor hooks (its bytes are counted as last metered)."""
+
+    __slots__ = ("layer", "mb", "t0")
+
+    def __init__(self, layer: ManagedLayer, mb: int) -> None:
+        self.layer = layer
+        self.mb = mb
+        self.t0 = time.perf_counter()
+
+
+def input_shapes(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The shapes of a call's tensor arguments (an unmetered call must match the metered one's)."""
+    return tuple(a.shape for a in args if isinstance(a, torch.Tensor))

@@ -12,6 +12,10 @@ included, so its copy overlaps at least the action before it.
 Before the first step is learned, or when the order deviates from the learned one (a new
 plan, a different schedule), nothing is predicted and each backward prefetches its own
 micro-batch when it starts.
+
+The :class:`Prefetcher` asks at every action boundary (and again at the next unpack when
+the budget held a prefetch back) and issues the copies, stopping at the budget less the
+backward's reserve.
 """
 
 from __future__ import annotations
@@ -19,7 +23,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-__all__ = ["ArrivalPredictor", "FORWARD", "BACKWARD"]
+from vpipe.tensor_manager.copy_engine import H2D
+from vpipe.tensor_manager.governor import BudgetGovernor
+from vpipe.tensor_manager.phases import BackwardPhases
+from vpipe.tensor_manager.swap_in import SwapIn
+
+__all__ = ["ArrivalPredictor", "Prefetcher", "FORWARD", "BACKWARD"]
 
 FORWARD = "F"
 BACKWARD = "B"
@@ -69,3 +78,39 @@ class ArrivalPredictor:
             if index == pos or t - here <= copy_seconds(mb) * self.safety:
                 out.append(mb)
         return out
+
+
+class Prefetcher:
+    """Issues the prefetches the schedule's order and the predicted arrival times call for."""
+
+    def __init__(self, swap_in: SwapIn, phases: BackwardPhases, budget: BudgetGovernor) -> None:
+        self._swap_in = swap_in
+        self._phases = phases
+        self._budget = budget
+        self.predictor = ArrivalPredictor()
+        self.throttled = False  # the last pump stopped at the budget: pump again at the next unpack
+
+    def observe(self, kind: str, mb: int) -> bool:
+        """An action of ``mb`` starts now; True if it begins a new step."""
+        return self.predictor.observe(kind, mb)
+
+    def pump(self) -> None:
+        """Issue the prefetches the schedule's order and the predicted arrival times call for now."""
+        swap_in = self._swap_in
+        if not swap_in.engine.has_pool:
+            return
+        phases = self._phases
+        bandwidth = swap_in.copies.expected_bandwidth(H2D)
+        targets = [mb for mb, _ in phases.running[-1:]] + self.predictor.upcoming(
+            lambda mb: swap_in.host_bytes(mb, mb in phases.lagging) / bandwidth)
+        limit = self._budget.limit()
+        throttled = False
+        for mb in dict.fromkeys(targets):
+            if not swap_in.prefetch(mb, limit, phases.fetch_phase(mb)):
+                throttled = True
+                break
+        self.throttled = throttled
+
+    def prefetch(self, mb: int) -> bool:
+        """Start bringing ``mb``'s swapped tensors back now; False if the budget held some back."""
+        return self._swap_in.prefetch(mb, self._budget.limit(), self._phases.fetch_phase(mb))

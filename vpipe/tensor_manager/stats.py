@@ -1,12 +1,29 @@
-"""What a tensor manager reports to the monitor: plain, immutable numbers."""
+"""What a tensor manager reports to the monitor: plain, immutable numbers, gathered from its parts.
+
+The monitor and the planner read these; :func:`collect_stats` takes one consistent reading
+(under the swap engine's lock, after releasing what autograd let go of).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from vpipe.plan import Policy
+from vpipe.tensor_manager.copy_engine import D2H, H2D
 
-__all__ = ["LayerStats", "TensorManagerStats"]
+if TYPE_CHECKING:
+    from vpipe.tensor_manager.accounting import Ledger
+    from vpipe.tensor_manager.governor import BudgetGovernor
+    from vpipe.tensor_manager.interception import Interceptor
+    from vpipe.tensor_manager.layers import ManagedLayer
+    from vpipe.tensor_manager.phases import BackwardPhases
+    from vpipe.tensor_manager.recompute_store import RecomputeStore
+    from vpipe.tensor_manager.swap import SwapEngine
+    from vpipe.tensor_manager.swap_in import SwapIn
+
+__all__ = ["LayerStats", "TensorManagerStats", "collect_stats"]
 
 
 @dataclass(frozen=True)
@@ -66,3 +83,53 @@ class TensorManagerStats:
     @property
     def policies(self) -> dict[int, Policy]:
         return {lid: s.policy for lid, s in self.layers.items()}
+
+
+def collect_stats(*, layers: Mapping[int, ManagedLayer], ledger: Ledger, engine: SwapEngine, swap_in: SwapIn,
+                  recompute: RecomputeStore, budget: BudgetGovernor, phases: BackwardPhases,
+                  interceptor: Interceptor) -> TensorManagerStats:
+    """The statistics of one tensor manager, from its parts."""
+    with engine.lock:
+        engine.drain()
+        recompute.drain()
+        engine.poll()
+        copies = engine.copies
+        d2h_bw, h2d_bw = copies.expected_bandwidth(D2H), copies.expected_bandwidth(H2D)
+        per_layer = {}
+        for lid, layer in sorted(layers.items()):
+            d2h, h2d = engine.layer_d2h.get(lid, 0), swap_in.layer_h2d.get(lid, 0)
+            per_layer[lid] = LayerStats(
+                layer_id=lid, policy=layer.policy,
+                activation_bytes=dict(ledger.activation.get(lid, {})),
+                input_bytes=ledger.inputs.get(lid),
+                resident_bytes=sum(ledger.resident_of(lid).values()),
+                forward_s=layer.forward_s, recompute_s=layer.recompute_s, recomputes=layer.recomputes,
+                d2h_bytes=d2h, h2d_bytes=h2d, d2h_s=d2h / d2h_bw, h2d_s=h2d / h2d_bw,
+                recompute_calls=layer.recompute_calls, lag_bytes=ledger.lag.get(lid),
+            )
+        pool = engine.pool if engine.has_pool else None
+        return TensorManagerStats(
+            layers=per_layer,
+            resident_bytes=ledger.resident,
+            peak_resident_bytes=ledger.peak,
+            budget_bytes=budget.budget_bytes,
+            host_pool_used_bytes=pool.used_bytes if pool else 0,
+            host_pool_peak_bytes=pool.peak_used_bytes if pool else 0,
+            host_pool_capacity_bytes=pool.capacity_bytes if pool else 0,
+            host_pool_max_bytes=budget.host_pool_max_bytes,
+            d2h_bytes=copies.bytes[D2H], d2h_s=copies.seconds[D2H],
+            h2d_bytes=copies.bytes[H2D], h2d_s=copies.seconds[H2D],
+            recompute_s=recompute.recompute_s,
+            sync_fallbacks=swap_in.sync_fallbacks,
+            prefetched=swap_in.prefetched,
+            budget_swaps=budget.swaps,
+            escalations=tuple(budget.escalations),
+            live_saved_storages=engine.live_entries(),
+            multi_phase_storages=engine.multi_phase_entries,
+            weight_tensors_skipped=interceptor.weights_skipped,
+            h2d_bytes_by_phase=dict(swap_in.h2d_by_phase),
+            refetched_bytes=swap_in.refetched_bytes,
+            repeat_recomputes=recompute.repeat_recomputes,
+            lag_resident_bytes=phases.lag_resident_bytes(),
+            lag_dropped=swap_in.dropped + recompute.dropped,
+        )

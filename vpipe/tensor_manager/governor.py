@@ -1,0 +1,166 @@
+"""The stage's device memory budget at run time: what may stay resident, and what to escalate.
+
+The projection itself is :mod:`.budget` (pure functions over measured layers). This object
+applies it for one tensor manager and keeps what its decisions need between calls: the
+budget, the backward's *reserve* (the largest activation of one layer and micro-batch
+seen: what a backward brings back or recomputes at once), whether keeping everything fits
+(then nothing is brought back and no reserve is needed), the bytes one micro-batch keeps
+when every layer is kept, and what it decided (tensors swapped for the budget, policy
+escalations, each logged as a ``policy`` decision).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from vpipe.log import decision
+from vpipe.plan import Policy
+from vpipe.tensor_manager.accounting import Ledger
+from vpipe.tensor_manager.budget import LayerEstimate, check_layer_fits, fit_micro_batch
+from vpipe.tensor_manager.copy_engine import D2H
+from vpipe.tensor_manager.layers import ManagedLayer
+from vpipe.tensor_manager.swap import SwapEngine
+
+__all__ = ["BudgetGovernor"]
+
+# How many forward-times of compute a swap can hide behind when copies are asynchronous.
+_SWAP_OVERLAP = {"cpu": 0.0, "cuda": 3.0}
+# Under a budget, kept layers run without hooks only while a micro-batch's projected bytes stay this far
+# below the room left: the counted bytes are the last metered call's, so leave room for them to be off.
+_UNMETERED_HEADROOM = 0.9
+
+
+class BudgetGovernor:
+    """Budget decisions of one tensor manager (``budget_bytes`` None: no budget, everything allowed)."""
+
+    def __init__(self, budget_bytes: int | None, host_pool_max_bytes: int, *, ledger: Ledger, engine: SwapEngine,
+                 layers: Mapping[int, ManagedLayer]) -> None:
+        self.budget_bytes = budget_bytes
+        self.host_pool_max_bytes = host_pool_max_bytes
+        self.ledger = ledger
+        self._engine = engine
+        self._layers = layers  # the manager's, read only
+        # largest activation of one layer and micro-batch seen: what a backward brings back or recomputes at
+        # once; a stage that keeps everything, and fits so, brings nothing back and needs none (limit())
+        self.reserve = 0
+        self.keep_all_fits = False  # the last projection found that keeping everything fits
+        self.kept_per_mb: int | None = None  # resident bytes a metered micro-batch added, every layer kept
+        self.swaps = 0  # tensors swapped because keeping them would pass the budget
+        self.escalations: list[tuple[int, Policy, Policy]] = []
+
+    # ------------------------------------------------------------------ per tensor
+    def limit(self) -> int | None:
+        """What the resident saved bytes may reach: the budget less the backward's reserve."""
+        if self.budget_bytes is None:
+            return None
+        return self.budget_bytes - (0 if self.keep_all_fits else self.reserve)
+
+    def may_keep(self, transient_bytes: int) -> bool:
+        """Whether a recomputed tensor may stay for the weight pass: the resident total, less the
+        recompute's tensors about to go, stays within the budget less the backward's reserve."""
+        limit = self.limit()
+        return limit is None or self.ledger.resident - transient_bytes <= limit
+
+    def forces_swap(self, key: int, nbytes: int) -> bool:
+        """Whether keeping this storage would pass the budget less the reserve (frees what it can
+        first); if so it is swapped although its layer keeps, and counted."""
+        if self._over_budget(key, nbytes):
+            self.swaps += 1
+            return True
+        return False
+
+    def _over_budget(self, key: int, nbytes: int) -> bool:
+        engine = self._engine
+        existing = engine.lookup(key)
+        if existing is not None and not existing.swapped:
+            return False  # already resident: keeping it costs nothing more
+        limit = self.limit()
+        assert limit is not None
+        if self.ledger.resident + nbytes <= limit:
+            return False
+        engine.poll()
+        engine.wait_swap_outs(limit - nbytes)
+        if self.ledger.resident + nbytes <= limit:
+            return False
+        return self._pool_free_bytes() >= nbytes
+
+    def _pool_free_bytes(self) -> int:
+        engine = self._engine
+        return self.host_pool_max_bytes - (engine.pool.used_bytes if engine.has_pool else 0)
+
+    # ------------------------------------------------------------------ per layer call
+    def note_activation(self, activation_bytes: int) -> None:
+        """A layer call saved this much: the reserve covers the largest."""
+        if activation_bytes > self.reserve:
+            self.reserve = activation_bytes
+
+    def check_fits(self, layer_id: int, activation_bytes: int) -> None:
+        """A layer whose activations alone pass the budget cannot run: MemoryBudgetError naming it."""
+        if self.budget_bytes is not None:
+            check_layer_fits(layer_id, activation_bytes, self.budget_bytes)
+
+    def reset_reserve(self) -> None:
+        """The managed layers changed (one was removed): the reserve is the largest one left."""
+        self.reserve = max((self.ledger.activation_bytes(lid) or 0 for lid in self._layers), default=0)
+
+    # ------------------------------------------------------------------ per micro-batch
+    def fit(self, mb: int, in_flight: int, lag_share: float, all_keep: bool,
+            set_policy: Callable[[int, Policy], None]) -> None:
+        """Before micro-batch ``mb``'s forward: escalate the cheapest layers until the projection fits.
+
+        ``in_flight``: micro-batches forwarded and not finished (now or in the last step);
+        ``lag_share``: those between their input and weight pass, per micro-batch in flight.
+        """
+        budget = self.budget_bytes
+        assert budget is not None
+        estimates = self._estimates(lag_share)
+        # keeping everything needs no backward reserve (nothing is brought back or recomputed): when the
+        # measured bytes of a micro-batch, every layer kept, fit that way, as much fits as without vpipe
+        kept = self.kept_per_mb
+        self.keep_all_fits = (all_keep and kept is not None and len(estimates) == len(self._layers)
+                              and kept <= min(budget - self.ledger.resident, budget // in_flight))
+        if self.keep_all_fits:
+            return
+        copies = self._engine.copies
+        changes = fit_micro_batch(
+            estimates, budget_bytes=budget, resident_bytes=self.ledger.resident, reserve_bytes=self.reserve,
+            in_flight=in_flight, pool_free_bytes=self._pool_free_bytes(),
+            swap_s_per_byte=1.0 / copies.expected_bandwidth(D2H), overlap=_SWAP_OVERLAP[copies.kind],
+            context=f"micro-batch {mb}",
+        )
+        for change in changes:
+            set_policy(change.layer_id, change.new)
+            self.escalations.append((change.layer_id, change.old, change.new))
+            decision(
+                "policy", f"layer {change.layer_id}: {change.old.value} -> {change.new.value} to fit the budget",
+                layer=change.layer_id, old=change.old.value, new=change.new.value, saved_bytes=change.saved_bytes,
+                cost_s=change.cost_s, budget_bytes=budget, in_flight=in_flight, micro_batch=mb,
+            )
+
+    def _estimates(self, lag_share: float) -> list[LayerEstimate]:
+        out = []
+        for lid, layer in sorted(self._layers.items()):
+            activation = self.ledger.activation_bytes(lid)
+            if activation is None:
+                continue  # not measured yet: the per-tensor check at pack time covers it
+            check_layer_fits(lid, activation, self.budget_bytes)  # type: ignore[arg-type]
+            swappable = min(self.ledger.swappable.get(lid, activation), activation)
+            inputs = self.ledger.inputs.get(lid, activation)
+            out.append(LayerEstimate(lid, layer.policy, activation, swappable, inputs, layer.forward_s or 0.0,
+                                     lag_bytes=self.ledger.lag.get(lid, 0), lag_share=lag_share))
+        return out
+
+    def comfortably_within(self, in_flight: int) -> bool:
+        """Whether the next micro-batch, every layer kept, fits with room to spare (always, without a budget)."""
+        if self.budget_bytes is None:
+            return True
+        if not self.keep_all_fits:
+            return False
+        per_mb = 0
+        for layer in self._layers.values():
+            if layer.kept_bytes is None:
+                return False
+            per_mb += layer.kept_bytes
+        usable = self.budget_bytes  # every layer kept: no backward reserve
+        room = min(usable - self.ledger.resident, usable // in_flight)
+        return per_mb <= _UNMETERED_HEADROOM * room

@@ -1,0 +1,99 @@
+"""What autograd holds for a managed saved tensor: a handle, and the entry of its storage.
+
+Autograd's pack hook returns a *handle* per saved tensor; several handles may share one
+*entry*, the bookkeeping of one storage (``q``, ``k`` and ``v`` are views of one ``qkv``
+storage; a dropout output is saved by the next op too): a storage saved several times is
+copied to the host once, and its bytes are counted once.
+
+Handles are destroyed wherever autograd runs (on CUDA, its device thread), so their
+destructor only queues the entry (with what the handle still expected); the swap engine
+drains that queue under its lock at the next safe point.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from vpipe.tensor_manager.copy_engine import Ticket
+from vpipe.tensor_manager.pool import PoolBlock
+
+__all__ = ["StorageEntry", "SwappedEntry", "KeptHandle", "SwappedHandle"]
+
+
+class StorageEntry:
+    """One saved storage of one (layer, micro-batch), kept on the device."""
+
+    __slots__ = ("key", "layer", "mb", "nbytes", "seq", "refs", "counted", "released")
+    swapped = False
+
+    def __init__(self, key: int, layer: int, mb: int, nbytes: int, seq: int) -> None:
+        self.key = key
+        self.layer = layer
+        self.mb = mb
+        self.nbytes = nbytes
+        self.seq = seq
+        self.refs = 0
+        self.counted = False  # its bytes are in the ledger's resident total
+        self.released = False
+
+
+class SwappedEntry(StorageEntry):
+    """A storage copied to the host pool, and what brings it back."""
+
+    __slots__ = ("source", "host", "d2h", "device_copy", "h2d", "weak", "unpacks", "phases", "last_phase",
+                 "task", "task_unpacks", "users", "unseen", "later", "fetches")
+    swapped = True
+
+    def __init__(self, key: int, layer: int, mb: int, nbytes: int, seq: int) -> None:
+        super().__init__(key, layer, mb, nbytes, seq)
+        self.source: torch.Tensor | None = None  # the original device bytes, while a swap-out is in flight
+        self.host: PoolBlock | None = None
+        self.d2h: Ticket | None = None
+        self.device_copy: torch.Tensor | None = None  # brought back for a backward
+        self.h2d: Ticket | None = None
+        self.weak: StorageWeakRef | None = None
+        self.unpacks = 0
+        self.phases = 0  # backward phases (the manager's backward() contexts) that unpacked it
+        self.last_phase = -1
+        self.task = -1  # the autograd graph task of the last unpack, and its unpacks in that task
+        self.task_unpacks = 0
+        self.users = [mb]  # micro-batches with handles on it (views of one input are shared by several)
+        self.unseen = 0  # live handles never unpacked
+        self.later = 0  # live handles unpacked in an input pass that the weight pass unpacks again
+        self.fetches = 0  # times brought back from the host
+
+
+class KeptHandle:
+    """What the pack hook returns for a tensor that stays on the device."""
+
+    __slots__ = ("tensor", "entry", "_dead")
+
+    def __init__(self, tensor: torch.Tensor, entry: StorageEntry, dead: deque) -> None:
+        self.tensor = tensor
+        self.entry = entry
+        self._dead = dead
+
+    def __del__(self) -> None:
+        self._dead.append(self.entry)
+
+
+class SwappedHandle:
+    """What the pack hook returns for a swapped tensor: the view to rebuild on its storage."""
+
+    __slots__ = ("entry", "dtype", "size", "stride", "offset", "_dead", "unpacked", "later")
+
+    def __init__(self, t: torch.Tensor, entry: SwappedEntry, dead: deque) -> None:
+        self.entry = entry
+        self.dtype = t.dtype
+        self.size = t.size()
+        self.stride = t.stride()
+        self.offset = t.storage_offset()
+        self._dead = dead
+        self.unpacked = False
+        self.later = False  # the weight pass will unpack it again (set by an input pass)
+
+    def __del__(self) -> None:
+        self._dead.append((self.entry, self.unpacked, self.later))

@@ -1,0 +1,193 @@
+"""Interception: each managed layer call and each tensor it saves, handed to keep, swap or recompute.
+
+Every managed layer has a forward pre-hook and an always-called forward hook
+(:mod:`.layers`). Inside a micro-batch's forward they bracket the layer's forward with
+:class:`torch.autograd.graph.saved_tensors_hooks`, so each tensor autograd saves is
+attributed to (layer, micro-batch) and kept (D) or swapped (S) by the swap engine; a layer
+under R runs through :meth:`Interceptor.forward_layer`, which replaces what it saves by
+recompute slots (:mod:`.recompute_store`).
+
+A layer whose policy is D needs none of this once its saved bytes are known: with the
+manager's ``metering`` off, every layer kept and the budget, if any, comfortably met, a
+kept layer's call runs without saved-tensor hooks (autograd keeps its tensors as it would
+without vpipe) and the ledger counts the bytes its last metered call saved, until that
+micro-batch's backward ends. A call whose input shapes differ from the metered one's is
+metered again.
+
+Forwards outside ``micro_batch()`` (torch pipelining's shape inference, evaluation) and
+forwards run inside a backward (recomputes) pass through untouched and uncounted.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from vpipe.plan import Policy
+from vpipe.tensor_manager.accounting import Ledger, RecomputeCounter
+from vpipe.tensor_manager.governor import BudgetGovernor
+from vpipe.tensor_manager.handles import KeptHandle
+from vpipe.tensor_manager.layers import KeptCall, LayerCall, ManagedLayer, input_shapes
+from vpipe.tensor_manager.phases import BackwardPhases
+from vpipe.tensor_manager.prefetch import Prefetcher
+from vpipe.tensor_manager.recompute_store import RecomputeStore
+from vpipe.tensor_manager.swap import SwapEngine
+from vpipe.tensor_manager.swap_in import SwapIn
+
+__all__ = ["Interceptor"]
+
+
+class Interceptor:
+    """The layer hooks and saved-tensor hooks of one tensor manager.
+
+    ``mb`` is the micro-batch whose forward runs now (None outside ``micro_batch()``) and
+    ``unmetered`` whether its kept layers skip the saved-tensor hooks; the manager sets both.
+    """
+
+    def __init__(self, *, device: torch.device, min_swap_bytes: int, ledger: Ledger, engine: SwapEngine,
+                 swap_in: SwapIn, recompute: RecomputeStore, budget: BudgetGovernor, phases: BackwardPhases,
+                 prefetcher: Prefetcher) -> None:
+        self.device_index = -1 if device.type == "cpu" else device.index  # what Tensor.get_device() says
+        self.min_swap_bytes = min_swap_bytes
+        self.ledger = ledger
+        self._engine = engine
+        self._swap_in = swap_in
+        self._recompute = recompute
+        self._budget = budget
+        self._phases = phases
+        self._prefetcher = prefetcher
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        self._tls = threading.local()
+        self.mb: int | None = None
+        self.unmetered = False
+        self.counted: dict[int, list[tuple[int, int]]] = {}  # mb -> (layer, bytes) of its unmetered calls
+        self.weights_skipped = 0
+
+    # ================================================================== layer calls
+    def _frames(self) -> list[LayerCall | KeptCall | None]:
+        frames = getattr(self._tls, "frames", None)
+        if frames is None:
+            frames = self._tls.frames = []
+        return frames
+
+    def pre_forward(self, layer: ManagedLayer, module: nn.Module, args: tuple[Any, ...]) -> None:
+        frames = self._frames()
+        if (self.mb is None or self._phases.running or not torch.is_grad_enabled()
+                or torch._C._current_graph_task_id() != -1):
+            frames.append(None)  # not a managed forward: shape inference, eval, recompute
+            return
+        if self.unmetered and layer.policy is Policy.KEEP and layer.input_shapes == input_shapes(args):
+            frames.append(KeptCall(layer, self.mb))
+            return
+        frames.append(LayerCall(layer, self.mb, args))
+        self.hooks.__enter__()
+
+    def post_forward(self, layer: ManagedLayer, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        frame = self._frames().pop()
+        if frame is None:
+            return
+        elapsed = time.perf_counter() - frame.t0
+        layer.forward_s = elapsed if layer.forward_s is None else 0.8 * layer.forward_s + 0.2 * elapsed
+        if frame.__class__ is KeptCall:
+            nbytes = layer.kept_bytes or 0
+            self.ledger.add(layer.layer_id, frame.mb, nbytes)
+            self.counted.setdefault(frame.mb, []).append((layer.layer_id, nbytes))
+            return
+        self.hooks.__exit__(None, None, None)
+        if frame.policy is Policy.KEEP:  # what an unmetered call of the same shapes will be counted with
+            layer.kept_bytes, layer.input_shapes = frame.bytes, input_shapes(frame.inputs)
+        if frame.policy is Policy.RECOMPUTE:
+            counter, frame.counter = frame.counter, None  # it holds frame.is_weight: no cycle left behind
+            activation = counter.bytes if counter is not None else 0
+            swappable = counter.swappable if counter is not None else 0
+            self.ledger.inputs[layer.layer_id] = frame.bytes  # what checkpoint kept: the inputs
+        else:
+            activation, swappable = frame.bytes, frame.swappable
+            # what a recompute would keep instead: the layer's tensor inputs
+            self.ledger.inputs[layer.layer_id] = frame.input_bytes()
+        self.ledger.record_activation(layer.layer_id, frame.mb, activation, swappable)
+        self._budget.note_activation(activation)
+        self._engine.flush_swap_outs()  # the layer's swap-outs, as one batch of copies
+        if self._engine.copies_in_flight:
+            self._engine.poll()
+        self._budget.check_fits(layer.layer_id, activation)
+
+    def forward_layer(self, layer: ManagedLayer, inner: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The forward attribute of a layer under R: recompute slots when managed, else the original."""
+        frames = self._frames()
+        frame = frames[-1] if frames else None
+        if frame is None or frame.layer is not layer or frame.policy is not Policy.RECOMPUTE:
+            return inner(*args, **kwargs)
+        frame.counter = RecomputeCounter(frame.is_weight, self.min_swap_bytes)
+        layer.recompute_calls += 1
+        return self._recompute.run(layer.module, inner, args, kwargs, layer=layer.layer_id, mb=frame.mb,
+                                   counter=frame.counter, is_weight=frame.is_weight)
+
+    # ================================================================== unmetered calls
+    def uncount(self, mb: int) -> None:
+        """The backward of ``mb`` ended: the bytes its unmetered calls were counted with are gone."""
+        for layer_id, nbytes in self.counted.pop(mb, ()):
+            self.ledger.sub(layer_id, mb, nbytes)
+
+    def counted_micro_batches(self, layer_id: int) -> dict[int, int]:
+        """Micro-batches counted with bytes of unmetered calls of ``layer_id`` -> 1."""
+        return {mb: 1 for mb, calls in self.counted.items() if any(lid == layer_id for lid, _ in calls)}
+
+    # ================================================================== saved tensors
+    def pack(self, t: torch.Tensor) -> Any:
+        frame: LayerCall = self._tls.frames[-1]
+        if frame.is_weight(t):
+            self.weights_skipped += 1
+            return t
+        if t.grad_fn is not None:
+            # a saved output's grad_fn is the node saving it: holding the tensor itself would make
+            # a reference cycle (node -> saved handle -> tensor -> node) that only the GC breaks
+            t = t.detach()
+        if type(t) is not torch.Tensor or t.get_device() != self.device_index or t.layout is not torch.strided:
+            return t  # subclasses, sparse tensors, other devices: autograd keeps them as they are
+        storage = t.untyped_storage()
+        nbytes = storage.nbytes()
+        if nbytes == 0:
+            return t
+        key = storage.data_ptr()
+        engine = self._engine
+        if engine.dead:
+            engine.drain()
+        layer_id = frame.layer.layer_id
+        budget = self._budget
+        swap = frame.policy is Policy.SWAP and nbytes >= self.min_swap_bytes
+        if (not swap and budget.budget_bytes is not None and nbytes >= self.min_swap_bytes
+                and budget.forces_swap(key, nbytes)):
+            swap = True
+        if swap:
+            handle = engine.swap_out(t, storage, layer_id, frame.mb, key, nbytes)
+            limit = budget.limit()
+            if limit is not None and self.ledger.resident > limit:
+                # the swapped bytes are still here until their copy ran: issue it and wait for it
+                engine.wait_swap_outs(limit)
+        else:
+            handle = engine.keep(t, layer_id, frame.mb, key, nbytes)
+        if handle.entry not in frame.entries:  # count each storage once per layer call
+            frame.entries.add(handle.entry)
+            frame.bytes += nbytes
+            if nbytes >= self.min_swap_bytes:
+                frame.swappable += nbytes
+        return handle
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, torch.Tensor):
+            return packed
+        if packed.__class__ is KeptHandle:
+            self._phases.kept_unpacked(packed.entry)
+            return packed.tensor
+        phases = self._phases
+        phase = phases.unpack_phase()
+        later = phase == "input" and phases.needed_by_weight_pass()
+        tensor = self._swap_in.restore(packed, phase, phases.serial, later, self._budget.limit())
+        if self._prefetcher.throttled:
+            self._prefetcher.pump()
+        return tensor

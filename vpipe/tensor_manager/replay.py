@@ -1,0 +1,134 @@
+"""Running a layer's call again exactly as it first ran: same inputs, weights, RNG and autocast.
+
+A recompute (:mod:`.recompute`) needs the call's tensor inputs, saved through whatever
+saved-tensor hooks are active when the layer runs (the tensor manager's: so they are
+counted, and can be swapped under a budget), and the state the forward ran under: the
+CPU and device RNG states (dropout masks are identical, so gradients equal the kept run's
+bit for bit), the autocast state and the ``torch.device`` context, as
+``torch.utils.checkpoint`` restores them.
+
+Weight versions: PipeDream runs the stage through ``torch.func.functional_call`` with
+stashed weight tensors; the recompute happens in the backward, after functional_call has
+put the live parameters back (possibly already updated). The weights in effect at forward
+time are captured and, if they are no longer the module's, the call runs on them again
+through functional_call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.func import functional_call
+from torch.utils.checkpoint import (
+    _get_autocast_kwargs,
+    _get_device_module,
+    _infer_device_type,
+    get_device_states,
+    set_device_states,
+)
+
+__all__ = ["Replay", "capture_weights"]
+
+
+def capture_weights(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The parameter and buffer tensors the module uses right now (stashed ones under functional_call)."""
+    found = {name: t for name, t in module.named_parameters(remove_duplicate=False)}
+    found.update({name: t for name, t in module.named_buffers(remove_duplicate=False) if t is not None})
+    return found
+
+
+def _same_weights(module: nn.Module, captured: dict[str, torch.Tensor]) -> bool:
+    now = capture_weights(module)
+    return now.keys() == captured.keys() and all(now[k] is t for k, t in captured.items())
+
+
+class _SaveInputs(torch.autograd.Function):
+    """Saves the layer's tensor inputs through whatever saved-tensor hooks are active (the manager's).
+
+    Its output is never used, so its backward never runs: the node only holds the saved
+    inputs for as long as the replay (and so some recompute slot) is alive.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, dummy: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(*tensors)
+        return dummy.new_empty(0)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> tuple[None, ...]:  # pragma: no cover - never reached
+        return (None,) * len(ctx.needs_input_grad)
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
+def _device_context() -> contextlib.AbstractContextManager[Any]:
+    """The ``torch.device`` context the forward ran under, if any (the recompute must allocate alike)."""
+    try:
+        from torch.overrides import _get_current_function_mode_stack
+        from torch.utils._device import DeviceContext
+    except ImportError:  # pragma: no cover - every supported torch has both
+        return contextlib.nullcontext()
+    for mode in reversed(_get_current_function_mode_stack()):
+        if isinstance(mode, DeviceContext):
+            return mode
+    return contextlib.nullcontext()
+
+
+class Replay:
+    """One call of a layer, captured when it runs: its inputs (held by a saver node) and its state."""
+
+    __slots__ = ("module", "forward", "captured", "kwargs", "layout", "saver", "device_type", "cpu_rng",
+                 "device_rng", "rng_devices", "autocast", "device_ctx")
+
+    def __init__(self, module: nn.Module, forward: Callable[..., Any], args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> None:
+        self.module = module
+        self.forward = forward
+        self.captured = capture_weights(module)
+        self.kwargs = kwargs
+        self.layout = [None if isinstance(a, torch.Tensor) else a for a in args]
+        # the state the original forward ran under, to run it again identically (as checkpoint does)
+        self.device_type = _infer_device_type(*args)
+        self.autocast = _get_autocast_kwargs(self.device_type)
+        self.cpu_rng = torch.get_rng_state()
+        self.rng_devices: list[int] = []
+        self.device_rng: list[torch.Tensor] = []
+        if getattr(_get_device_module(self.device_type), "_initialized", False):
+            self.rng_devices, self.device_rng = get_device_states(*args)
+        self.device_ctx = _device_context()
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        # the dummy requires grad so the saver always gets a node that holds the saved inputs
+        self.saver: torch.Tensor = _SaveInputs.apply(torch.empty(0, requires_grad=True), *tensors)
+
+    def inputs(self) -> list[Any]:
+        """The call's arguments again (the tensors are unpacked through the hooks that saved them)."""
+        assert self.saver.grad_fn is not None
+        tensors = iter(self.saver.grad_fn.saved_tensors)  # type: ignore[attr-defined]
+        return [next(tensors) if a is None else a for a in self.layout]
+
+    def run(self, args: list[Any], pack: Callable[[torch.Tensor], Any]) -> None:
+        """Call the forward on ``args`` under the original state, with ``pack`` as its saved-tensor hook."""
+        with self._state(), torch.autograd.graph.saved_tensors_hooks(pack, _identity), torch.enable_grad():
+            if _same_weights(self.module, self.captured):
+                self.forward(*args, **self.kwargs)
+            else:
+                functional_call(self.module, self.captured, tuple(args), self.kwargs)
+
+    @contextlib.contextmanager
+    def _state(self) -> Iterator[None]:
+        """The RNG, autocast and device-context state of the original forward (restored after)."""
+        device_autocast, cpu_autocast = self.autocast
+        with torch.random.fork_rng(devices=self.rng_devices, device_type=self.device_type):
+            torch.set_rng_state(self.cpu_rng)
+            if self.rng_devices:
+                set_device_states(self.rng_devices, self.device_rng, device_type=self.device_type)
+            device_ctx = (torch.amp.autocast(device_type=self.device_type, **device_autocast)
+                          if device_autocast is not None else contextlib.nullcontext())
+            with device_ctx, torch.amp.autocast("cpu", **cpu_autocast), self.device_ctx:
+                yield
