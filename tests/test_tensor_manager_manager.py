@@ -129,7 +129,7 @@ def test_a_learned_step_order_prefetches_each_backward_before_it_starts():
                 losses.append(spec.loss_fn()(model(xm.clone()), ym))
         on_host.append([])
         for mb, loss in enumerate(losses):
-            on_host[-1].append(manager._engine.host_bytes(mb))
+            on_host[-1].append(manager._swap_in.host_bytes(mb))
             with manager.backward(mb):
                 loss.backward()
     # the first step: each backward fetched its own micro-batch when it started; the second: the action before did

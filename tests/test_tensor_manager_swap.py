@@ -9,7 +9,6 @@ Split-backward (zero-bubble) phases are not covered here: plain backwards only.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Sequence
 
 import pytest
@@ -19,6 +18,7 @@ from vpipe.tensor_manager.accounting import Ledger
 from vpipe.tensor_manager.copy_engine import D2H, H2D, CpuCopyEngine, Ticket
 from vpipe.tensor_manager.pool import HostPool, HostPoolFullError
 from vpipe.tensor_manager.swap import KeptHandle, SwapEngine, SwappedHandle
+from vpipe.tensor_manager.swap_in import SwapIn
 
 CPU = torch.device("cpu")
 KIB = 1024
@@ -94,12 +94,19 @@ def swap(engine: SwapEngine, t: torch.Tensor, layer: int = 0, mb: int = 0) -> Ke
     return engine.swap_out(t, storage, layer, mb, storage.data_ptr(), storage.nbytes())
 
 
+_BACK: dict[int, SwapIn] = {}
+
+
+def back(engine: SwapEngine) -> SwapIn:
+    """The side that brings ``engine``'s storages back (one per engine, as a tensor manager holds it)."""
+    if id(engine) not in _BACK:
+        _BACK[id(engine)] = SwapIn(engine)
+    return _BACK[id(engine)]
+
+
 def end_full_phase(engine: SwapEngine, mb: int) -> None:
-    """A plain (not split) backward of ``mb`` ended (the split-backward work names the phase: pass it if it can)."""
-    if "phase" in inspect.signature(engine.end_phase).parameters:
-        engine.end_phase(mb, "full")  # type: ignore[call-arg]
-    else:
-        engine.end_phase(mb)
+    """A plain (not split) backward of ``mb`` ended."""
+    back(engine).end_phase(mb, "full")
 
 
 def kib(n: int) -> torch.Tensor:
@@ -145,11 +152,11 @@ def test_swapped_bytes_stay_counted_until_their_copy_ran_then_live_on_the_host_o
     assert engine.copies.bytes[D2H] == 4 * KIB and engine.layer_d2h == {1: 4 * KIB}
     assert ledger.resident == 0 and ledger.peak == 4 * KIB  # a synchronous copy: the device bytes went at once
     assert torch.equal(handle.entry.host.data, x.reshape(-1).view(torch.uint8))
-    assert engine.host_bytes(0) == 4 * KIB and engine.live_micro_batches(1) == {0: 1}
+    assert back(engine).host_bytes(0) == 4 * KIB and engine.live_micro_batches(1) == {0: 1}
 
-    restored = engine.restore(handle)  # no prefetch: copied back on demand
+    restored = back(engine).restore(handle)  # no prefetch: copied back on demand
     assert torch.equal(restored, x) and restored.stride() == x.stride() and restored.data_ptr() != x.data_ptr()
-    assert engine.sync_fallbacks == 1 and engine.copies.bytes[H2D] == 4 * KIB and engine.layer_h2d == {1: 4 * KIB}
+    assert back(engine).sync_fallbacks == 1 and engine.copies.bytes[H2D] == 4 * KIB and back(engine).layer_h2d == {1: 4 * KIB}
     assert ledger.resident == 0  # its only handle was unpacked: the node holds the copy, the ledger does not
     del handle
     assert engine.drain()
@@ -164,11 +171,11 @@ def test_views_of_one_storage_are_copied_out_once_and_brought_back_once():
     assert len({h.entry for h in handles}) == 1
     engine.flush_swap_outs()
     assert engine.copies.bytes[D2H] == 6 * KIB and engine.pool.used_bytes == 6 * KIB and engine.live_entries() == 1
-    got = [engine.restore(h) for h in handles]
+    got = [back(engine).restore(h) for h in handles]
     for want, have in zip((q, k, v), got):
         assert torch.equal(have, want) and have.stride() == want.stride()
         assert have.storage_offset() == want.storage_offset()
-    assert engine.copies.bytes[H2D] == 6 * KIB and engine.sync_fallbacks == 1  # one copy served all three
+    assert engine.copies.bytes[H2D] == 6 * KIB and back(engine).sync_fallbacks == 1  # one copy served all three
     assert ledger.peak == 6 * KIB
     del handles, got
     engine.drain()
@@ -183,9 +190,9 @@ def test_a_storage_two_micro_batches_saved_is_copied_once_and_prefetched_for_eit
     assert a.entry is b.entry and a.entry.users == [0, 1]
     engine.flush_swap_outs()
     assert sorted(engine.swapped_micro_batches()) == [0, 1] and engine.copies.bytes[D2H] == 2 * KIB
-    assert engine.host_bytes(1) == 2 * KIB
-    assert engine.prefetch(1, None) and engine.prefetched == 1 and ledger.resident == 2 * KIB
-    assert engine.host_bytes(0) == 0  # one copy on the device serves both micro-batches
+    assert back(engine).host_bytes(1) == 2 * KIB
+    assert back(engine).prefetch(1, None) and back(engine).prefetched == 1 and ledger.resident == 2 * KIB
+    assert back(engine).host_bytes(0) == 0  # one copy on the device serves both micro-batches
     del a
     engine.drain()
     assert engine.pool.used_bytes == 2 * KIB  # micro-batch 1 still holds it
@@ -229,31 +236,31 @@ def _three_swapped(engine: SwapEngine, mbs: Sequence[int] = (0, 0, 0)) -> tuple[
 def test_prefetch_brings_the_last_saved_back_first_and_stops_at_the_limit():
     engine, ledger = make_engine()
     tensors, handles = _three_swapped(engine)
-    assert engine.host_bytes(0) == 3 * KIB and ledger.resident == 0
-    assert engine.prefetch(0, KIB - 1) is False and engine.prefetched == 0  # not even one fits
-    assert engine.prefetch(0, 2 * KIB) is False  # the last two saved (the backward's first), then the limit
+    assert back(engine).host_bytes(0) == 3 * KIB and ledger.resident == 0
+    assert back(engine).prefetch(0, KIB - 1) is False and back(engine).prefetched == 0  # not even one fits
+    assert back(engine).prefetch(0, 2 * KIB) is False  # the last two saved (the backward's first), then the limit
     assert [h.entry.device_copy is not None for h in handles] == [False, True, True]
-    assert ledger.resident == 2 * KIB and engine.prefetched == 2 and engine.host_bytes(0) == KIB
-    assert engine.layer_h2d == {1: KIB, 2: KIB}
-    assert engine.prefetch(0, None) is True and ledger.resident == 3 * KIB and engine.prefetched == 3
-    assert engine.prefetch(0, None) is True and engine.prefetched == 3  # nothing left to bring back
+    assert ledger.resident == 2 * KIB and back(engine).prefetched == 2 and back(engine).host_bytes(0) == KIB
+    assert back(engine).layer_h2d == {1: KIB, 2: KIB}
+    assert back(engine).prefetch(0, None) is True and ledger.resident == 3 * KIB and back(engine).prefetched == 3
+    assert back(engine).prefetch(0, None) is True and back(engine).prefetched == 3  # nothing left to bring back
     for handle, want in zip(reversed(handles), reversed(tensors)):
-        assert torch.equal(engine.restore(handle), want)
-    assert engine.sync_fallbacks == 0 and engine.copies.bytes[H2D] == 3 * KIB
-    assert engine.prefetch(7, None) is True  # a micro-batch with nothing swapped
+        assert torch.equal(back(engine).restore(handle), want)
+    assert back(engine).sync_fallbacks == 0 and engine.copies.bytes[H2D] == 3 * KIB
+    assert back(engine).prefetch(7, None) is True  # a micro-batch with nothing swapped
 
 
 def test_the_end_of_a_backward_drops_its_micro_batchs_device_copies_only():
     engine, ledger = make_engine()
     tensors, handles = _three_swapped(engine, mbs=(0, 0, 1))
-    engine.prefetch(0, None)
-    engine.prefetch(1, None)
+    back(engine).prefetch(0, None)
+    back(engine).prefetch(1, None)
     assert ledger.resident == 3 * KIB and ledger.resident_of(2) == {1: KIB}
     end_full_phase(engine, 0)
     assert ledger.resident == KIB and ledger.resident_by_layer() == {2: KIB}
     assert engine.pool.used_bytes == 3 * KIB and engine.live_entries() == 3  # the host copies stay with the handles
-    assert engine.host_bytes(0) == 2 * KIB
-    assert torch.equal(engine.restore(handles[0]), tensors[0]) and engine.sync_fallbacks == 1  # fetched again
+    assert back(engine).host_bytes(0) == 2 * KIB
+    assert torch.equal(back(engine).restore(handles[0]), tensors[0]) and back(engine).sync_fallbacks == 1  # fetched again
     end_full_phase(engine, 1)
     assert ledger.resident == 0
 
@@ -266,8 +273,8 @@ def test_device_bytes_are_dropped_only_once_their_copy_to_the_host_finished():
     handle = swap(engine, x)
     engine.flush_swap_outs()
     assert engine.copies_in_flight and ledger.resident == 2 * KIB
-    restored = engine.restore(handle)  # the original is still here: no copy back at all
-    assert restored.data_ptr() == x.data_ptr() and engine.sync_fallbacks == 0 and copies.bytes[H2D] == 0
+    restored = back(engine).restore(handle)  # the original is still here: no copy back at all
+    assert restored.data_ptr() == x.data_ptr() and back(engine).sync_fallbacks == 0 and copies.bytes[H2D] == 0
     engine.poll()
     assert ledger.resident == 2 * KIB  # the copy has not run: the bytes are still needed
     copies.complete_all()
@@ -293,7 +300,7 @@ def test_host_blocks_released_while_a_copy_reads_or_writes_them_are_freed_after_
     engine.flush_swap_outs()
     copies.complete_all()
     engine.poll()
-    engine.prefetch(0, None)  # a copy back to the device, still running when the handle dies
+    back(engine).prefetch(0, None)  # a copy back to the device, still running when the handle dies
     del back_in_flight
     engine.drain()
     assert engine.pool.used_bytes == KIB and ledger.resident == 0
