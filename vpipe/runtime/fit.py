@@ -26,7 +26,13 @@ from typing import Any
 
 import torch
 
+from vpipe.plan import Policy
 from vpipe.runtime.config import RunConfig
+from vpipe.runtime.models import build_model
+from vpipe.runtime.simulate import action_order
+from vpipe.runtime.trainer import _sub_spec, make_optimizer
+from vpipe.tensor_manager import MemoryBudgetError, TensorManager
+from vpipe.tensor_manager.budget import expected_state_factor, stage_fixed_bytes
 
 __all__ = ["StageFit", "PipelineFit", "pipeline_fit", "largest_fitting"]
 
@@ -103,8 +109,6 @@ def largest_fitting(fits: Callable[[int], bool], *, low: int = 1, high: int = 10
 
 def _stage_inputs(cfg: RunConfig) -> list[list[torch.Tensor]]:
     """Per stage, the input of each micro-batch of step 0 (the boundary tensors the previous stage sends)."""
-    from vpipe.runtime.models import build_model
-
     spec = cfg.model_spec()
     model = build_model(spec, seed=cfg.seed)
     x, _ = spec.batch(0, cfg.batch_size, cfg.seed)
@@ -123,13 +127,6 @@ def _stage_inputs(cfg: RunConfig) -> list[list[torch.Tensor]]:
 
 def _stage_fit(cfg: RunConfig, k: int, inputs: list[torch.Tensor], budget: int, *, managed: bool, policy: str,
                steps: int) -> StageFit:
-    from vpipe.plan import Policy
-    from vpipe.runtime.models import build_model
-    from vpipe.runtime.simulate import action_order
-    from vpipe.runtime.trainer import _sub_spec, make_optimizer
-    from vpipe.tensor_manager import MemoryBudgetError, TensorManager
-    from vpipe.tensor_manager.budget import expected_state_factor, stage_fixed_bytes
-
     spec = cfg.model_spec()
     ids = cfg.stage_layer_ids()[k]
     module = build_model(_sub_spec(spec, ids), seed=cfg.seed, ids=ids)

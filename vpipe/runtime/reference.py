@@ -14,7 +14,7 @@ import torch
 from torch.func import functional_call
 
 from vpipe.runtime.config import RunConfig
-from vpipe.runtime.models import build_model
+from vpipe.runtime.models import block_spec, build_layer, build_model
 from vpipe.schedules.pipedream import start_version
 from vpipe.runtime.trainer import make_optimizer, make_scheduler
 
@@ -71,8 +71,6 @@ def reference_flush(cfg: RunConfig) -> tuple[dict[str, torch.Tensor], list[float
 
 def _edit_layers(cfg: RunConfig, model: torch.nn.Sequential, optimizers: list, step: int, next_id: int) -> int:
     """Apply the layer edits of ``cfg.nas`` due before ``step``, as the layer manager does; returns the next id."""
-    from vpipe.runtime.models import block_spec, build_layer
-
     for event in cfg.nas or []:
         if event["step"] != step:
             continue

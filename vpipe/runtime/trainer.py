@@ -13,18 +13,26 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from vpipe import faults
+from vpipe.attach import VpipeConfig, attach
+from vpipe.checkpoint import (VERSION, CheckpointError, holds_checkpoints, load_checkpoint, restore_stage,
+                              save_checkpoint, skipped_newer)
+from vpipe.control.session import ControlOptions, open_for_stage_run
+from vpipe.plan import Plan, Policy
 from vpipe.runtime.config import RunConfig
 from vpipe.runtime.launch import Distributed
-from vpipe.runtime.models import build_model
+from vpipe.runtime.models import block_spec, build_layer, build_model
 from vpipe.schedules.pipedream import SchedulePipeDream
 
 log = logging.getLogger("vpipe.runtime")
@@ -115,8 +123,6 @@ def build_stage_run(cfg: RunConfig, stage_index: int, device: torch.device, grou
 
 
 def _sub_spec(spec: Any, layer_ids: list[int]) -> Any:
-    from dataclasses import replace
-
     return replace(spec, layers=[spec.layers[i] for i in layer_ids])
 
 
@@ -140,8 +146,6 @@ def train_rank(cfg: RunConfig, ctx: Distributed) -> RunResult:
     run = build_stage_run(cfg, ctx.rank, ctx.device, layer_ids=placement[ctx.rank] if placement else None)
     first_step = 0
     if resumed is not None:
-        from vpipe.checkpoint import restore_stage
-
         # the RNG stream is a rank's: it continues only where the same rank runs the same stage
         restore_stage(resumed, run.module, run.optimizer, run.scheduler,
                       rank=ctx.rank if resumed.num_stages == cfg.stages else None)
@@ -199,8 +203,6 @@ def load_resume(cfg: RunConfig, verify: str = "stat") -> Any:
     ``verify`` is :func:`~vpipe.checkpoint.load_checkpoint`'s: the launcher checks every shard,
     a rank hashes the shards it loads.
     """
-    from vpipe.checkpoint import CheckpointError, holds_checkpoints, load_checkpoint, skipped_newer
-
     if not holds_checkpoints(cfg.resume or ""):
         return None
     ckpt = load_checkpoint(cfg.resume or "", verify=verify)
@@ -224,8 +226,6 @@ def load_resume(cfg: RunConfig, verify: str = "stat") -> Any:
 
 def check_checkpoint_dir(cfg: RunConfig) -> None:
     """--checkpoint-dir must be writable: found at launch, not at the first checkpoint hours later."""
-    from vpipe.checkpoint import CheckpointError
-
     if not cfg.checkpoint_dir:
         return
     root = Path(cfg.checkpoint_dir)
@@ -251,8 +251,6 @@ def save_run_checkpoint(cfg: RunConfig, run: StageRun, ctx: Distributed, vp: Any
     """Collective: this rank's shard of the checkpoint after ``steps_done`` steps (rank 0 seals it).
 
     ``placement`` is the run's fixed placement when vpipe is off (vpipe knows its own)."""
-    from vpipe.checkpoint import VERSION, save_checkpoint
-
     if vp is not None:
         state = vp.state_dict()
     else:
@@ -270,10 +268,6 @@ def _attach_vpipe(cfg: RunConfig, run: StageRun, resume_state: dict[str, Any] | 
 
     On resume the vpipe state is restored first, and only moves still ahead are requested,
     with epochs after the restored one. ``overrides`` set further :class:`VpipeConfig` fields."""
-    from vpipe.attach import VpipeConfig, attach
-    from vpipe.plan import Plan, Policy
-    from vpipe.runtime.models import build_layer
-
     spec = cfg.model_spec()
     config = VpipeConfig(
         memory_budget=cfg.memory_budget,
@@ -299,8 +293,6 @@ def _attach_vpipe(cfg: RunConfig, run: StageRun, resume_state: dict[str, Any] | 
 
 def apply_layer_edits(cfg: RunConfig, vp: Any, step: int) -> None:
     """The layer additions and removals ``cfg.nas`` schedules before ``step`` (every rank alike)."""
-    from vpipe.runtime.models import block_spec
-
     for event in cfg.nas or []:
         if event["step"] != step:
             continue
@@ -316,8 +308,6 @@ def _control_session(cfg: RunConfig, run: StageRun, ctx: Distributed) -> Any:
     """The monitor + control plane session of this rank, when ``cfg.monitor_every`` asks for one."""
     if not cfg.monitor_every:
         return None
-    from vpipe.control.session import ControlOptions, open_for_stage_run
-
     options = ControlOptions(sample_every=cfg.monitor_every, planner=cfg.planner, log_file=cfg.log_file)
     return open_for_stage_run(run, ctx, options)
 
@@ -347,9 +337,6 @@ def samples_per_s(cfg: RunConfig, result: RunResult) -> float:
 
 
 def print_summary(cfg: RunConfig, result: RunResult) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     table = Table(title="vpipe run summary", show_header=False)
     table.add_row("model", f"{cfg.model_spec().name} ({cfg.n_layers} layers)")
     table.add_row("pipeline", f"{cfg.stages} stages, {cfg.schedule}, layers per stage {cfg.layer_counts()}")
@@ -372,8 +359,6 @@ class _Progress:
 
     def __enter__(self) -> _Progress:
         if self.enabled:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
             self._bar = Progress(
                 TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
                 TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[rate]} samples/s"),
