@@ -94,7 +94,7 @@ class LayerBusyError(RuntimeError):
 
 
 class TensorManager:
-    """Per-stage manager of saved activations (see the module docstring and DESIGN.md)."""
+    """Per-stage manager of saved activations (see the module docstring and docs/tensor-manager.md)."""
 
     def __init__(
         self,
