@@ -95,7 +95,7 @@ def subgroup() -> dict:
 def _traced_run(steps: int, with_vpipe: bool) -> tuple[list[list[float]], dict]:
     import vpipe
 
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     torch.manual_seed(0)
     model = tut.Transformer(tut.ModelArgs())
     x0, _ = tut.batch(0, 8, 32, 256)

@@ -6,7 +6,6 @@ import datetime
 import re
 import logging
 import os
-import time
 
 import pytest
 import torch.distributed as dist

@@ -1,14 +1,14 @@
-"""LayerGraph: builders, JSON round trip, and a clear error for every kind of bad input."""
+"""LayerGraph: the builders of vpipe.profiling, JSON round trip, and a clear error for every kind of bad input."""
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
 from torch import fx
 
-from vpipe.graph import LayerGraph, LayerNode
+from vpipe.graph import LayerGraph, LayerNode, Roofline
+from vpipe.profiling import from_fx, from_layers
 from vpipe.runtime.models import build_model, cnn, transformer_lm
 
 
@@ -36,7 +36,7 @@ def test_layers_builder_profiles_a_chain():
     spec = transformer_lm(n_blocks=2, d_model=32, n_heads=2, seq_len=16, dropout=0.0)
     model = build_model(spec)
     x, _ = spec.batch(0, 2, seed=0)
-    g = LayerGraph.from_layers(list(model), x, skip_edges=[(0, 3)], repeats=1)
+    g = from_layers(list(model), x, skip_edges=[(0, 3)], repeats=1)
     assert [n.id for n in g.nodes] == [0, 1, 2, 3]
     assert (0, 3, 2 * 16 * 32 * 4) in g.edges  # the skip carries the embedding's output bytes
     assert all(n.fwd_s > 0 and n.bwd_s > 0 for n in g.nodes)
@@ -50,7 +50,7 @@ def test_fx_graph_is_acyclic_with_one_node_per_fx_node(spec):
     model = build_model(spec)
     x, _ = spec.batch(0, 2, seed=0)
     traced = fx.symbolic_trace(model)
-    g = LayerGraph.from_fx(traced, (x,))
+    g = from_fx(traced, (x,))
     assert len(g) == len(list(traced.graph.nodes))
     assert [n.name for n in g.nodes] == [n.name for n in traced.graph.nodes]
     order = {n.id: n.order for n in g.nodes}
@@ -121,8 +121,6 @@ def test_cycle_without_order_violation_is_reported_as_cycle():
 
 
 def test_fx_roofline_costs_are_deterministic_and_views_are_free():
-    from vpipe.graph import Roofline
-
     class Tiny(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -134,12 +132,12 @@ def test_fx_roofline_costs_are_deterministic_and_views_are_free():
     with torch.device("meta"):
         model, x = Tiny(), torch.zeros(32, 64)
     roof = Roofline(flops_per_s=1e9, bytes_per_s=1e12)
-    g = LayerGraph.from_fx(model, (x,), roofline=roof)
+    g = from_fx(model, (x,), roofline=roof)
     by_name = {n.name: n for n in g.nodes}
     assert by_name["fc"].fwd_s == pytest.approx(2 * 32 * 64 * 32 / 1e9)  # matmul FLOPs / peak
     assert by_name["fc"].bwd_s == pytest.approx(2 * by_name["fc"].fwd_s)
     assert by_name["view"].fwd_s == 0 and by_name["view"].act_bytes == 0  # a view allocates nothing
     assert by_name["relu"].fwd_s == pytest.approx(2 * 32 * 32 * 4 / 1e12)  # memory-bound: read + write
-    assert LayerGraph.from_fx(model, (x,), roofline=roof).nodes == g.nodes
+    assert from_fx(model, (x,), roofline=roof).nodes == g.nodes
     with pytest.raises(ValueError, match="flops_per_s must be a positive finite number"):
         Roofline(flops_per_s=0)

@@ -20,7 +20,7 @@ from torch.distributed.pipelining import SplitPoint, pipeline
 
 from vpipe.cli import main
 from vpipe.graph import LayerGraph
-from vpipe.planner.model_profile import find_units, profile_model
+from vpipe.profiling import find_units, profile_model
 from vpipe.runtime.models import reference_transformer
 
 torch.set_num_threads(1)

@@ -30,6 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
+from rich.table import Table
+
 __all__ = ["Benchmark", "BENCHMARKS", "run_benchmarks", "register"]
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -147,9 +150,6 @@ def cmd_bench(args: argparse.Namespace, argv: Any = None) -> int:
 
 
 def _print_summary(records: list[dict[str, Any]], total_s: float) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     table = Table(title=f"vpipe bench: {total_s:.0f} s in all")
     for col in ("benchmark", "status", "seconds", "note"):
         table.add_column(col, justify="right" if col == "seconds" else "left")

@@ -47,6 +47,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from vpipe.plan import Plan, PlanError, Policy
+
 log = logging.getLogger("vpipe.checkpoint")
 
 __all__ = [
@@ -105,8 +107,6 @@ class ShardInfo:
 # ====================================================================== vpipe state
 def check_vpipe_state(state: Any, where: str = "vpipe state") -> dict[str, Any]:
     """Validate what :meth:`vpipe.Vpipe.state_dict` returns (also as read back from JSON)."""
-    from vpipe.plan import Plan, PlanError, Policy
-
     if not isinstance(state, dict):
         raise CheckpointError(f"{where} must be a map, got {type(state).__name__}")
     missing = sorted({"version", "epoch", "iteration", "stages", "policies", "next_layer_id"} - set(state))

@@ -11,8 +11,12 @@ import json
 import sys
 from collections.abc import Sequence
 
+from vpipe import __version__, bench, demo, log, logview, plot
+from vpipe.control import daemon, keys
+from vpipe.planner.cli import register as register_plan
 from vpipe.runtime.config import LR_SCHEDULES, MODELS, OPTIMIZERS, SCHEDULES, RunConfig
 from vpipe.runtime.layout import MULTI_STAGE
+from vpipe.sizes import parse_bytes
 
 
 def _positive_int(text: str) -> int:
@@ -30,8 +34,6 @@ def _partition(text: str) -> list[int]:
 
 
 def _bytes(text: str) -> int:
-    from vpipe.sizes import parse_bytes
-
     try:
         return parse_bytes(text, what="memory budget")
     except ValueError as e:
@@ -176,7 +178,6 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 
 def _run_as_rank(cfg: RunConfig) -> int:
-    from vpipe import log
     from vpipe.runtime.launch import init_distributed, run_rank
     from vpipe.runtime.trainer import train_rank
 
@@ -197,7 +198,6 @@ def cmd_nas(args: argparse.Namespace, argv: Sequence[str]) -> int:
                           steps_per_candidate=args.steps_per_candidate, seed=args.seed)
     if rank_env() is None:
         return spawn([sys.executable, "-m", "vpipe", *argv], cfg.stages)
-    from vpipe import log
     from vpipe.nas import search_rank
     from vpipe.runtime.launch import init_distributed, run_rank
 
@@ -208,8 +208,6 @@ def cmd_nas(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from vpipe import __version__
-
     parser = argparse.ArgumentParser(prog="vpipe", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"vpipe {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -226,13 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     nas.add_argument("--steps-per-candidate", type=_positive_int, default=4)
     nas.set_defaults(func=cmd_nas)
 
-
-    from vpipe.planner.cli import register as register_plan
-
     register_plan(sub)
-    from vpipe import bench, demo, logview, plot
-    from vpipe.control import daemon, keys
-
     bench.register(sub)
     logview.register(sub)
     plot.register(sub)

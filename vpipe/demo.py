@@ -12,9 +12,18 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from vpipe.log import read_log
+from vpipe.logview import decision_rows
+from vpipe.runtime.config import RunConfig
+from vpipe.runtime.measure import run_training, samples_per_s
 
 __all__ = ["DemoPlan", "phase_throughput", "register"]
 
@@ -48,21 +57,11 @@ class DemoPlan:
 
 def phase_throughput(step_s: list[list[float]], samples_per_step: int, phases: dict[str, range]) -> dict[str, float]:
     """Median samples per second of each phase."""
-    from vpipe.runtime.measure import samples_per_s
-
     per_step = samples_per_s(step_s, samples_per_step)
     return {name: statistics.median(per_step[i] for i in span if i < len(per_step)) for name, span in phases.items()}
 
 
 def run_demo(plan: DemoPlan, log_dir: Path) -> int:
-    from rich.console import Console
-    from rich.table import Table
-
-    from vpipe.log import read_log
-    from vpipe.logview import decision_rows
-    from vpipe.runtime.config import RunConfig
-    from vpipe.runtime.measure import run_training
-
     console = Console()
     log_dir.mkdir(parents=True, exist_ok=True)
     model = dict(blocks=4, d_model=128, n_heads=4, seq_len=64, micro_batches=4, micro_batch_size=4, dropout=0.0,
@@ -111,8 +110,6 @@ def register(sub: Any) -> None:
 
 
 def _cmd_demo(args: argparse.Namespace, argv: Any) -> int:
-    import sys
-
     try:
         plan = DemoPlan(steps=args.steps, add_step=args.add_step, remove_step=args.remove_step)
     except ValueError as e:

@@ -1,32 +1,30 @@
 """LayerGraph: the placement units of a model, their costs, and the data flowing between them.
 
 The planner only ever sees this graph. A node is a unit that can be placed on a stage (a
-layer of an ``nn.Sequential`` or an operator of an fx trace); ``order`` is its position in
-the execution order, which every edge must respect (a pipeline stage is a contiguous range
-of it). Costs are per micro-batch: ``fwd_s``/``bwd_s`` in seconds, ``act_bytes`` the bytes
-autograd saves for the backward, ``param_bytes`` the parameters' bytes.
+layer of an ``nn.Sequential``, an operator of an fx trace, a block of a model); ``order`` is
+its position in the execution order, which every edge must respect (a pipeline stage is a
+contiguous range of it). Costs are per micro-batch: ``fwd_s``/``bwd_s`` in seconds,
+``act_bytes`` the bytes autograd saves for the backward, ``param_bytes`` the parameters' bytes.
 
-Everything that enters from outside (JSON, builders' arguments) is validated here, and any
-problem is reported as a ``ValueError`` that names the node, edge or key at fault.
+This module is the data model and its JSON (``docs/graph-format.md``), and it never imports
+torch: ``vpipe plan GRAPH.json`` and the planner daemon read graphs without it. Graphs are
+measured from modules by :mod:`vpipe.profiling`. Everything that enters from outside (JSON,
+builders' results) is validated here, and any problem is reported as a ``ValueError`` that
+names the node, edge or key at fault.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from vpipe.sizes import MAX_BYTES
 
-if TYPE_CHECKING:  # torch loads only when a builder runs: `vpipe plan` and the planner daemon stay light
-    import torch
-    from torch import nn
-
-__all__ = ["LayerNode", "LayerGraph", "Roofline"]
+__all__ = ["LayerNode", "LayerGraph", "Roofline", "Unit", "ModelGraph", "load_graph"]
 
 
 @dataclass(frozen=True)
@@ -69,7 +67,8 @@ class LayerNode:
 
 @dataclass
 class LayerGraph:
-    """A DAG of placement units. Construct through the builders or :meth:`from_dict`."""
+    """A DAG of placement units. Construct directly, through :meth:`from_dict`, or with the builders
+    of :mod:`vpipe.profiling` (``from_layers``, ``from_fx``, ``profile_model``)."""
 
     name: str
     nodes: list[LayerNode]
@@ -163,264 +162,59 @@ class LayerGraph:
             raise ValueError(f"graph file {str(path)!r} nests its JSON too deeply to be a layer graph") from None
         return cls.from_dict(data)
 
-    # ----------------------------------------------------------------- builders
-    @classmethod
-    def from_layers(
-        cls,
-        layers: Sequence[nn.Module] | nn.Sequential,
-        example_input: torch.Tensor | tuple[torch.Tensor, ...],
-        *,
-        skip_edges: Iterable[tuple[int, int]] = (),
-        ids: Sequence[int] | None = None,
-        name: str = "layers",
-        repeats: int = 3,
-    ) -> LayerGraph:
-        """Profile a chain of layers on ``example_input`` (one micro-batch).
 
-        Each layer is timed forward and backward one after another in this process (the
-        median of ``repeats`` runs), its saved activations are counted with a pack hook and
-        the bytes it hands to the next layer become the chain edge. ``skip_edges`` are extra
-        ``(src_index, dst_index)`` data dependencies (e.g. a U-Net's long skips); they carry
-        the source's output bytes.
-        """
-        layers = list(layers)
-        if not layers:
-            raise ValueError("from_layers needs at least one layer")
-        ids = list(range(len(layers))) if ids is None else list(ids)
-        if len(ids) != len(layers):
-            raise ValueError(f"got {len(ids)} ids for {len(layers)} layers")
-        profiles = profile_layers(layers, example_input, repeats=repeats)
-        nodes = [
-            LayerNode(
-                id=ids[i],
-                name=f"{i}:{type(layer).__name__}",
-                fwd_s=p.fwd_s,
-                bwd_s=p.bwd_s,
-                act_bytes=p.act_bytes,
-                param_bytes=p.param_bytes,
-                order=i,
-            )
-            for i, (layer, p) in enumerate(zip(layers, profiles))
-        ]
-        edges = [(ids[i], ids[i + 1], profiles[i].out_bytes) for i in range(len(layers) - 1)]
-        for src, dst in skip_edges:
-            if not (0 <= src < len(layers) and 0 <= dst < len(layers)):
-                raise ValueError(f"skip edge ({src}, {dst}) names a layer outside 0..{len(layers) - 1}")
-            edges.append((ids[src], ids[dst], profiles[src].out_bytes))
-        return cls(name=name, nodes=nodes, edges=edges)
-
-    @classmethod
-    def from_fx(
-        cls,
-        module: nn.Module,
-        example_inputs: tuple[Any, ...],
-        *,
-        name: str | None = None,
-        measure: bool = True,
-        bwd_factor: float = 2.0,
-        roofline: Roofline | None = None,
-    ) -> LayerGraph:
-        """One node per node of a ``torch.fx`` trace (placeholders and output included).
-
-        The trace is run once on ``example_inputs``; every node's output bytes become the
-        bytes of its outgoing edges and its ``act_bytes``; parameters are charged to the
-        ``get_attr``/``call_module`` node that owns them. With ``measure`` each node's forward
-        is timed, else its cost is estimated from its output size; the backward is
-        ``bwd_factor`` times the forward (the usual 2x of a matmul-dominated model).
-
-        With ``roofline`` (which overrides ``measure``) the forward is estimated from the
-        node's FLOPs (``torch.utils.flop_counter``) and the bytes it reads and writes, so the
-        module and inputs may live on the meta device: model-sized graphs trace in seconds
-        and get the same costs on every run. View-like nodes (``view``, ``transpose``,
-        ``getitem`` ...) allocate nothing, so in this mode they cost nothing and save nothing.
-        """
-        import torch
-        from torch import fx
-
-        gm = module if isinstance(module, fx.GraphModule) else fx.symbolic_trace(module)
-        recorder = _FxRecorder(gm, measure=measure and roofline is None, count_flops=roofline is not None)
-        with torch.no_grad():
-            recorder.run(*example_inputs)
-        index = {node.name: i for i, node in enumerate(gm.graph.nodes)}
-        nodes: list[LayerNode] = []
-        edges: list[tuple[int, int, int]] = []
-        for i, node in enumerate(gm.graph.nodes):
-            out_bytes = recorder.out_bytes.get(node.name, 0)
-            act_bytes = out_bytes if node.op not in ("placeholder", "output") else 0
-            if roofline is not None:
-                if _is_view_like(node):
-                    fwd, act_bytes = 0.0, 0
-                else:
-                    moved = out_bytes + sum(recorder.out_bytes.get(a.name, 0) for a in node.all_input_nodes)
-                    fwd = roofline.seconds(recorder.flops.get(node.name, 0), moved) if node.op.startswith("call") else 0.0
-            elif measure:
-                fwd = recorder.seconds.get(node.name, 0.0)
-            else:
-                fwd = out_bytes * 1e-10
-            nodes.append(
-                LayerNode(
-                    id=i,
-                    name=node.name,
-                    fwd_s=fwd,
-                    bwd_s=fwd * bwd_factor,
-                    act_bytes=act_bytes,
-                    param_bytes=_fx_param_bytes(gm, node),
-                    order=i,
-                )
-            )
-            for user in node.users:
-                edges.append((i, index[user.name], out_bytes))
-        return cls(name=name or type(module).__name__, nodes=nodes, edges=edges)
-
-
-# --------------------------------------------------------------------- profiling
+# --------------------------------------------------------------------- a model's graph
 @dataclass(frozen=True)
-class LayerProfile:
-    fwd_s: float
-    bwd_s: float
-    act_bytes: int
-    param_bytes: int
-    out_bytes: int
+class Unit:
+    """A placement unit of a model: a block of a container of repeated blocks, or another module."""
+
+    name: str  # the module's qualified name in the model
+    container: str | None = None  # the block container's path for a block, None for any other module
 
 
-def tensor_bytes(value: Any) -> int:
-    """Bytes of all tensors in a (nested) value."""
-    import torch
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, (tuple, list)):
-        return sum(tensor_bytes(v) for v in value)
-    if isinstance(value, dict):
-        return sum(tensor_bytes(v) for v in value.values())
-    return 0
+@dataclass
+class ModelGraph:
+    """A model's layer graph (node ``i`` is ``units[i]``) and where it was measured."""
+
+    graph: LayerGraph
+    units: list[Unit]
+    containers: list[str]
+    device: str
+    source: str = ""
+    unused: list[str] = field(default_factory=list)  # modules the forward never called: not placed
+
+    def to_dict(self) -> dict[str, Any]:
+        """The graph's JSON (``docs/graph-format.md``), annotated with where it came from."""
+        out = self.graph.to_dict()
+        out["model"] = {"source": self.source, "device": self.device, "containers": self.containers,
+                        "blocks": {u.name: u.container for u in self.units if u.container is not None},
+                        "unused": self.unused}
+        return out
+
+    @classmethod
+    def from_annotation(cls, graph: LayerGraph, raw: Any) -> ModelGraph:
+        """Rebuild from a saved graph's ``"model"`` annotation (what :meth:`to_dict` writes)."""
+        if not isinstance(raw, dict):
+            raise ValueError("graph 'model' annotation must be an object")
+        containers, blocks = raw.get("containers", []), raw.get("blocks", {})
+        if not (isinstance(containers, list) and all(isinstance(c, str) for c in containers)):
+            raise ValueError("graph 'model' annotation: 'containers' must be a list of module paths")
+        if not (isinstance(blocks, dict) and all(isinstance(v, str) and v in containers for v in blocks.values())):
+            raise ValueError("graph 'model' annotation: 'blocks' must map module names to one of 'containers'")
+        texts = {key: raw.get(key, "") for key in ("source", "device")}
+        unused = raw.get("unused", [])
+        if not all(isinstance(v, str) for v in texts.values()) or not (
+                isinstance(unused, list) and all(isinstance(u, str) for u in unused)):
+            raise ValueError("graph 'model' annotation: 'source' and 'device' must be strings, 'unused' a list of them")
+        units = [Unit(node.name, blocks.get(node.name)) for node in graph.nodes]
+        return cls(graph, units, containers, texts["device"], texts["source"], unused)
 
 
-def param_bytes(module: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in module.parameters())
-
-
-def profile_layers(
-    layers: Sequence[nn.Module],
-    example_input: torch.Tensor | tuple[torch.Tensor, ...],
-    *,
-    repeats: int = 3,
-) -> list[LayerProfile]:
-    """Time each layer's forward and backward in turn, count the bytes it saves."""
-    import torch
-    from vpipe.tensor_manager.accounting import count_saved_bytes
-
-    inputs = example_input if isinstance(example_input, tuple) else (example_input,)
-    profiles = []
-    for layer in layers:
-        leaf_inputs = tuple(_as_leaf(x) for x in inputs)
-        fwd_times, bwd_times = [], []
-        saved = 0
-        out: Any = None
-        for _ in range(max(1, repeats)):
-            t0 = time.perf_counter()
-            with count_saved_bytes(layer) as counter:
-                out = layer(*leaf_inputs)
-            t1 = time.perf_counter()
-            saved = counter.bytes
-            outs = [o for o in _flatten(out) if isinstance(o, torch.Tensor) and o.requires_grad]
-            if outs:
-                torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
-            t2 = time.perf_counter()
-            fwd_times.append(t1 - t0)
-            bwd_times.append(t2 - t1)
-        layer.zero_grad(set_to_none=True)
-        profiles.append(
-            LayerProfile(
-                fwd_s=_median(fwd_times),
-                bwd_s=_median(bwd_times),
-                act_bytes=saved,
-                param_bytes=param_bytes(layer),
-                out_bytes=tensor_bytes(out),
-            )
-        )
-        inputs = tuple(o.detach() for o in _flatten(out) if isinstance(o, torch.Tensor))
-    return profiles
-
-
-def _as_leaf(x: Any) -> Any:
-    import torch
-    if isinstance(x, torch.Tensor):
-        return x.detach().requires_grad_(x.is_floating_point())
-    return x
-
-
-def _flatten(value: Any) -> list[Any]:
-    if isinstance(value, (tuple, list)):
-        return [v for item in value for v in _flatten(item)]
-    return [value]
-
-
-def _median(values: list[float]) -> float:
-    s = sorted(values)
-    return s[len(s) // 2]
-
-
-class _FxRecorder:
-    """Runs an fx GraphModule node by node, recording output bytes and (optionally) time or FLOPs."""
-
-    def __init__(self, gm: Any, measure: bool, count_flops: bool = False) -> None:
-        from torch.fx import Interpreter
-        from torch.utils.flop_counter import FlopCounterMode
-
-        recorder = self
-        self.out_bytes: dict[str, int] = {}
-        self.seconds: dict[str, float] = {}
-        self.flops: dict[str, int] = {}
-
-        class _Interp(Interpreter):
-            def run_node(self, n):  # noqa: ANN001, ANN202 - fx's signature
-                if count_flops and n.op.startswith("call"):
-                    with FlopCounterMode(display=False) as counter:
-                        result = super().run_node(n)
-                    recorder.flops[n.name] = counter.get_total_flops()
-                else:
-                    t0 = time.perf_counter()
-                    result = super().run_node(n)
-                    if measure:
-                        recorder.seconds[n.name] = time.perf_counter() - t0
-                recorder.out_bytes[n.name] = tensor_bytes(result)
-                return result
-
-        self._interp = _Interp(gm)
-
-    def run(self, *args: Any) -> Any:
-        return self._interp.run(*args)
-
-
-_VIEW_TARGETS = frozenset({
-    "view", "reshape", "transpose", "permute", "expand", "unsqueeze", "squeeze", "flatten",
-    "size", "dim", "chunk", "split", "unbind", "narrow", "select", "t", "view_as", "expand_as",
-})
-
-
-def _is_view_like(node: Any) -> bool:
-    """True for fx nodes that return a view or metadata (no new storage, no arithmetic)."""
-    import operator
-
-    if node.op == "call_method":
-        return node.target in _VIEW_TARGETS
-    if node.op == "call_function":
-        if node.target is operator.getitem or node.target is getattr:
-            return True
-        return getattr(node.target, "__name__", "") in _VIEW_TARGETS
-    return False
-
-
-def _fx_param_bytes(gm: Any, node: Any) -> int:
-    from torch import nn
-    if node.op == "call_module":
-        return param_bytes(gm.get_submodule(node.target))
-    if node.op == "get_attr":
-        obj: Any = gm
-        for part in str(node.target).split("."):
-            obj = getattr(obj, part)
-        return tensor_bytes(obj) if isinstance(obj, nn.Parameter) else 0
-    return 0
+def load_graph(path: str | Path) -> tuple[LayerGraph, ModelGraph | None]:
+    """A graph file, and its model annotation when ``vpipe plan --model --save-graph`` wrote one."""
+    graph = LayerGraph.load(path)  # reads, validates, and names what is wrong
+    data = json.loads(Path(path).read_text())
+    return graph, (ModelGraph.from_annotation(graph, data["model"]) if "model" in data else None)
 
 
 # --------------------------------------------------------------------- validation

@@ -12,6 +12,9 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
+from rich.console import Console
+from rich.table import Table
+
 from vpipe.log import DECISIONS, read_log
 
 __all__ = ["timeline_rows", "decision_rows", "render", "register"]
@@ -63,9 +66,6 @@ def decision_rows(records: Iterable[dict[str, Any]], events: set[str]) -> list[t
 
 
 def render(path: str, *, everything: bool = False, events: set[str] | None = None) -> int:
-    from rich.console import Console
-    from rich.table import Table
-
     rows = timeline_rows(read_log(path), everything=everything, events=events)
     console = Console()
     if not console.is_terminal:  # into a file or a pipe: wide rows that grep can find whole

@@ -15,17 +15,23 @@ decisions at identical step boundaries.
 
 from __future__ import annotations
 
+import json
+import os
 import random
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from rich.console import Console
+from rich.table import Table
 
 from vpipe.log import decision
 from vpipe.runtime.models import BLOCK_TYPES, block_spec
+from vpipe.runtime.trainer import _attach_vpipe, build_stage_run
 
 __all__ = ["Architecture", "EvolutionConfig", "Candidate", "regularized_evolution", "morph"]
 
@@ -185,12 +191,6 @@ def block_spec_for(d_model: int, n_heads: int, dropout: float) -> Callable[[str]
 
 def search_rank(cfg: Any, evo: EvolutionConfig, ctx: Any) -> SearchResult:
     """One rank of ``vpipe nas``: the reference transformer under vpipe, searched by regularized evolution."""
-    import json
-    import os
-    from pathlib import Path
-
-    from vpipe.runtime.trainer import _attach_vpipe, build_stage_run
-
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     run = build_stage_run(cfg, ctx.rank, ctx.device)
     vp = _attach_vpipe(cfg, run)
@@ -218,9 +218,6 @@ def search_rank(cfg: Any, evo: EvolutionConfig, ctx: Any) -> SearchResult:
             "history": [{"architecture": list(c.arch.blocks), "loss": c.loss, "step": c.step} for c in result.history],
         }, indent=1))
     if run.is_last and cfg.progress:
-        from rich.console import Console
-        from rich.table import Table
-
         table = Table(title="regularized evolution (losses after a short training each)")
         for col in ("#", "architecture", "blocks", "loss"):
             table.add_column(col)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -126,8 +127,6 @@ def register(sub: Any) -> None:
 
 
 def _cmd_plot(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    import sys
-
     folder = Path(args.output).resolve().parent
     if not folder.is_dir():
         print(f"vpipe plot: cannot write {args.output}: the directory {folder} does not exist", file=sys.stderr)

@@ -34,11 +34,13 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 import threading
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
 
 from vpipe.control.keys import KeyFileError, public_keys_from, read_secret_file
 
@@ -78,8 +80,6 @@ def run_secret_file() -> str | None:
     secret = os.environ.get(RUN_SECRET_ENV, "").strip()
     if not secret:
         return None
-    import tempfile
-
     folder = tempfile.mkdtemp(prefix="vpipe-run-")  # mode 0700
     path = os.path.join(folder, "control.key_secret")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -173,8 +173,6 @@ class CurveGuard:
     """
 
     def __init__(self, context: zmq.Context, config: CurveConfig, *, name: str) -> None:
-        from zmq.auth.thread import ThreadAuthenticator
-
         self.config = config
         self.name = name
         self.refused: Counter = Counter()  # client public key -> refusals

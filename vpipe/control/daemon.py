@@ -38,6 +38,7 @@ from vpipe.control.curve import CurveConfig, CurveGuard
 from vpipe.control.keys import check_z85_key, read_public_file
 from vpipe.control.messages import MAX_MESSAGE_BYTES, PLANNER, Message, make
 from vpipe.control.netaddr import check_endpoint, control_host
+from vpipe import log as vlog
 from vpipe.log import decision
 from vpipe.monitors.records import StageRecord
 from vpipe.planner.judge import PlanJudge
@@ -328,8 +329,6 @@ def _server_key(text: str | None) -> bytes | None:
 
 
 def cmd_planner(args: argparse.Namespace, argv: Any = None) -> int:
-    from vpipe import log as vlog
-
     check_endpoint(args.connect)
     if args.heartbeat <= 0 or args.idle_timeout <= args.heartbeat:
         raise ValueError("--heartbeat must be > 0 and below --idle-timeout")

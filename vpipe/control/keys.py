@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import socket
 import stat
 from pathlib import Path
 from typing import Any
@@ -157,8 +158,6 @@ def register(subparsers: Any) -> None:
 
 
 def cmd_keys(args: argparse.Namespace, argv: Any = None) -> int:
-    import socket
-
     name = args.name or socket.gethostname().split(".")[0] or "vpipe"
     public_path, secret_path = write_keypair(args.directory, name)
     print(f"public key: {public_path} ({read_public_file(public_path).decode()})")

@@ -34,13 +34,13 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils.hooks import RemovableHandle
 
-from vpipe.graph import tensor_bytes
 from vpipe.monitors.clock import clock_for
 from vpipe.monitors.gpu import NvmlProbe
 from vpipe.monitors.keep_all import KeepAllSource
 from vpipe.monitors.memory import DeviceMemory, host_rss_bytes, layer_bytes
 from vpipe.monitors.records import LayerRecord, StageRecord
 from vpipe.monitors.source import SavedTensorSource, SavedTensorStats
+from vpipe.tensor_manager.accounting import tensor_bytes
 
 __all__ = ["StageMonitor", "Sample", "layers_of"]
 

@@ -1,7 +1,7 @@
 """The global planner: cost model, optimize_sr (Alg. 2), partition (Alg. 3), SRP loop (Alg. 1).
 
-Entry points, loaded on first use so that importing :mod:`vpipe.plan` (the wire
-format every component shares) does not pull in the planner's numerics:
+Entry points, loaded on first use so that importing a light part of the package (the
+planner daemon imports :mod:`vpipe.planner.judge`) does not pull in numpy:
 
 - :func:`plan_pipeline` plans a :class:`~vpipe.graph.LayerGraph` offline (``vpipe plan``);
 - :class:`SRPPlanner` turns live statistics into :class:`Proposal` s for the planner daemon;

@@ -2,7 +2,7 @@
 
 ``vpipe plan GRAPH.json`` plans a layer graph (``docs/graph-format.md``) and names layers by
 id. ``vpipe plan --model MODULE:FACTORY`` builds the graph itself: it measures the model's
-blocks and other modules on this machine (:mod:`vpipe.planner.model_profile`), plans it,
+blocks and other modules on this machine (:mod:`vpipe.profiling`), plans it,
 and prints the plan in the model's terms (:mod:`vpipe.planner.model_plan`): module names
 per stage, a ``split_spec`` for ``torch.distributed.pipelining.pipeline``, blocks per
 stage for a manual split, each module's policy.
@@ -18,13 +18,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import TYPE_CHECKING, NoReturn
+from typing import NoReturn
 
-from vpipe.planner.cost_model import SCHEDULES, Hardware
+from rich.console import Console
+from rich.table import Table
+
+from vpipe.graph import LayerGraph, ModelGraph, load_graph
+from vpipe.plan import Policy
+from vpipe.planner.cost_model import SCHEDULES, GraphProfile, Hardware
+from vpipe.planner.model_plan import ModelPlan, model_plan
+from vpipe.planner.srp import METHODS, PlanResult, plan_pipeline
 from vpipe.sizes import parse_bytes as _parse_size
-
-if TYPE_CHECKING:  # the model path loads torch only when --model is given
-    from vpipe.planner.model_plan import ModelGraph, ModelPlan
 
 __all__ = ["register", "parse_bytes", "cmd_plan"]
 
@@ -105,8 +109,6 @@ def _budget(text: str | None) -> int | list[int] | None:
 
 
 def cmd_plan(args: argparse.Namespace, argv: object = None) -> int:
-    from vpipe.planner.srp import METHODS, plan_pipeline
-
     if (args.graph is None) == (args.model is None):
         raise ValueError("give either GRAPH.json or --model MODULE:FACTORY" if args.graph is None else
                          "give GRAPH.json or --model MODULE:FACTORY, not both")
@@ -125,8 +127,6 @@ def cmd_plan(args: argparse.Namespace, argv: object = None) -> int:
                          if args.network_bandwidth is not None else defaults.net_bytes_per_s),
     )
     if args.model is None:
-        from vpipe.planner.model_plan import load_graph
-
         for flag in ("input_shape", "input_dtype", "layers", "save_graph"):
             if getattr(args, flag) is not None:
                 raise ValueError(f"--{flag.replace('_', '-')} is for --model")
@@ -142,8 +142,6 @@ def cmd_plan(args: argparse.Namespace, argv: object = None) -> int:
     result = plan_pipeline(graph, stages, schedule=args.schedule, micro_batches=micro_batches,
                            memory_budget=budget, method=args.method, hardware=hardware)
     if model_graph is not None:
-        from vpipe.planner.model_plan import model_plan
-
         plan = model_plan(model_graph, result, hardware)
         if args.json:
             print(json.dumps({**plan.summary(), "device": model_graph.device}))
@@ -156,46 +154,13 @@ def cmd_plan(args: argparse.Namespace, argv: object = None) -> int:
     return 0
 
 
-def _device(text: str) -> str:
-    import torch
-
-    if text == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        device = torch.device(text)
-    except (RuntimeError, ValueError):
-        raise ValueError(f"--device must be cpu, cuda, cuda:N or auto; got {text!r}") from None
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"--device must be cpu, cuda, cuda:N or auto; got {text!r}")
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"--device {text}: this machine has no CUDA device torch can use "
-                             f"(torch {torch.__version__})")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ValueError(f"--device {text}: there are {torch.cuda.device_count()} CUDA device(s)")
-    return str(device)
-
-
 def _measure_model(args: argparse.Namespace) -> ModelGraph:
-    """Load the factory's model, measure it, and write the graph if asked."""
+    """Measure the factory's model (torch loads here, and only for ``--model``)."""
     repeats = _positive_int("--repeats", args.repeats)
-    device = _device(args.device)
-    layers = [p.strip() for p in args.layers.split(",")] if args.layers is not None else None
-    if layers is not None and not all(layers):
-        raise ValueError(f"--layers must be dotted module paths separated by commas, got {args.layers!r}")
-    from vpipe.planner.factory import load_model
-    from vpipe.planner.model_profile import profile_model
+    from vpipe.profiling.command import measure_model
 
-    loaded = load_model(args.model, args.input_shape, args.input_dtype)
-    model_graph = profile_model(loaded.model, loaded.args, loaded.kwargs, device=device, repeats=repeats,
-                                containers=layers, source=args.model)
-    if args.save_graph is not None:
-        try:
-            with open(args.save_graph, "w") as f:
-                json.dump(model_graph.to_dict(), f, indent=1)
-        except OSError as e:
-            raise ValueError(f"cannot write --save-graph {args.save_graph!r}: {e.strerror}") from None
-    return model_graph
+    return measure_model(args.model, shape=args.input_shape, dtype=args.input_dtype, device=args.device,
+                         repeats=repeats, layers=args.layers, save_graph=args.save_graph)
 
 
 def _names(model_graph: ModelGraph) -> str:
@@ -203,19 +168,12 @@ def _names(model_graph: ModelGraph) -> str:
     return ", ".join(names) if len(names) <= 8 else ", ".join(names[:4] + ["..."] + names[-2:])
 
 
-def _print_table(graph: object, result: object, args: argparse.Namespace) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    from vpipe.plan import Policy
-
+def _print_table(graph: LayerGraph, result: PlanResult, args: argparse.Namespace) -> None:
     table = Table(title=f"{getattr(graph, 'name', 'graph')}: {len(result.stages)} stages, "
                         f"{args.schedule}, {args.micro_batches} micro-batches, method {result.method}")
     for column in ("stage", "layers", "ids", "time ms", "memory", "swap", "recompute", "boundary out"):
         table.add_column(column, justify="left" if column == "ids" else "right", no_wrap=True)
-    from vpipe.planner.cost_model import GraphProfile
-
-    profile = GraphProfile(graph)  # type: ignore[arg-type]
+    profile = GraphProfile(graph)
     end = 0
     for k, layers in enumerate(result.stages):
         end += len(layers)
@@ -260,9 +218,6 @@ def _compact(names: list[str], containers: dict[str, str | None]) -> str:
 
 
 def _print_model_table(mg: ModelGraph, pl: ModelPlan, args: argparse.Namespace) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     containers = {u.name: u.container for u in mg.units}
     table = Table(title=f"{args.model or mg.source or args.graph}: {len(pl.stages)} stages, {args.schedule}, "
                         f"{args.micro_batches} micro-batches, measured on {mg.device or '?'}, method {pl.method}")

@@ -15,64 +15,16 @@ Torch-free: it reads the graph, the units and the plan, never the model.
 
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
-from vpipe.graph import LayerGraph
+from vpipe.graph import LayerGraph, ModelGraph
 from vpipe.planner.cost_model import GraphProfile, Hardware
 from vpipe.plan import Policy
 from vpipe.planner.srp import PlanResult
 
-__all__ = ["Unit", "ModelGraph", "ModelPlan", "model_plan", "load_graph"]
-
-
-@dataclass(frozen=True)
-class Unit:
-    """A placement unit of a model: a block of a container of repeated blocks, or another module."""
-
-    name: str  # the module's qualified name in the model
-    container: str | None = None  # the block container's path for a block, None for any other module
-
-
-@dataclass
-class ModelGraph:
-    """A model's layer graph (node ``i`` is ``units[i]``) and where it was measured."""
-
-    graph: LayerGraph
-    units: list[Unit]
-    containers: list[str]
-    device: str
-    source: str = ""
-    unused: list[str] = field(default_factory=list)  # modules the forward never called: not placed
-
-    def to_dict(self) -> dict[str, Any]:
-        """The graph's JSON (``docs/graph-format.md``), annotated with where it came from."""
-        out = self.graph.to_dict()
-        out["model"] = {"source": self.source, "device": self.device, "containers": self.containers,
-                        "blocks": {u.name: u.container for u in self.units if u.container is not None},
-                        "unused": self.unused}
-        return out
-
-    @classmethod
-    def from_annotation(cls, graph: LayerGraph, raw: Any) -> ModelGraph:
-        """Rebuild from a saved graph's ``"model"`` annotation (what :meth:`to_dict` writes)."""
-        if not isinstance(raw, dict):
-            raise ValueError("graph 'model' annotation must be an object")
-        containers, blocks = raw.get("containers", []), raw.get("blocks", {})
-        if not (isinstance(containers, list) and all(isinstance(c, str) for c in containers)):
-            raise ValueError("graph 'model' annotation: 'containers' must be a list of module paths")
-        if not (isinstance(blocks, dict) and all(isinstance(v, str) and v in containers for v in blocks.values())):
-            raise ValueError("graph 'model' annotation: 'blocks' must map module names to one of 'containers'")
-        texts = {key: raw.get(key, "") for key in ("source", "device")}
-        unused = raw.get("unused", [])
-        if not all(isinstance(v, str) for v in texts.values()) or not (
-                isinstance(unused, list) and all(isinstance(u, str) for u in unused)):
-            raise ValueError("graph 'model' annotation: 'source' and 'device' must be strings, 'unused' a list of them")
-        units = [Unit(node.name, blocks.get(node.name)) for node in graph.nodes]
-        return cls(graph, units, containers, texts["device"], texts["source"], unused)
+__all__ = ["ModelPlan", "model_plan"]
 
 
 @dataclass(frozen=True)
@@ -113,13 +65,6 @@ class ModelPlan:
         """``split_spec`` as Python to paste (``from torch.distributed.pipelining import SplitPoint``)."""
         inner = ", ".join(f"{name!r}: SplitPoint.BEGINNING" for name in self.split_spec)
         return "{" + inner + "}"
-
-
-def load_graph(path: str | Path) -> tuple[LayerGraph, ModelGraph | None]:
-    """A graph file, and its model annotation when ``vpipe plan --model --save-graph`` wrote one."""
-    graph = LayerGraph.load(path)  # reads, validates, and names what is wrong
-    data = json.loads(Path(path).read_text())
-    return graph, (ModelGraph.from_annotation(graph, data["model"]) if "model" in data else None)
 
 
 def model_plan(model_graph: ModelGraph, result: PlanResult, hardware: Hardware | None = None) -> ModelPlan:

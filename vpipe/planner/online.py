@@ -29,9 +29,12 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from vpipe.checks import require
+from vpipe.graph import LayerGraph, LayerNode
 from vpipe.log import decision
 from vpipe.monitors.records import StageRecord
 from vpipe.plan import Plan, Policy
+from vpipe.planner.cost_model import MULTI_STAGE, SCHEDULES, Hardware, stage_time
+from vpipe.planner.srp import SRPPlanner
 
 log = logging.getLogger("vpipe.planner.online")
 
@@ -62,8 +65,6 @@ class OnlineConfig:
     stage_ranks: list[int] | None = None
 
     def __post_init__(self) -> None:
-        from vpipe.planner.cost_model import MULTI_STAGE, SCHEDULES
-
         def need(ok: bool, message: str) -> None:
             require(ok, f"{CONFIG_ENV}: {message}")
 
@@ -129,8 +130,6 @@ class OnlinePlanner:
     """Smooths per-layer statistics and asks the SRP planner for proposals."""
 
     def __init__(self, config: OnlineConfig | None = None) -> None:
-        from vpipe.planner.cost_model import Hardware
-
         self.config = config or OnlineConfig()
         self._hardware = Hardware(copy_bytes_per_s=self.config.copy_bytes_per_s,
                                   net_bytes_per_s=self.config.net_bytes_per_s)
@@ -217,9 +216,7 @@ class OnlinePlanner:
             self._outside_bytes[end] = rec.outside_param_bytes
         self._samples += 1
 
-    def _graph(self, current: Plan, records: dict[int, Any]) -> Any:
-        from vpipe.graph import LayerGraph, LayerNode
-
+    def _graph(self, current: Plan, records: dict[int, Any]) -> LayerGraph:
         order = current.layer_ids
         # the first layer is always on the first stage and the last on the last: they carry those stages'
         # embeddings and heads, which never move (a contiguous partition cannot separate them)
@@ -238,9 +235,6 @@ class OnlinePlanner:
         return LayerGraph(name="live", nodes=nodes, edges=edges)
 
     def _planner(self, graph: Any, records: dict[int, Any], current: Plan) -> Any:
-        from vpipe.planner.cost_model import Hardware
-        from vpipe.planner.srp import SRPPlanner
-
         params = sum(r.param_bytes for r in records.values())
         state = sum(r.optimizer_bytes for r in records.values())
         # gradients (one copy of the parameters) and optimizer state, relative to the parameters
@@ -261,8 +255,6 @@ class OnlinePlanner:
         return self._srp
 
     def _report_imbalance(self, vector: list[StageRecord], current: Plan, graph: Any) -> None:
-        from vpipe.planner.cost_model import stage_time
-
         times = [stage_time(graph, list(layers), {lid: current.policy(lid) for lid in layers}, self._hardware)
                  for layers in current.stages]
         mean = sum(times) / len(times)

@@ -58,6 +58,7 @@ the boundary bytes second.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 import numpy as np
@@ -199,8 +200,6 @@ def _latest_cheapest(positions: np.ndarray, cut: np.ndarray) -> int:
 # --------------------------------------------------------------------- KL bisection
 def _cheapest_sums(values: np.ndarray, count: int) -> np.ndarray:
     """``out[t]`` = sum of the ``count`` smallest of ``values[:t]`` (inf if there are fewer)."""
-    import heapq
-
     out = np.full(values.size + 1, np.inf)
     if count == 0:
         out[:] = 0.0

@@ -27,6 +27,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.pipelining import Schedule1F1B
+from torch.distributed.pipelining.schedules import (PipelineScheduleMulti, PipelineScheduleSingle,
+                                                    _PipelineScheduleRuntime)
 
 from vpipe.migration.blocks import StageBlocks
 from vpipe.schedules.pipedream import SchedulePipeDream
@@ -91,9 +94,6 @@ class Pipeline:
 
 def inspect_target(target: Any) -> Pipeline:
     """The pipeline ``target`` (a schedule or a plain stage module) runs on this rank; refuses what vpipe cannot."""
-    from torch.distributed.pipelining.schedules import (PipelineScheduleMulti, PipelineScheduleSingle,
-                                                        _PipelineScheduleRuntime)
-
     rank, world = dist.get_rank(), dist.get_world_size()
     if isinstance(target, PipelineScheduleMulti):
         if not isinstance(target, _PipelineScheduleRuntime) or getattr(target, "pipeline_order", None) is None:
@@ -132,8 +132,6 @@ def inspect_target(target: Any) -> Pipeline:
 
 
 def _single_kind(schedule: Any) -> str:
-    from torch.distributed.pipelining import Schedule1F1B
-
     if isinstance(schedule, SchedulePipeDream):
         return "pipedream"
     return "1f1b" if isinstance(schedule, Schedule1F1B) else "gpipe"

@@ -1,7 +1,7 @@
 """Measured costs of a reference model, and the per-stage costs a simulation runs on.
 
 :func:`measure_model_costs` times every layer of a :class:`RunConfig`'s model in this
-process, one after another (``graph.profile_layers``), plus what a pipeline adds around
+process, one after another (:func:`vpipe.profiling.profile_layers`), plus what a pipeline adds around
 the layers: the loss on the last stage, each layer's optimizer update and the input
 batch. :func:`stage_costs` sums them for a partition under keep / swap / recompute
 policies (recompute adds the forward to the backward, a swap adds the copy time that the
@@ -21,8 +21,12 @@ from typing import Any
 
 import torch
 
+from vpipe.profiling.layers import profile_layers
 from vpipe.runtime.config import RunConfig
+from vpipe.runtime.models import build_model
 from vpipe.runtime.simulate import StageCost
+from vpipe.runtime.trainer import make_optimizer
+from vpipe.tensor_manager.accounting import tensor_bytes
 
 __all__ = ["LayerCost", "ModelCosts", "Link", "measure_model_costs", "stage_costs", "ideal_step_s", "scaled",
            "balanced_counts"]
@@ -90,10 +94,6 @@ class Link:
 def measure_model_costs(cfg: RunConfig, *, micro_batch_size: int | None = None, repeats: int = 5,
                         rounds: int = 3, threads: int = 1) -> ModelCosts:
     """Profile ``cfg``'s model layer by layer in this process (``threads`` intra-op threads, like a rank)."""
-    from vpipe.graph import profile_layers
-    from vpipe.runtime.models import build_model
-    from vpipe.runtime.trainer import make_optimizer
-
     mbs = micro_batch_size or cfg.micro_batch_size
     spec = cfg.model_spec()
     previous_threads = torch.get_num_threads()
@@ -106,7 +106,7 @@ def measure_model_costs(cfg: RunConfig, *, micro_batch_size: int | None = None, 
             profiles = profile_layers(list(model), x, repeats=repeats)
             best = profiles if not best else [p if p.fwd_s + p.bwd_s < b.fwd_s + b.bwd_s else b
                                               for p, b in zip(profiles, best)]
-        inputs = [_input_bytes(x)] + [p.out_bytes for p in best[:-1]]
+        inputs = [tensor_bytes(x)] + [p.out_bytes for p in best[:-1]]
         opt_s = [_optimizer_s(cfg, layer, repeats, rounds, make_optimizer) for layer in model]
         with torch.no_grad():
             logits = model(x)
@@ -119,12 +119,6 @@ def measure_model_costs(cfg: RunConfig, *, micro_batch_size: int | None = None, 
               for p, i, o in zip(best, inputs, opt_s)]
     return ModelCosts(model=spec.name, micro_batch_size=mbs, layers=layers, loss_fwd_s=loss_fwd,
                       loss_bwd_s=loss_bwd, batch_s=batch_s)
-
-
-def _input_bytes(x: Any) -> int:
-    from vpipe.graph import tensor_bytes
-
-    return tensor_bytes(x)
 
 
 def _timed(fn: Any) -> float:

@@ -33,7 +33,13 @@ from typing import Any
 
 import torch
 
+from vpipe.plan import Policy
 from vpipe.runtime.config import RunConfig
+from vpipe.runtime.models import build_model
+from vpipe.runtime.simulate import action_order
+from vpipe.runtime.trainer import _sub_spec, make_optimizer, multi_stage_class
+from vpipe.tensor_manager import MemoryBudgetError, TensorManager
+from vpipe.tensor_manager.budget import expected_state_factor, stage_fixed_bytes
 
 __all__ = ["StageFit", "PipelineFit", "pipeline_fit", "largest_fitting"]
 
@@ -115,8 +121,6 @@ def largest_fitting(fits: Callable[[int], bool], *, low: int = 1, high: int = 10
 
 def _stage_inputs(cfg: RunConfig) -> list[list[torch.Tensor]]:
     """Per stage, the input of each micro-batch of step 0 (the boundary tensors the previous stage sends)."""
-    from vpipe.runtime.models import build_model
-
     spec = cfg.model_spec()
     model = build_model(spec, seed=cfg.seed)
     x, _ = spec.batch(0, cfg.batch_size, cfg.seed)
@@ -135,13 +139,6 @@ def _stage_inputs(cfg: RunConfig) -> list[list[torch.Tensor]]:
 
 def _stage_fit(cfg: RunConfig, k: int, inputs: list[torch.Tensor], budget: int, *, managed: bool, policy: str,
                steps: int) -> StageFit:
-    from vpipe.plan import Policy
-    from vpipe.runtime.models import build_model
-    from vpipe.runtime.simulate import action_order
-    from vpipe.runtime.trainer import _sub_spec, make_optimizer
-    from vpipe.tensor_manager import MemoryBudgetError, TensorManager
-    from vpipe.tensor_manager.budget import expected_state_factor, stage_fixed_bytes
-
     spec = cfg.model_spec()
     ids = cfg.stage_layer_ids()[k]
     module = build_model(_sub_spec(spec, ids), seed=cfg.seed, ids=ids)
@@ -199,11 +196,6 @@ def _run_stage(cfg: RunConfig, k: int, module: torch.nn.Module, manager: Any, op
 def _rank_fit(cfg: RunConfig, rank: int, inputs: list[list[torch.Tensor]], budget: int, *, managed: bool,
               policy: str, steps: int) -> StageFit:
     """One rank of a multi-stage schedule: its stages in the rank's action order, one optimizer over them."""
-    from vpipe.plan import Policy
-    from vpipe.runtime.models import build_model
-    from vpipe.runtime.trainer import _sub_spec, make_optimizer
-    from vpipe.tensor_manager import MemoryBudgetError, TensorManager
-    from vpipe.tensor_manager.budget import expected_state_factor, stage_fixed_bytes
 
     spec = cfg.model_spec()
     placement = cfg.stage_layer_ids()
@@ -282,7 +274,6 @@ def rank_action_order(cfg: RunConfig, rank: int, steps: int) -> list[tuple[str, 
     except ImportError:
         raise RuntimeError(f"torch {torch.__version__} has no schedule visualizer to read {cfg.schedule}'s action "
                            "lists from") from None
-    from vpipe.runtime.trainer import multi_stage_class
 
     actions = get_schedule_ops(multi_stage_class(cfg.schedule), cfg.stages, cfg.micro_batches,
                                cfg.n_local_stages)[rank]

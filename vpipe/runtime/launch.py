@@ -26,6 +26,8 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from vpipe.checkpoint import CheckpointError
+from vpipe.control.curve import RUN_SECRET_ENV, configured_by_files, has_run_secret, new_run_secret
 from vpipe.runtime.watchdog import Watchdog, stderr_line
 
 log = logging.getLogger("vpipe.runtime")
@@ -159,7 +161,6 @@ def run_rank(ctx: Distributed, main: Any, *args: Any, **kwargs: Any) -> Any:
 
 def _explains_itself(exc: BaseException) -> bool:
     """vpipe's own errors about the user's input (a budget, a checkpoint, a stage shape): one line, no traceback."""
-    from vpipe.checkpoint import CheckpointError
     from vpipe.migration.blocks import BlockContainerError
     from vpipe.tensor_manager.budget import MemoryBudgetError
     from vpipe.tensor_manager.pool import HostPoolFullError
@@ -225,8 +226,6 @@ def spawn(
     base = dict(os.environ)
     base.update(extra_env or {})
     heartbeat_timeout_from_env(base)  # a bad value is named here, before any rank starts
-    from vpipe.control.curve import RUN_SECRET_ENV, configured_by_files, has_run_secret, new_run_secret
-
     if not configured_by_files(base) and not has_run_secret(base):
         secret = new_run_secret()  # the ranks' control plane admits only this run's key
         if secret is not None:

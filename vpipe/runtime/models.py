@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vpipe.runtime.data import image_batch, lm_batch
+
 __all__ = [
     "ModelSpec",
     "transformer_lm",
@@ -53,8 +55,6 @@ class ModelSpec:
         return lm_loss if self.task == "lm" else F.cross_entropy
 
     def batch(self, step: int, batch_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-        from vpipe.runtime.data import image_batch, lm_batch
-
         if self.task == "lm":
             return lm_batch(step, batch_size, self.seq_len, seed)
         return image_batch(step, batch_size, self.image_side, seed)

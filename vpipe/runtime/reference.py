@@ -15,9 +15,9 @@ import torch
 from torch.func import functional_call
 
 from vpipe.runtime.config import RunConfig
-from vpipe.runtime.models import build_model
+from vpipe.runtime.models import block_spec, build_layer, build_model
 from vpipe.schedules.pipedream import start_version
-from vpipe.runtime.trainer import make_optimizer, make_scheduler
+from vpipe.runtime.optim import make_optimizer, make_scheduler
 
 __all__ = ["reference_flush", "reference_pipedream", "optimizer_state_by_name", "backward_order"]
 
@@ -77,8 +77,6 @@ def backward_order(cfg: RunConfig) -> list[int]:
 
 def _edit_layers(cfg: RunConfig, model: torch.nn.Sequential, optimizers: list, step: int, next_id: int) -> int:
     """Apply the layer edits of ``cfg.nas`` due before ``step``, as the layer manager does; returns the next id."""
-    from vpipe.runtime.models import block_spec, build_layer
-
     for event in cfg.nas or []:
         if event["step"] != step:
             continue
@@ -111,7 +109,7 @@ def reference_pipedream(cfg: RunConfig) -> tuple[dict[str, torch.Tensor], list[f
     spec = cfg.model_spec()
     model = build_model(spec, seed=cfg.seed)
     loss_fn = spec.loss_fn()
-    p, m = cfg.stages, cfg.micro_batches
+    p = cfg.stages
     params = dict(model.named_parameters())
     # one optimizer per parameter: PipeDream's per-stage optimizers update each parameter on its own
     optimizers = {n: make_optimizer(cfg, [t]) for n, t in params.items()}

@@ -10,50 +10,38 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import sys
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
 from torch import nn
+import torch.distributed.pipelining as pipelining
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from vpipe import faults
+from vpipe.attach import VpipeConfig, attach
+from vpipe.checkpoint import (VERSION, CheckpointError, holds_checkpoints, load_checkpoint, restore_stage,
+                              save_checkpoint, skipped_newer)
+from vpipe.control.session import ControlOptions, open_for_stage_run
+from vpipe.plan import Plan, Policy
 from vpipe.runtime.config import RunConfig
 from vpipe.runtime.launch import Distributed
-from vpipe.runtime.models import build_model
+from vpipe.runtime.models import block_spec, build_layer, build_model
+from vpipe.runtime.optim import make_optimizer, make_scheduler
+from vpipe.runtime.reference import optimizer_state_by_name
 from vpipe.schedules.pipedream import SchedulePipeDream
 
 log = logging.getLogger("vpipe.runtime")
 
 __all__ = ["StageRun", "build_stage_run", "train_rank", "make_optimizer", "RunResult"]
-
-
-def make_optimizer(cfg: RunConfig, params: Any) -> torch.optim.Optimizer:
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=0.9, weight_decay=cfg.weight_decay)
-    if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-
-
-def make_scheduler(cfg: RunConfig, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler | None:
-    """The run's learning-rate schedule, stepped once per training step (None: constant)."""
-    if cfg.lr_schedule == "constant":
-        return None
-    warmup, total = cfg.warmup_steps, max(cfg.steps, 1)
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 @dataclass
@@ -148,14 +136,16 @@ def build_stage_run(cfg: RunConfig, rank: int, device: torch.device, group: Any 
 
 def multi_stage_class(schedule: str) -> type:
     """torch's schedule class for one of the multi-stage schedule names (``interleaved1f1b`` ...)."""
-    import torch.distributed.pipelining as pipelining
-
-    from vpipe.rank.stages import MULTI_STAGE_SCHEDULES
-
-    names = [cls for cls, kind in MULTI_STAGE_SCHEDULES.items() if kind == schedule]
-    if not names:
+    if schedule not in _MULTI_STAGE_CLASSES:
         raise ValueError(f"{schedule!r} is not a multi-stage schedule")
-    return getattr(pipelining, names[0])
+    return _MULTI_STAGE_CLASSES[schedule]
+
+
+_MULTI_STAGE_CLASSES: dict[str, type] = {
+    "interleaved1f1b": pipelining.ScheduleInterleaved1F1B, "loopedbfs": pipelining.ScheduleLoopedBFS,
+    "interleavedzb": pipelining.ScheduleInterleavedZeroBubble, "zbv": pipelining.ScheduleZBVZeroBubble,
+    "dualpipev": pipelining.ScheduleDualPipeV,
+}
 
 
 def _schedule(cfg: RunConfig, stages: list[PipelineStage], loss_fn: Any, optimizer: torch.optim.Optimizer) -> Any:
@@ -177,8 +167,6 @@ def _schedule(cfg: RunConfig, stages: list[PipelineStage], loss_fn: Any, optimiz
 
 
 def _sub_spec(spec: Any, layer_ids: list[int]) -> Any:
-    from dataclasses import replace
-
     return replace(spec, layers=[spec.layers[i] for i in layer_ids])
 
 
@@ -204,8 +192,6 @@ def train_rank(cfg: RunConfig, ctx: Distributed) -> RunResult:
     run = build_stage_run(cfg, ctx.rank, ctx.device, placement=placement)
     first_step = 0
     if resumed is not None:
-        from vpipe.checkpoint import restore_stage
-
         # the RNG stream is a rank's: it continues only where the same rank runs the same stages
         same_layout = resumed.num_stages == cfg.virtual_stages and len(resumed.shards) == cfg.stages
         restore_stage(resumed, run.layers_view(), run.optimizer, run.scheduler,
@@ -265,8 +251,6 @@ def load_resume(cfg: RunConfig, verify: str = "stat") -> Any:
     ``verify`` is :func:`~vpipe.checkpoint.load_checkpoint`'s: the launcher checks every shard,
     a rank hashes the shards it loads.
     """
-    from vpipe.checkpoint import CheckpointError, holds_checkpoints, load_checkpoint, skipped_newer
-
     if not holds_checkpoints(cfg.resume or ""):
         return None
     ckpt = load_checkpoint(cfg.resume or "", verify=verify)
@@ -290,8 +274,6 @@ def load_resume(cfg: RunConfig, verify: str = "stat") -> Any:
 
 def check_checkpoint_dir(cfg: RunConfig) -> None:
     """--checkpoint-dir must be writable: found at launch, not at the first checkpoint hours later."""
-    from vpipe.checkpoint import CheckpointError
-
     if not cfg.checkpoint_dir:
         return
     root = Path(cfg.checkpoint_dir)
@@ -317,8 +299,6 @@ def save_run_checkpoint(cfg: RunConfig, run: StageRun, ctx: Distributed, vp: Any
     """Collective: this rank's shard of the checkpoint after ``steps_done`` steps (rank 0 seals it).
 
     ``placement`` is the run's fixed placement when vpipe is off (vpipe knows its own)."""
-    from vpipe.checkpoint import VERSION, save_checkpoint
-
     if vp is not None:
         state = vp.state_dict()
     else:
@@ -336,10 +316,6 @@ def _attach_vpipe(cfg: RunConfig, run: StageRun, resume_state: dict[str, Any] | 
 
     On resume the vpipe state is restored first, and only moves still ahead are requested,
     with epochs after the restored one. ``overrides`` set further :class:`VpipeConfig` fields."""
-    from vpipe.attach import VpipeConfig, attach
-    from vpipe.plan import Plan, Policy
-    from vpipe.runtime.models import build_layer
-
     spec = cfg.model_spec()
     config = VpipeConfig(
         memory_budget=cfg.memory_budget,
@@ -365,8 +341,6 @@ def _attach_vpipe(cfg: RunConfig, run: StageRun, resume_state: dict[str, Any] | 
 
 def apply_layer_edits(cfg: RunConfig, vp: Any, step: int) -> None:
     """The layer additions and removals ``cfg.nas`` schedules before ``step`` (every rank alike)."""
-    from vpipe.runtime.models import block_spec
-
     for event in cfg.nas or []:
         if event["step"] != step:
             continue
@@ -382,8 +356,6 @@ def _control_session(cfg: RunConfig, run: StageRun, ctx: Distributed) -> Any:
     """The monitor + control plane session of this rank, when ``cfg.monitor_every`` asks for one."""
     if not cfg.monitor_every:
         return None
-    from vpipe.control.session import ControlOptions, open_for_stage_run
-
     options = ControlOptions(sample_every=cfg.monitor_every, planner=cfg.planner, log_file=cfg.log_file)
     return open_for_stage_run(run, ctx, options)
 
@@ -391,7 +363,6 @@ def _control_session(cfg: RunConfig, run: StageRun, ctx: Distributed) -> Any:
 def save_rank_result(cfg: RunConfig, run: StageRun, result: RunResult) -> None:
     out = Path(cfg.out_dir or ".")
     out.mkdir(parents=True, exist_ok=True)
-    from vpipe.runtime.reference import optimizer_state_by_name
 
     layers = run.layers_view()
     state = {
@@ -416,9 +387,6 @@ def samples_per_s(cfg: RunConfig, result: RunResult) -> float:
 
 
 def print_summary(cfg: RunConfig, result: RunResult) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     table = Table(title="vpipe run summary", show_header=False)
     table.add_row("model", f"{cfg.model_spec().name} ({cfg.n_layers} layers)")
     stages = f"{cfg.virtual_stages} stages on {cfg.stages} ranks" if cfg.multi_stage else f"{cfg.stages} stages"
@@ -442,8 +410,6 @@ class _Progress:
 
     def __enter__(self) -> _Progress:
         if self.enabled:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
             self._bar = Progress(
                 TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
                 TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[rate]} samples/s"),

@@ -17,9 +17,12 @@ from typing import Any
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
+from vpipe.attach import VpipeConfig, attach
+from vpipe.plan import Policy
 from vpipe.runtime.config import RunConfig
 from vpipe.runtime.launch import Distributed
 from vpipe.runtime.layout import MULTI_STAGE
+from vpipe.runtime.models import build_layer
 from vpipe.schedules.pipedream import SchedulePipeDream
 from vpipe.runtime.trainer import StageRun, build_stage_run
 
@@ -109,10 +112,6 @@ def build_variant(variant: Variant, base: RunConfig, ctx: Distributed, index: in
 
 
 def _attach(cfg: RunConfig, run: StageRun, variant: Variant, store: Any) -> Any:
-    from vpipe.attach import VpipeConfig, attach
-    from vpipe.plan import Policy
-    from vpipe.runtime.models import build_layer
-
     spec = cfg.model_spec()
     config = VpipeConfig(
         memory_budget=variant.memory_budget, planning=variant.planning, sample_every=variant.sample_every,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn
@@ -23,6 +24,18 @@ def storage_key(t: torch.Tensor) -> tuple[int, torch.device]:
 
 def storage_bytes(t: torch.Tensor) -> int:
     return t.untyped_storage().nbytes()
+
+
+def tensor_bytes(value: Any) -> int:
+    """Bytes of the tensors in a (nested) value, each counted by its own elements: what a layer
+    hands to the next one (a view counts its own size, not its storage's)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (tuple, list)):
+        return sum(tensor_bytes(v) for v in value)
+    if isinstance(value, dict):
+        return sum(tensor_bytes(v) for v in value.values())
+    return 0
 
 
 class SavedBytesCounter:

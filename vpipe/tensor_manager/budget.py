@@ -29,6 +29,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
+import torch
+
 from vpipe.plan import Policy
 from vpipe.tensor_manager.accounting import format_bytes
 
@@ -86,8 +88,6 @@ def stage_fixed_bytes(param_bytes: int, optimizer_state_bytes: int, weight_versi
 
 def expected_state_factor(optimizer: Any) -> int:
     """Optimizer state per parameter byte before the state exists: Adam's two moments, SGD's momentum."""
-    import torch
-
     if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
                               torch.optim.RAdam)):
         return 2
