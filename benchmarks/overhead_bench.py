@@ -12,8 +12,10 @@ Three runs of the same script per round: **plain** (no vpipe), **attached**
 and **planned** (the one line with its defaults: the planner daemon runs, samples every
 10th step and finds nothing to change). Rounds alternate the order (plain, attached,
 planned, then the reverse), so a machine that slows down shifts all alike. Each run's
-figure is the median step of its second half; a round's ratio is a run's figure over
-plain's in that round; the table gives the median over rounds and their range.
+figure is the mean step of its second half (two ranks on two cores step at one of two
+paces, depending on how the scheduler interleaves them, so a median flips between the two
+and a mean does not); a round's ratio is a run's figure over plain's in that round; the
+table gives the median over rounds and their range.
 
 Where the attached run's time goes (``--profile``, on by default): one more attached run
 of the small model, every rank under ``cProfile``; vpipe's own functions are grouped by
@@ -23,7 +25,7 @@ chunk wrappers and contexts), per step (the step boundary, the monitor's records
 control plane). cProfile slows Python down (each call pays for being counted), so the
 figures are upper bounds; their shares say where the time goes.
 
-Run: ``python benchmarks/overhead_bench.py [--json OUT]`` (about 6 minutes on 2 cores).
+Run: ``python benchmarks/overhead_bench.py [--json OUT]`` (about 8 minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZES = {
-    "small": (["--width", "64", "--seq-len", "32", "--micro-batch-size", "2"], 160),
+    "small": (["--width", "64", "--seq-len", "32", "--micro-batch-size", "2"], 300),
     "medium": (["--width", "256", "--seq-len", "64", "--micro-batch-size", "4"], 40),
 }
 RUNS = {"plain": [], "attached": ["--vpipe", "--no-planning"], "planned": ["--vpipe"]}
@@ -67,7 +69,7 @@ def run_once(size: str, run: str, steps: int, tmp: Path) -> dict:
 
     log = read_log(log_file) if log_file.exists() else []
     step_s = json.loads(out.read_text())["step_s"]
-    return {"step_s": statistics.median(step_s[len(step_s) // 2:]),
+    return {"step_s": statistics.fmean(step_s[len(step_s) // 2:]),
             "plans": sum(1 for r in log if r.get("event") == "plan_applied")}
 
 
@@ -129,7 +131,7 @@ def profile_breakdown(steps: int, tmp: Path) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default=",".join(SIZES), help="comma-separated: " + ", ".join(SIZES))
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--no-profile", action="store_true", help="skip the cProfile breakdown")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)

@@ -92,12 +92,13 @@ def _unmetered_forwards(micro_batches: list[int]):
 
 def test_micro_batches_whose_backward_never_ran_are_not_counted_forever():
     """A step that failed between forwards and backwards: the next step's forwards, or end_of_step(), uncount them."""
-    _, manager, resident, _ = _unmetered_forwards([0, 1])
+    model, manager, resident, _ = _unmetered_forwards([0, 1])
     per_mb = resident[0]
     assert per_mb > 0 and resident[1] == 2 * per_mb  # counted with the metered call's bytes
-    with manager.micro_batch(0):  # micro-batch 0 again: the earlier one is gone
-        pass
-    assert manager.ledger.resident == per_mb
+    x, y = model_spec("transformer").batch(1, 2, 0)
+    with manager.micro_batch(0):  # micro-batch 0 again: the earlier one is gone, this one counts
+        model(x)
+    assert manager.ledger.resident == 2 * per_mb
     manager.end_of_step()
     assert manager.ledger.resident == 0
 

@@ -54,10 +54,29 @@ def test_kept_layers_skip_the_hooks_once_measured_and_train_bitwise_like_metered
     assert manager.ledger.resident == 0
 
 
-def test_a_call_with_new_input_shapes_is_measured_again():
+def test_without_a_budget_the_kept_layers_carry_no_hooks_between_metered_steps():
     spec = model_spec("transformer")
     model = build_model(spec, seed=0)
     manager = make_manager(model)
+    hooked = lambda: [bool(layer._forward_pre_hooks) for layer in model]  # noqa: E731
+    assert all(hooked())  # nothing measured yet
+    gpipe_step(model, spec, 0, manager)
+    manager.metering = False
+    assert not any(hooked())  # measured, kept, no budget, not metering: nothing to do per call
+    manager.metering = True
+    assert all(hooked())
+    manager.metering = False
+    manager.set_policy(2, "S")
+    assert all(hooked())  # a swapped layer: every call is seen again
+    manager.set_policy(2, "D")
+    manager.budget_bytes = 1 << 30
+    assert all(hooked())  # a budget: each call is checked against it
+
+
+def test_under_a_budget_a_call_with_new_input_shapes_is_measured_again():
+    spec = model_spec("transformer")
+    model = build_model(spec, seed=0)
+    manager = make_manager(model, budget_bytes=1 << 30)  # roomy: the kept calls skip the saved-tensor hooks
     counter = _PackCounter(manager)
     gpipe_step(model, spec, 0, manager)
     small = {lid: layer.kept_bytes for lid, layer in manager._layers.items()}

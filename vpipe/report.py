@@ -297,7 +297,7 @@ def _overhead_md(data: dict[str, Any]) -> str:
              f"{r['planned_over_plain']:.3f}x ({r['planned_range'][0]:.3f}-{r['planned_range'][1]:.3f})",
              str(r["plans_applied"])] for r in data["rows"]]
     text = (f"`examples/train_sequential.py` on 2 CPU stages split 4,4 (1F1B), {data['rounds']} rounds of plain, "
-            "attached (`planning=False`) and planned (the one line's defaults) in alternating order; median step "
+            "attached (`planning=False`) and planned (the one line's defaults) in alternating order; mean step "
             "of each run's second half, ratios to plain within a round:\n\n"
             + _table(["model", "steps", "plain ms", "attached ms", "attached / plain", "planned ms",
                       "planned / plain", "plans applied"], rows))

@@ -51,12 +51,4 @@ class TensorManagerSource:
         self.manager = manager
 
     def stats(self) -> SavedTensorStats:
-        s = self.manager.stats()  # type: ignore[attr-defined]
-        return SavedTensorStats(
-            activation_bytes={lid: layer.activation_bytes_per_micro_batch for lid, layer in s.layers.items()},
-            host_pool_used_bytes=s.host_pool_used_bytes,
-            host_pool_peak_bytes=s.host_pool_peak_bytes,
-            host_pool_capacity_bytes=s.host_pool_capacity_bytes,
-            d2h_bytes=s.d2h_bytes, d2h_s=s.d2h_s, h2d_bytes=s.h2d_bytes, h2d_s=s.h2d_s,
-            recompute_s=s.recompute_s,
-        )
+        return SavedTensorStats(**self.manager.summary())  # type: ignore[attr-defined]

@@ -111,6 +111,8 @@ class StageMonitor:
         self.layer_kind: Callable[[nn.Module], str] | None = None
         self.builds: Callable[[], list[str] | None] | None = None
         self._kinds: dict[int, str] = {}
+        self._constant_key: tuple[object, ...] | None = None
+        self._constant: dict[int, tuple[int, int]] = {}
         self._stage_module: nn.Module | None = None
         self._last_block_out: torch.Tensor | None = None
         self._out_bytes: dict[int, int] = {}
@@ -323,7 +325,7 @@ class StageMonitor:
             bwd_s.pop(_OUTSIDE, 0.0)
         now = self.saved_source.stats()
         base = self._baseline
-        constant = layer_bytes(self._layers, self.optimizer)
+        constant = self._constant_bytes()
         if self.layer_kind is not None:
             for lid in self._layers.keys() - self._kinds.keys():
                 self._kinds[lid] = self.layer_kind(self._layers[lid])
@@ -367,6 +369,15 @@ class StageMonitor:
             outside_calls=outside_calls,
             outside_param_bytes=self._outside_param_bytes(layers),
         )
+
+    def _constant_bytes(self) -> dict[int, tuple[int, int]]:
+        """Per layer (parameter and buffer bytes, optimizer-state bytes): counted again only when the layers or
+        the optimizer's state (it appears at the first step) changed."""
+        key = (tuple((lid, id(m)) for lid, m in sorted(self._layers.items())),
+               len(self.optimizer.state) if self.optimizer is not None else 0)
+        if key != self._constant_key:
+            self._constant_key, self._constant = key, layer_bytes(self._layers, self.optimizer)
+        return self._constant
 
     def _outside_param_bytes(self, layers: tuple[LayerRecord, ...]) -> int:
         if self._stage_module is None:

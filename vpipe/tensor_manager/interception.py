@@ -12,7 +12,9 @@ manager's ``metering`` off, every layer kept and the budget, if any, comfortably
 kept layer's call runs without saved-tensor hooks (autograd keeps its tensors as it would
 without vpipe) and the ledger counts the bytes its last metered call saved, until that
 micro-batch's backward ends. A call whose input shapes differ from the metered one's is
-metered again.
+metered again. Without a budget there is nothing to check per call: the layers' hooks come
+off altogether (the manager's ``metering`` setter), and each micro-batch is counted at the
+end of its forward.
 
 Forwards outside ``micro_batch()`` (torch pipelining's shape inference, evaluation) and
 forwards run inside a backward (recomputes) pass through untouched and uncounted.
@@ -132,6 +134,14 @@ class Interceptor:
         """The backward of ``mb`` ended: the bytes its unmetered calls were counted with are gone."""
         for layer_id, nbytes in self.counted.pop(mb, ()):
             self.ledger.sub(layer_id, mb, nbytes)
+
+    def count_unhooked(self, mb: int, layers: Any) -> None:
+        """A micro-batch ran with the layers' hooks off: count each layer with its measured bytes."""
+        counted = self.counted.setdefault(mb, [])
+        for layer in layers:
+            nbytes = layer.kept_bytes or 0
+            self.ledger.add(layer.layer_id, mb, nbytes)
+            counted.append((layer.layer_id, nbytes))
 
     def counted_micro_batches(self, layer_id: int) -> dict[int, int]:
         """Micro-batches counted with bytes of unmetered calls of ``layer_id`` -> 1."""

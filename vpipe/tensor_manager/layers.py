@@ -64,13 +64,23 @@ class ManagedLayer:
 
     def attach(self, pre: Callable[..., None], post: Callable[..., None]) -> None:
         self.has_buffers = any(True for _ in self.module.buffers())
-        self.hooks.append(self.module.register_forward_pre_hook(pre))
-        self.hooks.append(self.module.register_forward_hook(post, prepend=True, always_call=True))
+        self._pre, self._post = pre, post
+        self.hook()
 
-    def detach(self) -> None:
+    def hook(self) -> None:
+        """Put the layer's hooks on (again): its calls are seen."""
+        if not self.hooks:
+            self.hooks.append(self.module.register_forward_pre_hook(self._pre))
+            self.hooks.append(self.module.register_forward_hook(self._post, prepend=True, always_call=True))
+
+    def unhook(self) -> None:
+        """Take the layer's hooks off: its calls run as without vpipe (its routed forward, if any, stays)."""
         for handle in self.hooks:
             handle.remove()
         self.hooks.clear()
+
+    def detach(self) -> None:
+        self.unhook()
         self.restore_forward()
 
     def route_forward(self, route: Callable[[ManagedLayer, Callable[..., Any], tuple, dict], Any]) -> None:

@@ -27,7 +27,7 @@ from torch import nn
 
 from vpipe.plan import Plan, Policy
 from vpipe.tensor_manager.accounting import Ledger, format_bytes
-from vpipe.tensor_manager.copy_engine import make_copy_engine
+from vpipe.tensor_manager.copy_engine import D2H, H2D, make_copy_engine
 from vpipe.tensor_manager.governor import BudgetGovernor
 from vpipe.tensor_manager.interception import Interceptor
 from vpipe.tensor_manager.layers import ManagedLayer, claim_module, release_module
@@ -99,8 +99,9 @@ class TensorManager:
         self._open_max = 0
         self._open_max_last_step = 0
         # every call goes through the saved-tensor hooks while True; vpipe.attach lowers it on unsampled steps
-        self.metering = True
+        self._metering = True
         self._all_keep = True
+        self._hookless = False  # every layer kept, measured, no budget, not metering: no layer hooks at all
         self._closed = False
         for layer_id, module in layers.items():
             self.add_layer(layer_id, module)
@@ -116,6 +117,29 @@ class TensorManager:
     @budget_bytes.setter
     def budget_bytes(self, value: int | None) -> None:
         self._budget.budget_bytes = value
+        self._update_hooks()
+
+    @property
+    def metering(self) -> bool:
+        """Whether every layer call is measured through the hooks (vpipe.attach turns it off on the steps its
+        monitor does not sample)."""
+        return self._metering
+
+    @metering.setter
+    def metering(self, value: bool) -> None:
+        self._metering = value
+        self._update_hooks()
+
+    def _update_hooks(self) -> None:
+        """With nothing to measure, decide or enforce (every layer kept and measured, no budget, metering off),
+        the layers' hooks come off: a kept layer then costs what it costs without vpipe. A micro-batch is
+        counted with its layers' measured bytes when its forward ends."""
+        hookless = (not self._metering and self._all_keep and self._budget.budget_bytes is None
+                    and bool(self._layers) and all(layer.kept_bytes is not None for layer in self._layers.values()))
+        if hookless != self._hookless:
+            self._hookless = hookless
+            for layer in self._layers.values():
+                layer.unhook() if hookless else layer.hook()
 
     @property
     def min_swap_bytes(self) -> int:
@@ -164,6 +188,7 @@ class TensorManager:
         self._detach(layer)
         del self._layers[layer_id]
         self._all_keep = all(other.policy is Policy.KEEP for other in self._layers.values())
+        self._update_hooks()
         self.ledger.forget_layer(layer_id)
         self._budget.reset_reserve()
         return layer.module
@@ -205,6 +230,7 @@ class TensorManager:
         policy = policy if isinstance(policy, Policy) else Policy.parse(policy)
         layer.policy = policy
         self._all_keep = all(other.policy is Policy.KEEP for other in self._layers.values())
+        self._update_hooks()
         if policy is Policy.RECOMPUTE:
             layer.route_forward(self._interceptor.forward_layer)
         else:
@@ -241,6 +267,8 @@ class TensorManager:
             yield self
         finally:
             calls.mb = None
+            if self._hookless and torch.is_grad_enabled():
+                calls.count_unhooked(mb_id, self._layers.values())
             self._engine.flush_swap_outs()
             self._engine.poll()
             if measured and budget.swaps == swaps:
@@ -311,6 +339,23 @@ class TensorManager:
     def layer_saved_bytes(self) -> dict[int, int]:
         """Per layer, the activation bytes one micro-batch saves (largest seen; 0 if never run)."""
         return {lid: self.ledger.activation_bytes(lid) or 0 for lid in sorted(self._layers)}
+
+    def summary(self) -> dict[str, Any]:
+        """What a monitor reads twice per sampled step, without :meth:`stats`'s per-layer detail: saved bytes
+        per layer, the host pool's gauges, cumulative copy and recompute figures."""
+        engine = self._engine
+        with engine.lock:
+            engine.drain()
+            engine.poll()
+            pool = engine.pool if engine.has_pool else None
+            copies = engine.copies
+            return {"activation_bytes": self.layer_saved_bytes(),
+                    "host_pool_used_bytes": pool.used_bytes if pool else 0,
+                    "host_pool_peak_bytes": pool.peak_used_bytes if pool else 0,
+                    "host_pool_capacity_bytes": pool.capacity_bytes if pool else 0,
+                    "d2h_bytes": copies.bytes[D2H], "d2h_s": copies.seconds[D2H],
+                    "h2d_bytes": copies.bytes[H2D], "h2d_s": copies.seconds[H2D],
+                    "recompute_s": self._recompute.recompute_s}
 
     def reset_peak(self) -> None:
         self._engine.drain()
