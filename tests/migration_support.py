@@ -124,3 +124,6 @@ class Recorder:
 
     def remove_layer(self, layer_id: int) -> None:
         self.events.append(("remove", layer_id, None))
+
+    def retire_layer(self, layer_id: int) -> None:
+        self.events.append(("retire", layer_id, None))

@@ -107,7 +107,8 @@ def test_the_target_gets_the_switch_version_and_then_the_live_state_and_the_sour
     assert out.done and src.schedule.departing == {}
     assert not {id(p) for p in moving.parameters()} & {id(p) for g in src.optimizer.param_groups for p in g["params"]}
     assert not any(p in src.optimizer.state for p in moving.parameters())
-    assert src.listener.events == [("remove", 2, None)]
+    # the listeners heard the layer leave the forward path at the switch, and go at the hand-over
+    assert src.listener.events == [("retire", 2, None), ("remove", 2, None)]
     assert [m[2] for m in hub.log] == ["migrate_handover"] and hub.log[0][3]["manifests"][0]["layer"] == 2
 
     inc.before_forward(3)
@@ -253,7 +254,8 @@ def test_a_streamed_move_starts_on_both_ranks_and_completes_through_the_schedule
     assert list(src.container._modules) == ["0", "1"] and list(dst.container._modules) == ["2", "3", "4"]
     assert managers[0].layer_ids == [0, 1] and managers[1].layer_ids == [2, 3, 4]
     assert all(torch.equal(a.detach(), b.detach()) for a, b in zip(arrived.parameters(), moving.parameters()))
-    assert src.listener.events == [("remove", 2, None)] and dst.listener.events == [("add", 2, arrived)]
+    assert src.listener.events == [("retire", 2, None), ("remove", 2, None)]
+    assert dst.listener.events == [("add", 2, arrived)]
     assert 2 in managers[1].shapes._hooks and 2 not in managers[0].shapes._hooks  # the shape watchers followed
 
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tensor_manager_support import gpipe_step, make_manager, model_spec
 from vpipe.runtime.models import build_model
+from vpipe.tensor_manager import LayerBusyError
 
 
 class _PackCounter:
@@ -71,6 +73,30 @@ def test_without_a_budget_the_kept_layers_carry_no_hooks_between_metered_steps()
     manager.set_policy(2, "D")
     manager.budget_bytes = 1 << 30
     assert all(hooked())  # a budget: each call is checked against it
+
+
+def test_a_retired_layer_is_not_counted_for_later_micro_batches_and_leaves_after_its_backwards():
+    """A streamed move switches a layer out of the forward path while earlier micro-batches still need it."""
+    spec = model_spec("transformer")
+    model = build_model(spec, seed=0)
+    manager = make_manager(model)
+    gpipe_step(model, spec, 0, manager)
+    manager.metering = False  # no hooks: a micro-batch is counted with its layers when its forward ends
+    x, y = spec.batch(1, 4, 0)
+    with manager.micro_batch(0):
+        first = model(x[:2])
+    manager.retire_layer(2)
+    without_2 = torch.nn.Sequential(*(layer for i, layer in enumerate(model) if i != 2))
+    with manager.micro_batch(1):
+        second = without_2(x[2:])
+    with pytest.raises(LayerBusyError, match=r"layer 2 still has saved activations of micro-batches \[0\]"):
+        manager.remove_layer(2)
+    with manager.backward(0):
+        spec.loss_fn()(first, y[:2]).backward()
+    manager.remove_layer(2)  # micro-batch 1 never ran it
+    with manager.backward(1):
+        spec.loss_fn()(second, y[2:]).backward()
+    assert manager.ledger.resident == 0
 
 
 def test_under_a_budget_a_call_with_new_input_shapes_is_measured_again():

@@ -59,6 +59,10 @@ class LayerListener(Protocol):
 
     def remove_layer(self, layer_id: int) -> None: ...
 
+    def retire_layer(self, layer_id: int) -> None:
+        """The layer left the stage's forward path (a streamed move switched it out) but stays until the
+        backwards of its in-flight micro-batches have run."""
+
 
 @dataclass
 class MigrationReport:

@@ -114,6 +114,10 @@ class OutgoingStream:
                 for n, p in layer.named_parameters():
                     self.schedule.departing[f"{lid}.{n}"] = p
         self.blocks.remove(self.layers)
+        if not self._handed_over:  # the listeners still hold the layers until their last update
+            for lid in self.layers:
+                for listener in self.listeners:
+                    listener.retire_layer(lid)
         self._switched = True
 
     def add_weights(self, version: int, weights: dict[str, torch.Tensor]) -> None:
@@ -311,3 +315,6 @@ class _Watching:
 
     def remove_layer(self, layer_id: int) -> None:
         self.shapes.unwatch(layer_id)
+
+    def retire_layer(self, layer_id: int) -> None:
+        return None  # it is unwatched when it leaves

@@ -56,6 +56,9 @@ class KeepAllSource:
         self._layers.pop(layer_id, None)
         self._bytes.pop(layer_id, None)
 
+    def retire_layer(self, layer_id: int) -> None:
+        return None  # a layer out of the forward path is not called: its hooks stay quiet
+
     def set_enabled(self, enabled: bool) -> None:
         self._enabled = enabled
         for layer_id in self._layers:

@@ -154,6 +154,10 @@ class StageMonitor:
         if self._owned_source is not None:
             self._owned_source.remove_layer(layer_id)
 
+    def retire_layer(self, layer_id: int) -> None:
+        """A layer out of the forward path is not called again: its hooks stay quiet until it is removed."""
+        return None
+
     def close(self) -> None:
         """Remove every hook (the modules are left exactly as they were) and stop NVML sampling."""
         self._disarm()

@@ -139,6 +139,8 @@ class Interceptor:
         """A micro-batch ran with the layers' hooks off: count each layer with its measured bytes."""
         counted = self.counted.setdefault(mb, [])
         for layer in layers:
+            if layer.retired:
+                continue
             nbytes = layer.kept_bytes or 0
             self.ledger.add(layer.layer_id, mb, nbytes)
             counted.append((layer.layer_id, nbytes))

@@ -61,6 +61,7 @@ class ManagedLayer:
     recompute_calls: int = 0  # managed calls under R (each is recomputed once, whatever the schedule)
     kept_bytes: int | None = None  # what its last metered call under D saved
     input_shapes: tuple[Any, ...] | None = None  # the tensor input shapes of that call
+    retired: bool = False  # out of the forward path, waiting for its in-flight backwards (a streamed move)
 
     def attach(self, pre: Callable[..., None], post: Callable[..., None]) -> None:
         self.has_buffers = any(True for _ in self.module.buffers())

@@ -193,6 +193,11 @@ class TensorManager:
         self._budget.reset_reserve()
         return layer.module
 
+    def retire_layer(self, layer_id: int) -> None:
+        """The layer left the forward path (a streamed move switched it out): later micro-batches do not run it,
+        so they are not counted with its bytes; it is removed once its in-flight micro-batches' backwards ran."""
+        self._layer(layer_id).retired = True
+
     @property
     def layer_ids(self) -> list[int]:
         return sorted(self._layers)
