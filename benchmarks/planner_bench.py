@@ -35,8 +35,9 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from vpipe.graph import LayerGraph  # noqa: E402
+from vpipe.planner.coarsen import coarsen  # noqa: E402
 from vpipe.planner.cost_model import GraphProfile, Hardware, PipelineSetup, StageCosts  # noqa: E402
-from vpipe.planner.partition import coarsen, is_valid_pipeline  # noqa: E402
+from vpipe.planner.partition import is_valid_pipeline  # noqa: E402
 from vpipe.planner.srp import plan_pipeline  # noqa: E402
 from vpipe.runtime import zoo  # noqa: E402
 

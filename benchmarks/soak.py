@@ -65,7 +65,9 @@ def worker(out_dir: Path, steps: int, every: int, sample_every: int) -> dict[str
     import torch
 
     from vpipe.runtime.launch import init_distributed, run_rank
-    from vpipe.runtime.trainer import RunResult, _attach_vpipe, build_stage_run, save_rank_result
+    from vpipe.runtime.results import RunResult, save_rank_result
+    from vpipe.runtime.stage_run import build_stage_run
+    from vpipe.runtime.trainer import _attach_vpipe
 
     ctx = init_distributed()
 

@@ -38,8 +38,9 @@ from torch.distributed.pipelining import (
 from vpipe.plan import Policy
 from vpipe.runtime.config import RunConfig
 from vpipe.runtime.models import build_model
+from vpipe.runtime.optim import make_optimizer
+from vpipe.runtime.stage_run import build_stage_run
 from vpipe.schedules.pipedream import SchedulePipeDream
-from vpipe.runtime.trainer import build_stage_run, make_optimizer
 from vpipe.tensor_manager import TensorManager, install_on_stage
 
 CYCLE = (Policy.SWAP, Policy.RECOMPUTE, Policy.KEEP)

@@ -19,8 +19,9 @@ from torch import nn
 
 from migration_support import WAIT_S, FakeChannel, FakeMessenger, Hub, Recorder
 from vpipe.migration.handshake import NO_FAULTS, FaultHook, MigrationError
-from vpipe.migration.layer_manager import LayerManager, MigrationReport
+from vpipe.migration.layer_manager import LayerManager
 from vpipe.migration.moves import Move
+from vpipe.migration.rounds import MigrationReport
 from vpipe.migration.state import pack_layer
 from vpipe.plan import Plan, PlanError
 

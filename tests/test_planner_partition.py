@@ -6,13 +6,16 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from planner_helpers import chain, dags
 
+from planner_helpers import chain, dags
 from vpipe.graph import LayerGraph, LayerNode
+from vpipe.planner import partition
+from vpipe.planner.bisection import recursive_bisection
+from vpipe.planner.coarsen import GRANULARITY, coarsen
 from vpipe.planner.cost_model import GraphProfile, Hardware, PipelineSetup, StageCosts
 from vpipe.planner.exact import exact_partition
-from vpipe.planner import partition
-from vpipe.planner.partition import GRANULARITY, coarsen, is_valid_pipeline, kl_partition, recursive_bisection, refine
+from vpipe.planner.partition import is_valid_pipeline, kl_partition
+from vpipe.planner.refine import refine
 
 
 def _costs(graph: LayerGraph, p: int, **kw) -> StageCosts:

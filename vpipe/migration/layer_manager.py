@@ -18,17 +18,16 @@ migration process group (:mod:`vpipe.migration.transfer`)::
 The vote is the commit: no rank changes its layers before every rank knows the outcome,
 so a move that fails (a peer that never answers in time) leaves the old placement
 everywhere and loses nothing. Every phase waits only on an earlier phase of a peer, so a
-round cannot deadlock; a peer that dies is caught by the run's watchdog. Streamed moves
-inside a PipeDream stream share the first half (:mod:`vpipe.migration.handshake`) and hand
-the rest to :mod:`vpipe.migration.stream`.
+round cannot deadlock; a peer that dies is caught by the run's watchdog. The phases up to
+the vote run in :mod:`vpipe.migration.rounds`; the vote and the block edits that follow it
+are here. Streamed moves inside a PipeDream stream share the first half
+(:mod:`vpipe.migration.handshake`) and hand the rest to :mod:`vpipe.migration.stream`.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -36,18 +35,23 @@ from torch import nn
 
 from vpipe.log import decision
 from vpipe.migration.blocks import KeyStyle, StageBlocks, block_attrs, block_kind
-from vpipe.migration.handshake import (NO_FAULTS, BlockBuilder, FaultHook, Incoming, LayerFactory, Messenger,
-                                       MigrationError, announce, await_ready, move_key, receive_prepare)
+from vpipe.migration.handshake import (
+    NO_FAULTS,
+    BlockBuilder,
+    FaultHook,
+    Incoming,
+    LayerFactory,
+    Messenger,
+    MigrationError,
+)
 from vpipe.migration.moves import Move, apply_round, plan_rounds
 from vpipe.migration.placement import Placement
+from vpipe.migration.rounds import MigrationReport, exchange
 from vpipe.migration.shapes import BoundaryShapes
-from vpipe.migration.state import (LayerState, attach_to_optimizer, detach_from_optimizer, pack_layer, payload_bytes,
-                                   unpack_layer)
+from vpipe.migration.state import attach_to_optimizer, detach_from_optimizer, unpack_layer
 from vpipe.migration.stream import start_streamed
-from vpipe.migration.transfer import MOVE, TransferChannel, transfer_tag
+from vpipe.migration.transfer import TransferChannel
 from vpipe.plan import Plan, PlanError
-
-log = logging.getLogger("vpipe.migration")
 
 __all__ = ["LayerManager", "LayerListener", "MigrationReport", "MigrationError", "Messenger"]
 
@@ -57,22 +61,11 @@ class LayerListener(Protocol):
 
     def add_layer(self, layer_id: int, module: nn.Module) -> None: ...
 
-    def remove_layer(self, layer_id: int) -> None: ...
+    def remove_layer(self, layer_id: int) -> object: ...  # what it returns (the module it let go) is unused
 
     def retire_layer(self, layer_id: int) -> None:
         """The layer left the stage's forward path (a streamed move switched it out) but stays until the
         backwards of its in-flight micro-batches have run."""
-
-
-@dataclass
-class MigrationReport:
-    epoch: int
-    moved: list[Move] = field(default_factory=list)
-    aborted: list[Move] = field(default_factory=list)
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    seconds: float = 0.0
-    rebuilt: bool = False
 
 
 class LayerManager:
@@ -228,58 +221,14 @@ class LayerManager:
     def rank_of(self, stage: int) -> int:
         return self._placement.rank_of(stage)
 
-    def _tag(self, key: tuple[int, int, int]) -> int:
-        """The payload's transfer tag: unique per move of a round (a receive left behind by an aborted round
-        cannot take a later round's bytes)."""
-        epoch, round_index, move = key
-        return transfer_tag(epoch, MOVE, (round_index * 2 * self.num_stages + move) % 10_000)
-
     def _run_round(self, epoch: int, r: int, moves: Sequence[Move], report: MigrationReport) -> bool:
         """One round of moves; True if every move of the round went through on every rank."""
         local = self.blocks
         outgoing = [m for m in moves if m.src in local and m.dst not in local]
         incoming = [m for m in moves if m.dst in local and m.src not in local]
         within = [m for m in moves if m.src in local and m.dst in local]
-        ok = True
-        # phase 1: announce what leaves this rank
-        children = self.blocks_by_id()
-        sent_states: dict[Move, list[LayerState]] = {}
-        for m in outgoing:
-            states = [pack_layer(lid, children[lid], self.optimizer, self.specs.get(lid)) for lid in m.layers]
-            for st in states:
-                st.manifest.update(block=self.describe_block(m.src, st.layer_id, children[st.layer_id]),
-                                   **self.shapes.describe(st.layer_id))
-            sent_states[m] = states
-            announce(self.messenger, m, self.rank_of(m.dst), [st.manifest for st in states], move_key(epoch, r, m))
-        # phase 2: build what arrives (on the meta device, then empty storage: no init cost)
-        arriving = [receive_prepare(self.messenger, self.builder, m, self.rank_of(m.src), move_key(epoch, r, m),
-                                    self.timeout_s, self.faults) for m in incoming]
-        # phase 3: send each payload once its target is ready
-        works = []
-        for m in outgoing:
-            key = move_key(epoch, r, m)
-            if not await_ready(self.messenger, m, self.rank_of(m.dst), key, self.timeout_s, abort_on_silence=True):
-                ok = False
-                continue
-            payload = torch.cat([st.payload for st in sent_states[m]])
-            self.messenger.send_to(self.rank_of(m.dst), "migrate_transfer",
-                                   {"round": r, "move": key[2], "nbytes": int(payload.numel())}, epoch=epoch)
-            works.append((m, self.channel.send(payload, self.rank_of(m.dst), self._tag(key)), payload))
-        # phase 4: receive payloads and acknowledge them
-        for inc in arriving:
-            if inc.ok:
-                self._receive_payload(inc, move_key(epoch, r, inc.move), report)
-            ok = ok and inc.ok
-        for m, work, payload in works:
-            work.wait()
-            report.bytes_sent += int(payload.numel())
-        # phase 5: the sources collect the acknowledgements
-        for m, _work, _payload in works:
-            if self.messenger.wait_for({"migrate_ack"}, from_rank=self.rank_of(m.dst), key=move_key(epoch, r, m),
-                                       timeout_s=self.timeout_s) is None:
-                log.warning("rank %d: no migrate_ack from stage %d for layers %s; aborting", self.rank, m.dst,
-                            list(m.layers))
-                ok = False
+        # phases 1-5: the exchange with the other ranks (announce, build, send, receive, acknowledge)
+        ok, arriving = exchange(self, epoch, r, outgoing, incoming, report)
         # phase 6: one vote decides the whole round on every rank, then both sides act on it; the
         # same collective tells whether a boundary activation changes (every rank must redo shape inference)
         after = apply_round(self.placement, moves)
@@ -306,28 +255,6 @@ class LayerManager:
         manifests = {man["layer"]: man for inc in arriving for man in inc.manifests}
         return any(self.shapes.last_output_changes(self.placement[v], after[v], manifests)
                    for v in self.blocks if v != self.num_stages - 1)
-
-    def _receive_payload(self, inc: Incoming, key: tuple[int, int, int], report: MigrationReport) -> None:
-        m, src = inc.move, self.rank_of(inc.move.src)
-        got = self.messenger.wait_for({"migrate_transfer", "migrate_abort"}, from_rank=src, key=key,
-                                      timeout_s=2 * self.timeout_s)
-        if got is None or got[0] == "migrate_abort":
-            inc.ok = False
-            return
-        nbytes = sum(payload_bytes(man) for man in inc.manifests)
-        if got[1].get("nbytes") != nbytes:
-            raise MigrationError(f"stage {m.dst}: stage {m.src} sends {got[1].get('nbytes')} bytes, "
-                                 f"the manifests describe {nbytes}")
-        buf, work = self.channel.recv(nbytes, src, self._tag(key))
-        work.wait()
-        buf = buf.cpu()
-        offset = 0
-        for man in inc.manifests:
-            size = payload_bytes(man)
-            inc.states.append(LayerState(man["layer"], man, buf[offset:offset + size]))
-            offset += size
-        report.bytes_received += nbytes
-        self.messenger.send_to(src, "migrate_ack", {"round": key[1], "move": key[2]}, epoch=key[0])
 
     # ---------------------------------------------------------------- streamed moves (PipeDream)
     def start_streamed(self, plan: Plan, schedule: Any, switch_mb: int, *, continuation: bool = False) -> list[Any]:

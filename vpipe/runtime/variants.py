@@ -23,8 +23,8 @@ from vpipe.runtime.config import RunConfig
 from vpipe.runtime.launch import Distributed
 from vpipe.runtime.layout import MULTI_STAGE
 from vpipe.runtime.models import build_layer
+from vpipe.runtime.stage_run import StageRun, build_stage_run
 from vpipe.schedules.pipedream import SchedulePipeDream
-from vpipe.runtime.trainer import StageRun, build_stage_run
 
 __all__ = ["Variant", "VariantRun", "build_variant"]
 

@@ -1,0 +1,119 @@
+"""One round of neighbour moves with other ranks, up to the vote: announce, build, send, receive, acknowledge.
+
+The layer manager splits a round's moves into those leaving this rank, those arriving and
+those between two of its own stages. :func:`exchange` runs the first five phases of the
+handshake (:mod:`vpipe.migration.layer_manager` draws it) for the moves that cross ranks
+and says whether every one of them went through here; the vote that commits the round,
+and the block edits that follow it, stay with the manager, which owns the blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from vpipe.migration.handshake import Incoming, MigrationError, announce, await_ready, move_key, receive_prepare
+from vpipe.migration.moves import Move
+from vpipe.migration.state import LayerState, pack_layer, payload_bytes
+from vpipe.migration.transfer import MOVE, transfer_tag
+
+if TYPE_CHECKING:
+    from vpipe.migration.layer_manager import LayerManager
+
+log = logging.getLogger("vpipe.migration")
+
+__all__ = ["MigrationReport", "exchange"]
+
+
+@dataclass
+class MigrationReport:
+    epoch: int
+    moved: list[Move] = field(default_factory=list)
+    aborted: list[Move] = field(default_factory=list)
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    seconds: float = 0.0
+    rebuilt: bool = False
+
+
+def exchange(manager: LayerManager, epoch: int, r: int, outgoing: Sequence[Move], incoming: Sequence[Move],
+             report: MigrationReport) -> tuple[bool, list[Incoming]]:
+    """Phases 1-5 of round ``r`` for the moves leaving (``outgoing``) and reaching (``incoming``) this rank:
+    whether each went through here, and what arrived (built, its payload received and acknowledged)."""
+    ok = True
+    # phase 1: announce what leaves this rank
+    children = manager.blocks_by_id()
+    sent_states: dict[Move, list[LayerState]] = {}
+    for m in outgoing:
+        states = [pack_layer(lid, children[lid], manager.optimizer, manager.specs.get(lid)) for lid in m.layers]
+        for st in states:
+            st.manifest.update(block=manager.describe_block(m.src, st.layer_id, children[st.layer_id]),
+                               **manager.shapes.describe(st.layer_id))
+        sent_states[m] = states
+        announce(manager.messenger, m, manager.rank_of(m.dst), [st.manifest for st in states], move_key(epoch, r, m))
+    # phase 2: build what arrives (on the meta device, then empty storage: no init cost)
+    arriving = [receive_prepare(manager.messenger, manager.builder, m, manager.rank_of(m.src), move_key(epoch, r, m),
+                                manager.timeout_s, manager.faults) for m in incoming]
+    # phase 3: send each payload once its target is ready
+    works = []
+    for m in outgoing:
+        key = move_key(epoch, r, m)
+        if not await_ready(manager.messenger, m, manager.rank_of(m.dst), key, manager.timeout_s,
+                           abort_on_silence=True):
+            ok = False
+            continue
+        payload = torch.cat([st.payload for st in sent_states[m]])
+        manager.messenger.send_to(manager.rank_of(m.dst), "migrate_transfer",
+                                  {"round": r, "move": key[2], "nbytes": int(payload.numel())}, epoch=epoch)
+        works.append((m, manager.channel.send(payload, manager.rank_of(m.dst), _tag(manager, key)), payload))
+    # phase 4: receive payloads and acknowledge them
+    for inc in arriving:
+        if inc.ok:
+            _receive_payload(manager, inc, move_key(epoch, r, inc.move), report)
+        ok = ok and inc.ok
+    for _, work, payload in works:
+        work.wait()
+        report.bytes_sent += int(payload.numel())
+    # phase 5: the sources collect the acknowledgements
+    for m, _work, _payload in works:
+        if manager.messenger.wait_for({"migrate_ack"}, from_rank=manager.rank_of(m.dst), key=move_key(epoch, r, m),
+                                      timeout_s=manager.timeout_s) is None:
+            log.warning("rank %d: no migrate_ack from stage %d for layers %s; aborting", manager.rank, m.dst,
+                        list(m.layers))
+            ok = False
+    return ok, arriving
+
+
+def _tag(manager: LayerManager, key: tuple[int, int, int]) -> int:
+    """The payload's transfer tag: unique per move of a round (a receive left behind by an aborted round
+    cannot take a later round's bytes)."""
+    epoch, round_index, move = key
+    return transfer_tag(epoch, MOVE, (round_index * 2 * manager.num_stages + move) % 10_000)
+
+
+def _receive_payload(manager: LayerManager, inc: Incoming, key: tuple[int, int, int],
+                     report: MigrationReport) -> None:
+    m, src = inc.move, manager.rank_of(inc.move.src)
+    got = manager.messenger.wait_for({"migrate_transfer", "migrate_abort"}, from_rank=src, key=key,
+                                     timeout_s=2 * manager.timeout_s)
+    if got is None or got[0] == "migrate_abort":
+        inc.ok = False
+        return
+    nbytes = sum(payload_bytes(man) for man in inc.manifests)
+    if got[1].get("nbytes") != nbytes:
+        raise MigrationError(f"stage {m.dst}: stage {m.src} sends {got[1].get('nbytes')} bytes, "
+                             f"the manifests describe {nbytes}")
+    buf, work = manager.channel.recv(nbytes, src, _tag(manager, key))
+    work.wait()
+    buf = buf.cpu()
+    offset = 0
+    for man in inc.manifests:
+        size = payload_bytes(man)
+        inc.states.append(LayerState(man["layer"], man, buf[offset:offset + size]))
+        offset += size
+    report.bytes_received += nbytes
+    manager.messenger.send_to(src, "migrate_ack", {"round": key[1], "move": key[2]}, epoch=key[0])
