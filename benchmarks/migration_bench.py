@@ -118,7 +118,7 @@ def _worker(raw: str) -> None:
     from vpipe.runtime.config import RunConfig
     from vpipe.runtime.launch import init_distributed, run_rank
     from vpipe.runtime.reference import optimizer_state_by_name
-    from vpipe.runtime.trainer import build_stage_run
+    from vpipe.runtime.stage_run import build_stage_run
 
     opts = json.loads(raw)
     torch.set_num_threads(1)
@@ -188,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     Console().print(table)
     live["boundary_median_s"] = statistics.median(live["boundary_s"])
     Console().print(f"live moves: the move itself (at the step boundary, on the last rank to get there) took "
-                    f"{live['boundary_median_s'] * 1e3:.1f} ms median = {live['boundary_median_s'] / live['step_s']:.1%} "
+                    f"{live['boundary_median_s'] * 1e3:.1f} ms median = "
+                    f"{live['boundary_median_s'] / live['step_s']:.1%} "
                     "of a step")
     result = {"benchmark": "migration", "rows": rows, "target_live_stall_ratio": 0.10,
               "live_boundary_ratio": live["boundary_median_s"] / live["step_s"],

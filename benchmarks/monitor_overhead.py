@@ -60,7 +60,7 @@ def rank_main(args: argparse.Namespace) -> None:
     from vpipe.control.session import ControlOptions, open_for_stage_run
     from vpipe.runtime.config import RunConfig
     from vpipe.runtime.launch import init_distributed, run_rank
-    from vpipe.runtime.trainer import build_stage_run
+    from vpipe.runtime.stage_run import build_stage_run
 
     ctx = init_distributed()
     torch.set_num_threads(1)
@@ -187,7 +187,8 @@ def print_table(result: dict) -> None:
         table.add_row(f"overhead, CPU time, rank {rank}: median B/A - 1",
                       f"{100 * r['cpu_overhead_median']:+.2f} % (noise {100 * r['cpu_noise_median']:.2f} %)")
         table.add_row(f"  sampled step slowdown (CPU), rank {rank}",
-                      f"{100 * r['sampled_step_cpu_slowdown']:+.2f} % -> {100 * r['amortised_sampled_cpu_overhead']:+.3f} % per step")
+                      f"{100 * r['sampled_step_cpu_slowdown']:+.2f} % -> "
+                      f"{100 * r['amortised_sampled_cpu_overhead']:+.3f} % per step")
     table.add_row("step time (unsampled, median)", f"{1000 * result['step_s_unsampled_median']:.1f} ms")
     table.add_row("session bookkeeping per step", f"{1e6 * result['bookkeeping_s_per_step']:.0f} us "
                                                   f"({100 * result['bookkeeping_fraction']:.3f} %)")

@@ -163,7 +163,8 @@ def report(summary: dict[str, Any], result: dict[str, Any], log_dir: Path) -> No
         table.add_column(col, justify="right")
     rows = summary["per_round"]
     for name in ("static", "vpipe"):
-        med = {ph: statistics.median(r["throughput"][name][ph] for r in rows) for ph in ("before", "transition", "after")}
+        med = {ph: statistics.median(r["throughput"][name][ph] for r in rows)
+               for ph in ("before", "transition", "after")}
         ratio = summary[f"{name}_over_optimal_after"]
         table.add_row(name, f"{med['before']:.1f}", f"{med['transition']:.1f}", f"{med['after']:.1f}",
                       f"{ratio['median']:.2f} [{ratio['min']:.2f}, {ratio['max']:.2f}]")

@@ -41,9 +41,17 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from vpipe.runtime.calibrate import REFERENCE_RUN as REFERENCE, calibration_sizes, profile_sizes  # noqa: E402
-from vpipe.runtime.costs import Link, ModelCosts, balanced_counts, ideal_step_s, measure_model_costs, scaled, \
-    stage_costs  # noqa: E402
+from vpipe.runtime.calibrate import REFERENCE_RUN as REFERENCE  # noqa: E402
+from vpipe.runtime.calibrate import calibration_sizes, profile_sizes
+from vpipe.runtime.costs import (
+    Link,
+    ModelCosts,
+    balanced_counts,
+    ideal_step_s,
+    measure_model_costs,
+    scaled,
+    stage_costs,  # noqa: E402
+)
 from vpipe.runtime.simulate import simulate  # noqa: E402
 
 SYSTEMS = {"GPipe (all R)": ("gpipe", "R"), "1F1B (all S)": ("1f1b", "S"), "1F1B (all D)": ("1f1b", "D"),

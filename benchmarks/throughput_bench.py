@@ -64,7 +64,8 @@ sys.path.insert(0, str(ROOT))
 
 BASELINE = "GPipe (all R)"
 WITHOUT_VPIPE = {"GPipe + vpipe": "GPipe (all R)", "1F1B + vpipe": "1F1B (all D)",
-                 "PipeDream + vpipe": "PipeDream (all D)", "Interleaved 1F1B + vpipe": "Interleaved 1F1B (all D)", "ZBV + vpipe": "ZBV (all D)"}
+                 "PipeDream + vpipe": "PipeDream (all D)", "Interleaved 1F1B + vpipe": "Interleaved 1F1B (all D)",
+                 "ZBV + vpipe": "ZBV (all D)"}
 MULTI_STAGE = (("interleaved1f1b", "Interleaved 1F1B"), ("zbv", "ZBV"))  # two virtual stages per rank
 
 
@@ -325,13 +326,15 @@ def print_case(result: dict[str, Any]) -> None:
     from vpipe.tensor_manager.accounting import format_bytes
 
     virtual = f" ({result['virtual_partition']} on virtual stages)" if result.get("virtual_partition") else ""
-    table = Table(title=(f"{result['model']} on {result['stages']} stages: budget {format_bytes(result['budget_bytes'])}"
+    table = Table(title=(f"{result['model']} on {result['stages']} stages: "
+                         f"budget {format_bytes(result['budget_bytes'])}"
                          f" per rank, global batch {result['global_batch']}, partition {result['partition']}{virtual}; "
                          f"ideal {result['ideal_samples_per_s']:.0f} samples/s "
                          f"({result['ideal_cores_samples_per_s']:.0f} on the cores)"))
     for col in ("system", "mb x n", "samples/s", "vs without vpipe", f"vs {BASELINE}", "of ideal", "of ideal (cores)",
                 "vpipe ended"):
-        table.add_column(col, justify="left" if col in ("system", "vpipe ended") else "right", no_wrap=col != "vpipe ended")
+        table.add_column(col, justify="left" if col in ("system", "vpipe ended") else "right",
+                         no_wrap=col != "vpipe ended")
     for r in result["rows"]:
         if r["samples_per_s"] is None:
             table.add_row(r["system"], "-", "does not fit", "", "", "", "", "")

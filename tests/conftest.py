@@ -52,7 +52,8 @@ def load_run_optimizer(out_dir: Path, stages: int) -> dict[str, dict[str, torch.
     return merged
 
 
-def assert_optimizer_equal(actual: dict[str, dict[str, torch.Tensor]], expected: dict[str, dict[str, torch.Tensor]]) -> None:
+def assert_optimizer_equal(actual: dict[str, dict[str, torch.Tensor]],
+                           expected: dict[str, dict[str, torch.Tensor]]) -> None:
     assert sorted(actual) == sorted(expected)
     for name, want in expected.items():
         assert sorted(actual[name]) == sorted(want), name

@@ -125,7 +125,8 @@ def test_out_of_range_stages_and_epochs_in_messages_are_named(change, message):
     ({"lr": 0.0}, "lr must be positive, got 0.0"),
     ({"d_model": 30, "n_heads": 4}, "d_model (30) must be divisible by n_heads (4)"),
     ({"schedule": "1f1b", "stages": 4, "micro_batches": 2}, "1f1b needs micro_batches >= stages (2 < 4)"),
-    ({"schedule": "zero-bubble"}, "schedule must be one of gpipe, 1f1b, pipedream, interleaved1f1b, loopedbfs, interleavedzb, zbv, "
+    ({"schedule": "zero-bubble"}, "schedule must be one of gpipe, 1f1b, pipedream, interleaved1f1b, loopedbfs, "
+                                    "interleavedzb, zbv, "
                                     "dualpipev, got 'zero-bubble'"),
     ({"memory_budget": 0}, "memory_budget must be a positive number of bytes, got 0"),
     ({"memory_budget": -1}, "memory_budget must be a positive number of bytes, got -1"),

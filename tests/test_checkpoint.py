@@ -14,7 +14,13 @@ import torch
 
 from conftest import assert_optimizer_equal, assert_params_equal, load_run_optimizer, load_run_params, run_vpipe
 from vpipe.checkpoint import (
-    MANIFEST, CheckpointError, check_vpipe_state, find_latest, load_checkpoint, restore_stage, save_shard,
+    MANIFEST,
+    CheckpointError,
+    check_vpipe_state,
+    find_latest,
+    load_checkpoint,
+    restore_stage,
+    save_shard,
     write_manifest,
 )
 from vpipe.runtime.config import RunConfig
@@ -172,7 +178,8 @@ def test_a_model_of_another_shape_is_refused_before_loading(tmp_path):
     cfg = RunConfig(blocks=4, d_model=64, n_heads=2, seq_len=16, dropout=0.0)
     model = build_model(cfg.model_spec(), seed=0)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(CheckpointError, match=r"0\.pos is \(16, 32\) torch.float32 there, \(16, 64\) torch.float32 in this model"):
+    with pytest.raises(CheckpointError,
+                       match=r"0\.pos is \(16, 32\) torch.float32 there, \(16, 64\) torch.float32 in this model"):
         restore_stage(load_checkpoint(step_dir), model, None)
     assert_params_equal(model.state_dict(), before)
 
@@ -242,7 +249,7 @@ def test_resume_keeps_adamw_its_weight_decay_and_a_warmup_cosine_schedule_on_the
 
 def test_a_resume_without_the_schedulers_state_would_train_at_the_wrong_rate(tmp_path):
     """What the test above guards against: a fresh scheduler restarts the warm-up."""
-    from vpipe.runtime.trainer import make_optimizer, make_scheduler
+    from vpipe.runtime.optim import make_optimizer, make_scheduler
 
     cfg = small_cfg(optimizer="adamw", lr_schedule="warmup-cosine", warmup_steps=3, lr=0.01, steps=8)
     model = build_model(cfg.model_spec(), seed=0)

@@ -34,7 +34,8 @@ def test_timeline_rows_show_time_since_start_who_event_and_numbers():
     assert [(r[0].strip(), r[1], r[2]) for r in rows] == [
         ("0.500", "1", "planner_started"), ("1.250", "planner", "plan"), ("2.000", "1", "planner_lost")]
     assert rows[1][3] == "plan epoch 3: rebalance"
-    assert "epoch=3" in rows[1][4] and "layers_per_stage=[5, 3]" in rows[1][4] and "predicted_step_s=0.1235" in rows[1][4]
+    details = rows[1][4]
+    assert "epoch=3" in details and "layers_per_stage=[5, 3]" in details and "predicted_step_s=0.1235" in details
     assert len(timeline_rows(RECORDS, everything=True)) == 5
     assert [r[2] for r in timeline_rows(RECORDS, events={"plan"})] == ["plan"]
 
@@ -88,7 +89,8 @@ def test_the_daemon_entry_point_imports_no_torch():
 def test_decision_rows_show_an_edit_once_and_only_the_asked_events():
     from vpipe.logview import decision_rows
 
-    records = [{"t": 1.0, "rank": r, "logger": "vpipe.decisions", "event": "layers_added", "msg": "added"} for r in (1, 0)]
+    records = [{"t": 1.0, "rank": r, "logger": "vpipe.decisions", "event": "layers_added", "msg": "added"}
+               for r in (1, 0)]
     records += [{"t": 2.0, "rank": None, "role": None, "logger": "vpipe.decisions", "event": "plan", "msg": "p"},
                 {"t": 3.0, "rank": 1, "logger": "vpipe.decisions", "event": "plan_received", "msg": "r"}]
     rows = decision_rows(records, {"layers_added", "plan"})

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import datetime
-import re
 import logging
 import os
+import re
 
 import pytest
 import torch.distributed as dist

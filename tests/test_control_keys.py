@@ -42,7 +42,8 @@ def test_vpipe_keys_cli_writes_a_pair(tmp_path, capsys):
     assert f"export {SECRET_ENV}={tmp_path / 'node0.key_secret'}" in out
     assert mode(tmp_path / "node0.key_secret") == 0o600
     assert main(["keys", str(tmp_path), "--name", "node0"]) == 2
-    assert "never overwrites a key file" in capsys.readouterr().err and read_public_file(tmp_path / "node0.key") == public
+    assert "never overwrites a key file" in capsys.readouterr().err
+    assert read_public_file(tmp_path / "node0.key") == public
 
 
 def test_zmq_certificates_and_bare_z85_files_are_accepted(tmp_path):

@@ -203,8 +203,8 @@ def test_fuzz_truncated_messages(index, cut):
 
 
 @FUZZ
-@given(index=st.integers(0, len(VALID) - 1), key=st.sampled_from(["v", "type", "epoch", "iter", "stage", "src", "body"]),
-       value=plain)
+@given(index=st.integers(0, len(VALID) - 1),
+       key=st.sampled_from(["v", "type", "epoch", "iter", "stage", "src", "body"]), value=plain)
 def test_fuzz_wrong_types_in_the_envelope(index, key, value):
     wire = wire_of(VALID[index])
     wire[key] = value

@@ -19,8 +19,8 @@ import time
 import pytest
 
 from conftest import ROOT, assert_params_equal, child_env, load_run_params, run_vpipe
-from vpipe.checkpoint import find_latest, load_checkpoint
 from vpipe import faults
+from vpipe.checkpoint import find_latest, load_checkpoint
 from vpipe.runtime.config import RunConfig
 from vpipe.runtime.launch import spawn
 from vpipe.runtime.reference import reference_flush

@@ -70,7 +70,8 @@ def test_rank_env_reads_torchrun_variables():
     env = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500",
            "TORCHELASTIC_USE_AGENT_STORE": "True"}
     got = rank_env(env)
-    assert (got.rank, got.world_size, got.master_addr, got.master_port, got.agent_store) == (1, 4, "10.0.0.1", 29500, True)
+    assert ((got.rank, got.world_size, got.master_addr, got.master_port, got.agent_store)
+            == (1, 4, "10.0.0.1", 29500, True))
     assert got.is_multi_host
     assert rank_env({}) is None
     with pytest.raises(ValueError, match="RANK=4 is outside"):

@@ -68,5 +68,6 @@ def test_a_run_measures_every_step_of_every_rank():
 
 def test_a_failing_run_raises_with_what_its_ranks_printed():
     cfg = RunConfig(stages=2, steps=6, blocks=2, d_model=32, progress=False)
-    with pytest.raises(RuntimeError, match=r"(?s)vpipe train failed \(exit .*vpipe \[rank 0\]: stopping because rank 1 stopped answering"):
+    with pytest.raises(RuntimeError, match=r"(?s)vpipe train failed \(exit "
+                                           r".*vpipe \[rank 0\]: stopping because rank 1 stopped answering"):
         run_training(cfg, extra_env={"VPIPE_FAULTS": "kill@2:1", "VPIPE_HEARTBEAT_TIMEOUT": "3"})

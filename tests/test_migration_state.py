@@ -24,16 +24,22 @@ def _train(module, opt, steps, seed):
 @pytest.mark.parametrize("opt_name", ["adam", "sgd"])
 def test_state_moves_between_optimizers_exactly(opt_name):
     spec = block_spec("attn", 32, 2, 64, 0.0)
-    make = (lambda ps: torch.optim.Adam(ps, lr=1e-2)) if opt_name == "adam" else (lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9))
+
+    def make(ps):
+        if opt_name == "adam":
+            return torch.optim.Adam(ps, lr=1e-2)
+        return torch.optim.SGD(ps, lr=1e-2, momentum=0.9)
+
     src, other = build_layer(spec, 3), build_layer(spec, 4)
     src_opt = make(list(other.parameters()) + list(src.parameters()))
     _train(src, src_opt, 3, seed=1)
     reference = build_layer(spec, 3)
     reference.load_state_dict(src.state_dict())
     ref_opt = make(list(reference.parameters()))
-    ref_opt.load_state_dict({"state": {i: {k: v.clone() if torch.is_tensor(v) else v for k, v in src_opt.state[p].items()}
-                                       for i, p in enumerate(src.parameters())},
-                             "param_groups": [dict(src_opt.state_dict()["param_groups"][0], params=list(range(len(list(reference.parameters())))))]})
+    state = {i: {k: v.clone() if torch.is_tensor(v) else v for k, v in src_opt.state[p].items()}
+             for i, p in enumerate(src.parameters())}
+    group = dict(src_opt.state_dict()["param_groups"][0], params=list(range(len(list(reference.parameters())))))
+    ref_opt.load_state_dict({"state": state, "param_groups": [group]})
 
     state = pack_layer(3, src, src_opt, spec=spec)
     detach_from_optimizer(src_opt, src.parameters())

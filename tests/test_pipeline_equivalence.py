@@ -33,7 +33,7 @@ def _run(cfg: RunConfig, tmp_path):
 
 
 @pytest.mark.parametrize("model", ["transformer", "cnn"])
-@pytest.mark.parametrize("stages", [2, 4])
+@pytest.mark.parametrize("stages", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4 ranks on 2 cores: CI's slow run
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_flush_schedules_match_gradient_accumulation(schedule, stages, model, tmp_path):
     cfg = RunConfig(model=model, stages=stages, schedule=schedule, steps=3, **SMALL)
@@ -44,7 +44,7 @@ def test_flush_schedules_match_gradient_accumulation(schedule, stages, model, tm
 
 
 @pytest.mark.parametrize("vertical_sync", [False, True])
-@pytest.mark.parametrize("stages", [2, 4])
+@pytest.mark.parametrize("stages", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_pipedream_matches_weight_stashing_simulation(stages, vertical_sync, tmp_path):
     # 2 steps x 4 micro-batches = 8 micro-batch updates per stage
     cfg = RunConfig(stages=stages, schedule="pipedream", steps=2, vertical_sync=vertical_sync, **SMALL)

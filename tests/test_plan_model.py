@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_vpipe
-from plan_models import EncoderDecoder, encoder_decoder
 from torch import nn
 from torch.distributed.pipelining import SplitPoint, pipeline
 
+from conftest import run_vpipe
+from plan_models import EncoderDecoder, encoder_decoder
 from vpipe.cli import main
 from vpipe.graph import LayerGraph
 from vpipe.profiling import find_units, profile_model

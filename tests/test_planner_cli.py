@@ -6,9 +6,9 @@ import json
 import re
 
 import pytest
+
 from conftest import child_env, run_vpipe
 from planner_helpers import chain
-
 from vpipe.cli import main
 from vpipe.planner.cli import parse_bytes
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from hypothesis import given, settings
-from planner_helpers import boundary_bytes_by_definition, chain, dags
 
+from planner_helpers import boundary_bytes_by_definition, chain, dags
 from vpipe.graph import LayerGraph, LayerNode
+from vpipe.plan import Policy
 from vpipe.planner.cost_model import (
     GraphProfile,
     Hardware,
@@ -20,7 +21,6 @@ from vpipe.planner.cost_model import (
     throughput,
     weight_versions,
 )
-from vpipe.plan import Policy
 
 D, S, R = Policy.KEEP, Policy.SWAP, Policy.RECOMPUTE
 

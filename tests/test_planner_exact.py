@@ -8,11 +8,10 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from planner_helpers import all_cuts, chain, dags
 
+from planner_helpers import all_cuts, chain, dags
 from vpipe.graph import LayerGraph
-from vpipe.planner.cost_model import GraphProfile, Hardware, PipelineSetup, StageCosts
-from vpipe.planner.cost_model import CoarseCosts
+from vpipe.planner.cost_model import CoarseCosts, GraphProfile, Hardware, PipelineSetup, StageCosts
 from vpipe.planner.exact import InfeasibleError, _lower_bound, exact_partition, min_bottleneck
 
 

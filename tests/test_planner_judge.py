@@ -7,8 +7,8 @@ import pytest
 from conftest import run_vpipe
 from test_control_run import decisions, planner_env
 from vpipe.monitors.records import StageRecord
-from vpipe.planner.judge import PlanJudge
 from vpipe.plan import Plan, Policy
+from vpipe.planner.judge import PlanJudge
 
 
 def _vector(epoch: int, step_s: float, iteration: int = 9) -> list[StageRecord]:
@@ -20,7 +20,8 @@ OLD = Plan(epoch=0, stages=((0, 1, 2, 3), (4, 5, 6, 7)))
 NEW = Plan(epoch=1, stages=((0, 1, 2, 3, 4), (5, 6, 7)), reason="rebalance: predicted faster")
 
 
-def _judge_after(after_s: list[float], plan: Plan = NEW, before_s=(0.100, 0.104, 0.098)) -> tuple[PlanJudge, Plan | None]:
+def _judge_after(after_s: list[float], plan: Plan = NEW,
+                 before_s=(0.100, 0.104, 0.098)) -> tuple[PlanJudge, Plan | None]:
     judge = PlanJudge()
     for t in before_s:
         assert judge.observe(_vector(0, t), OLD) is None

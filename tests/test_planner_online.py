@@ -7,8 +7,8 @@ import json
 import pytest
 
 from vpipe.monitors.records import LayerRecord, StageRecord
-from vpipe.planner.online import CONFIG_ENV, OnlineConfig, OnlinePlanner, _placeable, _pooled
 from vpipe.plan import Plan, Policy
+from vpipe.planner.online import CONFIG_ENV, OnlineConfig, OnlinePlanner, _placeable, _pooled
 
 IDS = ([0, 1, 2, 3], [4, 5, 6, 7])
 FOUR_FOUR = Plan(epoch=0, stages=((0, 1, 2, 3), (4, 5, 6, 7)))

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-from planner_helpers import chain, dags
 
+from planner_helpers import chain, dags
 from vpipe.graph import LayerGraph, LayerNode
-from vpipe.planner.cost_model import Hardware, stage_memory, stage_time
 from vpipe.plan import Policy
+from vpipe.planner.cost_model import Hardware, stage_memory, stage_time
 from vpipe.planner.sr import optimize_sr
 
 D, S, R = Policy.KEEP, Policy.SWAP, Policy.RECOMPUTE

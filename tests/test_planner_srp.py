@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from planner_helpers import chain, dags
 
+from planner_helpers import chain, dags
 from vpipe.graph import LayerGraph
+from vpipe.plan import Plan, Policy
 from vpipe.planner.cost_model import GraphProfile, Hardware, PipelineSetup, StageCosts, stage_memory
 from vpipe.planner.exact import InfeasibleError
 from vpipe.planner.partition import is_valid_pipeline
-from vpipe.plan import Plan, Policy
 from vpipe.planner.srp import SRPPlanner, plan_pipeline
 
 

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
-from torch.distributed.pipelining.schedules import (BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD,
-                                                    OVERLAP_F_B, _Action)
+from torch.distributed.pipelining.schedules import (
+    BACKWARD_INPUT,
+    BACKWARD_WEIGHT,
+    FORWARD,
+    FULL_BACKWARD,
+    OVERLAP_F_B,
+    _Action,
+)
 
 from vpipe.rank.stages import in_flight_per_stage
 

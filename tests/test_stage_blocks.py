@@ -8,9 +8,20 @@ import pytest
 import torch
 from torch import nn
 
-from vpipe.migration.blocks import (BlockContainerError, ContainerLayout, KeyStyle, StageBlocks, agree_key_style,
-                                    block_attrs, block_kind, clone_block, find_block_container, global_ids,
-                                    set_block_attrs, validate_block_info)
+from vpipe.migration.blocks import (
+    BlockContainerError,
+    ContainerLayout,
+    KeyStyle,
+    StageBlocks,
+    agree_key_style,
+    block_attrs,
+    block_kind,
+    clone_block,
+    find_block_container,
+    global_ids,
+    set_block_attrs,
+    validate_block_info,
+)
 
 
 class Block(nn.Module):
@@ -113,7 +124,8 @@ def test_none_entries_and_an_empty_container_are_refused():
 
 
 def test_key_styles_and_global_ids():
-    tutorial = [ContainerLayout("layers", "ModuleDict", ("0", "1", "2")), ContainerLayout("layers", "ModuleDict", ("3",))]
+    tutorial = [ContainerLayout("layers", "ModuleDict", ("0", "1", "2")),
+                ContainerLayout("layers", "ModuleDict", ("3",))]
     assert agree_key_style(tutorial) is KeyStyle.IDS
     assert global_ids(tutorial, KeyStyle.IDS) == [[0, 1, 2], [3]]
     slices = [ContainerLayout("", "Sequential", ("0", "1", "2")), ContainerLayout("", "Sequential", ("0",))]
@@ -166,7 +178,7 @@ def test_a_clone_has_the_donors_structure_but_none_of_its_hooks_values_or_routed
     donor.register_forward_hook(lambda *a: calls.append("hook"))
     donor.fc.register_forward_pre_hook(lambda *a: calls.append("pre"))
     routed = lambda *a, **k: calls.append("routed")  # noqa: E731
-    setattr(routed, "_vpipe_routed_forward", True)
+    routed._vpipe_routed_forward = True
     donor.forward = routed
     clone = clone_block(donor)
     assert "forward" not in vars(clone) and block_kind(clone) == block_kind(donor)

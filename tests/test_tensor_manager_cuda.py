@@ -83,7 +83,8 @@ def test_no_corruption_when_freed_memory_is_reused_during_copies():
         steps = []
         for _ in range(3):
             it = iter(targets)
-            steps.append(_gpipe_step(model, manager, inputs, lambda out: spec.loss_fn()(out, next(it)), garbage=True))
+            steps.append(_gpipe_step(model, manager, inputs, lambda out, it=it: spec.loss_fn()(out, next(it)),
+                                     garbage=True))
         results[policy] = steps
         stats = manager.stats()
         assert stats.live_saved_storages == 0 and stats.host_pool_used_bytes == 0

@@ -164,7 +164,11 @@ def test_swap_outs_go_as_one_copy_batch_per_layer_call_and_the_cap_splits_them()
         manager._engine.batch_bytes = batch_bytes
         batches: list[int] = []
         engine_copy = manager._copies.to_host_batch
-        manager._copies.to_host_batch = lambda pairs: (batches.append(len(pairs)), engine_copy(pairs))[1]
+        def counting_copy(pairs, batches=batches, engine_copy=engine_copy):
+            batches.append(len(pairs))
+            return engine_copy(pairs)
+
+        manager._copies.to_host_batch = counting_copy
         with manager.micro_batch(0):
             out = model(x)
         swapped = manager.stats().d2h_bytes

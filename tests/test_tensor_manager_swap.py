@@ -156,7 +156,8 @@ def test_swapped_bytes_stay_counted_until_their_copy_ran_then_live_on_the_host_o
 
     restored = back(engine).restore(handle)  # no prefetch: copied back on demand
     assert torch.equal(restored, x) and restored.stride() == x.stride() and restored.data_ptr() != x.data_ptr()
-    assert back(engine).sync_fallbacks == 1 and engine.copies.bytes[H2D] == 4 * KIB and back(engine).layer_h2d == {1: 4 * KIB}
+    assert back(engine).sync_fallbacks == 1 and engine.copies.bytes[H2D] == 4 * KIB
+    assert back(engine).layer_h2d == {1: 4 * KIB}
     assert ledger.resident == 0  # its only handle was unpacked: the node holds the copy, the ledger does not
     del handle
     assert engine.drain()
@@ -260,7 +261,8 @@ def test_the_end_of_a_backward_drops_its_micro_batchs_device_copies_only():
     assert ledger.resident == KIB and ledger.resident_by_layer() == {2: KIB}
     assert engine.pool.used_bytes == 3 * KIB and engine.live_entries() == 3  # the host copies stay with the handles
     assert back(engine).host_bytes(0) == 2 * KIB
-    assert torch.equal(back(engine).restore(handles[0]), tensors[0]) and back(engine).sync_fallbacks == 1  # fetched again
+    assert torch.equal(back(engine).restore(handles[0]), tensors[0])
+    assert back(engine).sync_fallbacks == 1  # fetched again
     end_full_phase(engine, 1)
     assert ledger.resident == 0
 

@@ -84,7 +84,7 @@ class Vpipe:
         self.stage_index = pipeline.first.index
         self.num_stages = pipeline.num_stages
         self._who = f"stage {self.stage_index}"
-        self._undo: list[Callable[[], None]] = []
+        self._undo: list[Callable[[], object]] = []  # what an undo returns is ignored
         self._detached = False
         self._exit_timeout_s: float | None = None
         self.agreement = StoreAgreement(store, rank=self.rank, world_size=self.world_size,
@@ -112,6 +112,7 @@ class Vpipe:
         self._install()
         atexit.register(self._at_exit)  # a script that never calls detach() still shuts vpipe down cleanly
         for stage in pipeline.stages:
+            assert stage.blocks is not None  # agree_on_blocks set every local stage's blocks
             decision("attached", f"vpipe attached to stage {stage.index} of {self.num_stages}", stage=stage.index,
                      layers=list(placement[stage.index]), schedule=type(pipeline.schedule).__name__
                      if pipeline.schedule is not None else "module", memory_budget=self.memory_budget,

@@ -30,7 +30,8 @@ def _partition(text: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"partition must be comma-separated layer counts like 5,5, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"partition must be comma-separated layer counts like 5,5, got {text!r}") from None
 
 
 def _bytes(text: str) -> int:
@@ -106,9 +107,11 @@ def add_run_arguments(p: argparse.ArgumentParser, *, steps: int, stages: int) ->
     p.add_argument("--planner", default="auto", metavar="MODULE:FUNCTION",
                    help="planner the last stage's daemon runs (auto: the SRP planner with --vpipe, else one that "
                         "never plans); 'none' starts no daemon and waits for `vpipe planner --connect ...`")
-    p.add_argument("--vpipe", action="store_true", help="attach vpipe: tensor manager, monitor, planner, live migration")
+    p.add_argument("--vpipe", action="store_true",
+                   help="attach vpipe: tensor manager, monitor, planner, live migration")
     p.add_argument("--memory-budget", type=_bytes, default=None, metavar="BYTES",
-                   help="vpipe: per-stage memory budget (parameters, gradients, optimizer state, activations), e.g. 64M")
+                   help="vpipe: per-stage memory budget (parameters, gradients, optimizer state, activations), "
+                        "e.g. 64M")
     p.add_argument("--policy", choices=("D", "S", "R"), default="D",
                    help="vpipe: initial policy of every layer: keep (D), swap (S) or recompute (R) activations")
     p.add_argument("--no-planning", action="store_true", help="vpipe: monitor only, never apply plans")
@@ -164,12 +167,12 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from vpipe.runtime.launch import rank_env, spawn
 
     cfg = config_from_args(args)  # validate before starting any process
-    from vpipe.runtime.trainer import check_checkpoint_dir
+    from vpipe.runtime.checkpoints import check_checkpoint_dir
 
     check_checkpoint_dir(cfg)
     if rank_env() is None:
         if cfg.resume:
-            from vpipe.runtime.trainer import load_resume
+            from vpipe.runtime.checkpoints import load_resume
 
             if load_resume(cfg, verify="all") is None:  # a bad checkpoint is named here, before any rank starts
                 print(f"vpipe: --resume {cfg.resume}: no checkpoint there yet; starting from step 0", file=sys.stderr)
@@ -193,7 +196,8 @@ def cmd_nas(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
     cfg = config_from_args(args)
     if not cfg.vpipe:
-        cfg = RunConfig(**{**cfg.to_dict(), "vpipe": True, "planner": cfg.planner if cfg.planner != "vpipe.control.daemon:no_change" else "vpipe.planner.online:srp"})
+        planner = cfg.planner if cfg.planner != "vpipe.control.daemon:no_change" else "vpipe.planner.online:srp"
+        cfg = RunConfig(**{**cfg.to_dict(), "vpipe": True, "planner": planner})
     evo = EvolutionConfig(population=args.population, sample=args.sample, cycles=args.cycles,
                           steps_per_candidate=args.steps_per_candidate, seed=args.seed)
     if rank_env() is None:

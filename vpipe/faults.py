@@ -31,7 +31,8 @@ ENV = "VPIPE_FAULTS"
 
 
 def parse(text: str) -> dict[str, set[int]]:
-    """``"a@1,b@0"`` -> ``{"a": {1}, "b": {0}}``; ``"kill@5:2"`` -> ``{"kill@5": {2}}``; ValueError naming a bad entry."""
+    """``"a@1,b@0"`` -> ``{"a": {1}, "b": {0}}``; ``"kill@5:2"`` -> ``{"kill@5": {2}}``;
+    ValueError naming a bad entry."""
     faults: dict[str, set[int]] = {}
     for entry in filter(None, (e.strip() for e in text.split(","))):
         name, sep, rank = entry.partition("@")

@@ -80,7 +80,8 @@ def decision(event: str, message: str = "", **fields: Any) -> None:
 
 def step_record(step: int, step_s: float, **fields: Any) -> None:
     """Log one finished training step (the last stage logs them: its pace is the pipeline's)."""
-    step_log.info("step %d took %.4f s", step, step_s, extra={"vpipe_fields": {"step": step, "step_s": step_s, **fields}})
+    step_log.info("step %d took %.4f s", step, step_s,
+                  extra={"vpipe_fields": {"step": step, "step_s": step_s, **fields}})
 
 
 def read_log(path: str | os.PathLike[str]) -> list[dict[str, Any]]:

@@ -176,8 +176,8 @@ def regularized_evolution(
         population.append(evaluate(parent.mutate(rng, config.min_blocks, config.max_blocks)))
     for _ in range(config.cycles):
         sample = rng.sample(list(population), config.sample)
-        parent = min(sample, key=lambda c: c.loss)
-        population.append(evaluate(parent.arch.mutate(rng, config.min_blocks, config.max_blocks)))
+        parent = min(sample, key=lambda c: c.loss).arch
+        population.append(evaluate(parent.mutate(rng, config.min_blocks, config.max_blocks)))
         population.popleft()  # regularized: the oldest dies, not the worst
     best = min(history, key=lambda c: c.loss)
     decision("nas_done", f"best {best.arch}: loss {best.loss:.4f} after {len(history)} candidates",
@@ -202,7 +202,7 @@ def search_rank(cfg: Any, evo: EvolutionConfig, ctx: Any) -> SearchResult:
             step_losses = run.run_step(state["step"])
             state["step"] += 1
             if step_losses:
-                losses.append(float(torch.stack([l.detach() for l in step_losses]).mean()))
+                losses.append(float(torch.stack([loss.detach() for loss in step_losses]).mean()))
         return sum(losses) / len(losses) if losses else 0.0
 
     kinds = cfg.block_types or ["attn"] * cfg.blocks

@@ -29,7 +29,6 @@ from collections.abc import Collection
 from typing import Any
 
 import zmq
-
 from zmq.utils.monitor import recv_monitor_message
 
 from vpipe.control.curve import HANDSHAKE_EVENTS, CurveConfig, CurveGuard, curve_from_env, handshake_failure, log_due
@@ -124,7 +123,7 @@ class Inbox:
         self.check_handshakes()
         if timeout_ms > 0 and not self.socket.poll(timeout_ms):
             return []
-        out: list[Message] = []
+        out: list[tuple[Message, int]] = []
         while len(out) < limit:
             try:
                 frames = self.socket.recv_multipart(zmq.NOBLOCK)

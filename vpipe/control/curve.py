@@ -39,6 +39,7 @@ import threading
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
@@ -208,7 +209,7 @@ def handshake_failure(event: int, value: int) -> str | None:
     return None
 
 
-_PROTOCOL_REASONS = {
+_PROTOCOL_REASONS: dict[int, str] = {
     zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH: "mechanism_mismatch",  # e.g. a client without CURVE
     zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC: "cryptographic",  # e.g. a client using the wrong server key
 }

@@ -33,16 +33,16 @@ from typing import Any
 
 import zmq
 
+from vpipe import log as vlog
 from vpipe.control.channel import FROM_ENV, Inbox, Outbox, resolve_curve
 from vpipe.control.curve import CurveConfig, CurveGuard
 from vpipe.control.keys import check_z85_key, read_public_file
 from vpipe.control.messages import MAX_MESSAGE_BYTES, PLANNER, Message, make
 from vpipe.control.netaddr import check_endpoint, control_host
-from vpipe import log as vlog
 from vpipe.log import decision
 from vpipe.monitors.records import StageRecord
-from vpipe.planner.judge import PlanJudge
 from vpipe.plan import Plan, PlanError
+from vpipe.planner.judge import PlanJudge
 
 log = logging.getLogger("vpipe.planner.daemon")
 
@@ -151,7 +151,8 @@ class PlannerDaemon:
                     bye = message
                     break  # nothing after bye counts; what came before it is still planned
                 elif message.type not in ("ping", "stats"):
-                    log.warning("planner daemon: unexpected %r message from rank %d; dropped", message.type, message.src)
+                    log.warning("planner daemon: unexpected %r message from rank %d; dropped",
+                                message.type, message.src)
             if len(vectors) > self.backlog:
                 self.skipped += len(vectors) - self.backlog
                 log.warning("planner daemon: the planner is %d stats vectors behind; planning the newest %d",

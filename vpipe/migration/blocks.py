@@ -24,7 +24,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -206,7 +206,11 @@ class StageBlocks:
 
     def blocks(self) -> dict[int, nn.Module]:
         """Global id -> block, in order."""
-        return dict(zip(self._ids, self.container._modules.values()))
+        return dict(zip(self._ids, self._entries()))
+
+    def _entries(self) -> list[nn.Module]:
+        # torch types ``_modules`` values as optional (register_module accepts None); a block container's are blocks
+        return cast("list[nn.Module]", list(self.container._modules.values()))
 
     def key_of(self, layer_id: int) -> str:
         return self._keys[layer_id]
@@ -223,7 +227,7 @@ class StageBlocks:
         clash = [lid for lid, _, _ in new if lid in self._keys]
         if clash:
             raise ValueError(f"layers {clash} are already in this stage's container")
-        entries = list(zip(self._ids, (self._keys[i] for i in self._ids), self.container._modules.values()))
+        entries = list(zip(self._ids, (self._keys[i] for i in self._ids), self._entries()))
         added = [(lid, self._new_key(lid, key), block) for lid, block, key in new]
         taken = {key for _, key, _ in entries}
         dupes = [key for _, key, _ in added if key in taken]
@@ -238,7 +242,7 @@ class StageBlocks:
         unknown = doomed - set(self._ids)
         if unknown:
             raise ValueError(f"layers {sorted(unknown)} are not in this stage's container")
-        entries = list(zip(self._ids, (self._keys[i] for i in self._ids), self.container._modules.values()))
+        entries = list(zip(self._ids, (self._keys[i] for i in self._ids), self._entries()))
         self._rebuild([e for e in entries if e[0] not in doomed])
         return [block for lid, _, block in entries if lid in doomed]
 

@@ -116,7 +116,8 @@ class ControlMessenger:
 
     def wait_for(self, types: set[str], *, from_rank: int, key: tuple[int, int, int],
                  timeout_s: float) -> tuple[str, dict[str, Any]] | None:
-        """The first ``types`` message from ``from_rank`` for ``key`` (epoch, round, move), or None after ``timeout_s``."""
+        """The first ``types`` message from ``from_rank`` for ``key`` (epoch, round, move),
+        or None after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         while True:
             for i, msg in enumerate(self._held):

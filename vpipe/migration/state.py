@@ -13,7 +13,7 @@ optimizer, not the lists) keep working.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,7 +82,8 @@ def pack_layer(layer_id: int, module: nn.Module, optimizer: torch.optim.Optimize
         entries.append(_entry("buffer", name, b))
         tensors.append(b)
     flat = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors if t.numel() > 0]
-    payload = torch.cat([f.cpu() if f.device.type != "cpu" else f for f in flat]) if flat else torch.empty(0, dtype=torch.uint8)
+    payload = (torch.cat([f.cpu() if f.device.type != "cpu" else f for f in flat]) if flat
+               else torch.empty(0, dtype=torch.uint8))
     manifest = {"layer": layer_id, "spec": spec, "entries": entries}
     return LayerState(layer_id, manifest, payload)
 
@@ -124,7 +125,8 @@ def unpack_layer(state: LayerState, module: nn.Module, optimizer: torch.optim.Op
     """Load ``state`` into a freshly built ``module`` and register it with ``optimizer``."""
     manifest = validate_manifest(state.manifest)
     if state.nbytes != payload_bytes(manifest):
-        raise ValueError(f"layer {state.layer_id}: payload has {state.nbytes} bytes, manifest says {payload_bytes(manifest)}")
+        raise ValueError(f"layer {state.layer_id}: payload has {state.nbytes} bytes, "
+                         f"manifest says {payload_bytes(manifest)}")
     params = dict(module.named_parameters())
     buffers = dict(module.named_buffers())
     offset = 0
@@ -136,7 +138,8 @@ def unpack_layer(state: LayerState, module: nn.Module, optimizer: torch.optim.Op
             continue
         raw = state.payload[offset:offset + e["nbytes"]]
         offset += e["nbytes"]
-        value = raw.view(_DTYPES[e["dtype"]]).reshape(e["shape"]) if e["nbytes"] else torch.empty(e["shape"], dtype=_DTYPES[e["dtype"]])
+        dtype = _DTYPES[e["dtype"]]
+        value = raw.view(dtype).reshape(e["shape"]) if e["nbytes"] else torch.empty(e["shape"], dtype=dtype)
         if e["kind"] == "param":
             target = _lookup(params, e["name"], state.layer_id, "parameter")
             _load(target, value, e, state.layer_id)
@@ -164,7 +167,7 @@ def unpack_layer(state: LayerState, module: nn.Module, optimizer: torch.optim.Op
                 optimizer.state[p] = optim_state[name]
 
 
-def _lookup(table: dict[str, torch.Tensor], name: str, layer_id: int, what: str) -> torch.Tensor:
+def _lookup(table: Mapping[str, torch.Tensor], name: str, layer_id: int, what: str) -> torch.Tensor:
     if name not in table:
         raise ValueError(f"layer {layer_id}: the built module has no {what} {name!r}")
     return table[name]

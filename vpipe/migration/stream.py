@@ -29,7 +29,15 @@ from vpipe.migration.blocks import StageBlocks
 from vpipe.migration.handshake import MigrationError, announce, await_ready, move_key, receive_prepare
 from vpipe.migration.moves import apply_round, plan_rounds
 from vpipe.migration.shapes import BoundaryShapes
-from vpipe.migration.state import _DTYPES, LayerState, detach_from_optimizer, pack_layer, payload_bytes, unpack_layer, validate_manifest
+from vpipe.migration.state import (
+    _DTYPES,
+    LayerState,
+    detach_from_optimizer,
+    pack_layer,
+    payload_bytes,
+    unpack_layer,
+    validate_manifest,
+)
 from vpipe.migration.transfer import HANDOVER, VERSION, TransferChannel, transfer_tag
 from vpipe.plan import Plan
 from vpipe.schedules.pipedream import SchedulePipeDream, start_version
@@ -170,7 +178,8 @@ class IncomingStream:
         self.listeners = list(listeners)
         stage = schedule._stage
         self.window = version_window(switch_mb, stage.stage_index, stage.num_stages, schedule.vertical_sync)
-        self.entries = [(f"{man['layer']}.{e['name']}", e) for man in manifests for e in man["entries"] if e["kind"] == "param"]
+        self.entries = [(f"{man['layer']}.{e['name']}", e)
+                        for man in manifests for e in man["entries"] if e["kind"] == "param"]
         self._versions: dict[int, dict[str, torch.Tensor]] = {}
         self._handed_over = False
         self.bytes_received = 0
@@ -179,7 +188,8 @@ class IncomingStream:
     def done(self) -> bool:
         """Handed over, and no later forward can need a version from the source any more."""
         stage = self.schedule._stage
-        upcoming = start_version(self.schedule._next_fwd, stage.stage_index, stage.num_stages, self.schedule.vertical_sync)
+        upcoming = start_version(self.schedule._next_fwd, stage.stage_index, stage.num_stages,
+                                 self.schedule.vertical_sync)
         return self._handed_over and upcoming > self.switch_mb
 
     def _receive_version(self, v: int) -> dict[str, torch.Tensor]:

@@ -10,7 +10,7 @@ the planner daemon reads records without loading torch.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -56,7 +56,7 @@ def _text(name: str, value: Any) -> str:
     return value
 
 
-def _read(cls: type, data: Any, checkers: dict[str, Callable[[str, Any], Any]], what: str) -> dict[str, Any]:
+def _read(cls: type, data: Any, checkers: Mapping[str, Callable[[str, Any], Any]], what: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise RecordError(f"{what} must be a map, got {type(data).__name__}")
     names = {f.name for f in fields(cls)}

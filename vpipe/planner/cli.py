@@ -69,7 +69,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         description="Partition GRAPH.json, or the model a factory builds (--model), into contiguous pipeline "
                     "stages and choose each layer's keep (D) / swap (S) / recompute (R) policy "
                     "(vPipe's SRP search).")
-    p.error = _one_line_error  # type: ignore[method-assign]  # one line, never a usage dump
+    p.error = _one_line_error  # one line, never a usage dump
     p.add_argument("graph", metavar="GRAPH.json", nargs="?", default=None,
                    help="layer graph (docs/graph-format.md); or use --model")
     p.add_argument("--model", metavar="MODULE:FACTORY", default=None,

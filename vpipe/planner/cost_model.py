@@ -43,8 +43,19 @@ import numpy as np
 if TYPE_CHECKING:
     from vpipe.graph import LayerGraph
 from vpipe.plan import Policy
-from vpipe.planner.setup import (MULTI_STAGE, SCHEDULES, Code, Hardware, PipelineSetup, Schedule, check_schedule,
-                                 in_flight, pipeline_step_time, throughput, weight_versions)
+from vpipe.planner.setup import (
+    MULTI_STAGE,
+    SCHEDULES,
+    Code,
+    Hardware,
+    PipelineSetup,
+    Schedule,
+    check_schedule,
+    in_flight,
+    pipeline_step_time,
+    throughput,
+    weight_versions,
+)
 
 __all__ = [
     "SCHEDULES",
@@ -242,11 +253,11 @@ class CoarseCosts(StageCosts):
         self._memory_prefix = {}
 
     @property
-    def n(self) -> int:  # type: ignore[override]
+    def n(self) -> int:
         return self.positions.size - 1
 
     @property
-    def cut(self) -> np.ndarray:  # type: ignore[override]
+    def cut(self) -> np.ndarray:
         return self._cut
 
     def memory_prefix(self, stage: int, best_case: bool = False) -> np.ndarray:

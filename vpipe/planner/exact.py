@@ -114,7 +114,8 @@ def _lower_bound(costs: StageCosts, p: int) -> float:
     inner = np.sort(comm[1:n])[: p - 1] if p > 1 else np.zeros(0)
     mean = (float(c[-1]) + 2.0 * float(inner.sum())) / p
     into = np.minimum.accumulate(comm[:-1] - c[:-1]) + c[:-1]  # min over starts s <= i of comm[s] + C[i] - C[s]
-    out = np.minimum.accumulate((c[1:] + comm[1:])[::-1])[::-1] - c[1:]  # min over ends e > i of C[e] - C[i+1] + comm[e]
+    # min over ends e > i of C[e] - C[i+1] + comm[e]
+    out = np.minimum.accumulate((c[1:] + comm[1:])[::-1])[::-1] - c[1:]
     holding = into + (c[1:] - c[:-1]) + out
     return max(mean, float(holding.max()))
 
@@ -297,7 +298,10 @@ def _best_starts(costs: _Padded, value: np.ndarray, js: np.ndarray, first: np.nd
 
     c_j, comm_j = costs.compute_prefix[js], costs.comm[js]
     w_c, w_comm, w_value = padded(costs.pad_compute), padded(costs.pad_comm), window(value, np.inf)
-    w_x, x_j = (padded(costs.pad_swap), costs.swap_prefix[js]) if costs.pad_swap is not None else (None, None)
+    w_x: np.ndarray | None = None
+    x_j: np.ndarray | None = None
+    if costs.pad_swap is not None and costs.swap_prefix is not None:  # both are set when the costs have swaps
+        w_x, x_j = padded(costs.pad_swap), costs.swap_prefix[js]
     w_mem, mem_j = (window(terms.mem, 0.0), terms.mem[js]) if terms.mem is not None else (None, None)
     w_sec, sec_j = (window(terms.sec[1], 0.0), terms.sec[0][js]) if terms.sec is not None else (None, None)
     block = max(1, _BLOCK_ELEMENTS // nj)

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from vpipe.graph import LayerGraph, ModelGraph
-from vpipe.planner.cost_model import GraphProfile, Hardware
 from vpipe.plan import Policy
+from vpipe.planner.cost_model import GraphProfile, Hardware
 from vpipe.planner.srp import PlanResult
 
 __all__ = ["ModelPlan", "model_plan"]

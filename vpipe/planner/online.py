@@ -259,7 +259,8 @@ class OnlinePlanner:
                  for layers in current.stages]
         mean = sum(times) / len(times)
         if mean > 0 and max(times) / mean - 1.0 > self.config.imbalance_threshold:
-            decision("imbalance", f"slowest stage {times.index(max(times))} is {max(times) / mean - 1.0:.0%} over the mean",
+            decision("imbalance",
+                     f"slowest stage {times.index(max(times))} is {max(times) / mean - 1.0:.0%} over the mean",
                      iteration=vector[-1].iteration, epoch=current.epoch, stage_times_s=times,
                      layers_per_stage=current.counts())
 
@@ -297,7 +298,8 @@ def _placeable(vector: list[StageRecord], current: Plan) -> Callable[[list[list[
                 src = now.get(lid, dst)
                 step = 1 if dst > src else -1
                 for hop in range(src + step, dst + step, step) if dst != src else ():
-                    if builds[hop] is not None and kinds.get(lid, "") not in builds[hop]:
+                    allowed = builds[hop]
+                    if allowed is not None and kinds.get(lid, "") not in allowed:
                         return False
         return True
 

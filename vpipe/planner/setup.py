@@ -154,7 +154,9 @@ class PipelineSetup:
         p = self.num_stages
         if memory_budget is None:
             return np.full(p, np.inf)
-        if isinstance(memory_budget, (int, float, np.integer, np.floating)) and not isinstance(memory_budget, bool):
+        if isinstance(memory_budget, bool):  # an int to Python, but never a number of bytes
+            raise TypeError(f"memory budget must be a number of bytes or one per stage, got {memory_budget!r}")
+        if isinstance(memory_budget, (int, float, np.integer, np.floating)):
             # a rank's budget, shared equally by the stages it runs
             values = [float(memory_budget) / self.stages_per_rank(k) for k in range(p)]
         else:

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from vpipe.graph import LayerGraph
-from vpipe.planner.cost_model import Code, GraphProfile, Hardware, PipelineSetup, segment_of
 from vpipe.plan import Policy
+from vpipe.planner.cost_model import Code, GraphProfile, Hardware, PipelineSetup, segment_of
 
 __all__ = ["SRResult", "SegmentSR", "optimize_sr", "optimize_segment"]
 

@@ -34,10 +34,10 @@ from typing import Any
 import numpy as np
 
 from vpipe.graph import LayerGraph
+from vpipe.plan import Plan, PlanError, Policy
 from vpipe.planner.cost_model import GraphProfile, Hardware, PipelineSetup, StageCosts
 from vpipe.planner.exact import InfeasibleError, Partition, check_layers_fit, exact_partition, min_secondary
 from vpipe.planner.partition import kl_partition
-from vpipe.plan import Plan, PlanError, Policy
 from vpipe.planner.sr import optimize_segment
 
 __all__ = ["METHODS", "PlanResult", "Proposal", "SRPPlanner", "plan_pipeline", "InfeasibleError"]
@@ -147,7 +147,7 @@ def _srp_loop(profile: GraphProfile, setup: PipelineSetup, budgets: np.ndarray, 
     codes = np.zeros(profile.n, dtype=np.int8)
     best: _Evaluated | None = None
     iterations = 0
-    for iterations in range(1, max_iterations + 1):
+    for iterations in range(1, max_iterations + 1):  # noqa: B007 (the count is returned)
         part = _partition(StageCosts(profile, setup, codes), setup.num_stages, budgets, method)
         plan = _optimize_stages(profile, setup, budgets, part.cuts)
         if not _better(plan, best):

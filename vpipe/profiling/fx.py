@@ -132,6 +132,7 @@ def _is_view_like(node: fx.Node) -> bool:
 
 def _fx_param_bytes(gm: fx.GraphModule, node: fx.Node) -> int:
     if node.op == "call_module":
+        assert isinstance(node.target, str)  # a call_module node's target is the submodule's qualified name
         return param_bytes(gm.get_submodule(node.target))
     if node.op == "get_attr":
         obj: Any = gm

@@ -251,7 +251,8 @@ def profile_model(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
             raise ValueError(f"replaying {unit.name or 'the model'} on its recorded inputs failed: "
                              f"{one_line(e)}") from None
         first = calls[0]
-        chain, skips = 0, {}
+        chain = 0
+        skips: dict[int, int] = {}  # source position -> bytes it hands past its successor
         seen: set[int] = set()
         for tensor_id, t in zip(first.input_ids, _flatten((first.args, first.kwargs), [], plain=True)):
             if tensor_id in seen:

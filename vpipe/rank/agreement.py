@@ -23,8 +23,15 @@ from typing import Any
 import torch.distributed as dist
 
 from vpipe.control.curve import RUN_SECRET_ENV, configured_by_files, has_run_secret, new_run_secret
-from vpipe.migration.blocks import (BlockContainerError, ContainerLayout, StageBlocks, agree_key_style,
-                                    find_block_container, global_ids, layout_of)
+from vpipe.migration.blocks import (
+    BlockContainerError,
+    ContainerLayout,
+    StageBlocks,
+    agree_key_style,
+    find_block_container,
+    global_ids,
+    layout_of,
+)
 from vpipe.rank.stages import LocalStage
 
 log = logging.getLogger("vpipe.attach")

@@ -28,8 +28,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import Schedule1F1B
-from torch.distributed.pipelining.schedules import (PipelineScheduleMulti, PipelineScheduleSingle,
-                                                    _PipelineScheduleRuntime)
+from torch.distributed.pipelining.schedules import (
+    PipelineScheduleMulti,
+    PipelineScheduleSingle,
+    _PipelineScheduleRuntime,
+)
 
 from vpipe.migration.blocks import StageBlocks
 from vpipe.schedules.pipedream import SchedulePipeDream
@@ -206,7 +209,8 @@ def check_schedule_api(schedule: Any) -> None:
         missing.append("_stages" if multi else "_stage")
     for stage in stages if stages and stages[0] is not None else []:
         missing += [f"stage.{a}" for a in _STAGE_STATE if not hasattr(stage, a)]
-        missing += [f"stage.{m}" for m in ("forward_one_chunk", "backward_one_chunk", "submod") if not hasattr(stage, m)]
+        missing += [f"stage.{m}" for m in ("forward_one_chunk", "backward_one_chunk", "submod")
+                    if not hasattr(stage, m)]
     if missing:
         raise RuntimeError(
             f"vpipe cannot attach to {type(schedule).__name__} with torch {torch.__version__}: its pipelining API "

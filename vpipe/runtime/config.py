@@ -94,9 +94,11 @@ class RunConfig:
         need(not (self.nas and self.schedule == "pipedream"), "layer edits need a flush schedule (any but pipedream)")
         need(0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout}")
         need(self.lr > 0, f"lr must be positive, got {self.lr}")
-        need(self.d_model % self.n_heads == 0, f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
+        need(self.d_model % self.n_heads == 0,
+             f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
         if self.block_types is not None:
-            need(len(self.block_types) == self.blocks, f"block_types has {len(self.block_types)} entries for {self.blocks} blocks")
+            need(len(self.block_types) == self.blocks,
+                 f"block_types has {len(self.block_types)} entries for {self.blocks} blocks")
             from vpipe.runtime.models import BLOCK_TYPES
 
             bad = [t for t in self.block_types if t not in BLOCK_TYPES]

@@ -19,15 +19,16 @@ backward). Swapped bytes live in the host pool and do not count against the devi
 
 Under a multi-stage schedule the budget is a rank's: its virtual stages run together in the
 rank's own order (torch's action lists), each under its own tensor manager; managed, each
-gets an equal share of what the rank's fixed bytes leave of the budget (as ``attach`` splits it). A rank's peak saved bytes are
-the peak of its stages' sum (unmanaged; saved bytes only grow in forwards) or the sum of
-their peaks (managed). A zero-bubble schedule's activations are freed at the weight pass
-(W), the input pass (I) frees nothing here: a slight overestimate, never an underestimate.
+gets an equal share of what the rank's fixed bytes leave of the budget (as ``attach`` splits
+it). A rank's peak saved bytes are the peak of its stages' sum (unmanaged; saved bytes only
+grow in forwards) or the sum of their peaks (managed). A zero-bubble schedule's activations
+are freed at the weight pass (W), the input pass (I) frees nothing here: a slight
+overestimate, never an underestimate.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -36,8 +37,9 @@ import torch
 from vpipe.plan import Policy
 from vpipe.runtime.config import RunConfig
 from vpipe.runtime.models import build_model
+from vpipe.runtime.optim import make_optimizer
 from vpipe.runtime.simulate import action_order
-from vpipe.runtime.trainer import _sub_spec, make_optimizer, multi_stage_class
+from vpipe.runtime.stage_run import _sub_spec, multi_stage_class
 from vpipe.tensor_manager import MemoryBudgetError, TensorManager
 from vpipe.tensor_manager.budget import expected_state_factor, stage_fixed_bytes
 
@@ -234,7 +236,7 @@ def _rank_fit(cfg: RunConfig, rank: int, inputs: list[list[torch.Tensor]], budge
                                       for s in stats.values()))
 
 
-def _run_rank(cfg: RunConfig, rank: int, modules: dict[int, torch.nn.Module], managers: dict[int, Any],
+def _run_rank(cfg: RunConfig, rank: int, modules: Mapping[int, torch.nn.Module], managers: dict[int, Any],
               optimizer: torch.optim.Optimizer, inputs: list[list[torch.Tensor]], spec: Any, steps: int) -> int:
     """Run ``steps`` steps of the rank; returns the peak of its stages' summed saved bytes in the last step."""
     m, last = cfg.micro_batches, cfg.virtual_stages - 1

@@ -302,16 +302,16 @@ def _wait_all(procs: list[subprocess.Popen], grace_s: float, timeout_s: float | 
                 if p.poll() is None:
                     p.kill()
         time.sleep(0.1)
-    codes = [p.returncode for p in procs]
-    bad = [(r, c) for r, c in enumerate(codes) if c != 0]
+    exit_codes: list[int] = [p.returncode for p in procs]  # every rank has exited
+    bad = [(r, c) for r, c in enumerate(exit_codes) if c != 0]
+    summary = ", ".join(f"rank {r}={c}" for r, c in enumerate(exit_codes))
     if bad and blamed is not None:
-        print(f"vpipe: run failed; {blamed[1]}, so it was ended "
-              f"(exit codes: {', '.join(f'rank {r}={c}' for r, c in enumerate(codes))})", file=sys.stderr, flush=True)
+        print(f"vpipe: run failed; {blamed[1]}, so it was ended (exit codes: {summary})", file=sys.stderr, flush=True)
         return 1
     if bad:
         rank, code = first_failure or bad[0]
-        print(f"vpipe: run failed; rank {rank} exited first with code {code} "
-              f"(exit codes: {', '.join(f'rank {r}={c}' for r, c in enumerate(codes))})", file=sys.stderr, flush=True)
+        print(f"vpipe: run failed; rank {rank} exited first with code {code} (exit codes: {summary})",
+              file=sys.stderr, flush=True)
         return code if code > 0 else 1
     return 0
 

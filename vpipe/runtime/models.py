@@ -129,7 +129,7 @@ class Block(nn.Module):
         super().__init__()
         if type not in BLOCK_TYPES:
             raise ValueError(f"unknown block type {type!r}; known: {', '.join(BLOCK_TYPES)}")
-        self.type = type
+        self.block_type = type  # not self.type: that would shadow nn.Module.type(dst_type)
         self.ln1 = nn.LayerNorm(d_model)
         if type == "attn":
             self.mix: nn.Module = CausalSelfAttention(d_model, n_heads, dropout)
@@ -141,7 +141,7 @@ class Block(nn.Module):
         self.mlp = MLP(d_model, d_ff, dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.type != "ffn":
+        if self.block_type != "ffn":
             x = x + self.mix(self.ln1(x))
         return x + self.mlp(self.ln2(x))
 

@@ -11,18 +11,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch.func import functional_call
 
 from vpipe.runtime.config import RunConfig
 from vpipe.runtime.models import block_spec, build_layer, build_model
-from vpipe.schedules.pipedream import start_version
 from vpipe.runtime.optim import make_optimizer, make_scheduler
+from vpipe.schedules.pipedream import start_version
 
 __all__ = ["reference_flush", "reference_pipedream", "optimizer_state_by_name", "backward_order"]
 
 
-def optimizer_state_by_name(named_params: dict[str, torch.Tensor], optimizers: list[torch.optim.Optimizer]) -> dict[str, dict[str, torch.Tensor]]:
+def optimizer_state_by_name(named_params: Mapping[str, torch.Tensor],
+                            optimizers: list[torch.optim.Optimizer]) -> dict[str, dict[str, torch.Tensor]]:
     """Optimizer state keyed by parameter name (comparable across partitions), tensors only."""
     by_id = {id(p): n for n, p in named_params.items()}
     out: dict[str, dict[str, torch.Tensor]] = {}
@@ -98,7 +101,9 @@ def _edit_layers(cfg: RunConfig, model: torch.nn.Sequential, optimizers: list, s
     return next_id
 
 
-def reference_pipedream(cfg: RunConfig) -> tuple[dict[str, torch.Tensor], list[float], dict[str, dict[str, torch.Tensor]]]:
+def reference_pipedream(
+    cfg: RunConfig,
+) -> tuple[dict[str, torch.Tensor], list[float], dict[str, dict[str, torch.Tensor]]]:
     """Parameters after ``cfg.steps * cfg.micro_batches`` PipeDream updates, and per-step mean losses.
 
     Layers may change stage during the run (``cfg.moves``): micro-batch ``j`` runs each

@@ -40,7 +40,8 @@ def is_communication_error(exc: BaseException) -> bool:
 class Watchdog:
     """Heartbeat thread plus failure records; one per rank."""
 
-    def __init__(self, store: Any, rank: int, world_size: int, *, period_s: float = 0.5, timeout_s: float = 10.0) -> None:
+    def __init__(self, store: Any, rank: int, world_size: int, *, period_s: float = 0.5,
+                 timeout_s: float = 10.0) -> None:
         if timeout_s <= period_s:
             raise ValueError(f"heartbeat timeout {timeout_s} s must exceed the period {period_s} s")
         self.store = store

@@ -25,7 +25,7 @@ import inspect
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -228,7 +228,8 @@ class SchedulePipeDream(PipelineScheduleSingle):
         return self._versions[version]
 
     def _release_versions(self) -> None:
-        oldest_needed = start_version(self._next_fwd, self._stage.stage_index, self._stage.num_stages, self.vertical_sync)
+        stage = self._stage
+        oldest_needed = start_version(self._next_fwd, stage.stage_index, stage.num_stages, self.vertical_sync)
         live = set(self._mb_version.values()) | {v for v in self._versions if v >= oldest_needed}
         for v in [v for v in self._versions if v not in live]:
             del self._versions[v]
@@ -253,7 +254,8 @@ class SchedulePipeDream(PipelineScheduleSingle):
         def run_on_version(*a: Any, **kw: Any) -> Any:
             return functional_call(module, weights, a, kw)
 
-        stage.forward_maybe_with_nosync = run_on_version  # instance attribute, removed below
+        # an instance attribute over torch's method, removed below (cast: mypy forbids assigning to a method)
+        cast(Any, stage).forward_maybe_with_nosync = run_on_version
         try:
             output = stage.forward_one_chunk(slot, args, kwargs, save_forward_output=False)
         finally:

@@ -94,7 +94,7 @@ class Interceptor:
             return
         elapsed = time.perf_counter() - frame.t0
         layer.forward_s = elapsed if layer.forward_s is None else 0.8 * layer.forward_s + 0.2 * elapsed
-        if frame.__class__ is KeptCall:
+        if isinstance(frame, KeptCall):
             nbytes = layer.kept_bytes or 0
             self.ledger.add(layer.layer_id, frame.mb, nbytes)
             self.counted.setdefault(frame.mb, []).append((layer.layer_id, nbytes))
@@ -122,7 +122,8 @@ class Interceptor:
         """The forward attribute of a layer under R: recompute slots when managed, else the original."""
         frames = self._frames()
         frame = frames[-1] if frames else None
-        if frame is None or frame.layer is not layer or frame.policy is not Policy.RECOMPUTE:
+        # a KeptCall frame is a kept layer's unmetered call: nothing to recompute either
+        if not isinstance(frame, LayerCall) or frame.layer is not layer or frame.policy is not Policy.RECOMPUTE:
             return inner(*args, **kwargs)
         frame.counter = RecomputeCounter(frame.is_weight, self.min_swap_bytes)
         layer.recompute_calls += 1

@@ -21,6 +21,7 @@ import logging
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from functools import partial
+from typing import Any
 
 import torch
 from torch import nn

@@ -36,7 +36,7 @@ __all__ = ["Replay", "capture_weights"]
 
 def capture_weights(module: nn.Module) -> dict[str, torch.Tensor]:
     """The parameter and buffer tensors the module uses right now (stashed ones under functional_call)."""
-    found = {name: t for name, t in module.named_parameters(remove_duplicate=False)}
+    found: dict[str, torch.Tensor] = {name: t for name, t in module.named_parameters(remove_duplicate=False)}
     found.update({name: t for name, t in module.named_buffers(remove_duplicate=False) if t is not None})
     return found
 

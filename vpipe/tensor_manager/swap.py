@@ -82,7 +82,8 @@ class SwapEngine:
     # ------------------------------------------------------------------ pack side
     def lookup(self, key: int) -> StorageEntry | None:
         entry = self._by_key.get(key)
-        if entry is not None and entry.swapped and entry.source is None and entry.weak.expired():  # type: ignore
+        if (isinstance(entry, SwappedEntry) and entry.source is None and entry.weak is not None
+                and entry.weak.expired()):
             # the storage it was saved from died; the address now belongs to another one
             del self._by_key[key]
             return None
@@ -102,7 +103,7 @@ class SwapEngine:
                  key: int, nbytes: int) -> KeptHandle | SwappedHandle:
         with self.lock:
             entry = self.lookup(key)
-            if entry is not None and not entry.swapped:
+            if entry is not None and not isinstance(entry, SwappedEntry):
                 entry.refs += 1  # already kept on the device by another save: copying frees nothing
                 return KeptHandle(t, entry, self.dead)
             if entry is None:
@@ -139,7 +140,12 @@ class SwapEngine:
             self._unissued_bytes = 0
             if not batch:
                 return
-            ticket = self.copies.to_host_batch([(e.source, e.host.data) for e in batch])  # type: ignore[union-attr]
+            pairs = []
+            for e in batch:
+                # both set when the entry was packed; only a release (filtered out above) clears them
+                assert e.source is not None and e.host is not None
+                pairs.append((e.source, e.host.data))
+            ticket = self.copies.to_host_batch(pairs)
             for entry in batch:
                 entry.d2h = ticket
                 self._swapping_out.append(entry)
@@ -157,10 +163,11 @@ class SwapEngine:
     def drain(self) -> bool:
         """Release the entries whose last handle died; True if any was released."""
         released = False
+        entry: StorageEntry
         with self.lock:
             while self.dead:
                 item = self.dead.popleft()
-                if item.__class__ is tuple:  # a swapped handle: what it still expected
+                if isinstance(item, tuple):  # a swapped handle: what it still expected
                     entry, unpacked, later = item
                     if not unpacked:
                         entry.unseen -= 1
