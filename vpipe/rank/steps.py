@@ -74,6 +74,9 @@ class StepDriver:
             raise
         finally:
             self.in_step = False
+        if not self.applier.pipedream:  # a flush schedule's step ran every backward: nothing is left in flight
+            for manager in self.tensor_managers.values():
+                manager.end_of_step()
         self.received(self.session.end_step())
         self.iteration += 1
         return result
