@@ -25,7 +25,7 @@ chunk wrappers and contexts), per step (the step boundary, the monitor's records
 control plane). cProfile slows Python down (each call pays for being counted), so the
 figures are upper bounds; their shares say where the time goes.
 
-Run: ``python benchmarks/overhead_bench.py [--json OUT]`` (about 8 minutes on 2 cores).
+Run: ``python benchmarks/overhead_bench.py [--json OUT]`` (about 5-10 minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZES = {
-    "small": (["--width", "64", "--seq-len", "32", "--micro-batch-size", "2"], 300),
+    "small": (["--width", "64", "--seq-len", "32", "--micro-batch-size", "2"], 600),
     "medium": (["--width", "256", "--seq-len", "64", "--micro-batch-size", "4"], 40),
 }
 RUNS = {"plain": [], "attached": ["--vpipe", "--no-planning"], "planned": ["--vpipe"]}
