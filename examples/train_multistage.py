@@ -24,8 +24,14 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining import (PipelineStage, ScheduleDualPipeV, ScheduleInterleaved1F1B,
-                                          ScheduleInterleavedZeroBubble, ScheduleLoopedBFS, ScheduleZBVZeroBubble)
+from torch.distributed.pipelining import (
+    PipelineStage,
+    ScheduleDualPipeV,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
+    ScheduleZBVZeroBubble,
+)
 
 from train_tutorial import ModelArgs, Transformer, batch, split_model, tokenwise_loss_fn
 
@@ -91,17 +97,10 @@ def main() -> None:
     for step in range(args.steps):
         started = time.perf_counter()
         x, y = batch(step, args.micro_batches * args.micro_batch_size, args.seq_len, model_args.vocab_size)
-        losses: list[torch.Tensor] = []
-        inputs = (x,) if 0 in mine else ()
-        if len(counts) - 1 in mine:
-            schedule.step(*inputs, target=y, losses=losses)
-        else:
-            schedule.step(*inputs)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        losses = train_step(schedule, optimizer, x, y, first=0 in mine, last=len(counts) - 1 in mine)
         step_s.append(time.perf_counter() - started)
         if losses:
-            losses_per_step.append([float(loss.detach()) for loss in losses])
+            losses_per_step.append(losses)
     if args.out:
         torch.save({v: chunk.state_dict() for v, chunk in zip(mine, chunks)}, f"{args.out}.rank{rank}.pt")
         if len(counts) - 1 in mine:
@@ -109,6 +108,20 @@ def main() -> None:
                 json.dump({"losses": losses_per_step, "step_s": step_s}, f)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def train_step(schedule, optimizer, x, y, *, first: bool, last: bool) -> list[float]:
+    """One step: the schedule runs every micro-batch's forward and backward, then the optimizer steps.
+    The rank with the first stage feeds the inputs, the one with the last the targets (its losses return)."""
+    losses: list[torch.Tensor] = []
+    inputs = (x,) if first else ()
+    if last:
+        schedule.step(*inputs, target=y, losses=losses)
+    else:
+        schedule.step(*inputs)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return [float(loss.detach()) for loss in losses]
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
-from train_multistage import build, stages_of_rank  # noqa: E402
+from train_multistage import build, stages_of_rank, train_step  # noqa: E402
 from train_tutorial import ModelArgs, batch  # noqa: E402
 
 
@@ -52,6 +52,7 @@ def _forced_plans(vp, counts: list[int]):
 def _from_csv(schedule, stages, path: Path):
     """A _PipelineScheduleRuntime that runs ``schedule``'s compute-only action lists, loaded from a CSV file."""
     from torch.distributed.pipelining.schedules import PipelineScheduleMulti, _PipelineScheduleRuntime
+
     from train_tutorial import tokenwise_loss_fn
 
     PipelineScheduleMulti._dump_csv(schedule, str(path))  # the compute-only actions (the runtime's own adds comms)
@@ -87,16 +88,9 @@ def main() -> None:
     losses_per_step = []
     for step in range(steps):
         x, y = batch(step, 8, 16, model_args.vocab_size)
-        losses: list[torch.Tensor] = []
-        inputs = (x,) if 0 in mine else ()
-        if len(counts) - 1 in mine:
-            schedule.step(*inputs, target=y, losses=losses)
-        else:
-            schedule.step(*inputs)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        losses = train_step(schedule, optimizer, x, y, first=0 in mine, last=len(counts) - 1 in mine)
         if losses:
-            losses_per_step.append([float(loss.detach()) for loss in losses])
+            losses_per_step.append(losses)
     result = {"rank": rank, "stages": mine, "losses": losses_per_step,
               "layers": {str(v): list(chunk.layers.keys()) for v, chunk in zip(mine, chunks)}}
     if vp is not None:

@@ -67,20 +67,25 @@ def _flatten(value: Any, out: list[torch.Tensor], *, plain: bool = False) -> lis
     return out
 
 
-def _snapshot(value: Any) -> Any:
-    """A copy of a unit's arguments as they were at the call: tensors cloned, the rest deep-copied
-    (a cache the forward mutates later is recorded as it was)."""
+def _copy_tree(value: Any, copy_tensor: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """A copy of call arguments: tensors through ``copy_tensor`` (in the order they appear), tuples, lists
+    and plain dicts rebuilt, the rest deep-copied (a cache the forward mutates later is kept as it was)."""
     if isinstance(value, torch.Tensor):
-        return value.detach().clone()
+        return copy_tensor(value)
     if isinstance(value, tuple | list):
-        copied = [_snapshot(v) for v in value]
+        copied = [_copy_tree(v, copy_tensor) for v in value]
         return tuple(copied) if isinstance(value, tuple) else copied
     if isinstance(value, dict) and type(value) is dict:
-        return {k: _snapshot(v) for k, v in value.items()}
+        return {k: _copy_tree(v, copy_tensor) for k, v in value.items()}
     try:
         return copy.deepcopy(value)
     except Exception:  # noqa: BLE001 - not copyable: replay with the object itself
         return value
+
+
+def _snapshot(value: Any) -> Any:
+    """A unit's arguments as they were at the call: tensors cloned."""
+    return _copy_tree(value, lambda t: t.detach().clone())
 
 
 class _Recorder:
@@ -172,22 +177,12 @@ def _replay_inputs(call: _Call) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Fresh inputs for one replay: tensors that required grad become non-leaf tensors that do."""
     flags = iter(call.needs_grad)
 
-    def make(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            if next(flags, False) and (value.is_floating_point() or value.is_complex()):
-                return value.detach().requires_grad_(True).clone()
-            return value.clone()
-        if isinstance(value, tuple | list):
-            made = [make(v) for v in value]
-            return tuple(made) if isinstance(value, tuple) else made
-        if isinstance(value, dict) and type(value) is dict:
-            return {k: make(v) for k, v in value.items()}
-        try:
-            return copy.deepcopy(value)
-        except Exception:  # noqa: BLE001
-            return value
+    def fresh(t: torch.Tensor) -> torch.Tensor:
+        if next(flags, False) and (t.is_floating_point() or t.is_complex()):
+            return t.detach().requires_grad_(True).clone()
+        return t.clone()
 
-    return make(call.args), make(call.kwargs)
+    return _copy_tree(call.args, fresh), _copy_tree(call.kwargs, fresh)
 
 
 def _measure(module: nn.Module, calls: list[_Call], repeats: int, device: torch.device) -> _Measured:

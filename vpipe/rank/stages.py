@@ -38,7 +38,7 @@ from vpipe.migration.blocks import StageBlocks
 from vpipe.schedules.pipedream import SchedulePipeDream
 
 __all__ = ["LocalStage", "Pipeline", "inspect_target", "reset_shape_inference", "check_schedule_api",
-           "in_flight_per_stage", "MULTI_STAGE_SCHEDULES"]
+           "in_flight_per_stage", "flat_actions", "action_kind", "MULTI_STAGE_SCHEDULES"]
 
 # torch's multi-stage schedules by class name -> the cost model's name for them
 MULTI_STAGE_SCHEDULES = {
@@ -146,8 +146,8 @@ def in_flight_per_stage(pipeline_order: dict[int, Sequence[Any]], num_stages: in
     peak = [1] * num_stages
     for actions in pipeline_order.values():
         open_: dict[int, set[int]] = {}
-        for action in _flat(actions):
-            kind = getattr(action.computation_type, "value", str(action.computation_type))
+        for action in flat_actions(actions):
+            kind = action_kind(action)
             held = open_.setdefault(action.stage_index, set())
             if kind == "F":
                 held.add(action.microbatch_index)
@@ -157,16 +157,23 @@ def in_flight_per_stage(pipeline_order: dict[int, Sequence[Any]], num_stages: in
     return peak
 
 
-def _flat(actions: Sequence[Any]) -> list[Any]:
+def flat_actions(actions: Sequence[Any]) -> list[Any]:
+    """A rank's actions from torch's lists with overlapped ones (DualPipeV's forward + backward pairs)
+    unpacked and idle slots dropped."""
     out = []
     for action in actions:
         if action is None:
             continue
         if getattr(action, "sub_actions", None):
-            out.extend(_flat(action.sub_actions))
+            out.extend(flat_actions(action.sub_actions))
         else:
             out.append(action)
     return out
+
+
+def action_kind(action: Any) -> str:
+    """The action's computation as torch writes it in its lists: F, B, I, W, SEND_F, ..."""
+    return getattr(action.computation_type, "value", str(action.computation_type))
 
 
 def _unwrap(module: nn.Module) -> nn.Module:

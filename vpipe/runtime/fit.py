@@ -35,11 +35,12 @@ from typing import Any
 import torch
 
 from vpipe.plan import Policy
+from vpipe.rank.stages import action_kind, flat_actions
 from vpipe.runtime.config import RunConfig
 from vpipe.runtime.models import build_model
 from vpipe.runtime.optim import make_optimizer
 from vpipe.runtime.simulate import action_order
-from vpipe.runtime.stage_run import _sub_spec, multi_stage_class
+from vpipe.runtime.stage_run import multi_stage_class, sub_spec
 from vpipe.tensor_manager import MemoryBudgetError, TensorManager
 from vpipe.tensor_manager.budget import expected_state_factor, stage_fixed_bytes
 
@@ -143,7 +144,7 @@ def _stage_fit(cfg: RunConfig, k: int, inputs: list[torch.Tensor], budget: int, 
                steps: int) -> StageFit:
     spec = cfg.model_spec()
     ids = cfg.stage_layer_ids()[k]
-    module = build_model(_sub_spec(spec, ids), seed=cfg.seed, ids=ids)
+    module = build_model(sub_spec(spec, ids), seed=cfg.seed, ids=ids)
     optimizer = make_optimizer(cfg, module.parameters())
     params = sum(p.numel() * p.element_size() for p in module.parameters())
     versions = cfg.stages - k if cfg.schedule == "pipedream" else 1
@@ -202,7 +203,7 @@ def _rank_fit(cfg: RunConfig, rank: int, inputs: list[list[torch.Tensor]], budge
     spec = cfg.model_spec()
     placement = cfg.stage_layer_ids()
     indices = cfg.rank_stages(rank)
-    modules = {v: build_model(_sub_spec(spec, placement[v]), seed=cfg.seed, ids=placement[v]) for v in indices}
+    modules = {v: build_model(sub_spec(spec, placement[v]), seed=cfg.seed, ids=placement[v]) for v in indices}
     optimizer = make_optimizer(cfg, [p for v in indices for p in modules[v].parameters()])
     factor = expected_state_factor(optimizer)
     fixed, managers = {}, {}
@@ -280,8 +281,8 @@ def rank_action_order(cfg: RunConfig, rank: int, steps: int) -> list[tuple[str, 
     actions = get_schedule_ops(multi_stage_class(cfg.schedule), cfg.stages, cfg.micro_batches,
                                cfg.n_local_stages)[rank]
     one_step = []
-    for action in _flat(actions):
-        kind = getattr(action.computation_type, "value", str(action.computation_type))
+    for action in flat_actions(actions):
+        kind = action_kind(action)
         if kind in ("F", "B", "W"):
             one_step.append(("F" if kind == "F" else "B", action.stage_index, action.microbatch_index))
     out = []
@@ -291,14 +292,6 @@ def rank_action_order(cfg: RunConfig, rank: int, steps: int) -> list[tuple[str, 
     return out
 
 
-def _flat(actions: list[Any]) -> list[Any]:
-    """Actions with overlapped ones (DualPipeV's forward + backward pairs) unpacked, idle slots dropped."""
-    out = []
-    for action in actions:
-        if action is None:
-            continue
-        out.extend(_flat(list(action.sub_actions)) if getattr(action, "sub_actions", None) else [action])
-    return out
 
 
 def with_micro_batch(cfg: RunConfig, micro_batch_size: int, global_batch: int | None = None) -> RunConfig:

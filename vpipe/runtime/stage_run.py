@@ -22,7 +22,7 @@ from vpipe.runtime.models import build_model
 from vpipe.runtime.optim import make_optimizer, make_scheduler
 from vpipe.schedules.pipedream import SchedulePipeDream
 
-__all__ = ["StageRun", "build_stage_run", "multi_stage_class"]
+__all__ = ["StageRun", "build_stage_run", "multi_stage_class", "sub_spec"]
 
 
 @dataclass
@@ -107,7 +107,7 @@ def build_stage_run(cfg: RunConfig, rank: int, device: torch.device, group: Any 
     # placement (masks follow the stage, not the layer, so moved layers draw different masks).
     torch.manual_seed(cfg.seed * 1_000_003 + 7919 * (rank + 1))
     indices = cfg.rank_stages(rank)
-    modules = [build_model(_sub_spec(spec, placement[v]), seed=cfg.seed, ids=list(placement[v])).to(device)
+    modules = [build_model(sub_spec(spec, placement[v]), seed=cfg.seed, ids=list(placement[v])).to(device)
                for v in indices]
     stages = [PipelineStage(module, v, cfg.virtual_stages, device, group=group) for module, v in zip(modules, indices)]
     optimizer = make_optimizer(cfg, [p for module in modules for p in module.parameters()])
@@ -147,5 +147,5 @@ def _schedule(cfg: RunConfig, stages: list[PipelineStage], loss_fn: Any, optimiz
     return schedule
 
 
-def _sub_spec(spec: Any, layer_ids: list[int]) -> Any:
+def sub_spec(spec: Any, layer_ids: list[int]) -> Any:
     return replace(spec, layers=[spec.layers[i] for i in layer_ids])
