@@ -33,8 +33,10 @@ def through_msgpack(wire):
 
 
 def test_stage_record_round_trips_through_msgpack():
-    record = stage_record(gpu_util_pct=55.0, pcie_rx_bytes_s=1e9, pcie_tx_bytes_s=2e9)
+    record = stage_record(gpu_util_pct=55.0, pcie_rx_bytes_s=1e9, pcie_tx_bytes_s=2e9, kept_bytes_per_mb=3000)
     assert StageRecord.from_wire(through_msgpack(record.to_wire())) == record
+    older = {k: v for k, v in record.to_wire().items() if k != "kept_bytes_per_mb"}  # a peer before the field
+    assert StageRecord.from_wire(older).kept_bytes_per_mb == 0
     assert record.layer_ids == [3, 4]
     assert record.compute_s == pytest.approx(0.06)
     assert layer().fwd_per_call_s == pytest.approx(0.0025)
@@ -60,6 +62,7 @@ def test_gpu_only_fields_may_be_null_but_nothing_else():
     ("device", "x" * 65, "device must be a string"),
     ("gpu_util_pct", "high", "gpu_util_pct must be a finite number"),
     ("layers", {"0": 1}, "layers must be a list"),
+    ("kept_bytes_per_mb", -1, "kept_bytes_per_mb must be an integer"),
 ])
 def test_stage_record_rejects_bad_values_naming_the_field(name, value, message):
     wire = stage_record().to_wire()

@@ -49,6 +49,26 @@ def test_a_heavy_head_on_the_last_stage_moves_blocks_towards_the_first():
     assert plan.stages[0][:4] == (0, 1, 2, 3)  # blocks only; the head is not a layer that can move
 
 
+def _memory_plan(kept_bytes_per_mb: int) -> Plan | None:
+    """4,4 under 1F1B, 22 MiB per stage: stage 0 holds 16 MiB of weights, gradients and Adam state and two
+    micro-batches of four layers that each save 1 MiB, where consecutive layers may save one tensor."""
+    planner = _planner(memory_budget=22 << 20)
+    return planner([_stage(0, [0, 1, 2, 3], 9, kept_bytes_per_mb=kept_bytes_per_mb), _stage(1, [4, 5, 6, 7], 9)],
+                   FOUR_FOUR)
+
+
+def test_a_stage_that_measured_it_fits_with_every_layer_kept_is_not_swapped_for_memory():
+    # summed per layer, stage 0 needs 16 + 2 x 4 = 24 MiB: over the budget, something must go
+    unmeasured = _memory_plan(0)
+    assert unmeasured is not None and unmeasured.reason.startswith("memory over budget")
+    assert any(policy is not Policy.KEEP for policy in unmeasured.policies.values())
+    # measured once per storage, a micro-batch keeps 3 MiB (the layers share 1 MiB): 16 + 2 x 3 = 22 MiB fits
+    assert _memory_plan(3 << 20) is None
+    # a measurement above the sum (it cannot be: timing noise, another tensor) never makes a stage look smaller
+    over = _memory_plan(5 << 20)
+    assert over is not None and over.reason.startswith("memory over budget")
+
+
 def _noisy_balanced(kinds: tuple[str, str]) -> Plan | None:
     """4,4 of blocks whose second stage measured 60% slower (a busy core), over three samples."""
     planner = OnlinePlanner(OnlineConfig(schedule="1f1b", micro_batches=4, warmup_samples=1, cooldown_steps=0))

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from tensor_manager_support import assert_grads_equal, gpipe_step, layers_of, make_manager, model_spec
 from vpipe.plan import Policy
 from vpipe.runtime.models import build_model
+from vpipe.tensor_manager import TensorManager
 from vpipe.tensor_manager.accounting import count_saved_bytes
 
 
@@ -207,3 +209,22 @@ def test_gpipe_step_helper_really_runs_every_micro_batch():
     losses = gpipe_step(model, spec, 0, manager, micro_batches=4)
     assert len(losses) == 4
     assert all(set(s.activation_bytes) == {0, 1, 2, 3} for s in manager.stats().layers.values())
+
+
+def test_a_micro_batch_kept_bytes_count_a_tensor_two_layers_save_once_and_are_forgotten_when_layers_change():
+    # layer 0 ends in a ReLU, which saves its output; layer 1's Linear saves that same tensor as its input
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(nn.Linear(64, 256), nn.ReLU()), nn.Linear(256, 64))
+    manager = TensorManager({0: model[0], 1: model[1]}, device="cpu")
+    x = torch.randn(32, 64, requires_grad=True)
+    with manager.micro_batch(0):
+        loss = model(x).sum()
+    summary = manager.summary()
+    per_layer = summary["activation_bytes"]
+    shared = 32 * 256 * 4  # the ReLU's output, saved by both layers
+    assert per_layer[1] == shared and per_layer[0] >= shared + x.numel() * 4
+    assert summary["kept_bytes_per_mb"] == per_layer[0] + per_layer[1] - shared == manager.ledger.resident
+    with manager.backward(0):
+        loss.backward()
+    manager.add_layer(2, nn.Linear(64, 64))  # not measured with the layers it has now
+    assert manager.summary()["kept_bytes_per_mb"] == 0

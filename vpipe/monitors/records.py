@@ -140,6 +140,9 @@ class StageRecord:
     outside_bwd_s: float = 0.0  # from the stage output's gradient to its last block's backward (the head's)
     outside_calls: int = 0
     outside_param_bytes: int = 0
+    # one micro-batch's saved bytes on this stage with every layer kept, each storage once (0: not measured);
+    # less than the layers' activation_bytes summed where two layers save the same tensor
+    kept_bytes_per_mb: int = 0
 
     @property
     def layer_ids(self) -> list[int]:
@@ -171,14 +174,14 @@ class StageRecord:
         for name in GPU_ONLY_FIELDS:
             checkers[name] = _optional_amount
         checkers.update(builds=_kinds, outside_fwd_s=_amount, outside_bwd_s=_amount, outside_calls=_count,
-                        outside_param_bytes=_count)
+                        outside_param_bytes=_count, kept_bytes_per_mb=_count)
         if isinstance(data, dict):  # fields added after the first wire format: absent means none
             data = {**_OPTIONAL_STAGE_FIELDS, **data}
         return cls(**_read(cls, data, checkers, "a stage record"))
 
 
 _OPTIONAL_STAGE_FIELDS = {"builds": None, "outside_fwd_s": 0.0, "outside_bwd_s": 0.0, "outside_calls": 0,
-                          "outside_param_bytes": 0}
+                          "outside_param_bytes": 0, "kept_bytes_per_mb": 0}
 
 
 def _kinds(name: str, value: Any) -> tuple[str, ...] | None:

@@ -27,6 +27,9 @@ class SavedTensorStats:
     """
 
     activation_bytes: Mapping[int, int] = field(default_factory=dict)  # layer id -> bytes per micro-batch
+    # what one micro-batch keeps on the stage with every layer kept, each storage once (0: not measured); below
+    # the sum of activation_bytes where layers save the same tensor (a layer's output, its successor's input)
+    kept_bytes_per_mb: int = 0
     host_pool_used_bytes: int = 0
     host_pool_peak_bytes: int = 0
     host_pool_capacity_bytes: int = 0

@@ -372,6 +372,7 @@ class StageMonitor:
             outside_bwd_s=outside_bwd_s,
             outside_calls=outside_calls,
             outside_param_bytes=self._outside_param_bytes(layers),
+            kept_bytes_per_mb=int(now.kept_bytes_per_mb),
         )
 
     def _constant_bytes(self) -> dict[int, tuple[int, int]]:

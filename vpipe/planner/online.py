@@ -155,7 +155,7 @@ class OnlinePlanner:
         self._observe(vector, current)
         if self._samples < self.config.warmup_samples:
             return None
-        graph = self._graph(current, records)
+        graph = self._graph(current, records, _kept_shares(vector))
         self._report_imbalance(vector, current, graph)
         planner = self._planner(graph, records, current)
         if planner.in_cooldown(vector[-1].iteration) or self._unchanged_since_last_search(graph, current):
@@ -216,7 +216,7 @@ class OnlinePlanner:
             self._outside_bytes[end] = rec.outside_param_bytes
         self._samples += 1
 
-    def _graph(self, current: Plan, records: dict[int, Any]) -> LayerGraph:
+    def _graph(self, current: Plan, records: dict[int, Any], shares: dict[int, float] | None = None) -> LayerGraph:
         order = current.layer_ids
         # the first layer is always on the first stage and the last on the last: they carry those stages'
         # embeddings and heads, which never move (a contiguous partition cannot separate them)
@@ -227,7 +227,8 @@ class OnlinePlanner:
         costs = _pooled(order, records, self._costs)
         nodes = [
             LayerNode(id=lid, name=str(lid), fwd_s=costs[lid][0] + extra[lid][0],
-                      bwd_s=costs[lid][1] + extra[lid][1], act_bytes=records[lid].activation_bytes,
+                      bwd_s=costs[lid][1] + extra[lid][1],
+                      act_bytes=int(round(records[lid].activation_bytes * (shares or {}).get(lid, 1.0))),
                       param_bytes=records[lid].param_bytes + int(extra[lid][2]), order=i)
             for i, lid in enumerate(order)
         ]
@@ -284,6 +285,24 @@ def _pooled(order: list[int], records: dict[int, Any], costs: dict[int, list[flo
             median = [statistics.median(costs[lid][i] for lid in members) for i in (0, 1)]
             pooled.update({lid: median for lid in members})
     return pooled
+
+
+def _kept_shares(vector: list[StageRecord]) -> dict[int, float]:
+    """Per layer, the share of its saved bytes that keeping it costs its stage.
+
+    Two layers of a stage may save one tensor (a layer's output is its successor's input):
+    their ``activation_bytes`` summed count it twice, which would make the planner think a
+    stage that fits with every layer kept does not, and swap for nothing. A stage that
+    measured what a micro-batch keeps, each storage once (``kept_bytes_per_mb``), scales its
+    layers by that over their sum; the model is then exact for the running placement. A stage
+    that has not measured it keeps 1 (the sum, which never underestimates).
+    """
+    shares: dict[int, float] = {}
+    for rec in vector:
+        total = sum(lr.activation_bytes for lr in rec.layers)
+        share = min(1.0, rec.kept_bytes_per_mb / total) if rec.kept_bytes_per_mb and total else 1.0
+        shares.update((lr.layer_id, share) for lr in rec.layers)
+    return shares
 
 
 def _placeable(vector: list[StageRecord], current: Plan) -> Callable[[list[list[int]]], bool]:

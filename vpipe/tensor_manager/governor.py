@@ -45,6 +45,7 @@ class BudgetGovernor:
         self.reserve = 0
         self.keep_all_fits = False  # the last projection found that keeping everything fits
         self.kept_per_mb: int | None = None  # resident bytes a metered micro-batch added, every layer kept
+        self._kept_layers: frozenset[int] = frozenset()  # the layers managed when kept_per_mb was measured
         self.swaps = 0  # tensors swapped because keeping them would pass the budget
         self.escalations: list[tuple[int, Policy, Policy]] = []
 
@@ -102,6 +103,16 @@ class BudgetGovernor:
     def reset_reserve(self) -> None:
         """The managed layers changed (one was removed): the reserve is the largest one left."""
         self.reserve = max((self.ledger.activation_bytes(lid) or 0 for lid in self._layers), default=0)
+
+    def measured_kept(self, per_mb: int) -> None:
+        """A metered micro-batch kept every layer's tensors: ``per_mb`` bytes, each storage once."""
+        self.kept_per_mb = per_mb
+        self._kept_layers = frozenset(self._layers)
+
+    def kept_per_mb_now(self) -> int:
+        """``kept_per_mb`` if it was measured with the layers managed now; 0 when not known."""
+        same = self.kept_per_mb is not None and self._kept_layers == self._layers.keys()
+        return self.kept_per_mb if same else 0  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ per micro-batch
     def fit(self, mb: int, in_flight: int, lag_share: float, all_keep: bool,

@@ -279,7 +279,7 @@ class TensorManager:
             self._engine.poll()
             if measured and budget.swaps == swaps:
                 # what one micro-batch keeps, each storage once: the schedule's own footprint per micro-batch
-                budget.kept_per_mb = self.ledger.resident - start
+                budget.measured_kept(self.ledger.resident - start)
 
     def _begin_forward(self, mb: int) -> None:
         engine = self._engine
@@ -348,7 +348,8 @@ class TensorManager:
 
     def summary(self) -> dict[str, Any]:
         """What a monitor reads twice per sampled step, without :meth:`stats`'s per-layer detail: saved bytes
-        per layer, the host pool's gauges, cumulative copy and recompute figures."""
+        per layer and per micro-batch (each storage once), the host pool's gauges, cumulative copy and
+        recompute figures."""
         engine = self._engine
         with engine.lock:
             engine.drain()
@@ -356,6 +357,7 @@ class TensorManager:
             pool = engine.pool if engine.has_pool else None
             copies = engine.copies
             return {"activation_bytes": self.layer_saved_bytes(),
+                    "kept_bytes_per_mb": self._budget.kept_per_mb_now(),
                     "host_pool_used_bytes": pool.used_bytes if pool else 0,
                     "host_pool_peak_bytes": pool.peak_used_bytes if pool else 0,
                     "host_pool_capacity_bytes": pool.capacity_bytes if pool else 0,
