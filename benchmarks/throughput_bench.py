@@ -13,7 +13,7 @@ schedule, optimizer and gloo group each; see ``vpipe/runtime/variants.py``):
                           schedules), every activation kept, the largest micro-batch that fits
   Interleaved 1F1B / ZBV + vpipe   the same under vpipe, whose planner also moves layers
                           between virtual stages (within a rank on ZBV's V), at the reference
-                          size or, where half a rank's budget (each stage's share) cannot hold
+                          size or, where a stage's share of the rank's budget cannot hold
                           a recomputed block's working set at that size, the largest that fits
   1F1B, no budget         all kept at the reference size: what unlimited memory would give
 

@@ -269,3 +269,24 @@ def test_counts_and_ranks_that_are_not_integers_are_refused(field, value):
     lists = {"in_flight": [2, 1], "stage_ranks": [0, 1], field: [1, value]}
     with pytest.raises(ValueError, match=f"{field} must be a list of non-negative integers or null"):
         OnlineConfig(schedule="zbv", **lists)
+
+
+def _shared_rank_plan(kept: tuple[int, int, int, int]) -> Plan | None:
+    """Interleaved 1F1B, 2 ranks x 2 stages of one layer each, 7 MiB per rank: stage 0 needs 4 micro-batches of
+    1 MiB, stage 2 two of 0.5 MiB (rank 0: 5 MiB with everything kept); half the rank each would not hold stage 0."""
+    planner = _planner(schedule="interleaved1f1b", memory_budget=7 << 20, in_flight=[4, 3, 2, 1],
+                       stage_ranks=[0, 1, 0, 1], allow_moves=False)
+    acts = (1 << 20, 1 << 20, 1 << 19, 1 << 19)
+    vector = []
+    for v in range(4):
+        layer = LayerRecord(v, fwd_s=4e-3, bwd_s=8e-3, fwd_calls=4, bwd_calls=4, activation_bytes=acts[v],
+                            param_bytes=1 << 10, optimizer_bytes=2 << 10, output_bytes=1 << 16)
+        vector.append(StageRecord(v, 9, 0, "cpu", 0.0, 0.1, (layer,), 1 << 10, 2 << 10, 0, 0, 0, 0, 0, 0, 0, 0.0,
+                                  0, 0.0, 0.0, None, None, None, kept_bytes_per_mb=kept[v]))
+    return planner(vector, Plan(epoch=0, stages=((0,), (1,), (2,), (3,))))
+
+
+def test_a_ranks_stages_share_its_budget_by_what_they_need_to_keep_everything():
+    plan = _shared_rank_plan((0, 0, 0, 0))  # not measured: equal halves, stage 0's 4 MiB does not fit 3.5
+    assert plan is not None and plan.policy(0) is not Policy.KEEP
+    assert _shared_rank_plan((1 << 20, 1 << 20, 1 << 19, 1 << 19)) is None  # measured: 5 MiB of the rank's 7

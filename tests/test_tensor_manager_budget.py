@@ -121,3 +121,29 @@ def test_a_recomputed_layer_whose_input_is_big_goes_to_swap():
                                    budget_bytes=4000, context="test")
     assert [(c.layer_id, c.old, c.new, c.saved_bytes) for c in changes] == [(0, Policy.RECOMPUTE, Policy.SWAP, 800)]
     assert changes[0].cost_s == 0.0  # the copies are cheaper than the forward it no longer repeats
+
+
+def test_escalations_are_undone_once_the_budget_holds_every_layer_kept_but_a_plans_policies_stay():
+    kind = "transformer"
+    peak = _peak_all_kept(kind, micro_batches=4)
+    spec = model_spec(kind)
+    model = build_model(spec, seed=0)
+    manager = make_manager(model, budget_bytes=int(0.4 * peak))  # a share of a rank's budget before needs are known
+    gpipe_step(model, spec, 0, manager, micro_batches=4)
+    escalated = {lid for lid, _, _ in manager.stats().escalations}
+    assert escalated and manager.keep_all_bytes() > 0
+    manager.relax()  # the budget still cannot hold everything: nothing changes
+    assert {lid for lid, pol in manager.policies().items() if pol is not Policy.KEEP} == escalated
+    manager.budget_bytes = manager.keep_all_bytes()  # the share grew to what keeping everything takes
+    manager.relax()
+    assert set(manager.policies().values()) == {Policy.KEEP}
+    gpipe_step(model, spec, 1, manager, micro_batches=4)
+    assert {lid for lid, _, _ in manager.stats().escalations} == escalated  # none made again
+    assert manager.stats().peak_resident_bytes <= manager.budget_bytes
+    # a plan's swap is the plan's: relaxing leaves it
+    manager.budget_bytes = int(0.4 * peak)
+    gpipe_step(model, spec, 2, manager, micro_batches=4)
+    manager.set_policies({lid: Policy.SWAP for lid in escalated})
+    manager.budget_bytes = manager.keep_all_bytes()
+    manager.relax()
+    assert {lid for lid, pol in manager.policies().items() if pol is Policy.SWAP} == escalated

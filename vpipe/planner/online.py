@@ -158,6 +158,9 @@ class OnlinePlanner:
         graph = self._graph(current, records, _kept_shares(vector))
         self._report_imbalance(vector, current, graph)
         planner = self._planner(graph, records, current)
+        if self.config.stage_ranks is not None and self.config.memory_budget is not None:
+            shared = _shared_budgets(self.config.memory_budget, planner.setup, graph, current, vector)
+            planner.budgets = planner.setup.budgets(shared)
         if planner.in_cooldown(vector[-1].iteration) or self._unchanged_since_last_search(graph, current):
             return None  # too soon after a plan, or the same numbers as last time: the daemon idles
         started = time.perf_counter()
@@ -302,6 +305,32 @@ def _kept_shares(vector: list[StageRecord]) -> dict[int, float]:
         total = sum(lr.activation_bytes for lr in rec.layers)
         share = min(1.0, rec.kept_bytes_per_mb / total) if rec.kept_bytes_per_mb and total else 1.0
         shares.update((lr.layer_id, share) for lr in rec.layers)
+    return shares
+
+
+def _shared_budgets(budget: int, setup: Any, graph: LayerGraph, current: Plan,
+                    vector: list[StageRecord]) -> int | list[float]:
+    """Each stage's part of its rank's budget, as the ranks share it (``vpipe.rank.memory``).
+
+    A rank pays its stages' weights, gradients and optimizer state first and shares the rest
+    in proportion to what each needs to keep every layer (micro-batches in flight times one
+    micro-batch's measured bytes) when those needs fit: each stage then fits its part with
+    every layer kept. Otherwise, and until every stage has measured its need, the shares are
+    equal (as :meth:`PipelineSetup.budgets` divides a rank's budget).
+    """
+    kept = [rec.kept_bytes_per_mb for rec in vector]
+    if not all(kept) or len(kept) != current.num_stages:
+        return budget
+    params = {node.id: node.param_bytes for node in graph.nodes}
+    fixed = [setup.param_factor(k) * sum(params[lid] for lid in layers) for k, layers in enumerate(current.stages)]
+    need = [setup.in_flight(k) * kept[k] for k in range(current.num_stages)]
+    ranks = setup.stage_ranks
+    shares = []
+    for k in range(current.num_stages):
+        mates = [j for j in range(current.num_stages) if ranks[j] == ranks[k]]
+        left = budget - sum(fixed[j] for j in mates)
+        needed = sum(need[j] for j in mates)
+        shares.append(fixed[k] + left * need[k] / needed if needed <= left else budget / len(mates))
     return shares
 
 

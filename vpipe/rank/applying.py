@@ -18,7 +18,7 @@ from vpipe.control.session import ControlSession
 from vpipe.log import decision
 from vpipe.migration.layer_manager import LayerManager
 from vpipe.plan import Plan, PlanError
-from vpipe.rank.memory import StageMemory
+from vpipe.rank.memory import StageMemory, apply_budgets
 from vpipe.rank.stages import Pipeline, reset_shape_inference
 
 log = logging.getLogger("vpipe.attach")
@@ -84,7 +84,7 @@ class PlanApplier:
         lm = self.layer_manager
         for v, manager in self.tensor_managers.items():
             manager.set_policies({lid: plan.policy(lid) for lid in lm.layers_of(v)})
-            manager.budget_bytes = self.memories[v].activation_budget(lm.epoch)
+        apply_budgets(self.tensor_managers, self.memories, lm.epoch)
 
     def continue_streamed(self, step: int, micro_batches: int) -> None:
         """Start the next round of a PipeDream plan's hops once the previous round is done."""

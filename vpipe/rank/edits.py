@@ -18,7 +18,7 @@ from vpipe.control.session import ControlSession
 from vpipe.migration.layer_manager import LayerManager
 from vpipe.plan import Plan
 from vpipe.rank.agreement import StoreAgreement
-from vpipe.rank.memory import StageMemory
+from vpipe.rank.memory import StageMemory, apply_budgets
 from vpipe.rank.stages import Pipeline, reset_shape_inference
 from vpipe.rank.steps import StepDriver
 
@@ -78,5 +78,4 @@ class LayerEdits:
         self.session.agent.plan = Plan(epoch=lm.epoch, stages=lm.placement, policies=policies)
         if self.pipeline.schedule is not None:
             reset_shape_inference(self.pipeline.schedule)  # new layers have never run: redo shape inference
-        for v, manager in self.tensor_managers.items():
-            manager.budget_bytes = self.memories[v].activation_budget(lm.epoch)
+        apply_budgets(self.tensor_managers, self.memories, lm.epoch)

@@ -4,8 +4,12 @@ A rank's budget (bytes on its device) pays first for what the stages hold whatev
 activation policies: weights and gradients, optimizer state and, under PipeDream, the
 extra weight versions stashed for in-flight micro-batches. What is left goes to saved
 activations, which the tensor managers keep under it. A rank that runs several stages
-(multi-stage schedules) pays all their fixed bytes first and gives each stage an equal
-share of what is left for activations.
+(multi-stage schedules) pays all their fixed bytes first and shares what is left between
+them in proportion to what each needs to keep every layer (its micro-batches in flight
+times what one keeps, as its tensor manager measured) when that fits: every stage then
+keeps everything, as without vpipe. Until every stage has measured its need, or when
+keeping everything does not fit, the shares are equal (each stage swaps or recomputes
+within its part). The online planner shares a rank's budget the same way.
 
 Optimizer state appears at the first ``step()``: until then it is counted as the optimizer
 will make it (Adam-like: two moments, momentum SGD: one), so that step 0 gets no more room
@@ -14,6 +18,7 @@ for activations than the steps after it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -22,7 +27,7 @@ from torch import nn
 from vpipe.tensor_manager import MemoryBudgetError
 from vpipe.tensor_manager.budget import expected_state_factor, stage_fixed_bytes
 
-__all__ = ["StageMemory", "tensor_bytes_of"]
+__all__ = ["StageMemory", "tensor_bytes_of", "apply_budgets"]
 
 
 def tensor_bytes_of(tensors: Any) -> int:
@@ -43,7 +48,7 @@ class StageMemory:
         self.siblings = siblings if siblings is not None else [self]  # the rank's stages, this one among them
         if self not in self.siblings:
             self.siblings.append(self)
-        self._key: tuple[int, int] | None = None
+        self._key: tuple[int, int, tuple[int, ...]] | None = None
         self._activation: int | None = None
 
     def fixed_bytes(self) -> int:
@@ -58,14 +63,18 @@ class StageMemory:
             state = state or expected_state_factor(self.optimizer) * param_bytes
         return stage_fixed_bytes(param_bytes, state, self.weight_versions)
 
-    def activation_budget(self, layers_epoch: int = 0) -> int | None:
-        """The budget left for saved activations; recomputed only when the layers or the optimizer state changed.
+    def activation_budget(self, layers_epoch: int = 0, needs: Mapping[int, int] | None = None) -> int | None:
+        """The budget left for saved activations; recomputed only when the layers, the optimizer state or the
+        needs changed.
 
-        ``layers_epoch`` changes whenever layers move or are edited (the plan epoch).
+        ``layers_epoch`` changes whenever layers move or are edited (the plan epoch); ``needs``: per stage
+        index, the bytes keeping every layer takes (0: not measured yet), which divide a shared budget.
         """
         if self.budget is None:
             return None
-        key = (layers_epoch, len(self.optimizer.state) if self.optimizer is not None else 0)
+        mates = sorted(s.stage_index for s in self.siblings)
+        need = tuple((needs or {}).get(v, 0) for v in mates) if len(mates) > 1 else ()
+        key = (layers_epoch, len(self.optimizer.state) if self.optimizer is not None else 0, need)
         if key != self._key or self._activation is None:
             fixed = sum(stage.fixed_bytes() for stage in self.siblings)
             if fixed >= self.budget:
@@ -73,5 +82,21 @@ class StageMemory:
                         else f"stages {sorted(s.stage_index for s in self.siblings)}")
                 raise MemoryBudgetError(f"{what}: parameters, gradients, optimizer state and stashed weight versions "
                                         f"take {fixed} bytes, the memory budget is {self.budget} bytes")
-            self._key, self._activation = key, (self.budget - fixed) // len(self.siblings)
+            left = self.budget - fixed
+            if need and all(need) and sum(need) <= left:
+                share = left * need[mates.index(self.stage_index)] // sum(need)
+            else:
+                share = left // len(self.siblings)
+            self._key, self._activation = key, share
         return self._activation
+
+
+def apply_budgets(tensor_managers: Mapping[int, Any], memories: Mapping[int, StageMemory], epoch: int) -> None:
+    """Give each stage's tensor manager its activation budget (a rank's stages share theirs by need); a manager
+    whose budget holds every layer kept goes back to keeping those it escalated."""
+    needs = {v: manager.keep_all_bytes() for v, manager in tensor_managers.items()} \
+        if len(tensor_managers) > 1 else None
+    for v, manager in tensor_managers.items():
+        if memories[v].budget is not None:
+            manager.budget_bytes = memories[v].activation_budget(epoch, needs)
+            manager.relax()

@@ -20,7 +20,7 @@ from vpipe.control.session import ControlSession
 from vpipe.log import step_record
 from vpipe.rank.applying import PlanApplier
 from vpipe.rank.boundary import PlanBoundary
-from vpipe.rank.memory import StageMemory
+from vpipe.rank.memory import StageMemory, apply_budgets
 from vpipe.tensor_manager import HostPoolFullError, MemoryBudgetError
 
 __all__ = ["StepDriver", "MicroBatchCounter"]
@@ -104,10 +104,8 @@ class StepDriver:
         step = self.boundary.applying_step(self.iteration)
         for plan in self.boundary.due(self.iteration):
             self.applier.apply(plan, step, self.micro_batches)
-        epoch = self.applier.layer_manager.epoch
-        for v, manager in self.tensor_managers.items():
-            if self.memories[v].budget is not None:  # the optimizer state may have grown
-                manager.budget_bytes = self.memories[v].activation_budget(epoch)
+        # the optimizer state may have grown, a stage sharing the rank may have measured what it needs
+        apply_budgets(self.tensor_managers, self.memories, self.applier.layer_manager.epoch)
         self.applier.continue_streamed(step, self.micro_batches)
         self.boundary_s.append(time.perf_counter() - started)
 

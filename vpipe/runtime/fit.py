@@ -19,8 +19,9 @@ backward). Swapped bytes live in the host pool and do not count against the devi
 
 Under a multi-stage schedule the budget is a rank's: its virtual stages run together in the
 rank's own order (torch's action lists), each under its own tensor manager; managed, each
-gets an equal share of what the rank's fixed bytes leave of the budget (as ``attach`` splits
-it). A rank's peak saved bytes are the peak of its stages' sum (unmanaged; saved bytes only
+gets a share of what the rank's fixed bytes leave of the budget: equal, or, once every stage
+measured what keeping its layers needs and those needs fit, in proportion to them (after each
+step, as ``attach`` splits it). A rank's peak saved bytes are the peak of its stages' sum (unmanaged; saved bytes only
 grow in forwards) or the sum of their peaks (managed). A zero-bubble schedule's activations
 are freed at the weight pass (W), the input pass (I) frees nothing here: a slight
 overestimate, never an underestimate.
@@ -217,10 +218,19 @@ def _rank_fit(cfg: RunConfig, rank: int, inputs: list[list[torch.Tensor]], budge
                                     policies={lid: Policy(policy) for lid in layers})
     error = (f"rank {rank}: its stages' fixed bytes {sum(fixed.values())} exceed the budget {budget}"
              if managed and share <= 0 else None)
+
+    def reshare() -> None:  # between steps, as vpipe.rank.memory shares a rank's budget
+        needs = {v: managers[v].keep_all_bytes() for v in indices}
+        left = budget - sum(fixed.values())
+        if managed and all(needs.values()) and sum(needs.values()) <= left:
+            for v in indices:
+                managers[v].budget_bytes = left * needs[v] // sum(needs.values())
+                managers[v].relax()
+
     peak = 0
     try:
         if error is None:
-            peak = _run_rank(cfg, rank, modules, managers, optimizer, inputs, spec, steps)
+            peak = _run_rank(cfg, rank, modules, managers, optimizer, inputs, spec, steps, reshare)
     except MemoryBudgetError as e:
         error = str(e)
     finally:
@@ -238,7 +248,8 @@ def _rank_fit(cfg: RunConfig, rank: int, inputs: list[list[torch.Tensor]], budge
 
 
 def _run_rank(cfg: RunConfig, rank: int, modules: Mapping[int, torch.nn.Module], managers: dict[int, Any],
-              optimizer: torch.optim.Optimizer, inputs: list[list[torch.Tensor]], spec: Any, steps: int) -> int:
+              optimizer: torch.optim.Optimizer, inputs: list[list[torch.Tensor]], spec: Any, steps: int,
+              between_steps: Callable[[], None]) -> int:
     """Run ``steps`` steps of the rank; returns the peak of its stages' summed saved bytes in the last step."""
     m, last = cfg.micro_batches, cfg.virtual_stages - 1
     loss_fn = spec.loss_fn()
@@ -265,6 +276,7 @@ def _run_rank(cfg: RunConfig, rank: int, modules: Mapping[int, torch.nn.Module],
         else:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            between_steps()
     return peak
 
 

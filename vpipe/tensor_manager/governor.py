@@ -48,6 +48,7 @@ class BudgetGovernor:
         self._kept_layers: frozenset[int] = frozenset()  # the layers managed when kept_per_mb was measured
         self.swaps = 0  # tensors swapped because keeping them would pass the budget
         self.escalations: list[tuple[int, Policy, Policy]] = []
+        self._relaxed = 0  # escalations before this index are undone or superseded
 
     # ------------------------------------------------------------------ per tensor
     def limit(self) -> int | None:
@@ -147,6 +148,30 @@ class BudgetGovernor:
                 layer=change.layer_id, old=change.old.value, new=change.new.value, saved_bytes=change.saved_bytes,
                 cost_s=change.cost_s, budget_bytes=budget, in_flight=in_flight, micro_batch=mb,
             )
+
+    def relax(self, need: int, set_policy: Callable[[int, Policy], None]) -> None:
+        """Undo the escalations in force once keeping every layer (``need`` bytes at the peak) fits the budget.
+
+        A stage may escalate before it knows what it needs: on a rank whose stages share one budget, the shares
+        are equal until each stage measured its need, and the projection of an unmeasured micro-batch adds a
+        reserve. When the budget turns out to hold every layer kept, the stage keeps them, as without vpipe.
+        """
+        budget = self.budget_bytes
+        active = self.escalations[self._relaxed:]
+        if budget is None or not active or not need or need > budget:
+            return
+        self._relaxed = len(self.escalations)
+        for layer_id, old, new in reversed(active):
+            layer = self._layers.get(layer_id)
+            if layer is None or layer.policy is not new:
+                continue  # gone, or a plan set its policy since
+            set_policy(layer_id, old)
+            decision("policy", f"layer {layer_id}: {new.value} -> {old.value}, every layer kept fits the budget",
+                     layer=layer_id, old=new.value, new=old.value, need_bytes=need, budget_bytes=budget)
+
+    def supersede_escalations(self) -> None:
+        """Policies were set from outside (a plan): the escalations made before are no longer to undo."""
+        self._relaxed = len(self.escalations)
 
     def _estimates(self, lag_share: float) -> list[LayerEstimate]:
         out = []

@@ -251,6 +251,7 @@ class TensorManager:
                            f"(it manages layers {self.layer_ids})")
         for layer_id, policy in policies.items():
             self.set_policy(layer_id, policy)
+        self._budget.supersede_escalations()  # what the budget escalated before a plan is the plan's now
 
     def apply_plan(self, plan: Plan) -> None:
         """Set this stage's policies from a plan (layers it does not list are kept, D)."""
@@ -364,6 +365,16 @@ class TensorManager:
                     "d2h_bytes": copies.bytes[D2H], "d2h_s": copies.seconds[D2H],
                     "h2d_bytes": copies.bytes[H2D], "h2d_s": copies.seconds[H2D],
                     "recompute_s": self._recompute.recompute_s}
+
+    def keep_all_bytes(self) -> int:
+        """What keeping every layer takes at the last step's peak: one micro-batch's kept bytes (each storage
+        once) times the micro-batches in flight; 0 until measured with the current layers."""
+        return self._budget.kept_per_mb_now() * max(self._open_max_last_step, self._open_max)
+
+    def relax(self) -> None:
+        """Between steps: go back to keeping the layers the budget made this manager swap or recompute, if
+        keeping every layer fits the budget (see :meth:`BudgetGovernor.relax`)."""
+        self._budget.relax(self.keep_all_bytes(), self.set_policy)
 
     def reset_peak(self) -> None:
         self._engine.drain()
