@@ -128,6 +128,19 @@ def test_noise_around_a_balanced_plan_never_triggers_a_proposal():
         assert planner.propose(_noisy(g, rng, 0.02), current, step) is None
 
 
+def test_a_balanced_plan_that_fits_is_not_searched_at_all(monkeypatch):
+    import vpipe.planner.srp as srp
+
+    searches = []
+    real = srp._srp_loop
+    monkeypatch.setattr(srp, "_srp_loop", lambda *a, **k: searches.append(1) or real(*a, **k))
+    g = chain([1.0] * 48)
+    planner, balanced = SRPPlanner(4, "1f1b", 8, cooldown_steps=0), _balanced(g)
+    searches.clear()
+    assert planner.propose(g, balanced, 0) is None and searches == []  # nothing can gain 5%: no search
+    assert planner.propose(g, Plan.from_counts(g.ids, [15, 11, 11, 11]), 0) is not None and searches == [1]
+
+
 def test_a_clearly_unbalanced_plan_gets_a_better_one():
     g = chain([1.0] * 48)
     current = Plan.from_counts(g.ids, [45, 1, 1, 1], epoch=4)

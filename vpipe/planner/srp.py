@@ -97,6 +97,14 @@ class _Evaluated:
         return float(self.times.max())
 
 
+def _fastest_step(profile: GraphProfile, setup: PipelineSetup) -> float:
+    """A lower bound on any plan's step: every layer kept (D is never slower than S or R) and the compute
+    spread evenly over the stages (a stage's time is at least its layers' compute; the slowest at least the
+    mean), no transfers."""
+    compute = float(np.sum(profile.fwd + profile.bwd))
+    return setup.step_time(np.full(setup.num_stages, compute / setup.num_stages))
+
+
 def _check_method(method: str) -> str:
     if method not in METHODS:
         raise ValueError(f"unknown planning method {method!r}; expected one of {', '.join(METHODS)}")
@@ -320,6 +328,9 @@ class SRPPlanner:
         if current.num_stages != setup.num_stages:
             raise PlanError(f"current plan has {current.num_stages} stages, the planner {setup.num_stages}")
         before = self._current(profile, current)
+        if before is not None and before.fits and before.step_s - _fastest_step(profile, setup) \
+                < self.min_gain * before.step_s:
+            return None  # no placement or policy can gain min_gain (a balanced pipeline that fits): no search
         best, _ = _srp_loop(profile, setup, budgets, self.method)
         if before is not None and before.fits and before.step_s - best.step_s < self.min_gain * before.step_s:
             # even the best plan, moved for free, is inside the hysteresis band: stay (and skip the DPs)
