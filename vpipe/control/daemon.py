@@ -161,7 +161,9 @@ class PlannerDaemon:
             for message in vectors:
                 self._plan(message)
             if bye is not None:
-                log.info("planner daemon: the training run said bye (%s); exiting", bye.body)
+                log.info("planner daemon: the training run said bye (%s); exiting after %d stats vectors and "
+                         "%.2f s of CPU", bye.body, self.vectors, time.process_time(),
+                         extra={"vpipe_fields": {"vectors": self.vectors, "cpu_s": time.process_time()}})
                 return 0
             if self._attached.is_set() and now - self._last_heard > self.stage_timeout_s:
                 log.info("planner daemon: no word from the last stage for %.0f s; saying hello again",
