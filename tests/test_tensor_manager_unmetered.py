@@ -52,7 +52,8 @@ def test_kept_layers_skip_the_hooks_once_measured_and_train_bitwise_like_metered
     # the ledger counts the measured bytes while the micro-batches wait for their backward, and none after
     per_mb = sum(layer.kept_bytes for layer in manager._layers.values())
     assert resident[1] == resident[2] == 3 * per_mb  # three micro-batches wait for their backward
-    assert resident[1] >= metered_resident[1] > 0  # never less than the exact count (shared storages twice)
+    # never less than the exact count: a storage the micro-batches share (a constant) counts with each
+    assert resident[1] >= metered_resident[1] > 0
     assert manager.ledger.resident == 0
 
 
@@ -128,3 +129,31 @@ def test_swapped_layers_and_a_tight_budget_keep_every_call_metered():
     assert tight[1] > 0  # three micro-batches in flight fill the budget: every byte is counted exactly
     _, _, roomy, _ = _run(2, metering_from=1, budget=20 * per_mb)
     assert roomy[1] == 0
+
+
+def test_a_storage_two_layers_save_is_counted_once_by_unmetered_calls_as_by_metered_ones():
+    # each Tanh saves its output, which the next Linear saves as its input: one storage, two layers
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64), torch.nn.Tanh(),
+                                torch.nn.Linear(64, 8))
+    manager = make_manager(model, budget_bytes=1 << 30)  # a budget far away: kept layers may run unmetered
+    x = torch.randn(4, 16)
+
+    def forward_resident(mb: int) -> int:
+        with manager.micro_batch(mb):
+            out = model(x)
+        resident = manager.ledger.resident
+        with manager.backward(mb):
+            out.sum().backward()
+        return resident
+
+    manager.metering = True
+    metered = forward_resident(0)
+    manager.metering = False
+    unmetered = forward_resident(1)
+    assert not manager._interceptor.counted  # counted while it waited for its backward, and no longer
+    # the Linears' inputs after the first are the Tanhs' outputs: counted once, as the metered call did
+    assert unmetered == metered == sum(layer.kept_bytes for layer in manager._layers.values())
+    floats = 4  # bytes
+    assert {lid: layer.kept_bytes for lid, layer in manager._layers.items()} == {
+        0: 4 * 16 * floats, 1: 4 * 64 * floats, 2: 0, 3: 4 * 64 * floats, 4: 0}

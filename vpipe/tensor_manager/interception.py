@@ -10,10 +10,14 @@ recompute slots (:mod:`.recompute_store`).
 A layer whose policy is D needs none of this once its saved bytes are known: with the
 manager's ``metering`` off, every layer kept and the budget, if any, comfortably met, a
 kept layer's call runs without saved-tensor hooks (autograd keeps its tensors as it would
-without vpipe) and the ledger counts the bytes its last metered call saved, until that
-micro-batch's backward ends. A call whose input shapes differ from the metered one's is
-metered again. Without a budget there is nothing to check per call: the layers' hooks come
-off altogether (the manager's ``metering`` setter), and each micro-batch is counted at the
+without vpipe) and the ledger counts the bytes its last metered call added, until that
+micro-batch's backward ends. A storage two layers of a micro-batch save (one layer's
+output that the next saves as its input) counts once, with the layer that saved it first,
+as a metered call counts it; one that micro-batches share (a constant) counts with each,
+never less than a metered call counts. A call whose input shapes differ from the metered
+one's is metered again.
+Without a budget there is nothing to check per call: the layers' hooks come off
+altogether (the manager's ``metering`` setter), and each micro-batch is counted at the
 end of its forward.
 
 Forwards outside ``micro_batch()`` (torch pipelining's shape inference, evaluation) and
@@ -85,7 +89,7 @@ class Interceptor:
         if self.unmetered and layer.policy is Policy.KEEP and layer.input_shapes == input_shapes(args):
             frames.append(KeptCall(layer, self.mb))
             return
-        frames.append(LayerCall(layer, self.mb, args))
+        frames.append(LayerCall(layer, self.mb, args, self._engine.entries_made + 1))
         self.hooks.__enter__()
 
     def post_forward(self, layer: ManagedLayer, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
@@ -101,7 +105,7 @@ class Interceptor:
             return
         self.hooks.__exit__(None, None, None)
         if frame.policy is Policy.KEEP:  # what an unmetered call of the same shapes will be counted with
-            layer.kept_bytes, layer.input_shapes = frame.bytes, input_shapes(frame.inputs)
+            layer.kept_bytes, layer.input_shapes = frame.new_bytes, input_shapes(frame.inputs)
         if frame.policy is Policy.RECOMPUTE:
             counter, frame.counter = frame.counter, None  # it holds frame.is_weight: no cycle left behind
             activation = counter.bytes if counter is not None else 0
@@ -184,9 +188,12 @@ class Interceptor:
                 engine.wait_swap_outs(limit)
         else:
             handle = engine.keep(t, layer_id, frame.mb, key, nbytes)
-        if handle.entry not in frame.entries:  # count each storage once per layer call
-            frame.entries.add(handle.entry)
+        entry = handle.entry
+        if entry not in frame.entries:  # count each storage once per layer call
+            frame.entries.add(entry)
             frame.bytes += nbytes
+            if entry.seq >= frame.first_seq or entry.mb != frame.mb:  # not a storage an earlier layer of the
+                frame.new_bytes += nbytes                               # same micro-batch saved (its output)
             if nbytes >= self.min_swap_bytes:
                 frame.swappable += nbytes
         return handle

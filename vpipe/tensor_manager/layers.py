@@ -59,7 +59,9 @@ class ManagedLayer:
     recompute_s: float = 0.0
     recomputes: int = 0  # forwards run again in a backward
     recompute_calls: int = 0  # managed calls under R (each is recomputed once, whatever the schedule)
-    kept_bytes: int | None = None  # what its last metered call under D saved
+    # what its last metered call under D saved that no earlier layer of its micro-batch saved (the output of the
+    # layer before it counts there, once)
+    kept_bytes: int | None = None
     input_shapes: tuple[Any, ...] | None = None  # the tensor input shapes of that call
     retired: bool = False  # out of the forward path, waiting for its in-flight backwards (a streamed move)
 
@@ -119,15 +121,18 @@ class ManagedLayer:
 class LayerCall:
     """One managed call of a layer inside a micro-batch's forward: what it saved."""
 
-    __slots__ = ("layer", "mb", "policy", "inputs", "t0", "entries", "bytes", "swappable", "counter", "buffers")
+    __slots__ = ("layer", "mb", "policy", "inputs", "t0", "entries", "bytes", "new_bytes", "first_seq", "swappable",
+                 "counter", "buffers")
 
-    def __init__(self, layer: ManagedLayer, mb: int, args: tuple[Any, ...]) -> None:
+    def __init__(self, layer: ManagedLayer, mb: int, args: tuple[Any, ...], first_seq: int = 0) -> None:
         self.layer = layer
         self.mb = mb
+        self.first_seq = first_seq  # the storage entries numbered from here on are this call's
         self.policy = layer.policy  # read once per call: a plan may change it between micro-batches
         self.inputs = args
         self.entries: set[StorageEntry] = set()  # addresses can be reused within a call: count entries
         self.bytes = 0
+        self.new_bytes = 0  # of those, the storages no earlier layer of this micro-batch saved
         self.swappable = 0
         self.counter: RecomputeCounter | None = None
         self.buffers: frozenset[int] = (

@@ -68,6 +68,11 @@ class SwapEngine:
         self.multi_phase_entries = 0  # released after being unpacked in more than one backward phase
         self.layer_d2h: dict[int, int] = {}
 
+    @property
+    def entries_made(self) -> int:
+        """How many storage entries were made so far (each entry's ``seq`` is its number)."""
+        return self._seq
+
     # ------------------------------------------------------------------ pool
     @property
     def pool(self) -> HostPool:
