@@ -157,3 +157,32 @@ def test_a_storage_two_layers_save_is_counted_once_by_unmetered_calls_as_by_mete
     floats = 4  # bytes
     assert {lid: layer.kept_bytes for lid, layer in manager._layers.items()} == {
         0: 4 * 16 * floats, 1: 4 * 64 * floats, 2: 0, 3: 4 * 64 * floats, 4: 0}
+
+
+def test_with_no_hooks_and_nothing_saved_through_them_a_micro_batch_only_keeps_its_count():
+    spec = model_spec("transformer")
+    model = build_model(spec, seed=0)
+    manager = make_manager(model)
+    engine = manager._engine
+    drains = []
+    inner_drain = engine.drain
+    engine.drain = lambda: drains.append(1) or inner_drain()  # the per-micro-batch release work
+    x, y = spec.batch(0, 4, 0)
+    with manager.micro_batch(0):  # metered: its saved tensors go through the hooks
+        metered = model(x[:2])
+    manager.metering = False
+    with manager.micro_batch(1):  # hooks off, but micro-batch 0's tensors are alive: the full path
+        unmetered = model(x[2:])
+    assert drains and manager.ledger.resident_of(0).keys() == {0, 1}
+    with manager.backward(0):
+        spec.loss_fn()(metered, y[:2]).backward()
+    with manager.backward(1):
+        spec.loss_fn()(unmetered, y[2:]).backward()
+    assert engine.idle and manager.ledger.resident == 0
+    drains.clear()
+    resident = []
+    gpipe_step(model, spec, 1, manager, before_backward=lambda mb: resident.append(manager.ledger.resident))
+    assert not drains  # nothing to release, copy, fetch or decide
+    per_mb = sum(layer.kept_bytes for layer in manager._layers.values())
+    assert resident == [3 * per_mb, 2 * per_mb, per_mb]  # counted until each backward ends
+    assert manager.ledger.resident == 0 and not manager._interceptor.counted

@@ -144,6 +144,21 @@ class Ledger:
             self._resident.pop(key, None)
         self.resident -= nbytes
 
+    def add_micro_batch(self, mb: int, counts: list[tuple[int, int]]) -> None:
+        """:meth:`add` for each ``(layer, bytes)`` of one micro-batch (a forward run without hooks)."""
+        resident = self._resident
+        for layer, nbytes in counts:
+            key = (layer, mb)
+            resident[key] = resident.get(key, 0) + nbytes
+        self.resident += sum(nbytes for _, nbytes in counts)
+        if self.resident > self.peak:
+            self.peak = self.resident
+
+    def sub_micro_batch(self, mb: int, counts: list[tuple[int, int]]) -> None:
+        """:meth:`sub` for each ``(layer, bytes)`` that :meth:`add_micro_batch` counted."""
+        for layer, nbytes in counts:
+            self.sub(layer, mb, nbytes)
+
     def reset_peak(self) -> None:
         self.peak = self.resident
 

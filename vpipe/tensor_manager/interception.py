@@ -137,18 +137,15 @@ class Interceptor:
     # ================================================================== unmetered calls
     def uncount(self, mb: int) -> None:
         """The backward of ``mb`` ended: the bytes its unmetered calls were counted with are gone."""
-        for layer_id, nbytes in self.counted.pop(mb, ()):
-            self.ledger.sub(layer_id, mb, nbytes)
+        counts = self.counted.pop(mb, None)
+        if counts:
+            self.ledger.sub_micro_batch(mb, counts)
 
     def count_unhooked(self, mb: int, layers: Any) -> None:
         """A micro-batch ran with the layers' hooks off: count each layer with its measured bytes."""
-        counted = self.counted.setdefault(mb, [])
-        for layer in layers:
-            if layer.retired:
-                continue
-            nbytes = layer.kept_bytes or 0
-            self.ledger.add(layer.layer_id, mb, nbytes)
-            counted.append((layer.layer_id, nbytes))
+        counts = [(layer.layer_id, layer.kept_bytes or 0) for layer in layers if not layer.retired]
+        self.ledger.add_micro_batch(mb, counts)
+        self.counted.setdefault(mb, []).extend(counts)
 
     def counted_micro_batches(self, layer_id: int) -> dict[int, int]:
         """Micro-batches counted with bytes of unmetered calls of ``layer_id`` -> 1."""

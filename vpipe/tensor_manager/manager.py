@@ -265,28 +265,37 @@ class TensorManager:
         calls = self._interceptor
         if calls.mb is not None:
             raise RuntimeError(f"micro-batch {mb_id}'s forward started inside micro-batch {calls.mb}'s forward")
-        self._begin_forward(mb_id)
+        grad = torch.is_grad_enabled()
+        quiet = grad and self._quiet()
+        self._begin_forward(mb_id, quiet)
         calls.mb = mb_id
         budget = self._budget
         start, swaps = self.ledger.resident, budget.swaps
-        measured = torch.is_grad_enabled() and not calls.unmetered and self._all_keep
+        measured = grad and not calls.unmetered and self._all_keep
         try:
             yield self
         finally:
             calls.mb = None
-            if self._hookless and torch.is_grad_enabled():
+            if self._hookless and grad:
                 calls.count_unhooked(mb_id, self._layers.values())
-            self._engine.flush_swap_outs()
-            self._engine.poll()
-            if measured and budget.swaps == swaps:
-                # what one micro-batch keeps, each storage once: the schedule's own footprint per micro-batch
-                budget.measured_kept(self.ledger.resident - start)
+            if not quiet:
+                self._engine.flush_swap_outs()
+                self._engine.poll()
+                if measured and budget.swaps == swaps:
+                    # what one micro-batch keeps, each storage once: the schedule's own footprint per micro-batch
+                    budget.measured_kept(self.ledger.resident - start)
 
-    def _begin_forward(self, mb: int) -> None:
-        engine = self._engine
-        engine.drain()
-        self._recompute.drain()
-        engine.poll()
+    def _quiet(self) -> bool:
+        """The layers carry no hooks and nothing saved through them is alive: a micro-batch's forward or full
+        backward has nothing to release, copy, fetch or decide, only its count to keep."""
+        return self._hookless and self._engine.idle and self._recompute.idle
+
+    def _begin_forward(self, mb: int, quiet: bool) -> None:
+        if not quiet:
+            engine = self._engine
+            engine.drain()
+            self._recompute.drain()
+            engine.poll()
         if self._prefetcher.observe(FORWARD, mb):  # a new step: remember how many were in flight in the last
             self._open_max_last_step, self._open_max = self._open_max, 0
             self._phases.new_step()
@@ -297,6 +306,9 @@ class TensorManager:
         calls.uncount(mb)  # a micro-batch of a step that failed before its backward
         self._open.add(mb)
         self._open_max = max(self._open_max, len(self._open))
+        if quiet:
+            calls.unmetered = True
+            return
         in_flight = max(self._open_max_last_step, len(self._open), 1)
         budget = self._budget
         if budget.budget_bytes is not None:
@@ -316,6 +328,13 @@ class TensorManager:
         if phase not in PHASES:
             raise ValueError(f"backward phase must be 'full', 'input' or 'weight', got {phase!r}")
         self._prefetcher.observe(BACKWARD, mb_id)
+        if phase == "full" and self._quiet() and not self._phases.lagging:
+            try:
+                yield self
+            finally:
+                self._open.discard(mb_id)
+                self._interceptor.uncount(mb_id)
+            return
         dropped = self._phases.begin(mb_id, phase)
         try:
             self._prefetcher.pump()

@@ -86,6 +86,11 @@ class RecomputeStore:
             self.repeat_recomputes += 1
         self.on_recompute(layer, seconds)
 
+    @property
+    def idle(self) -> bool:
+        """No recomputed call is alive or waiting to be released."""
+        return not (self._frames or self.dead)
+
     def drain(self) -> None:
         """Uncount the tensors of slots autograd released while they held one."""
         with self.lock:

@@ -69,6 +69,11 @@ class SwapEngine:
         self.layer_d2h: dict[int, int] = {}
 
     @property
+    def idle(self) -> bool:
+        """Nothing saved through the hooks is alive, waiting to be released, or being copied."""
+        return not (self._live or self.dead or self._unissued or self._swapping_out or self._deferred)
+
+    @property
     def entries_made(self) -> int:
         """How many storage entries were made so far (each entry's ``seq`` is its number)."""
         return self._seq
