@@ -125,14 +125,15 @@ class BudgetGovernor:
         """
         budget = self.budget_bytes
         assert budget is not None
-        estimates = self._estimates(lag_share)
         # keeping everything needs no backward reserve (nothing is brought back or recomputed): when the
         # measured bytes of a micro-batch, every layer kept, fit that way, as much fits as without vpipe
         kept = self.kept_per_mb
-        self.keep_all_fits = (all_keep and kept is not None and len(estimates) == len(self._layers)
+        measured = self.ledger.activation
+        self.keep_all_fits = (all_keep and kept is not None and all(measured.get(lid) for lid in self._layers)
                               and kept <= min(budget - self.ledger.resident, budget // in_flight))
         if self.keep_all_fits:
-            return
+            return  # (before the projection's estimates: this is every micro-batch of a stage that fits)
+        estimates = self._estimates(lag_share)
         copies = self._engine.copies
         changes = fit_micro_batch(
             estimates, budget_bytes=budget, resident_bytes=self.ledger.resident, reserve_bytes=self.reserve,
