@@ -84,6 +84,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--adapt", type=int, default=4, help="steps per system before timing (vpipe's planner settles)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--block", type=int, default=2, help="steps per system per block (the first is not counted)")
+    p.add_argument("--systems", default=None,
+                   help="comma-separated system names to run (default: all), e.g. '1F1B (all D),1F1B + vpipe'")
     p.add_argument("--cores", type=int, default=os.cpu_count() or 1, help="for the cores-capped ideal")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--work-dir", default=None, help="keep each launch's spec, rank results and logs here")
@@ -170,6 +172,13 @@ def plan_case(args: argparse.Namespace, model: str, stages: int) -> dict[str, An
                 variants.append(Variant(f"{name} + vpipe", schedule, size, batch // size, vpipe=True,
                                         memory_budget=budget, partition=virtual))
     variants.append(Variant("1F1B, no budget (all D)", "1f1b", mbs, m))
+    if args.systems:
+        wanted = {name.strip() for name in args.systems.split(",")}
+        unknown = wanted - {v.name for v in variants}
+        if unknown:
+            raise SystemExit(f"throughput_bench: no system {sorted(unknown)} in {model} on {stages} stages; it has "
+                             + ", ".join(v.name for v in variants))
+        variants = [v for v in variants if v.name in wanted]
     return {"model": model, "stages": stages, "base": base.to_dict(), "budget_bytes": budget,
             "partition": base.partition, "virtual_partition": virtual, "global_batch": batch, "fits": fits,
             "variants": [v.to_dict() for v in variants], "profile_compute_s": costs.compute_s}
