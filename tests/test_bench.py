@@ -186,13 +186,15 @@ def test_shapes_results_get_a_table_and_a_headline_row_with_the_worst_ratio():
 def test_overhead_results_get_a_table_and_a_headline_row_per_size():
     row = {"size": "small", "steps": 160, "plain_step_s": 0.0131, "attached_step_s": 0.0133,
            "attached_over_plain": 1.012, "attached_range": [0.99, 1.03], "planned_step_s": 0.0134,
-           "planned_over_plain": 1.021, "planned_range": [1.0, 1.04], "plans_applied": 0}
+           "planned_over_plain": 1.021, "planned_range": [1.0, 1.04], "plans_applied": 0,
+           "planner_cpu_share": 0.024, "same_losses": True}
     breakdown = {"steps": 160, "ranks": [{"rank": 0, "step_s": 0.0138, "per_step_s": {
         "step": 127e-6, "micro-batch": 142e-6, "layer call": 123e-6, "saved tensor": 183e-6},
         "calls_per_step": {"micro-batch": 8, "layer call": 16, "saved tensor": 16}}]}
     overhead = {"rounds": 3, "rows": [row], "breakdown": breakdown}
     text = report.results_markdown({"overhead": overhead})
-    assert "| small | 160 | 13.1 | 13.3 | 1.012x (0.990-1.030) | 13.4 | 1.021x (1.000-1.040) | 0 |" in text
+    assert ("| small | 160 | 13.1 | 13.3 | 1.012x (0.990-1.030) | 13.4 | 1.021x (1.000-1.040) | 2.4% | 0 | yes |"
+            in text)
     assert "| 0 | 13.8 | 127 | 142 (8 calls) | 123 (16 calls) | 183 (16 calls) |" in text
     assert report.headline_rows({"overhead": overhead}) == [[
         "attaching to a balanced 2-stage pipeline that fits, small model (13 ms steps)",

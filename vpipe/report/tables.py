@@ -135,17 +135,24 @@ def _shapes_md(data: dict[str, Any]) -> str:
 
 
 def _overhead_md(data: dict[str, Any]) -> str:
+    def share(r: dict[str, Any]) -> str:
+        return "-" if r.get("planner_cpu_share") is None else f"{r['planner_cpu_share']:.1%}"
+
     rows = [[r["size"], str(r["steps"]), f"{r['plain_step_s'] * 1e3:.1f}",
              f"{r['attached_step_s'] * 1e3:.1f}",
              f"{r['attached_over_plain']:.3f}x ({r['attached_range'][0]:.3f}-{r['attached_range'][1]:.3f})",
              f"{r['planned_step_s'] * 1e3:.1f}",
              f"{r['planned_over_plain']:.3f}x ({r['planned_range'][0]:.3f}-{r['planned_range'][1]:.3f})",
-             str(r["plans_applied"])] for r in data["rows"]]
-    text = (f"`examples/train_sequential.py` on 2 CPU stages split 4,4 (1F1B), {data['rounds']} rounds of plain, "
-            "attached (`planning=False`) and planned (the one line's defaults) in alternating order; mean step "
-            "of each run's second half, ratios to plain within a round:\n\n"
-            + table(["model", "steps", "plain ms", "attached ms", "attached / plain", "planned ms",
-                      "planned / plain", "plans applied"], rows))
+             share(r), str(r["plans_applied"]), {True: "yes", False: "no"}.get(r.get("same_losses"), "-")]
+            for r in data["rows"]]
+    text = ("The trainer of `examples/train_sequential.py` on 2 CPU stages split 4,4 (1F1B), run twice side by side "
+            "in the same processes, a plain copy and one with the one line, stepped in ABBA order on the same "
+            f"batches; {data['rounds']} launches of each kind: attached (`planning=False`) and planned (the one "
+            "line's defaults). A launch's ratio is the vpipe copy's mean step over the plain copy's (second halves); "
+            "median and range over launches. The planner daemon's CPU is a share of one core over the launch; "
+            "\"same losses\": the two copies' losses were bitwise equal in every launch:\n\n"
+            + table(["model", "steps per copy", "plain ms", "attached ms", "attached / plain", "planned ms",
+                      "planned / plain", "planner CPU", "plans applied", "same losses"], rows))
     breakdown = data.get("breakdown")
     if breakdown:
         parts = [[str(r["rank"]), f"{r['step_s'] * 1e3:.1f}", f"{r['per_step_s']['step'] * 1e6:.0f}"]
