@@ -43,7 +43,7 @@ system: median samples/s; per-round ratios (median, min-max) of each vpipe syste
 same schedule without vpipe and of every system to GPipe (all R); the fraction of the
 same round's ideal.
 
-    python benchmarks/throughput_bench.py [--cases transformer:2,cnn:4] [--rounds 3] [--json OUT]
+    python benchmarks/throughput_bench.py [--cases transformer:2,cnn:4] [--rounds 6] [--json OUT]
 """
 
 from __future__ import annotations
@@ -82,8 +82,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--budget-fraction", type=float, default=0.5,
                    help="of the largest stage's 1F1B all-kept activations, on top of its fixed bytes")
     p.add_argument("--adapt", type=int, default=4, help="steps per system before timing (vpipe's planner settles)")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--block", type=int, default=2, help="steps per system per block (the first is not counted)")
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--block", type=int, default=3, help="steps per system per block (the first is not counted)")
     p.add_argument("--systems", default=None,
                    help="comma-separated system names to run (default: all), e.g. '1F1B (all D),1F1B + vpipe'")
     p.add_argument("--cores", type=int, default=os.cpu_count() or 1, help="for the cores-capped ideal")

@@ -39,6 +39,7 @@ from vpipe.control.curve import CurveConfig, CurveGuard
 from vpipe.control.keys import check_z85_key, read_public_file
 from vpipe.control.messages import MAX_MESSAGE_BYTES, PLANNER, Message, make
 from vpipe.control.netaddr import check_endpoint, control_host
+from vpipe.control.priority import to_background
 from vpipe.log import decision
 from vpipe.monitors.records import StageRecord
 from vpipe.plan import Plan, PlanError
@@ -313,14 +314,6 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.set_defaults(func=cmd_planner)
 
 
-def _lower_priority() -> None:
-    """The daemon plans in the background: at a lower priority it never takes a core from a rank."""
-    try:
-        os.nice(10)
-    except OSError as e:  # a platform or a sandbox that does not allow it: plan at the same priority
-        log.debug("planner daemon: could not lower its priority: %s", e)
-
-
 def _server_key(text: str | None) -> bytes | None:
     """``--server-key``: a Z85 key, or the file holding it."""
     if text is None:
@@ -343,7 +336,7 @@ def cmd_planner(args: argparse.Namespace, argv: Any = None) -> int:
         handler.setFormatter(logging.Formatter("vpipe planner: %(message)s"))
         logging.getLogger("vpipe").addHandler(handler)
         logging.getLogger("vpipe").setLevel(logging.INFO)
-    _lower_priority()
+    to_background()  # started by hand: a rank's daemon is lowered by the rank that spawns it, too
     daemon = PlannerDaemon(args.connect, planner, planner_name=args.planner, heartbeat_s=args.heartbeat,
                            stage_timeout_s=max(30.0, 20 * args.heartbeat), idle_timeout_s=args.idle_timeout,
                            parent_pid=args.parent_pid, server_key=_server_key(args.server_key))

@@ -25,6 +25,7 @@ from vpipe.control.channel import PLANNER_CONNECT_KEY, ControlPlane
 from vpipe.control.curve import RUN_SECRET_FILE_ENV, configured_by_files, log_due, run_secret_file
 from vpipe.control.messages import Message, make
 from vpipe.control.netaddr import check_endpoint
+from vpipe.control.priority import to_background
 from vpipe.log import decision
 from vpipe.monitors.records import StageRecord
 from vpipe.plan import Plan
@@ -112,6 +113,7 @@ class PlannerLink:
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "GROUP_RANK")}
         env["OMP_NUM_THREADS"] = "1"
         self.process = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
+        to_background(self.process.pid)  # before its imports run, not after
         decision("planner_started", f"started planner daemon pid {self.process.pid} running {planner}",
                  pid=self.process.pid, planner=planner, endpoint=self.plane.endpoint)
 
