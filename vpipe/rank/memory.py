@@ -94,6 +94,8 @@ class StageMemory:
 def apply_budgets(tensor_managers: Mapping[int, Any], memories: Mapping[int, StageMemory], epoch: int) -> None:
     """Give each stage's tensor manager its activation budget (a rank's stages share theirs by need); a manager
     whose budget holds every layer kept goes back to keeping those it escalated."""
+    if all(memories[v].budget is None for v in tensor_managers):
+        return  # no budget on this rank: nothing to give or share (every step's boundary asks)
     needs = {v: manager.keep_all_bytes() for v, manager in tensor_managers.items()} \
         if len(tensor_managers) > 1 else None
     for v, manager in tensor_managers.items():
