@@ -17,6 +17,8 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import sys
+import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -326,3 +328,19 @@ def _move_refusal(pipeline: Pipeline) -> str | None:
         return ("a PipeDream stream moves layers only in a stage module that is an nn.Sequential named by "
                 "global layer id")
     return None
+
+
+class _CallableModule(types.ModuleType):
+    """This module, callable as :func:`attach`.
+
+    Importing a submodule sets it as an attribute of its package: after ``from vpipe.attach
+    import VpipeConfig``, ``vpipe.attach`` is this module rather than the function the package
+    exports, and the one line ``vpipe.attach(schedule, ...)`` would fail with "'module' object
+    is not callable". Calling the module calls the function, whatever was imported first.
+    """
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Vpipe:
+        return attach(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
