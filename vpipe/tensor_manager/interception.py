@@ -141,11 +141,14 @@ class Interceptor:
         if counts:
             self.ledger.sub_micro_batch(mb, counts)
 
-    def count_unhooked(self, mb: int, layers: Any) -> None:
-        """A micro-batch ran with the layers' hooks off: count each layer with its measured bytes."""
-        counts = [(layer.layer_id, layer.kept_bytes or 0) for layer in layers if not layer.retired]
+    def count_unhooked(self, mb: int, counts: list[tuple[int, int]]) -> None:
+        """A micro-batch ran with the layers' hooks off: count each ``(layer, bytes)`` its layers measured."""
         self.ledger.add_micro_batch(mb, counts)
-        self.counted.setdefault(mb, []).extend(counts)
+        counted = self.counted.get(mb)
+        if counted is None:
+            self.counted[mb] = list(counts)  # (the manager hands every such micro-batch the same list)
+        else:
+            counted.extend(counts)
 
     def counted_micro_batches(self, layer_id: int) -> dict[int, int]:
         """Micro-batches counted with bytes of unmetered calls of ``layer_id`` -> 1."""

@@ -103,6 +103,7 @@ class TensorManager:
         self._metering = True
         self._all_keep = True
         self._hookless = False  # every layer kept, measured, no budget, not metering: no layer hooks at all
+        self._counts: list[tuple[int, int]] | None = None  # (layer, bytes) a micro-batch without hooks counts
         self._closed = False
         for layer_id, module in layers.items():
             self.add_layer(layer_id, module)
@@ -135,6 +136,7 @@ class TensorManager:
         """With nothing to measure, decide or enforce (every layer kept and measured, no budget, metering off),
         the layers' hooks come off: a kept layer then costs what it costs without vpipe. A micro-batch is
         counted with its layers' measured bytes when its forward ends."""
+        self._counts = None  # (what they are counted with is worked out again at the next such micro-batch)
         hookless = (not self._metering and self._all_keep and self._budget.budget_bytes is None
                     and bool(self._layers) and all(layer.kept_bytes is not None for layer in self._layers.values()))
         if hookless != self._hookless:
@@ -198,6 +200,7 @@ class TensorManager:
         """The layer left the forward path (a streamed move switched it out): later micro-batches do not run it,
         so they are not counted with its bytes; it is removed once its in-flight micro-batches' backwards ran."""
         self._layer(layer_id).retired = True
+        self._counts = None
 
     @property
     def layer_ids(self) -> list[int]:
@@ -277,7 +280,11 @@ class TensorManager:
         finally:
             calls.mb = None
             if self._hookless and grad:
-                calls.count_unhooked(mb_id, self._layers.values())
+                counts = self._counts
+                if counts is None:
+                    counts = self._counts = [(lid, layer.kept_bytes or 0) for lid, layer in self._layers.items()
+                                             if not layer.retired]
+                calls.count_unhooked(mb_id, counts)
             if not quiet:
                 self._engine.flush_swap_outs()
                 self._engine.poll()
