@@ -1,9 +1,13 @@
 """Run logs: one JSON object per line, decisions included, shared by all ranks of a run.
 
-Every rank appends to the same file (``O_APPEND`` writes of one line each do not
-interleave on a local file system). A record has ``t`` (unix time), ``rank``, ``logger``,
-``level`` and ``msg``; decisions (logger ``vpipe.decisions``) also carry ``event`` and the
-numbers that justify them, which is what ``vpipe logs`` and ``vpipe plot`` read back.
+Every rank appends to the same file (``O_APPEND`` writes of whole lines do not interleave
+on a local file system). A record has ``t`` (unix time), ``rank``, ``logger``, ``level``
+and ``msg``; decisions (logger ``vpipe.decisions``) also carry ``event`` and the numbers
+that justify them, which is what ``vpipe logs`` and ``vpipe plot`` read back.
+
+The last stage's per-step records (logger ``vpipe.steps``) go to a configured run log
+without :mod:`logging`'s machinery, a few at a time in one append: a logging record cost
+more than the rest of vpipe's work in a small model's step (:class:`RunLogHandler`).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import json
 import logging
 import math
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +25,7 @@ decision_log = logging.getLogger(DECISIONS)
 STEPS = "vpipe.steps"
 step_log = logging.getLogger(STEPS)
 
-__all__ = ["configure", "decision", "step_record", "read_log", "DECISIONS", "STEPS"]
+__all__ = ["configure", "decision", "step_record", "read_log", "RunLogHandler", "DECISIONS", "STEPS"]
 
 
 def _jsonable(value: Any) -> Any:
@@ -56,10 +61,48 @@ class JsonLineFormatter(logging.Formatter):
         return json.dumps(entry, separators=(",", ":"))
 
 
+class RunLogHandler(logging.FileHandler):
+    """The run log's handler. It also takes the last stage's per-step records straight, without a logging record
+    (building one cost more than the rest of vpipe's work in a small model's step), and appends them
+    :attr:`STEP_BATCH` at a time, and whenever it flushes (every other record, at close, at exit)."""
+
+    STEP_BATCH = 16
+
+    def __init__(self, log_file: str | os.PathLike[str], rank: int | None) -> None:
+        super().__init__(log_file, mode="a", encoding="utf-8")
+        self.setFormatter(JsonLineFormatter(rank))
+        self.rank = rank
+        self._steps: list[str] = []
+
+    def add_step(self, step: int, step_s: float, fields: dict[str, Any]) -> None:
+        entry = {"t": round(time.time(), 6), "rank": self.rank, "logger": STEPS, "level": "INFO", "step": step,
+                 "step_s": step_s, **_jsonable(fields), "msg": f"step {step} took {step_s:.4f} s"}
+        self._steps.append(json.dumps(entry, separators=(",", ":")))
+        if len(self._steps) >= self.STEP_BATCH:
+            self.flush()
+
+    def flush(self) -> None:
+        self.acquire()
+        try:
+            super().flush()
+            stream = self.stream
+            if self._steps and stream is not None and not stream.closed:
+                data = ("\n".join(self._steps) + "\n").encode("utf-8")
+                os.write(stream.fileno(), data)  # one append: whole lines, never split between two writes
+            self._steps.clear()
+        finally:
+            self.release()
+
+
+_run_log: RunLogHandler | None = None
+
+
 def configure(log_file: str | os.PathLike[str] | None, rank: int | None = None, level: int = logging.INFO) -> None:
     """Send vpipe's loggers (decisions included) to ``log_file`` as JSON lines."""
+    global _run_log
     root = logging.getLogger("vpipe")
     root.setLevel(level)
+    _run_log = None
     for handler in list(root.handlers):
         if getattr(handler, "_vpipe", False):
             root.removeHandler(handler)
@@ -67,10 +110,11 @@ def configure(log_file: str | os.PathLike[str] | None, rank: int | None = None, 
     if log_file is None:
         return
     Path(log_file).parent.mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(log_file, mode="a", encoding="utf-8")
-    handler.setFormatter(JsonLineFormatter(rank))
+    handler = RunLogHandler(log_file, rank)
     handler._vpipe = True  # type: ignore[attr-defined]
     root.addHandler(handler)
+    if step_log.isEnabledFor(logging.INFO):
+        _run_log = handler
 
 
 def decision(event: str, message: str = "", **fields: Any) -> None:
@@ -80,8 +124,11 @@ def decision(event: str, message: str = "", **fields: Any) -> None:
 
 def step_record(step: int, step_s: float, **fields: Any) -> None:
     """Log one finished training step (the last stage logs them: its pace is the pipeline's)."""
-    step_log.info("step %d took %.4f s", step, step_s,
-                  extra={"vpipe_fields": {"step": step, "step_s": step_s, **fields}})
+    if _run_log is not None:  # straight to the run log
+        _run_log.add_step(step, step_s, fields)
+    elif step_log.isEnabledFor(logging.INFO):
+        step_log.info("step %d took %.4f s", step, step_s,
+                      extra={"vpipe_fields": {"step": step, "step_s": step_s, **fields}})
 
 
 def read_log(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
