@@ -301,22 +301,3 @@ def test_a_plan_epoch_that_jumps_far_ahead_is_dropped_and_real_plans_still_come_
         assert wait_for(lambda: accepted, step=lambda: accepted.extend(a1.after_step(0, None)))
     assert [p.reason for p in accepted] == ["real"] and a1.rejected["bad_plan"] == 1
     assert f"plan epoch {2**63 - 1} from rank 2 jumps more than 1000 past the current epoch 5" in caplog.text
-
-
-def test_the_rank_that_starts_the_daemon_waits_for_its_hello_before_the_first_step(planes):
-    agent, link = one_stage(planes[0], decisions_timeout=30.0)
-    link.start("vpipe.control.daemon:no_change")
-    try:
-        assert agent.wait_for_planner(30.0) == []
-        assert link.attached  # the daemon's start-up is over before any step ran
-    finally:
-        link.close()
-
-
-def test_a_daemon_that_exits_at_start_ends_the_wait_at_once(planes):
-    agent, link = one_stage(planes[0], decisions_timeout=30.0)
-    link.start("no_such_module_for_vpipe:planner")  # the daemon cannot load it and exits
-    started = time.monotonic()
-    assert agent.wait_for_planner(30.0) == []
-    assert not link.attached and time.monotonic() - started < 20.0
-    link.close()

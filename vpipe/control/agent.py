@@ -114,15 +114,6 @@ class StageAgent:
             self.planner.tick()
         return plans
 
-    def wait_for_planner(self, timeout_s: float) -> list[Plan]:
-        """Before the first step: give the daemon this rank just started the time to attach, so that its start-up
-        (imports, about half a second of CPU) runs while this rank waits, not while the pipeline trains."""
-        plans: list[Plan] = []
-        deadline = time.monotonic() + timeout_s
-        while self.planner is not None and self.planner.starting and time.monotonic() < deadline:
-            plans += self._handle_all(self.plane.poll(timeout_ms=20, types=AGENT_TYPES))
-        return plans
-
     def finish(self, timeout_s: float = 60.0) -> list[Plan]:
         """End of training: wait for upstream's last stats, forward them, tell downstream we are done."""
         plans: list[Plan] = []

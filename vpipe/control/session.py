@@ -128,10 +128,8 @@ class ControlSession:
         self._steps = 0
         self._open: int | None = None
         self._closed = False
-        self._early: list[Plan] = []  # what arrived before the first step, handed out at its end
         if link is not None and self.options.planner:
             link.start(self.options.planner)
-            self._early = self.agent.wait_for_planner(self.options.planner_timeout_s)
 
     _distrust_first = False
 
@@ -173,8 +171,7 @@ class ControlSession:
         if self._distrust_first and self._steps == 0:
             records = []
         self._steps += 1
-        early, self._early = self._early, []
-        return early + self.agent.after_step(iteration, records)
+        return self.agent.after_step(iteration, records)
 
     @contextmanager
     def step(self, iteration: int) -> Iterator[StepPlans]:
