@@ -46,25 +46,27 @@ class JsonLineFormatter(logging.Formatter):
         self.rank = rank
 
     def format(self, record: logging.LogRecord) -> str:
-        entry: dict[str, Any] = {
-            "t": round(record.created, 6),
-            "rank": self.rank,
-            "logger": record.name,
-            "level": record.levelname,
-        }
-        fields = getattr(record, "vpipe_fields", None)
-        if fields:
-            entry.update(_jsonable(fields))
-        entry["msg"] = record.getMessage()
-        if record.exc_info:
-            entry["exc"] = self.formatException(record.exc_info)
-        return json.dumps(entry, separators=(",", ":"))
+        exc = self.formatException(record.exc_info) if record.exc_info else None
+        return json_line(record.created, self.rank, record.name, record.levelname,
+                         getattr(record, "vpipe_fields", None), record.getMessage(), exc)
+
+
+def json_line(t: float, rank: int | None, logger: str, level: str, fields: dict[str, Any] | None, msg: str,
+              exc: str | None = None) -> str:
+    """One record of the run log: its common keys, the record's numbers, its message."""
+    entry: dict[str, Any] = {"t": round(t, 6), "rank": rank, "logger": logger, "level": level}
+    if fields:
+        entry.update(_jsonable(fields))
+    entry["msg"] = msg
+    if exc is not None:
+        entry["exc"] = exc
+    return json.dumps(entry, separators=(",", ":"))
 
 
 class RunLogHandler(logging.FileHandler):
     """The run log's handler. It also takes the last stage's per-step records straight, without a logging record
     (building one cost more than the rest of vpipe's work in a small model's step), and appends them
-    :attr:`STEP_BATCH` at a time, and whenever it flushes (every other record, at close, at exit)."""
+    :attr:`STEP_BATCH` at a time, or sooner when it flushes: after any other record, at close and at exit."""
 
     STEP_BATCH = 16
 
@@ -75,9 +77,8 @@ class RunLogHandler(logging.FileHandler):
         self._steps: list[str] = []
 
     def add_step(self, step: int, step_s: float, fields: dict[str, Any]) -> None:
-        entry = {"t": round(time.time(), 6), "rank": self.rank, "logger": STEPS, "level": "INFO", "step": step,
-                 "step_s": step_s, **_jsonable(fields), "msg": f"step {step} took {step_s:.4f} s"}
-        self._steps.append(json.dumps(entry, separators=(",", ":")))
+        self._steps.append(json_line(time.time(), self.rank, STEPS, "INFO", {"step": step, "step_s": step_s, **fields},
+                                     f"step {step} took {step_s:.4f} s"))
         if len(self._steps) >= self.STEP_BATCH:
             self.flush()
 
