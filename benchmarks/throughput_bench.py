@@ -190,6 +190,7 @@ def rank_main(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from vpipe.attach import VpipeConfig
+    from vpipe.monitors.sampling import SampleSchedule
     from vpipe.runtime.config import RunConfig
     from vpipe.runtime.costs import measure_model_costs
     from vpipe.runtime.launch import init_distributed, run_rank
@@ -208,10 +209,13 @@ def rank_main(args: argparse.Namespace) -> None:
         for _ in range(spec["adapt"]):
             for r in runs:
                 r.step()
-        for r in runs:  # the planner has had its samples: monitor at vpipe's default rate from now on
+        for r in runs:  # the planner has had its samples: monitor at vpipe's default rates from now on
             if r.vp is not None:
+                defaults = VpipeConfig()
+                schedule = SampleSchedule(defaults.sample_every, max_every=defaults.sampling_cap)
+                schedule.restart(r.vp.iteration)
                 for monitor in r.vp.session.monitors.values():
-                    monitor.sample_every = VpipeConfig().sample_every
+                    monitor.schedule = schedule
         times: dict[str, list[list[float]]] = {n: [] for n in names}
         ideal: list[float] = []
         for _ in range(spec["rounds"]):

@@ -175,7 +175,7 @@ class Vpipe:
                                   stage_ranks=list(pipeline.stage_ranks) if pipeline.multi_stage else None,
                                   **config.planner_options)
             os.environ[CONFIG_ENV] = online.to_env()  # the daemon the last stage's rank starts inherits it
-        options = ControlOptions(sample_every=config.sample_every,
+        options = ControlOptions(sample_every=config.sample_every, max_sample_every=config.sampling_cap,
                                  planner=config.planner if config.planning else None, log_file=config.log_file)
         session = ControlSession(
             {s.index: s.blocks.blocks() for s in pipeline.stages if s.blocks is not None}, rank=self.rank,

@@ -24,6 +24,7 @@ from vpipe.control.agent import StageAgent
 from vpipe.control.channel import ControlPlane
 from vpipe.control.daemon import DEFAULT_PLANNER
 from vpipe.control.planner_link import PlannerLink
+from vpipe.monitors.sampling import SampleSchedule
 from vpipe.monitors.source import SavedTensorSource
 from vpipe.monitors.stage import StageMonitor, layers_of
 from vpipe.plan import Plan
@@ -43,6 +44,7 @@ class ControlOptions:
     """How a session samples and plans. ``planner=None``: start no daemon, wait for ``vpipe planner``."""
 
     sample_every: int = 10
+    max_sample_every: int | None = None  # back off to this while nothing changes (None: a fixed interval)
     planner: str | None = DEFAULT_PLANNER
     planner_timeout_s: float = field(default_factory=lambda: _env_float("VPIPE_PLANNER_TIMEOUT", 5.0))
     heartbeat_s: float = 0.5
@@ -106,8 +108,9 @@ class ControlSession:
         self.options = options or ControlOptions()
         self.stage_index = rank
         sources = saved_sources or {}
+        schedule = SampleSchedule(self.options.sample_every, max_every=self.options.max_sample_every)
         self.monitors = {v: StageMonitor(layers, stage_index=v, device=device, optimizer=optimizer,
-                                         sample_every=self.options.sample_every, saved_source=sources.get(v))
+                                         schedule=schedule, saved_source=sources.get(v))
                          for v, layers in sorted(stages.items())}
         self.plane = ControlPlane(store, rank, world_size)
         num_stages = len(stage_ranks)
@@ -126,6 +129,7 @@ class ControlSession:
             if undo is not None:
                 self._undo_wraps.append(undo)
         self._steps = 0
+        self._changed = False  # a plan or an edit took effect: sample at the base rate again
         self._open: int | None = None
         self._closed = False
         if link is not None and self.options.planner:
@@ -148,11 +152,16 @@ class ControlSession:
         return self.agent.plan
 
     def set_epoch(self, epoch: int) -> None:
-        """The plan in force, which the records carry."""
+        """The plan in force, which the records carry (every rank sets it at the same step boundary)."""
         for monitor in self.monitors.values():
+            self._changed |= monitor.epoch != epoch
             monitor.epoch = epoch
 
     def begin_step(self, iteration: int) -> None:
+        if self._changed:  # measure the change's effect at the base rate
+            self._changed = False
+            for monitor in self.monitors.values():
+                monitor.schedule.restart(iteration)
         for monitor in self.monitors.values():
             monitor.begin_iteration(iteration)
         self._open = iteration

@@ -39,6 +39,7 @@ from vpipe.monitors.gpu import NvmlProbe
 from vpipe.monitors.keep_all import KeepAllSource
 from vpipe.monitors.memory import DeviceMemory, host_rss_bytes, layer_bytes
 from vpipe.monitors.records import LayerRecord, StageRecord
+from vpipe.monitors.sampling import SampleSchedule
 from vpipe.monitors.source import SavedTensorSource, SavedTensorStats
 from vpipe.tensor_manager.accounting import tensor_bytes
 
@@ -81,15 +82,17 @@ class StageMonitor:
         optimizer: torch.optim.Optimizer | None = None,
         sample_every: int = 10,
         saved_source: SavedTensorSource | None = None,
+        schedule: SampleSchedule | None = None,
     ) -> None:
-        if not isinstance(sample_every, int) or isinstance(sample_every, bool) or sample_every < 1:
-            raise ValueError(f"sample_every must be a positive integer, got {sample_every!r}")
+        if schedule is not None and not isinstance(schedule, SampleSchedule):
+            raise TypeError(f"schedule must be a SampleSchedule, got {type(schedule).__name__}")
         if saved_source is not None and not isinstance(saved_source, SavedTensorSource):
             raise TypeError(f"saved_source must have a stats() method, got {type(saved_source).__name__}")
         self.stage_index = stage_index
         self.device = torch.device(device)
         self.optimizer = optimizer
-        self.sample_every = sample_every
+        # which iterations are measured (a session shares one among the monitors of its rank)
+        self.schedule = schedule if schedule is not None else SampleSchedule(sample_every)
         self._owned_source = KeepAllSource({}, enabled=False, first_call_only=True) if saved_source is None else None
         self.saved_source: SavedTensorSource = saved_source or self._owned_source  # type: ignore[assignment]
         self._clock = clock_for(self.device)
@@ -169,9 +172,19 @@ class StageMonitor:
         self._nvml.close()
 
     # ---------------------------------------------------------------- iterations
+    @property
+    def sample_every(self) -> int:
+        return self.schedule.every
+
+    @sample_every.setter
+    def sample_every(self, every: int) -> None:
+        """From now on every ``every``-th iteration, without back-off (benchmarks that warm a planner up)."""
+        self.schedule = SampleSchedule(every)
+
     def is_sampled(self, iteration: int) -> bool:
-        """Iterations k-1, 2k-1, ... are measured (not 0: it carries one-off start-up costs)."""
-        return (iteration + 1) % self.sample_every == 0
+        """Iterations k-1, 2k-1, ... are measured (not 0: it carries one-off start-up costs); see
+        :class:`~vpipe.monitors.sampling.SampleSchedule`."""
+        return self.schedule.is_sampled(iteration)
 
     def begin_iteration(self, iteration: int) -> None:
         if self._current is not None:

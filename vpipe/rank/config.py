@@ -53,6 +53,9 @@ class VpipeConfig:
     planning: bool = True  # run the planner daemon and apply its plans
     planner: str = DEFAULT_PLANNER  # the daemon's planner function (module:function)
     sample_every: int = 10  # monitor every k-th step
+    # while no plan or edit takes effect the interval doubles every 5 samples up to this (None: 8 * sample_every;
+    # sample_every: never back off)
+    max_sample_every: int | None = None
     layers: str | None = None  # dotted path of the block container in the stage module (default: found)
     layer_factory: Callable[[int, Any], nn.Module] | None = None  # builds a layer by (id, spec); default: clone one
     specs: Mapping[int, Any] | None = None  # layer id -> spec handed to the factory (plain msgpack-able values)
@@ -68,6 +71,11 @@ class VpipeConfig:
     planner_options: dict[str, Any] = field(default_factory=dict)  # extra OnlineConfig fields
     # JSON lines of every decision; default: $VPIPE_LOG_FILE, so a one-line attach can be logged from outside
     log_file: str | None = field(default_factory=lambda: os.environ.get("VPIPE_LOG_FILE") or None)
+
+    @property
+    def sampling_cap(self) -> int:
+        """The longest interval between sampled steps (``max_sample_every``, default 8 * ``sample_every``)."""
+        return self.max_sample_every if self.max_sample_every is not None else 8 * self.sample_every
 
     def __post_init__(self) -> None:
         def need(ok: bool, message: str) -> None:
@@ -85,6 +93,11 @@ class VpipeConfig:
              f"memory_budget must be a positive number of bytes, 'auto' or None, got {self.memory_budget!r}")
         need(isinstance(self.sample_every, int) and self.sample_every >= 1,
              f"sample_every must be a positive integer, got {self.sample_every!r}")
+        need(self.max_sample_every is None or (isinstance(self.max_sample_every, int)
+                                               and not isinstance(self.max_sample_every, bool)
+                                               and self.max_sample_every >= self.sample_every),
+             f"max_sample_every must be an integer >= sample_every ({self.sample_every}) or None, "
+             f"got {self.max_sample_every!r}")
         need(isinstance(self.planner, str) and ":" in self.planner,
              f"planner must be 'module:function', got {self.planner!r}")
         need(self.layer_factory is None or callable(self.layer_factory), "layer_factory must be callable")
