@@ -25,8 +25,9 @@ def _stage(index: int, ids: list[int], iteration: int, slow: float = 1.0, kind: 
 
 
 def _planner(**config) -> OnlinePlanner:
+    """A planner that sends what one search proposes (``confirm_samples=1``) unless told otherwise."""
     return OnlinePlanner(OnlineConfig(**{"schedule": "1f1b", "micro_batches": 4, "warmup_samples": 1,
-                                         "cooldown_steps": 0, **config}))
+                                         "cooldown_steps": 0, "confirm_samples": 1, **config}))
 
 
 def _costs(planner: OnlinePlanner, vector: list[StageRecord], current: Plan) -> dict[int, tuple[float, float]]:
@@ -36,7 +37,9 @@ def _costs(planner: OnlinePlanner, vector: list[StageRecord], current: Plan) -> 
 
 
 def _plan(head_fwd_s: float) -> Plan | None:
-    planner = OnlinePlanner(OnlineConfig(schedule="1f1b", micro_batches=4, warmup_samples=1, cooldown_steps=0))
+    """What one search plans for a 4,4 split with a head on the last stage (sent at once: confirm_samples=1)."""
+    planner = OnlinePlanner(OnlineConfig(schedule="1f1b", micro_batches=4, warmup_samples=1, cooldown_steps=0,
+                                         confirm_samples=1))
     current = Plan(epoch=0, stages=((0, 1, 2, 3), (4, 5, 6, 7)))
     head = {"outside_fwd_s": head_fwd_s, "outside_bwd_s": 2 * head_fwd_s, "outside_calls": 4}
     return planner([_stage(0, [0, 1, 2, 3], 9), _stage(1, [4, 5, 6, 7], 9, **head)], current)
@@ -49,6 +52,19 @@ def test_a_heavy_head_on_the_last_stage_moves_blocks_towards_the_first():
     assert plan.stages[0][:4] == (0, 1, 2, 3)  # blocks only; the head is not a layer that can move
 
 
+def test_a_plan_for_speed_waits_until_the_next_sample_proposes_it_too():
+    """One noisy sample on a busy machine must not move layers: the next search has to agree."""
+    planner = _planner(smoothing=1.0, confirm_samples=OnlineConfig().confirm_samples)  # 2; one sample a search
+    head = {"outside_fwd_s": 16e-3, "outside_bwd_s": 32e-3, "outside_calls": 4}
+    heavy = [_stage(0, [0, 1, 2, 3], 9), _stage(1, [4, 5, 6, 7], 9, **head)]
+    assert planner(heavy, FOUR_FOUR) is None  # proposed once: waits
+    calm = [_stage(0, [0, 1, 2, 3], 19), _stage(1, [4, 5, 6, 7], 19)]
+    assert planner(calm, FOUR_FOUR) is None  # the head was noise: nothing to gain, the count starts again
+    assert planner([_stage(0, [0, 1, 2, 3], 59), _stage(1, [4, 5, 6, 7], 59, **head)], FOUR_FOUR) is None
+    plan = planner([_stage(0, [0, 1, 2, 3], 69), _stage(1, [4, 5, 6, 7], 69, **head)], FOUR_FOUR)
+    assert plan is not None and plan.reason.startswith("rebalance")  # two searches in a row proposed it
+
+
 def _memory_plan(kept_bytes_per_mb: int) -> Plan | None:
     """4,4 under 1F1B, 22 MiB per stage: stage 0 holds 16 MiB of weights, gradients and Adam state and two
     micro-batches of four layers that each save 1 MiB, where consecutive layers may save one tensor."""
@@ -58,7 +74,8 @@ def _memory_plan(kept_bytes_per_mb: int) -> Plan | None:
 
 
 def test_a_stage_that_measured_it_fits_with_every_layer_kept_is_not_swapped_for_memory():
-    # summed per layer, stage 0 needs 16 + 2 x 4 = 24 MiB: over the budget, something must go
+    # summed per layer, stage 0 needs 16 + 2 x 4 = 24 MiB: over the budget, something must go (at once: a plan
+    # to fit memory is not confirmed first)
     unmeasured = _memory_plan(0)
     assert unmeasured is not None and unmeasured.reason.startswith("memory over budget")
     assert any(policy is not Policy.KEEP for policy in unmeasured.policies.values())
@@ -249,6 +266,7 @@ def test_the_configuration_comes_from_the_environment_and_goes_back_into_it():
                                        "got 0"),
     (json.dumps({"min_gain": 1.0}), f"{CONFIG_ENV}: min_gain must be in [0, 1), got 1.0"),
     (json.dumps({"warmup_samples": 0}), f"{CONFIG_ENV}: warmup_samples must be >= 1, got 0"),
+    (json.dumps({"confirm_samples": 0}), f"{CONFIG_ENV}: confirm_samples must be a positive integer, got 0"),
     (json.dumps({"in_flight": [2, 2]}), f"{CONFIG_ENV}: in_flight and stage_ranks come together, one value per stage"),
     (json.dumps({"in_flight": [2], "stage_ranks": [0, 0]}), f"{CONFIG_ENV}: in_flight and stage_ranks come together"),
     (json.dumps({"in_flight": [2, -1], "stage_ranks": [0, 0]}), f"{CONFIG_ENV}: in_flight must be a list of "

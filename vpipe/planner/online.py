@@ -41,6 +41,7 @@ log = logging.getLogger("vpipe.planner.online")
 __all__ = ["OnlineConfig", "OnlinePlanner", "srp", "CONFIG_ENV"]
 
 CONFIG_ENV = "VPIPE_PLANNER_CONFIG"
+_AT_ONCE = ("memory", "layers changed")  # proposals that are not confirmed first: the current plan cannot run
 _UNCHANGED = 0.01  # per-layer cost moves under this (relative) since the last search: nothing new to plan
 
 
@@ -57,6 +58,9 @@ class OnlineConfig:
     smoothing: float = 0.5  # weight of the newest sample in the per-layer average
     warmup_samples: int = 2  # samples to see before the first plan
     imbalance_threshold: float = 0.10  # slowest stage over mean stage time that counts as imbalance
+    # a plan made for speed is sent when this many searches in a row (on new samples) proposed it: one noisy
+    # sample on a busy machine cannot move layers (plans to fit memory or follow an edit go at once)
+    confirm_samples: int = 2
     allow_moves: bool = True  # False: only swap/recompute policies change (no layer factory)
     copy_bytes_per_s: float = 12e9
     net_bytes_per_s: float = 10e9
@@ -89,6 +93,8 @@ class OnlineConfig:
         need(0.0 < self.smoothing <= 1.0, f"smoothing must be in (0, 1], got {self.smoothing!r}")
         need(isinstance(self.warmup_samples, int) and self.warmup_samples >= 1,
              f"warmup_samples must be >= 1, got {self.warmup_samples!r}")
+        need(_pos_int(self.confirm_samples),
+             f"confirm_samples must be a positive integer, got {self.confirm_samples!r}")
         need(self.imbalance_threshold >= 0, f"imbalance_threshold must be >= 0, got {self.imbalance_threshold!r}")
         need(self.copy_bytes_per_s > 0 and self.net_bytes_per_s > 0, "bandwidths must be positive")
 
@@ -141,6 +147,7 @@ class OnlinePlanner:
         self._srp: Any = None
         self._srp_key: tuple[Any, ...] | None = None
         self._last_search: tuple[Plan, list[tuple[float, int]]] | None = None
+        self._proposed: tuple[Any, int] | None = None  # (what the last searches proposed, how many in a row)
 
     def __call__(self, vector: list[StageRecord], current: Plan | None) -> Plan | None:
         if current is None or len(vector) != current.num_stages:
@@ -161,12 +168,16 @@ class OnlinePlanner:
         if self.config.stage_ranks is not None and self.config.memory_budget is not None:
             shared = _shared_budgets(self.config.memory_budget, planner.setup, graph, current, vector)
             planner.budgets = planner.setup.budgets(shared)
-        if planner.in_cooldown(vector[-1].iteration) or self._unchanged_since_last_search(graph, current):
+        unchanged = self._unchanged_since_last_search(graph, current)
+        if planner.in_cooldown(vector[-1].iteration) or (unchanged and self._proposed is None):
             return None  # too soon after a plan, or the same numbers as last time: the daemon idles
         started = time.perf_counter()
         proposal = planner.propose(graph, current, vector[-1].iteration, placeable=_placeable(vector, current))
         seconds = time.perf_counter() - started
         if proposal is None:
+            self._proposed = None  # nothing to gain now: a later proposal starts its count again
+            return None
+        if not self._confirmed(proposal, current, vector[-1].iteration):
             return None
         plan = proposal.plan
         changed = {lid: pol.value for lid, pol in plan.policies.items() if pol != current.policy(lid)}
@@ -178,6 +189,24 @@ class OnlinePlanner:
             migration_bytes=proposal.migration_bytes, planner_s=seconds,
         )
         return plan
+
+    def _confirmed(self, proposal: Any, current: Plan, iteration: int) -> bool:
+        """Whether to send a proposal now: it fits memory or follows an edit, or the last ``confirm_samples``
+        searches all proposed it."""
+        plan = proposal.plan
+        if proposal.reason.startswith(_AT_ONCE) or self.config.confirm_samples <= 1:
+            self._proposed = None
+            return True
+        key = (plan.stages, tuple(sorted((lid, pol.value) for lid, pol in plan.policies.items())))
+        seen = self._proposed[1] + 1 if self._proposed is not None and self._proposed[0] == key else 1
+        if seen < self.config.confirm_samples:
+            self._proposed = (key, seen)
+            self._srp.last_proposal_step = None  # (proposing started no cooldown: nothing was sent)
+            log.info("planner: iteration %d proposes %s (%d of %d searches in a row); waiting for the next sample",
+                     iteration, proposal.reason, seen, self.config.confirm_samples)
+            return False
+        self._proposed = None
+        return True
 
     def _unchanged_since_last_search(self, graph: Any, current: Plan) -> bool:
         """Whether the last search saw this plan and costs within ``_UNCHANGED`` of these (then it found nothing)."""
