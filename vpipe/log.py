@@ -74,11 +74,11 @@ class RunLogHandler(logging.FileHandler):
         super().__init__(log_file, mode="a", encoding="utf-8")
         self.setFormatter(JsonLineFormatter(rank))
         self.rank = rank
-        self._steps: list[str] = []
+        self._steps: list[tuple[float, int, float, dict[str, Any]]] = []
 
     def add_step(self, step: int, step_s: float, fields: dict[str, Any]) -> None:
-        self._steps.append(json_line(time.time(), self.rank, STEPS, "INFO", {"step": step, "step_s": step_s, **fields},
-                                     f"step {step} took {step_s:.4f} s"))
+        # formatted when the batch is written: one step's turn only appends (its code runs cold between steps)
+        self._steps.append((time.time(), step, step_s, fields))
         if len(self._steps) >= self.STEP_BATCH:
             self.flush()
 
@@ -88,7 +88,9 @@ class RunLogHandler(logging.FileHandler):
             super().flush()
             stream = self.stream
             if self._steps and stream is not None and not stream.closed:
-                data = ("\n".join(self._steps) + "\n").encode("utf-8")
+                lines = [json_line(t, self.rank, STEPS, "INFO", {"step": step, "step_s": step_s, **fields},
+                                   f"step {step} took {step_s:.4f} s") for t, step, step_s, fields in self._steps]
+                data = ("\n".join(lines) + "\n").encode("utf-8")
                 os.write(stream.fileno(), data)  # one append: whole lines, never split between two writes
             self._steps.clear()
         finally:

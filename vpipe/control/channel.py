@@ -41,6 +41,7 @@ __all__ = ["Inbox", "Outbox", "ControlPlane", "endpoint_key", "curve_key_key", "
 
 PLANNER_CONNECT_KEY = "vpipe/ctl/planner"  # the endpoint a standalone planner daemon connects to
 _WILDCARDS = ("0.0.0.0", "::", "*")
+_HANDSHAKE_CHECK_S = 0.25  # how often receiving also counts refused handshakes
 FROM_ENV = "env"  # ``curve=FROM_ENV``: CURVE as the environment configures it (off when unset)
 
 
@@ -97,6 +98,7 @@ class Inbox:
         port = self.socket.bind_to_random_port(f"tcp://{bind}")
         self.endpoint = tcp_endpoint(advertise_host, port)
         self.decoder = Decoder(name=name, max_bytes=max_message_bytes)
+        self._next_handshake_check = 0.0
 
     def check_handshakes(self) -> None:
         """Count (and log) the connections refused at the handshake since the last look."""
@@ -120,7 +122,10 @@ class Inbox:
 
     def receive_sized(self, timeout_ms: int = 0, limit: int = 1000) -> list[tuple[Message, int]]:
         """:meth:`receive`, with each message's size on the wire."""
-        self.check_handshakes()
+        now = time.monotonic()
+        if now >= self._next_handshake_check:  # (refused handshakes are only counted and logged: no hurry)
+            self._next_handshake_check = now + _HANDSHAKE_CHECK_S
+            self.check_handshakes()
         if timeout_ms > 0 and not self.socket.poll(timeout_ms):
             return []
         out: list[tuple[Message, int]] = []

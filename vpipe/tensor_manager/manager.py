@@ -129,6 +129,8 @@ class TensorManager:
 
     @metering.setter
     def metering(self, value: bool) -> None:
+        if value == self._metering and self._hookless:
+            return  # (set at every step: nothing to work out again while the layers run without hooks)
         self._metering = value
         self._update_hooks()
 
@@ -264,13 +266,18 @@ class TensorManager:
     @contextmanager
     def micro_batch(self, mb_id: int) -> Iterator[TensorManager]:
         """Around one micro-batch's forward: its saved tensors are managed and attributed to ``mb_id``."""
+        if self.begin_quiet_forward(mb_id):
+            try:
+                yield self
+            finally:
+                self.end_quiet_forward(mb_id)
+            return
         self._check_open()
         calls = self._interceptor
         if calls.mb is not None:
             raise RuntimeError(f"micro-batch {mb_id}'s forward started inside micro-batch {calls.mb}'s forward")
         grad = torch.is_grad_enabled()
-        quiet = grad and self._quiet()
-        self._begin_forward(mb_id, quiet)
+        self._begin_forward(mb_id)
         calls.mb = mb_id
         budget = self._budget
         start, swaps = self.ledger.resident, budget.swaps
@@ -280,32 +287,69 @@ class TensorManager:
         finally:
             calls.mb = None
             if self._hookless and grad:
-                counts = self._counts
-                if counts is None:
-                    counts = self._counts = [(lid, layer.kept_bytes or 0) for lid, layer in self._layers.items()
-                                             if not layer.retired]
-                calls.count_unhooked(mb_id, counts)
-            if not quiet:
-                self._engine.flush_swap_outs()
-                self._engine.poll()
-                if measured and budget.swaps == swaps:
-                    # what one micro-batch keeps, each storage once: the schedule's own footprint per micro-batch
-                    budget.measured_kept(self.ledger.resident - start)
+                self._count_unhooked(mb_id)
+            self._engine.flush_swap_outs()
+            self._engine.poll()
+            if measured and budget.swaps == swaps:
+                # what one micro-batch keeps, each storage once: the schedule's own footprint per micro-batch
+                budget.measured_kept(self.ledger.resident - start)
 
-    def _quiet(self) -> bool:
-        """The layers carry no hooks and nothing saved through them is alive: a micro-batch's forward or full
-        backward has nothing to release, copy, fetch or decide, only its count to keep."""
-        return self._hookless and self._engine.idle and self._recompute.idle
+    # A quiet micro-batch: the layers carry no hooks and nothing saved through them is alive, so its forward
+    # or full backward has nothing to release, copy, fetch or decide, only its count to keep. The begin/end
+    # pairs below are the whole of vpipe's work around it; they run between a step's tensor work with cold
+    # caches, so they do as little as they can in as few calls.
+    def begin_quiet_forward(self, mb: int) -> bool:
+        """Start ``mb``'s forward if it is quiet (then :meth:`end_quiet_forward` must follow); False: it is not,
+        use :meth:`micro_batch`."""
+        if not (self._hookless and self._engine.idle and self._recompute.idle) or self._interceptor.mb is not None \
+                or self._closed or not torch.is_grad_enabled():
+            return False
+        if self._prefetcher.predictor.observe(FORWARD, mb):  # a new step: remember how many were in flight
+            self._new_step()
+        calls = self._interceptor
+        if mb in calls.counted:
+            calls.uncount(mb)  # a micro-batch of a step that failed before its backward
+        calls.unmetered = True
+        opened = self._open
+        opened.add(mb)
+        if len(opened) > self._open_max:
+            self._open_max = len(opened)
+        return True
 
-    def _begin_forward(self, mb: int, quiet: bool) -> None:
-        if not quiet:
-            engine = self._engine
-            engine.drain()
-            self._recompute.drain()
-            engine.poll()
+    def end_quiet_forward(self, mb: int) -> None:
+        self._count_unhooked(mb)
+
+    def begin_quiet_backward(self, mb: int, phase: str) -> bool:
+        """Start ``mb``'s backward phase if it is a quiet full backward (then :meth:`end_quiet_backward` must
+        follow); False: use :meth:`backward`."""
+        if phase != "full" or not (self._hookless and self._engine.idle and self._recompute.idle) \
+                or self._phases.lagging:
+            return False
+        self._prefetcher.predictor.observe(BACKWARD, mb)
+        return True
+
+    def end_quiet_backward(self, mb: int) -> None:
+        self._open.discard(mb)
+        self._interceptor.uncount(mb)
+
+    def _count_unhooked(self, mb: int) -> None:
+        counts = self._counts
+        if counts is None:
+            counts = self._counts = [(lid, layer.kept_bytes or 0) for lid, layer in self._layers.items()
+                                     if not layer.retired]
+        self._interceptor.count_unhooked(mb, counts)
+
+    def _new_step(self) -> None:
+        self._open_max_last_step, self._open_max = self._open_max, 0
+        self._phases.new_step()
+
+    def _begin_forward(self, mb: int) -> None:
+        engine = self._engine
+        engine.drain()
+        self._recompute.drain()
+        engine.poll()
         if self._prefetcher.observe(FORWARD, mb):  # a new step: remember how many were in flight in the last
-            self._open_max_last_step, self._open_max = self._open_max, 0
-            self._phases.new_step()
+            self._new_step()
         calls = self._interceptor
         calls.unmetered = False
         if not torch.is_grad_enabled():
@@ -313,9 +357,6 @@ class TensorManager:
         calls.uncount(mb)  # a micro-batch of a step that failed before its backward
         self._open.add(mb)
         self._open_max = max(self._open_max, len(self._open))
-        if quiet:
-            calls.unmetered = True
-            return
         in_flight = max(self._open_max_last_step, len(self._open), 1)
         budget = self._budget
         if budget.budget_bytes is not None:
@@ -332,16 +373,15 @@ class TensorManager:
         pass needs stays on the device between the two (counted as resident), everything else
         goes after the input pass; the micro-batch holds its bytes until its weight pass ends.
         """
-        if phase not in PHASES:
-            raise ValueError(f"backward phase must be 'full', 'input' or 'weight', got {phase!r}")
-        self._prefetcher.observe(BACKWARD, mb_id)
-        if phase == "full" and self._quiet() and not self._phases.lagging:
+        if self.begin_quiet_backward(mb_id, phase):
             try:
                 yield self
             finally:
-                self._open.discard(mb_id)
-                self._interceptor.uncount(mb_id)
+                self.end_quiet_backward(mb_id)
             return
+        if phase not in PHASES:
+            raise ValueError(f"backward phase must be 'full', 'input' or 'weight', got {phase!r}")
+        self._prefetcher.observe(BACKWARD, mb_id)
         dropped = self._phases.begin(mb_id, phase)
         try:
             self._prefetcher.pump()

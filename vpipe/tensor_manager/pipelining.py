@@ -84,7 +84,15 @@ def install_on_stage(stage: _PipelineStageBase, manager: TensorManager) -> Stage
     backward = stage.backward_one_chunk
     backward_weight = stage.backward_weight_one_chunk
 
+    custom_weight_pass = _custom_weight_pass(stage)  # (both fixed when the stage is built)
+    whole_backward_deferred = _whole_backward_deferred(stage)
+
     def forward_one_chunk(fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        if manager.begin_quiet_forward(fwd_chunk_id):  # nothing to manage: only counted
+            try:
+                return forward(fwd_chunk_id, *args, **kwargs)
+            finally:
+                manager.end_quiet_forward(fwd_chunk_id)
         with manager.micro_batch(fwd_chunk_id):
             try:
                 return forward(fwd_chunk_id, *args, **kwargs)
@@ -97,14 +105,19 @@ def install_on_stage(stage: _PipelineStageBase, manager: TensorManager) -> Stage
 
     def backward_one_chunk(bwd_chunk_id: int, loss: Any = None, full_backward: bool = True,
                            last_backward: bool = False) -> Any:
-        if not full_backward and _whole_backward_deferred(stage):
+        if not full_backward and whole_backward_deferred:
             return backward(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
-        phase = "full" if full_backward or _custom_weight_pass(stage) else "input"
+        phase = "full" if full_backward or custom_weight_pass else "input"
+        if manager.begin_quiet_backward(bwd_chunk_id, phase):
+            try:
+                return backward(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
+            finally:
+                manager.end_quiet_backward(bwd_chunk_id)
         with manager.backward(bwd_chunk_id, phase=phase):
             return backward(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
 
     def backward_weight_one_chunk(bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-        with manager.backward(bwd_chunk_id, phase="full" if _whole_backward_deferred(stage) else "weight"):
+        with manager.backward(bwd_chunk_id, phase="full" if whole_backward_deferred else "weight"):
             return backward_weight(bwd_chunk_id, *args, **kwargs)
 
     wrappers = {
