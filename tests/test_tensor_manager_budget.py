@@ -143,7 +143,9 @@ def test_escalations_are_undone_once_the_budget_holds_every_layer_kept_but_a_pla
     # a plan's swap is the plan's: relaxing leaves it
     manager.budget_bytes = int(0.4 * peak)
     gpipe_step(model, spec, 2, manager, micro_batches=4)
+    # (which layers the budget picks depends on measured times: under load it may pick others than at step 0)
+    escalated = {lid for lid, pol in manager.policies().items() if pol is not Policy.KEEP}
     manager.set_policies({lid: Policy.SWAP for lid in escalated})
     manager.budget_bytes = manager.keep_all_bytes()
     manager.relax()
-    assert {lid for lid, pol in manager.policies().items() if pol is Policy.SWAP} == escalated
+    assert escalated and {lid for lid, pol in manager.policies().items() if pol is Policy.SWAP} == escalated
