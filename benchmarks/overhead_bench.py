@@ -15,8 +15,8 @@ layers, stage, schedule, optimizer and gloo group, no vpipe) and a copy with the
 ``vpipe.attach(schedule, optimizer=opt)``, stepped in ABBA order (plain, vpipe, vpipe, plain,
 ...), each on the same batches from the same initial weights. Two kinds of launch:
 **attached** (``planning=False``: tensor manager and monitor) and **planned** (the one
-line's defaults: the planner daemon runs, the monitor samples every 10th step and the
-planner finds nothing to change). A launch's ratio is the mean step of the vpipe copy over
+line's defaults: the planner daemon runs, the monitor samples every 10th step, less often
+while nothing changes, and the planner finds nothing to change). A launch's ratio is the mean step of the vpipe copy over
 the plain copy's, over the second half of each; rounds alternate the two kinds of launch,
 and the table gives the median ratio over rounds and their range. The planner daemon is
 its own process: it competes with both copies for the cores, so its CPU seconds over the
@@ -32,7 +32,7 @@ monitor's on sampled steps), per micro-batch (the chunk wrappers and contexts), 
 (each call pays for being counted), so the figures are upper bounds; their shares say
 where the time goes.
 
-Run: ``python benchmarks/overhead_bench.py [--json OUT]`` (about 5-10 minutes on 2 cores).
+Run: ``python benchmarks/overhead_bench.py [--json OUT]`` (about 10 minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "train_sequential.py"
 SIZES = {  # the trainer's arguments, and the steps each copy runs in a launch
-    "small": (["--width", "64", "--seq-len", "32", "--micro-batch-size", "2"], 300),
+    "small": (["--width", "64", "--seq-len", "32", "--micro-batch-size", "2"], 600),
     "medium": (["--width", "256", "--seq-len", "64", "--micro-batch-size", "4"], 40),
 }
 MODES = ("attached", "planned")  # planning=False / the one line's defaults
