@@ -104,6 +104,7 @@ class TensorManager:
         self._all_keep = True
         self._hookless = False  # every layer kept, measured, no budget, not metering: no layer hooks at all
         self._counts: list[tuple[int, int]] | None = None  # (layer, bytes) a micro-batch without hooks counts
+        self._quiet_ready = False  # hookless, and nothing saved through the hooks alive (see _became_quiet)
         self._closed = False
         for layer_id, module in layers.items():
             self.add_layer(layer_id, module)
@@ -139,6 +140,7 @@ class TensorManager:
         the layers' hooks come off: a kept layer then costs what it costs without vpipe. A micro-batch is
         counted with its layers' measured bytes when its forward ends."""
         self._counts = None  # (what they are counted with is worked out again at the next such micro-batch)
+        self._quiet_ready = False
         hookless = (not self._metering and self._all_keep and self._budget.budget_bytes is None
                     and bool(self._layers) and all(layer.kept_bytes is not None for layer in self._layers.values()))
         if hookless != self._hookless:
@@ -301,12 +303,12 @@ class TensorManager:
     def begin_quiet_forward(self, mb: int) -> bool:
         """Start ``mb``'s forward if it is quiet (then :meth:`end_quiet_forward` must follow); False: it is not,
         use :meth:`micro_batch`."""
-        if not (self._hookless and self._engine.idle and self._recompute.idle) or self._interceptor.mb is not None \
-                or self._closed or not torch.is_grad_enabled():
+        calls = self._interceptor
+        if (not self._quiet_ready and not self._became_quiet()) or calls.mb is not None \
+                or not torch.is_grad_enabled():
             return False
         if self._prefetcher.predictor.observe(FORWARD, mb):  # a new step: remember how many were in flight
             self._new_step()
-        calls = self._interceptor
         if mb in calls.counted:
             calls.uncount(mb)  # a micro-batch of a step that failed before its backward
         calls.unmetered = True
@@ -322,15 +324,22 @@ class TensorManager:
     def begin_quiet_backward(self, mb: int, phase: str) -> bool:
         """Start ``mb``'s backward phase if it is a quiet full backward (then :meth:`end_quiet_backward` must
         follow); False: use :meth:`backward`."""
-        if phase != "full" or not (self._hookless and self._engine.idle and self._recompute.idle) \
-                or self._phases.lagging:
+        if phase != "full" or (not self._quiet_ready and not self._became_quiet()) or self._phases.lagging:
             return False
         self._prefetcher.predictor.observe(BACKWARD, mb)
         return True
 
     def end_quiet_backward(self, mb: int) -> None:
         self._open.discard(mb)
-        self._interceptor.uncount(mb)
+        counts = self._interceptor.counted.pop(mb, None)
+        if counts:
+            self.ledger.sub_micro_batch(mb, counts)
+
+    def _became_quiet(self) -> bool:
+        """Whether the layers run without hooks and nothing saved through them is alive any more. It stays so
+        until the hooks change (nothing can be saved through hooks that are not there), so it is remembered."""
+        self._quiet_ready = self._hookless and not self._closed and self._engine.idle and self._recompute.idle
+        return self._quiet_ready
 
     def _count_unhooked(self, mb: int) -> None:
         counts = self._counts
@@ -461,6 +470,7 @@ class TensorManager:
         if self._closed:
             return
         self._closed = True
+        self._quiet_ready = False
         for layer in self._layers.values():
             try:
                 self._detach(layer)
