@@ -16,12 +16,13 @@ layers, stage, schedule, optimizer and gloo group, no vpipe) and a copy with the
 ...), each on the same batches from the same initial weights. Two kinds of launch:
 **attached** (``planning=False``: tensor manager and monitor) and **planned** (the one
 line's defaults: the planner daemon runs, the monitor samples every 10th step, less often
-while nothing changes, and the planner finds nothing to change). A launch's ratio is the mean step of the vpipe copy over
-the plain copy's, over the second half of each; rounds alternate the two kinds of launch,
-and the table gives the median ratio over rounds and their range. The planner daemon is
-its own process: it competes with both copies for the cores, so its CPU seconds over the
-run are reported beside the ratio. Each launch also checks that the two copies computed
-the same losses, bit for bit (nothing was moved: vpipe must not change the training).
+while nothing changes, and the planner finds nothing to change). A launch's ratio is the
+mean step of the vpipe copy over the plain copy's, over the second half of each; rounds
+alternate the two kinds of launch, and the table gives the median ratio over rounds and
+their range. The planner daemon is its own process: it competes with both copies for the
+cores, so its CPU seconds over the run are reported beside the ratio. Each launch also
+checks that the two copies computed the same losses, bit for bit (nothing was moved: vpipe
+must not change the training).
 
 Where the attached run's time goes (``--profile``, on by default): one more attached run
 of the small model (``examples/train_sequential.py --vpipe``), every rank under
@@ -153,17 +154,21 @@ def run_launch(size: str, mode: str, tmp: Path) -> dict[str, Any]:
 
 
 # vpipe's functions by what they run for (the rest, set-up at attach, runs once)
-_PER = {
+_PER = {  # (first match wins: the micro-batch counts before the saved tensors' ledger)
+    "micro-batch": ("tensor_manager/pipelining.py:", "tensor_manager/manager.py:micro_batch",
+                    "tensor_manager/manager.py:begin_quiet", "tensor_manager/manager.py:end_quiet",
+                    "tensor_manager/manager.py:_count_unhooked", "tensor_manager/manager.py:_became_quiet",
+                    "tensor_manager/manager.py:_new_step", "tensor_manager/interception.py:count_unhooked",
+                    "tensor_manager/accounting.py:add_micro_batch", "tensor_manager/accounting.py:sub_micro_batch",
+                    "tensor_manager/manager.py:backward", "tensor_manager/manager.py:_begin_forward",
+                    "tensor_manager/interception.py:uncount", "tensor_manager/governor.py:comfortably_within",
+                    "tensor_manager/prefetch.py:"),
     "saved tensor": ("tensor_manager/interception.py:pack", "tensor_manager/interception.py:unpack",
                      "tensor_manager/swap", "tensor_manager/handles.py:", "tensor_manager/accounting.py:",
                      "tensor_manager/layers.py:is_weight"),
     "layer call": ("tensor_manager/interception.py:pre_forward", "tensor_manager/interception.py:post_forward",
                    "tensor_manager/interception.py:_frames", "tensor_manager/layers.py:__init__",
                    "monitors/stage.py:_forward", "monitors/stage.py:_backward", "monitors/stage.py:_counts"),
-    "micro-batch": ("tensor_manager/pipelining.py:", "tensor_manager/manager.py:micro_batch",
-                    "tensor_manager/manager.py:backward", "tensor_manager/manager.py:_begin_forward",
-                    "tensor_manager/interception.py:uncount", "tensor_manager/governor.py:comfortably_within",
-                    "tensor_manager/prefetch.py:"),
     "step": ("rank/", "control/", "monitors/", "log.py:"),
 }
 
@@ -198,7 +203,7 @@ def profile_breakdown(steps: int, tmp: Path) -> dict:
                 calls["saved tensor"] = ncalls
             elif where == "tensor_manager/interception.py:pre_forward":
                 calls["layer call"] = ncalls
-            elif where == "tensor_manager/manager.py:micro_batch":
+            elif where == "tensor_manager/manager.py:begin_quiet_forward":  # (every forward asks it first)
                 calls["micro-batch"] = ncalls
         step_s = json.loads(out.read_text())["step_s"]
         ranks.append({"rank": rank, "per_step_s": {g: t / steps for g, t in groups.items()},
