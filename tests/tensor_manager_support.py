@@ -38,8 +38,10 @@ def gpipe_step(
     micro_batches: int = 3,
     before_forward: Callable[[int], None] | None = None,
     before_backward: Callable[[int], None] | None = None,
+    pass_inputs: bool = False,
 ) -> list[torch.Tensor]:
-    """All forwards, then all backwards (GPipe order), gradients accumulated; returns the losses."""
+    """All forwards, then all backwards (GPipe order), gradients accumulated; returns the losses.
+    ``pass_inputs``: tell the manager each micro-batch's inputs (as the pipelining wrapper does)."""
     x, y = spec.batch(step, micro_batches * MICRO_BATCH, 0)
     losses = []
     for mb, (xm, ym) in enumerate(zip(x.tensor_split(micro_batches), y.tensor_split(micro_batches))):
@@ -48,7 +50,7 @@ def gpipe_step(
         if manager is None:
             out = model(xm)
         else:
-            with manager.micro_batch(mb):
+            with manager.micro_batch(mb, (xm,) if pass_inputs else None):
                 out = model(xm)
         losses.append(spec.loss_fn()(out, ym) / micro_batches)
     for mb, loss in enumerate(losses):

@@ -120,6 +120,42 @@ def test_under_a_budget_a_call_with_new_input_shapes_is_measured_again():
     assert manager.ledger.resident == 0
 
 
+def test_under_a_roomy_budget_kept_layers_run_without_hooks_until_the_inputs_change():
+    spec = model_spec("transformer")
+    model = build_model(spec, seed=0)
+    manager = make_manager(model, budget_bytes=1 << 30)  # a step's micro-batches fit many times over
+    counter = _PackCounter(manager)
+    hooked = lambda: [bool(layer._forward_pre_hooks) for layer in model]  # noqa: E731
+    gpipe_step(model, spec, 0, manager, pass_inputs=True)  # measured
+    manager.metering = False
+    assert not any(hooked())  # measured, kept, the budget holds the step: nothing to check per call
+    before = counter.calls
+    gpipe_step(model, spec, 1, manager, pass_inputs=True)
+    assert counter.calls == before and not any(hooked()) and manager.ledger.resident == 0
+    per_mb = sum(layer.kept_bytes for layer in manager._layers.values())
+    # inputs of another shape: the hooks come back before that micro-batch's forward, which is measured
+    x, y = spec.batch(2, 8, 0)
+    with manager.micro_batch(0, (x[:4],)):
+        assert all(hooked())
+        out = model(x[:4])
+    assert counter.calls > before
+    with manager.backward(0):
+        spec.loss_fn()(out, y[:4]).backward()
+    assert sum(layer.kept_bytes for layer in manager._layers.values()) > per_mb
+    # a caller that does not say what the inputs are is watched, as is a budget the step fills
+    manager.metering = True
+    manager.metering = False
+    assert not any(hooked())
+    with manager.micro_batch(0):
+        assert all(hooked())
+    manager.end_of_step()
+    manager.metering = True
+    gpipe_step(model, spec, 3, manager, pass_inputs=True)
+    manager.budget_bytes = 3 * sum(layer.kept_bytes for layer in manager._layers.values())  # full: no room
+    manager.metering = False
+    assert all(hooked())
+
+
 def test_swapped_layers_and_a_tight_budget_keep_every_call_metered():
     _, _, swap_packs, _ = _run(2, metering_from=0, policies={1: "S"})
     assert swap_packs[1] > 0  # one layer swaps: the whole stage is metered (shared storages stay exact)
@@ -186,3 +222,13 @@ def test_with_no_hooks_and_nothing_saved_through_them_a_micro_batch_only_keeps_i
     per_mb = sum(layer.kept_bytes for layer in manager._layers.values())
     assert resident == [3 * per_mb, 2 * per_mb, per_mb]  # counted until each backward ends
     assert manager.ledger.resident == 0 and not manager._interceptor.counted
+
+
+def test_the_pipelining_wrapper_hands_the_manager_a_chunks_inputs_flat():
+    from vpipe.tensor_manager.pipelining import _stage_inputs
+
+    x, mask = torch.zeros(2, 3), torch.ones(2)
+    assert _stage_inputs(((x,), {"mask": mask}), {}) == (x, mask)  # forward_one_chunk(id, args, kwargs)
+    assert _stage_inputs(((x,),), {"kwargs": None}) == (x,)
+    assert _stage_inputs((), {"args": (x,), "kwargs": {"mask": mask}}) == (x, mask)
+    assert _stage_inputs(((),), {}) == ()  # a later stage: torch passes no args, it receives into buffers

@@ -131,9 +131,9 @@ class MicroBatchCounter:
         self._open: Any = None
         self._handles = [module.register_forward_pre_hook(self._pre), module.register_forward_hook(self._post)]
 
-    def _pre(self, _module: nn.Module, _args: Any) -> None:
+    def _pre(self, _module: nn.Module, args: Any) -> None:
         if torch.is_grad_enabled():
-            self._open = self.manager.micro_batch(self.next_mb)
+            self._open = self.manager.micro_batch(self.next_mb, tuple(args))
             self._open.__enter__()
 
     def _post(self, _module: nn.Module, _args: Any, _output: Any) -> None:

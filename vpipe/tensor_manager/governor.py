@@ -187,6 +187,21 @@ class BudgetGovernor:
                                      lag_bytes=self.ledger.lag.get(lid, 0), lag_share=lag_share))
         return out
 
+    def holds_unwatched(self, in_flight: int) -> bool:
+        """Whether ``in_flight`` micro-batches, every layer kept and counted with its measured bytes, fit the
+        budget with room to spare (then no call needs watching until the budget, the layers or the shapes
+        change); always without a budget."""
+        if self.budget_bytes is None:
+            return True
+        if not self.keep_all_fits:
+            return False
+        per_mb = 0
+        for layer in self._layers.values():
+            if layer.kept_bytes is None:
+                return False
+            per_mb += layer.kept_bytes
+        return in_flight * per_mb <= _UNMETERED_HEADROOM * self.budget_bytes
+
     def comfortably_within(self, in_flight: int) -> bool:
         """Whether the next micro-batch, every layer kept, fits with room to spare (always, without a budget)."""
         if self.budget_bytes is None:

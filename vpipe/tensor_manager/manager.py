@@ -31,7 +31,7 @@ from vpipe.tensor_manager.accounting import Ledger, format_bytes
 from vpipe.tensor_manager.copy_engine import D2H, H2D, make_copy_engine
 from vpipe.tensor_manager.governor import BudgetGovernor
 from vpipe.tensor_manager.interception import Interceptor
-from vpipe.tensor_manager.layers import ManagedLayer, claim_module, release_module
+from vpipe.tensor_manager.layers import ManagedLayer, claim_module, input_shapes, release_module
 from vpipe.tensor_manager.phases import PHASES, BackwardPhases
 from vpipe.tensor_manager.pool import DEFAULT_CHUNK_BYTES, HostPool, default_host_pool_bytes
 from vpipe.tensor_manager.prefetch import BACKWARD, FORWARD, Prefetcher
@@ -102,7 +102,12 @@ class TensorManager:
         # every call goes through the saved-tensor hooks while True; vpipe.attach lowers it on unsampled steps
         self._metering = True
         self._all_keep = True
-        self._hookless = False  # every layer kept, measured, no budget, not metering: no layer hooks at all
+        # every layer kept and measured, not metering, and no budget or one that holds a step's micro-batches
+        # with room to spare: no layer hooks at all
+        self._hookless = False
+        # the tensor input shapes of the last micro-batch run with hooks (None: not known, the caller did not
+        # say); under a budget a hookless micro-batch must have these, or it could save more than was measured
+        self._input_shapes: tuple[Any, ...] | None = None
         self._counts: list[tuple[int, int]] | None = None  # (layer, bytes) a micro-batch without hooks counts
         self._quiet_ready = False  # hookless, and nothing saved through the hooks alive (see _became_quiet)
         self._closed = False
@@ -136,13 +141,18 @@ class TensorManager:
         self._update_hooks()
 
     def _update_hooks(self) -> None:
-        """With nothing to measure, decide or enforce (every layer kept and measured, no budget, metering off),
-        the layers' hooks come off: a kept layer then costs what it costs without vpipe. A micro-batch is
-        counted with its layers' measured bytes when its forward ends."""
+        """With nothing to measure, decide or enforce (every layer kept and measured, metering off, and no budget
+        or one that a step's micro-batches fit with room to spare), the layers' hooks come off: a kept layer then
+        costs what it costs without vpipe. A micro-batch is counted with its layers' measured bytes when its
+        forward ends; under a budget its inputs must have the shapes of the last measured one."""
         self._counts = None  # (what they are counted with is worked out again at the next such micro-batch)
         self._quiet_ready = False
-        hookless = (not self._metering and self._all_keep and self._budget.budget_bytes is None
-                    and bool(self._layers) and all(layer.kept_bytes is not None for layer in self._layers.values()))
+        budget = self._budget
+        hookless = (not self._metering and self._all_keep and bool(self._layers)
+                    and all(layer.kept_bytes is not None for layer in self._layers.values())
+                    and (budget.budget_bytes is None or (
+                        self._input_shapes is not None
+                        and budget.holds_unwatched(max(self._open_max_last_step, self._open_max, 1)))))
         if hookless != self._hookless:
             self._hookless = hookless
             for layer in self._layers.values():
@@ -266,9 +276,14 @@ class TensorManager:
 
     # ================================================================== contexts
     @contextmanager
-    def micro_batch(self, mb_id: int) -> Iterator[TensorManager]:
-        """Around one micro-batch's forward: its saved tensors are managed and attributed to ``mb_id``."""
-        if self.begin_quiet_forward(mb_id):
+    def micro_batch(self, mb_id: int, inputs: tuple[Any, ...] | None = None) -> Iterator[TensorManager]:
+        """Around one micro-batch's forward: its saved tensors are managed and attributed to ``mb_id``.
+
+        ``inputs``: the stage's inputs of this micro-batch (``()`` where they come from the previous stage, whose
+        shapes the pipeline fixes). Under a budget, kept layers run without hooks only when these are given and
+        have the shapes the layers were measured with.
+        """
+        if self.begin_quiet_forward(mb_id, inputs):
             try:
                 yield self
             finally:
@@ -279,6 +294,8 @@ class TensorManager:
         if calls.mb is not None:
             raise RuntimeError(f"micro-batch {mb_id}'s forward started inside micro-batch {calls.mb}'s forward")
         grad = torch.is_grad_enabled()
+        if grad:
+            self._input_shapes = None if inputs is None else input_shapes(inputs)
         self._begin_forward(mb_id)
         calls.mb = mb_id
         budget = self._budget
@@ -300,12 +317,15 @@ class TensorManager:
     # or full backward has nothing to release, copy, fetch or decide, only its count to keep. The begin/end
     # pairs below are the whole of vpipe's work around it; they run between a step's tensor work with cold
     # caches, so they do as little as they can in as few calls.
-    def begin_quiet_forward(self, mb: int) -> bool:
+    def begin_quiet_forward(self, mb: int, inputs: tuple[Any, ...] | None = None) -> bool:
         """Start ``mb``'s forward if it is quiet (then :meth:`end_quiet_forward` must follow); False: it is not,
-        use :meth:`micro_batch`."""
+        use :meth:`micro_batch` (see there for ``inputs``)."""
         calls = self._interceptor
         if (not self._quiet_ready and not self._became_quiet()) or calls.mb is not None \
                 or not torch.is_grad_enabled():
+            return False
+        if self._budget.budget_bytes is not None and (inputs is None or input_shapes(inputs) != self._input_shapes):
+            self._watch_again()  # new shapes (or unknown ones) under a budget: this micro-batch is measured
             return False
         if self._prefetcher.predictor.observe(FORWARD, mb):  # a new step: remember how many were in flight
             self._new_step()
@@ -334,6 +354,13 @@ class TensorManager:
         counts = self._interceptor.counted.pop(mb, None)
         if counts:
             self.ledger.sub_micro_batch(mb, counts)
+
+    def _watch_again(self) -> None:
+        """Put the layers' hooks back now (the next call is measured and checked against the budget)."""
+        self._hookless = self._quiet_ready = False
+        self._counts = None
+        for layer in self._layers.values():
+            layer.hook()
 
     def _became_quiet(self) -> bool:
         """Whether the layers run without hooks and nothing saved through them is alive any more. It stays so

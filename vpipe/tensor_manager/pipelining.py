@@ -73,6 +73,18 @@ def _whole_backward_deferred(stage: _PipelineStageBase) -> bool:
     return stage.is_first and not _custom_weight_pass(stage)
 
 
+def _stage_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """The tensors a ``forward_one_chunk(chunk_id, args, kwargs)`` call hands the stage, flat; ``()`` for a stage
+    that receives its inputs from the previous one (torch passes it no args)."""
+    chunk_args = args[0] if args else kwargs.get("args")
+    chunk_kwargs = args[1] if len(args) > 1 else kwargs.get("kwargs")
+    flat = tuple(chunk_args) if isinstance(chunk_args, (tuple, list)) else ((chunk_args,) if chunk_args is not None
+                                                                           else ())
+    if isinstance(chunk_kwargs, dict):
+        flat += tuple(chunk_kwargs.values())
+    return flat
+
+
 def install_on_stage(stage: _PipelineStageBase, manager: TensorManager) -> StageHandle:
     """Route the stage's forwards and backwards through ``manager`` (micro-batch id = chunk id)."""
     if not isinstance(stage, _PipelineStageBase):
@@ -88,12 +100,14 @@ def install_on_stage(stage: _PipelineStageBase, manager: TensorManager) -> Stage
     whole_backward_deferred = _whole_backward_deferred(stage)
 
     def forward_one_chunk(fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-        if manager.begin_quiet_forward(fwd_chunk_id):  # nothing to manage: only counted
+        # the micro-batch's inputs (the first stage's; later stages receive into buffers of fixed shapes)
+        inputs = _stage_inputs(args, kwargs)
+        if manager.begin_quiet_forward(fwd_chunk_id, inputs):  # nothing to manage: only counted
             try:
                 return forward(fwd_chunk_id, *args, **kwargs)
             finally:
                 manager.end_quiet_forward(fwd_chunk_id)
-        with manager.micro_batch(fwd_chunk_id):
+        with manager.micro_batch(fwd_chunk_id, inputs):
             try:
                 return forward(fwd_chunk_id, *args, **kwargs)
             except RuntimeError as e:
