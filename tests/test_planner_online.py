@@ -206,7 +206,8 @@ def test_after_a_layer_edit_the_planner_plans_the_placement_the_stages_report():
     assert (observed.epoch, observed.stages, observed.reason) == (1, ((0, 1, 2, 3, 8), (4, 5, 6, 7)), "observed")
     # the known layers keep their policies; the new one has none yet (kept)
     assert observed.policies == {lid: Policy.RECOMPUTE if lid == 3 else Policy.KEEP for lid in range(8)}
-    plan = _planner()(vector, current)
+    # sent at once, even where plans for speed wait for a second sample: an edit is a known change, not noise
+    plan = _planner(confirm_samples=2)(vector, current)
     assert plan is not None and plan.epoch == 2 and plan.layer_ids == [0, 1, 2, 3, 8, 4, 5, 6, 7]
     assert [len(s) for s in plan.stages] == [4, 5]  # stage 1 runs at half the cost per layer
 

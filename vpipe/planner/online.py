@@ -155,7 +155,8 @@ class OnlinePlanner:
         if any(rec.epoch < current.epoch for rec in vector):
             return None  # measured before the newest plan took effect: judge that plan on its own stats first
         records = {lr.layer_id: lr for rec in vector for lr in rec.layers}
-        if vector[0].epoch > current.epoch or set(records) != set(current.layer_ids):
+        edited = vector[0].epoch > current.epoch or set(records) != set(current.layer_ids)
+        if edited:
             current = self._observed_placement(vector, current)  # layers were added or removed meanwhile
             if current is None:
                 return None
@@ -177,7 +178,7 @@ class OnlinePlanner:
         if proposal is None:
             self._proposed = None  # nothing to gain now: a later proposal starts its count again
             return None
-        if not self._confirmed(proposal, current, vector[-1].iteration):
+        if not self._confirmed(proposal, current, vector[-1].iteration, at_once=edited):
             return None
         plan = proposal.plan
         changed = {lid: pol.value for lid, pol in plan.policies.items() if pol != current.policy(lid)}
@@ -190,11 +191,12 @@ class OnlinePlanner:
         )
         return plan
 
-    def _confirmed(self, proposal: Any, current: Plan, iteration: int) -> bool:
-        """Whether to send a proposal now: it fits memory or follows an edit, or the last ``confirm_samples``
+    def _confirmed(self, proposal: Any, current: Plan, iteration: int, at_once: bool = False) -> bool:
+        """Whether to send a proposal now: it fits memory or follows a layer edit (``at_once``: the stages report
+        layers the planner did not place, a known change and not noise), or the last ``confirm_samples``
         searches all proposed it."""
         plan = proposal.plan
-        if proposal.reason.startswith(_AT_ONCE) or self.config.confirm_samples <= 1:
+        if at_once or proposal.reason.startswith(_AT_ONCE) or self.config.confirm_samples <= 1:
             self._proposed = None
             return True
         key = (plan.stages, tuple(sorted((lid, pol.value) for lid, pol in plan.policies.items())))
