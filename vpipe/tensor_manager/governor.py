@@ -193,26 +193,28 @@ class BudgetGovernor:
         change); always without a budget."""
         if self.budget_bytes is None:
             return True
+        per_mb = self._kept_bytes_if_fits()
+        return per_mb is not None and in_flight * per_mb <= _UNMETERED_HEADROOM * self.budget_bytes
+
+    def _kept_bytes_if_fits(self) -> int | None:
+        """One micro-batch's bytes, every layer kept and counted with its measured bytes, if keeping every layer
+        fits the budget (else None)."""
         if not self.keep_all_fits:
-            return False
+            return None
         per_mb = 0
         for layer in self._layers.values():
             if layer.kept_bytes is None:
-                return False
+                return None
             per_mb += layer.kept_bytes
-        return in_flight * per_mb <= _UNMETERED_HEADROOM * self.budget_bytes
+        return per_mb
 
     def comfortably_within(self, in_flight: int) -> bool:
         """Whether the next micro-batch, every layer kept, fits with room to spare (always, without a budget)."""
         if self.budget_bytes is None:
             return True
-        if not self.keep_all_fits:
+        per_mb = self._kept_bytes_if_fits()
+        if per_mb is None:
             return False
-        per_mb = 0
-        for layer in self._layers.values():
-            if layer.kept_bytes is None:
-                return False
-            per_mb += layer.kept_bytes
         usable = self.budget_bytes  # every layer kept: no backward reserve
         room = min(usable - self.ledger.resident, usable // in_flight)
         return per_mb <= _UNMETERED_HEADROOM * room
