@@ -58,6 +58,7 @@ def rank_main(args: argparse.Namespace) -> None:
     import torch
 
     from vpipe.control.session import ControlOptions, open_for_stage_run
+    from vpipe.monitors.sampling import SampleSchedule
     from vpipe.runtime.config import RunConfig
     from vpipe.runtime.launch import init_distributed, run_rank
     from vpipe.runtime.stage_run import build_stage_run
@@ -101,11 +102,12 @@ def rank_main(args: argparse.Namespace) -> None:
 
         for _ in range(args.warmup):
             monitored()
-        session.monitor.sample_every = 1  # one sampled step to read the layer coverage from
+        schedule = session.monitor.schedule
+        session.monitor.schedule = SampleSchedule(1)  # one sampled step to read the layer coverage from
         with session.monitor.iteration(10**9) as sample:
             run.run_step(step)
         step += 1
-        session.monitor.sample_every = options.sample_every
+        session.monitor.schedule = schedule
         out["coverage"].append(sample.record.compute_s / sample.record.step_s)
         for r in range(args.rounds):
             for kind in "ABBA":

@@ -176,11 +176,6 @@ class StageMonitor:
     def sample_every(self) -> int:
         return self.schedule.every
 
-    @sample_every.setter
-    def sample_every(self, every: int) -> None:
-        """From now on every ``every``-th iteration, without back-off (benchmarks that warm a planner up)."""
-        self.schedule = SampleSchedule(every)
-
     def is_sampled(self, iteration: int) -> bool:
         """Iterations k-1, 2k-1, ... are measured (not 0: it carries one-off start-up costs); see
         :class:`~vpipe.monitors.sampling.SampleSchedule`."""

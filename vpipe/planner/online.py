@@ -173,12 +173,14 @@ class OnlinePlanner:
         if planner.in_cooldown(vector[-1].iteration) or (unchanged and self._proposed is None):
             return None  # too soon after a plan, or the same numbers as last time: the daemon idles
         started = time.perf_counter()
+        last_proposal = planner.last_proposal_step
         proposal = planner.propose(graph, current, vector[-1].iteration, placeable=_placeable(vector, current))
         seconds = time.perf_counter() - started
         if proposal is None:
             self._proposed = None  # nothing to gain now: a later proposal starts its count again
             return None
         if not self._confirmed(proposal, current, vector[-1].iteration, at_once=edited):
+            planner.last_proposal_step = last_proposal  # nothing was sent: no cooldown starts
             return None
         plan = proposal.plan
         changed = {lid: pol.value for lid, pol in plan.policies.items() if pol != current.policy(lid)}
@@ -203,7 +205,6 @@ class OnlinePlanner:
         seen = self._proposed[1] + 1 if self._proposed is not None and self._proposed[0] == key else 1
         if seen < self.config.confirm_samples:
             self._proposed = (key, seen)
-            self._srp.last_proposal_step = None  # (proposing started no cooldown: nothing was sent)
             log.info("planner: iteration %d proposes %s (%d of %d searches in a row); waiting for the next sample",
                      iteration, proposal.reason, seen, self.config.confirm_samples)
             return False

@@ -156,19 +156,8 @@ class Ledger:
 
     def sub_micro_batch(self, mb: int, counts: list[tuple[int, int]]) -> None:
         """:meth:`sub` for each ``(layer, bytes)`` that :meth:`add_micro_batch` counted."""
-        resident = self._resident
-        total = 0
         for layer, nbytes in counts:
-            key = (layer, mb)
-            left = resident.get(key, 0) - nbytes
-            if left > 0:
-                resident[key] = left
-            elif left == 0:
-                resident.pop(key, None)
-            else:
-                raise AssertionError(f"resident bytes of layer {layer} micro-batch {mb} would become negative")
-            total += nbytes
-        self.resident -= total
+            self.sub(layer, mb, nbytes)
 
     def reset_peak(self) -> None:
         self.peak = self.resident

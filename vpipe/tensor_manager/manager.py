@@ -325,12 +325,13 @@ class TensorManager:
                 or not torch.is_grad_enabled():
             return False
         if self._budget.budget_bytes is not None and (inputs is None or input_shapes(inputs) != self._input_shapes):
-            self._watch_again()  # new shapes (or unknown ones) under a budget: this micro-batch is measured
+            # new shapes (or unknown ones) under a budget: the hooks come back and this micro-batch is measured
+            self._input_shapes = None
+            self._update_hooks()
             return False
         if self._prefetcher.predictor.observe(FORWARD, mb):  # a new step: remember how many were in flight
             self._new_step()
-        if mb in calls.counted:
-            calls.uncount(mb)  # a micro-batch of a step that failed before its backward
+        calls.uncount(mb)  # a micro-batch of a step that failed before its backward
         calls.unmetered = True
         opened = self._open
         opened.add(mb)
@@ -351,16 +352,7 @@ class TensorManager:
 
     def end_quiet_backward(self, mb: int) -> None:
         self._open.discard(mb)
-        counts = self._interceptor.counted.pop(mb, None)
-        if counts:
-            self.ledger.sub_micro_batch(mb, counts)
-
-    def _watch_again(self) -> None:
-        """Put the layers' hooks back now (the next call is measured and checked against the budget)."""
-        self._hookless = self._quiet_ready = False
-        self._counts = None
-        for layer in self._layers.values():
-            layer.hook()
+        self._interceptor.uncount(mb)
 
     def _became_quiet(self) -> bool:
         """Whether the layers run without hooks and nothing saved through them is alive any more. It stays so
