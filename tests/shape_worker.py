@@ -9,6 +9,8 @@ Scenarios (``argv[1]``), launched by ``vpipe.runtime.launch.spawn``:
   recomputing every layer and the planner on: losses, what moved, the log;
 - ``nas`` (2 ranks): add and remove blocks in the tutorial-shaped ModuleDict;
 - ``reattach`` (2 ranks): attach, train while plans come, detach, and again;
+- ``budget`` (2 ranks): the tutorial trainer with and without the one line side by side, vpipe's copy under
+  a memory budget it fits many times over;
 - ``misuse`` (2 ranks): an optimizer over other parameters, layer edits that differ between ranks, made
   inside a forward or on one rank only, attach on one rank only.
 """
@@ -183,6 +185,48 @@ def nas() -> dict:
     return {"ranks": gathered}
 
 
+def budget() -> dict:
+    """The tutorial trainer twice side by side (a plain copy on its own gloo group, and one with the one line and
+    a memory budget it fits many times over): losses, and whether vpipe's copy ran its blocks without hooks."""
+    import vpipe
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def build(group):
+        torch.manual_seed(0)
+        model = tut.split_model(tut.Transformer(tut.ModelArgs()), rank, [4, 4])
+        stage = PipelineStage(model, rank, world, torch.device("cpu"), group=group)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        return model, Schedule1F1B(stage, 4, loss_fn=tut.tokenwise_loss_fn), optimizer
+
+    copies = {"plain": build(dist.new_group(backend="gloo")), "vpipe": build(None)}
+    model, schedule, optimizer = copies["vpipe"]
+    vp = vpipe.attach(schedule, optimizer=optimizer, memory_budget=1 << 30, planning=False)
+    losses: dict[str, list[float]] = {name: [] for name in copies}
+    hooked_steps = []
+    for step in range(24):
+        for name, (_, sched, opt) in copies.items():
+            x, y = tut.batch(step, 8, 32, 256)
+            step_losses: list[torch.Tensor] = []
+            if rank == 0:
+                sched.step(x)
+            else:
+                sched.step(target=y, losses=step_losses)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses[name] += [float(loss.detach()) for loss in step_losses]
+        if any(block._forward_pre_hooks for block in model.layers.values()):
+            hooked_steps.append(step)
+    stats = vp.tensor_manager.stats()
+    result = {"rank": rank, "losses": losses, "hooked_steps": hooked_steps,
+              "peak": stats.peak_resident_bytes, "budget": stats.budget_bytes,
+              "max_sample_every": next(iter(vp.session.monitors.values())).schedule.max_every}
+    vp.detach()
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, result)
+    return {"ranks": gathered}
+
+
 def reattach() -> dict:
     """attach -> train with the planner planning -> detach, twice on the same pipeline (plans in both)."""
     import vpipe
@@ -254,7 +298,7 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     result = {"refusals": refusals, "subgroup": subgroup, "traced": traced, "nas": nas,
-              "reattach": reattach, "misuse": misuse}[scenario]()
+              "reattach": reattach, "misuse": misuse, "budget": budget}[scenario]()
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(result))
     dist.barrier()

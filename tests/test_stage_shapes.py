@@ -200,6 +200,17 @@ def test_layers_are_added_and_removed_in_the_tutorial_module_dict(tmp_path):
     assert all(torch.isfinite(torch.tensor(loss)) for loss in second["losses"])
 
 
+def test_under_a_roomy_budget_the_tutorial_trainer_runs_its_blocks_without_hooks_and_trains_bitwise(tmp_path):
+    ranks = _scenario(tmp_path, "budget", 2)["ranks"]
+    last = ranks[1]
+    assert last["losses"]["vpipe"] == last["losses"]["plain"] and len(last["losses"]["plain"]) == 24 * 4
+    for r in ranks:
+        # hooks on the first step (nothing measured yet) and on the sampled, metered one (step 9); none after
+        assert r["hooked_steps"] and max(r["hooked_steps"]) <= 9, r["hooked_steps"]
+        assert 0 < r["peak"] <= r["budget"] < 1 << 30  # (the rank's budget less its weights and optimizer state)
+        assert r["max_sample_every"] == 80  # the one line's defaults: back off to 8 x every 10th step
+
+
 def test_attach_detach_attach_with_plans_in_both_does_not_hang_and_leaves_no_keys(tmp_path):
     ranks = _scenario(tmp_path, "reattach", 2)["ranks"]
     for r in ranks:
