@@ -41,6 +41,19 @@ def _tutorial():
 tut = _tutorial()
 
 
+def _train_step(schedule, optimizer, step: int) -> list[float]:
+    """One step of the torch pipelining tutorial's loop on its batch ``step``; the last stage's losses."""
+    x, y = tut.batch(step, 8, 32, 256)
+    losses: list[torch.Tensor] = []
+    if dist.get_rank() == 0:
+        schedule.step(x)
+    else:
+        schedule.step(target=y, losses=losses)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return [float(loss.detach()) for loss in losses]
+
+
 def _error(fn) -> str:
     try:
         fn()
@@ -112,15 +125,7 @@ def _traced_run(steps: int, with_vpipe: bool) -> tuple[list[list[float]], dict]:
                           planner_options={"warmup_samples": 1})
     losses_per_step = []
     for step in range(steps):
-        x, y = tut.batch(step, 8, 32, 256)
-        losses: list[torch.Tensor] = []
-        if rank == 0:
-            schedule.step(x)
-        else:
-            schedule.step(target=y, losses=losses)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses_per_step.append([float(loss.detach()) for loss in losses])
+        losses_per_step.append(_train_step(schedule, optimizer, step))
     info = {}
     if vp is not None:
         info = {"layers": vp.layer_ids, "policies": vp.memory_report()["policies"],
@@ -163,15 +168,7 @@ def nas() -> dict:
         if step == 4:
             vp.remove_layers([1, 6])
             keys.append(list(model.layers.keys()))
-        x, y = tut.batch(step, 8, 32, 256)
-        losses: list[torch.Tensor] = []
-        if rank == 0:
-            schedule.step(x)
-        else:
-            schedule.step(target=y, losses=losses)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses_seen += [float(loss) for loss in losses]
+        losses_seen += _train_step(schedule, optimizer, step)
     trained = None
     if rank == 0:
         new_after = list(model.layers[str(new_ids[0])].parameters())
@@ -206,15 +203,7 @@ def budget() -> dict:
     hooked_steps = []
     for step in range(24):
         for name, (_, sched, opt) in copies.items():
-            x, y = tut.batch(step, 8, 32, 256)
-            step_losses: list[torch.Tensor] = []
-            if rank == 0:
-                sched.step(x)
-            else:
-                sched.step(target=y, losses=step_losses)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses[name] += [float(loss.detach()) for loss in step_losses]
+            losses[name] += _train_step(sched, opt, step)
         if any(block._forward_pre_hooks for block in model.layers.values()):
             hooked_steps.append(step)
     stats = vp.tensor_manager.stats()
