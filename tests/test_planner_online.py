@@ -251,7 +251,8 @@ def test_every_hop_of_a_move_must_land_on_a_stage_that_builds_the_layer():
 
 # ---------------------------------------------------------------------- configuration
 def test_the_configuration_comes_from_the_environment_and_goes_back_into_it():
-    config = OnlineConfig(schedule="zbv", micro_batches=6, in_flight=[4, 2], stage_ranks=[0, 0], smoothing=0.3)
+    config = OnlineConfig(schedule="zbv", micro_batches=6, in_flight=[4, 2], stage_ranks=[0, 0], smoothing=0.3,
+                          in_flight_together=[[4, 0], [2, 2]])
     assert OnlineConfig.from_env({CONFIG_ENV: config.to_env()}) == config
     assert OnlineConfig.from_env({}) == OnlineConfig() == OnlineConfig.from_env({CONFIG_ENV: ""})
 
@@ -272,6 +273,8 @@ def test_the_configuration_comes_from_the_environment_and_goes_back_into_it():
     (json.dumps({"in_flight": [2], "stage_ranks": [0, 0]}), f"{CONFIG_ENV}: in_flight and stage_ranks come together"),
     (json.dumps({"in_flight": [2, -1], "stage_ranks": [0, 0]}), f"{CONFIG_ENV}: in_flight must be a list of "
                                                                  "non-negative integers or null, got [2, -1]"),
+    (json.dumps({"in_flight": [2, 2], "stage_ranks": [0, 0], "in_flight_together": [[1, 2, 3]]}),
+     f"{CONFIG_ENV}: in_flight_together must be null or rows of one non-negative integer per stage"),
     (json.dumps({"schedule": "dualpipev"}), f"{CONFIG_ENV}: schedule dualpipev runs several stages per rank: "
                                             "in_flight and stage_ranks are needed"),
     (json.dumps({"net_bytes_per_s": 0}), f"{CONFIG_ENV}: bandwidths must be positive"),
@@ -290,11 +293,12 @@ def test_counts_and_ranks_that_are_not_integers_are_refused(field, value):
         OnlineConfig(schedule="zbv", **lists)
 
 
-def _shared_rank_plan(kept: tuple[int, int, int, int]) -> Plan | None:
+def _shared_rank_plan(kept: tuple[int, int, int, int], budget: int = 7 << 20,
+                      together: list[list[int]] | None = None) -> Plan | None:
     """Interleaved 1F1B, 2 ranks x 2 stages of one layer each, 7 MiB per rank: stage 0 needs 4 micro-batches of
     1 MiB, stage 2 two of 0.5 MiB (rank 0: 5 MiB with everything kept); half the rank each would not hold stage 0."""
-    planner = _planner(schedule="interleaved1f1b", memory_budget=7 << 20, in_flight=[4, 3, 2, 1],
-                       stage_ranks=[0, 1, 0, 1], allow_moves=False)
+    planner = _planner(schedule="interleaved1f1b", memory_budget=budget, in_flight=[4, 3, 2, 1],
+                       stage_ranks=[0, 1, 0, 1], allow_moves=False, in_flight_together=together)
     acts = (1 << 20, 1 << 20, 1 << 19, 1 << 19)
     vector = []
     for v in range(4):
@@ -309,3 +313,13 @@ def test_a_ranks_stages_share_its_budget_by_what_they_need_to_keep_everything():
     plan = _shared_rank_plan((0, 0, 0, 0))  # not measured: equal halves, stage 0's 4 MiB does not fit 3.5
     assert plan is not None and plan.policy(0) is not Policy.KEEP
     assert _shared_rank_plan((1 << 20, 1 << 20, 1 << 19, 1 << 19)) is None  # measured: 5 MiB of the rank's 7
+
+
+def test_a_ranks_stages_that_never_peak_together_keep_everything_where_the_plain_schedule_fits():
+    kept = (1 << 20, 1 << 20, 1 << 19, 1 << 19)
+    budget = 9 << 19  # 4.5 MiB: the stages' own peaks (4 + 1 MiB on rank 0) do not fit together...
+    plan = _shared_rank_plan(kept, budget)
+    assert plan is not None and plan.policy(0) is not Policy.KEEP
+    # ... but the action lists say stage 0 holds 4 while stage 2 holds none, and 2 while it holds 2: 4 MiB at most
+    together = [[4, 3, 0, 1], [2, 1, 2, 1]]
+    assert _shared_rank_plan(kept, budget, together) is None

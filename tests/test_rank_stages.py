@@ -11,7 +11,7 @@ from torch.distributed.pipelining.schedules import (
     _Action,
 )
 
-from vpipe.rank.stages import in_flight_per_stage
+from vpipe.rank.stages import in_flight_per_stage, in_flight_together
 
 
 def _a(stage: int, kind, mb: int) -> _Action:
@@ -30,3 +30,11 @@ def test_a_stage_holds_a_micro_batch_from_its_forward_to_its_full_or_weight_back
 
 def test_a_stage_that_never_runs_a_forward_counts_as_holding_one():
     assert in_flight_per_stage({0: [_a(0, FORWARD, 0), _a(0, FULL_BACKWARD, 0)]}, 2) == [1, 1]
+
+
+def test_the_moments_of_a_rank_say_what_its_stages_hold_together_not_the_sum_of_their_peaks():
+    rank0 = [_a(0, FORWARD, 0), _a(0, FORWARD, 1), _a(0, FORWARD, 2), _a(0, FULL_BACKWARD, 0),
+             _a(0, FULL_BACKWARD, 1), _a(2, FORWARD, 0), _a(2, FORWARD, 1), _a(2, FULL_BACKWARD, 0)]
+    rows = in_flight_together({0: rank0}, 3)
+    assert rows == [[1, 0, 2], [3, 0, 0]]  # [1, 0, 1] and the rows below [3, 0, 0] are covered by these
+    assert in_flight_per_stage({0: rank0}, 3) == [3, 1, 2]  # each stage's own peak (1 for one that never runs)

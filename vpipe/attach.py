@@ -130,8 +130,9 @@ class Vpipe:
 
     # ------------------------------------------------------------------ set-up
     def _memories(self) -> dict[int, StageMemory]:
-        """Each local stage's budget for activations: equal shares of what the rank's fixed bytes leave."""
+        """Each local stage's budget for activations: shares of what the rank's fixed bytes leave."""
         siblings: list[StageMemory] = []
+        together = self.pipeline.in_flight_together()
         memories = {}
         for stage in self.pipeline.stages:
             versions = 1
@@ -139,7 +140,7 @@ class Vpipe:
                 schedule = self.pipeline.schedule
                 versions = self.num_stages if schedule.vertical_sync else self.num_stages - stage.index
             memories[stage.index] = StageMemory(stage.index, stage.module, self.optimizer, self.memory_budget,
-                                                weight_versions=versions, siblings=siblings)
+                                                weight_versions=versions, siblings=siblings, together=together)
         for memory in memories.values():
             memory.activation_budget()  # a budget below the fixed bytes fails here, at attach
         return memories
@@ -171,7 +172,7 @@ class Vpipe:
         if config.planning and self.num_stages - 1 in self._local:
             online = OnlineConfig(schedule=pipeline.kind, micro_batches=pipeline.micro_batches(config.micro_batches),
                                   memory_budget=self.memory_budget, allow_moves=self.move_refusal is None,
-                                  in_flight=pipeline.in_flight(),
+                                  in_flight=pipeline.in_flight(), in_flight_together=pipeline.in_flight_together(),
                                   stage_ranks=list(pipeline.stage_ranks) if pipeline.multi_stage else None,
                                   **config.planner_options)
             os.environ[CONFIG_ENV] = online.to_env()  # the daemon the last stage's rank starts inherits it

@@ -35,6 +35,7 @@ from vpipe.monitors.records import StageRecord
 from vpipe.plan import Plan, Policy
 from vpipe.planner.cost_model import MULTI_STAGE, SCHEDULES, Hardware, stage_time
 from vpipe.planner.srp import SRPPlanner
+from vpipe.sharing import keep_all_shares
 
 log = logging.getLogger("vpipe.planner.online")
 
@@ -64,9 +65,11 @@ class OnlineConfig:
     allow_moves: bool = True  # False: only swap/recompute policies change (no layer factory)
     copy_bytes_per_s: float = 12e9
     net_bytes_per_s: float = 10e9
-    # several stages per rank: each stage's peak in-flight micro-batches and rank, from the schedule's action lists
+    # several stages per rank: each stage's peak in-flight micro-batches and rank, from the schedule's action lists,
+    # and the micro-batches every stage holds at each moment of them (a rank's stages do not peak at once)
     in_flight: list[int] | None = None
     stage_ranks: list[int] | None = None
+    in_flight_together: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         def need(ok: bool, message: str) -> None:
@@ -81,6 +84,12 @@ class OnlineConfig:
         need((self.in_flight is None) == (self.stage_ranks is None) and (
             self.in_flight is None or len(self.in_flight) == len(self.stage_ranks)),  # type: ignore[arg-type]
             "in_flight and stage_ranks come together, one value per stage")
+        rows = self.in_flight_together
+        need(rows is None or (self.in_flight is not None and isinstance(rows, list) and all(
+            isinstance(row, list) and len(row) == len(self.in_flight) and all(_count(v) for v in row)
+            for row in rows)),
+             f"in_flight_together must be null or rows of one non-negative integer per stage, with in_flight, "
+             f"got {rows!r}")
         need(self.schedule not in MULTI_STAGE or self.in_flight is not None,
              f"schedule {self.schedule} runs several stages per rank: in_flight and stage_ranks are needed")
         need(_pos_int(self.micro_batches), f"micro_batches must be a positive integer, got {self.micro_batches!r}")
@@ -167,7 +176,8 @@ class OnlinePlanner:
         self._report_imbalance(vector, current, graph)
         planner = self._planner(graph, records, current)
         if self.config.stage_ranks is not None and self.config.memory_budget is not None:
-            shared = _shared_budgets(self.config.memory_budget, planner.setup, graph, current, vector)
+            shared = _shared_budgets(self.config.memory_budget, planner.setup, graph, current, vector,
+                                     self.config.in_flight_together)
             planner.budgets = planner.setup.budgets(shared)
         unchanged = self._unchanged_since_last_search(graph, current)
         if planner.in_cooldown(vector[-1].iteration) or (unchanged and self._proposed is None):
@@ -340,29 +350,30 @@ def _kept_shares(vector: list[StageRecord]) -> dict[int, float]:
     return shares
 
 
-def _shared_budgets(budget: int, setup: Any, graph: LayerGraph, current: Plan,
-                    vector: list[StageRecord]) -> int | list[float]:
+def _shared_budgets(budget: int, setup: Any, graph: LayerGraph, current: Plan, vector: list[StageRecord],
+                    together: list[list[int]] | None = None) -> int | list[float]:
     """Each stage's part of its rank's budget, as the ranks share it (``vpipe.rank.memory``).
 
     A rank pays its stages' weights, gradients and optimizer state first and shares the rest
-    in proportion to what each needs to keep every layer (micro-batches in flight times one
-    micro-batch's measured bytes) when those needs fit: each stage then fits its part with
-    every layer kept. Otherwise, and until every stage has measured its need, the shares are
-    equal (as :meth:`PipelineSetup.budgets` divides a rank's budget).
+    as :func:`vpipe.sharing.keep_all_shares` does: when the rank's peak with every layer kept
+    (its stages' micro-batches in flight at each moment of the action lists, ``together``,
+    times one micro-batch's measured bytes) fits, each stage gets at least its own peak.
+    Otherwise, and until every stage has measured its bytes, the shares are equal (as
+    :meth:`PipelineSetup.budgets` divides a rank's budget).
     """
     kept = [rec.kept_bytes_per_mb for rec in vector]
     if not all(kept) or len(kept) != current.num_stages:
         return budget
     params = {node.id: node.param_bytes for node in graph.nodes}
     fixed = [setup.param_factor(k) * sum(params[lid] for lid in layers) for k, layers in enumerate(current.stages)]
-    need = [setup.in_flight(k) * kept[k] for k in range(current.num_stages)]
     ranks = setup.stage_ranks
     shares = []
     for k in range(current.num_stages):
         mates = [j for j in range(current.num_stages) if ranks[j] == ranks[k]]
         left = budget - sum(fixed[j] for j in mates)
-        needed = sum(need[j] for j in mates)
-        shares.append(fixed[k] + left * need[k] / needed if needed <= left else budget / len(mates))
+        rows = [[row[j] for j in mates] for row in together] if together else None
+        part = keep_all_shares(left, [kept[j] for j in mates], [setup.in_flight(j) for j in mates], rows)
+        shares.append(fixed[k] + part[mates.index(k)] if part is not None else budget / len(mates))
     return shares
 
 

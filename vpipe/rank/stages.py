@@ -38,7 +38,7 @@ from vpipe.migration.blocks import StageBlocks
 from vpipe.schedules.pipedream import SchedulePipeDream
 
 __all__ = ["LocalStage", "Pipeline", "inspect_target", "reset_shape_inference", "check_schedule_api",
-           "in_flight_per_stage", "flat_actions", "action_kind", "MULTI_STAGE_SCHEDULES"]
+           "in_flight_per_stage", "in_flight_together", "flat_actions", "action_kind", "MULTI_STAGE_SCHEDULES"]
 
 # torch's multi-stage schedules by class name -> the cost model's name for them
 MULTI_STAGE_SCHEDULES = {
@@ -94,6 +94,12 @@ class Pipeline:
             return None
         return in_flight_per_stage(self.schedule.pipeline_order, self.num_stages)
 
+    def in_flight_together(self) -> list[list[int]] | None:
+        """The micro-batches every stage holds at each forward (multi-stage schedules), else None."""
+        if not self.multi_stage:
+            return None
+        return in_flight_together(self.schedule.pipeline_order, self.num_stages)
+
 
 def inspect_target(target: Any) -> Pipeline:
     """The pipeline ``target`` (a schedule or a plain stage module) runs on this rank; refuses what vpipe cannot."""
@@ -143,18 +149,26 @@ def _single_kind(schedule: Any) -> str:
 def in_flight_per_stage(pipeline_order: dict[int, Sequence[Any]], num_stages: int) -> list[int]:
     """For every stage, the most micro-batches whose forward ran and whose backward (the weight pass,
     under a zero-bubble schedule) has not: what it holds activations of at its peak."""
-    peak = [1] * num_stages
+    moments = in_flight_together(pipeline_order, num_stages)
+    return [max([1, *(row[v] for row in moments)]) for v in range(num_stages)]
+
+
+def in_flight_together(pipeline_order: dict[int, Sequence[Any]], num_stages: int) -> list[list[int]]:
+    """At each forward of each rank, how many micro-batches every stage holds (a row per moment, a column per
+    stage; rows that another row covers are dropped): a rank's stages do not peak at once, and its peak is
+    its largest row (``vpipe.sharing``)."""
+    rows: set[tuple[int, ...]] = set()
     for actions in pipeline_order.values():
-        open_: dict[int, set[int]] = {}
+        held: list[set[int]] = [set() for _ in range(num_stages)]
         for action in flat_actions(actions):
             kind = action_kind(action)
-            held = open_.setdefault(action.stage_index, set())
             if kind == "F":
-                held.add(action.microbatch_index)
-                peak[action.stage_index] = max(peak[action.stage_index], len(held))
+                held[action.stage_index].add(action.microbatch_index)
+                rows.add(tuple(len(h) for h in held))
             elif kind in ("B", "W"):
-                held.discard(action.microbatch_index)
-    return peak
+                held[action.stage_index].discard(action.microbatch_index)
+    return [list(row) for row in sorted(rows)
+            if not any(other != row and all(o >= r for o, r in zip(other, row)) for other in rows)]
 
 
 def flat_actions(actions: Sequence[Any]) -> list[Any]:

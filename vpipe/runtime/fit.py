@@ -20,9 +20,11 @@ backward). Swapped bytes live in the host pool and do not count against the devi
 Under a multi-stage schedule the budget is a rank's: its virtual stages run together in the
 rank's own order (torch's action lists), each under its own tensor manager; managed, each
 gets a share of what the rank's fixed bytes leave of the budget: equal, or, once every stage
-measured what keeping its layers needs and those needs fit, in proportion to them (after each
-step, as ``attach`` splits it). A rank's peak saved bytes are the peak of its stages' sum (unmanaged; saved bytes only
-grow in forwards) or the sum of their peaks (managed). A zero-bubble schedule's activations
+measured what keeping its layers needs and the rank's peak with every layer kept fits, as
+``vpipe.sharing`` divides it (after each step, as ``attach`` does). A rank's peak saved bytes
+are the peak of its stages' sum (saved bytes only grow in forwards), or the sum of their
+peaks where a managed stage swaps or recomputes (their transients peak inside a forward).
+A zero-bubble schedule's activations
 are freed at the weight pass (W), the input pass (I) frees nothing here: a slight
 overestimate, never an underestimate.
 """
@@ -36,12 +38,13 @@ from typing import Any
 import torch
 
 from vpipe.plan import Policy
-from vpipe.rank.stages import action_kind, flat_actions
+from vpipe.rank.stages import action_kind, flat_actions, in_flight_together
 from vpipe.runtime.config import RunConfig
 from vpipe.runtime.models import build_model
 from vpipe.runtime.optim import make_optimizer
 from vpipe.runtime.simulate import action_order
 from vpipe.runtime.stage_run import multi_stage_class, sub_spec
+from vpipe.sharing import keep_all_shares
 from vpipe.tensor_manager import MemoryBudgetError, TensorManager
 from vpipe.tensor_manager.budget import expected_state_factor, stage_fixed_bytes
 
@@ -219,12 +222,16 @@ def _rank_fit(cfg: RunConfig, rank: int, inputs: list[list[torch.Tensor]], budge
     error = (f"rank {rank}: its stages' fixed bytes {sum(fixed.values())} exceed the budget {budget}"
              if managed and share <= 0 else None)
 
+    moments = in_flight_together({rank: _rank_actions(cfg, rank)}, len(placement))
+    together = [[row[v] for v in indices] for row in moments]
+
     def reshare() -> None:  # between steps, as vpipe.rank.memory shares a rank's budget
-        needs = {v: managers[v].keep_all_bytes() for v in indices}
-        left = budget - sum(fixed.values())
-        if managed and all(needs.values()) and sum(needs.values()) <= left:
-            for v in indices:
-                managers[v].budget_bytes = left * needs[v] // sum(needs.values())
+        needs = [managers[v].keep_all_need() for v in indices]
+        shares = keep_all_shares(budget - sum(fixed.values()), [kept for kept, _ in needs],
+                                 [count for _, count in needs], together)
+        if managed and shares is not None:
+            for v, part in zip(indices, shares):
+                managers[v].budget_bytes = int(part)
                 managers[v].relax()
 
     peak = 0
@@ -237,8 +244,8 @@ def _rank_fit(cfg: RunConfig, rank: int, inputs: list[list[torch.Tensor]], budge
         stats = {v: managers[v].stats() for v in indices}
         for manager in managers.values():
             manager.close()
-    if managed:
-        peak = sum(s.peak_resident_bytes for s in stats.values())
+    if managed and any(layer.policy is not Policy.KEEP for s in stats.values() for layer in s.layers.values()):
+        peak = sum(s.peak_resident_bytes for s in stats.values())  # a swap's or recompute's transients: own peaks
     working = max((s.layers[lid].activation_bytes_per_micro_batch for s in stats.values() for lid in s.layers
                    if s.layers[lid].policy is Policy.RECOMPUTE), default=0)
     return StageFit(stage=rank, budget_bytes=budget, fixed_bytes=sum(fixed.values()), peak_saved_bytes=peak,
@@ -280,20 +287,22 @@ def _run_rank(cfg: RunConfig, rank: int, modules: Mapping[int, torch.nn.Module],
     return peak
 
 
-def rank_action_order(cfg: RunConfig, rank: int, steps: int) -> list[tuple[str, int, int]]:
-    """``(kind, stage, global micro-batch)`` of ``rank`` under ``cfg``'s multi-stage schedule over ``steps`` steps,
-    read off torch's own action lists: ``F`` forward, ``B`` backward (a zero-bubble weight pass ``W``; its input
-    pass ``I`` is left out), ``O`` the optimizer step at the end of each step."""
+def _rank_actions(cfg: RunConfig, rank: int) -> list[Any]:
+    """One step's actions of ``rank`` under ``cfg``'s multi-stage schedule, as torch lists them."""
     try:
         from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
     except ImportError:
         raise RuntimeError(f"torch {torch.__version__} has no schedule visualizer to read {cfg.schedule}'s action "
                            "lists from") from None
+    return get_schedule_ops(multi_stage_class(cfg.schedule), cfg.stages, cfg.micro_batches, cfg.n_local_stages)[rank]
 
-    actions = get_schedule_ops(multi_stage_class(cfg.schedule), cfg.stages, cfg.micro_batches,
-                               cfg.n_local_stages)[rank]
+
+def rank_action_order(cfg: RunConfig, rank: int, steps: int) -> list[tuple[str, int, int]]:
+    """``(kind, stage, global micro-batch)`` of ``rank`` under ``cfg``'s multi-stage schedule over ``steps`` steps,
+    read off torch's own action lists: ``F`` forward, ``B`` backward (a zero-bubble weight pass ``W``; its input
+    pass ``I`` is left out), ``O`` the optimizer step at the end of each step."""
     one_step = []
-    for action in flat_actions(actions):
+    for action in flat_actions(_rank_actions(cfg, rank)):
         kind = action_kind(action)
         if kind in ("F", "B", "W"):
             one_step.append(("F" if kind == "F" else "B", action.stage_index, action.microbatch_index))

@@ -103,7 +103,7 @@ class TensorManager:
         self._metering = True
         self._all_keep = True
         # every layer kept and measured, not metering, and no budget or one that holds a step's micro-batches
-        # with room to spare: no layer hooks at all
+        # (as the plain schedule would): no layer hooks at all
         self._hookless = False
         # the tensor input shapes of the last micro-batch run with hooks (None: not known, the caller did not
         # say); under a budget a hookless micro-batch must have these, or it could save more than was measured
@@ -140,9 +140,14 @@ class TensorManager:
         self._metering = value
         self._update_hooks()
 
+    @property
+    def hooked(self) -> bool:
+        """Whether the layers' calls go through vpipe's hooks now (False: they run as without vpipe)."""
+        return not self._hookless
+
     def _update_hooks(self) -> None:
         """With nothing to measure, decide or enforce (every layer kept and measured, metering off, and no budget
-        or one that a step's micro-batches fit with room to spare), the layers' hooks come off: a kept layer then
+        or one that a step's micro-batches fit), the layers' hooks come off: a kept layer then
         costs what it costs without vpipe. A micro-batch is counted with its layers' measured bytes when its
         forward ends; under a budget its inputs must have the shapes of the last measured one."""
         self._counts = None  # (what they are counted with is worked out again at the next such micro-batch)
@@ -389,7 +394,7 @@ class TensorManager:
         budget = self._budget
         if budget.budget_bytes is not None:
             budget.fit(mb, in_flight, self._phases.lag_share(in_flight), self._all_keep, self.set_policy)
-        calls.unmetered = not self.metering and self._all_keep and budget.comfortably_within(in_flight)
+        calls.unmetered = not self.metering and self._all_keep and budget.holds_next_unwatched(in_flight)
         self._prefetcher.pump()
 
     @contextmanager
@@ -460,10 +465,15 @@ class TensorManager:
                     "h2d_bytes": copies.bytes[H2D], "h2d_s": copies.seconds[H2D],
                     "recompute_s": self._recompute.recompute_s}
 
+    def keep_all_need(self) -> tuple[int, int]:
+        """One micro-batch's kept bytes with every layer kept (each storage once; 0 until measured with the
+        current layers) and the most micro-batches in flight in the last step (or this one)."""
+        return self._budget.kept_per_mb_now(), max(self._open_max_last_step, self._open_max, 1)
+
     def keep_all_bytes(self) -> int:
-        """What keeping every layer takes at the last step's peak: one micro-batch's kept bytes (each storage
-        once) times the micro-batches in flight; 0 until measured with the current layers."""
-        return self._budget.kept_per_mb_now() * max(self._open_max_last_step, self._open_max)
+        """What keeping every layer takes at the last step's peak (0 until measured)."""
+        kept, in_flight = self.keep_all_need()
+        return kept * in_flight
 
     def relax(self) -> None:
         """Between steps: go back to keeping the layers the budget made this manager swap or recompute, if

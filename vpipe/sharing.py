@@ -1,0 +1,52 @@
+"""How the stages of one rank share what its memory budget leaves for saved activations.
+
+A multi-stage schedule runs several stages on one rank, under one budget. Each stage's
+tensor manager enforces a part of it, so the rank's room must be divided. Keeping every
+layer, stage ``v`` needs ``in_flight[v] x kept[v]`` at its own peak (micro-batches in flight
+times one micro-batch's kept bytes), but the stages of a rank do not peak at once: under
+interleaved 1F1B the first stage holds four micro-batches while the rank's later stage
+holds none yet. The rank's real peak is the largest sum over the moments of its action
+list (``together``: at each forward, how many micro-batches each of its stages holds). The
+plain schedule runs wherever that real peak fits; so when it fits, each stage's share is its
+own peak scaled by room over real peak, which is at least what it needs even though the
+shares add up to more than the room (their peaks never coincide). When keeping every layer
+does not fit, or a stage has not measured its bytes yet, the caller shares equally.
+
+Used by the ranks (``vpipe.rank.memory``), the online planner and the reference fit, so all
+three divide a rank's budget the same way. Torch-free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = ["keep_all_shares", "joint_peak"]
+
+
+def joint_peak(kept: Sequence[float], in_flight: Sequence[int],
+               together: Sequence[Sequence[int]] | None = None) -> float:
+    """The rank's peak bytes with every layer kept: the largest moment of ``together`` (micro-batches each
+    stage holds at one moment, a column per stage of ``kept``), and never less than one stage's own peak;
+    without moments, every stage peaks at once (the sum)."""
+    own = [max(1, count) * size for count, size in zip(in_flight, kept)]
+    if not together:
+        return float(sum(own))
+    moments = (sum(count * size for count, size in zip(row, kept)) for row in together)
+    return float(max(max(moments), max(own, default=0)))
+
+
+def keep_all_shares(room: float, kept: Sequence[float], in_flight: Sequence[int],
+                    together: Sequence[Sequence[int]] | None = None) -> list[float] | None:
+    """Each stage's share of ``room`` when the rank's peak with every layer kept fits it, else None.
+
+    ``kept``: one micro-batch's kept bytes per stage (0: not measured); ``in_flight``: each stage's peak
+    micro-batches; ``together``: the rank's moments (see :func:`joint_peak`)."""
+    if len(kept) != len(in_flight) or any(len(row) != len(kept) for row in together or ()):
+        raise ValueError(f"{len(kept)} stages' kept bytes, {len(in_flight)} in-flight counts and moments of "
+                         f"{sorted({len(row) for row in together or ()})} stages do not match")
+    if not kept or not all(kept) or room <= 0:
+        return None
+    peak = joint_peak(kept, in_flight, together)
+    if peak > room:
+        return None
+    return [room * max(1, count) * size / peak for count, size in zip(in_flight, kept)]
