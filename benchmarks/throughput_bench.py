@@ -34,16 +34,18 @@ global batch.
 
 Timing: after ``--adapt`` steps that let vpipe's planner settle, ``--rounds`` rounds run
 every system for a block of ``--block`` steps in order and then in reverse order
-(A B ... B A); the first step of each block is not counted (a PipeDream stream refills).
-After each round, rank 0 profiles every layer of the model (one thread, the others wait)
-for the *ideal*: perfect balance, no bubble, no recompute, unlimited memory = the model's
-forward + backward per micro-batch / stages. With fewer cores than stages the ideal is
+(A B ... B A), each vpipe system right after the same schedule without it; the first step
+of each block is not counted (a PipeDream stream refills), and a round's time for a system
+is the median of its counted steps (each averaged over the ranks). After each round, rank 0
+profiles every layer of the model (one thread, the others wait) for the *ideal*: perfect
+balance, no bubble, no recompute, unlimited memory = the model's forward + backward per
+micro-batch / stages. With fewer cores than stages the ideal is
 also given for min(stages, cores) (4 ranks on 2 cores cannot beat 2 cores). Reported per
 system: median samples/s; per-round ratios (median, min-max) of each vpipe system to the
 same schedule without vpipe and of every system to GPipe (all R); the fraction of the
 same round's ideal.
 
-    python benchmarks/throughput_bench.py [--cases transformer:2,cnn:4] [--rounds 6] [--json OUT]
+    python benchmarks/throughput_bench.py [--cases transformer:2,cnn:4] [--rounds 12] [--json OUT]
 """
 
 from __future__ import annotations
@@ -82,8 +84,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--budget-fraction", type=float, default=0.5,
                    help="of the largest stage's 1F1B all-kept activations, on top of its fixed bytes")
     p.add_argument("--adapt", type=int, default=4, help="steps per system before timing (vpipe's planner settles)")
-    p.add_argument("--rounds", type=int, default=6)
-    p.add_argument("--block", type=int, default=3, help="steps per system per block (the first is not counted)")
+    p.add_argument("--rounds", type=int, default=12)
+    p.add_argument("--block", type=int, default=5, help="steps per system per block (the first is not counted)")
     p.add_argument("--systems", default=None,
                    help="comma-separated system names to run (default: all), e.g. '1F1B (all D),1F1B + vpipe'")
     p.add_argument("--cores", type=int, default=os.cpu_count() or 1, help="for the cores-capped ideal")
@@ -172,6 +174,7 @@ def plan_case(args: argparse.Namespace, model: str, stages: int) -> dict[str, An
                 variants.append(Variant(f"{name} + vpipe", schedule, size, batch // size, vpipe=True,
                                         memory_budget=budget, partition=virtual))
     variants.append(Variant("1F1B, no budget (all D)", "1f1b", mbs, m))
+    variants = _pairs_adjacent(variants)
     if args.systems:
         wanted = {name.strip() for name in args.systems.split(",")}
         unknown = wanted - {v.name for v in variants}
@@ -182,6 +185,18 @@ def plan_case(args: argparse.Namespace, model: str, stages: int) -> dict[str, An
     return {"model": model, "stages": stages, "base": base.to_dict(), "budget_bytes": budget,
             "partition": base.partition, "virtual_partition": virtual, "global_batch": batch, "fits": fits,
             "variants": [v.to_dict() for v in variants], "profile_compute_s": costs.compute_s}
+
+
+def _pairs_adjacent(variants: list[Any]) -> list[Any]:
+    """Each vpipe system right after the same schedule without vpipe: the machine's speed drifts within
+    seconds, and a ratio of neighbours in the A B ... B A order sees the least of it."""
+    out = [v for v in variants if v.name not in WITHOUT_VPIPE]
+    for v in variants:
+        if v.name in WITHOUT_VPIPE:
+            partner = WITHOUT_VPIPE[v.name]
+            at = next((i for i, w in enumerate(out) if w.name == partner), len(out) - 1)
+            out.insert(at + 1, v)
+    return out
 
 
 # ---------------------------------------------------------------------- one rank (worker)
@@ -278,10 +293,11 @@ def summarise(args: argparse.Namespace, case: dict[str, Any], ranks: list[dict[s
     capped = [m * c / min(stages, args.cores) for c in ranks[0]["ideal_compute_s"]]
     per_round: dict[str, list[float]] = {}
     for n in names:
-        # a step lasts one pipeline period on every rank: average the ranks, then the round's steps
+        # a step lasts one pipeline period on every rank: average the ranks, then the median of the round's steps
+        # (one step the machine stalled does not make the round)
         rounds = []
         for r in range(len(ideal)):
-            step = statistics.fmean(statistics.fmean(rank["times"][n][r]) for rank in ranks)
+            step = statistics.median(map(statistics.fmean, zip(*(rank["times"][n][r] for rank in ranks))))
             rounds.append(batch / step)
         per_round[n] = rounds
     def paired(a: str, b: str) -> list[float]:
@@ -329,7 +345,8 @@ def ranks_state(ranks: list[dict[str, Any]], name: str) -> dict[str, Any]:
     return {"stages": states[0].get("stages"), "policies": [s.get("policies") for s in states],
             "escalations": sum(s.get("escalations", 0) for s in states),
             "peak_saved_bytes": [s.get("peak_saved_bytes") for s in states],
-            "fixed_bytes": [s.get("fixed_bytes") for s in states], "epoch": states[0].get("epoch")}
+            "fixed_bytes": [s.get("fixed_bytes") for s in states], "epoch": states[0].get("epoch"),
+            "hooked": [s.get("hooked") for s in states]}
 
 
 def print_case(result: dict[str, Any]) -> None:

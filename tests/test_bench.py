@@ -244,3 +244,14 @@ def test_multi_stage_rows_are_compared_with_the_same_schedule_without_vpipe():
     assert "budget 5.0 MiB per rank, global batch 32, partition [3, 3] ([2, 1, 1, 2] on the virtual stages)" in text
     assert "| ZBV + vpipe | 8 x 4 | 320.0 | 2.00x (2.00-2.00) | 1.00x (1.00-1.00) | 20% |" in text
     assert "| Interleaved 1F1B + vpipe | - | does not fit |" in text
+
+
+def test_each_vpipe_system_runs_right_after_the_same_schedule_without_it():
+    from vpipe.runtime.variants import Variant
+
+    names = ["GPipe (all R)", "1F1B (all D)", "PipeDream (all D)", "GPipe + vpipe", "1F1B + vpipe",
+             "PipeDream + vpipe", "ZBV (all D)", "ZBV + vpipe", "1F1B, no budget (all D)"]
+    ordered = _throughput_bench()._pairs_adjacent([Variant(n, "1f1b", 8, 4) for n in names])
+    assert [v.name for v in ordered] == ["GPipe (all R)", "GPipe + vpipe", "1F1B (all D)", "1F1B + vpipe",
+                                         "PipeDream (all D)", "PipeDream + vpipe", "ZBV (all D)", "ZBV + vpipe",
+                                         "1F1B, no budget (all D)"]

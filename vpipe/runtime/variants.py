@@ -84,7 +84,8 @@ class VariantRun:
             out.update(policies="/".join(policies),
                        peak_saved_bytes=sum(s.peak_resident_bytes for s in stats),
                        budget_bytes=None if None in budgets else sum(budgets),
-                       escalations=sum(len(s.escalations) for s in stats), d2h_bytes=sum(s.d2h_bytes for s in stats))
+                       escalations=sum(len(s.escalations) for s in stats), d2h_bytes=sum(s.d2h_bytes for s in stats),
+                       hooked=[tm.hooked for tm in managers])
             out["fixed_bytes"] = self.vp.fixed_bytes()
         return out
 
