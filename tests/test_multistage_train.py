@@ -169,3 +169,33 @@ def test_every_virtual_stage_reports_to_the_planner_daemon(tmp_path):
 def test_bad_layouts_end_with_one_error_line_and_status_2(args, message, capsys):
     assert cli_main(["train", "--blocks", "4", "--no-progress", *args]) == 2
     assert capsys.readouterr().err == f"vpipe: error: {message}\n"
+
+
+def test_where_plain_interleaved_1f1b_fits_a_budget_vpipe_keeps_every_layer_and_sends_no_plan(tmp_path):
+    """A rank's two stages do not peak at once: plain Interleaved 1F1B fits a budget that the stages' own peaks
+    added up pass. vpipe shares the rank's budget by its real peak, so it keeps every layer too, and the planner
+    finds nothing to fix."""
+    from vpipe.runtime.fit import pipeline_fit
+
+    cfg = RunConfig(model="cnn", schedule="interleaved1f1b", stages=2, steps=6, micro_batches=4, micro_batch_size=16,
+                    partition=[1, 1, 2, 3], vpipe=True)
+    plain = pipeline_fit(RunConfig(**{**cfg.to_dict(), "vpipe": False}), 1 << 62, managed=False)
+    # 6% over plain's footprint: the first step runs on equal halves and swaps stage 0's block, which then
+    # counts its activations summed (12% over what it keeps for this block) until it keeps every layer again
+    budget = int(max(rank.footprint_bytes for rank in plain.stages) * 1.06)
+    out, log_file = tmp_path / "out", tmp_path / "run.log"
+    proc = run_vpipe("train", "--model", "cnn", "--schedule", "interleaved1f1b", "--stages", "2", "--steps", "6",
+                     "--micro-batches", "4", "--micro-batch-size", "16", "--partition", "1,1,2,3", "--vpipe",
+                     "--memory-budget", str(budget), "--out-dir", str(out), "--log-file", str(log_file),
+                     "--no-progress", timeout=400)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    assert all(set(rank["memory"]["policies"].values()) == {"D"} for rank in ranks)
+    # every layer kept, each manager's peak is its stage's own: added up they pass the budget, so shares in
+    # proportion to them would have left stage 0 less than it needs
+    own_peaks = [rank["memory"]["fixed_bytes"] + rank["memory"]["peak_saved_bytes"] for rank in ranks]
+    assert max(own_peaks) > budget
+    plans = [e for e in read_log(log_file) if e.get("kind") == "plan"]
+    assert plans == []
+    _, want_losses, _ = reference_flush(cfg)
+    assert next(r["losses"] for r in ranks if r["losses"]) == want_losses

@@ -149,3 +149,20 @@ def test_escalations_are_undone_once_the_budget_holds_every_layer_kept_but_a_pla
     manager.budget_bytes = manager.keep_all_bytes()
     manager.relax()
     assert escalated and {lid for lid, pol in manager.policies().items() if pol is Policy.SWAP} == escalated
+
+
+def test_a_stage_that_never_kept_every_layer_counts_its_layers_activations_summed_as_its_need():
+    kind = "transformer"
+    peak = _peak_all_kept(kind, micro_batches=4)
+    spec = model_spec(kind)
+    model = build_model(spec, seed=0)
+    manager = make_manager(model, budget_bytes=int(0.2 * peak))  # escalates from its first micro-batch on
+    gpipe_step(model, spec, 0, manager, micro_batches=4)
+    assert manager.stats().escalations and manager._budget.kept_per_mb is None  # no micro-batch kept everything
+    summed = sum(manager.ledger.activation_bytes(lid) for lid in manager.policies())
+    kept, in_flight = manager.keep_all_need()
+    assert (kept, in_flight) == (summed, 4)
+    assert summed >= peak // 4  # never less than what a micro-batch keeps with every layer kept
+    manager.budget_bytes = kept * in_flight  # a share that holds it: the stage keeps every layer again
+    manager.relax()
+    assert set(manager.policies().values()) == {Policy.KEEP}

@@ -108,9 +108,17 @@ class BudgetGovernor:
         self._kept_layers = frozenset(self._layers)
 
     def kept_per_mb_now(self) -> int:
-        """``kept_per_mb`` if it was measured with the layers managed now; 0 when not known."""
-        same = self.kept_per_mb is not None and self._kept_layers == self._layers.keys()
-        return self.kept_per_mb if same else 0  # type: ignore[return-value]
+        """``kept_per_mb`` if it was measured with the layers managed now; else, once every layer's activations
+        were measured, their sum (a storage two layers save counts twice: never less than keeping takes); 0
+        when not known.
+
+        A stage that escalated at its first micro-batches (its part of a shared budget was not known yet)
+        never runs a micro-batch with every layer kept to measure it: the sum lets it find out that keeping
+        every layer fits after all."""
+        if self.kept_per_mb is not None and self._kept_layers == self._layers.keys():
+            return self.kept_per_mb
+        sizes = [self.ledger.activation_bytes(lid) for lid in self._layers]
+        return sum(sizes) if sizes and None not in sizes else 0  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ per micro-batch
     def fit(self, mb: int, in_flight: int, lag_share: float, all_keep: bool,
