@@ -166,3 +166,9 @@ def test_a_stage_that_never_kept_every_layer_counts_its_layers_activations_summe
     manager.budget_bytes = kept * in_flight  # a share that holds it: the stage keeps every layer again
     manager.relax()
     assert set(manager.policies().values()) == {Policy.KEEP}
+    before = len(manager.stats().escalations)
+    gpipe_step(model, spec, 1, manager, micro_batches=4)
+    # the micro-batches agree with relax(): they keep every layer (no escalating again, step after step) and
+    # measure what that keeps
+    assert len(manager.stats().escalations) == before and set(manager.policies().values()) == {Policy.KEEP}
+    assert 0 < manager.keep_all_need()[0] <= summed

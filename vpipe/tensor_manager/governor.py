@@ -132,9 +132,9 @@ class BudgetGovernor:
         assert budget is not None
         # keeping everything needs no backward reserve (nothing is brought back or recomputed): when the
         # measured bytes of a micro-batch, every layer kept, fit that way, as much fits as without vpipe
-        kept = self.kept_per_mb
-        measured = self.ledger.activation
-        self.keep_all_fits = (all_keep and kept is not None and all(measured.get(lid) for lid in self._layers)
+        # (what relax() undoes escalations by: the two must agree, or a stage undoes and redoes them every step)
+        kept = self.kept_per_mb_now()
+        self.keep_all_fits = (all_keep and kept > 0
                               and kept <= min(budget - self.ledger.resident, budget // in_flight))
         if self.keep_all_fits:
             return  # (before the projection's estimates: this is every micro-batch of a stage that fits)
