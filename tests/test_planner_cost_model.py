@@ -10,6 +10,7 @@ from planner_helpers import boundary_bytes_by_definition, chain, dags
 from vpipe.graph import LayerGraph, LayerNode
 from vpipe.plan import Policy
 from vpipe.planner.cost_model import (
+    Code,
     GraphProfile,
     Hardware,
     PipelineSetup,
@@ -21,6 +22,7 @@ from vpipe.planner.cost_model import (
     throughput,
     weight_versions,
 )
+from vpipe.planner.sr import optimize_segment
 
 D, S, R = Policy.KEEP, Policy.SWAP, Policy.RECOMPUTE
 
@@ -50,6 +52,21 @@ def test_stage_time_adds_recompute_forward_and_only_the_swap_the_link_cannot_hid
     assert stage_time(g, [10, 20], {20: S}, Hardware(copy_bytes_per_s=1e6)) == pytest.approx(12e-3)
     # at 50 kB/s the copy takes 16 ms: 4 ms is exposed
     assert stage_time(g, [10, 20], {20: S}, Hardware(copy_bytes_per_s=5e4)) == pytest.approx(16e-3)
+
+
+def test_on_a_cpu_a_swaps_copies_add_to_the_compute_they_run_on():
+    g = _two_layers()
+    cpu = Hardware(copy_bytes_per_s=1e6, copies_overlap=False)
+    assert stage_time(g, [10, 20], {20: S}, cpu) == pytest.approx(12e-3 + 0.8e-3)  # 800 bytes at 1 MB/s
+    assert stage_time(g, [10, 20], {}, cpu) == pytest.approx(12e-3)
+    # the policy search prices it the same way: with memory to spare nothing is swapped, and under a budget
+    # that one swap or one recompute meets, the cheaper one is chosen (b's 3 ms forward against its 0.8 ms copy)
+    profile = GraphProfile(g)
+    for hardware, cheaper in ((cpu, Code.S), (Hardware(copy_bytes_per_s=1e5, copies_overlap=False), Code.R)):
+        setup = PipelineSetup(1, "gpipe", 4, hardware)  # 3 x 1010 parameter bytes + 4 x 500 activations kept
+        assert list(optimize_segment(profile, setup, 0, 2, 0, budget=1e9).codes) == [Code.D, Code.D]
+        tight = optimize_segment(profile, setup, 0, 2, 0, budget=5030 - 1000)  # only b's swap or recompute saves it
+        assert tight.fits and list(tight.codes) == [Code.D, cheaper]
 
 
 def test_stage_time_charges_boundary_tensors_to_the_receiving_stage():

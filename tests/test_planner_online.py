@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -323,3 +324,12 @@ def test_a_ranks_stages_that_never_peak_together_keep_everything_where_the_plain
     # ... but the action lists say stage 0 holds 4 while stage 2 holds none, and 2 while it holds 2: 4 MiB at most
     together = [[4, 3, 0, 1], [2, 1, 2, 1]]
     assert _shared_rank_plan(kept, budget, together) is None
+
+
+def test_stages_on_a_cpu_are_planned_with_their_swap_copies_on_the_compute_thread():
+    planner = _planner()
+    planner([_stage(0, [0, 1, 2, 3], 9), _stage(1, [4, 5, 6, 7], 9)], FOUR_FOUR)
+    assert planner._hardware.copies_overlap is False and planner._srp.setup.hardware.copies_overlap is False
+    gpu = [dataclasses.replace(_stage(k, ids, 19), device="cuda:0") for k, ids in enumerate(FOUR_FOUR.stages)]
+    planner(gpu, FOUR_FOUR)
+    assert planner._hardware.copies_overlap is True  # CUDA copy streams run beside the compute

@@ -158,8 +158,11 @@ class StageCosts:
         hw = setup.hardware
         is_s, is_r = codes == Code.S, codes == Code.R
         compute = profile.fwd + profile.bwd + np.where(is_r, profile.fwd, 0.0)
+        swap = np.where(is_s, 2.0 * profile.act, 0.0) / hw.copy_bytes_per_s
+        if not hw.copies_overlap:  # the copies run on the compute thread: their time adds to the stage's
+            compute, swap = compute + swap, np.zeros_like(swap)
         self.compute_prefix = _prefix(compute)
-        self.swap_prefix = _prefix(np.where(is_s, 2.0 * profile.act, 0.0) / hw.copy_bytes_per_s)
+        self.swap_prefix = _prefix(swap)
         self.resident_prefix = _prefix(np.where(is_r, profile.in_bytes, np.where(is_s, 0.0, profile.act)))
         self.staging_prefix = _prefix(np.where(is_s, profile.act, 0.0))
         self.param_prefix = _prefix(profile.params)

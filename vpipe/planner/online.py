@@ -25,7 +25,7 @@ import statistics
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from vpipe.checks import require
@@ -173,6 +173,10 @@ class OnlinePlanner:
         if self._samples < self.config.warmup_samples:
             return None
         graph = self._graph(current, records, _kept_shares(vector))
+        # on a CPU a swap is a copy the step waits for: it costs its time, however much compute is beside it
+        overlap = not all(rec.device.startswith("cpu") for rec in vector)
+        if overlap != self._hardware.copies_overlap:
+            self._hardware = replace(self._hardware, copies_overlap=overlap)
         self._report_imbalance(vector, current, graph)
         planner = self._planner(graph, records, current)
         if self.config.stage_ranks is not None and self.config.memory_budget is not None:
@@ -285,10 +289,9 @@ class OnlinePlanner:
         state = sum(r.optimizer_bytes for r in records.values())
         # gradients (one copy of the parameters) and optimizer state, relative to the parameters
         factor = round(1.0 + state / params, 2) if params else 2.0
-        key = (current.num_stages, factor, self.config.allow_moves)
+        key = (current.num_stages, factor, self.config.allow_moves, self._hardware.copies_overlap)
         if self._srp is None or self._srp_key != key:
-            hardware = Hardware(copy_bytes_per_s=self.config.copy_bytes_per_s,
-                                net_bytes_per_s=self.config.net_bytes_per_s, optimizer_factor=factor)
+            hardware = replace(self._hardware, optimizer_factor=factor)
             last = self._srp.last_proposal_step if self._srp is not None else None
             self._srp = SRPPlanner(current.num_stages, self.config.schedule, self.config.micro_batches,
                                    self.config.memory_budget, hardware, horizon_steps=self.config.horizon_steps,

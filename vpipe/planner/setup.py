@@ -91,11 +91,15 @@ class Hardware:
     ``copy_bytes_per_s`` is the device<->host copy link that swaps use (PCIe 4 x16 ~ 12 GB/s
     achieved); ``net_bytes_per_s`` the link between neighbouring stages; ``optimizer_factor``
     the optimizer state per parameter byte (2 for Adam's two moments, 1 for momentum SGD).
+    ``copies_overlap``: swap copies run beside the compute (CUDA copy streams), so a stage
+    takes the longer of the two; False where the copy runs on the compute thread (a CPU
+    "device": a memcpy the step waits for), so its time adds to the compute.
     """
 
     copy_bytes_per_s: float = 12e9
     net_bytes_per_s: float = 10e9
     optimizer_factor: float = 2.0
+    copies_overlap: bool = True
 
     def __post_init__(self) -> None:
         for what in ("copy_bytes_per_s", "net_bytes_per_s"):

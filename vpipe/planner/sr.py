@@ -67,8 +67,10 @@ class _Stage:
         m = setup.in_flight(stage)
         # resident bytes and link seconds per layer, by policy code D/S/R
         self.resident = np.stack([m * a, a, m * profile.in_bytes[start:end]])
-        self.link = np.stack([np.zeros_like(a), 2.0 * a / hw.copy_bytes_per_s, np.zeros_like(a)])
-        self.extra = np.stack([np.zeros_like(a), np.zeros_like(a), self.f])
+        # a swap's copies out and back: beside the compute (link) or on its thread (extra compute)
+        zero, copy = np.zeros_like(a), 2.0 * a / hw.copy_bytes_per_s
+        self.link = np.stack([zero, copy if hw.copies_overlap else zero, zero])
+        self.extra = np.stack([zero, zero if hw.copies_overlap else copy, self.f])
         self.comm = (profile.cut[start] + profile.cut[end]) / hw.net_bytes_per_s
         self.const_mem = setup.param_factor(stage) * float(profile.params[start:end].sum())
         self.codes = np.zeros(end - start, dtype=np.int8)
