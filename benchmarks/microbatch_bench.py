@@ -18,8 +18,10 @@ baselines: fits if weights + gradients + optimizer state + stashed weight versio
 peak saved activations + a recomputed layer's working set stay within the budget). The
 search doubles the micro-batch size until it fails, then bisects, up to ``--max-size``
 (a system still fitting there is reported as ">= max"). Swapped bytes go to the host
-pool, which this benchmark does not limit. No timing is involved, so the result does
-not depend on the machine's load.
+pool, which this benchmark does not limit. No step is timed, but vpipe's budget picks the
+layers to swap or recompute by their measured times, and a recomputed layer's working set
+counts in the fit: on a loaded machine the choice, and so the vpipe rows, can differ (run
+it alone).
 
     python benchmarks/microbatch_bench.py [--cases transformer:2,cnn:2] [--json OUT]
 """
