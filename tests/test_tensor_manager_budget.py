@@ -172,3 +172,19 @@ def test_a_stage_that_never_kept_every_layer_counts_its_layers_activations_summe
     # measure what that keeps
     assert len(manager.stats().escalations) == before and set(manager.policies().values()) == {Policy.KEEP}
     assert 0 < manager.keep_all_need()[0] <= summed
+
+
+def test_escalations_stay_while_a_plans_swap_keeps_the_stage_from_keeping_every_layer():
+    """Undoing them would not make the stage keep everything (the plan's swap stays): its micro-batches would
+    project with a backward reserve and escalate again, at every step."""
+    kind = "transformer"
+    peak = _peak_all_kept(kind, micro_batches=4)
+    spec = model_spec(kind)
+    model = build_model(spec, seed=0)
+    manager = make_manager(model, {0: "S"}, budget_bytes=int(0.3 * peak))  # layer 0 swapped by a plan
+    gpipe_step(model, spec, 0, manager, micro_batches=4)
+    policies = manager.policies()
+    assert {lid for lid, _, _ in manager.stats().escalations} - {0}
+    manager.budget_bytes = manager.keep_all_bytes()  # keeping every layer would fit
+    manager.relax()
+    assert manager.policies() == policies

@@ -166,6 +166,14 @@ class BudgetGovernor:
         active = self.escalations[self._relaxed:]
         if budget is None or not active or not need or need > budget:
             return
+        after = {lid: layer.policy for lid, layer in self._layers.items()}
+        for layer_id, old, new in reversed(active):
+            if after.get(layer_id) is new:
+                after[layer_id] = old
+        if any(policy is not Policy.KEEP for policy in after.values()):
+            # a plan's swaps or recomputes stay: not every layer would be kept, the micro-batches would project
+            # with a backward reserve again and escalate again (undone and redone at every step)
+            return
         self._relaxed = len(self.escalations)
         for layer_id, old, new in reversed(active):
             layer = self._layers.get(layer_id)
