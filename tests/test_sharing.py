@@ -20,6 +20,9 @@ def test_the_ranks_peak_is_its_largest_moment_and_each_share_covers_the_stages_o
     assert shares == [36, 24]  # 30 and 20 scaled by 36 / 30: more than the room together, never at once
     assert all(share >= count * kept for share, count, kept in zip(shares, [3, 1], [10, 20]))
     assert keep_all_shares(29, [10, 20], [3, 1], together) is None
+    # moments over the whole pipeline (stages 0..3), the rank running stages 1 and 3: their columns count
+    pipeline_wide = [[9, 3, 9, 0], [9, 1, 9, 1]]
+    assert keep_all_shares(36, [10, 20], [3, 1], pipeline_wide, stages=[1, 3]) == shares
 
 
 def test_a_stage_that_measured_nothing_yet_or_no_room_gives_no_shares():

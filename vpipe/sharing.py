@@ -36,11 +36,15 @@ def joint_peak(kept: Sequence[float], in_flight: Sequence[int],
 
 
 def keep_all_shares(room: float, kept: Sequence[float], in_flight: Sequence[int],
-                    together: Sequence[Sequence[int]] | None = None) -> list[float] | None:
+                    together: Sequence[Sequence[int]] | None = None,
+                    stages: Sequence[int] | None = None) -> list[float] | None:
     """Each stage's share of ``room`` when the rank's peak with every layer kept fits it, else None.
 
     ``kept``: one micro-batch's kept bytes per stage (0: not measured); ``in_flight``: each stage's peak
-    micro-batches; ``together``: the rank's moments (see :func:`joint_peak`)."""
+    micro-batches; ``together``: the moments (see :func:`joint_peak`), a column per stage of ``kept``, or, with
+    ``stages`` (the pipeline indices of the stages ``kept`` is for), a column per stage of the pipeline."""
+    if together and stages is not None:
+        together = [[row[v] for v in stages] for row in together]
     if len(kept) != len(in_flight) or any(len(row) != len(kept) for row in together or ()):
         raise ValueError(f"{len(kept)} stages' kept bytes, {len(in_flight)} in-flight counts and moments of "
                          f"{sorted({len(row) for row in together or ()})} stages do not match")

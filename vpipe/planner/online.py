@@ -374,8 +374,7 @@ def _shared_budgets(budget: int, setup: Any, graph: LayerGraph, current: Plan, v
     for k in range(current.num_stages):
         mates = [j for j in range(current.num_stages) if ranks[j] == ranks[k]]
         left = budget - sum(fixed[j] for j in mates)
-        rows = [[row[j] for j in mates] for row in together] if together else None
-        part = keep_all_shares(left, [kept[j] for j in mates], [setup.in_flight(j) for j in mates], rows)
+        part = keep_all_shares(left, [kept[j] for j in mates], [setup.in_flight(j) for j in mates], together, mates)
         shares.append(fixed[k] + part[mates.index(k)] if part is not None else budget / len(mates))
     return shares
 

@@ -90,10 +90,8 @@ class StageMemory:
                 raise MemoryBudgetError(f"{what}: parameters, gradients, optimizer state and stashed weight versions "
                                         f"take {fixed} bytes, the memory budget is {self.budget} bytes")
             left = self.budget - fixed
-            shares = None
-            if need:
-                together = [[row[v] for v in mates] for row in self.together] if self.together else None
-                shares = keep_all_shares(left, [kept for kept, _ in need], [count for _, count in need], together)
+            shares = keep_all_shares(left, [kept for kept, _ in need], [count for _, count in need], self.together,
+                                     mates) if need else None
             share = int(shares[mates.index(self.stage_index)]) if shares else left // len(self.siblings)
             self._key, self._activation = key, share
         return self._activation

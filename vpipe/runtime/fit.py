@@ -222,13 +222,12 @@ def _rank_fit(cfg: RunConfig, rank: int, inputs: list[list[torch.Tensor]], budge
     error = (f"rank {rank}: its stages' fixed bytes {sum(fixed.values())} exceed the budget {budget}"
              if managed and share <= 0 else None)
 
-    moments = in_flight_together({rank: _rank_actions(cfg, rank)}, len(placement))
-    together = [[row[v] for v in indices] for row in moments]
+    together = in_flight_together({rank: _rank_actions(cfg, rank)}, len(placement))
 
     def reshare() -> None:  # between steps, as vpipe.rank.memory shares a rank's budget
         needs = [managers[v].keep_all_need() for v in indices]
         shares = keep_all_shares(budget - sum(fixed.values()), [kept for kept, _ in needs],
-                                 [count for _, count in needs], together)
+                                 [count for _, count in needs], together, indices)
         if managed and shares is not None:
             for v, part in zip(indices, shares):
                 managers[v].budget_bytes = int(part)
