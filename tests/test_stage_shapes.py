@@ -211,6 +211,21 @@ def test_under_a_roomy_budget_the_tutorial_trainer_runs_its_blocks_without_hooks
         assert r["max_sample_every"] == 80  # the one line's defaults: back off to 8 x every 10th step
 
 
+def test_the_tutorial_model_on_interleaved_1f1b_keeps_every_block_where_the_ranks_real_peak_fits(tmp_path):
+    """Each rank runs two stages that never peak together: a budget between the rank's real peak with every block
+    kept and its stages' own peaks added up holds the plain schedule, and vpipe keeps every block too."""
+    ranks = _scenario(tmp_path, "budget_interleaved", 2)["ranks"]
+    last = ranks[1]
+    assert last["losses"]["vpipe"] == last["losses"]["plain"] and len(last["losses"]["plain"]) == 16 * 4
+    deciding = ranks[ranks[0]["decided_by"]]
+    room = deciding["budget"] - deciding["fixed"]
+    assert max(deciding["rank_peak"], deciding["counted_peak"]) <= room < deciding["own_peaks"]
+    for r in ranks:
+        assert all(set(p.values()) == {"D"} for p in r["policies"]), r
+        assert r["hooked"] == [False, False]  # kept and fitting: the blocks run as without vpipe
+    assert any(n for r in ranks for n in r["escalations"])  # the first step, on equal halves, had to swap
+
+
 def test_attach_detach_attach_with_plans_in_both_does_not_hang_and_leaves_no_keys(tmp_path):
     ranks = _scenario(tmp_path, "reattach", 2)["ranks"]
     for r in ranks:
