@@ -14,6 +14,10 @@ Scenarios (``argv[1]``), launched by ``vpipe.runtime.launch.spawn``:
 - ``budget_interleaved`` (2 ranks): the tutorial's model split by hand into 4 stages under Interleaved 1F1B,
   with and without the one line side by side, vpipe's copy under a budget the rank's real peak fits and its
   stages' own peaks added up do not;
+- ``new_shapes`` (1 rank): the tutorial's model as one stage, plain and with the one line under a roomy
+  budget, the batch's sequence length changing between steps: which steps call the tensor manager;
+- ``pipedream_budget`` (2 ranks): the PipeDream example's trainer, plain and with the one line under a roomy
+  budget: which steps call the tensor manager, and what it counts in flight;
 - ``misuse`` (2 ranks): an optimizer over other parameters, layer edits that differ between ranks, made
   inside a forward or on one rank only, attach on one rank only.
 """
@@ -42,6 +46,8 @@ def _tutorial():
 
 
 tut = _tutorial()
+sys.path.insert(0, str(ROOT / "examples"))
+import train_sequential as seq_example  # noqa: E402  (the PipeDream example's model and data)
 
 
 def _train_step(schedule, optimizer, step: int) -> list[float]:
@@ -55,6 +61,20 @@ def _train_step(schedule, optimizer, step: int) -> list[float]:
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return [float(loss.detach()) for loss in losses]
+
+
+def _count_manager_calls(manager) -> list[int]:
+    """Count the times vpipe's stage wrappers ask ``manager`` whether a micro-batch's forward is quiet (once per
+    forward, twice for one that is not)."""
+    calls = [0]
+    inner = manager.begin_quiet_forward
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return inner(*args, **kwargs)
+
+    manager.begin_quiet_forward = counted
+    return calls
 
 
 def _error(fn) -> str:
@@ -202,15 +222,19 @@ def budget() -> dict:
     copies = {"plain": build(dist.new_group(backend="gloo")), "vpipe": build(None)}
     model, schedule, optimizer = copies["vpipe"]
     vp = vpipe.attach(schedule, optimizer=optimizer, memory_budget=1 << 30, planning=False)
+    calls = _count_manager_calls(vp.tensor_manager)
     losses: dict[str, list[float]] = {name: [] for name in copies}
-    hooked_steps = []
+    hooked_steps, called_steps = [], []
     for step in range(24):
+        before = calls[0]
         for name, (_, sched, opt) in copies.items():
             losses[name] += _train_step(sched, opt, step)
         if any(block._forward_pre_hooks for block in model.layers.values()):
             hooked_steps.append(step)
+        if calls[0] > before:
+            called_steps.append(step)
     stats = vp.tensor_manager.stats()
-    result = {"rank": rank, "losses": losses, "hooked_steps": hooked_steps,
+    result = {"rank": rank, "losses": losses, "hooked_steps": hooked_steps, "called_steps": called_steps,
               "peak": stats.peak_resident_bytes, "budget": stats.budget_bytes,
               "max_sample_every": next(iter(vp.session.monitors.values())).schedule.max_every}
     vp.detach()
@@ -269,6 +293,105 @@ def budget_interleaved() -> dict:
               "rank_peak": rank_peak, "counted_peak": counted_peak, "own_peaks": own_peaks,
               "policies": [{str(k): p.value for k, p in m.policies().items()} for m in managers],
               "escalations": [len(m.stats().escalations) for m in managers], "hooked": [m.hooked for m in managers]}
+    vp.detach()
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, result)
+    return {"ranks": gathered}
+
+
+def new_shapes() -> dict:
+    """One rank, the tutorial's whole model as one stage under Schedule1F1B, plain and with the one line side by
+    side, vpipe's copy under a roomy budget; the batch's sequence length changes from 32 to 16 at step 6 and
+    back to 32 at step 10. Per step: how many calls vpipe's stage wrappers made into the tensor manager."""
+    import vpipe
+
+    def build(group):
+        torch.manual_seed(0)
+        model = tut.split_model(tut.Transformer(tut.ModelArgs()), 0, [8])
+        stage = PipelineStage(model, 0, 1, torch.device("cpu"), group=group)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        return Schedule1F1B(stage, 4, loss_fn=tut.tokenwise_loss_fn), optimizer
+
+    copies = {"plain": build(dist.new_group(backend="gloo")), "vpipe": build(None)}
+    schedule, optimizer = copies["vpipe"]
+    vp = vpipe.attach(schedule, optimizer=optimizer, memory_budget=1 << 30, planning=False)
+    manager = vp.tensor_manager
+    calls = _count_manager_calls(manager)
+    losses: dict[str, list[float]] = {name: [] for name in copies}
+    per_step, seq_lens, metering, shapes = [], [], [], []
+    for step in range(14):
+        seq_len = 16 if 6 <= step < 10 else 32
+        before = calls[0]
+        for name, (sched, opt) in copies.items():
+            x, y = tut.batch(step, 8, seq_len, 256)
+            step_losses: list[torch.Tensor] = []
+            sched.step(x, target=y, losses=step_losses)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses[name] += [float(loss.detach()) for loss in step_losses]
+        per_step.append(calls[0] - before)
+        seq_lens.append(seq_len)
+        metering.append(manager.metering)
+        shapes.append(None if manager._input_shapes is None else [list(s) for s in manager._input_shapes])
+    result = {"losses": losses, "calls": per_step, "seq_lens": seq_lens, "metering": metering,
+              "input_shapes": shapes, "hooked": manager.hooked}
+    vp.detach()
+    return result
+
+
+def pipedream_budget() -> dict:
+    """The PipeDream example's trainer (vpipe.SchedulePipeDream, residual MLP blocks split 4,4) plain and with the
+    one line side by side, vpipe's copy under a roomy budget. Per step: whether vpipe's stage wrappers called the
+    tensor manager, what its ledger counted when the step's first forward reached it and when the step ended,
+    and the micro-batches in flight after it."""
+    from collections import OrderedDict
+
+    import torch.nn.functional as F
+
+    import vpipe
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def build(group):
+        torch.manual_seed(0)
+        layers = [seq_example.ResidualMLP(32) for _ in range(8)]
+        module = nn.Sequential(OrderedDict((str(i), layers[i]) for i in range(4 * rank, 4 * rank + 4)))
+        stage = PipelineStage(module, rank, world, torch.device("cpu"), group=group)
+        optimizer = torch.optim.Adam(module.parameters(), lr=1e-3)
+        return module, vpipe.SchedulePipeDream(stage, 4, F.mse_loss, optimizer)
+
+    copies = {"plain": build(dist.new_group(backend="gloo")), "vpipe": build(None)}
+    module, schedule = copies["vpipe"]
+    vp = vpipe.attach(schedule, optimizer=schedule.optimizer, memory_budget=1 << 30, planning=False)
+    manager = vp.tensor_manager
+    at_first_forward: dict[int, int] = {}
+    step_now = [0]
+    inner = manager.begin_quiet_forward
+
+    def first_forward(*args, **kwargs):
+        at_first_forward.setdefault(step_now[0], manager.ledger.resident)
+        return inner(*args, **kwargs)
+
+    manager.begin_quiet_forward = first_forward
+    losses: dict[str, list[float]] = {name: [] for name in copies}
+    resident, in_flight = [], []
+    for step in range(24):
+        step_now[0] = step
+        x, y = seq_example.batch(step, 8, 16, 32)
+        for name, (_, sched) in copies.items():
+            step_losses: list[torch.Tensor] = []
+            sched.step(x) if rank == 0 else sched.step(target=y, losses=step_losses)
+            losses[name] += [float(loss.detach()) for loss in step_losses]
+        resident.append(manager.ledger.resident)
+        in_flight.append(len(schedule.in_flight))
+    per_mb = sum(layer.kept_bytes for layer in manager._layers.values())
+    for _, sched in copies.values():
+        sched.flush()
+    plain_state, vpipe_state = (m.state_dict() for m, _ in copies.values())
+    result = {"rank": rank, "losses": losses, "called_steps": sorted(at_first_forward),
+              "at_first_forward": at_first_forward, "resident": resident, "in_flight": in_flight, "per_mb": per_mb,
+              "after_flush": manager.ledger.resident, "counted_after_flush": len(manager._interceptor.counted),
+              "same_weights": all(torch.equal(plain_state[k], vpipe_state[k]) for k in plain_state)}
     vp.detach()
     gathered: list = [None] * world
     dist.all_gather_object(gathered, result)
@@ -347,7 +470,8 @@ def main() -> None:
     dist.init_process_group("gloo")
     result = {"refusals": refusals, "subgroup": subgroup, "traced": traced, "nas": nas,
               "reattach": reattach, "misuse": misuse, "budget": budget,
-              "budget_interleaved": budget_interleaved}[scenario]()
+              "budget_interleaved": budget_interleaved, "new_shapes": new_shapes,
+              "pipedream_budget": pipedream_budget}[scenario]()
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(result))
     dist.barrier()

@@ -207,8 +207,50 @@ def test_under_a_roomy_budget_the_tutorial_trainer_runs_its_blocks_without_hooks
     for r in ranks:
         # hooks on the first step (nothing measured yet) and on the sampled, metered one (step 9); none after
         assert r["hooked_steps"] and max(r["hooked_steps"]) <= 9, r["hooked_steps"]
+        # nor any call into the tensor manager: its stage runs torch's own methods (the first step measures, the
+        # sampled, metered step 9 measures again)
+        assert r["called_steps"] == [0, 9], r["called_steps"]
         assert 0 < r["peak"] <= r["budget"] < 1 << 30  # (the rank's budget less its weights and optimizer state)
         assert r["max_sample_every"] == 80  # the one line's defaults: back off to 8 x every 10th step
+
+
+def test_a_step_whose_inputs_change_shape_under_a_budget_calls_the_manager_for_every_micro_batch(tmp_path):
+    """Quiet steps run the stage's own methods; a step with new input shapes goes through vpipe's wrappers,
+    which measure the new shapes, and the next steps of those shapes run without them again."""
+    result = _scenario(tmp_path, "new_shapes", 1)
+    assert result["losses"]["vpipe"] == result["losses"]["plain"] and len(result["losses"]["plain"]) == 14 * 4
+    calls, seq_lens, metering = result["calls"], result["seq_lens"], result["metering"]
+    assert seq_lens[5:11] == [32, 16, 16, 16, 16, 32]
+    assert calls[0] >= 4, calls  # the first step: each micro-batch's forward, measured
+    assert [step for step, on in enumerate(metering) if on] == [9]  # the monitor's first sample meters again
+    for step in range(1, 14):
+        measured = seq_lens[step] != seq_lens[step - 1] or metering[step]
+        assert (calls[step] >= 4 if measured else calls[step] == 0), (step, calls)
+    assert result["hooked"] is False
+    # the manager measured each new shape: the micro-batches of step 6 and of step 10 (2 sequences of 16 or 32)
+    assert result["input_shapes"][6] == [[2, 16]] and result["input_shapes"][10] == [[2, 32]]
+
+
+def test_pipedream_runs_its_quiet_steps_without_the_manager_and_counts_what_stays_in_flight(tmp_path):
+    """PipeDream's micro-batches stay in flight across steps: a step that runs the stage's own methods leaves
+    none counted, and the next step that calls the manager counts those its forwards left in flight."""
+    ranks = _scenario(tmp_path, "pipedream_budget", 2)["ranks"]
+    assert ranks[1]["losses"]["vpipe"] == ranks[1]["losses"]["plain"] and len(ranks[1]["losses"]["plain"]) == 24 * 4
+    first, last = ranks
+    # the first step and the metered sample (9) call the manager; on the first stage so does the step after the
+    # sample, whose backwards release what the sample's forwards saved through the hooks
+    assert first["called_steps"] == [0, 9, 10] and last["called_steps"] == [0, 9]
+    for r in ranks:
+        assert r["same_weights"], r["rank"]
+        for step, resident in enumerate(r["resident"]):
+            if step not in r["called_steps"]:
+                assert resident == 0, (step, r)  # nothing counted while the manager is not called
+        assert r["after_flush"] == 0 and r["counted_after_flush"] == 0
+    assert first["in_flight"][8] > 0 and first["in_flight"][10] > 0  # in flight between steps
+    # step 9 calls the manager again: the micro-batches in flight since the plain steps are counted first
+    assert first["at_first_forward"]["9"] == first["in_flight"][8] * first["per_mb"]
+    # step 10's quiet forwards leave theirs counted when the stage goes plain again, and forgotten at step 11
+    assert first["resident"][10] == first["in_flight"][10] * first["per_mb"] and first["resident"][11] == 0
 
 
 def test_the_tutorial_model_on_interleaved_1f1b_keeps_every_block_where_the_ranks_real_peak_fits(tmp_path):

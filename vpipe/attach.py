@@ -46,6 +46,7 @@ from vpipe.rank.stages import LocalStage, Pipeline, check_optimizer, inspect_tar
 from vpipe.rank.state import restore_vpipe_state, vpipe_state
 from vpipe.rank.steps import MicroBatchCounter, StepDriver
 from vpipe.tensor_manager import TensorManager, install_on_stage
+from vpipe.tensor_manager.pipelining import StageHandle
 
 log = logging.getLogger("vpipe.attach")
 
@@ -97,6 +98,7 @@ class Vpipe:
         self.memories = self._memories()
         initial = Plan(epoch=0, stages=placement, policies=config.initial_policies())
         self.agreement.agree_run_secret(self.rank == 0, self._who)
+        self.stage_handles: dict[int, StageHandle] = {}  # (filled by _start_tensor_managers)
         self.tensor_managers = self._start_tensor_managers(initial) if config.tensor_manager else {}
         self.session = self._start_session(initial)
         self.layer_manager = self._start_layer_manager(placement)
@@ -107,7 +109,8 @@ class Vpipe:
                               self.move_refusal)
         self.driver = StepDriver(session=self.session, boundary=self.boundary, applier=applier,
                                  tensor_managers=self.tensor_managers, memories=self.memories,
-                                 micro_batches=micro_batches, logs_steps=self.num_stages - 1 in self._local)
+                                 micro_batches=micro_batches, logs_steps=self.num_stages - 1 in self._local,
+                                 stage_handles=self.stage_handles)
         self.edits = LayerEdits(pipeline=pipeline, agreement=self.agreement, layer_manager=self.layer_manager,
                                 driver=self.driver, session=self.session, tensor_managers=self.tensor_managers,
                                 memories=self.memories, has_factory=config.layer_factory is not None, who=self._who)
@@ -159,7 +162,9 @@ class Vpipe:
                 kwargs["host_pool_bytes"] = self.config.host_pool_bytes
             manager = TensorManager(layers, **kwargs)
             if stage.pipeline_stage is not None:
-                self._undo.append(install_on_stage(stage.pipeline_stage, manager).remove)
+                handle = install_on_stage(stage.pipeline_stage, manager)
+                self.stage_handles[stage.index] = handle
+                self._undo.append(handle.remove)
             self._undo.append(manager.close)
             managers[stage.index] = manager
         return managers

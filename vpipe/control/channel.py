@@ -129,7 +129,8 @@ class Inbox:
         if timeout_ms > 0 and not self.socket.poll(timeout_ms):
             return []
         out: list[tuple[Message, int]] = []
-        while len(out) < limit and self.socket.poll(0):
+        # (asked of the socket itself: poll(0) builds a Poller at every call, and every rank asks every step)
+        while len(out) < limit and int(self.socket.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
             try:
                 frames = self.socket.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:

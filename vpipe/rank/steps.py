@@ -22,6 +22,7 @@ from vpipe.rank.applying import PlanApplier
 from vpipe.rank.boundary import PlanBoundary
 from vpipe.rank.memory import StageMemory, apply_budgets
 from vpipe.tensor_manager import HostPoolFullError, MemoryBudgetError
+from vpipe.tensor_manager.pipelining import StageHandle
 
 __all__ = ["StepDriver", "MicroBatchCounter"]
 
@@ -36,7 +37,7 @@ class StepDriver:
 
     def __init__(self, *, session: ControlSession, boundary: PlanBoundary, applier: PlanApplier,
                  tensor_managers: Mapping[int, Any], memories: Mapping[int, StageMemory], micro_batches: int,
-                 logs_steps: bool) -> None:
+                 logs_steps: bool, stage_handles: Mapping[int, StageHandle] | None = None) -> None:
         self.session = session
         self.boundary = boundary
         self.applier = applier
@@ -50,6 +51,9 @@ class StepDriver:
         self._boundary_at: float | None = None
         self.counter: MicroBatchCounter | None = None
         self._samples = 0
+        # the pipelining stages' wrappers, set aside for the steps where their managers have nothing to do
+        self.stage_handles = dict(stage_handles or {})
+        self._input_shapes: tuple[Any, ...] | None = None  # of the last step's inputs
 
     def begin(self) -> None:
         self.session.begin_step(self.iteration)
@@ -63,6 +67,7 @@ class StepDriver:
         """One ``schedule.step`` under vpipe."""
         self.at_boundary()
         self.begin()
+        self._set_aside_quiet_wrappers(args, kwargs)
         self.in_step = True
         try:
             result = original(*args, **kwargs)
@@ -92,6 +97,33 @@ class StepDriver:
         self.at_boundary()
         self.begin()
 
+    def _set_aside_quiet_wrappers(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Let each stage whose manager has nothing to do this step run its micro-batches without vpipe's calls.
+
+        Under a budget a quiet micro-batch must have the inputs' shapes of the measured one: with the step's inputs
+        shaped as the last step's, its micro-batches are (the last step ran quiet, or measured these shapes);
+        with new shapes the wrappers stay and check each micro-batch.
+        """
+        if not self.stage_handles:
+            return
+        shapes = _tensor_shapes(args, kwargs)
+        same_shapes, self._input_shapes = shapes == self._input_shapes, shapes
+        stream = self.applier.pipeline.schedule if self.applier.pipedream else None
+        moving = stream is not None and bool(stream.movers)  # a streamed move switches layers mid-step
+        for handle in self.stage_handles.values():
+            manager = handle.manager
+            quiet = (not moving and manager.quiet_for_a_step(stream=stream is not None)
+                     and (same_shapes or manager.budget_bytes is None))
+            was_plain = handle.plain
+            if handle.run_plain(quiet) == was_plain or stream is None:
+                continue
+            # a stream's micro-batches stay in flight across steps: counted while the manager sees their
+            # backwards, not while the stage runs without it
+            if handle.plain:
+                manager.forget_in_flight()
+            else:
+                manager.count_in_flight(stream.in_flight_chunks)
+
     def received(self, plans: list[Any]) -> None:
         self.boundary.received(plans, self.iteration, self.applier.layer_manager.epoch)
 
@@ -108,6 +140,13 @@ class StepDriver:
         apply_budgets(self.tensor_managers, self.memories, self.applier.layer_manager.epoch)
         self.applier.continue_streamed(step, self.micro_batches)
         self.boundary_s.append(time.perf_counter() - started)
+
+
+def _tensor_shapes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """The shapes of a step's tensor inputs (positional, then by keyword), each with its position."""
+    shapes: list[Any] = [(i, a.shape) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    shapes += [(k, v.shape) for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+    return tuple(shapes)
 
 
 def _own_error(exc: BaseException) -> BaseException | None:

@@ -120,6 +120,12 @@ class SchedulePipeDream(PipelineScheduleSingle):
         """Micro-batches whose forward ran here and whose backward did not yet."""
         return list(range(self._next_bwd, self._next_fwd))
 
+    @property
+    def in_flight_chunks(self) -> list[int]:
+        """The chunk ids the stage's methods were given for the micro-batches in flight (a slot per micro-batch
+        of a step, reused from step to step)."""
+        return [self._slot(mb) for mb in range(self._next_bwd, self._next_fwd)]
+
     def version_of(self, mb: int) -> dict[str, torch.Tensor]:
         """The stashed weights an in-flight micro-batch uses (name -> tensor)."""
         return self._versions[self._mb_version[mb]]

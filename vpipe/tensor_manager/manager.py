@@ -18,7 +18,7 @@ policy is read when the layer is called, so a plan may change it between micro-b
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from functools import partial
 from typing import Any
@@ -358,6 +358,35 @@ class TensorManager:
     def end_quiet_backward(self, mb: int) -> None:
         self._open.discard(mb)
         self._interceptor.uncount(mb)
+
+    def quiet_for_a_step(self, stream: bool = False) -> bool:
+        """Between steps: whether a whole step's micro-batches would all be quiet, so that the stage may run them
+        without calling the manager at all (:meth:`StageHandle.run_plain`). Besides the layers running without
+        hooks with nothing saved through them alive, no micro-batch may be inside a forward or between its
+        backward passes, and none in flight (a flush schedule between steps has none) or, with ``stream`` (a
+        schedule whose micro-batches stay in flight across steps), none in flight that is more than counted.
+        Under a budget the step's inputs must also have the shapes of the last step's; the caller checks that
+        (it sees the step's inputs, the manager does not)."""
+        calls = self._interceptor
+        if not (self._quiet_ready or self._became_quiet()) or calls.mb is not None or self._phases.lagging:
+            return False
+        return self._open <= calls.counted.keys() if stream else not self._open and not calls.counted
+
+    def forget_in_flight(self) -> None:
+        """A stream's stage runs without the manager from this step: the backwards of its micro-batches in flight
+        will not be seen, so their counts go now (their forwards were quiet: counted, nothing else)."""
+        for mb in list(self._interceptor.counted):
+            self._interceptor.uncount(mb)
+        self._open.clear()
+
+    def count_in_flight(self, mbs: Iterable[int]) -> None:
+        """A stream's stage calls the manager again from this step: count the micro-batches its forwards left in
+        flight while it did not, as their quiet forwards would have."""
+        for mb in mbs:
+            self._interceptor.uncount(mb)
+            self._open.add(mb)
+            self._count_unhooked(mb)
+        self._open_max = max(self._open_max, len(self._open))
 
     def _became_quiet(self) -> bool:
         """Whether the layers run without hooks and nothing saved through them is alive any more. It stays so

@@ -17,6 +17,10 @@ phase, so nothing is brought back early and held across the gap. A stage built w
 around the user's weight function. vpipe's PipeDream schedule
 calls the same methods (its forward runs the module through ``functional_call`` on
 stashed weights, which the manager recognises as weights and leaves alone).
+
+A step whose micro-batches would all be quiet (see ``TensorManager.quiet_for_a_step``) does
+not need the wrappers at all: ``StageHandle.run_plain`` sets them aside between steps, and
+puts them back for the first step that needs them.
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ _OWN_ERRORS = (MemoryBudgetError, HostPoolFullError, LayerBusyError)
 
 
 class StageHandle:
-    """Returned by :func:`install_on_stage`; ``remove()`` puts the stage's methods back."""
+    """Returned by :func:`install_on_stage`; ``remove()`` puts the stage's methods back, ``run_plain(True)`` sets
+    them aside for as long as the manager has nothing to do."""
 
     def __init__(self, stage: _PipelineStageBase, manager: TensorManager, saved: dict[str, Any],
                  wrappers: dict[str, Any]) -> None:
@@ -46,21 +51,46 @@ class StageHandle:
         self._saved = saved
         self._wrappers = wrappers
         self.removed = False
+        self.plain = False  # the stage's own methods are in place (the manager is not called)
+
+    def run_plain(self, plain: bool) -> bool:
+        """Between steps: with ``plain``, the stage's micro-batches call its own methods, not vpipe's wrappers.
+
+        A quiet micro-batch only has its count kept; when a whole step is quiet (every layer kept without hooks,
+        nothing in flight, see :meth:`TensorManager.quiet_for_a_step`), even that call is a cost without a use
+        (tens of microseconds per micro-batch on a CPU, between tensor work that has evicted the caches). Returns
+        whether the stage runs plain; False when someone else replaced the methods since (they are left alone).
+        """
+        if self.removed or plain == self.plain:
+            return self.plain
+        stage_attrs = self.stage.__dict__
+        if plain:
+            if any(stage_attrs.get(name) is not wrapper for name, wrapper in self._wrappers.items()):
+                return False
+            self._restore()
+        else:
+            stage_attrs.update(self._wrappers)
+        self.plain = plain
+        return plain
 
     def remove(self) -> None:
         if self.removed:
             return
-        for name, wrapper in self._wrappers.items():
-            if self.stage.__dict__.get(name) is not wrapper:
-                raise RuntimeError(f"stage {self.stage.stage_index}: {name} was replaced after vpipe wrapped it; "
-                                   f"cannot restore it")
+        if not self.plain:
+            for name, wrapper in self._wrappers.items():
+                if self.stage.__dict__.get(name) is not wrapper:
+                    raise RuntimeError(f"stage {self.stage.stage_index}: {name} was replaced after vpipe wrapped "
+                                       f"it; cannot restore it")
+            self._restore()
+        del self.stage.__dict__["_vpipe_tensor_manager"]
+        self.removed = True
+
+    def _restore(self) -> None:
         for name, previous in self._saved.items():
             if previous is _MISSING:
                 del self.stage.__dict__[name]
             else:
                 self.stage.__dict__[name] = previous
-        del self.stage.__dict__["_vpipe_tensor_manager"]
-        self.removed = True
 
 
 def _custom_weight_pass(stage: _PipelineStageBase) -> bool:
