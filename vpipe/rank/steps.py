@@ -4,7 +4,9 @@ With a pipelining schedule, ``schedule.step`` is wrapped as an instance attribut
 due at this step are applied before it starts (after the user's ``optimizer.step()`` of the
 previous one), and the step is monitored. A hand-written loop has no schedule: its stage
 module's forwards are counted as micro-batches, and the optimizer's ``step()`` (a
-post-hook) ends one step and begins the next.
+post-hook) ends one step and begins the next. A step whose micro-batches would all be quiet
+(see ``TensorManager.quiet_for_a_step``) runs the pipelining stages' own methods: the
+wrappers are set aside at its start and come back for the first step that needs them.
 """
 
 from __future__ import annotations
