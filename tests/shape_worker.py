@@ -284,15 +284,22 @@ def budget_interleaved() -> dict:
     copies = {"plain": build(dist.new_group(backend="gloo")), "vpipe": build(None)}
     schedule, optimizer = copies["vpipe"]
     vp = vpipe.attach(schedule, optimizer=optimizer, memory_budget=budget, planning=False)
+    calls = {v: _count_manager_calls(vp.tensor_managers[v]) for v in local}
     losses: dict[str, list[float]] = {name: [] for name in copies}
+    called_steps: dict[int, list[int]] = {v: [] for v in local}
     for step in range(16):
+        before = {v: c[0] for v, c in calls.items()}
         for name, (sched, opt) in copies.items():
             losses[name] += _train_step(sched, opt, step)
+        for v, c in calls.items():
+            if c[0] > before[v]:
+                called_steps[v].append(step)
     managers = [vp.tensor_managers[v] for v in local]
     result = {"rank": rank, "losses": losses, "budget": budget, "decided_by": decided_by, "fixed": fixed,
               "rank_peak": rank_peak, "counted_peak": counted_peak, "own_peaks": own_peaks,
               "policies": [{str(k): p.value for k, p in m.policies().items()} for m in managers],
-              "escalations": [len(m.stats().escalations) for m in managers], "hooked": [m.hooked for m in managers]}
+              "escalations": [len(m.stats().escalations) for m in managers], "hooked": [m.hooked for m in managers],
+              "called_steps": [called_steps[v] for v in local]}
     vp.detach()
     gathered: list = [None] * world
     dist.all_gather_object(gathered, result)

@@ -265,6 +265,8 @@ def test_the_tutorial_model_on_interleaved_1f1b_keeps_every_block_where_the_rank
     for r in ranks:
         assert all(set(p.values()) == {"D"} for p in r["policies"]), r
         assert r["hooked"] == [False, False]  # kept and fitting: the blocks run as without vpipe
+        for steps in r["called_steps"]:  # and, past the metered sample (step 9), torch's own stage methods run
+            assert steps and not [s for s in steps if s > 9], r["called_steps"]
     assert any(n for r in ranks for n in r["escalations"])  # the first step, on equal halves, had to swap
 
 

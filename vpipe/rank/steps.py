@@ -24,6 +24,7 @@ from vpipe.rank.applying import PlanApplier
 from vpipe.rank.boundary import PlanBoundary
 from vpipe.rank.memory import StageMemory, apply_budgets
 from vpipe.tensor_manager import HostPoolFullError, MemoryBudgetError
+from vpipe.tensor_manager.layers import input_shapes
 from vpipe.tensor_manager.pipelining import StageHandle
 
 __all__ = ["StepDriver", "MicroBatchCounter"]
@@ -100,24 +101,17 @@ class StepDriver:
         self.begin()
 
     def _set_aside_quiet_wrappers(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Let each stage whose manager has nothing to do this step run its micro-batches without vpipe's calls.
-
-        Under a budget a quiet micro-batch must have the inputs' shapes of the measured one: with the step's inputs
-        shaped as the last step's, its micro-batches are (the last step ran quiet, or measured these shapes);
-        with new shapes the wrappers stay and check each micro-batch.
-        """
+        """Let each stage whose manager has nothing to do this step run its micro-batches without vpipe's calls."""
         if not self.stage_handles:
             return
-        shapes = _tensor_shapes(args, kwargs)
-        same_shapes, self._input_shapes = shapes == self._input_shapes, shapes
+        shapes = input_shapes((*args, *kwargs.values()))
+        same_inputs, self._input_shapes = shapes == self._input_shapes, shapes
         stream = self.applier.pipeline.schedule if self.applier.pipedream else None
         moving = stream is not None and bool(stream.movers)  # a streamed move switches layers mid-step
         for handle in self.stage_handles.values():
-            manager = handle.manager
-            quiet = (not moving and manager.quiet_for_a_step(stream=stream is not None)
-                     and (same_shapes or manager.budget_bytes is None))
-            was_plain = handle.plain
-            if handle.run_plain(quiet) == was_plain or stream is None:
+            manager, was_plain = handle.manager, handle.plain
+            handle.run_plain(not moving and manager.quiet_for_a_step(same_inputs, stream=stream is not None))
+            if stream is None or handle.plain == was_plain:
                 continue
             # a stream's micro-batches stay in flight across steps: counted while the manager sees their
             # backwards, not while the stage runs without it
@@ -142,13 +136,6 @@ class StepDriver:
         apply_budgets(self.tensor_managers, self.memories, self.applier.layer_manager.epoch)
         self.applier.continue_streamed(step, self.micro_batches)
         self.boundary_s.append(time.perf_counter() - started)
-
-
-def _tensor_shapes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
-    """The shapes of a step's tensor inputs (positional, then by keyword), each with its position."""
-    shapes: list[Any] = [(i, a.shape) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-    shapes += [(k, v.shape) for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
-    return tuple(shapes)
 
 
 def _own_error(exc: BaseException) -> BaseException | None:

@@ -359,24 +359,25 @@ class TensorManager:
         self._open.discard(mb)
         self._interceptor.uncount(mb)
 
-    def quiet_for_a_step(self, stream: bool = False) -> bool:
+    def quiet_for_a_step(self, same_inputs: bool, stream: bool = False) -> bool:
         """Between steps: whether a whole step's micro-batches would all be quiet, so that the stage may run them
         without calling the manager at all (:meth:`StageHandle.run_plain`). Besides the layers running without
         hooks with nothing saved through them alive, no micro-batch may be inside a forward or between its
         backward passes, and none in flight (a flush schedule between steps has none) or, with ``stream`` (a
         schedule whose micro-batches stay in flight across steps), none in flight that is more than counted.
-        Under a budget the step's inputs must also have the shapes of the last step's; the caller checks that
-        (it sees the step's inputs, the manager does not)."""
+        Under a budget the step's inputs must have the shapes of the last step's (``same_inputs``): each
+        micro-batch of that step was quiet with its shapes checked, or was measured."""
         calls = self._interceptor
         if not (self._quiet_ready or self._became_quiet()) or calls.mb is not None or self._phases.lagging:
+            return False
+        if not same_inputs and self._budget.budget_bytes is not None:
             return False
         return self._open <= calls.counted.keys() if stream else not self._open and not calls.counted
 
     def forget_in_flight(self) -> None:
         """A stream's stage runs without the manager from this step: the backwards of its micro-batches in flight
         will not be seen, so their counts go now (their forwards were quiet: counted, nothing else)."""
-        for mb in list(self._interceptor.counted):
-            self._interceptor.uncount(mb)
+        self.end_of_step()
         self._open.clear()
 
     def count_in_flight(self, mbs: Iterable[int]) -> None:

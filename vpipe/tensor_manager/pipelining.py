@@ -53,25 +53,24 @@ class StageHandle:
         self.removed = False
         self.plain = False  # the stage's own methods are in place (the manager is not called)
 
-    def run_plain(self, plain: bool) -> bool:
+    def run_plain(self, plain: bool) -> None:
         """Between steps: with ``plain``, the stage's micro-batches call its own methods, not vpipe's wrappers.
 
         A quiet micro-batch only has its count kept; when a whole step is quiet (every layer kept without hooks,
         nothing in flight, see :meth:`TensorManager.quiet_for_a_step`), even that call is a cost without a use
-        (tens of microseconds per micro-batch on a CPU, between tensor work that has evicted the caches). Returns
-        whether the stage runs plain; False when someone else replaced the methods since (they are left alone).
+        (tens of microseconds per micro-batch on a CPU, between tensor work that has evicted the caches). Methods
+        someone else put on the stage since vpipe wrapped it are left alone (``plain`` stays False).
         """
         if self.removed or plain == self.plain:
-            return self.plain
+            return
         stage_attrs = self.stage.__dict__
         if plain:
             if any(stage_attrs.get(name) is not wrapper for name, wrapper in self._wrappers.items()):
-                return False
+                return
             self._restore()
         else:
             stage_attrs.update(self._wrappers)
         self.plain = plain
-        return plain
 
     def remove(self) -> None:
         if self.removed:
