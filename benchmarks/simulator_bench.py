@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_validation:
         profiles = {REFERENCE.micro_batch_size: measure_model_costs(REFERENCE, repeats=3, rounds=2)}
     else:
-        profiles = profile_sizes(REFERENCE, [*calibration_sizes(REFERENCE), REFERENCE.micro_batch_size], rounds=2)
+        profiles = profile_sizes(REFERENCE, [*calibration_sizes(REFERENCE), REFERENCE.micro_batch_size])
     rows = [] if args.no_validation else validation(args, profiles)
     projected, details = projection(args, profiles[REFERENCE.micro_batch_size])
     out = {"benchmark": "simulator", "validation": rows, "projection": projected, **details,

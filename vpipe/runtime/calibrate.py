@@ -30,7 +30,7 @@ from vpipe.runtime.measure import MeasuredRun, run_training
 from vpipe.runtime.simulate import simulate
 
 __all__ = ["REFERENCE_RUN", "Calibration", "Prediction", "predict_step_s", "calibrate", "calibration_sizes",
-           "profile_sizes", "validate"]
+           "profile_sizes", "typical", "validate"]
 
 # The reference run the simulator is validated on (tests and benchmarks/simulator_bench.py): the
 # transformer LM of `vpipe train` at 8 blocks, 4 micro-batches of 8 under GPipe; ``stages`` is set per case.
@@ -149,23 +149,43 @@ def calibration_sizes(cfg: RunConfig) -> list[int]:
     return sorted({1, max(1, cfg.micro_batch_size // 2), 2 * cfg.micro_batch_size})
 
 
-def profile_sizes(cfg: RunConfig, sizes: list[int], rounds: int = 3) -> dict[int, ModelCosts]:
-    """Layer profiles of ``cfg``'s model at each micro-batch size in ``sizes``, taken in turns over ``rounds``
-    (each time the least disturbed), so that a burst of outside load cannot make one size look slower than
-    the others. Profiles do not depend on the pipeline, so one set serves every stage count."""
-    best: dict[int, ModelCosts] = {}
+def profile_sizes(cfg: RunConfig, sizes: list[int], rounds: int = 9) -> dict[int, ModelCosts]:
+    """Layer profiles of ``cfg``'s model at each micro-batch size in ``sizes``: ``rounds`` rounds, each
+    profiling every size once in turn, combined by :func:`typical`. Profiles do not depend on the pipeline,
+    so one set serves every stage count."""
+    taken: dict[int, list[ModelCosts]] = {size: [] for size in sizes}
     for _ in range(rounds):
-        for size in sizes:
-            costs = measure_model_costs(dataclasses.replace(cfg, micro_batch_size=size), rounds=1)
-            best[size] = _fastest(best[size], costs) if size in best else costs
-    return best
+        _profile_round(cfg, taken)
+    return {size: typical(profiles) for size, profiles in taken.items()}
 
 
-def _fastest(a: ModelCosts, b: ModelCosts) -> ModelCosts:
-    """Per layer, the faster of two profiles of the same model (the loss and batch likewise)."""
-    layers = [x if x.fwd_s + x.bwd_s <= y.fwd_s + y.bwd_s else y for x, y in zip(a.layers, b.layers)]
-    return dataclasses.replace(a, layers=layers, loss_fwd_s=min(a.loss_fwd_s, b.loss_fwd_s),
-                               loss_bwd_s=min(a.loss_bwd_s, b.loss_bwd_s), batch_s=min(a.batch_s, b.batch_s))
+def _profile_round(cfg: RunConfig, taken: dict[int, list[ModelCosts]]) -> None:
+    """One profile of ``cfg``'s model at every size in ``taken``, one after another, appended there."""
+    for size, profiles in taken.items():
+        profiles.append(measure_model_costs(dataclasses.replace(cfg, micro_batch_size=size), rounds=1))
+
+
+def typical(profiles: list[ModelCosts]) -> ModelCosts:
+    """Per layer, the median over profiles of the same model and size (the loss and batch likewise).
+
+    A shared virtual machine's speed wanders by +-15% over seconds (another tenant's work, not
+    ours): a profile of a few milliseconds catches one moment of it. The fastest of a few
+    rounds is then as noisy as any one round; the median of many, taken at different moments,
+    is not.
+    """
+    if not profiles:
+        raise ValueError("typical needs at least one profile")
+    first = profiles[0]
+    if any((p.model, p.micro_batch_size, len(p.layers)) != (first.model, first.micro_batch_size, len(first.layers))
+           for p in profiles):
+        raise ValueError("typical combines profiles of one model at one micro-batch size only")
+    layers = [dataclasses.replace(layer, fwd_s=statistics.median(p.layers[i].fwd_s for p in profiles),
+                                  bwd_s=statistics.median(p.layers[i].bwd_s for p in profiles),
+                                  opt_s=statistics.median(p.layers[i].opt_s for p in profiles))
+              for i, layer in enumerate(first.layers)]
+    return dataclasses.replace(first, layers=layers, loss_fwd_s=statistics.median(p.loss_fwd_s for p in profiles),
+                               loss_bwd_s=statistics.median(p.loss_bwd_s for p in profiles),
+                               batch_s=statistics.median(p.batch_s for p in profiles))
 
 
 def validate(cfg: RunConfig, *, repeats: int = 3, profiles: dict[int, ModelCosts] | None = None,
@@ -177,7 +197,9 @@ def validate(cfg: RunConfig, *, repeats: int = 3, profiles: dict[int, ModelCosts
     never extrapolated), interleaved with the runs of ``cfg`` so that all see about the same
     outside load; every run is predicted under its own outside load, and the reported ratio
     is the median over runs. ``profiles`` (from :func:`profile_sizes`, by micro-batch size)
-    are used where given, so that several stage counts of one model share them.
+    are used where given, so that several stage counts of one model share them; otherwise
+    every size is profiled once after each run and the rounds combined by :func:`typical`,
+    so the profiles see the machine at as many moments as the runs do.
 
     With ``calibration`` (another depth's, from its :attr:`Prediction.calibration`; that
     depth in ``calibrated_on_stages``) no calibration runs are made: the prediction then
@@ -186,23 +208,32 @@ def validate(cfg: RunConfig, *, repeats: int = 3, profiles: dict[int, ModelCosts
     """
     sizes = [] if calibration is not None else calibration_sizes(cfg)
     configs = [dataclasses.replace(cfg, micro_batch_size=size) for size in sizes]
+    wanted = [*sizes, cfg.micro_batch_size]
+    own_profiles = profiles is None or any(size not in profiles for size in wanted)
+    taken: dict[int, list[ModelCosts]] = {size: [] for size in wanted}
     calibration_runs: list[list[tuple[float, float]]] = [[] for _ in sizes]
     runs: list[tuple[float, float]] = []
+
+    def measure(c: RunConfig) -> list[tuple[float, float]]:
+        measured = _measure(c, 1)
+        if own_profiles:
+            _profile_round(cfg, taken)  # every size, right after each run
+        return measured
+
     for _ in range(repeats):
         for i, c in enumerate(configs):
-            calibration_runs[i] += _measure(c, 1)
-        runs += _measure(cfg, 1)
-    wanted = [*sizes, cfg.micro_batch_size]
-    if profiles is None or any(size not in profiles for size in wanted):
-        profiles = profile_sizes(cfg, wanted)
+            calibration_runs[i] += measure(c)
+        runs += measure(cfg)
+    if own_profiles or profiles is None:
+        profiles = {size: typical(rounds) for size, rounds in taken.items()}
     if calibration is None:
         calibration = calibrate(*zip(configs, (profiles[size] for size in sizes), calibration_runs))
         calibrated_on_stages = cfg.stages
     costs = scaled(profiles[cfg.micro_batch_size], calibration.compute_scale)
     ratio = _ratio(cfg, costs, runs, calibration.action_overhead_s)
-    measured = statistics.median(step for step, _ in runs)
+    measured_s = statistics.median(step for step, _ in runs)
     return Prediction(stages=cfg.stages, schedule=cfg.schedule, micro_batch_size=cfg.micro_batch_size,
-                      predicted_s=measured * ratio, measured_s=measured,
+                      predicted_s=measured_s * ratio, measured_s=measured_s,
                       background=statistics.median(load for _, load in runs),
                       action_overhead_s=calibration.action_overhead_s, compute_scale=calibration.compute_scale,
                       measured_runs_s=tuple(step for step, _ in runs),
