@@ -42,7 +42,6 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from vpipe.runtime.calibrate import REFERENCE_RUN as REFERENCE  # noqa: E402
-from vpipe.runtime.calibrate import calibration_sizes, profile_sizes
 from vpipe.runtime.costs import (
     Link,
     ModelCosts,
@@ -60,7 +59,7 @@ SYSTEMS = {"GPipe (all R)": ("gpipe", "R"), "1F1B (all S)": ("1f1b", "S"), "1F1B
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--repeats", type=int, default=1, help="real runs per validated configuration")
+    p.add_argument("--repeats", type=int, default=3, help="real runs per micro-batch size and depth")
     p.add_argument("--run-steps", type=int, default=10,
                    help=f"steps per real run (the first 2 are warm-up; tests/test_simulate.py runs {REFERENCE.steps})")
     p.add_argument("--validation-stages", type=int, nargs="*", default=[2, 4])
@@ -165,12 +164,11 @@ def print_tables(out: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.perf_counter()
-    # one set of layer profiles (the model's, at every size the validation calibrates on) serves every stage
-    # count and the projection
+    # one set of layer profiles (the model's, at every size the validation calibrates on, taken between the
+    # first depth's runs) serves every stage count and the projection
+    profiles: dict[int, ModelCosts] = {}
     if args.no_validation:
-        profiles = {REFERENCE.micro_batch_size: measure_model_costs(REFERENCE, repeats=3, rounds=2)}
-    else:
-        profiles = profile_sizes(REFERENCE, [*calibration_sizes(REFERENCE), REFERENCE.micro_batch_size])
+        profiles[REFERENCE.micro_batch_size] = measure_model_costs(REFERENCE, repeats=3, rounds=2)
     rows = [] if args.no_validation else validation(args, profiles)
     projected, details = projection(args, profiles[REFERENCE.micro_batch_size])
     out = {"benchmark": "simulator", "validation": rows, "projection": projected, **details,

@@ -30,7 +30,7 @@ from vpipe.runtime.measure import MeasuredRun, run_training
 from vpipe.runtime.simulate import simulate
 
 __all__ = ["REFERENCE_RUN", "Calibration", "Prediction", "predict_step_s", "calibrate", "calibration_sizes",
-           "profile_sizes", "typical", "validate"]
+           "typical", "validate"]
 
 # The reference run the simulator is validated on (tests and benchmarks/simulator_bench.py): the
 # transformer LM of `vpipe train` at 8 blocks, 4 micro-batches of 8 under GPipe; ``stages`` is set per case.
@@ -149,16 +149,6 @@ def calibration_sizes(cfg: RunConfig) -> list[int]:
     return sorted({1, max(1, cfg.micro_batch_size // 2), 2 * cfg.micro_batch_size})
 
 
-def profile_sizes(cfg: RunConfig, sizes: list[int], rounds: int = 9) -> dict[int, ModelCosts]:
-    """Layer profiles of ``cfg``'s model at each micro-batch size in ``sizes``: ``rounds`` rounds, each
-    profiling every size once in turn, combined by :func:`typical`. Profiles do not depend on the pipeline,
-    so one set serves every stage count."""
-    taken: dict[int, list[ModelCosts]] = {size: [] for size in sizes}
-    for _ in range(rounds):
-        _profile_round(cfg, taken)
-    return {size: typical(profiles) for size, profiles in taken.items()}
-
-
 def _profile_round(cfg: RunConfig, taken: dict[int, list[ModelCosts]]) -> None:
     """One profile of ``cfg``'s model at every size in ``taken``, one after another, appended there."""
     for size, profiles in taken.items():
@@ -196,10 +186,11 @@ def validate(cfg: RunConfig, *, repeats: int = 3, profiles: dict[int, ModelCosts
     pipeline at micro-batch sizes 1, half and twice ``cfg``'s (so ``cfg`` is interpolated,
     never extrapolated), interleaved with the runs of ``cfg`` so that all see about the same
     outside load; every run is predicted under its own outside load, and the reported ratio
-    is the median over runs. ``profiles`` (from :func:`profile_sizes`, by micro-batch size)
-    are used where given, so that several stage counts of one model share them; otherwise
-    every size is profiled once after each run and the rounds combined by :func:`typical`,
-    so the profiles see the machine at as many moments as the runs do.
+    is the median over runs. Every micro-batch size is profiled once after each run and the
+    rounds combined by :func:`typical`, so the profiles see the machine at as many moments as
+    the runs do. ``profiles`` (by micro-batch size) is a cache: sizes already in it are not
+    profiled again, the others are added to it, so that several stage counts of one model
+    share one set (the compute scale is relative to the profiles it was fitted with).
 
     With ``calibration`` (another depth's, from its :attr:`Prediction.calibration`; that
     depth in ``calibrated_on_stages``) no calibration runs are made: the prediction then
@@ -209,23 +200,22 @@ def validate(cfg: RunConfig, *, repeats: int = 3, profiles: dict[int, ModelCosts
     sizes = [] if calibration is not None else calibration_sizes(cfg)
     configs = [dataclasses.replace(cfg, micro_batch_size=size) for size in sizes]
     wanted = [*sizes, cfg.micro_batch_size]
-    own_profiles = profiles is None or any(size not in profiles for size in wanted)
-    taken: dict[int, list[ModelCosts]] = {size: [] for size in wanted}
+    profiles = {} if profiles is None else profiles
+    taken: dict[int, list[ModelCosts]] = {size: [] for size in wanted if size not in profiles}
     calibration_runs: list[list[tuple[float, float]]] = [[] for _ in sizes]
     runs: list[tuple[float, float]] = []
 
     def measure(c: RunConfig) -> list[tuple[float, float]]:
         measured = _measure(c, 1)
-        if own_profiles:
-            _profile_round(cfg, taken)  # every size, right after each run
+        if taken:
+            _profile_round(cfg, taken)  # every size still missing, right after each run
         return measured
 
     for _ in range(repeats):
         for i, c in enumerate(configs):
             calibration_runs[i] += measure(c)
         runs += measure(cfg)
-    if own_profiles or profiles is None:
-        profiles = {size: typical(rounds) for size, rounds in taken.items()}
+    profiles.update({size: typical(rounds) for size, rounds in taken.items()})
     if calibration is None:
         calibration = calibrate(*zip(configs, (profiles[size] for size in sizes), calibration_runs))
         calibrated_on_stages = cfg.stages
