@@ -224,16 +224,52 @@ def test_validation_predicts_another_depth_with_a_given_calibration(monkeypatch)
     truth = predict_step_s(cfg, scaled(costs, 1.3), action_overhead_s=0.003)
     made: list[tuple[int, int]] = []
 
-    def fake_measure(run_cfg, repeats):
+    def fake_measure(run_cfg):
         made.append((run_cfg.stages, run_cfg.micro_batch_size))
-        return [(truth, 0.0)] * repeats
+        return truth, 0.0
 
-    monkeypatch.setattr(calibration_module, "_measure", fake_measure)
+    monkeypatch.setattr(calibration_module, "_measure_run", fake_measure)
     prediction = validate(cfg, repeats=2, profiles={8: costs}, calibrated_on_stages=2,
                           calibration=Calibration(action_overhead_s=0.003, compute_scale=1.3))
     assert made == [(4, 8), (4, 8)]
     assert prediction.error == pytest.approx(0.0, abs=1e-9)
     assert prediction.calibrated_on_stages == 2 and prediction.calibration.compute_scale == 1.3
+
+
+def test_validation_profiles_every_size_after_each_run_and_shares_them_with_the_next_depth(monkeypatch):
+    """The profiles see the machine at as many moments as the runs: one round of every size after each real run,
+    combined by their median; the dict passed in is filled, and a second depth given it profiles nothing."""
+    from vpipe.runtime import calibrate as calibration_module
+
+    cfg = dataclasses.replace(REFERENCE_RUN, stages=2, micro_batch_size=8)
+    events: list[tuple[str, int]] = []
+    slowdown = iter([1.0, 0.5, 3.0] * 100)  # each size: one round as it is, one at a fast moment, one at a slow
+
+    def fake_run(run_cfg):
+        events.append(("run", run_cfg.micro_batch_size))
+        return predict_step_s(run_cfg, scaled(_costs(REFERENCE_RUN.n_layers), run_cfg.micro_batch_size)), 0.0
+
+    def fake_profile(run_cfg, rounds):
+        events.append(("profile", run_cfg.micro_batch_size))
+        return scaled(dataclasses.replace(_costs(REFERENCE_RUN.n_layers), micro_batch_size=run_cfg.micro_batch_size),
+                      run_cfg.micro_batch_size * next(slowdown))
+
+    monkeypatch.setattr(calibration_module, "_measure_run", fake_run)
+    monkeypatch.setattr(calibration_module, "measure_model_costs", fake_profile)
+    shared: dict[int, ModelCosts] = {}
+    first = validate(cfg, repeats=3, profiles=shared)
+    sizes = [1, 4, 16, 8]
+    assert events == [event for _ in range(3) for size in sizes
+                      for event in [("run", size), *(("profile", s) for s in sizes)]]
+    assert sorted(shared) == [1, 4, 8, 16]
+    for size, profile in shared.items():  # the median of the three rounds: neither the fastest nor the slowest
+        assert profile.layers == scaled(_costs(REFERENCE_RUN.n_layers), size).layers
+    assert first.error == pytest.approx(0.0, abs=1e-3)
+    events.clear()
+    second = validate(dataclasses.replace(cfg, stages=4), repeats=2, profiles=shared, calibration=first.calibration,
+                      calibrated_on_stages=2)
+    assert events == [("run", 8), ("run", 8)]  # the first depth's profiles, not new ones
+    assert second.calibrated_on_stages == 2
 
 
 # ---------------------------------------------------------------------- validation against real runs

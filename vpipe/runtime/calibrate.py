@@ -26,7 +26,7 @@ from typing import Any
 
 from vpipe.runtime.config import RunConfig
 from vpipe.runtime.costs import Link, ModelCosts, measure_model_costs, scaled, stage_costs
-from vpipe.runtime.measure import MeasuredRun, run_training
+from vpipe.runtime.measure import run_training
 from vpipe.runtime.simulate import simulate
 
 __all__ = ["REFERENCE_RUN", "Calibration", "Prediction", "predict_step_s", "calibrate", "calibration_sizes",
@@ -76,11 +76,10 @@ def predict_step_s(cfg: RunConfig, costs: ModelCosts, *, action_overhead_s: floa
                     cores=cores or os.cpu_count() or 1, background=background).step_s
 
 
-def _measure(cfg: RunConfig, repeats: int) -> list[tuple[float, float]]:
-    """Per real run: its median steady step and the outside load during it (runnable threads)."""
-    runs: list[MeasuredRun] = [run_training(cfg) for _ in range(repeats)]
-    return [(statistics.median(r.steady()), r.external_cores if r.outside_threads is None else r.outside_threads)
-            for r in runs]
+def _measure_run(cfg: RunConfig) -> tuple[float, float]:
+    """One real run: its median steady step and the outside load during it (runnable threads)."""
+    run = run_training(cfg)
+    return statistics.median(run.steady()), run.external_cores if run.outside_threads is None else run.outside_threads
 
 
 def _ratio(cfg: RunConfig, costs: ModelCosts, runs: list[tuple[float, float]], overhead: float) -> float:
@@ -205,16 +204,16 @@ def validate(cfg: RunConfig, *, repeats: int = 3, profiles: dict[int, ModelCosts
     calibration_runs: list[list[tuple[float, float]]] = [[] for _ in sizes]
     runs: list[tuple[float, float]] = []
 
-    def measure(c: RunConfig) -> list[tuple[float, float]]:
-        measured = _measure(c, 1)
+    def measure(c: RunConfig) -> tuple[float, float]:
+        measured = _measure_run(c)
         if taken:
             _profile_round(cfg, taken)  # every size still missing, right after each run
         return measured
 
     for _ in range(repeats):
         for i, c in enumerate(configs):
-            calibration_runs[i] += measure(c)
-        runs += measure(cfg)
+            calibration_runs[i].append(measure(c))
+        runs.append(measure(cfg))
     profiles.update({size: typical(rounds) for size, rounds in taken.items()})
     if calibration is None:
         calibration = calibrate(*zip(configs, (profiles[size] for size in sizes), calibration_runs))
