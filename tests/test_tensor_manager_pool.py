@@ -69,7 +69,25 @@ def test_live_ranges_never_overlap_and_usage_adds_up(ops):
     for b in live:
         pool.free(b)
     assert pool.used_bytes == 0
-    assert all(chunk.free == [(0, chunk.size)] for chunk in pool._chunks)
+    chunks = pool.chunks
+    whole = [pool.alloc(pool.chunk_bytes) for _ in range(chunks)]  # every range freed came back together
+    assert pool.chunks == chunks and sorted((b.chunk, b.offset) for b in whole) == [(i, 0) for i in range(chunks)]
+
+
+def test_a_freed_range_goes_to_the_next_request_of_its_size_and_back_to_the_chunk_when_needed():
+    pool = HostPool(4096, pinned=False, chunk_bytes=4096)
+    a, b = pool.alloc(1000), pool.alloc(1500)
+    pool.free(a)
+    again = pool.alloc(1000)  # the same size: the range kept aside, no search
+    assert (again.chunk, again.offset) == (a.chunk, a.offset) and again.data.data_ptr() == a.data.data_ptr()
+    assert pool.used_bytes == 1024 + 1536
+    pool.free(again)
+    pool.free(b)
+    assert pool.used_bytes == 0
+    whole = pool.alloc(4096)  # another size that needs the whole chunk: the kept ranges coalesce first
+    assert (whole.chunk, whole.offset, pool.chunks) == (0, 0, 1)
+    with pytest.raises(RuntimeError, match="freed twice"):
+        pool.free(a)
 
 
 def test_a_manager_whose_pool_is_full_says_so():

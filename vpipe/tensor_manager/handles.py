@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections import deque
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from vpipe.tensor_manager.copy_engine import Ticket
 from vpipe.tensor_manager.pool import PoolBlock
@@ -44,7 +43,7 @@ class SwappedEntry(StorageEntry):
     """A storage copied to the host pool, and what brings it back."""
 
     __slots__ = ("source", "host", "d2h", "device_copy", "h2d", "weak", "unpacks", "phases", "last_phase",
-                 "task", "task_unpacks", "users", "unseen", "later", "fetches")
+                 "task", "task_unpacks", "users", "unseen", "later", "fetches", "consumed")
     swapped = True
 
     def __init__(self, key: int, layer: int, mb: int, nbytes: int, seq: int) -> None:
@@ -54,7 +53,9 @@ class SwappedEntry(StorageEntry):
         self.d2h: Ticket | None = None
         self.device_copy: torch.Tensor | None = None  # brought back for a backward
         self.h2d: Ticket | None = None
-        self.weak: StorageWeakRef | None = None
+        # a weak reference to the storage it was saved from (torch's raw handle: StorageWeakRef's Python
+        # wrapper cost more than the rest of a small tensor's swap-out); freed by forget_storage()
+        self.weak: int | None = None
         self.unpacks = 0
         self.phases = 0  # backward phases (the manager's backward() contexts) that unpacked it
         self.last_phase = -1
@@ -64,6 +65,17 @@ class SwappedEntry(StorageEntry):
         self.unseen = 0  # live handles never unpacked
         self.later = 0  # live handles unpacked in an input pass that the weight pass unpacks again
         self.fetches = 0  # times brought back from the host
+        self.consumed: object = None  # the stream the device copy was handed to (once per stream)
+
+
+    def storage_died(self) -> bool:
+        """Whether the storage it was saved from is gone (its address may now belong to another)."""
+        return self.weak is not None and bool(torch.UntypedStorage._expired(self.weak))
+
+    def forget_storage(self) -> None:
+        if self.weak is not None:
+            torch.UntypedStorage._free_weak_ref(self.weak)
+            self.weak = None
 
 
 class KeptHandle:

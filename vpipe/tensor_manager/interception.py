@@ -70,6 +70,9 @@ class Interceptor:
         self._tls = threading.local()
         self.mb: int | None = None
         self.unmetered = False
+        # whether recomputed calls measure what they would save (off: as their last metered call of the same
+        # input shapes; the manager follows its own ``metering``)
+        self.metering = True
         self.counted: dict[int, list[tuple[int, int]]] = {}  # mb -> (layer, bytes) of its unmetered calls
         self.weights_skipped = 0
 
@@ -108,8 +111,13 @@ class Interceptor:
             layer.kept_bytes, layer.input_shapes = frame.new_bytes, input_shapes(frame.inputs)
         if frame.policy is Policy.RECOMPUTE:
             counter, frame.counter = frame.counter, None  # it holds frame.is_weight: no cycle left behind
-            activation = counter.bytes if counter is not None else 0
-            swappable = counter.swappable if counter is not None else 0
+            if counter is not None:
+                activation, swappable = counter.bytes, counter.swappable
+                layer.recompute_bytes = (input_shapes(frame.inputs), activation, swappable)
+            elif layer.recompute_bytes is not None:  # an unmetered call: as the last metered one of its shapes
+                _, activation, swappable = layer.recompute_bytes
+            else:
+                activation = swappable = 0
             self.ledger.inputs[layer.layer_id] = frame.bytes  # what checkpoint kept: the inputs
         else:
             activation, swappable = frame.bytes, frame.swappable
@@ -129,7 +137,9 @@ class Interceptor:
         # a KeptCall frame is a kept layer's unmetered call: nothing to recompute either
         if not isinstance(frame, LayerCall) or frame.layer is not layer or frame.policy is not Policy.RECOMPUTE:
             return inner(*args, **kwargs)
-        frame.counter = RecomputeCounter(frame.is_weight, self.min_swap_bytes)
+        measured = layer.recompute_bytes
+        if self.metering or measured is None or measured[0] != input_shapes(frame.inputs):
+            frame.counter = RecomputeCounter(frame.is_weight, self.min_swap_bytes)
         layer.recompute_calls += 1
         return self._recompute.run(layer.module, inner, args, kwargs, layer=layer.layer_id, mb=frame.mb,
                                    counter=frame.counter, is_weight=frame.is_weight)

@@ -63,6 +63,8 @@ class ManagedLayer:
     # layer before it counts there, once)
     kept_bytes: int | None = None
     input_shapes: tuple[Any, ...] | None = None  # the tensor input shapes of that call
+    # under R, what its last metered call would have saved: (input shapes, bytes, bytes large enough to swap)
+    recompute_bytes: tuple[tuple[Any, ...], int, int] | None = None
     retired: bool = False  # out of the forward path, waiting for its in-flight backwards (a streamed move)
 
     def attach(self, pre: Callable[..., None], post: Callable[..., None]) -> None:

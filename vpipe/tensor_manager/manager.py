@@ -36,6 +36,7 @@ from vpipe.tensor_manager.phases import PHASES, BackwardPhases
 from vpipe.tensor_manager.pool import DEFAULT_CHUNK_BYTES, HostPool, default_host_pool_bytes
 from vpipe.tensor_manager.prefetch import BACKWARD, FORWARD, Prefetcher
 from vpipe.tensor_manager.recompute_store import RecomputeStore
+from vpipe.tensor_manager.replay import forget_weight_places
 from vpipe.tensor_manager.stats import TensorManagerStats, collect_stats
 from vpipe.tensor_manager.swap import SwapEngine
 from vpipe.tensor_manager.swap_in import SwapIn
@@ -138,6 +139,7 @@ class TensorManager:
         if value == self._metering and self._hookless:
             return  # (set at every step: nothing to work out again while the layers run without hooks)
         self._metering = value
+        self._interceptor.metering = value
         self._update_hooks()
 
     @property
@@ -260,6 +262,7 @@ class TensorManager:
         self._all_keep = all(other.policy is Policy.KEEP for other in self._layers.values())
         self._update_hooks()
         if policy is Policy.RECOMPUTE:
+            forget_weight_places(layer.module)  # found anew at its first recompute call
             layer.route_forward(self._interceptor.forward_layer)
         else:
             layer.restore_forward()

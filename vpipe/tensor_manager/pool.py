@@ -7,8 +7,13 @@ configured maximum, so a stage that swaps little pins little; when the maximum i
 a request fails with :class:`HostPoolFullError` naming the capacity and the request.
 
 Ranges are freed in any order (zero-bubble schedules free micro-batches out of order), so
-each chunk keeps a sorted free list that coalesces neighbours. Without CUDA the chunks are
-ordinary host memory: the same code runs, the copies are plain memcpy.
+each chunk keeps a sorted free list that coalesces neighbours. Every step saves tensors of
+the same sizes as the last, so a freed range is first kept aside under its exact size and
+handed to the next request of that size without a search (a first-fit scan over a
+fragmented free list cost more Python than the copy of a small tensor); the ranges kept
+aside go back to the free lists when a request of another size finds no room.
+Without CUDA the chunks are ordinary host memory: the same code runs, the copies are plain
+memcpy.
 """
 
 from __future__ import annotations
@@ -84,6 +89,7 @@ class HostPool:
         self.chunk_bytes = min(_align(int(chunk_bytes)), _align(self.max_bytes))
         self.pinned = pinned
         self._chunks: list[_Chunk] = []
+        self._freed: dict[int, list[PoolBlock]] = {}  # nbytes -> freed ranges kept aside for that size
         self.used_bytes = 0  # aligned bytes handed out
         self.peak_used_bytes = 0
         if preallocate:
@@ -102,6 +108,9 @@ class HostPool:
     def can_hold(self, nbytes: int) -> bool:
         """Whether a request of ``nbytes`` could be placed now or after growing."""
         need = _align(nbytes)
+        if self._freed.get(nbytes):
+            return True
+        self._return_freed()
         if any(size >= need for c in self._chunks for _, size in c.free):
             return True
         return self.capacity_bytes + max(need, 0) <= self.max_bytes
@@ -119,11 +128,20 @@ class HostPool:
     def alloc(self, nbytes: int) -> PoolBlock:
         if nbytes <= 0:
             raise ValueError(f"cannot allocate {nbytes} bytes from the host pool")
+        kept = self._freed.get(nbytes)
+        if kept:
+            old = kept.pop()
+            self.used_bytes += old.size
+            if self.used_bytes > self.peak_used_bytes:
+                self.peak_used_bytes = self.used_bytes
+            return PoolBlock(old.chunk, old.offset, old.size, nbytes, old.data)
         need = _align(nbytes)
-        for index, chunk in enumerate(self._chunks):
-            block = self._take(index, chunk, need, nbytes)
-            if block is not None:
-                return block
+        block = self._first_fit(need, nbytes)
+        if block is None and self._freed:
+            self._return_freed()
+            block = self._first_fit(need, nbytes)
+        if block is not None:
+            return block
         room = self.max_bytes - self.capacity_bytes
         if need > room:
             raise HostPoolFullError(
@@ -142,6 +160,20 @@ class HostPool:
         if block.freed:
             raise RuntimeError(f"host pool block at chunk {block.chunk} offset {block.offset} freed twice")
         block.freed = True
+        self.used_bytes -= block.size
+        kept = self._freed.get(block.nbytes)
+        if kept is None:
+            kept = self._freed[block.nbytes] = []
+        kept.append(block)
+
+    def _return_freed(self) -> None:
+        """Put the ranges kept aside back into their chunks' free lists, coalescing neighbours."""
+        freed, self._freed = self._freed, {}
+        for blocks in freed.values():
+            for block in blocks:
+                self._release_range(block)
+
+    def _release_range(self, block: PoolBlock) -> None:
         chunk = self._chunks[block.chunk]
         free = chunk.free
         i = bisect.bisect_left(free, (block.offset, 0))
@@ -154,7 +186,6 @@ class HostPool:
             size += free[i][1]
             del free[i]
         free.insert(i, (start, size))
-        self.used_bytes -= block.size
 
     # ------------------------------------------------------------------ internals
     def _grow(self, nbytes: int) -> int:
@@ -162,6 +193,13 @@ class HostPool:
         buffer = torch.empty(size, dtype=torch.uint8, pin_memory=self.pinned)
         self._chunks.append(_Chunk(buffer, [(0, size)]))
         return len(self._chunks) - 1
+
+    def _first_fit(self, need: int, nbytes: int) -> PoolBlock | None:
+        for index, chunk in enumerate(self._chunks):
+            block = self._take(index, chunk, need, nbytes)
+            if block is not None:
+                return block
+        return None
 
     def _take(self, index: int, chunk: _Chunk, need: int, nbytes: int) -> PoolBlock | None:
         for i, (offset, size) in enumerate(chunk.free):

@@ -53,11 +53,12 @@ class RecomputeStore:
         self.dropped_bytes: dict[int, int] = {}  # layer -> bytes of such tensors
 
     def run(self, module: nn.Module, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], *,
-            layer: int, mb: int, counter: RecomputeCounter, is_weight: Callable[[torch.Tensor], bool]) -> Any:
+            layer: int, mb: int, counter: RecomputeCounter | None, is_weight: Callable[[torch.Tensor], bool]) -> Any:
         """``forward(*args, **kwargs)`` with what it saves replaced by slots, recomputed in the backward.
 
         ``is_weight`` tells parameters (and stashed weight versions, buffers) from activations:
-        those are saved as they are, never recomputed.
+        those are saved as they are, never recomputed; ``counter`` (None: not measured this call)
+        sees every tensor the call saves.
         """
         frame = RecomputeFrame(self, layer, mb, module, forward, args, kwargs)
 
@@ -67,7 +68,8 @@ class RecomputeStore:
 
         def pack(t: torch.Tensor) -> torch.Tensor | Slot:
             see, weight = measuring[0]
-            see.see(t)
+            if see is not None:
+                see.see(t)
             return frame.pack(t, weight(t))
 
         try:

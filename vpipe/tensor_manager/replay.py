@@ -17,6 +17,7 @@ through functional_call.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -31,14 +32,35 @@ from torch.utils.checkpoint import (
     set_device_states,
 )
 
-__all__ = ["Replay", "capture_weights"]
+__all__ = ["Replay", "capture_weights", "forget_weight_places"]
+
+
+# Where each module's parameters and buffers live: (qualified name, the owning dict, key). Walking the
+# module tree for every recomputed call (twice) cost more Python than the rest of the call's bookkeeping;
+# the places are found once per module and read at every call (functional_call swaps the tensors in
+# those same dicts). forget_weight_places() drops a module's entry when vpipe starts managing it.
+_places: weakref.WeakKeyDictionary[nn.Module, list[tuple[str, dict[str, Any], str]]] = weakref.WeakKeyDictionary()
+
+
+def _weight_places(module: nn.Module) -> list[tuple[str, dict[str, Any], str]]:
+    places = _places.get(module)
+    if places is None:
+        places = []
+        for prefix, sub in module.named_modules(remove_duplicate=False):
+            for table in (sub._parameters, sub._buffers):
+                places.extend((f"{prefix}.{key}" if prefix else key, table, key) for key in table)
+        _places[module] = places
+    return places
+
+
+def forget_weight_places(module: nn.Module) -> None:
+    """Find the module's parameters and buffers anew at its next call (its structure may have changed)."""
+    _places.pop(module, None)
 
 
 def capture_weights(module: nn.Module) -> dict[str, torch.Tensor]:
     """The parameter and buffer tensors the module uses right now (stashed ones under functional_call)."""
-    found: dict[str, torch.Tensor] = {name: t for name, t in module.named_parameters(remove_duplicate=False)}
-    found.update({name: t for name, t in module.named_buffers(remove_duplicate=False) if t is not None})
-    return found
+    return {name: t for name, table, key in _weight_places(module) if (t := table[key]) is not None}
 
 
 def _same_weights(module: nn.Module, captured: dict[str, torch.Tensor]) -> bool:

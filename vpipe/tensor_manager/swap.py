@@ -20,7 +20,6 @@ from collections.abc import Callable, Iterable
 from typing import TypeVar
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from vpipe.tensor_manager.accounting import Ledger
 from vpipe.tensor_manager.copy_engine import CopyEngine, Ticket
@@ -92,8 +91,7 @@ class SwapEngine:
     # ------------------------------------------------------------------ pack side
     def lookup(self, key: int) -> StorageEntry | None:
         entry = self._by_key.get(key)
-        if (isinstance(entry, SwappedEntry) and entry.source is None and entry.weak is not None
-                and entry.weak.expired()):
+        if isinstance(entry, SwappedEntry) and entry.source is None and entry.storage_died():
             # the storage it was saved from died; the address now belongs to another one
             del self._by_key[key]
             return None
@@ -123,7 +121,7 @@ class SwapEngine:
                     raise HostPoolFullError(f"layer {layer}, micro-batch {mb}: {e}") from None
                 entry = self._new_entry(SwappedEntry, key, layer, mb, nbytes)
                 entry.host = block
-                entry.weak = StorageWeakRef(storage)
+                entry.weak = storage._weak_ref()  # type: ignore[assignment]  # an int
                 # the device bytes stay held (and counted) until the copy has read them; the copy
                 # itself is issued with the rest of the layer's at flush_swap_outs()
                 entry.source = flat_bytes(storage, self.device)
@@ -206,6 +204,7 @@ class SwapEngine:
             self.ledger.sub(entry.layer, entry.mb, entry.nbytes)
         if not isinstance(entry, SwappedEntry):
             return
+        entry.forget_storage()
         for mb in entry.users:
             by_mb = self._swapped.get(mb)
             if by_mb is not None:

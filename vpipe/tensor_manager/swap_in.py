@@ -83,7 +83,8 @@ class SwapIn:
                 base = entry.source
             elif entry.device_copy is not None:
                 base = entry.device_copy
-                self.copies.consume(base, entry.h2d)  # type: ignore[arg-type]
+                if entry.consumed is None or not self.copies.consumed_on(entry.consumed):
+                    entry.consumed = self.copies.consume(base, entry.h2d)  # type: ignore[arg-type]
             else:
                 self.sync_fallbacks += 1
                 base = self._fetch_now(entry, phase)
@@ -108,7 +109,7 @@ class SwapIn:
         return copy
 
     def _fetched(self, entry: SwappedEntry, copy: torch.Tensor, ticket: Ticket, phase: str) -> None:
-        entry.device_copy, entry.h2d = copy, ticket
+        entry.device_copy, entry.h2d, entry.consumed = copy, ticket, None
         entry.counted = True
         self.ledger.add(entry.layer, entry.mb, entry.nbytes)
         self.layer_h2d[entry.layer] = self.layer_h2d.get(entry.layer, 0) + entry.nbytes
