@@ -1,17 +1,21 @@
 #!/usr/bin/env bash
-# The GPU part of the benchmarks, on a machine with one NVIDIA GPU:
-#   - every test marked `cuda` (tensor manager copy streams and host pool, monitor's CUDA timing);
-#   - the swap path benchmark (pinned pool and copy engine vs naive copies, overlap with compute);
-#   - the tensor manager benchmark on the GPU (step time and peak saved bytes per policy);
-#   - the throughput benchmark, on CPU ranks (see docs/benchmarks.md: two pipeline ranks
-#     cannot share one GPU under NCCL, so a one-GPU machine cannot run a GPU pipeline).
-# Results (JSON, test log, nvidia-smi) go to the directory given (default gpu-results/);
-# copy the numbers into docs/benchmarks.md, "GPU" section.
+# The GPU part of the benchmarks, on a machine with one NVIDIA GPU (about 4 minutes on an H100):
+#   - every test marked `cuda` (copy streams and host pool, the monitor's CUDA timing, a GPU budget,
+#     a batch twice what the capped memory holds trained under the budget);
+#   - the swap path (pinned pool and copy engine vs naive copies, overlap with compute);
+#   - the tensor manager on a launch-bound transformer (d_model 256) and a compute-bound one
+#     (d_model 2048): step time per policy against torch's save_on_cpu and checkpoint;
+#   - the memory-bound benchmark: activations twice what the capped memory holds, vpipe's own
+#     swap/recompute mix against all-recompute and save_on_cpu, and the largest batch each runs
+#     within 10% of plain's per-sample throughput.
+# JSON, the test log and the machine's description go to the directory given (default
+# docs/results/gpu); `python -m vpipe.report docs/results --docs docs/benchmarks.md` then
+# regenerates the docs' GPU section from them.
 #
 #   benchmarks/gpu_suite.sh [OUT_DIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT=${1:-gpu-results}
+OUT=${1:-docs/results/gpu}
 PY=${PYTHON:-python}
 mkdir -p "$OUT"
 
@@ -24,9 +28,13 @@ nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || true
 
 status=0
 "$PY" -m pytest -m cuda -q -p no:cacheprovider tests 2>&1 | tee "$OUT/cuda-tests.txt" || status=1
+# pytest's closing line, for the report
+"$PY" -c 'import json, sys; lines = [l.strip("= \n") for l in open(sys.argv[1]) if " in " in l and ("passed" in l or "failed" in l)]; print(json.dumps({"summary": lines[-1] if lines else "no summary line"}))' \
+  "$OUT/cuda-tests.txt" > "$OUT/cuda_tests.json"
 "$PY" benchmarks/swap_bench.py --device cuda --json "$OUT/swap.json" || status=1
 "$PY" benchmarks/tensor_manager_bench.py --device cuda --json "$OUT/tensor_manager.json" || status=1
-CUDA_VISIBLE_DEVICES= "$PY" benchmarks/throughput_bench.py --cases transformer:2 --rounds 3 \
-  --json "$OUT/throughput.json" || status=1
+"$PY" benchmarks/tensor_manager_bench.py --device cuda --d-model 2048 --heads 16 --seq-len 256 --rounds 5 \
+  --only "vpipe D,vpipe S,vpipe R,save_on_cpu,checkpoint" --json "$OUT/tensor_manager_compute.json" || status=1
+"$PY" benchmarks/memory_bound_bench.py --device cuda --json "$OUT/memory_bound.json" || status=1
 echo "gpu_suite: results in $OUT (exit $status)"
 exit $status

@@ -4,12 +4,18 @@ One process runs a stage-sized model in GPipe order (every micro-batch's forward
 every backward), which is what a pipeline stage sees, under each variant:
 
   plain        no vpipe, no hooks
-  vpipe D      the tensor manager attached, every layer kept (the hooks' own cost)
+  vpipe D      the tensor manager attached, every layer kept, as ``vpipe.attach`` runs the steps its
+               monitor does not sample (metering off: kept layers measured, their hooks off)
+  vpipe D metered  every layer kept, every call measured through the saved-tensor hooks (a sampled step)
   vpipe S      every layer swapped (pool, copy engine, prefetch)
   vpipe R      every layer recomputed
   vpipe 40%    a budget of 40% of the all-D peak; the manager picks swaps/recomputes itself
   save_on_cpu  torch.autograd.graph.save_on_cpu around each forward
   checkpoint   torch.utils.checkpoint (non-reentrant) per layer, no vpipe
+
+Every vpipe variant but the metered one runs with metering off after the warm-up, as attach
+runs its unsampled steps. For swapping variants the copy time per step (device events) and
+the share of it hidden under compute, 1 - (step - plain) / copy time, are reported too.
 
 Variants alternate within each round (A B C ... then reversed), and a variant's time is
 the median over rounds of its ratio to plain in the same round, so load from other
@@ -41,7 +47,7 @@ from vpipe.runtime.models import build_model, transformer_lm  # noqa: E402
 from vpipe.tensor_manager import TensorManager  # noqa: E402
 from vpipe.tensor_manager.accounting import format_bytes  # noqa: E402
 
-VARIANTS = ("plain", "vpipe D", "vpipe S", "vpipe R", "vpipe 40%", "save_on_cpu", "checkpoint")
+VARIANTS = ("plain", "vpipe D", "vpipe D metered", "vpipe S", "vpipe R", "vpipe 40%", "save_on_cpu", "checkpoint")
 
 
 class SavedBytesProbe:
@@ -99,8 +105,8 @@ class Bench:
         x, y = self.spec.batch(0, args.micro_batches * args.micro_batch_size, 0)
         self.inputs = [t.to(self.device) for t in x.tensor_split(args.micro_batches)]
         self.targets = [t.to(self.device) for t in y.tensor_split(args.micro_batches)]
-        policies = {"vpipe D": Policy.KEEP, "vpipe S": Policy.SWAP, "vpipe R": Policy.RECOMPUTE,
-                    "vpipe 40%": Policy.KEEP}
+        policies = {"vpipe D": Policy.KEEP, "vpipe D metered": Policy.KEEP, "vpipe S": Policy.SWAP,
+                    "vpipe R": Policy.RECOMPUTE, "vpipe 40%": Policy.KEEP}
         self.managers = {
             v: TensorManager({int(n): c for n, c in self.models[v].named_children()}, device=self.device,
                              min_swap_bytes=args.min_swap_bytes,
@@ -154,12 +160,15 @@ class Bench:
             probe = SavedBytesProbe()
             self.step(variant, probe)
             return probe.peak, {}
+        manager.synchronize()  # every copy's time known, before and after
         manager.reset_peak()
         before = manager.stats()
         self.step(variant)
+        manager.synchronize()
         s = manager.stats()
         return s.peak_resident_bytes, {  # the copies of this one step
             "d2h_bytes": s.d2h_bytes - before.d2h_bytes, "sync_fallbacks": s.sync_fallbacks - before.sync_fallbacks,
+            "copy_s": (s.d2h_s - before.d2h_s) + (s.h2d_s - before.h2d_s),
             "prefetched": s.prefetched - before.prefetched,
             "policies": "".join(p.value for p in s.policies.values()), "budget": s.budget_bytes,
         }
@@ -174,6 +183,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for _ in range(2):  # warm up the allocator, the pool and the managers' measurements
         for variant in variants:
             bench.timed(variant)
+    for variant, manager in bench.managers.items():
+        manager.metering = variant == "vpipe D metered"  # attach meters only the steps its monitor samples
     times: dict[str, list[float]] = {v: [] for v in variants}
     ratios: dict[str, list[float]] = {v: [] for v in variants}
     for r in range(args.rounds):
@@ -188,6 +199,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if v == "save_on_cpu" and bench.device.type == "cpu":
             # it copies nothing when the graph is on the CPU already: the tensors stay where they are
             peak, extra = all_kept, {"note": "no copy on a CPU device"}
+        if extra.get("copy_s"):  # how much of the copy time the step did not pay for
+            extra["copy_hidden"] = max(0.0, 1.0 - max(0.0, statistics.median(times[v]) - statistics.median(
+                times["plain"])) / extra["copy_s"])
         rows.append({
             "variant": v,
             "step_s": statistics.median(times[v]),
@@ -199,7 +213,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         })
     return {
         "config": {k: v for k, v in vars(args).items() if k != "json"},
-        "device": str(bench.device), "torch": torch.__version__, "all_kept_peak_bytes": all_kept, "rows": rows,
+        "device": (f"{bench.device} ({torch.cuda.get_device_name(bench.device)})" if bench.device.type == "cuda"
+                   else str(bench.device)), "torch": torch.__version__, "all_kept_peak_bytes": all_kept, "rows": rows,
     }
 
 
@@ -221,6 +236,8 @@ def print_table(result: dict[str, Any]) -> None:
                 notes.append(f"budget {format_bytes(row['budget'])}")
             if row["d2h_bytes"]:
                 notes.append(f"swaps {format_bytes(row['d2h_bytes'])}/step, {row['sync_fallbacks']} sync fallbacks")
+            if row.get("copy_hidden") is not None:
+                notes.append(f"copies {row['copy_s'] * 1e3:.1f} ms/step, {row['copy_hidden']:.0%} hidden")
         table.add_row(row["variant"], f"{row['step_s'] * 1e3:.1f} ms", f"{row['ratio_vs_plain']:.3f}",
                       f"{row['ratio_min']:.2f}-{row['ratio_max']:.2f}", format_bytes(row["peak_saved_bytes"]),
                       f"{row['peak_vs_plain']:.2f}", "; ".join(notes))

@@ -139,3 +139,55 @@ def test_budget_on_gpu_keeps_the_peak_and_the_gradients():
     assert budgeted.stats().peak_resident_bytes <= int(0.4 * peak)
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=0)
+
+
+def test_a_batch_twice_what_the_memory_holds_trains_under_the_budget_with_the_same_gradients():
+    """The memory benchmark's claim as behaviour: capped so that plain holds half the batch (twice it runs out of
+    memory), the budgeted manager trains the whole batch with the gradients of an uncapped plain run."""
+    spec = transformer_lm(n_blocks=4, d_model=512, n_heads=8, seq_len=256, dropout=0.0)
+    x, y = spec.batch(0, 8 * 8, 0)
+    inputs = [t.to(DEVICE) for t in x.tensor_split(8)]
+    targets = [t.to(DEVICE) for t in y.tensor_split(8)]
+    model = build_model(spec, seed=0).to(DEVICE)
+
+    def plain_step(n):
+        losses = [spec.loss_fn()(model(inputs[mb]), targets[mb]) / 8 for mb in range(n)]
+        for loss in losses:
+            loss.backward()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        return grads
+
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    want = plain_step(8)
+    torch.cuda.reset_peak_memory_stats()
+    plain_step(4)
+    half = torch.cuda.max_memory_allocated()
+    kept = _manager(model, Policy.KEEP)
+    it = iter(targets)
+    _gpipe_step(model, kept, inputs[:1], lambda out: spec.loss_fn()(out, next(it)) / 8)
+    per_mb = kept.stats().peak_resident_bytes
+    kept.close()
+    want_bytes = {name: g.numel() * g.element_size() for name, g in want.items()}
+    del kept
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(DEVICE).total_memory
+    torch.cuda.set_per_process_memory_fraction((half + sum(want_bytes.values()) + (256 << 20)) / total, DEVICE)
+    try:
+        with pytest.raises(torch.OutOfMemoryError):
+            plain_step(8)
+        model.zero_grad(set_to_none=True)
+        torch.cuda.empty_cache()
+        budgeted = _manager(model, Policy.KEEP, budget_bytes=4 * per_mb)
+        it = iter(targets)
+        got = _gpipe_step(model, budgeted, inputs, lambda out: spec.loss_fn()(out, next(it)) / 8)
+        stats = budgeted.stats()
+        budgeted.close()
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, DEVICE)
+    assert stats.peak_resident_bytes <= 4 * per_mb
+    assert any(p is not Policy.KEEP for p in stats.policies.values())
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=0)
