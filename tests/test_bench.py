@@ -255,3 +255,45 @@ def test_each_vpipe_system_runs_right_after_the_same_schedule_without_it():
     assert [v.name for v in ordered] == ["GPipe (all R)", "GPipe + vpipe", "1F1B (all D)", "1F1B + vpipe",
                                          "PipeDream (all D)", "PipeDream + vpipe", "ZBV (all D)", "ZBV + vpipe",
                                          "1F1B, no budget (all D)"]
+
+
+def _tm_rows(ratios: dict[str, float]) -> list[dict]:
+    return [{"variant": v, "step_s": 0.05 * r, "ratio_vs_plain": r, "ratio_min": r, "ratio_max": r,
+             "peak_vs_plain": 1.0, "policies": "SSSS" if v == "vpipe S" else "DDDD"} for v, r in ratios.items()]
+
+
+def test_the_gpu_section_is_regenerated_from_the_suite_files_and_holds_each_number_to_its_target(tmp_path):
+    gpu = tmp_path / "gpu"
+    gpu.mkdir()
+    config = {"blocks": 4, "d_model": 256, "seq_len": 128, "micro_batches": 4, "micro_batch_size": 8, "rounds": 7}
+    (gpu / "cuda_tests.json").write_text(json.dumps({"summary": "8 passed in 41.0s"}))
+    (gpu / "tensor_manager.json").write_text(json.dumps({
+        "config": config, "device": "cuda (NVIDIA H100 80GB HBM3)", "torch": "2.11.0+cu130",
+        "rows": _tm_rows({"plain": 1.0, "vpipe D": 1.01, "vpipe S": 1.8, "save_on_cpu": 1.66, "vpipe R": 1.9,
+                          "checkpoint": 1.98})}))
+    (gpu / "memory_bound.json").write_text(json.dumps({
+        "config": {**config, "d_model": 2048}, "memory": {"cap_bytes": 9 << 30}, "plain_largest": 4,
+        "budget_bytes": 7 << 30, "micro_batches": 8, "device": "cuda (NVIDIA H100 80GB HBM3)", "torch": "2.11.0+cu130",
+        "at_twice_plain": {"vpipe": {"samples_per_s": 120.0, "policies": "DSSSSD", "escalations": 4},
+                           "checkpoint": {"samples_per_s": 100.0}, "save_on_cpu": {"samples_per_s": 50.0}},
+        "vpipe_over_checkpoint": 1.2, "vpipe_over_save_on_cpu": 2.4, "per_sample_limit_s": 0.0075,
+        "largest": {"plain": {"largest": 4, "tried": [{"micro_batches": 4, "fits": True, "per_sample_s": 0.0068},
+                                                      {"micro_batches": 5, "fits": False}]},
+                    "vpipe": {"largest": 12, "tried": [{"micro_batches": 12, "fits": True, "per_sample_s": 0.0072}]}},
+        "vpipe_largest_over_plain": 3.0}))
+    docs = tmp_path / "benchmarks.md"
+    docs.write_text("# B\n<!-- results:start -->\n<!-- results:end -->\n## GPU\n<!-- gpu:start -->\nold\n"
+                    "<!-- gpu:end -->\nkept\n")
+    assert report.main([str(tmp_path), "--docs", str(docs)]) == 0
+    text = docs.read_text()
+    assert "\nold\n" not in text and text.endswith("<!-- gpu:end -->\nkept\n")
+    assert "Measured on cuda (NVIDIA H100 80GB HBM3) with torch 2.11.0+cu130" in text
+    assert "- **`cuda` tests** (`pytest -m cuda`): 8 passed in 41.0s." in text
+    assert "every layer kept: 1.01x vs <= 1.02x: met" in text
+    assert "all swapped vs save_on_cpu: 1.80x vs <= 1.66x: NOT met" in text
+    assert "all recomputed vs checkpoint: 1.90x vs <= 1.98x: met" in text
+    assert "vpipe / all-recompute: 1.20x vs >= 1.15x: met" in text
+    assert "vpipe's largest / plain's: 3.00x vs >= 2.00x: met" in text
+    assert "| plain | 4 | 4: 6.80 ms, 5: OOM |" in text
+    assert "_Not in this run: `swap.json`, `tensor_manager_compute.json`._" in text
+    assert "gpu_" not in report.results_markdown(report.load_results(tmp_path))  # listed in their own section only

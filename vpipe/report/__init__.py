@@ -5,7 +5,8 @@ into markdown, and writes it between markers in existing files, so no number in 
 README or ``docs/benchmarks.md`` is typed in by hand:
 
 - ``<!-- headline:start -->`` ... ``<!-- headline:end -->``: one row per headline result;
-- ``<!-- results:start -->`` ... ``<!-- results:end -->``: every benchmark's full table.
+- ``<!-- results:start -->`` ... ``<!-- results:end -->``: every benchmark's full table;
+- ``<!-- gpu:start -->`` ... ``<!-- gpu:end -->``: the GPU suite's results (``docs/results/gpu``).
 
 ``--plots DIR`` also draws PNGs (needs matplotlib, the ``plot`` extra). Benchmarks whose
 JSON is missing are left out and said so.
@@ -14,15 +15,16 @@ JSON is missing are left out and said so.
 
 The parts, one job each: ``results.py`` (reading the JSON), ``markdown.py`` (the table and
 number formats the others share), ``headline.py`` (the README's headline rows),
-``tables.py`` (every benchmark's full table), ``plots.py`` (the PNGs) and ``command.py``
+``tables.py`` (every benchmark's full table), ``gpu.py`` (the GPU section), ``plots.py`` (the PNGs) and ``command.py``
 (``python -m vpipe.report``: rewriting the files between their markers).
 """
 
 from vpipe.report.command import main, replace_between
+from vpipe.report.gpu import gpu_markdown
 from vpipe.report.headline import headline_markdown, headline_rows
 from vpipe.report.plots import plot
 from vpipe.report.results import Results, load_results
 from vpipe.report.tables import SECTIONS, results_markdown
 
-__all__ = ["load_results", "headline_rows", "headline_markdown", "results_markdown", "replace_between", "plot", "main",
-           "Results", "SECTIONS"]
+__all__ = ["load_results", "headline_rows", "headline_markdown", "results_markdown", "gpu_markdown", "replace_between",
+           "plot", "main", "Results", "SECTIONS"]

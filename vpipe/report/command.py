@@ -1,6 +1,7 @@
 """``python -m vpipe.report``: regenerate the README's headline, the docs' tables and the plots.
 
-The tables are written between their markers (``<!-- headline:start -->`` ...), so the
+The tables are written between their markers (``<!-- headline:start -->`` ..., the docs'
+``results`` and ``gpu`` sections), so the
 rest of each file stays as it is; without ``--readme``, ``--docs`` or ``--plots`` the
 headline table is printed.
 """
@@ -12,6 +13,7 @@ import re
 import sys
 from pathlib import Path
 
+from vpipe.report.gpu import gpu_markdown
 from vpipe.report.headline import headline_markdown
 from vpipe.report.plots import plot
 from vpipe.report.results import load_results
@@ -45,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
             path.write_text(replace_between(path.read_text(), "headline", headline_markdown(results)))
         if args.docs:
             path = Path(args.docs)
-            path.write_text(replace_between(path.read_text(), "results", results_markdown(results)))
+            text = replace_between(path.read_text(), "results", results_markdown(results))
+            path.write_text(replace_between(text, "gpu", gpu_markdown(results)))
         written = plot(results, Path(args.plots)) if args.plots else []
     except ValueError as e:
         print(f"vpipe.report: error: {e}", file=sys.stderr)

@@ -199,7 +199,7 @@ def results_markdown(results: Results) -> str:
     for name, (title, render) in SECTIONS.items():
         body = render(results[name]) if name in results else f"_No `{name}.json`: run `vpipe bench {name}`._"
         parts.append(f"### {title} (`vpipe bench {name}`)\n\n{body}")
-    others = sorted(set(results) - set(SECTIONS) - {"bench"})
+    others = sorted(name for name in set(results) - set(SECTIONS) - {"bench"} if not name.startswith("gpu_"))
     if others:
         parts.append("Other results in the directory (see their scripts): " + ", ".join(f"`{o}.json`" for o in others))
     if "bench" in results:
