@@ -47,6 +47,7 @@ from vpipe.tensor_manager import TensorManager  # noqa: E402
 
 SYSTEMS = ("plain", "vpipe", "checkpoint", "save_on_cpu")
 WITHIN = 1.10  # "within 10% of plain's per-sample throughput"
+BUDGET_SHARE = 0.9
 
 
 class OutOfMemory(Exception):
@@ -59,6 +60,8 @@ class Runner:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.device = torch.device(args.device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.spec = transformer_lm(n_blocks=args.blocks, d_model=args.d_model, n_heads=args.heads,
                                    seq_len=args.seq_len, dropout=0.0)
         self.model = build_model(self.spec, seed=0).to(self.device)
@@ -93,6 +96,8 @@ class Runner:
                     losses[mb].backward()
                 losses[mb] = None  # type: ignore[call-overload]
         except torch.OutOfMemoryError as e:
+            if system == "vpipe":
+                self.manager.synchronize()
             losses = []
             model.zero_grad(set_to_none=True)
             gc.collect()
@@ -100,6 +105,8 @@ class Runner:
             torch.cuda.empty_cache()
             raise OutOfMemory(str(e).splitlines()[0]) from None
         model.zero_grad(set_to_none=True)
+        if system == "vpipe":
+            self.manager.relax()  # as vpipe.attach does at every step boundary
 
     def _forward_context(self, system: str, mb: int) -> Any:
         if system == "vpipe":
@@ -159,8 +166,9 @@ def cap_memory(runner: Runner, fits: int) -> dict[str, Any]:
 
 
 def largest_batch(runner: Runner, system: str, sizes: list[int], per_sample_limit: float | None,
-                  steps: int) -> dict[str, Any]:
-    """The batches of ``sizes`` that fit, their per-sample time, and the largest within ``per_sample_limit``."""
+                  steps: int, stop_when_slow: bool = False) -> dict[str, Any]:
+    """The batches of ``sizes`` that fit, their per-sample time, and the largest within ``per_sample_limit``
+    (``stop_when_slow``: none larger is tried once one is over it, for systems whose time per sample only grows)."""
     tried = []
     for n in sizes:
         try:
@@ -171,16 +179,24 @@ def largest_batch(runner: Runner, system: str, sizes: list[int], per_sample_limi
             break
         per_sample = statistics.median(times) / (n * runner.args.micro_batch_size)
         tried.append({"micro_batches": n, "fits": True, "per_sample_s": per_sample})
+        if stop_when_slow and per_sample_limit is not None and per_sample > per_sample_limit:
+            break
     ok = [t["micro_batches"] for t in tried if t["fits"]
           and (per_sample_limit is None or t["per_sample_s"] <= per_sample_limit)]
     return {"tried": tried, "largest": max(ok) if ok else None}
+
+
+def _over(rows: dict[str, dict[str, Any]], a: str, b: str) -> float | None:
+    x, y = rows[a].get("samples_per_s"), rows[b].get("samples_per_s")
+    return x / y if x and y else None
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     runner = Runner(args)
     cap = cap_memory(runner, args.fits)
-    budget = args.fits * cap["saved_per_micro_batch_bytes"]
+    # vpipe's own setting: what plain's largest batch saves, less a tenth for the copies in flight
+    budget = int(args.fits * cap["saved_per_micro_batch_bytes"] * BUDGET_SHARE)
     runner.manager.budget_bytes = budget
     n = 2 * args.fits
     # plain at its largest batch: the per-sample throughput every system is held to
@@ -188,31 +204,36 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     plain_fits = plain["largest"]
     plain_row = next(t for t in plain["tried"] if t["micro_batches"] == plain_fits) if plain_fits else None
     limit = plain_row["per_sample_s"] * WITHIN if plain_row else None
-    systems = [s for s in SYSTEMS if s != "plain"]
-    for system in systems:  # warm up at the compared batch
-        runner.step(system, n)
+    systems, at_batch = [], {}
+    for system in SYSTEMS[1:]:  # warm up at the compared batch
+        try:
+            runner.step(system, n)
+            systems.append(system)
+        except OutOfMemory as e:
+            at_batch[system] = {"fits": False, "error": e.args[0][:200], "samples_per_s": None}
     runner.manager.metering = False  # as vpipe.attach runs the steps its monitor does not sample
     times: dict[str, list[float]] = {s: [] for s in systems}
     for r in range(args.rounds):
         for system in systems if r % 2 == 0 else reversed(systems):
             times[system].append(runner.timed(system, n))
     samples = n * args.micro_batch_size
-    at_batch = {s: {"step_s": statistics.median(t), "samples_per_s": samples / statistics.median(t)}
-                for s, t in times.items()}
+    at_batch.update({s: {"fits": True, "step_s": statistics.median(t), "samples_per_s": samples / statistics.median(t)}
+                     for s, t in times.items()})
     stats = runner.manager.stats()
     at_batch["vpipe"].update(policies="".join(p.value for p in stats.policies.values()),
                              peak_saved_bytes=stats.peak_resident_bytes, escalations=len(stats.escalations),
                              sync_fallbacks=stats.sync_fallbacks)
     sizes = sorted({args.fits * k // 2 for k in range(2, 2 * args.max_factor + 1)})
-    largest = {"plain": plain} | {s: largest_batch(runner, s, sizes, limit, args.steps) for s in systems}
+    largest = {"plain": plain} | {s: largest_batch(runner, s, sizes, limit, args.steps, stop_when_slow=s != "vpipe")
+                                  for s in SYSTEMS[1:]}
     return {
         "config": {k: v for k, v in vars(args).items() if k != "json"},
         "device": f"{runner.device} ({torch.cuda.get_device_name(runner.device)})" if runner.device.type == "cuda"
         else str(runner.device),
         "torch": torch.__version__, "memory": cap, "budget_bytes": budget, "micro_batches": n,
         "at_twice_plain": at_batch,
-        "vpipe_over_checkpoint": at_batch["vpipe"]["samples_per_s"] / at_batch["checkpoint"]["samples_per_s"],
-        "vpipe_over_save_on_cpu": at_batch["vpipe"]["samples_per_s"] / at_batch["save_on_cpu"]["samples_per_s"],
+        "vpipe_over_checkpoint": _over(at_batch, "vpipe", "checkpoint"),
+        "vpipe_over_save_on_cpu": _over(at_batch, "vpipe", "save_on_cpu"),
         "plain_largest": plain_fits, "per_sample_limit_s": limit, "largest": largest,
         "vpipe_largest_over_plain": (largest["vpipe"]["largest"] / plain_fits
                                      if plain_fits and largest["vpipe"]["largest"] else None),
@@ -227,11 +248,14 @@ def print_summary(result: dict[str, Any]) -> None:
     print(f"  cap {cap / 2**30:.2f} GiB" if cap else "  no memory cap (CPU)",
           f"budget {result['budget_bytes'] / 2**20:.0f} MiB; plain fits {result['plain_largest']} micro-batches")
     for system, row in result["at_twice_plain"].items():
+        if not row["fits"]:
+            print(f"  {system:12s} at {result['micro_batches']} micro-batches: does not fit ({row['error']})")
+            continue
         extra = f"  policies {row['policies']}, {row['escalations']} escalations" if "policies" in row else ""
         print(f"  {system:12s} at {result['micro_batches']} micro-batches: {row['samples_per_s']:8.1f} samples/s"
               + extra)
-    print(f"  vpipe / checkpoint {result['vpipe_over_checkpoint']:.2f}x, "
-          f"vpipe / save_on_cpu {result['vpipe_over_save_on_cpu']:.2f}x")
+    print(f"  vpipe / checkpoint {result['vpipe_over_checkpoint']}, "
+          f"vpipe / save_on_cpu {result['vpipe_over_save_on_cpu']}")
     for system, found in result["largest"].items():
         print(f"  largest batch within 10% of plain per sample, {system}: {found['largest']} micro-batches "
               + " ".join(f"[{t['micro_batches']}: {'%.2f ms' % (t['per_sample_s'] * 1e3) if t['fits'] else 'OOM'}]"

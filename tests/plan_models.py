@@ -24,7 +24,7 @@ class EncoderDecoder(nn.Module):
         memory = self.embed(tokens)
         for layer in self.encoder:
             memory = layer(memory)
-        mask = nn.Transformer.generate_square_subsequent_mask(tokens.shape[1])
+        mask = nn.Transformer.generate_square_subsequent_mask(tokens.shape[1], device=tokens.device)
         h = memory
         for layer in self.decoder:
             h = layer(h, memory, tgt_mask=mask)

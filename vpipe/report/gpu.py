@@ -44,6 +44,10 @@ def _row_ratio(rows: dict[str, dict[str, Any]], name: str) -> float | None:
     return row["ratio_vs_plain"] if row else None
 
 
+def _times(value: float | None) -> str:
+    return "not measured" if value is None else f"{value:.2f}x"
+
+
 def _verdict(value: float | None, target: float | None, at_most: bool = True) -> str:
     if value is None or target is None:
         return "not measured"
@@ -79,7 +83,7 @@ def _tensor_manager_md(data: dict[str, Any], title: str, targets: list[tuple[str
 def _memory_bound_md(data: dict[str, Any]) -> str:
     cfg, memory = data["config"], data["memory"]
     at = data["at_twice_plain"]
-    rows = [[system, f"{row['samples_per_s']:.1f}",
+    rows = [[system, f"{row['samples_per_s']:.1f}" if row.get("samples_per_s") else "does not fit",
              f"policies {row['policies']}, {row['escalations']} escalations" if "policies" in row else ""]
             for system, row in at.items()]
     sizes = []
@@ -90,13 +94,14 @@ def _memory_bound_md(data: dict[str, Any]) -> str:
     cap = memory.get("cap_bytes")
     ratio = data.get("vpipe_largest_over_plain")
     return (f"**Memory-bound** (`memory_bound_bench.py`): {cfg['blocks']} blocks, d_model {cfg['d_model']}, "
-            f"sequence {cfg['seq_len']}, micro-batches of {cfg['micro_batch_size']} in GPipe order; the GPU's memory "
-            f"capped at {cap / 2**30:.2f} GiB so that plain holds {data['plain_largest']} micro-batches; vpipe's "
-            f"budget {data['budget_bytes'] / 2**30:.2f} GiB (what plain's largest batch saves). At "
+            f"sequence {cfg['seq_len']}, micro-batches of {cfg['micro_batch_size']} in GPipe order; "
+            + (f"the GPU's memory capped at {cap / 2**30:.2f} GiB" if cap else "no memory cap")
+            + f" so that plain holds {data['plain_largest']} micro-batches; vpipe's "
+            f"budget {data['budget_bytes'] / 2**30:.2f} GiB (nine tenths of what plain's largest batch saves). At "
             f"{data['micro_batches']} micro-batches:\n\n"
             + table(["system", "samples/s", "vpipe's choice"], rows)
             + f"\n\nvpipe / all-recompute: {_verdict(data['vpipe_over_checkpoint'], 1.15, at_most=False)}; "
-              f"vpipe / save_on_cpu {data['vpipe_over_save_on_cpu']:.2f}x.\n\n"
+              f"vpipe / save_on_cpu {_times(data['vpipe_over_save_on_cpu'])}.\n\n"
               "Largest batch (micro-batches) within 10% of plain's per-sample time at plain's largest "
               f"({data['per_sample_limit_s'] * 1e3:.2f} ms per sample at most):\n\n"
             + table(["system", "largest", "per-sample time by micro-batches tried"], sizes)
