@@ -84,7 +84,9 @@ def _memory_bound_md(data: dict[str, Any]) -> str:
     cfg, memory = data["config"], data["memory"]
     at = data["at_twice_plain"]
     rows = [[system, f"{row['samples_per_s']:.1f}" if row.get("samples_per_s") else "does not fit",
-             f"policies {row['policies']}, {row['escalations']} escalations" if "policies" in row else ""]
+             f"{row['device_peak_bytes'] / 2**30:.2f}" if row.get("device_peak_bytes") else "-",
+             f"policies {row['policies']}, {row['escalations']} escalations" if "policies" in row
+             else row.get("error", "")]
             for system, row in at.items()]
     sizes = []
     for system, found in data["largest"].items():
@@ -97,9 +99,9 @@ def _memory_bound_md(data: dict[str, Any]) -> str:
             f"sequence {cfg['seq_len']}, micro-batches of {cfg['micro_batch_size']} in GPipe order; "
             + (f"the GPU's memory capped at {cap / 2**30:.2f} GiB" if cap else "no memory cap")
             + f" so that plain holds {data['plain_largest']} micro-batches; vpipe's "
-            f"budget {data['budget_bytes'] / 2**30:.2f} GiB (nine tenths of what plain's largest batch saves). At "
+            f"budget {data['budget_bytes'] / 2**30:.2f} GiB (0.8 x what plain's largest batch saves). At "
             f"{data['micro_batches']} micro-batches:\n\n"
-            + table(["system", "samples/s", "vpipe's choice"], rows)
+            + table(["system", "samples/s", "device peak GiB", "vpipe's choice / error"], rows)
             + f"\n\nvpipe / all-recompute: {_verdict(data['vpipe_over_checkpoint'], 1.15, at_most=False)}; "
               f"vpipe / save_on_cpu {_times(data['vpipe_over_save_on_cpu'])}.\n\n"
               "Largest batch (micro-batches) within 10% of plain's per-sample time at plain's largest "
