@@ -83,10 +83,22 @@ def _tensor_manager_md(data: dict[str, Any], title: str, targets: list[tuple[str
 def _memory_bound_md(data: dict[str, Any]) -> str:
     cfg, memory = data["config"], data["memory"]
     at = data["at_twice_plain"]
+    largest_vpipe = data["largest"].get("vpipe", {})
+    from_search = next((t for t in largest_vpipe.get("tried", []) if t["micro_batches"] == data["micro_batches"]
+                        and t["fits"]), None)
+    crossed = ""
+    if not at["vpipe"].get("samples_per_s") and from_search and at.get("checkpoint", {}).get("samples_per_s"):
+        # the compared step ran out of memory in a round, but the batch search ran it: compare those times
+        per_sample = 1.0 / at["checkpoint"]["samples_per_s"]
+        crossed = (f" From the batch search's time at {data['micro_batches']} micro-batches "
+                   f"({from_search['per_sample_s'] * 1e3:.2f} ms per sample): vpipe / all-recompute "
+                   f"{per_sample / from_search['per_sample_s']:.2f}x.")
     rows = [[system, f"{row['samples_per_s']:.1f}" if row.get("samples_per_s") else "does not fit",
              f"{row['device_peak_bytes'] / 2**30:.2f}" if row.get("device_peak_bytes") else "-",
-             f"policies {row['policies']}, {row['escalations']} escalations" if "policies" in row
-             else row.get("error", "")]
+             "; ".join(x for x in (f"policies {row['policies']}, {row['escalations']} escalations"
+                                   if "policies" in row else "",
+                                   f"out of memory in {row['error'].split('. Tried')[0]}" if row.get("error") else "")
+                       if x)]
             for system, row in at.items()]
     sizes = []
     for system, found in data["largest"].items():
@@ -103,7 +115,7 @@ def _memory_bound_md(data: dict[str, Any]) -> str:
             f"{data['micro_batches']} micro-batches:\n\n"
             + table(["system", "samples/s", "device peak GiB", "vpipe's choice / error"], rows)
             + f"\n\nvpipe / all-recompute: {_verdict(data['vpipe_over_checkpoint'], 1.15, at_most=False)}; "
-              f"vpipe / save_on_cpu {_times(data['vpipe_over_save_on_cpu'])}.\n\n"
+              f"vpipe / save_on_cpu {_times(data['vpipe_over_save_on_cpu'])}.{crossed}\n\n"
               "Largest batch (micro-batches) within 10% of plain's per-sample time at plain's largest "
               f"({data['per_sample_limit_s'] * 1e3:.2f} ms per sample at most):\n\n"
             + table(["system", "largest", "per-sample time by micro-batches tried"], sizes)
@@ -130,8 +142,8 @@ def gpu_markdown(results: Results) -> str:
     if "gpu_tensor_manager_compute" in results:
         parts.append(_tensor_manager_md(results["gpu_tensor_manager_compute"], "Compute-bound transformer", [
             ("all swapped", "vpipe S", 1.10), ("all recomputed vs checkpoint", "vpipe R", "checkpoint")]))
-    if "gpu_memory_bound" in results:
-        parts.append(_memory_bound_md(results["gpu_memory_bound"]))
+    for name in sorted(n for n in results if n.startswith("gpu_memory_bound")):  # one file per model size
+        parts.append(_memory_bound_md(results[name]))
     missing = [name[len("gpu_"):] for name in GPU_FILES if name not in results]
     if missing:
         parts.append("_Not in this run: " + ", ".join(f"`{m}.json`" for m in missing) + "._")
