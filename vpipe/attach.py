@@ -45,6 +45,7 @@ from vpipe.rank.memory import StageMemory
 from vpipe.rank.stages import LocalStage, Pipeline, check_optimizer, inspect_target
 from vpipe.rank.state import restore_vpipe_state, vpipe_state
 from vpipe.rank.steps import MicroBatchCounter, StepDriver
+from vpipe.rank.tracing import TraceWindow
 from vpipe.tensor_manager import TensorManager, install_on_stage
 from vpipe.tensor_manager.pipelining import StageHandle
 
@@ -110,7 +111,7 @@ class Vpipe:
         self.driver = StepDriver(session=self.session, boundary=self.boundary, applier=applier,
                                  tensor_managers=self.tensor_managers, memories=self.memories,
                                  micro_batches=micro_batches, logs_steps=self.num_stages - 1 in self._local,
-                                 stage_handles=self.stage_handles)
+                                 stage_handles=self.stage_handles, trace=self._trace_window())
         self.edits = LayerEdits(pipeline=pipeline, agreement=self.agreement, layer_manager=self.layer_manager,
                                 driver=self.driver, session=self.session, tensor_managers=self.tensor_managers,
                                 memories=self.memories, has_factory=config.layer_factory is not None, who=self._who)
@@ -126,6 +127,14 @@ class Vpipe:
             if self.move_refusal is not None:
                 decision("moves_off", f"stage {stage.index}: layers will not move ({self.move_refusal}); "
                          "swap and recompute plans still apply", stage=stage.index, reason=self.move_refusal)
+
+    def _trace_window(self) -> TraceWindow | None:
+        steps = self.config.trace_steps
+        if steps is None:
+            return None
+        window = TraceWindow(steps, self.config.trace_dir, rank=self.rank, stages=self._local)
+        self._undo.append(window.close)  # a window still open when vpipe detaches writes what it has
+        return window
 
     @property
     def _local(self) -> list[int]:

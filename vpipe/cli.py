@@ -1,4 +1,4 @@
-"""The ``vpipe`` command line: ``demo | train | plan | logs | plot | bench | planner | keys``.
+"""The ``vpipe`` command line: ``demo | train | plan | logs | plot | trace | bench | planner | keys``.
 
 ``vpipe train`` is torchrun-compatible: launched by torchrun (``RANK`` set) it runs one
 rank; run directly it spawns ``--stages`` ranks on this host and waits for them.
@@ -11,7 +11,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from vpipe import __version__, bench, demo, log, logview, plot
+from vpipe import __version__, bench, demo, log, logview, plot, timeline
 from vpipe.control import daemon, keys
 from vpipe.planner.cli import register as register_plan
 from vpipe.runtime.config import LR_SCHEDULES, MODELS, OPTIMIZERS, SCHEDULES, RunConfig
@@ -235,6 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.register(sub)
     daemon.register(sub)
     keys.register(sub)
+    timeline.register(sub)
     return parser
 
 

@@ -33,6 +33,18 @@ def resolve_memory_budget(budget: int | str | None, device: torch.device) -> int
     return total - max(_DEVICE_MARGIN_MIN, int(total * _DEVICE_MARGIN))
 
 
+def _env_trace_steps() -> tuple[int, int] | None:
+    """``VPIPE_TRACE_STEPS=start,count``: record the timeline of those steps (see :mod:`vpipe.timeline`)."""
+    raw = os.environ.get("VPIPE_TRACE_STEPS")
+    if not raw:
+        return None
+    try:
+        start, count = (int(part) for part in raw.split(","))
+    except ValueError:
+        raise ValueError(f"VPIPE_TRACE_STEPS must be 'start,count' (two integers), got {raw!r}") from None
+    return start, count
+
+
 def _env_seconds(name: str, default: float) -> float:
     raw = os.environ.get(name)
     if raw is None:
@@ -71,6 +83,10 @@ class VpipeConfig:
     planner_options: dict[str, Any] = field(default_factory=dict)  # extra OnlineConfig fields
     # JSON lines of every decision; default: $VPIPE_LOG_FILE, so a one-line attach can be logged from outside
     log_file: str | None = field(default_factory=lambda: os.environ.get("VPIPE_LOG_FILE") or None)
+    # (start, count): record the pipeline timeline of those steps on every rank (vpipe.timeline); default:
+    # $VPIPE_TRACE_STEPS ("start,count"); each rank writes trace_dir/timeline-rank{r}.json at the window's end
+    trace_steps: tuple[int, int] | None = field(default_factory=_env_trace_steps)
+    trace_dir: str = field(default_factory=lambda: os.environ.get("VPIPE_TRACE_DIR") or "vpipe-trace")
 
     @property
     def sampling_cap(self) -> int:
@@ -115,6 +131,14 @@ class VpipeConfig:
         need(self.micro_batches is None or (isinstance(self.micro_batches, int) and self.micro_batches >= 1),
              f"micro_batches must be a positive integer or None, got {self.micro_batches!r}")
         need(self.host_pool_bytes is None or self.host_pool_bytes > 0, "host_pool_bytes must be positive")
+        if self.trace_steps is not None:
+            steps = tuple(self.trace_steps) if isinstance(self.trace_steps, (tuple, list)) else ()
+            need(len(steps) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in steps)
+                 and steps[0] >= 0 and steps[1] >= 1,
+                 f"trace_steps must be (start, count) with start >= 0 and count >= 1, got {self.trace_steps!r}")
+            self.trace_steps = (steps[0], steps[1])
+        need(isinstance(self.trace_dir, str) and bool(self.trace_dir.strip()),
+             f"trace_dir must be a directory path, got {self.trace_dir!r}")
 
     def initial_policies(self) -> dict[int, Policy]:
         return {lid: Policy.parse(p.value if isinstance(p, Policy) else p) for lid, p in (self.policies or {}).items()}

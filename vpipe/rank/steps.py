@@ -18,11 +18,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from vpipe import timeline
 from vpipe.control.session import ControlSession
 from vpipe.log import step_record
 from vpipe.rank.applying import PlanApplier
 from vpipe.rank.boundary import PlanBoundary
 from vpipe.rank.memory import StageMemory, apply_budgets
+from vpipe.rank.tracing import TraceWindow
 from vpipe.tensor_manager import HostPoolFullError, MemoryBudgetError
 from vpipe.tensor_manager.layers import input_shapes
 from vpipe.tensor_manager.pipelining import StageHandle
@@ -40,7 +42,8 @@ class StepDriver:
 
     def __init__(self, *, session: ControlSession, boundary: PlanBoundary, applier: PlanApplier,
                  tensor_managers: Mapping[int, Any], memories: Mapping[int, StageMemory], micro_batches: int,
-                 logs_steps: bool, stage_handles: Mapping[int, StageHandle] | None = None) -> None:
+                 logs_steps: bool, stage_handles: Mapping[int, StageHandle] | None = None,
+                 trace: TraceWindow | None = None) -> None:
         self.session = session
         self.boundary = boundary
         self.applier = applier
@@ -57,8 +60,11 @@ class StepDriver:
         # the pipelining stages' wrappers, set aside for the steps where their managers have nothing to do
         self.stage_handles = dict(stage_handles or {})
         self._input_shapes: tuple[Any, ...] | None = None  # of the last step's inputs
+        self.trace = trace  # the timeline window (trace_steps), if any
 
     def begin(self) -> None:
+        if self.trace is not None:
+            self.trace.begin_step(self.iteration)
         self.session.begin_step(self.iteration)
         sampled = self.session.is_sampled(self.iteration)
         metering = sampled and self._samples % _METER_EVERY_SAMPLES == 0
@@ -86,6 +92,8 @@ class StepDriver:
             for manager in self.tensor_managers.values():
                 manager.end_of_step()
         self.received(self.session.end_step())
+        if self.trace is not None:
+            self.trace.end_step(self.iteration)
         self.iteration += 1
         return result
 
@@ -96,6 +104,8 @@ class StepDriver:
         for manager in self.tensor_managers.values():
             manager.end_of_step()  # a hand-written loop tells the manager of no backward
         self.received(self.session.end_step())
+        if self.trace is not None:
+            self.trace.end_step(self.iteration)
         self.iteration += 1
         self.at_boundary()
         self.begin()
@@ -108,6 +118,8 @@ class StepDriver:
         same_inputs, self._input_shapes = shapes == self._input_shapes, shapes
         stream = self.applier.pipeline.schedule if self.applier.pipedream else None
         moving = stream is not None and bool(stream.movers)  # a streamed move switches layers mid-step
+        # a step inside the timeline's window goes through the wrappers: they record its forwards and backwards
+        moving = moving or timeline.recording()
         for handle in self.stage_handles.values():
             manager, was_plain = handle.manager, handle.plain
             handle.run_plain(not moving and manager.quiet_for_a_step(same_inputs, stream=stream is not None))
@@ -124,6 +136,8 @@ class StepDriver:
         self.boundary.received(plans, self.iteration, self.applier.layer_manager.epoch)
 
     def at_boundary(self) -> None:
+        if self.trace is not None:
+            self.trace.begin_step(self.iteration)
         started = time.perf_counter()
         if self._boundary_at is not None and self.logs_steps:
             step_record(self.iteration - 1, started - self._boundary_at, stage=self.applier.pipeline.stages[-1].index,
@@ -131,7 +145,8 @@ class StepDriver:
         self._boundary_at = started
         step = self.boundary.applying_step(self.iteration)
         for plan in self.boundary.due(self.iteration):
-            self.applier.apply(plan, step, self.micro_batches)
+            with timeline.span("vpipe.apply_plan", timeline.PLAN, timeline.RANK_TRACK, epoch=plan.epoch, step=step):
+                self.applier.apply(plan, step, self.micro_batches)
         # the optimizer state may have grown, a stage sharing the rank may have measured what it needs
         apply_budgets(self.tensor_managers, self.memories, self.applier.layer_manager.epoch)
         self.applier.continue_streamed(step, self.micro_batches)

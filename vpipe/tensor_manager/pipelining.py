@@ -29,6 +29,7 @@ from typing import Any
 
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
+from vpipe import timeline
 from vpipe.tensor_manager.budget import MemoryBudgetError
 from vpipe.tensor_manager.manager import LayerBusyError, TensorManager
 from vpipe.tensor_manager.pool import HostPoolFullError
@@ -127,8 +128,16 @@ def install_on_stage(stage: _PipelineStageBase, manager: TensorManager) -> Stage
 
     custom_weight_pass = _custom_weight_pass(stage)  # (both fixed when the stage is built)
     whole_backward_deferred = _whole_backward_deferred(stage)
+    index = stage.stage_index
 
     def forward_one_chunk(fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        if not timeline.active():
+            return managed_forward(fwd_chunk_id, *args, **kwargs)
+        timeline.set_track(index)
+        with timeline.span("vpipe.forward", timeline.COMPUTE, index, mb=fwd_chunk_id):
+            return managed_forward(fwd_chunk_id, *args, **kwargs)
+
+    def managed_forward(fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         # the micro-batch's inputs (the first stage's; later stages receive into buffers of fixed shapes)
         inputs = _stage_inputs(args, kwargs)
         if manager.begin_quiet_forward(fwd_chunk_id, inputs):  # nothing to manage: only counted
@@ -151,6 +160,13 @@ def install_on_stage(stage: _PipelineStageBase, manager: TensorManager) -> Stage
         if not full_backward and whole_backward_deferred:
             return backward(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
         phase = "full" if full_backward or custom_weight_pass else "input"
+        if not timeline.active():
+            return managed_backward(bwd_chunk_id, loss, full_backward, last_backward, phase)
+        timeline.set_track(index)
+        with timeline.span("vpipe.backward", timeline.COMPUTE, index, mb=bwd_chunk_id, phase=phase):
+            return managed_backward(bwd_chunk_id, loss, full_backward, last_backward, phase)
+
+    def managed_backward(bwd_chunk_id: int, loss: Any, full_backward: bool, last_backward: bool, phase: str) -> Any:
         if manager.begin_quiet_backward(bwd_chunk_id, phase):
             try:
                 return backward(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
@@ -160,7 +176,10 @@ def install_on_stage(stage: _PipelineStageBase, manager: TensorManager) -> Stage
             return backward(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
 
     def backward_weight_one_chunk(bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-        with manager.backward(bwd_chunk_id, phase="full" if whole_backward_deferred else "weight"):
+        phase = "full" if whole_backward_deferred else "weight"
+        timeline.set_track(index)
+        with timeline.span("vpipe.backward", timeline.COMPUTE, index, mb=bwd_chunk_id, phase=phase), \
+                manager.backward(bwd_chunk_id, phase=phase):
             return backward_weight(bwd_chunk_id, *args, **kwargs)
 
     wrappers = {

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from vpipe import timeline
 from vpipe.tensor_manager.replay import Replay
 
 if TYPE_CHECKING:
@@ -179,7 +180,8 @@ class RecomputeFrame:
 
         t0 = time.perf_counter()
         try:
-            self.replay.run(args, pack)
+            with timeline.span("vpipe.recompute", timeline.MEMORY, layer=layer, mb=mb, phase=phase):
+                self.replay.run(args, pack)
         except _Stop:
             pass
         else:

@@ -21,6 +21,7 @@ from typing import TypeVar
 
 import torch
 
+from vpipe import timeline
 from vpipe.tensor_manager.accounting import Ledger
 from vpipe.tensor_manager.copy_engine import CopyEngine, Ticket
 from vpipe.tensor_manager.handles import KeptHandle, StorageEntry, SwappedEntry, SwappedHandle
@@ -153,7 +154,9 @@ class SwapEngine:
                 # both set when the entry was packed; only a release (filtered out above) clears them
                 assert e.source is not None and e.host is not None
                 pairs.append((e.source, e.host.data))
-            ticket = self.copies.to_host_batch(pairs)
+            with timeline.span("vpipe.swap_out", timeline.MEMORY, tensors=len(pairs),
+                               bytes=sum(e.nbytes for e in batch)):
+                ticket = self.copies.to_host_batch(pairs)
             for entry in batch:
                 entry.d2h = ticket
                 self._swapping_out.append(entry)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from vpipe import timeline
 from vpipe.tensor_manager.copy_engine import Ticket
 from vpipe.tensor_manager.handles import SwappedEntry, SwappedHandle
 from vpipe.tensor_manager.swap import SwapEngine
@@ -104,7 +105,8 @@ class SwapIn:
 
     def _fetch_now(self, entry: SwappedEntry, phase: str) -> torch.Tensor:
         assert entry.host is not None
-        copy, ticket = self.copies.to_device_now(entry.host.data)
+        with timeline.span("vpipe.swap_in_now", timeline.MEMORY, mb=entry.mb, layer=entry.layer, bytes=entry.nbytes):
+            copy, ticket = self.copies.to_device_now(entry.host.data)
         self._fetched(entry, copy, ticket, phase)
         return copy
 
@@ -161,8 +163,11 @@ class SwapIn:
                 resident += entry.nbytes
                 batch.append(entry)
             if batch:
-                copies, ticket = self.copies.to_device_batch([e.host.data for e in batch],  # type: ignore[union-attr]
-                                                             [e.d2h for e in batch if e.d2h is not None])
+                with timeline.span("vpipe.prefetch", timeline.MEMORY, mb=mb, phase=phase, tensors=len(batch),
+                                   bytes=sum(e.nbytes for e in batch)):
+                    copies, ticket = self.copies.to_device_batch(
+                        [e.host.data for e in batch],  # type: ignore[union-attr]
+                        [e.d2h for e in batch if e.d2h is not None])
                 for entry, copy in zip(batch, copies):
                     self._fetched(entry, copy, ticket, phase)
                 self.prefetched += len(batch)
