@@ -31,6 +31,8 @@ HEADER = ["room", "job", "torch", "may import"]
 OPTIONAL_EXTRAS = {
     "matplotlib": "the plot extra (pip install 'vpipe[plot]')",
     "pynvml": "NVML exists only on machines with an NVIDIA driver",
+    "torch.utils.tensorboard": "metrics='tensorboard' needs the tensorboard package (the metrics extra)",
+    "wandb": "metrics='wandb' needs the wandb package, which vpipe does not install",
 }
 
 # module -> (what it imports inside functions, why). Each entry must still be needed.

@@ -17,11 +17,11 @@ from vpipe.rank.config import VpipeConfig
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _trained(tmp_path: Path) -> tuple[dict, Path]:
+def _trained(tmp_path: Path, scenario: str = "timeline") -> tuple[dict, Path]:
     from vpipe.runtime.launch import spawn
 
     out, trace_dir = tmp_path / "out.json", tmp_path / "trace"
-    code = spawn([sys.executable, str(ROOT / "tests" / "trace_worker.py"), str(out), str(trace_dir)], 2,
+    code = spawn([sys.executable, str(ROOT / "tests" / "trace_worker.py"), str(out), str(trace_dir), scenario], 2,
                  extra_env={"PYTHONPATH": str(ROOT)}, timeout_s=240)
     assert code == 0
     return json.loads(out.read_text()), trace_dir
@@ -111,3 +111,58 @@ def test_trace_steps_are_checked_where_they_enter(monkeypatch):
 def test_outside_a_window_and_the_profiler_a_span_is_one_shared_nothing():
     assert not timeline.recording()
     assert timeline.span("vpipe.x", timeline.MEMORY) is timeline.span("vpipe.y", timeline.COMPUTE, 3, mb=1)
+
+
+EVERY_STEP = ["step_time_s", "plan_epoch", "stage{k}/layers", "stage{k}/peak_saved_bytes", "stage{k}/swapped_bytes",
+              "stage{k}/recompute_s"]
+SAMPLED = ["stage{k}/compute_s", "stage{k}/bubble", "stage{k}/device_peak_bytes"]
+
+
+def test_metrics_go_to_tensorboard_for_every_step_and_the_sampled_ones_on_sampled_steps(tmp_path):
+    event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    result, directory = _trained(tmp_path, "metrics")
+    steps = list(range(result["steps"]))
+    for rank in (0, 1):
+        acc = event_accumulator.EventAccumulator(str(directory / f"rank{rank}"))
+        acc.Reload()
+        tags = set(acc.Tags()["scalars"])
+
+        def series(tag, rank=rank, acc=acc):
+            return {e.step: e.value for e in acc.Scalars(tag.format(k=rank))}
+
+        for tag in EVERY_STEP:
+            assert sorted(series(tag)) == steps, (rank, tag)
+        assert set(series("stage{k}/layers").values()) == {6.0 if rank == 0 else 2.0}
+        assert all(v > 0 for v in series("step_time_s").values())
+        recomputed = series("stage{k}/recompute_s")
+        assert (sum(recomputed.values()) > 0) == (rank == 0)  # block 1 (stage 0) is recomputed
+        # the monitor samples every 3rd step (sample_every=3): those steps, and no other, carry the sampled fields
+        sampled = sorted(series("stage{k}/compute_s"))
+        assert len(sampled) >= 2 and sampled == list(range(sampled[0], len(steps), 3)), sampled
+        for tag in SAMPLED:
+            assert sorted(series(tag)) == sampled
+        assert all(0.0 <= b <= 1.0 for b in series("stage{k}/bubble").values())
+        assert f"stage{1 - rank}/layers" not in tags  # each rank writes its own stages
+
+
+def test_metrics_name_the_backend_and_the_missing_package(monkeypatch):
+    with pytest.raises(ValueError, match=r"metrics must name tensorboard and/or wandb \(comma-separated\), "
+                                         r"got 'tensorbord'"):
+        VpipeConfig(metrics="tensorbord")
+    from vpipe.rank import metrics
+
+    monkeypatch.setattr(metrics.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ValueError, match="metrics='wandb' needs the wandb package: pip install wandb"):
+        metrics.MetricsWriter(("wandb",), "/tmp/unused", rank=0)
+
+
+def test_metrics_reach_weights_and_biases_offline(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    from vpipe.rank.metrics import MetricsWriter
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    writer = MetricsWriter(("wandb",), tmp_path, rank=0)
+    values = writer.step(0, 0.5, 3, {0: (4, None)}, [])
+    writer.close()
+    assert values == {"step_time_s": 0.5, "plan_epoch": 3.0, "stage0/layers": 4.0}
+    assert list((tmp_path / "rank0" / "wandb").glob("offline-run-*"))

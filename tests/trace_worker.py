@@ -1,7 +1,10 @@
-"""Rank program for tests/test_timeline.py: the torch pipelining tutorial's trainer on a 6,2 split with a
-trace window, then one step under torch.profiler; what rank 0 saw, as JSON.
+"""Rank program for tests/test_timeline.py: the torch pipelining tutorial's trainer on a 6,2 split, what rank 0
+saw as JSON. Scenarios:
 
-    trace_worker.py OUT.json TRACE_DIR
+- ``timeline``: a trace window of steps 2-4 into DIR, then one step under torch.profiler;
+- ``metrics``: per-step metrics to TensorBoard in DIR, the monitor sampling every 3rd step.
+
+    trace_worker.py OUT.json DIR [timeline|metrics]
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from shape_worker import tut  # the tutorial example's model, loaded from exampl
 
 def main() -> None:
     out, trace_dir = sys.argv[1], sys.argv[2]
+    scenario = sys.argv[3] if len(sys.argv) > 3 else "timeline"
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     import vpipe
@@ -30,8 +34,11 @@ def main() -> None:
     stage = PipelineStage(model, rank, world, torch.device("cpu"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     schedule = Schedule1F1B(stage, 4, loss_fn=tut.tokenwise_loss_fn)
-    # the one line, with the timeline of steps 2, 3 and 4; block 1 recomputed, so vpipe has work of its own
-    vp = vpipe.attach(schedule, optimizer=optimizer, trace_steps=(2, 3), trace_dir=trace_dir, policies={1: "R"})
+    if scenario == "metrics":
+        vp = vpipe.attach(schedule, optimizer=optimizer, metrics="tensorboard", metrics_dir=trace_dir, sample_every=3,
+                          max_sample_every=3, policies={1: "R"})
+    else:  # the one line, with the timeline of steps 2, 3 and 4; block 1 recomputed: vpipe has work of its own
+        vp = vpipe.attach(schedule, optimizer=optimizer, trace_steps=(2, 3), trace_dir=trace_dir, policies={1: "R"})
 
     def train_step(step: int) -> None:
         x, y = tut.batch(step, 8, 32, model_args.vocab_size)
@@ -44,6 +51,13 @@ def main() -> None:
 
     for step in range(7):
         train_step(step)
+    if scenario == "metrics":
+        vp.detach()  # flushes and closes the writers
+        if rank == 0:
+            Path(out).write_text(json.dumps({"steps": 7}))
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     written = [p.name for p in sorted(Path(trace_dir).glob("timeline-rank*.json"))]  # after the window
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         train_step(7)

@@ -42,6 +42,7 @@ from vpipe.rank.boundary import PlanBoundary
 from vpipe.rank.config import AUTO_BUDGET, DEFAULT_PLANNER, VpipeConfig, resolve_memory_budget
 from vpipe.rank.edits import LayerEdits
 from vpipe.rank.memory import StageMemory
+from vpipe.rank.metrics import MetricsWriter, parse_metric_kinds
 from vpipe.rank.stages import LocalStage, Pipeline, check_optimizer, inspect_target
 from vpipe.rank.state import restore_vpipe_state, vpipe_state
 from vpipe.rank.steps import MicroBatchCounter, StepDriver
@@ -111,7 +112,8 @@ class Vpipe:
         self.driver = StepDriver(session=self.session, boundary=self.boundary, applier=applier,
                                  tensor_managers=self.tensor_managers, memories=self.memories,
                                  micro_batches=micro_batches, logs_steps=self.num_stages - 1 in self._local,
-                                 stage_handles=self.stage_handles, trace=self._trace_window())
+                                 stage_handles=self.stage_handles, trace=self._trace_window(),
+                                 metrics=self._metrics_writer())
         self.edits = LayerEdits(pipeline=pipeline, agreement=self.agreement, layer_manager=self.layer_manager,
                                 driver=self.driver, session=self.session, tensor_managers=self.tensor_managers,
                                 memories=self.memories, has_factory=config.layer_factory is not None, who=self._who)
@@ -135,6 +137,14 @@ class Vpipe:
         window = TraceWindow(steps, self.config.trace_dir, rank=self.rank, stages=self._local)
         self._undo.append(window.close)  # a window still open when vpipe detaches writes what it has
         return window
+
+    def _metrics_writer(self) -> MetricsWriter | None:
+        kinds = parse_metric_kinds(self.config.metrics)
+        if not kinds:
+            return None
+        writer = MetricsWriter(kinds, self.config.metrics_dir, rank=self.rank)
+        self._undo.append(writer.close)
+        return writer
 
     @property
     def _local(self) -> list[int]:

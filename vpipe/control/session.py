@@ -129,6 +129,7 @@ class ControlSession:
             if undo is not None:
                 self._undo_wraps.append(undo)
         self._steps = 0
+        self.last_records: list[Any] = []  # the StageRecords of the last step this rank sampled (else empty)
         self._changed = False  # a plan or an edit took effect: sample at the base rate again
         self._open: int | None = None
         self._closed = False
@@ -180,6 +181,7 @@ class ControlSession:
         if self._distrust_first and self._steps == 0:
             records = []
         self._steps += 1
+        self.last_records = records
         return self.agent.after_step(iteration, records)
 
     @contextmanager

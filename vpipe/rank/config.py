@@ -13,6 +13,7 @@ from torch import nn
 
 from vpipe.checks import require
 from vpipe.plan import Policy
+from vpipe.rank.metrics import parse_metric_kinds
 from vpipe.sizes import parse_bytes
 
 __all__ = ["VpipeConfig", "AUTO_BUDGET", "DEFAULT_PLANNER", "resolve_memory_budget"]
@@ -87,6 +88,10 @@ class VpipeConfig:
     # $VPIPE_TRACE_STEPS ("start,count"); each rank writes trace_dir/timeline-rank{r}.json at the window's end
     trace_steps: tuple[int, int] | None = field(default_factory=_env_trace_steps)
     trace_dir: str = field(default_factory=lambda: os.environ.get("VPIPE_TRACE_DIR") or "vpipe-trace")
+    # per-step scalars to "tensorboard", "wandb" or both ("tensorboard,wandb"); default: $VPIPE_METRICS; written to
+    # metrics_dir/rank{r} (vpipe.rank.metrics lists the fields)
+    metrics: str | None = field(default_factory=lambda: os.environ.get("VPIPE_METRICS") or None)
+    metrics_dir: str = field(default_factory=lambda: os.environ.get("VPIPE_METRICS_DIR") or "vpipe-metrics")
 
     @property
     def sampling_cap(self) -> int:
@@ -139,6 +144,14 @@ class VpipeConfig:
             self.trace_steps = (steps[0], steps[1])
         need(isinstance(self.trace_dir, str) and bool(self.trace_dir.strip()),
              f"trace_dir must be a directory path, got {self.trace_dir!r}")
+        need(self.metrics is None or isinstance(self.metrics, str),
+             f"metrics must be 'tensorboard', 'wandb' or both comma-separated, got {self.metrics!r}")
+        try:
+            parse_metric_kinds(self.metrics)
+        except ValueError as e:
+            raise ValueError(f"vpipe config: {e}") from None
+        need(isinstance(self.metrics_dir, str) and bool(self.metrics_dir.strip()),
+             f"metrics_dir must be a directory path, got {self.metrics_dir!r}")
 
     def initial_policies(self) -> dict[int, Policy]:
         return {lid: Policy.parse(p.value if isinstance(p, Policy) else p) for lid, p in (self.policies or {}).items()}

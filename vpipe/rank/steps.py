@@ -24,6 +24,7 @@ from vpipe.log import step_record
 from vpipe.rank.applying import PlanApplier
 from vpipe.rank.boundary import PlanBoundary
 from vpipe.rank.memory import StageMemory, apply_budgets
+from vpipe.rank.metrics import MetricsWriter
 from vpipe.rank.tracing import TraceWindow
 from vpipe.tensor_manager import HostPoolFullError, MemoryBudgetError
 from vpipe.tensor_manager.layers import input_shapes
@@ -43,7 +44,7 @@ class StepDriver:
     def __init__(self, *, session: ControlSession, boundary: PlanBoundary, applier: PlanApplier,
                  tensor_managers: Mapping[int, Any], memories: Mapping[int, StageMemory], micro_batches: int,
                  logs_steps: bool, stage_handles: Mapping[int, StageHandle] | None = None,
-                 trace: TraceWindow | None = None) -> None:
+                 trace: TraceWindow | None = None, metrics: MetricsWriter | None = None) -> None:
         self.session = session
         self.boundary = boundary
         self.applier = applier
@@ -61,11 +62,14 @@ class StepDriver:
         self.stage_handles = dict(stage_handles or {})
         self._input_shapes: tuple[Any, ...] | None = None  # of the last step's inputs
         self.trace = trace  # the timeline window (trace_steps), if any
+        self.metrics = metrics  # per-step scalars for TensorBoard / W&B (metrics=), if any
+        self._step_started = time.perf_counter()
 
     def begin(self) -> None:
         if self.trace is not None:
             self.trace.begin_step(self.iteration)
         self.session.begin_step(self.iteration)
+        self._step_started = time.perf_counter()
         sampled = self.session.is_sampled(self.iteration)
         metering = sampled and self._samples % _METER_EVERY_SAMPLES == 0
         self._samples += sampled
@@ -92,8 +96,7 @@ class StepDriver:
             for manager in self.tensor_managers.values():
                 manager.end_of_step()
         self.received(self.session.end_step())
-        if self.trace is not None:
-            self.trace.end_step(self.iteration)
+        self._step_ended()
         self.iteration += 1
         return result
 
@@ -104,11 +107,20 @@ class StepDriver:
         for manager in self.tensor_managers.values():
             manager.end_of_step()  # a hand-written loop tells the manager of no backward
         self.received(self.session.end_step())
-        if self.trace is not None:
-            self.trace.end_step(self.iteration)
+        self._step_ended()
         self.iteration += 1
         self.at_boundary()
         self.begin()
+
+    def _step_ended(self) -> None:
+        if self.trace is not None:
+            self.trace.end_step(self.iteration)
+        if self.metrics is not None:
+            layer_manager = self.applier.layer_manager
+            stages = {stage.index: (len(layer_manager.layers_of(stage.index)), self.tensor_managers.get(stage.index))
+                      for stage in self.applier.pipeline.stages}
+            self.metrics.step(self.iteration, time.perf_counter() - self._step_started, layer_manager.epoch, stages,
+                              self.session.last_records)
 
     def _set_aside_quiet_wrappers(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Let each stage whose manager has nothing to do this step run its micro-batches without vpipe's calls."""
