@@ -35,7 +35,7 @@ OPTIONAL_EXTRAS = {
 
 # module -> (what it imports inside functions, why). Each entry must still be needed.
 LAZY_IMPORTS: dict[str, tuple[frozenset[str], str]] = {
-    "vpipe": (frozenset({"vpipe.attach", "vpipe.plan", "vpipe.schedules.pipedream"}),
+    "vpipe": (frozenset({"vpipe.attach", "vpipe.plan", "vpipe.schedules.pipedream", "vpipe.checkpoint.block_keys"}),
               "the public names load on first use: `import vpipe` (the CLI, the planner daemon) loads no torch"),
     "vpipe.planner": (frozenset({"vpipe.planner.srp", "vpipe.planner.exact", "vpipe.planner.cost_model",
                                  "vpipe.planner.sr"}),
