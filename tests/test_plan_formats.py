@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.distributed.pipelining.schedules import get_schedule_class
 
 from plan_formats import megatron_layout, torchtitan_layers_per_stage, torchtitan_split, torchtitan_stage_ranks
 from plan_models import encoder_decoder, tutorial_transformer
@@ -41,6 +42,7 @@ def _blocks(plan: dict) -> list[int]:
 def _assert_torchtitan_reads_the_plan(plan: dict, model: torch.nn.Module, ranks: int) -> None:
     titan = plan["torchtitan"]
     assert titan["pipeline_parallel_degree"] == ranks
+    get_schedule_class(titan["pipeline_parallel_schedule"])  # what torchtitan does with the name: it must exist
     assert torchtitan_split(model, titan["module_fqns_per_model_part"]) == plan["stages"]
     stage_ranks = plan.get("stage_ranks", list(range(len(plan["stages"]))))
     assert torchtitan_stage_ranks(titan["pipeline_parallel_schedule"], len(plan["stages"]), ranks) == stage_ranks
@@ -205,3 +207,32 @@ def test_graph_json_plans_print_ranks_for_a_multi_stage_schedule(capsys, tmp_pat
                       "--micro-batches", "4")
     assert len(plan["stages"]) == 6 and plan["stage_ranks"] == [0, 1, 0, 1, 0, 1]
     assert json.loads(json.dumps(plan)) == plan and Path(path).exists()
+
+
+@pytest.mark.parametrize("blocks", [[2, 2, 2], [3, 3], [2, 3, 1], [1, 4, 4, 1], [0, 3, 3, 0], [5], [4, 4], [3, 2, 2],
+                                    [3, 4, 4, 4, 2], [1, 1, 6]])
+def test_the_less_layers_fields_are_written_exactly_when_torchtitans_rule_gives_those_blocks(blocks):
+    from vpipe.graph import Unit
+    from vpipe.planner.formats import torchtitan_form
+
+    n = sum(blocks)
+    units = [Unit("tok_embeddings")] + [Unit(f"layers.{i}", "layers") for i in range(n)] + \
+        [Unit("norm"), Unit("output")]
+    names, stages, at = [u.name for u in units], [], 1
+    for k, count in enumerate(blocks):
+        stages.append((["tok_embeddings"] if k == 0 else []) + names[at:at + count]
+                      + (["norm", "output"] if k == len(blocks) - 1 else []))
+        at += count
+    titan = torchtitan_form(stages, units, "1f1b", len(blocks), 1)
+    first, last = titan["pipeline_parallel_first_stage_less_layers"], titan["pipeline_parallel_last_stage_less_layers"]
+
+    def gives(a: int, b: int) -> bool:
+        try:
+            return torchtitan_layers_per_stage(len(blocks), n, a, b) == blocks
+        except ValueError:
+            return False
+
+    if first is None:
+        assert not any(gives(a, b) for a in range(n + 2) for b in range(n + 2))
+    else:
+        assert gives(first, last)

@@ -89,9 +89,11 @@ def _less_layers(blocks: list[int], stages_per_rank: int, schedule: str) -> tupl
     default = 2 if schedule in _MULTI else 1
     if stages_per_rank != default:
         return None
-    n = sum(blocks)
-    for first in range(n + 1):
-        for last in range(n + 1):
+    n, s = sum(blocks), len(blocks)
+    # torchtitan needs first, last <= per stage <= (n + first + last) / s, so neither exceeds n / (s - 2)
+    limit = n if s <= 2 else n // (s - 2) + 1
+    for first in range(limit + 1):
+        for last in range(limit + 1):
             if torchtitan_counts(len(blocks), n, first, last) == blocks:
                 return first, last
     return None
