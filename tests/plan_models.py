@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+from pathlib import Path
+
 import torch
 from torch import nn
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
 class EncoderDecoder(nn.Module):
@@ -43,6 +49,17 @@ def hf_gpt2() -> tuple[nn.Module, torch.Tensor]:
     config = GPT2Config(n_layer=4, n_embd=64, n_head=4, n_positions=64, vocab_size=128, bos_token_id=0,
                         eos_token_id=0, use_cache=False)
     return GPT2LMHeadModel(config), torch.zeros(2, 32, dtype=torch.long)
+
+
+def tutorial_transformer() -> tuple[nn.Module, torch.Tensor]:
+    """The pipelining tutorial's (and torchtitan's) model from ``examples/train_tutorial.py``: ``tok_embeddings``,
+    ``layers`` (an ``nn.ModuleDict`` keyed by global id), ``norm``, ``output``; one micro-batch of token ids."""
+    spec = importlib.util.spec_from_file_location("train_tutorial", EXAMPLES / "train_tutorial.py")
+    assert spec is not None and spec.loader is not None
+    example = sys.modules.setdefault("train_tutorial", importlib.util.module_from_spec(spec))
+    spec.loader.exec_module(example)  # registered first: its dataclass looks its module up
+    torch.manual_seed(0)
+    return example.Transformer(example.ModelArgs(dim=32, n_layers=6)), torch.zeros(2, 16, dtype=torch.long)
 
 
 def raises() -> nn.Module:

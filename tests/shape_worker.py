@@ -27,6 +27,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -471,18 +472,23 @@ def misuse() -> dict:
     return {"ranks": gathered}
 
 
-def main() -> None:
-    scenario, out = sys.argv[1], sys.argv[2]
+def run_ranks(scenario: Callable[[], dict], out: str) -> None:
+    """Run ``scenario`` on every rank (gloo, one thread each); rank 0 writes its result to ``out`` as JSON."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    result = {"refusals": refusals, "subgroup": subgroup, "traced": traced, "nas": nas,
-              "reattach": reattach, "misuse": misuse, "budget": budget,
-              "budget_interleaved": budget_interleaved, "new_shapes": new_shapes,
-              "pipedream_budget": pipedream_budget}[scenario]()
+    result = scenario()
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def main() -> None:
+    scenario, out = sys.argv[1], sys.argv[2]
+    run_ranks({"refusals": refusals, "subgroup": subgroup, "traced": traced, "nas": nas,
+               "reattach": reattach, "misuse": misuse, "budget": budget,
+               "budget_interleaved": budget_interleaved, "new_shapes": new_shapes,
+               "pipedream_budget": pipedream_budget}[scenario], out)
 
 
 if __name__ == "__main__":

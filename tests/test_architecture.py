@@ -37,7 +37,7 @@ OPTIONAL_EXTRAS = {
 
 # module -> (what it imports inside functions, why). Each entry must still be needed.
 LAZY_IMPORTS: dict[str, tuple[frozenset[str], str]] = {
-    "vpipe": (frozenset({"vpipe.attach", "vpipe.plan", "vpipe.schedules.pipedream"}),
+    "vpipe": (frozenset({"vpipe.attach", "vpipe.plan", "vpipe.schedules.pipedream", "vpipe.checkpoint.block_keys"}),
               "the public names load on first use: `import vpipe` (the CLI, the planner daemon) loads no torch"),
     "vpipe.planner": (frozenset({"vpipe.planner.srp", "vpipe.planner.exact", "vpipe.planner.cost_model",
                                  "vpipe.planner.sr"}),
@@ -47,8 +47,9 @@ LAZY_IMPORTS: dict[str, tuple[frozenset[str], str]] = {
     "vpipe.cli": (frozenset({"vpipe.runtime.launch", "vpipe.runtime.checkpoints", "vpipe.runtime.trainer",
                              "vpipe.nas"}),
                   "only train and nas load torch: vpipe plan, logs, plot, planner, keys start without it"),
-    "vpipe.planner.cli": (frozenset({"vpipe.profiling.command"}),
-                          "only --model loads torch: vpipe plan GRAPH.json plans without it"),
+    "vpipe.planner.cli": (frozenset({"vpipe.profiling.command", "vpipe.profiling.schedule_layout"}),
+                          "only --model and a multi-stage schedule load torch: vpipe plan GRAPH.json plans a "
+                          "single-stage schedule without it"),
     "vpipe.runtime.config": (frozenset({"vpipe.runtime.models"}),
                              "the CLI builds its options from RunConfig without loading torch"),
     "vpipe.runtime.measure": (frozenset({"vpipe.runtime.launch"}),

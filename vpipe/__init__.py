@@ -6,6 +6,7 @@ The public API::
     vpipe.Plan, vpipe.Policy                       # placements and keep/swap/recompute policies
     vpipe.VpipeConfig                              # every option of attach, validated
     vpipe.SchedulePipeDream                        # asynchronous 1F1B with weight stashing
+    vpipe.global_block_keys, vpipe.local_block_keys  # DCP keys for stages that number blocks locally
 
 Names are imported on first use, so light commands (``vpipe logs``) do not load torch.
 """
@@ -24,6 +25,8 @@ _PUBLIC = {
     "Plan": "vpipe.plan",
     "Policy": "vpipe.plan",
     "SchedulePipeDream": "vpipe.schedules.pipedream",
+    "global_block_keys": "vpipe.checkpoint.block_keys",
+    "local_block_keys": "vpipe.checkpoint.block_keys",
 }
 __all__ = sorted(_PUBLIC) + ["__version__"]
 

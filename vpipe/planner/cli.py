@@ -18,14 +18,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from rich.console import Console
 from rich.table import Table
 
 from vpipe.graph import LayerGraph, ModelGraph, load_graph
 from vpipe.plan import Policy
-from vpipe.planner.cost_model import SCHEDULES, GraphProfile, Hardware
+from vpipe.planner.cost_model import MULTI_STAGE, SCHEDULES, GraphProfile, Hardware
+from vpipe.planner.formats import format_lines, megatron_form, torchtitan_form
 from vpipe.planner.model_plan import ModelPlan, model_plan
 from vpipe.planner.srp import METHODS, PlanResult, plan_pipeline
 from vpipe.sizes import parse_bytes as _parse_size
@@ -86,10 +87,15 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--repeats", default="3", metavar="N", help="--model: timed runs per module, median (default 3)")
     p.add_argument("--save-graph", metavar="GRAPH.json", default=None,
                    help="--model: also write the measured layer graph here (vpipe plan reads it back)")
-    p.add_argument("--stages", required=True, metavar="P", help="number of pipeline stages")
+    p.add_argument("--stages", required=True, metavar="P",
+                   help="pipeline ranks: one stage each, or --stages-per-rank under a multi-stage schedule")
+    p.add_argument("--stages-per-rank", default=None, metavar="V",
+                   help="virtual stages per rank under a multi-stage schedule (default 2; zbv, dualpipev: 2); the "
+                        "plan has P x V stages")
     p.add_argument("--memory-budget", metavar="BYTES", default=None,
                    help="device memory per stage, e.g. 16e9, 16GB, 15GiB, or one per stage: 8GB,8GB,12GB")
-    p.add_argument("--schedule", default="1f1b", help=f"one of {', '.join(SCHEDULES)} (default 1f1b)")
+    p.add_argument("--schedule", default="1f1b",
+                   help=f"one of {', '.join(SCHEDULES + _PLANNABLE_MULTI)} (default 1f1b)")
     p.add_argument("--micro-batches", default="8", metavar="M", help="micro-batches per step (default 8)")
     p.add_argument("--method", default="kl", help="kl (vPipe's Alg. 3, default) or exact (optimal DP)")
     p.add_argument("--copy-bandwidth", default=None, metavar="BYTES_PER_S",
@@ -99,6 +105,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     p.set_defaults(func=cmd_plan)
     return p
+
+
+_PLANNABLE_MULTI = tuple(s for s in MULTI_STAGE if s != "custom")  # "custom" is a run's own action list
 
 
 def _budget(text: str | None) -> int | list[int] | None:
@@ -112,10 +121,12 @@ def cmd_plan(args: argparse.Namespace, argv: object = None) -> int:
     if (args.graph is None) == (args.model is None):
         raise ValueError("give either GRAPH.json or --model MODULE:FACTORY" if args.graph is None else
                          "give GRAPH.json or --model MODULE:FACTORY, not both")
-    stages = _positive_int("--stages", args.stages)
+    ranks = _positive_int("--stages", args.stages)
     micro_batches = _positive_int("--micro-batches", args.micro_batches)
-    if args.schedule not in SCHEDULES:
-        raise ValueError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {args.schedule!r}")
+    if args.schedule not in SCHEDULES + _PLANNABLE_MULTI:
+        raise ValueError(f"--schedule must be one of {', '.join(SCHEDULES + _PLANNABLE_MULTI)}, got {args.schedule!r}")
+    per_rank = _stages_per_rank(args.schedule, args.stages_per_rank)
+    stages = ranks * per_rank
     if args.method not in METHODS:
         raise ValueError(f"--method must be one of {', '.join(METHODS)}, got {args.method!r}")
     budget = _budget(args.memory_budget)
@@ -132,26 +143,73 @@ def cmd_plan(args: argparse.Namespace, argv: object = None) -> int:
                 raise ValueError(f"--{flag.replace('_', '-')} is for --model")
         graph, model_graph = load_graph(args.graph)  # a graph --save-graph wrote plans in module names
         if stages > len(graph):
-            raise ValueError(f"--stages {stages} is more than the graph's {len(graph)} layers")
+            raise ValueError(f"{_stages_text(ranks, per_rank)} is more than the graph's {len(graph)} layers")
     else:
         model_graph = _measure_model(args)
         graph = model_graph.graph
         if stages > len(graph):
-            raise ValueError(f"--stages {stages} is more than the model's {len(graph)} placement units "
-                             f"({_names(model_graph)})")
+            raise ValueError(f"{_stages_text(ranks, per_rank)} is more than the model's {len(graph)} placement "
+                             f"units ({_names(model_graph)})")
+    layout = _layout(args.schedule, ranks, per_rank, micro_batches)
     result = plan_pipeline(graph, stages, schedule=args.schedule, micro_batches=micro_batches,
-                           memory_budget=budget, method=args.method, hardware=hardware)
+                           memory_budget=budget, method=args.method, hardware=hardware,
+                           in_flight_counts=None if layout is None else layout.in_flight,
+                           stage_ranks=None if layout is None else layout.stage_ranks)
+    extra = {} if layout is None else {"stage_ranks": layout.stage_ranks, "in_flight": layout.in_flight}
     if model_graph is not None:
         plan = model_plan(model_graph, result, hardware)
+        forms = {"torchtitan": torchtitan_form(plan.stages, model_graph.units, args.schedule, ranks, per_rank),
+                 "megatron": megatron_form(plan.stages, model_graph.units, args.schedule, ranks)}
         if args.json:
-            print(json.dumps({**plan.summary(), "device": model_graph.device}))
+            print(json.dumps({**plan.summary(), "device": model_graph.device, **extra, **forms}))
         else:
-            _print_model_table(model_graph, plan, args)
+            _print_model_table(model_graph, plan, args,
+                               _rank_lines(layout) + format_lines(forms["torchtitan"], forms["megatron"]))
     elif args.json:
-        print(json.dumps(result.summary()))
+        print(json.dumps({**result.summary(), **extra}))
     else:
         _print_table(graph, result, args)
+        print("\n".join(_rank_lines(layout)))
     return 0
+
+
+def _rank_lines(layout: Any) -> list[str]:
+    if layout is None:
+        return []
+    return [f"stage ranks (rank of stage 0, 1, ...): {','.join(map(str, layout.stage_ranks))}; micro-batches in "
+            f"flight at each stage's peak: {','.join(map(str, layout.in_flight))}"]
+
+
+def _stages_per_rank(schedule: str, text: str | None) -> int:
+    """Virtual stages per rank, as ``vpipe train`` and torch's schedules count them."""
+    if schedule not in _PLANNABLE_MULTI:
+        if text is not None:
+            raise ValueError(f"--stages-per-rank is for the multi-stage schedules ({', '.join(_PLANNABLE_MULTI)}); "
+                             f"{schedule} runs one stage per rank")
+        return 1
+    if text is None:
+        return 2
+    per_rank = _positive_int("--stages-per-rank", text)
+    if per_rank < 2:
+        raise ValueError(f"--stages-per-rank must be at least 2 under {schedule}, got {per_rank} (1f1b runs one "
+                         "stage per rank)")
+    if schedule in ("zbv", "dualpipev") and per_rank != 2:
+        raise ValueError(f"{schedule} runs exactly 2 stages per rank (a V), got --stages-per-rank {per_rank}")
+    return per_rank
+
+
+def _stages_text(ranks: int, per_rank: int) -> str:
+    return f"--stages {ranks}" if per_rank == 1 else f"--stages {ranks} x --stages-per-rank {per_rank}"
+
+
+def _layout(schedule: str, ranks: int, per_rank: int, micro_batches: int) -> Any:
+    """A multi-stage schedule's stage ranks and in-flight counts, read off torch's action lists as the ranks
+    read them (torch loads here, and only for a multi-stage schedule); None for a single-stage one."""
+    if per_rank == 1:
+        return None
+    from vpipe.profiling.schedule_layout import schedule_layout
+
+    return schedule_layout(schedule, ranks, per_rank, micro_batches)
 
 
 def _measure_model(args: argparse.Namespace) -> ModelGraph:
@@ -217,7 +275,7 @@ def _compact(names: list[str], containers: dict[str, str | None]) -> str:
     return ", ".join(parts)
 
 
-def _print_model_table(mg: ModelGraph, pl: ModelPlan, args: argparse.Namespace) -> None:
+def _print_model_table(mg: ModelGraph, pl: ModelPlan, args: argparse.Namespace, forms: list[str]) -> None:
     containers = {u.name: u.container for u in mg.units}
     table = Table(title=f"{args.model or mg.source or args.graph}: {len(pl.stages)} stages, {args.schedule}, "
                         f"{args.micro_batches} micro-batches, measured on {mg.device or '?'}, method {pl.method}")
@@ -248,5 +306,6 @@ def _print_model_table(mg: ModelGraph, pl: ModelPlan, args: argparse.Namespace) 
                      f"{','.join(str(c) for c in counts)}")
     if mg.unused:
         lines.append(f"not called by the forward, so on no stage: {', '.join(mg.unused)}")
+    lines += forms
     lines.append(f"planned in {pl.planner_s * 1e3:.1f} ms")
     print("\n".join(lines))  # plain lines, never wrapped: the split_spec is to be pasted

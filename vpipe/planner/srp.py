@@ -199,10 +199,15 @@ def plan_pipeline(
     memory_budget: int | float | Sequence[int | float] | None = None,
     method: str = "kl",
     hardware: Hardware | None = None,
+    in_flight_counts: Sequence[int] | None = None,
+    stage_ranks: Sequence[int] | None = None,
 ) -> PlanResult:
     """Plan ``graph`` onto ``num_stages`` stages: partition and per-layer D/S/R policies.
 
-    ``memory_budget`` is bytes per stage (one number for all, or one per stage). Raises
+    ``memory_budget`` is bytes per stage (one number for all, or one per stage; one number
+    is a rank's, shared equally by its stages). A multi-stage schedule needs each stage's
+    peak in-flight micro-batches and rank, as the live planner gets them (see
+    :class:`~vpipe.planner.setup.PipelineSetup`). Raises
     ``ValueError`` for bad arguments and :class:`InfeasibleError` (a ``ValueError``) when
     no plan fits the budget, naming the layer that cannot fit when there is one.
     """
@@ -212,7 +217,9 @@ def plan_pipeline(
         raise ValueError(f"number of stages must be a positive integer, got {num_stages!r}")
     if num_stages > len(graph):
         raise ValueError(f"cannot split {len(graph)} layers into {num_stages} non-empty stages")
-    setup = PipelineSetup(num_stages, schedule, micro_batches, hardware or Hardware())
+    setup = PipelineSetup(num_stages, schedule, micro_batches, hardware or Hardware(),
+                          in_flight_counts=None if in_flight_counts is None else tuple(in_flight_counts),
+                          stage_ranks=None if stage_ranks is None else tuple(stage_ranks))
     budgets = setup.budgets(memory_budget)
     profile = GraphProfile(graph)
     plan, iterations = _srp_loop(profile, setup, budgets, method)

@@ -36,6 +36,7 @@ from torch.distributed.pipelining.schedules import (
 
 from vpipe.migration.blocks import StageBlocks
 from vpipe.schedules.pipedream import SchedulePipeDream
+from vpipe.sharing import action_kind, flat_actions, in_flight_per_stage, in_flight_together
 
 __all__ = ["LocalStage", "Pipeline", "inspect_target", "reset_shape_inference", "check_schedule_api",
            "in_flight_per_stage", "in_flight_together", "flat_actions", "action_kind", "MULTI_STAGE_SCHEDULES"]
@@ -144,50 +145,6 @@ def _single_kind(schedule: Any) -> str:
     if isinstance(schedule, SchedulePipeDream):
         return "pipedream"
     return "1f1b" if isinstance(schedule, Schedule1F1B) else "gpipe"
-
-
-def in_flight_per_stage(pipeline_order: dict[int, Sequence[Any]], num_stages: int) -> list[int]:
-    """For every stage, the most micro-batches whose forward ran and whose backward (the weight pass,
-    under a zero-bubble schedule) has not: what it holds activations of at its peak."""
-    moments = in_flight_together(pipeline_order, num_stages)
-    return [max([1, *(row[v] for row in moments)]) for v in range(num_stages)]
-
-
-def in_flight_together(pipeline_order: dict[int, Sequence[Any]], num_stages: int) -> list[list[int]]:
-    """At each forward of each rank, how many micro-batches every stage holds (a row per moment, a column per
-    stage; rows that another row covers are dropped): a rank's stages do not peak at once, and its peak is
-    its largest row (``vpipe.sharing``)."""
-    rows: set[tuple[int, ...]] = set()
-    for actions in pipeline_order.values():
-        held: list[set[int]] = [set() for _ in range(num_stages)]
-        for action in flat_actions(actions):
-            kind = action_kind(action)
-            if kind == "F":
-                held[action.stage_index].add(action.microbatch_index)
-                rows.add(tuple(len(h) for h in held))
-            elif kind in ("B", "W"):
-                held[action.stage_index].discard(action.microbatch_index)
-    return [list(row) for row in sorted(rows)
-            if not any(other != row and all(o >= r for o, r in zip(other, row)) for other in rows)]
-
-
-def flat_actions(actions: Sequence[Any]) -> list[Any]:
-    """A rank's actions from torch's lists with overlapped ones (DualPipeV's forward + backward pairs)
-    unpacked and idle slots dropped."""
-    out = []
-    for action in actions:
-        if action is None:
-            continue
-        if getattr(action, "sub_actions", None):
-            out.extend(flat_actions(action.sub_actions))
-        else:
-            out.append(action)
-    return out
-
-
-def action_kind(action: Any) -> str:
-    """The action's computation as torch writes it in its lists: F, B, I, W, SEND_F, ..."""
-    return getattr(action.computation_type, "value", str(action.computation_type))
 
 
 def _unwrap(module: nn.Module) -> nn.Module:
