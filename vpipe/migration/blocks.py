@@ -356,11 +356,42 @@ def _names(attrs: Mapping[str, Mapping[str, Any]]) -> list[str]:
     return sorted(f"{sub}.{k}" if sub else k for sub, values in attrs.items() for k in values)[:6]
 
 
+def _extent(t: torch.Tensor) -> int:
+    """Elements of storage ``t`` reaches past its offset."""
+    return 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) if t.numel() else 0
+
+
+def _empty_alike(tensors: Sequence[torch.Tensor]) -> dict[int, torch.Tensor]:
+    """Uninitialised tensors like ``tensors`` (by id), sharing storage where the originals share it.
+
+    A storage shared by several of them gets one new storage covering only the bytes they
+    reach (a block's views into a larger flat buffer do not copy that buffer's size).
+    """
+    by_storage: dict[tuple[str, int], list[torch.Tensor]] = {}
+    for t in tensors:
+        if t.numel() and t.device.type != "meta":
+            by_storage.setdefault((str(t.device), t.untyped_storage().data_ptr()), []).append(t)
+    out = {id(t): torch.empty_like(t) for t in tensors}
+    for group in by_storage.values():
+        if len({id(t) for t in group}) < 2:
+            continue
+        start = min(t.storage_offset() * t.element_size() for t in group)
+        if any((t.storage_offset() * t.element_size() - start) % t.element_size() for t in group):
+            continue  # views of one storage at offsets no single layout can express: separate copies
+        end = max((t.storage_offset() + _extent(t)) * t.element_size() for t in group)
+        storage = torch.UntypedStorage(end - start, device=group[0].device)
+        for t in group:
+            offset = (t.storage_offset() * t.element_size() - start) // t.element_size()
+            out[id(t)] = torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, offset, t.shape, t.stride())
+    return out
+
+
 def clone_block(donor: nn.Module) -> nn.Module:
     """A structural copy of ``donor`` with uninitialised tensors and no hooks, for a moved block's state.
 
     ``copy.deepcopy`` with a memo that maps every parameter and buffer to an empty tensor
-    of its shape (no data copied) and every hook table to an empty one (vpipe's and the
+    of its shape (no data copied; tensors that share storage in the donor, a buffer that is a
+    view of another, share storage in the clone alike) and every hook table to an empty one (vpipe's and the
     user's hooks stay on the donor); a forward that vpipe routed for recompute is dropped.
     """
     memo: dict[int, Any] = {}
@@ -372,10 +403,11 @@ def clone_block(donor: nn.Module) -> nn.Module:
         routed = module.__dict__.get("forward")
         if routed is not None and getattr(routed, ROUTED_FORWARD, False):
             memo[id(routed)] = None
+    empty = _empty_alike([*donor.parameters(), *donor.buffers()])
     for p in donor.parameters():
-        memo[id(p)] = nn.Parameter(torch.empty_like(p), requires_grad=p.requires_grad)
+        memo[id(p)] = nn.Parameter(empty[id(p)], requires_grad=p.requires_grad)
     for b in donor.buffers():
-        memo[id(b)] = torch.empty_like(b)
+        memo[id(b)] = empty[id(b)]
     clone = copy.deepcopy(donor, memo)
     for module in clone.modules():
         if "forward" in module.__dict__ and module.__dict__["forward"] is None:

@@ -26,7 +26,7 @@ from torch import nn
 from vpipe.log import decision
 from vpipe.migration.blocks import StageBlocks, block_kind, clone_block, set_block_attrs
 from vpipe.migration.moves import Move
-from vpipe.migration.state import LayerState, validate_manifest
+from vpipe.migration.state import LayerState, LoadedLayer, validate_manifest
 
 log = logging.getLogger("vpipe.migration")
 
@@ -68,6 +68,7 @@ class Incoming:
     manifests: list[dict[str, Any]]
     modules: dict[int, nn.Module]
     states: list[LayerState] = field(default_factory=list)
+    loaded: list[LoadedLayer] = field(default_factory=list)  # states checked and copied into ``modules``
     ok: bool = True
 
 
@@ -147,8 +148,8 @@ def receive_prepare(messenger: Messenger, builder: BlockBuilder, move: Move, src
     # the plan names the layers: build those whose spec we know while the source packs them
     early = ({lid: builder.build(lid, builder.specs[lid]) for lid in move.layers if lid in builder.specs}
              if builder.factory is not None else {})
-    got = messenger.wait_for({"migrate_prepare"}, from_rank=src_rank, key=key, timeout_s=timeout_s)
-    if got is None:
+    got = messenger.wait_for({"migrate_prepare", "migrate_abort"}, from_rank=src_rank, key=key, timeout_s=timeout_s)
+    if got is None or got[0] == "migrate_abort":
         log.warning("stage %d: no migrate_prepare from stage %d for layers %s", move.dst, move.src, list(move.layers))
         return Incoming(move, [], {}, ok=False)
     if faults("prepare_received"):

@@ -48,7 +48,7 @@ from vpipe.migration.moves import Move, apply_round, plan_rounds
 from vpipe.migration.placement import Placement
 from vpipe.migration.rounds import MigrationReport, exchange
 from vpipe.migration.shapes import BoundaryShapes
-from vpipe.migration.state import attach_to_optimizer, detach_from_optimizer, unpack_layer
+from vpipe.migration.state import attach_to_optimizer, detach_from_optimizer, register_layer
 from vpipe.migration.stream import start_streamed
 from vpipe.migration.transfer import TransferChannel
 from vpipe.plan import Plan, PlanError
@@ -338,8 +338,8 @@ class LayerManager:
             listener.add_layer(layer_id, layer)
 
     def _insert(self, inc: Incoming) -> None:
-        for st in inc.states:
-            unpack_layer(st, inc.modules[st.layer_id], self.optimizer)
+        for st, loaded in zip(inc.states, inc.loaded):
+            register_layer(loaded, self.optimizer)
             self.shapes.learn(st.layer_id, st.manifest)
             if st.manifest.get("spec") is not None:
                 self.specs[st.layer_id] = st.manifest["spec"]

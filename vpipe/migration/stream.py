@@ -30,8 +30,8 @@ from vpipe.migration.handshake import MigrationError, announce, await_ready, mov
 from vpipe.migration.moves import apply_round, plan_rounds
 from vpipe.migration.shapes import BoundaryShapes
 from vpipe.migration.state import (
-    _DTYPES,
     LayerState,
+    decode_tensor,
     detach_from_optimizer,
     pack_layer,
     payload_bytes,
@@ -204,7 +204,7 @@ class IncomingStream:
             for name, e in self.entries:
                 raw = buf[offset:offset + e["nbytes"]]
                 offset += e["nbytes"]
-                t = raw.view(_DTYPES[e["dtype"]]).reshape(e["shape"]).to(device).clone()
+                t = decode_tensor(raw, e).to(device)
                 tensors[name] = t.requires_grad_(bool(e.get("requires_grad", True)))
             self._versions[v] = tensors
         return self._versions[v]
