@@ -153,12 +153,14 @@ def side_by_side(make_block: Callable[[int], nn.Module], optimizer: str, *, plan
         for name, (_, sched, o) in copies.items():
             losses[name] += train_step(sched, o, step)
     placement = [list(s) for s in vp.placement]
+    recomputes = sum(layer.recomputes for tm in vp.tensor_managers.values() for layer in tm._layers.values())
     vp.detach()
     states = {name: {k: v.tolist() for k, v in model.state_dict().items()} for name, (model, _, _) in copies.items()}
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, states)
     merged = {name: {k: v for rank_states in gathered for k, v in rank_states[name].items()} for name in copies}
-    return {"losses": losses if dist.get_rank() == 1 else None, "states": merged, "placement": placement}
+    return {"losses": losses if dist.get_rank() == 1 else None, "states": merged, "placement": placement,
+            "recomputes": recomputes}
 
 
 def buffers_adam() -> dict:
@@ -169,7 +171,13 @@ def buffers_sgd() -> dict:
     return side_by_side(NormBlock, "sgd")
 
 
-SCENARIOS: dict[str, Callable[[], dict]] = {"buffers_adam": buffers_adam, "buffers_sgd": buffers_sgd}
+def recompute_norm() -> dict:
+    """Every block recomputed (no moves): its replays must leave BatchNorm statistics and counters alone."""
+    return side_by_side(NormBlock, "adam", plans={}, policies={i: "R" for i in range(LAYERS)}, min_swap_bytes=0)
+
+
+SCENARIOS: dict[str, Callable[[], dict]] = {"buffers_adam": buffers_adam, "buffers_sgd": buffers_sgd,
+                                            "recompute_norm": recompute_norm}
 
 
 def main() -> None:

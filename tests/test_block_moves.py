@@ -41,3 +41,11 @@ def test_blocks_with_batchnorm_and_int64_bool_float64_buffers_move_under_sgd_mom
     assert result["placement"] == [[0, 1, 2, 3, 4], [5, 6, 7]]
     assert moved_layers(result["log"])
     assert_trains_like_plain(result)
+
+
+def test_a_recomputed_batchnorm_block_leaves_its_statistics_and_counters_as_one_forward_does(tmp_path):
+    result = run_blocks(tmp_path, "recompute_norm")
+    assert result["recomputes"] > 0  # the blocks' activations were recomputed in the backward
+    assert_trains_like_plain(result)  # running stats, num_batches_tracked, the user's counter: bitwise
+    assert result["states"]["vpipe"]["layers.0.bn.num_batches_tracked"] == 9 * 4
+    assert result["states"]["vpipe"]["layers.0.calls"] == 9 * 4
