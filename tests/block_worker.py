@@ -171,13 +171,57 @@ def buffers_sgd() -> dict:
     return side_by_side(NormBlock, "sgd")
 
 
+class CountingHook:
+    """A stateful forward hook: counts its block's calls and lets the count shift the output."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return output + 1e-3 * self.calls
+
+
+def hooked() -> dict:
+    """A stateful hook on block 4, a stateless one on block 5: the plans that move them are refused."""
+
+    def prepare(model: Net) -> None:
+        if "4" in model.layers:
+            model.layers["4"].register_forward_hook(CountingHook())
+            model.layers["5"].register_forward_hook(lambda module, args, output: output * 0.5)
+
+    return side_by_side(NormBlock, "adam", prepare=prepare)
+
+
+class SharingBlock(NormBlock):
+    """A NormBlock with a projection that some blocks share (weight sharing across layers)."""
+
+    def __init__(self, layer_id: int) -> None:
+        super().__init__(layer_id)
+        self.proj = nn.Linear(DIM, DIM)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return super().forward(self.proj(h))
+
+
+def shared() -> dict:
+    """Blocks 1 and 2 share their projection: blocks 4 and 5 move (6,2 -> 4,4), block 2 is refused (-> 2,6)."""
+
+    def prepare(model: Net) -> None:
+        if "1" in model.layers:
+            model.layers["2"].proj = model.layers["1"].proj
+
+    return side_by_side(SharingBlock, "adam", prepare=prepare,
+                        plans={3: [[0, 1, 2, 3], [4, 5, 6, 7]], 6: [[0, 1], [2, 3, 4, 5, 6, 7]]})
+
+
 def recompute_norm() -> dict:
     """Every block recomputed (no moves): its replays must leave BatchNorm statistics and counters alone."""
     return side_by_side(NormBlock, "adam", plans={}, policies={i: "R" for i in range(LAYERS)}, min_swap_bytes=0)
 
 
 SCENARIOS: dict[str, Callable[[], dict]] = {"buffers_adam": buffers_adam, "buffers_sgd": buffers_sgd,
-                                            "recompute_norm": recompute_norm}
+                                            "recompute_norm": recompute_norm, "hooked": hooked, "shared": shared}
 
 
 def main() -> None:

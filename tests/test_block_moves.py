@@ -49,3 +49,39 @@ def test_a_recomputed_batchnorm_block_leaves_its_statistics_and_counters_as_one_
     assert_trains_like_plain(result)  # running stats, num_batches_tracked, the user's counter: bitwise
     assert result["states"]["vpipe"]["layers.0.bn.num_batches_tracked"] == 9 * 4
     assert result["states"]["vpipe"]["layers.0.calls"] == 9 * 4
+
+
+def _events(log: list[dict], event: str) -> list[dict]:
+    return [r for r in log if r.get("event") == event]
+
+
+def test_blocks_with_user_hooks_stay_with_their_hooks_and_each_refusal_says_why(tmp_path):
+    result = run_blocks(tmp_path, "hooked")
+    assert result["placement"] == [[0, 1, 2, 3, 4, 5], [6, 7]]  # both plans moved block 4 or 5: refused
+    assert_trains_like_plain(result)  # the hooks (one counting its calls) ran on every step, as without vpipe
+    off = _events(result["log"], "moves_off")
+    assert [(r["stage"], r["layers"]) for r in off] == [(0, [4, 5])]
+    assert off[0]["msg"] == ("stage 0: layers [4, 5] never move to another stage: layer 4 carries forward hook "
+                             "CountingHook (hooks cannot be carried to another process); layer 5 carries forward "
+                             "hook hooked.<locals>.prepare.<locals>.<lambda> (hooks cannot be carried to another "
+                             "process)")
+    refused = _events(result["log"], "migration_refused")
+    assert [r["msg"] for r in refused] == [
+        "stage 0 cannot send layers [4, 5]: layer 4 carries forward hook CountingHook (hooks cannot be carried to "
+        "another process)",
+        "stage 0 cannot send layers [5]: layer 5 carries forward hook hooked.<locals>.prepare.<locals>.<lambda> "
+        "(hooks cannot be carried to another process)"]
+    assert len(_events(result["log"], "migration_aborted")) == 4  # each plan, on both ranks
+
+
+def test_blocks_that_share_a_module_never_move_and_the_others_still_do(tmp_path):
+    result = run_blocks(tmp_path, "shared")
+    assert result["placement"] == [[0, 1, 2, 3], [4, 5, 6, 7]]  # 4 and 5 moved, 2 (shared with 1) did not
+    assert moved_layers(result["log"]) == [[4, 5], [4, 5]]
+    assert_trains_like_plain(result)
+    off = _events(result["log"], "moves_off")
+    assert [(r["stage"], r["layers"]) for r in off] == [(0, [1, 2])]
+    assert off[0]["msg"] == ("stage 0: layers [1, 2] never move to another stage: layer 1 shares proj.weight with "
+                             "layers [2]; layer 2 shares proj.weight with layers [1]")
+    assert [r["msg"] for r in _events(result["log"], "migration_refused")] == [
+        "stage 0 cannot send layers [2, 3]: layer 2 shares proj.weight with layers [1]"]

@@ -45,6 +45,7 @@ from vpipe.migration.handshake import (
     MigrationError,
 )
 from vpipe.migration.moves import Move, apply_round, plan_rounds
+from vpipe.migration.pins import pin_reason
 from vpipe.migration.placement import Placement
 from vpipe.migration.rounds import MigrationReport, exchange
 from vpipe.migration.shapes import BoundaryShapes
@@ -116,6 +117,8 @@ class LayerManager:
         self.epoch = epoch
         self.faults = faults
         self.listeners: dict[int, list[LayerListener]] = {v: [] for v in self.blocks}
+        # blocks that share a module or parameter (found at attach): they never move to another rank
+        self.shared: dict[int, str] = {}
         self.next_layer_id = max(self._placement.order) + 1
         self.shapes = BoundaryShapes()
         for v, stage_blocks in self.blocks.items():
@@ -172,6 +175,12 @@ class LayerManager:
     def can_build(self) -> list[str] | None:
         """The kinds of block this rank can build for an incoming move (None: any, a factory builds them)."""
         return self.builder.can_build()
+
+    def check_movable(self, layer_id: int, block: nn.Module) -> None:
+        """Raise ``ValueError`` naming why ``block`` cannot move to another rank (shared, hooked)."""
+        reason = pin_reason(layer_id, block, self.shared)
+        if reason is not None:
+            raise ValueError(f"layer {layer_id} {reason}")
 
     def describe_block(self, stage: int, layer_id: int, block: nn.Module) -> dict[str, Any]:
         """What a receiving stage needs besides the tensors to rebuild ``block``: kind, key, plain attributes."""

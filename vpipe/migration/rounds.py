@@ -51,8 +51,10 @@ def exchange(manager: LayerManager, epoch: int, r: int, outgoing: Sequence[Move]
     sent_states: dict[Move, list[LayerState]] = {}
     for m in outgoing:
         try:
+            for lid in m.layers:
+                manager.check_movable(lid, children[lid])
             states = [pack_layer(lid, children[lid], manager.optimizer, manager.specs.get(lid)) for lid in m.layers]
-        except ValueError as e:  # state a move cannot carry: the target hears why, the round aborts
+        except ValueError as e:  # a block or state a move cannot carry: the target hears why, the round aborts
             decision("migration_refused", f"stage {m.src} cannot send layers {list(m.layers)}: {e}", stage=m.src,
                      layers=list(m.layers), reason=str(e))
             key = move_key(epoch, r, m)
