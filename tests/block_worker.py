@@ -136,6 +136,9 @@ def pipeline_step(schedule: Any, optimizer: torch.optim.Optimizer, x: torch.Tens
     return [float(loss.detach()) for loss in losses]
 
 
+_LAST_VPIPE_MODEL: list[Net] = []  # vpipe's copy of the last side_by_side run (what detach left)
+
+
 def side_by_side(make_block: Callable[[int], nn.Module], optimizer: str, *, plans: dict | None = None,
                  prepare: Callable[[Net], None] = lambda model: None, **options: Any) -> dict:
     """Train the plain copy and vpipe's copy on the same batches; vpipe's is asked to move blocks."""
@@ -144,7 +147,8 @@ def side_by_side(make_block: Callable[[int], nn.Module], optimizer: str, *, plan
 
     copies = {"plain": build(dist.new_group(backend="gloo"), make_block, optimizer, prepare),
               "vpipe": build(None, make_block, optimizer, prepare)}
-    _, schedule, opt = copies["vpipe"]
+    model, schedule, opt = copies["vpipe"]
+    _LAST_VPIPE_MODEL[:] = [model]
     vp = vpipe.attach(schedule, optimizer=opt, planning=False, **options)
     for epoch, (step, stages) in enumerate(sorted((PLANS if plans is None else plans).items()), start=1):
         vp.request_plan(Plan(epoch=epoch, stages=stages), at_step=step)
@@ -215,13 +219,51 @@ def shared() -> dict:
                         plans={3: [[0, 1, 2, 3], [4, 5, 6, 7]], 6: [[0, 1], [2, 3, 4, 5, 6, 7]]})
 
 
+class MLPBlock(nn.Module):
+    """A residual MLP block with a plain attribute (its layer id), as torchtitan's blocks have."""
+
+    def __init__(self, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.fc = nn.Linear(DIM, 2 * DIM)
+        self.proj = nn.Linear(2 * DIM, DIM)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.proj(torch.tanh(self.fc(h)))
+
+
+def compiled() -> dict:
+    """torchtitan's way: each block replaced by ``torch.compile(block)`` (an OptimizedModule in the ModuleDict)."""
+
+    def prepare(model: Net) -> None:
+        for key in list(model.layers):
+            model.layers[key] = torch.compile(model.layers[key])
+
+    return side_by_side(MLPBlock, "adam", prepare=prepare)
+
+
+def compiled_in_place() -> dict:
+    """Each block compiled in place, ``block.compile(fullgraph=True)``."""
+
+    def prepare(model: Net) -> None:
+        for block in model.layers.values():
+            block.compile(fullgraph=True)
+
+    result = side_by_side(MLPBlock, "adam", prepare=prepare)
+    # after detach every block is compiled as block.compile() leaves it, the blocks that arrived too
+    result["compiled_calls"] = [b._compiled_call_impl is not None and "forward" not in b.__dict__
+                                for b in _LAST_VPIPE_MODEL[0].layers.values()]
+    return result
+
+
 def recompute_norm() -> dict:
     """Every block recomputed (no moves): its replays must leave BatchNorm statistics and counters alone."""
     return side_by_side(NormBlock, "adam", plans={}, policies={i: "R" for i in range(LAYERS)}, min_swap_bytes=0)
 
 
 SCENARIOS: dict[str, Callable[[], dict]] = {"buffers_adam": buffers_adam, "buffers_sgd": buffers_sgd,
-                                            "recompute_norm": recompute_norm, "hooked": hooked, "shared": shared}
+                                            "recompute_norm": recompute_norm, "hooked": hooked, "shared": shared,
+                                            "compiled": compiled, "compiled_in_place": compiled_in_place}
 
 
 def main() -> None:

@@ -85,3 +85,21 @@ def test_blocks_that_share_a_module_never_move_and_the_others_still_do(tmp_path)
                              "layers [2]; layer 2 shares proj.weight with layers [1]")
     assert [r["msg"] for r in _events(result["log"], "migration_refused")] == [
         "stage 0 cannot send layers [2, 3]: layer 2 shares proj.weight with layers [1]"]
+
+
+# inductor compiles on CPU: about 25 s per run of two ranks on two cores
+def test_blocks_wrapped_by_torch_compile_move_as_their_class_and_are_compiled_alike(tmp_path):
+    result = run_blocks(tmp_path, "compiled")
+    assert result["placement"] == [[0, 1, 2, 3, 4], [5, 6, 7]]
+    assert moved_layers(result["log"])
+    assert not _events(result["log"], "migration_refused")
+    assert_trains_like_plain(result)  # bitwise: the same inductor kernels run the same blocks
+    assert "layers.5._orig_mod.fc.weight" in result["states"]["vpipe"]  # still compiled where it arrived
+
+
+def test_blocks_compiled_in_place_with_fullgraph_train_and_move(tmp_path):
+    result = run_blocks(tmp_path, "compiled_in_place")
+    assert result["placement"] == [[0, 1, 2, 3, 4], [5, 6, 7]]
+    assert moved_layers(result["log"])
+    assert_trains_like_plain(result)
+    assert result["compiled_calls"] == [True] * 5

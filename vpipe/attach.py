@@ -29,6 +29,7 @@ from vpipe import faults
 from vpipe import log as run_log
 from vpipe.control.session import ControlOptions, ControlSession
 from vpipe.log import decision
+from vpipe.migration.compiled import hoist_compiled, unhoist_all
 from vpipe.migration.layer_manager import LayerManager
 from vpipe.migration.messages import ControlMessenger
 from vpipe.migration.pins import outside_tensors, pin_reason, planner_kind, shared_pins
@@ -98,6 +99,9 @@ class Vpipe:
         self.memories = self._memories()
         initial = Plan(epoch=0, stages=placement, policies=config.initial_policies())
         self.agreement.agree_run_secret(self.rank == 0, self._who)
+        # blocks compiled in place run their forward compiled and vpipe's hooks around it (before any hook goes on)
+        if hoist_compiled(b for s in pipeline.stages if s.blocks is not None for b in s.blocks.blocks().values()):
+            self._undo.append(unhoist_all)
         self.stage_handles: dict[int, StageHandle] = {}  # (filled by _start_tensor_managers)
         self.tensor_managers = self._start_tensor_managers(initial) if config.tensor_manager else {}
         self.session = self._start_session(initial)

@@ -29,6 +29,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from vpipe.migration.compiled import compile_like, compiled_forwards
 from vpipe.tensor_manager.layers import ROUTED_FORWARD
 
 __all__ = ["BlockContainerError", "KeyStyle", "StageBlocks", "find_block_container", "clone_block",
@@ -272,13 +273,25 @@ _HOOK_DICTS = tuple(name for name in sorted(_MODULE_INTERNALS)
                     if name.endswith(("hooks", "hooks_with_kwargs", "hooks_always_called"))
                     and ("forward" in name or "backward" in name))
 _PLAIN = (bool, int, float, str, type(None))
+_CALLS = frozenset({"forward", "_compiled_call_impl"})  # how a module is called, never a plain attribute
 _MAX_ATTRS = 512
 _MAX_TEXT = 256
 
 
+def compiled_inner(block: nn.Module) -> nn.Module | None:
+    """The module a ``torch.compile(block)`` wrapper (``OptimizedModule``) compiles, or None for another block."""
+    inner = block.__dict__.get("_modules", {}).get("_orig_mod")
+    return inner if inner is not None and hasattr(block, "dynamo_ctx") else None
+
+
 def block_kind(block: nn.Module) -> str:
-    """What makes two blocks interchangeable for a clone: class, parameter and buffer names, shapes, dtypes."""
-    cls = type(block)
+    """What makes two blocks interchangeable for a clone: class, parameter and buffer names, shapes, dtypes.
+
+    A ``torch.compile(block)`` wrapper is known by the class it compiles (its parameter
+    names, ``_orig_mod.``-prefixed, tell it from that class uncompiled).
+    """
+    inner = compiled_inner(block)
+    cls = type(inner if inner is not None else block)
     shapes = [(n, tuple(t.shape), str(t.dtype)) for n, t in block.named_parameters()]
     shapes += [(n, tuple(t.shape), str(t.dtype)) for n, t in block.named_buffers()]
     digest = hashlib.sha1(repr((cls.__module__, cls.__qualname__, shapes)).encode()).hexdigest()[:10]
@@ -302,8 +315,10 @@ def block_attrs(block: nn.Module) -> dict[str, dict[str, Any]]:
     """
     attrs: dict[str, dict[str, Any]] = {}
     for name, module in block.named_modules():
+        if compiled_inner(module) is not None:
+            continue  # the compile wrapper's own attributes (its ids) are not the block's
         mine = {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(module).items()
-                if k not in _MODULE_INTERNALS and k != "forward" and _is_plain(v)}
+                if k not in _MODULE_INTERNALS and k not in _CALLS and _is_plain(v)}
         if mine:
             attrs[name] = mine
     return attrs
@@ -319,7 +334,7 @@ def validate_attrs(raw: Any, layer_id: int) -> dict[str, dict[str, Any]]:
         if not isinstance(sub, str) or len(sub) > _MAX_TEXT or not isinstance(values, dict) or len(values) > _MAX_ATTRS:
             raise ValueError(f"layer {layer_id}: bad block attributes for submodule {sub!r:.80}")
         for key, value in values.items():
-            if not isinstance(key, str) or not key.isidentifier() or key in _MODULE_INTERNALS or key == "forward":
+            if not isinstance(key, str) or not key.isidentifier() or key in _MODULE_INTERNALS or key in _CALLS:
                 raise ValueError(f"layer {layer_id}: bad block attribute name {key!r:.80}")
             if not _is_plain(value):
                 raise ValueError(f"layer {layer_id}: block attribute {key!r} is not a plain value")
@@ -392,8 +407,14 @@ def clone_block(donor: nn.Module) -> nn.Module:
     ``copy.deepcopy`` with a memo that maps every parameter and buffer to an empty tensor
     of its shape (no data copied; tensors that share storage in the donor, a buffer that is a
     view of another, share storage in the clone alike) and every hook table to an empty one (vpipe's and the
-    user's hooks stay on the donor); a forward that vpipe routed for recompute is dropped.
+    user's hooks stay on the donor); a forward that vpipe routed for recompute is dropped. A
+    ``torch.compile`` wrapper is rebuilt around the clone of the module it compiles, with the
+    donor's dynamo context: the same backend, mode, options, ``fullgraph`` and ``dynamic``; a
+    module compiled in place is compiled as its donor counterpart is (:mod:`.compiled`).
     """
+    inner = compiled_inner(donor)
+    if inner is not None:  # compile the clone of what the donor compiles, the same way (same dynamo context)
+        return type(donor)(clone_block(inner), donor.dynamo_ctx)
     memo: dict[int, Any] = {}
     for module in donor.modules():
         for name in _HOOK_DICTS:
@@ -403,6 +424,8 @@ def clone_block(donor: nn.Module) -> nn.Module:
         routed = module.__dict__.get("forward")
         if routed is not None and getattr(routed, ROUTED_FORWARD, False):
             memo[id(routed)] = None
+    for compiled in compiled_forwards(donor):  # bound to the donor: the clone gets its own (compile_like)
+        memo[id(compiled)] = None
     empty = _empty_alike([*donor.parameters(), *donor.buffers()])
     for p in donor.parameters():
         memo[id(p)] = nn.Parameter(empty[id(p)], requires_grad=p.requires_grad)
@@ -412,4 +435,5 @@ def clone_block(donor: nn.Module) -> nn.Module:
     for module in clone.modules():
         if "forward" in module.__dict__ and module.__dict__["forward"] is None:
             del module.__dict__["forward"]
+    compile_like(donor, clone)
     return clone
