@@ -30,8 +30,8 @@ from vpipe.migration.state import LayerState, LoadedLayer, validate_manifest
 
 log = logging.getLogger("vpipe.migration")
 
-__all__ = ["Messenger", "MigrationError", "Incoming", "BlockBuilder", "move_key", "announce", "receive_prepare",
-           "await_ready", "FaultHook", "NO_FAULTS"]
+__all__ = ["Messenger", "MigrationError", "Incoming", "BlockBuilder", "move_key", "announce", "refuse_move",
+           "receive_prepare", "await_ready", "FaultHook", "NO_FAULTS"]
 
 LayerFactory = Callable[[int, Any], nn.Module]
 # called at the named points of a move ("prepare_received"); True: act as a peer that went silent
@@ -140,6 +140,14 @@ def announce(messenger: Messenger, move: Move, dst_rank: int, manifests: list[di
     messenger.send_to(dst_rank, "migrate_prepare",
                       {"round": key[1], "move": key[2], "src": move.src, "dst": move.dst, "layers": list(move.layers),
                        "manifests": manifests}, epoch=key[0])
+
+
+def refuse_move(messenger: Messenger, move: Move, dst_rank: int, key: tuple[int, int, int], reason: str) -> None:
+    """Source side: the layers cannot move (pinned, or state that cannot travel); one line, and the target hears it."""
+    decision("migration_refused", f"stage {move.src} cannot send layers {list(move.layers)}: {reason}",
+             stage=move.src, layers=list(move.layers), reason=reason)
+    messenger.send_to(dst_rank, "migrate_abort", {"round": key[1], "move": key[2], "reason": reason[:200]},
+                      epoch=key[0])
 
 
 def receive_prepare(messenger: Messenger, builder: BlockBuilder, move: Move, src_rank: int,

@@ -17,7 +17,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from vpipe.log import decision
-from vpipe.migration.handshake import Incoming, MigrationError, announce, await_ready, move_key, receive_prepare
+from vpipe.migration.handshake import (
+    Incoming,
+    MigrationError,
+    announce,
+    await_ready,
+    move_key,
+    receive_prepare,
+    refuse_move,
+)
 from vpipe.migration.moves import Move
 from vpipe.migration.state import LayerState, load_layer, pack_layer, payload_bytes
 from vpipe.migration.transfer import MOVE, transfer_tag
@@ -55,11 +63,7 @@ def exchange(manager: LayerManager, epoch: int, r: int, outgoing: Sequence[Move]
                 manager.check_movable(lid, children[lid])
             states = [pack_layer(lid, children[lid], manager.optimizer, manager.specs.get(lid)) for lid in m.layers]
         except ValueError as e:  # a block or state a move cannot carry: the target hears why, the round aborts
-            decision("migration_refused", f"stage {m.src} cannot send layers {list(m.layers)}: {e}", stage=m.src,
-                     layers=list(m.layers), reason=str(e))
-            key = move_key(epoch, r, m)
-            manager.messenger.send_to(manager.rank_of(m.dst), "migrate_abort",
-                                      {"round": key[1], "move": key[2], "reason": str(e)[:200]}, epoch=epoch)
+            refuse_move(manager.messenger, m, manager.rank_of(m.dst), move_key(epoch, r, m), str(e))
             ok = False
             continue
         for st in states:
