@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-from vpipe.migration.blocks import block_kind
+from vpipe.migration.cloning import block_kind
 from vpipe.migration.pins import outside_tensors, pin_reason, planner_kind, shared_pins, user_hooks
 from vpipe.plan import PINNED_KIND
 from vpipe.tensor_manager import TensorManager

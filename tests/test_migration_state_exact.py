@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from vpipe.migration.blocks import clone_block
+from vpipe.migration.cloning import clone_block
 from vpipe.migration.state import pack_layer, unpack_layer, validate_manifest
 
 _BUFFER_DTYPES = [torch.int64, torch.bool, torch.float64, torch.bfloat16, torch.float16, torch.int32, torch.uint8,

@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from vpipe.log import decision
-from vpipe.migration.blocks import StageBlocks, block_kind, clone_block, set_block_attrs
+from vpipe.migration.blocks import StageBlocks
+from vpipe.migration.cloning import block_kind, clone_block, set_block_attrs
 from vpipe.migration.moves import Move
 from vpipe.migration.state import LayerState, LoadedLayer, validate_manifest
 

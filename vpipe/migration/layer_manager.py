@@ -34,7 +34,8 @@ import torch
 from torch import nn
 
 from vpipe.log import decision
-from vpipe.migration.blocks import KeyStyle, StageBlocks, block_attrs, block_kind
+from vpipe.migration.blocks import KeyStyle, StageBlocks
+from vpipe.migration.cloning import block_attrs, block_kind
 from vpipe.migration.handshake import (
     NO_FAULTS,
     BlockBuilder,

@@ -28,7 +28,7 @@ from typing import Any
 
 from torch import nn
 
-from vpipe.migration.blocks import block_kind
+from vpipe.migration.cloning import block_kind
 from vpipe.plan import PINNED_KIND
 
 __all__ = ["user_hooks", "outside_tensors", "shared_pins", "pin_reason", "planner_kind"]

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from vpipe.migration.blocks import validate_block_info
+from vpipe.migration.cloning import validate_block_info
 
 __all__ = ["LayerState", "LoadedLayer", "pack_layer", "load_layer", "register_layer", "unpack_layer",
            "decode_tensor", "attach_to_optimizer", "detach_from_optimizer", "validate_manifest"]
