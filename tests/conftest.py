@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -76,3 +77,17 @@ def assert_params_equal(actual: dict[str, torch.Tensor], expected: dict[str, tor
 def _one_thread():
     torch.set_num_threads(1)
     yield
+
+
+def run_worker(tmp_path: Path, worker: str, scenario: str, ranks: int) -> dict:
+    """Run ``tests/WORKER.py SCENARIO OUT`` on ``ranks`` real ranks; its JSON result plus the vpipe log records."""
+    from vpipe.log import read_log
+    from vpipe.runtime.launch import spawn
+
+    out, log_file = tmp_path / f"{scenario}.json", tmp_path / f"{scenario}.log"
+    code = spawn([sys.executable, str(ROOT / "tests" / f"{worker}.py"), scenario, str(out)], ranks,
+                 extra_env={"PYTHONPATH": str(ROOT), "VPIPE_LOG_FILE": str(log_file)}, timeout_s=240)
+    assert code == 0
+    result = json.loads(out.read_text())
+    result["log"] = read_log(log_file) if log_file.exists() else []
+    return result

@@ -49,19 +49,12 @@ def _tutorial():
 tut = _tutorial()
 sys.path.insert(0, str(ROOT / "examples"))
 import train_sequential as seq_example  # noqa: E402  (the PipeDream example's model and data)
+from block_worker import pipeline_step  # noqa: E402  (this directory is the script's: on the path)
 
 
 def _train_step(schedule, optimizer, step: int) -> list[float]:
     """One step of the torch pipelining tutorial's loop on its batch ``step``; the last stage's losses."""
-    x, y = tut.batch(step, 8, 32, 256)
-    losses: list[torch.Tensor] = []
-    if dist.get_rank() == 0:
-        schedule.step(x)
-    else:
-        schedule.step(target=y, losses=losses)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return [float(loss.detach()) for loss in losses]
+    return pipeline_step(schedule, optimizer, *tut.batch(step, 8, 32, 256))
 
 
 def _count_manager_calls(manager) -> list[int]:

@@ -9,6 +9,7 @@ them; payloads and the hand-over message go through :mod:`migration_support`'s f
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from types import SimpleNamespace
@@ -266,6 +267,19 @@ def test_a_streamed_move_whose_target_is_not_ready_starts_nowhere():
     assert all(s.schedule.movers == [] for s in sides)
     assert all(m.placement == ((0, 1, 2), (3, 4)) and m.epoch == 1 for m in managers)
     assert [list(s.container._modules) for s in sides] == [["0", "1", "2"], ["3", "4"]]
+
+
+def test_a_streamed_move_of_a_block_with_a_user_hook_is_refused_at_once_and_starts_nowhere(caplog):
+    hub, sides, managers = _streaming_ranks()
+    sides[0].container._modules["2"].register_forward_hook(lambda module, args, output: output)
+    with caplog.at_level(logging.INFO, logger="vpipe"):
+        results = _start(managers, sides, Plan(epoch=1, stages=((0, 1), (2, 3, 4))))
+    assert results == [[], []] and all(s.schedule.movers == [] for s in sides)
+    assert [list(s.container._modules) for s in sides] == [["0", "1", "2"], ["3", "4"]]
+    assert [(m[0], m[1], m[2]) for m in hub.log] == [(0, 1, "migrate_abort")]  # no prepare: the target is told
+    refused = [r.getMessage() for r in caplog.records
+               if getattr(r, "vpipe_fields", {}).get("event") == "migration_refused"]
+    assert len(refused) == 1 and refused[0].startswith("stage 0 cannot send layers [2]: layer 2 carries forward hook")
 
 
 def test_a_streamed_move_that_changes_a_boundary_shape_is_refused_on_every_rank():

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from vpipe.monitors.records import LayerRecord, StageRecord
-from vpipe.plan import Plan, Policy
+from vpipe.plan import PINNED_KIND, Plan, Policy
 from vpipe.planner.online import CONFIG_ENV, OnlineConfig, OnlinePlanner, _placeable, _pooled
 
 IDS = ([0, 1, 2, 3], [4, 5, 6, 7])
@@ -248,6 +248,14 @@ def test_every_hop_of_a_move_must_land_on_a_stage_that_builds_the_layer():
     assert _placeable(vector, current)([[0, 1, 2], [3], [4], []]) is False
     vector[0] = _builder(0, [0, 1], ["A", "B"], None)  # ... unless it has a layer factory
     assert _placeable(vector, current)([[0, 1, 2], [3], [4], []]) is True
+
+
+def test_a_pinned_block_never_moves_even_to_a_stage_with_a_layer_factory():
+    vector = [_builder(0, [0, 1], ["A", "A" + PINNED_KIND], None), _builder(1, [2, 3], ["A", "A"], None)]
+    current = Plan(epoch=0, stages=((0, 1), (2, 3)))
+    placeable = _placeable(vector, current)
+    assert placeable([[0, 1, 2], [3]]) is True  # the blocks around it still move
+    assert placeable([[0], [1, 2, 3]]) is False
 
 
 # ---------------------------------------------------------------------- configuration

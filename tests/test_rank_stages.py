@@ -1,7 +1,11 @@
-"""The stage adapter reads a multi-stage schedule's action lists: how many micro-batches each stage holds."""
+"""The stage adapter: how many micro-batches each stage of a multi-stage schedule holds, and the optimizer check."""
 
 from __future__ import annotations
 
+import logging
+
+import torch
+from torch import nn
 from torch.distributed.pipelining.schedules import (
     BACKWARD_INPUT,
     BACKWARD_WEIGHT,
@@ -11,7 +15,7 @@ from torch.distributed.pipelining.schedules import (
     _Action,
 )
 
-from vpipe.rank.stages import in_flight_per_stage, in_flight_together
+from vpipe.rank.stages import check_optimizer, in_flight_per_stage, in_flight_together
 
 
 def _a(stage: int, kind, mb: int) -> _Action:
@@ -38,3 +42,14 @@ def test_the_moments_of_a_rank_say_what_its_stages_hold_together_not_the_sum_of_
     rows = in_flight_together({0: rank0}, 3)
     assert rows == [[1, 0, 2], [3, 0, 0]]  # [1, 0, 1] and the rows below [3, 0, 0] are covered by these
     assert in_flight_per_stage({0: rank0}, 3) == [3, 1, 2]  # each stage's own peak (1 for one that never runs)
+
+
+def test_an_optimizer_over_parameters_outside_the_stages_is_warned_about_once(caplog):
+    stage, elsewhere = nn.Sequential(nn.Linear(2, 2)), nn.Linear(2, 2)
+    optimizer = torch.optim.SGD([{"params": stage.parameters()}, {"params": elsewhere.parameters(), "lr": 0.1}])
+    with caplog.at_level(logging.WARNING, logger="vpipe.attach"):
+        check_optimizer(optimizer, [stage])
+        check_optimizer(torch.optim.SGD(stage.parameters()), [stage])  # only the stage's: nothing to say
+    assert [r.getMessage() for r in caplog.records] == [
+        "vpipe.attach: optimizer param group(s) [1] hold 2 parameter(s) that are not in this rank's stage modules; "
+        "moves carry only the stages' parameters and their optimizer state, so those stay in this rank's optimizer"]

@@ -14,14 +14,10 @@ from vpipe.migration.blocks import (
     KeyStyle,
     StageBlocks,
     agree_key_style,
-    block_attrs,
-    block_kind,
-    clone_block,
     find_block_container,
     global_ids,
-    set_block_attrs,
-    validate_block_info,
 )
+from vpipe.migration.cloning import block_attrs, block_kind, clone_block, set_block_attrs, validate_block_info
 
 
 class Block(nn.Module):

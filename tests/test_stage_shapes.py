@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, child_env
+from conftest import ROOT, child_env, run_worker
 from vpipe.log import read_log
 
 STEPS = 40  # the first plan comes from the samples of steps 9 and 19 (defaults), applied at step 24
@@ -139,16 +139,7 @@ def test_the_tutorial_model_trains_to_the_same_parameters_after_moves(tmp_path_f
 
 # ---------------------------------------------------------------------- set-ups that attach refuses or limits
 def _scenario(tmp_path: Path, name: str, ranks: int) -> dict:
-    from vpipe.runtime.launch import spawn
-
-    out = tmp_path / f"{name}.json"
-    log_file = tmp_path / f"{name}.log"
-    code = spawn([sys.executable, str(ROOT / "tests" / "shape_worker.py"), name, str(out)], ranks,
-                 extra_env={"PYTHONPATH": str(ROOT), "VPIPE_LOG_FILE": str(log_file)}, timeout_s=240)
-    assert code == 0
-    result = json.loads(out.read_text())
-    result["log"] = read_log(log_file) if log_file.exists() else []
-    return result
+    return run_worker(tmp_path, "shape_worker", name, ranks)
 
 
 def test_shapes_attach_cannot_use_get_one_error_that_says_what_was_found_and_what_to_pass(tmp_path):

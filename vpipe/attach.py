@@ -29,9 +29,10 @@ from vpipe import faults
 from vpipe import log as run_log
 from vpipe.control.session import ControlOptions, ControlSession
 from vpipe.log import decision
-from vpipe.migration.blocks import block_kind
+from vpipe.migration.compiled import hoist_compiled, unhoist_all
 from vpipe.migration.layer_manager import LayerManager
 from vpipe.migration.messages import ControlMessenger
+from vpipe.migration.pins import outside_tensors, pin_reason, planner_kind, shared_pins
 from vpipe.migration.transfer import TransferChannel
 from vpipe.monitors.source import TensorManagerSource
 from vpipe.plan import Plan
@@ -100,6 +101,9 @@ class Vpipe:
         self.memories = self._memories()
         initial = Plan(epoch=0, stages=placement, policies=config.initial_policies())
         self.agreement.agree_run_secret(self.rank == 0, self._who)
+        # blocks compiled in place run their forward compiled and vpipe's hooks around it (before any hook goes on)
+        if hoist_compiled(b for s in pipeline.stages if s.blocks is not None for b in s.blocks.blocks().values()):
+            self._undo.append(unhoist_all)
         self.stage_handles: dict[int, StageHandle] = {}  # (filled by _start_tensor_managers)
         self.tensor_managers = self._start_tensor_managers(initial) if config.tensor_manager else {}
         self.session = self._start_session(initial)
@@ -220,11 +224,12 @@ class Vpipe:
             specs=self.config.specs, messenger=ControlMessenger(self.session.plane, self.rank),
             channel=TransferChannel(pipeline.device), device=pipeline.device,
             timeout_s=self.config.migration_timeout_s, faults=faults.migration_faults(self.rank))
+        manager.shared = self._pins(manager)
         for stage in pipeline.stages:
             monitor = self.session.monitors[stage.index]
             manager.listeners[stage.index].append(monitor)
             monitor.layer_order = lambda v=stage.index: manager.layers_of(v)
-            monitor.layer_kind = block_kind
+            monitor.layer_kind = planner_kind(manager.shared, manager.blocks_by_id)
             monitor.builds = manager.can_build
             if stage.blocks is not None and stage.blocks.path:
                 monitor.watch_stage(stage.module)  # modules outside the blocks: their cost is the stage's
@@ -232,6 +237,21 @@ class Vpipe:
                 manager.listeners[stage.index].append(self.tensor_managers[stage.index])
         self._undo.append(manager.close)
         return manager
+
+    def _pins(self, manager: LayerManager) -> dict[int, str]:
+        """Find the blocks that never move (shared modules, user hooks); one ``moves_off`` line per stage."""
+        outside = {t for s in self.pipeline.stages if s.blocks is not None
+                   for t in outside_tensors(s.module, s.blocks.path)}
+        shared = shared_pins(manager.blocks_by_id(), outside)
+        for stage in self.pipeline.stages:
+            blocks = manager.blocks[stage.index].blocks()
+            reasons = {lid: pin_reason(lid, block, shared) for lid, block in blocks.items()}
+            pinned = {lid: why for lid, why in reasons.items() if why is not None}
+            if pinned:
+                decision("moves_off", f"stage {stage.index}: layers {sorted(pinned)} never move to another stage: "
+                         + "; ".join(f"layer {lid} {why}" for lid, why in sorted(pinned.items())),
+                         stage=stage.index, layers=sorted(pinned), reason="pinned blocks")
+        return shared
 
     def _install(self) -> None:
         schedule = self.pipeline.schedule

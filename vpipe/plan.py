@@ -14,7 +14,10 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-__all__ = ["Policy", "Plan", "PlanError"]
+__all__ = ["Policy", "Plan", "PlanError", "PINNED_KIND"]
+
+# the end of a block kind (as the monitors report it) whose block never moves: no plan puts it on another stage
+PINNED_KIND = "!pinned"
 
 
 class Policy(str, Enum):

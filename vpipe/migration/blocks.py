@@ -18,10 +18,8 @@ slice built fresh for the new partition would be; any other keys travel with the
 
 from __future__ import annotations
 
-import copy
-import hashlib
 from collections import Counter, OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, cast
@@ -29,10 +27,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from vpipe.tensor_manager.layers import ROUTED_FORWARD
-
-__all__ = ["BlockContainerError", "KeyStyle", "StageBlocks", "find_block_container", "clone_block",
-           "block_attrs", "set_block_attrs", "block_kind", "validate_block_info"]
+__all__ = ["BlockContainerError", "KeyStyle", "StageBlocks", "find_block_container"]
 
 CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 _AMBIGUITY = 0.5  # a second, separate container with at least this share of the best one's parameters
@@ -263,121 +258,3 @@ class StageBlocks:
         modules.update(OrderedDict((key, block) for _, key, block in entries))
         self._ids = [lid for lid, _, _ in entries]
         self._keys = {lid: key for lid, key, _ in entries}
-
-
-# ---------------------------------------------------------------------- building a block without a factory
-_MODULE_INTERNALS = frozenset(nn.Module().__dict__) - {"training"}
-# forward and backward hooks (vpipe's and the user's) stay with the donor; state-dict hooks are the module's own
-_HOOK_DICTS = tuple(name for name in sorted(_MODULE_INTERNALS)
-                    if name.endswith(("hooks", "hooks_with_kwargs", "hooks_always_called"))
-                    and ("forward" in name or "backward" in name))
-_PLAIN = (bool, int, float, str, type(None))
-_MAX_ATTRS = 512
-_MAX_TEXT = 256
-
-
-def block_kind(block: nn.Module) -> str:
-    """What makes two blocks interchangeable for a clone: class, parameter and buffer names, shapes, dtypes."""
-    cls = type(block)
-    shapes = [(n, tuple(t.shape), str(t.dtype)) for n, t in block.named_parameters()]
-    shapes += [(n, tuple(t.shape), str(t.dtype)) for n, t in block.named_buffers()]
-    digest = hashlib.sha1(repr((cls.__module__, cls.__qualname__, shapes)).encode()).hexdigest()[:10]
-    return f"{cls.__name__[:40]}#{digest}"
-
-
-def _is_plain(value: Any, depth: int = 0) -> bool:
-    if isinstance(value, _PLAIN):
-        return not isinstance(value, str) or len(value) <= _MAX_TEXT
-    if isinstance(value, (tuple, list)) and depth < 2 and len(value) <= 64:
-        return all(_is_plain(v, depth + 1) for v in value)
-    return False
-
-
-def block_attrs(block: nn.Module) -> dict[str, dict[str, Any]]:
-    """The block's plain attributes (numbers, strings, booleans, None, short tuples of them) by submodule.
-
-    These are what blocks of one class may differ in (a layer index, a sliding-window
-    flag); they travel with a moved block and are set on the clone that receives it.
-    Everything else (tensors aside) comes from the receiving stage's block of that class.
-    """
-    attrs: dict[str, dict[str, Any]] = {}
-    for name, module in block.named_modules():
-        mine = {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(module).items()
-                if k not in _MODULE_INTERNALS and k != "forward" and _is_plain(v)}
-        if mine:
-            attrs[name] = mine
-    return attrs
-
-
-def validate_attrs(raw: Any, layer_id: int) -> dict[str, dict[str, Any]]:
-    """Check attributes that came from another rank before any of them is set."""
-    if raw is None:
-        return {}
-    if not isinstance(raw, dict) or len(raw) > _MAX_ATTRS:
-        raise ValueError(f"layer {layer_id}: block attributes must be a map of at most {_MAX_ATTRS} submodules")
-    for sub, values in raw.items():
-        if not isinstance(sub, str) or len(sub) > _MAX_TEXT or not isinstance(values, dict) or len(values) > _MAX_ATTRS:
-            raise ValueError(f"layer {layer_id}: bad block attributes for submodule {sub!r:.80}")
-        for key, value in values.items():
-            if not isinstance(key, str) or not key.isidentifier() or key in _MODULE_INTERNALS or key == "forward":
-                raise ValueError(f"layer {layer_id}: bad block attribute name {key!r:.80}")
-            if not _is_plain(value):
-                raise ValueError(f"layer {layer_id}: block attribute {key!r} is not a plain value")
-    return raw
-
-
-def validate_block_info(raw: Any, layer_id: int) -> dict[str, Any]:
-    """Check the ``block`` part of a moved layer's manifest (kind, key, plain attributes)."""
-    if not isinstance(raw, dict) or set(raw) != {"kind", "key", "attrs"}:
-        raise ValueError(f"layer {layer_id}: the block description must have kind, key and attrs")
-    if not isinstance(raw["kind"], str) or not 0 < len(raw["kind"]) <= 64:
-        raise ValueError(f"layer {layer_id}: bad block kind {raw['kind']!r:.80}")
-    if raw["key"] is not None and (not isinstance(raw["key"], str) or not 0 < len(raw["key"]) <= _MAX_TEXT
-                                   or "." in raw["key"]):
-        raise ValueError(f"layer {layer_id}: bad block key {raw['key']!r:.80}")
-    validate_attrs(raw["attrs"], layer_id)
-    return raw
-
-
-def set_block_attrs(block: nn.Module, attrs: Mapping[str, Mapping[str, Any]], layer_id: int) -> None:
-    """Give ``block`` (a clone) the moved block's plain attributes; both must have the same ones."""
-    mine = block_attrs(block)
-    if {k: set(v) for k, v in mine.items()} != {k: set(v) for k, v in attrs.items()}:
-        raise ValueError(f"layer {layer_id}: the block here has plain attributes {_names(mine)}, the moved one "
-                         f"{_names(attrs)}: they are not the same kind of block")
-    for sub, values in attrs.items():
-        module = block.get_submodule(sub)
-        for key, value in values.items():
-            old = getattr(module, key)
-            setattr(module, key, tuple(value) if isinstance(old, tuple) and isinstance(value, list) else value)
-
-
-def _names(attrs: Mapping[str, Mapping[str, Any]]) -> list[str]:
-    return sorted(f"{sub}.{k}" if sub else k for sub, values in attrs.items() for k in values)[:6]
-
-
-def clone_block(donor: nn.Module) -> nn.Module:
-    """A structural copy of ``donor`` with uninitialised tensors and no hooks, for a moved block's state.
-
-    ``copy.deepcopy`` with a memo that maps every parameter and buffer to an empty tensor
-    of its shape (no data copied) and every hook table to an empty one (vpipe's and the
-    user's hooks stay on the donor); a forward that vpipe routed for recompute is dropped.
-    """
-    memo: dict[int, Any] = {}
-    for module in donor.modules():
-        for name in _HOOK_DICTS:
-            table = module.__dict__.get(name)
-            if table is not None:
-                memo[id(table)] = type(table)()
-        routed = module.__dict__.get("forward")
-        if routed is not None and getattr(routed, ROUTED_FORWARD, False):
-            memo[id(routed)] = None
-    for p in donor.parameters():
-        memo[id(p)] = nn.Parameter(torch.empty_like(p), requires_grad=p.requires_grad)
-    for b in donor.buffers():
-        memo[id(b)] = torch.empty_like(b)
-    clone = copy.deepcopy(donor, memo)
-    for module in clone.modules():
-        if "forward" in module.__dict__ and module.__dict__["forward"] is None:
-            del module.__dict__["forward"]
-    return clone

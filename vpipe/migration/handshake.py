@@ -24,14 +24,15 @@ import torch
 from torch import nn
 
 from vpipe.log import decision
-from vpipe.migration.blocks import StageBlocks, block_kind, clone_block, set_block_attrs
+from vpipe.migration.blocks import StageBlocks
+from vpipe.migration.cloning import block_kind, clone_block, set_block_attrs
 from vpipe.migration.moves import Move
-from vpipe.migration.state import LayerState, validate_manifest
+from vpipe.migration.state import LayerState, LoadedLayer, validate_manifest
 
 log = logging.getLogger("vpipe.migration")
 
-__all__ = ["Messenger", "MigrationError", "Incoming", "BlockBuilder", "move_key", "announce", "receive_prepare",
-           "await_ready", "FaultHook", "NO_FAULTS"]
+__all__ = ["Messenger", "MigrationError", "Incoming", "BlockBuilder", "move_key", "announce", "refuse_move",
+           "receive_prepare", "await_ready", "FaultHook", "NO_FAULTS"]
 
 LayerFactory = Callable[[int, Any], nn.Module]
 # called at the named points of a move ("prepare_received"); True: act as a peer that went silent
@@ -68,6 +69,7 @@ class Incoming:
     manifests: list[dict[str, Any]]
     modules: dict[int, nn.Module]
     states: list[LayerState] = field(default_factory=list)
+    loaded: list[LoadedLayer] = field(default_factory=list)  # states checked and copied into ``modules``
     ok: bool = True
 
 
@@ -141,14 +143,22 @@ def announce(messenger: Messenger, move: Move, dst_rank: int, manifests: list[di
                        "manifests": manifests}, epoch=key[0])
 
 
+def refuse_move(messenger: Messenger, move: Move, dst_rank: int, key: tuple[int, int, int], reason: str) -> None:
+    """Source side: the layers cannot move (pinned, or state that cannot travel); one line, and the target hears it."""
+    decision("migration_refused", f"stage {move.src} cannot send layers {list(move.layers)}: {reason}",
+             stage=move.src, layers=list(move.layers), reason=reason)
+    messenger.send_to(dst_rank, "migrate_abort", {"round": key[1], "move": key[2], "reason": reason[:200]},
+                      epoch=key[0])
+
+
 def receive_prepare(messenger: Messenger, builder: BlockBuilder, move: Move, src_rank: int,
                     key: tuple[int, int, int], timeout_s: float, faults: FaultHook = NO_FAULTS) -> Incoming:
     """Target side: take the announcement, build the blocks, answer ready (or abort, naming why)."""
     # the plan names the layers: build those whose spec we know while the source packs them
     early = ({lid: builder.build(lid, builder.specs[lid]) for lid in move.layers if lid in builder.specs}
              if builder.factory is not None else {})
-    got = messenger.wait_for({"migrate_prepare"}, from_rank=src_rank, key=key, timeout_s=timeout_s)
-    if got is None:
+    got = messenger.wait_for({"migrate_prepare", "migrate_abort"}, from_rank=src_rank, key=key, timeout_s=timeout_s)
+    if got is None or got[0] == "migrate_abort":
         log.warning("stage %d: no migrate_prepare from stage %d for layers %s", move.dst, move.src, list(move.layers))
         return Incoming(move, [], {}, ok=False)
     if faults("prepare_received"):

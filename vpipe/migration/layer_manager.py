@@ -34,7 +34,8 @@ import torch
 from torch import nn
 
 from vpipe.log import decision
-from vpipe.migration.blocks import KeyStyle, StageBlocks, block_attrs, block_kind
+from vpipe.migration.blocks import KeyStyle, StageBlocks
+from vpipe.migration.cloning import block_attrs, block_kind
 from vpipe.migration.handshake import (
     NO_FAULTS,
     BlockBuilder,
@@ -45,10 +46,11 @@ from vpipe.migration.handshake import (
     MigrationError,
 )
 from vpipe.migration.moves import Move, apply_round, plan_rounds
+from vpipe.migration.pins import pin_reason
 from vpipe.migration.placement import Placement
 from vpipe.migration.rounds import MigrationReport, exchange
 from vpipe.migration.shapes import BoundaryShapes
-from vpipe.migration.state import attach_to_optimizer, detach_from_optimizer, unpack_layer
+from vpipe.migration.state import attach_to_optimizer, detach_from_optimizer, register_layer
 from vpipe.migration.stream import start_streamed
 from vpipe.migration.transfer import TransferChannel
 from vpipe.plan import Plan, PlanError
@@ -116,6 +118,8 @@ class LayerManager:
         self.epoch = epoch
         self.faults = faults
         self.listeners: dict[int, list[LayerListener]] = {v: [] for v in self.blocks}
+        # blocks that share a module or parameter (found at attach): they never move to another rank
+        self.shared: dict[int, str] = {}
         self.next_layer_id = max(self._placement.order) + 1
         self.shapes = BoundaryShapes()
         for v, stage_blocks in self.blocks.items():
@@ -172,6 +176,12 @@ class LayerManager:
     def can_build(self) -> list[str] | None:
         """The kinds of block this rank can build for an incoming move (None: any, a factory builds them)."""
         return self.builder.can_build()
+
+    def check_movable(self, layer_id: int, block: nn.Module) -> None:
+        """Raise ``ValueError`` naming why ``block`` cannot move to another rank (shared, hooked)."""
+        reason = pin_reason(layer_id, block, self.shared)
+        if reason is not None:
+            raise ValueError(f"layer {layer_id} {reason}")
 
     def describe_block(self, stage: int, layer_id: int, block: nn.Module) -> dict[str, Any]:
         """What a receiving stage needs besides the tensors to rebuild ``block``: kind, key, plain attributes."""
@@ -338,8 +348,8 @@ class LayerManager:
             listener.add_layer(layer_id, layer)
 
     def _insert(self, inc: Incoming) -> None:
-        for st in inc.states:
-            unpack_layer(st, inc.modules[st.layer_id], self.optimizer)
+        for st, loaded in zip(inc.states, inc.loaded):
+            register_layer(loaded, self.optimizer)
             self.shapes.learn(st.layer_id, st.manifest)
             if st.manifest.get("spec") is not None:
                 self.specs[st.layer_id] = st.manifest["spec"]

@@ -16,9 +16,18 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from vpipe.migration.handshake import Incoming, MigrationError, announce, await_ready, move_key, receive_prepare
+from vpipe.log import decision
+from vpipe.migration.handshake import (
+    Incoming,
+    MigrationError,
+    announce,
+    await_ready,
+    move_key,
+    receive_prepare,
+    refuse_move,
+)
 from vpipe.migration.moves import Move
-from vpipe.migration.state import LayerState, pack_layer, payload_bytes
+from vpipe.migration.state import LayerState, load_layer, pack_layer, payload_bytes
 from vpipe.migration.transfer import MOVE, transfer_tag
 
 if TYPE_CHECKING:
@@ -49,7 +58,14 @@ def exchange(manager: LayerManager, epoch: int, r: int, outgoing: Sequence[Move]
     children = manager.blocks_by_id()
     sent_states: dict[Move, list[LayerState]] = {}
     for m in outgoing:
-        states = [pack_layer(lid, children[lid], manager.optimizer, manager.specs.get(lid)) for lid in m.layers]
+        try:
+            for lid in m.layers:
+                manager.check_movable(lid, children[lid])
+            states = [pack_layer(lid, children[lid], manager.optimizer, manager.specs.get(lid)) for lid in m.layers]
+        except ValueError as e:  # a block or state a move cannot carry: the target hears why, the round aborts
+            refuse_move(manager.messenger, m, manager.rank_of(m.dst), move_key(epoch, r, m), str(e))
+            ok = False
+            continue
         for st in states:
             st.manifest.update(block=manager.describe_block(m.src, st.layer_id, children[st.layer_id]),
                                **manager.shapes.describe(st.layer_id))
@@ -60,7 +76,7 @@ def exchange(manager: LayerManager, epoch: int, r: int, outgoing: Sequence[Move]
                                 manager.timeout_s, manager.faults) for m in incoming]
     # phase 3: send each payload once its target is ready
     works = []
-    for m in outgoing:
+    for m in sent_states:
         key = move_key(epoch, r, m)
         if not await_ready(manager.messenger, m, manager.rank_of(m.dst), key, manager.timeout_s,
                            abort_on_silence=True):
@@ -80,8 +96,9 @@ def exchange(manager: LayerManager, epoch: int, r: int, outgoing: Sequence[Move]
         report.bytes_sent += int(payload.numel())
     # phase 5: the sources collect the acknowledgements
     for m, _work, _payload in works:
-        if manager.messenger.wait_for({"migrate_ack"}, from_rank=manager.rank_of(m.dst), key=move_key(epoch, r, m),
-                                      timeout_s=manager.timeout_s) is None:
+        answer = manager.messenger.wait_for({"migrate_ack", "migrate_abort"}, from_rank=manager.rank_of(m.dst),
+                                            key=move_key(epoch, r, m), timeout_s=manager.timeout_s)
+        if answer is None or answer[0] != "migrate_ack":
             log.warning("rank %d: no migrate_ack from stage %d for layers %s; aborting", manager.rank, m.dst,
                         list(m.layers))
             ok = False
@@ -116,4 +133,13 @@ def _receive_payload(manager: LayerManager, inc: Incoming, key: tuple[int, int, 
         inc.states.append(LayerState(man["layer"], man, buf[offset:offset + size]))
         offset += size
     report.bytes_received += nbytes
+    try:  # before the acknowledgement: a state this stage cannot load aborts the move, the source keeps it
+        inc.loaded = [load_layer(st, inc.modules[st.layer_id], manager.optimizer) for st in inc.states]
+    except ValueError as e:
+        decision("migration_refused", f"stage {m.dst} cannot load layers {list(m.layers)}: {e}",
+                 stage=m.dst, layers=list(m.layers), reason=str(e))
+        manager.messenger.send_to(src, "migrate_abort", {"round": key[1], "move": key[2], "reason": str(e)[:200]},
+                                  epoch=key[0])
+        inc.ok = False
+        return
     manager.messenger.send_to(src, "migrate_ack", {"round": key[1], "move": key[2]}, epoch=key[0])

@@ -48,16 +48,27 @@ class BoundaryShapes:
         self._hooks: dict[int, Any] = {}
 
     def watch(self, layer_id: int, layer: nn.Module) -> None:
-        """Record the layer's input and output metadata at its next call (then the hook goes: no cost per call)."""
+        """Record the layer's input and output metadata at its next call.
+
+        The hook never removes itself (a hook that edits hook tables inside a call breaks a
+        block compiled in place, ``block.compile(fullgraph=True)``, which traces its hooks):
+        the next use of the watcher removes the hooks that have recorded (:meth:`_prune`).
+        """
+        self._prune()
         if layer_id in self.out_meta:
             return
 
         def record(_module: nn.Module, inputs: Any, output: Any) -> None:
-            self.out_meta[layer_id] = meta_of(output)
-            self.in_meta[layer_id] = meta_of(inputs)
-            self.unwatch(layer_id)
+            if layer_id not in self.out_meta:
+                self.out_meta[layer_id] = meta_of(output)
+                self.in_meta[layer_id] = meta_of(inputs)
 
         self._hooks[layer_id] = layer.register_forward_hook(record)
+
+    def _prune(self) -> None:
+        """Remove the hooks of layers whose metadata is recorded (outside any layer's call)."""
+        for layer_id in [lid for lid in self._hooks if lid in self.out_meta]:
+            self.unwatch(layer_id)
 
     def unwatch(self, layer_id: int) -> None:
         handle = self._hooks.pop(layer_id, None)
@@ -75,6 +86,7 @@ class BoundaryShapes:
 
     def describe(self, layer_id: int) -> dict[str, Any]:
         """What travels with a moved layer so its new stage knows its boundary shapes."""
+        self._prune()
         return {"out_meta": wire_meta(self.out_meta.get(layer_id)), "in_meta": wire_meta(self.in_meta.get(layer_id))}
 
     def learn(self, layer_id: int, manifest: dict[str, Any]) -> None:
@@ -90,6 +102,7 @@ class BoundaryShapes:
         ``arriving`` maps the layers that come from another rank to their manifests (which
         carry their output metadata). Unknown metadata counts as a change.
         """
+        self._prune()
         if not after or not before or after[-1] == before[-1]:
             return False
         new_last = after[-1]

@@ -6,6 +6,13 @@ in. The state splits into a *manifest* of plain values (msgpack-able, sent on th
 plane, validated on arrival) and one flat byte tensor with every tensor's bytes (sent over
 ``torch.distributed``), so a move is a single transfer whatever the layer holds.
 
+The wire format assumes no alignment: each tensor's bytes follow the previous one's
+(a 0-d int64 ``step`` after a 9-byte run of bools is fine), and the receiver copies them
+into a fresh tensor of the entry's dtype (:func:`decode_tensor`) instead of viewing the
+byte buffer as a wider dtype. An optimizer state tensor that is the same object as an
+earlier one (two keys, two parameters) is sent once and arrives as one object again; a
+non-contiguous one keeps its strides.
+
 Optimizers are edited in place: parameters are appended to / removed from the existing
 ``param_groups`` lists and ``optimizer.state``, so learning-rate schedulers (which hold the
 optimizer, not the lists) keep working.
@@ -20,15 +27,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from vpipe.migration.blocks import validate_block_info
+from vpipe.migration.cloning import validate_block_info
 
-__all__ = ["LayerState", "pack_layer", "unpack_layer", "attach_to_optimizer", "detach_from_optimizer",
-           "validate_manifest"]
+__all__ = ["LayerState", "LoadedLayer", "pack_layer", "load_layer", "register_layer", "unpack_layer",
+           "decode_tensor", "attach_to_optimizer", "detach_from_optimizer", "validate_manifest"]
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-    torch.int16, torch.int8, torch.uint8, torch.bool,
+    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
 )}
+_PLAIN = (bool, int, float, str, type(None))
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -56,10 +64,60 @@ def _entry(kind: str, name: str, t: torch.Tensor, **extra: Any) -> dict[str, Any
             "nbytes": t.numel() * t.element_size(), **extra}
 
 
+def _dense_strides(shape: list[int], stride: list[int]) -> bool:
+    """Whether ``stride`` lays out ``shape`` densely with no element twice (a permutation of a contiguous layout)."""
+    expected = 1
+    for st, size in sorted((st, size) for st, size in zip(stride, shape) if size != 1):
+        if st != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _layout(t: torch.Tensor) -> dict[str, Any]:
+    """The strides of a dense, non-contiguous optimizer state tensor (a transposed moment), so it arrives alike."""
+    shape, stride = list(t.shape), list(t.stride())
+    if stride == list(torch.empty(shape, device="meta").stride()) or not _dense_strides(shape, stride):
+        return {}
+    return {"stride": list(t.stride())}
+
+
+def _plain(value: Any, depth: int = 0) -> bool:
+    if isinstance(value, _PLAIN):
+        return True
+    if isinstance(value, (list, tuple)) and depth < 4:
+        return all(_plain(v, depth + 1) for v in value)
+    if isinstance(value, dict) and depth < 4:
+        return all(isinstance(k, str) and _plain(v, depth + 1) for k, v in value.items())
+    return False
+
+
 def _param_group_index(optimizer: torch.optim.Optimizer | None) -> dict[int, int]:
     if optimizer is None:
         return {}
     return {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
+
+
+def _optimizer_entries(name: str, p: torch.Tensor, optimizer: torch.optim.Optimizer | None,
+                       entries: list[dict[str, Any]], tensors: list[torch.Tensor], sent: dict[int, int]) -> None:
+    """Append the optimizer state of parameter ``name``: tensors (each object once), and plain values."""
+    state = optimizer.state.get(p, {}) if optimizer is not None else {}
+    for key, value in state.items():
+        if not isinstance(key, str):
+            raise ValueError(f"cannot migrate optimizer state key {key!r} of {name}: keys must be strings")
+        if isinstance(value, torch.Tensor):
+            if id(value) in sent:  # the same tensor object again: it arrives as that object again
+                entries.append({"kind": "optim_alias", "name": name, "key": key, "same_as": sent[id(value)]})
+                continue
+            sent[id(value)] = len(entries)
+            entries.append(_entry("optim", name, value, key=key, with_param=value.device == p.device,
+                                  **_layout(value)))
+            tensors.append(value)
+        elif _plain(value):
+            entries.append({"kind": "optim_value", "name": name, "key": key, "value": value, "nbytes": 0})
+        else:
+            raise ValueError(f"cannot migrate optimizer state {key!r} of {name}: a {type(value).__name__} is "
+                             "neither a tensor nor a plain value")
 
 
 def pack_layer(layer_id: int, module: nn.Module, optimizer: torch.optim.Optimizer | None,
@@ -68,16 +126,11 @@ def pack_layer(layer_id: int, module: nn.Module, optimizer: torch.optim.Optimize
     groups = _param_group_index(optimizer)
     entries: list[dict[str, Any]] = []
     tensors: list[torch.Tensor] = []
+    sent: dict[int, int] = {}
     for name, p in module.named_parameters():
         entries.append(_entry("param", name, p, requires_grad=p.requires_grad, group=groups.get(id(p))))
         tensors.append(p.detach())
-        state = optimizer.state.get(p, {}) if optimizer is not None else {}
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor):
-                entries.append(_entry("optim", name, value, key=key, with_param=value.device == p.device))
-                tensors.append(value)
-            else:
-                entries.append({"kind": "optim_value", "name": name, "key": key, "value": value, "nbytes": 0})
+        _optimizer_entries(name, p, optimizer, entries, tensors, sent)
     for name, b in module.named_buffers():
         entries.append(_entry("buffer", name, b))
         tensors.append(b)
@@ -86,6 +139,9 @@ def pack_layer(layer_id: int, module: nn.Module, optimizer: torch.optim.Optimize
                else torch.empty(0, dtype=torch.uint8))
     manifest = {"layer": layer_id, "spec": spec, "entries": entries}
     return LayerState(layer_id, manifest, payload)
+
+
+_KINDS = ("param", "optim", "optim_value", "optim_alias", "buffer")
 
 
 def validate_manifest(manifest: Any) -> dict[str, Any]:
@@ -97,32 +153,81 @@ def validate_manifest(manifest: Any) -> dict[str, Any]:
         raise ValueError(f"layer manifest has a bad layer id {layer!r}")
     if manifest.get("block") is not None:
         validate_block_info(manifest["block"], layer)
-    for i, e in enumerate(manifest["entries"]):
-        if not isinstance(e, dict) or e.get("kind") not in ("param", "optim", "optim_value", "buffer"):
+    entries = manifest["entries"]
+    for i, e in enumerate(entries):
+        if not isinstance(e, dict) or e.get("kind") not in _KINDS:
             raise ValueError(f"layer {layer}: manifest entry #{i} has an unknown kind")
         if not isinstance(e.get("name"), str):
             raise ValueError(f"layer {layer}: manifest entry #{i} has no name")
+        if e["kind"] in ("optim_value", "optim_alias") and not isinstance(e.get("key"), str):
+            raise ValueError(f"layer {layer}: manifest entry #{i} has no optimizer state key")
+        if e["kind"] == "optim_alias":
+            same = e.get("same_as")
+            if not isinstance(same, int) or isinstance(same, bool) or not 0 <= same < i \
+                    or entries[same].get("kind") != "optim":
+                raise ValueError(f"layer {layer}: entry {e['name']!r} aliases {same!r}, not an earlier optimizer "
+                                 "state tensor")
+            continue
         if e["kind"] == "optim_value":
             continue
-        shape, dtype, nbytes = e.get("shape"), e.get("dtype"), e.get("nbytes")
-        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-            raise ValueError(f"layer {layer}: entry {e['name']!r} has a bad shape {shape!r}")
-        if dtype not in _DTYPES:
-            raise ValueError(f"layer {layer}: entry {e['name']!r} has an unknown dtype {dtype!r}")
-        numel = 1
-        for d in shape:
-            numel *= d
-        if nbytes != numel * torch.empty((), dtype=_DTYPES[dtype]).element_size():
-            raise ValueError(f"layer {layer}: entry {e['name']!r} claims {nbytes!r} bytes for shape {shape}")
+        _validate_tensor_entry(e, layer)
     return manifest
+
+
+def _validate_tensor_entry(e: dict[str, Any], layer: int) -> None:
+    shape, dtype, nbytes = e.get("shape"), e.get("dtype"), e.get("nbytes")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise ValueError(f"layer {layer}: entry {e['name']!r} has a bad shape {shape!r}")
+    if dtype not in _DTYPES:
+        raise ValueError(f"layer {layer}: entry {e['name']!r} has an unknown dtype {dtype!r}")
+    numel = 1
+    for d in shape:
+        numel *= d
+    if nbytes != numel * torch.empty((), dtype=_DTYPES[dtype]).element_size():
+        raise ValueError(f"layer {layer}: entry {e['name']!r} claims {nbytes!r} bytes for shape {shape}")
+    stride = e.get("stride")
+    if stride is not None and (not isinstance(stride, list) or len(stride) != len(shape)
+                               or not all(isinstance(d, int) and d >= 0 for d in stride)
+                               or not _dense_strides(shape, stride)):
+        raise ValueError(f"layer {layer}: entry {e['name']!r} has bad strides {stride!r} for shape {shape}")
 
 
 def payload_bytes(manifest: dict[str, Any]) -> int:
     return sum(e.get("nbytes", 0) for e in manifest["entries"])
 
 
-def unpack_layer(state: LayerState, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-    """Load ``state`` into a freshly built ``module`` and register it with ``optimizer``."""
+def decode_tensor(raw: torch.Tensor, entry: dict[str, Any]) -> torch.Tensor:
+    """A fresh tensor holding ``raw``'s bytes as ``entry`` describes (validated): no alignment assumed.
+
+    The byte slice may start at any offset of the received buffer, so it is copied into a
+    new tensor of the entry's dtype instead of being viewed as that dtype.
+    """
+    dtype = _DTYPES[entry["dtype"]]
+    value = torch.empty(entry["shape"], dtype=dtype, device=raw.device)
+    if entry["nbytes"]:
+        value.reshape(-1).view(torch.uint8).copy_(raw)
+    stride = entry.get("stride")
+    if stride is not None:
+        value = torch.empty_strided(entry["shape"], stride, dtype=dtype, device=raw.device).copy_(value)
+    return value
+
+
+@dataclass
+class LoadedLayer:
+    """A layer whose tensors are in its new module; its parameters join the optimizer when the move commits."""
+
+    layer_id: int
+    params: Mapping[str, torch.Tensor]
+    groups: dict[str, int | None]
+    optim_state: dict[str, dict[str, Any]]
+
+
+def load_layer(state: LayerState, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> LoadedLayer:
+    """Check ``state`` against ``module`` and ``optimizer`` and copy its tensors into ``module`` (a fresh block).
+
+    The optimizer is only read here (its group count), so a state that fails any check
+    leaves the stage as it was; :func:`register_layer` then edits the optimizer.
+    """
     manifest = validate_manifest(state.manifest)
     if state.nbytes != payload_bytes(manifest):
         raise ValueError(f"layer {state.layer_id}: payload has {state.nbytes} bytes, "
@@ -131,15 +236,17 @@ def unpack_layer(state: LayerState, module: nn.Module, optimizer: torch.optim.Op
     buffers = dict(module.named_buffers())
     offset = 0
     optim_state: dict[str, dict[str, Any]] = {}
+    decoded: dict[int, torch.Tensor] = {}  # entry index -> optimizer state tensor (for aliases)
     groups: dict[str, int | None] = {}
-    for e in manifest["entries"]:
+    for i, e in enumerate(manifest["entries"]):
         if e["kind"] == "optim_value":
             optim_state.setdefault(e["name"], {})[e["key"]] = e["value"]
             continue
-        raw = state.payload[offset:offset + e["nbytes"]]
+        if e["kind"] == "optim_alias":
+            optim_state.setdefault(e["name"], {})[e["key"]] = decoded[e["same_as"]]
+            continue
+        value = decode_tensor(state.payload[offset:offset + e["nbytes"]], e)
         offset += e["nbytes"]
-        dtype = _DTYPES[e["dtype"]]
-        value = raw.view(dtype).reshape(e["shape"]) if e["nbytes"] else torch.empty(e["shape"], dtype=dtype)
         if e["kind"] == "param":
             target = _lookup(params, e["name"], state.layer_id, "parameter")
             _load(target, value, e, state.layer_id)
@@ -150,21 +257,34 @@ def unpack_layer(state: LayerState, module: nn.Module, optimizer: torch.optim.Op
         else:
             owner = _lookup(params, e["name"], state.layer_id, "parameter")
             device = owner.device if e.get("with_param", True) else torch.device("cpu")
-            optim_state.setdefault(e["name"], {})[e["key"]] = value.to(device).clone()
+            decoded[i] = optim_state.setdefault(e["name"], {})[e["key"]] = value.to(device)
     missing = sorted(set(params) - set(groups))
     if missing:
         raise ValueError(f"layer {state.layer_id}: the manifest has no values for parameters {missing}")
-    if optimizer is not None:
-        for name, p in params.items():
-            g = groups[name]
-            if g is None:
-                continue
-            if not 0 <= g < len(optimizer.param_groups):
-                raise ValueError(f"layer {state.layer_id}: parameter {name} belongs to optimizer param group {g}, "
-                                 f"this stage's optimizer has {len(optimizer.param_groups)}")
-            optimizer.param_groups[g]["params"].append(p)
-            if name in optim_state:
-                optimizer.state[p] = optim_state[name]
+    count = len(optimizer.param_groups) if optimizer is not None else 0
+    for name, g in groups.items():
+        if optimizer is not None and g is not None and not (isinstance(g, int) and 0 <= g < count):
+            raise ValueError(f"layer {state.layer_id}: parameter {name} belongs to optimizer param group {g}, "
+                             f"this stage's optimizer has {count}")
+    return LoadedLayer(state.layer_id, params, groups, optim_state)
+
+
+def register_layer(loaded: LoadedLayer, optimizer: torch.optim.Optimizer | None) -> None:
+    """Put a loaded layer's parameters into their optimizer param groups, with their state."""
+    if optimizer is None:
+        return
+    for name, p in loaded.params.items():
+        g = loaded.groups[name]
+        if g is None:
+            continue
+        optimizer.param_groups[g]["params"].append(p)
+        if name in loaded.optim_state:
+            optimizer.state[p] = loaded.optim_state[name]
+
+
+def unpack_layer(state: LayerState, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """Load ``state`` into a freshly built ``module`` and register it with ``optimizer``."""
+    register_layer(load_layer(state, module, optimizer), optimizer)
 
 
 def _lookup(table: Mapping[str, torch.Tensor], name: str, layer_id: int, what: str) -> torch.Tensor:

@@ -26,12 +26,19 @@ from torch import nn
 
 from vpipe.log import decision
 from vpipe.migration.blocks import StageBlocks
-from vpipe.migration.handshake import MigrationError, announce, await_ready, move_key, receive_prepare
+from vpipe.migration.handshake import (
+    MigrationError,
+    announce,
+    await_ready,
+    move_key,
+    receive_prepare,
+    refuse_move,
+)
 from vpipe.migration.moves import apply_round, plan_rounds
 from vpipe.migration.shapes import BoundaryShapes
 from vpipe.migration.state import (
-    _DTYPES,
     LayerState,
+    decode_tensor,
     detach_from_optimizer,
     pack_layer,
     payload_bytes,
@@ -204,7 +211,7 @@ class IncomingStream:
             for name, e in self.entries:
                 raw = buf[offset:offset + e["nbytes"]]
                 offset += e["nbytes"]
-                t = raw.view(_DTYPES[e["dtype"]]).reshape(e["shape"]).to(device).clone()
+                t = decode_tensor(raw, e).to(device)
                 tensors[name] = t.requires_grad_(bool(e.get("requires_grad", True)))
             self._versions[v] = tensors
         return self._versions[v]
@@ -278,14 +285,22 @@ def start_streamed(manager: LayerManager, plan: Plan, schedule: Any, switch_mb: 
     outgoing = [m for m in moves if m.src == s]
     incoming = [m for m in moves if m.dst == s]
     children = manager.blocks_by_id()
+    refused = []
     for m in outgoing:
+        try:
+            for lid in m.layers:
+                manager.check_movable(lid, children[lid])
+        except ValueError as e:  # a pinned block: the target hears why, the vote below aborts
+            refuse_move(manager.messenger, m, manager.rank_of(m.dst), move_key(epoch, 0, m), str(e))
+            refused.append(m)
+            continue
         manifests = [dict(pack_layer(lid, children[lid], None, manager.specs.get(lid)).manifest,
                           block=manager.describe_block(s, lid, children[lid])) for lid in m.layers]
         announce(manager.messenger, m, manager.rank_of(m.dst), manifests, move_key(epoch, 0, m))
     arriving = [receive_prepare(manager.messenger, manager.builder, m, manager.rank_of(m.src), move_key(epoch, 0, m),
                                 manager.timeout_s, manager.faults) for m in incoming]
-    ready = all(inc.ok for inc in arriving)
-    for m in outgoing:
+    ready = all(inc.ok for inc in arriving) and not refused
+    for m in (m for m in outgoing if m not in refused):
         ready = await_ready(manager.messenger, m, manager.rank_of(m.dst), move_key(epoch, 0, m), manager.timeout_s,
                             abort_on_silence=False) and ready
     if not manager.channel.vote([(ready, True)])[0]:

@@ -32,7 +32,7 @@ from vpipe.checks import require
 from vpipe.graph import LayerGraph, LayerNode
 from vpipe.log import decision
 from vpipe.monitors.records import StageRecord
-from vpipe.plan import Plan, Policy
+from vpipe.plan import PINNED_KIND, Plan, Policy
 from vpipe.planner.cost_model import MULTI_STAGE, SCHEDULES, Hardware, stage_time
 from vpipe.planner.srp import SRPPlanner
 from vpipe.sharing import keep_all_shares
@@ -380,7 +380,8 @@ def _shared_budgets(budget: int, setup: Any, graph: LayerGraph, current: Plan, v
 
 
 def _placeable(vector: list[StageRecord], current: Plan) -> Callable[[list[list[int]]], bool]:
-    """Whether every layer a partition moves can be built by each stage it arrives on (hops included)."""
+    """Whether every layer a partition moves can be built by each stage it arrives on (hops included), and
+    may move at all (a pinned block never does)."""
     kinds = {lr.layer_id: lr.kind for rec in vector for lr in rec.layers}
     builds = [None if rec.builds is None else set(rec.builds) for rec in vector]
     now = {lid: s for s, layers in enumerate(current.stages) for lid in layers}
@@ -390,6 +391,8 @@ def _placeable(vector: list[StageRecord], current: Plan) -> Callable[[list[list[
             for lid in layers:
                 src = now.get(lid, dst)
                 step = 1 if dst > src else -1
+                if dst != src and kinds.get(lid, "").endswith(PINNED_KIND):
+                    return False
                 for hop in range(src + step, dst + step, step) if dst != src else ():
                     allowed = builds[hop]
                     if allowed is not None and kinds.get(lid, "") not in allowed:

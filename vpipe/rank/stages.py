@@ -20,6 +20,7 @@ Nothing is replaced: ``stage.submod`` and its ``forward`` stay the user's.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +38,8 @@ from torch.distributed.pipelining.schedules import (
 from vpipe.migration.blocks import StageBlocks
 from vpipe.schedules.pipedream import SchedulePipeDream
 from vpipe.sharing import action_kind, flat_actions, in_flight_per_stage, in_flight_together
+
+log = logging.getLogger("vpipe.attach")
 
 __all__ = ["LocalStage", "Pipeline", "inspect_target", "reset_shape_inference", "check_schedule_api",
            "in_flight_per_stage", "in_flight_together", "flat_actions", "action_kind", "MULTI_STAGE_SCHEDULES"]
@@ -176,6 +179,13 @@ def check_optimizer(optimizer: torch.optim.Optimizer | None, modules: Sequence[n
             raise ValueError(f"vpipe.attach: the optimizer holds none of this stage's {len(mine)} parameters; pass "
                              "the optimizer built over this rank's stage modules (e.g. torch.optim.AdamW(params of "
                              "every stage this rank runs))")
+    staged = {id(p) for module in modules for p in module.parameters()}
+    foreign = {g: sum(id(p) not in staged for p in group["params"]) for g, group in enumerate(optimizer.param_groups)}
+    foreign = {g: n for g, n in foreign.items() if n}
+    if foreign:  # e.g. an optimizer built over the whole model before it was split
+        log.warning("vpipe.attach: optimizer param group(s) %s hold %d parameter(s) that are not in this rank's "
+                    "stage modules; moves carry only the stages' parameters and their optimizer state, so "
+                    "those stay in this rank's optimizer", sorted(foreign), sum(foreign.values()))
 
 
 def check_schedule_api(schedule: Any) -> None:

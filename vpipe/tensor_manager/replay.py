@@ -7,6 +7,12 @@ CPU and device RNG states (dropout masks are identical, so gradients equal the k
 bit for bit), the autocast state and the ``torch.device`` context, as
 ``torch.utils.checkpoint`` restores them.
 
+Buffers: a forward in training mode may update buffers (BatchNorm's running statistics
+and ``num_batches_tracked``, a user's step counter). The values the buffers had when the
+call began are kept with it, the replay runs on them, and afterwards every buffer gets back
+the value it had before the replay: a recompute reads what the original forward read and
+leaves the buffers as the single forward left them.
+
 Weight versions: PipeDream runs the stage through ``torch.func.functional_call`` with
 stashed weight tensors; the recompute happens in the backward, after functional_call has
 put the live parameters back (possibly already updated). The weights in effect at forward
@@ -106,7 +112,7 @@ class Replay:
     """One call of a layer, captured when it runs: its inputs (held by a saver node) and its state."""
 
     __slots__ = ("module", "forward", "captured", "kwargs", "layout", "saver", "device_type", "cpu_rng",
-                 "device_rng", "rng_devices", "autocast", "device_ctx")
+                 "device_rng", "rng_devices", "autocast", "device_ctx", "buffers")
 
     def __init__(self, module: nn.Module, forward: Callable[..., Any], args: tuple[Any, ...],
                  kwargs: dict[str, Any]) -> None:
@@ -124,6 +130,8 @@ class Replay:
         if getattr(_get_device_module(self.device_type), "_initialized", False):
             self.rng_devices, self.device_rng = get_device_states(*args)
         self.device_ctx = _device_context()
+        # each buffer with its value when the call began (the forward may update it: BatchNorm statistics)
+        self.buffers = [(b, b.detach().clone()) for b in module.buffers()]
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         # the dummy requires grad so the saver always gets a node that holds the saved inputs
         self.saver: torch.Tensor = _SaveInputs.apply(torch.empty(0, requires_grad=True), *tensors)
@@ -136,11 +144,25 @@ class Replay:
 
     def run(self, args: list[Any], pack: Callable[[torch.Tensor], Any]) -> None:
         """Call the forward on ``args`` under the original state, with ``pack`` as its saved-tensor hook."""
-        with self._state(), torch.autograd.graph.saved_tensors_hooks(pack, _identity), torch.enable_grad():
+        with self._buffers_as_at_call(), self._state(), torch.autograd.graph.saved_tensors_hooks(pack, _identity), \
+                torch.enable_grad():
             if _same_weights(self.module, self.captured):
                 self.forward(*args, **self.kwargs)
             else:
                 functional_call(self.module, self.captured, tuple(args), self.kwargs)
+
+    @contextlib.contextmanager
+    def _buffers_as_at_call(self) -> Iterator[None]:
+        """The buffers as the original call found them, then back to their values now (written through
+        ``.data``: the autograd graphs that saved a buffer see no in-place change)."""
+        now = [b.detach().clone() for b, _ in self.buffers]
+        for b, at_call in self.buffers:
+            b.data.copy_(at_call)
+        try:
+            yield
+        finally:
+            for (b, _), value in zip(self.buffers, now):
+                b.data.copy_(value)
 
     @contextlib.contextmanager
     def _state(self) -> Iterator[None]:
