@@ -45,18 +45,28 @@ __all__ = ["Replay", "capture_weights", "forget_weight_places"]
 # module tree for every recomputed call (twice) cost more Python than the rest of the call's bookkeeping;
 # the places are found once per module and read at every call (functional_call swaps the tensors in
 # those same dicts). forget_weight_places() drops a module's entry when vpipe starts managing it.
-_places: weakref.WeakKeyDictionary[nn.Module, list[tuple[str, dict[str, Any], str]]] = weakref.WeakKeyDictionary()
+_Place = tuple[str, dict[str, Any], str, bool]  # (qualified name, owning dict, key, is a buffer)
+_places: weakref.WeakKeyDictionary[nn.Module, list[_Place]] = weakref.WeakKeyDictionary()
 
 
-def _weight_places(module: nn.Module) -> list[tuple[str, dict[str, Any], str]]:
+def _weight_places(module: nn.Module) -> list[_Place]:
     places = _places.get(module)
     if places is None:
         places = []
         for prefix, sub in module.named_modules(remove_duplicate=False):
-            for table in (sub._parameters, sub._buffers):
-                places.extend((f"{prefix}.{key}" if prefix else key, table, key) for key in table)
+            for table, is_buffer in ((sub._parameters, False), (sub._buffers, True)):
+                places.extend((f"{prefix}.{key}" if prefix else key, table, key, is_buffer) for key in table)
         _places[module] = places
     return places
+
+
+def _buffers(module: nn.Module) -> list[torch.Tensor]:
+    """The module's buffers now, each once."""
+    found: dict[int, torch.Tensor] = {}
+    for _, table, key, is_buffer in _weight_places(module):
+        if is_buffer and (t := table[key]) is not None:
+            found.setdefault(id(t), t)
+    return list(found.values())
 
 
 def forget_weight_places(module: nn.Module) -> None:
@@ -66,7 +76,7 @@ def forget_weight_places(module: nn.Module) -> None:
 
 def capture_weights(module: nn.Module) -> dict[str, torch.Tensor]:
     """The parameter and buffer tensors the module uses right now (stashed ones under functional_call)."""
-    return {name: t for name, table, key in _weight_places(module) if (t := table[key]) is not None}
+    return {name: t for name, table, key, _ in _weight_places(module) if (t := table[key]) is not None}
 
 
 def _same_weights(module: nn.Module, captured: dict[str, torch.Tensor]) -> bool:
@@ -131,7 +141,7 @@ class Replay:
             self.rng_devices, self.device_rng = get_device_states(*args)
         self.device_ctx = _device_context()
         # each buffer with its value when the call began (the forward may update it: BatchNorm statistics)
-        self.buffers = [(b, b.detach().clone()) for b in module.buffers()]
+        self.buffers = [(b, b.detach().clone()) for b in _buffers(module)]
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         # the dummy requires grad so the saver always gets a node that holds the saved inputs
         self.saver: torch.Tensor = _SaveInputs.apply(torch.empty(0, requires_grad=True), *tensors)
