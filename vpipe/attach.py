@@ -97,7 +97,7 @@ class Vpipe:
         self.memory_budget = resolve_memory_budget(config.memory_budget, pipeline.device)
         self.memories = self._memories()
         initial = Plan(epoch=0, stages=placement, policies=config.initial_policies())
-        self.agreement.agree_run_secret(self.rank == 0, self._who)
+        self.agreement.agree_run_secret(self._who)
         self.stage_handles: dict[int, StageHandle] = {}  # (filled by _start_tensor_managers)
         self.tensor_managers = self._start_tensor_managers(initial) if config.tensor_manager else {}
         self.session = self._start_session(initial)

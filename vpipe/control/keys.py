@@ -21,6 +21,8 @@ from typing import Any
 
 import zmq
 
+from vpipe.files import FileCheckError, read_regular
+
 __all__ = ["KeyFileError", "read_secret_file", "read_public_file", "public_keys_from", "write_keypair",
            "check_z85_key", "register"]
 
@@ -42,17 +44,11 @@ def check_z85_key(key: bytes | str, what: str) -> bytes:
 
 
 def _read(path: Path) -> bytes:
+    """The file's bytes: a regular file only, read up to a bound (``st_size`` is 0 for a FIFO or a device)."""
     try:
-        size = path.stat().st_size
-        if size > _MAX_FILE_BYTES:
-            raise KeyFileError(f"CURVE key file {path} is {size} bytes; a key file is under {_MAX_FILE_BYTES}")
-        return path.read_bytes()
-    except KeyFileError:
-        raise
-    except FileNotFoundError:
-        raise KeyFileError(f"CURVE key file {path} does not exist") from None
-    except OSError as e:
-        raise KeyFileError(f"cannot read CURVE key file {path}: {e.strerror or e}") from None
+        return read_regular(path, _MAX_FILE_BYTES, "CURVE key file")
+    except FileCheckError as e:
+        raise KeyFileError(str(e)) from None
 
 
 def _parse(path: Path, data: bytes) -> tuple[bytes | None, bytes | None]:

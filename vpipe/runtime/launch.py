@@ -27,7 +27,13 @@ import torch
 import torch.distributed as dist
 
 from vpipe.checkpoint import CheckpointError
-from vpipe.control.curve import RUN_SECRET_ENV, configured_by_files, has_run_secret, new_run_secret
+from vpipe.control.curve import (
+    RUN_SECRET_ENV,
+    configured_by_files,
+    has_run_secret,
+    new_run_secret,
+    remove_private_key_files,
+)
 from vpipe.runtime.watchdog import Watchdog, stderr_line
 
 log = logging.getLogger("vpipe.runtime")
@@ -325,6 +331,7 @@ def exit_now(code: int) -> NoReturn:
     process group and written its results has nothing left for that shutdown to do, so it
     skips it: every launch of a pipeline ends that much sooner.
     """
+    remove_private_key_files()  # atexit would have
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:

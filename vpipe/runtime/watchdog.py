@@ -19,6 +19,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from vpipe.control.curve import remove_private_key_files
+
 log = logging.getLogger("vpipe.runtime")
 
 EXIT_PEER_FAILED = 17
@@ -146,6 +148,7 @@ class Watchdog:
     def _exit(self, message: str, code: int) -> None:
         stderr_line(f"vpipe [rank {self.rank}]: {message}")
         log.error("rank %d: %s", self.rank, message)
+        remove_private_key_files()  # os._exit skips atexit
         logging.shutdown()
         os._exit(code)
 
