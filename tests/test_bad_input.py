@@ -277,3 +277,22 @@ def test_the_fuzzed_decoders_accept_what_vpipe_itself_sends():
     assert decode(encode(make("plan", plan, epoch=4))).body == plan
     record = stage_record(0, 3, (0, 1))
     assert decode(encode(make("stats", (record,), iteration=3, stage=0))).body == (record,)
+
+
+# ---------------------------------------------------------------------- files and disks
+def test_a_failing_run_log_write_is_reported_once_and_dropped(capfd):
+    import logging
+
+    from vpipe import log as run_log
+
+    run_log.configure("/dev/full", rank=3)
+    try:
+        for step in range(100):  # steps are written 16 at a time; decisions one by one
+            run_log.step_record(step, 0.01, stage=1)
+            run_log.decision("plan_received", "a plan", epoch=step)
+        logging.getLogger("vpipe.control").warning("a warning too")
+    finally:
+        run_log.configure(None)
+    err = capfd.readouterr().err
+    assert err.splitlines() == ["vpipe [rank 3]: cannot write the run log /dev/full (No space left on device); "
+                                "training goes on, and its further log records are dropped"]

@@ -62,3 +62,13 @@ def test_a_budget_below_the_weights_ends_the_run_with_one_line_per_rank_and_no_t
     assert any("rank 0 failed: MemoryBudgetError: stage 0: parameters, gradients, optimizer state and stashed "
                "weight versions take" in line and line.endswith("the memory budget is 1 bytes") for line in lines)
     assert len(proc.stderr.strip().splitlines()) <= 4, proc.stderr
+
+
+def test_a_full_disk_for_the_run_log_is_reported_once_per_rank_and_training_finishes():
+    proc = run_vpipe("train", "--log-file", "/dev/full", "--vpipe", "--steps", "40", "--blocks", "2",
+                     "--d-model", "16", "--seq-len", "8", "--no-progress")
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    for rank in (0, 1):
+        said = [line for line in proc.stderr.splitlines() if line.startswith(f"vpipe [rank {rank}]: cannot write")]
+        assert said == [f"vpipe [rank {rank}]: cannot write the run log /dev/full (No space left on device); "
+                        "training goes on, and its further log records are dropped"], proc.stderr[-3000:]
