@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -72,3 +73,50 @@ def test_a_full_disk_for_the_run_log_is_reported_once_per_rank_and_training_fini
         said = [line for line in proc.stderr.splitlines() if line.startswith(f"vpipe [rank {rank}]: cannot write")]
         assert said == [f"vpipe [rank {rank}]: cannot write the run log /dev/full (No space left on device); "
                         "training goes on, and its further log records are dropped"], proc.stderr[-3000:]
+
+
+# ---------------------------------------------------------------------- paths: what they are, checked at start
+@pytest.fixture
+def paths(tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    regular = tmp_path / "file"
+    regular.write_text("x")
+    return {"<fifo>": str(fifo), "<dir>": str(tmp_path), "<file>": str(regular), "<png>": str(tmp_path / "o.png")}
+
+
+@pytest.mark.parametrize("argv, text", [
+    ("plan /dev/zero --stages 2", "graph file /dev/zero is a device, not a regular file"),
+    ("plan <fifo> --stages 2", "graph file <fifo> is a FIFO, not a regular file"),
+    ("logs /dev/zero", "log file /dev/zero is a device, not a regular file"),
+    ("logs <fifo>", "log file <fifo> is a FIFO, not a regular file"),
+    ("plot /dev/zero -o <png>", "log file /dev/zero is a device, not a regular file"),
+    ("plot <fifo> -o <png>", "log file <fifo> is a FIFO, not a regular file"),
+    ("planner --connect tcp://127.0.0.1:9 --server-key=<fifo>", "CURVE key file <fifo> is a FIFO, not a regular file"),
+    ("planner --connect tcp://127.0.0.1:9 --server-key=/dev/zero",
+     "CURVE key file /dev/zero is a device, not a regular file"),
+    ("planner --connect tcp://127.0.0.1:9 --log-file <dir>", "log file <dir> is a directory, not a file to write to"),
+    ("train --steps 1 --log-file <fifo>", "log file <fifo> is a FIFO, not a file to write to"),
+    ("train --steps 1 --log-file <dir>", "log file <dir> is a directory, not a file to write to"),
+    ("train --steps 1 --out-dir <file>", "out_dir <file> is a file, not a directory"),
+    ("train --steps 1 --checkpoint-dir <file>", "checkpoint_dir <file> is a file, not a directory"),
+    ("train --steps 1 --out-dir <file>/sub", "out_dir <file>/sub: <file> is a file, not a directory"),
+    ("train --steps 1 --resume <file>", "resume <file> is a file; give a checkpoint directory (or the directory of "
+                                      "checkpoints)"),
+])
+def test_paths_that_are_not_what_they_should_be_are_refused_at_start(paths, capsys, argv, text):
+    from vpipe.cli import main
+
+    for name, path in paths.items():
+        argv, text = argv.replace(name, path), text.replace(name, path)
+    assert main(argv.split()) == 2
+    err = capsys.readouterr().err
+    prefix = "vpipe plot: " if argv.startswith("plot") else "vpipe: error: "
+    assert err.strip() == prefix + text and "Traceback" not in err
+
+
+def test_an_empty_log_file_name_is_refused_at_start(capsys):
+    from vpipe.cli import main
+
+    assert main(["train", "--steps", "1", "--log-file", ""]) == 2
+    assert capsys.readouterr().err.strip() == "vpipe: error: log file is empty; give a file name"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import stat
 
-__all__ = ["FileCheckError", "read_regular", "open_regular", "check_regular"]
+__all__ = ["FileCheckError", "read_regular", "open_regular", "check_regular", "check_output_file", "check_output_dir"]
 
 
 class FileCheckError(ValueError):
@@ -74,3 +74,52 @@ def read_regular(path: str | os.PathLike[str], limit: int, what: str = "file", *
 def check_regular(path: str | os.PathLike[str], what: str = "file") -> None:
     """FileCheckError unless ``path`` is a regular file this process can open for reading."""
     os.close(open_regular(path, what))
+
+
+def check_output_file(path: str | os.PathLike[str], what: str) -> None:
+    """FileCheckError unless ``path`` can be a file to append to: not empty, not a directory or a FIFO, in a
+    directory that exists (or can be made) and, if it exists, writable. Checked at start, not at the end."""
+    text, mode = _existing(path, what, "a file name")
+    if mode is None:
+        return
+    if stat.S_ISDIR(mode) or stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
+        raise FileCheckError(f"{what} {text} is {_describe(mode)}, not a file to write to")
+    if not os.access(text, os.W_OK):
+        raise FileCheckError(f"cannot write {what} {text}: permission denied")
+
+
+def check_output_dir(path: str | os.PathLike[str], what: str) -> None:
+    """FileCheckError unless ``path`` is a writable directory or one that can be made."""
+    text, mode = _existing(path, what, "a directory")
+    if mode is None:
+        return
+    if not stat.S_ISDIR(mode):
+        raise FileCheckError(f"{what} {text} is {_describe(mode) if not stat.S_ISREG(mode) else 'a file'}, "
+                             f"not a directory")
+    if not os.access(text, os.W_OK | os.X_OK):
+        raise FileCheckError(f"cannot write in {what} {text}: permission denied")
+
+
+def _existing(path: str | os.PathLike[str], what: str, wanted: str) -> tuple[str, int | None]:
+    """(path, its mode) if it exists; (path, None) when it is still to be made, where it can be."""
+    text = os.fspath(path)
+    if not text.strip():
+        raise FileCheckError(f"{what} is empty; give {wanted}")
+    try:
+        return text, os.stat(text).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        _check_parent(text, what)
+        return text, None
+    except OSError as e:
+        raise FileCheckError(f"{what} {text}: {e.strerror or e}") from None
+
+
+def _check_parent(text: str, what: str) -> None:
+    """The nearest existing ancestor of a path still to be made must be a writable directory."""
+    parent = os.path.dirname(os.path.abspath(text))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise FileCheckError(f"{what} {text}: {parent} is a file, not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise FileCheckError(f"cannot create {what} {text}: {parent} is not writable")

@@ -21,8 +21,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from vpipe.files import check_output_file, read_regular
+
 DECISIONS = "vpipe.decisions"
 decision_log = logging.getLogger(DECISIONS)
+MAX_LOG_BYTES = 2 << 30  # what `vpipe logs` / `vpipe plot` read of a run log at most (millions of steps)
 STEPS = "vpipe.steps"
 step_log = logging.getLogger(STEPS)
 
@@ -154,6 +157,7 @@ def configure(log_file: str | os.PathLike[str] | None, rank: int | None = None, 
             handler.close()
     if log_file is None:
         return
+    check_output_file(log_file, "log file")  # a FIFO would block the open, a directory fail it
     Path(log_file).parent.mkdir(parents=True, exist_ok=True)
     handler = RunLogHandler(log_file, rank)
     handler._vpipe = True  # type: ignore[attr-defined]
@@ -179,10 +183,7 @@ def step_record(step: int, step_s: float, **fields: Any) -> None:
 def read_log(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """The records of a run log, oldest first; lines that are not JSON objects are skipped."""
     records = []
-    try:
-        lines = Path(path).read_text(encoding="utf-8", errors="replace").splitlines()
-    except OSError as e:
-        raise ValueError(f"cannot read log file {str(path)!r}: {e.strerror}") from None
+    lines = read_regular(path, MAX_LOG_BYTES, "log file").decode("utf-8", errors="replace").splitlines()
     for line in lines:
         try:
             entry = json.loads(line)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # models imports torch: the CLI's light commands (logs, planner) must not pay for it
     from vpipe.runtime.models import ModelSpec
 
+from vpipe.files import check_output_dir, check_output_file
 from vpipe.runtime.layout import MULTI_STAGE, SCHEDULES, V_SHAPED, rank_stages, stage_rank
 
 MODELS = ("transformer", "cnn")
@@ -118,6 +120,7 @@ class RunConfig:
                  f"partition {self.partition} covers {sum(self.partition)} layers, the model has {n_layers}")
         self._check_nas(n_layers)
         self._check_checkpoints()
+        self._check_paths()
         last_step = 0
         for i, move in enumerate(self.moves or []):
             need(isinstance(move, dict) and set(move) == {"step", "partition"},
@@ -165,6 +168,18 @@ class RunConfig:
                              "every micro-batch's weights at rest")
         if (self.checkpoint_dir or self.resume) and self.nas:
             raise ValueError("checkpoints cannot be combined with layer edits (--nas) yet")
+
+    def _check_paths(self) -> None:
+        """Every path the run writes, checked before it starts (not after training, when results would be lost)."""
+        if self.log_file is not None:
+            check_output_file(self.log_file, "log file")
+        if self.out_dir is not None:
+            check_output_dir(self.out_dir, "out_dir")
+        if self.checkpoint_dir is not None:
+            check_output_dir(self.checkpoint_dir, "checkpoint_dir")
+        if self.resume is not None and os.path.exists(self.resume) and not os.path.isdir(self.resume):
+            raise ValueError(f"resume {self.resume} is a file; give a checkpoint directory (or the directory "
+                             f"of checkpoints)")
 
     def _check_nas(self, n_layers: int) -> None:
         """Replay the layer edits on the layer ids, so a bad one fails before any rank starts."""
