@@ -122,7 +122,7 @@ def test_out_of_range_stages_and_epochs_in_messages_are_named(change, message):
     ({"stages": 0}, "stages must be a positive integer, got 0"),
     ({"steps": -1}, "steps must be >= 0, got -1"),
     ({"dropout": 1.0}, "dropout must be in [0, 1), got 1.0"),
-    ({"lr": 0.0}, "lr must be positive, got 0.0"),
+    ({"lr": 0.0}, "lr must be a positive finite number, got 0.0"),
     ({"d_model": 30, "n_heads": 4}, "d_model (30) must be divisible by n_heads (4)"),
     ({"schedule": "1f1b", "stages": 4, "micro_batches": 2}, "1f1b needs micro_batches >= stages (2 < 4)"),
     ({"schedule": "zero-bubble"}, "schedule must be one of gpipe, 1f1b, pipedream, interleaved1f1b, loopedbfs, "

@@ -120,3 +120,26 @@ def test_an_empty_log_file_name_is_refused_at_start(capsys):
 
     assert main(["train", "--steps", "1", "--log-file", ""]) == 2
     assert capsys.readouterr().err.strip() == "vpipe: error: log file is empty; give a file name"
+
+
+VPIPE_ONLY = "--memory-budget and --policy are vpipe's (its tensor manager): add --vpipe"
+
+
+@pytest.mark.parametrize("argv, text", [
+    ("train --steps 1 --lr inf", "lr must be a positive finite number, got inf"),
+    ("train --steps 1 --lr nan", "lr must be a positive finite number, got nan"),
+    ("train --steps 1 --memory-budget 1G", VPIPE_ONLY),
+    ("train --steps 1 --policy R", VPIPE_ONLY),
+    ("train --steps 1 --vertical-sync", "vertical_sync is a PipeDream option; gpipe keeps no weight versions"),
+    ("nas --schedule pipedream", "vpipe nas adds and removes layers, which needs a flush schedule (any but pipedream)"),
+    ("nas --checkpoint-dir <dir>", "vpipe nas writes no checkpoints and cannot resume from one: drop "
+                                   "--checkpoint-dir/--resume"),
+    ("planner --connect tcp://127.0.0.1:9 --idle-timeout nan", "--heartbeat (0.5) must be > 0 and below "
+                                                               "--idle-timeout (nan), both finite"),
+    ("keys <file>", "key directory <file> is a file, not a directory"),
+    ("keys /dev/full", "key directory /dev/full is a device, not a directory"),
+    ("keys /proc/vpipe-keys", "cannot make key directory /proc/vpipe-keys: No such file or directory"),
+    ("demo --log-dir <file>", "--log-dir <file> is a file, not a directory"),
+])
+def test_options_that_would_be_ignored_or_crash_are_refused_with_one_line(paths, capsys, argv, text):
+    test_paths_that_are_not_what_they_should_be_are_refused_at_start(paths, capsys, argv, text)

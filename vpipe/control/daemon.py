@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import math
 import os
 import sys
 import threading
@@ -326,8 +327,10 @@ def _server_key(text: str | None) -> bytes | None:
 
 def cmd_planner(args: argparse.Namespace, argv: Any = None) -> int:
     check_endpoint(args.connect)
-    if args.heartbeat <= 0 or args.idle_timeout <= args.heartbeat:
-        raise ValueError("--heartbeat must be > 0 and below --idle-timeout")
+    if not (math.isfinite(args.heartbeat) and math.isfinite(args.idle_timeout)) or args.heartbeat <= 0 \
+            or args.idle_timeout <= args.heartbeat:
+        raise ValueError(f"--heartbeat ({args.heartbeat}) must be > 0 and below --idle-timeout ({args.idle_timeout}), "
+                         "both finite")
     planner = load_planner(args.planner)
     if args.log_file:
         vlog.configure(args.log_file, rank=None)

@@ -21,7 +21,7 @@ from typing import Any
 
 import zmq
 
-from vpipe.files import FileCheckError, read_regular
+from vpipe.files import FileCheckError, check_output_dir, read_regular
 
 __all__ = ["KeyFileError", "read_secret_file", "read_public_file", "public_keys_from", "write_keypair",
            "check_z85_key", "register"]
@@ -123,8 +123,14 @@ def _write_new(path: Path, text: str, mode: int) -> None:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
     except FileExistsError:
         raise KeyFileError(f"{path} exists; vpipe keys never overwrites a key file") from None
-    with os.fdopen(fd, "w", encoding="ascii") as f:
-        f.write(text)
+    except OSError as e:
+        raise KeyFileError(f"cannot write key file {path}: {e.strerror or e}") from None
+    try:
+        with os.fdopen(fd, "w", encoding="ascii") as f:
+            f.write(text)
+    except OSError as e:  # a full disk: no half-written key file is left behind
+        path.unlink(missing_ok=True)
+        raise KeyFileError(f"cannot write key file {path}: {e.strerror or e}") from None
     os.chmod(path, mode)  # the umask may have narrowed it; never widened
 
 
@@ -133,7 +139,13 @@ def write_keypair(directory: str | os.PathLike[str], name: str) -> tuple[Path, P
     if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name) or name.startswith("."):
         raise ValueError(f"a key name must be 1-64 letters, digits, '_', '-' or '.', got {name!r}")
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        check_output_dir(directory, "key directory")
+        directory.mkdir(parents=True, exist_ok=True)
+    except FileCheckError as e:
+        raise KeyFileError(str(e)) from None
+    except OSError as e:
+        raise KeyFileError(f"cannot make key directory {directory}: {e.strerror or e}") from None
     public, secret = zmq.curve_keypair()
     public_path, secret_path = directory / f"{name}.key", directory / f"{name}.key_secret"
     head = "#   ZeroMQ CURVE {} certificate written by `vpipe keys`\n"

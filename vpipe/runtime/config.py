@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -95,7 +96,10 @@ class RunConfig:
         need(not (self.nas and self.moves), "combine either forced moves or layer edits in one run, not both")
         need(not (self.nas and self.schedule == "pipedream"), "layer edits need a flush schedule (any but pipedream)")
         need(0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout}")
-        need(self.lr > 0, f"lr must be positive, got {self.lr}")
+        need(isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0,
+             f"lr must be a positive finite number, got {self.lr}")
+        need(not self.vertical_sync or self.schedule == "pipedream",
+             f"vertical_sync is a PipeDream option; {self.schedule} keeps no weight versions")
         need(self.d_model % self.n_heads == 0,
              f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
         if self.block_types is not None:
