@@ -14,7 +14,11 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-__all__ = ["Policy", "Plan", "PlanError"]
+__all__ = ["Policy", "Plan", "PlanError", "MAX_EPOCH_STEP"]
+
+# plans come one epoch (or a few layer edits) after another: a larger jump is not a plan, and one epoch of
+# 2**63-1 would make every later plan stale (checked by the daemon before it sends, and by every stage)
+MAX_EPOCH_STEP = 1000
 
 
 class Policy(str, Enum):
