@@ -328,3 +328,18 @@ def test_a_planner_returning_a_huge_epoch_cannot_lock_out_its_own_daemon():
         assert daemon._check(Plan(epoch=1001, stages=((0,), (1, 2, 3))), layers) is not None
     finally:
         daemon.close()
+
+
+def test_vpipe_logs_shows_escape_sequences_and_markup_from_a_log_as_text(tmp_path, capsys):
+    import json as json_
+
+    from vpipe.logview import render
+
+    log = tmp_path / "run.log"
+    hostile = "plan \x1b[2J\x1b]0;pwned\x07 [bold red]x[/] \u202eevil\x9b"
+    log.write_text(json_.dumps({"t": 1.0, "rank": 1, "logger": "vpipe.decisions", "level": "INFO",
+                                "event": "plan_received", "reason": hostile, "msg": hostile}) + "\n")
+    assert render(str(log)) == 0
+    out = capsys.readouterr().out
+    assert not any(ord(ch) < 32 and ch != "\n" or 0x7f <= ord(ch) < 0xa0 or ch == "\u202e" for ch in out), out
+    assert "\\x1b[2J" in out and "\\x07" in out and "\\u202e" in out and "[bold red]x[/]" in out
