@@ -143,3 +143,34 @@ VPIPE_ONLY = "--memory-budget and --policy are vpipe's (its tensor manager): add
 ])
 def test_options_that_would_be_ignored_or_crash_are_refused_with_one_line(paths, capsys, argv, text):
     test_paths_that_are_not_what_they_should_be_are_refused_at_start(paths, capsys, argv, text)
+
+
+def test_ctrl_c_is_reported_as_an_interruption_not_a_failure(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import ROOT, child_env
+    from vpipe.log import read_log
+
+    log_file = tmp_path / "run.log"
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "vpipe", "train", "--steps", "100000", "--blocks", "2", "--d-model", "16",
+         "--seq-len", "8", "--no-progress", "--monitor-every", "5", "--log-file", str(log_file)],
+        cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (log_file.exists() and len([r for r in read_log(log_file) if "control_endpoint" in r]) >= 2):
+            assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()[1][-3000:]
+            time.sleep(0.1)
+        time.sleep(1.0)  # training
+        launcher.send_signal(signal.SIGINT)  # as Ctrl-C does (the launcher passes it on to every rank)
+        _, stderr = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    assert launcher.returncode == 130, stderr[-3000:]
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr and "failed" not in stderr, stderr
+    assert stderr.splitlines()[-1].startswith("vpipe: interrupted (SIGINT); every rank stopped (exit codes: ")
