@@ -23,7 +23,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from conftest import ROOT, assert_params_equal, load_run_params
-from test_control_run import decisions, planner_env
+from test_control_run import _wait, decisions, planner_env
 from vpipe.control.curve import RUN_SECRET_ENV, RUN_SECRET_FILE_ENV
 from vpipe.control.keys import KeyFileError
 from vpipe.control.messages import PLANNER, encode, make
@@ -128,11 +128,12 @@ def test_a_store_reader_cannot_pass_the_control_planes_authentication(tmp_path):
     try:
         time.sleep(1.0)  # torchrun's agent opens the store
         intruder = Intruder(port)
-        deadline = time.monotonic() + 120
-        while "vpipe/ctl/key/1" not in intruder.read or "vpipe/ctl/planner" not in intruder.read:
-            assert run.poll() is None and time.monotonic() < deadline, run.communicate()[0][-3000:]
+
+        def ready() -> bool:
             intruder.read_everything()
-            time.sleep(0.05)
+            return "vpipe/ctl/key/1" in intruder.read and "vpipe/ctl/planner" in intruder.read
+
+        _wait(ready, 120, "the last stage's key and endpoint in the store", run)
         intruder.read_everything()
         intruder.attack(seconds=2.0)
         output, _ = run.communicate(timeout=240)
