@@ -173,3 +173,23 @@ def test_ctrl_c_is_reported_as_an_interruption_not_a_failure(tmp_path):
     assert launcher.returncode == 130, stderr[-3000:]
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr and "failed" not in stderr, stderr
     assert stderr.splitlines()[-1].startswith("vpipe: interrupted (SIGINT); every rank stopped (exit codes: ")
+
+
+@pytest.mark.parametrize("argv, env, text", [
+    ("train --steps 1", {"VPIPE_CURVE_SECRET_FILE": "/nonexistent", "VPIPE_CURVE_PUBLIC_KEYS": "/nonexistent"},
+     "CURVE key file /nonexistent does not exist"),
+    ("train --steps 1", {"VPIPE_CONTROL_HOST": "999.1.1.1"},
+     "VPIPE_CONTROL_HOST='999.1.1.1' is not an IP address of this host (or 0.0.0.0 for every interface)"),
+    ("plan --model torch.nn:Identity --input-shape 100000000,32 --stages 2", {},
+     "--input-shape 100000000,32 is 3.2e+09 elements per micro-batch; profiling runs the model on it, so at most "
+     "2.68e+08 (one micro-batch, not the whole batch)"),
+    ("plan --model <models>:exits --stages 2", {},
+     "--model: <models>:exits() called sys.exit(0) instead of returning a model"),
+])
+def test_bad_settings_end_the_command_before_it_starts_with_one_line(paths, capsys, monkeypatch, argv, env, text):
+    from conftest import ROOT
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    paths = dict(paths, **{"<models>": str(ROOT / "tests" / "plan_models.py")})
+    test_paths_that_are_not_what_they_should_be_are_refused_at_start(paths, capsys, argv, text)

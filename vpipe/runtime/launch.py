@@ -30,10 +30,12 @@ from vpipe.checkpoint import CheckpointError
 from vpipe.control.curve import (
     RUN_SECRET_ENV,
     configured_by_files,
+    curve_from_env,
     has_run_secret,
     new_run_secret,
     remove_private_key_files,
 )
+from vpipe.control.netaddr import control_host
 from vpipe.runtime.watchdog import Watchdog, stderr_line
 
 log = logging.getLogger("vpipe.runtime")
@@ -173,11 +175,12 @@ def run_rank(ctx: Distributed, main: Any, *args: Any, **kwargs: Any) -> Any:
 
 def _explains_itself(exc: BaseException) -> bool:
     """vpipe's own errors about the user's input (a budget, a checkpoint, a stage shape): one line, no traceback."""
+    from vpipe.control.keys import KeyFileError
     from vpipe.migration.blocks import BlockContainerError
     from vpipe.tensor_manager.budget import MemoryBudgetError
     from vpipe.tensor_manager.pool import HostPoolFullError
 
-    return isinstance(exc, (MemoryBudgetError, HostPoolFullError, CheckpointError, BlockContainerError))
+    return isinstance(exc, (MemoryBudgetError, HostPoolFullError, CheckpointError, BlockContainerError, KeyFileError))
 
 
 def is_peer_caused(message: str) -> bool:
@@ -237,7 +240,9 @@ def spawn(
     store, _listener = host_store(host, nprocs + 1)
     base = dict(os.environ)
     base.update(extra_env or {})
-    heartbeat_timeout_from_env(base)  # a bad value is named here, before any rank starts
+    heartbeat_timeout_from_env(base)  # bad values are named here, before any rank starts
+    curve_from_env(base)  # CURVE key files: missing, unreadable, too open ...
+    control_host(environ={**base, "MASTER_ADDR": host})  # VPIPE_CONTROL_HOST
     if not configured_by_files(base) and not has_run_secret(base):
         secret = new_run_secret()  # the ranks' control plane admits only this run's key
         if secret is not None:
