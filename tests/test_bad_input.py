@@ -343,3 +343,24 @@ def test_vpipe_logs_shows_escape_sequences_and_markup_from_a_log_as_text(tmp_pat
     out = capsys.readouterr().out
     assert not any(ord(ch) < 32 and ch != "\n" or 0x7f <= ord(ch) < 0xa0 or ch == "\u202e" for ch in out), out
     assert "\\x1b[2J" in out and "\\x07" in out and "\\u202e" in out and "[bold red]x[/]" in out
+
+
+def test_a_checkpoint_write_that_fails_midway_leaves_the_old_file_and_no_temporary(tmp_path):
+    import resource
+    import signal
+
+    from vpipe.checkpoint.files import atomic_write
+
+    target = tmp_path / "manifest.json"
+    atomic_write(target, b"the previous checkpoint")
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG, as on a full disk
+    old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, old_limit[1]))
+    try:
+        with pytest.raises(OSError):
+            atomic_write(target, b"x" * 100_000)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
+        signal.signal(signal.SIGXFSZ, old_handler)
+    assert target.read_bytes() == b"the previous checkpoint"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["manifest.json"]  # no .manifest.json.tmp-PID left
