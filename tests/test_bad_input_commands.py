@@ -210,3 +210,31 @@ def test_plot_writes_exactly_the_file_named_or_says_why_not(tmp_path, capsys):
     assert capsys.readouterr().err.strip() == "vpipe plot: -o is empty; give the PNG file to write"
     assert main(["plot", str(log), "-o", str(tmp_path / "plain")]) == 0
     assert (tmp_path / "plain").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not (tmp_path / "plain.png").exists()
+
+
+def test_two_runs_cannot_share_a_checkpoint_directory(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import ROOT, child_env
+    from test_control_run import _wait
+
+    ck = tmp_path / "ck"
+    args = ["train", "--steps", "100000", "--blocks", "2", "--d-model", "16", "--seq-len", "8", "--no-progress",
+            "--checkpoint-dir", str(ck)]
+    first = subprocess.Popen([sys.executable, "-m", "vpipe", *args], cwd=ROOT, env=child_env(),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait(lambda: (ck / ".vpipe-lock").exists() and (ck / ".vpipe-lock").read_text().strip() != "", 120,
+              "the first run's lock", first)
+        owner = (ck / ".vpipe-lock").read_text().strip()
+        second = run_vpipe(*args[:2], "2", *args[3:], timeout=60)
+    finally:
+        first.kill()
+        first.wait()
+    _one_line(second, f"vpipe: error: --checkpoint-dir {ck} is in use by another run (pid {owner}); give each run "
+                      "a directory of its own")
+    from vpipe.runtime.checkpoints import check_checkpoint_dir
+    from vpipe.runtime.config import RunConfig
+
+    check_checkpoint_dir(RunConfig(checkpoint_dir=str(ck)))  # free again once the first run is gone
