@@ -213,6 +213,7 @@ def test_plot_writes_exactly_the_file_named_or_says_why_not(tmp_path, capsys):
 
 
 def test_two_runs_cannot_share_a_checkpoint_directory(tmp_path):
+    import signal
     import subprocess
     import sys
 
@@ -228,10 +229,14 @@ def test_two_runs_cannot_share_a_checkpoint_directory(tmp_path):
         _wait(lambda: (ck / ".vpipe-lock").exists() and (ck / ".vpipe-lock").read_text().strip() != "", 120,
               "the first run's lock", first)
         owner = (ck / ".vpipe-lock").read_text().strip()
-        second = run_vpipe(*args[:2], "2", *args[3:], timeout=60)
+        second = run_vpipe(*args[:2], "2", *args[3:], timeout=180)
     finally:
-        first.kill()
-        first.wait()
+        first.send_signal(signal.SIGINT)  # the launcher passes it on: the ranks end, rank 0's lock with it
+        try:
+            first.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            first.kill()
+            first.wait()
     _one_line(second, f"vpipe: error: --checkpoint-dir {ck} is in use by another run (pid {owner}); give each run "
                       "a directory of its own")
     from vpipe.runtime.checkpoints import check_checkpoint_dir

@@ -35,6 +35,7 @@ from vpipe.control.curve import (
     new_run_secret,
     remove_private_key_files,
 )
+from vpipe.control.keys import KeyFileError
 from vpipe.control.netaddr import control_host
 from vpipe.runtime.watchdog import Watchdog, stderr_line
 
@@ -175,7 +176,6 @@ def run_rank(ctx: Distributed, main: Any, *args: Any, **kwargs: Any) -> Any:
 
 def _explains_itself(exc: BaseException) -> bool:
     """vpipe's own errors about the user's input (a budget, a checkpoint, a stage shape): one line, no traceback."""
-    from vpipe.control.keys import KeyFileError
     from vpipe.migration.blocks import BlockContainerError
     from vpipe.tensor_manager.budget import MemoryBudgetError
     from vpipe.tensor_manager.pool import HostPoolFullError
