@@ -243,3 +243,12 @@ def test_two_runs_cannot_share_a_checkpoint_directory(tmp_path):
     from vpipe.runtime.config import RunConfig
 
     check_checkpoint_dir(RunConfig(checkpoint_dir=str(ck)))  # free again once the first run is gone
+
+
+@pytest.mark.parametrize("flag, value", [("--network-bandwidth", "1e-300"), ("--copy-bandwidth", "1e300")])
+def test_a_bandwidth_no_link_has_is_refused_not_planned_with(tmp_path, capsys, flag, value):
+    from vpipe.cli import main
+
+    assert main(["plan", _graph(tmp_path), "--stages", "2", flag, value]) == 2  # printed a step of 1e300 ms
+    assert capsys.readouterr().err.strip() == (f"vpipe: error: {flag} must be between 1000 and 1e+15 bytes/s, "
+                                               f"got {value!r}")
