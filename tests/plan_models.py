@@ -68,3 +68,8 @@ def raises() -> nn.Module:
 
 def not_a_module() -> int:
     return 3
+
+
+def exits() -> nn.Module:
+    """A factory that ends the process instead of returning a model."""
+    raise SystemExit(0)

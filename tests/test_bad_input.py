@@ -122,7 +122,7 @@ def test_out_of_range_stages_and_epochs_in_messages_are_named(change, message):
     ({"stages": 0}, "stages must be a positive integer, got 0"),
     ({"steps": -1}, "steps must be >= 0, got -1"),
     ({"dropout": 1.0}, "dropout must be in [0, 1), got 1.0"),
-    ({"lr": 0.0}, "lr must be positive, got 0.0"),
+    ({"lr": 0.0}, "lr must be a positive finite number, got 0.0"),
     ({"d_model": 30, "n_heads": 4}, "d_model (30) must be divisible by n_heads (4)"),
     ({"schedule": "1f1b", "stages": 4, "micro_batches": 2}, "1f1b needs micro_batches >= stages (2 < 4)"),
     ({"schedule": "zero-bubble"}, "schedule must be one of gpipe, 1f1b, pipedream, interleaved1f1b, loopedbfs, "
@@ -155,11 +155,26 @@ def test_unknown_run_config_keys_are_named():
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"memory_budget": 0}, "memory_budget must be a positive number of bytes, 'auto' or None, got 0"),
-    ({"sample_every": 0}, "sample_every must be a positive integer, got 0"),
+    ({"sample_every": 0}, "sample_every must be an integer in [1, 1000000000], got 0"),
     ({"planner": "nocolon"}, "planner must be 'module:function', got 'nocolon'"),
     ({"migration_timeout_s": -1.0}, "migration_timeout_s must be positive, got -1.0"),
     ({"migration_timeout_s": math.nan}, "migration_timeout_s must be positive, got nan"),
-    ({"apply_lag_steps": 0}, "apply_lag_steps must be >= 1, got 0"),
+    ({"apply_lag_steps": 0}, "apply_lag_steps must be an integer in [1, 10000], got 0"),
+    ({"apply_lag_steps": 10**12}, "apply_lag_steps must be an integer in [1, 10000], got 1000000000000"),
+    ({"apply_lag_steps": 2.0}, "apply_lag_steps must be an integer in [1, 10000], got 2.0"),
+    ({"planning": "no"}, "planning must be True or False, got 'no'"),
+    ({"tensor_manager": 0}, "tensor_manager must be True or False, got 0"),
+    ({"sample_every": "10"}, "sample_every must be an integer in [1, 1000000000], got '10'"),
+    ({"sample_every": True}, "sample_every must be an integer in [1, 1000000000], got True"),
+    ({"agree_timeout_s": "60"}, "agree_timeout_s must be positive, got '60'"),
+    ({"migration_timeout_s": 1e300}, "migration_timeout_s must be positive, got 1e+300"),
+    ({"min_swap_bytes": "1k"}, "min_swap_bytes must be >= 0"),
+    ({"host_pool_bytes": 1.5}, "host_pool_bytes must be positive"),
+    ({"policies": ["R"]}, "policies must map layer ids (integers >= 0) to 'D', 'S' or 'R', got ['R']"),
+    ({"policies": {"0": "R"}}, "policies must map layer ids (integers >= 0) to 'D', 'S' or 'R', got {'0': 'R'}"),
+    ({"specs": [1]}, "specs must be a mapping, got [1]"),
+    ({"planner_options": None}, "planner_options must be a dict, got None"),
+    ({"log_file": 3}, "log_file must be a path or None, got 3"),
     ({"min_swap_bytes": -1}, "min_swap_bytes must be >= 0"),
     ({"host_pool_bytes": 0}, "host_pool_bytes must be positive"),
     ({"layer_factory": 3}, "layer_factory must be callable"),
@@ -277,3 +292,75 @@ def test_the_fuzzed_decoders_accept_what_vpipe_itself_sends():
     assert decode(encode(make("plan", plan, epoch=4))).body == plan
     record = stage_record(0, 3, (0, 1))
     assert decode(encode(make("stats", (record,), iteration=3, stage=0))).body == (record,)
+
+
+# ---------------------------------------------------------------------- files and disks
+def test_a_failing_run_log_write_is_reported_once_and_dropped(capfd):
+    import logging
+
+    from vpipe import log as run_log
+
+    run_log.configure("/dev/full", rank=3)
+    try:
+        for step in range(100):  # steps are written 16 at a time; decisions one by one
+            run_log.step_record(step, 0.01, stage=1)
+            run_log.decision("plan_received", "a plan", epoch=step)
+        logging.getLogger("vpipe.control").warning("a warning too")
+    finally:
+        run_log.configure(None)
+    err = capfd.readouterr().err
+    assert err.splitlines() == ["vpipe [rank 3]: cannot write the run log /dev/full (No space left on device); "
+                                "training goes on, and its further log records are dropped"]
+
+
+def test_a_planner_returning_a_huge_epoch_cannot_lock_out_its_own_daemon():
+    from vpipe.control.daemon import PlannerDaemon
+
+    daemon = PlannerDaemon("tcp://127.0.0.1:9", lambda vector, current: None, curve=None)
+    try:
+        layers = [0, 1, 2, 3]
+        daemon.current = Plan(epoch=3, stages=((0, 1), (2, 3)))
+        huge = Plan(epoch=2**63 - 1, stages=((0, 1, 2), (3,)))
+        assert daemon._check(huge, layers) == ("epoch 9223372036854775807 jumps more than 1000 past the current "
+                                               "epoch 3")
+        assert daemon._check(Plan(epoch=4, stages=((0, 1, 2), (3,))), layers) is None  # the next real plan
+        daemon.current = None
+        assert daemon._check(Plan(epoch=1001, stages=((0,), (1, 2, 3))), layers) is not None
+    finally:
+        daemon.close()
+
+
+def test_vpipe_logs_shows_escape_sequences_and_markup_from_a_log_as_text(tmp_path, capsys):
+    import json as json_
+
+    from vpipe.logview import render
+
+    log = tmp_path / "run.log"
+    hostile = "plan \x1b[2J\x1b]0;pwned\x07 [bold red]x[/] \u202eevil\x9b"
+    log.write_text(json_.dumps({"t": 1.0, "rank": 1, "logger": "vpipe.decisions", "level": "INFO",
+                                "event": "plan_received", "reason": hostile, "msg": hostile}) + "\n")
+    assert render(str(log)) == 0
+    out = capsys.readouterr().out
+    assert not any(ord(ch) < 32 and ch != "\n" or 0x7f <= ord(ch) < 0xa0 or ch == "\u202e" for ch in out), out
+    assert "\\x1b[2J" in out and "\\x07" in out and "\\u202e" in out and "[bold red]x[/]" in out
+
+
+def test_a_checkpoint_write_that_fails_midway_leaves_the_old_file_and_no_temporary(tmp_path):
+    import resource
+    import signal
+
+    from vpipe.checkpoint.files import atomic_write
+
+    target = tmp_path / "manifest.json"
+    atomic_write(target, b"the previous checkpoint")
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG, as on a full disk
+    old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, old_limit[1]))
+    try:
+        with pytest.raises(OSError):
+            atomic_write(target, b"x" * 100_000)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
+        signal.signal(signal.SIGXFSZ, old_handler)
+    assert target.read_bytes() == b"the previous checkpoint"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["manifest.json"]  # no .manifest.json.tmp-PID left

@@ -45,7 +45,7 @@ def test_resume_on_the_same_stages_equals_an_uninterrupted_run(tmp_path):
     # vpipe with forced moves on both sides of the checkpoint: the placement and plan epoch must resume too
     common = ["--stages", "2", "--vpipe", "--no-planning", "--moves", "2:1,5;5:4,2"]
     train(*common, "--steps", "4", "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "3")
-    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step-00000003", "step-00000004"]
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [".vpipe-lock", "step-00000003", "step-00000004"]
     first = load_checkpoint(tmp_path / "ck" / "step-00000003")
     assert first.step == 3 and first.placement == [[0], [1, 2, 3, 4, 5]] and first.vpipe["epoch"] == 1
     train(*common, "--steps", "8", "--resume", str(tmp_path / "ck" / "step-00000003"),
@@ -332,5 +332,5 @@ def test_resume_problems_are_named_at_launch_in_one_line(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     proc = run_vpipe("train", *SMALL, "--steps", "2", "--checkpoint-dir", str(blocker / "ck"))
-    assert proc.returncode == 2 and proc.stderr.strip() == (f"vpipe: error: --checkpoint-dir {blocker / 'ck'} is not "
-                                                            "writable: Not a directory")
+    assert proc.returncode == 2 and proc.stderr.strip() == (f"vpipe: error: checkpoint_dir {blocker / 'ck'}: "
+                                                            f"{blocker} is a file, not a directory")

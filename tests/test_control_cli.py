@@ -55,7 +55,7 @@ def test_vpipe_logs_prints_a_table(tmp_path):
 def test_vpipe_logs_on_a_missing_file_is_a_clear_error(tmp_path):
     proc = run_vpipe("logs", str(tmp_path / "nope.log"))
     assert proc.returncode == 2
-    assert "vpipe: error: cannot read log file" in proc.stderr and "nope.log" in proc.stderr
+    assert f"vpipe: error: log file {tmp_path / 'nope.log'} does not exist" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 

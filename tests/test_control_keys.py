@@ -110,7 +110,7 @@ def test_configuration_trusts_the_listed_keys_and_its_own(pair, tmp_path):
     (b"\x00\xff binary", "holds no key"),
     (b"curve\n    public-key = \"short\"\n", "its public-key is not a 40-character Z85 key"),
     (b"public-key = \"" + b"a" * 40 + b"\"\npublic-key = \"" + b"b" * 40 + b"\"\n", "two public-key lines"),
-    (b"x" * 70_000, "a key file is under"),
+    (b"x" * 70_000, "is over the 65536-byte limit"),
 ])
 def test_malformed_public_key_files_are_named(tmp_path, content, message):
     bad = tmp_path / "bad.key"
@@ -142,5 +142,5 @@ def test_wrong_secret_and_public_files_are_named(pair, tmp_path):
         curve_from_env(env(mismatched, [public_path]))
     unreadable = tmp_path / "dir.key_secret"
     unreadable.mkdir()
-    with pytest.raises(KeyFileError, match=f"cannot read CURVE key file {unreadable}"):
+    with pytest.raises(KeyFileError, match=f"CURVE key file {unreadable} is a directory, not a regular file"):
         curve_from_env(env(unreadable, [public_path]))

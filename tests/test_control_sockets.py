@@ -195,7 +195,7 @@ def test_unsolicited_valid_messages_are_bounded_in_bytes_and_the_drops_are_count
         while plane.inbox.decoder.dropped["unclaimed"] < 100 and __import__("time").monotonic() < deadline:
             got += plane.poll(timeout_ms=50, types={"stats"})  # the stage agent's kind of poll
         assert got == []
-        assert plane._pending_bytes <= MAX_PENDING_BYTES and len(plane._pending) <= MAX_PENDING_BYTES // 900_000 + 1
+        assert plane.pending.bytes <= MAX_PENDING_BYTES and len(plane.pending) <= MAX_PENDING_BYTES // 900_000 + 1
         assert plane.inbox.decoder.dropped["unclaimed"] >= 100  # counted (and logged) as dropped
     finally:
         sender.close(linger_ms=0)

@@ -80,7 +80,8 @@ def test_bad_input_is_one_line_and_exit_2(capsys, graph_file, args, message):
 
 def test_unreadable_and_invalid_graphs(capsys, tmp_path):
     code, _, err = _run(capsys, str(tmp_path / "missing.json"), "--stages", "2")
-    assert code == 2 and err.startswith("vpipe: error: cannot read graph file") and err.count("\n") == 1
+    assert code == 2 and err.startswith("vpipe: error: graph file ") and err.count("\n") == 1
+    assert "missing.json does not exist" in err
     bad = tmp_path / "bad.json"
     bad.write_text('{"nodes": [{"id": 0}], "edges": []}')
     code, _, err = _run(capsys, str(bad), "--stages", "1")

@@ -100,7 +100,7 @@ class Vpipe:
         self.memory_budget = resolve_memory_budget(config.memory_budget, pipeline.device)
         self.memories = self._memories()
         initial = Plan(epoch=0, stages=placement, policies=config.initial_policies())
-        self.agreement.agree_run_secret(self.rank == 0, self._who)
+        self.agreement.agree_run_secret(self._who)
         # blocks compiled in place run their forward compiled and vpipe's hooks around it (before any hook goes on)
         if hoist_compiled(b for s in pipeline.stages if s.blocks is not None for b in s.blocks.blocks().values()):
             self._undo.append(unhoist_all)

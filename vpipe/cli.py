@@ -112,7 +112,7 @@ def add_run_arguments(p: argparse.ArgumentParser, *, steps: int, stages: int) ->
     p.add_argument("--memory-budget", type=_bytes, default=None, metavar="BYTES",
                    help="vpipe: per-stage memory budget (parameters, gradients, optimizer state, activations), "
                         "e.g. 64M")
-    p.add_argument("--policy", choices=("D", "S", "R"), default="D",
+    p.add_argument("--policy", choices=("D", "S", "R"), default=None,
                    help="vpipe: initial policy of every layer: keep (D), swap (S) or recompute (R) activations")
     p.add_argument("--no-planning", action="store_true", help="vpipe: monitor only, never apply plans")
     p.add_argument("--nas", type=_json_list, default=None, metavar="JSON",
@@ -139,7 +139,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         warmup_steps=args.warmup_steps, seed=args.seed, partition=args.partition,
         vertical_sync=args.vertical_sync, log_file=args.log_file, out_dir=args.out_dir,
         progress=not args.no_progress, monitor_every=args.monitor_every,
-        planner=_planner(args), vpipe=args.vpipe, memory_budget=args.memory_budget, policy=args.policy,
+        planner=_planner(args), vpipe=args.vpipe, memory_budget=args.memory_budget, policy=args.policy or "D",
         planning=not args.no_planning, moves=args.moves, nas=args.nas,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, resume=args.resume,
     )
@@ -166,6 +166,8 @@ def _planner(args: argparse.Namespace) -> str | None:
 def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from vpipe.runtime.launch import rank_env, spawn
 
+    if not args.vpipe and (args.memory_budget is not None or args.policy is not None):
+        raise ValueError("--memory-budget and --policy are vpipe's (its tensor manager): add --vpipe")
     cfg = config_from_args(args)  # validate before starting any process
     from vpipe.runtime.checkpoints import check_checkpoint_dir
 
@@ -195,6 +197,10 @@ def cmd_nas(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from vpipe.runtime.launch import rank_env, spawn
 
     cfg = config_from_args(args)
+    if cfg.schedule == "pipedream":
+        raise ValueError("vpipe nas adds and removes layers, which needs a flush schedule (any but pipedream)")
+    if cfg.checkpoint_dir or cfg.resume:
+        raise ValueError("vpipe nas writes no checkpoints and cannot resume from one: drop --checkpoint-dir/--resume")
     if not cfg.vpipe:
         planner = cfg.planner if cfg.planner != "vpipe.control.daemon:no_change" else "vpipe.planner.online:srp"
         cfg = RunConfig(**{**cfg.to_dict(), "vpipe": True, "planner": planner})

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vpipe.files import read_regular
 from vpipe.sizes import MAX_BYTES
 
 __all__ = ["LayerNode", "LayerGraph", "Roofline", "Unit", "ModelGraph", "load_graph"]
@@ -150,10 +151,7 @@ class LayerGraph:
 
     @classmethod
     def load(cls, path: str | Path) -> LayerGraph:
-        try:
-            text = Path(path).read_text()
-        except OSError as e:
-            raise ValueError(f"cannot read graph file {str(path)!r}: {e.strerror}") from None
+        text = _read_graph_text(path)
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
@@ -210,10 +208,17 @@ class ModelGraph:
         return cls(graph, units, containers, texts["device"], texts["source"], unused)
 
 
+MAX_GRAPH_BYTES = 256 << 20  # a graph of a million layers is a few hundred MB; a bigger file is not a graph
+
+
+def _read_graph_text(path: str | Path) -> str:
+    return read_regular(path, MAX_GRAPH_BYTES, "graph file").decode("utf-8", errors="replace")
+
+
 def load_graph(path: str | Path) -> tuple[LayerGraph, ModelGraph | None]:
     """A graph file, and its model annotation when ``vpipe plan --model --save-graph`` wrote one."""
     graph = LayerGraph.load(path)  # reads, validates, and names what is wrong
-    data = json.loads(Path(path).read_text())
+    data = json.loads(_read_graph_text(path))
     return graph, (ModelGraph.from_annotation(graph, data["model"]) if "model" in data else None)
 
 

@@ -16,12 +16,16 @@ import json
 import logging
 import math
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from vpipe.files import check_output_file, read_regular
+
 DECISIONS = "vpipe.decisions"
 decision_log = logging.getLogger(DECISIONS)
+MAX_LOG_BYTES = 2 << 30  # what `vpipe logs` / `vpipe plot` read of a run log at most (millions of steps)
 STEPS = "vpipe.steps"
 step_log = logging.getLogger(STEPS)
 
@@ -75,16 +79,35 @@ class RunLogHandler(logging.FileHandler):
         self.setFormatter(JsonLineFormatter(rank))
         self.rank = rank
         self._steps: list[tuple[float, int, float, dict[str, Any]]] = []
+        # why the log stopped taking records (a full disk ...): reported once per file and process
+        self.failed: str | None = _failed_files.get(self.baseFilename)
 
     def add_step(self, step: int, step_s: float, fields: dict[str, Any]) -> None:
         # formatted when the batch is written: one step's turn only appends (its code runs cold between steps)
+        if self.failed is not None:
+            return
         self._steps.append((time.time(), step, step_s, fields))
         if len(self._steps) >= self.STEP_BATCH:
             self.flush()
 
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.failed is None:
+            super().emit(record)
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        """A write that failed (full disk, I/O error) ends the log, never the run: one line says so."""
+        error = sys.exc_info()[1]
+        if isinstance(error, OSError):
+            self._give_up(error)
+        else:
+            super().handleError(record)
+
     def flush(self) -> None:
         self.acquire()
         try:
+            if self.failed is not None:
+                self._steps.clear()
+                return
             super().flush()
             stream = self.stream
             if self._steps and stream is not None and not stream.closed:
@@ -93,11 +116,33 @@ class RunLogHandler(logging.FileHandler):
                 data = ("\n".join(lines) + "\n").encode("utf-8")
                 os.write(stream.fileno(), data)  # one append: whole lines, never split between two writes
             self._steps.clear()
+        except OSError as e:
+            self._give_up(e)
         finally:
             self.release()
 
+    def close(self) -> None:
+        try:
+            super().close()
+        except OSError as e:  # the last flush
+            self._give_up(e)
+
+    def _give_up(self, error: OSError) -> None:
+        self._steps.clear()
+        if self.failed is not None:
+            return
+        self.failed = _failed_files[self.baseFilename] = error.strerror or str(error)
+        who = "" if self.rank is None else f" [rank {self.rank}]"
+        try:
+            sys.stderr.write(f"vpipe{who}: cannot write the run log {self.baseFilename} ({self.failed}); "
+                             "training goes on, and its further log records are dropped\n")
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            pass
+
 
 _run_log: RunLogHandler | None = None
+_failed_files: dict[str, str] = {}  # run logs that failed a write in this process, and why
 
 
 def configure(log_file: str | os.PathLike[str] | None, rank: int | None = None, level: int = logging.INFO) -> None:
@@ -112,6 +157,7 @@ def configure(log_file: str | os.PathLike[str] | None, rank: int | None = None, 
             handler.close()
     if log_file is None:
         return
+    check_output_file(log_file, "log file")  # a FIFO would block the open, a directory fail it
     Path(log_file).parent.mkdir(parents=True, exist_ok=True)
     handler = RunLogHandler(log_file, rank)
     handler._vpipe = True  # type: ignore[attr-defined]
@@ -137,10 +183,7 @@ def step_record(step: int, step_s: float, **fields: Any) -> None:
 def read_log(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """The records of a run log, oldest first; lines that are not JSON objects are skipped."""
     records = []
-    try:
-        lines = Path(path).read_text(encoding="utf-8", errors="replace").splitlines()
-    except OSError as e:
-        raise ValueError(f"cannot read log file {str(path)!r}: {e.strerror}") from None
+    lines = read_regular(path, MAX_LOG_BYTES, "log file").decode("utf-8", errors="replace").splitlines()
     for line in lines:
         try:
             entry = json.loads(line)

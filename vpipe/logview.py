@@ -14,10 +14,11 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from vpipe.log import DECISIONS, read_log
 
-__all__ = ["timeline_rows", "decision_rows", "render", "register"]
+__all__ = ["timeline_rows", "decision_rows", "render", "register", "printable"]
 
 _BOOKKEEPING = {"t", "rank", "logger", "level", "msg", "event", "exc", "role"}
 
@@ -27,6 +28,13 @@ def _who(record: dict[str, Any]) -> str:
         return "planner"
     rank = record.get("rank")
     return "-" if rank is None else str(rank)
+
+
+def printable(text: str) -> str:
+    """``text`` with control and format characters written as escapes: a log's messages (plan reasons come from
+    the wire) must not move the cursor, retitle the terminal or reorder what it shows."""
+    return "".join(ch if ch.isprintable() or ch == " " else ch.encode("unicode_escape").decode("ascii")
+                   for ch in text)
 
 
 def _number(value: Any) -> str:
@@ -56,7 +64,7 @@ def timeline_rows(records: Iterable[dict[str, Any]], *, everything: bool = False
         t = r.get("t")
         when = f"{t - start:9.3f}" if isinstance(t, (int, float)) else "?"
         details = "  ".join(f"{k}={_number(v)}" for k, v in r.items() if k not in _BOOKKEEPING)
-        rows.append((when, _who(r), event, str(r.get("msg", "")), details))
+        rows.append((when, printable(_who(r)), printable(event), printable(str(r.get("msg", ""))), printable(details)))
     return rows
 
 
@@ -71,9 +79,9 @@ def render(path: str, *, everything: bool = False, events: set[str] | None = Non
     if not console.is_terminal:  # into a file or a pipe: wide rows that grep can find whole
         console = Console(width=max(console.width, 200))
     if not rows:
-        console.print(f"no {'records' if everything else 'decisions'} in {path}")
+        console.print(Text(f"no {'records' if everything else 'decisions'} in {printable(path)}"))
         return 0
-    table = Table(title=f"vpipe decisions: {path}", show_lines=False)
+    table = Table(title=Text(f"vpipe decisions: {printable(path)}"), show_lines=False)
     table.add_column("t [s]", justify="right", no_wrap=True, min_width=9)
     table.add_column("who", no_wrap=True)
     table.add_column("event", style="bold", no_wrap=True)
@@ -81,7 +89,7 @@ def render(path: str, *, everything: bool = False, events: set[str] | None = Non
     table.add_column("numbers", style="dim", overflow="fold")
     for row in rows:
         style = "red" if row[2] in ("planner_lost", "planner_error", "error", "warning") else None
-        table.add_row(*row, style=style)
+        table.add_row(*(Text(cell) for cell in row), style=style)  # Text: a log's "[...]" is not rich markup
     console.print(table)
     return 0
 

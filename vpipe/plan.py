@@ -14,10 +14,14 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-__all__ = ["Policy", "Plan", "PlanError", "PINNED_KIND"]
+__all__ = ["Policy", "Plan", "PlanError", "PINNED_KIND", "MAX_EPOCH_STEP"]
 
 # the end of a block kind (as the monitors report it) whose block never moves: no plan puts it on another stage
 PINNED_KIND = "!pinned"
+
+# plans come one epoch (or a few layer edits) after another: a larger jump is not a plan, and one epoch of
+# 2**63-1 would make every later plan stale (checked by the daemon before it sends, and by every stage)
+MAX_EPOCH_STEP = 1000
 
 
 class Policy(str, Enum):

@@ -113,7 +113,7 @@ def plot_run(log_file: str | Path, output: str | Path, *, title: str | None = No
     top.set_title(title or f"{Path(log_file).name}: throughput and layers per stage "
                            f"(dashed: red added, orange removed, green moved)")
     fig.tight_layout()
-    fig.savefig(output, dpi=110)
+    fig.savefig(output, dpi=110, format="png")  # exactly ``output``: no ".png" added to a name without one
     plt.close(fig)
     return series
 
@@ -127,6 +127,9 @@ def register(sub: Any) -> None:
 
 
 def _cmd_plot(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    if not args.output.strip():
+        print("vpipe plot: -o is empty; give the PNG file to write", file=sys.stderr)
+        return 2
     folder = Path(args.output).resolve().parent
     if not folder.is_dir():
         print(f"vpipe plot: cannot write {args.output}: the directory {folder} does not exist", file=sys.stderr)

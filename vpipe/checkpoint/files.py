@@ -36,11 +36,15 @@ def _fsync_dir(path: Path) -> None:
 def atomic_write(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` so that a crash leaves either the old file or the whole new one."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a full disk, Ctrl-C: the partial file goes, the previous checkpoint stays whole
+        tmp.unlink(missing_ok=True)
+        raise
     _fsync_dir(path.parent)
 
 

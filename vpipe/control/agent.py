@@ -34,7 +34,7 @@ from vpipe.control.messages import PLANNER, Message, make
 from vpipe.control.planner_link import PlannerLink
 from vpipe.log import decision
 from vpipe.monitors.records import StageRecord
-from vpipe.plan import Plan
+from vpipe.plan import MAX_EPOCH_STEP, Plan
 
 log = logging.getLogger("vpipe.control")
 
@@ -43,7 +43,6 @@ __all__ = ["StageAgent", "AGENT_TYPES"]
 AGENT_TYPES = frozenset({"stats", "plan", "done", "hello", "ping", "bye"})  # what the agent takes from the inbox
 
 
-MAX_EPOCH_STEP = 1000  # plans come one epoch (or a few layer edits) after another: a larger jump is not a plan
 
 class StageAgent:
     """One rank's agent in the chain of ranks (``stage_index`` is the rank; see ``stage_ranks``).

@@ -24,7 +24,7 @@ from __future__ import annotations
 import datetime
 import logging
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Collection
 from typing import Any
 
@@ -34,10 +34,12 @@ from zmq.utils.monitor import recv_monitor_message
 from vpipe.control.curve import HANDSHAKE_EVENTS, CurveConfig, CurveGuard, curve_from_env, handshake_failure, log_due
 from vpipe.control.messages import MAX_MESSAGE_BYTES, Decoder, Message, encode, frame_limit
 from vpipe.control.netaddr import check_endpoint, control_host, tcp_endpoint
+from vpipe.control.pending import MAX_PENDING_BYTES, PendingMessages
 
 log = logging.getLogger("vpipe.control")
 
-__all__ = ["Inbox", "Outbox", "ControlPlane", "endpoint_key", "curve_key_key", "PLANNER_CONNECT_KEY", "FROM_ENV"]
+__all__ = ["MAX_PENDING_BYTES", "Inbox", "Outbox", "ControlPlane", "endpoint_key", "curve_key_key",
+           "PLANNER_CONNECT_KEY", "FROM_ENV"]
 
 PLANNER_CONNECT_KEY = "vpipe/ctl/planner"  # the endpoint a standalone planner daemon connects to
 _WILDCARDS = ("0.0.0.0", "::", "*")
@@ -70,9 +72,9 @@ def new_socket(context: zmq.Context, kind: int, max_message_bytes: int, linger_m
     return sock
 
 
-_MAX_PENDING = 10_000  # queued messages of types nobody has polled for yet
-# and their wire bytes: what nobody asks for must not pile up (a decoded message takes ~10x its frame)
-MAX_PENDING_BYTES = 16 << 20
+# What an inbox holds, so that a flood (even from a peer with the run's key) cannot grow memory without bound:
+_RCVHWM = 8  # frames zmq queues per connection before it stops reading it (the sender's own queue fills instead)
+RECEIVE_BYTES = 1 << 20  # frames read and decoded per receive call; the rest wait in zmq
 
 
 class Inbox:
@@ -85,7 +87,7 @@ class Inbox:
                  max_message_bytes: int = MAX_MESSAGE_BYTES, guard: CurveGuard | None = None) -> None:
         self.name = name
         self.socket = new_socket(context, zmq.PULL, max_message_bytes, 0)
-        self.socket.setsockopt(zmq.RCVHWM, 10_000)
+        self.socket.setsockopt(zmq.RCVHWM, _RCVHWM)
         if ":" in bind_host or ":" in advertise_host:
             self.socket.setsockopt(zmq.IPV6, 1)
         self.curve_key = None if guard is None else guard.config.public
@@ -117,11 +119,12 @@ class Inbox:
                             reason, n, " - a peer without CURVE or with the wrong keys?" if self.curve_key else "")
 
     def receive(self, timeout_ms: int = 0, limit: int = 1000) -> list[Message]:
-        """Up to ``limit`` valid messages, waiting at most ``timeout_ms`` for the first."""
+        """Up to ``limit`` valid messages (about ``RECEIVE_BYTES``), waiting at most ``timeout_ms`` for the first."""
         return [message for message, _ in self.receive_sized(timeout_ms, limit)]
 
-    def receive_sized(self, timeout_ms: int = 0, limit: int = 1000) -> list[tuple[Message, int]]:
-        """:meth:`receive`, with each message's size on the wire."""
+    def receive_sized(self, timeout_ms: int = 0, limit: int = 1000,
+                      max_bytes: int = RECEIVE_BYTES) -> list[tuple[Message, int]]:
+        """:meth:`receive`, with each message's size on the wire; stops once ``max_bytes`` were read."""
         now = time.monotonic()
         if now >= self._next_handshake_check:  # (refused handshakes are only counted and logged: no hurry)
             self._next_handshake_check = now + _HANDSHAKE_CHECK_S
@@ -129,12 +132,14 @@ class Inbox:
         if timeout_ms > 0 and not self.socket.poll(timeout_ms):
             return []
         out: list[tuple[Message, int]] = []
+        read = 0
         # (asked of the socket itself: poll(0) builds a Poller at every call, and every rank asks every step)
-        while len(out) < limit and int(self.socket.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+        while len(out) < limit and read < max_bytes and int(self.socket.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
             try:
                 frames = self.socket.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
+            read += sum(len(f) for f in frames)
             if len(frames) != 1:
                 self.decoder.drop("multipart", f"{len(frames)} frames; control messages are one frame")
                 continue
@@ -216,8 +221,7 @@ class ControlPlane:
         self.inbox = Inbox(self._context, bind, advertise, name=name, max_message_bytes=max_message_bytes,
                            guard=self.guard)
         self._peers: dict[int | str, Outbox] = {}
-        self._pending: deque[tuple[Message, int]] = deque()  # with their wire bytes
-        self._pending_bytes = 0
+        self.pending = PendingMessages(name, self.inbox.decoder.dropped)  # what nobody polled for yet
         self.send_failures: Counter = Counter()
         if self.curve is not None:
             store.set(curve_key_key(rank), self.curve.public)  # before the endpoint: whoever sees one finds both
@@ -308,38 +312,16 @@ class ControlPlane:
         With ``types``, only messages of those types are returned; the others stay queued
         for whoever polls for them (the stage agent and the migration protocol share one inbox).
         """
-        self._queue(self.inbox.receive_sized(0 if self._has(types) else timeout_ms))
-        if types is None:
-            out = [m for m, _ in self._pending]
-            self._pending.clear()
-            self._pending_bytes = 0
-            return out
-        out = [m for m, _ in self._pending if m.type in types]
-        if out:
-            self._pending = deque((m, n) for m, n in self._pending if m.type not in types)
-            self._pending_bytes = sum(n for _, n in self._pending)
-        return out
-
-    def _queue(self, fresh: list[tuple[Message, int]]) -> None:
-        """Keep what arrived for whoever polls for it, within a count and a byte cap (the newest stay)."""
-        self._pending.extend(fresh)
-        self._pending_bytes += sum(n for _, n in fresh)
-        while len(self._pending) > _MAX_PENDING or (self._pending_bytes > MAX_PENDING_BYTES and len(self._pending) > 1):
-            stale, nbytes = self._pending.popleft()
-            self._pending_bytes -= nbytes
-            self.inbox.decoder.drop("unclaimed", f"{stale.type!r} from rank {stale.src} ({nbytes} bytes) was never "
-                                                 "polled for")
-
-    def _has(self, types: Collection[str] | None) -> bool:
-        return any(types is None or m.type in types for m, _ in self._pending)
+        if types is not None:
+            self.pending.asked.update(types)  # before adding: what arrives for them is kept first
+        self.pending.add(self.inbox.receive_sized(0 if self.pending.has(types) else timeout_ms))
+        return self.pending.take(types)
 
     def recv(self, type: str, *, from_rank: int | None = None, timeout_s: float) -> Message:
         """Block until a ``type`` message (from ``from_rank`` if given) arrives; others wait in :meth:`poll`."""
-        for i, (message, nbytes) in enumerate(self._pending):
-            if _matches(message, type, from_rank):
-                del self._pending[i]
-                self._pending_bytes -= nbytes
-                return message
+        waiting = self.pending.take_first(type, from_rank)
+        if waiting is not None:
+            return waiting
         deadline = time.monotonic() + timeout_s
         while True:
             remaining_ms = int((deadline - time.monotonic()) * 1000)
@@ -352,7 +334,7 @@ class ControlPlane:
                     found = message
                 else:
                     others.append((message, nbytes))
-            self._queue(others)
+            self.pending.add(others)
             if found is not None:
                 return found
 

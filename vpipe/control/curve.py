@@ -21,19 +21,22 @@ A rank publishes its server's public key in the TCPStore next to its endpoint
 is refused.
 
 Without those, a run still authenticates its control plane, at no cost to the user: a key
-pair made for the run (``VPIPE_CURVE_RUN_SECRET``: by ``vpipe train``'s launcher, or by
-stage 0 at attach, handed to the other ranks through the rendezvous store) is shared by its
+pair made for the run (``VPIPE_CURVE_RUN_SECRET``: by ``vpipe train``'s launcher, or under
+torchrun by stage 0, handed to the other ranks through a private file, never through the
+rendezvous store: see ``run_key.py``) is shared by its
 ranks and its planner daemon, and is the only key they admit. A process without it cannot
 complete a handshake, so it cannot inject stats, plans or a ``hello``. To attach a planner
 daemon by hand, the last stage writes the secret to a file only its user can read
 (``VPIPE_CURVE_RUN_SECRET_FILE``) and logs the command that uses it. CURVE is off only
-where this libzmq lacks it.
+where this libzmq lacks it, or across hosts without a key given (with a warning).
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import shutil
 import tempfile
 import threading
 from collections import Counter
@@ -48,7 +51,8 @@ from vpipe.control.keys import KeyFileError, public_keys_from, read_secret_file
 log = logging.getLogger("vpipe.control")
 
 __all__ = ["SECRET_ENV", "PUBLIC_ENV", "RUN_SECRET_ENV", "RUN_SECRET_FILE_ENV", "CurveConfig", "curve_from_env",
-           "CurveGuard", "log_due", "new_run_secret", "configured_by_files", "has_run_secret", "run_secret_file"]
+           "CurveGuard", "log_due", "new_run_secret", "configured_by_files", "has_run_secret", "run_secret_file",
+           "private_key_file", "remove_private_key_files"]
 
 SECRET_ENV = "VPIPE_CURVE_SECRET_FILE"
 PUBLIC_ENV = "VPIPE_CURVE_PUBLIC_KEYS"
@@ -75,28 +79,48 @@ def has_run_secret(environ: dict[str, str] | None = None) -> bool:
 
 
 def run_secret_file() -> str | None:
-    """A file only this user can read holding the run's secret (written once), for a daemon started by hand."""
+    """A file only this user can read holding the run's secret (written once, removed at exit), for a daemon
+    started by hand."""
     if os.environ.get(RUN_SECRET_FILE_ENV):
         return os.environ[RUN_SECRET_FILE_ENV]
     secret = os.environ.get(RUN_SECRET_ENV, "").strip()
     if not secret:
         return None
-    folder = tempfile.mkdtemp(prefix="vpipe-run-")  # mode 0700
-    path = os.path.join(folder, "control.key_secret")
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secret + "\n")
+    path = private_key_file(secret)
     os.environ[RUN_SECRET_FILE_ENV] = path
     return path
 
 
+_PRIVATE_FOLDERS: list[str] = []  # the key folders this process made, removed at exit
+
+
+def private_key_file(secret: str) -> str:
+    """Write ``secret`` to a new file, 0600 in a new 0700 directory, both removed when this process exits."""
+    folder = tempfile.mkdtemp(prefix="vpipe-run-")  # mode 0700
+    if not _PRIVATE_FOLDERS:
+        atexit.register(remove_private_key_files)
+    _PRIVATE_FOLDERS.append(folder)
+    path = os.path.join(folder, "control.key_secret")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secret + "\n")
+    return path
+
+
+def remove_private_key_files() -> None:
+    """Remove every key folder this process made (at exit, including the fast exits that skip ``atexit``)."""
+    while _PRIVATE_FOLDERS:
+        folder = _PRIVATE_FOLDERS.pop()
+        shutil.rmtree(folder, ignore_errors=True)
+        if os.path.dirname(os.environ.get(RUN_SECRET_FILE_ENV, "")) == folder:
+            del os.environ[RUN_SECRET_FILE_ENV]
+
+
 def _run_config(env: dict[str, str] | os._Environ) -> CurveConfig | None:
     secret_text = env.get(RUN_SECRET_ENV, "").strip()
-    if not secret_text and env.get(RUN_SECRET_FILE_ENV, "").strip():
-        try:
-            secret_text = Path(env[RUN_SECRET_FILE_ENV].strip()).read_text().strip()
-        except OSError as e:
-            raise KeyFileError(f"{RUN_SECRET_FILE_ENV}: cannot read {env[RUN_SECRET_FILE_ENV]}: {e.strerror}") from None
+    secret_file = env.get(RUN_SECRET_FILE_ENV, "").strip()
+    if not secret_text and secret_file:  # a bare key or a `vpipe keys` secret file, private, bounded
+        secret_text = read_secret_file(secret_file)[1].decode("ascii")
     if not secret_text or not zmq.has("curve"):
         return None
     try:

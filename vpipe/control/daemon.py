@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import math
 import os
 import sys
 import threading
@@ -42,7 +43,7 @@ from vpipe.control.netaddr import check_endpoint, control_host
 from vpipe.control.priority import to_background
 from vpipe.log import decision
 from vpipe.monitors.records import StageRecord
-from vpipe.plan import Plan, PlanError
+from vpipe.plan import MAX_EPOCH_STEP, Plan, PlanError
 from vpipe.planner.judge import PlanJudge
 
 log = logging.getLogger("vpipe.planner.daemon")
@@ -228,8 +229,11 @@ class PlannerDaemon:
         """Why ``plan`` cannot go to the stages (None when it can): checked here, before any stage sees it."""
         if not isinstance(plan, Plan):
             return f"expected a Plan or None, got {type(plan).__name__}"
-        if self.current is not None and plan.epoch <= self.current.epoch:
-            return f"epoch {plan.epoch} is not newer than the current epoch {self.current.epoch}"
+        current = self.current.epoch if self.current is not None else 0
+        if self.current is not None and plan.epoch <= current:
+            return f"epoch {plan.epoch} is not newer than the current epoch {current}"
+        if plan.epoch > current + MAX_EPOCH_STEP:  # the stages would drop it, and every plan after it be stale here
+            return f"epoch {plan.epoch} jumps more than {MAX_EPOCH_STEP} past the current epoch {current}"
         if self.num_stages is not None and plan.num_stages != self.num_stages:
             return f"{plan.num_stages} stages for a {self.num_stages}-stage pipeline"
         try:
@@ -326,8 +330,10 @@ def _server_key(text: str | None) -> bytes | None:
 
 def cmd_planner(args: argparse.Namespace, argv: Any = None) -> int:
     check_endpoint(args.connect)
-    if args.heartbeat <= 0 or args.idle_timeout <= args.heartbeat:
-        raise ValueError("--heartbeat must be > 0 and below --idle-timeout")
+    if not (math.isfinite(args.heartbeat) and math.isfinite(args.idle_timeout)) or args.heartbeat <= 0 \
+            or args.idle_timeout <= args.heartbeat:
+        raise ValueError(f"--heartbeat ({args.heartbeat}) must be > 0 and below --idle-timeout ({args.idle_timeout}), "
+                         "both finite")
     planner = load_planner(args.planner)
     if args.log_file:
         vlog.configure(args.log_file, rank=None)

@@ -21,6 +21,8 @@ from typing import Any
 
 import zmq
 
+from vpipe.files import FileCheckError, check_output_dir, read_regular
+
 __all__ = ["KeyFileError", "read_secret_file", "read_public_file", "public_keys_from", "write_keypair",
            "check_z85_key", "register"]
 
@@ -42,17 +44,11 @@ def check_z85_key(key: bytes | str, what: str) -> bytes:
 
 
 def _read(path: Path) -> bytes:
+    """The file's bytes: a regular file only, read up to a bound (``st_size`` is 0 for a FIFO or a device)."""
     try:
-        size = path.stat().st_size
-        if size > _MAX_FILE_BYTES:
-            raise KeyFileError(f"CURVE key file {path} is {size} bytes; a key file is under {_MAX_FILE_BYTES}")
-        return path.read_bytes()
-    except KeyFileError:
-        raise
-    except FileNotFoundError:
-        raise KeyFileError(f"CURVE key file {path} does not exist") from None
-    except OSError as e:
-        raise KeyFileError(f"cannot read CURVE key file {path}: {e.strerror or e}") from None
+        return read_regular(path, _MAX_FILE_BYTES, "CURVE key file")
+    except FileCheckError as e:
+        raise KeyFileError(str(e)) from None
 
 
 def _parse(path: Path, data: bytes) -> tuple[bytes | None, bytes | None]:
@@ -127,8 +123,14 @@ def _write_new(path: Path, text: str, mode: int) -> None:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
     except FileExistsError:
         raise KeyFileError(f"{path} exists; vpipe keys never overwrites a key file") from None
-    with os.fdopen(fd, "w", encoding="ascii") as f:
-        f.write(text)
+    except OSError as e:
+        raise KeyFileError(f"cannot write key file {path}: {e.strerror or e}") from None
+    try:
+        with os.fdopen(fd, "w", encoding="ascii") as f:
+            f.write(text)
+    except OSError as e:  # a full disk: no half-written key file is left behind
+        path.unlink(missing_ok=True)
+        raise KeyFileError(f"cannot write key file {path}: {e.strerror or e}") from None
     os.chmod(path, mode)  # the umask may have narrowed it; never widened
 
 
@@ -137,7 +139,13 @@ def write_keypair(directory: str | os.PathLike[str], name: str) -> tuple[Path, P
     if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name) or name.startswith("."):
         raise ValueError(f"a key name must be 1-64 letters, digits, '_', '-' or '.', got {name!r}")
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        check_output_dir(directory, "key directory")
+        directory.mkdir(parents=True, exist_ok=True)
+    except FileCheckError as e:
+        raise KeyFileError(str(e)) from None
+    except OSError as e:
+        raise KeyFileError(f"cannot make key directory {directory}: {e.strerror or e}") from None
     public, secret = zmq.curve_keypair()
     public_path, secret_path = directory / f"{name}.key", directory / f"{name}.key_secret"
     head = "#   ZeroMQ CURVE {} certificate written by `vpipe keys`\n"

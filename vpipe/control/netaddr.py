@@ -59,6 +59,11 @@ def control_host(
     if explicit:
         if explicit in _WILDCARDS:
             return explicit, ("127.0.0.1" if is_loopback(master) else route_address(master))
+        try:
+            ipaddress.ip_address(explicit)
+        except ValueError:
+            raise ValueError(f"VPIPE_CONTROL_HOST={explicit!r} is not an IP address of this host (or 0.0.0.0 for "
+                             f"every interface)") from None
         return explicit, explicit
     if is_loopback(master):
         return "127.0.0.1", "127.0.0.1"

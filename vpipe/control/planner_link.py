@@ -22,7 +22,13 @@ from collections import deque
 from collections.abc import Sequence
 
 from vpipe.control.channel import PLANNER_CONNECT_KEY, ControlPlane
-from vpipe.control.curve import RUN_SECRET_FILE_ENV, configured_by_files, log_due, run_secret_file
+from vpipe.control.curve import (
+    RUN_SECRET_FILE_ENV,
+    configured_by_files,
+    log_due,
+    remove_private_key_files,
+    run_secret_file,
+)
 from vpipe.control.messages import Message, make
 from vpipe.control.netaddr import check_endpoint
 from vpipe.control.priority import to_background
@@ -134,6 +140,7 @@ class PlannerLink:
                     self.process.kill()
                     self.process.wait()
             self.process = None
+        remove_private_key_files()  # the key file of the logged manual command
 
     # ---------------------------------------------------------------- traffic
     def handle(self, message: Message, current: Plan | None) -> None:

@@ -18,12 +18,14 @@ from functools import wraps
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from vpipe.control.agent import StageAgent
 from vpipe.control.channel import ControlPlane
 from vpipe.control.daemon import DEFAULT_PLANNER
 from vpipe.control.planner_link import PlannerLink
+from vpipe.control.run_key import agree_run_key
 from vpipe.monitors.sampling import SampleSchedule
 from vpipe.monitors.source import SavedTensorSource
 from vpipe.monitors.stage import StageMonitor, layers_of
@@ -214,6 +216,8 @@ def open_for_stage_run(run: Any, ctx: Any, options: ControlOptions) -> ControlSe
     """A session for one rank of the reference trainer (a ``StageRun`` and its ``Distributed``): one
     monitor per stage the rank runs."""
     cfg = run.cfg
+    agree_run_key(dist.PrefixStore("vpipe/run-key/", ctx.store), rank=ctx.rank, world_size=ctx.world_size,
+                  timeout_s=120.0, who=f"rank {ctx.rank}")
     plan = Plan.from_counts(range(cfg.n_layers), cfg.layer_counts(), epoch=0)
     return ControlSession(
         {v: layers_of(module) for v, module in zip(run.stage_indices, run.modules)}, rank=ctx.rank,

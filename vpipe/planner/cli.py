@@ -58,6 +58,16 @@ def _positive_float(what: str, text: str) -> float:
     return value
 
 
+_MIN_BANDWIDTH, _MAX_BANDWIDTH = 1e3, 1e15  # bytes/s: below a modem, above any link; outside, plans are nonsense
+
+
+def _bandwidth(what: str, text: str) -> float:
+    value = _positive_float(what, text)
+    if not _MIN_BANDWIDTH <= value <= _MAX_BANDWIDTH:
+        raise ValueError(f"{what} must be between {_MIN_BANDWIDTH:g} and {_MAX_BANDWIDTH:g} bytes/s, got {text!r}")
+    return value
+
+
 def _one_line_error(message: str) -> NoReturn:
     print(f"vpipe: error: {message}", file=sys.stderr)
     sys.exit(2)
@@ -132,9 +142,9 @@ def cmd_plan(args: argparse.Namespace, argv: object = None) -> int:
     budget = _budget(args.memory_budget)
     defaults = Hardware()
     hardware = Hardware(
-        copy_bytes_per_s=(_positive_float("--copy-bandwidth", args.copy_bandwidth)
+        copy_bytes_per_s=(_bandwidth("--copy-bandwidth", args.copy_bandwidth)
                           if args.copy_bandwidth is not None else defaults.copy_bytes_per_s),
-        net_bytes_per_s=(_positive_float("--network-bandwidth", args.network_bandwidth)
+        net_bytes_per_s=(_bandwidth("--network-bandwidth", args.network_bandwidth)
                          if args.network_bandwidth is not None else defaults.net_bytes_per_s),
     )
     if args.model is None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +50,9 @@ def one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
 
 
+MAX_INPUT_ELEMENTS = 1 << 28  # 1 GiB of float32: far beyond one micro-batch of any model profiled on one device
+
+
 def parse_shape(text: str) -> tuple[int, ...]:
     """``8,128`` (or ``8x128``) as a shape; every dimension a positive integer."""
     parts = text.replace("x", ",").split(",")
@@ -58,6 +62,10 @@ def parse_shape(text: str) -> tuple[int, ...]:
         dims = ()
     if not dims or any(d < 1 for d in dims):
         raise ValueError(f"--input-shape must be positive integers separated by commas, like 8,128; got {text!r}")
+    elements = math.prod(dims)
+    if elements > MAX_INPUT_ELEMENTS:
+        raise ValueError(f"--input-shape {text} is {elements:.3g} elements per micro-batch; profiling runs the model "
+                         f"on it, so at most {MAX_INPUT_ELEMENTS:.3g} (one micro-batch, not the whole batch)")
     return dims
 
 
@@ -124,6 +132,8 @@ def load_model(spec: str, shape_text: str | None = None, dtype_text: str | None 
         raise ValueError(f"--model: {spec} is {type(factory).__name__}, not a function")
     try:
         made = factory()
+    except SystemExit as e:  # the user's code ending the process would end `vpipe plan` silently, even with 0
+        raise ValueError(f"--model: {spec}() called sys.exit({e.code!r}) instead of returning a model") from None
     except Exception as e:  # noqa: BLE001 - the user's code
         raise ValueError(f"--model: {spec}() raised {one_line(e)}") from None
     example = None

@@ -15,14 +15,13 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import os
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import torch.distributed as dist
 
-from vpipe.control.curve import RUN_SECRET_ENV, configured_by_files, has_run_secret, new_run_secret
+from vpipe.control.run_key import agree_run_key
 from vpipe.migration.blocks import (
     BlockContainerError,
     ContainerLayout,
@@ -41,7 +40,6 @@ __all__ = ["StoreAgreement", "agree_on_blocks"]
 # every attach gets keys of its own: attach is collective, so every rank counts its attaches alike, and an
 # attach after a detach never reads the previous one's keys (plan epochs start again at 0)
 _ATTACHES = itertools.count()
-_RUN_SECRET_KEY = "ctl/run-secret"
 
 
 class StoreAgreement:
@@ -87,22 +85,11 @@ class StoreAgreement:
             raise RuntimeError(f"{edit['call']} on {who}: stage(s) {differ} made another layer edit at this point "
                                f"({seen[differ[0]]} vs {edit}); every rank must make the same one")
 
-    def agree_run_secret(self, first: bool, who: str) -> None:
-        """This run's control-plane key when the launcher made none (torchrun): the first rank makes it, the
-        others read it. It goes into the environment, so the planner daemon inherits it."""
-        if configured_by_files() or has_run_secret():
-            return
-        if first:
-            self.set(_RUN_SECRET_KEY, new_run_secret() or "")
-        deadline = time.monotonic() + self.timeout_s
-        while not self.store.check([_RUN_SECRET_KEY]):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"vpipe.attach on {who}: stage 0 did not make the same call within "
-                                   f"{self.timeout_s:.0f} s; every rank must call it")
-            time.sleep(0.01)
-        secret = self.store.get(_RUN_SECRET_KEY).decode("ascii")
-        if secret:
-            os.environ[RUN_SECRET_ENV] = secret
+    def agree_run_secret(self, who: str) -> str:
+        """This run's control-plane key when the launcher made none (torchrun), never through the store (see
+        ``vpipe.control.run_key``). It goes into the environment, so the planner daemon inherits it."""
+        return agree_run_key(self.store, rank=self.rank, world_size=self.world_size,
+                             timeout_s=self.timeout_s, who=who)
 
     def clear(self) -> None:
         """Delete every key this rank wrote (detach)."""

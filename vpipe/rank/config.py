@@ -14,7 +14,7 @@ from torch import nn
 from vpipe.checks import require
 from vpipe.plan import Policy
 from vpipe.rank.metrics import parse_metric_kinds
-from vpipe.sizes import parse_bytes
+from vpipe.sizes import MAX_BYTES, parse_bytes
 
 __all__ = ["VpipeConfig", "AUTO_BUDGET", "DEFAULT_PLANNER", "resolve_memory_budget"]
 
@@ -54,6 +54,21 @@ def _env_seconds(name: str, default: float) -> float:
         return float(raw)
     except ValueError:
         raise ValueError(f"{name} must be a number of seconds, got {raw!r}") from None
+
+
+_MAX_STEPS = 10**9  # a sampling interval or a micro-batch count beyond this is a mistake, not a setting
+_MAX_LAG_STEPS = 10_000  # a plan applied this many steps after it was made is stale; beyond it, never applied
+_MAX_LAYER_ID = 1 << 31
+_MAX_SECONDS = 1e7  # about four months
+
+
+def _int_in(value: Any, low: int, high: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def _seconds(value: Any) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and 0 < value <= _MAX_SECONDS)
 
 
 @dataclass
@@ -112,30 +127,39 @@ class VpipeConfig:
              or (isinstance(self.memory_budget, int) and not isinstance(self.memory_budget, bool)
                  and self.memory_budget > 0),
              f"memory_budget must be a positive number of bytes, 'auto' or None, got {self.memory_budget!r}")
-        need(isinstance(self.sample_every, int) and self.sample_every >= 1,
-             f"sample_every must be a positive integer, got {self.sample_every!r}")
-        need(self.max_sample_every is None or (isinstance(self.max_sample_every, int)
-                                               and not isinstance(self.max_sample_every, bool)
-                                               and self.max_sample_every >= self.sample_every),
+        need(_int_in(self.sample_every, 1, _MAX_STEPS),
+             f"sample_every must be an integer in [1, {_MAX_STEPS}], got {self.sample_every!r}")
+        need(self.max_sample_every is None or _int_in(self.max_sample_every, self.sample_every, _MAX_STEPS),
              f"max_sample_every must be an integer >= sample_every ({self.sample_every}) or None, "
              f"got {self.max_sample_every!r}")
+        for name in ("planning", "tensor_manager"):
+            need(isinstance(getattr(self, name), bool), f"{name} must be True or False, got {getattr(self, name)!r}")
         need(isinstance(self.planner, str) and ":" in self.planner,
              f"planner must be 'module:function', got {self.planner!r}")
         need(self.layer_factory is None or callable(self.layer_factory), "layer_factory must be callable")
         need(self.layers is None or (isinstance(self.layers, str) and bool(self.layers.strip())),
              f"layers must be the dotted path of the block container (e.g. 'layers'), got {self.layers!r}")
-        need(math.isfinite(self.migration_timeout_s) and self.migration_timeout_s > 0,
+        need(_seconds(self.migration_timeout_s),
              f"migration_timeout_s must be positive, got {self.migration_timeout_s!r}")
-        need(math.isfinite(self.agree_timeout_s) and self.agree_timeout_s > 0,
-             f"agree_timeout_s must be positive, got {self.agree_timeout_s!r}")
-        need(isinstance(self.apply_lag_steps, int) and self.apply_lag_steps >= 1,
-             f"apply_lag_steps must be >= 1, got {self.apply_lag_steps!r}")
+        need(_seconds(self.agree_timeout_s), f"agree_timeout_s must be positive, got {self.agree_timeout_s!r}")
+        need(_int_in(self.apply_lag_steps, 1, _MAX_LAG_STEPS),
+             f"apply_lag_steps must be an integer in [1, {_MAX_LAG_STEPS}], got {self.apply_lag_steps!r}")
+        need(self.policies is None or (isinstance(self.policies, Mapping)
+                                       and all(_int_in(k, 0, _MAX_LAYER_ID) for k in self.policies)),
+             f"policies must map layer ids (integers >= 0) to 'D', 'S' or 'R', got {self.policies!r:.80}")
         for pol in (self.policies or {}).values():
             Policy.parse(pol.value if isinstance(pol, Policy) else pol)
-        need(self.min_swap_bytes is None or self.min_swap_bytes >= 0, "min_swap_bytes must be >= 0")
-        need(self.micro_batches is None or (isinstance(self.micro_batches, int) and self.micro_batches >= 1),
+        need(self.specs is None or isinstance(self.specs, Mapping), f"specs must be a mapping, got {self.specs!r:.80}")
+        need(isinstance(self.planner_options, dict),
+             f"planner_options must be a dict, got {self.planner_options!r:.80}")
+        need(self.min_swap_bytes is None or _int_in(self.min_swap_bytes, 0, MAX_BYTES),
+             "min_swap_bytes must be >= 0")
+        need(self.micro_batches is None or _int_in(self.micro_batches, 1, _MAX_STEPS),
              f"micro_batches must be a positive integer or None, got {self.micro_batches!r}")
-        need(self.host_pool_bytes is None or self.host_pool_bytes > 0, "host_pool_bytes must be positive")
+        need(self.host_pool_bytes is None or _int_in(self.host_pool_bytes, 1, MAX_BYTES),
+             "host_pool_bytes must be positive")
+        need(self.log_file is None or (isinstance(self.log_file, (str, os.PathLike))),
+             f"log_file must be a path or None, got {self.log_file!r:.80}")
         if self.trace_steps is not None:
             steps = tuple(self.trace_steps) if isinstance(self.trace_steps, (tuple, list)) else ()
             need(len(steps) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in steps)

@@ -7,6 +7,7 @@ saving is the collective :func:`vpipe.checkpoint.save_checkpoint` with this run'
 
 from __future__ import annotations
 
+import fcntl
 import os
 import sys
 from pathlib import Path
@@ -56,18 +57,35 @@ def load_resume(cfg: RunConfig, verify: str = "stat") -> Any:
     return ckpt
 
 
-def check_checkpoint_dir(cfg: RunConfig) -> None:
-    """--checkpoint-dir must be writable: found at launch, not at the first checkpoint hours later."""
+LOCK_NAME = ".vpipe-lock"
+_held: list[int] = []  # this process's lock on its checkpoint directory, held until it exits
+
+
+def check_checkpoint_dir(cfg: RunConfig, *, hold: bool = False) -> None:
+    """--checkpoint-dir must be writable and used by no other run: found at launch, not at the first checkpoint
+    hours later. Rank 0 (``hold``) keeps the directory's lock for the run: two runs sharing one would prune each
+    other's checkpoints."""
     if not cfg.checkpoint_dir:
         return
     root = Path(cfg.checkpoint_dir)
     try:
         root.mkdir(parents=True, exist_ok=True)
-        probe = root / f".vpipe-write-test-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
+        fd = os.open(root / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as e:
         raise CheckpointError(f"--checkpoint-dir {root} is not writable: {e.strerror}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        owner = os.read(fd, 64).decode("ascii", "replace").strip() or "?"
+        os.close(fd)
+        raise CheckpointError(f"--checkpoint-dir {root} is in use by another run (pid {owner}); give each run a "
+                              f"directory of its own") from None
+    if not hold:
+        os.close(fd)
+        return
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    _held.append(fd)
 
 
 def resume_placement(cfg: RunConfig, ckpt: Any) -> list[list[int]]:

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # models imports torch: the CLI's light commands (logs, planner) must not pay for it
     from vpipe.runtime.models import ModelSpec
 
+from vpipe.files import check_output_dir, check_output_file
 from vpipe.runtime.layout import MULTI_STAGE, SCHEDULES, V_SHAPED, rank_stages, stage_rank
 
 MODELS = ("transformer", "cnn")
@@ -93,7 +96,10 @@ class RunConfig:
         need(not (self.nas and self.moves), "combine either forced moves or layer edits in one run, not both")
         need(not (self.nas and self.schedule == "pipedream"), "layer edits need a flush schedule (any but pipedream)")
         need(0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout}")
-        need(self.lr > 0, f"lr must be positive, got {self.lr}")
+        need(isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0,
+             f"lr must be a positive finite number, got {self.lr}")
+        need(not self.vertical_sync or self.schedule == "pipedream",
+             f"vertical_sync is a PipeDream option; {self.schedule} keeps no weight versions")
         need(self.d_model % self.n_heads == 0,
              f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
         if self.block_types is not None:
@@ -118,6 +124,7 @@ class RunConfig:
                  f"partition {self.partition} covers {sum(self.partition)} layers, the model has {n_layers}")
         self._check_nas(n_layers)
         self._check_checkpoints()
+        self._check_paths()
         last_step = 0
         for i, move in enumerate(self.moves or []):
             need(isinstance(move, dict) and set(move) == {"step", "partition"},
@@ -165,6 +172,18 @@ class RunConfig:
                              "every micro-batch's weights at rest")
         if (self.checkpoint_dir or self.resume) and self.nas:
             raise ValueError("checkpoints cannot be combined with layer edits (--nas) yet")
+
+    def _check_paths(self) -> None:
+        """Every path the run writes, checked before it starts (not after training, when results would be lost)."""
+        if self.log_file is not None:
+            check_output_file(self.log_file, "log file")
+        if self.out_dir is not None:
+            check_output_dir(self.out_dir, "out_dir")
+        if self.checkpoint_dir is not None:
+            check_output_dir(self.checkpoint_dir, "checkpoint_dir")
+        if self.resume is not None and os.path.exists(self.resume) and not os.path.isdir(self.resume):
+            raise ValueError(f"resume {self.resume} is a file; give a checkpoint directory (or the directory "
+                             f"of checkpoints)")
 
     def _check_nas(self, n_layers: int) -> None:
         """Replay the layer edits on the layer ids, so a bad one fails before any rank starts."""

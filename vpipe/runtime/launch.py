@@ -27,7 +27,16 @@ import torch
 import torch.distributed as dist
 
 from vpipe.checkpoint import CheckpointError
-from vpipe.control.curve import RUN_SECRET_ENV, configured_by_files, has_run_secret, new_run_secret
+from vpipe.control.curve import (
+    RUN_SECRET_ENV,
+    configured_by_files,
+    curve_from_env,
+    has_run_secret,
+    new_run_secret,
+    remove_private_key_files,
+)
+from vpipe.control.keys import KeyFileError
+from vpipe.control.netaddr import control_host
 from vpipe.runtime.watchdog import Watchdog, stderr_line
 
 log = logging.getLogger("vpipe.runtime")
@@ -142,6 +151,9 @@ def heartbeat_timeout_from_env(environ: dict[str, str] | None = None) -> float:
     return seconds
 
 
+EXIT_INTERRUPTED = 128 + signal.SIGINT  # what a shell reports for a process ended by Ctrl-C
+
+
 def run_rank(ctx: Distributed, main: Any, *args: Any, **kwargs: Any) -> Any:
     """Run ``main`` on this rank; on failure name the culprit and end the process non-zero."""
     try:
@@ -149,12 +161,15 @@ def run_rank(ctx: Distributed, main: Any, *args: Any, **kwargs: Any) -> Any:
     except BaseException as exc:  # noqa: BLE001 - every failure must end the rank cleanly
         if isinstance(exc, SystemExit) and exc.code in (0, None):
             raise
+        if isinstance(exc, KeyboardInterrupt):  # Ctrl-C (passed on by the launcher): asked for, not a failure
+            ctx.watchdog.record_interrupt()
+            stderr_line(f"vpipe [rank {ctx.rank}]: interrupted")
+            exit_now(EXIT_INTERRUPTED)
         message = ctx.watchdog.record_failure(exc)
         if not is_peer_caused(message) and not _explains_itself(exc):
             log.exception("rank %d failed", ctx.rank)
         stderr_line(f"vpipe [rank {ctx.rank}]: {message}")
-        logging.shutdown()
-        os._exit(1)
+        exit_now(1)
     ctx.finish()
     return result
 
@@ -165,7 +180,7 @@ def _explains_itself(exc: BaseException) -> bool:
     from vpipe.tensor_manager.budget import MemoryBudgetError
     from vpipe.tensor_manager.pool import HostPoolFullError
 
-    return isinstance(exc, (MemoryBudgetError, HostPoolFullError, CheckpointError, BlockContainerError))
+    return isinstance(exc, (MemoryBudgetError, HostPoolFullError, CheckpointError, BlockContainerError, KeyFileError))
 
 
 def is_peer_caused(message: str) -> bool:
@@ -225,7 +240,9 @@ def spawn(
     store, _listener = host_store(host, nprocs + 1)
     base = dict(os.environ)
     base.update(extra_env or {})
-    heartbeat_timeout_from_env(base)  # a bad value is named here, before any rank starts
+    heartbeat_timeout_from_env(base)  # bad values are named here, before any rank starts
+    curve_from_env(base)  # CURVE key files: missing, unreadable, too open ...
+    control_host(environ={**base, "MASTER_ADDR": host})  # VPIPE_CONTROL_HOST
     if not configured_by_files(base) and not has_run_secret(base):
         secret = new_run_secret()  # the ranks' control plane admits only this run's key
         if secret is not None:
@@ -243,7 +260,10 @@ def spawn(
         env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0")
         procs.append(subprocess.Popen(list(argv), env=env, stdout=stdout, stderr=stderr))
 
+    interrupted: list[int] = []  # the signals passed on: the run ends because it was asked to
+
     def forward_signal(signum: int, _frame: Any) -> None:
+        interrupted.append(signum)
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signum)
@@ -251,7 +271,7 @@ def spawn(
     in_main_thread = threading.current_thread() is threading.main_thread()
     old = {s: signal.signal(s, forward_signal) for s in (signal.SIGINT, signal.SIGTERM)} if in_main_thread else {}
     try:
-        return _wait_all(procs, grace_s, timeout_s, store)
+        return _wait_all(procs, grace_s, timeout_s, store, interrupted)
     finally:
         for s, handler in old.items():
             signal.signal(s, handler)
@@ -274,7 +294,7 @@ def _blamed(store: Any, rank: int) -> tuple[int, str] | None:
 
 
 def _wait_all(procs: list[subprocess.Popen], grace_s: float, timeout_s: float | None = None,
-              store: Any = None) -> int:
+              store: Any = None, interrupted: list[int] | None = None) -> int:
     first_failure: tuple[int, int] | None = None
     blamed: tuple[int, str] | None = None  # a rank the others stopped for, still running (hung or stopped)
     failed_at = 0.0
@@ -305,6 +325,10 @@ def _wait_all(procs: list[subprocess.Popen], grace_s: float, timeout_s: float | 
     exit_codes: list[int] = [p.returncode for p in procs]  # every rank has exited
     bad = [(r, c) for r, c in enumerate(exit_codes) if c != 0]
     summary = ", ".join(f"rank {r}={c}" for r, c in enumerate(exit_codes))
+    if bad and interrupted:
+        name = signal.Signals(interrupted[0]).name
+        print(f"vpipe: interrupted ({name}); every rank stopped (exit codes: {summary})", file=sys.stderr, flush=True)
+        return 128 + interrupted[0]
     if bad and blamed is not None:
         print(f"vpipe: run failed; {blamed[1]}, so it was ended (exit codes: {summary})", file=sys.stderr, flush=True)
         return 1
@@ -325,6 +349,7 @@ def exit_now(code: int) -> NoReturn:
     process group and written its results has nothing left for that shutdown to do, so it
     skips it: every launch of a pipeline ends that much sooner.
     """
+    remove_private_key_files()  # atexit would have
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:

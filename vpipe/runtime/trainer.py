@@ -24,7 +24,7 @@ from vpipe.attach import VpipeConfig, attach
 from vpipe.checkpoint import restore_stage
 from vpipe.control.session import ControlOptions, open_for_stage_run
 from vpipe.plan import Plan, Policy
-from vpipe.runtime.checkpoints import load_resume, resume_placement, save_run_checkpoint
+from vpipe.runtime.checkpoints import check_checkpoint_dir, load_resume, resume_placement, save_run_checkpoint
 from vpipe.runtime.config import RunConfig
 from vpipe.runtime.launch import Distributed
 from vpipe.runtime.models import block_spec, build_layer
@@ -46,6 +46,8 @@ def train_rank(cfg: RunConfig, ctx: Distributed) -> RunResult:
         raise ValueError(f"the run has {ctx.world_size} ranks but the config asks for {cfg.stages} "
                          f"{'ranks' if cfg.multi_stage else 'stages'}")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    if ctx.rank == 0:
+        check_checkpoint_dir(cfg, hold=True)  # the directory's lock, for as long as the run lives
     resumed = load_resume(cfg) if cfg.resume else None
     placement = resume_placement(cfg, resumed) if resumed is not None else None
     run = build_stage_run(cfg, ctx.rank, ctx.device, placement=placement)

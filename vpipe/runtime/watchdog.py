@@ -19,6 +19,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from vpipe.control.curve import remove_private_key_files
+
 log = logging.getLogger("vpipe.runtime")
 
 EXIT_PEER_FAILED = 17
@@ -99,6 +101,8 @@ class Watchdog:
                 if store.check([_FAIL.format(r)]):
                     record = json.loads(store.get(_FAIL.format(r)))
                     if record.get("cause", r) == r:
+                        if record.get("interrupted"):
+                            return r, f"rank {r} was interrupted (Ctrl-C)"
                         return r, f"rank {r} failed: {record.get('error', '?')}"
                     stopped_for_others.add(r)
         now = time.monotonic()
@@ -143,9 +147,20 @@ class Watchdog:
         self._stop.set()
         return sentence if cause == self.rank else f"stopping because {sentence}"
 
+    def record_interrupt(self) -> None:
+        """This rank was interrupted (Ctrl-C): the others stop saying so, not that it failed."""
+        try:
+            self.store.set(_FAIL.format(self.rank), json.dumps({"cause": self.rank, "error": "interrupted",
+                                                                 "interrupted": True}))
+            self.store.add(_NFAIL, 1)
+        except Exception:  # noqa: BLE001 - the store is going away with the run
+            pass
+        self._stop.set()
+
     def _exit(self, message: str, code: int) -> None:
         stderr_line(f"vpipe [rank {self.rank}]: {message}")
         log.error("rank %d: %s", self.rank, message)
+        remove_private_key_files()  # os._exit skips atexit
         logging.shutdown()
         os._exit(code)
 
