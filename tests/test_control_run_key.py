@@ -165,7 +165,10 @@ def test_a_store_reader_cannot_pass_the_control_planes_authentication(tmp_path):
 def clean_env(monkeypatch):
     for name in (RUN_SECRET_ENV, RUN_SECRET_FILE_ENV, "VPIPE_CURVE_SECRET_FILE", "VPIPE_CURVE_PUBLIC_KEYS",
                  AUTH_ENV, "LOCAL_WORLD_SIZE", "WORLD_SIZE"):
-        monkeypatch.delenv(name, raising=False)
+        # set first, so that teardown restores the variable as it was even when the code under test set it (the key
+        # it agrees on must not reach the later tests of this process: their sockets would expect CURVE)
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     return monkeypatch
 
 
