@@ -98,7 +98,7 @@ class Runner:
         except torch.OutOfMemoryError as e:
             if system == "vpipe":
                 self.manager.synchronize()
-            losses = []
+            del losses  # the graphs of the micro-batches that ran
             model.zero_grad(set_to_none=True)
             gc.collect()
             self.sync()

@@ -228,3 +228,16 @@ def test_a_micro_batch_kept_bytes_count_a_tensor_two_layers_save_once_and_are_fo
         loss.backward()
     manager.add_layer(2, nn.Linear(64, 64))  # not measured with the layers it has now
     assert manager.summary()["kept_bytes_per_mb"] == 0
+
+
+def test_the_step_peak_restarts_without_touching_the_runs_peak():
+    from vpipe.tensor_manager.accounting import Ledger
+
+    ledger = Ledger()
+    ledger.add(0, 0, 100)
+    ledger.sub(0, 0, 100)
+    ledger.reset_step_peak()  # per-step metrics read and restart it; memory reports read the run's peak
+    ledger.add(0, 1, 40)
+    assert (ledger.peak, ledger.step_peak) == (100, 40)
+    ledger.add_micro_batch(2, [(0, 80)])
+    assert (ledger.peak, ledger.step_peak) == (120, 120)

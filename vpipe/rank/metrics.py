@@ -76,12 +76,12 @@ class MetricsWriter:
             d2h, recompute = summary["d2h_bytes"], summary["recompute_s"]
             last_d2h, last_recompute = self._last.get(stage, (0, 0.0))
             self._last[stage] = (d2h, recompute)
-            values[f"stage{stage}/peak_saved_bytes"] = float(manager.ledger.peak)
+            values[f"stage{stage}/peak_saved_bytes"] = float(manager.ledger.step_peak)
             if manager.budget_bytes is not None:
                 values[f"stage{stage}/budget_bytes"] = float(manager.budget_bytes)
             values[f"stage{stage}/swapped_bytes"] = float(d2h - last_d2h)
             values[f"stage{stage}/recompute_s"] = recompute - last_recompute
-            manager.reset_peak()
+            manager.ledger.reset_step_peak()  # (the run's peak, which memory reports read, stays)
         for record in records:
             compute = sum(layer.fwd_s + layer.bwd_s for layer in record.layers) \
                 + record.outside_fwd_s + record.outside_bwd_s

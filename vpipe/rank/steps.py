@@ -131,10 +131,10 @@ class StepDriver:
         stream = self.applier.pipeline.schedule if self.applier.pipedream else None
         moving = stream is not None and bool(stream.movers)  # a streamed move switches layers mid-step
         # a step inside the timeline's window goes through the wrappers: they record its forwards and backwards
-        moving = moving or timeline.recording()
+        keep_wrappers = moving or timeline.recording()
         for handle in self.stage_handles.values():
             manager, was_plain = handle.manager, handle.plain
-            handle.run_plain(not moving and manager.quiet_for_a_step(same_inputs, stream=stream is not None))
+            handle.run_plain(not keep_wrappers and manager.quiet_for_a_step(same_inputs, stream=stream is not None))
             if stream is None or handle.plain == was_plain:
                 continue
             # a stream's micro-batches stay in flight across steps: counted while the manager sees their

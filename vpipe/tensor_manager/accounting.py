@@ -118,6 +118,7 @@ class Ledger:
     def __init__(self) -> None:
         self.resident = 0
         self.peak = 0
+        self.step_peak = 0  # the peak since reset_step_peak() (per-step metrics; ``peak`` stays the run's)
         self._resident: dict[tuple[int, int], int] = {}
         self.activation: dict[int, dict[int, int]] = {}  # layer -> micro-batch -> bytes saved
         self.swappable: dict[int, int] = {}  # layer -> bytes of its last micro-batch that could be swapped
@@ -130,8 +131,10 @@ class Ledger:
         key = (layer, mb)
         self._resident[key] = self._resident.get(key, 0) + nbytes
         self.resident += nbytes
-        if self.resident > self.peak:
-            self.peak = self.resident
+        if self.resident > self.step_peak:  # (never above peak: one comparison while under both)
+            self.step_peak = self.resident
+            if self.resident > self.peak:
+                self.peak = self.resident
 
     def sub(self, layer: int, mb: int, nbytes: int) -> None:
         key = (layer, mb)
@@ -151,8 +154,10 @@ class Ledger:
             key = (layer, mb)
             resident[key] = resident.get(key, 0) + nbytes
         self.resident += sum(nbytes for _, nbytes in counts)
-        if self.resident > self.peak:
-            self.peak = self.resident
+        if self.resident > self.step_peak:
+            self.step_peak = self.resident
+            if self.resident > self.peak:
+                self.peak = self.resident
 
     def sub_micro_batch(self, mb: int, counts: list[tuple[int, int]]) -> None:
         """:meth:`sub` for each ``(layer, bytes)`` that :meth:`add_micro_batch` counted."""
@@ -160,7 +165,10 @@ class Ledger:
             self.sub(layer, mb, nbytes)
 
     def reset_peak(self) -> None:
-        self.peak = self.resident
+        self.peak = self.step_peak = self.resident
+
+    def reset_step_peak(self) -> None:
+        self.step_peak = self.resident
 
     def resident_by_layer(self) -> dict[int, int]:
         out: dict[int, int] = {}
