@@ -9,7 +9,7 @@
 #     swap/recompute mix against all-recompute and save_on_cpu, and the largest batch each runs
 #     within 10% of plain's per-sample throughput.
 # JSON, the test log and the machine's description go to the directory given (default
-# docs/results/gpu); `python -m vpipe.report docs/results --docs docs/benchmarks.md` then
+# docs/results/gpu); `python -m vpipe_lab.report docs/results --docs docs/benchmarks.md` then
 # regenerates the docs' GPU section from them.
 #
 #   benchmarks/gpu_suite.sh [OUT_DIR]

@@ -42,8 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from tensor_manager_bench import SavedBytesProbe  # noqa: E402
 from vpipe.plan import Policy  # noqa: E402
-from vpipe.runtime.models import build_model, transformer_lm  # noqa: E402
 from vpipe.tensor_manager import TensorManager  # noqa: E402
+from vpipe_lab.runtime.models import build_model, transformer_lm  # noqa: E402
 
 SYSTEMS = ("plain", "vpipe", "checkpoint", "save_on_cpu")
 WITHIN = 1.10  # "within 10% of plain's per-sample throughput"

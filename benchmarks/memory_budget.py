@@ -12,7 +12,7 @@ footprints. Three systems at the same micro-batch size:
   swaps or recomputes only the rest, the planner may move layers.
 
 Footprints are vpipe's accounting (weights, gradients, optimizer state, peak saved
-activations) from each run's ranks; plain 1F1B's is measured by :func:`vpipe.runtime.fit.pipeline_fit`.
+activations) from each run's ranks; plain 1F1B's is measured by :func:`vpipe_lab.runtime.fit.pipeline_fit`.
 Runs alternate in order and the ratio vpipe / GPipe-recompute is taken within each round.
 Run: ``python benchmarks/memory_budget.py [--json OUT]`` (about a minute on 2 cores).
 """
@@ -29,9 +29,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from vpipe.runtime.config import RunConfig  # noqa: E402
-from vpipe.runtime.fit import pipeline_fit  # noqa: E402
-from vpipe.runtime.measure import run_training  # noqa: E402
+from vpipe_lab.runtime.config import RunConfig  # noqa: E402
+from vpipe_lab.runtime.fit import pipeline_fit  # noqa: E402
+from vpipe_lab.runtime.measure import run_training  # noqa: E402
 
 MODEL = dict(model="transformer", blocks=4, d_model=128, n_heads=4, seq_len=64, micro_batches=4, micro_batch_size=8,
              dropout=0.0, stages=2)

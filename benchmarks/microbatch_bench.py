@@ -11,7 +11,7 @@ PipeDream just fits that size; every system then gets that same budget on every 
                                                    escalates keep -> swap -> recompute
                                                    whenever the next micro-batch would not fit
 
-"Trains" is decided by :func:`vpipe.runtime.fit.pipeline_fit`: every stage run for real
+"Trains" is decided by :func:`vpipe_lab.runtime.fit.pipeline_fit`: every stage run for real
 for two steps in this process, in its schedule's order, under the real tensor manager
 (managed for vpipe: fits unless it raises ``MemoryBudgetError``; accounting only for the
 baselines: fits if weights + gradients + optimizer state + stashed weight versions +
@@ -38,8 +38,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from vpipe.runtime.config import RunConfig  # noqa: E402
-from vpipe.runtime.fit import largest_fitting, pipeline_fit  # noqa: E402
+from vpipe_lab.runtime.config import RunConfig  # noqa: E402
+from vpipe_lab.runtime.fit import largest_fitting, pipeline_fit  # noqa: E402
 
 REFERENCE = "PipeDream (all D)"
 # label -> (schedule, policy, managed by vpipe)

@@ -67,8 +67,8 @@ def _stalls(step_times: list[list[float]], moves: list[int]) -> tuple[list[float
 
 
 def run_live(steps: int, every: int) -> dict:
-    from vpipe.runtime.config import RunConfig
-    from vpipe.runtime.measure import run_training
+    from vpipe_lab.runtime.config import RunConfig
+    from vpipe_lab.runtime.measure import run_training
 
     moves = _move_steps(steps, every)
     cfg = RunConfig(**MODEL, steps=steps, partition=[4, 6], vpipe=True, planning=False,
@@ -83,7 +83,7 @@ def run_live(steps: int, every: int) -> dict:
 def run_stop_and_copy(steps: int, every: int) -> dict:
     with tempfile.TemporaryDirectory() as out:
         args = json.dumps({"steps": steps, "every": every, "out": out})
-        from vpipe.runtime.launch import spawn
+        from vpipe_lab.runtime.launch import spawn
 
         code = spawn([sys.executable, str(Path(__file__).resolve()), "--worker", args], 2,
                      extra_env={"PYTHONPATH": _env()["PYTHONPATH"], "OMP_NUM_THREADS": "1"})
@@ -95,13 +95,13 @@ def run_stop_and_copy(steps: int, every: int) -> dict:
 
 
 def run_restart(step_s: float, repeats: int) -> dict:
-    from vpipe.runtime.config import RunConfig
-    from vpipe.runtime.measure import train_argv
+    from vpipe_lab.runtime.config import RunConfig
+    from vpipe_lab.runtime.measure import train_argv
 
     stalls = []
     for _ in range(repeats):
         start = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-m", "vpipe", *train_argv(RunConfig(**MODEL, steps=1))],
+        proc = subprocess.run([sys.executable, "-m", "vpipe_lab", *train_argv(RunConfig(**MODEL, steps=1))],
                               cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
         if proc.returncode:
             raise RuntimeError(f"restart run failed:\n{proc.stderr[-2000:]}")
@@ -115,10 +115,10 @@ def _worker(raw: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from vpipe.runtime.config import RunConfig
-    from vpipe.runtime.launch import init_distributed, run_rank
-    from vpipe.runtime.reference import optimizer_state_by_name
-    from vpipe.runtime.stage_run import build_stage_run
+    from vpipe_lab.runtime.config import RunConfig
+    from vpipe_lab.runtime.launch import init_distributed, run_rank
+    from vpipe_lab.runtime.reference import optimizer_state_by_name
+    from vpipe_lab.runtime.stage_run import build_stage_run
 
     opts = json.loads(raw)
     torch.set_num_threads(1)
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.worker:
         _worker(args.worker)
-        from vpipe.runtime.launch import exit_now
+        from vpipe_lab.runtime.launch import exit_now
 
         exit_now(0)  # a finished rank skips torch's slow interpreter shutdown
     from rich.console import Console

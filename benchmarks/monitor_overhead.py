@@ -59,9 +59,9 @@ def rank_main(args: argparse.Namespace) -> None:
 
     from vpipe.control.session import ControlOptions, open_for_stage_run
     from vpipe.monitors.sampling import SampleSchedule
-    from vpipe.runtime.config import RunConfig
-    from vpipe.runtime.launch import init_distributed, run_rank
-    from vpipe.runtime.stage_run import build_stage_run
+    from vpipe_lab.runtime.config import RunConfig
+    from vpipe_lab.runtime.launch import init_distributed, run_rank
+    from vpipe_lab.runtime.stage_run import build_stage_run
 
     ctx = init_distributed()
     torch.set_num_threads(1)
@@ -206,7 +206,7 @@ def main(argv: list[str]) -> int:
     if os.environ.get("RANK") is not None:
         rank_main(args)
         return 0
-    from vpipe.runtime.launch import spawn
+    from vpipe_lab.runtime.launch import spawn
 
     with tempfile.TemporaryDirectory() as tmp:
         env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}

@@ -35,8 +35,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from vpipe.runtime.config import RunConfig  # noqa: E402
-from vpipe.runtime.measure import run_training, samples_per_s  # noqa: E402
+from vpipe_lab.runtime.config import RunConfig  # noqa: E402
+from vpipe_lab.runtime.measure import run_training, samples_per_s  # noqa: E402
 
 VARIANTS = ("static", "vpipe", "optimal")
 MODEL = dict(model="transformer", d_model=96, n_heads=4, seq_len=64, micro_batches=4, micro_batch_size=4,
@@ -50,7 +50,7 @@ def optimal_partition(cfg: RunConfig) -> list[int]:
     """The 2-or-more-stage split of ``cfg``'s model with the smallest slowest stage, from measured costs."""
     from itertools import combinations
 
-    from vpipe.runtime.costs import measure_model_costs, stage_costs
+    from vpipe_lab.runtime.costs import measure_model_costs, stage_costs
 
     costs = measure_model_costs(cfg, repeats=3, rounds=2)
     n, p = len(costs.layers), cfg.stages
@@ -146,7 +146,7 @@ def summarise(result: dict[str, Any], add_step: int, steps: int) -> dict[str, An
 def decisions(log_file: Path) -> list[tuple[str, str, str, str, str]]:
     """The timeline rows that explain the recovery."""
     from vpipe.log import read_log
-    from vpipe.logview import decision_rows
+    from vpipe_lab.logview import decision_rows
 
     if not log_file.exists():
         return []

@@ -39,7 +39,7 @@ from vpipe.planner.coarsen import coarsen  # noqa: E402
 from vpipe.planner.cost_model import GraphProfile, Hardware, PipelineSetup, StageCosts  # noqa: E402
 from vpipe.planner.partition import is_valid_pipeline  # noqa: E402
 from vpipe.planner.srp import plan_pipeline  # noqa: E402
-from vpipe.runtime import zoo  # noqa: E402
+from vpipe_lab.runtime import zoo  # noqa: E402
 
 STAGES = (4, 8, 16, 32, 64, 128)
 

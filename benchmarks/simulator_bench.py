@@ -3,7 +3,7 @@
 **Validation.** For the reference transformer (8 blocks, d_model 64, sequence 64, 4
 micro-batches of 8, GPipe) on 2 and 4 stages: the simulator's step time from measured layer
 profiles, with a per-action overhead and a compute scale calibrated on the 2-stage pipeline
-at micro-batch sizes 1, 4 and 16 (:mod:`vpipe.runtime.calibrate`) and used unchanged for
+at micro-batch sizes 1, 4 and 16 (:mod:`vpipe_lab.runtime.calibrate`) and used unchanged for
 4 stages (``--recalibrate``: each depth on its own runs), against real ``vpipe train`` runs;
 each run is simulated under the outside load it saw. ``tests/test_simulate.py`` asserts
 within 15% with more repeats, each depth calibrated on its own runs.
@@ -41,8 +41,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from vpipe.runtime.calibrate import REFERENCE_RUN as REFERENCE  # noqa: E402
-from vpipe.runtime.costs import (
+from vpipe_lab.runtime.calibrate import REFERENCE_RUN as REFERENCE  # noqa: E402
+from vpipe_lab.runtime.costs import (
     Link,
     ModelCosts,
     balanced_counts,
@@ -51,7 +51,7 @@ from vpipe.runtime.costs import (
     scaled,
     stage_costs,  # noqa: E402
 )
-from vpipe.runtime.simulate import simulate  # noqa: E402
+from vpipe_lab.runtime.simulate import simulate  # noqa: E402
 
 SYSTEMS = {"GPipe (all R)": ("gpipe", "R"), "1F1B (all S)": ("1f1b", "S"), "1F1B (all D)": ("1f1b", "D"),
            "PipeDream (all D)": ("pipedream", "D")}
@@ -81,7 +81,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def validation(args: argparse.Namespace, profiles: dict[int, ModelCosts]) -> list[dict[str, Any]]:
     """Calibrate on the first depth's runs; the other depths are predicted with that calibration unless
     ``--recalibrate`` (each its own, as ``tests/test_simulate.py`` does)."""
-    from vpipe.runtime.calibrate import validate
+    from vpipe_lab.runtime.calibrate import validate
 
     rows = []
     first = None

@@ -11,7 +11,7 @@ Reported: per rank, RSS at the start of the second half and at the end, and its 
 over the second half (target < 2%: the first half absorbs warm-up, allocator growth and
 the pool's first chunk); the host pool's peak use and capacity; and whether the final
 parameters equal, bit for bit, a single-process run of the same steps without any
-migration (:func:`vpipe.runtime.reference.reference_flush`).
+migration (:func:`vpipe_lab.runtime.reference.reference_flush`).
 
 Run: ``python benchmarks/soak.py [--steps 2000] [--json OUT]`` (about 3 minutes on 2 cores).
 Exit code 0 when the parameters match and RSS growth is under the target, else 1.
@@ -40,7 +40,7 @@ POOL_BYTES = 16 << 20
 
 
 def run_config(steps: int) -> Any:
-    from vpipe.runtime.config import RunConfig
+    from vpipe_lab.runtime.config import RunConfig
 
     return RunConfig(blocks=2, d_model=32, n_heads=2, seq_len=16, micro_batches=2, micro_batch_size=2,
                      dropout=0.0, stages=2, steps=steps, vpipe=True, planning=False, progress=False)
@@ -64,10 +64,10 @@ def worker(out_dir: Path, steps: int, every: int, sample_every: int) -> dict[str
     import psutil
     import torch
 
-    from vpipe.runtime.launch import init_distributed, run_rank
-    from vpipe.runtime.results import RunResult, save_rank_result
-    from vpipe.runtime.stage_run import build_stage_run
-    from vpipe.runtime.trainer import _attach_vpipe
+    from vpipe_lab.runtime.launch import init_distributed, run_rank
+    from vpipe_lab.runtime.results import RunResult, save_rank_result
+    from vpipe_lab.runtime.stage_run import build_stage_run
+    from vpipe_lab.runtime.trainer import _attach_vpipe
 
     ctx = init_distributed()
 
@@ -112,8 +112,8 @@ def rss_growth(samples: list[dict[str, Any]]) -> tuple[int, int, float]:
 def soak(steps: int, every: int, sample_every: int) -> dict[str, Any]:
     import torch
 
-    from vpipe.runtime.launch import spawn
-    from vpipe.runtime.reference import reference_flush
+    from vpipe_lab.runtime.launch import spawn
+    from vpipe_lab.runtime.reference import reference_flush
 
     with tempfile.TemporaryDirectory(prefix="vpipe-soak-") as tmp:
         out = Path(tmp)
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("need --steps >= 4 x --sample-every and --move-every >= 1")
     if args.worker:
         worker(Path(args.worker), args.steps, args.move_every, args.sample_every)
-        from vpipe.runtime.launch import exit_now
+        from vpipe_lab.runtime.launch import exit_now
 
         exit_now(0)  # a finished rank skips torch's slow interpreter shutdown
     result = soak(args.steps, args.move_every, args.sample_every)

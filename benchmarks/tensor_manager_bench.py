@@ -43,9 +43,9 @@ from torch.utils.checkpoint import checkpoint
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from vpipe.plan import Policy  # noqa: E402
-from vpipe.runtime.models import build_model, transformer_lm  # noqa: E402
 from vpipe.tensor_manager import TensorManager  # noqa: E402
 from vpipe.tensor_manager.accounting import format_bytes  # noqa: E402
+from vpipe_lab.runtime.models import build_model, transformer_lm  # noqa: E402
 
 VARIANTS = ("plain", "vpipe D", "vpipe D metered", "vpipe S", "vpipe R", "vpipe 40%", "save_on_cpu", "checkpoint")
 

@@ -1,7 +1,7 @@
 """Throughput vs baselines under one per-stage memory budget, and the fraction of ideal each reaches.
 
 For each case (model, stages) one launch holds every system side by side (own layers,
-schedule, optimizer and gloo group each; see ``vpipe/runtime/variants.py``):
+schedule, optimizer and gloo group each; see ``vpipe_lab/runtime/variants.py``):
 
   GPipe (all R)           torch checkpoint on every layer, the reference micro-batch size
   1F1B (all D)            every activation kept, the largest micro-batch size that fits
@@ -29,7 +29,7 @@ size and must shrink its micro-batches, and at least what GPipe with every layer
 recomputed needs, so that every baseline runs. "Fits" for a baseline means its footprint
 by the tensor manager's accounting (fixed bytes + peak saved activations + a recomputed
 layer's working set, each rank run in one process under its schedule's order,
-``vpipe/runtime/fit.py``) is within the budget; micro-batch sizes are divisors of the
+``vpipe_lab/runtime/fit.py``) is within the budget; micro-batch sizes are divisors of the
 global batch.
 
 Timing: after ``--adapt`` steps that let vpipe's planner settle, ``--rounds`` rounds run
@@ -97,7 +97,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 # ---------------------------------------------------------------------- planning a case (parent)
 def base_config(args: argparse.Namespace, model: str, stages: int) -> Any:
-    from vpipe.runtime.config import RunConfig
+    from vpipe_lab.runtime.config import RunConfig
 
     mbs = args.cnn_micro_batch_size if model == "cnn" else args.micro_batch_size
     return RunConfig(model=model, blocks=args.blocks, d_model=args.d_model, seq_len=args.seq_len, stages=stages,
@@ -106,9 +106,9 @@ def base_config(args: argparse.Namespace, model: str, stages: int) -> Any:
 
 def plan_case(args: argparse.Namespace, model: str, stages: int) -> dict[str, Any]:
     """Budget, partition and each system's micro-batch size for one case, from measurements in this process."""
-    from vpipe.runtime.costs import balanced_counts, measure_model_costs
-    from vpipe.runtime.fit import pipeline_fit
-    from vpipe.runtime.variants import Variant
+    from vpipe_lab.runtime.costs import balanced_counts, measure_model_costs
+    from vpipe_lab.runtime.fit import pipeline_fit
+    from vpipe_lab.runtime.variants import Variant
 
     base = base_config(args, model, stages)
     costs = measure_model_costs(base, repeats=3, rounds=1)
@@ -206,10 +206,10 @@ def rank_main(args: argparse.Namespace) -> None:
 
     from vpipe.attach import VpipeConfig
     from vpipe.monitors.sampling import SampleSchedule
-    from vpipe.runtime.config import RunConfig
-    from vpipe.runtime.costs import measure_model_costs
-    from vpipe.runtime.launch import init_distributed, run_rank
-    from vpipe.runtime.variants import Variant, build_variant
+    from vpipe_lab.runtime.config import RunConfig
+    from vpipe_lab.runtime.costs import measure_model_costs
+    from vpipe_lab.runtime.launch import init_distributed, run_rank
+    from vpipe_lab.runtime.variants import Variant, build_variant
 
     spec = json.loads(Path(args.rank_spec).read_text())
     out_dir = Path(spec["out_dir"])
@@ -263,7 +263,7 @@ def _quiet(path: Path) -> None:
 
 
 def run_case(args: argparse.Namespace, case: dict[str, Any]) -> dict[str, Any]:
-    from vpipe.runtime.launch import spawn
+    from vpipe_lab.runtime.launch import spawn
 
     with tempfile.TemporaryDirectory(prefix="vpipe-throughput-") as scratch:
         tmp = scratch
@@ -381,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.rank_spec:
         rank_main(args)
-        from vpipe.runtime.launch import exit_now
+        from vpipe_lab.runtime.launch import exit_now
 
         exit_now(0)  # a finished rank skips torch's slow interpreter shutdown
     cases = []

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
-from vpipe.runtime.launch import init_distributed, run_rank
+from vpipe_lab.runtime.launch import init_distributed, run_rank
 
 
 def snapshot(schedule, stage, module, optimizer) -> dict:

@@ -29,9 +29,9 @@ def child_env(**extra: str) -> dict[str, str]:
 
 
 def run_vpipe(*args: str, timeout: float = 240, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """Run ``python -m vpipe ARGS`` and return the finished process (stdout/stderr captured)."""
+    """Run ``python -m vpipe_lab ARGS`` (the `vpipe` command); return the finished process, output captured."""
     return subprocess.run(
-        [sys.executable, "-m", "vpipe", *args],
+        [sys.executable, "-m", "vpipe_lab", *args],
         cwd=ROOT, env=env or child_env(), capture_output=True, text=True, timeout=timeout,
     )
 
@@ -82,7 +82,7 @@ def _one_thread():
 def run_worker(tmp_path: Path, worker: str, scenario: str, ranks: int) -> dict:
     """Run ``tests/WORKER.py SCENARIO OUT`` on ``ranks`` real ranks; its JSON result plus the vpipe log records."""
     from vpipe.log import read_log
-    from vpipe.runtime.launch import spawn
+    from vpipe_lab.runtime.launch import spawn
 
     out, log_file = tmp_path / f"{scenario}.json", tmp_path / f"{scenario}.log"
     code = spawn([sys.executable, str(ROOT / "tests" / f"{worker}.py"), scenario, str(out)], ranks,

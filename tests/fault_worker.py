@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
-from vpipe.runtime.launch import init_distributed, run_rank
+from vpipe_lab.runtime.launch import init_distributed, run_rank
 
 WIDTH = 256
 BATCH = 16  # two micro-batches of 8 rows: one activation is 8 KiB

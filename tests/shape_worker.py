@@ -1,6 +1,6 @@
 """Rank program for tests/test_stage_shapes.py: one scenario per run, results as JSON from rank 0.
 
-Scenarios (``argv[1]``), launched by ``vpipe.runtime.launch.spawn``:
+Scenarios (``argv[1]``), launched by ``vpipe_lab.runtime.launch.spawn``:
 
 - ``refusals`` (1 rank): stage shapes and set-ups attach must refuse, each error message;
 - ``subgroup`` (2 ranks): a pipeline on a process group smaller than the world (data-parallel replicas),

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from vpipe.plan import Policy
-from vpipe.runtime.models import ModelSpec, build_model, cnn, transformer_lm
 from vpipe.tensor_manager import TensorManager
+from vpipe_lab.runtime.models import ModelSpec, build_model, cnn, transformer_lm
 
 MICRO_BATCH = 2
 

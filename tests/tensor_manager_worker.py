@@ -36,12 +36,12 @@ from torch.distributed.pipelining import (
 )
 
 from vpipe.plan import Policy
-from vpipe.runtime.config import RunConfig
-from vpipe.runtime.models import build_model
-from vpipe.runtime.optim import make_optimizer
-from vpipe.runtime.stage_run import build_stage_run
 from vpipe.schedules.pipedream import SchedulePipeDream
 from vpipe.tensor_manager import TensorManager, install_on_stage
+from vpipe_lab.runtime.config import RunConfig
+from vpipe_lab.runtime.models import build_model
+from vpipe_lab.runtime.optim import make_optimizer
+from vpipe_lab.runtime.stage_run import build_stage_run
 
 CYCLE = (Policy.SWAP, Policy.RECOMPUTE, Policy.KEEP)
 SPLIT = {"zb": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}
@@ -232,7 +232,7 @@ def rank_main(args: argparse.Namespace, ctx: Any) -> None:
 
 
 def main(argv: list[str]) -> int:
-    from vpipe.runtime.launch import init_distributed, rank_env, run_rank, spawn
+    from vpipe_lab.runtime.launch import init_distributed, rank_env, run_rank, spawn
 
     args = parse(argv)
     if rank_env() is None:

@@ -1,7 +1,8 @@
 """The import graph of vpipe follows docs/architecture.md: rooms, one direction, no hidden imports.
 
 A room is a first-level subpackage of ``vpipe`` (``planner/``) or a top-level module
-(``graph.py``; the package's ``__init__.py`` is the room of the public facade). The table in
+(``graph.py``; the package's ``__init__.py`` is the room of the public facade); the laboratory's
+rooms are named the same way under ``vpipe_lab/`` (``vpipe_lab/runtime/``). The table in
 docs/architecture.md says which rooms each room may import; every import between rooms
 must be allowed there, the table must allow no cycle, and it must not allow what nobody
 imports (so it stays a description of the code). Imports inside functions hide
@@ -21,7 +22,7 @@ from functools import cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGE = ROOT / "vpipe"
+PACKAGES = ("vpipe", "vpipe_lab")  # the library, and the laboratory built on it
 DOC = ROOT / "docs" / "architecture.md"
 HEADER = ["room", "job", "torch", "may import"]
 
@@ -44,17 +45,20 @@ LAZY_IMPORTS: dict[str, tuple[frozenset[str], str]] = {
                       "entry points load on first use: the daemon imports vpipe.planner.judge without numpy"),
     "vpipe.monitors": (frozenset({"vpipe.monitors.stage", "vpipe.monitors.keep_all"}),
                        "the daemon reads vpipe.monitors.records: the package must import without torch"),
-    "vpipe.cli": (frozenset({"vpipe.runtime.launch", "vpipe.runtime.checkpoints", "vpipe.runtime.trainer",
-                             "vpipe.nas"}),
+    "vpipe_lab.cli": (frozenset({"vpipe_lab.runtime.launch", "vpipe_lab.runtime.checkpoints",
+                                 "vpipe_lab.runtime.trainer", "vpipe_lab.nas"}),
                   "only train and nas load torch: vpipe plan, logs, plot, planner, keys start without it"),
     "vpipe.planner.cli": (frozenset({"vpipe.profiling.command", "vpipe.profiling.schedule_layout"}),
                           "only --model and a multi-stage schedule load torch: vpipe plan GRAPH.json plans a "
                           "single-stage schedule without it"),
-    "vpipe.runtime.config": (frozenset({"vpipe.runtime.models"}),
+    "vpipe_lab.command": (frozenset({"vpipe_lab.cli"}),
+                          "the laboratory's commands need the lab extra (rich): without it the vpipe command "
+                          "still runs the library's"),
+    "vpipe_lab.runtime.config": (frozenset({"vpipe_lab.runtime.models"}),
                              "the CLI builds its options from RunConfig without loading torch"),
-    "vpipe.runtime.measure": (frozenset({"vpipe.runtime.launch"}),
-                              "vpipe demo and bench measure from a torch-free parent (the CLI imports vpipe.demo)"),
-    "vpipe.runtime.launch": (frozenset({"vpipe.tensor_manager.copy_engine", "vpipe.tensor_manager.budget",
+    "vpipe_lab.runtime.measure": (frozenset({"vpipe_lab.runtime.launch"}),
+                              "vpipe demo and bench measure from a torch-free parent (the CLI imports vpipe_lab.demo)"),
+    "vpipe_lab.runtime.launch": (frozenset({"vpipe.tensor_manager.copy_engine", "vpipe.tensor_manager.budget",
                                         "vpipe.tensor_manager.pool", "vpipe.migration.blocks"}),
                              "the spawning parent imports launch for spawn(): it must not load torch's pipelining"),
 }
@@ -73,20 +77,23 @@ class Import:
 def modules() -> dict[str, Path]:
     """Every module of the package, by dotted name."""
     out = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        parts = list(path.relative_to(ROOT).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts.pop()
-        out[".".join(parts)] = path
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(parts)] = path
     return out
 
 
 def room(module: str) -> str:
-    """``planner/`` for vpipe.planner.*, ``graph.py`` for vpipe.graph, ``__init__.py`` for vpipe itself."""
-    parts = module.split(".")
-    if len(parts) == 1:
-        return "__init__.py"
-    return f"{parts[1]}/" if (PACKAGE / parts[1]).is_dir() else f"{parts[1]}.py"
+    """``planner/`` for vpipe.planner.*, ``graph.py`` for vpipe.graph, ``__init__.py`` for vpipe itself;
+    the laboratory's the same behind ``vpipe_lab/`` (``vpipe_lab/runtime/``, ``vpipe_lab/cli.py``)."""
+    package, *parts = module.split(".")
+    prefix = "" if package == "vpipe" else f"{package}/"
+    if not parts:
+        return f"{prefix}__init__.py"
+    return f"{prefix}{parts[0]}/" if (ROOT / package / parts[0]).is_dir() else f"{prefix}{parts[0]}.py"
 
 
 def _resolve(module: str, node: ast.ImportFrom) -> str:
@@ -177,7 +184,8 @@ def table() -> dict[str, Row]:
 
 
 def _module_of(room_name: str, file: str) -> str:
-    module = f"vpipe.{room_name.rstrip('/')}.{file.removesuffix('.py')}"
+    package = "vpipe_lab" if room_name.startswith("vpipe_lab/") else "vpipe"
+    module = f"{package}.{room_name.removeprefix('vpipe_lab/').rstrip('/')}.{file.removesuffix('.py')}"
     assert module in modules(), f"docs/architecture.md names {file} in {room_name}, which has no such module"
     return module
 
@@ -190,7 +198,7 @@ def _cells(line: str, lower: bool = True) -> list[str]:
 def _between_rooms() -> dict[tuple[str, str], list[str]]:
     edges: dict[tuple[str, str], list[str]] = {}
     for imp in imports():
-        if imp.target.split(".")[0] == "vpipe" and room(imp.target) != room(imp.module):
+        if imp.target.split(".")[0] in PACKAGES and room(imp.target) != room(imp.module):
             edges.setdefault((room(imp.module), room(imp.target)), []).append(f"{imp.module}:{imp.line}")
     return edges
 
@@ -202,6 +210,13 @@ def test_the_table_names_every_room_once():
     assert listed - rooms == set(), f"docs/architecture.md lists rooms that do not exist: {sorted(listed - rooms)}"
     for name, row in table().items():
         assert set(row.allowed) <= rooms, f"{name} may import unknown rooms {sorted(set(row.allowed) - rooms)}"
+
+
+def test_the_library_never_imports_the_laboratory():
+    """``pip install vpipe`` without the lab extra must still import and attach: no vpipe module reaches vpipe_lab."""
+    reaching = [f"{imp.module}:{imp.line} imports {imp.target}" for imp in imports()
+                if imp.module.split(".")[0] == "vpipe" and imp.target.split(".")[0] == "vpipe_lab"]
+    assert not reaching, f"the library imports the laboratory: {reaching}"
 
 
 def test_every_import_between_rooms_is_allowed_by_the_table():

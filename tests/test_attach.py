@@ -68,7 +68,7 @@ def test_hand_written_loop_gets_the_same_losses_with_moves_and_recompute(tmp_pat
 
 def test_detach_restores_the_trainer_exactly(tmp_path):
     out = tmp_path / "snap.json"
-    from vpipe.runtime.launch import spawn
+    from vpipe_lab.runtime.launch import spawn
 
     code = spawn([sys.executable, str(ROOT / "tests" / "attach_worker.py"), str(out)], 1,
                  extra_env={"PYTHONPATH": str(ROOT)})

@@ -29,7 +29,7 @@ from vpipe.control.messages import DecodeError, decode, encode, make, registered
 from vpipe.migration.layer_manager import LayerManager
 from vpipe.migration.state import validate_manifest
 from vpipe.plan import Plan, PlanError, Policy
-from vpipe.runtime.config import RunConfig
+from vpipe_lab.runtime.config import RunConfig
 
 # ---------------------------------------------------------------------- plans
 PLAN = {"epoch": 3, "stages": [[0, 1], [2, 3]], "policies": {"1": "S"}, "predicted_step_s": 0.5, "reason": "r"}
@@ -333,7 +333,7 @@ def test_a_planner_returning_a_huge_epoch_cannot_lock_out_its_own_daemon():
 def test_vpipe_logs_shows_escape_sequences_and_markup_from_a_log_as_text(tmp_path, capsys):
     import json as json_
 
-    from vpipe.logview import render
+    from vpipe_lab.logview import render
 
     log = tmp_path / "run.log"
     hostile = "plan \x1b[2J\x1b]0;pwned\x07 [bold red]x[/] \u202eevil\x9b"

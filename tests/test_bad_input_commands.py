@@ -105,7 +105,7 @@ def paths(tmp_path):
                                       "checkpoints)"),
 ])
 def test_paths_that_are_not_what_they_should_be_are_refused_at_start(paths, capsys, argv, text):
-    from vpipe.cli import main
+    from vpipe_lab.cli import main
 
     for name, path in paths.items():
         argv, text = argv.replace(name, path), text.replace(name, path)
@@ -116,7 +116,7 @@ def test_paths_that_are_not_what_they_should_be_are_refused_at_start(paths, caps
 
 
 def test_an_empty_log_file_name_is_refused_at_start(capsys):
-    from vpipe.cli import main
+    from vpipe_lab.cli import main
 
     assert main(["train", "--steps", "1", "--log-file", ""]) == 2
     assert capsys.readouterr().err.strip() == "vpipe: error: log file is empty; give a file name"
@@ -157,7 +157,7 @@ def test_ctrl_c_is_reported_as_an_interruption_not_a_failure(tmp_path):
 
     log_file = tmp_path / "run.log"
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "vpipe", "train", "--steps", "100000", "--blocks", "2", "--d-model", "16",
+        [sys.executable, "-m", "vpipe_lab", "train", "--steps", "100000", "--blocks", "2", "--d-model", "16",
          "--seq-len", "8", "--no-progress", "--monitor-every", "5", "--log-file", str(log_file)],
         cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -196,7 +196,7 @@ def test_bad_settings_end_the_command_before_it_starts_with_one_line(paths, caps
 
 
 def test_plot_writes_exactly_the_file_named_or_says_why_not(tmp_path, capsys):
-    from vpipe.cli import main
+    from vpipe_lab.cli import main
 
     log = tmp_path / "run.log"
     records = [{"t": 1.0, "rank": 0, "logger": "vpipe.decisions", "level": "INFO", "event": "attached", "stage": 0,
@@ -223,7 +223,7 @@ def test_two_runs_cannot_share_a_checkpoint_directory(tmp_path):
     ck = tmp_path / "ck"
     args = ["train", "--steps", "100000", "--blocks", "2", "--d-model", "16", "--seq-len", "8", "--no-progress",
             "--checkpoint-dir", str(ck)]
-    first = subprocess.Popen([sys.executable, "-m", "vpipe", *args], cwd=ROOT, env=child_env(),
+    first = subprocess.Popen([sys.executable, "-m", "vpipe_lab", *args], cwd=ROOT, env=child_env(),
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         _wait(lambda: (ck / ".vpipe-lock").exists() and (ck / ".vpipe-lock").read_text().strip() != "", 120,
@@ -239,15 +239,15 @@ def test_two_runs_cannot_share_a_checkpoint_directory(tmp_path):
             first.wait()
     _one_line(second, f"vpipe: error: --checkpoint-dir {ck} is in use by another run (pid {owner}); give each run "
                       "a directory of its own")
-    from vpipe.runtime.checkpoints import check_checkpoint_dir
-    from vpipe.runtime.config import RunConfig
+    from vpipe_lab.runtime.checkpoints import check_checkpoint_dir
+    from vpipe_lab.runtime.config import RunConfig
 
     check_checkpoint_dir(RunConfig(checkpoint_dir=str(ck)))  # free again once the first run is gone
 
 
 @pytest.mark.parametrize("flag, value", [("--network-bandwidth", "1e-300"), ("--copy-bandwidth", "1e300")])
 def test_a_bandwidth_no_link_has_is_refused_not_planned_with(tmp_path, capsys, flag, value):
-    from vpipe.cli import main
+    from vpipe_lab.cli import main
 
     assert main(["plan", _graph(tmp_path), "--stages", "2", flag, value]) == 2  # printed a step of 1e300 ms
     assert capsys.readouterr().err.strip() == (f"vpipe: error: {flag} must be between 1000 and 1e+15 bytes/s, "

@@ -1,4 +1,4 @@
-"""`vpipe bench` runs benchmark scripts by name and records what happened; `vpipe.report` renders their JSON."""
+"""`vpipe bench` runs benchmark scripts by name and records what happened; `vpipe_lab.report` renders their JSON."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from vpipe import bench, report
-from vpipe.cli import main as cli_main
+from vpipe_lab import bench, report
+from vpipe_lab.cli import main as cli_main
 
 SCRIPT = '''
 import argparse, json, sys
@@ -28,7 +28,7 @@ def fake_benchmarks(tmp_path, monkeypatch):
     scripts = tmp_path / "benchmarks"
     scripts.mkdir()
     (scripts / "fake.py").write_text(SCRIPT)
-    monkeypatch.setattr(bench, "BENCH_DIR", scripts)
+    monkeypatch.setattr(bench, "default_benchmarks_dir", lambda: scripts)
     monkeypatch.setattr(bench, "BENCHMARKS", {
         "fake": bench.Benchmark("fake", "fake.py", "a fake"),
         "broken": bench.Benchmark("broken", "fake.py", "always fails", ("--fail",)),
@@ -41,7 +41,7 @@ def test_every_named_benchmark_of_the_issue_is_registered():
     assert {"throughput", "microbatch", "planner", "simulator", "migration", "nas", "soak"} <= set(bench.BENCHMARKS)
     for b in bench.BENCHMARKS.values():
         if b.name not in ("nas", "soak"):  # written on other branches
-            assert b.path.exists(), b.script
+            assert b.script_in(bench.default_benchmarks_dir()).exists(), b.script
 
 
 def test_all_benchmarks_write_json_and_a_status_file(fake_benchmarks, capfd):
@@ -51,8 +51,18 @@ def test_all_benchmarks_write_json_and_a_status_file(fake_benchmarks, capfd):
     status = {r["name"]: r for r in json.loads((out / "bench.json").read_text())["benchmarks"]}
     assert status["fake"]["status"] == "ok"
     assert status["broken"] == {**status["broken"], "status": "failed", "reason": "exit status 3"}
-    assert status["absent"]["status"] == "skipped" and "absent.py is not in this checkout" in status["absent"]["reason"]
+    assert status["absent"]["status"] == "skipped"
+    assert f"absent.py is not in {fake_benchmarks / 'benchmarks'}" in status["absent"]["reason"]
     assert "table of fake results" in capfd.readouterr().out
+
+
+def test_bench_without_a_checkout_says_in_one_line_what_it_needs(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(bench, "SOURCE_ROOT", tmp_path / "site-packages")  # an installed vpipe: no benchmarks/
+    monkeypatch.chdir(tmp_path)
+    assert cli_main(["bench", "planner"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"vpipe: error: vpipe bench runs the scripts of a vpipe source checkout's benchmarks/ folder, and "
+        f"{tmp_path / 'benchmarks'} is not one: run it from the checkout or pass --benchmarks DIR")
 
 
 def test_one_benchmark_to_one_json_file(fake_benchmarks):
@@ -247,7 +257,7 @@ def test_multi_stage_rows_are_compared_with_the_same_schedule_without_vpipe():
 
 
 def test_each_vpipe_system_runs_right_after_the_same_schedule_without_it():
-    from vpipe.runtime.variants import Variant
+    from vpipe_lab.runtime.variants import Variant
 
     names = ["GPipe (all R)", "1F1B (all D)", "PipeDream (all D)", "GPipe + vpipe", "1F1B + vpipe",
              "PipeDream + vpipe", "ZBV (all D)", "ZBV + vpipe", "1F1B, no budget (all D)"]

@@ -23,9 +23,9 @@ from vpipe.checkpoint import (
     save_shard,
     write_manifest,
 )
-from vpipe.runtime.config import RunConfig
-from vpipe.runtime.models import build_model
-from vpipe.runtime.reference import optimizer_state_by_name, reference_flush
+from vpipe_lab.runtime.config import RunConfig
+from vpipe_lab.runtime.models import build_model
+from vpipe_lab.runtime.reference import optimizer_state_by_name, reference_flush
 
 SMALL = ["--blocks", "4", "--d-model", "32", "--n-heads", "2", "--seq-len", "16", "--micro-batch-size", "2",
          "--dropout", "0", "--no-progress"]
@@ -249,7 +249,7 @@ def test_resume_keeps_adamw_its_weight_decay_and_a_warmup_cosine_schedule_on_the
 
 def test_a_resume_without_the_schedulers_state_would_train_at_the_wrong_rate(tmp_path):
     """What the test above guards against: a fresh scheduler restarts the warm-up."""
-    from vpipe.runtime.optim import make_optimizer, make_scheduler
+    from vpipe_lab.runtime.optim import make_optimizer, make_scheduler
 
     cfg = small_cfg(optimizer="adamw", lr_schedule="warmup-cosine", warmup_steps=3, lr=0.01, steps=8)
     model = build_model(cfg.model_spec(), seed=0)

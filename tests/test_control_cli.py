@@ -10,7 +10,7 @@ import sys
 from conftest import ROOT, child_env, run_vpipe
 from vpipe.control.daemon import _server_key, build_parser
 from vpipe.control.planner_link import daemon_arguments, manual_command
-from vpipe.logview import timeline_rows
+from vpipe_lab.logview import timeline_rows
 
 
 def write_log(path, records) -> None:
@@ -18,7 +18,7 @@ def write_log(path, records) -> None:
 
 
 RECORDS = [
-    {"t": 100.0, "rank": 1, "logger": "vpipe.runtime", "level": "INFO", "msg": "stage 1 of 2: training"},
+    {"t": 100.0, "rank": 1, "logger": "vpipe_lab.runtime", "level": "INFO", "msg": "stage 1 of 2: training"},
     {"t": 100.5, "rank": 1, "logger": "vpipe.decisions", "level": "INFO", "event": "planner_started", "pid": 77,
      "msg": "started planner daemon pid 77"},
     {"t": 101.25, "rank": None, "role": "planner", "logger": "vpipe.decisions", "level": "INFO", "event": "plan",
@@ -87,7 +87,7 @@ def test_the_daemon_entry_point_imports_no_torch():
 
 
 def test_decision_rows_show_an_edit_once_and_only_the_asked_events():
-    from vpipe.logview import decision_rows
+    from vpipe_lab.logview import decision_rows
 
     records = [{"t": 1.0, "rank": r, "logger": "vpipe.decisions", "event": "layers_added", "msg": "added"}
                for r in (1, 0)]

@@ -85,7 +85,7 @@ def test_a_flood_of_valid_and_garbage_messages_keeps_memory_bounded_and_training
     secret = zmq.curve_keypair()[1]
     log_file = tmp_path / "run.log"
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "vpipe", "train", "--stages", "2", "--steps", str(STEPS), "--blocks", "2",
+        [sys.executable, "-m", "vpipe_lab", "train", "--stages", "2", "--steps", str(STEPS), "--blocks", "2",
          "--d-model", "16", "--seq-len", "8", "--micro-batches", "2", "--monitor-every", "5", "--no-progress",
          "--log-file", str(log_file)],
         cwd=ROOT, env=child_env(**{RUN_SECRET_ENV: secret.decode()}), stdout=subprocess.PIPE,

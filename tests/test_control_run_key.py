@@ -1,7 +1,7 @@
 """The run's control-plane key under torchrun: it never transits the rendezvous store.
 
 torchrun's store answers anyone who connects. An intruder here connects to it while a real
-2-rank ``torchrun ... -m vpipe train --vpipe`` runs, reads every key vpipe writes there
+2-rank ``torchrun ... -m vpipe_lab train --vpipe`` runs, reads every key vpipe writes there
 (endpoints, public keys, the attach namespace, the old ``ctl/run-secret`` and the new key
 file's path, whose file it then tries to open), and uses whatever secret it found to say
 ``hello`` and send a plan to the last stage. Its handshake must fail, the refusal must be
@@ -30,8 +30,8 @@ from vpipe.control.messages import PLANNER, encode, make
 from vpipe.control.run_key import AUTH_ENV, agree_run_key, read_private_key
 from vpipe.log import read_log
 from vpipe.plan import Plan
-from vpipe.runtime.config import RunConfig
-from vpipe.runtime.reference import reference_flush
+from vpipe_lab.runtime.config import RunConfig
+from vpipe_lab.runtime.reference import reference_flush
 
 CFG = RunConfig(stages=2, steps=300, blocks=2, d_model=16, n_heads=2, seq_len=8, micro_batches=2,
                 micro_batch_size=2, dropout=0.0, monitor_every=4)
@@ -118,7 +118,7 @@ def test_a_store_reader_cannot_pass_the_control_planes_authentication(tmp_path):
         env.pop(name, None)
     run = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-         "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "vpipe", "train", "--vpipe",
+         "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "vpipe_lab", "train", "--vpipe",
          "--planner", "control_planners:record_and_mark", "--stages", "2", "--steps", str(CFG.steps),
          "--blocks", str(CFG.blocks), "--d-model", str(CFG.d_model), "--n-heads", str(CFG.n_heads),
          "--seq-len", str(CFG.seq_len), "--micro-batches", str(CFG.micro_batches), "--micro-batch-size",

@@ -24,7 +24,7 @@ from vpipe.checkpoint.block_keys import global_block_keys, local_block_keys
 
 
 def _run(tmp_path: Path, shape: str) -> dict:
-    from vpipe.runtime.launch import spawn
+    from vpipe_lab.runtime.launch import spawn
 
     out = tmp_path / f"{shape}.json"
     code = spawn([sys.executable, str(ROOT / "tests" / "dcp_worker.py"), shape, str(out), str(tmp_path / "ckpt")],

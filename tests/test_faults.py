@@ -21,9 +21,9 @@ import pytest
 from conftest import ROOT, assert_params_equal, child_env, load_run_params, run_vpipe
 from vpipe import faults
 from vpipe.checkpoint import find_latest, load_checkpoint
-from vpipe.runtime.config import RunConfig
-from vpipe.runtime.launch import spawn
-from vpipe.runtime.reference import reference_flush
+from vpipe_lab.runtime.config import RunConfig
+from vpipe_lab.runtime.launch import spawn
+from vpipe_lab.runtime.reference import reference_flush
 
 SMALL = ["--blocks", "4", "--d-model", "32", "--n-heads", "2", "--seq-len", "16", "--micro-batch-size", "2",
          "--dropout", "0", "--no-progress"]

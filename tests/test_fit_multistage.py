@@ -6,9 +6,9 @@ from collections import Counter
 
 import pytest
 
-from vpipe.runtime.config import RunConfig
-from vpipe.runtime.fit import pipeline_fit, rank_action_order
-from vpipe.runtime.models import build_model
+from vpipe_lab.runtime.config import RunConfig
+from vpipe_lab.runtime.fit import pipeline_fit, rank_action_order
+from vpipe_lab.runtime.models import build_model
 
 MODEL = {"blocks": 4, "d_model": 32, "n_heads": 2, "seq_len": 16, "micro_batches": 4, "micro_batch_size": 4,
          "dropout": 0.0}

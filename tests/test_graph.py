@@ -8,7 +8,7 @@ from torch import fx
 
 from vpipe.graph import LayerGraph, LayerNode, Roofline
 from vpipe.profiling import from_fx, from_layers
-from vpipe.runtime.models import build_model, cnn, transformer_lm
+from vpipe_lab.runtime.models import build_model, cnn, transformer_lm
 
 
 def _chain(n: int = 4) -> dict:

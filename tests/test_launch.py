@@ -15,9 +15,9 @@ import torch
 
 from conftest import ROOT, assert_params_equal, child_env, load_run_params, run_vpipe
 from vpipe.log import read_log
-from vpipe.runtime.config import RunConfig
-from vpipe.runtime.launch import rank_env
-from vpipe.runtime.reference import reference_flush, reference_pipedream
+from vpipe_lab.runtime.config import RunConfig
+from vpipe_lab.runtime.launch import rank_env
+from vpipe_lab.runtime.reference import reference_flush, reference_pipedream
 
 
 def _saved_run(out: Path, cfg: RunConfig) -> tuple[list[dict], dict[str, torch.Tensor]]:
@@ -83,7 +83,7 @@ def test_rank_env_reads_torchrun_variables():
 def test_torchrun_launch_trains_like_one_process(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "vpipe", "train", "--stages", "2", "--steps", "2", "--dropout", "0", "--out-dir", str(tmp_path),
+         "-m", "vpipe_lab", "train", "--stages", "2", "--steps", "2", "--dropout", "0", "--out-dir", str(tmp_path),
          "--no-progress"],
         cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=240,
     )
@@ -108,7 +108,7 @@ def _ranks(launcher: subprocess.Popen) -> dict[int, psutil.Process]:
 def test_dead_rank_ends_every_rank_with_its_name(tmp_path):
     log_file = tmp_path / "run.log"
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "vpipe", "train", "--stages", "4", "--steps", "100000", "--no-progress",
+        [sys.executable, "-m", "vpipe_lab", "train", "--stages", "4", "--steps", "100000", "--no-progress",
          "--log-file", str(log_file)],
         cwd=ROOT, env=child_env(VPIPE_HEARTBEAT_TIMEOUT="5"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
@@ -142,7 +142,7 @@ def test_dead_rank_ends_every_rank_with_its_name(tmp_path):
 def test_a_stopped_rank_is_named_and_the_run_ends_within_the_heartbeat_timeout(tmp_path):
     log_file = tmp_path / "run.log"
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "vpipe", "train", "--stages", "2", "--steps", "100000", "--blocks", "2",
+        [sys.executable, "-m", "vpipe_lab", "train", "--stages", "2", "--steps", "100000", "--blocks", "2",
          "--d-model", "16", "--seq-len", "8", "--no-progress", "--log-file", str(log_file)],
         cwd=ROOT, env=child_env(VPIPE_HEARTBEAT_TIMEOUT="4"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True)

@@ -10,9 +10,9 @@ import time
 import psutil
 import pytest
 
-from vpipe.runtime.config import RunConfig
-from vpipe.runtime.launch import heartbeat_timeout_from_env, spawn
-from vpipe.runtime.measure import RunnableSampler, run_training
+from vpipe_lab.runtime.config import RunConfig
+from vpipe_lab.runtime.launch import heartbeat_timeout_from_env, spawn
+from vpipe_lab.runtime.measure import RunnableSampler, run_training
 
 BUSY = [sys.executable, "-c", "while True: pass"]
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 
 from conftest import assert_params_equal, load_run_params, run_vpipe
-from vpipe.runtime.config import RunConfig
-from vpipe.runtime.fit import pipeline_fit
-from vpipe.runtime.reference import reference_flush
+from vpipe_lab.runtime.config import RunConfig
+from vpipe_lab.runtime.fit import pipeline_fit
+from vpipe_lab.runtime.reference import reference_flush
 
 MODEL = {"blocks": 4, "d_model": 128, "n_heads": 4, "seq_len": 64, "micro_batches": 4, "micro_batch_size": 8,
          "dropout": 0.0}

@@ -7,8 +7,8 @@ import time
 
 from conftest import assert_params_equal, child_env, load_run_params, run_vpipe
 from vpipe.log import read_log
-from vpipe.runtime.config import RunConfig
-from vpipe.runtime.reference import reference_flush
+from vpipe_lab.runtime.config import RunConfig
+from vpipe_lab.runtime.reference import reference_flush
 
 ARGS = ["train", "--stages", "2", "--steps", "6", "--blocks", "4", "--d-model", "32", "--n-heads", "2",
         "--seq-len", "16", "--micro-batch-size", "2", "--dropout", "0", "--vpipe", "--no-planning",

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from vpipe.migration.moves import Move, apply_round, plan_rounds
 from vpipe.migration.state import detach_from_optimizer, pack_layer, unpack_layer, validate_manifest
-from vpipe.runtime.models import block_spec, build_layer
+from vpipe_lab.runtime.models import block_spec, build_layer
 
 
 def _train(module, opt, steps, seed):

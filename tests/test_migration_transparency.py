@@ -8,8 +8,8 @@ import pytest
 
 from conftest import assert_optimizer_equal, assert_params_equal, load_run_optimizer, load_run_params, run_vpipe
 from vpipe.log import read_log
-from vpipe.runtime.config import RunConfig
-from vpipe.runtime.reference import reference_flush, reference_pipedream
+from vpipe_lab.runtime.config import RunConfig
+from vpipe_lab.runtime.reference import reference_flush, reference_pipedream
 
 SMALL = {"blocks": 6, "d_model": 32, "n_heads": 2, "seq_len": 16, "dropout": 0.0, "micro_batches": 4,
          "micro_batch_size": 2}

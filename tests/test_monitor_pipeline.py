@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 from vpipe.control.session import exclude_shape_inference
 from vpipe.monitors import StageMonitor, layers_of
-from vpipe.runtime.config import RunConfig
-from vpipe.runtime.stage_run import build_stage_run
+from vpipe_lab.runtime.config import RunConfig
+from vpipe_lab.runtime.stage_run import build_stage_run
 
 
 @pytest.fixture

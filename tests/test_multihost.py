@@ -1,7 +1,7 @@
 """Two hosts made of network namespaces: a 2-stage run across them, launched by torchrun.
 
 The test makes two namespaces joined by a veth pair, with addresses that exist only
-inside them (10.231.7.1 and .2), and starts ``torchrun --nnodes 2 ... -m vpipe train`` in
+inside them (10.231.7.1 and .2), and starts ``torchrun --nnodes 2 ... -m vpipe_lab train`` in
 each (one rank per "host"; node 0's torchrun agent hosts the rendezvous store, as it does
 on real hosts). It proves:
 
@@ -39,8 +39,8 @@ from conftest import ROOT, assert_params_equal, child_env, load_run_params
 from vpipe.control.curve import PUBLIC_ENV, SECRET_ENV
 from vpipe.control.keys import write_keypair
 from vpipe.log import read_log
-from vpipe.runtime.config import RunConfig
-from vpipe.runtime.reference import reference_flush
+from vpipe_lab.runtime.config import RunConfig
+from vpipe_lab.runtime.reference import reference_flush
 
 SUBNET = "10.231.7"
 IFNAME = "vpeth0"  # the veth end's name inside each namespace (names are per namespace)
@@ -149,7 +149,7 @@ def launch(host: Host, node_rank: int, master: Host, env: dict[str, str], out: P
     argv = ["ip", "netns", "exec", host.namespace, sys.executable, "-m", "torch.distributed.run",
             "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node_rank),
             "--master-addr", master.address, "--master-port", str(MASTER_PORT),
-            "-m", "vpipe", "train", "--stages", "2", "--steps", str(CFG.steps), "--blocks", str(CFG.blocks),
+            "-m", "vpipe_lab", "train", "--stages", "2", "--steps", str(CFG.steps), "--blocks", str(CFG.blocks),
             "--d-model", str(CFG.d_model), "--n-heads", str(CFG.n_heads), "--seq-len", str(CFG.seq_len),
             "--micro-batches", str(CFG.micro_batches), "--micro-batch-size", str(CFG.micro_batch_size),
             "--dropout", "0", "--monitor-every", str(CFG.monitor_every), "--planner", MARKER,

@@ -14,10 +14,10 @@ import json
 import pytest
 
 from conftest import assert_optimizer_equal, assert_params_equal, load_run_optimizer, load_run_params, run_vpipe
-from vpipe.cli import main as cli_main
 from vpipe.log import read_log
-from vpipe.runtime.config import RunConfig
-from vpipe.runtime.reference import reference_flush
+from vpipe_lab.cli import main as cli_main
+from vpipe_lab.runtime.config import RunConfig
+from vpipe_lab.runtime.reference import reference_flush
 
 SMALL = {"blocks": 4, "d_model": 32, "n_heads": 2, "seq_len": 16, "dropout": 0.0, "micro_batches": 4,
          "micro_batch_size": 2}
@@ -175,7 +175,7 @@ def test_where_plain_interleaved_1f1b_fits_a_budget_vpipe_keeps_every_layer_and_
     """A rank's two stages do not peak at once: plain Interleaved 1F1B fits a budget that the stages' own peaks
     added up pass. vpipe shares the rank's budget by its real peak, so it keeps every layer too, and the planner
     finds nothing to fix."""
-    from vpipe.runtime.fit import pipeline_fit
+    from vpipe_lab.runtime.fit import pipeline_fit
 
     cfg = RunConfig(model="cnn", schedule="interleaved1f1b", stages=2, steps=6, micro_batches=4, micro_batch_size=16,
                     partition=[1, 1, 2, 3], vpipe=True)

@@ -8,8 +8,8 @@ import pytest
 
 from conftest import assert_params_equal, load_run_params, run_vpipe
 from vpipe.log import read_log
-from vpipe.runtime.config import RunConfig
-from vpipe.runtime.reference import reference_flush
+from vpipe_lab.runtime.config import RunConfig
+from vpipe_lab.runtime.reference import reference_flush
 
 SMALL = {"blocks": 4, "d_model": 32, "n_heads": 2, "seq_len": 16, "dropout": 0.0, "micro_batches": 4,
          "micro_batch_size": 2}
@@ -54,7 +54,7 @@ def test_bad_layer_edits_are_rejected_before_training():
 def test_mutations_follow_the_seed_and_respect_the_size_limits():
     import random
 
-    from vpipe.nas import Architecture
+    from vpipe_lab.nas import Architecture
 
     def walk(seed: int) -> list[tuple[str, ...]]:
         rng, arch, seen = random.Random(seed), Architecture(("attn", "attn")), []
@@ -112,7 +112,7 @@ def test_blocks_added_to_stage_0_are_rebalanced_live_and_train_like_one_process(
     drawn = run_vpipe("plot", str(tmp_path / "run.log"), "-o", str(png))
     assert drawn.returncode == 0, drawn.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    from vpipe.plot import series_from_log
+    from vpipe_lab.plot import series_from_log
 
     series = series_from_log(log)
     assert len(series.step) == 19  # every step but the last (its end is the run's end, no boundary follows)

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from conftest import assert_params_equal, load_run_params, run_vpipe
-from vpipe.runtime.config import RunConfig
-from vpipe.runtime.reference import reference_flush, reference_pipedream
+from vpipe_lab.runtime.config import RunConfig
+from vpipe_lab.runtime.reference import reference_flush, reference_pipedream
 
 SMALL = {"blocks": 4, "d_model": 32, "n_heads": 2, "seq_len": 16, "dropout": 0.0,
          "micro_batches": 4, "micro_batch_size": 2}

@@ -27,7 +27,7 @@ from vpipe.planner.cost_model import GraphProfile
 from vpipe.planner.online import OnlineConfig, OnlinePlanner
 from vpipe.planner.srp import _srp_loop
 from vpipe.rank.stages import in_flight_per_stage, in_flight_together
-from vpipe.runtime.models import reference_transformer
+from vpipe_lab.runtime.models import reference_transformer
 
 torch.set_num_threads(1)
 
@@ -104,7 +104,7 @@ def test_a_hugging_face_gpt2_gets_a_megatron_layout_and_no_torchtitan_list_it_ca
 
 
 def test_a_sequential_model_gets_torchtitan_names_and_no_megatron_layout(capsys):
-    plan = _json_plan(capsys, "--model", "vpipe.runtime.models:reference_transformer", "--input-shape", "4,64",
+    plan = _json_plan(capsys, "--model", "vpipe_lab.runtime.models:reference_transformer", "--input-shape", "4,64",
                       "--input-dtype", "int64", "--repeats", "1", "--stages", "3")
     _assert_torchtitan_reads_the_plan(plan, reference_transformer(), 3)
     assert plan["megatron"] == {

@@ -21,11 +21,11 @@ from plan_models import EncoderDecoder, encoder_decoder
 from vpipe.cli import main
 from vpipe.graph import LayerGraph
 from vpipe.profiling import find_units, profile_model
-from vpipe.runtime.models import reference_transformer
+from vpipe_lab.runtime.models import reference_transformer
 
 torch.set_num_threads(1)
 
-REFERENCE = ["--model", "vpipe.runtime.models:reference_transformer", "--input-shape", "4,64",
+REFERENCE = ["--model", "vpipe_lab.runtime.models:reference_transformer", "--input-shape", "4,64",
              "--input-dtype", "int64", "--repeats", "1"]
 MODELS = str(Path(__file__).resolve().parent / "plan_models.py")  # factories, by file (any working directory)
 TWO_ARGUMENTS = ["--model", f"{MODELS}:encoder_decoder", "--repeats", "1"]
@@ -176,13 +176,13 @@ def test_the_encoders_output_is_a_skip_edge_to_every_decoder_block():
     (["--model", f"{MODELS}:raises"], f"--model: {MODELS}:raises() raised RuntimeError: the factory failed"),
     (["--model", f"{MODELS}:not_a_module"],
      f"--model: {MODELS}:not_a_module() returned int; it must return an nn.Module"),
-    (["--model", "vpipe.runtime.models:reference_transformer"], "--input-shape is needed"),
-    (["--model", "vpipe.runtime.models:reference_transformer", "--input-shape", "4,x"],
+    (["--model", "vpipe_lab.runtime.models:reference_transformer"], "--input-shape is needed"),
+    (["--model", "vpipe_lab.runtime.models:reference_transformer", "--input-shape", "4,x"],
      "--input-shape must be positive integers separated by commas, like 8,128; got '4,x'"),
-    (["--model", "vpipe.runtime.models:reference_transformer", "--input-shape", "4,0"], "got '4,0'"),
-    (["--model", "vpipe.runtime.models:reference_transformer", "--input-shape", "4,64", "--input-dtype", "int99"],
+    (["--model", "vpipe_lab.runtime.models:reference_transformer", "--input-shape", "4,0"], "got '4,0'"),
+    (["--model", "vpipe_lab.runtime.models:reference_transformer", "--input-shape", "4,64", "--input-dtype", "int99"],
      "--input-dtype must be one of float32"),
-    (["--model", "vpipe.runtime.models:reference_transformer", "--input-shape", "4,64"],
+    (["--model", "vpipe_lab.runtime.models:reference_transformer", "--input-shape", "4,64"],
      "running the model on the example input failed: RuntimeError: Expected tensor for argument #1 'indices'"),
     ([*TWO_ARGUMENTS, "--input-shape", "4,64"],
      "--input-shape and --input-dtype are for factories that return only a model"),

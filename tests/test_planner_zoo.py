@@ -10,7 +10,7 @@ import pytest
 from vpipe.graph import LayerGraph
 from vpipe.planner.partition import is_valid_pipeline
 from vpipe.planner.srp import plan_pipeline
-from vpipe.runtime import zoo
+from vpipe_lab.runtime import zoo
 
 # (nodes, edges) the paper's Table 4 reports, and how close the zoo must come
 PAPER_SIZES = {"bert-large": (976, 1262), "transformer": (662, 830), "amoebanet": (4380, 5080), "gnmt": (190, 228)}

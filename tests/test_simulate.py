@@ -15,10 +15,10 @@ import time
 
 import pytest
 
-from vpipe.runtime.calibrate import REFERENCE_RUN, calibrate, predict_step_s, typical, validate
-from vpipe.runtime.costs import LayerCost, Link, ModelCosts, ideal_step_s, scaled, stage_costs
-from vpipe.runtime.measure import RunnableSampler
-from vpipe.runtime.simulate import StageCost, action_order, simulate
+from vpipe_lab.runtime.calibrate import REFERENCE_RUN, calibrate, predict_step_s, typical, validate
+from vpipe_lab.runtime.costs import LayerCost, Link, ModelCosts, ideal_step_s, scaled, stage_costs
+from vpipe_lab.runtime.measure import RunnableSampler
+from vpipe_lab.runtime.simulate import StageCost, action_order, simulate
 
 
 def flow_shop_s(costs: list[StageCost], m: int) -> float:
@@ -216,8 +216,8 @@ def test_typical_profile_is_the_median_round_per_layer_so_one_slow_moment_moves_
 def test_validation_predicts_another_depth_with_a_given_calibration(monkeypatch):
     """The calibration of 2 stages carried to 4: only the 4-stage run is made, and the prediction is the
     simulator's with that overhead and scale (runs here are simulated, so it is exact)."""
-    from vpipe.runtime import calibrate as calibration_module
-    from vpipe.runtime.calibrate import Calibration
+    from vpipe_lab.runtime import calibrate as calibration_module
+    from vpipe_lab.runtime.calibrate import Calibration
 
     cfg = dataclasses.replace(REFERENCE_RUN, stages=4, micro_batch_size=8)
     costs = scaled(_costs(REFERENCE_RUN.n_layers), 8)
@@ -239,7 +239,7 @@ def test_validation_predicts_another_depth_with_a_given_calibration(monkeypatch)
 def test_validation_profiles_every_size_after_each_run_and_shares_them_with_the_next_depth(monkeypatch):
     """The profiles see the machine at as many moments as the runs: one round of every size after each real run,
     combined by their median; the dict passed in is filled, and a second depth given it profiles nothing."""
-    from vpipe.runtime import calibrate as calibration_module
+    from vpipe_lab.runtime import calibrate as calibration_module
 
     cfg = dataclasses.replace(REFERENCE_RUN, stages=2, micro_batch_size=8)
     events: list[tuple[str, int]] = []
@@ -297,7 +297,7 @@ def _settle() -> None:
 def test_simulated_step_time_is_within_15_percent_of_real_runs(stages):
     """Real `vpipe train` runs, five at the reference size, interleaved with five at each of micro-batch sizes 1, 4
     and 16 that calibrate the per-action overhead and compute scale; each run simulated under the outside load it
-    saw (vpipe/runtime/calibrate.py). Five, not three: a run of 4 ranks on 2 cores now and then runs 30% slower from
+    saw (vpipe_lab/runtime/calibrate.py). Five, not three: a run of 4 ranks on 2 cores now and then runs 30% slower from
     its first step to its last (295 ms a step against 212-240 ms for five others in a row), and a median of five
     shrugs off two such runs. The simulation models an outside load as steady; one that comes and goes within a run
     is not, so a measurement under a heavy one is repeated (up to three times, waiting for the load to fall in

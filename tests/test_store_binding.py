@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import psutil
 
-from vpipe.runtime.launch import host_store
+from vpipe_lab.runtime.launch import host_store
 
 
 def test_the_store_listens_on_loopback_only_and_works():

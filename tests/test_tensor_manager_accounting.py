@@ -9,9 +9,9 @@ from torch.distributed.pipelining._backward import stage_backward_input, stage_b
 
 from tensor_manager_support import assert_grads_equal, gpipe_step, layers_of, make_manager, model_spec
 from vpipe.plan import Policy
-from vpipe.runtime.models import build_model
 from vpipe.tensor_manager import TensorManager
 from vpipe.tensor_manager.accounting import count_saved_bytes
+from vpipe_lab.runtime.models import build_model
 
 
 def _forward_all(kind: str, policies=None, micro_batches: int = 3, **kwargs):

@@ -9,9 +9,9 @@ import torch
 
 from tensor_manager_support import assert_grads_equal, gpipe_step, make_manager, model_spec, train_grads
 from vpipe.plan import Policy
-from vpipe.runtime.models import build_model
 from vpipe.tensor_manager import MemoryBudgetError
 from vpipe.tensor_manager.budget import LayerEstimate, cheapest_escalations
+from vpipe_lab.runtime.models import build_model
 
 
 def _peak_all_kept(kind: str, micro_batches: int) -> int:

@@ -11,10 +11,10 @@ import torch
 from torch import nn
 
 from vpipe.plan import Policy
-from vpipe.runtime.models import build_model, transformer_lm
 from vpipe.tensor_manager import TensorManager
 from vpipe.tensor_manager.copy_engine import make_copy_engine
 from vpipe.tensor_manager.pool import HostPool
+from vpipe_lab.runtime.models import build_model, transformer_lm
 
 pytestmark = [
     pytest.mark.cuda,

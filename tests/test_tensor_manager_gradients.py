@@ -18,7 +18,7 @@ from tensor_manager_support import (
     train_grads,
 )
 from vpipe.plan import Plan, Policy
-from vpipe.runtime.models import build_model
+from vpipe_lab.runtime.models import build_model
 
 MODELS = ["transformer", "cnn"]
 

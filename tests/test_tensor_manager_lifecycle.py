@@ -12,10 +12,10 @@ from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
 from tensor_manager_support import make_manager, model_spec
 from vpipe.plan import Policy
-from vpipe.runtime.launch import free_port
-from vpipe.runtime.models import build_model
 from vpipe.tensor_manager import LayerBusyError, install_on_stage
 from vpipe.tensor_manager.prefetch import BACKWARD, FORWARD, ArrivalPredictor
+from vpipe_lab.runtime.launch import free_port
+from vpipe_lab.runtime.models import build_model
 
 
 def _snapshot(module: nn.Module) -> dict:

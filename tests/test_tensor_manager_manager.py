@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from tensor_manager_support import gpipe_step, layers_of, make_manager, model_spec
-from vpipe.runtime.models import build_model
 from vpipe.tensor_manager import LayerBusyError, TensorManager
+from vpipe_lab.runtime.models import build_model
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -8,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tensor_manager_support import make_manager, model_spec
-from vpipe.runtime.models import build_model
 from vpipe.tensor_manager import HostPoolFullError
 from vpipe.tensor_manager.pool import ALIGNMENT, HostPool, default_host_pool_bytes
+from vpipe_lab.runtime.models import build_model
 
 
 def test_ranges_are_reused_and_coalesced():

@@ -18,8 +18,8 @@ from torch.distributed.pipelining._backward import stage_backward_input, stage_b
 
 from tensor_manager_support import assert_grads_equal, make_manager, model_spec
 from vpipe.plan import Policy
-from vpipe.runtime.models import build_model
 from vpipe.tensor_manager import TensorManager
+from vpipe_lab.runtime.models import build_model
 
 # the stage: three transformer blocks and the head / the CNN's conv blocks and head (float inputs)
 STAGE_LAYERS = {"transformer": [1, 2, 3, 4], "cnn": [1, 2, 3, 4]}

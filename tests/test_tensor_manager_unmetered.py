@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from tensor_manager_support import gpipe_step, make_manager, model_spec
-from vpipe.runtime.models import build_model
 from vpipe.tensor_manager import LayerBusyError
+from vpipe_lab.runtime.models import build_model
 
 
 class _PackCounter:

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _trained(tmp_path: Path, scenario: str = "timeline") -> tuple[dict, Path]:
-    from vpipe.runtime.launch import spawn
+    from vpipe_lab.runtime.launch import spawn
 
     out, trace_dir = tmp_path / "out.json", tmp_path / "trace"
     code = spawn([sys.executable, str(ROOT / "tests" / "trace_worker.py"), str(out), str(trace_dir), scenario], 2,

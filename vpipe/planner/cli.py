@@ -20,9 +20,6 @@ import json
 import sys
 from typing import Any, NoReturn
 
-from rich.console import Console
-from rich.table import Table
-
 from vpipe.graph import LayerGraph, ModelGraph, load_graph
 from vpipe.plan import Policy
 from vpipe.planner.cost_model import MULTI_STAGE, SCHEDULES, GraphProfile, Hardware
@@ -237,27 +234,34 @@ def _names(model_graph: ModelGraph) -> str:
 
 
 def _print_table(graph: LayerGraph, result: PlanResult, args: argparse.Namespace) -> None:
-    table = Table(title=f"{getattr(graph, 'name', 'graph')}: {len(result.stages)} stages, "
-                        f"{args.schedule}, {args.micro_batches} micro-batches, method {result.method}")
-    for column in ("stage", "layers", "ids", "time ms", "memory", "swap", "recompute", "boundary out"):
-        table.add_column(column, justify="left" if column == "ids" else "right", no_wrap=True)
     profile = GraphProfile(graph)
-    end = 0
+    rows, end = [], 0
     for k, layers in enumerate(result.stages):
         end += len(layers)
         swaps = sum(1 for lid in layers if result.policies[lid] is Policy.SWAP)
         recomputes = sum(1 for lid in layers if result.policies[lid] is Policy.RECOMPUTE)
         out_bytes = profile.cut[end] if end < profile.n else 0.0
-        table.add_row(str(k), str(len(layers)), f"{layers[0]}..{layers[-1]}",
-                      f"{result.stage_times_s[k] * 1e3:.3f}", _human(result.stage_memory_bytes[k]),
-                      str(swaps), str(recomputes), _human(out_bytes))
-    console = Console()
-    if not console.is_terminal:  # piped: do not squeeze the table into 80 columns
-        console = Console(width=120)
-    console.print(table)
-    console.print(f"slowest stage {result.bottleneck_s * 1e3:.3f} ms, step {result.step_s * 1e3:.3f} ms "
-                  f"(bubble included), boundary bytes {result.comm_bytes:,}, planned in "
-                  f"{result.planner_s * 1e3:.1f} ms ({result.iterations} SRP iteration(s))")
+        rows.append([str(k), str(len(layers)), f"{layers[0]}..{layers[-1]}", f"{result.stage_times_s[k] * 1e3:.3f}",
+                     _human(result.stage_memory_bytes[k]), str(swaps), str(recomputes), _human(out_bytes)])
+    print(text_table(f"{getattr(graph, 'name', 'graph')}: {len(result.stages)} stages, {args.schedule}, "
+                     f"{args.micro_batches} micro-batches, method {result.method}",
+                     ["stage", "layers", "ids", "time ms", "memory", "swap", "recompute", "boundary out"], rows,
+                     left={"ids"}))
+    print(f"slowest stage {result.bottleneck_s * 1e3:.3f} ms, step {result.step_s * 1e3:.3f} ms "
+          f"(bubble included), boundary bytes {result.comm_bytes:,}, planned in "
+          f"{result.planner_s * 1e3:.1f} ms ({result.iterations} SRP iteration(s))")
+
+
+def text_table(title: str, columns: list[str], rows: list[list[str]], *,
+               left: frozenset[str] | set[str] = frozenset()) -> str:
+    """A plain-text table, columns padded to fit and never wrapped (plans are pasted from it)."""
+    widths = [max([len(c), *(len(r[i]) for r in rows)]) for i, c in enumerate(columns)]
+
+    def line(cells: list[str]) -> str:
+        padded = (c.ljust(w) if name in left else c.rjust(w) for c, w, name in zip(cells, widths, columns))
+        return " | ".join(padded).rstrip()
+
+    return "\n".join([title, line(columns), "-+-".join("-" * w for w in widths), *map(line, rows)])
 
 
 def _human(nbytes: float) -> str:
@@ -287,18 +291,11 @@ def _compact(names: list[str], containers: dict[str, str | None]) -> str:
 
 def _print_model_table(mg: ModelGraph, pl: ModelPlan, args: argparse.Namespace, forms: list[str]) -> None:
     containers = {u.name: u.container for u in mg.units}
-    table = Table(title=f"{args.model or mg.source or args.graph}: {len(pl.stages)} stages, {args.schedule}, "
-                        f"{args.micro_batches} micro-batches, measured on {mg.device or '?'}, method {pl.method}")
-    for column in ("stage", "modules", "time ms", "memory", "policies"):
-        table.add_column(column, justify="left" if column in ("modules", "policies") else "right",
-                         overflow="fold")
-    for k, names in enumerate(pl.stages):
-        table.add_row(str(k), _compact(names, containers), f"{pl.stage_s[k] * 1e3:.3f}",
-                      _human(pl.stage_memory_bytes[k]), "".join(pl.policies[n] for n in names))
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=120)
-    console.print(table)
+    rows = [[str(k), _compact(names, containers), f"{pl.stage_s[k] * 1e3:.3f}", _human(pl.stage_memory_bytes[k]),
+             "".join(pl.policies[n] for n in names)] for k, names in enumerate(pl.stages)]
+    print(text_table(f"{args.model or mg.source or args.graph}: {len(pl.stages)} stages, {args.schedule}, "
+                     f"{args.micro_batches} micro-batches, measured on {mg.device or '?'}, method {pl.method}",
+                     ["stage", "modules", "time ms", "memory", "policies"], rows, left={"modules", "policies"}))
     parts = pl.bottleneck
     lines = [
         f"predicted step {pl.step_s * 1e3:.3f} ms (bubble included); slowest stage {pl.bottleneck_stage}: "

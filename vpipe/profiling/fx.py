@@ -1,7 +1,7 @@
 """One graph node per node of a ``torch.fx`` trace: :func:`from_fx`.
 
 The finest placement a model allows (every operator a unit), used for the paper-sized
-graphs the planner is tested and benchmarked on (:mod:`vpipe.runtime.zoo`). The trace runs
+graphs the planner is tested and benchmarked on (:mod:`vpipe_lab.runtime.zoo`). The trace runs
 once; its nodes are measured, estimated from their output sizes, or costed by a
 :class:`~vpipe.graph.Roofline` from their FLOPs and bytes, which also works on the meta
 device (model-sized graphs in seconds, the same costs on every run).

@@ -202,7 +202,7 @@ def check_schedule_api(schedule: Any) -> None:
     if missing:
         raise RuntimeError(
             f"vpipe cannot attach to {type(schedule).__name__} with torch {torch.__version__}: its pipelining API "
-            f"lacks {', '.join(sorted(set(missing)))} (vpipe supports torch 2.6-2.14)"
+            f"lacks {', '.join(sorted(set(missing)))} (vpipe is tested with torch 2.11 and 2.13)"
         )
 
 
