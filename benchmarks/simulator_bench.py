@@ -5,8 +5,11 @@ micro-batches of 8, GPipe) on 2 and 4 stages: the simulator's step time from mea
 profiles, with a per-action overhead and a compute scale calibrated on the 2-stage pipeline
 at micro-batch sizes 1, 4 and 16 (:mod:`vpipe_lab.runtime.calibrate`) and used unchanged for
 4 stages (``--recalibrate``: each depth on its own runs), against real ``vpipe train`` runs;
-each run is simulated under the outside load it saw. ``tests/test_simulate.py`` asserts
-within 15% with more repeats, each depth calibrated on its own runs.
+each run is simulated under the outside load it saw. The target is within 15% of the real
+step time (``--repeats 5 --recalibrate``: each depth calibrated on its own runs, a median of
+five runs per size); the table says how far each depth is. It measures this machine, whose
+load comes and goes, so it is a benchmark and not a test: the suite keeps the simulator's
+arithmetic (``tests/unit/test_simulate.py``: bubble formulas, calibration on synthetic runs).
 
 **Projection.** A transformer with two identical blocks per stage (every block costs what
 the reference model's median block measured here, the embedding and head as measured),
@@ -61,7 +64,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=3, help="real runs per micro-batch size and depth")
     p.add_argument("--run-steps", type=int, default=10,
-                   help=f"steps per real run (the first 2 are warm-up; tests/test_simulate.py runs {REFERENCE.steps})")
+                   help=f"steps per real run (the first 2 are warm-up; default {REFERENCE.steps})")
     p.add_argument("--validation-stages", type=int, nargs="*", default=[2, 4])
     p.add_argument("--recalibrate", action="store_true",
                    help="calibrate every validated depth on its own runs (default: the first depth's calibration "
@@ -80,7 +83,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def validation(args: argparse.Namespace, profiles: dict[int, ModelCosts]) -> list[dict[str, Any]]:
     """Calibrate on the first depth's runs; the other depths are predicted with that calibration unless
-    ``--recalibrate`` (each its own, as ``tests/test_simulate.py`` does)."""
+    ``--recalibrate`` (each its own)."""
     from vpipe_lab.runtime.calibrate import validate
 
     rows = []
@@ -140,13 +143,14 @@ def print_tables(out: dict[str, Any]) -> None:
     console = Console(width=150)
     if out["validation"]:
         table = Table(title="simulator vs real runs (reference transformer, GPipe, this machine)")
-        for col in ("stages", "predicted ms", "measured ms (runs)", "error", "outside load", "overhead/action",
-                    "compute scale", "calibrated on"):
+        for col in ("stages", "predicted ms", "measured ms (runs)", "error (target 15%)", "outside load",
+                    "overhead/action", "compute scale", "calibrated on"):
             table.add_column(col, justify="right")
         for r in out["validation"]:
             runs = ", ".join(f"{x * 1e3:.0f}" for x in r["measured_runs_s"])
             table.add_row(str(r["stages"]), f"{r['predicted_s'] * 1e3:.0f}", f"{r['measured_s'] * 1e3:.0f} ({runs})",
-                          f"{r['error']:+.1%}", f"{r['background']:.1f} threads",
+                          f"{r['error']:+.1%} {'met' if abs(r['error']) <= 0.15 else 'NOT met'}",
+                          f"{r['background']:.1f} threads",
                           f"{r['action_overhead_s'] * 1e3:.2f} ms", f"{r['compute_scale']:.2f}",
                           f"{r['calibrated_on_stages']} stages")
         console.print(table)

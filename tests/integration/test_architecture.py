@@ -1,0 +1,271 @@
+"""The import graph of vpipe follows docs/architecture.md: rooms, one direction, no hidden imports.
+
+A room is a first-level subpackage of ``vpipe`` (``planner/``) or a top-level module
+(``graph.py``; the package's ``__init__.py`` is the room of the public facade); the laboratory's
+rooms are named the same way under ``vpipe_lab/`` (``vpipe_lab/runtime/``). The table in
+docs/architecture.md says which rooms each room may import; every import between rooms
+must be allowed there, the table must allow no cycle, and it must not allow what nobody
+imports (so it stays a description of the code). Imports inside functions hide
+dependencies, so each one is listed below with its reason: keeping a process free of
+torch (or of what it does not need), or an optional extra.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("vpipe", "vpipe_lab")  # the library, and the laboratory built on it
+DOC = ROOT / "docs" / "architecture.md"
+HEADER = ["room", "job", "torch", "may import"]
+
+# Libraries a module may import where it uses them, wherever it is: optional or absent on some machines.
+# (An import under ``try: ... except ImportError`` is optional by construction and allowed too:
+# torch builds without NCCL, private torch names a version may lack.)
+OPTIONAL_EXTRAS = {
+    "matplotlib": "the plot extra (pip install 'vpipe[plot]')",
+    "pynvml": "NVML exists only on machines with an NVIDIA driver",
+    "torch.utils.tensorboard": "metrics='tensorboard' needs the tensorboard package (the metrics extra)",
+    "wandb": "metrics='wandb' needs the wandb package, which vpipe does not install",
+}
+
+# module -> (what it imports inside functions, why). Each entry must still be needed.
+LAZY_IMPORTS: dict[str, tuple[frozenset[str], str]] = {
+    "vpipe": (frozenset({"vpipe.attach", "vpipe.plan", "vpipe.schedules.pipedream", "vpipe.checkpoint.block_keys"}),
+              "the public names load on first use: `import vpipe` (the CLI, the planner daemon) loads no torch"),
+    "vpipe.planner": (frozenset({"vpipe.planner.srp", "vpipe.planner.exact", "vpipe.planner.cost_model",
+                                 "vpipe.planner.sr"}),
+                      "entry points load on first use: the daemon imports vpipe.planner.judge without numpy"),
+    "vpipe.monitors": (frozenset({"vpipe.monitors.stage", "vpipe.monitors.keep_all"}),
+                       "the daemon reads vpipe.monitors.records: the package must import without torch"),
+    "vpipe_lab.cli": (frozenset({"vpipe_lab.runtime.launch", "vpipe_lab.runtime.checkpoints",
+                                 "vpipe_lab.runtime.trainer", "vpipe_lab.nas"}),
+                  "only train and nas load torch: vpipe plan, logs, plot, planner, keys start without it"),
+    "vpipe.planner.cli": (frozenset({"vpipe.profiling.command", "vpipe.profiling.schedule_layout"}),
+                          "only --model and a multi-stage schedule load torch: vpipe plan GRAPH.json plans a "
+                          "single-stage schedule without it"),
+    "vpipe_lab.command": (frozenset({"vpipe_lab.cli"}),
+                          "the laboratory's commands need the lab extra (rich): without it the vpipe command "
+                          "still runs the library's"),
+    "vpipe_lab.runtime.config": (frozenset({"vpipe_lab.runtime.models"}),
+                             "the CLI builds its options from RunConfig without loading torch"),
+    "vpipe_lab.runtime.measure": (frozenset({"vpipe_lab.runtime.launch"}),
+                              "vpipe demo and bench measure from a torch-free parent (the CLI imports vpipe_lab.demo)"),
+    "vpipe_lab.runtime.launch": (frozenset({"vpipe.tensor_manager.copy_engine", "vpipe.tensor_manager.budget",
+                                        "vpipe.tensor_manager.pool", "vpipe.migration.blocks"}),
+                             "the spawning parent imports launch for spawn(): it must not load torch's pipelining"),
+}
+
+
+@dataclass(frozen=True)
+class Import:
+    module: str  # the importing module, dotted
+    target: str  # what it imports: a module, or a package's attribute resolved to its submodule
+    line: int
+    in_function: bool
+    guarded: bool = False  # under ``try: ... except ImportError``
+
+
+@cache
+def modules() -> dict[str, Path]:
+    """Every module of the package, by dotted name."""
+    out = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(parts)] = path
+    return out
+
+
+def room(module: str) -> str:
+    """``planner/`` for vpipe.planner.*, ``graph.py`` for vpipe.graph, ``__init__.py`` for vpipe itself;
+    the laboratory's the same behind ``vpipe_lab/`` (``vpipe_lab/runtime/``, ``vpipe_lab/cli.py``)."""
+    package, *parts = module.split(".")
+    prefix = "" if package == "vpipe" else f"{package}/"
+    if not parts:
+        return f"{prefix}__init__.py"
+    return f"{prefix}{parts[0]}/" if (ROOT / package / parts[0]).is_dir() else f"{prefix}{parts[0]}.py"
+
+
+def _resolve(module: str, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    base = module.split(".")
+    if not modules()[module].name == "__init__.py":
+        base = base[:-1]
+    base = base[:len(base) - node.level + 1]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _targets(module: str, node: ast.AST) -> Iterator[str]:
+    if isinstance(node, ast.Import):
+        yield from (alias.name for alias in node.names)
+    elif isinstance(node, ast.ImportFrom):
+        source = _resolve(module, node)
+        for alias in node.names:  # `from vpipe import log` imports the module vpipe.log
+            sub = f"{source}.{alias.name}"
+            yield sub if sub in modules() or sub in OPTIONAL_EXTRAS else source
+
+
+def _lazy_exports(tree: ast.Module) -> Iterator[tuple[str, int]]:
+    """Module names in an ``__init__``'s dict literals: exports loaded by ``importlib`` on first use."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Dict):
+            for value in node.values:
+                if isinstance(value, ast.Constant) and isinstance(value.value, str) and value.value in modules():
+                    yield value.value, value.lineno
+
+
+def _catches_import_error(node: ast.Try) -> bool:
+    names = set()
+    for handler in node.handlers:
+        kinds = handler.type.elts if isinstance(handler.type, ast.Tuple) else [handler.type]
+        names |= {k.id for k in kinds if isinstance(k, ast.Name)}
+    return bool(names & {"ImportError", "ModuleNotFoundError"})
+
+
+@cache
+def imports() -> tuple[Import, ...]:
+    found: list[Import] = []
+    for module, path in modules().items():
+        tree = ast.parse(path.read_text(), str(path))
+
+        def visit(node: ast.AST, in_function: bool, guarded: bool) -> None:
+            for child in ast.iter_child_nodes(node):
+                inside = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+                if isinstance(child, (ast.Import, ast.ImportFrom)):
+                    found.extend(Import(module, t, child.lineno, inside, guarded) for t in _targets(module, child))
+                if isinstance(child, ast.Try) and _catches_import_error(child):
+                    for statement in child.body:
+                        visit(ast.Module([statement], []), inside, True)
+                    for rest in (*child.handlers, *child.orelse, *child.finalbody):
+                        visit(rest, inside, guarded)
+                    continue
+                visit(child, inside, guarded)
+
+        visit(tree, False, False)
+        if path.name == "__init__.py":
+            found.extend(Import(module, target, line, True) for target, line in _lazy_exports(tree))
+    return tuple(found)
+
+
+@dataclass(frozen=True)
+class Row:
+    allowed: tuple[str, ...]  # the rooms it may import, as listed
+    torch_free: tuple[str, ...]  # modules that must import without torch: the whole room, or those named
+
+
+@cache
+def table() -> dict[str, Row]:
+    """docs/architecture.md's direction table, in its order (callers first)."""
+    rows: dict[str, Row] = {}
+    lines = DOC.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if _cells(line) == HEADER)
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        name, _job, torch, allowed = _cells(line, lower=False)
+        (room_name,) = re.findall(r"`([^`]+)`", name)
+        assert room_name not in rows, f"docs/architecture.md lists {room_name} twice"
+        assert torch == "no" or torch.startswith("yes"), f"{room_name}: the torch column starts with yes or no"
+        free = [m for m in modules() if room(m) == room_name] if torch == "no" else [
+            _module_of(room_name, file) for file in re.findall(r"`([^`]+)`", torch)]
+        rows[room_name] = Row(tuple(re.findall(r"`([^`]+)`", allowed)), tuple(free))
+    return rows
+
+
+def _module_of(room_name: str, file: str) -> str:
+    package = "vpipe_lab" if room_name.startswith("vpipe_lab/") else "vpipe"
+    module = f"{package}.{room_name.removeprefix('vpipe_lab/').rstrip('/')}.{file.removesuffix('.py')}"
+    assert module in modules(), f"docs/architecture.md names {file} in {room_name}, which has no such module"
+    return module
+
+
+def _cells(line: str, lower: bool = True) -> list[str]:
+    cells = [c.strip() for c in line.strip().strip("|").split("|")]
+    return [c.lower() for c in cells] if lower else cells
+
+
+def _between_rooms() -> dict[tuple[str, str], list[str]]:
+    edges: dict[tuple[str, str], list[str]] = {}
+    for imp in imports():
+        if imp.target.split(".")[0] in PACKAGES and room(imp.target) != room(imp.module):
+            edges.setdefault((room(imp.module), room(imp.target)), []).append(f"{imp.module}:{imp.line}")
+    return edges
+
+
+def test_the_table_names_every_room_once():
+    rooms = {room(m) for m in modules()}
+    listed = set(table())
+    assert rooms - listed == set(), f"rooms missing from docs/architecture.md: {sorted(rooms - listed)}"
+    assert listed - rooms == set(), f"docs/architecture.md lists rooms that do not exist: {sorted(listed - rooms)}"
+    for name, row in table().items():
+        assert set(row.allowed) <= rooms, f"{name} may import unknown rooms {sorted(set(row.allowed) - rooms)}"
+
+
+def test_the_library_never_imports_the_laboratory():
+    """``pip install vpipe`` without the lab extra must still import and attach: no vpipe module reaches vpipe_lab."""
+    reaching = [f"{imp.module}:{imp.line} imports {imp.target}" for imp in imports()
+                if imp.module.split(".")[0] == "vpipe" and imp.target.split(".")[0] == "vpipe_lab"]
+    assert not reaching, f"the library imports the laboratory: {reaching}"
+
+
+def test_every_import_between_rooms_is_allowed_by_the_table():
+    wrong = {f"{src} -> {dst}": where for (src, dst), where in _between_rooms().items()
+             if dst not in table()[src].allowed}
+    assert not wrong, f"imports docs/architecture.md does not allow: {wrong}"
+
+
+def test_the_table_allows_only_what_is_imported():
+    used = set(_between_rooms())
+    unused = [f"{src} -> {dst}" for src, row in table().items() for dst in row.allowed if (src, dst) not in used]
+    assert not unused, f"docs/architecture.md allows imports nobody makes (remove them): {unused}"
+
+
+def test_the_rooms_import_each_other_one_way():
+    """Each row may import only rows below it: the table is a topological order, so no cycle is allowed."""
+    order = list(table())
+    upward = {f"{src} -> {dst}" for src, row in table().items() for dst in row.allowed
+              if order.index(dst) <= order.index(src)}
+    assert not upward, f"rows allowed to import a row above them (a cycle): {sorted(upward)}"
+
+
+def test_imports_inside_functions_are_the_listed_exceptions():
+    unlisted = []
+    used: dict[str, set[str]] = {}
+    for imp in imports():
+        if not imp.in_function or imp.guarded or any(imp.target == x or imp.target.startswith(x + ".")
+                                                     for x in OPTIONAL_EXTRAS):
+            continue
+        targets, _why = LAZY_IMPORTS.get(imp.module, (frozenset(), ""))
+        if imp.target in targets:
+            used.setdefault(imp.module, set()).add(imp.target)
+        else:
+            unlisted.append(f"{imp.module}:{imp.line} imports {imp.target}")
+    assert not unlisted, ("import at module level, or list the exception and its reason in LAZY_IMPORTS: "
+                          f"{unlisted}")
+    stale = {m: sorted(targets - used.get(m, set())) for m, (targets, _) in LAZY_IMPORTS.items()
+             if targets - used.get(m, set())}
+    assert not stale, f"LAZY_IMPORTS lists imports that are no longer made inside functions: {stale}"
+
+
+def test_torch_free_rooms_import_without_torch():
+    free = sorted(m for row in table().values() for m in row.torch_free if not m.endswith("__main__"))
+    code = ("import importlib, sys\n"
+            f"for name in {free!r}:\n"
+            "    importlib.import_module(name)\n"
+            "    if 'torch' in sys.modules:\n"
+            "        print(name)\n"
+            "        break\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "", f"{proc.stdout.strip()} loads torch, yet docs/architecture.md says it does not"

@@ -1,0 +1,145 @@
+"""A plan that made the measured steps slower is reverted, once, and never sent again."""
+
+from __future__ import annotations
+
+import pytest
+
+from support.control_runs import decisions, planner_env
+from support.processes import run_vpipe
+from vpipe.monitors.records import StageRecord
+from vpipe.plan import Plan, Policy
+from vpipe.planner.judge import PlanJudge
+
+
+def _vector(epoch: int, step_s: float, iteration: int = 9) -> list[StageRecord]:
+    return [StageRecord(s, iteration, epoch, "cpu", 0.0, step_s * (0.9 if s == 0 else 1.0), (), 0, 0, 0, 0, 0, 0,
+                        0, 0, 0, 0.0, 0, 0.0, 0.0, None, None, None) for s in range(2)]
+
+
+OLD = Plan(epoch=0, stages=((0, 1, 2, 3), (4, 5, 6, 7)))
+NEW = Plan(epoch=1, stages=((0, 1, 2, 3, 4), (5, 6, 7)), reason="rebalance: predicted faster")
+
+
+def _judge_after(after_s: list[float], plan: Plan = NEW,
+                 before_s=(0.100, 0.104, 0.098)) -> tuple[PlanJudge, Plan | None]:
+    judge = PlanJudge()
+    for t in before_s:
+        assert judge.observe(_vector(0, t), OLD) is None
+    judge.sent(plan, OLD)
+    assert judge.observe(_vector(0, 0.101), plan) is None  # measured before the stages applied it
+    verdicts = [judge.observe(_vector(plan.epoch, t), plan) for t in after_s]
+    return judge, next((v for v in verdicts if v is not None), None)
+
+
+def test_slower_steps_after_a_plan_bring_the_old_placement_back_as_a_new_epoch():
+    judge, revert = _judge_after([0.150, 0.140, 0.145])
+    assert revert is not None and revert.epoch == 2
+    assert revert.stages == OLD.stages and dict(revert.policies) == dict(OLD.policies)
+    assert revert.reason.startswith("revert epoch 1: measured 145.00 ms/step after it, 100.00 ms/step before")
+    assert judge.refuses(Plan(epoch=3, stages=NEW.stages))  # the same plan under a later epoch
+    assert not judge.refuses(Plan(epoch=3, stages=((0, 1, 2), (3, 4, 5, 6, 7))))
+
+
+@pytest.mark.parametrize("after_s", [[0.080, 0.082, 0.081], [0.103, 0.109, 0.300], [0.150, 0.150]])
+def test_faster_steps_noise_and_too_few_samples_keep_the_plan(after_s):
+    # faster; within the tolerance (10%) but for one outlier; two samples only
+    judge, revert = _judge_after(after_s)
+    assert revert is None and not judge.refuses(NEW)
+
+
+def test_plans_for_memory_and_plans_that_change_nothing_are_not_judged():
+    memory = Plan(epoch=1, stages=NEW.stages, reason="memory over budget: ...")
+    assert _judge_after([0.3] * 3, plan=memory)[1] is None
+    same = Plan(epoch=1, stages=OLD.stages, reason="marker")
+    assert _judge_after([0.3] * 3, plan=same)[1] is None
+    policies = Plan(epoch=1, stages=OLD.stages, policies={3: Policy.RECOMPUTE}, reason="policies")
+    assert _judge_after([0.3] * 3, plan=policies)[1] is not None
+
+
+def test_a_layer_edit_while_judging_ends_the_judging():
+    judge = PlanJudge()
+    judge.observe(_vector(0, 0.1), OLD)
+    judge.sent(NEW, OLD)
+    assert judge.observe(_vector(2, 0.3), NEW) is None  # epoch 2: an edit after the plan
+    assert all(judge.observe(_vector(1, 0.3), NEW) is None for _ in range(3))
+
+
+def test_a_run_whose_planner_slows_it_down_is_put_back_and_says_so(tmp_path):
+    log_file = tmp_path / "run.log"
+    proc = run_vpipe("train", "--stages", "2", "--steps", "60", "--monitor-every", "3", "--no-progress",
+                     "--blocks", "6", "--d-model", "64", "--seq-len", "32", "--micro-batches", "4",
+                     "--vpipe", "--planner", "support.control_planners:slower_from_the_third",
+                     "--log-file", str(log_file),
+                     env=planner_env(tmp_path / "unused.jsonl"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reverted = decisions(log_file, "plan_reverted")
+    assert len(reverted) == 1
+    assert reverted[0]["epoch"] == 1 and reverted[0]["revert_epoch"] == 2
+    assert reverted[0]["step_s_after"] > reverted[0]["step_s_before"] > 0
+    sent = decisions(log_file, "plan_sent")
+    assert [r["epoch"] for r in sent] == [1, 2]  # the bad plan is not sent again
+    applied = {(r["rank"], r["epoch"]): r["layers"] for r in decisions(log_file, "plan_applied")}
+    assert len(applied[(0, 1)]) == 7 and len(applied[(1, 1)]) == 1  # the bad plan ran
+    assert len(applied[(0, 2)]) == len(applied[(1, 2)]) == 4  # back to the 4,4 split of 8 layers
+
+
+def test_only_the_last_samples_under_the_replaced_plan_make_the_before_time():
+    # an early slow phase of the old plan (warm-up) is forgotten: only the last three samples count
+    judge, revert = _judge_after([0.130, 0.125, 0.128], before_s=(0.300, 0.290, 0.100, 0.104, 0.098))
+    assert revert is not None and revert.predicted_step_s == pytest.approx(0.100)
+    assert judge.reverted == 1
+
+
+def test_a_custom_tolerance_and_sample_counts():
+    judge = PlanJudge(before_samples=1, after_samples=1, tolerance=0.5)
+    judge.observe(_vector(0, 0.100), OLD)
+    judge.sent(NEW, OLD)
+    assert judge.observe(_vector(1, 0.145), NEW) is None  # 45% slower: within a 50% tolerance
+    judge = PlanJudge(before_samples=1, after_samples=1, tolerance=0.5)
+    judge.observe(_vector(0, 0.100), OLD)
+    judge.sent(NEW, OLD)
+    revert = judge.observe(_vector(1, 0.160), NEW)
+    assert revert is not None and revert.stages == OLD.stages
+    with pytest.raises(ValueError, match="before_samples and after_samples must be >= 1, tolerance >= 0"):
+        PlanJudge(after_samples=0)
+
+
+@pytest.mark.parametrize("reason", ["layers changed: 2 added", "revert epoch 1: measured ..."])
+def test_plans_after_layer_edits_and_reverts_themselves_are_not_judged(reason):
+    assert _judge_after([0.3] * 3, plan=Plan(epoch=1, stages=NEW.stages, reason=reason))[1] is None
+
+
+def test_the_slowest_stage_is_the_step_and_vectors_across_a_plan_change_count_for_neither():
+    judge = PlanJudge()
+    for t in (0.100, 0.100, 0.100):
+        judge.observe(_vector(0, t), OLD)  # stage 0 reports 90 ms, stage 1 100 ms: the step is 100 ms
+    judge.sent(NEW, OLD)
+    mixed = _vector(1, 0.5)
+    mixed[0] = _vector(0, 0.5)[0]  # stage 0 still under the old plan, stage 1 under the new one
+    assert judge.observe(mixed, NEW) is None
+    verdicts = [judge.observe(_vector(1, t), NEW) for t in (0.5, 0.105, 0.108)]
+    assert verdicts == [None, None, None]  # the mixed vector was not an "after" sample: the median is 108 ms
+
+
+def test_no_trial_without_samples_under_the_plan_it_replaces():
+    judge = PlanJudge()
+    judge.sent(NEW, OLD)  # nothing measured yet
+    assert all(judge.observe(_vector(1, 0.3), NEW) is None for _ in range(3))
+    judge = PlanJudge()
+    judge.observe(_vector(0, 0.1), OLD)
+    judge.sent(NEW, None)  # the first plan of a run replaces nothing
+    assert all(judge.observe(_vector(1, 0.3), NEW) is None for _ in range(3))
+    judge = PlanJudge()
+    judge.observe(_vector(0, 0.1), OLD)
+    judge.sent(Plan(epoch=2, stages=NEW.stages), Plan(epoch=1, stages=OLD.stages))  # samples of epoch 0, not 1
+    assert all(judge.observe(_vector(2, 0.3), NEW) is None for _ in range(3))
+
+
+def test_no_revert_when_another_plan_is_already_on_its_way():
+    judge = PlanJudge()
+    for t in (0.1, 0.1, 0.1):
+        judge.observe(_vector(0, t), OLD)
+    judge.sent(NEW, OLD)
+    later = Plan(epoch=2, stages=((0, 1, 2), (3, 4, 5, 6, 7)))
+    verdicts = [judge.observe(_vector(1, 0.3), later) for _ in range(3)]  # the daemon sent epoch 2 meanwhile
+    assert verdicts == [None, None, None] and not judge.refuses(NEW) and judge.reverted == 0

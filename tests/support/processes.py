@@ -1,0 +1,57 @@
+"""Starting real processes: the ``vpipe`` command, rank programs, and waiting on what they write."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+TESTS = ROOT / "tests"
+WORKERS = TESTS / "workers"
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment of a child process: one thread, unbuffered, no inherited rank, ``support`` importable."""
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("RANK", None)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), str(TESTS), env.get("PYTHONPATH")]))
+    env.update(extra)
+    return env
+
+
+def run_vpipe(*args: str, timeout: float = 240, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run ``python -m vpipe_lab ARGS`` (the `vpipe` command); return the finished process, output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "vpipe_lab", *args],
+        cwd=ROOT, env=env or child_env(), capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def run_worker(tmp_path: Path, worker: str, scenario: str, ranks: int) -> dict:
+    """Run ``tests/workers/WORKER.py SCENARIO OUT`` on ``ranks`` real ranks; its JSON result plus the log records."""
+    from vpipe.log import read_log
+    from vpipe_lab.runtime.launch import spawn
+
+    out, log_file = tmp_path / f"{scenario}.json", tmp_path / f"{scenario}.log"
+    code = spawn([sys.executable, str(WORKERS / f"{worker}.py"), scenario, str(out)], ranks,
+                 extra_env={"PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)]), "VPIPE_LOG_FILE": str(log_file)},
+                 timeout_s=240)
+    assert code == 0
+    result = json.loads(out.read_text())
+    result["log"] = read_log(log_file) if log_file.exists() else []
+    return result
+
+
+def wait_until(condition: Callable[[], object], timeout_s: float, what: str, step_s: float = 0.05) -> None:
+    """Poll ``condition`` until it holds; fail naming ``what`` after ``timeout_s``: a wait, never a fixed sleep."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        time.sleep(step_s)

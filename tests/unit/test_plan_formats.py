@@ -1,0 +1,238 @@
+"""``vpipe plan`` in torchtitan's and Megatron-LM's terms, and for the multi-stage schedules.
+
+The torchtitan fields and the Megatron layout string it prints are read back with readers
+written from those frameworks' documented rules (``tests/support/plan_formats.py``) and must give
+vpipe's own split: the same modules per stage, the same ranks. A form a framework cannot
+express is left out with the reason, and the readers confirm it could not. Multi-stage plans
+are made with the numbers the live planner uses (stage ranks and in-flight counts read off
+torch's action lists) and equal the live planner's own search on the same graph.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.distributed.pipelining.schedules import get_schedule_class
+
+from support.graphs import chain
+from support.plan_cli import MODELS, json_plan, plan_command
+from support.plan_formats import megatron_layout, torchtitan_layers_per_stage, torchtitan_split, torchtitan_stage_ranks
+from support.plan_models import encoder_decoder, tutorial_transformer
+from vpipe.plan import Plan, Policy
+from vpipe.planner.cost_model import GraphProfile
+from vpipe.planner.online import OnlineConfig, OnlinePlanner
+from vpipe.planner.srp import _srp_loop
+from vpipe.rank.stages import in_flight_per_stage, in_flight_together
+from vpipe_lab.runtime.models import reference_transformer
+
+torch.set_num_threads(1)
+
+TUTORIAL = ["--model", f"{MODELS}:tutorial_transformer", "--repeats", "1", "--micro-batches", "4"]
+
+
+def _blocks(plan: dict) -> list[int]:
+    container = next(iter(plan["layer_counts"]))
+    return plan["layer_counts"][container]
+
+
+def _assert_torchtitan_reads_the_plan(plan: dict, model: torch.nn.Module, ranks: int) -> None:
+    titan = plan["torchtitan"]
+    assert titan["pipeline_parallel_degree"] == ranks
+    get_schedule_class(titan["pipeline_parallel_schedule"])  # what torchtitan does with the name: it must exist
+    assert torchtitan_split(model, titan["module_fqns_per_model_part"]) == plan["stages"]
+    stage_ranks = plan.get("stage_ranks", list(range(len(plan["stages"]))))
+    assert torchtitan_stage_ranks(titan["pipeline_parallel_schedule"], len(plan["stages"]), ranks) == stage_ranks
+
+
+def _assert_megatron_reads_the_plan(plan: dict, ranks: int, embedding: set[str], loss: set[str]) -> None:
+    mega = plan["megatron"]
+    assert mega["pipeline_model_parallel_size"] == ranks and mega["notes"] == []
+    stages = megatron_layout(mega["pipeline_model_parallel_layout"], ranks, sum(_blocks(plan)))
+    assert [stage.count("t") for stage in stages] == _blocks(plan)
+    assert [("E" in stage, "L" in stage) for stage in stages] == [
+        (bool(embedding & set(names)), bool(loss & set(names))) for names in plan["stages"]]
+    stage_ranks = plan.get("stage_ranks", list(range(len(plan["stages"]))))
+    assert [i % ranks for i in range(len(stages))] == stage_ranks  # Megatron's placement is vpipe's
+
+
+# --------------------------------------------------------------------- the tutorial / torchtitan model
+@pytest.mark.parametrize("stages", ["2", "3"])
+def test_the_tutorial_models_plan_reads_back_the_same_in_torchtitan_and_megatron(capsys, stages):
+    plan = json_plan(capsys, *TUTORIAL, "--stages", stages)
+    model, _ = tutorial_transformer()
+    _assert_torchtitan_reads_the_plan(plan, model, int(stages))
+    _assert_megatron_reads_the_plan(plan, int(stages), {"tok_embeddings"}, {"norm", "output"})
+    titan = plan["torchtitan"]
+    first, last = titan["pipeline_parallel_first_stage_less_layers"], titan["pipeline_parallel_last_stage_less_layers"]
+    if first is not None:  # torchtitan's own split, from the two numbers, gives the same blocks per stage
+        assert torchtitan_layers_per_stage(len(plan["stages"]), 6, first, last) == _blocks(plan)
+    else:
+        assert titan["notes"] == [f"first/last_stage_less_layers: no pair gives blocks per stage "
+                                  f"{','.join(map(str, _blocks(plan)))} with 1 stage(s) per rank"]
+
+
+def test_the_table_prints_the_torchtitan_fields_and_the_megatron_flags(capsys):
+    code, out, err = plan_command(capsys, *TUTORIAL, "--stages", "2")
+    assert code == 0 and err == ""
+    plan = json_plan(capsys, *TUTORIAL, "--stages", "2")  # measured again: compare the shape of the lines
+    assert "torchtitan, [parallelism] of the job config:" in out
+    assert '  pipeline_parallel_degree = 2\n  pipeline_parallel_schedule = "1F1B"\n' in out
+    assert '  module_fqns_per_model_part = [["tok_embeddings", "layers.0"' in out
+    line = next(x for x in out.splitlines() if x.startswith("Megatron-LM: "))
+    assert line.startswith('Megatron-LM: --pipeline-model-parallel-size 2 --pipeline-model-parallel-layout "E')
+    assert line.endswith(',L"') and plan["megatron"]["pipeline_model_parallel_layout"].count("|") == 1
+
+
+# --------------------------------------------------------------------- the other example models
+def test_a_hugging_face_gpt2_gets_a_megatron_layout_and_no_torchtitan_list_it_cannot_split(capsys):
+    pytest.importorskip("transformers")
+    from support.plan_models import hf_gpt2
+
+    plan = json_plan(capsys, "--model", f"{MODELS}:hf_gpt2", "--repeats", "1", "--stages", "3")
+    _assert_megatron_reads_the_plan(plan, 3, {"transformer.wte", "transformer.wpe", "transformer.drop"},
+                                    {"transformer.ln_f", "lm_head"})
+    titan = plan["torchtitan"]
+    assert titan["module_fqns_per_model_part"] is None
+    assert titan["notes"][0] == ("module_fqns_per_model_part: torchtitan splits only top-level children and the "
+                                 "entries of top-level ModuleList/ModuleDict containers; transformer.wte is deeper")
+    model, _ = hf_gpt2()
+    assert torchtitan_split(model, plan["stages"]) != plan["stages"]  # torchtitan would not make this split
+
+
+def test_a_sequential_model_gets_torchtitan_names_and_no_megatron_layout(capsys):
+    plan = json_plan(capsys, "--model", "vpipe_lab.runtime.models:reference_transformer", "--input-shape", "4,64",
+                      "--input-dtype", "int64", "--repeats", "1", "--stages", "3")
+    _assert_torchtitan_reads_the_plan(plan, reference_transformer(), 3)
+    assert plan["megatron"] == {
+        "pipeline_model_parallel_size": 3, "pipeline_model_parallel_layout": None,
+        "notes": ["pipeline_model_parallel_layout: the model has no module before its blocks to be the embedding "
+                  "and the head"]}
+
+
+def test_two_block_stacks_get_no_megatron_layout(capsys):
+    plan = json_plan(capsys, "--model", f"{MODELS}:encoder_decoder", "--repeats", "1", "--stages", "2")
+    _assert_torchtitan_reads_the_plan(plan, encoder_decoder()[0], 2)
+    assert plan["megatron"]["pipeline_model_parallel_layout"] is None
+    assert plan["megatron"]["notes"] == ["pipeline_model_parallel_layout: the model has 2 block containers; these "
+                                         "forms describe one stack of blocks"]
+
+
+# --------------------------------------------------------------------- multi-stage schedules
+@pytest.mark.parametrize(("schedule", "megatron"), [("interleaved1f1b", True), ("zbv", False)])
+def test_a_multi_stage_plan_has_a_stage_per_rank_and_virtual_stage_and_reads_back(capsys, schedule, megatron):
+    plan = json_plan(capsys, *TUTORIAL, "--stages", "2", "--schedule", schedule, "--stages-per-rank", "2")
+    assert len(plan["stages"]) == 4
+    assert plan["stage_ranks"] == ([0, 1, 0, 1] if schedule == "interleaved1f1b" else [0, 1, 1, 0])
+    model, _ = tutorial_transformer()
+    _assert_torchtitan_reads_the_plan(plan, model, 2)
+    if megatron:
+        _assert_megatron_reads_the_plan(plan, 2, {"tok_embeddings"}, {"norm", "output"})
+    else:
+        assert plan["megatron"]["notes"] == ["pipeline_model_parallel_layout: Megatron places stage i on rank i % 2; "
+                                             "zbv places its stages in a V"]
+
+
+@pytest.mark.parametrize("schedule", ["interleaved1f1b", "zbv"])
+def test_an_offline_multi_stage_plan_is_the_live_planners_plan_for_the_same_graph(capsys, tmp_path, schedule):
+    """The live planner gets stage ranks and in-flight counts from the ranks (``Pipeline.in_flight``: torch's
+    action lists); its SRP search on the same graph, budget and schedule must give the offline plan."""
+    from torch.distributed.pipelining import ScheduleInterleaved1F1B, ScheduleZBVZeroBubble
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+    from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
+
+    graph = chain([3.0, 1.0, 4.0, 1.0, 5.0, 9.0, 2.0, 6.0, 5.0, 3.0], act=40_000_000, param=4_000_000)
+    path = tmp_path / "graph.json"
+    graph.save(path)
+    budget = 700_000_000  # a rank's: two stages share it, some layers must swap or recompute
+    offline = json_plan(capsys, str(path), "--stages", "2", "--schedule", schedule, "--micro-batches", "4",
+                         "--memory-budget", str(budget))
+    cls = ScheduleInterleaved1F1B if schedule == "interleaved1f1b" else ScheduleZBVZeroBubble
+    order = dict(enumerate(get_schedule_ops(cls, 2, 4, 2)))
+    style = "v" if schedule == "zbv" else "loop"
+    ranks = [generate_stage_to_rank_mapping(2, 4, style=style)[v] for v in range(4)]
+    config = OnlineConfig(schedule=schedule, micro_batches=4, memory_budget=budget,
+                          in_flight=in_flight_per_stage(order, 4), stage_ranks=ranks,
+                          in_flight_together=in_flight_together(order, 4))
+    records = {node.id: SimpleNamespace(param_bytes=node.param_bytes, optimizer_bytes=node.param_bytes)
+               for node in graph.nodes}  # Adam-like state: the live planner's optimizer factor is then the default
+    ids = [node.id for node in graph.nodes]
+    current = Plan(0, tuple(tuple(ids[i:i + 3]) for i in (0, 3, 6)) + ((ids[9],),),
+                   {lid: Policy.KEEP for lid in ids})
+    live = OnlinePlanner(config)._planner(graph, records, current)
+    best, _ = _srp_loop(GraphProfile(graph), live.setup, live.budgets, live.method)
+    assert offline["stage_ranks"] == ranks and offline["in_flight"] == list(config.in_flight)
+    assert offline["stages"] == GraphProfile(graph).stages_of(best.cuts)
+    policies = GraphProfile(graph).policies_from(best.codes)
+    assert offline["policies"] == {str(lid): policy.value for lid, policy in policies.items()}
+    assert set(offline["policies"].values()) & {"S", "R"}  # the budget binds: the shares matter
+    assert offline["bottleneck_ms"] == pytest.approx(best.bottleneck_s * 1e3)
+
+
+# --------------------------------------------------------------------- bad combinations
+@pytest.mark.parametrize(("args", "message"), [
+    (["--stages-per-rank", "2"], "--stages-per-rank is for the multi-stage schedules (interleaved1f1b, loopedbfs, "
+                                 "interleavedzb, zbv, dualpipev); 1f1b runs one stage per rank"),
+    (["--schedule", "gpipe", "--stages-per-rank", "1"], "gpipe runs one stage per rank"),
+    (["--schedule", "interleaved1f1b", "--stages-per-rank", "1"],
+     "--stages-per-rank must be at least 2 under interleaved1f1b, got 1"),
+    (["--schedule", "zbv", "--stages-per-rank", "3"],
+     "zbv runs exactly 2 stages per rank (a V), got --stages-per-rank 3"),
+    (["--schedule", "loopedbfs", "--stages-per-rank", "two"], "--stages-per-rank must be an integer, got 'two'"),
+    (["--schedule", "dualpipev", "--micro-batches", "2"],
+     "torch's ScheduleDualPipeV refuses 2 ranks x 2 stages with 2 micro-batches: DualPipeV requires at least as "
+     "many microbatches as stages"),
+    (["--schedule", "custom"], "--schedule must be one of gpipe, 1f1b, pipedream, interleaved1f1b"),
+    (["--schedule", "interleaved1f1b", "--stages", "4", "--stages-per-rank", "3"],
+     "--stages 4 x --stages-per-rank 3 is more than the graph's 10 layers"),
+])
+def test_bad_multi_stage_combinations_are_one_line_and_exit_2(capsys, tmp_path, args, message):
+    path = tmp_path / "graph.json"
+    chain([1.0] * 10).save(path)
+    if "--stages" not in args:
+        args = [*args, "--stages", "2"]
+    code, out, err = plan_command(capsys, str(path), *args)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("vpipe: error: "), err
+    assert message in err
+
+
+def test_graph_json_plans_print_ranks_for_a_multi_stage_schedule(capsys, tmp_path):
+    path = tmp_path / "graph.json"
+    chain([1.0] * 8).save(path)
+    plan = json_plan(capsys, str(path), "--stages", "2", "--schedule", "loopedbfs", "--stages-per-rank", "3",
+                      "--micro-batches", "4")
+    assert len(plan["stages"]) == 6 and plan["stage_ranks"] == [0, 1, 0, 1, 0, 1]
+    assert json.loads(json.dumps(plan)) == plan and Path(path).exists()
+
+
+@pytest.mark.parametrize("blocks", [[2, 2, 2], [3, 3], [2, 3, 1], [1, 4, 4, 1], [0, 3, 3, 0], [5], [4, 4], [3, 2, 2],
+                                    [3, 4, 4, 4, 2], [1, 1, 6]])
+def test_the_less_layers_fields_are_written_exactly_when_torchtitans_rule_gives_those_blocks(blocks):
+    from vpipe.graph import Unit
+    from vpipe.planner.formats import torchtitan_form
+
+    n = sum(blocks)
+    units = [Unit("tok_embeddings")] + [Unit(f"layers.{i}", "layers") for i in range(n)] + \
+        [Unit("norm"), Unit("output")]
+    names, stages, at = [u.name for u in units], [], 1
+    for k, count in enumerate(blocks):
+        stages.append((["tok_embeddings"] if k == 0 else []) + names[at:at + count]
+                      + (["norm", "output"] if k == len(blocks) - 1 else []))
+        at += count
+    titan = torchtitan_form(stages, units, "1f1b", len(blocks), 1)
+    first, last = titan["pipeline_parallel_first_stage_less_layers"], titan["pipeline_parallel_last_stage_less_layers"]
+
+    def gives(a: int, b: int) -> bool:
+        try:
+            return torchtitan_layers_per_stage(len(blocks), n, a, b) == blocks
+        except ValueError:
+            return False
+
+    if first is None:
+        assert not any(gives(a, b) for a in range(n + 2) for b in range(n + 2))
+    else:
+        assert gives(first, last)
