@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import os
 import sys
 import types
 from collections.abc import Callable, Mapping
@@ -36,11 +35,12 @@ from vpipe.migration.pins import outside_tensors, pin_reason, planner_kind, shar
 from vpipe.migration.transfer import TransferChannel
 from vpipe.monitors.source import TensorManagerSource
 from vpipe.plan import Plan
-from vpipe.planner.online import CONFIG_ENV, OnlineConfig
+from vpipe.planner import DEFAULT_PLANNER
+from vpipe.planner.online import OnlineConfig
 from vpipe.rank.agreement import StoreAgreement, agree_on_blocks
 from vpipe.rank.applying import PlanApplier
 from vpipe.rank.boundary import PlanBoundary
-from vpipe.rank.config import AUTO_BUDGET, DEFAULT_PLANNER, VpipeConfig, resolve_memory_budget
+from vpipe.rank.config import AUTO_BUDGET, VpipeConfig, resolve_memory_budget
 from vpipe.rank.edits import LayerEdits
 from vpipe.rank.memory import StageMemory
 from vpipe.rank.metrics import MetricsWriter, parse_metric_kinds
@@ -197,15 +197,11 @@ class Vpipe:
         if config.planning and pipeline.schedule is None and config.micro_batches is None:
             log.warning("vpipe.attach(module): micro_batches= not given, the planner assumes 1 micro-batch per step "
                         "(a pipeline that then never overlaps stages, so it will not rebalance)")
-        if config.planning and self.num_stages - 1 in self._local:
-            online = OnlineConfig(schedule=pipeline.kind, micro_batches=pipeline.micro_batches(config.micro_batches),
-                                  memory_budget=self.memory_budget, allow_moves=self.move_refusal is None,
-                                  in_flight=pipeline.in_flight(), in_flight_together=pipeline.in_flight_together(),
-                                  stage_ranks=list(pipeline.stage_ranks) if pipeline.multi_stage else None,
-                                  **config.planner_options)
-            os.environ[CONFIG_ENV] = online.to_env()  # the daemon the last stage's rank starts inherits it
+        planning = config.planning and self.num_stages - 1 in self._local  # the last stage starts the daemon
         options = ControlOptions(sample_every=config.sample_every, max_sample_every=config.sampling_cap,
-                                 planner=config.planner if config.planning else None, log_file=config.log_file)
+                                 planner=config.planner if config.planning else None, log_file=config.log_file,
+                                 planner_config=planner_config(config, pipeline, self.memory_budget,
+                                                               self.move_refusal is None) if planning else None)
         session = ControlSession(
             {s.index: s.blocks.blocks() for s in pipeline.stages if s.blocks is not None}, rank=self.rank,
             stage_ranks=pipeline.stage_ranks, store=self.agreement.store, world_size=self.world_size,
@@ -361,6 +357,23 @@ class Vpipe:
             decision("detached", f"vpipe detached from stage {stage.index}", stage=stage.index)
         if errors:
             raise RuntimeError(f"vpipe.detach could not undo everything: {errors[0]}") from errors[0]
+
+
+def planner_config(config: VpipeConfig, pipeline: Pipeline, memory_budget: int | None,
+                   allow_moves: bool) -> dict[str, Any] | None:
+    """What the daemon's planner is configured with: for the default planner, the pipeline's shape and
+    ``planner_options`` (checked here, at attach); another planner gets ``planner_options`` as given."""
+    if config.planner != DEFAULT_PLANNER:
+        return dict(config.planner_options) or None
+    shape = {"schedule": pipeline.kind, "micro_batches": pipeline.micro_batches(config.micro_batches),
+             "memory_budget": memory_budget, "allow_moves": allow_moves, "in_flight": pipeline.in_flight(),
+             "in_flight_together": pipeline.in_flight_together(),
+             "stage_ranks": list(pipeline.stage_ranks) if pipeline.multi_stage else None}
+    taken = sorted(set(shape) & set(config.planner_options))
+    if taken:
+        raise ValueError(f"vpipe config: planner_options cannot set {', '.join(taken)}: attach reads them off the "
+                         "pipeline")
+    return OnlineConfig.from_mapping({**shape, **config.planner_options}).to_dict()
 
 
 def _move_refusal(pipeline: Pipeline) -> str | None:
