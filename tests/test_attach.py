@@ -82,7 +82,7 @@ def test_detach_restores_the_trainer_exactly(tmp_path):
 def test_config_defaults():
     import torch
 
-    from vpipe.attach import VpipeConfig, resolve_memory_budget
+    from vpipe._attach import VpipeConfig, resolve_memory_budget
 
     config = VpipeConfig()
     assert config.memory_budget == "auto" and config.planning
@@ -101,7 +101,7 @@ def _hand_written_pipeline():
 
 def test_the_planner_is_configured_with_the_pipelines_shape_and_the_users_options():
     from vpipe import VpipeConfig
-    from vpipe.attach import planner_config
+    from vpipe._attach import planner_config
     from vpipe.planner.online import OnlineConfig
 
     config = VpipeConfig(micro_batches=4, planner_options={"confirm_samples": 1})
@@ -123,7 +123,7 @@ def test_the_planner_is_configured_with_the_pipelines_shape_and_the_users_option
 ])
 def test_bad_planner_options_fail_at_attach(options, message):
     from vpipe import VpipeConfig
-    from vpipe.attach import planner_config
+    from vpipe._attach import planner_config
 
     with pytest.raises(ValueError) as err:
         planner_config(VpipeConfig(planner_options=options), _hand_written_pipeline(), None, allow_moves=True)
@@ -134,7 +134,7 @@ def test_bad_planner_options_fail_at_attach(options, message):
 def test_auto_budget_is_the_gpus_capacity_minus_a_margin():
     import torch
 
-    from vpipe.attach import resolve_memory_budget
+    from vpipe._attach import resolve_memory_budget
 
     if not torch.cuda.is_available():
         pytest.skip("needs an NVIDIA GPU")

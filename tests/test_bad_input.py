@@ -23,7 +23,7 @@ from torch import nn
 import vpipe.migration.messages  # noqa: F401 - registers the migration message types with the decoder
 from test_control_messages import VALID, assert_dropped_cleanly, packed, plain, wire_of
 from test_monitor_records import stage_record
-from vpipe.attach import VpipeConfig
+from vpipe import VpipeConfig
 from vpipe.checkpoint import CheckpointError, check_vpipe_state
 from vpipe.control.messages import DecodeError, decode, encode, make, registered_types
 from vpipe.migration.layer_manager import LayerManager

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from vpipe import faults
-from vpipe.attach import DEFAULT_PLANNER, VpipeConfig, attach
+from vpipe._attach import DEFAULT_PLANNER, VpipeConfig, attach
 from vpipe.checkpoint import restore_stage
 from vpipe.control.session import ControlOptions, open_for_stage_run
 from vpipe.plan import Plan, Policy

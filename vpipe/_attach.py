@@ -9,20 +9,21 @@ blocks get hooks and their containers are edited in place when layers migrate;
 ``stage.submod`` and its ``forward`` are never replaced. ``detach()`` removes every hook
 and wrapper; layers that moved stay where they are.
 
-This module only wires the parts together (see :mod:`vpipe.rank` for each part's job).
+This module only wires the parts together (see :mod:`vpipe.rank` for each part's job). Its
+name is private so that ``vpipe.attach`` is only ever the function: a public submodule of the
+same name would replace it on the package once imported.
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
-import sys
-import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import Store
 
 from vpipe import faults
 from vpipe import log as run_log
@@ -44,7 +45,7 @@ from vpipe.rank.config import AUTO_BUDGET, VpipeConfig, resolve_memory_budget
 from vpipe.rank.edits import LayerEdits
 from vpipe.rank.memory import StageMemory
 from vpipe.rank.metrics import MetricsWriter, parse_metric_kinds
-from vpipe.rank.stages import LocalStage, Pipeline, check_optimizer, inspect_target
+from vpipe.rank.stages import AttachTarget, LocalStage, Pipeline, check_optimizer, inspect_target
 from vpipe.rank.state import restore_vpipe_state, vpipe_state
 from vpipe.rank.steps import MicroBatchCounter, StepDriver
 from vpipe.rank.tracing import TraceWindow
@@ -56,8 +57,8 @@ log = logging.getLogger("vpipe.attach")
 __all__ = ["attach", "Vpipe", "VpipeConfig", "AUTO_BUDGET", "DEFAULT_PLANNER", "resolve_memory_budget"]
 
 
-def attach(target: Any, *, optimizer: torch.optim.Optimizer | None = None, config: VpipeConfig | None = None,
-           store: Any = None, **options: Any) -> Vpipe:
+def attach(target: AttachTarget, *, optimizer: torch.optim.Optimizer | None = None, config: VpipeConfig | None = None,
+           store: Store | None = None, **options: Any) -> Vpipe:
     """Turn vpipe on for this rank's stages. Every rank of the run must call it (it is collective).
 
     ``target`` is the trainer's schedule or its stage module; ``optimizer`` the optimizer of
@@ -74,8 +75,8 @@ def attach(target: Any, *, optimizer: torch.optim.Optimizer | None = None, confi
 class Vpipe:
     """vpipe on one rank: tensor managers, monitors + control session, layer manager, plan application."""
 
-    def __init__(self, target: Any, *, optimizer: torch.optim.Optimizer | None, config: VpipeConfig,
-                 store: Any = None) -> None:
+    def __init__(self, target: AttachTarget, *, optimizer: torch.optim.Optimizer | None, config: VpipeConfig,
+                 store: Store | None = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError("vpipe.attach needs torch.distributed initialised first (torchrun or vpipe train)")
         self.config = config
@@ -387,18 +388,3 @@ def _move_refusal(pipeline: Pipeline) -> str | None:
                 "global layer id")
     return None
 
-
-class _CallableModule(types.ModuleType):
-    """This module, callable as :func:`attach`.
-
-    Importing a submodule sets it as an attribute of its package: after ``from vpipe.attach
-    import VpipeConfig``, ``vpipe.attach`` is this module rather than the function the package
-    exports, and the one line ``vpipe.attach(schedule, ...)`` would fail with "'module' object
-    is not callable". Calling the module calls the function, whatever was imported first.
-    """
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Vpipe:
-        return attach(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
