@@ -204,7 +204,7 @@ def rank_main(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from vpipe.attach import VpipeConfig
+    from vpipe import VpipeConfig
     from vpipe.monitors.sampling import SampleSchedule
     from vpipe_lab.runtime.config import RunConfig
     from vpipe_lab.runtime.costs import measure_model_costs

@@ -2,39 +2,72 @@
 
 The public API::
 
-    vp = vpipe.attach(schedule, optimizer=opt)     # the one line (see vpipe.attach)
+    vp = vpipe.attach(schedule, optimizer=opt)     # the one line (see vpipe._attach)
     vpipe.Plan, vpipe.Policy                       # placements and keep/swap/recompute policies
     vpipe.VpipeConfig                              # every option of attach, validated
     vpipe.SchedulePipeDream                        # asynchronous 1F1B with weight stashing
     vpipe.global_block_keys, vpipe.local_block_keys  # DCP keys for stages that number blocks locally
 
-Names are imported on first use, so light commands (``vpipe logs``) do not load torch.
+Names are imported on first use, so light commands (``vpipe logs``) do not load torch; the
+``TYPE_CHECKING`` imports below show a type checker the same names with their real types.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+if TYPE_CHECKING:
+    from vpipe._attach import Vpipe, VpipeConfig, attach
+    from vpipe.checkpoint.block_keys import global_block_keys, local_block_keys
+    from vpipe.plan import Plan, Policy
+    from vpipe.schedules.pipedream import SchedulePipeDream
 
+    __version__: str
+
+# name -> the module that defines it (tests/test_public_names.py checks it against the imports above)
 _PUBLIC = {
-    "attach": "vpipe.attach",
-    "Vpipe": "vpipe.attach",
-    "VpipeConfig": "vpipe.attach",
+    "attach": "vpipe._attach",
+    "Vpipe": "vpipe._attach",
+    "VpipeConfig": "vpipe._attach",
     "Plan": "vpipe.plan",
     "Policy": "vpipe.plan",
     "SchedulePipeDream": "vpipe.schedules.pipedream",
     "global_block_keys": "vpipe.checkpoint.block_keys",
     "local_block_keys": "vpipe.checkpoint.block_keys",
 }
-__all__ = sorted(_PUBLIC) + ["__version__"]
+__all__ = ["Plan", "Policy", "SchedulePipeDream", "Vpipe", "VpipeConfig", "__version__", "attach",
+           "global_block_keys", "local_block_keys"]
+
+
+def _version() -> str:
+    """pyproject's ``version``, from the installed package's metadata; a source tree that is not installed
+    reads its pyproject.toml (Python 3.11+), else says it does not know."""
+    from importlib.metadata import PackageNotFoundError, version  # some milliseconds: only when asked
+
+    try:
+        return version("vpipe")
+    except PackageNotFoundError:
+        pass
+    try:
+        import tomllib
+
+        project = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())["project"]
+        if project["name"] == "vpipe":
+            return str(project["version"])
+    except (ImportError, OSError, KeyError, ValueError):
+        pass
+    return "0+unknown"
 
 
 def __getattr__(name: str) -> Any:
-    module = _PUBLIC.get(name)
-    if module is None:
-        raise AttributeError(f"module 'vpipe' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    if name == "__version__":
+        value: Any = _version()
+    else:
+        module = _PUBLIC.get(name)
+        if module is None:
+            raise AttributeError(f"module 'vpipe' has no attribute {name!r}")
+        value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value

@@ -13,6 +13,8 @@ from collections.abc import Sequence
 
 from vpipe import cli as library_cli
 from vpipe import log
+from vpipe.control import daemon
+from vpipe.planner import DEFAULT_PLANNER
 from vpipe.sizes import parse_bytes
 from vpipe_lab import bench, demo, logview, plot
 from vpipe_lab.runtime.config import LR_SCHEDULES, MODELS, OPTIMIZERS, SCHEDULES, RunConfig
@@ -159,7 +161,7 @@ def _planner(args: argparse.Namespace) -> str | None:
     if args.planner == "none":
         return None
     if args.planner == "auto":
-        return "vpipe.planner.online:srp" if args.vpipe else "vpipe.control.daemon:no_change"
+        return DEFAULT_PLANNER if args.vpipe else daemon.NO_CHANGE_PLANNER
     return args.planner
 
 
@@ -202,7 +204,7 @@ def cmd_nas(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if cfg.checkpoint_dir or cfg.resume:
         raise ValueError("vpipe nas writes no checkpoints and cannot resume from one: drop --checkpoint-dir/--resume")
     if not cfg.vpipe:
-        planner = cfg.planner if cfg.planner != "vpipe.control.daemon:no_change" else "vpipe.planner.online:srp"
+        planner = cfg.planner if cfg.planner != daemon.NO_CHANGE_PLANNER else DEFAULT_PLANNER
         cfg = RunConfig(**{**cfg.to_dict(), "vpipe": True, "planner": planner})
     evo = EvolutionConfig(population=args.population, sample=args.sample, cycles=args.cycles,
                           steps_per_candidate=args.steps_per_candidate, seed=args.seed)

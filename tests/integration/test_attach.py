@@ -82,7 +82,7 @@ def test_detach_restores_the_trainer_exactly(tmp_path):
 def test_config_defaults():
     import torch
 
-    from vpipe.attach import VpipeConfig, resolve_memory_budget
+    from vpipe._attach import VpipeConfig, resolve_memory_budget
 
     config = VpipeConfig()
     assert config.memory_budget == "auto" and config.planning
@@ -90,11 +90,51 @@ def test_config_defaults():
     assert resolve_memory_budget(123, torch.device("cpu")) == 123  # bad values: tests/unit/test_bad_input.py
 
 
+def _hand_written_pipeline():
+    import torch
+    from torch import nn
+
+    from vpipe.rank.stages import LocalStage, Pipeline
+
+    return Pipeline(None, [LocalStage(1, nn.Linear(2, 2))], 2, (0, 1), "gpipe", torch.device("cpu"))
+
+
+def test_the_planner_is_configured_with_the_pipelines_shape_and_the_users_options():
+    from vpipe import VpipeConfig
+    from vpipe._attach import planner_config
+    from vpipe.planner.online import OnlineConfig
+
+    config = VpipeConfig(micro_batches=4, planner_options={"confirm_samples": 1})
+    sent = planner_config(config, _hand_written_pipeline(), 1 << 30, allow_moves=False)
+    assert OnlineConfig.from_mapping(sent) == OnlineConfig(schedule="gpipe", micro_batches=4, memory_budget=1 << 30,
+                                                           allow_moves=False, confirm_samples=1)
+    # another planner gets the user's options as they are, or nothing
+    mine = VpipeConfig(planner="mypkg.plans:rebalance", planner_options={"threshold": 0.2})
+    assert planner_config(mine, _hand_written_pipeline(), None, allow_moves=True) == {"threshold": 0.2}
+    assert planner_config(VpipeConfig(planner="mypkg.plans:rebalance"), _hand_written_pipeline(), None,
+                          allow_moves=True) is None
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"micro_batches": 2, "schedule": "1f1b"}, "vpipe config: planner_options cannot set micro_batches, schedule: "
+                                               "attach reads them off the pipeline"),
+    ({"confirm_sample": 1}, "planner config has unknown keys: confirm_sample"),
+    ({"min_gain": 2}, "planner config: min_gain must be in [0, 1), got 2"),
+])
+def test_bad_planner_options_fail_at_attach(options, message):
+    from vpipe import VpipeConfig
+    from vpipe._attach import planner_config
+
+    with pytest.raises(ValueError) as err:
+        planner_config(VpipeConfig(planner_options=options), _hand_written_pipeline(), None, allow_moves=True)
+    assert str(err.value) == message
+
+
 @pytest.mark.cuda
 def test_auto_budget_is_the_gpus_capacity_minus_a_margin():
     import torch
 
-    from vpipe.attach import resolve_memory_budget
+    from vpipe._attach import resolve_memory_budget
 
     if not torch.cuda.is_available():
         pytest.skip("needs an NVIDIA GPU")

@@ -7,9 +7,13 @@ import shlex
 import subprocess
 import sys
 
+import pytest
+
 from support.processes import ROOT, child_env, run_vpipe
-from vpipe.control.daemon import _server_key, build_parser
+from vpipe.control.daemon import NO_CHANGE_PLANNER, _server_key, build_parser, load_planner, parse_planner_config
 from vpipe.control.planner_link import daemon_arguments, manual_command
+from vpipe.planner import DEFAULT_PLANNER
+from vpipe.planner.online import OnlineConfig, OnlinePlanner, srp
 from vpipe_lab.logview import timeline_rows
 
 
@@ -107,3 +111,38 @@ def test_a_server_key_beginning_with_a_dash_reaches_the_daemon():
     by_hand = shlex.split(manual_command("tcp://10.0.0.2:4100", key))
     assert by_hand[:2] == ["vpipe", "planner"]
     assert _server_key(build_parser().parse_args(by_hand[2:]).server_key) == key
+
+
+def test_the_planner_configuration_reaches_the_daemon_as_data():
+    """What the last stage starts the daemon with is what the planner is made with: no environment in between."""
+    config = {"schedule": "zbv", "micro_batches": 6, "in_flight": [4, 2], "stage_ranks": [0, 0],
+              "in_flight_together": [[4, 0], [2, 2]], "smoothing": 0.3}
+    started = daemon_arguments("tcp://10.0.0.2:4100", DEFAULT_PLANNER, parent_pid=7, heartbeat_s=0.5, server_key=None,
+                               log_file=None, planner_config=config)
+    args = build_parser().parse_args(started)
+    planner = load_planner(args.planner, parse_planner_config(args.planner_config))
+    assert isinstance(planner, OnlinePlanner)
+    assert planner.config == OnlineConfig(**config)
+    assert load_planner(DEFAULT_PLANNER) is srp  # no configuration: the defaults, made on the first vector
+
+
+@pytest.mark.parametrize("planner, config, message", [
+    (DEFAULT_PLANNER, "{schedule: 1f1b}", "--planner-config is not valid JSON: "),
+    (DEFAULT_PLANNER, "[1, 2]", "--planner-config must be a JSON object, got list"),
+    (DEFAULT_PLANNER, '{"smoothin": 0.5}', "planner config has unknown keys: smoothin"),
+    (DEFAULT_PLANNER, '{"smoothing": 0}', "planner config: smoothing must be in (0, 1], got 0"),
+    (DEFAULT_PLANNER, '{"min_gain": "high"}', "planner config: '<=' not supported"),
+    (NO_CHANGE_PLANNER, "{}", f"planner {NO_CHANGE_PLANNER} takes no configuration"),
+])
+def test_a_bad_planner_configuration_is_named(planner, config, message):
+    with pytest.raises(ValueError) as err:
+        load_planner(planner, parse_planner_config(config))
+    assert str(err.value).startswith(message), str(err.value)
+
+
+def test_vpipe_planner_refuses_a_bad_configuration_at_start():
+    proc = run_vpipe("planner", "--connect", "tcp://127.0.0.1:5", "--planner", DEFAULT_PLANNER,
+                     "--planner-config", '{"warmup_samples": 0}')
+    assert proc.returncode == 2, proc.stderr
+    assert "vpipe: error: planner config: warmup_samples must be >= 1, got 0" in proc.stderr
+    assert "Traceback" not in proc.stderr

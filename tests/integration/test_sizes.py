@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from support.processes import run_vpipe
-from vpipe.attach import VpipeConfig
+from vpipe import VpipeConfig
 from vpipe.sizes import MAX_BYTES, parse_bytes
 
 

@@ -23,7 +23,7 @@ from torch import nn
 import vpipe.migration.messages  # noqa: F401 - registers the migration message types with the decoder
 from support.control import VALID, assert_dropped_cleanly, packed, plain, wire_of
 from support.monitors import stage_record
-from vpipe.attach import VpipeConfig
+from vpipe import VpipeConfig
 from vpipe.checkpoint import CheckpointError, check_vpipe_state
 from vpipe.control.messages import DecodeError, decode, encode, make, registered_types
 from vpipe.migration.layer_manager import LayerManager
@@ -173,7 +173,11 @@ def test_unknown_run_config_keys_are_named():
     ({"policies": ["R"]}, "policies must map layer ids (integers >= 0) to 'D', 'S' or 'R', got ['R']"),
     ({"policies": {"0": "R"}}, "policies must map layer ids (integers >= 0) to 'D', 'S' or 'R', got {'0': 'R'}"),
     ({"specs": [1]}, "specs must be a mapping, got [1]"),
-    ({"planner_options": None}, "planner_options must be a dict, got None"),
+    ({"planner_options": None}, "planner_options must be a dict of plain JSON values, got None"),
+    ({"planner_options": {"min_gain": float("nan")}},
+     "planner_options must be a dict of plain JSON values, got {'min_gain': nan}"),
+    ({"planner_options": {"in_flight": (2, 1)}},
+     "planner_options must be a dict of plain JSON values, got {'in_flight': (2, 1)}"),
     ({"log_file": 3}, "log_file must be a path or None, got 3"),
     ({"min_swap_bytes": -1}, "min_swap_bytes must be >= 0"),
     ({"host_pool_bytes": 0}, "host_pool_bytes must be positive"),

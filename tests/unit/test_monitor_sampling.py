@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from vpipe.attach import VpipeConfig
+from vpipe import VpipeConfig
 from vpipe.control.session import ControlOptions, ControlSession
 from vpipe.monitors.sampling import SampleSchedule
 from vpipe.monitors.stage import StageMonitor

@@ -9,7 +9,7 @@ import pytest
 
 from vpipe.monitors.records import LayerRecord, StageRecord
 from vpipe.plan import PINNED_KIND, Plan, Policy
-from vpipe.planner.online import CONFIG_ENV, OnlineConfig, OnlinePlanner, _placeable, _pooled
+from vpipe.planner.online import OnlineConfig, OnlinePlanner, _placeable, _pooled
 
 IDS = ([0, 1, 2, 3], [4, 5, 6, 7])
 FOUR_FOUR = Plan(epoch=0, stages=((0, 1, 2, 3), (4, 5, 6, 7)))
@@ -259,38 +259,37 @@ def test_a_pinned_block_never_moves_even_to_a_stage_with_a_layer_factory():
 
 
 # ---------------------------------------------------------------------- configuration
-def test_the_configuration_comes_from_the_environment_and_goes_back_into_it():
+def test_the_configuration_goes_to_json_and_back():
     config = OnlineConfig(schedule="zbv", micro_batches=6, in_flight=[4, 2], stage_ranks=[0, 0], smoothing=0.3,
                           in_flight_together=[[4, 0], [2, 2]])
-    assert OnlineConfig.from_env({CONFIG_ENV: config.to_env()}) == config
-    assert OnlineConfig.from_env({}) == OnlineConfig() == OnlineConfig.from_env({CONFIG_ENV: ""})
+    assert OnlineConfig.from_mapping(json.loads(json.dumps(config.to_dict()))) == config
+    assert OnlineConfig.from_mapping({}) == OnlineConfig()
 
 
 @pytest.mark.parametrize("raw, message", [
-    ("{schedule: 1f1b}", f"{CONFIG_ENV} is not valid JSON: "),
-    ("[1, 2]", f"{CONFIG_ENV} must be a JSON object"),
-    (json.dumps({"smoothin": 0.5, "warmup": 1}), f"{CONFIG_ENV} has unknown keys: smoothin, warmup"),
-    (json.dumps({"smoothing": 0}), f"{CONFIG_ENV}: smoothing must be in (0, 1], got 0"),
-    (json.dumps({"schedule": "zb"}), f"{CONFIG_ENV}: schedule must be one of gpipe, 1f1b, pipedream, interleaved1f1b"),
-    (json.dumps({"micro_batches": True}), f"{CONFIG_ENV}: micro_batches must be a positive integer, got True"),
-    (json.dumps({"memory_budget": 0}), f"{CONFIG_ENV}: memory_budget must be a positive number of bytes or null, "
+    ("[1, 2]", "planner config must be a JSON object of OnlineConfig fields, got list"),
+    (json.dumps({"smoothin": 0.5, "warmup": 1}), "planner config has unknown keys: smoothin, warmup"),
+    (json.dumps({"smoothing": 0}), "planner config: smoothing must be in (0, 1], got 0"),
+    (json.dumps({"schedule": "zb"}), "planner config: schedule must be one of gpipe, 1f1b, pipedream, interleaved1f1b"),
+    (json.dumps({"micro_batches": True}), "planner config: micro_batches must be a positive integer, got True"),
+    (json.dumps({"memory_budget": 0}), "planner config: memory_budget must be a positive number of bytes or null, "
                                        "got 0"),
-    (json.dumps({"min_gain": 1.0}), f"{CONFIG_ENV}: min_gain must be in [0, 1), got 1.0"),
-    (json.dumps({"warmup_samples": 0}), f"{CONFIG_ENV}: warmup_samples must be >= 1, got 0"),
-    (json.dumps({"confirm_samples": 0}), f"{CONFIG_ENV}: confirm_samples must be a positive integer, got 0"),
-    (json.dumps({"in_flight": [2, 2]}), f"{CONFIG_ENV}: in_flight and stage_ranks come together, one value per stage"),
-    (json.dumps({"in_flight": [2], "stage_ranks": [0, 0]}), f"{CONFIG_ENV}: in_flight and stage_ranks come together"),
-    (json.dumps({"in_flight": [2, -1], "stage_ranks": [0, 0]}), f"{CONFIG_ENV}: in_flight must be a list of "
+    (json.dumps({"min_gain": 1.0}), "planner config: min_gain must be in [0, 1), got 1.0"),
+    (json.dumps({"warmup_samples": 0}), "planner config: warmup_samples must be >= 1, got 0"),
+    (json.dumps({"confirm_samples": 0}), "planner config: confirm_samples must be a positive integer, got 0"),
+    (json.dumps({"in_flight": [2, 2]}), "planner config: in_flight and stage_ranks come together, one value per stage"),
+    (json.dumps({"in_flight": [2], "stage_ranks": [0, 0]}), "planner config: in_flight and stage_ranks come together"),
+    (json.dumps({"in_flight": [2, -1], "stage_ranks": [0, 0]}), "planner config: in_flight must be a list of "
                                                                  "non-negative integers or null, got [2, -1]"),
     (json.dumps({"in_flight": [2, 2], "stage_ranks": [0, 0], "in_flight_together": [[1, 2, 3]]}),
-     f"{CONFIG_ENV}: in_flight_together must be null or rows of one non-negative integer per stage"),
-    (json.dumps({"schedule": "dualpipev"}), f"{CONFIG_ENV}: schedule dualpipev runs several stages per rank: "
+     "planner config: in_flight_together must be null or rows of one non-negative integer per stage"),
+    (json.dumps({"schedule": "dualpipev"}), "planner config: schedule dualpipev runs several stages per rank: "
                                             "in_flight and stage_ranks are needed"),
-    (json.dumps({"net_bytes_per_s": 0}), f"{CONFIG_ENV}: bandwidths must be positive"),
+    (json.dumps({"net_bytes_per_s": 0}), "planner config: bandwidths must be positive"),
 ])
 def test_a_bad_configuration_is_named(raw, message):
     with pytest.raises(ValueError) as err:
-        OnlineConfig.from_env({CONFIG_ENV: raw})
+        OnlineConfig.from_mapping(json.loads(raw))
     assert str(err.value).startswith(message), str(err.value)
 
 

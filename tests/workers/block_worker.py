@@ -1,4 +1,5 @@
-"""Rank program for tests/integration/test_block_moves.py: everyday blocks moved whole, against the same trainer without vpipe.
+"""Rank program for tests/integration/test_block_moves.py: everyday blocks moved whole, against the same
+trainer without vpipe.
 
 Each scenario (``argv[1]``) builds a torchtitan-shaped model (``layers`` a ModuleDict keyed by
 global id, an input projection on the first stage, a head on the last), split 6,2 over two

@@ -1,4 +1,5 @@
-"""Rank program for tests/integration/test_dcp.py: a trainer's own DCP checkpoint after vpipe moved its blocks (2 ranks).
+"""Rank program for tests/integration/test_dcp.py: a trainer's own DCP checkpoint after vpipe moved its blocks
+(2 ranks).
 
 ``argv``: the shape (``tutorial``: the tutorial's ``ModuleDict`` keyed by global id;
 ``sequential``: an ``nn.Sequential`` slice numbered ``0..n-1`` on every rank), the output JSON

@@ -1,5 +1,5 @@
-"""Rank program for tests/integration/test_timeline.py: the torch pipelining tutorial's trainer on a 6,2 split, what rank 0
-saw as JSON. Scenarios:
+"""Rank program for tests/integration/test_timeline.py: the torch pipelining tutorial's trainer on a 6,2 split,
+what rank 0 saw as JSON. Scenarios:
 
 - ``timeline``: a trace window of steps 2-4 into DIR, then one step under torch.profiler;
 - ``metrics``: per-step metrics to TensorBoard in DIR, the monitor sampling every 3rd step.

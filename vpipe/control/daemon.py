@@ -5,9 +5,13 @@ does, against the endpoint the last stage logs and stores under ``vpipe/ctl/plan
 It binds only its own inbox, on the address that routes to the last stage (loopback on
 one host), says ``hello`` until welcomed, then for each full stats vector calls the
 planner function ``planner(vector, current) -> Plan | None`` (an import path such as
-``vpipe.control.daemon:no_change``) and sends back any plan with a newer epoch. Every
+``vpipe.planner.online:srp``) and sends back any plan with a newer epoch. Every
 vector is planned, in order (a planner may want several samples); if the planner falls
 behind by more than ``backlog`` vectors the oldest waiting ones are dropped, with a log line.
+
+A planner takes configuration as data: ``--planner-config JSON`` (a JSON object; the last
+stage passes the pipeline's shape this way) goes to the planner function's
+``configured(config)``, which checks it and returns the planner function to call.
 
 With CURVE on (:mod:`vpipe.control.curve`, configured by the environment it inherits) its
 inbox is a CURVE server like every rank's, and it needs the last stage's public key
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import logging
 import math
 import os
@@ -30,7 +35,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import zmq
 
@@ -44,23 +49,40 @@ from vpipe.control.priority import to_background
 from vpipe.log import decision
 from vpipe.monitors.records import StageRecord
 from vpipe.plan import MAX_EPOCH_STEP, Plan, PlanError
+from vpipe.planner import DEFAULT_PLANNER
 from vpipe.planner.judge import PlanJudge
 
 log = logging.getLogger("vpipe.planner.daemon")
 
-__all__ = ["PlannerFn", "no_change", "load_planner", "PlannerDaemon", "DEFAULT_PLANNER", "register", "build_parser"]
+__all__ = ["PlannerFn", "no_change", "load_planner", "parse_planner_config", "PlannerDaemon", "NO_CHANGE_PLANNER",
+           "register", "build_parser"]
 
 PlannerFn = Callable[[list[StageRecord], "Plan | None"], "Plan | None"]
-DEFAULT_PLANNER = "vpipe.control.daemon:no_change"
+# the planner that never changes the plan: a daemon started by hand without --planner, a run that only monitors
+NO_CHANGE_PLANNER = "vpipe.control.daemon:no_change"
+MAX_PLANNER_CONFIG_CHARS = 1 << 20  # a pipeline's shape is kilobytes; beyond this it is a mistake
 
 
 def no_change(vector: list[StageRecord], current: Plan | None) -> Plan | None:
-    """The planner until the SRP planner lands: never changes the plan."""
+    """A planner that never changes the plan (monitoring only)."""
     return None
 
 
-def load_planner(spec: str) -> PlannerFn:
-    """The function named by ``module:function``; ValueError naming what is wrong."""
+def parse_planner_config(text: str) -> dict[str, Any]:
+    """``--planner-config``: a JSON object, checked for shape here (its fields by the planner)."""
+    if len(text) > MAX_PLANNER_CONFIG_CHARS:
+        raise ValueError(f"--planner-config is {len(text)} characters, over the {MAX_PLANNER_CONFIG_CHARS} allowed")
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--planner-config is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"--planner-config must be a JSON object, got {type(config).__name__}")
+    return config
+
+
+def load_planner(spec: str, config: dict[str, Any] | None = None) -> PlannerFn:
+    """The function named by ``module:function``, made with ``config`` when given; ValueError naming what is wrong."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"a planner must be given as module:function, got {spec!r}")
@@ -71,7 +93,15 @@ def load_planner(spec: str) -> PlannerFn:
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ValueError(f"{module_name!r} has no callable {attr!r}")
-    return fn
+    if config is None:
+        return cast(PlannerFn, fn)
+    configured = getattr(fn, "configured", None)
+    if not callable(configured):
+        raise ValueError(f"planner {spec} takes no configuration: it has no configured(config) for --planner-config")
+    planner = configured(config)
+    if not callable(planner):
+        raise ValueError(f"{spec}.configured(config) returned {type(planner).__name__}, not a planner function")
+    return cast(PlannerFn, planner)
 
 
 class PlannerDaemon:
@@ -306,8 +336,12 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--connect", required=True, metavar="ENDPOINT",
                    help="the last stage's control endpoint, tcp://HOST:PORT (logged by the run, "
                         "and stored under vpipe/ctl/planner)")
-    p.add_argument("--planner", default=DEFAULT_PLANNER, metavar="MODULE:FUNCTION",
-                   help=f"planner(vector, current) -> Plan | None (default {DEFAULT_PLANNER})")
+    p.add_argument("--planner", default=NO_CHANGE_PLANNER, metavar="MODULE:FUNCTION",
+                   help=f"planner(vector, current) -> Plan | None (default {NO_CHANGE_PLANNER}, which never changes "
+                        f"the plan; vpipe.attach's default is {DEFAULT_PLANNER})")
+    p.add_argument("--planner-config", default=None, metavar="JSON",
+                   help="a JSON object handed to the planner's configured(config) before the first plan (for "
+                        f"{DEFAULT_PLANNER}: OnlineConfig fields)")
     p.add_argument("--server-key", default=None, metavar="KEY|FILE",
                    help="with CURVE on: the last stage's public key, Z85 or a public key file (logged by the run)")
     p.add_argument("--log-file", default=None, help="append JSON-lines logs (decisions included) here")
@@ -334,7 +368,8 @@ def cmd_planner(args: argparse.Namespace, argv: Any = None) -> int:
             or args.idle_timeout <= args.heartbeat:
         raise ValueError(f"--heartbeat ({args.heartbeat}) must be > 0 and below --idle-timeout ({args.idle_timeout}), "
                          "both finite")
-    planner = load_planner(args.planner)
+    config = None if args.planner_config is None else parse_planner_config(args.planner_config)
+    planner = load_planner(args.planner, config)
     if args.log_file:
         vlog.configure(args.log_file, rank=None)
     else:

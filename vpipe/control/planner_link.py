@@ -13,13 +13,15 @@ With CURVE on, the daemon's hello carries its inbox's public key, which must be 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
 import sys
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from vpipe.control.channel import PLANNER_CONNECT_KEY, ControlPlane
 from vpipe.control.curve import (
@@ -44,10 +46,13 @@ _PEER = "planner"
 
 
 def daemon_arguments(endpoint: str, planner: str, *, parent_pid: int, heartbeat_s: float,
-                     server_key: bytes | None, log_file: str | None) -> list[str]:
+                     server_key: bytes | None, log_file: str | None,
+                     planner_config: Mapping[str, Any] | None = None) -> list[str]:
     """The daemon's command-line arguments for a daemon this stage starts itself."""
     args = ["--connect", endpoint, "--planner", planner, "--parent-pid", str(parent_pid),
             "--heartbeat", str(heartbeat_s)]
+    if planner_config is not None:  # one word, as the key below; JSON of plain values (ValueError if it is not)
+        args.append(f"--planner-config={json.dumps(planner_config, allow_nan=False, separators=(',', ':'))}")
     if server_key is not None:  # one word: a Z85 key may begin with '-', which argparse takes for an option
         args.append(f"--server-key={server_key.decode()}")
     if log_file:
@@ -109,13 +114,14 @@ class PlannerLink:
         return not self.attached and self.process is not None and self.process.poll() is None
 
     # ---------------------------------------------------------------- lifecycle
-    def start(self, planner: str) -> None:
-        """Start a daemon process running ``planner`` (an import path ``module:function``)."""
+    def start(self, planner: str, config: Mapping[str, Any] | None = None) -> None:
+        """Start a daemon process running ``planner`` (an import path ``module:function``), configured with
+        ``config`` (plain JSON values) when given."""
         # the daemon's own entry point, not `-m vpipe planner`: the full CLI imports torch (seconds)
         cmd = [sys.executable, "-m", "vpipe.control.daemon",
                *daemon_arguments(self.plane.endpoint, planner, parent_pid=os.getpid(), heartbeat_s=self.heartbeat_s,
                                  server_key=self.plane.curve.public if self.plane.curve else None,
-                                 log_file=self.log_file)]
+                                 log_file=self.log_file, planner_config=config)]
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "GROUP_RANK")}
         env["OMP_NUM_THREADS"] = "1"
         self.process = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)

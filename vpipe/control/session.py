@@ -23,7 +23,7 @@ from torch import nn
 
 from vpipe.control.agent import StageAgent
 from vpipe.control.channel import ControlPlane
-from vpipe.control.daemon import DEFAULT_PLANNER
+from vpipe.control.daemon import NO_CHANGE_PLANNER
 from vpipe.control.planner_link import PlannerLink
 from vpipe.control.run_key import agree_run_key
 from vpipe.monitors.sampling import SampleSchedule
@@ -43,11 +43,14 @@ def _env_float(name: str, default: float) -> float:
 
 @dataclass(frozen=True)
 class ControlOptions:
-    """How a session samples and plans. ``planner=None``: start no daemon, wait for ``vpipe planner``."""
+    """How a session samples and plans. ``planner=None``: start no daemon, wait for ``vpipe planner``.
+
+    ``planner_config`` (plain JSON values) goes to the daemon's planner as ``--planner-config``."""
 
     sample_every: int = 10
     max_sample_every: int | None = None  # back off to this while nothing changes (None: a fixed interval)
-    planner: str | None = DEFAULT_PLANNER
+    planner: str | None = NO_CHANGE_PLANNER
+    planner_config: Mapping[str, Any] | None = None
     planner_timeout_s: float = field(default_factory=lambda: _env_float("VPIPE_PLANNER_TIMEOUT", 5.0))
     heartbeat_s: float = 0.5
     finish_timeout_s: float = 60.0
@@ -136,7 +139,7 @@ class ControlSession:
         self._open: int | None = None
         self._closed = False
         if link is not None and self.options.planner:
-            link.start(self.options.planner)
+            link.start(self.options.planner, self.options.planner_config)
 
     _distrust_first = False
 

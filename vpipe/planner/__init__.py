@@ -6,6 +6,9 @@ planner daemon imports :mod:`vpipe.planner.judge`) does not pull in numpy:
 - :func:`plan_pipeline` plans a :class:`~vpipe.graph.LayerGraph` offline (``vpipe plan``);
 - :class:`SRPPlanner` turns live statistics into :class:`Proposal` s for the planner daemon;
 - :class:`Hardware` holds the link bandwidths and optimizer factor the cost model uses.
+
+:data:`DEFAULT_PLANNER` names the function a run's planner daemon calls unless the run
+names another: the online SRP planner.
 """
 
 from __future__ import annotations
@@ -23,7 +26,10 @@ _EXPORTS = {
     "optimize_sr": "vpipe.planner.sr",
 }
 
-__all__ = sorted(_EXPORTS)
+# the planner function (module:function) a run's daemon calls unless the run names another
+DEFAULT_PLANNER = "vpipe.planner.online:srp"
+
+__all__ = sorted(_EXPORTS) + ["DEFAULT_PLANNER"]
 
 
 def __getattr__(name: str) -> Any:

@@ -11,20 +11,20 @@ into a :class:`~vpipe.graph.LayerGraph` in the pipeline's execution order, and h
 test decide whether anything changes. Every imbalance it sees and every plan it makes is a
 decision in the run's log.
 
-Configuration comes from the environment variable ``VPIPE_PLANNER_CONFIG`` (a JSON object,
-see :class:`OnlineConfig`), which ``vpipe.attach`` sets for the daemon it starts; a daemon
-started by hand reads the same variable.
+Configuration is data: ``vpipe.attach`` describes the pipeline (schedule, micro-batches,
+budget, the user's ``planner_options``) as :class:`OnlineConfig` fields, and the daemon it
+starts receives them as ``--planner-config JSON`` and hands them to :meth:`srp.configured
+<SRPEntry.configured>`, which checks them; ``srp`` called without configuration (a daemon
+started by hand with no ``--planner-config``) plans with the defaults.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import statistics
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
@@ -39,9 +39,9 @@ from vpipe.sharing import keep_all_shares
 
 log = logging.getLogger("vpipe.planner.online")
 
-__all__ = ["OnlineConfig", "OnlinePlanner", "srp", "CONFIG_ENV"]
+__all__ = ["OnlineConfig", "OnlinePlanner", "SRPEntry", "srp"]
 
-CONFIG_ENV = "VPIPE_PLANNER_CONFIG"
+_WHAT = "planner config"  # how errors name the configuration
 _AT_ONCE = ("memory", "layers changed")  # proposals that are not confirmed first: the current plan cannot run
 _UNCHANGED = 0.01  # per-layer cost moves under this (relative) since the last search: nothing new to plan
 
@@ -73,7 +73,7 @@ class OnlineConfig:
 
     def __post_init__(self) -> None:
         def need(ok: bool, message: str) -> None:
-            require(ok, f"{CONFIG_ENV}: {message}")
+            require(ok, f"{_WHAT}: {message}")
 
         known = SCHEDULES + MULTI_STAGE
         need(self.schedule in known, f"schedule must be one of {', '.join(known)}, got {self.schedule!r}")
@@ -108,24 +108,22 @@ class OnlineConfig:
         need(self.copy_bytes_per_s > 0 and self.net_bytes_per_s > 0, "bandwidths must be positive")
 
     @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None) -> OnlineConfig:
-        raw = (os.environ if environ is None else environ).get(CONFIG_ENV)
-        if not raw:
-            return cls()
-        try:
-            data = json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{CONFIG_ENV} is not valid JSON: {e}") from None
-        if not isinstance(data, dict):
-            raise ValueError(f"{CONFIG_ENV} must be a JSON object")
+    def from_mapping(cls, data: Mapping[str, Any]) -> OnlineConfig:
+        """The configuration a JSON object describes (``to_dict``'s output); ValueError naming what is wrong."""
+        if not isinstance(data, Mapping):
+            raise ValueError(f"{_WHAT} must be a JSON object of OnlineConfig fields, got {type(data).__name__}")
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
+        unknown = sorted(str(key) for key in set(data) - known)
         if unknown:
-            raise ValueError(f"{CONFIG_ENV} has unknown keys: {', '.join(unknown)}")
-        return cls(**data)
+            raise ValueError(f"{_WHAT} has unknown keys: {', '.join(unknown)}")
+        try:
+            return cls(**data)
+        except TypeError as e:  # a value of the wrong kind met a comparison: "'<=' not supported ..."
+            raise ValueError(f"{_WHAT}: {e}") from None
 
-    def to_env(self) -> str:
-        return json.dumps(asdict(self))
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON values: what ``from_mapping`` reads back."""
+        return asdict(self)
 
 
 def _tuple(values: list[int] | None) -> tuple[int, ...] | None:
@@ -402,12 +400,25 @@ def _placeable(vector: list[StageRecord], current: Plan) -> Callable[[list[list[
     return placeable
 
 
-_INSTANCE: OnlinePlanner | None = None
+class SRPEntry:
+    """The daemon's planner function ``vpipe.planner.online:srp``: one :class:`OnlinePlanner` per daemon.
+
+    The daemon hands ``--planner-config`` to :meth:`configured`, which returns the planner made
+    with it; called as it is, it plans with :class:`OnlineConfig`'s defaults.
+    """
+
+    def __init__(self) -> None:
+        self._planner: OnlinePlanner | None = None
+
+    def __call__(self, vector: list[StageRecord], current: Plan | None) -> Plan | None:
+        if self._planner is None:
+            self._planner = OnlinePlanner()
+        return self._planner(vector, current)
+
+    @staticmethod
+    def configured(config: Mapping[str, Any]) -> OnlinePlanner:
+        """The online planner with ``config``'s :class:`OnlineConfig` fields (checked here)."""
+        return OnlinePlanner(OnlineConfig.from_mapping(config))
 
 
-def srp(vector: list[StageRecord], current: Plan | None) -> Plan | None:
-    """The daemon's planner function (``--planner vpipe.planner.online:srp``)."""
-    global _INSTANCE
-    if _INSTANCE is None:
-        _INSTANCE = OnlinePlanner(OnlineConfig.from_env())
-    return _INSTANCE(vector, current)
+srp = SRPEntry()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections.abc import Callable, Mapping
@@ -13,12 +14,12 @@ from torch import nn
 
 from vpipe.checks import require
 from vpipe.plan import Policy
+from vpipe.planner import DEFAULT_PLANNER
 from vpipe.rank.metrics import parse_metric_kinds
 from vpipe.sizes import MAX_BYTES, parse_bytes
 
-__all__ = ["VpipeConfig", "AUTO_BUDGET", "DEFAULT_PLANNER", "resolve_memory_budget"]
+__all__ = ["VpipeConfig", "AUTO_BUDGET", "resolve_memory_budget"]
 
-DEFAULT_PLANNER = "vpipe.planner.online:srp"
 AUTO_BUDGET = "auto"
 _DEVICE_MARGIN = 0.08  # of a GPU's memory left to the CUDA context, the allocator's cache and fragmentation
 _DEVICE_MARGIN_MIN = 1 << 30
@@ -66,6 +67,14 @@ def _int_in(value: Any, low: int, high: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
 
 
+def _plain_json(value: Any) -> bool:
+    """Whether ``value`` crosses to the planner daemon as JSON unchanged (string keys, no NaN, no objects)."""
+    try:
+        return bool(json.loads(json.dumps(value, allow_nan=False)) == value)
+    except (TypeError, ValueError):
+        return False
+
+
 def _seconds(value: Any) -> bool:
     return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
             and 0 < value <= _MAX_SECONDS)
@@ -79,7 +88,7 @@ class VpipeConfig:
     # capacity minus a margin (on CPU: no budget); None: no budget
     memory_budget: int | str | None = AUTO_BUDGET
     planning: bool = True  # run the planner daemon and apply its plans
-    planner: str = DEFAULT_PLANNER  # the daemon's planner function (module:function)
+    planner: str = DEFAULT_PLANNER  # the daemon's planner function (module:function): the online SRP planner
     sample_every: int = 10  # monitor every k-th step
     # while no plan or edit takes effect the interval doubles every 5 samples up to this (None: 8 * sample_every;
     # sample_every: never back off)
@@ -96,7 +105,9 @@ class VpipeConfig:
     agree_timeout_s: float = field(default_factory=lambda: _env_seconds("VPIPE_AGREE_TIMEOUT", 120.0))
     apply_lag_steps: int = 2  # stage 0 schedules a plan this many steps after it has it
     micro_batches: int | None = None  # per step of a hand-written loop (the planner models the pipeline with it)
-    planner_options: dict[str, Any] = field(default_factory=dict)  # extra OnlineConfig fields
+    # the planner's configuration, plain JSON values: for the default planner, OnlineConfig fields (attach adds
+    # the pipeline's schedule, micro-batches, budget); another planner gets them in its configured(config)
+    planner_options: dict[str, Any] = field(default_factory=dict)
     # JSON lines of every decision; default: $VPIPE_LOG_FILE, so a one-line attach can be logged from outside
     log_file: str | None = field(default_factory=lambda: os.environ.get("VPIPE_LOG_FILE") or None)
     # (start, count): record the pipeline timeline of those steps on every rank (vpipe.timeline); default:
@@ -150,8 +161,8 @@ class VpipeConfig:
         for pol in (self.policies or {}).values():
             Policy.parse(pol.value if isinstance(pol, Policy) else pol)
         need(self.specs is None or isinstance(self.specs, Mapping), f"specs must be a mapping, got {self.specs!r:.80}")
-        need(isinstance(self.planner_options, dict),
-             f"planner_options must be a dict, got {self.planner_options!r:.80}")
+        need(isinstance(self.planner_options, dict) and _plain_json(self.planner_options),
+             f"planner_options must be a dict of plain JSON values, got {self.planner_options!r:.80}")
         need(self.min_swap_bytes is None or _int_in(self.min_swap_bytes, 0, MAX_BYTES),
              "min_swap_bytes must be >= 0")
         need(self.micro_batches is None or _int_in(self.micro_batches, 1, _MAX_STEPS),

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 import torch.distributed as dist
@@ -41,8 +41,11 @@ from vpipe.sharing import action_kind, flat_actions, in_flight_per_stage, in_fli
 
 log = logging.getLogger("vpipe.attach")
 
-__all__ = ["LocalStage", "Pipeline", "inspect_target", "reset_shape_inference", "check_schedule_api",
+__all__ = ["AttachTarget", "LocalStage", "Pipeline", "inspect_target", "reset_shape_inference", "check_schedule_api",
            "in_flight_per_stage", "in_flight_together", "flat_actions", "action_kind", "MULTI_STAGE_SCHEDULES"]
+
+# what attach takes: a single-stage schedule (SchedulePipeDream is one), a multi-stage one, or a stage module
+AttachTarget: TypeAlias = PipelineScheduleSingle | PipelineScheduleMulti | nn.Module
 
 # torch's multi-stage schedules by class name -> the cost model's name for them
 MULTI_STAGE_SCHEDULES = {
@@ -105,7 +108,7 @@ class Pipeline:
         return in_flight_together(self.schedule.pipeline_order, self.num_stages)
 
 
-def inspect_target(target: Any) -> Pipeline:
+def inspect_target(target: AttachTarget) -> Pipeline:
     """The pipeline ``target`` (a schedule or a plain stage module) runs on this rank; refuses what vpipe cannot."""
     rank, world = dist.get_rank(), dist.get_world_size()
     if isinstance(target, PipelineScheduleMulti):

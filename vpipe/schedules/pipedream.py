@@ -130,7 +130,7 @@ class SchedulePipeDream(PipelineScheduleSingle):
         """The stashed weights an in-flight micro-batch uses (name -> tensor)."""
         return self._versions[self._mb_version[mb]]
 
-    def step(self, *args: Any, target: Any = None, losses: list | None = None, **kwargs: Any) -> None:
+    def step(self, *args: Any, target: Any = None, losses: list[torch.Tensor] | None = None, **kwargs: Any) -> None:
         """Feed one batch of ``n_microbatches`` micro-batches; returns once they are all forwarded here."""
         if not torch.is_grad_enabled():
             raise RuntimeError("SchedulePipeDream.step() trains; it cannot run under torch.no_grad()")
@@ -140,20 +140,21 @@ class SchedulePipeDream(PipelineScheduleSingle):
 
     def _step_microbatches(
         self,
-        arg_mbs: list | None = None,
-        kwarg_mbs: list | None = None,
-        target_mbs: list | None = None,
-        losses: list | None = None,
+        arg_mbs: list[tuple[Any, ...]] | None = None,
+        kwarg_mbs: list[dict[str, Any]] | None = None,
+        target_mbs: list[Any] | None = None,
+        losses: list[torch.Tensor] | None = None,
         return_outputs: bool = True,
         loss_kwargs: dict[str, Any] | None = None,
     ) -> None:
         arg_mbs, kwarg_mbs = self._check_inputs(arg_mbs, kwarg_mbs, target_mbs, losses)
         if not self._stage_forward_initialized:
             target = target_mbs[0] if target_mbs else None
+            # (the ignores here and at _compute_loss: torch leaves those methods unannotated)
             if _INITIALIZE_TAKES_TARGET:
-                self._initialize_stage(arg_mbs[0], kwarg_mbs[0], target)
+                self._initialize_stage(arg_mbs[0], kwarg_mbs[0], target)  # type: ignore[no-untyped-call]
             else:  # older torch (2.11 and before) infers shapes from the inputs alone
-                self._initialize_stage(arg_mbs[0], kwarg_mbs[0])
+                self._initialize_stage(arg_mbs[0], kwarg_mbs[0])  # type: ignore[no-untyped-call]
         first, m = self._next_fwd, self._n_microbatches
         for j in range(m):
             self._targets[first + j] = target_mbs[j] if target_mbs else None
@@ -175,7 +176,7 @@ class SchedulePipeDream(PipelineScheduleSingle):
             losses.clear()
             losses.extend(step_losses)
 
-    def flush(self, losses: list | None = None) -> None:
+    def flush(self, losses: list[torch.Tensor] | None = None) -> None:
         """Run the backward of every micro-batch still in flight (end of training, checkpoint)."""
         drained = []
         while self._next_bwd < self._next_fwd:
@@ -241,7 +242,7 @@ class SchedulePipeDream(PipelineScheduleSingle):
             del self._versions[v]
 
     # ---------------------------------------------------------------- actions
-    def _forward(self, mb: int, args: tuple, kwargs: dict) -> None:
+    def _forward(self, mb: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         stage = self._stage
         slot = self._slot(mb)
         self._recv(stage.get_fwd_recv_ops(slot))
@@ -267,7 +268,7 @@ class SchedulePipeDream(PipelineScheduleSingle):
         finally:
             del stage.forward_maybe_with_nosync
         if stage.is_last:
-            self._losses[mb] = self._compute_loss(output, self._targets[mb])
+            self._losses[mb] = self._compute_loss(output, self._targets[mb])  # type: ignore[no-untyped-call]
         self._send(stage.get_fwd_send_ops(slot))
         self._next_fwd += 1
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from vpipe import faults
-from vpipe.attach import VpipeConfig, attach
+from vpipe._attach import DEFAULT_PLANNER, VpipeConfig, attach
 from vpipe.checkpoint import restore_stage
 from vpipe.control.session import ControlOptions, open_for_stage_run
 from vpipe.plan import Plan, Policy
@@ -114,7 +114,7 @@ def _attach_vpipe(cfg: RunConfig, run: StageRun, resume_state: dict[str, Any] | 
     config = VpipeConfig(
         memory_budget=cfg.memory_budget,
         planning=cfg.planning and cfg.planner is not None,
-        planner=cfg.planner or "vpipe.planner.online:srp",
+        planner=cfg.planner or DEFAULT_PLANNER,
         sample_every=cfg.monitor_every or 10,
         layer_factory=lambda lid, layer_spec: build_layer(layer_spec, lid, cfg.seed),
         specs=dict(enumerate(spec.layers)),

@@ -17,7 +17,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
-from vpipe.attach import VpipeConfig, attach
+from vpipe._attach import VpipeConfig, attach
 from vpipe.plan import Policy
 from vpipe.schedules.pipedream import SchedulePipeDream
 from vpipe_lab.runtime.config import RunConfig

@@ -9,21 +9,21 @@ blocks get hooks and their containers are edited in place when layers migrate;
 ``stage.submod`` and its ``forward`` are never replaced. ``detach()`` removes every hook
 and wrapper; layers that moved stay where they are.
 
-This module only wires the parts together (see :mod:`vpipe.rank` for each part's job).
+This module only wires the parts together (see :mod:`vpipe.rank` for each part's job). Its
+name is private so that ``vpipe.attach`` is only ever the function: a public submodule of the
+same name would replace it on the package once imported.
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
-import os
-import sys
-import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import Store
 
 from vpipe import faults
 from vpipe import log as run_log
@@ -36,15 +36,16 @@ from vpipe.migration.pins import outside_tensors, pin_reason, planner_kind, shar
 from vpipe.migration.transfer import TransferChannel
 from vpipe.monitors.source import TensorManagerSource
 from vpipe.plan import Plan
-from vpipe.planner.online import CONFIG_ENV, OnlineConfig
+from vpipe.planner import DEFAULT_PLANNER
+from vpipe.planner.online import OnlineConfig
 from vpipe.rank.agreement import StoreAgreement, agree_on_blocks
 from vpipe.rank.applying import PlanApplier
 from vpipe.rank.boundary import PlanBoundary
-from vpipe.rank.config import AUTO_BUDGET, DEFAULT_PLANNER, VpipeConfig, resolve_memory_budget
+from vpipe.rank.config import AUTO_BUDGET, VpipeConfig, resolve_memory_budget
 from vpipe.rank.edits import LayerEdits
 from vpipe.rank.memory import StageMemory
 from vpipe.rank.metrics import MetricsWriter, parse_metric_kinds
-from vpipe.rank.stages import LocalStage, Pipeline, check_optimizer, inspect_target
+from vpipe.rank.stages import AttachTarget, LocalStage, Pipeline, check_optimizer, inspect_target
 from vpipe.rank.state import restore_vpipe_state, vpipe_state
 from vpipe.rank.steps import MicroBatchCounter, StepDriver
 from vpipe.rank.tracing import TraceWindow
@@ -56,8 +57,8 @@ log = logging.getLogger("vpipe.attach")
 __all__ = ["attach", "Vpipe", "VpipeConfig", "AUTO_BUDGET", "DEFAULT_PLANNER", "resolve_memory_budget"]
 
 
-def attach(target: Any, *, optimizer: torch.optim.Optimizer | None = None, config: VpipeConfig | None = None,
-           store: Any = None, **options: Any) -> Vpipe:
+def attach(target: AttachTarget, *, optimizer: torch.optim.Optimizer | None = None, config: VpipeConfig | None = None,
+           store: Store | None = None, **options: Any) -> Vpipe:
     """Turn vpipe on for this rank's stages. Every rank of the run must call it (it is collective).
 
     ``target`` is the trainer's schedule or its stage module; ``optimizer`` the optimizer of
@@ -74,8 +75,8 @@ def attach(target: Any, *, optimizer: torch.optim.Optimizer | None = None, confi
 class Vpipe:
     """vpipe on one rank: tensor managers, monitors + control session, layer manager, plan application."""
 
-    def __init__(self, target: Any, *, optimizer: torch.optim.Optimizer | None, config: VpipeConfig,
-                 store: Any = None) -> None:
+    def __init__(self, target: AttachTarget, *, optimizer: torch.optim.Optimizer | None, config: VpipeConfig,
+                 store: Store | None = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError("vpipe.attach needs torch.distributed initialised first (torchrun or vpipe train)")
         self.config = config
@@ -197,15 +198,11 @@ class Vpipe:
         if config.planning and pipeline.schedule is None and config.micro_batches is None:
             log.warning("vpipe.attach(module): micro_batches= not given, the planner assumes 1 micro-batch per step "
                         "(a pipeline that then never overlaps stages, so it will not rebalance)")
-        if config.planning and self.num_stages - 1 in self._local:
-            online = OnlineConfig(schedule=pipeline.kind, micro_batches=pipeline.micro_batches(config.micro_batches),
-                                  memory_budget=self.memory_budget, allow_moves=self.move_refusal is None,
-                                  in_flight=pipeline.in_flight(), in_flight_together=pipeline.in_flight_together(),
-                                  stage_ranks=list(pipeline.stage_ranks) if pipeline.multi_stage else None,
-                                  **config.planner_options)
-            os.environ[CONFIG_ENV] = online.to_env()  # the daemon the last stage's rank starts inherits it
+        planning = config.planning and self.num_stages - 1 in self._local  # the last stage starts the daemon
         options = ControlOptions(sample_every=config.sample_every, max_sample_every=config.sampling_cap,
-                                 planner=config.planner if config.planning else None, log_file=config.log_file)
+                                 planner=config.planner if config.planning else None, log_file=config.log_file,
+                                 planner_config=planner_config(config, pipeline, self.memory_budget,
+                                                               self.move_refusal is None) if planning else None)
         session = ControlSession(
             {s.index: s.blocks.blocks() for s in pipeline.stages if s.blocks is not None}, rank=self.rank,
             stage_ranks=pipeline.stage_ranks, store=self.agreement.store, world_size=self.world_size,
@@ -363,6 +360,23 @@ class Vpipe:
             raise RuntimeError(f"vpipe.detach could not undo everything: {errors[0]}") from errors[0]
 
 
+def planner_config(config: VpipeConfig, pipeline: Pipeline, memory_budget: int | None,
+                   allow_moves: bool) -> dict[str, Any] | None:
+    """What the daemon's planner is configured with: for the default planner, the pipeline's shape and
+    ``planner_options`` (checked here, at attach); another planner gets ``planner_options`` as given."""
+    if config.planner != DEFAULT_PLANNER:
+        return dict(config.planner_options) or None
+    shape = {"schedule": pipeline.kind, "micro_batches": pipeline.micro_batches(config.micro_batches),
+             "memory_budget": memory_budget, "allow_moves": allow_moves, "in_flight": pipeline.in_flight(),
+             "in_flight_together": pipeline.in_flight_together(),
+             "stage_ranks": list(pipeline.stage_ranks) if pipeline.multi_stage else None}
+    taken = sorted(set(shape) & set(config.planner_options))
+    if taken:
+        raise ValueError(f"vpipe config: planner_options cannot set {', '.join(taken)}: attach reads them off the "
+                         "pipeline")
+    return OnlineConfig.from_mapping({**shape, **config.planner_options}).to_dict()
+
+
 def _move_refusal(pipeline: Pipeline) -> str | None:
     """Why this rank's layers cannot move, or None when they can."""
     if any(isinstance(s.module, torch.fx.GraphModule) for s in pipeline.stages):
@@ -374,18 +388,3 @@ def _move_refusal(pipeline: Pipeline) -> str | None:
                 "global layer id")
     return None
 
-
-class _CallableModule(types.ModuleType):
-    """This module, callable as :func:`attach`.
-
-    Importing a submodule sets it as an attribute of its package: after ``from vpipe.attach
-    import VpipeConfig``, ``vpipe.attach`` is this module rather than the function the package
-    exports, and the one line ``vpipe.attach(schedule, ...)`` would fail with "'module' object
-    is not callable". Calling the module calls the function, whatever was imported first.
-    """
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Vpipe:
-        return attach(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
