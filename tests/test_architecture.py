@@ -39,8 +39,8 @@ OPTIONAL_EXTRAS = {
 LAZY_IMPORTS: dict[str, tuple[frozenset[str], str]] = {
     "vpipe": (frozenset({"vpipe.attach", "vpipe.plan", "vpipe.schedules.pipedream", "vpipe.checkpoint.block_keys"}),
               "the public names load on first use: `import vpipe` (the CLI, the planner daemon) loads no torch"),
-    "vpipe.planner": (frozenset({"vpipe.planner.srp", "vpipe.planner.exact", "vpipe.planner.cost_model",
-                                 "vpipe.planner.sr"}),
+    "vpipe.planner": (frozenset({"vpipe.planner.srp", "vpipe.planner.proposals", "vpipe.planner.cuts",
+                                 "vpipe.planner.cost_model", "vpipe.planner.sr"}),
                       "entry points load on first use: the daemon imports vpipe.planner.judge without numpy"),
     "vpipe.monitors": (frozenset({"vpipe.monitors.stage", "vpipe.monitors.keep_all"}),
                        "the daemon reads vpipe.monitors.records: the package must import without torch"),

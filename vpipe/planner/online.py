@@ -7,7 +7,7 @@ over interchangeable blocks (same kind, same saved and sent bytes: on the homoge
 devices a pipeline runs on they do the same work, so their spread is measurement noise,
 and a balanced split of identical blocks is never "rebalanced" on noise), turned
 into a :class:`~vpipe.graph.LayerGraph` in the pipeline's execution order, and handed to
-:class:`~vpipe.planner.srp.SRPPlanner`, whose hysteresis, cooldown and gain-versus-migration
+:class:`~vpipe.planner.proposals.SRPPlanner`, whose hysteresis, cooldown and gain-versus-migration
 test decide whether anything changes. Every imbalance it sees and every plan it makes is a
 decision in the run's log.
 
@@ -34,7 +34,7 @@ from vpipe.log import decision
 from vpipe.monitors.records import StageRecord
 from vpipe.plan import PINNED_KIND, Plan, Policy
 from vpipe.planner.cost_model import MULTI_STAGE, SCHEDULES, Hardware, stage_time
-from vpipe.planner.srp import SRPPlanner
+from vpipe.planner.proposals import SRPPlanner
 from vpipe.sharing import keep_all_shares
 
 log = logging.getLogger("vpipe.planner.online")
