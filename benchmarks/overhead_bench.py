@@ -156,9 +156,8 @@ def run_launch(size: str, mode: str, tmp: Path) -> dict[str, Any]:
 # vpipe's functions by what they run for (the rest, set-up at attach, runs once)
 _PER = {  # (first match wins: the micro-batch counts before the saved tensors' ledger)
     "micro-batch": ("tensor_manager/pipelining.py:", "tensor_manager/manager.py:micro_batch",
-                    "tensor_manager/manager.py:begin_quiet", "tensor_manager/manager.py:end_quiet",
-                    "tensor_manager/manager.py:_count_unhooked", "tensor_manager/manager.py:_became_quiet",
-                    "tensor_manager/manager.py:_new_step", "tensor_manager/interception.py:count_unhooked",
+                    "tensor_manager/quiet.py:", "tensor_manager/in_flight.py:",
+                    "tensor_manager/interception.py:count_unhooked",
                     "tensor_manager/accounting.py:add_micro_batch", "tensor_manager/accounting.py:sub_micro_batch",
                     "tensor_manager/manager.py:backward", "tensor_manager/manager.py:_begin_forward",
                     "tensor_manager/interception.py:uncount", "tensor_manager/governor.py:comfortably_within",
@@ -203,7 +202,7 @@ def profile_breakdown(steps: int, tmp: Path) -> dict:
                 calls["saved tensor"] = ncalls
             elif where == "tensor_manager/interception.py:pre_forward":
                 calls["layer call"] = ncalls
-            elif where == "tensor_manager/manager.py:begin_quiet_forward":  # (every forward asks it first)
+            elif where == "tensor_manager/quiet.py:begin_forward":  # (every forward asks it first)
                 calls["micro-batch"] = ncalls
         step_s = json.loads(out.read_text())["step_s"]
         ranks.append({"rank": rank, "per_step_s": {g: t / steps for g, t in groups.items()},

@@ -8,6 +8,10 @@ must be allowed there, the table must allow no cycle, and it must not allow what
 imports (so it stays a description of the code). Imports inside functions hide
 dependencies, so each one is listed below with its reason: keeping a process free of
 torch (or of what it does not need), or an optional extra.
+
+Inside the rooms, one job per module: no module is longer than ``MAX_LINES``, and no two
+modules import each other in a circle at module level, an import under ``if
+TYPE_CHECKING:`` included (it hides the circle from Python, not from a reader).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("vpipe", "vpipe_lab")  # the library, and the laboratory built on it
 DOC = ROOT / "docs" / "architecture.md"
 HEADER = ["room", "job", "torch", "may import"]
+MAX_LINES = 420  # past this a module does more than one job: split it by job
 
 # Libraries a module may import where it uses them, wherever it is: optional or absent on some machines.
 # (An import under ``try: ... except ImportError`` is optional by construction and allowed too:
@@ -42,8 +47,8 @@ LAZY_IMPORTS: dict[str, tuple[frozenset[str], str]] = {
                          "importlib.metadata"}),
               "the public names (and the version, read from package metadata) load on first use: `import vpipe` "
               "(the CLI, the planner daemon) loads no torch"),
-    "vpipe.planner": (frozenset({"vpipe.planner.srp", "vpipe.planner.exact", "vpipe.planner.cost_model",
-                                 "vpipe.planner.sr"}),
+    "vpipe.planner": (frozenset({"vpipe.planner.srp", "vpipe.planner.proposals", "vpipe.planner.cuts",
+                                 "vpipe.planner.cost_model", "vpipe.planner.sr"}),
                       "entry points load on first use: the daemon imports vpipe.planner.judge without numpy"),
     "vpipe.monitors": (frozenset({"vpipe.monitors.stage", "vpipe.monitors.keep_all"}),
                        "the daemon reads vpipe.monitors.records: the package must import without torch"),
@@ -271,3 +276,57 @@ def test_torch_free_rooms_import_without_torch():
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "", f"{proc.stdout.strip()} loads torch, yet docs/architecture.md says it does not"
+
+
+def test_no_module_is_longer_than_max_lines():
+    long = {m: n for m, path in modules().items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines (split each by job): {long}"
+
+
+def module_graph() -> dict[str, set[str]]:
+    """Each module -> the vpipe modules it imports at module level (under ``if TYPE_CHECKING:`` too)."""
+    graph: dict[str, set[str]] = {m: set() for m in modules()}
+    for imp in imports():
+        if not imp.in_function and imp.target in modules() and imp.target != imp.module:
+            graph[imp.module].add(imp.target)
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One circle of imports (its first module repeated at the end), or None."""
+    done: set[str] = set()
+    path: list[str] = []
+    on_path: set[str] = set()
+
+    def visit(module: str) -> list[str] | None:
+        path.append(module)
+        on_path.add(module)
+        for target in sorted(graph[module]):
+            if target in on_path:
+                return path[path.index(target):] + [target]
+            if target not in done:
+                found = visit(target)
+                if found:
+                    return found
+        path.pop()
+        on_path.discard(module)
+        done.add(module)
+        return None
+
+    for module in sorted(graph):
+        if module not in done:
+            found = visit(module)
+            if found:
+                return found
+    return None
+
+
+def test_find_cycle_names_the_circle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"b"}}) == ["b", "c", "b"]
+
+
+def test_no_modules_import_each_other_in_a_circle():
+    """A circle closed by an import under ``if TYPE_CHECKING:`` counts: give one side a narrow interface."""
+    cycle = find_cycle(module_graph())
+    assert cycle is None, f"modules import each other in a circle (TYPE_CHECKING imports count): {' -> '.join(cycle)}"

@@ -25,7 +25,7 @@ from support.plan_models import encoder_decoder, tutorial_transformer
 from vpipe.plan import Plan, Policy
 from vpipe.planner.cost_model import GraphProfile
 from vpipe.planner.online import OnlineConfig, OnlinePlanner
-from vpipe.planner.srp import _srp_loop
+from vpipe.planner.srp import srp_loop
 from vpipe.rank.stages import in_flight_per_stage, in_flight_together
 from vpipe_lab.runtime.models import reference_transformer
 
@@ -163,7 +163,7 @@ def test_an_offline_multi_stage_plan_is_the_live_planners_plan_for_the_same_grap
     current = Plan(0, tuple(tuple(ids[i:i + 3]) for i in (0, 3, 6)) + ((ids[9],),),
                    {lid: Policy.KEEP for lid in ids})
     live = OnlinePlanner(config)._planner(graph, records, current)
-    best, _ = _srp_loop(GraphProfile(graph), live.setup, live.budgets, live.method)
+    best, _ = srp_loop(GraphProfile(graph), live.setup, live.budgets, live.method)
     assert offline["stage_ranks"] == ranks and offline["in_flight"] == list(config.in_flight)
     assert offline["stages"] == GraphProfile(graph).stages_of(best.cuts)
     policies = GraphProfile(graph).policies_from(best.codes)

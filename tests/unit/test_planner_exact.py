@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from support.graphs import all_cuts, chain, dags
 from vpipe.graph import LayerGraph
 from vpipe.planner.cost_model import CoarseCosts, GraphProfile, Hardware, PipelineSetup, StageCosts
-from vpipe.planner.exact import InfeasibleError, _lower_bound, exact_partition, min_bottleneck
+from vpipe.planner.cuts import InfeasibleError
+from vpipe.planner.exact import _lower_bound, exact_partition, min_bottleneck
 
 
 def _brute_force(costs: StageCosts, p: int, budgets: np.ndarray, memory: str = "fixed"):

@@ -14,9 +14,10 @@ from support.graphs import chain, dags
 from vpipe.graph import LayerGraph
 from vpipe.plan import Plan, Policy
 from vpipe.planner.cost_model import GraphProfile, Hardware, PipelineSetup, StageCosts, stage_memory
-from vpipe.planner.exact import InfeasibleError
+from vpipe.planner.cuts import InfeasibleError
 from vpipe.planner.partition import is_valid_pipeline
-from vpipe.planner.srp import SRPPlanner, plan_pipeline
+from vpipe.planner.proposals import SRPPlanner
+from vpipe.planner.srp import plan_pipeline
 
 
 # --------------------------------------------------------------------- plan_pipeline
@@ -129,11 +130,11 @@ def test_noise_around_a_balanced_plan_never_triggers_a_proposal():
 
 
 def test_a_balanced_plan_that_fits_is_not_searched_at_all(monkeypatch):
-    import vpipe.planner.srp as srp
+    import vpipe.planner.proposals as proposals
 
     searches = []
-    real = srp._srp_loop
-    monkeypatch.setattr(srp, "_srp_loop", lambda *a, **k: searches.append(1) or real(*a, **k))
+    real = proposals.srp_loop
+    monkeypatch.setattr(proposals, "srp_loop", lambda *a, **k: searches.append(1) or real(*a, **k))
     g = chain([1.0] * 48)
     planner, balanced = SRPPlanner(4, "1f1b", 8, cooldown_steps=0), _balanced(g)
     searches.clear()

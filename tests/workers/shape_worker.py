@@ -62,13 +62,13 @@ def _count_manager_calls(manager) -> list[int]:
     """Count the times vpipe's stage wrappers ask ``manager`` whether a micro-batch's forward is quiet (once per
     forward, twice for one that is not)."""
     calls = [0]
-    inner = manager.begin_quiet_forward
+    inner = manager.quiet.begin_forward
 
     def counted(*args, **kwargs):
         calls[0] += 1
         return inner(*args, **kwargs)
 
-    manager.begin_quiet_forward = counted
+    manager.quiet.begin_forward = counted
     return calls
 
 
@@ -334,7 +334,7 @@ def new_shapes() -> dict:
         per_step.append(calls[0] - before)
         seq_lens.append(seq_len)
         metering.append(manager.metering)
-        shapes.append(None if manager._input_shapes is None else [list(s) for s in manager._input_shapes])
+        shapes.append(None if manager.quiet.input_shapes is None else [list(s) for s in manager.quiet.input_shapes])
     result = {"losses": losses, "calls": per_step, "seq_lens": seq_lens, "metering": metering,
               "input_shapes": shapes, "hooked": manager.hooked}
     vp.detach()
@@ -368,13 +368,13 @@ def pipedream_budget() -> dict:
     manager = vp.tensor_manager
     at_first_forward: dict[int, int] = {}
     step_now = [0]
-    inner = manager.begin_quiet_forward
+    inner = manager.quiet.begin_forward
 
     def first_forward(*args, **kwargs):
         at_first_forward.setdefault(step_now[0], manager.ledger.resident)
         return inner(*args, **kwargs)
 
-    manager.begin_quiet_forward = first_forward
+    manager.quiet.begin_forward = first_forward
     losses: dict[str, list[float]] = {name: [] for name in copies}
     resident, in_flight = [], []
     for step in range(24):

@@ -18,7 +18,8 @@ from torch import nn
 from vpipe.migration.compiled import compile_like, compiled_forwards
 from vpipe.tensor_manager.layers import ROUTED_FORWARD
 
-__all__ = ["clone_block", "block_attrs", "set_block_attrs", "block_kind", "compiled_inner", "validate_block_info"]
+__all__ = ["clone_block", "block_attrs", "set_block_attrs", "block_kind", "compiled_inner", "block_info",
+           "validate_block_info"]
 
 _MODULE_INTERNALS = frozenset(nn.Module().__dict__) - {"training"}
 # forward and backward hooks (vpipe's and the user's) stay with the donor; state-dict hooks are the module's own
@@ -92,6 +93,11 @@ def validate_attrs(raw: Any, layer_id: int) -> dict[str, dict[str, Any]]:
             if not _is_plain(value):
                 raise ValueError(f"layer {layer_id}: block attribute {key!r} is not a plain value")
     return raw
+
+
+def block_info(block: nn.Module, key: str) -> dict[str, Any]:
+    """The ``block`` part of a moved layer's manifest: what the target needs besides the tensors to rebuild it."""
+    return {"kind": block_kind(block), "key": key, "attrs": block_attrs(block)}
 
 
 def validate_block_info(raw: Any, layer_id: int) -> dict[str, Any]:

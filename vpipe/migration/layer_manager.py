@@ -35,7 +35,7 @@ from torch import nn
 
 from vpipe.log import decision
 from vpipe.migration.blocks import KeyStyle, StageBlocks
-from vpipe.migration.cloning import block_attrs, block_kind
+from vpipe.migration.cloning import block_info
 from vpipe.migration.handshake import (
     NO_FAULTS,
     BlockBuilder,
@@ -45,13 +45,20 @@ from vpipe.migration.handshake import (
     Messenger,
     MigrationError,
 )
+from vpipe.migration.link import MoveLink
 from vpipe.migration.moves import Move, apply_round, plan_rounds
 from vpipe.migration.pins import pin_reason
 from vpipe.migration.placement import Placement
 from vpipe.migration.rounds import MigrationReport, exchange
 from vpipe.migration.shapes import BoundaryShapes
-from vpipe.migration.state import attach_to_optimizer, detach_from_optimizer, register_layer
-from vpipe.migration.stream import start_streamed
+from vpipe.migration.state import (
+    LayerState,
+    attach_to_optimizer,
+    detach_from_optimizer,
+    pack_layer,
+    register_layer,
+)
+from vpipe.migration.stream import WatchShapes, check_idle, start_round
 from vpipe.migration.transfer import TransferChannel
 from vpipe.plan import Plan, PlanError
 
@@ -177,16 +184,6 @@ class LayerManager:
         """The kinds of block this rank can build for an incoming move (None: any, a factory builds them)."""
         return self.builder.can_build()
 
-    def check_movable(self, layer_id: int, block: nn.Module) -> None:
-        """Raise ``ValueError`` naming why ``block`` cannot move to another rank (shared, hooked)."""
-        reason = pin_reason(layer_id, block, self.shared)
-        if reason is not None:
-            raise ValueError(f"layer {layer_id} {reason}")
-
-    def describe_block(self, stage: int, layer_id: int, block: nn.Module) -> dict[str, Any]:
-        """What a receiving stage needs besides the tensors to rebuild ``block``: kind, key, plain attributes."""
-        return {"kind": block_kind(block), "key": self.blocks[stage].key_of(layer_id), "attrs": block_attrs(block)}
-
     def close(self) -> None:
         self.shapes.close()
 
@@ -217,7 +214,7 @@ class LayerManager:
         for r, moves in enumerate(rounds):
             if not self._run_round(plan.epoch, r, moves, report):
                 break  # later rounds assumed this one: stay at the last agreed placement
-        self.epoch = plan.epoch
+        self._advance(plan.epoch)
         report.seconds = time.perf_counter() - start
         if mine:
             decision("migration_done",
@@ -231,6 +228,36 @@ class LayerManager:
     def rank_of(self, stage: int) -> int:
         return self._placement.rank_of(stage)
 
+    def _advance(self, epoch: int, stages: Sequence[Sequence[int]] | None = None) -> None:
+        """The one place the epoch (and a round's placement, when ``stages`` is given) moves on."""
+        if stages is not None:
+            self._placement = self._placement.with_stages(stages)
+        self.epoch = epoch
+
+    def _link(self) -> MoveLink:
+        """What the exchanges with other ranks may use of this manager (made per round: fields may be swapped)."""
+        return MoveLink(self.messenger, self.channel, self.stage_ranks, self.timeout_s, self.builder,
+                        self.optimizer, self._pack, self.faults)
+
+    def _pack(self, move: Move, with_state: bool) -> list[LayerState]:
+        """The leaving layers of ``move`` and what the target needs to rebuild each block (kind, key, plain
+        attributes); their optimizer state and boundary shapes too when ``with_state`` (a streamed move
+        sends its state at the hand-over, and keeps its shapes). ``ValueError`` names a block that cannot
+        move to another rank (shared, hooked)."""
+        blocks = self.blocks[move.src]
+        children = blocks.blocks()
+        for lid in move.layers:
+            reason = pin_reason(lid, children[lid], self.shared)
+            if reason is not None:
+                raise ValueError(f"layer {lid} {reason}")
+        states = [pack_layer(lid, children[lid], self.optimizer if with_state else None, self.specs.get(lid))
+                  for lid in move.layers]
+        for st in states:
+            st.manifest["block"] = block_info(children[st.layer_id], blocks.key_of(st.layer_id))
+            if with_state:
+                st.manifest.update(self.shapes.describe(st.layer_id))
+        return states
+
     def _run_round(self, epoch: int, r: int, moves: Sequence[Move], report: MigrationReport) -> bool:
         """One round of moves; True if every move of the round went through on every rank."""
         local = self.blocks
@@ -238,7 +265,7 @@ class LayerManager:
         incoming = [m for m in moves if m.dst in local and m.src not in local]
         within = [m for m in moves if m.src in local and m.dst in local]
         # phases 1-5: the exchange with the other ranks (announce, build, send, receive, acknowledge)
-        ok, arriving = exchange(self, epoch, r, outgoing, incoming, report)
+        ok, arriving = exchange(self._link(), epoch, r, outgoing, incoming, report)
         # phase 6: one vote decides the whole round on every rank, then both sides act on it; the
         # same collective tells whether a boundary activation changes (every rank must redo shape inference)
         after = apply_round(self.placement, moves)
@@ -255,7 +282,7 @@ class LayerManager:
             self._insert(inc)
         for m, entries in moved_here:
             self._put(m.dst, m.forward, entries)
-        self._placement = self._placement.with_stages(after)
+        self._advance(self.epoch, after)
         report.moved.extend(self._involved(moves))
         report.rebuilt = report.rebuilt or changed
         return True
@@ -268,13 +295,30 @@ class LayerManager:
 
     # ---------------------------------------------------------------- streamed moves (PipeDream)
     def start_streamed(self, plan: Plan, schedule: Any, switch_mb: int, *, continuation: bool = False) -> list[Any]:
-        """Begin moving towards ``plan`` inside a running PipeDream stream (see :func:`.stream.start_streamed`)."""
-        return start_streamed(self, plan, schedule, switch_mb, continuation=continuation)
+        """Begin moving towards ``plan`` inside a running PipeDream stream, switching at ``switch_mb``.
 
-    def commit_placement(self, stages: Sequence[Sequence[int]], epoch: int) -> None:
-        """The placement a streamed round leads to, taken now (its blocks switch inside the stream)."""
-        self._placement = self._placement.with_stages(stages)
-        self.epoch = epoch
+        Called on every rank at the same step boundary, before the step that contains
+        ``switch_mb`` starts its forwards. Only the first round of neighbour moves is started
+        (a layer two stages away hops once per plan); the rest follows with a later plan.
+        Returns the movers registered with the schedule (empty when the round aborted).
+        ``continuation`` starts the next round of a plan already begun (same epoch). The
+        round's placement is taken at once: its blocks switch inside the stream.
+        """
+        if continuation:
+            plan.check_against(self.order, self.num_stages)
+        else:
+            self.check_plan(plan)
+        check_idle(schedule)
+        rounds = plan_rounds(self.placement, plan.stages)
+        if not rounds:
+            self._advance(plan.epoch)
+            return []
+        s, after = self.stage_index, apply_round(self.placement, rounds[0])
+        movers = start_round(self._link(), schedule, switch_mb, plan.epoch, rounds[0], stage=s, blocks=self.blocks[s],
+                             listeners=[WatchShapes(self.shapes), *self.listeners[s]],
+                             reshapes=self.shapes.boundary_changed(s, self.placement, after))
+        self._advance(plan.epoch, None if movers is None else after)
+        return movers or []
 
     # ---------------------------------------------------------------- adding and removing layers
     def add_layers(self, position: int, specs: Sequence[Any]) -> list[int]:

@@ -3,8 +3,9 @@
 The layer manager splits a round's moves into those leaving this rank, those arriving and
 those between two of its own stages. :func:`exchange` runs the first five phases of the
 handshake (:mod:`vpipe.migration.layer_manager` draws it) for the moves that cross ranks
-and says whether every one of them went through here; the vote that commits the round,
-and the block edits that follow it, stay with the manager, which owns the blocks.
+and says whether every one of them went through here. It sees the rank only through a
+:class:`~vpipe.migration.link.MoveLink`: the vote that commits the round, and the block
+edits that follow it, stay with the manager, which owns the blocks.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,12 +26,10 @@ from vpipe.migration.handshake import (
     receive_prepare,
     refuse_move,
 )
+from vpipe.migration.link import MoveLink
 from vpipe.migration.moves import Move
-from vpipe.migration.state import LayerState, load_layer, pack_layer, payload_bytes
+from vpipe.migration.state import LayerState, load_layer, payload_bytes
 from vpipe.migration.transfer import MOVE, transfer_tag
-
-if TYPE_CHECKING:
-    from vpipe.migration.layer_manager import LayerManager
 
 log = logging.getLogger("vpipe.migration")
 
@@ -49,74 +47,66 @@ class MigrationReport:
     rebuilt: bool = False
 
 
-def exchange(manager: LayerManager, epoch: int, r: int, outgoing: Sequence[Move], incoming: Sequence[Move],
+def exchange(link: MoveLink, epoch: int, r: int, outgoing: Sequence[Move], incoming: Sequence[Move],
              report: MigrationReport) -> tuple[bool, list[Incoming]]:
     """Phases 1-5 of round ``r`` for the moves leaving (``outgoing``) and reaching (``incoming``) this rank:
     whether each went through here, and what arrived (built, its payload received and acknowledged)."""
     ok = True
     # phase 1: announce what leaves this rank
-    children = manager.blocks_by_id()
     sent_states: dict[Move, list[LayerState]] = {}
     for m in outgoing:
         try:
-            for lid in m.layers:
-                manager.check_movable(lid, children[lid])
-            states = [pack_layer(lid, children[lid], manager.optimizer, manager.specs.get(lid)) for lid in m.layers]
+            states = link.pack(m, True)
         except ValueError as e:  # a block or state a move cannot carry: the target hears why, the round aborts
-            refuse_move(manager.messenger, m, manager.rank_of(m.dst), move_key(epoch, r, m), str(e))
+            refuse_move(link.messenger, m, link.rank_of(m.dst), move_key(epoch, r, m), str(e))
             ok = False
             continue
-        for st in states:
-            st.manifest.update(block=manager.describe_block(m.src, st.layer_id, children[st.layer_id]),
-                               **manager.shapes.describe(st.layer_id))
         sent_states[m] = states
-        announce(manager.messenger, m, manager.rank_of(m.dst), [st.manifest for st in states], move_key(epoch, r, m))
+        announce(link.messenger, m, link.rank_of(m.dst), [st.manifest for st in states], move_key(epoch, r, m))
     # phase 2: build what arrives (on the meta device, then empty storage: no init cost)
-    arriving = [receive_prepare(manager.messenger, manager.builder, m, manager.rank_of(m.src), move_key(epoch, r, m),
-                                manager.timeout_s, manager.faults) for m in incoming]
+    arriving = [receive_prepare(link.messenger, link.builder, m, link.rank_of(m.src), move_key(epoch, r, m),
+                                link.timeout_s, link.faults) for m in incoming]
     # phase 3: send each payload once its target is ready
     works = []
     for m in sent_states:
         key = move_key(epoch, r, m)
-        if not await_ready(manager.messenger, m, manager.rank_of(m.dst), key, manager.timeout_s,
-                           abort_on_silence=True):
+        if not await_ready(link.messenger, m, link.rank_of(m.dst), key, link.timeout_s, abort_on_silence=True):
             ok = False
             continue
         payload = torch.cat([st.payload for st in sent_states[m]])
-        manager.messenger.send_to(manager.rank_of(m.dst), "migrate_transfer",
-                                  {"round": r, "move": key[2], "nbytes": int(payload.numel())}, epoch=epoch)
-        works.append((m, manager.channel.send(payload, manager.rank_of(m.dst), _tag(manager, key)), payload))
+        link.messenger.send_to(link.rank_of(m.dst), "migrate_transfer",
+                               {"round": r, "move": key[2], "nbytes": int(payload.numel())}, epoch=epoch)
+        works.append((m, link.channel.send(payload, link.rank_of(m.dst), _tag(link, key)), payload))
     # phase 4: receive payloads and acknowledge them
     for inc in arriving:
         if inc.ok:
-            _receive_payload(manager, inc, move_key(epoch, r, inc.move), report)
+            _receive_payload(link, inc, move_key(epoch, r, inc.move), report)
         ok = ok and inc.ok
     for _, work, payload in works:
         work.wait()
         report.bytes_sent += int(payload.numel())
     # phase 5: the sources collect the acknowledgements
     for m, _work, _payload in works:
-        answer = manager.messenger.wait_for({"migrate_ack", "migrate_abort"}, from_rank=manager.rank_of(m.dst),
-                                            key=move_key(epoch, r, m), timeout_s=manager.timeout_s)
+        answer = link.messenger.wait_for({"migrate_ack", "migrate_abort"}, from_rank=link.rank_of(m.dst),
+                                         key=move_key(epoch, r, m), timeout_s=link.timeout_s)
         if answer is None or answer[0] != "migrate_ack":
-            log.warning("rank %d: no migrate_ack from stage %d for layers %s; aborting", manager.rank, m.dst,
+            log.warning("rank %d: no migrate_ack from stage %d for layers %s; aborting", link.rank_of(m.src), m.dst,
                         list(m.layers))
             ok = False
     return ok, arriving
 
 
-def _tag(manager: LayerManager, key: tuple[int, int, int]) -> int:
+def _tag(link: MoveLink, key: tuple[int, int, int]) -> int:
     """The payload's transfer tag: unique per move of a round (a receive left behind by an aborted round
     cannot take a later round's bytes)."""
     epoch, round_index, move = key
-    return transfer_tag(epoch, MOVE, (round_index * 2 * manager.num_stages + move) % 10_000)
+    return transfer_tag(epoch, MOVE, (round_index * 2 * link.num_stages + move) % 10_000)
 
 
-def _receive_payload(manager: LayerManager, inc: Incoming, key: tuple[int, int, int],
-                     report: MigrationReport) -> None:
-    m, src = inc.move, manager.rank_of(inc.move.src)
-    got = manager.messenger.wait_for({"migrate_transfer", "migrate_abort"}, from_rank=src, key=key,
-                                     timeout_s=2 * manager.timeout_s)
+def _receive_payload(link: MoveLink, inc: Incoming, key: tuple[int, int, int], report: MigrationReport) -> None:
+    m, src = inc.move, link.rank_of(inc.move.src)
+    got = link.messenger.wait_for({"migrate_transfer", "migrate_abort"}, from_rank=src, key=key,
+                                  timeout_s=2 * link.timeout_s)
     if got is None or got[0] == "migrate_abort":
         inc.ok = False
         return
@@ -124,7 +114,7 @@ def _receive_payload(manager: LayerManager, inc: Incoming, key: tuple[int, int, 
     if got[1].get("nbytes") != nbytes:
         raise MigrationError(f"stage {m.dst}: stage {m.src} sends {got[1].get('nbytes')} bytes, "
                              f"the manifests describe {nbytes}")
-    buf, work = manager.channel.recv(nbytes, src, _tag(manager, key))
+    buf, work = link.channel.recv(nbytes, src, _tag(link, key))
     work.wait()
     buf = buf.cpu()
     offset = 0
@@ -134,12 +124,12 @@ def _receive_payload(manager: LayerManager, inc: Incoming, key: tuple[int, int, 
         offset += size
     report.bytes_received += nbytes
     try:  # before the acknowledgement: a state this stage cannot load aborts the move, the source keeps it
-        inc.loaded = [load_layer(st, inc.modules[st.layer_id], manager.optimizer) for st in inc.states]
+        inc.loaded = [load_layer(st, inc.modules[st.layer_id], link.optimizer) for st in inc.states]
     except ValueError as e:
         decision("migration_refused", f"stage {m.dst} cannot load layers {list(m.layers)}: {e}",
                  stage=m.dst, layers=list(m.layers), reason=str(e))
-        manager.messenger.send_to(src, "migrate_abort", {"round": key[1], "move": key[2], "reason": str(e)[:200]},
-                                  epoch=key[0])
+        link.messenger.send_to(src, "migrate_abort", {"round": key[1], "move": key[2], "reason": str(e)[:200]},
+                               epoch=key[0])
         inc.ok = False
         return
-    manager.messenger.send_to(src, "migrate_ack", {"round": key[1], "move": key[2]}, epoch=key[0])
+    link.messenger.send_to(src, "migrate_ack", {"round": key[1], "move": key[2]}, epoch=key[0])

@@ -19,7 +19,7 @@ layer manager checks this before starting a streamed move.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -34,7 +34,8 @@ from vpipe.migration.handshake import (
     receive_prepare,
     refuse_move,
 )
-from vpipe.migration.moves import apply_round, plan_rounds
+from vpipe.migration.link import MoveLink
+from vpipe.migration.moves import Move
 from vpipe.migration.shapes import BoundaryShapes
 from vpipe.migration.state import (
     LayerState,
@@ -46,13 +47,9 @@ from vpipe.migration.state import (
     validate_manifest,
 )
 from vpipe.migration.transfer import HANDOVER, VERSION, TransferChannel, transfer_tag
-from vpipe.plan import Plan
 from vpipe.schedules.pipedream import SchedulePipeDream, start_version
 
-if TYPE_CHECKING:
-    from vpipe.migration.layer_manager import LayerManager
-
-__all__ = ["OutgoingStream", "IncomingStream", "version_window", "start_streamed"]
+__all__ = ["OutgoingStream", "IncomingStream", "version_window", "check_idle", "start_round", "WatchShapes"]
 
 
 def version_window(switch_mb: int, target_stage: int, num_stages: int, vertical_sync: bool) -> range:
@@ -256,80 +253,68 @@ class IncomingStream:
         return None
 
 
-def start_streamed(manager: LayerManager, plan: Plan, schedule: Any, switch_mb: int, *,
-                   continuation: bool = False) -> list[Any]:
-    """Begin moving towards ``plan`` inside a running PipeDream stream, switching at ``switch_mb``.
-
-    Called on every rank at the same step boundary, before the step that contains
-    ``switch_mb`` starts its forwards. Only the first round of neighbour moves is started
-    (a layer two stages away hops once per plan); the rest follows with a later plan.
-    Returns the movers registered with the schedule (empty when the round aborted).
-    ``continuation`` starts the next round of a plan already begun (same epoch).
-    """
-    if continuation:
-        plan.check_against(manager.order, manager.num_stages)
-    else:
-        manager.check_plan(plan)
+def check_idle(schedule: Any) -> None:
+    """A stream runs one round of streamed moves at a time."""
     if any(not m.done for m in schedule.movers):
         raise MigrationError("a streamed move is still in progress; wait for it before the next plan")
-    rounds = plan_rounds(manager.placement, plan.stages)
-    if not rounds:
-        manager.epoch = plan.epoch
-        return []
-    moves = rounds[0]
-    after = apply_round(manager.placement, moves)
-    s, epoch = manager.stage_index, plan.epoch
-    if manager.channel.vote([(manager.shapes.boundary_changed(s, manager.placement, after), False)])[0]:
+
+
+def start_round(link: MoveLink, schedule: Any, switch_mb: int, epoch: int, moves: Sequence[Move], *,
+                stage: int, blocks: StageBlocks, listeners: Sequence[Any], reshapes: bool) -> list[Any] | None:
+    """Start one round of neighbour moves inside a running PipeDream stream, switching at ``switch_mb``.
+
+    Called on every rank at the same step boundary, before the step that contains
+    ``switch_mb`` starts its forwards; ``stage`` is this rank's one stage and ``blocks`` its
+    container, which the movers edit at the switch. ``reshapes``: this rank sees the round
+    change a boundary activation's shape (every rank votes on it first). Returns the movers
+    registered with the schedule, or None when the round aborted (nothing moves anywhere).
+    """
+    if link.channel.vote([(reshapes, False)])[0]:
         raise MigrationError("this move changes a boundary activation's shape; a PipeDream stream cannot "
                              "resize its buffers: flush() first and apply it at the step boundary")
-    outgoing = [m for m in moves if m.src == s]
-    incoming = [m for m in moves if m.dst == s]
-    children = manager.blocks_by_id()
+    outgoing = [m for m in moves if m.src == stage]
+    incoming = [m for m in moves if m.dst == stage]
+    leaving: dict[Move, list[LayerState]] = {}
     refused = []
     for m in outgoing:
         try:
-            for lid in m.layers:
-                manager.check_movable(lid, children[lid])
+            leaving[m] = link.pack(m, False)
         except ValueError as e:  # a pinned block: the target hears why, the vote below aborts
-            refuse_move(manager.messenger, m, manager.rank_of(m.dst), move_key(epoch, 0, m), str(e))
+            refuse_move(link.messenger, m, link.rank_of(m.dst), move_key(epoch, 0, m), str(e))
             refused.append(m)
             continue
-        manifests = [dict(pack_layer(lid, children[lid], None, manager.specs.get(lid)).manifest,
-                          block=manager.describe_block(s, lid, children[lid])) for lid in m.layers]
-        announce(manager.messenger, m, manager.rank_of(m.dst), manifests, move_key(epoch, 0, m))
-    arriving = [receive_prepare(manager.messenger, manager.builder, m, manager.rank_of(m.src), move_key(epoch, 0, m),
-                                manager.timeout_s, manager.faults) for m in incoming]
+        announce(link.messenger, m, link.rank_of(m.dst), [st.manifest for st in leaving[m]], move_key(epoch, 0, m))
+    arriving = [receive_prepare(link.messenger, link.builder, m, link.rank_of(m.src), move_key(epoch, 0, m),
+                                link.timeout_s, link.faults) for m in incoming]
     ready = all(inc.ok for inc in arriving) and not refused
-    for m in (m for m in outgoing if m not in refused):
-        ready = await_ready(manager.messenger, m, manager.rank_of(m.dst), move_key(epoch, 0, m), manager.timeout_s,
+    for m in leaving:
+        ready = await_ready(link.messenger, m, link.rank_of(m.dst), move_key(epoch, 0, m), link.timeout_s,
                             abort_on_silence=False) and ready
-    if not manager.channel.vote([(ready, True)])[0]:
+    if not link.channel.vote([(ready, True)])[0]:
         decision("migration_aborted", f"epoch {epoch}: a streamed move was not ready; every stage keeps its layers",
-                 epoch=epoch, stage=s)
-        manager.epoch = epoch
-        return []
+                 epoch=epoch, stage=stage)
+        return None
     decision("migration_start", f"epoch {epoch}: streamed move at micro-batch {switch_mb}",
-             epoch=epoch, stage=s, switch_mb=switch_mb,
-             moves=[{"src": m.src, "dst": m.dst, "layers": list(m.layers)} for m in moves if s in (m.src, m.dst)])
+             epoch=epoch, stage=stage, switch_mb=switch_mb,
+             moves=[{"src": m.src, "dst": m.dst, "layers": list(m.layers)} for m in moves
+                    if stage in (m.src, m.dst)])
     movers: list[Any] = []
-    listeners = [_Watching(manager.shapes), *manager.listeners[s]]
-    blocks = manager.blocks[s]
+    children = blocks.blocks()
     for m in outgoing:
         movers.append(OutgoingStream(schedule, blocks, {lid: children[lid] for lid in m.layers},
-                                     forward=m.forward, switch_mb=switch_mb, dst=manager.rank_of(m.dst),
-                                     key=move_key(epoch, 0, m), channel=manager.channel, messenger=manager.messenger,
+                                     forward=m.forward, switch_mb=switch_mb, dst=link.rank_of(m.dst),
+                                     key=move_key(epoch, 0, m), channel=link.channel, messenger=link.messenger,
                                      listeners=listeners))
     for inc in arriving:
         movers.append(IncomingStream(schedule, blocks, inc.modules, inc.manifests, forward=inc.move.forward,
-                                     switch_mb=switch_mb, src=manager.rank_of(inc.move.src),
-                                     key=move_key(epoch, 0, inc.move), channel=manager.channel,
-                                     messenger=manager.messenger, timeout_s=3 * manager.timeout_s, listeners=listeners))
+                                     switch_mb=switch_mb, src=link.rank_of(inc.move.src),
+                                     key=move_key(epoch, 0, inc.move), channel=link.channel,
+                                     messenger=link.messenger, timeout_s=3 * link.timeout_s, listeners=listeners))
     schedule.movers.extend(movers)
-    manager.commit_placement(after, epoch)
     return movers
 
 
-class _Watching:
+class WatchShapes:
     """Keeps the boundary-shape watchers in step with a streamed move."""
 
     def __init__(self, shapes: BoundaryShapes) -> None:

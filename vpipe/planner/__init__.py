@@ -19,9 +19,9 @@ from typing import Any
 _EXPORTS = {
     "plan_pipeline": "vpipe.planner.srp",
     "PlanResult": "vpipe.planner.srp",
-    "SRPPlanner": "vpipe.planner.srp",
-    "Proposal": "vpipe.planner.srp",
-    "InfeasibleError": "vpipe.planner.exact",
+    "SRPPlanner": "vpipe.planner.proposals",
+    "Proposal": "vpipe.planner.proposals",
+    "InfeasibleError": "vpipe.planner.cuts",
     "Hardware": "vpipe.planner.cost_model",
     "optimize_sr": "vpipe.planner.sr",
 }

@@ -18,7 +18,7 @@ import numpy as np
 
 from vpipe.planner.coarsen import CoarseGraph
 from vpipe.planner.cost_model import StageCosts
-from vpipe.planner.exact import MemoryMode
+from vpipe.planner.cuts import MemoryMode
 
 __all__ = ["recursive_bisection"]
 

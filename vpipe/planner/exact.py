@@ -16,87 +16,26 @@ which makes the oracle O(n * (n/p) * p) rather than O(p * n^2) when T is near th
 T starts just above a lower bound that sees boundary transfers (a DP that finds nothing
 proves the optimum is higher) and widens, capped by a valid partition from the greedy
 probe. :func:`dp_cells` estimates the work beforehand, so the planner can choose the DP
-where it is cheap and a coarser search where it is not.
+where it is cheap and a coarser search where it is not. What it returns and raises
+(:class:`~vpipe.planner.cuts.Partition`, :class:`~vpipe.planner.cuts.InfeasibleError`) is
+in :mod:`vpipe.planner.cuts`, which the normal planning path shares.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
-from typing import Literal, Protocol
 
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from vpipe.planner.cost_model import StageCosts
+from vpipe.planner.cuts import Additive, CommBytes, InfeasibleError, MemoryMode, Partition, check_layers_fit
 
-__all__ = ["Partition", "InfeasibleError", "Additive", "CommBytes", "min_bottleneck", "min_secondary",
-           "exact_partition", "greedy_partition", "check_layers_fit", "dp_cells", "MemoryMode"]
+__all__ = ["min_bottleneck", "min_secondary", "exact_partition", "greedy_partition", "dp_cells"]
 
-MemoryMode = Literal["fixed", "best_case"]
 _BLOCK_ELEMENTS = 1 << 16  # cells per DP block: small enough to stay in cache
 _FIRST_SLACK = 0.05  # the first DP's limit: this much above the lower bound
 _GROWTH = 1.5  # then each limit this much above the last ...
 _GREEDY_AFTER = 2.0  # ... capped by the greedy's bound once the limit passes this many lower bounds
 _REL_TOL = 1e-9
-
-
-class InfeasibleError(ValueError):
-    """No partition satisfies the memory limits; the message names the culprit when it can."""
-
-
-@dataclass(frozen=True)
-class Partition:
-    """A contiguous partition: cut positions, its slowest stage, and its secondary cost."""
-
-    cuts: tuple[int, ...]
-    bottleneck_s: float
-    secondary: float = 0.0
-
-
-class Additive(Protocol):
-    """A per-stage cost that is a sum over the stage: ``end[j] + start[i]`` for stage ``[i, j)``."""
-
-    def terms(self, stage: int) -> tuple[np.ndarray, np.ndarray]:
-        """``(end, start)`` arrays of length ``n + 1`` for stage number ``stage``."""
-        ...
-
-
-class CommBytes:
-    """Boundary bytes as an :class:`Additive` cost: each stage but the first pays its start's bytes."""
-
-    def __init__(self, costs: StageCosts) -> None:
-        self._cut = costs.cut
-        self._zero = np.zeros_like(self._cut)
-
-    def terms(self, stage: int) -> tuple[np.ndarray, np.ndarray]:
-        return self._zero, (self._cut if stage > 0 else self._zero)
-
-
-def check_layers_fit(costs: StageCosts, budgets: np.ndarray, memory: MemoryMode = "best_case") -> None:
-    """Raise :class:`InfeasibleError` naming the first layer that fits no stage it could sit in."""
-    if not np.isfinite(budgets).any():
-        return
-    n, p = costs.n, len(budgets)
-    idx = np.arange(n)
-    fits_somewhere = np.zeros(n, dtype=bool)
-    least = np.full(n, np.inf)  # smallest need over the stages a layer may sit in
-    least_budget = np.zeros(n)
-    for k in range(p):
-        allowed = (idx >= k) & (n - idx >= p - k)  # earlier and later stages must stay non-empty
-        prefix = costs.memory_prefix(k, memory == "best_case")
-        alone = prefix[1:] - prefix[:-1]
-        fits_somewhere |= allowed & (alone <= budgets[k])
-        lower = allowed & (alone < least)
-        least = np.where(lower, alone, least)
-        least_budget = np.where(lower, budgets[k], least_budget)
-    bad = np.flatnonzero(~fits_somewhere)
-    if bad.size:
-        i = int(bad[0])
-        node = costs.profile.graph.nodes[i]
-        raise InfeasibleError(
-            f"infeasible: layer {node.id} ({node.name}) needs {int(np.ceil(least[i]))} bytes "
-            f"> budget {int(least_budget[i])}"
-        )
 
 
 # --------------------------------------------------------------------- bounds

@@ -39,15 +39,8 @@ import numpy as np
 from vpipe.planner.bisection import recursive_bisection
 from vpipe.planner.coarsen import coarsen
 from vpipe.planner.cost_model import CoarseCosts, StageCosts
-from vpipe.planner.exact import (
-    CommBytes,
-    MemoryMode,
-    Partition,
-    dp_cells,
-    greedy_partition,
-    min_bottleneck,
-    min_secondary,
-)
+from vpipe.planner.cuts import CommBytes, MemoryMode, Partition
+from vpipe.planner.exact import dp_cells, greedy_partition, min_bottleneck, min_secondary
 from vpipe.planner.refine import refine
 
 __all__ = ["chain_dp", "kl_partition", "is_valid_pipeline"]

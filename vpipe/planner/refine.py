@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from vpipe.planner.cost_model import StageCosts
-from vpipe.planner.exact import MemoryMode
+from vpipe.planner.cuts import MemoryMode
 
 __all__ = ["refine"]
 

@@ -5,7 +5,7 @@ due at this step are applied before it starts (after the user's ``optimizer.step
 previous one), and the step is monitored. A hand-written loop has no schedule: its stage
 module's forwards are counted as micro-batches, and the optimizer's ``step()`` (a
 post-hook) ends one step and begins the next. A step whose micro-batches would all be quiet
-(see ``TensorManager.quiet_for_a_step``) runs the pipelining stages' own methods: the
+(see ``QuietPath.for_a_step`` in ``vpipe.tensor_manager.quiet``) runs the pipelining stages' own methods: the
 wrappers are set aside at its start and come back for the first step that needs them.
 """
 
@@ -134,15 +134,15 @@ class StepDriver:
         keep_wrappers = moving or timeline.recording()
         for handle in self.stage_handles.values():
             manager, was_plain = handle.manager, handle.plain
-            handle.run_plain(not keep_wrappers and manager.quiet_for_a_step(same_inputs, stream=stream is not None))
+            handle.run_plain(not keep_wrappers and manager.quiet.for_a_step(same_inputs, stream=stream is not None))
             if stream is None or handle.plain == was_plain:
                 continue
             # a stream's micro-batches stay in flight across steps: counted while the manager sees their
             # backwards, not while the stage runs without it
             if handle.plain:
-                manager.forget_in_flight()
+                manager.quiet.forget_in_flight()
             else:
-                manager.count_in_flight(stream.in_flight_chunks)
+                manager.quiet.count_in_flight(stream.in_flight_chunks)
 
     def received(self, plans: list[Any]) -> None:
         self.boundary.received(plans, self.iteration, self.applier.layer_manager.epoch)

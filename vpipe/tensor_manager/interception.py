@@ -151,6 +151,11 @@ class Interceptor:
         if counts:
             self.ledger.sub_micro_batch(mb, counts)
 
+    def uncount_all(self) -> None:
+        """No micro-batch is counted any more (a step ended, or its backwards will not be seen)."""
+        for mb in list(self.counted):
+            self.uncount(mb)
+
     def count_unhooked(self, mb: int, counts: list[tuple[int, int]]) -> None:
         """A micro-batch ran with the layers' hooks off: count each ``(layer, bytes)`` its layers measured."""
         self.ledger.add_micro_batch(mb, counts)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +22,7 @@ from torch.utils.hooks import RemovableHandle
 from vpipe.plan import Policy
 from vpipe.tensor_manager.accounting import RecomputeCounter
 from vpipe.tensor_manager.handles import StorageEntry
+from vpipe.tensor_manager.replay import forget_weight_places
 
 __all__ = ["ManagedLayer", "LayerCall", "KeptCall", "input_shapes", "claim_module", "release_module",
            "ROUTED_FORWARD"]
@@ -33,8 +34,15 @@ _MISSING = object()
 _owners: weakref.WeakKeyDictionary[nn.Module, object] = weakref.WeakKeyDictionary()
 
 
-def claim_module(module: nn.Module, owner: object, layer_id: int) -> None:
-    """A module is managed by one manager at a time (two sets of hooks would fight)."""
+def claim_module(module: nn.Module, owner: object, layer_id: int, managed: Container[int]) -> None:
+    """A module is managed by one manager at a time (two sets of hooks would fight), under a non-negative id
+    that the manager does not use yet (``managed``: the ids it uses)."""
+    if not isinstance(layer_id, int) or isinstance(layer_id, bool) or layer_id < 0:
+        raise ValueError(f"layer id must be a non-negative integer, got {layer_id!r}")
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"layer {layer_id} must be an nn.Module, got {type(module).__name__}")
+    if layer_id in managed:
+        raise ValueError(f"layer {layer_id} is already managed by this tensor manager")
     current = _owners.get(module)
     if current is not None:
         where = "this" if current is owner else "another"
@@ -87,6 +95,16 @@ class ManagedLayer:
     def detach(self) -> None:
         self.unhook()
         self.restore_forward()
+
+    def use_policy(self, policy: Policy, route: Callable[[ManagedLayer, Callable[..., Any], tuple, dict], Any]
+                   ) -> None:
+        """Take ``policy`` from the layer's next call: under R its forward goes through ``route``."""
+        self.policy = policy
+        if policy is Policy.RECOMPUTE:
+            forget_weight_places(self.module)  # found anew at its first recompute call
+            self.route_forward(route)
+        else:
+            self.restore_forward()
 
     def route_forward(self, route: Callable[[ManagedLayer, Callable[..., Any], tuple, dict], Any]) -> None:
         """Set the instance attribute ``forward`` to ``route(layer, original_forward, args, kwargs)``."""

@@ -9,6 +9,9 @@ and each backward phase, and wires the parts that each do one job:
 * :mod:`.swap` / :mod:`.swap_in` and :mod:`.recompute_store`: where saved tensors live;
 * :mod:`.phases`: backward phases and split backwards (what waits for a weight pass);
 * :mod:`.governor`: the budget's decisions; :mod:`.prefetch`: when to bring tensors back;
+* :mod:`.quiet`: the layers' hooks off, and the micro-batches that then are only counted
+  (the stage wrappers call it directly: ``manager.quiet``); :mod:`.in_flight`: which
+  micro-batches are in flight;
 * :mod:`.stats`: what it reports.
 
 Nothing is replaced: ``close()`` restores the modules exactly (see :mod:`.layers`). The
@@ -18,7 +21,7 @@ policy is read when the layer is called, so a plan may change it between micro-b
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from functools import partial
 from typing import Any
@@ -28,16 +31,17 @@ from torch import nn
 
 from vpipe.plan import Plan, Policy
 from vpipe.tensor_manager.accounting import Ledger, format_bytes
-from vpipe.tensor_manager.copy_engine import D2H, H2D, make_copy_engine
+from vpipe.tensor_manager.copy_engine import make_copy_engine
 from vpipe.tensor_manager.governor import BudgetGovernor
+from vpipe.tensor_manager.in_flight import InFlight
 from vpipe.tensor_manager.interception import Interceptor
 from vpipe.tensor_manager.layers import ManagedLayer, claim_module, input_shapes, release_module
 from vpipe.tensor_manager.phases import PHASES, BackwardPhases
 from vpipe.tensor_manager.pool import DEFAULT_CHUNK_BYTES, HostPool, default_host_pool_bytes
 from vpipe.tensor_manager.prefetch import BACKWARD, FORWARD, Prefetcher
+from vpipe.tensor_manager.quiet import QuietPath
 from vpipe.tensor_manager.recompute_store import RecomputeStore
-from vpipe.tensor_manager.replay import forget_weight_places
-from vpipe.tensor_manager.stats import TensorManagerStats, collect_stats
+from vpipe.tensor_manager.stats import TensorManagerStats, collect_stats, collect_summary
 from vpipe.tensor_manager.swap import SwapEngine
 from vpipe.tensor_manager.swap_in import SwapIn
 
@@ -97,20 +101,13 @@ class TensorManager:
             device=device, min_swap_bytes=min_swap_bytes, ledger=self.ledger, engine=self._engine,
             swap_in=self._swap_in, recompute=self._recompute, budget=self._budget, phases=self._phases,
             prefetcher=self._prefetcher)
-        self._open: set[int] = set()  # forwarded, backward not finished
-        self._open_max = 0
-        self._open_max_last_step = 0
+        self._in_flight = InFlight(self._phases.new_step)
+        self.quiet = QuietPath(layers=self._layers, interceptor=self._interceptor, budget=self._budget,
+                               engine=self._engine, recompute=self._recompute, phases=self._phases,
+                               predictor=self._prefetcher.predictor, in_flight=self._in_flight)
         # every call goes through the saved-tensor hooks while True; vpipe.attach lowers it on unsampled steps
         self._metering = True
         self._all_keep = True
-        # every layer kept and measured, not metering, and no budget or one that holds a step's micro-batches
-        # (as the plain schedule would): no layer hooks at all
-        self._hookless = False
-        # the tensor input shapes of the last micro-batch run with hooks (None: not known, the caller did not
-        # say); under a budget a hookless micro-batch must have these, or it could save more than was measured
-        self._input_shapes: tuple[Any, ...] | None = None
-        self._counts: list[tuple[int, int]] | None = None  # (layer, bytes) a micro-batch without hooks counts
-        self._quiet_ready = False  # hookless, and nothing saved through the hooks alive (see _became_quiet)
         self._closed = False
         for layer_id, module in layers.items():
             self.add_layer(layer_id, module)
@@ -126,7 +123,7 @@ class TensorManager:
     @budget_bytes.setter
     def budget_bytes(self, value: int | None) -> None:
         self._budget.budget_bytes = value
-        self._update_hooks()
+        self.quiet.update(self._metering, self._all_keep)
 
     @property
     def metering(self) -> bool:
@@ -136,34 +133,16 @@ class TensorManager:
 
     @metering.setter
     def metering(self, value: bool) -> None:
-        if value == self._metering and self._hookless:
+        if value == self._metering and self.quiet.hookless:
             return  # (set at every step: nothing to work out again while the layers run without hooks)
         self._metering = value
         self._interceptor.metering = value
-        self._update_hooks()
+        self.quiet.update(self._metering, self._all_keep)
 
     @property
     def hooked(self) -> bool:
         """Whether the layers' calls go through vpipe's hooks now (False: they run as without vpipe)."""
-        return not self._hookless
-
-    def _update_hooks(self) -> None:
-        """With nothing to measure, decide or enforce (every layer kept and measured, metering off, and no budget
-        or one that a step's micro-batches fit), the layers' hooks come off: a kept layer then
-        costs what it costs without vpipe. A micro-batch is counted with its layers' measured bytes when its
-        forward ends; under a budget its inputs must have the shapes of the last measured one."""
-        self._counts = None  # (what they are counted with is worked out again at the next such micro-batch)
-        self._quiet_ready = False
-        budget = self._budget
-        hookless = (not self._metering and self._all_keep and bool(self._layers)
-                    and all(layer.kept_bytes is not None for layer in self._layers.values())
-                    and (budget.budget_bytes is None or (
-                        self._input_shapes is not None
-                        and budget.holds_unwatched(max(self._open_max_last_step, self._open_max, 1)))))
-        if hookless != self._hookless:
-            self._hookless = hookless
-            for layer in self._layers.values():
-                layer.unhook() if hookless else layer.hook()
+        return not self.quiet.hookless
 
     @property
     def min_swap_bytes(self) -> int:
@@ -185,13 +164,7 @@ class TensorManager:
     def add_layer(self, layer_id: int, module: nn.Module, policy: Policy | str = Policy.KEEP) -> None:
         """Manage one more layer (e.g. one that migrated to this stage)."""
         self._check_open()
-        if not isinstance(layer_id, int) or isinstance(layer_id, bool) or layer_id < 0:
-            raise ValueError(f"layer id must be a non-negative integer, got {layer_id!r}")
-        if not isinstance(module, nn.Module):
-            raise TypeError(f"layer {layer_id} must be an nn.Module, got {type(module).__name__}")
-        if layer_id in self._layers:
-            raise ValueError(f"layer {layer_id} is already managed by this tensor manager")
-        claim_module(module, self, layer_id)
+        claim_module(module, self, layer_id, self._layers)
         layer = ManagedLayer(layer_id, module)
         calls = self._interceptor
         layer.attach(partial(calls.pre_forward, layer), partial(calls.post_forward, layer))
@@ -212,7 +185,7 @@ class TensorManager:
         self._detach(layer)
         del self._layers[layer_id]
         self._all_keep = all(other.policy is Policy.KEEP for other in self._layers.values())
-        self._update_hooks()
+        self.quiet.update(self._metering, self._all_keep)
         self.ledger.forget_layer(layer_id)
         self._budget.reset_reserve()
         return layer.module
@@ -221,7 +194,7 @@ class TensorManager:
         """The layer left the forward path (a streamed move switched it out): later micro-batches do not run it,
         so they are not counted with its bytes; it is removed once its in-flight micro-batches' backwards ran."""
         self._layer(layer_id).retired = True
-        self._counts = None
+        self.quiet.forget_counts()
 
     @property
     def layer_ids(self) -> list[int]:
@@ -258,14 +231,9 @@ class TensorManager:
         self._check_open()
         layer = self._layer(layer_id)
         policy = policy if isinstance(policy, Policy) else Policy.parse(policy)
-        layer.policy = policy
+        layer.use_policy(policy, self._interceptor.forward_layer)
         self._all_keep = all(other.policy is Policy.KEEP for other in self._layers.values())
-        self._update_hooks()
-        if policy is Policy.RECOMPUTE:
-            forget_weight_places(layer.module)  # found anew at its first recompute call
-            layer.route_forward(self._interceptor.forward_layer)
-        else:
-            layer.restore_forward()
+        self.quiet.update(self._metering, self._all_keep)
         if policy is Policy.SWAP:
             _ = self._engine.pool  # pin the first chunk now, not in the middle of a forward
 
@@ -291,11 +259,12 @@ class TensorManager:
         shapes the pipeline fixes). Under a budget, kept layers run without hooks only when these are given and
         have the shapes the layers were measured with.
         """
-        if self.begin_quiet_forward(mb_id, inputs):
+        quiet = self.quiet
+        if quiet.begin_forward(mb_id, inputs):
             try:
                 yield self
             finally:
-                self.end_quiet_forward(mb_id)
+                quiet.end_forward(mb_id)
             return
         self._check_open()
         calls = self._interceptor
@@ -303,7 +272,7 @@ class TensorManager:
             raise RuntimeError(f"micro-batch {mb_id}'s forward started inside micro-batch {calls.mb}'s forward")
         grad = torch.is_grad_enabled()
         if grad:
-            self._input_shapes = None if inputs is None else input_shapes(inputs)
+            quiet.input_shapes = None if inputs is None else input_shapes(inputs)
         self._begin_forward(mb_id)
         calls.mb = mb_id
         budget = self._budget
@@ -313,117 +282,29 @@ class TensorManager:
             yield self
         finally:
             calls.mb = None
-            if self._hookless and grad:
-                self._count_unhooked(mb_id)
+            if quiet.hookless and grad:
+                quiet.count(mb_id)
             self._engine.flush_swap_outs()
             self._engine.poll()
             if measured and budget.swaps == swaps:
                 # what one micro-batch keeps, each storage once: the schedule's own footprint per micro-batch
                 budget.measured_kept(self.ledger.resident - start)
 
-    # A quiet micro-batch: the layers carry no hooks and nothing saved through them is alive, so its forward
-    # or full backward has nothing to release, copy, fetch or decide, only its count to keep. The begin/end
-    # pairs below are the whole of vpipe's work around it; they run between a step's tensor work with cold
-    # caches, so they do as little as they can in as few calls.
-    def begin_quiet_forward(self, mb: int, inputs: tuple[Any, ...] | None = None) -> bool:
-        """Start ``mb``'s forward if it is quiet (then :meth:`end_quiet_forward` must follow); False: it is not,
-        use :meth:`micro_batch` (see there for ``inputs``)."""
-        calls = self._interceptor
-        if (not self._quiet_ready and not self._became_quiet()) or calls.mb is not None \
-                or not torch.is_grad_enabled():
-            return False
-        if self._budget.budget_bytes is not None and (inputs is None or input_shapes(inputs) != self._input_shapes):
-            # new shapes (or unknown ones) under a budget: the hooks come back and this micro-batch is measured
-            self._input_shapes = None
-            self._update_hooks()
-            return False
-        if self._prefetcher.predictor.observe(FORWARD, mb):  # a new step: remember how many were in flight
-            self._new_step()
-        calls.uncount(mb)  # a micro-batch of a step that failed before its backward
-        calls.unmetered = True
-        opened = self._open
-        opened.add(mb)
-        if len(opened) > self._open_max:
-            self._open_max = len(opened)
-        return True
-
-    def end_quiet_forward(self, mb: int) -> None:
-        self._count_unhooked(mb)
-
-    def begin_quiet_backward(self, mb: int, phase: str) -> bool:
-        """Start ``mb``'s backward phase if it is a quiet full backward (then :meth:`end_quiet_backward` must
-        follow); False: use :meth:`backward`."""
-        if phase != "full" or (not self._quiet_ready and not self._became_quiet()) or self._phases.lagging:
-            return False
-        self._prefetcher.predictor.observe(BACKWARD, mb)
-        return True
-
-    def end_quiet_backward(self, mb: int) -> None:
-        self._open.discard(mb)
-        self._interceptor.uncount(mb)
-
-    def quiet_for_a_step(self, same_inputs: bool, stream: bool = False) -> bool:
-        """Between steps: whether a whole step's micro-batches would all be quiet, so that the stage may run them
-        without calling the manager at all (:meth:`StageHandle.run_plain`). Besides the layers running without
-        hooks with nothing saved through them alive, no micro-batch may be inside a forward or between its
-        backward passes, and none in flight (a flush schedule between steps has none) or, with ``stream`` (a
-        schedule whose micro-batches stay in flight across steps), none in flight that is more than counted.
-        Under a budget the step's inputs must have the shapes of the last step's (``same_inputs``): each
-        micro-batch of that step was quiet with its shapes checked, or was measured."""
-        calls = self._interceptor
-        if not (self._quiet_ready or self._became_quiet()) or calls.mb is not None or self._phases.lagging:
-            return False
-        if not same_inputs and self._budget.budget_bytes is not None:
-            return False
-        return self._open <= calls.counted.keys() if stream else not self._open and not calls.counted
-
-    def forget_in_flight(self) -> None:
-        """A stream's stage runs without the manager from this step: the backwards of its micro-batches in flight
-        will not be seen, so their counts go now (their forwards were quiet: counted, nothing else)."""
-        self.end_of_step()
-        self._open.clear()
-
-    def count_in_flight(self, mbs: Iterable[int]) -> None:
-        """A stream's stage calls the manager again from this step: count the micro-batches its forwards left in
-        flight while it did not, as their quiet forwards would have."""
-        for mb in mbs:
-            self._interceptor.uncount(mb)
-            self._open.add(mb)
-            self._count_unhooked(mb)
-        self._open_max = max(self._open_max, len(self._open))
-
-    def _became_quiet(self) -> bool:
-        """Whether the layers run without hooks and nothing saved through them is alive any more. It stays so
-        until the hooks change (nothing can be saved through hooks that are not there), so it is remembered."""
-        self._quiet_ready = self._hookless and not self._closed and self._engine.idle and self._recompute.idle
-        return self._quiet_ready
-
-    def _count_unhooked(self, mb: int) -> None:
-        counts = self._counts
-        if counts is None:
-            counts = self._counts = [(lid, layer.kept_bytes or 0) for lid, layer in self._layers.items()
-                                     if not layer.retired]
-        self._interceptor.count_unhooked(mb, counts)
-
-    def _new_step(self) -> None:
-        self._open_max_last_step, self._open_max = self._open_max, 0
-        self._phases.new_step()
-
     def _begin_forward(self, mb: int) -> None:
         engine = self._engine
         engine.drain()
         self._recompute.drain()
         engine.poll()
+        flight = self._in_flight
         if self._prefetcher.observe(FORWARD, mb):  # a new step: remember how many were in flight in the last
-            self._new_step()
+            flight.new_step()
         calls = self._interceptor
         calls.unmetered = False
         if not torch.is_grad_enabled():
             return  # an evaluation forward saves nothing and has no backward
         calls.uncount(mb)  # a micro-batch of a step that failed before its backward
-        self._open.add(mb)
-        self._open_max = max(self._open_max, len(self._open))
-        in_flight = max(self._open_max_last_step, len(self._open), 1)
+        flight.add(mb)
+        in_flight = max(flight.max_last_step, len(flight.open), 1)
         budget = self._budget
         if budget.budget_bytes is not None:
             budget.fit(mb, in_flight, self._phases.lag_share(in_flight), self._all_keep, self.set_policy)
@@ -439,11 +320,12 @@ class TensorManager:
         pass needs stays on the device between the two (counted as resident), everything else
         goes after the input pass; the micro-batch holds its bytes until its weight pass ends.
         """
-        if self.begin_quiet_backward(mb_id, phase):
+        quiet = self.quiet
+        if quiet.begin_backward(mb_id, phase):
             try:
                 yield self
             finally:
-                self.end_quiet_backward(mb_id)
+                quiet.end_backward(mb_id)
             return
         if phase not in PHASES:
             raise ValueError(f"backward phase must be 'full', 'input' or 'weight', got {phase!r}")
@@ -456,7 +338,7 @@ class TensorManager:
             self._phases.end(mb_id, phase, dropped)
             self._engine.poll()
             if phase != "input":
-                self._open.discard(mb_id)
+                self._in_flight.open.discard(mb_id)
                 self._interceptor.uncount(mb_id)
 
     def prefetch(self, mb_id: int) -> bool:
@@ -465,9 +347,7 @@ class TensorManager:
 
     def end_of_step(self) -> None:
         """Every micro-batch's backward has run (a hand-written loop's ``optimizer.step()``): none is counted."""
-        calls = self._interceptor
-        for mb in list(calls.counted):
-            calls.uncount(mb)
+        self._interceptor.uncount_all()
 
     # ================================================================== reporting
     def stats(self) -> TensorManagerStats:
@@ -480,28 +360,14 @@ class TensorManager:
         return {lid: self.ledger.activation_bytes(lid) or 0 for lid in sorted(self._layers)}
 
     def summary(self) -> dict[str, Any]:
-        """What a monitor reads twice per sampled step, without :meth:`stats`'s per-layer detail: saved bytes
-        per layer and per micro-batch (each storage once), the host pool's gauges, cumulative copy and
-        recompute figures."""
-        engine = self._engine
-        with engine.lock:
-            engine.drain()
-            engine.poll()
-            pool = engine.pool if engine.has_pool else None
-            copies = engine.copies
-            return {"activation_bytes": self.layer_saved_bytes(),
-                    "kept_bytes_per_mb": self._budget.kept_per_mb_now(),
-                    "host_pool_used_bytes": pool.used_bytes if pool else 0,
-                    "host_pool_peak_bytes": pool.peak_used_bytes if pool else 0,
-                    "host_pool_capacity_bytes": pool.capacity_bytes if pool else 0,
-                    "d2h_bytes": copies.bytes[D2H], "d2h_s": copies.seconds[D2H],
-                    "h2d_bytes": copies.bytes[H2D], "h2d_s": copies.seconds[H2D],
-                    "recompute_s": self._recompute.recompute_s}
+        """What a monitor reads twice per sampled step (see :func:`.stats.collect_summary`)."""
+        return collect_summary(layers=self._layers, ledger=self.ledger, engine=self._engine,
+                               recompute=self._recompute, budget=self._budget)
 
     def keep_all_need(self) -> tuple[int, int]:
         """One micro-batch's kept bytes with every layer kept (each storage once; 0 until measured with the
         current layers) and the most micro-batches in flight in the last step (or this one)."""
-        return self._budget.kept_per_mb_now(), max(self._open_max_last_step, self._open_max, 1)
+        return self._budget.kept_per_mb_now(), self._in_flight.peak()
 
     def keep_all_bytes(self) -> int:
         """What keeping every layer takes at the last step's peak (0 until measured)."""
@@ -532,7 +398,7 @@ class TensorManager:
         if self._closed:
             return
         self._closed = True
-        self._quiet_ready = False
+        self.quiet.close()
         for layer in self._layers.values():
             try:
                 self._detach(layer)

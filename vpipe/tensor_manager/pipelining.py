@@ -18,7 +18,7 @@ around the user's weight function. vpipe's PipeDream schedule
 calls the same methods (its forward runs the module through ``functional_call`` on
 stashed weights, which the manager recognises as weights and leaves alone).
 
-A step whose micro-batches would all be quiet (see ``TensorManager.quiet_for_a_step``) does
+A step whose micro-batches would all be quiet (see ``QuietPath.for_a_step``) does
 not need the wrappers at all: ``StageHandle.run_plain`` sets them aside between steps, and
 puts them back for the first step that needs them.
 """
@@ -58,7 +58,7 @@ class StageHandle:
         """Between steps: with ``plain``, the stage's micro-batches call its own methods, not vpipe's wrappers.
 
         A quiet micro-batch only has its count kept; when a whole step is quiet (every layer kept without hooks,
-        nothing in flight, see :meth:`TensorManager.quiet_for_a_step`), even that call is a cost without a use
+        nothing in flight, see :meth:`.quiet.QuietPath.for_a_step`), even that call is a cost without a use
         (tens of microseconds per micro-batch on a CPU, between tensor work that has evicted the caches). Methods
         someone else put on the stage since vpipe wrapped it are left alone (``plain`` stays False).
         """
@@ -129,6 +129,7 @@ def install_on_stage(stage: _PipelineStageBase, manager: TensorManager) -> Stage
     custom_weight_pass = _custom_weight_pass(stage)  # (both fixed when the stage is built)
     whole_backward_deferred = _whole_backward_deferred(stage)
     index = stage.stage_index
+    quiet = manager.quiet  # (asked first by every forward and backward)
 
     def forward_one_chunk(fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         if not timeline.active():
@@ -140,11 +141,11 @@ def install_on_stage(stage: _PipelineStageBase, manager: TensorManager) -> Stage
     def managed_forward(fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         # the micro-batch's inputs (the first stage's; later stages receive into buffers of fixed shapes)
         inputs = _stage_inputs(args, kwargs)
-        if manager.begin_quiet_forward(fwd_chunk_id, inputs):  # nothing to manage: only counted
+        if quiet.begin_forward(fwd_chunk_id, inputs):  # nothing to manage: only counted
             try:
                 return forward(fwd_chunk_id, *args, **kwargs)
             finally:
-                manager.end_quiet_forward(fwd_chunk_id)
+                quiet.end_forward(fwd_chunk_id)
         with manager.micro_batch(fwd_chunk_id, inputs):
             try:
                 return forward(fwd_chunk_id, *args, **kwargs)
@@ -167,11 +168,11 @@ def install_on_stage(stage: _PipelineStageBase, manager: TensorManager) -> Stage
             return managed_backward(bwd_chunk_id, loss, full_backward, last_backward, phase)
 
     def managed_backward(bwd_chunk_id: int, loss: Any, full_backward: bool, last_backward: bool, phase: str) -> Any:
-        if manager.begin_quiet_backward(bwd_chunk_id, phase):
+        if quiet.begin_backward(bwd_chunk_id, phase):
             try:
                 return backward(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
             finally:
-                manager.end_quiet_backward(bwd_chunk_id)
+                quiet.end_backward(bwd_chunk_id)
         with manager.backward(bwd_chunk_id, phase=phase):
             return backward(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
 

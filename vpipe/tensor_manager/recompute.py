@@ -36,18 +36,18 @@ from __future__ import annotations
 import time
 import weakref
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from vpipe import timeline
+from vpipe.tensor_manager.accounting import Ledger
 from vpipe.tensor_manager.replay import Replay
 
-if TYPE_CHECKING:
-    from vpipe.tensor_manager.recompute_store import RecomputeStore
-
-__all__ = ["RecomputeFrame", "Slot", "RecomputeError"]
+__all__ = ["RecomputeFrame", "FrameSupport", "Slot", "RecomputeError"]
 
 
 class RecomputeError(RuntimeError):
@@ -64,6 +64,17 @@ def _storage_of(t: torch.Tensor) -> tuple[int, int] | None:
         return None
     storage = t.untyped_storage()
     return storage.data_ptr(), storage.nbytes()
+
+
+@dataclass(frozen=True)
+class FrameSupport:
+    """What a recomputed call needs from the store that keeps it (one, shared by the store's calls)."""
+
+    device: torch.device  # the stage's device: only its bytes are counted
+    ledger: Ledger  # where the recomputed storages are counted, per layer and micro-batch
+    released: Callable[[RecomputeFrame, int], None]  # a slot died holding storage ``key``: uncount it later
+    recomputed: Callable[[int, float, bool], None]  # (layer, seconds, a repeat) after every recompute
+    reading_inputs: Callable[[], AbstractContextManager[None]]  # around unpacking the saved inputs
 
 
 class Slot:
@@ -83,18 +94,18 @@ class Slot:
         # autograd released it (after its last backward) while it still held a tensor: the
         # bytes leave the ledger at the store's next drain (this may run on autograd's thread)
         if self.value is not None and self.key is not None:
-            self.frame.store.dead.append((self.frame, self.key))
+            self.frame.support.released(self.frame, self.key)
 
 
 class RecomputeFrame:
     """One call of a recomputed layer: how to run it again and the slots it fills."""
 
-    __slots__ = ("store", "layer", "mb", "replay", "slots", "meta", "input_keys", "storages", "recomputes",
+    __slots__ = ("support", "layer", "mb", "replay", "slots", "meta", "input_keys", "storages", "recomputes",
                  "__weakref__")
 
-    def __init__(self, store: RecomputeStore, layer: int, mb: int, module: nn.Module,
+    def __init__(self, support: FrameSupport, layer: int, mb: int, module: nn.Module,
                  forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        self.store = store
+        self.support = support
         self.layer = layer
         self.mb = mb
         self.slots: list[weakref.ref[Slot] | None] = []  # None: a weight, which autograd holds itself
@@ -116,25 +127,14 @@ class RecomputeFrame:
         return slot
 
     # ------------------------------------------------------------------ backward
-    def unpack(self, slot: Slot | torch.Tensor) -> torch.Tensor:
-        if isinstance(slot, torch.Tensor):
-            return slot  # a weight
-        store = self.store
-        with store.lock:
-            store.drain()
-            phase = store.phase()
-            if slot.value is None:
-                self.recompute(slot, phase)
-            value = slot.value
-            assert value is not None
-            slot.unpacked = True
-            slot.later = phase == "input" and store.needed_later()
-            if not slot.later:
-                self.drop(slot)
-            elif not store.may_keep(self.transient_bytes()):
-                # over the budget: the weight pass recomputes it (the slot stays flagged as wanted)
-                store.dropped_for_budget(self.layer, self.drop(slot, wanted=True))
-            return value
+    def value_of(self, slot: Slot, phase: str) -> torch.Tensor:
+        """The slot's tensor for an unpack in ``phase``, recomputed when it holds none; marks it unpacked."""
+        if slot.value is None:
+            self.recompute(slot, phase)
+        value = slot.value
+        assert value is not None
+        slot.unpacked = True
+        return value
 
     def recompute(self, asked: Slot, phase: str) -> None:
         """Run the forward again; fill ``asked`` and every other slot a later unpack still needs."""
@@ -191,22 +191,18 @@ class RecomputeFrame:
         finally:
             wanted.clear()
             self.recomputes += 1
-            self.store.recomputed(layer, time.perf_counter() - t0, self.recomputes > 1)
+            self.support.recomputed(layer, time.perf_counter() - t0, self.recomputes > 1)
 
     def inputs(self) -> list[Any]:
         """The call's arguments, unpacked from the saved inputs (not a use by a backward node)."""
-        store = self.store
-        store.unpacking_inputs += 1
-        try:
+        with self.support.reading_inputs():
             return self.replay.inputs()
-        finally:
-            store.unpacking_inputs -= 1
 
     # ------------------------------------------------------------------ holding
     def hold(self, slot: Slot, value: torch.Tensor) -> None:
         slot.value = value
         found = _storage_of(value)
-        if found is None or value.device != self.store.device or found[0] in self.input_keys or found[1] == 0:
+        if found is None or value.device != self.support.device or found[0] in self.input_keys or found[1] == 0:
             slot.key = None  # not device bytes of its own (an input of the layer is counted already)
             return
         key, nbytes = found
@@ -214,7 +210,7 @@ class RecomputeFrame:
         record = self.storages.get(key)
         if record is None:
             self.storages[key] = [nbytes, 1]
-            self.store.ledger.add(self.layer, self.mb, nbytes)
+            self.support.ledger.add(self.layer, self.mb, nbytes)
         else:
             record[1] += 1
 
@@ -240,7 +236,7 @@ class RecomputeFrame:
         if record[1]:
             return 0
         del self.storages[key]
-        self.store.ledger.sub(self.layer, self.mb, record[0])
+        self.support.ledger.sub(self.layer, self.mb, record[0])
         return record[0]
 
     def live_slots(self) -> Iterator[Slot]:

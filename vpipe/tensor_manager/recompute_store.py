@@ -9,17 +9,19 @@ weight pass recomputes it then, counted as a repeat).
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import nn
 
 from vpipe.tensor_manager.accounting import Ledger, RecomputeCounter
-from vpipe.tensor_manager.recompute import RecomputeFrame, Slot
+from vpipe.tensor_manager.recompute import FrameSupport, RecomputeFrame, Slot
 
 __all__ = ["RecomputeStore"]
 
@@ -51,6 +53,7 @@ class RecomputeStore:
         self.repeat_recomputes = 0  # recomputes of a call beyond its first
         self.dropped = 0  # recomputed tensors kept for a weight pass, dropped to stay under the budget
         self.dropped_bytes: dict[int, int] = {}  # layer -> bytes of such tensors
+        self._support = FrameSupport(device, ledger, self._released, self.recomputed, self._reading_inputs)
 
     def run(self, module: nn.Module, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], *,
             layer: int, mb: int, counter: RecomputeCounter | None, is_weight: Callable[[torch.Tensor], bool]) -> Any:
@@ -60,7 +63,7 @@ class RecomputeStore:
         those are saved as they are, never recomputed; ``counter`` (None: not measured this call)
         sees every tensor the call saves.
         """
-        frame = RecomputeFrame(self, layer, mb, module, forward, args, kwargs)
+        frame = RecomputeFrame(self._support, layer, mb, module, forward, args, kwargs)
 
         # autograd keeps the pack hook with every tensor saved through it: after the forward it must
         # not hold the counter or ``is_weight`` (the layer call and its inputs) any longer
@@ -73,13 +76,43 @@ class RecomputeStore:
             return frame.pack(t, weight(t))
 
         try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, frame.unpack):
+            with torch.autograd.graph.saved_tensors_hooks(pack, functools.partial(self._unpack, frame)):
                 out = forward(*args, **kwargs)
         finally:
             measuring.clear()
         with self.lock:
             self._frames.setdefault(mb, weakref.WeakSet()).add(frame)
         return out
+
+    def _unpack(self, frame: RecomputeFrame, packed: Slot | torch.Tensor) -> torch.Tensor:
+        """A backward unpacks what ``frame`` saved: the slot's tensor, dropped at once unless the weight pass
+        unpacks it again and the budget lets it wait."""
+        if isinstance(packed, torch.Tensor):
+            return packed  # a weight
+        with self.lock:
+            self.drain()
+            phase = self.phase()
+            value = frame.value_of(packed, phase)
+            packed.later = phase == "input" and self.needed_later()
+            if not packed.later:
+                frame.drop(packed)
+            elif not self.may_keep(frame.transient_bytes()):
+                # over the budget: the weight pass recomputes it (the slot stays flagged as wanted)
+                self.dropped_for_budget(frame.layer, frame.drop(packed, wanted=True))
+            return value
+
+    def _released(self, frame: RecomputeFrame, key: int) -> None:
+        """A slot autograd released held storage ``key``: uncounted at the next drain (this may run on
+        autograd's thread, so it only queues)."""
+        self.dead.append((frame, key))
+
+    @contextmanager
+    def _reading_inputs(self) -> Iterator[None]:
+        self.unpacking_inputs += 1
+        try:
+            yield
+        finally:
+            self.unpacking_inputs -= 1
 
     def recomputed(self, layer: int, seconds: float, repeat: bool) -> None:
         """A call of ``layer`` was recomputed (``repeat``: it had been recomputed before)."""

@@ -1,14 +1,15 @@
 """What a tensor manager reports to the monitor: plain, immutable numbers, gathered from its parts.
 
 The monitor and the planner read these; :func:`collect_stats` takes one consistent reading
-(under the swap engine's lock, after releasing what autograd let go of).
+(under the swap engine's lock, after releasing what autograd let go of), :func:`collect_summary`
+the few numbers a monitor reads on every sampled step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from vpipe.plan import Policy
 from vpipe.tensor_manager.copy_engine import D2H, H2D
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
     from vpipe.tensor_manager.swap import SwapEngine
     from vpipe.tensor_manager.swap_in import SwapIn
 
-__all__ = ["LayerStats", "TensorManagerStats", "collect_stats"]
+__all__ = ["LayerStats", "TensorManagerStats", "collect_stats", "collect_summary"]
 
 
 @dataclass(frozen=True)
@@ -133,3 +134,23 @@ def collect_stats(*, layers: Mapping[int, ManagedLayer], ledger: Ledger, engine:
             lag_resident_bytes=phases.lag_resident_bytes(),
             lag_dropped=swap_in.dropped + recompute.dropped,
         )
+
+
+def collect_summary(*, layers: Mapping[int, ManagedLayer], ledger: Ledger, engine: SwapEngine,
+                    recompute: RecomputeStore, budget: BudgetGovernor) -> dict[str, Any]:
+    """What a monitor reads twice per sampled step, without :func:`collect_stats`'s per-layer detail: saved bytes
+    per layer and per micro-batch (each storage once), the host pool's gauges, cumulative copy and recompute
+    figures."""
+    with engine.lock:
+        engine.drain()
+        engine.poll()
+        pool = engine.pool if engine.has_pool else None
+        copies = engine.copies
+        return {"activation_bytes": {lid: ledger.activation_bytes(lid) or 0 for lid in sorted(layers)},
+                "kept_bytes_per_mb": budget.kept_per_mb_now(),
+                "host_pool_used_bytes": pool.used_bytes if pool else 0,
+                "host_pool_peak_bytes": pool.peak_used_bytes if pool else 0,
+                "host_pool_capacity_bytes": pool.capacity_bytes if pool else 0,
+                "d2h_bytes": copies.bytes[D2H], "d2h_s": copies.seconds[D2H],
+                "h2d_bytes": copies.bytes[H2D], "h2d_s": copies.seconds[H2D],
+                "recompute_s": recompute.recompute_s}

@@ -1,0 +1,245 @@
+"""The online SRP planner: a new plan proposed only when its predicted gain is worth the move.
+
+:class:`SRPPlanner` is what the planner daemon calls with live statistics
+(:mod:`vpipe.planner.online` turns them into a layer graph). It runs the SRP loop
+(:func:`~vpipe.planner.srp.srp_loop`) and proposes a new plan only when the predicted gain
+is worth it:
+
+- *hysteresis*: the predicted step time must improve by at least ``min_gain`` (relative),
+  so noise in the statistics of a balanced pipeline cannot trigger plans;
+- *gain vs. cost*: ``horizon_steps * gain`` must exceed the time to migrate the layers that
+  move; among plans reaching various bottlenecks it picks the one with the best net
+  benefit, so it never moves more than the gain justifies, and a policy-only change (no
+  layer moves, no migration cost) wins whenever it is enough;
+- *cooldown*: after a proposal, none for ``cooldown_steps`` steps, so a plan is applied
+  and measured before it is judged.
+
+A stage over its memory budget is the exception: it gets a fix whatever the gain (the
+cheapest feasible plan by net benefit), still outside the cooldown.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from vpipe.graph import LayerGraph
+from vpipe.plan import Plan, PlanError
+from vpipe.planner.cost_model import GraphProfile, Hardware, PipelineSetup, StageCosts
+from vpipe.planner.exact import min_secondary
+from vpipe.planner.srp import Evaluated, check_method, evaluate, fastest_step, optimize_stages, srp_loop
+
+__all__ = ["Proposal", "SRPPlanner"]
+
+# bottleneck targets (relative to the best plan's) at which the planner also looks for the partition that
+# moves the fewest bytes
+_TARGET_SLACK = (0.0, 0.02, 0.05, 0.1, 0.2)
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """A plan the online planner recommends, with the numbers that justify it."""
+
+    plan: Plan
+    before_step_s: float
+    after_step_s: float
+    migration_bytes: int
+    migration_s: float
+    moved_layers: int
+    reason: str
+
+    @property
+    def policy_only(self) -> bool:
+        return self.moved_layers == 0
+
+    @property
+    def gain(self) -> float:
+        """Relative step-time improvement predicted (0.1 = 10 % faster steps)."""
+        if not math.isfinite(self.before_step_s) or self.before_step_s <= 0:
+            return 0.0
+        return 1.0 - self.after_step_s / self.before_step_s
+
+
+class _MigrationBytes:
+    """Bytes a partition moves from the current placement, as an additive per-stage cost."""
+
+    def __init__(self, profile: GraphProfile, setup: PipelineSetup, current_stage: np.ndarray) -> None:
+        self.current = current_stage
+        self.per_hop = _per_hop_bytes(profile, setup, current_stage)
+        self._cache: dict[int, np.ndarray] = {}
+
+    def terms(self, stage: int) -> tuple[np.ndarray, np.ndarray]:
+        prefix = self._cache.get(stage)
+        if prefix is None:
+            moved = self.per_hop * np.abs(self.current - stage)
+            prefix = self._cache[stage] = np.concatenate([[0.0], np.cumsum(moved)])
+        return prefix, -prefix
+
+
+def _per_hop_bytes(profile: GraphProfile, setup: PipelineSetup, current_stage: np.ndarray) -> np.ndarray:
+    """What one neighbour hop of each layer sends: weights and optimizer state; for PipeDream
+    also the stashed weight versions and the inputs of its in-flight micro-batches."""
+    hw = setup.hardware
+    out = profile.params * (1.0 + hw.optimizer_factor)
+    if setup.schedule == "pipedream":
+        versions = setup.num_stages - current_stage  # p - k for the stage it leaves
+        out = out + profile.params * (versions - 1) + versions * profile.in_bytes
+    return out
+
+
+class SRPPlanner:
+    """Online SRP planner: turns live statistics into plan proposals, or into silence."""
+
+    def __init__(
+        self,
+        num_stages: int,
+        schedule: str = "1f1b",
+        micro_batches: int = 8,
+        memory_budget: int | float | Sequence[int | float] | None = None,
+        hardware: Hardware | None = None,
+        *,
+        horizon_steps: int = 500,
+        min_gain: float = 0.05,
+        cooldown_steps: int = 20,
+        method: str = "kl",
+        allow_moves: bool = True,
+        in_flight_counts: tuple[int, ...] | None = None,
+        stage_ranks: tuple[int, ...] | None = None,
+    ) -> None:
+        self.setup = PipelineSetup(num_stages, schedule, micro_batches, hardware or Hardware(),
+                                   in_flight_counts=in_flight_counts, stage_ranks=stage_ranks)
+        self.budgets = self.setup.budgets(memory_budget)
+        if not (isinstance(horizon_steps, int) and horizon_steps >= 1):
+            raise ValueError(f"horizon_steps must be a positive integer, got {horizon_steps!r}")
+        if not (0.0 <= min_gain < 1.0):
+            raise ValueError(f"min_gain must be in [0, 1), got {min_gain!r}")
+        if not (isinstance(cooldown_steps, int) and cooldown_steps >= 0):
+            raise ValueError(f"cooldown_steps must be a non-negative integer, got {cooldown_steps!r}")
+        self.horizon_steps, self.min_gain, self.cooldown_steps = horizon_steps, min_gain, cooldown_steps
+        self.method = check_method(method)
+        self.allow_moves = allow_moves  # False: only the policies of the current partition change
+        self.last_proposal_step: int | None = None
+
+    @property
+    def num_stages(self) -> int:
+        return self.setup.num_stages
+
+    def in_cooldown(self, step: int) -> bool:
+        return self.last_proposal_step is not None and step - self.last_proposal_step < self.cooldown_steps
+
+    def propose(self, graph: LayerGraph, current: Plan, step: int,
+                placeable: Callable[[list[list[int]]], bool] | None = None) -> Proposal | None:
+        """A better plan for ``graph``'s latest statistics than ``current``, or None.
+
+        None inside the cooldown, when the predicted gain is under ``min_gain``, or when
+        ``horizon_steps`` of gain do not pay for the migration. Raises
+        :class:`InfeasibleError` when no plan can fit the memory budget. Plans that move
+        layers are left out when moves are off, and when ``placeable(stages)`` says the
+        stages cannot build the layers that would arrive.
+        """
+        if self.in_cooldown(step):
+            return None
+        profile = GraphProfile(graph)
+        setup, budgets = self.setup, self.budgets
+        if current.num_stages != setup.num_stages:
+            raise PlanError(f"current plan has {current.num_stages} stages, the planner {setup.num_stages}")
+        before = self._current(profile, current)
+        if before is not None and before.fits and before.step_s - fastest_step(profile, setup) \
+                < self.min_gain * before.step_s:
+            return None  # no placement or policy can gain min_gain (a balanced pipeline that fits): no search
+        best, _ = srp_loop(profile, setup, budgets, self.method)
+        if before is not None and before.fits and before.step_s - best.step_s < self.min_gain * before.step_s:
+            # even the best plan, moved for free, is inside the hysteresis band: stay (and skip the DPs)
+            policies_only = optimize_stages(profile, setup, budgets, before.cuts)
+            if before.step_s - policies_only.step_s < self.min_gain * before.step_s:
+                return None
+        candidates = [c for c in self._candidates(profile, before, best, current)
+                      if c[1] == 0 or (self.allow_moves
+                                       and (placeable is None or placeable(profile.stages_of(c[0].cuts))))]
+        chosen = self._choose(before, candidates)
+        if chosen is None:
+            return None
+        plan, moved, moved_bytes, why = chosen
+        migration_s = moved_bytes / setup.hardware.net_bytes_per_s
+        before_step = before.step_s if before is not None else math.inf
+        reason = (f"{why}: step {_ms(before_step)} -> {_ms(plan.step_s)} ms predicted, "
+                  f"{moved} layer(s) move ({moved_bytes / 1e6:.1f} MB, {migration_s * 1e3:.1f} ms)")
+        new_plan = Plan(epoch=current.epoch + 1, stages=tuple(tuple(s) for s in profile.stages_of(plan.cuts)),
+                        policies=profile.policies_from(plan.codes), predicted_step_s=plan.step_s, reason=reason)
+        self.last_proposal_step = step
+        return Proposal(new_plan, before_step, plan.step_s, int(round(moved_bytes)), migration_s, moved, reason)
+
+    # ----------------------------------------------------------------- internals
+    def _current(self, profile: GraphProfile, current: Plan) -> Evaluated | None:
+        """The running plan under the new statistics; None if it no longer covers the graph."""
+        try:
+            current.check_against(profile.ids, self.setup.num_stages)
+        except PlanError:
+            return None  # layers were added or removed: the old plan cannot run this graph
+        cuts = profile.cuts_of(current.stages)
+        return evaluate(profile, self.setup, self.budgets, cuts, profile.codes_from(current.policies))
+
+    def _candidates(self, profile: GraphProfile, before: Evaluated | None, best: Evaluated,
+                    current: Plan) -> list[tuple[Evaluated, int, float]]:
+        """(plan, layers moved, bytes moved) for: policies only, the best plan, and the plans
+        that move fewest bytes to reach bottlenecks between the best and the current one."""
+        setup, budgets = self.setup, self.budgets
+        if before is None:  # layers changed: only the surviving layers that change stage move
+            old_stage = {lid: k for k, layers in enumerate(current.stages) for lid in layers}
+            new_stage = np.repeat(np.arange(setup.num_stages), np.diff([0, *best.cuts, profile.n]))
+            was = np.array([old_stage.get(lid, k) for lid, k in zip(profile.ids, new_stage)])
+            hops = np.abs(new_stage - was)
+            per_hop = _per_hop_bytes(profile, setup, was)
+            return [(best, int(np.count_nonzero(hops)), float(np.sum(per_hop * hops)))]
+        current_stage = np.repeat(np.arange(setup.num_stages), np.diff([0, *before.cuts, profile.n]))
+        migration = _MigrationBytes(profile, setup, current_stage)
+        out: list[tuple[Evaluated, int, float]] = []
+
+        def add(plan: Evaluated) -> None:
+            stage = np.repeat(np.arange(setup.num_stages), np.diff([0, *plan.cuts, profile.n]))
+            hops = np.abs(stage - current_stage)
+            out.append((plan, int(np.count_nonzero(hops)), float(np.sum(migration.per_hop * hops))))
+
+        add(optimize_stages(profile, setup, budgets, before.cuts))
+        add(best)
+        ceiling = before.bottleneck_s if before.fits else math.inf
+        costs = StageCosts(profile, setup, best.codes)
+        for slack in _TARGET_SLACK:
+            limit = best.bottleneck_s * (1 + slack)
+            if limit >= ceiling:
+                break
+            lean = min_secondary(costs, setup.num_stages, limit, migration, budgets, memory="best_case")
+            if lean is not None:
+                add(optimize_stages(profile, setup, budgets, lean.cuts))
+        return out
+
+    def _choose(self, before: Evaluated | None,
+                candidates: list[tuple[Evaluated, int, float]]) -> tuple[Evaluated, int, float, str] | None:
+        net = self.setup.hardware.net_bytes_per_s
+        feasible = [c for c in candidates if c[0].fits]
+        if not feasible:
+            return None
+        if before is None or not before.fits:
+            # the running plan cannot run (layers changed) or overflows memory: fix it
+            base = before.step_s if before is not None else max(c[0].step_s for c in feasible)
+            plan, moved, moved_bytes = max(
+                feasible, key=lambda c: (self.horizon_steps * (base - c[0].step_s) - c[2] / net, -c[2]))
+            why = "layers changed" if before is None else "memory over budget"
+            return plan, moved, moved_bytes, why
+        worthwhile = []
+        for plan, moved, moved_bytes in feasible:
+            gain = before.step_s - plan.step_s
+            benefit = self.horizon_steps * gain - moved_bytes / net
+            if gain >= self.min_gain * before.step_s and benefit > 0:
+                worthwhile.append((benefit, -moved_bytes, plan, moved, moved_bytes))
+        if not worthwhile:
+            return None
+        _, _, plan, moved, moved_bytes = max(worthwhile, key=lambda w: (w[0], w[1]))
+        return plan, moved, moved_bytes, ("policies" if moved == 0 else "rebalance")
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f}" if math.isfinite(seconds) else "inf"
