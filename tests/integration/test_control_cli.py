@@ -22,7 +22,7 @@ def write_log(path, records) -> None:
 
 
 RECORDS = [
-    {"t": 100.0, "rank": 1, "logger": "vpipe_lab.runtime", "level": "INFO", "msg": "stage 1 of 2: training"},
+    {"t": 100.0, "rank": 1, "logger": "vpipe.runtime", "level": "INFO", "msg": "stage 1 of 2: training"},
     {"t": 100.5, "rank": 1, "logger": "vpipe.decisions", "level": "INFO", "event": "planner_started", "pid": 77,
      "msg": "started planner daemon pid 77"},
     {"t": 101.25, "rank": None, "role": "planner", "logger": "vpipe.decisions", "level": "INFO", "event": "plan",

@@ -39,7 +39,7 @@ from vpipe.control.keys import KeyFileError
 from vpipe.control.netaddr import control_host
 from vpipe_lab.runtime.watchdog import Watchdog, stderr_line
 
-log = logging.getLogger("vpipe_lab.runtime")
+log = logging.getLogger("vpipe.runtime")  # the run log keeps vpipe.* loggers
 
 __all__ = ["RankEnv", "Distributed", "rank_env", "init_distributed", "spawn"]
 

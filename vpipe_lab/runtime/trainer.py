@@ -33,7 +33,7 @@ from vpipe_lab.runtime.optim import make_optimizer
 from vpipe_lab.runtime.results import RunProgress, RunResult, print_summary, save_rank_result
 from vpipe_lab.runtime.stage_run import StageRun, build_stage_run
 
-log = logging.getLogger("vpipe_lab.runtime")
+log = logging.getLogger("vpipe.runtime")  # the run log keeps vpipe.* loggers
 
 # StageRun, build_stage_run, make_optimizer and RunResult live in their own modules; the trainer's names
 __all__ = ["StageRun", "build_stage_run", "train_rank", "make_optimizer", "RunResult"]

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from vpipe.control.curve import remove_private_key_files
 
-log = logging.getLogger("vpipe_lab.runtime")
+log = logging.getLogger("vpipe.runtime")  # the run log keeps vpipe.* loggers
 
 EXIT_PEER_FAILED = 17
 
