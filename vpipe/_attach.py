@@ -45,7 +45,7 @@ from vpipe.rank.config import AUTO_BUDGET, VpipeConfig, resolve_memory_budget
 from vpipe.rank.edits import LayerEdits
 from vpipe.rank.memory import StageMemory
 from vpipe.rank.metrics import MetricsWriter, parse_metric_kinds
-from vpipe.rank.replicas import ReplicaPlans, Replicas, check_replicas_alike
+from vpipe.rank.replicas import ReplicaPlans, Replicas, ReplicaStats, check_replicas_alike
 from vpipe.rank.stages import AttachTarget, LocalStage, Pipeline, check_optimizer, inspect_target
 from vpipe.rank.state import restore_vpipe_state, vpipe_state
 from vpipe.rank.steps import MicroBatchCounter, StepDriver
@@ -104,10 +104,10 @@ class Vpipe:
         self.agreement = StoreAgreement(store, rank=self.pipe_rank, world_size=pipeline.size,
                                         timeout_s=config.agree_timeout_s, pipeline=self.replicas.name)
         placement = agree_on_blocks(self.agreement, pipeline.stages, self.num_stages, config.layers)
-        if self.replicas.count > 1:
-            check_replicas_alike(self.agreement, world_rank=self.rank, world_size=self.world_size, who=self._who,
-                                 layout={"schedule": pipeline.kind, "placement": [list(s) for s in placement],
-                                         "stage_ranks": list(pipeline.stage_ranks)})
+        peers = check_replicas_alike(
+            self.agreement, world_rank=self.rank, world_size=self.world_size, who=self._who, replicas=self.replicas,
+            layout={"schedule": pipeline.kind, "placement": [list(s) for s in placement],
+                    "stage_ranks": list(pipeline.stage_ranks)}) if self.replicas.count > 1 else []
         self.move_refusal = _move_refusal(pipeline)
         self.memory_budget = resolve_memory_budget(config.memory_budget, pipeline.device)
         self.memories = self._memories()
@@ -119,6 +119,9 @@ class Vpipe:
         self.stage_handles: dict[int, StageHandle] = {}  # (filled by _start_tensor_managers)
         self.tensor_managers = self._start_tensor_managers(initial) if config.tensor_manager else {}
         self.session = self._start_session(initial)
+        if peers:  # one planner sees every replica: the slowest / fullest per stage
+            self.session.combine_records = ReplicaStats(self.agreement.job, world_rank=self.rank, peers=peers,
+                                                        leads=self.replicas.leads, timeout_s=config.agree_timeout_s)
         self.layer_manager = self._start_layer_manager(placement)
         micro_batches = pipeline.micro_batches(config.micro_batches)
         self.boundary = PlanBoundary(self.agreement, decides=self.pipe_rank == 0, lag_steps=config.apply_lag_steps,

@@ -5,7 +5,8 @@ gradient all-reduce over its dp group, on a mesh in either dimension order (stag
 pipeline-group rank and world rank differ). The same trainer runs side by side without vpipe.
 The only change is ``vpipe.attach(schedule, optimizer=opt)``: blocks move, every replica
 holds the same blocks at every step, losses stay those of the plain run, and at the end the
-replicas' parameters are bitwise equal and equal the plain run's. FSDP2 and ``replicate()``
+replicas' parameters are bitwise equal and equal the plain run's. One planner (the leading
+replica's) sees every replica's records, combined per stage as the slowest / fullest. FSDP2 and ``replicate()``
 are refused with a message that says what to do.
 """
 
@@ -31,7 +32,11 @@ def _replica_params(ranks: list[dict], copy: str) -> dict[int, dict[str, torch.T
 @pytest.mark.slow
 @pytest.mark.parametrize("order", ["dp_pp", "pp_dp"])
 def test_replicas_of_a_pipeline_move_blocks_alike_and_train_as_without_vpipe(tmp_path, order):
-    ranks = run_worker(tmp_path, "mesh_worker", order, 4)["ranks"]
+    result = run_worker(tmp_path, "mesh_worker", order, 4)
+    ranks = result["ranks"]
+    # the planner saw every replica: each sampled step, the followers' records reached the leader in time
+    assert not [r for r in result["log"] if "did not arrive" in r.get("msg", "")]
+    assert [r for r in result["log"] if r.get("event") == "plan_applied"]
     # stage index, pipeline rank and world rank differ: (dp, pp) puts stage 1 of replica 0 on world rank 1,
     # (pp, dp) on world rank 2
     stage1 = [r["rank"] for r in ranks if r["coords"] == {"dp": 0, "pp": 1}]
