@@ -44,6 +44,21 @@ def test_replicas_of_a_pipeline_move_blocks_alike_and_train_as_without_vpipe(tmp
     placements = [r["placements"] for r in ranks]
     assert all(p == placements[0] for p in placements)  # every rank, every step: one placement
     assert placements[0][-1] != [[0, 1, 2, 3, 4, 5], [6, 7]]  # blocks moved
+    _assert_as_without_vpipe(ranks)
+
+
+@pytest.mark.slow
+def test_interleaved_1f1b_with_two_stages_per_rank_attaches_inside_a_mesh_and_trains_as_without_vpipe(tmp_path):
+    """Moves are optional here (the planner may or may not find one worth it in the steps run): replicas still
+    hold one placement at every step and train exactly as the plain run."""
+    ranks = run_worker(tmp_path, "mesh_worker", "interleaved", 4)["ranks"]
+    placements = [r["placements"] for r in ranks]
+    assert all(p == placements[0] for p in placements)
+    _assert_as_without_vpipe(ranks)
+
+
+def _assert_as_without_vpipe(ranks: list[dict]) -> None:
+    """Losses as the plain run's; the replicas' parameters bitwise alike and as the plain run's."""
     for r in ranks:
         plain, moved = r["losses"]["plain"], r["losses"]["vpipe"]
         assert len(plain) == len(moved)

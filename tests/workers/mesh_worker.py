@@ -7,6 +7,8 @@ Scenarios (``argv[1]``), 4 ranks each, launched by ``vpipe_lab.runtime.launch.sp
   its dp group after ``schedule.step()``, as people write it. Twice side by side: a plain copy on process
   groups of its own and a copy with the one line ``vpipe.attach(schedule, optimizer=opt)``. Rank 0 writes
   every rank's losses, placement and parameters (by global key) to ``argv[2]``;
+- ``interleaved``: the same on a ``("pp", "dp")`` mesh under Interleaved 1F1B, the model split 3,3,1,1
+  into 4 stages, stages p and p + 2 on pipeline rank p;
 - ``refusals``: FSDP2 (``fully_shard``) and ``replicate`` on the stage module, each error message.
 """
 
@@ -21,7 +23,7 @@ import torch.distributed as dist
 from shape_worker import run_ranks, tut  # this directory is the script's: on the path
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+from torch.distributed.pipelining import PipelineStage, ScheduleGPipe, ScheduleInterleaved1F1B
 
 COUNTS, STEPS, MICRO = [6, 2], int(os.environ.get("MESH_STEPS", 40)), 4
 
@@ -46,15 +48,21 @@ def manual_groups(order: tuple[str, str]) -> dict[str, Any]:
     return groups
 
 
-def build(pp_group: Any, stage_index: int):
+def build(pp_group: Any, stage_index: int, interleaved: bool):
+    """The trainer's stage modules, schedule and optimizer: GPipe over the 6,2 split, or Interleaved 1F1B over
+    3,3,1,1 with stages p and p + 2 on pipeline rank p."""
     torch.manual_seed(0)
-    model = tut.split_model(tut.Transformer(tut.ModelArgs()), stage_index, COUNTS)
-    stage = PipelineStage(model, stage_index, len(COUNTS), torch.device("cpu"), group=pp_group)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    return model, ScheduleGPipe(stage, MICRO, loss_fn=tut.tokenwise_loss_fn), optimizer
+    counts = [3, 3, 1, 1] if interleaved else COUNTS
+    indices = [stage_index, stage_index + 2] if interleaved else [stage_index]
+    models = [tut.split_model(tut.Transformer(tut.ModelArgs()), v, counts) for v in indices]
+    stages = [PipelineStage(m, v, len(counts), torch.device("cpu"), group=pp_group) for m, v in zip(models, indices)]
+    optimizer = torch.optim.AdamW([p for m in models for p in m.parameters()], lr=1e-3)
+    schedule = (ScheduleInterleaved1F1B(stages, MICRO, loss_fn=tut.tokenwise_loss_fn) if interleaved
+                else ScheduleGPipe(stages[0], MICRO, loss_fn=tut.tokenwise_loss_fn))
+    return models, schedule, optimizer
 
 
-def train_step(model: nn.Module, schedule: Any, optimizer: Any, dp_group: Any, coords: dict[str, int],
+def train_step(models: list[nn.Module], schedule: Any, optimizer: Any, dp_group: Any, coords: dict[str, int],
                step: int) -> list[float]:
     """The tutorial's loop, one batch per replica, gradients averaged over the dp group after the step."""
     x, y = tut.batch(2 * step + coords["dp"], 8, 32, 256)
@@ -63,7 +71,7 @@ def train_step(model: nn.Module, schedule: Any, optimizer: Any, dp_group: Any, c
         schedule.step(x)
     else:
         schedule.step(target=y, losses=losses)
-    for p in model.parameters():
+    for p in (p for m in models for p in m.parameters()):
         if p.grad is not None:
             dist.all_reduce(p.grad, group=dp_group)
             p.grad /= 2
@@ -72,25 +80,26 @@ def train_step(model: nn.Module, schedule: Any, optimizer: Any, dp_group: Any, c
     return [float(loss.detach()) for loss in losses]
 
 
-def side_by_side(order: tuple[str, str]) -> dict:
+def side_by_side(order: tuple[str, str], interleaved: bool = False) -> dict:
     import vpipe
 
     coords = coordinates(order)
     plain_groups = manual_groups(order)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=order)
     mesh_groups = {"pp": mesh.get_group("pp"), "dp": mesh.get_group("dp")}
-    copies = {"plain": (*build(plain_groups["pp"], coords["pp"]), plain_groups["dp"]),
-              "vpipe": (*build(mesh_groups["pp"], coords["pp"]), mesh_groups["dp"])}
-    model, schedule, opt, _ = copies["vpipe"]
+    copies = {"plain": (*build(plain_groups["pp"], coords["pp"], interleaved), plain_groups["dp"]),
+              "vpipe": (*build(mesh_groups["pp"], coords["pp"], interleaved), mesh_groups["dp"])}
+    _, schedule, opt, _ = copies["vpipe"]
     vp = vpipe.attach(schedule, optimizer=opt)
     losses: dict[str, list[float]] = {name: [] for name in copies}
     placements = []
     for step in range(STEPS):
-        for name, (m, sched, o, dp) in copies.items():
-            losses[name] += train_step(m, sched, o, dp, coords, step)
+        for name, (models, sched, o, dp) in copies.items():
+            losses[name] += train_step(models, sched, o, dp, coords, step)
         placements.append([list(s) for s in vp.placement])
     vp.detach()
-    states = {name: {k: v.tolist() for k, v in m.state_dict().items()} for name, (m, _, _, _) in copies.items()}
+    states = {name: {k: v.tolist() for m in models for k, v in m.state_dict().items()}
+              for name, (models, _, _, _) in copies.items()}
     mine = {"rank": dist.get_rank(), "coords": coords, "losses": losses, "placements": placements, "states": states}
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
@@ -103,6 +112,10 @@ def dp_pp() -> dict:
 
 def pp_dp() -> dict:
     return side_by_side(("pp", "dp"))
+
+
+def interleaved() -> dict:
+    return side_by_side(("pp", "dp"), interleaved=True)
 
 
 def _error(attach: Any) -> str:
@@ -139,4 +152,5 @@ def refusals() -> dict:
 
 
 if __name__ == "__main__":
-    run_ranks({"dp_pp": dp_pp, "pp_dp": pp_dp, "refusals": refusals}[sys.argv[1]], sys.argv[2])
+    scenarios = {"dp_pp": dp_pp, "pp_dp": pp_dp, "interleaved": interleaved, "refusals": refusals}
+    run_ranks(scenarios[sys.argv[1]], sys.argv[2])
