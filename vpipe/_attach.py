@@ -45,6 +45,7 @@ from vpipe.rank.config import AUTO_BUDGET, VpipeConfig, resolve_memory_budget
 from vpipe.rank.edits import LayerEdits
 from vpipe.rank.memory import StageMemory
 from vpipe.rank.metrics import MetricsWriter, parse_metric_kinds
+from vpipe.rank.replicas import ReplicaPlans, Replicas, ReplicaStats, check_replicas_alike
 from vpipe.rank.stages import AttachTarget, LocalStage, Pipeline, check_optimizer, inspect_target
 from vpipe.rank.state import restore_vpipe_state, vpipe_state
 from vpipe.rank.steps import MicroBatchCounter, StepDriver
@@ -80,7 +81,7 @@ class Vpipe:
         if not dist.is_initialized():
             raise RuntimeError("vpipe.attach needs torch.distributed initialised first (torchrun or vpipe train)")
         self.config = config
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()  # in the world (logs, files)
         if config.log_file is not None:
             run_log.configure(config.log_file, rank=self.rank)
         self.pipeline = pipeline = inspect_target(target)
@@ -94,9 +95,19 @@ class Vpipe:
         self._undo: list[Callable[[], object]] = []  # what an undo returns is ignored
         self._detached = False
         self._exit_timeout_s: float | None = None
-        self.agreement = StoreAgreement(store, rank=self.rank, world_size=self.world_size,
-                                        timeout_s=config.agree_timeout_s)
+        # vpipe addresses its peers by their rank in the pipeline's own group (the world, or one mesh dimension)
+        self.replicas = Replicas(pipeline.global_ranks(), self.world_size)
+        self.pipe_rank = pipeline.rank
+        if self.replicas.count > 1 and pipeline.kind == "pipedream":
+            raise ValueError("vpipe.attach: a PipeDream stream with data-parallel replicas is not supported; run "
+                             "one pipeline over the whole world, or use GPipe / 1F1B / the multi-stage schedules")
+        self.agreement = StoreAgreement(store, rank=self.pipe_rank, world_size=pipeline.size,
+                                        timeout_s=config.agree_timeout_s, pipeline=self.replicas.name)
         placement = agree_on_blocks(self.agreement, pipeline.stages, self.num_stages, config.layers)
+        peers = check_replicas_alike(
+            self.agreement, world_rank=self.rank, world_size=self.world_size, who=self._who, replicas=self.replicas,
+            layout={"schedule": pipeline.kind, "placement": [list(s) for s in placement],
+                    "stage_ranks": list(pipeline.stage_ranks)}) if self.replicas.count > 1 else []
         self.move_refusal = _move_refusal(pipeline)
         self.memory_budget = resolve_memory_budget(config.memory_budget, pipeline.device)
         self.memories = self._memories()
@@ -108,10 +119,15 @@ class Vpipe:
         self.stage_handles: dict[int, StageHandle] = {}  # (filled by _start_tensor_managers)
         self.tensor_managers = self._start_tensor_managers(initial) if config.tensor_manager else {}
         self.session = self._start_session(initial)
+        if peers:  # one planner sees every replica: the slowest / fullest per stage
+            self.session.combine_records = ReplicaStats(self.agreement.job, world_rank=self.rank, peers=peers,
+                                                        leads=self.replicas.leads, timeout_s=config.agree_timeout_s)
         self.layer_manager = self._start_layer_manager(placement)
         micro_batches = pipeline.micro_batches(config.micro_batches)
-        self.boundary = PlanBoundary(self.agreement, decides=self.rank == 0, lag_steps=config.apply_lag_steps,
-                                     streamed=pipeline.kind == "pipedream", who=self._who)
+        self.boundary = PlanBoundary(self.agreement, decides=self.pipe_rank == 0, lag_steps=config.apply_lag_steps,
+                                     streamed=pipeline.kind == "pipedream", who=self._who,
+                                     replicas=ReplicaPlans(self.agreement.job) if self.replicas.count > 1 else None,
+                                     follows=not self.replicas.leads)
         applier = PlanApplier(pipeline, self.layer_manager, self.tensor_managers, self.session, self.memories,
                               self.move_refusal)
         self.driver = StepDriver(session=self.session, boundary=self.boundary, applier=applier,
@@ -198,14 +214,16 @@ class Vpipe:
         if config.planning and pipeline.schedule is None and config.micro_batches is None:
             log.warning("vpipe.attach(module): micro_batches= not given, the planner assumes 1 micro-batch per step "
                         "(a pipeline that then never overlaps stages, so it will not rebalance)")
-        planning = config.planning and self.num_stages - 1 in self._local  # the last stage starts the daemon
+        # the last stage of the leading replica starts the daemon: one planner for every replica
+        plans = config.planning and self.replicas.leads
+        planning = plans and self.num_stages - 1 in self._local
         options = ControlOptions(sample_every=config.sample_every, max_sample_every=config.sampling_cap,
-                                 planner=config.planner if config.planning else None, log_file=config.log_file,
+                                 planner=config.planner if plans else None, log_file=config.log_file,
                                  planner_config=planner_config(config, pipeline, self.memory_budget,
                                                                self.move_refusal is None) if planning else None)
         session = ControlSession(
-            {s.index: s.blocks.blocks() for s in pipeline.stages if s.blocks is not None}, rank=self.rank,
-            stage_ranks=pipeline.stage_ranks, store=self.agreement.store, world_size=self.world_size,
+            {s.index: s.blocks.blocks() for s in pipeline.stages if s.blocks is not None}, rank=self.pipe_rank,
+            stage_ranks=pipeline.stage_ranks, store=self.agreement.store, world_size=pipeline.size,
             device=pipeline.device, optimizer=self.optimizer,
             saved_sources={v: TensorManagerSource(m) for v, m in self.tensor_managers.items()}, plan=initial,
             options=options, pipeline_stages={s.index: s.pipeline_stage for s in pipeline.stages
@@ -218,8 +236,8 @@ class Vpipe:
         manager = LayerManager(
             {s.index: s.blocks for s in pipeline.stages if s.blocks is not None}, placement=placement,
             stage_ranks=pipeline.stage_ranks, optimizer=self.optimizer, factory=self.config.layer_factory,
-            specs=self.config.specs, messenger=ControlMessenger(self.session.plane, self.rank),
-            channel=TransferChannel(pipeline.device), device=pipeline.device,
+            specs=self.config.specs, messenger=ControlMessenger(self.session.plane, self.pipe_rank),
+            channel=TransferChannel(pipeline.device, world_ranks=self.replicas.world_ranks), device=pipeline.device,
             timeout_s=self.config.migration_timeout_s, faults=faults.migration_faults(self.rank))
         manager.shared = self._pins(manager)
         for stage in pipeline.stages:

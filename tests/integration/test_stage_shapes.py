@@ -161,14 +161,13 @@ def test_shapes_attach_cannot_use_get_one_error_that_says_what_was_found_and_wha
     assert result["tutorial_ok"] == "no error"
 
 
-def test_a_pipeline_inside_a_larger_mesh_is_refused_before_anything_is_installed(tmp_path):
+def test_pipelines_inside_a_mesh_that_are_not_replicas_are_refused_before_anything_is_installed(tmp_path):
     result = _scenario(tmp_path, "subgroup", 2)
-    assert result["error"] == ("ValueError: vpipe.attach: this pipeline's process group has 1 of the world's 2 "
-                               "ranks (a pipeline inside a larger mesh, e.g. with data-parallel replicas); vpipe "
-                               "supports one pipeline over the whole world for now")
+    assert result["error"].startswith("ValueError: vpipe.attach on stage 0: world rank(s) [1] run another pipeline ")
+    assert result["error"].endswith("every data-parallel replica must run the same stages, schedule and blocks")
     assert not [r for r in result["log"] if r.get("event") == "attached"]
-    assert result["swapped"] == ("ValueError: vpipe.attach: stage 1 runs on rank 0; vpipe needs stage i on rank i "
-                                 "(as torch's single-stage schedules do)")
+    assert result["swapped"] == ("ValueError: vpipe.attach: stage 1 runs on rank 0 of its pipeline's process "
+                                 "group; vpipe needs stage i on group rank i (as torch's single-stage schedules do)")
 
 
 def test_a_traced_split_gets_recompute_but_no_moves_and_says_so_once(tmp_path):

@@ -3,8 +3,8 @@
 Scenarios (``argv[1]``), launched by ``vpipe_lab.runtime.launch.spawn``:
 
 - ``refusals`` (1 rank): stage shapes and set-ups attach must refuse, each error message;
-- ``subgroup`` (2 ranks): a pipeline on a process group smaller than the world (data-parallel replicas),
-  and stages whose index is not their rank;
+- ``subgroup`` (2 ranks): pipelines on process groups smaller than the world that are not replicas of
+  one pipeline (different blocks), and stages whose index is not their rank;
 - ``traced`` (2 ranks): a ``pipeline()`` split (GraphModule stages) trained plainly, then with vpipe
   recomputing every layer and the planner on: losses, what moved, the log;
 - ``nas`` (2 ranks): add and remove blocks in the tutorial-shaped ModuleDict;
@@ -113,7 +113,8 @@ def subgroup() -> dict:
 
     rank = dist.get_rank()
     groups = [dist.new_group([r]) for r in range(dist.get_world_size())]  # collective: every rank makes each
-    module = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    # two one-stage "replicas" that are not replicas: rank 1's pipeline has a block more
+    module = nn.Sequential(*[nn.Linear(4, 4) for _ in range(2 + rank)])
     stage = PipelineStage(module, 0, 1, torch.device("cpu"), group=groups[rank])
     schedule = Schedule1F1B(stage, 2, loss_fn=nn.functional.mse_loss)
     error = _error(lambda: vpipe.attach(schedule, optimizer=torch.optim.SGD(module.parameters())))

@@ -134,6 +134,8 @@ class ControlSession:
             if undo is not None:
                 self._undo_wraps.append(undo)
         self._steps = 0
+        # what a step's sampled records become before they go down the chain (data-parallel replicas: combined)
+        self.combine_records: Callable[[int, list[Any]], list[Any]] | None = None
         self.last_records: list[Any] = []  # the StageRecords of the last step this rank sampled (else empty)
         self._changed = False  # a plan or an edit took effect: sample at the base rate again
         self._open: int | None = None
@@ -186,6 +188,8 @@ class ControlSession:
         if self._distrust_first and self._steps == 0:
             records = []
         self._steps += 1
+        if self.combine_records is not None:
+            records = self.combine_records(iteration, records)
         self.last_records = records
         return self.agent.after_step(iteration, records)
 

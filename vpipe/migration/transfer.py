@@ -9,6 +9,7 @@ so a receive left behind by an aborted move can never swallow a later move's byt
 from __future__ import annotations
 
 import datetime
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -34,20 +35,27 @@ class TransferChannel:
     """Point-to-point payload transfers between neighbouring stages, and the votes that commit a move.
 
     Creating one is a collective call: every rank of the run must create it at the same
-    point (vpipe does so when it attaches).
+    point (vpipe does so when it attaches). Its group spans the whole world, so the vote of a
+    move is taken by every data-parallel replica of the pipeline together: one that cannot
+    apply a plan makes every replica skip it. Peers are named by their rank in the pipeline's
+    own group; ``world_ranks[r]`` is the world rank of pipeline rank ``r`` (default: the same).
     """
 
-    def __init__(self, device: torch.device, group: Any = None) -> None:
+    def __init__(self, device: torch.device, group: Any = None, world_ranks: Sequence[int] | None = None) -> None:
         self.device = device
         self.group = group if group is not None else dist.new_group(backend="nccl" if device.type == "cuda" else "gloo")
+        self.world_ranks = None if world_ranks is None else tuple(world_ranks)
+
+    def _world(self, rank: int) -> int:
+        return rank if self.world_ranks is None else self.world_ranks[rank]
 
     def send(self, payload: torch.Tensor, dst: int, tag: int) -> Any:
-        """Start sending; returns the work to wait on (keep ``payload`` alive until then)."""
-        return dist.isend(payload.to(self.device), dst=dst, group=self.group, tag=tag)
+        """Start sending to pipeline rank ``dst``; returns the work to wait on (keep ``payload`` alive until then)."""
+        return dist.isend(payload.to(self.device), dst=self._world(dst), group=self.group, tag=tag)
 
     def recv(self, nbytes: int, src: int, tag: int) -> tuple[torch.Tensor, Any]:
         buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        return buf, dist.irecv(buf, src=src, group=self.group, tag=tag)
+        return buf, dist.irecv(buf, src=self._world(src), group=self.group, tag=tag)
 
     def vote(self, flags: list[tuple[bool, bool]]) -> list[bool]:
         """Every rank learns, for each ``(flag, all_of)``, whether the flag holds on all ranks (``all_of``) or

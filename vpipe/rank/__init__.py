@@ -4,7 +4,9 @@
 - :mod:`.stages`: the stage adapter: the trainer's schedule (one stage per rank or several)
   or plain module, the stages this rank runs, and what torch's pipelining needs redone;
 - :mod:`.agreement`: what every rank must agree on through the rendezvous store (block
-  layouts, layer edits, the run's control-plane key), in a namespace per attach;
+  layouts, layer edits, the run's control-plane key), in a namespace per attach (and pipeline);
+- :mod:`.replicas`: data-parallel replicas of the pipeline in a mesh: one planner, the same plan at
+  the same step on every replica;
 - :mod:`.memory`: each stage's budget for saved activations once its fixed bytes are paid;
 - :mod:`.boundary`: when a plan takes effect (the same step on every rank);
 - :mod:`.applying`: what taking effect means (policies, moves, the bookkeeping after them);

@@ -5,6 +5,9 @@ derive the same global layer ids from all of them; a layer edit is published by 
 and checked to be the same edit; plans are scheduled by stage 0 for a step every rank reads.
 All of it lives under a namespace of its own per attach (``vpipe/attach-N/``), so an attach
 after a detach never reads the previous one's keys, and detach deletes this rank's keys.
+A pipeline that is one dimension of a mesh gets a namespace of its own inside it
+(``vpipe/attach-N/pipeline-R/``, R the world rank of its stage 0; ranks count in its own
+group), and :attr:`StoreAgreement.job` is the attach's namespace that every replica shares.
 
 A rank that never makes the same call (an attach or an edit on some ranks only) ends the
 wait after ``timeout_s`` with an error naming the missing stages, instead of a hang.
@@ -45,9 +48,12 @@ _ATTACHES = itertools.count()
 class StoreAgreement:
     """This rank's view of the attach's namespace in the store: what it wrote, what all wrote."""
 
-    def __init__(self, store: Any, *, rank: int, world_size: int, timeout_s: float) -> None:
-        self.namespace = f"vpipe/attach-{next(_ATTACHES)}/"
-        self.store = dist.PrefixStore(self.namespace, store if store is not None else _default_store())
+    def __init__(self, store: Any, *, rank: int, world_size: int, timeout_s: float, pipeline: str = "") -> None:
+        job = f"vpipe/attach-{next(_ATTACHES)}/"
+        base = store if store is not None else _default_store()
+        self.namespace = job + pipeline
+        self.job = dist.PrefixStore(job + "job/", base)  # what every replica of the pipeline shares
+        self.store = dist.PrefixStore(self.namespace, base)
         self.rank = rank
         self.world_size = world_size
         self.timeout_s = timeout_s
@@ -62,17 +68,19 @@ class StoreAgreement:
         """The value of ``key`` if some rank wrote it, else None (never waits)."""
         return self.store.get(key).decode() if self.store.check([key]) else None
 
-    def gather(self, key: str, indices: Sequence[int], call: str, who: str) -> list[bytes]:
-        """The values of ``key`` (a pattern with ``{}``) for every index, once all are written."""
+    def gather(self, key: str, indices: Sequence[int], call: str, who: str, store: Any = None) -> list[bytes]:
+        """The values of ``key`` (a pattern with ``{}``) for every index, once all are written (in ``store``,
+        default this pipeline's namespace)."""
+        store = self.store if store is None else store
         keys = [key.format(i) for i in indices]
         deadline = time.monotonic() + self.timeout_s
-        while not self.store.check(keys):
+        while not store.check(keys):
             if time.monotonic() > deadline:
-                missing = [i for i, k in zip(indices, keys) if not self.store.check([k])]
+                missing = [i for i, k in zip(indices, keys) if not store.check([k])]
                 raise RuntimeError(f"{call} on {who}: stage(s) {missing} did not make the same call within "
                                    f"{self.timeout_s:.0f} s; every rank must call it, at the same step")
             time.sleep(0.01)
-        return self.store.multi_get(keys)
+        return store.multi_get(keys)
 
     def agree_edit(self, edit: dict[str, Any], who: str) -> None:
         """Every rank makes the same layer edit, or every rank learns which did not (before anything changes)."""

@@ -10,6 +10,10 @@ A PipeDream stream does not flush, so a rank may finish step ``t+1`` before rank
 step ``t``: one step more makes the key visible everywhere by the boundary that registers
 it, and a streamed move registers one step ahead and switches at the first micro-batch of
 the next step (:attr:`PlanBoundary.applying_step`).
+
+Data-parallel replicas of the pipeline (:mod:`vpipe.rank.replicas`) apply the plans the
+leading replica's stage 0 schedules: it publishes each with its step, and a follower's
+boundary takes them from there instead of from a planner of its own.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 from vpipe.log import decision
 from vpipe.plan import Plan
 from vpipe.rank.agreement import StoreAgreement
+from vpipe.rank.replicas import ReplicaPlans
 
 __all__ = ["PlanBoundary"]
 
@@ -27,9 +32,12 @@ class PlanBoundary:
     """Pending plans, forced plans, and the step each takes effect at."""
 
     def __init__(self, agreement: StoreAgreement, *, decides: bool, lag_steps: int, streamed: bool,
-                 who: str) -> None:
+                 who: str, replicas: ReplicaPlans | None = None, follows: bool = False) -> None:
         self.agreement = agreement
         self.decides = decides  # rank 0: the last to receive a plan schedules it for everyone
+        self.replicas = replicas  # with data-parallel replicas: the leader publishes there, followers read it
+        self.follows = follows  # a replica that applies the leading replica's plans
+        self._follow_at: dict[int, int] = {}
         self.lag_steps = lag_steps
         self.streamed = streamed
         self.who = who
@@ -49,6 +57,8 @@ class PlanBoundary:
             if self.decides:
                 at = iteration + self.lag_steps + (1 if self.streamed else 0)
                 self.agreement.set(_APPLY_KEY.format(plan.epoch), str(at))
+                if self.replicas is not None:
+                    self.replicas.publish(plan, at)
                 decision("plan_scheduled", f"epoch {plan.epoch} will apply before step {at}", epoch=plan.epoch,
                          step=at)
 
@@ -63,8 +73,12 @@ class PlanBoundary:
         """The plans that take effect at this boundary, oldest first."""
         now = self.applying_step(iteration)
         due = list(self._forced.pop(now, []))
+        if self.follows and self.replicas is not None:
+            for plan, at in self.replicas.fetch():
+                self._pending[plan.epoch] = plan
+                self._follow_at[plan.epoch] = at
         for epoch in sorted(self._pending):
-            value = self.agreement.get(_APPLY_KEY.format(epoch))
+            value = self._follow_at.get(epoch) if self.follows else self.agreement.get(_APPLY_KEY.format(epoch))
             if value is None:
                 continue
             at = int(value)

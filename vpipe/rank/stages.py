@@ -15,6 +15,8 @@ A trainer hands vpipe one of:
 object, the user's module), the rank of every stage, the schedule's name for the cost
 model and, for multi-stage schedules, how many micro-batches each stage holds at its peak
 (read off the schedule's own action lists, so plans are made for the schedule that runs).
+The pipeline's process group is the stage's (``PipelineStage(..., group=pp_group)``): one
+dimension of a mesh, or the world; ranks here count in that group.
 Nothing is replaced: ``stage.submod`` and its ``forward`` stay the user's.
 """
 
@@ -28,6 +30,7 @@ from typing import Any, TypeAlias
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed._composable.contract import _get_registry
 from torch.distributed.pipelining import Schedule1F1B
 from torch.distributed.pipelining.schedules import (
     PipelineScheduleMulti,
@@ -78,9 +81,26 @@ class Pipeline:
     schedule: Any  # None for a hand-written loop
     stages: list[LocalStage]
     num_stages: int
-    stage_ranks: tuple[int, ...]  # the rank of every stage
+    stage_ranks: tuple[int, ...]  # the rank of every stage, in the pipeline's own process group
     kind: str  # the cost model's schedule name: gpipe, 1f1b, pipedream, interleaved1f1b, ..., custom
     device: torch.device
+    group: Any = None  # the pipeline's process group (None: the world)
+
+    @property
+    def rank(self) -> int:
+        """This rank in the pipeline's group (stage indices and ``stage_ranks`` count in it)."""
+        return dist.get_rank(self.group)
+
+    @property
+    def size(self) -> int:
+        return dist.get_world_size(self.group)
+
+    def global_ranks(self) -> tuple[int, ...]:
+        """The world rank of every rank of the pipeline's group, in group order."""
+        if self.group is None:
+            return tuple(range(dist.get_world_size()))
+        return tuple(dist.get_global_rank(self.group, r) for r in range(self.size))
+
 
     @property
     def multi_stage(self) -> bool:
@@ -110,7 +130,6 @@ class Pipeline:
 
 def inspect_target(target: AttachTarget) -> Pipeline:
     """The pipeline ``target`` (a schedule or a plain stage module) runs on this rank; refuses what vpipe cannot."""
-    rank, world = dist.get_rank(), dist.get_world_size()
     if isinstance(target, PipelineScheduleMulti):
         if not isinstance(target, _PipelineScheduleRuntime) or getattr(target, "pipeline_order", None) is None:
             raise TypeError(f"vpipe.attach supports the multi-stage schedules that run an action list "
@@ -118,7 +137,8 @@ def inspect_target(target: AttachTarget) -> Pipeline:
                             f"{type(target).__name__} has none")
         check_schedule_api(target)
         stages = sorted(target._stages, key=lambda s: s.stage_index)
-        _check_group(stages[0], world)
+        group = _pipeline_group(stages[0])
+        rank = dist.get_rank(group)
         mapping = target.stage_index_to_group_rank
         num_stages = stages[0].num_stages
         ranks = tuple(int(mapping[v]) for v in range(num_stages))
@@ -128,21 +148,24 @@ def inspect_target(target: AttachTarget) -> Pipeline:
                              f"action lists give rank {rank} stages {mine}")
         kind = MULTI_STAGE_SCHEDULES.get(type(target).__name__, "custom")
         local = [LocalStage(s.stage_index, _unwrap(s.submod), s) for s in stages]
-        return Pipeline(target, local, num_stages, ranks, kind, torch.device(stages[0].device))
+        return Pipeline(target, local, num_stages, ranks, kind, torch.device(stages[0].device), group)
     if isinstance(target, PipelineScheduleSingle):
         check_schedule_api(target)
         stage = target._stage
-        _check_group(stage, world)
+        group = _pipeline_group(stage)
+        rank = dist.get_rank(group)
         if stage.stage_index != rank:  # vpipe addresses a stage's peers by rank: never misroute a layer
-            raise ValueError(f"vpipe.attach: stage {stage.stage_index} runs on rank {rank}; vpipe needs "
-                             "stage i on rank i (as torch's single-stage schedules do)")
+            raise ValueError(f"vpipe.attach: stage {stage.stage_index} runs on rank {rank} of its pipeline's "
+                             "process group; vpipe needs stage i on group rank i (as torch's single-stage "
+                             "schedules do)")
         local = [LocalStage(stage.stage_index, _unwrap(stage.submod), stage)]
         return Pipeline(target, local, stage.num_stages, tuple(range(stage.num_stages)), _single_kind(target),
-                        torch.device(stage.device))
+                        torch.device(stage.device), group)
     if isinstance(target, nn.Module):
         module = _unwrap(target)
         p = next(module.parameters(), None)
         device = p.device if p is not None else torch.device("cpu")
+        rank, world = dist.get_rank(), dist.get_world_size()
         return Pipeline(None, [LocalStage(rank, module)], world, tuple(range(world)), "gpipe", device)
     raise TypeError(f"vpipe.attach takes a pipelining schedule or a stage module, got {type(target).__name__}")
 
@@ -154,21 +177,36 @@ def _single_kind(schedule: Any) -> str:
 
 
 def _unwrap(module: nn.Module) -> nn.Module:
-    """The stage module to find blocks in: refuse wrappers whose forward vpipe cannot see through."""
+    """The stage module to find blocks in: refuse wrappers and parallelisms vpipe cannot move blocks of."""
     wrapped = type(module).__name__
-    if wrapped in ("DistributedDataParallel", "FullyShardedDataParallel") or hasattr(module, "_fsdp_wrapped_module"):
-        raise TypeError(f"vpipe.attach does not support a stage module wrapped in {wrapped} yet: data-parallel "
-                        "replicas of a pipeline need vpipe on a pipeline process group of its own")
+    if wrapped == "DistributedDataParallel" or _composable(module, "replicate"):
+        how = wrapped if wrapped == "DistributedDataParallel" else "replicate()"
+        raise TypeError(f"vpipe.attach does not support a stage module wrapped in {how}: its gradient buckets are "
+                        "fixed at wrap time and would go stale when blocks move. Keep the stage module unwrapped and "
+                        "all-reduce its gradients over the data-parallel group after schedule.step() yourself "
+                        "(vpipe keeps the replicas' blocks alike)")
+    fsdp = [type(m).__name__ for m in module.modules() if _composable(m, "fully_shard")
+            or type(m).__name__ == "FullyShardedDataParallel" or hasattr(m, "_fsdp_wrapped_module")]
+    if fsdp:
+        raise TypeError("vpipe.attach does not support FSDP (fully_shard / FullyShardedDataParallel) on a stage "
+                        "module yet: use plain data-parallel replicas (an unwrapped stage module whose gradients "
+                        "the trainer all-reduces over the data-parallel group after schedule.step())")
+    if any(type(p).__name__ == "DTensor" for p in module.parameters()):
+        raise TypeError("vpipe.attach does not support DTensor parameters (tensor parallelism inside blocks): "
+                        "vpipe moves whole blocks between stages and cannot move a sharded one")
     return module
 
 
-def _check_group(stage: Any, world_size: int) -> None:
-    """vpipe's moves and agreement run over the world: refuse a pipeline that is one dimension of a mesh."""
-    size = dist.get_world_size(getattr(stage, "group", None))  # None: the default group, the world
-    if size != world_size:
-        raise ValueError(f"vpipe.attach: this pipeline's process group has {size} of the world's {world_size} ranks "
-                         "(a pipeline inside a larger mesh, e.g. with data-parallel replicas); vpipe supports one "
-                         "pipeline over the whole world for now")
+def _composable(module: nn.Module, name: str) -> bool:
+    """Whether torch's composable API ``name`` (``replicate``, ``fully_shard``) was applied to ``module``."""
+    if name == "fully_shard" and any(c.__name__ == "FSDPModule" for c in type(module).__mro__):
+        return True
+    return name in (_get_registry(module) or {})
+
+
+def _pipeline_group(stage: Any) -> Any:
+    """The pipeline's process group (None: the world). Stage indices are ranks in it."""
+    return getattr(stage, "group", None)
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer | None, modules: Sequence[nn.Module]) -> None:

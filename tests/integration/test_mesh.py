@@ -1,0 +1,83 @@
+"""A pipeline that is one dimension of a mesh: 2 stages x 2 data-parallel replicas on 4 real ranks.
+
+The torch pipelining tutorial's model, split 6,2, trains under GPipe with the trainer's own
+gradient all-reduce over its dp group, on a mesh in either dimension order (stage index,
+pipeline-group rank and world rank differ). The same trainer runs side by side without vpipe.
+The only change is ``vpipe.attach(schedule, optimizer=opt)``: blocks move, every replica
+holds the same blocks at every step, losses stay those of the plain run, and at the end the
+replicas' parameters are bitwise equal and equal the plain run's. One planner (the leading
+replica's) sees every replica's records, combined per stage as the slowest / fullest. FSDP2 and ``replicate()``
+are refused with a message that says what to do.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from support.processes import run_worker
+from support.results import assert_params_equal
+
+REL = 1e-6
+
+
+def _replica_params(ranks: list[dict], copy: str) -> dict[int, dict[str, torch.Tensor]]:
+    """Each replica's whole model (its ranks' state dicts merged by global key)."""
+    merged: dict[int, dict[str, torch.Tensor]] = {}
+    for r in ranks:
+        merged.setdefault(r["coords"]["dp"], {}).update({k: torch.tensor(v) for k, v in r["states"][copy].items()})
+    return merged
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("order", ["dp_pp", "pp_dp"])
+def test_replicas_of_a_pipeline_move_blocks_alike_and_train_as_without_vpipe(tmp_path, order):
+    result = run_worker(tmp_path, "mesh_worker", order, 4)
+    ranks = result["ranks"]
+    # the planner saw every replica: each sampled step, the followers' records reached the leader in time
+    assert not [r for r in result["log"] if "did not arrive" in r.get("msg", "")]
+    assert [r for r in result["log"] if r.get("event") == "plan_applied"]
+    # stage index, pipeline rank and world rank differ: (dp, pp) puts stage 1 of replica 0 on world rank 1,
+    # (pp, dp) on world rank 2
+    stage1 = [r["rank"] for r in ranks if r["coords"] == {"dp": 0, "pp": 1}]
+    assert stage1 == ([1] if order == "dp_pp" else [2])
+    placements = [r["placements"] for r in ranks]
+    assert all(p == placements[0] for p in placements)  # every rank, every step: one placement
+    assert placements[0][-1] != [[0, 1, 2, 3, 4, 5], [6, 7]]  # blocks moved
+    _assert_as_without_vpipe(ranks)
+
+
+@pytest.mark.slow
+def test_interleaved_1f1b_with_two_stages_per_rank_attaches_inside_a_mesh_and_trains_as_without_vpipe(tmp_path):
+    """Moves are optional here (the planner may or may not find one worth it in the steps run): replicas still
+    hold one placement at every step and train exactly as the plain run."""
+    ranks = run_worker(tmp_path, "mesh_worker", "interleaved", 4)["ranks"]
+    placements = [r["placements"] for r in ranks]
+    assert all(p == placements[0] for p in placements)
+    _assert_as_without_vpipe(ranks)
+
+
+def _assert_as_without_vpipe(ranks: list[dict]) -> None:
+    """Losses as the plain run's; the replicas' parameters bitwise alike and as the plain run's."""
+    for r in ranks:
+        plain, moved = r["losses"]["plain"], r["losses"]["vpipe"]
+        assert len(plain) == len(moved)
+        for a, b in zip(plain, moved):
+            assert abs(a - b) <= REL * abs(a), (r["rank"], a, b)
+    assert any(r["losses"]["plain"] for r in ranks)
+    vpipe_params, plain_params = _replica_params(ranks, "vpipe"), _replica_params(ranks, "plain")
+    assert_params_equal(vpipe_params[1], vpipe_params[0])  # the replicas stayed replicas, bitwise
+    assert_params_equal(vpipe_params[0], plain_params[0], rtol=REL)
+
+
+def test_fsdp_and_replicate_on_a_stage_module_are_refused_saying_what_to_do(tmp_path):
+    result = run_worker(tmp_path, "mesh_worker", "refusals", 4)
+    assert result["fsdp"] == (
+        "TypeError: vpipe.attach does not support FSDP (fully_shard / FullyShardedDataParallel) on a stage module "
+        "yet: use plain data-parallel replicas (an unwrapped stage module whose gradients the trainer all-reduces "
+        "over the data-parallel group after schedule.step())")
+    assert result["replicate"].startswith("TypeError: vpipe.attach does not support a stage module wrapped in "
+                                          "replicate(): ")
+    assert "all-reduce its gradients over the data-parallel group after schedule.step() yourself" in \
+        result["replicate"]
+    assert not [r for r in result["log"] if r.get("event") == "attached"]

@@ -1,0 +1,156 @@
+"""Rank program for tests/integration/test_mesh.py: a pipeline that is one dimension of a 2x2 mesh.
+
+Scenarios (``argv[1]``), 4 ranks each, launched by ``vpipe_lab.runtime.launch.spawn``:
+
+- ``dp_pp`` / ``pp_dp``: the torch pipelining tutorial's model split 6,2 over 2 stages, 2 data-parallel
+  replicas, on a mesh with the named dimension order, under GPipe; the trainer all-reduces gradients over
+  its dp group after ``schedule.step()``, as people write it. Twice side by side: a plain copy on process
+  groups of its own and a copy with the one line ``vpipe.attach(schedule, optimizer=opt)``. Rank 0 writes
+  every rank's losses, placement and parameters (by global key) to ``argv[2]``;
+- ``interleaved``: the same on a ``("pp", "dp")`` mesh under Interleaved 1F1B, the model split 3,3,1,1
+  into 4 stages, stages p and p + 2 on pipeline rank p;
+- ``refusals``: FSDP2 (``fully_shard``) and ``replicate`` on the stage module, each error message.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from shape_worker import run_ranks, tut  # this directory is the script's: on the path
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.pipelining import PipelineStage, ScheduleGPipe, ScheduleInterleaved1F1B
+
+COUNTS, STEPS, MICRO = [6, 2], int(os.environ.get("MESH_STEPS", 40)), 4
+
+
+def coordinates(order: tuple[str, str]) -> dict[str, int]:
+    """This rank's (dp, pp) coordinates on a 2x2 mesh with dimensions in ``order`` (row-major, as DeviceMesh)."""
+    rank = dist.get_rank()
+    first, second = rank // 2, rank % 2
+    return {order[0]: first, order[1]: second}
+
+
+def manual_groups(order: tuple[str, str]) -> dict[str, Any]:
+    """The mesh's pp and dp groups made by hand (collective: every rank makes every group, in the same order)."""
+    ranks = {r: {order[0]: r // 2, order[1]: r % 2} for r in range(4)}
+    mine = coordinates(order)
+    groups: dict[str, Any] = {}
+    for dim, other in (("pp", "dp"), ("dp", "pp")):
+        for fixed in range(2):
+            group = dist.new_group([r for r in range(4) if ranks[r][other] == fixed], backend="gloo")
+            if mine[other] == fixed:
+                groups[dim] = group
+    return groups
+
+
+def build(pp_group: Any, stage_index: int, interleaved: bool):
+    """The trainer's stage modules, schedule and optimizer: GPipe over the 6,2 split, or Interleaved 1F1B over
+    3,3,1,1 with stages p and p + 2 on pipeline rank p."""
+    torch.manual_seed(0)
+    counts = [3, 3, 1, 1] if interleaved else COUNTS
+    indices = [stage_index, stage_index + 2] if interleaved else [stage_index]
+    models = [tut.split_model(tut.Transformer(tut.ModelArgs()), v, counts) for v in indices]
+    stages = [PipelineStage(m, v, len(counts), torch.device("cpu"), group=pp_group) for m, v in zip(models, indices)]
+    optimizer = torch.optim.AdamW([p for m in models for p in m.parameters()], lr=1e-3)
+    schedule = (ScheduleInterleaved1F1B(stages, MICRO, loss_fn=tut.tokenwise_loss_fn) if interleaved
+                else ScheduleGPipe(stages[0], MICRO, loss_fn=tut.tokenwise_loss_fn))
+    return models, schedule, optimizer
+
+
+def train_step(models: list[nn.Module], schedule: Any, optimizer: Any, dp_group: Any, coords: dict[str, int],
+               step: int) -> list[float]:
+    """The tutorial's loop, one batch per replica, gradients averaged over the dp group after the step."""
+    x, y = tut.batch(2 * step + coords["dp"], 8, 32, 256)
+    losses: list[torch.Tensor] = []
+    if coords["pp"] == 0:
+        schedule.step(x)
+    else:
+        schedule.step(target=y, losses=losses)
+    for p in (p for m in models for p in m.parameters()):
+        if p.grad is not None:
+            dist.all_reduce(p.grad, group=dp_group)
+            p.grad /= 2
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return [float(loss.detach()) for loss in losses]
+
+
+def side_by_side(order: tuple[str, str], interleaved: bool = False) -> dict:
+    import vpipe
+
+    coords = coordinates(order)
+    plain_groups = manual_groups(order)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=order)
+    mesh_groups = {"pp": mesh.get_group("pp"), "dp": mesh.get_group("dp")}
+    copies = {"plain": (*build(plain_groups["pp"], coords["pp"], interleaved), plain_groups["dp"]),
+              "vpipe": (*build(mesh_groups["pp"], coords["pp"], interleaved), mesh_groups["dp"])}
+    _, schedule, opt, _ = copies["vpipe"]
+    vp = vpipe.attach(schedule, optimizer=opt)
+    losses: dict[str, list[float]] = {name: [] for name in copies}
+    placements = []
+    for step in range(STEPS):
+        for name, (models, sched, o, dp) in copies.items():
+            losses[name] += train_step(models, sched, o, dp, coords, step)
+        placements.append([list(s) for s in vp.placement])
+    vp.detach()
+    states = {name: {k: v.tolist() for m in models for k, v in m.state_dict().items()}
+              for name, (models, _, _, _) in copies.items()}
+    mine = {"rank": dist.get_rank(), "coords": coords, "losses": losses, "placements": placements, "states": states}
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    return {"ranks": gathered}
+
+
+def dp_pp() -> dict:
+    return side_by_side(("dp", "pp"))
+
+
+def pp_dp() -> dict:
+    return side_by_side(("pp", "dp"))
+
+
+def interleaved() -> dict:
+    return side_by_side(("pp", "dp"), interleaved=True)
+
+
+def _error(attach: Any) -> str:
+    try:
+        attach()
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def refusals() -> dict:
+    """FSDP2 and replicate() on the stage module: refused at attach, before anything is installed."""
+    from torch.distributed._composable.replicate import replicate
+    from torch.distributed.fsdp import fully_shard
+
+    import vpipe
+
+    coords = coordinates(("dp", "pp"))
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+
+    def attach(wrap: Any) -> str:
+        model = tut.split_model(tut.Transformer(tut.ModelArgs(n_layers=2)), coords["pp"], [1, 1])
+        wrap(model)
+        stage = PipelineStage(model, coords["pp"], 2, torch.device("cpu"), group=mesh.get_group("pp"))
+        schedule = ScheduleGPipe(stage, 2, loss_fn=tut.tokenwise_loss_fn)
+        return _error(lambda: vpipe.attach(schedule, optimizer=torch.optim.SGD(model.parameters())))
+
+    def fsdp(model: nn.Module) -> None:
+        for block in model.layers.values():
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+
+    return {"fsdp": attach(fsdp), "replicate": attach(lambda m: replicate(m, process_group=mesh.get_group("dp")))}
+
+
+if __name__ == "__main__":
+    scenarios = {"dp_pp": dp_pp, "pp_dp": pp_dp, "interleaved": interleaved, "refusals": refusals}
+    run_ranks(scenarios[sys.argv[1]], sys.argv[2])
