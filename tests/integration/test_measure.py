@@ -22,7 +22,15 @@ def test_spawn_kills_every_rank_after_its_timeout():
     with pytest.raises(TimeoutError, match=r"did not finish within 2 s; its 2 ranks were killed"):
         spawn([sys.executable, "-c", "import time; time.sleep(120)"], 2, timeout_s=2)
     assert time.monotonic() - started < 60
-    assert not [p for p in psutil.Process().children(recursive=True) if "time.sleep(120)" in " ".join(p.cmdline())]
+    assert not [p for p in psutil.Process().children(recursive=True) if "time.sleep(120)" in _command(p)]
+
+
+def _command(process: psutil.Process) -> str:
+    """The command line, or nothing for a process that is gone (a killed rank not yet reaped is a zombie)."""
+    try:
+        return " ".join(process.cmdline())
+    except psutil.Error:
+        return ""
 
 
 def _outside_threads(root_pid: int, seconds: float = 2.0) -> float:

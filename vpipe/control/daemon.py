@@ -370,17 +370,19 @@ def cmd_planner(args: argparse.Namespace, argv: Any = None) -> int:
                          "both finite")
     config = None if args.planner_config is None else parse_planner_config(args.planner_config)
     planner = load_planner(args.planner, config)
+    server_key = _server_key(args.server_key)  # every argument checked before anything is installed
     if args.log_file:
         vlog.configure(args.log_file, rank=None)
     else:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("vpipe planner: %(message)s"))
+        handler._vpipe = True  # type: ignore[attr-defined]  # vpipe's own: the next configure() replaces it
         logging.getLogger("vpipe").addHandler(handler)
         logging.getLogger("vpipe").setLevel(logging.INFO)
     to_background()  # started by hand: a rank's daemon is lowered by the rank that spawns it, too
     daemon = PlannerDaemon(args.connect, planner, planner_name=args.planner, heartbeat_s=args.heartbeat,
                            stage_timeout_s=max(30.0, 20 * args.heartbeat), idle_timeout_s=args.idle_timeout,
-                           parent_pid=args.parent_pid, server_key=_server_key(args.server_key))
+                           parent_pid=args.parent_pid, server_key=server_key)
     return daemon.run()
 
 

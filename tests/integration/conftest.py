@@ -1,0 +1,59 @@
+"""Which integration tests the default suite runs.
+
+Integration tests start real processes. The default suite (``./scripts/test``) keeps the ones
+that take seconds (commands, bad input, the control plane's own processes) and one smoke test
+of each main path; a test that trains real pipelines for tens of seconds on 2 cores is marked
+``slow`` here and runs in CI (``-m "slow or not slow"``). One list, so what the default suite
+covers is read in one place rather than from markers spread over the files.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+# Modules whose every test trains real pipelines (10-60 s each on 2 cores).
+TRAINING_MODULES = {
+    "test_block_moves.py", "test_control_run.py", "test_faults.py", "test_launch.py", "test_memory_scenario.py",
+    "test_mesh.py", "test_migration_faults.py", "test_migration_transparency.py", "test_multihost.py",
+    "test_multistage.py", "test_multistage_train.py", "test_nas.py", "test_pipedream_trainer.py",
+    "test_pipeline_equivalence.py", "test_soak.py", "test_stage_shapes.py", "test_tensor_manager_pipeline.py",
+    "test_train_conventions.py",
+}
+
+# The tests that train in otherwise quick modules.
+TRAINING_TESTS = {
+    "test_attach.py::test_one_line_with_planning_off_changes_nothing",
+    "test_attach.py::test_hand_written_loop_gets_the_same_losses_with_moves_and_recompute",
+    "test_attach.py::test_one_line_with_live_rebalancing_keeps_the_losses",
+    "test_bad_input_commands.py::test_ctrl_c_is_reported_as_an_interruption_not_a_failure",
+    "test_bad_input_commands.py::test_two_runs_cannot_share_a_checkpoint_directory",
+    "test_checkpoint.py::test_resume_keeps_adamw_its_weight_decay_and_a_warmup_cosine_schedule_on_the_same_and_"
+    "other_stages",
+    "test_checkpoint.py::test_resume_two_stages_on_four_matches_the_single_process_reference",
+    "test_checkpoint.py::test_resume_on_the_same_stages_equals_an_uninterrupted_run",
+    "test_checkpoint.py::test_resume_problems_are_named_at_launch_in_one_line",
+    "test_control_run_key.py::test_a_store_reader_cannot_pass_the_control_planes_authentication",
+    "test_measure.py::test_a_run_measures_every_step_of_every_rank",
+    "test_planner_judge.py::test_a_run_whose_planner_slows_it_down_is_put_back_and_says_so",
+}
+
+# Kept in the default suite all the same: one smoke test per main path.
+SMOKE = {
+    # the one line on the tutorial trainer's 6,2 split: blocks move, the losses stay those without vpipe
+    "test_stage_shapes.py::test_one_line_rebalances_the_trainer_and_keeps_its_losses[train_tutorial-2-6,2-1f1b]",
+    # a stage killed mid-move ends every rank, naming it
+    "test_migration_faults.py::test_target_dying_mid_move_stops_every_rank_naming_it",
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m "not slow"` deselects
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.parent.name != "integration":
+            continue
+        module = item.path.name
+        key, base = f"{module}::{item.name}", f"{module}::{getattr(item, 'originalname', item.name)}"
+        if key in SMOKE:
+            continue
+        if module in TRAINING_MODULES or key in TRAINING_TESTS or base in TRAINING_TESTS:
+            item.add_marker(pytest.mark.slow)
