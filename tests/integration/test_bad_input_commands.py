@@ -150,8 +150,7 @@ def test_ctrl_c_is_reported_as_an_interruption_not_a_failure(tmp_path):
     import subprocess
     import sys
 
-    from support.control_runs import wait_while_running
-    from support.processes import ROOT, child_env
+    from support.processes import ROOT, child_env, ranks_training, wait_while_running
     from vpipe.log import read_log
 
     log_file = tmp_path / "run.log"
@@ -162,8 +161,7 @@ def test_ctrl_c_is_reported_as_an_interruption_not_a_failure(tmp_path):
     try:
         wait_while_running(lambda: log_file.exists() and sum("control_endpoint" in r for r in read_log(log_file)) >= 2,
                            120, "both ranks' control inboxes", launcher)
-        wait_while_running(lambda: sum("training layers" in r["msg"] for r in read_log(log_file)) >= 2,
-                           120, "both ranks training", launcher)
+        wait_while_running(lambda: ranks_training(log_file) == 2, 120, "both ranks training", launcher)
         launcher.send_signal(signal.SIGINT)  # as Ctrl-C does (the launcher passes it on to every rank)
         _, stderr = launcher.communicate(timeout=60)
     finally:
@@ -217,8 +215,7 @@ def test_two_runs_cannot_share_a_checkpoint_directory(tmp_path):
     import subprocess
     import sys
 
-    from support.control_runs import wait_while_running
-    from support.processes import ROOT, child_env
+    from support.processes import ROOT, child_env, wait_while_running
 
     ck = tmp_path / "ck"
     args = ["train", "--steps", "100000", "--blocks", "2", "--d-model", "16", "--seq-len", "8", "--no-progress",

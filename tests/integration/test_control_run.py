@@ -12,8 +12,8 @@ import time
 
 import psutil
 
-from support.control_runs import MARKER, decisions, planner_env, received, wait_while_running
-from support.processes import ROOT, child_env, run_vpipe
+from support.control_runs import MARKER, decisions, planner_env, received
+from support.processes import ROOT, child_env, run_vpipe, wait_while_running
 from vpipe.log import read_log
 from vpipe.monitors.records import GPU_ONLY_FIELDS, StageRecord
 

@@ -22,8 +22,8 @@ import pytest
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from support.control_runs import decisions, planner_env, wait_while_running
-from support.processes import ROOT
+from support.control_runs import decisions, planner_env
+from support.processes import ROOT, wait_while_running
 from support.results import assert_params_equal, load_run_params
 from vpipe.control.curve import RUN_SECRET_ENV, RUN_SECRET_FILE_ENV
 from vpipe.control.keys import KeyFileError

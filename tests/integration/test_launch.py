@@ -13,9 +13,8 @@ import psutil
 import pytest
 import torch
 
-from support.processes import ROOT, child_env, run_vpipe
+from support.processes import ROOT, child_env, ranks_training, run_vpipe, wait_while_running
 from support.results import assert_params_equal, load_run_params
-from vpipe.log import read_log
 from vpipe_lab.runtime.config import RunConfig
 from vpipe_lab.runtime.launch import rank_env
 from vpipe_lab.runtime.reference import reference_flush, reference_pipedream
@@ -114,14 +113,7 @@ def test_dead_rank_ends_every_rank_with_its_name(tmp_path):
         cwd=ROOT, env=child_env(VPIPE_HEARTBEAT_TIMEOUT="5"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            started = [r for r in (read_log(log_file) if log_file.exists() else []) if "training layers" in r["msg"]]
-            if len(started) == 4:
-                break
-            time.sleep(0.5)
-        else:
-            pytest.fail("the ranks never started training")
+        wait_while_running(lambda: ranks_training(log_file) == 4, 120, "every rank training", launcher)
         time.sleep(2.0)  # mid-run
         ranks = _ranks(launcher)
         assert sorted(ranks) == [0, 1, 2, 3]
@@ -148,14 +140,7 @@ def test_a_stopped_rank_is_named_and_the_run_ends_within_the_heartbeat_timeout(t
         cwd=ROOT, env=child_env(VPIPE_HEARTBEAT_TIMEOUT="4"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True)
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            started = [r for r in (read_log(log_file) if log_file.exists() else []) if "training layers" in r["msg"]]
-            if len(started) == 2:
-                break
-            time.sleep(0.5)
-        else:
-            pytest.fail("the ranks never started training")
+        wait_while_running(lambda: ranks_training(log_file) == 2, 120, "every rank training", launcher)
         time.sleep(1.0)
         ranks = _ranks(launcher)
         ranks[1].send_signal(signal.SIGSTOP)  # alive, but silent: no heartbeat, no exit

@@ -4,11 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import time
 from pathlib import Path
-
-import pytest
 
 from support.processes import ROOT, child_env
 from vpipe.log import read_log
@@ -27,13 +23,3 @@ def received(out: Path) -> list[dict]:
 
 def decisions(log_file: Path, event: str) -> list[dict]:
     return [r for r in read_log(log_file) if r.get("event") == event] if log_file.exists() else []
-
-
-def wait_while_running(condition, timeout_s: float, what: str, launcher: subprocess.Popen) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if launcher.poll() is not None:
-            pytest.fail(f"the run ended (code {launcher.returncode}) before {what}")
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.2)

@@ -10,6 +10,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 TESTS = ROOT / "tests"
 WORKERS = TESTS / "workers"
@@ -48,10 +50,20 @@ def run_worker(tmp_path: Path, worker: str, scenario: str, ranks: int) -> dict:
     return result
 
 
-def wait_until(condition: Callable[[], object], timeout_s: float, what: str, step_s: float = 0.05) -> None:
-    """Poll ``condition`` until it holds; fail naming ``what`` after ``timeout_s``: a wait, never a fixed sleep."""
+def wait_while_running(condition: Callable[[], object], timeout_s: float, what: str,
+                       launcher: subprocess.Popen) -> None:
+    """Poll ``condition`` while ``launcher`` runs; fail naming ``what`` if it ends first or time runs out."""
     deadline = time.monotonic() + timeout_s
     while not condition():
+        if launcher.poll() is not None:
+            pytest.fail(f"the run ended (code {launcher.returncode}) before {what}")
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
-        time.sleep(step_s)
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.2)
+
+
+def ranks_training(log_file: Path) -> int:
+    """How many ranks of a `vpipe train` run have logged that they started training."""
+    from vpipe.log import read_log
+
+    return sum("training layers" in r["msg"] for r in read_log(log_file)) if log_file.exists() else 0
