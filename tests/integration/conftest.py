@@ -48,12 +48,19 @@ SMOKE = {
 
 @pytest.hookimpl(tryfirst=True)  # before `-m "not slow"` deselects
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    collected: set[str] = set()
     for item in items:
         if item.path.parent.name != "integration":
             continue
         module = item.path.name
         key, base = f"{module}::{item.name}", f"{module}::{getattr(item, 'originalname', item.name)}"
+        collected |= {module, key, base}
         if key in SMOKE:
             continue
         if module in TRAINING_MODULES or key in TRAINING_TESTS or base in TRAINING_TESTS:
             item.add_marker(pytest.mark.slow)
+    # a renamed test must not silently leave these lists (and land in the default suite, or out of it)
+    stale = sorted(name for name in TRAINING_TESTS | SMOKE if name.partition("::")[0] in collected
+                   and name not in collected)
+    if stale:
+        raise pytest.UsageError(f"tests/integration/conftest.py names tests that do not exist: {stale}")

@@ -54,6 +54,18 @@ def test_the_vpipe_command_without_the_lab_extra_plans_and_names_what_demo_needs
     assert proc.stderr.strip() == "vpipe demo is a vpipe laboratory command and needs rich: pip install 'vpipe[lab]'"
 
 
+def test_the_commands_named_as_the_labs_are_exactly_those_the_lab_adds():
+    """The console script decides by name which commands need the lab extra: the names must follow the parsers."""
+    from vpipe import cli as library_cli
+    from vpipe_lab.cli import build_parser
+    from vpipe_lab.command import LAB_COMMANDS
+
+    def commands(parser) -> set[str]:
+        return set(next(a for a in parser._actions if a.dest == "command").choices)
+
+    assert commands(build_parser()) - commands(library_cli.build_parser()[0]) == set(LAB_COMMANDS)
+
+
 @pytest.mark.slow
 def test_pip_install_into_a_fresh_venv_brings_only_the_library_dependencies(tmp_path):
     """The real thing: a venv that sees no other packages, `pip install .`, then import and attach."""
