@@ -20,7 +20,7 @@ TRAINING_MODULES = {
     "test_train_conventions.py",
 }
 
-# The tests that train in otherwise quick modules.
+# The tests that train, or start several runs, in otherwise quick modules.
 TRAINING_TESTS = {
     "test_attach.py::test_one_line_with_planning_off_changes_nothing",
     "test_attach.py::test_hand_written_loop_gets_the_same_losses_with_moves_and_recompute",
@@ -35,6 +35,9 @@ TRAINING_TESTS = {
     "test_control_run_key.py::test_a_store_reader_cannot_pass_the_control_planes_authentication",
     "test_measure.py::test_a_run_measures_every_step_of_every_rank",
     "test_planner_judge.py::test_a_run_whose_planner_slows_it_down_is_put_back_and_says_so",
+    "test_warm_start.py::test_a_forked_rank_ends_the_run_with_the_code_a_cold_one_would",
+    "test_warm_start.py::test_modules_and_code_strings_start_warm_too",
+    "test_warm_start.py::test_the_starter_ends_its_ranks_when_the_launcher_goes",
 }
 
 # Kept in the default suite all the same: one smoke test per main path.

@@ -16,12 +16,13 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
 import zmq
 
-from support.processes import ROOT, child_env
+from support.processes import ROOT, child_env, training_pids
 from vpipe.control.curve import RUN_SECRET_ENV
 from vpipe.control.messages import encode, make
 from vpipe.log import read_log
@@ -65,14 +66,10 @@ def _flood(endpoint: str, secret: bytes | None, frame: bytes, stop: threading.Ev
         context.destroy(linger=0)
 
 
-def _rank_process(launcher: subprocess.Popen, rank: int) -> psutil.Process | None:
-    for child in psutil.Process(launcher.pid).children(recursive=True):
-        try:
-            if child.environ().get("RANK") == str(rank):
-                return child
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return None
+def _rank_process(launcher: subprocess.Popen, log_file: Path, rank: int) -> psutil.Process | None:
+    pid = training_pids(log_file).get(rank)
+    descendants = {p.pid for p in psutil.Process(launcher.pid).children(recursive=True)}
+    return psutil.Process(pid) if pid in descendants else None
 
 
 def _endpoints(log_file) -> list[str]:
@@ -97,7 +94,7 @@ def test_a_flood_of_valid_and_garbage_messages_keeps_memory_bounded_and_training
             assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()[1][-3000:]
             time.sleep(0.1)
         time.sleep(2.0)  # training
-        rank0 = _rank_process(launcher, 0)
+        rank0 = _rank_process(launcher, log_file, 0)
         assert rank0 is not None
         endpoint = endpoints[0]
         baseline = max(_sample(rank0, 1.0))

@@ -13,7 +13,7 @@ import psutil
 import pytest
 import torch
 
-from support.processes import ROOT, child_env, ranks_training, run_vpipe, wait_while_running
+from support.processes import ROOT, child_env, ranks_training, run_vpipe, training_pids, wait_while_running
 from support.results import assert_params_equal, load_run_params
 from vpipe_lab.runtime.config import RunConfig
 from vpipe_lab.runtime.launch import rank_env
@@ -95,14 +95,10 @@ def test_torchrun_launch_trains_like_one_process(tmp_path):
     assert_params_equal(params, want_params)  # the ranks torchrun started trained as one pipeline
 
 
-def _ranks(launcher: subprocess.Popen) -> dict[int, psutil.Process]:
-    found = {}
-    for child in psutil.Process(launcher.pid).children():
-        try:
-            found[int(child.environ()["RANK"])] = child
-        except (psutil.Error, KeyError):
-            pass
-    return found
+def _ranks(launcher: subprocess.Popen, log_file: Path) -> dict[int, psutil.Process]:
+    """The launcher's running ranks, by the process ids they logged."""
+    descendants = {p.pid for p in psutil.Process(launcher.pid).children(recursive=True)}
+    return {rank: psutil.Process(pid) for rank, pid in training_pids(log_file).items() if pid in descendants}
 
 
 def test_dead_rank_ends_every_rank_with_its_name(tmp_path):
@@ -115,7 +111,7 @@ def test_dead_rank_ends_every_rank_with_its_name(tmp_path):
     try:
         wait_while_running(lambda: ranks_training(log_file) == 4, 120, "every rank training", launcher)
         time.sleep(2.0)  # mid-run
-        ranks = _ranks(launcher)
+        ranks = _ranks(launcher, log_file)
         assert sorted(ranks) == [0, 1, 2, 3]
         ranks[1].send_signal(signal.SIGKILL)
         killed_at = time.monotonic()
@@ -142,7 +138,7 @@ def test_a_stopped_rank_is_named_and_the_run_ends_within_the_heartbeat_timeout(t
     try:
         wait_while_running(lambda: ranks_training(log_file) == 2, 120, "every rank training", launcher)
         time.sleep(1.0)
-        ranks = _ranks(launcher)
+        ranks = _ranks(launcher, log_file)
         ranks[1].send_signal(signal.SIGSTOP)  # alive, but silent: no heartbeat, no exit
         stopped_at = time.monotonic()
         _, stderr = launcher.communicate(timeout=60)

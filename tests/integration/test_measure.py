@@ -18,19 +18,21 @@ BUSY = [sys.executable, "-c", "while True: pass"]
 
 
 def test_spawn_kills_every_rank_after_its_timeout():
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
     started = time.monotonic()
     with pytest.raises(TimeoutError, match=r"did not finish within 2 s; its 2 ranks were killed"):
         spawn([sys.executable, "-c", "import time; time.sleep(120)"], 2, timeout_s=2)
     assert time.monotonic() - started < 60
-    assert not [p for p in psutil.Process().children(recursive=True) if "time.sleep(120)" in _command(p)]
+    left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before and _alive(p)]
+    assert not left, f"still running after the timeout: {left}"
 
 
-def _command(process: psutil.Process) -> str:
-    """The command line, or nothing for a process that is gone (a killed rank not yet reaped is a zombie)."""
+def _alive(process: psutil.Process) -> bool:
+    """Whether ``process`` still runs (a killed rank not yet reaped is a zombie, not alive)."""
     try:
-        return " ".join(process.cmdline())
+        return process.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
-        return ""
+        return False
 
 
 def _outside_threads(root_pid: int, seconds: float = 2.0) -> float:

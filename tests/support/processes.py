@@ -64,6 +64,12 @@ def wait_while_running(condition: Callable[[], object], timeout_s: float, what: 
 
 def ranks_training(log_file: Path) -> int:
     """How many ranks of a `vpipe train` run have logged that they started training."""
+    return len(training_pids(log_file))
+
+
+def training_pids(log_file: Path) -> dict[int, int]:
+    """Rank -> process id of each rank of a `vpipe train` run that has logged that it started training."""
     from vpipe.log import read_log
 
-    return sum("training layers" in r["msg"] for r in read_log(log_file)) if log_file.exists() else 0
+    records = read_log(log_file) if log_file.exists() else []
+    return {r["rank"]: r["pid"] for r in records if "training layers" in r["msg"]}

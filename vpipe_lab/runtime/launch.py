@@ -37,6 +37,7 @@ from vpipe.control.curve import (
 )
 from vpipe.control.keys import KeyFileError
 from vpipe.control.netaddr import control_host
+from vpipe_lab.runtime.warm_start import WarmStarter, warm_start_possible
 from vpipe_lab.runtime.watchdog import Watchdog, stderr_line
 
 log = logging.getLogger("vpipe.runtime")  # the run log keeps vpipe.* loggers
@@ -233,7 +234,8 @@ def spawn(
     non-zero the others get ``grace_s`` to notice it themselves (they print who died),
     then are killed. Ctrl-C is passed on to every rank (when called from the main thread).
     After ``timeout_s`` every rank is killed and :class:`TimeoutError` raised. ``stdout``
-    and ``stderr`` go to every rank's ``subprocess.Popen`` (default: this process's).
+    and ``stderr`` go to every rank (default: this process's). A Python ``argv`` on a CPU-only
+    host is forked from one warm interpreter (:mod:`vpipe_lab.runtime.warm_start`).
     """
     if nprocs < 1:
         raise ValueError(f"need at least one rank, got {nprocs}")
@@ -255,26 +257,28 @@ def spawn(
         TORCHELASTIC_USE_AGENT_STORE="True",
         OMP_NUM_THREADS=base.get("OMP_NUM_THREADS", "1"),
     )
-    procs = []
-    for rank in range(nprocs):
-        env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0")
-        procs.append(subprocess.Popen(list(argv), env=env, stdout=stdout, stderr=stderr))
-
+    starter = WarmStarter(base, stdout, stderr) if warm_start_possible(argv, base) else None
+    procs: list[Any] = []  # subprocess.Popen, or WarmRank (its poll/wait/kill/send_signal)
     interrupted: list[int] = []  # the signals passed on: the run ends because it was asked to
 
     def forward_signal(signum: int, _frame: Any) -> None:
         interrupted.append(signum)
         for p in procs:
-            if p.poll() is None:
-                p.send_signal(signum)
+            p.send_signal(signum)  # a no-op for a rank that has ended
 
     in_main_thread = threading.current_thread() is threading.main_thread()
     old = {s: signal.signal(s, forward_signal) for s in (signal.SIGINT, signal.SIGTERM)} if in_main_thread else {}
     try:
+        for rank in range(nprocs):
+            env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0")
+            procs.append(starter.start(argv, env) if starter is not None
+                         else subprocess.Popen(list(argv), env=env, stdout=stdout, stderr=stderr))
         return _wait_all(procs, grace_s, timeout_s, store, interrupted)
     finally:
         for s, handler in old.items():
             signal.signal(s, handler)
+        if starter is not None:
+            starter.close()  # kills any rank still running (only after an error here)
         del store
 
 
@@ -293,7 +297,7 @@ def _blamed(store: Any, rank: int) -> tuple[int, str] | None:
     return (cause, str(record.get("error", ""))) if cause != rank else None
 
 
-def _wait_all(procs: list[subprocess.Popen], grace_s: float, timeout_s: float | None = None,
+def _wait_all(procs: list[Any], grace_s: float, timeout_s: float | None = None,
               store: Any = None, interrupted: list[int] | None = None) -> int:
     first_failure: tuple[int, int] | None = None
     blamed: tuple[int, str] | None = None  # a rank the others stopped for, still running (hung or stopped)

@@ -60,7 +60,7 @@ def train_rank(cfg: RunConfig, ctx: Distributed) -> RunResult:
         first_step = resumed.step
         log.info("stage %d: resumed from %s after step %d", ctx.rank, resumed.path, first_step)
     log.info("rank %d of %d: stages %s of %d, training layers %s with %s", ctx.rank, cfg.stages, run.stage_indices,
-             cfg.virtual_stages, run.layer_ids, cfg.schedule)
+             cfg.virtual_stages, run.layer_ids, cfg.schedule, extra={"vpipe_fields": {"pid": os.getpid()}})
     vp = _attach_vpipe(cfg, run, resumed.vpipe if resumed is not None else None) if cfg.vpipe else None
     session = _control_session(cfg, run, ctx) if vp is None else None
     result = RunResult(steps=0, seconds=0.0)
