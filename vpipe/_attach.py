@@ -30,6 +30,7 @@ from vpipe import log as run_log
 from vpipe.control.session import ControlOptions, ControlSession
 from vpipe.log import decision
 from vpipe.migration.compiled import hoist_compiled, unhoist_all
+from vpipe.migration.fsdp import FsdpRoot, fsdp_refusal, is_fully_sharded
 from vpipe.migration.layer_manager import LayerManager
 from vpipe.migration.messages import ControlMessenger
 from vpipe.migration.pins import outside_tensors, pin_reason, planner_kind, shared_pins
@@ -108,7 +109,8 @@ class Vpipe:
             self.agreement, world_rank=self.rank, world_size=self.world_size, who=self._who, replicas=self.replicas,
             layout={"schedule": pipeline.kind, "placement": [list(s) for s in placement],
                     "stage_ranks": list(pipeline.stage_ranks)}) if self.replicas.count > 1 else []
-        self.move_refusal = _move_refusal(pipeline)
+        self.move_refusal = self.agreement.agree_refusal(_move_refusal(pipeline, config), world_rank=self.rank,
+                                                         world_size=self.world_size, who=self._who)
         self.memory_budget = resolve_memory_budget(config.memory_budget, pipeline.device)
         self.memories = self._memories()
         initial = Plan(epoch=0, stages=placement, policies=config.initial_policies())
@@ -250,6 +252,8 @@ class Vpipe:
                 monitor.watch_stage(stage.module)  # modules outside the blocks: their cost is the stage's
             if stage.index in self.tensor_managers:
                 manager.listeners[stage.index].append(self.tensor_managers[stage.index])
+            if is_fully_sharded(stage.module):  # its FSDP root learns of the blocks that arrive and leave
+                manager.listeners[stage.index].append(FsdpRoot(stage.module, manager.blocks[stage.index].blocks()))
         self._undo.append(manager.close)
         return manager
 
@@ -395,10 +399,17 @@ def planner_config(config: VpipeConfig, pipeline: Pipeline, memory_budget: int |
     return OnlineConfig.from_mapping({**shape, **config.planner_options}).to_dict()
 
 
-def _move_refusal(pipeline: Pipeline) -> str | None:
-    """Why this rank's layers cannot move, or None when they can."""
+def _move_refusal(pipeline: Pipeline, config: VpipeConfig) -> str | None:
+    """Why this rank's layers cannot move, or None when they can (every rank then takes the job's first)."""
     if any(isinstance(s.module, torch.fx.GraphModule) for s in pipeline.stages):
         return "the stage is a traced GraphModule (pipeline() split): its forward is a fixed graph of modules"
+    for stage in pipeline.stages:
+        assert stage.blocks is not None  # agree_on_blocks set every local stage's blocks
+        fsdp = fsdp_refusal(stage.module, stage.blocks.blocks().values())
+        if fsdp is None and config.layer_factory is not None and is_fully_sharded(stage.module):
+            fsdp = "FSDP: blocks built by layer_factory= would not be sharded; leave it out (blocks are cloned)"
+        if fsdp is not None:
+            return fsdp
     first: LocalStage = pipeline.first
     if pipeline.kind == "pipedream" and first.blocks is not None and (first.blocks.path
                                                                        or first.blocks.style.value != "ids"):

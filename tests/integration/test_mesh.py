@@ -6,8 +6,8 @@ pipeline-group rank and world rank differ). The same trainer runs side by side w
 The only change is ``vpipe.attach(schedule, optimizer=opt)``: blocks move, every replica
 holds the same blocks at every step, losses stay those of the plain run, and at the end the
 replicas' parameters are bitwise equal and equal the plain run's. One planner (the leading
-replica's) sees every replica's records, combined per stage as the slowest / fullest. FSDP2 and ``replicate()``
-are refused with a message that says what to do.
+replica's) sees every replica's records, combined per stage as the slowest / fullest. Tensor parallelism and
+``replicate()`` are refused with a message that says what to do (FSDP2: ``test_mesh_fsdp.py``).
 """
 
 from __future__ import annotations
@@ -70,12 +70,11 @@ def _assert_as_without_vpipe(ranks: list[dict]) -> None:
     assert_params_equal(vpipe_params[0], plain_params[0], rtol=REL)
 
 
-def test_fsdp_and_replicate_on_a_stage_module_are_refused_saying_what_to_do(tmp_path):
+def test_tensor_parallel_blocks_and_replicate_on_a_stage_module_are_refused_saying_what_to_do(tmp_path):
     result = run_worker(tmp_path, "mesh_worker", "refusals", 4)
-    assert result["fsdp"] == (
-        "TypeError: vpipe.attach does not support FSDP (fully_shard / FullyShardedDataParallel) on a stage module "
-        "yet: use plain data-parallel replicas (an unwrapped stage module whose gradients the trainer all-reduces "
-        "over the data-parallel group after schedule.step())")
+    assert result["tp"] == (
+        "TypeError: vpipe.attach does not support DTensor parameters other than FSDP2's shards (tensor parallelism "
+        "inside blocks): vpipe moves whole blocks between stages and cannot move a tensor-parallel one")
     assert result["replicate"].startswith("TypeError: vpipe.attach does not support a stage module wrapped in "
                                           "replicate(): ")
     assert "all-reduce its gradients over the data-parallel group after schedule.step() yourself" in \

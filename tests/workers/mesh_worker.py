@@ -9,7 +9,8 @@ Scenarios (``argv[1]``), 4 ranks each, launched by ``vpipe_lab.runtime.launch.sp
   every rank's losses, placement and parameters (by global key) to ``argv[2]``;
 - ``interleaved``: the same on a ``("pp", "dp")`` mesh under Interleaved 1F1B, the model split 3,3,1,1
   into 4 stages, stages p and p + 2 on pipeline rank p;
-- ``refusals``: FSDP2 (``fully_shard``) and ``replicate`` on the stage module, each error message.
+- ``refusals``: tensor parallelism inside a block (a DTensor parameter sharded on dim 1) and ``replicate`` on the
+  stage module, each error message (FSDP2 trains: ``fsdp_worker.py``).
 """
 
 from __future__ import annotations
@@ -127,9 +128,9 @@ def _error(attach: Any) -> str:
 
 
 def refusals() -> dict:
-    """FSDP2 and replicate() on the stage module: refused at attach, before anything is installed."""
+    """Tensor parallelism and replicate() on the stage module: refused at attach, before anything is installed."""
     from torch.distributed._composable.replicate import replicate
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
 
     import vpipe
 
@@ -143,12 +144,12 @@ def refusals() -> dict:
         schedule = ScheduleGPipe(stage, 2, loss_fn=tut.tokenwise_loss_fn)
         return _error(lambda: vpipe.attach(schedule, optimizer=torch.optim.SGD(model.parameters())))
 
-    def fsdp(model: nn.Module) -> None:
-        for block in model.layers.values():
-            fully_shard(block, mesh=mesh["dp"])
-        fully_shard(model, mesh=mesh["dp"])
+    def tensor_parallel(model: nn.Module) -> None:  # a row-parallel linear layer, sharded over the dp ranks
+        linear = next(iter(model.layers.values())).linear1
+        linear.weight = nn.Parameter(distribute_tensor(linear.weight.detach(), mesh["dp"], [Shard(1)]))
 
-    return {"fsdp": attach(fsdp), "replicate": attach(lambda m: replicate(m, process_group=mesh.get_group("dp")))}
+    return {"tp": attach(tensor_parallel),
+            "replicate": attach(lambda m: replicate(m, process_group=mesh.get_group("dp")))}
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ from torch import nn
 from vpipe.log import decision
 from vpipe.migration.blocks import KeyStyle, StageBlocks
 from vpipe.migration.cloning import block_info
+from vpipe.migration.fsdp import resharded
 from vpipe.migration.handshake import (
     NO_FAULTS,
     BlockBuilder,
@@ -250,8 +251,8 @@ class LayerManager:
             reason = pin_reason(lid, children[lid], self.shared)
             if reason is not None:
                 raise ValueError(f"layer {lid} {reason}")
-        states = [pack_layer(lid, children[lid], self.optimizer if with_state else None, self.specs.get(lid))
-                  for lid in move.layers]
+        states = [pack_layer(lid, resharded(children[lid]), self.optimizer if with_state else None,
+                             self.specs.get(lid)) for lid in move.layers]
         for st in states:
             st.manifest["block"] = block_info(children[st.layer_id], blocks.key_of(st.layer_id))
             if with_state:

@@ -39,6 +39,7 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from vpipe.migration.blocks import StageBlocks
+from vpipe.migration.fsdp import fsdp_sharded
 from vpipe.schedules.pipedream import SchedulePipeDream
 from vpipe.sharing import action_kind, flat_actions, in_flight_per_stage, in_flight_together
 
@@ -177,7 +178,8 @@ def _single_kind(schedule: Any) -> str:
 
 
 def _unwrap(module: nn.Module) -> nn.Module:
-    """The stage module to find blocks in: refuse wrappers and parallelisms vpipe cannot move blocks of."""
+    """The stage module to find blocks in: refuse wrappers and parallelisms vpipe cannot move blocks of
+    (FSDP2's ``fully_shard`` is accepted: the module stays the module)."""
     wrapped = type(module).__name__
     if wrapped == "DistributedDataParallel" or _composable(module, "replicate"):
         how = wrapped if wrapped == "DistributedDataParallel" else "replicate()"
@@ -185,15 +187,15 @@ def _unwrap(module: nn.Module) -> nn.Module:
                         "fixed at wrap time and would go stale when blocks move. Keep the stage module unwrapped and "
                         "all-reduce its gradients over the data-parallel group after schedule.step() yourself "
                         "(vpipe keeps the replicas' blocks alike)")
-    fsdp = [type(m).__name__ for m in module.modules() if _composable(m, "fully_shard")
-            or type(m).__name__ == "FullyShardedDataParallel" or hasattr(m, "_fsdp_wrapped_module")]
-    if fsdp:
-        raise TypeError("vpipe.attach does not support FSDP (fully_shard / FullyShardedDataParallel) on a stage "
-                        "module yet: use plain data-parallel replicas (an unwrapped stage module whose gradients "
-                        "the trainer all-reduces over the data-parallel group after schedule.step())")
-    if any(type(p).__name__ == "DTensor" for p in module.parameters()):
-        raise TypeError("vpipe.attach does not support DTensor parameters (tensor parallelism inside blocks): "
-                        "vpipe moves whole blocks between stages and cannot move a sharded one")
+    if any(type(m).__name__ == "FullyShardedDataParallel" or hasattr(m, "_fsdp_wrapped_module")
+           for m in module.modules()):
+        raise TypeError("vpipe.attach does not support FSDP1 (FullyShardedDataParallel) on a stage module: its flat "
+                        "parameters hold every block at once. Use FSDP2, torchtitan's way: fully_shard(block, "
+                        "mesh=dp_mesh) on every block, then fully_shard(stage_module, mesh=dp_mesh)")
+    if any(type(p).__name__ == "DTensor" and not fsdp_sharded(p) for p in module.parameters()):
+        raise TypeError("vpipe.attach does not support DTensor parameters other than FSDP2's shards (tensor "
+                        "parallelism inside blocks): vpipe moves whole blocks between stages and cannot move a "
+                        "tensor-parallel one")
     return module
 
 
