@@ -9,6 +9,10 @@ Scenarios (``argv[1]``), 4 ranks each, launched by ``vpipe_lab.runtime.launch.sp
   every rank's losses, placement and parameters (by global key) to ``argv[2]``;
 - ``interleaved``: the same on a ``("pp", "dp")`` mesh under Interleaved 1F1B, the model split 3,3,1,1
   into 4 stages, stages p and p + 2 on pipeline rank p;
+- ``fault``: GPipe on a ``("dp", "pp")`` mesh with the one line (planning off) and a forced move of layer 5 to
+  stage 1 before step 2; run with ``VPIPE_FAULTS=migration_die@3`` the second replica's stage 1 (world rank 3)
+  dies as that layer reaches it. Ranks start as the laboratory's do (``init_distributed``, its watchdog), so a
+  dead rank ends every other naming it;
 - ``refusals``: tensor parallelism inside a block (a DTensor parameter sharded on dim 1) and ``replicate`` on the
   stage module, each error message (FSDP2 trains: ``fsdp_worker.py``).
 """
@@ -119,6 +123,28 @@ def interleaved() -> dict:
     return side_by_side(("pp", "dp"), interleaved=True)
 
 
+def fault() -> dict:
+    import vpipe
+
+    coords = coordinates(("dp", "pp"))
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    models, schedule, optimizer = build(mesh.get_group("pp"), coords["pp"], interleaved=False)
+    vp = vpipe.attach(schedule, optimizer=optimizer, planning=False)
+    vp.request_plan(vpipe.Plan(epoch=1, stages=((0, 1, 2, 3, 4), (5, 6, 7))), at_step=2)
+    for step in range(4):
+        train_step(models, schedule, optimizer, mesh.get_group("dp"), coords, step)
+    vp.detach()
+    return {"placement": [list(s) for s in vp.placement]}
+
+
+def run_with_watchdog(scenario: Any) -> None:
+    """Run ``scenario`` on this rank as the laboratory's ranks run: a failure names the rank that caused it."""
+    from vpipe_lab.runtime.launch import init_distributed, run_rank
+
+    torch.set_num_threads(1)
+    run_rank(init_distributed("gloo"), scenario)
+
+
 def _error(attach: Any) -> str:
     try:
         attach()
@@ -153,5 +179,8 @@ def refusals() -> dict:
 
 
 if __name__ == "__main__":
+    if sys.argv[1] == "fault":
+        run_with_watchdog(fault)
+        sys.exit(0)
     scenarios = {"dp_pp": dp_pp, "pp_dp": pp_dp, "interleaved": interleaved, "refusals": refusals}
     run_ranks(scenarios[sys.argv[1]], sys.argv[2])
