@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from support.processes import ROOT, TESTS, WORKERS, run_worker
-from support.results import assert_params_equal
+from support.results import assert_losses_close, assert_params_equal
 from vpipe.log import read_log
 
 REL = 1e-6
@@ -87,12 +87,7 @@ def test_a_rank_of_the_second_replica_dying_mid_move_stops_every_rank_naming_it(
 
 def _assert_as_without_vpipe(ranks: list[dict]) -> None:
     """Losses as the plain run's; the replicas' parameters bitwise alike and as the plain run's."""
-    for r in ranks:
-        plain, moved = r["losses"]["plain"], r["losses"]["vpipe"]
-        assert len(plain) == len(moved)
-        for a, b in zip(plain, moved):
-            assert abs(a - b) <= REL * abs(a), (r["rank"], a, b)
-    assert any(r["losses"]["plain"] for r in ranks)
+    assert_losses_close(ranks, REL)
     vpipe_params, plain_params = _replica_params(ranks, "vpipe"), _replica_params(ranks, "plain")
     assert_params_equal(vpipe_params[1], vpipe_params[0])  # the replicas stayed replicas, bitwise
     assert_params_equal(vpipe_params[0], plain_params[0], rtol=REL)

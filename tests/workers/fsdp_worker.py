@@ -8,7 +8,9 @@ Scenarios (``argv[1]``), 4 ranks each, launched by ``vpipe_lab.runtime.launch.sp
   a copy with the one line ``vpipe.attach(schedule, optimizer=opt)``. Rank 0 writes every rank's losses,
   placements and full parameters (gathered with ``full_tensor``, by global key) to ``argv[2]``;
 - ``fsdp_interleaved``: the same on a ``("pp", "dp")`` mesh under Interleaved 1F1B, the model split 3,3,1,1 into
-  4 stages, stages p and p + 2 on pipeline rank p, one optimizer per model part in a container (torchtitan's).
+  4 stages, stages p and p + 2 on pipeline rank p, one optimizer per model part in a container (torchtitan's);
+  a forced plan moves layer 2 to stage 1 and layer 5 to stage 2 before step 3 (across ranks both ways), and each
+  rank says whether every part's optimizer holds exactly its stage module's parameters at the end.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from mesh_worker import coordinates  # this directory is the script's: on the path
+from mesh_worker import coordinates, everyone, train_side_by_side  # this directory is the script's: on the path
 from shape_worker import run_ranks, tut
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -70,19 +72,6 @@ def build(mesh: Any, stage_index: int, interleaved: bool) -> tuple[list[nn.Modul
     return models, schedule, optimizer
 
 
-def train_step(schedule: Any, optimizer: Any, coords: dict[str, int], step: int) -> list[float]:
-    """torchtitan's loop: one batch per replica; FSDP reduce-scatters the gradients inside the schedule."""
-    x, y = tut.batch(2 * step + coords["dp"], 8, 32, 256)
-    losses: list[torch.Tensor] = []
-    if coords["pp"] == 0:
-        schedule.step(x)
-    else:
-        schedule.step(target=y, losses=losses)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return [float(loss.detach()) for loss in losses]
-
-
 def full_state(models: list[nn.Module]) -> dict[str, list]:
     """Every parameter and buffer in full (``full_tensor`` is collective over dp: both dp ranks hold the same
     blocks in the same order, so they call it alike)."""
@@ -102,18 +91,15 @@ def side_by_side(order: tuple[str, str], interleaved: bool = False) -> dict:
     copies = {name: build(mesh, coords["pp"], interleaved) for name, mesh in meshes.items()}
     _, schedule, opt = copies["vpipe"]
     vp = vpipe.attach(schedule, optimizer=opt)
-    losses: dict[str, list[float]] = {name: [] for name in copies}
-    placements = []
-    for step in range(STEPS):
-        for name, (_, sched, o) in copies.items():
-            losses[name] += train_step(sched, o, coords, step)
-        placements.append([list(s) for s in vp.placement])
-    vp.detach()
+    if interleaved:
+        vp.request_plan(vpipe.Plan(epoch=1, stages=((0, 1), (2, 3, 4), (5, 6), (7,))), at_step=3)
+    # the tutorial's loop, one batch per replica; FSDP reduce-scatters the gradients inside the schedule
+    losses, placements = train_side_by_side({name: (*copy, None) for name, copy in copies.items()}, vp, coords, STEPS)
     states = {name: full_state(models) for name, (models, _, _) in copies.items()}
-    mine = {"rank": dist.get_rank(), "coords": coords, "losses": losses, "placements": placements, "states": states}
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
-    return {"ranks": gathered}
+    return everyone({"rank": dist.get_rank(), "coords": coords, "losses": losses, "placements": placements,
+                     "states": states, "parts_hold_their_stages": not interleaved or all(
+                         {id(p) for g in part.param_groups for p in g["params"]} == {id(p) for p in model.parameters()}
+                         for part, model in zip(opt.optimizers, copies["vpipe"][0]))})
 
 
 def fsdp_1f1b() -> dict:

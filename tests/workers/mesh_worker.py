@@ -69,17 +69,18 @@ def build(pp_group: Any, stage_index: int, interleaved: bool):
 
 def train_step(models: list[nn.Module], schedule: Any, optimizer: Any, dp_group: Any, coords: dict[str, int],
                step: int) -> list[float]:
-    """The tutorial's loop, one batch per replica, gradients averaged over the dp group after the step."""
+    """The tutorial's loop, one batch per replica, gradients averaged over the dp group after the step (by the
+    trainer; ``dp_group`` None: FSDP reduce-scatters them inside the schedule)."""
     x, y = tut.batch(2 * step + coords["dp"], 8, 32, 256)
     losses: list[torch.Tensor] = []
     if coords["pp"] == 0:
         schedule.step(x)
     else:
         schedule.step(target=y, losses=losses)
-    for p in (p for m in models for p in m.parameters()):
-        if p.grad is not None:
-            dist.all_reduce(p.grad, group=dp_group)
-            p.grad /= 2
+    grads = [p.grad for m in models for p in m.parameters() if p.grad is not None] if dp_group is not None else []
+    for grad in grads:
+        dist.all_reduce(grad, group=dp_group)
+        grad /= 2
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return [float(loss.detach()) for loss in losses]
@@ -96,16 +97,29 @@ def side_by_side(order: tuple[str, str], interleaved: bool = False) -> dict:
               "vpipe": (*build(mesh_groups["pp"], coords["pp"], interleaved), mesh_groups["dp"])}
     _, schedule, opt, _ = copies["vpipe"]
     vp = vpipe.attach(schedule, optimizer=opt)
+    losses, placements = train_side_by_side(copies, vp, coords, STEPS)
+    states = {name: {k: v.tolist() for m in models for k, v in m.state_dict().items()}
+              for name, (models, _, _, _) in copies.items()}
+    return everyone({"rank": dist.get_rank(), "coords": coords, "losses": losses, "placements": placements,
+                     "states": states})
+
+
+def train_side_by_side(copies: dict[str, tuple], vp: Any, coords: dict[str, int],
+                       steps: int) -> tuple[dict[str, list[float]], list]:
+    """Train every copy ``(models, schedule, optimizer, dp group)`` step by step; each copy's losses, and vpipe's
+    placement after every step. Detaches ``vp`` at the end."""
     losses: dict[str, list[float]] = {name: [] for name in copies}
     placements = []
-    for step in range(STEPS):
+    for step in range(steps):
         for name, (models, sched, o, dp) in copies.items():
             losses[name] += train_step(models, sched, o, dp, coords, step)
         placements.append([list(s) for s in vp.placement])
     vp.detach()
-    states = {name: {k: v.tolist() for m in models for k, v in m.state_dict().items()}
-              for name, (models, _, _, _) in copies.items()}
-    mine = {"rank": dist.get_rank(), "coords": coords, "losses": losses, "placements": placements, "states": states}
+    return losses, placements
+
+
+def everyone(mine: dict) -> dict:
+    """Every rank's result, in rank order (collective)."""
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     return {"ranks": gathered}

@@ -39,14 +39,15 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from vpipe.migration.blocks import StageBlocks
-from vpipe.migration.fsdp import fsdp_sharded
+from vpipe.migration.fsdp import fsdp_refusal, fsdp_sharded, is_fully_sharded
 from vpipe.schedules.pipedream import SchedulePipeDream
 from vpipe.sharing import action_kind, flat_actions, in_flight_per_stage, in_flight_together
 
 log = logging.getLogger("vpipe.attach")
 
 __all__ = ["AttachTarget", "LocalStage", "Pipeline", "inspect_target", "reset_shape_inference", "check_schedule_api",
-           "in_flight_per_stage", "in_flight_together", "flat_actions", "action_kind", "MULTI_STAGE_SCHEDULES"]
+           "move_refusal", "in_flight_per_stage", "in_flight_together", "flat_actions", "action_kind",
+           "MULTI_STAGE_SCHEDULES"]
 
 # what attach takes: a single-stage schedule (SchedulePipeDream is one), a multi-stage one, or a stage module
 AttachTarget: TypeAlias = PipelineScheduleSingle | PipelineScheduleMulti | nn.Module
@@ -270,3 +271,23 @@ def reset_shape_inference(schedule: Any) -> None:
         for name in _OLD_STAGE_META:
             if hasattr(stage, name):
                 setattr(stage, name, None)
+
+
+def move_refusal(pipeline: Pipeline, has_factory: bool) -> str | None:
+    """Why this rank's layers cannot move, or None when they can (every rank then takes the job's first)."""
+    if any(isinstance(s.module, torch.fx.GraphModule) for s in pipeline.stages):
+        return "the stage is a traced GraphModule (pipeline() split): its forward is a fixed graph of modules"
+    for stage in pipeline.stages:
+        assert stage.blocks is not None  # agree_on_blocks set every local stage's blocks
+        fsdp = fsdp_refusal(stage.module, stage.blocks.blocks().values())
+        if fsdp is None and has_factory and is_fully_sharded(stage.module):
+            fsdp = "FSDP: blocks built by layer_factory= would not be sharded; leave it out (blocks are cloned)"
+        if fsdp is not None:
+            return fsdp
+    first: LocalStage = pipeline.first
+    if pipeline.kind == "pipedream" and first.blocks is not None and (first.blocks.path
+                                                                       or first.blocks.style.value != "ids"):
+        return ("a PipeDream stream moves layers only in a stage module that is an nn.Sequential named by "
+                "global layer id")
+    return None
+
