@@ -1,6 +1,7 @@
 """Pipeline parallel inside a mesh, torchtitan's way: FSDP2 over ``dp``, the pipeline over ``pp``, plus the one line.
 
-Run with torchrun (4 ranks: 2 pipeline stages x 2 data-parallel shards, on CPU or GPUs)::
+Run with torchrun (4 ranks: 2 pipeline stages x 2 data-parallel shards; gloo on CPU, NCCL with one GPU
+per rank, which has not been run yet)::
 
     torchrun --standalone --nproc-per-node 4 examples/train_fsdp_pp.py
     torchrun --standalone --nproc-per-node 4 examples/train_fsdp_pp.py --no-vpipe   # the same, without vpipe
