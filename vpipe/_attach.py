@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import atexit
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -30,8 +30,10 @@ from vpipe import log as run_log
 from vpipe.control.session import ControlOptions, ControlSession
 from vpipe.log import decision
 from vpipe.migration.compiled import hoist_compiled, unhoist_all
+from vpipe.migration.fsdp import FsdpRoot, is_fully_sharded
 from vpipe.migration.layer_manager import LayerManager
 from vpipe.migration.messages import ControlMessenger
+from vpipe.migration.optimizers import optimizer_parts
 from vpipe.migration.pins import outside_tensors, pin_reason, planner_kind, shared_pins
 from vpipe.migration.transfer import TransferChannel
 from vpipe.monitors.source import TensorManagerSource
@@ -46,7 +48,7 @@ from vpipe.rank.edits import LayerEdits
 from vpipe.rank.memory import StageMemory
 from vpipe.rank.metrics import MetricsWriter, parse_metric_kinds
 from vpipe.rank.replicas import ReplicaPlans, Replicas, ReplicaStats, check_replicas_alike
-from vpipe.rank.stages import AttachTarget, LocalStage, Pipeline, check_optimizer, inspect_target
+from vpipe.rank.stages import AttachTarget, Pipeline, check_optimizer, inspect_target, move_refusal
 from vpipe.rank.state import restore_vpipe_state, vpipe_state
 from vpipe.rank.steps import MicroBatchCounter, StepDriver
 from vpipe.rank.tracing import TraceWindow
@@ -55,15 +57,19 @@ from vpipe.tensor_manager.pipelining import StageHandle
 
 log = logging.getLogger("vpipe.attach")
 
+# one optimizer over the rank's stages, or one per stage module: a list, or a container holding ``.optimizers``
+OptimizerArg = torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None
+
 __all__ = ["attach", "Vpipe", "VpipeConfig", "AUTO_BUDGET", "DEFAULT_PLANNER", "resolve_memory_budget"]
 
 
-def attach(target: AttachTarget, *, optimizer: torch.optim.Optimizer | None = None, config: VpipeConfig | None = None,
+def attach(target: AttachTarget, *, optimizer: OptimizerArg = None, config: VpipeConfig | None = None,
            store: Store | None = None, **options: Any) -> Vpipe:
     """Turn vpipe on for this rank's stages. Every rank of the run must call it (it is collective).
 
     ``target`` is the trainer's schedule or its stage module; ``optimizer`` the optimizer of
-    this rank's stages (a PipeDream schedule brings its own); ``options`` override
+    this rank's stages (a PipeDream schedule brings its own), or one optimizer per stage
+    module in a list or a container holding them as ``.optimizers`` (torchtitan's); ``options`` override
     :class:`VpipeConfig` fields. ``store`` is the run's c10d store (default: the one
     ``torch.distributed`` was initialised with).
     """
@@ -76,7 +82,7 @@ def attach(target: AttachTarget, *, optimizer: torch.optim.Optimizer | None = No
 class Vpipe:
     """vpipe on one rank: tensor managers, monitors + control session, layer manager, plan application."""
 
-    def __init__(self, target: AttachTarget, *, optimizer: torch.optim.Optimizer | None, config: VpipeConfig,
+    def __init__(self, target: AttachTarget, *, optimizer: OptimizerArg, config: VpipeConfig,
                  store: Store | None = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError("vpipe.attach needs torch.distributed initialised first (torchrun or vpipe train)")
@@ -87,8 +93,9 @@ class Vpipe:
         self.pipeline = pipeline = inspect_target(target)
         if pipeline.kind == "pipedream" and optimizer is None:
             optimizer = pipeline.schedule.optimizer
-        self.optimizer = optimizer
-        check_optimizer(optimizer, [s.module for s in pipeline.stages])
+        # one optimizer per model part (torchtitan's container): each stage's part takes the layers it receives
+        self.optimizer = optimizer_parts(optimizer, {s.index: s.module for s in pipeline.stages})
+        check_optimizer(self.optimizer, [s.module for s in pipeline.stages])
         self.stage_index = pipeline.first.index
         self.num_stages = pipeline.num_stages
         self._who = f"stage {self.stage_index}"
@@ -108,7 +115,9 @@ class Vpipe:
             self.agreement, world_rank=self.rank, world_size=self.world_size, who=self._who, replicas=self.replicas,
             layout={"schedule": pipeline.kind, "placement": [list(s) for s in placement],
                     "stage_ranks": list(pipeline.stage_ranks)}) if self.replicas.count > 1 else []
-        self.move_refusal = _move_refusal(pipeline)
+        refusal = move_refusal(pipeline, has_factory=config.layer_factory is not None)
+        self.move_refusal = self.agreement.agree_refusal(refusal, world_rank=self.rank, world_size=self.world_size,
+                                                         who=self._who)
         self.memory_budget = resolve_memory_budget(config.memory_budget, pipeline.device)
         self.memories = self._memories()
         initial = Plan(epoch=0, stages=placement, policies=config.initial_policies())
@@ -250,6 +259,8 @@ class Vpipe:
                 monitor.watch_stage(stage.module)  # modules outside the blocks: their cost is the stage's
             if stage.index in self.tensor_managers:
                 manager.listeners[stage.index].append(self.tensor_managers[stage.index])
+            if is_fully_sharded(stage.module):  # its FSDP root learns of the blocks that arrive and leave
+                manager.listeners[stage.index].append(FsdpRoot(stage.module, manager.blocks[stage.index].blocks()))
         self._undo.append(manager.close)
         return manager
 
@@ -393,16 +404,3 @@ def planner_config(config: VpipeConfig, pipeline: Pipeline, memory_budget: int |
         raise ValueError(f"vpipe config: planner_options cannot set {', '.join(taken)}: attach reads them off the "
                          "pipeline")
     return OnlineConfig.from_mapping({**shape, **config.planner_options}).to_dict()
-
-
-def _move_refusal(pipeline: Pipeline) -> str | None:
-    """Why this rank's layers cannot move, or None when they can."""
-    if any(isinstance(s.module, torch.fx.GraphModule) for s in pipeline.stages):
-        return "the stage is a traced GraphModule (pipeline() split): its forward is a fixed graph of modules"
-    first: LocalStage = pipeline.first
-    if pipeline.kind == "pipedream" and first.blocks is not None and (first.blocks.path
-                                                                       or first.blocks.style.value != "ids"):
-        return ("a PipeDream stream moves layers only in a stage module that is an nn.Sequential named by "
-                "global layer id")
-    return None
-

@@ -14,8 +14,8 @@ import pytest
 # Modules whose every test trains real pipelines (10-60 s each on 2 cores).
 TRAINING_MODULES = {
     "test_block_moves.py", "test_control_run.py", "test_faults.py", "test_launch.py", "test_memory_scenario.py",
-    "test_mesh.py", "test_migration_faults.py", "test_migration_transparency.py", "test_multihost.py",
-    "test_multistage.py", "test_multistage_train.py", "test_nas.py", "test_pipedream_trainer.py",
+    "test_mesh.py", "test_mesh_fsdp.py", "test_migration_faults.py", "test_migration_transparency.py",
+    "test_multihost.py", "test_multistage.py", "test_multistage_train.py", "test_nas.py", "test_pipedream_trainer.py",
     "test_pipeline_equivalence.py", "test_soak.py", "test_stage_shapes.py", "test_tensor_manager_pipeline.py",
     "test_train_conventions.py",
 }

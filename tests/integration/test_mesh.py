@@ -6,17 +6,22 @@ pipeline-group rank and world rank differ). The same trainer runs side by side w
 The only change is ``vpipe.attach(schedule, optimizer=opt)``: blocks move, every replica
 holds the same blocks at every step, losses stay those of the plain run, and at the end the
 replicas' parameters are bitwise equal and equal the plain run's. One planner (the leading
-replica's) sees every replica's records, combined per stage as the slowest / fullest. FSDP2 and ``replicate()``
-are refused with a message that says what to do.
+replica's) sees every replica's records, combined per stage as the slowest / fullest. Tensor parallelism and
+``replicate()`` are refused with a message that says what to do (FSDP2: ``test_mesh_fsdp.py``).
 """
 
 from __future__ import annotations
 
+import os
+import sys
+import time
+
 import pytest
 import torch
 
-from support.processes import run_worker
-from support.results import assert_params_equal
+from support.processes import ROOT, TESTS, WORKERS, run_worker
+from support.results import assert_losses_close, assert_params_equal
+from vpipe.log import read_log
 
 REL = 1e-6
 
@@ -57,25 +62,42 @@ def test_interleaved_1f1b_with_two_stages_per_rank_attaches_inside_a_mesh_and_tr
     _assert_as_without_vpipe(ranks)
 
 
+@pytest.mark.slow
+def test_a_rank_of_the_second_replica_dying_mid_move_stops_every_rank_naming_it(tmp_path, capfd):
+    """World rank 3 is stage 1 of the second replica (dp 1 of a ("dp", "pp") mesh): it dies as a forced move's
+    layer reaches it, while the first replica's move goes through up to the vote that every rank takes."""
+    from vpipe_lab.runtime.launch import spawn
+
+    log_file = tmp_path / "fault.log"
+    started = time.monotonic()
+    code = spawn([sys.executable, str(WORKERS / "mesh_worker.py"), "fault", str(tmp_path / "fault.json")], 4,
+                 extra_env={"PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)]), "VPIPE_LOG_FILE": str(log_file),
+                            "VPIPE_FAULTS": "migration_die@3", "VPIPE_HEARTBEAT_TIMEOUT": "5"}, timeout_s=120)
+    stderr = capfd.readouterr().err
+    assert code != 0
+    assert time.monotonic() - started < 90
+    lines = {r: [ln for ln in stderr.splitlines() if ln.startswith(f"vpipe [rank {r}]:")] for r in (0, 1, 2)}
+    for r, said in lines.items():
+        assert said and "rank 3 stopped answering (dead or hung)" in said[-1], (r, stderr[-3000:])
+    log = read_log(log_file)
+    assert [r for r in log if r.get("event") == "migration_start" and r["rank"] == 3]  # it died mid-move
+    assert not [r for r in log if r.get("event") == "migration_done"]  # nobody dropped or took the layer
+    assert not (tmp_path / "fault.json").exists()
+
+
 def _assert_as_without_vpipe(ranks: list[dict]) -> None:
     """Losses as the plain run's; the replicas' parameters bitwise alike and as the plain run's."""
-    for r in ranks:
-        plain, moved = r["losses"]["plain"], r["losses"]["vpipe"]
-        assert len(plain) == len(moved)
-        for a, b in zip(plain, moved):
-            assert abs(a - b) <= REL * abs(a), (r["rank"], a, b)
-    assert any(r["losses"]["plain"] for r in ranks)
+    assert_losses_close(ranks, REL)
     vpipe_params, plain_params = _replica_params(ranks, "vpipe"), _replica_params(ranks, "plain")
     assert_params_equal(vpipe_params[1], vpipe_params[0])  # the replicas stayed replicas, bitwise
     assert_params_equal(vpipe_params[0], plain_params[0], rtol=REL)
 
 
-def test_fsdp_and_replicate_on_a_stage_module_are_refused_saying_what_to_do(tmp_path):
+def test_tensor_parallel_blocks_and_replicate_on_a_stage_module_are_refused_saying_what_to_do(tmp_path):
     result = run_worker(tmp_path, "mesh_worker", "refusals", 4)
-    assert result["fsdp"] == (
-        "TypeError: vpipe.attach does not support FSDP (fully_shard / FullyShardedDataParallel) on a stage module "
-        "yet: use plain data-parallel replicas (an unwrapped stage module whose gradients the trainer all-reduces "
-        "over the data-parallel group after schedule.step())")
+    assert result["tp"] == (
+        "TypeError: vpipe.attach does not support DTensor parameters other than FSDP2's shards (tensor parallelism "
+        "inside blocks): vpipe moves whole blocks between stages and cannot move a tensor-parallel one")
     assert result["replicate"].startswith("TypeError: vpipe.attach does not support a stage module wrapped in "
                                           "replicate(): ")
     assert "all-reduce its gradients over the data-parallel group after schedule.step() yourself" in \

@@ -42,3 +42,13 @@ def assert_params_equal(actual: dict[str, torch.Tensor], expected: dict[str, tor
         else:
             rel = ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
             assert rel <= rtol, f"{name}: max relative difference {rel:.3e} > {rtol:.0e}"
+
+
+def assert_losses_close(ranks: list[dict], rel: float) -> None:
+    """Each rank's losses with vpipe (``losses["vpipe"]``) within ``rel`` of the plain run's, and some losses."""
+    for r in ranks:
+        plain, moved = r["losses"]["plain"], r["losses"]["vpipe"]
+        assert len(plain) == len(moved)
+        for a, b in zip(plain, moved):
+            assert abs(a - b) <= rel * abs(a), (r["rank"], a, b)
+    assert any(r["losses"]["plain"] for r in ranks)

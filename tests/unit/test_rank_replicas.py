@@ -69,3 +69,17 @@ def test_a_leader_whose_followers_never_report_goes_on_with_its_own_records():
     leader = ReplicaStats(dist.HashStore(), world_rank=0, peers=[2], leads=True, timeout_s=0.05)
     assert leader(9, [record]) == [record]
     assert leader(10, []) == []  # an unsampled step waits for nobody
+
+
+def test_one_ranks_reason_layers_cannot_move_turns_moves_off_on_every_rank_of_the_job():
+    """A round of moves ends in a vote of every rank: either all ranks move layers or none does."""
+    store = dist.HashStore()
+    ranks = [StoreAgreement(store, rank=0, world_size=2, timeout_s=1.0, pipeline=f"pipeline-{r}/") for r in range(3)]
+    for agreement in ranks[1:]:
+        agreement.job = ranks[0].job  # one attach: the counter numbers attaches per process
+    ranks[2].job.set("refusal/2", "null")  # world rank 2 has no reason (written before the others wait)
+    ranks[1].job.set("refusal/1", '"FSDP: a block is not fully_shard-ed by itself"')
+    assert ranks[0].agree_refusal(None, world_rank=0, world_size=3, who="stage 0") == (
+        "FSDP: a block is not fully_shard-ed by itself")
+    with pytest.raises(RuntimeError, match=r"stage\(s\) \[3\] did not make the same call"):
+        ranks[0].agree_refusal(None, world_rank=0, world_size=4, who="stage 0")

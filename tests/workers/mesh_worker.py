@@ -9,7 +9,12 @@ Scenarios (``argv[1]``), 4 ranks each, launched by ``vpipe_lab.runtime.launch.sp
   every rank's losses, placement and parameters (by global key) to ``argv[2]``;
 - ``interleaved``: the same on a ``("pp", "dp")`` mesh under Interleaved 1F1B, the model split 3,3,1,1
   into 4 stages, stages p and p + 2 on pipeline rank p;
-- ``refusals``: FSDP2 (``fully_shard``) and ``replicate`` on the stage module, each error message.
+- ``fault``: GPipe on a ``("dp", "pp")`` mesh with the one line (planning off) and a forced move of layer 5 to
+  stage 1 before step 2; run with ``VPIPE_FAULTS=migration_die@3`` the second replica's stage 1 (world rank 3)
+  dies as that layer reaches it. Ranks start as the laboratory's do (``init_distributed``, its watchdog), so a
+  dead rank ends every other naming it;
+- ``refusals``: tensor parallelism inside a block (a DTensor parameter sharded on dim 1) and ``replicate`` on the
+  stage module, each error message (FSDP2 trains: ``fsdp_worker.py``).
 """
 
 from __future__ import annotations
@@ -64,17 +69,18 @@ def build(pp_group: Any, stage_index: int, interleaved: bool):
 
 def train_step(models: list[nn.Module], schedule: Any, optimizer: Any, dp_group: Any, coords: dict[str, int],
                step: int) -> list[float]:
-    """The tutorial's loop, one batch per replica, gradients averaged over the dp group after the step."""
+    """The tutorial's loop, one batch per replica, gradients averaged over the dp group after the step (by the
+    trainer; ``dp_group`` None: FSDP reduce-scatters them inside the schedule)."""
     x, y = tut.batch(2 * step + coords["dp"], 8, 32, 256)
     losses: list[torch.Tensor] = []
     if coords["pp"] == 0:
         schedule.step(x)
     else:
         schedule.step(target=y, losses=losses)
-    for p in (p for m in models for p in m.parameters()):
-        if p.grad is not None:
-            dist.all_reduce(p.grad, group=dp_group)
-            p.grad /= 2
+    grads = [p.grad for m in models for p in m.parameters() if p.grad is not None] if dp_group is not None else []
+    for grad in grads:
+        dist.all_reduce(grad, group=dp_group)
+        grad /= 2
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return [float(loss.detach()) for loss in losses]
@@ -91,16 +97,29 @@ def side_by_side(order: tuple[str, str], interleaved: bool = False) -> dict:
               "vpipe": (*build(mesh_groups["pp"], coords["pp"], interleaved), mesh_groups["dp"])}
     _, schedule, opt, _ = copies["vpipe"]
     vp = vpipe.attach(schedule, optimizer=opt)
+    losses, placements = train_side_by_side(copies, vp, coords, STEPS)
+    states = {name: {k: v.tolist() for m in models for k, v in m.state_dict().items()}
+              for name, (models, _, _, _) in copies.items()}
+    return everyone({"rank": dist.get_rank(), "coords": coords, "losses": losses, "placements": placements,
+                     "states": states})
+
+
+def train_side_by_side(copies: dict[str, tuple], vp: Any, coords: dict[str, int],
+                       steps: int) -> tuple[dict[str, list[float]], list]:
+    """Train every copy ``(models, schedule, optimizer, dp group)`` step by step; each copy's losses, and vpipe's
+    placement after every step. Detaches ``vp`` at the end."""
     losses: dict[str, list[float]] = {name: [] for name in copies}
     placements = []
-    for step in range(STEPS):
+    for step in range(steps):
         for name, (models, sched, o, dp) in copies.items():
             losses[name] += train_step(models, sched, o, dp, coords, step)
         placements.append([list(s) for s in vp.placement])
     vp.detach()
-    states = {name: {k: v.tolist() for m in models for k, v in m.state_dict().items()}
-              for name, (models, _, _, _) in copies.items()}
-    mine = {"rank": dist.get_rank(), "coords": coords, "losses": losses, "placements": placements, "states": states}
+    return losses, placements
+
+
+def everyone(mine: dict) -> dict:
+    """Every rank's result, in rank order (collective)."""
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     return {"ranks": gathered}
@@ -118,6 +137,28 @@ def interleaved() -> dict:
     return side_by_side(("pp", "dp"), interleaved=True)
 
 
+def fault() -> dict:
+    import vpipe
+
+    coords = coordinates(("dp", "pp"))
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    models, schedule, optimizer = build(mesh.get_group("pp"), coords["pp"], interleaved=False)
+    vp = vpipe.attach(schedule, optimizer=optimizer, planning=False)
+    vp.request_plan(vpipe.Plan(epoch=1, stages=((0, 1, 2, 3, 4), (5, 6, 7))), at_step=2)
+    for step in range(4):
+        train_step(models, schedule, optimizer, mesh.get_group("dp"), coords, step)
+    vp.detach()
+    return {"placement": [list(s) for s in vp.placement]}
+
+
+def run_with_watchdog(scenario: Any) -> None:
+    """Run ``scenario`` on this rank as the laboratory's ranks run: a failure names the rank that caused it."""
+    from vpipe_lab.runtime.launch import init_distributed, run_rank
+
+    torch.set_num_threads(1)
+    run_rank(init_distributed("gloo"), scenario)
+
+
 def _error(attach: Any) -> str:
     try:
         attach()
@@ -127,9 +168,9 @@ def _error(attach: Any) -> str:
 
 
 def refusals() -> dict:
-    """FSDP2 and replicate() on the stage module: refused at attach, before anything is installed."""
+    """Tensor parallelism and replicate() on the stage module: refused at attach, before anything is installed."""
     from torch.distributed._composable.replicate import replicate
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
 
     import vpipe
 
@@ -143,14 +184,17 @@ def refusals() -> dict:
         schedule = ScheduleGPipe(stage, 2, loss_fn=tut.tokenwise_loss_fn)
         return _error(lambda: vpipe.attach(schedule, optimizer=torch.optim.SGD(model.parameters())))
 
-    def fsdp(model: nn.Module) -> None:
-        for block in model.layers.values():
-            fully_shard(block, mesh=mesh["dp"])
-        fully_shard(model, mesh=mesh["dp"])
+    def tensor_parallel(model: nn.Module) -> None:  # a row-parallel linear layer, sharded over the dp ranks
+        linear = next(iter(model.layers.values())).linear1
+        linear.weight = nn.Parameter(distribute_tensor(linear.weight.detach(), mesh["dp"], [Shard(1)]))
 
-    return {"fsdp": attach(fsdp), "replicate": attach(lambda m: replicate(m, process_group=mesh.get_group("dp")))}
+    return {"tp": attach(tensor_parallel),
+            "replicate": attach(lambda m: replicate(m, process_group=mesh.get_group("dp")))}
 
 
 if __name__ == "__main__":
+    if sys.argv[1] == "fault":
+        run_with_watchdog(fault)
+        sys.exit(0)
     scenarios = {"dp_pp": dp_pp, "pp_dp": pp_dp, "interleaved": interleaved, "refusals": refusals}
     run_ranks(scenarios[sys.argv[1]], sys.argv[2])

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from vpipe.migration.compiled import compile_like, compiled_forwards
+from vpipe.migration.fsdp import clone_sharded, is_fully_sharded
 from vpipe.tensor_manager.layers import ROUTED_FORWARD
 
 __all__ = ["clone_block", "block_attrs", "set_block_attrs", "block_kind", "compiled_inner", "block_info",
@@ -169,7 +170,9 @@ def clone_block(donor: nn.Module) -> nn.Module:
     user's hooks stay on the donor); a forward that vpipe routed for recompute is dropped. A
     ``torch.compile`` wrapper is rebuilt around the clone of the module it compiles, with the
     donor's dynamo context: the same backend, mode, options, ``fullgraph`` and ``dynamic``; a
-    module compiled in place is compiled as its donor counterpart is (:mod:`.compiled`).
+    module compiled in place is compiled as its donor counterpart is (:mod:`.compiled`). A block
+    ``fully_shard``-ed by itself is cloned plain and sharded with the donor's mesh and options
+    (:mod:`.fsdp`).
     """
     inner = compiled_inner(donor)
     if inner is not None:  # compile the clone of what the donor compiles, the same way (same dynamo context)
@@ -185,14 +188,23 @@ def clone_block(donor: nn.Module) -> nn.Module:
             memo[id(routed)] = None
     for compiled in compiled_forwards(donor):  # bound to the donor: the clone gets its own (compile_like)
         memo[id(compiled)] = None
+    if is_fully_sharded(donor):  # FSDP refuses deepcopy: a plain copy, sharded as the donor is
+        clone = clone_sharded(donor, memo)
+        _drop_routed(clone)
+        return clone
     empty = _empty_alike([*donor.parameters(), *donor.buffers()])
     for p in donor.parameters():
         memo[id(p)] = nn.Parameter(empty[id(p)], requires_grad=p.requires_grad)
     for b in donor.buffers():
         memo[id(b)] = empty[id(b)]
     clone = copy.deepcopy(donor, memo)
+    _drop_routed(clone)
+    compile_like(donor, clone)
+    return clone
+
+
+def _drop_routed(clone: nn.Module) -> None:
+    """Remove the forwards the memo turned into None (vpipe's recompute routing stays with the donor)."""
     for module in clone.modules():
         if "forward" in module.__dict__ and module.__dict__["forward"] is None:
             del module.__dict__["forward"]
-    compile_like(donor, clone)
-    return clone

@@ -36,6 +36,7 @@ from torch import nn
 from vpipe.log import decision
 from vpipe.migration.blocks import KeyStyle, StageBlocks
 from vpipe.migration.cloning import block_info
+from vpipe.migration.fsdp import resharded
 from vpipe.migration.handshake import (
     NO_FAULTS,
     BlockBuilder,
@@ -47,6 +48,7 @@ from vpipe.migration.handshake import (
 )
 from vpipe.migration.link import MoveLink
 from vpipe.migration.moves import Move, apply_round, plan_rounds
+from vpipe.migration.optimizers import move_between, part_of
 from vpipe.migration.pins import pin_reason
 from vpipe.migration.placement import Placement
 from vpipe.migration.rounds import MigrationReport, exchange
@@ -87,7 +89,7 @@ class LayerManager:
     rank is built by ``factory(id, spec)`` when there is one (``specs`` maps layer ids to
     specs, which travel with moved layers), else cloned from a local block of the same kind
     and given the moved block's plain attributes. One optimizer holds the parameters of all
-    of this rank's stages.
+    of this rank's stages, or an :class:`~vpipe.migration.optimizers.OptimizerParts` holds one per stage.
     """
 
     def __init__(
@@ -250,8 +252,8 @@ class LayerManager:
             reason = pin_reason(lid, children[lid], self.shared)
             if reason is not None:
                 raise ValueError(f"layer {lid} {reason}")
-        states = [pack_layer(lid, children[lid], self.optimizer if with_state else None, self.specs.get(lid))
-                  for lid in move.layers]
+        optimizer = part_of(self.optimizer, move.src) if with_state else None
+        states = [pack_layer(lid, resharded(children[lid]), optimizer, self.specs.get(lid)) for lid in move.layers]
         for st in states:
             st.manifest["block"] = block_info(children[st.layer_id], blocks.key_of(st.layer_id))
             if with_state:
@@ -281,6 +283,8 @@ class LayerManager:
         for inc in arriving:
             self._insert(inc)
         for m, entries in moved_here:
+            move_between(part_of(self.optimizer, m.src), part_of(self.optimizer, m.dst),
+                         [p for _, block, _ in entries for p in block.parameters()])
             self._put(m.dst, m.forward, entries)
         self._advance(self.epoch, after)
         report.moved.extend(self._involved(moves))
@@ -340,7 +344,7 @@ class LayerManager:
             built = [(lid, self.builder.factory(lid, spec).to(self.device)) for lid, spec in zip(new_ids, specs)]
             self.blocks[owner].insert(at, [(lid, layer, str(lid)) for lid, layer in built])
             for lid, layer in built:
-                attach_to_optimizer(self.optimizer, layer.parameters())
+                attach_to_optimizer(part_of(self.optimizer, owner), layer.parameters())
                 self._welcome(owner, lid, layer)
         self.specs.update(zip(new_ids, specs))
         self.next_layer_id = max(new_ids) + 1
@@ -382,7 +386,7 @@ class LayerManager:
     def _drop(self, stage: int, layer_ids: Sequence[int]) -> None:
         children = self.blocks[stage].blocks()
         for lid in layer_ids:
-            detach_from_optimizer(self.optimizer, children[lid].parameters())
+            detach_from_optimizer(part_of(self.optimizer, stage), children[lid].parameters())
             self.shapes.unwatch(lid)
         self._take(stage, layer_ids)
 
@@ -393,7 +397,7 @@ class LayerManager:
 
     def _insert(self, inc: Incoming) -> None:
         for st, loaded in zip(inc.states, inc.loaded):
-            register_layer(loaded, self.optimizer)
+            register_layer(loaded, part_of(self.optimizer, inc.move.dst))
             self.shapes.learn(st.layer_id, st.manifest)
             if st.manifest.get("spec") is not None:
                 self.specs[st.layer_id] = st.manifest["spec"]

@@ -7,7 +7,8 @@ same kind and loads the moved tensors into it. Two things cannot be carried that
   its submodules: forward, pre-forward, backward and (non-torch) state-dict hooks are Python
   callables, often holding state, that cannot cross processes. vpipe's own hooks are
   re-installed by vpipe on the block that arrives; hooks defined by torch's own modules
-  for their state dicts (``checkpoint_wrapper``'s) are part of the module and are cloned.
+  for their state dicts (``checkpoint_wrapper``'s) are part of the module and are cloned, and
+  FSDP2's come back when the arriving block is sharded like the stage's own.
 - **shared modules or parameters**: blocks that share one (a shared MLP, weight sharing
   across layers), or a block that shares one with the stage module outside the blocks.
   Packing such a block alone would make a second copy of the shared tensors on the
@@ -58,6 +59,11 @@ def _torch(module: str) -> bool:
     return module == "torch" or module.startswith("torch.")
 
 
+def _fsdp(module: str) -> bool:
+    """FSDP2's forward hooks: a block that arrives is sharded like its donor, which installs its own."""
+    return module.startswith("torch.distributed.fsdp.")
+
+
 def user_hooks(block: nn.Module) -> list[str]:
     """The hooks on ``block`` and its submodules that a move could not carry, described for a log line."""
     found = []
@@ -67,7 +73,7 @@ def user_hooks(block: nn.Module) -> list[str]:
             table = module.__dict__.get(table_name) or {}
             for fn in table.values():
                 origin, name = _origin(fn)
-                if _vpipe(origin) or (table_name in _STATE_HOOKS and _torch(origin)):
+                if _vpipe(origin) or _fsdp(origin) or (table_name in _STATE_HOOKS and _torch(origin)):
                     continue
                 kind = table_name.strip("_").removesuffix("_hooks").replace("_", " ")
                 found.append(f"{kind} hook {name}{where}")

@@ -28,6 +28,7 @@ from vpipe.migration.handshake import (
 )
 from vpipe.migration.link import MoveLink
 from vpipe.migration.moves import Move
+from vpipe.migration.optimizers import part_of
 from vpipe.migration.state import LayerState, load_layer, payload_bytes
 from vpipe.migration.transfer import MOVE, transfer_tag
 
@@ -124,7 +125,8 @@ def _receive_payload(link: MoveLink, inc: Incoming, key: tuple[int, int, int], r
         offset += size
     report.bytes_received += nbytes
     try:  # before the acknowledgement: a state this stage cannot load aborts the move, the source keeps it
-        inc.loaded = [load_layer(st, inc.modules[st.layer_id], link.optimizer) for st in inc.states]
+        optimizer = part_of(link.optimizer, m.dst)
+        inc.loaded = [load_layer(st, inc.modules[st.layer_id], optimizer) for st in inc.states]
     except ValueError as e:
         decision("migration_refused", f"stage {m.dst} cannot load layers {list(m.layers)}: {e}",
                  stage=m.dst, layers=list(m.layers), reason=str(e))

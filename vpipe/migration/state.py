@@ -13,6 +13,11 @@ byte buffer as a wider dtype. An optimizer state tensor that is the same object 
 earlier one (two keys, two parameters) is sent once and arrives as one object again; a
 non-contiguous one keeps its strides.
 
+A parameter sharded by FSDP2 (a ``DTensor``) travels as this rank's local shard, and so does
+its optimizer state (Adam's moments are DTensors too); the entry is marked ``shard`` and the
+receiver, whose block is sharded alike, loads the shard and wraps the state back into a
+DTensor like its parameter.
+
 Optimizers are edited in place: parameters are appended to / removed from the existing
 ``param_groups`` lists and ``optimizer.state``, so learning-rate schedulers (which hold the
 optimizer, not the lists) keep working.
@@ -26,6 +31,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from vpipe.migration.cloning import validate_block_info
 
@@ -60,8 +66,20 @@ class LayerState:
 
 
 def _entry(kind: str, name: str, t: torch.Tensor, **extra: Any) -> dict[str, Any]:
+    """A tensor's manifest entry; ``t`` is what travels (a sharded tensor's local shard, marked ``shard``)."""
+    if isinstance(t, DTensor):
+        raise TypeError(f"{name}: pack the local shard of a sharded tensor, not the DTensor")
     return {"kind": kind, "name": name, "shape": list(t.shape), "dtype": dtype_name(t.dtype),
             "nbytes": t.numel() * t.element_size(), **extra}
+
+
+def _local(t: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+    """What of ``t`` travels: this rank's shard of a DTensor (FSDP2), else ``t``; and the entry's mark for it.
+
+    A dp rank sends its shards to the rank with the same dp coordinate on the neighbouring
+    stage, whose block, sharded alike, holds the same shard of every tensor.
+    """
+    return (t.to_local(), {"shard": True}) if isinstance(t, DTensor) else (t, {})
 
 
 def _dense_strides(shape: list[int], stride: list[int]) -> bool:
@@ -110,9 +128,10 @@ def _optimizer_entries(name: str, p: torch.Tensor, optimizer: torch.optim.Optimi
                 entries.append({"kind": "optim_alias", "name": name, "key": key, "same_as": sent[id(value)]})
                 continue
             sent[id(value)] = len(entries)
-            entries.append(_entry("optim", name, value, key=key, with_param=value.device == p.device,
-                                  **_layout(value)))
-            tensors.append(value)
+            local, mark = _local(value)
+            entries.append(_entry("optim", name, local, key=key, with_param=value.device == p.device,
+                                  **_layout(local), **mark))
+            tensors.append(local)
         elif _plain(value):
             entries.append({"kind": "optim_value", "name": name, "key": key, "value": value, "nbytes": 0})
         else:
@@ -128,12 +147,14 @@ def pack_layer(layer_id: int, module: nn.Module, optimizer: torch.optim.Optimize
     tensors: list[torch.Tensor] = []
     sent: dict[int, int] = {}
     for name, p in module.named_parameters():
-        entries.append(_entry("param", name, p, requires_grad=p.requires_grad, group=groups.get(id(p))))
-        tensors.append(p.detach())
+        local, mark = _local(p.detach())
+        entries.append(_entry("param", name, local, requires_grad=p.requires_grad, group=groups.get(id(p)), **mark))
+        tensors.append(local)
         _optimizer_entries(name, p, optimizer, entries, tensors, sent)
     for name, b in module.named_buffers():
-        entries.append(_entry("buffer", name, b))
-        tensors.append(b)
+        local, mark = _local(b)
+        entries.append(_entry("buffer", name, local, **mark))
+        tensors.append(local)
     flat = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors if t.numel() > 0]
     payload = (torch.cat([f.cpu() if f.device.type != "cpu" else f for f in flat]) if flat
                else torch.empty(0, dtype=torch.uint8))
@@ -185,6 +206,8 @@ def _validate_tensor_entry(e: dict[str, Any], layer: int) -> None:
         numel *= d
     if nbytes != numel * torch.empty((), dtype=_DTYPES[dtype]).element_size():
         raise ValueError(f"layer {layer}: entry {e['name']!r} claims {nbytes!r} bytes for shape {shape}")
+    if not isinstance(e.get("shard", False), bool):
+        raise ValueError(f"layer {layer}: entry {e['name']!r} has a bad shard mark {e['shard']!r}")
     stride = e.get("stride")
     if stride is not None and (not isinstance(stride, list) or len(stride) != len(shape)
                                or not all(isinstance(d, int) and d >= 0 for d in stride)
@@ -257,7 +280,8 @@ def load_layer(state: LayerState, module: nn.Module, optimizer: torch.optim.Opti
         else:
             owner = _lookup(params, e["name"], state.layer_id, "parameter")
             device = owner.device if e.get("with_param", True) else torch.device("cpu")
-            decoded[i] = optim_state.setdefault(e["name"], {})[e["key"]] = value.to(device)
+            decoded[i] = optim_state.setdefault(e["name"], {})[e["key"]] = _like_owner(value.to(device), owner, e,
+                                                                                      state.layer_id)
     missing = sorted(set(params) - set(groups))
     if missing:
         raise ValueError(f"layer {state.layer_id}: the manifest has no values for parameters {missing}")
@@ -293,12 +317,34 @@ def _lookup(table: Mapping[str, torch.Tensor], name: str, layer_id: int, what: s
     return table[name]
 
 
+def _sharding_matches(target: torch.Tensor, entry: dict[str, Any], layer_id: int) -> None:
+    if isinstance(target, DTensor) != bool(entry.get("shard", False)):
+        here, there = ("sharded", "whole") if isinstance(target, DTensor) else ("whole", "sharded")
+        raise ValueError(f"layer {layer_id}: {entry['name']} is {here} here but {there} on the sender (shard "
+                         "every stage's blocks alike)")
+
+
+def _like_owner(value: torch.Tensor, owner: torch.Tensor, entry: dict[str, Any], layer_id: int) -> torch.Tensor:
+    """An optimizer state shard as the DTensor its sharded parameter's state is (else ``value`` as it is)."""
+    if not entry.get("shard", False):
+        return value
+    _sharding_matches(owner, entry, layer_id)
+    assert isinstance(owner, DTensor)
+    if list(owner.to_local().shape) != list(value.shape):
+        raise ValueError(f"layer {layer_id}: optimizer state {entry['key']!r} of {entry['name']} is a shard of "
+                         f"{tuple(value.shape)}, the parameter's shard here is {tuple(owner.to_local().shape)}")
+    return DTensor.from_local(value, owner.device_mesh, owner.placements, run_check=False, shape=owner.shape,
+                              stride=owner.stride())
+
+
 def _load(target: torch.Tensor, value: torch.Tensor, entry: dict[str, Any], layer_id: int) -> None:
-    if list(target.shape) != entry["shape"] or target.dtype != _DTYPES[entry["dtype"]]:
-        raise ValueError(f"layer {layer_id}: {entry['name']} is {tuple(target.shape)} {target.dtype} here "
-                         f"but {tuple(entry['shape'])} {entry['dtype']} on the sender")
-    with torch.no_grad():
-        target.copy_(value)
+    _sharding_matches(target, entry, layer_id)
+    with torch.no_grad():  # a shard's local tensor is a view of the storage FSDP keeps: copied into in place
+        local = target.to_local() if isinstance(target, DTensor) else target
+        if list(local.shape) != entry["shape"] or local.dtype != _DTYPES[entry["dtype"]]:
+            raise ValueError(f"layer {layer_id}: {entry['name']} is {tuple(local.shape)} {local.dtype} here "
+                             f"but {tuple(entry['shape'])} {entry['dtype']} on the sender")
+        local.copy_(value)
 
 
 def detach_from_optimizer(optimizer: torch.optim.Optimizer | None, params: Iterable[torch.Tensor]) -> None:

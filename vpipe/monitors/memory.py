@@ -17,6 +17,7 @@ from pathlib import Path
 import psutil
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 log = logging.getLogger("vpipe.monitors")
 
@@ -32,6 +33,8 @@ def host_rss_bytes() -> int:
 def _tensor_bytes(tensors: list[torch.Tensor], seen: set[tuple[int, torch.device]]) -> int:
     total = 0
     for t in tensors:
+        if isinstance(t, DTensor):  # an FSDP2 shard: this rank holds its local part
+            t = t.to_local()
         key = (t.untyped_storage().data_ptr(), t.device)
         if key not in seen:
             seen.add(key)

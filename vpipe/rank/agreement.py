@@ -93,6 +93,16 @@ class StoreAgreement:
             raise RuntimeError(f"{edit['call']} on {who}: stage(s) {differ} made another layer edit at this point "
                                f"({seen[differ[0]]} vs {edit}); every rank must make the same one")
 
+    def agree_refusal(self, refusal: str | None, *, world_rank: int, world_size: int, who: str) -> str | None:
+        """Why layers cannot move anywhere in the job: the first refusal of any rank of any replica, or None.
+
+        Moves are collective (a round ends in a vote of every rank), so either every rank
+        moves layers or none does, whichever of its stages can."""
+        key = "refusal/{}"
+        self.job.set(key.format(world_rank), json.dumps(refusal))
+        seen = [json.loads(raw) for raw in self.gather(key, range(world_size), "vpipe.attach", who, store=self.job)]
+        return next((r for r in seen if r is not None), None)
+
     def agree_run_secret(self, who: str) -> str:
         """This run's control-plane key when the launcher made none (torchrun), never through the store (see
         ``vpipe.control.run_key``). It goes into the environment, so the planner daemon inherits it."""

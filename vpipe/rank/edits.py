@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from vpipe.control.session import ControlSession
+from vpipe.migration.fsdp import is_fully_sharded
 from vpipe.migration.layer_manager import LayerManager
 from vpipe.plan import Plan
 from vpipe.rank.agreement import StoreAgreement
@@ -44,6 +45,9 @@ class LayerEdits:
         self._require_boundary("add_layers")
         if not self.has_factory:
             raise RuntimeError("add_layers needs layer_factory= in the vpipe config to build the new layers")
+        if any(is_fully_sharded(stage.module) for stage in self.pipeline.stages):
+            raise RuntimeError("add_layers cannot add to an FSDP2 (fully_shard) stage: the factory's blocks would not "
+                               "be sharded, nor their gradients reduced over the data-parallel group")
         self.agreement.agree_edit({"call": "add_layers", "position": position, "count": len(specs)}, self.who)
         new_ids = self.layer_manager.add_layers(position, specs)
         self._after_edit()

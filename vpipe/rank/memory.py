@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from vpipe.sharing import keep_all_shares
 from vpipe.tensor_manager import MemoryBudgetError
@@ -33,7 +34,8 @@ __all__ = ["StageMemory", "tensor_bytes_of", "apply_budgets"]
 
 
 def tensor_bytes_of(tensors: Any) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+    """Bytes the tensors hold on this rank (an FSDP2 shard: its local part)."""
+    return sum((t.to_local() if isinstance(t, DTensor) else t).numel() * t.element_size() for t in tensors)
 
 
 class StageMemory:

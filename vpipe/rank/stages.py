@@ -39,13 +39,15 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from vpipe.migration.blocks import StageBlocks
+from vpipe.migration.fsdp import fsdp_refusal, fsdp_sharded, is_fully_sharded
 from vpipe.schedules.pipedream import SchedulePipeDream
 from vpipe.sharing import action_kind, flat_actions, in_flight_per_stage, in_flight_together
 
 log = logging.getLogger("vpipe.attach")
 
 __all__ = ["AttachTarget", "LocalStage", "Pipeline", "inspect_target", "reset_shape_inference", "check_schedule_api",
-           "in_flight_per_stage", "in_flight_together", "flat_actions", "action_kind", "MULTI_STAGE_SCHEDULES"]
+           "move_refusal", "in_flight_per_stage", "in_flight_together", "flat_actions", "action_kind",
+           "MULTI_STAGE_SCHEDULES"]
 
 # what attach takes: a single-stage schedule (SchedulePipeDream is one), a multi-stage one, or a stage module
 AttachTarget: TypeAlias = PipelineScheduleSingle | PipelineScheduleMulti | nn.Module
@@ -177,7 +179,8 @@ def _single_kind(schedule: Any) -> str:
 
 
 def _unwrap(module: nn.Module) -> nn.Module:
-    """The stage module to find blocks in: refuse wrappers and parallelisms vpipe cannot move blocks of."""
+    """The stage module to find blocks in: refuse wrappers and parallelisms vpipe cannot move blocks of
+    (FSDP2's ``fully_shard`` is accepted: the module stays the module)."""
     wrapped = type(module).__name__
     if wrapped == "DistributedDataParallel" or _composable(module, "replicate"):
         how = wrapped if wrapped == "DistributedDataParallel" else "replicate()"
@@ -185,15 +188,15 @@ def _unwrap(module: nn.Module) -> nn.Module:
                         "fixed at wrap time and would go stale when blocks move. Keep the stage module unwrapped and "
                         "all-reduce its gradients over the data-parallel group after schedule.step() yourself "
                         "(vpipe keeps the replicas' blocks alike)")
-    fsdp = [type(m).__name__ for m in module.modules() if _composable(m, "fully_shard")
-            or type(m).__name__ == "FullyShardedDataParallel" or hasattr(m, "_fsdp_wrapped_module")]
-    if fsdp:
-        raise TypeError("vpipe.attach does not support FSDP (fully_shard / FullyShardedDataParallel) on a stage "
-                        "module yet: use plain data-parallel replicas (an unwrapped stage module whose gradients "
-                        "the trainer all-reduces over the data-parallel group after schedule.step())")
-    if any(type(p).__name__ == "DTensor" for p in module.parameters()):
-        raise TypeError("vpipe.attach does not support DTensor parameters (tensor parallelism inside blocks): "
-                        "vpipe moves whole blocks between stages and cannot move a sharded one")
+    if any(type(m).__name__ == "FullyShardedDataParallel" or hasattr(m, "_fsdp_wrapped_module")
+           for m in module.modules()):
+        raise TypeError("vpipe.attach does not support FSDP1 (FullyShardedDataParallel) on a stage module: its flat "
+                        "parameters hold every block at once. Use FSDP2, torchtitan's way: fully_shard(block, "
+                        "mesh=dp_mesh) on every block, then fully_shard(stage_module, mesh=dp_mesh)")
+    if any(type(p).__name__ == "DTensor" and not fsdp_sharded(p) for p in module.parameters()):
+        raise TypeError("vpipe.attach does not support DTensor parameters other than FSDP2's shards (tensor "
+                        "parallelism inside blocks): vpipe moves whole blocks between stages and cannot move a "
+                        "tensor-parallel one")
     return module
 
 
@@ -268,3 +271,23 @@ def reset_shape_inference(schedule: Any) -> None:
         for name in _OLD_STAGE_META:
             if hasattr(stage, name):
                 setattr(stage, name, None)
+
+
+def move_refusal(pipeline: Pipeline, has_factory: bool) -> str | None:
+    """Why this rank's layers cannot move, or None when they can (every rank then takes the job's first)."""
+    if any(isinstance(s.module, torch.fx.GraphModule) for s in pipeline.stages):
+        return "the stage is a traced GraphModule (pipeline() split): its forward is a fixed graph of modules"
+    for stage in pipeline.stages:
+        assert stage.blocks is not None  # agree_on_blocks set every local stage's blocks
+        fsdp = fsdp_refusal(stage.module, stage.blocks.blocks().values())
+        if fsdp is None and has_factory and is_fully_sharded(stage.module):
+            fsdp = "FSDP: blocks built by layer_factory= would not be sharded; leave it out (blocks are cloned)"
+        if fsdp is not None:
+            return fsdp
+    first: LocalStage = pipeline.first
+    if pipeline.kind == "pipedream" and first.blocks is not None and (first.blocks.path
+                                                                       or first.blocks.style.value != "ids"):
+        return ("a PipeDream stream moves layers only in a stage module that is an nn.Sequential named by "
+                "global layer id")
+    return None
+

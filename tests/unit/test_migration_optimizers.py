@@ -1,0 +1,76 @@
+"""One optimizer per model part: attach's reading of a container, and a layer changing parts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from vpipe.migration.optimizers import OptimizerParts, move_between, optimizer_parts, part_of
+from vpipe.migration.state import load_layer, pack_layer, register_layer
+
+
+class Container:
+    """torchtitan's OptimizersContainer, as far as vpipe reads it: the parts in ``.optimizers``."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        self.optimizers = optimizers
+
+
+def stages() -> dict[int, nn.Module]:
+    torch.manual_seed(0)
+    return {0: nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), 2: nn.Sequential(nn.Linear(4, 4))}
+
+
+def test_a_container_gives_each_stage_its_part_and_reads_as_one_optimizer():
+    modules = stages()
+    parts = [torch.optim.AdamW(modules[v].parameters()) for v in (0, 2)]
+    for optimizer in (Container(parts), parts, tuple(parts)):
+        combined = optimizer_parts(optimizer, modules)
+        assert isinstance(combined, OptimizerParts)
+        assert part_of(combined, 0) is parts[0] and part_of(combined, 2) is parts[1]
+        assert combined.param_groups == [parts[0].param_groups[0], parts[1].param_groups[0]]
+    single = torch.optim.SGD(modules[0].parameters())
+    assert optimizer_parts(single, modules) is single and part_of(single, 2) is single
+    assert optimizer_parts([single], {0: modules[0]}) is single
+
+
+def test_a_container_whose_parts_are_not_one_per_stage_is_refused_saying_what_to_build():
+    modules = stages()
+    everything = [torch.optim.SGD(modules[0].parameters(), lr=0.1), torch.optim.SGD(
+        [*modules[0].parameters(), *modules[2].parameters()], lr=0.1)]
+    with pytest.raises(ValueError, match="stage 0's parameters are in 2 of the optimizer container's 2 optimizers; "
+                                         "build one optimizer per model part"):
+        optimizer_parts(everything, modules)
+    with pytest.raises(TypeError, match="a container must hold torch optimizers"):
+        optimizer_parts(Container([]), modules)
+
+
+def test_a_layer_arriving_on_a_stage_joins_that_stages_part_with_its_state():
+    sender, receiver = stages(), stages()
+    send_parts = [torch.optim.AdamW(sender[v].parameters()) for v in (0, 2)]
+    recv = optimizer_parts([torch.optim.AdamW(receiver[v].parameters()) for v in (0, 2)], receiver)
+    sender[0](torch.ones(1, 4)).sum().backward()
+    send_parts[0].step()
+    block = sender[0][1]
+    state = pack_layer(1, block, send_parts[0])
+    arriving = nn.Linear(4, 4)
+    register_layer(load_layer(state, arriving, part_of(recv, 2)), part_of(recv, 2))
+    stage2 = part_of(recv, 2)
+    assert stage2 is not None and any(p is arriving.weight for p in stage2.param_groups[0]["params"])
+    assert arriving.weight not in part_of(recv, 0).state  # looking it up left no empty entry in another part
+    assert torch.equal(recv.state[arriving.weight]["exp_avg"], send_parts[0].state[block.weight]["exp_avg"])
+
+
+def test_a_layer_moving_between_two_stages_of_a_rank_changes_part_with_its_state():
+    modules = stages()
+    parts = [torch.optim.AdamW(modules[v].parameters()) for v in (0, 2)]
+    modules[0](torch.ones(1, 4)).sum().backward()
+    parts[0].step()
+    moving = list(modules[0][1].parameters())
+    moments = [parts[0].state[p] for p in moving]
+    move_between(parts[0], parts[1], moving)
+    assert [id(p) for p in parts[1].param_groups[0]["params"]][-2:] == [id(p) for p in moving]
+    assert not any(p in parts[0].state for p in moving)
+    assert [parts[1].state[p] for p in moving] == moments
+    assert len(parts[0].param_groups[0]["params"]) == 2
