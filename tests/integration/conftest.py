@@ -9,6 +9,8 @@ covers is read in one place rather than from markers spread over the files.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 # Modules whose every test trains real pipelines (10-60 s each on 2 cores).
@@ -49,6 +51,27 @@ SMOKE = {
 }
 
 
+# The longest modules (minutes each in CI), longest first. CI runs one module per xdist worker in collection
+# order (.ci/run: --dist loadfile --no-loadscope-reorder): these start first, so that the many short modules
+# fill the end and both workers finish together instead of one running a long module alone.
+LONGEST_FIRST = [
+    "test_stage_shapes.py", "test_multistage_train.py", "test_multistage.py", "test_mesh.py", "test_launch.py",
+    "test_migration_transparency.py", "test_mesh_fsdp.py", "test_checkpoint.py", "test_pipeline_equivalence.py",
+    "test_nas.py", "test_attach.py", "test_bad_input_commands.py", "test_tensor_manager_pipeline.py",
+    "test_faults.py", "test_multihost.py", "test_control_run.py", "test_block_moves.py", "test_migration_faults.py",
+]
+
+
+def _longest_first(items: list[pytest.Item]) -> None:
+    """Put the longest modules first (a stable sort: every other test keeps its place)."""
+    missing = [name for name in LONGEST_FIRST if not (Path(__file__).parent / name).exists()]
+    if missing:
+        raise pytest.UsageError(f"tests/integration/conftest.py orders modules that do not exist: {missing}")
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)) if item.path.parent.name == "integration"
+               else len(rank))
+
+
 @pytest.hookimpl(tryfirst=True)  # before `-m "not slow"` deselects
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     collected: set[str] = set()
@@ -67,3 +90,4 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                    and name not in collected)
     if stale:
         raise pytest.UsageError(f"tests/integration/conftest.py names tests that do not exist: {stale}")
+    _longest_first(items)

@@ -35,12 +35,13 @@ def _alive(process: psutil.Process) -> bool:
         return False
 
 
-def _outside_threads(root_pid: int, seconds: float = 2.0) -> float:
-    sampler = RunnableSampler(root_pid, interval_s=0.05).start()
+def _outside_threads(*root_pids: int, seconds: float = 2.0) -> list[float]:
+    """Runnable threads outside each root's tree, sampled over the same window (other load counts for all)."""
+    samplers = [RunnableSampler(pid, interval_s=0.05).start() for pid in root_pids]
     time.sleep(seconds)
-    load = sampler.stop()
-    assert load is not None
-    return load
+    loads = [sampler.stop() for sampler in samplers]
+    assert None not in loads
+    return loads  # type: ignore[return-value]
 
 
 @pytest.mark.skipif(not RunnableSampler.available(), reason="needs /proc/stat (Linux)")
@@ -50,8 +51,7 @@ def test_runnable_sampler_counts_busy_threads_outside_the_tree_only():
     busy = subprocess.Popen(BUSY)
     try:
         time.sleep(0.5)
-        seen_from_elsewhere = _outside_threads(idle.pid)
-        seen_from_its_tree = _outside_threads(os.getpid())  # busy is our child
+        seen_from_elsewhere, seen_from_its_tree = _outside_threads(idle.pid, os.getpid())  # busy is our child
     finally:
         for p in (idle, busy):
             p.kill()
