@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from support.processes import ROOT, WORKERS, child_env
+from support.processes import ROOT, WORKERS, child_env, warm_starter
 from vpipe.log import read_log
 
 
@@ -71,7 +71,7 @@ def test_detach_restores_the_trainer_exactly(tmp_path):
     from vpipe_lab.runtime.launch import spawn
 
     code = spawn([sys.executable, str(WORKERS / "attach_worker.py"), str(out)], 1,
-                 extra_env={"PYTHONPATH": str(ROOT)})
+                 extra_env={"PYTHONPATH": str(ROOT)}, starter=warm_starter())
     assert code == 0
     snap = json.loads(out.read_text())
     assert snap["after"] == snap["before"]

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from support.processes import ROOT, WORKERS
+from support.processes import ROOT, WORKERS, warm_starter
 from vpipe.checkpoint.block_keys import global_block_keys, local_block_keys
 
 
@@ -28,7 +28,7 @@ def _run(tmp_path: Path, shape: str) -> dict:
 
     out = tmp_path / f"{shape}.json"
     code = spawn([sys.executable, str(WORKERS / "dcp_worker.py"), shape, str(out), str(tmp_path / "ckpt")],
-                 2, extra_env={"PYTHONPATH": str(ROOT)}, timeout_s=240)
+                 2, extra_env={"PYTHONPATH": str(ROOT)}, timeout_s=240, starter=warm_starter())
     assert code == 0
     return json.loads(out.read_text())
 

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from support.processes import ROOT, WORKERS, child_env, run_vpipe
+from support.processes import ROOT, WORKERS, child_env, run_vpipe, warm_starter
 from support.results import assert_params_equal, load_run_params
 from vpipe import faults
 from vpipe.checkpoint import find_latest, load_checkpoint
@@ -85,7 +85,7 @@ def test_a_budget_below_the_weights_is_refused_at_attach():
 def attach_outcome(tmp_path, mode: str) -> dict:
     out = tmp_path / f"{mode}.json"
     code = spawn([sys.executable, str(WORKERS / "fault_worker.py"), mode, str(out)], 1,
-                 extra_env={"PYTHONPATH": str(ROOT)})
+                 extra_env={"PYTHONPATH": str(ROOT)}, starter=warm_starter())
     assert code == 0
     return json.loads(out.read_text())
 

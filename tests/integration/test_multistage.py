@@ -1,7 +1,8 @@
 """The schedules with several stages per rank, under vpipe: torch's five, with 2 virtual stages per rank.
 
 Each case runs tests/workers/multistage_worker.py (the examples/train_multistage.py trainer, torchtitan
-style: one chunk per virtual stage, one optimizer) with torchrun, without vpipe and with it,
+style: one chunk per virtual stage, one optimizer) on real ranks started by the lab's spawner
+(torchrun's environment; test_launch.py and test_stage_shapes.py cover torchrun itself), without vpipe and with it,
 and compares the losses: bitwise when vpipe keeps everything or swaps or recomputes every
 block, to rounding when policies and moves are forced mid-run (a move across ranks, and on
 the V-shaped schedules one between the two stages of a rank).
@@ -10,14 +11,14 @@ the V-shaped schedules one between the two stages of a rank).
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from support.processes import ROOT, WORKERS, child_env
+from support.processes import WORKERS, child_env, warm_starter
 from vpipe.log import read_log
+from vpipe_lab.runtime.launch import spawn
 
 SCHEDULES = ["interleaved1f1b", "loopedbfs", "interleavedzb", "zbv", "dualpipev"]
 V_SHAPED = ("zbv", "dualpipev")
@@ -38,11 +39,12 @@ def multistage_run(tmp_path_factory):
 def _run(tmp_path_factory, schedule: str, partition: str, scenario: str, ranks: int, steps: int) -> dict:
     tmp = tmp_path_factory.mktemp(f"{schedule}-{scenario}")
     out, log_file = tmp / "run", tmp / "vpipe.log"
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-         str(WORKERS / "multistage_worker.py"), schedule, partition, scenario, str(out), str(steps)],
-        cwd=ROOT, env=child_env(VPIPE_LOG_FILE=str(log_file)), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    with open(tmp / "stderr.txt", "w+") as stderr:
+        code = spawn([sys.executable, str(WORKERS / "multistage_worker.py"), schedule, partition, scenario, str(out),
+                      str(steps)], ranks, extra_env=child_env(VPIPE_LOG_FILE=str(log_file)), stderr=stderr,
+                     timeout_s=300, starter=warm_starter())
+        stderr.seek(0)
+        assert code == 0, stderr.read()[-4000:]
     results = [json.loads((tmp / f"run.rank{r}.json").read_text()) for r in range(ranks)]
     states = [torch.load(tmp / f"run.rank{r}.pt", weights_only=True) for r in range(ranks)]
     losses = next(r["losses"] for r in results if r["losses"])

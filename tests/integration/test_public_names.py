@@ -7,6 +7,7 @@ import ast
 import subprocess
 import sys
 import typing
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -47,7 +48,8 @@ def test_a_type_checker_sees_every_public_name_where_it_is_loaded_from():
 def test_attach_and_vpipe_have_typed_parameters():
     target = PipelineScheduleSingle | PipelineScheduleMulti | nn.Module
     assert typing.get_type_hints(vpipe.attach) == {
-        "target": target, "optimizer": torch.optim.Optimizer | None, "config": vpipe.VpipeConfig | None,
+        "target": target, "optimizer": torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None,
+        "config": vpipe.VpipeConfig | None,
         "store": Store | None, "options": typing.Any, "return": vpipe.Vpipe}
     for name, method in vars(_attach.Vpipe).items():
         function = method.fget if isinstance(method, property) else method

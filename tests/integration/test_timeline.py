@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from support.processes import ROOT, WORKERS
+from support.processes import ROOT, WORKERS, warm_starter
 from vpipe import timeline
 from vpipe.cli import main as cli_main
 from vpipe.rank.config import VpipeConfig
@@ -21,7 +21,7 @@ def _trained(tmp_path: Path, scenario: str = "timeline") -> tuple[dict, Path]:
 
     out, trace_dir = tmp_path / "out.json", tmp_path / "trace"
     code = spawn([sys.executable, str(WORKERS / "trace_worker.py"), str(out), str(trace_dir), scenario], 2,
-                 extra_env={"PYTHONPATH": str(ROOT)}, timeout_s=240)
+                 extra_env={"PYTHONPATH": str(ROOT)}, timeout_s=240, starter=warm_starter())
     assert code == 0
     return json.loads(out.read_text()), trace_dir
 

@@ -18,7 +18,7 @@ import pytest
 
 from support.processes import child_env
 from vpipe_lab.runtime.launch import spawn
-from vpipe_lab.runtime.warm_start import COLD_START_ENV, warm_start_possible
+from vpipe_lab.runtime.warm_start import COLD_START_ENV, WarmStarter, warm_start_possible
 
 # A rank reports what a program sees of its start; ``warm`` says whether torch was there before it imported it.
 REPORT = """
@@ -118,3 +118,21 @@ def test_the_starter_ends_its_ranks_when_the_launcher_goes(tmp_path):
         launcher.wait()
     _, alive = psutil.wait_procs(descendants, timeout=30)
     assert not alive, f"left running after the launcher died: {alive}"
+
+
+def test_one_starter_serves_runs_one_after_another_each_with_its_own_output_and_path(tmp_path):
+    (tmp_path / "only_here.py").write_text("WHERE = 'tmp'\n")
+    program = ("import os, sys\nimport only_here\n"
+               "print(f\"rank {os.environ['RANK']} of run {sys.argv[1]} found {only_here.WHERE}\", file=sys.stderr)\n")
+    starter = WarmStarter(child_env())
+    try:
+        for run in ("a", "b"):
+            with open(tmp_path / f"{run}.txt", "w+") as stderr:
+                code = spawn([sys.executable, "-c", program, run], 2, stderr=stderr, starter=starter,
+                             extra_env={"PYTHONPATH": str(tmp_path)})
+                stderr.seek(0)
+                lines = sorted(stderr.read().splitlines())
+            assert code == 0
+            assert lines == [f"rank {r} of run {run} found tmp" for r in range(2)]
+    finally:
+        starter.close()

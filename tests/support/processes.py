@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import subprocess
@@ -35,6 +36,21 @@ def run_vpipe(*args: str, timeout: float = 240, env: dict[str, str] | None = Non
     )
 
 
+_STARTER: list = []
+
+
+def warm_starter():
+    """This test process's warm starter (forks ranks with torch imported), kept for every run; None with a GPU."""
+    from vpipe_lab.runtime.warm_start import WarmStarter, warm_start_possible
+
+    if not _STARTER:
+        env = child_env()
+        _STARTER.append(WarmStarter(env) if warm_start_possible([sys.executable, "-"], env) else None)
+        if _STARTER[0] is not None:
+            atexit.register(_STARTER[0].close)
+    return _STARTER[0]
+
+
 def run_worker(tmp_path: Path, worker: str, scenario: str, ranks: int) -> dict:
     """Run ``tests/workers/WORKER.py SCENARIO OUT`` on ``ranks`` real ranks; its JSON result plus the log records."""
     from vpipe.log import read_log
@@ -43,7 +59,7 @@ def run_worker(tmp_path: Path, worker: str, scenario: str, ranks: int) -> dict:
     out, log_file = tmp_path / f"{scenario}.json", tmp_path / f"{scenario}.log"
     code = spawn([sys.executable, str(WORKERS / f"{worker}.py"), scenario, str(out)], ranks,
                  extra_env={"PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)]), "VPIPE_LOG_FILE": str(log_file)},
-                 timeout_s=240)
+                 timeout_s=240, starter=warm_starter())
     assert code == 0
     result = json.loads(out.read_text())
     result["log"] = read_log(log_file) if log_file.exists() else []

@@ -227,6 +227,7 @@ def spawn(
     timeout_s: float | None = None,
     stdout: Any = None,
     stderr: Any = None,
+    starter: WarmStarter | None = None,
 ) -> int:
     """Run ``argv`` as ``nprocs`` ranks on this host, torchrun-style; return the run's exit code.
 
@@ -235,7 +236,8 @@ def spawn(
     then are killed. Ctrl-C is passed on to every rank (when called from the main thread).
     After ``timeout_s`` every rank is killed and :class:`TimeoutError` raised. ``stdout``
     and ``stderr`` go to every rank (default: this process's). A Python ``argv`` on a CPU-only
-    host is forked from one warm interpreter (:mod:`vpipe_lab.runtime.warm_start`).
+    host is forked from one warm interpreter (:mod:`vpipe_lab.runtime.warm_start`): a new
+    one per run, or ``starter``, kept by the caller for several runs.
     """
     if nprocs < 1:
         raise ValueError(f"need at least one rank, got {nprocs}")
@@ -257,7 +259,11 @@ def spawn(
         TORCHELASTIC_USE_AGENT_STORE="True",
         OMP_NUM_THREADS=base.get("OMP_NUM_THREADS", "1"),
     )
-    starter = WarmStarter(base, stdout, stderr) if warm_start_possible(argv, base) else None
+    own_starter = starter is None and warm_start_possible(argv, base)
+    if own_starter:
+        starter = WarmStarter(base)
+    elif not warm_start_possible(argv, base):
+        starter = None
     procs: list[Any] = []  # subprocess.Popen, or WarmRank (its poll/wait/kill/send_signal)
     interrupted: list[int] = []  # the signals passed on: the run ends because it was asked to
 
@@ -271,14 +277,17 @@ def spawn(
     try:
         for rank in range(nprocs):
             env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0")
-            procs.append(starter.start(argv, env) if starter is not None
+            procs.append(starter.start(argv, env, stdout, stderr) if starter is not None
                          else subprocess.Popen(list(argv), env=env, stdout=stdout, stderr=stderr))
         return _wait_all(procs, grace_s, timeout_s, store, interrupted)
     finally:
         for s, handler in old.items():
             signal.signal(s, handler)
-        if starter is not None:
+        if own_starter and starter is not None:
             starter.close()  # kills any rank still running (only after an error here)
+        elif starter is not None:
+            for p in procs:
+                p.kill()  # nothing is left running after an error here
         del store
 
 

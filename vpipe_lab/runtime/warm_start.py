@@ -5,8 +5,9 @@ short run trains). The spawner therefore starts one *warm starter* per run: a pr
 imports torch once, then forks every rank from that state. Each rank is still a real
 process with its own torchrun-style environment, working directory, ``sys.argv`` and exit
 code; it runs its program exactly as ``python PROGRAM`` would (a script, ``-m module`` or
-``-c code``). The spawner talks to the starter over a pipe (JSON lines) and handles each
-rank through :class:`WarmRank`, the part of ``subprocess.Popen`` it uses.
+``-c code``). The spawner talks to the starter over a Unix socket (one JSON message per
+request or report; a request carries the rank's stdout and stderr descriptors) and handles
+each rank through :class:`WarmRank`, the part of ``subprocess.Popen`` it uses.
 
 Forking after CUDA is touched is unsafe, so where an NVIDIA device exists ranks start cold
 (one interpreter each), as they also do with ``VPIPE_COLD_START=1``.
@@ -14,16 +15,18 @@ Forking after CUDA is touched is unsafe, so where an NVIDIA device exists ranks 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import runpy
 import select
 import signal
+import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,25 +44,27 @@ def warm_start_possible(argv: Sequence[str], environ: dict[str, str]) -> bool:
 
 
 class WarmStarter:
-    """The launcher's end of one warm starter process; :meth:`start` forks a rank from it."""
+    """The launcher's end of one warm starter process; :meth:`start` forks a rank from it.
 
-    def __init__(self, env: dict[str, str], stdout: Any = None, stderr: Any = None) -> None:
-        reply_read, reply_write = os.pipe()
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "vpipe_lab.runtime.warm_start", str(reply_write)],
-            env=env, stdin=subprocess.PIPE, stdout=stdout, stderr=stderr, pass_fds=(reply_write,),
-        )
-        os.close(reply_write)
-        self._replies = os.fdopen(reply_read, "rb", buffering=0)
-        self._buffer = b""
+    One starter can serve many runs one after another (a test session keeps one): each
+    request carries the rank's whole environment and its stdout and stderr descriptors.
+    """
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self._socket, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._proc = subprocess.Popen([sys.executable, "-m", "vpipe_lab.runtime.warm_start", str(theirs.fileno())],
+                                      env=env, stdin=subprocess.DEVNULL, pass_fds=(theirs.fileno(),))
+        theirs.close()
         self.exit_codes: dict[int, int] = {}
 
-    def start(self, argv: Sequence[str], env: dict[str, str]) -> WarmRank:
-        """Fork one rank running ``argv`` (a Python command line) with ``env``; return its handle."""
-        request = {"argv": list(argv), "env": env, "cwd": os.getcwd()}
-        assert self._proc.stdin is not None
-        self._proc.stdin.write(json.dumps(request).encode() + b"\n")
-        self._proc.stdin.flush()
+    def start(self, argv: Sequence[str], env: dict[str, str], stdout: Any = None, stderr: Any = None) -> WarmRank:
+        """Fork one rank running ``argv`` (a Python command line) with ``env``; return its handle.
+
+        ``stdout`` and ``stderr`` as for ``subprocess.Popen``: None (this process's), DEVNULL, or a file.
+        """
+        request = json.dumps({"argv": list(argv), "env": env, "cwd": os.getcwd()}).encode()
+        with _descriptor(stdout, 1) as out, _descriptor(stderr, 2) as err:
+            socket.send_fds(self._socket, [request], [out, err])
         while True:
             for reply in self._read(timeout_s=1.0):
                 if "pid" in reply:
@@ -70,33 +75,43 @@ class WarmStarter:
     def collect(self, timeout_s: float = 0.0) -> None:
         """Take in the exit codes the starter has reported so far."""
         list(self._read(timeout_s))
-        if self._proc.poll() is not None:  # it reports every rank before it exits, so nothing is left to read later
-            list(self._read(0.0))
 
     def close(self) -> None:
-        """End the starter (it kills any rank still running when its pipe closes) and wait for it."""
-        if self._proc.stdin is not None and not self._proc.stdin.closed:
-            self._proc.stdin.close()
+        """End the starter (it kills any rank still running when its socket closes) and wait for it."""
+        self._socket.close()
         try:
             self._proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self._proc.kill()
             self._proc.wait()
-        self._replies.close()
 
-    def _read(self, timeout_s: float):
-        while select.select([self._replies], [], [], timeout_s)[0]:
-            chunk = self._replies.read(65536)
-            if not chunk:
+    def _read(self, timeout_s: float) -> Iterator[dict[str, Any]]:
+        while self._socket.fileno() >= 0 and select.select([self._socket], [], [], timeout_s)[0]:
+            message = self._socket.recv(65536)
+            if not message:
                 return
-            self._buffer += chunk
-            *lines, self._buffer = self._buffer.split(b"\n")
-            for line in lines:
-                reply = json.loads(line)
-                if "exited" in reply:
-                    self.exit_codes[reply["exited"]] = reply["code"]
-                yield reply
+            reply = json.loads(message)
+            if "exited" in reply:
+                self.exit_codes[reply["exited"]] = reply["code"]
+            yield reply
             timeout_s = 0.0
+
+
+@contextlib.contextmanager
+def _descriptor(target: Any, default: int) -> Iterator[int]:
+    """The file descriptor a rank's stream goes to, as ``subprocess.Popen`` reads ``stdout=``/``stderr=``."""
+    if target is None:
+        yield default
+    elif target == subprocess.DEVNULL:
+        with open(os.devnull, "wb") as devnull:
+            yield devnull.fileno()
+    elif isinstance(target, int) and target >= 0:
+        yield target
+    elif hasattr(target, "fileno"):
+        target.flush()
+        yield target.fileno()
+    else:
+        raise ValueError(f"a warm-started rank's output goes to a file, DEVNULL or this process's, not {target!r}")
 
 
 class WarmRank:
@@ -135,27 +150,29 @@ class WarmRank:
 
 
 # ----------------------------------------------------------------- the starter process
-def _serve(reply_fd: int) -> dict[str, Any]:
-    """Fork a rank per request line on stdin, report pids and exit codes; return only in a forked rank."""
+def _serve(fd: int) -> dict[str, Any]:
+    """Fork a rank per request, report pids and exit codes; return only in a forked rank."""
     for name in _PRELOAD:
         __import__(name)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to pass on, to the ranks
-    requests, buffer, open_ = sys.stdin.fileno(), b"", True
+    channel = socket.socket(fileno=fd)
     running: set[int] = set()
+    open_ = True
     while open_ or running:
-        if open_ and select.select([requests], [], [], 0.05)[0]:
-            chunk = os.read(requests, 65536)
-            open_ = bool(chunk)
-            buffer += chunk
-            *lines, buffer = buffer.split(b"\n")
-            for line in lines:
-                request = json.loads(line)
+        if open_ and select.select([channel], [], [], 0.05)[0]:
+            message, fds, _, _ = socket.recv_fds(channel, 1 << 20, 2)
+            open_ = bool(message)
+            if message:
                 pid = os.fork()
                 if pid == 0:
-                    os.close(reply_fd)
-                    return request
+                    channel.close()
+                    os.dup2(fds[0], 1)
+                    os.dup2(fds[1], 2)
+                    return {**json.loads(message), "_fds": fds}
                 running.add(pid)
-                os.write(reply_fd, json.dumps({"pid": pid}).encode() + b"\n")
+                channel.send(json.dumps({"pid": pid}).encode())
+            for descriptor in fds:
+                os.close(descriptor)
             if not open_:  # the launcher has gone: nobody will wait for these ranks
                 for pid in running:
                     os.kill(pid, signal.SIGKILL)
@@ -165,15 +182,18 @@ def _serve(reply_fd: int) -> dict[str, Any]:
             done, status = os.waitpid(pid, os.WNOHANG)
             if done:
                 running.discard(pid)
-                os.write(reply_fd, json.dumps({"exited": pid, "code": os.waitstatus_to_exitcode(status)}).encode()
-                         + b"\n")
+                if open_:
+                    channel.send(json.dumps({"exited": pid, "code": os.waitstatus_to_exitcode(status)}).encode())
     sys.exit(0)
 
 
 def _become(request: dict[str, Any]) -> None:
     """Turn this forked process into ``python ARGV`` with the request's environment and directory."""
-    sys.stdin.close()
+    for descriptor in request["_fds"]:
+        if descriptor not in (1, 2):
+            os.close(descriptor)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    _follow_pythonpath(os.environ.get("PYTHONPATH", ""), request["env"].get("PYTHONPATH", ""))
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
@@ -196,6 +216,14 @@ def _become(request: dict[str, Any]) -> None:
         sys.path[0] = os.path.dirname(os.path.realpath(args[0]))
         runpy.run_path(args[0], run_name="__main__")
     sys.exit(0)
+
+
+def _follow_pythonpath(started_with: str, wanted: str) -> None:
+    """Give ``sys.path`` the request's ``PYTHONPATH`` entries where the starter had its own (right after [0])."""
+    if started_with == wanted:
+        return
+    old = set(filter(None, started_with.split(os.pathsep)))
+    sys.path[1:] = [entry for entry in wanted.split(os.pathsep) if entry] + [e for e in sys.path[1:] if e not in old]
 
 
 if __name__ == "__main__":
