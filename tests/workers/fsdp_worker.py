@@ -94,7 +94,8 @@ def side_by_side(order: tuple[str, str], interleaved: bool = False) -> dict:
     if interleaved:
         vp.request_plan(vpipe.Plan(epoch=1, stages=((0, 1), (2, 3, 4), (5, 6), (7,))), at_step=3)
     # the tutorial's loop, one batch per replica; FSDP reduce-scatters the gradients inside the schedule
-    losses, placements = train_side_by_side({name: (*copy, None) for name, copy in copies.items()}, vp, coords, STEPS)
+    losses, placements = train_side_by_side({name: (*copy, None) for name, copy in copies.items()}, vp, coords, STEPS,
+                                            until_moved=not interleaved)
     states = {name: full_state(models) for name, (models, _, _) in copies.items()}
     return everyone({"rank": dist.get_rank(), "coords": coords, "losses": losses, "placements": placements,
                      "states": states, "parts_hold_their_stages": not interleaved or all(

@@ -97,25 +97,39 @@ def side_by_side(order: tuple[str, str], interleaved: bool = False) -> dict:
               "vpipe": (*build(mesh_groups["pp"], coords["pp"], interleaved), mesh_groups["dp"])}
     _, schedule, opt, _ = copies["vpipe"]
     vp = vpipe.attach(schedule, optimizer=opt)
-    losses, placements = train_side_by_side(copies, vp, coords, STEPS)
+    losses, placements = train_side_by_side(copies, vp, coords, STEPS, until_moved=not interleaved)
     states = {name: {k: v.tolist() for m in models for k, v in m.state_dict().items()}
               for name, (models, _, _, _) in copies.items()}
     return everyone({"rank": dist.get_rank(), "coords": coords, "losses": losses, "placements": placements,
                      "states": states})
 
 
-def train_side_by_side(copies: dict[str, tuple], vp: Any, coords: dict[str, int],
-                       steps: int) -> tuple[dict[str, list[float]], list]:
+def train_side_by_side(copies: dict[str, tuple], vp: Any, coords: dict[str, int], steps: int,
+                       until_moved: bool = False) -> tuple[dict[str, list[float]], list]:
     """Train every copy ``(models, schedule, optimizer, dp group)`` step by step; each copy's losses, and vpipe's
-    placement after every step. Detaches ``vp`` at the end."""
+    placement after every step. Detaches ``vp`` at the end.
+
+    The planner's first plan lands a few steps before ``steps`` by default, later on a loaded machine: with
+    ``until_moved`` the copies train on (up to twice ``steps``) until the placement has changed and trained
+    for 3 steps since.
+    Every rank applies a plan at the same step, so every rank stops at the same step.
+    """
     losses: dict[str, list[float]] = {name: [] for name in copies}
-    placements = []
-    for step in range(steps):
+    placements: list = []
+    step = 0
+    while step < steps or (until_moved and step < 2 * steps and _steps_since_a_move(placements) < 3):
         for name, (models, sched, o, dp) in copies.items():
             losses[name] += train_step(models, sched, o, dp, coords, step)
         placements.append([list(s) for s in vp.placement])
+        step += 1
     vp.detach()
     return losses, placements
+
+
+def _steps_since_a_move(placements: list) -> int:
+    """Steps trained since the placement first changed (0 while it has not)."""
+    moved = next((i for i, p in enumerate(placements) if p != placements[0]), None)
+    return 0 if moved is None else len(placements) - moved
 
 
 def everyone(mine: dict) -> dict:
