@@ -51,9 +51,9 @@ SMOKE = {
 }
 
 
-# The longest modules (minutes each in CI), longest first. CI runs one module per xdist worker in collection
-# order (.ci/run: --dist loadfile --no-loadscope-reorder): these start first, so that the many short modules
-# fill the end and both workers finish together instead of one running a long module alone.
+# The longest modules (minutes each in CI), longest first. Run on every core (-n auto --dist loadfile
+# --no-loadscope-reorder: one module per xdist worker, in collection order), these start first, so that the
+# many short modules fill the end and the workers finish together instead of one running a long module alone.
 LONGEST_FIRST = [
     "test_stage_shapes.py", "test_multistage_train.py", "test_multistage.py", "test_mesh.py", "test_launch.py",
     "test_migration_transparency.py", "test_mesh_fsdp.py", "test_checkpoint.py", "test_pipeline_equivalence.py",
