@@ -379,7 +379,7 @@ def cmd_planner(args: argparse.Namespace, argv: Any = None) -> int:
         handler._vpipe = True  # type: ignore[attr-defined]  # vpipe's own: the next configure() replaces it
         logging.getLogger("vpipe").addHandler(handler)
         logging.getLogger("vpipe").setLevel(logging.INFO)
-    to_background()  # started by hand: a rank's daemon is lowered by the rank that spawns it, too
+    to_background()  # imports done and the planner loaded: from here on, plan below the ranks' priority
     daemon = PlannerDaemon(args.connect, planner, planner_name=args.planner, heartbeat_s=args.heartbeat,
                            stage_timeout_s=max(30.0, 20 * args.heartbeat), idle_timeout_s=args.idle_timeout,
                            parent_pid=args.parent_pid, server_key=server_key)

@@ -33,7 +33,6 @@ from vpipe.control.curve import (
 )
 from vpipe.control.messages import Message, make
 from vpipe.control.netaddr import check_endpoint
-from vpipe.control.priority import to_background
 from vpipe.log import decision
 from vpipe.monitors.records import StageRecord
 from vpipe.plan import Plan
@@ -124,8 +123,7 @@ class PlannerLink:
                                  log_file=self.log_file, planner_config=config)]
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "GROUP_RANK")}
         env["OMP_NUM_THREADS"] = "1"
-        self.process = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
-        to_background(self.process.pid)  # before its imports run, not after
+        self.process = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)  # it lowers itself when ready
         decision("planner_started", f"started planner daemon pid {self.process.pid} running {planner}",
                  pid=self.process.pid, planner=planner, endpoint=self.plane.endpoint)
 

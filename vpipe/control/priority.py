@@ -1,8 +1,10 @@
 """The planner daemon plans in the background: it must never take a core from a training rank.
 
-It runs at a lower priority (nice 10) from the moment it starts: the rank that spawns it
-lowers it right away, so its start-up (imports of about half a second of CPU) already
-yields to the ranks; a daemon started by hand lowers itself.
+It plans at a lower priority (nice 10). It lowers itself once its imports are done and its
+planner is loaded, whoever started it: start-up is about half a second of CPU, once, and at
+nice 10 on a host whose cores the ranks keep busy it took 8 s of wall time, so the first plan
+came late (runs whose moves the planner decides in their first tens of steps trained without
+them).
 """
 
 from __future__ import annotations
