@@ -68,7 +68,7 @@ def _flood(endpoint: str, secret: bytes | None, frame: bytes, stop: threading.Ev
 
 def _rank_process(launcher: subprocess.Popen, log_file: Path, rank: int) -> psutil.Process | None:
     pid = training_pids(log_file).get(rank)
-    descendants = {p.pid for p in psutil.Process(launcher.pid).children(recursive=True)}
+    descendants = {p.pid for p in psutil.Process().children(recursive=True)}  # via the launcher or the starter
     return psutil.Process(pid) if pid in descendants else None
 
 

@@ -95,9 +95,10 @@ def test_torchrun_launch_trains_like_one_process(tmp_path):
     assert_params_equal(params, want_params)  # the ranks torchrun started trained as one pipeline
 
 
-def _ranks(launcher: subprocess.Popen, log_file: Path) -> dict[int, psutil.Process]:
-    """The launcher's running ranks, by the process ids they logged."""
-    descendants = {p.pid for p in psutil.Process(launcher.pid).children(recursive=True)}
+def _ranks(log_file: Path) -> dict[int, psutil.Process]:
+    """The run's ranks, by the process ids they logged (children of the launcher, or of this test process's
+    warm starter)."""
+    descendants = {p.pid for p in psutil.Process().children(recursive=True)}
     return {rank: psutil.Process(pid) for rank, pid in training_pids(log_file).items() if pid in descendants}
 
 
@@ -111,7 +112,7 @@ def test_dead_rank_ends_every_rank_with_its_name(tmp_path):
     try:
         wait_while_running(lambda: ranks_training(log_file) == 4, 120, "every rank training", launcher)
         time.sleep(2.0)  # mid-run
-        ranks = _ranks(launcher, log_file)
+        ranks = _ranks(log_file)
         assert sorted(ranks) == [0, 1, 2, 3]
         ranks[1].send_signal(signal.SIGKILL)
         killed_at = time.monotonic()
@@ -138,7 +139,7 @@ def test_a_stopped_rank_is_named_and_the_run_ends_within_the_heartbeat_timeout(t
     try:
         wait_while_running(lambda: ranks_training(log_file) == 2, 120, "every rank training", launcher)
         time.sleep(1.0)
-        ranks = _ranks(launcher, log_file)
+        ranks = _ranks(log_file)
         ranks[1].send_signal(signal.SIGSTOP)  # alive, but silent: no heartbeat, no exit
         stopped_at = time.monotonic()
         _, stderr = launcher.communicate(timeout=60)

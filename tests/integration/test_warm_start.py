@@ -18,7 +18,7 @@ import pytest
 
 from support.processes import child_env
 from vpipe_lab.runtime.launch import spawn
-from vpipe_lab.runtime.warm_start import COLD_START_ENV, WarmStarter, warm_start_possible
+from vpipe_lab.runtime.warm_start import COLD_START_ENV, SHARED_STARTER_ENV, WarmStarter, warm_start_possible
 
 # A rank reports what a program sees of its start; ``warm`` says whether torch was there before it imported it.
 REPORT = """
@@ -104,7 +104,8 @@ def test_the_starter_ends_its_ranks_when_the_launcher_goes(tmp_path):
     """A launcher killed outright leaves no rank behind: its starter sees the pipe close and kills them."""
     program = ("import sys, time\nfrom vpipe_lab.runtime.launch import spawn\n"
                "spawn([sys.executable, '-c', 'import time; time.sleep(600)'], 2)\n")
-    launcher = subprocess.Popen([sys.executable, "-c", program], env=child_env(**{COLD_START_ENV: "0"}))
+    launcher = subprocess.Popen([sys.executable, "-c", program], env=child_env(**{COLD_START_ENV: "0",
+                                                                                   SHARED_STARTER_ENV: ""}))
     try:
         descendants: list = []
         for _ in range(600):
@@ -135,4 +136,35 @@ def test_one_starter_serves_runs_one_after_another_each_with_its_own_output_and_
             assert code == 0
             assert lines == [f"rank {r} of run {run} found tmp" for r in range(2)]
     finally:
+        starter.close()
+
+
+def test_launchers_share_a_listening_starter_and_one_that_goes_takes_only_its_own_ranks(tmp_path):
+    """``VPIPE_WARM_STARTER`` sends a launcher's ranks to a starter that serves several launchers at once."""
+    starter = WarmStarter(child_env(), listen=True)
+    env = child_env(**{COLD_START_ENV: "0", SHARED_STARTER_ENV: str(starter.address)})
+    spawn_ = "import sys\nfrom vpipe_lab.runtime.launch import spawn\n"
+    sleeper = subprocess.Popen([sys.executable, "-c", spawn_ + "spawn([sys.executable, '-c', 'import time; "
+                                "time.sleep(600)'], 2)\n"], env=env)
+    try:
+        sleeping: list = []
+        for _ in range(600):
+            sleeping = psutil.Process(starter.pid).children()
+            if len(sleeping) == 2:
+                break
+            time.sleep(0.1)
+        assert len(sleeping) == 2 and not psutil.Process(sleeper.pid).children()  # the starter's, not its own
+        report = ("import os, sys; print(os.environ['RANK'], os.getppid(), 'torch' in sys.modules, flush=True); "
+                  "sys.exit(int(os.environ['RANK']) + 4)")
+        quick = subprocess.run([sys.executable, "-c", spawn_ + f"sys.exit(spawn([sys.executable, '-c', {report!r}], "
+                                "2, grace_s=5))\n"], env=env, capture_output=True, text=True, timeout=120)
+        assert quick.returncode == 5 and "rank 1 exited first with code 5" in quick.stderr, quick.stderr
+        assert sorted(quick.stdout.split("\n")[:2]) == [f"{r} {starter.pid} True" for r in range(2)]
+        sleeper.kill()
+        sleeper.wait()
+        _, alive = psutil.wait_procs(sleeping, timeout=30)
+        assert not alive, f"left running after their launcher died: {alive}"
+        assert psutil.Process(starter.pid).status() != psutil.STATUS_ZOMBIE  # still serving the others
+    finally:
+        sleeper.kill()
         starter.close()

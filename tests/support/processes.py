@@ -19,12 +19,23 @@ WORKERS = TESTS / "workers"
 
 
 def child_env(**extra: str) -> dict[str, str]:
-    """The environment of a child process: one thread, unbuffered, no inherited rank, ``support`` importable."""
+    """The environment of a child process: one thread, unbuffered, no inherited rank, ``support`` importable,
+    and ranks that a `vpipe train` in it spawns forked from this test process's warm starter."""
+    from vpipe_lab.runtime.warm_start import SHARED_STARTER_ENV
+
+    env = _base_env()
+    starter = warm_starter()
+    if starter is not None and starter.address is not None:
+        env[SHARED_STARTER_ENV] = starter.address
+    env.update(extra)
+    return env
+
+
+def _base_env() -> dict[str, str]:
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.pop("RANK", None)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), str(TESTS), env.get("PYTHONPATH")]))
-    env.update(extra)
     return env
 
 
@@ -40,12 +51,13 @@ _STARTER: list = []
 
 
 def warm_starter():
-    """This test process's warm starter (forks ranks with torch imported), kept for every run; None with a GPU."""
+    """This test process's warm starter (forks ranks with torch imported), kept for every run, its own and
+    those of the `vpipe train` processes it starts; None with a GPU."""
     from vpipe_lab.runtime.warm_start import WarmStarter, warm_start_possible
 
     if not _STARTER:
-        env = child_env()
-        _STARTER.append(WarmStarter(env) if warm_start_possible([sys.executable, "-"], env) else None)
+        env = _base_env()
+        _STARTER.append(WarmStarter(env, listen=True) if warm_start_possible([sys.executable, "-"], env) else None)
         if _STARTER[0] is not None:
             atexit.register(_STARTER[0].close)
     return _STARTER[0]

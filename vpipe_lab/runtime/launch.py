@@ -37,7 +37,7 @@ from vpipe.control.curve import (
 )
 from vpipe.control.keys import KeyFileError
 from vpipe.control.netaddr import control_host
-from vpipe_lab.runtime.warm_start import WarmStarter, warm_start_possible
+from vpipe_lab.runtime.warm_start import SHARED_STARTER_ENV, WarmStarter, warm_start_possible
 from vpipe_lab.runtime.watchdog import Watchdog, stderr_line
 
 log = logging.getLogger("vpipe.runtime")  # the run log keeps vpipe.* loggers
@@ -261,7 +261,7 @@ def spawn(
     )
     own_starter = starter is None and warm_start_possible(argv, base)
     if own_starter:
-        starter = WarmStarter(base)
+        starter = _shared_starter(base) or WarmStarter(base)
     elif not warm_start_possible(argv, base):
         starter = None
     procs: list[Any] = []  # subprocess.Popen, or WarmRank (its poll/wait/kill/send_signal)
@@ -289,6 +289,19 @@ def spawn(
             for p in procs:
                 p.kill()  # nothing is left running after an error here
         del store
+
+
+def _shared_starter(environ: dict[str, str]) -> WarmStarter | None:
+    """The starter named by ``VPIPE_WARM_STARTER``, if it is there (else this run starts its own)."""
+    address = environ.get(SHARED_STARTER_ENV)
+    if not address:
+        return None
+    try:
+        return WarmStarter.connect(address)
+    except OSError as e:
+        log.warning("%s=%s: no warm starter answers there (%s); starting one for this run", SHARED_STARTER_ENV,
+                    address, e.strerror or e)
+        return None
 
 
 def _blamed(store: Any, rank: int) -> tuple[int, str] | None:

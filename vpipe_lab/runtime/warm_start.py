@@ -9,6 +9,12 @@ code; it runs its program exactly as ``python PROGRAM`` would (a script, ``-m mo
 request or report; a request carries the rank's stdout and stderr descriptors) and handles
 each rank through :class:`WarmRank`, the part of ``subprocess.Popen`` it uses.
 
+A starter made with ``listen=True`` also serves other launchers on this host: ``spawn``
+finds its socket in ``VPIPE_WARM_STARTER`` (the test suite keeps one starter per test process
+and every ``vpipe train`` it runs forks its ranks there, instead of each importing torch
+again). Such ranks are children of the starter, not of their launcher; a launcher that goes
+takes its own ranks with it.
+
 Forking after CUDA is touched is unsafe, so where an NVIDIA device exists ranks start cold
 (one interpreter each), as they also do with ``VPIPE_COLD_START=1``.
 """
@@ -25,12 +31,14 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 COLD_START_ENV = "VPIPE_COLD_START"
+SHARED_STARTER_ENV = "VPIPE_WARM_STARTER"  # the socket of a starter made with listen=True
 _PRELOAD = ("torch", "torch.distributed.pipelining", "numpy", "vpipe._attach", "vpipe_lab.runtime.trainer")
 
 
@@ -47,15 +55,46 @@ class WarmStarter:
     """The launcher's end of one warm starter process; :meth:`start` forks a rank from it.
 
     One starter can serve many runs one after another (a test session keeps one): each
-    request carries the rank's whole environment and its stdout and stderr descriptors.
+    request carries the rank's whole environment and its stdout and stderr descriptors. With
+    ``listen=True`` other launchers reach it at :attr:`address` (:meth:`connect`); it ends, with
+    every rank it started, when this object closes.
     """
 
-    def __init__(self, env: dict[str, str]) -> None:
+    def __init__(self, env: dict[str, str], *, listen: bool = False) -> None:
         self._socket, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self._proc = subprocess.Popen([sys.executable, "-m", "vpipe_lab.runtime.warm_start", str(theirs.fileno())],
-                                      env=env, stdin=subprocess.DEVNULL, pass_fds=(theirs.fileno(),))
-        theirs.close()
+        passed = [theirs]
+        self.address: str | None = None
+        if listen:  # bound and listening here, so a launcher can connect as soon as it learns the address
+            self._directory = tempfile.TemporaryDirectory(prefix="vpipe-starter-")  # 0700: this user's only
+            self.address = os.path.join(self._directory.name, "socket")
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            listener.bind(self.address)
+            listener.listen(16)
+            passed.append(listener)
+        self._proc: subprocess.Popen | None = subprocess.Popen(
+            [sys.executable, "-m", "vpipe_lab.runtime.warm_start", *(str(s.fileno()) for s in passed)],
+            env=env, stdin=subprocess.DEVNULL, pass_fds=[s.fileno() for s in passed])
+        for s in passed:
+            s.close()
         self.exit_codes: dict[int, int] = {}
+
+    @property
+    def pid(self) -> int | None:
+        """The starter process's id (None for a client made by :meth:`connect`)."""
+        return self._proc.pid if self._proc is not None else None
+
+    @classmethod
+    def connect(cls, address: str) -> WarmStarter:
+        """Reach the starter listening at ``address`` (OSError if there is none)."""
+        client = cls.__new__(cls)
+        client._socket = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            client._socket.connect(address)
+        except OSError:
+            client._socket.close()
+            raise
+        client._proc, client.address, client.exit_codes = None, None, {}
+        return client
 
     def start(self, argv: Sequence[str], env: dict[str, str], stdout: Any = None, stderr: Any = None) -> WarmRank:
         """Fork one rank running ``argv`` (a Python command line) with ``env``; return its handle.
@@ -69,16 +108,21 @@ class WarmStarter:
             for reply in self._read(timeout_s=1.0):
                 if "pid" in reply:
                     return WarmRank(self, reply["pid"])
-            if self._proc.poll() is not None:
+            if self._proc is not None and self._proc.poll() is not None:
                 raise RuntimeError(f"the warm starter exited with code {self._proc.returncode} before starting a rank")
+            if self._socket.fileno() < 0:
+                raise RuntimeError("the warm starter closed its socket before starting a rank")
 
     def collect(self, timeout_s: float = 0.0) -> None:
         """Take in the exit codes the starter has reported so far."""
         list(self._read(timeout_s))
 
     def close(self) -> None:
-        """End the starter (it kills any rank still running when its socket closes) and wait for it."""
+        """End the starter (it kills any rank still running when its socket closes) and wait for it; a client
+        made by :meth:`connect` only hangs up (the starter kills the ranks this client started)."""
         self._socket.close()
+        if self._proc is None:
+            return
         try:
             self._proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
@@ -89,6 +133,7 @@ class WarmStarter:
         while self._socket.fileno() >= 0 and select.select([self._socket], [], [], timeout_s)[0]:
             message = self._socket.recv(65536)
             if not message:
+                self._socket.close()  # the starter has gone
                 return
             reply = json.loads(message)
             if "exited" in reply:
@@ -150,41 +195,75 @@ class WarmRank:
 
 
 # ----------------------------------------------------------------- the starter process
-def _serve(fd: int) -> dict[str, Any]:
-    """Fork a rank per request, report pids and exit codes; return only in a forked rank."""
+def _serve(owner_fd: int, listener_fd: int | None = None) -> dict[str, Any]:
+    """Fork a rank per request, report pids and exit codes to whoever asked; return only in a forked rank.
+
+    Each connection (the owner's, and any accepted on the listener) has its own ranks: when one
+    closes, its launcher has gone and nobody will wait for them, so they are killed. When the
+    owner closes, every rank is, and the starter ends.
+    """
     for name in _PRELOAD:
         __import__(name)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to pass on, to the ranks
-    channel = socket.socket(fileno=fd)
-    running: set[int] = set()
-    open_ = True
-    while open_ or running:
-        if open_ and select.select([channel], [], [], 0.05)[0]:
-            message, fds, _, _ = socket.recv_fds(channel, 1 << 20, 2)
-            open_ = bool(message)
+    owner = socket.socket(fileno=owner_fd)
+    listener = socket.socket(fileno=listener_fd) if listener_fd is not None else None
+    ranks: dict[socket.socket, set[int]] = {owner: set()}  # connection -> the ranks it started
+    orphans: set[int] = set()  # killed because their launcher went; reaped, reported to nobody
+    while owner in ranks or orphans:
+        waiting = [*ranks, *([listener] if listener is not None and owner in ranks else [])]
+        for connection in select.select(waiting, [], [], 0.05)[0]:
+            if connection is listener:
+                ranks[connection.accept()[0]] = set()
+                continue
+            if connection not in ranks:
+                continue  # closed just now, with the owner
+            message, fds, _, _ = socket.recv_fds(connection, 1 << 20, 2)
             if message:
                 pid = os.fork()
                 if pid == 0:
-                    channel.close()
+                    for other in [*ranks, *([listener] if listener is not None else [])]:
+                        other.close()
                     os.dup2(fds[0], 1)
                     os.dup2(fds[1], 2)
                     return {**json.loads(message), "_fds": fds}
-                running.add(pid)
-                channel.send(json.dumps({"pid": pid}).encode())
+                ranks[connection].add(pid)
+                _report(connection, {"pid": pid})
             for descriptor in fds:
                 os.close(descriptor)
-            if not open_:  # the launcher has gone: nobody will wait for these ranks
-                for pid in running:
-                    os.kill(pid, signal.SIGKILL)
-        elif not open_:
-            time.sleep(0.05)
-        for pid in list(running):
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                running.discard(pid)
-                if open_:
-                    channel.send(json.dumps({"exited": pid, "code": os.waitstatus_to_exitcode(status)}).encode())
+            if not message:  # its launcher has gone
+                gone = [connection] if connection is not owner else list(ranks)
+                for closed in gone:
+                    orphans |= _kill_all(ranks.pop(closed))
+                    closed.close()
+        for connection, pids in ranks.items():
+            for pid, code in _reaped(pids).items():
+                _report(connection, {"exited": pid, "code": code})
+        _reaped(orphans)
     sys.exit(0)
+
+
+def _reaped(pids: set[int]) -> dict[int, int]:
+    """Remove from ``pids`` those that have exited; return their exit codes."""
+    done = {}
+    for pid in list(pids):
+        finished, status = os.waitpid(pid, os.WNOHANG)
+        if finished:
+            pids.discard(pid)
+            done[pid] = os.waitstatus_to_exitcode(status)
+    return done
+
+
+def _kill_all(pids: set[int]) -> set[int]:
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    return pids
+
+
+def _report(connection: socket.socket, reply: dict[str, Any]) -> None:
+    try:
+        connection.send(json.dumps(reply).encode())
+    except OSError:
+        pass  # the launcher has just gone; its hang-up is read next
 
 
 def _become(request: dict[str, Any]) -> None:
@@ -227,4 +306,4 @@ def _follow_pythonpath(started_with: str, wanted: str) -> None:
 
 
 if __name__ == "__main__":
-    _become(_serve(int(sys.argv[1])))
+    _become(_serve(*(int(fd) for fd in sys.argv[1:3])))
