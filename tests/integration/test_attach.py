@@ -3,25 +3,19 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
 
-from support.processes import ROOT, WORKERS, child_env, warm_starter
+from support.processes import ROOT, WORKERS, child_env, run_as_torchrun, warm_starter
 from vpipe.log import read_log
 
 
 def _example(tmp_path, name: str, *extra: str, width: int = 192, script: str = "train_1f1b.py",
              ranks: int = 4) -> tuple[dict, list[dict]]:
     out, log_file = tmp_path / f"{name}.json", tmp_path / f"{name}.log"
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-         str(ROOT / "examples" / script), "--steps", "20", "--out", str(out), "--log-file", str(log_file),
-         *extra],
-        cwd=ROOT, env=child_env(EXAMPLE_WIDTH=str(width)), capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_as_torchrun([str(ROOT / "examples" / script), "--steps", "20", "--out", str(out), "--log-file", str(log_file),
+                     *extra], ranks, child_env(EXAMPLE_WIDTH=str(width)), tmp_path / f"{name}.txt")
     return json.loads(out.read_text()), (read_log(log_file) if log_file.exists() else [])
 
 

@@ -1,15 +1,14 @@
-"""A user's PipeDream trainer (examples/train_pipedream.py, vpipe.SchedulePipeDream, torchrun) with and
-without the one line: a streamed move mid-run leaves the result the schedule gives on the final partition."""
+"""A user's PipeDream trainer (examples/train_pipedream.py, vpipe.SchedulePipeDream, ranks started as torchrun
+starts them) with and without the one line: a streamed move mid-run leaves the result the schedule gives on the
+final partition."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import torch
 
-from support.processes import ROOT, child_env
+from support.processes import ROOT, child_env, run_as_torchrun
 from vpipe.log import read_log
 
 STEPS = 8
@@ -17,13 +16,8 @@ STEPS = 8
 
 def _train(tmp_path, name: str, *args: str) -> tuple[dict, dict[str, torch.Tensor], list[dict]]:
     out, log_file = tmp_path / f"{name}.json", tmp_path / f"{name}.log"
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(ROOT / "examples" / "train_pipedream.py"), "--steps", str(STEPS), "--vertical-sync",
-         "--out", str(out), *args],
-        cwd=ROOT, env=child_env(VPIPE_LOG_FILE=str(log_file)), capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_as_torchrun([str(ROOT / "examples" / "train_pipedream.py"), "--steps", str(STEPS), "--vertical-sync",
+                     "--out", str(out), *args], 2, child_env(VPIPE_LOG_FILE=str(log_file)), tmp_path / f"{name}.txt")
     state = {k: v for r in range(2) for k, v in torch.load(f"{out}.rank{r}.pt", weights_only=True).items()}
     return json.loads(out.read_text()), state, read_log(log_file) if log_file.exists() else []
 

@@ -5,8 +5,7 @@ Each trainer in examples/ is run twice, without and with
 losses must match, blocks must have moved, and every rank's own ``state_dict()`` must load
 into the same trainer's model built fresh for the final partition. One case runs under
 torchrun itself; the others get the environment and store torchrun gives its ranks from the
-lab's spawner, which forks them with torch already imported (torchrun's agent and cold ranks
-cost about 12 s of CPU a run, more than these runs train).
+lab's spawner, forked with torch already imported (``run_as_torchrun``).
 """
 
 from __future__ import annotations
@@ -20,9 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from support.processes import ROOT, child_env, run_worker, warm_starter
+from support.processes import ROOT, child_env, run_as_torchrun, run_worker
 from vpipe.log import read_log
-from vpipe_lab.runtime.launch import spawn
 
 # With the defaults the planner proposes from the sample of step 19, confirms it with step 29's and the move
 # applies a few steps later (step 33 on a quiet machine); 50 steps leave room for a planner that runs late
@@ -65,10 +63,7 @@ def _train(tmp_path_factory, script: str, ranks: int, partition: str, schedule: 
                                str(ranks), *trainer], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
     else:
-        with output.open("w") as sink:
-            code = spawn([sys.executable, *trainer], ranks, extra_env=env, timeout_s=300, stdout=sink, stderr=sink,
-                         starter=warm_starter())
-        assert code == 0, output.read_text()[-3000:]
+        run_as_torchrun(trainer, ranks, env, output)
     states = [torch.load(f"{out}.rank{r}.pt", weights_only=True) for r in range(ranks)]
     return json.loads(out.read_text()), read_log(log_file) if log_file.exists() else [], states
 

@@ -78,6 +78,19 @@ def run_worker(tmp_path: Path, worker: str, scenario: str, ranks: int) -> dict:
     return result
 
 
+def run_as_torchrun(program: list[str], ranks: int, env: dict[str, str], output: Path, timeout_s: float = 300) -> None:
+    """Run a trainer script (``program``: its path and arguments) on ``ranks`` ranks with the environment and
+    rendezvous store torchrun gives its ranks, forked from this test process's warm starter (torchrun's agent
+    and cold ranks cost about 12 s of CPU a run, more than most runs here train; test_launch and a few
+    trainer tests run torchrun itself). Fails with the end of the ranks' output (kept in ``output``)."""
+    from vpipe_lab.runtime.launch import spawn
+
+    with output.open("w") as sink:
+        code = spawn([sys.executable, *program], ranks, extra_env=env, timeout_s=timeout_s, stdout=sink, stderr=sink,
+                     starter=warm_starter())
+    assert code == 0, output.read_text()[-3000:]
+
+
 def wait_while_running(condition: Callable[[], object], timeout_s: float, what: str,
                        launcher: subprocess.Popen) -> None:
     """Poll ``condition`` while ``launcher`` runs; fail naming ``what`` if it ends first or time runs out."""
