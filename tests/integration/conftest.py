@@ -41,6 +41,7 @@ TRAINING_TESTS = {
     "test_warm_start.py::test_modules_and_code_strings_start_warm_too",
     "test_warm_start.py::test_the_starter_ends_its_ranks_when_the_launcher_goes",
     "test_warm_start.py::test_launchers_share_a_listening_starter_and_one_that_goes_takes_only_its_own_ranks",
+    "test_warm_start.py::test_a_shared_starter_that_is_not_there_is_said_and_the_run_starts_its_own",
 }
 
 # Kept in the default suite all the same: one smoke test per main path.

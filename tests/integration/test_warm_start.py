@@ -168,3 +168,11 @@ def test_launchers_share_a_listening_starter_and_one_that_goes_takes_only_its_ow
     finally:
         sleeper.kill()
         starter.close()
+
+
+def test_a_shared_starter_that_is_not_there_is_said_and_the_run_starts_its_own(tmp_path, caplog):
+    missing = tmp_path / "no-starter"
+    code = spawn([sys.executable, "-c", "import sys; sys.exit('torch' not in sys.modules)"], 1,
+                 extra_env={SHARED_STARTER_ENV: str(missing), COLD_START_ENV: "0"})
+    assert code == 0  # forked warm all the same, by a starter of its own
+    assert f"VPIPE_WARM_STARTER={missing}: no warm starter answers there" in caplog.text

@@ -64,6 +64,7 @@ class WarmStarter:
         self._socket, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         passed = [theirs]
         self.address: str | None = None
+        self._directory: tempfile.TemporaryDirectory | None = None
         if listen:  # bound and listening here, so a launcher can connect as soon as it learns the address
             self._directory = tempfile.TemporaryDirectory(prefix="vpipe-starter-")  # 0700: this user's only
             self.address = os.path.join(self._directory.name, "socket")
@@ -93,7 +94,7 @@ class WarmStarter:
         except OSError:
             client._socket.close()
             raise
-        client._proc, client.address, client.exit_codes = None, None, {}
+        client._proc, client.address, client._directory, client.exit_codes = None, None, None, {}
         return client
 
     def start(self, argv: Sequence[str], env: dict[str, str], stdout: Any = None, stderr: Any = None) -> WarmRank:
@@ -128,6 +129,8 @@ class WarmStarter:
         except subprocess.TimeoutExpired:
             self._proc.kill()
             self._proc.wait()
+        if self._directory is not None:
+            self._directory.cleanup()
 
     def _read(self, timeout_s: float) -> Iterator[dict[str, Any]]:
         while self._socket.fileno() >= 0 and select.select([self._socket], [], [], timeout_s)[0]:
