@@ -237,7 +237,8 @@ def spawn(
     After ``timeout_s`` every rank is killed and :class:`TimeoutError` raised. ``stdout``
     and ``stderr`` go to every rank (default: this process's). A Python ``argv`` on a CPU-only
     host is forked from one warm interpreter (:mod:`vpipe_lab.runtime.warm_start`): a new
-    one per run, or ``starter``, kept by the caller for several runs.
+    one per run, ``starter``, kept by the caller for several runs, or the listening starter
+    that ``VPIPE_WARM_STARTER`` names.
     """
     if nprocs < 1:
         raise ValueError(f"need at least one rank, got {nprocs}")
