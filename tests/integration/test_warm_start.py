@@ -155,7 +155,7 @@ def test_launchers_share_a_listening_starter_and_one_that_goes_takes_only_its_ow
             time.sleep(0.1)
         assert len(sleeping) == 2 and not psutil.Process(sleeper.pid).children()  # the starter's, not its own
         report = ("import os, sys; print(os.environ['RANK'], os.getppid(), 'torch' in sys.modules, flush=True); "
-                  "sys.exit(int(os.environ['RANK']) + 4)")
+                  "sys.exit(5 * int(os.environ['RANK']))")  # rank 1 fails, rank 0 ends well
         quick = subprocess.run([sys.executable, "-c", spawn_ + f"sys.exit(spawn([sys.executable, '-c', {report!r}], "
                                 "2, grace_s=5))\n"], env=env, capture_output=True, text=True, timeout=120)
         assert quick.returncode == 5 and "rank 1 exited first with code 5" in quick.stderr, quick.stderr
