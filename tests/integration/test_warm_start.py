@@ -1,8 +1,9 @@
 """Ranks forked from a warm interpreter behave like ranks started cold, one interpreter each.
 
-The spawner forks a Python program's ranks from one process that has imported torch. Each
-test runs the same program both ways (``VPIPE_COLD_START=1`` is the cold way) and compares
-what the ranks saw and how the run ended.
+The spawner forks a Python program's ranks from one process that has imported torch. The
+first tests run the same program both ways (``VPIPE_COLD_START=1`` is the cold way) and compare
+what the ranks saw and how the run ended; the last ones hold how one starter serves several
+runs and launchers, and ends their ranks when they go.
 """
 
 from __future__ import annotations
