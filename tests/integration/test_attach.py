@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 
-from support.processes import ROOT, WORKERS, child_env, run_as_torchrun, warm_starter
+from support.processes import ROOT, WORKERS, child_env, run_ranks
 from vpipe.log import read_log
 
 
 def _example(tmp_path, name: str, *extra: str, width: int = 192, script: str = "train_1f1b.py",
              ranks: int = 4) -> tuple[dict, list[dict]]:
     out, log_file = tmp_path / f"{name}.json", tmp_path / f"{name}.log"
-    run_as_torchrun([str(ROOT / "examples" / script), "--steps", "20", "--out", str(out), "--log-file", str(log_file),
-                     *extra], ranks, child_env(EXAMPLE_WIDTH=str(width)), tmp_path / f"{name}.txt")
+    run_ranks([str(ROOT / "examples" / script), "--steps", "20", "--out", str(out), "--log-file", str(log_file),
+               *extra], ranks, tmp_path / f"{name}.txt", child_env(EXAMPLE_WIDTH=str(width)))
     return json.loads(out.read_text()), (read_log(log_file) if log_file.exists() else [])
 
 
@@ -62,11 +61,7 @@ def test_hand_written_loop_gets_the_same_losses_with_moves_and_recompute(tmp_pat
 
 def test_detach_restores_the_trainer_exactly(tmp_path):
     out = tmp_path / "snap.json"
-    from vpipe_lab.runtime.launch import spawn
-
-    code = spawn([sys.executable, str(WORKERS / "attach_worker.py"), str(out)], 1,
-                 extra_env={"PYTHONPATH": str(ROOT)}, starter=warm_starter())
-    assert code == 0
+    run_ranks([str(WORKERS / "attach_worker.py"), str(out)], 1, tmp_path / "snap.txt")
     snap = json.loads(out.read_text())
     assert snap["after"] == snap["before"]
     assert snap["during"] != snap["before"]  # it did install something

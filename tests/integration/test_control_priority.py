@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import subprocess
 import sys
 import time
 
+import torch.distributed as dist
+
+from vpipe.control.channel import ControlPlane
+from vpipe.control.planner_link import PlannerLink
 from vpipe.control.priority import PLANNER_NICE, to_background
 
 
@@ -28,17 +33,24 @@ def test_a_process_that_is_gone_is_reported_not_raised():
     assert to_background(child.pid) is False
 
 
-def test_a_daemon_lowers_itself_once_its_imports_are_done():
-    """Started at the ranks' priority (as a rank starts it), the daemon plans at nice 10."""
-    daemon = subprocess.Popen([sys.executable, "-m", "vpipe.control.daemon", "--connect", "tcp://127.0.0.1:9",
-                               "--planner", "vpipe.planner.online:srp", "--idle-timeout", "30"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def test_a_rank_starts_its_daemon_at_its_own_priority_and_the_daemon_lowers_itself_once_loaded(monkeypatch):
+    """Started at nice 10, the daemon's imports took seconds on a busy host and its first plan came late: it
+    starts at the rank's priority and plans at nice 10."""
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=30))
+    plane = ControlPlane(store, 0, 1, lookup_timeout_s=5.0)
+    link = PlannerLink(plane, stage_index=0, num_stages=1)
     try:
+        link.start("vpipe.planner.online:srp")
+        daemon = link.process
+        assert daemon is not None
+        assert os.getpriority(os.PRIO_PROCESS, daemon.pid) == os.getpriority(os.PRIO_PROCESS, 0)  # still importing
         deadline = time.monotonic() + 30
         while os.getpriority(os.PRIO_PROCESS, daemon.pid) != PLANNER_NICE:
             assert daemon.poll() is None, f"the daemon exited with code {daemon.returncode}"
             assert time.monotonic() < deadline, "the daemon did not lower itself within 30 s"
             time.sleep(0.05)
     finally:
-        daemon.kill()
-        daemon.wait()
+        link.close(wait_s=0.1)  # never attached: nobody says bye, so it is terminated
+        plane.close(linger_ms=0)

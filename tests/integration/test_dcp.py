@@ -13,23 +13,19 @@ its blocks ``0..n-1`` on every stage and renames them with ``vpipe.global_block_
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from support.processes import ROOT, WORKERS, warm_starter
+from support.processes import WORKERS, run_ranks
 from vpipe.checkpoint.block_keys import global_block_keys, local_block_keys
 
 
 def _run(tmp_path: Path, shape: str) -> dict:
-    from vpipe_lab.runtime.launch import spawn
-
     out = tmp_path / f"{shape}.json"
-    code = spawn([sys.executable, str(WORKERS / "dcp_worker.py"), shape, str(out), str(tmp_path / "ckpt")],
-                 2, extra_env={"PYTHONPATH": str(ROOT)}, timeout_s=240, starter=warm_starter())
-    assert code == 0
+    run_ranks([str(WORKERS / "dcp_worker.py"), shape, str(out), str(tmp_path / "ckpt")], 2,
+              tmp_path / f"{shape}.txt", timeout_s=240)
     return json.loads(out.read_text())
 
 

@@ -13,17 +13,15 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 import time
 
 import pytest
 
-from support.processes import ROOT, WORKERS, child_env, run_vpipe, warm_starter
+from support.processes import WORKERS, child_env, run_ranks, run_vpipe
 from support.results import assert_params_equal, load_run_params
 from vpipe import faults
 from vpipe.checkpoint import find_latest, load_checkpoint
 from vpipe_lab.runtime.config import RunConfig
-from vpipe_lab.runtime.launch import spawn
 from vpipe_lab.runtime.reference import reference_flush
 
 SMALL = ["--blocks", "4", "--d-model", "32", "--n-heads", "2", "--seq-len", "16", "--micro-batch-size", "2",
@@ -84,9 +82,7 @@ def test_a_budget_below_the_weights_is_refused_at_attach():
 
 def attach_outcome(tmp_path, mode: str) -> dict:
     out = tmp_path / f"{mode}.json"
-    code = spawn([sys.executable, str(WORKERS / "fault_worker.py"), mode, str(out)], 1,
-                 extra_env={"PYTHONPATH": str(ROOT)}, starter=warm_starter())
-    assert code == 0
+    run_ranks([str(WORKERS / "fault_worker.py"), mode, str(out)], 1, tmp_path / f"{mode}.txt")
     return json.loads(out.read_text())
 
 

@@ -11,14 +11,12 @@ the V-shaped schedules one between the two stages of a rank).
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 import torch
 
-from support.processes import WORKERS, child_env, warm_starter
+from support.processes import WORKERS, child_env, run_ranks
 from vpipe.log import read_log
-from vpipe_lab.runtime.launch import spawn
 
 SCHEDULES = ["interleaved1f1b", "loopedbfs", "interleavedzb", "zbv", "dualpipev"]
 V_SHAPED = ("zbv", "dualpipev")
@@ -39,12 +37,8 @@ def multistage_run(tmp_path_factory):
 def _run(tmp_path_factory, schedule: str, partition: str, scenario: str, ranks: int, steps: int) -> dict:
     tmp = tmp_path_factory.mktemp(f"{schedule}-{scenario}")
     out, log_file = tmp / "run", tmp / "vpipe.log"
-    with open(tmp / "stderr.txt", "w+") as stderr:
-        code = spawn([sys.executable, str(WORKERS / "multistage_worker.py"), schedule, partition, scenario, str(out),
-                      str(steps)], ranks, extra_env=child_env(VPIPE_LOG_FILE=str(log_file)), stderr=stderr,
-                     timeout_s=300, starter=warm_starter())
-        stderr.seek(0)
-        assert code == 0, stderr.read()[-4000:]
+    run_ranks([str(WORKERS / "multistage_worker.py"), schedule, partition, scenario, str(out), str(steps)], ranks,
+              tmp / "output.txt", child_env(VPIPE_LOG_FILE=str(log_file)))
     results = [json.loads((tmp / f"run.rank{r}.json").read_text()) for r in range(ranks)]
     states = [torch.load(tmp / f"run.rank{r}.pt", weights_only=True) for r in range(ranks)]
     losses = next(r["losses"] for r in results if r["losses"])

@@ -8,7 +8,7 @@ import json
 
 import torch
 
-from support.processes import ROOT, child_env, run_as_torchrun
+from support.processes import ROOT, child_env, run_ranks
 from vpipe.log import read_log
 
 STEPS = 8
@@ -16,8 +16,8 @@ STEPS = 8
 
 def _train(tmp_path, name: str, *args: str) -> tuple[dict, dict[str, torch.Tensor], list[dict]]:
     out, log_file = tmp_path / f"{name}.json", tmp_path / f"{name}.log"
-    run_as_torchrun([str(ROOT / "examples" / "train_pipedream.py"), "--steps", str(STEPS), "--vertical-sync",
-                     "--out", str(out), *args], 2, child_env(VPIPE_LOG_FILE=str(log_file)), tmp_path / f"{name}.txt")
+    run_ranks([str(ROOT / "examples" / "train_pipedream.py"), "--steps", str(STEPS), "--vertical-sync", "--out",
+               str(out), *args], 2, tmp_path / f"{name}.txt", child_env(VPIPE_LOG_FILE=str(log_file)))
     state = {k: v for r in range(2) for k, v in torch.load(f"{out}.rank{r}.pt", weights_only=True).items()}
     return json.loads(out.read_text()), state, read_log(log_file) if log_file.exists() else []
 

@@ -5,7 +5,7 @@ Each trainer in examples/ is run twice, without and with
 losses must match, blocks must have moved, and every rank's own ``state_dict()`` must load
 into the same trainer's model built fresh for the final partition. One case runs under
 torchrun itself; the others get the environment and store torchrun gives its ranks from the
-lab's spawner, forked with torch already imported (``run_as_torchrun``).
+lab's spawner, forked with torch already imported (``run_ranks``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from support.processes import ROOT, child_env, run_as_torchrun, run_worker
+from support.processes import ROOT, child_env, run_ranks, run_worker
 from vpipe.log import read_log
 
 # With the defaults the planner proposes from the sample of step 19, confirms it with step 29's and the move
@@ -63,7 +63,7 @@ def _train(tmp_path_factory, script: str, ranks: int, partition: str, schedule: 
                                str(ranks), *trainer], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
     else:
-        run_as_torchrun(trainer, ranks, env, output)
+        run_ranks(trainer, ranks, output, env)
     states = [torch.load(f"{out}.rank{r}.pt", weights_only=True) for r in range(ranks)]
     return json.loads(out.read_text()), read_log(log_file) if log_file.exists() else [], states
 

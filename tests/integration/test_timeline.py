@@ -5,24 +5,20 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
-from support.processes import ROOT, WORKERS, warm_starter
+from support.processes import WORKERS, run_ranks
 from vpipe import timeline
 from vpipe.cli import main as cli_main
 from vpipe.rank.config import VpipeConfig
 
 
 def _trained(tmp_path: Path, scenario: str = "timeline") -> tuple[dict, Path]:
-    from vpipe_lab.runtime.launch import spawn
-
     out, trace_dir = tmp_path / "out.json", tmp_path / "trace"
-    code = spawn([sys.executable, str(WORKERS / "trace_worker.py"), str(out), str(trace_dir), scenario], 2,
-                 extra_env={"PYTHONPATH": str(ROOT)}, timeout_s=240, starter=warm_starter())
-    assert code == 0
+    run_ranks([str(WORKERS / "trace_worker.py"), str(out), str(trace_dir), scenario], 2, tmp_path / "output.txt",
+              timeout_s=240)
     return json.loads(out.read_text()), trace_dir
 
 

@@ -66,28 +66,26 @@ def warm_starter():
 def run_worker(tmp_path: Path, worker: str, scenario: str, ranks: int) -> dict:
     """Run ``tests/workers/WORKER.py SCENARIO OUT`` on ``ranks`` real ranks; its JSON result plus the log records."""
     from vpipe.log import read_log
-    from vpipe_lab.runtime.launch import spawn
 
     out, log_file = tmp_path / f"{scenario}.json", tmp_path / f"{scenario}.log"
-    code = spawn([sys.executable, str(WORKERS / f"{worker}.py"), scenario, str(out)], ranks,
-                 extra_env={"PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)]), "VPIPE_LOG_FILE": str(log_file)},
-                 timeout_s=240, starter=warm_starter())
-    assert code == 0
+    run_ranks([str(WORKERS / f"{worker}.py"), scenario, str(out)], ranks, tmp_path / f"{scenario}.txt",
+              child_env(VPIPE_LOG_FILE=str(log_file)), timeout_s=240)
     result = json.loads(out.read_text())
     result["log"] = read_log(log_file) if log_file.exists() else []
     return result
 
 
-def run_as_torchrun(program: list[str], ranks: int, env: dict[str, str], output: Path, timeout_s: float = 300) -> None:
-    """Run a trainer script (``program``: its path and arguments) on ``ranks`` ranks with the environment and
-    rendezvous store torchrun gives its ranks, forked from this test process's warm starter (torchrun's agent
-    and cold ranks cost about 12 s of CPU a run, more than most runs here train; test_launch and a few
-    trainer tests run torchrun itself). Fails with the end of the ranks' output (kept in ``output``)."""
+def run_ranks(program: list[str], ranks: int, output: Path, env: dict[str, str] | None = None,
+              timeout_s: float = 300) -> None:
+    """Run a Python program (a trainer script or a rank program: its path and arguments) on ``ranks`` ranks with
+    the environment and rendezvous store torchrun gives its ranks, forked from this test process's warm starter
+    (torchrun's agent and cold ranks cost about 12 s of CPU a run, more than most runs here train; test_launch
+    and a few trainer tests run torchrun itself). Fails with the end of the ranks' output (kept in ``output``)."""
     from vpipe_lab.runtime.launch import spawn
 
     with output.open("w") as sink:
-        code = spawn([sys.executable, *program], ranks, extra_env=env, timeout_s=timeout_s, stdout=sink, stderr=sink,
-                     starter=warm_starter())
+        code = spawn([sys.executable, *program], ranks, extra_env=child_env() if env is None else env,
+                     timeout_s=timeout_s, stdout=sink, stderr=sink, starter=warm_starter())
     assert code == 0, output.read_text()[-3000:]
 
 

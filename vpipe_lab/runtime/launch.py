@@ -37,7 +37,7 @@ from vpipe.control.curve import (
 )
 from vpipe.control.keys import KeyFileError
 from vpipe.control.netaddr import control_host
-from vpipe_lab.runtime.warm_start import SHARED_STARTER_ENV, WarmStarter, warm_start_possible
+from vpipe_lab.runtime.warm_start import SHARED_STARTER_ENV, StarterLink, WarmStarter, connect, warm_start_possible
 from vpipe_lab.runtime.watchdog import Watchdog, stderr_line
 
 log = logging.getLogger("vpipe.runtime")  # the run log keeps vpipe.* loggers
@@ -227,7 +227,7 @@ def spawn(
     timeout_s: float | None = None,
     stdout: Any = None,
     stderr: Any = None,
-    starter: WarmStarter | None = None,
+    starter: StarterLink | None = None,
 ) -> int:
     """Run ``argv`` as ``nprocs`` ranks on this host, torchrun-style; return the run's exit code.
 
@@ -292,13 +292,13 @@ def spawn(
         del store
 
 
-def _shared_starter(environ: dict[str, str]) -> WarmStarter | None:
+def _shared_starter(environ: dict[str, str]) -> StarterLink | None:
     """The starter named by ``VPIPE_WARM_STARTER``, if it is there (else this run starts its own)."""
     address = environ.get(SHARED_STARTER_ENV)
     if not address:
         return None
     try:
-        return WarmStarter.connect(address)
+        return connect(address)
     except OSError as e:
         log.warning("%s=%s: no warm starter answers there (%s); starting one for this run", SHARED_STARTER_ENV,
                     address, e.strerror or e)

@@ -51,51 +51,13 @@ def warm_start_possible(argv: Sequence[str], environ: dict[str, str]) -> bool:
     return len(argv) >= 2 and os.path.realpath(argv[0]) == os.path.realpath(sys.executable)
 
 
-class WarmStarter:
-    """The launcher's end of one warm starter process; :meth:`start` forks a rank from it.
+class StarterLink:
+    """One launcher's connection to a warm starter: :meth:`start` forks a rank there, :meth:`collect` takes in
+    exit codes, :meth:`close` hangs up (the starter then kills the ranks this link started that still run)."""
 
-    One starter can serve many runs one after another (a test session keeps one): each
-    request carries the rank's whole environment and its stdout and stderr descriptors. With
-    ``listen=True`` other launchers reach it at :attr:`address` (:meth:`connect`); it ends, with
-    every rank it started, when this object closes.
-    """
-
-    def __init__(self, env: dict[str, str], *, listen: bool = False) -> None:
-        self._socket, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        passed = [theirs]
-        self.address: str | None = None
-        self._directory: tempfile.TemporaryDirectory | None = None
-        if listen:  # bound and listening here, so a launcher can connect as soon as it learns the address
-            self._directory = tempfile.TemporaryDirectory(prefix="vpipe-starter-")  # 0700: this user's only
-            self.address = os.path.join(self._directory.name, "socket")
-            listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            listener.bind(self.address)
-            listener.listen(16)
-            passed.append(listener)
-        self._proc: subprocess.Popen | None = subprocess.Popen(
-            [sys.executable, "-m", "vpipe_lab.runtime.warm_start", *(str(s.fileno()) for s in passed)],
-            env=env, stdin=subprocess.DEVNULL, pass_fds=[s.fileno() for s in passed])
-        for s in passed:
-            s.close()
+    def __init__(self, connected: socket.socket) -> None:
+        self._socket = connected
         self.exit_codes: dict[int, int] = {}
-
-    @property
-    def pid(self) -> int | None:
-        """The starter process's id (None for a client made by :meth:`connect`)."""
-        return self._proc.pid if self._proc is not None else None
-
-    @classmethod
-    def connect(cls, address: str) -> WarmStarter:
-        """Reach the starter listening at ``address`` (OSError if there is none)."""
-        client = cls.__new__(cls)
-        client._socket = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        try:
-            client._socket.connect(address)
-        except OSError:
-            client._socket.close()
-            raise
-        client._proc, client.address, client._directory, client.exit_codes = None, None, None, {}
-        return client
 
     def start(self, argv: Sequence[str], env: dict[str, str], stdout: Any = None, stderr: Any = None) -> WarmRank:
         """Fork one rank running ``argv`` (a Python command line) with ``env``; return its handle.
@@ -105,32 +67,18 @@ class WarmStarter:
         request = json.dumps({"argv": list(argv), "env": env, "cwd": os.getcwd()}).encode()
         with _descriptor(stdout, 1) as out, _descriptor(stderr, 2) as err:
             socket.send_fds(self._socket, [request], [out, err])
-        while True:
+        while self._socket.fileno() >= 0:
             for reply in self._read(timeout_s=1.0):
                 if "pid" in reply:
                     return WarmRank(self, reply["pid"])
-            if self._proc is not None and self._proc.poll() is not None:
-                raise RuntimeError(f"the warm starter exited with code {self._proc.returncode} before starting a rank")
-            if self._socket.fileno() < 0:
-                raise RuntimeError("the warm starter closed its socket before starting a rank")
+        raise RuntimeError("the warm starter ended before starting a rank")
 
     def collect(self, timeout_s: float = 0.0) -> None:
         """Take in the exit codes the starter has reported so far."""
         list(self._read(timeout_s))
 
     def close(self) -> None:
-        """End the starter (it kills any rank still running when its socket closes) and wait for it; a client
-        made by :meth:`connect` only hangs up (the starter kills the ranks this client started)."""
         self._socket.close()
-        if self._proc is None:
-            return
-        try:
-            self._proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait()
-        if self._directory is not None:
-            self._directory.cleanup()
 
     def _read(self, timeout_s: float) -> Iterator[dict[str, Any]]:
         while self._socket.fileno() >= 0 and select.select([self._socket], [], [], timeout_s)[0]:
@@ -143,6 +91,58 @@ class WarmStarter:
                 self.exit_codes[reply["exited"]] = reply["code"]
             yield reply
             timeout_s = 0.0
+
+
+def connect(address: str) -> StarterLink:
+    """A link to the starter listening at ``address`` (OSError if there is none)."""
+    connected = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        connected.connect(address)
+    except OSError:
+        connected.close()
+        raise
+    return StarterLink(connected)
+
+
+class WarmStarter(StarterLink):
+    """A warm starter process and its owner's link to it.
+
+    One starter can serve many runs one after another (a test session keeps one): each
+    request carries the rank's whole environment and its stdout and stderr descriptors. With
+    ``listen=True`` other launchers reach it at :attr:`address` (:func:`connect`); it ends, with
+    every rank it started, when this object closes.
+    """
+
+    def __init__(self, env: dict[str, str], *, listen: bool = False) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        super().__init__(ours)
+        passed = [theirs]
+        self.address: str | None = None
+        self._directory: tempfile.TemporaryDirectory | None = None
+        if listen:  # bound and listening here, so a launcher can connect as soon as it learns the address
+            self._directory = tempfile.TemporaryDirectory(prefix="vpipe-starter-")  # 0700: this user's only
+            self.address = os.path.join(self._directory.name, "socket")
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            listener.bind(self.address)
+            listener.listen(16)
+            passed.append(listener)
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "vpipe_lab.runtime.warm_start", *(str(s.fileno()) for s in passed)],
+            env=env, stdin=subprocess.DEVNULL, pass_fds=[s.fileno() for s in passed])
+        for s in passed:
+            s.close()
+        self.pid = self._proc.pid
+
+    def close(self) -> None:
+        """End the starter (it kills any rank still running when its socket closes) and wait for it."""
+        super().close()
+        try:
+            self._proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        if self._directory is not None:
+            self._directory.cleanup()
 
 
 @contextlib.contextmanager
@@ -165,7 +165,7 @@ def _descriptor(target: Any, default: int) -> Iterator[int]:
 class WarmRank:
     """A forked rank, handled like the ``subprocess.Popen`` of a cold one (poll, wait, kill, signals)."""
 
-    def __init__(self, starter: WarmStarter, pid: int) -> None:
+    def __init__(self, starter: StarterLink, pid: int) -> None:
         self._starter = starter
         self.pid = pid
 
