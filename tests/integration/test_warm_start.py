@@ -90,7 +90,9 @@ def test_modules_and_code_strings_start_warm_too(tmp_path):
         tmp_path)})
     assert code == 0
     assert [(tmp_path / f"m{r}").read_text() for r in range(2)] == ["('__main__', ['a', 'b'], True)"] * 2
-    code = spawn([sys.executable, "-c", "import os, sys; sys.exit(int(os.environ['RANK']) + 5)"], 2, grace_s=5)
+    # rank 0 fails at once; rank 1 waits to be ended, so which rank failed first is never a race
+    code = spawn([sys.executable, "-c", "import os, sys, time; rank = int(os.environ['RANK']); time.sleep(600 * rank); "
+                  "sys.exit(5 + rank)"], 2, grace_s=1)
     assert code == 5
 
 
