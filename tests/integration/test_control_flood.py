@@ -121,7 +121,11 @@ def test_a_flood_of_valid_and_garbage_messages_keeps_memory_bounded_and_training
     assert growth < RSS_BOUND_BYTES, f"stage 0 grew {growth / 2**20:.0f} MiB under a flood of {keyed[0]} messages"
     messages = [r["msg"] for r in read_log(log_file) if r.get("rank") == 0]
     assert any("nobody polled for" in m for m in messages), messages  # the valid flood: dropped, counted, logged
-    assert any("mechanism_mismatch" in m for m in messages), messages  # the garbage: refused at the handshake
+    # the garbage: refused at the handshake. zmq names the mechanism mismatch when stage 0 reads the
+    # sender's greeting, and gives no detail when the sender saw the mismatch first and hung up
+    # (under load that can be every one of the few attempts a 6 s flood makes)
+    refusals = [m for m in messages if "refused a connection whose handshake failed" in m]
+    assert any("(mechanism_mismatch;" in m or "(handshake_failed;" in m for m in refusals), messages
     done = [r for r in read_log(log_file) if "vectors" in r]  # the daemon's goodbye
     assert done and done[0]["vectors"] == STEPS // 5  # every stats vector got through the flood
 
