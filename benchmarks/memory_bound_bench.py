@@ -213,6 +213,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         except OutOfMemory as e:
             at_batch[system] = {"fits": False, "error": e.args[0][:200], "samples_per_s": None}
     runner.manager.metering = False  # as vpipe.attach runs the steps its monitor does not sample
+    before = runner.manager.stats()
     times: dict[str, list[float]] = {s: [] for s in systems}
     for r in range(args.rounds):
         for system in list(systems if r % 2 == 0 else reversed(systems)):
@@ -222,6 +223,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 systems.remove(system)
                 at_batch[system] = {"fits": False, "error": f"round {r}: {e.args[0][:200]}", "samples_per_s": None}
                 del times[system]
+    stats = runner.manager.stats()  # (before the peak's untimed step)
     samples = n * args.micro_batch_size
     for system, t in times.items():
         step = statistics.median(t)
@@ -230,10 +232,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             at_batch[system]["device_peak_bytes"] = runner.peak_bytes(system, n)
         except OutOfMemory:
             at_batch[system]["device_peak_bytes"] = None
-    stats = runner.manager.stats()
     at_batch["vpipe"].update(policies="".join(p.value for p in stats.policies.values()),
                              peak_saved_bytes=stats.peak_resident_bytes, escalations=len(stats.escalations),
-                             sync_fallbacks=stats.sync_fallbacks)
+                             escalated=[f"{lid}:{old.value}->{new.value}" for lid, old, new in stats.escalations],
+                             sync_fallbacks=stats.sync_fallbacks,
+                             # per timed step: packs that waited for late swap-outs, and how long
+                             budget_waits=(stats.budget_waits - before.budget_waits) / args.rounds,
+                             budget_wait_s=(stats.budget_wait_s - before.budget_wait_s) / args.rounds)
     sizes = sorted({args.fits * k // 2 for k in range(2, 2 * args.max_factor + 1)})
     largest = {"plain": plain} | {s: largest_batch(runner, s, sizes, limit, args.steps, stop_when_slow=s != "vpipe")
                                   for s in SYSTEMS[1:]}

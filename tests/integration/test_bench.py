@@ -284,7 +284,8 @@ def test_the_gpu_section_is_regenerated_from_the_suite_files_and_holds_each_numb
     (gpu / "memory_bound.json").write_text(json.dumps({
         "config": {**config, "d_model": 2048}, "memory": {"cap_bytes": 9 << 30}, "plain_largest": 4,
         "budget_bytes": 7 << 30, "micro_batches": 8, "device": "cuda (NVIDIA H100 80GB HBM3)", "torch": "2.11.0+cu130",
-        "at_twice_plain": {"vpipe": {"samples_per_s": 120.0, "policies": "DSSSSD", "escalations": 4},
+        "at_twice_plain": {"vpipe": {"samples_per_s": 120.0, "policies": "DSSSSD", "escalations": 4,
+                                    "budget_waits": 2.5, "budget_wait_s": 0.0123},
                            "checkpoint": {"samples_per_s": 100.0}, "save_on_cpu": {"samples_per_s": 50.0}},
         "vpipe_over_checkpoint": 1.2, "vpipe_over_save_on_cpu": 2.4, "per_sample_limit_s": 0.0075,
         "largest": {"plain": {"largest": 4, "tried": [{"micro_batches": 4, "fits": True, "per_sample_s": 0.0068},
@@ -305,5 +306,6 @@ def test_the_gpu_section_is_regenerated_from_the_suite_files_and_holds_each_numb
     assert "vpipe / all-recompute: 1.20x vs >= 1.15x: met" in text
     assert "vpipe's largest / plain's: 3.00x vs >= 2.00x: met" in text
     assert "| plain | 4 | 4: 6.80 ms, 5: OOM |" in text
+    assert "| vpipe | 120.0 | - | policies DSSSSD, 4 escalations; 2.5 waits for swap-outs per step, 12.3 ms |" in text
     assert "_Not in this run: `swap.json`, `tensor_manager_compute.json`._" in text
     assert "gpu_" not in report.results_markdown(report.load_results(tmp_path))  # listed in their own section only

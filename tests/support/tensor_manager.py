@@ -1,14 +1,16 @@
-"""Helpers for the tensor manager's single-process tests: models, a GPipe-order loop, comparisons."""
+"""Helpers for the tensor manager's single-process tests: models, a GPipe-order loop, comparisons, and
+copies that finish when the test says so."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
 
 from vpipe.plan import Policy
 from vpipe.tensor_manager import TensorManager
+from vpipe.tensor_manager.copy_engine import D2H, H2D, CpuCopyEngine, Ticket
 from vpipe_lab.runtime.models import ModelSpec, build_model, cnn, transformer_lm
 
 MICRO_BATCH = 2
@@ -91,3 +93,55 @@ def assert_grads_equal(got: list[dict[str, torch.Tensor]], want: list[dict[str, 
         for name in w:
             assert torch.equal(g[name], w[name]), (
                 f"step {step}, {name}: max abs diff {(g[name] - w[name]).abs().max().item():.3e}")
+
+
+class _Event:
+    """A copy in flight: it runs when completed (the test, a wait, or a stream that consumes its result)."""
+
+    def __init__(self, work: Callable[[], None]) -> None:
+        self.work: Callable[[], None] | None = work
+
+    def query(self) -> bool:
+        return self.work is None
+
+    def synchronize(self) -> None:
+        self.complete()
+
+    def complete(self) -> None:
+        if self.work is not None:
+            work, self.work = self.work, None
+            work()
+
+
+class LateCopies(CpuCopyEngine):
+    """Asynchronous copies on CPU: tickets stay pending until completed (as on a GPU's copy streams)."""
+
+    def __init__(self) -> None:
+        super().__init__(torch.device("cpu"))
+        self.events: list[_Event] = []
+
+    def _later(self, direction: str, nbytes: int, work: Callable[[], None]) -> Ticket:
+        event = _Event(work)
+        self.events.append(event)
+        ticket = Ticket(direction, nbytes, event, seconds=0.0)
+        self._account(ticket)
+        return ticket
+
+    def to_host_batch(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Ticket:
+        return self._later(D2H, sum(src.numel() for src, _ in pairs),
+                           lambda: [dst.copy_(src) for src, dst in pairs] and None)
+
+    def to_device_batch(self, sources: Sequence[torch.Tensor], after: Sequence[Ticket] = ()
+                        ) -> tuple[list[torch.Tensor], Ticket]:
+        outs = [torch.empty(src.numel(), dtype=torch.uint8) for src in sources]
+        for ticket in after:
+            assert ticket.done(), "a prefetch was issued before the host bytes it reads had arrived"
+        return outs, self._later(H2D, sum(src.numel() for src in sources),
+                                 lambda: [out.copy_(src) for out, src in zip(outs, sources)] and None)
+
+    def consume(self, tensor: torch.Tensor, ticket: Ticket) -> None:
+        ticket.event.complete()  # the compute stream waits for the copy before it reads the tensor
+
+    def complete_all(self) -> None:
+        for event in self.events:
+            event.complete()

@@ -7,10 +7,15 @@ import logging
 import pytest
 import torch
 
-from support.tensor_manager import assert_grads_equal, gpipe_step, make_manager, model_spec, train_grads
+from support.tensor_manager import LateCopies, assert_grads_equal, gpipe_step, make_manager, model_spec, train_grads
 from vpipe.plan import Policy
 from vpipe.tensor_manager import MemoryBudgetError
-from vpipe.tensor_manager.budget import LayerEstimate, cheapest_escalations
+from vpipe.tensor_manager.accounting import Ledger
+from vpipe.tensor_manager.budget import LayerEstimate, cheapest_escalations, exposed_copy_s
+from vpipe.tensor_manager.governor import BudgetGovernor
+from vpipe.tensor_manager.layers import ManagedLayer
+from vpipe.tensor_manager.pool import HostPool
+from vpipe.tensor_manager.swap import SwapEngine
 from vpipe_lab.runtime.models import build_model
 
 
@@ -111,6 +116,57 @@ def test_escalations_pick_the_cheapest_seconds_per_byte():
     changes = cheapest_escalations(estimates, 4000, swap_s_per_byte=1e-9, overlap=3.0, pool_free_bytes=0,
                                    budget_bytes=4000, context="test", best_effort=True)
     assert sorted((c.layer_id, c.new) for c in changes) == [(0, Policy.RECOMPUTE), (1, Policy.RECOMPUTE)]
+
+
+def test_swaps_fill_the_copy_engine_behind_the_forward_and_recomputes_take_the_rest():
+    """Three layers of 1 s forward each: the swap-outs of a micro-batch hide behind its 3 s of forward."""
+    estimates = [LayerEstimate(lid, Policy.KEEP, activation_bytes=1000, swappable_bytes=1000, input_bytes=100,
+                               forward_s=1.0) for lid in range(3)]
+
+    def chosen(swap_s_per_byte: float) -> list[tuple[int, Policy]]:
+        changes = cheapest_escalations(estimates, 2700, swap_s_per_byte=swap_s_per_byte, overlap=1.0,
+                                       pool_free_bytes=10**9, budget_bytes=4000, context="test")
+        return [(c.layer_id, c.new) for c in changes]
+
+    # 0.5 s of copy per layer: all three swaps fit in the 3 s window, free
+    assert chosen(0.5e-3) == [(0, Policy.SWAP), (1, Policy.SWAP), (2, Policy.SWAP)]
+    # 1.5 s per layer: two swaps fill the window; a third would expose 1.5 s, more per byte than its 1 s recompute
+    assert chosen(1.5e-3) == [(0, Policy.SWAP), (1, Policy.SWAP), (2, Policy.RECOMPUTE)]
+    # (a swap-in has the backward, twice the forward: only the swap-outs' window counted above)
+    assert exposed_copy_s(4.5, 3.0, 1.0) == 1.5 and exposed_copy_s(7.0, 3.0, 1.0) == 4.0 + 1.0
+    assert exposed_copy_s(1.0, 3.0, 0.0) == 2.0  # synchronous copies: out and back, both paid
+
+
+@pytest.mark.parametrize("copies_late", [True, False])
+def test_swap_outs_still_copying_count_as_gone_when_the_budget_projects(copies_late):
+    """Three micro-batches of a swapped and a kept layer, 4 KiB each, under a budget for four in flight.
+
+    With the copies still running (a GPU's copy stream behind), the swapped bytes are still on the
+    device but on their way out: no escalation, and a pack that needs their room waits for them.
+    Had they stayed, the same projection escalates."""
+    kib = 1024
+    ledger = Ledger()
+    engine = SwapEngine(torch.device("cpu"), ledger, LateCopies(),
+                        lambda: HostPool(64 * kib, pinned=False, chunk_bytes=16 * kib))
+    layers = {0: ManagedLayer(0, torch.nn.Identity(), Policy.SWAP, forward_s=1e-3),
+              1: ManagedLayer(1, torch.nn.Identity(), Policy.KEEP, forward_s=1e-3)}
+    governor = BudgetGovernor(4 * kib + 4 * 4 * kib, 64 * kib, ledger=ledger, engine=engine, layers=layers)
+    governor.reserve = 4 * kib
+    held = []
+    for mb in range(3):
+        for lid in (0, 1):
+            ledger.record_activation(lid, mb, 4 * kib, swappable=4 * kib)
+            t = torch.ones(kib)
+            storage = t.untyped_storage()
+            args = (t, lid, mb, storage.data_ptr(), storage.nbytes())
+            held.append(engine.swap_out(t, storage, *args[1:]) if lid == 0 and copies_late else engine.keep(*args))
+        engine.flush_swap_outs()
+    assert ledger.resident == 24 * kib and engine.outgoing_bytes() == (12 * kib if copies_late else 0)
+    governor.fit(3, in_flight=4, lag_share=0.0, all_keep=False, set_policy=lambda *_: None)
+    assert governor.escalations == ([] if copies_late else [(1, Policy.KEEP, Policy.SWAP)])
+    # a pack that needs room waits for the late copies (a wait counted); kept bytes force it to swap instead
+    assert governor.forces_swap(key=1, nbytes=4 * kib) is (not copies_late)
+    assert (governor.waits, ledger.resident) == ((1, 12 * kib) if copies_late else (0, 24 * kib))
 
 
 def test_a_recomputed_layer_whose_input_is_big_goes_to_swap():

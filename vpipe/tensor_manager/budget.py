@@ -8,6 +8,12 @@ the projection passes the budget, :func:`cheapest_escalations` picks extra swaps
 or recomputes (D->R, S->R), or swaps a recomputed layer that still keeps its inputs (R->S),
 the cheapest seconds per byte saved first, until it fits.
 
+A recompute costs the layer's forward. A swap costs the copy time its micro-batch's compute
+does not hide (:func:`exposed_copy_s`): every swapped layer's copies share one copy engine
+per direction, the swap-outs beside the micro-batch's forward and the swap-ins beside its
+backward. Swaps are free until the copies fill that window; past it each byte more costs
+its copy time, and recomputing the rest is often cheaper.
+
 Zero-bubble schedules split a backward into an input pass and a weight pass that may run
 much later. In between, a swapped layer keeps on the device the storages the weight pass
 unpacks again (brought back once, for both passes) and a recomputed layer keeps those of
@@ -35,7 +41,7 @@ from vpipe.plan import Policy
 from vpipe.tensor_manager.accounting import format_bytes
 
 __all__ = ["MemoryBudgetError", "LayerEstimate", "Escalation", "check_layer_fits", "cheapest_escalations",
-           "fit_micro_batch", "kept_bytes", "stage_fixed_bytes", "expected_state_factor"]
+           "exposed_copy_s", "fit_micro_batch", "kept_bytes", "stage_fixed_bytes", "expected_state_factor"]
 
 
 class MemoryBudgetError(ValueError):
@@ -105,16 +111,42 @@ def check_layer_fits(layer_id: int, activation_bytes: int, budget_bytes: int) ->
         )
 
 
-def _change_cost(e: LayerEstimate, old: Policy, new: Policy, swap_s_per_byte: float, overlap_s: float) -> float:
-    """Extra seconds per micro-batch of moving ``e`` from ``old`` to ``new``."""
-    def swap_cost() -> float:
-        # out and back; what overlaps the layer's own compute window is free
-        return max(0.0, 2 * e.swappable_bytes * swap_s_per_byte - overlap_s * e.forward_s)
+def exposed_copy_s(copy_s: float, forward_s: float, overlap: float) -> float:
+    """Seconds of one micro-batch's swap copies that its compute does not hide.
 
-    def cost(policy: Policy) -> float:
-        return {Policy.KEEP: 0.0, Policy.SWAP: swap_cost(), Policy.RECOMPUTE: e.forward_s}[policy]
+    ``copy_s`` is one direction's copy time (the swap-outs; the swap-ins move the same bytes).
+    The swap-outs run beside ``overlap`` of the micro-batch's ``forward_s``, the swap-ins beside
+    its backward, about twice as long; what either direction carries past its window is
+    exposed. ``overlap`` 0 (copies on the compute thread, as on CPU): every copy is paid.
+    """
+    window = overlap * forward_s
+    return max(0.0, copy_s - window) + max(0.0, copy_s - 2.0 * window)
 
-    return max(0.0, cost(new) - cost(old))
+
+class _StepCost:
+    """Seconds one micro-batch pays for its swaps and recomputes, under changing policies."""
+
+    def __init__(self, estimates: dict[int, LayerEstimate], policies: dict[int, Policy], swap_s_per_byte: float,
+                 overlap: float) -> None:
+        self._estimates = estimates
+        self._s_per_byte = swap_s_per_byte
+        self._overlap = overlap
+        self._forward_s = sum(e.forward_s for e in estimates.values())
+        self.copy_s = sum(self._copy_s(e) for lid, e in estimates.items() if policies[lid] is Policy.SWAP)
+
+    def _copy_s(self, e: LayerEstimate) -> float:
+        return e.swappable_bytes * self._s_per_byte
+
+    def change(self, layer_id: int, old: Policy, new: Policy) -> tuple[float, float]:
+        """Extra seconds of moving a layer from ``old`` to ``new`` (never below 0), and the copy time after it."""
+        e = self._estimates[layer_id]
+        copy_after = (self.copy_s - (self._copy_s(e) if old is Policy.SWAP else 0.0)
+                      + (self._copy_s(e) if new is Policy.SWAP else 0.0))
+        before = exposed_copy_s(self.copy_s, self._forward_s, self._overlap) + (
+            e.forward_s if old is Policy.RECOMPUTE else 0.0)
+        after = exposed_copy_s(copy_after, self._forward_s, self._overlap) + (
+            e.forward_s if new is Policy.RECOMPUTE else 0.0)
+        return max(0.0, after - before), copy_after
 
 
 def cheapest_escalations(
@@ -134,28 +166,29 @@ def cheapest_escalations(
     resident (its input is larger than what a swap keeps). With ``best_effort`` the changes
     found so far are returned when no further change helps, instead of raising.
 
-    ``overlap`` is how many forward-times of compute a layer's swap can hide behind (0 when
-    copies are synchronous, as on CPU). Raises :class:`MemoryBudgetError` when even every
-    possible change does not save enough.
+    ``overlap`` is the share of a micro-batch's forward its swap-outs can hide behind
+    (:func:`exposed_copy_s`; 0 when copies are synchronous, as on CPU). Raises
+    :class:`MemoryBudgetError` when even every possible change does not save enough.
     """
     current = {e.layer_id: e for e in estimates}
     policies = {lid: e.policy for lid, e in current.items()}
+    step = _StepCost(current, policies, swap_s_per_byte, overlap)
     pool_left = pool_free_bytes
     changes: list[Escalation] = []
     need = excess_bytes
     while need > 0:
-        best: tuple[float, float, Escalation] | None = None
+        best: tuple[float, float, Escalation, float] | None = None
         for lid, e in current.items():
             old = policies[lid]
             for new in (Policy.SWAP, Policy.RECOMPUTE):
                 saved = kept_bytes(e, old) - kept_bytes(e, new)
                 if new is old or saved <= 0 or (new is Policy.SWAP and e.swappable_bytes > pool_left):
                     continue
-                cost = _change_cost(e, old, new, swap_s_per_byte, overlap)
+                cost, copy_after = step.change(lid, old, new)
                 # cheapest per byte; among equals the one that saves more, then the earlier layer
                 key = (cost / saved, -saved)
                 if best is None or key < best[:2]:
-                    best = (key[0], key[1], Escalation(lid, old, new, saved, cost))
+                    best = (key[0], key[1], Escalation(lid, old, new, saved, cost), copy_after)
         if best is None:
             if best_effort:
                 break
@@ -167,6 +200,7 @@ def cheapest_escalations(
         change = best[2]
         changes.append(change)
         policies[change.layer_id] = change.new
+        step.copy_s = best[3]
         if change.new is Policy.SWAP:
             pool_left -= current[change.layer_id].swappable_bytes
         need -= change.saved_bytes

@@ -11,6 +11,7 @@ escalations, each logged as a ``policy`` decision).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 
 from vpipe.log import decision
@@ -23,8 +24,9 @@ from vpipe.tensor_manager.swap import SwapEngine
 
 __all__ = ["BudgetGovernor"]
 
-# How many forward-times of compute a swap can hide behind when copies are asynchronous.
-_SWAP_OVERLAP = {"cpu": 0.0, "cuda": 3.0}
+# The share of a micro-batch's forward its swap-outs hide behind (budget.exposed_copy_s): all of it
+# where a copy stream runs beside the compute, none where copies run on the compute thread.
+_SWAP_OVERLAP = {"cpu": 0.0, "cuda": 1.0}
 
 
 class BudgetGovernor:
@@ -44,6 +46,10 @@ class BudgetGovernor:
         self.kept_per_mb: int | None = None  # resident bytes a metered micro-batch added, every layer kept
         self._kept_layers: frozenset[int] = frozenset()  # the layers managed when kept_per_mb was measured
         self.swaps = 0  # tensors swapped because keeping them would pass the budget
+        # times a pack waited for swap-outs still copying to free the device bytes it needed, and for how long:
+        # copies that did not keep up with the forward
+        self.waits = 0
+        self.wait_s = 0.0
         self.escalations: list[tuple[int, Policy, Policy]] = []
         self._relaxed = 0  # escalations before this index are undone or superseded
 
@@ -78,7 +84,11 @@ class BudgetGovernor:
         if self.ledger.resident + nbytes <= limit:
             return False
         engine.poll()
-        engine.wait_swap_outs(limit - nbytes)
+        if engine.copies_in_flight:
+            started = time.perf_counter()
+            engine.wait_swap_outs(limit - nbytes)
+            self.waits += 1
+            self.wait_s += time.perf_counter() - started
         if self.ledger.resident + nbytes <= limit:
             return False
         return self._pool_free_bytes() >= nbytes
@@ -140,8 +150,10 @@ class BudgetGovernor:
             return  # (before the projection's estimates: this is every micro-batch of a stage that fits)
         estimates = self._estimates(lag_share)
         copies = self._engine.copies
+        # (swap-outs still copying count as gone: a copy running late is a wait, not a reason to escalate)
         changes = fit_micro_batch(
-            estimates, budget_bytes=budget, resident_bytes=self.ledger.resident, reserve_bytes=self.reserve,
+            estimates, budget_bytes=budget, resident_bytes=self.ledger.resident - self._engine.outgoing_bytes(),
+            reserve_bytes=self.reserve,
             in_flight=in_flight, pool_free_bytes=self._pool_free_bytes(),
             swap_s_per_byte=1.0 / copies.expected_bandwidth(D2H), overlap=_SWAP_OVERLAP[copies.kind],
             context=f"micro-batch {mb}",

@@ -67,6 +67,8 @@ class TensorManagerStats:
     sync_fallbacks: int  # unpacks that found no prefetched copy and copied synchronously
     prefetched: int  # storages brought back ahead of their backward
     budget_swaps: int  # tensors swapped by the budget although their layer's policy keeps them
+    budget_waits: int = 0  # packs that waited for swap-outs still copying, to stay within the budget
+    budget_wait_s: float = 0.0  # and the seconds they waited: copies the compute did not hide
     escalations: tuple[tuple[int, Policy, Policy], ...] = field(default_factory=tuple)
     live_saved_storages: int = 0
     multi_phase_storages: int = 0  # swapped storages freed after being unpacked by several backward passes
@@ -124,6 +126,8 @@ def collect_stats(*, layers: Mapping[int, ManagedLayer], ledger: Ledger, engine:
             sync_fallbacks=swap_in.sync_fallbacks,
             prefetched=swap_in.prefetched,
             budget_swaps=budget.swaps,
+            budget_waits=budget.waits,
+            budget_wait_s=budget.wait_s,
             escalations=tuple(budget.escalations),
             live_saved_storages=engine.live_entries(),
             multi_phase_storages=engine.multi_phase_entries,

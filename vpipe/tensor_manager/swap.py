@@ -224,6 +224,16 @@ class SwapEngine:
             self.pool.free(entry.host)
         entry.host = entry.source = entry.device_copy = None
 
+    def outgoing_bytes(self) -> int:
+        """Device bytes still counted resident only because their copy to the host has not finished.
+
+        They leave by themselves: the budget's projection counts them as gone, so a copy running
+        late costs a wait at pack time (:meth:`wait_swap_outs`), not a lasting change of policy.
+        """
+        with self.lock:
+            return sum(e.nbytes for queue in (self._unissued, self._swapping_out) for e in queue
+                       if e.counted and not e.released and e.source is not None and e.device_copy is None)
+
     @property
     def copies_in_flight(self) -> bool:
         """Whether a swap-out or a deferred free waits for a copy (never on CPU)."""

@@ -97,6 +97,8 @@ def _memory_bound_md(data: dict[str, Any]) -> str:
              f"{row['device_peak_bytes'] / 2**30:.2f}" if row.get("device_peak_bytes") else "-",
              "; ".join(x for x in (f"policies {row['policies']}, {row['escalations']} escalations"
                                    if "policies" in row else "",
+                                   (f"{row['budget_waits']:g} waits for swap-outs per step, "
+                                    f"{row['budget_wait_s'] * 1e3:.1f} ms") if row.get("budget_waits") else "",
                                    f"out of memory in {row['error'].split('. Tried')[0]}" if row.get("error") else "")
                        if x)]
             for system, row in at.items()]
