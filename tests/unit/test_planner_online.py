@@ -66,6 +66,30 @@ def test_a_plan_for_speed_waits_until_the_next_sample_proposes_it_too():
     assert plan is not None and plan.reason.startswith("rebalance")  # two searches in a row proposed it
 
 
+def _with_head(iteration: int, head_blocks: float) -> list[StageRecord]:
+    """4,4 with a head on the last stage that costs ``head_blocks`` blocks."""
+    head = {"outside_fwd_s": head_blocks * 4e-3, "outside_bwd_s": head_blocks * 8e-3, "outside_calls": 4}
+    return [_stage(0, IDS[0], iteration), _stage(1, IDS[1], iteration, **head)]
+
+
+def test_near_equal_plans_that_noise_alternates_between_are_one_imbalance_and_the_earlier_goes():
+    """A head of three blocks' cost makes a search move one block (5,3), of 3.5 two (6,2): on a busy machine
+    consecutive samples land on either side, and waiting for two identical proposals never moved anything."""
+    planner = _planner(smoothing=1.0, confirm_samples=2)
+    assert planner(_with_head(9, 3.0), FOUR_FOUR) is None  # 5,3 proposed: waits
+    plan = planner(_with_head(19, 3.5), FOUR_FOUR)  # this search proposes 6,2; 5,3 still pays on this sample
+    assert plan is not None and [len(s) for s in plan.stages] == [5, 3]
+    assert plan.reason.startswith("rebalance: step 102.03 -> ")  # priced on the second sample
+
+
+def test_an_earlier_plan_that_no_longer_pays_is_dropped_and_the_new_one_waits():
+    planner = _planner(smoothing=1.0, confirm_samples=2)
+    assert planner(_with_head(9, 6.0), FOUR_FOUR) is None  # 7,1 proposed
+    assert planner(_with_head(19, 1.5), FOUR_FOUR) is None  # 7,1 would be slower than 4,4 now: 5,3 starts over
+    plan = planner(_with_head(29, 1.5), FOUR_FOUR)
+    assert plan is not None and [len(s) for s in plan.stages] == [5, 3]
+
+
 def _memory_plan(kept_bytes_per_mb: int) -> Plan | None:
     """4,4 under 1F1B, 22 MiB per stage: stage 0 holds 16 MiB of weights, gradients and Adam state and two
     micro-batches of four layers that each save 1 MiB, where consecutive layers may save one tensor."""

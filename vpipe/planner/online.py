@@ -34,7 +34,7 @@ from vpipe.monitors.records import StageRecord
 from vpipe.plan import PINNED_KIND, Plan, Policy
 from vpipe.planner.cost_model import Hardware, stage_time
 from vpipe.planner.online_config import OnlineConfig, as_tuple
-from vpipe.planner.proposals import SRPPlanner
+from vpipe.planner.proposals import Proposal, SRPPlanner
 from vpipe.sharing import keep_all_shares
 
 log = logging.getLogger("vpipe.planner.online")
@@ -43,6 +43,11 @@ __all__ = ["OnlineConfig", "OnlinePlanner", "SRPEntry", "srp"]
 
 _AT_ONCE = ("memory", "layers changed")  # proposals that are not confirmed first: the current plan cannot run
 _UNCHANGED = 0.01  # per-layer cost moves under this (relative) since the last search: nothing new to plan
+
+
+def _plan_key(plan: Plan) -> tuple[Any, ...]:
+    """What makes two proposals the same plan: placement and policies (not the epoch or the reason)."""
+    return (plan.stages, tuple(sorted((lid, pol.value) for lid, pol in plan.policies.items())))
 
 
 class OnlinePlanner:
@@ -60,7 +65,8 @@ class OnlinePlanner:
         self._srp: Any = None
         self._srp_key: tuple[Any, ...] | None = None
         self._last_search: tuple[Plan, list[tuple[float, int]]] | None = None
-        self._proposed: tuple[Any, int] | None = None  # (what the last searches proposed, how many in a row)
+        # what the last searches proposed: (its key, how many samples in a row found it worth sending, the plan)
+        self._proposed: tuple[Any, int, Plan] | None = None
 
     def __call__(self, vector: list[StageRecord], current: Plan | None) -> Plan | None:
         if current is None or len(vector) != current.num_stages:
@@ -92,12 +98,15 @@ class OnlinePlanner:
             return None  # too soon after a plan, or the same numbers as last time: the daemon idles
         started = time.perf_counter()
         last_proposal = planner.last_proposal_step
-        proposal = planner.propose(graph, current, vector[-1].iteration, placeable=_placeable(vector, current))
-        seconds = time.perf_counter() - started
+        placeable = _placeable(vector, current)
+        proposal = planner.propose(graph, current, vector[-1].iteration, placeable=placeable)
         if proposal is None:
             self._proposed = None  # nothing to gain now: a later proposal starts its count again
             return None
-        if not self._confirmed(proposal, current, vector[-1].iteration, at_once=edited):
+        proposal = self._confirmed(proposal, vector[-1].iteration, at_once=edited,
+                                   reprice=lambda earlier: planner.reprice(graph, current, earlier, placeable))
+        seconds = time.perf_counter() - started
+        if proposal is None:
             planner.last_proposal_step = last_proposal  # nothing was sent: no cooldown starts
             return None
         plan = proposal.plan
@@ -111,23 +120,33 @@ class OnlinePlanner:
         )
         return plan
 
-    def _confirmed(self, proposal: Any, current: Plan, iteration: int, at_once: bool = False) -> bool:
-        """Whether to send a proposal now: it fits memory or follows a layer edit (``at_once``: the stages report
-        layers the planner did not place, a known change and not noise), or the last ``confirm_samples``
-        searches all proposed it."""
-        plan = proposal.plan
+    def _confirmed(self, proposal: Proposal, iteration: int, *, at_once: bool,
+                   reprice: Callable[[Plan], Proposal | None]) -> Proposal | None:
+        """The proposal to send now, or None to wait for the next sample.
+
+        A plan that fits memory or follows a layer edit goes at once (``at_once``: the stages report layers
+        the planner did not place, a known change and not noise). A plan for speed goes once it was worth
+        sending on ``confirm_samples`` samples in a row: proposed by each search, or proposed by an earlier
+        one and still worth sending on the new statistics (``reprice``). Near-equal plans that noise makes
+        the searches alternate between are one imbalance seen twice: the earlier of them goes.
+        """
         if at_once or proposal.reason.startswith(_AT_ONCE) or self.config.confirm_samples <= 1:
             self._proposed = None
-            return True
-        key = (plan.stages, tuple(sorted((lid, pol.value) for lid, pol in plan.policies.items())))
-        seen = self._proposed[1] + 1 if self._proposed is not None and self._proposed[0] == key else 1
+            return proposal
+        key = _plan_key(proposal.plan)
+        earlier = self._proposed
+        if earlier is not None and earlier[0] != key:
+            again = reprice(earlier[2])
+            if again is not None:
+                proposal, key = again, earlier[0]
+        seen = earlier[1] + 1 if earlier is not None and earlier[0] == key else 1
         if seen < self.config.confirm_samples:
-            self._proposed = (key, seen)
+            self._proposed = (key, seen, proposal.plan)
             log.info("planner: iteration %d proposes %s (%d of %d searches in a row); waiting for the next sample",
                      iteration, proposal.reason, seen, self.config.confirm_samples)
-            return False
+            return None
         self._proposed = None
-        return True
+        return proposal
 
     def _unchanged_since_last_search(self, graph: Any, current: Plan) -> bool:
         """Whether the last search saw this plan and costs within ``_UNCHANGED`` of these (then it found nothing)."""

@@ -32,8 +32,9 @@ class OnlineConfig:
     smoothing: float = 0.5  # weight of the newest sample in the per-layer average
     warmup_samples: int = 2  # samples to see before the first plan
     imbalance_threshold: float = 0.10  # slowest stage over mean stage time that counts as imbalance
-    # a plan made for speed is sent when this many searches in a row (on new samples) proposed it: one noisy
-    # sample on a busy machine cannot move layers (plans to fit memory or follow an edit go at once)
+    # a plan made for speed is sent once it was worth sending on this many samples in a row (proposed, then
+    # proposed again or still worth its move): one noisy sample on a busy machine cannot move layers (plans to
+    # fit memory or follow an edit go at once)
     confirm_samples: int = 2
     allow_moves: bool = True  # False: only swap/recompute policies change (no layer factory)
     copy_bytes_per_s: float = 12e9

@@ -162,14 +162,44 @@ class SRPPlanner:
         chosen = self._choose(before, candidates)
         if chosen is None:
             return None
+        self.last_proposal_step = step
+        return self._proposal(profile, current, before, chosen)
+
+    def reprice(self, graph: LayerGraph, current: Plan, plan: Plan,
+                placeable: Callable[[list[list[int]]], bool] | None = None) -> Proposal | None:
+        """``plan``, an earlier proposal, judged on ``graph``'s statistics: a proposal again if it is still
+        worth sending against ``current`` (the gain and the payback :meth:`propose` asks of a plan made
+        for speed), else None. Starts no cooldown.
+        """
+        profile = GraphProfile(graph)
+        before = self._current(profile, current)
+        if before is None or not before.fits:
+            return None  # the running plan cannot run: propose() fixes that, at once
+        try:
+            plan.check_against(profile.ids, self.setup.num_stages)
+        except PlanError:
+            return None  # layers changed since
+        cuts = profile.cuts_of(plan.stages)
+        after = evaluate(profile, self.setup, self.budgets, cuts, profile.codes_from(plan.policies))
+        current_stage = np.repeat(np.arange(self.setup.num_stages), np.diff([0, *before.cuts, profile.n]))
+        stage = np.repeat(np.arange(self.setup.num_stages), np.diff([0, *after.cuts, profile.n]))
+        hops = np.abs(stage - current_stage)
+        moved = int(np.count_nonzero(hops))
+        if moved and not (self.allow_moves and (placeable is None or placeable(profile.stages_of(after.cuts)))):
+            return None
+        moved_bytes = float(np.sum(_per_hop_bytes(profile, self.setup, current_stage) * hops))
+        chosen = self._choose(before, [(after, moved, moved_bytes)])
+        return None if chosen is None else self._proposal(profile, current, before, chosen)
+
+    def _proposal(self, profile: GraphProfile, current: Plan, before: Evaluated | None,
+                  chosen: tuple[Evaluated, int, float, str]) -> Proposal:
         plan, moved, moved_bytes, why = chosen
-        migration_s = moved_bytes / setup.hardware.net_bytes_per_s
+        migration_s = moved_bytes / self.setup.hardware.net_bytes_per_s
         before_step = before.step_s if before is not None else math.inf
         reason = (f"{why}: step {_ms(before_step)} -> {_ms(plan.step_s)} ms predicted, "
                   f"{moved} layer(s) move ({moved_bytes / 1e6:.1f} MB, {migration_s * 1e3:.1f} ms)")
         new_plan = Plan(epoch=current.epoch + 1, stages=tuple(tuple(s) for s in profile.stages_of(plan.cuts)),
                         policies=profile.policies_from(plan.codes), predicted_step_s=plan.step_s, reason=reason)
-        self.last_proposal_step = step
         return Proposal(new_plan, before_step, plan.step_s, int(round(moved_bytes)), migration_s, moved, reason)
 
     # ----------------------------------------------------------------- internals
