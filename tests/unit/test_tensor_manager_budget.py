@@ -12,6 +12,7 @@ from vpipe.plan import Policy
 from vpipe.tensor_manager import MemoryBudgetError
 from vpipe.tensor_manager.accounting import Ledger
 from vpipe.tensor_manager.budget import LayerEstimate, cheapest_escalations, exposed_copy_s
+from vpipe.tensor_manager.copy_engine import CpuCopyEngine
 from vpipe.tensor_manager.governor import BudgetGovernor
 from vpipe.tensor_manager.layers import ManagedLayer
 from vpipe.tensor_manager.pool import HostPool
@@ -167,6 +168,24 @@ def test_swap_outs_still_copying_count_as_gone_when_the_budget_projects(copies_l
     # a pack that needs room waits for the late copies (a wait counted); kept bytes force it to swap instead
     assert governor.forces_swap(key=1, nbytes=4 * kib) is (not copies_late)
     assert (governor.waits, ledger.resident) == ((1, 12 * kib) if copies_late else (0, 24 * kib))
+
+
+def test_a_pack_over_the_budget_first_issues_the_swap_outs_its_layer_has_packed():
+    """A layer's swap-outs go as one batch after its forward; a tensor that would pass the budget before then
+    issues them (synchronous on CPU: their device bytes go at once) rather than being swapped itself."""
+    kib = 1024
+    ledger = Ledger()
+    engine = SwapEngine(torch.device("cpu"), ledger, CpuCopyEngine(torch.device("cpu")),
+                        lambda: HostPool(64 * kib, pinned=False, chunk_bytes=16 * kib))
+    governor = BudgetGovernor(8 * kib, 64 * kib, ledger=ledger, engine=engine, layers={})
+    held = []
+    for t, out in ((torch.ones(kib), True), (torch.ones(kib), False)):
+        storage = t.untyped_storage()
+        args = (t, storage, 0, 0, storage.data_ptr(), storage.nbytes())
+        held.append(engine.swap_out(*args) if out else engine.keep(t, *args[2:]))
+    assert ledger.resident == 8 * kib and engine.swap_outs_in_flight  # the swap-out is packed, not issued
+    assert governor.forces_swap(key=1, nbytes=4 * kib) is False
+    assert (ledger.resident, governor.waits) == (4 * kib, 1)
 
 
 def test_a_recomputed_layer_whose_input_is_big_goes_to_swap():

@@ -137,16 +137,22 @@ class _StepCost:
     def _copy_s(self, e: LayerEstimate) -> float:
         return e.swappable_bytes * self._s_per_byte
 
-    def change(self, layer_id: int, old: Policy, new: Policy) -> tuple[float, float]:
-        """Extra seconds of moving a layer from ``old`` to ``new`` (never below 0), and the copy time after it."""
+    def _copy_after(self, layer_id: int, old: Policy, new: Policy) -> float:
         e = self._estimates[layer_id]
-        copy_after = (self.copy_s - (self._copy_s(e) if old is Policy.SWAP else 0.0)
-                      + (self._copy_s(e) if new is Policy.SWAP else 0.0))
+        return (self.copy_s - (self._copy_s(e) if old is Policy.SWAP else 0.0)
+                + (self._copy_s(e) if new is Policy.SWAP else 0.0))
+
+    def cost(self, layer_id: int, old: Policy, new: Policy) -> float:
+        """Extra seconds of moving a layer from ``old`` to ``new`` (never below 0)."""
+        forward_s = self._estimates[layer_id].forward_s
         before = exposed_copy_s(self.copy_s, self._forward_s, self._overlap) + (
-            e.forward_s if old is Policy.RECOMPUTE else 0.0)
-        after = exposed_copy_s(copy_after, self._forward_s, self._overlap) + (
-            e.forward_s if new is Policy.RECOMPUTE else 0.0)
-        return max(0.0, after - before), copy_after
+            forward_s if old is Policy.RECOMPUTE else 0.0)
+        after = exposed_copy_s(self._copy_after(layer_id, old, new), self._forward_s, self._overlap) + (
+            forward_s if new is Policy.RECOMPUTE else 0.0)
+        return max(0.0, after - before)
+
+    def apply(self, change: Escalation) -> None:
+        self.copy_s = self._copy_after(change.layer_id, change.old, change.new)
 
 
 def cheapest_escalations(
@@ -177,18 +183,18 @@ def cheapest_escalations(
     changes: list[Escalation] = []
     need = excess_bytes
     while need > 0:
-        best: tuple[float, float, Escalation, float] | None = None
+        best: tuple[float, float, Escalation] | None = None
         for lid, e in current.items():
             old = policies[lid]
             for new in (Policy.SWAP, Policy.RECOMPUTE):
                 saved = kept_bytes(e, old) - kept_bytes(e, new)
                 if new is old or saved <= 0 or (new is Policy.SWAP and e.swappable_bytes > pool_left):
                     continue
-                cost, copy_after = step.change(lid, old, new)
+                cost = step.cost(lid, old, new)
                 # cheapest per byte; among equals the one that saves more, then the earlier layer
                 key = (cost / saved, -saved)
                 if best is None or key < best[:2]:
-                    best = (key[0], key[1], Escalation(lid, old, new, saved, cost), copy_after)
+                    best = (key[0], key[1], Escalation(lid, old, new, saved, cost))
         if best is None:
             if best_effort:
                 break
@@ -200,7 +206,7 @@ def cheapest_escalations(
         change = best[2]
         changes.append(change)
         policies[change.layer_id] = change.new
-        step.copy_s = best[3]
+        step.apply(change)
         if change.new is Policy.SWAP:
             pool_left -= current[change.layer_id].swappable_bytes
         need -= change.saved_bytes

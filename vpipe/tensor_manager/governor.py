@@ -84,7 +84,7 @@ class BudgetGovernor:
         if self.ledger.resident + nbytes <= limit:
             return False
         engine.poll()
-        if engine.copies_in_flight:
+        if engine.swap_outs_in_flight:
             started = time.perf_counter()
             engine.wait_swap_outs(limit - nbytes)
             self.waits += 1

@@ -235,6 +235,11 @@ class SwapEngine:
                        if e.counted and not e.released and e.source is not None and e.device_copy is None)
 
     @property
+    def swap_outs_in_flight(self) -> bool:
+        """Whether a swap-out still has to be issued or to finish (never after a flush on CPU)."""
+        return bool(self._unissued or self._swapping_out)
+
+    @property
     def copies_in_flight(self) -> bool:
         """Whether a swap-out or a deferred free waits for a copy (never on CPU)."""
         return bool(self._swapping_out or self._deferred)
