@@ -79,6 +79,18 @@ class _MigrationBytes:
         return prefix, -prefix
 
 
+def _stage_of_layers(profile: GraphProfile, setup: PipelineSetup, cuts: Sequence[int]) -> np.ndarray:
+    """The stage of each layer (in execution order) under a partition's ``cuts``."""
+    return np.repeat(np.arange(setup.num_stages), np.diff([0, *cuts, profile.n]))
+
+
+def _moves(profile: GraphProfile, setup: PipelineSetup, plan: Evaluated, current_stage: np.ndarray,
+           per_hop: np.ndarray) -> tuple[int, float]:
+    """How many layers ``plan`` moves from ``current_stage``, and the bytes their hops send."""
+    hops = np.abs(_stage_of_layers(profile, setup, plan.cuts) - current_stage)
+    return int(np.count_nonzero(hops)), float(np.sum(per_hop * hops))
+
+
 def _per_hop_bytes(profile: GraphProfile, setup: PipelineSetup, current_stage: np.ndarray) -> np.ndarray:
     """What one neighbour hop of each layer sends: weights and optimizer state; for PipeDream
     also the stashed weight versions and the inputs of its in-flight micro-batches."""
@@ -157,8 +169,7 @@ class SRPPlanner:
             if before.step_s - policies_only.step_s < self.min_gain * before.step_s:
                 return None
         candidates = [c for c in self._candidates(profile, before, best, current)
-                      if c[1] == 0 or (self.allow_moves
-                                       and (placeable is None or placeable(profile.stages_of(c[0].cuts))))]
+                      if self._may_move(profile, c[0], c[1], placeable)]
         chosen = self._choose(before, candidates)
         if chosen is None:
             return None
@@ -179,17 +190,20 @@ class SRPPlanner:
             plan.check_against(profile.ids, self.setup.num_stages)
         except PlanError:
             return None  # layers changed since
-        cuts = profile.cuts_of(plan.stages)
-        after = evaluate(profile, self.setup, self.budgets, cuts, profile.codes_from(plan.policies))
-        current_stage = np.repeat(np.arange(self.setup.num_stages), np.diff([0, *before.cuts, profile.n]))
-        stage = np.repeat(np.arange(self.setup.num_stages), np.diff([0, *after.cuts, profile.n]))
-        hops = np.abs(stage - current_stage)
-        moved = int(np.count_nonzero(hops))
-        if moved and not (self.allow_moves and (placeable is None or placeable(profile.stages_of(after.cuts)))):
+        after = evaluate(profile, self.setup, self.budgets, profile.cuts_of(plan.stages),
+                         profile.codes_from(plan.policies))
+        current_stage = _stage_of_layers(profile, self.setup, before.cuts)
+        moved, moved_bytes = _moves(profile, self.setup, after, current_stage,
+                                    _per_hop_bytes(profile, self.setup, current_stage))
+        if not self._may_move(profile, after, moved, placeable):
             return None
-        moved_bytes = float(np.sum(_per_hop_bytes(profile, self.setup, current_stage) * hops))
         chosen = self._choose(before, [(after, moved, moved_bytes)])
         return None if chosen is None else self._proposal(profile, current, before, chosen)
+
+    def _may_move(self, profile: GraphProfile, plan: Evaluated, moved: int,
+                  placeable: Callable[[list[list[int]]], bool] | None) -> bool:
+        """A plan that moves layers needs moves on and stages that can build the layers arriving."""
+        return moved == 0 or (self.allow_moves and (placeable is None or placeable(profile.stages_of(plan.cuts))))
 
     def _proposal(self, profile: GraphProfile, current: Plan, before: Evaluated | None,
                   chosen: tuple[Evaluated, int, float, str]) -> Proposal:
@@ -219,19 +233,17 @@ class SRPPlanner:
         setup, budgets = self.setup, self.budgets
         if before is None:  # layers changed: only the surviving layers that change stage move
             old_stage = {lid: k for k, layers in enumerate(current.stages) for lid in layers}
-            new_stage = np.repeat(np.arange(setup.num_stages), np.diff([0, *best.cuts, profile.n]))
+            new_stage = _stage_of_layers(profile, setup, best.cuts)
             was = np.array([old_stage.get(lid, k) for lid, k in zip(profile.ids, new_stage)])
             hops = np.abs(new_stage - was)
             per_hop = _per_hop_bytes(profile, setup, was)
             return [(best, int(np.count_nonzero(hops)), float(np.sum(per_hop * hops)))]
-        current_stage = np.repeat(np.arange(setup.num_stages), np.diff([0, *before.cuts, profile.n]))
+        current_stage = _stage_of_layers(profile, setup, before.cuts)
         migration = _MigrationBytes(profile, setup, current_stage)
         out: list[tuple[Evaluated, int, float]] = []
 
         def add(plan: Evaluated) -> None:
-            stage = np.repeat(np.arange(setup.num_stages), np.diff([0, *plan.cuts, profile.n]))
-            hops = np.abs(stage - current_stage)
-            out.append((plan, int(np.count_nonzero(hops)), float(np.sum(migration.per_hop * hops))))
+            out.append((plan, *_moves(profile, setup, plan, current_stage, migration.per_hop)))
 
         add(optimize_stages(profile, setup, budgets, before.cuts))
         add(best)
