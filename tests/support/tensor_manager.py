@@ -41,9 +41,11 @@ def gpipe_step(
     before_forward: Callable[[int], None] | None = None,
     before_backward: Callable[[int], None] | None = None,
     pass_inputs: bool = False,
+    last_first: bool = False,
 ) -> list[torch.Tensor]:
     """All forwards, then all backwards (GPipe order), gradients accumulated; returns the losses.
-    ``pass_inputs``: tell the manager each micro-batch's inputs (as the pipelining wrapper does)."""
+    ``pass_inputs``: tell the manager each micro-batch's inputs (as the pipelining wrapper does);
+    ``last_first``: the backwards from the last micro-batch (torch's ScheduleGPipe starts with the first)."""
     x, y = spec.batch(step, micro_batches * MICRO_BATCH, 0)
     losses = []
     for mb, (xm, ym) in enumerate(zip(x.tensor_split(micro_batches), y.tensor_split(micro_batches))):
@@ -55,7 +57,8 @@ def gpipe_step(
             with manager.micro_batch(mb, (xm,) if pass_inputs else None):
                 out = model(xm)
         losses.append(spec.loss_fn()(out, ym) / micro_batches)
-    for mb, loss in enumerate(losses):
+    order = list(enumerate(losses))
+    for mb, loss in reversed(order) if last_first else order:
         if before_backward is not None:
             before_backward(mb)
         if manager is None:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from vpipe.log import decision
 from vpipe.plan import Policy
 from vpipe.tensor_manager.accounting import Ledger
-from vpipe.tensor_manager.budget import LayerEstimate, check_layer_fits, fit_micro_batch
+from vpipe.tensor_manager.budget import LayerEstimate, check_layer_fits, fit_micro_batch, kept_bytes
 from vpipe.tensor_manager.copy_engine import D2H
 from vpipe.tensor_manager.layers import ManagedLayer
 from vpipe.tensor_manager.swap import SwapEngine
@@ -166,6 +166,40 @@ class BudgetGovernor:
                 layer=change.layer_id, old=change.old.value, new=change.new.value, saved_bytes=change.saved_bytes,
                 cost_s=change.cost_s, budget_bytes=budget, in_flight=in_flight, micro_batch=mb,
             )
+
+    def swaps_to_skip(self, lag_share: float, later_forwards: int | None, backward_next: bool) -> frozenset[int]:
+        """Swapped layers the micro-batch whose forward starts now keeps on the device: swapping what the
+        budget has room for only costs copies.
+
+        Without a budget only when its own backward is the next action (``backward_next``: GPipe's last
+        micro-batch in reverse order, every micro-batch of 1F1B's last stage): a swap-out would come straight
+        back, and the backward's prefetch would bring it all back at once anyway. Under a budget: the room left
+        below the budget less the reserve once what is resident and, at their policies' footprint, this
+        micro-batch and the ``later_forwards`` still to come before the step's peak are counted (None: the
+        step's peak is not known yet, keep nothing). Layers are kept from the last back: a backward needs them
+        first. A kept tensor is still swapped at pack time if the budget has no room for it after all. Nothing
+        under a split backward (``lag_share`` > 0): a kept layer holds everything until its weight pass.
+        """
+        swapped = [lid for lid, layer in sorted(self._layers.items()) if layer.policy is Policy.SWAP]
+        if not swapped or lag_share > 0:
+            return frozenset()  # (a split backward: kept tensors would wait for the weight pass, swapped ones not)
+        if self.budget_bytes is None:
+            return frozenset(swapped) if backward_next else frozenset()
+        if later_forwards is None:
+            return frozenset()
+        estimates = {e.layer_id: e for e in self._estimates(lag_share)}
+        limit = self.limit()
+        assert limit is not None
+        footprint = sum(kept_bytes(e, e.policy) for e in estimates.values())
+        room = limit - self.ledger.resident - footprint * (later_forwards + 1)
+        held: list[int] = []
+        for lid in reversed(swapped):
+            e = estimates.get(lid)
+            if e is None or e.swappable_bytes > room:
+                break
+            room -= e.swappable_bytes
+            held.append(lid)
+        return frozenset(held)
 
     def relax(self, need: int, set_policy: Callable[[int, Policy], None]) -> None:
         """Undo the escalations in force once keeping every layer (``need`` bytes at the peak) fits the budget.

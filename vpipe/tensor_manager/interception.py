@@ -70,6 +70,9 @@ class Interceptor:
         self._tls = threading.local()
         self.mb: int | None = None
         self.unmetered = False
+        # swapped layers whose tensors stay on the device in this micro-batch (the manager sets it each forward:
+        # what would come straight back, what the budget has room for; governor.swaps_to_skip)
+        self.held_back: frozenset[int] = frozenset()
         # whether recomputed calls measure what they would save (off: as their last metered call of the same
         # input shapes; the manager follows its own ``metering``)
         self.metering = True
@@ -92,7 +95,10 @@ class Interceptor:
         if self.unmetered and layer.policy is Policy.KEEP and layer.input_shapes == input_shapes(args):
             frames.append(KeptCall(layer, self.mb))
             return
-        frames.append(LayerCall(layer, self.mb, args, self._engine.entries_made + 1))
+        frame = LayerCall(layer, self.mb, args, self._engine.entries_made + 1)
+        if frame.policy is Policy.SWAP and layer.layer_id in self.held_back:
+            frame.policy = Policy.KEEP  # what this call would swap out would come straight back
+        frames.append(frame)
         self.hooks.__enter__()
 
     def post_forward(self, layer: ManagedLayer, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:

@@ -299,7 +299,7 @@ class TensorManager:
         if self._prefetcher.observe(FORWARD, mb):  # a new step: remember how many were in flight in the last
             flight.new_step()
         calls = self._interceptor
-        calls.unmetered = False
+        calls.unmetered, calls.held_back = False, frozenset()
         if not torch.is_grad_enabled():
             return  # an evaluation forward saves nothing and has no backward
         calls.uncount(mb)  # a micro-batch of a step that failed before its backward
@@ -309,6 +309,9 @@ class TensorManager:
         if budget.budget_bytes is not None:
             budget.fit(mb, in_flight, self._phases.lag_share(in_flight), self._all_keep, self.set_policy)
         calls.unmetered = not self.metering and self._all_keep and budget.holds_next_unwatched(in_flight)
+        later = max(0, flight.max_last_step - len(flight.open)) if flight.max_last_step else None
+        calls.held_back = budget.swaps_to_skip(self._phases.lag_share(in_flight), later,
+                                               self._prefetcher.predictor.backward_follows(mb))
         self._prefetcher.pump()
 
     @contextmanager

@@ -63,6 +63,16 @@ class ArrivalPredictor:
         self._current.append((kind, mb, now - self._step_start))
         return new_step
 
+    def backward_follows(self, mb: int) -> bool:
+        """Whether, in the learned order, the action after the forward of ``mb`` starting now is ``mb``'s own
+        backward (the last micro-batch when the backwards start from it, every micro-batch of 1F1B's last
+        stage)."""
+        pos = len(self._current)
+        prev = self._previous
+        if not prev or pos == 0 or pos >= len(prev) or prev[pos - 1][:2] != self._current[-1][:2]:
+            return False
+        return prev[pos][:2] == (BACKWARD, mb)
+
     def upcoming(self, copy_seconds: Callable[[int], float]) -> list[int]:
         """Micro-batches whose backward is predicted to start within their copy time from now."""
         pos = len(self._current)
