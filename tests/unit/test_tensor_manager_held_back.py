@@ -3,7 +3,8 @@
 A swapped layer's tensors stay on the device in a micro-batch whose own backward is the next
 action (without a budget too: the backward's prefetch would bring them all back at once), and,
 under a budget, in the micro-batches that the room left below it holds once the step's later
-forwards are counted at their policies' footprint, last layers first.
+forwards are counted at their policies' footprint, last layers first, when their backward comes
+before those forwards' backwards.
 """
 
 from __future__ import annotations
@@ -33,12 +34,16 @@ def _d2h_per_step(steps: int, last_first: bool, **kwargs: object):
 
 
 def _reference(steps: int, last_first: bool):
+    return _reference_micro_batches(steps, 3, last_first)
+
+
+def _reference_micro_batches(steps: int, micro_batches: int, last_first: bool):
     spec = model_spec("transformer")
     model = build_model(spec, seed=0)
     torch.manual_seed(11)
     out = []
     for step in range(steps):
-        gpipe_step(model, spec, step, None, last_first=last_first)
+        gpipe_step(model, spec, step, None, micro_batches=micro_batches, last_first=last_first)
         out.append({n: p.grad.clone() for n, p in model.named_parameters()})
         model.zero_grad(set_to_none=True)
     return out
@@ -74,3 +79,26 @@ def test_under_a_budget_the_room_it_leaves_keeps_last_layers_first_and_is_never_
     assert 0 < s.peak_resident_bytes <= budget and not s.escalations
     assert s.sync_fallbacks == 0 and s.h2d_bytes == s.d2h_bytes + s.refetched_bytes
     assert_grads_equal(grads, _reference(3, last_first=False))
+
+
+def test_backwards_from_the_last_micro_batch_leave_the_room_to_it_not_to_the_first():
+    budget = 400_000
+    spec = model_spec("transformer")
+    model = build_model(spec, seed=0)
+    manager = make_manager(model, dict.fromkeys(LAYERS, "S"), budget_bytes=budget)
+    torch.manual_seed(11)
+    on_host: list[dict[int, int]] = []
+    grads = []
+    for step in range(3):
+        on_host.append({})
+        gpipe_step(model, spec, step, manager, micro_batches=4, last_first=True,
+                   before_backward=lambda mb: on_host[-1].setdefault(mb, manager._swap_in.host_bytes(mb)))
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        model.zero_grad(set_to_none=True)
+    # the last micro-batch, whose backward comes first, keeps; the first one (backward last) does not take the
+    # room first. While the kept micro-batch's backward frees its tensors, the next one's prefetch goes on (it
+    # had stopped at the budget): both find nothing left on the host when they start.
+    assert on_host[0][3] > 0 and on_host[2][3] == on_host[2][2] == 0, on_host
+    s = manager.stats()
+    assert 0 < s.peak_resident_bytes <= budget and not s.escalations and s.sync_fallbacks == 0
+    assert_grads_equal(grads, _reference_micro_batches(3, micro_batches=4, last_first=True))

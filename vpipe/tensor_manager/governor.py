@@ -175,10 +175,11 @@ class BudgetGovernor:
         micro-batch in reverse order, every micro-batch of 1F1B's last stage): a swap-out would come straight
         back, and the backward's prefetch would bring it all back at once anyway. Under a budget: the room left
         below the budget less the reserve once what is resident and, at their policies' footprint, this
-        micro-batch and the ``later_forwards`` still to come before the step's peak are counted (None: the
-        step's peak is not known yet, keep nothing). Layers are kept from the last back: a backward needs them
-        first. A kept tensor is still swapped at pack time if the budget has no room for it after all. Nothing
-        under a split backward (``lag_share`` > 0): a kept layer holds everything until its weight pass.
+        micro-batch and the ``later_forwards`` still to come before the step's peak are counted (None: keep
+        nothing, the step's peak is not known yet or this micro-batch's backward comes after theirs). Layers
+        are kept from the last back: a backward needs them first. A kept tensor is still swapped at pack time
+        if the budget has no room for it after all. Nothing under a split backward (``lag_share`` > 0): a kept
+        layer holds everything until its weight pass.
         """
         swapped = [lid for lid, layer in sorted(self._layers.items()) if layer.policy is Policy.SWAP]
         if not swapped or lag_share > 0:

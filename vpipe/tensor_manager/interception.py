@@ -224,6 +224,8 @@ class Interceptor:
             return packed
         if packed.__class__ is KeptHandle:
             self._phases.kept_unpacked(packed.entry)
+            if self._prefetcher.throttled:  # the kept tensors this backward used so far may have left room
+                self._prefetcher.pump()
             return packed.tensor
         phases = self._phases
         phase = phases.unpack_phase()

@@ -309,9 +309,9 @@ class TensorManager:
         if budget.budget_bytes is not None:
             budget.fit(mb, in_flight, self._phases.lag_share(in_flight), self._all_keep, self.set_policy)
         calls.unmetered = not self.metering and self._all_keep and budget.holds_next_unwatched(in_flight)
-        later = max(0, flight.max_last_step - len(flight.open)) if flight.max_last_step else None
-        calls.held_back = budget.swaps_to_skip(self._phases.lag_share(in_flight), later,
-                                               self._prefetcher.predictor.backward_follows(mb))
+        predictor = self._prefetcher.predictor  # (room is kept for micro-batches whose backward comes earlier)
+        later = max(0, flight.max_last_step - len(flight.open)) if predictor.backward_first(mb) else None
+        calls.held_back = budget.swaps_to_skip(self._phases.lag_share(in_flight), later, predictor.backward_follows(mb))
         self._prefetcher.pump()
 
     @contextmanager

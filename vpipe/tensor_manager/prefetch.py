@@ -73,6 +73,18 @@ class ArrivalPredictor:
             return False
         return prev[pos][:2] == (BACKWARD, mb)
 
+    def backward_first(self, mb: int) -> bool:
+        """Whether, in the learned order, ``mb``'s backward comes before the backwards of every micro-batch
+        forwarded after it (first in, first out: torch's GPipe and 1F1B; not backwards from the last)."""
+        forwards = [m for kind, m, _ in self._previous if kind == FORWARD]
+        if mb not in forwards:
+            return False
+        later = set(forwards[forwards.index(mb) + 1:])
+        for kind, m, _ in self._previous:
+            if kind == BACKWARD and (m == mb or m in later):
+                return m == mb
+        return False
+
     def upcoming(self, copy_seconds: Callable[[int], float]) -> list[int]:
         """Micro-batches whose backward is predicted to start within their copy time from now."""
         pos = len(self._current)
