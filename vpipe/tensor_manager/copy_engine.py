@@ -217,8 +217,8 @@ class CudaCopyEngine(CopyEngine):
         self.d2h_stream.wait_stream(self._current_stream())
         with torch.cuda.stream(self.d2h_stream):
             start.record()
-            for src, dst in pairs:
-                dst.copy_(src, non_blocking=True)
+            # one call for the batch: the per-pair dispatch runs in C++, not in Python
+            torch._foreach_copy_([dst for _, dst in pairs], [src for src, _ in pairs], non_blocking=True)
             end.record()
         ticket = Ticket(D2H, sum(src.numel() for src, _ in pairs), end, start)
         self._account(ticket)
@@ -236,8 +236,8 @@ class CudaCopyEngine(CopyEngine):
             start.record()
             # allocated on the copy stream: the allocator will not hand this memory to the
             # compute stream until consume() recorded the compute stream's use of it
-            outs = [torch.empty(src.numel(), dtype=torch.uint8, device=self.device).copy_(src, non_blocking=True)
-                    for src in sources]
+            outs = [torch.empty(src.numel(), dtype=torch.uint8, device=self.device) for src in sources]
+            torch._foreach_copy_(outs, list(sources), non_blocking=True)
             end.record()
         ticket = Ticket(H2D, sum(src.numel() for src in sources), end, start)
         self._account(ticket)
