@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# The GPU part of the benchmarks, on a machine with one NVIDIA GPU (about 4 minutes on an H100):
+# The GPU part of the benchmarks, on a machine with one NVIDIA GPU (about 6 minutes on an H200):
 #   - every test marked `cuda` (copy streams and host pool, the monitor's CUDA timing, a GPU budget,
 #     a batch twice what the capped memory holds trained under the budget);
 #   - the swap path (pinned pool and copy engine vs naive copies, overlap with compute);
 #   - the tensor manager on a launch-bound transformer (d_model 256) and a compute-bound one
 #     (d_model 2048): step time per policy against torch's save_on_cpu and checkpoint;
-#   - the memory-bound benchmark: activations twice what the capped memory holds, vpipe's own
-#     swap/recompute mix against all-recompute and save_on_cpu, and the largest batch each runs
-#     within 10% of plain's per-sample throughput.
+#   - the memory-bound benchmark at d_model 2048 and 4096: activations twice what the capped memory
+#     holds, vpipe's own swap/recompute mix against all-recompute and save_on_cpu, and the largest
+#     batch each runs within 10% of plain's per-sample throughput;
+#   - the timeline of one memory-bound step at both sizes: where the compute stream sat idle and
+#     how much of the copies ran under kernels.
 # JSON, the test log and the machine's description go to the directory given (default
 # docs/results/gpu); `python -m vpipe_lab.report docs/results --docs docs/benchmarks.md` then
 # regenerates the docs' GPU section from them.
@@ -32,9 +34,14 @@ status=0
 "$PY" -c 'import json, sys; lines = [l.strip("= \n") for l in open(sys.argv[1]) if " in " in l and ("passed" in l or "failed" in l)]; print(json.dumps({"summary": lines[-1] if lines else "no summary line"}))' \
   "$OUT/cuda-tests.txt" > "$OUT/cuda_tests.json"
 "$PY" benchmarks/swap_bench.py --device cuda --json "$OUT/swap.json" || status=1
-"$PY" benchmarks/tensor_manager_bench.py --device cuda --json "$OUT/tensor_manager.json" || status=1
-"$PY" benchmarks/tensor_manager_bench.py --device cuda --d-model 2048 --heads 16 --seq-len 256 --rounds 5 \
+"$PY" benchmarks/tensor_manager_bench.py --device cuda --rounds 31 --json "$OUT/tensor_manager.json" || status=1
+"$PY" benchmarks/tensor_manager_bench.py --device cuda --d-model 2048 --heads 16 --seq-len 256 --rounds 9 \
   --only "vpipe D,vpipe S,vpipe R,save_on_cpu,checkpoint" --json "$OUT/tensor_manager_compute.json" || status=1
 "$PY" benchmarks/memory_bound_bench.py --device cuda --json "$OUT/memory_bound.json" || status=1
+"$PY" benchmarks/memory_bound_bench.py --device cuda --d-model 4096 --heads 32 --micro-batch-size 4 --rounds 3 --steps 2 \
+  --max-factor 3 --json "$OUT/memory_bound_4096.json" || status=1
+"$PY" benchmarks/gpu_timeline.py --json "$OUT/timeline_2048.json" || status=1
+"$PY" benchmarks/gpu_timeline.py --d-model 4096 --heads 32 --micro-batch-size 4 --json "$OUT/timeline_4096.json" \
+  || status=1
 echo "gpu_suite: results in $OUT (exit $status)"
 exit $status

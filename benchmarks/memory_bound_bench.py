@@ -27,7 +27,7 @@ import os
 import statistics
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -79,18 +79,22 @@ class Runner:
                                [t.to(self.device) for t in y.tensor_split(n)])
         return self.batches[n]
 
-    def step(self, system: str, n: int, probe: SavedBytesProbe | None = None) -> None:
-        """One GPipe-ordered step of ``n`` micro-batches; :class:`OutOfMemory` if it did not fit."""
+    def step(self, system: str, n: int, probe: SavedBytesProbe | None = None,
+             forwards: AbstractContextManager[Any] | None = None) -> None:
+        """One GPipe-ordered step of ``n`` micro-batches; :class:`OutOfMemory` if it did not fit.
+        ``forwards``: a context around all the forwards (a profiler's range)."""
         inputs, targets = self.batch(n)
         model = self.managed if system == "vpipe" else self.model
         try:
             losses = []
-            for mb, x in enumerate(inputs):
-                hooks = torch.autograd.graph.saved_tensors_hooks(probe.pack, probe.unpack) if probe else nullcontext()
-                with hooks, self._forward_context(system, mb):
-                    out = self._checkpointed(model, x) if system == "checkpoint" else model(x)
-                losses.append(self.loss_fn(out, targets[mb]) / n)
-                del out
+            with forwards or nullcontext():
+                for mb, x in enumerate(inputs):
+                    hooks = (torch.autograd.graph.saved_tensors_hooks(probe.pack, probe.unpack) if probe
+                             else nullcontext())
+                    with hooks, self._forward_context(system, mb):
+                        out = self._checkpointed(model, x) if system == "checkpoint" else model(x)
+                    losses.append(self.loss_fn(out, targets[mb]) / n)
+                    del out
             for mb in range(n):  # GPipe's backward order (torch's ScheduleGPipe)
                 with self.manager.backward(mb) if system == "vpipe" else nullcontext():
                     losses[mb].backward()
@@ -134,6 +138,12 @@ class Runner:
         self.sync()
         return time.perf_counter() - t0
 
+    def alloc_retries(self) -> int:
+        """How often the allocator had to free its cache and retry so far (0 on CPU)."""
+        if self.device.type != "cuda":
+            return 0
+        return int(torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0))
+
     def peak_bytes(self, system: str, n: int) -> int:
         """The device's peak allocated bytes during one step (CPU: 0, nothing to cap)."""
         if self.device.type != "cuda":
@@ -143,6 +153,24 @@ class Runner:
         self.step(system, n)
         self.sync()
         return int(torch.cuda.max_memory_allocated(self.device))
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """The model and memory arguments this benchmark and ``gpu_timeline.py`` share."""
+    p.add_argument("--blocks", type=int, default=4)
+    p.add_argument("--d-model", type=int, default=2048)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--micro-batch-size", type=int, default=8)
+    p.add_argument("--fits", type=int, default=4, help="micro-batches plain's capped memory holds (default 4)")
+    p.add_argument("--threads", type=int, default=1)
+
+
+def set_budget(runner: Runner, cap: dict[str, Any]) -> int:
+    """vpipe's own setting: what plain's largest batch saves, less a fifth for the copies in flight and the
+    allocator's separate pools for the copy streams."""
+    runner.manager.budget_bytes = int(runner.args.fits * cap["saved_per_micro_batch_bytes"] * BUDGET_SHARE)
+    return runner.manager.budget_bytes
 
 
 def cap_memory(runner: Runner, fits: int) -> dict[str, Any]:
@@ -195,10 +223,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     runner = Runner(args)
     cap = cap_memory(runner, args.fits)
-    # vpipe's own setting: what plain's largest batch saves, less a fifth for the copies in flight and the
-    # allocator's separate pools for the copy streams
-    budget = int(args.fits * cap["saved_per_micro_batch_bytes"] * BUDGET_SHARE)
-    runner.manager.budget_bytes = budget
+    budget = set_budget(runner, cap)
     n = 2 * args.fits
     # plain at its largest batch: the per-sample throughput every system is held to
     plain = largest_batch(runner, "plain", [args.fits, args.fits + 1, n], None, args.steps)
@@ -215,10 +240,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     runner.manager.metering = False  # as vpipe.attach runs the steps its monitor does not sample
     before = runner.manager.stats()
     times: dict[str, list[float]] = {s: [] for s in systems}
+    retries: dict[str, int] = dict.fromkeys(systems, 0)  # the allocator freeing its cache (a device sync) to fit
     for r in range(args.rounds):
         for system in list(systems if r % 2 == 0 else reversed(systems)):
             try:
+                before_retries = runner.alloc_retries()
                 times[system].append(runner.timed(system, n))
+                retries[system] += runner.alloc_retries() - before_retries
             except OutOfMemory as e:  # it fit its first step, not a later one: say so, measure the others
                 systems.remove(system)
                 at_batch[system] = {"fits": False, "error": f"round {r}: {e.args[0][:200]}", "samples_per_s": None}
@@ -227,7 +255,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     samples = n * args.micro_batch_size
     for system, t in times.items():
         step = statistics.median(t)
-        at_batch[system] = {"fits": True, "step_s": step, "samples_per_s": samples / step}
+        at_batch[system] = {"fits": True, "step_s": step, "samples_per_s": samples / step,
+                            "alloc_retries": retries[system] / len(t)}
         try:  # the device's own peak beside the manager's count: what the cap sees
             at_batch[system]["device_peak_bytes"] = runner.peak_bytes(system, n)
         except OutOfMemory:
@@ -238,7 +267,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                              sync_fallbacks=stats.sync_fallbacks,
                              # per timed step: packs that waited for late swap-outs, and how long
                              budget_waits=(stats.budget_waits - before.budget_waits) / args.rounds,
-                             budget_wait_s=(stats.budget_wait_s - before.budget_wait_s) / args.rounds)
+                             budget_wait_s=(stats.budget_wait_s - before.budget_wait_s) / args.rounds,
+                             # per timed step: the copies' device time (events), and the share of it the step
+                             # did not pay for against plain's per-sample time at its largest batch
+                             copy_s=((stats.d2h_s - before.d2h_s) + (stats.h2d_s - before.h2d_s)) / args.rounds)
+    vpipe_row = at_batch["vpipe"]
+    if vpipe_row.get("step_s") and plain_row and vpipe_row["copy_s"] > 0:
+        exposed = max(0.0, vpipe_row["step_s"] - plain_row["per_sample_s"] * samples)
+        vpipe_row["copy_hidden"] = max(0.0, 1.0 - exposed / vpipe_row["copy_s"])
     sizes = sorted({args.fits * k // 2 for k in range(2, 2 * args.max_factor + 1)})
     largest = {"plain": plain} | {s: largest_batch(runner, s, sizes, limit, args.steps, stop_when_slow=s != "vpipe")
                                   for s in SYSTEMS[1:]}
@@ -268,6 +304,10 @@ def print_summary(result: dict[str, Any]) -> None:
             print(f"  {system:12s} at {result['micro_batches']} micro-batches: does not fit ({row['error']})")
             continue
         extra = f"  policies {row['policies']}, {row['escalations']} escalations" if "policies" in row else ""
+        if row.get("alloc_retries"):
+            extra += f", {row['alloc_retries']:g} allocator retries per step"
+        if "copy_hidden" in row:
+            extra += f", copies {row['copy_s'] * 1e3:.1f} ms/step, {row['copy_hidden']:.0%} hidden"
         print(f"  {system:12s} at {result['micro_batches']} micro-batches: {row['samples_per_s']:8.1f} samples/s"
               + extra)
     print(f"  vpipe / checkpoint {result['vpipe_over_checkpoint']}, "
@@ -282,16 +322,10 @@ def print_summary(result: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--blocks", type=int, default=4)
-    p.add_argument("--d-model", type=int, default=2048)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--micro-batch-size", type=int, default=8)
-    p.add_argument("--fits", type=int, default=4, help="micro-batches plain's capped memory holds (default 4)")
+    add_model_arguments(p)
     p.add_argument("--max-factor", type=int, default=4, help="try batches up to this many times plain's")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=2, help="timed steps per batch size in the largest-batch search")
-    p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args(argv)
     if args.fits < 1 or args.max_factor < 2:

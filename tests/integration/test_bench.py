@@ -285,13 +285,23 @@ def test_the_gpu_section_is_regenerated_from_the_suite_files_and_holds_each_numb
         "config": {**config, "d_model": 2048}, "memory": {"cap_bytes": 9 << 30}, "plain_largest": 4,
         "budget_bytes": 7 << 30, "micro_batches": 8, "device": "cuda (NVIDIA H100 80GB HBM3)", "torch": "2.11.0+cu130",
         "at_twice_plain": {"vpipe": {"samples_per_s": 120.0, "policies": "DSSSSD", "escalations": 4,
-                                    "budget_waits": 2.5, "budget_wait_s": 0.0123},
+                                    "budget_waits": 2.5, "budget_wait_s": 0.0123, "copy_s": 0.0841,
+                                    "copy_hidden": 0.93},
                            "checkpoint": {"samples_per_s": 100.0}, "save_on_cpu": {"samples_per_s": 50.0}},
         "vpipe_over_checkpoint": 1.2, "vpipe_over_save_on_cpu": 2.4, "per_sample_limit_s": 0.0075,
         "largest": {"plain": {"largest": 4, "tried": [{"micro_batches": 4, "fits": True, "per_sample_s": 0.0068},
                                                       {"micro_batches": 5, "fits": False}]},
                     "vpipe": {"largest": 12, "tried": [{"micro_batches": 12, "fits": True, "per_sample_s": 0.0072}]}},
         "vpipe_largest_over_plain": 3.0}))
+    (gpu / "timeline_2048.json").write_text(json.dumps({
+        "config": {"d_model": 2048, "micro_batch_size": 8}, "micro_batches": 8, "vpipe_policies": "DSSSSS",
+        "systems": {"vpipe": {"step_s": 0.5, "phase_split": "device", "idle_forward_ms": 2.0, "forward_ms": 160.0,
+                              "idle_backward_ms": 50.0, "backward_ms": 340.0,
+                              "copies": [{"direction": "h2d", "busy_ms": 125.0, "bytes": 6 << 30, "hidden": 0.8,
+                                          "on_compute_stream": False}],
+                              "gaps": [{"at_ms": 244.0, "ms": 11.2, "phase": "backward"},
+                                       {"at_ms": 10.0, "ms": 0.2, "phase": "forward"}]},
+                    "checkpoint": {"error": "out of memory"}}}))
     docs = tmp_path / "benchmarks.md"
     docs.write_text("# B\n<!-- results:start -->\n<!-- results:end -->\n## GPU\n<!-- gpu:start -->\nold\n"
                     "<!-- gpu:end -->\nkept\n")
@@ -306,6 +316,10 @@ def test_the_gpu_section_is_regenerated_from_the_suite_files_and_holds_each_numb
     assert "vpipe / all-recompute: 1.20x vs >= 1.15x: met" in text
     assert "vpipe's largest / plain's: 3.00x vs >= 2.00x: met" in text
     assert "| plain | 4 | 4: 6.80 ms, 5: OOM |" in text
-    assert "| vpipe | 120.0 | - | policies DSSSSD, 4 escalations; 2.5 waits for swap-outs per step, 12.3 ms |" in text
+    assert ("| vpipe | 120.0 | - | policies DSSSSD, 4 escalations; 2.5 waits for swap-outs per step, 12.3 ms; "
+            "copies 84 ms/step, 93% hidden |") in text
+    assert ("- vpipe: step 500 ms; idle 2.0 of 160 ms in the forward, 50.0 of 340 ms in the backward; copies h2d "
+            "125 ms (6.00 GiB, 80% under kernels); longest gaps 11.2 ms at 244 ms (backward)\n"
+            "- checkpoint: out of memory") in text
     assert "_Not in this run: `swap.json`, `tensor_manager_compute.json`._" in text
     assert "gpu_" not in report.results_markdown(report.load_results(tmp_path))  # listed in their own section only

@@ -3,7 +3,7 @@
 Written between ``<!-- gpu:start -->`` and ``<!-- gpu:end -->``: the card and torch the
 numbers came from, the ``cuda`` tests, the swap path, the tensor manager on a
 launch-bound and a compute-bound transformer, and the memory-bound benchmark, each
-against the targets it is held to.
+against the targets it is held to; then the timeline of one memory-bound step.
 """
 
 from __future__ import annotations
@@ -99,6 +99,10 @@ def _memory_bound_md(data: dict[str, Any]) -> str:
                                    if "policies" in row else "",
                                    (f"{row['budget_waits']:g} waits for swap-outs per step, "
                                     f"{row['budget_wait_s'] * 1e3:.1f} ms") if row.get("budget_waits") else "",
+                                   (f"copies {row['copy_s'] * 1e3:.0f} ms/step, {row['copy_hidden']:.0%} hidden"
+                                    if row.get("copy_hidden") is not None else ""),
+                                   (f"{row['alloc_retries']:.1f} allocator retries per step"
+                                    if row.get("alloc_retries") else ""),
                                    f"out of memory in {row['error'].split('. Tried')[0]}" if row.get("error") else "")
                        if x)]
             for system, row in at.items()]
@@ -125,6 +129,32 @@ def _memory_bound_md(data: dict[str, Any]) -> str:
               + (_verdict(ratio, 2.0, at_most=False) if ratio else "none within 10%") + ".")
 
 
+def _timeline_md(data: dict[str, Any]) -> str:
+    cfg = data["config"]
+    lines = [f"**Timeline of one step** (`gpu_timeline.py`): d_model {cfg['d_model']}, {data['micro_batches']} "
+             f"micro-batches of {cfg['micro_batch_size']}, the memory-bound benchmark's cap and budget (vpipe "
+             f"{data['vpipe_policies']}); the compute stream's idle time, the copies and the longest gaps (ms from "
+             "the step's first kernel):"]
+    for system, row in data["systems"].items():
+        if "error" in row:
+            lines.append(f"- {system}: {row['error']}")
+            continue
+        copies = ", ".join(f"{c['direction']} {c['busy_ms']:.0f} ms ({c['bytes'] / 2**30:.2f} GiB, "
+                           f"{c['hidden']:.0%} under kernels)" for c in row["copies"] if not c["on_compute_stream"])
+        split = row.get("phase_split") == "device"
+        gaps = ", ".join(f"{g['ms']:.1f} ms at {g['at_ms']:.0f} ms" + (f" ({g['phase']})" if split else "")
+                         for g in row["gaps"][:4] if g["ms"] >= 1.0)
+        if row.get("phase_split") == "device":
+            idle = (f"idle {row['idle_forward_ms']:.1f} of {row['forward_ms']:.0f} ms in the forward, "
+                    f"{row['idle_backward_ms']:.1f} of {row['backward_ms']:.0f} ms in the backward")
+        else:  # an older file split the phases at the host's time: only the total holds
+            idle = (f"idle {row['idle_forward_ms'] + row['idle_backward_ms']:.1f} of "
+                    f"{row['forward_ms'] + row['backward_ms']:.0f} ms")
+        lines.append(f"- {system}: step {row['step_s'] * 1e3:.0f} ms; {idle}" + (f"; copies {copies}" if copies else "")
+                     + (f"; longest gaps {gaps}" if gaps else ""))
+    return "\n".join(lines)
+
+
 def gpu_markdown(results: Results) -> str:
     """The GPU section's body; says which suite files are missing."""
     found = [name for name in GPU_FILES if name in results]
@@ -146,6 +176,8 @@ def gpu_markdown(results: Results) -> str:
             ("all swapped", "vpipe S", 1.10), ("all recomputed vs checkpoint", "vpipe R", "checkpoint")]))
     for name in sorted(n for n in results if n.startswith("gpu_memory_bound")):  # one file per model size
         parts.append(_memory_bound_md(results[name]))
+    for name in sorted(n for n in results if n.startswith("gpu_timeline")):
+        parts.append(_timeline_md(results[name]))
     missing = [name[len("gpu_"):] for name in GPU_FILES if name not in results]
     if missing:
         parts.append("_Not in this run: " + ", ".join(f"`{m}.json`" for m in missing) + "._")
