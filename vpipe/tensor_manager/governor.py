@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
+from typing import Protocol
 
 from vpipe.log import decision
 from vpipe.plan import Policy
@@ -22,11 +23,19 @@ from vpipe.tensor_manager.copy_engine import D2H
 from vpipe.tensor_manager.layers import ManagedLayer
 from vpipe.tensor_manager.swap import SwapEngine
 
-__all__ = ["BudgetGovernor"]
+__all__ = ["BudgetGovernor", "StepOrder"]
 
 # The share of a micro-batch's forward its swap-outs hide behind (budget.exposed_copy_s): all of it
 # where a copy stream runs beside the compute, none where copies run on the compute thread.
 _SWAP_OVERLAP = {"cpu": 0.0, "cuda": 1.0}
+
+
+class StepOrder(Protocol):
+    """The schedule's order of actions as learned from the last step (:class:`.prefetch.ArrivalPredictor`)."""
+
+    def backward_follows(self, mb: int) -> bool: ...
+
+    def backward_first(self, mb: int) -> bool: ...
 
 
 class BudgetGovernor:
@@ -167,26 +176,25 @@ class BudgetGovernor:
                 cost_s=change.cost_s, budget_bytes=budget, in_flight=in_flight, micro_batch=mb,
             )
 
-    def swaps_to_skip(self, lag_share: float, later_forwards: int | None, backward_next: bool) -> frozenset[int]:
-        """Swapped layers the micro-batch whose forward starts now keeps on the device: swapping what the
-        budget has room for only costs copies.
+    def swaps_to_skip(self, mb: int, order: StepOrder, later_forwards: int, lag_share: float) -> frozenset[int]:
+        """Swapped layers that micro-batch ``mb``, whose forward starts now, keeps on the device: swapping what
+        would come straight back, or what the budget has room for, only costs copies.
 
-        Without a budget only when its own backward is the next action (``backward_next``: GPipe's last
-        micro-batch in reverse order, every micro-batch of 1F1B's last stage): a swap-out would come straight
-        back, and the backward's prefetch would bring it all back at once anyway. Under a budget: the room left
-        below the budget less the reserve once what is resident and, at their policies' footprint, this
-        micro-batch and the ``later_forwards`` still to come before the step's peak are counted (None: keep
-        nothing, the step's peak is not known yet or this micro-batch's backward comes after theirs). Layers
-        are kept from the last back: a backward needs them first. A kept tensor is still swapped at pack time
-        if the budget has no room for it after all. Nothing under a split backward (``lag_share`` > 0): a kept
-        layer holds everything until its weight pass.
+        Without a budget only when its own backward is the next action in the learned ``order`` (the last
+        micro-batch when the backwards start from it, every micro-batch of 1F1B's last stage): the backward's
+        prefetch would bring it all back at once anyway. Under a budget, when its backward comes before those
+        of the ``later_forwards`` still to come before the step's peak (else the room is theirs): what the
+        room below the budget less the reserve holds once what is resident and, at their policies' footprint,
+        this micro-batch and those are counted. Layers are kept from the last back: a backward needs them
+        first. A kept tensor is still swapped at pack time if the budget has no room for it after all. Nothing
+        under a split backward (``lag_share`` > 0): a kept layer would hold everything until its weight pass.
         """
         swapped = [lid for lid, layer in sorted(self._layers.items()) if layer.policy is Policy.SWAP]
         if not swapped or lag_share > 0:
-            return frozenset()  # (a split backward: kept tensors would wait for the weight pass, swapped ones not)
+            return frozenset()
         if self.budget_bytes is None:
-            return frozenset(swapped) if backward_next else frozenset()
-        if later_forwards is None:
+            return frozenset(swapped) if order.backward_follows(mb) else frozenset()
+        if not order.backward_first(mb):  # (also before the first step is learned: the peak is not known)
             return frozenset()
         estimates = {e.layer_id: e for e in self._estimates(lag_share)}
         limit = self.limit()

@@ -305,13 +305,13 @@ class TensorManager:
         calls.uncount(mb)  # a micro-batch of a step that failed before its backward
         flight.add(mb)
         in_flight = max(flight.max_last_step, len(flight.open), 1)
-        budget = self._budget
+        budget, lag_share = self._budget, self._phases.lag_share(in_flight)
         if budget.budget_bytes is not None:
-            budget.fit(mb, in_flight, self._phases.lag_share(in_flight), self._all_keep, self.set_policy)
+            budget.fit(mb, in_flight, lag_share, self._all_keep, self.set_policy)
         calls.unmetered = not self.metering and self._all_keep and budget.holds_next_unwatched(in_flight)
-        predictor = self._prefetcher.predictor  # (room is kept for micro-batches whose backward comes earlier)
-        later = max(0, flight.max_last_step - len(flight.open)) if predictor.backward_first(mb) else None
-        calls.held_back = budget.swaps_to_skip(self._phases.lag_share(in_flight), later, predictor.backward_follows(mb))
+        if not self._all_keep:  # a swapped layer may keep what would come straight back, or what the room holds
+            later = max(0, flight.max_last_step - len(flight.open))
+            calls.held_back = budget.swaps_to_skip(mb, self._prefetcher.predictor, later, lag_share)
         self._prefetcher.pump()
 
     @contextmanager
