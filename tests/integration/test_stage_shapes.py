@@ -220,6 +220,24 @@ def test_under_a_roomy_budget_the_tutorial_trainer_runs_its_blocks_without_hooks
         assert r["max_sample_every"] == 80  # the one line's defaults: back off to 8 x every 10th step
 
 
+def test_the_tutorial_trainer_swapping_every_block_skips_the_copies_that_would_come_straight_back(tmp_path):
+    """From the second step on (the first learns the schedule's order): 1F1B's last stage runs each micro-batch's
+    backward right after its forward, so it copies nothing; under GPipe with a budget each rank keeps on the
+    device what the budget has room for and copies the rest. Losses bitwise as without vpipe throughout."""
+    first, last = _scenario(tmp_path, "swaps_skipped", 2)["ranks"]
+    for case in ("1f1b", "gpipe"):
+        assert last[case]["losses"]["vpipe"] == last[case]["losses"]["plain"], case
+        assert len(last[case]["losses"]["plain"]) == 6 * 4
+        for r in (first, last):
+            assert r[case]["policies"] == ["S"] and r[case]["sync_fallbacks"] == 0, (case, r[case])
+    assert first["1f1b"]["copied"] == [first["1f1b"]["copied"][0]] * 6 and first["1f1b"]["copied"][0] > 0
+    assert last["1f1b"]["copied"][0] > 0 and last["1f1b"]["copied"][1:] == [0] * 5, last["1f1b"]["copied"]
+    for r in (first, last):
+        copied = r["gpipe"]["copied"]
+        assert 0 < copied[1] < copied[0] and copied[1:] == [copied[1]] * 5, copied
+        assert 0 < r["gpipe"]["peak"] <= r["gpipe"]["budget"], r["gpipe"]
+
+
 def test_a_step_whose_inputs_change_shape_under_a_budget_calls_the_manager_for_every_micro_batch(tmp_path):
     """Quiet steps run the stage's own methods; a step with new input shapes goes through vpipe's wrappers,
     which measure the new shapes, and the next steps of those shapes run without them again."""

@@ -18,6 +18,8 @@ Scenarios (``argv[1]``), launched by ``vpipe_lab.runtime.launch.spawn``:
   budget, the batch's sequence length changing between steps: which steps call the tensor manager;
 - ``pipedream_budget`` (2 ranks): the PipeDream example's trainer, plain and with the one line under a roomy
   budget: which steps call the tensor manager, and what it counts in flight;
+- ``swaps_skipped`` (2 ranks): the tutorial trainer plain and with the one line swapping every block side by
+  side, under 1F1B without a budget and under GPipe with one: the losses and the bytes copied per step;
 - ``misuse`` (2 ranks): an optimizer over other parameters, layer edits that differ between ranks, made
   inside a forward or on one rank only, attach on one rank only.
 """
@@ -33,7 +35,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B, SplitPoint, pipeline
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    SplitPoint,
+    pipeline,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -234,6 +243,43 @@ def budget() -> dict:
               "peak": stats.peak_resident_bytes, "budget": stats.budget_bytes,
               "max_sample_every": next(iter(vp.session.monitors.values())).schedule.max_every}
     vp.detach()
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, result)
+    return {"ranks": gathered}
+
+
+def swaps_skipped() -> dict:
+    """The tutorial trainer side by side, plain and with the one line swapping every block: under 1F1B without a
+    budget, and under GPipe with a budget; the losses, and per step the bytes each rank copied to the host."""
+    import vpipe
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def build(schedule_class, group):
+        torch.manual_seed(0)
+        model = tut.split_model(tut.Transformer(tut.ModelArgs()), rank, [4, 4])
+        stage = PipelineStage(model, rank, world, torch.device("cpu"), group=group)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        return schedule_class(stage, 4, loss_fn=tut.tokenwise_loss_fn), optimizer
+
+    result: dict = {"rank": rank}
+    for case, schedule_class, budget in (("1f1b", Schedule1F1B, None), ("gpipe", ScheduleGPipe, 8_000_000)):
+        copies = {"plain": build(schedule_class, dist.new_group(backend="gloo")), "vpipe": build(schedule_class, None)}
+        schedule, optimizer = copies["vpipe"]
+        vp = vpipe.attach(schedule, optimizer=optimizer, memory_budget=budget, planning=False, min_swap_bytes=0,
+                          policies=dict.fromkeys(range(8), "S"))
+        losses: dict[str, list[float]] = {name: [] for name in copies}
+        copied = []
+        for step in range(6):
+            before = vp.tensor_manager.stats().d2h_bytes
+            for name, (sched, opt) in copies.items():
+                losses[name] += _train_step(sched, opt, step)
+            copied.append(vp.tensor_manager.stats().d2h_bytes - before)
+        stats = vp.tensor_manager.stats()
+        result[case] = {"losses": losses, "copied": copied, "peak": stats.peak_resident_bytes,
+                        "budget": stats.budget_bytes, "sync_fallbacks": stats.sync_fallbacks,
+                        "policies": sorted(set(p.value for p in stats.policies.values()))}
+        vp.detach()
     gathered: list = [None] * world
     dist.all_gather_object(gathered, result)
     return {"ranks": gathered}
@@ -483,7 +529,7 @@ def main() -> None:
     run_ranks({"refusals": refusals, "subgroup": subgroup, "traced": traced, "nas": nas,
                "reattach": reattach, "misuse": misuse, "budget": budget,
                "budget_interleaved": budget_interleaved, "new_shapes": new_shapes,
-               "pipedream_budget": pipedream_budget}[scenario], out)
+               "pipedream_budget": pipedream_budget, "swaps_skipped": swaps_skipped}[scenario], out)
 
 
 if __name__ == "__main__":
