@@ -9,8 +9,8 @@ read back from the Chrome trace and reduced to, per system:
                device finished the forwards' work (``forward``/``backward`` idle)
   copies       per copy stream, busy time and bytes (device->host, host->device)
   overlap      the share of the copy time that ran while the compute stream was busy
-  gaps         the longest idle gaps of the compute stream: when (ms from the step start), how
-               long, and which vpipe range (``vpipe.*`` record_function) the host was in
+  gaps         the longest idle gaps of the compute stream: when (ms from the step's first
+               kernel), how long, and in which phase
 
 The gaps say what the compute stream waited for: a prefetch that arrived late shows as a gap
 at a backward's start with the host->device stream busy; swap-outs that outran the forward
@@ -55,7 +55,7 @@ def _covered(intervals: list[Interval], start: float, end: float) -> float:
 
 
 def read_trace(path: str) -> dict[str, Any]:
-    """Per stream: kernel and copy intervals; host ranges named vpipe.* and the step's own markers."""
+    """Per stream: kernel and copy intervals; the step's own markers; which host call launched each device op."""
     events = json.loads(Path(path).read_text())["traceEvents"]
     streams: dict[int, dict[str, Any]] = {}
     ranges: list[tuple[str, float, float]] = []
@@ -85,7 +85,7 @@ def read_trace(path: str) -> dict[str, Any]:
                 stream["h2d_bytes"] += int(e.get("args", {}).get("bytes", 0))
             else:
                 stream["other"].append(span)
-        elif cat == "user_annotation" and (name.startswith("vpipe.") or name.startswith("bench.")):
+        elif cat == "user_annotation" and name.startswith("bench."):
             ranges.append((name, float(e["ts"]), float(e["ts"]) + float(e["dur"])))
     return {"streams": streams, "ranges": ranges, "launched": launched, "device_work": device_work}
 
@@ -109,12 +109,11 @@ def summarize(trace: dict[str, Any], step_s: float, gaps: int = 6) -> dict[str, 
     compute_copies = _merge(streams[compute_id]["d2h"] + streams[compute_id]["h2d"])
     busy = _merge(compute + compute_copies)
     first = min((a for a, _ in busy if a >= step_start), default=step_start)
-    last = max((b for _, b in busy if b <= step_end + 1e6), default=step_end)
+    last = _device_time_of(trace, step_end)  # (the device finishes the step after the host issued it)
     idle_forward = (forward_end - first) - _covered(busy, first, forward_end)
     idle_backward = (last - forward_end) - _covered(busy, forward_end, last)
     holes = [(b0, a1) for (_, b0), (a1, _) in zip(busy, busy[1:]) if first <= b0 and a1 <= last]
     longest = sorted(holes, key=lambda h: h[0] - h[1])[:gaps]
-    vpipe_ranges = [(n, a, b) for n, a, b in ranges if n.startswith("vpipe.")]
     copy_rows, copy_time, hidden = [], 0.0, 0.0
     for sid, s in sorted(streams.items()):
         for direction in ("d2h", "h2d"):
@@ -130,10 +129,6 @@ def summarize(trace: dict[str, Any], step_s: float, gaps: int = 6) -> dict[str, 
                 copy_time += total
                 hidden += under
 
-    def host_range(t: float) -> str:
-        inside = [n for n, a, b in vpipe_ranges if a <= t <= b]
-        return inside[-1] if inside else ""
-
     return {
         "step_s": step_s,
         "phase_split": "device",  # the forward/backward boundary is the device's, not the host's
@@ -144,7 +139,7 @@ def summarize(trace: dict[str, Any], step_s: float, gaps: int = 6) -> dict[str, 
         "copies": copy_rows,
         "copy_overlap": hidden / copy_time if copy_time else None,
         "gaps": [{"at_ms": (a - first) / 1e3, "ms": (b - a) / 1e3, "phase": "forward" if a < forward_end
-                  else "backward", "host_in": host_range(b)} for a, b in longest],
+                  else "backward"} for a, b in longest],
     }
 
 
@@ -205,7 +200,7 @@ def print_summary(result: dict[str, Any]) -> None:
                   f"{c['bytes'] / 2**30:6.2f} GiB {c['hidden']:.0%} under kernels"
                   + (" (compute stream)" if c["on_compute_stream"] else ""))
         for g in row["gaps"]:
-            print(f"      gap at {g['at_ms']:7.1f} ms: {g['ms']:6.2f} ms ({g['phase']}) host in {g['host_in'] or '-'}")
+            print(f"      gap at {g['at_ms']:7.1f} ms: {g['ms']:6.2f} ms ({g['phase']})")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -224,14 +224,46 @@ def test_planner_headline_shows_the_worst_gap_over_every_size():
         "networkx KL, amoebanet on 128 stages: 2000 ms, gap +12%, not a valid pipeline", "25.0x faster"]]
 
 
-def _throughput_bench():
+def _benchmark(name: str):
     import importlib.util
 
-    script = Path(__file__).resolve().parents[2] / "benchmarks" / "throughput_bench.py"
-    spec = importlib.util.spec_from_file_location("benchmark_throughput_bench", script)
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _throughput_bench():
+    return _benchmark("throughput_bench")
+
+
+def test_the_gpu_timeline_reads_idle_time_copies_and_phases_off_the_devices_clock(tmp_path, monkeypatch):
+    """A trace as torch's profiler writes it: the host issues the forwards by 100 us, the device runs them until
+    310 us; a gap, then the backward's kernel until 950 us; a swap-out from 160 to 460 us, 160 us of it under
+    kernels."""
+    monkeypatch.setattr("sys.path", list(__import__("sys").path))  # (the script puts benchmarks/ on it)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "")  # (its import sets one for the GPU runs)
+    timeline = _benchmark("gpu_timeline")
+    events = [
+        {"ph": "X", "cat": "user_annotation", "name": "bench.step", "ts": 0, "dur": 1000},
+        {"ph": "X", "cat": "user_annotation", "name": "bench.forward", "ts": 0, "dur": 100},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 5, "dur": 2, "args": {"correlation": 1}},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 150, "dur": 2,
+         "args": {"correlation": 2}},
+        {"ph": "X", "cat": "kernel", "name": "k", "ts": 10, "dur": 300, "args": {"stream": 7, "correlation": 1}},
+        {"ph": "X", "cat": "kernel", "name": "k", "ts": 450, "dur": 500, "args": {"stream": 7, "correlation": 2}},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoH (Device -> Pinned)", "ts": 160, "dur": 300,
+         "args": {"stream": 20, "bytes": 4096}},
+    ]
+    (tmp_path / "trace.json").write_text(json.dumps({"traceEvents": events}))
+    row = timeline.summarize(timeline.read_trace(str(tmp_path / "trace.json")), step_s=0.001)
+    assert (row["forward_ms"], row["idle_forward_ms"]) == (0.3, 0.0)  # the device's end of the forwards: 310 us
+    assert (row["backward_ms"], row["idle_backward_ms"]) == (0.64, 0.14)
+    assert row["gaps"] == [{"at_ms": 0.3, "ms": 0.14, "phase": "backward"}]
+    assert row["copies"] == [{"stream": 20, "direction": "d2h", "busy_ms": 0.3, "bytes": 4096,
+                              "hidden": pytest.approx(160 / 300), "on_compute_stream": False}]
+    assert row["copy_overlap"] == pytest.approx(160 / 300)
 
 
 def test_multi_stage_rows_are_compared_with_the_same_schedule_without_vpipe():
