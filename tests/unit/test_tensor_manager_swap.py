@@ -132,6 +132,45 @@ def test_views_of_one_storage_are_copied_out_once_and_brought_back_once():
     assert engine.pool.used_bytes == 0 and ledger.resident == 0
 
 
+@pytest.mark.parametrize("case", ["output", "view without a base", "other dtype", "odd-sized storage"])
+def test_every_saved_tensor_comes_back_with_its_layout_whichever_way_its_storage_was_copied(case: str):
+    """A tensor that spans its storage is copied as it is (its handle gets the copy itself back); a view
+    without a base copies its storage as one flat tensor of its dtype; another dtype on the same storage,
+    or a storage no whole number of its elements fills, goes as bytes. Each comes back equal, with its
+    own strides and offset, and the whole storage crossed once each way."""
+    engine, ledger = make_engine()
+    if case == "output":
+        saved = [kib(4).reshape(32, 32).clone()]
+    elif case == "view without a base":  # as autograd's own ops save them: an offset view, no ``_base``
+        base = kib(4)
+        saved = [torch.empty(0).set_(base.untyped_storage(), 256, (16, 32), (1, 16))]
+    elif case == "other dtype":
+        x = kib(4)
+        saved = [x, x.view(torch.int32)[8:].reshape(127, 8)]
+    else:  # 1001 bytes: a float32 view of the first 1000
+        raw = torch.zeros(1001, dtype=torch.uint8)
+        raw[:1000] = torch.arange(250, dtype=torch.float32).view(torch.uint8)
+        saved = [torch.empty(0).set_(raw.untyped_storage(), 0, (250,), (1,))]
+    assert all(t._base is None or case == "other dtype" for t in saved)
+    handles = [swap(engine, t) for t in saved]
+    assert len({h.entry for h in handles}) == 1
+    nbytes = saved[0].untyped_storage().nbytes()
+    engine.flush_swap_outs()
+    assert back(engine).prefetch(0, None)
+    copy = handles[0].entry.device_copy
+    got = [back(engine).restore(h) for h in handles]
+    for want, have in zip(saved, got):
+        assert have.dtype == want.dtype and torch.equal(have, want)
+        assert have.stride() == want.stride() and have.storage_offset() == want.storage_offset()
+    assert engine.copies.bytes[D2H] == engine.copies.bytes[H2D] == nbytes
+    # nothing rebuilt for a tensor that spans its storage: the copy is the tensor
+    assert [have is copy for have in got] == {"output": [True], "view without a base": [False],
+                                              "other dtype": [True, False], "odd-sized storage": [False]}[case]
+    del handles, got
+    engine.drain()
+    assert engine.pool.used_bytes == 0 and ledger.resident == 0
+
+
 def test_a_storage_two_micro_batches_saved_is_copied_once_and_prefetched_for_either():
     engine, ledger = make_engine()
     shared = kib(2)

@@ -37,7 +37,7 @@ class Ticket:
     the answer is remembered, so only the first asks the device.
     """
 
-    __slots__ = ("direction", "nbytes", "event", "start", "seconds", "finished")
+    __slots__ = ("direction", "nbytes", "event", "start", "seconds", "finished", "waited_on")
 
     def __init__(self, direction: str, nbytes: int, event: Any = None, start: Any = None,
                  seconds: float | None = None) -> None:
@@ -47,6 +47,7 @@ class Ticket:
         self.start = start
         self.seconds = seconds
         self.finished = event is None
+        self.waited_on: object = None  # the last stream made to wait for it (a batch's entries share it)
 
     def done(self) -> bool:
         if not self.finished and self.event.query():
@@ -73,7 +74,7 @@ class CopyEngine(ABC):
     # -- copies -------------------------------------------------------------
     @abstractmethod
     def to_host_batch(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Ticket:
-        """Copy each pair's device bytes into its host bytes (a pool block) asynchronously; one ticket for all.
+        """Copy each pair's device tensor into its host tensor (in a pool block) asynchronously; one ticket for all.
 
         One layer's saved tensors go together: the stream switch, the wait for the producer and
         the events cost once per layer, not once per tensor (they dominate small copies).
@@ -87,11 +88,12 @@ class CopyEngine(ABC):
     @abstractmethod
     def to_device_batch(self, sources: Sequence[torch.Tensor], after: Sequence[Ticket] = ()
                         ) -> tuple[list[torch.Tensor], Ticket]:
-        """Copy host bytes back into new device tensors ahead of use (prefetch), once ``after`` ended."""
+        """Copy host tensors back into new device tensors of the same dtype and layout ahead of use (prefetch),
+        once ``after`` ended."""
         ...
 
     def to_device(self, src: torch.Tensor, after: Ticket | None = None) -> tuple[torch.Tensor, Ticket]:
-        """Copy host bytes back into a new device tensor ahead of use (prefetch)."""
+        """Copy a host tensor back into a new device tensor of the same dtype and layout ahead of use (prefetch)."""
         outs, ticket = self.to_device_batch([src], [after] if after is not None else ())
         return outs[0], ticket
 
@@ -154,25 +156,25 @@ class CpuCopyEngine(CopyEngine):
 
     def to_host_batch(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Ticket:
         t0 = time.perf_counter()
-        for src, dst in pairs:
-            dst.copy_(src)
-        ticket = Ticket(D2H, sum(src.numel() for src, _ in pairs), seconds=time.perf_counter() - t0)
+        torch._foreach_copy_([dst for _, dst in pairs], [src for src, _ in pairs])
+        ticket = Ticket(D2H, sum(src.nbytes for src, _ in pairs), seconds=time.perf_counter() - t0)
         self._account(ticket)
         return ticket
 
     def to_device_batch(self, sources: Sequence[torch.Tensor], after: Sequence[Ticket] = ()
                         ) -> tuple[list[torch.Tensor], Ticket]:
         t0 = time.perf_counter()
-        outs = [torch.empty(src.numel(), dtype=torch.uint8, device=self.device).copy_(src) for src in sources]
-        ticket = Ticket(H2D, sum(src.numel() for src in sources), seconds=time.perf_counter() - t0)
+        outs = [torch.empty_like(src, device=self.device) for src in sources]
+        torch._foreach_copy_(outs, list(sources))
+        ticket = Ticket(H2D, sum(src.nbytes for src in sources), seconds=time.perf_counter() - t0)
         self._account(ticket)
         return outs, ticket
 
     def to_device_now(self, src: torch.Tensor) -> tuple[torch.Tensor, Ticket]:
         t0 = time.perf_counter()
-        out = torch.empty(src.numel(), dtype=torch.uint8, device=self.device)
+        out = torch.empty_like(src, device=self.device)
         out.copy_(src)
-        ticket = Ticket(H2D, src.numel(), seconds=time.perf_counter() - t0)
+        ticket = Ticket(H2D, src.nbytes, seconds=time.perf_counter() - t0)
         self._account(ticket)
         return out, ticket
 
@@ -220,7 +222,7 @@ class CudaCopyEngine(CopyEngine):
             # one call for the batch: the per-pair dispatch runs in C++, not in Python
             torch._foreach_copy_([dst for _, dst in pairs], [src for src, _ in pairs], non_blocking=True)
             end.record()
-        ticket = Ticket(D2H, sum(src.numel() for src, _ in pairs), end, start)
+        ticket = Ticket(D2H, sum(src.nbytes for src, _ in pairs), end, start)
         self._account(ticket)
         return ticket
 
@@ -236,10 +238,10 @@ class CudaCopyEngine(CopyEngine):
             start.record()
             # allocated on the copy stream: the allocator will not hand this memory to the
             # compute stream until consume() recorded the compute stream's use of it
-            outs = [torch.empty(src.numel(), dtype=torch.uint8, device=self.device) for src in sources]
+            outs = [torch.empty_like(src, device=self.device) for src in sources]
             torch._foreach_copy_(outs, list(sources), non_blocking=True)
             end.record()
-        ticket = Ticket(H2D, sum(src.numel() for src in sources), end, start)
+        ticket = Ticket(H2D, sum(src.nbytes for src in sources), end, start)
         self._account(ticket)
         return outs, ticket
 
@@ -247,17 +249,18 @@ class CudaCopyEngine(CopyEngine):
         start, end = self._events()
         stream = self._current_stream()
         start.record(stream)
-        out = torch.empty(src.numel(), dtype=torch.uint8, device=self.device)
+        out = torch.empty_like(src, device=self.device)
         out.copy_(src, non_blocking=True)
         end.record(stream)
-        ticket = Ticket(H2D, src.numel(), end, start)
+        ticket = Ticket(H2D, src.nbytes, end, start)
         self._account(ticket)
         return out, ticket
 
     def consume(self, tensor: torch.Tensor, ticket: Ticket) -> object:
         stream = self._current_stream()
-        if not ticket.finished:
+        if not ticket.finished and ticket.waited_on is not stream:  # once per stream for a batch's copies
             stream.wait_event(ticket.event)
+            ticket.waited_on = stream
         tensor.record_stream(stream)
         return stream
 

@@ -19,7 +19,7 @@ import torch
 from vpipe.tensor_manager.copy_engine import Ticket
 from vpipe.tensor_manager.pool import PoolBlock
 
-__all__ = ["StorageEntry", "SwappedEntry", "KeptHandle", "SwappedHandle"]
+__all__ = ["StorageEntry", "SwappedEntry", "KeptHandle", "SwappedHandle", "WHOLE", "VIEW", "BYTES"]
 
 
 class StorageEntry:
@@ -42,7 +42,7 @@ class StorageEntry:
 class SwappedEntry(StorageEntry):
     """A storage copied to the host pool, and what brings it back."""
 
-    __slots__ = ("source", "host", "d2h", "device_copy", "h2d", "weak", "unpacks", "phases", "last_phase",
+    __slots__ = ("source", "host", "host_view", "whole", "d2h", "device_copy", "h2d", "weak", "phases", "last_phase",
                  "task", "task_unpacks", "users", "unseen", "later", "fetches", "consumed")
     swapped = True
 
@@ -50,13 +50,17 @@ class SwappedEntry(StorageEntry):
         super().__init__(key, layer, mb, nbytes, seq)
         self.source: torch.Tensor | None = None  # the original device bytes, while a swap-out is in flight
         self.host: PoolBlock | None = None
+        self.host_view: torch.Tensor | None = None  # what is copied to the host and back: see ``whole``
+        # (dtype, size, stride) when the storage was saved as one dense tensor that spans it (most are): the copies
+        # then move that tensor and a handle of this layout gets the copy itself back, no byte view on either side;
+        # None: the copies move the storage's bytes and every handle rebuilds its view on them
+        self.whole: tuple[torch.dtype, torch.Size, tuple[int, ...]] | None = None
         self.d2h: Ticket | None = None
         self.device_copy: torch.Tensor | None = None  # brought back for a backward
         self.h2d: Ticket | None = None
         # a weak reference to the storage it was saved from (torch's raw handle: StorageWeakRef's Python
         # wrapper cost more than the rest of a small tensor's swap-out); freed by forget_storage()
         self.weak: int | None = None
-        self.unpacks = 0
         self.phases = 0  # backward phases (the manager's backward() contexts) that unpacked it
         self.last_phase = -1
         self.task = -1  # the autograd graph task of the last unpack, and its unpacks in that task
@@ -92,10 +96,16 @@ class KeptHandle:
         self._dead.append(self.entry)
 
 
+# How a swapped handle's tensor is rebuilt from its entry's device copy (SwappedHandle.layout)
+WHOLE = 0  # it is the copy: the tensor that spans the storage was saved itself
+VIEW = 1  # a view of the copy (same dtype): as_strided
+BYTES = 2  # a view of the copy's bytes (the entry moved flat bytes, or another dtype): set_ on its storage
+
+
 class SwappedHandle:
     """What the pack hook returns for a swapped tensor: the view to rebuild on its storage."""
 
-    __slots__ = ("entry", "dtype", "size", "stride", "offset", "_dead", "unpacked", "later")
+    __slots__ = ("entry", "dtype", "size", "stride", "offset", "layout", "_dead", "unpacked", "later")
 
     def __init__(self, t: torch.Tensor, entry: SwappedEntry, dead: deque) -> None:
         self.entry = entry
@@ -103,6 +113,13 @@ class SwappedHandle:
         self.size = t.size()
         self.stride = t.stride()
         self.offset = t.storage_offset()
+        whole = entry.whole
+        if whole is None:
+            self.layout = BYTES
+        elif self.offset == 0 and whole[0] is self.dtype and whole[1] == self.size and whole[2] == self.stride:
+            self.layout = WHOLE
+        else:
+            self.layout = VIEW if whole[0] is self.dtype else BYTES
         self._dead = dead
         self.unpacked = False
         self.later = False  # the weight pass will unpack it again (set by an input pass)

@@ -48,6 +48,10 @@ def _align(n: int) -> int:
     return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
 
 
+# typed views a block keeps for reuse (a step saves the same few shapes again; see PoolBlock.view)
+MAX_VIEWS_PER_BLOCK = 4
+
+
 @dataclass(eq=False)
 class PoolBlock:
     """A byte range of one chunk; ``data`` is a uint8 view of exactly ``nbytes``."""
@@ -58,6 +62,20 @@ class PoolBlock:
     nbytes: int
     data: torch.Tensor
     freed: bool = False
+    # (dtype, size, stride) -> a view of ``data`` with that layout; carried over when the range is reused
+    views: dict[tuple[torch.dtype, torch.Size, tuple[int, ...]], torch.Tensor] = field(default_factory=dict)
+
+    def view(self, dtype: torch.dtype, size: torch.Size, stride: tuple[int, ...]) -> torch.Tensor:
+        """``data`` as a tensor of this dense layout (the same ``nbytes``): what a whole saved tensor is
+        copied into and back from, so neither side needs a flat byte view of its storage. Made once per
+        layout and range: every step saves tensors of the same shapes again."""
+        key = (dtype, size, stride)
+        view = self.views.get(key)
+        if view is None:
+            if len(self.views) >= MAX_VIEWS_PER_BLOCK:
+                self.views.clear()
+            view = self.views[key] = self.data.view(dtype).as_strided(size, stride)
+        return view
 
 
 @dataclass
@@ -134,7 +152,7 @@ class HostPool:
             self.used_bytes += old.size
             if self.used_bytes > self.peak_used_bytes:
                 self.peak_used_bytes = self.used_bytes
-            return PoolBlock(old.chunk, old.offset, old.size, nbytes, old.data)
+            return PoolBlock(old.chunk, old.offset, old.size, nbytes, old.data, views=old.views)
         need = _align(nbytes)
         block = self._first_fit(need, nbytes)
         if block is None and self._freed:

@@ -116,30 +116,51 @@ class SwapEngine:
                 entry.refs += 1  # already kept on the device by another save: copying frees nothing
                 return KeptHandle(t, entry, self.dead)
             if entry is None:
-                try:
-                    block = self.pool.alloc(nbytes)
-                except HostPoolFullError as e:
-                    raise HostPoolFullError(f"layer {layer}, micro-batch {mb}: {e}") from None
-                entry = self._new_entry(SwappedEntry, key, layer, mb, nbytes)
-                entry.host = block
-                entry.weak = storage._weak_ref()  # type: ignore[assignment]  # an int
-                # the device bytes stay held (and counted) until the copy has read them; the copy
-                # itself is issued with the rest of the layer's at flush_swap_outs()
-                entry.source = flat_bytes(storage, self.device)
-                entry.counted = True
-                self.ledger.add(layer, mb, nbytes)
-                self._unissued.append(entry)
-                self._unissued_bytes += nbytes
-                self._swapped.setdefault(mb, {})[entry.seq] = entry
-                self.layer_d2h[layer] = self.layer_d2h.get(layer, 0) + nbytes
-                if self._unissued_bytes >= self.batch_bytes:
-                    self.flush_swap_outs()
+                entry = self._swap_out_new(t, storage, layer, mb, key, nbytes)
             elif mb not in entry.users:  # another micro-batch saved the same storage: prefetch it for both
                 entry.users.append(mb)
                 self._swapped.setdefault(mb, {})[entry.seq] = entry
             entry.refs += 1
             entry.unseen += 1
             return SwappedHandle(t, entry, self.dead)
+
+    def _swap_out_new(self, t: torch.Tensor, storage: torch.UntypedStorage, layer: int, mb: int, key: int,
+                      nbytes: int) -> SwappedEntry:
+        try:
+            block = self.pool.alloc(nbytes)
+        except HostPoolFullError as e:
+            raise HostPoolFullError(f"layer {layer}, micro-batch {mb}: {e}") from None
+        entry = self._new_entry(SwappedEntry, key, layer, mb, nbytes)
+        entry.host = block
+        entry.weak = storage._weak_ref()  # type: ignore[assignment]  # an int
+        # the device bytes stay held (and counted) until the copy has read them; the copy
+        # itself is issued with the rest of the layer's at flush_swap_outs()
+        whole = t if t._base is None else t._base  # (q, k and v are views of one qkv output)
+        if whole.storage_offset() == 0 and whole.is_contiguous() and whole.numel() * whole.element_size() == nbytes:
+            # a tensor that is its storage's bytes: copy it as it is (a flat byte view of the storage would
+            # cost two more tensor ops on each side, more than the rest of a small tensor's swap)
+            entry.whole = (whole.dtype, whole.size(), whole.stride())
+            # detached: it is copied, never differentiated, and holding a node would make a cycle
+            entry.source = whole.detach() if whole.requires_grad or whole is not t else whole
+            entry.host_view = block.view(*entry.whole)
+        elif nbytes % t.element_size() == 0:
+            # a view into a larger storage: copy the whole storage as one flat tensor of the view's dtype
+            flat = (t.detach() if t.requires_grad else t).as_strided((nbytes // t.element_size(),), (1,), 0)
+            entry.whole = (flat.dtype, flat.size(), flat.stride())
+            entry.source = flat
+            entry.host_view = block.view(*entry.whole)
+        else:
+            entry.source = flat_bytes(storage, self.device)
+            entry.host_view = block.data
+        entry.counted = True
+        self.ledger.add(layer, mb, nbytes)
+        self._unissued.append(entry)
+        self._unissued_bytes += nbytes
+        self._swapped.setdefault(mb, {})[entry.seq] = entry
+        self.layer_d2h[layer] = self.layer_d2h.get(layer, 0) + nbytes
+        if self._unissued_bytes >= self.batch_bytes:
+            self.flush_swap_outs()
+        return entry
 
     def flush_swap_outs(self) -> None:
         """Issue the swap-out copies packed since the last flush, as one batch (after each layer's forward)."""
@@ -152,8 +173,8 @@ class SwapEngine:
             pairs = []
             for e in batch:
                 # both set when the entry was packed; only a release (filtered out above) clears them
-                assert e.source is not None and e.host is not None
-                pairs.append((e.source, e.host.data))
+                assert e.source is not None and e.host_view is not None
+                pairs.append((e.source, e.host_view))
             with timeline.span("vpipe.swap_out", timeline.MEMORY, tensors=len(pairs),
                                bytes=sum(e.nbytes for e in batch)):
                 ticket = self.copies.to_host_batch(pairs)
@@ -222,7 +243,7 @@ class SwapEngine:
             self._deferred.append((pending[-1], entry.host, (entry.source, entry.device_copy)))
         elif entry.host is not None:
             self.pool.free(entry.host)
-        entry.host = entry.source = entry.device_copy = None
+        entry.host = entry.host_view = entry.source = entry.device_copy = None
 
     def outgoing_bytes(self) -> int:
         """Device bytes still counted resident only because their copy to the host has not finished.

@@ -26,7 +26,7 @@ import torch
 
 from vpipe import timeline
 from vpipe.tensor_manager.copy_engine import Ticket
-from vpipe.tensor_manager.handles import SwappedEntry, SwappedHandle
+from vpipe.tensor_manager.handles import VIEW, WHOLE, SwappedEntry, SwappedHandle
 from vpipe.tensor_manager.swap import SwapEngine
 
 __all__ = ["SwapIn"]
@@ -62,7 +62,6 @@ class SwapIn:
         with engine.lock:
             engine.drain()
             entry = handle.entry
-            entry.unpacks += 1
             if serial != entry.last_phase:
                 entry.last_phase = serial
                 entry.phases += 1
@@ -89,9 +88,14 @@ class SwapIn:
             else:
                 self.sync_fallbacks += 1
                 base = self._fetch_now(entry, phase)
-            restored = torch.empty(0, dtype=handle.dtype, device=base.device).set_(
-                base.untyped_storage(), handle.offset, handle.size, handle.stride
-            )
+            if handle.layout == WHOLE:
+                restored = base  # the saved tensor spans its storage: the copy is the tensor
+            elif handle.layout == VIEW:
+                restored = base.as_strided(handle.size, handle.stride, handle.offset)
+            else:
+                restored = torch.empty(0, dtype=handle.dtype, device=base.device).set_(
+                    base.untyped_storage(), handle.offset, handle.size, handle.stride
+                )
             # the node using it holds the storage until it finished; drop the entry's copy once no
             # live handle expects another unpack: in a weight pass the handles the input pass was
             # the last user of are never unpacked, elsewhere every handle is unpacked once per pass
@@ -104,9 +108,9 @@ class SwapIn:
             return restored
 
     def _fetch_now(self, entry: SwappedEntry, phase: str) -> torch.Tensor:
-        assert entry.host is not None
+        assert entry.host_view is not None
         with timeline.span("vpipe.swap_in_now", timeline.MEMORY, mb=entry.mb, layer=entry.layer, bytes=entry.nbytes):
-            copy, ticket = self.copies.to_device_now(entry.host.data)
+            copy, ticket = self.copies.to_device_now(entry.host_view)
         self._fetched(entry, copy, ticket, phase)
         return copy
 
@@ -152,8 +156,11 @@ class SwapIn:
             if not entries:
                 return True
             batch: list[SwappedEntry] = []
+            sources: list[torch.Tensor] = []
+            after: list[Ticket] = []
             complete = True
             resident = self.ledger.resident
+            nbytes = 0
             for entry in reversed(entries):
                 if not self._wanted(entry, weight_only):
                     continue
@@ -161,13 +168,16 @@ class SwapIn:
                     complete = False
                     break
                 resident += entry.nbytes
+                nbytes += entry.nbytes
+                assert entry.host_view is not None  # only a release clears it, and _wanted skips released entries
                 batch.append(entry)
+                sources.append(entry.host_view)
+                if entry.d2h is not None:
+                    after.append(entry.d2h)
             if batch:
                 with timeline.span("vpipe.prefetch", timeline.MEMORY, mb=mb, phase=phase, tensors=len(batch),
-                                   bytes=sum(e.nbytes for e in batch)):
-                    copies, ticket = self.copies.to_device_batch(
-                        [e.host.data for e in batch],  # type: ignore[union-attr]
-                        [e.d2h for e in batch if e.d2h is not None])
+                                   bytes=nbytes):
+                    copies, ticket = self.copies.to_device_batch(sources, after)
                 for entry, copy in zip(batch, copies):
                     self._fetched(entry, copy, ticket, phase)
                 self.prefetched += len(batch)
