@@ -14,6 +14,10 @@
 # docs/results/gpu); `python -m vpipe_lab.report docs/results --docs docs/benchmarks.md` then
 # regenerates the docs' GPU section from them.
 #
+# With VPIPE_AGAINST set to a vpipe package exported by `benchmarks/revision.py REV --export DIR` (carried
+# to the GPU machine, which has no git history), the launch-bound table also times that revision's
+# tensor manager (vpipe D/S/R @REV) in the same process: a change against the code before it, on one card.
+#
 #   benchmarks/gpu_suite.sh [OUT_DIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -34,7 +38,10 @@ status=0
 "$PY" -c 'import json, sys; lines = [l.strip("= \n") for l in open(sys.argv[1]) if " in " in l and ("passed" in l or "failed" in l)]; print(json.dumps({"summary": lines[-1] if lines else "no summary line"}))' \
   "$OUT/cuda-tests.txt" > "$OUT/cuda_tests.json"
 "$PY" benchmarks/swap_bench.py --device cuda --json "$OUT/swap.json" || status=1
-"$PY" benchmarks/tensor_manager_bench.py --device cuda --rounds 31 --json "$OUT/tensor_manager.json" || status=1
+AGAINST=()
+if [ -n "${VPIPE_AGAINST:-}" ]; then AGAINST=(--against "$VPIPE_AGAINST"); fi
+"$PY" benchmarks/tensor_manager_bench.py --device cuda --rounds 31 ${AGAINST[@]+"${AGAINST[@]}"} \
+  --json "$OUT/tensor_manager.json" || status=1
 "$PY" benchmarks/tensor_manager_bench.py --device cuda --d-model 2048 --heads 16 --seq-len 256 --rounds 9 \
   --only "vpipe D,vpipe S,vpipe R,save_on_cpu,checkpoint" --json "$OUT/tensor_manager_compute.json" || status=1
 "$PY" benchmarks/memory_bound_bench.py --device cuda --json "$OUT/memory_bound.json" || status=1

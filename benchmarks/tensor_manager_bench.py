@@ -14,7 +14,10 @@ every backward), which is what a pipeline stage sees, under each variant:
   checkpoint   torch.utils.checkpoint (non-reentrant) per layer, no vpipe
 
 Every vpipe variant but the metered one runs with metering off after the warm-up, as attach
-runs its unsampled steps. For swapping variants the copy time per step (device events) and
+runs its unsampled steps. ``--against REV`` adds each of ``vpipe D``, ``vpipe S`` and ``vpipe R``
+compared as it was at another git revision (or in a directory holding its ``vpipe`` package),
+``vpipe S @<rev>``: the change and the code before it timed in the same process
+(``revision.py``). For swapping variants the copy time per step (device events) and
 the share of it hidden under compute, 1 - (step - plain) / copy time, are reported too.
 
 Variants alternate within each round (A B C ... then reversed), and a variant's time is
@@ -24,6 +27,8 @@ untimed step: the manager's own accounting for vpipe variants, a counting saved-
 hook for the others (it sees what torch's tools leave on the device).
 
     python benchmarks/tensor_manager_bench.py --rounds 7 --json OUT.json
+    python benchmarks/tensor_manager_bench.py --device cpu --d-model 32 --heads 2 --seq-len 8 \
+        --micro-batch-size 1 --min-swap-bytes 0 --only "vpipe S,save_on_cpu" --against HEAD~1
 """
 
 from __future__ import annotations
@@ -96,12 +101,13 @@ class _Held:
 class Bench:
     """One model instance per variant (same initial weights), so managers stay attached throughout."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, against: dict[str, Any] | None = None) -> None:
+        """``against``: variant name -> (TensorManager class, Policy) of another revision, as ``vpipe S @<rev>``."""
         self.args = args
         self.device = torch.device(args.device)
         self.spec = transformer_lm(n_blocks=args.blocks, d_model=args.d_model, n_heads=args.heads,
                                    seq_len=args.seq_len, dropout=0.1)
-        self.models = {v: build_model(self.spec, seed=0).to(self.device) for v in VARIANTS}
+        self.models = {v: build_model(self.spec, seed=0).to(self.device) for v in (*VARIANTS, *(against or {}))}
         x, y = self.spec.batch(0, args.micro_batches * args.micro_batch_size, 0)
         self.inputs = [t.to(self.device) for t in x.tensor_split(args.micro_batches)]
         self.targets = [t.to(self.device) for t in y.tensor_split(args.micro_batches)]
@@ -113,6 +119,10 @@ class Bench:
                              policies={int(n): policy for n, _ in self.models[v].named_children()})
             for v, policy in policies.items()
         }
+        for v, (manager_class, policy) in (against or {}).items():
+            layers = {int(n): c for n, c in self.models[v].named_children()}
+            self.managers[v] = manager_class(layers, device=self.device, min_swap_bytes=args.min_swap_bytes,
+                                             policies=dict.fromkeys(layers, policy))
 
     def step(self, variant: str, probe: SavedBytesProbe | None = None) -> None:
         model, manager = self.models[variant], self.managers.get(variant)
@@ -174,10 +184,25 @@ class Bench:
         }
 
 
+def _against(source: str, variants: tuple[str, ...]) -> dict[str, Any]:
+    """The kept, swapped and recomputed variants among ``variants``, with another revision's tensor manager."""
+    import importlib
+
+    from revision import load_vpipe
+
+    package, label = load_vpipe(source)
+    manager_class = importlib.import_module(package.__name__ + ".tensor_manager").TensorManager
+    policy = importlib.import_module(package.__name__ + ".plan").Policy
+    chosen = {"vpipe D": "D", "vpipe S": "S", "vpipe R": "R"}
+    return {f"{v} @{label}": (manager_class, policy(chosen[v])) for v in variants if v in chosen}
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     variants = ("plain",) + tuple(v for v in VARIANTS if v != "plain" and (not args.only or v in args.only))
-    bench = Bench(args)
+    against = _against(args.against, variants) if args.against else {}
+    variants += tuple(against)
+    bench = Bench(args, against)
     all_kept, _ = bench.peak_saved("vpipe D")
     bench.managers["vpipe 40%"].budget_bytes = int(0.4 * all_kept)
     for _ in range(2):  # warm up the allocator, the pool and the managers' measurements
@@ -259,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", type=lambda text: text.split(","), default=None,
                    help="compare plain with these variants only (comma-separated: "
                         + ", ".join(VARIANTS[1:]).replace("%", "%%") + ")")
+    p.add_argument("--against", default=None, metavar="REV",
+                   help="also run vpipe D/S/R as at this git revision, or from a directory holding its vpipe package")
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args(argv)
     unknown = set(args.only or ()) - set(VARIANTS)

@@ -23,3 +23,26 @@ def test_help_prints_usage_and_exits_zero(script, capsys):
         module.main(["--help"])
     assert exit_info.value.code == 0
     assert capsys.readouterr().out.startswith("usage:")
+
+
+def test_another_revision_loads_beside_this_checkout_with_its_own_modules(tmp_path):
+    """benchmarks/revision.py: a change is timed against the code before it in one process."""
+    import importlib
+    import sys
+
+    import vpipe.tensor_manager
+
+    spec = importlib.util.spec_from_file_location("benchmark_revision_loader", SCRIPTS[0].parent / "revision.py")
+    revision = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(revision)
+    exported = revision.export_vpipe("HEAD", tmp_path / "base")
+    assert (exported / "tensor_manager" / "swap.py").is_file()
+    package, label = revision.load_vpipe(str(tmp_path / "base"))
+    assert package.__name__ == f"vpipe_at_{label}" == "vpipe_at_base"
+    other = importlib.import_module(f"{package.__name__}.tensor_manager")
+    assert other.TensorManager is not vpipe.tensor_manager.TensorManager
+    # its modules import each other, not this checkout's: the swap engine's ledger is its own
+    swap = sys.modules[f"{package.__name__}.tensor_manager.swap"]
+    assert swap.Ledger.__module__ == f"{package.__name__}.tensor_manager.accounting"
+    with pytest.raises(SystemExit, match="exists already"):
+        revision.export_vpipe("HEAD", tmp_path / "base")
