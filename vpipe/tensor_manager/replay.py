@@ -31,12 +31,19 @@ import torch
 from torch import nn
 from torch.func import functional_call
 from torch.utils.checkpoint import (
+    DefaultDeviceType,
     _get_autocast_kwargs,
     _get_device_module,
     _infer_device_type,
     get_device_states,
     set_device_states,
 )
+
+try:
+    from torch.overrides import _get_current_function_mode_stack
+    from torch.utils._device import DeviceContext
+except ImportError:  # pragma: no cover - every supported torch has both
+    _get_current_function_mode_stack = None  # type: ignore[assignment]
 
 __all__ = ["Replay", "capture_weights", "forget_weight_places"]
 
@@ -105,12 +112,52 @@ def _identity(x: Any) -> Any:
     return x
 
 
+# arguments a layer's call takes beside tensors whose devices need no search (a container may hold tensors)
+_FLAT = (torch.Tensor, int, float, bool, str, type(None))
+
+
+def _device_states(args: tuple[Any, ...]) -> tuple[str, list[int], list[torch.Tensor]]:
+    """The device type whose RNG the call may draw from, and the RNG state of each device its tensors are on.
+
+    What ``torch.utils.checkpoint`` captures (CUDA first among device types, its default without
+    one), each device once; for flat arguments (a layer's usual call) without its walks over the
+    arguments' trees, three per call where one device's states are taken.
+    """
+    if not all(isinstance(a, _FLAT) for a in args):
+        return _device_states_in_trees(args)
+    types: dict[str, None] = {}
+    devices: dict[int, None] = {}
+    for a in args:
+        if isinstance(a, torch.Tensor) and a.device.type != "cpu":
+            types[a.device.type] = None
+            if a.device.type != "meta":
+                devices[a.get_device()] = None
+    if len(types) > 1:  # torch's own warns that only one device type's states are kept
+        return _device_states_in_trees(args)
+    device_type = next(iter(types), None) or DefaultDeviceType.get_device_type()
+    module = _get_device_module(device_type)
+    if not devices or not getattr(module, "_initialized", False):
+        return device_type, [], []
+    states = []
+    for index in devices:
+        with module.device(index):
+            states.append(module.get_rng_state())
+    return device_type, list(devices), states
+
+
+def _device_states_in_trees(args: tuple[Any, ...]) -> tuple[str, list[int], list[torch.Tensor]]:
+    """:func:`_device_states` by torch's own functions, which look into containers."""
+    device_type = _infer_device_type(*args)
+    if not getattr(_get_device_module(device_type), "_initialized", False):
+        return device_type, [], []
+    devices, states = get_device_states(*args)
+    each = dict(zip(devices, states))  # (torch's lists a device once per tensor on it; the states are equal)
+    return device_type, list(each), list(each.values())
+
+
 def _device_context() -> contextlib.AbstractContextManager[Any]:
     """The ``torch.device`` context the forward ran under, if any (the recompute must allocate alike)."""
-    try:
-        from torch.overrides import _get_current_function_mode_stack
-        from torch.utils._device import DeviceContext
-    except ImportError:  # pragma: no cover - every supported torch has both
+    if _get_current_function_mode_stack is None:  # pragma: no cover - every supported torch has it
         return contextlib.nullcontext()
     for mode in reversed(_get_current_function_mode_stack()):
         if isinstance(mode, DeviceContext):
@@ -132,13 +179,9 @@ class Replay:
         self.kwargs = kwargs
         self.layout = [None if isinstance(a, torch.Tensor) else a for a in args]
         # the state the original forward ran under, to run it again identically (as checkpoint does)
-        self.device_type = _infer_device_type(*args)
+        self.device_type, self.rng_devices, self.device_rng = _device_states(args)
         self.autocast = _get_autocast_kwargs(self.device_type)
         self.cpu_rng = torch.get_rng_state()
-        self.rng_devices: list[int] = []
-        self.device_rng: list[torch.Tensor] = []
-        if getattr(_get_device_module(self.device_type), "_initialized", False):
-            self.rng_devices, self.device_rng = get_device_states(*args)
         self.device_ctx = _device_context()
         # each buffer with its value when the call began (the forward may update it: BatchNorm statistics)
         self.buffers = [(b, b.detach().clone()) for b in _buffers(module)]
