@@ -327,3 +327,53 @@ def test_swap_outs_are_issued_together_unless_the_batch_cap_is_reached():
     engine.flush_swap_outs()
     engine.flush_swap_outs()  # nothing left: no empty batch
     assert batches == [3, 1]
+
+
+# ---------------------------------------------------------------------- through autograd
+class _ConjugatingBlock(torch.nn.Module):
+    """Saves lazily conjugated and negated views: ``x.conj()`` for the matmul, ``z.conj().imag`` for the mul."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(8, 8, dtype=torch.complex64,
+                                                generator=torch.Generator().manual_seed(seed)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = x.conj() @ self.w
+        return torch.complex(z.conj().imag * z.real, z.imag)
+
+
+def test_conjugated_and_negated_views_come_back_as_they_read():
+    """Such a view reads its storage's bytes conjugated or negated: the bytes cross as they are and the
+    view gets its bits back (a copy of the view itself would carry what it reads into its neighbours)."""
+    from support.tensor_manager import make_manager
+
+    seen: list[tuple[bool, bool]] = []
+
+    def probe(t: torch.Tensor) -> torch.Tensor:
+        seen.append((t.is_conj(), t.is_neg()))
+        return t
+
+    def step(manager) -> dict[str, torch.Tensor]:
+        model = torch.nn.Sequential(_ConjugatingBlock(0), _ConjugatingBlock(1))
+        if manager is not None:
+            manager = make_manager(model, {0: "S", 1: "S"})
+        losses = []
+        for mb in range(3):
+            x = torch.randn(4, 8, dtype=torch.complex64, generator=torch.Generator().manual_seed(mb))
+            with manager.micro_batch(mb) if manager is not None else torch.autograd.graph.saved_tensors_hooks(
+                    probe, lambda t: t):
+                losses.append(model(x).abs().pow(2).sum())
+        for mb, loss in enumerate(losses):
+            with manager.backward(mb) if manager is not None else torch.autograd.graph.saved_tensors_hooks(
+                    lambda t: t, lambda t: t):
+                loss.backward()
+        if manager is not None:
+            assert manager.stats().d2h_bytes > 0 and manager.stats().live_saved_storages == 0
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    want = step(None)
+    assert (True, False) in seen and (False, True) in seen
+    got = step(True)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name

@@ -99,13 +99,15 @@ class KeptHandle:
 # How a swapped handle's tensor is rebuilt from its entry's device copy (SwappedHandle.layout)
 WHOLE = 0  # it is the copy: the tensor that spans the storage was saved itself
 VIEW = 1  # a view of the copy (same dtype): as_strided
-BYTES = 2  # a view of the copy's bytes (the entry moved flat bytes, or another dtype): set_ on its storage
+# a view of the copy's bytes (the entry moved flat bytes, or another dtype, or the tensor reads its storage
+# conjugated or negated): set_ on its storage, then the conjugate and negative bits the tensor had
+BYTES = 2
 
 
 class SwappedHandle:
     """What the pack hook returns for a swapped tensor: the view to rebuild on its storage."""
 
-    __slots__ = ("entry", "dtype", "size", "stride", "offset", "layout", "_dead", "unpacked", "later")
+    __slots__ = ("entry", "dtype", "size", "stride", "offset", "layout", "conj", "neg", "_dead", "unpacked", "later")
 
     def __init__(self, t: torch.Tensor, entry: SwappedEntry, dead: deque) -> None:
         self.entry = entry
@@ -113,8 +115,11 @@ class SwappedHandle:
         self.size = t.size()
         self.stride = t.stride()
         self.offset = t.storage_offset()
+        # a lazily conjugated or negated view (x.conj() saved by a matmul) reads the same bytes differently
+        self.conj = t.is_conj()
+        self.neg = t.is_neg()
         whole = entry.whole
-        if whole is None:
+        if whole is None or self.conj or self.neg:
             self.layout = BYTES
         elif self.offset == 0 and whole[0] is self.dtype and whole[1] == self.size and whole[2] == self.stride:
             self.layout = WHOLE

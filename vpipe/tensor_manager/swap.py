@@ -136,7 +136,11 @@ class SwapEngine:
         # the device bytes stay held (and counted) until the copy has read them; the copy
         # itself is issued with the rest of the layer's at flush_swap_outs()
         whole = t if t._base is None else t._base  # (q, k and v are views of one qkv output)
-        if whole.storage_offset() == 0 and whole.is_contiguous() and whole.numel() * whole.element_size() == nbytes:
+        if t.is_conj() or t.is_neg() or (whole is not t and (whole.is_conj() or whole.is_neg())):
+            # copying a lazily conjugated or negated tensor would write what it reads, not its storage's bytes
+            entry.source = flat_bytes(storage, self.device)
+            entry.host_view = block.data
+        elif whole.storage_offset() == 0 and whole.is_contiguous() and whole.numel() * whole.element_size() == nbytes:
             # a tensor that is its storage's bytes: copy it as it is (a flat byte view of the storage would
             # cost two more tensor ops on each side, more than the rest of a small tensor's swap)
             entry.whole = (whole.dtype, whole.size(), whole.stride())

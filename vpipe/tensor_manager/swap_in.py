@@ -96,6 +96,10 @@ class SwapIn:
                 restored = torch.empty(0, dtype=handle.dtype, device=base.device).set_(
                     base.untyped_storage(), handle.offset, handle.size, handle.stride
                 )
+                if handle.conj:
+                    restored = restored.conj()
+                if handle.neg:
+                    restored = torch._neg_view(restored)
             # the node using it holds the storage until it finished; drop the entry's copy once no
             # live handle expects another unpack: in a weight pass the handles the input pass was
             # the last user of are never unpacked, elsewhere every handle is unpacked once per pass
