@@ -42,7 +42,7 @@ class StorageEntry:
 class SwappedEntry(StorageEntry):
     """A storage copied to the host pool, and what brings it back."""
 
-    __slots__ = ("source", "host", "host_view", "whole", "d2h", "device_copy", "h2d", "weak", "phases", "last_phase",
+    __slots__ = ("source", "host", "whole", "d2h", "device_copy", "h2d", "weak", "phases", "last_phase",
                  "task", "task_unpacks", "users", "unseen", "later", "fetches", "consumed")
     swapped = True
 
@@ -50,10 +50,8 @@ class SwappedEntry(StorageEntry):
         super().__init__(key, layer, mb, nbytes, seq)
         self.source: torch.Tensor | None = None  # the original device bytes, while a swap-out is in flight
         self.host: PoolBlock | None = None
-        self.host_view: torch.Tensor | None = None  # what is copied to the host and back: see ``whole``
-        # (dtype, size, stride) when the storage was saved as one dense tensor that spans it (most are): the copies
-        # then move that tensor and a handle of this layout gets the copy itself back, no byte view on either side;
-        # None: the copies move the storage's bytes and every handle rebuilds its view on them
+        # (dtype, size, stride) of the tensor the copies move (swap.dense_source: most storages are one saved
+        # tensor, whose handle then gets the copy itself back); None: they move the storage's bytes
         self.whole: tuple[torch.dtype, torch.Size, tuple[int, ...]] | None = None
         self.d2h: Ticket | None = None
         self.device_copy: torch.Tensor | None = None  # brought back for a backward
@@ -71,6 +69,11 @@ class SwappedEntry(StorageEntry):
         self.fetches = 0  # times brought back from the host
         self.consumed: object = None  # the stream the device copy was handed to (once per stream)
 
+
+    def host_tensor(self) -> torch.Tensor:
+        """The host bytes, as the tensor the copies move (``whole``'s layout, or bytes)."""
+        assert self.host is not None  # only a release clears it
+        return self.host.data if self.whole is None else self.host.view(*self.whole)
 
     def storage_died(self) -> bool:
         """Whether the storage it was saved from is gone (its address may now belong to another)."""

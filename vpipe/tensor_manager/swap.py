@@ -27,7 +27,7 @@ from vpipe.tensor_manager.copy_engine import CopyEngine, Ticket
 from vpipe.tensor_manager.handles import KeptHandle, StorageEntry, SwappedEntry, SwappedHandle
 from vpipe.tensor_manager.pool import HostPool, HostPoolFullError, PoolBlock
 
-__all__ = ["SwapEngine", "flat_bytes"]
+__all__ = ["SwapEngine", "flat_bytes", "dense_source"]
 
 
 # Swap-outs wait for the end of their layer's forward and go as one batch of copies (a stream switch
@@ -42,6 +42,24 @@ E = TypeVar("E", bound=StorageEntry)
 def flat_bytes(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
     """A uint8 tensor over a whole storage (no copy)."""
     return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+
+
+def dense_source(t: torch.Tensor, nbytes: int) -> torch.Tensor | None:
+    """A tensor of ``t``'s dtype over exactly its storage's ``nbytes``, to copy the storage as (None: as bytes).
+
+    The tensor whose storage it is, when it spans it (an output, a mask; q, k and v through their qkv
+    output), else one flat tensor over the storage. Detached: it is copied, never differentiated, and
+    holding a node would make a cycle. None for a lazily conjugated or negated tensor (a copy would
+    write what it reads, not the storage's bytes) and for a storage no whole number of elements fills.
+    """
+    whole = t if t._base is None else t._base
+    if t.is_conj() or t.is_neg() or whole.is_conj() or whole.is_neg():
+        return None
+    if whole.storage_offset() == 0 and whole.is_contiguous() and whole.numel() * whole.element_size() == nbytes:
+        return whole.detach() if whole.requires_grad or whole is not t else whole
+    if nbytes % t.element_size():
+        return None
+    return (t.detach() if t.requires_grad else t).as_strided((nbytes // t.element_size(),), (1,), 0)
 
 
 class SwapEngine:
@@ -135,27 +153,11 @@ class SwapEngine:
         entry.weak = storage._weak_ref()  # type: ignore[assignment]  # an int
         # the device bytes stay held (and counted) until the copy has read them; the copy
         # itself is issued with the rest of the layer's at flush_swap_outs()
-        whole = t if t._base is None else t._base  # (q, k and v are views of one qkv output)
-        if t.is_conj() or t.is_neg() or (whole is not t and (whole.is_conj() or whole.is_neg())):
-            # copying a lazily conjugated or negated tensor would write what it reads, not its storage's bytes
+        source = dense_source(t, nbytes)
+        if source is None:
             entry.source = flat_bytes(storage, self.device)
-            entry.host_view = block.data
-        elif whole.storage_offset() == 0 and whole.is_contiguous() and whole.numel() * whole.element_size() == nbytes:
-            # a tensor that is its storage's bytes: copy it as it is (a flat byte view of the storage would
-            # cost two more tensor ops on each side, more than the rest of a small tensor's swap)
-            entry.whole = (whole.dtype, whole.size(), whole.stride())
-            # detached: it is copied, never differentiated, and holding a node would make a cycle
-            entry.source = whole.detach() if whole.requires_grad or whole is not t else whole
-            entry.host_view = block.view(*entry.whole)
-        elif nbytes % t.element_size() == 0:
-            # a view into a larger storage: copy the whole storage as one flat tensor of the view's dtype
-            flat = (t.detach() if t.requires_grad else t).as_strided((nbytes // t.element_size(),), (1,), 0)
-            entry.whole = (flat.dtype, flat.size(), flat.stride())
-            entry.source = flat
-            entry.host_view = block.view(*entry.whole)
-        else:
-            entry.source = flat_bytes(storage, self.device)
-            entry.host_view = block.data
+        else:  # no byte view on either side: two tensor ops each way, more than the rest of a small swap
+            entry.source, entry.whole = source, (source.dtype, source.size(), source.stride())
         entry.counted = True
         self.ledger.add(layer, mb, nbytes)
         self._unissued.append(entry)
@@ -177,8 +179,8 @@ class SwapEngine:
             pairs = []
             for e in batch:
                 # both set when the entry was packed; only a release (filtered out above) clears them
-                assert e.source is not None and e.host_view is not None
-                pairs.append((e.source, e.host_view))
+                assert e.source is not None and e.host is not None
+                pairs.append((e.source, e.host_tensor()))
             with timeline.span("vpipe.swap_out", timeline.MEMORY, tensors=len(pairs),
                                bytes=sum(e.nbytes for e in batch)):
                 ticket = self.copies.to_host_batch(pairs)
@@ -247,7 +249,7 @@ class SwapEngine:
             self._deferred.append((pending[-1], entry.host, (entry.source, entry.device_copy)))
         elif entry.host is not None:
             self.pool.free(entry.host)
-        entry.host = entry.host_view = entry.source = entry.device_copy = None
+        entry.host = entry.source = entry.device_copy = None
 
     def outgoing_bytes(self) -> int:
         """Device bytes still counted resident only because their copy to the host has not finished.

@@ -112,9 +112,8 @@ class SwapIn:
             return restored
 
     def _fetch_now(self, entry: SwappedEntry, phase: str) -> torch.Tensor:
-        assert entry.host_view is not None
         with timeline.span("vpipe.swap_in_now", timeline.MEMORY, mb=entry.mb, layer=entry.layer, bytes=entry.nbytes):
-            copy, ticket = self.copies.to_device_now(entry.host_view)
+            copy, ticket = self.copies.to_device_now(entry.host_tensor())
         self._fetched(entry, copy, ticket, phase)
         return copy
 
@@ -160,11 +159,8 @@ class SwapIn:
             if not entries:
                 return True
             batch: list[SwappedEntry] = []
-            sources: list[torch.Tensor] = []
-            after: list[Ticket] = []
             complete = True
             resident = self.ledger.resident
-            nbytes = 0
             for entry in reversed(entries):
                 if not self._wanted(entry, weight_only):
                     continue
@@ -172,16 +168,12 @@ class SwapIn:
                     complete = False
                     break
                 resident += entry.nbytes
-                nbytes += entry.nbytes
-                assert entry.host_view is not None  # only a release clears it, and _wanted skips released entries
                 batch.append(entry)
-                sources.append(entry.host_view)
-                if entry.d2h is not None:
-                    after.append(entry.d2h)
             if batch:
                 with timeline.span("vpipe.prefetch", timeline.MEMORY, mb=mb, phase=phase, tensors=len(batch),
-                                   bytes=nbytes):
-                    copies, ticket = self.copies.to_device_batch(sources, after)
+                                   bytes=sum(e.nbytes for e in batch)):
+                    copies, ticket = self.copies.to_device_batch(
+                        [e.host_tensor() for e in batch], [e.d2h for e in batch if e.d2h is not None])
                 for entry, copy in zip(batch, copies):
                     self._fetched(entry, copy, ticket, phase)
                 self.prefetched += len(batch)
