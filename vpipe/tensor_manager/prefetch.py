@@ -63,15 +63,21 @@ class ArrivalPredictor:
         self._current.append((kind, mb, now - self._step_start))
         return new_step
 
+    def _next_position(self) -> int | None:
+        """Where the next action falls in the learned order: None before it is learned, past its end, or when
+        this step's last action is not the learned one at that place (the order changed)."""
+        pos = len(self._current)
+        prev = self._previous
+        if not prev or pos == 0 or pos >= len(prev) or prev[pos - 1][:2] != self._current[-1][:2]:
+            return None
+        return pos
+
     def backward_follows(self, mb: int) -> bool:
         """Whether, in the learned order, the action after the forward of ``mb`` starting now is ``mb``'s own
         backward (the last micro-batch when the backwards start from it, every micro-batch of 1F1B's last
         stage)."""
-        pos = len(self._current)
-        prev = self._previous
-        if not prev or pos == 0 or pos >= len(prev) or prev[pos - 1][:2] != self._current[-1][:2]:
-            return False
-        return prev[pos][:2] == (BACKWARD, mb)
+        pos = self._next_position()
+        return pos is not None and self._previous[pos][:2] == (BACKWARD, mb)
 
     def backward_first(self, mb: int) -> bool:
         """Whether, in the learned order, ``mb``'s backward comes before the backwards of every micro-batch
@@ -87,10 +93,10 @@ class ArrivalPredictor:
 
     def upcoming(self, copy_seconds: Callable[[int], float]) -> list[int]:
         """Micro-batches whose backward is predicted to start within their copy time from now."""
-        pos = len(self._current)
-        prev = self._previous
-        if not prev or pos == 0 or pos >= len(prev) or prev[pos - 1][:2] != self._current[-1][:2]:
+        pos = self._next_position()
+        if pos is None:
             return []
+        prev = self._previous
         here = prev[pos - 1][2]
         out: list[int] = []
         for index in range(pos, len(prev)):
