@@ -105,6 +105,32 @@ def test_predictor_learns_the_step_order():
     assert predictor.upcoming(lambda mb: 100.0) == []
 
 
+def test_predictor_walks_a_micro_batch_for_its_copy_time_only_where_the_bound_reaches():
+    clock = iter(range(1000))
+    predictor = ArrivalPredictor(safety=1.0, clock=lambda: float(next(clock)))
+    gpipe = [(FORWARD, 0), (FORWARD, 1), (FORWARD, 2), (BACKWARD, 2), (BACKWARD, 1), (BACKWARD, 0)]
+    for _ in range(2):
+        for kind, mb in gpipe[:3]:
+            predictor.observe(kind, mb)
+        for kind, mb in gpipe[3:]:
+            predictor.observe(kind, mb)
+    predictor.observe(FORWARD, 0)
+    for kind, mb in gpipe[1:3]:
+        predictor.observe(kind, mb)
+    # backward 2 is next (always in); backward 1 starts 2 s later, backward 0 3 s later
+    asked: list[int] = []
+
+    def exact(mb: int) -> float:
+        asked.append(mb)
+        return 2.5
+
+    assert predictor.upcoming(exact, lambda mb: 3.0) == [2, 1] and asked == [1, 0]  # the bound reaches both
+    asked.clear()
+    # a bound below the time left: the exact copy time is never asked, and the answer is the same as without
+    assert predictor.upcoming(exact, lambda mb: 5.0 if mb == 1 else 1.0) == [2, 1] and asked == [1]
+    assert predictor.upcoming(exact) == [2, 1]
+
+
 @pytest.fixture
 def one_rank_group():
     """A real gloo process group of one rank (no fake backend) for stage-level tests."""

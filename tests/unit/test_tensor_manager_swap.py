@@ -176,7 +176,13 @@ def test_a_storage_two_micro_batches_saved_is_copied_once_and_prefetched_for_eit
     shared = kib(2)
     a = swap(engine, shared, layer=0, mb=0)
     b = swap(engine, shared, layer=0, mb=1)
+    own = swap(engine, kib(1), layer=1, mb=1)
     assert a.entry is b.entry and a.entry.users == [0, 1]
+    # what the prefetcher bounds a micro-batch's copy time with: its live swapped bytes, shared ones with each
+    assert engine.swapped_bytes == {0: 2 * KIB, 1: 3 * KIB}
+    del own
+    engine.drain()
+    assert engine.swapped_bytes == {0: 2 * KIB, 1: 2 * KIB}
     engine.flush_swap_outs()
     assert sorted(engine.swapped_micro_batches()) == [0, 1] and engine.copies.bytes[D2H] == 2 * KIB
     assert back(engine).host_bytes(1) == 2 * KIB
@@ -185,9 +191,11 @@ def test_a_storage_two_micro_batches_saved_is_copied_once_and_prefetched_for_eit
     del a
     engine.drain()
     assert engine.pool.used_bytes == 2 * KIB  # micro-batch 1 still holds it
+    assert engine.swapped_bytes == {0: 2 * KIB, 1: 2 * KIB}  # (listed for both until the storage is released)
     del b
     engine.drain()
     assert engine.pool.used_bytes == 0 and engine.swapped_micro_batches() == [] and ledger.resident == 0
+    assert engine.swapped_bytes == {}
 
 
 def test_a_full_host_pool_names_the_layer_and_micro_batch_and_counts_nothing():

@@ -128,23 +128,25 @@ class Ledger:
         self.lag: dict[int, int] = {}
 
     def add(self, layer: int, mb: int, nbytes: int) -> None:
+        by_key = self._resident
         key = (layer, mb)
-        self._resident[key] = self._resident.get(key, 0) + nbytes
-        self.resident += nbytes
-        if self.resident > self.step_peak:  # (never above peak: one comparison while under both)
-            self.step_peak = self.resident
-            if self.resident > self.peak:
-                self.peak = self.resident
+        by_key[key] = by_key.get(key, 0) + nbytes
+        self.resident = resident = self.resident + nbytes
+        if resident > self.step_peak:  # (never above peak: one comparison while under both)
+            self.step_peak = resident
+            if resident > self.peak:
+                self.peak = resident
 
     def sub(self, layer: int, mb: int, nbytes: int) -> None:
+        by_key = self._resident
         key = (layer, mb)
-        left = self._resident.get(key, 0) - nbytes
-        if left < 0:
-            raise AssertionError(f"resident bytes of layer {layer} micro-batch {mb} would become negative")
-        if left:
-            self._resident[key] = left
+        left = by_key.get(key, 0) - nbytes
+        if left > 0:
+            by_key[key] = left
+        elif left == 0:
+            by_key.pop(key, None)
         else:
-            self._resident.pop(key, None)
+            raise AssertionError(f"resident bytes of layer {layer} micro-batch {mb} would become negative")
         self.resident -= nbytes
 
     def add_micro_batch(self, mb: int, counts: list[tuple[int, int]]) -> None:

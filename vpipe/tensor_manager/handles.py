@@ -47,7 +47,11 @@ class SwappedEntry(StorageEntry):
     swapped = True
 
     def __init__(self, key: int, layer: int, mb: int, nbytes: int, seq: int) -> None:
-        super().__init__(key, layer, mb, nbytes, seq)
+        # (StorageEntry's fields set here too: this runs once per swapped storage, a super() call costs more)
+        self.key, self.layer, self.mb, self.nbytes, self.seq = key, layer, mb, nbytes, seq
+        self.refs = 0
+        self.counted = False
+        self.released = False
         self.source: torch.Tensor | None = None  # the original device bytes, while a swap-out is in flight
         self.host: PoolBlock | None = None
         # (dtype, size, stride) of the tensor the copies move (swap.dense_source: most storages are one saved
@@ -72,8 +76,9 @@ class SwappedEntry(StorageEntry):
 
     def host_tensor(self) -> torch.Tensor:
         """The host bytes, as the tensor the copies move (``whole``'s layout, or bytes)."""
-        assert self.host is not None  # only a release clears it
-        return self.host.data if self.whole is None else self.host.view(*self.whole)
+        host, whole = self.host, self.whole
+        assert host is not None  # only a release clears it
+        return host.data if whole is None else host.view(whole)
 
     def storage_died(self) -> bool:
         """Whether the storage it was saved from is gone (its address may now belong to another)."""
@@ -114,20 +119,20 @@ class SwappedHandle:
 
     def __init__(self, t: torch.Tensor, entry: SwappedEntry, dead: deque) -> None:
         self.entry = entry
-        self.dtype = t.dtype
-        self.size = t.size()
-        self.stride = t.stride()
-        self.offset = t.storage_offset()
+        self.dtype = dtype = t.dtype
+        self.size = size = t.size()
+        self.stride = stride = t.stride()
+        self.offset = offset = t.storage_offset()
         # a lazily conjugated or negated view (x.conj() saved by a matmul) reads the same bytes differently
-        self.conj = t.is_conj()
-        self.neg = t.is_neg()
+        self.conj = conj = t.is_conj()
+        self.neg = neg = t.is_neg()
         whole = entry.whole
-        if whole is None or self.conj or self.neg:
+        if whole is None or conj or neg:
             self.layout = BYTES
-        elif self.offset == 0 and whole[0] is self.dtype and whole[1] == self.size and whole[2] == self.stride:
+        elif offset == 0 and whole == (dtype, size, stride):
             self.layout = WHOLE
         else:
-            self.layout = VIEW if whole[0] is self.dtype else BYTES
+            self.layout = VIEW if whole[0] is dtype else BYTES
         self._dead = dead
         self.unpacked = False
         self.later = False  # the weight pass will unpack it again (set by an input pass)

@@ -65,16 +65,16 @@ class PoolBlock:
     # (dtype, size, stride) -> a view of ``data`` with that layout; carried over when the range is reused
     views: dict[tuple[torch.dtype, torch.Size, tuple[int, ...]], torch.Tensor] = field(default_factory=dict)
 
-    def view(self, dtype: torch.dtype, size: torch.Size, stride: tuple[int, ...]) -> torch.Tensor:
-        """``data`` as a tensor of this dense layout (the same ``nbytes``): what a whole saved tensor is
-        copied into and back from, so neither side needs a flat byte view of its storage. Made once per
-        layout and range: every step saves tensors of the same shapes again."""
-        key = (dtype, size, stride)
-        view = self.views.get(key)
+    def view(self, layout: tuple[torch.dtype, torch.Size, tuple[int, ...]]) -> torch.Tensor:
+        """``data`` as a tensor of this dense ``(dtype, size, stride)`` (the same ``nbytes``): what a whole saved
+        tensor is copied into and back from, so neither side needs a flat byte view of its storage. Made once
+        per layout and range: every step saves tensors of the same shapes again."""
+        view = self.views.get(layout)
         if view is None:
             if len(self.views) >= MAX_VIEWS_PER_BLOCK:
                 self.views.clear()
-            view = self.views[key] = self.data.view(dtype).as_strided(size, stride)
+            dtype, size, stride = layout
+            view = self.views[layout] = self.data.view(dtype).as_strided(size, stride)
         return view
 
 

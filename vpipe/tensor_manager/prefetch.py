@@ -91,8 +91,13 @@ class ArrivalPredictor:
                 return m == mb
         return False
 
-    def upcoming(self, copy_seconds: Callable[[int], float]) -> list[int]:
-        """Micro-batches whose backward is predicted to start within their copy time from now."""
+    def upcoming(self, copy_seconds: Callable[[int], float],
+                 most_seconds: Callable[[int], float] | None = None) -> list[int]:
+        """Micro-batches whose backward is predicted to start within their copy time from now.
+
+        ``most_seconds``, if given, is a cheap upper bound of ``copy_seconds``: the exact copy time
+        (a walk over the micro-batch's entries) is asked only where the bound could bring it in.
+        """
         pos = self._next_position()
         if pos is None:
             return []
@@ -103,7 +108,8 @@ class ArrivalPredictor:
             kind, mb, t = prev[index]
             if kind != BACKWARD or mb in out:
                 continue
-            if index == pos or t - here <= copy_seconds(mb) * self.safety:
+            ahead = (t - here) / self.safety
+            if index == pos or ((most_seconds is None or ahead <= most_seconds(mb)) and ahead <= copy_seconds(mb)):
                 out.append(mb)
         return out
 
@@ -129,8 +135,10 @@ class Prefetcher:
             return
         phases = self._phases
         bandwidth = swap_in.copies.expected_bandwidth(H2D)
+        swapped_bytes = swap_in.engine.swapped_bytes
         targets = [mb for mb, _ in phases.running[-1:]] + self.predictor.upcoming(
-            lambda mb: swap_in.host_bytes(mb, mb in phases.lagging) / bandwidth)
+            lambda mb: swap_in.host_bytes(mb, mb in phases.lagging) / bandwidth,
+            lambda mb: swapped_bytes.get(mb, 0) / bandwidth)
         limit = self._budget.limit()
         throttled = False
         for mb in dict.fromkeys(targets):

@@ -52,10 +52,14 @@ def dense_source(t: torch.Tensor, nbytes: int) -> torch.Tensor | None:
     holding a node would make a cycle. None for a lazily conjugated or negated tensor (a copy would
     write what it reads, not the storage's bytes) and for a storage no whole number of elements fills.
     """
-    whole = t if t._base is None else t._base
-    if t.is_conj() or t.is_neg() or whole.is_conj() or whole.is_neg():
+    whole = t._base
+    if t.is_conj() or t.is_neg():
         return None
-    if whole.storage_offset() == 0 and whole.is_contiguous() and whole.numel() * whole.element_size() == nbytes:
+    if whole is None:
+        whole = t
+    elif whole.is_conj() or whole.is_neg():
+        return None
+    if whole.nbytes == nbytes and whole.storage_offset() == 0 and whole.is_contiguous():
         return whole.detach() if whole.requires_grad or whole is not t else whole
     if nbytes % t.element_size():
         return None
@@ -77,10 +81,11 @@ class SwapEngine:
         self.dead: deque[StorageEntry | tuple[SwappedEntry, bool, bool]] = deque()
         self._by_key: dict[int, StorageEntry] = {}
         self._swapped: dict[int, dict[int, SwappedEntry]] = {}  # mb -> seq -> live swapped entry
+        self.swapped_bytes: dict[int, int] = {}  # mb -> bytes of those entries (wherever their bytes are now)
         self._live: dict[tuple[int, int], int] = {}  # (layer, mb) -> live entries
         self._unissued: list[SwappedEntry] = []  # packed, copy not issued yet (see flush_swap_outs)
         self._unissued_bytes = 0
-        self._swapping_out: deque[SwappedEntry] = deque()
+        self._swapping_out: deque[tuple[Ticket, list[SwappedEntry]]] = deque()  # issued batches, in order
         self._deferred: deque[tuple[Ticket, PoolBlock | None, object]] = deque()
         self._seq = 0
         self.multi_phase_entries = 0  # released after being unpacked in more than one backward phase
@@ -138,6 +143,7 @@ class SwapEngine:
             elif mb not in entry.users:  # another micro-batch saved the same storage: prefetch it for both
                 entry.users.append(mb)
                 self._swapped.setdefault(mb, {})[entry.seq] = entry
+                self.swapped_bytes[mb] = self.swapped_bytes.get(mb, 0) + nbytes
             entry.refs += 1
             entry.unseen += 1
             return SwappedHandle(t, entry, self.dead)
@@ -163,6 +169,7 @@ class SwapEngine:
         self._unissued.append(entry)
         self._unissued_bytes += nbytes
         self._swapped.setdefault(mb, {})[entry.seq] = entry
+        self.swapped_bytes[mb] = self.swapped_bytes.get(mb, 0) + nbytes
         self.layer_d2h[layer] = self.layer_d2h.get(layer, 0) + nbytes
         if self._unissued_bytes >= self.batch_bytes:
             self.flush_swap_outs()
@@ -171,23 +178,22 @@ class SwapEngine:
     def flush_swap_outs(self) -> None:
         """Issue the swap-out copies packed since the last flush, as one batch (after each layer's forward)."""
         with self.lock:
+            if not self._unissued:
+                return
+            # source and host are both set when an entry is packed; only a release (filtered out) clears them
             batch = [e for e in self._unissued if not e.released]
-            self._unissued.clear()
+            self._unissued = []
             self._unissued_bytes = 0
             if not batch:
                 return
-            pairs = []
-            for e in batch:
-                # both set when the entry was packed; only a release (filtered out above) clears them
-                assert e.source is not None and e.host is not None
-                pairs.append((e.source, e.host_tensor()))
+            pairs: list[tuple[torch.Tensor, torch.Tensor]] = [(e.source, e.host_tensor()) for e in batch]  # type: ignore[misc]
             with timeline.span("vpipe.swap_out", timeline.MEMORY, tensors=len(pairs),
                                bytes=sum(e.nbytes for e in batch)):
                 ticket = self.copies.to_host_batch(pairs)
             for entry in batch:
                 entry.d2h = ticket
-                self._swapping_out.append(entry)
-            if ticket.done():  # a synchronous copy (CPU): the device bytes can go now
+            self._swapping_out.append((ticket, batch))
+            if ticket.finished:  # a synchronous copy (CPU): the device bytes can go now
                 self.poll()
 
     def _new_entry(self, kind: type[E], key: int, layer: int, mb: int, nbytes: int) -> E:
@@ -202,9 +208,10 @@ class SwapEngine:
         """Release the entries whose last handle died; True if any was released."""
         released = False
         entry: StorageEntry
+        dead = self.dead
         with self.lock:
-            while self.dead:
-                item = self.dead.popleft()
+            while dead:
+                item = dead.popleft()
                 if isinstance(item, tuple):  # a swapped handle: what it still expected
                     entry, unpacked, later = item
                     if not unpacked:
@@ -221,14 +228,16 @@ class SwapEngine:
 
     def _release(self, entry: StorageEntry) -> None:
         entry.released = True
-        if self._by_key.get(entry.key) is entry:
-            del self._by_key[entry.key]
+        by_key = self._by_key
+        if by_key.get(entry.key) is entry:
+            del by_key[entry.key]
+        live = self._live
         key = (entry.layer, entry.mb)
-        left = self._live[key] - 1
+        left = live[key] - 1
         if left:
-            self._live[key] = left
+            live[key] = left
         else:
-            del self._live[key]
+            del live[key]
         if entry.counted:
             entry.counted = False
             self.ledger.sub(entry.layer, entry.mb, entry.nbytes)
@@ -237,16 +246,18 @@ class SwapEngine:
         entry.forget_storage()
         for mb in entry.users:
             by_mb = self._swapped.get(mb)
-            if by_mb is not None:
-                by_mb.pop(entry.seq, None)
+            if by_mb is not None and by_mb.pop(entry.seq, None) is not None:
+                self.swapped_bytes[mb] -= entry.nbytes
                 if not by_mb:
-                    del self._swapped[mb]
+                    del self._swapped[mb], self.swapped_bytes[mb]
         if entry.phases > 1:
             self.multi_phase_entries += 1
-        pending = [t for t in (entry.d2h, entry.h2d) if t is not None and not t.done()]
-        if pending:
-            # a copy still uses the block (and the device bytes): free both once it ended
-            self._deferred.append((pending[-1], entry.host, (entry.source, entry.device_copy)))
+        # a copy still using the block (and the device bytes), the later one first: free both once it ended
+        pending = entry.h2d
+        if pending is None or pending.done():
+            pending = entry.d2h
+        if pending is not None and not pending.done():
+            self._deferred.append((pending, entry.host, (entry.source, entry.device_copy)))
         elif entry.host is not None:
             self.pool.free(entry.host)
         entry.host = entry.source = entry.device_copy = None
@@ -258,7 +269,8 @@ class SwapEngine:
         late costs a wait at pack time (:meth:`wait_swap_outs`), not a lasting change of policy.
         """
         with self.lock:
-            return sum(e.nbytes for queue in (self._unissued, self._swapping_out) for e in queue
+            issued = (e for _, batch in self._swapping_out for e in batch)
+            return sum(e.nbytes for queue in (self._unissued, issued) for e in queue
                        if e.counted and not e.released and e.source is not None and e.device_copy is None)
 
     @property
@@ -274,31 +286,34 @@ class SwapEngine:
     def poll(self) -> None:
         """Finish what completed copies allow: drop swapped-out device bytes, free deferred blocks."""
         with self.lock:
-            while self._swapping_out and (self._swapping_out[0].d2h is None or self._swapping_out[0].d2h.done()):
-                self._finish_swap_out(self._swapping_out.popleft())
+            swapping_out = self._swapping_out
+            while swapping_out and swapping_out[0][0].done():
+                self._finish_swap_outs(swapping_out.popleft()[1])
             while self._deferred and self._deferred[0][0].done():
                 _, block, _ = self._deferred.popleft()
                 if block is not None:
                     self.pool.free(block)
             self.copies.resolve_timings()
 
-    def _finish_swap_out(self, entry: SwappedEntry) -> None:
-        if entry.released or entry.source is None:
-            return
-        entry.source = None
-        if entry.device_copy is None and entry.counted:
-            entry.counted = False
-            self.ledger.sub(entry.layer, entry.mb, entry.nbytes)
+    def _finish_swap_outs(self, batch: list[SwappedEntry]) -> None:
+        """A batch's copy to the host ended: its device bytes go (those not brought back meanwhile)."""
+        ledger = self.ledger
+        for entry in batch:
+            if entry.released or entry.source is None:
+                continue
+            entry.source = None
+            if entry.device_copy is None and entry.counted:
+                entry.counted = False
+                ledger.sub(entry.layer, entry.mb, entry.nbytes)
 
     def wait_swap_outs(self, until_resident: int) -> None:
         """Block until in-flight swap-outs have released enough device bytes (budget pressure)."""
         with self.lock:
             self.flush_swap_outs()
             while self._swapping_out and self.ledger.resident > until_resident:
-                entry = self._swapping_out.popleft()
-                if entry.d2h is not None:
-                    entry.d2h.wait()
-                self._finish_swap_out(entry)
+                ticket, batch = self._swapping_out.popleft()
+                ticket.wait()
+                self._finish_swap_outs(batch)
 
     def wait_all(self) -> None:
         """Block until every copy in flight ended (tests, close)."""

@@ -60,7 +60,8 @@ class SwapIn:
         """
         engine = self.engine
         with engine.lock:
-            engine.drain()
+            if engine.dead:
+                engine.drain()
             entry = handle.entry
             if serial != entry.last_phase:
                 entry.last_phase = serial
@@ -114,18 +115,21 @@ class SwapIn:
     def _fetch_now(self, entry: SwappedEntry, phase: str) -> torch.Tensor:
         with timeline.span("vpipe.swap_in_now", timeline.MEMORY, mb=entry.mb, layer=entry.layer, bytes=entry.nbytes):
             copy, ticket = self.copies.to_device_now(entry.host_tensor())
-        self._fetched(entry, copy, ticket, phase)
+        self._fetched(entry, copy, ticket)
+        self.h2d_by_phase[phase] = self.h2d_by_phase.get(phase, 0) + entry.nbytes
         return copy
 
-    def _fetched(self, entry: SwappedEntry, copy: torch.Tensor, ticket: Ticket, phase: str) -> None:
+    def _fetched(self, entry: SwappedEntry, copy: torch.Tensor, ticket: Ticket) -> None:
+        """``copy`` (its copy issued under ``ticket``) is ``entry``'s device copy now (the caller counts the
+        bytes by phase)."""
         entry.device_copy, entry.h2d, entry.consumed = copy, ticket, None
         entry.counted = True
-        self.ledger.add(entry.layer, entry.mb, entry.nbytes)
-        self.layer_h2d[entry.layer] = self.layer_h2d.get(entry.layer, 0) + entry.nbytes
-        self.h2d_by_phase[phase] = self.h2d_by_phase.get(phase, 0) + entry.nbytes
+        layer, nbytes = entry.layer, entry.nbytes
+        self.ledger.add(layer, entry.mb, nbytes)
+        self.layer_h2d[layer] = self.layer_h2d.get(layer, 0) + nbytes
         entry.fetches += 1
         if entry.fetches > 1:
-            self.refetched_bytes += entry.nbytes
+            self.refetched_bytes += nbytes
 
     # ------------------------------------------------------------------ prefetch
     @staticmethod
@@ -170,12 +174,14 @@ class SwapIn:
                 resident += entry.nbytes
                 batch.append(entry)
             if batch:
+                nbytes = resident - self.ledger.resident
                 with timeline.span("vpipe.prefetch", timeline.MEMORY, mb=mb, phase=phase, tensors=len(batch),
-                                   bytes=sum(e.nbytes for e in batch)):
+                                   bytes=nbytes):
                     copies, ticket = self.copies.to_device_batch(
                         [e.host_tensor() for e in batch], [e.d2h for e in batch if e.d2h is not None])
                 for entry, copy in zip(batch, copies):
-                    self._fetched(entry, copy, ticket, phase)
+                    self._fetched(entry, copy, ticket)
+                self.h2d_by_phase[phase] = self.h2d_by_phase.get(phase, 0) + nbytes
                 self.prefetched += len(batch)
             return complete
 
@@ -229,9 +235,10 @@ class SwapIn:
     def _drop_device_copy(self, entry: SwappedEntry) -> None:
         if entry.device_copy is None:
             return
-        if entry.h2d is not None and not entry.h2d.done():
+        h2d = entry.h2d
+        if h2d is not None and not h2d.done():
             # the copy still reads the host block: the block must not be reused before it ends
-            self.engine.defer(entry.h2d, None, entry.device_copy)
+            self.engine.defer(h2d, None, entry.device_copy)
         entry.device_copy = None
         entry.h2d = None
         if entry.source is None and entry.counted:
