@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU part of the benchmarks, on a machine with one NVIDIA GPU (about 6 minutes on an H200):
+# The GPU part of the benchmarks, on a machine with one NVIDIA GPU (about 7 minutes on an H200):
 #   - every test marked `cuda` (copy streams and host pool, the monitor's CUDA timing, a GPU budget,
 #     a batch twice what the capped memory holds trained under the budget);
 #   - the swap path (pinned pool and copy engine vs naive copies, overlap with compute);
@@ -7,7 +7,8 @@
 #     (d_model 2048): step time per policy against torch's save_on_cpu and checkpoint;
 #   - the memory-bound benchmark at d_model 2048 and 4096: activations twice what the capped memory
 #     holds, vpipe's own swap/recompute mix against all-recompute and save_on_cpu, and the largest
-#     batch each runs within 10% of plain's per-sample throughput;
+#     batch each runs within 10% of plain's per-sample throughput; at d_model 2048 once more with
+#     VPIPE_PREFETCH_ALLOC=compute (prefetched copies from the compute stream's memory);
 #   - the timeline of one memory-bound step at both sizes: where the compute stream sat idle and
 #     how much of the copies ran under kernels.
 # JSON, the test log and the machine's description go to the directory given (default
@@ -45,6 +46,9 @@ if [ -n "${VPIPE_AGAINST:-}" ]; then AGAINST=(--against "$VPIPE_AGAINST"); fi
 "$PY" benchmarks/tensor_manager_bench.py --device cuda --d-model 2048 --heads 16 --seq-len 256 --rounds 9 \
   --only "vpipe D,vpipe S,vpipe R,save_on_cpu,checkpoint" --json "$OUT/tensor_manager_compute.json" || status=1
 "$PY" benchmarks/memory_bound_bench.py --device cuda --json "$OUT/memory_bound.json" || status=1
+# the same with prefetched copies taken from the compute stream's memory (one allocator pool under the cap)
+VPIPE_PREFETCH_ALLOC=compute "$PY" benchmarks/memory_bound_bench.py --device cuda --rounds 3 --max-factor 2 \
+  --json "$OUT/memory_bound_compute_alloc.json" || status=1
 "$PY" benchmarks/memory_bound_bench.py --device cuda --d-model 4096 --heads 32 --micro-batch-size 4 --rounds 3 --steps 2 \
   --max-factor 3 --json "$OUT/memory_bound_4096.json" || status=1
 "$PY" benchmarks/gpu_timeline.py --json "$OUT/timeline_2048.json" || status=1

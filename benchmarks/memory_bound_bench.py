@@ -15,6 +15,9 @@ largest batch (in micro-batches) that fits the cap and runs within 10% of plain'
 per-sample throughput at plain's largest batch. A batch that does not fit is reported as
 such (the allocator's out-of-memory error), not estimated.
 
+``VPIPE_PREFETCH_ALLOC=compute`` in the environment has vpipe's prefetched copies allocated from the
+compute stream's memory instead of the copy stream's (recorded in the JSON's config).
+
     python benchmarks/memory_bound_bench.py --json OUT.json
 """
 
@@ -43,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tensor_manager_bench import SavedBytesProbe  # noqa: E402
 from vpipe.plan import Policy  # noqa: E402
 from vpipe.tensor_manager import TensorManager  # noqa: E402
+from vpipe.tensor_manager.copy_engine import prefetch_alloc_from_env  # noqa: E402
 from vpipe_lab.runtime.models import build_model, transformer_lm  # noqa: E402
 
 SYSTEMS = ("plain", "vpipe", "checkpoint", "save_on_cpu")
@@ -279,7 +283,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     largest = {"plain": plain} | {s: largest_batch(runner, s, sizes, limit, args.steps, stop_when_slow=s != "vpipe")
                                   for s in SYSTEMS[1:]}
     return {
-        "config": {k: v for k, v in vars(args).items() if k != "json"},
+        "config": {k: v for k, v in vars(args).items() if k != "json"} | {"prefetch_alloc": prefetch_alloc_from_env()},
         "device": f"{runner.device} ({torch.cuda.get_device_name(runner.device)})" if runner.device.type == "cuda"
         else str(runner.device),
         "torch": torch.__version__, "memory": cap, "budget_bytes": budget, "micro_batches": n,

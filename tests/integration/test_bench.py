@@ -325,6 +325,9 @@ def test_the_gpu_section_is_regenerated_from_the_suite_files_and_holds_each_numb
                                                       {"micro_batches": 5, "fits": False}]},
                     "vpipe": {"largest": 12, "tried": [{"micro_batches": 12, "fits": True, "per_sample_s": 0.0072}]}},
         "vpipe_largest_over_plain": 3.0}))
+    compute_alloc = json.loads((gpu / "memory_bound.json").read_text())
+    compute_alloc["config"]["prefetch_alloc"] = "compute"
+    (gpu / "memory_bound_compute_alloc.json").write_text(json.dumps(compute_alloc))
     (gpu / "timeline_2048.json").write_text(json.dumps({
         "config": {"d_model": 2048, "micro_batch_size": 8}, "micro_batches": 8, "vpipe_policies": "DSSSSS",
         "systems": {"vpipe": {"step_s": 0.5, "phase_split": "device", "idle_forward_ms": 2.0, "forward_ms": 160.0,
@@ -346,6 +349,8 @@ def test_the_gpu_section_is_regenerated_from_the_suite_files_and_holds_each_numb
     assert "all swapped vs save_on_cpu: 1.80x vs <= 1.66x: NOT met" in text
     assert "all recomputed vs checkpoint: 1.90x vs <= 1.98x: met" in text
     assert "vpipe / all-recompute: 1.20x vs >= 1.15x: met" in text
+    # the run with prefetched copies from the compute stream's memory: a table of its own, that says so
+    assert text.count("**Memory-bound**") == 2 and text.count("(`VPIPE_PREFETCH_ALLOC=compute`). At 8") == 1
     assert "vpipe's largest / plain's: 3.00x vs >= 2.00x: met" in text
     assert "| plain | 4 | 4: 6.80 ms, 5: OOM |" in text
     assert ("| vpipe | 120.0 | - | policies DSSSSD, 4 escalations; 2.5 waits for swap-outs per step, 12.3 ms; "

@@ -70,7 +70,11 @@ def test_pool_is_pinned_and_faster_than_pageable_copies():
     assert torch.equal(block.data, src.cpu())
 
 
-def test_no_corruption_when_freed_memory_is_reused_during_copies():
+@pytest.mark.parametrize("prefetch_alloc", ["copy", "compute"])
+def test_no_corruption_when_freed_memory_is_reused_during_copies(prefetch_alloc, monkeypatch):
+    # "compute": prefetched copies come from the memory the compute stream frees into, which its queued
+    # kernels (the garbage below) may still use when the prefetch is issued
+    monkeypatch.setenv("VPIPE_PREFETCH_ALLOC", prefetch_alloc)
     spec = transformer_lm(n_blocks=4, d_model=256, n_heads=4, seq_len=128, dropout=0.1)
     x, y = spec.batch(0, 32, 0)
     inputs = [t.to(DEVICE) for t in x.tensor_split(4)]
@@ -90,6 +94,7 @@ def test_no_corruption_when_freed_memory_is_reused_during_copies():
         assert stats.live_saved_storages == 0 and stats.host_pool_used_bytes == 0
         if policy is Policy.SWAP:
             assert stats.d2h_bytes > 0 and stats.prefetched > 0
+            assert manager._copies.prefetch_alloc == prefetch_alloc  # type: ignore[attr-defined]
     for policy in (Policy.SWAP, Policy.RECOMPUTE):
         for want, got in zip(results[Policy.KEEP], results[policy]):
             for name in want:

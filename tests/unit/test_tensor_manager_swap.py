@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from support.tensor_manager import LateCopies
+from vpipe.tensor_manager import TensorManager
 from vpipe.tensor_manager.accounting import Ledger
 from vpipe.tensor_manager.copy_engine import D2H, H2D, CpuCopyEngine
 from vpipe.tensor_manager.pool import HostPool, HostPoolFullError
@@ -385,3 +386,13 @@ def test_conjugated_and_negated_views_come_back_as_they_read():
     got = step(True)
     for name in want:
         assert torch.equal(got[name], want[name]), name
+
+
+def test_a_misspelt_prefetch_allocation_is_refused_when_the_manager_is_made(monkeypatch):
+    layers = {0: torch.nn.Linear(4, 4)}
+    monkeypatch.setenv("VPIPE_PREFETCH_ALLOC", "compte")
+    with pytest.raises(ValueError, match=r"^VPIPE_PREFETCH_ALLOC must be one of copy, compute, got 'compte'$"):
+        TensorManager(layers, device=torch.device("cpu"))
+    for value in ("copy", "compute", ""):  # (empty: the default, copy)
+        monkeypatch.setenv("VPIPE_PREFETCH_ALLOC", value)
+        TensorManager(layers, device=torch.device("cpu")).close()

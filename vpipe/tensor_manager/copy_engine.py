@@ -14,6 +14,7 @@ tested) on CPU.
 
 from __future__ import annotations
 
+import os
 import time
 from abc import ABC, abstractmethod
 from collections import deque
@@ -26,6 +27,9 @@ __all__ = ["Ticket", "CopyEngine", "CpuCopyEngine", "CudaCopyEngine", "make_copy
 
 D2H = "d2h"
 H2D = "h2d"
+# Which CUDA stream's cached memory a prefetch's device copies come from (see CudaCopyEngine.to_device_batch)
+PREFETCH_ALLOC_ENV = "VPIPE_PREFETCH_ALLOC"
+PREFETCH_ALLOCS = ("copy", "compute")
 # Copy bandwidth assumed before the first copy was timed (bytes/s).
 ASSUMED_BANDWIDTH = {"cpu": 4e9, "cuda": 12e9}
 
@@ -185,13 +189,14 @@ class CpuCopyEngine(CopyEngine):
 class CudaCopyEngine(CopyEngine):
     """Swap-out and prefetch on two dedicated lowest-priority CUDA streams."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, prefetch_alloc: str = "copy") -> None:
         super().__init__()
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self._index = device.index
         self.pinned = True
+        self.prefetch_alloc = prefetch_alloc
         # 0 is CUDA's lowest priority (higher priorities are negative): compute and NCCL go first
         self.d2h_stream = torch.cuda.Stream(device, priority=0)
         self.h2d_stream = torch.cuda.Stream(device, priority=0)
@@ -241,12 +246,20 @@ class CudaCopyEngine(CopyEngine):
             if not ticket.finished and id(ticket) not in waited:
                 waited.add(id(ticket))
                 stream.wait_event(ticket.event)
+        outs = None
+        if self.prefetch_alloc == "compute":
+            # from the compute stream's cached memory, the pool the backward frees into: under a memory cap, a
+            # second pool on the copy stream makes the allocator free its cache (a device sync) to fit. That
+            # memory may still be read by kernels the compute stream has queued: the copy waits for them
+            outs = [torch.empty_like(src, device=self.device) for src in sources]
+            stream.wait_stream(compute)
         torch.cuda.set_stream(stream)  # (as in to_host_batch)
         try:
             start.record(stream)
-            # allocated on the copy stream: the allocator will not hand this memory to the
-            # compute stream until consume() recorded the compute stream's use of it
-            outs = [torch.empty_like(src, device=self.device) for src in sources]
+            if outs is None:
+                # allocated on the copy stream: the allocator will not hand this memory to the
+                # compute stream until consume() recorded the compute stream's use of it
+                outs = [torch.empty_like(src, device=self.device) for src in sources]
             torch._foreach_copy_(outs, list(sources), non_blocking=True)
             end.record(stream)
         finally:
@@ -271,16 +284,26 @@ class CudaCopyEngine(CopyEngine):
         if not ticket.finished and ticket.waited_on is not stream:  # once per stream for a batch's copies
             stream.wait_event(ticket.event)
             ticket.waited_on = stream
-        tensor.record_stream(stream)
+        tensor.record_stream(stream)  # (the allocator ignores it where the copy was allocated on this stream)
         return stream
 
     def consumed_on(self, stream: object) -> bool:
         return stream is self._current_stream()
 
 
+def prefetch_alloc_from_env() -> str:
+    """``VPIPE_PREFETCH_ALLOC``: ``copy`` (the default) allocates prefetched copies on the copy stream, ``compute``
+    from the compute stream's cached memory (an experiment timed by ``benchmarks/gpu_suite.sh``)."""
+    value = os.environ.get(PREFETCH_ALLOC_ENV) or "copy"
+    if value not in PREFETCH_ALLOCS:
+        raise ValueError(f"{PREFETCH_ALLOC_ENV} must be one of {', '.join(PREFETCH_ALLOCS)}, got {value!r}")
+    return value
+
+
 def make_copy_engine(device: torch.device) -> CopyEngine:
+    prefetch_alloc = prefetch_alloc_from_env()  # read (and checked) on CPU too: a typo does not wait for a GPU
     if device.type == "cuda":
-        return CudaCopyEngine(device)
+        return CudaCopyEngine(device, prefetch_alloc)
     return CpuCopyEngine(device)
 
 

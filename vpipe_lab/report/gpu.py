@@ -117,7 +117,10 @@ def _memory_bound_md(data: dict[str, Any]) -> str:
             f"sequence {cfg['seq_len']}, micro-batches of {cfg['micro_batch_size']} in GPipe order; "
             + (f"the GPU's memory capped at {cap / 2**30:.2f} GiB" if cap else "no memory cap")
             + f" so that plain holds {data['plain_largest']} micro-batches; vpipe's "
-            f"budget {data['budget_bytes'] / 2**30:.2f} GiB (0.8 x what plain's largest batch saves). At "
+            f"budget {data['budget_bytes'] / 2**30:.2f} GiB (0.8 x what plain's largest batch saves)"
+            + ("; vpipe's prefetched copies allocated from the compute stream's memory (`VPIPE_PREFETCH_ALLOC=compute`)"
+               if cfg.get("prefetch_alloc") == "compute" else "")
+            + ". At "
             f"{data['micro_batches']} micro-batches:\n\n"
             + table(["system", "samples/s", "device peak GiB", "vpipe's choice / error"], rows)
             + f"\n\nvpipe / all-recompute: {_verdict(data['vpipe_over_checkpoint'], 1.15, at_most=False)}; "
