@@ -218,21 +218,36 @@ class CudaCopyEngine(CopyEngine):
             self._stream_handle = handle
         return self._stream
 
+    def _switch_to(self, stream: torch.cuda.Stream) -> int:
+        """Make a copy stream current; returns the current device before (torch's setter makes the stream's
+        device current too).
+
+        Not the ``torch.cuda.stream()`` context: that one reads the current stream again on entry (and each
+        ``Event.record()`` without a stream once more), about 20 us of Python each, per batch; the events are
+        recorded on the stream by name and the compute stream is already known (:meth:`_current_stream`).
+        """
+        device = torch.cuda.current_device()
+        torch.cuda.set_stream(stream)
+        return device
+
+    def _switch_back(self, compute: torch.cuda.Stream, device: int) -> None:
+        torch.cuda.set_stream(compute)
+        if device != self._index:  # the caller's current device was another one: it stays current
+            torch.cuda.set_device(device)
+
     def to_host_batch(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Ticket:
         start, end = self._events()
         stream, compute = self.d2h_stream, self._current_stream()
         # the copies must see the producers' results: wait for what the compute stream queued so far
         stream.wait_stream(compute)
-        # set_stream, not the torch.cuda.stream() context: that one reads the current stream again on entry
-        # (and each Event.record() without a stream once more), about 20 us of Python each, per batch
-        torch.cuda.set_stream(stream)
+        device = self._switch_to(stream)
         try:
             start.record(stream)
             # one call for the batch: the per-pair dispatch runs in C++, not in Python
             torch._foreach_copy_([dst for _, dst in pairs], [src for src, _ in pairs], non_blocking=True)
             end.record(stream)
         finally:
-            torch.cuda.set_stream(compute)
+            self._switch_back(compute, device)
         ticket = Ticket(D2H, sum(src.nbytes for src, _ in pairs), end, start)
         self._account(ticket)
         return ticket
@@ -253,7 +268,7 @@ class CudaCopyEngine(CopyEngine):
             # memory may still be read by kernels the compute stream has queued: the copy waits for them
             outs = [torch.empty_like(src, device=self.device) for src in sources]
             stream.wait_stream(compute)
-        torch.cuda.set_stream(stream)  # (as in to_host_batch)
+        device = self._switch_to(stream)
         try:
             start.record(stream)
             if outs is None:
@@ -263,7 +278,7 @@ class CudaCopyEngine(CopyEngine):
             torch._foreach_copy_(outs, list(sources), non_blocking=True)
             end.record(stream)
         finally:
-            torch.cuda.set_stream(compute)
+            self._switch_back(compute, device)
         ticket = Ticket(H2D, sum(src.nbytes for src in sources), end, start)
         self._account(ticket)
         return outs, ticket
