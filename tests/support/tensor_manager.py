@@ -131,8 +131,12 @@ class LateCopies(CpuCopyEngine):
         return ticket
 
     def to_host_batch(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Ticket:
-        return self._later(D2H, sum(src.numel() for src, _ in pairs),
-                           lambda: [dst.copy_(src) for src, dst in pairs] and None)
+        def copy() -> None:
+            with torch.no_grad():  # (as the engine issues them: a source may carry its graph)
+                for src, dst in pairs:
+                    dst.copy_(src)
+
+        return self._later(D2H, sum(src.numel() for src, _ in pairs), copy)
 
     def to_device_batch(self, sources: Sequence[torch.Tensor], after: Sequence[Ticket] = ()
                         ) -> tuple[list[torch.Tensor], Ticket]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import random
 
 import pytest
@@ -39,6 +40,27 @@ def test_policies_give_the_gradients_of_no_manager(kind, scenario):
         assert stats.recompute_s > 0 and stats.d2h_bytes == 0
         assert all(layer.recomputes > 0 for layer in stats.layers.values())
     assert stats.live_saved_storages == 0 and stats.resident_bytes == 0 and stats.host_pool_used_bytes == 0
+
+
+@pytest.mark.parametrize("policy", ["D", "S"])
+def test_a_graph_dropped_without_its_backward_frees_every_storage_without_the_garbage_collector(policy):
+    """A saved output is saved by its own node (softmax's, here): a hook holding it with its grad_fn makes a
+    cycle that only the garbage collector breaks, and the saved activations would outlive the graph."""
+    spec = model_spec("transformer")
+    model = build_model(spec, seed=0)
+    manager = make_manager(model, _all("transformer", Policy(policy)))
+    x, y = spec.batch(0, 4, 0)
+    gc.collect()
+    gc.disable()
+    try:
+        with manager.micro_batch(0):
+            loss = spec.loss_fn()(model(x), y)
+        assert manager.stats().live_saved_storages > 0
+        del loss  # an evaluation with grad on, or a step abandoned on an exception
+        assert manager.stats().live_saved_storages == 0 and manager.stats().resident_bytes == 0
+    finally:
+        gc.enable()
+    manager.close()
 
 
 def test_dropout_is_really_on():

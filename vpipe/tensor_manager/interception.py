@@ -47,6 +47,15 @@ from vpipe.tensor_manager.swap_in import SwapIn
 __all__ = ["Interceptor"]
 
 
+def _held(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a saved-tensor hook may hold it for the backward: without its graph.
+
+    A saved output's grad_fn is the node saving it: holding the tensor itself would make a reference cycle
+    (node -> saved handle -> tensor -> node) that only the garbage collector breaks.
+    """
+    return t.detach() if t.grad_fn is not None else t
+
+
 class Interceptor:
     """The layer hooks and saved-tensor hooks of one tensor manager.
 
@@ -181,16 +190,12 @@ class Interceptor:
         if frame.is_weight(t):
             self.weights_skipped += 1
             return t
-        if t.grad_fn is not None:
-            # a saved output's grad_fn is the node saving it: holding the tensor itself would make
-            # a reference cycle (node -> saved handle -> tensor -> node) that only the GC breaks
-            t = t.detach()
         if type(t) is not torch.Tensor or t.get_device() != self.device_index or t.layout is not torch.strided:
-            return t  # subclasses, sparse tensors, other devices: autograd keeps them as they are
+            return _held(t)  # subclasses, sparse tensors, other devices: autograd keeps them as they are
         storage = t.untyped_storage()
         nbytes = storage.nbytes()
         if nbytes == 0:
-            return t
+            return _held(t)
         key = storage.data_ptr()
         engine = self._engine
         if engine.dead:
@@ -202,13 +207,14 @@ class Interceptor:
                 and budget.forces_swap(key, nbytes)):
             swap = True
         if swap:
+            # (t itself, graph and all: only its copy out reads it, and the entry lets go once the copy ran)
             handle = engine.swap_out(t, storage, layer_id, frame.mb, key, nbytes)
             limit = budget.limit()
             if limit is not None and self.ledger.resident > limit:
                 # the swapped bytes are still here until their copy ran: issue it and wait for it
                 engine.wait_swap_outs(limit)
         else:
-            handle = engine.keep(t, layer_id, frame.mb, key, nbytes)
+            handle = engine.keep(_held(t), layer_id, frame.mb, key, nbytes)
         entry = handle.entry
         if entry not in frame.entries:  # count each storage once per layer call
             frame.entries.add(entry)

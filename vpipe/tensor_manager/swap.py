@@ -48,19 +48,19 @@ def dense_source(t: torch.Tensor, nbytes: int) -> torch.Tensor | None:
     """A tensor of ``t``'s dtype over exactly its storage's ``nbytes``, to copy the storage as (None: as bytes).
 
     The tensor whose storage it is, when it spans it (an output, a mask; q, k and v through their qkv
-    output), else one flat tensor over the storage. Detached: it is copied, never differentiated, and
-    holding a node would make a cycle. None for a lazily conjugated or negated tensor (a copy would
-    write what it reads, not the storage's bytes) and for a storage no whole number of elements fills.
+    output), with its graph (it is only copied, under ``no_grad``, and let go once the copy ran: a
+    ``detach`` here is one more tensor operation per swapped storage), else one flat tensor over the
+    storage. None for a lazily conjugated or negated tensor (a copy would write what it reads, not the
+    storage's bytes) and for a storage no whole number of elements fills.
     """
-    whole = t._base
     if t.is_conj() or t.is_neg():
         return None
-    if whole is None:
-        whole = t
-    elif whole.is_conj() or whole.is_neg():
-        return None
-    if whole.nbytes == nbytes and whole.storage_offset() == 0 and whole.is_contiguous():
-        return whole.detach() if whole.requires_grad or whole is not t else whole
+    if t.nbytes == nbytes and t.storage_offset() == 0 and t.is_contiguous():
+        return t  # (a view too: its handle then gets the copy itself back)
+    whole = t._base
+    if whole is not None and not (whole.is_conj() or whole.is_neg()) and whole.nbytes == nbytes \
+            and whole.storage_offset() == 0 and whole.is_contiguous():
+        return whole
     if nbytes % t.element_size():
         return None
     return (t.detach() if t.requires_grad else t).as_strided((nbytes // t.element_size(),), (1,), 0)
@@ -137,7 +137,7 @@ class SwapEngine:
             entry = self.lookup(key)
             if entry is not None and not isinstance(entry, SwappedEntry):
                 entry.refs += 1  # already kept on the device by another save: copying frees nothing
-                return KeptHandle(t, entry, self.dead)
+                return KeptHandle(t.detach() if t.grad_fn is not None else t, entry, self.dead)  # (no cycle)
             if entry is None:
                 entry = self._swap_out_new(t, storage, layer, mb, key, nbytes)
             elif mb not in entry.users:  # another micro-batch saved the same storage: prefetch it for both
@@ -188,7 +188,7 @@ class SwapEngine:
                 return
             pairs: list[tuple[torch.Tensor, torch.Tensor]] = [(e.source, e.host_tensor()) for e in batch]  # type: ignore[misc]
             with timeline.span("vpipe.swap_out", timeline.MEMORY, tensors=len(pairs),
-                               bytes=sum(e.nbytes for e in batch)):
+                               bytes=sum(e.nbytes for e in batch)), torch.no_grad():
                 ticket = self.copies.to_host_batch(pairs)
             for entry in batch:
                 entry.d2h = ticket

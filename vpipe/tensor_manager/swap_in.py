@@ -80,8 +80,8 @@ class SwapIn:
             if later:
                 handle.later = True
                 entry.later += 1
-            if entry.source is not None:
-                base = entry.source
+            if entry.source is not None:  # still here: its copy out has not finished
+                base = entry.source.detach() if entry.source.requires_grad else entry.source
             elif entry.device_copy is not None:
                 base = entry.device_copy
                 if entry.consumed is None or not self.copies.consumed_on(entry.consumed):
