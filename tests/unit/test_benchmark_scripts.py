@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 from pathlib import Path
 
@@ -46,3 +47,22 @@ def test_another_revision_loads_beside_this_checkout_with_its_own_modules(tmp_pa
     assert swap.Ledger.__module__ == f"{package.__name__}.tensor_manager.accounting"
     with pytest.raises(SystemExit, match="exists already"):
         revision.export_vpipe("HEAD", tmp_path / "base")
+
+
+def test_host_cost_counts_what_each_policy_adds_to_a_step():
+    """benchmarks/host_cost.py: counted, not timed. Every layer kept with metering off (how attach runs the steps
+    its monitor does not sample) dispatches exactly plain's tensor operations; swapping adds the prefetches'
+    allocations and one batched copy per layer call."""
+    spec = importlib.util.spec_from_file_location("benchmark_host_cost", SCRIPTS[0].parent / "host_cost.py")
+    host_cost = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(host_cost)
+    args = argparse.Namespace(device="cpu", blocks=2, d_model=16, heads=2, seq_len=4, micro_batches=2,
+                              micro_batch_size=1, min_swap_bytes=0, threads=1, only=["vpipe D", "vpipe S"],
+                              against=None)
+    rows = {row["variant"]: row for row in host_cost.run(args)["rows"]}
+    assert list(rows) == ["plain", "vpipe D", "vpipe S"]
+    assert rows["plain"]["vpipe_bytecodes"] == 0 and rows["plain"]["operations_beyond_plain"] == 0
+    assert rows["vpipe D"]["operations"] == rows["plain"]["operations"]
+    swapped = dict(rows["vpipe S"]["most_beyond_plain"])
+    assert swapped["aten._foreach_copy_"] > 0 and swapped["aten.empty_like"] > 0
+    assert rows["vpipe S"]["vpipe_bytecodes"] > 10 * rows["vpipe D"]["vpipe_bytecodes"] > 0
