@@ -33,7 +33,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tensor_manager_bench import VARIANTS, Bench, _against  # noqa: E402
+from tensor_manager_bench import (  # noqa: E402
+    VARIANTS,
+    Bench,
+    _against,
+    add_bench_arguments,
+    parse_bench_arguments,
+)
+
+COUNTED = tuple(v for v in VARIANTS if v != "vpipe 40%")  # (a budget's escalations are not one step's cost)
 
 
 class _OperationCounter(TorchDispatchMode):
@@ -78,8 +86,7 @@ def count_operations(step: Callable[[], None]) -> collections.Counter[str]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
-    variants = ("plain",) + tuple(v for v in VARIANTS if v not in ("plain", "vpipe 40%")
-                                  and (not args.only or v in args.only))
+    variants = ("plain",) + tuple(v for v in COUNTED[1:] if not args.only or v in args.only)
     against = _against(args.against, variants) if args.against else {}
     variants += tuple(against)
     bench = Bench(args, against)
@@ -116,25 +123,10 @@ def print_table(result: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--blocks", type=int, default=4)
-    p.add_argument("--d-model", type=int, default=32)
-    p.add_argument("--heads", type=int, default=2)
-    p.add_argument("--seq-len", type=int, default=8)
-    p.add_argument("--micro-batches", type=int, default=4)
-    p.add_argument("--micro-batch-size", type=int, default=1)
-    p.add_argument("--min-swap-bytes", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--only", type=lambda text: text.split(","), default=None,
-                   help="count plain and these variants only (comma-separated: "
-                        + ", ".join(v for v in VARIANTS[1:] if v != "vpipe 40%") + ")")
-    p.add_argument("--against", default=None, metavar="REV",
-                   help="also count vpipe D/S/R as at this git revision, or from a directory holding its vpipe package")
-    p.add_argument("--json", default=None, help="also write the results here")
-    args = p.parse_args(argv)
-    unknown = set(args.only or ()) - set(VARIANTS)
-    if unknown:
-        p.error(f"unknown variants {sorted(unknown)}; known: {', '.join(VARIANTS)}")
+    # (the launch-bound model at the size of this machine's measurements: every call shows)
+    add_bench_arguments(p, COUNTED, device="cpu", d_model=32, heads=2, seq_len=8, micro_batch_size=1,
+                        min_swap_bytes=0)
+    args = parse_bench_arguments(p, COUNTED, argv)
     result = run(args)
     print_table(result)
     if args.json:

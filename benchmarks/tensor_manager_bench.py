@@ -269,28 +269,41 @@ def print_table(result: dict[str, Any]) -> None:
     Console(width=160).print(table)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+def add_bench_arguments(p: argparse.ArgumentParser, variants: tuple[str, ...], *, device: str, d_model: int,
+                        heads: int, seq_len: int, micro_batch_size: int, min_swap_bytes: int) -> None:
+    """The model, the variants and ``--against``, with these defaults (``host_cost.py`` shares them)."""
+    p.add_argument("--device", default=device)
     p.add_argument("--blocks", type=int, default=4)
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--d-model", type=int, default=d_model)
+    p.add_argument("--heads", type=int, default=heads)
+    p.add_argument("--seq-len", type=int, default=seq_len)
     p.add_argument("--micro-batches", type=int, default=4)
-    p.add_argument("--micro-batch-size", type=int, default=8)
-    p.add_argument("--min-swap-bytes", type=int, default=64 * 1024)
-    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--micro-batch-size", type=int, default=micro_batch_size)
+    p.add_argument("--min-swap-bytes", type=int, default=min_swap_bytes)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--only", type=lambda text: text.split(","), default=None,
                    help="compare plain with these variants only (comma-separated: "
-                        + ", ".join(VARIANTS[1:]).replace("%", "%%") + ")")
+                        + ", ".join(variants[1:]).replace("%", "%%") + ")")
     p.add_argument("--against", default=None, metavar="REV",
                    help="also run vpipe D/S/R as at this git revision, or from a directory holding its vpipe package")
     p.add_argument("--json", default=None, help="also write the results here")
+
+
+def parse_bench_arguments(p: argparse.ArgumentParser, variants: tuple[str, ...],
+                          argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
-    unknown = set(args.only or ()) - set(VARIANTS)
+    unknown = set(args.only or ()) - set(variants)
     if unknown:
-        p.error(f"unknown variants {sorted(unknown)}; known: {', '.join(VARIANTS)}")
+        p.error(f"unknown variants {sorted(unknown)}; known: {', '.join(variants)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_bench_arguments(p, VARIANTS, device="cuda" if torch.cuda.is_available() else "cpu", d_model=256, heads=4,
+                        seq_len=128, micro_batch_size=8, min_swap_bytes=64 * 1024)
+    p.add_argument("--rounds", type=int, default=7)
+    args = parse_bench_arguments(p, VARIANTS, argv)
     result = run(args)
     print_table(result)
     if args.json:
