@@ -4,7 +4,8 @@
 #     a batch twice what the capped memory holds trained under the budget);
 #   - the swap path (pinned pool and copy engine vs naive copies, overlap with compute);
 #   - the tensor manager on a launch-bound transformer (d_model 256) and a compute-bound one
-#     (d_model 2048): step time per policy against torch's save_on_cpu and checkpoint;
+#     (d_model 2048): step time per policy against torch's save_on_cpu and checkpoint, and on the
+#     launch-bound one the host's cost counted (bytecodes and tensor operations per step);
 #   - the memory-bound benchmark at d_model 2048 and 4096: activations twice what the capped memory
 #     holds, vpipe's own swap/recompute mix against all-recompute and save_on_cpu, and the largest
 #     batch each runs within 10% of plain's per-sample throughput; at d_model 2048 once more with
@@ -18,7 +19,7 @@
 # With VPIPE_AGAINST set to a vpipe package exported by `benchmarks/revision.py REV --export DIR` (carried
 # to the GPU machine, which has no git history), the launch-bound table also times that revision's
 # tensor manager (vpipe D/S/R @REV) in the same process: a change against the code before it, on one card.
-# VPIPE_GPU_PARTS (space-separated: cuda_tests swap launch_bound compute_bound memory_bound
+# VPIPE_GPU_PARTS (space-separated: cuda_tests swap launch_bound host_cost compute_bound memory_bound
 # memory_bound_compute_alloc memory_bound_4096 timelines) runs only those parts; each part's seconds
 # go to OUT_DIR/suite_times.txt.
 #
@@ -60,12 +61,19 @@ if want swap; then
   "$PY" benchmarks/swap_bench.py --device cuda --json "$OUT/swap.json" || status=1
   mark swap
 fi
+AGAINST=()
+if [ -n "${VPIPE_AGAINST:-}" ]; then AGAINST=(--against "$VPIPE_AGAINST"); fi
 if want launch_bound; then
-  AGAINST=()
-  if [ -n "${VPIPE_AGAINST:-}" ]; then AGAINST=(--against "$VPIPE_AGAINST"); fi
   "$PY" benchmarks/tensor_manager_bench.py --device cuda --rounds 31 ${AGAINST[@]+"${AGAINST[@]}"} \
     --json "$OUT/tensor_manager.json" || status=1
   mark launch_bound
+fi
+if want host_cost; then
+  # the same model's host cost counted (bytecodes, tensor operations): no clock, so no rounds
+  "$PY" benchmarks/host_cost.py --device cuda --d-model 256 --heads 4 --seq-len 128 --micro-batch-size 8 \
+    --min-swap-bytes 65536 --only "vpipe D,vpipe S,vpipe R,save_on_cpu,checkpoint" ${AGAINST[@]+"${AGAINST[@]}"} \
+    --json "$OUT/host_cost.json" || status=1
+  mark host_cost
 fi
 if want compute_bound; then
   "$PY" benchmarks/tensor_manager_bench.py --device cuda --d-model 2048 --heads 16 --seq-len 256 --rounds 9 \

@@ -328,6 +328,12 @@ def test_the_gpu_section_is_regenerated_from_the_suite_files_and_holds_each_numb
     compute_alloc = json.loads((gpu / "memory_bound.json").read_text())
     compute_alloc["config"]["prefetch_alloc"] = "compute"
     (gpu / "memory_bound_compute_alloc.json").write_text(json.dumps(compute_alloc))
+    (gpu / "host_cost.json").write_text(json.dumps({
+        "config": config, "rows": [
+            {"variant": "plain", "bytecodes": 42653, "vpipe_bytecodes": 0, "operations": 2616,
+             "operations_beyond_plain": 0, "most_beyond_plain": []},
+            {"variant": "vpipe S", "bytecodes": 615108, "vpipe_bytecodes": 565584, "operations": 3319,
+             "operations_beyond_plain": 703, "most_beyond_plain": [["aten.empty_like", 312], ["aten.detach", 308]]}]}))
     (gpu / "timeline_2048.json").write_text(json.dumps({
         "config": {"d_model": 2048, "micro_batch_size": 8}, "micro_batches": 8, "vpipe_policies": "DSSSSS",
         "systems": {"vpipe": {"step_s": 0.5, "phase_split": "device", "idle_forward_ms": 2.0, "forward_ms": 160.0,
@@ -349,6 +355,7 @@ def test_the_gpu_section_is_regenerated_from_the_suite_files_and_holds_each_numb
     assert "all swapped vs save_on_cpu: 1.80x vs <= 1.66x: NOT met" in text
     assert "all recomputed vs checkpoint: 1.90x vs <= 1.98x: met" in text
     assert "vpipe / all-recompute: 1.20x vs >= 1.15x: met" in text
+    assert "| vpipe S | 615,108 | 565,584 | 3,319 | 703 | empty_like 312, detach 308 |" in text
     # the run with prefetched copies from the compute stream's memory: a table of its own, that says so
     assert text.count("**Memory-bound**") == 2 and text.count("(`VPIPE_PREFETCH_ALLOC=compute`). At 8") == 1
     assert "vpipe's largest / plain's: 3.00x vs >= 2.00x: met" in text

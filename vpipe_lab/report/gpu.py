@@ -158,6 +158,20 @@ def _timeline_md(data: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _host_cost_md(data: dict[str, Any]) -> str:
+    cfg = data["config"]
+    rows = [[r["variant"], f"{r['bytecodes']:,}", f"{r['vpipe_bytecodes']:,}", f"{r['operations']:,}",
+             f"{r['operations_beyond_plain']:,}",
+             ", ".join(f"{name.removeprefix('aten.')} {n}" for name, n in r["most_beyond_plain"])]
+            for r in data["rows"]]
+    return (f"**Host cost per step, counted** (`host_cost.py`): the launch-bound model ({cfg['blocks']} blocks, "
+            f"d_model {cfg['d_model']}, {cfg['micro_batches']} micro-batches of {cfg['micro_batch_size']}), one "
+            "unmetered step: Python bytecodes executed and tensor operations dispatched (each a launch, an "
+            "allocation or a copy on the GPU)\n\n"
+            + table(["variant", "bytecodes", "of them vpipe's", "tensor operations", "beyond plain",
+                     "most beyond plain"], rows))
+
+
 def gpu_markdown(results: Results) -> str:
     """The GPU section's body; says which suite files are missing."""
     found = [name for name in GPU_FILES if name in results]
@@ -174,6 +188,8 @@ def gpu_markdown(results: Results) -> str:
         parts.append(_tensor_manager_md(results["gpu_tensor_manager"], "Launch-bound transformer", [
             ("every layer kept", "vpipe D", 1.02), ("all swapped vs save_on_cpu", "vpipe S", "save_on_cpu"),
             ("all recomputed vs checkpoint", "vpipe R", "checkpoint")]))
+    if "gpu_host_cost" in results:
+        parts.append(_host_cost_md(results["gpu_host_cost"]))
     if "gpu_tensor_manager_compute" in results:
         parts.append(_tensor_manager_md(results["gpu_tensor_manager_compute"], "Compute-bound transformer", [
             ("all swapped", "vpipe S", 1.10), ("all recomputed vs checkpoint", "vpipe R", "checkpoint")]))
