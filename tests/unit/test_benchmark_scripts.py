@@ -7,6 +7,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+import torch
 
 SCRIPTS = sorted((Path(__file__).resolve().parents[2] / "benchmarks").glob("*.py"))
 
@@ -59,7 +60,11 @@ def test_host_cost_counts_what_each_policy_adds_to_a_step():
     args = argparse.Namespace(device="cpu", blocks=2, d_model=16, heads=2, seq_len=4, micro_batches=2,
                               micro_batch_size=1, min_swap_bytes=0, threads=1, only=["vpipe D", "vpipe S"],
                               against=None)
-    rows = {row["variant"]: row for row in host_cost.run(args)["rows"]}
+    threads = torch.get_num_threads()
+    try:
+        rows = {row["variant"]: row for row in host_cost.run(args)["rows"]}
+    finally:
+        torch.set_num_threads(threads)  # (run() sets the benchmark's own: later tests in this process keep theirs)
     assert list(rows) == ["plain", "vpipe D", "vpipe S"]
     assert rows["plain"]["vpipe_bytecodes"] == 0 and rows["plain"]["operations_beyond_plain"] == 0
     assert rows["vpipe D"]["operations"] == rows["plain"]["operations"]
