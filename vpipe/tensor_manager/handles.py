@@ -19,7 +19,16 @@ import torch
 from vpipe.tensor_manager.copy_engine import Ticket
 from vpipe.tensor_manager.pool import PoolBlock
 
-__all__ = ["StorageEntry", "SwappedEntry", "KeptHandle", "SwappedHandle", "WHOLE", "VIEW", "BYTES"]
+__all__ = ["StorageEntry", "SwappedEntry", "KeptHandle", "SwappedHandle", "WHOLE", "VIEW", "BYTES", "without_graph"]
+
+
+def without_graph(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a saved-tensor hook may hold it until the backward: detached if it has a grad_fn.
+
+    A saved output's grad_fn is the node saving it: holding the tensor itself would make a reference cycle
+    (node -> saved handle -> tensor -> node) that only the garbage collector breaks.
+    """
+    return t.detach() if t.grad_fn is not None else t
 
 
 class StorageEntry:
@@ -47,11 +56,7 @@ class SwappedEntry(StorageEntry):
     swapped = True
 
     def __init__(self, key: int, layer: int, mb: int, nbytes: int, seq: int) -> None:
-        # (StorageEntry's fields set here too: this runs once per swapped storage, a super() call costs more)
-        self.key, self.layer, self.mb, self.nbytes, self.seq = key, layer, mb, nbytes, seq
-        self.refs = 0
-        self.counted = False
-        self.released = False
+        super().__init__(key, layer, mb, nbytes, seq)
         self.source: torch.Tensor | None = None  # the original device bytes, while a swap-out is in flight
         self.host: PoolBlock | None = None
         # (dtype, size, stride) of the tensor the copies move (swap.dense_source: most storages are one saved
@@ -91,12 +96,12 @@ class SwappedEntry(StorageEntry):
 
 
 class KeptHandle:
-    """What the pack hook returns for a tensor that stays on the device."""
+    """What the pack hook returns for a tensor that stays on the device (held without its graph)."""
 
     __slots__ = ("tensor", "entry", "_dead")
 
     def __init__(self, tensor: torch.Tensor, entry: StorageEntry, dead: deque) -> None:
-        self.tensor = tensor
+        self.tensor = without_graph(tensor)
         self.entry = entry
         self._dead = dead
 

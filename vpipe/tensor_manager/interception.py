@@ -36,7 +36,7 @@ from torch import nn
 from vpipe.plan import Policy
 from vpipe.tensor_manager.accounting import Ledger, RecomputeCounter
 from vpipe.tensor_manager.governor import BudgetGovernor
-from vpipe.tensor_manager.handles import KeptHandle
+from vpipe.tensor_manager.handles import KeptHandle, without_graph
 from vpipe.tensor_manager.layers import KeptCall, LayerCall, ManagedLayer, input_shapes
 from vpipe.tensor_manager.phases import BackwardPhases
 from vpipe.tensor_manager.prefetch import Prefetcher
@@ -45,15 +45,6 @@ from vpipe.tensor_manager.swap import SwapEngine
 from vpipe.tensor_manager.swap_in import SwapIn
 
 __all__ = ["Interceptor"]
-
-
-def _held(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as a saved-tensor hook may hold it for the backward: without its graph.
-
-    A saved output's grad_fn is the node saving it: holding the tensor itself would make a reference cycle
-    (node -> saved handle -> tensor -> node) that only the garbage collector breaks.
-    """
-    return t.detach() if t.grad_fn is not None else t
 
 
 class Interceptor:
@@ -191,11 +182,11 @@ class Interceptor:
             self.weights_skipped += 1
             return t
         if type(t) is not torch.Tensor or t.get_device() != self.device_index or t.layout is not torch.strided:
-            return _held(t)  # subclasses, sparse tensors, other devices: autograd keeps them as they are
+            return without_graph(t)  # subclasses, sparse tensors, other devices: autograd keeps them as they are
         storage = t.untyped_storage()
         nbytes = storage.nbytes()
         if nbytes == 0:
-            return _held(t)
+            return without_graph(t)
         key = storage.data_ptr()
         engine = self._engine
         if engine.dead:
@@ -214,7 +205,7 @@ class Interceptor:
                 # the swapped bytes are still here until their copy ran: issue it and wait for it
                 engine.wait_swap_outs(limit)
         else:
-            handle = engine.keep(_held(t), layer_id, frame.mb, key, nbytes)
+            handle = engine.keep(t, layer_id, frame.mb, key, nbytes)  # (the handle holds it without its graph)
         entry = handle.entry
         if entry not in frame.entries:  # count each storage once per layer call
             frame.entries.add(entry)

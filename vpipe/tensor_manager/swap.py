@@ -137,7 +137,7 @@ class SwapEngine:
             entry = self.lookup(key)
             if entry is not None and not isinstance(entry, SwappedEntry):
                 entry.refs += 1  # already kept on the device by another save: copying frees nothing
-                return KeptHandle(t.detach() if t.grad_fn is not None else t, entry, self.dead)  # (no cycle)
+                return KeptHandle(t, entry, self.dead)
             if entry is None:
                 entry = self._swap_out_new(t, storage, layer, mb, key, nbytes)
             elif mb not in entry.users:  # another micro-batch saved the same storage: prefetch it for both
