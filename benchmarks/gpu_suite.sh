@@ -5,7 +5,8 @@
 #   - the swap path (pinned pool and copy engine vs naive copies, overlap with compute);
 #   - the tensor manager on a launch-bound transformer (d_model 256) and a compute-bound one
 #     (d_model 2048): step time per policy against torch's save_on_cpu and checkpoint, and on the
-#     launch-bound one the host's cost counted (bytecodes and tensor operations per step);
+#     launch-bound one the host's cost counted (bytecodes and tensor operations per step) and
+#     all-swapped against save_on_cpu once more with VPIPE_PREFETCH_ALLOC=compute;
 #   - the memory-bound benchmark at d_model 2048 and 4096: activations twice what the capped memory
 #     holds, vpipe's own swap/recompute mix against all-recompute and save_on_cpu, and the largest
 #     batch each runs within 10% of plain's per-sample throughput; at d_model 2048 once more with
@@ -19,8 +20,8 @@
 # With VPIPE_AGAINST set to a vpipe package exported by `benchmarks/revision.py REV --export DIR` (carried
 # to the GPU machine, which has no git history), the launch-bound table also times that revision's
 # tensor manager (vpipe D/S/R @REV) in the same process: a change against the code before it, on one card.
-# VPIPE_GPU_PARTS (space-separated: cuda_tests swap launch_bound host_cost compute_bound memory_bound
-# memory_bound_compute_alloc memory_bound_4096 timelines) runs only those parts; each part's seconds
+# VPIPE_GPU_PARTS (space-separated: cuda_tests swap launch_bound launch_bound_compute_alloc host_cost
+# compute_bound memory_bound memory_bound_compute_alloc memory_bound_4096 timelines) runs only those parts; each part's seconds
 # go to OUT_DIR/suite_times.txt.
 #
 #   benchmarks/gpu_suite.sh [OUT_DIR]
@@ -67,6 +68,12 @@ if want launch_bound; then
   "$PY" benchmarks/tensor_manager_bench.py --device cuda --rounds 31 ${AGAINST[@]+"${AGAINST[@]}"} \
     --json "$OUT/tensor_manager.json" || status=1
   mark launch_bound
+fi
+if want launch_bound_compute_alloc; then
+  # all-swapped with prefetched copies from the compute stream's memory: no record_stream per copy
+  VPIPE_PREFETCH_ALLOC=compute "$PY" benchmarks/tensor_manager_bench.py --device cuda --rounds 15 \
+    --only "vpipe S,save_on_cpu" --json "$OUT/launch_bound_compute_alloc.json" || status=1
+  mark launch_bound_compute_alloc
 fi
 if want host_cost; then
   # the same model's host cost counted (bytecodes, tensor operations): no clock, so no rounds

@@ -50,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from vpipe.plan import Policy  # noqa: E402
 from vpipe.tensor_manager import TensorManager  # noqa: E402
 from vpipe.tensor_manager.accounting import format_bytes  # noqa: E402
+from vpipe.tensor_manager.copy_engine import prefetch_alloc_from_env  # noqa: E402
 from vpipe_lab.runtime.models import build_model, transformer_lm  # noqa: E402
 
 VARIANTS = ("plain", "vpipe D", "vpipe D metered", "vpipe S", "vpipe R", "vpipe 40%", "save_on_cpu", "checkpoint")
@@ -237,7 +238,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             **extra,
         })
     return {
-        "config": {k: v for k, v in vars(args).items() if k != "json"},
+        "config": {k: v for k, v in vars(args).items() if k != "json"} | {"prefetch_alloc": prefetch_alloc_from_env()},
         "device": (f"{bench.device} ({torch.cuda.get_device_name(bench.device)})" if bench.device.type == "cuda"
                    else str(bench.device)), "torch": torch.__version__, "all_kept_peak_bytes": all_kept, "rows": rows,
     }

@@ -41,7 +41,7 @@ class Ticket:
     the answer is remembered, so only the first asks the device.
     """
 
-    __slots__ = ("direction", "nbytes", "event", "start", "seconds", "finished", "waited_on")
+    __slots__ = ("direction", "nbytes", "event", "start", "seconds", "finished", "waited_on", "allocated_on")
 
     def __init__(self, direction: str, nbytes: int, event: Any = None, start: Any = None,
                  seconds: float | None = None) -> None:
@@ -52,6 +52,7 @@ class Ticket:
         self.seconds = seconds
         self.finished = event is None
         self.waited_on: object = None  # the last stream made to wait for it (a batch's entries share it)
+        self.allocated_on: object = None  # the stream whose memory a copy to the device was allocated from
 
     def done(self) -> bool:
         if not self.finished and self.event.query():
@@ -280,6 +281,7 @@ class CudaCopyEngine(CopyEngine):
         finally:
             self._switch_back(compute, device)
         ticket = Ticket(H2D, sum(src.nbytes for src in sources), end, start)
+        ticket.allocated_on = compute if self.prefetch_alloc == "compute" else stream
         self._account(ticket)
         return outs, ticket
 
@@ -299,7 +301,8 @@ class CudaCopyEngine(CopyEngine):
         if not ticket.finished and ticket.waited_on is not stream:  # once per stream for a batch's copies
             stream.wait_event(ticket.event)
             ticket.waited_on = stream
-        tensor.record_stream(stream)  # (the allocator ignores it where the copy was allocated on this stream)
+        if ticket.allocated_on is not stream:  # (memory of the stream that uses it needs no record)
+            tensor.record_stream(stream)
         return stream
 
     def consumed_on(self, stream: object) -> bool:

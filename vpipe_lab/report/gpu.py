@@ -58,6 +58,8 @@ def _verdict(value: float | None, target: float | None, at_most: bool = True) ->
 def _tensor_manager_md(data: dict[str, Any], title: str, targets: list[tuple[str, str, str | float]]) -> str:
     cfg = data["config"]
     rows = {r["variant"]: r for r in data["rows"]}
+    alloc = ("; vpipe's prefetched copies allocated from the compute stream's memory (`VPIPE_PREFETCH_ALLOC=compute`)"
+             if cfg.get("prefetch_alloc") == "compute" else "")
     body = []
     for r in data["rows"]:
         notes = []
@@ -75,7 +77,7 @@ def _tensor_manager_md(data: dict[str, Any], title: str, targets: list[tuple[str
         checks.append(f"{label}: {_verdict(_row_ratio(rows, variant), limit)}")
     return (f"**{title}**: {cfg['blocks']} blocks, d_model {cfg['d_model']}, sequence {cfg['seq_len']}, "
             f"{cfg['micro_batches']} micro-batches of {cfg['micro_batch_size']} in GPipe order, one CPU thread, "
-            f"median of {cfg['rounds']} rounds (`tensor_manager_bench.py`)\n\n"
+            f"median of {cfg['rounds']} rounds (`tensor_manager_bench.py`){alloc}\n\n"
             + table(["variant", "step", "vs plain", "range", "peak saved vs plain", "notes"], body)
             + "\n\n" + "; ".join(checks) + ".")
 
@@ -188,6 +190,9 @@ def gpu_markdown(results: Results) -> str:
         parts.append(_tensor_manager_md(results["gpu_tensor_manager"], "Launch-bound transformer", [
             ("every layer kept", "vpipe D", 1.02), ("all swapped vs save_on_cpu", "vpipe S", "save_on_cpu"),
             ("all recomputed vs checkpoint", "vpipe R", "checkpoint")]))
+    if "gpu_launch_bound_compute_alloc" in results:
+        parts.append(_tensor_manager_md(results["gpu_launch_bound_compute_alloc"], "Launch-bound transformer", [
+            ("all swapped vs save_on_cpu", "vpipe S", "save_on_cpu")]))
     if "gpu_host_cost" in results:
         parts.append(_host_cost_md(results["gpu_host_cost"]))
     if "gpu_tensor_manager_compute" in results:
