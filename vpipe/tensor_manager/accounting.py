@@ -149,6 +149,16 @@ class Ledger:
             raise AssertionError(f"resident bytes of layer {layer} micro-batch {mb} would become negative")
         self.resident -= nbytes
 
+    def add_grouped(self, counts: dict[tuple[int, int], int]) -> None:
+        """:meth:`add` for each ``(layer, micro-batch) -> bytes`` (a batch of copies counted at once)."""
+        for (layer, mb), nbytes in counts.items():
+            self.add(layer, mb, nbytes)
+
+    def sub_grouped(self, counts: dict[tuple[int, int], int]) -> None:
+        """:meth:`sub` for each ``(layer, micro-batch) -> bytes``."""
+        for (layer, mb), nbytes in counts.items():
+            self.sub(layer, mb, nbytes)
+
     def add_micro_batch(self, mb: int, counts: list[tuple[int, int]]) -> None:
         """:meth:`add` for each ``(layer, bytes)`` of one micro-batch (a forward run without hooks)."""
         resident = self._resident

@@ -51,14 +51,16 @@ class StorageEntry:
 class SwappedEntry(StorageEntry):
     """A storage copied to the host pool, and what brings it back."""
 
-    __slots__ = ("source", "host", "whole", "d2h", "device_copy", "h2d", "weak", "phases", "last_phase",
+    __slots__ = ("source", "host", "host_view", "whole", "d2h", "device_copy", "h2d", "weak", "phases", "last_phase",
                  "task", "task_unpacks", "users", "unseen", "later", "fetches", "consumed")
     swapped = True
 
     def __init__(self, key: int, layer: int, mb: int, nbytes: int, seq: int) -> None:
-        super().__init__(key, layer, mb, nbytes, seq)
+        StorageEntry.__init__(self, key, layer, mb, nbytes, seq)  # (not super(): an object less per swap)
         self.source: torch.Tensor | None = None  # the original device bytes, while a swap-out is in flight
         self.host: PoolBlock | None = None
+        # the host bytes as the tensor the copies move (``whole``'s layout, or bytes): set with ``host``
+        self.host_view: torch.Tensor | None = None
         # (dtype, size, stride) of the tensor the copies move (swap.dense_source: most storages are one saved
         # tensor, whose handle then gets the copy itself back); None: they move the storage's bytes
         self.whole: tuple[torch.dtype, torch.Size, tuple[int, ...]] | None = None
@@ -78,12 +80,6 @@ class SwappedEntry(StorageEntry):
         self.fetches = 0  # times brought back from the host
         self.consumed: object = None  # the stream the device copy was handed to (once per stream)
 
-
-    def host_tensor(self) -> torch.Tensor:
-        """The host bytes, as the tensor the copies move (``whole``'s layout, or bytes)."""
-        host, whole = self.host, self.whole
-        assert host is not None  # only a release clears it
-        return host.data if whole is None else host.view(whole)
 
     def storage_died(self) -> bool:
         """Whether the storage it was saved from is gone (its address may now belong to another)."""
@@ -118,12 +114,22 @@ BYTES = 2
 
 
 class SwappedHandle:
-    """What the pack hook returns for a swapped tensor: the view to rebuild on its storage."""
+    """What the pack hook returns for a swapped tensor: the view to rebuild on its storage.
+
+    ``copied``: ``t`` is the very tensor the entry's copies move (its layout is known: the
+    handle reads none of it, and gets the copy itself back).
+    """
 
     __slots__ = ("entry", "dtype", "size", "stride", "offset", "layout", "conj", "neg", "_dead", "unpacked", "later")
 
-    def __init__(self, t: torch.Tensor, entry: SwappedEntry, dead: deque) -> None:
+    def __init__(self, t: torch.Tensor, entry: SwappedEntry, dead: deque, copied: bool = False) -> None:
         self.entry = entry
+        self._dead = dead
+        self.unpacked = False
+        self.later = False  # the weight pass will unpack it again (set by an input pass)
+        if copied:
+            self.layout = WHOLE  # (dtype, size, stride, offset, conj and neg stay unset: WHOLE reads none)
+            return
         self.dtype = dtype = t.dtype
         self.size = size = t.size()
         self.stride = stride = t.stride()
@@ -138,9 +144,6 @@ class SwappedHandle:
             self.layout = WHOLE
         else:
             self.layout = VIEW if whole[0] is dtype else BYTES
-        self._dead = dead
-        self.unpacked = False
-        self.later = False  # the weight pass will unpack it again (set by an input pass)
 
     def __del__(self) -> None:
         self._dead.append((self.entry, self.unpacked, self.later))

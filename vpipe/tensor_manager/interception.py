@@ -193,14 +193,14 @@ class Interceptor:
             engine.drain()
         layer_id = frame.layer.layer_id
         budget = self._budget
+        budgeted = budget.budget_bytes is not None
         swap = frame.policy is Policy.SWAP and nbytes >= self.min_swap_bytes
-        if (not swap and budget.budget_bytes is not None and nbytes >= self.min_swap_bytes
-                and budget.forces_swap(key, nbytes)):
+        if not swap and budgeted and nbytes >= self.min_swap_bytes and budget.forces_swap(key, nbytes):
             swap = True
         if swap:
             # (t itself, graph and all: only its copy out reads it, and the entry lets go once the copy ran)
             handle = engine.swap_out(t, storage, layer_id, frame.mb, key, nbytes)
-            limit = budget.limit()
+            limit = budget.limit() if budgeted else None
             if limit is not None and self.ledger.resident > limit:
                 # the swapped bytes are still here until their copy ran: issue it and wait for it
                 engine.wait_swap_outs(limit)

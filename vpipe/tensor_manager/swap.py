@@ -146,7 +146,7 @@ class SwapEngine:
                 self.swapped_bytes[mb] = self.swapped_bytes.get(mb, 0) + nbytes
             entry.refs += 1
             entry.unseen += 1
-            return SwappedHandle(t, entry, self.dead)
+            return SwappedHandle(t, entry, self.dead, copied=entry.source is t)
 
     def _swap_out_new(self, t: torch.Tensor, storage: torch.UntypedStorage, layer: int, mb: int, key: int,
                       nbytes: int) -> SwappedEntry:
@@ -161,9 +161,10 @@ class SwapEngine:
         # itself is issued with the rest of the layer's at flush_swap_outs()
         source = dense_source(t, nbytes)
         if source is None:
-            entry.source = flat_bytes(storage, self.device)
+            entry.source, entry.host_view = flat_bytes(storage, self.device), block.data
         else:  # no byte view on either side: two tensor ops each way, more than the rest of a small swap
-            entry.source, entry.whole = source, (source.dtype, source.size(), source.stride())
+            whole = (source.dtype, source.size(), source.stride())
+            entry.source, entry.whole, entry.host_view = source, whole, block.view(whole)
         entry.counted = True
         self.ledger.add(layer, mb, nbytes)
         self._unissued.append(entry)
@@ -180,13 +181,13 @@ class SwapEngine:
         with self.lock:
             if not self._unissued:
                 return
-            # source and host are both set when an entry is packed; only a release (filtered out) clears them
+            # source and host_view are both set when an entry is packed; only a release (filtered out) clears them
             batch = [e for e in self._unissued if not e.released]
             self._unissued = []
             self._unissued_bytes = 0
             if not batch:
                 return
-            pairs: list[tuple[torch.Tensor, torch.Tensor]] = [(e.source, e.host_tensor()) for e in batch]  # type: ignore[misc]
+            pairs: list[tuple[torch.Tensor, torch.Tensor]] = [(e.source, e.host_view) for e in batch]  # type: ignore[misc]
             with timeline.span("vpipe.swap_out", timeline.MEMORY, tensors=len(pairs),
                                bytes=sum(e.nbytes for e in batch)), torch.no_grad():
                 ticket = self.copies.to_host_batch(pairs)
@@ -200,7 +201,8 @@ class SwapEngine:
         self._seq += 1
         entry = kind(key, layer, mb, nbytes, self._seq)
         self._by_key[key] = entry
-        self._live[(layer, mb)] = self._live.get((layer, mb), 0) + 1
+        live, call = self._live, (layer, mb)
+        live[call] = live.get(call, 0) + 1
         return entry
 
     # ------------------------------------------------------------------ release
@@ -253,14 +255,15 @@ class SwapEngine:
         if entry.phases > 1:
             self.multi_phase_entries += 1
         # a copy still using the block (and the device bytes), the later one first: free both once it ended
+        # (``finished`` read first: no call for a copy known to have ended, as every copy on CPU)
         pending = entry.h2d
-        if pending is None or pending.done():
+        if pending is None or pending.finished or pending.done():
             pending = entry.d2h
-        if pending is not None and not pending.done():
+        if pending is not None and not (pending.finished or pending.done()):
             self._deferred.append((pending, entry.host, (entry.source, entry.device_copy)))
         elif entry.host is not None:
             self.pool.free(entry.host)
-        entry.host = entry.source = entry.device_copy = None
+        entry.host = entry.host_view = entry.source = entry.device_copy = None
 
     def outgoing_bytes(self) -> int:
         """Device bytes still counted resident only because their copy to the host has not finished.
@@ -297,14 +300,16 @@ class SwapEngine:
 
     def _finish_swap_outs(self, batch: list[SwappedEntry]) -> None:
         """A batch's copy to the host ended: its device bytes go (those not brought back meanwhile)."""
-        ledger = self.ledger
+        gone: dict[tuple[int, int], int] = {}  # (layer, micro-batch) -> bytes: one ledger update per layer
         for entry in batch:
             if entry.released or entry.source is None:
                 continue
             entry.source = None
             if entry.device_copy is None and entry.counted:
                 entry.counted = False
-                ledger.sub(entry.layer, entry.mb, entry.nbytes)
+                key = (entry.layer, entry.mb)
+                gone[key] = gone.get(key, 0) + entry.nbytes
+        self.ledger.sub_grouped(gone)
 
     def wait_swap_outs(self, until_resident: int) -> None:
         """Block until in-flight swap-outs have released enough device bytes (budget pressure)."""

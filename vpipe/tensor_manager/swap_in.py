@@ -114,22 +114,31 @@ class SwapIn:
 
     def _fetch_now(self, entry: SwappedEntry, phase: str) -> torch.Tensor:
         with timeline.span("vpipe.swap_in_now", timeline.MEMORY, mb=entry.mb, layer=entry.layer, bytes=entry.nbytes):
-            copy, ticket = self.copies.to_device_now(entry.host_tensor())
+            assert entry.host_view is not None  # (only a release clears it)
+            copy, ticket = self.copies.to_device_now(entry.host_view)
         self._fetched(entry, copy, ticket)
-        self.h2d_by_phase[phase] = self.h2d_by_phase.get(phase, 0) + entry.nbytes
+        self._count({(entry.layer, entry.mb): entry.nbytes}, phase)
         return copy
 
     def _fetched(self, entry: SwappedEntry, copy: torch.Tensor, ticket: Ticket) -> None:
         """``copy`` (its copy issued under ``ticket``) is ``entry``'s device copy now (the caller counts the
-        bytes by phase)."""
+        bytes: :meth:`_count`)."""
         entry.device_copy, entry.h2d, entry.consumed = copy, ticket, None
         entry.counted = True
-        layer, nbytes = entry.layer, entry.nbytes
-        self.ledger.add(layer, entry.mb, nbytes)
-        self.layer_h2d[layer] = self.layer_h2d.get(layer, 0) + nbytes
         entry.fetches += 1
         if entry.fetches > 1:
-            self.refetched_bytes += nbytes
+            self.refetched_bytes += entry.nbytes
+
+    def _count(self, arrived: dict[tuple[int, int], int], phase: str) -> None:
+        """Bytes brought back for a ``phase`` pass, per (layer, micro-batch): resident again, and counted per
+        layer and per phase (one update per layer, not per storage)."""
+        self.ledger.add_grouped(arrived)
+        layer_h2d = self.layer_h2d
+        total = 0
+        for (layer, _), nbytes in arrived.items():
+            layer_h2d[layer] = layer_h2d.get(layer, 0) + nbytes
+            total += nbytes
+        self.h2d_by_phase[phase] = self.h2d_by_phase.get(phase, 0) + total
 
     # ------------------------------------------------------------------ prefetch
     @staticmethod
@@ -178,10 +187,13 @@ class SwapIn:
                 with timeline.span("vpipe.prefetch", timeline.MEMORY, mb=mb, phase=phase, tensors=len(batch),
                                    bytes=nbytes):
                     copies, ticket = self.copies.to_device_batch(
-                        [e.host_tensor() for e in batch], [e.d2h for e in batch if e.d2h is not None])
+                        [e.host_view for e in batch], [e.d2h for e in batch if e.d2h is not None])  # type: ignore[misc]
+                arrived: dict[tuple[int, int], int] = {}
                 for entry, copy in zip(batch, copies):
                     self._fetched(entry, copy, ticket)
-                self.h2d_by_phase[phase] = self.h2d_by_phase.get(phase, 0) + nbytes
+                    key = (entry.layer, entry.mb)
+                    arrived[key] = arrived.get(key, 0) + entry.nbytes
+                self._count(arrived, phase)
                 self.prefetched += len(batch)
             return complete
 
