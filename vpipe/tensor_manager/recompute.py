@@ -150,7 +150,7 @@ class RecomputeFrame:
         args = self.inputs()
         self.input_keys = frozenset(found[0] for a in args if isinstance(a, torch.Tensor)
                                     and (found := _storage_of(a)) is not None)
-        count = 0
+        count = added = 0  # tensors saved, bytes held (counted in the ledger once, when the recompute stops)
         meta, layer, mb = self.meta, self.layer, self.mb
         frame_ref = weakref.ref(self)
 
@@ -158,7 +158,7 @@ class RecomputeFrame:
         # returns detached tensors (a saved output holding its own grad_fn would be a reference
         # cycle) and reaches the frame weakly
         def pack(x: torch.Tensor) -> torch.Tensor:
-            nonlocal count
+            nonlocal count, added
             index, count = count, count + 1
             if index >= len(meta):
                 raise RecomputeError(
@@ -173,7 +173,7 @@ class RecomputeFrame:
                     raise RecomputeError(
                         f"layer {layer}, micro-batch {mb}: saved tensor {index} was {meta[index]} in the forward "
                         f"and {found} in the recompute; the layer's forward is not deterministic")
-                frame.hold(slot, value)
+                added += frame.hold(slot, value)
             if index == last:
                 raise _Stop
             return value
@@ -190,6 +190,8 @@ class RecomputeFrame:
                 f"{len(meta)}; the layer's forward must save the same tensors every time it runs")
         finally:
             wanted.clear()
+            if added:
+                self.support.ledger.add(layer, mb, added)
             self.recomputes += 1
             self.support.recomputed(layer, time.perf_counter() - t0, self.recomputes > 1)
 
@@ -199,20 +201,22 @@ class RecomputeFrame:
             return self.replay.inputs()
 
     # ------------------------------------------------------------------ holding
-    def hold(self, slot: Slot, value: torch.Tensor) -> None:
+    def hold(self, slot: Slot, value: torch.Tensor) -> int:
+        """Fill ``slot``; returns the bytes of a storage no slot of this call held yet (the caller counts them
+        in the ledger)."""
         slot.value = value
         found = _storage_of(value)
         if found is None or value.device != self.support.device or found[0] in self.input_keys or found[1] == 0:
             slot.key = None  # not device bytes of its own (an input of the layer is counted already)
-            return
+            return 0
         key, nbytes = found
         slot.key = key
         record = self.storages.get(key)
         if record is None:
             self.storages[key] = [nbytes, 1]
-            self.support.ledger.add(self.layer, self.mb, nbytes)
-        else:
-            record[1] += 1
+            return nbytes
+        record[1] += 1
+        return 0
 
     def drop(self, slot: Slot, wanted: bool = False) -> int:
         """Let go of a slot's tensor; ``wanted``: a later pass still needs it (it recomputes).

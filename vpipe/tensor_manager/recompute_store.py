@@ -81,7 +81,10 @@ class RecomputeStore:
         finally:
             measuring.clear()
         with self.lock:
-            self._frames.setdefault(mb, weakref.WeakSet()).add(frame)
+            frames = self._frames.get(mb)
+            if frames is None:  # (not setdefault: a WeakSet built at every call costs more than the rest)
+                frames = self._frames[mb] = weakref.WeakSet()
+            frames.add(frame)
         return out
 
     def _unpack(self, frame: RecomputeFrame, packed: Slot | torch.Tensor) -> torch.Tensor:
