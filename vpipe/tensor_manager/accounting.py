@@ -8,9 +8,9 @@ counts each storage once.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -97,6 +97,23 @@ class RecomputeCounter:
             self.swappable += n
 
 
+class CountedBytes(Protocol):
+    """Bytes the ledger counts for one (layer, micro-batch): a saved storage's entry."""
+
+    layer: int
+    mb: int
+    nbytes: int
+
+
+def bytes_by_call(entries: Iterable[CountedBytes]) -> dict[tuple[int, int], int]:
+    """The bytes of ``entries`` summed per (layer, micro-batch): a batch of copies is one layer's, mostly."""
+    counts: dict[tuple[int, int], int] = {}
+    for entry in entries:
+        call = (entry.layer, entry.mb)
+        counts[call] = counts.get(call, 0) + entry.nbytes
+    return counts
+
+
 def format_bytes(n: float) -> str:
     """Bytes for messages: '12.0 MiB'."""
     for unit in ("B", "KiB", "MiB", "GiB"):
@@ -149,14 +166,17 @@ class Ledger:
             raise AssertionError(f"resident bytes of layer {layer} micro-batch {mb} would become negative")
         self.resident -= nbytes
 
-    def add_grouped(self, counts: dict[tuple[int, int], int]) -> None:
-        """:meth:`add` for each ``(layer, micro-batch) -> bytes`` (a batch of copies counted at once)."""
+    def add_each(self, entries: Iterable[CountedBytes]) -> dict[tuple[int, int], int]:
+        """:meth:`add` the bytes of ``entries`` (a batch of copies), once per (layer, micro-batch); returns
+        what it added, by (layer, micro-batch)."""
+        counts = bytes_by_call(entries)
         for (layer, mb), nbytes in counts.items():
             self.add(layer, mb, nbytes)
+        return counts
 
-    def sub_grouped(self, counts: dict[tuple[int, int], int]) -> None:
-        """:meth:`sub` for each ``(layer, micro-batch) -> bytes``."""
-        for (layer, mb), nbytes in counts.items():
+    def sub_each(self, entries: Iterable[CountedBytes]) -> None:
+        """:meth:`sub` the bytes of ``entries``, once per (layer, micro-batch)."""
+        for (layer, mb), nbytes in bytes_by_call(entries).items():
             self.sub(layer, mb, nbytes)
 
     def add_micro_batch(self, mb: int, counts: list[tuple[int, int]]) -> None:

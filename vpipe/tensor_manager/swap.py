@@ -255,11 +255,10 @@ class SwapEngine:
         if entry.phases > 1:
             self.multi_phase_entries += 1
         # a copy still using the block (and the device bytes), the later one first: free both once it ended
-        # (``finished`` read first: no call for a copy known to have ended, as every copy on CPU)
         pending = entry.h2d
-        if pending is None or pending.finished or pending.done():
+        if pending is None or pending.done():
             pending = entry.d2h
-        if pending is not None and not (pending.finished or pending.done()):
+        if pending is not None and not pending.done():
             self._deferred.append((pending, entry.host, (entry.source, entry.device_copy)))
         elif entry.host is not None:
             self.pool.free(entry.host)
@@ -300,16 +299,15 @@ class SwapEngine:
 
     def _finish_swap_outs(self, batch: list[SwappedEntry]) -> None:
         """A batch's copy to the host ended: its device bytes go (those not brought back meanwhile)."""
-        gone: dict[tuple[int, int], int] = {}  # (layer, micro-batch) -> bytes: one ledger update per layer
+        gone = []
         for entry in batch:
             if entry.released or entry.source is None:
                 continue
             entry.source = None
             if entry.device_copy is None and entry.counted:
                 entry.counted = False
-                key = (entry.layer, entry.mb)
-                gone[key] = gone.get(key, 0) + entry.nbytes
-        self.ledger.sub_grouped(gone)
+                gone.append(entry)
+        self.ledger.sub_each(gone)  # (one ledger update per layer, not per storage)
 
     def wait_swap_outs(self, until_resident: int) -> None:
         """Block until in-flight swap-outs have released enough device bytes (budget pressure)."""

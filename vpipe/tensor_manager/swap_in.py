@@ -117,7 +117,7 @@ class SwapIn:
             assert entry.host_view is not None  # (only a release clears it)
             copy, ticket = self.copies.to_device_now(entry.host_view)
         self._fetched(entry, copy, ticket)
-        self._count({(entry.layer, entry.mb): entry.nbytes}, phase)
+        self._count([entry], phase)
         return copy
 
     def _fetched(self, entry: SwappedEntry, copy: torch.Tensor, ticket: Ticket) -> None:
@@ -129,13 +129,12 @@ class SwapIn:
         if entry.fetches > 1:
             self.refetched_bytes += entry.nbytes
 
-    def _count(self, arrived: dict[tuple[int, int], int], phase: str) -> None:
-        """Bytes brought back for a ``phase`` pass, per (layer, micro-batch): resident again, and counted per
-        layer and per phase (one update per layer, not per storage)."""
-        self.ledger.add_grouped(arrived)
+    def _count(self, arrived: list[SwappedEntry], phase: str) -> None:
+        """Entries brought back for a ``phase`` pass: resident again, and their bytes counted per layer and per
+        phase (one update per layer, not per storage)."""
         layer_h2d = self.layer_h2d
         total = 0
-        for (layer, _), nbytes in arrived.items():
+        for (layer, _), nbytes in self.ledger.add_each(arrived).items():
             layer_h2d[layer] = layer_h2d.get(layer, 0) + nbytes
             total += nbytes
         self.h2d_by_phase[phase] = self.h2d_by_phase.get(phase, 0) + total
@@ -188,12 +187,9 @@ class SwapIn:
                                    bytes=nbytes):
                     copies, ticket = self.copies.to_device_batch(
                         [e.host_view for e in batch], [e.d2h for e in batch if e.d2h is not None])  # type: ignore[misc]
-                arrived: dict[tuple[int, int], int] = {}
                 for entry, copy in zip(batch, copies):
                     self._fetched(entry, copy, ticket)
-                    key = (entry.layer, entry.mb)
-                    arrived[key] = arrived.get(key, 0) + entry.nbytes
-                self._count(arrived, phase)
+                self._count(batch, phase)
                 self.prefetched += len(batch)
             return complete
 
