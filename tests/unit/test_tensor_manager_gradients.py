@@ -63,6 +63,30 @@ def test_a_graph_dropped_without_its_backward_frees_every_storage_without_the_ga
     manager.close()
 
 
+@pytest.mark.parametrize("policies", [{0: "D", 1: "R"}, {0: "R", 1: "R"}, {0: "S", 1: "R"}])
+def test_a_recomputed_layer_gets_its_inputs_asking_for_grad_as_its_forward_did(policies):
+    """Autograd saves only what the asked-for gradients need: a Linear whose input needs no grad saves no
+    weight for it. The recompute must run on inputs that ask for grad exactly as the forward's did, or it
+    saves other tensors than the forward and the backward fails."""
+    def build() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(6, 6), nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2)))
+
+    x = torch.randn(3, 6)
+    want = build()
+    want(x).square().sum().backward()
+    model = build()
+    manager = make_manager(model, policies)
+    with manager.micro_batch(0):
+        out = model(x)
+    with manager.backward(0):
+        out.square().sum().backward()
+    assert manager.stats().layers[1].recomputes == 1
+    for (name, p), q in zip(model.named_parameters(), want.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+    manager.close()
+
+
 def test_dropout_is_really_on():
     """Guard: two runs with different seeds differ, so equal gradients above mean equal masks."""
     a, _ = train_grads("transformer", None, seed=1)

@@ -67,6 +67,7 @@ class Interceptor:
         self._phases = phases
         self._prefetcher = prefetcher
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        self._save_inputs = (self.pack, self.unpack)  # what a recomputed call's inputs are saved through
         self._tls = threading.local()
         self.mb: int | None = None
         self.unmetered = False
@@ -148,7 +149,7 @@ class Interceptor:
             frame.counter = RecomputeCounter(frame.is_weight, self.min_swap_bytes)
         layer.recompute_calls += 1
         return self._recompute.run(layer.module, inner, args, kwargs, layer=layer.layer_id, mb=frame.mb,
-                                   counter=frame.counter, is_weight=frame.is_weight)
+                                   counter=frame.counter, is_weight=frame.is_weight, save_inputs=self._save_inputs)
 
     # ================================================================== unmetered calls
     def uncount(self, mb: int) -> None:

@@ -45,7 +45,7 @@ from torch import nn
 
 from vpipe import timeline
 from vpipe.tensor_manager.accounting import Ledger
-from vpipe.tensor_manager.replay import Replay
+from vpipe.tensor_manager.replay import Replay, SavedTensorHooks
 
 __all__ = ["RecomputeFrame", "FrameSupport", "Slot", "RecomputeError"]
 
@@ -104,7 +104,8 @@ class RecomputeFrame:
                  "__weakref__")
 
     def __init__(self, support: FrameSupport, layer: int, mb: int, module: nn.Module,
-                 forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+                 forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+                 save_inputs: SavedTensorHooks) -> None:
         self.support = support
         self.layer = layer
         self.mb = mb
@@ -113,7 +114,7 @@ class RecomputeFrame:
         self.input_keys: frozenset[int] = frozenset()
         self.storages: dict[int, list[int]] = {}  # address -> [bytes, slots holding it] (counted in the ledger)
         self.recomputes = 0
-        self.replay = Replay(module, forward, args, kwargs)  # saves the inputs through the active hooks
+        self.replay = Replay(module, forward, args, kwargs, save_inputs)  # packs the inputs
 
     # ------------------------------------------------------------------ forward
     def pack(self, t: torch.Tensor, is_weight: bool) -> torch.Tensor | Slot:
@@ -154,29 +155,27 @@ class RecomputeFrame:
         meta, layer, mb = self.meta, self.layer, self.mb
         frame_ref = weakref.ref(self)
 
-        # the recompute's own graph holds this hook (and what it returns) until that graph dies: it
-        # returns detached tensors (a saved output holding its own grad_fn would be a reference
-        # cycle) and reaches the frame weakly
-        def pack(x: torch.Tensor) -> torch.Tensor:
+        # the recompute's own graph holds this hook until that graph dies: it reaches the frame weakly, and
+        # it returns None (that graph never runs backward, so it keeps nothing alive), so a tensor no slot
+        # wants (a weight, one already filled) costs no detach; a wanted one is held detached (a saved output
+        # holding its own grad_fn would keep the recompute's graph alive)
+        def pack(x: torch.Tensor) -> None:
             nonlocal count, added
             index, count = count, count + 1
             if index >= len(meta):
                 raise RecomputeError(
                     f"layer {layer}, micro-batch {mb}: its recompute saved more tensors than its forward "
                     f"({len(meta)}); the layer's forward must save the same tensors every time it runs")
-            value = x.detach() if x.requires_grad else x
             slot = wanted.get(index)
-            frame = frame_ref()
-            if slot is not None and frame is not None:
+            if slot is not None and (frame := frame_ref()) is not None:
                 found = (x.shape, x.dtype, x.device)
                 if found != meta[index]:
                     raise RecomputeError(
                         f"layer {layer}, micro-batch {mb}: saved tensor {index} was {meta[index]} in the forward "
                         f"and {found} in the recompute; the layer's forward is not deterministic")
-                added += frame.hold(slot, value)
+                added += frame.hold(slot, x.detach() if x.requires_grad else x)
             if index == last:
                 raise _Stop
-            return value
 
         t0 = time.perf_counter()
         try:

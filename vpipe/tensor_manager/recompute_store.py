@@ -22,6 +22,7 @@ from torch import nn
 
 from vpipe.tensor_manager.accounting import Ledger, RecomputeCounter
 from vpipe.tensor_manager.recompute import FrameSupport, RecomputeFrame, Slot
+from vpipe.tensor_manager.replay import SavedTensorHooks
 
 __all__ = ["RecomputeStore"]
 
@@ -56,14 +57,16 @@ class RecomputeStore:
         self._support = FrameSupport(device, ledger, self._released, self.recomputed, self._reading_inputs)
 
     def run(self, module: nn.Module, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], *,
-            layer: int, mb: int, counter: RecomputeCounter | None, is_weight: Callable[[torch.Tensor], bool]) -> Any:
+            layer: int, mb: int, counter: RecomputeCounter | None, is_weight: Callable[[torch.Tensor], bool],
+            save_inputs: SavedTensorHooks) -> Any:
         """``forward(*args, **kwargs)`` with what it saves replaced by slots, recomputed in the backward.
 
         ``is_weight`` tells parameters (and stashed weight versions, buffers) from activations:
         those are saved as they are, never recomputed; ``counter`` (None: not measured this call)
-        sees every tensor the call saves.
+        sees every tensor the call saves; ``save_inputs`` packs the call's tensor inputs (the manager's
+        own hooks: they are counted, and a budget may swap them).
         """
-        frame = RecomputeFrame(self._support, layer, mb, module, forward, args, kwargs)
+        frame = RecomputeFrame(self._support, layer, mb, module, forward, args, kwargs, save_inputs)
 
         # autograd keeps the pack hook with every tensor saved through it: after the forward it must
         # not hold the counter or ``is_weight`` (the layer call and its inputs) any longer

@@ -1,8 +1,9 @@
 """Running a layer's call again exactly as it first ran: same inputs, weights, RNG and autocast.
 
-A recompute (:mod:`.recompute`) needs the call's tensor inputs, saved through whatever
-saved-tensor hooks are active when the layer runs (the tensor manager's: so they are
-counted, and can be swapped under a budget), and the state the forward ran under: the
+A recompute (:mod:`.recompute`) needs the call's tensor inputs, saved through the tensor
+manager's own saved-tensor hooks, called directly (so they are counted, and can be swapped
+under a budget; an autograd node to save them through cost two tensor operations and an
+autograd Function a call), and the state the forward ran under: the
 CPU and device RNG states (dropout masks are identical, so gradients equal the kept run's
 bit for bit), the autocast state and the ``torch.device`` context, as
 ``torch.utils.checkpoint`` restores them.
@@ -45,7 +46,10 @@ try:
 except ImportError:  # pragma: no cover - every supported torch has both
     _get_current_function_mode_stack = None  # type: ignore[assignment]
 
-__all__ = ["Replay", "capture_weights", "forget_weight_places"]
+__all__ = ["Replay", "SavedTensorHooks", "capture_weights", "forget_weight_places"]
+
+# (pack, unpack): the saved-tensor hooks a call's inputs are saved through
+SavedTensorHooks = tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]
 
 
 # Where each module's parameters and buffers live: (qualified name, the owning dict, key). Walking the
@@ -89,23 +93,6 @@ def capture_weights(module: nn.Module) -> dict[str, torch.Tensor]:
 def _same_weights(module: nn.Module, captured: dict[str, torch.Tensor]) -> bool:
     now = capture_weights(module)
     return now.keys() == captured.keys() and all(now[k] is t for k, t in captured.items())
-
-
-class _SaveInputs(torch.autograd.Function):
-    """Saves the layer's tensor inputs through whatever saved-tensor hooks are active (the manager's).
-
-    Its output is never used, so its backward never runs: the node only holds the saved
-    inputs for as long as the replay (and so some recompute slot) is alive.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, dummy: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(*tensors)
-        return dummy.new_empty(0)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Any) -> tuple[None, ...]:  # pragma: no cover - never reached
-        return (None,) * len(ctx.needs_input_grad)
 
 
 def _identity(x: Any) -> Any:
@@ -166,13 +153,13 @@ def _device_context() -> contextlib.AbstractContextManager[Any]:
 
 
 class Replay:
-    """One call of a layer, captured when it runs: its inputs (held by a saver node) and its state."""
+    """One call of a layer, captured when it runs: its inputs (packed by ``hooks``) and its state."""
 
-    __slots__ = ("module", "forward", "captured", "kwargs", "layout", "saver", "device_type", "cpu_rng",
+    __slots__ = ("module", "forward", "captured", "kwargs", "layout", "unpack", "saved", "device_type", "cpu_rng",
                  "device_rng", "rng_devices", "autocast", "device_ctx", "buffers")
 
     def __init__(self, module: nn.Module, forward: Callable[..., Any], args: tuple[Any, ...],
-                 kwargs: dict[str, Any]) -> None:
+                 kwargs: dict[str, Any], hooks: SavedTensorHooks) -> None:
         self.module = module
         self.forward = forward
         self.captured = capture_weights(module)
@@ -185,15 +172,23 @@ class Replay:
         self.device_ctx = _device_context()
         # each buffer with its value when the call began (the forward may update it: BatchNorm statistics)
         self.buffers = [(b, b.detach().clone()) for b in _buffers(module)]
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        # the dummy requires grad so the saver always gets a node that holds the saved inputs
-        self.saver: torch.Tensor = _SaveInputs.apply(torch.empty(0, requires_grad=True), *tensors)
+        pack, self.unpack = hooks
+        # each tensor input packed, and whether it required grad: autograd saves only what the gradients
+        # asked for need, so the recompute's inputs must ask for the same
+        self.saved = [(pack(a), a.requires_grad) for a in args if isinstance(a, torch.Tensor)]
 
     def inputs(self) -> list[Any]:
-        """The call's arguments again (the tensors are unpacked through the hooks that saved them)."""
-        assert self.saver.grad_fn is not None
-        tensors = iter(self.saver.grad_fn.saved_tensors)  # type: ignore[attr-defined]
-        return [next(tensors) if a is None else a for a in self.layout]
+        """The call's arguments again (the tensors unpacked, requiring grad as the originals did)."""
+        unpack, saved = self.unpack, iter(self.saved)
+        args = []
+        for a in self.layout:
+            if a is None:
+                packed, requires_grad = next(saved)
+                a = unpack(packed)
+                if requires_grad and not a.requires_grad:  # (held without its graph: a leaf of the recompute)
+                    a = a.detach().requires_grad_()
+            args.append(a)
+        return args
 
     def run(self, args: list[Any], pack: Callable[[torch.Tensor], Any]) -> None:
         """Call the forward on ``args`` under the original state, with ``pack`` as its saved-tensor hook."""
