@@ -87,6 +87,35 @@ def test_a_recomputed_layer_gets_its_inputs_asking_for_grad_as_its_forward_did(p
     manager.close()
 
 
+@pytest.mark.parametrize("autocast_in", ["forward", "backward"])
+def test_a_recompute_runs_under_the_autocast_of_its_forward(autocast_in):
+    """Under CPU autocast a Linear computes in bfloat16: the recompute must too, and must not when the
+    forward ran without autocast but the backward runs inside it."""
+    def build() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2)))
+
+    def autocast(phase: str) -> torch.autocast:
+        return torch.autocast("cpu", dtype=torch.bfloat16, enabled=phase == autocast_in)
+
+    x = torch.randn(3, 8)
+    want = build()
+    with autocast("forward"):
+        out = want(x)
+    with autocast("backward"):
+        out.float().square().sum().backward()
+    model = build()
+    manager = make_manager(model, {0: "R", 1: "R"})
+    with manager.micro_batch(0), autocast("forward"):
+        out = model(x)
+    with manager.backward(0), autocast("backward"):
+        out.float().square().sum().backward()
+    assert manager.stats().layers[1].recomputes == 1
+    for (name, p), q in zip(model.named_parameters(), want.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+    manager.close()
+
+
 def test_dropout_is_really_on():
     """Guard: two runs with different seeds differ, so equal gradients above mean equal masks."""
     a, _ = train_grads("transformer", None, seed=1)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -37,7 +37,6 @@ from torch.utils.checkpoint import (
     _get_device_module,
     _infer_device_type,
     get_device_states,
-    set_device_states,
 )
 
 try:
@@ -142,6 +141,17 @@ def _device_states_in_trees(args: tuple[Any, ...]) -> tuple[str, list[int], list
     return device_type, list(each), list(each.values())
 
 
+def _autocast_on(device_type: str) -> bool:
+    """Whether autocast is on for the CPU or ``device_type`` (off, a replay needs no autocast context)."""
+    return torch.is_autocast_enabled("cpu") or (
+        torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type))
+
+
+def _autocast_off(device_type: str) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """Autocast arguments that turn it off, as ``_get_autocast_kwargs`` gives them."""
+    return ({"enabled": False} if torch.amp.is_autocast_available(device_type) else None), {"enabled": False}
+
+
 def _device_context() -> contextlib.AbstractContextManager[Any]:
     """The ``torch.device`` context the forward ran under, if any (the recompute must allocate alike)."""
     if _get_current_function_mode_stack is None:  # pragma: no cover - every supported torch has it
@@ -167,7 +177,7 @@ class Replay:
         self.layout = [None if isinstance(a, torch.Tensor) else a for a in args]
         # the state the original forward ran under, to run it again identically (as checkpoint does)
         self.device_type, self.rng_devices, self.device_rng = _device_states(args)
-        self.autocast = _get_autocast_kwargs(self.device_type)
+        self.autocast = _get_autocast_kwargs(self.device_type) if _autocast_on(self.device_type) else None
         self.cpu_rng = torch.get_rng_state()
         self.device_ctx = _device_context()
         # each buffer with its value when the call began (the forward may update it: BatchNorm statistics)
@@ -191,36 +201,59 @@ class Replay:
         return args
 
     def run(self, args: list[Any], pack: Callable[[torch.Tensor], Any]) -> None:
-        """Call the forward on ``args`` under the original state, with ``pack`` as its saved-tensor hook."""
-        with self._buffers_as_at_call(), self._state(), torch.autograd.graph.saved_tensors_hooks(pack, _identity), \
-                torch.enable_grad():
-            if _same_weights(self.module, self.captured):
-                self.forward(*args, **self.kwargs)
-            else:
-                functional_call(self.module, self.captured, tuple(args), self.kwargs)
+        """Call the forward on ``args`` under the original state, with ``pack`` as its saved-tensor hook.
 
-    @contextlib.contextmanager
-    def _buffers_as_at_call(self) -> Iterator[None]:
-        """The buffers as the original call found them, then back to their values now (written through
-        ``.data``: the autograd graphs that saved a buffer see no in-place change)."""
+        The buffers and RNG states are set and put back by hand, and autocast is entered only when it
+        is on at the call or now: torch's context managers for these (``fork_rng``, an autocast per
+        device type) cost 40 us a call on a 2-core host, more than the rest of the replay's own work.
+        """
+        buffers_now = self._buffers_to_call() if self.buffers else None
+        rng_now = self._rng_to_call()
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, _identity), torch.enable_grad(), self.device_ctx:
+                if self.autocast is None and not _autocast_on(self.device_type):
+                    self._call(args)
+                else:
+                    device_kwargs, cpu_kwargs = self.autocast or _autocast_off(self.device_type)
+                    device_autocast = (torch.amp.autocast(device_type=self.device_type, **device_kwargs)
+                                       if device_kwargs is not None else contextlib.nullcontext())
+                    with device_autocast, torch.amp.autocast("cpu", **cpu_kwargs):
+                        self._call(args)
+        finally:
+            self._put_back(rng_now, buffers_now)
+
+    def _call(self, args: list[Any]) -> None:
+        if _same_weights(self.module, self.captured):
+            self.forward(*args, **self.kwargs)
+        else:
+            functional_call(self.module, self.captured, tuple(args), self.kwargs)
+
+    def _buffers_to_call(self) -> list[torch.Tensor]:
+        """The buffers as the original call found them; returns their values now (written through ``.data``:
+        the autograd graphs that saved a buffer see no in-place change)."""
         now = [b.detach().clone() for b, _ in self.buffers]
         for b, at_call in self.buffers:
             b.data.copy_(at_call)
-        try:
-            yield
-        finally:
-            for (b, _), value in zip(self.buffers, now):
-                b.data.copy_(value)
+        return now
 
-    @contextlib.contextmanager
-    def _state(self) -> Iterator[None]:
-        """The RNG, autocast and device-context state of the original forward (restored after)."""
-        device_autocast, cpu_autocast = self.autocast
-        with torch.random.fork_rng(devices=self.rng_devices, device_type=self.device_type):
-            torch.set_rng_state(self.cpu_rng)
-            if self.rng_devices:
-                set_device_states(self.rng_devices, self.device_rng, device_type=self.device_type)
-            device_ctx = (torch.amp.autocast(device_type=self.device_type, **device_autocast)
-                          if device_autocast is not None else contextlib.nullcontext())
-            with device_ctx, torch.amp.autocast("cpu", **cpu_autocast), self.device_ctx:
-                yield
+    def _rng_to_call(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The CPU and device RNG states of the call (as ``torch.utils.checkpoint`` sets them); returns the
+        states now (as ``torch.random.fork_rng`` keeps them)."""
+        module = _get_device_module(self.device_type) if self.rng_devices else None
+        now = (torch.get_rng_state(), [module.get_rng_state(d) for d in self.rng_devices] if module else [])
+        torch.set_rng_state(self.cpu_rng)
+        if module is not None:
+            for device, state in zip(self.rng_devices, self.device_rng):
+                module.set_rng_state(state, device)
+        return now
+
+    def _put_back(self, rng: tuple[torch.Tensor, list[torch.Tensor]], buffers: list[torch.Tensor] | None) -> None:
+        cpu, devices = rng
+        torch.set_rng_state(cpu)
+        if devices:
+            module = _get_device_module(self.device_type)
+            for device, state in zip(self.rng_devices, devices):
+                module.set_rng_state(state, device)
+        if buffers is not None:
+            for (b, _), value in zip(self.buffers, buffers):
+                b.data.copy_(value)
