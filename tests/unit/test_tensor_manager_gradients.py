@@ -253,3 +253,31 @@ def test_layer_with_buffers_keeps_them():
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert torch.equal(p.grad, q.grad), name
     assert torch.equal(model[1].running_mean, ref[1].running_mean)
+
+
+def test_a_recomputed_batchnorm_leaves_its_statistics_as_the_forwards_left_them():
+    """The replay runs on the buffers' values at its call and puts back their values now: with two
+    micro-batches' forwards before the backwards, the statistics stay those of the second forward, also
+    when the first micro-batch's backward (its replay updating them again) runs last."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
+    ref = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
+    ref.load_state_dict(model.state_dict())
+    xs = [torch.randn(2, 1, 8, 8), torch.randn(2, 1, 8, 8)]
+    ref_outs = [ref(x) for x in xs]
+    for out in reversed(ref_outs):
+        out.sum().backward()
+    manager = make_manager(model, {0: "R", 1: "R", 2: "R"})
+    outs = []
+    for mb, x in enumerate(xs):
+        with manager.micro_batch(mb):
+            outs.append(model(x))
+    for mb in (1, 0):
+        with manager.backward(mb):
+            outs[mb].sum().backward()
+    assert manager.stats().layers[1].recomputes == 2
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+    for (name, b), c in zip(model.named_buffers(), ref.buffers()):
+        assert torch.equal(b, c), name
+    manager.close()

@@ -37,6 +37,7 @@ from torch.utils.checkpoint import (
     _get_device_module,
     _infer_device_type,
     get_device_states,
+    set_device_states,
 )
 
 try:
@@ -208,8 +209,9 @@ class Replay:
         device type) cost 40 us a call on a 2-core host, more than the rest of the replay's own work.
         """
         buffers_now = self._buffers_to_call() if self.buffers else None
-        rng_now = self._rng_to_call()
+        rng_now = self._rng_now()
         try:
+            self._set_rng(self.cpu_rng, self.device_rng)
             with torch.autograd.graph.saved_tensors_hooks(pack, _identity), torch.enable_grad(), self.device_ctx:
                 if self.autocast is None and not _autocast_on(self.device_type):
                     self._call(args)
@@ -220,7 +222,10 @@ class Replay:
                     with device_autocast, torch.amp.autocast("cpu", **cpu_kwargs):
                         self._call(args)
         finally:
-            self._put_back(rng_now, buffers_now)
+            self._set_rng(*rng_now)
+            if buffers_now is not None:
+                for (b, _), value in zip(self.buffers, buffers_now):
+                    b.data.copy_(value)
 
     def _call(self, args: list[Any]) -> None:
         if _same_weights(self.module, self.captured):
@@ -236,24 +241,15 @@ class Replay:
             b.data.copy_(at_call)
         return now
 
-    def _rng_to_call(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The CPU and device RNG states of the call (as ``torch.utils.checkpoint`` sets them); returns the
-        states now (as ``torch.random.fork_rng`` keeps them)."""
-        module = _get_device_module(self.device_type) if self.rng_devices else None
-        now = (torch.get_rng_state(), [module.get_rng_state(d) for d in self.rng_devices] if module else [])
-        torch.set_rng_state(self.cpu_rng)
-        if module is not None:
-            for device, state in zip(self.rng_devices, self.device_rng):
-                module.set_rng_state(state, device)
-        return now
+    def _rng_now(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The CPU RNG state and those of the call's devices now (what ``torch.random.fork_rng`` keeps)."""
+        if not self.rng_devices:
+            return torch.get_rng_state(), []
+        module = _get_device_module(self.device_type)
+        return torch.get_rng_state(), [module.get_rng_state(d) for d in self.rng_devices]
 
-    def _put_back(self, rng: tuple[torch.Tensor, list[torch.Tensor]], buffers: list[torch.Tensor] | None) -> None:
-        cpu, devices = rng
+    def _set_rng(self, cpu: torch.Tensor, devices: list[torch.Tensor]) -> None:
+        """Set the CPU RNG state and those of the call's devices (as ``torch.utils.checkpoint`` does)."""
         torch.set_rng_state(cpu)
         if devices:
-            module = _get_device_module(self.device_type)
-            for device, state in zip(self.rng_devices, devices):
-                module.set_rng_state(state, device)
-        if buffers is not None:
-            for (b, _), value in zip(self.buffers, buffers):
-                b.data.copy_(value)
+            set_device_states(self.rng_devices, devices, device_type=self.device_type)
