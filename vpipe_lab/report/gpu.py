@@ -55,11 +55,16 @@ def _verdict(value: float | None, target: float | None, at_most: bool = True) ->
     return f"{value:.2f}x vs {'<=' if at_most else '>='} {target:.2f}x: {'met' if met else 'NOT met'}"
 
 
+def _prefetch_alloc_md(cfg: dict[str, Any]) -> str:
+    """The clause a table's title gains when the run took prefetched copies from the compute stream's memory."""
+    if cfg.get("prefetch_alloc") != "compute":
+        return ""
+    return "; vpipe's prefetched copies allocated from the compute stream's memory (`VPIPE_PREFETCH_ALLOC=compute`)"
+
+
 def _tensor_manager_md(data: dict[str, Any], title: str, targets: list[tuple[str, str, str | float]]) -> str:
     cfg = data["config"]
     rows = {r["variant"]: r for r in data["rows"]}
-    alloc = ("; vpipe's prefetched copies allocated from the compute stream's memory (`VPIPE_PREFETCH_ALLOC=compute`)"
-             if cfg.get("prefetch_alloc") == "compute" else "")
     body = []
     for r in data["rows"]:
         notes = []
@@ -77,7 +82,7 @@ def _tensor_manager_md(data: dict[str, Any], title: str, targets: list[tuple[str
         checks.append(f"{label}: {_verdict(_row_ratio(rows, variant), limit)}")
     return (f"**{title}**: {cfg['blocks']} blocks, d_model {cfg['d_model']}, sequence {cfg['seq_len']}, "
             f"{cfg['micro_batches']} micro-batches of {cfg['micro_batch_size']} in GPipe order, one CPU thread, "
-            f"median of {cfg['rounds']} rounds (`tensor_manager_bench.py`){alloc}\n\n"
+            f"median of {cfg['rounds']} rounds (`tensor_manager_bench.py`){_prefetch_alloc_md(cfg)}\n\n"
             + table(["variant", "step", "vs plain", "range", "peak saved vs plain", "notes"], body)
             + "\n\n" + "; ".join(checks) + ".")
 
@@ -120,9 +125,7 @@ def _memory_bound_md(data: dict[str, Any]) -> str:
             + (f"the GPU's memory capped at {cap / 2**30:.2f} GiB" if cap else "no memory cap")
             + f" so that plain holds {data['plain_largest']} micro-batches; vpipe's "
             f"budget {data['budget_bytes'] / 2**30:.2f} GiB (0.8 x what plain's largest batch saves)"
-            + ("; vpipe's prefetched copies allocated from the compute stream's memory (`VPIPE_PREFETCH_ALLOC=compute`)"
-               if cfg.get("prefetch_alloc") == "compute" else "")
-            + ". At "
+            + _prefetch_alloc_md(cfg) + ". At "
             f"{data['micro_batches']} micro-batches:\n\n"
             + table(["system", "samples/s", "device peak GiB", "vpipe's choice / error"], rows)
             + f"\n\nvpipe / all-recompute: {_verdict(data['vpipe_over_checkpoint'], 1.15, at_most=False)}; "
