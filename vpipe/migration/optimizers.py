@@ -3,7 +3,7 @@
 With several stages per rank torchtitan builds one optimizer per stage module and steps
 them together (``OptimizersContainer``, a list in other trainers). A layer that moves must
 leave its stage's optimizer and join the one of the stage it lands on, in the param group
-of the same index there. :class:`OptimizerParts` stands for the container wherever vpipe
+with the same settings there (:mod:`.groups`). :class:`OptimizerParts` stands for the container wherever vpipe
 reads an optimizer (every part's param groups, one after another, and their state) and
 hands each stage its own part (:func:`part_of`) wherever a move edits one.
 """
@@ -16,7 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["OptimizerParts", "optimizer_parts", "part_of", "move_between"]
+from vpipe.migration.groups import GroupMismatch, group_settings, matching_group
+
+__all__ = ["OptimizerParts", "optimizer_parts", "part_of", "move_between", "group_refusal"]
 
 
 class _PartsState(Mapping[torch.Tensor, Any]):
@@ -119,21 +121,42 @@ def part_of(optimizer: torch.optim.Optimizer | None, stage: int) -> torch.optim.
     return optimizer.part(stage) if isinstance(optimizer, OptimizerParts) else optimizer
 
 
+def _joins(source: torch.optim.Optimizer, target: torch.optim.Optimizer,
+           params: Iterable[torch.Tensor]) -> list[tuple[torch.Tensor, int, int]]:
+    """(parameter, its group in ``source``, the group with the same settings in ``target``) per parameter."""
+    joins = []
+    for p in params:
+        g = next((g for g, group in enumerate(source.param_groups) if any(q is p for q in group["params"])), None)
+        if g is not None:
+            settings = group_settings(source.param_groups[g])
+            joins.append((p, g, matching_group(settings, target.param_groups, preferred=g,
+                                               what=f"a parameter of shape {tuple(p.shape)}")))
+    return joins
+
+
+def group_refusal(source: torch.optim.Optimizer | None, target: torch.optim.Optimizer | None,
+                  params: Iterable[torch.Tensor]) -> str | None:
+    """Why :func:`move_between` could not place every parameter (None: it can), asked before a move's vote."""
+    if source is not target and source is not None and target is not None:
+        try:
+            _joins(source, target, params)
+        except GroupMismatch as e:
+            return str(e)
+    return None
+
+
 def move_between(source: torch.optim.Optimizer | None, target: torch.optim.Optimizer | None,
                  params: Iterable[torch.Tensor]) -> None:
     """Move parameters and their state from ``source`` to ``target`` (a layer moving between two stages of this
-    rank whose parts differ), each into the param group of the index it had."""
+    rank whose parts differ), each into the param group there with the settings of the one it leaves.
+
+    Every parameter's group is found before anything is edited, so a ``GroupMismatch`` leaves both as they were.
+    """
     if source is target or source is None or target is None:
         return
-    for p in params:
-        g = next((g for g, group in enumerate(source.param_groups) if any(q is p for q in group["params"])), None)
-        if g is None:
-            continue
-        if g >= len(target.param_groups):
-            raise ValueError(f"a parameter in param group {g} moves to an optimizer with "
-                             f"{len(target.param_groups)} groups; give every part's optimizer the same groups")
+    for p, g, here in _joins(source, target, params):
         group = source.param_groups[g]["params"]
         group[:] = [q for q in group if q is not p]
-        target.param_groups[g]["params"].append(p)
+        target.param_groups[here]["params"].append(p)
         if p in source.state:
             target.state[p] = source.state.pop(p)

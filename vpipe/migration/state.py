@@ -1,10 +1,13 @@
 """A layer's complete training state, packed for the wire and unpacked on another stage.
 
-What moves with a layer: its parameters, its buffers, and its optimizer state (e.g. Adam's
-moments and step counts), plus the index of the optimizer param group each parameter sits
-in. The state splits into a *manifest* of plain values (msgpack-able, sent on the control
-plane, validated on arrival) and one flat byte tensor with every tensor's bytes (sent over
-``torch.distributed``), so a move is a single transfer whatever the layer holds.
+What moves with a layer: its parameters, their gradients where a step left some pending (a
+trainer that accumulates gradients over several ``schedule.step()`` calls before its
+``optimizer.step()``), its buffers, and its optimizer state (e.g. Adam's moments and step
+counts), plus the settings of the optimizer param group each parameter sits in, which
+decide the group it joins on arrival (:mod:`.groups`). The state splits into a *manifest*
+of plain values (msgpack-able, sent on the control plane, validated on arrival) and one
+flat byte tensor with every tensor's bytes (sent over ``torch.distributed``), so a move is
+a single transfer whatever the layer holds.
 
 The wire format assumes no alignment: each tensor's bytes follow the previous one's
 (a 0-d int64 ``step`` after a 9-byte run of bools is fine), and the receiver copies them
@@ -34,6 +37,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from vpipe.migration.cloning import validate_block_info
+from vpipe.migration.groups import group_settings, matching_group
 
 __all__ = ["LayerState", "LoadedLayer", "pack_layer", "load_layer", "register_layer", "unpack_layer",
            "decode_tensor", "attach_to_optimizer", "detach_from_optimizer", "validate_manifest"]
@@ -116,6 +120,15 @@ def _param_group_index(optimizer: torch.optim.Optimizer | None) -> dict[int, int
     return {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
 
 
+def _grad_entry(name: str, p: torch.Tensor, entries: list[dict[str, Any]], tensors: list[torch.Tensor]) -> None:
+    """A gradient the trainer has not stepped on yet travels with its parameter (as its shard, sharded)."""
+    if p.grad is None:
+        return
+    local, mark = _local(p.grad.detach())
+    entries.append(_entry("grad", name, local, key="grad", **mark))
+    tensors.append(local)
+
+
 def _optimizer_entries(name: str, p: torch.Tensor, optimizer: torch.optim.Optimizer | None,
                        entries: list[dict[str, Any]], tensors: list[torch.Tensor], sent: dict[int, int]) -> None:
     """Append the optimizer state of parameter ``name``: tensors (each object once), and plain values."""
@@ -146,11 +159,16 @@ def pack_layer(layer_id: int, module: nn.Module, optimizer: torch.optim.Optimize
     entries: list[dict[str, Any]] = []
     tensors: list[torch.Tensor] = []
     sent: dict[int, int] = {}
+    settings: dict[str, dict[str, Any]] = {}
     for name, p in module.named_parameters():
         local, mark = _local(p.detach())
-        entries.append(_entry("param", name, local, requires_grad=p.requires_grad, group=groups.get(id(p)), **mark))
+        g = groups.get(id(p))
+        entries.append(_entry("param", name, local, requires_grad=p.requires_grad, group=g, **mark))
         tensors.append(local)
+        _grad_entry(name, p, entries, tensors)
         _optimizer_entries(name, p, optimizer, entries, tensors, sent)
+        if g is not None and optimizer is not None:
+            settings.setdefault(str(g), group_settings(optimizer.param_groups[g]))
     for name, b in module.named_buffers():
         local, mark = _local(b)
         entries.append(_entry("buffer", name, local, **mark))
@@ -158,11 +176,11 @@ def pack_layer(layer_id: int, module: nn.Module, optimizer: torch.optim.Optimize
     flat = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors if t.numel() > 0]
     payload = (torch.cat([f.cpu() if f.device.type != "cpu" else f for f in flat]) if flat
                else torch.empty(0, dtype=torch.uint8))
-    manifest = {"layer": layer_id, "spec": spec, "entries": entries}
+    manifest = {"layer": layer_id, "spec": spec, "entries": entries, "groups": settings}
     return LayerState(layer_id, manifest, payload)
 
 
-_KINDS = ("param", "optim", "optim_value", "optim_alias", "buffer")
+_KINDS = ("param", "grad", "optim", "optim_value", "optim_alias", "buffer")
 
 
 def validate_manifest(manifest: Any) -> dict[str, Any]:
@@ -174,6 +192,10 @@ def validate_manifest(manifest: Any) -> dict[str, Any]:
         raise ValueError(f"layer manifest has a bad layer id {layer!r}")
     if manifest.get("block") is not None:
         validate_block_info(manifest["block"], layer)
+    groups = manifest.get("groups", {})
+    if not isinstance(groups, dict) or not all(isinstance(k, str) and k.isdigit() and isinstance(v, dict)
+                                               for k, v in groups.items()):
+        raise ValueError(f"layer {layer} manifest has bad param group settings")
     entries = manifest["entries"]
     for i, e in enumerate(entries):
         if not isinstance(e, dict) or e.get("kind") not in _KINDS:
@@ -248,8 +270,9 @@ class LoadedLayer:
 def load_layer(state: LayerState, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> LoadedLayer:
     """Check ``state`` against ``module`` and ``optimizer`` and copy its tensors into ``module`` (a fresh block).
 
-    The optimizer is only read here (its group count), so a state that fails any check
-    leaves the stage as it was; :func:`register_layer` then edits the optimizer.
+    The optimizer is only read here (which of its param groups each parameter joins), so a
+    state that fails any check leaves the stage as it was; :func:`register_layer` then edits
+    the optimizer. Gradients the sender had pending are set on the fresh block's parameters.
     """
     manifest = validate_manifest(state.manifest)
     if state.nbytes != payload_bytes(manifest):
@@ -277,6 +300,8 @@ def load_layer(state: LayerState, module: nn.Module, optimizer: torch.optim.Opti
             groups[e["name"]] = e.get("group")
         elif e["kind"] == "buffer":
             _load(_lookup(buffers, e["name"], state.layer_id, "buffer"), value, e, state.layer_id)
+        elif e["kind"] == "grad":
+            _load_grad(_lookup(params, e["name"], state.layer_id, "parameter"), value, e, state.layer_id)
         else:
             owner = _lookup(params, e["name"], state.layer_id, "parameter")
             device = owner.device if e.get("with_param", True) else torch.device("cpu")
@@ -285,12 +310,24 @@ def load_layer(state: LayerState, module: nn.Module, optimizer: torch.optim.Opti
     missing = sorted(set(params) - set(groups))
     if missing:
         raise ValueError(f"layer {state.layer_id}: the manifest has no values for parameters {missing}")
-    count = len(optimizer.param_groups) if optimizer is not None else 0
-    for name, g in groups.items():
-        if optimizer is not None and g is not None and not (isinstance(g, int) and 0 <= g < count):
-            raise ValueError(f"layer {state.layer_id}: parameter {name} belongs to optimizer param group {g}, "
-                             f"this stage's optimizer has {count}")
+    if optimizer is not None:
+        groups = {name: _group_here(g, manifest, optimizer, f"layer {state.layer_id}'s {name}")
+                  for name, g in groups.items()}
     return LoadedLayer(state.layer_id, params, groups, optim_state)
+
+
+def _group_here(g: int | None, manifest: dict[str, Any], optimizer: torch.optim.Optimizer, what: str) -> int | None:
+    """The index of the param group a parameter that sat in group ``g`` on its stage joins here: the group with
+    the same settings (a manifest without settings, from an older sender, keeps the index)."""
+    if g is None:
+        return None
+    settings = manifest.get("groups", {}).get(str(g))
+    if settings is not None:
+        return matching_group(settings, optimizer.param_groups, preferred=g, what=what)
+    count = len(optimizer.param_groups)
+    if not (isinstance(g, int) and 0 <= g < count):
+        raise ValueError(f"{what} belongs to optimizer param group {g}, this stage's optimizer has {count}")
+    return g
 
 
 def register_layer(loaded: LoadedLayer, optimizer: torch.optim.Optimizer | None) -> None:
@@ -335,6 +372,15 @@ def _like_owner(value: torch.Tensor, owner: torch.Tensor, entry: dict[str, Any],
                          f"{tuple(value.shape)}, the parameter's shard here is {tuple(owner.to_local().shape)}")
     return DTensor.from_local(value, owner.device_mesh, owner.placements, run_check=False, shape=owner.shape,
                               stride=owner.stride())
+
+
+def _load_grad(owner: torch.Tensor, value: torch.Tensor, entry: dict[str, Any], layer_id: int) -> None:
+    """Give a fresh block's parameter the gradient its sender had pending, sharded like the parameter."""
+    local = owner.to_local() if isinstance(owner, DTensor) else owner
+    if list(local.shape) != entry["shape"] or local.dtype != value.dtype:
+        raise ValueError(f"layer {layer_id}: the gradient of {entry['name']} is {tuple(entry['shape'])} "
+                         f"{entry['dtype']}, its parameter here {tuple(local.shape)} {local.dtype}")
+    owner.grad = _like_owner(value.to(local.device), owner, entry, layer_id)
 
 
 def _load(target: torch.Tensor, value: torch.Tensor, entry: dict[str, Any], layer_id: int) -> None:
