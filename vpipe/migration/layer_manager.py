@@ -15,13 +15,9 @@ migration process group (:mod:`vpipe.migration.transfer`)::
       yes: drop the layers                     insert the layers, register them with the optimizer
       no:  keep the layers                     discard what it built
 
-The vote is the commit: no rank changes its layers before every rank knows the outcome,
-so a move that fails (a peer that never answers in time) leaves the old placement
-everywhere and loses nothing. Every phase waits only on an earlier phase of a peer, so a
-round cannot deadlock; a peer that dies is caught by the run's watchdog. The phases up to
-the vote run in :mod:`vpipe.migration.rounds`; the vote and the block edits that follow it
-are here. Streamed moves inside a PipeDream stream share the first half
-(:mod:`vpipe.migration.handshake`) and hand the rest to :mod:`vpipe.migration.stream`.
+The vote is the commit: a move that fails leaves the old placement everywhere and loses
+nothing. The phases up to the vote run in :mod:`vpipe.migration.rounds`; the vote and the
+block edits are here; streamed PipeDream moves go on in :mod:`vpipe.migration.stream`.
 """
 
 from __future__ import annotations
@@ -48,11 +44,12 @@ from vpipe.migration.handshake import (
 )
 from vpipe.migration.link import MoveLink
 from vpipe.migration.moves import Move, apply_round, plan_rounds
-from vpipe.migration.optimizers import move_between, part_of
+from vpipe.migration.optimizers import group_refusal, move_between, part_of
 from vpipe.migration.pins import pin_reason
 from vpipe.migration.placement import Placement
 from vpipe.migration.rounds import MigrationReport, exchange
 from vpipe.migration.shapes import BoundaryShapes
+from vpipe.migration.stale import report_stale_references
 from vpipe.migration.state import (
     LayerState,
     attach_to_optimizer,
@@ -268,6 +265,7 @@ class LayerManager:
         within = [m for m in moves if m.src in local and m.dst in local]
         # phases 1-5: the exchange with the other ranks (announce, build, send, receive, acknowledge)
         ok, arriving = exchange(self._link(), epoch, r, outgoing, incoming, report)
+        ok = self._can_move_within(within) and ok
         # phase 6: one vote decides the whole round on every rank, then both sides act on it; the
         # same collective tells whether a boundary activation changes (every rank must redo shape inference)
         after = apply_round(self.placement, moves)
@@ -289,6 +287,17 @@ class LayerManager:
         self._advance(self.epoch, after)
         report.moved.extend(self._involved(moves))
         report.rebuilt = report.rebuilt or changed
+        return True
+
+    def _can_move_within(self, moves: Sequence[Move]) -> bool:
+        """Whether every move between two of this rank's stages finds its param groups there (before the vote)."""
+        for m in moves:
+            params = [p for lid in m.layers for p in self.blocks[m.src].blocks()[lid].parameters()]
+            reason = group_refusal(part_of(self.optimizer, m.src), part_of(self.optimizer, m.dst), params)
+            if reason is not None:
+                decision("migration_refused", f"stage {m.dst} cannot take layers {list(m.layers)}: {reason}",
+                         stage=m.dst, layers=list(m.layers), reason=reason)
+                return False
         return True
 
     def _output_changes(self, after: Sequence[Sequence[int]], arriving: Sequence[Incoming]) -> bool:
@@ -389,6 +398,8 @@ class LayerManager:
             detach_from_optimizer(part_of(self.optimizer, stage), children[lid].parameters())
             self.shapes.unwatch(lid)
         self._take(stage, layer_ids)
+        report_stale_references(stage, layer_ids, [p for lid in layer_ids for p in children[lid].parameters()],
+                                [children[lid] for lid in layer_ids])
 
     def _welcome(self, stage: int, layer_id: int, layer: nn.Module) -> None:
         self.shapes.watch(layer_id, layer)
