@@ -27,7 +27,8 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-__all__ = ["BlockContainerError", "KeyStyle", "StageBlocks", "find_block_container"]
+__all__ = ["BlockContainerError", "KeyStyle", "StageBlocks", "find_block_container", "block_containers",
+           "common_container"]
 
 CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 _AMBIGUITY = 0.5  # a second, separate container with at least this share of the best one's parameters
@@ -120,6 +121,38 @@ def find_block_container(stage_module: nn.Module, path: str | None = None) -> tu
             f"vpipe.attach cannot decide which container holds the stage's blocks: {names}. "
             f"Pass layers='{best}' (or another of them) to vpipe.attach")
     return best, _checked(best, container)
+
+
+def block_containers(stage_module: nn.Module) -> list[str]:
+    """Every container in the stage module that could hold its blocks, of one kind or several (each entry a
+    module with parameters): what the stages compare when their own choices differ (:func:`common_container`)."""
+    if isinstance(stage_module, torch.fx.GraphModule):
+        return []
+    return [name for name, module in stage_module.named_modules()
+            if isinstance(module, CONTAINERS) and module._modules
+            and all(m is not None and _param_count(m) > 0 for m in module._modules.values())]
+
+
+def common_container(found: Sequence[tuple[str | None, Sequence[str]]]) -> str:
+    """The one container path every stage uses, from each stage's own choice (None: it found none) and its
+    :func:`block_containers`.
+
+    Stages whose blocks are not all of one kind choose differently on their own: a stage holding
+    a dense and an MoE block sees no repeated class in ``layers`` and picks the MoE block's
+    ``experts``. The path is the choice of some stage that is a container on every stage (the
+    outermost, when one holds another); a container may then hold blocks of several kinds.
+    """
+    chosen = sorted({path for path, _ in found if path is not None})
+    if len(chosen) == 1 and all(path == chosen[0] or chosen[0] in others for path, others in found):
+        return chosen[0]
+    everywhere = [c for c in chosen if all(path == c or c in others for path, others in found)]
+    outermost = [c for c in everywhere if not any(o != c and (o == "" or c.startswith(o + ".")) for o in everywhere)]
+    if len(outermost) == 1:
+        return outermost[0]
+    each = ", ".join(f"stage {s} {path or '<the stage module>'!r}" if path is not None else f"stage {s} none"
+                     for s, (path, _) in enumerate(found))
+    raise BlockContainerError(f"the stages found different block containers ({each}); vpipe moves blocks "
+                              "between containers at one path: pass layers='path.to.container' to vpipe.attach")
 
 
 def _nested(a: str, b: str) -> bool:

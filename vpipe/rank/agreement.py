@@ -30,6 +30,8 @@ from vpipe.migration.blocks import (
     ContainerLayout,
     StageBlocks,
     agree_key_style,
+    block_containers,
+    common_container,
     find_block_container,
     global_ids,
     layout_of,
@@ -121,7 +123,8 @@ class StoreAgreement:
 
 def agree_on_blocks(agreement: StoreAgreement, stages: Sequence[LocalStage], num_stages: int,
                     layers_path: str | None) -> tuple[tuple[int, ...], ...]:
-    """Find every local stage's blocks, tell the other ranks how they are keyed, agree on global ids.
+    """Find every local stage's blocks, agree with the other ranks on one container path and how it is keyed,
+    agree on global ids.
 
     Sets each local stage's ``blocks`` and returns the placement of every stage.
     """
@@ -129,31 +132,50 @@ def agree_on_blocks(agreement: StoreAgreement, stages: Sequence[LocalStage], num
     for stage in stages:
         try:
             path, container = find_block_container(stage.module, layers_path)
-            mine = {"path": path, "kind": type(container).__name__, "keys": list(container._modules)}
             found_here[stage.index] = (path, container)
+            mine: dict[str, Any] = {"path": path}
         except BlockContainerError as e:
             mine = {"error": str(e)}
+        mine["containers"] = [] if layers_path is not None else block_containers(stage.module)
         agreement.set(f"layers/{stage.index}", json.dumps(mine))
-    for stage in stages:
-        if stage.index not in found_here:
-            error = json.loads(agreement.store.get(f"layers/{stage.index}"))["error"]
-            agreement.gather("layers/{}", range(num_stages), "vpipe.attach", f"stage {stage.index}")
-            raise BlockContainerError(f"stage {stage.index}: {error}")
     found = [json.loads(raw) for raw in
              agreement.gather("layers/{}", range(num_stages), "vpipe.attach", f"stage {stages[0].index}")]
-    failed = [s for s, f in enumerate(found) if "error" in f]
-    if failed:
-        path = found_here[stages[0].index][0]
-        raise BlockContainerError(f"stage(s) {failed} could not find their blocks (their error says why); "
-                                  f"this stage found {path or '<the stage module>'}")
-    layouts = [ContainerLayout(f["path"], f["kind"], tuple(f["keys"])) for f in found]
+    path = _one_path(found, stages, layers_path)
+    for stage in stages:
+        if found_here.get(stage.index, (None,))[0] != path:
+            found_here[stage.index] = find_block_container(stage.module, path)
+        container = found_here[stage.index][1]
+        agreement.set(f"keys/{stage.index}", json.dumps({"kind": type(container).__name__,
+                                                          "keys": list(container._modules)}))
+    layouts = [ContainerLayout(path, f["kind"], tuple(f["keys"])) for f in (
+        json.loads(raw) for raw in agreement.gather("keys/{}", range(num_stages), "vpipe.attach",
+                                                    f"stage {stages[0].index}"))]
     style = agree_key_style(layouts)
     placement = tuple(tuple(ids) for ids in global_ids(layouts, style))
     for stage in stages:
-        path, container = found_here[stage.index]
-        assert layout_of(path, container).keys == layouts[stage.index].keys
-        stage.blocks = StageBlocks(container, placement[stage.index], style, path)
+        path_here, container = found_here[stage.index]
+        assert layout_of(path_here, container).keys == layouts[stage.index].keys
+        stage.blocks = StageBlocks(container, placement[stage.index], style, path_here)
     return placement
+
+
+def _one_path(found: Sequence[dict[str, Any]], stages: Sequence[LocalStage], layers_path: str | None) -> str:
+    """The container path every stage uses (the same answer on every rank: all read the same records)."""
+    if layers_path is not None or all("error" in f for f in found):
+        for stage in stages:  # this stage's own error first, then the others'
+            if "error" in found[stage.index]:
+                raise BlockContainerError(f"stage {stage.index}: {found[stage.index]['error']}")
+        failed = [s for s, f in enumerate(found) if "error" in f]
+        if failed:
+            raise BlockContainerError(f"stage(s) {failed} could not find their blocks (their error says why)")
+        return layers_path if layers_path is not None else found[0]["path"]
+    try:
+        return common_container([(f.get("path"), f["containers"]) for f in found])
+    except BlockContainerError:
+        for stage in stages:
+            if "error" in found[stage.index]:
+                raise BlockContainerError(f"stage {stage.index}: {found[stage.index]['error']}") from None
+        raise
 
 
 def _default_store() -> Any:
