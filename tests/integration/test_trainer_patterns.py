@@ -1,0 +1,80 @@
+"""Trainer patterns that once changed what the model learns under vpipe's moves, silently: each trains exactly
+as without vpipe now, or the move is refused in one line.
+
+Each scenario of ``tests/workers/pattern_worker.py`` runs on two real ranks (6,2 split of 8 blocks) next to the
+same trainer without vpipe; the losses, and every parameter and buffer of the whole model, must be bitwise equal.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from test_block_moves import assert_trains_like_plain, moved_layers
+
+from support.processes import run_worker
+
+
+def run_pattern(tmp_path: Path, scenario: str) -> dict:
+    return run_worker(tmp_path, "pattern_worker", scenario, 2)
+
+
+def _events(log: list[dict], event: str) -> list[dict]:
+    return [r for r in log if r.get("event") == event]
+
+
+def test_gradients_accumulated_over_two_schedule_steps_move_with_their_blocks(tmp_path):
+    """A plan taking effect between the two schedule.step() calls of an accumulation window: before the fix the
+    moved blocks' first-half gradients stayed behind and the next optimizer step used half a gradient. A list of
+    parameters the trainer took before attach is reported stale in one line."""
+    result = run_pattern(tmp_path, "accumulation")
+    placements = result["placements"]
+    assert placements[2] == [[0, 1, 2, 3, 4, 5], [6, 7]] and placements[3] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert placements[-1] == [[0, 1, 2, 3, 4, 5], [6, 7]]  # and back, again inside a window
+    assert_trains_like_plain(result)
+    # the trainer's own list of the stage's parameters, taken before attach, is named once per move off stage 0
+    stale = [r for r in _events(result["log"], "stale_references") if r["stage"] == 0]
+    assert stale, "the trainer's own parameter list names blocks that left stage 0"
+    first = stale[0]
+    assert first["layers"] == [4, 5] and first["count"] == 1
+    assert first["holders"] == ["a list of 38 (12 of them leaving)"]
+    assert "take the parameters from model.parameters() or optimizer.param_groups" in first["msg"]
+
+
+def test_named_param_groups_that_differ_between_stages_keep_each_parameter_in_its_group(tmp_path):
+    """Stage 0 lists [embeddings, decay, no_decay], the last stage [decay, no_decay, head]: before the fix moved
+    weights landed by index (decayed weights in no_decay, norms and biases in head, at another learning rate)."""
+    result = run_pattern(tmp_path, "groups")
+    assert result["placements"][-1] == [[0, 1, 2], [3, 4, 5, 6, 7]]
+    assert moved_layers(result["log"])
+    assert_trains_like_plain(result)
+
+
+def test_a_move_into_a_stage_without_a_matching_group_is_refused_in_one_line(tmp_path):
+    result = run_pattern(tmp_path, "groups_refused")
+    assert result["placements"][-1] == [[0, 1, 2, 3, 4, 5], [6, 7]]  # nothing moved
+    refused = _events(result["log"], "migration_refused")
+    assert len(refused) == 1
+    assert ("layer 4's up.weight trains in param group 1 'decay' on its stage; no param group here has its settings "
+            "(the closest, group 0 'decay', has weight_decay 0.05 (not 0.1))") in refused[0]["msg"]
+    assert _events(result["log"], "migration_aborted")
+    assert_trains_like_plain(result)
+
+
+def test_dense_and_moe_blocks_interleaved_share_one_container_and_move(tmp_path):
+    """Stage 1 holds one dense and one MoE block: alone it would pick the MoE block's experts as its container."""
+    result = run_pattern(tmp_path, "mixed")
+    assert result["placements"][-1] == [[0, 1, 2], [3, 4, 5, 6, 7]]
+    assert [r["moved"] for r in _events(result["log"], "migration_done") if r["rank"] == 0] == [[[4, 5]], [[4]],
+                                                                                                [[3, 4]]]
+    assert_trains_like_plain(result)  # router weights, experts and their token counts travel
+    assert sum(result["states"]["vpipe"]["layers.5.tokens_per_expert"]) == 8 * 8  # 8 steps of 8 samples
+
+
+@pytest.mark.slow
+def test_a_block_of_a_kind_the_receiving_stage_cannot_build_is_refused_in_one_line(tmp_path):
+    result = run_pattern(tmp_path, "mixed_unbuildable")
+    assert result["placements"][-1] == [[0, 1, 2, 3, 4, 5, 6], [7]]  # the first plan moved, the second not
+    refused = _events(result["log"], "migration_refused")
+    assert len(refused) == 1 and "no block of kind MoE#" in refused[0]["msg"]
+    assert_trains_like_plain(result)

@@ -1,0 +1,197 @@
+"""Rank program for tests/integration/test_trainer_patterns.py: everyday trainer patterns that once changed what
+the model learns under vpipe's moves, each against the same trainer without vpipe.
+
+Each scenario (``argv[1]``) builds a torchtitan-shaped model (``layers`` a ModuleDict keyed by global id, an
+input projection on the first stage, a head on the last) split 6,2 over two ranks, twice side by side: a
+plain copy on a gloo group of its own and a copy with the one line. vpipe's copy is told to move blocks; both
+train the same batches with the scenario's trainer loop, and rank 0 writes both copies' losses, the whole
+model's state (merged by global key), the placements and vpipe's log records to ``argv[2]``.
+
+- ``accumulation``: two ``schedule.step()`` calls per ``optimizer.step()`` (the loss halved, as Hugging
+  Face's ``gradient_accumulation_steps`` does), plans taking effect between the two; the trainer also keeps a
+  list of the stage's parameters taken before attach (for its own use), which a move leaves stale;
+- ``groups``: Hugging Face's weight-decay groups, named, listed differently per stage (stage 0
+  ``[embeddings, decay, no_decay]``, the last ``[decay, no_decay, head]``);
+- ``groups_refused``: the last stage decays with another weight decay: no group there fits a moved block;
+- ``mixed``: dense and MoE blocks interleaved (torchtitan's Llama 4 / DeepSeek shape), no ``layers=``;
+- ``mixed_unbuildable``: the last stage holds dense blocks only and is asked to take an MoE block.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from block_worker import batch, keep_buffers_through_shape_inference  # noqa: E402  (this script's directory)
+
+DIM, LAYERS, COUNTS, EXPERTS, STEPS = 16, 8, [6, 2], 3, 8
+
+
+class Dense(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.up = nn.Linear(DIM, 2 * DIM)
+        self.down = nn.Linear(2 * DIM, DIM)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.down(torch.relu(self.up(self.norm(h))))
+
+
+class MoE(nn.Module):
+    """Top-1 routing over a ModuleList of experts; an int64 buffer counts the tokens each expert took."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.router = nn.Linear(DIM, EXPERTS, bias=False)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(DIM, DIM), nn.ReLU(), nn.Linear(DIM, DIM))
+                                     for _ in range(EXPERTS))
+        self.register_buffer("tokens_per_expert", torch.zeros(EXPERTS, dtype=torch.int64))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        x = self.norm(h)
+        scores = self.router(x).softmax(-1)
+        top = scores.argmax(-1)
+        if self.training:
+            with torch.no_grad():
+                self.tokens_per_expert += torch.bincount(top, minlength=EXPERTS)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            out = out + (top == e).unsqueeze(-1) * scores[:, e:e + 1] * expert(x)
+        return h + out
+
+
+class Net(nn.Module):
+    def __init__(self, kinds: str) -> None:
+        super().__init__()
+        self.inp: nn.Module | None = nn.Linear(DIM, DIM)
+        self.layers = nn.ModuleDict({str(i): MoE() if kinds[i] == "m" else Dense() for i in range(LAYERS)})
+        self.out: nn.Module | None = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x) if self.inp is not None else x
+        for layer in self.layers.values():
+            h = layer(h)
+        return self.out(h) if self.out is not None else h
+
+
+def _split(model: Net, rank: int) -> Net:
+    first = sum(COUNTS[:rank])
+    for name in [n for n in model.layers if not first <= int(n) < first + COUNTS[rank]]:
+        del model.layers[name]
+    if rank != 0:
+        model.inp = None
+    if rank != len(COUNTS) - 1:
+        model.out = None
+    return model
+
+
+def _decay_groups(model: Net, weight_decay: float) -> list[dict[str, Any]]:
+    """Hugging Face's grouping: decay on weights, none on biases and norms, groups named."""
+    named = [(n, p) for n, p in model.layers.named_parameters()]
+    decay = [p for n, p in named if n.endswith("weight") and "norm" not in n]
+    rest = [p for n, p in named if not (n.endswith("weight") and "norm" not in n)]
+    return [{"params": decay, "weight_decay": weight_decay, "name": "decay"},
+            {"params": rest, "weight_decay": 0.0, "name": "no_decay"}]
+
+
+def groups_per_stage(model: Net, last_decay: float = 0.1) -> torch.optim.Optimizer:
+    if dist.get_rank() == 0:
+        groups = [{"params": list(model.inp.parameters()), "lr": 5e-4, "weight_decay": 0.0, "name": "embeddings"},
+                  *_decay_groups(model, 0.1)]
+    else:
+        groups = [*_decay_groups(model, last_decay),
+                  {"params": list(model.out.parameters()), "lr": 2e-3, "weight_decay": 0.0, "name": "head"}]
+    return torch.optim.AdamW(groups, lr=1e-3)
+
+
+def _build(group: Any, kinds: str, accumulation: int, make_optimizer: Callable[[Net], torch.optim.Optimizer]):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = _split(Net(kinds), rank)
+    stage = PipelineStage(model, rank, world, torch.device("cpu"), group=group)
+    keep_buffers_through_shape_inference(stage)
+    schedule = Schedule1F1B(stage, 4, loss_fn=lambda out, y: F.mse_loss(out, y) / accumulation)
+    return model, schedule, make_optimizer(model)
+
+
+def side_by_side(plans: dict[int, list[list[int]]], *, kinds: str = "d" * LAYERS, accumulation: int = 1,
+                 make_optimizer: Callable[[Net], torch.optim.Optimizer] = lambda m: torch.optim.Adam(
+                     m.parameters(), lr=1e-2), **options: Any) -> dict:
+    """Train both copies on the same batches; vpipe's applies ``plans`` (schedule.step() call -> placement)."""
+    import vpipe
+    from vpipe.plan import Plan
+
+    copies = {"plain": _build(dist.new_group(backend="gloo"), kinds, accumulation, make_optimizer),
+              "vpipe": _build(None, kinds, accumulation, make_optimizer)}
+    model, schedule, opt = copies["vpipe"]
+    kept_params = list(model.parameters())  # the trainer's own list, taken once before attach
+    vp = vpipe.attach(schedule, optimizer=opt, planning=False, **options)
+    for epoch, (step, stages) in enumerate(sorted(plans.items()), start=1):
+        vp.request_plan(Plan(epoch=epoch, stages=stages), at_step=step)
+    losses: dict[str, list[float]] = {name: [] for name in copies}
+    placements = []
+    for step in range(STEPS):
+        for name, (_, sched, o) in copies.items():
+            for micro in range(accumulation):
+                x, y = batch(step * accumulation + micro)
+                out: list[torch.Tensor] = []
+                if dist.get_rank() == 0:
+                    sched.step(x)
+                else:
+                    sched.step(target=y, losses=out)
+                losses[name] += [float(loss.detach()) for loss in out]
+                if name == "vpipe":
+                    placements.append([list(s) for s in vp.placement])
+            o.step()
+            o.zero_grad(set_to_none=True)
+    vp.detach()
+    del kept_params
+    states = {name: {k: v.tolist() for k, v in m.state_dict().items()} for name, (m, _, _) in copies.items()}
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, states)
+    merged = {name: {k: v for rank_states in gathered for k, v in rank_states[name].items()} for name in copies}
+    return {"losses": losses if dist.get_rank() == 1 else None, "states": merged, "placements": placements}
+
+
+ALL_TO_4_4 = {1: [[0, 1, 2, 3], [4, 5, 6, 7]], 4: [[0, 1, 2, 3, 4], [5, 6, 7]], 7: [[0, 1, 2], [3, 4, 5, 6, 7]]}
+SCENARIOS: dict[str, Callable[[], dict]] = {
+    # plans at odd schedule.step() calls: between the two calls of an accumulation window
+    "accumulation": lambda: side_by_side({3: [[0, 1, 2, 3], [4, 5, 6, 7]], 9: [[0, 1, 2, 3, 4, 5], [6, 7]]},
+                                         accumulation=2),
+    "groups": lambda: side_by_side(ALL_TO_4_4, make_optimizer=groups_per_stage),
+    "groups_refused": lambda: side_by_side({2: [[0, 1, 2, 3], [4, 5, 6, 7]]},
+                                           make_optimizer=lambda m: groups_per_stage(m, last_decay=0.05)),
+    "mixed": lambda: side_by_side(ALL_TO_4_4, kinds="dmdmdmdm"),
+    "mixed_unbuildable": lambda: side_by_side({2: [[0, 1, 2, 3, 4, 5, 6], [7]], 4: [[0, 1, 2], [3, 4, 5, 6, 7]]},
+                                              kinds="dmdmdmdd"),
+}
+
+
+def main() -> None:
+    scenario, out = sys.argv[1], sys.argv[2]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    result = SCENARIOS[scenario]()
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, result)
+    if dist.get_rank() == 0:
+        losses = next(r["losses"] for r in gathered if r["losses"] is not None)
+        Path(out).write_text(json.dumps(dict(gathered[0], losses=losses)))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
