@@ -78,3 +78,12 @@ def test_a_block_of_a_kind_the_receiving_stage_cannot_build_is_refused_in_one_li
     refused = _events(result["log"], "migration_refused")
     assert len(refused) == 1 and "no block of kind MoE#" in refused[0]["msg"]
     assert_trains_like_plain(result)
+
+
+def test_an_autocast_around_the_step_depends_on_the_split_unless_its_cache_is_off(tmp_path):
+    """torch's own behaviour, which docs/stage-shapes.md states: no vpipe involved."""
+    losses = run_pattern(tmp_path, "autocast_splits")["losses"]
+    assert losses["6,2 cache=False"] == losses["4,4 cache=False"]  # bitwise, every micro-batch of 3 steps
+    first_step = slice(0, 4)  # the first step's 4 micro-batches are equal; the weights it stepped to are not
+    assert losses["6,2 cache=True"][first_step] == losses["4,4 cache=True"][first_step]
+    assert losses["6,2 cache=True"][4:] != losses["4,4 cache=True"][4:]

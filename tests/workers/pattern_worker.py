@@ -14,7 +14,8 @@ model's state (merged by global key), the placements and vpipe's log records to 
   ``[embeddings, decay, no_decay]``, the last ``[decay, no_decay, head]``);
 - ``groups_refused``: the last stage decays with another weight decay: no group there fits a moved block;
 - ``mixed``: dense and MoE blocks interleaved (torchtitan's Llama 4 / DeepSeek shape), no ``layers=``;
-- ``mixed_unbuildable``: the last stage holds dense blocks only and is asked to take an MoE block.
+- ``mixed_unbuildable``: the last stage holds dense blocks only and is asked to take an MoE block;
+- ``autocast_splits``: no vpipe; the tutorial's trainer on two splits under an autocast around the step.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from block_worker import batch, keep_buffers_through_shape_inference  # noqa: E402  (this script's directory)
 
@@ -86,13 +88,13 @@ class Net(nn.Module):
         return self.out(h) if self.out is not None else h
 
 
-def _split(model: Net, rank: int) -> Net:
-    first = sum(COUNTS[:rank])
-    for name in [n for n in model.layers if not first <= int(n) < first + COUNTS[rank]]:
+def _split(model: Net, rank: int, counts: list[int] = COUNTS) -> Net:
+    first = sum(counts[:rank])
+    for name in [n for n in model.layers if not first <= int(n) < first + counts[rank]]:
         del model.layers[name]
     if rank != 0:
         model.inp = None
-    if rank != len(COUNTS) - 1:
+    if rank != len(counts) - 1:
         model.out = None
     return model
 
@@ -116,10 +118,11 @@ def groups_per_stage(model: Net, last_decay: float = 0.1) -> torch.optim.Optimiz
     return torch.optim.AdamW(groups, lr=1e-3)
 
 
-def _build(group: Any, kinds: str, accumulation: int, make_optimizer: Callable[[Net], torch.optim.Optimizer]):
+def _build(group: Any, kinds: str, accumulation: int, make_optimizer: Callable[[Net], torch.optim.Optimizer],
+           counts: list[int] = COUNTS):
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = _split(Net(kinds), rank)
+    model = _split(Net(kinds), rank, counts)
     stage = PipelineStage(model, rank, world, torch.device("cpu"), group=group)
     keep_buffers_through_shape_inference(stage)
     schedule = Schedule1F1B(stage, 4, loss_fn=lambda out, y: F.mse_loss(out, y) / accumulation)
@@ -165,6 +168,37 @@ def side_by_side(plans: dict[int, list[list[int]]], *, kinds: str = "d" * LAYERS
     return {"losses": losses if dist.get_rank() == 1 else None, "states": merged, "placements": placements}
 
 
+def autocast_splits() -> dict:
+    """No vpipe: the torch pipelining tutorial's trainer on a 6,2 and a 4,4 split with a bf16 autocast around each
+    schedule.step(), with torch's default cache of down-cast weights and without it: what docs/stage-shapes.md
+    says about autocast."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_tutorial", ROOT / "examples" / "train_tutorial.py")
+    tut = importlib.util.module_from_spec(spec)
+    sys.modules["train_tutorial"] = tut
+    spec.loader.exec_module(tut)
+    rank = dist.get_rank()
+    losses: dict[str, list[float]] = {}
+    for counts in ([6, 2], [4, 4]):
+        for cache in (True, False):
+            torch.manual_seed(0)
+            model = tut.split_model(tut.Transformer(tut.ModelArgs()), rank, counts)
+            stage = PipelineStage(model, rank, 2, torch.device("cpu"), group=dist.new_group(backend="gloo"))
+            schedule = Schedule1F1B(stage, 4, loss_fn=tut.tokenwise_loss_fn)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            name = losses.setdefault(f"{counts[0]},{counts[1]} cache={cache}", [])
+            for step in range(3):
+                x, y = tut.batch(step, 8, 32, 256)
+                out: list[torch.Tensor] = []
+                with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=cache):
+                    schedule.step(x) if rank == 0 else schedule.step(target=y, losses=out)
+                name += [float(loss.detach()) for loss in out]
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+    return {"losses": losses if rank == 1 else None}
+
+
 ALL_TO_4_4 = {1: [[0, 1, 2, 3], [4, 5, 6, 7]], 4: [[0, 1, 2, 3, 4], [5, 6, 7]], 7: [[0, 1, 2], [3, 4, 5, 6, 7]]}
 SCENARIOS: dict[str, Callable[[], dict]] = {
     # plans at odd schedule.step() calls: between the two calls of an accumulation window
@@ -176,6 +210,7 @@ SCENARIOS: dict[str, Callable[[], dict]] = {
     "mixed": lambda: side_by_side(ALL_TO_4_4, kinds="dmdmdmdm"),
     "mixed_unbuildable": lambda: side_by_side({2: [[0, 1, 2, 3, 4, 5, 6], [7]], 4: [[0, 1, 2], [3, 4, 5, 6, 7]]},
                                               kinds="dmdmdmdd"),
+    "autocast_splits": autocast_splits,
 }
 
 
