@@ -8,7 +8,8 @@ from torch import nn
 
 from vpipe.migration.groups import GroupMismatch, group_settings
 from vpipe.migration.optimizers import group_refusal, move_between
-from vpipe.migration.state import pack_layer, unpack_layer
+from vpipe.migration.stale import stale_holders
+from vpipe.migration.state import detach_from_optimizer, pack_layer, unpack_layer
 
 
 class Block(nn.Module):
@@ -90,3 +91,24 @@ def test_group_settings_are_plain_values_a_message_carries():
     settings = group_settings(opt.param_groups[0])
     assert "params" not in settings and settings["betas"] == [0.9, 0.99]
     assert settings["lr"] == {"tensor": pytest.approx(0.01), "dtype": "torch.float32"}
+
+
+class Ema:
+    """A trainer's own EMA that keeps the parameters it averages."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self.params = tuple(params)
+
+
+def test_references_the_trainer_holds_to_leaving_parameters_are_named_and_nothing_else():
+    block, other = Block(), Block()
+    optimizer = torch.optim.SGD([*block.parameters(), *other.parameters()], lr=0.1)
+    leaving = list(block.parameters())
+    detach_from_optimizer(optimizer, leaving)  # as a move does before it looks
+    assert stale_holders(leaving, [block]) == []  # the module, the optimizer and this frame's list are not
+    clip_list = list(block.parameters()) + list(other.parameters())
+    ema = Ema(list(block.parameters()))
+    by_name = dict(block.named_parameters())
+    assert stale_holders(leaving, [block]) == ["a dict of 4 (4 of them leaving)", "a list of 8 (4 of them leaving)",
+                                               "a tuple of 4 (4 of them leaving)"]
+    del clip_list, ema, by_name, optimizer

@@ -5,7 +5,8 @@ clipping, an EMA of the weights or a custom weight decay. After a move that list
 the blocks that left this stage (their tensors no longer train here) and misses the blocks
 that arrived, silently. vpipe edits the module and the optimizer in place, so those stay
 right; anything else that holds a leaving parameter is found here through the garbage
-collector's referrer lists (one scan per move, after it commits) and named in one
+collector's referrer lists (one scan per move, after it commits: about 30 ms in a process
+of 300,000 objects, and a collection more when something holds them) and named in one
 ``stale_references`` line with what to do instead.
 """
 
@@ -41,7 +42,14 @@ def stale_holders(params: Sequence[torch.Tensor], blocks: Iterable[nn.Module]) -
     own = {id(m.__dict__) for block in blocks for m in block.modules()}
     own |= {id(m._parameters) for block in blocks for m in block.modules()}
     leaving = {id(p) for p in params}
-    gc.collect()  # a list dropped in a reference cycle is not the trainer's any more
+    found = _scan(params, own, leaving)
+    if found:  # a holder dropped in a reference cycle is not the trainer's any more: collect, then look again
+        gc.collect()
+        found = _scan(params, own, leaving)
+    return found
+
+
+def _scan(params: Sequence[torch.Tensor], own: set[int], leaving: set[int]) -> list[str]:
     found = []
     for holder in gc.get_referrers(*params):
         if id(holder) in own or holder is params or isinstance(holder, (types.FrameType, types.CellType)):
