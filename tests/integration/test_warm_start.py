@@ -179,3 +179,55 @@ def test_a_shared_starter_that_is_not_there_is_said_and_the_run_starts_its_own(t
                  extra_env={SHARED_STARTER_ENV: str(missing), COLD_START_ENV: "0"})
     assert code == 0  # forked warm all the same, by a starter of its own
     assert f"VPIPE_WARM_STARTER={missing}: no warm starter answers there" in caplog.text
+
+
+def _launcher_with_sleeping_ranks() -> tuple[subprocess.Popen, psutil.Process, list[psutil.Process]]:
+    """A launcher in a process group of its own (as a shell's job is) whose own starter forks two sleeping
+    ranks; returns it, its starter and every process under it."""
+    program = ("import sys\nfrom vpipe_lab.runtime.launch import spawn\n"
+               "sys.exit(spawn([sys.executable, '-c', 'import time; time.sleep(600)'], 2))\n")
+    launcher = subprocess.Popen([sys.executable, "-c", program], start_new_session=True, stderr=subprocess.PIPE,
+                                text=True, env=child_env(**{COLD_START_ENV: "0", SHARED_STARTER_ENV: ""}))
+    descendants: list = []
+    for _ in range(600):
+        descendants = psutil.Process(launcher.pid).children(recursive=True)
+        if len(descendants) >= 3:  # the starter and its two ranks
+            break
+        time.sleep(0.1)
+    assert len(descendants) >= 3
+    starter = next(p for p in psutil.Process(launcher.pid).children() if p.children())
+    return launcher, starter, descendants
+
+
+def test_sigterm_to_the_launchers_group_ends_it_and_every_rank_within_seconds():
+    """`timeout 20 vpipe train ...` signals the whole group: the ranks and the starter die at once, and the
+    launcher, which used to wait for exit codes nobody would report, ends with one line."""
+    import os
+    import signal
+
+    launcher, _, descendants = _launcher_with_sleeping_ranks()
+    started = time.monotonic()
+    os.killpg(launcher.pid, signal.SIGTERM)
+    try:
+        code = launcher.wait(timeout=10)
+    finally:
+        launcher.kill()
+    assert time.monotonic() - started < 10
+    assert code == 128 + signal.SIGTERM
+    lines = launcher.stderr.read().strip().splitlines()
+    assert lines[-1].startswith("vpipe: interrupted (SIGTERM); every rank stopped")
+    _, alive = psutil.wait_procs(descendants, timeout=10)
+    assert not alive, f"left running: {alive}"
+
+
+def test_a_starter_killed_outright_takes_its_ranks_and_ends_the_launcher_saying_so():
+    launcher, starter, descendants = _launcher_with_sleeping_ranks()
+    starter.kill()
+    try:
+        code = launcher.wait(timeout=10)
+    finally:
+        launcher.kill()
+    assert code == 1
+    assert "the warm starter that forked the ranks ended, so every rank was stopped" in launcher.stderr.read()
+    _, alive = psutil.wait_procs(descendants, timeout=10)
+    assert not alive, f"ranks left training on as orphans: {alive}"

@@ -153,6 +153,7 @@ def heartbeat_timeout_from_env(environ: dict[str, str] | None = None) -> float:
 
 
 EXIT_INTERRUPTED = 128 + signal.SIGINT  # what a shell reports for a process ended by Ctrl-C
+INTERRUPT_GRACE_S = 5.0  # how long ranks passed a SIGINT / SIGTERM get to end before they are killed
 
 
 def run_rank(ctx: Distributed, main: Any, *args: Any, **kwargs: Any) -> Any:
@@ -326,10 +327,16 @@ def _wait_all(procs: list[Any], grace_s: float, timeout_s: float | None = None,
     blamed: tuple[int, str] | None = None  # a rank the others stopped for, still running (hung or stopped)
     failed_at = 0.0
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    asked_at: float | None = None  # when a signal to stop was passed on
     while True:
         codes = [p.poll() for p in procs]
         if all(c is not None for c in codes):
             break
+        if interrupted and asked_at is None:
+            asked_at = time.monotonic()
+        if asked_at is not None and time.monotonic() - asked_at > INTERRUPT_GRACE_S:
+            for p in procs:
+                p.kill()  # asked to stop and still running: not worth the wait of whoever asked
         if deadline is not None and time.monotonic() > deadline:
             for p in procs:
                 p.kill()
@@ -352,6 +359,10 @@ def _wait_all(procs: list[Any], grace_s: float, timeout_s: float | None = None,
     exit_codes: list[int] = [p.returncode for p in procs]  # every rank has exited
     bad = [(r, c) for r, c in enumerate(exit_codes) if c != 0]
     summary = ", ".join(f"rank {r}={c}" for r, c in enumerate(exit_codes))
+    if bad and any(getattr(p, "starter_lost", False) for p in procs) and not interrupted:
+        print(f"vpipe: run failed; the warm starter that forked the ranks ended, so every rank was stopped "
+              f"(exit codes: {summary})", file=sys.stderr, flush=True)
+        return 1
     if bad and interrupted:
         name = signal.Signals(interrupted[0]).name
         print(f"vpipe: interrupted ({name}); every rank stopped (exit codes: {summary})", file=sys.stderr, flush=True)

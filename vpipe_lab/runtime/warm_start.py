@@ -22,6 +22,7 @@ Forking after CUDA is touched is unsafe, so where an NVIDIA device exists ranks 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import random
@@ -58,6 +59,7 @@ class StarterLink:
     def __init__(self, connected: socket.socket) -> None:
         self._socket = connected
         self.exit_codes: dict[int, int] = {}
+        self.lost = False  # the starter ended while this link was open: nobody reports its ranks' exits
 
     def start(self, argv: Sequence[str], env: dict[str, str], stdout: Any = None, stderr: Any = None) -> WarmRank:
         """Fork one rank running ``argv`` (a Python command line) with ``env``; return its handle.
@@ -80,11 +82,19 @@ class StarterLink:
     def close(self) -> None:
         self._socket.close()
 
+    @property
+    def closed(self) -> bool:
+        return self._socket.fileno() < 0
+
     def _read(self, timeout_s: float) -> Iterator[dict[str, Any]]:
         while self._socket.fileno() >= 0 and select.select([self._socket], [], [], timeout_s)[0]:
-            message = self._socket.recv(65536)
+            try:
+                message = self._socket.recv(65536)
+            except ConnectionResetError:
+                message = b""
             if not message:
                 self._socket.close()  # the starter has gone
+                self.lost = True
                 return
             reply = json.loads(message)
             if "exited" in reply:
@@ -171,7 +181,19 @@ class WarmRank:
 
     @property
     def returncode(self) -> int | None:
-        return self._starter.exit_codes.get(self.pid)
+        code = self._starter.exit_codes.get(self.pid)
+        if code is None and self._starter.lost:
+            # the starter that would report its exit is gone (killed): the rank dies with it (it asked the kernel
+            # to, at fork), and is ended here in case it has not yet; it counts as killed
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(self.pid, signal.SIGKILL)
+            code = self._starter.exit_codes[self.pid] = -signal.SIGKILL
+        return code
+
+    @property
+    def starter_lost(self) -> bool:
+        """Whether the starter ended while this rank ran (killed with it)."""
+        return self._starter.lost
 
     def poll(self) -> int | None:
         if self.returncode is None:
@@ -224,6 +246,7 @@ def _serve(owner_fd: int, listener_fd: int | None = None) -> dict[str, Any]:
             if message:
                 pid = os.fork()
                 if pid == 0:
+                    _die_with_starter()
                     for other in [*ranks, *([listener] if listener is not None else [])]:
                         other.close()
                     os.dup2(fds[0], 1)
@@ -243,6 +266,16 @@ def _serve(owner_fd: int, listener_fd: int | None = None) -> dict[str, Any]:
                 _report(connection, {"exited": pid, "code": code})
         _reaped(orphans)
     sys.exit(0)
+
+
+def _die_with_starter() -> None:
+    """Ask the kernel to kill this forked rank when the starter dies (``kill -9`` of the starter leaves no rank
+    training on as an orphan). Linux's ``prctl(PR_SET_PDEATHSIG)``; elsewhere the launcher ends them."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def _reaped(pids: set[int]) -> dict[int, int]:
