@@ -33,4 +33,7 @@ def parse_bytes(text: str, *, what: str = "size") -> int:
         raise ValueError(f"{what} {raw!r} is larger than any machine ({MAX_BYTES} bytes at most)")
     if value < 1:
         raise ValueError(f"{what} {raw!r} must be at least 1 byte")
+    if match.group(2).lower() in ("", "b") and value != int(value):
+        raise ValueError(f"{what} {raw!r} is not a whole number of bytes (a unit such as 1.5GB or 1.5GiB may "
+                         "take a fraction)")
     return int(value)

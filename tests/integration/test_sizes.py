@@ -23,7 +23,8 @@ def test_sizes_read_the_same_way_everywhere(text, value):
     ("-1", "must not be negative"), ("16 apples", "is not a byte size"), ("", "is not a byte size"),
     ("0", "must be at least 1 byte"), ("0.5", "must be at least 1 byte"), ("infG", "is not a byte size"),
     ("1e400", "larger than any machine"), ("1e400G", "larger than any machine"), ("9EiB", "is not a byte size"),
-    (str(2 * MAX_BYTES), "larger than any machine"),
+    (str(2 * MAX_BYTES), "larger than any machine"), ("1.5B", "is not a whole number of bytes"),
+    ("1.5", "is not a whole number of bytes"),
 ])
 def test_sizes_that_are_no_sizes_get_one_line(text, message):
     with pytest.raises(ValueError, match=message):

@@ -349,6 +349,22 @@ def test_vpipe_logs_shows_escape_sequences_and_markup_from_a_log_as_text(tmp_pat
     assert "\\x1b[2J" in out and "\\x07" in out and "\\u202e" in out and "[bold red]x[/]" in out
 
 
+def test_vpipe_logs_cuts_a_huge_line_saying_how_much_instead_of_folding_it_whole(tmp_path, capsys):
+    """A 16 MB log line used to take 44 s to show: the table's folding is quadratic in a cell's length."""
+    import json as json_
+
+    from vpipe_lab.logview import MAX_CELL, render
+
+    log = tmp_path / "run.log"
+    huge = "x" * 2_000_000
+    log.write_text(json_.dumps({"t": 1.0, "rank": 0, "logger": "vpipe.decisions", "level": "INFO",
+                                "event": "plan_received", "msg": huge}) + "\n")
+    assert render(str(log)) == 0
+    out = capsys.readouterr().out
+    assert f"({2_000_000 - MAX_CELL} more characters)" in out
+    assert out.count("x") < 2 * MAX_CELL
+
+
 def test_a_checkpoint_write_that_fails_midway_leaves_the_old_file_and_no_temporary(tmp_path):
     import resource
     import signal
