@@ -96,7 +96,13 @@ def run_benchmarks(names: list[str], out: Path | None, *, folder: Path | None = 
         raise ValueError(f"unknown benchmark {', '.join(unknown)}; choose from {', '.join(BENCHMARKS)}")
     single_file = out is not None and len(names) == 1 and out.suffix == ".json"
     if out is not None and not single_file:
-        out.mkdir(parents=True, exist_ok=True)
+        if out.exists() and not out.is_dir():
+            raise ValueError(f"--json {out}: is a file; with {len(names)} benchmarks --json names a directory for "
+                             "NAME.json and bench.json (a .json file only for one NAME)")
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"--json {out}: cannot make the directory: {e.strerror}") from None
     records = []
     for name in names:
         bench = BENCHMARKS[name]

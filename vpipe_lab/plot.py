@@ -47,17 +47,26 @@ def series_from_log(records: Sequence[dict[str, Any]]) -> RunSeries:
     t0 = min(r["t"] for r in records if isinstance(r.get("t"), (int, float)))
     out = RunSeries()
     for r in records:
-        t = float(r.get("t", t0)) - t0
+        t = _number(r, "t", t0) - t0
         if r.get("logger") == STEPS and _positive(r.get("step_s")):
             out.step_t.append(t)
-            out.step.append(int(r.get("step", len(out.step))))
-            out.throughput.append(int(r.get("micro_batches", 1)) / float(r["step_s"]))
+            out.step.append(int(_number(r, "step", len(out.step))))
+            out.throughput.append(int(_number(r, "micro_batches", 1)) / float(r["step_s"]))
         elif r.get("logger") == DECISIONS:
             _layers_event(out, r, t)
     if not out.throughput:
         raise ValueError("the log has no per-step records (logger vpipe.steps): was vpipe attached, "
                          "with --log-file, for more than one step?")
     return out
+
+
+def _number(record: dict[str, Any], key: str, default: float) -> float:
+    """``record[key]`` as a number (``default`` when absent); ``ValueError`` names the record and the field."""
+    value = record.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        what = record.get("event") or record.get("logger") or "record"
+        raise ValueError(f"a {what} record (rank {record.get('rank', '?')}) has {key}={value!r:.40}, not a number")
+    return float(value)
 
 
 def _positive(value: Any) -> bool:
@@ -90,7 +99,11 @@ def plot_run(log_file: str | Path, output: str | Path, *, title: str | None = No
         import matplotlib.pyplot as plt
     except ImportError:
         raise RuntimeError("vpipe plot needs matplotlib: pip install 'vpipe[plot]'") from None
-    series = series_from_log(read_log(log_file))
+    records = read_log(log_file)  # a path that is no log file says so itself
+    try:
+        series = series_from_log(records)
+    except ValueError as e:
+        raise ValueError(f"{log_file}: {e}") from None
     end = max([series.step_t[-1]] + [h[-1][0] for h in series.layers.values()])
     fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(9, 6), height_ratios=[3, 2])
     top.plot(series.step_t, series.throughput, ".", color="0.6", markersize=3, label="each step")

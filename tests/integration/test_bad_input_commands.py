@@ -55,6 +55,22 @@ def test_plot_into_a_missing_directory_says_so(tmp_path):
               "vpipe plot: cannot write /nonexistent/dir/x.png: the directory /nonexistent/dir does not exist")
 
 
+def test_plot_names_the_log_and_the_record_whose_number_is_not_a_number(tmp_path):
+    log = tmp_path / "run.log"
+    log.write_text('{"event": "attached", "t": 1.0}\n{"logger": "vpipe.steps", "t": 2.0, "rank": 1, "step_s": 0.5, '
+                   '"micro_batches": "abc"}\n')
+    _one_line(run_vpipe("plot", str(log), "-o", str(tmp_path / "x.png"), timeout=60),
+              f"vpipe plot: {log}: a vpipe.steps record (rank 1) has micro_batches='abc', not a number")
+
+
+def test_bench_json_naming_a_file_for_several_benchmarks_says_so(tmp_path):
+    out = tmp_path / "results"
+    out.write_text("")
+    _one_line(run_vpipe("bench", "memory", "overhead", "--json", str(out), timeout=60),
+              f"vpipe: error: --json {out}: is a file; with 2 benchmarks --json names a directory for NAME.json "
+              "and bench.json (a .json file only for one NAME)")
+
+
 def test_a_budget_below_the_weights_ends_the_run_with_one_line_per_rank_and_no_traceback():
     proc = run_vpipe("train", "--memory-budget", "1", "--vpipe", "--steps", "2", "--blocks", "2", "--d-model", "16",
                      "--seq-len", "8", "--no-progress")
