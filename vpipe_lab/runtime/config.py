@@ -8,6 +8,8 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import psutil
+
 if TYPE_CHECKING:  # models imports torch: the CLI's light commands (logs, planner) must not pay for it
     from vpipe_lab.runtime.models import ModelSpec
 
@@ -102,6 +104,7 @@ class RunConfig:
              f"vertical_sync is a PipeDream option; {self.schedule} keeps no weight versions")
         need(self.d_model % self.n_heads == 0,
              f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
+        self._check_size()
         if self.block_types is not None:
             need(len(self.block_types) == self.blocks,
                  f"block_types has {len(self.block_types)} entries for {self.blocks} blocks")
@@ -172,6 +175,20 @@ class RunConfig:
                              "every micro-batch's weights at rest")
         if (self.checkpoint_dir or self.resume) and self.nas:
             raise ValueError("checkpoints cannot be combined with layer edits (--nas) yet")
+
+    def _check_size(self) -> None:
+        """A model or batch no machine of this size can hold is refused here, not by an allocation traceback on
+        every rank: its weights with their gradients and Adam moments (about 12 d_model^2 per block, 16 bytes
+        each), or one micro-batch's activations through every block (about 20 values per d_model each)."""
+        memory = psutil.virtual_memory().total
+        weights = self.blocks * 12 * self.d_model ** 2 * 16
+        activations = self.micro_batch_size * self.seq_len * self.d_model * self.blocks * 20 * 4
+        for what, need_bytes in (("the model's weights, gradients and optimizer state", weights),
+                                 ("one micro-batch's activations", activations)):
+            if need_bytes > memory:
+                raise ValueError(f"{what} would take about {need_bytes / 2**30:,.0f} GiB (blocks {self.blocks}, "
+                                 f"d_model {self.d_model}, micro_batch_size {self.micro_batch_size}, seq_len "
+                                 f"{self.seq_len}); this machine has {memory / 2**30:,.0f} GiB")
 
     def _check_paths(self) -> None:
         """Every path the run writes, checked before it starts (not after training, when results would be lost)."""
