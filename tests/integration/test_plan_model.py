@@ -160,6 +160,8 @@ def test_the_encoders_output_is_a_skip_edge_to_every_decoder_block():
     (["--model", "no_such_module_xyz:build"], "--model: cannot import module 'no_such_module_xyz'"),
     (["--model", f"{MODELS}:missing"], f"--model: {MODELS!r} has no 'missing'"),
     (["--model", "tests/nowhere.py:build"], "--model: no file 'tests/nowhere.py'"),
+    (["--model", "tests/workers/:build"], "--model: 'tests/workers/' is a directory, not a Python file"),
+    (["--model", "/dev/null:build"], "--model: '/dev/null' is a device, not a Python file"),
     (["--model", f"{MODELS}:raises"], f"--model: {MODELS}:raises() raised RuntimeError: the factory failed"),
     (["--model", f"{MODELS}:not_a_module"],
      f"--model: {MODELS}:not_a_module() returned int; it must return an nn.Module"),

@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import math
+import stat
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,11 +78,22 @@ def parse_dtype(text: str) -> torch.dtype:
         raise ValueError(f"--input-dtype must be one of {names}; got {text!r}") from None
 
 
+def _not_a_file(path: Path, text: str) -> str:
+    """Why ``path`` is not a Python file to load: missing, or what it is instead (a FIFO, a directory ...)."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return f"no file {text!r}"
+    kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else
+            "a socket" if stat.S_ISSOCK(mode) else "a device")
+    return f"{text!r} is {kind}, not a Python file"
+
+
 def _import(module_text: str) -> Any:
     if module_text.endswith(".py") or "/" in module_text:
         path = Path(module_text)
         if not path.is_file():
-            raise ValueError(f"--model: no file {module_text!r}")
+            raise ValueError(f"--model: {_not_a_file(path, module_text)}")
         spec = importlib.util.spec_from_file_location(f"_vpipe_model_{path.stem}", path)
         if spec is None or spec.loader is None:
             raise ValueError(f"--model: cannot load {module_text!r} as a Python module")
