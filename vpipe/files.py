@@ -1,17 +1,35 @@
-"""Reading the files users name, safely: regular files only, never more than a bound.
+"""The files users name, read and written safely.
 
-``st_size`` is 0 for ``/dev/zero`` and for a FIFO, so a reader that trusts it reads a device
-until memory runs out, or waits forever for a FIFO's writer. Every path vpipe reads goes
-through :func:`read_regular` instead: it opens without blocking, checks what it opened is a
-regular file, and reads at most ``limit`` bytes plus one to tell a file that is too big.
+Reading: regular files only, never more than a bound. ``st_size`` is 0 for ``/dev/zero`` and
+for a FIFO, so a reader that trusts it reads a device until memory runs out, or waits forever
+for a FIFO's writer. Every path vpipe reads goes through :func:`read_regular` instead: it opens
+without blocking, checks what it opened is a regular file, and reads at most ``limit`` bytes
+plus one to tell a file that is too big.
+
+Writing: never through a link another user planted. A directory vpipe writes in may be shared
+(a world-writable ``shared/ck``), and a symbolic link at a name vpipe opens would hand the write
+to the link's target. So a new file is made under a name nobody can guess with ``O_CREAT |
+O_EXCL | O_NOFOLLOW`` (:func:`create_new`) and renamed over the name it replaces
+(:func:`replacing`, :func:`write_atomic`: a link there is replaced, never followed); a file
+vpipe keeps open (a lock, a run log) is opened with ``O_NOFOLLOW`` (:func:`open_lock`,
+:func:`open_append`; a run log may still be a link of this user's, in a directory only they can
+change); and a directory for secrets is made ``0700`` whatever the umask (:func:`make_private_dir`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
+import secrets
 import stat
+from collections.abc import Iterator
+from typing import BinaryIO
 
-__all__ = ["FileCheckError", "read_regular", "open_regular", "check_regular", "check_output_file", "check_output_dir"]
+__all__ = ["FileCheckError", "read_regular", "open_regular", "check_regular", "check_output_file", "check_output_dir",
+           "create_new", "replacing", "write_atomic", "open_append", "open_lock", "make_private_dir", "planted_link"]
+
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
 class FileCheckError(ValueError):
@@ -80,6 +98,10 @@ def check_output_file(path: str | os.PathLike[str], what: str) -> None:
     """FileCheckError unless ``path`` can be a file to append to: not empty, not a directory or a FIFO, in a
     directory that exists (or can be made) and, if it exists, writable. Checked at start, not at the end."""
     text, mode = _existing(path, what, "a file name")
+    reason = planted_link(text)
+    if reason is not None:
+        raise FileCheckError(f"{what} {text} is {reason}; vpipe does not write through it: name the file it "
+                             "points to")
     if mode is None:
         return
     if stat.S_ISDIR(mode) or stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
@@ -123,3 +145,135 @@ def _check_parent(text: str, what: str) -> None:
         raise FileCheckError(f"{what} {text}: {parent} is a file, not a directory")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise FileCheckError(f"cannot create {what} {text}: {parent} is not writable")
+
+
+# ====================================================================== writing
+def planted_link(path: str | os.PathLike[str]) -> str | None:
+    """Why the symbolic link ``path`` may be another user's (the text says what it is), or None when it is not a
+    link or only this user (or root) could have put it there: the link and its directory are theirs, and nobody
+    else can change the directory (or it is sticky, as /tmp is)."""
+    try:
+        link = os.lstat(path)
+    except OSError:
+        return None
+    if not stat.S_ISLNK(link.st_mode):
+        return None
+    trusted = (os.geteuid(), 0)
+    if link.st_uid not in trusted:
+        return f"a symbolic link another user made (uid {link.st_uid})"
+    try:
+        parent = os.stat(os.path.dirname(os.path.abspath(path)))
+    except OSError:
+        return "a symbolic link in a directory vpipe cannot check"
+    shared = parent.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not parent.st_mode & stat.S_ISVTX
+    if parent.st_uid not in trusted or shared:
+        return "a symbolic link in a directory other users can change"
+    return None
+
+
+def create_new(directory: str | os.PathLike[str], prefix: str, suffix: str = ".tmp",
+               mode: int = 0o666) -> tuple[int, str]:
+    """A new file in ``directory`` for this process alone, and its path: made under a name nobody can guess with
+    ``O_CREAT | O_EXCL | O_NOFOLLOW``, so nothing planted there (a link, another user's file) is ever opened.
+    ``mode`` is narrowed by the umask, as ``open`` does."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | _CLOEXEC
+    for _ in range(100):
+        path = os.path.join(os.fspath(directory), f"{prefix}{secrets.token_hex(8)}{suffix}")
+        try:
+            return os.open(path, flags, mode), path
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, f"no free temporary name in {os.fspath(directory)}")
+
+
+@contextlib.contextmanager
+def replacing(path: str | os.PathLike[str], *, fsync: bool = False) -> Iterator[BinaryIO]:
+    """A binary file to write what ``path`` will hold: a new temporary beside it (:func:`create_new`), renamed over
+    ``path`` when the block ends. A link at ``path`` is replaced, never followed; a reader sees the old file or the
+    whole new one; a failure (a full disk, Ctrl-C) removes the temporary and raises."""
+    text = os.fspath(path)
+    fd, tmp = create_new(os.path.dirname(os.path.abspath(text)), f".{os.path.basename(text)}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            yield f
+            f.flush()
+            if fsync:
+                os.fsync(f.fileno())
+        os.replace(tmp, text)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def write_atomic(path: str | os.PathLike[str], data: bytes, *, fsync: bool = False) -> None:
+    """``data`` as the whole of ``path``, through :func:`replacing`."""
+    with replacing(path, fsync=fsync) as f:
+        f.write(data)
+
+
+def open_append(path: str | os.PathLike[str], what: str = "file") -> int:
+    """A descriptor appending to ``path`` (made if missing), for a file many writers share (a run log): opened with
+    ``O_NOFOLLOW`` unless the link is this user's own (:func:`planted_link`), and only a regular file or a device
+    (``/dev/null``, ``/dev/full``); FileCheckError names what is wrong."""
+    text = os.fspath(path)
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | _CLOEXEC
+    try:
+        try:
+            fd = os.open(text, flags | os.O_NOFOLLOW, 0o666)
+        except OSError as e:
+            if e.errno != errno.ELOOP or not os.path.islink(text):
+                raise
+            reason = planted_link(text)
+            if reason is not None:
+                raise FileCheckError(f"{what} {text} is {reason}; vpipe does not write through it: name the file "
+                                     "it points to") from None
+            fd = os.open(text, flags, 0o666)
+    except OSError as e:
+        raise FileCheckError(f"cannot write {what} {text}: {e.strerror or e}") from None
+    mode = os.fstat(fd).st_mode
+    if not (stat.S_ISREG(mode) or stat.S_ISCHR(mode)):
+        os.close(fd)
+        raise FileCheckError(f"{what} {text} is {_describe(mode)}, not a file to write to")
+    os.set_blocking(fd, True)
+    return fd
+
+
+def open_lock(path: str | os.PathLike[str], what: str = "lock file") -> int:
+    """A read-write descriptor of the lock file ``path`` (made if missing), never through a link: a regular file
+    with no other name (a hard link would hand its writes to another file); FileCheckError otherwise, OSError when
+    it cannot be opened."""
+    text = os.fspath(path)
+    try:
+        fd = os.open(text, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC, 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP and os.path.islink(text):
+            raise FileCheckError(f"{what} {text} is a symbolic link; vpipe never writes through one") from None
+        raise
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
+        os.close(fd)
+        kind = _describe(info.st_mode) if not stat.S_ISREG(info.st_mode) else "a file with other names (hard links)"
+        raise FileCheckError(f"{what} {text} is {kind}; vpipe never writes through one")
+    os.set_blocking(fd, True)
+    return fd
+
+
+def make_private_dir(path: str | os.PathLike[str]) -> None:
+    """Make the directory ``path`` (and its parents) ``0700`` whatever the umask; one that exists is left as it is.
+    OSError when it cannot be made."""
+    text = os.fspath(path)
+    parent = os.path.dirname(os.path.abspath(text))
+    if not os.path.isdir(parent):
+        os.makedirs(parent, exist_ok=True)
+    try:
+        os.mkdir(text, 0o700)
+    except FileExistsError:
+        if os.path.isdir(text):
+            return
+        raise
+    fd = os.open(text, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | _CLOEXEC)  # the one just made, not a link
+    try:
+        os.fchmod(fd, 0o700)  # the umask may have narrowed it past use (umask 0o777)
+    finally:
+        os.close(fd)

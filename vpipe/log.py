@@ -1,7 +1,8 @@
 """Run logs: one JSON object per line, decisions included, shared by all ranks of a run.
 
 Every rank appends to the same file (``O_APPEND`` writes of whole lines do not interleave
-on a local file system). A record has ``t`` (unix time), ``rank``, ``logger``, ``level``
+on a local file system), opened without following a link another user could have planted
+(:func:`vpipe.files.open_append`). A record has ``t`` (unix time), ``rank``, ``logger``, ``level``
 and ``msg``; decisions (logger ``vpipe.decisions``) also carry ``event`` and the numbers
 that justify them, which is what ``vpipe logs`` and ``vpipe plot`` read back.
 
@@ -21,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vpipe.files import check_output_file, read_regular
+from vpipe.files import check_output_file, open_append, read_regular
 
 DECISIONS = "vpipe.decisions"
 decision_log = logging.getLogger(DECISIONS)
@@ -81,6 +82,11 @@ class RunLogHandler(logging.FileHandler):
         self._steps: list[tuple[float, int, float, dict[str, Any]]] = []
         # why the log stopped taking records (a full disk ...): reported once per file and process
         self.failed: str | None = _failed_files.get(self.baseFilename)
+
+    def _open(self) -> Any:
+        """The log opened for appending, never through another user's link (FileCheckError names it)."""
+        fd = open_append(self.baseFilename, "log file")
+        return os.fdopen(fd, "a", encoding=self.encoding, errors=self.errors)
 
     def add_step(self, step: int, step_s: float, fields: dict[str, Any]) -> None:
         # formatted when the batch is written: one step's turn only appends (its code runs cold between steps)

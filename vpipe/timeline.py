@@ -4,9 +4,10 @@
 ``VPIPE_TRACE_STEPS=start,count``) records on every rank steps ``start`` to ``start + count -
 1``: each stage's forward and backward of every micro-batch, the schedule's waits for sends
 and receives, swap-outs and prefetches, recomputes, and plan applications (moves). At the
-window's end each rank writes ``timeline-rank{r}.json`` into ``trace_dir``. Outside the
-window nothing is recorded: every producer asks :func:`span`, which hands back one shared
-do-nothing context.
+window's end each rank writes ``timeline-rank{r}.json`` into ``trace_dir`` (a new file renamed
+into place, so a link planted there is never followed; a write that fails is said once on
+stderr and training goes on without it). Outside the window nothing is recorded: every
+producer asks :func:`span`, which hands back one shared do-nothing context.
 
 **torch.profiler.** The same spans open ``record_function`` ranges named ``vpipe.*`` while
 torch's profiler runs, window or not, so vpipe's work shows under its own names in a user's
@@ -27,7 +28,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import stat
 import sys
 import time
@@ -35,6 +35,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from vpipe.files import write_atomic
 
 __all__ = ["span", "active", "start", "stop", "recording", "set_track", "RANK_TRACK", "merge", "stage_fractions",
            "load_rank_file", "load_run", "draw", "register", "FILE_PATTERN"]
@@ -69,11 +71,27 @@ class _Recorder:
                 "dropped": self.dropped,
                 "events": [{"name": n, "cat": c, "track": t, "start_ns": s, "end_ns": e, "args": a}
                            for n, c, t, s, e, a in self.events]}
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(json.dumps(body))
-        os.replace(tmp, self.path)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            _replace_file(self.path, json.dumps(body))
+        except OSError as e:  # the trace is for the user: said once here, and training goes on without it
+            _say(f"vpipe [rank {self.rank}]: cannot write the timeline {self.path} ({e.strerror or e}); training "
+                 "goes on without it")
+            raise
         return self.path
+
+
+def _replace_file(path: Path, text: str) -> None:
+    """``text`` as the whole of ``path``, never written through a link planted there (:func:`write_atomic`)."""
+    write_atomic(path, text.encode("utf-8"))
+
+
+def _say(line: str) -> None:
+    try:
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
 
 
 _recorder: _Recorder | None = None
@@ -315,13 +333,10 @@ def cmd_trace(args: argparse.Namespace, argv: object = None) -> int:
     if out.exists() and not out.is_file():
         raise ValueError(f"-o {out}: not a file")
     trace = merge(ranks)
-    tmp = out.with_name(out.name + ".tmp")
     try:
-        tmp.write_text(json.dumps(trace))
-        os.replace(tmp, out)
+        _replace_file(out, json.dumps(trace))
     except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise ValueError(f"-o {out}: {e.strerror}") from None
+        raise ValueError(f"-o {out}: {e.strerror or e}") from None
     if args.png:
         draw(ranks, Path(args.png))
         print(f"wrote {args.png}")

@@ -19,6 +19,7 @@ from vpipe.sizes import parse_bytes
 from vpipe_lab import bench, demo, logview, plot
 from vpipe_lab.runtime.config import LR_SCHEDULES, MODELS, OPTIMIZERS, SCHEDULES, RunConfig
 from vpipe_lab.runtime.layout import MULTI_STAGE
+from vpipe_lab.runtime.outputs import check_vpipe_outputs
 
 
 def _positive_int(text: str) -> int:
@@ -170,7 +171,8 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
     if not args.vpipe and (args.memory_budget is not None or args.policy is not None):
         raise ValueError("--memory-budget and --policy are vpipe's (its tensor manager): add --vpipe")
-    cfg = config_from_args(args)  # validate before starting any process
+    cfg = config_from_args(args)  # validate before starting any process (its paths included)
+    check_vpipe_outputs(cfg.vpipe)  # the trace and metrics directories the environment names
     from vpipe_lab.runtime.checkpoints import check_checkpoint_dir
 
     check_checkpoint_dir(cfg)
@@ -206,6 +208,7 @@ def cmd_nas(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if not cfg.vpipe:
         planner = cfg.planner if cfg.planner != daemon.NO_CHANGE_PLANNER else DEFAULT_PLANNER
         cfg = RunConfig(**{**cfg.to_dict(), "vpipe": True, "planner": planner})
+    check_vpipe_outputs(cfg.vpipe)
     evo = EvolutionConfig(population=args.population, sample=args.sample, cycles=args.cycles,
                           steps_per_candidate=args.steps_per_candidate, seed=args.seed)
     if rank_env() is None:

@@ -7,7 +7,8 @@ A checkpoint of the run after ``step`` steps is one directory::
                                   #   "param_groups": [{hyperparameters, "params": [names]}], "scheduler": {...},
                                   #   "rng": this rank's torch RNG state}
         rank1-a81e0c55d2f3.pt     # names end with the first 12 hex digits of the file's sha256
-        manifest.json             # format, version, step, vpipe state, and per shard: file, sha256, bytes, layers
+        manifest.json             # format, version, step, vpipe state, the run that wrote it, and per shard:
+                                  #   file, sha256, bytes, layers
 
 Parameters are named ``"<global layer id>.<name in the layer>"`` (the stage modules are
 ``nn.Sequential``s named by layer id), optimizer state is keyed by the same names, so a
@@ -17,9 +18,10 @@ groups (learning rate, weight decay, betas...) are saved by parameter name too, 
 learning-rate scheduler's state and each rank's RNG state, so a resumed run continues
 with the learning rate and random stream an uninterrupted run would have.
 
-Writes are atomic: a shard goes to a temporary file, is fsynced and renamed; rank 0
-writes ``manifest.json`` the same way once every rank has reported its shard's sha256
-through the rendezvous store. A checkpoint without a manifest is incomplete and never
+Writes are atomic: a shard goes to a new temporary file (never through a link), is fsynced
+and renamed; rank 0 writes ``manifest.json`` the same way once every rank has reported its
+shard's sha256 through the rendezvous store, and prunes only checkpoints of its own run (the
+``run_id`` the manifest names). A checkpoint without a manifest is incomplete and never
 loaded. Shard names carry their content hash, so a manifest can never point at a file
 that a later, unfinished checkpoint overwrote. Loading verifies the manifest (its own
 sha256) and every shard (size, sha256) before any state is touched, and raises
@@ -45,6 +47,7 @@ from vpipe.checkpoint.layout import (
     checkpoint_dir,
     find_latest,
     holds_checkpoints,
+    manifest_run,
     resolve,
     skipped_newer,
 )
@@ -56,5 +59,5 @@ __all__ = [
     "FORMAT", "VERSION", "MANIFEST", "CheckpointError", "Checkpoint", "ShardInfo",
     "save_checkpoint", "save_shard", "write_manifest", "load_checkpoint", "find_latest", "resolve",
     "restore_stage", "stage_state", "check_vpipe_state", "optimizer_state", "checkpoint_dir",
-    "holds_checkpoints", "skipped_newer", "atomic_write", "optimizer_groups",
+    "holds_checkpoints", "skipped_newer", "atomic_write", "optimizer_groups", "manifest_run",
 ]

@@ -1,21 +1,23 @@
 """Checkpoint files a crash or a damaged disk cannot pass off as whole: atomic writes, verified reads.
 
-A file is written to a temporary name, fsynced and renamed, so a crash leaves either the
-old file or the whole new one. A file is judged by ``stat`` before a byte of it is read
+A file is written to a new temporary file (never through a link), fsynced and renamed, so a
+crash leaves either the old file or the whole new one. A file is judged by ``stat`` before a byte of it is read
 (a FIFO would block a read forever, a padded file would be read whole), and a shard's
 bytes are hashed in chunks against the sha256 its manifest records.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import stat
 from pathlib import Path
 
 from vpipe.checkpoint.layout import CheckpointError, ShardInfo
+from vpipe.files import write_atomic
 
-__all__ = ["atomic_write", "check_file", "verify_shard", "read_verified"]
+__all__ = ["atomic_write", "make_step_dir", "check_file", "verify_shard", "read_verified"]
 
 _CHUNK = 4 << 20
 
@@ -34,18 +36,19 @@ def _fsync_dir(path: Path) -> None:
 
 
 def atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that a crash leaves either the old file or the whole new one."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:  # a full disk, Ctrl-C: the partial file goes, the previous checkpoint stays whole
-        tmp.unlink(missing_ok=True)
-        raise
+    """Write ``data`` to ``path`` so that a crash leaves either the old file or the whole new one: a new
+    temporary (never through a link planted in a shared checkpoint directory), fsynced, renamed, and the
+    directory fsynced (:func:`vpipe.files.write_atomic`)."""
+    write_atomic(path, data, fsync=True)
     _fsync_dir(path.parent)
+
+
+def make_step_dir(path: Path) -> None:
+    """The checkpoint's directory, made if missing: a real directory, never a link (one planted in a shared
+    checkpoint directory would take the shards and the manifest elsewhere)."""
+    path.mkdir(parents=True, exist_ok=True)
+    if path.is_symlink():
+        raise OSError(errno.ELOOP, f"{path} is a symbolic link, not a checkpoint directory vpipe made")
 
 
 def check_file(path: Path, what: str, size: int | None = None, limit: int | None = None) -> None:

@@ -23,14 +23,17 @@ from vpipe.plan import Plan, PlanError, Policy
 log = logging.getLogger("vpipe.checkpoint")
 
 __all__ = [
-    "FORMAT", "VERSION", "MANIFEST", "CheckpointError", "ShardInfo", "check_vpipe_state", "checkpoint_dir",
-    "manifest_digest", "step_dirs", "find_latest", "holds_checkpoints", "resolve", "skipped_newer",
+    "FORMAT", "VERSION", "MANIFEST", "MAX_MANIFEST_BYTES", "CheckpointError", "ShardInfo", "check_vpipe_state",
+    "checkpoint_dir", "manifest_digest", "step_dirs", "find_latest", "holds_checkpoints", "resolve", "skipped_newer",
+    "check_run_id", "manifest_run",
 ]
 
 FORMAT = "vpipe-checkpoint"
 VERSION = 1
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
+_MAX_RUN_ID = 128
+MAX_MANIFEST_BYTES = 64 << 20
 
 
 class CheckpointError(ValueError):
@@ -99,6 +102,27 @@ def check_vpipe_state(state: Any, where: str = "vpipe state") -> dict[str, Any]:
         raise CheckpointError(f"{where}: next_layer_id {state['next_layer_id']} is not above the largest "
                               f"layer id {max(plan.layer_ids)}")
     return state
+
+
+def check_run_id(run: Any, where: str) -> str | None:
+    """A manifest's ``run``: the id of the run that wrote it (a run prunes only its own checkpoints), or None for
+    a checkpoint written without one."""
+    if run is None or (isinstance(run, str) and 0 < len(run) <= _MAX_RUN_ID and run.isprintable()):
+        return run
+    raise CheckpointError(f"{where}: run must be a short printable string, got {run!r:.80}")
+
+
+def manifest_run(step_dir: Path) -> str | None:
+    """The run id a complete checkpoint's manifest names; None when it names none or cannot be read (such a
+    checkpoint is nobody's to prune)."""
+    path = step_dir / MANIFEST
+    try:
+        if not path.is_file() or path.stat().st_size > MAX_MANIFEST_BYTES:
+            return None
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+        return check_run_id(manifest.get("run"), str(path)) if isinstance(manifest, dict) else None
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
 
 
 def manifest_digest(body: Mapping[str, Any]) -> str:

@@ -22,17 +22,17 @@ from vpipe.checkpoint.files import check_file, read_verified, verify_shard
 from vpipe.checkpoint.layout import (
     FORMAT,
     MANIFEST,
+    MAX_MANIFEST_BYTES,
     VERSION,
     CheckpointError,
     ShardInfo,
+    check_run_id,
     check_vpipe_state,
     manifest_digest,
     resolve,
 )
 
 __all__ = ["Checkpoint", "load_checkpoint"]
-
-_MAX_MANIFEST_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,7 @@ class Checkpoint:
     vpipe: dict[str, Any]
     shards: tuple[ShardInfo, ...]
     extra: dict[str, Any]
+    run: str | None = None  # the id of the run that wrote it (None: written without one)
 
     @property
     def placement(self) -> list[list[int]]:
@@ -106,7 +107,7 @@ def load_checkpoint(path: str | os.PathLike[str], verify: str = "all") -> Checkp
         raise ValueError(f"verify must be 'all' or 'stat', got {verify!r}")
     step_dir = resolve(path)
     manifest_path = step_dir / MANIFEST
-    check_file(manifest_path, "checkpoint manifest", limit=_MAX_MANIFEST_BYTES)
+    check_file(manifest_path, "checkpoint manifest", limit=MAX_MANIFEST_BYTES)
     try:
         raw = manifest_path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
@@ -137,4 +138,6 @@ def load_checkpoint(path: str | os.PathLike[str], verify: str = "all") -> Checkp
             verify_shard(step_dir / shard.file, shard, keep=False)
         else:  # each shard is hashed when it is loaded: a rank reads only its own, once
             check_file(step_dir / shard.file, "checkpoint shard", size=shard.bytes)
-    return Checkpoint(path=step_dir, step=step, vpipe=state, shards=shards, extra=dict(manifest.get("extra") or {}))
+    run = check_run_id(manifest.get("run"), f"checkpoint manifest {manifest_path}")
+    return Checkpoint(path=step_dir, step=step, vpipe=state, shards=shards, extra=dict(manifest.get("extra") or {}),
+                      run=run)

@@ -2,9 +2,10 @@
 
 A shard holds one rank's parameters and buffers, its optimizer state and param groups by
 parameter name, the learning-rate scheduler's state and the rank's RNG state. The ranks
-report their shards' entries through the run's store; rank 0 checks that the shards hold
-exactly the placed layers, writes the manifest last and keeps the newest complete
-checkpoints.
+report their shards' entries through the run's store (or the error that stopped one); rank 0
+checks that the shards hold exactly the placed layers, writes the manifest last and keeps the
+newest complete checkpoints of its run: a manifest names the run that wrote it (``run_id``),
+and a run prunes only its own.
 """
 
 from __future__ import annotations
@@ -22,16 +23,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from vpipe.checkpoint.files import atomic_write
+from vpipe.checkpoint.files import atomic_write, make_step_dir
 from vpipe.checkpoint.layout import (
     FORMAT,
     MANIFEST,
     VERSION,
     CheckpointError,
     ShardInfo,
+    check_run_id,
     check_vpipe_state,
     checkpoint_dir,
     manifest_digest,
+    manifest_run,
     step_dirs,
 )
 
@@ -41,6 +44,8 @@ __all__ = ["optimizer_state", "optimizer_groups", "save_shard", "write_manifest"
 
 _SHARD_KEY = "vpipe/checkpoint/{}/{}"
 _SCALARS = (bool, int, float, type(None))
+# (root, run id) -> the step directories this process began as rank 0: its own unfinished attempts, which it prunes
+_attempted: dict[tuple[str, str | None], set[str]] = {}
 
 
 def optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, dict[str, Any]]:
@@ -73,7 +78,7 @@ def save_shard(step_dir: str | os.PathLike[str], rank: int, module: nn.Module,
     """Write this rank's parameters, buffers, optimizer state and groups, scheduler and RNG state atomically;
     return its manifest entry."""
     step_dir = Path(step_dir)
-    step_dir.mkdir(parents=True, exist_ok=True)
+    make_step_dir(step_dir)
     state = {"params": {k: v.detach().cpu().clone() for k, v in module.state_dict().items()},
              "optimizer": optimizer_state(module, optimizer), "param_groups": optimizer_groups(module, optimizer),
              "scheduler": scheduler.state_dict() if scheduler is not None else None,
@@ -91,9 +96,12 @@ def save_shard(step_dir: str | os.PathLike[str], rank: int, module: nn.Module,
 
 
 def write_manifest(step_dir: str | os.PathLike[str], step: int, shards: Iterable[ShardInfo],
-                   vpipe_state: Mapping[str, Any], extra: Mapping[str, Any] | None = None) -> Path:
-    """Seal a checkpoint: the manifest (with its own sha256) goes last, atomically."""
+                   vpipe_state: Mapping[str, Any], extra: Mapping[str, Any] | None = None,
+                   run_id: str | None = None) -> Path:
+    """Seal a checkpoint: the manifest (with its own sha256, and the id of the run that wrote it) goes last,
+    atomically."""
     step_dir = Path(step_dir)
+    check_run_id(run_id, f"checkpoint {step_dir}")
     shards = sorted(shards, key=lambda s: s.rank)
     state = dict(vpipe_state)
     policies = dict(state.get("policies", {}))
@@ -107,6 +115,8 @@ def write_manifest(step_dir: str | os.PathLike[str], step: int, shards: Iterable
         raise CheckpointError(f"checkpoint {step_dir}: the shards hold layers {stored}, the placement has {placed}")
     body = {"format": FORMAT, "version": VERSION, "step": step, "vpipe": state,
             "shards": [s.to_json() for s in shards], "extra": dict(extra or {})}
+    if run_id is not None:
+        body["run"] = run_id
     manifest = dict(body, manifest_sha256=manifest_digest(body))
     path = step_dir / MANIFEST
     atomic_write(path, (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
@@ -116,39 +126,62 @@ def write_manifest(step_dir: str | os.PathLike[str], step: int, shards: Iterable
 def save_checkpoint(root: str | os.PathLike[str], step: int, *, module: nn.Module,
                     optimizer: torch.optim.Optimizer | None, rank: int, world_size: int, store: Any,
                     vpipe_state: Mapping[str, Any], extra: Mapping[str, Any] | None = None,
-                    keep_last: int = 2, scheduler: Any = None) -> Path:
+                    keep_last: int = 2, scheduler: Any = None, run_id: str | None = None) -> Path:
     """Collective: every rank writes its shard, rank 0 writes the manifest and prunes old checkpoints.
 
     ``vpipe_state`` is :meth:`vpipe.Vpipe.state_dict` (or the same map for a run without
     vpipe); shards are reported through ``store`` (the run's c10d store, no pickle).
-    Returns the checkpoint directory.
+    ``run_id`` (rank 0's) names the run in the manifest: rank 0 keeps the ``keep_last`` newest
+    checkpoints of this run up to ``step`` and prunes older ones of this run only, never another
+    run's (a checkpoint without an id belongs to the runs that give none).
+    Returns the checkpoint directory. A rank that cannot write its shard (a full disk) reports
+    that through the store and raises its OSError; rank 0 then writes no manifest and raises an
+    OSError naming the rank, so no rank waits for a shard that will never come.
     """
     step_dir = checkpoint_dir(root, step)
     policies = {int(k): v for k, v in vpipe_state.get("policies", {}).items()}
     mine = {lid: p for lid, p in policies.items() if str(lid) in getattr(module, "_modules", {})}
-    shard = save_shard(step_dir, rank, module, optimizer, mine, scheduler)
+    if rank == 0:
+        _attempted.setdefault((str(root), run_id), set()).add(step_dir.name)
+    try:
+        shard = save_shard(step_dir, rank, module, optimizer, mine, scheduler)
+    except OSError as e:
+        store.set(_SHARD_KEY.format(step, rank), json.dumps({"error": e.strerror or str(e)}))
+        raise
     store.set(_SHARD_KEY.format(step, rank), json.dumps(shard.to_json()))
     if rank != 0:
         return step_dir
-    raw = store.multi_get([_SHARD_KEY.format(step, r) for r in range(world_size)])
-    shards = [ShardInfo.from_json(json.loads(r), str(step_dir)) for r in raw]
-    write_manifest(step_dir, step, shards, vpipe_state, extra)
+    raw = [json.loads(r) for r in store.multi_get([_SHARD_KEY.format(step, r) for r in range(world_size)])]
+    failed = [f"rank {r} could not write its shard ({entry['error']})" for r, entry in enumerate(raw)
+              if isinstance(entry, dict) and "error" in entry]
+    if failed:
+        raise OSError(f"checkpoint {step_dir} not sealed: {'; '.join(failed)}")
+    shards = [ShardInfo.from_json(entry, str(step_dir)) for entry in raw]
+    write_manifest(step_dir, step, shards, vpipe_state, extra, run_id=run_id)
     keep = {s.file for s in shards} | {MANIFEST}
     for stale in step_dir.iterdir():  # shards of an earlier, unfinished attempt at this step
         if stale.name not in keep and not stale.name.startswith("."):
             stale.unlink(missing_ok=True)
-    _prune(Path(root), keep_last)
+    _prune(Path(root), keep_last, step_dir, run_id)
     log.info("checkpoint after step %d written to %s", step, step_dir)
     return step_dir
 
 
-def _prune(root: Path, keep_last: int) -> None:
+def _prune(root: Path, keep_last: int, newest: Path, run_id: str | None) -> None:
+    """Remove this run's checkpoints older than its ``keep_last`` newest up to ``newest`` (the one just sealed),
+    and the unfinished attempts this process made before them. Another run's checkpoints, and this run's after
+    ``newest`` (a resume from an older one), are not this prune's to remove."""
     if keep_last < 1:
         return
-    complete = [d for d in step_dirs(root) if (d / MANIFEST).exists()]
-    if len(complete) <= keep_last:
+    ours = [d for d in step_dirs(root) if d.name <= newest.name and (d / MANIFEST).exists()
+            and manifest_run(d) == run_id]
+    if len(ours) <= keep_last:
         return
-    oldest_kept = complete[-keep_last]
+    oldest_kept = ours[-keep_last]
+    attempted = _attempted.get((str(root), run_id), set())
     for d in step_dirs(root):
-        if d.name < oldest_kept.name:
+        if d.name >= oldest_kept.name:
+            continue
+        if d in ours or (d.name in attempted and not (d / MANIFEST).exists()):
             shutil.rmtree(d, ignore_errors=True)
+            attempted.discard(d.name)

@@ -6,7 +6,8 @@ or a file holding one bare 40-character Z85 key. Keys are checked where they ent
 alphabet, 32 bytes, a secret matching its public key) so that a bad file fails at start-up
 with its name, not later as a handshake that silently never completes. Secret files must
 not be readable by group or others, as ssh demands of its keys; ``vpipe keys`` writes them
-``0600`` and never overwrites a file.
+``0600`` (a directory it makes ``0700``), never through a link, never over a file, and never one
+half of a pair without the other.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 
 import zmq
 
-from vpipe.files import FileCheckError, check_output_dir, read_regular
+from vpipe.files import FileCheckError, check_output_dir, make_private_dir, read_regular
 
 __all__ = ["KeyFileError", "read_secret_file", "read_public_file", "public_keys_from", "write_keypair",
            "check_z85_key", "register"]
@@ -119,40 +120,49 @@ def public_keys_from(paths: list[str]) -> dict[bytes, Path]:
 
 
 def _write_new(path: Path, text: str, mode: int) -> None:
+    """A new key file, never through a link (``O_EXCL | O_NOFOLLOW``), ``mode`` set on what was opened."""
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
     except FileExistsError:
         raise KeyFileError(f"{path} exists; vpipe keys never overwrites a key file") from None
     except OSError as e:
         raise KeyFileError(f"cannot write key file {path}: {e.strerror or e}") from None
     try:
+        os.fchmod(fd, mode)  # the umask may have narrowed it; never widened (on the file opened, not a name)
         with os.fdopen(fd, "w", encoding="ascii") as f:
             f.write(text)
     except OSError as e:  # a full disk: no half-written key file is left behind
         path.unlink(missing_ok=True)
         raise KeyFileError(f"cannot write key file {path}: {e.strerror or e}") from None
-    os.chmod(path, mode)  # the umask may have narrowed it; never widened
 
 
 def write_keypair(directory: str | os.PathLike[str], name: str) -> tuple[Path, Path]:
-    """Write ``NAME.key`` (public, 0644) and ``NAME.key_secret`` (0600) in ZeroMQ's certificate format."""
+    """Write ``NAME.key`` (public, 0644) and ``NAME.key_secret`` (0600) in ZeroMQ's certificate format; a
+    directory it makes is 0700 whatever the umask, and it leaves both files or neither."""
     if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name) or name.startswith("."):
         raise ValueError(f"a key name must be 1-64 letters, digits, '_', '-' or '.', got {name!r}")
     directory = Path(directory)
     try:
         check_output_dir(directory, "key directory")
-        directory.mkdir(parents=True, exist_ok=True)
+        make_private_dir(directory)
     except FileCheckError as e:
         raise KeyFileError(str(e)) from None
     except OSError as e:
         raise KeyFileError(f"cannot make key directory {directory}: {e.strerror or e}") from None
     public, secret = zmq.curve_keypair()
     public_path, secret_path = directory / f"{name}.key", directory / f"{name}.key_secret"
+    for path in (secret_path, public_path):  # before either is written: a pair is written whole or not at all
+        if os.path.lexists(path):
+            raise KeyFileError(f"{path} exists; vpipe keys never overwrites a key file")
     head = "#   ZeroMQ CURVE {} certificate written by `vpipe keys`\n"
     _write_new(secret_path, head.format("secret") + "#   keep it on this host, mode 0600\nmetadata\ncurve\n"
                f"    public-key = \"{public.decode()}\"\n    secret-key = \"{secret.decode()}\"\n", 0o600)
-    _write_new(public_path, head.format("public") + "#   give it to every host of the run\nmetadata\ncurve\n"
-               f"    public-key = \"{public.decode()}\"\n", 0o644)
+    try:
+        _write_new(public_path, head.format("public") + "#   give it to every host of the run\nmetadata\ncurve\n"
+                   f"    public-key = \"{public.decode()}\"\n", 0o644)
+    except BaseException:  # the public half failed (a full disk, a name taken since): no secret left without it
+        secret_path.unlink(missing_ok=True)
+        raise
     return public_path, secret_path
 
 

@@ -13,13 +13,19 @@ named ``rank{r}`` in that directory). Fields (docs/timeline.md has them with the
   other modules' forwards and backwards), ``stage{k}/bubble`` (the step's share not spent
   computing) and ``stage{k}/device_peak_bytes`` (the device's own peak: allocated on CUDA).
 
-The writers are made when vpipe attaches (a missing package is a clear error then) and
-flushed and closed when it detaches.
+The writers are made when vpipe attaches (a missing package, or a ``metrics_dir`` that is not
+a directory this user can write, is a clear error then) and flushed and closed when it detaches.
+A write that fails later (a full disk) is said once on stderr and drops that backend: metrics
+never end training. ``metrics_dir/rank{r}`` must be this user's own directory (not a link, not
+another user's), so the backends' files are never made where someone else can plant a link.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
+import stat
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -49,18 +55,22 @@ class MetricsWriter:
         if missing:
             raise ValueError(f"metrics={','.join(kinds)!r} needs the {', '.join(missing)} package: "
                              f"pip install {' '.join(_PACKAGES[k] for k in missing)}")
-        self.directory = Path(directory) / f"rank{rank}"
+        self.rank = rank
+        self.directory = _own_directory(Path(directory), f"rank{rank}")
         self._tensorboard: Any = None
         self._wandb: Any = None
-        if "tensorboard" in kinds:
-            from torch.utils.tensorboard import SummaryWriter
+        self._failed = False  # a write failed: said once, that backend dropped
+        try:
+            if "tensorboard" in kinds:
+                from torch.utils.tensorboard import SummaryWriter
 
-            self._tensorboard = SummaryWriter(log_dir=str(self.directory))
-        if "wandb" in kinds:
-            import wandb
+                self._tensorboard = SummaryWriter(log_dir=str(self.directory))
+            if "wandb" in kinds:
+                import wandb
 
-            self.directory.mkdir(parents=True, exist_ok=True)
-            self._wandb = wandb.init(project="vpipe", name=f"rank{rank}", dir=str(self.directory), reinit=True)
+                self._wandb = wandb.init(project="vpipe", name=f"rank{rank}", dir=str(self.directory), reinit=True)
+        except OSError as e:
+            raise ValueError(f"metrics_dir {directory}: cannot write in {self.directory}: {e.strerror or e}") from None
         self._last: dict[int, tuple[int, float]] = {}  # stage -> (d2h bytes, recompute s) at the last step's end
 
     def step(self, iteration: int, step_s: float, epoch: int, stages: Mapping[int, tuple[int, Any]],
@@ -89,18 +99,75 @@ class MetricsWriter:
             values[f"stage{record.stage}/bubble"] = max(0.0, 1.0 - compute / record.step_s) if record.step_s else 0.0
             values[f"stage{record.stage}/device_peak_bytes"] = float(record.device_peak_bytes)
         if self._tensorboard is not None:
-            for tag, value in values.items():
-                self._tensorboard.add_scalar(tag, value, global_step=iteration)
+            try:
+                for tag, value in values.items():
+                    self._tensorboard.add_scalar(tag, value, global_step=iteration)
+            except Exception as e:  # noqa: BLE001 - a full disk, or the backend's writer thread failing
+                self._failed_write(e)
+                _quietly(self._tensorboard.close)
+                self._tensorboard = None
         if self._wandb is not None:
-            self._wandb.log(values, step=iteration)
+            try:
+                self._wandb.log(values, step=iteration)
+            except Exception as e:  # noqa: BLE001 - the same for W&B
+                self._failed_write(e)
+                _quietly(self._wandb.finish)
+                self._wandb = None
         return values
 
     def close(self) -> None:
-        if self._tensorboard is not None:
-            self._tensorboard.flush()
-            self._tensorboard.close()
-            self._tensorboard = None
-        if self._wandb is not None:
-            self._wandb.finish()
-            self._wandb = None
+        backends, self._tensorboard, self._wandb = (self._tensorboard, self._wandb), None, None
+        tensorboard, run = backends
+        try:
+            if tensorboard is not None:
+                tensorboard.flush()
+                tensorboard.close()
+        except Exception as e:  # noqa: BLE001 - the last write failing ends nothing either
+            self._failed_write(e)
+        try:
+            if run is not None:
+                run.finish()
+        except Exception as e:  # noqa: BLE001
+            self._failed_write(e)
+
+    def _failed_write(self, error: Exception) -> None:
+        """A backend's write failed: said once, on the first failure; the caller drops that backend."""
+        if self._failed:
+            return
+        self._failed = True
+        reason = (error.strerror if isinstance(error, OSError) else None) or str(error) or type(error).__name__
+        try:
+            sys.stderr.write(f"vpipe [rank {self.rank}]: cannot write the metrics to {self.directory} ({reason}); "
+                             "training goes on, and its further metrics are dropped\n")
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            pass
+
+
+def _quietly(close: Any) -> None:
+    try:
+        close()
+    except Exception:  # noqa: BLE001 - a backend that failed a write may fail its close too: dropped already
+        pass
+
+
+def _own_directory(base: Path, name: str) -> Path:
+    """``base/name``, made if missing: checked at attach, where a ``metrics_dir`` that is a file (or not writable)
+    is a ValueError naming it; the rank's directory must be this user's own, not a link or another user's."""
+    if base.exists() and not base.is_dir():
+        raise ValueError(f"metrics_dir {base} is a file, not a directory")
+    path = base / name
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        info = os.lstat(path)
+    except OSError as e:
+        raise ValueError(f"metrics_dir {base}: cannot make {path}: {e.strerror or e}") from None
+    if not stat.S_ISDIR(info.st_mode):
+        raise ValueError(f"metrics_dir {base}: {path} is a symbolic link or a file, not a directory of this user's")
+    if info.st_uid != os.geteuid():
+        raise ValueError(f"metrics_dir {base}: {path} belongs to another user (uid {info.st_uid}); give metrics_dir "
+                         "a directory of your own")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"metrics_dir {base}: cannot write in {path}: permission denied")
+    return path
 

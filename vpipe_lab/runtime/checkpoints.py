@@ -3,6 +3,13 @@
 A resume is checked against the run before any rank builds its stages (the model, the
 optimizer and the layer order must be the saved ones) and decides where the layers go;
 saving is the collective :func:`vpipe.checkpoint.save_checkpoint` with this run's state.
+
+The directory belongs to one run: rank 0 holds its lock (never opened through a link) for
+the whole run, a directory holding another run's checkpoints is refused at launch unless
+``--resume`` names it, and rank 0 names its run in every manifest (a resumed run keeps the
+id of the run it continues), so it prunes only its own. A checkpoint that cannot be written
+(a full disk) is said once per rank and the run's later checkpoints are dropped on every
+rank alike (rank 0 tells the others through the store): training goes on.
 """
 
 from __future__ import annotations
@@ -10,20 +17,26 @@ from __future__ import annotations
 import fcntl
 import os
 import sys
+import uuid
 from pathlib import Path
 from typing import Any
 
 from vpipe.checkpoint import (
     VERSION,
     CheckpointError,
+    find_latest,
     holds_checkpoints,
     load_checkpoint,
+    manifest_run,
+    resolve,
     save_checkpoint,
     skipped_newer,
 )
+from vpipe.files import FileCheckError, open_lock
 from vpipe_lab.runtime.config import RunConfig
 from vpipe_lab.runtime.launch import Distributed
 from vpipe_lab.runtime.stage_run import StageRun
+from vpipe_lab.runtime.watchdog import stderr_line
 
 __all__ = ["load_resume", "check_checkpoint_dir", "resume_placement", "save_run_checkpoint"]
 
@@ -59,18 +72,24 @@ def load_resume(cfg: RunConfig, verify: str = "stat") -> Any:
 
 LOCK_NAME = ".vpipe-lock"
 _held: list[int] = []  # this process's lock on its checkpoint directory, held until it exits
+_run: dict[str, str | None] = {}  # rank 0: "id", the run its manifests name
+_saving: dict[str, Any] = {"last": None, "dropped": False}  # every rank: the last checkpoint tried; given up?
+_SEALED_KEY = "vpipe/lab/checkpoint/{}/sealed"
 
 
 def check_checkpoint_dir(cfg: RunConfig, *, hold: bool = False) -> None:
-    """--checkpoint-dir must be writable and used by no other run: found at launch, not at the first checkpoint
-    hours later. Rank 0 (``hold``) keeps the directory's lock for the run: two runs sharing one would prune each
-    other's checkpoints."""
+    """--checkpoint-dir must be writable, used by no other run and hold no other run's checkpoints (unless
+    --resume names it): found at launch, not at the first checkpoint hours later. Rank 0 (``hold``) keeps the
+    directory's lock for the run and takes the run id its manifests carry."""
     if not cfg.checkpoint_dir:
         return
     root = Path(cfg.checkpoint_dir)
     try:
         root.mkdir(parents=True, exist_ok=True)
-        fd = os.open(root / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_lock(root / LOCK_NAME)
+    except FileCheckError as e:  # a link (or a hard link) planted where the lock goes
+        raise CheckpointError(f"--checkpoint-dir {root}: its {e}: remove it, or give this run a directory of its "
+                              "own") from None
     except OSError as e:
         raise CheckpointError(f"--checkpoint-dir {root} is not writable: {e.strerror}") from None
     try:
@@ -80,12 +99,35 @@ def check_checkpoint_dir(cfg: RunConfig, *, hold: bool = False) -> None:
         os.close(fd)
         raise CheckpointError(f"--checkpoint-dir {root} is in use by another run (pid {owner}); give each run a "
                               f"directory of its own") from None
+    latest = find_latest(root)
+    if latest is not None and not _resumes_from(cfg, root):  # its checkpoints would mix with ours, or be pruned
+        os.close(fd)
+        raise CheckpointError(f"--checkpoint-dir {root} holds another run's checkpoints (the newest: {latest.name}); "
+                              f"give this run a directory of its own, or --resume {root} to continue that run")
     if not hold:
         os.close(fd)
         return
     os.ftruncate(fd, 0)
     os.write(fd, f"{os.getpid()}\n".encode())
     _held.append(fd)
+    _run["id"] = _resumed_run_id(cfg) if cfg.resume else uuid.uuid4().hex
+
+
+def _resumes_from(cfg: RunConfig, root: Path) -> bool:
+    """Whether --resume names ``root`` or one of its checkpoints."""
+    if not cfg.resume:
+        return False
+    resume, here = Path(cfg.resume).resolve(), root.resolve()
+    return resume == here or resume.parent == here
+
+
+def _resumed_run_id(cfg: RunConfig) -> str | None:
+    """The id of the run a resume continues (its checkpoint's; None for one written without an id), or a new
+    id when there is nothing to resume yet."""
+    try:
+        return manifest_run(resolve(cfg.resume or ""))
+    except CheckpointError:
+        return uuid.uuid4().hex
 
 
 def resume_placement(cfg: RunConfig, ckpt: Any) -> list[list[int]]:
@@ -101,12 +143,33 @@ def save_run_checkpoint(cfg: RunConfig, run: StageRun, ctx: Distributed, vp: Any
     """Collective: this rank's shard of the checkpoint after ``steps_done`` steps (rank 0 seals it).
 
     ``placement`` is the run's fixed placement when vpipe is off (vpipe knows its own)."""
+    if _dropped(ctx):
+        return
     if vp is not None:
         state = vp.state_dict()
     else:
         state = {"version": VERSION, "epoch": 0, "iteration": steps_done, "stages": placement, "policies": {},
                  "next_layer_id": cfg.n_layers}
     state["iteration"] = steps_done
-    save_checkpoint(cfg.checkpoint_dir or ".", steps_done, module=run.layers_view(), optimizer=run.optimizer,
-                    rank=ctx.rank, world_size=ctx.world_size, store=ctx.store, vpipe_state=state,
-                    extra={"run_config": cfg.to_dict()}, scheduler=run.scheduler)
+    sealed = False
+    try:
+        save_checkpoint(cfg.checkpoint_dir or ".", steps_done, module=run.layers_view(), optimizer=run.optimizer,
+                        rank=ctx.rank, world_size=ctx.world_size, store=ctx.store, vpipe_state=state,
+                        extra={"run_config": cfg.to_dict()}, scheduler=run.scheduler, run_id=_run.get("id"))
+        sealed = True
+    except OSError as e:  # a full disk, a name in the way: said once, and training goes on without checkpoints
+        _saving["dropped"] = True
+        stderr_line(f"vpipe [rank {ctx.rank}]: cannot write the checkpoint after step {steps_done} in "
+                    f"{cfg.checkpoint_dir} ({e.strerror or e}); training goes on without checkpoints")
+    finally:
+        _saving["last"] = steps_done
+        if ctx.rank == 0:  # sealed or not: the other ranks read it before their next checkpoint
+            ctx.store.set(_SEALED_KEY.format(steps_done), "1" if sealed else "0")
+
+
+def _dropped(ctx: Distributed) -> bool:
+    """Whether this run's checkpoints were given up: after one that rank 0 could not seal, every rank skips the
+    rest alike (a rank that went on would wait for shards that never come, or leave shards nobody seals)."""
+    if not _saving["dropped"] and ctx.rank != 0 and _saving["last"] is not None:
+        _saving["dropped"] = ctx.store.get(_SEALED_KEY.format(_saving["last"])) != b"1"
+    return bool(_saving["dropped"])

@@ -1,8 +1,10 @@
 """What a rank of the reference trainer reports: its :class:`RunResult`, the files it writes, what it shows.
 
 ``out_dir`` gets ``rank<r>.pt`` (parameters and optimizer state by name, after any moves)
-and ``rank<r>.json`` (losses, step times, layers per stage, memory); the last stage shows
-a progress bar while it trains and a summary table at the end.
+and ``rank<r>.json`` (losses, step times, layers per stage, memory), each a new file renamed
+into place (never written through a link); one that cannot be written (a full disk) is said
+once and the run still ends cleanly. The last stage shows a progress bar while it trains and
+a summary table at the end.
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from vpipe.files import replacing, write_atomic
 from vpipe.schedules.pipedream import SchedulePipeDream
 from vpipe_lab.runtime.config import RunConfig
 from vpipe_lab.runtime.reference import optimizer_state_by_name
 from vpipe_lab.runtime.stage_run import StageRun
+from vpipe_lab.runtime.watchdog import stderr_line
 
 __all__ = ["RunResult", "RunProgress", "save_rank_result", "samples_per_s", "print_summary"]
 
@@ -36,15 +40,24 @@ class RunResult:
 
 
 def save_rank_result(cfg: RunConfig, run: StageRun, result: RunResult) -> None:
+    """This rank's files in ``cfg.out_dir``; a write that fails is said in one line, never a traceback."""
     out = Path(cfg.out_dir or ".")
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        _write_rank_result(out, run, result)
+    except OSError as e:
+        stderr_line(f"vpipe [rank {run.rank}]: cannot write this rank's results to {out} ({e.strerror or e}); "
+                    "training finished without them")
 
+
+def _write_rank_result(out: Path, run: StageRun, result: RunResult) -> None:
+    out.mkdir(parents=True, exist_ok=True)
     layers = run.layers_view()
     state = {
         "params": {k: v.detach().cpu() for k, v in layers.state_dict().items()},
         "optimizer": optimizer_state_by_name(dict(layers.named_parameters()), [run.optimizer]),
     }
-    torch.save(state, out / f"rank{run.rank}.pt")
+    with replacing(out / f"rank{run.rank}.pt") as f:
+        torch.save(state, f)
     # after migrations, not the initial ones: all of the rank's layers, and each of its stages' layers
     per_stage = [[int(name) for name in module._modules] for module in run.modules]
     meta = {"stage": run.stage_index, "layer_ids": [lid for ids in per_stage for lid in ids],
@@ -54,7 +67,7 @@ def save_rank_result(cfg: RunConfig, run: StageRun, result: RunResult) -> None:
             "lrs": [group["lr"] for group in run.optimizer.param_groups]}
     if isinstance(run.schedule, SchedulePipeDream):
         meta["trace"] = [list(event) for event in run.schedule.trace]
-    (out / f"rank{run.rank}.json").write_text(json.dumps(meta))
+    write_atomic(out / f"rank{run.rank}.json", json.dumps(meta).encode())
 
 
 def samples_per_s(cfg: RunConfig, result: RunResult) -> float:
