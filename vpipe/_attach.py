@@ -45,6 +45,7 @@ from vpipe.rank.applying import PlanApplier
 from vpipe.rank.boundary import PlanBoundary
 from vpipe.rank.config import AUTO_BUDGET, VpipeConfig, resolve_memory_budget
 from vpipe.rank.edits import LayerEdits
+from vpipe.rank.environment import check_environment
 from vpipe.rank.memory import StageMemory
 from vpipe.rank.metrics import MetricsWriter, parse_metric_kinds
 from vpipe.rank.replicas import ReplicaPlans, Replicas, ReplicaStats, check_replicas_alike
@@ -75,6 +76,7 @@ def attach(target: AttachTarget, *, optimizer: OptimizerArg = None, config: Vpip
     """
     if config is not None and options:
         raise TypeError("pass either config= or keyword options, not both")
+    check_environment()  # every VPIPE_* variable, before any default reads one
     config = config or VpipeConfig(**options)
     return Vpipe(target, optimizer=optimizer, config=config, store=store)
 

@@ -193,7 +193,7 @@ def test_ctrl_c_is_reported_as_an_interruption_not_a_failure(tmp_path):
     ("train --steps 1", {"VPIPE_CURVE_SECRET_FILE": "/nonexistent", "VPIPE_CURVE_PUBLIC_KEYS": "/nonexistent"},
      "CURVE key file /nonexistent does not exist"),
     ("train --steps 1", {"VPIPE_CONTROL_HOST": "999.1.1.1"},
-     "VPIPE_CONTROL_HOST='999.1.1.1' is not an IP address of this host (or 0.0.0.0 for every interface)"),
+     "VPIPE_CONTROL_HOST='999.1.1.1': expected an IP address of this host (or 0.0.0.0 for every interface)"),
     ("plan --model torch.nn:Identity --input-shape 100000000,32 --stages 2", {},
      "--input-shape 100000000,32 is 3.2e+09 elements per micro-batch; profiling runs the model on it, so at most "
      "2.68e+08 (one micro-batch, not the whole batch)"),

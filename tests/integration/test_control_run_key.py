@@ -230,9 +230,15 @@ def test_a_key_file_that_is_not_private_or_not_this_users_is_refused(tmp_path):
         read_private_key(str(fifo))
 
 
-def test_several_hosts_without_a_key_warn_loudly_or_refuse(clean_env, caplog):
+def test_several_hosts_without_a_key_refuse_unless_told_to_run_unauthenticated(clean_env, caplog):
+    """Two torchrun agents with --nnodes 2 used to run the control plane unauthenticated by default; another local
+    user took over the planner link with a plain hello."""
     clean_env.setenv("LOCAL_WORLD_SIZE", "1")
     clean_env.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RuntimeError, match=f"would be unauthenticated .* and {AUTH_ENV}=auto; give every rank one "
+                                           f"key .*, or set {AUTH_ENV}=none to run it unauthenticated"):
+        agree_run_key(None, rank=1, world_size=2, timeout_s=1, who="rank 1")
+    clean_env.setenv(AUTH_ENV, "none")
     with caplog.at_level("WARNING", logger="vpipe.control"):
         assert agree_run_key(None, rank=1, world_size=2, timeout_s=1, who="rank 1") == "unauthenticated"
     assert "THE CONTROL PLANE IS UNAUTHENTICATED (the run spans several hosts" in caplog.text
@@ -241,7 +247,7 @@ def test_several_hosts_without_a_key_warn_loudly_or_refuse(clean_env, caplog):
     with pytest.raises(RuntimeError, match=f"would be unauthenticated .* and {AUTH_ENV}=required"):
         agree_run_key(None, rank=1, world_size=2, timeout_s=1, who="rank 1")
     clean_env.setenv(AUTH_ENV, "yes")
-    with pytest.raises(ValueError, match=f"{AUTH_ENV}='yes': expected 'auto' or 'required'"):
+    with pytest.raises(ValueError, match=f"{AUTH_ENV}='yes': expected one of auto, required, none"):
         agree_run_key(None, rank=1, world_size=2, timeout_s=1, who="rank 1")
     clean_env.setenv(AUTH_ENV, "required")
     clean_env.setenv(RUN_SECRET_ENV, zmq.curve_keypair()[1].decode())  # a key the user gave: no warning

@@ -22,6 +22,7 @@ import logging
 import os
 import stat
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import zmq
@@ -40,7 +41,8 @@ from vpipe.files import FileCheckError, open_regular
 
 log = logging.getLogger("vpipe.control")
 
-__all__ = ["AUTH_ENV", "agree_run_key", "read_private_key", "several_hosts", "auth_required"]
+__all__ = ["AUTH_ENV", "AUTH_VALUES", "agree_run_key", "read_private_key", "several_hosts", "auth_required",
+           "auth_mode"]
 
 AUTH_ENV = "VPIPE_CONTROL_AUTH"
 FILE_KEY = "ctl/run-key-file"  # the path of stage 0's private key file (never the key)
@@ -58,28 +60,40 @@ def several_hosts(environ: dict[str, str] | os._Environ | None = None) -> bool:
         return False
 
 
-def auth_required(environ: dict[str, str] | os._Environ | None = None) -> bool:
-    """``VPIPE_CONTROL_AUTH``: ``required`` refuses an unauthenticated control plane; ``auto`` (default) warns."""
+AUTH_VALUES = ("auto", "required", "none")
+
+
+def auth_mode(environ: Mapping[str, str] | None = None) -> str:
+    """``VPIPE_CONTROL_AUTH``: ``auto`` (default) keys every run it can and refuses a run of several hosts
+    without a key; ``required`` refuses any unauthenticated control plane; ``none`` lets one run unauthenticated
+    (several hosts without keys, on a network the user trusts), with a warning."""
     value = (os.environ if environ is None else environ).get(AUTH_ENV, "auto").strip() or "auto"
-    if value not in ("auto", "required"):
-        raise ValueError(f"{AUTH_ENV}={value!r}: expected 'auto' or 'required'")
-    return value == "required"
+    if value not in AUTH_VALUES:
+        raise ValueError(f"{AUTH_ENV}={value!r}: expected one of {', '.join(AUTH_VALUES)}")
+    return value
+
+
+def auth_required(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ``VPIPE_CONTROL_AUTH`` is ``required``."""
+    return auth_mode(environ) == "required"
 
 
 def agree_run_key(store: Any, *, rank: int, world_size: int, timeout_s: float, who: str) -> str:
     """Give this rank the run's key in ``VPIPE_CURVE_RUN_SECRET`` (collective); returns how it was keyed:
     ``configured`` (by the launcher or the user), ``private-file``, or ``unauthenticated``."""
-    required = auth_required()
+    mode = auth_mode()
     if configured_by_files() or has_run_secret():
         return "configured"
+    hosts = several_hosts()
     why = ("this libzmq was built without CURVE" if not zmq.has("curve") else
-           "the run spans several hosts and no key was given" if several_hosts() else None)
+           "the run spans several hosts and no key was given" if hosts else None)
     if why is not None:
         hint = (f"give every rank one key ({RUN_SECRET_FILE_ENV}=a `vpipe keys` secret file) or key files "
                 f"(VPIPE_CURVE_SECRET_FILE and VPIPE_CURVE_PUBLIC_KEYS)")
-        if required:
-            raise RuntimeError(f"{who}: the control plane would be unauthenticated ({why}) and {AUTH_ENV}=required; "
-                               f"{hint}")
+        if mode == "required" or (hosts and mode == "auto"):
+            allow = "" if mode == "required" else f", or set {AUTH_ENV}=none to run it unauthenticated"
+            raise RuntimeError(f"{who}: the control plane would be unauthenticated ({why}) and {AUTH_ENV}={mode}; "
+                               f"{hint}{allow}")
         log.warning("%s: THE CONTROL PLANE IS UNAUTHENTICATED (%s): anyone who can reach its ports can send "
                     "plans; %s, or set %s=required to refuse", who, why, hint, AUTH_ENV)
         return "unauthenticated"

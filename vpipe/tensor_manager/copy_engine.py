@@ -23,13 +23,12 @@ from typing import Any
 
 import torch
 
+from vpipe.settings import PREFETCH_ALLOC_ENV, PREFETCH_ALLOCS
+
 __all__ = ["Ticket", "CopyEngine", "CpuCopyEngine", "CudaCopyEngine", "make_copy_engine", "comm_process_group_options"]
 
 D2H = "d2h"
 H2D = "h2d"
-# Which CUDA stream's cached memory a prefetch's device copies come from (see CudaCopyEngine.to_device_batch)
-PREFETCH_ALLOC_ENV = "VPIPE_PREFETCH_ALLOC"
-PREFETCH_ALLOCS = ("copy", "compute")
 # Copy bandwidth assumed before the first copy was timed (bytes/s).
 ASSUMED_BANDWIDTH = {"cpu": 4e9, "cuda": 12e9}
 

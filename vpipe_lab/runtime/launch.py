@@ -30,13 +30,13 @@ from vpipe.checkpoint import CheckpointError
 from vpipe.control.curve import (
     RUN_SECRET_ENV,
     configured_by_files,
-    curve_from_env,
     has_run_secret,
     new_run_secret,
     remove_private_key_files,
 )
 from vpipe.control.keys import KeyFileError
 from vpipe.control.netaddr import control_host
+from vpipe.rank.environment import check_environment
 from vpipe_lab.runtime.warm_start import SHARED_STARTER_ENV, StarterLink, WarmStarter, connect, warm_start_possible
 from vpipe_lab.runtime.watchdog import Watchdog, stderr_line
 
@@ -247,7 +247,7 @@ def spawn(
     base = dict(os.environ)
     base.update(extra_env or {})
     heartbeat_timeout_from_env(base)  # bad values are named here, before any rank starts
-    curve_from_env(base)  # CURVE key files: missing, unreadable, too open ...
+    check_environment(base)  # every VPIPE_* variable of the library, CURVE key files included
     control_host(environ={**base, "MASTER_ADDR": host})  # VPIPE_CONTROL_HOST
     if not configured_by_files(base) and not has_run_secret(base):
         secret = new_run_secret()  # the ranks' control plane admits only this run's key
