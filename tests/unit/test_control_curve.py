@@ -209,3 +209,26 @@ def test_a_hello_naming_an_endpoint_off_this_host_is_ignored(store, opened, capl
         link.handle(make("hello", {"pid": 4244, "endpoint": "tcp://203.0.113.9:5555"}, stage=PLANNER), None)
     assert not link.attached and link.refused_hellos == 1 and "planner" not in last._peers
     assert "a planner hello names tcp://203.0.113.9:5555: neither loopback nor this run's interface" in caplog.text
+
+
+def test_key_folders_of_processes_killed_outright_are_removed_by_the_next_one(tmp_path, monkeypatch):
+    """A run ended by SIGTERM or a crash skips its exit handlers and left /tmp/vpipe-run-*/control.key_secret."""
+    import subprocess
+    import sys
+    import tempfile
+
+    from vpipe.control import curve
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    orphan = tmp_path / f"vpipe-run-{int(dead.stdout)}-abc"
+    orphan.mkdir(mode=0o700)
+    (orphan / "control.key_secret").write_text("secret\n")
+    alive = tmp_path / f"vpipe-run-{os.getpid()}-def"  # this process's own: it still runs
+    alive.mkdir(mode=0o700)
+    path = curve.private_key_file(zmq.curve_keypair()[1].decode())
+    try:
+        assert not orphan.exists() and alive.exists()
+        assert os.path.basename(os.path.dirname(path)).startswith(f"vpipe-run-{os.getpid()}-")
+    finally:
+        curve.remove_private_key_files()

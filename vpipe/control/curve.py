@@ -37,6 +37,7 @@ import atexit
 import logging
 import os
 import shutil
+import stat
 import tempfile
 import threading
 from collections import Counter
@@ -94,9 +95,17 @@ def run_secret_file() -> str | None:
 _PRIVATE_FOLDERS: list[str] = []  # the key folders this process made, removed at exit
 
 
+_FOLDER_PREFIX = "vpipe-run-"
+
+
 def private_key_file(secret: str) -> str:
-    """Write ``secret`` to a new file, 0600 in a new 0700 directory, both removed when this process exits."""
-    folder = tempfile.mkdtemp(prefix="vpipe-run-")  # mode 0700
+    """Write ``secret`` to a new file, 0600 in a new 0700 directory, both removed when this process exits.
+
+    A process killed outright (SIGTERM, SIGKILL, a crash) cannot remove its folder; the folder's
+    name holds its pid, and every new one first removes this user's folders whose process is gone.
+    """
+    _remove_orphaned_folders()
+    folder = tempfile.mkdtemp(prefix=f"{_FOLDER_PREFIX}{os.getpid()}-")  # mode 0700
     if not _PRIVATE_FOLDERS:
         atexit.register(remove_private_key_files)
     _PRIVATE_FOLDERS.append(folder)
@@ -105,6 +114,27 @@ def private_key_file(secret: str) -> str:
     with os.fdopen(fd, "w") as f:
         f.write(secret + "\n")
     return path
+
+
+def _remove_orphaned_folders() -> None:
+    """Remove this user's key folders (``vpipe-run-PID-*``) whose process no longer runs."""
+    base = tempfile.gettempdir()
+    try:
+        names = [n for n in os.listdir(base) if n.startswith(_FOLDER_PREFIX)]
+    except OSError:
+        return
+    for name in names:
+        pid_text = name[len(_FOLDER_PREFIX):].partition("-")[0]
+        path = os.path.join(base, name)
+        try:
+            info = os.lstat(path)
+            if not (pid_text.isdigit() and stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid()):
+                continue
+            os.kill(int(pid_text), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except OSError:
+            continue
 
 
 def remove_private_key_files() -> None:
