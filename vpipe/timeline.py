@@ -198,6 +198,8 @@ def load_rank_file(path: Path) -> RankTimeline:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{path} is not a vpipe timeline file ({e})") from None
+    except RecursionError:
+        raise ValueError(f"{path} is not a vpipe timeline file (its JSON nests too deeply)") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("version") != VERSION:
         raise ValueError(f"{path} is not a vpipe timeline file (format {FORMAT} version {VERSION})")
     rank, stages, events = data.get("rank"), data.get("stages"), data.get("events")

@@ -7,6 +7,7 @@ rank; run directly it spawns ``--stages`` ranks on this host and waits for them.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from collections.abc import Sequence
@@ -55,6 +56,8 @@ def _json_list(text: str) -> list:
         value = json.loads(text)
     except json.JSONDecodeError as e:
         raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+    except RecursionError:
+        raise argparse.ArgumentTypeError("its JSON nests too deeply to be a list of edits") from None
     if not isinstance(value, list):
         raise argparse.ArgumentTypeError("expected a JSON list")
     return value
@@ -163,6 +166,17 @@ def _planner(args: argparse.Namespace) -> str | None:
         return None
     if args.planner == "auto":
         return DEFAULT_PLANNER if args.vpipe else daemon.NO_CHANGE_PLANNER
+    if not (args.vpipe or args.monitor_every):
+        raise ValueError(f"--planner {args.planner}: no statistics reach a planner without --vpipe or "
+                         "--monitor-every K")
+    module = args.planner.partition(":")[0]
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise ValueError(f"--planner {args.planner}: no module {module!r} to import (give MODULE:FUNCTION, the "
+                         "module importable from here)")
     return args.planner
 
 

@@ -266,3 +266,47 @@ def test_a_bandwidth_no_link_has_is_refused_not_planned_with(tmp_path, capsys, f
     assert main(["plan", _graph(tmp_path), "--stages", "2", flag, value]) == 2  # printed a step of 1e300 ms
     assert capsys.readouterr().err.strip() == (f"vpipe: error: {flag} must be between 1000 and 1e+15 bytes/s, "
                                                f"got {value!r}")
+
+
+@pytest.mark.parametrize("argv, text", [
+    ("train --steps 1 --planner nosuchmod:fn",
+     "vpipe: error: --planner nosuchmod:fn: no statistics reach a planner without --vpipe or --monitor-every K"),
+    ("train --steps 1 --vpipe --planner nosuchmod_xyz:fn",
+     "vpipe: error: --planner nosuchmod_xyz:fn: no module 'nosuchmod_xyz' to import (give MODULE:FUNCTION, the "
+     "module importable from here)"),
+    ("keys <dir>/keys --name ", "vpipe: error: --name '': give a file name stem (letters, digits, - and _), or "
+                                "leave --name out for this host's name"),
+])
+def test_a_planner_that_would_be_ignored_or_missing_and_an_empty_key_name_are_refused(paths, capsys, argv, text):
+    """A missing --planner module used to print an error and exit 0; --planner without --vpipe was ignored;
+    --name '' fell back to the host's name."""
+    from vpipe_lab.cli import main
+
+    argv = argv.replace("<dir>", paths["<dir>"])
+    assert main(argv.split(" ")) == 2
+    assert capsys.readouterr().err.strip() == text
+    assert not os.path.exists(os.path.join(paths["<dir>"], "keys"))
+
+
+def test_json_nested_beyond_reason_in_a_manifest_a_timeline_nas_edits_or_planner_config_is_one_line(tmp_path):
+    deep = "[" * 60_000 + "]" * 60_000
+    step = tmp_path / "ck" / "step-00000001"
+    step.mkdir(parents=True)
+    (step / "manifest.json").write_text(deep)
+    traces = tmp_path / "trace"
+    traces.mkdir()
+    (traces / "timeline-rank0.json").write_text(deep)
+    cases = [
+        (("train", "--steps", "2", "--resume", str(tmp_path / "ck")),
+         f"vpipe: error: checkpoint manifest {step / 'manifest.json'} nests its JSON too deeply to be a manifest"),
+        (("trace", str(traces), "-o", str(tmp_path / "t.json")),
+         f"vpipe: error: {traces / 'timeline-rank0.json'} is not a vpipe timeline file (its JSON nests too deeply)"),
+        (("train", "--steps", "1", "--vpipe", "--nas", deep),
+         "vpipe train: error: argument --nas: its JSON nests too deeply to be a list of edits"),
+        (("planner", "--connect", "tcp://127.0.0.1:9", "--planner-config", deep),
+         "vpipe: error: --planner-config nests its JSON too deeply to be a planner's configuration"),
+    ]
+    for argv, text in cases:
+        proc = run_vpipe(*argv, timeout=60)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        assert proc.stderr.strip().splitlines()[-1] == text

@@ -121,7 +121,7 @@ def manifest_run(step_dir: Path) -> str | None:
             return None
         manifest = json.loads(path.read_text(encoding="utf-8"))
         return check_run_id(manifest.get("run"), str(path)) if isinstance(manifest, dict) else None
-    except (OSError, UnicodeDecodeError, ValueError):
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
         return None
 
 

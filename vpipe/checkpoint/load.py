@@ -117,6 +117,9 @@ def load_checkpoint(path: str | os.PathLike[str], verify: str = "all") -> Checkp
     except json.JSONDecodeError as e:
         raise CheckpointError(f"checkpoint manifest {manifest_path} is not valid JSON (truncated or corrupted): "
                               f"{e}") from None
+    except RecursionError:
+        raise CheckpointError(f"checkpoint manifest {manifest_path} nests its JSON too deeply to be a manifest") \
+            from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{manifest_path} is not a vpipe checkpoint manifest")
     if manifest.get("version") != VERSION:

@@ -76,6 +76,8 @@ def parse_planner_config(text: str) -> dict[str, Any]:
         config = json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"--planner-config is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ValueError("--planner-config nests its JSON too deeply to be a planner's configuration") from None
     if not isinstance(config, dict):
         raise ValueError(f"--planner-config must be a JSON object, got {type(config).__name__}")
     return config
