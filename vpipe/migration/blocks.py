@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 __all__ = ["BlockContainerError", "KeyStyle", "StageBlocks", "find_block_container", "block_containers",
-           "common_container"]
+           "common_container", "container_kind"]
 
 CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 _AMBIGUITY = 0.5  # a second, separate container with at least this share of the best one's parameters
@@ -181,8 +181,14 @@ class ContainerLayout:
     keys: tuple[str, ...]
 
 
+def container_kind(container: nn.Module) -> str:
+    """Sequential / ModuleList / ModuleDict, also for a container that FSDP2's ``fully_shard`` turned into a class
+    of its own (``FSDPSequential``): how its keys behave is its torch base class's."""
+    return next((c.__name__ for c in CONTAINERS if isinstance(container, c)), type(container).__name__)
+
+
 def layout_of(path: str, container: nn.Module) -> ContainerLayout:
-    return ContainerLayout(path, type(container).__name__, tuple(container._modules))
+    return ContainerLayout(path, container_kind(container), tuple(container._modules))
 
 
 def agree_key_style(layouts: Sequence[ContainerLayout]) -> KeyStyle:

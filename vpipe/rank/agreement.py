@@ -32,6 +32,7 @@ from vpipe.migration.blocks import (
     agree_key_style,
     block_containers,
     common_container,
+    container_kind,
     find_block_container,
     global_ids,
     layout_of,
@@ -145,7 +146,7 @@ def agree_on_blocks(agreement: StoreAgreement, stages: Sequence[LocalStage], num
         if found_here.get(stage.index, (None,))[0] != path:
             found_here[stage.index] = find_block_container(stage.module, path)
         container = found_here[stage.index][1]
-        agreement.set(f"keys/{stage.index}", json.dumps({"kind": type(container).__name__,
+        agreement.set(f"keys/{stage.index}", json.dumps({"kind": container_kind(container),
                                                           "keys": list(container._modules)}))
     layouts = [ContainerLayout(path, f["kind"], tuple(f["keys"])) for f in (
         json.loads(raw) for raw in agreement.gather("keys/{}", range(num_stages), "vpipe.attach",
