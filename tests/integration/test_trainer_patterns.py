@@ -87,3 +87,12 @@ def test_an_autocast_around_the_step_depends_on_the_split_unless_its_cache_is_of
     first_step = slice(0, 4)  # the first step's 4 micro-batches are equal; the weights it stepped to are not
     assert losses["6,2 cache=True"][first_step] == losses["4,4 cache=True"][first_step]
     assert losses["6,2 cache=True"][4:] != losses["4,4 cache=True"][4:]
+
+
+def test_removing_blocks_runs_no_extra_forward_that_a_users_stateful_hook_would_see(tmp_path):
+    """Found by the fuzzer: after remove_layers vpipe redid torch's shape inference, one more forward of the stage,
+    and a user's counting hook on a block that stayed saw it (the losses differed from the removal on). Shapes are
+    now inferred again only where a boundary changes."""
+    result = run_pattern(tmp_path, "removal_hooked")
+    assert result["placements"][-1] == [[0, 1, 3, 4, 5], [6]]
+    assert_trains_like_plain(result)

@@ -191,13 +191,18 @@ class Rank:
 
 def run_ranks(ranks: Sequence[Rank | LayerManager], plan: Plan) -> list[MigrationReport]:
     """Every rank applies ``plan`` at the same step boundary, each on its own thread."""
+    return on_every_rank(ranks, lambda manager: manager.apply(plan))
+
+
+def on_every_rank(ranks: Sequence[Rank | LayerManager], call: Callable[[LayerManager], Any]) -> list[Any]:
+    """``call(manager)`` on every rank at once, each on its own thread (a collective inside it needs them all)."""
     managers = [r.manager if isinstance(r, Rank) else r for r in ranks]
     reports: list[Any] = [None] * len(managers)
 
     def apply(i: int) -> None:
         torch.set_num_threads(1)
         try:
-            reports[i] = managers[i].apply(plan)
+            reports[i] = call(managers[i])
         except BaseException as e:  # noqa: BLE001 - handed to the test thread
             reports[i] = e
 

@@ -15,7 +15,8 @@ model's state (merged by global key), the placements and vpipe's log records to 
 - ``groups_refused``: the last stage decays with another weight decay: no group there fits a moved block;
 - ``mixed``: dense and MoE blocks interleaved (torchtitan's Llama 4 / DeepSeek shape), no ``layers=``;
 - ``mixed_unbuildable``: the last stage holds dense blocks only and is asked to take an MoE block;
-- ``autocast_splits``: no vpipe; the tutorial's trainer on two splits under an autocast around the step.
+- ``autocast_splits``: no vpipe; the tutorial's trainer on two splits under an autocast around the step;
+- ``removal_hooked``: blocks removed while a block with a user's stateful forward hook trains on.
 """
 
 from __future__ import annotations
@@ -129,15 +130,42 @@ def _build(group: Any, kinds: str, accumulation: int, make_optimizer: Callable[[
     return model, schedule, make_optimizer(model)
 
 
+class CountingHook:
+    """A user's stateful forward hook: counts its block's calls, and the count shifts the output."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return output + 1e-3 * self.calls
+
+
+def _remove(model: Net, opt: torch.optim.Optimizer, layer_ids: list[int]) -> None:
+    """What a trainer without vpipe does to drop blocks (a NAS step): out of the container and the optimizer."""
+    for lid in layer_ids:
+        if str(lid) in model.layers:
+            gone = {id(p) for p in model.layers[str(lid)].parameters()}
+            del model.layers[str(lid)]
+            for group in opt.param_groups:
+                group["params"][:] = [p for p in group["params"] if id(p) not in gone]
+
+
 def side_by_side(plans: dict[int, list[list[int]]], *, kinds: str = "d" * LAYERS, accumulation: int = 1,
                  make_optimizer: Callable[[Net], torch.optim.Optimizer] = lambda m: torch.optim.Adam(
-                     m.parameters(), lr=1e-2), **options: Any) -> dict:
-    """Train both copies on the same batches; vpipe's applies ``plans`` (schedule.step() call -> placement)."""
+                     m.parameters(), lr=1e-2), removals: dict[int, list[int]] | None = None,
+                 hooked: tuple[int, ...] = (), **options: Any) -> dict:
+    """Train both copies on the same batches; vpipe's applies ``plans`` (schedule.step() call -> placement); both
+    remove the blocks of ``removals`` before those steps; ``hooked`` blocks carry a :class:`CountingHook`."""
     import vpipe
     from vpipe.plan import Plan
 
     copies = {"plain": _build(dist.new_group(backend="gloo"), kinds, accumulation, make_optimizer),
               "vpipe": _build(None, kinds, accumulation, make_optimizer)}
+    for m, _, _ in copies.values():
+        for lid in hooked:
+            if str(lid) in m.layers:
+                m.layers[str(lid)].register_forward_hook(CountingHook())
     model, schedule, opt = copies["vpipe"]
     kept_params = list(model.parameters())  # the trainer's own list, taken once before attach
     vp = vpipe.attach(schedule, optimizer=opt, planning=False, **options)
@@ -146,6 +174,9 @@ def side_by_side(plans: dict[int, list[list[int]]], *, kinds: str = "d" * LAYERS
     losses: dict[str, list[float]] = {name: [] for name in copies}
     placements = []
     for step in range(STEPS):
+        if step in (removals or {}):
+            vp.remove_layers(removals[step])
+            _remove(copies["plain"][0], copies["plain"][2], removals[step])
         for name, (_, sched, o) in copies.items():
             for micro in range(accumulation):
                 x, y = batch(step * accumulation + micro)
@@ -211,6 +242,8 @@ SCENARIOS: dict[str, Callable[[], dict]] = {
     "mixed_unbuildable": lambda: side_by_side({2: [[0, 1, 2, 3, 4, 5, 6], [7]], 4: [[0, 1, 2], [3, 4, 5, 6, 7]]},
                                               kinds="dmdmdmdd"),
     "autocast_splits": autocast_splits,
+    # block 6 carries a stateful hook; removing block 7 leaves stage 1's boundary alike: no second shape inference
+    "removal_hooked": lambda: side_by_side({}, removals={3: [2], 5: [7]}, hooked=(6,)),
 }
 
 

@@ -335,13 +335,9 @@ class LayerManager:
 
     # ---------------------------------------------------------------- adding and removing layers
     def add_layers(self, position: int, specs: Sequence[Any]) -> list[int]:
-        """Insert new layers before model position ``position`` (0 = first); every rank calls it identically.
-
-        New layers get fresh ids above every id in use (ids are never reused, even after a
-        removal). They join the stage that holds the layer currently at ``position`` (the
-        last stage when appending), are built by the factory, and their parameters join
-        this rank's optimizer (param group 0). Returns the new ids.
-        """
+        """Insert new layers before model position ``position`` (0 = first; every rank calls it alike): fresh
+        ids (never reused), on the stage holding the layer at ``position`` (the last when appending), built by
+        the factory, their parameters in param group 0 of its optimizer. Returns the new ids."""
         if not specs:
             return []
         first_new = max(self.next_layer_id, max(self.order) + 1)
@@ -362,10 +358,13 @@ class LayerManager:
                  stage=owner, layers=new_ids, position=position, placement=placement.as_lists())
         return new_ids
 
-    def remove_layers(self, layer_ids: Iterable[int]) -> None:
-        """Remove layers by id (every rank calls it identically); no stage may be left empty."""
+    def remove_layers(self, layer_ids: Iterable[int]) -> bool:
+        """Remove layers by id (every rank calls it alike; no stage left empty); whether any stage now sends
+        another activation downstream (voted: every rank learns it alike)."""
         doomed = set(layer_ids)
         placement = self._placement.without(doomed)
+        reshapes = self.channel.vote([(any(self.shapes.last_output_changes(self.placement[v], placement.stages[v], {})
+                                           for v in self.blocks if v != self.num_stages - 1), False)])[0]
         for v in self.blocks:
             self._drop(v, [lid for lid in self.blocks[v].ids if lid in doomed])
         for lid in doomed:
@@ -374,6 +373,7 @@ class LayerManager:
         self._placement = placement
         decision("layers_removed", f"{len(doomed)} layer(s) removed", layers=sorted(doomed),
                  placement=placement.as_lists())
+        return reshapes
 
     # ---------------------------------------------------------------- placement edits
     def _take(self, stage: int, layer_ids: Sequence[int]) -> list[tuple[int, nn.Module, str]]:

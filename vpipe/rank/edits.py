@@ -58,8 +58,9 @@ class LayerEdits:
         self._require_boundary("remove_layers")
         self.agreement.agree_edit({"call": "remove_layers", "layers": sorted(int(lid) for lid in layer_ids)},
                                   self.who)
-        self.layer_manager.remove_layers(layer_ids)
-        self._after_edit()
+        # shapes are inferred again only where a boundary changes: inference runs the stage's forward (and the
+        # user's hooks) once more, which a trainer without vpipe would not
+        self._after_edit(reshape=self.layer_manager.remove_layers(layer_ids))
 
     def _require_boundary(self, what: str) -> None:
         counter = self.driver.counter
@@ -72,7 +73,7 @@ class LayerEdits:
         if any(isinstance(stage.module, torch.fx.GraphModule) for stage in self.pipeline.stages):
             raise RuntimeError(f"{what} cannot edit a traced GraphModule stage (its forward is a fixed graph)")
 
-    def _after_edit(self) -> None:
+    def _after_edit(self, reshape: bool = True) -> None:
         # a new epoch: plans made for the old layers become stale, stats say which layers they measured
         lm = self.layer_manager
         lm.epoch += 1
@@ -80,6 +81,6 @@ class LayerEdits:
         old = self.session.agent.plan
         policies = {lid: p for lid, p in (old.policies.items() if old else []) if lid in lm.order}
         self.session.agent.plan = Plan(epoch=lm.epoch, stages=lm.placement, policies=policies)
-        if self.pipeline.schedule is not None:
+        if reshape and self.pipeline.schedule is not None:
             reset_shape_inference(self.pipeline.schedule)  # new layers have never run: redo shape inference
         apply_budgets(self.tensor_managers, self.memories, lm.epoch)
