@@ -15,8 +15,11 @@ so nothing larger is ever allocated.
 
 With CURVE on (:mod:`vpipe.control.curve`) inboxes are CURVE servers behind the
 context's :class:`~vpipe.control.curve.CurveGuard`, outboxes CURVE clients that connect
-only to trusted server keys, published under ``vpipe/ctl/key/<rank>``. Each inbox
-watches its handshakes and counts (and logs) the connections it refused, by reason.
+only to trusted server keys, published under ``vpipe/ctl/key/<rank>``.
+
+Each inbox has a :class:`~vpipe.control.doorman.Doorman`: a handshake deadline, caps on
+connections that have not authenticated (per source address and in all) and on connections
+in all, and the counts (and logs) of the connections refused at the handshake or cut.
 """
 
 from __future__ import annotations
@@ -29,9 +32,9 @@ from collections.abc import Collection
 from typing import Any
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
-from vpipe.control.curve import HANDSHAKE_EVENTS, CurveConfig, CurveGuard, curve_from_env, handshake_failure, log_due
+from vpipe.control.curve import CurveConfig, CurveGuard, curve_from_env
+from vpipe.control.doorman import Doorman, raise_open_file_limit
 from vpipe.control.messages import MAX_MESSAGE_BYTES, Decoder, Message, encode, frame_limit
 from vpipe.control.netaddr import check_endpoint, control_host, tcp_endpoint
 from vpipe.control.pending import MAX_PENDING_BYTES, PendingMessages
@@ -43,7 +46,6 @@ __all__ = ["MAX_PENDING_BYTES", "Inbox", "Outbox", "ControlPlane", "endpoint_key
 
 PLANNER_CONNECT_KEY = "vpipe/ctl/planner"  # the endpoint a standalone planner daemon connects to
 _WILDCARDS = ("0.0.0.0", "::", "*")
-_HANDSHAKE_CHECK_S = 0.25  # how often receiving also counts refused handshakes
 FROM_ENV = "env"  # ``curve=FROM_ENV``: CURVE as the environment configures it (off when unset)
 
 
@@ -73,50 +75,51 @@ def new_socket(context: zmq.Context, kind: int, max_message_bytes: int, linger_m
 
 
 # What an inbox holds, so that a flood (even from a peer with the run's key) cannot grow memory without bound:
-_RCVHWM = 8  # frames zmq queues per connection before it stops reading it (the sender's own queue fills instead)
+# zmq queues doorman.RCVHWM frames per connection, for at most doorman.MAX_CONNECTIONS connections;
 RECEIVE_BYTES = 1 << 20  # frames read and decoded per receive call; the rest wait in zmq
+# and at most pending.MAX_PENDING_BYTES of wire bytes wait decoded for whoever polls for their type.
 
 
 class Inbox:
     """A PULL socket on a random port of ``bind_host``; yields validated messages only.
 
     With a ``guard`` (CURVE on) it is a CURVE server that the guard's ZAP handler protects.
+    Its :class:`~vpipe.control.doorman.Doorman` caps its connections and counts (and logs)
+    the ones refused at the handshake, by reason, and the ones it cut.
     """
 
     def __init__(self, context: zmq.Context, bind_host: str, advertise_host: str, *, name: str,
-                 max_message_bytes: int = MAX_MESSAGE_BYTES, guard: CurveGuard | None = None) -> None:
+                 max_message_bytes: int = MAX_MESSAGE_BYTES, guard: CurveGuard | None = None,
+                 max_connections: int | None = None) -> None:
+        raise_open_file_limit()  # before the first connection takes a descriptor
         self.name = name
         self.socket = new_socket(context, zmq.PULL, max_message_bytes, 0)
-        self.socket.setsockopt(zmq.RCVHWM, _RCVHWM)
         if ":" in bind_host or ":" in advertise_host:
             self.socket.setsockopt(zmq.IPV6, 1)
         self.curve_key = None if guard is None else guard.config.public
         if guard is not None:
             guard.config.make_server(self.socket)
-        self.refused: Counter = Counter()  # connections whose handshake failed, by reason
-        self._monitor = self.socket.get_monitor_socket(HANDSHAKE_EVENTS)
-        self._monitor.setsockopt(zmq.MAXMSGSIZE, frame_limit(max_message_bytes))
+        self.doorman = Doorman(self.socket, name=name, monitor_max_bytes=frame_limit(max_message_bytes),
+                               guard=guard, max_connections=max_connections)  # its thread answers ZAP requests
         bind = "*" if bind_host in _WILDCARDS else (f"[{bind_host}]" if ":" in bind_host else bind_host)
-        port = self.socket.bind_to_random_port(f"tcp://{bind}")
+        try:
+            port = self.socket.bind_to_random_port(f"tcp://{bind}")
+        except BaseException:
+            self.close()
+            raise
+        self.doorman.start(port)
         self.endpoint = tcp_endpoint(advertise_host, port)
         self.decoder = Decoder(name=name, max_bytes=max_message_bytes)
-        self._next_handshake_check = 0.0
 
-    def check_handshakes(self) -> None:
-        """Count (and log) the connections refused at the handshake since the last look."""
-        while self._monitor.poll(0):  # (asking first: a receive that finds nothing raises, every step)
-            try:
-                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            reason = handshake_failure(event["event"], event["value"])
-            if reason is None:
-                continue
-            self.refused[reason] += 1
-            n = self.refused[reason]
-            if reason != "untrusted_key" and log_due(n):  # the guard logged that one, with the key
-                log.warning("%s: refused a connection whose handshake failed (%s; %d so far)%s", self.name,
-                            reason, n, " - a peer without CURVE or with the wrong keys?" if self.curve_key else "")
+    @property
+    def refused(self) -> Counter:
+        """Connections whose handshake failed, by reason (counted by the doorman's thread as they happen)."""
+        return self.doorman.refused
+
+    @property
+    def evicted(self) -> Counter:
+        """New connections the doorman cut, by reason (``inbox_full``, ``source_full``)."""
+        return self.doorman.evicted
 
     def receive(self, timeout_ms: int = 0, limit: int = 1000) -> list[Message]:
         """Up to ``limit`` valid messages (about ``RECEIVE_BYTES``), waiting at most ``timeout_ms`` for the first."""
@@ -125,10 +128,6 @@ class Inbox:
     def receive_sized(self, timeout_ms: int = 0, limit: int = 1000,
                       max_bytes: int = RECEIVE_BYTES) -> list[tuple[Message, int]]:
         """:meth:`receive`, with each message's size on the wire; stops once ``max_bytes`` were read."""
-        now = time.monotonic()
-        if now >= self._next_handshake_check:  # (refused handshakes are only counted and logged: no hurry)
-            self._next_handshake_check = now + _HANDSHAKE_CHECK_S
-            self.check_handshakes()
         if timeout_ms > 0 and not self.socket.poll(timeout_ms):
             return []
         out: list[tuple[Message, int]] = []
@@ -136,21 +135,21 @@ class Inbox:
         # (asked of the socket itself: poll(0) builds a Poller at every call, and every rank asks every step)
         while len(out) < limit and read < max_bytes and int(self.socket.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
             try:
-                frames = self.socket.recv_multipart(zmq.NOBLOCK)
+                frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
             read += sum(len(f) for f in frames)
+            self.doorman.saw(frames[0].get(zmq.SRCFD))  # a frame came: that connection authenticated
             if len(frames) != 1:
                 self.decoder.drop("multipart", f"{len(frames)} frames; control messages are one frame")
                 continue
-            message = self.decoder.accept(frames[0])
+            message = self.decoder.accept(frames[0].buffer)  # (a view: msgpack copies what it keeps)
             if message is not None:
                 out.append((message, len(frames[0])))
         return out
 
     def close(self) -> None:
-        self.socket.disable_monitor()
-        self._monitor.close(linger=0)
+        self.doorman.close()
         self.socket.close(linger=0)
 
 
@@ -243,8 +242,12 @@ class ControlPlane:
     @property
     def refused(self) -> Counter:
         """Connections refused at the handshake, by reason (``untrusted_key``, ``mechanism_mismatch`` ...)."""
-        self.inbox.check_handshakes()
         return self.inbox.refused
+
+    @property
+    def evicted(self) -> Counter:
+        """Connections the inbox cut to stay within its caps, by reason (see :mod:`vpipe.control.doorman`)."""
+        return self.inbox.evicted
 
     def endpoint_of(self, rank: int) -> str:
         if not 0 <= rank < self.world_size:

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
-from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils import z85
 
 from vpipe.control.keys import KeyFileError, public_keys_from, read_secret_file
 
@@ -59,6 +59,7 @@ SECRET_ENV = "VPIPE_CURVE_SECRET_FILE"
 PUBLIC_ENV = "VPIPE_CURVE_PUBLIC_KEYS"
 RUN_SECRET_ENV = "VPIPE_CURVE_RUN_SECRET"
 RUN_SECRET_FILE_ENV = "VPIPE_CURVE_RUN_SECRET_FILE"
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # where libzmq asks a context's ZAP handler (RFC 27)
 
 
 def new_run_secret() -> str | None:
@@ -223,8 +224,11 @@ def curve_from_env(environ: dict[str, str] | None = None) -> CurveConfig | None:
 class CurveGuard:
     """The ZAP handler of one zmq context: admits CURVE clients with a trusted key, logs the others.
 
-    It must run before the context's first CURVE server binds: without a ZAP handler
-    libzmq admits every client.
+    It binds the context's ZAP endpoint at once: it must exist before the context's first
+    CURVE server binds, since without a ZAP handler libzmq admits every client. The requests
+    are answered by :meth:`serve`, on the thread of the inbox's
+    :class:`~vpipe.control.doorman.Doorman`, which first takes note of every connection the
+    inbox accepted (and cuts those over its caps), so none over them ever authenticates.
     """
 
     def __init__(self, context: zmq.Context, config: CurveConfig, *, name: str) -> None:
@@ -232,12 +236,33 @@ class CurveGuard:
         self.name = name
         self.refused: Counter = Counter()  # client public key -> refusals
         self._lock = threading.Lock()
-        self._auth = ThreadAuthenticator(context, log=logging.getLogger("vpipe.control.zap"))
-        self._auth.start()
-        self._auth.configure_curve_callback(domain="*", credentials_provider=self)
+        self.zap_socket = context.socket(zmq.REP)
+        self.zap_socket.setsockopt(zmq.LINGER, 0)
+        self.zap_socket.setsockopt(zmq.MAXMSGSIZE, 4096)  # a ZAP request is a few short frames
+        self.zap_socket.bind(ZAP_ENDPOINT)
+
+    def serve(self) -> None:
+        """Answer every waiting ZAP request (RFC 27); only ever called on one thread."""
+        while int(self.zap_socket.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            try:
+                request = self.zap_socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.zap_socket.send_multipart(self._answer(request))
+
+    def _answer(self, request: list[bytes]) -> list[bytes]:
+        if len(request) < 6 or request[0] != b"1.0":
+            return [b"1.0", request[1] if len(request) > 1 else b"", b"500", b"malformed ZAP request", b"", b""]
+        request_id, domain, mechanism, credentials = request[1], request[2], request[5], request[6:]
+        if mechanism != b"CURVE" or len(credentials) != 1 or len(credentials[0]) != 32:
+            return [b"1.0", request_id, b"400", b"CURVE only", b"", b""]
+        key = z85.encode(credentials[0])
+        if not self.callback(domain.decode("utf-8", "replace"), key):
+            return [b"1.0", request_id, b"400", b"untrusted key", b"", b""]
+        return [b"1.0", request_id, b"200", b"OK", key, b""]
 
     def callback(self, domain: str, key: bytes) -> bool:
-        """ZAP: is this client's public key trusted? (called on the authenticator's thread)"""
+        """ZAP: is this client's public key trusted? (called on the thread that serves the guard)"""
         if key in self.config.trusted:
             return True
         with self._lock:
@@ -249,7 +274,7 @@ class CurveGuard:
         return False
 
     def close(self) -> None:
-        self._auth.stop()
+        self.zap_socket.close(linger=0)
 
 
 def handshake_failure(event: int, value: int) -> str | None:

@@ -42,6 +42,7 @@ import zmq
 from vpipe import log as vlog
 from vpipe.control.channel import FROM_ENV, Inbox, Outbox, resolve_curve
 from vpipe.control.curve import CurveConfig, CurveGuard
+from vpipe.control.doorman import DAEMON_CONNECTIONS
 from vpipe.control.keys import check_z85_key, read_public_file
 from vpipe.control.messages import MAX_MESSAGE_BYTES, PLANNER, Message, make
 from vpipe.control.netaddr import check_endpoint, control_host
@@ -149,7 +150,7 @@ class PlannerDaemon:
         name = "planner daemon inbox"
         self.guard = None if self.curve is None else CurveGuard(self._context, self.curve, name=name)
         self.inbox = Inbox(self._context, bind, advertise, name=name, max_message_bytes=max_message_bytes,
-                           guard=self.guard)
+                           guard=self.guard, max_connections=DAEMON_CONNECTIONS)
         self._outbox = self._new_outbox(1000)
         self._attached = threading.Event()
         self._stop = threading.Event()

@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter, OrderedDict
 from typing import Any
 
 from vpipe.control.channel import ControlPlane
-from vpipe.control.messages import make, register_type
+from vpipe.control.messages import Message, make, register_type
 from vpipe.migration.state import validate_manifest
+from vpipe.plan import MAX_EPOCH_STEP
 
 log = logging.getLogger("vpipe.migration")
 
-__all__ = ["MIGRATION_TYPES", "ControlMessenger"]
+__all__ = ["MIGRATION_TYPES", "ControlMessenger", "HeldMessages", "MAX_HELD", "HELD_S"]
 
 _MAX_LAYERS = 4096
 
@@ -96,19 +98,121 @@ for _name, _parse in MIGRATION_TYPES.items():
     register_type(_name, _parse, replace=True)
 
 
+MAX_HELD = 256  # migration messages kept for a move nobody waits for yet (a faster peer's next ones: a few)
+HELD_S = 120.0  # ... each for at most this long (a migration step times out after 30 s by default)
+DROP_LOG_S = 10.0  # drops are logged at most once per interval, with their counts
+
+
+class HeldMessages:
+    """Migration messages that arrived before their move was waited for, bounded in count, age and epoch.
+
+    A message is stale (dropped) once its (epoch, round) is below the newest one waited for,
+    and dropped at once when its epoch is more than ``MAX_EPOCH_STEP`` past it (no plan can
+    jump that far); past ``MAX_HELD`` messages or ``HELD_S`` seconds the oldest go. Finding
+    one is a dictionary look-up by (sender, epoch, round, move); dropping one never walks
+    the others.
+    """
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.dropped: Counter = Counter()  # by reason: stale, future_epoch, too_many, too_old
+        self._arrived: OrderedDict[int, tuple[float, Message]] = OrderedDict()  # arrival number -> message
+        self._by_key: dict[tuple[int, int, int, int], list[int]] = {}
+        self._arrivals = 0
+        self._floor: tuple[int, int] | None = None  # the newest (epoch, round) waited for
+        self._since_log: Counter = Counter()
+        self._next_log = 0.0
+
+    def __len__(self) -> int:
+        return len(self._arrived)
+
+    def wait_from(self, key: tuple[int, int, int]) -> None:
+        """A move ``key`` is waited for: what belongs to earlier rounds is stale (one sweep per new round)."""
+        now = time.monotonic()
+        while self._arrived and now - next(iter(self._arrived.values()))[0] > HELD_S:
+            self._drop(next(iter(self._arrived)), "too_old")
+        if self._floor is not None and key[:2] <= self._floor:
+            return
+        self._floor = (key[0], key[1])
+        for number, (_, message) in list(self._arrived.items()):
+            if (message.epoch, message.body["round"]) < self._floor:
+                self._drop(number, "stale")
+
+    def add(self, messages: list[Message]) -> None:
+        now = time.monotonic()
+        for message in messages:
+            if self._floor is not None and (message.epoch, message.body["round"]) < self._floor:
+                self._count(message, "stale")
+            elif self._floor is not None and message.epoch > self._floor[0] + MAX_EPOCH_STEP:
+                self._count(message, "future_epoch")
+            else:
+                number = self._arrivals
+                self._arrivals += 1
+                self._arrived[number] = (now, message)
+                self._by_key.setdefault(_key_of(message), []).append(number)
+                if len(self._arrived) > MAX_HELD:
+                    self._drop(next(iter(self._arrived)), "too_many")
+
+    def take(self, types: set[str], src: int, key: tuple[int, int, int]) -> Message | None:
+        for number in self._by_key.get((src, *key), ()):
+            message = self._arrived[number][1]
+            if message.type in types:
+                self._remove(number)
+                return message
+        return None
+
+    def _remove(self, number: int) -> Message:
+        message = self._arrived.pop(number)[1]
+        key = _key_of(message)
+        numbers = self._by_key[key]
+        numbers.remove(number)
+        if not numbers:
+            del self._by_key[key]
+        return message
+
+    def _drop(self, number: int, reason: str) -> None:
+        self._count(self._remove(number), reason)
+
+    def _count(self, message: Message, reason: str) -> None:
+        self.dropped[reason] += 1
+        self._since_log[reason] += 1
+        now = time.monotonic()
+        if now >= self._next_log:
+            self._next_log = now + DROP_LOG_S
+            counts = ", ".join(f"{n} {r}" for r, n in sorted(self._since_log.items()))
+            log.info("rank %d: dropped %s migration message(s) matching no move (latest: %s from rank %d, epoch %d "
+                     "round %d; %d so far)", self.rank, counts, message.type, message.src, message.epoch,
+                     message.body["round"], self.dropped.total())
+            self._since_log.clear()
+
+
+def _key_of(message: Message) -> tuple[int, int, int, int]:
+    return message.src, message.epoch, message.body["round"], message.body["move"]
+
+
 class ControlMessenger:
     """The :class:`~vpipe.migration.handshake.Messenger` of a rank, on its control plane.
 
     Migration messages are taken from the plane by type, so the stage agent's stats and
-    plans are never consumed here (and vice versa). Messages that match no open round are
-    kept until they are older than the round being waited for, then dropped as stale.
+    plans are never consumed here (and vice versa). Messages that match no open round wait
+    in :class:`HeldMessages` until they are older than the round being waited for, then are
+    dropped as stale.
     """
 
     def __init__(self, plane: ControlPlane, rank: int) -> None:
         self.plane = plane
         self.rank = rank
-        self._held: list[Any] = []
-        self.stale = 0
+        self._held = HeldMessages(rank)
+
+    @property
+    def stale(self) -> int:
+        """Messages dropped because their round had ended."""
+        return int(self._held.dropped["stale"])
+
+    @property
+    def dropped(self) -> Counter:
+        """Messages dropped, by reason (``stale``, ``future_epoch``, ``too_many``, ``too_old``)."""
+        return self._held.dropped
 
     def send_to(self, peer: int, type: str, body: dict[str, Any], *, epoch: int) -> None:
         if not self.plane.send(peer, make(type, body, epoch=epoch, stage=self.rank)):
@@ -120,25 +224,12 @@ class ControlMessenger:
         or None after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         while True:
-            for i, msg in enumerate(self._held):
-                if msg.type in types and msg.src == from_rank and (msg.epoch, msg.body["round"],
-                                                                   msg.body["move"]) == key:
-                    del self._held[i]
-                    return msg.type, msg.body
-            self._drop_stale(key)
+            self._held.wait_from(key)
+            found = self._held.take(types, from_rank, key)
+            if found is not None:
+                return found.type, found.body
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return None
-            self._held.extend(self.plane.poll(timeout_ms=int(min(remaining, 0.1) * 1000) + 1,
-                                              types=set(MIGRATION_TYPES)))
-
-    def _drop_stale(self, key: tuple[int, int, int]) -> None:
-        keep = []
-        for msg in self._held:
-            if (msg.epoch, msg.body["round"]) < key[:2]:
-                self.stale += 1
-                log.info("rank %d: dropped a stale %s from rank %d (epoch %d round %d)", self.rank,
-                         msg.type, msg.src, msg.epoch, msg.body["round"])
-            else:
-                keep.append(msg)
-        self._held = keep
+            self._held.add(self.plane.poll(timeout_ms=int(min(remaining, 0.1) * 1000) + 1,
+                                           types=set(MIGRATION_TYPES)))
