@@ -334,14 +334,22 @@ def cmd_trace(args: argparse.Namespace, argv: object = None) -> int:
     out = Path(args.output)
     if out.exists() and not out.is_file():
         raise ValueError(f"-o {out}: not a file")
+    png = Path(args.png) if args.png else None
+    if png is not None and not png.resolve().parent.is_dir():
+        raise ValueError(f"--png {png}: {png.resolve().parent} is not a directory")
+    if png is not None and png.is_dir():
+        raise ValueError(f"--png {png}: a directory, not a file to write")
     trace = merge(ranks)
     try:
         _replace_file(out, json.dumps(trace))
     except OSError as e:
         raise ValueError(f"-o {out}: {e.strerror or e}") from None
-    if args.png:
-        draw(ranks, Path(args.png))
-        print(f"wrote {args.png}")
+    if png is not None:
+        try:
+            draw(ranks, png)
+        except OSError as e:
+            raise ValueError(f"--png {png}: {e.strerror or e}") from None
+        print(f"wrote {png}")
     events = sum(len(r.events) for r in ranks)
     print(f"wrote {out}: {events} events of {len(ranks)} ranks (open it in Perfetto or chrome://tracing)")
     print("stage  rank   busy  bubble  (waiting)")

@@ -71,6 +71,19 @@ def test_trace_names_what_is_wrong_with_a_run_directory_in_one_line(tmp_path, ca
         timeline.load_rank_file(fifo)
 
 
+def test_trace_png_into_a_file_used_as_a_directory_is_one_line_before_any_output(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "timeline-rank0.json").write_text(json.dumps({"format": "vpipe-timeline", "version": 1, "rank": 0,
+                                                        "stages": [0], "events": []}))
+    afile = tmp_path / "file"
+    afile.write_text("")
+    out = tmp_path / "trace.json"
+    assert cli_main(["trace", str(run), "-o", str(out), "--png", f"{afile}/x.png"]) == 2
+    assert capsys.readouterr().err.strip() == f"vpipe: error: --png {afile}/x.png: {afile} is not a directory"
+    assert not out.exists()
+
+
 def test_the_fractions_count_overlapping_work_once_and_waits_inside_the_bubble():
     ms = 1_000_000
 
