@@ -1,0 +1,227 @@
+"""One copy of a drawn trainer on one rank: stage modules, schedule, optimizer(s) and LR schedulers, and its step.
+
+Both copies (plain and vpipe's) are built by :func:`build` from the same whole model, so their
+initial tensors are equal; each runs on process groups of its own, made for the draw.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleZBVZeroBubble,
+)
+
+from fuzz.draws import GLOBAL_CLIP_NORM, STAGE_CLIP_NORM, Draw
+from fuzz.models import add_hooks, batch, loss_fn, stage_module
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
+             "zbv": ScheduleZBVZeroBubble}
+LR = {"sgd": 0.05, "adam": 0.01, "adamw": 0.01, "adagrad": 0.05, "rmsprop": 0.005}
+NO_DECAY = ("bias", "norm", "ln_f", "bn.", "gain")  # Hugging Face's rule, by name: biases and norm weights
+
+
+@dataclass
+class Copy:
+    """One rank's part of one copy of the trainer."""
+
+    name: str
+    stages: list[int]  # stage indices on this rank, in model order
+    modules: list[nn.Module]
+    schedule: Any
+    optimizers: list[torch.optim.Optimizer]
+    lr_schedulers: list[Any]
+    pp_group: Any
+    dp_group: Any = None
+    replica: int = 0
+    losses: list[list[float]] = field(default_factory=list)
+
+    @property
+    def optimizer_arg(self) -> Any:
+        """What the trainer hands ``vpipe.attach``: its optimizer, or one per stage module in a list."""
+        return self.optimizers[0] if len(self.optimizers) == 1 else list(self.optimizers)
+
+
+def stages_of_rank(d: Draw, pp_rank: int) -> list[int]:
+    """Interleaved 1F1B: stages r and r + 2; ZBV's V: stages r and 3 - r; else stage r."""
+    if d.schedule == "interleaved":
+        return [pp_rank, pp_rank + 2]
+    if d.schedule == "zbv":
+        return [pp_rank, 3 - pp_rank]
+    return [pp_rank]
+
+
+def keep_buffers_through_shape_inference(stage: PipelineStage) -> None:
+    """torch's first ``step()`` infers shapes by running a stage's forward on uninitialised tensors, which puts
+    garbage into BatchNorm statistics and counters, different garbage in each copy: restore the buffers after it
+    (tests/workers/block_worker.py does the same)."""
+    inner = stage._prepare_forward_infra
+
+    def prepare(*args: Any, **kwargs: Any) -> Any:
+        saved = [(b, b.clone()) for b in stage.submod.buffers()]
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            for b, value in saved:
+                if not torch.equal(b, value):
+                    b.data.copy_(value)
+
+    stage._prepare_forward_infra = prepare
+
+
+def _groups(d: Draw, modules: list[tuple[int, nn.Module]], lr: float) -> list[dict[str, Any]]:
+    """The param groups of an optimizer over ``(stage, module)`` pairs, trainable parameters only."""
+    named = [(n, p) for _, m in modules for n, p in m.named_parameters() if p.requires_grad]
+    if d.groups == "one":
+        return [{"params": [p for _, p in named]}]
+    decay = [p for n, p in named if not any(t in n for t in NO_DECAY)]
+    no_decay = [p for n, p in named if any(t in n for t in NO_DECAY)]
+    by_name = [{"params": decay, "name": "decay", "weight_decay": 0.01},
+               {"params": no_decay, "name": "no_decay", "weight_decay": 0.0}]
+    if d.groups == "by_name":
+        return by_name
+    # per_stage: one optimizer per stage module (``modules`` is one stage) whose groups differ in order and count
+    stage, module = modules[0]
+    if d.shape == "sequential":  # no embeddings or head to give groups of their own: the order differs instead
+        return by_name if stage == 0 else by_name[::-1]
+    first = [p for n, p in module.named_parameters() if n.split(".")[0] in ("inp", "wte") and p.requires_grad]
+    last = [p for n, p in module.named_parameters() if n.split(".")[0] in ("out", "ln_f", "head")]
+    ids = {id(p) for p in first + last}
+    for g in by_name:
+        g["params"] = [p for p in g["params"] if id(p) not in ids]
+    groups = ([{"params": first, "name": "embeddings", "lr": lr * 0.5}] if first else []) + by_name
+    return groups + ([{"params": last, "name": "head", "lr": lr * 2}] if last else [])
+
+
+def _optimizer(d: Draw, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+    impl = {"foreach": {"foreach": True}, "forloop": {"foreach": False}, "fused": {"fused": True}}[d.impl]
+    lr = LR[d.optimizer]
+    if d.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=lr, momentum=0.9, **impl)
+    cls = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "adagrad": torch.optim.Adagrad,
+           "rmsprop": torch.optim.RMSprop}[d.optimizer]
+    return cls(groups, lr=lr, **impl)
+
+
+def _lr_scheduler(d: Draw, optimizer: torch.optim.Optimizer) -> Any:
+    sched = torch.optim.lr_scheduler
+    if d.lr_scheduler == "lambda":
+        return sched.LambdaLR(optimizer, lambda s: 1.0 / (1.0 + 0.25 * s))
+    if d.lr_scheduler == "step":
+        return sched.StepLR(optimizer, step_size=2, gamma=0.5)
+    if d.lr_scheduler == "cosine":
+        return sched.CosineAnnealingLR(optimizer, T_max=4, eta_min=1e-4)
+    return None
+
+
+def _shard(d: Draw, module: nn.Module, dp_mesh: Any) -> nn.Module:
+    """torchtitan's ``apply_fsdp`` for a pipeline stage: every block, then the stage module."""
+    from torch.distributed.fsdp import fully_shard
+
+    from fuzz.models import container
+
+    for block in container(d, module).children():
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=False)
+    fully_shard(module, mesh=dp_mesh, reshard_after_forward=False)
+    return module
+
+
+def build(d: Draw, name: str, parts: Any, pp_group: Any, pp_rank: int, dp_mesh: Any = None,
+          replica: int = 0) -> Copy:
+    """This rank's stages of one copy, on ``pp_group`` (sharded over ``dp_mesh`` for an FSDP2 draw)."""
+    stages = stages_of_rank(d, pp_rank)
+    modules = []
+    for v in stages:
+        module = stage_module(d, parts, v)
+        add_hooks(d, module)
+        modules.append(_shard(d, module, dp_mesh) if dp_mesh is not None else module)
+    pipe_stages = []
+    for v, module in zip(stages, modules):
+        stage = PipelineStage(module, v, d.num_stages, torch.device("cpu"), group=pp_group)
+        keep_buffers_through_shape_inference(stage)
+        pipe_stages.append(stage)
+    cls = SCHEDULES[d.schedule]
+    schedule = cls(pipe_stages[0] if len(pipe_stages) == 1 else pipe_stages, d.micro_batches, loss_fn=loss_fn(d))
+    lr = LR[d.optimizer]
+    if d.groups == "per_stage":
+        optimizers = [_optimizer(d, _groups(d, [(v, m)], lr)) for v, m in zip(stages, modules)]
+    else:
+        optimizers = [_optimizer(d, _groups(d, list(zip(stages, modules)), lr))]
+    schedulers = [s for s in (_lr_scheduler(d, o) for o in optimizers) if s is not None]
+    return Copy(name, stages, modules, schedule, optimizers, schedulers, pp_group,
+                dp_group=dp_mesh.get_group() if dp_mesh is not None else None, replica=replica)
+
+
+def _clip_global(c: Copy, aux_group: Any) -> None:
+    """torchtitan's clipping under pipelining: each rank's norm (full over its dp shards), squared, summed over the
+    pipeline, the same factor on every stage (the sum's grouping depends on the split: to rounding)."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for m in c.modules for p in m.parameters() if p.grad is not None]
+    grads = [p.grad for p in params]
+    norm = torch.nn.utils.get_total_norm(grads, 2.0)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    total = norm.detach().clone() ** 2
+    dist.all_reduce(total, group=aux_group)  # over every rank: each dp replica counts its stage once per rank
+    if c.dp_group is not None:
+        total /= dist.get_world_size(c.dp_group)
+    total **= 0.5
+    torch.nn.utils.clip_grads_with_norm_(params, GLOBAL_CLIP_NORM, total)
+
+
+def train_step(d: Draw, c: Copy, step: int, aux_group: Any) -> None:
+    """One ``schedule.step`` and, at the end of an accumulation window, clipping, ``optimizer.step()``, the LR
+    schedulers' step and ``zero_grad``; the last stage's losses are kept."""
+    x, y = batch(d, step, c.replica)
+    losses: list[torch.Tensor] = []
+    inputs = (x,) if 0 in c.stages else ()
+    if d.num_stages - 1 in c.stages:
+        c.schedule.step(*inputs, target=y, losses=losses)
+    else:
+        c.schedule.step(*inputs)
+    if losses:
+        c.losses.append([float(loss.detach()) for loss in losses])
+    if (step + 1) % d.accum:
+        return
+    if d.clip == "global":
+        _clip_global(c, aux_group)
+    elif d.clip == "stage":
+        for m in c.modules:  # the module's parameters asked for each time: a list captured once goes stale
+            torch.nn.utils.clip_grad_norm_(m.parameters(), STAGE_CLIP_NORM)
+    for o in c.optimizers:
+        o.step()
+    for s in c.lr_schedulers:
+        s.step()
+    for o in c.optimizers:
+        o.zero_grad(set_to_none=True)
+
+
+def remove_block(d: Draw, c: Copy, layer_id: int) -> None:
+    """What a trainer without vpipe does to drop a block (a NAS step): out of its container and its optimizer."""
+    from fuzz.models import container
+
+    for module in c.modules:
+        blocks = container(d, module)
+        for position, (key, block) in enumerate(list(blocks.named_children())):
+            if getattr(block, "layer_id", None) != layer_id:
+                continue
+            gone = {id(p) for p in block.parameters()}
+            if isinstance(blocks, nn.ModuleDict):
+                del blocks[key]
+            else:  # Sequential and ModuleList renumber what follows
+                del blocks[position]
+            for o in c.optimizers:
+                for g in o.param_groups:
+                    g["params"] = [p for p in g["params"] if id(p) not in gone]
+                for p in [p for p in o.state if id(p) in gone]:
+                    del o.state[p]
+            return

@@ -1,0 +1,88 @@
+"""The differential fuzzer (tests/fuzz/): its draws, and a fixed sample of them run with and without vpipe.
+
+The draw tests are quick and run in the default suite. The sample (20 seeds that together take
+every value of every axis, two of them FSDP2 draws on 4 ranks) trains real pipelines for about
+a minute and a half on 2 cores: it is marked slow. A failure names each failing seed, what it
+drew, and the command that runs it again.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fuzz.draws import AXES, FSDP_FUSED, FUSED, Draw, covering_seeds, draw, stage_blocks
+
+SAMPLE = covering_seeds(20)
+
+
+def _values(draws: list[Draw]) -> dict[str, set]:
+    return {axis: {getattr(d, axis) for d in draws} for axis in AXES}
+
+
+def test_a_seed_always_draws_the_same_trainer_and_its_json_gives_it_back():
+    for seed in range(50):
+        d = draw(seed)
+        assert draw(seed) == d
+        assert Draw.from_json(d.to_json()) == d
+        assert json.loads(d.to_json())["seed"] == seed
+        assert "\n" not in d.describe() and f"seed={seed} " in d.describe()
+    assert len({draw(seed) for seed in range(50)}) == 50
+
+
+def test_300_seeds_take_every_value_of_every_axis():
+    seen = _values([draw(seed) for seed in range(300)])
+    for axis, values in AXES.items():
+        assert seen[axis] == set(values), axis
+
+
+def test_draws_keep_their_constraints():
+    for seed in range(300):
+        d = draw(seed)
+        assert sum(d.counts) == d.layers and all(d.counts) and len(d.counts) == d.num_stages
+        assert 2 <= len(d.plans) <= 4 and len(d.policies) == d.layers
+        steps = [at for at, _, _ in d.plans]
+        assert steps == sorted(set(steps)) and 1 <= steps[0] and steps[-1] < d.steps
+        for at, counts, policies in d.plans:
+            removed = bool(d.nas_remove) and at >= d.nas_remove[0]
+            assert sum(counts) == d.layers - removed and all(counts) and len(counts) == d.num_stages
+            assert set(policies) <= set("DSR") and len(policies) == d.layers
+            assert sum(d.plan_stages(at, counts), []) == [i for i in range(d.layers) if not removed
+                                                          or i != d.nas_remove[1]]
+        if d.nas_remove:
+            assert not d.fsdp and d.nas_remove[1] not in d.pinned and 1 <= d.nas_remove[0] < d.steps
+        assert d.impl != "fused" or d.optimizer in (FSDP_FUSED if d.fsdp else FUSED)
+        assert d.steps % d.accum == 0
+        assert d.fsdp == (seed % 10 == 9) and (d.mesh != "") == d.fsdp
+        assert not ((d.fsdp or d.schedule == "zbv") and d.block_state == "tied")
+        if d.block_state == "tied":  # the tied pair starts on one stage
+            assert any(set(d.pinned) <= set(ids) for ids in stage_blocks(d.counts))
+        assert bool(d.pinned) == (d.block_state in ("tied", "hook"))
+        assert not (d.clip == "global" and (d.block_state == "batchnorm" or d.shape == "mixed"))
+
+
+def test_the_ci_sample_takes_every_value_of_every_axis_with_few_four_rank_draws():
+    draws = [draw(seed) for seed in SAMPLE]
+    assert 16 <= len(SAMPLE) <= 24
+    assert sum(d.fsdp for d in draws) == 2
+    seen = _values(draws)
+    for axis, values in AXES.items():
+        assert seen[axis] == set(values), axis
+
+
+@pytest.mark.slow  # about 90 s on 2 cores
+@pytest.mark.timeout(900)
+def test_a_sample_of_draws_trains_like_the_same_trainer_without_vpipe(tmp_path: Path):
+    from fuzz.run import run_fuzz
+    from support.processes import warm_starter
+
+    records = run_fuzz(SAMPLE, work=tmp_path, starter=warm_starter(), draw_timeout=300)
+    assert [r["seed"] for r in records] == SAMPLE
+    bad = [r for r in records if r["outcome"] not in ("identical", "close", "refused")]
+    assert not bad, "\n".join(
+        f"{r['outcome']} {r['signature']}\n  {r['describe']}\n  first differing step {r.get('first_diff_step')}, "
+        f"state {r.get('first_state_keys') or r.get('differing')}\n  {(r.get('error') or '')[-600:]}\n"
+        f"  reproduce: python tests/fuzz/run.py --only {r['seed']}" for r in bad)
+    assert sum(r["moves"] for r in records) >= len(SAMPLE)  # blocks did move
