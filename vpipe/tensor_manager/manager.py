@@ -97,10 +97,9 @@ class TensorManager:
                                          may_keep=self._budget.may_keep, on_recompute=self._recomputed)
         self._phases.recompute = self._recompute  # it asks the phases which pass unpacks; they drop what it holds
         self._prefetcher = Prefetcher(self._swap_in, self._phases, self._budget)
-        self._interceptor = Interceptor(
-            device=device, min_swap_bytes=min_swap_bytes, ledger=self.ledger, engine=self._engine,
-            swap_in=self._swap_in, recompute=self._recompute, budget=self._budget, phases=self._phases,
-            prefetcher=self._prefetcher)
+        self._interceptor = Interceptor(device=device, min_swap_bytes=min_swap_bytes, ledger=self.ledger,
+                                        engine=self._engine, swap_in=self._swap_in, recompute=self._recompute,
+                                        budget=self._budget, phases=self._phases, prefetcher=self._prefetcher)
         self._in_flight = InFlight(self._phases.new_step)
         self.quiet = QuietPath(layers=self._layers, interceptor=self._interceptor, budget=self._budget,
                                engine=self._engine, recompute=self._recompute, phases=self._phases,
@@ -349,8 +348,9 @@ class TensorManager:
         return self._prefetcher.prefetch(mb_id)
 
     def end_of_step(self) -> None:
-        """Every micro-batch's backward has run (a hand-written loop's ``optimizer.step()``): none is counted."""
+        """Every micro-batch's backward ran (a step, a loop's ``optimizer.step()``): none is counted, none holds."""
         self._interceptor.uncount_all()
+        self._phases.retire()
 
     # ================================================================== reporting
     def stats(self) -> TensorManagerStats:

@@ -88,6 +88,8 @@ class BackwardPhases:
         if phase != "input":
             self.lagging.discard(mb)
             self._lag_kept.clear()
+            if phase == "weight":
+                self.retire(mb)
             return
         self.lagging.add(mb)
         self._lag_max = max(self._lag_max, len(self.lagging))
@@ -122,6 +124,15 @@ class BackwardPhases:
                 f"recompute again)", micro_batch=mb, swapped_bytes=swapped, recomputed_bytes=recomputed_bytes,
                 budget_bytes=self._budget.budget_bytes, lagging=len(self.lagging),
             )
+
+    def retire(self, mb: int | None = None) -> None:
+        """The backward of ``mb`` (None: of every micro-batch, at the end of a step) is over: let go of what it
+        still holds. Autograd may keep some of it: the input pass ran with ``retain_graph``, so the nodes only it
+        ran keep their saved tensors while the graph lives, and a last stage's output that torch cannot detach
+        in place (a view: a 3-d LM head's logits) keeps the graph alive until the next step. Nothing unpacks
+        them any more: recomputed calls drop their inputs, and the storages left are released."""
+        self.recompute.retire(mb)
+        self._swap_in.engine.retire(mb)
 
     def _dropped_bytes(self) -> Dropped:
         return dict(self._swap_in.dropped_bytes), dict(self.recompute.dropped_bytes)

@@ -101,7 +101,7 @@ class RecomputeFrame:
     """One call of a recomputed layer: how to run it again and the slots it fills."""
 
     __slots__ = ("support", "layer", "mb", "replay", "slots", "meta", "input_keys", "storages", "recomputes",
-                 "__weakref__")
+                 "retired", "__weakref__")
 
     def __init__(self, support: FrameSupport, layer: int, mb: int, module: nn.Module,
                  forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -114,6 +114,7 @@ class RecomputeFrame:
         self.input_keys: frozenset[int] = frozenset()
         self.storages: dict[int, list[int]] = {}  # address -> [bytes, slots holding it] (counted in the ledger)
         self.recomputes = 0
+        self.retired = False  # the micro-batch's backward is over: nothing is recomputed any more
         self.replay = Replay(module, forward, args, kwargs, save_inputs)  # packs the inputs
 
     # ------------------------------------------------------------------ forward
@@ -131,6 +132,11 @@ class RecomputeFrame:
     def value_of(self, slot: Slot, phase: str) -> torch.Tensor:
         """The slot's tensor for an unpack in ``phase``, recomputed when it holds none; marks it unpacked."""
         if slot.value is None:
+            if self.retired:
+                raise RuntimeError(
+                    f"layer {self.layer}, micro-batch {self.mb}: a recomputed tensor was unpacked after the "
+                    f"micro-batch's backward ended (its weight pass, or the step); the tensor manager let go of "
+                    f"the call's inputs then. Trying to backward through the graph a second time?")
             self.recompute(slot, phase)
         value = slot.value
         assert value is not None
@@ -226,6 +232,14 @@ class RecomputeFrame:
         slot.value = slot.key = None
         slot.later = wanted
         return self.release(key) if key is not None else 0
+
+    def retire(self) -> None:
+        """The micro-batch's backward is over: drop every tensor the slots hold and let go of the call's inputs
+        and state (autograd may keep slots alive longer, in a graph something still refers to)."""
+        for slot in list(self.live_slots()):
+            self.drop(slot)
+        self.retired = True
+        self.replay.forget()
 
     def transient_bytes(self) -> int:
         """Bytes of this call's recomputed storages that no slot keeps for a later pass (they go soon)."""

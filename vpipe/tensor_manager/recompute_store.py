@@ -139,6 +139,17 @@ class RecomputeStore:
                 frame, key = self.dead.popleft()
                 frame.release(key)
 
+    def retire(self, mb: int | None = None) -> None:
+        """The backward of ``mb`` (None: of every micro-batch) is over: its calls drop what they hold, their
+        inputs included, and are forgotten (autograd may keep their slots alive in a graph that outlives the
+        backward, see :mod:`.swap`)."""
+        with self.lock:
+            self.drain()
+            for key in [mb] if mb is not None else list(self._frames):
+                for frame in self._frames_of(key):
+                    frame.retire()
+                self._frames.pop(key, None)
+
     def _frames_of(self, mb: int) -> list[RecomputeFrame]:
         frames = self._frames.get(mb)
         if frames is None:

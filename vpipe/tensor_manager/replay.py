@@ -188,6 +188,12 @@ class Replay:
         # asked for need, so the recompute's inputs must ask for the same
         self.saved = [(pack(a), a.requires_grad) for a in args if isinstance(a, torch.Tensor)]
 
+    def forget(self) -> None:
+        """Let go of the packed inputs, keyword arguments and buffer values: the call will not run again."""
+        self.saved = []
+        self.kwargs = {}
+        self.buffers = []
+
     def inputs(self) -> list[Any]:
         """The call's arguments again (the tensors unpacked, requiring grad as the originals did)."""
         unpack, saved = self.unpack, iter(self.saved)

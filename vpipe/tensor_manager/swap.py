@@ -10,6 +10,17 @@ its host block freed) when the last handle that refers to it is destroyed, which
 does after the last backward that needs it. Handle destructors only queue the entry; the
 queue is drained under a lock at the next safe point (a pack, an unpack, a context
 boundary, a stats read). Bringing storages back is :mod:`.swap_in`'s job.
+
+Autograd may keep handles longer than any backward needs them: a split backward's input
+pass runs with ``retain_graph``, so the nodes only it runs (an activation's saved output,
+attention's internals) keep what they saved for as long as the graph lives, and the graph
+lives as long as anything refers to it. torch's last stage detaches its outputs after their
+backward so that it dies, but an output that is a view (``nn.Linear`` on a 3-d input, a
+Hugging Face LM head's logits) cannot be detached in place, and the stage's
+``output_chunks`` (and the output ``step()`` returned) keep the whole graph until the next
+step. Once a micro-batch's backward is over (its weight pass ended, or the step did), the
+manager *retires* what it still holds (:meth:`SwapEngine.retire`): released as if its last
+handle had died; the handles left behind are inert (a swapped one refuses to be unpacked).
 """
 
 from __future__ import annotations
@@ -82,7 +93,7 @@ class SwapEngine:
         self._by_key: dict[int, StorageEntry] = {}
         self._swapped: dict[int, dict[int, SwappedEntry]] = {}  # mb -> seq -> live swapped entry
         self.swapped_bytes: dict[int, int] = {}  # mb -> bytes of those entries (wherever their bytes are now)
-        self._live: dict[tuple[int, int], int] = {}  # (layer, mb) -> live entries
+        self._live: dict[tuple[int, int], dict[int, StorageEntry]] = {}  # (layer, mb) -> seq -> live entry
         self._unissued: list[SwappedEntry] = []  # packed, copy not issued yet (see flush_swap_outs)
         self._unissued_bytes = 0
         self._swapping_out: deque[tuple[Ticket, list[SwappedEntry]]] = deque()  # issued batches, in order
@@ -202,7 +213,10 @@ class SwapEngine:
         entry = kind(key, layer, mb, nbytes, self._seq)
         self._by_key[key] = entry
         live, call = self._live, (layer, mb)
-        live[call] = live.get(call, 0) + 1
+        entries = live.get(call)
+        if entries is None:
+            entries = live[call] = {}
+        entries[entry.seq] = entry
         return entry
 
     # ------------------------------------------------------------------ release
@@ -223,10 +237,29 @@ class SwapEngine:
                 else:
                     entry = item
                 entry.refs -= 1
-                if entry.refs == 0:
+                if entry.refs == 0 and not entry.released:  # (a retired entry was released already)
                     self._release(entry)
                     released = True
         return released
+
+    def retire(self, mb: int | None = None) -> int:
+        """Release what ``mb`` (None: every micro-batch) still holds once its backward is over; returns how many
+        entries. Autograd may still hold handles on them (in a graph that outlives the backward, see the module
+        docstring): those are inert from now on. A swapped storage a handle still expects (one never unpacked:
+        another micro-batch's too, or one an input pass flagged for a weight pass that did not come) stays until
+        the step ends (``mb`` None)."""
+        with self.lock:
+            self.drain()
+            if mb is None:
+                entries = [e for by_seq in self._live.values() for e in by_seq.values()]
+            else:
+                entries = [e for (_, owner), by_seq in self._live.items() if owner == mb for e in by_seq.values()
+                           if not (isinstance(e, SwappedEntry) and (e.unseen or e.later))]
+                entries += [e for e in self._swapped.get(mb, {}).values()
+                            if e.mb != mb and not (e.unseen or e.later)]  # others' storages it used
+            for entry in entries:
+                self._release(entry)
+        return len(entries)
 
     def _release(self, entry: StorageEntry) -> None:
         entry.released = True
@@ -235,10 +268,9 @@ class SwapEngine:
             del by_key[entry.key]
         live = self._live
         key = (entry.layer, entry.mb)
-        left = live[key] - 1
-        if left:
-            live[key] = left
-        else:
+        entries = live[key]
+        del entries[entry.seq]
+        if not entries:
             del live[key]
         if entry.counted:
             entry.counted = False
@@ -338,12 +370,12 @@ class SwapEngine:
         """Micro-batches that still hold saved storages of ``layer`` -> how many."""
         with self.lock:
             self.drain()
-            return {mb: n for (lid, mb), n in self._live.items() if lid == layer}
+            return {mb: len(entries) for (lid, mb), entries in self._live.items() if lid == layer}
 
     def live_entries(self) -> int:
         with self.lock:
             self.drain()
-            return sum(self._live.values())
+            return sum(len(entries) for entries in self._live.values())
 
     def swapped_micro_batches(self) -> list[int]:
         return list(self._swapped)
