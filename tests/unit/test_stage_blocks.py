@@ -216,3 +216,18 @@ def test_plain_attributes_travel_and_a_different_kind_of_block_is_refused():
 def test_a_block_description_from_a_peer_is_validated(info, match):
     with pytest.raises(ValueError, match=match):
         validate_block_info(info, 3)
+
+
+def test_stages_that_chose_differently_agree_on_the_container_holding_every_choice():
+    """Dense and MoE blocks interleaved: a stage of one dense and one MoE block picks the experts of its MoE block,
+    a stage of many blocks picks ``layers``; the path every stage uses is ``layers``, which holds both kinds."""
+    from vpipe.migration.blocks import BlockContainerError, common_container
+
+    assert common_container([("layers.1.experts", ["layers", "layers.1.experts"]),
+                             ("layers", ["layers", "layers.7.experts"])]) == "layers"
+    assert common_container([("layers.1.experts", ["layers", "layers.1.experts"]),
+                             ("layers.3.experts", ["layers", "layers.3.experts"])]) == "layers"
+    assert common_container([("transformer.h", ["transformer", "transformer.h"])] * 2) == "transformer.h"
+    with pytest.raises(BlockContainerError, match="the stages found different block containers \\(stage 0 "
+                                                  "'enc.layers', stage 1 'dec.layers'\\); .*pass layers="):
+        common_container([("enc.layers", ["enc.layers"]), ("dec.layers", ["dec.layers"])])

@@ -145,7 +145,9 @@ def common_container(found: Sequence[tuple[str | None, Sequence[str]]]) -> str:
     chosen = sorted({path for path, _ in found if path is not None})
     if len(chosen) == 1 and all(path == chosen[0] or chosen[0] in others for path, others in found):
         return chosen[0]
-    everywhere = [c for c in chosen if all(path == c or c in others for path, others in found)]
+    # a choice inside an entry of a container (an MoE block's ``experts`` in ``layers``) is part of a block
+    outer = {".".join(c.split(".")[:i]) for c in chosen for i in range(1, len(c.split(".")) - 1)}
+    everywhere = [c for c in sorted(set(chosen) | outer) if all(path == c or c in others for path, others in found)]
     outermost = [c for c in everywhere if not any(o != c and (o == "" or c.startswith(o + ".")) for o in everywhere)]
     if len(outermost) == 1:
         return outermost[0]
