@@ -116,8 +116,10 @@ def train_draw(d: Draw, st: DrawState, log_file: Path, mixed_autodetect: bool) -
     options: dict[str, Any] = {"planning": False, "min_swap_bytes": 0, "log_file": str(log_file),
                                "policies": dict(enumerate(d.policies)), "agree_timeout_s": GROUP_TIMEOUT_S}
     if d.shape == "mixed" and not mixed_autodetect:
-        # blocks of two kinds: attach's own search picks different containers on different stages (the MoE
-        # block's ``experts`` list competes with ``layers``); a later library fix should make this unneeded
+        # blocks of two kinds: attach's own search can pick different containers on different stages (the MoE
+        # block's ``experts`` list competes with ``layers``): before vpipe 89f2e3e blocks then moved between
+        # unlike containers; now the stages agree on one path or attach says which to pass. Until attach finds
+        # ``layers`` by itself every time, mixed draws name it (--mixed-autodetect leaves it out)
         options["layers"] = "layers"
     moved = copies["vpipe"]
     st.vp = vp = vpipe.attach(moved.schedule, optimizer=moved.optimizer_arg, **options)
