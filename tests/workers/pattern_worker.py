@@ -35,7 +35,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from block_worker import batch, keep_buffers_through_shape_inference  # noqa: E402  (this script's directory)
+from block_worker import CountingHook, batch, keep_buffers_through_shape_inference  # noqa: E402  (this script's directory)
 
 DIM, LAYERS, COUNTS, EXPERTS, STEPS = 16, 8, [6, 2], 3, 8
 
@@ -128,17 +128,6 @@ def _build(group: Any, kinds: str, accumulation: int, make_optimizer: Callable[[
     keep_buffers_through_shape_inference(stage)
     schedule = Schedule1F1B(stage, 4, loss_fn=lambda out, y: F.mse_loss(out, y) / accumulation)
     return model, schedule, make_optimizer(model)
-
-
-class CountingHook:
-    """A user's stateful forward hook: counts its block's calls, and the count shifts the output."""
-
-    def __init__(self) -> None:
-        self.calls = 0
-
-    def __call__(self, module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        return output + 1e-3 * self.calls
 
 
 def _remove(model: Net, opt: torch.optim.Optimizer, layer_ids: list[int]) -> None:
