@@ -29,12 +29,8 @@ from vpipe import faults
 from vpipe import log as run_log
 from vpipe.control.session import ControlOptions, ControlSession
 from vpipe.log import decision
-from vpipe.migration.compiled import hoist_compiled, unhoist_all
-from vpipe.migration.fsdp import FsdpRoot, is_fully_sharded
 from vpipe.migration.layer_manager import LayerManager
 from vpipe.migration.messages import ControlMessenger
-from vpipe.migration.optimizers import optimizer_parts
-from vpipe.migration.pins import outside_tensors, pin_reason, planner_kind, shared_pins
 from vpipe.migration.transfer import TransferChannel
 from vpipe.monitors.source import TensorManagerSource
 from vpipe.plan import Plan
@@ -49,10 +45,14 @@ from vpipe.rank.environment import check_environment
 from vpipe.rank.memory import StageMemory
 from vpipe.rank.metrics import MetricsWriter, parse_metric_kinds
 from vpipe.rank.replicas import ReplicaPlans, Replicas, ReplicaStats, check_replicas_alike
-from vpipe.rank.stages import AttachTarget, Pipeline, check_optimizer, inspect_target, move_refusal
 from vpipe.rank.state import restore_vpipe_state, vpipe_state
 from vpipe.rank.steps import MicroBatchCounter, StepDriver
 from vpipe.rank.tracing import TraceWindow
+from vpipe.stage.compiled import hoist_compiled, unhoist_all
+from vpipe.stage.fsdp import FsdpRoot, is_fully_sharded
+from vpipe.stage.optimizers import optimizer_parts
+from vpipe.stage.pins import outside_tensors, pin_reason, planner_kind, shared_pins
+from vpipe.stage.pipeline import AttachTarget, Pipeline, check_optimizer, inspect_target, move_refusal
 from vpipe.tensor_manager import TensorManager, install_on_stage
 from vpipe.tensor_manager.pipelining import StageHandle
 

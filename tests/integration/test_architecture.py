@@ -66,7 +66,7 @@ LAZY_IMPORTS: dict[str, tuple[frozenset[str], str]] = {
     "vpipe_lab.runtime.measure": (frozenset({"vpipe_lab.runtime.launch"}),
                               "vpipe demo and bench measure from a torch-free parent (the CLI imports vpipe_lab.demo)"),
     "vpipe_lab.runtime.launch": (frozenset({"vpipe.tensor_manager.copy_engine", "vpipe.tensor_manager.budget",
-                                        "vpipe.tensor_manager.pool", "vpipe.migration.blocks"}),
+                                        "vpipe.tensor_manager.pool", "vpipe.stage.blocks"}),
                              "the spawning parent imports launch for spawn(): it must not load torch's pipelining"),
 }
 

@@ -83,7 +83,7 @@ def _hand_written_pipeline():
     import torch
     from torch import nn
 
-    from vpipe.rank.stages import LocalStage, Pipeline
+    from vpipe.stage.pipeline import LocalStage, Pipeline
 
     return Pipeline(None, [LocalStage(1, nn.Linear(2, 2))], 2, (0, 1), "gpipe", torch.device("cpu"))
 

@@ -12,9 +12,9 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from vpipe.migration.cloning import clone_block
-from vpipe.migration.fsdp import FsdpRoot, fsdp_refusal
-from vpipe.migration.pins import user_hooks
 from vpipe.migration.state import load_layer, pack_layer, register_layer
+from vpipe.stage.fsdp import FsdpRoot, fsdp_refusal
+from vpipe.stage.pins import user_hooks
 
 
 @pytest.fixture

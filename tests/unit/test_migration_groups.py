@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from vpipe.migration.groups import GroupMismatch, group_settings
-from vpipe.migration.optimizers import group_refusal, move_between
 from vpipe.migration.stale import stale_holders
 from vpipe.migration.state import detach_from_optimizer, pack_layer, unpack_layer
+from vpipe.stage.groups import GroupMismatch, group_settings
+from vpipe.stage.optimizers import group_refusal, move_between
 
 
 class Block(nn.Module):

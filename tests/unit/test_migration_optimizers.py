@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from vpipe.migration.optimizers import OptimizerParts, move_between, optimizer_parts, part_of
 from vpipe.migration.state import load_layer, pack_layer, register_layer
+from vpipe.stage.optimizers import OptimizerParts, move_between, optimizer_parts, part_of
 
 
 class Container:

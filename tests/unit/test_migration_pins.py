@@ -6,9 +6,9 @@ import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-from vpipe.migration.cloning import block_kind
-from vpipe.migration.pins import outside_tensors, pin_reason, planner_kind, shared_pins, user_hooks
 from vpipe.plan import PINNED_KIND
+from vpipe.stage.kinds import block_kind
+from vpipe.stage.pins import outside_tensors, pin_reason, planner_kind, shared_pins, user_hooks
 from vpipe.tensor_manager import TensorManager
 
 

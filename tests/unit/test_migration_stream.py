@@ -19,12 +19,12 @@ import torch
 from torch import nn
 
 from support.migration import FakeChannel, FakeMessenger, Hub, Recorder
-from vpipe.migration.blocks import KeyStyle, StageBlocks
 from vpipe.migration.handshake import NO_FAULTS, MigrationError
 from vpipe.migration.layer_manager import LayerManager
 from vpipe.migration.state import pack_layer
 from vpipe.migration.stream import IncomingStream, OutgoingStream, version_window
 from vpipe.plan import Plan
+from vpipe.stage.blocks import KeyStyle, StageBlocks
 
 KEY = (1, 0, 1)  # epoch 1, round 0, move 2 * src + forward
 

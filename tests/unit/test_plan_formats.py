@@ -26,7 +26,7 @@ from vpipe.plan import Plan, Policy
 from vpipe.planner.cost_model import GraphProfile
 from vpipe.planner.online import OnlineConfig, OnlinePlanner
 from vpipe.planner.srp import srp_loop
-from vpipe.rank.stages import in_flight_per_stage, in_flight_together
+from vpipe.stage.pipeline import in_flight_per_stage, in_flight_together
 from vpipe_lab.runtime.models import reference_transformer
 
 torch.set_num_threads(1)

@@ -15,7 +15,7 @@ from torch.distributed.pipelining.schedules import (
     _Action,
 )
 
-from vpipe.rank.stages import check_optimizer, in_flight_per_stage, in_flight_together
+from vpipe.stage.pipeline import check_optimizer, in_flight_per_stage, in_flight_together
 
 
 def _a(stage: int, kind, mb: int) -> _Action:

@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from vpipe.migration.blocks import (
+from vpipe.migration.cloning import block_attrs, clone_block, set_block_attrs, validate_block_info
+from vpipe.stage.blocks import (
     BlockContainerError,
     ContainerLayout,
     KeyStyle,
@@ -17,7 +18,7 @@ from vpipe.migration.blocks import (
     find_block_container,
     global_ids,
 )
-from vpipe.migration.cloning import block_attrs, block_kind, clone_block, set_block_attrs, validate_block_info
+from vpipe.stage.kinds import block_kind
 
 
 class Block(nn.Module):
@@ -221,7 +222,7 @@ def test_a_block_description_from_a_peer_is_validated(info, match):
 def test_stages_that_chose_differently_agree_on_the_container_holding_every_choice():
     """Dense and MoE blocks interleaved: a stage of one dense and one MoE block picks the experts of its MoE block,
     a stage of many blocks picks ``layers``; the path every stage uses is ``layers``, which holds both kinds."""
-    from vpipe.migration.blocks import BlockContainerError, common_container
+    from vpipe.stage.blocks import BlockContainerError, common_container
 
     assert common_container([("layers.1.experts", ["layers", "layers.1.experts"]),
                              ("layers", ["layers", "layers.7.experts"])]) == "layers"

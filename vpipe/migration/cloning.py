@@ -8,19 +8,18 @@ index, a window flag) and then loads the moved tensors into it (:mod:`.state`).
 from __future__ import annotations
 
 import copy
-import hashlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from vpipe.migration.compiled import compile_like, compiled_forwards
-from vpipe.migration.fsdp import clone_sharded, is_fully_sharded
-from vpipe.tensor_manager.layers import ROUTED_FORWARD
+from vpipe.stage.compiled import compile_like, compiled_forwards
+from vpipe.stage.fsdp import clone_sharded, is_fully_sharded
+from vpipe.stage.kinds import block_kind, compiled_inner
+from vpipe.tensor_manager import is_routed_forward
 
-__all__ = ["clone_block", "block_attrs", "set_block_attrs", "block_kind", "compiled_inner", "block_info",
-           "validate_block_info"]
+__all__ = ["clone_block", "block_attrs", "set_block_attrs", "block_info", "validate_block_info"]
 
 _MODULE_INTERNALS = frozenset(nn.Module().__dict__) - {"training"}
 # forward and backward hooks (vpipe's and the user's) stay with the donor; state-dict hooks are the module's own
@@ -31,26 +30,6 @@ _PLAIN = (bool, int, float, str, type(None))
 _CALLS = frozenset({"forward", "_compiled_call_impl"})  # how a module is called, never a plain attribute
 _MAX_ATTRS = 512
 _MAX_TEXT = 256
-
-
-def compiled_inner(block: nn.Module) -> nn.Module | None:
-    """The module a ``torch.compile(block)`` wrapper (``OptimizedModule``) compiles, or None for another block."""
-    inner = block.__dict__.get("_modules", {}).get("_orig_mod")
-    return inner if inner is not None and hasattr(block, "dynamo_ctx") else None
-
-
-def block_kind(block: nn.Module) -> str:
-    """What makes two blocks interchangeable for a clone: class, parameter and buffer names, shapes, dtypes.
-
-    A ``torch.compile(block)`` wrapper is known by the class it compiles (its parameter
-    names, ``_orig_mod.``-prefixed, tell it from that class uncompiled).
-    """
-    inner = compiled_inner(block)
-    cls = type(inner if inner is not None else block)
-    shapes = [(n, tuple(t.shape), str(t.dtype)) for n, t in block.named_parameters()]
-    shapes += [(n, tuple(t.shape), str(t.dtype)) for n, t in block.named_buffers()]
-    digest = hashlib.sha1(repr((cls.__module__, cls.__qualname__, shapes)).encode()).hexdigest()[:10]
-    return f"{cls.__name__[:40]}#{digest}"
 
 
 def _is_plain(value: Any, depth: int = 0) -> bool:
@@ -184,7 +163,7 @@ def clone_block(donor: nn.Module) -> nn.Module:
             if table is not None:
                 memo[id(table)] = type(table)()
         routed = module.__dict__.get("forward")
-        if routed is not None and getattr(routed, ROUTED_FORWARD, False):
+        if routed is not None and is_routed_forward(routed):
             memo[id(routed)] = None
     for compiled in compiled_forwards(donor):  # bound to the donor: the clone gets its own (compile_like)
         memo[id(compiled)] = None

@@ -24,10 +24,11 @@ import torch
 from torch import nn
 
 from vpipe.log import decision
-from vpipe.migration.blocks import StageBlocks
-from vpipe.migration.cloning import block_kind, clone_block, set_block_attrs
+from vpipe.migration.cloning import clone_block, set_block_attrs
 from vpipe.migration.moves import Move
 from vpipe.migration.state import LayerState, LoadedLayer, validate_manifest
+from vpipe.stage.blocks import StageBlocks
+from vpipe.stage.kinds import block_kind
 
 log = logging.getLogger("vpipe.migration")
 

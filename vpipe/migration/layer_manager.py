@@ -30,9 +30,7 @@ import torch
 from torch import nn
 
 from vpipe.log import decision
-from vpipe.migration.blocks import KeyStyle, StageBlocks
 from vpipe.migration.cloning import block_info
-from vpipe.migration.fsdp import resharded
 from vpipe.migration.handshake import (
     NO_FAULTS,
     BlockBuilder,
@@ -44,8 +42,6 @@ from vpipe.migration.handshake import (
 )
 from vpipe.migration.link import MoveLink
 from vpipe.migration.moves import Move, apply_round, plan_rounds
-from vpipe.migration.optimizers import group_refusal, move_between, part_of
-from vpipe.migration.pins import pin_reason
 from vpipe.migration.placement import Placement
 from vpipe.migration.rounds import MigrationReport, exchange
 from vpipe.migration.shapes import BoundaryShapes
@@ -60,6 +56,10 @@ from vpipe.migration.state import (
 from vpipe.migration.stream import WatchShapes, check_idle, start_round
 from vpipe.migration.transfer import TransferChannel
 from vpipe.plan import Plan, PlanError
+from vpipe.stage.blocks import KeyStyle, StageBlocks
+from vpipe.stage.fsdp import resharded
+from vpipe.stage.optimizers import group_refusal, move_between, part_of
+from vpipe.stage.pins import pin_reason
 
 __all__ = ["LayerManager", "LayerListener", "MigrationReport", "MigrationError", "Messenger"]
 
@@ -80,13 +80,13 @@ class LayerManager:
     """Holds the blocks of this rank's stages by global id and applies placement plans by neighbour moves.
 
     ``blocks`` maps each stage this rank runs to its block container
-    (:class:`~vpipe.migration.blocks.StageBlocks`, or an ``nn.Sequential`` whose children are
+    (:class:`~vpipe.stage.blocks.StageBlocks`, or an ``nn.Sequential`` whose children are
     named by layer id), edited in place, never replaced. ``stage_ranks`` gives the rank of
     every stage (default: stage ``v`` on rank ``v``). A block that arrives from another
     rank is built by ``factory(id, spec)`` when there is one (``specs`` maps layer ids to
     specs, which travel with moved layers), else cloned from a local block of the same kind
     and given the moved block's plain attributes. One optimizer holds the parameters of all
-    of this rank's stages, or an :class:`~vpipe.migration.optimizers.OptimizerParts` holds one per stage.
+    of this rank's stages, or an :class:`~vpipe.stage.optimizers.OptimizerParts` holds one per stage.
     """
 
     def __init__(

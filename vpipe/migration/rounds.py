@@ -28,9 +28,9 @@ from vpipe.migration.handshake import (
 )
 from vpipe.migration.link import MoveLink
 from vpipe.migration.moves import Move
-from vpipe.migration.optimizers import part_of
 from vpipe.migration.state import LayerState, load_layer, payload_bytes
 from vpipe.migration.transfer import MOVE, transfer_tag
+from vpipe.stage.optimizers import part_of
 
 log = logging.getLogger("vpipe.migration")
 

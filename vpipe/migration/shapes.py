@@ -2,7 +2,7 @@
 
 torch's pipelining sizes its receive buffers from the boundary activations it saw at the
 first step. A move that puts another layer at a stage's edge may change them, and then
-every rank must redo shape inference at the same step (:func:`vpipe.rank.stages.reset_shape_inference`).
+every rank must redo shape inference at the same step (:func:`vpipe.stage.pipeline.reset_shape_inference`).
 :class:`BoundaryShapes` watches the first call of every local layer and answers, before a
 move commits, whether it changes what a local stage sends downstream.
 """

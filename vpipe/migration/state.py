@@ -37,7 +37,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from vpipe.migration.cloning import validate_block_info
-from vpipe.migration.groups import group_settings, matching_group
+from vpipe.stage.groups import group_settings, matching_group
 
 __all__ = ["LayerState", "LoadedLayer", "pack_layer", "load_layer", "register_layer", "unpack_layer",
            "decode_tensor", "attach_to_optimizer", "detach_from_optimizer", "validate_manifest"]

@@ -25,7 +25,6 @@ import torch
 from torch import nn
 
 from vpipe.log import decision
-from vpipe.migration.blocks import StageBlocks
 from vpipe.migration.handshake import (
     MigrationError,
     announce,
@@ -48,6 +47,7 @@ from vpipe.migration.state import (
 )
 from vpipe.migration.transfer import HANDOVER, VERSION, TransferChannel, transfer_tag
 from vpipe.schedules.pipedream import SchedulePipeDream, start_version
+from vpipe.stage.blocks import StageBlocks
 
 __all__ = ["OutgoingStream", "IncomingStream", "version_window", "check_idle", "start_round", "WatchShapes"]
 

@@ -83,7 +83,7 @@ class LayerRecord:
     param_bytes: int  # parameters and buffers
     optimizer_bytes: int  # optimizer state of the layer's parameters
     output_bytes: int  # what the layer hands to the next one, per micro-batch (a boundary's size)
-    kind: str = ""  # which blocks it is interchangeable with (vpipe.migration.blocks.block_kind); "" unknown
+    kind: str = ""  # which blocks it is interchangeable with (vpipe.stage.blocks.block_kind); "" unknown
 
     @property
     def fwd_per_call_s(self) -> float:

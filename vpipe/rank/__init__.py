@@ -1,8 +1,6 @@
 """vpipe on one rank: the parts ``vpipe.attach`` wires together, one job each.
 
 - :mod:`.config`: what the user asked for (:class:`VpipeConfig`), validated;
-- :mod:`.stages`: the stage adapter: the trainer's schedule (one stage per rank or several)
-  or plain module, the stages this rank runs, and what torch's pipelining needs redone;
 - :mod:`.agreement`: what every rank must agree on through the rendezvous store (block
   layouts, layer edits, the run's control-plane key), in a namespace per attach (and pipeline);
 - :mod:`.replicas`: data-parallel replicas of the pipeline in a mesh: one planner, the same plan at

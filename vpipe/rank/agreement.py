@@ -25,7 +25,7 @@ from typing import Any
 import torch.distributed as dist
 
 from vpipe.control.run_key import agree_run_key
-from vpipe.migration.blocks import (
+from vpipe.stage.blocks import (
     BlockContainerError,
     ContainerLayout,
     StageBlocks,
@@ -37,7 +37,7 @@ from vpipe.migration.blocks import (
     global_ids,
     layout_of,
 )
-from vpipe.rank.stages import LocalStage
+from vpipe.stage.pipeline import LocalStage
 
 log = logging.getLogger("vpipe.attach")
 

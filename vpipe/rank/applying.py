@@ -19,7 +19,7 @@ from vpipe.log import decision
 from vpipe.migration.layer_manager import LayerManager
 from vpipe.plan import Plan, PlanError
 from vpipe.rank.memory import StageMemory, apply_budgets
-from vpipe.rank.stages import Pipeline, reset_shape_inference
+from vpipe.stage.pipeline import Pipeline, reset_shape_inference
 
 log = logging.getLogger("vpipe.attach")
 

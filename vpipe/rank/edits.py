@@ -15,13 +15,13 @@ from typing import Any
 import torch
 
 from vpipe.control.session import ControlSession
-from vpipe.migration.fsdp import is_fully_sharded
 from vpipe.migration.layer_manager import LayerManager
 from vpipe.plan import Plan
 from vpipe.rank.agreement import StoreAgreement
 from vpipe.rank.memory import StageMemory, apply_budgets
-from vpipe.rank.stages import Pipeline, reset_shape_inference
 from vpipe.rank.steps import StepDriver
+from vpipe.stage.fsdp import is_fully_sharded
+from vpipe.stage.pipeline import Pipeline, reset_shape_inference
 
 __all__ = ["LayerEdits"]
 

@@ -7,6 +7,7 @@ per module) and ``interception.py`` for how it hooks in.
 
 from vpipe.plan import Policy
 from vpipe.tensor_manager.budget import MemoryBudgetError
+from vpipe.tensor_manager.layers import is_routed_forward
 from vpipe.tensor_manager.manager import DEFAULT_MIN_SWAP_BYTES, LayerBusyError, TensorManager
 from vpipe.tensor_manager.pipelining import StageHandle, install_on_stage
 from vpipe.tensor_manager.pool import HostPoolFullError
@@ -23,4 +24,5 @@ __all__ = [
     "LayerStats",
     "TensorManagerStats",
     "DEFAULT_MIN_SWAP_BYTES",
+    "is_routed_forward",
 ]

@@ -25,10 +25,16 @@ from vpipe.tensor_manager.handles import StorageEntry
 from vpipe.tensor_manager.replay import forget_weight_places
 
 __all__ = ["ManagedLayer", "LayerCall", "KeptCall", "input_shapes", "claim_module", "release_module",
-           "ROUTED_FORWARD"]
+           "ROUTED_FORWARD", "is_routed_forward"]
 
 # the ``forward`` instance attribute vpipe sets for recompute carries this attribute (a clone drops it)
 ROUTED_FORWARD = "_vpipe_routed_forward"
+
+
+def is_routed_forward(fn: object) -> bool:
+    """Whether ``fn`` is the forward vpipe set on a recomputed layer (a clone must not copy it)."""
+    return bool(getattr(fn, ROUTED_FORWARD, False))
+
 
 _MISSING = object()
 _owners: weakref.WeakKeyDictionary[nn.Module, object] = weakref.WeakKeyDictionary()

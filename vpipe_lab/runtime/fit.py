@@ -38,8 +38,8 @@ from typing import Any
 import torch
 
 from vpipe.plan import Policy
-from vpipe.rank.stages import action_kind, flat_actions, in_flight_together
 from vpipe.sharing import keep_all_shares
+from vpipe.stage.pipeline import action_kind, flat_actions, in_flight_together
 from vpipe.tensor_manager import MemoryBudgetError, TensorManager
 from vpipe.tensor_manager.budget import expected_state_factor, stage_fixed_bytes
 from vpipe_lab.runtime.config import RunConfig

@@ -178,7 +178,7 @@ def run_rank(ctx: Distributed, main: Any, *args: Any, **kwargs: Any) -> Any:
 
 def _explains_itself(exc: BaseException) -> bool:
     """vpipe's own errors about the user's input (a budget, a checkpoint, a stage shape): one line, no traceback."""
-    from vpipe.migration.blocks import BlockContainerError
+    from vpipe.stage.blocks import BlockContainerError
     from vpipe.tensor_manager.budget import MemoryBudgetError
     from vpipe.tensor_manager.pool import HostPoolFullError
 

@@ -38,10 +38,10 @@ from torch.distributed.pipelining.schedules import (
     _PipelineScheduleRuntime,
 )
 
-from vpipe.migration.blocks import StageBlocks
-from vpipe.migration.fsdp import fsdp_refusal, fsdp_sharded, is_fully_sharded
 from vpipe.schedules.pipedream import SchedulePipeDream
 from vpipe.sharing import action_kind, flat_actions, in_flight_per_stage, in_flight_together
+from vpipe.stage.blocks import StageBlocks
+from vpipe.stage.fsdp import fsdp_refusal, fsdp_sharded, is_fully_sharded
 
 log = logging.getLogger("vpipe.attach")
 

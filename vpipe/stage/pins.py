@@ -29,8 +29,8 @@ from typing import Any
 
 from torch import nn
 
-from vpipe.migration.cloning import block_kind
 from vpipe.plan import PINNED_KIND
+from vpipe.stage.kinds import block_kind
 
 __all__ = ["user_hooks", "outside_tensors", "shared_pins", "pin_reason", "planner_kind"]
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from vpipe.migration.groups import GroupMismatch, group_settings, matching_group
+from vpipe.stage.groups import GroupMismatch, group_settings, matching_group
 
 __all__ = ["OptimizerParts", "optimizer_parts", "part_of", "move_between", "group_refusal"]
 
