@@ -74,6 +74,7 @@ class TensorManager:
         min_swap_bytes: int = DEFAULT_MIN_SWAP_BYTES,
         policies: Mapping[int, Policy | str] | None = None,
         host_pool_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        prefetch_alloc: str = "copy",
     ) -> None:
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
@@ -88,7 +89,7 @@ class TensorManager:
         pool_max = host_pool_bytes or default_host_pool_bytes()
         self.ledger = ledger = Ledger()
         self._layers: dict[int, ManagedLayer] = {}
-        self._copies = make_copy_engine(device)
+        self._copies = make_copy_engine(device, prefetch_alloc)  # (refuses an unknown prefetch_alloc)
         self._engine = engine = SwapEngine(device, ledger, self._copies, partial(
             HostPool, pool_max, pinned=self._copies.pinned, chunk_bytes=host_pool_chunk_bytes, preallocate=True))
         self._swap_in = SwapIn(engine)
