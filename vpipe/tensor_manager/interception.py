@@ -77,7 +77,7 @@ class Interceptor:
         self.counted: dict[int, list[tuple[int, int]]] = {}  # mb -> (layer, bytes) of its unmetered calls
         self.weights_skipped = 0
 
-    # ================================================================== settings
+    # ================================================================== told by the manager
     def begin_micro_batch(self, mb: int, unmetered: bool, held_back: frozenset[int]) -> None:
         """``mb``'s forward runs from now: with ``unmetered`` its kept layers of the measured shapes skip the
         saved-tensor hooks; the swapped layers in ``held_back`` keep their tensors in it."""
