@@ -43,10 +43,9 @@ from torch.utils.checkpoint import checkpoint  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tensor_manager_bench import SavedBytesProbe  # noqa: E402
+from tensor_manager_bench import SavedBytesProbe, prefetch_alloc_from_env  # noqa: E402
 from vpipe.plan import Policy  # noqa: E402
 from vpipe.tensor_manager import TensorManager  # noqa: E402
-from vpipe.tensor_manager.copy_engine import prefetch_alloc_from_env  # noqa: E402
 from vpipe_lab.runtime.models import build_model, transformer_lm  # noqa: E402
 
 SYSTEMS = ("plain", "vpipe", "checkpoint", "save_on_cpu")
@@ -71,7 +70,8 @@ class Runner:
         self.model = build_model(self.spec, seed=0).to(self.device)
         self.managed = build_model(self.spec, seed=0).to(self.device)
         self.manager = TensorManager({int(n): c for n, c in self.managed.named_children()}, device=self.device,
-                                     policies={int(n): Policy.KEEP for n, _ in self.managed.named_children()})
+                                     policies={int(n): Policy.KEEP for n, _ in self.managed.named_children()},
+                                     prefetch_alloc=prefetch_alloc_from_env())
         self.loss_fn = self.spec.loss_fn()
         self.batches: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -48,10 +49,17 @@ from torch.utils.checkpoint import checkpoint
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from vpipe.plan import Policy  # noqa: E402
+from vpipe.settings import PREFETCH_ALLOC_ENV  # noqa: E402
 from vpipe.tensor_manager import TensorManager  # noqa: E402
 from vpipe.tensor_manager.accounting import format_bytes  # noqa: E402
-from vpipe.tensor_manager.copy_engine import prefetch_alloc_from_env  # noqa: E402
 from vpipe_lab.runtime.models import build_model, transformer_lm  # noqa: E402
+
+
+def prefetch_alloc_from_env() -> str:
+    """Where this run's tensor managers allocate prefetched copies: ``VPIPE_PREFETCH_ALLOC`` (the GPU suite sets
+    ``compute`` for one run), ``copy`` when unset; the manager refuses any other value."""
+    return os.environ.get(PREFETCH_ALLOC_ENV) or "copy"
+
 
 VARIANTS = ("plain", "vpipe D", "vpipe D metered", "vpipe S", "vpipe R", "vpipe 40%", "save_on_cpu", "checkpoint")
 
@@ -116,7 +124,7 @@ class Bench:
                     "vpipe R": Policy.RECOMPUTE, "vpipe 40%": Policy.KEEP}
         self.managers = {
             v: TensorManager({int(n): c for n, c in self.models[v].named_children()}, device=self.device,
-                             min_swap_bytes=args.min_swap_bytes,
+                             min_swap_bytes=args.min_swap_bytes, prefetch_alloc=prefetch_alloc_from_env(),
                              policies={int(n): policy for n, _ in self.models[v].named_children()})
             for v, policy in policies.items()
         }

@@ -71,10 +71,9 @@ def test_pool_is_pinned_and_faster_than_pageable_copies():
 
 
 @pytest.mark.parametrize("prefetch_alloc", ["copy", "compute"])
-def test_no_corruption_when_freed_memory_is_reused_during_copies(prefetch_alloc, monkeypatch):
+def test_no_corruption_when_freed_memory_is_reused_during_copies(prefetch_alloc):
     # "compute": prefetched copies come from the memory the compute stream frees into, which its queued
     # kernels (the garbage below) may still use when the prefetch is issued
-    monkeypatch.setenv("VPIPE_PREFETCH_ALLOC", prefetch_alloc)
     spec = transformer_lm(n_blocks=4, d_model=256, n_heads=4, seq_len=128, dropout=0.1)
     x, y = spec.batch(0, 32, 0)
     inputs = [t.to(DEVICE) for t in x.tensor_split(4)]
@@ -82,7 +81,7 @@ def test_no_corruption_when_freed_memory_is_reused_during_copies(prefetch_alloc,
     results = {}
     for policy in (Policy.KEEP, Policy.SWAP, Policy.RECOMPUTE):
         model = build_model(spec, seed=0).to(DEVICE)
-        manager = _manager(model, policy, min_swap_bytes=0)
+        manager = _manager(model, policy, min_swap_bytes=0, prefetch_alloc=prefetch_alloc)
         torch.manual_seed(0)
         steps = []
         for _ in range(3):

@@ -14,7 +14,6 @@ tested) on CPU.
 
 from __future__ import annotations
 
-import os
 import time
 from abc import ABC, abstractmethod
 from collections import deque
@@ -23,7 +22,7 @@ from typing import Any
 
 import torch
 
-from vpipe.settings import PREFETCH_ALLOC_ENV, PREFETCH_ALLOCS
+from vpipe.settings import PREFETCH_ALLOCS
 
 __all__ = ["Ticket", "CopyEngine", "CpuCopyEngine", "CudaCopyEngine", "make_copy_engine", "comm_process_group_options"]
 
@@ -308,17 +307,12 @@ class CudaCopyEngine(CopyEngine):
         return stream is self._current_stream()
 
 
-def prefetch_alloc_from_env() -> str:
-    """``VPIPE_PREFETCH_ALLOC``: ``copy`` (the default) allocates prefetched copies on the copy stream, ``compute``
-    from the compute stream's cached memory (an experiment timed by ``benchmarks/gpu_suite.sh``)."""
-    value = os.environ.get(PREFETCH_ALLOC_ENV) or "copy"
-    if value not in PREFETCH_ALLOCS:
-        raise ValueError(f"{PREFETCH_ALLOC_ENV} must be one of {', '.join(PREFETCH_ALLOCS)}, got {value!r}")
-    return value
-
-
-def make_copy_engine(device: torch.device) -> CopyEngine:
-    prefetch_alloc = prefetch_alloc_from_env()  # read (and checked) on CPU too: a typo does not wait for a GPU
+def make_copy_engine(device: torch.device, prefetch_alloc: str = "copy") -> CopyEngine:
+    """The copy engine of ``device``. ``prefetch_alloc``: ``copy`` (the default) allocates prefetched copies on the
+    copy stream, ``compute`` from the compute stream's cached memory (an experiment timed by
+    ``benchmarks/gpu_suite.sh``); anything else is refused, on CPU too (a typo does not wait for a GPU)."""
+    if prefetch_alloc not in PREFETCH_ALLOCS:
+        raise ValueError(f"prefetch_alloc must be one of {', '.join(PREFETCH_ALLOCS)}, got {prefetch_alloc!r}")
     if device.type == "cuda":
         return CudaCopyEngine(device, prefetch_alloc)
     return CpuCopyEngine(device)

@@ -62,6 +62,15 @@ class BudgetGovernor:
         self.escalations: list[tuple[int, Policy, Policy]] = []
         self._relaxed = 0  # escalations before this index are undone or superseded
 
+    def set_budget(self, budget_bytes: int | None) -> None:
+        """The budget from the next micro-batch on (None: none; a rank shares its budget anew as its stages
+        measure)."""
+        self.budget_bytes = budget_bytes
+
+    def set_host_pool_max(self, nbytes: int) -> None:
+        """What the host pool may grow to, as the projection counts it."""
+        self.host_pool_max_bytes = nbytes
+
     # ------------------------------------------------------------------ per tensor
     def limit(self) -> int | None:
         """What the resident saved bytes may reach: the budget less the backward's reserve."""

@@ -34,15 +34,13 @@ import torch
 from torch import nn
 
 from vpipe.plan import Policy
-from vpipe.tensor_manager.accounting import Ledger, RecomputeCounter
+from vpipe.tensor_manager.accounting import RecomputeCounter
 from vpipe.tensor_manager.governor import BudgetGovernor
 from vpipe.tensor_manager.handles import KeptHandle, without_graph
 from vpipe.tensor_manager.layers import KeptCall, LayerCall, ManagedLayer, input_shapes
 from vpipe.tensor_manager.phases import BackwardPhases
 from vpipe.tensor_manager.prefetch import Prefetcher
-from vpipe.tensor_manager.recompute_store import RecomputeStore
-from vpipe.tensor_manager.swap import SwapEngine
-from vpipe.tensor_manager.swap_in import SwapIn
+from vpipe.tensor_manager.stores import SavedTensorStores
 
 __all__ = ["Interceptor"]
 
@@ -50,19 +48,18 @@ __all__ = ["Interceptor"]
 class Interceptor:
     """The layer hooks and saved-tensor hooks of one tensor manager.
 
-    ``mb`` is the micro-batch whose forward runs now (None outside ``micro_batch()``) and
-    ``unmetered`` whether its kept layers skip the saved-tensor hooks; the manager sets both.
+    ``mb`` is the micro-batch whose forward runs now (None outside ``micro_batch()``), between
+    :meth:`begin_micro_batch` and :meth:`end_micro_batch`.
     """
 
-    def __init__(self, *, device: torch.device, min_swap_bytes: int, ledger: Ledger, engine: SwapEngine,
-                 swap_in: SwapIn, recompute: RecomputeStore, budget: BudgetGovernor, phases: BackwardPhases,
-                 prefetcher: Prefetcher) -> None:
+    def __init__(self, *, device: torch.device, min_swap_bytes: int, stores: SavedTensorStores,
+                 budget: BudgetGovernor, phases: BackwardPhases, prefetcher: Prefetcher) -> None:
         self.device_index = -1 if device.type == "cpu" else device.index  # what Tensor.get_device() says
         self.min_swap_bytes = min_swap_bytes
-        self.ledger = ledger
-        self._engine = engine
-        self._swap_in = swap_in
-        self._recompute = recompute
+        self._stores = stores
+        self.ledger = stores.ledger
+        self._engine = stores.engine
+        self._recompute = stores.recompute
         self._budget = budget
         self._phases = phases
         self._prefetcher = prefetcher
@@ -70,15 +67,43 @@ class Interceptor:
         self._save_inputs = (self.pack, self.unpack)  # what a recomputed call's inputs are saved through
         self._tls = threading.local()
         self.mb: int | None = None
-        self.unmetered = False
-        # swapped layers whose tensors stay on the device in this micro-batch (the manager sets it each forward:
-        # what would come straight back, what the budget has room for; governor.swaps_to_skip)
-        self.held_back: frozenset[int] = frozenset()
+        self._unmetered = False  # kept layers of this micro-batch skip the saved-tensor hooks
+        # swapped layers whose tensors stay on the device in this micro-batch (what would come straight back,
+        # what the budget has room for; governor.swaps_to_skip)
+        self._held_back: frozenset[int] = frozenset()
         # whether recomputed calls measure what they would save (off: as their last metered call of the same
         # input shapes; the manager follows its own ``metering``)
-        self.metering = True
+        self._metering = True
         self.counted: dict[int, list[tuple[int, int]]] = {}  # mb -> (layer, bytes) of its unmetered calls
         self.weights_skipped = 0
+
+    # ================================================================== told by the manager
+    def begin_micro_batch(self, mb: int, unmetered: bool, held_back: frozenset[int]) -> None:
+        """``mb``'s forward runs from now: with ``unmetered`` its kept layers of the measured shapes skip the
+        saved-tensor hooks; the swapped layers in ``held_back`` keep their tensors in it."""
+        self.mb, self._unmetered, self._held_back = mb, unmetered, held_back
+
+    def end_micro_batch(self) -> None:
+        self.mb = None
+
+    @property
+    def forwarding(self) -> bool:
+        """Whether a micro-batch's forward runs now."""
+        return self.mb is not None
+
+    def meter_recomputes(self, on: bool) -> None:
+        """Whether recomputed calls measure what they would save (off: counted as their last metered call of the
+        same input shapes)."""
+        self._metering = on
+
+    def swap_from(self, min_swap_bytes: int) -> None:
+        """Tensors smaller than ``min_swap_bytes`` are kept whatever the policy."""
+        self.min_swap_bytes = min_swap_bytes
+
+    @property
+    def holds_nothing(self) -> bool:
+        """Nothing saved through the hooks is alive, waiting to be released, or being copied."""
+        return self._stores.idle
 
     # ================================================================== layer calls
     def _frames(self) -> list[LayerCall | KeptCall | None]:
@@ -93,11 +118,11 @@ class Interceptor:
                 or torch._C._current_graph_task_id() != -1):
             frames.append(None)  # not a managed forward: shape inference, eval, recompute
             return
-        if self.unmetered and layer.policy is Policy.KEEP and layer.input_shapes == input_shapes(args):
+        if self._unmetered and layer.policy is Policy.KEEP and layer.input_shapes == input_shapes(args):
             frames.append(KeptCall(layer, self.mb))
             return
         frame = LayerCall(layer, self.mb, args, self._engine.entries_made + 1)
-        if frame.policy is Policy.SWAP and layer.layer_id in self.held_back:
+        if frame.policy is Policy.SWAP and layer.layer_id in self._held_back:
             frame.policy = Policy.KEEP  # what this call would swap out would come straight back
         frames.append(frame)
         self.hooks.__enter__()
@@ -145,7 +170,7 @@ class Interceptor:
         if not isinstance(frame, LayerCall) or frame.layer is not layer or frame.policy is not Policy.RECOMPUTE:
             return inner(*args, **kwargs)
         measured = layer.recompute_bytes
-        if self.metering or measured is None or measured[0] != input_shapes(frame.inputs):
+        if self._metering or measured is None or measured[0] != input_shapes(frame.inputs):
             frame.counter = RecomputeCounter(frame.is_weight, self.min_swap_bytes)
         layer.recompute_calls += 1
         return self._recompute.run(layer.module, inner, args, kwargs, layer=layer.layer_id, mb=frame.mb,
@@ -225,10 +250,7 @@ class Interceptor:
             if self._prefetcher.throttled:  # the kept tensors this backward used so far may have left room
                 self._prefetcher.pump()
             return packed.tensor
-        phases = self._phases
-        phase = phases.unpack_phase()
-        later = phase == "input" and phases.needed_by_weight_pass()
-        tensor = self._swap_in.restore(packed, phase, phases.serial, later, self._budget.limit())
+        tensor = self._phases.restore(packed)
         if self._prefetcher.throttled:
             self._prefetcher.pump()
         return tensor

@@ -81,6 +81,15 @@ class ManagedLayer:
     recompute_bytes: tuple[tuple[Any, ...], int, int] | None = None
     retired: bool = False  # out of the forward path, waiting for its in-flight backwards (a streamed move)
 
+    def recomputed(self, seconds: float) -> None:
+        """One of its calls ran again in a backward, taking ``seconds``."""
+        self.recompute_s += seconds
+        self.recomputes += 1
+
+    def retire(self) -> None:
+        """It left the forward path: later micro-batches do not run it."""
+        self.retired = True
+
     def attach(self, pre: Callable[..., None], post: Callable[..., None]) -> None:
         self.has_buffers = any(True for _ in self.module.buffers())
         self._pre, self._post = pre, post

@@ -1,21 +1,23 @@
 """The tensor manager of one stage: keep (D), swap (S) or recompute (R) each layer's saved tensors.
 
-:class:`TensorManager` is the facade the runtime, ``vpipe.attach`` and hand-written loops
-use: it owns the managed layers and their policies, brackets each micro-batch's forward
-and each backward phase, and wires the parts that each do one job:
+:class:`TensorManager` is the facade the runtime, ``vpipe.attach`` and hand-written loops use: it owns
+the managed layers and their policies, brackets each micro-batch's forward and each backward phase,
+and builds the parts that each do one job, each with what it reads (once, in dependency order; the
+facade calls their methods, never sets their fields):
 
-* :mod:`.interception`: the layer hooks and saved-tensor hooks (which call is managed,
-  which tensor is kept or swapped, a layer under R runs through recompute slots);
-* :mod:`.swap` / :mod:`.swap_in` and :mod:`.recompute_store`: where saved tensors live;
-* :mod:`.phases`: backward phases and split backwards (what waits for a weight pass);
-* :mod:`.governor`: the budget's decisions; :mod:`.prefetch`: when to bring tensors back;
-* :mod:`.quiet`: the layers' hooks off, and the micro-batches that then are only counted
-  (the stage wrappers call it directly: ``manager.quiet``); :mod:`.in_flight`: which
-  micro-batches are in flight;
-* :mod:`.stats`: what it reports.
+* :mod:`.stores`: where saved tensors live, one value: the ledger, :mod:`.swap` (kept, swapped out),
+  :mod:`.swap_in` (brought back), :mod:`.recompute_store` (recomputed calls);
+* :mod:`.current_pass`: the backward pass unpacking now; :mod:`.phases`: backward phases and split
+  backwards (what waits for a weight pass); :mod:`.governor`: the budget's decisions;
+* :mod:`.prefetch`: when to bring tensors back; :mod:`.in_flight`: the micro-batches in flight;
+* :mod:`.interception`: the layer and saved-tensor hooks (which call is managed, which tensor is
+  kept or swapped, a layer under R runs through recompute slots);
+* :mod:`.quiet`: the layers' hooks off, micro-batches only counted (``manager.quiet``, called by the
+  stage wrappers directly); :mod:`.stats`: what it reports, through read-only views.
 
-Nothing is replaced: ``close()`` restores the modules exactly (see :mod:`.layers`). The
-policy is read when the layer is called, so a plan may change it between micro-batches.
+Where a swap is decided, issued, waited for and brought back: docs/tensor-manager.md. Nothing is
+replaced: ``close()`` restores the modules exactly (:mod:`.layers`). The policy is read when the
+layer is called, so a plan may change it between micro-batches.
 """
 
 from __future__ import annotations
@@ -32,16 +34,18 @@ from torch import nn
 from vpipe.plan import Plan, Policy
 from vpipe.tensor_manager.accounting import Ledger, format_bytes
 from vpipe.tensor_manager.copy_engine import make_copy_engine
+from vpipe.tensor_manager.current_pass import CurrentPass
 from vpipe.tensor_manager.governor import BudgetGovernor
 from vpipe.tensor_manager.in_flight import InFlight
 from vpipe.tensor_manager.interception import Interceptor
-from vpipe.tensor_manager.layers import ManagedLayer, claim_module, input_shapes, release_module
+from vpipe.tensor_manager.layers import ManagedLayer, claim_module, release_module
 from vpipe.tensor_manager.phases import PHASES, BackwardPhases
 from vpipe.tensor_manager.pool import DEFAULT_CHUNK_BYTES, HostPool, default_host_pool_bytes
-from vpipe.tensor_manager.prefetch import BACKWARD, FORWARD, Prefetcher
+from vpipe.tensor_manager.prefetch import ArrivalPredictor, Prefetcher
 from vpipe.tensor_manager.quiet import QuietPath
 from vpipe.tensor_manager.recompute_store import RecomputeStore
 from vpipe.tensor_manager.stats import TensorManagerStats, collect_stats, collect_summary
+from vpipe.tensor_manager.stores import SavedTensorStores
 from vpipe.tensor_manager.swap import SwapEngine
 from vpipe.tensor_manager.swap_in import SwapIn
 
@@ -70,6 +74,7 @@ class TensorManager:
         min_swap_bytes: int = DEFAULT_MIN_SWAP_BYTES,
         policies: Mapping[int, Policy | str] | None = None,
         host_pool_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        prefetch_alloc: str = "copy",
     ) -> None:
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
@@ -82,28 +87,26 @@ class TensorManager:
             raise ValueError(f"min_swap_bytes must be a non-negative integer, got {min_swap_bytes!r}")
         self.device = device
         pool_max = host_pool_bytes or default_host_pool_bytes()
-        self.ledger = Ledger()
+        self.ledger = ledger = Ledger()
         self._layers: dict[int, ManagedLayer] = {}
-        self._copies = make_copy_engine(device)
-        self._engine = SwapEngine(device, self.ledger, self._copies, partial(
+        self._copies = make_copy_engine(device, prefetch_alloc)  # (refuses an unknown prefetch_alloc)
+        self._engine = engine = SwapEngine(device, ledger, self._copies, partial(
             HostPool, pool_max, pinned=self._copies.pinned, chunk_bytes=host_pool_chunk_bytes, preallocate=True))
-        self._swap_in = SwapIn(self._engine)
-        self._budget = BudgetGovernor(budget_bytes, pool_max, ledger=self.ledger, engine=self._engine,
-                                      layers=self._layers)
-        self._phases = BackwardPhases(ledger=self.ledger, swap_in=self._swap_in, budget=self._budget,
-                                      layers=self._layers)
-        self._recompute = RecomputeStore(device, self.ledger, self._engine.lock, phase=self._phases.unpack_phase,
-                                         needed_later=self._phases.needed_by_weight_pass,
-                                         may_keep=self._budget.may_keep, on_recompute=self._recomputed)
-        self._phases.recompute = self._recompute  # it asks the phases which pass unpacks; they drop what it holds
-        self._prefetcher = Prefetcher(self._swap_in, self._phases, self._budget)
-        self._interceptor = Interceptor(device=device, min_swap_bytes=min_swap_bytes, ledger=self.ledger,
-                                        engine=self._engine, swap_in=self._swap_in, recompute=self._recompute,
-                                        budget=self._budget, phases=self._phases, prefetcher=self._prefetcher)
-        self._in_flight = InFlight(self._phases.new_step)
-        self.quiet = QuietPath(layers=self._layers, interceptor=self._interceptor, budget=self._budget,
-                               engine=self._engine, recompute=self._recompute, phases=self._phases,
-                               predictor=self._prefetcher.predictor, in_flight=self._in_flight)
+        self._swap_in = SwapIn(engine)
+        self._budget = budget = BudgetGovernor(budget_bytes, pool_max, ledger=ledger, engine=engine,
+                                               layers=self._layers)
+        current = CurrentPass()  # asked by both the phases and the recompute store
+        self._recompute = RecomputeStore(device, ledger, engine.lock, current=current, may_keep=budget.may_keep,
+                                         on_recompute=self._recomputed)
+        self._stores = stores = SavedTensorStores(ledger, engine, self._swap_in, self._recompute)
+        self._phases = BackwardPhases(stores=stores, current=current, budget=budget, layers=self._layers)
+        self._order = ArrivalPredictor()  # the step's order of actions, told by _in_flight
+        self._prefetcher = Prefetcher(self._swap_in, self._phases, budget, self._order)
+        self._interceptor = Interceptor(device=device, min_swap_bytes=min_swap_bytes, stores=stores, budget=budget,
+                                        phases=self._phases, prefetcher=self._prefetcher)
+        self._in_flight = InFlight(self._order, self._phases.new_step)
+        self.quiet = QuietPath(layers=self._layers, calls=self._interceptor, budget=budget, phases=self._phases,
+                               in_flight=self._in_flight)
         # every call goes through the saved-tensor hooks while True; vpipe.attach lowers it on unsampled steps
         self._metering = True
         self._all_keep = True
@@ -121,7 +124,7 @@ class TensorManager:
 
     @budget_bytes.setter
     def budget_bytes(self, value: int | None) -> None:
-        self._budget.budget_bytes = value
+        self._budget.set_budget(value)
         self.quiet.update(self._metering, self._all_keep)
 
     @property
@@ -135,7 +138,7 @@ class TensorManager:
         if value == self._metering and self.quiet.hookless:
             return  # (set at every step: nothing to work out again while the layers run without hooks)
         self._metering = value
-        self._interceptor.metering = value
+        self._interceptor.meter_recomputes(value)
         self.quiet.update(self._metering, self._all_keep)
 
     @property
@@ -149,7 +152,7 @@ class TensorManager:
 
     @min_swap_bytes.setter
     def min_swap_bytes(self, value: int) -> None:
-        self._interceptor.min_swap_bytes = value
+        self._interceptor.swap_from(value)
 
     @property
     def host_pool_max_bytes(self) -> int:
@@ -157,7 +160,7 @@ class TensorManager:
 
     @host_pool_max_bytes.setter
     def host_pool_max_bytes(self, value: int) -> None:
-        self._budget.host_pool_max_bytes = value
+        self._budget.set_host_pool_max(value)
 
     # ================================================================== layers
     def add_layer(self, layer_id: int, module: nn.Module, policy: Policy | str = Policy.KEEP) -> None:
@@ -192,7 +195,7 @@ class TensorManager:
     def retire_layer(self, layer_id: int) -> None:
         """The layer left the forward path (a streamed move switched it out): later micro-batches do not run it,
         so they are not counted with its bytes; it is removed once its in-flight micro-batches' backwards ran."""
-        self._layer(layer_id).retired = True
+        self._layer(layer_id).retire()
         self.quiet.forget_counts()
 
     @property
@@ -215,8 +218,7 @@ class TensorManager:
     def _recomputed(self, layer_id: int, seconds: float) -> None:
         layer = self._layers.get(layer_id)
         if layer is not None:  # (a layer removed since holds no saved tensors: never recomputed)
-            layer.recompute_s += seconds
-            layer.recomputes += 1
+            layer.recomputed(seconds)
 
     # ================================================================== policies
     def policy(self, layer_id: int) -> Policy:
@@ -267,20 +269,20 @@ class TensorManager:
             return
         self._check_open()
         calls = self._interceptor
-        if calls.mb is not None:
+        if calls.forwarding:
             raise RuntimeError(f"micro-batch {mb_id}'s forward started inside micro-batch {calls.mb}'s forward")
         grad = torch.is_grad_enabled()
         if grad:
-            quiet.input_shapes = None if inputs is None else input_shapes(inputs)
-        self._begin_forward(mb_id)
-        calls.mb = mb_id
+            quiet.measured_with(inputs)
+        unmetered, held_back = self._begin_forward(mb_id)
+        calls.begin_micro_batch(mb_id, unmetered, held_back)
         budget = self._budget
         start, swaps = self.ledger.resident, budget.swaps
-        measured = grad and not calls.unmetered and self._all_keep
+        measured = grad and not unmetered and self._all_keep
         try:
             yield self
         finally:
-            calls.mb = None
+            calls.end_micro_batch()
             if quiet.hookless and grad:
                 quiet.count(mb_id)
             self._engine.flush_swap_outs()
@@ -289,29 +291,28 @@ class TensorManager:
                 # what one micro-batch keeps, each storage once: the schedule's own footprint per micro-batch
                 budget.measured_kept(self.ledger.resident - start)
 
-    def _begin_forward(self, mb: int) -> None:
-        engine = self._engine
-        engine.drain()
-        self._recompute.drain()
-        engine.poll()
+    def _begin_forward(self, mb: int) -> tuple[bool, frozenset[int]]:
+        """Before ``mb``'s forward: release, fit the budget, start prefetches; returns whether its kept layers may
+        skip the saved-tensor hooks, and the swapped layers that keep their tensors in it."""
+        self._stores.release()
+        self._engine.poll()
         flight = self._in_flight
-        if self._prefetcher.observe(FORWARD, mb):  # a new step: remember how many were in flight in the last
-            flight.new_step()
-        calls = self._interceptor
-        calls.unmetered, calls.held_back = False, frozenset()
+        flight.forward_starts(mb)
         if not torch.is_grad_enabled():
-            return  # an evaluation forward saves nothing and has no backward
-        calls.uncount(mb)  # a micro-batch of a step that failed before its backward
+            return False, frozenset()  # an evaluation forward saves nothing and has no backward
+        self._interceptor.uncount(mb)  # a micro-batch of a step that failed before its backward
         flight.add(mb)
         in_flight = max(flight.max_last_step, len(flight.open), 1)
         budget, lag_share = self._budget, self._phases.lag_share(in_flight)
         if budget.budget_bytes is not None:
             budget.fit(mb, in_flight, lag_share, self._all_keep, self.set_policy)
-        calls.unmetered = not self.metering and self._all_keep and budget.holds_next_unwatched(in_flight)
+        unmetered = not self.metering and self._all_keep and budget.holds_next_unwatched(in_flight)
+        held_back: frozenset[int] = frozenset()
         if not self._all_keep:  # a swapped layer may keep what would come straight back, or what the room holds
             later = max(0, flight.max_last_step - len(flight.open))
-            calls.held_back = budget.swaps_to_skip(mb, self._prefetcher.predictor, later, lag_share)
+            held_back = budget.swaps_to_skip(mb, self._order, later, lag_share)
         self._prefetcher.pump()
+        return unmetered, held_back
 
     @contextmanager
     def backward(self, mb_id: int, phase: str = "full") -> Iterator[TensorManager]:
@@ -331,7 +332,7 @@ class TensorManager:
             return
         if phase not in PHASES:
             raise ValueError(f"backward phase must be 'full', 'input' or 'weight', got {phase!r}")
-        self._prefetcher.observe(BACKWARD, mb_id)
+        self._in_flight.backward_starts(mb_id)
         dropped = self._phases.begin(mb_id, phase)
         try:
             self._prefetcher.pump()
@@ -340,7 +341,7 @@ class TensorManager:
             self._phases.end(mb_id, phase, dropped)
             self._engine.poll()
             if phase != "input":
-                self._in_flight.open.discard(mb_id)
+                self._in_flight.ended(mb_id)
                 self._interceptor.uncount(mb_id)
 
     def prefetch(self, mb_id: int) -> bool:
@@ -354,9 +355,9 @@ class TensorManager:
 
     # ================================================================== reporting
     def stats(self) -> TensorManagerStats:
-        return collect_stats(layers=self._layers, ledger=self.ledger, engine=self._engine, swap_in=self._swap_in,
-                             recompute=self._recompute, budget=self._budget, phases=self._phases,
-                             interceptor=self._interceptor)
+        return collect_stats(layers=self._layers, saved=self._stores, budget=self._budget,
+                             lag_resident_bytes=self._phases.lag_resident_bytes,
+                             weights_skipped=self._interceptor.weights_skipped)
 
     def layer_saved_bytes(self) -> dict[int, int]:
         """Per layer, the activation bytes one micro-batch saves (largest seen; 0 if never run)."""
@@ -364,8 +365,7 @@ class TensorManager:
 
     def summary(self) -> dict[str, Any]:
         """What a monitor reads twice per sampled step (see :func:`.stats.collect_summary`)."""
-        return collect_summary(layers=self._layers, ledger=self.ledger, engine=self._engine,
-                               recompute=self._recompute, budget=self._budget)
+        return collect_summary(layers=self._layers, saved=self._stores, budget=self._budget)
 
     def keep_all_need(self) -> tuple[int, int]:
         """One micro-batch's kept bytes with every layer kept (each storage once; 0 until measured with the
@@ -383,8 +383,7 @@ class TensorManager:
         self._budget.relax(self.keep_all_bytes(), self.set_policy)
 
     def reset_peak(self) -> None:
-        self._engine.drain()
-        self._recompute.drain()
+        self._stores.release()
         self.ledger.reset_peak()
 
     def synchronize(self) -> None:

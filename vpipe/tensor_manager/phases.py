@@ -4,9 +4,10 @@ A backward runs in phases bracketed by the manager's ``backward()``: ``"full"``,
 the zero-bubble schedules that split a backward, ``"input"`` (input gradients,
 ``retain_graph``) and later ``"weight"`` (weight gradients). In the input pass every
 unpack of a swapped or recomputed tensor asks autograd whether the node unpacking it runs
-again in the weight pass (:meth:`BackwardPhases.needed_by_weight_pass`); those tensors
-stay on the device until the weight pass used them, so each is fetched once and each
-layer call recomputed once, and the bytes they hold count as resident.
+again in the weight pass (:meth:`.current_pass.CurrentPass.needed_by_weight_pass`); those
+tensors stay on the device until the weight pass used them, so each is fetched once and
+each layer call recomputed once, and the bytes they hold count as resident. A swapped
+tensor is brought back for the pass unpacking it here (:meth:`BackwardPhases.restore`).
 
 A micro-batch between its two passes is *lagging*. The budget's projection counts what
 lagging micro-batches hold (measured here per layer into the ledger's ``lag``, see
@@ -20,16 +21,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
-from torch import nn
 
 from vpipe.log import decision
 from vpipe.plan import Policy
-from vpipe.tensor_manager.accounting import Ledger, format_bytes
+from vpipe.tensor_manager.accounting import format_bytes
+from vpipe.tensor_manager.current_pass import CurrentPass
 from vpipe.tensor_manager.governor import BudgetGovernor
-from vpipe.tensor_manager.handles import StorageEntry
+from vpipe.tensor_manager.handles import StorageEntry, SwappedHandle
 from vpipe.tensor_manager.layers import ManagedLayer
-from vpipe.tensor_manager.recompute_store import RecomputeStore
-from vpipe.tensor_manager.swap_in import SwapIn
+from vpipe.tensor_manager.stores import SavedTensorStores
 
 __all__ = ["BackwardPhases", "PHASES"]
 
@@ -40,23 +40,20 @@ Dropped = tuple[dict[int, int], dict[int, int]]
 
 
 class BackwardPhases:
-    """The backward phases running now, and the micro-batches between an input and a weight pass.
+    """The backward phases of one tensor manager, and the micro-batches between an input and a weight pass.
 
-    ``recompute`` is set by the manager once the store exists (the store asks this object
-    which pass unpacks; this object drops what the store holds).
+    ``current`` is the pass running now (shared with the recompute store, which asks it too);
+    ``stores`` hold what the phases keep or drop.
     """
 
-    recompute: RecomputeStore
-
-    def __init__(self, *, ledger: Ledger, swap_in: SwapIn, budget: BudgetGovernor,
+    def __init__(self, *, stores: SavedTensorStores, current: CurrentPass, budget: BudgetGovernor,
                  layers: Mapping[int, ManagedLayer]) -> None:
-        self.ledger = ledger
-        self._swap_in = swap_in
+        self.ledger = stores.ledger
+        self._swap_in = stores.swap_in
+        self._recompute = stores.recompute
+        self._current = current
         self._budget = budget
         self._layers = layers  # the manager's, read only
-        self.running: list[tuple[int, str]] = []  # (micro-batch, phase) of the backwards running now
-        self.serial = 0  # numbers the backward() contexts (a storage unpacked in two is multi-phase)
-        self.unpacked = False  # the running phase unpacked a swapped or recomputed tensor
         self.split = False  # an input phase was seen: this stage's backwards are split (zero bubble)
         self.lagging: set[int] = set()  # input pass done, weight pass not yet
         self._lag_max = 0
@@ -69,9 +66,7 @@ class BackwardPhases:
         if phase == "input":
             self.split = True
             self.lagging.discard(mb)  # a new input pass (a retried step): not lagging until it ends
-        self.serial += 1
-        self.running.append((mb, phase))
-        self.unpacked = False
+        self._current.enter(mb, phase)
         return self._dropped_bytes()
 
     def end(self, mb: int, phase: str, dropped_before: Dropped) -> None:
@@ -81,10 +76,9 @@ class BackwardPhases:
         backward's reserve: then the largest copies go first (a copy back is cheaper than a
         forward), then recomputed tensors; the weight pass fetches or recomputes them again.
         """
-        self.running.pop()
-        unpacked = self.unpacked
+        unpacked = self._current.leave()
         held = self._swap_in.end_phase(mb, phase, unpacked)
-        recomputed = self.recompute.end_phase(mb, phase, unpacked)
+        recomputed = self._recompute.end_phase(mb, phase, unpacked)
         if phase != "input":
             self.lagging.discard(mb)
             self._lag_kept.clear()
@@ -113,7 +107,7 @@ class BackwardPhases:
             excess = self.ledger.resident - limit
             freed = self._swap_in.drop_held(mb, excess)
             if freed < excess:
-                self.recompute.drop_held(mb, excess - freed)
+                self._recompute.drop_held(mb, excess - freed)
         swapped, recomputed_bytes = (sum(now.values()) - sum(before.values())
                                      for now, before in zip(self._dropped_bytes(), dropped_before))
         if swapped or recomputed_bytes:
@@ -131,69 +125,43 @@ class BackwardPhases:
         ran keep their saved tensors while the graph lives, and a last stage's output that torch cannot detach
         in place (a view: a 3-d LM head's logits) keeps the graph alive until the next step. Nothing unpacks
         them any more: recomputed calls drop their inputs, and the storages left are released."""
-        self.recompute.retire(mb)
+        self._recompute.retire(mb)
         self._swap_in.engine.retire(mb)
 
     def _dropped_bytes(self) -> Dropped:
-        return dict(self._swap_in.dropped_bytes), dict(self.recompute.dropped_bytes)
+        return dict(self._swap_in.dropped_bytes), dict(self._recompute.dropped_bytes)
 
     def new_step(self) -> None:
         """A new step's first forward: remember how many micro-batches lagged at once in the last."""
         self._lag_max_last_step, self._lag_max = self._lag_max, len(self.lagging)
 
     # ------------------------------------------------------------------ unpacks
-    def unpack_phase(self) -> str:
-        """The phase of the backward unpacking now (``"full"`` outside any ``backward()``); marks it as used."""
-        self.unpacked = True
-        return self.running[-1][1] if self.running else "full"
+    @property
+    def running(self) -> list[tuple[int, str]]:
+        """(micro-batch, phase) of the backwards running now, innermost last."""
+        return self._current.running
+
+    def restore(self, handle: SwappedHandle) -> torch.Tensor:
+        """A swapped tensor the running pass unpacks, on the device (kept for the weight pass if it needs it)."""
+        current = self._current
+        phase = current.unpack_phase()
+        later = phase == "input" and current.needed_by_weight_pass()
+        return self._swap_in.restore(handle, phase, current.serial, later, self._budget.limit())
 
     def kept_unpacked(self, entry: StorageEntry) -> None:
         """A kept storage was unpacked: under a budget an input pass also learns what kept layers'
         weight passes need (for the projection)."""
-        running = self.running
+        running = self._current.running
         if (self._budget.budget_bytes is not None and running and running[-1][1] == "input"
-                and self.needed_by_weight_pass()):
+                and self._current.needed_by_weight_pass()):
             self._lag_kept.add(entry)
-
-    def needed_by_weight_pass(self) -> bool:
-        """Whether the autograd node unpacking now runs again in the weight pass of a split backward.
-
-        The input pass (``autograd.grad`` towards the stage inputs) runs only nodes on a path
-        to an input; the weight pass later starts from the nodes where that part of the graph
-        meets the parameters' (torch's ``stage_backward_weight``) and runs those and the
-        nodes below them towards the parameters. So a node runs again exactly when one of its
-        next functions is a parameter's gradient accumulator or a node this pass does not
-        execute (it leads to parameters only). Measured on torch 2.13 for Linear, LayerNorm,
-        attention (matmul and SDPA) and weight-normalised matmuls, this matches the unpacks
-        of both passes one for one. A node that reaches parameters only through nodes the
-        input pass executes too (a weight tied inside the stage) is missed: its tensors are
-        fetched or recomputed again, and counted.
-        """
-        if self.recompute.unpacking_inputs:
-            return False  # a recompute reading its inputs, not a backward node
-        node = torch._C._current_autograd_node()
-        if node is None:
-            return False
-        for child, _ in node.next_functions:
-            if child is None:
-                continue
-            variable = getattr(child, "variable", None)
-            if variable is not None:  # a leaf's gradient accumulator
-                if isinstance(variable, nn.Parameter):
-                    return True
-                continue
-            try:
-                if not torch._C._will_engine_execute_node(child):
-                    return True
-            except RuntimeError:  # not a node of this pass's graph task: keep rather than fetch twice
-                return True
-        return False
 
     # ------------------------------------------------------------------ queries
     def fetch_phase(self, mb: int) -> str:
         """The backward phase a fetch for ``mb`` now serves."""
-        if self.running and self.running[-1][0] == mb:
-            return self.running[-1][1]
+        running = self._current.running
+        if running and running[-1][0] == mb:
+            return running[-1][1]
         if mb in self.lagging:
             return "weight"
         return "input" if self.split else "full"
@@ -206,4 +174,4 @@ class BackwardPhases:
 
     def lag_resident_bytes(self) -> int:
         """Device bytes lagging micro-batches hold for their weight pass now."""
-        return sum(self._swap_in.held_bytes(mb) + self.recompute.held_bytes(mb) for mb in self.lagging)
+        return sum(self._swap_in.held_bytes(mb) + self._recompute.held_bytes(mb) for mb in self.lagging)

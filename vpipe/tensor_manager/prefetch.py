@@ -115,18 +115,16 @@ class ArrivalPredictor:
 
 
 class Prefetcher:
-    """Issues the prefetches the schedule's order and the predicted arrival times call for."""
+    """Issues the prefetches the schedule's order (``order``, told of every action by the manager's
+    :class:`.in_flight.InFlight`) and the predicted arrival times call for."""
 
-    def __init__(self, swap_in: SwapIn, phases: BackwardPhases, budget: BudgetGovernor) -> None:
+    def __init__(self, swap_in: SwapIn, phases: BackwardPhases, budget: BudgetGovernor,
+                 order: ArrivalPredictor) -> None:
         self._swap_in = swap_in
         self._phases = phases
         self._budget = budget
-        self.predictor = ArrivalPredictor()
+        self._order = order
         self.throttled = False  # the last pump stopped at the budget: pump again at the next unpack
-
-    def observe(self, kind: str, mb: int) -> bool:
-        """An action of ``mb`` starts now; True if it begins a new step."""
-        return self.predictor.observe(kind, mb)
 
     def pump(self) -> None:
         """Issue the prefetches the schedule's order and the predicted arrival times call for now."""
@@ -136,7 +134,7 @@ class Prefetcher:
         phases = self._phases
         bandwidth = swap_in.copies.expected_bandwidth(H2D)
         swapped_bytes = swap_in.engine.swapped_bytes
-        targets = [mb for mb, _ in phases.running[-1:]] + self.predictor.upcoming(
+        targets = [mb for mb, _ in phases.running[-1:]] + self._order.upcoming(
             lambda mb: swap_in.host_bytes(mb, mb in phases.lagging) / bandwidth,
             lambda mb: swapped_bytes.get(mb, 0) / bandwidth)
         limit = self._budget.limit()

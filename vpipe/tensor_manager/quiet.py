@@ -27,9 +27,6 @@ from vpipe.tensor_manager.in_flight import InFlight
 from vpipe.tensor_manager.interception import Interceptor
 from vpipe.tensor_manager.layers import ManagedLayer, input_shapes
 from vpipe.tensor_manager.phases import BackwardPhases
-from vpipe.tensor_manager.prefetch import BACKWARD, FORWARD, ArrivalPredictor
-from vpipe.tensor_manager.recompute_store import RecomputeStore
-from vpipe.tensor_manager.swap import SwapEngine
 
 __all__ = ["QuietPath"]
 
@@ -38,19 +35,16 @@ class QuietPath:
     """Whether the layers run without hooks, and the micro-batches that then are only counted.
 
     ``input_shapes``: the tensor input shapes of the last micro-batch run with hooks (None: not
-    known, the caller did not say); under a budget a quiet micro-batch must have these.
+    known, the caller did not say; :meth:`measured_with`); under a budget a quiet micro-batch
+    must have these.
     """
 
-    def __init__(self, *, layers: Mapping[int, ManagedLayer], interceptor: Interceptor, budget: BudgetGovernor,
-                 engine: SwapEngine, recompute: RecomputeStore, phases: BackwardPhases, predictor: ArrivalPredictor,
-                 in_flight: InFlight) -> None:
-        self._layers = layers
-        self._calls = interceptor
+    def __init__(self, *, layers: Mapping[int, ManagedLayer], calls: Interceptor, budget: BudgetGovernor,
+                 phases: BackwardPhases, in_flight: InFlight) -> None:
+        self._layers = layers  # the manager's, read only
+        self._calls = calls
         self._budget = budget
-        self._engine = engine
-        self._recompute = recompute
         self._phases = phases
-        self._predictor = predictor
         self._in_flight = in_flight
         self.hookless = False
         self.input_shapes: tuple[Any, ...] | None = None
@@ -75,6 +69,10 @@ class QuietPath:
             for layer in self._layers.values():
                 layer.unhook() if hookless else layer.hook()
 
+    def measured_with(self, inputs: tuple[Any, ...] | None) -> None:
+        """A micro-batch with these stage inputs (None: not known) runs with hooks: its shapes are measured."""
+        self.input_shapes = None if inputs is None else input_shapes(inputs)
+
     def forget_counts(self) -> None:
         """The layers a micro-batch runs changed (one left the forward path): count the next one anew."""
         self._counts = None
@@ -86,7 +84,7 @@ class QuietPath:
     def _became_quiet(self) -> bool:
         """Whether the layers run without hooks and nothing saved through them is alive any more. It stays so
         until the hooks change (nothing can be saved through hooks that are not there), so it is remembered."""
-        self._ready = self.hookless and not self._closed and self._engine.idle and self._recompute.idle
+        self._ready = self.hookless and not self._closed and self._calls.holds_nothing
         return self._ready
 
     def count(self, mb: int) -> None:
@@ -103,7 +101,7 @@ class QuietPath:
         :meth:`TensorManager.micro_batch <vpipe.tensor_manager.manager.TensorManager.micro_batch>` (see there
         for ``inputs``)."""
         calls = self._calls
-        if (not self._ready and not self._became_quiet()) or calls.mb is not None or not torch.is_grad_enabled():
+        if (not self._ready and not self._became_quiet()) or calls.forwarding or not torch.is_grad_enabled():
             return False
         if self._budget.budget_bytes is not None and (inputs is None or input_shapes(inputs) != self.input_shapes):
             # new shapes (or unknown ones) under a budget: the hooks come back and this micro-batch is measured
@@ -111,14 +109,9 @@ class QuietPath:
             self._set(False)
             return False
         flight = self._in_flight
-        if self._predictor.observe(FORWARD, mb):  # a new step: remember how many were in flight
-            flight.new_step()
+        flight.forward_starts(mb)
         calls.uncount(mb)  # a micro-batch of a step that failed before its backward
-        calls.unmetered = True
-        opened = flight.open
-        opened.add(mb)
-        if len(opened) > flight.max:
-            flight.max = len(opened)
+        flight.add(mb)
         return True
 
     def end_forward(self, mb: int) -> None:
@@ -129,11 +122,11 @@ class QuietPath:
         False: use :meth:`TensorManager.backward <vpipe.tensor_manager.manager.TensorManager.backward>`."""
         if phase != "full" or (not self._ready and not self._became_quiet()) or self._phases.lagging:
             return False
-        self._predictor.observe(BACKWARD, mb)
+        self._in_flight.backward_starts(mb)
         return True
 
     def end_backward(self, mb: int) -> None:
-        self._in_flight.open.discard(mb)
+        self._in_flight.ended(mb)
         self._calls.uncount(mb)
 
     # ------------------------------------------------------------------ a whole step
@@ -146,7 +139,7 @@ class QuietPath:
         Under a budget the step's inputs must have the shapes of the last step's (``same_inputs``): each
         micro-batch of that step was quiet with its shapes checked, or was measured."""
         calls = self._calls
-        if not (self._ready or self._became_quiet()) or calls.mb is not None or self._phases.lagging:
+        if not (self._ready or self._became_quiet()) or calls.forwarding or self._phases.lagging:
             return False
         if not same_inputs and self._budget.budget_bytes is not None:
             return False
@@ -157,7 +150,7 @@ class QuietPath:
         """A stream's stage runs without the manager from this step: the backwards of its micro-batches in flight
         will not be seen, so their counts go now (their forwards were quiet: counted, nothing else)."""
         self._calls.uncount_all()
-        self._in_flight.open.clear()
+        self._in_flight.forget()
 
     def count_in_flight(self, mbs: Iterable[int]) -> None:
         """A stream's stage calls the manager again from this step: count the micro-batches its forwards left in

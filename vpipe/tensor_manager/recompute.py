@@ -16,7 +16,7 @@ first use. Here a slot's recomputed tensor lives until its last expected unpack:
 
 * in the input-gradient pass (phase ``"input"``), a slot unpacked by an autograd node that
   will run again in the weight pass (the manager asks autograd, see
-  :meth:`.phases.BackwardPhases.needed_by_weight_pass`) keeps its tensor; every other slot
+  :meth:`.current_pass.CurrentPass.needed_by_weight_pass`) keeps its tensor; every other slot
   drops it right after its unpack;
 * in the weight pass, the kept tensor serves the unpack and is dropped; a slot that lost
   its tensor (the budget dropped it, or a wrong guess) is recomputed again, counted as a

@@ -13,9 +13,9 @@ import functools
 import threading
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from typing import Any
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -24,37 +24,45 @@ from vpipe.tensor_manager.accounting import Ledger, RecomputeCounter
 from vpipe.tensor_manager.recompute import FrameSupport, RecomputeFrame, Slot
 from vpipe.tensor_manager.replay import SavedTensorHooks
 
-__all__ = ["RecomputeStore"]
+__all__ = ["RecomputeStore", "UnpackingPass"]
+
+
+class UnpackingPass(Protocol):
+    """What the store asks of the backward pass running now (:class:`.current_pass.CurrentPass`)."""
+
+    def unpack_phase(self) -> str:
+        """``"full"``, ``"input"`` or ``"weight"``."""
+
+    def needed_by_weight_pass(self) -> bool:
+        """Whether the autograd node unpacking now runs again in the weight pass."""
+
+    def reading_inputs(self) -> AbstractContextManager[None]:
+        """Around a recompute unpacking its saved inputs (not a backward node's unpack)."""
 
 
 class RecomputeStore:
     """The recomputed layer calls of one tensor manager, per micro-batch, and what they hold.
 
-    ``phase()`` names the backward pass running now (``"full"``, ``"input"`` or
-    ``"weight"``); ``needed_later()`` says whether the autograd node unpacking now runs
-    again in the weight pass; ``may_keep(transient)`` whether a tensor may stay for it
-    within the budget (``transient``: held bytes about to go); ``on_recompute(layer,
-    seconds)`` is told of every recompute.
+    ``current`` is the backward pass unpacking; ``may_keep(transient)`` whether a tensor may
+    stay for the weight pass within the budget (``transient``: held bytes about to go);
+    ``on_recompute(layer, seconds)`` is told of every recompute.
     """
 
-    def __init__(self, device: torch.device, ledger: Ledger, lock: threading.RLock, *,
-                 phase: Callable[[], str], needed_later: Callable[[], bool], may_keep: Callable[[int], bool],
-                 on_recompute: Callable[[int, float], None]) -> None:
+    def __init__(self, device: torch.device, ledger: Ledger, lock: threading.RLock, *, current: UnpackingPass,
+                 may_keep: Callable[[int], bool], on_recompute: Callable[[int, float], None]) -> None:
         self.device = device
         self.ledger = ledger
         self.lock = lock
-        self.phase = phase
-        self.needed_later = needed_later
+        self._current = current
         self.may_keep = may_keep
         self.on_recompute = on_recompute
         self.dead: deque[tuple[RecomputeFrame, int]] = deque()
-        self.unpacking_inputs = 0  # > 0 while a recompute unpacks its inputs (not a use by a backward node)
         self._frames: dict[int, weakref.WeakSet[RecomputeFrame]] = {}
         self.recompute_s = 0.0  # total time spent recomputing
         self.repeat_recomputes = 0  # recomputes of a call beyond its first
         self.dropped = 0  # recomputed tensors kept for a weight pass, dropped to stay under the budget
         self.dropped_bytes: dict[int, int] = {}  # layer -> bytes of such tensors
-        self._support = FrameSupport(device, ledger, self._released, self.recomputed, self._reading_inputs)
+        self._support = FrameSupport(device, ledger, self._released, self.recomputed, current.reading_inputs)
 
     def run(self, module: nn.Module, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], *,
             layer: int, mb: int, counter: RecomputeCounter | None, is_weight: Callable[[torch.Tensor], bool],
@@ -97,9 +105,9 @@ class RecomputeStore:
             return packed  # a weight
         with self.lock:
             self.drain()
-            phase = self.phase()
+            phase = self._current.unpack_phase()
             value = frame.value_of(packed, phase)
-            packed.later = phase == "input" and self.needed_later()
+            packed.later = phase == "input" and self._current.needed_by_weight_pass()
             if not packed.later:
                 frame.drop(packed)
             elif not self.may_keep(frame.transient_bytes()):
@@ -111,14 +119,6 @@ class RecomputeStore:
         """A slot autograd released held storage ``key``: uncounted at the next drain (this may run on
         autograd's thread, so it only queues)."""
         self.dead.append((frame, key))
-
-    @contextmanager
-    def _reading_inputs(self) -> Iterator[None]:
-        self.unpacking_inputs += 1
-        try:
-            yield
-        finally:
-            self.unpacking_inputs -= 1
 
     def recomputed(self, layer: int, seconds: float, repeat: bool) -> None:
         """A call of ``layer`` was recomputed (``repeat``: it had been recomputed before)."""

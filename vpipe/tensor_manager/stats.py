@@ -2,31 +2,111 @@
 
 The monitor and the planner read these; :func:`collect_stats` takes one consistent reading
 (under the swap engine's lock, after releasing what autograd let go of), :func:`collect_summary`
-the few numbers a monitor reads on every sampled step.
+the few numbers a monitor reads on every sampled step. Both read the parts through the
+read-only views below (what is saved, the budget, the layers), not the parts' classes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from vpipe.plan import Policy
+from vpipe.tensor_manager.accounting import Ledger
 from vpipe.tensor_manager.copy_engine import D2H, H2D
 
-if TYPE_CHECKING:
-    from vpipe.tensor_manager.accounting import Ledger
-    from vpipe.tensor_manager.governor import BudgetGovernor
-    from vpipe.tensor_manager.interception import Interceptor
-    from vpipe.tensor_manager.layers import ManagedLayer
-    from vpipe.tensor_manager.phases import BackwardPhases
-    from vpipe.tensor_manager.recompute_store import RecomputeStore
-    from vpipe.tensor_manager.swap import SwapEngine
-    from vpipe.tensor_manager.swap_in import SwapIn
-
-__all__ = ["LayerStats", "TensorManagerStats", "collect_stats", "collect_summary"]
+__all__ = ["LayerStats", "TensorManagerStats", "SavedCounters", "SavedView", "BudgetView", "LayerView",
+           "collect_stats", "collect_summary"]
 
 
+# ---------------------------------------------------------------------- what the statistics read
+class LayerView(Protocol):
+    """A managed layer's figures (:class:`.layers.ManagedLayer`)."""
+
+    @property
+    def policy(self) -> Policy: ...
+    @property
+    def forward_s(self) -> float | None: ...
+    @property
+    def recompute_s(self) -> float: ...
+    @property
+    def recomputes(self) -> int: ...
+    @property
+    def recompute_calls(self) -> int: ...
+
+
+class CopyTotals(Protocol):
+    """The copy engine's totals per direction (:class:`.copy_engine.CopyEngine`)."""
+
+    @property
+    def bytes(self) -> Mapping[str, int]: ...
+    @property
+    def seconds(self) -> Mapping[str, float]: ...
+    def expected_bandwidth(self, direction: str) -> float: ...
+
+
+class PoolGauges(Protocol):
+    """The host pool's gauges (:class:`.pool.HostPool`)."""
+
+    @property
+    def used_bytes(self) -> int: ...
+    @property
+    def peak_used_bytes(self) -> int: ...
+    @property
+    def capacity_bytes(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class SavedCounters:
+    """What the stores of saved tensors counted so far (see :class:`TensorManagerStats`)."""
+
+    recompute_s: float
+    sync_fallbacks: int
+    prefetched: int
+    live_saved_storages: int
+    multi_phase_storages: int
+    h2d_bytes_by_phase: dict[str, int]
+    refetched_bytes: int
+    repeat_recomputes: int
+    lag_dropped: int
+
+
+class SavedView(Protocol):
+    """Where saved tensors live, read only (:class:`.stores.SavedTensorStores`)."""
+
+    @property
+    def ledger(self) -> Ledger: ...
+    @property
+    def copies(self) -> CopyTotals: ...
+    @property
+    def recompute_s(self) -> float: ...
+    def settled(self) -> AbstractContextManager[None]: ...
+    def pool(self) -> PoolGauges | None: ...
+    def copied(self, layer: int) -> tuple[int, int]: ...
+    def counters(self) -> SavedCounters: ...
+
+
+class BudgetView(Protocol):
+    """The budget and what it decided (:class:`.governor.BudgetGovernor`)."""
+
+    @property
+    def budget_bytes(self) -> int | None: ...
+    @property
+    def host_pool_max_bytes(self) -> int: ...
+    @property
+    def swaps(self) -> int: ...
+    @property
+    def waits(self) -> int: ...
+    @property
+    def wait_s(self) -> float: ...
+    @property
+    def escalations(self) -> list[tuple[int, Policy, Policy]]: ...
+    def kept_per_mb_now(self) -> int: ...
+
+
+# ---------------------------------------------------------------------- what they report
 @dataclass(frozen=True)
 class LayerStats:
     layer_id: int
@@ -88,19 +168,16 @@ class TensorManagerStats:
         return {lid: s.policy for lid, s in self.layers.items()}
 
 
-def collect_stats(*, layers: Mapping[int, ManagedLayer], ledger: Ledger, engine: SwapEngine, swap_in: SwapIn,
-                  recompute: RecomputeStore, budget: BudgetGovernor, phases: BackwardPhases,
-                  interceptor: Interceptor) -> TensorManagerStats:
-    """The statistics of one tensor manager, from its parts."""
-    with engine.lock:
-        engine.drain()
-        recompute.drain()
-        engine.poll()
-        copies = engine.copies
+def collect_stats(*, layers: Mapping[int, LayerView], saved: SavedView, budget: BudgetView,
+                  lag_resident_bytes: Callable[[], int], weights_skipped: int) -> TensorManagerStats:
+    """The statistics of one tensor manager, from what its parts show (``lag_resident_bytes``: what micro-batches
+    between the passes of a split backward hold now, read with the rest)."""
+    with saved.settled():
+        ledger, copies = saved.ledger, saved.copies
         d2h_bw, h2d_bw = copies.expected_bandwidth(D2H), copies.expected_bandwidth(H2D)
         per_layer = {}
         for lid, layer in sorted(layers.items()):
-            d2h, h2d = engine.layer_d2h.get(lid, 0), swap_in.layer_h2d.get(lid, 0)
+            d2h, h2d = saved.copied(lid)
             per_layer[lid] = LayerStats(
                 layer_id=lid, policy=layer.policy,
                 activation_bytes=dict(ledger.activation.get(lid, {})),
@@ -110,7 +187,8 @@ def collect_stats(*, layers: Mapping[int, ManagedLayer], ledger: Ledger, engine:
                 d2h_bytes=d2h, h2d_bytes=h2d, d2h_s=d2h / d2h_bw, h2d_s=h2d / h2d_bw,
                 recompute_calls=layer.recompute_calls, lag_bytes=ledger.lag.get(lid),
             )
-        pool = engine.pool if engine.has_pool else None
+        pool = saved.pool()
+        counted = saved.counters()
         return TensorManagerStats(
             layers=per_layer,
             resident_bytes=ledger.resident,
@@ -122,34 +200,30 @@ def collect_stats(*, layers: Mapping[int, ManagedLayer], ledger: Ledger, engine:
             host_pool_max_bytes=budget.host_pool_max_bytes,
             d2h_bytes=copies.bytes[D2H], d2h_s=copies.seconds[D2H],
             h2d_bytes=copies.bytes[H2D], h2d_s=copies.seconds[H2D],
-            recompute_s=recompute.recompute_s,
-            sync_fallbacks=swap_in.sync_fallbacks,
-            prefetched=swap_in.prefetched,
+            recompute_s=counted.recompute_s,
+            sync_fallbacks=counted.sync_fallbacks,
+            prefetched=counted.prefetched,
             budget_swaps=budget.swaps,
             budget_waits=budget.waits,
             budget_wait_s=budget.wait_s,
             escalations=tuple(budget.escalations),
-            live_saved_storages=engine.live_entries(),
-            multi_phase_storages=engine.multi_phase_entries,
-            weight_tensors_skipped=interceptor.weights_skipped,
-            h2d_bytes_by_phase=dict(swap_in.h2d_by_phase),
-            refetched_bytes=swap_in.refetched_bytes,
-            repeat_recomputes=recompute.repeat_recomputes,
-            lag_resident_bytes=phases.lag_resident_bytes(),
-            lag_dropped=swap_in.dropped + recompute.dropped,
+            live_saved_storages=counted.live_saved_storages,
+            multi_phase_storages=counted.multi_phase_storages,
+            weight_tensors_skipped=weights_skipped,
+            h2d_bytes_by_phase=counted.h2d_bytes_by_phase,
+            refetched_bytes=counted.refetched_bytes,
+            repeat_recomputes=counted.repeat_recomputes,
+            lag_resident_bytes=lag_resident_bytes(),
+            lag_dropped=counted.lag_dropped,
         )
 
 
-def collect_summary(*, layers: Mapping[int, ManagedLayer], ledger: Ledger, engine: SwapEngine,
-                    recompute: RecomputeStore, budget: BudgetGovernor) -> dict[str, Any]:
+def collect_summary(*, layers: Mapping[int, LayerView], saved: SavedView, budget: BudgetView) -> dict[str, Any]:
     """What a monitor reads twice per sampled step, without :func:`collect_stats`'s per-layer detail: saved bytes
     per layer and per micro-batch (each storage once), the host pool's gauges, cumulative copy and recompute
     figures."""
-    with engine.lock:
-        engine.drain()
-        engine.poll()
-        pool = engine.pool if engine.has_pool else None
-        copies = engine.copies
+    with saved.settled():
+        ledger, copies, pool = saved.ledger, saved.copies, saved.pool()
         return {"activation_bytes": {lid: ledger.activation_bytes(lid) or 0 for lid in sorted(layers)},
                 "kept_bytes_per_mb": budget.kept_per_mb_now(),
                 "host_pool_used_bytes": pool.used_bytes if pool else 0,
@@ -157,4 +231,4 @@ def collect_summary(*, layers: Mapping[int, ManagedLayer], ledger: Ledger, engin
                 "host_pool_capacity_bytes": pool.capacity_bytes if pool else 0,
                 "d2h_bytes": copies.bytes[D2H], "d2h_s": copies.seconds[D2H],
                 "h2d_bytes": copies.bytes[H2D], "h2d_s": copies.seconds[H2D],
-                "recompute_s": recompute.recompute_s}
+                "recompute_s": saved.recompute_s}
