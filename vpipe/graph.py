@@ -84,6 +84,10 @@ class LayerGraph:
     def __len__(self) -> int:
         return len(self.nodes)
 
+    def has(self, node_id: int) -> bool:
+        """Whether the graph has a node ``node_id``."""
+        return node_id in self._index
+
     def node(self, node_id: int) -> LayerNode:
         try:
             return self.nodes[self._index[node_id]]

@@ -30,7 +30,7 @@ MAX_LOG_BYTES = 2 << 30  # what `vpipe logs` / `vpipe plot` read of a run log at
 STEPS = "vpipe.steps"
 step_log = logging.getLogger(STEPS)
 
-__all__ = ["configure", "decision", "step_record", "read_log", "RunLogHandler", "DECISIONS", "STEPS"]
+__all__ = ["configure", "decision", "step_record", "read_log", "RunLogHandler", "StderrHandler", "DECISIONS", "STEPS"]
 
 
 def _jsonable(value: Any) -> Any:
@@ -66,6 +66,11 @@ def json_line(t: float, rank: int | None, logger: str, level: str, fields: dict[
     if exc is not None:
         entry["exc"] = exc
     return json.dumps(entry, separators=(",", ":"))
+
+
+class StderrHandler(logging.StreamHandler):
+    """vpipe's own handler to standard error (the planner daemon's without a log file): like a run log, the next
+    :func:`configure` replaces it."""
 
 
 class RunLogHandler(logging.FileHandler):
@@ -158,7 +163,7 @@ def configure(log_file: str | os.PathLike[str] | None, rank: int | None = None, 
     root.setLevel(level)
     _run_log = None
     for handler in list(root.handlers):
-        if getattr(handler, "_vpipe", False):
+        if isinstance(handler, (RunLogHandler, StderrHandler)):  # vpipe's own: replaced
             root.removeHandler(handler)
             handler.close()
     if log_file is None:
@@ -166,7 +171,6 @@ def configure(log_file: str | os.PathLike[str] | None, rank: int | None = None, 
     check_output_file(log_file, "log file")  # a FIFO would block the open, a directory fail it
     Path(log_file).parent.mkdir(parents=True, exist_ok=True)
     handler = RunLogHandler(log_file, rank)
-    handler._vpipe = True  # type: ignore[attr-defined]
     root.addHandler(handler)
     if step_log.isEnabledFor(logging.INFO):
         _run_log = handler

@@ -121,16 +121,16 @@ def set_track(track: int) -> None:
     _track = track
 
 
-_profiler_enabled: Any = None  # torch.autograd._profiler_enabled, once a producer has loaded torch
+_profiler_enabled: Any = None  # torch's profiler flag (vpipe.compat), once a producer has loaded torch
 
 
 def _profiling() -> bool:
     global _profiler_enabled
     if _profiler_enabled is None:
-        torch = sys.modules.get("torch")
-        if torch is None:
+        if "torch" not in sys.modules:
             return False
-        _profiler_enabled = torch.autograd._profiler_enabled
+        from vpipe.compat.torch_internals import profiler_enabled
+        _profiler_enabled = profiler_enabled
     return bool(_profiler_enabled())
 
 

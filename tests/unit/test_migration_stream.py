@@ -41,6 +41,13 @@ class FakeSchedule:
         self.departing: dict[str, nn.Parameter] = {}
         self.deferred: list[tuple[object, torch.Tensor]] = []
 
+    @property
+    def next_forward(self) -> int:
+        return self._next_fwd
+
+    def stashed(self, version: int) -> dict[str, torch.Tensor] | None:
+        return self._versions.get(version)
+
     def defer_wait(self, work: object, payload: torch.Tensor) -> None:
         self.deferred.append((work, payload))
 

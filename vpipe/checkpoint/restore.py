@@ -17,6 +17,7 @@ from torch import nn
 
 from vpipe.checkpoint.layout import CheckpointError
 from vpipe.checkpoint.load import Checkpoint
+from vpipe.compat.torch_internals import child_modules
 
 log = logging.getLogger("vpipe.checkpoint")
 
@@ -25,7 +26,7 @@ __all__ = ["stage_state", "restore_stage"]
 
 def stage_state(checkpoint: Checkpoint, module: nn.Module, rng_rank: int | None = None) -> dict[str, Any]:
     """The checkpoint's state for ``module``'s layers, checked against the module (nothing is loaded yet)."""
-    layer_ids = [int(n) for n in module._modules]
+    layer_ids = [int(n) for n in child_modules(module)]
     missing_layers = sorted(set(layer_ids) - set(checkpoint.layer_order))
     if missing_layers:
         raise CheckpointError(f"checkpoint {checkpoint.path} has no layers {missing_layers[:5]} "
@@ -85,7 +86,7 @@ def restore_stage(checkpoint: Checkpoint, module: nn.Module, optimizer: torch.op
     are values copied, so an error leaves ``module``, ``optimizer`` and ``scheduler`` as they were.
     """
     state = stage_state(checkpoint, module, rank)
-    mine = set(module._modules)
+    mine = set(child_modules(module))
     kinds = {s.optimizer for s in checkpoint.shards if {str(lid) for lid in s.layers} & mine}
     if optimizer is not None and state["optimizer"] and type(optimizer).__name__ not in kinds:
         raise CheckpointError(f"checkpoint {checkpoint.path} holds {sorted(k for k in kinds if k)} optimizer state, "

@@ -37,6 +37,7 @@ from vpipe.checkpoint.layout import (
     manifest_run,
     step_dirs,
 )
+from vpipe.compat.torch_internals import child_modules
 
 log = logging.getLogger("vpipe.checkpoint")
 
@@ -89,7 +90,7 @@ def save_shard(step_dir: str | os.PathLike[str], rank: int, module: nn.Module,
     digest = hashlib.sha256(data).hexdigest()
     name = f"rank{rank}-{digest[:12]}.pt"
     atomic_write(step_dir / name, data)
-    layers = tuple(int(n) for n in getattr(module, "_modules", {}))
+    layers = tuple(int(n) for n in child_modules(module))
     pol = {str(k): getattr(v, "value", v) for k, v in sorted((policies or {}).items())}
     return ShardInfo(rank=rank, file=name, sha256=digest, bytes=len(data), layers=layers,
                      optimizer=type(optimizer).__name__ if optimizer is not None else None, policies=pol)
@@ -140,7 +141,7 @@ def save_checkpoint(root: str | os.PathLike[str], step: int, *, module: nn.Modul
     """
     step_dir = checkpoint_dir(root, step)
     policies = {int(k): v for k, v in vpipe_state.get("policies", {}).items()}
-    mine = {lid: p for lid, p in policies.items() if str(lid) in getattr(module, "_modules", {})}
+    mine = {lid: p for lid, p in policies.items() if str(lid) in child_modules(module)}
     if rank == 0:
         _attempted.setdefault((str(root), run_id), set()).add(step_dir.name)
     try:

@@ -41,6 +41,7 @@ import stat
 import tempfile
 import threading
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -147,7 +148,7 @@ def remove_private_key_files() -> None:
             del os.environ[RUN_SECRET_FILE_ENV]
 
 
-def _run_config(env: dict[str, str] | os._Environ) -> CurveConfig | None:
+def _run_config(env: Mapping[str, str]) -> CurveConfig | None:
     secret_text = env.get(RUN_SECRET_ENV, "").strip()
     secret_file = env.get(RUN_SECRET_FILE_ENV, "").strip()
     if not secret_text and secret_file:  # a bare key or a `vpipe keys` secret file, private, bounded

@@ -377,9 +377,8 @@ def cmd_planner(args: argparse.Namespace, argv: Any = None) -> int:
     if args.log_file:
         vlog.configure(args.log_file, rank=None)
     else:
-        handler = logging.StreamHandler(sys.stderr)
+        handler = vlog.StderrHandler(sys.stderr)  # vpipe's own: the next configure() replaces it
         handler.setFormatter(logging.Formatter("vpipe planner: %(message)s"))
-        handler._vpipe = True  # type: ignore[attr-defined]  # vpipe's own: the next configure() replaces it
         logging.getLogger("vpipe").addHandler(handler)
         logging.getLogger("vpipe").setLevel(logging.INFO)
     to_background()  # imports done and the planner loaded: from here on, plan below the ranks' priority

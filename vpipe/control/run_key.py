@@ -51,7 +51,7 @@ GONE_KEY = "ctl/run-key-gone"  # stage 0 deleted the file
 _KEY_FILE_LIMIT = 4096
 
 
-def several_hosts(environ: dict[str, str] | os._Environ | None = None) -> bool:
+def several_hosts(environ: Mapping[str, str] | None = None) -> bool:
     """Whether torchrun says this run spans hosts (fewer local ranks than ranks)."""
     env = os.environ if environ is None else environ
     try:

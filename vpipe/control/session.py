@@ -14,13 +14,13 @@ import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from functools import wraps
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from vpipe.compat.torch_distributed import wrap_shape_inference
 from vpipe.control.agent import StageAgent
 from vpipe.control.channel import ControlPlane
 from vpipe.control.daemon import NO_CHANGE_PLANNER
@@ -72,23 +72,7 @@ def exclude_shape_inference(stage: Any, monitor: StageMonitor) -> Callable[[], N
     first ``step()``; those calls go through ``_prepare_forward_infra`` / ``_prepare_backward_infra``,
     which are wrapped here as instance attributes (the stage object is left otherwise untouched).
     """
-    names = [n for n in ("_prepare_forward_infra", "_prepare_backward_infra") if callable(getattr(stage, n, None))]
-    if len(names) != 2:
-        return None
-    for name in names:
-        original = getattr(stage, name)
-
-        def suspended(*args: Any, _original: Callable[..., Any] = original, **kwargs: Any) -> Any:
-            with monitor.suspended():
-                return _original(*args, **kwargs)
-
-        setattr(stage, name, wraps(original)(suspended))
-
-    def undo() -> None:
-        for n in names:
-            stage.__dict__.pop(n, None)
-
-    return undo
+    return wrap_shape_inference(stage, monitor.suspended)
 
 
 class ControlSession:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from vpipe.compat.torch_internals import MODULE_INTERNALS, call_hook_tables
 from vpipe.stage.compiled import compile_like, compiled_forwards
 from vpipe.stage.fsdp import clone_sharded, is_fully_sharded
 from vpipe.stage.kinds import block_kind, compiled_inner
@@ -21,13 +22,8 @@ from vpipe.tensor_manager import is_routed_forward
 
 __all__ = ["clone_block", "block_attrs", "set_block_attrs", "block_info", "validate_block_info"]
 
-_MODULE_INTERNALS = frozenset(nn.Module().__dict__) - {"training"}
-# forward and backward hooks (vpipe's and the user's) stay with the donor; state-dict hooks are the module's own
-_HOOK_DICTS = tuple(name for name in sorted(_MODULE_INTERNALS)
-                    if name.endswith(("hooks", "hooks_with_kwargs", "hooks_always_called"))
-                    and ("forward" in name or "backward" in name))
 _PLAIN = (bool, int, float, str, type(None))
-_CALLS = frozenset({"forward", "_compiled_call_impl"})  # how a module is called, never a plain attribute
+_CALLS = frozenset({"forward"})  # how a module is called, never a plain attribute (torch's compiled call is internal)
 _MAX_ATTRS = 512
 _MAX_TEXT = 256
 
@@ -52,7 +48,7 @@ def block_attrs(block: nn.Module) -> dict[str, dict[str, Any]]:
         if compiled_inner(module) is not None:
             continue  # the compile wrapper's own attributes (its ids) are not the block's
         mine = {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(module).items()
-                if k not in _MODULE_INTERNALS and k not in _CALLS and _is_plain(v)}
+                if k not in MODULE_INTERNALS and k not in _CALLS and _is_plain(v)}
         if mine:
             attrs[name] = mine
     return attrs
@@ -68,7 +64,7 @@ def validate_attrs(raw: Any, layer_id: int) -> dict[str, dict[str, Any]]:
         if not isinstance(sub, str) or len(sub) > _MAX_TEXT or not isinstance(values, dict) or len(values) > _MAX_ATTRS:
             raise ValueError(f"layer {layer_id}: bad block attributes for submodule {sub!r:.80}")
         for key, value in values.items():
-            if not isinstance(key, str) or not key.isidentifier() or key in _MODULE_INTERNALS or key in _CALLS:
+            if not isinstance(key, str) or not key.isidentifier() or key in MODULE_INTERNALS or key in _CALLS:
                 raise ValueError(f"layer {layer_id}: bad block attribute name {key!r:.80}")
             if not _is_plain(value):
                 raise ValueError(f"layer {layer_id}: block attribute {key!r} is not a plain value")
@@ -158,10 +154,8 @@ def clone_block(donor: nn.Module) -> nn.Module:
         return type(donor)(clone_block(inner), donor.dynamo_ctx)
     memo: dict[int, Any] = {}
     for module in donor.modules():
-        for name in _HOOK_DICTS:
-            table = module.__dict__.get(name)
-            if table is not None:
-                memo[id(table)] = type(table)()
+        for table in call_hook_tables(module):  # forward and backward hooks (vpipe's, the user's) stay with the donor
+            memo[id(table)] = type(table)()
         routed = module.__dict__.get("forward")
         if routed is not None and is_routed_forward(routed):
             memo[id(routed)] = None

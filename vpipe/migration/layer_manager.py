@@ -56,7 +56,7 @@ from vpipe.migration.state import (
 from vpipe.migration.stream import WatchShapes, check_idle, start_round
 from vpipe.migration.transfer import TransferChannel
 from vpipe.plan import Plan, PlanError
-from vpipe.stage.blocks import KeyStyle, StageBlocks
+from vpipe.stage.blocks import StageBlocks
 from vpipe.stage.fsdp import resharded
 from vpipe.stage.optimizers import group_refusal, move_between, part_of
 from vpipe.stage.pins import pin_reason
@@ -111,7 +111,7 @@ class LayerManager:
                 raise ValueError("a single block container needs stage_index=")
             blocks = {stage_index: blocks}
         self.blocks: dict[int, StageBlocks] = {
-            v: StageBlocks(b, [int(name) for name in b._modules], KeyStyle.IDS) if isinstance(b, nn.Sequential) else b
+            v: StageBlocks.keyed_by_ids(b) if isinstance(b, nn.Sequential) else b
             for v, b in sorted(blocks.items())}
         self._placement = Placement.of(placement, stage_ranks)
         self.optimizer = optimizer

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from vpipe.compat.torch_internals import parameter_table
 from vpipe.log import decision
 
 __all__ = ["stale_holders", "report_stale_references"]
@@ -40,7 +41,7 @@ def stale_holders(params: Sequence[torch.Tensor], blocks: Iterable[nn.Module]) -
     lists, tuples, dicts and sets of the trainer's, or objects of its own classes. Frames (local variables of a
     running call), torch's and vpipe's own objects are not the trainer's references and are left out."""
     own = {id(m.__dict__) for block in blocks for m in block.modules()}
-    own |= {id(m._parameters) for block in blocks for m in block.modules()}
+    own |= {id(parameter_table(m)) for block in blocks for m in block.modules()}
     leaving = {id(p) for p in params}
     found = _scan(params, own, leaving)
     if found:  # a holder dropped in a reference cycle is not the trainer's any more: collect, then look again

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from vpipe.compat.torch_distributed import single_stage
 from vpipe.log import decision
 from vpipe.migration.handshake import (
     MigrationError,
@@ -80,21 +81,22 @@ class OutgoingStream:
         self.epoch = key[0]
         self.channel = channel
         self.listeners = list(listeners)
-        stage = schedule._stage
+        stage = single_stage(schedule)
         self.window = version_window(switch_mb, dst, stage.num_stages, schedule.vertical_sync)
         self.names = [f"{lid}.{n}" for lid, layer in layers.items() for n, _ in layer.named_parameters()]
         self._sent: set[int] = set()
         self._switched = False  # Ls left this stage's forward (at micro-batch S)
         self._handed_over = False  # the live state left (after the update of micro-batch S-1)
         self.bytes_sent = 0
-        if schedule._next_fwd >= switch_mb:
+        if schedule.next_forward >= switch_mb:
             raise RuntimeError(f"streamed move registered too late: micro-batch {switch_mb} already started")
         for v in self.window:  # versions that exist already go now
             if v < schedule.updates:
-                if v not in schedule._versions:
+                stashed = schedule.stashed(v)
+                if stashed is None:
                     raise RuntimeError(f"stage {stage.stage_index}: weight version {v} of layers {list(layers)} "
                                        "is no longer kept; register the move earlier")
-                self._send_version(v, [schedule._versions[v][n] for n in self.names])
+                self._send_version(v, [stashed[n] for n in self.names])
         self._send_live_if_due(schedule.updates)
 
     def _live(self) -> list[torch.Tensor]:
@@ -180,7 +182,7 @@ class IncomingStream:
         self.epoch = key[0]
         self.channel = channel
         self.listeners = list(listeners)
-        stage = schedule._stage
+        stage = single_stage(schedule)
         self.window = version_window(switch_mb, stage.stage_index, stage.num_stages, schedule.vertical_sync)
         self.entries = [(f"{man['layer']}.{e['name']}", e)
                         for man in manifests for e in man["entries"] if e["kind"] == "param"]
@@ -191,8 +193,8 @@ class IncomingStream:
     @property
     def done(self) -> bool:
         """Handed over, and no later forward can need a version from the source any more."""
-        stage = self.schedule._stage
-        upcoming = start_version(self.schedule._next_fwd, stage.stage_index, stage.num_stages,
+        stage = single_stage(self.schedule)
+        upcoming = start_version(self.schedule.next_forward, stage.stage_index, stage.num_stages,
                                  self.schedule.vertical_sync)
         return self._handed_over and upcoming > self.switch_mb
 
@@ -203,7 +205,7 @@ class IncomingStream:
             work.wait()
             buf = buf.cpu()
             self.bytes_received += nbytes
-            device = self.schedule._stage.device
+            device = single_stage(self.schedule).device
             tensors, offset = {}, 0
             for name, e in self.entries:
                 raw = buf[offset:offset + e["nbytes"]]
@@ -229,7 +231,7 @@ class IncomingStream:
             return
         got = self.messenger.wait_for({"migrate_handover"}, from_rank=self.src, key=self.key, timeout_s=self.timeout_s)
         if got is None:
-            raise RuntimeError(f"stage {self.schedule._stage.stage_index}: stage {self.src} never handed over "
+            raise RuntimeError(f"stage {single_stage(self.schedule).stage_index}: stage {self.src} never handed over "
                                f"layers {list(self.layers)} (epoch {self.epoch})")
         manifests = [validate_manifest(man) for man in got[1].get("manifests", [])]
         if [man["layer"] for man in manifests] != list(self.layers):

@@ -31,9 +31,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.autograd import Variable
 from torch.utils.hooks import RemovableHandle
 
+from vpipe.compat.torch_internals import queue_engine_callback
 from vpipe.monitors.clock import clock_for
 from vpipe.monitors.gpu import NvmlProbe
 from vpipe.monitors.keep_all import KeepAllSource
@@ -298,7 +298,7 @@ class StageMonitor:
             return
         if self._bwd_pass is None:
             self._bwd_pass = []
-            Variable._execution_engine.queue_callback(self._backward_done)
+            queue_engine_callback(self._backward_done)
         self._bwd_pass.append((layer_id, self._clock.mark()))
 
     def _backward_done(self) -> None:

@@ -312,7 +312,7 @@ def _prefix(values: np.ndarray) -> np.ndarray:
 def segment_of(graph: LayerGraph, layer_ids: Sequence[int]) -> tuple[int, int]:
     """Positions ``[start, end)`` of a stage given as layer ids; ValueError unless it is a
     non-empty contiguous run of known layers."""
-    unknown = [lid for lid in layer_ids if lid not in graph._index]
+    unknown = [lid for lid in layer_ids if not graph.has(lid)]
     if unknown:
         raise ValueError(f"graph {graph.name!r} has no layer(s) {unknown[:5]}")
     positions = sorted(graph.position(lid) for lid in layer_ids)

@@ -17,14 +17,10 @@ from typing import Any
 
 import torch.distributed.pipelining as pipelining
 
+from vpipe.compat.torch_distributed import get_schedule_ops
 from vpipe.sharing import flat_actions, in_flight_per_stage, in_flight_together
 
 __all__ = ["ScheduleLayout", "schedule_layout", "TORCH_CLASSES"]
-
-try:  # torch's schedule visualizer builds a schedule's action lists without processes
-    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops as _get_schedule_ops
-except ImportError:  # an older torch
-    _get_schedule_ops = None  # type: ignore[assignment]
 
 # the cost model's names -> torch's schedule classes (torch.distributed.pipelining)
 TORCH_CLASSES = {
@@ -45,11 +41,11 @@ class ScheduleLayout:
 
 def schedule_layout(schedule: str, ranks: int, stages_per_rank: int, micro_batches: int) -> ScheduleLayout:
     """What the ranks would read off ``schedule``'s action lists; ``ValueError`` (one line) if torch refuses it."""
-    if _get_schedule_ops is None:
+    if get_schedule_ops is None:
         raise ValueError(f"this torch has no schedule visualizer to read {schedule}'s action lists from")
     cls = getattr(pipelining, TORCH_CLASSES[schedule])
     try:
-        lists = _get_schedule_ops(cls, ranks, micro_batches, stages_per_rank)
+        lists = get_schedule_ops(cls, ranks, micro_batches, stages_per_rank)
     except Exception as e:  # noqa: BLE001 - torch's own check of the combination, reported as one line
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(f"torch's {TORCH_CLASSES[schedule]} refuses {ranks} ranks x {stages_per_rank} stages with "

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
+from vpipe.compat.torch_internals import child_modules
 from vpipe.graph import Unit
 
 __all__ = ["find_units"]
@@ -30,7 +31,7 @@ def _params(module: nn.Module) -> int:
 
 def _repeated(container: nn.Module) -> bool:
     """At least two entries, and one class making at least half of them."""
-    classes = [type(m) for m in container._modules.values() if m is not None]
+    classes = [type(m) for m in child_modules(container).values() if m is not None]
     if len(classes) < 2:
         return False
     top = max(classes.count(c) for c in set(classes))
@@ -68,7 +69,7 @@ def find_units(model: nn.Module, containers: Sequence[str] | None = None) -> tup
                 found = model.get_submodule(path)
             except AttributeError:
                 raise ValueError(f"--layers: the model ({type(model).__name__}) has no submodule {path!r}") from None
-            if not isinstance(found, _CONTAINERS) or not found._modules:
+            if not isinstance(found, _CONTAINERS) or not child_modules(found):
                 raise ValueError(f"--layers: {path!r} is a {type(found).__name__}; it must name a non-empty "
                                  "nn.Sequential, nn.ModuleList or nn.ModuleDict of blocks")
         chosen = list(containers)
@@ -81,19 +82,20 @@ def find_units(model: nn.Module, containers: Sequence[str] | None = None) -> tup
     units: list[Unit] = []
 
     def walk(prefix: str, module: nn.Module) -> None:
-        for name, child in module._modules.items():
+        for name, child in child_modules(module).items():
             if child is None:
                 continue
             path = _join(prefix, name)
             if path in chosen:
-                units.extend(Unit(_join(path, key), path) for key, block in child._modules.items() if block is not None)
+                units.extend(Unit(_join(path, key), path) for key, block in child_modules(child).items()
+                             if block is not None)
             elif any(c.startswith(path + ".") for c in chosen):
                 walk(path, child)
             else:
                 units.append(Unit(path))
 
     if "" in chosen:  # the model is itself the container (an nn.Sequential of blocks)
-        units = [Unit(key, "") for key, block in model._modules.items() if block is not None]
+        units = [Unit(key, "") for key, block in child_modules(model).items() if block is not None]
     else:
         walk("", model)
     if not units:

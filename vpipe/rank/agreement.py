@@ -24,6 +24,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from vpipe.compat.torch_distributed import default_store
+from vpipe.compat.torch_internals import child_modules
 from vpipe.control.run_key import agree_run_key
 from vpipe.stage.blocks import (
     BlockContainerError,
@@ -147,7 +149,7 @@ def agree_on_blocks(agreement: StoreAgreement, stages: Sequence[LocalStage], num
             found_here[stage.index] = find_block_container(stage.module, path)
         container = found_here[stage.index][1]
         agreement.set(f"keys/{stage.index}", json.dumps({"kind": container_kind(container),
-                                                          "keys": list(container._modules)}))
+                                                          "keys": list(child_modules(container))}))
     layouts = [ContainerLayout(path, f["kind"], tuple(f["keys"])) for f in (
         json.loads(raw) for raw in agreement.gather("keys/{}", range(num_stages), "vpipe.attach",
                                                     f"stage {stages[0].index}"))]
@@ -180,7 +182,7 @@ def _one_path(found: Sequence[dict[str, Any]], stages: Sequence[LocalStage], lay
 
 
 def _default_store() -> Any:
-    getter = getattr(dist.distributed_c10d, "_get_default_store", None)
-    if getter is None:
+    store = default_store()
+    if store is None:
         raise RuntimeError("cannot find torch.distributed's store; pass store= to vpipe.attach")
-    return getter()
+    return store

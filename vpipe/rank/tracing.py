@@ -3,9 +3,9 @@
 :mod:`vpipe.timeline` records what producers report; this part opens and closes its window
 at the step boundaries the step driver sees, keeps the pipelining stages' wrappers in place
 for those steps (a quiet step would otherwise run without them, unseen), and times the
-schedule's waits for its sends and receives by wrapping torch's ``_wait_batch_p2p`` for the
-window's steps only (schedules that wait elsewhere, such as the action-list runtime, show no
-waits).
+schedule's waits for its sends and receives by wrapping the function torch's schedules wait
+with (:func:`~vpipe.compat.torch_distributed.batch_p2p_wait`) for the window's steps only
+(schedules that wait elsewhere, such as the action-list runtime, show no waits).
 """
 
 from __future__ import annotations
@@ -13,9 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch.distributed.pipelining.schedules as schedules
-
 from vpipe import timeline
+from vpipe.compat.torch_distributed import batch_p2p_wait, set_batch_p2p_wait
 from vpipe.log import decision
 
 __all__ = ["TraceWindow"]
@@ -40,14 +39,14 @@ class TraceWindow:
         if self.steps is None or iteration != self.steps[0] or timeline.recording():
             return
         timeline.start(self.rank, self.directory, self.stages)
-        original = getattr(schedules, "_wait_batch_p2p", None)
+        original = batch_p2p_wait()
         if original is not None:
             def waiting(work: Any) -> Any:
                 with timeline.span("vpipe.p2p_wait", timeline.COMM, timeline.RANK_TRACK):
                     return original(work)
 
             self._original_wait = original
-            schedules._wait_batch_p2p = waiting
+            set_batch_p2p_wait(waiting)
 
     def end_step(self, iteration: int) -> None:
         if self.steps is not None and iteration == self.steps[0] + self.steps[1] - 1:
@@ -56,7 +55,7 @@ class TraceWindow:
     def close(self) -> None:
         """End the window (its last step ended, or vpipe detaches inside it) and write this rank's file."""
         if self._original_wait is not None:
-            schedules._wait_batch_p2p = self._original_wait
+            set_batch_p2p_wait(self._original_wait)
             self._original_wait = None
         try:
             path = timeline.stop()

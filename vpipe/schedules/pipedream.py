@@ -21,7 +21,6 @@ stage 0 used, ``max(0, i-p+1)``. Each micro-batch's gradient is that of its own 
 
 from __future__ import annotations
 
-import inspect
 import time
 from collections import deque
 from collections.abc import Callable
@@ -34,10 +33,10 @@ from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunk
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 from torch.func import functional_call
 
-__all__ = ["SchedulePipeDream", "StreamMover", "start_version"]
+from vpipe.compat.torch_distributed import initialize_stage
+from vpipe.compat.torch_internals import child_modules
 
-# torch's private shape-inference hook grew a `target` argument after 2.11
-_INITIALIZE_TAKES_TARGET = "target" in inspect.signature(PipelineScheduleSingle._initialize_stage).parameters
+__all__ = ["SchedulePipeDream", "StreamMover", "start_version"]
 
 
 class StreamMover(Protocol):
@@ -126,6 +125,15 @@ class SchedulePipeDream(PipelineScheduleSingle):
         of a step, reused from step to step)."""
         return [self._slot(mb) for mb in range(self._next_bwd, self._next_fwd)]
 
+    @property
+    def next_forward(self) -> int:
+        """The micro-batch whose forward runs next here (counted over the whole stream, across steps)."""
+        return self._next_fwd
+
+    def stashed(self, version: int) -> dict[str, torch.Tensor] | None:
+        """The stashed weights of ``version`` (name -> tensor), None when this stage does not keep them (now)."""
+        return self._versions.get(version)
+
     def version_of(self, mb: int) -> dict[str, torch.Tensor]:
         """The stashed weights an in-flight micro-batch uses (name -> tensor)."""
         return self._versions[self._mb_version[mb]]
@@ -149,12 +157,7 @@ class SchedulePipeDream(PipelineScheduleSingle):
     ) -> None:
         arg_mbs, kwarg_mbs = self._check_inputs(arg_mbs, kwarg_mbs, target_mbs, losses)
         if not self._stage_forward_initialized:
-            target = target_mbs[0] if target_mbs else None
-            # (the ignores here and at _compute_loss: torch leaves those methods unannotated)
-            if _INITIALIZE_TAKES_TARGET:
-                self._initialize_stage(arg_mbs[0], kwarg_mbs[0], target)  # type: ignore[no-untyped-call]
-            else:  # older torch (2.11 and before) infers shapes from the inputs alone
-                self._initialize_stage(arg_mbs[0], kwarg_mbs[0])  # type: ignore[no-untyped-call]
+            initialize_stage(self, arg_mbs[0], kwarg_mbs[0], target_mbs[0] if target_mbs else None)
         first, m = self._next_fwd, self._n_microbatches
         for j in range(m):
             self._targets[first + j] = target_mbs[j] if target_mbs else None
@@ -216,7 +219,7 @@ class SchedulePipeDream(PipelineScheduleSingle):
 
     def _held_names(self) -> set[str]:
         """Names of the parameters the stage's module holds now (cached until its layers change)."""
-        layers = tuple(self._stage.submod._modules)
+        layers = tuple(child_modules(self._stage.submod))
         if self._held_cache is None or self._held_cache[0] != layers:
             self._held_cache = (layers, {name for name, _ in self._stage.submod.named_parameters()})
         return self._held_cache[1]

@@ -27,6 +27,8 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from vpipe.compat.torch_internals import child_modules
+
 __all__ = ["BlockContainerError", "KeyStyle", "StageBlocks", "find_block_container", "block_containers",
            "common_container", "container_kind"]
 
@@ -46,7 +48,7 @@ class KeyStyle(str, Enum):
 
 # ---------------------------------------------------------------------- finding the container
 def _entries(container: nn.Module) -> list[tuple[str, Any]]:
-    return list(container._modules.items())
+    return list(child_modules(container).items())
 
 
 def _param_count(module: nn.Module) -> int:
@@ -95,7 +97,7 @@ def find_block_container(stage_module: nn.Module, path: str | None = None) -> tu
     scored: list[tuple[int, str, nn.Module]] = []
     seen: list[str] = []
     for name, module in stage_module.named_modules():
-        by_index = traced and bool(module._modules) and all(k.isdigit() for k in module._modules)
+        by_index = traced and bool(child_modules(module)) and all(k.isdigit() for k in child_modules(module))
         if not name or not (isinstance(module, CONTAINERS) or by_index):
             continue
         seen.append(_describe(name, module))
@@ -129,8 +131,8 @@ def block_containers(stage_module: nn.Module) -> list[str]:
     if isinstance(stage_module, torch.fx.GraphModule):
         return []
     return [name for name, module in stage_module.named_modules()
-            if isinstance(module, CONTAINERS) and module._modules
-            and all(m is not None and _param_count(m) > 0 for m in module._modules.values())]
+            if isinstance(module, CONTAINERS) and child_modules(module)
+            and all(m is not None and _param_count(m) > 0 for m in child_modules(module).values())]
 
 
 def common_container(found: Sequence[tuple[str | None, Sequence[str]]]) -> str:
@@ -190,7 +192,7 @@ def container_kind(container: nn.Module) -> str:
 
 
 def layout_of(path: str, container: nn.Module) -> ContainerLayout:
-    return ContainerLayout(path, container_kind(container), tuple(container._modules))
+    return ContainerLayout(path, container_kind(container), tuple(child_modules(container)))
 
 
 def agree_key_style(layouts: Sequence[ContainerLayout]) -> KeyStyle:
@@ -228,13 +230,18 @@ class StageBlocks:
     """
 
     def __init__(self, container: nn.Module, ids: Sequence[int], style: KeyStyle, path: str = "") -> None:
-        if len(ids) != len(container._modules):
-            raise ValueError(f"{len(ids)} ids for {len(container._modules)} blocks")
+        if len(ids) != len(child_modules(container)):
+            raise ValueError(f"{len(ids)} ids for {len(child_modules(container))} blocks")
         self.container = container
         self.style = style
         self.path = path
         self._ids = list(ids)
-        self._keys = dict(zip(self._ids, container._modules))
+        self._keys = dict(zip(self._ids, child_modules(container)))
+
+    @classmethod
+    def keyed_by_ids(cls, container: nn.Module) -> StageBlocks:
+        """The blocks of a container keyed by their global layer ids (an ``nn.Sequential`` named ``"4"``, ``"5"``)."""
+        return cls(container, [int(key) for key in child_modules(container)], KeyStyle.IDS)
 
     @property
     def ids(self) -> list[int]:
@@ -245,8 +252,8 @@ class StageBlocks:
         return dict(zip(self._ids, self._entries()))
 
     def _entries(self) -> list[nn.Module]:
-        # torch types ``_modules`` values as optional (register_module accepts None); a block container's are blocks
-        return cast("list[nn.Module]", list(self.container._modules.values()))
+        # torch types its children as optional (register_module accepts None); a block container's are blocks
+        return cast("list[nn.Module]", list(child_modules(self.container).values()))
 
     def key_of(self, layer_id: int) -> str:
         return self._keys[layer_id]
@@ -294,7 +301,7 @@ class StageBlocks:
     def _rebuild(self, entries: Sequence[tuple[int, str, nn.Module]]) -> None:
         if self.style is KeyStyle.POSITIONS:
             entries = [(lid, str(i), block) for i, (lid, _, block) in enumerate(entries)]
-        modules = self.container._modules
+        modules = child_modules(self.container)
         modules.clear()
         modules.update(OrderedDict((key, block) for _, key, block in entries))
         self._ids = [lid for lid, _, _ in entries]

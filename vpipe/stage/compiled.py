@@ -20,6 +20,8 @@ from typing import Any
 
 from torch import nn
 
+from vpipe.compat.torch_internals import call_impl, compiled_call, set_compiled_call
+
 __all__ = ["hoist_compiled", "unhoist_all", "compile_like", "compiled_forwards", "dynamo_context"]
 
 # every module whose forward vpipe compiles in place of its whole call -> the dynamo context
@@ -48,11 +50,11 @@ def hoist_compiled(blocks: Iterable[nn.Module]) -> int:
     count = 0
     for block in blocks:
         for module in block.modules():
-            compiled = module.__dict__.get("_compiled_call_impl")
+            compiled = compiled_call(module)
             ctx = dynamo_context(compiled) if compiled is not None else None
             if ctx is None or module in _HOISTED or "forward" in module.__dict__:
                 continue
-            module._compiled_call_impl = None
+            set_compiled_call(module, None)
             _compile_forward(module, ctx)
             count += 1
     return count
@@ -62,7 +64,7 @@ def unhoist_all() -> None:
     """Give every module vpipe compiled this way its compiled call back (what ``module.compile`` makes)."""
     for module, ctx in list(_HOISTED.items()):
         module.__dict__.pop("forward", None)
-        module._compiled_call_impl = ctx(module._call_impl)
+        set_compiled_call(module, ctx(call_impl(module)))
         del _HOISTED[module]
 
 

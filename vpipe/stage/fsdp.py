@@ -12,9 +12,9 @@ forward, every FSDP state of its module tree: the post-backward pass that
 ``torch.distributed.pipelining`` runs at the end of a step walks that list. A block that
 arrives or leaves makes the list stale, so the root is put back to "not initialised" and the
 next forward initialises it again over the blocks it holds then. Neither step has a public
-torch API: the reaches into FSDP's private state are all in this module (checked against
-torch 2.13's ``torch/distributed/fsdp/_fully_shard``), so a torch that changes them fails
-here, at attach (:func:`fsdp_refusal`), and nowhere else.
+torch API: the reaches into FSDP's private state are in :mod:`vpipe.compat.torch_distributed`
+(checked against torch 2.13's ``torch/distributed/fsdp/_fully_shard``), and a torch that
+changes them fails here, at attach (:func:`fsdp_refusal`), and nowhere else.
 """
 
 from __future__ import annotations
@@ -25,16 +25,20 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-__all__ = ["is_fully_sharded", "fsdp_sharded", "fsdp_refusal", "resharded", "clone_sharded", "FsdpRoot"]
+from vpipe.compat.torch_distributed import (
+    COMPOSABLE_KEYS,
+    drop_fsdp_prefetch,
+    forget_fsdp_root,
+    fsdp_internals_missing,
+    fsdp_mp_policy,
+    fsdp_param_groups,
+    fsdp_state,
+)
 
-# the private FSDP state vpipe reads or resets (names of torch 2.13)
-_STATE_FIELDS = ("_is_root", "_state_ctx", "_fsdp_param_groups", "_states_to_forward_prefetch",
-                 "_states_to_backward_prefetch", "_mp_policy")
-_GROUP_FIELDS = ("mesh_info", "post_forward_mesh_info", "offload_policy", "_module_fqn")
+__all__ = ["is_fully_sharded", "fsdp_sharded", "fsdp_refusal", "resharded", "clone_sharded", "FsdpRoot"]
 
 
 def is_fully_sharded(module: nn.Module) -> bool:
@@ -52,16 +56,12 @@ def fsdp_sharded(p: torch.Tensor) -> bool:
             and all(pl.is_shard() or pl.is_replicate() for pl in p.placements))
 
 
-def _state(module: nn.Module) -> Any:
-    return module._get_fsdp_state()  # type: ignore[operator]  # an FSDPModule's own state object
-
-
 def fsdp_refusal(stage_module: nn.Module, blocks: Iterable[nn.Module]) -> str | None:
     """Why blocks of this FSDP stage cannot move (None: they can, or the stage is not sharded).
 
     Moves need torchtitan's layout: ``fully_shard`` on the stage module and on each block by
     itself (nothing sharded inside a block), every parameter sharded on dim 0, and the FSDP
-    internals this module resets where torch 2.13 keeps them.
+    internals vpipe resets where torch 2.13 keeps them (:mod:`vpipe.compat.torch_distributed`).
     """
     blocks = list(blocks)
     sharded = [m for m in stage_module.modules() if is_fully_sharded(m)]
@@ -77,14 +77,13 @@ def fsdp_refusal(stage_module: nn.Module, blocks: Iterable[nn.Module]) -> str | 
         if not all(fsdp_sharded(p) for p in block.parameters()):
             return "FSDP: a block's parameters are not all sharded on dim 0 by fully_shard alone"
     for module in sharded:
-        state = _state(module)
-        missing = [f for f in _STATE_FIELDS if not hasattr(state, f)]
-        missing += [f"group.{f}" for g in getattr(state, "_fsdp_param_groups", []) for f in _GROUP_FIELDS
-                    if not hasattr(g, f)]
-        if missing or len(state._fsdp_param_groups) > 1:
+        state = fsdp_state(module)
+        missing = fsdp_internals_missing(state)
+        groups = fsdp_param_groups(state)
+        if missing or len(groups) > 1:
             return (f"FSDP: this torch keeps fully_shard's state differently from what vpipe resets "
                     f"({', '.join(missing[:3]) or 'several param groups per module'})")
-        if any(g.post_forward_mesh_info not in (None, g.mesh_info) for g in state._fsdp_param_groups):
+        if any(g.post_forward_mesh_info not in (None, g.mesh_info) for g in groups):
             return "FSDP: reshard_after_forward as a group size (an int); vpipe shards arriving blocks with a bool"
     return None
 
@@ -109,16 +108,16 @@ def clone_sharded(donor: nn.Module, memo: dict[int, Any]) -> nn.Module:
     ``fully_shard`` keeps this rank's shard) and the composable-API state stays behind, so
     the copy is a plain block that is then sharded like the donor.
     """
-    group = _state(donor)._fsdp_param_groups[0]
+    group = fsdp_param_groups(fsdp_state(donor))[0]
     params = list(donor.parameters())
     for p in params:
         memo[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=p.device), requires_grad=p.requires_grad)
     plain = _plain_class(donor)
     clone = plain.__new__(plain)
-    fields = {k: v for k, v in donor.__dict__.items() if k not in (STATE_KEY, REGISTRY_KEY)}
+    fields = {k: v for k, v in donor.__dict__.items() if k not in COMPOSABLE_KEYS}
     clone.__dict__.update(copy.deepcopy(fields, memo))
     fully_shard(clone, mesh=group.mesh_info.mesh, reshard_after_forward=group.post_forward_mesh_info is not None,
-                mp_policy=_state(donor)._mp_policy, offload_policy=group.offload_policy)
+                mp_policy=fsdp_mp_policy(fsdp_state(donor)), offload_policy=group.offload_policy)
     return clone
 
 
@@ -136,7 +135,7 @@ class FsdpRoot:
     def remove_layer(self, layer_id: int) -> nn.Module | None:
         block = self.blocks.pop(layer_id, None)
         if block is not None and is_fully_sharded(block):
-            self._drop_prefetches(_state(block))
+            self._drop_prefetches(fsdp_state(block))
         self._forget_initialisation()
         return block
 
@@ -147,18 +146,8 @@ class FsdpRoot:
         """Remove a leaving block from every state's explicit prefetch lists (``set_modules_to_*_prefetch``)."""
         for module in self.module.modules():
             if is_fully_sharded(module):
-                state = _state(module)
-                for name in ("_states_to_forward_prefetch", "_states_to_backward_prefetch"):
-                    setattr(state, name, [s for s in getattr(state, name) if s is not leaving])
+                drop_fsdp_prefetch(fsdp_state(module), leaving)
 
     def _forget_initialisation(self) -> None:
         """Put the root back to "not initialised": its next forward lists the FSDP states it holds then."""
-        root = _state(self.module)
-        if root._is_root is None:
-            return
-        states = list(root._state_ctx.all_states)
-        for state in states:
-            state._is_root = None
-            for group in state._fsdp_param_groups:
-                group._module_fqn = None  # set again, with the block's new name
-        root._state_ctx.all_states.clear()
+        forget_fsdp_root(fsdp_state(self.module))

@@ -10,13 +10,14 @@ import hashlib
 
 from torch import nn
 
+from vpipe.compat.torch_internals import compile_wrapper_inner
+
 __all__ = ["block_kind", "compiled_inner"]
 
 
 def compiled_inner(block: nn.Module) -> nn.Module | None:
     """The module a ``torch.compile(block)`` wrapper (``OptimizedModule``) compiles, or None for another block."""
-    inner = block.__dict__.get("_modules", {}).get("_orig_mod")
-    return inner if inner is not None and hasattr(block, "dynamo_ctx") else None
+    return compile_wrapper_inner(block)
 
 
 def block_kind(block: nn.Module) -> str:

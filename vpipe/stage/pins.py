@@ -29,14 +29,14 @@ from typing import Any
 
 from torch import nn
 
+from vpipe.compat.torch_internals import hooks_of
 from vpipe.plan import PINNED_KIND
 from vpipe.stage.kinds import block_kind
 
 __all__ = ["user_hooks", "outside_tensors", "shared_pins", "pin_reason", "planner_kind"]
 
-_MOVING_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
-_STATE_HOOKS = ("_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
-                "_load_state_dict_post_hooks")
+_MOVING_HOOKS = ("forward pre", "forward", "backward pre", "backward")
+_STATE_HOOKS = ("state dict", "state dict pre", "load state dict pre", "load state dict post")
 
 
 def _origin(fn: Any) -> tuple[str, str]:
@@ -69,13 +69,11 @@ def user_hooks(block: nn.Module) -> list[str]:
     found = []
     for sub_name, module in block.named_modules():
         where = f" on {sub_name}" if sub_name else ""
-        for table_name in _MOVING_HOOKS + _STATE_HOOKS:
-            table = module.__dict__.get(table_name) or {}
-            for fn in table.values():
+        for kind in _MOVING_HOOKS + _STATE_HOOKS:
+            for fn in hooks_of(module, kind).values():
                 origin, name = _origin(fn)
-                if _vpipe(origin) or _fsdp(origin) or (table_name in _STATE_HOOKS and _torch(origin)):
+                if _vpipe(origin) or _fsdp(origin) or (kind in _STATE_HOOKS and _torch(origin)):
                     continue
-                kind = table_name.strip("_").removesuffix("_hooks").replace("_", " ")
                 found.append(f"{kind} hook {name}{where}")
     return found
 

@@ -30,14 +30,20 @@ from typing import Any, TypeAlias
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._composable.contract import _get_registry
 from torch.distributed.pipelining import Schedule1F1B
-from torch.distributed.pipelining.schedules import (
-    PipelineScheduleMulti,
-    PipelineScheduleSingle,
-    _PipelineScheduleRuntime,
-)
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
+from vpipe.compat.torch_distributed import (
+    PipelineScheduleRuntime,
+    composable_apis,
+    forget_inferred_meta,
+    is_fsdp1,
+    mark_stages_uninitialized,
+    missing_schedule_internals,
+    n_microbatches,
+    schedule_stages,
+    single_stage,
+)
 from vpipe.schedules.pipedream import SchedulePipeDream
 from vpipe.sharing import action_kind, flat_actions, in_flight_per_stage, in_flight_together
 from vpipe.stage.blocks import StageBlocks
@@ -60,10 +66,7 @@ MULTI_STAGE_SCHEDULES = {
     "ScheduleZBVZeroBubble": "zbv",
     "ScheduleDualPipeV": "dualpipev",
 }
-_SINGLE_FLAGS = ("_stage_forward_initialized", "_stage_backward_initialized")
-_MULTI_FLAGS = ("_stages_forward_initialized", "_stages_backward_initialized")
 _STAGE_STATE = ("args_recv_info", "grad_recv_info", "act_send_info", "grad_send_info", "fwd_cache", "bwd_cache")
-_OLD_STAGE_META = ("inputs_meta", "_outputs_meta")
 
 
 @dataclass
@@ -114,7 +117,7 @@ class Pipeline:
 
     def micro_batches(self, configured: int | None) -> int:
         if self.schedule is not None:
-            return int(getattr(self.schedule, "_n_microbatches", 1))
+            return n_microbatches(self.schedule)
         return configured or 1
 
     def in_flight(self) -> list[int] | None:
@@ -133,12 +136,12 @@ class Pipeline:
 def inspect_target(target: AttachTarget) -> Pipeline:
     """The pipeline ``target`` (a schedule or a plain stage module) runs on this rank; refuses what vpipe cannot."""
     if isinstance(target, PipelineScheduleMulti):
-        if not isinstance(target, _PipelineScheduleRuntime) or getattr(target, "pipeline_order", None) is None:
+        if not isinstance(target, PipelineScheduleRuntime) or getattr(target, "pipeline_order", None) is None:
             raise TypeError(f"vpipe.attach supports the multi-stage schedules that run an action list "
                             f"({', '.join(MULTI_STAGE_SCHEDULES)}, or _PipelineScheduleRuntime with a loaded CSV); "
                             f"{type(target).__name__} has none")
         check_schedule_api(target)
-        stages = sorted(target._stages, key=lambda s: s.stage_index)
+        stages = sorted(schedule_stages(target), key=lambda s: s.stage_index)
         group = _pipeline_group(stages[0])
         rank = dist.get_rank(group)
         mapping = target.stage_index_to_group_rank
@@ -153,7 +156,7 @@ def inspect_target(target: AttachTarget) -> Pipeline:
         return Pipeline(target, local, num_stages, ranks, kind, torch.device(stages[0].device), group)
     if isinstance(target, PipelineScheduleSingle):
         check_schedule_api(target)
-        stage = target._stage
+        stage = single_stage(target)
         group = _pipeline_group(stage)
         rank = dist.get_rank(group)
         if stage.stage_index != rank:  # vpipe addresses a stage's peers by rank: never misroute a layer
@@ -188,8 +191,7 @@ def _unwrap(module: nn.Module) -> nn.Module:
                         "fixed at wrap time and would go stale when blocks move. Keep the stage module unwrapped and "
                         "all-reduce its gradients over the data-parallel group after schedule.step() yourself "
                         "(vpipe keeps the replicas' blocks alike)")
-    if any(type(m).__name__ == "FullyShardedDataParallel" or hasattr(m, "_fsdp_wrapped_module")
-           for m in module.modules()):
+    if any(is_fsdp1(m) for m in module.modules()):
         raise TypeError("vpipe.attach does not support FSDP1 (FullyShardedDataParallel) on a stage module: its flat "
                         "parameters hold every block at once. Use FSDP2, torchtitan's way: fully_shard(block, "
                         "mesh=dp_mesh) on every block, then fully_shard(stage_module, mesh=dp_mesh)")
@@ -204,7 +206,7 @@ def _composable(module: nn.Module, name: str) -> bool:
     """Whether torch's composable API ``name`` (``replicate``, ``fully_shard``) was applied to ``module``."""
     if name == "fully_shard" and any(c.__name__ == "FSDPModule" for c in type(module).__mro__):
         return True
-    return name in (_get_registry(module) or {})
+    return name in composable_apis(module)
 
 
 def _pipeline_group(stage: Any) -> Any:
@@ -234,12 +236,8 @@ def check_optimizer(optimizer: torch.optim.Optimizer | None, modules: Sequence[n
 
 def check_schedule_api(schedule: Any) -> None:
     """Fail early (at attach) if this torch's pipelining internals differ from what vpipe edits."""
-    multi = hasattr(schedule, "_stages")
-    stages = list(getattr(schedule, "_stages", [])) if multi else [getattr(schedule, "_stage", None)]
-    missing = [f for f in (_MULTI_FLAGS if multi else _SINGLE_FLAGS) if not hasattr(schedule, f)]
-    if not stages or stages[0] is None:
-        missing.append("_stages" if multi else "_stage")
-    for stage in stages if stages and stages[0] is not None else []:
+    missing = missing_schedule_internals(schedule)
+    for stage in schedule_stages(schedule):
         missing += [f"stage.{a}" for a in _STAGE_STATE if not hasattr(stage, a)]
         missing += [f"stage.{m}" for m in ("forward_one_chunk", "backward_one_chunk", "submod")
                     if not hasattr(stage, m)]
@@ -259,18 +257,13 @@ def reset_shape_inference(schedule: Any) -> None:
     rebuild on two ranks only would hang the chain).
     """
     check_schedule_api(schedule)
-    multi = hasattr(schedule, "_stages")
-    for flag in _MULTI_FLAGS if multi else _SINGLE_FLAGS:
-        setattr(schedule, flag, False)
-    for stage in schedule._stages if multi else [schedule._stage]:
+    mark_stages_uninitialized(schedule)
+    for stage in schedule_stages(schedule):
         stage.args_recv_info.clear()
         stage.grad_recv_info.clear()
         stage.act_send_info.clear()
         stage.grad_send_info = None
-        # torch <= 2.11 keeps the inferred shapes on the stage and infers again only while they are unset
-        for name in _OLD_STAGE_META:
-            if hasattr(stage, name):
-                setattr(stage, name, None)
+        forget_inferred_meta(stage)  # torch <= 2.11 keeps the inferred shapes on the stage
 
 
 def move_refusal(pipeline: Pipeline, has_factory: bool) -> str | None:

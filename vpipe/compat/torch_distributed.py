@@ -1,0 +1,245 @@
+"""``torch.distributed``'s private parts that vpipe uses (pipelining, FSDP2, c10d), each behind a named function.
+
+Apart from :mod:`.torch_internals` because importing pipelining costs about a second,
+which the spawning parent and the torch-free commands never pay. The project supports
+torch >= 2.11, < 2.14 (``scripts/setup``); "checked: 2.13.0" means read against that
+release's source and run by the suite on it; "fallback" means vpipe copes with the name
+missing (and says how). What vpipe checks at attach, so a torch that differs fails there
+and nowhere later: :func:`missing_schedule_internals` and :func:`fsdp_internals_missing`.
+:class:`~vpipe.schedules.pipedream.SchedulePipeDream` subclasses ``PipelineScheduleSingle``
+and uses its protected members through ``self`` (``_stage``, ``_n_microbatches``,
+``_split_inputs``, ``_check_inputs``, ``_compute_loss``, ``_stage_forward_initialized``;
+checked: 2.13.0).
+
+What each accessor reaches, by area (checked: 2.13.0 for all; fallbacks named):
+
+- pipelining: :func:`single_stage`, :func:`schedule_stages`, :func:`n_microbatches`
+  (``schedule._stage``, ``._stages``, ``._n_microbatches``); :func:`missing_schedule_internals`,
+  :func:`mark_stages_uninitialized` (``schedule._stage(s)_{forward,backward}_initialized``);
+  :func:`forget_inferred_meta` (torch 2.11's ``stage.inputs_meta``, ``._outputs_meta``;
+  newer torch lacks them: skipped); :func:`initialize_stage`
+  (``PipelineScheduleSingle._initialize_stage``; 2.11's form takes no ``target``);
+  :func:`wrap_shape_inference` (``stage._prepare_forward_infra``, ``._prepare_backward_infra``;
+  fallback: not wrapped); :func:`batch_p2p_wait`, :func:`set_batch_p2p_wait`
+  (``schedules._wait_batch_p2p``; fallback: waits untimed); :data:`get_schedule_ops`
+  (``pipelining._schedule_visualizer``; fallback: None); :data:`PipelineScheduleRuntime`,
+  :data:`PipelineStageBase` (``schedules._PipelineScheduleRuntime``, ``stage._PipelineStageBase``);
+- FSDP2: :data:`COMPOSABLE_KEYS`, :func:`composable_apis` (``_composable.contract``'s keys and
+  ``_get_registry``), :func:`is_fsdp1` (``_fsdp_wrapped_module``), :func:`fsdp_state`
+  (``module._get_fsdp_state()``), :func:`fsdp_param_groups`, :func:`fsdp_mp_policy`
+  (``state._fsdp_param_groups``, ``._mp_policy``), :func:`drop_fsdp_prefetch`,
+  :func:`forget_fsdp_root` (``state._states_to_*_prefetch``, ``._is_root``, ``._state_ctx``,
+  ``group._module_fqn``);
+- c10d: :func:`default_store` (``distributed_c10d._get_default_store``; fallback: None).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from functools import wraps
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.pipelining.schedules as schedules
+from torch import nn
+from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY, _get_registry
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle, _PipelineScheduleRuntime
+from torch.distributed.pipelining.stage import _PipelineStageBase
+
+try:  # torch's schedule visualizer builds a schedule's action lists without processes
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops as _get_schedule_ops
+except ImportError:  # an older torch
+    _get_schedule_ops = None  # type: ignore[assignment]
+
+__all__ = ["single_stage", "schedule_stages", "n_microbatches", "missing_schedule_internals",
+           "mark_stages_uninitialized", "forget_inferred_meta", "initialize_stage", "wrap_shape_inference",
+           "batch_p2p_wait", "set_batch_p2p_wait", "get_schedule_ops", "PipelineScheduleRuntime", "PipelineStageBase",
+           "COMPOSABLE_KEYS", "composable_apis", "is_fsdp1", "fsdp_state", "fsdp_internals_missing",
+           "fsdp_param_groups", "fsdp_mp_policy", "drop_fsdp_prefetch", "forget_fsdp_root", "default_store"]
+
+
+# ---------------------------------------------------------------------- pipelining
+PipelineScheduleRuntime = _PipelineScheduleRuntime
+"""The schedule that runs an action list (every multi-stage schedule is one; checked: 2.13.0)."""
+
+PipelineStageBase = _PipelineStageBase
+"""The base class of torch's pipeline stages (checked: 2.13.0)."""
+
+get_schedule_ops: Callable[..., Any] | None = _get_schedule_ops
+"""``get_schedule_ops(schedule_class, pp_degree, num_microbatches, ...)``: a schedule's action lists built
+without processes (torch's schedule visualizer; checked: 2.13.0); None in a torch without it."""
+
+_SINGLE_FLAGS = ("_stage_forward_initialized", "_stage_backward_initialized")
+_MULTI_FLAGS = ("_stages_forward_initialized", "_stages_backward_initialized")
+_OLD_STAGE_META = ("inputs_meta", "_outputs_meta")
+_INFRA = ("_prepare_forward_infra", "_prepare_backward_infra")
+_INITIALIZE_TAKES_TARGET = "target" in inspect.signature(PipelineScheduleSingle._initialize_stage).parameters
+
+
+def _multi(schedule: Any) -> bool:
+    return hasattr(schedule, "_stages")
+
+
+def single_stage(schedule: Any) -> Any:
+    """The stage a single-stage schedule runs (``schedule._stage``; checked: 2.13.0)."""
+    return schedule._stage
+
+
+def schedule_stages(schedule: Any) -> list[Any]:
+    """The stages a schedule runs on this rank: a multi-stage schedule's ``_stages``, a single-stage one's
+    ``_stage`` (checked: 2.13.0); empty where the schedule holds neither."""
+    if _multi(schedule):
+        return list(schedule._stages)
+    stage = getattr(schedule, "_stage", None)
+    return [] if stage is None else [stage]
+
+
+def n_microbatches(schedule: Any) -> int:
+    """The micro-batches a schedule splits each step into (``_n_microbatches``; checked: 2.13.0; 1 without)."""
+    return int(getattr(schedule, "_n_microbatches", 1))
+
+
+def missing_schedule_internals(schedule: Any) -> list[str]:
+    """The private names a schedule lacks that vpipe reads or resets (checked: 2.13.0): the stage(s), and the
+    flags that make its next ``step()`` infer shapes again."""
+    multi = _multi(schedule)
+    missing = [f for f in (_MULTI_FLAGS if multi else _SINGLE_FLAGS) if not hasattr(schedule, f)]
+    if not schedule_stages(schedule):
+        missing.append("_stages" if multi else "_stage")
+    return missing
+
+
+def mark_stages_uninitialized(schedule: Any) -> None:
+    """Make the schedule's next ``step()`` run its P2P warm-up and shape inference again (checked: 2.13.0)."""
+    for flag in _MULTI_FLAGS if _multi(schedule) else _SINGLE_FLAGS:
+        setattr(schedule, flag, False)
+
+
+def forget_inferred_meta(stage: Any) -> None:
+    """Clear the shapes torch <= 2.11 keeps on a stage (it infers again only while they are unset); newer torch
+    has no such fields and this does nothing."""
+    for name in _OLD_STAGE_META:
+        if hasattr(stage, name):
+            setattr(stage, name, None)
+
+
+def initialize_stage(schedule: PipelineScheduleSingle, args: tuple[Any, ...], kwargs: dict[str, Any],
+                     target: Any) -> None:
+    """Run a single-stage schedule's first-step shape inference (``_initialize_stage``; checked: 2.13.0, which
+    takes the target; 2.11 infers from the inputs alone)."""
+    if _INITIALIZE_TAKES_TARGET:
+        schedule._initialize_stage(args, kwargs, target)
+    else:  # pragma: no cover - torch 2.11
+        schedule._initialize_stage(args, kwargs)
+
+
+def wrap_shape_inference(stage: Any, around: Callable[[], AbstractContextManager[Any]]) -> Callable[[], None] | None:
+    """Run a stage's shape-inference calls inside ``around()``; returns an undo, or None where this torch has
+    other ones (``_prepare_forward_infra``, ``_prepare_backward_infra``; checked: 2.13.0).
+
+    The wrappers are instance attributes over torch's methods; the stage is otherwise untouched.
+    """
+    names = [n for n in _INFRA if callable(getattr(stage, n, None))]
+    if len(names) != len(_INFRA):
+        return None
+    for name in names:
+        original = getattr(stage, name)
+
+        def inside(*args: Any, _original: Callable[..., Any] = original, **kwargs: Any) -> Any:
+            with around():
+                return _original(*args, **kwargs)
+
+        setattr(stage, name, wraps(original)(inside))
+
+    def undo() -> None:
+        for n in names:
+            stage.__dict__.pop(n, None)
+
+    return undo
+
+
+def batch_p2p_wait() -> Callable[[Any], Any] | None:
+    """The function torch's schedules wait for a batch of sends and receives with (``schedules._wait_batch_p2p``;
+    checked: 2.13.0); None where they wait otherwise."""
+    return getattr(schedules, "_wait_batch_p2p", None)
+
+
+def set_batch_p2p_wait(wait: Callable[[Any], Any]) -> None:
+    """Make torch's schedules wait for their sends and receives with ``wait`` (see :func:`batch_p2p_wait`)."""
+    schedules._wait_batch_p2p = wait  # type: ignore[assignment]
+
+
+# ---------------------------------------------------------------------- FSDP2 (fully_shard) and the composable API
+COMPOSABLE_KEYS: frozenset[str] = frozenset({STATE_KEY, REGISTRY_KEY})
+"""The entries torch's composable API (``fully_shard``, ``replicate``) adds to a module's ``__dict__``: its state,
+which a plain copy of the module leaves behind (checked: 2.13.0)."""
+
+_STATE_FIELDS = ("_is_root", "_state_ctx", "_fsdp_param_groups", "_states_to_forward_prefetch",
+                 "_states_to_backward_prefetch", "_mp_policy")
+_GROUP_FIELDS = ("mesh_info", "post_forward_mesh_info", "offload_policy", "_module_fqn")
+_PREFETCH = ("_states_to_forward_prefetch", "_states_to_backward_prefetch")
+
+
+def composable_apis(module: nn.Module) -> Sequence[str]:
+    """The composable APIs applied to ``module`` (``"replicate"``, ``"fully_shard"``), by torch's registry
+    (``_get_registry``; checked: 2.13.0)."""
+    return list(_get_registry(module) or {})
+
+
+def is_fsdp1(module: nn.Module) -> bool:
+    """Whether ``module`` is FSDP1's ``FullyShardedDataParallel`` wrapper, or looks like one
+    (``_fsdp_wrapped_module``; checked: 2.13.0)."""
+    return type(module).__name__ == "FullyShardedDataParallel" or hasattr(module, "_fsdp_wrapped_module")
+
+
+def fsdp_state(module: nn.Module) -> Any:
+    """The FSDP2 state object of a module ``fully_shard`` was applied to (``_get_fsdp_state()``; checked: 2.13.0)."""
+    return module._get_fsdp_state()  # type: ignore[operator]
+
+
+def fsdp_internals_missing(state: Any) -> list[str]:
+    """The fields of an FSDP2 state (and of its param groups, as ``group.<name>``) that vpipe reads or resets and
+    this torch lacks (checked: 2.13.0: none)."""
+    missing = [f for f in _STATE_FIELDS if not hasattr(state, f)]
+    return missing + [f"group.{f}" for g in fsdp_param_groups(state) for f in _GROUP_FIELDS if not hasattr(g, f)]
+
+
+def fsdp_param_groups(state: Any) -> list[Any]:
+    """An FSDP2 state's parameter groups, each with ``mesh_info``, ``post_forward_mesh_info`` and ``offload_policy``
+    (``_fsdp_param_groups``; checked: 2.13.0); empty where this torch lacks them."""
+    return list(getattr(state, "_fsdp_param_groups", []))
+
+
+def fsdp_mp_policy(state: Any) -> Any:
+    """The mixed-precision policy ``fully_shard`` was given (``_mp_policy``; checked: 2.13.0)."""
+    return state._mp_policy
+
+
+def drop_fsdp_prefetch(state: Any, leaving: Any) -> None:
+    """Take the state ``leaving`` out of ``state``'s explicit prefetch lists (``set_modules_to_*_prefetch``;
+    ``_states_to_forward_prefetch``, ``_states_to_backward_prefetch``; checked: 2.13.0)."""
+    for name in _PREFETCH:
+        setattr(state, name, [s for s in getattr(state, name) if s is not leaving])
+
+
+def forget_fsdp_root(root: Any) -> None:
+    """Put an FSDP2 root state back to "not initialised": its next forward lists the states of its module tree
+    again (``_is_root``, ``_state_ctx.all_states``, each group's ``_module_fqn``; checked: 2.13.0). Nothing
+    happens before its first forward."""
+    if root._is_root is None:
+        return
+    for state in list(root._state_ctx.all_states):
+        state._is_root = None
+        for group in state._fsdp_param_groups:
+            group._module_fqn = None  # set again, with the block's new name
+    root._state_ctx.all_states.clear()
+
+
+# ---------------------------------------------------------------------- c10d
+def default_store() -> Any | None:
+    """The default process group's rendezvous store (``distributed_c10d._get_default_store``; checked: 2.13.0);
+    None where this torch has no such getter. Raises as torch does when no default group exists."""
+    getter = getattr(dist.distributed_c10d, "_get_default_store", None)
+    return None if getter is None else getter()
