@@ -29,7 +29,7 @@ from vpipe import faults
 from vpipe import log as run_log
 from vpipe.control.session import ControlOptions, ControlSession
 from vpipe.log import decision
-from vpipe.migration.layer_manager import LayerManager
+from vpipe.migration.layer_manager import LayerListener, LayerManager
 from vpipe.migration.messages import ControlMessenger
 from vpipe.migration.transfer import TransferChannel
 from vpipe.monitors.source import TensorManagerSource
@@ -42,8 +42,11 @@ from vpipe.rank.boundary import PlanBoundary
 from vpipe.rank.config import AUTO_BUDGET, VpipeConfig, resolve_memory_budget
 from vpipe.rank.edits import LayerEdits
 from vpipe.rank.environment import check_environment
+from vpipe.rank.local_layers import LocalLayers, find_pins
 from vpipe.rank.memory import StageMemory
 from vpipe.rank.metrics import MetricsWriter, parse_metric_kinds
+from vpipe.rank.parts import RankParts
+from vpipe.rank.plan_in_force import PlanInForce, StagePolicies
 from vpipe.rank.replicas import ReplicaPlans, Replicas, ReplicaStats, check_replicas_alike
 from vpipe.rank.state import restore_vpipe_state, vpipe_state
 from vpipe.rank.steps import MicroBatchCounter, StepDriver
@@ -51,7 +54,6 @@ from vpipe.rank.tracing import TraceWindow
 from vpipe.stage.compiled import hoist_compiled, unhoist_all
 from vpipe.stage.fsdp import FsdpRoot, is_fully_sharded
 from vpipe.stage.optimizers import optimizer_parts
-from vpipe.stage.pins import outside_tensors, pin_reason, planner_kind, shared_pins
 from vpipe.stage.pipeline import AttachTarget, Pipeline, check_optimizer, inspect_target, move_refusal
 from vpipe.tensor_manager import TensorManager, install_on_stage
 from vpipe.tensor_manager.pipelining import StageHandle
@@ -129,26 +131,29 @@ class Vpipe:
             self._undo.append(unhoist_all)
         self.stage_handles: dict[int, StageHandle] = {}  # (filled by _start_tensor_managers)
         self.tensor_managers = self._start_tensor_managers(initial) if config.tensor_manager else {}
-        self.session = self._start_session(initial)
-        if peers:  # one planner sees every replica: the slowest / fullest per stage
-            self.session.combine_records = ReplicaStats(self.agreement.job, world_rank=self.rank, peers=peers,
-                                                        leads=self.replicas.leads, timeout_s=config.agree_timeout_s)
-        self.layer_manager = self._start_layer_manager(placement)
-        micro_batches = pipeline.micro_batches(config.micro_batches)
+        # the stage description holds the blocks: the monitors read them, the layer manager (which tells the
+        # monitors of the layers that arrive and leave) edits them in place
+        shared = find_pins(pipeline)
+        facts = LocalLayers({s.index: s.blocks for s in pipeline.stages if s.blocks is not None}, shared,
+                            builds_any=config.layer_factory is not None)
+        self.session = self._start_session(initial, facts, peers)
+        self.layer_manager = self._start_layer_manager(placement, shared)
+        # the one owner of the plan in force: the parts that keep a copy are told of each commit, in this order
+        policies = StagePolicies(self.tensor_managers, self.memories)
+        self.plan_in_force = PlanInForce(initial, [self.layer_manager, policies, self.session])
+        self._parts = parts = RankParts(pipeline, self.layer_manager, self.session, self.tensor_managers,
+                                        self.memories, self.plan_in_force)
         self.boundary = PlanBoundary(self.agreement, decides=self.pipe_rank == 0, lag_steps=config.apply_lag_steps,
                                      streamed=pipeline.kind == "pipedream", who=self._who,
                                      replicas=ReplicaPlans(self.agreement.job) if self.replicas.count > 1 else None,
                                      follows=not self.replicas.leads)
-        applier = PlanApplier(pipeline, self.layer_manager, self.tensor_managers, self.session, self.memories,
-                              self.move_refusal)
-        self.driver = StepDriver(session=self.session, boundary=self.boundary, applier=applier,
-                                 tensor_managers=self.tensor_managers, memories=self.memories,
-                                 micro_batches=micro_batches, logs_steps=self.num_stages - 1 in self._local,
+        self.driver = StepDriver(parts, boundary=self.boundary, applier=PlanApplier(parts, self.move_refusal),
+                                 micro_batches=pipeline.micro_batches(config.micro_batches),
+                                 logs_steps=self.num_stages - 1 in self._local, counter=self._micro_batch_counter(),
                                  stage_handles=self.stage_handles, trace=self._trace_window(),
                                  metrics=self._metrics_writer())
-        self.edits = LayerEdits(pipeline=pipeline, agreement=self.agreement, layer_manager=self.layer_manager,
-                                driver=self.driver, session=self.session, tensor_managers=self.tensor_managers,
-                                memories=self.memories, has_factory=config.layer_factory is not None, who=self._who)
+        self.edits = LayerEdits(parts, agreement=self.agreement, driver=self.driver,
+                                has_factory=config.layer_factory is not None, who=self._who)
         self._install()
         atexit.register(self._at_exit)  # a script that never calls detach() still shuts vpipe down cleanly
         for stage in pipeline.stages:
@@ -220,7 +225,7 @@ class Vpipe:
             managers[stage.index] = manager
         return managers
 
-    def _start_session(self, initial: Plan) -> ControlSession:
+    def _start_session(self, initial: Plan, facts: LocalLayers, peers: Sequence[int]) -> ControlSession:
         config, pipeline = self.config, self.pipeline
         if config.planning and pipeline.schedule is None and config.micro_batches is None:
             log.warning("vpipe.attach(module): micro_batches= not given, the planner assumes 1 micro-batch per step "
@@ -232,54 +237,48 @@ class Vpipe:
                                  planner=config.planner if plans else None, log_file=config.log_file,
                                  planner_config=planner_config(config, pipeline, self.memory_budget,
                                                                self.move_refusal is None) if planning else None)
+        # one planner sees every replica: the slowest / fullest per stage
+        combine = ReplicaStats(self.agreement.job, world_rank=self.rank, peers=peers, leads=self.replicas.leads,
+                               timeout_s=config.agree_timeout_s) if peers else None
         session = ControlSession(
             {s.index: s.blocks.blocks() for s in pipeline.stages if s.blocks is not None}, rank=self.pipe_rank,
             stage_ranks=pipeline.stage_ranks, store=self.agreement.store, world_size=pipeline.size,
             device=pipeline.device, optimizer=self.optimizer,
             saved_sources={v: TensorManagerSource(m) for v, m in self.tensor_managers.items()}, plan=initial,
             options=options, pipeline_stages={s.index: s.pipeline_stage for s in pipeline.stages
-                                              if s.pipeline_stage is not None})
+                                              if s.pipeline_stage is not None},
+            layer_facts=facts, combine_records=combine,
+            # modules outside the blocks: their cost is the stage's
+            stage_modules={s.index: s.module for s in pipeline.stages if s.blocks is not None and s.blocks.path})
         self._undo.append(lambda: session.close(self._exit_timeout_s))
         return session
 
-    def _start_layer_manager(self, placement: tuple[tuple[int, ...], ...]) -> LayerManager:
+    def _start_layer_manager(self, placement: tuple[tuple[int, ...], ...], shared: dict[int, str]) -> LayerManager:
         pipeline = self.pipeline
+        listeners: dict[int, list[LayerListener]] = {}
+        for stage in pipeline.stages:  # the parts that keep per-layer state follow their stage's layers
+            mine = listeners[stage.index] = [self.session.monitors[stage.index]]
+            if stage.index in self.tensor_managers:
+                mine.append(self.tensor_managers[stage.index])
+            if is_fully_sharded(stage.module) and stage.blocks is not None:  # its FSDP root too
+                mine.append(FsdpRoot(stage.module, stage.blocks.blocks()))
         manager = LayerManager(
             {s.index: s.blocks for s in pipeline.stages if s.blocks is not None}, placement=placement,
             stage_ranks=pipeline.stage_ranks, optimizer=self.optimizer, factory=self.config.layer_factory,
             specs=self.config.specs, messenger=ControlMessenger(self.session.plane, self.pipe_rank),
             channel=TransferChannel(pipeline.device, world_ranks=self.replicas.world_ranks), device=pipeline.device,
-            timeout_s=self.config.migration_timeout_s, faults=faults.migration_faults(self.rank))
-        manager.shared = self._pins(manager)
-        for stage in pipeline.stages:
-            monitor = self.session.monitors[stage.index]
-            manager.listeners[stage.index].append(monitor)
-            monitor.layer_order = lambda v=stage.index: manager.layers_of(v)
-            monitor.layer_kind = planner_kind(manager.shared, manager.blocks_by_id)
-            monitor.builds = manager.can_build
-            if stage.blocks is not None and stage.blocks.path:
-                monitor.watch_stage(stage.module)  # modules outside the blocks: their cost is the stage's
-            if stage.index in self.tensor_managers:
-                manager.listeners[stage.index].append(self.tensor_managers[stage.index])
-            if is_fully_sharded(stage.module):  # its FSDP root learns of the blocks that arrive and leave
-                manager.listeners[stage.index].append(FsdpRoot(stage.module, manager.blocks[stage.index].blocks()))
+            timeout_s=self.config.migration_timeout_s, faults=faults.migration_faults(self.rank), shared=shared,
+            listeners=listeners)
         self._undo.append(manager.close)
         return manager
 
-    def _pins(self, manager: LayerManager) -> dict[int, str]:
-        """Find the blocks that never move (shared modules, user hooks); one ``moves_off`` line per stage."""
-        outside = {t for s in self.pipeline.stages if s.blocks is not None
-                   for t in outside_tensors(s.module, s.blocks.path)}
-        shared = shared_pins(manager.blocks_by_id(), outside)
-        for stage in self.pipeline.stages:
-            blocks = manager.blocks[stage.index].blocks()
-            reasons = {lid: pin_reason(lid, block, shared) for lid, block in blocks.items()}
-            pinned = {lid: why for lid, why in reasons.items() if why is not None}
-            if pinned:
-                decision("moves_off", f"stage {stage.index}: layers {sorted(pinned)} never move to another stage: "
-                         + "; ".join(f"layer {lid} {why}" for lid, why in sorted(pinned.items())),
-                         stage=stage.index, layers=sorted(pinned), reason="pinned blocks")
-        return shared
+    def _micro_batch_counter(self) -> MicroBatchCounter | None:
+        """A hand-written loop's micro-batch counter: the n-th forward of the stage module in a step is number n."""
+        if self.pipeline.schedule is not None or self.optimizer is None or not self.tensor_managers:
+            return None
+        counter = MicroBatchCounter(self.pipeline.first.module, self.tensor_managers[self.stage_index])
+        self._undo.append(counter.remove)
+        return counter
 
     def _install(self) -> None:
         schedule = self.pipeline.schedule
@@ -294,10 +293,6 @@ class Vpipe:
             return
         if self.optimizer is None:
             raise ValueError("attaching to a stage module needs optimizer=: its step() marks the step boundary")
-        if self.tensor_managers:
-            counter = MicroBatchCounter(self.pipeline.first.module, self.tensor_managers[self.stage_index])
-            self.driver.counter = counter
-            self._undo.append(counter.remove)
         self.driver.begin()
         handle = self.optimizer.register_step_post_hook(lambda *_: self.driver.module_step_done())
         self._undo.append(handle.remove)
@@ -305,7 +300,7 @@ class Vpipe:
     # ------------------------------------------------------------------ what the trainer calls
     def request_plan(self, plan: Plan, at_step: int) -> None:
         """Apply ``plan`` before step ``at_step`` (forced moves; every rank must call it identically)."""
-        plan.check_against(self.layer_manager.order, self.num_stages)
+        self.plan_in_force.check(plan, self.layer_manager.order, self.num_stages)
         self.boundary.request(plan, at_step, self.driver.iteration)
 
     def add_layers(self, position: int, specs: list[Any]) -> list[int]:
@@ -340,18 +335,17 @@ class Vpipe:
         return self.tensor_managers.get(self.stage_index)
 
     def state(self) -> dict[str, Any]:
-        lm = self.layer_manager
-        return {"epoch": lm.epoch, "stages": [list(s) for s in lm.placement], "iteration": self.driver.iteration}
+        return {"epoch": self.plan_in_force.epoch, "stages": [list(s) for s in self.layer_manager.placement],
+                "iteration": self.driver.iteration}
 
     def state_dict(self) -> dict[str, Any]:
         """vpipe's part of a checkpoint (plain JSON values): plan epoch, step, placement, policies, next layer id."""
-        return vpipe_state(self.layer_manager, self.session, self.tensor_managers, self.driver.iteration)
+        return vpipe_state(self._parts, self.driver.iteration)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from a checkpoint's vpipe state (every rank calls it with the same state, before a step)."""
-        restore_vpipe_state(state, layer_manager=self.layer_manager, session=self.session,
-                            tensor_managers=self.tensor_managers, driver=self.driver,
-                            hand_written=self.pipeline.schedule is None, who=self.stage_index)
+        restore_vpipe_state(state, self._parts, driver=self.driver, hand_written=self.pipeline.schedule is None,
+                            who=self.stage_index)
 
     def fixed_bytes(self) -> int:
         """Bytes this rank's stages hold whatever their activation policies (weights, gradients, optimizer state)."""

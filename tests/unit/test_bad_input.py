@@ -11,14 +11,11 @@ CLI's negative budgets (``test_planner_cli.py``); a damaged checkpoint (``test_c
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 
 import msgpack
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from torch import nn
 
 import vpipe.migration.messages  # noqa: F401 - registers the migration message types with the decoder
 from support.control import VALID, assert_dropped_cleanly, packed, plain, wire_of
@@ -26,9 +23,9 @@ from support.monitors import stage_record
 from vpipe import VpipeConfig
 from vpipe.checkpoint import CheckpointError, check_vpipe_state
 from vpipe.control.messages import DecodeError, decode, encode, make, registered_types
-from vpipe.migration.layer_manager import LayerManager
 from vpipe.migration.state import validate_manifest
 from vpipe.plan import Plan, PlanError, Policy
+from vpipe.rank.plan_in_force import PlanInForce
 from vpipe_lab.runtime.config import RunConfig
 
 # ---------------------------------------------------------------------- plans
@@ -71,27 +68,27 @@ def test_a_plan_without_epoch_or_stages_is_rejected():
 
 
 @pytest.fixture
-def manager() -> LayerManager:
-    module = nn.Sequential(OrderedDict((str(i), nn.Linear(2, 2)) for i in range(2)))
-    return LayerManager({0: module}, placement=[[0, 1], [2, 3]], optimizer=None,
-                        factory=lambda lid, spec: nn.Linear(2, 2), specs=None, messenger=None,  # type: ignore[arg-type]
-                        channel=None, device=torch.device("cpu"), epoch=5)  # type: ignore[arg-type]
+def owner() -> PlanInForce:
+    return PlanInForce(Plan(epoch=5, stages=((0, 1), (2, 3))), [])
 
 
-@pytest.mark.parametrize("stages, epoch, message", [
-    ([[0], [1, 2, 3]], 5, "stale plan: epoch 5 <= current epoch 5"),
-    ([[0], [1, 2, 3]], 2, "stale plan: epoch 2 <= current epoch 5"),
-    ([[0, 1], [2, 3, 9]], 6, "plan names unknown layers [9]"),
-    ([[0, 1], [2]], 6, "plan leaves layers [3] unplaced"),
-    ([[0, 2], [1, 3]], 6, "plan reorders layers: every stage must hold a contiguous run"),
-    ([[0], [1], [2, 3]], 6, "plan has 3 stages, the pipeline has 2"),
+@pytest.mark.parametrize("stages, message", [
+    ([[0, 1], [2, 3, 9]], "plan names unknown layers [9]"),
+    ([[0, 1], [2]], "plan leaves layers [3] unplaced"),
+    ([[0, 2], [1, 3]], "plan reorders layers: every stage must hold a contiguous run"),
+    ([[0], [1], [2, 3]], "plan has 3 stages, the pipeline has 2"),
 ])
-def test_plans_that_do_not_fit_the_pipeline_are_refused_before_anything_moves(manager, stages, epoch, message):
-    plan = Plan(epoch=epoch, stages=tuple(tuple(s) for s in stages))
+def test_plans_that_do_not_fit_the_pipeline_are_refused_before_they_take_effect(owner, stages, message):
+    plan = Plan(epoch=6, stages=tuple(tuple(s) for s in stages))
     with pytest.raises(PlanError) as err:
-        manager.check_plan(plan)
+        owner.check(plan, [0, 1, 2, 3], 2)
     assert str(err.value).startswith(message)
-    assert manager.layer_ids == [0, 1] and manager.epoch == 5  # untouched
+    assert owner.plan == Plan(epoch=5, stages=((0, 1), (2, 3)))  # untouched
+
+
+@pytest.mark.parametrize("epoch, stale", [(5, True), (2, True), (6, False)])
+def test_plans_not_newer_than_the_plan_in_force_are_stale(owner, epoch, stale):
+    assert owner.stale(Plan(epoch=epoch, stages=((0,), (1, 2, 3)))) is stale
 
 
 # ---------------------------------------------------------------------- messages

@@ -11,6 +11,7 @@ from vpipe import VpipeConfig
 from vpipe.control.session import ControlOptions, ControlSession
 from vpipe.monitors.sampling import SampleSchedule
 from vpipe.monitors.stage import StageMonitor
+from vpipe.plan import Plan
 
 
 def _sampled(schedule: SampleSchedule, steps: range) -> list[int]:
@@ -86,7 +87,7 @@ def session():
 
 
 def test_a_new_plan_epoch_restarts_the_sessions_sampling_at_the_next_step(session):
-    """Every rank sets the epoch at the same step boundary, so every rank restarts at the same step."""
+    """Every rank commits the plan at the same step boundary, so every rank restarts at the same step."""
     def run(steps: range) -> list[int]:
         sampled = []
         for i in steps:
@@ -98,7 +99,8 @@ def test_a_new_plan_epoch_restarts_the_sessions_sampling_at_the_next_step(sessio
     assert run(range(60)) == [1, 3, 5, 7, 9,  # 5 at the base rate (the default back-off)
                               13, 17, 21, 25, 29,  # 5 at every 4th
                               37, 45, 53]  # then every 8th, the cap
-    session.set_epoch(0)  # the epoch in force again: nothing changed
+    session.plan_changed(Plan(epoch=0, stages=((0, 1),)), "applied")  # the epoch in force again: nothing changed
     assert run(range(60, 68)) == [61]
-    session.set_epoch(1)  # a plan took effect before step 68
+    session.plan_changed(Plan(epoch=1, stages=((0, 1),)), "applied")  # a plan took effect before step 68
     assert run(range(68, 74)) == [69, 71, 73]
+    assert session.plan == Plan(epoch=1, stages=((0, 1),)) and session.monitor.epoch == 1

@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from vpipe.rank.parts import RankParts
 from vpipe.rank.steps import StepDriver
 
 
@@ -22,11 +23,11 @@ def _driver(kind: str, managers: dict[int, _Manager]) -> StepDriver:
     session = SimpleNamespace(begin_step=lambda it: None, is_sampled=lambda it: False, end_step=lambda: [],
                               abort_step=lambda: None)
     boundary = SimpleNamespace(applying_step=lambda it: it, due=lambda it: [], received=lambda *a: None)
-    applier = SimpleNamespace(pipedream=kind == "pipedream", layer_manager=SimpleNamespace(epoch=0),
-                              continue_streamed=lambda *a: None)
+    applier = SimpleNamespace(pipedream=kind == "pipedream", continue_streamed=lambda *a: None)
     memories = {v: SimpleNamespace(budget=None) for v in managers}
-    return StepDriver(session=session, boundary=boundary, applier=applier, tensor_managers=managers,
-                      memories=memories, micro_batches=4, logs_steps=False)
+    parts = RankParts(pipeline=SimpleNamespace(kind=kind), layer_manager=None, session=session,
+                      tensor_managers=managers, memories=memories, plan_in_force=SimpleNamespace(epoch=0))
+    return StepDriver(parts, boundary=boundary, applier=applier, micro_batches=4, logs_steps=False)
 
 
 def test_a_flush_schedules_step_clears_what_its_managers_count_in_flight():

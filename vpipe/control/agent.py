@@ -80,7 +80,7 @@ class StageAgent:
         # the stages whose records come from upstream, in the order the chain adds them
         self._upstream_stages = [v for rank in range(stage_index) for v, r in enumerate(ranks) if r == rank]
         self.planner = planner
-        self.plan = plan
+        self.plan = plan  # the last plan that took effect here or arrived since (welcome reports it)
         self.keep = keep
         self.upstream = stage_index - 1 if stage_index > 0 else None
         self.downstream = None if is_last else stage_index + 1
@@ -94,6 +94,11 @@ class StageAgent:
     @property
     def epoch(self) -> int:
         return self.plan.epoch if self.plan is not None else 0
+
+    def plan_changed(self, plan: Plan) -> None:
+        """A plan took effect on this rank (the session tells): the agent reports it (``welcome``) and drops
+        plans not newer than it."""
+        self.plan = plan
 
     # ---------------------------------------------------------------- per step
     def after_step(self, iteration: int, record: StageRecord | Sequence[StageRecord] | None) -> list[Plan]:

@@ -27,7 +27,7 @@ from vpipe.control.daemon import NO_CHANGE_PLANNER
 from vpipe.control.planner_link import PlannerLink
 from vpipe.control.run_key import agree_run_key
 from vpipe.monitors.sampling import SampleSchedule
-from vpipe.monitors.source import SavedTensorSource
+from vpipe.monitors.source import LayerFacts, SavedTensorSource
 from vpipe.monitors.stage import StageMonitor, layers_of
 from vpipe.plan import Plan
 
@@ -77,7 +77,13 @@ def exclude_shape_inference(stage: Any, monitor: StageMonitor) -> Callable[[], N
 
 class ControlSession:
     """Monitors (one per stage this rank runs) + control plane + agent (+ the planner daemon's link on the
-    last rank)."""
+    last rank).
+
+    ``layer_facts`` tells the monitors the layers' order and kinds; ``stage_modules`` are the stage modules
+    whose modules outside the blocks the monitors time too; ``combine_records`` turns a step's sampled
+    records into what goes down the chain (data-parallel replicas: the slowest, fullest per stage).
+    Whoever applies plans tells the session of the plan in force (:meth:`plan_changed`).
+    """
 
     def __init__(
         self,
@@ -93,13 +99,18 @@ class ControlSession:
         plan: Plan | None = None,
         options: ControlOptions | None = None,
         pipeline_stages: Mapping[int, Any] | None = None,
+        layer_facts: LayerFacts | None = None,
+        stage_modules: Mapping[int, nn.Module] | None = None,
+        combine_records: Callable[[int, list[Any]], list[Any]] | None = None,
     ) -> None:
         self.options = options or ControlOptions()
         self.stage_index = rank
         sources = saved_sources or {}
         schedule = SampleSchedule(self.options.sample_every, max_every=self.options.max_sample_every)
+        whole = stage_modules or {}
         self.monitors = {v: StageMonitor(layers, stage_index=v, device=device, optimizer=optimizer,
-                                         schedule=schedule, saved_source=sources.get(v))
+                                         schedule=schedule, saved_source=sources.get(v), facts=layer_facts,
+                                         stage_module=whole.get(v))
                          for v, layers in sorted(stages.items())}
         self.plane = ControlPlane(store, rank, world_size)
         num_stages = len(stage_ranks)
@@ -118,8 +129,7 @@ class ControlSession:
             if undo is not None:
                 self._undo_wraps.append(undo)
         self._steps = 0
-        # what a step's sampled records become before they go down the chain (data-parallel replicas: combined)
-        self.combine_records: Callable[[int, list[Any]], list[Any]] | None = None
+        self.combine_records = combine_records
         self.last_records: list[Any] = []  # the StageRecords of the last step this rank sampled (else empty)
         self._changed = False  # a plan or an edit took effect: sample at the base rate again
         self._open: int | None = None
@@ -143,11 +153,13 @@ class ControlSession:
     def plan(self) -> Plan | None:
         return self.agent.plan
 
-    def set_epoch(self, epoch: int) -> None:
-        """The plan in force, which the records carry (every rank sets it at the same step boundary)."""
+    def plan_changed(self, plan: Plan, cause: str) -> None:
+        """A plan took effect (every rank at the same step boundary): the agent reports it, the records carry
+        its epoch, and a new epoch restarts sampling at the base rate."""
+        self.agent.plan_changed(plan)
         for monitor in self.monitors.values():
-            self._changed |= monitor.epoch != epoch
-            monitor.epoch = epoch
+            self._changed |= monitor.epoch != plan.epoch
+            monitor.plan_changed(plan)
 
     def begin_step(self, iteration: int) -> None:
         if self._changed:  # measure the change's effect at the base rate

@@ -15,7 +15,6 @@ another rank's) never take each other's messages.
 from __future__ import annotations
 
 import logging
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -83,21 +82,6 @@ class BlockBuilder:
         self.factory = factory
         self.specs = specs
         self.device = device
-        # each block's kind, worked out once: the monitors ask on every sampled step, and a block's parameter
-        # names, shapes and dtypes do not change while it trains
-        self._kinds: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
-
-    def can_build(self) -> list[str] | None:
-        """The kinds of block this rank can build (None: any, a factory builds them)."""
-        if self.factory is not None:
-            return None
-        return sorted({self._kind(b) for blocks in self.blocks.values() for b in blocks.blocks().values()})
-
-    def _kind(self, block: nn.Module) -> str:
-        kind = self._kinds.get(block)
-        if kind is None:
-            kind = self._kinds[block] = block_kind(block)
-        return kind
 
     def build(self, layer_id: int, spec: Any) -> nn.Module:
         """An empty layer from the factory (built on the meta device: no initialisation cost)."""

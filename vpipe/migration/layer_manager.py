@@ -55,7 +55,7 @@ from vpipe.migration.state import (
 )
 from vpipe.migration.stream import WatchShapes, check_idle, start_round
 from vpipe.migration.transfer import TransferChannel
-from vpipe.plan import Plan, PlanError
+from vpipe.plan import Plan
 from vpipe.stage.blocks import StageBlocks
 from vpipe.stage.fsdp import resharded
 from vpipe.stage.optimizers import group_refusal, move_between, part_of
@@ -87,6 +87,13 @@ class LayerManager:
     specs, which travel with moved layers), else cloned from a local block of the same kind
     and given the moved block's plain attributes. One optimizer holds the parameters of all
     of this rank's stages, or an :class:`~vpipe.stage.optimizers.OptimizerParts` holds one per stage.
+
+    A plan given to :meth:`apply` or :meth:`start_streamed` has been checked against this
+    placement and found newer than the plan in force (by its owner,
+    :class:`vpipe.rank.plan_in_force.PlanInForce`): the layer manager trusts it. ``epoch`` is
+    the plan in force's, as its owner tells it (:meth:`plan_changed`). ``shared``: the blocks
+    that never move to another rank (they share a module or tensor), and why; ``listeners``:
+    per local stage, the parts that follow its layers (tensor manager, monitor).
     """
 
     def __init__(
@@ -105,6 +112,8 @@ class LayerManager:
         timeout_s: float = 30.0,
         epoch: int = 0,
         faults: FaultHook = NO_FAULTS,
+        shared: Mapping[int, str] | None = None,
+        listeners: Mapping[int, Sequence[LayerListener]] | None = None,
     ) -> None:
         if not isinstance(blocks, Mapping):
             if stage_index is None:
@@ -123,9 +132,8 @@ class LayerManager:
         self.timeout_s = timeout_s
         self.epoch = epoch
         self.faults = faults
-        self.listeners: dict[int, list[LayerListener]] = {v: [] for v in self.blocks}
-        # blocks that share a module or parameter (found at attach): they never move to another rank
-        self.shared: dict[int, str] = {}
+        self.listeners: dict[int, list[LayerListener]] = {v: list((listeners or {}).get(v, ())) for v in self.blocks}
+        self.shared: dict[int, str] = dict(shared or {})
         self.next_layer_id = max(self._placement.order) + 1
         self.shapes = BoundaryShapes()
         for v, stage_blocks in self.blocks.items():
@@ -176,21 +184,13 @@ class LayerManager:
         """All layers of the model, in execution order."""
         return self._placement.order
 
-    def blocks_by_id(self) -> dict[int, nn.Module]:
-        return {lid: block for stage_blocks in self.blocks.values() for lid, block in stage_blocks.blocks().items()}
-
-    def can_build(self) -> list[str] | None:
-        """The kinds of block this rank can build for an incoming move (None: any, a factory builds them)."""
-        return self.builder.can_build()
-
     def close(self) -> None:
         self.shapes.close()
 
     # ---------------------------------------------------------------- plans
-    def check_plan(self, plan: Plan) -> None:
-        if plan.epoch <= self.epoch:
-            raise PlanError(f"stale plan: epoch {plan.epoch} <= current epoch {self.epoch}")
-        plan.check_against(self.order, self.num_stages)
+    def plan_changed(self, plan: Plan, cause: str) -> None:
+        """The plan in force changed (its owner tells): its epoch is this manager's."""
+        self.epoch = plan.epoch
 
     def _involved(self, moves: Iterable[Move]) -> list[Move]:
         return [m for m in moves if m.src in self.blocks or m.dst in self.blocks]
@@ -201,7 +201,6 @@ class LayerManager:
         Every rank calls this at the same step boundary with the same plan: the rounds end
         with a collective vote, so all ranks agree on what moved even when a move aborts.
         """
-        self.check_plan(plan)
         report = MigrationReport(epoch=plan.epoch)
         start = time.perf_counter()
         rounds = plan_rounds(self.placement, plan.stages)
@@ -213,7 +212,6 @@ class LayerManager:
         for r, moves in enumerate(rounds):
             if not self._run_round(plan.epoch, r, moves, report):
                 break  # later rounds assumed this one: stay at the last agreed placement
-        self._advance(plan.epoch)
         report.seconds = time.perf_counter() - start
         if mine:
             decision("migration_done",
@@ -226,12 +224,6 @@ class LayerManager:
 
     def rank_of(self, stage: int) -> int:
         return self._placement.rank_of(stage)
-
-    def _advance(self, epoch: int, stages: Sequence[Sequence[int]] | None = None) -> None:
-        """The one place the epoch (and a round's placement, when ``stages`` is given) moves on."""
-        if stages is not None:
-            self._placement = self._placement.with_stages(stages)
-        self.epoch = epoch
 
     def _link(self) -> MoveLink:
         """What the exchanges with other ranks may use of this manager (made per round: fields may be swapped)."""
@@ -284,7 +276,7 @@ class LayerManager:
             move_between(part_of(self.optimizer, m.src), part_of(self.optimizer, m.dst),
                          [p for _, block, _ in entries for p in block.parameters()])
             self._put(m.dst, m.forward, entries)
-        self._advance(self.epoch, after)
+        self._placement = self._placement.with_stages(after)
         report.moved.extend(self._involved(moves))
         report.rebuilt = report.rebuilt or changed
         return True
@@ -307,30 +299,26 @@ class LayerManager:
                    for v in self.blocks if v != self.num_stages - 1)
 
     # ---------------------------------------------------------------- streamed moves (PipeDream)
-    def start_streamed(self, plan: Plan, schedule: Any, switch_mb: int, *, continuation: bool = False) -> list[Any]:
+    def start_streamed(self, plan: Plan, schedule: Any, switch_mb: int) -> list[Any]:
         """Begin moving towards ``plan`` inside a running PipeDream stream, switching at ``switch_mb``.
 
         Called on every rank at the same step boundary, before the step that contains
         ``switch_mb`` starts its forwards. Only the first round of neighbour moves is started
         (a layer two stages away hops once per plan); the rest follows with a later plan.
         Returns the movers registered with the schedule (empty when the round aborted).
-        ``continuation`` starts the next round of a plan already begun (same epoch). The
-        round's placement is taken at once: its blocks switch inside the stream.
+        Called again for a plan already begun, it starts the plan's next round. The round's
+        placement is taken at once: its blocks switch inside the stream.
         """
-        if continuation:
-            plan.check_against(self.order, self.num_stages)
-        else:
-            self.check_plan(plan)
         check_idle(schedule)
         rounds = plan_rounds(self.placement, plan.stages)
         if not rounds:
-            self._advance(plan.epoch)
             return []
         s, after = self.stage_index, apply_round(self.placement, rounds[0])
         movers = start_round(self._link(), schedule, switch_mb, plan.epoch, rounds[0], stage=s, blocks=self.blocks[s],
                              listeners=[WatchShapes(self.shapes), *self.listeners[s]],
                              reshapes=self.shapes.boundary_changed(s, self.placement, after))
-        self._advance(plan.epoch, None if movers is None else after)
+        if movers is not None:
+            self._placement = self._placement.with_stages(after)
         return movers or []
 
     # ---------------------------------------------------------------- adding and removing layers

@@ -1,19 +1,23 @@
-"""What the monitor needs from whatever manages a stage's saved activations.
+"""What the monitor needs from whatever manages a stage's saved activations, and from whatever moves its layers.
 
 The tensor manager knows how many bytes each layer saves per micro-batch and what its
 swap pool and copy streams did; the monitor only reads that. The contract is this
 :class:`SavedTensorSource` protocol, so the real tensor manager plugs in without the
 monitor knowing its type. :class:`~vpipe.monitors.keep_all.KeepAllSource` is the source
-of a stage that keeps every activation (nothing swapped, nothing recomputed).
+of a stage that keeps every activation (nothing swapped, nothing recomputed). What the
+records say of the layers beyond what the monitor measures is a :class:`LayerFacts`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-__all__ = ["SavedTensorStats", "SavedTensorSource", "TensorManagerSource"]
+if TYPE_CHECKING:
+    from torch import nn
+
+__all__ = ["SavedTensorStats", "SavedTensorSource", "TensorManagerSource", "LayerFacts"]
 
 
 @dataclass(frozen=True)
@@ -55,3 +59,14 @@ class TensorManagerSource:
 
     def stats(self) -> SavedTensorStats:
         return SavedTensorStats(**self.manager.summary())  # type: ignore[attr-defined]
+
+
+class LayerFacts(Protocol):
+    """A rank's layers as the records describe them: each stage's in model order, each block's kind (which
+    blocks are alike, and which never move), and the kinds the rank can build (None: any)."""
+
+    def layers_of(self, stage: int) -> list[int]: ...
+
+    def layer_kind(self, block: nn.Module) -> str: ...
+
+    def can_build(self) -> list[str] | None: ...

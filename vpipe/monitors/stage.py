@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -40,7 +40,7 @@ from vpipe.monitors.keep_all import KeepAllSource
 from vpipe.monitors.memory import DeviceMemory, host_rss_bytes, layer_bytes
 from vpipe.monitors.records import LayerRecord, StageRecord
 from vpipe.monitors.sampling import SampleSchedule
-from vpipe.monitors.source import SavedTensorSource, SavedTensorStats
+from vpipe.monitors.source import LayerFacts, SavedTensorSource, SavedTensorStats
 from vpipe.tensor_manager.accounting import tensor_bytes
 
 __all__ = ["StageMonitor", "Sample", "layers_of"]
@@ -54,6 +54,11 @@ def layers_of(module: nn.Module) -> dict[int, nn.Module]:
         return {int(name): child for name, child in module.named_children()}
     except ValueError:
         raise ValueError("the stage module's children must be named by integer layer id") from None
+
+
+class _Epoch(Protocol):
+    @property
+    def epoch(self) -> int: ...
 
 
 @dataclass
@@ -70,7 +75,8 @@ class StageMonitor:
     ``saved_source`` reports activation bytes and swap/recompute figures (the tensor
     manager); without one the monitor counts saved bytes itself with a
     :class:`~vpipe.monitors.keep_all.KeepAllSource` (nothing is swapped or recomputed), on
-    the first micro-batch of each sampled iteration.
+    the first micro-batch of each sampled iteration. ``facts`` gives the layers' order and kinds
+    (default: by id, no kind); ``stage_module`` is timed too (see :meth:`watch_stage`).
     """
 
     def __init__(
@@ -83,6 +89,8 @@ class StageMonitor:
         sample_every: int = 10,
         saved_source: SavedTensorSource | None = None,
         schedule: SampleSchedule | None = None,
+        facts: LayerFacts | None = None,
+        stage_module: nn.Module | None = None,
     ) -> None:
         if schedule is not None and not isinstance(schedule, SampleSchedule):
             raise TypeError(f"schedule must be a SampleSchedule, got {type(schedule).__name__}")
@@ -107,16 +115,12 @@ class StageMonitor:
         self._started = 0.0
         self._baseline = SavedTensorStats()
         self._fwd_open: dict[int, Any] = {}
-        self.epoch = 0  # the plan in force; whoever applies plans updates it (records carry it)
-        # the stage's layers in model order (records list them so); default: by id
-        self.layer_order: Callable[[], list[int]] | None = None
-        # what the records say about interchangeable blocks (set by whoever moves layers)
-        self.layer_kind: Callable[[nn.Module], str] | None = None
-        self.builds: Callable[[], list[str] | None] | None = None
+        self.epoch = 0  # the plan in force's (records carry it), as :meth:`plan_changed` tells
+        self.facts = facts
         self._kinds: dict[int, str] = {}
         self._constant_key: tuple[object, ...] | None = None
         self._constant: dict[int, tuple[int, int]] = {}
-        self._stage_module: nn.Module | None = None
+        self._stage_module = stage_module
         self._last_block_out: torch.Tensor | None = None
         self._out_bytes: dict[int, int] = {}
         self._fwd: list[tuple[int, Any, Any]] = []
@@ -129,6 +133,10 @@ class StageMonitor:
     @property
     def layer_ids(self) -> list[int]:
         return sorted(self._layers)
+
+    def plan_changed(self, plan: _Epoch) -> None:
+        """A plan took effect: the records carry its epoch."""
+        self.epoch = plan.epoch
 
     def watch_stage(self, module: nn.Module) -> None:
         """Also time ``module`` (the whole stage) so the records can say what its non-block modules cost."""
@@ -327,7 +335,7 @@ class StageMonitor:
         return fwd_s, fwd_calls, bwd_s, bwd_calls
 
     def _ordered_ids(self) -> list[int]:
-        order = self.layer_order() if self.layer_order is not None else []
+        order = self.facts.layers_of(self.stage_index) if self.facts is not None else []
         known = [lid for lid in order if lid in self._layers]
         return known + sorted(set(self._layers) - set(known))
 
@@ -338,9 +346,9 @@ class StageMonitor:
         now = self.saved_source.stats()
         base = self._baseline
         constant = self._constant_bytes()
-        if self.layer_kind is not None:
+        if self.facts is not None:
             for lid in self._layers.keys() - self._kinds.keys():
-                self._kinds[lid] = self.layer_kind(self._layers[lid])
+                self._kinds[lid] = self.facts.layer_kind(self._layers[lid])
         layers = tuple(
             LayerRecord(
                 layer_id=lid, fwd_s=fwd_s[lid], bwd_s=bwd_s[lid], fwd_calls=fwd_calls[lid],
@@ -351,6 +359,7 @@ class StageMonitor:
             for lid in self._ordered_ids()
         )
         gpu = self._nvml.read()
+        builds = self.facts.can_build() if self.facts is not None else None
         return StageRecord(
             stage=self.stage_index,
             iteration=iteration,
@@ -375,7 +384,7 @@ class StageMonitor:
             gpu_util_pct=gpu.util_pct,
             pcie_rx_bytes_s=gpu.pcie_rx_bytes_s,
             pcie_tx_bytes_s=gpu.pcie_tx_bytes_s,
-            builds=None if self.builds is None else _optional_tuple(self.builds()),
+            builds=None if builds is None else tuple(builds),
             outside_fwd_s=max(0.0, stage_fwd_s - sum(fwd_s[lid] for lid in self._layers)) if outside_calls else 0.0,
             outside_bwd_s=outside_bwd_s,
             outside_calls=outside_calls,
@@ -398,10 +407,6 @@ class StageMonitor:
         total = sum(t.numel() * t.element_size() for t in self._stage_module.parameters())
         total += sum(t.numel() * t.element_size() for t in self._stage_module.buffers())
         return max(0, total - sum(layer.param_bytes for layer in layers))
-
-
-def _optional_tuple(values: list[str] | None) -> tuple[str, ...] | None:
-    return None if values is None else tuple(values)
 
 
 def _first_grad_tensor(output: Any) -> torch.Tensor | None:

@@ -3,40 +3,33 @@
 An edit is collective and happens between steps: every rank makes the same call at the
 same step boundary (checked through the store before anything changes), the layer
 manager edits the placement and the stage that owns the position, and then every rank
-starts a new plan epoch (plans made for the old layers become stale) and redoes torch's
-shape inference (new layers have never run).
+commits a new plan epoch over the changed layers, the policies carried over (plans made
+for the old layers become stale), and redoes torch's shape inference (new layers have
+never run).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from vpipe.control.session import ControlSession
-from vpipe.migration.layer_manager import LayerManager
 from vpipe.plan import Plan
 from vpipe.rank.agreement import StoreAgreement
-from vpipe.rank.memory import StageMemory, apply_budgets
+from vpipe.rank.parts import RankParts
 from vpipe.rank.steps import StepDriver
 from vpipe.stage.fsdp import is_fully_sharded
-from vpipe.stage.pipeline import Pipeline, reset_shape_inference
+from vpipe.stage.pipeline import reset_shape_inference
 
 __all__ = ["LayerEdits"]
 
 
 class LayerEdits:
-    def __init__(self, *, pipeline: Pipeline, agreement: StoreAgreement, layer_manager: LayerManager,
-                 driver: StepDriver, session: ControlSession, tensor_managers: Mapping[int, Any],
-                 memories: Mapping[int, StageMemory], has_factory: bool, who: str) -> None:
-        self.pipeline = pipeline
+    def __init__(self, parts: RankParts, *, agreement: StoreAgreement, driver: StepDriver, has_factory: bool,
+                 who: str) -> None:
+        self.parts = parts
         self.agreement = agreement
-        self.layer_manager = layer_manager
         self.driver = driver
-        self.session = session
-        self.tensor_managers = tensor_managers
-        self.memories = memories
         self.has_factory = has_factory
         self.who = who
 
@@ -45,11 +38,11 @@ class LayerEdits:
         self._require_boundary("add_layers")
         if not self.has_factory:
             raise RuntimeError("add_layers needs layer_factory= in the vpipe config to build the new layers")
-        if any(is_fully_sharded(stage.module) for stage in self.pipeline.stages):
+        if any(is_fully_sharded(stage.module) for stage in self.parts.pipeline.stages):
             raise RuntimeError("add_layers cannot add to an FSDP2 (fully_shard) stage: the factory's blocks would not "
                                "be sharded, nor their gradients reduced over the data-parallel group")
         self.agreement.agree_edit({"call": "add_layers", "position": position, "count": len(specs)}, self.who)
-        new_ids = self.layer_manager.add_layers(position, specs)
+        new_ids = self.parts.layer_manager.add_layers(position, specs)
         self._after_edit()
         return new_ids
 
@@ -60,27 +53,25 @@ class LayerEdits:
                                   self.who)
         # shapes are inferred again only where a boundary changes: inference runs the stage's forward (and the
         # user's hooks) once more, which a trainer without vpipe would not
-        self._after_edit(reshape=self.layer_manager.remove_layers(layer_ids))
+        self._after_edit(reshape=self.parts.layer_manager.remove_layers(layer_ids))
 
     def _require_boundary(self, what: str) -> None:
         counter = self.driver.counter
         if self.driver.in_step or (counter is not None and counter.next_mb > 0):
             raise RuntimeError(f"{what} must be called between steps (after optimizer.step()), not inside one")
-        schedule = self.pipeline.schedule
-        if self.pipeline.kind == "pipedream" and schedule.in_flight:
+        pipeline = self.parts.pipeline
+        schedule = pipeline.schedule
+        if pipeline.kind == "pipedream" and schedule.in_flight:
             raise RuntimeError(f"{what} on a PipeDream stream needs schedule.flush() first "
                                f"({len(schedule.in_flight)} micro-batches in flight)")
-        if any(isinstance(stage.module, torch.fx.GraphModule) for stage in self.pipeline.stages):
+        if any(isinstance(stage.module, torch.fx.GraphModule) for stage in pipeline.stages):
             raise RuntimeError(f"{what} cannot edit a traced GraphModule stage (its forward is a fixed graph)")
 
     def _after_edit(self, reshape: bool = True) -> None:
         # a new epoch: plans made for the old layers become stale, stats say which layers they measured
-        lm = self.layer_manager
-        lm.epoch += 1
-        self.session.set_epoch(lm.epoch)
-        old = self.session.agent.plan
-        policies = {lid: p for lid, p in (old.policies.items() if old else []) if lid in lm.order}
-        self.session.agent.plan = Plan(epoch=lm.epoch, stages=lm.placement, policies=policies)
-        if reshape and self.pipeline.schedule is not None:
-            reset_shape_inference(self.pipeline.schedule)  # new layers have never run: redo shape inference
-        apply_budgets(self.tensor_managers, self.memories, lm.epoch)
+        lm, owner = self.parts.layer_manager, self.parts.plan_in_force
+        policies = {lid: p for lid, p in owner.plan.policies.items() if lid in lm.order}
+        owner.commit(Plan(epoch=owner.epoch + 1, stages=lm.placement, policies=policies), "edited")
+        schedule = self.parts.pipeline.schedule
+        if reshape and schedule is not None:
+            reset_shape_inference(schedule)  # new layers have never run: redo shape inference

@@ -12,52 +12,48 @@ from collections.abc import Mapping
 from typing import Any
 
 from vpipe.checkpoint import VERSION, check_vpipe_state
-from vpipe.control.session import ControlSession
 from vpipe.log import decision
-from vpipe.migration.layer_manager import LayerManager
 from vpipe.plan import Plan, Policy
+from vpipe.rank.parts import RankParts
 from vpipe.rank.steps import StepDriver
 
 __all__ = ["vpipe_state", "restore_vpipe_state"]
 
 
-def vpipe_state(layer_manager: LayerManager, session: ControlSession, tensor_managers: Mapping[int, Any],
-                iteration: int) -> dict[str, Any]:
-    """Policies are this rank's own layers' (what its tensor managers run now) over the last applied plan's;
+def vpipe_state(parts: RankParts, iteration: int) -> dict[str, Any]:
+    """Policies are this rank's own layers' (what its tensor managers run now) over the plan in force's;
     :func:`vpipe.checkpoint.save_checkpoint` merges the ranks'."""
-    lm = layer_manager
-    plan = session.agent.plan
-    policies = {lid: p.value for lid, p in (plan.policies.items() if plan is not None else [])}
-    for manager in tensor_managers.values():
+    lm = parts.layer_manager
+    policies = {lid: p.value for lid, p in parts.plan_in_force.plan.policies.items()}
+    for manager in parts.tensor_managers.values():
         policies.update({lid: p.value for lid, p in manager.policies().items()})
-    return {"version": VERSION, "epoch": lm.epoch, "iteration": iteration, "stages": [list(s) for s in lm.placement],
+    return {"version": VERSION, "epoch": parts.plan_in_force.epoch, "iteration": iteration,
+            "stages": [list(s) for s in lm.placement],
             "policies": {str(lid): p for lid, p in sorted(policies.items()) if lid in lm.order},
             "next_layer_id": max(lm.next_layer_id, max(lm.order) + 1)}
 
 
-def restore_vpipe_state(state: Mapping[str, Any], *, layer_manager: LayerManager, session: ControlSession,
-                        tensor_managers: Mapping[int, Any], driver: StepDriver, hand_written: bool, who: int) -> None:
+def restore_vpipe_state(state: Mapping[str, Any], parts: RankParts, *, driver: StepDriver, hand_written: bool,
+                        who: int) -> None:
     """Continue from a checkpoint's vpipe state (every rank calls it with the same state, before a step).
 
     The layers must already be where this run placed them (the same layer set; the
-    placement may differ, e.g. on another number of stages).
+    placement may differ, e.g. on another number of stages). The checkpoint's plan is
+    committed as the plan in force: its epoch, and its policies for this rank's layers.
     """
     state = check_vpipe_state(dict(state))
-    lm = layer_manager
+    lm = parts.layer_manager
     saved = sorted(lid for s in state["stages"] for lid in s)
     if saved != sorted(lm.order):
         raise ValueError(f"the checkpoint's layers {saved[:8]} are not this pipeline's layers {sorted(lm.order)[:8]}")
     policies = {int(k): Policy.parse(v) for k, v in state["policies"].items()}
-    lm.epoch = state["epoch"]
     lm.next_layer_id = max(lm.next_layer_id, state["next_layer_id"])
     driver.iteration = state["iteration"]
-    for v, manager in tensor_managers.items():
-        manager.set_policies({lid: policies.get(lid, Policy.KEEP) for lid in lm.layers_of(v)})
-    session.agent.plan = Plan(epoch=lm.epoch, stages=lm.placement, policies=policies)
-    session.set_epoch(lm.epoch)
+    parts.plan_in_force.commit(Plan(epoch=state["epoch"], stages=lm.placement, policies=policies), "restored")
     if hand_written:  # the open step gets the restored number
-        session.abort_step()
+        parts.session.abort_step()
         driver.begin()
-    decision("resumed", f"stage {who} resumes at step {driver.iteration}, plan epoch {lm.epoch}",
-             stage=who, step=driver.iteration, epoch=lm.epoch, layers=lm.layer_ids, saved_stages=state["stages"],
+    epoch = parts.plan_in_force.epoch
+    decision("resumed", f"stage {who} resumes at step {driver.iteration}, plan epoch {epoch}",
+             stage=who, step=driver.iteration, epoch=epoch, layers=lm.layer_ids, saved_stages=state["stages"],
              stages=[list(s) for s in lm.placement])

@@ -19,14 +19,14 @@ import torch
 from torch import nn
 
 from vpipe import timeline
-from vpipe.control.session import ControlSession
 from vpipe.log import step_record
 from vpipe.rank.applying import PlanApplier
 from vpipe.rank.boundary import PlanBoundary
-from vpipe.rank.memory import StageMemory, apply_budgets
+from vpipe.rank.memory import apply_budgets
 from vpipe.rank.metrics import MetricsWriter
+from vpipe.rank.parts import RankParts
 from vpipe.rank.tracing import TraceWindow
-from vpipe.tensor_manager import HostPoolFullError, MemoryBudgetError
+from vpipe.tensor_manager import HostPoolFullError, MemoryBudgetError, TensorManager
 from vpipe.tensor_manager.layers import input_shapes
 from vpipe.tensor_manager.pipelining import StageHandle
 
@@ -39,24 +39,28 @@ _METER_EVERY_SAMPLES = 5
 
 
 class StepDriver:
-    """Counts steps, applies due plans at each boundary, monitors each step, hands arriving plans on."""
+    """Counts steps, applies due plans at each boundary, monitors each step, hands arriving plans on.
 
-    def __init__(self, *, session: ControlSession, boundary: PlanBoundary, applier: PlanApplier,
-                 tensor_managers: Mapping[int, Any], memories: Mapping[int, StageMemory], micro_batches: int,
-                 logs_steps: bool, stage_handles: Mapping[int, StageHandle] | None = None,
-                 trace: TraceWindow | None = None, metrics: MetricsWriter | None = None) -> None:
-        self.session = session
+    ``counter``: a hand-written loop's micro-batch counter (None under a schedule, whose
+    actions number the micro-batches).
+    """
+
+    def __init__(self, parts: RankParts, *, boundary: PlanBoundary, applier: PlanApplier, micro_batches: int,
+                 logs_steps: bool, counter: MicroBatchCounter | None = None,
+                 stage_handles: Mapping[int, StageHandle] | None = None, trace: TraceWindow | None = None,
+                 metrics: MetricsWriter | None = None) -> None:
+        self.parts = parts
+        self.session = parts.session
         self.boundary = boundary
         self.applier = applier
-        self.tensor_managers = tensor_managers
-        self.memories = memories
+        self.tensor_managers = parts.tensor_managers
         self.micro_batches = micro_batches
         self.logs_steps = logs_steps  # the rank of the last stage: its pace is the pipeline's
         self.iteration = 0
         self.in_step = False
         self.boundary_s: list[float] = []  # seconds spent applying plans before each step (the move stall)
         self._boundary_at: float | None = None
-        self.counter: MicroBatchCounter | None = None
+        self.counter = counter
         self._samples = 0
         # the pipelining stages' wrappers, set aside for the steps where their managers have nothing to do
         self.stage_handles = dict(stage_handles or {})
@@ -116,11 +120,11 @@ class StepDriver:
         if self.trace is not None:
             self.trace.end_step(self.iteration)
         if self.metrics is not None:
-            layer_manager = self.applier.layer_manager
+            layer_manager = self.parts.layer_manager
             stages = {stage.index: (len(layer_manager.layers_of(stage.index)), self.tensor_managers.get(stage.index))
-                      for stage in self.applier.pipeline.stages}
-            self.metrics.step(self.iteration, time.perf_counter() - self._step_started, layer_manager.epoch, stages,
-                              self.session.last_records)
+                      for stage in self.parts.pipeline.stages}
+            self.metrics.step(self.iteration, time.perf_counter() - self._step_started, self.parts.plan_in_force.epoch,
+                              stages, self.session.last_records)
 
     def _set_aside_quiet_wrappers(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Let each stage whose manager has nothing to do this step run its micro-batches without vpipe's calls."""
@@ -128,7 +132,8 @@ class StepDriver:
             return
         shapes = input_shapes((*args, *kwargs.values()))
         same_inputs, self._input_shapes = shapes == self._input_shapes, shapes
-        stream = self.applier.pipeline.schedule if self.applier.pipedream else None
+        pipeline = self.parts.pipeline
+        stream = pipeline.schedule if pipeline.kind == "pipedream" else None
         moving = stream is not None and bool(stream.movers)  # a streamed move switches layers mid-step
         # a step inside the timeline's window goes through the wrappers: they record its forwards and backwards
         keep_wrappers = moving or timeline.recording()
@@ -145,22 +150,22 @@ class StepDriver:
                 manager.quiet.count_in_flight(stream.in_flight_chunks)
 
     def received(self, plans: list[Any]) -> None:
-        self.boundary.received(plans, self.iteration, self.applier.layer_manager.epoch)
+        self.boundary.received(plans, self.iteration, self.parts.plan_in_force.epoch)
 
     def at_boundary(self) -> None:
         if self.trace is not None:
             self.trace.begin_step(self.iteration)
         started = time.perf_counter()
         if self._boundary_at is not None and self.logs_steps:
-            step_record(self.iteration - 1, started - self._boundary_at, stage=self.applier.pipeline.stages[-1].index,
-                        micro_batches=self.micro_batches, layers=len(self.applier.layer_manager.layer_ids))
+            step_record(self.iteration - 1, started - self._boundary_at, stage=self.parts.pipeline.stages[-1].index,
+                        micro_batches=self.micro_batches, layers=len(self.parts.layer_manager.layer_ids))
         self._boundary_at = started
         step = self.boundary.applying_step(self.iteration)
         for plan in self.boundary.due(self.iteration):
             with timeline.span("vpipe.apply_plan", timeline.PLAN, timeline.RANK_TRACK, epoch=plan.epoch, step=step):
                 self.applier.apply(plan, step, self.micro_batches)
         # the optimizer state may have grown, a stage sharing the rank may have measured what it needs
-        apply_budgets(self.tensor_managers, self.memories, self.applier.layer_manager.epoch)
+        apply_budgets(self.tensor_managers, self.parts.memories, self.parts.plan_in_force.epoch)
         self.applier.continue_streamed(step, self.micro_batches)
         self.boundary_s.append(time.perf_counter() - started)
 
@@ -180,7 +185,7 @@ def _own_error(exc: BaseException) -> BaseException | None:
 class MicroBatchCounter:
     """For hand-written loops: the n-th forward of the stage module since the last step is micro-batch n."""
 
-    def __init__(self, module: nn.Module, manager: Any) -> None:
+    def __init__(self, module: nn.Module, manager: TensorManager) -> None:
         self.manager = manager
         self.next_mb = 0
         self._open: Any = None

@@ -1,0 +1,76 @@
+"""This rank's layers as its stage description holds them: pinned blocks, and what the monitors report of them.
+
+The stage description (:class:`~vpipe.stage.pipeline.Pipeline`, each local stage's
+:class:`~vpipe.stage.blocks.StageBlocks`) exists before the parts ``attach`` builds: the
+layer manager edits those containers in place when layers move, and the monitors read them
+(through :class:`LocalLayers`) rather than the layer manager, which tells them of the layers
+that arrive and leave. So neither needs the other at construction.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping
+
+from torch import nn
+
+from vpipe.log import decision
+from vpipe.stage.blocks import StageBlocks
+from vpipe.stage.kinds import block_kind
+from vpipe.stage.pins import outside_tensors, pin_reason, planner_kind, shared_pins
+from vpipe.stage.pipeline import Pipeline
+
+__all__ = ["LocalLayers", "find_pins"]
+
+
+def find_pins(pipeline: Pipeline) -> dict[int, str]:
+    """The blocks that never move to another rank (shared modules or tensors): layer id -> why. Says so in one
+    ``moves_off`` line per stage (blocks with user hooks included: they cannot move either, while they have them)."""
+    outside = {t for s in pipeline.stages if s.blocks is not None for t in outside_tensors(s.module, s.blocks.path)}
+    shared = shared_pins({lid: b for s in pipeline.stages if s.blocks is not None
+                          for lid, b in s.blocks.blocks().items()}, outside)
+    for stage in pipeline.stages:
+        blocks = stage.blocks.blocks() if stage.blocks is not None else {}
+        reasons = {lid: pin_reason(lid, block, shared) for lid, block in blocks.items()}
+        pinned = {lid: why for lid, why in reasons.items() if why is not None}
+        if pinned:
+            decision("moves_off", f"stage {stage.index}: layers {sorted(pinned)} never move to another stage: "
+                     + "; ".join(f"layer {lid} {why}" for lid, why in sorted(pinned.items())),
+                     stage=stage.index, layers=sorted(pinned), reason="pinned blocks")
+    return shared
+
+
+class LocalLayers:
+    """The monitors' :class:`~vpipe.monitors.source.LayerFacts` over this rank's block containers.
+
+    ``builds_any``: a layer factory builds whatever arrives; without one the rank can build
+    the kinds of block it holds (an arriving block is cloned from one of its kind).
+    """
+
+    def __init__(self, blocks: Mapping[int, StageBlocks], shared: Mapping[int, str], *, builds_any: bool) -> None:
+        self.blocks = blocks
+        self.builds_any = builds_any
+        self._kind = planner_kind(shared, self.blocks_by_id)
+        # each block's kind, worked out once: asked on every sampled step, and a block's parameter names, shapes
+        # and dtypes do not change while it trains
+        self._kinds: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+
+    def layers_of(self, stage: int) -> list[int]:
+        return self.blocks[stage].ids
+
+    def blocks_by_id(self) -> dict[int, nn.Module]:
+        return {lid: block for stage_blocks in self.blocks.values() for lid, block in stage_blocks.blocks().items()}
+
+    def layer_kind(self, block: nn.Module) -> str:
+        return self._kind(block)
+
+    def can_build(self) -> list[str] | None:
+        if self.builds_any:
+            return None
+        kinds = set()
+        for block in self.blocks_by_id().values():
+            kind = self._kinds.get(block)
+            if kind is None:
+                kind = self._kinds[block] = block_kind(block)
+            kinds.add(kind)
+        return sorted(kinds)
