@@ -86,54 +86,6 @@ PUBLIC_UNDERSCORED = {
 }
 # namedtuple's own public API, underscored so that it never clashes with a field name
 NAMEDTUPLE_API = frozenset({"_asdict", "_replace", "_fields", "_field_defaults", "_make"})
-# TEMPORARY, until issue 47's tensor-manager restructuring lands (vpipe/tensor_manager/** is edited there): each
-# file's accesses as the test names them. The merge replaces each with its vpipe.compat function (the comment) and
-# removes the entry; the test fails on an entry no longer found.
-TENSOR_MANAGER_PENDING: dict[str, frozenset[str]] = {
-    "vpipe/tensor_manager/copy_engine.py": frozenset({
-        "torch._foreach_copy_",  # torch_internals.foreach_copy_
-        "getattr(torch._C, '_cuda_getCurrentRawStream')", "torch._C",  # torch_internals.raw_stream_getter()
-    }),
-    "vpipe/tensor_manager/handles.py": frozenset({
-        "torch.UntypedStorage._expired",  # torch_internals.weak_ref_expired
-        "torch.UntypedStorage._free_weak_ref",  # torch_internals.free_weak_ref
-    }),
-    "vpipe/tensor_manager/interception.py": frozenset({
-        "torch._C._current_graph_task_id",  # torch_internals.current_graph_task_id
-    }),
-    "vpipe/tensor_manager/layers.py": frozenset({
-        "t._base",  # torch_internals.view_base
-    }),
-    "vpipe/tensor_manager/phases.py": frozenset({
-        "torch._C._current_autograd_node",  # torch_internals.current_autograd_node
-        "torch._C._will_engine_execute_node",  # torch_internals.will_engine_execute_node
-    }),
-    "vpipe/tensor_manager/pipelining.py": frozenset({
-        "from torch.distributed.pipelining.stage import _PipelineStageBase",  # torch_distributed.PipelineStageBase
-        # vpipe's own mark on torch's stage object: a public place of the tensor manager's instead (its handles)
-        "'_vpipe_tensor_manager' in stage.__dict__", "stage.__dict__['_vpipe_tensor_manager']",
-        "self.stage.__dict__['_vpipe_tensor_manager']",
-    }),
-    "vpipe/tensor_manager/replay.py": frozenset({
-        "from torch.utils.checkpoint import _get_autocast_kwargs",  # torch_internals.get_autocast_kwargs
-        "from torch.utils.checkpoint import _get_device_module",  # torch_internals.get_device_module
-        "from torch.utils.checkpoint import _infer_device_type",  # torch_internals.infer_device_type
-        # torch_internals.active_device_context() (None: no torch.device context)
-        "from torch.overrides import _get_current_function_mode_stack",
-        "from torch.utils._device import DeviceContext",
-        # torch_internals.device_initialized
-        "getattr(module, '_initialized')", "getattr(_get_device_module(device_type), '_initialized')",
-        "sub._parameters", "sub._buffers",  # torch_internals.parameter_table, buffer_table
-    }),
-    "vpipe/tensor_manager/swap.py": frozenset({
-        "t._base",  # torch_internals.view_base
-        "storage._weak_ref",  # torch_internals.storage_weak_ref
-    }),
-    "vpipe/tensor_manager/swap_in.py": frozenset({
-        "torch._C._current_graph_task_id",  # torch_internals.current_graph_task_id
-        "torch._neg_view",  # torch_internals.neg_view
-    }),
-}
 
 
 @dataclass(frozen=True)
@@ -468,12 +420,11 @@ def test_only_the_compat_modules_touch_private_names_of_other_objects():
             continue
         file = str(path.relative_to(ROOT))
         for line, what in private_touches(ast.parse(path.read_text(), file)):
-            if what in PUBLIC_UNDERSCORED or what in TENSOR_MANAGER_PENDING.get(file, ()):
+            if what in PUBLIC_UNDERSCORED:
                 seen.add((file, what))
             else:
                 wrong.append(f"{file}:{line} {what}")
     assert not wrong, ("private names of other objects outside vpipe/compat/: add a named function to "
                        f"vpipe/compat/ (or public API to the vpipe object) and call it: {wrong}")
-    listed = {(file, what) for file, names in TENSOR_MANAGER_PENDING.items() for what in names}
-    stale = sorted(listed - seen) + sorted(w for w in PUBLIC_UNDERSCORED if not any(w == s for _, s in seen))
+    stale = sorted(w for w in PUBLIC_UNDERSCORED if not any(w == s for _, s in seen))
     assert not stale, f"allowed private names no longer used (remove them from the lists): {stale}"

@@ -172,9 +172,14 @@ def test_install_on_stage_uses_chunk_ids_and_skips_shape_inference(one_rank_grou
     with pytest.raises(RuntimeError, match="already has a vpipe tensor manager"):
         install_on_stage(stage, manager)
     assert "forward_one_chunk" in stage.__dict__
+    handle.run_plain(True)  # the stage's own methods back between steps: the manager is still installed
+    assert "forward_one_chunk" not in stage.__dict__
+    with pytest.raises(RuntimeError, match="already has a vpipe tensor manager"):
+        install_on_stage(stage, manager)
     handle.remove()
     assert not {"forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk",
                 "_vpipe_tensor_manager"} & set(stage.__dict__)
+    install_on_stage(stage, manager).remove()  # removed: a manager may be installed again
     with pytest.raises(TypeError, match="needs a torch.distributed.pipelining stage"):
         install_on_stage(nn.Linear(2, 2), manager)  # type: ignore[arg-type]
 

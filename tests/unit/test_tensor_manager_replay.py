@@ -40,7 +40,7 @@ def test_device_states_are_torch_checkpoints(args, monkeypatch):
         def walked(*_: object) -> None:
             raise AssertionError("flat arguments walked as trees")
 
-        monkeypatch.setattr(replay, "_infer_device_type", walked)
+        monkeypatch.setattr(replay, "infer_device_type", walked)
         monkeypatch.setattr(replay, "get_device_states", walked)
     _same(_device_states(args), want)
 

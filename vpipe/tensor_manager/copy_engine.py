@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from vpipe.compat.torch_internals import foreach_copy_, raw_stream_getter
 from vpipe.settings import PREFETCH_ALLOCS
 
 __all__ = ["Ticket", "CopyEngine", "CpuCopyEngine", "CudaCopyEngine", "make_copy_engine", "comm_process_group_options"]
@@ -159,7 +160,7 @@ class CpuCopyEngine(CopyEngine):
 
     def to_host_batch(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Ticket:
         t0 = time.perf_counter()
-        torch._foreach_copy_([dst for _, dst in pairs], [src for src, _ in pairs])
+        foreach_copy_([dst for _, dst in pairs], [src for src, _ in pairs])
         ticket = Ticket(D2H, sum(src.nbytes for src, _ in pairs), seconds=time.perf_counter() - t0)
         self._account(ticket)
         return ticket
@@ -168,7 +169,7 @@ class CpuCopyEngine(CopyEngine):
                         ) -> tuple[list[torch.Tensor], Ticket]:
         t0 = time.perf_counter()
         outs = [torch.empty_like(src, device=self.device) for src in sources]
-        torch._foreach_copy_(outs, list(sources))
+        foreach_copy_(outs, list(sources))
         ticket = Ticket(H2D, sum(src.nbytes for src in sources), seconds=time.perf_counter() - t0)
         self._account(ticket)
         return outs, ticket
@@ -201,7 +202,7 @@ class CudaCopyEngine(CopyEngine):
         self.h2d_stream = torch.cuda.Stream(device, priority=0)
         # torch.cuda.current_stream() costs about 20 us of Python (device lookup, a new Stream object); the
         # raw handle is one C call, so the Stream object is made again only when the current stream changes
-        self._raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        self._raw_stream = raw_stream_getter()
         self._stream_handle = -1
         self._stream: torch.cuda.Stream | None = None
 
@@ -243,7 +244,7 @@ class CudaCopyEngine(CopyEngine):
         try:
             start.record(stream)
             # one call for the batch: the per-pair dispatch runs in C++, not in Python
-            torch._foreach_copy_([dst for _, dst in pairs], [src for src, _ in pairs], non_blocking=True)
+            foreach_copy_([dst for _, dst in pairs], [src for src, _ in pairs], non_blocking=True)
             end.record(stream)
         finally:
             self._switch_back(compute, device)
@@ -274,7 +275,7 @@ class CudaCopyEngine(CopyEngine):
                 # allocated on the copy stream: the allocator will not hand this memory to the
                 # compute stream until consume() recorded the compute stream's use of it
                 outs = [torch.empty_like(src, device=self.device) for src in sources]
-            torch._foreach_copy_(outs, list(sources), non_blocking=True)
+            foreach_copy_(outs, list(sources), non_blocking=True)
             end.record(stream)
         finally:
             self._switch_back(compute, device)

@@ -11,8 +11,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-import torch
 from torch import nn
+
+from vpipe.compat.torch_internals import current_autograd_node, will_engine_execute_node
 
 __all__ = ["CurrentPass"]
 
@@ -71,7 +72,7 @@ class CurrentPass:
         """
         if self._reading_inputs:
             return False  # a recompute reading its inputs, not a backward node
-        node = torch._C._current_autograd_node()
+        node = current_autograd_node()
         if node is None:
             return False
         for child, _ in node.next_functions:
@@ -83,7 +84,7 @@ class CurrentPass:
                     return True
                 continue
             try:
-                if not torch._C._will_engine_execute_node(child):
+                if not will_engine_execute_node(child):
                     return True
             except RuntimeError:  # not a node of this pass's graph task: keep rather than fetch twice
                 return True

@@ -16,6 +16,7 @@ from collections import deque
 
 import torch
 
+from vpipe.compat.torch_internals import free_weak_ref, weak_ref_expired
 from vpipe.tensor_manager.copy_engine import Ticket
 from vpipe.tensor_manager.pool import PoolBlock
 
@@ -83,11 +84,11 @@ class SwappedEntry(StorageEntry):
 
     def storage_died(self) -> bool:
         """Whether the storage it was saved from is gone (its address may now belong to another)."""
-        return self.weak is not None and bool(torch.UntypedStorage._expired(self.weak))
+        return self.weak is not None and weak_ref_expired(self.weak)
 
     def forget_storage(self) -> None:
         if self.weak is not None:
-            torch.UntypedStorage._free_weak_ref(self.weak)
+            free_weak_ref(self.weak)
             self.weak = None
 
 

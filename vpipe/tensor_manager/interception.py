@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from vpipe.compat.torch_internals import current_graph_task_id
 from vpipe.plan import Policy
 from vpipe.tensor_manager.accounting import RecomputeCounter
 from vpipe.tensor_manager.governor import BudgetGovernor
@@ -115,7 +116,7 @@ class Interceptor:
     def pre_forward(self, layer: ManagedLayer, module: nn.Module, args: tuple[Any, ...]) -> None:
         frames = self._frames()
         if (self.mb is None or self._phases.running or not torch.is_grad_enabled()
-                or torch._C._current_graph_task_id() != -1):
+                or current_graph_task_id() != -1):
             frames.append(None)  # not a managed forward: shape inference, eval, recompute
             return
         if self._unmetered and layer.policy is Policy.KEEP and layer.input_shapes == input_shapes(args):

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from vpipe.compat.torch_internals import view_base
 from vpipe.plan import Policy
 from vpipe.tensor_manager.accounting import RecomputeCounter
 from vpipe.tensor_manager.handles import StorageEntry
@@ -178,7 +179,7 @@ class LayerCall:
 
     def is_weight(self, t: torch.Tensor) -> bool:
         """Parameters, views of them, stashed weight versions (leaves that require grad), buffers."""
-        base = t._base
+        base = view_base(t)
         root = t if base is None else base
         if root.grad_fn is not None:
             return False  # computed in this forward: an activation

@@ -25,11 +25,11 @@ puts them back for the first step that needs them.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
-from torch.distributed.pipelining.stage import _PipelineStageBase
-
 from vpipe import timeline
+from vpipe.compat.torch_distributed import PipelineStageBase
 from vpipe.tensor_manager.budget import MemoryBudgetError
 from vpipe.tensor_manager.manager import LayerBusyError, TensorManager
 from vpipe.tensor_manager.pool import HostPoolFullError
@@ -39,13 +39,16 @@ __all__ = ["install_on_stage", "StageHandle"]
 _WRAPPED = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
 _MISSING = object()
 _OWN_ERRORS = (MemoryBudgetError, HostPoolFullError, LayerBusyError)
+# the stages a manager is installed on now: vpipe's record, not a mark on torch's object (weak: a stage dropped
+# by its owner leaves the set by itself)
+_installed: weakref.WeakSet[PipelineStageBase] = weakref.WeakSet()
 
 
 class StageHandle:
     """Returned by :func:`install_on_stage`; ``remove()`` puts the stage's methods back, ``run_plain(True)`` sets
     them aside for as long as the manager has nothing to do."""
 
-    def __init__(self, stage: _PipelineStageBase, manager: TensorManager, saved: dict[str, Any],
+    def __init__(self, stage: PipelineStageBase, manager: TensorManager, saved: dict[str, Any],
                  wrappers: dict[str, Any]) -> None:
         self.stage = stage
         self.manager = manager
@@ -82,7 +85,7 @@ class StageHandle:
                     raise RuntimeError(f"stage {self.stage.stage_index}: {name} was replaced after vpipe wrapped "
                                        f"it; cannot restore it")
             self._restore()
-        del self.stage.__dict__["_vpipe_tensor_manager"]
+        _installed.discard(self.stage)
         self.removed = True
 
     def _restore(self) -> None:
@@ -93,12 +96,12 @@ class StageHandle:
                 self.stage.__dict__[name] = previous
 
 
-def _custom_weight_pass(stage: _PipelineStageBase) -> bool:
+def _custom_weight_pass(stage: PipelineStageBase) -> bool:
     """A ``dw_builder`` stage: its first backward call is a full backward, the second the user's function."""
     return getattr(stage, "dw_builder", None) is not None
 
 
-def _whole_backward_deferred(stage: _PipelineStageBase) -> bool:
+def _whole_backward_deferred(stage: PipelineStageBase) -> bool:
     """The first stage of a split backward: torch runs all of it in ``backward_weight_one_chunk``."""
     return stage.is_first and not _custom_weight_pass(stage)
 
@@ -115,11 +118,11 @@ def _stage_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, .
     return flat
 
 
-def install_on_stage(stage: _PipelineStageBase, manager: TensorManager) -> StageHandle:
+def install_on_stage(stage: PipelineStageBase, manager: TensorManager) -> StageHandle:
     """Route the stage's forwards and backwards through ``manager`` (micro-batch id = chunk id)."""
-    if not isinstance(stage, _PipelineStageBase):
+    if not isinstance(stage, PipelineStageBase):
         raise TypeError(f"install_on_stage needs a torch.distributed.pipelining stage, got {type(stage).__name__}")
-    if "_vpipe_tensor_manager" in stage.__dict__:
+    if stage in _installed:
         raise RuntimeError(f"stage {stage.stage_index} already has a vpipe tensor manager installed")
     saved = {name: stage.__dict__.get(name, _MISSING) for name in _WRAPPED}
     forward = stage.forward_one_chunk
@@ -189,5 +192,5 @@ def install_on_stage(stage: _PipelineStageBase, manager: TensorManager) -> Stage
         "backward_weight_one_chunk": backward_weight_one_chunk,
     }
     stage.__dict__.update(wrappers)
-    stage.__dict__["_vpipe_tensor_manager"] = manager
+    _installed.add(stage)
     return StageHandle(stage, manager, saved, wrappers)

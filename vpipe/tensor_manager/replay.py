@@ -31,20 +31,17 @@ from typing import Any
 import torch
 from torch import nn
 from torch.func import functional_call
-from torch.utils.checkpoint import (
-    DefaultDeviceType,
-    _get_autocast_kwargs,
-    _get_device_module,
-    _infer_device_type,
-    get_device_states,
-    set_device_states,
-)
+from torch.utils.checkpoint import DefaultDeviceType, get_device_states, set_device_states
 
-try:
-    from torch.overrides import _get_current_function_mode_stack
-    from torch.utils._device import DeviceContext
-except ImportError:  # pragma: no cover - every supported torch has both
-    _get_current_function_mode_stack = None  # type: ignore[assignment]
+from vpipe.compat.torch_internals import (
+    active_device_context,
+    buffer_table,
+    device_initialized,
+    get_autocast_kwargs,
+    get_device_module,
+    infer_device_type,
+    parameter_table,
+)
 
 __all__ = ["Replay", "SavedTensorHooks", "capture_weights", "forget_weight_places"]
 
@@ -65,7 +62,7 @@ def _weight_places(module: nn.Module) -> list[_Place]:
     if places is None:
         places = []
         for prefix, sub in module.named_modules(remove_duplicate=False):
-            for table, is_buffer in ((sub._parameters, False), (sub._buffers, True)):
+            for table, is_buffer in ((parameter_table(sub), False), (buffer_table(sub), True)):
                 places.extend((f"{prefix}.{key}" if prefix else key, table, key, is_buffer) for key in table)
         _places[module] = places
     return places
@@ -122,8 +119,8 @@ def _device_states(args: tuple[Any, ...]) -> tuple[str, list[int], list[torch.Te
     if len(types) > 1:  # torch's own warns that only one device type's states are kept
         return _device_states_in_trees(args)
     device_type = next(iter(types), None) or DefaultDeviceType.get_device_type()
-    module = _get_device_module(device_type)
-    if not devices or not getattr(module, "_initialized", False):
+    module = get_device_module(device_type)
+    if not devices or not device_initialized(module):
         return device_type, [], []
     states = []
     for index in devices:
@@ -134,8 +131,8 @@ def _device_states(args: tuple[Any, ...]) -> tuple[str, list[int], list[torch.Te
 
 def _device_states_in_trees(args: tuple[Any, ...]) -> tuple[str, list[int], list[torch.Tensor]]:
     """:func:`_device_states` by torch's own functions, which look into containers."""
-    device_type = _infer_device_type(*args)
-    if not getattr(_get_device_module(device_type), "_initialized", False):
+    device_type = infer_device_type(*args)
+    if not device_initialized(get_device_module(device_type)):
         return device_type, [], []
     devices, states = get_device_states(*args)
     each = dict(zip(devices, states))  # (torch's lists a device once per tensor on it; the states are equal)
@@ -149,18 +146,14 @@ def _autocast_on(device_type: str) -> bool:
 
 
 def _autocast_off(device_type: str) -> tuple[dict[str, Any] | None, dict[str, Any]]:
-    """Autocast arguments that turn it off, as ``_get_autocast_kwargs`` gives them."""
+    """Autocast arguments that turn it off, as ``get_autocast_kwargs`` gives them."""
     return ({"enabled": False} if torch.amp.is_autocast_available(device_type) else None), {"enabled": False}
 
 
 def _device_context() -> contextlib.AbstractContextManager[Any]:
     """The ``torch.device`` context the forward ran under, if any (the recompute must allocate alike)."""
-    if _get_current_function_mode_stack is None:  # pragma: no cover - every supported torch has it
-        return contextlib.nullcontext()
-    for mode in reversed(_get_current_function_mode_stack()):
-        if isinstance(mode, DeviceContext):
-            return mode
-    return contextlib.nullcontext()
+    context = active_device_context()
+    return contextlib.nullcontext() if context is None else context
 
 
 class Replay:
@@ -178,7 +171,7 @@ class Replay:
         self.layout = [None if isinstance(a, torch.Tensor) else a for a in args]
         # the state the original forward ran under, to run it again identically (as checkpoint does)
         self.device_type, self.rng_devices, self.device_rng = _device_states(args)
-        self.autocast = _get_autocast_kwargs(self.device_type) if _autocast_on(self.device_type) else None
+        self.autocast = get_autocast_kwargs(self.device_type) if _autocast_on(self.device_type) else None
         self.cpu_rng = torch.get_rng_state()
         self.device_ctx = _device_context()
         # each buffer with its value when the call began (the forward may update it: BatchNorm statistics)
@@ -251,7 +244,7 @@ class Replay:
         """The CPU RNG state and those of the call's devices now (what ``torch.random.fork_rng`` keeps)."""
         if not self.rng_devices:
             return torch.get_rng_state(), []
-        module = _get_device_module(self.device_type)
+        module = get_device_module(self.device_type)
         return torch.get_rng_state(), [module.get_rng_state(d) for d in self.rng_devices]
 
     def _set_rng(self, cpu: torch.Tensor, devices: list[torch.Tensor]) -> None:

@@ -33,6 +33,7 @@ from typing import TypeVar
 import torch
 
 from vpipe import timeline
+from vpipe.compat.torch_internals import storage_weak_ref, view_base
 from vpipe.tensor_manager.accounting import Ledger
 from vpipe.tensor_manager.copy_engine import CopyEngine, Ticket
 from vpipe.tensor_manager.handles import KeptHandle, StorageEntry, SwappedEntry, SwappedHandle
@@ -68,7 +69,7 @@ def dense_source(t: torch.Tensor, nbytes: int) -> torch.Tensor | None:
         return None
     if t.nbytes == nbytes and t.storage_offset() == 0 and t.is_contiguous():
         return t  # (a view too: its handle then gets the copy itself back)
-    whole = t._base
+    whole = view_base(t)
     if whole is not None and not (whole.is_conj() or whole.is_neg()) and whole.nbytes == nbytes \
             and whole.storage_offset() == 0 and whole.is_contiguous():
         return whole
@@ -167,7 +168,7 @@ class SwapEngine:
             raise HostPoolFullError(f"layer {layer}, micro-batch {mb}: {e}") from None
         entry = self._new_entry(SwappedEntry, key, layer, mb, nbytes)
         entry.host = block
-        entry.weak = storage._weak_ref()  # type: ignore[assignment]  # an int
+        entry.weak = storage_weak_ref(storage)
         # the device bytes stay held (and counted) until the copy has read them; the copy
         # itself is issued with the rest of the layer's at flush_swap_outs()
         source = dense_source(t, nbytes)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from vpipe import timeline
+from vpipe.compat.torch_internals import current_graph_task_id, neg_view
 from vpipe.tensor_manager.copy_engine import Ticket
 from vpipe.tensor_manager.handles import VIEW, WHOLE, SwappedEntry, SwappedHandle
 from vpipe.tensor_manager.swap import SwapEngine
@@ -71,7 +72,7 @@ class SwapIn:
             if serial != entry.last_phase:
                 entry.last_phase = serial
                 entry.phases += 1
-            task = torch._C._current_graph_task_id()  # one id per autograd pass
+            task = current_graph_task_id()  # one id per autograd pass
             if task != entry.task:
                 entry.task = task
                 entry.task_unpacks = 0
@@ -105,7 +106,7 @@ class SwapIn:
                 if handle.conj:
                     restored = restored.conj()
                 if handle.neg:
-                    restored = torch._neg_view(restored)
+                    restored = neg_view(restored)
             # the node using it holds the storage until it finished; drop the entry's copy once no
             # live handle expects another unpack: in a weight pass the handles the input pass was
             # the last user of are never unpacked, elsewhere every handle is unpacked once per pass
@@ -155,7 +156,7 @@ class SwapIn:
             return True
         if weight_only:
             return False
-        return entry.task != torch._C._current_graph_task_id() or entry.task_unpacks < entry.refs
+        return entry.task != current_graph_task_id() or entry.task_unpacks < entry.refs
 
     def host_bytes(self, mb: int, weight_only: bool = False) -> int:
         """Bytes of ``mb`` that are only on the host and its next pass needs (what a prefetch would copy)."""
