@@ -48,7 +48,7 @@ from vpipe.rank.replicas import ReplicaPlans, Replicas, ReplicaStats, check_repl
 from vpipe.rank.state import restore_vpipe_state, vpipe_state
 from vpipe.rank.steps import MicroBatchCounter, StepDriver
 from vpipe.rank.tracing import TraceWindow
-from vpipe.stage.compiled import hoist_compiled, unhoist_all
+from vpipe.stage.compiled import hoist_compiled
 from vpipe.stage.fsdp import FsdpRoot, is_fully_sharded
 from vpipe.stage.optimizers import optimizer_parts
 from vpipe.stage.pins import outside_tensors, pin_reason, planner_kind, shared_pins
@@ -125,8 +125,9 @@ class Vpipe:
         initial = Plan(epoch=0, stages=placement, policies=config.initial_policies())
         self.agreement.agree_run_secret(self._who)
         # blocks compiled in place run their forward compiled and vpipe's hooks around it (before any hook goes on)
-        if hoist_compiled(b for s in pipeline.stages if s.blocks is not None for b in s.blocks.blocks().values()):
-            self._undo.append(unhoist_all)
+        hoisted = hoist_compiled(b for s in pipeline.stages if s.blocks is not None for b in s.blocks.blocks().values())
+        if hoisted:
+            self._undo.append(hoisted.undo)  # this attach's blocks only
         self.stage_handles: dict[int, StageHandle] = {}  # (filled by _start_tensor_managers)
         self.tensor_managers = self._start_tensor_managers(initial) if config.tensor_manager else {}
         self.session = self._start_session(initial)

@@ -1,0 +1,32 @@
+"""What an attach sets up in the process is its own: a second attach, or a detach, touches only its own."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from vpipe.stage.compiled import compile_like, hoist_compiled
+
+
+def _compiled_block() -> nn.Module:
+    block = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    block.compile(backend="eager")
+    return block
+
+
+def _hoisted(block: nn.Module) -> bool:
+    return "forward" in block.__dict__ and block._compiled_call_impl is None
+
+
+def test_undoing_one_attachs_hoisting_leaves_the_others_blocks_hoisted():
+    mine, theirs = _compiled_block(), _compiled_block()
+    first, second = hoist_compiled([mine]), hoist_compiled([theirs])
+    assert len(first) == len(second) == 1 and _hoisted(mine) and _hoisted(theirs)
+    assert len(hoist_compiled([mine])) == 0  # hoisted once, whoever asks
+    clone = _compiled_block()
+    clone._compiled_call_impl = None
+    compile_like(theirs, clone)  # a block built for a move joins its donor's attach
+    second.undo()
+    assert _hoisted(mine) and not _hoisted(theirs) and not _hoisted(clone)
+    assert theirs._compiled_call_impl is not None and "forward" not in theirs.__dict__  # compiled whole again
+    first.undo()
+    assert not _hoisted(mine)
