@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from vpipe import timeline
 from vpipe.stage.compiled import compile_like, hoist_compiled
 
 
@@ -30,3 +31,21 @@ def test_undoing_one_attachs_hoisting_leaves_the_others_blocks_hoisted():
     assert theirs._compiled_call_impl is not None and "forward" not in theirs.__dict__  # compiled whole again
     first.undo()
     assert not _hoisted(mine)
+
+
+def test_stopping_one_timeline_window_leaves_the_other_recording(tmp_path):
+    first = timeline.start(0, tmp_path / "first", [0])
+    second = timeline.start(1, tmp_path / "second", [1])
+    try:
+        with timeline.span("vpipe.forward", timeline.COMPUTE, 0, mb=0):
+            pass
+        assert timeline.stop(second) == tmp_path / "second" / "timeline-rank1.json"
+        assert timeline.recording(first) and not timeline.recording(second) and timeline.recording()
+        with timeline.span("vpipe.backward", timeline.COMPUTE, 0, mb=0):
+            pass
+    finally:
+        written = timeline.stop(first)
+    assert not timeline.recording() and timeline.stop(first) is None
+    assert [e["name"] for e in timeline.load_rank_file(written).events] == ["vpipe.forward", "vpipe.backward"]
+    assert [e["name"] for e in timeline.load_rank_file(tmp_path / "second" / "timeline-rank1.json").events] == \
+        ["vpipe.forward"]
