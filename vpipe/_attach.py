@@ -90,8 +90,7 @@ class Vpipe:
             raise RuntimeError("vpipe.attach needs torch.distributed initialised first (torchrun or vpipe train)")
         self.config = config
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()  # in the world (logs, files)
-        if config.log_file is not None:
-            run_log.configure(config.log_file, rank=self.rank)
+        self._run_log = None if config.log_file is None else run_log.RunLog(config.log_file, rank=self.rank)
         self.pipeline = pipeline = inspect_target(target)
         if pipeline.kind == "pipedream" and optimizer is None:
             optimizer = pipeline.schedule.optimizer
@@ -388,6 +387,8 @@ class Vpipe:
         self.agreement.clear()
         for stage in self.pipeline.stages:
             decision("detached", f"vpipe detached from stage {stage.index}", stage=stage.index)
+        if self._run_log is not None:  # after the last line it takes
+            self._run_log.close()
         if errors:
             raise RuntimeError(f"vpipe.detach could not undo everything: {errors[0]}") from errors[0]
 

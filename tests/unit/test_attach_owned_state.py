@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import logging
+
 from torch import nn
 
+from vpipe import log as run_log
 from vpipe import timeline
+from vpipe.log import RunLog, decision, read_log, step_record
 from vpipe.stage.compiled import compile_like, hoist_compiled
 
 
@@ -31,6 +35,29 @@ def test_undoing_one_attachs_hoisting_leaves_the_others_blocks_hoisted():
     assert theirs._compiled_call_impl is not None and "forward" not in theirs.__dict__  # compiled whole again
     first.undo()
     assert not _hoisted(mine)
+
+
+def test_two_run_logs_are_independent_and_the_commands_configuration_leaves_them_alone(tmp_path):
+    a, b = RunLog(tmp_path / "a.log", rank=0), RunLog(tmp_path / "b.log", rank=0)
+    try:
+        decision("plan", "both")  # logging is the process's: every open run log takes every record
+        step_record(1, 0.1)
+        run_log.configure(None)  # the command's logging: not an attach's run log
+        b.close()
+        decision("plan", "a only")
+        step_record(2, 0.2)
+        again = RunLog(tmp_path / "a.log", rank=0)  # a second owner of one file shares its handler
+        assert again.handler is a.handler
+        again.close()
+        decision("plan", "a still")
+    finally:
+        a.close()
+        b.close()
+    decision("plan", "nowhere")
+    msgs = {name: [r["msg"] for r in read_log(tmp_path / name)] for name in ("a.log", "b.log")}
+    assert msgs == {"a.log": ["both", "step 1 took 0.1000 s", "a only", "step 2 took 0.2000 s", "a still"],
+                    "b.log": ["both", "step 1 took 0.1000 s"]}
+    assert not [h for h in logging.getLogger("vpipe").handlers if isinstance(h, run_log.RunLogHandler)]
 
 
 def test_stopping_one_timeline_window_leaves_the_other_recording(tmp_path):

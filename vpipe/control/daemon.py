@@ -377,11 +377,7 @@ def cmd_planner(args: argparse.Namespace, argv: Any = None) -> int:
     if args.log_file:
         vlog.configure(args.log_file, rank=None)
     else:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("vpipe planner: %(message)s"))
-        handler._vpipe = True  # type: ignore[attr-defined]  # vpipe's own: the next configure() replaces it
-        logging.getLogger("vpipe").addHandler(handler)
-        logging.getLogger("vpipe").setLevel(logging.INFO)
+        vlog.log_to_stderr("vpipe planner: ")
     to_background()  # imports done and the planner loaded: from here on, plan below the ranks' priority
     daemon = PlannerDaemon(args.connect, planner, planner_name=args.planner, heartbeat_s=args.heartbeat,
                            stage_timeout_s=max(30.0, 20 * args.heartbeat), idle_timeout_s=args.idle_timeout,
