@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 from torch import nn
 
 from vpipe import log as run_log
 from vpipe import timeline
+from vpipe.control.daemon import PlannerDaemon, load_planner
 from vpipe.log import RunLog, decision, read_log, step_record
+from vpipe.planner import DEFAULT_PLANNER
+from vpipe.planner.online import OnlinePlanner
 from vpipe.stage.compiled import compile_like, hoist_compiled
 
 
@@ -76,3 +80,16 @@ def test_stopping_one_timeline_window_leaves_the_other_recording(tmp_path):
     assert [e["name"] for e in timeline.load_rank_file(written).events] == ["vpipe.forward", "vpipe.backward"]
     assert [e["name"] for e in timeline.load_rank_file(tmp_path / "second" / "timeline-rank1.json").events] == \
         ["vpipe.forward"]
+
+
+def test_each_daemon_plans_with_a_planner_of_its_own():
+    entry = load_planner(DEFAULT_PLANNER)
+    daemons = [PlannerDaemon("tcp://127.0.0.1:9", entry, curve=None) for _ in range(2)]
+    try:
+        assert all(isinstance(d.planner, OnlinePlanner) for d in daemons)
+        assert daemons[0].planner is not daemons[1].planner
+    finally:
+        for d in daemons:
+            d.close()
+    with pytest.raises(TypeError, match="makes planners, one per daemon"):
+        entry([], None)

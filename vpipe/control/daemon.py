@@ -5,7 +5,8 @@ does, against the endpoint the last stage logs and stores under ``vpipe/ctl/plan
 It binds only its own inbox, on the address that routes to the last stage (loopback on
 one host), says ``hello`` until welcomed, then for each full stats vector calls the
 planner function ``planner(vector, current) -> Plan | None`` (an import path such as
-``vpipe.planner.online:srp``) and sends back any plan with a newer epoch. Every
+``vpipe.planner.online:srp``; an entry with ``for_daemon()`` gives each daemon a planner of
+its own) and sends back any plan with a newer epoch. Every
 vector is planned, in order (a planner may want several samples); if the planner falls
 behind by more than ``backlog`` vectors the oldest waiting ones are dropped, with a log line.
 
@@ -132,7 +133,10 @@ class PlannerDaemon:
             server_key, f"the last stage at {connect}")
         self._max_bytes = max_message_bytes
         self.connect = connect
-        self.planner = planner
+        # a planner entry that makes planners (vpipe's srp) gives this daemon one of its own: a planner remembers
+        # its samples, and two daemons in one process must not share them
+        for_daemon = getattr(planner, "for_daemon", None)
+        self.planner: PlannerFn = for_daemon() if callable(for_daemon) else planner
         self.planner_name = planner_name or getattr(planner, "__name__", "planner")
         self.heartbeat_s = heartbeat_s
         self.stage_timeout_s = stage_timeout_s
