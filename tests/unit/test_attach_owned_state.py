@@ -1,13 +1,21 @@
-"""What an attach sets up in the process is its own: a second attach, or a detach, touches only its own."""
+"""What an attach sets up in the process is its own: a second attach, or a detach, touches only its own.
+
+Compiled blocks hoisted, run logs, timeline windows, the planner a daemon plans with, and the settings read once.
+"""
 
 from __future__ import annotations
 
 import logging
 
 import pytest
+import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
+import vpipe
 from vpipe import log as run_log
+from vpipe import settings as settings_module
 from vpipe import timeline
 from vpipe.control.daemon import PlannerDaemon, load_planner
 from vpipe.log import RunLog, decision, read_log, step_record
@@ -93,3 +101,53 @@ def test_each_daemon_plans_with_a_planner_of_its_own():
             d.close()
     with pytest.raises(TypeError, match="makes planners, one per daemon"):
         entry([], None)
+
+
+@pytest.fixture
+def one_rank():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _pipeline() -> tuple[nn.Module, ScheduleGPipe]:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    model[0].compile(backend="eager")
+    stage = PipelineStage(model, 0, 1, torch.device("cpu"))
+    return model, ScheduleGPipe(stage, 2, loss_fn=lambda out, target: ((out - target) ** 2).mean())
+
+
+def test_attach_reads_the_settings_once_and_a_detach_undoes_only_its_own(one_rank, tmp_path, monkeypatch):
+    reads = []
+    real = settings_module.Settings.read.__func__  # type: ignore[attr-defined]
+
+    def counted(cls, environ=None):
+        reads.append(environ)
+        return real(cls, environ)
+
+    monkeypatch.setattr(settings_module.Settings, "read", classmethod(counted))
+    monkeypatch.setenv("VPIPE_TRACE_DIR", str(tmp_path / "trace-a"))
+    model_a, schedule_a = _pipeline()
+    model_b, schedule_b = _pipeline()
+    a = vpipe.attach(schedule_a, optimizer=torch.optim.SGD(model_a.parameters(), lr=0.1), planning=False,
+                     trace_steps=(0, 3), log_file=str(tmp_path / "a.log"))
+    assert len(reads) == 1 and a.config.trace_dir == str(tmp_path / "trace-a")  # one read, handed on
+    b = vpipe.attach(schedule_b, optimizer=torch.optim.SGD(model_b.parameters(), lr=0.1), planning=False,
+                     trace_steps=(0, 1), trace_dir=str(tmp_path / "trace-b"), log_file=str(tmp_path / "b.log"))
+    assert len(reads) == 2
+    try:
+        for _ in range(2):
+            schedule_a.step(torch.randn(4, 4), target=torch.randn(4, 4))
+            schedule_b.step(torch.randn(4, 4), target=torch.randn(4, 4))
+        b.detach()
+        assert _hoisted(model_a[0]) and not _hoisted(model_b[0])  # a's blocks stay as a made them
+        assert a.driver.trace is not None and a.driver.trace.recording  # and its window records on
+        schedule_a.step(torch.randn(4, 4), target=torch.randn(4, 4))
+    finally:
+        a.detach()
+        b.detach()
+    assert len(reads) == 2
+    assert (tmp_path / "trace-a" / "timeline-rank0.json").exists() and (tmp_path / "trace-b").exists()
+    events = {name: [r.get("event") for r in read_log(tmp_path / name) if r.get("event") in ("attached", "detached")]
+              for name in ("a.log", "b.log")}
+    assert events == {"a.log": ["attached", "attached", "detached", "detached"], "b.log": ["attached", "detached"]}

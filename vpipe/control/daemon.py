@@ -14,7 +14,8 @@ A planner takes configuration as data: ``--planner-config JSON`` (a JSON object;
 stage passes the pipeline's shape this way) goes to the planner function's
 ``configured(config)``, which checks it and returns the planner function to call.
 
-With CURVE on (:mod:`vpipe.control.curve`, configured by the environment it inherits) its
+With CURVE on (:mod:`vpipe.control.curve`, configured by the environment it inherits, read once
+when the command starts) its
 inbox is a CURVE server like every rank's, and it needs the last stage's public key
 (``--server-key``; the last stage passes its own when it starts the daemon, and logs it).
 
@@ -42,7 +43,7 @@ import zmq
 
 from vpipe import log as vlog
 from vpipe.control.channel import FROM_ENV, Inbox, Outbox, resolve_curve
-from vpipe.control.curve import CurveConfig, CurveGuard
+from vpipe.control.curve import CurveConfig, CurveGuard, RunKeys
 from vpipe.control.doorman import DAEMON_CONNECTIONS
 from vpipe.control.keys import check_z85_key, read_public_file
 from vpipe.control.messages import MAX_MESSAGE_BYTES, PLANNER, Message, make
@@ -53,6 +54,7 @@ from vpipe.monitors.records import StageRecord
 from vpipe.plan import MAX_EPOCH_STEP, Plan, PlanError
 from vpipe.planner import DEFAULT_PLANNER
 from vpipe.planner.judge import PlanJudge
+from vpipe.settings import Settings
 
 log = logging.getLogger("vpipe.planner.daemon")
 
@@ -123,8 +125,9 @@ class PlannerDaemon:
         backlog: int = 16,
         server_key: bytes | str | None = None,
         curve: CurveConfig | str | None = FROM_ENV,
+        host: str | None = None,
     ) -> None:
-        host, _ = check_endpoint(connect)
+        stage_host, _ = check_endpoint(connect)
         self.curve = resolve_curve(curve)
         if self.curve is not None and server_key is None:
             raise ValueError(f"CURVE is on: the planner daemon needs the last stage's public key "
@@ -149,7 +152,7 @@ class PlannerDaemon:
         self.skipped = 0
         self.backlog = backlog
         self._context = zmq.Context()
-        bind, advertise = control_host(master_addr=host)
+        bind, advertise = control_host(host, master_addr=stage_host)
         self.bind_host = bind
         name = "planner daemon inbox"
         self.guard = None if self.curve is None else CurveGuard(self._context, self.curve, name=name)
@@ -378,6 +381,8 @@ def cmd_planner(args: argparse.Namespace, argv: Any = None) -> int:
     config = None if args.planner_config is None else parse_planner_config(args.planner_config)
     planner = load_planner(args.planner, config)
     server_key = _server_key(args.server_key)  # every argument checked before anything is installed
+    settings = Settings.read()  # the command's one read of the VPIPE_* variables (CURVE, control host)
+    curve = RunKeys(settings).curve()
     if args.log_file:
         vlog.configure(args.log_file, rank=None)
     else:
@@ -385,7 +390,8 @@ def cmd_planner(args: argparse.Namespace, argv: Any = None) -> int:
     to_background()  # imports done and the planner loaded: from here on, plan below the ranks' priority
     daemon = PlannerDaemon(args.connect, planner, planner_name=args.planner, heartbeat_s=args.heartbeat,
                            stage_timeout_s=max(30.0, 20 * args.heartbeat), idle_timeout_s=args.idle_timeout,
-                           parent_pid=args.parent_pid, server_key=server_key)
+                           parent_pid=args.parent_pid, server_key=server_key, curve=curve,
+                           host=settings.control_host)
     return daemon.run()
 
 
