@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -49,7 +48,7 @@ from torch.utils.checkpoint import checkpoint
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from vpipe.plan import Policy  # noqa: E402
-from vpipe.settings import PREFETCH_ALLOC_ENV  # noqa: E402
+from vpipe.settings import from_environment  # noqa: E402
 from vpipe.tensor_manager import TensorManager  # noqa: E402
 from vpipe.tensor_manager.accounting import format_bytes  # noqa: E402
 from vpipe_lab.runtime.models import build_model, transformer_lm  # noqa: E402
@@ -57,8 +56,8 @@ from vpipe_lab.runtime.models import build_model, transformer_lm  # noqa: E402
 
 def prefetch_alloc_from_env() -> str:
     """Where this run's tensor managers allocate prefetched copies: ``VPIPE_PREFETCH_ALLOC`` (the GPU suite sets
-    ``compute`` for one run), ``copy`` when unset; the manager refuses any other value."""
-    return os.environ.get(PREFETCH_ALLOC_ENV) or "copy"
+    ``compute`` for one run), ``copy`` when unset, read as ``vpipe.attach`` reads it (another value is refused)."""
+    return str(from_environment("prefetch_alloc"))
 
 
 VARIANTS = ("plain", "vpipe D", "vpipe D metered", "vpipe S", "vpipe R", "vpipe 40%", "save_on_cpu", "checkpoint")

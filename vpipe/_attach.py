@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import Store
 
-from vpipe import faults
 from vpipe import log as run_log
+from vpipe.control.curve import RunKeys
 from vpipe.control.session import ControlOptions, ControlSession
 from vpipe.log import decision
 from vpipe.migration.layer_manager import LayerListener, LayerManager
@@ -51,7 +51,8 @@ from vpipe.rank.replicas import ReplicaPlans, Replicas, ReplicaStats, check_repl
 from vpipe.rank.state import restore_vpipe_state, vpipe_state
 from vpipe.rank.steps import MicroBatchCounter, StepDriver
 from vpipe.rank.tracing import TraceWindow
-from vpipe.stage.compiled import hoist_compiled, unhoist_all
+from vpipe.settings import Settings
+from vpipe.stage.compiled import hoist_compiled
 from vpipe.stage.fsdp import FsdpRoot, is_fully_sharded
 from vpipe.stage.optimizers import optimizer_parts
 from vpipe.stage.pipeline import AttachTarget, Pipeline, check_optimizer, inspect_target, move_refusal
@@ -78,22 +79,22 @@ def attach(target: AttachTarget, *, optimizer: OptimizerArg = None, config: Vpip
     """
     if config is not None and options:
         raise TypeError("pass either config= or keyword options, not both")
-    check_environment()  # every VPIPE_* variable, before any default reads one
-    config = config or VpipeConfig(**options)
-    return Vpipe(target, optimizer=optimizer, config=config, store=store)
+    settings = check_environment()  # every VPIPE_* variable, read once here and handed on
+    config = config or VpipeConfig.from_settings(settings, **options)
+    return Vpipe(target, optimizer=optimizer, config=config, store=store, settings=settings)
 
 
 class Vpipe:
     """vpipe on one rank: tensor managers, monitors + control session, layer manager, plan application."""
 
     def __init__(self, target: AttachTarget, *, optimizer: OptimizerArg, config: VpipeConfig,
-                 store: Store | None = None) -> None:
+                 store: Store | None = None, settings: Settings | None = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError("vpipe.attach needs torch.distributed initialised first (torchrun or vpipe train)")
         self.config = config
+        self.settings = settings if settings is not None else check_environment()
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()  # in the world (logs, files)
-        if config.log_file is not None:
-            run_log.configure(config.log_file, rank=self.rank)
+        self._run_log = None if config.log_file is None else run_log.RunLog(config.log_file, rank=self.rank)
         self.pipeline = pipeline = inspect_target(target)
         if pipeline.kind == "pipedream" and optimizer is None:
             optimizer = pipeline.schedule.optimizer
@@ -125,10 +126,12 @@ class Vpipe:
         self.memory_budget = resolve_memory_budget(config.memory_budget, pipeline.device)
         self.memories = self._memories()
         initial = Plan(epoch=0, stages=placement, policies=config.initial_policies())
-        self.agreement.agree_run_secret(self._who)
+        self.keys = RunKeys(self.settings)  # this attach's control-plane keys
+        self.agreement.agree_run_secret(self._who, self.keys)
         # blocks compiled in place run their forward compiled and vpipe's hooks around it (before any hook goes on)
-        if hoist_compiled(b for s in pipeline.stages if s.blocks is not None for b in s.blocks.blocks().values()):
-            self._undo.append(unhoist_all)
+        hoisted = hoist_compiled(b for s in pipeline.stages if s.blocks is not None for b in s.blocks.blocks().values())
+        if hoisted:
+            self._undo.append(hoisted.undo)  # this attach's blocks only
         self.stage_handles: dict[int, StageHandle] = {}  # (filled by _start_tensor_managers)
         self.tensor_managers = self._start_tensor_managers(initial) if config.tensor_manager else {}
         # the stage description holds the blocks: the monitors read them, the layer manager (which tells the
@@ -211,7 +214,8 @@ class Vpipe:
             layers = stage.blocks.blocks()
             kwargs: dict[str, Any] = {"device": self.pipeline.device,
                                       "budget_bytes": self.memories[stage.index].activation_budget(),
-                                      "policies": {lid: initial.policy(lid) for lid in layers}}
+                                      "policies": {lid: initial.policy(lid) for lid in layers},
+                                      "prefetch_alloc": self.settings.prefetch_alloc}
             if self.config.min_swap_bytes is not None:
                 kwargs["min_swap_bytes"] = self.config.min_swap_bytes
             if self.config.host_pool_bytes is not None:
@@ -235,6 +239,8 @@ class Vpipe:
         planning = plans and self.num_stages - 1 in self._local
         options = ControlOptions(sample_every=config.sample_every, max_sample_every=config.sampling_cap,
                                  planner=config.planner if plans else None, log_file=config.log_file,
+                                 planner_timeout_s=self.settings.planner_timeout_s,
+                                 control_host=self.settings.control_host, keys=self.keys,
                                  planner_config=planner_config(config, pipeline, self.memory_budget,
                                                                self.move_refusal is None) if planning else None)
         # one planner sees every replica: the slowest / fullest per stage
@@ -267,8 +273,8 @@ class Vpipe:
             stage_ranks=pipeline.stage_ranks, optimizer=self.optimizer, factory=self.config.layer_factory,
             specs=self.config.specs, messenger=ControlMessenger(self.session.plane, self.pipe_rank),
             channel=TransferChannel(pipeline.device, world_ranks=self.replicas.world_ranks), device=pipeline.device,
-            timeout_s=self.config.migration_timeout_s, faults=faults.migration_faults(self.rank), shared=shared,
-            listeners=listeners)
+            timeout_s=self.config.migration_timeout_s, faults=self.settings.faults.migration_faults(self.rank),
+            shared=shared, listeners=listeners)
         self._undo.append(manager.close)
         return manager
 
@@ -381,6 +387,8 @@ class Vpipe:
         self.agreement.clear()
         for stage in self.pipeline.stages:
             decision("detached", f"vpipe detached from stage {stage.index}", stage=stage.index)
+        if self._run_log is not None:  # after the last line it takes
+            self._run_log.close()
         if errors:
             raise RuntimeError(f"vpipe.detach could not undo everything: {errors[0]}") from errors[0]
 

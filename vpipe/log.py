@@ -30,7 +30,8 @@ MAX_LOG_BYTES = 2 << 30  # what `vpipe logs` / `vpipe plot` read of a run log at
 STEPS = "vpipe.steps"
 step_log = logging.getLogger(STEPS)
 
-__all__ = ["configure", "decision", "step_record", "read_log", "RunLogHandler", "StderrHandler", "DECISIONS", "STEPS"]
+__all__ = ["RunLog", "configure", "log_to_stderr", "decision", "step_record", "read_log", "RunLogHandler",
+           "DECISIONS", "STEPS"]
 
 
 def _jsonable(value: Any) -> Any:
@@ -66,11 +67,6 @@ def json_line(t: float, rank: int | None, logger: str, level: str, fields: dict[
     if exc is not None:
         entry["exc"] = exc
     return json.dumps(entry, separators=(",", ":"))
-
-
-class StderrHandler(logging.StreamHandler):
-    """vpipe's own handler to standard error (the planner daemon's without a log file): like a run log, the next
-    :func:`configure` replaces it."""
 
 
 class RunLogHandler(logging.FileHandler):
@@ -152,28 +148,73 @@ class RunLogHandler(logging.FileHandler):
             pass
 
 
-_run_log: RunLogHandler | None = None
-_failed_files: dict[str, str] = {}  # run logs that failed a write in this process, and why
+_failed_files: dict[str, str] = {}  # run logs that failed a write in this process, and why (said once each)
+
+# Python's logging is one tree per process: every handler on the "vpipe" logger gets every vpipe record, whichever
+# attach made it. So the state here is keyed by its owners: one handler per (file, rank), shared by the RunLogs
+# that name it (two would write each record twice) and removed when the last of them closes; step records go
+# straight to each open one (what logging would do, without its cost).
+_open: dict[tuple[str, int | None], tuple[RunLogHandler, list[RunLog]]] = {}
+_configured: list[Any] = []  # what configure() set up: the command's own (a process runs one command)
+
+
+class RunLog:
+    """One owner's run log (an attach's, a command's): vpipe's records as JSON lines in ``log_file``, until
+    :meth:`close`, which removes this owner's part and nothing of another's."""
+
+    def __init__(self, log_file: str | os.PathLike[str], rank: int | None = None, level: int = logging.INFO) -> None:
+        check_output_file(log_file, "log file")  # a FIFO would block the open, a directory fail it
+        Path(log_file).parent.mkdir(parents=True, exist_ok=True)
+        key = (os.path.abspath(log_file), rank)
+        if key not in _open:
+            handler = RunLogHandler(log_file, rank)
+            _open[key] = (handler, [])
+            logging.getLogger("vpipe").addHandler(handler)
+        logging.getLogger("vpipe").setLevel(level)
+        self.handler, owners = _open[key]
+        owners.append(self)
+        self._key: tuple[str, int | None] | None = key
+
+    def close(self) -> None:
+        """Stop logging to the file for this owner (the file's handler goes when its last owner closes)."""
+        key, self._key = self._key, None
+        if key is None or key not in _open:
+            return
+        handler, owners = _open[key]
+        owners.remove(self)
+        if not owners:
+            del _open[key]
+            logging.getLogger("vpipe").removeHandler(handler)
+            handler.close()
 
 
 def configure(log_file: str | os.PathLike[str] | None, rank: int | None = None, level: int = logging.INFO) -> None:
-    """Send vpipe's loggers (decisions included) to ``log_file`` as JSON lines."""
-    global _run_log
-    root = logging.getLogger("vpipe")
-    root.setLevel(level)
-    _run_log = None
-    for handler in list(root.handlers):
-        if isinstance(handler, (RunLogHandler, StderrHandler)):  # vpipe's own: replaced
-            root.removeHandler(handler)
-            handler.close()
-    if log_file is None:
-        return
-    check_output_file(log_file, "log file")  # a FIFO would block the open, a directory fail it
-    Path(log_file).parent.mkdir(parents=True, exist_ok=True)
-    handler = RunLogHandler(log_file, rank)
-    root.addHandler(handler)
-    if step_log.isEnabledFor(logging.INFO):
-        _run_log = handler
+    """The command's logging: vpipe's loggers (decisions included) to ``log_file`` as JSON lines, in place of what
+    the command configured before (None: nowhere). An attach's own run log (:class:`RunLog`) is left alone."""
+    _unconfigure()
+    logging.getLogger("vpipe").setLevel(level)
+    if log_file is not None:
+        _configured.append(RunLog(log_file, rank, level))
+
+
+def log_to_stderr(prefix: str) -> None:
+    """The command's logging to stderr, each line after ``prefix`` (in place of what it configured before)."""
+    _unconfigure()
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"{prefix}%(message)s"))
+    logging.getLogger("vpipe").addHandler(handler)
+    logging.getLogger("vpipe").setLevel(logging.INFO)
+    _configured.append(handler)
+
+
+def _unconfigure() -> None:
+    while _configured:
+        done = _configured.pop()
+        if isinstance(done, RunLog):
+            done.close()
+        else:
+            logging.getLogger("vpipe").removeHandler(done)
+            done.close()
 
 
 def decision(event: str, message: str = "", **fields: Any) -> None:
@@ -183,9 +224,12 @@ def decision(event: str, message: str = "", **fields: Any) -> None:
 
 def step_record(step: int, step_s: float, **fields: Any) -> None:
     """Log one finished training step (the last stage logs them: its pace is the pipeline's)."""
-    if _run_log is not None:  # straight to the run log
-        _run_log.add_step(step, step_s, fields)
-    elif step_log.isEnabledFor(logging.INFO):
+    if not step_log.isEnabledFor(logging.INFO):
+        return
+    if _open:  # straight to the run logs
+        for handler, _ in list(_open.values()):
+            handler.add_step(step, step_s, fields)
+    else:
         step_log.info("step %d took %.4f s", step, step_s,
                       extra={"vpipe_fields": {"step": step, "step_s": step_s, **fields}})
 

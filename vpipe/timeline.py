@@ -7,7 +7,9 @@ and receives, swap-outs and prefetches, recomputes, and plan applications (moves
 window's end each rank writes ``timeline-rank{r}.json`` into ``trace_dir`` (a new file renamed
 into place, so a link planted there is never followed; a write that fails is said once on
 stderr and training goes on without it). Outside the window nothing is recorded: every
-producer asks :func:`span`, which hands back one shared do-nothing context.
+producer asks :func:`span`, which hands back one shared do-nothing context. Each window is its
+owner's :class:`Recorder` (an attach's): a second attach, or a detach, in the same process
+starts and stops only its own.
 
 **torch.profiler.** The same spans open ``record_function`` ranges named ``vpipe.*`` while
 torch's profiler runs, window or not, so vpipe's work shows under its own names in a user's
@@ -38,8 +40,8 @@ from typing import Any
 
 from vpipe.files import write_atomic
 
-__all__ = ["span", "active", "start", "stop", "recording", "set_track", "RANK_TRACK", "merge", "stage_fractions",
-           "load_rank_file", "load_run", "draw", "register", "FILE_PATTERN"]
+__all__ = ["span", "active", "start", "stop", "recording", "Recorder", "set_track", "RANK_TRACK", "merge",
+           "stage_fractions", "load_rank_file", "load_run", "draw", "register", "FILE_PATTERN"]
 
 FORMAT = "vpipe-timeline"
 VERSION = 1
@@ -50,8 +52,8 @@ MAX_FILE_BYTES = 256 << 20  # a rank's file; a window of a few steps is kilobyte
 MAX_EVENTS = 2_000_000  # per rank and window: a window too long for memory stops recording, said in the file
 
 
-class _Recorder:
-    """One rank's events of the window, written as one JSON file when it ends."""
+class Recorder:
+    """One rank's events of one window, written as one JSON file when it ends."""
 
     def __init__(self, rank: int, path: Path, stages: list[int]) -> None:
         self.rank = rank
@@ -94,25 +96,35 @@ def _say(line: str) -> None:
         pass
 
 
-_recorder: _Recorder | None = None
+# The windows open in this process, each its owner's (an attach's TraceWindow): a producer (the tensor manager, a
+# schedule) does not know its attach, so what it reports goes to every open window; each owner starts and stops
+# its own, and stopping one leaves the others recording.
+_recorders: list[Recorder] = []
 _track = 0  # the stage whose forward or backward runs now (one at a time per rank): where memory work goes
 
 
-def start(rank: int, directory: str | Path, stages: Iterable[int]) -> None:
-    """Begin recording this rank's window (its file: ``directory/timeline-rank{rank}.json``)."""
-    global _recorder
-    _recorder = _Recorder(rank, Path(directory) / FILE_PATTERN.format(rank=rank), sorted(stages))
+def start(rank: int, directory: str | Path, stages: Iterable[int]) -> Recorder:
+    """Begin recording a window of this rank (its file: ``directory/timeline-rank{rank}.json``); the recorder is
+    the caller's, to :func:`stop`."""
+    recorder = Recorder(rank, Path(directory) / FILE_PATTERN.format(rank=rank), sorted(stages))
+    _recorders.append(recorder)
+    return recorder
 
 
-def stop() -> Path | None:
-    """End the window and write its file; returns the file (None when nothing was recording)."""
-    global _recorder
-    recorder, _recorder = _recorder, None
-    return recorder.write() if recorder is not None else None
+def stop(recorder: Recorder | None = None) -> Path | None:
+    """End ``recorder``'s window (default: the one opened last) and write its file; returns the file (None when
+    it was not recording)."""
+    if recorder is None:
+        recorder = _recorders[-1] if _recorders else None
+    if recorder is None or recorder not in _recorders:
+        return None
+    _recorders.remove(recorder)
+    return recorder.write()
 
 
-def recording() -> bool:
-    return _recorder is not None
+def recording(recorder: Recorder | None = None) -> bool:
+    """Whether ``recorder`` (default: any window of this process) records."""
+    return recorder in _recorders if recorder is not None else bool(_recorders)
 
 
 def set_track(track: int) -> None:
@@ -151,8 +163,7 @@ class _Span:
 
     def __exit__(self, *exc: object) -> None:
         end = time.time_ns()
-        recorder = _recorder
-        if recorder is not None:
+        for recorder in _recorders:
             recorder.add(self.name, self.cat, _track if self.track is None else self.track, self.t0, end, self.args)
         if self.range is not None:
             self.range.__exit__(None, None, None)
@@ -163,14 +174,14 @@ _NOTHING = contextlib.nullcontext()
 
 def active() -> bool:
     """Whether a span now would do anything (a window records, or torch's profiler runs)."""
-    return _recorder is not None or _profiling()
+    return bool(_recorders) or _profiling()
 
 
 def span(name: str, cat: str, track: int | None = None, **args: Any) -> contextlib.AbstractContextManager[Any]:
     """A context around one piece of vpipe's or the stage's work: recorded inside the window, a profiler range
     while torch's profiler runs, nothing otherwise. ``track``: the stage (None: the one running now) or
     :data:`RANK_TRACK`."""
-    if _recorder is None and not _profiling():
+    if not _recorders and not _profiling():
         return _NOTHING
     return _Span(name, cat, track, args)
 

@@ -428,3 +428,103 @@ def test_only_the_compat_modules_touch_private_names_of_other_objects():
                        f"vpipe/compat/ (or public API to the vpipe object) and call it: {wrong}")
     stale = sorted(w for w in PUBLIC_UNDERSCORED if not any(w == s for _, s in seen))
     assert not stale, f"allowed private names no longer used (remove them from the lists): {stale}"
+
+
+# ---------------------------------------------------------------------- the environment
+SETTINGS_MODULE = "vpipe.settings"  # reads every VPIPE_* variable, once, where vpipe starts (docs/architecture.md)
+# Modules that still read a VPIPE_* variable themselves, each with its reason; each entry must still be needed.
+ENVIRONMENT_READERS: dict[str, str] = {}
+_LOG_CALLS = {"debug", "info", "warning", "error", "exception", "critical", "log"}
+_ENVIRON_WRITES = {"pop", "popitem", "update", "setdefault", "clear", "__setitem__", "__delitem__"}
+
+
+def _library_trees() -> Iterator[tuple[str, ast.Module]]:
+    for module, path in modules().items():
+        if module.split(".")[0] == "vpipe":
+            yield module, ast.parse(path.read_text(), str(path))
+
+
+def _variable_names() -> set[str]:
+    """Names of module-level constants whose value is a VPIPE_* variable's name (``RUN_SECRET_ENV`` ...)."""
+    names = set()
+    for _module, tree in _library_trees():
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) \
+                    and isinstance(node.value.value, str) and node.value.value.startswith("VPIPE_"):
+                names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    return names
+
+
+def _names_a_variable(node: ast.AST | None, constants: set[str]) -> bool:
+    if isinstance(node, ast.Constant):
+        return isinstance(node.value, str) and node.value.startswith("VPIPE_")
+    return (isinstance(node, ast.Name) and node.id in constants) or \
+        (isinstance(node, ast.Attribute) and node.attr in constants)
+
+
+def _is_environ(node: ast.AST) -> bool:
+    """``os.environ`` (or ``environ`` imported from os)."""
+    return (isinstance(node, ast.Attribute) and node.attr == "environ" and isinstance(node.value, ast.Name)
+            and node.value.id == "os") or (isinstance(node, ast.Name) and node.id == "environ")
+
+
+def _variable_reads(tree: ast.Module, constants: set[str]) -> Iterator[int]:
+    """Lines that look a VPIPE_* variable up: ``X.get(NAME)``, ``X[NAME]``, ``NAME in X`` (any mapping: an
+    environment is often passed on under another name), a call handed a variable's name (``getenv(NAME)``, a
+    helper that reads it), and ``os.environ`` looked up by a computed name (it could be one)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and any(_names_a_variable(arg, constants) for arg in node.args) and not (
+                isinstance(node.func, ast.Attribute) and node.func.attr in _LOG_CALLS):  # a name in a message
+            yield node.lineno
+        elif isinstance(node, ast.Call) and node.args and not isinstance(node.args[0], ast.Constant) and (
+                (isinstance(node.func, ast.Attribute) and node.func.attr == "get" and _is_environ(node.func.value))
+                or (isinstance(node.func, ast.Attribute) and node.func.attr == "getenv")):
+            yield node.lineno
+        elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) and (
+                _names_a_variable(node.slice, constants)
+                or (_is_environ(node.value) and not isinstance(node.slice, ast.Constant))):
+            yield node.lineno
+        elif isinstance(node, ast.Compare) and _names_a_variable(node.left, constants) \
+                and any(isinstance(op, (ast.In, ast.NotIn)) for op in node.ops):
+            yield node.lineno
+
+
+def test_only_the_settings_module_reads_vpipe_variables():
+    """Every VPIPE_* variable is read in vpipe/settings.py, once, where vpipe starts; the parts get the value.
+    (A launcher builds its children's environment: that is a dict it writes, not a read; the laboratory's
+    own variables, VPIPE_HEARTBEAT_TIMEOUT and the warm starter's, are the laboratory's.)"""
+    constants = _variable_names()
+    readers = {module: lines for module, tree in _library_trees() if module != SETTINGS_MODULE
+               if (lines := sorted(set(_variable_reads(tree, constants))))}
+    unexpected = {m: lines for m, lines in readers.items() if m not in ENVIRONMENT_READERS}
+    assert not unexpected, f"VPIPE_* variables read outside {SETTINGS_MODULE} (take them from Settings): {unexpected}"
+    stale = sorted(set(ENVIRONMENT_READERS) - set(readers))
+    assert not stale, f"ENVIRONMENT_READERS lists modules that no longer read a VPIPE_* variable: {stale}"
+    tree = ast.parse((ROOT / "vpipe" / "settings.py").read_text())
+    assert any(_is_environ(node) for node in ast.walk(tree)), "vpipe/settings.py no longer reads the environment"
+
+
+def test_the_library_never_writes_the_environment():
+    """Values pass between vpipe's parts as arguments, and to a child process in an environment built for it:
+    ``os.environ`` is the user's."""
+    writes = []
+    for module, tree in _library_trees():
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else \
+                [node.target] if isinstance(node, ast.AugAssign) else []
+            if any(isinstance(t, ast.Subscript) and _is_environ(t.value) for t in targets):
+                writes.append(f"{module}:{node.lineno}")
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and (
+                    (node.func.attr in _ENVIRON_WRITES and _is_environ(node.func.value))
+                    or (node.func.attr in ("putenv", "unsetenv") and isinstance(node.func.value, ast.Name)
+                        and node.func.value.id == "os")):
+                writes.append(f"{module}:{node.lineno}")
+    assert not writes, f"the library writes os.environ (pass the value on instead): {writes}"
+
+
+def test_the_environment_checks_see_what_they_look_for():
+    constants = {"SECRET_ENV"}
+    tree = ast.parse("import os\nos.environ.get('VPIPE_X')\nenv[SECRET_ENV]\nos.getenv(m.SECRET_ENV)\n"
+                     "'VPIPE_Y' in environ\nos.environ.get('HOME')\n{'VPIPE_Z': 1}\nos.environ.get(name)\n"
+                     "os.environ[name]\n_env_seconds('VPIPE_T', 5.0)\nos.environ.items()\n")
+    assert sorted(_variable_reads(tree, constants)) == [2, 3, 4, 5, 8, 9, 10]

@@ -25,12 +25,13 @@ from zmq.utils.monitor import recv_monitor_message
 from support.control_runs import decisions, planner_env
 from support.processes import ROOT, wait_while_running
 from support.results import assert_params_equal, load_run_params
-from vpipe.control.curve import RUN_SECRET_ENV, RUN_SECRET_FILE_ENV
+from vpipe.control.curve import RUN_SECRET_ENV, RUN_SECRET_FILE_ENV, RunKeys
 from vpipe.control.keys import KeyFileError
 from vpipe.control.messages import PLANNER, encode, make
 from vpipe.control.run_key import AUTH_ENV, agree_run_key, read_private_key
 from vpipe.log import read_log
 from vpipe.plan import Plan
+from vpipe.settings import Settings
 from vpipe_lab.runtime.config import RunConfig
 from vpipe_lab.runtime.reference import reference_flush
 
@@ -187,10 +188,11 @@ def _store():
 
 def test_two_ranks_share_a_key_through_a_private_file_that_is_gone_after(clean_env):
     store, got, errors = _store(), {}, []
+    keys = {r: RunKeys(Settings()) for r in (0, 1)}  # each rank's attach's own
 
     def rank(r: int) -> None:
         try:
-            got[r] = agree_run_key(store, rank=r, world_size=2, timeout_s=10, who=f"rank {r}")
+            got[r] = agree_run_key(store, rank=r, world_size=2, timeout_s=10, who=f"rank {r}", keys=keys[r])
         except Exception as e:  # noqa: BLE001 - reported by the assert below
             errors.append(e)
 
@@ -200,7 +202,9 @@ def test_two_ranks_share_a_key_through_a_private_file_that_is_gone_after(clean_e
     for t in threads:
         t.join(20)
     assert not errors and got == {0: "private-file", 1: "private-file"}
-    secret = os.environ[RUN_SECRET_ENV]
+    secret = keys[0].secret
+    assert keys[1].secret == secret and RUN_SECRET_ENV not in os.environ  # held by the attach, not the process
+    assert keys[0].curve() == keys[1].curve() is not None
     assert len(secret) == 40 and secret.encode() not in store.get("ctl/run-key-file")
     assert not os.path.exists(store.get("ctl/run-key-file").decode())
 

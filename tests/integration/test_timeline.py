@@ -108,7 +108,7 @@ def test_trace_steps_are_checked_where_they_enter(monkeypatch):
     with pytest.raises(ValueError, match="trace_steps must be"):
         VpipeConfig(trace_steps=(2, 0))
     monkeypatch.setenv("VPIPE_TRACE_STEPS", "5")
-    with pytest.raises(ValueError, match="VPIPE_TRACE_STEPS must be 'start,count'"):
+    with pytest.raises(ValueError, match="VPIPE_TRACE_STEPS='5': expected START,COUNT"):  # as attach says it
         VpipeConfig()
     monkeypatch.setenv("VPIPE_TRACE_STEPS", "5,2")
     monkeypatch.setenv("VPIPE_TRACE_DIR", "/tmp/somewhere")

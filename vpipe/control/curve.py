@@ -7,7 +7,8 @@ process's zmq context), and every outbox is a CURVE client that only connects to
 whose public key is listed, so both ends are authenticated and the traffic is encrypted.
 
 Configured by environment variables, so ``torchrun`` passes it to every rank and the
-planner daemon inherits it; both or neither must be set:
+planner daemon inherits it (read with the others into :class:`~vpipe.settings.Settings`,
+once, where vpipe starts); both or neither must be set:
 
 ``VPIPE_CURVE_SECRET_FILE``
     this host's key pair (``NAME.key_secret`` from ``vpipe keys``, mode 0600); its public
@@ -29,6 +30,11 @@ complete a handshake, so it cannot inject stats, plans or a ``hello``. To attach
 daemon by hand, the last stage writes the secret to a file only its user can read
 (``VPIPE_CURVE_RUN_SECRET_FILE``) and logs the command that uses it. CURVE is off only
 where this libzmq lacks it, or across hosts without a key given (with a warning).
+
+One attach's keys are a :class:`RunKeys`: the settings, the secret agreed at attach, and
+the private file made for a daemon started by hand. It hands them to the sockets and, as an
+environment of their own, to the daemon it starts; nothing is written to this process's
+environment, so a second attach in the process agrees on a key of its own.
 """
 
 from __future__ import annotations
@@ -49,12 +55,13 @@ import zmq
 from zmq.utils import z85
 
 from vpipe.control.keys import KeyFileError, public_keys_from, read_secret_file
+from vpipe.settings import Settings
 
 log = logging.getLogger("vpipe.control")
 
 __all__ = ["SECRET_ENV", "PUBLIC_ENV", "RUN_SECRET_ENV", "RUN_SECRET_FILE_ENV", "CurveConfig", "curve_from_env",
-           "CurveGuard", "log_due", "new_run_secret", "configured_by_files", "has_run_secret", "run_secret_file",
-           "private_key_file", "remove_private_key_files"]
+           "RunKeys", "CurveGuard", "log_due", "new_run_secret", "private_key_file", "remove_private_key_file",
+           "remove_private_key_files"]
 
 SECRET_ENV = "VPIPE_CURVE_SECRET_FILE"
 PUBLIC_ENV = "VPIPE_CURVE_PUBLIC_KEYS"
@@ -68,30 +75,6 @@ def new_run_secret() -> str | None:
     if not zmq.has("curve"):
         return None
     return zmq.curve_keypair()[1].decode("ascii")
-
-
-def configured_by_files(environ: dict[str, str] | None = None) -> bool:
-    """Whether the user set up CURVE with key files (then no run key is made)."""
-    env = os.environ if environ is None else environ
-    return bool(env.get(SECRET_ENV, "").strip() or env.get(PUBLIC_ENV, "").strip())
-
-
-def has_run_secret(environ: dict[str, str] | None = None) -> bool:
-    env = os.environ if environ is None else environ
-    return bool(env.get(RUN_SECRET_ENV, "").strip() or env.get(RUN_SECRET_FILE_ENV, "").strip())
-
-
-def run_secret_file() -> str | None:
-    """A file only this user can read holding the run's secret (written once, removed at exit), for a daemon
-    started by hand."""
-    if os.environ.get(RUN_SECRET_FILE_ENV):
-        return os.environ[RUN_SECRET_FILE_ENV]
-    secret = os.environ.get(RUN_SECRET_ENV, "").strip()
-    if not secret:
-        return None
-    path = private_key_file(secret)
-    os.environ[RUN_SECRET_FILE_ENV] = path
-    return path
 
 
 _PRIVATE_FOLDERS: list[str] = []  # the key folders this process made, removed at exit
@@ -139,28 +122,20 @@ def _remove_orphaned_folders() -> None:
             continue
 
 
-def remove_private_key_files() -> None:
-    """Remove every key folder this process made (at exit, including the fast exits that skip ``atexit``)."""
-    while _PRIVATE_FOLDERS:
-        folder = _PRIVATE_FOLDERS.pop()
+def remove_private_key_file(path: str) -> None:
+    """Remove the key folder :func:`private_key_file` made for ``path`` (and only it)."""
+    folder = os.path.dirname(path)
+    if folder in _PRIVATE_FOLDERS:
+        _PRIVATE_FOLDERS.remove(folder)
         shutil.rmtree(folder, ignore_errors=True)
-        if os.path.dirname(os.environ.get(RUN_SECRET_FILE_ENV, "")) == folder:
-            del os.environ[RUN_SECRET_FILE_ENV]
 
 
-def _run_config(env: Mapping[str, str]) -> CurveConfig | None:
-    secret_text = env.get(RUN_SECRET_ENV, "").strip()
-    secret_file = env.get(RUN_SECRET_FILE_ENV, "").strip()
-    if not secret_text and secret_file:  # a bare key or a `vpipe keys` secret file, private, bounded
-        secret_text = read_secret_file(secret_file)[1].decode("ascii")
-    if not secret_text or not zmq.has("curve"):
-        return None
-    try:
-        secret = secret_text.encode("ascii")
-        public = zmq.curve_public(secret)
-    except (UnicodeEncodeError, ValueError, zmq.ZMQError) as e:
-        raise KeyFileError(f"{RUN_SECRET_ENV} is not a CURVE secret key ({e})") from None
-    return CurveConfig(public=public, secret=secret, trusted=frozenset({public}))
+def remove_private_key_files() -> None:
+    """Remove every key folder this process made (at exit, including the fast exits that skip ``atexit``).
+
+    The list is the process's, not an attach's: whoever made a folder, none may outlive the process."""
+    while _PRIVATE_FOLDERS:
+        shutil.rmtree(_PRIVATE_FOLDERS.pop(), ignore_errors=True)
 
 
 def log_due(n: int, first: int = 100, every: int = 1000) -> bool:
@@ -208,18 +183,89 @@ class CurveConfig:
         socket.setsockopt(zmq.CURVE_SECRETKEY, self.secret)
 
 
-def curve_from_env(environ: dict[str, str] | None = None) -> CurveConfig | None:
-    """The CURVE configuration the environment asks for, None when CURVE is off; errors name the problem."""
-    env = os.environ if environ is None else environ
-    secret_file = env.get(SECRET_ENV, "").strip()
-    public_keys = [p for p in env.get(PUBLIC_ENV, "").split(os.pathsep) if p.strip()]
-    if not secret_file and not public_keys:
-        return _run_config(env)
-    if not secret_file:
-        raise KeyFileError(f"{PUBLIC_ENV} is set but {SECRET_ENV} is not: CURVE needs this host's secret key file")
-    if not public_keys:
-        raise KeyFileError(f"{SECRET_ENV} is set but {PUBLIC_ENV} is not: CURVE needs the public keys to admit")
-    return CurveConfig.from_files(Path(secret_file), public_keys)
+def curve_from_env(environ: Mapping[str, str] | None = None) -> CurveConfig | None:
+    """The CURVE configuration ``environ`` (default: this process's environment) asks for, None when CURVE is
+    off; errors name the problem. (For a process that has no settings of its own: an attach hands its own on.)"""
+    return RunKeys(Settings.read(environ)).curve()
+
+
+class RunKeys:
+    """One attach's (or one command's) CURVE keys: the key files the settings name, or the run's secret (given
+    in the settings, or agreed at attach by :func:`~vpipe.control.run_key.agree_run_key`), and the private
+    file holding it that a daemon started by hand reads (made when first asked for, removed by :meth:`close`)."""
+
+    def __init__(self, settings: Settings, secret: str | None = None) -> None:
+        self.settings = settings
+        self._agreed = secret
+        self._file: str | None = None
+
+    @classmethod
+    def read(cls, environ: Mapping[str, str] | None = None) -> RunKeys:
+        return cls(Settings.read(environ))
+
+    @property
+    def by_files(self) -> bool:
+        """Whether the user set up CURVE with key files (then no run key is made)."""
+        return bool(self.settings.curve_secret_file or self.settings.curve_public_keys)
+
+    @property
+    def given(self) -> bool:
+        """Whether the launcher or the user gave the run's secret (or a file holding it)."""
+        return bool(self.settings.curve_run_secret or self.settings.curve_run_secret_file)
+
+    @property
+    def secret(self) -> str:
+        """The run's secret as text: agreed at attach, or given; "" when neither."""
+        return self._agreed or self.settings.curve_run_secret
+
+    def agree(self, secret: str) -> None:
+        """The secret the ranks agreed on at attach: this run's from now on."""
+        self._agreed = secret
+
+    def curve(self) -> CurveConfig | None:
+        """The CURVE configuration these keys make, None when CURVE is off; errors name the problem."""
+        settings = self.settings
+        if not self.by_files:
+            return self._run_config()
+        if not settings.curve_secret_file:
+            raise KeyFileError(f"{PUBLIC_ENV} is set but {SECRET_ENV} is not: CURVE needs this host's secret key "
+                               "file")
+        if not settings.curve_public_keys:
+            raise KeyFileError(f"{SECRET_ENV} is set but {PUBLIC_ENV} is not: CURVE needs the public keys to admit")
+        return CurveConfig.from_files(Path(settings.curve_secret_file), list(settings.curve_public_keys))
+
+    def _run_config(self) -> CurveConfig | None:
+        secret_text = self.secret
+        if not secret_text and self.settings.curve_run_secret_file:  # a bare key or a `vpipe keys` secret file
+            secret_text = read_secret_file(self.settings.curve_run_secret_file)[1].decode("ascii")
+        if not secret_text or not zmq.has("curve"):
+            return None
+        try:
+            secret = secret_text.encode("ascii")
+            public = zmq.curve_public(secret)
+        except (UnicodeEncodeError, ValueError, zmq.ZMQError) as e:
+            raise KeyFileError(f"{RUN_SECRET_ENV} is not a CURVE secret key ({e})") from None
+        return CurveConfig(public=public, secret=secret, trusted=frozenset({public}))
+
+    def secret_file(self) -> str | None:
+        """A file only this user can read holding the run's secret, for a daemon started by hand: the one the
+        settings name, else one made now (once); None without a run secret."""
+        if self.settings.curve_run_secret_file:
+            return self.settings.curve_run_secret_file
+        if self._file is None and self.secret:
+            self._file = private_key_file(self.secret)
+        return self._file
+
+    def child_env(self) -> dict[str, str]:
+        """What a process this one starts (the planner daemon) needs in its environment to hold the same keys,
+        beyond what it inherits: the secret agreed at attach."""
+        return {RUN_SECRET_ENV: self._agreed} if self._agreed else {}
+
+    def close(self) -> None:
+        """Remove the key file :meth:`secret_file` made (not another attach's)."""
+        if self._file is not None:
+            remove_private_key_file(self._file)
+            self._file = None
 
 
 class CurveGuard:

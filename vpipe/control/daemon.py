@@ -5,7 +5,8 @@ does, against the endpoint the last stage logs and stores under ``vpipe/ctl/plan
 It binds only its own inbox, on the address that routes to the last stage (loopback on
 one host), says ``hello`` until welcomed, then for each full stats vector calls the
 planner function ``planner(vector, current) -> Plan | None`` (an import path such as
-``vpipe.planner.online:srp``) and sends back any plan with a newer epoch. Every
+``vpipe.planner.online:srp``; an entry with ``for_daemon()`` gives each daemon a planner of
+its own) and sends back any plan with a newer epoch. Every
 vector is planned, in order (a planner may want several samples); if the planner falls
 behind by more than ``backlog`` vectors the oldest waiting ones are dropped, with a log line.
 
@@ -13,7 +14,8 @@ A planner takes configuration as data: ``--planner-config JSON`` (a JSON object;
 stage passes the pipeline's shape this way) goes to the planner function's
 ``configured(config)``, which checks it and returns the planner function to call.
 
-With CURVE on (:mod:`vpipe.control.curve`, configured by the environment it inherits) its
+With CURVE on (:mod:`vpipe.control.curve`, configured by the environment it inherits, read once
+when the command starts) its
 inbox is a CURVE server like every rank's, and it needs the last stage's public key
 (``--server-key``; the last stage passes its own when it starts the daemon, and logs it).
 
@@ -41,7 +43,7 @@ import zmq
 
 from vpipe import log as vlog
 from vpipe.control.channel import FROM_ENV, Inbox, Outbox, resolve_curve
-from vpipe.control.curve import CurveConfig, CurveGuard
+from vpipe.control.curve import CurveConfig, CurveGuard, RunKeys
 from vpipe.control.doorman import DAEMON_CONNECTIONS
 from vpipe.control.keys import check_z85_key, read_public_file
 from vpipe.control.messages import MAX_MESSAGE_BYTES, PLANNER, Message, make
@@ -52,6 +54,7 @@ from vpipe.monitors.records import StageRecord
 from vpipe.plan import MAX_EPOCH_STEP, Plan, PlanError
 from vpipe.planner import DEFAULT_PLANNER
 from vpipe.planner.judge import PlanJudge
+from vpipe.settings import Settings
 
 log = logging.getLogger("vpipe.planner.daemon")
 
@@ -122,8 +125,9 @@ class PlannerDaemon:
         backlog: int = 16,
         server_key: bytes | str | None = None,
         curve: CurveConfig | str | None = FROM_ENV,
+        host: str | None = None,
     ) -> None:
-        host, _ = check_endpoint(connect)
+        stage_host, _ = check_endpoint(connect)
         self.curve = resolve_curve(curve)
         if self.curve is not None and server_key is None:
             raise ValueError(f"CURVE is on: the planner daemon needs the last stage's public key "
@@ -132,7 +136,10 @@ class PlannerDaemon:
             server_key, f"the last stage at {connect}")
         self._max_bytes = max_message_bytes
         self.connect = connect
-        self.planner = planner
+        # a planner entry that makes planners (vpipe's srp) gives this daemon one of its own: a planner remembers
+        # its samples, and two daemons in one process must not share them
+        for_daemon = getattr(planner, "for_daemon", None)
+        self.planner: PlannerFn = for_daemon() if callable(for_daemon) else planner
         self.planner_name = planner_name or getattr(planner, "__name__", "planner")
         self.heartbeat_s = heartbeat_s
         self.stage_timeout_s = stage_timeout_s
@@ -145,7 +152,7 @@ class PlannerDaemon:
         self.skipped = 0
         self.backlog = backlog
         self._context = zmq.Context()
-        bind, advertise = control_host(master_addr=host)
+        bind, advertise = control_host(host, master_addr=stage_host)
         self.bind_host = bind
         name = "planner daemon inbox"
         self.guard = None if self.curve is None else CurveGuard(self._context, self.curve, name=name)
@@ -374,17 +381,17 @@ def cmd_planner(args: argparse.Namespace, argv: Any = None) -> int:
     config = None if args.planner_config is None else parse_planner_config(args.planner_config)
     planner = load_planner(args.planner, config)
     server_key = _server_key(args.server_key)  # every argument checked before anything is installed
+    settings = Settings.read()  # the command's one read of the VPIPE_* variables (CURVE, control host)
+    curve = RunKeys(settings).curve()
     if args.log_file:
         vlog.configure(args.log_file, rank=None)
     else:
-        handler = vlog.StderrHandler(sys.stderr)  # vpipe's own: the next configure() replaces it
-        handler.setFormatter(logging.Formatter("vpipe planner: %(message)s"))
-        logging.getLogger("vpipe").addHandler(handler)
-        logging.getLogger("vpipe").setLevel(logging.INFO)
+        vlog.log_to_stderr("vpipe planner: ")
     to_background()  # imports done and the planner loaded: from here on, plan below the ranks' priority
     daemon = PlannerDaemon(args.connect, planner, planner_name=args.planner, heartbeat_s=args.heartbeat,
                            stage_timeout_s=max(30.0, 20 * args.heartbeat), idle_timeout_s=args.idle_timeout,
-                           parent_pid=args.parent_pid, server_key=server_key)
+                           parent_pid=args.parent_pid, server_key=server_key, curve=curve,
+                           host=settings.control_host)
     return daemon.run()
 
 

@@ -4,8 +4,8 @@ Binding to every interface would expose the control plane to the whole network, 
 default is the narrowest address that the peers can reach: ``127.0.0.1`` when the
 rendezvous (``MASTER_ADDR``) is on loopback, else this host's address on the interface
 that routes to ``MASTER_ADDR`` (found by connecting a UDP socket, which sends nothing).
-``VPIPE_CONTROL_HOST`` overrides it explicitly; a wildcard there (``0.0.0.0``) binds all
-interfaces but still advertises the routed address.
+``VPIPE_CONTROL_HOST`` (the settings' ``control_host``) overrides it explicitly; a wildcard
+there (``0.0.0.0``) binds all interfaces but still advertises the routed address.
 """
 
 from __future__ import annotations
@@ -14,11 +14,13 @@ import ipaddress
 import os
 import re
 import socket
+from collections.abc import Mapping
+
+from vpipe.settings import WILDCARDS, from_environment
 
 __all__ = ["control_host", "route_address", "check_endpoint", "tcp_endpoint", "is_loopback"]
 
 _ENDPOINT = re.compile(r"^tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]{1,253}):(\d{1,5})$")
-_WILDCARDS = ("0.0.0.0", "::", "*")
 
 
 def is_loopback(host: str) -> bool:
@@ -46,18 +48,19 @@ def route_address(remote: str, port: int = 9) -> str:
 
 
 def control_host(
-    explicit: str | None = None, *, master_addr: str | None = None, environ: dict[str, str] | None = None
+    explicit: str | None = None, *, master_addr: str | None = None, environ: Mapping[str, str] | None = None
 ) -> tuple[str, str]:
     """(address to bind, address to advertise) for this process's control sockets.
 
-    ``explicit`` (else ``VPIPE_CONTROL_HOST``) wins; otherwise loopback or the address
-    routing to ``master_addr`` (else ``MASTER_ADDR``).
+    ``explicit`` (an attach passes its settings' ``control_host``; None: ``VPIPE_CONTROL_HOST`` as ``environ``
+    sets it) wins; otherwise loopback or the address routing to ``master_addr`` (else ``MASTER_ADDR``,
+    torchrun's rendezvous address).
     """
     env = os.environ if environ is None else environ
     master = master_addr if master_addr is not None else env.get("MASTER_ADDR", "127.0.0.1")
-    explicit = (explicit if explicit is not None else env.get("VPIPE_CONTROL_HOST", "")).strip()
+    explicit = (explicit if explicit is not None else from_environment("control_host", environ)).strip()
     if explicit:
-        if explicit in _WILDCARDS:
+        if explicit in WILDCARDS:
             return explicit, ("127.0.0.1" if is_loopback(master) else route_address(master))
         try:
             ipaddress.ip_address(explicit)

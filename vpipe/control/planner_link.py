@@ -24,13 +24,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from vpipe.control.channel import PLANNER_CONNECT_KEY, ControlPlane
-from vpipe.control.curve import (
-    RUN_SECRET_FILE_ENV,
-    configured_by_files,
-    log_due,
-    remove_private_key_files,
-    run_secret_file,
-)
+from vpipe.control.curve import RUN_SECRET_FILE_ENV, RunKeys, log_due
 from vpipe.control.messages import Message, make
 from vpipe.control.netaddr import check_endpoint
 from vpipe.log import decision
@@ -77,6 +71,7 @@ class PlannerLink:
         heartbeat_s: float = 0.5,
         log_file: str | None = None,
         backlog: int = 16,
+        keys: RunKeys | None = None,
     ) -> None:
         if timeout_s <= heartbeat_s:
             raise ValueError(f"planner timeout {timeout_s} s must exceed the heartbeat {heartbeat_s} s")
@@ -86,6 +81,7 @@ class PlannerLink:
         self.timeout_s = timeout_s
         self.heartbeat_s = heartbeat_s
         self.log_file = log_file
+        self.keys = keys if keys is not None else RunKeys.read()  # the attach's: what the daemon it starts holds
         self.process: subprocess.Popen | None = None
         self.attached_pid: int | None = None
         self.attached_endpoint: str | None = None
@@ -98,7 +94,7 @@ class PlannerLink:
         self.refused_hellos = 0
         plane.store.set(PLANNER_CONNECT_KEY, plane.endpoint)
         server_key = plane.curve.public if plane.curve else None
-        secret_file = run_secret_file() if plane.curve is not None and not configured_by_files() else None
+        secret_file = self.keys.secret_file() if plane.curve is not None and not self.keys.by_files else None
         self.manual_command = manual_command(plane.endpoint, server_key, secret_file)
         log.info("planner daemons connect to %s (%s)", plane.endpoint, self.manual_command,
                  extra={"vpipe_fields": {"manual_command": self.manual_command}})
@@ -121,8 +117,10 @@ class PlannerLink:
                *daemon_arguments(self.plane.endpoint, planner, parent_pid=os.getpid(), heartbeat_s=self.heartbeat_s,
                                  server_key=self.plane.curve.public if self.plane.curve else None,
                                  log_file=self.log_file, planner_config=config)]
+        # its environment: this process's (the settings the daemon reads at its start), not a rank's, with the
+        # attach's run key
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "GROUP_RANK")}
-        env["OMP_NUM_THREADS"] = "1"
+        env.update(self.keys.child_env(), OMP_NUM_THREADS="1")
         self.process = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)  # it lowers itself when ready
         decision("planner_started", f"started planner daemon pid {self.process.pid} running {planner}",
                  pid=self.process.pid, planner=planner, endpoint=self.plane.endpoint)
@@ -144,7 +142,7 @@ class PlannerLink:
                     self.process.kill()
                     self.process.wait()
             self.process = None
-        remove_private_key_files()  # the key file of the logged manual command
+        self.keys.close()  # the key file of the logged manual command
 
     # ---------------------------------------------------------------- traffic
     def handle(self, message: Message, current: Plan | None) -> None:

@@ -28,21 +28,19 @@ from typing import Any
 import zmq
 
 from vpipe.control.curve import (
-    RUN_SECRET_ENV,
     RUN_SECRET_FILE_ENV,
-    configured_by_files,
-    has_run_secret,
+    RunKeys,
     new_run_secret,
     private_key_file,
-    remove_private_key_files,
+    remove_private_key_file,
 )
 from vpipe.control.keys import KeyFileError, check_z85_key
 from vpipe.files import FileCheckError, open_regular
+from vpipe.settings import AUTH_VALUES
 
 log = logging.getLogger("vpipe.control")
 
-__all__ = ["AUTH_ENV", "AUTH_VALUES", "agree_run_key", "read_private_key", "several_hosts", "auth_required",
-           "auth_mode"]
+__all__ = ["AUTH_ENV", "AUTH_VALUES", "agree_run_key", "read_private_key", "several_hosts"]
 
 AUTH_ENV = "VPIPE_CONTROL_AUTH"
 FILE_KEY = "ctl/run-key-file"  # the path of stage 0's private key file (never the key)
@@ -52,7 +50,8 @@ _KEY_FILE_LIMIT = 4096
 
 
 def several_hosts(environ: Mapping[str, str] | None = None) -> bool:
-    """Whether torchrun says this run spans hosts (fewer local ranks than ranks)."""
+    """Whether torchrun says this run spans hosts (fewer local ranks than ranks: torchrun's variables, which
+    the process's torch.distributed reads too)."""
     env = os.environ if environ is None else environ
     try:
         return int(env["LOCAL_WORLD_SIZE"]) < int(env["WORLD_SIZE"])
@@ -60,29 +59,18 @@ def several_hosts(environ: Mapping[str, str] | None = None) -> bool:
         return False
 
 
-AUTH_VALUES = ("auto", "required", "none")
+def agree_run_key(store: Any, *, rank: int, world_size: int, timeout_s: float, who: str,
+                  keys: RunKeys | None = None) -> str:
+    """Give this rank the run's key (collective): ``keys``, the attach's, holds it from then on (without
+    ``keys``: keys read from the environment now, which only a test wants). Returns how it was keyed:
+    ``configured`` (by the launcher or the user), ``private-file``, or ``unauthenticated``.
 
-
-def auth_mode(environ: Mapping[str, str] | None = None) -> str:
-    """``VPIPE_CONTROL_AUTH``: ``auto`` (default) keys every run it can and refuses a run of several hosts
-    without a key; ``required`` refuses any unauthenticated control plane; ``none`` lets one run unauthenticated
-    (several hosts without keys, on a network the user trusts), with a warning."""
-    value = (os.environ if environ is None else environ).get(AUTH_ENV, "auto").strip() or "auto"
-    if value not in AUTH_VALUES:
-        raise ValueError(f"{AUTH_ENV}={value!r}: expected one of {', '.join(AUTH_VALUES)}")
-    return value
-
-
-def auth_required(environ: Mapping[str, str] | None = None) -> bool:
-    """Whether ``VPIPE_CONTROL_AUTH`` is ``required``."""
-    return auth_mode(environ) == "required"
-
-
-def agree_run_key(store: Any, *, rank: int, world_size: int, timeout_s: float, who: str) -> str:
-    """Give this rank the run's key in ``VPIPE_CURVE_RUN_SECRET`` (collective); returns how it was keyed:
-    ``configured`` (by the launcher or the user), ``private-file``, or ``unauthenticated``."""
-    mode = auth_mode()
-    if configured_by_files() or has_run_secret():
+    ``VPIPE_CONTROL_AUTH`` (``keys.settings.control_auth``): ``auto`` (default) keys every run it can and refuses
+    a run of several hosts without a key; ``required`` refuses any unauthenticated control plane; ``none`` lets
+    one run unauthenticated (several hosts without keys, on a network the user trusts), with a warning."""
+    keys = keys if keys is not None else RunKeys.read()
+    mode = keys.settings.control_auth
+    if keys.by_files or keys.given:
         return "configured"
     hosts = several_hosts()
     why = ("this libzmq was built without CURVE" if not zmq.has("curve") else
@@ -102,7 +90,7 @@ def agree_run_key(store: Any, *, rank: int, world_size: int, timeout_s: float, w
         secret = _share(store, world_size, deadline, who)
     else:
         secret = _receive(store, rank, deadline, who)
-    os.environ[RUN_SECRET_ENV] = secret
+    keys.agree(secret)
     return "private-file"
 
 
@@ -115,7 +103,7 @@ def _share(store: Any, world_size: int, deadline: float, who: str) -> str:
         answers = {r: _wait(store, READ_KEY.format(r), deadline, who).decode("utf-8", "replace")
                    for r in range(1, world_size)}
     finally:
-        remove_private_key_files()
+        remove_private_key_file(path)
     store.set(GONE_KEY, "1")
     failed = {r: a for r, a in answers.items() if a != "ok"}
     if failed:

@@ -10,10 +10,9 @@ use :func:`open_for_stage_run`.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -22,7 +21,8 @@ from torch import nn
 
 from vpipe.compat.torch_distributed import wrap_shape_inference
 from vpipe.control.agent import StageAgent
-from vpipe.control.channel import ControlPlane
+from vpipe.control.channel import FROM_ENV, ControlPlane
+from vpipe.control.curve import RunKeys
 from vpipe.control.daemon import NO_CHANGE_PLANNER
 from vpipe.control.planner_link import PlannerLink
 from vpipe.control.run_key import agree_run_key
@@ -34,27 +34,23 @@ from vpipe.plan import Plan
 __all__ = ["ControlOptions", "ControlSession", "StepPlans", "open_for_stage_run", "exclude_shape_inference"]
 
 
-def _env_float(name: str, default: float) -> float:
-    try:
-        return float(os.environ.get(name, default))
-    except ValueError:
-        raise ValueError(f"{name} must be a number of seconds, got {os.environ[name]!r}") from None
-
-
 @dataclass(frozen=True)
 class ControlOptions:
     """How a session samples and plans. ``planner=None``: start no daemon, wait for ``vpipe planner``.
 
-    ``planner_config`` (plain JSON values) goes to the daemon's planner as ``--planner-config``."""
+    ``planner_config`` (plain JSON values) goes to the daemon's planner as ``--planner-config``. ``control_host``
+    and ``keys`` are the settings' (None: read from the environment when the session starts)."""
 
     sample_every: int = 10
     max_sample_every: int | None = None  # back off to this while nothing changes (None: a fixed interval)
     planner: str | None = NO_CHANGE_PLANNER
     planner_config: Mapping[str, Any] | None = None
-    planner_timeout_s: float = field(default_factory=lambda: _env_float("VPIPE_PLANNER_TIMEOUT", 5.0))
+    planner_timeout_s: float = 5.0  # attach passes VPIPE_PLANNER_TIMEOUT's (vpipe.settings)
     heartbeat_s: float = 0.5
     finish_timeout_s: float = 60.0
     log_file: str | None = None
+    control_host: str | None = None  # where the inbox binds (VPIPE_CONTROL_HOST); None: the environment's
+    keys: RunKeys | None = None  # the attach's CURVE keys; None: the environment's
 
 
 @dataclass
@@ -112,13 +108,14 @@ class ControlSession:
                                          schedule=schedule, saved_source=sources.get(v), facts=layer_facts,
                                          stage_module=whole.get(v))
                          for v, layers in sorted(stages.items())}
-        self.plane = ControlPlane(store, rank, world_size)
+        self.plane = ControlPlane(store, rank, world_size, host=self.options.control_host,
+                                  curve=FROM_ENV if self.options.keys is None else self.options.keys.curve())
         num_stages = len(stage_ranks)
         link = None
         if rank == max(stage_ranks):
             link = PlannerLink(self.plane, stage_index=rank, num_stages=num_stages,
                                timeout_s=self.options.planner_timeout_s, heartbeat_s=self.options.heartbeat_s,
-                               log_file=self.options.log_file)
+                               log_file=self.options.log_file, keys=self.options.keys)
         self.agent = StageAgent(self.plane, stage_index=rank, num_stages=num_stages, plan=plan, planner=link,
                                 stage_ranks=stage_ranks)
         self._undo_wraps = []
@@ -219,8 +216,10 @@ def open_for_stage_run(run: Any, ctx: Any, options: ControlOptions) -> ControlSe
     """A session for one rank of the reference trainer (a ``StageRun`` and its ``Distributed``): one
     monitor per stage the rank runs."""
     cfg = run.cfg
+    keys = options.keys if options.keys is not None else RunKeys.read()
     agree_run_key(dist.PrefixStore("vpipe/run-key/", ctx.store), rank=ctx.rank, world_size=ctx.world_size,
-                  timeout_s=120.0, who=f"rank {ctx.rank}")
+                  timeout_s=120.0, who=f"rank {ctx.rank}", keys=keys)
+    options = replace(options, keys=keys)
     plan = Plan.from_counts(range(cfg.n_layers), cfg.layer_counts(), epoch=0)
     return ControlSession(
         {v: layers_of(module) for v, module in zip(run.stage_indices, run.modules)}, rank=ctx.rank,

@@ -1,7 +1,8 @@
 """The planner the daemon runs on live statistics: stats vectors -> layer graph -> SRP proposal.
 
-The daemon calls ``vpipe.planner.online:srp`` with each full stats vector (one record per
-stage) and the plan the pipeline runs. Per-layer costs are smoothed over the recent
+A daemon started with ``vpipe.planner.online:srp`` calls the :class:`OnlinePlanner` that
+entry made it with each full stats vector (one record per stage) and the plan the pipeline
+runs. Per-layer costs are smoothed over the recent
 samples (an exponential average, so one noisy iteration cannot trigger a move), pooled
 over interchangeable blocks (same kind, same saved and sent bytes: on the homogeneous
 devices a pipeline runs on they do the same work, so their spread is measurement noise,
@@ -14,8 +15,11 @@ decision in the run's log.
 Configuration is data: ``vpipe.attach`` describes the pipeline (schedule, micro-batches,
 budget, the user's ``planner_options``) as :class:`OnlineConfig` fields, and the daemon it
 starts receives them as ``--planner-config JSON`` and hands them to :meth:`srp.configured
-<SRPEntry.configured>`, which checks them; ``srp`` called without configuration (a daemon
-started by hand with no ``--planner-config``) plans with the defaults.
+<SRPEntry.configured>`, which checks them and makes the daemon its own :class:`OnlinePlanner`
+(a daemon started with no ``--planner-config`` gets one with the defaults, from
+:meth:`srp.for_daemon <SRPEntry.for_daemon>`). The planner's state (smoothed costs, pending
+proposals) belongs to the daemon that made it, never to this module: two daemons in one
+process plan apart.
 """
 
 from __future__ import annotations
@@ -326,19 +330,23 @@ def _placeable(vector: list[StageRecord], current: Plan) -> Callable[[list[list[
 
 
 class SRPEntry:
-    """The daemon's planner function ``vpipe.planner.online:srp``: one :class:`OnlinePlanner` per daemon.
+    """The daemon's planner function ``vpipe.planner.online:srp``: it makes each daemon an :class:`OnlinePlanner`
+    of its own.
 
-    The daemon hands ``--planner-config`` to :meth:`configured`, which returns the planner made
-    with it; called as it is, it plans with :class:`OnlineConfig`'s defaults.
+    The daemon hands ``--planner-config`` to :meth:`configured`, which returns the planner made with it;
+    without configuration it asks :meth:`for_daemon` for one with :class:`OnlineConfig`'s defaults. The entry
+    holds no planner (a planner remembers samples: one shared by the module would mix two daemons' runs), so it
+    does not plan when called itself.
     """
 
-    def __init__(self) -> None:
-        self._planner: OnlinePlanner | None = None
-
     def __call__(self, vector: list[StageRecord], current: Plan | None) -> Plan | None:
-        if self._planner is None:
-            self._planner = OnlinePlanner()
-        return self._planner(vector, current)
+        raise TypeError("vpipe.planner.online:srp makes planners, one per daemon: plan with srp.for_daemon() or "
+                        "srp.configured(config)")
+
+    @staticmethod
+    def for_daemon() -> OnlinePlanner:
+        """A daemon's own online planner, with :class:`OnlineConfig`'s defaults."""
+        return OnlinePlanner()
 
     @staticmethod
     def configured(config: Mapping[str, Any]) -> OnlinePlanner:

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from vpipe.compat.torch_distributed import default_store
 from vpipe.compat.torch_internals import child_modules
+from vpipe.control.curve import RunKeys
 from vpipe.control.run_key import agree_run_key
 from vpipe.stage.blocks import (
     BlockContainerError,
@@ -108,11 +109,11 @@ class StoreAgreement:
         seen = [json.loads(raw) for raw in self.gather(key, range(world_size), "vpipe.attach", who, store=self.job)]
         return next((r for r in seen if r is not None), None)
 
-    def agree_run_secret(self, who: str) -> str:
+    def agree_run_secret(self, who: str, keys: RunKeys) -> str:
         """This run's control-plane key when the launcher made none (torchrun), never through the store (see
-        ``vpipe.control.run_key``). It goes into the environment, so the planner daemon inherits it."""
+        ``vpipe.control.run_key``). ``keys``, the attach's, hold it: its sockets and its planner daemon get it."""
         return agree_run_key(self.store, rank=self.rank, world_size=self.world_size,
-                             timeout_s=self.timeout_s, who=who)
+                             timeout_s=self.timeout_s, who=who, keys=keys)
 
     def clear(self) -> None:
         """Delete every key this rank wrote (detach)."""

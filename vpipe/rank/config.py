@@ -15,7 +15,7 @@ from torch import nn
 from vpipe.checks import require
 from vpipe.plan import Policy
 from vpipe.planner import DEFAULT_PLANNER
-from vpipe.rank.metrics import parse_metric_kinds
+from vpipe.settings import Settings, from_environment, parse_metric_kinds
 from vpipe.sizes import MAX_BYTES, parse_bytes
 
 __all__ = ["VpipeConfig", "AUTO_BUDGET", "resolve_memory_budget"]
@@ -35,28 +35,15 @@ def resolve_memory_budget(budget: int | str | None, device: torch.device) -> int
     return total - max(_DEVICE_MARGIN_MIN, int(total * _DEVICE_MARGIN))
 
 
-def _env_trace_steps() -> tuple[int, int] | None:
-    """``VPIPE_TRACE_STEPS=start,count``: record the timeline of those steps (see :mod:`vpipe.timeline`)."""
-    raw = os.environ.get("VPIPE_TRACE_STEPS")
-    if not raw:
-        return None
-    try:
-        start, count = (int(part) for part in raw.split(","))
-    except ValueError:
-        raise ValueError(f"VPIPE_TRACE_STEPS must be 'start,count' (two integers), got {raw!r}") from None
-    return start, count
+def _default(name: str) -> Any:
+    """A field whose default a ``VPIPE_*`` variable sets: the environment's value, read in vpipe.settings (a
+    config made by ``attach(**options)`` gets every one from the settings attach read, :meth:`from_settings`)."""
+    return field(default_factory=lambda: from_environment(name))
 
 
-def _env_seconds(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    if raw is None:
-        return default
-    try:
-        return float(raw)
-    except ValueError:
-        raise ValueError(f"{name} must be a number of seconds, got {raw!r}") from None
-
-
+# the fields whose defaults come from the settings (the VPIPE_* variables), by their names in Settings
+_FROM_SETTINGS = ("migration_timeout_s", "agree_timeout_s", "log_file", "trace_steps", "trace_dir", "metrics",
+                  "metrics_dir")
 _MAX_STEPS = 10**9  # a sampling interval or a micro-batch count beyond this is a mistake, not a setting
 _MAX_LAG_STEPS = 10_000  # a plan applied this many steps after it was made is stale; beyond it, never applied
 _MAX_LAYER_ID = 1 << 31
@@ -100,24 +87,31 @@ class VpipeConfig:
     tensor_manager: bool = True
     min_swap_bytes: int | None = None
     host_pool_bytes: int | None = None
-    migration_timeout_s: float = field(default_factory=lambda: _env_seconds("VPIPE_MIGRATION_TIMEOUT", 30.0))
+    migration_timeout_s: float = _default("migration_timeout_s")  # default: $VPIPE_MIGRATION_TIMEOUT, else 30
     # how long attach (and a layer edit) waits for every rank to make the same call
-    agree_timeout_s: float = field(default_factory=lambda: _env_seconds("VPIPE_AGREE_TIMEOUT", 120.0))
+    agree_timeout_s: float = _default("agree_timeout_s")  # default: $VPIPE_AGREE_TIMEOUT, else 120
     apply_lag_steps: int = 2  # stage 0 schedules a plan this many steps after it has it
     micro_batches: int | None = None  # per step of a hand-written loop (the planner models the pipeline with it)
     # the planner's configuration, plain JSON values: for the default planner, OnlineConfig fields (attach adds
     # the pipeline's schedule, micro-batches, budget); another planner gets them in its configured(config)
     planner_options: dict[str, Any] = field(default_factory=dict)
     # JSON lines of every decision; default: $VPIPE_LOG_FILE, so a one-line attach can be logged from outside
-    log_file: str | None = field(default_factory=lambda: os.environ.get("VPIPE_LOG_FILE") or None)
+    log_file: str | None = _default("log_file")
     # (start, count): record the pipeline timeline of those steps on every rank (vpipe.timeline); default:
     # $VPIPE_TRACE_STEPS ("start,count"); each rank writes trace_dir/timeline-rank{r}.json at the window's end
-    trace_steps: tuple[int, int] | None = field(default_factory=_env_trace_steps)
-    trace_dir: str = field(default_factory=lambda: os.environ.get("VPIPE_TRACE_DIR") or "vpipe-trace")
+    trace_steps: tuple[int, int] | None = _default("trace_steps")
+    trace_dir: str = _default("trace_dir")  # default: $VPIPE_TRACE_DIR, else vpipe-trace
     # per-step scalars to "tensorboard", "wandb" or both ("tensorboard,wandb"); default: $VPIPE_METRICS; written to
     # metrics_dir/rank{r} (vpipe.rank.metrics lists the fields)
-    metrics: str | None = field(default_factory=lambda: os.environ.get("VPIPE_METRICS") or None)
-    metrics_dir: str = field(default_factory=lambda: os.environ.get("VPIPE_METRICS_DIR") or "vpipe-metrics")
+    metrics: str | None = _default("metrics")
+    metrics_dir: str = _default("metrics_dir")  # default: $VPIPE_METRICS_DIR, else vpipe-metrics
+
+    @classmethod
+    def from_settings(cls, settings: Settings, **options: Any) -> VpipeConfig:
+        """A config whose fields ``options`` does not set take their defaults from ``settings`` (what attach
+        read of the environment), not from the environment again."""
+        taken = {name: getattr(settings, name) for name in _FROM_SETTINGS if name not in options}
+        return cls(**taken, **options)
 
     @property
     def sampling_cap(self) -> int:

@@ -30,21 +30,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from vpipe.settings import METRIC_KINDS, parse_metric_kinds
+
 __all__ = ["MetricsWriter", "METRIC_KINDS", "parse_metric_kinds"]
 
-METRIC_KINDS = ("tensorboard", "wandb")
 _PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
-
-
-def parse_metric_kinds(text: str | None) -> tuple[str, ...]:
-    """``"tensorboard"``, ``"wandb"``, ``"tensorboard,wandb"`` -> the kinds; None or "" -> none."""
-    if not text:
-        return ()
-    kinds = tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
-    unknown = [k for k in kinds if k not in METRIC_KINDS]
-    if unknown or not kinds:
-        raise ValueError(f"metrics must name {' and/or '.join(METRIC_KINDS)} (comma-separated), got {text!r}")
-    return kinds
 
 
 class MetricsWriter:

@@ -29,16 +29,17 @@ class TraceWindow:
         self.rank = rank
         self.stages = stages
         self._original_wait: Any = None
+        self._recorder: timeline.Recorder | None = None  # this window's, while it records
         self.written: Path | None = None
 
     @property
     def recording(self) -> bool:
-        return timeline.recording()
+        return self._recorder is not None
 
     def begin_step(self, iteration: int) -> None:
-        if self.steps is None or iteration != self.steps[0] or timeline.recording():
+        if self.steps is None or iteration != self.steps[0] or self._recorder is not None:
             return
-        timeline.start(self.rank, self.directory, self.stages)
+        self._recorder = timeline.start(self.rank, self.directory, self.stages)
         original = batch_p2p_wait()
         if original is not None:
             def waiting(work: Any) -> Any:
@@ -57,8 +58,11 @@ class TraceWindow:
         if self._original_wait is not None:
             set_batch_p2p_wait(self._original_wait)
             self._original_wait = None
+        recorder, self._recorder = self._recorder, None
+        if recorder is None:
+            return
         try:
-            path = timeline.stop()
+            path = timeline.stop(recorder)
         except OSError as e:  # the trace is for the user; training goes on without it
             decision("trace", f"rank {self.rank}: the timeline could not be written to {self.directory}: {e}",
                      rank=self.rank, error=str(e))

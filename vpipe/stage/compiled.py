@@ -6,7 +6,8 @@ are Python bookkeeping dynamo cannot trace, and with ``fullgraph=True`` the firs
 fails. While vpipe is attached, such a module runs its ``forward`` compiled instead, with
 the very dynamo context the user's ``compile`` made (same backend, mode, options,
 ``fullgraph``, ``dynamic``), and its hooks, vpipe's and the user's, run around it in
-Python. ``detach()`` compiles the whole call again, as ``block.compile`` does.
+Python. ``detach()`` compiles the whole call again, as ``block.compile`` does, for the blocks
+that attach hoisted (its :class:`Hoisted`) and no other.
 
 A block built on another stage for a move is compiled the same way as the block it is
 cloned from (:func:`compile_like`).
@@ -22,10 +23,36 @@ from torch import nn
 
 from vpipe.compat.torch_internals import call_impl, compiled_call, set_compiled_call
 
-__all__ = ["hoist_compiled", "unhoist_all", "compile_like", "compiled_forwards", "dynamo_context"]
+__all__ = ["Hoisted", "hoist_compiled", "compile_like", "compiled_forwards", "dynamo_context"]
 
-# every module whose forward vpipe compiles in place of its whole call -> the dynamo context
-_HOISTED: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
+
+class Hoisted:
+    """The modules one attach compiled forward-only, each with its dynamo context; :meth:`undo` gives just these
+    their compiled call back, so a detach leaves another attach's blocks as that attach left them."""
+
+    def __init__(self) -> None:
+        self.contexts: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
+
+    def __len__(self) -> int:
+        return len(self.contexts)
+
+    def add(self, module: nn.Module, ctx: Any) -> None:
+        module.forward = ctx(module.forward)  # the class's forward, bound to this module
+        self.contexts[module] = ctx
+        _OWNER[module] = self
+
+    def undo(self) -> None:
+        """Give every module hoisted here its compiled call back (what ``module.compile`` makes)."""
+        for module, ctx in list(self.contexts.items()):
+            module.__dict__.pop("forward", None)
+            set_compiled_call(module, ctx(call_impl(module)))
+            del self.contexts[module]
+            _OWNER.pop(module, None)
+
+
+# a hoisted module -> the attach's Hoisted that holds it: a block cloned from it (a move) joins the same one, and
+# a module is hoisted once whoever asks. The lookup is the process's (a module object is), the undo each owner's.
+_OWNER: weakref.WeakKeyDictionary[nn.Module, Hoisted] = weakref.WeakKeyDictionary()
 
 
 def dynamo_context(compiled: Any) -> Any:
@@ -40,43 +67,30 @@ def dynamo_context(compiled: Any) -> Any:
     return None
 
 
-def _compile_forward(module: nn.Module, ctx: Any) -> None:
-    module.forward = ctx(module.forward)  # the class's forward, bound to this module
-    _HOISTED[module] = ctx
-
-
-def hoist_compiled(blocks: Iterable[nn.Module]) -> int:
-    """Compile the forward instead of the whole call of every module compiled in place; how many were."""
-    count = 0
+def hoist_compiled(blocks: Iterable[nn.Module]) -> Hoisted:
+    """Compile the forward instead of the whole call of every module compiled in place; the modules it did
+    (``len``: how many), to undo at detach."""
+    hoisted = Hoisted()
     for block in blocks:
         for module in block.modules():
             compiled = compiled_call(module)
             ctx = dynamo_context(compiled) if compiled is not None else None
-            if ctx is None or module in _HOISTED or "forward" in module.__dict__:
+            if ctx is None or module in _OWNER or "forward" in module.__dict__:
                 continue
             set_compiled_call(module, None)
-            _compile_forward(module, ctx)
-            count += 1
-    return count
-
-
-def unhoist_all() -> None:
-    """Give every module vpipe compiled this way its compiled call back (what ``module.compile`` makes)."""
-    for module, ctx in list(_HOISTED.items()):
-        module.__dict__.pop("forward", None)
-        set_compiled_call(module, ctx(call_impl(module)))
-        del _HOISTED[module]
+            hoisted.add(module, ctx)
+    return hoisted
 
 
 def compiled_forwards(donor: nn.Module) -> list[Any]:
     """The compiled forwards of ``donor``'s modules (a clone must not share them: they are bound to the donor)."""
-    return [m.__dict__["forward"] for m in donor.modules() if m in _HOISTED and "forward" in m.__dict__]
+    return [m.__dict__["forward"] for m in donor.modules() if m in _OWNER and "forward" in m.__dict__]
 
 
 def compile_like(donor: nn.Module, clone: nn.Module) -> None:
     """Compile ``clone``'s modules as ``donor``'s counterparts are (same place in the block, same context)."""
     for (_, original), (_, copy) in zip(donor.named_modules(), clone.named_modules()):
-        ctx = _HOISTED.get(original)
-        if ctx is not None:
+        owner = _OWNER.get(original)
+        if owner is not None:
             copy.__dict__.pop("forward", None)
-            _compile_forward(copy, ctx)
+            owner.add(copy, owner.contexts[original])

@@ -27,13 +27,7 @@ import torch
 import torch.distributed as dist
 
 from vpipe.checkpoint import CheckpointError
-from vpipe.control.curve import (
-    RUN_SECRET_ENV,
-    configured_by_files,
-    has_run_secret,
-    new_run_secret,
-    remove_private_key_files,
-)
+from vpipe.control.curve import RUN_SECRET_ENV, RunKeys, new_run_secret, remove_private_key_files
 from vpipe.control.keys import KeyFileError
 from vpipe.control.netaddr import control_host
 from vpipe.rank.environment import check_environment
@@ -247,12 +241,13 @@ def spawn(
     base = dict(os.environ)
     base.update(extra_env or {})
     heartbeat_timeout_from_env(base)  # bad values are named here, before any rank starts
-    check_environment(base)  # every VPIPE_* variable of the library, CURVE key files included
-    control_host(environ={**base, "MASTER_ADDR": host})  # VPIPE_CONTROL_HOST
-    if not configured_by_files(base) and not has_run_secret(base):
+    settings = check_environment(base)  # every VPIPE_* variable of the library, CURVE key files included
+    control_host(settings.control_host, master_addr=host)  # VPIPE_CONTROL_HOST routes to the ranks' store
+    keys = RunKeys(settings)
+    if not keys.by_files and not keys.given:
         secret = new_run_secret()  # the ranks' control plane admits only this run's key
         if secret is not None:
-            base[RUN_SECRET_ENV] = secret
+            base[RUN_SECRET_ENV] = secret  # in the children's environment
     base.update(
         WORLD_SIZE=str(nprocs),
         LOCAL_WORLD_SIZE=str(nprocs),

@@ -9,16 +9,13 @@ Torch-free: the command line imports it.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 
 from vpipe.files import check_output_dir
+from vpipe.settings import Settings
 
 __all__ = ["check_vpipe_outputs"]
 
-# (the variable that turns the output on, the directory's variable, its default): vpipe.rank.config's
-_OUTPUTS = (("VPIPE_TRACE_STEPS", "VPIPE_TRACE_DIR", "vpipe-trace"),
-            ("VPIPE_METRICS", "VPIPE_METRICS_DIR", "vpipe-metrics"))
 
 
 def check_vpipe_outputs(vpipe: bool, environ: Mapping[str, str] | None = None) -> None:
@@ -26,7 +23,8 @@ def check_vpipe_outputs(vpipe: bool, environ: Mapping[str, str] | None = None) -
     that is not a writable directory (or one that can be made). Nothing to check when the run has no vpipe."""
     if not vpipe:
         return
-    env = os.environ if environ is None else environ
-    for switch, variable, default in _OUTPUTS:
-        if env.get(switch):
-            check_output_dir(env.get(variable) or default, variable)
+    settings = Settings.read(environ)
+    if settings.trace_steps is not None:
+        check_output_dir(settings.trace_dir, "VPIPE_TRACE_DIR")
+    if settings.metrics:
+        check_output_dir(settings.metrics_dir, "VPIPE_METRICS_DIR")

@@ -19,12 +19,13 @@ from typing import Any
 
 import torch
 
-from vpipe import faults
 from vpipe._attach import DEFAULT_PLANNER, VpipeConfig, attach
 from vpipe.checkpoint import restore_stage
+from vpipe.control.curve import RunKeys
 from vpipe.control.session import ControlOptions, open_for_stage_run
 from vpipe.plan import Plan, Policy
 from vpipe.schedules.pipedream import SchedulePipeDream
+from vpipe.settings import Settings
 from vpipe_lab.runtime.checkpoints import check_checkpoint_dir, load_resume, resume_placement, save_run_checkpoint
 from vpipe_lab.runtime.config import RunConfig
 from vpipe_lab.runtime.launch import Distributed
@@ -46,6 +47,7 @@ def train_rank(cfg: RunConfig, ctx: Distributed) -> RunResult:
         raise ValueError(f"the run has {ctx.world_size} ranks but the config asks for {cfg.stages} "
                          f"{'ranks' if cfg.multi_stage else 'stages'}")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    settings = Settings.read()  # the rank's VPIPE_* variables, read once at its start (attach reads its own)
     if ctx.rank == 0:
         check_checkpoint_dir(cfg, hold=True)  # the directory's lock, for as long as the run lives
     resumed = load_resume(cfg) if cfg.resume else None
@@ -62,11 +64,11 @@ def train_rank(cfg: RunConfig, ctx: Distributed) -> RunResult:
     log.info("rank %d of %d: stages %s of %d, training layers %s with %s", ctx.rank, cfg.stages, run.stage_indices,
              cfg.virtual_stages, run.layer_ids, cfg.schedule, extra={"vpipe_fields": {"pid": os.getpid()}})
     vp = _attach_vpipe(cfg, run, resumed.vpipe if resumed is not None else None) if cfg.vpipe else None
-    session = _control_session(cfg, run, ctx) if vp is None else None
+    session = _control_session(cfg, run, ctx, settings) if vp is None else None
     result = RunResult(steps=0, seconds=0.0)
     progress = RunProgress(cfg, enabled=cfg.progress and run.is_last)
     now = {"step": first_step}
-    faults.install_kill(run.modules[0], ctx.rank, lambda: now["step"])  # only when VPIPE_FAULTS asks for it
+    settings.faults.install_kill(run.modules[0], ctx.rank, lambda: now["step"])  # only when VPIPE_FAULTS asks
     start = time.perf_counter()
     with progress:
         for step in range(first_step, cfg.steps):
@@ -146,9 +148,11 @@ def apply_layer_edits(cfg: RunConfig, vp: Any, step: int) -> None:
             vp.remove_layers(event["remove"])
 
 
-def _control_session(cfg: RunConfig, run: StageRun, ctx: Distributed) -> Any:
+def _control_session(cfg: RunConfig, run: StageRun, ctx: Distributed, settings: Settings) -> Any:
     """The monitor + control plane session of this rank, when ``cfg.monitor_every`` asks for one."""
     if not cfg.monitor_every:
         return None
-    options = ControlOptions(sample_every=cfg.monitor_every, planner=cfg.planner, log_file=cfg.log_file)
+    options = ControlOptions(sample_every=cfg.monitor_every, planner=cfg.planner, log_file=cfg.log_file,
+                             planner_timeout_s=settings.planner_timeout_s, control_host=settings.control_host,
+                             keys=RunKeys(settings))
     return open_for_stage_run(run, ctx, options)
