@@ -27,7 +27,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from vpipe.sharing import keep_all_shares
-from vpipe.tensor_manager import MemoryBudgetError
+from vpipe.tensor_manager import MemoryBudgetError, TensorManager
 from vpipe.tensor_manager.budget import expected_state_factor, stage_fixed_bytes
 
 __all__ = ["StageMemory", "tensor_bytes_of", "apply_budgets"]
@@ -99,7 +99,8 @@ class StageMemory:
         return self._activation
 
 
-def apply_budgets(tensor_managers: Mapping[int, Any], memories: Mapping[int, StageMemory], epoch: int) -> None:
+def apply_budgets(tensor_managers: Mapping[int, TensorManager], memories: Mapping[int, StageMemory],
+                  epoch: int) -> None:
     """Give each stage's tensor manager its activation budget (a rank's stages share theirs by need); a manager
     whose budget holds every layer kept goes back to keeping those it escalated."""
     if all(memories[v].budget is None for v in tensor_managers):
