@@ -95,9 +95,11 @@ def _assert_as_without_vpipe(ranks: list[dict]) -> None:
 
 def test_tensor_parallel_blocks_and_replicate_on_a_stage_module_are_refused_saying_what_to_do(tmp_path):
     result = run_worker(tmp_path, "mesh_worker", "refusals", 4)
-    assert result["tp"] == (
-        "TypeError: vpipe.attach does not support DTensor parameters other than FSDP2's shards (tensor parallelism "
-        "inside blocks): vpipe moves whole blocks between stages and cannot move a tensor-parallel one")
+    refusal = ("TypeError: vpipe.attach does not support DTensor parameters other than FSDP2's shards (tensor "
+               "parallelism inside blocks): vpipe moves whole blocks between stages and cannot move a tensor-parallel "
+               "one")
+    assert result["tp"] == refusal
+    assert result["colwise"] == refusal  # Shard(0) like FSDP2's, but no FSDP2 state holds them: tensor-parallel
     assert result["replicate"].startswith("TypeError: vpipe.attach does not support a stage module wrapped in "
                                           "replicate(): ")
     assert "all-reduce its gradients over the data-parallel group after schedule.step() yourself" in \

@@ -13,7 +13,8 @@ Scenarios (``argv[1]``), 4 ranks each, launched by ``vpipe_lab.runtime.launch.sp
   stage 1 before step 2; run with ``VPIPE_FAULTS=migration_die@3`` the second replica's stage 1 (world rank 3)
   dies as that layer reaches it. Ranks start as the laboratory's do (``init_distributed``, its watchdog), so a
   dead rank ends every other naming it;
-- ``refusals``: tensor parallelism inside a block (a DTensor parameter sharded on dim 1) and ``replicate`` on the
+- ``refusals``: tensor parallelism inside a block (a DTensor parameter sharded on dim 1, or a block of
+  ``ColwiseParallel`` alone, whose ``Shard(0)`` weights are not FSDP2's) and ``replicate`` on the
   stage module, each error message (FSDP2 trains: ``fsdp_worker.py``).
 """
 
@@ -185,6 +186,7 @@ def refusals() -> dict:
     """Tensor parallelism and replicate() on the stage module: refused at attach, before anything is installed."""
     from torch.distributed._composable.replicate import replicate
     from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
     import vpipe
 
@@ -202,7 +204,11 @@ def refusals() -> dict:
         linear = next(iter(model.layers.values())).linear1
         linear.weight = nn.Parameter(distribute_tensor(linear.weight.detach(), mesh["dp"], [Shard(1)]))
 
-    return {"tp": attach(tensor_parallel),
+    def colwise_only(model: nn.Module) -> None:  # torchtitan's ColwiseParallel alone: every weight Shard(0), no FSDP2
+        block = next(iter(model.layers.values()))
+        parallelize_module(block, mesh["dp"], {"linear1": ColwiseParallel()})
+
+    return {"tp": attach(tensor_parallel), "colwise": attach(colwise_only),
             "replicate": attach(lambda m: replicate(m, process_group=mesh.get_group("dp")))}
 
 

@@ -38,7 +38,8 @@ from vpipe.compat.torch_distributed import (
     fsdp_state,
 )
 
-__all__ = ["is_fully_sharded", "fsdp_sharded", "fsdp_refusal", "resharded", "clone_sharded", "FsdpRoot"]
+__all__ = ["is_fully_sharded", "fsdp_sharded", "not_fsdp_dtensors", "fsdp_refusal", "resharded", "clone_sharded",
+           "FsdpRoot"]
 
 
 def is_fully_sharded(module: nn.Module) -> bool:
@@ -54,6 +55,16 @@ def fsdp_sharded(p: torch.Tensor) -> bool:
     shards = [pl for pl in p.placements if pl.is_shard()]
     return (len(shards) == 1 and type(shards[0]) is Shard and shards[0].dim == 0
             and all(pl.is_shard() or pl.is_replicate() for pl in p.placements))
+
+
+def not_fsdp_dtensors(module: nn.Module) -> list[str]:
+    """The DTensor parameters of ``module`` that are not FSDP2's shards, by name: a parameter is FSDP2's when
+    ``fully_shard`` was applied to a module that holds it (its FSDP2 state) and it is sharded on dim 0 over one
+    mesh dimension alone (:func:`fsdp_sharded`). A ``Shard(0)`` placement by itself is no proof: a
+    ``ColwiseParallel`` weight has it too."""
+    managed = {id(p) for m in module.modules() if is_fully_sharded(m) for p in m.parameters()}
+    return [name for name, p in module.named_parameters()
+            if isinstance(p, DTensor) and not (id(p) in managed and fsdp_sharded(p))]
 
 
 def fsdp_refusal(stage_module: nn.Module, blocks: Iterable[nn.Module]) -> str | None:

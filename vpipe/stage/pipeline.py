@@ -47,7 +47,7 @@ from vpipe.compat.torch_distributed import (
 from vpipe.schedules.pipedream import SchedulePipeDream
 from vpipe.sharing import action_kind, flat_actions, in_flight_per_stage, in_flight_together
 from vpipe.stage.blocks import StageBlocks
-from vpipe.stage.fsdp import fsdp_refusal, fsdp_sharded, is_fully_sharded
+from vpipe.stage.fsdp import fsdp_refusal, is_fully_sharded, not_fsdp_dtensors
 
 log = logging.getLogger("vpipe.attach")
 
@@ -195,7 +195,7 @@ def _unwrap(module: nn.Module) -> nn.Module:
         raise TypeError("vpipe.attach does not support FSDP1 (FullyShardedDataParallel) on a stage module: its flat "
                         "parameters hold every block at once. Use FSDP2, torchtitan's way: fully_shard(block, "
                         "mesh=dp_mesh) on every block, then fully_shard(stage_module, mesh=dp_mesh)")
-    if any(type(p).__name__ == "DTensor" and not fsdp_sharded(p) for p in module.parameters()):
+    if not_fsdp_dtensors(module):
         raise TypeError("vpipe.attach does not support DTensor parameters other than FSDP2's shards (tensor "
                         "parallelism inside blocks): vpipe moves whole blocks between stages and cannot move a "
                         "tensor-parallel one")
