@@ -29,6 +29,7 @@ class TraceWindow:
         self.rank = rank
         self.stages = stages
         self._original_wait: Any = None
+        self._waiting: Any = None  # the wrapper this window put on torch's p2p wait
         self._recorder: timeline.Recorder | None = None  # this window's, while it records
         self.written: Path | None = None
 
@@ -43,22 +44,36 @@ class TraceWindow:
         original = batch_p2p_wait()
         if original is not None:
             def waiting(work: Any) -> Any:
+                if not self.recording:  # closed under another window's wrapper: pass through
+                    return original(work)
                 with timeline.span("vpipe.p2p_wait", timeline.COMM, timeline.RANK_TRACK):
                     return original(work)
 
-            self._original_wait = original
+            waiting.__wrapped__ = original  # type: ignore[attr-defined]
+            waiting.vpipe_window = self  # type: ignore[attr-defined]
+            self._original_wait, self._waiting = original, waiting
             set_batch_p2p_wait(waiting)
 
     def end_step(self, iteration: int) -> None:
         if self.steps is not None and iteration == self.steps[0] + self.steps[1] - 1:
             self.close()
 
+    def _restore_wait(self) -> None:
+        """Take this window's wrapper off torch's p2p wait, with any closed windows' wrappers under it. Two
+        attaches' windows may close in either order: one that is not on top stays as a pass-through until the
+        one above it closes and unwinds it."""
+        if batch_p2p_wait() is self._waiting:
+            below = self._original_wait
+            while getattr(below, "vpipe_window", None) is not None and not below.vpipe_window.recording:
+                below = below.__wrapped__
+            set_batch_p2p_wait(below)
+        self._original_wait = self._waiting = None
+
     def close(self) -> None:
         """End the window (its last step ended, or vpipe detaches inside it) and write this rank's file."""
-        if self._original_wait is not None:
-            set_batch_p2p_wait(self._original_wait)
-            self._original_wait = None
         recorder, self._recorder = self._recorder, None
+        if self._original_wait is not None:
+            self._restore_wait()
         if recorder is None:
             return
         try:
