@@ -34,6 +34,7 @@ What each accessor reaches, by torch area (checked: 2.13.0 for all; fallbacks na
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -123,9 +124,9 @@ def queue_engine_callback(callback: Callable[[], None]) -> None:
     Variable._execution_engine.queue_callback(callback)
 
 
-def view_base(t: torch.Tensor) -> torch.Tensor | None:
-    """The tensor ``t`` is a view of, None for a tensor that owns its storage (``t._base``; checked: 2.13.0)."""
-    return t._base
+# ``view_base(t)``: the tensor ``t`` is a view of, None for a tensor that owns its storage (``t._base``; checked:
+# 2.13.0). Called per saved tensor: bound without a Python frame.
+view_base: Callable[[torch.Tensor], torch.Tensor | None] = operator.attrgetter("_base")
 
 
 neg_view: Callable[[torch.Tensor], torch.Tensor] = torch._neg_view
@@ -139,14 +140,12 @@ def storage_weak_ref(storage: torch.UntypedStorage) -> int:
     return storage._weak_ref()  # type: ignore[return-value]  # an int (torch's stub says a storage)
 
 
-def weak_ref_expired(ref: int) -> bool:
-    """Whether the storage of a weak reference is gone (``UntypedStorage._expired``; checked: 2.13.0)."""
-    return bool(torch.UntypedStorage._expired(ref))
+# whether the storage of a weak reference is gone (``UntypedStorage._expired``; checked: 2.13.0): torch's own
+weak_ref_expired: Callable[[int], bool] = torch.UntypedStorage._expired  # type: ignore[assignment]
 
 
-def free_weak_ref(ref: int) -> None:
-    """Release a weak reference (``UntypedStorage._free_weak_ref``; checked: 2.13.0)."""
-    torch.UntypedStorage._free_weak_ref(ref)
+# release a weak reference (``UntypedStorage._free_weak_ref``; checked: 2.13.0): torch's own
+free_weak_ref: Callable[[int], None] = torch.UntypedStorage._free_weak_ref
 
 
 # ---------------------------------------------------------------------- copies
