@@ -6,7 +6,9 @@ runs. Per-layer costs are smoothed over the recent
 samples (an exponential average, so one noisy iteration cannot trigger a move), pooled
 over interchangeable blocks (same kind, same saved and sent bytes: on the homogeneous
 devices a pipeline runs on they do the same work, so their spread is measurement noise,
-and a balanced split of identical blocks is never "rebalanced" on noise), turned
+and a balanced split of identical blocks is never "rebalanced" on noise); the time the end
+stages spend outside their blocks (embeddings, heads) is the least of its last few samples,
+since a busy core only ever adds time. All that is turned
 into a :class:`~vpipe.graph.LayerGraph` in the pipeline's execution order, and handed to
 :class:`~vpipe.planner.proposals.SRPPlanner`, whose hysteresis, cooldown and gain-versus-migration
 test decide whether anything changes. Every imbalance it sees and every plan it makes is a
@@ -27,7 +29,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
@@ -47,6 +49,9 @@ __all__ = ["OnlineConfig", "OnlinePlanner", "SRPEntry", "srp"]
 
 _AT_ONCE = ("memory", "layers changed")  # proposals that are not confirmed first: the current plan cannot run
 _UNCHANGED = 0.01  # per-layer cost moves under this (relative) since the last search: nothing new to plan
+# the stages' time outside their blocks is one number per end, with no interchangeable blocks to pool it with:
+# the least of its last samples, since a busy core only ever adds time (a preempted sample is not a heavier head)
+_OUTSIDE_SAMPLES = 3
 
 
 def _plan_key(plan: Plan) -> tuple[Any, ...]:
@@ -64,6 +69,7 @@ class OnlinePlanner:
         self._costs: dict[int, list[float]] = {}  # layer id -> [fwd_s, bwd_s] per micro-batch, smoothed
         # the first and last stages' modules outside their blocks: [fwd_s, bwd_s] per micro-batch, param bytes
         self._outside: dict[str, list[float]] = {}
+        self._outside_recent: dict[str, deque[list[float]]] = {}
         self._outside_bytes: dict[str, int] = {}
         self._samples = 0
         self._srp: Any = None
@@ -186,9 +192,9 @@ class OnlinePlanner:
                     (1 - a) * old[0] + a * fwd, (1 - a) * old[1] + a * bwd]
         for end, rec in (("first", vector[0]), ("last", vector[-1])):
             calls = rec.outside_calls
-            now = [rec.outside_fwd_s / calls, rec.outside_bwd_s / calls] if calls else [0.0, 0.0]
-            old = self._outside.get(end)
-            self._outside[end] = now if old is None else [(1 - a) * o + a * n for o, n in zip(old, now)]
+            recent = self._outside_recent.setdefault(end, deque(maxlen=_OUTSIDE_SAMPLES))
+            recent.append([rec.outside_fwd_s / calls, rec.outside_bwd_s / calls] if calls else [0.0, 0.0])
+            self._outside[end] = [min(s[i] for s in recent) for i in (0, 1)]
             self._outside_bytes[end] = rec.outside_param_bytes
         self._samples += 1
 
