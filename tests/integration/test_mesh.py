@@ -6,8 +6,9 @@ pipeline-group rank and world rank differ). The same trainer runs side by side w
 The only change is ``vpipe.attach(schedule, optimizer=opt)``: blocks move, every replica
 holds the same blocks at every step, losses stay those of the plain run, and at the end the
 replicas' parameters are bitwise equal and equal the plain run's. One planner (the leading
-replica's) sees every replica's records, combined per stage as the slowest / fullest. Tensor parallelism and
-``replicate()`` are refused with a message that says what to do (FSDP2: ``test_mesh_fsdp.py``).
+replica's) sees every replica's records, combined per stage as the slowest / fullest. Sharding across the
+pipeline's own ranks and ``replicate()`` are refused with a message that says what to do (FSDP2:
+``test_mesh_fsdp.py``; tensor parallelism: ``test_tensor_parallel.py``).
 """
 
 from __future__ import annotations
@@ -93,15 +94,17 @@ def _assert_as_without_vpipe(ranks: list[dict]) -> None:
     assert_params_equal(vpipe_params[0], plain_params[0], rtol=REL)
 
 
-def test_tensor_parallel_blocks_and_replicate_on_a_stage_module_are_refused_saying_what_to_do(tmp_path):
+def test_sharding_across_stages_and_replicate_on_a_stage_module_are_refused_saying_what_to_do(tmp_path):
     result = run_worker(tmp_path, "mesh_worker", "refusals", 4)
-    refusal = ("TypeError: vpipe.attach does not support DTensor parameters other than FSDP2's shards (tensor "
-               "parallelism inside blocks): vpipe moves whole blocks between stages and cannot move a tensor-parallel "
-               "one")
-    assert result["tp"] == refusal
-    assert result["colwise"] == refusal  # Shard(0) like FSDP2's, but no FSDP2 state holds them: tensor-parallel
+    assert result["across"].startswith("TypeError: vpipe.attach: stage ")
+    assert ("DTensor parameter(s) layers.0.linear1.weight are placed on a mesh that holds other ranks of this "
+            "pipeline") in result["across"]
+    # Shard(0) like FSDP2's, but no FSDP2 state holds them: tensor-parallel, and welcome
+    assert result["colwise"] == "attached"
+    assert result["found"]["colwise"] == ["linear1.weight", "linear1.bias"]
     assert result["replicate"].startswith("TypeError: vpipe.attach does not support a stage module wrapped in "
                                           "replicate(): ")
     assert "all-reduce its gradients over the data-parallel group after schedule.step() yourself" in \
         result["replicate"]
-    assert not [r for r in result["log"] if r.get("event") == "attached"]
+    attached = [r for r in result["log"] if r.get("event") == "attached"]
+    assert sorted(r["rank"] for r in attached) == [0, 1, 2, 3]  # the colwise case only

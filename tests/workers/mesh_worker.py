@@ -13,9 +13,9 @@ Scenarios (``argv[1]``), 4 ranks each, launched by ``vpipe_lab.runtime.launch.sp
   stage 1 before step 2; run with ``VPIPE_FAULTS=migration_die@3`` the second replica's stage 1 (world rank 3)
   dies as that layer reaches it. Ranks start as the laboratory's do (``init_distributed``, its watchdog), so a
   dead rank ends every other naming it;
-- ``refusals``: tensor parallelism inside a block (a DTensor parameter sharded on dim 1, or a block of
-  ``ColwiseParallel`` alone, whose ``Shard(0)`` weights are not FSDP2's) and ``replicate`` on the
-  stage module, each error message (FSDP2 trains: ``fsdp_worker.py``).
+- ``refusals``: a DTensor parameter sharded across the pipeline's own ranks and ``replicate`` on the
+  stage module, each error message; a block of ``ColwiseParallel`` alone, whose ``Shard(0)`` weights are
+  not FSDP2's, is told apart as tensor-parallel and attaches (FSDP2 trains: ``fsdp_worker.py``).
 """
 
 from __future__ import annotations
@@ -176,39 +176,45 @@ def run_with_watchdog(scenario: Any) -> None:
 
 def _error(attach: Any) -> str:
     try:
-        attach()
+        vp = attach()
     except Exception as e:  # noqa: BLE001 - the message is the result
         return f"{type(e).__name__}: {e}"
-    return "no error"
+    vp.detach()
+    return "attached"
 
 
 def refusals() -> dict:
-    """Tensor parallelism and replicate() on the stage module: refused at attach, before anything is installed."""
+    """A DTensor sharded across the pipeline's own ranks and replicate() on the stage module: refused at attach,
+    before anything is installed. A block of ColwiseParallel layers alone (every weight Shard(0), like FSDP2's
+    shards, but no FSDP2 state holds them) is tensor parallelism over the other dimension: it attaches."""
     from torch.distributed._composable.replicate import replicate
     from torch.distributed.tensor import Shard, distribute_tensor
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
     import vpipe
+    from vpipe.stage.tensor_parallel import tensor_parallel_names
 
     coords = coordinates(("dp", "pp"))
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    found: dict[str, list[str]] = {}
 
     def attach(wrap: Any) -> str:
         model = tut.split_model(tut.Transformer(tut.ModelArgs(n_layers=2)), coords["pp"], [1, 1])
         wrap(model)
         stage = PipelineStage(model, coords["pp"], 2, torch.device("cpu"), group=mesh.get_group("pp"))
         schedule = ScheduleGPipe(stage, 2, loss_fn=tut.tokenwise_loss_fn)
-        return _error(lambda: vpipe.attach(schedule, optimizer=torch.optim.SGD(model.parameters())))
+        return _error(lambda: vpipe.attach(schedule, optimizer=torch.optim.SGD(model.parameters()), planning=False))
 
-    def tensor_parallel(model: nn.Module) -> None:  # a row-parallel linear layer, sharded over the dp ranks
+    def across_stages(model: nn.Module) -> None:  # a linear layer sharded over the pipeline's own two ranks
         linear = next(iter(model.layers.values())).linear1
-        linear.weight = nn.Parameter(distribute_tensor(linear.weight.detach(), mesh["dp"], [Shard(1)]))
+        linear.weight = nn.Parameter(distribute_tensor(linear.weight.detach(), mesh["pp"], [Shard(1)]))
 
-    def colwise_only(model: nn.Module) -> None:  # torchtitan's ColwiseParallel alone: every weight Shard(0), no FSDP2
+    def colwise_only(model: nn.Module) -> None:  # torchtitan's ColwiseParallel alone over dp: every weight Shard(0)
         block = next(iter(model.layers.values()))
         parallelize_module(block, mesh["dp"], {"linear1": ColwiseParallel()})
+        found["colwise"] = tensor_parallel_names(block)
 
-    return {"tp": attach(tensor_parallel), "colwise": attach(colwise_only),
+    return {"across": attach(across_stages), "colwise": attach(colwise_only), "found": found,
             "replicate": attach(lambda m: replicate(m, process_group=mesh.get_group("dp")))}
 
 

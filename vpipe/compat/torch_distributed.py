@@ -30,6 +30,10 @@ What each accessor reaches, by area (checked: 2.13.0 for all; fallbacks named):
   (``state._fsdp_param_groups``, ``._mp_policy``), :func:`drop_fsdp_prefetch`,
   :func:`forget_fsdp_root` (``state._states_to_*_prefetch``, ``._is_root``, ``._state_ctx``,
   ``group._module_fqn``);
+- tensor parallelism: :func:`is_parallel_style_hook` (the hooks ``distribute_module`` and the
+  parallel styles register are functions defined in ``torch.distributed.tensor._api`` and
+  ``.parallel.style``; fallback: none is recognised, so a clone of a tensor-parallel block
+  would lack them: the move tests fail);
 - c10d: :func:`default_store` (``distributed_c10d._get_default_store``; fallback: None).
 """
 
@@ -57,7 +61,8 @@ __all__ = ["single_stage", "schedule_stages", "n_microbatches", "missing_schedul
            "mark_stages_uninitialized", "forget_inferred_meta", "initialize_stage", "wrap_shape_inference",
            "batch_p2p_wait", "set_batch_p2p_wait", "get_schedule_ops", "PipelineScheduleRuntime", "PipelineStageBase",
            "COMPOSABLE_KEYS", "composable_apis", "is_fsdp1", "fsdp_state", "fsdp_internals_missing",
-           "fsdp_param_groups", "fsdp_mp_policy", "drop_fsdp_prefetch", "forget_fsdp_root", "default_store"]
+           "fsdp_param_groups", "fsdp_mp_policy", "drop_fsdp_prefetch", "forget_fsdp_root", "is_parallel_style_hook",
+           "default_store"]
 
 
 # ---------------------------------------------------------------------- pipelining
@@ -235,6 +240,17 @@ def forget_fsdp_root(root: Any) -> None:
         for group in state._fsdp_param_groups:
             group._module_fqn = None  # set again, with the block's new name
     root._state_ctx.all_states.clear()
+
+
+# ---------------------------------------------------------------------- tensor parallelism
+_PARALLEL_STYLE_MODULES = frozenset({"torch.distributed.tensor._api", "torch.distributed.tensor.parallel.style"})
+
+
+def is_parallel_style_hook(fn: Any) -> bool:
+    """Whether ``fn`` is a hook ``parallelize_module`` put on a module (through a parallel style or
+    ``distribute_module``) to redistribute its inputs or outputs (checked: 2.13.0: they are functions defined
+    in those two modules, closing over the style and the mesh, and take the module they run on as an argument)."""
+    return getattr(fn, "__module__", None) in _PARALLEL_STYLE_MODULES
 
 
 # ---------------------------------------------------------------------- c10d

@@ -13,11 +13,13 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from vpipe.compat.torch_internals import MODULE_INTERNALS, call_hook_tables
 from vpipe.stage.compiled import compile_like, compiled_forwards
 from vpipe.stage.fsdp import clone_sharded, is_fully_sharded
 from vpipe.stage.kinds import block_kind, compiled_inner
+from vpipe.stage.tensor_parallel import empty_dtensor, keep_parallel_hooks, parallel_hook_ids
 from vpipe.tensor_manager import is_routed_forward
 
 __all__ = ["clone_block", "block_attrs", "set_block_attrs", "block_info", "validate_block_info"]
@@ -142,7 +144,9 @@ def clone_block(donor: nn.Module) -> nn.Module:
     ``copy.deepcopy`` with a memo that maps every parameter and buffer to an empty tensor
     of its shape (no data copied; tensors that share storage in the donor, a buffer that is a
     view of another, share storage in the clone alike) and every hook table to an empty one (vpipe's and the
-    user's hooks stay on the donor); a forward that vpipe routed for recompute is dropped. A
+    user's hooks stay on the donor); a forward that vpipe routed for recompute is dropped. A tensor-parallel
+    block's DTensors become empty DTensors of the same mesh and placements, and the clone keeps the hooks
+    with which the parallel styles redistribute its inputs and outputs (:mod:`vpipe.stage.tensor_parallel`). A
     ``torch.compile`` wrapper is rebuilt around the clone of the module it compiles, with the
     donor's dynamo context: the same backend, mode, options, ``fullgraph`` and ``dynamic``; a
     module compiled in place is compiled as its donor counterpart is (:mod:`.compiled`). A block
@@ -154,8 +158,9 @@ def clone_block(donor: nn.Module) -> nn.Module:
         return type(donor)(clone_block(inner), donor.dynamo_ctx)
     memo: dict[int, Any] = {}
     for module in donor.modules():
-        for table in call_hook_tables(module):  # forward and backward hooks (vpipe's, the user's) stay with the donor
-            memo[id(table)] = type(table)()
+        kept = parallel_hook_ids(module)  # how a tensor-parallel module redistributes: the clone must too
+        for table in call_hook_tables(module):  # other hooks (vpipe's, the user's) stay with the donor
+            memo[id(table)] = keep_parallel_hooks(table, kept)
         routed = module.__dict__.get("forward")
         if routed is not None and is_routed_forward(routed):
             memo[id(routed)] = None
@@ -165,7 +170,9 @@ def clone_block(donor: nn.Module) -> nn.Module:
         clone = clone_sharded(donor, memo)
         _drop_routed(clone)
         return clone
-    empty = _empty_alike([*donor.parameters(), *donor.buffers()])
+    tensors = [*donor.parameters(), *donor.buffers()]
+    empty = _empty_alike([t for t in tensors if not isinstance(t, DTensor)])
+    empty.update({id(t): empty_dtensor(t) for t in tensors if isinstance(t, DTensor)})
     for p in donor.parameters():
         memo[id(p)] = nn.Parameter(empty[id(p)], requires_grad=p.requires_grad)
     for b in donor.buffers():

@@ -8,7 +8,8 @@ same kind and loads the moved tensors into it. Two things cannot be carried that
   callables, often holding state, that cannot cross processes. vpipe's own hooks are
   re-installed by vpipe on the block that arrives; hooks defined by torch's own modules
   for their state dicts (``checkpoint_wrapper``'s) are part of the module and are cloned, and
-  FSDP2's come back when the arriving block is sharded like the stage's own.
+  FSDP2's come back when the arriving block is sharded like the stage's own, and the tensor
+  parallel styles' are kept by the clone (:mod:`vpipe.stage.tensor_parallel`).
 - **shared modules or parameters**: blocks that share one (a shared MLP, weight sharing
   across layers), or a block that shares one with the stage module outside the blocks.
   Packing such a block alone would make a second copy of the shared tensors on the
@@ -29,6 +30,7 @@ from typing import Any
 
 from torch import nn
 
+from vpipe.compat.torch_distributed import is_parallel_style_hook
 from vpipe.compat.torch_internals import hooks_of
 from vpipe.plan import PINNED_KIND
 from vpipe.stage.kinds import block_kind
@@ -72,7 +74,8 @@ def user_hooks(block: nn.Module) -> list[str]:
         for kind in _MOVING_HOOKS + _STATE_HOOKS:
             for fn in hooks_of(module, kind).values():
                 origin, name = _origin(fn)
-                if _vpipe(origin) or _fsdp(origin) or (kind in _STATE_HOOKS and _torch(origin)):
+                if _vpipe(origin) or _fsdp(origin) or is_parallel_style_hook(fn) or (
+                        kind in _STATE_HOOKS and _torch(origin)):
                     continue
                 found.append(f"{kind} hook {name}{where}")
     return found

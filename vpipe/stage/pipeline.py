@@ -47,7 +47,8 @@ from vpipe.compat.torch_distributed import (
 from vpipe.schedules.pipedream import SchedulePipeDream
 from vpipe.sharing import action_kind, flat_actions, in_flight_per_stage, in_flight_together
 from vpipe.stage.blocks import StageBlocks
-from vpipe.stage.fsdp import fsdp_refusal, is_fully_sharded, not_fsdp_dtensors
+from vpipe.stage.fsdp import fsdp_refusal, is_fully_sharded
+from vpipe.stage.tensor_parallel import spanning_pipeline, tensor_parallel_move_refusal, tensor_parallel_names
 
 log = logging.getLogger("vpipe.attach")
 
@@ -153,7 +154,8 @@ def inspect_target(target: AttachTarget) -> Pipeline:
                              f"action lists give rank {rank} stages {mine}")
         kind = MULTI_STAGE_SCHEDULES.get(type(target).__name__, "custom")
         local = [LocalStage(s.stage_index, _unwrap(s.submod), s) for s in stages]
-        return Pipeline(target, local, num_stages, ranks, kind, torch.device(stages[0].device), group)
+        return _check_tensor_parallel(Pipeline(target, local, num_stages, ranks, kind, torch.device(stages[0].device),
+                                               group))
     if isinstance(target, PipelineScheduleSingle):
         check_schedule_api(target)
         stage = single_stage(target)
@@ -164,14 +166,15 @@ def inspect_target(target: AttachTarget) -> Pipeline:
                              "process group; vpipe needs stage i on group rank i (as torch's single-stage "
                              "schedules do)")
         local = [LocalStage(stage.stage_index, _unwrap(stage.submod), stage)]
-        return Pipeline(target, local, stage.num_stages, tuple(range(stage.num_stages)), _single_kind(target),
-                        torch.device(stage.device), group)
+        return _check_tensor_parallel(Pipeline(target, local, stage.num_stages, tuple(range(stage.num_stages)),
+                                               _single_kind(target), torch.device(stage.device), group))
     if isinstance(target, nn.Module):
         module = _unwrap(target)
         p = next(module.parameters(), None)
         device = p.device if p is not None else torch.device("cpu")
         rank, world = dist.get_rank(), dist.get_world_size()
-        return Pipeline(None, [LocalStage(rank, module)], world, tuple(range(world)), "gpipe", device)
+        return _check_tensor_parallel(Pipeline(None, [LocalStage(rank, module)], world, tuple(range(world)), "gpipe",
+                                               device))
     raise TypeError(f"vpipe.attach takes a pipelining schedule or a stage module, got {type(target).__name__}")
 
 
@@ -183,7 +186,7 @@ def _single_kind(schedule: Any) -> str:
 
 def _unwrap(module: nn.Module) -> nn.Module:
     """The stage module to find blocks in: refuse wrappers and parallelisms vpipe cannot move blocks of
-    (FSDP2's ``fully_shard`` is accepted: the module stays the module)."""
+    (FSDP2's ``fully_shard`` and tensor parallelism are accepted: the module stays the module)."""
     wrapped = type(module).__name__
     if wrapped == "DistributedDataParallel" or _composable(module, "replicate"):
         how = wrapped if wrapped == "DistributedDataParallel" else "replicate()"
@@ -195,11 +198,20 @@ def _unwrap(module: nn.Module) -> nn.Module:
         raise TypeError("vpipe.attach does not support FSDP1 (FullyShardedDataParallel) on a stage module: its flat "
                         "parameters hold every block at once. Use FSDP2, torchtitan's way: fully_shard(block, "
                         "mesh=dp_mesh) on every block, then fully_shard(stage_module, mesh=dp_mesh)")
-    if not_fsdp_dtensors(module):
-        raise TypeError("vpipe.attach does not support DTensor parameters other than FSDP2's shards (tensor "
-                        "parallelism inside blocks): vpipe moves whole blocks between stages and cannot move a "
-                        "tensor-parallel one")
     return module
+
+
+def _check_tensor_parallel(pipeline: Pipeline) -> Pipeline:
+    """Tensor parallelism is welcome on a mesh dimension of its own; sharding across stages is not."""
+    ranks, me = pipeline.global_ranks(), dist.get_rank()
+    for stage in pipeline.stages:
+        spanning = spanning_pipeline(stage.module, ranks, me)
+        if spanning:
+            raise TypeError(f"vpipe.attach: stage {stage.index}'s DTensor parameter(s) {', '.join(spanning[:3])} are "
+                            f"placed on a mesh that holds other ranks of this pipeline (world ranks {list(ranks)}); "
+                            "a stage holds its blocks whole or shards them over other mesh dimensions (FSDP2 over "
+                            "dp, tensor parallelism over tp), never over the pipeline's own")
+    return pipeline
 
 
 def _composable(module: nn.Module, name: str) -> bool:
@@ -272,7 +284,13 @@ def move_refusal(pipeline: Pipeline, has_factory: bool) -> str | None:
         return "the stage is a traced GraphModule (pipeline() split): its forward is a fixed graph of modules"
     for stage in pipeline.stages:
         assert stage.blocks is not None  # agree_on_blocks set every local stage's blocks
-        fsdp = fsdp_refusal(stage.module, stage.blocks.blocks().values())
+        blocks = stage.blocks.blocks().values()
+        tp = tensor_parallel_move_refusal(blocks)
+        if tp is None and has_factory and any(tensor_parallel_names(b) for b in blocks):
+            tp = "tensor parallelism: blocks built by layer_factory= would not be parallelised; leave it out"
+        if tp is not None:
+            return tp
+        fsdp = fsdp_refusal(stage.module, blocks)
         if fsdp is None and has_factory and is_fully_sharded(stage.module):
             fsdp = "FSDP: blocks built by layer_factory= would not be sharded; leave it out (blocks are cloned)"
         if fsdp is not None:

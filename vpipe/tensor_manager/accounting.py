@@ -14,16 +14,26 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
+
+
+def local_of(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose memory ``t`` is on this rank: a DTensor's local shard, else ``t``."""
+    if isinstance(t, DTensor):
+        with torch.no_grad():
+            return t.to_local()
+    return t
 
 
 def storage_key(t: torch.Tensor) -> tuple[int, torch.device]:
     """Identity of the memory behind a tensor (views of one storage share it)."""
+    t = local_of(t)
     return (t.untyped_storage().data_ptr(), t.device)
 
 
 def storage_bytes(t: torch.Tensor) -> int:
-    return t.untyped_storage().nbytes()
+    return local_of(t).untyped_storage().nbytes()
 
 
 def tensor_bytes(value: Any) -> int:
@@ -85,7 +95,7 @@ class RecomputeCounter:
     def see(self, t: torch.Tensor) -> None:
         if self._is_weight(t) or t.layout is not torch.strided:
             return
-        storage = t.untyped_storage()
+        storage = local_of(t).untyped_storage()
         key = storage.data_ptr()
         seen = self._seen.get(key)
         if seen is not None and not seen.expired():

@@ -13,14 +13,17 @@ drains that queue under its lock at the next safe point.
 from __future__ import annotations
 
 from collections import deque
+from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from vpipe.compat.torch_internals import free_weak_ref, weak_ref_expired
 from vpipe.tensor_manager.copy_engine import Ticket
 from vpipe.tensor_manager.pool import PoolBlock
 
-__all__ = ["StorageEntry", "SwappedEntry", "KeptHandle", "SwappedHandle", "WHOLE", "VIEW", "BYTES", "without_graph"]
+__all__ = ["StorageEntry", "SwappedEntry", "KeptHandle", "SwappedHandle", "ShardHandle", "WHOLE", "VIEW", "BYTES",
+           "without_graph"]
 
 
 def without_graph(t: torch.Tensor) -> torch.Tensor:
@@ -30,6 +33,22 @@ def without_graph(t: torch.Tensor) -> torch.Tensor:
     (node -> saved handle -> tensor -> node) that only the garbage collector breaks.
     """
     return t.detach() if t.grad_fn is not None else t
+
+
+class ShardHandle:
+    """A saved DTensor (a tensor-parallel block's input, say): the handle of its local shard, which is kept or
+    swapped as any saved tensor is, and what wraps that shard as the same DTensor again when it is unpacked."""
+
+    __slots__ = ("inner", "mesh", "placements", "shape", "stride")
+
+    def __init__(self, inner: Any, t: DTensor) -> None:
+        self.inner = inner
+        self.mesh, self.placements, self.shape, self.stride = t.device_mesh, t.placements, t.shape, t.stride()
+
+    def wrap(self, local: torch.Tensor) -> DTensor:
+        with torch.no_grad():
+            return DTensor.from_local(local, self.mesh, self.placements, run_check=False, shape=self.shape,
+                                      stride=self.stride)
 
 
 class StorageEntry:

@@ -32,12 +32,13 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from vpipe.compat.torch_internals import current_graph_task_id
 from vpipe.plan import Policy
 from vpipe.tensor_manager.accounting import RecomputeCounter
 from vpipe.tensor_manager.governor import BudgetGovernor
-from vpipe.tensor_manager.handles import KeptHandle, without_graph
+from vpipe.tensor_manager.handles import KeptHandle, ShardHandle, without_graph
 from vpipe.tensor_manager.layers import KeptCall, LayerCall, ManagedLayer, input_shapes
 from vpipe.tensor_manager.phases import BackwardPhases
 from vpipe.tensor_manager.prefetch import Prefetcher
@@ -209,6 +210,8 @@ class Interceptor:
             self.weights_skipped += 1
             return t
         if type(t) is not torch.Tensor or t.get_device() != self.device_index or t.layout is not torch.strided:
+            if isinstance(t, DTensor):
+                return self._pack_shard(t)
             return without_graph(t)  # subclasses, sparse tensors, other devices: autograd keeps them as they are
         storage = t.untyped_storage()
         nbytes = storage.nbytes()
@@ -243,9 +246,18 @@ class Interceptor:
                 frame.swappable += nbytes
         return handle
 
+    def _pack_shard(self, t: DTensor) -> Any:
+        """A DTensor is saved as its local shard (kept or swapped like any tensor) and wrapped again on unpack."""
+        with torch.no_grad():
+            local = t.to_local()
+        inner = self.pack(local)
+        return without_graph(t) if isinstance(inner, torch.Tensor) else ShardHandle(inner, t)
+
     def unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
             return packed
+        if packed.__class__ is ShardHandle:
+            return packed.wrap(self.unpack(packed.inner))
         if packed.__class__ is KeptHandle:
             self._phases.kept_unpacked(packed.entry)
             if self._prefetcher.throttled:  # the kept tensors this backward used so far may have left room

@@ -21,7 +21,7 @@ from torch.utils.hooks import RemovableHandle
 
 from vpipe.compat.torch_internals import view_base
 from vpipe.plan import Policy
-from vpipe.tensor_manager.accounting import RecomputeCounter
+from vpipe.tensor_manager.accounting import RecomputeCounter, local_of
 from vpipe.tensor_manager.handles import StorageEntry
 from vpipe.tensor_manager.replay import forget_weight_places
 
@@ -172,7 +172,7 @@ class LayerCall:
         self.swappable = 0
         self.counter: RecomputeCounter | None = None
         self.buffers: frozenset[int] = (
-            frozenset(b.untyped_storage().data_ptr() for b in layer.module.buffers()) if layer.has_buffers
+            frozenset(local_of(b).untyped_storage().data_ptr() for b in layer.module.buffers()) if layer.has_buffers
             else frozenset()
         )
         self.t0 = time.perf_counter()
@@ -185,11 +185,11 @@ class LayerCall:
             return False  # computed in this forward: an activation
         if root.requires_grad or root.__class__ is nn.Parameter:
             return not any(root is a for a in self.inputs)  # a stage input is an activation
-        return bool(self.buffers) and t.untyped_storage().data_ptr() in self.buffers
+        return bool(self.buffers) and local_of(t).untyped_storage().data_ptr() in self.buffers
 
     def input_bytes(self) -> int:
         """What a recompute of this call would keep instead of its activations: its tensor inputs."""
-        return sum(a.untyped_storage().nbytes() for a in self.inputs if isinstance(a, torch.Tensor))
+        return sum(local_of(a).untyped_storage().nbytes() for a in self.inputs if isinstance(a, torch.Tensor))
 
 
 class KeptCall:

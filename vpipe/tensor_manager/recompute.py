@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from vpipe import timeline
-from vpipe.tensor_manager.accounting import Ledger
+from vpipe.tensor_manager.accounting import Ledger, local_of
 from vpipe.tensor_manager.replay import Replay, SavedTensorHooks
 
 __all__ = ["RecomputeFrame", "FrameSupport", "Slot", "RecomputeError"]
@@ -62,7 +62,7 @@ def _storage_of(t: torch.Tensor) -> tuple[int, int] | None:
     """(address, bytes) of a strided tensor's storage, None for layouts without one."""
     if t.layout is not torch.strided:
         return None
-    storage = t.untyped_storage()
+    storage = local_of(t).untyped_storage()
     return storage.data_ptr(), storage.nbytes()
 
 

@@ -1,0 +1,97 @@
+"""Tensor-parallel blocks in a pipeline: 2 stages x 2 tp ranks, torchtitan's plan on every block, real ranks.
+
+The model is examples/train_3d.py's. The same trainer runs side by side without vpipe, each
+copy on a mesh of its own; the only change is ``vpipe.attach(schedule, optimizer=opt)``.
+Each tp rank of a stage moves its own shards to the rank with its tp coordinate on the
+neighbouring stage, so the losses and the whole (gathered) parameters equal the plain
+run's, bitwise: a move changes which rank computes a block, never the order of a reduction
+(two tp ranks sum in either order alike).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+import torch
+
+from support.processes import ROOT, TESTS, WORKERS, run_worker
+from support.results import assert_params_equal
+from vpipe.log import read_log
+
+SIX_TWO = [[0, 1, 2, 3, 4, 5], [6, 7]]
+
+
+def _whole(ranks: list[dict], copy: str) -> dict[str, torch.Tensor]:
+    """The whole model of one copy: every rank's gathered parameters merged by global key."""
+    merged: dict[str, torch.Tensor] = {}
+    for r in ranks:
+        merged.update({k: torch.tensor(v) for k, v in r["states"][copy].items()})
+    return merged
+
+
+def _assert_as_without_vpipe(ranks: list[dict]) -> None:
+    for r in ranks:
+        assert r["losses"]["vpipe"] == r["losses"]["plain"], r["rank"]  # bitwise, every micro-batch
+    assert any(r["losses"]["plain"] for r in ranks)
+    assert_params_equal(_whole(ranks, "vpipe"), _whole(ranks, "plain"))
+    placements = [r["placements"] for r in ranks]
+    assert all(p == placements[0] for p in placements)  # every rank, every step: one placement
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scenario", ["pp_tp-1f1b", "tp_pp-gpipe", "pp_tp-gpipe", "tp_pp-1f1b"])
+def test_tensor_parallel_blocks_move_shard_by_shard_and_train_as_without_vpipe(tmp_path, scenario):
+    result = run_worker(tmp_path, "tp_worker", scenario, 4)
+    ranks = result["ranks"]
+    assert ranks[0]["placements"][-1] != SIX_TWO  # the planner moved blocks off the 6,2 split
+    assert not [r for r in result["log"] if r.get("event") == "moves_off"]
+    _assert_as_without_vpipe(ranks)
+
+
+@pytest.mark.slow
+def test_interleaved_1f1b_moves_tensor_parallel_blocks_across_ranks(tmp_path):
+    ranks = run_worker(tmp_path, "tp_worker", "interleaved", 4)["ranks"]
+    assert ranks[0]["placements"][0] == [[0, 1, 2], [3, 4, 5], [6], [7]]
+    assert ranks[0]["placements"][-1] == [[0, 1], [2, 3, 4, 5], [6], [7]]
+    _assert_as_without_vpipe(ranks)
+
+
+@pytest.mark.slow
+def test_swapped_and_recomputed_tensor_parallel_blocks_train_as_kept_ones(tmp_path):
+    """Blocks 0 and 1 swapped, 2 and 6 recomputed: their saved DTensors and local shards go to the host and
+    back, and a recompute replays the block's collectives on both tp ranks alike."""
+    ranks = run_worker(tmp_path, "tp_worker", "policies", 4)["ranks"]
+    for r in ranks:
+        swapped = r["swapped"]
+        if r["coords"]["pp"] == 0:
+            assert swapped["d2h_bytes"] > 0 and swapped["h2d_bytes"] == swapped["d2h_bytes"], r["rank"]
+            assert swapped["recomputes"]["2"] > 0
+        else:
+            assert swapped["d2h_bytes"] == 0 and swapped["recomputes"]["6"] > 0
+    _assert_as_without_vpipe(ranks)
+
+
+@pytest.mark.slow
+def test_a_tp_rank_dying_mid_move_stops_every_rank_naming_it(tmp_path, capfd):
+    """World rank 3 is stage 1's second tp rank on a ("pp", "tp") mesh: it dies as a forced move's layer reaches
+    it, while its tp peer's shard of the same layer arrives; every other rank stops, naming it."""
+    from vpipe_lab.runtime.launch import spawn
+
+    log_file = tmp_path / "fault.log"
+    started = time.monotonic()
+    code = spawn([sys.executable, str(WORKERS / "tp_worker.py"), "fault", str(tmp_path / "fault.json")], 4,
+                 extra_env={"PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)]), "VPIPE_LOG_FILE": str(log_file),
+                            "VPIPE_FAULTS": "migration_die@3", "VPIPE_HEARTBEAT_TIMEOUT": "5"}, timeout_s=120)
+    stderr = capfd.readouterr().err
+    assert code != 0
+    assert time.monotonic() - started < 90
+    for r in (0, 1, 2):
+        said = [ln for ln in stderr.splitlines() if ln.startswith(f"vpipe [rank {r}]:")]
+        assert said and "rank 3 stopped answering (dead or hung)" in said[-1], (r, stderr[-3000:])
+    log = read_log(log_file)
+    assert [r for r in log if r.get("event") == "migration_start" and r["rank"] == 3]  # it died mid-move
+    assert not [r for r in log if r.get("event") == "migration_done"]  # nobody dropped or took the layer
+    assert not (tmp_path / "fault.json").exists()
