@@ -95,3 +95,42 @@ def test_a_tp_rank_dying_mid_move_stops_every_rank_naming_it(tmp_path, capfd):
     assert [r for r in log if r.get("event") == "migration_start" and r["rank"] == 3]  # it died mid-move
     assert not [r for r in log if r.get("event") == "migration_done"]  # nobody dropped or took the layer
     assert not (tmp_path / "fault.json").exists()
+
+
+@pytest.mark.slow
+def test_three_dimensions_pp_dp_tp_move_a_block_as_fsdp2_and_tensor_parallel_shards(tmp_path):
+    """8 ranks on ("pp", "dp", "tp"): FSDP2 over dp on top of tensor parallelism in every block. A forced move of
+    layer 5 sends each (dp, tp) rank's 2-D shards to its peer; the arriving block is parallelised over tp, then
+    sharded over dp as its donor is."""
+    result = run_worker(tmp_path, "tp_worker", "pp_dp_tp", 8)
+    ranks = result["ranks"]
+    assert not [r for r in result["log"] if r.get("event") == "moves_off"]
+    assert ranks[0]["placements"][0] == SIX_TWO and ranks[0]["placements"][-1] == [[0, 1, 2, 3, 4], [5, 6, 7]]
+    assert len({r["rank"] for r in result["log"] if r.get("event") == "migration_done"}) == 8
+    _assert_as_without_vpipe(ranks)
+
+
+@pytest.mark.slow
+def test_the_3d_example_trains_with_the_one_line_and_saves_whole_parameters(tmp_path):
+    """examples/train_3d.py as a user runs it (torchrun's environment), with --vpipe: every rank's saved state is
+    the whole parameters of its stage (DTensors gathered), the shapes of the model built without a mesh."""
+    from support.processes import child_env, run_ranks
+
+    out = tmp_path / "run.json"
+    run_ranks([str(ROOT / "examples" / "train_3d.py"), "--mesh", "tp,pp", "--steps", "4", "--vpipe", "--out",
+               str(out)], 4, tmp_path / "output.txt", child_env(VPIPE_LOG_FILE=str(tmp_path / "vpipe.log")))
+    import json
+
+    losses = json.loads(out.read_text())["losses"]
+    assert [len(per_rank) for per_rank in losses] == [4] * 4
+    assert sum(1 for per_rank in losses if all(len(step) == 4 for step in per_rank)) == 2  # the last stage's
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        import train_3d
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+    whole = train_3d.Transformer(train_3d.ModelArgs()).state_dict()
+    for rank in range(4):
+        state = torch.load(f"{out}.rank{rank}.pt", weights_only=True)
+        assert state and all(state[k].shape == whole[k].shape for k in state)
+    assert [r for r in read_log(tmp_path / "vpipe.log") if r.get("event") == "attached"]

@@ -13,8 +13,8 @@ every block). Scenarios (``argv[1]``), launched by ``vpipe_lab.runtime.launch.sp
   DTensors and local shards go through the tensor manager; losses equal the plain copy's;
 - ``fault``: a forced move on pp x tp with ``VPIPE_FAULTS=migration_die@3``: world rank 3 (stage 1, tp 1) dies
   as the layer reaches it. Ranks start as the laboratory's do, so a dead rank ends every other naming it;
-- ``pp_dp_tp``: 8 ranks, FSDP2 over dp and tensor parallelism over tp in each block, a forced move: refused
-  in one ``moves_off`` line; the copies train alike (swap and recompute still apply).
+- ``pp_dp_tp``: 8 ranks, FSDP2 over dp on top of tensor parallelism over tp in each block, planning off, a
+  forced move of layer 5 before step 2; 4 steps.
 """
 
 from __future__ import annotations

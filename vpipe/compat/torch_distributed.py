@@ -30,7 +30,8 @@ What each accessor reaches, by area (checked: 2.13.0 for all; fallbacks named):
   (``state._fsdp_param_groups``, ``._mp_policy``), :func:`drop_fsdp_prefetch`,
   :func:`forget_fsdp_root` (``state._states_to_*_prefetch``, ``._is_root``, ``._state_ctx``,
   ``group._module_fqn``);
-- tensor parallelism: :func:`is_parallel_style_hook` (the hooks ``distribute_module`` and the
+- tensor parallelism: :func:`is_strided_shard` (FSDP2's dp placement over a tp shard),
+  :func:`is_parallel_style_hook` (the hooks ``distribute_module`` and the
   parallel styles register are functions defined in ``torch.distributed.tensor._api`` and
   ``.parallel.style``; fallback: none is recognised, so a clone of a tensor-parallel block
   would lack them: the move tests fail);
@@ -62,7 +63,7 @@ __all__ = ["single_stage", "schedule_stages", "n_microbatches", "missing_schedul
            "batch_p2p_wait", "set_batch_p2p_wait", "get_schedule_ops", "PipelineScheduleRuntime", "PipelineStageBase",
            "COMPOSABLE_KEYS", "composable_apis", "is_fsdp1", "fsdp_state", "fsdp_internals_missing",
            "fsdp_param_groups", "fsdp_mp_policy", "drop_fsdp_prefetch", "forget_fsdp_root", "is_parallel_style_hook",
-           "default_store"]
+           "is_strided_shard", "default_store"]
 
 
 # ---------------------------------------------------------------------- pipelining
@@ -244,6 +245,13 @@ def forget_fsdp_root(root: Any) -> None:
 
 # ---------------------------------------------------------------------- tensor parallelism
 _PARALLEL_STYLE_MODULES = frozenset({"torch.distributed.tensor._api", "torch.distributed.tensor.parallel.style"})
+
+
+def is_strided_shard(placement: Any) -> bool:
+    """Whether ``placement`` is the ``_StridedShard`` FSDP2 puts on the dp dimension of a parameter that tensor
+    parallelism sharded on the same dim first (checked: 2.13.0, where it is no ``Shard`` and its ``is_shard()``
+    is False; fallback: such parameters are not recognised, so their blocks do not move)."""
+    return type(placement).__name__ == "_StridedShard"
 
 
 def is_parallel_style_hook(fn: Any) -> bool:

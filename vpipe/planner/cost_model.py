@@ -15,6 +15,11 @@ time to receive its boundary tensors.
   boundary once however many layers beyond it consume it, so boundary bytes are counted
   per source tensor (the largest of its crossing edges), and a skip edge spanning several
   stages is relayed through, and charged to, every boundary it spans.
+- Collectives inside a layer (a tensor-parallel block's all-reduces, an FSDP2 block's
+  all-gathers) are part of its measured ``fwd`` / ``bwd``: the monitors time the block's
+  forward and backward whole, and the planner hears, per stage, the slowest of the ranks that
+  run it (its tp and dp peers), so a recompute re-pays them in ``fwd`` and no term of its own
+  is needed. A layer's bytes are this rank's shards (DTensors count their local part).
 
 *Memory of stage k* = ``param_bytes * (versions + optimizer_factor)`` + ``in_flight *
 resident`` + ``swap_staging``, where

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import empty as dtensor_empty
 
 from vpipe.compat.torch_distributed import (
     COMPOSABLE_KEYS,
@@ -36,9 +37,11 @@ from vpipe.compat.torch_distributed import (
     fsdp_mp_policy,
     fsdp_param_groups,
     fsdp_state,
+    is_strided_shard,
 )
 
-__all__ = ["is_fully_sharded", "fsdp_sharded", "not_fsdp_dtensors", "fsdp_refusal", "resharded", "clone_sharded",
+__all__ = ["is_fully_sharded", "fsdp_sharded", "fsdp_with_tensor_parallel", "not_fsdp_dtensors", "fsdp_refusal",
+           "resharded", "clone_sharded",
            "FsdpRoot"]
 
 
@@ -85,7 +88,7 @@ def fsdp_refusal(stage_module: nn.Module, blocks: Iterable[nn.Module]) -> str | 
             return "FSDP: a block is not fully_shard-ed by itself (fully_shard every block, as torchtitan does)"
         if any(is_fully_sharded(m) for m in block.modules() if m is not block):
             return "FSDP: fully_shard is applied inside a block; vpipe moves blocks sharded as one unit"
-        if not all(fsdp_sharded(p) for p in block.parameters()):
+        if not all(fsdp_sharded(p) or fsdp_with_tensor_parallel(p) for p in block.parameters()):
             return "FSDP: a block's parameters are not all sharded on dim 0 by fully_shard alone"
     for module in sharded:
         state = fsdp_state(module)
@@ -106,6 +109,27 @@ def resharded(block: nn.Module) -> nn.Module:
     return block
 
 
+def _before_sharding(p: torch.Tensor, dp_mesh: Any) -> torch.Tensor:
+    """What ``fully_shard`` found in ``p``'s place, uninitialised: a plain tensor of the full shape, or, for a
+    tensor-parallel block, the DTensor over the mesh's other dimensions (tp) that it sharded over dp."""
+    mesh = p.device_mesh if isinstance(p, DTensor) else None
+    names = (mesh.mesh_dim_names or ()) if mesh is not None else ()
+    dp_names = set(dp_mesh.mesh_dim_names or ())
+    rest = [i for i, name in enumerate(names) if name not in dp_names]
+    if mesh is None or not rest or len(rest) == len(names):
+        return torch.empty(p.shape, dtype=p.dtype, device=p.device)
+    tp_mesh = mesh[tuple(names[i] for i in rest)] if len(rest) > 1 else mesh[names[rest[0]]]
+    return dtensor_empty(p.shape, dtype=p.dtype, device_mesh=tp_mesh, placements=[p.placements[i] for i in rest])
+
+
+def fsdp_with_tensor_parallel(p: torch.Tensor) -> bool:
+    """Whether ``p`` is sharded by FSDP2 over dp and by tensor parallelism over the other named dimensions of
+    its mesh (``("dp", "tp")``, torchtitan's 3-D layout): one ``Shard`` or ``_StridedShard`` per dimension."""
+    if not isinstance(p, DTensor) or p.device_mesh.ndim < 2 or not p.device_mesh.mesh_dim_names:
+        return False
+    return all(pl.is_shard() or pl.is_replicate() or is_strided_shard(pl) for pl in p.placements)
+
+
 def _plain_class(module: nn.Module) -> type[nn.Module]:
     """The class ``fully_shard`` subclassed (it makes ``FSDP<Class>(FSDPModule, Class)``)."""
     return next(c for c in type(module).__mro__ if issubclass(c, nn.Module) and not issubclass(c, FSDPModule))
@@ -122,7 +146,7 @@ def clone_sharded(donor: nn.Module, memo: dict[int, Any]) -> nn.Module:
     group = fsdp_param_groups(fsdp_state(donor))[0]
     params = list(donor.parameters())
     for p in params:
-        memo[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=p.device), requires_grad=p.requires_grad)
+        memo[id(p)] = nn.Parameter(_before_sharding(p, group.mesh_info.mesh), requires_grad=p.requires_grad)
     plain = _plain_class(donor)
     clone = plain.__new__(plain)
     fields = {k: v for k, v in donor.__dict__.items() if k not in COMPOSABLE_KEYS}

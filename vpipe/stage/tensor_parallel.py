@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from vpipe.compat.torch_distributed import is_parallel_style_hook
 from vpipe.compat.torch_internals import call_hook_tables
-from vpipe.stage.fsdp import is_fully_sharded, not_fsdp_dtensors
+from vpipe.stage.fsdp import not_fsdp_dtensors
 
 __all__ = ["tensor_parallel_names", "mesh_ranks", "spanning_pipeline", "tensor_parallel_move_refusal",
            "parallel_hook_ids", "keep_parallel_hooks", "empty_dtensor"]
@@ -52,14 +52,12 @@ def spanning_pipeline(module: nn.Module, pipeline_ranks: Sequence[int], me: int)
 def tensor_parallel_move_refusal(blocks: Iterable[nn.Module]) -> str | None:
     """Why tensor-parallel blocks cannot move (None: they can, or none is tensor-parallel).
 
-    Moving needs each block parallelised by itself over a tp sub-mesh: FSDP2 and tensor
-    parallelism in one block (``("pp", "dp", "tp")``) swap and recompute but do not move.
+    With FSDP2 over dp as well (``("pp", "dp", "tp")``) the block is cloned parallelised over tp
+    and then sharded over dp as the donor is (:func:`~vpipe.stage.fsdp.clone_sharded`).
     """
     for block in blocks:
         if not tensor_parallel_names(block):
             continue
-        if any(is_fully_sharded(m) for m in block.modules()):
-            return "tensor parallelism with FSDP2 in one block: its 2-D shards are not re-sharded on arrival"
         if any(isinstance(b, DTensor) for b in block.buffers()):
             return "tensor parallelism: a block holds a DTensor buffer"
     return None
