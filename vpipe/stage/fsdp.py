@@ -112,11 +112,13 @@ def resharded(block: nn.Module) -> nn.Module:
 def _before_sharding(p: torch.Tensor, dp_mesh: Any) -> torch.Tensor:
     """What ``fully_shard`` found in ``p``'s place, uninitialised: a plain tensor of the full shape, or, for a
     tensor-parallel block, the DTensor over the mesh's other dimensions (tp) that it sharded over dp."""
-    mesh = p.device_mesh if isinstance(p, DTensor) else None
-    names = (mesh.mesh_dim_names or ()) if mesh is not None else ()
+    if not isinstance(p, DTensor):
+        return torch.empty(p.shape, dtype=p.dtype, device=p.device)
+    mesh = p.device_mesh
+    names = mesh.mesh_dim_names or ()
     dp_names = set(dp_mesh.mesh_dim_names or ())
     rest = [i for i, name in enumerate(names) if name not in dp_names]
-    if mesh is None or not rest or len(rest) == len(names):
+    if not rest or len(rest) == len(names):
         return torch.empty(p.shape, dtype=p.dtype, device=p.device)
     tp_mesh = mesh[tuple(names[i] for i in rest)] if len(rest) > 1 else mesh[names[rest[0]]]
     return dtensor_empty(p.shape, dtype=p.dtype, device_mesh=tp_mesh, placements=[p.placements[i] for i in rest])
