@@ -187,10 +187,12 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
         raise ValueError("--memory-budget and --policy are vpipe's (its tensor manager): add --vpipe")
     cfg = config_from_args(args)  # validate before starting any process (its paths included)
     check_vpipe_outputs(cfg.vpipe)  # the trace and metrics directories the environment names
-    from vpipe_lab.runtime.checkpoints import check_checkpoint_dir
-
-    check_checkpoint_dir(cfg)
     if rank_env() is None:
+        from vpipe_lab.runtime.checkpoints import check_checkpoint_dir
+
+        # the launcher looks before any rank starts; a rank never does (rank 0 takes the lock for the run, and a
+        # rank that took it to look while rank 0 took it made rank 0 report the directory in use)
+        check_checkpoint_dir(cfg)
         if cfg.resume:
             from vpipe_lab.runtime.checkpoints import load_resume
 
