@@ -172,6 +172,9 @@ class Unit:
 
     name: str  # the module's qualified name in the model
     container: str | None = None  # the block container's path for a block, None for any other module
+    # measured from the model (None when read from a graph file): its class name, its trainable parameters
+    kind: str | None = None
+    params: int | None = None
 
 
 @dataclass

@@ -246,3 +246,97 @@ def test_the_less_layers_fields_are_written_exactly_when_torchtitans_rule_gives_
         assert not any(gives(a, b) for a in range(n + 2) for b in range(n + 2))
     else:
         assert gives(first, last)
+
+
+# --------------------------------------------------------------------- DeepSpeed's partition_method
+# (weights, stages) -> the parts DeepSpeed 0.19.8's own partition_balanced returns (deepspeed/runtime/utils.py, run
+# on these inputs); its rule minimises the spread between stages greedily, prefix by prefix, so ties matter
+DEEPSPEED_BALANCED = [
+    ([1] * 8, 2, [0, 4, 8]),
+    ([1] * 8, 3, [0, 3, 6, 8]),
+    ([1, 0, 0, 0, 0, 0, 0, 0, 0, 1], 4, [0, 7, 8, 9, 10]),
+    ([5, 2, 2, 2, 2, 2, 2, 2, 2, 9], 2, [0, 6, 10]),
+    ([0, 1, 1, 1, 1, 1, 1, 1, 1, 0], 2, [0, 5, 10]),
+    ([0, 1, 1, 1, 1, 1, 1, 1, 1, 0], 3, [0, 4, 7, 10]),
+    ([4096, 100, 100, 100, 100, 100, 100, 8, 4096], 2, [0, 4, 9]),
+]
+
+
+@pytest.mark.parametrize("weights, stages, parts", DEEPSPEED_BALANCED)
+def test_the_balanced_partition_is_deepspeeds_tie_for_tie(weights, stages, parts):
+    from vpipe.planner.formats import balanced_bounds, uniform_bounds
+
+    assert balanced_bounds(weights, stages) == parts
+    assert uniform_bounds(10, 4) == [0, 3, 6, 8, 10] and uniform_bounds(3, 5) == [0, 1, 2, 3, 3, 3]
+
+
+def test_the_balanced_partition_matches_an_installed_deepspeed_on_random_weights():
+    utils = pytest.importorskip("deepspeed.runtime.utils", reason="DeepSpeed is not installed (the deepspeed extra)")
+    import random
+
+    from vpipe.planner.formats import balanced_bounds, uniform_bounds
+
+    rng = random.Random(0)
+    for _ in range(500):
+        n, m = rng.randint(1, 14), rng.randint(1, 6)
+        weights = [rng.choice([0, 1, 2, 3, 5, 100, 4096]) for _ in range(n)]
+        assert balanced_bounds(weights, m) == [int(x) for x in utils.partition_balanced(weights, m)]
+        assert uniform_bounds(n, m) == [int(x) for x in utils.partition_uniform(n, m)]
+
+
+def _llama_units(blocks: int) -> list:
+    from vpipe.graph import Unit
+
+    return ([Unit("tok_embeddings", kind="Embedding", params=256 * 64)]
+            + [Unit(f"layers.{i}", "layers", kind="TransformerBlock", params=49_536) for i in range(blocks)]
+            + [Unit("norm", kind="LayerNorm", params=128), Unit("output", kind="Linear", params=64 * 256)])
+
+
+def _stages(units: list, counts: list[int]) -> list[list[str]]:
+    names, out, at = [u.name for u in units], [], 0
+    for count in counts:
+        out.append(names[at:at + count])
+        at += count
+    return out
+
+
+@pytest.mark.parametrize("counts, method", [([4, 2, 4], "type:TransformerBlock"), ([3, 4, 4], None),
+                                            ([6, 6], "parameters"), ([5, 5, 1], None), ([4, 4, 3], "uniform")])
+def test_the_deepspeed_method_is_one_whose_rule_gives_the_planned_parts(counts, method):
+    from vpipe.planner.formats import balanced_bounds, deepspeed_form, uniform_bounds
+
+    units = _llama_units(sum(counts) - 3)
+    form = deepspeed_form(_stages(units, counts), units, "1f1b", 1)
+    parts = [sum(counts[:k]) for k in range(len(counts) + 1)]
+    assert form["parts"] == parts and form["partition_method"] == method
+    rules = {"parameters": balanced_bounds([u.params for u in units], len(counts)),
+             "uniform": uniform_bounds(len(units), len(counts)),
+             "type:TransformerBlock": balanced_bounds([int(u.container is not None) for u in units], len(counts))}
+    if method is None:
+        assert all(rule != parts for rule in rules.values())
+        assert form["notes"] == [f"partition_method: no method gives the planned parts {parts}: "
+                                 + "; ".join(f"{m} gives {b}" for m, b in rules.items())]
+    else:
+        assert rules[method] == parts and form["notes"] == []
+
+
+def test_deepspeed_gets_no_method_for_several_stages_per_rank_and_a_note_for_another_schedule():
+    from vpipe.planner.formats import deepspeed_form
+
+    units = _llama_units(8)
+    form = deepspeed_form(_stages(units, [3, 3, 2, 3]), units, "interleaved1f1b", 2)
+    assert form["partition_method"] is None
+    assert form["notes"] == ["partition_method: DeepSpeed runs one stage per rank, the plan 2"]
+    form = deepspeed_form(_stages(units, [4, 4, 3]), units, "gpipe", 1)
+    assert form["partition_method"] == "uniform"
+    assert form["notes"] == ["schedule: DeepSpeed runs its own 1F1B; the plan was made for gpipe"]
+
+
+def test_the_table_and_the_json_carry_deepspeeds_partition_method(capsys):
+    plan = json_plan(capsys, *TUTORIAL, "--stages", "2")
+    form = plan["deepspeed"]
+    sizes = [len(s) for s in plan["stages"]]
+    assert form["parts"] == [0, sizes[0], sum(sizes)]
+    assert form["partition_method"] is not None or form["notes"][0].startswith("partition_method: no method gives")
+    code, out, _ = plan_command(capsys, *TUTORIAL, "--stages", "2")
+    assert code == 0 and [x for x in out.splitlines() if x.startswith("DeepSpeed: ")]

@@ -23,7 +23,7 @@ from typing import Any, NoReturn
 from vpipe.graph import LayerGraph, ModelGraph, load_graph
 from vpipe.plan import Policy
 from vpipe.planner.cost_model import MULTI_STAGE, SCHEDULES, GraphProfile, Hardware
-from vpipe.planner.formats import format_lines, megatron_form, torchtitan_form
+from vpipe.planner.formats import deepspeed_form, format_lines, megatron_form, torchtitan_form
 from vpipe.planner.model_plan import ModelPlan, model_plan
 from vpipe.planner.srp import METHODS, PlanResult, plan_pipeline
 from vpipe.sizes import parse_bytes as _parse_size
@@ -167,12 +167,14 @@ def cmd_plan(args: argparse.Namespace, argv: object = None) -> int:
     if model_graph is not None:
         plan = model_plan(model_graph, result, hardware)
         forms = {"torchtitan": torchtitan_form(plan.stages, model_graph.units, args.schedule, ranks, per_rank),
-                 "megatron": megatron_form(plan.stages, model_graph.units, args.schedule, ranks)}
+                 "megatron": megatron_form(plan.stages, model_graph.units, args.schedule, ranks),
+                 "deepspeed": deepspeed_form(plan.stages, model_graph.units, args.schedule, per_rank)}
         if args.json:
             print(json.dumps({**plan.summary(), "device": model_graph.device, **extra, **forms}))
         else:
             _print_model_table(model_graph, plan, args,
-                               _rank_lines(layout) + format_lines(forms["torchtitan"], forms["megatron"]))
+                               _rank_lines(layout) + format_lines(forms["torchtitan"], forms["megatron"],
+                                                                    forms["deepspeed"]))
     elif args.json:
         print(json.dumps({**result.summary(), **extra}))
     else:

@@ -22,7 +22,17 @@ stages interleaved), so the string fits the single-stage and looped schedules, n
 V-shaped ones. vpipe writes it for a model with one container of blocks, with the modules
 before the blocks on the first stage and those after them on the last.
 
-Torch-free: it reads the plan's module names and which units are blocks.
+**DeepSpeed** (``deepspeed.pipe.PipelineModule(layers=..., partition_method=...)``) splits
+its list of layers by a rule, never by names: ``uniform`` (the same number of layers per
+stage, the first ones one more), ``parameters`` (its balanced linear partition of the
+layers' trainable parameter counts, the default) or ``type:REGEX`` (the same over 1 for each
+layer whose class matches, 0 otherwise). vpipe writes the method whose rule gives the
+planned split when the layer list is the model's units in order (embedding, blocks, norm,
+head, one ``LayerSpec`` each), and says which split each rule would give where none does.
+DeepSpeed runs one stage per rank with its own 1F1B schedule.
+
+Torch-free: it reads the plan's module names, which units are blocks, and (DeepSpeed) their
+classes and parameter counts.
 """
 
 from __future__ import annotations
@@ -32,7 +42,8 @@ from typing import Any
 
 from vpipe.graph import Unit
 
-__all__ = ["torchtitan_form", "megatron_form", "TORCHTITAN_SCHEDULES", "format_lines", "torchtitan_counts"]
+__all__ = ["torchtitan_form", "megatron_form", "deepspeed_form", "TORCHTITAN_SCHEDULES", "format_lines",
+           "torchtitan_counts", "uniform_bounds", "balanced_bounds"]
 
 # the cost model's schedule names -> torch's names, which torchtitan's pipeline_parallel_schedule takes
 TORCHTITAN_SCHEDULES = {
@@ -150,8 +161,91 @@ def megatron_form(stages: list[list[str]], units: list[Unit], schedule: str, ran
             "notes": [f"pipeline_model_parallel_layout: {why}"] if why else []}
 
 
-def format_lines(torchtitan: dict[str, Any], megatron: dict[str, Any]) -> list[str]:
-    """The two forms as the lines ``vpipe plan`` prints: TOML for torchtitan, flags for Megatron."""
+def uniform_bounds(num_layers: int, num_stages: int) -> list[int]:
+    """Stage boundaries (``num_stages + 1`` layer indices) of DeepSpeed's ``uniform`` method: equal counts, the
+    first ``num_layers % num_stages`` stages one more; with fewer layers than stages, one layer per stage."""
+    if num_layers <= num_stages:
+        return [min(k, num_layers) for k in range(num_stages + 1)]
+    per, extra = divmod(num_layers, num_stages)
+    return [k * per + min(k, extra) for k in range(num_stages + 1)]
+
+
+def balanced_bounds(weights: list[int], num_stages: int) -> list[int]:
+    """Stage boundaries of DeepSpeed's balanced linear partition (``parameters`` and ``type:``), as 0.19.8 makes it.
+
+    Its dynamic programme extends, for every prefix of ``i`` layers in ``j`` stages, the
+    chosen ``j - 1``-stage split of a shorter prefix by one last stage, keeping the extension
+    whose spread (heaviest stage minus lightest, of that split and the new stage) is smallest,
+    the longest shorter prefix among equals. It is not the split with the lightest heaviest
+    stage, so the rule is followed as it is, ties included.
+    """
+    n = len(weights)
+    if n <= num_stages:
+        return uniform_bounds(n, num_stages)
+    prefix = [0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    inf = float("inf")
+    # best[j][i] = (spread, heaviest, lightest, where the last stage starts) of prefix i in j stages
+    best: list[list[tuple[float, float, float, int] | None]] = [[None] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = (0.0, 0.0, inf, 0)
+    for i in range(1, n + 1):
+        for j in range(1, min(i, num_stages) + 1):
+            chosen = None
+            for k in range(j - 1, i):
+                before = best[j - 1][k]
+                if before is None:
+                    continue
+                last = prefix[i] - prefix[k]
+                heaviest, lightest = max(before[1], last), min(before[2], last)
+                if chosen is None or heaviest - lightest <= chosen[0]:
+                    chosen = (heaviest - lightest, heaviest, lightest, k)
+            best[j][i] = chosen
+    bounds = [n]
+    for j in range(num_stages, 0, -1):
+        entry = best[j][bounds[-1]]
+        assert entry is not None
+        bounds.append(entry[3])
+    return bounds[::-1]
+
+
+def deepspeed_form(stages: list[list[str]], units: list[Unit], schedule: str, stages_per_rank: int) -> dict[str, Any]:
+    """The ``partition_method`` that makes DeepSpeed's ``PipelineModule`` split the model's units as planned (None,
+    with a note saying what each method would give instead, where none does)."""
+    bounds = [0]
+    for names in stages:
+        bounds.append(bounds[-1] + len(names))
+    notes: list[str] = []
+    if stages_per_rank != 1:
+        notes.append(f"partition_method: DeepSpeed runs one stage per rank, the plan {stages_per_rank}")
+        return {"partition_method": None, "parts": bounds, "notes": notes}
+    if schedule != "1f1b":
+        notes.append(f"schedule: DeepSpeed runs its own 1F1B; the plan was made for {schedule}")
+    if [u.name for u in units] != [name for names in stages for name in names]:
+        notes.append("partition_method: the plan does not keep the units in model order")
+        return {"partition_method": None, "parts": bounds, "notes": notes}
+    gives: dict[str, list[int]] = {}
+    if all(u.params is not None for u in units):
+        gives["parameters"] = balanced_bounds([u.params or 0 for u in units], len(stages))
+    gives["uniform"] = uniform_bounds(len(units), len(stages))
+    kinds = {u.kind for u in units if u.container is not None}
+    kind = kinds.pop() if len(kinds) == 1 else None
+    if kind is not None:  # DeepSpeed matches the regex anywhere in a layer's class name, ignoring case
+        others = {u.kind or "" for u in units if u.container is None}
+        if all(kind.lower() not in other.lower() for other in others):
+            gives[f"type:{kind}"] = balanced_bounds([int(u.container is not None) for u in units], len(stages))
+    method = next((m for m, b in gives.items() if b == bounds), None)
+    if method is None:
+        tried = "; ".join(f"{m} gives {b}" for m, b in gives.items())
+        why = "" if "parameters" in gives else " (parameters: classes and counts are measured with --model)"
+        notes.append(f"partition_method: no method gives the planned parts {bounds}: {tried}{why}")
+    return {"partition_method": method, "parts": bounds, "notes": notes}
+
+
+def format_lines(torchtitan: dict[str, Any], megatron: dict[str, Any],
+                 deepspeed: dict[str, Any] | None = None) -> list[str]:
+    """The forms as the lines ``vpipe plan`` prints: TOML for torchtitan, flags for Megatron, DeepSpeed's
+    ``PipelineModule`` argument."""
     lines = ["torchtitan, [parallelism] of the job config:"]
     for key, value in torchtitan.items():
         if key != "notes" and value is not None:
@@ -162,4 +256,9 @@ def format_lines(torchtitan: dict[str, Any], megatron: dict[str, Any]) -> list[s
         lines.append(f"Megatron-LM: --pipeline-model-parallel-size {megatron['pipeline_model_parallel_size']} "
                      f"--pipeline-model-parallel-layout \"{layout}\"")
     lines += [f"Megatron-LM: not written: {note}" for note in megatron["notes"]]
+    if deepspeed is not None:
+        if deepspeed["partition_method"] is not None:
+            lines.append(f"DeepSpeed: PipelineModule(..., partition_method=\"{deepspeed['partition_method']}\") "
+                         f"(parts {deepspeed['parts']})")
+        lines += [f"DeepSpeed: not written: {note}" for note in deepspeed["notes"]]
     return lines

@@ -59,6 +59,12 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
+def _unit(name: str, container: str | None, module: nn.Module) -> Unit:
+    """A placement unit with its class and trainable parameter count (what DeepSpeed partitions by)."""
+    params = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    return Unit(name, container, kind=type(module).__name__, params=params)
+
+
 def find_units(model: nn.Module, containers: Sequence[str] | None = None) -> tuple[list[Unit], list[str]]:
     """The model's placement units in module order, and the block containers they come from.
 
@@ -87,17 +93,17 @@ def find_units(model: nn.Module, containers: Sequence[str] | None = None) -> tup
                 continue
             path = _join(prefix, name)
             if path in chosen:
-                units.extend(Unit(_join(path, key), path) for key, block in child_modules(child).items()
+                units.extend(_unit(_join(path, key), path, block) for key, block in child_modules(child).items()
                              if block is not None)
             elif any(c.startswith(path + ".") for c in chosen):
                 walk(path, child)
             else:
-                units.append(Unit(path))
+                units.append(_unit(path, None, child))
 
     if "" in chosen:  # the model is itself the container (an nn.Sequential of blocks)
-        units = [Unit(key, "") for key, block in child_modules(model).items() if block is not None]
+        units = [_unit(key, "", block) for key, block in child_modules(model).items() if block is not None]
     else:
         walk("", model)
     if not units:
-        units = [Unit("")]  # a model without children: one unit
+        units = [_unit("", None, model)]  # a model without children: one unit
     return units, chosen
