@@ -93,6 +93,10 @@ def test_group_settings_are_plain_values_a_message_carries():
     assert settings["lr"] == {"tensor": pytest.approx(0.01), "dtype": "torch.float32"}
 
 
+class Pinned:
+    """A trainer's object that keeps one parameter as an attribute."""
+
+
 class Ema:
     """A trainer's own EMA that keeps the parameters it averages."""
 
@@ -112,3 +116,11 @@ def test_references_the_trainer_holds_to_leaving_parameters_are_named_and_nothin
     assert stale_holders(leaving, [block]) == ["a dict of 4 (4 of them leaving)", "a list of 8 (4 of them leaving)",
                                                "a tuple of 4 (4 of them leaving)"]
     del clip_list, ema, by_name, optimizer
+    # an object of the trainer's that keeps a parameter as an attribute is named (by its attribute table); one of
+    # torch's (FSDP2 keeps one per parameter of a block, which leaves with the block) is not
+    mine, torchs = Pinned(), type("FSDPParam", (), {"__module__": "torch.distributed.fsdp._fully_shard._fsdp_param"})()
+    mine.weight = torchs.sharded_param = leaving[0]
+    vars(mine), vars(torchs)  # their attribute tables, as objects read by name get them (FSDP2's are)
+    assert stale_holders(leaving, [block]) == ["a dict of 1 (1 of them leaving)"]
+    del mine
+    assert stale_holders(leaving, [block]) == []

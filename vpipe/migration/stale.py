@@ -50,14 +50,26 @@ def stale_holders(params: Sequence[torch.Tensor], blocks: Iterable[nn.Module]) -
     return found
 
 
+def _library(obj: Any) -> bool:
+    return type(obj).__module__.startswith(("torch", "vpipe"))
+
+
+def _library_attributes(holder: Any) -> bool:
+    """Whether ``holder`` is the attribute table of torch's or vpipe's own object (FSDP2's per-parameter state of
+    a leaving block keeps its parameter so): not a reference of the trainer's."""
+    return isinstance(holder, dict) and any(
+        _library(owner) and getattr(owner, "__dict__", None) is holder for owner in gc.get_referrers(holder))
+
+
 def _scan(params: Sequence[torch.Tensor], own: set[int], leaving: set[int]) -> list[str]:
     found = []
     for holder in gc.get_referrers(*params):
         if id(holder) in own or holder is params or isinstance(holder, (types.FrameType, types.CellType)):
             continue
         if isinstance(holder, _CONTAINERS):
-            found.append(_describe(holder, leaving))
-        elif not type(holder).__module__.startswith(("torch", "vpipe")):
+            if not _library_attributes(holder):
+                found.append(_describe(holder, leaving))
+        elif not _library(holder):
             found.append(f"a {type(holder).__qualname__} object")
     return sorted(found)
 
