@@ -22,6 +22,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -135,6 +136,21 @@ def batch(step: int, replica: int, size: int, seq_len: int, vocab: int) -> tuple
     return tokens[:, :-1], tokens[:, 1:]
 
 
+def train_step(schedule: Any, optimizer: torch.optim.Optimizer, pp_rank: int, pp: int, x: torch.Tensor,
+               y: torch.Tensor) -> list[float]:
+    """One step on this pipeline rank: the first feeds the batch, the last the targets; its micro-batch losses."""
+    losses: list[torch.Tensor] = []
+    if pp_rank == 0:
+        schedule.step(x)
+    elif pp_rank == pp - 1:
+        schedule.step(target=y, losses=losses)
+    else:
+        schedule.step()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return [float(loss.detach()) for loss in losses]
+
+
 def full_state(modules: list[nn.Module]) -> dict[str, torch.Tensor]:
     """Every parameter and buffer whole (DTensors gathered), by global key: comparable with a run without TP."""
     state: dict[str, torch.Tensor] = {}
@@ -196,17 +212,8 @@ def main() -> None:
     for step in range(args.steps):
         started = time.perf_counter()
         x, y = batch(step, replica, args.micro_batches * args.micro_batch_size, args.seq_len, model_args.vocab_size)
-        losses: list[torch.Tensor] = []
-        if pp_rank == 0:
-            schedule.step(x)
-        elif pp_rank == pp - 1:
-            schedule.step(target=y, losses=losses)
-        else:
-            schedule.step()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        losses_per_step.append(train_step(schedule, optimizer, pp_rank, pp, x, y))
         step_s.append(time.perf_counter() - started)
-        losses_per_step.append([float(loss.detach()) for loss in losses])
         if rank == 0 and step % 10 == 0:
             print(f"step {step}: {step_s[-1]:.3f} s", flush=True)
     every: list = [None] * world

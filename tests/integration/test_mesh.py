@@ -13,16 +13,11 @@ pipeline's own ranks and ``replicate()`` are refused with a message that says wh
 
 from __future__ import annotations
 
-import os
-import sys
-import time
-
 import pytest
 import torch
 
-from support.processes import ROOT, TESTS, WORKERS, run_worker
+from support.processes import assert_death_mid_move_stops_everyone, run_worker
 from support.results import assert_losses_close, assert_params_equal
-from vpipe.log import read_log
 
 REL = 1e-6
 
@@ -67,23 +62,7 @@ def test_interleaved_1f1b_with_two_stages_per_rank_attaches_inside_a_mesh_and_tr
 def test_a_rank_of_the_second_replica_dying_mid_move_stops_every_rank_naming_it(tmp_path, capfd):
     """World rank 3 is stage 1 of the second replica (dp 1 of a ("dp", "pp") mesh): it dies as a forced move's
     layer reaches it, while the first replica's move goes through up to the vote that every rank takes."""
-    from vpipe_lab.runtime.launch import spawn
-
-    log_file = tmp_path / "fault.log"
-    started = time.monotonic()
-    code = spawn([sys.executable, str(WORKERS / "mesh_worker.py"), "fault", str(tmp_path / "fault.json")], 4,
-                 extra_env={"PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)]), "VPIPE_LOG_FILE": str(log_file),
-                            "VPIPE_FAULTS": "migration_die@3", "VPIPE_HEARTBEAT_TIMEOUT": "5"}, timeout_s=120)
-    stderr = capfd.readouterr().err
-    assert code != 0
-    assert time.monotonic() - started < 90
-    lines = {r: [ln for ln in stderr.splitlines() if ln.startswith(f"vpipe [rank {r}]:")] for r in (0, 1, 2)}
-    for r, said in lines.items():
-        assert said and "rank 3 stopped answering (dead or hung)" in said[-1], (r, stderr[-3000:])
-    log = read_log(log_file)
-    assert [r for r in log if r.get("event") == "migration_start" and r["rank"] == 3]  # it died mid-move
-    assert not [r for r in log if r.get("event") == "migration_done"]  # nobody dropped or took the layer
-    assert not (tmp_path / "fault.json").exists()
+    assert_death_mid_move_stops_everyone(tmp_path, lambda: capfd.readouterr().err, "mesh_worker")
 
 
 def _assert_as_without_vpipe(ranks: list[dict]) -> None:

@@ -10,14 +10,12 @@ run's, bitwise: a move changes which rank computes a block, never the order of a
 
 from __future__ import annotations
 
-import os
 import sys
-import time
 
 import pytest
 import torch
 
-from support.processes import ROOT, TESTS, WORKERS, run_worker
+from support.processes import ROOT, assert_death_mid_move_stops_everyone, run_worker
 from support.results import assert_params_equal
 from vpipe.log import read_log
 
@@ -68,9 +66,10 @@ def test_swapped_and_recomputed_tensor_parallel_blocks_train_as_kept_ones(tmp_pa
         swapped = r["swapped"]
         if r["coords"]["pp"] == 0:
             assert swapped["d2h_bytes"] > 0 and swapped["h2d_bytes"] == swapped["d2h_bytes"], r["rank"]
+            assert swapped["dtensors"] > 0  # the blocks' redistributed inputs went too, as their local shards
             assert swapped["recomputes"]["2"] > 0
         else:
-            assert swapped["d2h_bytes"] == 0 and swapped["recomputes"]["6"] > 0
+            assert swapped["d2h_bytes"] == swapped["dtensors"] == 0 and swapped["recomputes"]["6"] > 0
     _assert_as_without_vpipe(ranks)
 
 
@@ -78,23 +77,7 @@ def test_swapped_and_recomputed_tensor_parallel_blocks_train_as_kept_ones(tmp_pa
 def test_a_tp_rank_dying_mid_move_stops_every_rank_naming_it(tmp_path, capfd):
     """World rank 3 is stage 1's second tp rank on a ("pp", "tp") mesh: it dies as a forced move's layer reaches
     it, while its tp peer's shard of the same layer arrives; every other rank stops, naming it."""
-    from vpipe_lab.runtime.launch import spawn
-
-    log_file = tmp_path / "fault.log"
-    started = time.monotonic()
-    code = spawn([sys.executable, str(WORKERS / "tp_worker.py"), "fault", str(tmp_path / "fault.json")], 4,
-                 extra_env={"PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)]), "VPIPE_LOG_FILE": str(log_file),
-                            "VPIPE_FAULTS": "migration_die@3", "VPIPE_HEARTBEAT_TIMEOUT": "5"}, timeout_s=120)
-    stderr = capfd.readouterr().err
-    assert code != 0
-    assert time.monotonic() - started < 90
-    for r in (0, 1, 2):
-        said = [ln for ln in stderr.splitlines() if ln.startswith(f"vpipe [rank {r}]:")]
-        assert said and "rank 3 stopped answering (dead or hung)" in said[-1], (r, stderr[-3000:])
-    log = read_log(log_file)
-    assert [r for r in log if r.get("event") == "migration_start" and r["rank"] == 3]  # it died mid-move
-    assert not [r for r in log if r.get("event") == "migration_done"]  # nobody dropped or took the layer
-    assert not (tmp_path / "fault.json").exists()
+    assert_death_mid_move_stops_everyone(tmp_path, lambda: capfd.readouterr().err, "tp_worker")
 
 
 @pytest.mark.slow

@@ -112,3 +112,28 @@ def training_pids(log_file: Path) -> dict[int, int]:
 
     records = read_log(log_file) if log_file.exists() else []
     return {r["rank"]: r["pid"] for r in records if "training layers" in r["msg"]}
+
+
+def assert_death_mid_move_stops_everyone(tmp_path: Path, stderr_of: Callable[[], str], worker: str,
+                                         dead: int = 3, ranks: int = 4) -> None:
+    """Run ``tests/workers/WORKER.py fault`` with ``VPIPE_FAULTS=migration_die@DEAD``: world rank ``dead`` dies as
+    a forced move's layer reaches it. Every other rank must stop within 90 s naming it, nobody may finish the
+    move, and no result may be written. ``stderr_of`` reads the ranks' stderr (pytest's ``capfd``)."""
+    from vpipe.log import read_log
+    from vpipe_lab.runtime.launch import spawn
+
+    log_file = tmp_path / "fault.log"
+    started = time.monotonic()
+    code = spawn([sys.executable, str(WORKERS / f"{worker}.py"), "fault", str(tmp_path / "fault.json")], ranks,
+                 extra_env={"PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)]), "VPIPE_LOG_FILE": str(log_file),
+                            "VPIPE_FAULTS": f"migration_die@{dead}", "VPIPE_HEARTBEAT_TIMEOUT": "5"}, timeout_s=120)
+    stderr = stderr_of()
+    assert code != 0
+    assert time.monotonic() - started < 90
+    for r in (r for r in range(ranks) if r != dead):
+        said = [ln for ln in stderr.splitlines() if ln.startswith(f"vpipe [rank {r}]:")]
+        assert said and f"rank {dead} stopped answering (dead or hung)" in said[-1], (r, stderr[-3000:])
+    log = read_log(log_file)
+    assert [r for r in log if r.get("event") == "migration_start" and r["rank"] == dead]  # it died mid-move
+    assert not [r for r in log if r.get("event") == "migration_done"]  # nobody dropped or took the layer
+    assert not (tmp_path / "fault.json").exists()

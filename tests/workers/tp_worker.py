@@ -62,20 +62,11 @@ def build(mesh: Any, counts: list[int], schedule: str) -> tuple[list[nn.Module],
     return models, sched, optimizer
 
 
-def train_step(mesh: Any, models: list[nn.Module], schedule: Any, optimizer: Any, step: int) -> list[float]:
-    pp_rank, pp = mesh["pp"].get_local_rank(), mesh["pp"].size()
+def train_step(mesh: Any, schedule: Any, optimizer: Any, step: int) -> list[float]:
+    """The example's step on this rank, with its batch for this step (and dp replica)."""
     replica = mesh["dp"].get_local_rank() if "dp" in (mesh.mesh_dim_names or ()) else 0
     x, y = example.batch(step, replica, 2 * MICRO, 32, 256)
-    losses: list[torch.Tensor] = []
-    if pp_rank == 0:
-        schedule.step(x)
-    elif pp_rank == pp - 1:
-        schedule.step(target=y, losses=losses)
-    else:
-        schedule.step()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return [float(loss.detach()) for loss in losses]
+    return example.train_step(schedule, optimizer, mesh["pp"].get_local_rank(), mesh["pp"].size(), x, y)
 
 
 def side_by_side(names: tuple[str, ...], schedule: str, counts: list[int], *, planning: bool = True,
@@ -97,8 +88,8 @@ def side_by_side(names: tuple[str, ...], schedule: str, counts: list[int], *, pl
     placements: list = []
     step = 0
     while step < steps or (planning and step < 2 * steps and _steps_since_a_move(placements) < 3):
-        for name, (mesh, models, s, o) in copies.items():
-            losses[name] += train_step(mesh, models, s, o, step)
+        for name, (mesh, _, s, o) in copies.items():
+            losses[name] += train_step(mesh, s, o, step)
         placements.append([list(p) for p in vp.placement])
         step += 1
     managed = [tm.stats() for tm in vp.tensor_managers.values()]
@@ -107,6 +98,7 @@ def side_by_side(names: tuple[str, ...], schedule: str, counts: list[int], *, pl
               for name, (_, models, _, _) in copies.items()}
     coords = {n: meshes["vpipe"][n].get_local_rank() for n in names}
     swapped = {"d2h_bytes": sum(s.d2h_bytes for s in managed), "h2d_bytes": sum(s.h2d_bytes for s in managed),
+               "dtensors": sum(s.dtensors_swapped for s in managed),
                "recomputes": {lid: layer.recomputes for s in managed for lid, layer in s.layers.items()}}
     return everyone({"rank": dist.get_rank(), "coords": coords, "losses": losses, "placements": placements,
                      "states": states, "swapped": swapped})
@@ -145,11 +137,11 @@ def fault() -> dict:
     import vpipe
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
-    models, schedule, optimizer = build(mesh, [6, 2], "1f1b")
+    _, schedule, optimizer = build(mesh, [6, 2], "1f1b")
     vp = vpipe.attach(schedule, optimizer=optimizer, planning=False)
     vp.request_plan(vpipe.Plan(epoch=1, stages=((0, 1, 2, 3, 4), (5, 6, 7))), at_step=2)
     for step in range(4):
-        train_step(mesh, models, schedule, optimizer, step)
+        train_step(mesh, schedule, optimizer, step)
     vp.detach()
     return {"placement": [list(s) for s in vp.placement]}
 

@@ -78,6 +78,7 @@ class Interceptor:
         self._metering = True
         self.counted: dict[int, list[tuple[int, int]]] = {}  # mb -> (layer, bytes) of its unmetered calls
         self.weights_skipped = 0
+        self.dtensors_swapped = 0
 
     # ================================================================== told by the manager
     def begin_micro_batch(self, mb: int, unmetered: bool, held_back: frozenset[int]) -> None:
@@ -251,7 +252,11 @@ class Interceptor:
         with torch.no_grad():
             local = t.to_local()
         inner = self.pack(local)
-        return without_graph(t) if isinstance(inner, torch.Tensor) else ShardHandle(inner, t)
+        if isinstance(inner, torch.Tensor):
+            return without_graph(t)
+        if inner.__class__ is not KeptHandle:
+            self.dtensors_swapped += 1
+        return ShardHandle(inner, t)
 
     def unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):

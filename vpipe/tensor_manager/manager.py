@@ -357,7 +357,7 @@ class TensorManager:
     def stats(self) -> TensorManagerStats:
         return collect_stats(layers=self._layers, saved=self._stores, budget=self._budget,
                              lag_resident_bytes=self._phases.lag_resident_bytes,
-                             weights_skipped=self._interceptor.weights_skipped)
+                             intercepted=self._interceptor)
 
     def layer_saved_bytes(self) -> dict[int, int]:
         """Per layer, the activation bytes one micro-batch saves (largest seen; 0 if never run)."""

@@ -106,6 +106,13 @@ class BudgetView(Protocol):
     def kept_per_mb_now(self) -> int: ...
 
 
+class InterceptedCounts(Protocol):
+    """What the saved-tensor hooks counted (the interceptor)."""
+
+    weights_skipped: int
+    dtensors_swapped: int
+
+
 # ---------------------------------------------------------------------- what they report
 @dataclass(frozen=True)
 class LayerStats:
@@ -153,6 +160,7 @@ class TensorManagerStats:
     live_saved_storages: int = 0
     multi_phase_storages: int = 0  # swapped storages freed after being unpacked by several backward passes
     weight_tensors_skipped: int = 0  # saves of parameters / stashed weights, left alone
+    dtensors_swapped: int = 0  # saved DTensors (tensor parallelism) whose local shard was swapped
     # split backwards (zero bubble): bytes brought back per phase ("full", "input", "weight"), bytes brought
     # back again for a storage already brought back once (0: every storage fetched once), recomputes of a
     # layer call beyond its first (0: every call recomputed once), what lagging micro-batches hold for their
@@ -169,7 +177,7 @@ class TensorManagerStats:
 
 
 def collect_stats(*, layers: Mapping[int, LayerView], saved: SavedView, budget: BudgetView,
-                  lag_resident_bytes: Callable[[], int], weights_skipped: int) -> TensorManagerStats:
+                  lag_resident_bytes: Callable[[], int], intercepted: InterceptedCounts) -> TensorManagerStats:
     """The statistics of one tensor manager, from what its parts show (``lag_resident_bytes``: what micro-batches
     between the passes of a split backward hold now, read with the rest)."""
     with saved.settled():
@@ -209,7 +217,8 @@ def collect_stats(*, layers: Mapping[int, LayerView], saved: SavedView, budget: 
             escalations=tuple(budget.escalations),
             live_saved_storages=counted.live_saved_storages,
             multi_phase_storages=counted.multi_phase_storages,
-            weight_tensors_skipped=weights_skipped,
+            weight_tensors_skipped=intercepted.weights_skipped,
+            dtensors_swapped=intercepted.dtensors_swapped,
             h2d_bytes_by_phase=counted.h2d_bytes_by_phase,
             refetched_bytes=counted.refetched_bytes,
             repeat_recomputes=counted.repeat_recomputes,
