@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -174,5 +175,9 @@ def test_metrics_reach_weights_and_biases_offline(tmp_path, monkeypatch):
     writer.close()
     assert values == {"step_time_s": 0.5, "plan_epoch": 3.0, "stage0/layers": 4.0}
     (run_file,) = (tmp_path / "rank0" / "wandb").glob("offline-run-*/run-*.wandb")
-    recorded = run_file.read_bytes()  # the offline run's records: each logged key is in them, as W&B would sync it
-    assert all(key.encode() in recorded for key in values)
+    # The offline run's records: each logged key is in them, as W&B would sync it. W&B's service process writes
+    # them and may flush after finish() returns (a CI run once read the file too early), so wait for them.
+    deadline = time.monotonic() + 30
+    while missing := [key for key in values if key.encode() not in run_file.read_bytes()]:
+        assert time.monotonic() < deadline, f"{missing} not in {run_file} ({run_file.stat().st_size} bytes)"
+        time.sleep(0.2)
