@@ -58,10 +58,15 @@ def test_blocks_sharing_a_module_or_a_tensor_with_the_stage_outside_them_are_pin
     stage = nn.Module()
     stage.layers = nn.ModuleDict({str(i): b for i, b in blocks.items()})
     stage.register_buffer("lookup", blocks[3].table)  # the stage module holds block 3's buffer too
-    pins = shared_pins(blocks, outside_tensors(stage, "layers"))
+    pins = shared_pins(blocks, outside_tensors(stage, [f"layers.{i}" for i in blocks]))
     assert pins == {1: "shares 0.weight with layers [2]", 2: "shares 2.weight with layers [1]",
                     3: "shares table with the stage module outside its blocks"}
-    assert outside_tensors(stage, "") == set()  # a stage module that is its own container has nothing outside
+    assert outside_tensors(stage.layers, map(str, blocks)) == set()  # a container holds nothing outside its blocks
+    # a stage whose blocks are direct children among others (DeepSpeed's PipelineModule: "0" the embedding)
+    flat = nn.Module()
+    flat.add_module("0", nn.Embedding(4, 2))
+    flat.add_module("1", blocks[0])
+    assert outside_tensors(flat, ["1"]) == {id(flat.get_submodule("0").weight)}
     assert pin_reason(0, blocks[0], pins) is None
     kind = planner_kind(pins, lambda: blocks)
     assert kind(blocks[0]) == block_kind(blocks[0]) and kind(blocks[1]) == block_kind(blocks[1]) + PINNED_KIND

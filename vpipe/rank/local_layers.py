@@ -26,9 +26,15 @@ __all__ = ["LocalLayers", "find_pins"]
 def find_pins(pipeline: Pipeline) -> dict[int, str]:
     """The blocks that never move to another rank (shared modules or tensors): layer id -> why. Says so in one
     ``moves_off`` line per stage (blocks with user hooks included: they cannot move either, while they have them)."""
-    outside = {t for s in pipeline.stages if s.blocks is not None for t in outside_tensors(s.module, s.blocks.path)}
+    outside = {t for s in pipeline.stages if s.blocks is not None
+               for t in outside_tensors(s.module, map(s.blocks.module_path, s.blocks.ids))}
     shared = shared_pins({lid: b for s in pipeline.stages if s.blocks is not None
                           for lid, b in s.blocks.blocks().items()}, outside)
+    tied = pipeline.deepspeed.tied_layers() if pipeline.deepspeed is not None else []
+    if tied:
+        decision("moves_off", f"stage {pipeline.first.index}: DeepSpeed layers {tied} (TiedLayerSpec, shared with "
+                 "another stage) are not blocks: they never move", stage=pipeline.first.index, layers=tied,
+                 reason="tied layers")
     for stage in pipeline.stages:
         blocks = stage.blocks.blocks() if stage.blocks is not None else {}
         reasons = {lid: pin_reason(lid, block, shared) for lid, block in blocks.items()}

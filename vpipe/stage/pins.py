@@ -81,12 +81,13 @@ def user_hooks(block: nn.Module) -> list[str]:
     return found
 
 
-def outside_tensors(stage_module: nn.Module, path: str) -> set[int]:
-    """Ids of the parameters and buffers the stage module reaches other than through its block container."""
-    inside = f"{path}." if path else ""
+def outside_tensors(stage_module: nn.Module, block_names: Iterable[str]) -> set[int]:
+    """Ids of the parameters and buffers the stage module reaches other than through its blocks (``block_names``:
+    each block's name in the stage module, ``layers.4``)."""
+    prefixes = tuple(f"{name}." for name in block_names)
     return {id(t) for name, t in [*stage_module.named_parameters(remove_duplicate=False),
                                   *stage_module.named_buffers(remove_duplicate=False)]
-            if inside and not name.startswith(inside)}
+            if not name.startswith(prefixes)}
 
 
 def shared_pins(blocks: Mapping[int, nn.Module], outside: Iterable[int] = ()) -> dict[int, str]:
