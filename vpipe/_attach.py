@@ -2,11 +2,12 @@
 
 It takes the trainer's own objects and changes none of them structurally: a
 ``torch.distributed.pipelining`` schedule (one stage per rank, or several: Interleaved
-1F1B, LoopedBFS, the zero-bubble schedules), vpipe's ``SchedulePipeDream``, or a plain
-stage module for a hand-written loop. ``schedule.step`` is wrapped as an instance
-attribute, torch's stages get their chunk methods wrapped by the tensor managers, the
-blocks get hooks and their containers are edited in place when layers migrate;
-``stage.submod`` and its ``forward`` are never replaced. ``detach()`` removes every hook
+1F1B, LoopedBFS, the zero-bubble schedules), vpipe's ``SchedulePipeDream``, DeepSpeed's
+``PipelineEngine``, or a plain stage module for a hand-written loop. ``schedule.step`` (the
+engine's ``train_batch``) is wrapped as an instance attribute, torch's stages get their
+chunk methods wrapped by the tensor managers, the blocks get hooks and their containers
+are edited in place when layers migrate; ``stage.submod`` and its ``forward`` are never
+replaced. ``detach()`` removes every hook
 and wrapper; layers that moved stay where they are.
 
 This module only wires the parts together (see :mod:`vpipe.rank` for each part's job). Its
@@ -35,11 +36,11 @@ from vpipe.migration.transfer import TransferChannel
 from vpipe.monitors.source import TensorManagerSource
 from vpipe.plan import Plan
 from vpipe.planner import DEFAULT_PLANNER
-from vpipe.planner.online import OnlineConfig
 from vpipe.rank.agreement import StoreAgreement, agree_on_blocks
 from vpipe.rank.applying import PlanApplier
 from vpipe.rank.boundary import PlanBoundary
-from vpipe.rank.config import AUTO_BUDGET, VpipeConfig, resolve_memory_budget
+from vpipe.rank.config import AUTO_BUDGET, VpipeConfig, planner_config, resolve_memory_budget
+from vpipe.rank.deepspeed_checkpoints import HomeCheckpoints
 from vpipe.rank.edits import LayerEdits
 from vpipe.rank.environment import check_environment
 from vpipe.rank.local_layers import LocalLayers, find_pins
@@ -55,7 +56,7 @@ from vpipe.settings import Settings
 from vpipe.stage.compiled import hoist_compiled
 from vpipe.stage.fsdp import FsdpRoot, is_fully_sharded
 from vpipe.stage.optimizers import optimizer_parts
-from vpipe.stage.pipeline import AttachTarget, Pipeline, check_optimizer, inspect_target, move_refusal
+from vpipe.stage.pipeline import AttachTarget, check_optimizer, inspect_target, move_refusal
 from vpipe.tensor_manager import TensorManager, install_on_stage
 from vpipe.tensor_manager.pipelining import StageHandle
 
@@ -71,8 +72,8 @@ def attach(target: AttachTarget, *, optimizer: OptimizerArg = None, config: Vpip
            store: Store | None = None, **options: Any) -> Vpipe:
     """Turn vpipe on for this rank's stages. Every rank of the run must call it (it is collective).
 
-    ``target`` is the trainer's schedule or its stage module; ``optimizer`` the optimizer of
-    this rank's stages (a PipeDream schedule brings its own), or one optimizer per stage
+    ``target`` is the trainer's schedule, DeepSpeed engine or stage module; ``optimizer`` the optimizer of
+    this rank's stages (a PipeDream schedule and a DeepSpeed engine bring their own), or one optimizer per stage
     module in a list or a container holding them as ``.optimizers`` (torchtitan's); ``options`` override
     :class:`VpipeConfig` fields. ``store`` is the run's c10d store (default: the one
     ``torch.distributed`` was initialised with).
@@ -98,6 +99,8 @@ class Vpipe:
         self.pipeline = pipeline = inspect_target(target)
         if pipeline.kind == "pipedream" and optimizer is None:
             optimizer = pipeline.schedule.optimizer
+        if pipeline.deepspeed is not None and optimizer is None:  # the torch optimizer DeepSpeed steps (fp32)
+            optimizer = pipeline.deepspeed.torch_optimizer()
         # one optimizer per model part (torchtitan's container): each stage's part takes the layers it receives
         self.optimizer = optimizer_parts(optimizer, {s.index: s.module for s in pipeline.stages})
         check_optimizer(self.optimizer, [s.module for s in pipeline.stages])
@@ -116,6 +119,9 @@ class Vpipe:
         self.agreement = StoreAgreement(store, rank=self.pipe_rank, world_size=pipeline.size,
                                         timeout_s=config.agree_timeout_s, pipeline=self.replicas.name)
         placement = agree_on_blocks(self.agreement, pipeline.stages, self.num_stages, config.layers)
+        self._home = placement  # where the layers were at attach
+        if pipeline.deepspeed is not None:
+            pipeline.deepspeed.write_back(placement)
         peers = check_replicas_alike(
             self.agreement, world_rank=self.rank, world_size=self.world_size, who=self._who, replicas=self.replicas,
             layout={"schedule": pipeline.kind, "placement": [list(s) for s in placement],
@@ -133,7 +139,7 @@ class Vpipe:
         if hoisted:
             self._undo.append(hoisted.undo)  # this attach's blocks only
         self.stage_handles: dict[int, StageHandle] = {}  # (filled by _start_tensor_managers)
-        self.tensor_managers = self._start_tensor_managers(initial) if config.tensor_manager else {}
+        self.tensor_managers = self._start_tensor_managers(initial) if self._manages_activations() else {}
         # the stage description holds the blocks: the monitors read them, the layer manager (which tells the
         # monitors of the layers that arrive and leave) edits them in place
         shared = find_pins(pipeline)
@@ -143,7 +149,8 @@ class Vpipe:
         self.layer_manager = self._start_layer_manager(placement, shared)
         # the one owner of the plan in force: the parts that keep a copy are told of each commit, in this order
         policies = StagePolicies(self.tensor_managers, self.memories)
-        self.plan_in_force = PlanInForce(initial, [self.layer_manager, policies, self.session])
+        self.plan_in_force = PlanInForce(initial, [*([pipeline.deepspeed] if pipeline.deepspeed else []),
+                                                   self.layer_manager, policies, self.session])
         self._parts = parts = RankParts(pipeline, self.layer_manager, self.session, self.tensor_managers,
                                         self.memories, self.plan_in_force)
         self.boundary = PlanBoundary(self.agreement, decides=self.pipe_rank == 0, lag_steps=config.apply_lag_steps,
@@ -207,6 +214,17 @@ class Vpipe:
             memory.activation_budget()  # a budget below the fixed bytes fails here, at attach
         return memories
 
+    def _manages_activations(self) -> bool:
+        """Whether tensor managers keep, swap or recompute the blocks' activations (DeepSpeed's own checkpointing
+        recomputes them already: never twice)."""
+        deepspeed = self.pipeline.deepspeed
+        if self.config.tensor_manager and deepspeed is not None and deepspeed.checkpoints_itself:
+            decision("tensor_manager_off", f"stage {self.stage_index}: DeepSpeed recomputes the layers itself "
+                     f"(activation_checkpoint_interval={deepspeed.module.activation_checkpoint_interval}); vpipe "
+                     "does not swap or recompute them, and still moves them", stage=self.stage_index)
+            return False
+        return self.config.tensor_manager
+
     def _start_tensor_managers(self, initial: Plan) -> dict[int, TensorManager]:
         managers = {}
         for stage in self.pipeline.stages:
@@ -255,7 +273,8 @@ class Vpipe:
                                               if s.pipeline_stage is not None},
             layer_facts=facts, combine_records=combine,
             # modules outside the blocks: their cost is the stage's
-            stage_modules={s.index: s.module for s in pipeline.stages if s.blocks is not None and s.blocks.path})
+            stage_modules={s.index: s.module for s in pipeline.stages
+                           if s.blocks is not None and s.blocks.container is not s.module})
         self._undo.append(lambda: session.close(self._exit_timeout_s))
         return session
 
@@ -266,6 +285,8 @@ class Vpipe:
             mine = listeners[stage.index] = [self.session.monitors[stage.index]]
             if stage.index in self.tensor_managers:
                 mine.append(self.tensor_managers[stage.index])
+            if pipeline.deepspeed is not None:  # the engine's names of the parameters too
+                mine.append(pipeline.deepspeed)
             if is_fully_sharded(stage.module) and stage.blocks is not None:  # its FSDP root too
                 mine.append(FsdpRoot(stage.module, stage.blocks.blocks()))
         manager = LayerManager(
@@ -280,7 +301,9 @@ class Vpipe:
 
     def _micro_batch_counter(self) -> MicroBatchCounter | None:
         """A hand-written loop's micro-batch counter: the n-th forward of the stage module in a step is number n."""
-        if self.pipeline.schedule is not None or self.optimizer is None or not self.tensor_managers:
+        if not self.pipeline.counts_forwards or not self.tensor_managers:
+            return None
+        if self.pipeline.schedule is None and self.optimizer is None:
             return None
         counter = MicroBatchCounter(self.pipeline.first.module, self.tensor_managers[self.stage_index])
         self._undo.append(counter.remove)
@@ -289,13 +312,16 @@ class Vpipe:
     def _install(self) -> None:
         schedule = self.pipeline.schedule
         if schedule is not None:
-            original = schedule.step
+            name = self.pipeline.step_method  # step, or a DeepSpeed engine's train_batch
+            original = getattr(schedule, name)
 
             def step(*args: Any, **kwargs: Any) -> Any:
                 return self.driver.run(original, *args, **kwargs)
 
-            schedule.step = step  # instance attribute over the class method
-            self._undo.append(lambda: schedule.__dict__.pop("step", None))
+            setattr(schedule, name, step)  # instance attribute over the class method
+            self._undo.append(lambda: schedule.__dict__.pop(name, None))
+            if self.pipeline.deepspeed is not None:  # its checkpoints are written on the partition it built
+                self._undo.append(HomeCheckpoints(self._parts, self._home).install())
             return
         if self.optimizer is None:
             raise ValueError("attaching to a stage module needs optimizer=: its step() marks the step boundary")
@@ -391,20 +417,3 @@ class Vpipe:
             self._run_log.close()
         if errors:
             raise RuntimeError(f"vpipe.detach could not undo everything: {errors[0]}") from errors[0]
-
-
-def planner_config(config: VpipeConfig, pipeline: Pipeline, memory_budget: int | None,
-                   allow_moves: bool) -> dict[str, Any] | None:
-    """What the daemon's planner is configured with: for the default planner, the pipeline's shape and
-    ``planner_options`` (checked here, at attach); another planner gets ``planner_options`` as given."""
-    if config.planner != DEFAULT_PLANNER:
-        return dict(config.planner_options) or None
-    shape = {"schedule": pipeline.kind, "micro_batches": pipeline.micro_batches(config.micro_batches),
-             "memory_budget": memory_budget, "allow_moves": allow_moves, "in_flight": pipeline.in_flight(),
-             "in_flight_together": pipeline.in_flight_together(),
-             "stage_ranks": list(pipeline.stage_ranks) if pipeline.multi_stage else None}
-    taken = sorted(set(shape) & set(config.planner_options))
-    if taken:
-        raise ValueError(f"vpipe config: planner_options cannot set {', '.join(taken)}: attach reads them off the "
-                         "pipeline")
-    return OnlineConfig.from_mapping({**shape, **config.planner_options}).to_dict()

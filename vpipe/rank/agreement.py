@@ -134,6 +134,10 @@ def agree_on_blocks(agreement: StoreAgreement, stages: Sequence[LocalStage], num
     """
     found_here: dict[int, tuple[str, Any]] = {}
     for stage in stages:
+        if stage.container is not None:  # the adapter found them (a DeepSpeed stage): nothing to choose
+            found_here[stage.index] = ("", stage.container)
+            agreement.set(f"layers/{stage.index}", json.dumps({"path": "", "containers": []}))
+            continue
         try:
             path, container = find_block_container(stage.module, layers_path)
             found_here[stage.index] = (path, container)
@@ -146,7 +150,7 @@ def agree_on_blocks(agreement: StoreAgreement, stages: Sequence[LocalStage], num
              agreement.gather("layers/{}", range(num_stages), "vpipe.attach", f"stage {stages[0].index}")]
     path = _one_path(found, stages, layers_path)
     for stage in stages:
-        if found_here.get(stage.index, (None,))[0] != path:
+        if found_here.get(stage.index, (None,))[0] != path and stage.container is None:
             found_here[stage.index] = find_block_container(stage.module, path)
         container = found_here[stage.index][1]
         agreement.set(f"keys/{stage.index}", json.dumps({"kind": container_kind(container),

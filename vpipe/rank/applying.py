@@ -60,7 +60,7 @@ class PlanApplier:
                 self.streamed_rest = plan  # a two-hop move: its next round follows when this one is done
         elif moves:
             report = lm.apply(plan)
-            if report.rebuilt and pipeline.schedule is not None:
+            if report.rebuilt and pipeline.schedule is not None and pipeline.deepspeed is None:
                 reset_shape_inference(pipeline.schedule)
         # the layers are where the moves took them (all, some, or none where a move aborted)
         owner.commit(Plan(epoch=plan.epoch, stages=lm.placement, policies=plan.policies,

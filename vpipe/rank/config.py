@@ -7,7 +7,7 @@ import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -15,10 +15,14 @@ from torch import nn
 from vpipe.checks import require
 from vpipe.plan import Policy
 from vpipe.planner import DEFAULT_PLANNER
+from vpipe.planner.online import OnlineConfig
 from vpipe.settings import Settings, from_environment, parse_metric_kinds
 from vpipe.sizes import MAX_BYTES, parse_bytes
 
-__all__ = ["VpipeConfig", "AUTO_BUDGET", "resolve_memory_budget"]
+if TYPE_CHECKING:
+    from vpipe.stage.pipeline import Pipeline
+
+__all__ = ["VpipeConfig", "AUTO_BUDGET", "resolve_memory_budget", "planner_config"]
 
 AUTO_BUDGET = "auto"
 _DEVICE_MARGIN = 0.08  # of a GPU's memory left to the CUDA context, the allocator's cache and fragmentation
@@ -184,3 +188,20 @@ class VpipeConfig:
 
     def initial_policies(self) -> dict[int, Policy]:
         return {lid: Policy.parse(p.value if isinstance(p, Policy) else p) for lid, p in (self.policies or {}).items()}
+
+
+def planner_config(config: VpipeConfig, pipeline: Pipeline, memory_budget: int | None,
+                   allow_moves: bool) -> dict[str, Any] | None:
+    """What the daemon's planner is configured with: for the default planner, the pipeline's shape and
+    ``planner_options`` (checked here, at attach); another planner gets ``planner_options`` as given."""
+    if config.planner != DEFAULT_PLANNER:
+        return dict(config.planner_options) or None
+    shape = {"schedule": pipeline.kind, "micro_batches": pipeline.micro_batches(config.micro_batches),
+             "memory_budget": memory_budget, "allow_moves": allow_moves, "in_flight": pipeline.in_flight(),
+             "in_flight_together": pipeline.in_flight_together(),
+             "stage_ranks": list(pipeline.stage_ranks) if pipeline.multi_stage else None}
+    taken = sorted(set(shape) & set(config.planner_options))
+    if taken:
+        raise ValueError(f"vpipe config: planner_options cannot set {', '.join(taken)}: attach reads them off the "
+                         "pipeline")
+    return OnlineConfig.from_mapping({**shape, **config.planner_options}).to_dict()

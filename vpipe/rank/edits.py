@@ -66,6 +66,9 @@ class LayerEdits:
                                f"({len(schedule.in_flight)} micro-batches in flight)")
         if any(isinstance(stage.module, torch.fx.GraphModule) for stage in pipeline.stages):
             raise RuntimeError(f"{what} cannot edit a traced GraphModule stage (its forward is a fixed graph)")
+        if pipeline.deepspeed is not None:
+            raise RuntimeError(f"{what} cannot edit a DeepSpeed PipelineModule: its layer specs and checkpoint files "
+                               "are numbered by layer index at initialize; vpipe only moves its layers")
 
     def _after_edit(self, reshape: bool = True) -> None:
         # a new epoch: plans made for the old layers become stale, stats say which layers they measured

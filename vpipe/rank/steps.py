@@ -84,6 +84,8 @@ class StepDriver:
         """One ``schedule.step`` under vpipe."""
         self.at_boundary()
         self.begin()
+        if self.counter is not None:  # a DeepSpeed engine's forwards are counted: its train_batch is a step
+            self.counter.reset()
         self._set_aside_quiet_wrappers(args, kwargs)
         self.in_step = True
         try:

@@ -9,7 +9,9 @@ A trainer hands vpipe one of:
   ``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``, or a
   ``_PipelineScheduleRuntime`` loaded from an action list): this rank runs several
   *virtual* stages, the schedule knows which rank runs each;
-- a plain stage module, for a hand-written loop: one stage, stage i on rank i.
+- a plain stage module, for a hand-written loop: one stage, stage i on rank i;
+- DeepSpeed's ``PipelineEngine``: one stage per rank of its pipe group, stepped by
+  ``train_batch`` (:mod:`vpipe.stage.deepspeed` reads its layers).
 
 :func:`inspect_target` turns each into a :class:`Pipeline`: the local stages (torch's stage
 object, the user's module), the rank of every stage, the schedule's name for the cost
@@ -33,6 +35,7 @@ from torch import nn
 from torch.distributed.pipelining import Schedule1F1B
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
+from vpipe.compat.deepspeed import is_pipeline_engine
 from vpipe.compat.torch_distributed import (
     PipelineScheduleRuntime,
     composable_apis,
@@ -46,7 +49,8 @@ from vpipe.compat.torch_distributed import (
 )
 from vpipe.schedules.pipedream import SchedulePipeDream
 from vpipe.sharing import action_kind, flat_actions, in_flight_per_stage, in_flight_together
-from vpipe.stage.blocks import StageBlocks
+from vpipe.stage.blocks import BlockContainerError, StageBlocks
+from vpipe.stage.deepspeed import DeepSpeedStage
 from vpipe.stage.fsdp import fsdp_refusal, is_fully_sharded
 from vpipe.stage.tensor_parallel import spanning_pipeline, tensor_parallel_move_refusal, tensor_parallel_names
 
@@ -78,6 +82,7 @@ class LocalStage:
     module: nn.Module
     pipeline_stage: Any = None  # torch's PipelineStage; None for a hand-written loop
     blocks: StageBlocks | None = None  # its run of repeated blocks, once the stages agreed on layer ids
+    container: nn.Module | None = None  # where its blocks are when the adapter found them (DeepSpeed), else None
 
 
 @dataclass
@@ -91,6 +96,7 @@ class Pipeline:
     kind: str  # the cost model's schedule name: gpipe, 1f1b, pipedream, interleaved1f1b, ..., custom
     device: torch.device
     group: Any = None  # the pipeline's process group (None: the world)
+    deepspeed: DeepSpeedStage | None = None  # the stage of a DeepSpeed engine (``schedule``), else None
 
     @property
     def rank(self) -> int:
@@ -116,7 +122,19 @@ class Pipeline:
     def first(self) -> LocalStage:
         return self.stages[0]
 
+    @property
+    def step_method(self) -> str:
+        """The schedule's method that runs one step: vpipe's step boundary is around it."""
+        return "train_batch" if self.deepspeed is not None else "step"
+
+    @property
+    def counts_forwards(self) -> bool:
+        """Whether the micro-batches are counted as the stage module's forwards (no pipelining actions number them)."""
+        return self.schedule is None or self.deepspeed is not None
+
     def micro_batches(self, configured: int | None) -> int:
+        if self.deepspeed is not None:
+            return int(self.deepspeed.engine.micro_batches)
         if self.schedule is not None:
             return n_microbatches(self.schedule)
         return configured or 1
@@ -168,6 +186,8 @@ def inspect_target(target: AttachTarget) -> Pipeline:
         local = [LocalStage(stage.stage_index, _unwrap(stage.submod), stage)]
         return _check_tensor_parallel(Pipeline(target, local, stage.num_stages, tuple(range(stage.num_stages)),
                                                _single_kind(target), torch.device(stage.device), group))
+    if is_pipeline_engine(target):
+        return _check_tensor_parallel(_deepspeed_pipeline(target))
     if isinstance(target, nn.Module):
         module = _unwrap(target)
         p = next(module.parameters(), None)
@@ -175,7 +195,27 @@ def inspect_target(target: AttachTarget) -> Pipeline:
         rank, world = dist.get_rank(), dist.get_world_size()
         return _check_tensor_parallel(Pipeline(None, [LocalStage(rank, module)], world, tuple(range(world)), "gpipe",
                                                device))
-    raise TypeError(f"vpipe.attach takes a pipelining schedule or a stage module, got {type(target).__name__}")
+    raise TypeError("vpipe.attach takes a pipelining schedule, a DeepSpeed PipelineEngine or a stage module, got "
+                    f"{type(target).__name__}")
+
+
+def _deepspeed_pipeline(engine: Any) -> Pipeline:
+    """A DeepSpeed engine's pipeline: stage i on rank i of its pipe group, DeepSpeed's 1F1B TrainSchedule."""
+    stage = DeepSpeedStage(engine)
+    group = engine.grid.get_pipe_parallel_group()
+    if dist.get_rank(group) != stage.index:
+        raise ValueError(f"vpipe.attach: DeepSpeed stage {stage.index} is rank {dist.get_rank(group)} of its pipe "
+                         "group; vpipe needs stage i on group rank i (DeepSpeed's own topologies do that)")
+    empty = stage.empty_stages()
+    if empty:
+        raise BlockContainerError(f"vpipe.attach: DeepSpeed stage(s) {empty} hold none of the model's repeated "
+                                  f"blocks (layers {stage.run.start}..{stage.run.stop - 1}); vpipe needs one per "
+                                  "stage: use partition_method='uniform' or 'type:BlockClass'")
+    p = next(stage.module.parameters(), None)
+    device = p.device if p is not None else torch.device("cpu")
+    local = [LocalStage(stage.index, stage.module, container=stage.container)]
+    return Pipeline(engine, local, stage.num_stages, tuple(range(stage.num_stages)), "1f1b", device, group,
+                    deepspeed=stage)
 
 
 def _single_kind(schedule: Any) -> str:
@@ -296,6 +336,8 @@ def move_refusal(pipeline: Pipeline, has_factory: bool) -> str | None:
         if fsdp is not None:
             return fsdp
     first: LocalStage = pipeline.first
+    if pipeline.deepspeed is not None:
+        return pipeline.deepspeed.move_refusal()
     if pipeline.kind == "pipedream" and first.blocks is not None and (first.blocks.path
                                                                        or first.blocks.style.value != "ids"):
         return ("a PipeDream stream moves layers only in a stage module that is an nn.Sequential named by "

@@ -1,0 +1,82 @@
+"""DeepSpeed's own checkpoints under vpipe: written and read on the partition DeepSpeed built.
+
+DeepSpeed writes each layer to a file of its own, named by its global index, and each
+stage's optimizer state to one file per stage, by position in that stage's optimizer. The
+layer files do not care where a layer runs; the optimizer files do: a plain DeepSpeed run,
+which builds the original partition, can only resume from the state of the original
+partition's stages. So ``engine.save_checkpoint`` and ``engine.load_checkpoint`` (wrapped as
+instance attributes, every rank calls them together) first move the layers back to where
+DeepSpeed put them ("home"); a save then moves them back to the plan in force, a load
+leaves them home (the planner moves them again when it is worth it). A checkpoint vpipe
+wrote therefore resumes in DeepSpeed alone, and one DeepSpeed wrote resumes under vpipe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from vpipe.log import decision
+from vpipe.plan import Plan
+from vpipe.rank.parts import RankParts
+
+__all__ = ["HomeCheckpoints"]
+
+Placement = tuple[tuple[int, ...], ...]
+
+
+class HomeCheckpoints:
+    """Wraps a DeepSpeed engine's ``save_checkpoint`` and ``load_checkpoint`` to run on the home partition."""
+
+    def __init__(self, parts: RankParts, home: Sequence[Sequence[int]]) -> None:
+        self.parts = parts
+        self.home: Placement = tuple(tuple(s) for s in home)
+        assert parts.pipeline.deepspeed is not None
+        self.deepspeed = parts.pipeline.deepspeed
+
+    def install(self) -> Callable[[], None]:
+        """Wrap the engine's methods; returns the undo."""
+        engine = self.deepspeed.engine
+        save, load = engine.save_checkpoint, engine.load_checkpoint
+
+        def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
+            return self.save(save, *args, **kwargs)
+
+        def load_checkpoint(*args: Any, **kwargs: Any) -> Any:
+            return self.load(load, *args, **kwargs)
+
+        engine.save_checkpoint, engine.load_checkpoint = save_checkpoint, load_checkpoint
+
+        def undo() -> None:
+            for name in ("save_checkpoint", "load_checkpoint"):
+                engine.__dict__.pop(name, None)
+
+        return undo
+
+    def save(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        placed = self.parts.layer_manager.placement
+        self._move_to(self.home, "home for DeepSpeed's save_checkpoint")
+        try:
+            return original(*args, **kwargs)
+        finally:
+            self._move_to(placed, "back after DeepSpeed's save_checkpoint")
+
+    def load(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        self._move_to(self.home, "home for DeepSpeed's load_checkpoint")
+        return original(*args, **kwargs)
+
+    def _move_to(self, placement: Placement, why: str) -> None:
+        """Move the layers to ``placement`` now and make it the plan in force (same epoch, same policies)."""
+        lm, owner = self.parts.layer_manager, self.parts.plan_in_force
+        if lm.placement == placement:
+            return
+        plan = owner.plan
+        moving = Plan(epoch=plan.epoch, stages=placement, policies=plan.policies, reason=why)
+        lm.apply(moving)
+        if lm.placement != placement:
+            raise RuntimeError(f"vpipe could not move the layers {why} (a move aborted; the run log says why): "
+                               f"they are at {[list(s) for s in lm.placement]}, not {[list(s) for s in placement]}")
+        owner.commit(Plan(epoch=plan.epoch, stages=lm.placement, policies=plan.policies,
+                          predicted_step_s=plan.predicted_step_s, reason=plan.reason), "restored")
+        decision("checkpoint_placement", f"stage {self.deepspeed.index}: layers moved {why}",
+                 stage=self.deepspeed.index, layers=list(placement[self.deepspeed.index]))
