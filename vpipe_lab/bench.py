@@ -81,6 +81,9 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
               "vs the hand-balanced 4,4"),
     Benchmark("overhead", "overhead_bench.py",
               "attaching vpipe to a balanced 2-stage pipeline that fits: plain vs attached vs planning, 2 sizes"),
+    Benchmark("deepspeed", "deepspeed_balance.py",
+              "DeepSpeed's pipeline engine alone vs with vpipe.attach(engine), side by side: a uniform split whose "
+              "first stage does three times the second's work (needs the deepspeed extra)"),
     Benchmark("soak", "soak.py",
               "thousands of steps of forced moves and policy changes: RSS growth, parameters vs the reference"),
 )}

@@ -17,9 +17,16 @@ import pytest
 from support.processes import run_worker
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (the deepspeed extra)")
-pytestmark = pytest.mark.slow
+# the first DeepSpeed launch on a machine builds its CPU communication op (about two minutes on 2 cores)
+FIRST_RUN_S = 600
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(FIRST_RUN_S + 60)]
 
 HOME = [[1, 2, 3, 4], [5, 6, 7, 8]]
+
+
+def _run(tmp_path, scenario: str, ranks: int) -> dict:
+    return run_worker(tmp_path, "deepspeed_worker", scenario, ranks, timeout_s=FIRST_RUN_S)
+
 MOVED = [[1, 2, 3], [4, 5, 6, 7, 8]]
 
 
@@ -34,7 +41,7 @@ def _assert_as_deepspeed_alone(result: dict) -> None:
 
 
 def test_moves_keep_the_losses_and_a_checkpoint_after_them_resumes_in_deepspeed_alone(tmp_path):
-    result = run_worker(tmp_path, "deepspeed_worker", "moves", 2)
+    result = _run(tmp_path, "moves", 2)
     _assert_as_deepspeed_alone(result)
     # two forced plans moved blocks both ways; the save moved them home and back
     assert result["placements"][2] == [[1, 2], [3, 4, 5, 6, 7, 8]]
@@ -57,7 +64,7 @@ def test_moves_keep_the_losses_and_a_checkpoint_after_them_resumes_in_deepspeed_
 
 
 def test_swapped_and_recomputed_layers_train_as_deepspeed_alone(tmp_path):
-    result = run_worker(tmp_path, "deepspeed_worker", "policies", 2)
+    result = _run(tmp_path, "policies", 2)
     _assert_as_deepspeed_alone(result)
     assert result["placements"][-1] == MOVED
     assert result["d2h_bytes"] > 0 and result["recompute_s"] > 0  # stage 0 swapped block 1, recomputed block 2
@@ -65,7 +72,7 @@ def test_swapped_and_recomputed_layers_train_as_deepspeed_alone(tmp_path):
 
 @pytest.mark.parametrize("scenario, ranks", [("checkpointing", 2), ("tied", 2), ("replicas", 4)])
 def test_deepspeeds_own_checkpointing_a_tied_head_and_replicas_move_with_the_same_losses(tmp_path, scenario, ranks):
-    result = run_worker(tmp_path, "deepspeed_worker", scenario, ranks)
+    result = _run(tmp_path, scenario, ranks)
     _assert_as_deepspeed_alone(result)
     moved = [[1, 2, 3], [4, 5, 6, 7, 8]]
     home = [[1, 2, 3, 4, 5], [6, 7, 8]] if scenario == "tied" else HOME
@@ -87,7 +94,7 @@ def test_deepspeeds_own_checkpointing_a_tied_head_and_replicas_move_with_the_sam
     ("zero1", 4, "DeepSpeed ZeRO stage 1: its optimizer flattens and partitions"),
 ])
 def test_bf16_and_zero1_are_refused_moves_in_one_line_and_train_as_deepspeed_alone(tmp_path, scenario, ranks, why):
-    result = run_worker(tmp_path, "deepspeed_worker", scenario, ranks)
+    result = _run(tmp_path, scenario, ranks)
     _assert_as_deepspeed_alone(result)
     assert result["moves_off"].startswith(why)
     assert all(p == HOME for p in result["placements"])

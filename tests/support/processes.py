@@ -63,13 +63,13 @@ def warm_starter():
     return _STARTER[0]
 
 
-def run_worker(tmp_path: Path, worker: str, scenario: str, ranks: int) -> dict:
+def run_worker(tmp_path: Path, worker: str, scenario: str, ranks: int, timeout_s: float = 240) -> dict:
     """Run ``tests/workers/WORKER.py SCENARIO OUT`` on ``ranks`` real ranks; its JSON result plus the log records."""
     from vpipe.log import read_log
 
     out, log_file = tmp_path / f"{scenario}.json", tmp_path / f"{scenario}.log"
     run_ranks([str(WORKERS / f"{worker}.py"), scenario, str(out)], ranks, tmp_path / f"{scenario}.txt",
-              child_env(VPIPE_LOG_FILE=str(log_file)), timeout_s=240)
+              child_env(VPIPE_LOG_FILE=str(log_file)), timeout_s=timeout_s)
     result = json.loads(out.read_text())
     result["log"] = read_log(log_file) if log_file.exists() else []
     return result
