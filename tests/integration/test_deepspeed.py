@@ -61,6 +61,7 @@ def test_moves_keep_the_losses_and_a_checkpoint_after_them_resumes_in_deepspeed_
     assert stage1["registered"] == ["6", "7", "8", "9"] and stage1["fwd_map"] == {"6": 0, "7": 1, "8": 2, "9": 3}
     assert not _events(result, "stale_references")  # the engine's names of the parameters follow the moves
     assert result["edit_refused"].startswith("remove_layers cannot edit a DeepSpeed PipelineModule")
+    assert result["module_refused"].startswith("vpipe.attach takes DeepSpeed's engine, not its PipelineModule")
 
 
 def test_swapped_and_recomputed_layers_train_as_deepspeed_alone(tmp_path):
@@ -101,3 +102,9 @@ def test_bf16_and_zero1_are_refused_moves_in_one_line_and_train_as_deepspeed_alo
     off = [r for r in _events(result, "moves_off") if r.get("reason", "").startswith(why)]
     assert sorted(r["rank"] for r in off) == list(range(ranks))  # one line per rank
     assert {r["rank"] for r in _events(result, "plan_skipped")} == set(range(ranks))
+
+
+def test_a_grid_with_a_model_axis_is_refused_moves_in_one_line(tmp_path):
+    result = _run(tmp_path, "model_parallel", 4)
+    assert result["moves_off"].startswith("DeepSpeed tensor model parallelism (2 ranks on the grid's model axis)")
+    assert sorted(r["rank"] for r in _events(result, "moves_off")) == [0, 1, 2, 3]

@@ -12,7 +12,8 @@ In one launch each scenario trains a plain DeepSpeed engine and an engine with t
 - ``checkpointing``: ``activation_checkpoint_interval=1``: DeepSpeed recomputes, vpipe only moves;
 - ``tied``: the head tied to the embedding (``TiedLayerSpec``), a forced move;
 - ``bf16`` and ``zero1`` (4 ranks: 2 replicas): moves refused in one line, a forced plan applies policies only;
-- ``replicas`` (4 ranks): 2 data-parallel replicas without ZeRO, a forced move made by both alike.
+- ``replicas`` (4 ranks): 2 data-parallel replicas without ZeRO, a forced move made by both alike;
+- ``model_parallel`` (4 ranks): a grid with a model axis: moves refused in one line.
 """
 
 from __future__ import annotations
@@ -108,6 +109,11 @@ def moves(out_dir: Path) -> dict:
     plain_engine = engine_for(args)
     plain, _ = train(plain_engine, STEPS)
     engine = engine_for(args)
+    try:
+        vpipe.attach(engine.module)
+        module_refused = None
+    except TypeError as e:
+        module_refused = str(e)
     vp = vpipe.attach(engine, planning=False)
     try:
         vp.remove_layers([3])
@@ -132,7 +138,7 @@ def moves(out_dir: Path) -> dict:
     resumed, _ = train(resumed_engine, STEPS - 6, skip_steps=6)
     files = sorted(p.name for p in (out_dir / "ckpt" / "step6").iterdir())
     return {"plain": plain, "vpipe": losses, "resumed": resumed, "placements": placements, "files": files,
-            "edit_refused": refused,
+            "edit_refused": refused, "module_refused": module_refused,
             "forward_funcs": funcs, "layers": {"plain": _digests(plain_engine), "vpipe": layers,
                                                     "resumed": _digests(resumed_engine)}}
 
@@ -151,7 +157,26 @@ def _moved(argv: list[str]) -> dict:
     return side_by_side(argv, forced=[(2, vpipe.Plan(epoch=1, stages=((1, 2, 3), (4, 5, 6, 7, 8))))])
 
 
+def model_parallel(_: Path) -> dict:
+    """A grid with a model axis (Megatron-DeepSpeed's tensor parallelism): 2 stages x 2 model-parallel ranks."""
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+    import vpipe
+
+    args = example.parse_args([])
+    torch.manual_seed(0)
+    module = example.PipelineModule(layers=example.layer_specs(args), loss_fn=example.cross_entropy,
+                                    topology=PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=1))
+    engine, _, _, _ = example.deepspeed.initialize(model=module, model_parameters=list(module.parameters()),
+                                                   config=example.ds_config(args))
+    vp = vpipe.attach(engine)
+    refusal = vp.move_refusal
+    vp.detach()
+    return {"moves_off": refusal}
+
+
 SCENARIOS = {
+    "model_parallel": model_parallel,
     "moves": moves, "policies": policies,
     "checkpointing": lambda _: _moved(["--checkpoint-interval", "1"]),
     "tied": lambda _: _moved(["--tied"]),

@@ -23,7 +23,8 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["is_pipeline_engine", "layer_specs", "spec_class", "is_tied_spec", "local_range", "set_local_range"]
+__all__ = ["is_pipeline_engine", "is_pipeline_module", "layer_specs", "spec_class", "is_tied_spec", "local_range",
+           "set_local_range"]
 
 
 def _named(obj: Any, name: str, module_prefix: str) -> bool:
@@ -34,6 +35,12 @@ def is_pipeline_engine(obj: Any) -> bool:
     """Whether ``obj`` is DeepSpeed's ``PipelineEngine`` (what ``deepspeed.initialize`` returns for a
     ``PipelineModule``). Checked: 0.19.8."""
     return _named(obj, "PipelineEngine", "deepspeed.runtime.pipe")
+
+
+def is_pipeline_module(obj: Any) -> bool:
+    """Whether ``obj`` is DeepSpeed's ``PipelineModule`` (what a trainer passes to ``deepspeed.initialize``).
+    Checked: 0.19.8."""
+    return _named(obj, "PipelineModule", "deepspeed.runtime.pipe")
 
 
 def layer_specs(module: Any) -> Sequence[Any]:

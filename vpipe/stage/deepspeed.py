@@ -90,6 +90,10 @@ class DeepSpeedStage:
         if engine.zero_optimization_stage() > 0:
             return (f"DeepSpeed ZeRO stage {engine.zero_optimization_stage()}: its optimizer flattens and partitions "
                     "the stage's parameters over the replicas at initialize; use ZeRO stage 0 for moves")
+        model_parallel = int(getattr(engine.grid, "model_parallel_size", 1))
+        if model_parallel > 1:
+            return (f"DeepSpeed tensor model parallelism ({model_parallel} ranks on the grid's model axis): a block's "
+                    "shards would have to move together, which vpipe does not do under DeepSpeed")
         if not isinstance(optimizer, torch.optim.Optimizer):
             return f"DeepSpeed's optimizer is a {type(optimizer).__name__}, not a torch optimizer vpipe can edit"
         for s in range(self.num_stages):  # a block leaving past a fixed layer would reorder the model

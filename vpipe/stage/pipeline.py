@@ -35,7 +35,7 @@ from torch import nn
 from torch.distributed.pipelining import Schedule1F1B
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
-from vpipe.compat.deepspeed import is_pipeline_engine
+from vpipe.compat.deepspeed import is_pipeline_engine, is_pipeline_module
 from vpipe.compat.torch_distributed import (
     PipelineScheduleRuntime,
     composable_apis,
@@ -188,6 +188,9 @@ def inspect_target(target: AttachTarget) -> Pipeline:
                                                _single_kind(target), torch.device(stage.device), group))
     if is_pipeline_engine(target):
         return _check_tensor_parallel(_deepspeed_pipeline(target))
+    if is_pipeline_module(target):
+        raise TypeError("vpipe.attach takes DeepSpeed's engine, not its PipelineModule: engine, *_ = "
+                        "deepspeed.initialize(model=module, ...); vpipe.attach(engine)")
     if isinstance(target, nn.Module):
         module = _unwrap(target)
         p = next(module.parameters(), None)
