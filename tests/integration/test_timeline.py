@@ -166,13 +166,14 @@ def test_metrics_name_the_backend_and_the_missing_package(monkeypatch):
 
 
 def test_metrics_reach_weights_and_biases_offline(tmp_path, monkeypatch):
-    pytest.importorskip("wandb")
+    wandb = pytest.importorskip("wandb")
     from vpipe.rank.metrics import MetricsWriter
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     writer = MetricsWriter(("wandb",), tmp_path, rank=0)
     values = writer.step(0, 0.5, 3, {0: (4, None)}, [])
     writer.close()
+    wandb.teardown()  # what a trainer's exit does: W&B's service process writes out what it holds
     assert values == {"step_time_s": 0.5, "plan_epoch": 3.0, "stage0/layers": 4.0}
     (run_file,) = (tmp_path / "rank0" / "wandb").glob("offline-run-*/run-*.wandb")
     # The offline run's records: each logged key is in them, as W&B would sync it. W&B's service process writes
