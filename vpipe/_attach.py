@@ -119,9 +119,6 @@ class Vpipe:
         self.agreement = StoreAgreement(store, rank=self.pipe_rank, world_size=pipeline.size,
                                         timeout_s=config.agree_timeout_s, pipeline=self.replicas.name)
         placement = agree_on_blocks(self.agreement, pipeline.stages, self.num_stages, config.layers)
-        self._home = placement  # where the layers were at attach
-        if pipeline.deepspeed is not None:
-            pipeline.deepspeed.write_back(placement)
         peers = check_replicas_alike(
             self.agreement, world_rank=self.rank, world_size=self.world_size, who=self._who, replicas=self.replicas,
             layout={"schedule": pipeline.kind, "placement": [list(s) for s in placement],
@@ -321,7 +318,7 @@ class Vpipe:
             setattr(schedule, name, step)  # instance attribute over the class method
             self._undo.append(lambda: schedule.__dict__.pop(name, None))
             if self.pipeline.deepspeed is not None:  # its checkpoints are written on the partition it built
-                self._undo.append(HomeCheckpoints(self._parts, self._home).install())
+                self._undo.append(HomeCheckpoints(self._parts).install())
             return
         if self.optimizer is None:
             raise ValueError("attaching to a stage module needs optimizer=: its step() marks the step boundary")

@@ -108,3 +108,12 @@ def test_a_grid_with_a_model_axis_is_refused_moves_in_one_line(tmp_path):
     result = _run(tmp_path, "model_parallel", 4)
     assert result["moves_off"].startswith("DeepSpeed tensor model parallelism (2 ranks on the grid's model axis)")
     assert sorted(r["rank"] for r in _events(result, "moves_off")) == [0, 1, 2, 3]
+
+
+def test_a_move_that_changes_what_a_stage_sends_resizes_deepspeeds_p2p_buffers(tmp_path):
+    result = _run(tmp_path, "shapes", 2)
+    assert result["vpipe"] == result["plain"]
+    assert result["placements"][2] == [[1, 2, 3], [4, 5, 6, 7, 8]]  # stage 0 sends the whole sequence
+    assert result["placements"][4] == [[1, 2, 3, 4, 5], [6, 7, 8]]  # and the halved one again
+    done = [r for r in result["log"] if r.get("event") == "migration_done" and r["rank"] == 0]
+    assert [r["rebuilt"] for r in done] == [True, True]  # each move told every rank to resize

@@ -13,7 +13,9 @@ In one launch each scenario trains a plain DeepSpeed engine and an engine with t
 - ``tied``: the head tied to the embedding (``TiedLayerSpec``), a forced move;
 - ``bf16`` and ``zero1`` (4 ranks: 2 replicas): moves refused in one line, a forced plan applies policies only;
 - ``replicas`` (4 ranks): 2 data-parallel replicas without ZeRO, a forced move made by both alike;
-- ``model_parallel`` (4 ranks): a grid with a model axis: moves refused in one line.
+- ``model_parallel`` (4 ranks): a grid with a model axis: moves refused in one line;
+- ``shapes``: block 4 halves the sequence; forced moves carry it to stage 1 and back, each changing the
+  activation stage 0 sends (the engine's cached shapes and p2p buffers must follow).
 """
 
 from __future__ import annotations
@@ -94,7 +96,7 @@ def _digests(engine: Any) -> dict:
 def _funcs(engine: Any) -> dict:
     """This stage's layers as DeepSpeed now runs and names them, from every rank."""
     mine = {"stage": engine.stage_id, "parts": list(engine.module.parts),
-            "registered": [k for k in engine.module._modules if k.isdigit()],
+            "registered": [k for k, _ in engine.module.named_children() if k.isdigit()],
             "funcs": [type(f).__name__ for f in engine.module.forward_funcs],
             "fwd_map": dict(engine.module.fwd_map)}
     every: list[Any] = [None] * dist.get_world_size()
@@ -157,6 +159,49 @@ def _moved(argv: list[str]) -> dict:
     return side_by_side(argv, forced=[(2, vpipe.Plan(epoch=1, stages=((1, 2, 3), (4, 5, 6, 7, 8))))])
 
 
+class StridingBlock(example.Block):
+    """The example's block that keeps every ``stride``-th position of its output (a plain attribute: a clone of
+    one of its kind takes the moved block's)."""
+
+    def __init__(self, dim: int, heads: int, stride: int = 1) -> None:
+        super().__init__(dim, heads)
+        self.stride = stride
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x)[:, ::self.stride].contiguous()  # (DeepSpeed sends it as it is)
+
+
+def strided_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return example.cross_entropy(logits, labels[:, ::2])
+
+
+def shapes(_: Path) -> dict:
+    """Block 4, the last of stage 0, halves the sequence: moving it to stage 1 doubles what stage 0 sends."""
+    import vpipe
+
+    args = example.parse_args([])
+    layers = [example.LayerSpec(example.Embedding, args.vocab, args.dim, args.seq),
+              *[example.LayerSpec(StridingBlock, args.dim, args.heads, 2 if i == 4 else 1) for i in range(1, 9)],
+              example.LayerSpec(example.Head, args.dim, args.vocab)]
+
+    def build() -> Any:
+        torch.manual_seed(0)
+        module = example.PipelineModule(layers=layers, num_stages=2, loss_fn=strided_loss)
+        engine, _, _, _ = example.deepspeed.initialize(model=module, model_parameters=list(module.parameters()),
+                                                       config=example.ds_config(args))
+        engine.args_for_test = args
+        return engine
+
+    plain, _ = train(build(), STEPS)
+    engine = build()
+    vp = vpipe.attach(engine, planning=False)
+    vp.request_plan(vpipe.Plan(epoch=1, stages=((1, 2, 3), (4, 5, 6, 7, 8))), at_step=2)
+    vp.request_plan(vpipe.Plan(epoch=2, stages=((1, 2, 3, 4, 5), (6, 7, 8))), at_step=4)
+    losses, placements = train(engine, STEPS, vp=vp)
+    vp.detach()
+    return {"plain": plain, "vpipe": losses, "placements": placements}
+
+
 def model_parallel(_: Path) -> dict:
     """A grid with a model axis (Megatron-DeepSpeed's tensor parallelism): 2 stages x 2 model-parallel ranks."""
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
@@ -176,7 +221,7 @@ def model_parallel(_: Path) -> dict:
 
 
 SCENARIOS = {
-    "model_parallel": model_parallel,
+    "model_parallel": model_parallel, "shapes": shapes,
     "moves": moves, "policies": policies,
     "checkpointing": lambda _: _moved(["--checkpoint-interval", "1"]),
     "tied": lambda _: _moved(["--tied"]),

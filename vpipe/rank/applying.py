@@ -19,7 +19,6 @@ import logging
 from vpipe.log import decision
 from vpipe.plan import Plan, PlanError
 from vpipe.rank.parts import RankParts
-from vpipe.stage.pipeline import reset_shape_inference
 
 log = logging.getLogger("vpipe.attach")
 
@@ -60,8 +59,8 @@ class PlanApplier:
                 self.streamed_rest = plan  # a two-hop move: its next round follows when this one is done
         elif moves:
             report = lm.apply(plan)
-            if report.rebuilt and pipeline.schedule is not None and pipeline.deepspeed is None:
-                reset_shape_inference(pipeline.schedule)
+            if report.rebuilt:
+                pipeline.reset_shapes()
         # the layers are where the moves took them (all, some, or none where a move aborted)
         owner.commit(Plan(epoch=plan.epoch, stages=lm.placement, policies=plan.policies,
                           predicted_step_s=plan.predicted_step_s, reason=plan.reason), "applied")

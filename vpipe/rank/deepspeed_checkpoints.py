@@ -13,7 +13,7 @@ wrote therefore resumes in DeepSpeed alone, and one DeepSpeed wrote resumes unde
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from vpipe.log import decision
@@ -28,11 +28,11 @@ Placement = tuple[tuple[int, ...], ...]
 class HomeCheckpoints:
     """Wraps a DeepSpeed engine's ``save_checkpoint`` and ``load_checkpoint`` to run on the home partition."""
 
-    def __init__(self, parts: RankParts, home: Sequence[Sequence[int]]) -> None:
-        self.parts = parts
-        self.home: Placement = tuple(tuple(s) for s in home)
+    def __init__(self, parts: RankParts) -> None:
         assert parts.pipeline.deepspeed is not None
+        self.parts = parts
         self.deepspeed = parts.pipeline.deepspeed
+        self.home: Placement = self.deepspeed.home
 
     def install(self) -> Callable[[], None]:
         """Wrap the engine's methods; returns the undo."""
@@ -72,7 +72,8 @@ class HomeCheckpoints:
             return
         plan = owner.plan
         moving = Plan(epoch=plan.epoch, stages=placement, policies=plan.policies, reason=why)
-        lm.apply(moving)
+        if lm.apply(moving).rebuilt:  # as the plan applier does
+            self.parts.pipeline.reset_shapes()
         if lm.placement != placement:
             raise RuntimeError(f"vpipe could not move the layers {why} (a move aborted; the run log says why): "
                                f"they are at {[list(s) for s in lm.placement]}, not {[list(s) for s in placement]}")

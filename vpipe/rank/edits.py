@@ -19,7 +19,6 @@ from vpipe.rank.agreement import StoreAgreement
 from vpipe.rank.parts import RankParts
 from vpipe.rank.steps import StepDriver
 from vpipe.stage.fsdp import is_fully_sharded
-from vpipe.stage.pipeline import reset_shape_inference
 
 __all__ = ["LayerEdits"]
 
@@ -75,6 +74,5 @@ class LayerEdits:
         lm, owner = self.parts.layer_manager, self.parts.plan_in_force
         policies = {lid: p for lid, p in owner.plan.policies.items() if lid in lm.order}
         owner.commit(Plan(epoch=owner.epoch + 1, stages=lm.placement, policies=policies), "edited")
-        schedule = self.parts.pipeline.schedule
-        if reshape and schedule is not None:
-            reset_shape_inference(schedule)  # new layers have never run: redo shape inference
+        if reshape:
+            self.parts.pipeline.reset_shapes()  # new layers have never run: redo shape inference

@@ -8,8 +8,9 @@ model, of the classes that repeat (the transformer blocks; not the embedding, th
 global indices, that the layer manager edits as it edits any other; when a plan takes effect
 :class:`DeepSpeedStage` writes the container back into the module: ``forward_funcs``, the
 registered children, ``fwd_map``, ``parts``, the local range, DeepSpeed's cached checkpointing
-groups, the optimizer's parameter order (the module's, as DeepSpeed builds it) and, when
-layers moved, the engine's cached activation shapes and p2p buffers.
+groups and the optimizer's parameter order (the module's, as DeepSpeed builds it). Where a
+move changes a boundary activation, the plan applier resets the engine's cached shapes and
+p2p buffers, as it redoes torch's shape inference (``Pipeline.reset_shapes``).
 """
 
 from __future__ import annotations
@@ -64,9 +65,13 @@ class DeepSpeedStage:
         self.fixed_of = [[i for i in range(parts[s], parts[s + 1]) if i not in self.run]
                          for s in range(self.num_stages)]
         self._fixed = {i: funcs[i - start] for i in self.fixed_of[self.index]}
+        # the fixed layers DeepSpeed registers under their index (LayerSpecs; not tied layers or functions)
+        self._fixed_registered = {i for i in self._fixed if str(i) in child_modules(self.module)}
         blocks = [(i, funcs[i - start]) for i in range(start, stop) if i in self.run]
         self.container = nn.ModuleDict(OrderedDict((str(i), b) for i, b in blocks))
-        self._placement: tuple[tuple[int, ...], ...] | None = None
+        # where DeepSpeed put the blocks: its checkpoints are written and read on this partition
+        self.home = tuple(tuple(i for i in range(parts[s], parts[s + 1]) if i in self.run)
+                          for s in range(self.num_stages))
 
     # ------------------------------------------------------------------ what vpipe may do
     def empty_stages(self) -> list[int]:
@@ -146,9 +151,8 @@ class DeepSpeedStage:
         order = sorted(layers)
         module = self.module
         module.forward_funcs[:] = [layers[i] for i in order]
-        registered = {int(k) for k in child_modules(module) if k.isdigit()}
         kept = OrderedDict((k, m) for k, m in child_modules(module).items() if not k.isdigit())
-        numbered = {i for i in order if i in blocks or i in registered}
+        numbered = self._fixed_registered | set(blocks)
         for i in sorted(numbered):
             kept[str(i)] = layers[i]
         child_modules(module).clear()
@@ -161,9 +165,6 @@ class DeepSpeedStage:
             module.is_checkpointable_results_interval = None
             module.set_checkpoint_interval(module.activation_checkpoint_interval)
         self._optimizer_in_module_order()
-        if self._placement is not None and placement != self._placement:
-            self.engine.reset_activation_shape()  # every rank commits the same plan: both ends of each link reset
-        self._placement = placement
 
     def _parts(self, placement: Sequence[Sequence[int]]) -> list[int]:
         parts = [self.num_layers] * (self.num_stages + 1)

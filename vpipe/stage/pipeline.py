@@ -139,6 +139,15 @@ class Pipeline:
             return n_microbatches(self.schedule)
         return configured or 1
 
+    def reset_shapes(self) -> None:
+        """A move changed what a stage sends downstream: make the next step size the boundary activations anew
+        (every rank at the same boundary: torch's shape inference, or a DeepSpeed engine's cached shapes and p2p
+        buffers)."""
+        if self.deepspeed is not None:
+            self.deepspeed.engine.reset_activation_shape()
+        elif self.schedule is not None:
+            reset_shape_inference(self.schedule)
+
     def in_flight(self) -> list[int] | None:
         """Per stage, the micro-batches it holds activations of at its peak (multi-stage schedules), else None."""
         if not self.multi_stage:
