@@ -173,6 +173,7 @@ class StageCosts:
         self.param_prefix = _prefix(profile.params)
         self.comm = profile.cut / hw.net_bytes_per_s
         self.has_swaps = bool(self.swap_prefix[-1] > 0)
+        self.speeds = setup.speeds()  # per stage, the device's compute time relative to the reference
         self._memory_prefix: dict[tuple[int, bool], np.ndarray] = {}
 
     @property
@@ -187,9 +188,12 @@ class StageCosts:
     def compute(self, i, j):  # noqa: ANN001, ANN201 - ints or numpy arrays
         return self.compute_prefix[j] - self.compute_prefix[i]
 
-    def time(self, i, j):  # noqa: ANN001, ANN201
-        """Seconds per micro-batch of the stage ``[i, j)`` (eq. 2 plus boundary receives)."""
+    def time(self, i, j, stage=None):  # noqa: ANN001, ANN201
+        """Seconds per micro-batch of the stage ``[i, j)`` (eq. 2 plus boundary receives), on stage number
+        ``stage``'s device (ints or arrays; None: the reference device)."""
         c = self.compute_prefix[j] - self.compute_prefix[i]
+        if stage is not None:
+            c = c * self.speeds[stage]
         if self.has_swaps:
             c = c + np.maximum(0.0, (self.swap_prefix[j] - self.swap_prefix[i]) - c)
         return c + self.comm[i] + self.comm[j]
@@ -224,7 +228,7 @@ class StageCosts:
 
     def stage_times(self, cuts: Sequence[int]) -> np.ndarray:
         b = np.array([0, *cuts, self.n])
-        return np.asarray(self.time(b[:-1], b[1:]), dtype=float)
+        return np.asarray(self.time(b[:-1], b[1:], np.arange(b.size - 1)), dtype=float)
 
     def stage_memory(self, cuts: Sequence[int]) -> np.ndarray:
         b = [0, *cuts, self.n]
@@ -257,6 +261,7 @@ class CoarseCosts(StageCosts):
         self.param_prefix = costs.param_prefix[positions]
         self.comm = costs.comm[positions]
         self.has_swaps = costs.has_swaps
+        self.speeds = costs.speeds
         self._cut = costs.cut[positions]
         self._memory_prefix = {}
 

@@ -16,7 +16,8 @@ import numpy as np
 
 from vpipe.planner.cost_model import StageCosts
 
-__all__ = ["Partition", "InfeasibleError", "Additive", "CommBytes", "MemoryMode", "check_layers_fit"]
+__all__ = ["Partition", "InfeasibleError", "Additive", "CommBytes", "MemoryMode", "check_layers_fit",
+           "partition_from_dp"]
 
 # how a stage's memory is priced: "fixed" on the layers' policies as they are, "best_case" each on the policy
 # that holds least
@@ -34,6 +35,21 @@ class Partition:
     cuts: tuple[int, ...]
     bottleneck_s: float
     secondary: float = 0.0
+
+
+def partition_from_dp(costs: StageCosts, parents: list[np.ndarray], value: np.ndarray, secondary: bool
+                      ) -> Partition | None:
+    """The partition a DP over (stage, end) found: ``parents[k][j]`` is where stage ``k`` ending at ``j`` starts,
+    ``value[n]`` the objective of the whole (inf: none fits); priced by ``costs``."""
+    n = costs.n
+    if not np.isfinite(value[n]):
+        return None
+    cuts, j = [], n
+    for k in range(len(parents) - 1, 0, -1):
+        j = int(parents[k][j])
+        cuts.append(j)
+    cuts.reverse()
+    return Partition(tuple(cuts), float(costs.stage_times(cuts).max()), float(value[n]) if secondary else 0.0)
 
 
 class Additive(Protocol):

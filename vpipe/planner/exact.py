@@ -27,7 +27,15 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from vpipe.planner.cost_model import StageCosts
-from vpipe.planner.cuts import Additive, CommBytes, InfeasibleError, MemoryMode, Partition, check_layers_fit
+from vpipe.planner.cuts import (
+    Additive,
+    CommBytes,
+    InfeasibleError,
+    MemoryMode,
+    Partition,
+    check_layers_fit,
+    partition_from_dp,
+)
 
 __all__ = ["min_bottleneck", "min_secondary", "exact_partition", "greedy_partition", "dp_cells"]
 
@@ -177,15 +185,7 @@ def _banded_dp(costs: StageCosts, p: int, budgets: np.ndarray, limit: float, mem
             parent[js] = arg
         parents.append(parent)
         value = new_value
-    if not np.isfinite(value[n]):
-        return None
-    cuts, j = [], n
-    for k in range(p - 1, 0, -1):
-        j = int(parents[k][j])
-        cuts.append(j)
-    cuts.reverse()
-    bottleneck = float(costs.stage_times(cuts).max())
-    return Partition(tuple(cuts), bottleneck, float(value[n]) if secondary is not None else 0.0)
+    return partition_from_dp(costs, parents, value, secondary is not None)
 
 
 class _Padded:

@@ -31,6 +31,7 @@ from vpipe.plan import Plan, PlanError
 from vpipe.planner.cost_model import GraphProfile, Hardware, PipelineSetup, StageCosts
 from vpipe.planner.exact import min_secondary
 from vpipe.planner.srp import Evaluated, check_method, evaluate, fastest_step, optimize_stages, srp_loop
+from vpipe.planner.uneven import uneven_min_secondary
 
 __all__ = ["Proposal", "SRPPlanner"]
 
@@ -50,6 +51,8 @@ class Proposal:
     migration_s: float
     moved_layers: int
     reason: str
+    stage_s_before: tuple[float, ...] = ()  # predicted per micro-batch, each stage on its own device
+    stage_s_after: tuple[float, ...] = ()
 
     @property
     def policy_only(self) -> bool:
@@ -115,14 +118,16 @@ class SRPPlanner:
         *,
         horizon_steps: int = 500,
         min_gain: float = 0.05,
-        cooldown_steps: int = 20,
+        cooldown_steps: int = 10,
         method: str = "kl",
         allow_moves: bool = True,
         in_flight_counts: tuple[int, ...] | None = None,
         stage_ranks: tuple[int, ...] | None = None,
+        stage_speeds: tuple[float, ...] | None = None,
     ) -> None:
         self.setup = PipelineSetup(num_stages, schedule, micro_batches, hardware or Hardware(),
-                                   in_flight_counts=in_flight_counts, stage_ranks=stage_ranks)
+                                   in_flight_counts=in_flight_counts, stage_ranks=stage_ranks,
+                                   stage_speeds=stage_speeds)
         self.budgets = self.setup.budgets(memory_budget)
         if not (isinstance(horizon_steps, int) and horizon_steps >= 1):
             raise ValueError(f"horizon_steps must be a positive integer, got {horizon_steps!r}")
@@ -214,7 +219,9 @@ class SRPPlanner:
                   f"{moved} layer(s) move ({moved_bytes / 1e6:.1f} MB, {migration_s * 1e3:.1f} ms)")
         new_plan = Plan(epoch=current.epoch + 1, stages=tuple(tuple(s) for s in profile.stages_of(plan.cuts)),
                         policies=profile.policies_from(plan.codes), predicted_step_s=plan.step_s, reason=reason)
-        return Proposal(new_plan, before_step, plan.step_s, int(round(moved_bytes)), migration_s, moved, reason)
+        return Proposal(new_plan, before_step, plan.step_s, int(round(moved_bytes)), migration_s, moved, reason,
+                        tuple(float(t) for t in before.times) if before is not None else (),
+                        tuple(float(t) for t in plan.times))
 
     # ----------------------------------------------------------------- internals
     def _current(self, profile: GraphProfile, current: Plan) -> Evaluated | None:
@@ -253,7 +260,10 @@ class SRPPlanner:
             limit = best.bottleneck_s * (1 + slack)
             if limit >= ceiling:
                 break
-            lean = min_secondary(costs, setup.num_stages, limit, migration, budgets, memory="best_case")
+            if setup.uneven:
+                lean = uneven_min_secondary(costs, setup.num_stages, limit, migration, budgets, memory="best_case")
+            else:
+                lean = min_secondary(costs, setup.num_stages, limit, migration, budgets, memory="best_case")
             if lean is not None:
                 add(optimize_stages(profile, setup, budgets, lean.cuts))
         return out

@@ -16,6 +16,12 @@ third of that for the zero-bubble ones (ZB-H1 keeps about a third of 1F1B's bubb
 and DualPipeV no more). Each virtual stage holds its own in-flight micro-batches, read off
 the schedule's action lists by the ranks (``in_flight_counts``), and gets an equal share of
 its rank's memory budget.
+
+*Uneven devices*: ``stage_speeds[k]`` is how much longer stage ``k`` takes for the same
+compute than the reference device (1.0; 2.0 for a device half as fast, a straggler or an
+older GPU). A layer's ``fwd``/``bwd`` are its times on the reference device, so on stage
+``k`` its compute costs ``stage_speeds[k]`` times them; copies and transfers run on links,
+not on the device's cores, and keep their times.
 """
 
 from __future__ import annotations
@@ -120,6 +126,7 @@ class PipelineSetup:
     hardware: Hardware = Hardware()
     in_flight_counts: tuple[int, ...] | None = None  # per stage, when the schedule's action lists give them
     stage_ranks: tuple[int, ...] | None = None  # the rank of every stage, when a rank runs several
+    stage_speeds: tuple[float, ...] | None = None  # per stage, compute time relative to the reference device
 
     def __post_init__(self) -> None:
         check_schedule(self.schedule)
@@ -132,8 +139,26 @@ class PipelineSetup:
             if values is not None and (len(values) != self.num_stages or any(
                     not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in values)):
                 raise ValueError(f"{name} must give a non-negative integer for each of the {self.num_stages} stages")
+        if self.stage_speeds is not None and (len(self.stage_speeds) != self.num_stages or any(
+                isinstance(v, bool) or not isinstance(v, (int, float)) or not (np.isfinite(v) and v > 0)
+                for v in self.stage_speeds)):
+            raise ValueError(f"stage_speeds must give a positive finite factor for each of the {self.num_stages} "
+                             f"stages, got {self.stage_speeds!r:.200}")
         if self.schedule in MULTI_STAGE and (self.in_flight_counts is None or self.stage_ranks is None):
             raise ValueError(f"{self.schedule} runs several stages per rank: give in_flight_counts and stage_ranks")
+
+    @property
+    def uneven(self) -> bool:
+        """Whether the stages' devices run at different speeds (the partitioners must price each stage apart)."""
+        return self.stage_speeds is not None and len(set(self.stage_speeds)) > 1
+
+    def speed(self, stage: int) -> float:
+        """How much longer than the reference device stage ``stage`` takes for the same compute."""
+        return 1.0 if self.stage_speeds is None else float(self.stage_speeds[stage])
+
+    def speeds(self) -> np.ndarray:
+        """Every stage's :meth:`speed`, as an array."""
+        return np.array([self.speed(k) for k in range(self.num_stages)], dtype=float)
 
     def in_flight(self, stage: int) -> int:
         if self.in_flight_counts is not None:

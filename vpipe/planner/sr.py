@@ -61,8 +61,9 @@ class _Stage:
 
     def __init__(self, profile: GraphProfile, setup: PipelineSetup, start: int, end: int, stage: int) -> None:
         hw = setup.hardware
-        self.f = profile.fwd[start:end]
-        self.b = profile.bwd[start:end]
+        speed = setup.speed(stage)  # the stage's device: its compute takes this much longer than the reference
+        self.f = profile.fwd[start:end] * speed
+        self.b = profile.bwd[start:end] * speed
         a = profile.act[start:end]
         m = setup.in_flight(stage)
         # resident bytes and link seconds per layer, by policy code D/S/R
@@ -70,7 +71,8 @@ class _Stage:
         # a swap's copies out and back: beside the compute (link) or on its thread (extra compute)
         zero, copy = np.zeros_like(a), 2.0 * a / hw.copy_bytes_per_s
         self.link = np.stack([zero, copy if hw.copies_overlap else zero, zero])
-        self.extra = np.stack([zero, zero if hw.copies_overlap else copy, self.f])
+        # a copy on the compute thread runs at the device's speed, as StageCosts prices it
+        self.extra = np.stack([zero, zero if hw.copies_overlap else copy * speed, self.f])
         self.comm = (profile.cut[start] + profile.cut[end]) / hw.net_bytes_per_s
         self.const_mem = setup.param_factor(stage) * float(profile.params[start:end].sum())
         self.codes = np.zeros(end - start, dtype=np.int8)

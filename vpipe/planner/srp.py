@@ -27,6 +27,7 @@ from vpipe.planner.cuts import InfeasibleError, Partition, check_layers_fit
 from vpipe.planner.exact import exact_partition
 from vpipe.planner.partition import kl_partition
 from vpipe.planner.sr import optimize_segment
+from vpipe.planner.uneven import uneven_partition
 
 __all__ = ["METHODS", "PlanResult", "Evaluated", "plan_pipeline", "srp_loop", "optimize_stages", "evaluate",
            "fastest_step", "check_method", "InfeasibleError"]
@@ -88,7 +89,8 @@ def fastest_step(profile: GraphProfile, setup: PipelineSetup) -> float:
     spread evenly over the stages (a stage's time is at least its layers' compute; the slowest at least the
     mean), no transfers."""
     compute = float(np.sum(profile.fwd + profile.bwd))
-    return setup.step_time(np.full(setup.num_stages, compute / setup.num_stages))
+    # stages of equal time T hold T / speed_k of the compute each: T = compute / sum(1 / speed_k)
+    return setup.step_time(np.full(setup.num_stages, compute / float(np.sum(1.0 / setup.speeds()))))
 
 
 def check_method(method: str) -> str:
@@ -118,6 +120,11 @@ def optimize_stages(profile: GraphProfile, setup: PipelineSetup, budgets: np.nda
 
 
 def _partition(costs: StageCosts, p: int, budgets: np.ndarray, method: str) -> Partition:
+    if costs.setup.uneven:  # each stage priced on its own device: the homogeneous searches' bounds do not hold
+        found = uneven_partition(costs, p, budgets, memory="best_case")
+        if found is None:
+            raise InfeasibleError(f"infeasible: no split into {p} stages fits the memory budget")
+        return found
     if method == "kl":
         found = kl_partition(costs, p, budgets, memory="best_case")
         if found is not None:
@@ -187,13 +194,15 @@ def plan_pipeline(
     hardware: Hardware | None = None,
     in_flight_counts: Sequence[int] | None = None,
     stage_ranks: Sequence[int] | None = None,
+    stage_speeds: Sequence[float] | None = None,
 ) -> PlanResult:
     """Plan ``graph`` onto ``num_stages`` stages: partition and per-layer D/S/R policies.
 
     ``memory_budget`` is bytes per stage (one number for all, or one per stage; one number
     is a rank's, shared equally by its stages). A multi-stage schedule needs each stage's
     peak in-flight micro-batches and rank, as the live planner gets them (see
-    :class:`~vpipe.planner.setup.PipelineSetup`). Raises
+    :class:`~vpipe.planner.setup.PipelineSetup`). ``stage_speeds`` gives each stage's device its compute
+    time relative to the reference (2.0: half as fast); the layers' times are the reference's. Raises
     ``ValueError`` for bad arguments and :class:`InfeasibleError` (a ``ValueError``) when
     no plan fits the budget, naming the layer that cannot fit when there is one.
     """
@@ -205,7 +214,8 @@ def plan_pipeline(
         raise ValueError(f"cannot split {len(graph)} layers into {num_stages} non-empty stages")
     setup = PipelineSetup(num_stages, schedule, micro_batches, hardware or Hardware(),
                           in_flight_counts=None if in_flight_counts is None else tuple(in_flight_counts),
-                          stage_ranks=None if stage_ranks is None else tuple(stage_ranks))
+                          stage_ranks=None if stage_ranks is None else tuple(stage_ranks),
+                          stage_speeds=None if stage_speeds is None else tuple(stage_speeds))
     budgets = setup.budgets(memory_budget)
     profile = GraphProfile(graph)
     plan, iterations = srp_loop(profile, setup, budgets, method)

@@ -1,0 +1,84 @@
+"""How fast each stage's device runs the blocks it holds, learnt from the blocks' measured times.
+
+A pipeline's devices are not always alike: an older or throttled GPU, a straggler, a GPU
+shared with another job take longer for the same block. The planner must see that, or a
+slow stage's blocks look like everyone else's and the pipeline looks balanced. What it has
+are measured times of blocks on stages; a block's time there is the stage's factor times
+the block's work. Blocks of one kind (same class, shapes, saved and sent bytes, and
+trainable or frozen) do the same work, so their times on two stages give the ratio of the
+two stages' factors; a block measured before and after it moved does too. All such pairs
+are fitted at once in the log domain (``log time = log factor(stage) + log work(group)``,
+alternating least squares over the groups seen on two or more stages), relative to the
+fastest stage.
+
+Noise must not look like a slow device: factors within ``dead_band`` of the fastest count
+as 1.0, and a pipeline whose factors all do is even (the planner then pools interchangeable
+blocks across all stages, as on identical devices).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import defaultdict
+from collections.abc import Hashable, Iterable, Sequence
+
+__all__ = ["fit_stage_speeds", "steady_speeds", "describe_speeds", "DEAD_BAND"]
+
+DEAD_BAND = 0.25  # a stage this close to the fastest (relative) runs at its speed: the rest is measurement noise
+_ROUNDS = 60
+
+
+def fit_stage_speeds(observations: Iterable[tuple[Hashable, int, float]], num_stages: int,
+                     dead_band: float = DEAD_BAND) -> tuple[float, ...]:
+    """Each stage's time factor (>= 1.0, the fastest stage 1.0) from ``(group, stage, seconds)`` observations.
+
+    A stage that shares no group with another keeps 1.0 (nothing to compare it with).
+    """
+    cells: dict[tuple[Hashable, int], list[float]] = defaultdict(list)
+    for group, stage, seconds in observations:
+        if seconds > 0 and math.isfinite(seconds) and 0 <= stage < num_stages:
+            cells[(group, stage)].append(seconds)
+    by_group: dict[Hashable, dict[int, float]] = defaultdict(dict)
+    for (group, stage), times in cells.items():
+        by_group[group][stage] = math.log(statistics.median(times))
+    shared = [stages for stages in by_group.values() if len(stages) >= 2]
+    if not shared:
+        return (1.0,) * num_stages
+    known = sorted({stage for stages in shared for stage in stages})
+    log_factor = dict.fromkeys(known, 0.0)
+    for _ in range(_ROUNDS):
+        work = [statistics.fmean(t - log_factor[s] for s, t in stages.items()) for stages in shared]
+        new = {s: statistics.fmean(stages[s] - w for stages, w in zip(shared, work) if s in stages) for s in known}
+        lowest = min(new.values())
+        new = {s: v - lowest for s, v in new.items()}
+        settled = max(abs(new[s] - log_factor[s]) for s in known) < 1e-9
+        log_factor = new
+        if settled:
+            break
+    factors = [math.exp(log_factor.get(stage, 0.0)) for stage in range(num_stages)]
+    return tuple(1.0 if f < 1.0 + dead_band else round(f, 3) for f in factors)
+
+
+def steady_speeds(samples: Sequence[Sequence[float]], num_stages: int, dead_band: float = DEAD_BAND,
+                  needed: int = 3) -> tuple[float, ...]:
+    """The stages' factors over the last samples: each stage as slow as it was in all of them (its least factor
+    relative to the fastest), within ``dead_band`` of the fastest counted as 1.0; all 1.0 before ``needed``
+    samples. A busy core slows one stage in some samples, a slower device in every one."""
+    if len(samples) < needed:
+        return (1.0,) * num_stages
+    least = []
+    for k in range(num_stages):
+        least.append(min(sample[k] / min(sample) for sample in samples))
+    return tuple(1.0 if f < 1.0 + dead_band else round(f, 3) for f in least)
+
+
+def describe_speeds(factors: tuple[float, ...]) -> str:
+    """One line a user reads: which stages run their blocks slower than the fastest, and by how much."""
+    fastest = min(range(len(factors)), key=lambda k: factors[k])
+    slow = [k for k, f in enumerate(factors) if f > 1.0]
+    if not slow:
+        return "the stages run their blocks at the same speed"
+    parts = [f"stage {k} runs its blocks {factors[k] / factors[fastest]:.1f}x slower than stage {fastest}"
+             for k in slow]
+    return "; ".join(parts)
