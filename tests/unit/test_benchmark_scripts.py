@@ -71,3 +71,63 @@ def test_host_cost_counts_what_each_policy_adds_to_a_step():
     swapped = dict(rows["vpipe S"]["most_beyond_plain"])
     assert swapped["aten._foreach_copy_"] > 0 and swapped["aten.empty_like"] > 0
     assert rows["vpipe S"]["vpipe_bytecodes"] > 10 * rows["vpipe D"]["vpipe_bytecodes"] > 0
+
+
+def _uneven_projection():
+    path = SCRIPTS[0].parent / "uneven_projection.py"
+    spec = importlib.util.spec_from_file_location("benchmark_uneven_projection", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _stages_at(costs, speeds, split, bottleneck):
+    """How many stages of ``split`` take the bottleneck's time."""
+    times, i = [], 0
+    for speed, c in zip(speeds, split):
+        times.append(speed * sum(costs[i:i + c]))
+        i += c
+    return sum(x >= bottleneck * (1 - 1e-9) for x in times)
+
+
+def test_uneven_projection_split_is_the_exact_min_max_with_the_fewest_stages_at_it():
+    """benchmarks/uneven_projection.py: the speed-aware split against every contiguous split of small chains."""
+    import itertools
+    import random
+
+    uneven = _uneven_projection()
+    rng = random.Random(0)
+    for _ in range(60):
+        n, p = rng.randint(1, 8), rng.randint(1, 4)
+        if p > n:
+            continue
+        costs = [rng.choice([1.0, 2.0, 3.0, rng.uniform(0.5, 3)]) for _ in range(n)]
+        speeds = [rng.choice([1.0, 1.5, 2.0, rng.uniform(0.5, 3)]) for _ in range(p)]
+        counts = uneven.speed_aware_counts(costs, speeds)
+        assert len(counts) == p and sum(counts) == n and min(counts) >= 1
+        cuts = itertools.combinations(range(1, n), p - 1)
+        splits = [[b - a for a, b in zip((0, *cut), (*cut, n))] for cut in cuts]
+        objective = [uneven.slowest_stage_s(costs, speeds, split) for split in splits]
+        best = min(objective)
+        assert uneven.slowest_stage_s(costs, speeds, counts) == pytest.approx(best, rel=1e-9)
+        at_bottleneck = [_stages_at(costs, speeds, split, best) for split in splits]
+        fewest = min(at for at, v in zip(at_bottleneck, objective) if v <= best * (1 + 1e-9))
+        assert _stages_at(costs, speeds, counts, best) == fewest
+
+
+def test_uneven_projection_one_slow_stage_of_sixteen():
+    """Identical blocks: the slow stage takes fewer, one stage takes the one left over, as early as it goes; the
+    speed-aware split's step sits between the uniform devices' and the speed-blind split's."""
+    uneven = _uneven_projection()
+    assert uneven.even_counts(10, 4) == [3, 3, 2, 2]
+    speeds = [1.0] * 16
+    speeds[5] = 1.5
+    assert uneven.speed_aware_counts([1.0] * 64, speeds) == [5, 4, 4, 4, 4, 3] + [4] * 10
+    out = uneven.project(uneven.parse_args(["--no-planner"]))  # (the planner has its own tests)
+    a, b, c = out["cases"][:3]
+    assert a["counts"] == b["counts"] == [4] * 16 and c["counts"] == [5, 4, 4, 4, 4, 3] + [4] * 10
+    assert b["slowest_stage_s"] == pytest.approx(1.5 * a["slowest_stage_s"])
+    assert c["slowest_stage_s"] == pytest.approx(1.25 * a["slowest_stage_s"])
+    assert a["step_s"] < c["step_s"] < b["step_s"]
+    with pytest.raises(ValueError, match="cannot split 3 blocks into 4"):
+        uneven.speed_aware_counts([1.0] * 3, [1.0] * 4)

@@ -130,6 +130,80 @@ def test_bad_arguments_are_clear_errors():
         StageCost(float("nan"), 1)
 
 
+
+# ---------------------------------------------------------------------- uneven devices (stage_speeds)
+def _random_costs(rng: random.Random, p: int) -> list[StageCost]:
+    return [StageCost(rng.uniform(1, 5) * 1e-3, rng.uniform(1, 9) * 1e-3, send_s=rng.uniform(0, 1) * 1e-3,
+                      optimizer_s=rng.uniform(0, 1) * 1e-3) for _ in range(p)]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "pipedream"])
+@pytest.mark.parametrize("cores", [None, 1])
+def test_speeds_of_one_reproduce_the_plain_simulation_exactly(schedule, cores):
+    rng = random.Random(7)
+    costs = _random_costs(rng, 4)
+    plain = simulate(costs, schedule=schedule, micro_batches=6, steps=4, cores=cores, stall_s=[0, 0.002])
+    ones = simulate(costs, schedule=schedule, micro_batches=6, steps=4, cores=cores, stall_s=[0, 0.002],
+                    stage_speeds=[1.0, 1, 1.0, 1])
+    assert ones == plain  # every field bit for bit, not approximately
+
+
+@pytest.mark.parametrize("m", [2, 4, 8])
+def test_1f1b_two_stages_with_the_last_twice_as_slow_matches_its_closed_form(m):
+    """Stage 1 is busy without a gap from its first forward to its last backward; around that, stage 0's first
+    forward and last backward, a transfer each way and stage 0's update (stage 1's hides under that backward)."""
+    f, b, send, opt = 0.010, 0.020, 0.001, 0.003
+    result = simulate([StageCost(f, b, send_s=send, optimizer_s=opt)] * 2, schedule="1f1b", micro_batches=m,
+                      steps=4, stage_speeds=[1.0, 2.0])
+    assert result.step_s == pytest.approx(f + b + 2 * send + m * 2 * (f + b) + opt)
+    assert result.busy_s[1] == pytest.approx(2 * result.busy_s[0])
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_speeds_scale_compute_and_leave_transfers_alone(seed):
+    """GPipe's flow-shop closed form on the costs scaled by hand: only forward, backward and update grow."""
+    rng = random.Random(seed)
+    p, m = rng.randint(2, 6), rng.randint(1, 9)
+    costs = _random_costs(rng, p)
+    speeds = [rng.choice([0.5, 1.0, 1.5, 3.0]) for _ in range(p)]
+    by_hand = [StageCost(c.fwd_s * v, c.bwd_s * v, send_s=c.send_s, optimizer_s=c.optimizer_s * v)
+               for c, v in zip(costs, speeds)]
+    result = simulate(costs, schedule="gpipe", micro_batches=m, steps=5, stage_speeds=speeds)
+    assert result.step_s == pytest.approx(flow_shop_s(by_hand, m))
+    assert result == simulate(by_hand, schedule="gpipe", micro_batches=m, steps=5)
+
+
+def test_pipedream_with_one_slow_stage_runs_at_that_stage_update_included():
+    f, b, o = 0.010, 0.020, 0.002
+    result = simulate([StageCost(f, b, optimizer_s=o)] * 3, schedule="pipedream", micro_batches=3, steps=15,
+                      stage_speeds=[1.0, 1.5, 1.0])
+    assert result.step_s == pytest.approx(3 * 1.5 * (f + b + o), rel=1e-6)
+
+
+def test_the_same_factor_everywhere_scales_a_pipeline_without_transfers():
+    costs = _random_costs(random.Random(3), 4)
+    costs = [StageCost(c.fwd_s, c.bwd_s, optimizer_s=c.optimizer_s) for c in costs]
+    plain = simulate(costs, schedule="1f1b", micro_batches=8, steps=4)
+    slow = simulate(costs, schedule="1f1b", micro_batches=8, steps=4, stage_speeds=[2.5] * 4)
+    assert slow.step_s == pytest.approx(2.5 * plain.step_s)
+    assert slow.bubble_fraction == pytest.approx(plain.bubble_fraction)
+
+
+@pytest.mark.parametrize("speeds,message", [
+    ([1.0], "one factor per stage: 1 for 2 stages"),
+    ([1.0, 1.0, 1.0], "one factor per stage: 3 for 2 stages"),
+    ([1.0, 0.0], "positive finite numbers, got 0.0 for stage 1"),
+    ([-1.5, 1.0], "positive finite numbers, got -1.5 for stage 0"),
+    ([1.0, float("nan")], "got nan for stage 1"),
+    ([float("inf"), 1.0], "got inf for stage 0"),
+    ([True, 1.0], "got True for stage 0"),
+    ([1.0, "2"], "got '2' for stage 1"),
+])
+def test_bad_speeds_are_clear_errors(speeds, message):
+    with pytest.raises(ValueError, match=message):
+        simulate([StageCost(1, 1)] * 2, schedule="gpipe", micro_batches=2, stage_speeds=speeds)
+
+
 # ---------------------------------------------------------------------- stage costs from layer costs
 def _costs(n: int = 4) -> ModelCosts:
     layers = [LayerCost(fwd_s=0.001 * (i + 1), bwd_s=0.002 * (i + 1), act_bytes=1_000_000, input_bytes=1000,

@@ -11,22 +11,29 @@ the forward to the backward, swap adds what the copy link cannot hide).
 When there are fewer cores than stages (4 ranks on a 2-core machine), busy stages share
 the cores equally (processor sharing), which is what the OS scheduler does to
 single-threaded ranks; the simulation then advances in fluid time.
+
+Uneven devices (a straggler, an older GPU in the mix): ``stage_speeds[k]`` multiplies
+stage ``k``'s compute (forward, backward, optimizer step), the same meaning as the
+planner's ``stage_speeds`` (1.0 = the reference device the costs were measured on, 1.5 =
+a device that takes 1.5x as long). Boundary transfers run on links, not on the device, and
+keep their times.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
+import numbers
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["StageCost", "SimResult", "simulate", "action_order"]
+__all__ = ["StageCost", "SimResult", "simulate", "action_order", "on_devices"]
 
 
 @dataclass(frozen=True)
 class StageCost:
-    """Seconds per micro-batch on one stage."""
+    """Seconds per micro-batch on one stage (on the reference device when ``simulate`` gets ``stage_speeds``)."""
 
     fwd_s: float
     bwd_s: float
@@ -101,6 +108,7 @@ def simulate(
     cores: int | None = None,
     stall_s: Sequence[float] = (),
     background: float = 0.0,
+    stage_speeds: Sequence[float] | None = None,
 ) -> SimResult:
     """Simulate ``steps`` steps of ``costs`` (one entry per stage) under ``schedule``.
 
@@ -108,10 +116,14 @@ def simulate(
     (a migration at that step boundary); a pause occupies no core. ``cores`` (default: one
     per stage) are shared equally by the stages that are computing and ``background``
     always-busy threads of other processes (a shared machine's load, in cores).
+    ``stage_speeds`` (one positive factor per stage, default all 1.0) multiplies each
+    stage's compute, not its transfers: a slower or faster device than the costs' own.
     """
     p, m = len(costs), micro_batches
     if p < 1 or m < 1 or steps < 1:
         raise ValueError("need at least one stage, micro-batch and step")
+    if stage_speeds is not None:
+        costs = on_devices(costs, stage_speeds)
     if schedule in ("1f1b", "pipedream") and m < p:
         raise ValueError(f"{schedule} needs micro_batches >= stages ({m} < {p})")
     if not math.isfinite(background) or background < 0:
@@ -198,6 +210,25 @@ def simulate(
     total = max(done.values()) if done else 0.0
     return SimResult(step_s=_steady_step_s(step_end, schedule, total), total_s=total, busy_s=busy,
                      finish_s=step_end)
+
+
+def on_devices(costs: Sequence[StageCost], stage_speeds: Sequence[float]) -> list[StageCost]:
+    """``costs`` with stage ``k``'s compute (forward, backward, optimizer) times ``stage_speeds[k]``.
+
+    Transfers keep their times: they run on links, not on the device's cores. A factor
+    of 1.0 leaves a cost exactly as it was (``x * 1.0 == x``), so all ones reproduce the
+    plain simulation bit for bit.
+    """
+    speeds = list(stage_speeds)
+    if len(speeds) != len(costs):
+        raise ValueError(f"stage_speeds must give one factor per stage: {len(speeds)} for {len(costs)} stages")
+    bad = [(k, v) for k, v in enumerate(speeds)
+           if isinstance(v, bool) or not isinstance(v, numbers.Real) or not (math.isfinite(v) and v > 0)]
+    if bad:
+        k, v = bad[0]
+        raise ValueError(f"stage_speeds must be positive finite numbers, got {v!r} for stage {k}")
+    return [StageCost(fwd_s=c.fwd_s * v, bwd_s=c.bwd_s * v, send_s=c.send_s, optimizer_s=c.optimizer_s * v)
+            for c, v in zip(costs, speeds)]
 
 
 def _with_stalls(order: list[tuple[str, int]], stall_s: Sequence[float], m: int) -> list[tuple[str, int]]:
