@@ -271,7 +271,8 @@ class Vpipe:
             layer_facts=facts, combine_records=combine,
             # modules outside the blocks: their cost is the stage's
             stage_modules={s.index: s.module for s in pipeline.stages
-                           if s.blocks is not None and s.blocks.container is not s.module})
+                           if s.blocks is not None and s.blocks.container is not s.module},
+            pulse_modules=[s.module for s in pipeline.stages])
         self._undo.append(lambda: session.close(self._exit_timeout_s))
         return session
 

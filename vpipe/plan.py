@@ -50,6 +50,8 @@ class Plan:
     policies: Mapping[int, Policy] = field(default_factory=dict)
     predicted_step_s: float | None = None
     reason: str = ""
+    # how much longer than the fastest stage each stage takes for the same blocks, as the planner measured it
+    stage_speeds: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.epoch, int) or isinstance(self.epoch, bool) or self.epoch < 0:
@@ -76,6 +78,11 @@ class Plan:
             math.isfinite(self.predicted_step_s) and self.predicted_step_s >= 0
         ):
             raise PlanError(f"predicted step time must be finite and >= 0, got {self.predicted_step_s}")
+        if self.stage_speeds is not None and (len(self.stage_speeds) != len(self.stages) or any(
+                isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and 0 < v <= 1e6)
+                for v in self.stage_speeds)):
+            raise PlanError(f"plan stage_speeds must be one factor in (0, 1e6] per stage ({len(self.stages)}), "
+                            f"got {self.stage_speeds!r:.120}")
 
     # ----------------------------------------------------------------- queries
     @property
@@ -120,6 +127,7 @@ class Plan:
             "policies": {str(k): v.value for k, v in sorted(self.policies.items())},
             "predicted_step_s": self.predicted_step_s,
             "reason": self.reason,
+            **({} if self.stage_speeds is None else {"stage_speeds": list(self.stage_speeds)}),
         }
 
     @classmethod
@@ -150,12 +158,16 @@ class Plan:
         reason = data.get("reason", "")
         if not isinstance(reason, str):
             raise PlanError("plan 'reason' must be a string")
+        speeds = data.get("stage_speeds")
+        if speeds is not None and not isinstance(speeds, list):
+            raise PlanError("plan 'stage_speeds' must be a list of numbers, one per stage")
         return cls(
             epoch=data["epoch"],
             stages=tuple(tuple(layers) for layers in stages),
             policies=policies,
             predicted_step_s=None if predicted is None else float(predicted),
             reason=reason,
+            stage_speeds=None if speeds is None else tuple(speeds),
         )
 
     @classmethod

@@ -50,13 +50,13 @@ def test_bad_schedules_are_refused(kwargs, message):
         SampleSchedule(**kwargs)
 
 
-def test_the_config_caps_the_back_off_at_eight_base_intervals_unless_told():
-    assert VpipeConfig().sampling_cap == 80
-    assert VpipeConfig(sample_every=3).sampling_cap == 24
+def test_the_config_caps_the_back_off_at_forty_base_intervals_unless_told():
+    assert VpipeConfig().sample_every == 2 and VpipeConfig().sampling_cap == 80
+    assert VpipeConfig(sample_every=3).sampling_cap == 120
     assert VpipeConfig(sample_every=10, max_sample_every=10).sampling_cap == 10  # never back off
     with pytest.raises(ValueError, match=r"max_sample_every must be an integer >= sample_every \(10\) or None, "
                                          r"got 4"):
-        VpipeConfig(max_sample_every=4)
+        VpipeConfig(sample_every=10, max_sample_every=4)
 
 
 def test_a_monitor_records_exactly_the_scheduled_steps():

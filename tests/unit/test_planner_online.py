@@ -9,7 +9,8 @@ import pytest
 
 from vpipe.monitors.records import LayerRecord, StageRecord
 from vpipe.plan import PINNED_KIND, Plan, Policy
-from vpipe.planner.online import OnlineConfig, OnlinePlanner, _placeable, _pooled
+from vpipe.planner.online import OnlineConfig, OnlinePlanner, _placeable
+from vpipe.planner.speeds import pooled_costs as _pooled
 
 IDS = ([0, 1, 2, 3], [4, 5, 6, 7])
 FOUR_FOUR = Plan(epoch=0, stages=((0, 1, 2, 3), (4, 5, 6, 7)))
@@ -126,20 +127,43 @@ def test_a_stage_that_measured_it_fits_with_every_layer_kept_is_not_swapped_for_
     assert over is not None and over.reason.startswith("memory over budget")
 
 
-def _noisy_balanced(kinds: tuple[str, str]) -> Plan | None:
-    """4,4 of blocks whose second stage measured 60% slower (a busy core), over three samples."""
+def _noisy_balanced(kinds: tuple[str, str], slow: float = 1.6, samples: int = 3) -> Plan | None:
+    """4,4 of blocks whose second stage measured ``slow`` times as long, over ``samples`` samples."""
     planner = OnlinePlanner(OnlineConfig(schedule="1f1b", micro_batches=4, warmup_samples=1, cooldown_steps=0))
     current = Plan(epoch=0, stages=((0, 1, 2, 3), (4, 5, 6, 7)))
-    plans = [planner([_stage(0, [0, 1, 2, 3], it, kind=kinds[0]), _stage(1, [4, 5, 6, 7], it, 1.6, kind=kinds[1])],
-                     current) for it in (9, 19, 29)]
+    plans = [planner([_stage(0, [0, 1, 2, 3], it, kind=kinds[0]), _stage(1, [4, 5, 6, 7], it, slow, kind=kinds[1])],
+                     current) for it in range(9, 10 * samples, 10)]
     return next((p for p in plans if p is not None), None)
 
 
-def test_interchangeable_blocks_measured_unevenly_are_not_moved_on_noise():
-    assert _noisy_balanced(("Block#a1", "Block#a1")) is None  # same kind, same bytes: one cost, balanced
+def test_interchangeable_blocks_measured_a_little_unevenly_are_not_moved_on_noise():
+    # same kind on both stages, 8% apart: inside the dead band of the stages' speeds, one cost, balanced
+    assert _noisy_balanced(("Block#a1", "Block#a1"), slow=1.08) is None
     plan = _noisy_balanced(("Block#a1", "Wide#b2"))  # different kinds really differ: rebalanced
     assert plan is not None and [len(s) for s in plan.stages] == [5, 3]
     assert _noisy_balanced(("", "")) is not None  # blocks of unknown kind keep their own times
+
+
+def test_a_stage_that_runs_the_same_blocks_slower_on_every_sample_is_a_slower_device():
+    """Same kind on both stages, stage 1 60% slower on every sample: its device is slower (a straggler, an older
+    GPU), so blocks leave it once three samples agree (then the next confirms the plan), and the plan says how
+    fast each stage runs."""
+    assert _noisy_balanced(("Block#a1", "Block#a1"), samples=3) is None
+    plan = _noisy_balanced(("Block#a1", "Block#a1"), samples=4)
+    assert plan is not None and [len(s) for s in plan.stages] == [5, 3]
+    assert plan.stage_speeds == (1.0, 1.6)
+
+
+def test_blocks_within_one_stage_are_still_pooled():
+    """One block of a stage measured slow (a preempted sample) does not make that block heavier: the stage's
+    blocks of one kind share their median."""
+    planner = OnlinePlanner(OnlineConfig(schedule="1f1b", micro_batches=4, warmup_samples=1, cooldown_steps=0))
+    vector = [_stage(0, [0, 1, 2, 3], 9, kind="Block#a1"), _stage(1, [4, 5, 6, 7], 9, kind="Block#a1")]
+    odd = dataclasses.replace(vector[1].layers[3], fwd_s=vector[1].layers[3].fwd_s * 3)
+    vector[1] = dataclasses.replace(vector[1], layers=(*vector[1].layers[:3], odd))
+    planner._observe(vector, FOUR_FOUR)
+    costs = _costs(planner, vector, FOUR_FOUR)
+    assert len({round(c[0], 12) for c in costs.values()}) == 1
 
 
 def test_the_same_numbers_twice_are_planned_once_and_small_changes_do_not_count():
@@ -379,3 +403,32 @@ def test_stages_on_a_cpu_are_planned_with_their_swap_copies_on_the_compute_threa
     gpu = [dataclasses.replace(_stage(k, ids, 19), device="cuda:0") for k, ids in enumerate(FOUR_FOUR.stages)]
     planner(gpu, FOUR_FOUR)
     assert planner._hardware.copies_overlap is True  # CUDA copy streams run beside the compute
+
+
+def test_a_move_is_weighed_against_what_the_last_move_measured():
+    """The ranks say how long applying a move took (``move_s``); a later move whose gain over the horizon does not
+    pay for that much time per byte is not made, however the link's bandwidth looks on paper."""
+    planner = _planner(horizon_steps=10)
+    head = {"outside_fwd_s": 4 * 4e-3, "outside_bwd_s": 8 * 4e-3, "outside_calls": 4}
+    first = planner([_stage(0, [0, 1, 2, 3], 9), _stage(1, [4, 5, 6, 7], 9, **head)], FOUR_FOUR)
+    assert first is not None and first.stages != FOUR_FOUR.stages
+    # the move (8 MiB counted) took 2 s on the ranks: a quarter of a second per MiB
+    moved = [_stage(0, list(first.stages[0]), 19, epoch=first.epoch, move_s=2.0),
+             _stage(1, list(first.stages[1]), 19, epoch=first.epoch, **head)]
+    planner(moved, first)
+    assert planner._srp.measured_s_per_byte == pytest.approx(2.0 / _moved_bytes(first), rel=1e-6)
+    assert planner._srp.move_s(1 << 20) == pytest.approx(0.25)  # a MiB costs what it took, not 0.1 ms of link time
+    # the head doubles: worth a move on paper, not at what moves cost here
+    heavier = {k: 2 * v for k, v in head.items() if k != "outside_calls"} | {"outside_calls": 4}
+    vector = [_stage(0, list(first.stages[0]), 29, epoch=first.epoch),
+              _stage(1, list(first.stages[1]), 29, epoch=first.epoch, **heavier)]
+    assert _planner(horizon_steps=10)(vector, first) is not None  # at the link's speed it would move
+    assert planner(vector, first) is None
+
+
+def _moved_bytes(plan: Plan) -> int:
+    """Bytes the planner counts for the 4,4 -> ``plan`` move: per block and hop its 1 MiB of parameters and, at
+    the records' 2 bytes of optimizer state per parameter byte, three times that again (the planner's
+    optimizer factor counts the gradient too)."""
+    moved = len(set(FOUR_FOUR.stages[0]) ^ set(plan.stages[0]))
+    return moved * (1 << 20) * 4

@@ -40,7 +40,8 @@ log = logging.getLogger("vpipe.control")
 
 __all__ = ["StageAgent", "AGENT_TYPES"]
 
-AGENT_TYPES = frozenset({"stats", "plan", "done", "hello", "ping", "bye"})  # what the agent takes from the inbox
+# what the agent takes from the inbox
+AGENT_TYPES = frozenset({"stats", "plan", "done", "hello", "ping", "bye", "alert"})
 
 
 
@@ -145,6 +146,17 @@ class StageAgent:
             self.planner.close()
         return plans
 
+    def alert(self, iteration: int, stage: int, what: str, ratio: float) -> None:
+        """This rank's pulse saw ``stage`` change: tell the planner (down the chain), never waiting."""
+        self._pass_alert(make("alert", {"stage": stage, "what": what, "ratio": ratio}, epoch=self.epoch,
+                              iteration=iteration, stage=self.stage_index))
+
+    def _pass_alert(self, message: Message) -> None:
+        if self.downstream is not None:
+            self.plane.send(self.downstream, message)
+        elif self.planner is not None:
+            self.planner.send_alert(message)
+
     # ---------------------------------------------------------------- stats
     def _forward_ready(self) -> None:
         for iteration in sorted(self._own):
@@ -233,6 +245,9 @@ class StageAgent:
             self._take_vector(message)
         elif kind == "plan" and src == (PLANNER if self.downstream is None else self.downstream):
             return self._take_plan(message.body, message)
+        elif kind == "alert" and self.upstream is not None and src == self.upstream:
+            self._pass_alert(make("alert", message.body, epoch=message.epoch, iteration=message.iteration,
+                                  stage=self.stage_index))
         elif kind == "done" and self.upstream is not None and src == self.upstream:
             self._upstream_done = message.body
         elif kind in ("hello", "ping", "bye") and self.planner is not None and src == PLANNER:

@@ -2,22 +2,20 @@
 
 The last stage starts it (``python -m vpipe planner --connect ENDPOINT ...``) or a person
 does, against the endpoint the last stage logs and stores under ``vpipe/ctl/planner``.
-It binds only its own inbox, on the address that routes to the last stage (loopback on
-one host), says ``hello`` until welcomed, then for each full stats vector calls the
+It binds only its own inbox, on the address that routes to the last stage (loopback on one
+host), says ``hello`` until welcomed, then plans each full stats vector, in order, with the
 planner function ``planner(vector, current) -> Plan | None`` (an import path such as
-``vpipe.planner.online:srp``; an entry with ``for_daemon()`` gives each daemon a planner of
-its own) and sends back any plan with a newer epoch. Every
-vector is planned, in order (a planner may want several samples); if the planner falls
-behind by more than ``backlog`` vectors the oldest waiting ones are dropped, with a log line.
+``vpipe.planner.online:srp``; an entry with ``for_daemon()`` gives each daemon its own) and
+sends back any plan with a newer epoch; past ``backlog`` waiting vectors the oldest are
+dropped, logged. A rank's ``alert`` (its stage changed speed) gets a plan of the same placement back.
 
 A planner takes configuration as data: ``--planner-config JSON`` (a JSON object; the last
 stage passes the pipeline's shape this way) goes to the planner function's
 ``configured(config)``, which checks it and returns the planner function to call.
 
-With CURVE on (:mod:`vpipe.control.curve`, configured by the environment it inherits, read once
-when the command starts) its
-inbox is a CURVE server like every rank's, and it needs the last stage's public key
-(``--server-key``; the last stage passes its own when it starts the daemon, and logs it).
+With CURVE on (:mod:`vpipe.control.curve`, configured by the environment it inherits, read
+once when the command starts) its inbox is a CURVE server like every rank's, and it needs the
+last stage's public key (``--server-key``; the last stage passes its own, and logs it).
 
 A heartbeat thread pings the last stage; if the stage stops answering (it declared the
 daemon lost, or it is busy for long) the daemon says ``hello`` again, so it re-attaches
@@ -37,6 +35,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, cast
 
 import zmq
@@ -64,6 +63,7 @@ __all__ = ["PlannerFn", "no_change", "load_planner", "parse_planner_config", "Pl
 PlannerFn = Callable[[list[StageRecord], "Plan | None"], "Plan | None"]
 # the planner that never changes the plan: a daemon started by hand without --planner, a run that only monitors
 NO_CHANGE_PLANNER = "vpipe.control.daemon:no_change"
+_REMEASURE_GAP = 8  # steps: alerts within this of the last one that made the ranks measure again ask nothing new
 MAX_PLANNER_CONFIG_CHARS = 1 << 20  # a pipeline's shape is kilobytes; beyond this it is a mistake
 
 
@@ -136,8 +136,7 @@ class PlannerDaemon:
             server_key, f"the last stage at {connect}")
         self._max_bytes = max_message_bytes
         self.connect = connect
-        # a planner entry that makes planners (vpipe's srp) gives this daemon one of its own: a planner remembers
-        # its samples, and two daemons in one process must not share them
+        # an entry that makes planners (vpipe's srp) gives each daemon its own: a planner remembers its samples
         for_daemon = getattr(planner, "for_daemon", None)
         self.planner: PlannerFn = for_daemon() if callable(for_daemon) else planner
         self.planner_name = planner_name or getattr(planner, "__name__", "planner")
@@ -147,6 +146,7 @@ class PlannerDaemon:
         self.parent_pid = parent_pid
         self.current: Plan | None = None
         self.judge = PlanJudge()
+        self._remeasured_at: int | None = None  # the step of the last alert that made the ranks measure again
         self.num_stages: int | None = None
         self.vectors = 0
         self.skipped = 0
@@ -189,10 +189,12 @@ class PlannerDaemon:
                     self._welcome(message)
                 elif message.type == "stats" and self._attached.is_set():
                     vectors.append(message)
+                elif message.type == "alert" and self._attached.is_set():
+                    self._remeasure(message)
                 elif message.type == "bye":
                     bye = message
                     break  # nothing after bye counts; what came before it is still planned
-                elif message.type not in ("ping", "stats"):
+                elif message.type not in ("ping", "stats", "alert"):
                     log.warning("planner daemon: unexpected %r message from rank %d; dropped",
                                 message.type, message.src)
             if len(vectors) > self.backlog:
@@ -256,6 +258,23 @@ class PlannerDaemon:
             return
         self.judge.sent(plan, self.current)
         self._send(plan, message, vector)
+
+    def _remeasure(self, message: Message) -> None:
+        """A rank's pulse saw its stage change: a plan of the same placement (a new epoch) has every rank measure its
+        blocks again from one step; several ranks seeing one change ask once; earlier verdicts are forgotten."""
+        body, at = message.body, message.iteration
+        if self.current is None or self.planner is no_change or (
+                self._remeasured_at is not None and 0 <= at - self._remeasured_at < _REMEASURE_GAP):
+            return  # nothing plans on what the samples would show, or this change was asked about already
+        self._remeasured_at = at
+        self.judge.forget()
+        if callable(alerted := getattr(self.planner, "alerted", None)):
+            alerted(body["stage"], body["ratio"], at)
+        what = f"stage {body['stage']}: {body['what']}"
+        self.current = plan = replace(self.current, epoch=self.current.epoch + 1, reason=f"re-measure: {what}")
+        self._outbox.send(make("plan", plan, epoch=plan.epoch, iteration=at, stage=PLANNER))
+        decision("remeasure", f"{what} at step {at}; every stage measures its blocks again (epoch {plan.epoch})",
+                 role="planner", stage=body["stage"], ratio=body["ratio"], epoch=plan.epoch, iteration=at)
 
     def _send(self, plan: Plan, message: Message, vector: list[StageRecord]) -> None:
         self.current = plan

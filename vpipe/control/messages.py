@@ -284,6 +284,18 @@ def _parse_done(body: Any) -> int:
     return last
 
 
+def _parse_alert(body: Any) -> dict[str, Any]:
+    body = _map(body, {"stage", "what", "ratio"}, "alert")
+    stage, what, ratio = body["stage"], body["what"], body["ratio"]
+    if not isinstance(stage, int) or isinstance(stage, bool) or not 0 <= stage < 1 << 31:
+        raise ValueError(f"alert stage must be an integer in [0, 2**31), got {stage!r:.40}")
+    if not isinstance(what, str) or len(what) > 200:
+        raise ValueError("alert what must be a string of at most 200 characters")
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not (0 < ratio < 1e6):
+        raise ValueError(f"alert ratio must be a number in (0, 1e6), got {ratio!r:.40}")
+    return {"stage": stage, "what": what, "ratio": float(ratio)}
+
+
 register_type("stats", _parse_stats, _dump_stats)  # a stats vector: stages 0..k of one iteration
 register_type("plan", _parse_plan, lambda plan: {"plan": plan.to_wire()})
 register_type("hello", _parse_hello)  # planner daemon -> last stage: attach me
@@ -291,3 +303,6 @@ register_type("welcome", _parse_welcome, _dump_welcome)  # last stage -> daemon:
 register_type("ping", _parse_empty, lambda body: None)  # liveness, both ways between daemon and last stage
 register_type("bye", _parse_text("reason"), lambda reason: {"reason": reason})  # the sender leaves
 register_type("done", _parse_done, lambda last: {"last_iter": last})  # upstream stage flushed its last stats
+# a rank's pulse saw its stage change (speed, trainable parameters): down the chain to the daemon, which has every
+# rank measure again
+register_type("alert", _parse_alert, lambda body: dict(body))

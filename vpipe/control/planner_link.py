@@ -193,6 +193,10 @@ class PlannerLink:
         self._backlog.append((iteration, tuple(vector), epoch))
         return True
 
+    def send_alert(self, message: Message) -> bool:
+        """Hand a pulse's alert to the daemon (dropped while none is attached: the next samples see the change)."""
+        return self.attached and self._send(message)
+
     def _send_vector(self, iteration: int, vector: tuple[StageRecord, ...], epoch: int) -> bool:
         ok = self._send(make("stats", vector, epoch=epoch, iteration=iteration, stage=self.stage_index))
         self.vectors_sent += ok

@@ -10,6 +10,7 @@ use :func:`open_for_stage_run`.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -26,10 +27,13 @@ from vpipe.control.curve import RunKeys
 from vpipe.control.daemon import NO_CHANGE_PLANNER
 from vpipe.control.planner_link import PlannerLink
 from vpipe.control.run_key import agree_run_key
+from vpipe.monitors.pulse import StagePulse
 from vpipe.monitors.sampling import SampleSchedule
 from vpipe.monitors.source import LayerFacts, SavedTensorSource
 from vpipe.monitors.stage import StageMonitor, layers_of
 from vpipe.plan import Plan
+
+log = logging.getLogger("vpipe.control")
 
 __all__ = ["ControlOptions", "ControlSession", "StepPlans", "open_for_stage_run", "exclude_shape_inference"]
 
@@ -48,6 +52,7 @@ class ControlOptions:
     planner_timeout_s: float = 5.0  # attach passes VPIPE_PLANNER_TIMEOUT's (vpipe.settings)
     heartbeat_s: float = 0.5
     finish_timeout_s: float = 60.0
+    pulse: bool = True  # time the stage modules' forwards every step, to notice a device or workload change
     log_file: str | None = None
     control_host: str | None = None  # where the inbox binds (VPIPE_CONTROL_HOST); None: the environment's
     keys: RunKeys | None = None  # the attach's CURVE keys; None: the environment's
@@ -77,7 +82,8 @@ class ControlSession:
 
     ``layer_facts`` tells the monitors the layers' order and kinds; ``stage_modules`` are the stage modules
     whose modules outside the blocks the monitors time too; ``combine_records`` turns a step's sampled
-    records into what goes down the chain (data-parallel replicas: the slowest, fullest per stage).
+    records into what goes down the chain (data-parallel replicas: the slowest, fullest per stage);
+    ``pulse_modules`` (the rank's stage modules) are timed on every step (:mod:`vpipe.monitors.pulse`).
     Whoever applies plans tells the session of the plan in force (:meth:`plan_changed`).
     """
 
@@ -98,6 +104,7 @@ class ControlSession:
         layer_facts: LayerFacts | None = None,
         stage_modules: Mapping[int, nn.Module] | None = None,
         combine_records: Callable[[int, list[Any]], list[Any]] | None = None,
+        pulse_modules: Sequence[nn.Module] = (),
     ) -> None:
         self.options = options or ControlOptions()
         self.stage_index = rank
@@ -118,6 +125,9 @@ class ControlSession:
                                log_file=self.options.log_file, keys=self.options.keys)
         self.agent = StageAgent(self.plane, stage_index=rank, num_stages=num_stages, plan=plan, planner=link,
                                 stage_ranks=stage_ranks)
+        # every step's forward time of the stage modules: a change asks the planner to have every rank measure again
+        self.pulse = StagePulse(pulse_modules, device) if pulse_modules and self.options.pulse else None
+        self._pulse_interval = 0
         self._undo_wraps = []
         for v, stage in (pipeline_stages or {}).items():
             undo = exclude_shape_inference(stage, self.monitors[v])
@@ -154,9 +164,12 @@ class ControlSession:
         """A plan took effect (every rank at the same step boundary): the agent reports it, the records carry
         its epoch, and a new epoch restarts sampling at the base rate."""
         self.agent.plan_changed(plan)
+        new_epoch = any(monitor.epoch != plan.epoch for monitor in self.monitors.values())
+        self._changed |= new_epoch
         for monitor in self.monitors.values():
-            self._changed |= monitor.epoch != plan.epoch
             monitor.plan_changed(plan)
+        if new_epoch and self.pulse is not None:
+            self.pulse.restart()
 
     def begin_step(self, iteration: int) -> None:
         if self._changed:  # measure the change's effect at the base rate
@@ -165,6 +178,14 @@ class ControlSession:
                 monitor.schedule.restart(iteration)
         for monitor in self.monitors.values():
             monitor.begin_iteration(iteration)
+        if self.pulse is not None:
+            # a new sampling interval changes what runs beside the steps (the planner's turns on a shared host):
+            # the pulse learns its level again rather than report the change it made itself
+            interval = next(iter(self.monitors.values())).schedule.interval_at(iteration)
+            if interval != self._pulse_interval:
+                self._pulse_interval = interval
+                self.pulse.restart()
+            self.pulse.begin_step(self.is_sampled(iteration))
         self._open = iteration
 
     def abort_step(self) -> None:
@@ -184,6 +205,11 @@ class ControlSession:
         if self.combine_records is not None:
             records = self.combine_records(iteration, records)
         self.last_records = records
+        change = self.pulse.end_step() if self.pulse is not None else None
+        if change is not None:
+            log.info("rank %d: %s at step %d; asking the planner to measure again", self.stage_index, change.what,
+                     iteration)
+            self.agent.alert(iteration, min(self.monitors), change.what, change.ratio)
         return self.agent.after_step(iteration, records)
 
     @contextmanager
@@ -209,6 +235,8 @@ class ControlSession:
                 undo()
             for monitor in self.monitors.values():
                 monitor.close()
+            if self.pulse is not None:
+                self.pulse.close()
             self.plane.close()
 
 

@@ -50,6 +50,12 @@ def _optional_amount(name: str, value: Any) -> float | None:
     return None if value is None else _amount(name, value)
 
 
+def _flag(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise RecordError(f"{name} must be true or false, got {value!r:.40}")
+    return value
+
+
 def _text(name: str, value: Any) -> str:
     if not isinstance(value, str) or len(value) > 64:
         raise RecordError(f"{name} must be a string of at most 64 characters, got {value!r:.80}")
@@ -84,6 +90,8 @@ class LayerRecord:
     optimizer_bytes: int  # optimizer state of the layer's parameters
     output_bytes: int  # what the layer hands to the next one, per micro-batch (a boundary's size)
     kind: str = ""  # which blocks it is interchangeable with (vpipe.stage.blocks.block_kind); "" unknown
+    # whether any of its parameters trains: a frozen block has no weight-gradient work, so its backward is shorter
+    trainable: bool = True
 
     @property
     def fwd_per_call_s(self) -> float:
@@ -100,9 +108,9 @@ class LayerRecord:
     def from_wire(cls, data: Any) -> LayerRecord:
         checkers = {"layer_id": _index, "fwd_s": _amount, "bwd_s": _amount, "fwd_calls": _count,
                     "bwd_calls": _count, "activation_bytes": _count, "param_bytes": _count,
-                    "optimizer_bytes": _count, "output_bytes": _count, "kind": _text}
-        if isinstance(data, dict) and "kind" not in data:
-            data = {**data, "kind": ""}
+                    "optimizer_bytes": _count, "output_bytes": _count, "kind": _text, "trainable": _flag}
+        if isinstance(data, dict):  # fields added since the first wire form: a peer that predates them
+            data = {"kind": "", "trainable": True, **data}
         return cls(**_read(cls, data, checkers, "a layer record"))
 
 
@@ -143,6 +151,9 @@ class StageRecord:
     # one micro-batch's saved bytes on this stage with every layer kept, each storage once (0: not measured);
     # less than the layers' activation_bytes summed where two layers save the same tensor
     kept_bytes_per_mb: int = 0
+    # seconds this rank spent applying the plan that took effect before this sample, if it moved layers (else 0):
+    # what a move really costs, for the planner to weigh the next against its gain
+    move_s: float = 0.0
 
     @property
     def layer_ids(self) -> list[int]:
@@ -174,14 +185,14 @@ class StageRecord:
         for name in GPU_ONLY_FIELDS:
             checkers[name] = _optional_amount
         checkers.update(builds=_kinds, outside_fwd_s=_amount, outside_bwd_s=_amount, outside_calls=_count,
-                        outside_param_bytes=_count, kept_bytes_per_mb=_count)
+                        outside_param_bytes=_count, kept_bytes_per_mb=_count, move_s=_amount)
         if isinstance(data, dict):  # fields added after the first wire format: absent means none
             data = {**_OPTIONAL_STAGE_FIELDS, **data}
         return cls(**_read(cls, data, checkers, "a stage record"))
 
 
 _OPTIONAL_STAGE_FIELDS = {"builds": None, "outside_fwd_s": 0.0, "outside_bwd_s": 0.0, "outside_calls": 0,
-                          "outside_param_bytes": 0, "kept_bytes_per_mb": 0}
+                          "outside_param_bytes": 0, "kept_bytes_per_mb": 0, "move_s": 0.0}
 
 
 def _kinds(name: str, value: Any) -> tuple[str, ...] | None:

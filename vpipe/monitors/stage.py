@@ -38,6 +38,7 @@ from vpipe.monitors.clock import clock_for
 from vpipe.monitors.gpu import NvmlProbe
 from vpipe.monitors.keep_all import KeepAllSource
 from vpipe.monitors.memory import DeviceMemory, host_rss_bytes, layer_bytes
+from vpipe.monitors.pulse import trains
 from vpipe.monitors.records import LayerRecord, StageRecord
 from vpipe.monitors.sampling import SampleSchedule
 from vpipe.monitors.source import LayerFacts, SavedTensorSource, SavedTensorStats
@@ -116,6 +117,7 @@ class StageMonitor:
         self._baseline = SavedTensorStats()
         self._fwd_open: dict[int, Any] = {}
         self.epoch = 0  # the plan in force's (records carry it), as :meth:`plan_changed` tells
+        self.move_s = 0.0  # what applying the last plan that moved layers cost this rank (the next record says)
         self.facts = facts
         self._kinds: dict[int, str] = {}
         self._constant_key: tuple[object, ...] | None = None
@@ -355,11 +357,13 @@ class StageMonitor:
                 bwd_calls=bwd_calls[lid], activation_bytes=int(now.activation_bytes.get(lid, 0)),
                 param_bytes=constant[lid][0], optimizer_bytes=constant[lid][1],
                 output_bytes=self._out_bytes.get(lid, 0), kind=self._kinds.get(lid, ""),
+                trainable=trains(self._layers[lid]),
             )
             for lid in self._ordered_ids()
         )
         gpu = self._nvml.read()
         builds = self.facts.can_build() if self.facts is not None else None
+        move_s, self.move_s = self.move_s, 0.0
         return StageRecord(
             stage=self.stage_index,
             iteration=iteration,
@@ -390,6 +394,7 @@ class StageMonitor:
             outside_calls=outside_calls,
             outside_param_bytes=self._outside_param_bytes(layers),
             kept_bytes_per_mb=int(now.kept_bytes_per_mb),
+            move_s=move_s,
         )
 
     def _constant_bytes(self) -> dict[int, tuple[int, int]]:
@@ -410,8 +415,6 @@ class StageMonitor:
 
 
 def _first_grad_tensor(output: Any) -> torch.Tensor | None:
-    if isinstance(output, torch.Tensor):
-        return output if output.requires_grad else None
     if isinstance(output, (tuple, list)):
         return next((t for t in output if isinstance(t, torch.Tensor) and t.requires_grad), None)
-    return None
+    return output if isinstance(output, torch.Tensor) and output.requires_grad else None

@@ -79,6 +79,14 @@ class PlanJudge:
         self._recent.append(step_s)
         return None
 
+    def forget(self) -> None:
+        """The devices changed (a straggler came or went): verdicts and step times measured before say nothing
+        about what runs faster now."""
+        self._refused.clear()
+        self._trial = None
+        self._recent.clear()
+        self._recent_epoch = None
+
     def refuses(self, plan: Plan) -> bool:
         """Whether ``plan`` places and keeps the layers as a plan that was reverted did."""
         return _signature(plan) in self._refused

@@ -3,15 +3,19 @@
 A daemon started with ``vpipe.planner.online:srp`` calls the :class:`OnlinePlanner` that
 entry made it with each full stats vector (one record per stage) and the plan the pipeline
 runs. Per-layer costs are smoothed over the recent
-samples (an exponential average, so one noisy iteration cannot trigger a move), pooled
-over interchangeable blocks (same kind, same saved and sent bytes: on the homogeneous
-devices a pipeline runs on they do the same work, so their spread is measurement noise,
-and a balanced split of identical blocks is never "rebalanced" on noise); the time the end
-stages spend outside their blocks (embeddings, heads) is the least of its last few samples,
-since a busy core only ever adds time. All that is turned
+samples (an exponential average, so one noisy iteration cannot trigger a move). Each stage's
+device may be slower than the others (:mod:`vpipe.planner.speeds`): its factor is fitted from
+blocks of one kind measured on different stages, kept only when every recent sample agrees,
+and every time is divided by its stage's factor before interchangeable blocks (same kind,
+same saved and sent bytes, training or frozen alike) are pooled, so noise is not imbalance
+and a slower device is. The time the end stages spend outside their blocks (embeddings,
+heads) is the least of its last few samples, since a busy core only ever adds time. When a
+rank's pulse saw its stage change (:meth:`OnlinePlanner.alerted`), the next samples replace
+the smoothed costs and the factors are learnt again. All that is turned
 into a :class:`~vpipe.graph.LayerGraph` in the pipeline's execution order, and handed to
 :class:`~vpipe.planner.proposals.SRPPlanner`, whose hysteresis, cooldown and gain-versus-migration
-test decide whether anything changes. Every imbalance it sees and every plan it makes is a
+test decide whether anything changes (a move costs what the ranks measured the last one to take,
+per byte, when that is more than the link's estimate). Every imbalance it sees and every plan it makes is a
 decision in the run's log.
 
 Configuration is data: ``vpipe.attach`` describes the pipeline (schedule, micro-batches,
@@ -27,9 +31,8 @@ process plan apart.
 from __future__ import annotations
 
 import logging
-import statistics
 import time
-from collections import defaultdict, deque
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
@@ -40,8 +43,9 @@ from vpipe.monitors.records import StageRecord
 from vpipe.plan import PINNED_KIND, Plan, Policy
 from vpipe.planner.cost_model import Hardware, stage_time
 from vpipe.planner.online_config import OnlineConfig, as_tuple
+from vpipe.planner.online_memory import kept_shares, shared_budgets
 from vpipe.planner.proposals import Proposal, SRPPlanner
-from vpipe.sharing import keep_all_shares
+from vpipe.planner.speeds import describe_speeds, fit_stage_speeds, interchangeable, pooled_costs, steady_speeds
 
 log = logging.getLogger("vpipe.planner.online")
 
@@ -52,6 +56,8 @@ _UNCHANGED = 0.01  # per-layer cost moves under this (relative) since the last s
 # the stages' time outside their blocks is one number per end, with no interchangeable blocks to pool it with:
 # the least of its last samples, since a busy core only ever adds time (a preempted sample is not a heavier head)
 _OUTSIDE_SAMPLES = 3
+_SPEED_SAMPLES = 3  # a stage is as slow as it was in all of this many samples (noise hits a sample, a device all)
+_MOVED_SAMPLES = 10  # samples for which a moved block's time before its move still says how fast its old stage was
 
 
 def _plan_key(plan: Plan) -> tuple[Any, ...]:
@@ -72,9 +78,19 @@ class OnlinePlanner:
         self._outside_recent: dict[str, deque[list[float]]] = {}
         self._outside_bytes: dict[str, int] = {}
         self._samples = 0
+        self._epoch: int | None = None  # of the last vector observed
+        self._fresh_after: int | None = None  # after an alert: the first sample of a newer epoch replaces the costs
+        self._stage_of: dict[int, int] = {}  # where each block was measured last
+        # blocks that moved lately: where they ran before and what they took there (their device's evidence)
+        self._moved: dict[int, tuple[int, float, int]] = {}
+        self.speeds: tuple[float, ...] | None = None  # each stage's time factor, as last fitted
+        self._left: set[tuple[tuple[int, ...], ...]] = set()  # placements moved away from since the last alert
+        self._speed_samples: deque[tuple[float, ...]] = deque(maxlen=_SPEED_SAMPLES)  # the last samples' factors
+        self._moving: dict[int, int] = {}  # epoch -> bytes, of the moves sent whose cost no sample has told yet
+        self._reported_speeds: tuple[float, ...] | None = None
         self._srp: Any = None
         self._srp_key: tuple[Any, ...] | None = None
-        self._last_search: tuple[Plan, list[tuple[float, int]]] | None = None
+        self._last_search: tuple[Plan, list[tuple[float, int]], Any] | None = None
         # what the last searches proposed: (its key, how many samples in a row found it worth sending, the plan)
         self._proposed: tuple[Any, int, Plan] | None = None
 
@@ -92,7 +108,7 @@ class OnlinePlanner:
         self._observe(vector, current)
         if self._samples < self.config.warmup_samples:
             return None
-        graph = self._graph(current, records, _kept_shares(vector))
+        graph = self._graph(current, records, kept_shares(vector))
         # on a CPU a swap is a copy the step waits for: it costs its time, however much compute is beside it
         overlap = not all(rec.device.startswith("cpu") for rec in vector)
         if overlap != self._hardware.copies_overlap:
@@ -100,7 +116,7 @@ class OnlinePlanner:
         self._report_imbalance(vector, current, graph)
         planner = self._planner(graph, records, current)
         if self.config.stage_ranks is not None and self.config.memory_budget is not None:
-            shared = _shared_budgets(self.config.memory_budget, planner.setup, graph, current, vector,
+            shared = shared_budgets(self.config.memory_budget, planner.setup, graph, current, vector,
                                      self.config.in_flight_together)
             planner.budgets = planner.setup.budgets(shared)
         unchanged = self._unchanged_since_last_search(graph, current)
@@ -110,6 +126,13 @@ class OnlinePlanner:
         last_proposal = planner.last_proposal_step
         placeable = _placeable(vector, current)
         proposal = planner.propose(graph, current, vector[-1].iteration, placeable=placeable)
+        if proposal is not None and not edited and proposal.plan.stages in self._left:
+            # back to a placement this run left, with no change seen since: what made it worse then still holds,
+            # and moving back and forth on noise costs every move twice
+            log.info("planner: iteration %d would move back to %s, left earlier with no change seen since; staying",
+                     vector[-1].iteration, proposal.plan.counts())
+            planner.last_proposal_step = last_proposal
+            proposal = None
         if proposal is None:
             self._proposed = None  # nothing to gain now: a later proposal starts its count again
             return None
@@ -119,16 +142,34 @@ class OnlinePlanner:
         if proposal is None:
             planner.last_proposal_step = last_proposal  # nothing was sent: no cooldown starts
             return None
-        plan = proposal.plan
+        speeds = self.speeds if self.speeds is not None and len(self.speeds) == current.num_stages else None
+        plan = replace(proposal.plan, stage_speeds=speeds)
+        if plan.stages != current.stages:
+            self._left.add(current.stages)
+            self._moving[plan.epoch] = proposal.migration_bytes
         changed = {lid: pol.value for lid, pol in plan.policies.items() if pol != current.policy(lid)}
+        slow = f" ({describe_speeds(speeds)})" if speeds is not None and any(f > 1.0 for f in speeds) else ""
         decision(
-            "plan", f"epoch {plan.epoch}: {proposal.reason}",
+            "plan", f"epoch {plan.epoch}: {proposal.reason}{slow}",
             epoch=plan.epoch, iteration=vector[-1].iteration, old_stages=[list(s) for s in current.stages],
             new_stages=[list(s) for s in plan.stages], policies_changed=changed,
             predicted_step_s_before=proposal.before_step_s, predicted_step_s_after=proposal.after_step_s,
-            migration_bytes=proposal.migration_bytes, planner_s=seconds,
+            predicted_stage_s_before=list(proposal.stage_s_before),
+            predicted_stage_s_after=list(proposal.stage_s_after),
+            expected_gain=proposal.gain, migration_bytes=proposal.migration_bytes, migration_s=proposal.migration_s,
+            stage_speeds=None if speeds is None else list(speeds), planner_s=seconds,
         )
         return plan
+
+    def alerted(self, stage: int, ratio: float, iteration: int) -> None:
+        """A rank's pulse saw ``stage`` change (the daemon has every rank measure again): a proposal made on the
+        old costs is not confirmed by the new ones, where blocks ran before says nothing of the devices now, and
+        a placement left before may be the right one again."""
+        self._proposed = None
+        self._moved.clear()
+        self._left.clear()
+        self._speed_samples.clear()  # the devices changed: their factors are learnt again
+        self._fresh_after = self._epoch if self._epoch is not None else -1
 
     def _confirmed(self, proposal: Proposal, iteration: int, *, at_once: bool,
                    reprice: Callable[[Plan], Proposal | None]) -> Proposal | None:
@@ -161,8 +202,8 @@ class OnlinePlanner:
     def _unchanged_since_last_search(self, graph: Any, current: Plan) -> bool:
         """Whether the last search saw this plan and costs within ``_UNCHANGED`` of these (then it found nothing)."""
         costs = [(n.fwd_s + n.bwd_s, n.act_bytes) for n in graph.nodes]
-        last, self._last_search = self._last_search, (current, costs)
-        if last is None or last[0] != current or len(last[1]) != len(costs):
+        last, self._last_search = self._last_search, (current, costs, self.speeds)
+        if last is None or last[0] != current or len(last[1]) != len(costs) or last[2] != self.speeds:
             return False
         return all(abs(a - b) <= _UNCHANGED * max(b, 1e-12) and x == y
                    for (a, x), (b, y) in zip(costs, last[1]))
@@ -180,7 +221,19 @@ class OnlinePlanner:
 
     # ---------------------------------------------------------------- statistics
     def _observe(self, vector: list[StageRecord], current: Plan) -> None:
-        a = self.config.smoothing
+        # the first sample after a rank saw its stage change (a device slowed down or recovered, blocks froze)
+        # replaces the smoothed costs: waiting for an average to catch up is what made moves late; the
+        # confirmation of proposals keeps one noisy sample from moving anything
+        fresh = self._fresh_after is not None and vector[0].epoch > self._fresh_after
+        a = 1.0 if fresh else self.config.smoothing
+        if fresh:
+            self._fresh_after = None
+        self._epoch = vector[0].epoch
+        for lid in list(self._moved):
+            stage, cost, left = self._moved[lid]
+            self._moved.update({lid: (stage, cost, left - 1)} if left > 1 else {})
+            if left <= 1:
+                del self._moved[lid]
         for rec in vector:
             for lr in rec.layers:
                 fwd = lr.fwd_per_call_s
@@ -188,6 +241,11 @@ class OnlinePlanner:
                 if current.policy(lr.layer_id) is Policy.RECOMPUTE:
                     bwd = max(0.0, bwd - fwd)  # the backward we measured re-ran the forward
                 old = self._costs.get(lr.layer_id)
+                was = self._stage_of.get(lr.layer_id)
+                if old is not None and was is not None and was != rec.stage:
+                    self._moved[lr.layer_id] = (was, old[0] + old[1], _MOVED_SAMPLES)
+                    old = None
+                self._stage_of[lr.layer_id] = rec.stage
                 self._costs[lr.layer_id] = [fwd, bwd] if old is None else [
                     (1 - a) * old[0] + a * fwd, (1 - a) * old[1] + a * bwd]
         for end, rec in (("first", vector[0]), ("last", vector[-1])):
@@ -196,17 +254,23 @@ class OnlinePlanner:
             recent.append([rec.outside_fwd_s / calls, rec.outside_bwd_s / calls] if calls else [0.0, 0.0])
             self._outside[end] = [min(s[i] for s in recent) for i in (0, 1)]
             self._outside_bytes[end] = rec.outside_param_bytes
+        self._speed_samples.append(self._sample_speeds(vector))
+        self._note_move_cost(vector)
         self._samples += 1
 
     def _graph(self, current: Plan, records: dict[int, Any], shares: dict[int, float] | None = None) -> LayerGraph:
         order = current.layer_ids
         # the first layer is always on the first stage and the last on the last: they carry those stages'
         # embeddings and heads, which never move (a contiguous partition cannot separate them)
+        stage_of = {lid: k for k, layers in enumerate(current.stages) for lid in layers}
+        speeds = self._fit_speeds(current.num_stages)
+        # every time in the graph is the reference device's: a stage's measured times over its factor
         extra = {lid: [0.0, 0.0, 0] for lid in order}
         for end, lid in (("first", order[0]), ("last", order[-1])):
-            fwd, bwd = self._outside.get(end, [0.0, 0.0])
+            fwd, bwd = (t / speeds[stage_of[lid]] for t in self._outside.get(end, [0.0, 0.0]))
             extra[lid] = [extra[lid][0] + fwd, extra[lid][1] + bwd, extra[lid][2] + self._outside_bytes.get(end, 0)]
-        costs = _pooled(order, records, self._costs)
+        normal = {lid: [t / speeds[stage_of[lid]] for t in self._costs[lid]] for lid in order}
+        costs = pooled_costs(order, records, normal)
         nodes = [
             LayerNode(id=lid, name=str(lid), fwd_s=costs[lid][0] + extra[lid][0],
                       bwd_s=costs[lid][1] + extra[lid][1],
@@ -217,99 +281,72 @@ class OnlinePlanner:
         edges = [(a, b, records[a].output_bytes) for a, b in zip(order, order[1:])]
         return LayerGraph(name="live", nodes=nodes, edges=edges)
 
+    def _note_move_cost(self, vector: list[StageRecord]) -> None:
+        """What the last move this planner sent cost the ranks (the slowest), per byte: later moves are weighed
+        against their gain with it."""
+        moved = self._moving.pop(vector[0].epoch, None)
+        seconds = max(rec.move_s for rec in vector)
+        if moved and seconds > 0 and self._srp is not None:
+            self._srp.measured_s_per_byte = seconds / moved
+            log.info("planner: moving %.1f MB took %.1f ms", moved / 1e6, seconds * 1e3)
+
+    def _sample_speeds(self, vector: list[StageRecord]) -> tuple[float, ...]:
+        """This sample's stage factors: interchangeable blocks on different stages, and blocks that moved (their
+        time now against their smoothed time where they ran before), fitted by :mod:`vpipe.planner.speeds`."""
+        stage_of = {lr.layer_id: rec.stage for rec in vector for lr in rec.layers}
+        now = {lr.layer_id: lr.fwd_per_call_s + lr.bwd_per_call_s for rec in vector for lr in rec.layers}
+        observations = [(interchangeable(lr) or ("block", lr.layer_id), rec.stage, now[lr.layer_id])
+                        for rec in vector for lr in rec.layers]
+        for lid, (stage, cost, _) in self._moved.items():
+            if lid in stage_of:
+                observations += [(("moved", lid), stage, cost), (("moved", lid), stage_of[lid], now[lid])]
+        return fit_stage_speeds(observations, len(vector), dead_band=0.0)
+
+    def _fit_speeds(self, num_stages: int) -> tuple[float, ...]:
+        """Each stage's time factor: the least of the last samples' (a busy core slows one stage in some samples, a
+        slower device in every one), reported in the run's log when it changes."""
+        samples = [s for s in self._speed_samples if len(s) == num_stages]
+        speeds = steady_speeds(samples, num_stages)
+        self.speeds = speeds
+        last = self._reported_speeds
+        if last is None and any(f > 1.0 for f in speeds) or last is not None and (
+                len(last) != len(speeds) or any(abs(a / b - 1.0) > 0.25 for a, b in zip(speeds, last))):
+            self._reported_speeds = speeds
+            decision("stage_speed", describe_speeds(speeds), role="planner", stage_speeds=list(speeds),
+                     epoch=self._epoch)
+        return speeds
+
     def _planner(self, graph: Any, records: dict[int, Any], current: Plan) -> Any:
         params = sum(r.param_bytes for r in records.values())
         state = sum(r.optimizer_bytes for r in records.values())
         # gradients (one copy of the parameters) and optimizer state, relative to the parameters
         factor = round(1.0 + state / params, 2) if params else 2.0
-        key = (current.num_stages, factor, self.config.allow_moves, self._hardware.copies_overlap)
+        uneven = self.speeds if self.speeds is not None and any(f != 1.0 for f in self.speeds) else None
+        key = (current.num_stages, factor, self.config.allow_moves, self._hardware.copies_overlap, uneven)
         if self._srp is None or self._srp_key != key:
             hardware = replace(self._hardware, optimizer_factor=factor)
             last = self._srp.last_proposal_step if self._srp is not None else None
+            rate = self._srp.measured_s_per_byte if self._srp is not None else None
             self._srp = SRPPlanner(current.num_stages, self.config.schedule, self.config.micro_batches,
                                    self.config.memory_budget, hardware, horizon_steps=self.config.horizon_steps,
                                    min_gain=self.config.min_gain, cooldown_steps=self.config.cooldown_steps,
                                    allow_moves=self.config.allow_moves,
                                    in_flight_counts=as_tuple(self.config.in_flight),
-                                   stage_ranks=as_tuple(self.config.stage_ranks))
-            self._srp.last_proposal_step = last
+                                   stage_ranks=as_tuple(self.config.stage_ranks), stage_speeds=uneven)
+            self._srp.last_proposal_step, self._srp.measured_s_per_byte = last, rate
             self._srp_key = key
         return self._srp
 
     def _report_imbalance(self, vector: list[StageRecord], current: Plan, graph: Any) -> None:
-        times = [stage_time(graph, list(layers), {lid: current.policy(lid) for lid in layers}, self._hardware)
-                 for layers in current.stages]
+        speeds = self.speeds or (1.0,) * current.num_stages
+        times = [speeds[k] * stage_time(graph, list(layers), {lid: current.policy(lid) for lid in layers},
+                                        self._hardware) for k, layers in enumerate(current.stages)]
         mean = sum(times) / len(times)
         if mean > 0 and max(times) / mean - 1.0 > self.config.imbalance_threshold:
             decision("imbalance",
                      f"slowest stage {times.index(max(times))} is {max(times) / mean - 1.0:.0%} over the mean",
                      iteration=vector[-1].iteration, epoch=current.epoch, stage_times_s=times,
                      layers_per_stage=current.counts())
-
-
-def _pooled(order: list[int], records: dict[int, Any], costs: dict[int, list[float]]) -> dict[int, list[float]]:
-    """Per layer [fwd_s, bwd_s]: the median over the blocks it is interchangeable with.
-
-    Blocks of one kind (class, parameter shapes) that save and send the same bytes run the
-    same kernels on the same shapes; on the same kind of device their measured times differ
-    only by noise (timer jitter, a busy core), which must not look like imbalance. Blocks
-    of unknown kind ("") keep their own times.
-    """
-    groups: dict[tuple[str, int, int], list[int]] = defaultdict(list)
-    for lid in order:
-        rec = records[lid]
-        if rec.kind:
-            groups[(rec.kind, rec.activation_bytes, rec.output_bytes)].append(lid)
-    pooled = {lid: costs[lid] for lid in order}
-    for members in groups.values():
-        if len(members) > 1:
-            median = [statistics.median(costs[lid][i] for lid in members) for i in (0, 1)]
-            pooled.update({lid: median for lid in members})
-    return pooled
-
-
-def _kept_shares(vector: list[StageRecord]) -> dict[int, float]:
-    """Per layer, the share of its saved bytes that keeping it costs its stage.
-
-    Two layers of a stage may save one tensor (a layer's output is its successor's input):
-    their ``activation_bytes`` summed count it twice, which would make the planner think a
-    stage that fits with every layer kept does not, and swap for nothing. A stage that
-    measured what a micro-batch keeps, each storage once (``kept_bytes_per_mb``), scales its
-    layers by that over their sum; the model is then exact for the running placement. A stage
-    that has not measured it keeps 1 (the sum, which never underestimates).
-    """
-    shares: dict[int, float] = {}
-    for rec in vector:
-        total = sum(lr.activation_bytes for lr in rec.layers)
-        share = min(1.0, rec.kept_bytes_per_mb / total) if rec.kept_bytes_per_mb and total else 1.0
-        shares.update((lr.layer_id, share) for lr in rec.layers)
-    return shares
-
-
-def _shared_budgets(budget: int, setup: Any, graph: LayerGraph, current: Plan, vector: list[StageRecord],
-                    together: list[list[int]] | None = None) -> int | list[float]:
-    """Each stage's part of its rank's budget, as the ranks share it (``vpipe.rank.memory``).
-
-    A rank pays its stages' weights, gradients and optimizer state first and shares the rest
-    as :func:`vpipe.sharing.keep_all_shares` does: when the rank's peak with every layer kept
-    (its stages' micro-batches in flight at each moment of the action lists, ``together``,
-    times one micro-batch's measured bytes) fits, each stage gets at least its own peak.
-    Otherwise, and until every stage has measured its bytes, the shares are equal (as
-    :meth:`PipelineSetup.budgets` divides a rank's budget).
-    """
-    kept = [rec.kept_bytes_per_mb for rec in vector]
-    if not all(kept) or len(kept) != current.num_stages:
-        return budget
-    params = {node.id: node.param_bytes for node in graph.nodes}
-    fixed = [setup.param_factor(k) * sum(params[lid] for lid in layers) for k, layers in enumerate(current.stages)]
-    ranks = setup.stage_ranks
-    shares = []
-    for k in range(current.num_stages):
-        mates = [j for j in range(current.num_stages) if ranks[j] == ranks[k]]
-        left = budget - sum(fixed[j] for j in mates)
-        part = keep_all_shares(left, [kept[j] for j in mates], [setup.in_flight(j) for j in mates], together, mates)
-        shares.append(fixed[k] + part[mates.index(k)] if part is not None else budget / len(mates))
-    return shares
 
 
 def _placeable(vector: list[StageRecord], current: Plan) -> Callable[[list[list[int]]], bool]:

@@ -28,7 +28,7 @@ class OnlineConfig:
     memory_budget: int | None = None  # per stage: parameters, gradients, optimizer state and saved activations
     horizon_steps: int = 500
     min_gain: float = 0.05
-    cooldown_steps: int = 20
+    cooldown_steps: int = 10
     smoothing: float = 0.5  # weight of the newest sample in the per-layer average
     warmup_samples: int = 2  # samples to see before the first plan
     imbalance_threshold: float = 0.10  # slowest stage over mean stage time that counts as imbalance

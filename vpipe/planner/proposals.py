@@ -139,6 +139,8 @@ class SRPPlanner:
         self.method = check_method(method)
         self.allow_moves = allow_moves  # False: only the policies of the current partition change
         self.last_proposal_step: int | None = None
+        # seconds per byte the last move really took (the ranks measure it); a move then costs at least that
+        self.measured_s_per_byte: float | None = None
 
     @property
     def num_stages(self) -> int:
@@ -213,7 +215,7 @@ class SRPPlanner:
     def _proposal(self, profile: GraphProfile, current: Plan, before: Evaluated | None,
                   chosen: tuple[Evaluated, int, float, str]) -> Proposal:
         plan, moved, moved_bytes, why = chosen
-        migration_s = moved_bytes / self.setup.hardware.net_bytes_per_s
+        migration_s = self.move_s(moved_bytes)
         before_step = before.step_s if before is not None else math.inf
         reason = (f"{why}: step {_ms(before_step)} -> {_ms(plan.step_s)} ms predicted, "
                   f"{moved} layer(s) move ({moved_bytes / 1e6:.1f} MB, {migration_s * 1e3:.1f} ms)")
@@ -268,9 +270,13 @@ class SRPPlanner:
                 add(optimize_stages(profile, setup, budgets, lean.cuts))
         return out
 
+    def move_s(self, moved_bytes: float) -> float:
+        """What moving ``moved_bytes`` costs: the link's time, or what the last move measured if that was more."""
+        linked = moved_bytes / self.setup.hardware.net_bytes_per_s
+        return max(linked, moved_bytes * self.measured_s_per_byte) if self.measured_s_per_byte else linked
+
     def _choose(self, before: Evaluated | None,
                 candidates: list[tuple[Evaluated, int, float]]) -> tuple[Evaluated, int, float, str] | None:
-        net = self.setup.hardware.net_bytes_per_s
         feasible = [c for c in candidates if c[0].fits]
         if not feasible:
             return None
@@ -278,13 +284,13 @@ class SRPPlanner:
             # the running plan cannot run (layers changed) or overflows memory: fix it
             base = before.step_s if before is not None else max(c[0].step_s for c in feasible)
             plan, moved, moved_bytes = max(
-                feasible, key=lambda c: (self.horizon_steps * (base - c[0].step_s) - c[2] / net, -c[2]))
+                feasible, key=lambda c: (self.horizon_steps * (base - c[0].step_s) - self.move_s(c[2]), -c[2]))
             why = "layers changed" if before is None else "memory over budget"
             return plan, moved, moved_bytes, why
         worthwhile = []
         for plan, moved, moved_bytes in feasible:
             gain = before.step_s - plan.step_s
-            benefit = self.horizon_steps * gain - moved_bytes / net
+            benefit = self.horizon_steps * gain - self.move_s(moved_bytes)
             if gain >= self.min_gain * before.step_s and benefit > 0:
                 worthwhile.append((benefit, -moved_bytes, plan, moved, moved_bytes))
         if not worthwhile:

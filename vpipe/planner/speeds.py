@@ -22,8 +22,9 @@ import math
 import statistics
 from collections import defaultdict
 from collections.abc import Hashable, Iterable, Sequence
+from typing import Any
 
-__all__ = ["fit_stage_speeds", "steady_speeds", "describe_speeds", "DEAD_BAND"]
+__all__ = ["fit_stage_speeds", "steady_speeds", "describe_speeds", "interchangeable", "pooled_costs", "DEAD_BAND"]
 
 DEAD_BAND = 0.25  # a stage this close to the fastest (relative) runs at its speed: the rest is measurement noise
 _ROUNDS = 60
@@ -82,3 +83,30 @@ def describe_speeds(factors: tuple[float, ...]) -> str:
     parts = [f"stage {k} runs its blocks {factors[k] / factors[fastest]:.1f}x slower than stage {fastest}"
              for k in slow]
     return "; ".join(parts)
+
+
+def pooled_costs(order: list[int], records: dict[int, Any], costs: dict[int, list[float]]) -> dict[int, list[float]]:
+    """Per layer [fwd_s, bwd_s]: the median over the blocks it is interchangeable with.
+
+    Blocks of one kind (class, parameter shapes) that save and send the same bytes run the
+    same kernels on the same shapes; on the same kind of device their measured times differ
+    only by noise (timer jitter, a busy core), which must not look like imbalance. Blocks
+    of unknown kind ("") keep their own times.
+    """
+    groups: dict[tuple[Any, ...], list[int]] = defaultdict(list)
+    for lid in order:
+        group = interchangeable(records[lid])
+        if group:
+            groups[group].append(lid)
+    pooled = {lid: costs[lid] for lid in order}
+    for members in groups.values():
+        if len(members) > 1:
+            median = [statistics.median(costs[lid][i] for lid in members) for i in (0, 1)]
+            pooled.update({lid: median for lid in members})
+    return pooled
+
+
+def interchangeable(rec: Any) -> tuple[Any, ...] | None:
+    """What makes blocks interchangeable: kind, saved and sent bytes, and whether they train (a frozen block's
+    backward has no weight gradients to compute). None for a block of unknown kind."""
+    return (rec.kind, rec.activation_bytes, rec.output_bytes, rec.trainable) if rec.kind else None

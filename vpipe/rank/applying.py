@@ -15,6 +15,7 @@ manager, agent and monitors its epoch.
 from __future__ import annotations
 
 import logging
+import time
 
 from vpipe.log import decision
 from vpipe.plan import Plan, PlanError
@@ -58,12 +59,16 @@ class PlanApplier:
             if [list(s) for s in lm.placement] != [list(s) for s in plan.stages]:
                 self.streamed_rest = plan  # a two-hop move: its next round follows when this one is done
         elif moves:
+            started = time.perf_counter()
             report = lm.apply(plan)
             if report.rebuilt:
                 pipeline.reset_shapes()
+            for monitor in self.parts.session.monitors.values():  # the next sample tells the planner
+                monitor.move_s = time.perf_counter() - started
         # the layers are where the moves took them (all, some, or none where a move aborted)
         owner.commit(Plan(epoch=plan.epoch, stages=lm.placement, policies=plan.policies,
-                          predicted_step_s=plan.predicted_step_s, reason=plan.reason), "applied")
+                          predicted_step_s=plan.predicted_step_s, reason=plan.reason,
+                          stage_speeds=plan.stage_speeds), "applied")
         for v in lm.local_stages:
             decision("plan_applied", f"epoch {plan.epoch} takes effect at step {step}", epoch=plan.epoch, stage=v,
                      step=step, layers=lm.layers_of(v),

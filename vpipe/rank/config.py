@@ -80,9 +80,11 @@ class VpipeConfig:
     memory_budget: int | str | None = AUTO_BUDGET
     planning: bool = True  # run the planner daemon and apply its plans
     planner: str = DEFAULT_PLANNER  # the daemon's planner function (module:function): the online SRP planner
-    sample_every: int = 10  # monitor every k-th step
-    # while no plan or edit takes effect the interval doubles every 5 samples up to this (None: 8 * sample_every;
-    # sample_every: never back off)
+    # monitor every k-th step after attach and after each change (a plan, an edit, a change the pulse saw): the
+    # planner hears of an uneven split within a few steps
+    sample_every: int = 2
+    # while nothing changes the interval doubles every 5 samples up to this (None: 40 * sample_every; sample_every:
+    # never back off); the pulse (every step's stage forward time) asks for samples again when something changes
     max_sample_every: int | None = None
     layers: str | None = None  # dotted path of the block container in the stage module (default: found)
     layer_factory: Callable[[int, Any], nn.Module] | None = None  # builds a layer by (id, spec); default: clone one
@@ -119,8 +121,8 @@ class VpipeConfig:
 
     @property
     def sampling_cap(self) -> int:
-        """The longest interval between sampled steps (``max_sample_every``, default 8 * ``sample_every``)."""
-        return self.max_sample_every if self.max_sample_every is not None else 8 * self.sample_every
+        """The longest interval between sampled steps (``max_sample_every``, default 40 * ``sample_every``)."""
+        return self.max_sample_every if self.max_sample_every is not None else 40 * self.sample_every
 
     def __post_init__(self) -> None:
         def need(ok: bool, message: str) -> None:

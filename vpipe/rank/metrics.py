@@ -8,7 +8,8 @@ named ``rank{r}`` in that directory). Fields (docs/timeline.md has them with the
 - every step: ``step_time_s`` (the rank's step, wall clock), ``plan_epoch``, and per stage
   ``stage{k}/layers``, ``stage{k}/peak_saved_bytes`` (what the tensor manager held at most),
   ``stage{k}/budget_bytes`` (when there is a budget), ``stage{k}/swapped_bytes`` (copied to
-  the host this step) and ``stage{k}/recompute_s``;
+  the host this step) and ``stage{k}/recompute_s``; ``stage{k}/speed_factor`` once a plan says
+  how much slower than the fastest stage the stage's device runs its blocks;
 - the steps the monitor samples (``sample_every``): ``stage{k}/compute_s`` (its layers' and
   other modules' forwards and backwards), ``stage{k}/bubble`` (the step's share not spent
   computing) and ``stage{k}/device_peak_bytes`` (the device's own peak: allocated on CUDA).
@@ -64,12 +65,15 @@ class MetricsWriter:
         self._last: dict[int, tuple[int, float]] = {}  # stage -> (d2h bytes, recompute s) at the last step's end
 
     def step(self, iteration: int, step_s: float, epoch: int, stages: Mapping[int, tuple[int, Any]],
-             records: list[Any]) -> dict[str, float]:
+             records: list[Any], speeds: tuple[float, ...] | None = None) -> dict[str, float]:
         """Write the step's scalars; ``stages``: stage -> (layers, tensor manager or None); ``records``: the
-        monitor's StageRecords when the step was sampled. Returns what was written."""
+        monitor's StageRecords when the step was sampled; ``speeds``: each stage's time factor, as the plan in
+        force measured it. Returns what was written."""
         values: dict[str, float] = {"step_time_s": step_s, "plan_epoch": float(epoch)}
         for stage, (layers, manager) in stages.items():
             values[f"stage{stage}/layers"] = float(layers)
+            if speeds is not None and stage < len(speeds):
+                values[f"stage{stage}/speed_factor"] = float(speeds[stage])
             if manager is None:
                 continue
             summary = manager.summary()

@@ -125,8 +125,9 @@ class StepDriver:
             layer_manager = self.parts.layer_manager
             stages = {stage.index: (len(layer_manager.layers_of(stage.index)), self.tensor_managers.get(stage.index))
                       for stage in self.parts.pipeline.stages}
-            self.metrics.step(self.iteration, time.perf_counter() - self._step_started, self.parts.plan_in_force.epoch,
-                              stages, self.session.last_records)
+            in_force = self.parts.plan_in_force.plan
+            self.metrics.step(self.iteration, time.perf_counter() - self._step_started, in_force.epoch,
+                              stages, self.session.last_records, in_force.stage_speeds)
 
     def _set_aside_quiet_wrappers(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Let each stage whose manager has nothing to do this step run its micro-batches without vpipe's calls."""
@@ -164,7 +165,8 @@ class StepDriver:
         self._boundary_at = started
         step = self.boundary.applying_step(self.iteration)
         for plan in self.boundary.due(self.iteration):
-            with timeline.span("vpipe.apply_plan", timeline.PLAN, timeline.RANK_TRACK, epoch=plan.epoch, step=step):
+            with timeline.span("vpipe.apply_plan", timeline.PLAN, timeline.RANK_TRACK, epoch=plan.epoch, step=step,
+                               stage_speeds=None if plan.stage_speeds is None else list(plan.stage_speeds)):
                 self.applier.apply(plan, step, self.micro_batches)
         # the optimizer state may have grown, a stage sharing the rank may have measured what it needs
         apply_budgets(self.tensor_managers, self.parts.memories, self.parts.plan_in_force.epoch)

@@ -1,0 +1,34 @@
+"""A rank slower than the others: vpipe sees it, moves blocks off it, and trains exactly as without vpipe."""
+
+from __future__ import annotations
+
+from test_block_moves import assert_trains_like_plain, moved_layers
+
+from support.processes import run_worker
+
+
+def _events(log: list[dict], event: str) -> list[dict]:
+    return [r for r in log if r.get("event") == event]
+
+
+def test_blocks_leave_a_slower_rank_and_training_is_bitwise_the_same(tmp_path):
+    result = run_worker(tmp_path, "speed_worker", "slow", 2)
+    counts = [len(s) for s in result["placement"]]
+    assert counts[1] < 4, f"rank 1 is twice as slow; it still holds {counts[1]} of 8 blocks"
+    assert moved_layers(result["log"])
+    speeds = _events(result["log"], "stage_speed")
+    assert speeds and speeds[0]["msg"].startswith("stage 1 runs its blocks") and "slower than stage 0" in \
+        speeds[0]["msg"]
+    plans = _events(result["log"], "plan")
+    assert plans and plans[0]["stage_speeds"][0] == 1.0 and plans[0]["stage_speeds"][1] > 1.25
+    # the first samples are at steps 1, 3, 5: three that agree name the slow stage, the next confirms the plan
+    first = min(r["step"] for r in _events(result["log"], "plan_applied"))
+    assert first <= 15, f"the first move took effect at step {first}"
+    assert_trains_like_plain(result)
+
+
+def test_an_even_pipeline_on_even_devices_stays_put(tmp_path):
+    result = run_worker(tmp_path, "speed_worker", "even", 2)
+    assert result["placement"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert not moved_layers(result["log"]) and not _events(result["log"], "plan")
+    assert_trains_like_plain(result)

@@ -1,0 +1,76 @@
+"""The pulse: every step's forward time of a rank's stage modules, and the changes it reports."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from vpipe.control.messages import decode, encode, make
+from vpipe.monitors.pulse import StagePulse
+
+
+class _Stage(nn.Module):
+    """Two blocks whose forward waits ``wait_s``: a device whose speed the test sets."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        self.wait_s = 0.004
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.wait_s)
+        return self.blocks(x)
+
+
+def _steps(pulse: StagePulse, stage: _Stage, count: int, *, sampled: bool = False) -> list:
+    changes = []
+    for _ in range(count):
+        pulse.begin_step(sampled)
+        for _ in range(2):  # two micro-batches
+            stage(torch.randn(2, 4)).sum().backward()
+        changes.append(pulse.end_step())
+    return changes
+
+
+def test_a_stage_that_slows_down_and_recovers_is_reported_once_each_way():
+    stage = _Stage()
+    pulse = StagePulse([stage], "cpu")
+    assert not any(_steps(pulse, stage, 8))  # a steady stage says nothing
+    stage.wait_s = 0.012  # three times as slow
+    slowed = _steps(pulse, stage, 6)
+    reported = [c for c in slowed if c is not None]
+    assert len(reported) == 1 and reported[0].ratio > 2.0 and slowed.index(reported[0]) <= 2
+    assert "forward time per micro-batch changed" in reported[0].what
+    stage.wait_s = 0.004
+    recovered = [c for c in _steps(pulse, stage, 6) if c is not None]
+    assert len(recovered) == 1 and recovered[0].ratio < 1 / 1.3
+    pulse.close()
+    assert not stage._forward_hooks and not stage._forward_pre_hooks  # the hooks are gone
+
+
+def test_sampled_steps_are_not_judged_and_freezing_is_a_change():
+    stage = _Stage()
+    pulse = StagePulse([stage], "cpu")
+    _steps(pulse, stage, 6)
+    stage.wait_s = 0.012
+    assert not any(_steps(pulse, stage, 4, sampled=True))  # per-block hooks inflate sampled steps: not judged
+    stage.wait_s = 0.004
+    stage.blocks[0].requires_grad_(False)
+    change = _steps(pulse, stage, 1)[0]
+    assert change is not None and change.what == "trainable parameters changed from 4 to 2"
+
+
+@pytest.mark.parametrize("body, problem", [
+    ({"stage": -1, "what": "x", "ratio": 2.0}, "alert stage"),
+    ({"stage": 0, "what": "x" * 201, "ratio": 2.0}, "alert what"),
+    ({"stage": 0, "what": "x", "ratio": float("inf")}, "alert ratio"),
+    ({"stage": 0, "what": "x"}, "ratio"),
+])
+def test_a_malformed_alert_is_refused_where_it_enters(body, problem):
+    good = decode(encode(make("alert", {"stage": 1, "what": "slower", "ratio": 2.0}, stage=1)))
+    assert good.body == {"stage": 1, "what": "slower", "ratio": 2.0}
+    with pytest.raises(ValueError, match=problem):
+        decode(encode(make("alert", body, stage=1)))
