@@ -3,7 +3,7 @@
 The trainer of examples/train_sequential.py (8 residual MLP blocks, split 4,4, 1F1B, 4 micro-batches); every
 block that runs on rank 1 takes ``--factor`` times as long for the whole run, and 2x from step ``--on`` to step
 ``--off`` (modelled by waiting, vpipe_lab.runtime.slowdown, so the two ranks on two cores do not slow each
-other). Rank 0 prints its step times (ms); vpipe's decisions go to ``--log``::
+other). Rank 0 prints its step times (ms); vpipe's decisions go to ``--decisions``::
 
     torchrun --standalone --nproc-per-node 2 benchmarks/straggler_run.py --on 40 --off 120 --steps 200
     torchrun --standalone --nproc-per-node 2 benchmarks/straggler_run.py --factor 2 --steps 60
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--off", type=int, default=-1, help="and from this step as fast as rank 0's again")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--width", type=int, default=128)
-    parser.add_argument("--log", default="vpipe-straggler.jsonl", help="vpipe's run log (JSON lines)")
+    parser.add_argument("--decisions", default="vpipe-straggler.jsonl", help="vpipe's run log (JSON lines)")
     args = parser.parse_args(argv)
     width, on, off = args.width, args.on, args.off
     torch.set_num_threads(1)
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     optimizer = torch.optim.Adam(module.parameters(), lr=1e-3)
     schedule = Schedule1F1B(stage, 4, loss_fn=F.mse_loss)
     slow = SlowDevice(args.factor if rank == 1 else 1.0, modules=of_class(ResidualMLP))
-    vpipe.attach(schedule, optimizer=optimizer, log_file=args.log)
+    vpipe.attach(schedule, optimizer=optimizer, log_file=args.decisions)
     times = []
     for step in range(args.steps):
         if rank == 1 and step in (on, off):

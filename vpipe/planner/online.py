@@ -86,6 +86,7 @@ class OnlinePlanner:
         self.speeds: tuple[float, ...] | None = None  # each stage's time factor, as last fitted
         self._left: set[tuple[tuple[int, ...], ...]] = set()  # placements moved away from since the last alert
         self._speed_samples: deque[tuple[float, ...]] = deque(maxlen=_SPEED_SAMPLES)  # the last samples' factors
+        self._alerted = False  # since the last alert, fewer samples name a slower stage
         self._moving: dict[int, int] = {}  # epoch -> bytes, of the moves sent whose cost no sample has told yet
         self._reported_speeds: tuple[float, ...] | None = None
         self._srp: Any = None
@@ -169,6 +170,7 @@ class OnlinePlanner:
         self._moved.clear()
         self._left.clear()
         self._speed_samples.clear()  # the devices changed: their factors are learnt again
+        self._alerted = True
         self._fresh_after = self._epoch if self._epoch is not None else -1
 
     def _confirmed(self, proposal: Proposal, iteration: int, *, at_once: bool,
@@ -179,7 +181,9 @@ class OnlinePlanner:
         the planner did not place, a known change and not noise). A plan for speed goes once it was worth
         sending on ``confirm_samples`` samples in a row: proposed by each search, or proposed by an earlier
         one and still worth sending on the new statistics (``reprice``). Near-equal plans that noise makes
-        the searches alternate between are one imbalance seen twice: the earlier of them goes.
+        the searches alternate between are one imbalance seen twice: the earlier of them goes, unless the newer
+        one is better on the newest statistics by more than ``min_gain`` (the imbalance is larger than the first
+        sample showed: moving part of the way would need a second move).
         """
         if at_once or proposal.reason.startswith(_AT_ONCE) or self.config.confirm_samples <= 1:
             self._proposed = None
@@ -188,7 +192,10 @@ class OnlinePlanner:
         earlier = self._proposed
         if earlier is not None and earlier[0] != key:
             again = reprice(earlier[2])
-            if again is not None:
+            if again is not None and proposal.after_step_s < again.after_step_s - self.config.min_gain * \
+                    again.before_step_s:
+                earlier = (key, earlier[1], proposal.plan)  # the same imbalance seen again, and a better plan for it
+            elif again is not None:
                 proposal, key = again, earlier[0]
         seen = earlier[1] + 1 if earlier is not None and earlier[0] == key else 1
         if seen < self.config.confirm_samples:
@@ -306,7 +313,10 @@ class OnlinePlanner:
         """Each stage's time factor: the least of the last samples' (a busy core slows one stage in some samples, a
         slower device in every one), reported in the run's log when it changes."""
         samples = [s for s in self._speed_samples if len(s) == num_stages]
-        speeds = steady_speeds(samples, num_stages)
+        # after a rank saw its stage change, two samples that agree suffice: the change is known, not guessed
+        speeds = steady_speeds(samples, num_stages, needed=2 if self._alerted else _SPEED_SAMPLES)
+        if len(samples) >= _SPEED_SAMPLES:
+            self._alerted = False
         self.speeds = speeds
         last = self._reported_speeds
         if last is None and any(f > 1.0 for f in speeds) or last is not None and (
