@@ -432,3 +432,24 @@ def _moved_bytes(plan: Plan) -> int:
     optimizer factor counts the gradient too)."""
     moved = len(set(FOUR_FOUR.stages[0]) ^ set(plan.stages[0]))
     return moved * (1 << 20) * 4
+
+
+def test_blocks_frozen_part_way_are_not_pooled_with_training_ones_and_the_split_follows():
+    """Progressive freezing: stage 0's four blocks stop training, so their backward has no weight gradients and
+    shrinks; same kind as stage 1's, but not interchangeable with them any more: blocks move to stage 0."""
+    planner = _planner()
+
+    def stage(index: int, ids: list[int], frozen: bool, epoch: int) -> StageRecord:
+        rec = _stage(index, ids, 9 + 10 * epoch, kind="Block#a1", epoch=epoch)
+        if not frozen:
+            return rec
+        layers = tuple(dataclasses.replace(lr, bwd_s=lr.bwd_s / 4, trainable=False) for lr in rec.layers)
+        return dataclasses.replace(rec, layers=layers)
+
+    assert planner([stage(0, [0, 1, 2, 3], False, 0), stage(1, [4, 5, 6, 7], False, 0)], FOUR_FOUR) is None
+    # stage 0's pulse saw its trainable parameters change: the daemon had every rank measure again (epoch 1)
+    planner.alerted(0, 1.0, 10)
+    remeasured = dataclasses.replace(FOUR_FOUR, epoch=1)
+    plan = planner([stage(0, [0, 1, 2, 3], True, 1), stage(1, [4, 5, 6, 7], False, 1)], remeasured)
+    assert plan is not None and len(plan.stages[0]) > 4
+    assert plan.stage_speeds in (None, (1.0, 1.0))  # a frozen block is lighter work, not a faster device
