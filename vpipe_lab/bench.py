@@ -84,6 +84,9 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
     Benchmark("deepspeed", "deepspeed_balance.py",
               "DeepSpeed's pipeline engine alone vs with vpipe.attach(engine), side by side: a uniform split whose "
               "first stage does three times the second's work (needs the deepspeed extra)"),
+    Benchmark("dynamic", "dynamic_bench.py",
+              "dynamic workloads (a slower rank, a straggler, freezing, a growing sequence, a NAS edit): vpipe vs "
+              "plain copies at the same and the best static split, side by side; reaction steps, moves, losses"),
     Benchmark("soak", "soak.py",
               "thousands of steps of forced moves and policy changes: RSS growth, parameters vs the reference"),
 )}
