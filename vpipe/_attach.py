@@ -20,6 +20,7 @@ from __future__ import annotations
 import atexit
 import logging
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -49,13 +50,14 @@ from vpipe.rank.metrics import MetricsWriter, parse_metric_kinds
 from vpipe.rank.parts import RankParts
 from vpipe.rank.plan_in_force import PlanInForce, StagePolicies
 from vpipe.rank.replicas import ReplicaPlans, Replicas, ReplicaStats, check_replicas_alike
+from vpipe.rank.stamps import stamp_state_dicts
 from vpipe.rank.state import restore_vpipe_state, vpipe_state
 from vpipe.rank.steps import MicroBatchCounter, StepDriver
 from vpipe.rank.tracing import TraceWindow
 from vpipe.settings import Settings
 from vpipe.stage.compiled import hoist_compiled
 from vpipe.stage.fsdp import FsdpRoot, is_fully_sharded
-from vpipe.stage.optimizers import optimizer_parts
+from vpipe.stage.optimizers import optimizer_parts, raw_optimizers
 from vpipe.stage.pipeline import AttachTarget, check_optimizer, inspect_target, move_refusal
 from vpipe.tensor_manager import TensorManager, install_on_stage
 from vpipe.tensor_manager.pipelining import StageHandle
@@ -101,7 +103,7 @@ class Vpipe:
             optimizer = pipeline.schedule.optimizer
         if pipeline.deepspeed is not None and optimizer is None:  # the torch optimizer DeepSpeed steps (fp32)
             optimizer = pipeline.deepspeed.torch_optimizer()
-        # one optimizer per model part (torchtitan's container): each stage's part takes the layers it receives
+        # several optimizers (per model part, or per stage) read as one: a moved layer joins its kind on arrival
         self.optimizer = optimizer_parts(optimizer, {s.index: s.module for s in pipeline.stages})
         check_optimizer(self.optimizer, [s.module for s in pipeline.stages])
         self.stage_index = pipeline.first.index
@@ -137,9 +139,8 @@ class Vpipe:
             self._undo.append(hoisted.undo)  # this attach's blocks only
         self.stage_handles: dict[int, StageHandle] = {}  # (filled by _start_tensor_managers)
         self.tensor_managers = self._start_tensor_managers(initial) if self._manages_activations() else {}
-        # the stage description holds the blocks: the monitors read them, the layer manager (which tells the
-        # monitors of the layers that arrive and leave) edits them in place
-        shared = find_pins(pipeline)
+        # the stage description holds the blocks: the monitors read them, the layer manager edits them in place
+        shared = find_pins(pipeline, self.optimizer)
         facts = LocalLayers({s.index: s.blocks for s in pipeline.stages if s.blocks is not None}, shared,
                             builds_any=config.layer_factory is not None)
         self.session = self._start_session(initial, facts, peers)
@@ -162,6 +163,9 @@ class Vpipe:
         self.edits = LayerEdits(parts, agreement=self.agreement, driver=self.driver,
                                 has_factory=config.layer_factory is not None, who=self._who)
         self._install()
+        lm = self.layer_manager  # state dicts say which blocks they hold: one from another placement is refused
+        self._undo.append(stamp_state_dicts([(s.module, partial(lm.layers_of, s.index)) for s in pipeline.stages],
+                                            raw_optimizers(self.optimizer), lambda: list(lm.layer_ids)))
         atexit.register(self._at_exit)  # a script that never calls detach() still shuts vpipe down cleanly
         for stage in pipeline.stages:
             assert stage.blocks is not None  # agree_on_blocks set every local stage's blocks
@@ -194,7 +198,6 @@ class Vpipe:
     def _local(self) -> list[int]:
         return [s.index for s in self.pipeline.stages]
 
-    # ------------------------------------------------------------------ set-up
     def _memories(self) -> dict[int, StageMemory]:
         """Each local stage's budget for activations: shares of what the rank's fixed bytes leave."""
         siblings: list[StageMemory] = []

@@ -65,3 +65,17 @@ def test_block_keys_follow_the_block_for_model_and_flattened_optimizer_keys():
         local_block_keys(named, [6])
     with pytest.raises(ValueError, match=r"layer_ids must be distinct non-negative integers, got \[1, 1\]"):
         global_block_keys(sd, [1, 1])
+
+
+def test_a_rollback_to_a_snapshot_taken_before_a_move_trains_as_the_plain_trainers_rollback(tmp_path):
+    """A loss-spike rollback across a move: the plain trainer's deep copy of the stage's state dict is refused in
+    one line naming the blocks that moved; the DCP snapshot with global block keys restores every block where it
+    lives now, and the replayed steps equal the plain trainer's rollback bitwise."""
+    result = _run(tmp_path, "rollback")
+    first, last = result["ranks"]
+    assert first["snapshot"] == [0, 1, 2, 3, 4, 5] and first["moved_to"] != first["snapshot"]
+    refusal = first["refusal"]
+    assert refusal is not None and refusal.startswith("vpipe: this stage module state dict holds blocks "
+                                                      "[0, 1, 2, 3, 4, 5], the stage holds ")
+    assert "left since it was taken); snapshot with torch.distributed.checkpoint and vpipe.global_block_keys" in refusal
+    assert last["replayed"] == last["plain"] and all(len(step) == 4 for step in last["plain"])

@@ -96,3 +96,22 @@ def test_removing_blocks_runs_no_extra_forward_that_a_users_stateful_hook_would_
     result = run_pattern(tmp_path, "removal_hooked")
     assert result["placements"][-1] == [[0, 1, 3, 4, 5], [6]]
     assert_trains_like_plain(result)
+
+
+def test_the_muon_recipe_two_optimizers_a_stage_moves_each_parameter_into_its_kind(tmp_path):
+    """Muon for the blocks' matrices and AdamW for the rest, given to attach as the trainer's container: moved
+    weights join Muon on their new stage and moved norms and biases AdamW, state and all."""
+    result = run_pattern(tmp_path, "muon")
+    assert result["placements"][-1] == [[0, 1, 2], [3, 4, 5, 6, 7]]
+    assert moved_layers(result["log"])
+    assert_trains_like_plain(result)
+
+
+def test_blocks_whose_parameters_train_in_no_optimizer_given_to_attach_are_named_and_stay(tmp_path):
+    result = run_pattern(tmp_path, "muon_only")
+    assert all(p == [[0, 1, 2, 3, 4, 5], [6, 7]] for p in result["placements"])  # nothing moved
+    off = [r for r in _events(result["log"], "moves_off") if r["stage"] == 0]
+    assert off and off[0]["layers"] == [0, 1, 2, 3, 4, 5]
+    assert "layer 0 has norm.weight and 3 more training in none of the optimizers given to vpipe.attach" in \
+        off[0]["msg"]
+    assert_trains_like_plain(result)

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from vpipe.migration.state import load_layer, pack_layer, register_layer
-from vpipe.stage.optimizers import OptimizerParts, move_between, optimizer_parts, part_of
+from vpipe.stage.optimizers import OptimizerParts, StageOptimizers, move_between, optimizer_parts, part_of
 
 
 class Container:
@@ -39,9 +39,12 @@ def test_a_container_whose_parts_are_not_one_per_stage_is_refused_saying_what_to
     modules = stages()
     everything = [torch.optim.SGD(modules[0].parameters(), lr=0.1), torch.optim.SGD(
         [*modules[0].parameters(), *modules[2].parameters()], lr=0.1)]
-    with pytest.raises(ValueError, match="stage 0's parameters are in 2 of the optimizer container's 2 optimizers; "
-                                         "build one optimizer per model part"):
+    with pytest.raises(ValueError, match=r"optimizer\(s\) \[1\] train several of this rank's stages while a stage "
+                                         "has several optimizers; give each stage its own optimizers"):
         optimizer_parts(everything, modules)
+    alone = torch.optim.SGD(modules[0].parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="none of the 2 optimizers given holds a parameter of stage 2"):
+        optimizer_parts([alone, torch.optim.SGD(modules[0].parameters(), lr=0.1)], modules)
     with pytest.raises(TypeError, match="a container must hold torch optimizers"):
         optimizer_parts(Container([]), modules)
 
@@ -74,3 +77,32 @@ def test_a_layer_moving_between_two_stages_of_a_rank_changes_part_with_its_state
     assert not any(p in parts[0].state for p in moving)
     assert [parts[1].state[p] for p in moving] == moments
     assert len(parts[0].param_groups[0]["params"]) == 2
+
+
+def _muon_recipe(block: nn.Module) -> list[torch.optim.Optimizer]:
+    """Muon for the 2-D weights, AdamW for the rest (biases, norms)."""
+    matrices = [p for p in block.parameters() if p.ndim == 2]
+    rest = [p for p in block.parameters() if p.ndim != 2]
+    return [torch.optim.Muon(matrices, lr=0.02), torch.optim.AdamW(rest, lr=1e-3)]
+
+
+def test_a_stage_with_muon_and_adamw_reads_as_one_and_a_moved_block_joins_each_kind_with_its_state():
+    torch.manual_seed(0)
+    sender = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    receiver = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    send = optimizer_parts(_muon_recipe(sender), {0: sender})
+    recv = optimizer_parts(Container(_muon_recipe(receiver)), {1: receiver})
+    assert isinstance(send, StageOptimizers) and isinstance(recv, StageOptimizers)
+    assert len(send.param_groups) == 2 and part_of(recv, 1) is recv
+    sender(torch.ones(2, 4)).sum().backward()
+    send.step()
+    state = pack_layer(0, sender[0], send)  # a Linear: its weight trains in Muon, its bias in AdamW
+    arriving = nn.Linear(4, 4)
+    register_layer(load_layer(state, arriving, recv), recv)
+    muon, adamw = recv.parts
+    assert any(p is arriving.weight for p in muon.param_groups[0]["params"])
+    assert any(p is arriving.bias for p in adamw.param_groups[0]["params"])
+    assert torch.equal(muon.state[arriving.weight]["momentum_buffer"],
+                       send.parts[0].state[sender[0].weight]["momentum_buffer"])
+    assert torch.equal(adamw.state[arriving.bias]["exp_avg"], send.parts[1].state[sender[0].bias]["exp_avg"])
+    assert arriving.weight not in adamw.state and arriving.bias not in muon.state

@@ -114,6 +114,52 @@ def run(shape: str, path: str) -> dict:
     return {"ranks": gathered, "blocks_in_checkpoint": held}
 
 
+def rollback(path: str) -> dict:
+    """A trainer that rolls back to a snapshot after a loss spike, across a move: vpipe's copy snapshots with DCP
+    and global block keys at step 2 on 6,2, trains on until vpipe has moved blocks, tries the plain trainer's
+    rollback (``load_state_dict`` of a deep copy taken at step 2: refused in one line), then loads the DCP
+    snapshot into the blocks wherever they are now and replays steps 2..; the plain copy rolls back with its
+    deep copies. Both must train the replayed steps alike, bitwise."""
+    import copy
+
+    import vpipe
+    from vpipe.rank.stamps import StaleStateError
+
+    model, optimizer, schedule = _build("sequential", [6, 2])
+    vp = vpipe.attach(schedule, optimizer=optimizer, sample_every=2, planner_options={"warmup_samples": 1})
+    for step in range(2):
+        _step("sequential", schedule, optimizer, step)
+    snapshot_ids = list(vp.layer_ids)
+    _save(model, optimizer, path, snapshot_ids)
+    stale = copy.deepcopy(model.state_dict())
+    step = 2
+    while step < 100 and (vp.layer_manager.epoch < 1 or vp.layer_ids == snapshot_ids):
+        _step("sequential", schedule, optimizer, step)
+        step += 1
+    moved_to = list(vp.layer_ids)
+    try:
+        model.load_state_dict(stale)
+        refusal = None
+    except StaleStateError as e:
+        refusal = str(e)
+    _load(model, optimizer, path, moved_to)
+    replayed = [_step("sequential", schedule, optimizer, s) for s in range(2, 2 + AFTER)]
+    vp.detach()
+    model, optimizer, schedule = _build("sequential", [6, 2])
+    for step in range(2):
+        _step("sequential", schedule, optimizer, step)
+    saved = copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict())
+    for s in range(2, 2 + AFTER):
+        _step("sequential", schedule, optimizer, s)
+    model.load_state_dict(saved[0])
+    optimizer.load_state_dict(saved[1])
+    plain = [_step("sequential", schedule, optimizer, s) for s in range(2, 2 + AFTER)]
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, {"snapshot": snapshot_ids, "moved_to": moved_to, "refusal": refusal,
+                                      "replayed": replayed, "plain": plain})
+    return {"ranks": gathered}
+
+
 def _blocks_held(path: str) -> list[str]:
     """The distinct blocks a checkpoint holds weights of: model keys up to their block index."""
     held = set()
@@ -127,7 +173,7 @@ def _blocks_held(path: str) -> list[str]:
 
 def main() -> None:
     shape, out, path = sys.argv[1], sys.argv[2], sys.argv[3]
-    run_ranks(lambda: run(shape, path), out)
+    run_ranks(lambda: rollback(path) if shape == "rollback" else run(shape, path), out)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,10 @@ model's state (merged by global key), the placements and vpipe's log records to 
 - ``mixed``: dense and MoE blocks interleaved (torchtitan's Llama 4 / DeepSeek shape), no ``layers=``;
 - ``mixed_unbuildable``: the last stage holds dense blocks only and is asked to take an MoE block;
 - ``autocast_splits``: no vpipe; the tutorial's trainer on two splits under an autocast around the step;
-- ``removal_hooked``: blocks removed while a block with a user's stateful forward hook trains on.
+- ``removal_hooked``: blocks removed while a block with a user's stateful forward hook trains on;
+- ``muon``: the Muon recipe, two optimizers per stage (Muon for the blocks' 2-D weights, AdamW for norms,
+  biases, the input projection and the head) in a container holding ``.optimizers``;
+- ``muon_only``: only the Muon optimizer given to attach: the blocks' norms and biases train in none.
 """
 
 from __future__ import annotations
@@ -141,9 +144,10 @@ def _remove(model: Net, opt: torch.optim.Optimizer, layer_ids: list[int]) -> Non
 
 
 def side_by_side(plans: dict[int, list[list[int]]], *, kinds: str = "d" * LAYERS, accumulation: int = 1,
-                 make_optimizer: Callable[[Net], torch.optim.Optimizer] = lambda m: torch.optim.Adam(
+                 make_optimizer: Callable[[Net], Any] = lambda m: torch.optim.Adam(
                      m.parameters(), lr=1e-2), removals: dict[int, list[int]] | None = None,
-                 hooked: tuple[int, ...] = (), **options: Any) -> dict:
+                 hooked: tuple[int, ...] = (), attach_optimizer: Callable[[Any], Any] = lambda o: o,
+                 **options: Any) -> dict:
     """Train both copies on the same batches; vpipe's applies ``plans`` (schedule.step() call -> placement); both
     remove the blocks of ``removals`` before those steps; ``hooked`` blocks carry a :class:`CountingHook`."""
     import vpipe
@@ -157,7 +161,7 @@ def side_by_side(plans: dict[int, list[list[int]]], *, kinds: str = "d" * LAYERS
                 m.layers[str(lid)].register_forward_hook(CountingHook())
     model, schedule, opt = copies["vpipe"]
     kept_params = list(model.parameters())  # the trainer's own list, taken once before attach
-    vp = vpipe.attach(schedule, optimizer=opt, planning=False, **options)
+    vp = vpipe.attach(schedule, optimizer=attach_optimizer(opt), planning=False, **options)
     for epoch, (step, stages) in enumerate(sorted(plans.items()), start=1):
         vp.request_plan(Plan(epoch=epoch, stages=stages), at_step=step)
     losses: dict[str, list[float]] = {name: [] for name in copies}
@@ -219,6 +223,35 @@ def autocast_splits() -> dict:
     return {"losses": losses if rank == 1 else None}
 
 
+class Optimizers:
+    """A trainer's own container of several optimizers (torchtitan's shape: ``.optimizers``), stepped together."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        self.optimizers = optimizers
+
+    def step(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=set_to_none)
+
+
+def muon_recipe(model: Net) -> Optimizers:
+    matrices = [p for p in model.layers.parameters() if p.ndim == 2]
+    chosen = {id(p) for p in matrices}
+    rest = [p for p in model.parameters() if id(p) not in chosen]
+    return Optimizers([torch.optim.Muon(matrices, lr=2e-2), torch.optim.AdamW(rest, lr=1e-3)])
+
+
+def muon_only() -> dict:
+    """The trainer steps both, but gives vpipe only Muon: the blocks' norms and biases are in no optimizer vpipe
+    sees, so its blocks stay where they are (the plan is refused) and training matches the plain copy."""
+    return side_by_side({2: [[0, 1, 2, 3], [4, 5, 6, 7]]}, make_optimizer=muon_recipe, attach_optimizer=lambda o:
+                        o.optimizers[0])
+
+
 ALL_TO_4_4 = {1: [[0, 1, 2, 3], [4, 5, 6, 7]], 4: [[0, 1, 2, 3, 4], [5, 6, 7]], 7: [[0, 1, 2], [3, 4, 5, 6, 7]]}
 SCENARIOS: dict[str, Callable[[], dict]] = {
     # plans at odd schedule.step() calls: between the two calls of an accumulation window
@@ -233,6 +266,8 @@ SCENARIOS: dict[str, Callable[[], dict]] = {
     "autocast_splits": autocast_splits,
     # block 6 carries a stateful hook; removing block 7 leaves stage 1's boundary alike: no second shape inference
     "removal_hooked": lambda: side_by_side({}, removals={3: [2], 5: [7]}, hooked=(6,)),
+    "muon": lambda: side_by_side(ALL_TO_4_4, make_optimizer=muon_recipe),
+    "muon_only": muon_only,
 }
 
 

@@ -63,7 +63,8 @@ class PlanApplier:
             report = lm.apply(plan)
             if report.rebuilt:
                 pipeline.reset_shapes()
-            for monitor in self.parts.session.monitors.values():  # the next sample tells the planner
+            session = self.parts.session
+            for monitor in session.monitors.values() if session is not None else ():  # the next sample tells
                 monitor.move_s = time.perf_counter() - started
         # the layers are where the moves took them (all, some, or none where a move aborted)
         owner.commit(Plan(epoch=plan.epoch, stages=lm.placement, policies=plan.policies,

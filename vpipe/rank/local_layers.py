@@ -11,33 +11,35 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Mapping
+from typing import Any
 
 from torch import nn
 
 from vpipe.log import decision
 from vpipe.stage.blocks import StageBlocks
 from vpipe.stage.kinds import block_kind
-from vpipe.stage.pins import outside_tensors, pin_reason, planner_kind, shared_pins
+from vpipe.stage.pins import outside_tensors, pin_reason, planner_kind, shared_pins, untrained_pins
 from vpipe.stage.pipeline import Pipeline
 
 __all__ = ["LocalLayers", "find_pins"]
 
 
-def find_pins(pipeline: Pipeline) -> dict[int, str]:
-    """The blocks that never move to another rank (shared modules or tensors): layer id -> why. Says so in one
-    ``moves_off`` line per stage (blocks with user hooks included: they cannot move either, while they have them)."""
+def find_pins(pipeline: Pipeline, optimizer: Any = None) -> dict[int, str]:
+    """The blocks that never move to another rank (shared modules or tensors, parameters that train in none of the
+    optimizers given to attach): layer id -> why. Says so in one ``moves_off`` line per stage (blocks with user
+    hooks included: they cannot move either, while they have them)."""
     outside = {t for s in pipeline.stages if s.blocks is not None
                for t in outside_tensors(s.module, map(s.blocks.module_path, s.blocks.ids))}
-    shared = shared_pins({lid: b for s in pipeline.stages if s.blocks is not None
-                          for lid, b in s.blocks.blocks().items()}, outside)
+    blocks = {lid: b for s in pipeline.stages if s.blocks is not None for lid, b in s.blocks.blocks().items()}
+    shared = {**untrained_pins(blocks, optimizer), **shared_pins(blocks, outside)}
     tied = pipeline.deepspeed.tied_layers() if pipeline.deepspeed is not None else []
     if tied:
         decision("moves_off", f"stage {pipeline.first.index}: DeepSpeed layers {tied} (TiedLayerSpec, shared with "
                  "another stage) are not blocks: they never move", stage=pipeline.first.index, layers=tied,
                  reason="tied layers")
     for stage in pipeline.stages:
-        blocks = stage.blocks.blocks() if stage.blocks is not None else {}
-        reasons = {lid: pin_reason(lid, block, shared) for lid, block in blocks.items()}
+        mine = stage.blocks.blocks() if stage.blocks is not None else {}
+        reasons = {lid: pin_reason(lid, block, shared) for lid, block in mine.items()}
         pinned = {lid: why for lid, why in reasons.items() if why is not None}
         if pinned:
             decision("moves_off", f"stage {stage.index}: layers {sorted(pinned)} never move to another stage: "

@@ -1,4 +1,4 @@
-"""One optimizer per model part (torchtitan's container): which part takes the layers that arrive on a stage.
+"""Several optimizers on a rank: one per model part (torchtitan's container), or several for one stage.
 
 With several stages per rank torchtitan builds one optimizer per stage module and steps
 them together (``OptimizersContainer``, a list in other trainers). A layer that moves must
@@ -6,11 +6,18 @@ leave its stage's optimizer and join the one of the stage it lands on, in the pa
 with the same settings there (:mod:`.groups`). :class:`OptimizerParts` stands for the container wherever vpipe
 reads an optimizer (every part's param groups, one after another, and their state) and
 hands each stage its own part (:func:`part_of`) wherever a move edits one.
+
+One stage may also be trained by several optimizers (the Muon recipe: Muon for the blocks'
+2-D weights, AdamW for norms, biases and embeddings). :class:`StageOptimizers` reads them as
+one: their param groups one after another, a state that routes each parameter to the
+optimizer whose groups hold it. A moved parameter is packed with its group's settings, and
+on its new stage joins the group with the same settings, so the optimizer of the same kind,
+state and all (Muon's and AdamW's groups never share settings).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
 from typing import Any
 
 import torch
@@ -18,21 +25,38 @@ from torch import nn
 
 from vpipe.stage.groups import GroupMismatch, group_settings, matching_group
 
-__all__ = ["OptimizerParts", "optimizer_parts", "part_of", "move_between", "group_refusal"]
+__all__ = ["OptimizerParts", "StageOptimizers", "optimizer_parts", "raw_optimizers", "part_of", "move_between",
+           "group_refusal"]
 
 
-class _PartsState(Mapping[torch.Tensor, Any]):
-    """Every part's ``state``, read only. (A ``ChainMap`` would not do: a part's state is a defaultdict, and
-    looking a parameter up in the wrong part would add an empty entry there.)"""
+class _RoutedState(MutableMapping[torch.Tensor, Any]):
+    """The state of several optimizers of one stage: a parameter's entry lives in the optimizer whose param groups
+    hold it (an entry for a parameter none of them holds is an error, never a stray entry)."""
 
     def __init__(self, parts: Sequence[torch.optim.Optimizer]) -> None:
         self.parts = parts
+
+    def _holder(self, param: torch.Tensor) -> torch.optim.Optimizer:
+        for part in self.parts:
+            if any(q is param for group in part.param_groups for q in group["params"]):
+                return part
+        raise KeyError("a parameter none of the stage's optimizers holds")
 
     def __getitem__(self, param: torch.Tensor) -> Any:
         for part in self.parts:
             if param in part.state:
                 return part.state[param]
-        raise KeyError("a parameter none of the optimizer's parts has state for")
+        raise KeyError("a parameter none of the stage's optimizers has state for")
+
+    def __setitem__(self, param: torch.Tensor, value: Any) -> None:
+        self._holder(param).state[param] = value
+
+    def __delitem__(self, param: torch.Tensor) -> None:
+        for part in self.parts:
+            if param in part.state:
+                del part.state[param]
+                return
+        raise KeyError("a parameter none of the stage's optimizers has state for")
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         for part in self.parts:
@@ -42,25 +66,15 @@ class _PartsState(Mapping[torch.Tensor, Any]):
         return sum(len(part.state) for part in self.parts)
 
 
-class OptimizerParts(torch.optim.Optimizer):
-    """The parts of an optimizer container, each the optimizer of some of this rank's stages.
+class StageOptimizers(torch.optim.Optimizer):
+    """Several optimizers of one stage (Muon and AdamW), read and stepped as one; holds no parameters itself."""
 
-    It reads as one optimizer (``param_groups`` are the parts' own group dicts, ``state`` a
-    view over theirs) and steps every part; it holds no parameters itself, so
-    ``Optimizer.__init__`` is never called.
-    """
-
-    def __init__(self, parts: Sequence[torch.optim.Optimizer], stage_parts: Mapping[int, int],
-                 container: Any = None) -> None:
+    def __init__(self, parts: Sequence[torch.optim.Optimizer], container: Any = None) -> None:
         self.parts = list(parts)
-        self.stage_parts = dict(stage_parts)  # stage -> index of its part
-        self.container = container  # what the trainer passed (steps hooks on it fire)
+        self.container = container
         self.param_groups = [group for part in self.parts for group in part.param_groups]
-        self.state = _PartsState(self.parts)  # type: ignore[assignment]  # reads only: moves edit a stage's part
+        self.state = _RoutedState(self.parts)  # type: ignore[assignment]
         self.defaults = dict(self.parts[0].defaults)
-
-    def part(self, stage: int) -> torch.optim.Optimizer:
-        return self.parts[self.stage_parts[stage]]
 
     def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
         for part in self.parts:
@@ -71,13 +85,30 @@ class OptimizerParts(torch.optim.Optimizer):
             part.zero_grad(set_to_none=set_to_none)
 
     def register_step_post_hook(self, hook: Callable[..., None]) -> Any:
+        """After the last optimizer's step (the trainer steps them in its order)."""
+        return self.parts[-1].register_step_post_hook(hook)
+
+    def __repr__(self) -> str:
+        return f"StageOptimizers({', '.join(type(p).__name__ for p in self.parts)})"
+
+
+class OptimizerParts(StageOptimizers):
+    """The parts of an optimizer container, each the optimizer of some of this rank's stages (or the several
+    optimizers of one, as a :class:`StageOptimizers`): read and stepped as one, each stage handed its own part."""
+
+    def __init__(self, parts: Sequence[torch.optim.Optimizer], stage_parts: Mapping[int, int],
+                 container: Any = None) -> None:
+        super().__init__(parts, container)
+        self.stage_parts = dict(stage_parts)  # stage -> index of its part
+
+    def part(self, stage: int) -> torch.optim.Optimizer:
+        return self.parts[self.stage_parts[stage]]
+
+    def register_step_post_hook(self, hook: Callable[..., None]) -> Any:
         """A hook after the step of every part: the container's own (torchtitan's steps its parts inside it),
         else the last part's."""
         owner = self.container if isinstance(self.container, torch.optim.Optimizer) else self.parts[-1]
         return owner.register_step_post_hook(hook)
-
-    def __repr__(self) -> str:
-        return f"OptimizerParts({', '.join(type(p).__name__ for p in self.parts)})"
 
 
 def _parts(optimizer: Any) -> list[torch.optim.Optimizer] | None:
@@ -93,10 +124,12 @@ def _parts(optimizer: Any) -> list[torch.optim.Optimizer] | None:
 
 
 def optimizer_parts(optimizer: Any, stages: Mapping[int, nn.Module]) -> torch.optim.Optimizer | None:
-    """``optimizer`` as vpipe uses it: as given for one optimizer, an :class:`OptimizerParts` for a container.
+    """``optimizer`` as vpipe uses it: as given for one optimizer; for several (a list, or a container holding
+    ``.optimizers``), a :class:`StageOptimizers` where they all train this rank's one stage (or each stage has
+    several), an :class:`OptimizerParts` where each stage has its own (torchtitan's one per model part).
 
-    Each of this rank's stages must have its parameters in exactly one part (torchtitan builds
-    one optimizer per model part); a container of one part is that part.
+    An optimizer that trains parameters of two stages, beside another that trains one of them, is refused: a
+    moved parameter could not tell which of them it belongs to on the next stage.
     """
     parts = _parts(optimizer)
     if parts is None:
@@ -104,16 +137,30 @@ def optimizer_parts(optimizer: Any, stages: Mapping[int, nn.Module]) -> torch.op
     if len(parts) == 1 and not isinstance(optimizer, torch.optim.Optimizer):
         return parts[0]
     held = [{id(p) for group in part.param_groups for p in group["params"]} for part in parts]
-    stage_parts = {}
+    owners: dict[int, list[int]] = {}
     for v, module in stages.items():
         mine = {id(p) for p in module.parameters()}
-        owners = [i for i, ids in enumerate(held) if ids & mine]
-        if len(owners) != 1:
-            raise ValueError(f"vpipe.attach: stage {v}'s parameters are in {len(owners)} of the optimizer "
-                             f"container's {len(parts)} optimizers; build one optimizer per model part "
-                             "(stage module), as torchtitan does")
-        stage_parts[v] = owners[0]
-    return OptimizerParts(parts, stage_parts, optimizer)
+        owners[v] = [i for i, ids in enumerate(held) if ids & mine]
+        if not owners[v]:
+            raise ValueError(f"vpipe.attach: none of the {len(parts)} optimizers given holds a parameter of stage "
+                             f"{v}; pass the optimizers of every stage this rank runs")
+    shared = {i for v, mine in owners.items() for i in mine if any(i in owners[w] for w in owners if w != v)}
+    if shared and any(len(mine) > 1 for mine in owners.values()):
+        raise ValueError(f"vpipe.attach: optimizer(s) {sorted(shared)} train several of this rank's stages while a "
+                         "stage has several optimizers; give each stage its own optimizers (as torchtitan builds "
+                         "one per model part), or one set over all of them")
+    if len(stages) == 1 or shared:  # one set of optimizers for everything this rank trains
+        return StageOptimizers(parts, optimizer)
+    merged = [parts[mine[0]] if len(mine) == 1 else StageOptimizers([parts[i] for i in mine]) for mine in
+              owners.values()]
+    return OptimizerParts(merged, {v: k for k, v in enumerate(owners)}, optimizer)
+
+
+def raw_optimizers(optimizer: torch.optim.Optimizer | None) -> list[torch.optim.Optimizer]:
+    """The trainer's own optimizer objects behind what vpipe reads as one."""
+    if isinstance(optimizer, (OptimizerParts, StageOptimizers)):
+        return [raw for part in optimizer.parts for raw in raw_optimizers(part)]
+    return [] if optimizer is None else [optimizer]
 
 
 def part_of(optimizer: torch.optim.Optimizer | None, stage: int) -> torch.optim.Optimizer | None:

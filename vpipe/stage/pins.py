@@ -35,7 +35,7 @@ from vpipe.compat.torch_internals import hooks_of
 from vpipe.plan import PINNED_KIND
 from vpipe.stage.kinds import block_kind
 
-__all__ = ["user_hooks", "outside_tensors", "shared_pins", "pin_reason", "planner_kind"]
+__all__ = ["user_hooks", "outside_tensors", "shared_pins", "untrained_pins", "pin_reason", "planner_kind"]
 
 _MOVING_HOOKS = ("forward pre", "forward", "backward pre", "backward")
 _STATE_HOOKS = ("state dict", "state dict pre", "load state dict pre", "load state dict post")
@@ -111,6 +111,22 @@ def shared_pins(blocks: Mapping[int, nn.Module], outside: Iterable[int] = ()) ->
                 pins.setdefault(lid, f"shares {names[key, lid]} with layers {[h for h in holders if h != lid]}")
         elif key in outer:
             pins.setdefault(holders[0], f"shares {names[key, holders[0]]} with the stage module outside its blocks")
+    return pins
+
+
+def untrained_pins(blocks: Mapping[int, nn.Module], optimizer: Any) -> dict[int, str]:
+    """Blocks with a parameter that trains (``requires_grad``) in none of the optimizers given to attach: layer id
+    -> why. On another stage it would join an optimizer and train, or be dropped from one it was never in, so
+    such a block stays where it is."""
+    if optimizer is None:
+        return {}
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    pins = {}
+    for lid, block in blocks.items():
+        loose = [name for name, p in block.named_parameters() if p.requires_grad and id(p) not in held]
+        if loose:
+            more = f" and {len(loose) - 1} more" if len(loose) > 1 else ""
+            pins[lid] = f"has {loose[0]}{more} training in none of the optimizers given to vpipe.attach"
     return pins
 
 
