@@ -115,3 +115,17 @@ def test_blocks_whose_parameters_train_in_no_optimizer_given_to_attach_are_named
     assert "layer 0 has norm.weight and 3 more training in none of the optimizers given to vpipe.attach" in \
         off[0]["msg"]
     assert_trains_like_plain(result)
+
+
+@pytest.mark.parametrize("scenario, found", [
+    ("ema_averaged", "is averaged beside its stage (an AveragedModel of it (Net, "),
+    ("ema_dict", "is averaged beside its stage (a dict of "),
+])
+def test_a_stage_whose_weights_are_averaged_beside_it_keeps_its_blocks_and_says_so(tmp_path, scenario, found):
+    """An EMA vpipe cannot carry yet: the blocks stay (a move would freeze their average on one stage and crash
+    or restart it on the other), named in one line at attach, and training matches the plain copy."""
+    result = run_pattern(tmp_path, scenario)
+    assert all(p == [[0, 1, 2, 3, 4, 5], [6, 7]] for p in result["placements"])
+    off = {r["stage"]: r for r in _events(result["log"], "moves_off")}
+    assert set(off) == {0, 1} and f"layer 0 {found}" in off[0]["msg"]
+    assert_trains_like_plain(result)

@@ -19,7 +19,9 @@ model's state (merged by global key), the placements and vpipe's log records to 
 - ``removal_hooked``: blocks removed while a block with a user's stateful forward hook trains on;
 - ``muon``: the Muon recipe, two optimizers per stage (Muon for the blocks' 2-D weights, AdamW for norms,
   biases, the input projection and the head) in a container holding ``.optimizers``;
-- ``muon_only``: only the Muon optimizer given to attach: the blocks' norms and biases train in none.
+- ``muon_only``: only the Muon optimizer given to attach: the blocks' norms and biases train in none;
+- ``ema_averaged`` / ``ema_dict``: an EMA of the weights beside the stage (torch's ``AveragedModel``, a dict of
+  clones by name), updated after each optimizer step.
 """
 
 from __future__ import annotations
@@ -147,7 +149,7 @@ def side_by_side(plans: dict[int, list[list[int]]], *, kinds: str = "d" * LAYERS
                  make_optimizer: Callable[[Net], Any] = lambda m: torch.optim.Adam(
                      m.parameters(), lr=1e-2), removals: dict[int, list[int]] | None = None,
                  hooked: tuple[int, ...] = (), attach_optimizer: Callable[[Any], Any] = lambda o: o,
-                 **options: Any) -> dict:
+                 ema: str | None = None, **options: Any) -> dict:
     """Train both copies on the same batches; vpipe's applies ``plans`` (schedule.step() call -> placement); both
     remove the blocks of ``removals`` before those steps; ``hooked`` blocks carry a :class:`CountingHook`."""
     import vpipe
@@ -159,6 +161,7 @@ def side_by_side(plans: dict[int, list[list[int]]], *, kinds: str = "d" * LAYERS
         for lid in hooked:
             if str(lid) in m.layers:
                 m.layers[str(lid)].register_forward_hook(CountingHook())
+    averages = {name: _average(ema, m) for name, (m, _, _) in copies.items()} if ema else {}
     model, schedule, opt = copies["vpipe"]
     kept_params = list(model.parameters())  # the trainer's own list, taken once before attach
     vp = vpipe.attach(schedule, optimizer=attach_optimizer(opt), planning=False, **options)
@@ -183,6 +186,8 @@ def side_by_side(plans: dict[int, list[list[int]]], *, kinds: str = "d" * LAYERS
                     placements.append([list(s) for s in vp.placement])
             o.step()
             o.zero_grad(set_to_none=True)
+            if name in averages:
+                averages[name](copies[name][0])
     vp.detach()
     del kept_params
     states = {name: {k: v.tolist() for k, v in m.state_dict().items()} for name, (m, _, _) in copies.items()}
@@ -238,6 +243,24 @@ class Optimizers:
             optimizer.zero_grad(set_to_none=set_to_none)
 
 
+def _average(kind: str, model: Net) -> Callable[[Net], None]:
+    """An EMA of the weights kept beside the stage (torch's AveragedModel, or a dict of clones by name); returns
+    the update the trainer calls after each optimizer step."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    if kind == "averaged":
+        averaged = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+        return averaged.update_parameters
+    clones = {name: p.detach().clone() for name, p in model.named_parameters()}
+
+    def update(m: Net) -> None:
+        with torch.no_grad():
+            for name, p in m.named_parameters():
+                clones[name].lerp_(p, 0.1)
+
+    return update
+
+
 def muon_recipe(model: Net) -> Optimizers:
     matrices = [p for p in model.layers.parameters() if p.ndim == 2]
     chosen = {id(p) for p in matrices}
@@ -268,6 +291,8 @@ SCENARIOS: dict[str, Callable[[], dict]] = {
     "removal_hooked": lambda: side_by_side({}, removals={3: [2], 5: [7]}, hooked=(6,)),
     "muon": lambda: side_by_side(ALL_TO_4_4, make_optimizer=muon_recipe),
     "muon_only": muon_only,
+    "ema_averaged": lambda: side_by_side({2: [[0, 1, 2, 3], [4, 5, 6, 7]]}, ema="averaged"),
+    "ema_dict": lambda: side_by_side({2: [[0, 1, 2, 3], [4, 5, 6, 7]]}, ema="dict"),
 }
 
 

@@ -16,6 +16,7 @@ from typing import Any
 from torch import nn
 
 from vpipe.log import decision
+from vpipe.stage.beside import averages_of
 from vpipe.stage.blocks import StageBlocks
 from vpipe.stage.kinds import block_kind
 from vpipe.stage.pins import outside_tensors, pin_reason, planner_kind, shared_pins, untrained_pins
@@ -31,7 +32,7 @@ def find_pins(pipeline: Pipeline, optimizer: Any = None) -> dict[int, str]:
     outside = {t for s in pipeline.stages if s.blocks is not None
                for t in outside_tensors(s.module, map(s.blocks.module_path, s.blocks.ids))}
     blocks = {lid: b for s in pipeline.stages if s.blocks is not None for lid, b in s.blocks.blocks().items()}
-    shared = {**untrained_pins(blocks, optimizer), **shared_pins(blocks, outside)}
+    shared = {**untrained_pins(blocks, optimizer), **averaged_pins(pipeline), **shared_pins(blocks, outside)}
     tied = pipeline.deepspeed.tied_layers() if pipeline.deepspeed is not None else []
     if tied:
         decision("moves_off", f"stage {pipeline.first.index}: DeepSpeed layers {tied} (TiedLayerSpec, shared with "
@@ -46,6 +47,18 @@ def find_pins(pipeline: Pipeline, optimizer: Any = None) -> dict[int, str]:
                      + "; ".join(f"layer {lid} {why}" for lid, why in sorted(pinned.items())),
                      stage=stage.index, layers=sorted(pinned), reason="pinned blocks")
     return shared
+
+
+def averaged_pins(pipeline: Pipeline) -> dict[int, str]:
+    """Every block of a stage whose weights a trainer averages beside it (an EMA): a move would leave the average
+    behind (:mod:`vpipe.stage.beside`)."""
+    pins = {}
+    for stage in pipeline.stages:
+        found = averages_of(stage.module) if stage.blocks is not None else []
+        if found:
+            why = f"is averaged beside its stage ({found[0]}): a move would leave its average behind"
+            pins.update(dict.fromkeys(stage.blocks.ids, why))  # type: ignore[union-attr]
+    return pins
 
 
 class LocalLayers:
