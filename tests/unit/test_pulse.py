@@ -35,18 +35,20 @@ def _steps(pulse: StagePulse, stage: _Stage, count: int, *, sampled: bool = Fals
     return changes
 
 
-def test_a_stage_that_slows_down_and_recovers_is_reported_once_each_way():
+def test_a_stage_that_slows_down_and_recovers_is_reported_each_way_within_three_steps():
     stage = _Stage()
     pulse = StagePulse([stage], "cpu")
     assert not any(_steps(pulse, stage, 8))  # a steady stage says nothing
     stage.wait_s = 0.030  # three times as slow
     slowed = _steps(pulse, stage, 6)
     reported = [c for c in slowed if c is not None]
-    assert len(reported) == 1 and reported[0].ratio > 1.3 and slowed.index(reported[0]) <= 2
+    # the first report comes within three steps (on a quiet machine it is the only one: the level is learnt anew)
+    assert reported and reported[0].ratio > 1.3 and slowed.index(reported[0]) <= 2
     assert "forward time per micro-batch changed" in reported[0].what
     stage.wait_s = 0.010
-    recovered = [c for c in _steps(pulse, stage, 6) if c is not None]
-    assert len(recovered) == 1 and recovered[0].ratio < 1 / 1.3
+    recovered = _steps(pulse, stage, 6)
+    back = [c for c in recovered if c is not None]
+    assert back and back[0].ratio < 1 / 1.3 and recovered.index(back[0]) <= 2
     pulse.close()
     assert not stage._forward_hooks and not stage._forward_pre_hooks  # the hooks are gone
 
