@@ -57,7 +57,7 @@ from vpipe.rank.tracing import TraceWindow
 from vpipe.settings import Settings
 from vpipe.stage.compiled import hoist_compiled
 from vpipe.stage.fsdp import FsdpRoot, is_fully_sharded
-from vpipe.stage.optimizers import optimizer_parts, raw_optimizers
+from vpipe.stage.optimizers import optimizer_parts, raw_optimizers, wrapper_refusal
 from vpipe.stage.pipeline import AttachTarget, check_optimizer, inspect_target, move_refusal
 from vpipe.tensor_manager import TensorManager, install_on_stage
 from vpipe.tensor_manager.pipelining import StageHandle
@@ -125,7 +125,8 @@ class Vpipe:
             self.agreement, world_rank=self.rank, world_size=self.world_size, who=self._who, replicas=self.replicas,
             layout={"schedule": pipeline.kind, "placement": [list(s) for s in placement],
                     "stage_ranks": list(pipeline.stage_ranks)}) if self.replicas.count > 1 else []
-        refusal = move_refusal(pipeline, has_factory=config.layer_factory is not None)
+        refusal = move_refusal(pipeline, has_factory=config.layer_factory is not None) or wrapper_refusal(
+            self.optimizer)
         self.move_refusal = self.agreement.agree_refusal(refusal, world_rank=self.rank, world_size=self.world_size,
                                                          who=self._who)
         self.memory_budget = resolve_memory_budget(config.memory_budget, pipeline.device)
@@ -139,7 +140,6 @@ class Vpipe:
             self._undo.append(hoisted.undo)  # this attach's blocks only
         self.stage_handles: dict[int, StageHandle] = {}  # (filled by _start_tensor_managers)
         self.tensor_managers = self._start_tensor_managers(initial) if self._manages_activations() else {}
-        # the stage description holds the blocks: the monitors read them, the layer manager edits them in place
         shared = find_pins(pipeline, self.optimizer)
         facts = LocalLayers({s.index: s.blocks for s in pipeline.stages if s.blocks is not None}, shared,
                             builds_any=config.layer_factory is not None)

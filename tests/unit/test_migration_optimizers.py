@@ -106,3 +106,23 @@ def test_a_stage_with_muon_and_adamw_reads_as_one_and_a_moved_block_joins_each_k
                        send.parts[0].state[sender[0].weight]["momentum_buffer"])
     assert torch.equal(adamw.state[arriving.bias]["exp_avg"], send.parts[1].state[sender[0].bias]["exp_avg"])
     assert arriving.weight not in adamw.state and arriving.bias not in muon.state
+
+
+def test_an_optimizer_wrapper_that_keeps_state_of_its_own_turns_moves_off_naming_it():
+    import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    from vpipe.stage.optimizers import wrapper_refusal
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        block = nn.Linear(4, 4)
+        zero = ZeroRedundancyOptimizer(block.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
+        assert wrapper_refusal(zero) == (
+            "the optimizer is torch.distributed.optim.zero_redundancy_optimizer.ZeroRedundancyOptimizer, which keeps "
+            "state vpipe cannot carry with a block (ZeRO's per-rank shards and parameter-to-rank maps)")
+        assert wrapper_refusal(optimizer_parts([zero, torch.optim.SGD(nn.Linear(2, 2).parameters())],
+                                               {0: block})) is not None
+        assert wrapper_refusal(torch.optim.AdamW(block.parameters())) is None
+    finally:
+        dist.destroy_process_group()

@@ -26,7 +26,7 @@ from torch import nn
 from vpipe.stage.groups import GroupMismatch, group_settings, matching_group
 
 __all__ = ["OptimizerParts", "StageOptimizers", "optimizer_parts", "raw_optimizers", "part_of", "move_between",
-           "group_refusal"]
+           "group_refusal", "wrapper_refusal"]
 
 
 class _RoutedState(MutableMapping[torch.Tensor, Any]):
@@ -161,6 +161,18 @@ def raw_optimizers(optimizer: torch.optim.Optimizer | None) -> list[torch.optim.
     if isinstance(optimizer, (OptimizerParts, StageOptimizers)):
         return [raw for part in optimizer.parts for raw in raw_optimizers(part)]
     return [] if optimizer is None else [optimizer]
+
+
+def wrapper_refusal(optimizer: torch.optim.Optimizer | None) -> str | None:
+    """Why moves cannot carry this optimizer's state, for a wrapper that keeps state of its own beside its param
+    groups (torch.distributed.optim's ZeroRedundancyOptimizer: per-rank shards of the state, parameter-to-rank
+    maps); None when they can."""
+    for raw in raw_optimizers(optimizer):
+        kind = type(raw)
+        if kind.__module__.startswith("torch.distributed.optim"):
+            return (f"the optimizer is {kind.__module__}.{kind.__name__}, which keeps state vpipe cannot carry with "
+                    "a block (ZeRO's per-rank shards and parameter-to-rank maps)")
+    return None
 
 
 def part_of(optimizer: torch.optim.Optimizer | None, stage: int) -> torch.optim.Optimizer | None:
