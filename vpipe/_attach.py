@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -391,8 +392,8 @@ class Vpipe:
 
     # ------------------------------------------------------------------ the end
     def _at_exit(self) -> None:
-        if not self._detached:
-            self._exit_timeout_s = 5.0
+        if not self._detached:  # after an uncaught exception the peers' last stats may never come: no wait for them
+            self._exit_timeout_s = 0.0 if getattr(sys, "last_value", None) is not None else 5.0
             self.detach()
 
     def detach(self) -> None:
