@@ -111,6 +111,7 @@ class Vpipe:
         self._undo: list[Callable[[], object]] = []  # what an undo returns is ignored
         self._detached = False
         self._exit_timeout_s: float | None = None
+        trace, metrics = self._trace_window(), self._metrics_writer()  # their directories checked before set-up
         # vpipe addresses its peers by their rank in the pipeline's own group (the world, or one mesh dimension)
         self.replicas = Replicas(pipeline.global_ranks(), self.world_size)
         self.pipe_rank = pipeline.rank
@@ -158,8 +159,7 @@ class Vpipe:
         self.driver = StepDriver(parts, boundary=self.boundary, applier=PlanApplier(parts, self.move_refusal),
                                  micro_batches=pipeline.micro_batches(config.micro_batches),
                                  logs_steps=self.num_stages - 1 in self._local, counter=self._micro_batch_counter(),
-                                 stage_handles=self.stage_handles, trace=self._trace_window(),
-                                 metrics=self._metrics_writer())
+                                 stage_handles=self.stage_handles, trace=trace, metrics=metrics)
         self.edits = LayerEdits(parts, agreement=self.agreement, driver=self.driver,
                                 has_factory=config.layer_factory is not None, who=self._who)
         self._install()

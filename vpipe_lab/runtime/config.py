@@ -194,8 +194,9 @@ class RunConfig:
         """Every path the run writes, checked before it starts (not after training, when results would be lost)."""
         if self.log_file is not None:
             check_output_file(self.log_file, "log file")
-        if self.out_dir is not None:
-            check_output_dir(self.out_dir, "out_dir")
+        if self.out_dir is not None:  # what the ranks write there (the last one nas.json), links planted there refused
+            check_output_dir(self.out_dir, "out_dir", [f"rank{r}.{kind}" for r in range(self.stages)
+                                                       for kind in ("pt", "json")] + ["nas.json"])
         if self.checkpoint_dir is not None:
             check_output_dir(self.checkpoint_dir, "checkpoint_dir")
         if self.resume is not None and os.path.exists(self.resume) and not os.path.isdir(self.resume):
