@@ -20,7 +20,7 @@ from vpipe.sizes import parse_bytes
 from vpipe_lab import bench, demo, logview, plot
 from vpipe_lab.runtime.config import LR_SCHEDULES, MODELS, OPTIMIZERS, SCHEDULES, RunConfig
 from vpipe_lab.runtime.layout import MULTI_STAGE
-from vpipe_lab.runtime.outputs import check_vpipe_outputs
+from vpipe_lab.runtime.outputs import check_vpipe_outputs, claim_outputs
 
 
 def _positive_int(text: str) -> int:
@@ -193,6 +193,7 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
         # the launcher looks before any rank starts; a rank never does (rank 0 takes the lock for the run, and a
         # rank that took it to look while rank 0 took it made rank 0 report the directory in use)
         check_checkpoint_dir(cfg)
+        claim_outputs(cfg, hold=False)  # --out-dir, --log-file and the trace directory: no other run's
         if cfg.resume:
             from vpipe_lab.runtime.checkpoints import load_resume
 
@@ -225,6 +226,8 @@ def cmd_nas(args: argparse.Namespace, argv: Sequence[str]) -> int:
         planner = cfg.planner if cfg.planner != daemon.NO_CHANGE_PLANNER else DEFAULT_PLANNER
         cfg = RunConfig(**{**cfg.to_dict(), "vpipe": True, "planner": planner})
     check_vpipe_outputs(cfg.vpipe)
+    if rank_env() is None:
+        claim_outputs(cfg, hold=False)  # --out-dir, --log-file and the trace directory: no other run's
     evo = EvolutionConfig(population=args.population, sample=args.sample, cycles=args.cycles,
                           steps_per_candidate=args.steps_per_candidate, seed=args.seed)
     if rank_env() is None:

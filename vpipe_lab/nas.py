@@ -32,6 +32,7 @@ from rich.table import Table
 from vpipe.files import make_dirs, write_atomic
 from vpipe.log import decision
 from vpipe_lab.runtime.models import BLOCK_TYPES, block_spec
+from vpipe_lab.runtime.outputs import claim_outputs
 from vpipe_lab.runtime.trainer import _attach_vpipe, build_stage_run
 from vpipe_lab.runtime.watchdog import stderr_line
 
@@ -207,6 +208,8 @@ def _write_result(out: Path, result: SearchResult, rank: int) -> None:
 def search_rank(cfg: Any, evo: EvolutionConfig, ctx: Any) -> SearchResult:
     """One rank of ``vpipe nas``: the reference transformer under vpipe, searched by regularized evolution."""
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    if ctx.rank == 0:
+        claim_outputs(cfg, hold=True)  # --out-dir, --log-file and the trace directory, for as long as the run lives
     run = build_stage_run(cfg, ctx.rank, ctx.device)
     vp = _attach_vpipe(cfg, run)
     state = {"step": 0}
