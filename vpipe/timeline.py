@@ -228,7 +228,11 @@ def load_rank_file(path: Path) -> RankTimeline:
 
 def load_run(directory: Path) -> list[RankTimeline]:
     """Every rank's file of a run directory, by rank."""
-    if not directory.is_dir():
+    try:
+        is_dir = stat.S_ISDIR(directory.stat().st_mode)
+    except OSError:  # missing, or a name too long to be one
+        is_dir = False
+    if not is_dir:
         raise ValueError(f"{directory} is not a directory (give the trace_dir of a run)")
     files = sorted(directory.glob(FILE_PATTERN.format(rank="*")))
     if not files:

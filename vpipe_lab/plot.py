@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vpipe.checks import shorten
 from vpipe.files import check_output_file, output_file
 from vpipe.log import DECISIONS, STEPS, read_log
 
@@ -155,7 +156,7 @@ def _cmd_plot(args: argparse.Namespace, argv: Sequence[str]) -> int:
         check_output_file(args.output, "-o")  # a planted link or a directory there: said before drawing
         series = plot_run(args.log_file, args.output, title=args.title)
     except (ValueError, RuntimeError) as e:  # FileCheckError (a planted link, a full disk) included
-        print(f"vpipe plot: {e}", file=sys.stderr)
+        print(shorten(f"vpipe plot: {e}"), file=sys.stderr)
         return 2
     print(f"vpipe plot: {len(series.step)} steps, {len(series.layers)} stages, {len(series.marks)} layer changes "
           f"-> {args.output}")

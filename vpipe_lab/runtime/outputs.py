@@ -21,11 +21,11 @@ import stat
 from collections.abc import Mapping
 from pathlib import Path
 
-from vpipe.files import FileCheckError, check_output_dir, make_dirs, open_append, open_lock
+from vpipe.files import FileCheckError, check_output_dir, check_output_file, make_dirs, open_append, open_lock
 from vpipe.settings import Settings
 from vpipe_lab.runtime.config import RunConfig
 
-__all__ = ["check_vpipe_outputs", "claim_outputs", "lock_directory", "keep", "OutputInUseError",
+__all__ = ["check_vpipe_outputs", "run_log_file", "claim_outputs", "lock_directory", "keep", "OutputInUseError",
            "LOCK_NAME"]
 
 LOCK_NAME = ".vpipe-lock"
@@ -34,6 +34,17 @@ _held: dict[tuple[int, int], int] = {}  # (device, inode) of a lock this process
 
 class OutputInUseError(ValueError):
     """An output another run is writing now, or one whose lock cannot be taken safely: one line naming it."""
+
+
+def run_log_file(flag: str | None, environ: Mapping[str, str] | None = None) -> str | None:
+    """The run log a run writes: ``--log-file``, else ``VPIPE_LOG_FILE`` (which the launcher checked, and nothing
+    wrote to before)."""
+    if flag is not None:
+        return flag
+    value = Settings.read(environ).log_file
+    if value:
+        check_output_file(value, "VPIPE_LOG_FILE")  # named as the user set it
+    return value
 
 
 def check_vpipe_outputs(vpipe: bool, environ: Mapping[str, str] | None = None) -> None:
