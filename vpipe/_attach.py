@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any
@@ -112,6 +113,7 @@ class Vpipe:
         self._undo: list[Callable[[], object]] = []  # what an undo returns is ignored
         self._detached = False
         self._exit_timeout_s: float | None = None
+        trace, metrics = self._trace_window(), self._metrics_writer()  # their directories checked before set-up
         # vpipe addresses its peers by their rank in the pipeline's own group (the world, or one mesh dimension)
         self.replicas = Replicas(pipeline.global_ranks(), self.world_size)
         self.pipe_rank = pipeline.rank
@@ -158,8 +160,7 @@ class Vpipe:
         self.driver = StepDriver(parts, boundary=self.boundary, applier=PlanApplier(parts, self.move_refusal),
                                  micro_batches=pipeline.micro_batches(config.micro_batches),
                                  logs_steps=self.num_stages - 1 in self._local, counter=self._micro_batch_counter(),
-                                 stage_handles=self.stage_handles, trace=self._trace_window(),
-                                 metrics=self._metrics_writer())
+                                 stage_handles=self.stage_handles, trace=trace, metrics=metrics)
         self.edits = LayerEdits(parts, agreement=self.agreement, driver=self.driver,
                                 has_factory=config.layer_factory is not None, who=self._who)
         self._install()
@@ -394,8 +395,8 @@ class Vpipe:
 
     # ------------------------------------------------------------------ the end
     def _at_exit(self) -> None:
-        if not self._detached:
-            self._exit_timeout_s = 5.0
+        if not self._detached:  # after an uncaught exception the peers' last stats may never come: no wait for them
+            self._exit_timeout_s = 0.0 if getattr(sys, "last_value", None) is not None else 5.0
             self.detach()
 
     def detach(self) -> None:

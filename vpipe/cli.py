@@ -10,9 +10,10 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from vpipe import __version__, timeline
+from vpipe.checks import shorten
 from vpipe.control import daemon, keys
 from vpipe.planner.cli import register as register_plan
 
@@ -27,9 +28,17 @@ def register_commands(sub: Any) -> None:
     timeline.register(sub)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, its error line cut where it echoes an overlong value (:func:`vpipe.checks.shorten`);
+    its subcommands' parsers are of this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        super().error(shorten(message))
+
+
 def build_parser(description: str | None = None) -> tuple[argparse.ArgumentParser, Any]:
     """The ``vpipe`` parser with the library's subcommands, and its subparsers for more."""
-    parser = argparse.ArgumentParser(prog="vpipe", description=description or __doc__.splitlines()[0])
+    parser = _Parser(prog="vpipe", description=description or __doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"vpipe {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     register_commands(sub)
@@ -42,7 +51,7 @@ def run(parser: argparse.ArgumentParser, argv: Sequence[str]) -> int:
     try:
         return int(args.func(args, list(argv)) or 0)
     except ValueError as e:
-        print(f"vpipe: error: {e}", file=sys.stderr)
+        print(shorten(f"vpipe: error: {e}"), file=sys.stderr)
         return 2
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vpipe.files import read_regular
+from vpipe.files import read_regular, write_output
 from vpipe.sizes import MAX_BYTES
 
 __all__ = ["LayerNode", "LayerGraph", "Roofline", "Unit", "ModelGraph", "load_graph"]
@@ -150,8 +150,10 @@ class LayerGraph:
         edges = [_edge_from_list(i, raw) for i, raw in enumerate(data["edges"])]
         return cls(name=name, nodes=nodes, edges=edges)
 
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=1))
+    def save(self, path: str | Path, what: str = "graph file") -> None:
+        """The graph's JSON as the whole of ``path``, never written through a link another user planted (one line
+        naming it, :func:`vpipe.files.write_output`)."""
+        write_output(path, json.dumps(self.to_dict(), indent=1).encode(), what)
 
     @classmethod
     def load(cls, path: str | Path) -> LayerGraph:
@@ -195,6 +197,10 @@ class ModelGraph:
                         "blocks": {u.name: u.container for u in self.units if u.container is not None},
                         "unused": self.unused}
         return out
+
+    def save(self, path: str | Path, what: str = "graph file") -> None:
+        """:meth:`to_dict` as the whole of ``path``, as :meth:`LayerGraph.save` writes."""
+        write_output(path, json.dumps(self.to_dict(), indent=1).encode(), what)
 
     @classmethod
     def from_annotation(cls, graph: LayerGraph, raw: Any) -> ModelGraph:

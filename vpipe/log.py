@@ -19,10 +19,9 @@ import math
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-from vpipe.files import check_output_file, open_append, read_regular
+from vpipe.files import check_output_file, make_dirs, open_append, read_regular
 
 DECISIONS = "vpipe.decisions"
 decision_log = logging.getLogger(DECISIONS)
@@ -164,7 +163,7 @@ class RunLog:
 
     def __init__(self, log_file: str | os.PathLike[str], rank: int | None = None, level: int = logging.INFO) -> None:
         check_output_file(log_file, "log file")  # a FIFO would block the open, a directory fail it
-        Path(log_file).parent.mkdir(parents=True, exist_ok=True)
+        make_dirs(os.path.dirname(os.path.abspath(log_file)), "log file")  # 0700, through no planted link
         key = (os.path.abspath(log_file), rank)
         if key not in _open:
             handler = RunLogHandler(log_file, rank)

@@ -36,9 +36,9 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
-from vpipe.files import write_atomic
+from vpipe.files import check_output_file, make_dirs, output_file, write_atomic, write_output
 
 __all__ = ["span", "active", "start", "stop", "recording", "Recorder", "set_track", "RANK_TRACK", "merge",
            "stage_fractions", "load_rank_file", "load_run", "draw", "register", "FILE_PATTERN"]
@@ -74,7 +74,7 @@ class Recorder:
                 "events": [{"name": n, "cat": c, "track": t, "start_ns": s, "end_ns": e, "args": a}
                            for n, c, t, s, e, a in self.events]}
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            make_dirs(self.path.parent, "trace_dir")  # 0700, never through a link another user planted
             _replace_file(self.path, json.dumps(body))
         except OSError as e:  # the trace is for the user: said once here, and training goes on without it
             _say(f"vpipe [rank {self.rank}]: cannot write the timeline {self.path} ({e.strerror or e}); training "
@@ -228,7 +228,11 @@ def load_rank_file(path: Path) -> RankTimeline:
 
 def load_run(directory: Path) -> list[RankTimeline]:
     """Every rank's file of a run directory, by rank."""
-    if not directory.is_dir():
+    try:
+        is_dir = stat.S_ISDIR(directory.stat().st_mode)
+    except OSError:  # missing, or a name too long to be one
+        is_dir = False
+    if not is_dir:
         raise ValueError(f"{directory} is not a directory (give the trace_dir of a run)")
     files = sorted(directory.glob(FILE_PATTERN.format(rank="*")))
     if not files:
@@ -305,7 +309,7 @@ _COLOURS = {"vpipe.forward": "#4c72b0", "vpipe.backward": "#dd8452", "vpipe.p2p_
             "vpipe.swap_in_now": "#937860", "vpipe.apply_plan": "#000000"}
 
 
-def draw(ranks: list[RankTimeline], path: Path) -> None:
+def draw(ranks: list[RankTimeline], path: Path | BinaryIO) -> None:
     """The merged timeline as a picture: a row per stage (its forwards, backwards and memory work) and per rank
     (its waits and plan applications), milliseconds from the first event. Needs matplotlib (the plot extra)."""
     try:
@@ -335,7 +339,7 @@ def draw(ranks: list[RankTimeline], path: Path) -> None:
     ax.legend(handles=[matplotlib.patches.Patch(color=_COLOURS.get(n, "#999999"), label=n[len("vpipe."):])
                        for n in seen], loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=len(seen), frameon=False)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, format="png")
     plt.close(fig)
 
 
@@ -350,16 +354,13 @@ def cmd_trace(args: argparse.Namespace, argv: object = None) -> int:
         raise ValueError(f"--png {png}: {png.resolve().parent} is not a directory")
     if png is not None and png.is_dir():
         raise ValueError(f"--png {png}: a directory, not a file to write")
+    for path, what in ((out, "-o"), *(((png, "--png"),) if png is not None else ())):
+        check_output_file(path, what)  # a link planted there: refused before anything is written
     trace = merge(ranks)
-    try:
-        _replace_file(out, json.dumps(trace))
-    except OSError as e:
-        raise ValueError(f"-o {out}: {e.strerror or e}") from None
+    write_output(out, json.dumps(trace).encode("utf-8"), "-o")  # a planted link refused, one of this user's replaced
     if png is not None:
-        try:
-            draw(ranks, png)
-        except OSError as e:
-            raise ValueError(f"--png {png}: {e.strerror or e}") from None
+        with output_file(png, "--png") as picture:
+            draw(ranks, picture)
         print(f"wrote {png}")
     events = sum(len(r.events) for r in ranks)
     print(f"wrote {out}: {events} events of {len(ranks)} ranks (open it in Perfetto or chrome://tracing)")

@@ -14,6 +14,10 @@ Where the results go (``--json OUT``):
   seconds. ``vpipe_lab.report`` reads such a directory to regenerate the README's headline
   table and the plots in ``docs/``.
 
+A script writes its JSON into a private temporary directory; vpipe then puts it in place
+with the safe writer (``vpipe.files``), so a link planted at ``OUT`` or in it is refused in
+one line (a script's own ``write_text`` would have followed it).
+
 Benchmarks that other work provides (``nas``, ``soak``) are skipped with the reason
 printed when their script is not in this checkout.
 """
@@ -25,6 +29,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +37,8 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+
+from vpipe.files import check_output_file, make_dirs, read_regular, write_output
 
 __all__ = ["Benchmark", "BENCHMARKS", "run_benchmarks", "register"]
 
@@ -106,23 +113,41 @@ def run_benchmarks(names: list[str], out: Path | None, *, folder: Path | None = 
             raise ValueError(f"--json {out}: is a file; with {len(names)} benchmarks --json names a directory for "
                              "NAME.json and bench.json (a .json file only for one NAME)")
         try:
-            out.mkdir(parents=True, exist_ok=True)
+            make_dirs(out, "--json")  # 0700, never through a link another user planted
         except OSError as e:
-            raise ValueError(f"--json {out}: cannot make the directory: {e.strerror}") from None
+            raise ValueError(f"--json {out}: cannot make the directory: {e.strerror or e}") from None
+    targets = {name: out if single_file else (out / f"{name}.json" if out is not None else None) for name in names}
+    for target in filter(None, [*targets.values(), out / "bench.json" if out and not single_file else None]):
+        check_output_file(target, "--json")  # a link planted there is said now, not after an hour of benchmarks
     records = []
     for name in names:
-        bench = BENCHMARKS[name]
-        target = out if single_file else (out / f"{name}.json" if out is not None else None)
-        records.append(_run_one(bench, folder, target, extra or []))
+        records.append(_run_one(BENCHMARKS[name], folder, targets[name], extra or []))
         print(f"vpipe bench: {name}: {records[-1]['status']} ({records[-1]['seconds']:.0f} s)"
               + (f": {records[-1]['reason']}" if records[-1].get("reason") else ""), flush=True)
     if out is not None and not single_file:
-        (out / "bench.json").write_text(json.dumps({"benchmarks": records,
-                                                    "total_s": sum(r["seconds"] for r in records)}, indent=1))
+        status = {"benchmarks": records, "total_s": sum(r["seconds"] for r in records)}
+        write_output(out / "bench.json", json.dumps(status, indent=1).encode(), "--json")
     return records
 
 
 def _run_one(bench: Benchmark, folder: Path, target: Path | None, extra: list[str]) -> dict[str, Any]:
+    """Run one benchmark; its JSON (written by the script into a private temporary directory) is put at
+    ``target`` by the safe writer."""
+    if target is None:
+        return _run_script(bench, folder, None, extra)
+    with tempfile.TemporaryDirectory(prefix="vpipe-bench-") as private:  # 0700: nobody else can plant a link
+        written = Path(private) / target.name
+        record = _run_script(bench, folder, written, extra)
+        if written.exists():
+            write_output(target, read_regular(written, 1 << 30, "benchmark JSON"), "--json")
+        if record.get("json"):
+            record["json"] = str(target)
+        if "command" in record:  # as the user would run it
+            record["command"] = record["command"].replace(str(written), str(target))
+        return record
+
+
+def _run_script(bench: Benchmark, folder: Path, target: Path | None, extra: list[str]) -> dict[str, Any]:
     record: dict[str, Any] = {"name": bench.name, "script": f"benchmarks/{bench.script}", "seconds": 0.0}
     script = bench.script_in(folder)
     if not script.exists():

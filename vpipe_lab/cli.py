@@ -20,7 +20,7 @@ from vpipe.sizes import parse_bytes
 from vpipe_lab import bench, demo, logview, plot
 from vpipe_lab.runtime.config import LR_SCHEDULES, MODELS, OPTIMIZERS, SCHEDULES, RunConfig
 from vpipe_lab.runtime.layout import MULTI_STAGE
-from vpipe_lab.runtime.outputs import check_vpipe_outputs
+from vpipe_lab.runtime.outputs import check_vpipe_outputs, claim_outputs, run_log_file
 
 
 def _positive_int(text: str) -> int:
@@ -105,7 +105,8 @@ def add_run_arguments(p: argparse.ArgumentParser, *, steps: int, stages: int) ->
     p.add_argument("--partition", type=_partition, default=None,
                    help="layers per (virtual) stage, in model order, e.g. 6,4")
     p.add_argument("--vertical-sync", action="store_true", help="PipeDream: every stage uses stage 0's weight version")
-    p.add_argument("--log-file", default=None, help="append JSON-lines logs (decisions included) here")
+    p.add_argument("--log-file", default=None,
+                   help="append JSON-lines logs (decisions included) here (default: $VPIPE_LOG_FILE)")
     p.add_argument("--out-dir", default=None, help="save each rank's final parameters and losses here")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--monitor-every", type=int, default=0, metavar="K",
@@ -143,7 +144,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         micro_batches=args.micro_batches, micro_batch_size=args.micro_batch_size, steps=args.steps,
         lr=args.lr, optimizer=args.optimizer, weight_decay=args.weight_decay, lr_schedule=args.lr_schedule,
         warmup_steps=args.warmup_steps, seed=args.seed, partition=args.partition,
-        vertical_sync=args.vertical_sync, log_file=args.log_file, out_dir=args.out_dir,
+        vertical_sync=args.vertical_sync, log_file=run_log_file(args.log_file), out_dir=args.out_dir,
         progress=not args.no_progress, monitor_every=args.monitor_every,
         planner=_planner(args), vpipe=args.vpipe, memory_budget=args.memory_budget, policy=args.policy or "D",
         planning=not args.no_planning, moves=args.moves, nas=args.nas,
@@ -193,6 +194,7 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
         # the launcher looks before any rank starts; a rank never does (rank 0 takes the lock for the run, and a
         # rank that took it to look while rank 0 took it made rank 0 report the directory in use)
         check_checkpoint_dir(cfg)
+        claim_outputs(cfg, hold=False)  # --out-dir, --log-file and the trace directory: no other run's
         if cfg.resume:
             from vpipe_lab.runtime.checkpoints import load_resume
 
@@ -225,6 +227,8 @@ def cmd_nas(args: argparse.Namespace, argv: Sequence[str]) -> int:
         planner = cfg.planner if cfg.planner != daemon.NO_CHANGE_PLANNER else DEFAULT_PLANNER
         cfg = RunConfig(**{**cfg.to_dict(), "vpipe": True, "planner": planner})
     check_vpipe_outputs(cfg.vpipe)
+    if rank_env() is None:
+        claim_outputs(cfg, hold=False)  # --out-dir, --log-file and the trace directory: no other run's
     evo = EvolutionConfig(population=args.population, sample=args.sample, cycles=args.cycles,
                           steps_per_candidate=args.steps_per_candidate, seed=args.seed)
     if rank_env() is None:

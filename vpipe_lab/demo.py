@@ -20,7 +20,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from vpipe.files import check_output_dir
+from vpipe.files import check_output_dir, make_dirs
 from vpipe.log import read_log
 from vpipe_lab.logview import decision_rows
 from vpipe_lab.runtime.config import RunConfig
@@ -65,7 +65,7 @@ def phase_throughput(step_s: list[list[float]], samples_per_step: int, phases: d
 def run_demo(plan: DemoPlan, log_dir: Path) -> int:
     check_output_dir(log_dir, "--log-dir")  # a ValueError: one line, before the first run
     console = Console()
-    log_dir.mkdir(parents=True, exist_ok=True)
+    make_dirs(log_dir, "--log-dir")  # 0700, never through a link another user planted
     model: dict[str, Any] = dict(blocks=4, d_model=128, n_heads=4, seq_len=64, micro_batches=4, micro_batch_size=4,
                                  dropout=0.0, stages=2, schedule="1f1b", steps=plan.steps)
     console.print(f"[bold]vpipe demo[/]: a 4-block byte-level transformer on 2 stages (1F1B); at step "

@@ -29,9 +29,12 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
 
+from vpipe.files import make_dirs, write_atomic
 from vpipe.log import decision
 from vpipe_lab.runtime.models import BLOCK_TYPES, block_spec
+from vpipe_lab.runtime.outputs import claim_outputs
 from vpipe_lab.runtime.trainer import _attach_vpipe, build_stage_run
+from vpipe_lab.runtime.watchdog import stderr_line
 
 __all__ = ["Architecture", "EvolutionConfig", "Candidate", "regularized_evolution", "morph"]
 
@@ -189,9 +192,24 @@ def block_spec_for(d_model: int, n_heads: int, dropout: float) -> Callable[[str]
     return lambda kind: block_spec(kind, d_model, n_heads, 4 * d_model, dropout)
 
 
+def _write_result(out: Path, result: SearchResult, rank: int) -> None:
+    """``out/nas.json`` (0600, a new file renamed into place: never through a link); a write that fails is said in
+    one line, never a traceback."""
+    body = {"best": {"architecture": list(result.best.arch.blocks), "loss": result.best.loss},
+            "history": [{"architecture": list(c.arch.blocks), "loss": c.loss, "step": c.step} for c in result.history]}
+    try:
+        make_dirs(out, "out_dir")
+        write_atomic(out / "nas.json", json.dumps(body, indent=1).encode(), what="out_dir")
+    except OSError as e:
+        stderr_line(f"vpipe [rank {rank}]: cannot write the search's results to {out} ({e.strerror or e}); the "
+                    "search finished without them")
+
+
 def search_rank(cfg: Any, evo: EvolutionConfig, ctx: Any) -> SearchResult:
     """One rank of ``vpipe nas``: the reference transformer under vpipe, searched by regularized evolution."""
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    if ctx.rank == 0:
+        claim_outputs(cfg, hold=True)  # --out-dir, --log-file and the trace directory, for as long as the run lives
     run = build_stage_run(cfg, ctx.rank, ctx.device)
     vp = _attach_vpipe(cfg, run)
     state = {"step": 0}
@@ -211,12 +229,7 @@ def search_rank(cfg: Any, evo: EvolutionConfig, ctx: Any) -> SearchResult:
                                    last_rank=cfg.stage_rank(cfg.virtual_stages - 1))
     vp.detach()
     if cfg.out_dir and run.is_last:
-        out = Path(cfg.out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "nas.json").write_text(json.dumps({
-            "best": {"architecture": list(result.best.arch.blocks), "loss": result.best.loss},
-            "history": [{"architecture": list(c.arch.blocks), "loss": c.loss, "step": c.step} for c in result.history],
-        }, indent=1))
+        _write_result(Path(cfg.out_dir), result, ctx.rank)
     if run.is_last and cfg.progress:
         table = Table(title="regularized evolution (losses after a short training each)")
         for col in ("#", "architecture", "blocks", "loss"):

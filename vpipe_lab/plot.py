@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vpipe.checks import shorten
+from vpipe.files import check_output_file, output_file
 from vpipe.log import DECISIONS, STEPS, read_log
 
 __all__ = ["RunSeries", "series_from_log", "plot_run", "register"]
@@ -126,8 +128,11 @@ def plot_run(log_file: str | Path, output: str | Path, *, title: str | None = No
     top.set_title(title or f"{Path(log_file).name}: throughput and layers per stage "
                            f"(dashed: red added, orange removed, green moved)")
     fig.tight_layout()
-    fig.savefig(output, dpi=110, format="png")  # exactly ``output``: no ".png" added to a name without one
-    plt.close(fig)
+    try:
+        with output_file(output, "-o") as f:  # never through a planted link; exactly ``output``: no ".png" added
+            fig.savefig(f, dpi=110, format="png")
+    finally:
+        plt.close(fig)
     return series
 
 
@@ -148,12 +153,10 @@ def _cmd_plot(args: argparse.Namespace, argv: Sequence[str]) -> int:
         print(f"vpipe plot: cannot write {args.output}: the directory {folder} does not exist", file=sys.stderr)
         return 2
     try:
+        check_output_file(args.output, "-o")  # a planted link or a directory there: said before drawing
         series = plot_run(args.log_file, args.output, title=args.title)
-    except OSError as e:
-        print(f"vpipe plot: cannot write {args.output}: {e.strerror}", file=sys.stderr)
-        return 2
-    except (ValueError, RuntimeError) as e:
-        print(f"vpipe plot: {e}", file=sys.stderr)
+    except (ValueError, RuntimeError) as e:  # FileCheckError (a planted link, a full disk) included
+        print(shorten(f"vpipe plot: {e}"), file=sys.stderr)
         return 2
     print(f"vpipe plot: {len(series.step)} steps, {len(series.layers)} stages, {len(series.marks)} layer changes "
           f"-> {args.output}")

@@ -37,6 +37,9 @@ TRAINING_TESTS = {
     "test_control_run_key.py::test_a_store_reader_cannot_pass_the_control_planes_authentication",
     "test_measure.py::test_a_run_measures_every_step_of_every_rank",
     "test_planner_judge.py::test_a_run_whose_planner_slows_it_down_is_put_back_and_says_so",
+    "test_run_outputs.py::test_a_second_training_run_on_the_same_outputs_is_refused_while_the_first_trains",
+    "test_run_outputs.py::test_a_run_under_umask_000_makes_its_files_0600_and_directories_0700_and_writes_vpipe_log_"
+    "file",
     "test_warm_start.py::test_a_forked_rank_ends_the_run_with_the_code_a_cold_one_would",
     "test_warm_start.py::test_modules_and_code_strings_start_warm_too",
     "test_warm_start.py::test_the_starter_ends_its_ranks_when_the_launcher_goes",

@@ -210,16 +210,12 @@ def test_bad_settings_end_the_command_before_it_starts_with_one_line(paths, caps
 
 
 def test_plot_writes_exactly_the_file_named_or_says_why_not(tmp_path, capsys):
+    from support.run_logs import plotted_log
     from vpipe_lab.cli import main
 
-    log = tmp_path / "run.log"
-    records = [{"t": 1.0, "rank": 0, "logger": "vpipe.decisions", "level": "INFO", "event": "attached", "stage": 0,
-                "layers": [0, 1], "msg": "attached"}]
-    records += [{"t": 2.0 + i, "rank": 1, "logger": "vpipe.steps", "level": "INFO", "step": i, "step_s": 0.5,
-                 "stage": 1, "micro_batches": 2, "layers": 2, "msg": f"step {i}"} for i in range(6)]
-    log.write_text("".join(json.dumps(r) + "\n" for r in records))
+    log = plotted_log(tmp_path / "run.log", steps=6)
     assert main(["plot", str(log), "-o", "/dev/full"]) == 2  # was written to /dev/full.png
-    assert capsys.readouterr().err.strip() == "vpipe plot: cannot write /dev/full: No space left on device"
+    assert capsys.readouterr().err.strip() == "vpipe plot: cannot write -o /dev/full: No space left on device"
     assert main(["plot", str(log), "-o", ""]) == 2  # was written to .png
     assert capsys.readouterr().err.strip() == "vpipe plot: -o is empty; give the PNG file to write"
     assert main(["plot", str(log), "-o", str(tmp_path / "plain")]) == 0

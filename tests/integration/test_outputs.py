@@ -88,12 +88,12 @@ def test_checkpoints_and_results_that_cannot_be_written_are_said_once_per_rank_a
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     said = sorted(line for line in proc.stderr.splitlines() if "cannot write" in line)
     assert said == [
-        f"vpipe [rank 0]: cannot write the checkpoint after step 2 in {ck} (File exists); training goes on "
+        f"vpipe [rank 0]: cannot write the checkpoint after step 2 in {ck} (Not a directory); training goes on "
         "without checkpoints",
-        f"vpipe [rank 1]: cannot write the checkpoint after step 2 in {ck} (File exists); training goes on "
+        f"vpipe [rank 1]: cannot write the checkpoint after step 2 in {ck} (Not a directory); training goes on "
         "without checkpoints",
         f"vpipe [rank 1]: cannot write this rank's results to {out} (Is a directory); training finished without them",
     ], proc.stderr[-3000:]
     assert not list(ck.glob("step-00000004"))  # dropped after the failure, on every rank alike
-    assert sorted(p.name for p in out.iterdir()) == ["rank0.json", "rank0.pt", "rank1.json", "rank1.pt"]
+    assert sorted(p.name for p in out.iterdir()) == [".vpipe-lock", "rank0.json", "rank0.pt", "rank1.json", "rank1.pt"]
     assert os.path.isdir(out / "rank1.json")

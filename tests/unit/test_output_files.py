@@ -39,19 +39,18 @@ def shared(tmp_path: Path, name: str = "shared") -> Path:
 # ---------------------------------------------------------------------- links planted where vpipe writes
 def test_a_planted_lock_link_leaves_its_target_unchanged(tmp_path):
     from vpipe.checkpoint import CheckpointError
-    from vpipe_lab.runtime import checkpoints
+    from vpipe_lab.runtime import checkpoints, outputs
     from vpipe_lab.runtime.config import RunConfig
 
     target, ck = victim(tmp_path), shared(tmp_path, "ck")
     (ck / ".vpipe-lock").symlink_to(target)
-    held = list(checkpoints._held)
+    held = dict(outputs._held)
     try:
         with pytest.raises(CheckpointError, match=r"\.vpipe-lock is a symbolic link; vpipe never writes through one"):
             checkpoints.check_checkpoint_dir(RunConfig(checkpoint_dir=str(ck)), hold=True)  # rank 0's call
     finally:
-        for fd in checkpoints._held[len(held):]:  # what the unfixed code kept: the truncated victim
-            os.close(fd)
-        checkpoints._held[:] = held
+        for key in set(outputs._held) - set(held):  # what the unfixed code kept: the truncated victim
+            os.close(outputs._held.pop(key))
     assert target.read_text() == PRECIOUS
 
 

@@ -10,45 +10,31 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import os
 import stat
 from pathlib import Path
 
 from vpipe.checkpoint.layout import CheckpointError, ShardInfo
-from vpipe.files import write_atomic
+from vpipe.files import make_dirs, write_atomic
 
 __all__ = ["atomic_write", "make_step_dir", "check_file", "verify_shard", "read_verified"]
 
 _CHUNK = 4 << 20
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def atomic_write(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` so that a crash leaves either the old file or the whole new one: a new
-    temporary (never through a link planted in a shared checkpoint directory), fsynced, renamed, and the
+    temporary (``0600``, never through a link planted in a shared checkpoint directory), fsynced, renamed, and the
     directory fsynced (:func:`vpipe.files.write_atomic`)."""
-    write_atomic(path, data, fsync=True)
-    _fsync_dir(path.parent)
+    write_atomic(path, data, fsync=True, what="checkpoint")
 
 
 def make_step_dir(path: Path) -> None:
-    """The checkpoint's directory, made if missing: a real directory, never a link (one planted in a shared
-    checkpoint directory would take the shards and the manifest elsewhere)."""
-    path.mkdir(parents=True, exist_ok=True)
+    """The checkpoint's directory, made ``0700`` (with its parents) if missing: a real directory, never a link (one
+    planted in a shared checkpoint directory, or on the way to it, would take the shards and the manifest
+    elsewhere)."""
     if path.is_symlink():
         raise OSError(errno.ELOOP, f"{path} is a symbolic link, not a checkpoint directory vpipe made")
+    make_dirs(path, "checkpoint directory")
 
 
 def check_file(path: Path, what: str, size: int | None = None, limit: int | None = None) -> None:

@@ -120,10 +120,12 @@ class StageAgent:
         return plans
 
     def finish(self, timeout_s: float = 60.0) -> list[Plan]:
-        """End of training: wait for upstream's last stats, forward them, tell downstream we are done."""
+        """End of training: wait for upstream's last stats (up to ``timeout_s``; 0: none, as a process that dies of
+        an exception does: its upstream may wait on it, in the pipeline, before it sends them), forward them, tell
+        downstream we are done."""
         plans: list[Plan] = []
         deadline = time.monotonic() + timeout_s
-        while self.upstream is not None and self._upstream_done is None:
+        while self.upstream is not None and self._upstream_done is None and timeout_s > 0:
             if time.monotonic() > deadline:
                 log.warning("stage %d: stage %d did not finish its stats within %.0f s; sending what arrived",
                             self.stage_index, self.upstream, timeout_s)

@@ -6,10 +6,9 @@ GRAPH.json`` starts fast; it calls :func:`measure_model` only when ``--model`` i
 
 from __future__ import annotations
 
-import json
-
 import torch
 
+from vpipe.files import check_output_file
 from vpipe.graph import ModelGraph
 from vpipe.profiling.factory import load_model
 from vpipe.profiling.model import profile_model
@@ -44,13 +43,11 @@ def measure_model(spec: str, *, shape: str | None, dtype: str | None, device: st
     containers = [p.strip() for p in layers.split(",")] if layers is not None else None
     if containers is not None and not all(containers):
         raise ValueError(f"--layers must be dotted module paths separated by commas, got {layers!r}")
+    if save_graph is not None:  # before measuring: a planted link or a directory there is said at once
+        check_output_file(save_graph, "--save-graph")
     loaded = load_model(spec, shape, dtype)
     model_graph = profile_model(loaded.model, loaded.args, loaded.kwargs, device=device, repeats=repeats,
                                 containers=containers, source=spec)
     if save_graph is not None:
-        try:
-            with open(save_graph, "w") as f:
-                json.dump(model_graph.to_dict(), f, indent=1)
-        except OSError as e:
-            raise ValueError(f"cannot write --save-graph {save_graph!r}: {e.strerror}") from None
+        model_graph.save(save_graph, "--save-graph")
     return model_graph

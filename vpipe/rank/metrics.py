@@ -18,11 +18,13 @@ The writers are made when vpipe attaches (a missing package, or a ``metrics_dir`
 a directory this user can write, is a clear error then) and flushed and closed when it detaches.
 A write that fails later (a full disk) is said once on stderr and drops that backend: metrics
 never end training. ``metrics_dir/rank{r}`` must be this user's own directory (not a link, not
-another user's), so the backends' files are never made where someone else can plant a link.
+another user's), reached through no link another user could have planted, so the backends'
+files are never made where someone else can plant a link; vpipe makes it ``0700``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import stat
@@ -31,6 +33,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from vpipe.files import DIR_MODE, PlantedLinkError, open_dir
 from vpipe.settings import METRIC_KINDS, parse_metric_kinds
 
 __all__ = ["MetricsWriter", "METRIC_KINDS", "parse_metric_kinds"]
@@ -152,8 +155,15 @@ def _own_directory(base: Path, name: str) -> Path:
         raise ValueError(f"metrics_dir {base} is a file, not a directory")
     path = base / name
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        info = os.lstat(path)
+        dir_fd = open_dir(base, "metrics_dir", create=True)  # 0700, never through a link another user planted
+        try:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(name, DIR_MODE, dir_fd=dir_fd)
+            info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        finally:
+            os.close(dir_fd)
+    except PlantedLinkError:
+        raise
     except OSError as e:
         raise ValueError(f"metrics_dir {base}: cannot make {path}: {e.strerror or e}") from None
     if not stat.S_ISDIR(info.st_mode):

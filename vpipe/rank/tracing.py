@@ -5,7 +5,9 @@ at the step boundaries the step driver sees, keeps the pipelining stages' wrappe
 for those steps (a quiet step would otherwise run without them, unseen), and times the
 schedule's waits for its sends and receives by wrapping the function torch's schedules wait
 with (:func:`~vpipe.compat.torch_distributed.batch_p2p_wait`) for the window's steps only
-(schedules that wait elsewhere, such as the action-list runtime, show no waits).
+(schedules that wait elsewhere, such as the action-list runtime, show no waits). The directory
+is checked at attach: a file there, one that cannot be written, or a link another user could have
+planted on the way is a ValueError naming ``trace_dir`` then, not a timeline lost at the window's end.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 
 from vpipe import timeline
 from vpipe.compat.torch_distributed import batch_p2p_wait, set_batch_p2p_wait
+from vpipe.files import check_output_dir
 from vpipe.log import decision
 
 __all__ = ["TraceWindow"]
@@ -24,6 +27,8 @@ class TraceWindow:
     """Records steps ``start`` .. ``start + count - 1`` of this rank into ``directory``."""
 
     def __init__(self, steps: tuple[int, int] | None, directory: str | Path, *, rank: int, stages: list[int]) -> None:
+        if steps is not None:  # at attach, as metrics_dir is: a file there, or a link planted on the way, is refused
+            check_output_dir(directory, "trace_dir")
         self.steps = steps
         self.directory = Path(directory)
         self.rank = rank

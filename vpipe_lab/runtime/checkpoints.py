@@ -14,7 +14,6 @@ rank alike (rank 0 tells the others through the store): training goes on.
 
 from __future__ import annotations
 
-import fcntl
 import os
 import sys
 import uuid
@@ -32,9 +31,9 @@ from vpipe.checkpoint import (
     save_checkpoint,
     skipped_newer,
 )
-from vpipe.files import FileCheckError, open_lock
 from vpipe_lab.runtime.config import RunConfig
 from vpipe_lab.runtime.launch import Distributed
+from vpipe_lab.runtime.outputs import keep, lock_directory
 from vpipe_lab.runtime.stage_run import StageRun
 from vpipe_lab.runtime.watchdog import stderr_line
 
@@ -70,8 +69,6 @@ def load_resume(cfg: RunConfig, verify: str = "stat") -> Any:
     return ckpt
 
 
-LOCK_NAME = ".vpipe-lock"
-_held: list[int] = []  # this process's lock on its checkpoint directory, held until it exits
 _run: dict[str, str | None] = {}  # rank 0: "id", the run its manifests name
 _saving: dict[str, Any] = {"last": None, "dropped": False}  # every rank: the last checkpoint tried; given up?
 _SEALED_KEY = "vpipe/lab/checkpoint/{}/sealed"
@@ -84,33 +81,15 @@ def check_checkpoint_dir(cfg: RunConfig, *, hold: bool = False) -> None:
     if not cfg.checkpoint_dir:
         return
     root = Path(cfg.checkpoint_dir)
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        fd = open_lock(root / LOCK_NAME)
-    except FileCheckError as e:  # a link (or a hard link) planted where the lock goes
-        raise CheckpointError(f"--checkpoint-dir {root}: its {e}: remove it, or give this run a directory of its "
-                              "own") from None
-    except OSError as e:
-        raise CheckpointError(f"--checkpoint-dir {root} is not writable: {e.strerror}") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        owner = os.read(fd, 64).decode("ascii", "replace").strip() or "?"
-        os.close(fd)
-        raise CheckpointError(f"--checkpoint-dir {root} is in use by another run (pid {owner}); give each run a "
-                              f"directory of its own") from None
+    fd = lock_directory(root, "--checkpoint-dir", CheckpointError)  # the lock every run's outputs take
     latest = find_latest(root)
     if latest is not None and not _resumes_from(cfg, root):  # its checkpoints would mix with ours, or be pruned
         os.close(fd)
         raise CheckpointError(f"--checkpoint-dir {root} holds another run's checkpoints (the newest: {latest.name}); "
                               f"give this run a directory of its own, or --resume {root} to continue that run")
-    if not hold:
-        os.close(fd)
-        return
-    os.ftruncate(fd, 0)
-    os.write(fd, f"{os.getpid()}\n".encode())
-    _held.append(fd)
-    _run["id"] = _resumed_run_id(cfg) if cfg.resume else uuid.uuid4().hex
+    keep(fd, hold)
+    if hold:
+        _run["id"] = _resumed_run_id(cfg) if cfg.resume else uuid.uuid4().hex
 
 
 def _resumes_from(cfg: RunConfig, root: Path) -> bool:

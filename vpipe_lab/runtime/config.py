@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import stat
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -194,13 +195,21 @@ class RunConfig:
         """Every path the run writes, checked before it starts (not after training, when results would be lost)."""
         if self.log_file is not None:
             check_output_file(self.log_file, "log file")
-        if self.out_dir is not None:
-            check_output_dir(self.out_dir, "out_dir")
+        if self.out_dir is not None:  # what the ranks write there (the last one nas.json), links planted there refused
+            check_output_dir(self.out_dir, "out_dir", [f"rank{r}.{kind}" for r in range(self.stages)
+                                                       for kind in ("pt", "json")] + ["nas.json"])
         if self.checkpoint_dir is not None:
             check_output_dir(self.checkpoint_dir, "checkpoint_dir")
-        if self.resume is not None and os.path.exists(self.resume) and not os.path.isdir(self.resume):
-            raise ValueError(f"resume {self.resume} is a file; give a checkpoint directory (or the directory "
-                             f"of checkpoints)")
+        if self.resume is not None:
+            try:
+                is_file = not stat.S_ISDIR(os.stat(self.resume).st_mode)
+            except (FileNotFoundError, NotADirectoryError):
+                is_file = False  # nothing there yet: the run starts from step 0
+            except OSError as e:  # a name too long, a directory it cannot search
+                raise ValueError(f"resume {self.resume}: {e.strerror or e}") from None
+            if is_file:
+                raise ValueError(f"resume {self.resume} is a file; give a checkpoint directory (or the directory "
+                                 f"of checkpoints)")
 
     def _check_nas(self, n_layers: int) -> None:
         """Replay the layer edits on the layer ids, so a bad one fails before any rank starts."""

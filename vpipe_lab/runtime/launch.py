@@ -30,7 +30,9 @@ from vpipe.checkpoint import CheckpointError
 from vpipe.control.curve import RUN_SECRET_ENV, RunKeys, new_run_secret, remove_private_key_files
 from vpipe.control.keys import KeyFileError
 from vpipe.control.netaddr import control_host
+from vpipe.files import FileCheckError
 from vpipe.rank.environment import check_environment
+from vpipe_lab.runtime.outputs import OutputInUseError
 from vpipe_lab.runtime.warm_start import SHARED_STARTER_ENV, StarterLink, WarmStarter, connect, warm_start_possible
 from vpipe_lab.runtime.watchdog import Watchdog, stderr_line
 
@@ -176,7 +178,8 @@ def _explains_itself(exc: BaseException) -> bool:
     from vpipe.tensor_manager.budget import MemoryBudgetError
     from vpipe.tensor_manager.pool import HostPoolFullError
 
-    return isinstance(exc, (MemoryBudgetError, HostPoolFullError, CheckpointError, BlockContainerError, KeyFileError))
+    return isinstance(exc, (MemoryBudgetError, HostPoolFullError, CheckpointError, BlockContainerError, KeyFileError,
+                            FileCheckError, OutputInUseError))
 
 
 def is_peer_caused(message: str) -> bool:

@@ -1,9 +1,9 @@
 """What a rank of the reference trainer reports: its :class:`RunResult`, the files it writes, what it shows.
 
 ``out_dir`` gets ``rank<r>.pt`` (parameters and optimizer state by name, after any moves)
-and ``rank<r>.json`` (losses, step times, layers per stage, memory), each a new file renamed
-into place (never written through a link); one that cannot be written (a full disk) is said
-once and the run still ends cleanly. The last stage shows a progress bar while it trains and
+and ``rank<r>.json`` (losses, step times, layers per stage, memory), each a new file (``0600``)
+renamed into place (never written through a link); one that cannot be written (a full disk) is
+said once and the run still ends cleanly. The last stage shows a progress bar while it trains and
 a summary table at the end.
 """
 
@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from vpipe.files import replacing, write_atomic
+from vpipe.files import make_dirs, replacing, write_atomic
 from vpipe.schedules.pipedream import SchedulePipeDream
 from vpipe_lab.runtime.config import RunConfig
 from vpipe_lab.runtime.reference import optimizer_state_by_name
@@ -50,7 +50,7 @@ def save_rank_result(cfg: RunConfig, run: StageRun, result: RunResult) -> None:
 
 
 def _write_rank_result(out: Path, run: StageRun, result: RunResult) -> None:
-    out.mkdir(parents=True, exist_ok=True)
+    make_dirs(out, "out_dir")  # 0700, never through a link another user planted
     layers = run.layers_view()
     state = {
         "params": {k: v.detach().cpu() for k, v in layers.state_dict().items()},

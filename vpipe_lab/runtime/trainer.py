@@ -31,6 +31,7 @@ from vpipe_lab.runtime.config import RunConfig
 from vpipe_lab.runtime.launch import Distributed
 from vpipe_lab.runtime.models import block_spec, build_layer
 from vpipe_lab.runtime.optim import make_optimizer
+from vpipe_lab.runtime.outputs import claim_outputs
 from vpipe_lab.runtime.results import RunProgress, RunResult, print_summary, save_rank_result
 from vpipe_lab.runtime.stage_run import StageRun, build_stage_run
 
@@ -48,8 +49,9 @@ def train_rank(cfg: RunConfig, ctx: Distributed) -> RunResult:
                          f"{'ranks' if cfg.multi_stage else 'stages'}")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     settings = Settings.read()  # the rank's VPIPE_* variables, read once at its start (attach reads its own)
-    if ctx.rank == 0:
-        check_checkpoint_dir(cfg, hold=True)  # the directory's lock, for as long as the run lives
+    if ctx.rank == 0:  # the locks of the run's directories and log, for as long as the run lives
+        check_checkpoint_dir(cfg, hold=True)
+        claim_outputs(cfg, hold=True)
     resumed = load_resume(cfg) if cfg.resume else None
     placement = resume_placement(cfg, resumed) if resumed is not None else None
     run = build_stage_run(cfg, ctx.rank, ctx.device, placement=placement)

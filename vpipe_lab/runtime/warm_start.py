@@ -3,8 +3,8 @@
 A rank spends most of its start importing torch's pipelining (about 5 s of CPU, more than a
 short run trains). The spawner therefore starts one *warm starter* per run: a process that
 imports torch once, then forks every rank from that state. Each rank is still a real
-process with its own torchrun-style environment, working directory, ``sys.argv`` and exit
-code; it runs its program exactly as ``python PROGRAM`` would (a script, ``-m module`` or
+process with its own torchrun-style environment, working directory, umask, ``sys.argv`` and
+exit code; it runs its program exactly as ``python PROGRAM`` would (a script, ``-m module`` or
 ``-c code``). The spawner talks to the starter over a Unix socket (one JSON message per
 request or report; a request carries the rank's stdout and stderr descriptors) and handles
 each rank through :class:`WarmRank`, the part of ``subprocess.Popen`` it uses.
@@ -66,7 +66,7 @@ class StarterLink:
 
         ``stdout`` and ``stderr`` as for ``subprocess.Popen``: None (this process's), DEVNULL, or a file.
         """
-        request = json.dumps({"argv": list(argv), "env": env, "cwd": os.getcwd()}).encode()
+        request = json.dumps({"argv": list(argv), "env": env, "cwd": os.getcwd(), "umask": _umask()}).encode()
         with _descriptor(stdout, 1) as out, _descriptor(stderr, 2) as err:
             socket.send_fds(self._socket, [request], [out, err])
         while self._socket.fileno() >= 0:
@@ -302,6 +302,17 @@ def _report(connection: socket.socket, reply: dict[str, Any]) -> None:
         pass  # the launcher has just gone; its hang-up is read next
 
 
+def _umask() -> int:
+    """This process's umask, read without changing it where Linux says it (``/proc/self/status``)."""
+    try:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1], 8) for line in status if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        mask = os.umask(0o022)
+        os.umask(mask)
+        return mask
+
+
 def _become(request: dict[str, Any]) -> None:
     """Turn this forked process into ``python ARGV`` with the request's environment and directory."""
     for descriptor in request["_fds"]:
@@ -312,6 +323,7 @@ def _become(request: dict[str, Any]) -> None:
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
+    os.umask(request.get("umask", 0o022))  # the launcher's, as a rank it started itself would have
     random.seed()  # a cold interpreter seeds from the OS; forked ranks must not share a sequence
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from vpipe.checks import shorten
 from vpipe.control.curve import remove_private_key_files
 
 log = logging.getLogger("vpipe.runtime")  # the run log keeps vpipe.* loggers
@@ -168,5 +169,5 @@ class Watchdog:
 def stderr_line(line: str) -> None:
     """One write per line: ranks share the launcher's stderr, and print() writes the newline separately,
     so two ranks failing together could run their lines into one."""
-    sys.stderr.write(line + "\n")
+    sys.stderr.write(shorten(line) + "\n")  # a 100,000-character value echoed in it, cut
     sys.stderr.flush()
