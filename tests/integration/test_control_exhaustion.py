@@ -30,11 +30,11 @@ from vpipe.control.curve import RUN_SECRET_ENV
 from vpipe.control.messages import MAX_MESSAGE_BYTES, frame_limit
 
 FRAME = frame_limit(MAX_MESSAGE_BYTES) - 64  # a keyed flood's frames: over the message cap, within zmq's
-# docs/control-plane.md: zmq holds 2 frames (RCVHWM) for each of at most 12 connections (MAX_CONNECTIONS),
+# docs/control-plane.md: zmq holds 2 frames (RCVHWM) for each of at most 12 authenticated connections (MAX_CONNECTIONS),
 # 48 MiB of 2 MiB frames; decoding and what the allocator keeps stay within the rest
 RSS_BOUND_BYTES = 64 << 20
 DAEMON_RSS_BOUND_BYTES = 32 << 20  # its inbox holds 4 connections: 16 MiB of frames
-HELD_CONNECTIONS = 12
+UNPROVEN_HELD = 16  # silent connections an inbox keeps (MAX_UNPROVEN): a newcomer takes the oldest one's place
 
 # Another process: COUNT plain TCP connections to 127.0.0.1:PORT that send nothing, held HOLD_S, then closed.
 STRANGER = r"""
@@ -118,8 +118,8 @@ def test_a_thousand_silent_connections_leave_the_inbox_working_for_its_peers(har
     # ~20 of its own, the ones it holds, and for a moment those accepted but not yet cut (before: ~1020)
     assert result["max_fds"] < 300, result
     assert sorted(result["got"]) == before.sent + after.sent  # every authenticated message arrived
-    assert sum(result["evicted"].values()) >= opened - 2 * HELD_CONNECTIONS
-    cuts = [line for line in err.splitlines() if "cut" in line and "new connection(s)" in line]
+    assert sum(result["evicted"].values()) >= opened - 2 * UNPROVEN_HELD
+    cuts = [line for line in err.splitlines() if "cut" in line and "connection(s) because" in line]
     assert 1 <= len(cuts) <= 4, err[-3000:]  # counted, and logged at most once per 10 s per reason
 
 
@@ -160,7 +160,7 @@ def test_a_keyed_flood_over_24_connections_keeps_the_inbox_within_its_memory_bou
     assert result["dropped"].get("too_large", 0) >= 10, result["dropped"]  # the flood reached the inbox
     assert growth < bound, f"the inbox grew {growth / 2**20:.0f} MiB under a keyed flood"
     assert sorted(result["got"]) == friend.sent  # the established peer's messages all arrived
-    assert sum(result["evicted"].values()) >= 1  # connections past the caps were cut as they came
+    assert result["evicted"].get("inbox_full", 0) >= 1  # past the quota, handshakes waited for room
 
 
 
@@ -194,7 +194,8 @@ def test_a_keyed_flood_of_the_planner_daemon_keeps_it_within_its_memory_bound():
         daemon.wait()
     growth = peak - baseline
     print(f"keyed flood of the daemon: {sent} frames; RSS {baseline / 2**20:.0f} MiB +{growth / 2**20:.1f} MiB")
-    assert sent >= 100
+    # its 4 connections take 2 frames each between reads; the other 20 wait in their handshakes, queues full
+    assert sent >= 50
     assert growth < DAEMON_RSS_BOUND_BYTES, f"the daemon grew {growth / 2**20:.0f} MiB under a keyed flood"
 
 def _lower_open_file_limit() -> None:  # in the launcher, before exec: what a default shell gives
@@ -246,6 +247,6 @@ def test_a_run_under_the_default_open_file_limit_survives_a_thousand_silent_conn
     assert max(fds) < 512, max(fds)  # before: ~1020 of its 1024, and any file it opened then could fail
     records = read_log(log_file)
     assert any("raised the open-file limit" in r["msg"] for r in records if r.get("rank") == 0)
-    assert any("new connection(s)" in r["msg"] for r in records if r.get("rank") == 0)  # cut, and said so
+    assert any("connection(s) because" in r["msg"] for r in records if r.get("rank") == 0)  # cut, and said so
     done = [r for r in records if "vectors" in r]  # the daemon's goodbye
     assert done and done[0]["vectors"] == steps // 5  # every stats vector got through
