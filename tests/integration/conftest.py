@@ -35,6 +35,7 @@ TRAINING_TESTS = {
     "test_checkpoint.py::test_resume_on_the_same_stages_equals_an_uninterrupted_run",
     "test_checkpoint.py::test_resume_problems_are_named_at_launch_in_one_line",
     "test_control_run_key.py::test_a_store_reader_cannot_pass_the_control_planes_authentication",
+    "test_control_squatter.py::test_with_a_squatter_on_every_inbox_the_planner_attaches_and_plans_are_applied",
     "test_measure.py::test_a_run_measures_every_step_of_every_rank",
     "test_planner_judge.py::test_a_run_whose_planner_slows_it_down_is_put_back_and_says_so",
     "test_run_outputs.py::test_a_second_training_run_on_the_same_outputs_is_refused_while_the_first_trains",

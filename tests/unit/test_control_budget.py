@@ -20,9 +20,10 @@ import zmq
 from support.control import wait_for
 from support.processes import ROOT, child_env
 from vpipe.control.channel import Inbox
-from vpipe.control.curve import CurveConfig, CurveGuard
+from vpipe.control.curve import CurveConfig
 from vpipe.control.messages import Message, encode, make
 from vpipe.control.pending import PendingMessages
+from vpipe.control.zap import ZapGuard
 from vpipe.migration import messages as migration
 from vpipe.migration.messages import ControlMessenger
 
@@ -59,7 +60,7 @@ def inbox(monkeypatch):
         for name, value in caps.items():
             monkeypatch.setattr(doorman, name, value)
         context = zmq.Context()
-        guard = None if curve is None else CurveGuard(context, curve, name="test inbox")
+        guard = None if curve is None else ZapGuard(context, curve, name="test inbox")
         box = Inbox(context, "127.0.0.1", "127.0.0.1", name="test inbox", guard=guard)
         made.append((context, guard, box))
         return box
@@ -102,45 +103,123 @@ def _closed(sock: socket.socket) -> bool:
     return True
 
 
-def test_connections_past_the_cap_per_source_are_cut_as_they_come_and_counted(inbox, caplog):
-    box = inbox(MAX_UNPROVEN_PER_SOURCE=4)
+def _silent(box: Inbox, count: int) -> list[socket.socket]:
+    """``count`` raw connections that say nothing, each seen by the doorman before the next (so in that order)."""
+    held = []
+    for _ in range(count):
+        sock = socket.create_connection(("127.0.0.1", _port(box)), timeout=5)
+        assert sock.recv(10)[:1] == b"\xff"  # accepted: zmq sent its signature
+        held.append(sock)
+        time.sleep(0.01)
+    return held
+
+
+def _peer(context: zmq.Context, curve: CurveConfig | None, endpoint: str) -> zmq.Socket:
+    peer = context.socket(zmq.PUSH)
+    peer.linger = 0
+    if curve is not None:
+        curve.make_client(peer, curve.public)
+    peer.connect(endpoint)
+    return peer
+
+
+def _curve(keyed: bool) -> CurveConfig | None:
+    public, secret = zmq.curve_keypair()
+    return CurveConfig(public=public, secret=secret, trusted=frozenset({public})) if keyed else None
+
+
+def _received(box: Inbox, got: list, want: list, timeout_s: float) -> bool:
+    def arrived() -> bool:
+        got.extend(m.body for m in box.receive())
+        return got == want
+
+    return wait_for(arrived, timeout_s=timeout_s)
+
+
+def test_past_the_quota_of_unauthenticated_connections_the_oldest_make_room(inbox, caplog):
+    box = inbox(MAX_UNPROVEN=4)
     with caplog.at_level(logging.WARNING, logger="vpipe.control"):
-        held = [socket.create_connection(("127.0.0.1", _port(box)), timeout=5) for _ in range(10)]
+        held = _silent(box, 10)
         try:
-            assert wait_for(lambda: box.evicted["source_full"] >= 6), box.evicted
+            assert wait_for(lambda: box.evicted["unauthenticated"] >= 6), box.evicted
             closed = [_closed(s) for s in held]
         finally:
             for s in held:
                 s.close()
-    assert closed == [False] * 4 + [True] * 6  # the first four stay: none held is cut for a newcomer
-    assert box.evicted == Counter(source_full=6)
-    cuts = [r.getMessage() for r in caplog.records if "new connection(s)" in r.getMessage()]
-    assert cuts == ["test inbox: cut 1 new connection(s) because 4 from 127.0.0.1 have not authenticated "
+    assert closed == [True] * 6 + [False] * 4  # each newcomer got in, the oldest silent one went for it
+    assert box.evicted == Counter(unauthenticated=6)
+    cuts = [r.getMessage() for r in caplog.records if "connection(s)" in r.getMessage()]
+    assert cuts == ["test inbox: cut 1 connection(s) because 4 had not authenticated; newer ones need the room "
                     "(1 so far)"]  # then at most one line per 10 s
 
 
-def test_no_connection_past_the_cap_in_all_ever_authenticates(inbox):
-    public, secret = zmq.curve_keypair()
-    curve = CurveConfig(public=public, secret=secret, trusted=frozenset({public}))
+@pytest.mark.parametrize("keyed", [True, False], ids=["curve", "null"])
+def test_strangers_that_fill_the_quota_never_keep_a_peer_out_nor_cut_it(inbox, keyed):
+    """Issue 56: 8 silent connections from the peers' own address, reopened as they were cut, kept every peer out.
+    Now a peer gets in at once, and no number of strangers coming after cuts it: one that said nothing goes
+    before one that began a handshake, and a connection that authenticated is never cut for a newcomer."""
+    curve = _curve(keyed)
+    box = inbox(curve, MAX_UNPROVEN=4, HANDSHAKE_S=30.0)  # none closed at the deadline while the test runs
+    context = zmq.Context()
+    held = _silent(box, 4)
+    try:
+        talker = socket.create_connection(("127.0.0.1", _port(box)), timeout=5)  # says a ZMTP signature, no more
+        talker.sendall(b"\xff" + bytes(8) + b"\x7f")
+        held.append(talker)
+        start = time.monotonic()
+        peer = _peer(context, curve, box.endpoint)
+        ends = peer.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        peer.send(encode(make("done", 0, stage=1)))
+        got: list = []
+        assert _received(box, got, [0], timeout_s=3.0), box.evicted
+        waited = time.monotonic() - start
+        held += _silent(box, 20)  # many more, as fast as they come: they make room among themselves
+        assert wait_for(lambda: box.evicted["unauthenticated"] >= 21), box.evicted  # 2 + 20 - the room the peer left
+        peer.send(encode(make("done", 1, stage=1)))
+        assert _received(box, got, [0, 1], timeout_s=3.0), got
+        assert [_closed(s) for s in held[:5]] == [True] * 4 + [False]  # the silent ones went, the talker stays
+        assert not ends.poll(0)  # the peer's one connection was never cut
+    finally:
+        for s in held:
+            s.close()
+        context.destroy(linger=0)
+    assert waited < 1.0, waited  # before: never, while the strangers held their 8 connections
+    assert "untrusted_key" not in box.refused
+
+
+@pytest.mark.parametrize("keyed", [True, False], ids=["curve", "null"])
+def test_no_connection_past_the_quota_of_authenticated_ones_ever_delivers(inbox, keyed):
+    curve = _curve(keyed)
     box = inbox(curve, MAX_CONNECTIONS=3)
     context = zmq.Context()
     try:
         peers = []
         for i in range(5):  # one at a time, as a rank's peers come: each proven before the next
-            peer = context.socket(zmq.PUSH)
-            peer.linger = 0
-            peer.curve_serverkey, peer.curve_publickey, peer.curve_secretkey = public, public, secret
-            peer.connect(box.endpoint)
+            peer = _peer(context, curve, box.endpoint)
             peer.send(encode(make("done", i, stage=1)))
             peers.append(peer)
             time.sleep(0.3)
             got = [m.body for m in box.receive(timeout_ms=200)]
             assert got == ([i] if i < 3 else []), (i, got)
-        assert box.evicted["inbox_full"] >= 2 and "untrusted_key" not in box.refused  # cut before its ZAP check
-        peers[0].close()  # a slot frees: a waiting peer (zmq reconnects every 100 ms) gets in
+        assert box.evicted["inbox_full"] >= 1 and "untrusted_key" not in box.refused  # held at its ZAP check
+        peers[0].close()  # a slot frees: the handshake held is admitted
         assert wait_for(lambda: bool(box.receive()), timeout_s=5)
     finally:
         context.destroy(linger=0)
+
+
+def test_bytes_sent_is_what_the_kernel_counts_on_the_connection():
+    from vpipe.control.tcpinfo import bytes_sent
+
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        client = socket.create_connection(server.getsockname(), timeout=5)
+        accepted, _ = server.accept()
+        with client, accepted:
+            assert bytes_sent(accepted) == 0
+            accepted.sendall(b"x" * 1000)
+            assert client.recv(2000, socket.MSG_WAITALL) == b"x" * 1000
+            assert wait_for(lambda: bytes_sent(accepted) == 1000, timeout_s=2.0), bytes_sent(accepted)
+            assert bytes_sent(client) == 1  # a connecting end's count starts with its SYN
 
 
 # ---------------------------------------------------------------- messages waiting for whoever polls

@@ -14,12 +14,14 @@ and dropped; zmq itself cuts the connection of a peer sending more (``maxmsgsize
 so nothing larger is ever allocated.
 
 With CURVE on (:mod:`vpipe.control.curve`) inboxes are CURVE servers behind the
-context's :class:`~vpipe.control.curve.CurveGuard`, outboxes CURVE clients that connect
-only to trusted server keys, published under ``vpipe/ctl/key/<rank>``.
+context's :class:`~vpipe.control.zap.ZapGuard`, outboxes CURVE clients that connect
+only to trusted server keys, published under ``vpipe/ctl/key/<rank>``. Without CURVE an
+inbox still has a ZAP handler of its own, which admits every NULL handshake.
 
-Each inbox has a :class:`~vpipe.control.doorman.Doorman`: a handshake deadline, caps on
-connections that have not authenticated (per source address and in all) and on connections
-in all, and the counts (and logs) of the connections refused at the handshake or cut.
+Each inbox has a :class:`~vpipe.control.doorman.Doorman`: a handshake deadline, a quota of
+connections that have not authenticated (a newcomer past it takes the place of one of them)
+and one of authenticated connections, and the counts (and logs) of the connections refused
+at the handshake or cut.
 """
 
 from __future__ import annotations
@@ -33,11 +35,12 @@ from typing import Any
 
 import zmq
 
-from vpipe.control.curve import CurveConfig, CurveGuard, curve_from_env
+from vpipe.control.curve import CurveConfig, curve_from_env
 from vpipe.control.doorman import Doorman, raise_open_file_limit
 from vpipe.control.messages import MAX_MESSAGE_BYTES, Decoder, Message, encode, frame_limit
 from vpipe.control.netaddr import check_endpoint, control_host, tcp_endpoint
 from vpipe.control.pending import MAX_PENDING_BYTES, PendingMessages
+from vpipe.control.zap import NULL_DOMAIN, ZapGuard
 
 log = logging.getLogger("vpipe.control")
 
@@ -83,22 +86,29 @@ RECEIVE_BYTES = 1 << 20  # frames read and decoded per receive call; the rest wa
 class Inbox:
     """A PULL socket on a random port of ``bind_host``; yields validated messages only.
 
-    With a ``guard`` (CURVE on) it is a CURVE server that the guard's ZAP handler protects.
-    Its :class:`~vpipe.control.doorman.Doorman` caps its connections and counts (and logs)
-    the ones refused at the handshake, by reason, and the ones it cut.
+    With a ``guard`` holding a CURVE configuration it is a CURVE server that the guard's ZAP
+    handler protects; without one it makes a guard of its own for NULL handshakes (the
+    context's ZAP handler: one such inbox per context). Its :class:`~vpipe.control.doorman.Doorman`
+    caps its connections and counts (and logs) the ones refused at the handshake, by reason,
+    and the ones it cut.
     """
 
     def __init__(self, context: zmq.Context, bind_host: str, advertise_host: str, *, name: str,
-                 max_message_bytes: int = MAX_MESSAGE_BYTES, guard: CurveGuard | None = None,
+                 max_message_bytes: int = MAX_MESSAGE_BYTES, guard: ZapGuard | None = None,
                  max_connections: int | None = None) -> None:
         raise_open_file_limit()  # before the first connection takes a descriptor
         self.name = name
         self.socket = new_socket(context, zmq.PULL, max_message_bytes, 0)
         if ":" in bind_host or ":" in advertise_host:
             self.socket.setsockopt(zmq.IPV6, 1)
-        self.curve_key = None if guard is None else guard.config.public
-        if guard is not None:
+        own = guard is None
+        guard = ZapGuard(context, None, name=name) if guard is None else guard
+        self._own_guard = guard if own else None
+        self.curve_key = None if guard.config is None else guard.config.public
+        if guard.config is not None:
             guard.config.make_server(self.socket)
+        else:
+            self.socket.setsockopt(zmq.ZAP_DOMAIN, NULL_DOMAIN)  # so libzmq asks the guard about NULL handshakes
         self.doorman = Doorman(self.socket, name=name, monitor_max_bytes=frame_limit(max_message_bytes),
                                guard=guard, max_connections=max_connections)  # its thread answers ZAP requests
         bind = "*" if bind_host in _WILDCARDS else (f"[{bind_host}]" if ":" in bind_host else bind_host)
@@ -118,7 +128,7 @@ class Inbox:
 
     @property
     def evicted(self) -> Counter:
-        """New connections the doorman cut, by reason (``inbox_full``, ``source_full``)."""
+        """Connections the doorman cut (``unauthenticated``) or handshakes it held (``inbox_full``), by reason."""
         return self.doorman.evicted
 
     def receive(self, timeout_ms: int = 0, limit: int = 1000) -> list[Message]:
@@ -151,6 +161,8 @@ class Inbox:
     def close(self) -> None:
         self.doorman.close()
         self.socket.close(linger=0)
+        if self._own_guard is not None:
+            self._own_guard.close()
 
 
 class Outbox:
@@ -216,7 +228,7 @@ class ControlPlane:
         self.lookup_timeout_s = lookup_timeout_s
         self._context = zmq.Context()
         name = f"rank {rank} control inbox"
-        self.guard = None if self.curve is None else CurveGuard(self._context, self.curve, name=name)
+        self.guard = None if self.curve is None else ZapGuard(self._context, self.curve, name=name)
         self.inbox = Inbox(self._context, bind, advertise, name=name, max_message_bytes=max_message_bytes,
                            guard=self.guard)
         self._peers: dict[int | str, Outbox] = {}

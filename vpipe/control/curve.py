@@ -3,8 +3,9 @@
 On several hosts the control sockets listen on a network interface, where anyone who can
 reach the port could otherwise inject stats or plans. With CURVE on, every inbox is a
 CURVE server that admits only clients whose public key is listed (a ZAP handler on the
-process's zmq context), and every outbox is a CURVE client that only connects to a server
-whose public key is listed, so both ends are authenticated and the traffic is encrypted.
+process's zmq context, :mod:`vpipe.control.zap`), and every outbox is a CURVE client that
+only connects to a server whose public key is listed, so both ends are authenticated and
+the traffic is encrypted.
 
 Configured by environment variables, so ``torchrun`` passes it to every rank and the
 planner daemon inherits it (read with the others into :class:`~vpipe.settings.Settings`,
@@ -45,14 +46,11 @@ import os
 import shutil
 import stat
 import tempfile
-import threading
-from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
-from zmq.utils import z85
 
 from vpipe.control.keys import KeyFileError, public_keys_from, read_secret_file
 from vpipe.settings import Settings
@@ -60,14 +58,13 @@ from vpipe.settings import Settings
 log = logging.getLogger("vpipe.control")
 
 __all__ = ["SECRET_ENV", "PUBLIC_ENV", "RUN_SECRET_ENV", "RUN_SECRET_FILE_ENV", "CurveConfig", "curve_from_env",
-           "RunKeys", "CurveGuard", "log_due", "new_run_secret", "private_key_file", "remove_private_key_file",
+           "RunKeys", "log_due", "new_run_secret", "private_key_file", "remove_private_key_file",
            "remove_private_key_files"]
 
 SECRET_ENV = "VPIPE_CURVE_SECRET_FILE"
 PUBLIC_ENV = "VPIPE_CURVE_PUBLIC_KEYS"
 RUN_SECRET_ENV = "VPIPE_CURVE_RUN_SECRET"
 RUN_SECRET_FILE_ENV = "VPIPE_CURVE_RUN_SECRET_FILE"
-ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # where libzmq asks a context's ZAP handler (RFC 27)
 
 
 def new_run_secret() -> str | None:
@@ -266,79 +263,3 @@ class RunKeys:
         if self._file is not None:
             remove_private_key_file(self._file)
             self._file = None
-
-
-class CurveGuard:
-    """The ZAP handler of one zmq context: admits CURVE clients with a trusted key, logs the others.
-
-    It binds the context's ZAP endpoint at once: it must exist before the context's first
-    CURVE server binds, since without a ZAP handler libzmq admits every client. The requests
-    are answered by :meth:`serve`, on the thread of the inbox's
-    :class:`~vpipe.control.doorman.Doorman`, which first takes note of every connection the
-    inbox accepted (and cuts those over its caps), so none over them ever authenticates.
-    """
-
-    def __init__(self, context: zmq.Context, config: CurveConfig, *, name: str) -> None:
-        self.config = config
-        self.name = name
-        self.refused: Counter = Counter()  # client public key -> refusals
-        self._lock = threading.Lock()
-        self.zap_socket = context.socket(zmq.REP)
-        self.zap_socket.setsockopt(zmq.LINGER, 0)
-        self.zap_socket.setsockopt(zmq.MAXMSGSIZE, 4096)  # a ZAP request is a few short frames
-        self.zap_socket.bind(ZAP_ENDPOINT)
-
-    def serve(self) -> None:
-        """Answer every waiting ZAP request (RFC 27); only ever called on one thread."""
-        while int(self.zap_socket.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
-            try:
-                request = self.zap_socket.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            self.zap_socket.send_multipart(self._answer(request))
-
-    def _answer(self, request: list[bytes]) -> list[bytes]:
-        if len(request) < 6 or request[0] != b"1.0":
-            return [b"1.0", request[1] if len(request) > 1 else b"", b"500", b"malformed ZAP request", b"", b""]
-        request_id, domain, mechanism, credentials = request[1], request[2], request[5], request[6:]
-        if mechanism != b"CURVE" or len(credentials) != 1 or len(credentials[0]) != 32:
-            return [b"1.0", request_id, b"400", b"CURVE only", b"", b""]
-        key = z85.encode(credentials[0])
-        if not self.callback(domain.decode("utf-8", "replace"), key):
-            return [b"1.0", request_id, b"400", b"untrusted key", b"", b""]
-        return [b"1.0", request_id, b"200", b"OK", key, b""]
-
-    def callback(self, domain: str, key: bytes) -> bool:
-        """ZAP: is this client's public key trusted? (called on the thread that serves the guard)"""
-        if key in self.config.trusted:
-            return True
-        with self._lock:
-            self.refused[key] += 1
-            n = self.refused[key]
-        if log_due(n):
-            log.warning("%s: refused a CURVE client with an untrusted public key %s (%d time%s)",
-                        self.name, key.decode("ascii", "replace"), n, "" if n == 1 else "s")
-        return False
-
-    def close(self) -> None:
-        self.zap_socket.close(linger=0)
-
-
-def handshake_failure(event: int, value: int) -> str | None:
-    """The reason a monitored handshake failed, in vpipe's words; None for other events."""
-    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-        return "untrusted_key"  # ZAP said no (status code in value, 400)
-    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
-        return _PROTOCOL_REASONS.get(value, "protocol_error")
-    if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
-        return "handshake_failed"
-    return None
-
-
-_PROTOCOL_REASONS: dict[int, str] = {
-    zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH: "mechanism_mismatch",  # e.g. a client without CURVE
-    zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC: "cryptographic",  # e.g. a client using the wrong server key
-}
-
-HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)

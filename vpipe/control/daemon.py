@@ -42,12 +42,13 @@ import zmq
 
 from vpipe import log as vlog
 from vpipe.control.channel import FROM_ENV, Inbox, Outbox, resolve_curve
-from vpipe.control.curve import CurveConfig, CurveGuard, RunKeys
+from vpipe.control.curve import CurveConfig, RunKeys
 from vpipe.control.doorman import DAEMON_CONNECTIONS
 from vpipe.control.keys import check_z85_key, read_public_file
 from vpipe.control.messages import MAX_MESSAGE_BYTES, PLANNER, Message, make
 from vpipe.control.netaddr import check_endpoint, control_host
 from vpipe.control.priority import to_background
+from vpipe.control.zap import ZapGuard
 from vpipe.log import decision
 from vpipe.monitors.records import StageRecord
 from vpipe.plan import MAX_EPOCH_STEP, Plan, PlanError
@@ -155,12 +156,11 @@ class PlannerDaemon:
         bind, advertise = control_host(host, master_addr=stage_host)
         self.bind_host = bind
         name = "planner daemon inbox"
-        self.guard = None if self.curve is None else CurveGuard(self._context, self.curve, name=name)
+        self.guard = None if self.curve is None else ZapGuard(self._context, self.curve, name=name)
         self.inbox = Inbox(self._context, bind, advertise, name=name, max_message_bytes=max_message_bytes,
                            guard=self.guard, max_connections=DAEMON_CONNECTIONS)
         self._outbox = self._new_outbox(1000)
-        self._attached = threading.Event()
-        self._stop = threading.Event()
+        self._attached, self._stop = threading.Event(), threading.Event()
         self._last_heard = time.monotonic()
         self._heartbeat = threading.Thread(target=self._beat, name="vpipe-planner-heartbeat", daemon=True)
 
