@@ -114,8 +114,7 @@ class Vpipe:
         self._detached = False
         self._exit_timeout_s: float | None = None
         trace, metrics = self._trace_window(), self._metrics_writer()  # their directories checked before set-up
-        # vpipe addresses its peers by their rank in the pipeline's own group (the world, or one mesh dimension)
-        self.replicas = Replicas(pipeline.global_ranks(), self.world_size)
+        self.replicas = Replicas(pipeline.global_ranks(), self.world_size)  # peers by rank in the pipeline's group
         self.pipe_rank = pipeline.rank
         if self.replicas.count > 1 and pipeline.kind == "pipedream":
             raise ValueError("vpipe.attach: a PipeDream stream with data-parallel replicas is not supported; run "
