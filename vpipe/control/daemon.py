@@ -261,7 +261,7 @@ class PlannerDaemon:
 
     def _remeasure(self, message: Message) -> None:
         """A rank's pulse saw its stage change: a plan of the same placement (a new epoch) has every rank measure its
-        blocks again from one step; several ranks seeing one change ask once; earlier verdicts are forgotten."""
+        blocks again from one step; several ranks seeing one change ask once; the judge forgets its timings."""
         body, at = message.body, message.iteration
         if self.current is None or self.planner is no_change or (
                 self._remeasured_at is not None and 0 <= at - self._remeasured_at < _REMEASURE_GAP):

@@ -80,9 +80,8 @@ class PlanJudge:
         return None
 
     def forget(self) -> None:
-        """The devices changed (a straggler came or went): verdicts and step times measured before say nothing
-        about what runs faster now."""
-        self._refused.clear()
+        """The devices changed (a straggler came or went): step times measured before say nothing about the plan
+        on trial now. Plans refused stay refused (a plan that made steps slower is never sent again)."""
         self._trial = None
         self._recent.clear()
         self._recent_epoch = None
