@@ -32,6 +32,7 @@ from vpipe.control.session import ControlOptions, ControlSession
 from vpipe.log import decision
 from vpipe.migration.layer_manager import LayerListener, LayerManager
 from vpipe.migration.messages import ControlMessenger
+from vpipe.migration.patience import VoteMarks
 from vpipe.migration.transfer import TransferChannel
 from vpipe.monitors.source import TensorManagerSource
 from vpipe.plan import Plan
@@ -260,7 +261,7 @@ class Vpipe:
                                                                self.move_refusal is None) if planning else None)
         # one planner sees every replica: the slowest / fullest per stage
         combine = ReplicaStats(self.agreement.job, world_rank=self.rank, peers=peers, leads=self.replicas.leads,
-                               timeout_s=config.agree_timeout_s) if peers else None
+                               timeout_s=self.agreement.timeout_s) if peers else None
         session = ControlSession(
             {s.index: s.blocks.blocks() for s in pipeline.stages if s.blocks is not None}, rank=self.pipe_rank,
             stage_ranks=pipeline.stage_ranks, store=self.agreement.store, world_size=pipeline.size,
@@ -291,7 +292,9 @@ class Vpipe:
             {s.index: s.blocks for s in pipeline.stages if s.blocks is not None}, placement=placement,
             stage_ranks=pipeline.stage_ranks, optimizer=self.optimizer, factory=self.config.layer_factory,
             specs=self.config.specs, messenger=ControlMessenger(self.session.plane, self.pipe_rank),
-            channel=TransferChannel(pipeline.device, world_ranks=self.replicas.world_ranks), device=pipeline.device,
+            channel=TransferChannel(pipeline.device, world_ranks=self.replicas.world_ranks,
+                                    marks=VoteMarks(self.agreement.job, rank=self.rank, world_size=self.world_size)),
+            device=pipeline.device,
             timeout_s=self.config.migration_timeout_s, faults=self.settings.faults.migration_faults(self.rank),
             shared=shared, listeners=listeners)
         self._undo.append(manager.close)

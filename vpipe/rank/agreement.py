@@ -10,7 +10,8 @@ A pipeline that is one dimension of a mesh gets a namespace of its own inside it
 group), and :attr:`StoreAgreement.job` is the attach's namespace that every replica shares.
 
 A rank that never makes the same call (an attach or an edit on some ranks only) ends the
-wait after ``timeout_s`` with an error naming the missing stages, instead of a hang.
+wait after ``timeout_s`` (at most the process group's timeout, the trainer's) with an error
+naming the missing stages, instead of a hang.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from vpipe.compat.torch_distributed import default_store
+from vpipe.compat.torch_distributed import default_store, group_timeout_s
 from vpipe.compat.torch_internals import child_modules
 from vpipe.control.curve import RunKeys
 from vpipe.control.run_key import agree_run_key
@@ -62,7 +63,7 @@ class StoreAgreement:
         self.store = dist.PrefixStore(self.namespace, base)
         self.rank = rank
         self.world_size = world_size
-        self.timeout_s = timeout_s
+        self.timeout_s = min(timeout_s, group_timeout_s())  # the trainer's bound on its own collectives
         self._written: list[str] = []
         self._edits = 0
 
