@@ -34,6 +34,7 @@ TRAINING_TESTS = {
     "test_checkpoint.py::test_resume_two_stages_on_four_matches_the_single_process_reference",
     "test_checkpoint.py::test_resume_on_the_same_stages_equals_an_uninterrupted_run",
     "test_checkpoint.py::test_resume_problems_are_named_at_launch_in_one_line",
+    "test_deep_stages.py::test_three_thousand_blocks_on_one_stage_train_with_vpipe",
     "test_control_run_key.py::test_a_store_reader_cannot_pass_the_control_planes_authentication",
     "test_measure.py::test_a_run_measures_every_step_of_every_rank",
     "test_move_hangs.py::test_under_torchrun_a_stopped_rank_ends_the_run_within_the_trainers_timeout",
