@@ -38,6 +38,7 @@ TRAINING_TESTS = {
     "test_control_run_key.py::test_a_store_reader_cannot_pass_the_control_planes_authentication",
     "test_measure.py::test_a_run_measures_every_step_of_every_rank",
     "test_move_hangs.py::test_under_torchrun_a_stopped_rank_ends_the_run_within_the_trainers_timeout",
+    "test_move_hangs.py::test_a_stopped_rank_that_hosts_the_store_still_lets_the_other_exit",
     "test_planner_judge.py::test_a_run_whose_planner_slows_it_down_is_put_back_and_says_so",
     "test_warm_start.py::test_a_forked_rank_ends_the_run_with_the_code_a_cold_one_would",
     "test_warm_start.py::test_modules_and_code_strings_start_warm_too",

@@ -9,6 +9,7 @@ minutes: the transfer group was made with ``new_group()`` and no timeout.
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import threading
@@ -36,23 +37,24 @@ def _gone(pid: int) -> bool:
         return True
 
 
-def _stop_to_exit(pids: Path, running: threading.Event | subprocess.Popen, limit_s: float) -> float:
-    """Seconds from rank 1 stopping to rank 0 exiting (rank 1 is then killed, as the launcher would later)."""
+def _stop_to_exit(pids: Path, running: threading.Event | subprocess.Popen, limit_s: float, stops: int = 1) -> float:
+    """Seconds from rank ``stops`` stopping to the other rank exiting (the stopped one is then killed, as its
+    launcher would later)."""
     deadline = time.monotonic() + limit_s
     stopped = None
     while time.monotonic() < deadline:
-        r0, r1 = _pid(pids, 0), _pid(pids, 1)
-        if stopped is None and r1 is not None and not _gone(r1) and \
-                psutil.Process(r1).status() == psutil.STATUS_STOPPED:
+        other, silent = _pid(pids, 1 - stops), _pid(pids, stops)
+        if stopped is None and silent is not None and not _gone(silent) and \
+                psutil.Process(silent).status() == psutil.STATUS_STOPPED:
             stopped = time.monotonic()
-        if stopped is not None and r0 is not None and _gone(r0):
+        if stopped is not None and other is not None and _gone(other):
             elapsed = time.monotonic() - stopped
-            psutil.Process(r1).kill()  # type: ignore[arg-type]
+            psutil.Process(silent).kill()  # type: ignore[arg-type]
             return elapsed
         ended = running.is_set() if isinstance(running, threading.Event) else running.poll() is not None
-        assert not ended, "the run ended before rank 1 stopped mid-move"
+        assert not ended, f"the run ended before rank {stops} stopped mid-move"
         time.sleep(0.05)
-    raise AssertionError(f"rank 1 never stopped, or rank 0 was still running {limit_s:.0f} s later")
+    raise AssertionError(f"rank {stops} never stopped, or rank {1 - stops} was still running {limit_s:.0f} s later")
 
 
 def test_a_rank_stopped_mid_move_is_named_and_the_other_exits_within_the_timeout(tmp_path):
@@ -98,3 +100,30 @@ def test_under_torchrun_a_stopped_rank_ends_the_run_within_the_trainers_timeout(
     assert elapsed < timeout_s + 10, said[-3000:]
     assert LINE in said, said[-3000:]
     print(f"rank 0 exited {elapsed:.1f} s after rank 1 stopped (timeout {timeout_s} s)")
+
+
+def test_a_stopped_rank_that_hosts_the_store_still_lets_the_other_exit(tmp_path):
+    """Two processes of a trainer's own (no torchrun): rank 0 hosts the store and stops mid-move, so the store
+    stops too. The failed vote cannot say who is missing, but rank 1 still exits, naming the move."""
+    timeout_s, pids = 4, tmp_path / "pids"
+    pids.mkdir()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = child_env(VPIPE_FAULTS="migration_stop@0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2")
+    ranks = [subprocess.Popen([sys.executable, str(WORKERS / "hang_worker.py"), str(timeout_s), str(pids), "0"],
+                              cwd=ROOT, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    try:
+        elapsed = _stop_to_exit(pids, ranks[1], 240, stops=0)
+        said, _ = ranks[1].communicate(timeout=60)
+    finally:
+        for rank in ranks:
+            if rank.poll() is None:
+                rank.kill()
+            rank.communicate()
+    assert ranks[1].returncode != 0
+    assert elapsed < timeout_s + 15, said[-3000:]  # the store asked 2 s, the keys 2 s, the last stage's stats 5 s
+    assert "the move of epoch 1 (round 0) failed after at most" in said, said[-3000:]
+    assert "the store did not say who is missing" in said, said[-3000:]
+    print(f"rank 1 exited {elapsed:.1f} s after rank 0, the store's host, stopped (timeout {timeout_s} s)")

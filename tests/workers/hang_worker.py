@@ -1,10 +1,12 @@
 """Rank program for tests/integration/test_move_hangs.py: a trainer whose peer stops in the middle of a move.
 
-``python hang_worker.py TIMEOUT_S PIDS_DIR``: the plainest 2-stage trainer (``nn.Sequential`` of
-four blocks, 1F1B), which sets its own ``init_process_group(timeout=TIMEOUT_S)``, as a trainer
-under torchrun does, attaches vpipe and asks for one block to move before step 2. With
-``VPIPE_FAULTS=migration_stop@1`` rank 1 stops itself (SIGSTOP) when the move's announcement
-reaches it. Each rank writes its pid to ``PIDS_DIR/rank{r}`` first, so the test can watch it.
+``python hang_worker.py TIMEOUT_S PIDS_DIR [TARGET]``: the plainest 2-stage trainer
+(``nn.Sequential`` of four blocks, 1F1B), which sets its own
+``init_process_group(timeout=TIMEOUT_S)``, as a trainer under torchrun does, attaches vpipe and
+asks for one block to move to rank TARGET (default 1) before step 2. With
+``VPIPE_FAULTS=migration_stop@TARGET`` that rank stops itself (SIGSTOP) when the move's
+announcement reaches it. Each rank writes its pid to ``PIDS_DIR/rank{r}`` first, so the test
+can watch it.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import vpipe
 WIDTH, STEPS = 16, 6
 
 
-def main(timeout_s: float, pids: Path) -> None:
+def main(timeout_s: float, pids: Path, target: int) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
     rank = dist.get_rank()
@@ -37,7 +39,8 @@ def main(timeout_s: float, pids: Path) -> None:
     schedule = Schedule1F1B(stage, 2, loss_fn=F.mse_loss)
     optimizer = torch.optim.SGD(module.parameters(), lr=0.01)
     vp = vpipe.attach(schedule, optimizer=optimizer, planning=False)
-    vp.request_plan(vpipe.Plan(epoch=1, stages=((0,), (1, 2, 3))), at_step=2)
+    stages = ((0,), (1, 2, 3)) if target == 1 else ((0, 1, 2), (3,))
+    vp.request_plan(vpipe.Plan(epoch=1, stages=stages), at_step=2)
     x = torch.randn(4, WIDTH)
     for _ in range(STEPS):
         if rank == 0:
@@ -50,4 +53,4 @@ def main(timeout_s: float, pids: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(float(sys.argv[1]), Path(sys.argv[2]))
+    main(float(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else 1)

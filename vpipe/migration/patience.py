@@ -11,12 +11,15 @@ peer that stops answering (SIGSTOP, a hang, a crash) then fails the vote by the 
 on every other rank.
 
 Who stopped: before each vote every rank appends its rank to one key of the run's store
-(:class:`VoteMarks`); a vote that fails reads it and names the ranks that never came.
+(:class:`VoteMarks`); a vote that fails reads it and names the ranks that never came. That
+read waits at most :data:`ASK_S`: a store whose host is the rank that stopped (a trainer's
+own ``init_process_group`` without torchrun) never answers, and then nobody is named.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -26,6 +29,7 @@ __all__ = ["FLOOR_S", "RoundClock", "VoteMarks", "patience_s"]
 log = logging.getLogger("vpipe.migration")
 
 FLOOR_S = 2.0  # the least a vote waits, however late in its round: ranks begin a round a little apart
+ASK_S = 2.0  # how long a failed vote asks the store who reached it
 
 
 def patience_s(migration_timeout_s: float, group_timeout_s: float) -> float:
@@ -72,8 +76,16 @@ class VoteMarks:
         if self.rank == 0 and vote > 2:
             self.store.delete_key(f"vote/{vote - 2}")
 
-    def absent(self, vote: int) -> list[int] | None:
-        """The ranks that never reached vote ``vote`` (None: the store did not answer)."""
+    def absent(self, vote: int, wait_s: float = ASK_S) -> list[int] | None:
+        """The ranks that never reached vote ``vote`` (None: the store did not answer within ``wait_s``)."""
+        answer: list[list[int] | None] = []
+        asking = threading.Thread(target=lambda: answer.append(self._absent(vote)), daemon=True,
+                                  name="vpipe-vote-marks")  # a stopped store host never answers: not waited for
+        asking.start()
+        asking.join(wait_s)
+        return answer[0] if answer else None
+
+    def _absent(self, vote: int) -> list[int] | None:
         key = f"vote/{vote}"
         try:
             came = self.store.get(key).decode().split() if self.store.check([key]) else []

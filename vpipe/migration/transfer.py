@@ -110,7 +110,9 @@ class TransferChannel:
             return (f"{who} stopped answering (dead or hung) during {what}: no vote from "
                     f"{'it' if len(absent) == 1 else 'them'} within {limit:.0f} s; stopping (no layer was dropped "
                     "or taken here)")
-        return f"{what} failed after at most {limit:.0f} s ({str(error).splitlines()[0][:200]}); stopping"
+        nobody = ("; the store did not say who is missing (its host may be the one)" if self.marks is not None
+                  and absent is None else "")
+        return f"{what} failed after at most {limit:.0f} s ({str(error).splitlines()[0][:200]}){nobody}; stopping"
 
     @staticmethod
     def wait(work: Any, timeout_s: float) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -116,14 +117,20 @@ class StoreAgreement:
         return agree_run_key(self.store, rank=self.rank, world_size=self.world_size,
                              timeout_s=self.timeout_s, who=who, keys=keys)
 
-    def clear(self) -> None:
-        """Delete every key this rank wrote (detach)."""
-        for key in self._written:
+    def clear(self, wait_s: float = 2.0) -> None:
+        """Delete every key this rank wrote (detach), waiting at most ``wait_s`` for the store: one whose host
+        stopped (a rank hosting it that hangs) never answers, and the process must still be able to end."""
+        written, self._written = self._written, []
+        deleting = threading.Thread(target=self._delete, args=(written,), daemon=True, name="vpipe-store-clear")
+        deleting.start()
+        deleting.join(wait_s)
+
+    def _delete(self, keys: list[str]) -> None:
+        for key in keys:
             try:
                 self.store.delete_key(key)
             except Exception as e:  # noqa: BLE001 - a store already gone (the run is ending) holds nothing
                 log.debug("rank %d: could not delete store key %s: %s", self.rank, key, e)
-        self._written.clear()
 
 
 def agree_on_blocks(agreement: StoreAgreement, stages: Sequence[LocalStage], num_stages: int,
