@@ -34,6 +34,7 @@ from vpipe.control.session import ControlOptions, ControlSession
 from vpipe.log import decision
 from vpipe.migration.layer_manager import LayerListener, LayerManager
 from vpipe.migration.messages import ControlMessenger
+from vpipe.migration.patience import VoteMarks
 from vpipe.migration.transfer import TransferChannel
 from vpipe.monitors.source import TensorManagerSource
 from vpipe.plan import Plan
@@ -252,8 +253,7 @@ class Vpipe:
         if config.planning and pipeline.schedule is None and config.micro_batches is None:
             log.warning("vpipe.attach(module): micro_batches= not given, the planner assumes 1 micro-batch per step "
                         "(a pipeline that then never overlaps stages, so it will not rebalance)")
-        # the last stage of the leading replica starts the daemon: one planner for every replica
-        plans = config.planning and self.replicas.leads
+        plans = config.planning and self.replicas.leads  # the leading replica's last stage starts the one daemon
         planning = plans and self.num_stages - 1 in self._local
         options = ControlOptions(sample_every=config.sample_every, max_sample_every=config.sampling_cap,
                                  planner=config.planner if plans else None, log_file=config.log_file,
@@ -261,9 +261,8 @@ class Vpipe:
                                  control_host=self.settings.control_host, keys=self.keys,
                                  planner_config=planner_config(config, pipeline, self.memory_budget,
                                                                self.move_refusal is None) if planning else None)
-        # one planner sees every replica: the slowest / fullest per stage
         combine = ReplicaStats(self.agreement.job, world_rank=self.rank, peers=peers, leads=self.replicas.leads,
-                               timeout_s=config.agree_timeout_s) if peers else None
+                               timeout_s=self.agreement.timeout_s) if peers else None  # one planner, every replica
         session = ControlSession(
             {s.index: s.blocks.blocks() for s in pipeline.stages if s.blocks is not None}, rank=self.pipe_rank,
             stage_ranks=pipeline.stage_ranks, store=self.agreement.store, world_size=pipeline.size,
@@ -294,7 +293,8 @@ class Vpipe:
             {s.index: s.blocks for s in pipeline.stages if s.blocks is not None}, placement=placement,
             stage_ranks=pipeline.stage_ranks, optimizer=self.optimizer, factory=self.config.layer_factory,
             specs=self.config.specs, messenger=ControlMessenger(self.session.plane, self.pipe_rank),
-            channel=TransferChannel(pipeline.device, world_ranks=self.replicas.world_ranks), device=pipeline.device,
+            channel=TransferChannel(pipeline.device, world_ranks=self.replicas.world_ranks, marks=VoteMarks(
+                self.agreement.job, rank=self.rank, world_size=self.world_size)), device=pipeline.device,
             timeout_s=self.config.migration_timeout_s, faults=self.settings.faults.migration_faults(self.rank),
             shared=shared, listeners=listeners)
         self._undo.append(manager.close)

@@ -10,6 +10,7 @@ that act on it.
 Faults:
 - ``migration_silent``: as the target of a move, never answer ``migrate_prepare``.
 - ``migration_die``: as the target of a move, die (SIGKILL-like exit) after the prepare.
+- ``migration_stop``: as the target of a move, stop (SIGSTOP) after the prepare: a rank that hangs.
 - ``kill@STEP:RANK``: rank RANK sends itself SIGKILL in the middle of step STEP (at its
   stage's second forward of that step, so its neighbours are mid-step too); see
   :meth:`Faults.kill_step` and :meth:`Faults.install_kill` (the reference trainer installs it).
@@ -28,7 +29,7 @@ log = logging.getLogger("vpipe.faults")
 
 __all__ = ["Faults", "FAULTS", "parse"]
 
-FAULTS = ("migration_silent", "migration_die")
+FAULTS = ("migration_silent", "migration_die", "migration_stop")
 ENV = "VPIPE_FAULTS"
 
 
@@ -93,8 +94,9 @@ class Faults:
         return module.register_forward_hook(hook)
 
     def migration_faults(self, rank: int) -> Callable[[str], bool]:
-        """The layer manager's fault hook for ``rank``: at ``prepare_received``, die (``migration_die``) or
-        report a peer gone silent (``migration_silent``); never anything when ``VPIPE_FAULTS`` names none."""
+        """The layer manager's fault hook for ``rank``: at ``prepare_received``, die (``migration_die``), stop
+        (``migration_stop``) or report a peer gone silent (``migration_silent``); never anything when
+        ``VPIPE_FAULTS`` names none."""
 
         def hook(point: str) -> bool:
             if point != "prepare_received":
@@ -102,6 +104,9 @@ class Faults:
             if self.active("migration_die", rank):
                 log.error("rank %d: fault injected: dying in the middle of a move", rank)
                 os._exit(9)
+            if self.active("migration_stop", rank):
+                log.error("rank %d: fault injected: stopping (SIGSTOP) in the middle of a move", rank)
+                os.kill(os.getpid(), signal.SIGSTOP)
             return self.active("migration_silent", rank)
 
         return hook

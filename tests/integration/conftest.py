@@ -34,9 +34,12 @@ TRAINING_TESTS = {
     "test_checkpoint.py::test_resume_two_stages_on_four_matches_the_single_process_reference",
     "test_checkpoint.py::test_resume_on_the_same_stages_equals_an_uninterrupted_run",
     "test_checkpoint.py::test_resume_problems_are_named_at_launch_in_one_line",
+    "test_deep_stages.py::test_three_thousand_blocks_on_one_stage_train_with_vpipe",
     "test_control_run_key.py::test_a_store_reader_cannot_pass_the_control_planes_authentication",
     "test_control_squatter.py::test_with_a_squatter_on_every_inbox_the_planner_attaches_and_plans_are_applied",
     "test_measure.py::test_a_run_measures_every_step_of_every_rank",
+    "test_move_hangs.py::test_under_torchrun_a_stopped_rank_ends_the_run_within_the_trainers_timeout",
+    "test_move_hangs.py::test_a_stopped_rank_that_hosts_the_store_still_lets_the_other_exit",
     "test_planner_judge.py::test_a_run_whose_planner_slows_it_down_is_put_back_and_says_so",
     "test_run_outputs.py::test_a_second_training_run_on_the_same_outputs_is_refused_while_the_first_trains",
     "test_run_outputs.py::test_a_run_under_umask_000_makes_its_files_0600_and_directories_0700_and_writes_vpipe_log_"

@@ -106,6 +106,8 @@ class _Arrival:
 class FakeChannel:
     """:class:`~vpipe.migration.transfer.TransferChannel` over the hub: queues for payloads, a barrier for votes."""
 
+    timeout_s = 1800.0  # torch's default for a group
+
     def __init__(self, hub: Hub, rank: int) -> None:
         self.hub, self.rank = hub, rank
 
@@ -119,7 +121,8 @@ class FakeChannel:
         buf = torch.empty(nbytes, dtype=torch.uint8)
         return buf, _Arrival(self.hub, (src, self.rank, tag), buf)
 
-    def vote(self, flags: list[tuple[bool, bool]]) -> list[bool]:
+    def vote(self, flags: list[tuple[bool, bool]], *, timeout_s: float | None = None,
+             what: str = "a vote") -> list[bool]:
         hub = self.hub
         hub.ballots[self.rank] = list(flags)
         if hub.barrier.wait() == 0:

@@ -35,7 +35,10 @@ What each accessor reaches, by area (checked: 2.13.0 for all; fallbacks named):
   parallel styles register are functions defined in ``torch.distributed.tensor._api`` and
   ``.parallel.style``; fallback: none is recognised, so a clone of a tensor-parallel block
   would lack them: the move tests fail);
-- c10d: :func:`default_store` (``distributed_c10d._get_default_store``; fallback: None).
+- c10d: :func:`default_store` (``distributed_c10d._get_default_store``; fallback: None),
+  :func:`group_timeout_s` (a group's backends' ``options._timeout``; fallback: torch's default
+  timeout), :func:`set_group_timeout` (``distributed_c10d._set_pg_timeout``; fallback: not set, a
+  collective then waits the group's own timeout).
 """
 
 from __future__ import annotations
@@ -43,9 +46,11 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
+from datetime import timedelta
 from functools import wraps
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.pipelining.schedules as schedules
 from torch import nn
@@ -63,7 +68,7 @@ __all__ = ["single_stage", "schedule_stages", "n_microbatches", "missing_schedul
            "batch_p2p_wait", "set_batch_p2p_wait", "get_schedule_ops", "PipelineScheduleRuntime", "PipelineStageBase",
            "COMPOSABLE_KEYS", "composable_apis", "is_fsdp1", "fsdp_state", "fsdp_internals_missing",
            "fsdp_param_groups", "fsdp_mp_policy", "drop_fsdp_prefetch", "forget_fsdp_root", "is_parallel_style_hook",
-           "is_strided_shard", "default_store"]
+           "is_strided_shard", "default_store", "group_timeout_s", "set_group_timeout"]
 
 
 # ---------------------------------------------------------------------- pipelining
@@ -267,3 +272,32 @@ def default_store() -> Any | None:
     None where this torch has no such getter. Raises as torch does when no default group exists."""
     getter = getattr(dist.distributed_c10d, "_get_default_store", None)
     return None if getter is None else getter()
+
+
+def group_timeout_s(group: Any = None) -> float:
+    """How long a collective of ``group`` (default: the default group, which ``init_process_group(timeout=...)``
+    set) may take, in seconds: the longest of its backends' ``options._timeout`` (checked: 2.13.0, gloo and NCCL;
+    ``new_group()`` without a timeout gets torch's default, 30 minutes, not the default group's). Fallback:
+    torch's default timeout, also when no default group exists."""
+    if group is None and not dist.is_initialized():
+        return dist.distributed_c10d.default_pg_timeout.total_seconds()
+    group = dist.distributed_c10d._get_default_group() if group is None else group
+    seen = []
+    for device in getattr(group, "_device_types", ()):
+        try:
+            timeout = group._get_backend(torch.device(device)).options._timeout
+        except (AttributeError, RuntimeError):
+            continue
+        if isinstance(timeout, timedelta):
+            seen.append(timeout.total_seconds())
+    return max(seen) if seen else dist.distributed_c10d.default_pg_timeout.total_seconds()
+
+
+def set_group_timeout(group: Any, seconds: float) -> bool:
+    """Bound ``group``'s next collectives and transfers by ``seconds`` (``distributed_c10d._set_pg_timeout``, which
+    sets its gloo or NCCL backends' timeout; checked: 2.13.0). Whether it could: False where this torch lacks it."""
+    setter = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if setter is None:
+        return False
+    setter(timedelta(seconds=seconds), group)
+    return True

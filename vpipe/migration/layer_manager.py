@@ -42,6 +42,7 @@ from vpipe.migration.handshake import (
 )
 from vpipe.migration.link import MoveLink
 from vpipe.migration.moves import Move, apply_round, plan_rounds
+from vpipe.migration.patience import RoundClock, patience_s
 from vpipe.migration.placement import Placement
 from vpipe.migration.rounds import MigrationReport, exchange
 from vpipe.migration.shapes import BoundaryShapes
@@ -226,9 +227,12 @@ class LayerManager:
         return self._placement.rank_of(stage)
 
     def _link(self) -> MoveLink:
-        """What the exchanges with other ranks may use of this manager (made per round: fields may be swapped)."""
-        return MoveLink(self.messenger, self.channel, self.stage_ranks, self.timeout_s, self.builder,
-                        self.optimizer, self._pack, self.faults)
+        """What the exchanges with other ranks may use of this manager, with a clock for one round (made per round:
+        fields may be swapped). The round ends within the transfer group's timeout, the trainer's."""
+        limit = self.channel.timeout_s
+        patience = patience_s(self.timeout_s, limit)
+        return MoveLink(self.messenger, self.channel, self.stage_ranks, patience, self.builder,
+                        self.optimizer, self._pack, RoundClock(limit, patience), self.faults)
 
     def _pack(self, move: Move, with_state: bool) -> list[LayerState]:
         """The leaving layers of ``move`` and what the target needs to rebuild each block (kind, key, plain
@@ -256,12 +260,14 @@ class LayerManager:
         incoming = [m for m in moves if m.dst in local and m.src not in local]
         within = [m for m in moves if m.src in local and m.dst in local]
         # phases 1-5: the exchange with the other ranks (announce, build, send, receive, acknowledge)
-        ok, arriving = exchange(self._link(), epoch, r, outgoing, incoming, report)
+        link = self._link()
+        ok, arriving = exchange(link, epoch, r, outgoing, incoming, report)
         ok = self._can_move_within(within) and ok
         # phase 6: one vote decides the whole round on every rank, then both sides act on it; the
         # same collective tells whether a boundary activation changes (every rank must redo shape inference)
         after = apply_round(self.placement, moves)
-        ok, changed = self.channel.vote([(ok, True), (self._output_changes(after, arriving), False)])
+        ok, changed = self.channel.vote([(ok, True), (self._output_changes(after, arriving), False)],
+                                        timeout_s=link.clock.vote_s(), what=f"the move of epoch {epoch} (round {r})")
         if not ok:
             report.aborted.extend(self._involved(moves))
             decision("migration_aborted", f"epoch {epoch} round {r}: a move failed; every stage keeps its layers",
@@ -352,7 +358,8 @@ class LayerManager:
         doomed = set(layer_ids)
         placement = self._placement.without(doomed)
         reshapes = self.channel.vote([(any(self.shapes.last_output_changes(self.placement[v], placement.stages[v], {})
-                                           for v in self.blocks if v != self.num_stages - 1), False)])[0]
+                                           for v in self.blocks if v != self.num_stages - 1), False)],
+                                     what="a layer removal")[0]
         for v in self.blocks:
             self._drop(v, [lid for lid in self.blocks[v].ids if lid in doomed])
         for lid in doomed:

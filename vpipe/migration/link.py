@@ -15,6 +15,7 @@ import torch
 
 from vpipe.migration.handshake import NO_FAULTS, BlockBuilder, FaultHook, Messenger
 from vpipe.migration.moves import Move
+from vpipe.migration.patience import RoundClock
 from vpipe.migration.state import LayerState
 from vpipe.migration.transfer import TransferChannel
 
@@ -32,10 +33,11 @@ class MoveLink:
     messenger: Messenger  # control messages: the handshake
     channel: TransferChannel  # payloads and the round's vote
     stage_ranks: tuple[int, ...]
-    timeout_s: float
+    timeout_s: float  # how long one handshake message may take (the migration patience)
     builder: BlockBuilder  # empty blocks for arriving layers
     optimizer: torch.optim.Optimizer | None  # takes the arriving layers' state
     pack: Packer
+    clock: RoundClock  # the round's: every wait of it, the vote included, ends within the group's timeout
     faults: FaultHook = NO_FAULTS
 
     @property

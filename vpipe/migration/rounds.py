@@ -29,7 +29,7 @@ from vpipe.migration.handshake import (
 from vpipe.migration.link import MoveLink
 from vpipe.migration.moves import Move
 from vpipe.migration.state import LayerState, load_layer, payload_bytes
-from vpipe.migration.transfer import MOVE, transfer_tag
+from vpipe.migration.transfer import MOVE, TransferChannel, transfer_tag
 from vpipe.stage.optimizers import part_of
 
 log = logging.getLogger("vpipe.migration")
@@ -66,12 +66,12 @@ def exchange(link: MoveLink, epoch: int, r: int, outgoing: Sequence[Move], incom
         announce(link.messenger, m, link.rank_of(m.dst), [st.manifest for st in states], move_key(epoch, r, m))
     # phase 2: build what arrives (on the meta device, then empty storage: no init cost)
     arriving = [receive_prepare(link.messenger, link.builder, m, link.rank_of(m.src), move_key(epoch, r, m),
-                                link.timeout_s, link.faults) for m in incoming]
+                                link.clock.wait_s(), link.faults) for m in incoming]
     # phase 3: send each payload once its target is ready
     works = []
     for m in sent_states:
         key = move_key(epoch, r, m)
-        if not await_ready(link.messenger, m, link.rank_of(m.dst), key, link.timeout_s, abort_on_silence=True):
+        if not await_ready(link.messenger, m, link.rank_of(m.dst), key, link.clock.wait_s(), abort_on_silence=True):
             ok = False
             continue
         payload = torch.cat([st.payload for st in sent_states[m]])
@@ -83,13 +83,19 @@ def exchange(link: MoveLink, epoch: int, r: int, outgoing: Sequence[Move], incom
         if inc.ok:
             _receive_payload(link, inc, move_key(epoch, r, inc.move), report)
         ok = ok and inc.ok
-    for _, work, payload in works:
-        work.wait()
+    for m, work, payload in list(works):
+        try:
+            TransferChannel.wait(work, link.clock.remaining_s())
+        except TimeoutError as e:  # the target stopped taking it: no ack will come
+            log.warning("rank %d: layers %s to stage %d: %s", link.rank_of(m.src), list(m.layers), m.dst, e)
+            works.remove((m, work, payload))
+            ok = False
+            continue
         report.bytes_sent += int(payload.numel())
     # phase 5: the sources collect the acknowledgements
     for m, _work, _payload in works:
         answer = link.messenger.wait_for({"migrate_ack", "migrate_abort"}, from_rank=link.rank_of(m.dst),
-                                         key=move_key(epoch, r, m), timeout_s=link.timeout_s)
+                                         key=move_key(epoch, r, m), timeout_s=link.clock.wait_s())
         if answer is None or answer[0] != "migrate_ack":
             log.warning("rank %d: no migrate_ack from stage %d for layers %s; aborting", link.rank_of(m.src), m.dst,
                         list(m.layers))
@@ -107,7 +113,7 @@ def _tag(link: MoveLink, key: tuple[int, int, int]) -> int:
 def _receive_payload(link: MoveLink, inc: Incoming, key: tuple[int, int, int], report: MigrationReport) -> None:
     m, src = inc.move, link.rank_of(inc.move.src)
     got = link.messenger.wait_for({"migrate_transfer", "migrate_abort"}, from_rank=src, key=key,
-                                  timeout_s=2 * link.timeout_s)
+                                  timeout_s=link.clock.wait_s(2))
     if got is None or got[0] == "migrate_abort":
         inc.ok = False
         return
@@ -116,7 +122,12 @@ def _receive_payload(link: MoveLink, inc: Incoming, key: tuple[int, int, int], r
         raise MigrationError(f"stage {m.dst}: stage {m.src} sends {got[1].get('nbytes')} bytes, "
                              f"the manifests describe {nbytes}")
     buf, work = link.channel.recv(nbytes, src, _tag(link, key))
-    work.wait()
+    try:
+        TransferChannel.wait(work, link.clock.remaining_s())
+    except TimeoutError as e:  # the source stopped sending: the round aborts (if the vote can still be held)
+        log.warning("stage %d: layers %s from stage %d: %s", m.dst, list(m.layers), m.src, e)
+        inc.ok = False
+        return
     buf = buf.cpu()
     offset = 0
     for man in inc.manifests:

@@ -271,7 +271,8 @@ def start_round(link: MoveLink, schedule: Any, switch_mb: int, epoch: int, moves
     change a boundary activation's shape (every rank votes on it first). Returns the movers
     registered with the schedule, or None when the round aborted (nothing moves anywhere).
     """
-    if link.channel.vote([(reshapes, False)])[0]:
+    what = f"the streamed move of epoch {epoch}"
+    if link.channel.vote([(reshapes, False)], timeout_s=link.clock.vote_s(), what=what)[0]:
         raise MigrationError("this move changes a boundary activation's shape; a PipeDream stream cannot "
                              "resize its buffers: flush() first and apply it at the step boundary")
     outgoing = [m for m in moves if m.src == stage]
@@ -287,12 +288,12 @@ def start_round(link: MoveLink, schedule: Any, switch_mb: int, epoch: int, moves
             continue
         announce(link.messenger, m, link.rank_of(m.dst), [st.manifest for st in leaving[m]], move_key(epoch, 0, m))
     arriving = [receive_prepare(link.messenger, link.builder, m, link.rank_of(m.src), move_key(epoch, 0, m),
-                                link.timeout_s, link.faults) for m in incoming]
+                                link.clock.wait_s(), link.faults) for m in incoming]
     ready = all(inc.ok for inc in arriving) and not refused
     for m in leaving:
-        ready = await_ready(link.messenger, m, link.rank_of(m.dst), move_key(epoch, 0, m), link.timeout_s,
+        ready = await_ready(link.messenger, m, link.rank_of(m.dst), move_key(epoch, 0, m), link.clock.wait_s(),
                             abort_on_silence=False) and ready
-    if not link.channel.vote([(ready, True)])[0]:
+    if not link.channel.vote([(ready, True)], timeout_s=link.clock.vote_s(), what=what)[0]:
         decision("migration_aborted", f"epoch {epoch}: a streamed move was not ready; every stage keeps its layers",
                  epoch=epoch, stage=stage)
         return None

@@ -9,7 +9,8 @@ during a sampled iteration: other iterations run exactly as without a monitor.
   when the gradient of that output is ready, i.e. when the layer's backward starts. In
   one backward pass the layers' starts come one after another (a stage is a chain), so a
   layer's backward lasts until the next start, and the stage's first layer until the
-  pass ends (an autograd engine callback). This works for ``torch.autograd.backward`` on
+  pass ends (an autograd engine callback); the hooked nodes are held a step longer
+  (:mod:`.held_nodes`: the graph is then freed one block at a time). This works for ``torch.autograd.backward`` on
   stage outputs (torch's pipelining) and for vpipe's PipeDream schedule alike; the loss's
   own backward, before the last layer's start, is attributed to no layer. Zero-bubble
   schedules' separate weight-gradient passes are not timed.
@@ -36,6 +37,7 @@ from torch.utils.hooks import RemovableHandle
 from vpipe.compat.torch_internals import queue_engine_callback
 from vpipe.monitors.clock import clock_for
 from vpipe.monitors.gpu import NvmlProbe
+from vpipe.monitors.held_nodes import HeldNodes, first_grad_tensor
 from vpipe.monitors.keep_all import KeepAllSource
 from vpipe.monitors.memory import DeviceMemory, host_rss_bytes, layer_bytes
 from vpipe.monitors.pulse import trains
@@ -128,6 +130,7 @@ class StageMonitor:
         self._fwd: list[tuple[int, Any, Any]] = []
         self._bwd_pass: list[tuple[int, Any]] | None = None
         self._bwd_passes: list[tuple[list[tuple[int, Any]], Any]] = []
+        self._held = HeldNodes()
         for layer_id, module in layers.items():
             self.add_layer(layer_id, module)
 
@@ -175,6 +178,7 @@ class StageMonitor:
         """Remove every hook (the modules are left exactly as they were) and stop NVML sampling."""
         self._disarm()
         self._current = None
+        self._held.release()
         for layer_id in list(self._layers):
             self.remove_layer(layer_id)
         if self._owned_source is not None:
@@ -214,6 +218,7 @@ class StageMonitor:
         if self._current is None:
             raise RuntimeError("end_iteration() without begin_iteration()")
         iteration, self._current = self._current, None
+        self._held.release(before=iteration)  # the graphs of earlier steps: torch let go of them by now
         if not self._sampling:
             return None
         step_s = time.perf_counter() - self._started
@@ -292,7 +297,7 @@ class StageMonitor:
         if start is None:
             return
         self._fwd.append((layer_id, start, self._clock.mark()))
-        out = _first_grad_tensor(output)
+        out = first_grad_tensor(output)
         if layer_id == _OUTSIDE:
             last, self._last_block_out = self._last_block_out, None
             if out is None or out is last:
@@ -301,7 +306,7 @@ class StageMonitor:
             self._out_bytes[layer_id] = tensor_bytes(output)
             self._last_block_out = out
         if out is not None:
-            out.register_hook(partial(self._backward_start, layer_id))
+            self._held.hook(self._current or 0, out, partial(self._backward_start, layer_id))
 
     def _backward_start(self, layer_id: int, grad: torch.Tensor) -> None:
         if not self._armed or self._suspended:
@@ -413,8 +418,3 @@ class StageMonitor:
         total += sum(t.numel() * t.element_size() for t in self._stage_module.buffers())
         return max(0, total - sum(layer.param_bytes for layer in layers))
 
-
-def _first_grad_tensor(output: Any) -> torch.Tensor | None:
-    if isinstance(output, (tuple, list)):
-        return next((t for t in output if isinstance(t, torch.Tensor) and t.requires_grad), None)
-    return output if isinstance(output, torch.Tensor) and output.requires_grad else None

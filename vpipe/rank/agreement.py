@@ -10,7 +10,8 @@ A pipeline that is one dimension of a mesh gets a namespace of its own inside it
 group), and :attr:`StoreAgreement.job` is the attach's namespace that every replica shares.
 
 A rank that never makes the same call (an attach or an edit on some ranks only) ends the
-wait after ``timeout_s`` with an error naming the missing stages, instead of a hang.
+wait after ``timeout_s`` (at most the process group's timeout, the trainer's) with an error
+naming the missing stages, instead of a hang.
 """
 
 from __future__ import annotations
@@ -18,13 +19,14 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import torch.distributed as dist
 
-from vpipe.compat.torch_distributed import default_store
+from vpipe.compat.torch_distributed import default_store, group_timeout_s
 from vpipe.compat.torch_internals import child_modules
 from vpipe.control.curve import RunKeys
 from vpipe.control.run_key import agree_run_key
@@ -62,7 +64,7 @@ class StoreAgreement:
         self.store = dist.PrefixStore(self.namespace, base)
         self.rank = rank
         self.world_size = world_size
-        self.timeout_s = timeout_s
+        self.timeout_s = min(timeout_s, group_timeout_s())  # the trainer's bound on its own collectives
         self._written: list[str] = []
         self._edits = 0
 
@@ -115,14 +117,20 @@ class StoreAgreement:
         return agree_run_key(self.store, rank=self.rank, world_size=self.world_size,
                              timeout_s=self.timeout_s, who=who, keys=keys)
 
-    def clear(self) -> None:
-        """Delete every key this rank wrote (detach)."""
-        for key in self._written:
+    def clear(self, wait_s: float = 2.0) -> None:
+        """Delete every key this rank wrote (detach), waiting at most ``wait_s`` for the store: one whose host
+        stopped (a rank hosting it that hangs) never answers, and the process must still be able to end."""
+        written, self._written = self._written, []
+        deleting = threading.Thread(target=self._delete, args=(written,), daemon=True, name="vpipe-store-clear")
+        deleting.start()
+        deleting.join(wait_s)
+
+    def _delete(self, keys: list[str]) -> None:
+        for key in keys:
             try:
                 self.store.delete_key(key)
             except Exception as e:  # noqa: BLE001 - a store already gone (the run is ending) holds nothing
                 log.debug("rank %d: could not delete store key %s: %s", self.rank, key, e)
-        self._written.clear()
 
 
 def agree_on_blocks(agreement: StoreAgreement, stages: Sequence[LocalStage], num_stages: int,

@@ -30,9 +30,11 @@ def without_graph(t: torch.Tensor) -> torch.Tensor:
     """``t`` as a saved-tensor hook may hold it until the backward: detached if it has a grad_fn.
 
     A saved output's grad_fn is the node saving it: holding the tensor itself would make a reference cycle
-    (node -> saved handle -> tensor -> node) that only the garbage collector breaks.
+    (node -> saved handle -> tensor -> node) that only the garbage collector breaks. ``is_leaf`` says the same as
+    ``grad_fn is None`` without reading ``grad_fn``, which gives the node a Python object: a graph whose nodes
+    have one is freed recursively, a C stack frame per node, and a stage of thousands of blocks overflowed it.
     """
-    return t.detach() if t.grad_fn is not None else t
+    return t if t.is_leaf else t.detach()
 
 
 class ShardHandle:

@@ -181,7 +181,7 @@ class LayerCall:
         """Parameters, views of them, stashed weight versions (leaves that require grad), buffers."""
         base = view_base(t)
         root = t if base is None else base
-        if root.grad_fn is not None:
+        if not root.is_leaf:  # (not root.grad_fn: that would give the node a Python object; see without_graph)
             return False  # computed in this forward: an activation
         if root.requires_grad or root.__class__ is nn.Parameter:
             return not any(root is a for a in self.inputs)  # a stage input is an activation
