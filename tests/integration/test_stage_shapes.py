@@ -211,13 +211,14 @@ def test_under_a_roomy_budget_the_tutorial_trainer_runs_its_blocks_without_hooks
     last = ranks[1]
     assert last["losses"]["vpipe"] == last["losses"]["plain"] and len(last["losses"]["plain"]) == 24 * 4
     for r in ranks:
-        # hooks on the first step (nothing measured yet) and on the sampled, metered one (step 9); none after
-        assert r["hooked_steps"] and max(r["hooked_steps"]) <= 9, r["hooked_steps"]
+        # hooks on the first step (nothing measured yet) and on the sampled, metered ones (steps 1 and 13: the
+        # base rate samples every second step, every fifth sample meters); none after
+        assert r["hooked_steps"] and max(r["hooked_steps"]) <= 13, r["hooked_steps"]
         # nor any call into the tensor manager: its stage runs torch's own methods (the first step measures, the
-        # sampled, metered step 9 measures again)
-        assert r["called_steps"] == [0, 9], r["called_steps"]
+        # sampled, metered steps 1 and 13 measure again)
+        assert r["called_steps"] == [0, 1, 13], r["called_steps"]
         assert 0 < r["peak"] <= r["budget"] < 1 << 30  # (the rank's budget less its weights and optimizer state)
-        assert r["max_sample_every"] == 80  # the one line's defaults: back off to 8 x every 10th step
+        assert r["max_sample_every"] == 80  # the one line's defaults: every 2nd step, backing off to every 80th
 
 
 def test_the_tutorial_trainer_swapping_every_block_skips_the_copies_that_would_come_straight_back(tmp_path):
@@ -242,12 +243,12 @@ def test_a_step_whose_inputs_change_shape_under_a_budget_calls_the_manager_for_e
     """Quiet steps run the stage's own methods; a step with new input shapes goes through vpipe's wrappers,
     which measure the new shapes, and the next steps of those shapes run without them again."""
     result = _scenario(tmp_path, "new_shapes", 1)
-    assert result["losses"]["vpipe"] == result["losses"]["plain"] and len(result["losses"]["plain"]) == 14 * 4
+    assert result["losses"]["vpipe"] == result["losses"]["plain"] and len(result["losses"]["plain"]) == 15 * 4
     calls, seq_lens, metering = result["calls"], result["seq_lens"], result["metering"]
     assert seq_lens[5:11] == [32, 16, 16, 16, 16, 32]
     assert calls[0] >= 4, calls  # the first step: each micro-batch's forward, measured
-    assert [step for step, on in enumerate(metering) if on] == [9]  # the monitor's first sample meters again
-    for step in range(1, 14):
+    assert [step for step, on in enumerate(metering) if on] == [1, 13]  # the monitor's metered samples
+    for step in range(1, 15):
         measured = seq_lens[step] != seq_lens[step - 1] or metering[step]
         assert (calls[step] >= 4 if measured else calls[step] == 0), (step, calls)
     assert result["hooked"] is False
@@ -261,20 +262,20 @@ def test_pipedream_runs_its_quiet_steps_without_the_manager_and_counts_what_stay
     ranks = _scenario(tmp_path, "pipedream_budget", 2)["ranks"]
     assert ranks[1]["losses"]["vpipe"] == ranks[1]["losses"]["plain"] and len(ranks[1]["losses"]["plain"]) == 24 * 4
     first, last = ranks
-    # the first step and the metered sample (9) call the manager; on the first stage so does the step after the
-    # sample, whose backwards release what the sample's forwards saved through the hooks
-    assert first["called_steps"] == [0, 9, 10] and last["called_steps"] == [0, 9]
+    # the first step and the metered samples (1, 13) call the manager; on the first stage so does the step after
+    # each, whose backwards release what the sample's forwards saved through the hooks
+    assert first["called_steps"] == [0, 1, 2, 13, 14] and last["called_steps"] == [0, 1, 13]
     for r in ranks:
         assert r["same_weights"], r["rank"]
         for step, resident in enumerate(r["resident"]):
             if step not in r["called_steps"]:
                 assert resident == 0, (step, r)  # nothing counted while the manager is not called
         assert r["after_flush"] == 0 and r["counted_after_flush"] == 0
-    assert first["in_flight"][8] > 0 and first["in_flight"][10] > 0  # in flight between steps
-    # step 9 calls the manager again: the micro-batches in flight since the plain steps are counted first
-    assert first["at_first_forward"]["9"] == first["in_flight"][8] * first["per_mb"]
-    # step 10's quiet forwards leave theirs counted when the stage goes plain again, and forgotten at step 11
-    assert first["resident"][10] == first["in_flight"][10] * first["per_mb"] and first["resident"][11] == 0
+    assert first["in_flight"][12] > 0 and first["in_flight"][14] > 0  # in flight between steps
+    # step 13 calls the manager again: the micro-batches in flight since the plain steps are counted first
+    assert first["at_first_forward"]["13"] == first["in_flight"][12] * first["per_mb"]
+    # step 14's quiet forwards leave theirs counted when the stage goes plain again, and forgotten at step 15
+    assert first["resident"][14] == first["in_flight"][14] * first["per_mb"] and first["resident"][15] == 0
 
 
 def test_the_tutorial_model_on_interleaved_1f1b_keeps_every_block_where_the_ranks_real_peak_fits(tmp_path):
@@ -289,8 +290,8 @@ def test_the_tutorial_model_on_interleaved_1f1b_keeps_every_block_where_the_rank
     for r in ranks:
         assert all(set(p.values()) == {"D"} for p in r["policies"]), r
         assert r["hooked"] == [False, False]  # kept and fitting: the blocks run as without vpipe
-        for steps in r["called_steps"]:  # and, past the metered sample (step 9), torch's own stage methods run
-            assert steps and not [s for s in steps if s > 9], r["called_steps"]
+        for steps in r["called_steps"]:  # and, past the metered samples (to step 13), torch's own methods run
+            assert steps and not [s for s in steps if s > 13], r["called_steps"]
     assert any(n for r in ranks for n in r["escalations"])  # the first step, on equal halves, had to swap
 
 
