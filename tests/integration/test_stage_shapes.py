@@ -22,9 +22,9 @@ import torch
 from support.processes import ROOT, child_env, run_ranks, run_worker
 from vpipe.log import read_log
 
-# With the defaults the planner proposes from the sample of step 19, confirms it with step 29's and the move
-# applies a few steps later (step 33 on a quiet machine); 50 steps leave room for a planner that runs late
-# because the machine is busy (it plans at a low priority) and for the next sample (step 39) to confirm instead.
+# With the defaults the planner proposes from the sample of step 3, confirms it with step 5's and the move
+# applies a few steps later (step 9 on a quiet machine); 50 steps leave room for a planner that runs late
+# because the machine is busy (it plans at a low priority), and for the later moves a slower stage may ask for.
 STEPS = 50
 TORCHRUN_CASE = ("train_tutorial", 2, "6,2", "1f1b")  # (script, ranks, partition, schedule) run by torchrun
 
