@@ -57,7 +57,6 @@ _UNCHANGED = 0.01  # per-layer cost moves under this (relative) since the last s
 # the least of its last samples, since a busy core only ever adds time (a preempted sample is not a heavier head)
 _OUTSIDE_SAMPLES = 3
 _WARM_SAMPLES = 1  # samples after attach that say nothing of the stages' speeds (start-up work runs beside them)
-_DEVICE_CHANGE = 1.6  # an alert this large (or its inverse) reopens placements left before: a device changed
 _SPEED_SAMPLES = 3  # a stage is as slow as it was in all of this many samples (noise hits a sample, a device all)
 _MOVED_SAMPLES = 10  # samples for which a moved block's time before its move still says how fast its old stage was
 
@@ -167,12 +166,10 @@ class OnlinePlanner:
     def alerted(self, stage: int, ratio: float, iteration: int) -> None:
         """A rank's pulse saw ``stage`` change (the daemon has every rank measure again): a proposal made on the
         old costs is not confirmed by the new ones, where blocks ran before says nothing of the devices now, and
-        a placement left before may be the right one again, when the change was large (a device that slowed or
-        recovered by ``_DEVICE_CHANGE``; on shared cores a busy neighbour alone moves a stage's time by less)."""
+        a placement left before may be the right one again."""
         self._proposed = None
         self._moved.clear()
-        if not 1 / _DEVICE_CHANGE < ratio < _DEVICE_CHANGE:
-            self._left.clear()
+        self._left.clear()
         self._speed_samples.clear()  # the devices changed: their factors are learnt again
         self._alerted = True
         self._fresh_after = self._epoch if self._epoch is not None else -1
