@@ -44,7 +44,7 @@ def test_replicas_of_a_pipeline_move_blocks_alike_and_train_as_without_vpipe(tmp
     assert stage1 == ([1] if order == "dp_pp" else [2])
     placements = [r["placements"] for r in ranks]
     assert all(p == placements[0] for p in placements)  # every rank, every step: one placement
-    assert placements[0][-1] != [[0, 1, 2, 3, 4, 5], [6, 7]]  # blocks moved
+    assert any(p != [[0, 1, 2, 3, 4, 5], [6, 7]] for p in placements[0])  # moved (maybe back: 2 shared cores)
     _assert_as_without_vpipe(ranks)
 
 

@@ -34,7 +34,7 @@ def test_fsdp2_stages_move_sharded_blocks_and_train_as_without_vpipe(tmp_path):
     assert not [r for r in result["log"] if r.get("event") == "moves_off"]
     placements = [r["placements"] for r in ranks]
     assert all(p == placements[0] for p in placements)  # every rank, every step: one placement
-    assert placements[0][-1] != [[0, 1, 2, 3, 4, 5], [6, 7]]  # blocks moved
+    assert any(p != [[0, 1, 2, 3, 4, 5], [6, 7]] for p in placements[0])  # moved (maybe back: 2 shared cores)
     moved = [r for r in result["log"] if r.get("event") == "migration_done" and r.get("moved")]
     assert {r["rank"] for r in moved} == {0, 1, 2, 3}
     _assert_as_without_vpipe(ranks)

@@ -23,11 +23,11 @@ NEW = Plan(epoch=1, stages=((0, 1, 2, 3, 4), (5, 6, 7)), reason="rebalance: pred
 def _judge_after(after_s: list[float], plan: Plan = NEW,
                  before_s=(0.100, 0.104, 0.098)) -> tuple[PlanJudge, Plan | None]:
     judge = PlanJudge()
-    for t in before_s:
+    for t in (0.900, *before_s):  # the first sample of a plan (a warm-up here) is not counted
         assert judge.observe(_vector(0, t), OLD) is None
     judge.sent(plan, OLD)
     assert judge.observe(_vector(0, 0.101), plan) is None  # measured before the stages applied it
-    verdicts = [judge.observe(_vector(plan.epoch, t), plan) for t in after_s]
+    verdicts = [judge.observe(_vector(plan.epoch, t), plan) for t in (0.900, *after_s)]  # 0.9: a move's costs
     return judge, next((v for v in verdicts if v is not None), None)
 
 
@@ -47,6 +47,14 @@ def test_faster_steps_noise_and_too_few_samples_keep_the_plan(after_s):
     assert revert is None and not judge.refuses(NEW)
 
 
+def test_a_slower_median_inside_the_spread_of_the_steps_before_keeps_the_plan():
+    # measured on 4 ranks sharing 2 cores: the median is 10.5% slower, but a step before was slower still
+    judge, revert = _judge_after([0.190, 0.190, 0.199], before_s=(0.172, 0.142, 0.203))
+    assert revert is None and not judge.refuses(NEW)
+    judge, revert = _judge_after([0.205, 0.210, 0.199], before_s=(0.172, 0.142, 0.180))
+    assert revert is not None and judge.refuses(NEW)
+
+
 def test_plans_for_memory_and_plans_that_change_nothing_are_not_judged():
     memory = Plan(epoch=1, stages=NEW.stages, reason="memory over budget: ...")
     assert _judge_after([0.3] * 3, plan=memory)[1] is None
@@ -59,7 +67,9 @@ def test_plans_for_memory_and_plans_that_change_nothing_are_not_judged():
 def test_a_layer_edit_while_judging_ends_the_judging():
     judge = PlanJudge()
     judge.observe(_vector(0, 0.1), OLD)
+    judge.observe(_vector(0, 0.1), OLD)
     judge.sent(NEW, OLD)
+    assert judge._trial is not None
     assert judge.observe(_vector(2, 0.3), NEW) is None  # epoch 2: an edit after the plan
     assert all(judge.observe(_vector(1, 0.3), NEW) is None for _ in range(3))
 
@@ -92,12 +102,16 @@ def test_only_the_last_samples_under_the_replaced_plan_make_the_before_time():
 
 def test_a_custom_tolerance_and_sample_counts():
     judge = PlanJudge(before_samples=1, after_samples=1, tolerance=0.5)
+    judge.observe(_vector(0, 0.300), OLD)  # each plan's first sample is not counted
     judge.observe(_vector(0, 0.100), OLD)
     judge.sent(NEW, OLD)
+    judge.observe(_vector(1, 0.300), NEW)
     assert judge.observe(_vector(1, 0.145), NEW) is None  # 45% slower: within a 50% tolerance
     judge = PlanJudge(before_samples=1, after_samples=1, tolerance=0.5)
+    judge.observe(_vector(0, 0.300), OLD)
     judge.observe(_vector(0, 0.100), OLD)
     judge.sent(NEW, OLD)
+    judge.observe(_vector(1, 0.300), NEW)
     revert = judge.observe(_vector(1, 0.160), NEW)
     assert revert is not None and revert.stages == OLD.stages
     with pytest.raises(ValueError, match="before_samples and after_samples must be >= 1, tolerance >= 0"):
@@ -117,8 +131,9 @@ def test_the_slowest_stage_is_the_step_and_vectors_across_a_plan_change_count_fo
     mixed = _vector(1, 0.5)
     mixed[0] = _vector(0, 0.5)[0]  # stage 0 still under the old plan, stage 1 under the new one
     assert judge.observe(mixed, NEW) is None
-    verdicts = [judge.observe(_vector(1, t), NEW) for t in (0.5, 0.105, 0.108)]
-    assert verdicts == [None, None, None]  # the mixed vector was not an "after" sample: the median is 108 ms
+    verdicts = [judge.observe(_vector(1, t), NEW) for t in (0.9, 0.5, 0.105, 0.108)]  # 0.9: not counted
+    assert verdicts == [None] * 4  # the mixed vector was not an "after" sample: the median is 108 ms
+    assert judge._trial is None  # judged, and kept
 
 
 def test_no_trial_without_samples_under_the_plan_it_replaces():

@@ -5,8 +5,11 @@ a plan takes effect are the truth. The planner daemon hands every stats vector t
 :class:`PlanJudge` before it plans. The judge remembers the step times measured under the
 running plan; once a new plan has run for ``after_samples`` sampled steps, it compares
 their median with the median of the last ``before_samples`` under the plan it replaced
-(medians of three: one slow sample, a warm-up or a busy moment, moves neither). When the
-new one is slower by more than ``tolerance``, the judge returns the earlier placement and policies as a new plan
+(medians of three: one slow sample, a busy moment, moves neither; the first sample of each plan
+is not counted, as it carries the warm-up or a move's one-off costs). When the
+new one is slower by more than ``tolerance`` and every step after it was slower than every step
+before (on busy or shared devices steps vary by a third: a difference inside that spread is
+noise, and reverting on it undoes good plans), the judge returns the earlier placement and policies as a new plan
 (``plan_reverted`` in the log, with both step times), and refuses that plan from then on.
 
 What is measured is a sampled step's time on each stage; the pipeline's step is its
@@ -62,6 +65,11 @@ class PlanJudge:
             return None  # measured across a plan change: belongs to neither side
         epoch = epochs.pop()
         step_s = max(rec.step_s for rec in vector)
+        first = epoch != self._recent_epoch
+        if first:
+            self._recent.clear()
+            self._recent_epoch = epoch
+            return None  # the first sample of an epoch carries one-off costs (warm-up, a move's aftermath)
         trial = self._trial
         if trial is not None:
             if epoch > trial.plan.epoch:
@@ -73,9 +81,6 @@ class PlanJudge:
                     revert = self._verdict(trial, current, vector[-1].iteration)
                     if revert is not None:
                         return revert
-        if epoch != self._recent_epoch:
-            self._recent.clear()
-            self._recent_epoch = epoch
         self._recent.append(step_s)
         return None
 
@@ -101,7 +106,7 @@ class PlanJudge:
     def _verdict(self, trial: _Trial, current: Plan | None, iteration: int) -> Plan | None:
         before = statistics.median(trial.before_s)
         after = statistics.median(trial.after_s)
-        if before <= 0 or after <= before * (1 + self.tolerance):
+        if before <= 0 or after <= before * (1 + self.tolerance) or min(trial.after_s) <= max(trial.before_s):
             return None
         if current is None or current.epoch != trial.plan.epoch:
             return None  # another plan is already on its way
