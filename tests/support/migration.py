@@ -111,6 +111,9 @@ class FakeChannel:
     def __init__(self, hub: Hub, rank: int) -> None:
         self.hub, self.rank = hub, rank
 
+    def close(self) -> None:
+        pass
+
     def send(self, payload: torch.Tensor, dst: int, tag: int) -> _Done:
         with self.hub.cond:
             self.hub.wire.setdefault((self.rank, dst, tag), []).append(payload.clone())

@@ -47,6 +47,19 @@ def test_a_missed_vote_names_the_ranks_that_never_reached_it():
     assert dead.absent(1) is None
 
 
+def test_of_the_ranks_absent_from_a_vote_only_those_whose_beat_stood_still_are_named():
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=datetime.timedelta(seconds=5))
+    job = dist.PrefixStore("job", store)
+    marks = [VoteMarks(job, rank=r, world_size=3) for r in range(3)]
+    marks[1].start_beat(every_s=0.05)  # alive, still waiting for the payload of rank 2 (which stopped)
+    try:
+        assert marks[0].silent([1, 2], watch_s=0.5) == [2]
+    finally:
+        marks[1].close()
+    assert marks[0].silent([1, 2], watch_s=0.3) == [1, 2]  # its beat stopped too
+    assert VoteMarks(object(), rank=0, world_size=2).silent([1], watch_s=0.1) is None  # the store cannot say
+
+
 @pytest.fixture
 def one_rank_with_a_timeout():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,

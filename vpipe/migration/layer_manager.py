@@ -187,6 +187,8 @@ class LayerManager:
 
     def close(self) -> None:
         self.shapes.close()
+        if self.channel is not None:
+            self.channel.close()
 
     # ---------------------------------------------------------------- plans
     def plan_changed(self, plan: Plan, cause: str) -> None:

@@ -14,6 +14,7 @@ that never reached it (:class:`SilentPeerError`).
 from __future__ import annotations
 
 import datetime
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -54,7 +55,8 @@ class TransferChannel:
     apply a plan makes every replica skip it. Peers are named by their rank in the pipeline's
     own group; ``world_ranks[r]`` is the world rank of pipeline rank ``r`` (default: the same).
     ``timeout_s`` bounds every collective of the group (default: the default group's timeout, the
-    trainer's); ``marks`` (every rank's, in one shared store) name the ranks that miss a vote.
+    trainer's); ``marks`` (every rank's, in one shared store; their beat runs until :meth:`close`) name
+    the ranks that miss a vote.
     """
 
     def __init__(self, device: torch.device, group: Any = None, world_ranks: Sequence[int] | None = None, *,
@@ -65,7 +67,13 @@ class TransferChannel:
             backend="nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=self.timeout_s))
         self.world_ranks = None if world_ranks is None else tuple(world_ranks)
         self.marks = marks
+        if marks is not None:
+            marks.start_beat()
         self.votes = 0  # every rank votes alike: the n-th vote is the same on every rank
+
+    def close(self) -> None:
+        if self.marks is not None:
+            self.marks.close()
 
     def _world(self, rank: int) -> int:
         return rank if self.world_ranks is None else self.world_ranks[rank]
@@ -92,24 +100,29 @@ class TransferChannel:
         values = [(1.0 if f else 0.0) if all_of else -(1.0 if f else 0.0) for f, all_of in flags]
         t = torch.tensor(values, device=self.device)
         shortened = limit < self.timeout_s and set_group_timeout(self.group, limit)
+        started = time.monotonic()
         try:
             dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
             got = t.tolist()
         except RuntimeError as e:
-            raise SilentPeerError(self._silence(limit, what, e)) from e
+            raise SilentPeerError(self._silence(limit, time.monotonic() - started, what, e)) from e
         finally:
             if shortened:
                 set_group_timeout(self.group, self.timeout_s)
         return [(v > 0.5) if all_of else (v < -0.5) for v, (_, all_of) in zip(got, flags)]
 
-    def _silence(self, limit: float, what: str, error: Exception) -> str:
-        """The one line a failed vote ends with: who never came, or the error when every rank did."""
+    def _silence(self, limit: float, waited: float, what: str, error: Exception) -> str:
+        """The one line a failed vote ends with: who stopped (of the ranks that never came, those whose beat
+        stood still), or the error when every rank came."""
         absent = None if self.marks is None else self.marks.absent(self.votes)
         if absent:
-            who = (f"rank {absent[0]}" if len(absent) == 1 else f"ranks {', '.join(map(str, absent))}")
-            return (f"{who} stopped answering (dead or hung) during {what}: no vote from "
-                    f"{'it' if len(absent) == 1 else 'them'} within {limit:.0f} s; stopping (no layer was dropped "
-                    "or taken here)")
+            silent = self.marks.silent(absent) or absent  # type: ignore[union-attr]
+            busy = [r for r in absent if r not in silent]
+            one = len(silent) == 1
+            when = f"within {limit:.0f} s" if waited >= limit - 1 else f"(the vote broke after {waited:.1f} s)"
+            also = f"; {_ranks(busy)} (alive) had not reached it" if busy else ""
+            return (f"{_ranks(silent)} stopped answering (dead or hung) during {what}: no vote from "
+                    f"{'it' if one else 'them'} {when}{also}; stopping (no layer was dropped or taken here)")
         nobody = ("; the store did not say who is missing (its host may be the one)" if self.marks is not None
                   and absent is None else "")
         return f"{what} failed after at most {limit:.0f} s ({str(error).splitlines()[0][:200]}){nobody}; stopping"
@@ -123,3 +136,7 @@ class TransferChannel:
             if "timed out" in str(e).lower() or "timeout" in str(e).lower():
                 raise TimeoutError(f"migration transfer did not complete within {timeout_s:.0f} s") from e
             raise
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
