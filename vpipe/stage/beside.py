@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 from torch import nn
@@ -34,10 +35,11 @@ def averages_of(module: nn.Module, objects: Iterable[object] | None = None) -> l
         return []
     found = []
     for obj in gc.get_objects() if objects is None else objects:
-        if isinstance(obj, AveragedModel) and obj.module is not module:
-            theirs = {name for name, _ in obj.module.named_parameters()}
-            if theirs == names:
-                found.append(f"an AveragedModel of it ({type(obj.module).__name__}, {len(theirs)} parameters)")
+        if issubclass(type(obj), AveragedModel):  # type(), not isinstance: no deprecated proxy's __class__
+            averaged = cast(AveragedModel, obj).module
+            theirs = {name for name, _ in averaged.named_parameters()}
+            if averaged is not module and theirs == names:
+                found.append(f"an AveragedModel of it ({type(averaged).__name__}, {len(theirs)} parameters)")
         elif type(obj) is dict and len(obj) >= _MIN_SHARE * len(names) and _is_named_copy(obj, names, own):
             found.append(f"a dict of {len(obj)} tensors keyed by its parameter names")
     return found
