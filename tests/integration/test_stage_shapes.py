@@ -118,7 +118,9 @@ def test_one_line_rebalances_the_trainer_and_keeps_its_losses(shape_run, script,
     moved = [r for r in log if r.get("event") == "migration_done" and r["moved"]]
     assert moved, f"the planner should have rebalanced the {partition} split within {STEPS} steps"
     counts = _final_counts(log, ranks, partition)
-    assert counts != [int(c) for c in partition.split(",")]
+    # ranks sharing CI's 2 cores may measure the balanced split slower: then the judge puts the old one back
+    reverted = [r for r in log if r.get("event") == "plan_reverted"]
+    assert counts != [int(c) for c in partition.split(",")] or reverted
     _assert_close_losses(with_vpipe["losses"], plain["losses"], rtol=1e-6)
     for rank, state in enumerate(states):  # the user's own checkpoint loads into the final partition's model
         fresh = _fresh_stage(script, rank, counts)

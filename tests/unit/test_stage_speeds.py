@@ -82,3 +82,13 @@ def test_a_stage_is_as_slow_as_it_was_in_every_recent_sample():
     slow = [(1.0, 2.1), (1.0, 1.9), (1.1, 2.2)]  # a slower device: every sample
     assert steady_speeds(slow, 2) == (1.0, 1.9)
     assert steady_speeds(slow[:2], 2) == (1.0, 1.0)  # too few samples to say
+
+
+def test_a_stage_less_than_strongly_slower_must_stay_so_twice_as_long():
+    shared = [(1.0, 1.0)] * 3 + [(1.0, 1.4), (1.0, 1.35), (1.0, 1.45)]  # ranks sharing cores, three samples in a row
+    assert steady_speeds(shared, 2) == (1.0, 1.0)
+    assert steady_speeds(shared[3:], 2) == (1.0, 1.0)  # three samples alone do not say it either
+    steady = [(1.0, 1.5), (1.0, 1.45), (1.0, 1.55)] * 2  # a 1.5x slower device: every sample of six
+    assert steady_speeds(steady, 2) == (1.0, 1.45)
+    strong = [(1.0, 1.0)] * 3 + [(1.0, 2.0), (1.0, 2.1), (1.0, 1.9)]  # 2x: three samples suffice
+    assert steady_speeds(strong, 2) == (1.0, 1.9)

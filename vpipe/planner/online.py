@@ -58,6 +58,7 @@ _UNCHANGED = 0.01  # per-layer cost moves under this (relative) since the last s
 _OUTSIDE_SAMPLES = 3
 _WARM_SAMPLES = 1  # samples after attach that say nothing of the stages' speeds (start-up work runs beside them)
 _SPEED_SAMPLES = 3  # a stage is as slow as it was in all of this many samples (noise hits a sample, a device all)
+_WEAK_SPEED_SAMPLES = 6  # ... and in this many when less than speeds.STRONG slower (shared cores look like that)
 _MOVED_SAMPLES = 10  # samples for which a moved block's time before its move still says how fast its old stage was
 
 
@@ -86,7 +87,7 @@ class OnlinePlanner:
         self._moved: dict[int, tuple[int, float, int]] = {}
         self.speeds: tuple[float, ...] | None = None  # each stage's time factor, as last fitted
         self._left: set[tuple[tuple[int, ...], ...]] = set()  # placements moved away from since the last alert
-        self._speed_samples: deque[tuple[float, ...]] = deque(maxlen=_SPEED_SAMPLES)  # the last samples' factors
+        self._speed_samples: deque[tuple[float, ...]] = deque(maxlen=_WEAK_SPEED_SAMPLES)  # the last samples' factors
         self._alerted = False  # since the last alert, fewer samples name a slower stage
         self._moving: dict[int, int] = {}  # epoch -> bytes, of the moves sent whose cost no sample has told yet
         self._reported_speeds: tuple[float, ...] | None = None
@@ -316,7 +317,8 @@ class OnlinePlanner:
         slower device in every one), reported in the run's log when it changes."""
         samples = [s for s in self._speed_samples if len(s) == num_stages]
         # after a rank saw its stage change, two samples that agree suffice: the change is known, not guessed
-        speeds = steady_speeds(samples, num_stages, needed=2 if self._alerted else _SPEED_SAMPLES)
+        speeds = steady_speeds(samples, num_stages, needed=2 if self._alerted else _SPEED_SAMPLES,
+                               weak_needed=_WEAK_SPEED_SAMPLES)
         if len(samples) >= _SPEED_SAMPLES:
             self._alerted = False
         self.speeds = speeds

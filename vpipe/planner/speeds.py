@@ -26,6 +26,7 @@ from typing import Any
 
 __all__ = ["fit_stage_speeds", "steady_speeds", "describe_speeds", "interchangeable", "pooled_costs", "DEAD_BAND"]
 
+STRONG = 1.6  # a stage this much slower than the fastest is believed after a few samples; less needs more
 DEAD_BAND = 0.25  # a stage this close to the fastest (relative) runs at its speed: the rest is measurement noise
 _ROUNDS = 60
 
@@ -62,16 +63,25 @@ def fit_stage_speeds(observations: Iterable[tuple[Hashable, int, float]], num_st
 
 
 def steady_speeds(samples: Sequence[Sequence[float]], num_stages: int, dead_band: float = DEAD_BAND,
-                  needed: int = 3) -> tuple[float, ...]:
+                  needed: int = 3, weak_needed: int = 6, strong: float = STRONG) -> tuple[float, ...]:
     """The stages' factors over the last samples: each stage as slow as it was in all of them (its least factor
     relative to the fastest), within ``dead_band`` of the fastest counted as 1.0; all 1.0 before ``needed``
-    samples. A busy core slows one stage in some samples, a slower device in every one."""
+    samples. A busy core slows one stage in some samples, a slower device in every one. A factor below
+    ``strong`` must hold over ``weak_needed`` samples: ranks that share cores measure each other 1.3-1.5x apart
+    for several samples in a row, a device that much slower stays so."""
     if len(samples) < needed:
         return (1.0,) * num_stages
-    least = []
+
+    def least(k: int, over: Sequence[Sequence[float]]) -> float:
+        return min(sample[k] / min(sample) for sample in over)
+
+    factors = []
     for k in range(num_stages):
-        least.append(min(sample[k] / min(sample) for sample in samples))
-    return tuple(1.0 if f < 1.0 + dead_band else round(f, 3) for f in least)
+        f = least(k, samples[-needed:])
+        if 1.0 + dead_band <= f < strong:
+            f = least(k, samples[-weak_needed:]) if len(samples) >= weak_needed else 1.0
+        factors.append(1.0 if f < 1.0 + dead_band else round(f, 3))
+    return tuple(factors)
 
 
 def describe_speeds(factors: tuple[float, ...]) -> str:
