@@ -333,7 +333,7 @@ class Vpipe:
     # ------------------------------------------------------------------ what the trainer calls
     def request_plan(self, plan: Plan, at_step: int) -> None:
         """Apply ``plan`` before step ``at_step`` (forced moves; every rank must call it identically)."""
-        self.plan_in_force.check(plan, self.layer_manager.order, self.num_stages)
+        self.plan_in_force.check(plan, self.plan_in_force.order, self.num_stages)
         self.boundary.request(plan, at_step, self.driver.iteration)
 
     def add_layers(self, position: int, specs: list[Any]) -> list[int]:
@@ -354,7 +354,7 @@ class Vpipe:
 
     @property
     def placement(self) -> tuple[tuple[int, ...], ...]:
-        return self.layer_manager.placement
+        return self.plan_in_force.placement
 
     @property
     def layer_ids(self) -> list[int]:
@@ -368,7 +368,7 @@ class Vpipe:
         return self.tensor_managers.get(self.stage_index)
 
     def state(self) -> dict[str, Any]:
-        return {"epoch": self.plan_in_force.epoch, "stages": [list(s) for s in self.layer_manager.placement],
+        return {"epoch": self.plan_in_force.epoch, "stages": [list(s) for s in self.plan_in_force.placement],
                 "iteration": self.driver.iteration}
 
     def state_dict(self) -> dict[str, Any]:

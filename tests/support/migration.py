@@ -171,6 +171,7 @@ class Rank:
                                     specs=specs, messenger=FakeMessenger(hub, rank), channel=FakeChannel(hub, rank),
                                     device=torch.device("cpu"), stage_ranks=stage_ranks, timeout_s=timeout_s,
                                     epoch=epoch, faults=faults)
+        self.placement = tuple(tuple(s) for s in placement)  # this rank's plan in force: where the layers are
         self.listeners = {v: Recorder() for v in local}
         for v, listener in self.listeners.items():
             self.manager.listeners[v].append(listener)
@@ -185,6 +186,20 @@ class Rank:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
+    def apply(self, plan: Plan) -> MigrationReport:
+        """Move towards ``plan`` from the placement in force, and keep the one reached (as the plan applier does)."""
+        report = self.manager.apply(plan, self.placement)
+        self.placement = report.placement
+        return report
+
+    def add_layers(self, position: int, specs: Sequence[Any]) -> list[int]:
+        new_ids, self.placement = self.manager.add_layers(self.placement, position, specs)
+        return new_ids
+
+    def remove_layers(self, layer_ids: Sequence[int]) -> bool:
+        reshapes, self.placement = self.manager.remove_layers(self.placement, layer_ids)
+        return reshapes
+
     def block(self, layer_id: int) -> nn.Module:
         return next(c._modules[str(layer_id)] for c in self.containers.values() if str(layer_id) in c._modules)
 
@@ -195,9 +210,13 @@ class Rank:
         return [id(p) for group in self.optimizer.param_groups for p in group["params"]]
 
 
-def run_ranks(ranks: Sequence[Rank | LayerManager], plan: Plan) -> list[MigrationReport]:
-    """Every rank applies ``plan`` at the same step boundary, each on its own thread."""
-    return on_every_rank(ranks, lambda manager: manager.apply(plan))
+def run_ranks(ranks: Sequence[Rank | LayerManager], plan: Plan,
+              start: Sequence[Sequence[int]] = ()) -> list[MigrationReport]:
+    """Every rank applies ``plan`` at the same step boundary, each on its own thread: a :class:`Rank` from the
+    placement it keeps, a bare layer manager from ``start``."""
+    owners = {id(r.manager): r for r in ranks if isinstance(r, Rank)}
+    return on_every_rank(ranks, lambda manager: owners[id(manager)].apply(plan) if id(manager) in owners
+                         else manager.apply(plan, start))
 
 
 def on_every_rank(ranks: Sequence[Rank | LayerManager], call: Callable[[LayerManager], Any]) -> list[Any]:

@@ -94,7 +94,7 @@ def test_stats_reach_the_planner_and_plans_reach_every_stage(planes, decisions):
         epochs = [p.epoch for p in received]
         assert epochs == sorted(set(epochs)), epochs
         assert all(p.reason.startswith("marker ") for p in received)
-        assert agents[stage].plan == received[-1]
+        assert agents[stage].latest_received == received[-1] and agents[stage].plan == plan0  # none committed
     # a plan reaches stage k only through stage k+1
     assert {p.epoch for p in plans[0]} <= {p.epoch for p in plans[1]} <= {p.epoch for p in plans[2]}
     assert len(decisions.named("plan_received")) == sum(len(p) for p in plans.values())
@@ -120,6 +120,21 @@ def test_stale_and_misshapen_plans_are_dropped_with_a_log_line(planes, caplog):
     upstream: list = []
     assert wait_for(lambda: upstream, step=lambda: upstream.extend(a0.after_step(0, None)))
     assert upstream[0].reason == "newer"
+
+
+def test_committing_an_older_plan_never_sets_the_received_epoch_back(planes):
+    # plans 1 and 2 arrive before the step boundary that applies 1: committing 1 must not make 2 look new again
+    plan0, plan1, plan2 = (Plan(epoch=e, stages=LAYERS, reason=f"epoch {e}") for e in range(3))
+    a1 = StageAgent(planes[1], stage_index=1, num_stages=3, plan=plan0)
+    for plan in (plan1, plan2):
+        planes[2].send(1, make("plan", plan, epoch=plan.epoch, stage=2))
+    accepted: list = []
+    assert wait_for(lambda: len(accepted) == 2, step=lambda: accepted.extend(a1.after_step(0, None)))
+    a1.plan_changed(plan1)
+    assert a1.plan == plan1 and a1.latest_received == plan2 and a1.epoch == 2
+    planes[2].send(1, make("plan", plan2, epoch=2, stage=2))  # a repeat of the newest plan is still stale
+    assert wait_for(lambda: a1.rejected["stale_plan"] == 1, step=lambda: accepted.extend(a1.after_step(1, None)))
+    assert [p.epoch for p in accepted] == [1, 2]
 
 
 def test_messages_that_make_no_sense_here_are_dropped(planes):

@@ -87,7 +87,7 @@ def test_a_move_to_the_next_stage_commits_on_both_ranks():
     assert reports[0].bytes_sent == reports[1].bytes_received == expected_bytes > 0
     assert reports[0].bytes_received == reports[1].bytes_sent == 0
     for rank in (src, dst):
-        assert rank.manager.placement == ((0, 1), (2, 3, 4, 5))
+        assert rank.placement == ((0, 1), (2, 3, 4, 5))
     # the containers are the user's objects, edited in place
     assert src.manager.blocks[0].container is containers[0] and dst.manager.blocks[1].container is containers[1]
     assert src.keys() == {0: ["0", "1"]} and dst.keys() == {1: ["2", "3", "4", "5"]}
@@ -152,7 +152,7 @@ def test_a_move_by_the_layer_factory_carries_the_spec_and_a_changed_boundary_is_
     moving = ranks[0][0]._modules["2"]
     want = snapshot(moving, ranks[0][1])
 
-    reports = run_ranks([m for _, _, m in ranks], Plan(epoch=1, stages=((0, 1), (2, 3))))
+    reports = run_ranks([m for _, _, m in ranks], Plan(epoch=1, stages=((0, 1), (2, 3))), start=placement)
     # stage 0 now ends with a (.., 4) layer; the last stage's own output did not change: the vote is "any"
     assert [r.rebuilt for r in reports] == [True, True]
     blocks1, opt1, manager1 = ranks[1]
@@ -207,7 +207,7 @@ def test_a_target_that_cannot_build_the_layers_answers_abort_and_nothing_moves(c
         reports = run_ranks(ranks, Plan(epoch=2, stages=((0, 1), (2, 3, 4, 5))))
     for r in reports:
         assert r.moved == [] and r.aborted == [Move(0, 1, (2,))] and r.bytes_sent == r.bytes_received == 0
-    assert [rank.manager.placement for rank in ranks] == [tuple(map(tuple, TWO))] * 2
+    assert [rank.placement for rank in ranks] == [tuple(map(tuple, TWO))] * 2
     assert_unchanged(ranks, keys, params, states)
     assert [(m[0], m[1], m[2]) for m in hub.log] == [(0, 1, "migrate_prepare"), (1, 0, "migrate_abort")]
     assert hub.log[1][3]["reason"].startswith("this rank has no block of kind Block#")
@@ -244,7 +244,7 @@ def test_an_aborted_round_stops_the_plan_there_on_every_rank():
     assert reports[2].aborted == [Move(1, 2, (3,))] and all(r.moved == [] for r in reports)
     assert_unchanged(ranks, keys, params, states)
     assert hub.votes == 1 and {m[3]["round"] for m in hub.log} == {0}  # round 1 never started
-    assert all(r.manager.placement == tuple(map(tuple, placement)) for r in ranks)
+    assert all(r.placement == tuple(map(tuple, placement)) for r in ranks)
 
 
 def test_announced_layers_that_differ_from_the_plan_stop_the_target():
@@ -255,7 +255,7 @@ def test_announced_layers_that_differ_from_the_plan_stop_the_target():
     FakeMessenger(hub, 0).send_to(1, "migrate_prepare", {"round": 0, "move": 1, "src": 0, "dst": 1, "layers": [1],
                                                          "manifests": [manifest]}, epoch=1)
     with pytest.raises(MigrationError, match=r"stage 1: stage 0 announced layers \[1\] but the plan moves \[2\]"):
-        target.manager.apply(Plan(epoch=1, stages=((0, 1), (2, 3, 4, 5))))
+        target.apply(Plan(epoch=1, stages=((0, 1), (2, 3, 4, 5))))
     assert target.keys() == {1: ["3", "4", "5"]}
 
 
@@ -282,9 +282,9 @@ def test_a_move_between_two_stages_of_one_rank_re_parents_the_blocks_without_a_m
     rank = _one_rank([[0, 1, 2], [3, 4]], [0, 0])
     blocks = {lid: rank.block(lid) for lid in range(5)}
     params, states = rank.optimizer_params(), {id(p): dict(s) for p, s in rank.optimizer.state.items()}
-    report = rank.manager.apply(Plan(epoch=1, stages=target))
+    report = rank.apply(Plan(epoch=1, stages=target))
     assert report.moved == moved and report.aborted == [] and report.bytes_sent == report.bytes_received == 0
-    assert rank.keys() == keys and rank.manager.placement == target
+    assert rank.keys() == keys and rank.placement == target
     assert all(rank.block(lid) is blocks[lid] for lid in range(5))  # the same modules, in another container
     assert rank.optimizer_params() == params  # one optimizer for both stages: nothing to move
     assert {id(p): dict(s) for p, s in rank.optimizer.state.items()} == states
@@ -334,9 +334,9 @@ def _editing_pair(factory: Callable[[int, Any], nn.Module] | None = None) -> lis
 def test_added_layers_join_the_stage_at_their_position_and_its_optimizer():
     ranks = _editing_pair(factory=lambda lid, spec: Block(lid, width=spec))
     before = [r.optimizer_params() for r in ranks]
-    assert [r.manager.add_layers(3, [WIDTH, WIDTH]) for r in ranks] == [[6, 7], [6, 7]]
+    assert [r.add_layers(3, [WIDTH, WIDTH]) for r in ranks] == [[6, 7], [6, 7]]
     for r in ranks:
-        assert r.manager.placement == ((0, 1, 2), (6, 7, 3, 4, 5)) and r.manager.order == [0, 1, 2, 6, 7, 3, 4, 5]
+        assert r.placement == ((0, 1, 2), (6, 7, 3, 4, 5))
         assert r.manager.specs[6] == r.manager.specs[7] == WIDTH
     owner, other = ranks[1], ranks[0]
     assert owner.keys() == {1: ["6", "7", "3", "4", "5"]} and other.keys() == {0: ["0", "1", "2"]}
@@ -346,19 +346,19 @@ def test_added_layers_join_the_stage_at_their_position_and_its_optimizer():
     assert other.optimizer_params() == before[0] and not other.listeners[0].events
     assert owner.listeners[1].events == [("add", 6, new[0]), ("add", 7, new[1])]
     # appended after the last layer: the last stage
-    assert [r.manager.add_layers(8, [WIDTH]) for r in ranks] == [[8], [8]]
-    assert owner.keys()[1][-1] == "8" and ranks[0].manager.placement[1][-1] == 8
-    assert [r.manager.add_layers(0, []) for r in ranks] == [[], []]
+    assert [r.add_layers(8, [WIDTH]) for r in ranks] == [[8], [8]]
+    assert owner.keys()[1][-1] == "8" and ranks[0].placement[1][-1] == 8
+    assert [r.add_layers(0, []) for r in ranks] == [[], []]
 
 
 def test_adding_layers_checks_the_position_and_needs_a_factory_where_they_land():
     ranks = _editing_pair()
     with pytest.raises(ValueError, match=r"position 7 is outside 0\.\.6"):
-        ranks[0].manager.add_layers(7, [WIDTH])
-    assert ranks[0].manager.add_layers(4, [WIDTH]) == [6]  # lands on rank 1's stage: rank 0 builds nothing
+        ranks[0].add_layers(7, [WIDTH])
+    assert ranks[0].add_layers(4, [WIDTH]) == [6]  # lands on rank 1's stage: rank 0 builds nothing
     with pytest.raises(ValueError, match="adding layers needs layer_factory= in the vpipe config to build them"):
-        ranks[1].manager.add_layers(4, [WIDTH])
-    assert ranks[1].keys() == {1: ["3", "4", "5"]} and ranks[1].manager.placement == tuple(map(tuple, TWO))
+        ranks[1].add_layers(4, [WIDTH])
+    assert ranks[1].keys() == {1: ["3", "4", "5"]} and ranks[1].placement == tuple(map(tuple, TWO))
 
 
 def test_removed_layers_leave_their_container_and_optimizer_and_ids_are_never_reused():
@@ -366,14 +366,17 @@ def test_removed_layers_leave_their_container_and_optimizer_and_ids_are_never_re
     doomed = ranks[1].block(5)
     doomed_ids = {id(p) for p in doomed.parameters()}
     assert any(id(p) in doomed_ids for p in ranks[1].optimizer.state)
-    assert on_every_rank(ranks, lambda manager: manager.remove_layers([1, 5])) == [False, False]  # same shapes
+    assert on_every_rank(ranks, lambda manager: manager.remove_layers(TWO, [1, 5])) == [  # the same shapes
+        (False, ((0, 2), (3, 4)))] * 2
+    for r in ranks:
+        r.placement = ((0, 2), (3, 4))
     assert ranks[0].keys() == {0: ["0", "2"]} and ranks[1].keys() == {1: ["3", "4"]}
-    assert all(r.manager.placement == ((0, 2), (3, 4)) for r in ranks)
+    assert all(r.placement == ((0, 2), (3, 4)) for r in ranks)
     assert not doomed_ids & set(ranks[1].optimizer_params())
     assert not any(id(p) in doomed_ids for p in ranks[1].optimizer.state)
     assert ranks[0].listeners[0].events == [("remove", 1, None)]
     assert ranks[1].listeners[1].events == [("remove", 5, None)]
-    assert [r.manager.add_layers(4, [WIDTH]) for r in ranks] == [[6], [6]]  # 5 was used: never again
+    assert [r.add_layers(4, [WIDTH]) for r in ranks] == [[6], [6]]  # 5 was used: never again
 
 
 @pytest.mark.parametrize("doomed, message", [
@@ -385,9 +388,9 @@ def test_removing_layers_that_would_empty_a_stage_or_do_not_exist_changes_nothin
     keys, params, states = placement_snapshot(ranks)
     for r in ranks:
         with pytest.raises(ValueError, match=message):
-            r.manager.remove_layers(doomed)
+            r.remove_layers(doomed)
     assert_unchanged(ranks, keys, params, states)
-    assert all(r.manager.placement == tuple(map(tuple, TWO)) for r in ranks)
+    assert all(r.placement == tuple(map(tuple, TWO)) for r in ranks)
 
 
 def test_a_stage_that_gives_layers_to_both_neighbours_in_one_round():

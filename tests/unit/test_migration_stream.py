@@ -226,7 +226,7 @@ def _start(managers, sides, plan, switch_mb=4):
 
     def go(i: int) -> None:
         try:
-            results[i] = managers[i].start_streamed(plan, sides[i].schedule, switch_mb)
+            results[i] = managers[i].start_streamed(plan, ((0, 1, 2), (3, 4)), sides[i].schedule, switch_mb)
         except BaseException as e:  # noqa: BLE001 - handed to the test thread
             results[i] = e
 
@@ -241,10 +241,11 @@ def _start(managers, sides, plan, switch_mb=4):
 def test_a_streamed_move_starts_on_both_ranks_and_completes_through_the_schedule_hooks():
     hub, (src, dst), managers = _streaming_ranks()
     moving = src.container._modules["2"]
-    outgoing, incoming = _start(managers, [src, dst], Plan(epoch=1, stages=((0, 1), (2, 3, 4))))
+    plan = Plan(epoch=1, stages=((0, 1), (2, 3, 4)))
+    (outgoing, reached), (incoming, reached_too) = _start(managers, [src, dst], plan)
     assert [type(m) for m in outgoing] == [OutgoingStream] and [type(m) for m in incoming] == [IncomingStream]
     assert src.schedule.movers == outgoing and dst.schedule.movers == incoming
-    assert all(m.placement == ((0, 1), (2, 3, 4)) for m in managers)
+    assert reached == reached_too == ((0, 1), (2, 3, 4))  # the round's placement, at once
     assert [(m[0], m[1], m[2]) for m in hub.log] == [(0, 1, "migrate_prepare"), (1, 0, "migrate_ready")]
     assert hub.votes == 2  # the boundary check, then "every target ready"
     out, inc = outgoing[0], incoming[0]
@@ -270,9 +271,8 @@ def test_a_streamed_move_starts_on_both_ranks_and_completes_through_the_schedule
 def test_a_streamed_move_whose_target_is_not_ready_starts_nowhere():
     hub, sides, managers = _streaming_ranks(faults=lambda point: True)
     results = _start(managers, sides, Plan(epoch=1, stages=((0, 1), (2, 3, 4))))
-    assert results == [[], []]
+    assert results == [([], ((0, 1, 2), (3, 4)))] * 2  # no movers, the layers where they were
     assert all(s.schedule.movers == [] for s in sides)
-    assert all(m.placement == ((0, 1, 2), (3, 4)) for m in managers)
     assert [list(s.container._modules) for s in sides] == [["0", "1", "2"], ["3", "4"]]
 
 
@@ -281,7 +281,7 @@ def test_a_streamed_move_of_a_block_with_a_user_hook_is_refused_at_once_and_star
     sides[0].container._modules["2"].register_forward_hook(lambda module, args, output: output)
     with caplog.at_level(logging.INFO, logger="vpipe"):
         results = _start(managers, sides, Plan(epoch=1, stages=((0, 1), (2, 3, 4))))
-    assert results == [[], []] and all(s.schedule.movers == [] for s in sides)
+    assert results == [([], ((0, 1, 2), (3, 4)))] * 2 and all(s.schedule.movers == [] for s in sides)
     assert [list(s.container._modules) for s in sides] == [["0", "1", "2"], ["3", "4"]]
     assert [(m[0], m[1], m[2]) for m in hub.log] == [(0, 1, "migrate_abort")]  # no prepare: the target is told
     refused = [r.getMessage() for r in caplog.records
@@ -295,7 +295,7 @@ def test_a_streamed_move_that_changes_a_boundary_shape_is_refused_on_every_rank(
     for r in results:
         assert isinstance(r, MigrationError) and str(r).startswith(
             "this move changes a boundary activation's shape; a PipeDream stream cannot resize its buffers")
-    assert not hub.log and all(m.placement == ((0, 1, 2), (3, 4)) for m in managers)
+    assert not hub.log
 
 
 def test_a_new_streamed_move_waits_for_the_last_one():
@@ -303,5 +303,5 @@ def test_a_new_streamed_move_waits_for_the_last_one():
     src.schedule.movers = [SimpleNamespace(done=False)]
     with pytest.raises(MigrationError, match="^a streamed move is still in progress; wait for it before the next "
                                              "plan$"):
-        managers[0].start_streamed(Plan(epoch=1, stages=((0, 1), (2, 3, 4))), src.schedule, 4)
+        managers[0].start_streamed(Plan(epoch=1, stages=((0, 1), (2, 3, 4))), ((0, 1, 2), (3, 4)), src.schedule, 4)
     assert managers[0].epoch == 0

@@ -39,12 +39,23 @@ def test_a_commit_assigns_the_plan_and_tells_every_listener_once_in_order():
     assert log == [("layers", plan, "applied"), ("policies", plan, "applied"), ("session", plan, "applied")]
 
 
+def test_the_placement_is_the_plan_in_force_and_a_streamed_round_records_where_it_took_the_layers():
+    log: list[tuple[str, Plan, str]] = []
+    plan = Plan(epoch=2, stages=((0, 1, 2), (3,)), policies={3: Policy.SWAP}, reason="two hops")
+    owner = PlanInForce(plan, [Told("session", log)])
+    assert owner.placement == ((0, 1, 2), (3,)) and owner.order == [0, 1, 2, 3]
+    owner.reached([[0, 1], [2, 3]])  # the next round of a streamed plan's hops
+    assert owner.placement == ((0, 1), (2, 3)) and owner.plan.stages == ((0, 1), (2, 3))
+    assert owner.plan.epoch == 2 and owner.plan.policies == {3: Policy.SWAP} and owner.plan.reason == "two hops"
+    assert log == []  # the same plan: its listeners heard of it when it was committed
+
+
 # ---------------------------------------------------------------------- applying plans on one rank
 def _applier(rank: Rank, log: list[tuple[str, Plan, str]], move_refusal: str | None = None,
              epoch: int = 0) -> tuple[PlanApplier, PlanInForce]:
     """An applier over ``rank``'s real layer manager; the session is a listener that writes down its plans."""
     lm = rank.manager
-    owner = PlanInForce(Plan(epoch=epoch, stages=lm.placement), [lm, Told("session", log)])
+    owner = PlanInForce(Plan(epoch=epoch, stages=rank.placement), [lm, Told("session", log)])
     pipeline = SimpleNamespace(kind="1f1b", schedule=None, first=SimpleNamespace(index=lm.local_stages[0]))
     parts = RankParts(pipeline=pipeline, layer_manager=lm, session=None, tensor_managers={},
                       memories={}, plan_in_force=owner)
@@ -130,7 +141,7 @@ def test_a_plan_whose_move_aborts_still_takes_effect_and_a_resend_is_stale():
     plan = Plan(epoch=2, stages=((0, 1), (2, 3, 4, 5)))
     on_every_rank(ranks, lambda lm: appliers[id(lm)][0].apply(plan, step=1, micro_batches=1))
     for rank, log in zip(ranks, logs):
-        assert rank.manager.placement == tuple(map(tuple, TWO))  # nothing moved
+        assert appliers[id(rank.manager)][1].placement == tuple(map(tuple, TWO))  # nothing moved
         assert [(p.epoch, p.stages) for _, p, _ in log] == [(2, tuple(map(tuple, TWO)))]
     for applier, owner in appliers.values():
         assert owner.stale(plan)

@@ -31,7 +31,7 @@ def _forced_plans(vp, counts: list[int]):
     """(step, plan) pairs: policies first, then a move across ranks, then one inside a rank."""
     from vpipe.plan import Plan, Policy
 
-    order = vp.layer_manager.order
+    order = vp.plan_in_force.order
     ranks = vp.layer_manager.stage_ranks
     policies = {lid: (Policy.SWAP if i % 2 else Policy.RECOMPUTE) for i, lid in enumerate(order) if i % 3}
     plans = [(2, Plan(epoch=1, stages=Plan.from_counts(order, counts).stages, policies=policies))]

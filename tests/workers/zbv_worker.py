@@ -130,7 +130,7 @@ def side_by_side(scenario: str) -> dict:
     copies = {"plain": build(dist.new_group(backend="gloo")), "vpipe": build(None)}
     stages, schedule, optimizer = copies["vpipe"]
     vp = vpipe.attach(schedule, optimizer=optimizer, planning=False, min_swap_bytes=0, policies=policies)
-    order = vp.layer_manager.order
+    order = vp.plan_in_force.order
     for epoch, (step, counts) in enumerate(sorted(plans.items()), start=1):
         vp.request_plan(Plan(epoch=epoch, stages=Plan.from_counts(order, counts).stages,
                              policies={lid: Policy.parse(p) for lid, p in policies.items()}), at_step=step)

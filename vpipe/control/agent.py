@@ -81,7 +81,8 @@ class StageAgent:
         # the stages whose records come from upstream, in the order the chain adds them
         self._upstream_stages = [v for rank in range(stage_index) for v, r in enumerate(ranks) if r == rank]
         self.planner = planner
-        self.plan = plan  # the last plan that took effect here or arrived since (welcome reports it)
+        self.plan = plan  # the plan in force on this rank (the session tells of each commit)
+        self.latest_received: Plan | None = None  # the newest plan that arrived here (kept apart: see epoch)
         self.keep = keep
         self.upstream = stage_index - 1 if stage_index > 0 else None
         self.downstream = None if is_last else stage_index + 1
@@ -93,12 +94,23 @@ class StageAgent:
         self._last_iteration = -1
 
     @property
+    def newest(self) -> Plan | None:
+        """The newest plan this rank knows: the one in force, or one that arrived since and is still to apply.
+        ``welcome`` reports it (the planner numbers its next plan after it)."""
+        received, committed = self.latest_received, self.plan
+        if received is None or (committed is not None and committed.epoch >= received.epoch):
+            return committed
+        return received
+
+    @property
     def epoch(self) -> int:
-        return self.plan.epoch if self.plan is not None else 0
+        """The newest epoch this rank knows: an arriving plan must be newer. Committing a plan older than one that
+        arrived meanwhile (plans queue for their step boundary) never sets it back."""
+        newest = self.newest
+        return newest.epoch if newest is not None else 0
 
     def plan_changed(self, plan: Plan) -> None:
-        """A plan took effect on this rank (the session tells): the agent reports it (``welcome``) and drops
-        plans not newer than it."""
+        """A plan took effect on this rank (the session tells): it is the plan in force."""
         self.plan = plan
 
     # ---------------------------------------------------------------- per step
@@ -222,7 +234,7 @@ class StageAgent:
             self._reject("bad_plan", f"plan epoch {plan.epoch} has {plan.num_stages} stages, "
                          f"the pipeline has {self.num_stages}; dropped")
             return None
-        self.plan = plan
+        self.latest_received = plan
         if self.upstream is not None:
             self.plane.send(self.upstream, make("plan", plan, epoch=plan.epoch, iteration=message.iteration,
                                                 stage=self.stage_index))
@@ -253,7 +265,7 @@ class StageAgent:
         elif kind == "done" and self.upstream is not None and src == self.upstream:
             self._upstream_done = message.body
         elif kind in ("hello", "ping", "bye") and self.planner is not None and src == PLANNER:
-            self.planner.handle(message, self.plan)
+            self.planner.handle(message, self.newest)
         else:
             self._reject("unexpected", f"{kind!r} message from {_who(message)} makes no sense on stage "
                          f"{self.stage_index}; dropped")

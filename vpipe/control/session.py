@@ -161,7 +161,7 @@ class ControlSession:
         return self.agent.plan
 
     def plan_changed(self, plan: Plan, cause: str) -> None:
-        """A plan took effect (every rank at the same step boundary): the agent reports it, the records carry
+        """A plan took effect (every rank at the same step boundary): the agent holds it, the records carry
         its epoch, and a new epoch restarts sampling at the base rate."""
         self.agent.plan_changed(plan)
         new_epoch = any(monitor.epoch != plan.epoch for monitor in self.monitors.values())

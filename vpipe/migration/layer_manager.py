@@ -1,10 +1,10 @@
 """The layer manager of one rank: which layers its stages hold, and moving them to neighbouring stages.
 
-A plan (with an epoch) is diffed against the current placement into rounds of neighbour
-moves (:mod:`vpipe.migration.moves`). A move between two stages this rank runs (the
-multi-stage schedules) re-parents the blocks locally, with nothing sent. A move to another
-rank is an exchange over the control plane, the layers' tensors travelling over the
-migration process group (:mod:`vpipe.migration.transfer`)::
+A plan (with an epoch) is diffed against the placement it is handed into rounds of neighbour
+moves (:mod:`vpipe.migration.moves`), and the placement reached is returned. A move between
+two stages this rank runs (the multi-stage schedules) re-parents the blocks locally, with
+nothing sent. A move to another rank is an exchange over the control plane, the layers'
+tensors travelling over the migration process group (:mod:`vpipe.migration.transfer`)::
 
     source                                   target
       migrate_prepare (manifests) ------->     build the layers (meta device, no init cost)
@@ -89,10 +89,13 @@ class LayerManager:
     and given the moved block's plain attributes. One optimizer holds the parameters of all
     of this rank's stages, or an :class:`~vpipe.stage.optimizers.OptimizerParts` holds one per stage.
 
-    A plan given to :meth:`apply` or :meth:`start_streamed` has been checked against this
-    placement and found newer than the plan in force (by its owner,
-    :class:`vpipe.rank.plan_in_force.PlanInForce`): the layer manager trusts it. ``epoch`` is
-    the plan in force's, as its owner tells it (:meth:`plan_changed`). ``shared``: the blocks
+    The placement is not kept here: its one owner is the plan in force
+    (:class:`vpipe.rank.plan_in_force.PlanInForce`), which hands it to each call that moves or
+    edits layers (``start``) and records the placement the call returns. A plan given to
+    :meth:`apply` or :meth:`start_streamed` has been checked against that placement and found
+    newer than the plan in force: the layer manager trusts it. ``placement`` at construction
+    only checks the blocks. ``epoch`` is the plan in force's, as its owner tells it
+    (:meth:`plan_changed`). ``shared``: the blocks
     that never move to another rank (they share a module or tensor), and why; ``listeners``:
     per local stage, the parts that follow its layers (tensor manager, monitor).
     """
@@ -123,7 +126,8 @@ class LayerManager:
         self.blocks: dict[int, StageBlocks] = {
             v: StageBlocks.keyed_by_ids(b) if isinstance(b, nn.Sequential) else b
             for v, b in sorted(blocks.items())}
-        self._placement = Placement.of(placement, stage_ranks)
+        initial = Placement.of(placement, stage_ranks)
+        self.stage_ranks = initial.stage_ranks
         self.optimizer = optimizer
         self.specs: dict[int, Any] = dict(specs or {})
         self.builder = BlockBuilder(self.blocks, factory, self.specs, device)
@@ -135,31 +139,23 @@ class LayerManager:
         self.faults = faults
         self.listeners: dict[int, list[LayerListener]] = {v: list((listeners or {}).get(v, ())) for v in self.blocks}
         self.shared: dict[int, str] = dict(shared or {})
-        self.next_layer_id = max(self._placement.order) + 1
+        self.next_layer_id = max(initial.order) + 1
         self.shapes = BoundaryShapes()
         for v, stage_blocks in self.blocks.items():
-            if stage_blocks.ids != list(self._placement.stages[v]):
+            if stage_blocks.ids != list(initial.stages[v]):
                 raise ValueError(f"stage {v} holds layers {stage_blocks.ids} but the placement says "
-                                 f"{list(self._placement.stages[v])}")
+                                 f"{list(initial.stages[v])}")
             for lid, layer in stage_blocks.blocks().items():
                 self.shapes.watch(lid, layer)
-        ranks = {self._placement.rank_of(v) for v in self.blocks}
+        ranks = {initial.rank_of(v) for v in self.blocks}
         if len(ranks) != 1:
             raise ValueError(f"the local stages {sorted(self.blocks)} run on ranks {sorted(ranks)}, not on one")
         self.rank = ranks.pop()
 
     # ---------------------------------------------------------------- queries
     @property
-    def placement(self) -> tuple[tuple[int, ...], ...]:
-        return self._placement.stages
-
-    @property
-    def stage_ranks(self) -> tuple[int, ...]:
-        return self._placement.stage_ranks
-
-    @property
     def num_stages(self) -> int:
-        return self._placement.num_stages
+        return len(self.stage_ranks)
 
     @property
     def local_stages(self) -> list[int]:
@@ -180,11 +176,6 @@ class LayerManager:
     def layers_of(self, stage: int) -> list[int]:
         return self.blocks[stage].ids
 
-    @property
-    def order(self) -> list[int]:
-        """All layers of the model, in execution order."""
-        return self._placement.order
-
     def close(self) -> None:
         self.shapes.close()
         if self.channel is not None:
@@ -198,15 +189,16 @@ class LayerManager:
     def _involved(self, moves: Iterable[Move]) -> list[Move]:
         return [m for m in moves if m.src in self.blocks or m.dst in self.blocks]
 
-    def apply(self, plan: Plan) -> MigrationReport:
-        """Move layers until this rank's stages hold their part of ``plan``.
+    def apply(self, plan: Plan, start: Sequence[Sequence[int]]) -> MigrationReport:
+        """Move layers from placement ``start`` until this rank's stages hold their part of ``plan``.
 
         Every rank calls this at the same step boundary with the same plan: the rounds end
-        with a collective vote, so all ranks agree on what moved even when a move aborts.
+        with a collective vote, so all ranks agree on what moved even when a move aborts. The
+        report's ``placement`` is where the layers are now (``plan``'s, or the last agreed one).
         """
-        report = MigrationReport(epoch=plan.epoch)
-        start = time.perf_counter()
-        rounds = plan_rounds(self.placement, plan.stages)
+        report = MigrationReport(epoch=plan.epoch, placement=Placement.of(start, self.stage_ranks).stages)
+        started = time.perf_counter()
+        rounds = plan_rounds(report.placement, plan.stages)
         mine = self._involved(m for moves in rounds for m in moves)
         if mine:
             decision("migration_start", f"epoch {plan.epoch}: {len(mine)} move(s) involving rank {self.rank}",
@@ -215,7 +207,7 @@ class LayerManager:
         for r, moves in enumerate(rounds):
             if not self._run_round(plan.epoch, r, moves, report):
                 break  # later rounds assumed this one: stay at the last agreed placement
-        report.seconds = time.perf_counter() - start
+        report.seconds = time.perf_counter() - started
         if mine:
             decision("migration_done",
                      f"epoch {plan.epoch}: rank {self.rank} moved {len(report.moved)}, aborted {len(report.aborted)}",
@@ -226,7 +218,7 @@ class LayerManager:
         return report
 
     def rank_of(self, stage: int) -> int:
-        return self._placement.rank_of(stage)
+        return self.stage_ranks[stage]
 
     def _link(self) -> MoveLink:
         """What the exchanges with other ranks may use of this manager, with a clock for one round (made per round:
@@ -256,7 +248,8 @@ class LayerManager:
         return states
 
     def _run_round(self, epoch: int, r: int, moves: Sequence[Move], report: MigrationReport) -> bool:
-        """One round of moves; True if every move of the round went through on every rank."""
+        """One round of moves from ``report.placement``; True if every move of the round went through on every rank
+        (and ``report.placement`` is the round's)."""
         local = self.blocks
         outgoing = [m for m in moves if m.src in local and m.dst not in local]
         incoming = [m for m in moves if m.dst in local and m.src not in local]
@@ -267,8 +260,9 @@ class LayerManager:
         ok = self._can_move_within(within) and ok
         # phase 6: one vote decides the whole round on every rank, then both sides act on it; the
         # same collective tells whether a boundary activation changes (every rank must redo shape inference)
-        after = apply_round(self.placement, moves)
-        ok, changed = self.channel.vote([(ok, True), (self._output_changes(after, arriving), False)],
+        before = report.placement
+        after = apply_round(before, moves)
+        ok, changed = self.channel.vote([(ok, True), (self._output_changes(before, after, arriving), False)],
                                         timeout_s=link.clock.vote_s(), what=f"the move of epoch {epoch} (round {r})")
         if not ok:
             report.aborted.extend(self._involved(moves))
@@ -284,7 +278,7 @@ class LayerManager:
             move_between(part_of(self.optimizer, m.src), part_of(self.optimizer, m.dst),
                          [p for _, block, _ in entries for p in block.parameters()])
             self._put(m.dst, m.forward, entries)
-        self._placement = self._placement.with_stages(after)
+        report.placement = Placement.of(after, self.stage_ranks).stages
         report.moved.extend(self._involved(moves))
         report.rebuilt = report.rebuilt or changed
         return True
@@ -300,45 +294,52 @@ class LayerManager:
                 return False
         return True
 
-    def _output_changes(self, after: Sequence[Sequence[int]], arriving: Sequence[Incoming]) -> bool:
+    def _output_changes(self, before: Sequence[Sequence[int]], after: Sequence[Sequence[int]],
+                        arriving: Sequence[Incoming]) -> bool:
         """Whether this round changes what one of this rank's stages sends downstream (shape, dtype, arity)."""
         manifests = {man["layer"]: man for inc in arriving for man in inc.manifests}
-        return any(self.shapes.last_output_changes(self.placement[v], after[v], manifests)
+        return any(self.shapes.last_output_changes(before[v], after[v], manifests)
                    for v in self.blocks if v != self.num_stages - 1)
 
     # ---------------------------------------------------------------- streamed moves (PipeDream)
-    def start_streamed(self, plan: Plan, schedule: Any, switch_mb: int) -> list[Any]:
-        """Begin moving towards ``plan`` inside a running PipeDream stream, switching at ``switch_mb``.
+    def start_streamed(self, plan: Plan, start: Sequence[Sequence[int]], schedule: Any,
+                       switch_mb: int) -> tuple[list[Any], tuple[tuple[int, ...], ...]]:
+        """Begin moving from placement ``start`` towards ``plan`` inside a running PipeDream stream, switching at
+        ``switch_mb``.
 
         Called on every rank at the same step boundary, before the step that contains
         ``switch_mb`` starts its forwards. Only the first round of neighbour moves is started
         (a layer two stages away hops once per plan); the rest follows with a later plan.
-        Returns the movers registered with the schedule (empty when the round aborted).
-        Called again for a plan already begun, it starts the plan's next round. The round's
-        placement is taken at once: its blocks switch inside the stream.
+        Returns the movers registered with the schedule (empty when the round aborted) and
+        the placement reached. Called again for a plan already begun, it starts the plan's
+        next round. The round's placement is reached at once: its blocks switch inside the stream.
         """
         check_idle(schedule)
-        rounds = plan_rounds(self.placement, plan.stages)
+        before = Placement.of(start, self.stage_ranks).stages
+        rounds = plan_rounds(before, plan.stages)
         if not rounds:
-            return []
-        s, after = self.stage_index, apply_round(self.placement, rounds[0])
+            return [], before
+        s, after = self.stage_index, apply_round(before, rounds[0])
         movers = start_round(self._link(), schedule, switch_mb, plan.epoch, rounds[0], stage=s, blocks=self.blocks[s],
                              listeners=[WatchShapes(self.shapes), *self.listeners[s]],
-                             reshapes=self.shapes.boundary_changed(s, self.placement, after))
-        if movers is not None:
-            self._placement = self._placement.with_stages(after)
-        return movers or []
+                             reshapes=self.shapes.boundary_changed(s, before, after))
+        if movers is None:
+            return [], before
+        return movers, Placement.of(after, self.stage_ranks).stages
 
     # ---------------------------------------------------------------- adding and removing layers
-    def add_layers(self, position: int, specs: Sequence[Any]) -> list[int]:
-        """Insert new layers before model position ``position`` (0 = first; every rank calls it alike): fresh
-        ids (never reused), on the stage holding the layer at ``position`` (the last when appending), built by
-        the factory, their parameters in param group 0 of its optimizer. Returns the new ids."""
+    def add_layers(self, start: Sequence[Sequence[int]], position: int,
+                   specs: Sequence[Any]) -> tuple[list[int], tuple[tuple[int, ...], ...]]:
+        """Insert new layers before model position ``position`` of placement ``start`` (0 = first; every rank calls
+        it alike): fresh ids (never reused), on the stage holding the layer at ``position`` (the last when
+        appending), built by the factory, their parameters in param group 0 of its optimizer. Returns the new ids
+        and the placement with them."""
+        before = Placement.of(start, self.stage_ranks)
         if not specs:
-            return []
-        first_new = max(self.next_layer_id, max(self.order) + 1)
+            return [], before.stages
+        first_new = max(self.next_layer_id, max(before.order) + 1)
         new_ids = list(range(first_new, first_new + len(specs)))
-        placement, owner, at = self._placement.with_added(position, new_ids)
+        placement, owner, at = before.with_added(position, new_ids)
         if owner in self.blocks:
             if self.builder.factory is None:
                 raise ValueError("adding layers needs layer_factory= in the vpipe config to build them")
@@ -349,17 +350,18 @@ class LayerManager:
                 self._welcome(owner, lid, layer)
         self.specs.update(zip(new_ids, specs))
         self.next_layer_id = max(new_ids) + 1
-        self._placement = placement
         decision("layers_added", f"{len(new_ids)} layer(s) added to stage {owner} at position {position}",
                  stage=owner, layers=new_ids, position=position, placement=placement.as_lists())
-        return new_ids
+        return new_ids, placement.stages
 
-    def remove_layers(self, layer_ids: Iterable[int]) -> bool:
-        """Remove layers by id (every rank calls it alike; no stage left empty); whether any stage now sends
-        another activation downstream (voted: every rank learns it alike)."""
+    def remove_layers(self, start: Sequence[Sequence[int]],
+                      layer_ids: Iterable[int]) -> tuple[bool, tuple[tuple[int, ...], ...]]:
+        """Remove layers by id from placement ``start`` (every rank calls it alike; no stage left empty); whether
+        any stage now sends another activation downstream (voted: every rank learns it alike), and the placement
+        without them."""
         doomed = set(layer_ids)
-        placement = self._placement.without(doomed)
-        reshapes = self.channel.vote([(any(self.shapes.last_output_changes(self.placement[v], placement.stages[v], {})
+        placement = Placement.of(start, self.stage_ranks).without(doomed)
+        reshapes = self.channel.vote([(any(self.shapes.last_output_changes(start[v], placement.stages[v], {})
                                            for v in self.blocks if v != self.num_stages - 1), False)],
                                      what="a layer removal")[0]
         for v in self.blocks:
@@ -367,10 +369,9 @@ class LayerManager:
         for lid in doomed:
             self.specs.pop(lid, None)
             self.shapes.forget(lid)
-        self._placement = placement
         decision("layers_removed", f"{len(doomed)} layer(s) removed", layers=sorted(doomed),
                  placement=placement.as_lists())
-        return reshapes
+        return reshapes, placement.stages
 
     # ---------------------------------------------------------------- placement edits
     def _take(self, stage: int, layer_ids: Sequence[int]) -> list[tuple[int, nn.Module, str]]:

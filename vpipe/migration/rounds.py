@@ -39,7 +39,10 @@ __all__ = ["MigrationReport", "exchange"]
 
 @dataclass
 class MigrationReport:
+    """What one plan's moves did; ``placement``: where the layers are after them (the caller records it)."""
+
     epoch: int
+    placement: tuple[tuple[int, ...], ...] = ()
     moved: list[Move] = field(default_factory=list)
     aborted: list[Move] = field(default_factory=list)
     bytes_sent: int = 0

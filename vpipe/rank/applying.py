@@ -7,7 +7,8 @@ one check, :meth:`~vpipe.rank.plan_in_force.PlanInForce.check`). A plan that mov
 on a rank whose stages cannot move them (a traced split) applies its policies only. Moves
 go through the layer manager, which trusts the plan checked here: at the step boundary for
 the flush schedules, streamed into a PipeDream stream (one round of neighbour hops per
-step). Then the plan is committed once, with the placement the moves reached: the tensor
+step). The moves start from the plan in force's placement and return the one they reached;
+then the plan is committed once, with that placement: the tensor
 managers take its policies (the layers that arrived included) and budgets, the layer
 manager, agent and monitors its epoch.
 """
@@ -41,33 +42,35 @@ class PlanApplier:
         if owner.stale(plan):
             log.info("stage %d: skipping stale plan epoch %d", who, plan.epoch)
             return
-        if sorted(plan.layer_ids) != sorted(lm.order):
+        if sorted(plan.layer_ids) != sorted(owner.order):
             decision("plan_skipped", f"epoch {plan.epoch}: made for another set of layers (they were edited since)",
                      epoch=plan.epoch, stage=who)
             return
         try:  # every rank holds the same order, so every rank skips the same plans
-            owner.check(plan, lm.order, lm.num_stages)
+            owner.check(plan, owner.order, lm.num_stages)
         except PlanError as e:
             decision("plan_skipped", f"epoch {plan.epoch}: {e}", epoch=plan.epoch, stage=who)
             return
-        moves = [list(s) for s in plan.stages] != [list(s) for s in lm.placement]
+        reached = owner.placement
+        moves = [list(s) for s in plan.stages] != [list(s) for s in reached]
         if moves and self.move_refusal is not None:
             decision("plan_skipped", f"epoch {plan.epoch}: layers cannot move ({self.move_refusal}); "
                      "applied policies only", epoch=plan.epoch, stage=who)
         elif moves and self.pipedream:
-            lm.start_streamed(plan, pipeline.schedule, switch_mb=step * micro_batches)
-            if [list(s) for s in lm.placement] != [list(s) for s in plan.stages]:
+            reached = lm.start_streamed(plan, reached, pipeline.schedule, switch_mb=step * micro_batches)[1]
+            if [list(s) for s in reached] != [list(s) for s in plan.stages]:
                 self.streamed_rest = plan  # a two-hop move: its next round follows when this one is done
         elif moves:
             started = time.perf_counter()
-            report = lm.apply(plan)
+            report = lm.apply(plan, reached)
+            reached = report.placement
             if report.rebuilt:
                 pipeline.reset_shapes()
             session = self.parts.session
             for monitor in session.monitors.values() if session is not None else ():  # the next sample tells
                 monitor.move_s = time.perf_counter() - started
         # the layers are where the moves took them (all, some, or none where a move aborted)
-        owner.commit(Plan(epoch=plan.epoch, stages=lm.placement, policies=plan.policies,
+        owner.commit(Plan(epoch=plan.epoch, stages=reached, policies=plan.policies,
                           predicted_step_s=plan.predicted_step_s, reason=plan.reason,
                           stage_speeds=plan.stage_speeds), "applied")
         for v in lm.local_stages:
@@ -83,7 +86,9 @@ class PlanApplier:
         if plan is None or any(not m.done for m in pipeline.schedule.movers):
             return
         self.streamed_rest = None
-        lm = self.parts.layer_manager
-        lm.start_streamed(plan, pipeline.schedule, switch_mb=step * micro_batches)
-        if [list(s) for s in lm.placement] != [list(s) for s in plan.stages]:
+        owner = self.parts.plan_in_force
+        reached = self.parts.layer_manager.start_streamed(plan, owner.placement, pipeline.schedule,
+                                                          switch_mb=step * micro_batches)[1]
+        owner.reached(reached)
+        if [list(s) for s in reached] != [list(s) for s in plan.stages]:
             self.streamed_rest = plan

@@ -54,7 +54,7 @@ class HomeCheckpoints:
         return undo
 
     def save(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        placed = self.parts.layer_manager.placement
+        placed = self.parts.plan_in_force.placement
         self._move_to(self.home, "home for DeepSpeed's save_checkpoint")
         try:
             return original(*args, **kwargs)
@@ -68,16 +68,17 @@ class HomeCheckpoints:
     def _move_to(self, placement: Placement, why: str) -> None:
         """Move the layers to ``placement`` now and make it the plan in force (same epoch, same policies)."""
         lm, owner = self.parts.layer_manager, self.parts.plan_in_force
-        if lm.placement == placement:
+        if owner.placement == placement:
             return
         plan = owner.plan
         moving = Plan(epoch=plan.epoch, stages=placement, policies=plan.policies, reason=why)
-        if lm.apply(moving).rebuilt:  # as the plan applier does
+        report = lm.apply(moving, owner.placement)
+        if report.rebuilt:  # as the plan applier does
             self.parts.pipeline.reset_shapes()
-        if lm.placement != placement:
-            raise RuntimeError(f"vpipe could not move the layers {why} (a move aborted; the run log says why): "
-                               f"they are at {[list(s) for s in lm.placement]}, not {[list(s) for s in placement]}")
-        owner.commit(Plan(epoch=plan.epoch, stages=lm.placement, policies=plan.policies,
+        owner.commit(Plan(epoch=plan.epoch, stages=report.placement, policies=plan.policies,
                           predicted_step_s=plan.predicted_step_s, reason=plan.reason), "restored")
+        if report.placement != placement:
+            raise RuntimeError(f"vpipe could not move the layers {why} (a move aborted; the run log says why): they "
+                               f"are at {[list(s) for s in report.placement]}, not {[list(s) for s in placement]}")
         decision("checkpoint_placement", f"stage {self.deepspeed.index}: layers moved {why}",
                  stage=self.deepspeed.index, layers=list(placement[self.deepspeed.index]))

@@ -41,8 +41,8 @@ class LayerEdits:
             raise RuntimeError("add_layers cannot add to an FSDP2 (fully_shard) stage: the factory's blocks would not "
                                "be sharded, nor their gradients reduced over the data-parallel group")
         self.agreement.agree_edit({"call": "add_layers", "position": position, "count": len(specs)}, self.who)
-        new_ids = self.parts.layer_manager.add_layers(position, specs)
-        self._after_edit()
+        new_ids, placement = self.parts.layer_manager.add_layers(self.parts.plan_in_force.placement, position, specs)
+        self._after_edit(placement)
         return new_ids
 
     def remove_layers(self, layer_ids: list[int]) -> None:
@@ -52,7 +52,8 @@ class LayerEdits:
                                   self.who)
         # shapes are inferred again only where a boundary changes: inference runs the stage's forward (and the
         # user's hooks) once more, which a trainer without vpipe would not
-        self._after_edit(reshape=self.parts.layer_manager.remove_layers(layer_ids))
+        reshape, placement = self.parts.layer_manager.remove_layers(self.parts.plan_in_force.placement, layer_ids)
+        self._after_edit(placement, reshape=reshape)
 
     def _require_boundary(self, what: str) -> None:
         counter = self.driver.counter
@@ -69,10 +70,11 @@ class LayerEdits:
             raise RuntimeError(f"{what} cannot edit a DeepSpeed PipelineModule: its layer specs and checkpoint files "
                                "are numbered by layer index at initialize; vpipe only moves its layers")
 
-    def _after_edit(self, reshape: bool = True) -> None:
+    def _after_edit(self, placement: tuple[tuple[int, ...], ...], reshape: bool = True) -> None:
         # a new epoch: plans made for the old layers become stale, stats say which layers they measured
-        lm, owner = self.parts.layer_manager, self.parts.plan_in_force
-        policies = {lid: p for lid, p in owner.plan.policies.items() if lid in lm.order}
-        owner.commit(Plan(epoch=owner.epoch + 1, stages=lm.placement, policies=policies), "edited")
+        owner = self.parts.plan_in_force
+        kept = {lid for layers in placement for lid in layers}
+        policies = {lid: p for lid, p in owner.plan.policies.items() if lid in kept}
+        owner.commit(Plan(epoch=owner.epoch + 1, stages=placement, policies=policies), "edited")
         if reshape:
             self.parts.pipeline.reset_shapes()  # new layers have never run: redo shape inference

@@ -1,12 +1,15 @@
 """The plan in force on one rank: its one owner, and the parts that follow it.
 
 A plan is in force from the step boundary it took effect at until the next one takes
-over: its epoch, where the layers were when it took effect (its ``stages``), and each
-layer's policy. :class:`PlanInForce` holds it, checks a plan once before it may take
-effect, and is the only place that assigns it: :meth:`PlanInForce.commit`. The parts that
-keep a copy (the layer manager's epoch, the agent's plan and the monitors' epoch behind
-the control session, the tensor managers' policies and their budgets) are told, in the
-order they were registered at construction, through one interface, :class:`PlanListener`.
+over: its epoch, where the layers are (its ``stages``: the rank's placement, kept nowhere
+else), and each layer's policy. :class:`PlanInForce` holds it, checks a plan once before it
+may take effect, and is the only place that assigns it: :meth:`PlanInForce.commit`. The layer
+manager is handed the placement to move or edit layers from and returns the one it reached,
+which the caller commits; a streamed PipeDream plan's later rounds of hops record theirs
+with :meth:`PlanInForce.reached` (same plan, same epoch). The parts that keep a copy (the
+layer manager's epoch, the agent's plan and the monitors' epoch behind the control session,
+the tensor managers' policies and their budgets) are told, in the order they were
+registered at construction, through one interface, :class:`PlanListener`.
 
 Three things make a plan take effect, and the listeners may tell them apart (``cause``):
 a plan applied at a step boundary (``"applied"``), a layer edit that starts a new epoch
@@ -17,6 +20,7 @@ plan (``"restored"``).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Literal, Protocol
 
 from vpipe.plan import Plan
@@ -54,6 +58,16 @@ class PlanInForce:
     def epoch(self) -> int:
         return self._plan.epoch
 
+    @property
+    def placement(self) -> tuple[tuple[int, ...], ...]:
+        """Where every layer of the model is now: layer ids per stage, in model order."""
+        return self._plan.stages
+
+    @property
+    def order(self) -> list[int]:
+        """Every layer of the model, in execution order."""
+        return [lid for layers in self._plan.stages for lid in layers]
+
     def stale(self, plan: Plan) -> bool:
         """Whether ``plan`` is not newer than the plan in force (every rank skips it alike)."""
         return plan.epoch <= self._plan.epoch
@@ -69,6 +83,12 @@ class PlanInForce:
         self._plan = plan
         for listener in self._listeners:
             listener.plan_changed(plan, cause)
+
+    def reached(self, stages: Sequence[Sequence[int]]) -> None:
+        """A streamed plan's next round of hops took the layers to ``stages``: the same plan stays in force, and no
+        listener is told (they were when its first round started; DeepSpeed's, which follows the placement, never
+        streams)."""
+        self._plan = replace(self._plan, stages=tuple(tuple(s) for s in stages))
 
 
 class StagePolicies:

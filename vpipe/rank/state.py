@@ -23,14 +23,14 @@ __all__ = ["vpipe_state", "restore_vpipe_state"]
 def vpipe_state(parts: RankParts, iteration: int) -> dict[str, Any]:
     """Policies are this rank's own layers' (what its tensor managers run now) over the plan in force's;
     :func:`vpipe.checkpoint.save_checkpoint` merges the ranks'."""
-    lm = parts.layer_manager
-    policies = {lid: p.value for lid, p in parts.plan_in_force.plan.policies.items()}
+    lm, owner = parts.layer_manager, parts.plan_in_force
+    policies = {lid: p.value for lid, p in owner.plan.policies.items()}
     for manager in parts.tensor_managers.values():
         policies.update({lid: p.value for lid, p in manager.policies().items()})
-    return {"version": VERSION, "epoch": parts.plan_in_force.epoch, "iteration": iteration,
-            "stages": [list(s) for s in lm.placement],
-            "policies": {str(lid): p for lid, p in sorted(policies.items()) if lid in lm.order},
-            "next_layer_id": max(lm.next_layer_id, max(lm.order) + 1)}
+    return {"version": VERSION, "epoch": owner.epoch, "iteration": iteration,
+            "stages": [list(s) for s in owner.placement],
+            "policies": {str(lid): p for lid, p in sorted(policies.items()) if lid in owner.order},
+            "next_layer_id": max(lm.next_layer_id, max(owner.order) + 1)}
 
 
 def restore_vpipe_state(state: Mapping[str, Any], parts: RankParts, *, driver: StepDriver, hand_written: bool,
@@ -42,18 +42,19 @@ def restore_vpipe_state(state: Mapping[str, Any], parts: RankParts, *, driver: S
     committed as the plan in force: its epoch, and its policies for this rank's layers.
     """
     state = check_vpipe_state(dict(state))
-    lm = parts.layer_manager
+    lm, owner = parts.layer_manager, parts.plan_in_force
     saved = sorted(lid for s in state["stages"] for lid in s)
-    if saved != sorted(lm.order):
-        raise ValueError(f"the checkpoint's layers {saved[:8]} are not this pipeline's layers {sorted(lm.order)[:8]}")
+    if saved != sorted(owner.order):
+        raise ValueError(f"the checkpoint's layers {saved[:8]} are not this pipeline's layers "
+                         f"{sorted(owner.order)[:8]}")
     policies = {int(k): Policy.parse(v) for k, v in state["policies"].items()}
     lm.next_layer_id = max(lm.next_layer_id, state["next_layer_id"])
     driver.iteration = state["iteration"]
-    parts.plan_in_force.commit(Plan(epoch=state["epoch"], stages=lm.placement, policies=policies), "restored")
+    owner.commit(Plan(epoch=state["epoch"], stages=owner.placement, policies=policies), "restored")
     if hand_written:  # the open step gets the restored number
         parts.session.abort_step()
         driver.begin()
-    epoch = parts.plan_in_force.epoch
+    epoch = owner.epoch
     decision("resumed", f"stage {who} resumes at step {driver.iteration}, plan epoch {epoch}",
              stage=who, step=driver.iteration, epoch=epoch, layers=lm.layer_ids, saved_stages=state["stages"],
-             stages=[list(s) for s in lm.placement])
+             stages=[list(s) for s in owner.placement])
