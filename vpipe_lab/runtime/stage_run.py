@@ -70,7 +70,7 @@ class StageRun:
         if len(self.modules) == 1:
             return self.modules[0]
         return nn.Sequential(OrderedDict((name, layer) for module in self.modules
-                                         for name, layer in child_modules(module).items()))
+                                         for name, layer in module.named_children()))
 
     @property
     def is_first(self) -> bool:
