@@ -25,7 +25,7 @@ from vpipe.control.curve import RunKeys
 from vpipe.control.session import ControlOptions, open_for_stage_run
 from vpipe.plan import Plan, Policy
 from vpipe.schedules.pipedream import SchedulePipeDream
-from vpipe.settings import Settings
+from vpipe.settings import Settings, process_settings
 from vpipe_lab.runtime.checkpoints import check_checkpoint_dir, load_resume, resume_placement, save_run_checkpoint
 from vpipe_lab.runtime.config import RunConfig
 from vpipe_lab.runtime.launch import Distributed
@@ -48,7 +48,7 @@ def train_rank(cfg: RunConfig, ctx: Distributed) -> RunResult:
         raise ValueError(f"the run has {ctx.world_size} ranks but the config asks for {cfg.stages} "
                          f"{'ranks' if cfg.multi_stage else 'stages'}")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    settings = Settings.read()  # the rank's VPIPE_* variables, read once at its start (attach reads its own)
+    settings = process_settings()  # the rank's VPIPE_* variables, read once per process (attach takes the same)
     if ctx.rank == 0:  # the locks of the run's directories and log, for as long as the run lives
         check_checkpoint_dir(cfg, hold=True)
         claim_outputs(cfg, hold=True)
