@@ -67,7 +67,7 @@ def worker(out_dir: Path, steps: int, every: int, sample_every: int) -> dict[str
     from vpipe_lab.runtime.launch import init_distributed, run_rank
     from vpipe_lab.runtime.results import RunResult, save_rank_result
     from vpipe_lab.runtime.stage_run import build_stage_run
-    from vpipe_lab.runtime.trainer import _attach_vpipe
+    from vpipe_lab.runtime.trainer import attach_vpipe
 
     ctx = init_distributed()
 
@@ -76,7 +76,7 @@ def worker(out_dir: Path, steps: int, every: int, sample_every: int) -> dict[str
         cfg = run_config(steps)
         cfg.out_dir = str(out_dir)
         run = build_stage_run(cfg, ctx.rank, ctx.device)
-        vp = _attach_vpipe(cfg, run, min_swap_bytes=1024, host_pool_bytes=POOL_BYTES)  # the small activations swap too
+        vp = attach_vpipe(cfg, run, min_swap_bytes=1024, host_pool_bytes=POOL_BYTES)  # the small activations swap too
         for step, plan in soak_plans(steps, every):
             vp.request_plan(plan, at_step=step)
         me = psutil.Process()

@@ -48,7 +48,7 @@ from torch.utils.checkpoint import checkpoint
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from vpipe.plan import Policy  # noqa: E402
-from vpipe.settings import from_environment  # noqa: E402
+from vpipe.settings import process_settings  # noqa: E402
 from vpipe.tensor_manager import TensorManager  # noqa: E402
 from vpipe.tensor_manager.accounting import format_bytes  # noqa: E402
 from vpipe_lab.runtime.models import build_model, transformer_lm  # noqa: E402
@@ -57,7 +57,7 @@ from vpipe_lab.runtime.models import build_model, transformer_lm  # noqa: E402
 def prefetch_alloc_from_env() -> str:
     """Where this run's tensor managers allocate prefetched copies: ``VPIPE_PREFETCH_ALLOC`` (the GPU suite sets
     ``compute`` for one run), ``copy`` when unset, read as ``vpipe.attach`` reads it (another value is refused)."""
-    return str(from_environment("prefetch_alloc"))
+    return process_settings().prefetch_alloc
 
 
 VARIANTS = ("plain", "vpipe D", "vpipe D metered", "vpipe S", "vpipe R", "vpipe 40%", "save_on_cpu", "checkpoint")

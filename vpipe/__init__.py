@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from vpipe._attach import Vpipe, VpipeConfig, attach
+    from vpipe._attach import Vpipe, attach
     from vpipe.checkpoint.block_keys import global_block_keys, local_block_keys
+    from vpipe.config import VpipeConfig
     from vpipe.plan import Plan, Policy
     from vpipe.schedules.pipedream import SchedulePipeDream
 
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
 _PUBLIC = {
     "attach": "vpipe._attach",
     "Vpipe": "vpipe._attach",
-    "VpipeConfig": "vpipe._attach",
+    "VpipeConfig": "vpipe.config",
     "Plan": "vpipe.plan",
     "Policy": "vpipe.plan",
     "SchedulePipeDream": "vpipe.schedules.pipedream",

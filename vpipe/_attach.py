@@ -7,8 +7,7 @@ It takes the trainer's own objects and changes none of them structurally: a
 engine's ``train_batch``) is wrapped as an instance attribute, torch's stages get their
 chunk methods wrapped by the tensor managers, the blocks get hooks and their containers
 are edited in place when layers migrate; ``stage.submod`` and its ``forward`` are never
-replaced. ``detach()`` removes every hook
-and wrapper; layers that moved stay where they are.
+replaced. ``detach()`` removes every hook and wrapper; layers that moved stay where they are.
 
 This module only wires the parts together (see :mod:`vpipe.rank` for each part's job). Its
 name is private so that ``vpipe.attach`` is only ever the function: a public submodule of the
@@ -29,6 +28,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import Store
 
 from vpipe import log as run_log
+from vpipe.config import AUTO_BUDGET, VpipeConfig
 from vpipe.control.curve import RunKeys
 from vpipe.control.session import ControlOptions, ControlSession
 from vpipe.log import decision
@@ -42,7 +42,6 @@ from vpipe.planner import DEFAULT_PLANNER
 from vpipe.rank.agreement import StoreAgreement, agree_on_blocks
 from vpipe.rank.applying import PlanApplier
 from vpipe.rank.boundary import PlanBoundary
-from vpipe.rank.config import AUTO_BUDGET, VpipeConfig, planner_config, resolve_memory_budget
 from vpipe.rank.deepspeed_checkpoints import HomeCheckpoints
 from vpipe.rank.edits import LayerEdits
 from vpipe.rank.environment import check_environment
@@ -52,6 +51,7 @@ from vpipe.rank.metrics import MetricsWriter, parse_metric_kinds
 from vpipe.rank.parts import RankParts
 from vpipe.rank.plan_in_force import PlanInForce, StagePolicies
 from vpipe.rank.replicas import ReplicaPlans, Replicas, ReplicaStats, check_replicas_alike
+from vpipe.rank.resolved import planner_config, resolve_memory_budget
 from vpipe.rank.stamps import stamp_state_dicts
 from vpipe.rank.state import restore_vpipe_state, vpipe_state
 from vpipe.rank.steps import MicroBatchCounter, StepDriver
@@ -84,7 +84,7 @@ def attach(target: AttachTarget, *, optimizer: OptimizerArg = None, config: Vpip
     """
     if config is not None and options:
         raise TypeError("pass either config= or keyword options, not both")
-    settings = check_environment()  # every VPIPE_* variable, read once here and handed on
+    settings = check_environment()  # every VPIPE_* variable, read once per process, checked here and handed on
     config = config or VpipeConfig.from_settings(settings, **options)
     return Vpipe(target, optimizer=optimizer, config=config, store=store, settings=settings)
 

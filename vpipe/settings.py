@@ -1,12 +1,16 @@
 """Every ``VPIPE_*`` variable, read in this one module into one value: :class:`Settings`.
 
-vpipe reads its environment once, where it starts: ``vpipe.attach`` (through
-:func:`vpipe.rank.environment.check_environment`), the planner daemon's command, the
-launcher. Each variable becomes one parsed, checked field of a frozen :class:`Settings`,
-which is handed on to the parts that use it; nothing below reads the environment again,
-and nothing in the library writes it. A value vpipe cannot use is :class:`SettingError`:
-one line naming the variable, its value and what is allowed. An unset or empty variable
-is its default.
+vpipe reads its process's environment once: :func:`process_settings`, the first time anyone
+asks (``vpipe.attach`` through :func:`vpipe.rank.environment.check_environment`, a
+:class:`~vpipe.VpipeConfig` made by hand, the planner daemon's command, a rank of the
+reference trainer), and the same value every time after, so a variable changed while the
+process runs changes nothing and two attaches in one process see the same settings. Each
+variable becomes one parsed, checked field of a frozen :class:`Settings`, which is handed
+on to the parts that use it; nothing below reads the environment again, and nothing in the
+library writes it. (A launcher reads the environment it builds for its children with
+:meth:`Settings.read`.) A value vpipe cannot use is :class:`SettingError`: one line naming
+the variable, its value and what is allowed; it is not kept, so the next ask reads again.
+An unset or empty variable is its default.
 
 What can be checked without touching the host is checked here (numbers, ranges, names,
 the fault grammar); what needs the host (a directory that can be written, an address of
@@ -22,11 +26,12 @@ import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
+from functools import cache
 from typing import Any
 
 from vpipe.faults import Faults
 
-__all__ = ["Settings", "SettingError", "from_environment", "VARIABLES", "PREFETCH_ALLOC_ENV", "PREFETCH_ALLOCS",
+__all__ = ["Settings", "SettingError", "process_settings", "VARIABLES", "PREFETCH_ALLOC_ENV", "PREFETCH_ALLOCS",
            "AUTH_VALUES", "METRIC_KINDS", "parse_metric_kinds", "MAX_SECONDS", "WILDCARDS"]
 
 PREFETCH_ALLOC_ENV = "VPIPE_PREFETCH_ALLOC"
@@ -105,7 +110,8 @@ def _variable(name: str, parse: Callable[[str], Any] = str) -> dict[str, Any]:
 class Settings:
     """The ``VPIPE_*`` variables, parsed: one field per variable (its name in the field's metadata).
 
-    ``Settings()`` is every default (an empty environment); :meth:`read` is what an environment sets.
+    ``Settings()`` is every default (an empty environment); :meth:`read` is what an environment sets;
+    :func:`process_settings` is what this process's environment set when first asked.
     """
 
     # seconds the last stage waits for a silent planner daemon before it calls it lost
@@ -138,12 +144,11 @@ class Settings:
     curve_run_secret_file: str = field(default="", metadata=_variable("VPIPE_CURVE_RUN_SECRET_FILE", str.strip))
 
     @classmethod
-    def read(cls, environ: Mapping[str, str] | None = None) -> Settings:
-        """The settings ``environ`` (default: this process's environment) sets; :class:`SettingError` names the
-        first variable set to a value vpipe cannot use."""
-        env = os.environ if environ is None else environ
-        return cls(**{f.name: _parse(f.metadata, env[f.metadata["variable"]]) for f in fields(cls)
-                      if env.get(f.metadata["variable"])})
+    def read(cls, environ: Mapping[str, str]) -> Settings:
+        """The settings ``environ`` sets (this process's: :func:`process_settings`, read once);
+        :class:`SettingError` names the first variable set to a value vpipe cannot use."""
+        return cls(**{f.name: _parse(f.metadata, environ[f.metadata["variable"]]) for f in fields(cls)
+                      if environ.get(f.metadata["variable"])})
 
     def variables(self) -> dict[str, str]:
         """Field name -> its variable's name."""
@@ -162,9 +167,9 @@ def _parse(metadata: Mapping[str, Any], value: str) -> Any:
         raise SettingError(f"{name}={value!r:.80}: {reason}") from None
 
 
-def from_environment(name: str, environ: Mapping[str, str] | None = None) -> Any:
-    """One field of :class:`Settings` as ``environ`` (default: this process's) sets it, its variable alone read:
-    the defaults of a :class:`~vpipe.VpipeConfig` made before ``attach``."""
-    (meta,) = [f.metadata for f in fields(Settings) if f.name == name]
-    value = (os.environ if environ is None else environ).get(meta["variable"])
-    return _parse(meta, value) if value else getattr(Settings(), name)
+@cache
+def process_settings() -> Settings:
+    """This process's settings: its environment read the first time anyone asks, the same value after (a
+    :class:`SettingError` is not kept: the next ask reads again). ``process_settings.cache_clear()`` forgets
+    them, which only a test that sets the environment wants."""
+    return Settings.read(os.environ)

@@ -33,7 +33,7 @@ from vpipe.files import make_dirs, write_atomic
 from vpipe.log import decision
 from vpipe_lab.runtime.models import BLOCK_TYPES, block_spec
 from vpipe_lab.runtime.outputs import claim_outputs
-from vpipe_lab.runtime.trainer import _attach_vpipe, build_stage_run
+from vpipe_lab.runtime.trainer import attach_vpipe, build_stage_run
 from vpipe_lab.runtime.watchdog import stderr_line
 
 __all__ = ["Architecture", "EvolutionConfig", "Candidate", "regularized_evolution", "morph"]
@@ -211,7 +211,7 @@ def search_rank(cfg: Any, evo: EvolutionConfig, ctx: Any) -> SearchResult:
     if ctx.rank == 0:
         claim_outputs(cfg, hold=True)  # --out-dir, --log-file and the trace directory, for as long as the run lives
     run = build_stage_run(cfg, ctx.rank, ctx.device)
-    vp = _attach_vpipe(cfg, run)
+    vp = attach_vpipe(cfg, run)
     state = {"step": 0}
 
     def train_steps(n: int) -> float:

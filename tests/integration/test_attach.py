@@ -91,7 +91,7 @@ def _hand_written_pipeline():
 def test_the_planner_is_configured_with_the_pipelines_shape_and_the_users_options():
     from vpipe import VpipeConfig
     from vpipe.planner.online import OnlineConfig
-    from vpipe.rank.config import planner_config
+    from vpipe.rank.resolved import planner_config
 
     config = VpipeConfig(micro_batches=4, planner_options={"confirm_samples": 1})
     sent = planner_config(config, _hand_written_pipeline(), 1 << 30, allow_moves=False)
@@ -112,7 +112,7 @@ def test_the_planner_is_configured_with_the_pipelines_shape_and_the_users_option
 ])
 def test_bad_planner_options_fail_at_attach(options, message):
     from vpipe import VpipeConfig
-    from vpipe.rank.config import planner_config
+    from vpipe.rank.resolved import planner_config
 
     with pytest.raises(ValueError) as err:
         planner_config(VpipeConfig(planner_options=options), _hand_written_pipeline(), None, allow_moves=True)

@@ -10,8 +10,14 @@ import zmq
 import zmq.auth
 
 from vpipe.cli import main
-from vpipe.control.curve import PUBLIC_ENV, SECRET_ENV, CurveConfig, curve_from_env
+from vpipe.control.curve import PUBLIC_ENV, SECRET_ENV, CurveConfig, RunKeys
 from vpipe.control.keys import KeyFileError, public_keys_from, read_public_file, read_secret_file, write_keypair
+from vpipe.settings import Settings
+
+
+def curve_from_env(environ):
+    """The CURVE configuration the settings ``environ`` sets make (as attach's keys make it)."""
+    return RunKeys(Settings.read(environ)).curve()
 
 
 def mode(path) -> int:

@@ -179,6 +179,11 @@ def clean_env(monkeypatch):
     return monkeypatch
 
 
+def _keys_now():
+    """Keys of the environment as it is now, as a process started now reads it (this one read its settings once)."""
+    return RunKeys(Settings.read(os.environ))
+
+
 def _store():
     import torch.distributed as dist
 
@@ -244,15 +249,16 @@ def test_several_hosts_without_a_key_refuse_unless_told_to_run_unauthenticated(c
         agree_run_key(None, rank=1, world_size=2, timeout_s=1, who="rank 1")
     clean_env.setenv(AUTH_ENV, "none")
     with caplog.at_level("WARNING", logger="vpipe.control"):
-        assert agree_run_key(None, rank=1, world_size=2, timeout_s=1, who="rank 1") == "unauthenticated"
+        keyed = agree_run_key(None, rank=1, world_size=2, timeout_s=1, who="rank 1", keys=_keys_now())
+    assert keyed == "unauthenticated"
     assert "THE CONTROL PLANE IS UNAUTHENTICATED (the run spans several hosts" in caplog.text
     assert RUN_SECRET_ENV not in os.environ
     clean_env.setenv(AUTH_ENV, "required")
     with pytest.raises(RuntimeError, match=f"would be unauthenticated .* and {AUTH_ENV}=required"):
-        agree_run_key(None, rank=1, world_size=2, timeout_s=1, who="rank 1")
+        agree_run_key(None, rank=1, world_size=2, timeout_s=1, who="rank 1", keys=_keys_now())
     clean_env.setenv(AUTH_ENV, "yes")
     with pytest.raises(ValueError, match=f"{AUTH_ENV}='yes': expected one of auto, required, none"):
-        agree_run_key(None, rank=1, world_size=2, timeout_s=1, who="rank 1")
+        agree_run_key(None, rank=1, world_size=2, timeout_s=1, who="rank 1", keys=_keys_now())
     clean_env.setenv(AUTH_ENV, "required")
     clean_env.setenv(RUN_SECRET_ENV, zmq.curve_keypair()[1].decode())  # a key the user gave: no warning
-    assert agree_run_key(None, rank=1, world_size=2, timeout_s=1, who="rank 1") == "configured"
+    assert agree_run_key(None, rank=1, world_size=2, timeout_s=1, who="rank 1", keys=_keys_now()) == "configured"

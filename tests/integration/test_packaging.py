@@ -33,7 +33,7 @@ def test_the_library_imports_and_attaches_without_the_laboratory_or_any_extra(tm
         assert inspect.isfunction(vpipe.attach), vpipe.attach
         for name in vpipe.__all__:
             getattr(vpipe, name)
-        import vpipe.control.daemon, vpipe.planner.online, vpipe.rank.config
+        import vpipe.control.daemon, vpipe.planner.online, vpipe.config, vpipe.rank.config
         print("ok", vpipe.__version__)
     """, tmp_path)
     assert proc.returncode == 0, proc.stderr

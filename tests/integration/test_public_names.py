@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("first", ["import vpipe", "from vpipe import VpipeConfig", "import vpipe._attach",
-                                   "from vpipe._attach import VpipeConfig"])
+                                   "from vpipe._attach import VpipeConfig", "from vpipe.config import VpipeConfig",
+                                   "from vpipe.rank.config import VpipeConfig"])
 def test_vpipe_attach_is_the_one_line_after_any_import(first):
     code = (f"{first}\nimport vpipe\n"
             "try:\n    vpipe.attach(object())\nexcept Exception as e:\n    print(type(e).__name__, e)\n")

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from support.processes import ROOT, child_env, run_vpipe
+from vpipe.settings import process_settings
 
 TINY = ["--blocks", "2", "--d-model", "16", "--seq-len", "8", "--no-progress"]
 HOLD = """
@@ -58,6 +59,7 @@ def test_an_out_dir_log_file_or_trace_directory_another_run_holds_is_refused_in_
             f"vpipe: error: --log-file {log} is being written by another run; give each run a log file of its own")
         monkeypatch.setenv("VPIPE_TRACE_STEPS", "2,1")
         monkeypatch.setenv("VPIPE_TRACE_DIR", str(trace))
+        process_settings.cache_clear()  # the next command reads them, as a new process would
         assert _refused([*train, "--vpipe"], capsys) == (
             f"vpipe: error: VPIPE_TRACE_DIR {trace} is in use by another run (pid {holder.pid}); give each run a "
             "directory of its own")

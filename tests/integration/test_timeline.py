@@ -13,7 +13,8 @@ import pytest
 from support.processes import WORKERS, run_ranks
 from vpipe import timeline
 from vpipe.cli import main as cli_main
-from vpipe.rank.config import VpipeConfig
+from vpipe.config import VpipeConfig
+from vpipe.settings import process_settings
 
 
 def _trained(tmp_path: Path, scenario: str = "timeline") -> tuple[dict, Path]:
@@ -109,9 +110,10 @@ def test_trace_steps_are_checked_where_they_enter(monkeypatch):
     with pytest.raises(ValueError, match="trace_steps must be"):
         VpipeConfig(trace_steps=(2, 0))
     monkeypatch.setenv("VPIPE_TRACE_STEPS", "5")
+    process_settings.cache_clear()  # as a process started with this environment
     with pytest.raises(ValueError, match="VPIPE_TRACE_STEPS='5': expected START,COUNT"):  # as attach says it
         VpipeConfig()
-    monkeypatch.setenv("VPIPE_TRACE_STEPS", "5,2")
+    monkeypatch.setenv("VPIPE_TRACE_STEPS", "5,2")  # a bad value is not kept: the next config reads again
     monkeypatch.setenv("VPIPE_TRACE_DIR", "/tmp/somewhere")
     config = VpipeConfig()
     assert (config.trace_steps, config.trace_dir) == ((5, 2), "/tmp/somewhere")

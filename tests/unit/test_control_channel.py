@@ -130,8 +130,7 @@ def test_lookup_of_a_rank_that_never_published_times_out(store):
 def test_control_host_is_loopback_or_the_interface_towards_the_rendezvous():
     assert control_host(environ={"MASTER_ADDR": "127.0.0.1"}) == ("127.0.0.1", "127.0.0.1")
     assert control_host(environ={"MASTER_ADDR": "localhost"}) == ("127.0.0.1", "127.0.0.1")
-    assert control_host(environ={"MASTER_ADDR": "localhost", "VPIPE_CONTROL_HOST": "0.0.0.0"}) == \
-        ("0.0.0.0", "127.0.0.1")
+    assert control_host("0.0.0.0", environ={"MASTER_ADDR": "localhost"}) == ("0.0.0.0", "127.0.0.1")
     assert control_host("10.1.2.3", environ={"MASTER_ADDR": "127.0.0.1"}) == ("10.1.2.3", "10.1.2.3")
     try:
         outward = route_address("192.0.2.1")  # TEST-NET-1: routed (if at all) like any remote host

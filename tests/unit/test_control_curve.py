@@ -13,7 +13,7 @@ import zmq
 
 from support.control import LAYERS, Recorder, config, keypairs, poll_until, pump, start_daemon, wait_for
 from vpipe.control.agent import StageAgent
-from vpipe.control.channel import ControlPlane, curve_key_key, endpoint_key
+from vpipe.control.channel import FROM_SETTINGS, ControlPlane, curve_key_key, endpoint_key
 from vpipe.control.curve import PUBLIC_ENV, SECRET_ENV
 from vpipe.control.keys import write_keypair
 from vpipe.control.messages import PLANNER, encode, make
@@ -68,7 +68,7 @@ def intrude(sock: zmq.Socket, message: bytes) -> None:
 
 
 def test_curve_is_off_by_default(store, opened):
-    p = plane(store, 0, 1, opened, curve="env")
+    p = plane(store, 0, 1, opened, curve=FROM_SETTINGS)
     assert p.curve is None and p.guard is None
     assert p.inbox.socket.getsockopt(zmq.MECHANISM) == zmq.NULL
     assert not store.check([curve_key_key(0)])
@@ -90,12 +90,12 @@ def test_trusted_peers_exchange_messages_encrypted(store, opened):
         assert p.refused == {} and p.guard.refused == {}
 
 
-def test_planes_configured_by_the_environment_talk(store, opened, tmp_path, monkeypatch):
+def test_planes_configured_by_the_process_settings_talk(store, opened, tmp_path, monkeypatch):
     _, secret = write_keypair(tmp_path / "mine", "host")
     other_public, _ = write_keypair(tmp_path / "theirs", "other")
     monkeypatch.setenv(SECRET_ENV, str(secret))
     monkeypatch.setenv(PUBLIC_ENV, str(other_public))
-    a, b = plane(store, 0, 2, opened, "env"), plane(store, 1, 2, opened, "env")
+    a, b = plane(store, 0, 2, opened, FROM_SETTINGS), plane(store, 1, 2, opened, FROM_SETTINGS)
     assert a.curve is not None and a.curve == b.curve and len(a.curve.trusted) == 2
     assert a.send(1, make("ping", stage=0))
     assert [m.type for m in poll_until(b, 1)] == ["ping"]

@@ -1,4 +1,4 @@
-"""Every VPIPE_* variable is read in one place, into one value, once per attach or command."""
+"""Every VPIPE_* variable is read in one place, into one value, once per process."""
 
 from __future__ import annotations
 
@@ -9,10 +9,13 @@ from pathlib import Path
 import pytest
 import zmq
 
+import vpipe
+from vpipe.config import VpipeConfig
 from vpipe.control.curve import RUN_SECRET_ENV, RunKeys
+from vpipe.control.netaddr import control_host
 from vpipe.faults import Faults
-from vpipe.rank.config import VpipeConfig
-from vpipe.settings import VARIABLES, SettingError, Settings, from_environment
+from vpipe.rank.environment import check_environment
+from vpipe.settings import VARIABLES, SettingError, Settings, process_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -65,9 +68,39 @@ def test_a_config_made_at_attach_takes_its_defaults_from_the_settings_read_there
     config = VpipeConfig.from_settings(settings, sample_every=4, trace_dir="mine")
     assert (config.log_file, config.trace_steps, config.agree_timeout_s) == (None, (1, 2), 3.0)
     assert (config.sample_every, config.trace_dir) == (4, "mine")  # what the caller sets wins
-    assert VpipeConfig().log_file == "from-the-environment.log"  # a config made by hand: the environment's
-    assert from_environment("log_file") == "from-the-environment.log" and from_environment("trace_dir") == \
-        "vpipe-trace"
+    assert VpipeConfig().log_file == "from-the-environment.log"  # a config made by hand: the process's settings
+    assert (process_settings().log_file, process_settings().trace_dir) == ("from-the-environment.log", "vpipe-trace")
+
+
+def test_the_process_reads_its_settings_once_and_a_later_change_changes_nothing(monkeypatch):
+    reads = []
+    real = Settings.read.__func__  # type: ignore[attr-defined]
+    monkeypatch.setattr(Settings, "read", classmethod(lambda cls, environ: reads.append(1) or real(cls, environ)))
+    monkeypatch.setenv("VPIPE_LOG_FILE", "first.log")
+    monkeypatch.setenv("VPIPE_CONTROL_HOST", "127.0.0.1")
+    first = VpipeConfig()
+    monkeypatch.setenv("VPIPE_LOG_FILE", "second.log")  # after the first read: too late for this process
+    monkeypatch.setenv("VPIPE_CONTROL_HOST", "0.0.0.0")
+    assert first.log_file == VpipeConfig().log_file == check_environment().log_file == "first.log"
+    assert control_host(master_addr="127.0.0.1") == ("127.0.0.1", "127.0.0.1")  # not the wildcard set later
+    assert process_settings() is check_environment() and len(reads) == 1
+    process_settings.cache_clear()  # what a new process would read
+    assert VpipeConfig().log_file == "second.log" and len(reads) == 2
+
+
+def test_a_bad_value_is_not_kept_so_the_next_ask_reads_again(monkeypatch):
+    monkeypatch.setenv("VPIPE_AGREE_TIMEOUT", "-1")
+    with pytest.raises(SettingError, match="VPIPE_AGREE_TIMEOUT='-1'"):
+        VpipeConfig()
+    monkeypatch.setenv("VPIPE_AGREE_TIMEOUT", "7")
+    assert VpipeConfig().agree_timeout_s == 7.0
+
+
+def test_the_configuration_has_its_own_home_and_its_old_import_path_works():
+    from vpipe._attach import VpipeConfig as from_attach
+    from vpipe.rank.config import VpipeConfig as old_path
+
+    assert vpipe.VpipeConfig is from_attach is old_path is VpipeConfig and VpipeConfig.__module__ == "vpipe.config"
 
 
 @pytest.mark.skipif(not zmq.has("curve"), reason="this libzmq has no CURVE")

@@ -35,7 +35,7 @@ from typing import Any
 
 import zmq
 
-from vpipe.control.curve import CurveConfig, curve_from_env
+from vpipe.control.curve import CurveConfig, RunKeys
 from vpipe.control.doorman import Doorman, raise_open_file_limit
 from vpipe.control.messages import MAX_MESSAGE_BYTES, Decoder, Message, encode, frame_limit
 from vpipe.control.netaddr import check_endpoint, control_host, tcp_endpoint
@@ -45,11 +45,11 @@ from vpipe.control.zap import NULL_DOMAIN, ZapGuard
 log = logging.getLogger("vpipe.control")
 
 __all__ = ["MAX_PENDING_BYTES", "Inbox", "Outbox", "ControlPlane", "endpoint_key", "curve_key_key",
-           "PLANNER_CONNECT_KEY", "FROM_ENV"]
+           "PLANNER_CONNECT_KEY", "FROM_SETTINGS"]
 
 PLANNER_CONNECT_KEY = "vpipe/ctl/planner"  # the endpoint a standalone planner daemon connects to
 _WILDCARDS = ("0.0.0.0", "::", "*")
-FROM_ENV = "env"  # ``curve=FROM_ENV``: CURVE as the environment configures it (off when unset)
+FROM_SETTINGS = "settings"  # ``curve=FROM_SETTINGS``: CURVE as this process's settings configure it (off when unset)
 
 
 def endpoint_key(rank: int) -> str:
@@ -62,10 +62,10 @@ def curve_key_key(rank: int) -> str:
 
 
 def resolve_curve(curve: CurveConfig | str | None) -> CurveConfig | None:
-    if curve == FROM_ENV:
-        return curve_from_env()
+    if curve == FROM_SETTINGS:
+        return RunKeys.of_process().curve()
     if curve is not None and not isinstance(curve, CurveConfig):
-        raise TypeError(f"curve must be a CurveConfig, None or {FROM_ENV!r}, got {curve!r:.60}")
+        raise TypeError(f"curve must be a CurveConfig, None or {FROM_SETTINGS!r}, got {curve!r:.60}")
     return curve
 
 
@@ -202,8 +202,8 @@ class Outbox:
 class ControlPlane:
     """One rank's control sockets: its inbox, outboxes to peers, endpoints via the TCPStore.
 
-    ``curve``: a :class:`~vpipe.control.curve.CurveConfig`, None (off), or ``FROM_ENV``
-    (the default: on when ``VPIPE_CURVE_SECRET_FILE`` / ``VPIPE_CURVE_PUBLIC_KEYS`` are set).
+    ``curve``: a :class:`~vpipe.control.curve.CurveConfig`, None (off), or ``FROM_SETTINGS`` (the default: as
+    this process's settings say, on when ``VPIPE_CURVE_SECRET_FILE`` / ``VPIPE_CURVE_PUBLIC_KEYS`` are set).
     """
 
     def __init__(
@@ -215,7 +215,7 @@ class ControlPlane:
         host: str | None = None,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         lookup_timeout_s: float = 60.0,
-        curve: CurveConfig | str | None = FROM_ENV,
+        curve: CurveConfig | str | None = FROM_SETTINGS,
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")

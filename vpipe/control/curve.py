@@ -46,20 +46,18 @@ import os
 import shutil
 import stat
 import tempfile
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
 
 from vpipe.control.keys import KeyFileError, public_keys_from, read_secret_file
-from vpipe.settings import Settings
+from vpipe.settings import Settings, process_settings
 
 log = logging.getLogger("vpipe.control")
 
-__all__ = ["SECRET_ENV", "PUBLIC_ENV", "RUN_SECRET_ENV", "RUN_SECRET_FILE_ENV", "CurveConfig", "curve_from_env",
-           "RunKeys", "log_due", "new_run_secret", "private_key_file", "remove_private_key_file",
-           "remove_private_key_files"]
+__all__ = ["SECRET_ENV", "PUBLIC_ENV", "RUN_SECRET_ENV", "RUN_SECRET_FILE_ENV", "CurveConfig", "RunKeys", "log_due",
+           "new_run_secret", "private_key_file", "remove_private_key_file", "remove_private_key_files"]
 
 SECRET_ENV = "VPIPE_CURVE_SECRET_FILE"
 PUBLIC_ENV = "VPIPE_CURVE_PUBLIC_KEYS"
@@ -180,12 +178,6 @@ class CurveConfig:
         socket.setsockopt(zmq.CURVE_SECRETKEY, self.secret)
 
 
-def curve_from_env(environ: Mapping[str, str] | None = None) -> CurveConfig | None:
-    """The CURVE configuration ``environ`` (default: this process's environment) asks for, None when CURVE is
-    off; errors name the problem. (For a process that has no settings of its own: an attach hands its own on.)"""
-    return RunKeys(Settings.read(environ)).curve()
-
-
 class RunKeys:
     """One attach's (or one command's) CURVE keys: the key files the settings name, or the run's secret (given
     in the settings, or agreed at attach by :func:`~vpipe.control.run_key.agree_run_key`), and the private
@@ -197,8 +189,9 @@ class RunKeys:
         self._file: str | None = None
 
     @classmethod
-    def read(cls, environ: Mapping[str, str] | None = None) -> RunKeys:
-        return cls(Settings.read(environ))
+    def of_process(cls) -> RunKeys:
+        """Keys of this process's settings (read once), for a part made without an attach's keys."""
+        return cls(process_settings())
 
     @property
     def by_files(self) -> bool:

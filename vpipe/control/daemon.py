@@ -41,7 +41,7 @@ from typing import Any, cast
 import zmq
 
 from vpipe import log as vlog
-from vpipe.control.channel import FROM_ENV, Inbox, Outbox, resolve_curve
+from vpipe.control.channel import FROM_SETTINGS, Inbox, Outbox, resolve_curve
 from vpipe.control.curve import CurveConfig, RunKeys
 from vpipe.control.doorman import DAEMON_CONNECTIONS
 from vpipe.control.keys import check_z85_key, read_public_file
@@ -54,7 +54,7 @@ from vpipe.monitors.records import StageRecord
 from vpipe.plan import MAX_EPOCH_STEP, Plan, PlanError
 from vpipe.planner import DEFAULT_PLANNER
 from vpipe.planner.judge import PlanJudge
-from vpipe.settings import Settings
+from vpipe.settings import process_settings
 
 log = logging.getLogger("vpipe.planner.daemon")
 
@@ -125,7 +125,7 @@ class PlannerDaemon:
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         backlog: int = 16,
         server_key: bytes | str | None = None,
-        curve: CurveConfig | str | None = FROM_ENV,
+        curve: CurveConfig | str | None = FROM_SETTINGS,
         host: str | None = None,
     ) -> None:
         stage_host, _ = check_endpoint(connect)
@@ -400,7 +400,7 @@ def cmd_planner(args: argparse.Namespace, argv: Any = None) -> int:
     config = None if args.planner_config is None else parse_planner_config(args.planner_config)
     planner = load_planner(args.planner, config)
     server_key = _server_key(args.server_key)  # every argument checked before anything is installed
-    settings = Settings.read()  # the command's one read of the VPIPE_* variables (CURVE, control host)
+    settings = process_settings()  # the VPIPE_* variables, read once per process (CURVE, control host)
     curve = RunKeys(settings).curve()
     if args.log_file:
         vlog.configure(args.log_file, rank=None)

@@ -16,7 +16,7 @@ import re
 import socket
 from collections.abc import Mapping
 
-from vpipe.settings import WILDCARDS, from_environment
+from vpipe.settings import WILDCARDS, process_settings
 
 __all__ = ["control_host", "route_address", "check_endpoint", "tcp_endpoint", "is_loopback"]
 
@@ -52,13 +52,13 @@ def control_host(
 ) -> tuple[str, str]:
     """(address to bind, address to advertise) for this process's control sockets.
 
-    ``explicit`` (an attach passes its settings' ``control_host``; None: ``VPIPE_CONTROL_HOST`` as ``environ``
-    sets it) wins; otherwise loopback or the address routing to ``master_addr`` (else ``MASTER_ADDR``,
-    torchrun's rendezvous address).
+    ``explicit`` (an attach passes its settings' ``control_host``; None: this process's settings', read once)
+    wins; otherwise loopback or the address routing to ``master_addr`` (else ``MASTER_ADDR`` in ``environ``,
+    default this process's: torchrun's rendezvous address, which torch.distributed reads too).
     """
     env = os.environ if environ is None else environ
     master = master_addr if master_addr is not None else env.get("MASTER_ADDR", "127.0.0.1")
-    explicit = (explicit if explicit is not None else from_environment("control_host", environ)).strip()
+    explicit = (explicit if explicit is not None else process_settings().control_host).strip()
     if explicit:
         if explicit in WILDCARDS:
             return explicit, ("127.0.0.1" if is_loopback(master) else route_address(master))

@@ -81,7 +81,7 @@ class PlannerLink:
         self.timeout_s = timeout_s
         self.heartbeat_s = heartbeat_s
         self.log_file = log_file
-        self.keys = keys if keys is not None else RunKeys.read()  # the attach's: what the daemon it starts holds
+        self.keys = keys if keys is not None else RunKeys.of_process()  # the attach's: what its daemon holds
         self.process: subprocess.Popen | None = None
         self.attached_pid: int | None = None
         self.attached_endpoint: str | None = None

@@ -62,13 +62,13 @@ def several_hosts(environ: Mapping[str, str] | None = None) -> bool:
 def agree_run_key(store: Any, *, rank: int, world_size: int, timeout_s: float, who: str,
                   keys: RunKeys | None = None) -> str:
     """Give this rank the run's key (collective): ``keys``, the attach's, holds it from then on (without
-    ``keys``: keys read from the environment now, which only a test wants). Returns how it was keyed:
+    ``keys``: the keys of this process's settings, which only a test wants). Returns how it was keyed:
     ``configured`` (by the launcher or the user), ``private-file``, or ``unauthenticated``.
 
     ``VPIPE_CONTROL_AUTH`` (``keys.settings.control_auth``): ``auto`` (default) keys every run it can and refuses
     a run of several hosts without a key; ``required`` refuses any unauthenticated control plane; ``none`` lets
     one run unauthenticated (several hosts without keys, on a network the user trusts), with a warning."""
-    keys = keys if keys is not None else RunKeys.read()
+    keys = keys if keys is not None else RunKeys.of_process()
     mode = keys.settings.control_auth
     if keys.by_files or keys.given:
         return "configured"

@@ -22,7 +22,7 @@ from torch import nn
 
 from vpipe.compat.torch_distributed import wrap_shape_inference
 from vpipe.control.agent import StageAgent
-from vpipe.control.channel import FROM_ENV, ControlPlane
+from vpipe.control.channel import FROM_SETTINGS, ControlPlane
 from vpipe.control.curve import RunKeys
 from vpipe.control.daemon import NO_CHANGE_PLANNER
 from vpipe.control.planner_link import PlannerLink
@@ -43,7 +43,7 @@ class ControlOptions:
     """How a session samples and plans. ``planner=None``: start no daemon, wait for ``vpipe planner``.
 
     ``planner_config`` (plain JSON values) goes to the daemon's planner as ``--planner-config``. ``control_host``
-    and ``keys`` are the settings' (None: read from the environment when the session starts)."""
+    and ``keys`` are the settings' (None: this process's settings, read once)."""
 
     sample_every: int = 10
     max_sample_every: int | None = None  # back off to this while nothing changes (None: a fixed interval)
@@ -54,8 +54,8 @@ class ControlOptions:
     finish_timeout_s: float = 60.0
     pulse: bool = True  # time the stage modules' forwards every step, to notice a device or workload change
     log_file: str | None = None
-    control_host: str | None = None  # where the inbox binds (VPIPE_CONTROL_HOST); None: the environment's
-    keys: RunKeys | None = None  # the attach's CURVE keys; None: the environment's
+    control_host: str | None = None  # where the inbox binds (VPIPE_CONTROL_HOST); None: the process's settings'
+    keys: RunKeys | None = None  # the attach's CURVE keys; None: the process's settings'
 
 
 @dataclass
@@ -116,7 +116,7 @@ class ControlSession:
                                          stage_module=whole.get(v))
                          for v, layers in sorted(stages.items())}
         self.plane = ControlPlane(store, rank, world_size, host=self.options.control_host,
-                                  curve=FROM_ENV if self.options.keys is None else self.options.keys.curve())
+                                  curve=FROM_SETTINGS if self.options.keys is None else self.options.keys.curve())
         num_stages = len(stage_ranks)
         link = None
         if rank == max(stage_ranks):
@@ -244,7 +244,7 @@ def open_for_stage_run(run: Any, ctx: Any, options: ControlOptions) -> ControlSe
     """A session for one rank of the reference trainer (a ``StageRun`` and its ``Distributed``): one
     monitor per stage the rank runs."""
     cfg = run.cfg
-    keys = options.keys if options.keys is not None else RunKeys.read()
+    keys = options.keys if options.keys is not None else RunKeys.of_process()
     agree_run_key(dist.PrefixStore("vpipe/run-key/", ctx.store), rank=ctx.rank, world_size=ctx.world_size,
                   timeout_s=120.0, who=f"rank {ctx.rank}", keys=keys)
     options = replace(options, keys=keys)

@@ -1,6 +1,8 @@
 """vpipe on one rank: the parts ``vpipe.attach`` wires together, one job each.
 
-- :mod:`.config`: what the user asked for (:class:`VpipeConfig`), validated;
+- :mod:`.resolved`: the user's configuration (:class:`vpipe.config.VpipeConfig`) resolved on this rank: the
+  budget of ``"auto"`` in bytes, the planner's configuration from the pipeline (:mod:`.config`: the
+  configuration's old import path);
 - :mod:`.agreement`: what every rank must agree on through the rendezvous store (block
   layouts, layer edits, the run's control-plane key), in a namespace per attach (and pipeline);
 - :mod:`.replicas`: data-parallel replicas of the pipeline in a mesh: one planner, the same plan at

@@ -1,14 +1,15 @@
-"""The ``VPIPE_*`` environment, read and checked in one place where vpipe starts: at ``attach``, and by the
-``vpipe`` command before any rank starts.
+"""The ``VPIPE_*`` environment checked where vpipe starts: at ``attach`` (the process's settings, read once:
+:func:`~vpipe.settings.process_settings`), and by the launcher (the environment it builds for its ranks)
+before any rank starts.
 
 A bad value used to surface deep in a rank, as a traceback on every rank
 (``VPIPE_PLANNER_TIMEOUT=abc``), or not at all (``nan``, ``inf`` and ``-1`` passed as
-timeouts). :func:`check_environment` reads every variable into one
+timeouts). :func:`check_environment` takes every variable as one
 :class:`~vpipe.settings.Settings` (which parses and range-checks each), then checks what
 needs this host: the output directories and log file can be written, the control host is
 an address here, the CURVE key files can be read. The first bad one is
 :class:`SettingError`: one line naming the variable, its value and what is allowed. The
-settings it returns are what the caller hands on; nothing reads the environment after it.
+settings it returns are what the caller hands on; nothing reads the environment again.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import Callable, Mapping
 
 from vpipe.control.curve import RunKeys
 from vpipe.files import check_output_dir, check_output_file
-from vpipe.settings import MAX_SECONDS, WILDCARDS, SettingError, Settings
+from vpipe.settings import MAX_SECONDS, WILDCARDS, SettingError, Settings, process_settings
 
 __all__ = ["SettingError", "check_environment", "check_settings", "SECONDS", "MAX_SECONDS"]
 
@@ -72,6 +73,7 @@ def check_settings(settings: Settings) -> Settings:
 
 
 def check_environment(environ: Mapping[str, str] | None = None) -> Settings:
-    """The settings ``environ`` (default: this process's environment) sets, every one checked;
-    :class:`SettingError` for the first variable set to a value vpipe cannot use."""
-    return check_settings(Settings.read(environ))
+    """The settings ``environ`` sets (default: this process's, read once), every one checked (again, at each
+    call: an output directory may have gone since); :class:`SettingError` for the first variable set to a value
+    vpipe cannot use."""
+    return check_settings(process_settings() if environ is None else Settings.read(environ))

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from vpipe.compat.torch_distributed import get_schedule_ops
 from vpipe.plan import Policy
 from vpipe.sharing import keep_all_shares
 from vpipe.stage.pipeline import action_kind, flat_actions, in_flight_together
@@ -288,11 +289,9 @@ def _run_rank(cfg: RunConfig, rank: int, modules: Mapping[int, torch.nn.Module],
 
 def _rank_actions(cfg: RunConfig, rank: int) -> list[Any]:
     """One step's actions of ``rank`` under ``cfg``'s multi-stage schedule, as torch lists them."""
-    try:
-        from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
-    except ImportError:
+    if get_schedule_ops is None:
         raise RuntimeError(f"torch {torch.__version__} has no schedule visualizer to read {cfg.schedule}'s action "
-                           "lists from") from None
+                           "lists from")
     return get_schedule_ops(multi_stage_class(cfg.schedule), cfg.stages, cfg.micro_batches, cfg.n_local_stages)[rank]
 
 

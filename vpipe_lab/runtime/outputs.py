@@ -18,11 +18,10 @@ from __future__ import annotations
 import fcntl
 import os
 import stat
-from collections.abc import Mapping
 from pathlib import Path
 
 from vpipe.files import FileCheckError, check_output_dir, check_output_file, make_dirs, open_append, open_lock
-from vpipe.settings import Settings
+from vpipe.settings import Settings, process_settings
 from vpipe_lab.runtime.config import RunConfig
 
 __all__ = ["check_vpipe_outputs", "run_log_file", "claim_outputs", "lock_directory", "keep", "OutputInUseError",
@@ -36,35 +35,35 @@ class OutputInUseError(ValueError):
     """An output another run is writing now, or one whose lock cannot be taken safely: one line naming it."""
 
 
-def run_log_file(flag: str | None, environ: Mapping[str, str] | None = None) -> str | None:
+def run_log_file(flag: str | None, settings: Settings | None = None) -> str | None:
     """The run log a run writes: ``--log-file``, else ``VPIPE_LOG_FILE`` (which the launcher checked, and nothing
-    wrote to before)."""
+    wrote to before). ``settings``: this process's (read once) unless given."""
     if flag is not None:
         return flag
-    value = Settings.read(environ).log_file
+    value = (process_settings() if settings is None else settings).log_file
     if value:
         check_output_file(value, "VPIPE_LOG_FILE")  # named as the user set it
     return value
 
 
-def check_vpipe_outputs(vpipe: bool, environ: Mapping[str, str] | None = None) -> None:
+def check_vpipe_outputs(vpipe: bool, settings: Settings | None = None) -> None:
     """FileCheckError (a ValueError: one line) for a trace or metrics directory vpipe will write on the ranks
     that is not a writable directory (or one that can be made). Nothing to check when the run has no vpipe."""
     if not vpipe:
         return
-    settings = Settings.read(environ)
+    settings = process_settings() if settings is None else settings
     if settings.trace_steps is not None:
         check_output_dir(settings.trace_dir, "VPIPE_TRACE_DIR")
     if settings.metrics:
         check_output_dir(settings.metrics_dir, "VPIPE_METRICS_DIR")
 
 
-def claim_outputs(cfg: RunConfig, *, hold: bool, environ: Mapping[str, str] | None = None) -> None:
+def claim_outputs(cfg: RunConfig, *, hold: bool, settings: Settings | None = None) -> None:
     """OutputInUseError when another run holds ``cfg``'s ``--out-dir``, ``--log-file`` or (with ``--vpipe`` and
     ``VPIPE_TRACE_STEPS``) trace directory. The launcher looks (``hold=False``); rank 0 keeps them for the run."""
     if cfg.out_dir:
         keep(lock_directory(Path(cfg.out_dir), "--out-dir"), hold)
-    settings = Settings.read(environ)
+    settings = process_settings() if settings is None else settings
     if cfg.vpipe and settings.trace_steps is not None:
         keep(lock_directory(Path(settings.trace_dir), "VPIPE_TRACE_DIR"), hold)
     if cfg.log_file:

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 import torch
 from torch.func import functional_call
 
+from vpipe.compat.torch_internals import child_modules
 from vpipe.schedules.pipedream import start_version
 from vpipe_lab.runtime.config import RunConfig
 from vpipe_lab.runtime.models import block_spec, build_layer, build_model
@@ -83,7 +84,8 @@ def _edit_layers(cfg: RunConfig, model: torch.nn.Sequential, optimizers: list, s
     for event in cfg.nas or []:
         if event["step"] != step:
             continue
-        items = list(model._modules.items())
+        children = child_modules(model)  # edited in place, as the layer manager edits a stage's container
+        items = list(children.items())
         if "add" in event:
             add = event["add"]
             new = []
@@ -96,8 +98,8 @@ def _edit_layers(cfg: RunConfig, model: torch.nn.Sequential, optimizers: list, s
             optimizers.append(make_optimizer(cfg, [p for _, layer in new for p in layer.parameters()]))
         else:
             items = [(name, m) for name, m in items if int(name) not in event["remove"]]
-        model._modules.clear()
-        model._modules.update(items)
+        children.clear()
+        children.update(items)
     return next_id
 
 

@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from vpipe.compat.torch_internals import child_modules
 from vpipe.files import make_dirs, replacing, write_atomic
 from vpipe.schedules.pipedream import SchedulePipeDream
 from vpipe_lab.runtime.config import RunConfig
@@ -59,7 +60,7 @@ def _write_rank_result(out: Path, run: StageRun, result: RunResult) -> None:
     with replacing(out / f"rank{run.rank}.pt") as f:
         torch.save(state, f)
     # after migrations, not the initial ones: all of the rank's layers, and each of its stages' layers
-    per_stage = [[int(name) for name in module._modules] for module in run.modules]
+    per_stage = [[int(name) for name in child_modules(module)] for module in run.modules]
     meta = {"stage": run.stage_index, "layer_ids": [lid for ids in per_stage for lid in ids],
             "stages": run.stage_indices, "stage_layer_ids": per_stage, "losses": result.losses,
             "steps": result.steps, "seconds": result.seconds, "step_s": result.step_s,

@@ -17,6 +17,7 @@ import torch.distributed.pipelining as pipelining
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+from vpipe.compat.torch_internals import child_modules
 from vpipe.schedules.pipedream import SchedulePipeDream
 from vpipe_lab.runtime.config import RunConfig
 from vpipe_lab.runtime.models import build_model
@@ -61,7 +62,7 @@ class StageRun:
     @property
     def layer_ids(self) -> list[int]:
         """The layers this rank holds now (after any moves), chunk by chunk."""
-        return [int(name) for module in self.modules for name in module._modules]
+        return [int(name) for module in self.modules for name in child_modules(module)]
 
     def layers_view(self) -> nn.Sequential:
         """Every layer of this rank in one ``Sequential`` named by global layer id: the chunks' own modules,
@@ -69,7 +70,7 @@ class StageRun:
         if len(self.modules) == 1:
             return self.modules[0]
         return nn.Sequential(OrderedDict((name, layer) for module in self.modules
-                                         for name, layer in module._modules.items()))
+                                         for name, layer in module.named_children()))
 
     @property
     def is_first(self) -> bool:

@@ -25,7 +25,7 @@ from vpipe.control.curve import RunKeys
 from vpipe.control.session import ControlOptions, open_for_stage_run
 from vpipe.plan import Plan, Policy
 from vpipe.schedules.pipedream import SchedulePipeDream
-from vpipe.settings import Settings
+from vpipe.settings import Settings, process_settings
 from vpipe_lab.runtime.checkpoints import check_checkpoint_dir, load_resume, resume_placement, save_run_checkpoint
 from vpipe_lab.runtime.config import RunConfig
 from vpipe_lab.runtime.launch import Distributed
@@ -38,7 +38,7 @@ from vpipe_lab.runtime.stage_run import StageRun, build_stage_run
 log = logging.getLogger("vpipe.runtime")  # the run log keeps vpipe.* loggers
 
 # StageRun, build_stage_run, make_optimizer and RunResult live in their own modules; the trainer's names
-__all__ = ["StageRun", "build_stage_run", "train_rank", "make_optimizer", "RunResult"]
+__all__ = ["StageRun", "build_stage_run", "train_rank", "attach_vpipe", "make_optimizer", "RunResult"]
 
 
 def train_rank(cfg: RunConfig, ctx: Distributed) -> RunResult:
@@ -48,7 +48,7 @@ def train_rank(cfg: RunConfig, ctx: Distributed) -> RunResult:
         raise ValueError(f"the run has {ctx.world_size} ranks but the config asks for {cfg.stages} "
                          f"{'ranks' if cfg.multi_stage else 'stages'}")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    settings = Settings.read()  # the rank's VPIPE_* variables, read once at its start (attach reads its own)
+    settings = process_settings()  # the rank's VPIPE_* variables, read once per process (attach takes the same)
     if ctx.rank == 0:  # the locks of the run's directories and log, for as long as the run lives
         check_checkpoint_dir(cfg, hold=True)
         claim_outputs(cfg, hold=True)
@@ -65,7 +65,7 @@ def train_rank(cfg: RunConfig, ctx: Distributed) -> RunResult:
         log.info("stage %d: resumed from %s after step %d", ctx.rank, resumed.path, first_step)
     log.info("rank %d of %d: stages %s of %d, training layers %s with %s", ctx.rank, cfg.stages, run.stage_indices,
              cfg.virtual_stages, run.layer_ids, cfg.schedule, extra={"vpipe_fields": {"pid": os.getpid()}})
-    vp = _attach_vpipe(cfg, run, resumed.vpipe if resumed is not None else None) if cfg.vpipe else None
+    vp = attach_vpipe(cfg, run, resumed.vpipe if resumed is not None else None) if cfg.vpipe else None
     session = _control_session(cfg, run, ctx, settings) if vp is None else None
     result = RunResult(steps=0, seconds=0.0)
     progress = RunProgress(cfg, enabled=cfg.progress and run.is_last)
@@ -108,7 +108,7 @@ def train_rank(cfg: RunConfig, ctx: Distributed) -> RunResult:
     return result
 
 
-def _attach_vpipe(cfg: RunConfig, run: StageRun, resume_state: dict[str, Any] | None = None,
+def attach_vpipe(cfg: RunConfig, run: StageRun, resume_state: dict[str, Any] | None = None,
                   **overrides: Any) -> Any:
     """vpipe on this rank of the reference trainer, with the forced moves of ``cfg.moves`` requested.
 
