@@ -33,7 +33,7 @@ class PlanApplier:
         self.parts = parts
         self.move_refusal = move_refusal
         self.streamed_rest: Plan | None = None  # a PipeDream plan whose next round of hops is still to come
-        self.pipedream = parts.pipeline.kind == "pipedream"
+        self.streams = parts.engine.streams  # moves streamed into the schedule, a round of hops per step
 
     def apply(self, plan: Plan, step: int, micro_batches: int) -> None:
         lm, owner, pipeline = self.parts.layer_manager, self.parts.plan_in_force, self.parts.pipeline
@@ -54,15 +54,15 @@ class PlanApplier:
         if moves and self.move_refusal is not None:
             decision("plan_skipped", f"epoch {plan.epoch}: layers cannot move ({self.move_refusal}); "
                      "applied policies only", epoch=plan.epoch, stage=who)
-        elif moves and self.pipedream:
-            lm.start_streamed(plan, pipeline.schedule, switch_mb=step * micro_batches)
+        elif moves and self.streams:
+            lm.start_streamed(plan, self.parts.engine.stream, switch_mb=step * micro_batches)
             if [list(s) for s in lm.placement] != [list(s) for s in plan.stages]:
                 self.streamed_rest = plan  # a two-hop move: its next round follows when this one is done
         elif moves:
             started = time.perf_counter()
             report = lm.apply(plan)
             if report.rebuilt:
-                pipeline.reset_shapes()
+                self.parts.engine.reset_shapes()
             session = self.parts.session
             for monitor in session.monitors.values() if session is not None else ():  # the next sample tells
                 monitor.move_s = time.perf_counter() - started
