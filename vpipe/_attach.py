@@ -31,6 +31,7 @@ from vpipe import log as run_log
 from vpipe.config import AUTO_BUDGET, VpipeConfig
 from vpipe.control.curve import RunKeys
 from vpipe.control.session import ControlOptions, ControlSession
+from vpipe.engines import Engine, engine_for
 from vpipe.log import decision
 from vpipe.migration.layer_manager import LayerListener, LayerManager
 from vpipe.migration.messages import ControlMessenger
@@ -60,7 +61,7 @@ from vpipe.settings import Settings
 from vpipe.stage.compiled import hoist_compiled
 from vpipe.stage.fsdp import FsdpRoot, is_fully_sharded
 from vpipe.stage.optimizers import optimizer_parts, raw_optimizers, wrapper_refusal
-from vpipe.stage.pipeline import AttachTarget, check_optimizer, inspect_target, move_refusal
+from vpipe.stage.pipeline import AttachTarget, check_optimizer
 from vpipe.tensor_manager import TensorManager, install_on_stage
 from vpipe.tensor_manager.pipelining import StageHandle
 
@@ -100,11 +101,10 @@ class Vpipe:
         self.settings = settings if settings is not None else check_environment()
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()  # in the world (logs, files)
         self._run_log = None if config.log_file is None else run_log.RunLog(config.log_file, rank=self.rank)
-        self.pipeline = pipeline = inspect_target(target)
-        if pipeline.kind == "pipedream" and optimizer is None:
-            optimizer = pipeline.schedule.optimizer
-        if pipeline.deepspeed is not None and optimizer is None:  # the torch optimizer DeepSpeed steps (fp32)
-            optimizer = pipeline.deepspeed.torch_optimizer()
+        self.engine: Engine = engine_for(target)  # what differs between the engines vpipe runs under
+        self.pipeline = pipeline = self.engine.pipeline
+        if optimizer is None:  # a PipeDream schedule's, the torch optimizer DeepSpeed steps (fp32)
+            optimizer = self.engine.default_optimizer()
         # several optimizers (per model part, or per stage) read as one: a moved layer joins its kind on arrival
         self.optimizer = optimizer_parts(optimizer, {s.index: s.module for s in pipeline.stages})
         check_optimizer(self.optimizer, [s.module for s in pipeline.stages])
@@ -117,9 +117,8 @@ class Vpipe:
         trace, metrics = self._trace_window(), self._metrics_writer()  # their directories checked before set-up
         self.replicas = Replicas(pipeline.global_ranks(), self.world_size)  # peers by rank in the pipeline's group
         self.pipe_rank = pipeline.rank
-        if self.replicas.count > 1 and pipeline.kind == "pipedream":
-            raise ValueError("vpipe.attach: a PipeDream stream with data-parallel replicas is not supported; run "
-                             "one pipeline over the whole world, or use GPipe / 1F1B / the multi-stage schedules")
+        if self.replicas.count > 1 and self.engine.replica_refusal is not None:
+            raise ValueError(f"vpipe.attach: {self.engine.replica_refusal}")
         self.agreement = StoreAgreement(store, rank=self.pipe_rank, world_size=pipeline.size,
                                         timeout_s=config.agree_timeout_s, pipeline=self.replicas.name)
         placement = agree_on_blocks(self.agreement, pipeline.stages, self.num_stages, config.layers)
@@ -127,10 +126,10 @@ class Vpipe:
             self.agreement, world_rank=self.rank, world_size=self.world_size, who=self._who, replicas=self.replicas,
             layout={"schedule": pipeline.kind, "placement": [list(s) for s in placement],
                     "stage_ranks": list(pipeline.stage_ranks)}) if self.replicas.count > 1 else []
-        refusal = move_refusal(pipeline, has_factory=config.layer_factory is not None) or wrapper_refusal(
-            self.optimizer)
-        self.move_refusal = self.agreement.agree_refusal(refusal, world_rank=self.rank, world_size=self.world_size,
-                                                         who=self._who)
+        capabilities = self.engine.capabilities(has_factory=config.layer_factory is not None,
+                                                optimizer_refusal=wrapper_refusal(self.optimizer))
+        self.move_refusal = self.agreement.agree_refusal(capabilities.moves, world_rank=self.rank,
+                                                         world_size=self.world_size, who=self._who)
         self.memory_budget = resolve_memory_budget(config.memory_budget, pipeline.device)
         self.memories = self._memories()
         initial = Plan(epoch=0, stages=placement, policies=config.initial_policies())
@@ -142,19 +141,19 @@ class Vpipe:
             self._undo.append(hoisted.undo)  # this attach's blocks only
         self.stage_handles: dict[int, StageHandle] = {}  # (filled by _start_tensor_managers)
         self.tensor_managers = self._start_tensor_managers(initial) if self._manages_activations() else {}
-        shared = find_pins(pipeline, self.optimizer)
+        shared = find_pins(pipeline, self.optimizer, fixed=self.engine.fixed_layers())
         facts = LocalLayers({s.index: s.blocks for s in pipeline.stages if s.blocks is not None}, shared,
                             builds_any=config.layer_factory is not None)
         self.session = self._start_session(initial, facts, peers)
         self.layer_manager = self._start_layer_manager(placement, shared)
         # the one owner of the plan in force: the parts that keep a copy are told of each commit, in this order
         policies = StagePolicies(self.tensor_managers, self.memories)
-        self.plan_in_force = PlanInForce(initial, [*([pipeline.deepspeed] if pipeline.deepspeed else []),
-                                                   self.layer_manager, policies, self.session])
+        self.plan_in_force = PlanInForce(initial, [*self.engine.followers(), self.layer_manager, policies,
+                                                   self.session])
         self._parts = parts = RankParts(pipeline, self.layer_manager, self.session, self.tensor_managers,
-                                        self.memories, self.plan_in_force)
+                                        self.memories, self.plan_in_force, self.engine)
         self.boundary = PlanBoundary(self.agreement, decides=self.pipe_rank == 0, lag_steps=config.apply_lag_steps,
-                                     streamed=pipeline.kind == "pipedream", who=self._who,
+                                     streamed=self.engine.streams, who=self._who,
                                      replicas=ReplicaPlans(self.agreement.job) if self.replicas.count > 1 else None,
                                      follows=not self.replicas.leads)
         self.driver = StepDriver(parts, boundary=self.boundary, applier=PlanApplier(parts, self.move_refusal),
@@ -162,7 +161,8 @@ class Vpipe:
                                  logs_steps=self.num_stages - 1 in self._local, counter=self._micro_batch_counter(),
                                  stage_handles=self.stage_handles, trace=trace, metrics=metrics)
         self.edits = LayerEdits(parts, agreement=self.agreement, driver=self.driver,
-                                has_factory=config.layer_factory is not None, who=self._who)
+                                has_factory=config.layer_factory is not None, refusal=capabilities.edits,
+                                who=self._who)
         self._install()
         lm = self.layer_manager  # state dicts say which blocks they hold: one from another placement is refused
         self._undo.append(stamp_state_dicts([(s.module, partial(lm.layers_of, s.index)) for s in pipeline.stages],
@@ -171,8 +171,7 @@ class Vpipe:
         for stage in pipeline.stages:
             assert stage.blocks is not None  # agree_on_blocks set every local stage's blocks
             decision("attached", f"vpipe attached to stage {stage.index} of {self.num_stages}", stage=stage.index,
-                     layers=list(placement[stage.index]), schedule=type(pipeline.schedule).__name__
-                     if pipeline.schedule is not None else "module", memory_budget=self.memory_budget,
+                     layers=list(placement[stage.index]), schedule=self.engine.name, memory_budget=self.memory_budget,
                      planning=config.planning, container=stage.blocks.path or "<stage module>",
                      keys=stage.blocks.style.value, stages_on_rank=self._local)
             if self.move_refusal is not None:
@@ -205,12 +204,9 @@ class Vpipe:
         together = self.pipeline.in_flight_together()
         memories = {}
         for stage in self.pipeline.stages:
-            versions = 1
-            if self.pipeline.kind == "pipedream":
-                schedule = self.pipeline.schedule
-                versions = self.num_stages if schedule.vertical_sync else self.num_stages - stage.index
             memories[stage.index] = StageMemory(stage.index, stage.module, self.optimizer, self.memory_budget,
-                                                weight_versions=versions, siblings=siblings, together=together)
+                                                weight_versions=self.engine.weight_versions(stage.index),
+                                                siblings=siblings, together=together)
         for memory in memories.values():
             memory.activation_budget()  # a budget below the fixed bytes fails here, at attach
         return memories
@@ -218,11 +214,10 @@ class Vpipe:
     def _manages_activations(self) -> bool:
         """Whether tensor managers keep, swap or recompute the blocks' activations (DeepSpeed's own checkpointing
         recomputes them already: never twice)."""
-        deepspeed = self.pipeline.deepspeed
-        if self.config.tensor_manager and deepspeed is not None and deepspeed.checkpoints_itself:
-            decision("tensor_manager_off", f"stage {self.stage_index}: DeepSpeed recomputes the layers itself "
-                     f"(activation_checkpoint_interval={deepspeed.module.activation_checkpoint_interval}); vpipe "
-                     "does not swap or recompute them, and still moves them", stage=self.stage_index)
+        itself = self.engine.recomputes_itself()
+        if self.config.tensor_manager and itself is not None:
+            decision("tensor_manager_off", f"stage {self.stage_index}: {itself}; vpipe does not swap or recompute "
+                     "them, and still moves them", stage=self.stage_index)
             return False
         return self.config.tensor_manager
 
@@ -250,7 +245,7 @@ class Vpipe:
 
     def _start_session(self, initial: Plan, facts: LocalLayers, peers: Sequence[int]) -> ControlSession:
         config, pipeline = self.config, self.pipeline
-        if config.planning and pipeline.schedule is None and config.micro_batches is None:
+        if config.planning and self.engine.hand_written and config.micro_batches is None:
             log.warning("vpipe.attach(module): micro_batches= not given, the planner assumes 1 micro-batch per step "
                         "(a pipeline that then never overlaps stages, so it will not rebalance)")
         plans = config.planning and self.replicas.leads  # the leading replica's last stage starts the one daemon
@@ -285,8 +280,7 @@ class Vpipe:
             mine = listeners[stage.index] = [self.session.monitors[stage.index]]
             if stage.index in self.tensor_managers:
                 mine.append(self.tensor_managers[stage.index])
-            if pipeline.deepspeed is not None:  # the engine's names of the parameters too
-                mine.append(pipeline.deepspeed)
+            mine.extend(self.engine.followers())  # the engine's own record of the layers too
             if is_fully_sharded(stage.module) and stage.blocks is not None:  # its FSDP root too
                 mine.append(FsdpRoot(stage.module, stage.blocks.blocks()))
         manager = LayerManager(
@@ -302,18 +296,17 @@ class Vpipe:
 
     def _micro_batch_counter(self) -> MicroBatchCounter | None:
         """A hand-written loop's micro-batch counter: the n-th forward of the stage module in a step is number n."""
-        if not self.pipeline.counts_forwards or not self.tensor_managers:
+        if not self.engine.counts_forwards or not self.tensor_managers:
             return None
-        if self.pipeline.schedule is None and self.optimizer is None:
+        if self.engine.hand_written and self.optimizer is None:
             return None
         counter = MicroBatchCounter(self.pipeline.first.module, self.tensor_managers[self.stage_index])
         self._undo.append(counter.remove)
         return counter
 
     def _install(self) -> None:
-        schedule = self.pipeline.schedule
-        if schedule is not None:
-            name = self.pipeline.step_method  # step, or a DeepSpeed engine's train_batch
+        schedule, name = self.pipeline.schedule, self.engine.step_method  # step, or DeepSpeed's train_batch
+        if name is not None:
             original = getattr(schedule, name)
 
             def step(*args: Any, **kwargs: Any) -> Any:
@@ -321,8 +314,9 @@ class Vpipe:
 
             setattr(schedule, name, step)  # instance attribute over the class method
             self._undo.append(lambda: schedule.__dict__.pop(name, None))
-            if self.pipeline.deepspeed is not None:  # its checkpoints are written on the partition it built
-                self._undo.append(HomeCheckpoints(self._parts).install())
+            home = self.engine.checkpoint_home
+            if home is not None:  # the engine's own checkpoints are written on the partition it built
+                self._undo.append(HomeCheckpoints(self._parts, home).install())
             return
         if self.optimizer is None:
             raise ValueError("attaching to a stage module needs optimizer=: its step() marks the step boundary")
@@ -377,7 +371,7 @@ class Vpipe:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from a checkpoint's vpipe state (every rank calls it with the same state, before a step)."""
-        restore_vpipe_state(state, self._parts, driver=self.driver, hand_written=self.pipeline.schedule is None,
+        restore_vpipe_state(state, self._parts, driver=self.driver, hand_written=self.engine.hand_written,
                             who=self.stage_index)
 
     def fixed_bytes(self) -> int:

@@ -85,7 +85,7 @@ def test_deepspeeds_own_checkpointing_a_tied_head_and_replicas_move_with_the_sam
     else:
         assert result["tensor_manager"] and not off
     if scenario == "tied":  # the tied embedding and head are not blocks: they stay, said once per stage
-        pinned = [r for r in _events(result, "moves_off") if r.get("reason") == "tied layers"]
+        pinned = [r for r in _events(result, "moves_off") if r.get("reason") == "fixed layers"]
         assert sorted(r["stage"] for r in pinned) == [0, 1]
         assert "TiedLayerSpec" in pinned[0]["msg"]
 

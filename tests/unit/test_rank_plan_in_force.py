@@ -58,7 +58,7 @@ def _applier(rank: Rank, log: list[tuple[str, Plan, str]], move_refusal: str | N
     owner = PlanInForce(Plan(epoch=epoch, stages=rank.placement), [lm, Told("session", log)])
     pipeline = SimpleNamespace(kind="1f1b", schedule=None, first=SimpleNamespace(index=lm.local_stages[0]))
     parts = RankParts(pipeline=pipeline, layer_manager=lm, session=None, tensor_managers={},
-                      memories={}, plan_in_force=owner)
+                      memories={}, plan_in_force=owner, engine=SimpleNamespace(streams=False, stream=None))
     return PlanApplier(parts, move_refusal), owner
 
 
@@ -185,7 +185,7 @@ def test_a_restored_checkpoint_is_committed_once_and_saved_back_alike():
     _, owner = _applier(rank, log)
     driver = SimpleNamespace(iteration=0)
     parts = RankParts(pipeline=None, layer_manager=rank.manager, session=None, tensor_managers={},
-                      memories={}, plan_in_force=owner)
+                      memories={}, plan_in_force=owner, engine=None)
     state = {"version": VERSION, "epoch": 6, "iteration": 40, "stages": [[0, 1], [2, 3, 4]],
              "policies": {"2": "S"}, "next_layer_id": 9}
     restore_vpipe_state(state, parts, driver=driver, hand_written=False, who=0)

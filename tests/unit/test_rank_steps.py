@@ -23,10 +23,11 @@ def _driver(kind: str, managers: dict[int, _Manager]) -> StepDriver:
     session = SimpleNamespace(begin_step=lambda it: None, is_sampled=lambda it: False, end_step=lambda: [],
                               abort_step=lambda: None)
     boundary = SimpleNamespace(applying_step=lambda it: it, due=lambda it: [], received=lambda *a: None)
-    applier = SimpleNamespace(pipedream=kind == "pipedream", continue_streamed=lambda *a: None)
+    applier = SimpleNamespace(continue_streamed=lambda *a: None)
     memories = {v: SimpleNamespace(budget=None) for v in managers}
     parts = RankParts(pipeline=SimpleNamespace(kind=kind), layer_manager=None, session=session,
-                      tensor_managers=managers, memories=memories, plan_in_force=SimpleNamespace(epoch=0))
+                      tensor_managers=managers, memories=memories, plan_in_force=SimpleNamespace(epoch=0),
+                      engine=SimpleNamespace(streams=kind == "pipedream", stream=None))
     return StepDriver(parts, boundary=boundary, applier=applier, micro_batches=4, logs_steps=False)
 
 

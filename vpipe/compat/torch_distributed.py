@@ -17,7 +17,8 @@ What each accessor reaches, by area (checked: 2.13.0 for all; fallbacks named):
   (``schedule._stage``, ``._stages``, ``._n_microbatches``); :func:`missing_schedule_internals`,
   :func:`mark_stages_uninitialized` (``schedule._stage(s)_{forward,backward}_initialized``);
   :func:`forget_inferred_meta` (torch 2.11's ``stage.inputs_meta``, ``._outputs_meta``;
-  newer torch lacks them: skipped); :func:`initialize_stage`
+  newer torch lacks them: skipped); :func:`missing_stage_state`, :func:`reset_stage_shapes` (a stage's
+  ``args_recv_info``, ``grad_recv_info``, ``act_send_info``, ``grad_send_info``); :func:`initialize_stage`
   (``PipelineScheduleSingle._initialize_stage``; 2.11's form takes no ``target``);
   :func:`wrap_shape_inference` (``stage._prepare_forward_infra``, ``._prepare_backward_infra``;
   fallback: not wrapped); :func:`batch_p2p_wait`, :func:`set_batch_p2p_wait`
@@ -64,7 +65,8 @@ except ImportError:  # an older torch
     _get_schedule_ops = None  # type: ignore[assignment]
 
 __all__ = ["single_stage", "schedule_stages", "n_microbatches", "missing_schedule_internals",
-           "mark_stages_uninitialized", "forget_inferred_meta", "initialize_stage", "wrap_shape_inference",
+           "mark_stages_uninitialized", "forget_inferred_meta", "missing_stage_state", "reset_stage_shapes",
+           "initialize_stage", "wrap_shape_inference",
            "batch_p2p_wait", "set_batch_p2p_wait", "get_schedule_ops", "PipelineScheduleRuntime", "PipelineStageBase",
            "COMPOSABLE_KEYS", "composable_apis", "is_fsdp1", "fsdp_state", "fsdp_internals_missing",
            "fsdp_param_groups", "fsdp_mp_policy", "drop_fsdp_prefetch", "forget_fsdp_root", "is_parallel_style_hook",
@@ -85,6 +87,8 @@ without processes (torch's schedule visualizer; checked: 2.13.0); None in a torc
 _SINGLE_FLAGS = ("_stage_forward_initialized", "_stage_backward_initialized")
 _MULTI_FLAGS = ("_stages_forward_initialized", "_stages_backward_initialized")
 _OLD_STAGE_META = ("inputs_meta", "_outputs_meta")
+_STAGE_STATE = ("args_recv_info", "grad_recv_info", "act_send_info", "grad_send_info", "fwd_cache", "bwd_cache")
+_STAGE_METHODS = ("forward_one_chunk", "backward_one_chunk", "submod")
 _INFRA = ("_prepare_forward_infra", "_prepare_backward_infra")
 _INITIALIZE_TAKES_TARGET = "target" in inspect.signature(PipelineScheduleSingle._initialize_stage).parameters
 
@@ -134,6 +138,26 @@ def forget_inferred_meta(stage: Any) -> None:
     for name in _OLD_STAGE_META:
         if hasattr(stage, name):
             setattr(stage, name, None)
+
+
+def missing_stage_state(stage: Any) -> list[str]:
+    """The fields and methods a pipeline stage lacks that vpipe wraps or resets (checked: 2.13.0): the
+    p2p metadata :func:`reset_stage_shapes` clears, the chunk methods the tensor managers wrap."""
+    return [f"stage.{a}" for a in (*_STAGE_STATE, *_STAGE_METHODS) if not hasattr(stage, a)]
+
+
+def reset_stage_shapes(schedule: Any) -> None:
+    """Make the schedule's next ``step()`` redo P2P warm-up and shape inference on every stage of this rank: its
+    flags unset, each stage's receive and send metadata (``args_recv_info``, ``grad_recv_info``,
+    ``act_send_info``, ``grad_send_info``) cleared, and torch 2.11's inferred shapes forgotten (checked: 2.13.0;
+    :func:`missing_stage_state` and :func:`missing_schedule_internals` check the names at attach)."""
+    mark_stages_uninitialized(schedule)
+    for stage in schedule_stages(schedule):
+        stage.args_recv_info.clear()
+        stage.grad_recv_info.clear()
+        stage.act_send_info.clear()
+        stage.grad_send_info = None
+        forget_inferred_meta(stage)
 
 
 def initialize_stage(schedule: PipelineScheduleSingle, args: tuple[Any, ...], kwargs: dict[str, Any],

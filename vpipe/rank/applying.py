@@ -34,7 +34,7 @@ class PlanApplier:
         self.parts = parts
         self.move_refusal = move_refusal
         self.streamed_rest: Plan | None = None  # a PipeDream plan whose next round of hops is still to come
-        self.pipedream = parts.pipeline.kind == "pipedream"
+        self.streams = parts.engine.streams  # moves streamed into the schedule, a round of hops per step
 
     def apply(self, plan: Plan, step: int, micro_batches: int) -> None:
         lm, owner, pipeline = self.parts.layer_manager, self.parts.plan_in_force, self.parts.pipeline
@@ -56,8 +56,8 @@ class PlanApplier:
         if moves and self.move_refusal is not None:
             decision("plan_skipped", f"epoch {plan.epoch}: layers cannot move ({self.move_refusal}); "
                      "applied policies only", epoch=plan.epoch, stage=who)
-        elif moves and self.pipedream:
-            reached = lm.start_streamed(plan, reached, pipeline.schedule, switch_mb=step * micro_batches)[1]
+        elif moves and self.streams:
+            reached = lm.start_streamed(plan, reached, self.parts.engine.stream, switch_mb=step * micro_batches)[1]
             if [list(s) for s in reached] != [list(s) for s in plan.stages]:
                 self.streamed_rest = plan  # a two-hop move: its next round follows when this one is done
         elif moves:
@@ -65,7 +65,7 @@ class PlanApplier:
             report = lm.apply(plan, reached)
             reached = report.placement
             if report.rebuilt:
-                pipeline.reset_shapes()
+                self.parts.engine.reset_shapes()
             session = self.parts.session
             for monitor in session.monitors.values() if session is not None else ():  # the next sample tells
                 monitor.move_s = time.perf_counter() - started

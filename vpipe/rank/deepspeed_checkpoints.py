@@ -26,17 +26,17 @@ Placement = tuple[tuple[int, ...], ...]
 
 
 class HomeCheckpoints:
-    """Wraps a DeepSpeed engine's ``save_checkpoint`` and ``load_checkpoint`` to run on the home partition."""
+    """Wraps an engine's ``save_checkpoint`` and ``load_checkpoint`` to run on its home partition (the engine's
+    :attr:`~vpipe.engines.base.Engine.checkpoint_home`: DeepSpeed's)."""
 
-    def __init__(self, parts: RankParts) -> None:
-        assert parts.pipeline.deepspeed is not None
+    def __init__(self, parts: RankParts, home: Placement) -> None:
         self.parts = parts
-        self.deepspeed = parts.pipeline.deepspeed
-        self.home: Placement = self.deepspeed.home
+        self.home = home
+        self.stage = parts.pipeline.first.index
 
     def install(self) -> Callable[[], None]:
         """Wrap the engine's methods; returns the undo."""
-        engine = self.deepspeed.engine
+        engine = self.parts.pipeline.schedule
         save, load = engine.save_checkpoint, engine.load_checkpoint
 
         def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
@@ -74,11 +74,11 @@ class HomeCheckpoints:
         moving = Plan(epoch=plan.epoch, stages=placement, policies=plan.policies, reason=why)
         report = lm.apply(moving, owner.placement)
         if report.rebuilt:  # as the plan applier does
-            self.parts.pipeline.reset_shapes()
+            self.parts.engine.reset_shapes()
         owner.commit(Plan(epoch=plan.epoch, stages=report.placement, policies=plan.policies,
                           predicted_step_s=plan.predicted_step_s, reason=plan.reason), "restored")
         if report.placement != placement:
             raise RuntimeError(f"vpipe could not move the layers {why} (a move aborted; the run log says why): they "
                                f"are at {[list(s) for s in report.placement]}, not {[list(s) for s in placement]}")
-        decision("checkpoint_placement", f"stage {self.deepspeed.index}: layers moved {why}",
-                 stage=self.deepspeed.index, layers=list(placement[self.deepspeed.index]))
+        decision("checkpoint_placement", f"stage {self.stage}: layers moved {why}",
+                 stage=self.stage, layers=list(placement[self.stage]))

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from vpipe.plan import Plan
 from vpipe.rank.agreement import StoreAgreement
 from vpipe.rank.parts import RankParts
@@ -25,8 +23,9 @@ __all__ = ["LayerEdits"]
 
 class LayerEdits:
     def __init__(self, parts: RankParts, *, agreement: StoreAgreement, driver: StepDriver, has_factory: bool,
-                 who: str) -> None:
+                 refusal: str | None, who: str) -> None:
         self.parts = parts
+        self.refusal = refusal  # the engine's capabilities: why these layers cannot be edited, or None
         self.agreement = agreement
         self.driver = driver
         self.has_factory = has_factory
@@ -59,16 +58,11 @@ class LayerEdits:
         counter = self.driver.counter
         if self.driver.in_step or (counter is not None and counter.next_mb > 0):
             raise RuntimeError(f"{what} must be called between steps (after optimizer.step()), not inside one")
-        pipeline = self.parts.pipeline
-        schedule = pipeline.schedule
-        if pipeline.kind == "pipedream" and schedule.in_flight:
-            raise RuntimeError(f"{what} on a PipeDream stream needs schedule.flush() first "
-                               f"({len(schedule.in_flight)} micro-batches in flight)")
-        if any(isinstance(stage.module, torch.fx.GraphModule) for stage in pipeline.stages):
-            raise RuntimeError(f"{what} cannot edit a traced GraphModule stage (its forward is a fixed graph)")
-        if pipeline.deepspeed is not None:
-            raise RuntimeError(f"{what} cannot edit a DeepSpeed PipelineModule: its layer specs and checkpoint files "
-                               "are numbered by layer index at initialize; vpipe only moves its layers")
+        unsettled = self.parts.engine.unsettled()
+        if unsettled is not None:
+            raise RuntimeError(f"{what} on {unsettled}")
+        if self.refusal is not None:
+            raise RuntimeError(f"{what} cannot edit {self.refusal}")
 
     def _after_edit(self, placement: tuple[tuple[int, ...], ...], reshape: bool = True) -> None:
         # a new epoch: plans made for the old layers become stale, stats say which layers they measured
@@ -77,4 +71,4 @@ class LayerEdits:
         policies = {lid: p for lid, p in owner.plan.policies.items() if lid in kept}
         owner.commit(Plan(epoch=owner.epoch + 1, stages=placement, policies=policies), "edited")
         if reshape:
-            self.parts.pipeline.reset_shapes()  # new layers have never run: redo shape inference
+            self.parts.engine.reset_shapes()  # new layers have never run: redo shape inference

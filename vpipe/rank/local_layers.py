@@ -25,19 +25,19 @@ from vpipe.stage.pipeline import Pipeline
 __all__ = ["LocalLayers", "find_pins"]
 
 
-def find_pins(pipeline: Pipeline, optimizer: Any = None) -> dict[int, str]:
+def find_pins(pipeline: Pipeline, optimizer: Any = None, fixed: Mapping[int, str] | None = None) -> dict[int, str]:
     """The blocks that never move to another rank (shared modules or tensors, parameters that train in none of the
     optimizers given to attach): layer id -> why. Says so in one ``moves_off`` line per stage (blocks with user
-    hooks included: they cannot move either, while they have them)."""
+    hooks included: they cannot move either, while they have them), and once for the engine's ``fixed`` layers
+    that are not blocks (layer id -> why)."""
     outside = {t for s in pipeline.stages if s.blocks is not None
                for t in outside_tensors(s.module, map(s.blocks.module_path, s.blocks.ids))}
     blocks = {lid: b for s in pipeline.stages if s.blocks is not None for lid, b in s.blocks.blocks().items()}
     shared = {**untrained_pins(blocks, optimizer), **averaged_pins(pipeline), **shared_pins(blocks, outside)}
-    tied = pipeline.deepspeed.tied_layers() if pipeline.deepspeed is not None else []
-    if tied:
-        decision("moves_off", f"stage {pipeline.first.index}: DeepSpeed layers {tied} (TiedLayerSpec, shared with "
-                 "another stage) are not blocks: they never move", stage=pipeline.first.index, layers=tied,
-                 reason="tied layers")
+    if fixed:
+        decision("moves_off", f"stage {pipeline.first.index}: layers {sorted(fixed)} are not blocks: they never move: "
+                 + "; ".join(f"layer {lid} {why}" for lid, why in sorted(fixed.items())),
+                 stage=pipeline.first.index, layers=sorted(fixed), reason="fixed layers")
     for stage in pipeline.stages:
         mine = stage.blocks.blocks() if stage.blocks is not None else {}
         reasons = {lid: pin_reason(lid, block, shared) for lid, block in mine.items()}

@@ -98,7 +98,7 @@ class StepDriver:
             raise
         finally:
             self.in_step = False
-        if not self.applier.pipedream:  # a flush schedule's step ran every backward: nothing is left in flight
+        if not self.parts.engine.streams:  # a flush schedule's step ran every backward: nothing is left in flight
             for manager in self.tensor_managers.values():
                 manager.end_of_step()
         self.received(self.session.end_step())
@@ -135,8 +135,7 @@ class StepDriver:
             return
         shapes = input_shapes((*args, *kwargs.values()))
         same_inputs, self._input_shapes = shapes == self._input_shapes, shapes
-        pipeline = self.parts.pipeline
-        stream = pipeline.schedule if pipeline.kind == "pipedream" else None
+        stream = self.parts.engine.stream
         moving = stream is not None and bool(stream.movers)  # a streamed move switches layers mid-step
         # a step inside the timeline's window goes through the wrappers: they record its forwards and backwards
         keep_wrappers = moving or timeline.recording()

@@ -1,0 +1,23 @@
+"""The engines vpipe runs under, one adapter each (:mod:`vpipe.engines.base` says what an adapter answers).
+
+Adding an engine is one adapter module and one :func:`register_engine` line (below, or in
+the trainer's code before ``attach``).
+"""
+
+from vpipe.engines.base import Capabilities, Engine, EngineKind
+from vpipe.engines.deepspeed import DeepSpeedEngine
+from vpipe.engines.module import ModuleEngine
+from vpipe.engines.pipedream import PipeDreamEngine
+from vpipe.engines.registry import engine_for, register_engine, registered_engines, unregister_engine
+from vpipe.engines.torch_multi import TorchMultiEngine
+from vpipe.engines.torch_single import TorchSingleEngine
+
+__all__ = ["Capabilities", "Engine", "EngineKind", "engine_for", "register_engine", "registered_engines",
+           "unregister_engine"]
+
+# asked latest first: the plain module last (it takes any nn.Module), PipeDream before torch's single-stage schedules
+register_engine(ModuleEngine)
+register_engine(TorchSingleEngine)
+register_engine(TorchMultiEngine)
+register_engine(DeepSpeedEngine)
+register_engine(PipeDreamEngine)
