@@ -29,7 +29,7 @@ from train_handwritten import train_step  # noqa: E402
 from vpipe.engines import Engine, register_engine  # noqa: E402
 from vpipe.stage.pipeline import LocalStage, Pipeline  # noqa: E402
 
-STEPS, LAYERS, MICRO_BATCHES, PARTITION = 16, 8, 4, (6, 2)
+STEPS, LAYERS, MICRO_BATCHES, PARTITION = 40, 8, 4, (6, 2)  # the planner daemon starts in ~10 steps
 
 
 class LoopTrainer:
