@@ -1,10 +1,9 @@
 """The layer manager of one rank: which layers its stages hold, and moving them to neighbouring stages.
 
-A plan (with an epoch) is diffed against the current placement into rounds of neighbour
-moves (:mod:`vpipe.migration.moves`). A move between two stages this rank runs (the
-multi-stage schedules) re-parents the blocks locally, with nothing sent. A move to another
-rank is an exchange over the control plane, the layers' tensors travelling over the
-migration process group (:mod:`vpipe.migration.transfer`)::
+A plan (with an epoch) is diffed against the current placement into rounds of neighbour moves
+(:mod:`vpipe.migration.moves`). A move between two stages this rank runs (the multi-stage schedules)
+re-parents the blocks locally, with nothing sent. A move to another rank is an exchange over the
+control plane, the layers' tensors travelling over the migration process group (:mod:`.transfer`)::
 
     source                                   target
       migrate_prepare (manifests) ------->     build the layers (meta device, no init cost)
@@ -15,21 +14,23 @@ migration process group (:mod:`vpipe.migration.transfer`)::
       yes: drop the layers                     insert the layers, register them with the optimizer
       no:  keep the layers                     discard what it built
 
-The vote is the commit: a move that fails leaves the old placement everywhere and loses
-nothing. The phases up to the vote run in :mod:`vpipe.migration.rounds`; the vote and the
-block edits are here; streamed PipeDream moves go on in :mod:`vpipe.migration.stream`.
+The vote is the commit: a move that fails leaves the old placement everywhere and loses nothing. The
+phases up to the vote run in :mod:`.rounds`; the vote and the block edits (and the carried averages',
+:mod:`.carried`) are here; streamed PipeDream moves go on in :mod:`.stream`.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from itertools import product
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from vpipe.log import decision
+from vpipe.migration.carried import CarriedState
 from vpipe.migration.cloning import block_info
 from vpipe.migration.handshake import (
     NO_FAULTS,
@@ -73,28 +74,26 @@ class LayerListener(Protocol):
     def remove_layer(self, layer_id: int) -> object: ...  # what it returns (the module it let go) is unused
 
     def retire_layer(self, layer_id: int) -> None:
-        """The layer left the stage's forward path (a streamed move switched it out) but stays until the
-        backwards of its in-flight micro-batches have run."""
+        """It left the forward path (a streamed move) and stays until its in-flight backwards have run."""
 
 
 class LayerManager:
     """Holds the blocks of this rank's stages by global id and applies placement plans by neighbour moves.
 
-    ``blocks`` maps each stage this rank runs to its block container
-    (:class:`~vpipe.stage.blocks.StageBlocks`, or an ``nn.Sequential`` whose children are
-    named by layer id), edited in place, never replaced. ``stage_ranks`` gives the rank of
-    every stage (default: stage ``v`` on rank ``v``). A block that arrives from another
-    rank is built by ``factory(id, spec)`` when there is one (``specs`` maps layer ids to
-    specs, which travel with moved layers), else cloned from a local block of the same kind
-    and given the moved block's plain attributes. One optimizer holds the parameters of all
-    of this rank's stages, or an :class:`~vpipe.stage.optimizers.OptimizerParts` holds one per stage.
+    ``blocks`` maps each stage this rank runs to its block container (:class:`~vpipe.stage.blocks.StageBlocks`,
+    or an ``nn.Sequential`` whose children are named by layer id), edited in place, never replaced.
+    ``stage_ranks`` gives the rank of every stage (default: stage ``v`` on rank ``v``). A block that arrives
+    from another rank is built by ``factory(id, spec)`` when there is one (``specs`` maps layer ids to specs,
+    which travel with moved layers), else cloned from a local block of the same kind and given the moved
+    block's plain attributes. One optimizer holds the parameters of all of this rank's stages, or an
+    :class:`~vpipe.stage.optimizers.OptimizerParts` holds one per stage.
 
-    A plan given to :meth:`apply` or :meth:`start_streamed` has been checked against this
-    placement and found newer than the plan in force (by its owner,
-    :class:`vpipe.rank.plan_in_force.PlanInForce`): the layer manager trusts it. ``epoch`` is
-    the plan in force's, as its owner tells it (:meth:`plan_changed`). ``shared``: the blocks
-    that never move to another rank (they share a module or tensor), and why; ``listeners``:
-    per local stage, the parts that follow its layers (tensor manager, monitor).
+    A plan given to :meth:`apply` or :meth:`start_streamed` has been checked against this placement and found
+    newer than the plan in force (by its owner, :class:`vpipe.rank.plan_in_force.PlanInForce`): the layer
+    manager trusts it. ``epoch`` is the plan in force's, as its owner tells it (:meth:`plan_changed`).
+    ``shared``: the blocks that never move to another rank (they share a module or tensor), and why;
+    ``listeners``: per local stage, the parts that follow its layers (tensor manager, monitor); ``carry``: the
+    weight averages that move with the blocks (:mod:`vpipe.migration.carried`).
     """
 
     def __init__(
@@ -115,25 +114,23 @@ class LayerManager:
         faults: FaultHook = NO_FAULTS,
         shared: Mapping[int, str] | None = None,
         listeners: Mapping[int, Sequence[LayerListener]] | None = None,
+        carry: CarriedState | None = None,
     ) -> None:
         if not isinstance(blocks, Mapping):
             if stage_index is None:
                 raise ValueError("a single block container needs stage_index=")
             blocks = {stage_index: blocks}
-        self.blocks: dict[int, StageBlocks] = {
-            v: StageBlocks.keyed_by_ids(b) if isinstance(b, nn.Sequential) else b
-            for v, b in sorted(blocks.items())}
+        self.blocks: dict[int, StageBlocks] = {v: StageBlocks.keyed_by_ids(b) if isinstance(b, nn.Sequential) else b
+                                               for v, b in sorted(blocks.items())}
         self._placement = Placement.of(placement, stage_ranks)
         self.optimizer = optimizer
         self.specs: dict[int, Any] = dict(specs or {})
         self.builder = BlockBuilder(self.blocks, factory, self.specs, device)
         self.messenger = messenger
-        self.channel = channel
-        self.device = device
-        self.timeout_s = timeout_s
-        self.epoch = epoch
-        self.faults = faults
-        self.listeners: dict[int, list[LayerListener]] = {v: list((listeners or {}).get(v, ())) for v in self.blocks}
+        self.channel, self.device, self.timeout_s, self.epoch, self.faults = channel, device, timeout_s, epoch, faults
+        self.carry = carry if carry is not None else CarriedState()  # averages beside the stages, on_move
+        self.listeners: dict[int, list[LayerListener]] = {
+            v: [*(listeners or {}).get(v, ()), self.carry.follower(v)] for v in self.blocks}
         self.shared: dict[int, str] = dict(shared or {})
         self.next_layer_id = max(self._placement.order) + 1
         self.shapes = BoundaryShapes()
@@ -248,7 +245,8 @@ class LayerManager:
             if reason is not None:
                 raise ValueError(f"layer {lid} {reason}")
         optimizer = part_of(self.optimizer, move.src) if with_state else None
-        states = [pack_layer(lid, resharded(children[lid]), optimizer, self.specs.get(lid)) for lid in move.layers]
+        states = [pack_layer(lid, resharded(children[lid]), optimizer, self.specs.get(lid),
+                             self.carry.pack(move.src, lid)) for lid in move.layers]
         for st in states:
             st.manifest["block"] = block_info(children[st.layer_id], blocks.key_of(st.layer_id))
             if with_state:
@@ -284,6 +282,7 @@ class LayerManager:
             move_between(part_of(self.optimizer, m.src), part_of(self.optimizer, m.dst),
                          [p for _, block, _ in entries for p in block.parameters()])
             self._put(m.dst, m.forward, entries)
+            self.carry.moved(m.src, m.dst, {lid: block for lid, block, _ in entries})
         self._placement = self._placement.with_stages(after)
         report.moved.extend(self._involved(moves))
         report.rebuilt = report.rebuilt or changed
@@ -331,9 +330,9 @@ class LayerManager:
 
     # ---------------------------------------------------------------- adding and removing layers
     def add_layers(self, position: int, specs: Sequence[Any]) -> list[int]:
-        """Insert new layers before model position ``position`` (0 = first; every rank calls it alike): fresh
-        ids (never reused), on the stage holding the layer at ``position`` (the last when appending), built by
-        the factory, their parameters in param group 0 of its optimizer. Returns the new ids."""
+        """Insert new layers before model position ``position`` (0 = first; every rank alike): fresh ids (never
+        reused), on the stage holding the layer at ``position`` (the last when appending), built by the factory,
+        their parameters in param group 0 of its optimizer, their averages their weights. Returns the new ids."""
         if not specs:
             return []
         first_new = max(self.next_layer_id, max(self.order) + 1)
@@ -347,6 +346,7 @@ class LayerManager:
             for lid, layer in built:
                 attach_to_optimizer(part_of(self.optimizer, owner), layer.parameters())
                 self._welcome(owner, lid, layer)
+            self.carry.arrived(owner, dict(built), None)
         self.specs.update(zip(new_ids, specs))
         self.next_layer_id = max(new_ids) + 1
         self._placement = placement
@@ -355,8 +355,8 @@ class LayerManager:
         return new_ids
 
     def remove_layers(self, layer_ids: Iterable[int]) -> bool:
-        """Remove layers by id (every rank calls it alike; no stage left empty); whether any stage now sends
-        another activation downstream (voted: every rank learns it alike)."""
+        """Remove layers by id (every rank alike; no stage left empty); whether a stage now sends another activation
+        downstream (voted: every rank learns it alike). Their averages beside the stage go with them."""
         doomed = set(layer_ids)
         placement = self._placement.without(doomed)
         reshapes = self.channel.vote([(any(self.shapes.last_output_changes(self.placement[v], placement.stages[v], {})
@@ -377,17 +377,15 @@ class LayerManager:
         """Take blocks out of a local stage, as (id, block, key): still this rank's (a local move follows)."""
         blocks = self.blocks[stage]
         keys = [blocks.key_of(lid) for lid in layer_ids]
-        for lid in layer_ids:
-            for listener in self.listeners[stage]:
-                listener.remove_layer(lid)
+        for lid, listener in product(layer_ids, self.listeners[stage]):
+            listener.remove_layer(lid)
         return list(zip(layer_ids, blocks.remove(layer_ids), keys))
 
     def _put(self, stage: int, at_front: bool, entries: Sequence[tuple[int, nn.Module, str]]) -> None:
         blocks = self.blocks[stage]
         blocks.insert(0 if at_front else len(blocks.ids), entries)
-        for lid, layer, _ in entries:
-            for listener in self.listeners[stage]:
-                listener.add_layer(lid, layer)
+        for (lid, layer, _), listener in product(entries, self.listeners[stage]):
+            listener.add_layer(lid, layer)
 
     def _drop(self, stage: int, layer_ids: Sequence[int]) -> None:
         children = self.blocks[stage].blocks()
@@ -395,6 +393,7 @@ class LayerManager:
             detach_from_optimizer(part_of(self.optimizer, stage), children[lid].parameters())
             self.shapes.unwatch(lid)
         self._take(stage, layer_ids)
+        self.carry.left(stage, layer_ids)
         report_stale_references(stage, layer_ids, [p for lid in layer_ids for p in children[lid].parameters()],
                                 [children[lid] for lid in layer_ids])
 
@@ -415,3 +414,4 @@ class LayerManager:
         blocks.insert(0 if inc.move.forward else len(blocks.ids), new)
         for lid in inc.move.layers:
             self._welcome(inc.move.dst, lid, inc.modules[lid])
+        self.carry.arrived(inc.move.dst, {lid: b for lid, b, _ in new}, {ld.layer_id: ld.carried for ld in inc.loaded})
