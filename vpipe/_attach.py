@@ -9,9 +9,8 @@ chunk methods wrapped by the tensor managers, the blocks get hooks and their con
 are edited in place when layers migrate; ``stage.submod`` and its ``forward`` are never
 replaced. ``detach()`` removes every hook and wrapper; layers that moved stay where they are.
 
-This module only wires the parts together (see :mod:`vpipe.rank` for each part's job). Its
-name is private so that ``vpipe.attach`` is only ever the function: a public submodule of the
-same name would replace it on the package once imported.
+This module only wires the parts together (see :mod:`vpipe.rank` for each part's job). Its name is private
+so that ``vpipe.attach`` is only ever the function: a public submodule of that name would replace it.
 """
 
 from __future__ import annotations
@@ -33,6 +32,7 @@ from vpipe.control.curve import RunKeys
 from vpipe.control.session import ControlOptions, ControlSession
 from vpipe.engines import Engine, engine_for
 from vpipe.log import decision
+from vpipe.migration.carried import carried_state
 from vpipe.migration.layer_manager import LayerListener, LayerManager
 from vpipe.migration.messages import ControlMessenger
 from vpipe.migration.patience import VoteMarks
@@ -122,6 +122,7 @@ class Vpipe:
         self.agreement = StoreAgreement(store, rank=self.pipe_rank, world_size=pipeline.size,
                                         timeout_s=config.agree_timeout_s, pipeline=self.replicas.name)
         placement = agree_on_blocks(self.agreement, pipeline.stages, self.num_stages, config.layers)
+        self.carried = carried_state(pipeline, config.carry, config.on_move, self.agreement, self._who)
         peers = check_replicas_alike(
             self.agreement, world_rank=self.rank, world_size=self.world_size, who=self._who, replicas=self.replicas,
             layout={"schedule": pipeline.kind, "placement": [list(s) for s in placement],
@@ -141,7 +142,7 @@ class Vpipe:
             self._undo.append(hoisted.undo)  # this attach's blocks only
         self.stage_handles: dict[int, StageHandle] = {}  # (filled by _start_tensor_managers)
         self.tensor_managers = self._start_tensor_managers(initial) if self._manages_activations() else {}
-        shared = find_pins(pipeline, self.optimizer, fixed=self.engine.fixed_layers())
+        shared = find_pins(pipeline, self.optimizer, self.carried.ids, fixed=self.engine.fixed_layers())
         facts = LocalLayers({s.index: s.blocks for s in pipeline.stages if s.blocks is not None}, shared,
                             builds_any=config.layer_factory is not None)
         self.session = self._start_session(initial, facts, peers)
@@ -149,7 +150,7 @@ class Vpipe:
         # the one owner of the plan in force: the parts that keep a copy are told of each commit, in this order
         policies = StagePolicies(self.tensor_managers, self.memories)
         self.plan_in_force = PlanInForce(initial, [*self.engine.followers(), self.layer_manager, policies,
-                                                   self.session])
+                                                   self.session, self.carried])
         self._parts = parts = RankParts(pipeline, self.layer_manager, self.session, self.tensor_managers,
                                         self.memories, self.plan_in_force, self.engine)
         self.boundary = PlanBoundary(self.agreement, decides=self.pipe_rank == 0, lag_steps=config.apply_lag_steps,
@@ -290,7 +291,7 @@ class Vpipe:
             channel=TransferChannel(pipeline.device, world_ranks=self.replicas.world_ranks, marks=VoteMarks(
                 self.agreement.job, rank=self.rank, world_size=self.world_size)), device=pipeline.device,
             timeout_s=self.config.migration_timeout_s, faults=self.settings.faults.migration_faults(self.rank),
-            shared=shared, listeners=listeners)
+            shared=shared, listeners=listeners, carry=self.carried)
         self._undo.append(manager.close)
         return manager
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -81,6 +81,10 @@ class VpipeConfig:
     layers: str | None = None  # dotted path of the block container in the stage module (default: found)
     layer_factory: Callable[[int, Any], nn.Module] | None = None  # builds a layer by (id, spec); default: clone one
     specs: Mapping[int, Any] | None = None  # layer id -> spec handed to the factory (plain msgpack-able values)
+    # weight averages of the stage module that move with its blocks: torch's AveragedModel, dicts of tensors keyed
+    # by parameter name (vpipe.migration.carried); on_move(BlockMoves) hears of each commit that moved blocks
+    carry: Sequence[Any] = ()
+    on_move: Callable[[Any], object] | None = None
     policies: Mapping[int, Policy | str] | None = None  # initial keep/swap/recompute per layer (default keep)
     tensor_manager: bool = True
     min_swap_bytes: int | None = None
@@ -140,6 +144,9 @@ class VpipeConfig:
         need(isinstance(self.planner, str) and ":" in self.planner,
              f"planner must be 'module:function', got {self.planner!r}")
         need(self.layer_factory is None or callable(self.layer_factory), "layer_factory must be callable")
+        need(isinstance(self.carry, (list, tuple)), f"carry must be a list of weight averages (AveragedModel, dicts "
+             f"of tensors by parameter name), got a {type(self.carry).__name__}")
+        need(self.on_move is None or callable(self.on_move), "on_move must be callable")
         need(self.layers is None or (isinstance(self.layers, str) and bool(self.layers.strip())),
              f"layers must be the dotted path of the block container (e.g. 'layers'), got {self.layers!r}")
         need(_seconds(self.migration_timeout_s),

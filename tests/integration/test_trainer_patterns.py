@@ -129,3 +129,42 @@ def test_a_stage_whose_weights_are_averaged_beside_it_keeps_its_blocks_and_says_
     off = {r["stage"]: r for r in _events(result["log"], "moves_off")}
     assert set(off) == {0, 1} and f"layer 0 {found}" in off[0]["msg"]
     assert_trains_like_plain(result)
+
+
+@pytest.mark.parametrize("scenario", ["ema_averaged_carried", "ema_dict_carried"])
+def test_an_average_named_in_carry_moves_with_its_blocks_and_ends_as_without_vpipe(tmp_path, scenario):
+    """carry=[ema]: the blocks move (6,2 -> 4,4 -> 5,3 -> 3,5), each moved block's average travels in the move's
+    payload, and after training both the model and its average equal the trainer's without vpipe, bitwise."""
+    result = run_pattern(tmp_path, scenario)
+    assert result["placements"][-1] == [[0, 1, 2], [3, 4, 5, 6, 7]]
+    assert [r["moved"] for r in _events(result["log"], "migration_done") if r["rank"] == 0] == [[[4, 5]], [[4]],
+                                                                                                [[3, 4]]]
+    assert not _events(result["log"], "moves_off")  # a carried average pins nothing
+    assert_trains_like_plain(result)
+    plain, moved = result["averages"]["plain"], result["averages"]["vpipe"]
+    assert plain.keys() == moved.keys() and len(plain) > 8 * 6
+    for name, want in plain.items():
+        assert moved[name] == want, name
+    if scenario == "ema_averaged_carried":
+        assert moved["n_averaged"] == 8  # steps
+    # on_move heard each commit on each rank once per stage that changed, the arrived blocks in place
+    rank0, rank1 = result["heard"]
+    assert [(e["arrived"], e["left"], e["cause"]) for e in rank0] == [([], [4, 5], "applied"), ([4], [], "applied"),
+                                                                      ([], [3, 4], "applied")]
+    assert [(e["arrived"], e["left"]) for e in rank1] == [([4, 5], []), ([], [4]), ([3, 4], [])]
+    assert all(e["in_container"] for e in rank0 + rank1)
+
+
+def test_a_carry_it_cannot_take_is_refused_at_attach_in_one_line(tmp_path):
+    errors = run_pattern(tmp_path, "carry_refused")["errors"]
+    assert errors[0].keys() == errors[1].keys() == {"other_module", "bad_keys", "unsupported"}  # on every rank
+    assert "not of this rank's stage module (Net, 14 parameters)" in errors[1]["other_module"]  # each names its own
+    assert errors[0]["other_module"].startswith("vpipe.attach: carry[0] is an AveragedModel of another module "
+                                                "(Linear, 2 parameters), not of this rank's stage module (Net, ")
+    assert errors[0]["bad_keys"] == ("vpipe.attach: carry[0] is a dict keyed by 'decoder.weight', which names no "
+                                     "parameter of this rank's stage module: a carried dict is keyed by the "
+                                     "parameter names named_parameters() gives")
+    assert errors[0]["unsupported"].startswith("vpipe.attach: carry[0] is a list: carry= takes torch's "
+                                               "AveragedModel of the stage module or a dict of tensors keyed by its "
+                                               "parameter names")
+    assert all("\n" not in message for message in errors[0].values())

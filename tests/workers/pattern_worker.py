@@ -21,7 +21,10 @@ model's state (merged by global key), the placements and vpipe's log records to 
   biases, the input projection and the head) in a container holding ``.optimizers``;
 - ``muon_only``: only the Muon optimizer given to attach: the blocks' norms and biases train in none;
 - ``ema_averaged`` / ``ema_dict``: an EMA of the weights beside the stage (torch's ``AveragedModel``, a dict of
-  clones by name), updated after each optimizer step.
+  clones by name), updated after each optimizer step;
+- ``ema_averaged_carried`` / ``ema_dict_carried``: the same EMAs given to ``attach(..., carry=[ema])``, with an
+  ``on_move`` hook recording what it hears; both copies' averages are written too;
+- ``carry_refused``: ``attach`` with a ``carry=`` it cannot take (each on a fresh copy): the errors it raised.
 """
 
 from __future__ import annotations
@@ -149,7 +152,7 @@ def side_by_side(plans: dict[int, list[list[int]]], *, kinds: str = "d" * LAYERS
                  make_optimizer: Callable[[Net], Any] = lambda m: torch.optim.Adam(
                      m.parameters(), lr=1e-2), removals: dict[int, list[int]] | None = None,
                  hooked: tuple[int, ...] = (), attach_optimizer: Callable[[Any], Any] = lambda o: o,
-                 ema: str | None = None, **options: Any) -> dict:
+                 ema: str | None = None, carried: bool = False, **options: Any) -> dict:
     """Train both copies on the same batches; vpipe's applies ``plans`` (schedule.step() call -> placement); both
     remove the blocks of ``removals`` before those steps; ``hooked`` blocks carry a :class:`CountingHook`."""
     import vpipe
@@ -161,10 +164,20 @@ def side_by_side(plans: dict[int, list[list[int]]], *, kinds: str = "d" * LAYERS
         for lid in hooked:
             if str(lid) in m.layers:
                 m.layers[str(lid)].register_forward_hook(CountingHook())
-    averages = {name: _average(ema, m) for name, (m, _, _) in copies.items()} if ema else {}
+    # a carried average is made before attach; the plain copy's after it (attach would find it and pin the blocks:
+    # it is named as the vpipe copy's stage module is, and not carried)
+    averages = {name: _average(ema, m) for name, (m, _, _) in copies.items()
+                if not (carried and name == "plain")} if ema else {}
     model, schedule, opt = copies["vpipe"]
     kept_params = list(model.parameters())  # the trainer's own list, taken once before attach
+    heard: list[dict] = []
+    if carried:
+        options.update(carry=[averages["vpipe"][0]], on_move=lambda e: heard.append(
+            {"stage": e.stage, "arrived": sorted(e.arrived), "left": list(e.left), "cause": e.cause,
+             "in_container": all(model.layers[str(lid)] is block for lid, block in e.arrived.items())}))
     vp = vpipe.attach(schedule, optimizer=attach_optimizer(opt), planning=False, **options)
+    if carried:
+        averages["plain"] = _average(ema, copies["plain"][0])  # the plain copy has not trained yet: alike
     for epoch, (step, stages) in enumerate(sorted(plans.items()), start=1):
         vp.request_plan(Plan(epoch=epoch, stages=stages), at_step=step)
     losses: dict[str, list[float]] = {name: [] for name in copies}
@@ -187,14 +200,23 @@ def side_by_side(plans: dict[int, list[list[int]]], *, kinds: str = "d" * LAYERS
             o.step()
             o.zero_grad(set_to_none=True)
             if name in averages:
-                averages[name](copies[name][0])
+                averages[name][1](copies[name][0])
     vp.detach()
     del kept_params
     states = {name: {k: v.tolist() for k, v in m.state_dict().items()} for name, (m, _, _) in copies.items()}
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, states)
     merged = {name: {k: v for rank_states in gathered for k, v in rank_states[name].items()} for name in copies}
-    return {"losses": losses if dist.get_rank() == 1 else None, "states": merged, "placements": placements}
+    mine = {name: {k: v.tolist() for k, v in _averaged_state(average).items()} for name, (average, _) in
+            averages.items()}
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    merged_averages = {name: {k: v for rank_states in every for k, v in rank_states.get(name, {}).items()}
+                       for name in averages}
+    heard_all: list = [None] * dist.get_world_size()
+    dist.all_gather_object(heard_all, heard)
+    return {"losses": losses if dist.get_rank() == 1 else None, "states": merged, "placements": placements,
+            "averages": merged_averages, "heard": heard_all}
 
 
 def autocast_splits() -> dict:
@@ -243,14 +265,14 @@ class Optimizers:
             optimizer.zero_grad(set_to_none=set_to_none)
 
 
-def _average(kind: str, model: Net) -> Callable[[Net], None]:
-    """An EMA of the weights kept beside the stage (torch's AveragedModel, or a dict of clones by name); returns
-    the update the trainer calls after each optimizer step."""
+def _average(kind: str, model: Net) -> tuple[Any, Callable[[Net], None]]:
+    """An EMA of the weights kept beside the stage (torch's AveragedModel, or a dict of clones by name), and the
+    update the trainer calls after each optimizer step."""
     from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
     if kind == "averaged":
         averaged = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))
-        return averaged.update_parameters
+        return averaged, averaged.update_parameters
     clones = {name: p.detach().clone() for name, p in model.named_parameters()}
 
     def update(m: Net) -> None:
@@ -258,7 +280,31 @@ def _average(kind: str, model: Net) -> Callable[[Net], None]:
             for name, p in m.named_parameters():
                 clones[name].lerp_(p, 0.1)
 
-    return update
+    return clones, update
+
+
+def _averaged_state(average: Any) -> dict[str, torch.Tensor]:
+    return average if isinstance(average, dict) else average.state_dict()
+
+
+def carry_refused() -> dict:
+    """attach(..., carry=...) with what it cannot carry, each on a fresh copy of the model: the one-line errors."""
+    from torch.optim.swa_utils import AveragedModel
+
+    import vpipe
+
+    errors = {}
+    for name, bad in [("other_module", lambda m: AveragedModel(nn.Linear(DIM, DIM))),
+                      ("bad_keys", lambda m: {"decoder.weight": torch.zeros(1)}),
+                      ("unsupported", lambda m: [p.detach().clone() for p in m.parameters()])]:
+        model, schedule, opt = _build(None, "d" * LAYERS, 1, lambda m: torch.optim.Adam(m.parameters(), lr=1e-2))
+        try:
+            vpipe.attach(schedule, optimizer=opt, planning=False, carry=[bad(model)])
+        except ValueError as e:
+            errors[name] = str(e)
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, errors)
+    return {"losses": [], "errors": every}
 
 
 def muon_recipe(model: Net) -> Optimizers:
@@ -293,6 +339,9 @@ SCENARIOS: dict[str, Callable[[], dict]] = {
     "muon_only": muon_only,
     "ema_averaged": lambda: side_by_side({2: [[0, 1, 2, 3], [4, 5, 6, 7]]}, ema="averaged"),
     "ema_dict": lambda: side_by_side({2: [[0, 1, 2, 3], [4, 5, 6, 7]]}, ema="dict"),
+    "ema_averaged_carried": lambda: side_by_side(ALL_TO_4_4, ema="averaged", carried=True),
+    "ema_dict_carried": lambda: side_by_side(ALL_TO_4_4, ema="dict", carried=True),
+    "carry_refused": carry_refused,
 }
 
 

@@ -1,10 +1,9 @@
 """The layer manager of one rank: which layers its stages hold, and moving them to neighbouring stages.
 
-A plan (with an epoch) is diffed against the placement it is handed into rounds of neighbour
-moves (:mod:`vpipe.migration.moves`), and the placement reached is returned. A move between
-two stages this rank runs (the multi-stage schedules) re-parents the blocks locally, with
-nothing sent. A move to another rank is an exchange over the control plane, the layers'
-tensors travelling over the migration process group (:mod:`vpipe.migration.transfer`)::
+A plan (with an epoch) is diffed against the placement it is handed into rounds of neighbour moves
+(:mod:`vpipe.migration.moves`), and the placement reached is returned. A move between two stages this
+rank runs (the multi-stage schedules) re-parents the blocks locally, with nothing sent. A move to another
+rank is an exchange over the control plane, the tensors travelling over the migration group (:mod:`.transfer`)::
 
     source                                   target
       migrate_prepare (manifests) ------->     build the layers (meta device, no init cost)
@@ -15,21 +14,23 @@ tensors travelling over the migration process group (:mod:`vpipe.migration.trans
       yes: drop the layers                     insert the layers, register them with the optimizer
       no:  keep the layers                     discard what it built
 
-The vote is the commit: a move that fails leaves the old placement everywhere and loses
-nothing. The phases up to the vote run in :mod:`vpipe.migration.rounds`; the vote and the
-block edits are here; streamed PipeDream moves go on in :mod:`vpipe.migration.stream`.
+The vote is the commit: a move that fails leaves the old placement everywhere and loses nothing. The
+phases up to the vote run in :mod:`.rounds`; the vote and the block edits (and the carried averages',
+:mod:`.carried`) are here; streamed PipeDream moves go on in :mod:`.stream`.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from itertools import product
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from vpipe.log import decision
+from vpipe.migration.carried import CarriedState
 from vpipe.migration.cloning import block_info
 from vpipe.migration.handshake import (
     NO_FAULTS,
@@ -97,7 +98,8 @@ class LayerManager:
     only checks the blocks. ``epoch`` is the plan in force's, as its owner tells it
     (:meth:`plan_changed`). ``shared``: the blocks
     that never move to another rank (they share a module or tensor), and why; ``listeners``:
-    per local stage, the parts that follow its layers (tensor manager, monitor).
+    per local stage, the parts that follow its layers (tensor manager, monitor); ``carry``: the weight
+    averages that move with the blocks (:mod:`vpipe.migration.carried`).
     """
 
     def __init__(
@@ -118,26 +120,24 @@ class LayerManager:
         faults: FaultHook = NO_FAULTS,
         shared: Mapping[int, str] | None = None,
         listeners: Mapping[int, Sequence[LayerListener]] | None = None,
+        carry: CarriedState | None = None,
     ) -> None:
         if not isinstance(blocks, Mapping):
             if stage_index is None:
                 raise ValueError("a single block container needs stage_index=")
             blocks = {stage_index: blocks}
-        self.blocks: dict[int, StageBlocks] = {
-            v: StageBlocks.keyed_by_ids(b) if isinstance(b, nn.Sequential) else b
-            for v, b in sorted(blocks.items())}
+        self.blocks: dict[int, StageBlocks] = {v: StageBlocks.keyed_by_ids(b) if isinstance(b, nn.Sequential) else b
+                                               for v, b in sorted(blocks.items())}
         initial = Placement.of(placement, stage_ranks)
         self.stage_ranks = initial.stage_ranks
         self.optimizer = optimizer
         self.specs: dict[int, Any] = dict(specs or {})
         self.builder = BlockBuilder(self.blocks, factory, self.specs, device)
         self.messenger = messenger
-        self.channel = channel
-        self.device = device
-        self.timeout_s = timeout_s
-        self.epoch = epoch
-        self.faults = faults
-        self.listeners: dict[int, list[LayerListener]] = {v: list((listeners or {}).get(v, ())) for v in self.blocks}
+        self.channel, self.device, self.timeout_s, self.epoch, self.faults = channel, device, timeout_s, epoch, faults
+        self.carry = carry if carry is not None else CarriedState()  # averages beside the stages, on_move
+        self.listeners: dict[int, list[LayerListener]] = {
+            v: [*(listeners or {}).get(v, ()), self.carry.follower(v)] for v in self.blocks}
         self.shared: dict[int, str] = dict(shared or {})
         self.next_layer_id = max(initial.order) + 1
         self.shapes = BoundaryShapes()
@@ -240,7 +240,8 @@ class LayerManager:
             if reason is not None:
                 raise ValueError(f"layer {lid} {reason}")
         optimizer = part_of(self.optimizer, move.src) if with_state else None
-        states = [pack_layer(lid, resharded(children[lid]), optimizer, self.specs.get(lid)) for lid in move.layers]
+        states = [pack_layer(lid, resharded(children[lid]), optimizer, self.specs.get(lid),
+                             self.carry.pack(move.src, lid)) for lid in move.layers]
         for st in states:
             st.manifest["block"] = block_info(children[st.layer_id], blocks.key_of(st.layer_id))
             if with_state:
@@ -278,6 +279,7 @@ class LayerManager:
             move_between(part_of(self.optimizer, m.src), part_of(self.optimizer, m.dst),
                          [p for _, block, _ in entries for p in block.parameters()])
             self._put(m.dst, m.forward, entries)
+            self.carry.moved(m.src, m.dst, {lid: block for lid, block, _ in entries})
         report.placement = Placement.of(after, self.stage_ranks).stages
         report.moved.extend(self._involved(moves))
         report.rebuilt = report.rebuilt or changed
@@ -348,6 +350,7 @@ class LayerManager:
             for lid, layer in built:
                 attach_to_optimizer(part_of(self.optimizer, owner), layer.parameters())
                 self._welcome(owner, lid, layer)
+            self.carry.arrived(owner, dict(built), None)
         self.specs.update(zip(new_ids, specs))
         self.next_layer_id = max(new_ids) + 1
         decision("layers_added", f"{len(new_ids)} layer(s) added to stage {owner} at position {position}",
@@ -378,17 +381,15 @@ class LayerManager:
         """Take blocks out of a local stage, as (id, block, key): still this rank's (a local move follows)."""
         blocks = self.blocks[stage]
         keys = [blocks.key_of(lid) for lid in layer_ids]
-        for lid in layer_ids:
-            for listener in self.listeners[stage]:
-                listener.remove_layer(lid)
+        for lid, listener in product(layer_ids, self.listeners[stage]):
+            listener.remove_layer(lid)
         return list(zip(layer_ids, blocks.remove(layer_ids), keys))
 
     def _put(self, stage: int, at_front: bool, entries: Sequence[tuple[int, nn.Module, str]]) -> None:
         blocks = self.blocks[stage]
         blocks.insert(0 if at_front else len(blocks.ids), entries)
-        for lid, layer, _ in entries:
-            for listener in self.listeners[stage]:
-                listener.add_layer(lid, layer)
+        for (lid, layer, _), listener in product(entries, self.listeners[stage]):
+            listener.add_layer(lid, layer)
 
     def _drop(self, stage: int, layer_ids: Sequence[int]) -> None:
         children = self.blocks[stage].blocks()
@@ -396,6 +397,7 @@ class LayerManager:
             detach_from_optimizer(part_of(self.optimizer, stage), children[lid].parameters())
             self.shapes.unwatch(lid)
         self._take(stage, layer_ids)
+        self.carry.left(stage, layer_ids)
         report_stale_references(stage, layer_ids, [p for lid in layer_ids for p in children[lid].parameters()],
                                 [children[lid] for lid in layer_ids])
 
@@ -416,3 +418,4 @@ class LayerManager:
         blocks.insert(0 if inc.move.forward else len(blocks.ids), new)
         for lid in inc.move.layers:
             self._welcome(inc.move.dst, lid, inc.modules[lid])
+        self.carry.arrived(inc.move.dst, {lid: b for lid, b, _ in new}, {ld.layer_id: ld.carried for ld in inc.loaded})

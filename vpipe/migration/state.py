@@ -1,20 +1,18 @@
 """A layer's complete training state, packed for the wire and unpacked on another stage.
 
-What moves with a layer: its parameters, their gradients where a step left some pending (a
-trainer that accumulates gradients over several ``schedule.step()`` calls before its
-``optimizer.step()``), its buffers, and its optimizer state (e.g. Adam's moments and step
-counts), plus the settings of the optimizer param group each parameter sits in, which
-decide the group it joins on arrival (:mod:`.groups`). The state splits into a *manifest*
-of plain values (msgpack-able, sent on the control plane, validated on arrival) and one
-flat byte tensor with every tensor's bytes (sent over ``torch.distributed``), so a move is
-a single transfer whatever the layer holds.
+What moves with a layer: its parameters, their gradients where a step left some pending (a trainer
+that accumulates gradients over several ``schedule.step()`` calls before its ``optimizer.step()``),
+its buffers, its optimizer state (e.g. Adam's moments and step counts), the settings of the param
+group each parameter sits in, which decide the group it joins on arrival (:mod:`.groups`), and the
+weight averages carried beside its stage (:mod:`.carried`). The state splits into a *manifest* of
+plain values (msgpack-able, sent on the control plane, validated on arrival) and one flat byte
+tensor with every tensor's bytes (sent over ``torch.distributed``), so a move is a single transfer.
 
-The wire format assumes no alignment: each tensor's bytes follow the previous one's
-(a 0-d int64 ``step`` after a 9-byte run of bools is fine), and the receiver copies them
-into a fresh tensor of the entry's dtype (:func:`decode_tensor`) instead of viewing the
-byte buffer as a wider dtype. An optimizer state tensor that is the same object as an
-earlier one (two keys, two parameters) is sent once and arrives as one object again; a
-non-contiguous one keeps its strides.
+The wire format assumes no alignment: each tensor's bytes follow the previous one's (a 0-d
+int64 ``step`` after a 9-byte run of bools is fine), and the receiver copies them into a fresh
+tensor of the entry's dtype (:func:`decode_tensor`) instead of viewing the byte buffer as a
+wider dtype. An optimizer state tensor that is the same object as an earlier one (two keys, two
+parameters) is sent once and arrives as one object again; a non-contiguous one keeps its strides.
 
 A parameter sharded by FSDP2 (a ``DTensor``) travels as this rank's local shard, and so does
 its optimizer state (Adam's moments are DTensors too); the entry is marked ``shard`` and the
@@ -29,7 +27,7 @@ optimizer, not the lists) keep working.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -152,9 +150,10 @@ def _optimizer_entries(name: str, p: torch.Tensor, optimizer: torch.optim.Optimi
                              "neither a tensor nor a plain value")
 
 
-def pack_layer(layer_id: int, module: nn.Module, optimizer: torch.optim.Optimizer | None,
-               spec: Any = None) -> LayerState:
-    """Everything needed to continue training ``module`` elsewhere, bit for bit."""
+def pack_layer(layer_id: int, module: nn.Module, optimizer: torch.optim.Optimizer | None, spec: Any = None,
+               carried: Mapping[int, Mapping[str, torch.Tensor]] | None = None) -> LayerState:
+    """Everything needed to continue training ``module`` elsewhere, bit for bit; ``carried``: its averages beside
+    the stage, by their place in ``carry=`` (:mod:`.carried`)."""
     groups = _param_group_index(optimizer)
     entries: list[dict[str, Any]] = []
     tensors: list[torch.Tensor] = []
@@ -173,6 +172,9 @@ def pack_layer(layer_id: int, module: nn.Module, optimizer: torch.optim.Optimize
         local, mark = _local(b)
         entries.append(_entry("buffer", name, local, **mark))
         tensors.append(local)
+    for index, averaged in (carried or {}).items():
+        entries += [_entry("carried", name, t.detach(), carry=index) for name, t in averaged.items()]
+        tensors += [t.detach() for t in averaged.values()]
     flat = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors if t.numel() > 0]
     payload = (torch.cat([f.cpu() if f.device.type != "cpu" else f for f in flat]) if flat
                else torch.empty(0, dtype=torch.uint8))
@@ -180,7 +182,7 @@ def pack_layer(layer_id: int, module: nn.Module, optimizer: torch.optim.Optimize
     return LayerState(layer_id, manifest, payload)
 
 
-_KINDS = ("param", "grad", "optim", "optim_value", "optim_alias", "buffer")
+_KINDS = ("param", "grad", "optim", "optim_value", "optim_alias", "buffer", "carried")
 
 
 def validate_manifest(manifest: Any) -> dict[str, Any]:
@@ -213,6 +215,8 @@ def validate_manifest(manifest: Any) -> dict[str, Any]:
             continue
         if e["kind"] == "optim_value":
             continue
+        if e["kind"] == "carried" and not (type(e.get("carry")) is int and 0 <= e["carry"] < 64):
+            raise ValueError(f"layer {layer}: entry {e['name']!r} is carried by a bad average {e.get('carry')!r}")
         _validate_tensor_entry(e, layer)
     return manifest
 
@@ -265,6 +269,7 @@ class LoadedLayer:
     params: Mapping[str, torch.Tensor]
     groups: dict[str, int | None]
     optim_state: dict[str, dict[str, Any]]
+    carried: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # average -> name -> tensor
 
 
 def load_layer(state: LayerState, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> LoadedLayer:
@@ -284,6 +289,7 @@ def load_layer(state: LayerState, module: nn.Module, optimizer: torch.optim.Opti
     optim_state: dict[str, dict[str, Any]] = {}
     decoded: dict[int, torch.Tensor] = {}  # entry index -> optimizer state tensor (for aliases)
     groups: dict[str, int | None] = {}
+    carried: dict[int, dict[str, torch.Tensor]] = {}
     for i, e in enumerate(manifest["entries"]):
         if e["kind"] == "optim_value":
             optim_state.setdefault(e["name"], {})[e["key"]] = e["value"]
@@ -302,6 +308,8 @@ def load_layer(state: LayerState, module: nn.Module, optimizer: torch.optim.Opti
             _load(_lookup(buffers, e["name"], state.layer_id, "buffer"), value, e, state.layer_id)
         elif e["kind"] == "grad":
             _load_grad(_lookup(params, e["name"], state.layer_id, "parameter"), value, e, state.layer_id)
+        elif e["kind"] == "carried":
+            carried.setdefault(e["carry"], {})[e["name"]] = value
         else:
             owner = _lookup(params, e["name"], state.layer_id, "parameter")
             device = owner.device if e.get("with_param", True) else torch.device("cpu")
@@ -313,7 +321,7 @@ def load_layer(state: LayerState, module: nn.Module, optimizer: torch.optim.Opti
     if optimizer is not None:
         groups = {name: _group_here(g, manifest, optimizer, f"layer {state.layer_id}'s {name}")
                   for name, g in groups.items()}
-    return LoadedLayer(state.layer_id, params, groups, optim_state)
+    return LoadedLayer(state.layer_id, params, groups, optim_state, carried)
 
 
 def _group_here(g: int | None, manifest: dict[str, Any], optimizer: torch.optim.Optimizer, what: str) -> int | None:

@@ -10,7 +10,7 @@ that arrive and leave. So neither needs the other at construction.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from torch import nn
@@ -25,15 +25,16 @@ from vpipe.stage.pipeline import Pipeline
 __all__ = ["LocalLayers", "find_pins"]
 
 
-def find_pins(pipeline: Pipeline, optimizer: Any = None, fixed: Mapping[int, str] | None = None) -> dict[int, str]:
+def find_pins(pipeline: Pipeline, optimizer: Any = None, carried: Collection[int] = (),
+              fixed: Mapping[int, str] | None = None) -> dict[int, str]:
     """The blocks that never move to another rank (shared modules or tensors, parameters that train in none of the
-    optimizers given to attach): layer id -> why. Says so in one ``moves_off`` line per stage (blocks with user
-    hooks included: they cannot move either, while they have them), and once for the engine's ``fixed`` layers
-    that are not blocks (layer id -> why)."""
+    optimizers given to attach, weight averages beside them other than those ``carried``, by id): layer id ->
+    why. Says so in one ``moves_off`` line per stage (blocks with user hooks included: they cannot move either,
+    while they have them), and once for the engine's ``fixed`` layers that are not blocks (layer id -> why)."""
     outside = {t for s in pipeline.stages if s.blocks is not None
                for t in outside_tensors(s.module, map(s.blocks.module_path, s.blocks.ids))}
     blocks = {lid: b for s in pipeline.stages if s.blocks is not None for lid, b in s.blocks.blocks().items()}
-    shared = {**untrained_pins(blocks, optimizer), **averaged_pins(pipeline), **shared_pins(blocks, outside)}
+    shared = {**untrained_pins(blocks, optimizer), **averaged_pins(pipeline, carried), **shared_pins(blocks, outside)}
     if fixed:
         decision("moves_off", f"stage {pipeline.first.index}: layers {sorted(fixed)} are not blocks: they never move: "
                  + "; ".join(f"layer {lid} {why}" for lid, why in sorted(fixed.items())),
@@ -49,14 +50,15 @@ def find_pins(pipeline: Pipeline, optimizer: Any = None, fixed: Mapping[int, str
     return shared
 
 
-def averaged_pins(pipeline: Pipeline) -> dict[int, str]:
-    """Every block of a stage whose weights a trainer averages beside it (an EMA): a move would leave the average
-    behind (:mod:`vpipe.stage.beside`)."""
+def averaged_pins(pipeline: Pipeline, carried: Collection[int] = ()) -> dict[int, str]:
+    """Every block of a stage whose weights a trainer averages beside it (an EMA) without ``carry=``: a move would
+    leave the average behind (:mod:`vpipe.stage.beside`)."""
     pins = {}
     for stage in pipeline.stages:
-        found = averages_of(stage.module) if stage.blocks is not None else []
+        found = averages_of(stage.module, carried=carried) if stage.blocks is not None else []
         if found:
-            why = f"is averaged beside its stage ({found[0]}): a move would leave its average behind"
+            why = (f"is averaged beside its stage ({found[0]}): a move would leave its average behind (name it in "
+                   "vpipe.attach(..., carry=[...]) and it moves with the blocks)")
             pins.update(dict.fromkeys(stage.blocks.ids, why))  # type: ignore[union-attr]
     return pins
 
