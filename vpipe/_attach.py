@@ -122,7 +122,8 @@ class Vpipe:
         self.agreement = StoreAgreement(store, rank=self.pipe_rank, world_size=pipeline.size,
                                         timeout_s=config.agree_timeout_s, pipeline=self.replicas.name)
         placement = agree_on_blocks(self.agreement, pipeline.stages, self.num_stages, config.layers)
-        self.carried = carried_state(pipeline, config.carry, config.on_move, self.agreement, self._who)
+        self.carried = carried_state(pipeline, config.carry, config.on_move, self.agreement, self._who,
+                                    refusal=self.engine.carry_refusal)
         peers = check_replicas_alike(
             self.agreement, world_rank=self.rank, world_size=self.world_size, who=self._who, replicas=self.replicas,
             layout={"schedule": pipeline.kind, "placement": [list(s) for s in placement],

@@ -64,6 +64,7 @@ class Engine:
     step_method: ClassVar[str | None] = "step"  # the target's method that runs one step; None: the trainer's loop
     counts_forwards: ClassVar[bool] = False  # micro-batches numbered by the stage module's forwards, not by actions
     replica_refusal: ClassVar[str | None] = None  # why data-parallel replicas of this pipeline are refused
+    carry_refusal: ClassVar[str | None] = None  # why attach(carry=...) is refused (weight averages cannot move)
 
     def __init__(self, pipeline: Pipeline) -> None:
         self.pipeline = pipeline

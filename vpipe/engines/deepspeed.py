@@ -27,6 +27,7 @@ class DeepSpeedEngine(Engine):
     """DeepSpeed's 1F1B ``TrainSchedule`` on a ``PipelineModule``: every step flushes."""
 
     kind = EngineKind.DEEPSPEED
+    carry_refusal = "is not supported with DeepSpeed's PipelineEngine"
     step_method = "train_batch"
     counts_forwards = True  # its micro-batches are the stage module's forwards: no torch actions number them
 

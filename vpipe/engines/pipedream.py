@@ -19,6 +19,7 @@ class PipeDreamEngine(TorchSingleEngine):
 
     kind = EngineKind.PIPEDREAM
     streams = True
+    carry_refusal = "is not supported under SchedulePipeDream (its streamed moves do not carry averages)"
     replica_refusal = ("a PipeDream stream with data-parallel replicas is not supported; run one pipeline over the "
                        "whole world, or use GPipe / 1F1B / the multi-stage schedules")
 

@@ -134,13 +134,14 @@ class Gatherer(Protocol):
 
 
 def carried_state(pipeline: Pipeline, carry: Sequence[Any], on_move: Callable[[BlockMoves], object] | None,
-                  agreement: Gatherer, who: str) -> CarriedState:
+                  agreement: Gatherer, who: str, *, refusal: str | None = None) -> CarriedState:
     """Check ``carry=`` against this rank's stages and every stage's against the others' (the same kinds in the
-    same order): a ``ValueError`` in one line on every rank, else the state the layer manager carries."""
+    same order): a ``ValueError`` in one line on every rank, else the state the layer manager carries.
+    ``refusal``: why the engine cannot carry averages (its adapter's), if it cannot."""
     averages: dict[int, list[Average]] = {s.index: [] for s in pipeline.stages}
     error = None
     try:
-        _supported(pipeline, carry)
+        _supported(carry, refusal)
         for i, item in enumerate(carry):
             stage = _stage_of(i, item, pipeline.stages)
             assert stage.blocks is not None
@@ -162,13 +163,9 @@ def carried_state(pipeline: Pipeline, carry: Sequence[Any], on_move: Callable[[B
     return CarriedState(averages, on_move, frozenset(id(item) for item in carry))
 
 
-def _supported(pipeline: Pipeline, carry: Sequence[Any]) -> None:
-    if carry and pipeline.kind == "pipedream":
-        raise ValueError("vpipe.attach: carry= is not supported under SchedulePipeDream (its streamed moves do not "
-                         "carry averages); leave it out and the averaged stages keep their blocks")
-    if carry and pipeline.deepspeed is not None:
-        raise ValueError("vpipe.attach: carry= is not supported with DeepSpeed's PipelineEngine; leave it out and "
-                         "the averaged stages keep their blocks")
+def _supported(carry: Sequence[Any], refusal: str | None) -> None:
+    if carry and refusal is not None:  # the engine's adapter says why
+        raise ValueError(f"vpipe.attach: carry= {refusal}; leave it out and the averaged stages keep their blocks")
 
 
 def _tensors(module: nn.Module) -> dict[str, torch.Tensor]:
