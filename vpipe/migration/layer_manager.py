@@ -74,8 +74,7 @@ class LayerListener(Protocol):
     def remove_layer(self, layer_id: int) -> object: ...  # what it returns (the module it let go) is unused
 
     def retire_layer(self, layer_id: int) -> None:
-        """The layer left the stage's forward path (a streamed move switched it out) but stays until the
-        backwards of its in-flight micro-batches have run."""
+        """It left the forward path (a streamed move) and stays until its in-flight backwards have run."""
 
 
 class LayerManager:
