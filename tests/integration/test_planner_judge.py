@@ -84,13 +84,15 @@ def test_a_run_whose_planner_slows_it_down_is_put_back_and_says_so(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     reverted = decisions(log_file, "plan_reverted")
     assert len(reverted) == 1
-    assert reverted[0]["epoch"] == 1 and reverted[0]["revert_epoch"] == 2
-    assert reverted[0]["step_s_after"] > reverted[0]["step_s_before"] > 0
     sent = decisions(log_file, "plan_sent")
-    assert [r["epoch"] for r in sent] == [1, 2]  # the bad plan is not sent again
+    assert len(sent) == 2 and sent[1]["epoch"] == reverted[0]["revert_epoch"]  # the bad plan is not sent again
+    # on busy cores a pulse may have every rank measure again in between: the bad plan is judged under that epoch
+    assert sent[0]["epoch"] <= reverted[0]["epoch"] < reverted[0]["revert_epoch"]
+    assert reverted[0]["step_s_after"] > reverted[0]["step_s_before"] > 0
     applied = {(r["rank"], r["epoch"]): r["layers"] for r in decisions(log_file, "plan_applied")}
-    assert len(applied[(0, 1)]) == 7 and len(applied[(1, 1)]) == 1  # the bad plan ran
-    assert len(applied[(0, 2)]) == len(applied[(1, 2)]) == 4  # back to the 4,4 split of 8 layers
+    bad, back = sent[0]["epoch"], sent[1]["epoch"]
+    assert len(applied[(0, bad)]) == 7 and len(applied[(1, bad)]) == 1  # the bad plan ran
+    assert len(applied[(0, back)]) == len(applied[(1, back)]) == 4  # back to the 4,4 split of 8 layers
 
 
 def test_only_the_last_samples_under_the_replaced_plan_make_the_before_time():
@@ -158,3 +160,28 @@ def test_no_revert_when_another_plan_is_already_on_its_way():
     later = Plan(epoch=2, stages=((0, 1, 2), (3, 4, 5, 6, 7)))
     verdicts = [judge.observe(_vector(1, 0.3), later) for _ in range(3)]  # the daemon sent epoch 2 meanwhile
     assert verdicts == [None, None, None] and not judge.refuses(NEW) and judge.reverted == 0
+
+
+def test_a_small_remeasure_keeps_judging_the_plan_and_a_large_one_forgets_it():
+    for ratio, reverted in ((0.58, True), (1.6, True), (2.1, False), (0.45, False)):
+        judge = PlanJudge()
+        for t in (0.9, 0.100, 0.104, 0.098):
+            judge.observe(_vector(0, t), OLD)
+        judge.sent(NEW, OLD)
+        again = Plan(epoch=2, stages=NEW.stages, reason="re-measure: stage 0: ...")
+        judge.remeasured(again, ratio)  # a pulse fired before the stages applied NEW
+        verdicts = [judge.observe(_vector(2, t), again) for t in (0.9, 0.150, 0.140, 0.145)]
+        assert any(v is not None for v in verdicts) == reverted, ratio
+
+
+def test_a_plan_sent_right_after_a_remeasure_is_judged_against_the_steps_before_it():
+    judge = PlanJudge()
+    for t in (0.9, 0.100, 0.104):
+        judge.observe(_vector(0, t), OLD)
+    again = Plan(epoch=1, stages=OLD.stages, reason="re-measure: stage 0: ...")
+    judge.remeasured(again, 0.7)
+    judge.observe(_vector(1, 0.9), again)  # the re-measure's first sample: not counted, the earlier ones kept
+    bad = Plan(epoch=2, stages=NEW.stages, reason="rebalance")
+    judge.sent(bad, again)
+    verdicts = [judge.observe(_vector(2, t), bad) for t in (0.9, 0.150, 0.140, 0.145)]
+    assert any(v is not None for v in verdicts) and judge.refuses(bad)

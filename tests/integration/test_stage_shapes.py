@@ -146,11 +146,14 @@ def test_a_balanced_trainer_with_vpipe_trains_bitwise_like_without(shape_run, sc
 def test_the_tutorial_model_trains_to_the_same_parameters_after_moves(shape_run):
     """The tutorial's ModuleDict keeps global keys, so all ranks' states merge into one model's."""
     _, _, plain = shape_run("train_tutorial", 2, "6,2", "1f1b", vpipe=False)
-    _, _, moved = shape_run("train_tutorial", 2, "6,2", "1f1b", vpipe=True)
+    _, log, moved = shape_run("train_tutorial", 2, "6,2", "1f1b", vpipe=True)
     merged_plain = {k: v for state in plain for k, v in state.items()}
     merged_moved = {k: v for state in moved for k, v in state.items()}
     assert merged_plain.keys() == merged_moved.keys()
-    assert {k for k in moved[1] if k.startswith("layers.")} != {k for k in plain[1] if k.startswith("layers.")}
+    epochs = {r["epoch"] for r in log if r.get("event") == "migration_done" and r["moved"]}
+    assert epochs  # moved; the final split may be the first again only after a move back (2 shared cores)
+    assert {k for k in moved[1] if k.startswith("layers.")} != {k for k in plain[1] if k.startswith("layers.")} \
+        or len(epochs) >= 2
     for name, want in merged_plain.items():
         assert torch.allclose(merged_moved[name], want, rtol=1e-5, atol=1e-7), name
 

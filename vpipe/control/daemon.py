@@ -261,17 +261,17 @@ class PlannerDaemon:
 
     def _remeasure(self, message: Message) -> None:
         """A rank's pulse saw its stage change: a plan of the same placement (a new epoch) has every rank measure its
-        blocks again from one step; several ranks seeing one change ask once; the judge forgets its timings."""
+        blocks again from one step; several ranks seeing one change ask once; the judge hears of it."""
         body, at = message.body, message.iteration
         if self.current is None or self.planner is no_change or (
                 self._remeasured_at is not None and 0 <= at - self._remeasured_at < _REMEASURE_GAP):
             return  # nothing plans on what the samples would show, or this change was asked about already
         self._remeasured_at = at
-        self.judge.forget()
         if callable(alerted := getattr(self.planner, "alerted", None)):
             alerted(body["stage"], body["ratio"], at)
         what = f"stage {body['stage']}: {body['what']}"
         self.current = plan = replace(self.current, epoch=self.current.epoch + 1, reason=f"re-measure: {what}")
+        self.judge.remeasured(plan, body["ratio"])
         self._outbox.send(make("plan", plan, epoch=plan.epoch, iteration=at, stage=PLANNER))
         decision("remeasure", f"{what} at step {at}; every stage measures its blocks again (epoch {plan.epoch})",
                  role="planner", stage=body["stage"], ratio=body["ratio"], epoch=plan.epoch, iteration=at)

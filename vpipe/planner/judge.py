@@ -21,6 +21,7 @@ edit while a plan is judged ends the judging (the step time changed for another 
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from collections.abc import Sequence
@@ -33,6 +34,7 @@ from vpipe.plan import Plan
 __all__ = ["PlanJudge"]
 
 _NOT_JUDGED = ("memory", "layers changed", "revert")
+DEVICES_CHANGED = 2.0  # a stage's forward time changed this much (either way): the devices changed, not noise
 
 
 @dataclass
@@ -54,6 +56,7 @@ class PlanJudge:
         self.tolerance = tolerance
         self._recent: deque[float] = deque(maxlen=before_samples)
         self._recent_epoch: int | None = None
+        self._recent_signature: tuple[object, ...] | None = None
         self._trial: _Trial | None = None
         self._refused: set[tuple[object, ...]] = set()
         self.reverted = 0
@@ -65,11 +68,13 @@ class PlanJudge:
             return None  # measured across a plan change: belongs to neither side
         epoch = epochs.pop()
         step_s = max(rec.step_s for rec in vector)
-        first = epoch != self._recent_epoch
-        if first:
-            self._recent.clear()
+        if epoch != self._recent_epoch:  # its first sample carries one-off costs (warm-up, a move's aftermath)
+            known = current is not None and current.epoch == epoch
+            if not known or _signature(current) != self._recent_signature:  # type: ignore[arg-type]
+                self._recent.clear()  # a re-measure (the same placement, a new epoch) keeps what was measured
             self._recent_epoch = epoch
-            return None  # the first sample of an epoch carries one-off costs (warm-up, a move's aftermath)
+            self._recent_signature = _signature(current) if known else None  # type: ignore[arg-type]
+            return None
         trial = self._trial
         if trial is not None:
             if epoch > trial.plan.epoch:
@@ -89,7 +94,18 @@ class PlanJudge:
         on trial now. Plans refused stay refused (a plan that made steps slower is never sent again)."""
         self._trial = None
         self._recent.clear()
-        self._recent_epoch = None
+        self._recent_epoch = self._recent_signature = None
+
+    def remeasured(self, plan: Plan, ratio: float) -> None:
+        """A rank's pulse saw its stage's forward time change by ``ratio``, and ``plan`` (the placement in force, a
+        new epoch) has every rank measure again. A change of :data:`DEVICES_CHANGED` or more, either way, is the
+        devices': what was measured before says nothing of the plan on trial (:meth:`forget`). A smaller one
+        (ranks sharing cores jitter by up to 1.7x) is not: the plan on trial goes on being judged under the new
+        epoch."""
+        if not ratio > 0 or abs(math.log(ratio)) >= math.log(DEVICES_CHANGED):
+            self.forget()
+        elif self._trial is not None and _signature(self._trial.plan) == _signature(plan):
+            self._trial.plan = plan
 
     def refuses(self, plan: Plan) -> bool:
         """Whether ``plan`` places and keeps the layers as a plan that was reverted did."""
@@ -97,7 +113,8 @@ class PlanJudge:
 
     def sent(self, plan: Plan, replaced: Plan | None) -> None:
         """A plan went to the stages: judge it against the steps measured under ``replaced``."""
-        if replaced is None or not self._recent or self._recent_epoch != replaced.epoch \
+        if replaced is None or not self._recent or (self._recent_epoch != replaced.epoch
+                                                    and self._recent_signature != _signature(replaced)) \
                 or plan.reason.startswith(_NOT_JUDGED) or _signature(plan) == _signature(replaced):
             self._trial = None
             return
