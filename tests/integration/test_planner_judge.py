@@ -162,8 +162,8 @@ def test_no_revert_when_another_plan_is_already_on_its_way():
     assert verdicts == [None, None, None] and not judge.refuses(NEW) and judge.reverted == 0
 
 
-def test_a_small_remeasure_keeps_judging_the_plan_and_a_large_one_forgets_it():
-    for ratio, reverted in ((0.58, True), (1.6, True), (2.1, False), (0.45, False)):
+def test_a_remeasure_keeps_judging_the_plan_on_trial():
+    for ratio, reverted in ((0.58, True), (1.6, True), (2.1, True), (0.45, True)):
         judge = PlanJudge()
         for t in (0.9, 0.100, 0.104, 0.098):
             judge.observe(_vector(0, t), OLD)
@@ -185,3 +185,13 @@ def test_a_plan_sent_right_after_a_remeasure_is_judged_against_the_steps_before_
     judge.sent(bad, again)
     verdicts = [judge.observe(_vector(2, t), bad) for t in (0.9, 0.150, 0.140, 0.145)]
     assert any(v is not None for v in verdicts) and judge.refuses(bad)
+
+
+def test_a_large_remeasure_without_a_trial_forgets_the_steps_before():
+    judge = PlanJudge()
+    for t in (0.9, 0.100, 0.104):
+        judge.observe(_vector(0, t), OLD)
+    again = Plan(epoch=1, stages=OLD.stages, reason="re-measure: stage 0: ...")
+    judge.remeasured(again, 2.2)  # a device got 2.2x slower: the steps before say nothing of the next plan
+    judge.sent(Plan(epoch=2, stages=NEW.stages, reason="rebalance"), again)
+    assert judge._trial is None

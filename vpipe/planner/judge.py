@@ -98,14 +98,17 @@ class PlanJudge:
 
     def remeasured(self, plan: Plan, ratio: float) -> None:
         """A rank's pulse saw its stage's forward time change by ``ratio``, and ``plan`` (the placement in force, a
-        new epoch) has every rank measure again. A change of :data:`DEVICES_CHANGED` or more, either way, is the
-        devices': what was measured before says nothing of the plan on trial (:meth:`forget`). A smaller one
-        (ranks sharing cores jitter by up to 1.7x) is not: the plan on trial goes on being judged under the new
-        epoch."""
-        if not ratio > 0 or abs(math.log(ratio)) >= math.log(DEVICES_CHANGED):
-            self.forget()
-        elif self._trial is not None and _signature(self._trial.plan) == _signature(plan):
+        new epoch) has every rank measure again. A plan on trial goes on being judged under the new epoch (on busy
+        cores the pulse fires every few steps; forgetting the trial let a bad plan stay); after a change of
+        :data:`DEVICES_CHANGED` or more, either way, on the steps from now on. Without a trial, such a change is
+        the devices': what was measured before says nothing of later plans (:meth:`forget`)."""
+        big = not ratio > 0 or abs(math.log(ratio)) >= math.log(DEVICES_CHANGED)
+        if self._trial is not None and _signature(self._trial.plan) == _signature(plan):
             self._trial.plan = plan
+            if big:
+                self._trial.after_s.clear()
+        elif big:
+            self.forget()
 
     def refuses(self, plan: Plan) -> bool:
         """Whether ``plan`` places and keeps the layers as a plan that was reverted did."""
