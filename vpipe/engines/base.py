@@ -11,6 +11,7 @@ passed to ``attach``; no other module asks which engine it is under.
 
 from __future__ import annotations
 
+import abc
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -52,7 +53,7 @@ class Capabilities:
         return self.edits is None
 
 
-class Engine:
+class Engine(abc.ABC):
     """One engine's adapter over this rank's :class:`~vpipe.stage.pipeline.Pipeline`.
 
     The defaults are a torch schedule's that flushes every step; each engine's module overrides what differs
@@ -71,14 +72,14 @@ class Engine:
 
     # ------------------------------------------------------------------ recognising and reading a target
     @classmethod
+    @abc.abstractmethod
     def accepts(cls, target: Any) -> bool:
         """Whether ``target`` (what the trainer passed to ``attach``) runs under this engine."""
-        raise NotImplementedError
 
     @classmethod
+    @abc.abstractmethod
     def read(cls, target: Any) -> Engine:
         """This engine over ``target``: its stages on this rank read, what vpipe cannot run under refused."""
-        raise NotImplementedError
 
     # ------------------------------------------------------------------ running and watching a step
     @property
@@ -105,7 +106,7 @@ class Engine:
         """The copies of a stage's weights held at once (a stream's stashed versions)."""
         return 1
 
-    def reset_shapes(self) -> None:
+    def reset_shapes(self) -> None:  # noqa: B027 - engines without shape inference do nothing
         """A move changed what a stage sends downstream: make the next step size the boundary activations anew
         (every rank at the same boundary)."""
 

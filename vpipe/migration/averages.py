@@ -17,6 +17,7 @@ renumbered after each edit).
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Mapping
 from typing import Any
 
@@ -32,7 +33,7 @@ __all__ = ["Average", "AveragedCopy", "NamedCopy", "Tensors"]
 Tensors = dict[str, torch.Tensor]  # a block's averaged tensors by their names in the block
 
 
-class Average:
+class Average(abc.ABC):
     """A weight average of one stage's module, followed block by block (see the module docstring)."""
 
     kind = "average"
@@ -41,17 +42,17 @@ class Average:
         self.stage_blocks = blocks  # the stage's own container, edited by the layer manager
         self.held: dict[int, Any] = {}  # what left the stage and has not been dropped or put back yet
 
-    def sync(self) -> None:
+    def sync(self) -> None:  # noqa: B027 - nothing to catch up with by default
         """Catch up with the stage's container: hold what left it, follow what was renamed."""
 
+    @abc.abstractmethod
     def tensors(self, layer_id: int) -> Tensors:
         """The block's averaged tensors (the sender's part of a move's payload)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def put(self, layer_id: int, block: nn.Module, value: Any) -> None:
         """Give the block (already in the stage's container) its average: held here, received (``Tensors``), or
         None (a new block: its own weights, as an average starts)."""
-        raise NotImplementedError
 
     def _position(self, layer_id: int, present: list[int]) -> int:
         ids = self.stage_blocks.ids
