@@ -9,7 +9,8 @@ import pytest
 
 from vpipe.monitors.records import LayerRecord, StageRecord
 from vpipe.plan import PINNED_KIND, Plan, Policy
-from vpipe.planner.online import OnlineConfig, OnlinePlanner, _placeable
+from vpipe.planner.online import OnlineConfig, OnlinePlanner
+from vpipe.planner.proposals import placeable_partitions as _placeable
 from vpipe.planner.speeds import pooled_costs as _pooled
 
 IDS = ([0, 1, 2, 3], [4, 5, 6, 7])
@@ -453,3 +454,40 @@ def test_blocks_frozen_part_way_are_not_pooled_with_training_ones_and_the_split_
     plan = planner([stage(0, [0, 1, 2, 3], True, 1), stage(1, [4, 5, 6, 7], False, 1)], remeasured)
     assert plan is not None and len(plan.stages[0]) > 4
     assert plan.stage_speeds in (None, (1.0, 1.0))  # a frozen block is lighter work, not a faster device
+
+
+def _straggler_run(neighbour_alert_at: int) -> Plan | None:
+    """Stage 1's device slows at step 12 (its pulse alerts, epoch 1); samples at 15 and 17 name it 2x slower and
+    propose a plan; stage 0's pulse alerts at ``neighbour_alert_at`` (epoch 2), and the next sample comes at
+    ``neighbour_alert_at + 3``. Returns what that sample sends (confirm_samples=2)."""
+    planner = _planner(confirm_samples=2)
+    for step in (9, 11):
+        assert planner([_stage(0, IDS[0], step, kind="Block#a1"), _stage(1, IDS[1], step, kind="Block#a1")],
+                       FOUR_FOUR) is None
+    planner.alerted(1, 2.0, 12)
+    slowed = dataclasses.replace(FOUR_FOUR, epoch=1)
+    for step in (15, 17):
+        vector = [_stage(0, IDS[0], step, kind="Block#a1", epoch=1),
+                  _stage(1, IDS[1], step, slow=2.0, kind="Block#a1", epoch=1)]
+        assert planner(vector, slowed) is None  # the first names nothing yet, the second proposes
+    assert planner._proposed is not None
+    planner.alerted(0, 1.4, neighbour_alert_at)
+    again = dataclasses.replace(FOUR_FOUR, epoch=2)
+    step = neighbour_alert_at + 3
+    return planner([_stage(0, IDS[0], step, kind="Block#a1", epoch=2),
+                    _stage(1, IDS[1], step, slow=2.0, kind="Block#a1", epoch=2)], again)
+
+
+def test_a_neighbours_pulse_soon_after_a_slowdown_keeps_what_was_learnt_since():
+    """The straggler of the dynamic benchmark: stage 0's pulse fired a step after stage 1 was named slower (its
+    waits changed with its neighbour). The sample measured after the slowdown and the plan proposed on it are
+    kept: the next sample confirms the plan, instead of learning the factors again (ten steps lost)."""
+    plan = _straggler_run(neighbour_alert_at=18)
+    assert plan is not None and len(plan.stages[0]) > 4
+    assert plan.stage_speeds == (1.0, 2.0)
+
+
+def test_an_alert_later_than_the_samples_forgets_them_and_the_plan_made_on_them():
+    """Samples measured more than ``_ALERT_LAG`` steps before an alert may predate the change it reports: the
+    factors are learnt again from the samples after it, and the plan proposed before waits to be proposed anew."""
+    assert _straggler_run(neighbour_alert_at=30) is None

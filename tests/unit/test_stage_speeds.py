@@ -80,7 +80,7 @@ def test_a_stage_is_as_slow_as_it_was_in_every_recent_sample():
     busy = [(1.0, 1.6), (1.0, 1.0), (1.5, 1.0)]  # a busy core slowed one stage now and then
     assert steady_speeds(busy, 2) == (1.0, 1.0)
     slow = [(1.0, 2.1), (1.0, 1.9), (1.1, 2.2)]  # a slower device: every sample
-    assert steady_speeds(slow, 2) == (1.0, 1.9)
+    assert steady_speeds(slow, 2) == (1.0, 2.0)  # the median of the samples that saw it slower
     assert steady_speeds(slow[:2], 2) == (1.0, 1.0)  # too few samples to say
 
 
@@ -89,6 +89,15 @@ def test_a_stage_less_than_strongly_slower_must_stay_so_twice_as_long():
     assert steady_speeds(shared, 2) == (1.0, 1.0)
     assert steady_speeds(shared[3:], 2) == (1.0, 1.0)  # three samples alone do not say it either
     steady = [(1.0, 1.5), (1.0, 1.45), (1.0, 1.55)] * 2  # a 1.5x slower device: every sample of six
-    assert steady_speeds(steady, 2) == (1.0, 1.45)
+    assert steady_speeds(steady, 2) == (1.0, 1.5)
     strong = [(1.0, 1.0)] * 3 + [(1.0, 2.0), (1.0, 2.1), (1.0, 1.9)]  # 2x: three samples suffice
-    assert steady_speeds(strong, 2) == (1.0, 1.9)
+    assert steady_speeds(strong, 2) == (1.0, 2.0)
+
+
+def test_a_slow_device_stays_slow_through_a_sample_that_a_busy_fast_stage_made_look_even():
+    """Stage 0 preempted in one sample makes stage 1's 2x device look 1.1x there: most of the window still says
+    2x, and the factor is their median (the least sample moved blocks back towards the slow stage)."""
+    noisy = [(1.0, 2.4), (1.0, 2.1), (1.0, 1.6), (1.0, 2.2), (1.0, 2.0), (1.9, 2.1)]
+    assert steady_speeds(noisy, 2) == (1.0, 2.1)
+    recovered = [(1.0, 2.0)] * 3 + [(1.0, 1.0)] * 3  # without a pulse's alert, half the window says even
+    assert steady_speeds(recovered, 2) == (1.0, 1.0)

@@ -8,8 +8,9 @@ on every step at the cost of two hooks per stage module (no per-block hooks) and
 trainable parameters:
 
 - the stage modules' forward time per micro-batch, against the median of the steps since
-  the last change: when the median of the last ``confirm`` steps is more than ``threshold``
-  away from it (slower or faster), that is a change;
+  the last change: when each of the last ``confirm`` steps is more than ``threshold`` away
+  from it on the same side (all slower or all faster), that is a change (a busy core slows
+  some steps, not every one);
 - the number of parameters that train: freezing (or unfreezing) blocks changes their
   backward's work without touching the forward.
 
@@ -112,8 +113,11 @@ class StagePulse:
             return None
         self._recent.append(value)
         if len(self._history) >= self.confirm + 1 and len(self._recent) == self.confirm:
-            ratio = statistics.median(self._recent) / max(statistics.median(self._history), 1e-12)
-            if ratio > 1 + self.threshold or ratio < 1 / (1 + self.threshold):
+            level = max(statistics.median(self._history), 1e-12)
+            ratio = statistics.median(self._recent) / level
+            # every one of the last steps beyond the threshold, on the same side: a busy core slows some steps by
+            # 1.4x and more (ranks sharing cores), a slower device or a longer sequence slows them all
+            if min(self._recent) / level > 1 + self.threshold or max(self._recent) / level < 1 / (1 + self.threshold):
                 self._history.clear()
                 self._history.extend(self._recent)  # the new level is the one to compare with from now on
                 self._recent.clear()

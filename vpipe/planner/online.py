@@ -40,12 +40,19 @@ from typing import Any
 from vpipe.graph import LayerGraph, LayerNode
 from vpipe.log import decision
 from vpipe.monitors.records import StageRecord
-from vpipe.plan import PINNED_KIND, Plan, Policy
+from vpipe.plan import Plan, Policy
 from vpipe.planner.cost_model import Hardware, stage_time
 from vpipe.planner.online_config import OnlineConfig, as_tuple
 from vpipe.planner.online_memory import kept_shares, shared_budgets
-from vpipe.planner.proposals import Proposal, SRPPlanner
-from vpipe.planner.speeds import describe_speeds, fit_stage_speeds, interchangeable, pooled_costs, steady_speeds
+from vpipe.planner.proposals import Proposal, SRPPlanner, placeable_partitions
+from vpipe.planner.speeds import (
+    SpeedSamples,
+    describe_speeds,
+    fit_stage_speeds,
+    interchangeable,
+    pooled_costs,
+    steady_speeds,
+)
 
 log = logging.getLogger("vpipe.planner.online")
 
@@ -59,6 +66,8 @@ _OUTSIDE_SAMPLES = 3
 _WARM_SAMPLES = 1  # samples after attach that say nothing of the stages' speeds (start-up work runs beside them)
 _SPEED_SAMPLES = 3  # a stage is as slow as it was in all of this many samples (noise hits a sample, a device all)
 _WEAK_SPEED_SAMPLES = 6  # ... and in this many when less than speeds.STRONG slower (shared cores look like that)
+# a pulse names a change after several steps at the new level: samples of the last steps before its alert saw it
+_ALERT_LAG = 2
 _MOVED_SAMPLES = 10  # samples for which a moved block's time before its move still says how fast its old stage was
 
 
@@ -87,15 +96,16 @@ class OnlinePlanner:
         self._moved: dict[int, tuple[int, float, int]] = {}
         self.speeds: tuple[float, ...] | None = None  # each stage's time factor, as last fitted
         self._left: set[tuple[tuple[int, ...], ...]] = set()  # placements moved away from since the last alert
-        self._speed_samples: deque[tuple[float, ...]] = deque(maxlen=_WEAK_SPEED_SAMPLES)  # the last samples' factors
+        self._speed_samples = SpeedSamples(_WEAK_SPEED_SAMPLES)  # the last samples' factors
         self._alerted = False  # since the last alert, fewer samples name a slower stage
         self._moving: dict[int, int] = {}  # epoch -> bytes, of the moves sent whose cost no sample has told yet
         self._reported_speeds: tuple[float, ...] | None = None
         self._srp: Any = None
         self._srp_key: tuple[Any, ...] | None = None
         self._last_search: tuple[Plan, list[tuple[float, int]], Any] | None = None
-        # what the last searches proposed: (its key, how many samples in a row found it worth sending, the plan)
-        self._proposed: tuple[Any, int, Plan] | None = None
+        # what the last searches proposed: (its key, how many samples in a row found it worth sending, the plan,
+        # the step of the sample that first proposed it)
+        self._proposed: tuple[Any, int, Plan, int] | None = None
 
     def __call__(self, vector: list[StageRecord], current: Plan | None) -> Plan | None:
         if current is None or len(vector) != current.num_stages:
@@ -127,7 +137,7 @@ class OnlinePlanner:
             return None  # too soon after a plan, or the same numbers as last time: the daemon idles
         started = time.perf_counter()
         last_proposal = planner.last_proposal_step
-        placeable = _placeable(vector, current)
+        placeable = placeable_partitions(vector, current)
         proposal = planner.propose(graph, current, vector[-1].iteration, placeable=placeable)
         if proposal is not None and not edited and proposal.plan.stages in self._left:
             # back to a placement this run left, with no change seen since: what made it worse then still holds,
@@ -165,13 +175,16 @@ class OnlinePlanner:
         return plan
 
     def alerted(self, stage: int, ratio: float, iteration: int) -> None:
-        """A rank's pulse saw ``stage`` change (the daemon has every rank measure again): a proposal made on the
-        old costs is not confirmed by the new ones, where blocks ran before says nothing of the devices now, and
-        a placement left before may be the right one again."""
-        self._proposed = None
+        """A rank's pulse saw ``stage`` change at ``iteration`` (the daemon has every rank measure again): what was
+        measured before (speed samples, a proposal made on them, where moved blocks ran) says nothing of the
+        devices now, and a placement left may be right again. Samples of the last ``_ALERT_LAG`` steps saw the
+        change and are kept: a neighbour's pulse may fire a few steps after the change it follows."""
+        since = iteration - _ALERT_LAG
+        if self._proposed is not None and self._proposed[3] < since:
+            self._proposed = None
         self._moved.clear()
         self._left.clear()
-        self._speed_samples.clear()  # the devices changed: their factors are learnt again
+        self._speed_samples.drop_before(since)
         self._alerted = True
         self._fresh_after = self._epoch if self._epoch is not None else -1
 
@@ -196,12 +209,12 @@ class OnlinePlanner:
             again = reprice(earlier[2])
             if again is not None and proposal.after_step_s < again.after_step_s - self.config.min_gain * \
                     again.before_step_s:
-                earlier = (key, earlier[1], proposal.plan)  # the same imbalance seen again, and a better plan for it
+                earlier = (key, earlier[1], proposal.plan, earlier[3])  # the same imbalance, a better plan for it
             elif again is not None:
                 proposal, key = again, earlier[0]
         seen = earlier[1] + 1 if earlier is not None and earlier[0] == key else 1
         if seen < self.config.confirm_samples:
-            self._proposed = (key, seen, proposal.plan)
+            self._proposed = (key, seen, proposal.plan, earlier[3] if seen > 1 and earlier else iteration)
             log.info("planner: iteration %d proposes %s (%d of %d searches in a row); waiting for the next sample",
                      iteration, proposal.reason, seen, self.config.confirm_samples)
             return None
@@ -264,7 +277,7 @@ class OnlinePlanner:
             self._outside[end] = [min(s[i] for s in recent) for i in (0, 1)]
             self._outside_bytes[end] = rec.outside_param_bytes
         if self._samples >= _WARM_SAMPLES:  # the first samples run beside start-up work (the daemon, allocators)
-            self._speed_samples.append(self._sample_speeds(vector))
+            self._speed_samples.add(vector[-1].iteration, self._sample_speeds(vector))
         self._note_move_cost(vector)
         self._samples += 1
 
@@ -315,7 +328,7 @@ class OnlinePlanner:
     def _fit_speeds(self, num_stages: int) -> tuple[float, ...]:
         """Each stage's time factor: the least of the last samples' (a busy core slows one stage in some samples, a
         slower device in every one), reported in the run's log when it changes."""
-        samples = [s for s in self._speed_samples if len(s) == num_stages]
+        samples = self._speed_samples.of(num_stages)
         # after a rank saw its stage change, two samples that agree suffice: the change is known, not guessed
         speeds = steady_speeds(samples, num_stages, needed=2 if self._alerted else _SPEED_SAMPLES,
                                weak_needed=_WEAK_SPEED_SAMPLES)
@@ -361,29 +374,6 @@ class OnlinePlanner:
                      f"slowest stage {times.index(max(times))} is {max(times) / mean - 1.0:.0%} over the mean",
                      iteration=vector[-1].iteration, epoch=current.epoch, stage_times_s=times,
                      layers_per_stage=current.counts())
-
-
-def _placeable(vector: list[StageRecord], current: Plan) -> Callable[[list[list[int]]], bool]:
-    """Whether every layer a partition moves can be built by each stage it arrives on (hops included), and
-    may move at all (a pinned block never does)."""
-    kinds = {lr.layer_id: lr.kind for rec in vector for lr in rec.layers}
-    builds = [None if rec.builds is None else set(rec.builds) for rec in vector]
-    now = {lid: s for s, layers in enumerate(current.stages) for lid in layers}
-
-    def placeable(stages: list[list[int]]) -> bool:
-        for dst, layers in enumerate(stages):
-            for lid in layers:
-                src = now.get(lid, dst)
-                step = 1 if dst > src else -1
-                if dst != src and kinds.get(lid, "").endswith(PINNED_KIND):
-                    return False
-                for hop in range(src + step, dst + step, step) if dst != src else ():
-                    allowed = builds[hop]
-                    if allowed is not None and kinds.get(lid, "") not in allowed:
-                        return False
-        return True
-
-    return placeable
 
 
 class SRPEntry:

@@ -27,13 +27,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from vpipe.graph import LayerGraph
-from vpipe.plan import Plan, PlanError
+from vpipe.monitors.records import StageRecord
+from vpipe.plan import PINNED_KIND, Plan, PlanError
 from vpipe.planner.cost_model import GraphProfile, Hardware, PipelineSetup, StageCosts
 from vpipe.planner.exact import min_secondary
 from vpipe.planner.srp import Evaluated, check_method, evaluate, fastest_step, optimize_stages, srp_loop
 from vpipe.planner.uneven import uneven_min_secondary
 
-__all__ = ["Proposal", "SRPPlanner"]
+__all__ = ["Proposal", "SRPPlanner", "placeable_partitions"]
 
 # bottleneck targets (relative to the best plan's) at which the planner also looks for the partition that
 # moves the fewest bytes
@@ -301,3 +302,26 @@ class SRPPlanner:
 
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.2f}" if math.isfinite(seconds) else "inf"
+
+
+def placeable_partitions(vector: Sequence[StageRecord], current: Plan) -> Callable[[list[list[int]]], bool]:
+    """Whether every layer a partition moves can be built by each stage it arrives on (hops included), and
+    may move at all (a pinned block never does)."""
+    kinds = {lr.layer_id: lr.kind for rec in vector for lr in rec.layers}
+    builds = [None if rec.builds is None else set(rec.builds) for rec in vector]
+    now = {lid: s for s, layers in enumerate(current.stages) for lid in layers}
+
+    def placeable(stages: list[list[int]]) -> bool:
+        for dst, layers in enumerate(stages):
+            for lid in layers:
+                src = now.get(lid, dst)
+                step = 1 if dst > src else -1
+                if dst != src and kinds.get(lid, "").endswith(PINNED_KIND):
+                    return False
+                for hop in range(src + step, dst + step, step) if dst != src else ():
+                    allowed = builds[hop]
+                    if allowed is not None and kinds.get(lid, "") not in allowed:
+                        return False
+        return True
+
+    return placeable

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Hashable, Iterable, Sequence
 from typing import Any
 
-__all__ = ["fit_stage_speeds", "steady_speeds", "describe_speeds", "interchangeable", "pooled_costs", "DEAD_BAND"]
+__all__ = ["fit_stage_speeds", "steady_speeds", "SpeedSamples", "describe_speeds", "interchangeable", "pooled_costs",
+           "DEAD_BAND"]
 
 STRONG = 1.6  # a stage this much slower than the fastest is believed after a few samples; less needs more
 DEAD_BAND = 0.25  # a stage this close to the fastest (relative) runs at its speed: the rest is measurement noise
@@ -64,24 +65,54 @@ def fit_stage_speeds(observations: Iterable[tuple[Hashable, int, float]], num_st
 
 def steady_speeds(samples: Sequence[Sequence[float]], num_stages: int, dead_band: float = DEAD_BAND,
                   needed: int = 3, weak_needed: int = 6, strong: float = STRONG) -> tuple[float, ...]:
-    """The stages' factors over the last samples: each stage as slow as it was in all of them (its least factor
-    relative to the fastest), within ``dead_band`` of the fastest counted as 1.0; all 1.0 before ``needed``
-    samples. A busy core slows one stage in some samples, a slower device in every one. A factor below
-    ``strong`` must hold over ``weak_needed`` samples: ranks that share cores measure each other 1.3-1.5x apart
-    for several samples in a row, a device that much slower stays so."""
+    """The stages' factors over the last samples (all 1.0 before ``needed`` samples).
+
+    A stage is slower when it was in every one of the last ``needed`` samples (a busy core slows one stage in some
+    samples, a slower device in every one), or, at ``strong`` or more, in most of the last ``weak_needed`` (a busy
+    core on the fastest stage makes one sample of a slow device look even). A factor below ``strong`` must hold in
+    all of the last ``weak_needed``: ranks that share cores measure each other 1.3-1.5x apart for several samples in
+    a row, a device that much slower stays so. Its value is the median of the samples that saw it slower (the
+    least one followed every dip that a busy reference stage made, and moved blocks back and forth with it).
+    """
     if len(samples) < needed:
         return (1.0,) * num_stages
-
-    def least(k: int, over: Sequence[Sequence[float]]) -> float:
-        return min(sample[k] / min(sample) for sample in over)
-
+    window = samples[-weak_needed:]
     factors = []
     for k in range(num_stages):
-        f = least(k, samples[-needed:])
-        if 1.0 + dead_band <= f < strong:
-            f = least(k, samples[-weak_needed:]) if len(samples) >= weak_needed else 1.0
-        factors.append(1.0 if f < 1.0 + dead_band else round(f, 3))
+        relative = [sample[k] / min(sample) for sample in window]
+        slower = [f for f in relative if f >= 1.0 + dead_band]
+        value = statistics.median(slower) if slower else 1.0
+        full = len(window) >= weak_needed
+        slow = (min(relative[-needed:]) >= strong or full and min(relative) >= 1.0 + dead_band
+                or full and statistics.median(relative) >= strong)
+        factors.append(round(value, 3) if slow else 1.0)
     return tuple(factors)
+
+
+class SpeedSamples:
+    """The last samples' stage factors, each with the step it was measured at.
+
+    When a rank's pulse sees its stage change, the samples measured before the change say nothing of the devices
+    now, and those measured after it do: a pulse names a change only after several steps at the new level, and a
+    neighbour's pulse often fires a few steps after the stage that changed (its waits changed with it). Dropping
+    every sample then threw away what the planner had just learnt and cost a straggler about ten steps.
+    """
+
+    def __init__(self, keep: int) -> None:
+        self._samples: deque[tuple[int, tuple[float, ...]]] = deque(maxlen=keep)
+
+    def add(self, iteration: int, factors: tuple[float, ...]) -> None:
+        self._samples.append((iteration, factors))
+
+    def drop_before(self, iteration: int) -> None:
+        """Forget the samples measured before ``iteration``."""
+        kept = [(at, factors) for at, factors in self._samples if at >= iteration]
+        self._samples.clear()
+        self._samples.extend(kept)
+
+    def of(self, num_stages: int) -> list[tuple[float, ...]]:
+        """The kept factors of pipelines of ``num_stages`` stages, oldest first."""
+        return [factors for _, factors in self._samples if len(factors) == num_stages]
 
 
 def describe_speeds(factors: tuple[float, ...]) -> str:
