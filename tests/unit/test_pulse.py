@@ -81,10 +81,11 @@ def test_a_malformed_alert_is_refused_where_it_enters(body, problem):
 def test_steps_slowed_now_and_then_by_a_busy_core_are_not_a_change():
     """Ranks sharing cores see one step in a few 1.5-2x slower; a change is every step of the last three."""
     stage = _Stage()
+    stage.wait_s = 0.040  # long enough that a busy machine's jitter stays well inside the threshold
     pulse = StagePulse([stage], "cpu")
     _steps(pulse, stage, 8)
     seen = []
-    for wait in [0.020, 0.020, 0.010] * 4:  # two slow steps in every three: their median alone would be 2x
+    for wait in [0.080, 0.080, 0.040] * 4:  # two slow steps in every three: their median alone would be 2x
         stage.wait_s = wait
         seen += _steps(pulse, stage, 1)
     assert not any(seen)

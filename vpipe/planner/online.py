@@ -98,6 +98,8 @@ class OnlinePlanner:
         self._left: set[tuple[tuple[int, ...], ...]] = set()  # placements moved away from since the last alert
         self._speed_samples = SpeedSamples(_WEAK_SPEED_SAMPLES)  # the last samples' factors
         self._alerted = False  # since the last alert, fewer samples name a slower stage
+        # since the last alert, until a plan went: (whether blocks froze, the stages' factors before it)
+        self._change: tuple[bool, tuple[float, ...] | None] | None = None
         self._moving: dict[int, int] = {}  # epoch -> bytes, of the moves sent whose cost no sample has told yet
         self._reported_speeds: tuple[float, ...] | None = None
         self._srp: Any = None
@@ -149,7 +151,7 @@ class OnlinePlanner:
         if proposal is None:
             self._proposed = None  # nothing to gain now: a later proposal starts its count again
             return None
-        proposal = self._confirmed(proposal, vector[-1].iteration, at_once=edited,
+        proposal = self._confirmed(proposal, vector[-1].iteration, at_once=edited or self._known_change(),
                                    reprice=lambda earlier: planner.reprice(graph, current, earlier, placeable))
         seconds = time.perf_counter() - started
         if proposal is None:
@@ -157,6 +159,7 @@ class OnlinePlanner:
             return None
         speeds = self.speeds if self.speeds is not None and len(self.speeds) == current.num_stages else None
         plan = replace(proposal.plan, stage_speeds=speeds)
+        self._change = None
         if plan.stages != current.stages:
             self._left.add(current.stages)
             self._moving[plan.epoch] = proposal.migration_bytes
@@ -186,7 +189,14 @@ class OnlinePlanner:
         self._left.clear()
         self._speed_samples.drop_before(since)
         self._alerted = True
+        self._change = (ratio == 1.0, self.speeds)  # a pulse reports a freeze with ratio 1.0
         self._fresh_after = self._epoch if self._epoch is not None else -1
+
+    def _known_change(self) -> bool:
+        """Whether what the pulse reported is known, not guessed: blocks froze (a count of trainable parameters),
+        or the stages' factors differ from before the alert (two samples after it agreed). The first plan for it
+        then goes without waiting for another search: the alert and those samples confirmed it already."""
+        return self._change is not None and (self._change[0] or self._change[1] not in (None, self.speeds))
 
     def _confirmed(self, proposal: Proposal, iteration: int, *, at_once: bool,
                    reprice: Callable[[Plan], Proposal | None]) -> Proposal | None:
