@@ -147,10 +147,10 @@ def test_interchangeable_blocks_measured_a_little_unevenly_are_not_moved_on_nois
 
 def test_a_stage_that_runs_the_same_blocks_slower_on_every_sample_is_a_slower_device():
     """Same kind on both stages, stage 1 60% slower on every sample: its device is slower (a straggler, an older
-    GPU), so blocks leave it once three samples after the first (start-up) agree, and the next confirms the
-    plan; the plan says how fast each stage runs."""
-    assert _noisy_balanced(("Block#a1", "Block#a1"), samples=4) is None
-    plan = _noisy_balanced(("Block#a1", "Block#a1"), samples=5)
+    GPU), so blocks leave it once three samples after the first (start-up) agree: a factor that many samples
+    named is known, and its plan is not held for another search; the plan says how fast each stage runs."""
+    assert _noisy_balanced(("Block#a1", "Block#a1"), samples=3) is None
+    plan = _noisy_balanced(("Block#a1", "Block#a1"), samples=4)
     assert plan is not None and [len(s) for s in plan.stages] == [5, 3]
     assert plan.stage_speeds == (1.0, 1.6)
 

@@ -98,8 +98,8 @@ class OnlinePlanner:
         self._left: set[tuple[tuple[int, ...], ...]] = set()  # placements moved away from since the last alert
         self._speed_samples = SpeedSamples(_WEAK_SPEED_SAMPLES)  # the last samples' factors
         self._alerted = False  # since the last alert, fewer samples name a slower stage
-        # since the last alert, until a plan went: (whether blocks froze, the stages' factors before it)
-        self._change: tuple[bool, tuple[float, ...] | None] | None = None
+        self._froze = False  # a pulse reported blocks frozen since the last plan went
+        self._planned_speeds: tuple[float, ...] | None = None  # the stages' factors when the last plan went
         self._moving: dict[int, int] = {}  # epoch -> bytes, of the moves sent whose cost no sample has told yet
         self._reported_speeds: tuple[float, ...] | None = None
         self._srp: Any = None
@@ -159,7 +159,7 @@ class OnlinePlanner:
             return None
         speeds = self.speeds if self.speeds is not None and len(self.speeds) == current.num_stages else None
         plan = replace(proposal.plan, stage_speeds=speeds)
-        self._change = None
+        self._froze, self._planned_speeds = False, self.speeds
         if plan.stages != current.stages:
             self._left.add(current.stages)
             self._moving[plan.epoch] = proposal.migration_bytes
@@ -189,14 +189,16 @@ class OnlinePlanner:
         self._left.clear()
         self._speed_samples.drop_before(since)
         self._alerted = True
-        self._change = (ratio == 1.0, self.speeds)  # a pulse reports a freeze with ratio 1.0
+        self._froze = self._froze or ratio == 1.0  # a pulse reports a freeze with ratio 1.0
         self._fresh_after = self._epoch if self._epoch is not None else -1
 
     def _known_change(self) -> bool:
-        """Whether what the pulse reported is known, not guessed: blocks froze (a count of trainable parameters),
-        or the stages' factors differ from before the alert (two samples after it agreed). The first plan for it
-        then goes without waiting for another search: the alert and those samples confirmed it already."""
-        return self._change is not None and (self._change[0] or self._change[1] not in (None, self.speeds))
+        """Whether the imbalance comes from a change that is known, not guessed: blocks froze (a pulse counted
+        trainable parameters), or a stage's factor is 25% off what it was when the last plan went (the samples
+        that name a factor agree already). The plan for it then goes without waiting for another search."""
+        now = self.speeds or ()
+        before = self._planned_speeds or (1.0,) * len(now)
+        return self._froze or len(before) != len(now) or any(abs(a / b - 1.0) > 0.25 for a, b in zip(now, before))
 
     def _confirmed(self, proposal: Proposal, iteration: int, *, at_once: bool,
                    reprice: Callable[[Plan], Proposal | None]) -> Proposal | None:
