@@ -21,7 +21,8 @@ def test_blocks_leave_a_slower_rank_and_training_is_bitwise_the_same(tmp_path):
         speeds[0]["msg"]
     plans = _events(result["log"], "plan")
     assert plans and plans[0]["stage_speeds"][0] == 1.0 and plans[0]["stage_speeds"][1] > 1.25
-    # the first samples are at steps 1, 3, 5: three that agree name the slow stage, the next confirms the plan
+    # samples at steps 1 (start-up), 3, 5, 7: three that agree name the slow stage, and its plan goes at once
+    # (applied about step 11; 15 leaves room for a busy machine's late samples)
     first = min(r["step"] for r in _events(result["log"], "plan_applied"))
     assert first <= 15, f"the first move took effect at step {first}"
     assert_trains_like_plain(result)
