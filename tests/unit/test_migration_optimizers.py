@@ -49,6 +49,17 @@ def test_a_container_whose_parts_are_not_one_per_stage_is_refused_saying_what_to
         optimizer_parts(Container([]), modules)
 
 
+def test_several_optimizers_that_each_train_every_stage_of_the_rank_are_one_set():
+    """The Muon recipe over interleaved stages: Muon for both stages' matrices, AdamW for both stages' biases (the
+    fuzzer's extra=muon draws were refused before)."""
+    modules = stages()
+    both = [*modules[0].parameters(), *modules[2].parameters()]
+    muon = torch.optim.SGD([p for p in both if p.ndim == 2], lr=0.1)
+    adamw = torch.optim.AdamW([p for p in both if p.ndim == 1])
+    combined = optimizer_parts([muon, adamw], modules)
+    assert isinstance(combined, StageOptimizers) and combined.parts == [muon, adamw]
+
+
 def test_a_layer_arriving_on_a_stage_joins_that_stages_part_with_its_state():
     sender, receiver = stages(), stages()
     send_parts = [torch.optim.AdamW(sender[v].parameters()) for v in (0, 2)]

@@ -129,7 +129,8 @@ def optimizer_parts(optimizer: Any, stages: Mapping[int, nn.Module]) -> torch.op
     several), an :class:`OptimizerParts` where each stage has its own (torchtitan's one per model part).
 
     An optimizer that trains parameters of two stages, beside another that trains one of them, is refused: a
-    moved parameter could not tell which of them it belongs to on the next stage.
+    moved parameter could not tell which of them it belongs to on the next stage. Several optimizers that each
+    train every stage of the rank (the Muon recipe over interleaved stages) are one set, and allowed.
     """
     parts = _parts(optimizer)
     if parts is None:
@@ -145,7 +146,8 @@ def optimizer_parts(optimizer: Any, stages: Mapping[int, nn.Module]) -> torch.op
             raise ValueError(f"vpipe.attach: none of the {len(parts)} optimizers given holds a parameter of stage "
                              f"{v}; pass the optimizers of every stage this rank runs")
     shared = {i for v, mine in owners.items() for i in mine if any(i in owners[w] for w in owners if w != v)}
-    if shared and any(len(mine) > 1 for mine in owners.values()):
+    one_set = len({tuple(mine) for mine in owners.values()}) == 1  # the same optimizers train every stage
+    if shared and not one_set and any(len(mine) > 1 for mine in owners.values()):
         raise ValueError(f"vpipe.attach: optimizer(s) {sorted(shared)} train several of this rank's stages while a "
                          "stage has several optimizers; give each stage its own optimizers (as torchtitan builds "
                          "one per model part), or one set over all of them")
