@@ -27,10 +27,11 @@ from fuzz.trainer import Copy
 RTOL, ATOL = 5e-3, 1e-6
 
 
-def _named(d: Draw, c: Copy) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every parameter and buffer of this rank's stages under its global name (shared ones under each name)."""
+def _named(d: Draw, c: Copy, modules: list[torch.nn.Module] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every parameter and buffer of this rank's stages (or of ``modules`` shaped like them: an EMA's copies) under
+    its global name (shared ones under each name)."""
     prefix = f"r{c.replica}/" if d.fsdp else ""
-    for module in c.modules:
+    for module in c.modules if modules is None else modules:
         seen: set[int] = set()
         for i, block in enumerate(container(d, module).children()):
             # a module that is not one of the model's blocks (vpipe put it there) gets a name of its own
@@ -78,6 +79,8 @@ def snapshot(d: Draw, c: Copy) -> dict[str, Any]:
     for name, t in _named(d, c):
         names.setdefault(id(t), name)
         out[name] = _full(t)
+    for name, t in _named(d, c, [average.module for average in c.averages]):
+        out[f"ema:{name}"] = _full(t)
     for o in c.optimizers:
         for g in o.param_groups:
             hyper = json.dumps({k: v for k, v in g.items() if k != "params"}, sort_keys=True, default=str)

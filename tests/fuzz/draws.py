@@ -27,9 +27,12 @@ AXES: dict[str, tuple[Any, ...]] = {
     "block_state": ("plain", "batchnorm", "frozen", "tied", "hook"),
     "fsdp": (False, True),
     "mesh": ("", "dp_pp", "pp_dp"),
-    "nas": ("none", "remove"),  # vp.remove_layers of one block at a step, next to the moves (drawn last)
+    "nas": ("none", "remove"),  # vp.remove_layers of one block at a step, next to the moves
+    # beside the optimizer (drawn last): the Muon recipe (Muon for the blocks' matrices, the drawn optimizer for the
+    # rest: several optimizers a stage), or an EMA of each stage module (AveragedModel) that vpipe carries
+    "extra": ("none", "muon", "ema"),
 }
-LATE = ("fsdp", "mesh", "nas")  # axes drawn after the others, not in the first round of choices
+LATE = ("fsdp", "mesh", "nas", "extra")  # axes drawn after the others, not in the first round of choices
 DERIVED = ("mid_window_plan",)  # properties of a draw that the report groups failures by, next to the axes
 MULTI_STAGE = ("interleaved", "zbv")  # two stages per rank, four stages in all
 FUSED = ("sgd", "adam", "adamw", "adagrad")  # optimizers with a fused CPU kernel in torch 2.13 (RMSprop has none)
@@ -67,6 +70,7 @@ class Draw:
     pinned: tuple[int, ...]  # blocks vpipe must never move (tied pair, hooked block)
     micro_batches: int = MICRO_BATCHES
     nas_remove: tuple[int, ...] = ()  # (step, layer id): the block removed before that step on both copies
+    extra: str = "none"
 
     @property
     def nas(self) -> str:
@@ -109,7 +113,8 @@ class Draw:
         state = self.block_state + (f"(pinned {','.join(map(str, self.pinned))})" if self.pinned else "")
         plans = " ".join(f"@{s}:{','.join(map(str, c))}" for s, c, _ in self.plans)
         nas = f" nas=remove L{self.nas_remove[1]}@{self.nas_remove[0]}" if self.nas_remove else ""
-        return (f"seed={self.seed} {self.shape}/{self.schedule} {impl} groups={self.groups} "
+        extra = f" extra={self.extra}" if self.extra != "none" else ""
+        return (f"seed={self.seed} {self.shape}/{self.schedule} {impl}{extra} groups={self.groups} "
                 f"lr={self.lr_scheduler} accum={self.accum} {clip} autocast={self.autocast} state={state} "
                 f"{'fsdp(' + self.mesh + ') ' if self.fsdp else ''}L{self.layers} "
                 f"{','.join(map(str, self.counts))} pol={self.policies} plans {plans}{nas}")
@@ -207,8 +212,10 @@ def draw(seed: int, fsdp_every: int = FSDP_EVERY) -> Draw:
         last = new
     policies = _policies(rng, layers)
     nas, plans = _removal(rng, fsdp, steps, counts, plans, tuple(pinned))
+    # FSDP2 draws: Muon has no DTensor support, and an AveragedModel copy of a sharded root is not what users keep
+    extra = "none" if fsdp else rng.choice(AXES["extra"])
     return Draw(seed=seed, fsdp=fsdp, mesh=mesh, layers=layers, counts=counts, steps=steps, policies=policies,
-                plans=tuple(plans), pinned=tuple(pinned), nas_remove=nas, **pick)
+                plans=tuple(plans), pinned=tuple(pinned), nas_remove=nas, extra=extra, **pick)
 
 
 def _restore(d: Draw, at: int, counts: tuple[int, ...], policies: str) -> tuple[int, tuple[int, ...], str]:

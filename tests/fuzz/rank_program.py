@@ -122,6 +122,8 @@ def train_draw(d: Draw, st: DrawState, log_file: Path, mixed_autodetect: bool) -
         # ``layers`` by itself every time, mixed draws name it (--mixed-autodetect leaves it out)
         options["layers"] = "layers"
     moved = copies["vpipe"]
+    if moved.averages:
+        options["carry"] = list(moved.averages)
     st.vp = vp = vpipe.attach(moved.schedule, optimizer=moved.optimizer_arg, **options)
 
     def request(after_removal: bool) -> None:

@@ -43,6 +43,7 @@ class Copy:
     dp_group: Any = None
     replica: int = 0
     losses: list[list[float]] = field(default_factory=list)
+    averages: list[Any] = field(default_factory=list)  # extra=ema: an AveragedModel of each stage module
 
     @property
     def optimizer_arg(self) -> Any:
@@ -155,9 +156,66 @@ def build(d: Draw, name: str, parts: Any, pp_group: Any, pp_rank: int, dp_mesh: 
         optimizers = [_optimizer(d, _groups(d, [(v, m)], lr)) for v, m in zip(stages, modules)]
     else:
         optimizers = [_optimizer(d, _groups(d, list(zip(stages, modules)), lr))]
+    if d.extra == "muon":
+        optimizers = [o for optimizer in optimizers for o in _with_muon(d, optimizer, modules)]
     schedulers = [s for s in (_lr_scheduler(d, o) for o in optimizers) if s is not None]
+    averages = [_ema(m, carried=name == "vpipe") for m in modules] if d.extra == "ema" else []
     return Copy(name, stages, modules, schedule, optimizers, schedulers, pp_group,
-                dp_group=dp_mesh.get_group() if dp_mesh is not None else None, replica=replica)
+                dp_group=dp_mesh.get_group() if dp_mesh is not None else None, replica=replica, averages=averages)
+
+
+def _with_muon(d: Draw, optimizer: torch.optim.Optimizer, modules: list[nn.Module]) -> list[torch.optim.Optimizer]:
+    """The Muon recipe: the blocks' 2-D weights leave ``optimizer`` for a Muon of their own (norms, biases,
+    embeddings and the head stay): two optimizers over the same stages."""
+    from fuzz.models import container
+
+    matrices = {id(p) for m in modules for p in container(d, m).parameters() if p.ndim == 2 and p.requires_grad}
+    mine = [p for g in optimizer.param_groups for p in g["params"] if id(p) in matrices]
+    for g in optimizer.param_groups:
+        g["params"] = [p for p in g["params"] if id(p) not in matrices]
+    rest = [g for g in optimizer.param_groups if g["params"]]
+    parts = [torch.optim.Muon(mine, lr=0.02, momentum=0.9, weight_decay=0.01)] if mine else []
+    if rest:
+        optimizer.param_groups[:] = rest
+        parts.append(optimizer)
+    return parts
+
+
+def _ema(module: nn.Module, carried: bool) -> Any:
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    if carried:
+        return AveragedModel(module, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    return PlainEMA(module)
+
+
+class PlainEMA:
+    """The plain copy's EMA: ``AveragedModel``'s arithmetic (its first update copies, later ones
+    ``get_ema_multi_avg_fn``; buffers copied from the model, as ``use_buffers=False`` does) over a copy of the stage
+    module, but not an ``AveragedModel``: both copies live in one
+    process, and vpipe's scan at attach takes an AveragedModel whose parameters are named as its stage's for an
+    average of that stage (it would keep the vpipe copy's blocks from moving)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        import copy
+
+        from torch.optim.swa_utils import get_ema_multi_avg_fn
+
+        self.module = copy.deepcopy(module)
+        self._average = get_ema_multi_avg_fn(0.9)
+        self.n_averaged = 0
+
+    def update_parameters(self, model: nn.Module) -> None:
+        mine = [p.detach() for p in self.module.parameters()]
+        theirs = [p.detach() for p in model.parameters()]
+        if self.n_averaged == 0:
+            for a, b in zip(mine, theirs):
+                a.copy_(b)
+        else:
+            self._average(mine, theirs, torch.tensor(self.n_averaged))
+        for a, b in zip(self.module.buffers(), model.buffers()):
+            a.detach().copy_(b.detach())
+        self.n_averaged += 1
 
 
 def _clip_global(c: Copy, aux_group: Any) -> None:
@@ -199,6 +257,8 @@ def train_step(d: Draw, c: Copy, step: int, aux_group: Any) -> None:
             torch.nn.utils.clip_grad_norm_(m.parameters(), STAGE_CLIP_NORM)
     for o in c.optimizers:
         o.step()
+    for average, module in zip(c.averages, c.modules):
+        average.update_parameters(module)
     for s in c.lr_schedulers:
         s.step()
     for o in c.optimizers:
@@ -206,22 +266,33 @@ def train_step(d: Draw, c: Copy, step: int, aux_group: Any) -> None:
 
 
 def remove_block(d: Draw, c: Copy, layer_id: int) -> None:
-    """What a trainer without vpipe does to drop a block (a NAS step): out of its container and its optimizer."""
+    """What a trainer without vpipe does to drop a block (a NAS step): out of its container, its optimizer and its
+    EMA's copy of the stage."""
+    for average in c.averages:
+        _drop(d, average.module, layer_id)
+    for module in c.modules:
+        block = _drop(d, module, layer_id)
+        if block is None:
+            continue
+        gone = {id(p) for p in block.parameters()}
+        for o in c.optimizers:
+            for g in o.param_groups:
+                g["params"] = [p for p in g["params"] if id(p) not in gone]
+            for p in [p for p in o.state if id(p) in gone]:
+                del o.state[p]
+        return
+
+
+def _drop(d: Draw, module: nn.Module, layer_id: int) -> nn.Module | None:
+    """Take block ``layer_id`` out of ``module``'s container: the block, or None where the module does not hold it."""
     from fuzz.models import container
 
-    for module in c.modules:
-        blocks = container(d, module)
-        for position, (key, block) in enumerate(list(blocks.named_children())):
-            if getattr(block, "layer_id", None) != layer_id:
-                continue
-            gone = {id(p) for p in block.parameters()}
+    blocks = container(d, module)
+    for position, (key, block) in enumerate(list(blocks.named_children())):
+        if getattr(block, "layer_id", None) == layer_id:
             if isinstance(blocks, nn.ModuleDict):
                 del blocks[key]
             else:  # Sequential and ModuleList renumber what follows
                 del blocks[position]
-            for o in c.optimizers:
-                for g in o.param_groups:
-                    g["params"] = [p for p in g["params"] if id(p) not in gone]
-                for p in [p for p in o.state if id(p) in gone]:
-                    del o.state[p]
-            return
+            return block
+    return None
