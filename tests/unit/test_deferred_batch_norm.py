@@ -36,8 +36,11 @@ from vpipe.stage.batch_norm import (
     DeferredBatchNorm1d,
     DeferredBatchNorm2d,
     DeferredNorms,
+    accumulated,
+    arriving,
     commit_batch_norms,
     defer_batch_norms,
+    handed_over,
     paused,
     restore_batch_norms,
 )
@@ -369,3 +372,31 @@ def test_a_block_compiled_with_fullgraph_defers_too():
         whole(deferred[0](torch.cat(xs)))
     for name, value in whole.state_dict().items():
         torch.testing.assert_close(deferred[1].state_dict()[name], value, **TOL, msg=name)
+
+
+def test_a_block_streamed_mid_step_updates_once_for_the_sender_s_mini_batch_and_once_for_this_one():
+    """A streamed PipeDream move: micro-batches before the switch ran on the sender (an earlier mini-batch), those
+    from it run on the receiver's clone before the sender's state arrives at the hand-over."""
+    torch.manual_seed(0)
+    source = nn.Sequential(nn.BatchNorm1d(4, momentum=None))
+    defer_batch_norms(source)
+    xs = [torch.randn(6, 4) * (1 + i) + i for i in range(4)]
+    for x in xs[:2]:  # the sender's last micro-batches (its mini-batch's end)
+        source(x)
+    target = clone_block(source)
+    arriving(target)  # joins the receiver's forwards at the switch, its tensors still empty
+    for x in xs[2:]:
+        target(x)
+    commit_batch_norms(target)  # a step's end before the hand-over: the update waits for the sender's part
+    assert target[0].deferred_count.item() == 12
+    early = accumulated(target)
+    unpack_layer(pack_layer(3, source, None), target, None)
+    handed_over(target, early)
+    commit_batch_norms(target)
+    reference = nn.BatchNorm1d(4, momentum=None)
+    with torch.no_grad():
+        reference(torch.cat(xs[:2]))
+        reference(torch.cat(xs[2:]))
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(target[0].state_dict()[name], value, **TOL, msg=name)
+    assert target[0].num_batches_tracked.item() == 2

@@ -26,6 +26,7 @@ uninitialised tensors to learn shapes; :class:`DeferredNorms` keeps those forwar
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -40,7 +41,7 @@ from vpipe.stage.pipeline import LocalStage
 
 __all__ = ["DeferredBatchNorm", "DeferredBatchNorm1d", "DeferredBatchNorm2d", "DeferredBatchNorm3d",
            "ACCUMULATORS", "defer_batch_norms", "commit_batch_norms", "restore_batch_norms", "DeferredNorms",
-           "paused"]
+           "paused", "arriving", "accumulated", "handed_over"]
 
 ACCUMULATORS = ("deferred_count", "deferred_mean", "deferred_m2")  # the buffers a deferred BatchNorm adds
 
@@ -79,16 +80,22 @@ class DeferredBatchNorm(BatchNormBase):
             self._accumulate(mean, var, input.numel() // input.size(1))
         return out
 
-    @torch.no_grad()
     def _accumulate(self, mean: torch.Tensor, var: torch.Tensor, n: int) -> None:
-        """Merge one micro-batch (``n`` values per channel, its mean and unbiased variance), in place and
-        without a host sync: the buffers stay the tensors a replay or a move's payload knows."""
+        """Merge one micro-batch: ``n`` values per channel, their mean and unbiased variance."""
+        self.merge(n, mean, var.to(self.deferred_m2.dtype) * (n - 1))
+
+    @torch.no_grad()
+    def merge(self, n: torch.Tensor | int, mean: torch.Tensor, m2: torch.Tensor) -> None:
+        """Merge a part (``n`` values per channel, their mean, their sum of squared deviations) into the
+        accumulators, in place and without a host sync: the buffers stay the tensors a replay or a move's
+        payload knows."""
         acc = self.deferred_mean
         count = self.deferred_count.to(acc.dtype)
-        share = n / (count + n)
+        n_ = n.to(acc.dtype) if isinstance(n, torch.Tensor) else n
+        share = n_ / (count + n_).clamp(min=1)  # (both empty: nothing moves)
         delta = mean.to(acc.dtype) - acc
         acc.add_(delta * share)
-        self.deferred_m2.add_(var.to(acc.dtype) * (n - 1) + delta * delta * (count * share))
+        self.deferred_m2.add_(m2.to(acc.dtype) + delta * delta * (count * share))
         self.deferred_count.add_(n)
 
     @torch.no_grad()
@@ -159,16 +166,50 @@ def defer_batch_norms(module: nn.Module) -> int:
     return changed
 
 
+def _deferred(module: nn.Module) -> list[DeferredBatchNorm]:
+    return [m for m in module.modules() if isinstance(m, DeferredBatchNorm)]
+
+
 def commit_batch_norms(module: nn.Module) -> None:
-    """The end of a mini-batch: every deferred BatchNorm in ``module`` updates its running statistics once."""
-    for m in module.modules():
-        if isinstance(m, DeferredBatchNorm):
+    """The end of a mini-batch: every deferred BatchNorm in ``module`` updates its running statistics once
+    (one whose state is still on its way, :func:`arriving`, waits for it)."""
+    for m in _deferred(module):
+        if m not in _ARRIVING:
             m.commit()
+
+
+# the deferred BatchNorms of blocks that joined a stage's forwards before their state arrived (a streamed PipeDream
+# move, vpipe.migration.stream): the sender's running statistics and accumulators are still to come
+_ARRIVING: weakref.WeakSet[DeferredBatchNorm] = weakref.WeakSet()
+
+
+def arriving(block: nn.Module) -> None:
+    """``block`` (an empty clone) runs forwards before its state arrives: its deferred BatchNorms accumulate from
+    empty and are not committed until :func:`handed_over`."""
+    for m in _deferred(block):
+        for name in ACCUMULATORS:
+            getattr(m, name).zero_()
+        _ARRIVING.add(m)
+
+
+def accumulated(block: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """A copy of what ``block``'s deferred BatchNorms accumulated (count, mean, squared deviations), in order."""
+    return [(m.deferred_count.clone(), m.deferred_mean.clone(), m.deferred_m2.clone()) for m in _deferred(block)]
+
+
+def handed_over(block: nn.Module, early: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+    """``block``'s state arrived, the sender's accumulators with it: those are of micro-batches before the switch,
+    so of an earlier mini-batch than ``early`` (what it accumulated here before, :func:`accumulated`, taken before
+    the state was loaded), and make their own update now; then ``early`` is merged in, for this step's."""
+    for m, (n, mean, m2) in zip(_deferred(block), early):
+        m.commit()
+        m.merge(n, mean, m2)
+        _ARRIVING.discard(m)
 
 
 def restore_batch_norms(module: nn.Module) -> None:
     """Every deferred BatchNorm in ``module`` back to torch's class, what it accumulated committed first."""
-    for m in [m for m in module.modules() if isinstance(m, DeferredBatchNorm)]:
+    for m in _deferred(module):
         m.commit()
         for name in ACCUMULATORS:
             delattr(m, name)
