@@ -58,3 +58,24 @@ def test_moved_blocks_keep_deferring_and_their_statistics_equal_one_process(tmp_
     assert result["placement"] == [[0, 1, 2, 3, 4], [5, 6, 7]]
     assert moved(result["log"]) == {4, 5}
     assert_matches_reference(result)
+
+
+
+def test_under_pipedream_each_step_commits_once_as_the_schedule_without_vpipe_would(tmp_path):
+    """vpipe's PipeDream schedule (no flush) against the same schedule without vpipe, side by side, its
+    BatchNorms deferred by hand and committed after each ``step()``: the same statistics, bit for bit."""
+    result = run_norms(tmp_path, "pipedream_still")
+    assert result["vpipe"] == result["reference"]
+    assert [result["vpipe"][f"layers.{i}.bn.num_batches_tracked"] for i in range(8)] == [STEPS] * 8
+
+
+def test_blocks_streamed_mid_step_under_pipedream_take_one_update_per_step(tmp_path):
+    """A streamed move switches at a micro-batch inside a step: the block's accumulators go with its state at the
+    hand-over, the sender's part makes its own update (an earlier mini-batch's), the receiver's joins this
+    step's. (A moved layer runs on another stage's weight versions, so there is no statistic to compare.)"""
+    result = run_norms(tmp_path, "pipedream_moves")
+    assert result["placement"] == [[0, 1, 2, 3, 4], [5, 6, 7]]
+    assert [result["vpipe"][f"layers.{i}.bn.num_batches_tracked"] for i in range(8)] == [STEPS] * 8
+    for name, value in result["vpipe"].items():
+        assert torch.isfinite(torch.tensor(value, dtype=torch.float64)).all(), name
+    assert result["classes"] == ["DeferredBatchNorm1d"] and result["classes_after_detach"] == ["BatchNorm1d"]

@@ -9,7 +9,8 @@ affine or not) so every form of the update is seen. Scenarios (``argv[1]``): ``s
 trains the reference in one process: the same micro-batches, each BatchNorm normalising each micro-batch on
 its own (what the pipeline computes) and its running statistics updated once per step by torch's BatchNorm
 run on everything it saw in the step (one pass over the whole mini-batch). It writes both models' state
-dicts (the ranks' merged by global key), the placement and vpipe's log to ``argv[2]``.
+dicts (the ranks' merged by global key), the placement and vpipe's log to ``argv[2]``. ``pipedream_still`` and
+``pipedream_moves`` run vpipe's PipeDream schedule instead (:func:`pipedream`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from block_worker import COUNTS, DIM, PLANS, Net, pipeline_step, split  # this directory is on the path
+from block_worker import COUNTS, DIM, LAYERS, PLANS, Net, pipeline_step, split  # this directory is on the path
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
@@ -74,6 +75,54 @@ def pipelined(scenario: str) -> dict[str, Any]:
             "classes": deferred, "classes_after_detach": plain_after_detach}
 
 
+def pipedream(scenario: str) -> dict[str, Any]:
+    """vpipe's PipeDream schedule: no flush, a step's forwards and backwards belong to different micro-batches and
+    weights are stashed versions, so the reference is the same schedule without vpipe, side by side, its
+    BatchNorms made deferred by hand and committed at each step's end (and torch's shape inference paused).
+    In ``pipedream_moves`` vpipe's copy streams blocks between the stages mid-step (6,2 -> 4,4 -> 5,3): a moved
+    layer then runs on another stage's weight versions, so only the updates are counted, not compared."""
+    from collections import OrderedDict
+
+    import vpipe
+    from vpipe.compat.torch_distributed import single_stage, wrap_shape_inference
+    from vpipe.plan import Plan
+    from vpipe.stage.batch_norm import commit_batch_norms, defer_batch_norms, paused
+
+    rank = dist.get_rank()
+    first = sum(COUNTS[:rank])
+
+    def build(group: Any) -> tuple[nn.Module, Any]:
+        torch.manual_seed(0)
+        blocks = [NormBlock(i) for i in range(LAYERS)]
+        module = nn.Sequential(OrderedDict((str(i), blocks[i]) for i in range(first, first + COUNTS[rank])))
+        stage = PipelineStage(module, rank, len(COUNTS), torch.device("cpu"), group=group)
+        return module, vpipe.SchedulePipeDream(stage, MICRO, F.mse_loss, torch.optim.SGD(module.parameters(), lr=LR))
+
+    copies = {"plain": build(dist.new_group(backend="gloo")), "vpipe": build(None)}
+    plain_module, plain_schedule = copies["plain"]
+    defer_batch_norms(plain_module)
+    wrap_shape_inference(single_stage(plain_schedule), paused)
+    module, schedule = copies["vpipe"]
+    vp = vpipe.attach(schedule, optimizer=schedule.optimizer, planning=False, deferred_batch_norm=True)
+    for epoch, (step, stages) in enumerate(sorted(PLANS.items() if scenario == "pipedream_moves" else []), start=1):
+        vp.request_plan(Plan(epoch=epoch, stages=stages), at_step=step)
+    for step in range(STEPS):
+        x, y = batch(step)
+        for _, sched in copies.values():
+            sched.step(x) if rank == 0 else sched.step(target=y, losses=[])
+        commit_batch_norms(plain_module)
+    for _, sched in copies.values():
+        sched.flush()
+    commit_batch_norms(plain_module)
+    deferred = sorted({type(m).__name__ for m in module.modules() if isinstance(m, nn.BatchNorm1d)})
+    placement = [list(s) for s in vp.placement]
+    vp.detach()
+    return {"state": {f"layers.{k}": v.tolist() for k, v in module.state_dict().items()},
+            "plain": {f"layers.{k}": v.tolist() for k, v in plain_module.state_dict().items()},
+            "placement": placement, "classes": deferred, "classes_after_detach": sorted(
+                {type(m).__name__ for m in module.modules() if isinstance(m, nn.BatchNorm1d)})}
+
+
 def reference() -> dict[str, list[Any]]:
     """One process, the whole model, the same micro-batches; each BatchNorm's running statistics updated once a
     step by torch's own BatchNorm on the concatenation of what it saw (the pipeline's per-micro-batch outputs)."""
@@ -106,13 +155,15 @@ def main() -> None:
     scenario, out = sys.argv[1], sys.argv[2]
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    result = pipelined(scenario)
+    result = (pipedream if scenario.startswith("pipedream") else pipelined)(scenario)
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, result)
     if dist.get_rank() == 0:
         merged = {k: v for r in gathered for k, v in r["state"].items()}
+        side = scenario.startswith("pipedream")  # the schedule without vpipe, side by side; else one process
+        plain = {k: v for r in gathered for k, v in r["plain"].items()} if side else reference()
         Path(out).write_text(json.dumps({
-            "vpipe": merged, "reference": reference(), "placement": result["placement"],
+            "vpipe": merged, "reference": plain, "placement": result["placement"],
             "classes": sorted({c for r in gathered for c in r["classes"]}),
             "classes_after_detach": sorted({c for r in gathered for c in r["classes_after_detach"]})}))
     dist.barrier()
