@@ -58,6 +58,7 @@ from vpipe.rank.state import restore_vpipe_state, vpipe_state
 from vpipe.rank.steps import MicroBatchCounter, StepDriver
 from vpipe.rank.tracing import TraceWindow
 from vpipe.settings import Settings
+from vpipe.stage.batch_norm import DeferredNorms
 from vpipe.stage.compiled import hoist_compiled
 from vpipe.stage.fsdp import FsdpRoot, is_fully_sharded
 from vpipe.stage.optimizers import optimizer_parts, raw_optimizers, wrapper_refusal
@@ -122,6 +123,8 @@ class Vpipe:
         self.agreement = StoreAgreement(store, rank=self.pipe_rank, world_size=pipeline.size,
                                         timeout_s=config.agree_timeout_s, pipeline=self.replicas.name)
         placement = agree_on_blocks(self.agreement, pipeline.stages, self.num_stages, config.layers)
+        self.norms = DeferredNorms(pipeline.stages, config.carry) if config.deferred_batch_norm else None
+        self._undo.extend([self.norms.undo] if self.norms is not None else [])
         self.carried = carried_state(pipeline, config.carry, config.on_move, self.agreement, self._who,
                                     refusal=self.engine.carry_refusal)
         peers = check_replicas_alike(
@@ -161,7 +164,7 @@ class Vpipe:
         self.driver = StepDriver(parts, boundary=self.boundary, applier=PlanApplier(parts, self.move_refusal),
                                  micro_batches=pipeline.micro_batches(config.micro_batches),
                                  logs_steps=self.num_stages - 1 in self._local, counter=self._micro_batch_counter(),
-                                 stage_handles=self.stage_handles, trace=trace, metrics=metrics)
+                                 stage_handles=self.stage_handles, trace=trace, metrics=metrics, norms=self.norms)
         self.edits = LayerEdits(parts, agreement=self.agreement, driver=self.driver,
                                 has_factory=config.layer_factory is not None, refusal=capabilities.edits,
                                 who=self._who)
@@ -287,7 +290,8 @@ class Vpipe:
                 mine.append(FsdpRoot(stage.module, stage.blocks.blocks()))
         manager = LayerManager(
             {s.index: s.blocks for s in pipeline.stages if s.blocks is not None}, placement=placement,
-            stage_ranks=pipeline.stage_ranks, optimizer=self.optimizer, factory=self.config.layer_factory,
+            stage_ranks=pipeline.stage_ranks, optimizer=self.optimizer,
+            factory=self.norms.factory(self.config.layer_factory) if self.norms else self.config.layer_factory,
             specs=self.config.specs, messenger=ControlMessenger(self.session.plane, self.pipe_rank),
             channel=TransferChannel(pipeline.device, world_ranks=self.replicas.world_ranks, marks=VoteMarks(
                 self.agreement.job, rank=self.rank, world_size=self.world_size)), device=pipeline.device,

@@ -87,6 +87,9 @@ class VpipeConfig:
     on_move: Callable[[Any], object] | None = None
     policies: Mapping[int, Policy | str] | None = None  # initial keep/swap/recompute per layer (default keep)
     tensor_manager: bool = True
+    # every BatchNorm of the stage modules updates its running statistics once per step, from the whole mini-batch,
+    # not once per micro-batch (vpipe.stage.batch_norm); outputs and gradients stay plain BatchNorm's
+    deferred_batch_norm: bool = False
     min_swap_bytes: int | None = None
     host_pool_bytes: int | None = None
     migration_timeout_s: float = _default("migration_timeout_s")  # default: $VPIPE_MIGRATION_TIMEOUT, else 30
@@ -139,7 +142,7 @@ class VpipeConfig:
         need(self.max_sample_every is None or _int_in(self.max_sample_every, self.sample_every, _MAX_STEPS),
              f"max_sample_every must be an integer >= sample_every ({self.sample_every}) or None, "
              f"got {self.max_sample_every!r}")
-        for name in ("planning", "tensor_manager"):
+        for name in ("planning", "tensor_manager", "deferred_batch_norm"):
             need(isinstance(getattr(self, name), bool), f"{name} must be True or False, got {getattr(self, name)!r}")
         need(isinstance(self.planner, str) and ":" in self.planner,
              f"planner must be 'module:function', got {self.planner!r}")

@@ -28,7 +28,9 @@ What each accessor reaches, by torch area (checked: 2.13.0 for all; fallbacks na
   :data:`infer_device_type` (``torch.utils.checkpoint``'s names with a leading underscore),
   :func:`device_initialized` (``torch.cuda._initialized``; fallback: not initialised),
   :func:`active_device_context` (``torch.overrides._get_current_function_mode_stack``,
-  ``torch.utils._device.DeviceContext``; fallback: none).
+  ``torch.utils._device.DeviceContext``; fallback: none);
+- batch norm: :data:`BatchNormBase` (``torch.nn.modules.batchnorm._BatchNorm``, the base whose forward
+  BatchNorm1d/2d/3d share, the one a deferred BatchNorm replaces).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.autograd import Variable
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.checkpoint import _get_autocast_kwargs, _get_device_module, _infer_device_type
 
 try:
@@ -54,7 +57,7 @@ __all__ = ["child_modules", "parameter_table", "buffer_table", "MODULE_INTERNALS
            "queue_engine_callback", "view_base", "neg_view", "storage_weak_ref", "weak_ref_expired", "free_weak_ref",
            "foreach_copy_", "raw_stream_getter", "profiler_enabled", "compiled_call", "set_compiled_call",
            "call_impl", "compile_wrapper_inner", "get_autocast_kwargs", "get_device_module", "infer_device_type",
-           "device_initialized", "active_device_context"]
+           "device_initialized", "active_device_context", "BatchNormBase"]
 
 
 # ---------------------------------------------------------------------- nn.Module
@@ -217,3 +220,9 @@ def active_device_context() -> contextlib.AbstractContextManager[Any] | None:
         if isinstance(mode, DeviceContext):
             return mode
     return None
+
+
+# ---------------------------------------------------------------------- batch norm
+# BatchNorm1d/2d/3d's common base (their forward, running statistics, ``_check_input_dim``); SyncBatchNorm and the
+# lazy ones derive from it too (checked: 2.13.0)
+BatchNormBase = _BatchNorm

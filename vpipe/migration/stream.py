@@ -9,6 +9,9 @@ spans two processes and the pipeline keeps its in-flight micro-batches. What mus
   to ``S``, produced by the source's optimizer steps), sent as soon as each exists;
 - at the hand-over, after the source applied the update of micro-batch ``S-1``, the live
   parameters, buffers and optimizer state; the target applies the update of ``S``.
+- with ``deferred_batch_norm=``, what the layers' BatchNorms accumulated of the step on the
+  source (micro-batches before ``S``) goes with the buffers at the hand-over and is merged with
+  what the target's forwards from ``S`` accumulated meanwhile (:mod:`vpipe.stage.batch_norm`).
 
 Each micro-batch thus runs on exactly the weight version the schedule's rule gives for the
 stage that runs it, and every update of ``Ls`` is applied once, in micro-batch order. The
@@ -48,6 +51,7 @@ from vpipe.migration.state import (
 )
 from vpipe.migration.transfer import HANDOVER, VERSION, TransferChannel, transfer_tag
 from vpipe.schedules.pipedream import SchedulePipeDream, start_version
+from vpipe.stage.batch_norm import accumulated, arriving, handed_over
 from vpipe.stage.blocks import StageBlocks
 
 __all__ = ["OutgoingStream", "IncomingStream", "version_window", "check_idle", "start_round", "WatchShapes"]
@@ -221,6 +225,8 @@ class IncomingStream:
             return
         new = [(lid, layer, str(lid)) for lid, layer in self.layers.items()]
         self.blocks.insert(0 if self.forward else len(self.blocks.ids), new)
+        for layer in self.layers.values():  # deferred BatchNorms: what they see here waits for the sender's part
+            arriving(layer)
 
     def add_weights(self, version: int, weights: dict[str, torch.Tensor]) -> None:
         if version in self.window:
@@ -245,7 +251,9 @@ class IncomingStream:
         for man in manifests:
             size = payload_bytes(man)
             lid = man["layer"]
+            early = accumulated(self.layers[lid])
             unpack_layer(LayerState(lid, man, buf[offset:offset + size]), self.layers[lid], self.schedule.optimizer)
+            handed_over(self.layers[lid], early)
             offset += size
             for listener in self.listeners:
                 listener.add_layer(lid, self.layers[lid])

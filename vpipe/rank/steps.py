@@ -26,6 +26,7 @@ from vpipe.rank.memory import apply_budgets
 from vpipe.rank.metrics import MetricsWriter
 from vpipe.rank.parts import RankParts
 from vpipe.rank.tracing import TraceWindow
+from vpipe.stage.batch_norm import DeferredNorms
 from vpipe.tensor_manager import HostPoolFullError, MemoryBudgetError, TensorManager
 from vpipe.tensor_manager.layers import input_shapes
 from vpipe.tensor_manager.pipelining import StageHandle
@@ -42,13 +43,14 @@ class StepDriver:
     """Counts steps, applies due plans at each boundary, monitors each step, hands arriving plans on.
 
     ``counter``: a hand-written loop's micro-batch counter (None under a schedule, whose
-    actions number the micro-batches).
+    actions number the micro-batches). ``norms``: the deferred BatchNorms (``deferred_batch_norm=``), told
+    when a step's forwards are over, so that their running statistics take that step's one update.
     """
 
     def __init__(self, parts: RankParts, *, boundary: PlanBoundary, applier: PlanApplier, micro_batches: int,
                  logs_steps: bool, counter: MicroBatchCounter | None = None,
                  stage_handles: Mapping[int, StageHandle] | None = None, trace: TraceWindow | None = None,
-                 metrics: MetricsWriter | None = None) -> None:
+                 metrics: MetricsWriter | None = None, norms: DeferredNorms | None = None) -> None:
         self.parts = parts
         self.session = parts.session
         self.boundary = boundary
@@ -67,6 +69,7 @@ class StepDriver:
         self._input_shapes: tuple[Any, ...] | None = None  # of the last step's inputs
         self.trace = trace  # the timeline window (trace_steps), if any
         self.metrics = metrics  # per-step scalars for TensorBoard / W&B (metrics=), if any
+        self.norms = norms
         self._step_started = time.perf_counter()
 
     def begin(self) -> None:
@@ -98,6 +101,8 @@ class StepDriver:
             raise
         finally:
             self.in_step = False
+        if self.norms is not None:  # every forward the step runs has run
+            self.norms.step_done()
         if not self.parts.engine.streams:  # a flush schedule's step ran every backward: nothing is left in flight
             for manager in self.tensor_managers.values():
                 manager.end_of_step()
@@ -110,6 +115,8 @@ class StepDriver:
         """A hand-written loop's ``optimizer.step()``: the step is over, the next begins."""
         if self.counter is not None:
             self.counter.reset()
+        if self.norms is not None:
+            self.norms.step_done()
         for manager in self.tensor_managers.values():
             manager.end_of_step()  # a hand-written loop tells the manager of no backward
         self.received(self.session.end_step())
