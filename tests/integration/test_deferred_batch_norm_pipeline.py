@@ -79,3 +79,21 @@ def test_blocks_streamed_mid_step_under_pipedream_take_one_update_per_step(tmp_p
     for name, value in result["vpipe"].items():
         assert torch.isfinite(torch.tensor(value, dtype=torch.float64)).all(), name
     assert result["classes"] == ["DeferredBatchNorm1d"] and result["classes_after_detach"] == ["BatchNorm1d"]
+
+
+def test_torchs_own_batchnorm_streamed_mid_step_under_pipedream_loads_without_failing_a_backward(tmp_path):
+    """Without deferral: the hand-over loads the sender's running statistics into a copy whose backwards are still
+    to come, and they saved its old ones; copying into those in place failed them ("modified by an inplace
+    operation", found while testing deferral). The buffers are replaced instead, and training goes on as the
+    same schedule's does without vpipe (per-micro-batch statistics overflow the last stage's running variance in
+    both: this model's own arithmetic, not vpipe's)."""
+    result = run_norms(tmp_path, "pipedream_moves_plain")
+    assert result["placement"] == [[0, 1, 2, 3, 4], [5, 6, 7]]
+    assert result["vpipe"].keys() == result["reference"].keys()
+
+    def overflowing(state: dict) -> list[str]:
+        return sorted(k for k, v in state.items() if not torch.isfinite(torch.tensor(v, dtype=torch.float64)).all())
+
+    assert overflowing(result["vpipe"]) == overflowing(result["reference"])
+    assert all(".bn.running_var" in k for k in overflowing(result["vpipe"]))
+    assert result["classes"] == ["BatchNorm1d"]

@@ -159,3 +159,31 @@ def test_carried_averages_are_matched_to_their_stage_and_left_out_of_the_scan():
     state = carried_state(_pipeline(module), [ema, clones], None, _OneRank(), "stage 0")
     assert [a.kind for a in state.averages[0]] == ["AveragedModel", "dict"]
     assert state.ids == {id(ema), id(clones)}
+
+
+def _two_stages(first: nn.Module, second: nn.Module) -> Pipeline:
+    """Two interleaved stages of one rank built alike (the same names and shapes), as stages 1 and 3."""
+    stages = [LocalStage(v, m, blocks=StageBlocks(m.layers, ids, KeyStyle.IDS, "layers"))
+              for v, m, ids in ((1, first, [0, 1]), (3, second, [2, 3]))]
+    return Pipeline(None, stages, 4, (1, 3), "interleaved1f1b", torch.device("cpu"))
+
+
+def test_an_average_of_one_of_two_stages_built_alike_goes_to_the_stage_it_tracks():
+    torch.manual_seed(0)
+    first, second = _Stage(), _Stage()
+    ema_first, ema_second = AveragedModel(first), AveragedModel(second)
+    with torch.no_grad():  # trained a little since: still far nearer its own stage than the other
+        for p in [*ema_first.parameters(), *ema_second.parameters()]:
+            p.add_(1e-3)
+    state = carried_state(_two_stages(first, second), [ema_second, ema_first], None, _OneRank(), "rank 1")
+    assert [a.averaged is ema_first for a in state.averages[1]] == [True]
+    assert [a.averaged is ema_second for a in state.averages[3]] == [True]
+
+
+def test_an_average_as_near_to_two_stages_built_alike_is_refused_in_one_line():
+    first, second = _Stage(), _Stage()
+    second.load_state_dict(first.state_dict())
+    with pytest.raises(ValueError) as raised:
+        carried_state(_two_stages(first, second), [AveragedModel(first)], None, _OneRank(), "rank 1")
+    assert "carry[0] averages stages [1, 3] of this rank alike" in str(raised.value)
+    assert "\n" not in str(raised.value)

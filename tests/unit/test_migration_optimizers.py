@@ -119,6 +119,33 @@ def test_a_stage_with_muon_and_adamw_reads_as_one_and_a_moved_block_joins_each_k
     assert arriving.weight not in adamw.state and arriving.bias not in muon.state
 
 
+def _adagrad_then_muon(block: nn.Module) -> list[torch.optim.Optimizer]:
+    """Adagrad built over every parameter (it fills its state at construction), then the matrices handed to a
+    Muon of their own: Adagrad keeps state entries for parameters it no longer trains."""
+    adagrad = torch.optim.Adagrad(block.parameters(), lr=0.02, eps=1e-7, weight_decay=0.01)
+    matrices = [p for p in block.parameters() if p.ndim == 2]
+    adagrad.param_groups[0]["params"] = [p for p in block.parameters() if p.ndim != 2]
+    return [torch.optim.Muon(matrices, lr=0.02, eps=1e-7, weight_decay=0.01), adagrad]
+
+
+def test_a_parameter_moves_with_the_state_of_the_optimizer_that_trains_it_and_joins_one_of_its_class():
+    torch.manual_seed(0)
+    sender, receiver = nn.Linear(4, 4), nn.Linear(4, 4)
+    send = optimizer_parts(_adagrad_then_muon(sender), {0: sender})
+    recv = optimizer_parts(_adagrad_then_muon(receiver)[::-1], {1: receiver})  # listed the other way round
+    sender(torch.ones(2, 4)).sum().backward()
+    send.step()
+    assert sorted(send.state[sender.weight]) == ["momentum_buffer"]  # not Adagrad's leftover entry
+    assert len(send.state) == 2 and set(map(id, send.state)) == {id(sender.weight), id(sender.bias)}
+    arriving = nn.Linear(4, 4)
+    register_layer(load_layer(pack_layer(0, sender, send), arriving, recv), recv)
+    adagrad, muon = recv.parts  # the groups agree on lr, eps and weight decay: the class tells them apart
+    assert any(p is arriving.weight for p in muon.param_groups[0]["params"])
+    assert any(p is arriving.bias for p in adagrad.param_groups[0]["params"])
+    assert sorted(muon.state[arriving.weight]) == ["momentum_buffer"]
+    assert sorted(adagrad.state[arriving.bias]) == ["step", "sum"]
+
+
 def test_an_optimizer_wrapper_that_keeps_state_of_its_own_turns_moves_off_naming_it():
     import torch.distributed as dist
     from torch.distributed.optim import ZeroRedundancyOptimizer

@@ -100,20 +100,25 @@ def pipedream(scenario: str) -> dict[str, Any]:
 
     copies = {"plain": build(dist.new_group(backend="gloo")), "vpipe": build(None)}
     plain_module, plain_schedule = copies["plain"]
-    defer_batch_norms(plain_module)
-    wrap_shape_inference(single_stage(plain_schedule), paused)
+    deferring = scenario != "pipedream_moves_plain"  # plain: torch's BatchNorm, updated per micro-batch
+    if deferring:
+        defer_batch_norms(plain_module)
+        wrap_shape_inference(single_stage(plain_schedule), paused)
     module, schedule = copies["vpipe"]
-    vp = vpipe.attach(schedule, optimizer=schedule.optimizer, planning=False, deferred_batch_norm=True)
-    for epoch, (step, stages) in enumerate(sorted(PLANS.items() if scenario == "pipedream_moves" else []), start=1):
+    vp = vpipe.attach(schedule, optimizer=schedule.optimizer, planning=False, deferred_batch_norm=deferring)
+    moving = scenario.startswith("pipedream_moves")
+    for epoch, (step, stages) in enumerate(sorted(PLANS.items() if moving else []), start=1):
         vp.request_plan(Plan(epoch=epoch, stages=stages), at_step=step)
     for step in range(STEPS):
         x, y = batch(step)
         for _, sched in copies.values():
             sched.step(x) if rank == 0 else sched.step(target=y, losses=[])
-        commit_batch_norms(plain_module)
+        if deferring:
+            commit_batch_norms(plain_module)
     for _, sched in copies.values():
         sched.flush()
-    commit_batch_norms(plain_module)
+    if deferring:
+        commit_batch_norms(plain_module)
     deferred = sorted({type(m).__name__ for m in module.modules() if isinstance(m, nn.BatchNorm1d)})
     placement = [list(s) for s in vp.placement]
     vp.detach()

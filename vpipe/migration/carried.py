@@ -172,6 +172,20 @@ def _tensors(module: nn.Module) -> dict[str, torch.Tensor]:
     return dict([*module.named_parameters(), *module.named_buffers()])
 
 
+def _nearest(found: list[LocalStage], values: dict[str, torch.Tensor]) -> list[LocalStage]:
+    """Of stages whose parameters an average matches by name and shape (interleaved stages built alike), the one
+    it averages: an average tracks its own stage's weights (equals them when just made), far nearer than another
+    stage's, which started from other values; ``found`` as it was when no stage is clearly nearest."""
+    def distance(stage: LocalStage) -> float:
+        mine = _tensors(stage.module)
+        return sum(float((values[n].detach().double() - mine[n].detach().double()).square().sum())
+                   for n in values if n in mine and not isinstance(values[n], DTensor)
+                   and values[n].is_floating_point())
+    ranked = sorted(found, key=distance)
+    best, second = distance(ranked[0]), distance(ranked[1])
+    return [ranked[0]] if best < 0.5 * second else found
+
+
 def _stage_of(i: int, item: Any, stages: Sequence[LocalStage]) -> LocalStage:
     """The local stage whose module ``item`` (``carry[i]``) averages, or a ``ValueError`` saying why none."""
     what = f"vpipe.attach: carry[{i}]"
@@ -205,8 +219,11 @@ def _stage_of(i: int, item: Any, stages: Sequence[LocalStage]) -> LocalStage:
                          "or a dict of tensors keyed by its parameter names (on_move= hears of moves for anything "
                          "else)")
     if len(found) > 1:
-        raise ValueError(f"{what} averages stages {[s.index for s in found]} of this rank alike; carry one average "
-                         "per stage module, named as that module's parameters are")
+        found = _nearest(found, values)
+    if len(found) > 1:
+        raise ValueError(f"{what} averages stages {[s.index for s in found]} of this rank alike (the same names and "
+                         "shapes, and values as near to each); carry one average per stage module, made from it "
+                         "before training (as AveragedModel(stage_module) is)")
     if any(isinstance(t, DTensor) for t in values.values()):
         raise ValueError(f"{what} holds sharded tensors (DTensor): carried averages must be whole tensors")
     return found[0]

@@ -35,23 +35,22 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from vpipe.migration.cloning import validate_block_info
+from vpipe.migration.loading import (
+    DTYPES,
+    dtype_name,
+    like_owner,
+    load_buffer,
+    load_grad,
+    load_tensor,
+    lookup,
+)
 from vpipe.stage.groups import group_settings, matching_group
+from vpipe.stage.optimizers import group_kinds
 
 __all__ = ["LayerState", "LoadedLayer", "pack_layer", "load_layer", "register_layer", "unpack_layer",
            "decode_tensor", "attach_to_optimizer", "detach_from_optimizer", "validate_manifest"]
 
-_DTYPES = {str(d).removeprefix("torch."): d for d in (
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
-)}
 _PLAIN = (bool, int, float, str, type(None))
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    name = str(dtype).removeprefix("torch.")
-    if name not in _DTYPES:
-        raise ValueError(f"cannot migrate tensors of dtype {dtype}")
-    return name
 
 
 @dataclass
@@ -159,6 +158,7 @@ def pack_layer(layer_id: int, module: nn.Module, optimizer: torch.optim.Optimize
     tensors: list[torch.Tensor] = []
     sent: dict[int, int] = {}
     settings: dict[str, dict[str, Any]] = {}
+    kinds = group_kinds(optimizer) if optimizer is not None else []
     for name, p in module.named_parameters():
         local, mark = _local(p.detach())
         g = groups.get(id(p))
@@ -167,7 +167,7 @@ def pack_layer(layer_id: int, module: nn.Module, optimizer: torch.optim.Optimize
         _grad_entry(name, p, entries, tensors)
         _optimizer_entries(name, p, optimizer, entries, tensors, sent)
         if g is not None and optimizer is not None:
-            settings.setdefault(str(g), group_settings(optimizer.param_groups[g]))
+            settings.setdefault(str(g), group_settings(optimizer.param_groups[g], kinds[g]))
     for name, b in module.named_buffers():
         local, mark = _local(b)
         entries.append(_entry("buffer", name, local, **mark))
@@ -225,12 +225,12 @@ def _validate_tensor_entry(e: dict[str, Any], layer: int) -> None:
     shape, dtype, nbytes = e.get("shape"), e.get("dtype"), e.get("nbytes")
     if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
         raise ValueError(f"layer {layer}: entry {e['name']!r} has a bad shape {shape!r}")
-    if dtype not in _DTYPES:
+    if dtype not in DTYPES:
         raise ValueError(f"layer {layer}: entry {e['name']!r} has an unknown dtype {dtype!r}")
     numel = 1
     for d in shape:
         numel *= d
-    if nbytes != numel * torch.empty((), dtype=_DTYPES[dtype]).element_size():
+    if nbytes != numel * torch.empty((), dtype=DTYPES[dtype]).element_size():
         raise ValueError(f"layer {layer}: entry {e['name']!r} claims {nbytes!r} bytes for shape {shape}")
     if not isinstance(e.get("shard", False), bool):
         raise ValueError(f"layer {layer}: entry {e['name']!r} has a bad shard mark {e['shard']!r}")
@@ -251,7 +251,7 @@ def decode_tensor(raw: torch.Tensor, entry: dict[str, Any]) -> torch.Tensor:
     The byte slice may start at any offset of the received buffer, so it is copied into a
     new tensor of the entry's dtype instead of being viewed as that dtype.
     """
-    dtype = _DTYPES[entry["dtype"]]
+    dtype = DTYPES[entry["dtype"]]
     value = torch.empty(entry["shape"], dtype=dtype, device=raw.device)
     if entry["nbytes"]:
         value.reshape(-1).view(torch.uint8).copy_(raw)
@@ -300,20 +300,20 @@ def load_layer(state: LayerState, module: nn.Module, optimizer: torch.optim.Opti
         value = decode_tensor(state.payload[offset:offset + e["nbytes"]], e)
         offset += e["nbytes"]
         if e["kind"] == "param":
-            target = _lookup(params, e["name"], state.layer_id, "parameter")
-            _load(target, value, e, state.layer_id)
+            target = lookup(params, e["name"], state.layer_id, "parameter")
+            load_tensor(target, value, e, state.layer_id)
             target.requires_grad_(bool(e.get("requires_grad", True)))
             groups[e["name"]] = e.get("group")
         elif e["kind"] == "buffer":
-            _load(_lookup(buffers, e["name"], state.layer_id, "buffer"), value, e, state.layer_id)
+            load_buffer(module, lookup(buffers, e["name"], state.layer_id, "buffer"), value, e, state.layer_id)
         elif e["kind"] == "grad":
-            _load_grad(_lookup(params, e["name"], state.layer_id, "parameter"), value, e, state.layer_id)
+            load_grad(lookup(params, e["name"], state.layer_id, "parameter"), value, e, state.layer_id)
         elif e["kind"] == "carried":
             carried.setdefault(e["carry"], {})[e["name"]] = value
         else:
-            owner = _lookup(params, e["name"], state.layer_id, "parameter")
+            owner = lookup(params, e["name"], state.layer_id, "parameter")
             device = owner.device if e.get("with_param", True) else torch.device("cpu")
-            decoded[i] = optim_state.setdefault(e["name"], {})[e["key"]] = _like_owner(value.to(device), owner, e,
+            decoded[i] = optim_state.setdefault(e["name"], {})[e["key"]] = like_owner(value.to(device), owner, e,
                                                                                       state.layer_id)
     missing = sorted(set(params) - set(groups))
     if missing:
@@ -331,7 +331,7 @@ def _group_here(g: int | None, manifest: dict[str, Any], optimizer: torch.optim.
         return None
     settings = manifest.get("groups", {}).get(str(g))
     if settings is not None:
-        return matching_group(settings, optimizer.param_groups, preferred=g, what=what)
+        return matching_group(settings, optimizer.param_groups, preferred=g, what=what, kinds=group_kinds(optimizer))
     count = len(optimizer.param_groups)
     if not (isinstance(g, int) and 0 <= g < count):
         raise ValueError(f"{what} belongs to optimizer param group {g}, this stage's optimizer has {count}")
@@ -354,51 +354,6 @@ def register_layer(loaded: LoadedLayer, optimizer: torch.optim.Optimizer | None)
 def unpack_layer(state: LayerState, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
     """Load ``state`` into a freshly built ``module`` and register it with ``optimizer``."""
     register_layer(load_layer(state, module, optimizer), optimizer)
-
-
-def _lookup(table: Mapping[str, torch.Tensor], name: str, layer_id: int, what: str) -> torch.Tensor:
-    if name not in table:
-        raise ValueError(f"layer {layer_id}: the built module has no {what} {name!r}")
-    return table[name]
-
-
-def _sharding_matches(target: torch.Tensor, entry: dict[str, Any], layer_id: int) -> None:
-    if isinstance(target, DTensor) != bool(entry.get("shard", False)):
-        here, there = ("sharded", "whole") if isinstance(target, DTensor) else ("whole", "sharded")
-        raise ValueError(f"layer {layer_id}: {entry['name']} is {here} here but {there} on the sender (shard "
-                         "every stage's blocks alike)")
-
-
-def _like_owner(value: torch.Tensor, owner: torch.Tensor, entry: dict[str, Any], layer_id: int) -> torch.Tensor:
-    """An optimizer state shard as the DTensor its sharded parameter's state is (else ``value`` as it is)."""
-    if not entry.get("shard", False):
-        return value
-    _sharding_matches(owner, entry, layer_id)
-    assert isinstance(owner, DTensor)
-    if list(owner.to_local().shape) != list(value.shape):
-        raise ValueError(f"layer {layer_id}: optimizer state {entry['key']!r} of {entry['name']} is a shard of "
-                         f"{tuple(value.shape)}, the parameter's shard here is {tuple(owner.to_local().shape)}")
-    return DTensor.from_local(value, owner.device_mesh, owner.placements, run_check=False, shape=owner.shape,
-                              stride=owner.stride())
-
-
-def _load_grad(owner: torch.Tensor, value: torch.Tensor, entry: dict[str, Any], layer_id: int) -> None:
-    """Give a fresh block's parameter the gradient its sender had pending, sharded like the parameter."""
-    local = owner.to_local() if isinstance(owner, DTensor) else owner
-    if list(local.shape) != entry["shape"] or local.dtype != value.dtype:
-        raise ValueError(f"layer {layer_id}: the gradient of {entry['name']} is {tuple(entry['shape'])} "
-                         f"{entry['dtype']}, its parameter here {tuple(local.shape)} {local.dtype}")
-    owner.grad = _like_owner(value.to(local.device), owner, entry, layer_id)
-
-
-def _load(target: torch.Tensor, value: torch.Tensor, entry: dict[str, Any], layer_id: int) -> None:
-    _sharding_matches(target, entry, layer_id)
-    with torch.no_grad():  # a shard's local tensor is a view of the storage FSDP keeps: copied into in place
-        local = target.to_local() if isinstance(target, DTensor) else target
-        if list(local.shape) != entry["shape"] or local.dtype != _DTYPES[entry["dtype"]]:
-            raise ValueError(f"layer {layer_id}: {entry['name']} is {tuple(local.shape)} {local.dtype} here "
-                             f"but {tuple(entry['shape'])} {entry['dtype']} on the sender")
-        local.copy_(value)
 
 
 def detach_from_optimizer(optimizer: torch.optim.Optimizer | None, params: Iterable[torch.Tensor]) -> None:

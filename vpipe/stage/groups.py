@@ -6,7 +6,8 @@ Matching groups by index would put a moved block's decayed weights into ``no_dec
 into ``head``, with another learning rate) and silently change what the model learns. So a
 parameter travels with its group's *settings* (every key but ``params``, the trainer's
 ``name`` included) and joins the receiving optimizer's group with the same settings (every
-key both groups have is equal); where no group there has them, the move is refused, naming
+key both groups have is equal) of an optimizer of the same class (Muon's group and AdamW's may
+agree on every key they share); where no group there has them, the move is refused, naming
 the difference.
 """
 
@@ -18,7 +19,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["group_settings", "matching_group", "GroupMismatch"]
+__all__ = ["group_settings", "matching_group", "GroupMismatch", "OPTIMIZER_CLASS"]
+
+OPTIMIZER_CLASS = "optimizer_class"  # the settings' key naming the class of the optimizer that holds the group
 
 _PLAIN = (bool, int, float, str, type(None))
 
@@ -38,9 +41,13 @@ def _setting(value: Any) -> Any:
     return {"object": type(value).__qualname__}  # compared by type only: the trainer's own object
 
 
-def group_settings(group: Mapping[str, Any]) -> dict[str, Any]:
-    """Everything a param group says about how its parameters train: every key but ``params``."""
-    return {str(k): _setting(v) for k, v in sorted(group.items(), key=lambda kv: str(kv[0])) if k != "params"}
+def group_settings(group: Mapping[str, Any], kind: str | None = None) -> dict[str, Any]:
+    """Everything a param group says about how its parameters train: every key but ``params``, and the class of
+    the optimizer holding it (``kind``) where known."""
+    settings = {str(k): _setting(v) for k, v in sorted(group.items(), key=lambda kv: str(kv[0])) if k != "params"}
+    if kind is not None:
+        settings[OPTIMIZER_CLASS] = kind
+    return settings
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -66,10 +73,12 @@ def _label(settings: Mapping[str, Any]) -> str:
 
 
 def matching_group(settings: Mapping[str, Any], groups: Sequence[Mapping[str, Any]], *, preferred: int | None,
-                   what: str) -> int:
+                   what: str, kinds: Sequence[str] | None = None) -> int:
     """The index in ``groups`` of the group whose settings equal ``settings`` (``preferred``, the index the
-    parameter had, when several do). ``GroupMismatch`` names the closest group and how it differs."""
-    diffs = [_differences(settings, group_settings(group)) for group in groups]
+    parameter had, when several do); ``kinds`` are the classes of the optimizers holding ``groups``.
+    ``GroupMismatch`` names the closest group and how it differs."""
+    have = [group_settings(group, kinds[i] if kinds is not None else None) for i, group in enumerate(groups)]
+    diffs = [_differences(settings, h) for h in have]
     candidates = [i for i, d in enumerate(diffs) if not d]
     if candidates:
         return preferred if preferred in candidates else candidates[0]
@@ -78,5 +87,5 @@ def matching_group(settings: Mapping[str, Any], groups: Sequence[Mapping[str, An
         raise GroupMismatch(f"{where}; the optimizer here has no param groups")
     closest = min(range(len(groups)), key=lambda i: (len(diffs[i]), i != preferred))
     raise GroupMismatch(f"{where}; no param group here has its settings (the closest, group {closest}"
-                        f"{_label(group_settings(groups[closest]))}, has {'; '.join(diffs[closest][:3])}): give every "
+                        f"{_label(have[closest])}, has {'; '.join(diffs[closest][:3])}): give every "
                         "stage's optimizer groups with the same settings, named alike where they are named")

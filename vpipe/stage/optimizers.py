@@ -26,44 +26,51 @@ from torch import nn
 from vpipe.stage.groups import GroupMismatch, group_settings, matching_group
 
 __all__ = ["OptimizerParts", "StageOptimizers", "optimizer_parts", "raw_optimizers", "part_of", "move_between",
-           "group_refusal", "wrapper_refusal"]
+           "group_refusal", "wrapper_refusal", "group_kinds"]
 
 
 class _RoutedState(MutableMapping[torch.Tensor, Any]):
-    """The state of several optimizers of one stage: a parameter's entry lives in the optimizer whose param groups
-    hold it (an entry for a parameter none of them holds is an error, never a stray entry)."""
+    """The state of several optimizers of one stage: a parameter's entry is the one in the optimizer whose param
+    groups hold it. An entry another optimizer keeps for it is not its state (Adagrad fills its state at
+    construction: a trainer that then hands the matrices to Muon leaves Adagrad entries for them behind)."""
 
     def __init__(self, parts: Sequence[torch.optim.Optimizer]) -> None:
         self.parts = parts
 
-    def _holder(self, param: torch.Tensor) -> torch.optim.Optimizer:
+    def _holder(self, param: torch.Tensor) -> torch.optim.Optimizer | None:
         for part in self.parts:
             if any(q is param for group in part.param_groups for q in group["params"]):
                 return part
-        raise KeyError("a parameter none of the stage's optimizers holds")
+        return None
 
     def __getitem__(self, param: torch.Tensor) -> Any:
-        for part in self.parts:
-            if param in part.state:
-                return part.state[param]
-        raise KeyError("a parameter none of the stage's optimizers has state for")
+        holder = self._holder(param)
+        if holder is None or param not in holder.state:
+            raise KeyError("a parameter the stage's optimizers hold no state for")
+        return holder.state[param]
 
     def __setitem__(self, param: torch.Tensor, value: Any) -> None:
-        self._holder(param).state[param] = value
+        holder = self._holder(param)
+        if holder is None:
+            raise KeyError("a parameter none of the stage's optimizers holds")
+        holder.state[param] = value
 
     def __delitem__(self, param: torch.Tensor) -> None:
+        holder = self._holder(param)
+        if holder is None or param not in holder.state:
+            raise KeyError("a parameter the stage's optimizers hold no state for")
+        del holder.state[param]
+
+    def _held(self) -> Iterator[torch.Tensor]:
         for part in self.parts:
-            if param in part.state:
-                del part.state[param]
-                return
-        raise KeyError("a parameter none of the stage's optimizers has state for")
+            mine = {id(q) for group in part.param_groups for q in group["params"]}
+            yield from (p for p in part.state if id(p) in mine)
 
     def __iter__(self) -> Iterator[torch.Tensor]:
-        for part in self.parts:
-            yield from part.state
+        return self._held()
 
     def __len__(self) -> int:
-        return sum(len(part.state) for part in self.parts)
+        return sum(1 for _ in self._held())
 
 
 class StageOptimizers(torch.optim.Optimizer):
@@ -177,6 +184,13 @@ def wrapper_refusal(optimizer: torch.optim.Optimizer | None) -> str | None:
     return None
 
 
+def group_kinds(optimizer: torch.optim.Optimizer) -> list[str]:
+    """The class of the optimizer that holds each of ``optimizer``'s param groups (for several optimizers read as
+    one, the part's): a moved parameter joins a group of an optimizer of its own class."""
+    owners = {id(group): type(raw).__name__ for raw in raw_optimizers(optimizer) for group in raw.param_groups}
+    return [owners.get(id(group), type(optimizer).__name__) for group in optimizer.param_groups]
+
+
 def part_of(optimizer: torch.optim.Optimizer | None, stage: int) -> torch.optim.Optimizer | None:
     """The optimizer that holds ``stage``'s parameters."""
     return optimizer.part(stage) if isinstance(optimizer, OptimizerParts) else optimizer
@@ -186,11 +200,12 @@ def _joins(source: torch.optim.Optimizer, target: torch.optim.Optimizer,
            params: Iterable[torch.Tensor]) -> list[tuple[torch.Tensor, int, int]]:
     """(parameter, its group in ``source``, the group with the same settings in ``target``) per parameter."""
     joins = []
+    mine, theirs = group_kinds(source), group_kinds(target)
     for p in params:
         g = next((g for g, group in enumerate(source.param_groups) if any(q is p for q in group["params"])), None)
         if g is not None:
-            settings = group_settings(source.param_groups[g])
-            joins.append((p, g, matching_group(settings, target.param_groups, preferred=g,
+            settings = group_settings(source.param_groups[g], mine[g])
+            joins.append((p, g, matching_group(settings, target.param_groups, preferred=g, kinds=theirs,
                                                what=f"a parameter of shape {tuple(p.shape)}")))
     return joins
 
