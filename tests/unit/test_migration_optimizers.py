@@ -146,6 +146,23 @@ def test_a_parameter_moves_with_the_state_of_the_optimizer_that_trains_it_and_jo
     assert sorted(adagrad.state[arriving.bias]) == ["step", "sum"]
 
 
+def test_a_block_moving_between_two_stages_of_a_rank_each_with_muon_and_adagrad_keeps_both_states():
+    """ZBV with the Muon recipe per stage (found by the fuzzer: the move read the state after leaving the group)."""
+    torch.manual_seed(0)
+    first, second = nn.Linear(4, 4), nn.Linear(4, 4)
+    parts = optimizer_parts(Container([*_adagrad_then_muon(first), *_adagrad_then_muon(second)]),
+                            {0: first, 3: second})
+    assert isinstance(parts, OptimizerParts)
+    source, target = parts.part(0), parts.part(3)
+    first(torch.ones(2, 4)).sum().backward()
+    source.step()
+    kept = {id(p): {k: v.clone() for k, v in source.state[p].items()} for p in first.parameters()}
+    move_between(source, target, list(first.parameters()))
+    for p in first.parameters():
+        assert p not in source.state and sorted(target.state[p]) == sorted(kept[id(p)])
+        assert all(torch.equal(target.state[p][k], v) for k, v in kept[id(p)].items())
+
+
 def test_an_optimizer_wrapper_that_keeps_state_of_its_own_turns_moves_off_naming_it():
     import torch.distributed as dist
     from torch.distributed.optim import ZeroRedundancyOptimizer

@@ -231,8 +231,9 @@ def move_between(source: torch.optim.Optimizer | None, target: torch.optim.Optim
     if source is target or source is None or target is None:
         return
     for p, g, here in _joins(source, target, params):
+        state = source.state.pop(p) if p in source.state else None  # read while the group still holds it
         group = source.param_groups[g]["params"]
         group[:] = [q for q in group if q is not p]
         target.param_groups[here]["params"].append(p)
-        if p in source.state:
-            target.state[p] = source.state.pop(p)
+        if state is not None:
+            target.state[p] = state
