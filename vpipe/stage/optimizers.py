@@ -179,8 +179,9 @@ def wrapper_refusal(optimizer: torch.optim.Optimizer | None) -> str | None:
     for raw in raw_optimizers(optimizer):
         kind = type(raw)
         if kind.__module__.startswith("torch.distributed.optim"):
-            return (f"the optimizer is {kind.__module__}.{kind.__name__}, which keeps state vpipe cannot carry with "
-                    "a block (ZeRO's per-rank shards and parameter-to-rank maps)")
+            return (f"the optimizer is {kind.__module__}.{kind.__name__}, whose per-rank shards and "
+                    "parameter-to-rank maps vpipe cannot carry with a block; to let blocks move, shard the state with "
+                    "FSDP2 instead (fully_shard over the data-parallel mesh: vpipe moves its shards)")
     return None
 
 
