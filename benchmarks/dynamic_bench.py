@@ -19,7 +19,7 @@ Scenarios (a change at a step applies to every copy at once):
   (``requires_grad_(False)``): stage 0's backward shrinks, so blocks should move to stage 0;
 - **seq length**: the sequence grows 32 -> 64 -> 128; torch infers p2p shapes once, so at each
   change every copy redoes shape inference (plain: ``vpipe.stage.pipeline.reset_shape_inference``,
-  attached: ``vp.pipeline.reset_shapes()``);
+  attached: ``vp.engine.reset_shapes()``);
 - **nas**: as ``benchmarks/nas_rebalance.py``'s edit, blocks are added to stage 0 mid-run (4 at
   model position 1: ``vp.add_layers`` with a ``layer_factory`` in the attached copy, the same
   blocks inserted by hand into the plain copies' ``model.layers`` and optimizers); here in one
@@ -170,7 +170,7 @@ def rank_main(spec_file: str) -> int:
         if str(step) in spec.get("seq", {}):
             seq_len = spec["seq"][str(step)]
             if step > 0:  # every rank at the same step: torch sized its p2p buffers for the old length
-                vp.pipeline.reset_shapes()
+                vp.engine.reset_shapes()
                 for name in names[1:]:
                     reset_shape_inference(copies[name][1])
         x, y = example.batch(step, model_spec["micro_batches"] * model_spec["micro_batch_size"], seq_len,

@@ -89,3 +89,17 @@ def test_steps_slowed_now_and_then_by_a_busy_core_are_not_a_change():
         stage.wait_s = wait
         seen += _steps(pulse, stage, 1)
     assert not any(seen)
+
+
+def test_a_change_that_comes_as_the_sampling_interval_changes_is_still_reported():
+    """The straggler benchmark's device recovered two steps before the interval doubled: learning the level anew
+    there swallowed the change, and the planner learnt of it 49 steps later from its sparse samples."""
+    stage = _Stage()
+    pulse = StagePulse([stage], "cpu")
+    _steps(pulse, stage, 8)
+    stage.wait_s = 0.030
+    changes = _steps(pulse, stage, 2)
+    pulse.pause()  # the interval changed
+    changes += _steps(pulse, stage, 4)
+    reported = [c for c in changes if c is not None]
+    assert reported and reported[0].ratio > 1.3 and changes.index(reported[0]) <= 4

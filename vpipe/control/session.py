@@ -179,12 +179,12 @@ class ControlSession:
         for monitor in self.monitors.values():
             monitor.begin_iteration(iteration)
         if self.pulse is not None:
-            # a new sampling interval changes what runs beside the steps (the planner's turns on a shared host):
-            # the pulse learns its level again rather than report the change it made itself
+            # a new sampling interval changes what runs beside the steps (the planner's turns on a shared host): the
+            # pulse skips a step there, keeping its level (and a change that came with it)
             interval = next(iter(self.monitors.values())).schedule.interval_at(iteration)
             if interval != self._pulse_interval:
                 self._pulse_interval = interval
-                self.pulse.restart()
+                self.pulse.pause()
             self.pulse.begin_step(self.is_sampled(iteration))
         self._open = iteration
 

@@ -90,6 +90,12 @@ class StagePulse:
         self._skip = 1
         self._trainable = self._trainable_count()
 
+    def pause(self) -> None:
+        """The next step runs beside other work than the last (the sampling interval changed): it is not judged,
+        but the level stays. Learning it anew (:meth:`restart`) would swallow a change that came in the same few
+        steps: a device recovering as the interval doubled was never reported."""
+        self._skip = max(self._skip, 1)
+
     # ---------------------------------------------------------------- per step
     def begin_step(self, sampled: bool) -> None:
         self._marks.clear()

@@ -10,7 +10,7 @@ global indices, that the layer manager edits as it edits any other; when a plan 
 registered children, ``fwd_map``, ``parts``, the local range, DeepSpeed's cached checkpointing
 groups and the optimizer's parameter order (the module's, as DeepSpeed builds it). Where a
 move changes a boundary activation, the plan applier resets the engine's cached shapes and
-p2p buffers, as it redoes torch's shape inference (``Pipeline.reset_shapes``).
+p2p buffers, as it redoes torch's shape inference (the engine adapter's ``reset_shapes``).
 """
 
 from __future__ import annotations
