@@ -41,6 +41,7 @@ TRAINING_TESTS = {
     "test_move_hangs.py::test_under_torchrun_a_stopped_rank_ends_the_run_within_the_trainers_timeout",
     "test_move_hangs.py::test_a_stopped_rank_that_hosts_the_store_still_lets_the_other_exit",
     "test_planner_judge.py::test_a_run_whose_planner_slows_it_down_is_put_back_and_says_so",
+    "test_uneven_devices.py::test_over_200_steady_steps_an_even_pipeline_stays_put_and_a_slow_rank_is_left_once",
     "test_run_outputs.py::test_a_second_training_run_on_the_same_outputs_is_refused_while_the_first_trains",
     "test_run_outputs.py::test_a_run_under_umask_000_makes_its_files_0600_and_directories_0700_and_writes_vpipe_log_"
     "file",

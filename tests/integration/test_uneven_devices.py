@@ -33,3 +33,30 @@ def test_an_even_pipeline_on_even_devices_stays_put(tmp_path):
     assert result["placement"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert not moved_layers(result["log"]) and not _events(result["log"], "plan")
     assert_trains_like_plain(result)
+
+
+def _placements(log: list[dict]) -> list[list[list[int]]]:
+    """The placements the run went through, in order (the start, then each committed move's)."""
+    seen = [[[0, 1, 2, 3], [4, 5, 6, 7]]]
+    for r in sorted(_events(log, "plan_applied"), key=lambda r: (r["epoch"], r["stage"])):
+        if r["stage"] == 0:
+            layers0 = r["layers"]
+            placement = [layers0, [lid for lid in range(8) if lid not in layers0]]
+            if placement != seen[-1]:
+                seen.append(placement)
+    return seen
+
+
+def test_over_200_steady_steps_an_even_pipeline_stays_put_and_a_slow_rank_is_left_once(tmp_path):
+    """Nothing changes after the start: on even devices no block ever moves; with rank 1 twice as slow blocks
+    leave it, and no placement is left and then taken again (no back and forth)."""
+    (tmp_path / "even").mkdir()
+    (tmp_path / "slow").mkdir()
+    even = run_worker(tmp_path / "even", "speed_worker", "even_200", 2)
+    assert even["placement"] == [[0, 1, 2, 3], [4, 5, 6, 7]] and not moved_layers(even["log"])
+    slow = run_worker(tmp_path / "slow", "speed_worker", "slow_200", 2)
+    placements = _placements(slow["log"])
+    assert len(placements) >= 2 and len(slow["placement"][1]) < 4
+    back = [p for i, p in enumerate(placements) if p in placements[:i]]
+    assert not back, f"the run went back and forth: {placements}"
+    assert_trains_like_plain(slow)

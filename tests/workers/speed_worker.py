@@ -4,7 +4,8 @@ find it, against the same trainer without vpipe.
 The blocks of ``block_worker``'s torchtitan-shaped model, split 4,4, each waiting 2 ms in its forward (the
 device's compute; waiting, not work, so that the two ranks on two cores do not slow each other). In scenario
 ``slow`` every block that runs on rank 1 takes twice as long (:class:`vpipe_lab.runtime.slowdown.SlowDevice`, in
-both copies: values are untouched); in ``even`` the devices are alike. vpipe's copy attaches with the one line
+both copies: values are untouched); in ``even`` the devices are alike; ``slow_200`` and ``even_200`` train
+200 steps (a steady state: nothing changes after the start). vpipe's copy attaches with the one line
 (its planner on) and both copies train the same batches; rank 0 writes the losses, the whole model's state and
 the final placement.
 """
@@ -36,7 +37,7 @@ class WaitBlock(nn.Module):
         return h + torch.tanh(self.fc(h))
 
 
-def run(slow: float) -> dict:
+def run(slow: float, steps: int = STEPS) -> dict:
     import vpipe
 
     bw.COUNTS[:] = [4, 4]
@@ -47,7 +48,7 @@ def run(slow: float) -> dict:
     model, schedule, opt = copies["vpipe"]
     vp = vpipe.attach(schedule, optimizer=opt)
     losses: dict[str, list[float]] = {name: [] for name in copies}
-    for step in range(STEPS):
+    for step in range(steps):
         for name, (_, sched, o) in copies.items():
             losses[name] += bw.train_step(sched, o, step)
     placement = [list(s) for s in vp.placement]
@@ -63,7 +64,8 @@ def run(slow: float) -> dict:
 def main() -> None:
     scenario, out = sys.argv[1], Path(sys.argv[2])
     dist.init_process_group("gloo")
-    result = run({"slow": 2.0, "even": 1.0}[scenario])
+    slow, steps = {"slow": (2.0, STEPS), "even": (1.0, STEPS), "slow_200": (2.0, 200), "even_200": (1.0, 200)}[scenario]
+    result = run(slow, steps)
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, result["losses"])
     result["losses"] = next(g for g in gathered if g is not None)
