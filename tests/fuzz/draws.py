@@ -31,8 +31,11 @@ AXES: dict[str, tuple[Any, ...]] = {
     # beside the optimizer (drawn last): the Muon recipe (Muon for the blocks' matrices, the drawn optimizer for the
     # rest: several optimizers a stage), or an EMA of each stage module (AveragedModel) that vpipe carries
     "extra": ("none", "muon", "ema"),
+    # who chooses the moves: plans forced at drawn steps, or vpipe's own planner (sampling every step, acting on
+    # one sample) from the drawn split, no plan forced: moves at steps and of blocks no one drew
+    "moves": ("forced", "planner"),
 }
-LATE = ("fsdp", "mesh", "nas", "extra")  # axes drawn after the others, not in the first round of choices
+LATE = ("fsdp", "mesh", "nas", "extra", "moves")  # axes drawn after the others, not in the first round of choices
 DERIVED = ("mid_window_plan",)  # properties of a draw that the report groups failures by, next to the axes
 MULTI_STAGE = ("interleaved", "zbv")  # two stages per rank, four stages in all
 FUSED = ("sgd", "adam", "adamw", "adagrad")  # optimizers with a fused CPU kernel in torch 2.13 (RMSprop has none)
@@ -71,6 +74,7 @@ class Draw:
     micro_batches: int = MICRO_BATCHES
     nas_remove: tuple[int, ...] = ()  # (step, layer id): the block removed before that step on both copies
     extra: str = "none"
+    moves: str = "forced"
 
     @property
     def nas(self) -> str:
@@ -114,6 +118,7 @@ class Draw:
         plans = " ".join(f"@{s}:{','.join(map(str, c))}" for s, c, _ in self.plans)
         nas = f" nas=remove L{self.nas_remove[1]}@{self.nas_remove[0]}" if self.nas_remove else ""
         extra = f" extra={self.extra}" if self.extra != "none" else ""
+        extra += " moves=planner" if self.moves == "planner" else ""
         return (f"seed={self.seed} {self.shape}/{self.schedule} {impl}{extra} groups={self.groups} "
                 f"lr={self.lr_scheduler} accum={self.accum} {clip} autocast={self.autocast} state={state} "
                 f"{'fsdp(' + self.mesh + ') ' if self.fsdp else ''}L{self.layers} "
@@ -214,8 +219,14 @@ def draw(seed: int, fsdp_every: int = FSDP_EVERY) -> Draw:
     nas, plans = _removal(rng, fsdp, steps, counts, plans, tuple(pinned))
     # FSDP2 draws: Muon has no DTensor support, and an AveragedModel copy of a sharded root is not what users keep
     extra = "none" if fsdp else rng.choice(AXES["extra"])
+    # a quarter of the draws leave the moves to vpipe's planner: no plan is forced and no block removed (a removal
+    # must leave its stage a block whatever the placement, which only forced plans make known); not under FSDP2
+    # (four ranks on two cores: the planner would act on contention)
+    moves = "planner" if not fsdp and rng.random() < 0.25 else "forced"
+    if moves == "planner":
+        plans, nas = [], ()
     return Draw(seed=seed, fsdp=fsdp, mesh=mesh, layers=layers, counts=counts, steps=steps, policies=policies,
-                plans=tuple(plans), pinned=tuple(pinned), nas_remove=nas, extra=extra, **pick)
+                plans=tuple(plans), pinned=tuple(pinned), nas_remove=nas, extra=extra, moves=moves, **pick)
 
 
 def _restore(d: Draw, at: int, counts: tuple[int, ...], policies: str) -> tuple[int, tuple[int, ...], str]:

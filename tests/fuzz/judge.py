@@ -48,7 +48,9 @@ def judge(d: Draw, gathered: list[dict[str, Any]] | None, errors: list[dict[str,
     record["migrations"] = sum(1 for r in records if r.get("event") == "migration_done")
     # every forced plan should take effect (moved, refused or not): one that does not was stale or skipped
     record["plans"] = len(d.plans)
-    record["plans_applied"] = len({r.get("epoch") for r in records if r.get("event") == "plan_applied"})
+    applied = len({r.get("epoch") for r in records if r.get("event") == "plan_applied"})
+    # under moves=planner no plan is forced: the planner's own plans are counted apart
+    record["plans_applied"], record["planner_plans"] = (0, applied) if d.moves == "planner" else (applied, 0)
     record["plans_skipped"] = sorted({r["msg"] for r in records if r.get("event") == "plan_skipped"
                                       or "stale plan" in str(r.get("msg", ""))})[:4]
     if gathered is None:

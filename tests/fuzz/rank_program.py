@@ -121,6 +121,9 @@ def train_draw(d: Draw, st: DrawState, log_file: Path, mixed_autodetect: bool) -
         # unlike containers; now the stages agree on one path or attach says which to pass. Until attach finds
         # ``layers`` by itself every time, mixed draws name it (--mixed-autodetect leaves it out)
         options["layers"] = "layers"
+    if d.moves == "planner":  # vpipe's own planner chooses the moves, as quickly as it can be told to
+        options.update(planning=True, sample_every=1, apply_lag_steps=1,
+                       planner_options={"warmup_samples": 1, "confirm_samples": 1, "cooldown_steps": 0})
     moved = copies["vpipe"]
     if moved.averages:
         options["carry"] = list(moved.averages)

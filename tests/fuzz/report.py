@@ -29,7 +29,8 @@ def summary(records: list[dict[str, Any]], draw_of: Callable[[int], Draw]) -> di
             "seconds_per_draw_by_ranks": {k: sum(v) / len(v) for k, v in by_ranks.items()},
             "moves": sum(r.get("moves") or 0 for r in records),
             "plans": sum(r.get("plans") or 0 for r in records if "plans_applied" in r),
-            "plans_applied": sum(r.get("plans_applied") or 0 for r in records)}
+            "plans_applied": sum(r.get("plans_applied") or 0 for r in records),
+            "planner_plans": sum(r.get("planner_plans") or 0 for r in records)}
 
 
 def print_summary(table: dict[str, Any], wall_s: float) -> None:
@@ -43,7 +44,8 @@ def print_summary(table: dict[str, Any], wall_s: float) -> None:
     per = table["seconds_per_draw"]
     by = ", ".join(f"{k} ranks {v:.2f} s" for k, v in sorted(table["seconds_per_draw_by_ranks"].items()))
     print(f"\n{table['draws']} draws, {table['plans_applied']} of {table['plans']} forced plans applied (moved or "
-          f"refused), {table['moves']} placement changes, wall {wall_s:.1f} s"
+          f"refused), {table.get('planner_plans', 0)} plans of vpipe's planner applied (moves=planner), "
+          f"{table['moves']} placement changes, wall {wall_s:.1f} s"
           + (f", {per:.2f} s per draw inside its job ({by})" if per is not None else ""))
 
 

@@ -42,9 +42,13 @@ def test_draws_keep_their_constraints():
     for seed in range(300):
         d = draw(seed)
         assert sum(d.counts) == d.layers and all(d.counts) and len(d.counts) == d.num_stages
-        assert 2 <= len(d.plans) <= 4 and len(d.policies) == d.layers
+        if d.moves == "planner":  # vpipe's planner chooses every move: nothing forced, nothing removed
+            assert not d.plans and not d.nas_remove and not d.fsdp
+        else:
+            assert 2 <= len(d.plans) <= 4
+        assert len(d.policies) == d.layers
         steps = [at for at, _, _ in d.plans]
-        assert steps == sorted(set(steps)) and 1 <= steps[0] and steps[-1] < d.steps
+        assert steps == sorted(set(steps)) and all(1 <= at < d.steps for at in steps)
         for at, counts, policies in d.plans:
             removed = bool(d.nas_remove) and at >= d.nas_remove[0]
             assert sum(counts) == d.layers - removed and all(counts) and len(counts) == d.num_stages
