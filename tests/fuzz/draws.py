@@ -34,8 +34,12 @@ AXES: dict[str, tuple[Any, ...]] = {
     # who chooses the moves: plans forced at drawn steps, or vpipe's own planner (sampling every step, acting on
     # one sample) from the drawn split, no plan forced: moves at steps and of blocks no one drew
     "moves": ("forced", "planner"),
+    # the blocks' first Linear under torch's weight_norm parametrization (``parametrizations.weight.original0/1``
+    # train; the weight is computed on each forward), as users apply it
+    "weights": ("plain", "parametrized"),
 }
-LATE = ("fsdp", "mesh", "nas", "extra", "moves")  # axes drawn after the others, not in the first round of choices
+# axes drawn after the others, not in the first round of choices
+LATE = ("fsdp", "mesh", "nas", "extra", "moves", "weights")
 DERIVED = ("mid_window_plan",)  # properties of a draw that the report groups failures by, next to the axes
 MULTI_STAGE = ("interleaved", "zbv")  # two stages per rank, four stages in all
 FUSED = ("sgd", "adam", "adamw", "adagrad")  # optimizers with a fused CPU kernel in torch 2.13 (RMSprop has none)
@@ -75,6 +79,7 @@ class Draw:
     nas_remove: tuple[int, ...] = ()  # (step, layer id): the block removed before that step on both copies
     extra: str = "none"
     moves: str = "forced"
+    weights: str = "plain"
 
     @property
     def nas(self) -> str:
@@ -119,6 +124,7 @@ class Draw:
         nas = f" nas=remove L{self.nas_remove[1]}@{self.nas_remove[0]}" if self.nas_remove else ""
         extra = f" extra={self.extra}" if self.extra != "none" else ""
         extra += " moves=planner" if self.moves == "planner" else ""
+        extra += " weights=parametrized" if self.weights == "parametrized" else ""
         return (f"seed={self.seed} {self.shape}/{self.schedule} {impl}{extra} groups={self.groups} "
                 f"lr={self.lr_scheduler} accum={self.accum} {clip} autocast={self.autocast} state={state} "
                 f"{'fsdp(' + self.mesh + ') ' if self.fsdp else ''}L{self.layers} "
@@ -225,8 +231,12 @@ def draw(seed: int, fsdp_every: int = FSDP_EVERY) -> Draw:
     moves = "planner" if not fsdp and rng.random() < 0.25 else "forced"
     if moves == "planner":
         plans, nas = [], ()
+    # a quarter of the draws parametrize their blocks' weights; not under FSDP2 (fully_shard of a parametrized
+    # module is not what torchtitan users build)
+    weights = "parametrized" if not fsdp and rng.random() < 0.25 else "plain"
     return Draw(seed=seed, fsdp=fsdp, mesh=mesh, layers=layers, counts=counts, steps=steps, policies=policies,
-                plans=tuple(plans), pinned=tuple(pinned), nas_remove=nas, extra=extra, moves=moves, **pick)
+                plans=tuple(plans), pinned=tuple(pinned), nas_remove=nas, extra=extra, moves=moves, weights=weights,
+                **pick)
 
 
 def _restore(d: Draw, at: int, counts: tuple[int, ...], policies: str) -> tuple[int, tuple[int, ...], str]:

@@ -183,6 +183,10 @@ def whole_model(d: Draw) -> tuple[dict[str, nn.Module], list[nn.Module], dict[st
     elif d.shape == "modulelist":
         first["wte"] = nn.Embedding(VOCAB, DIM)
     blocks = [make_block(d, i) for i in range(d.layers)]
+    if d.weights == "parametrized":
+        for block in blocks:
+            if isinstance(getattr(block, "fc", None), nn.Linear):
+                torch.nn.utils.parametrizations.weight_norm(block.fc)
     if d.shape in ("moduledict", "mixed"):
         last["out"] = nn.Linear(DIM, DIM)
     elif d.shape == "modulelist":
