@@ -182,3 +182,25 @@ def test_an_optimizer_wrapper_that_keeps_state_of_its_own_turns_moves_off_naming
         assert wrapper_refusal(torch.optim.AdamW(block.parameters())) is None
     finally:
         dist.destroy_process_group()
+
+
+def test_an_added_layer_trains_each_parameter_where_its_namesake_in_the_nearest_block_alike_does():
+    """vp.add_layers under the Muon recipe with decay / no-decay groups: the new block's matrices join Muon, its
+    norm's weight and biases AdamW's no-decay group (before: every parameter in group 0, Muon's, which cannot train
+    1-D parameters)."""
+    from vpipe.migration.state import attach_like
+
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)) for _ in range(2)]
+    matrices = [p for b in blocks for p in b.parameters() if p.ndim == 2]
+    rest = [p for b in blocks for p in b.parameters() if p.ndim != 2]
+    muon = torch.optim.Muon(matrices, lr=0.02)
+    adamw = torch.optim.AdamW([{"params": [], "weight_decay": 0.1, "name": "decay"},
+                               {"params": rest, "weight_decay": 0.0, "name": "no_decay"}], lr=1e-3)
+    stage = optimizer_parts([muon, adamw], {0: nn.ModuleList(blocks)})
+    new = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    attach_like(stage, new, [*blocks, nn.Linear(4, 4)], at=2)
+    assert any(p is new[0].weight for p in muon.param_groups[0]["params"])
+    no_decay = adamw.param_groups[1]["params"]
+    assert all(any(p is q for q in no_decay) for p in (new[0].bias, new[1].weight, new[1].bias))
+    assert not adamw.param_groups[0]["params"]

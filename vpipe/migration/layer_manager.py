@@ -48,13 +48,7 @@ from vpipe.migration.placement import Placement
 from vpipe.migration.rounds import MigrationReport, exchange
 from vpipe.migration.shapes import BoundaryShapes
 from vpipe.migration.stale import report_stale_references
-from vpipe.migration.state import (
-    LayerState,
-    attach_to_optimizer,
-    detach_from_optimizer,
-    pack_layer,
-    register_layer,
-)
+from vpipe.migration.state import LayerState, attach_like, detach_from_optimizer, pack_layer, register_layer
 from vpipe.migration.stream import WatchShapes, check_idle, start_round
 from vpipe.migration.transfer import TransferChannel
 from vpipe.plan import Plan
@@ -333,8 +327,8 @@ class LayerManager:
                    specs: Sequence[Any]) -> tuple[list[int], tuple[tuple[int, ...], ...]]:
         """Insert new layers before model position ``position`` of placement ``start`` (0 = first; every rank calls
         it alike): fresh ids (never reused), on the stage holding the layer at ``position`` (the last when
-        appending), built by the factory, their parameters in param group 0 of its optimizer. Returns the new ids
-        and the placement with them."""
+        appending), built by the factory, each parameter in the group training its namesake in the nearest block
+        alike (:func:`attach_like`). Returns the new ids and the placement with them."""
         before = Placement.of(start, self.stage_ranks)
         if not specs:
             return [], before.stages
@@ -345,9 +339,10 @@ class LayerManager:
             if self.builder.factory is None:
                 raise ValueError("adding layers needs layer_factory= in the vpipe config to build them")
             built = [(lid, self.builder.factory(lid, spec).to(self.device)) for lid, spec in zip(new_ids, specs)]
+            present = list(self.blocks[owner].blocks().values())
             self.blocks[owner].insert(at, [(lid, layer, str(lid)) for lid, layer in built])
             for lid, layer in built:
-                attach_to_optimizer(part_of(self.optimizer, owner), layer.parameters())
+                attach_like(part_of(self.optimizer, owner), layer, present, at)
                 self._welcome(owner, lid, layer)
             self.carry.arrived(owner, dict(built), None)
         self.specs.update(zip(new_ids, specs))
