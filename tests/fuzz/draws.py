@@ -27,7 +27,8 @@ AXES: dict[str, tuple[Any, ...]] = {
     "block_state": ("plain", "batchnorm", "frozen", "tied", "hook"),
     "fsdp": (False, True),
     "mesh": ("", "dp_pp", "pp_dp"),
-    "nas": ("none", "remove"),  # vp.remove_layers of one block at a step, next to the moves
+    # vp.remove_layers of one block at a step, or vp.add_layers of a new one, next to the moves
+    "nas": ("none", "remove", "add"),
     # beside the optimizer (drawn last): the Muon recipe (Muon for the blocks' matrices, the drawn optimizer for the
     # rest: several optimizers a stage), or an EMA of each stage module (AveragedModel) that vpipe carries
     "extra": ("none", "muon", "ema"),
@@ -79,17 +80,26 @@ class Draw:
     nas_remove: tuple[int, ...] = ()  # (step, layer id): the block removed before that step on both copies
     extra: str = "none"
     moves: str = "forced"
+    nas_add: tuple[int, ...] = ()  # (step, position): a new block (id ``layers``) inserted before that position
     weights: str = "plain"
 
     @property
     def nas(self) -> str:
-        return "remove" if self.nas_remove else "none"
+        return "remove" if self.nas_remove else "add" if self.nas_add else "none"
+
+    @property
+    def edit_step(self) -> int | None:
+        """The step before which a block is removed or added, if one is."""
+        edit = self.nas_remove or self.nas_add
+        return edit[0] if edit else None
 
     def plan_stages(self, at: int, counts: tuple[int, ...]) -> list[list[int]]:
-        """The blocks of each stage a plan at step ``at`` asks for (after a removal, over the blocks left)."""
+        """The blocks of each stage a plan at step ``at`` asks for (after an edit, over the blocks then)."""
         ids = list(range(self.layers))
         if self.nas_remove and at >= self.nas_remove[0]:
             ids.remove(self.nas_remove[1])
+        if self.nas_add and at >= self.nas_add[0]:
+            ids.insert(self.nas_add[1], self.layers)
         starts = [sum(counts[:i]) for i in range(len(counts))]
         return [ids[s:s + c] for s, c in zip(starts, counts)]
 
@@ -122,6 +132,7 @@ class Draw:
         state = self.block_state + (f"(pinned {','.join(map(str, self.pinned))})" if self.pinned else "")
         plans = " ".join(f"@{s}:{','.join(map(str, c))}" for s, c, _ in self.plans)
         nas = f" nas=remove L{self.nas_remove[1]}@{self.nas_remove[0]}" if self.nas_remove else ""
+        nas += f" nas=add L{self.layers} before position {self.nas_add[1]}@{self.nas_add[0]}" if self.nas_add else ""
         extra = f" extra={self.extra}" if self.extra != "none" else ""
         extra += " moves=planner" if self.moves == "planner" else ""
         extra += " weights=parametrized" if self.weights == "parametrized" else ""
@@ -140,6 +151,7 @@ class Draw:
         raw["pinned"] = tuple(raw["pinned"])
         raw["plans"] = tuple((s, tuple(c), p) for s, c, p in raw["plans"])
         raw["nas_remove"] = tuple(raw.get("nas_remove", ()))
+        raw["nas_add"] = tuple(raw.get("nas_add", ()))
         return cls(**raw)
 
 
@@ -239,9 +251,29 @@ def draw(seed: int, fsdp_every: int = FSDP_EVERY) -> Draw:
     # a quarter of the draws parametrize their blocks' weights; not under FSDP2 (fully_shard of a parametrized
     # module is not what torchtitan users build)
     weights = "parametrized" if not fsdp and rng.random() < 0.25 else "plain"
+    added, plans = _addition(rng, fsdp or bool(nas), steps, layers, plans)
     return Draw(seed=seed, fsdp=fsdp, mesh=mesh, layers=layers, counts=counts, steps=steps, policies=policies,
                 plans=tuple(plans), pinned=tuple(pinned), nas_remove=nas, extra=extra, moves=moves, weights=weights,
-                **pick)
+                nas_add=added, **pick)
+
+
+def _addition(rng: random.Random, excluded: bool, steps: int, layers: int, plans: list
+              ) -> tuple[tuple[int, ...], list]:
+    """A fifth of the draws that remove nothing add a block (``vp.add_layers`` with the trainer's layer factory;
+    the plain copy inserts the same block by hand) before a random step and model position; plans from that step
+    on place it too (one more block on the stage that holds its position in that plan's split). Not under FSDP2
+    (attach refuses a factory's unsharded blocks there). Drawn last."""
+    if excluded or rng.random() >= 0.2:
+        return (), plans
+    at, position = rng.randrange(1, steps), rng.randrange(0, layers + 1)
+    kept = []
+    for s, c, p in plans:
+        if s >= at:
+            holder = len(c) - 1 if position == layers else _stage_of(c, position)
+            c = tuple(n + (i == holder) for i, n in enumerate(c))
+            p = p + rng.choice("DSR")  # policies by layer id: the new block's id is the last
+        kept.append((s, c, p))
+    return (at, position), kept
 
 
 def _restore(d: Draw, at: int, counts: tuple[int, ...], policies: str) -> tuple[int, tuple[int, ...], str]:

@@ -136,6 +136,34 @@ def make_block(d: Draw, layer_id: int) -> nn.Module:
     return DENSE_KINDS[d.block_state](layer_id, bf16)
 
 
+def _weights(d: Draw, block: nn.Module) -> nn.Module:
+    """``weights=parametrized``: the block's first Linear under torch's weight_norm."""
+    if d.weights == "parametrized" and isinstance(getattr(block, "fc", None), nn.Linear):
+        torch.nn.utils.parametrizations.weight_norm(block.fc)
+    return block
+
+
+def new_block(d: Draw, layer_id: int) -> nn.Module:
+    """The block ``nas=add`` inserts (and the layer factory vpipe's copy is given): seeded by its id, so both copies
+    build the same one, without touching the global random state the trainers draw from."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(10_000 * d.seed + layer_id)
+        return _weights(d, make_block(d, layer_id))
+
+
+def insert_block(d: Draw, module: nn.Module, at: int, block: nn.Module) -> None:
+    """Put ``block`` at local position ``at`` of ``module``'s container, as vpipe does (keyed by its global id in a
+    ModuleDict; the positional containers renumber)."""
+    blocks = container(d, module)
+    if isinstance(blocks, nn.ModuleDict):
+        items = list(blocks.items())
+        items.insert(at, (str(block.layer_id), block))
+        blocks.clear()
+        blocks.update(items)
+    else:
+        blocks.insert(at, block)
+
+
 class IdStage(nn.Module):
     """The torch pipelining tutorial's / torchtitan's shape: ``layers`` a ModuleDict keyed by global id, an input
     projection on the first stage and a head on the last, None elsewhere (``moduledict`` and ``mixed``)."""
@@ -182,11 +210,7 @@ def whole_model(d: Draw) -> tuple[dict[str, nn.Module], list[nn.Module], dict[st
         first["inp"] = nn.Linear(DIM, DIM)
     elif d.shape == "modulelist":
         first["wte"] = nn.Embedding(VOCAB, DIM)
-    blocks = [make_block(d, i) for i in range(d.layers)]
-    if d.weights == "parametrized":
-        for block in blocks:
-            if isinstance(getattr(block, "fc", None), nn.Linear):
-                torch.nn.utils.parametrizations.weight_norm(block.fc)
+    blocks = [_weights(d, make_block(d, i)) for i in range(d.layers)]
     if d.shape in ("moduledict", "mixed"):
         last["out"] = nn.Linear(DIM, DIM)
     elif d.shape == "modulelist":

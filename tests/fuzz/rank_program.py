@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: ``fuzz``
 from fuzz.compare import fingerprint, snapshot  # noqa: E402
 from fuzz.draws import FSDP_EVERY, Draw, draw, override  # noqa: E402
 from fuzz.judge import judge  # noqa: E402
-from fuzz.models import container, whole_model  # noqa: E402
-from fuzz.trainer import Copy, build, remove_block, train_step  # noqa: E402
+from fuzz.models import container, new_block, whole_model  # noqa: E402
+from fuzz.trainer import Copy, add_block, build, remove_block, train_step  # noqa: E402
 
 GROUP_TIMEOUT_S = 30  # a rank left waiting on a peer that failed gives up after this, then the job goes on
 
@@ -124,20 +124,22 @@ def train_draw(d: Draw, st: DrawState, log_file: Path, mixed_autodetect: bool) -
     if d.moves == "planner":  # vpipe's own planner chooses the moves, as quickly as it can be told to
         options.update(planning=True, sample_every=1, apply_lag_steps=1,
                        planner_options={"warmup_samples": 1, "confirm_samples": 1, "cooldown_steps": 0})
+    if d.nas_add:  # vp.add_layers builds the new block with the trainer's factory
+        options["layer_factory"] = lambda layer_id, spec: new_block(d, layer_id)
     moved = copies["vpipe"]
     if moved.averages:
         options["carry"] = list(moved.averages)
     st.vp = vp = vpipe.attach(moved.schedule, optimizer=moved.optimizer_arg, **options)
 
-    def request(after_removal: bool) -> None:
+    def request(after_edit: bool) -> None:
         for epoch, (at, counts, policies) in enumerate(d.plans, start=1):
-            if (bool(d.nas_remove) and at >= d.nas_remove[0]) == after_removal:
+            if (d.edit_step is not None and at >= d.edit_step) == after_edit:
                 stages = d.plan_stages(at, counts)
-                # remove_layers starts an epoch of its own: a plan after it with an epoch not above it is stale
-                vp.request_plan(Plan(epoch=epoch + after_removal, stages=tuple(tuple(s) for s in stages),
+                # an edit starts an epoch of its own: a plan after it with an epoch not above it is stale
+                vp.request_plan(Plan(epoch=epoch + after_edit, stages=tuple(tuple(s) for s in stages),
                                      policies={i: Policy(policies[i]) for s in stages for i in s}), at_step=at)
 
-    request(after_removal=False)
+    request(after_edit=False)
     prints: dict[str, list] = {name: [] for name in copies}
     placements = [[list(s) for s in vp.placement]]
     for step in range(d.steps):
@@ -145,7 +147,14 @@ def train_draw(d: Draw, st: DrawState, log_file: Path, mixed_autodetect: bool) -
             st.phase = f"remove_layers@{step}"
             remove_block(d, copies["plain"], d.nas_remove[1])
             vp.remove_layers([d.nas_remove[1]])
-            request(after_removal=True)
+            request(after_edit=True)
+        if d.nas_add and step == d.nas_add[0]:
+            st.phase = f"add_layers@{step}"
+            add_block(d, copies["plain"], d.nas_add[1], new_block(d, d.layers))
+            added = vp.add_layers(d.nas_add[1], [{"kind": "fuzz"}])
+            if added != [d.layers]:
+                raise AssertionError(f"vp.add_layers gave ids {added}, the plain copy added {d.layers}")
+            request(after_edit=True)
         for name, c in copies.items():
             st.phase = f"train:{name}@{step}"
             train_step(d, c, step, aux)

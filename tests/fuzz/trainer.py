@@ -296,3 +296,41 @@ def _drop(d: Draw, module: nn.Module, layer_id: int) -> nn.Module | None:
                 del blocks[position]
             return block
     return None
+
+
+def add_block(d: Draw, c: Copy, position: int, block: nn.Module) -> None:
+    """What a trainer without vpipe does to add a block before model ``position`` (a NAS step), on the stage of the
+    first split that holds that position (the last when appending): into its container, each trainable parameter
+    into a group of that stage's optimizers by the trainer's own rule (Muon for the blocks' matrices under the Muon
+    recipe; decay or no-decay by name), and a copy into the stage's EMA."""
+    import copy
+
+    from fuzz.models import insert_block
+
+    starts = [sum(d.counts[:v]) for v in range(d.num_stages)]
+    holder = d.num_stages - 1 if position == d.layers else max(v for v in range(d.num_stages)
+                                                                if starts[v] <= position)
+    if holder not in c.stages:
+        return
+    index = c.stages.index(holder)
+    module = c.modules[index]
+    mine = {id(p) for p in module.parameters()}
+    optimizers = [o for o in c.optimizers if any(id(p) in mine for g in o.param_groups for p in g["params"])]
+    insert_block(d, module, position - starts[holder], block)
+    for name, p in block.named_parameters():
+        if p.requires_grad:
+            _group_by_rule(d, optimizers, name, p)["params"].append(p)
+    if c.averages:
+        insert_block(d, c.averages[index].module, position - starts[holder], copy.deepcopy(block))
+
+
+def _group_by_rule(d: Draw, optimizers: list[torch.optim.Optimizer], name: str, p: torch.Tensor) -> dict[str, Any]:
+    """The param group the trainer's own rule (:func:`_groups`, :func:`_with_muon`) puts a block's parameter in."""
+    muon = [o for o in optimizers if isinstance(o, torch.optim.Muon)]
+    if muon and p.ndim == 2:
+        return muon[0].param_groups[0]
+    rest = [o for o in optimizers if not isinstance(o, torch.optim.Muon)]
+    if d.groups == "one":
+        return rest[0].param_groups[0]
+    want = "no_decay" if any(t in name for t in NO_DECAY) else "decay"
+    return next(g for o in rest for g in o.param_groups if g.get("name") == want)

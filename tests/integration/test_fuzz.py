@@ -46,17 +46,22 @@ def test_draws_keep_their_constraints():
             assert not d.plans and not d.nas_remove and not d.fsdp
         else:
             assert 2 <= len(d.plans) <= 4
-        assert len(d.policies) == d.layers
+        assert len(d.policies) == d.layers and not (d.nas_add and d.nas_remove)
         steps = [at for at, _, _ in d.plans]
         assert steps == sorted(set(steps)) and all(1 <= at < d.steps for at in steps)
         for at, counts, policies in d.plans:
             removed = bool(d.nas_remove) and at >= d.nas_remove[0]
-            assert sum(counts) == d.layers - removed and all(counts) and len(counts) == d.num_stages
-            assert set(policies) <= set("DSR") and len(policies) == d.layers
-            assert sum(d.plan_stages(at, counts), []) == [i for i in range(d.layers) if not removed
-                                                          or i != d.nas_remove[1]]
+            added = bool(d.nas_add) and at >= d.nas_add[0]
+            assert sum(counts) == d.layers - removed + added and all(counts) and len(counts) == d.num_stages
+            assert set(policies) <= set("DSR") and len(policies) == d.layers + added
+            order = [i for i in range(d.layers) if not removed or i != d.nas_remove[1]]
+            if added:  # the new block (id ``layers``) stands before its position
+                order.insert(d.nas_add[1], d.layers)
+            assert sum(d.plan_stages(at, counts), []) == order
         if d.nas_remove:
             assert not d.fsdp and d.nas_remove[1] not in d.pinned and 1 <= d.nas_remove[0] < d.steps
+        if d.nas_add:
+            assert not d.fsdp and 1 <= d.nas_add[0] < d.steps and 0 <= d.nas_add[1] <= d.layers
         assert d.impl != "fused" or d.optimizer in (FSDP_FUSED if d.fsdp else FUSED)
         assert d.steps % d.accum == 0
         assert d.fsdp == (seed % 10 == 9) and (d.mesh != "") == d.fsdp

@@ -186,21 +186,27 @@ def test_an_optimizer_wrapper_that_keeps_state_of_its_own_turns_moves_off_naming
 
 def test_an_added_layer_trains_each_parameter_where_its_namesake_in_the_nearest_block_alike_does():
     """vp.add_layers under the Muon recipe with decay / no-decay groups: the new block's matrices join Muon, its
-    norm's weight and biases AdamW's no-decay group (before: every parameter in group 0, Muon's, which cannot train
-    1-D parameters)."""
-    from vpipe.migration.state import attach_like
+    norm's weight and biases AdamW's no-decay group, as its namesakes train on another stage (before: every
+    parameter in group 0, Muon's, which cannot train 1-D parameters); the receiving stage holds no block alike."""
+    from vpipe.migration.namesakes import group_table, join_groups
+    from vpipe.stage.blocks import KeyStyle, StageBlocks
+
+    def recipe(params: list[nn.Parameter]) -> list[torch.optim.Optimizer]:
+        muon = torch.optim.Muon([p for p in params if p.ndim == 2], lr=0.02)
+        adamw = torch.optim.AdamW([{"params": [], "weight_decay": 0.1, "name": "decay"},
+                                   {"params": [p for p in params if p.ndim != 2], "weight_decay": 0.0,
+                                    "name": "no_decay"}], lr=1e-3)
+        return [muon, adamw]
 
     torch.manual_seed(0)
-    blocks = [nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)) for _ in range(2)]
-    matrices = [p for b in blocks for p in b.parameters() if p.ndim == 2]
-    rest = [p for b in blocks for p in b.parameters() if p.ndim != 2]
-    muon = torch.optim.Muon(matrices, lr=0.02)
-    adamw = torch.optim.AdamW([{"params": [], "weight_decay": 0.1, "name": "decay"},
-                               {"params": rest, "weight_decay": 0.0, "name": "no_decay"}], lr=1e-3)
-    stage = optimizer_parts([muon, adamw], {0: nn.ModuleList(blocks)})
+    there = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)))  # block 0, another rank's stage 0
+    here = nn.Sequential(nn.Linear(4, 4))  # block 1, a block of another class, this rank's stage 1
+    table = group_table({0: StageBlocks(there, [0], KeyStyle.POSITIONS, "")},
+                        optimizer_parts(recipe(list(there.parameters())), {0: there}))
+    muon, adamw = recipe(list(here.parameters()))
+    stage = optimizer_parts([muon, adamw], {1: here})
     new = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
-    attach_like(stage, new, [*blocks, nn.Linear(4, 4)], at=2)
-    assert any(p is new[0].weight for p in muon.param_groups[0]["params"])
-    no_decay = adamw.param_groups[1]["params"]
-    assert all(any(p is q for q in no_decay) for p in (new[0].bias, new[1].weight, new[1].bias))
-    assert not adamw.param_groups[0]["params"]
+    joins = {id(p): g for p, g in join_groups(stage, new, 2, [0, 1, 2], table)}
+    groups = stage.param_groups  # Muon's group, then AdamW's decay and no_decay
+    assert groups[joins[id(new[0].weight)]] is muon.param_groups[0]
+    assert all(groups[joins[id(p)]] is adamw.param_groups[1] for p in (new[0].bias, new[1].weight, new[1].bias))

@@ -43,12 +43,13 @@ from vpipe.migration.handshake import (
 )
 from vpipe.migration.link import MoveLink
 from vpipe.migration.moves import Move, apply_round, plan_rounds
+from vpipe.migration.namesakes import join_groups
 from vpipe.migration.patience import RoundClock, patience_s
 from vpipe.migration.placement import Placement
 from vpipe.migration.rounds import MigrationReport, exchange
 from vpipe.migration.shapes import BoundaryShapes
 from vpipe.migration.stale import report_stale_references
-from vpipe.migration.state import LayerState, attach_like, detach_from_optimizer, pack_layer, register_layer
+from vpipe.migration.state import LayerState, detach_from_optimizer, pack_layer, register_layer
 from vpipe.migration.stream import WatchShapes, check_idle, start_round
 from vpipe.migration.transfer import TransferChannel
 from vpipe.plan import Plan
@@ -323,12 +324,12 @@ class LayerManager:
         return movers, Placement.of(after, self.stage_ranks).stages
 
     # ---------------------------------------------------------------- adding and removing layers
-    def add_layers(self, start: Sequence[Sequence[int]], position: int,
-                   specs: Sequence[Any]) -> tuple[list[int], tuple[tuple[int, ...], ...]]:
+    def add_layers(self, start: Sequence[Sequence[int]], position: int, specs: Sequence[Any],
+                   namesakes: Mapping[str, Any] | None = None) -> tuple[list[int], tuple[tuple[int, ...], ...]]:
         """Insert new layers before model position ``position`` of placement ``start`` (0 = first; every rank calls
         it alike): fresh ids (never reused), on the stage holding the layer at ``position`` (the last when
-        appending), built by the factory, each parameter in the group training its namesake in the nearest block
-        alike (:func:`attach_like`). Returns the new ids and the placement with them."""
+        appending), built by the factory, each parameter in the group its namesake in the nearest block alike trains
+        in (``namesakes``: every rank's :func:`.namesakes.group_table`). Returns the new ids and the placement."""
         before = Placement.of(start, self.stage_ranks)
         if not specs:
             return [], before.stages
@@ -339,10 +340,13 @@ class LayerManager:
             if self.builder.factory is None:
                 raise ValueError("adding layers needs layer_factory= in the vpipe config to build them")
             built = [(lid, self.builder.factory(lid, spec).to(self.device)) for lid, spec in zip(new_ids, specs)]
-            present = list(self.blocks[owner].blocks().values())
+            optimizer = part_of(self.optimizer, owner)
+            joins = [j for lid, layer in built for j in join_groups(optimizer, layer, lid, placement.order,
+                                                                   namesakes or {})]
             self.blocks[owner].insert(at, [(lid, layer, str(lid)) for lid, layer in built])
+            for p, g in joins:
+                optimizer.param_groups[g]["params"].append(p)  # type: ignore[union-attr]
             for lid, layer in built:
-                attach_like(part_of(self.optimizer, owner), layer, present, at)
                 self._welcome(owner, lid, layer)
             self.carry.arrived(owner, dict(built), None)
         self.specs.update(zip(new_ids, specs))

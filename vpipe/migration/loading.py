@@ -86,8 +86,6 @@ def load_buffer(module: nn.Module, target: torch.Tensor, value: torch.Tensor, en
 def _aliased(module: nn.Module, target: torch.Tensor) -> bool:
     """Whether ``target`` shares memory with another tensor of the block (a view of a buffer, or a buffer held
     under two names): a new tensor would cut the tie, so such buffers are copied into."""
-    if target._base is not None:
-        return True
     where = target.untyped_storage().data_ptr()
     named = (*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False))
     others = [t for _, t in named]

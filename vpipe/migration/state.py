@@ -26,7 +26,7 @@ optimizer, not the lists) keep working.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,7 +48,7 @@ from vpipe.stage.groups import group_settings, matching_group
 from vpipe.stage.optimizers import group_kinds
 
 __all__ = ["LayerState", "LoadedLayer", "pack_layer", "load_layer", "register_layer", "unpack_layer",
-           "decode_tensor", "attach_to_optimizer", "attach_like", "detach_from_optimizer", "validate_manifest"]
+           "decode_tensor", "attach_to_optimizer", "detach_from_optimizer", "validate_manifest"]
 
 _PLAIN = (bool, int, float, str, type(None))
 
@@ -365,20 +365,6 @@ def detach_from_optimizer(optimizer: torch.optim.Optimizer | None, params: Itera
         del optimizer.state[p]
     for group in optimizer.param_groups:
         group["params"][:] = [p for p in group["params"] if id(p) not in ids]
-
-
-def attach_like(optimizer: torch.optim.Optimizer | None, layer: nn.Module, blocks: Sequence[nn.Module],
-                at: int) -> None:
-    """A new layer (to stand at ``at`` among the stage's ``blocks``) joins, parameter by parameter, the param
-    groups that train the same-named parameters of the nearest block of its class: each in its optimizer (Muon's
-    matrices, AdamW's norms), decay and no-decay groups alike. A parameter no such block trains joins group 0."""
-    if optimizer is None:
-        return
-    alike = sorted((i for i, b in enumerate(blocks) if type(b) is type(layer)), key=lambda i: (abs(i - at), i))
-    where = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
-    theirs = {name: id(p) for name, p in blocks[alike[0]].named_parameters()} if alike else {}
-    for name, p in layer.named_parameters():
-        optimizer.param_groups[where.get(theirs.get(name, -1), 0)]["params"].append(p)
 
 
 def attach_to_optimizer(optimizer: torch.optim.Optimizer | None, params: Iterable[torch.Tensor],

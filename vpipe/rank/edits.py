@@ -10,8 +10,10 @@ never run).
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
+from vpipe.migration.namesakes import group_table
 from vpipe.plan import Plan
 from vpipe.rank.agreement import StoreAgreement
 from vpipe.rank.parts import RankParts
@@ -40,7 +42,13 @@ class LayerEdits:
             raise RuntimeError("add_layers cannot add to an FSDP2 (fully_shard) stage: the factory's blocks would not "
                                "be sharded, nor their gradients reduced over the data-parallel group")
         self.agreement.agree_edit({"call": "add_layers", "position": position, "count": len(specs)}, self.who)
-        new_ids, placement = self.parts.layer_manager.add_layers(self.parts.plan_in_force.placement, position, specs)
+        manager = self.parts.layer_manager
+        # where every rank's blocks train: a new block's parameters join their namesakes' groups, wherever they are
+        key = f"add_groups/{self.parts.plan_in_force.epoch}/{{}}"
+        self.agreement.set(key.format(self.agreement.rank), json.dumps(group_table(manager.blocks, manager.optimizer)))
+        namesakes = {lid: entry for raw in self.agreement.gather(key, range(self.agreement.world_size), "add_layers",
+                                                                 self.who) for lid, entry in json.loads(raw).items()}
+        new_ids, placement = manager.add_layers(self.parts.plan_in_force.placement, position, specs, namesakes)
         self._after_edit(placement)
         return new_ids
 
