@@ -55,7 +55,7 @@ def join_groups(optimizer: torch.optim.Optimizer | None, layer: nn.Module, layer
                     == cls), key=lambda i: (abs(i - at), i))
     theirs = table[str(order[alike[0]])]["params"] if alike else {}
     kinds = group_kinds(optimizer)
-    joins = []
+    joins: list[tuple[torch.Tensor, int]] = []
     for name, p in layer.named_parameters():
         settings = theirs.get(name)
         if settings is not None:
