@@ -1,16 +1,23 @@
 """PipeDream-2BW (``vpipe.SchedulePipeDream2BW``) on two real gloo ranks, against its update rule written out by
 hand in one process (support/twobw.py): every stage's weights bit for bit, for SGD and Adam; the weight versions
 a stage holds (the WPipe paper's Table 1: two); vpipe under it changing nothing, blocks streamed between stages
-included."""
+included; and the lab's ``--schedule pipedream2bw``."""
 
 from __future__ import annotations
+
+import dataclasses
+import json
+import re
 
 import pytest
 import torch
 
-from support.processes import WORKERS, run_ranks
+from support.processes import WORKERS, run_ranks, run_vpipe
+from support.results import assert_params_equal, load_run_params
 from support.twobw import FLUSH_AFTER, MICRO_BATCHES, PERIODS, reference_2bw
 from vpipe.schedules.pipedream_2bw import period_version
+from vpipe_lab.runtime import reference
+from vpipe_lab.runtime.config import RunConfig
 
 RANKS = 2
 
@@ -85,3 +92,24 @@ def test_a_micro_batch_runs_on_the_weights_of_two_periods_back_never_before_the_
     # after a flush at period 4 with 4 updates applied, periods 4 and 5 run on W(4)
     assert [period_version(mb, m, 4, 4) for mb in range(12, 21)] == [4, 4, 4, 4, 4, 4, 5, 5, 5]
 
+
+def test_the_labs_pipedream2bw_schedule_trains_as_its_single_process_reference(tmp_path):
+    cfg = RunConfig(stages=2, schedule="pipedream2bw", steps=3, blocks=2, d_model=16, n_heads=2, seq_len=8,
+                    dropout=0.0, micro_batches=2, micro_batch_size=2)
+    proc = run_vpipe("train", "--stages", "2", "--schedule", "pipedream2bw", "--steps", "3", "--blocks", "2",
+                     "--d-model", "16", "--n-heads", "2", "--seq-len", "8", "--dropout", "0", "--micro-batches", "2",
+                     "--micro-batch-size", "2", "--out-dir", str(tmp_path), "--no-progress")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    want, want_losses, _ = reference.reference_2bw(cfg)
+    assert_params_equal(load_run_params(tmp_path, 2), want)  # bitwise
+    assert json.loads((tmp_path / "rank1.json").read_text())["losses"] == want_losses
+    flush, _, _ = reference.reference_flush(dataclasses.replace(cfg, schedule="1f1b"))
+    assert any(not want[k].equal(v) for k, v in flush.items())  # 2BW's delay is not the flush schedules' rule
+
+
+def test_the_lab_refuses_what_a_2bw_stream_cannot_do():
+    for extra, said in ([{"checkpoint_dir": "x"}, "checkpoints need a flush schedule (any but pipedream2bw)"],
+                        [{"nas": [{"step": 1, "remove": [1]}], "vpipe": True}, "layer edits need a flush schedule"],
+                        [{"micro_batches": 1}, "pipedream2bw needs micro_batches >= stages"]):
+        with pytest.raises(ValueError, match=re.escape(said)):
+            RunConfig(stages=2, schedule="pipedream2bw", blocks=2, **extra)
