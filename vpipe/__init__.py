@@ -6,6 +6,7 @@ The public API::
     vpipe.Plan, vpipe.Policy                       # placements and keep/swap/recompute policies
     vpipe.VpipeConfig                              # every option of attach, validated
     vpipe.SchedulePipeDream                        # asynchronous 1F1B with weight stashing
+    vpipe.SchedulePipeDream2BW                     # PipeDream-2BW: 1F1B, two weight versions, one update a step
     vpipe.global_block_keys, vpipe.local_block_keys  # DCP keys for stages that number blocks locally
 
 Names are imported on first use, so light commands (``vpipe logs``) do not load torch; the
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
     from vpipe.config import VpipeConfig
     from vpipe.plan import Plan, Policy
     from vpipe.schedules.pipedream import SchedulePipeDream
+    from vpipe.schedules.pipedream_2bw import SchedulePipeDream2BW
 
     __version__: str
 
@@ -35,11 +37,12 @@ _PUBLIC = {
     "Plan": "vpipe.plan",
     "Policy": "vpipe.plan",
     "SchedulePipeDream": "vpipe.schedules.pipedream",
+    "SchedulePipeDream2BW": "vpipe.schedules.pipedream_2bw",
     "global_block_keys": "vpipe.checkpoint.block_keys",
     "local_block_keys": "vpipe.checkpoint.block_keys",
 }
-__all__ = ["Plan", "Policy", "SchedulePipeDream", "Vpipe", "VpipeConfig", "__version__", "attach",
-           "global_block_keys", "local_block_keys"]
+__all__ = ["Plan", "Policy", "SchedulePipeDream", "SchedulePipeDream2BW", "Vpipe", "VpipeConfig", "__version__",
+           "attach", "global_block_keys", "local_block_keys"]
 
 
 def _version() -> str:

@@ -84,8 +84,8 @@ def add_run_arguments(p: argparse.ArgumentParser, *, steps: int, stages: int) ->
     p.add_argument("--seq-len", type=_positive_int, default=64)
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--stages", type=_positive_int, default=None,
-                   help=f"pipeline ranks, one stage each under gpipe, 1f1b, pipedream (default: WORLD_SIZE under "
-                        f"torchrun, else {stages})")
+                   help=f"pipeline ranks, one stage each under gpipe, 1f1b, pipedream, pipedream2bw (default: "
+                        f"WORLD_SIZE under torchrun, else {stages})")
     p.set_defaults(default_stages=stages)
     p.add_argument("--schedule", choices=SCHEDULES, default="gpipe",
                    help=f"{', '.join(MULTI_STAGE)} run several virtual stages per rank")
@@ -219,8 +219,8 @@ def cmd_nas(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from vpipe_lab.runtime.launch import rank_env, spawn
 
     cfg = config_from_args(args)
-    if cfg.schedule == "pipedream":
-        raise ValueError("vpipe nas adds and removes layers, which needs a flush schedule (any but pipedream)")
+    if cfg.schedule in ("pipedream", "pipedream2bw"):
+        raise ValueError(f"vpipe nas adds and removes layers, which needs a flush schedule (any but {cfg.schedule})")
     if cfg.checkpoint_dir or cfg.resume:
         raise ValueError("vpipe nas writes no checkpoints and cannot resume from one: drop --checkpoint-dir/--resume")
     if not cfg.vpipe:

@@ -124,8 +124,8 @@ def test_out_of_range_stages_and_epochs_in_messages_are_named(change, message):
     ({"d_model": 1_000_000}, "the model's weights, gradients and optimizer state would take about 1,430,511 GiB"),
     ({"micro_batch_size": 10**9}, "one micro-batch's activations would take about 2,441,406 GiB"),
     ({"schedule": "1f1b", "stages": 4, "micro_batches": 2}, "1f1b needs micro_batches >= stages (2 < 4)"),
-    ({"schedule": "zero-bubble"}, "schedule must be one of gpipe, 1f1b, pipedream, interleaved1f1b, loopedbfs, "
-                                    "interleavedzb, zbv, "
+    ({"schedule": "zero-bubble"}, "schedule must be one of gpipe, 1f1b, pipedream, pipedream2bw, interleaved1f1b, "
+                                    "loopedbfs, interleavedzb, zbv, "
                                     "dualpipev, got 'zero-bubble'"),
     ({"memory_budget": 0}, "memory_budget must be a positive number of bytes, got 0"),
     ({"memory_budget": -1}, "memory_budget must be a positive number of bytes, got -1"),

@@ -24,6 +24,7 @@ from vpipe.migration.layer_manager import LayerManager
 from vpipe.migration.state import pack_layer
 from vpipe.migration.stream import IncomingStream, OutgoingStream, version_window
 from vpipe.plan import Plan
+from vpipe.schedules.pipedream import start_version
 from vpipe.stage.blocks import KeyStyle, StageBlocks
 
 KEY = (1, 0, 1)  # epoch 1, round 0, move 2 * src + forward
@@ -47,6 +48,16 @@ class FakeSchedule:
 
     def stashed(self, version: int) -> dict[str, torch.Tensor] | None:
         return self._versions.get(version)
+
+    def move_versions(self, switch_mb: int, stage_index: int) -> range:
+        return version_window(switch_mb, stage_index, self._stage.num_stages, self.vertical_sync)
+
+    def updates_before(self, mb: int) -> int:
+        return mb
+
+    @property
+    def upcoming_version(self) -> int:
+        return start_version(self._next_fwd, self._stage.stage_index, self._stage.num_stages, self.vertical_sync)
 
     def defer_wait(self, work: object, payload: torch.Tensor) -> None:
         self.deferred.append((work, payload))

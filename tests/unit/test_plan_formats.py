@@ -195,7 +195,7 @@ def test_an_offline_multi_stage_plan_is_the_live_planners_plan_for_the_same_grap
     (["--schedule", "dualpipev", "--micro-batches", "2"],
      "torch's ScheduleDualPipeV refuses 2 ranks x 2 stages with 2 micro-batches: DualPipeV requires at least as "
      "many microbatches as stages"),
-    (["--schedule", "custom"], "--schedule must be one of gpipe, 1f1b, pipedream, interleaved1f1b"),
+    (["--schedule", "custom"], "--schedule must be one of gpipe, 1f1b, pipedream, pipedream2bw, interleaved1f1b"),
     (["--schedule", "interleaved1f1b", "--stages", "4", "--stages-per-rank", "3"],
      "--stages 4 x --stages-per-rank 3 is more than the graph's 10 layers"),
 ])

@@ -35,6 +35,9 @@ def test_in_flight_and_weight_versions_follow_the_schedule():
     assert [in_flight("pipedream", k, 4, 2) for k in range(4)] == [4, 3, 2, 1]
     assert [weight_versions("pipedream", k, 4) for k in range(4)] == [4, 3, 2, 1]
     assert [weight_versions("1f1b", k, 4) for k in range(4)] == [1, 1, 1, 1]
+    # PipeDream-2BW: PipeDream's activations, two weight versions on every stage (the WPipe paper's Table 1)
+    assert [in_flight("pipedream2bw", k, 4, 8) for k in range(4)] == [4, 3, 2, 1]
+    assert [weight_versions("pipedream2bw", k, 4) for k in range(4)] == [2, 2, 2, 2]
     with pytest.raises(ValueError, match="unknown schedule 'zb'"):
         in_flight("zb", 0, 4, 8)
 
@@ -112,6 +115,7 @@ def test_step_time_includes_the_bubble_for_flush_schedules_only():
     assert pipeline_step_time(times, "1f1b", 8) == pytest.approx(4.5 + 7 * 2.0)
     assert pipeline_step_time(times, "pipedream", 8) == pytest.approx(16.0)
     assert throughput(times, "pipedream", 8) == pytest.approx(0.5)
+    assert pipeline_step_time(times, "pipedream2bw", 8) == pytest.approx(16.0)  # no flush either
 
 
 def test_a_tensor_crosses_a_boundary_once_however_many_layers_consume_it():

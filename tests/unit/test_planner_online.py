@@ -334,7 +334,8 @@ def test_the_configuration_goes_to_json_and_back():
     ("[1, 2]", "planner config must be a JSON object of OnlineConfig fields, got list"),
     (json.dumps({"smoothin": 0.5, "warmup": 1}), "planner config has unknown keys: smoothin, warmup"),
     (json.dumps({"smoothing": 0}), "planner config: smoothing must be in (0, 1], got 0"),
-    (json.dumps({"schedule": "zb"}), "planner config: schedule must be one of gpipe, 1f1b, pipedream, interleaved1f1b"),
+    (json.dumps({"schedule": "zb"}), "planner config: schedule must be one of gpipe, 1f1b, pipedream, pipedream2bw, "
+     "interleaved1f1b"),
     (json.dumps({"micro_batches": True}), "planner config: micro_batches must be a positive integer, got True"),
     (json.dumps({"memory_budget": 0}), "planner config: memory_budget must be a positive number of bytes or null, "
                                        "got 0"),

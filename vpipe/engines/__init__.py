@@ -8,6 +8,7 @@ from vpipe.engines.base import Capabilities, Engine, EngineKind
 from vpipe.engines.deepspeed import DeepSpeedEngine
 from vpipe.engines.module import ModuleEngine
 from vpipe.engines.pipedream import PipeDreamEngine
+from vpipe.engines.pipedream_2bw import PipeDream2BWEngine
 from vpipe.engines.registry import engine_for, register_engine, registered_engines, unregister_engine
 from vpipe.engines.torch_multi import TorchMultiEngine
 from vpipe.engines.torch_single import TorchSingleEngine
@@ -15,9 +16,11 @@ from vpipe.engines.torch_single import TorchSingleEngine
 __all__ = ["Capabilities", "Engine", "EngineKind", "engine_for", "register_engine", "registered_engines",
            "unregister_engine"]
 
-# asked latest first: the plain module last (it takes any nn.Module), PipeDream before torch's single-stage schedules
+# asked latest first: the plain module last (it takes any nn.Module), PipeDream before torch's single-stage schedules,
+# 2BW before PipeDream
 register_engine(ModuleEngine)
 register_engine(TorchSingleEngine)
 register_engine(TorchMultiEngine)
 register_engine(DeepSpeedEngine)
 register_engine(PipeDreamEngine)
+register_engine(PipeDream2BWEngine)  # after PipeDream's: a SchedulePipeDream2BW is a SchedulePipeDream

@@ -32,6 +32,7 @@ class EngineKind(enum.Enum):
     TORCH_SINGLE = "torch_single"  # ScheduleGPipe, Schedule1F1B: one stage per rank
     TORCH_MULTI = "torch_multi"  # torch's schedules that run an action list: several stages per rank
     PIPEDREAM = "pipedream"  # vpipe's SchedulePipeDream: a stream, weight stashing
+    PIPEDREAM_2BW = "pipedream_2bw"  # vpipe's SchedulePipeDream2BW: a stream, two weight versions
     DEEPSPEED = "deepspeed"  # DeepSpeed's PipelineEngine
     MODULE = "module"  # a plain stage module in a hand-written loop
     OTHER = "other"

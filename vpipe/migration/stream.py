@@ -15,6 +15,9 @@ spans two processes and the pipeline keeps its in-flight micro-batches. What mus
 
 Each micro-batch thus runs on exactly the weight version the schedule's rule gives for the
 stage that runs it, and every update of ``Ls`` is applied once, in micro-batch order. The
+schedule says which versions travel and after which update the hand-over comes
+(``move_versions``, ``updates_before``): under PipeDream-2BW, which updates once per step,
+the versions of the step's period and of the update that ends the period before. The
 boundary activation must keep its shape (the stream cannot resize receive buffers); the
 layer manager checks this before starting a streamed move.
 """
@@ -86,7 +89,8 @@ class OutgoingStream:
         self.channel = channel
         self.listeners = list(listeners)
         stage = single_stage(schedule)
-        self.window = version_window(switch_mb, dst, stage.num_stages, schedule.vertical_sync)
+        self.window = schedule.move_versions(switch_mb, dst)
+        self.handover_at = schedule.updates_before(switch_mb)  # the source's last update of the layers
         self.names = [f"{lid}.{n}" for lid, layer in layers.items() for n, _ in layer.named_parameters()]
         self._sent: set[int] = set()
         self._switched = False  # Ls left this stage's forward (at micro-batch S)
@@ -146,7 +150,7 @@ class OutgoingStream:
 
     def after_update(self, updates: int) -> None:
         self._send_live_if_due(updates)
-        if updates == self.switch_mb:
+        if updates == self.handover_at and not self._handed_over:  # 2BW: the count stays until a period ends
             self._hand_over()
 
     def _hand_over(self) -> None:
@@ -187,7 +191,7 @@ class IncomingStream:
         self.channel = channel
         self.listeners = list(listeners)
         stage = single_stage(schedule)
-        self.window = version_window(switch_mb, stage.stage_index, stage.num_stages, schedule.vertical_sync)
+        self.window = schedule.move_versions(switch_mb, stage.stage_index)
         self.entries = [(f"{man['layer']}.{e['name']}", e)
                         for man in manifests for e in man["entries"] if e["kind"] == "param"]
         self._versions: dict[int, dict[str, torch.Tensor]] = {}
@@ -197,10 +201,7 @@ class IncomingStream:
     @property
     def done(self) -> bool:
         """Handed over, and no later forward can need a version from the source any more."""
-        stage = single_stage(self.schedule)
-        upcoming = start_version(self.schedule.next_forward, stage.stage_index, stage.num_stages,
-                                 self.schedule.vertical_sync)
-        return self._handed_over and upcoming > self.switch_mb
+        return self._handed_over and self.schedule.upcoming_version > self.schedule.updates_before(self.switch_mb)
 
     def _receive_version(self, v: int) -> dict[str, torch.Tensor]:
         if v not in self._versions:
@@ -257,6 +258,10 @@ class IncomingStream:
             offset += size
             for listener in self.listeners:
                 listener.add_layer(lid, self.layers[lid])
+        # the source sent every version of the window before the hand-over: take them now, so none is left unread
+        # (and the source waiting on its send at a flush) when the run ends before a forward would have asked
+        for v in self.window:
+            self._receive_version(v)
         self._handed_over = True
 
     def after_update(self, updates: int) -> None:

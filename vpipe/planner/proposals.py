@@ -31,6 +31,7 @@ from vpipe.monitors.records import StageRecord
 from vpipe.plan import PINNED_KIND, Plan, PlanError
 from vpipe.planner.cost_model import GraphProfile, Hardware, PipelineSetup, StageCosts
 from vpipe.planner.exact import min_secondary
+from vpipe.planner.setup import STREAMS, weight_versions
 from vpipe.planner.srp import Evaluated, check_method, evaluate, fastest_step, optimize_stages, srp_loop
 from vpipe.planner.uneven import uneven_min_secondary
 
@@ -96,13 +97,14 @@ def _moves(profile: GraphProfile, setup: PipelineSetup, plan: Evaluated, current
 
 
 def _per_hop_bytes(profile: GraphProfile, setup: PipelineSetup, current_stage: np.ndarray) -> np.ndarray:
-    """What one neighbour hop of each layer sends: weights and optimizer state; for PipeDream
-    also the stashed weight versions and the inputs of its in-flight micro-batches."""
+    """What one neighbour hop of each layer sends: weights and optimizer state; for a stream (PipeDream,
+    2BW) also the stashed weight versions and the inputs of its in-flight micro-batches."""
     hw = setup.hardware
     out = profile.params * (1.0 + hw.optimizer_factor)
-    if setup.schedule == "pipedream":
-        versions = setup.num_stages - current_stage  # p - k for the stage it leaves
-        out = out + profile.params * (versions - 1) + versions * profile.in_bytes
+    if setup.schedule in STREAMS:  # of the stage it leaves: p - k in flight; p - k versions (PipeDream) or 2
+        flight = setup.num_stages - current_stage
+        versions = np.array([weight_versions(setup.schedule, int(k), setup.num_stages) for k in current_stage])
+        out = out + profile.params * (versions - 1) + flight * profile.in_bytes
     return out
 
 

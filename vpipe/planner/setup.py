@@ -1,11 +1,11 @@
 """The fixed facts of a pipeline a plan is made for: its schedule's rules and the hardware.
 
 *In flight*: the micro-batches whose activations stage ``k`` holds at its peak: GPipe
-``m``, 1F1B ``min(p - k, m)``, PipeDream ``p - k`` (vPipe eq. 1, k from 0); PipeDream also
-stashes ``p - k`` weight versions.
+``m``, 1F1B ``min(p - k, m)``, PipeDream and PipeDream-2BW ``p - k`` (vPipe eq. 1, k from 0;
+the WPipe paper's Table 1); PipeDream also stashes ``p - k`` weight versions, 2BW two.
 
 *Step time* for ``m`` micro-batches: flush schedules (GPipe, 1F1B) ``sum_k t_k + (m - 1) *
-max_k t_k`` (fill and drain, the bubble); PipeDream (no flush) ``m * max_k t_k``.
+max_k t_k`` (fill and drain, the bubble); PipeDream and 2BW (no flush) ``m * max_k t_k``.
 
 *Several stages per rank* (Interleaved 1F1B, LoopedBFS, the zero-bubble schedules; their
 stages are virtual, ``stage_ranks[v]`` runs stage ``v``): a rank runs its stages one after
@@ -35,11 +35,12 @@ import numpy as np
 
 from vpipe.plan import Policy
 
-__all__ = ["SCHEDULES", "MULTI_STAGE", "ZERO_BUBBLE", "Schedule", "Code", "Hardware", "PipelineSetup",
+__all__ = ["SCHEDULES", "STREAMS", "MULTI_STAGE", "ZERO_BUBBLE", "Schedule", "Code", "Hardware", "PipelineSetup",
            "check_schedule", "in_flight", "weight_versions", "pipeline_step_time", "throughput"]
 
-Schedule = Literal["gpipe", "1f1b", "pipedream"]  # the one-stage-per-rank schedules
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "pipedream")
+Schedule = Literal["gpipe", "1f1b", "pipedream", "pipedream2bw"]  # the one-stage-per-rank schedules
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "pipedream", "pipedream2bw")
+STREAMS: tuple[str, ...] = ("pipedream", "pipedream2bw")  # no flush: micro-batches stay in flight across steps
 # several (virtual) stages per rank: planned with the in-flight counts and stage ranks the ranks read off the
 # schedule's action lists; "custom" is an action list loaded from a file
 MULTI_STAGE: tuple[str, ...] = ("interleaved1f1b", "loopedbfs", "interleavedzb", "zbv", "dualpipev", "custom")
@@ -86,8 +87,11 @@ def in_flight(schedule: str, stage: int, num_stages: int, micro_batches: int) ->
 
 
 def weight_versions(schedule: str, stage: int, num_stages: int) -> int:
-    """Weight versions a stage keeps: PipeDream stashes one per in-flight micro-batch."""
-    return num_stages - stage if check_schedule(schedule) == "pipedream" else 1
+    """Weight versions a stage keeps: PipeDream stashes one per in-flight micro-batch, 2BW two on every stage."""
+    schedule = check_schedule(schedule)
+    if schedule == "pipedream":
+        return num_stages - stage
+    return 2 if schedule == "pipedream2bw" else 1
 
 
 @dataclass(frozen=True)
@@ -213,7 +217,7 @@ def pipeline_step_time(stage_times: Sequence[float] | np.ndarray, schedule: str,
         per_rank = np.bincount(ranks, weights=times)
         bubble = (per_rank.size - 1) * slowest * (_ZERO_BUBBLE_SHARE if schedule in ZERO_BUBBLE else 1.0)
         return micro_batches * float(per_rank.max()) + bubble
-    if schedule == "pipedream":
+    if schedule in STREAMS:
         return micro_batches * slowest
     return float(times.sum()) + (micro_batches - 1) * slowest
 

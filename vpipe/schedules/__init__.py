@@ -1,5 +1,7 @@
-"""Schedules vpipe adds to torch's pipelining: PipeDream's asynchronous 1F1B with weight stashing."""
+"""Schedules vpipe adds to torch's pipelining: PipeDream's asynchronous 1F1B with weight stashing, and
+PipeDream-2BW's double-buffered weights with gradient accumulation."""
 
 from vpipe.schedules.pipedream import SchedulePipeDream
+from vpipe.schedules.pipedream_2bw import SchedulePipeDream2BW
 
-__all__ = ["SchedulePipeDream"]
+__all__ = ["SchedulePipeDream", "SchedulePipeDream2BW"]

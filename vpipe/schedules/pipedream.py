@@ -97,6 +97,10 @@ class SchedulePipeDream(PipelineScheduleSingle):
         self._next_fwd = 0
         self._next_bwd = 0
         self._versions: dict[int, dict[str, torch.Tensor]] = {}
+        # the most stashed versions (copies beside the live weights) and distinct versions (stashed and live) held
+        # at once: what the papers count (PipeDream p - k; 2BW two)
+        self.peak_stashed = 0
+        self.peak_versions = 1
         self._mb_version: dict[int, int] = {}
         self._losses: dict[int, torch.Tensor] = {}
         self._targets: dict[int, Any] = {}
@@ -130,9 +134,30 @@ class SchedulePipeDream(PipelineScheduleSingle):
         """The micro-batch whose forward runs next here (counted over the whole stream, across steps)."""
         return self._next_fwd
 
+    @property
+    def versions_held(self) -> list[int]:
+        """The weight versions this stage holds now: its stashed ones and the live parameters' (``updates``)."""
+        return sorted(set(self._versions) | {self.updates})
+
     def stashed(self, version: int) -> dict[str, torch.Tensor] | None:
         """The stashed weights of ``version`` (name -> tensor), None when this stage does not keep them (now)."""
         return self._versions.get(version)
+
+    def move_versions(self, switch_mb: int, stage_index: int) -> range:
+        """The weight versions of a layer that runs on stage ``stage_index`` from micro-batch ``switch_mb`` (a
+        streamed move, :mod:`vpipe.migration.stream`) that its old stage makes: from the version ``switch_mb``
+        runs on there to the one made by the update after micro-batch ``switch_mb - 1``."""
+        first = start_version(switch_mb, stage_index, self._stage.num_stages, self.vertical_sync)
+        return range(first, self.updates_before(switch_mb) + 1)
+
+    def updates_before(self, mb: int) -> int:
+        """The updates applied once every micro-batch before ``mb`` ran its backward: one each under PipeDream."""
+        return mb
+
+    @property
+    def upcoming_version(self) -> int:
+        """The weight version the next forward here runs on."""
+        return self._version_for(self._next_fwd)
 
     def version_of(self, mb: int) -> dict[str, torch.Tensor]:
         """The stashed weights an in-flight micro-batch uses (name -> tensor)."""
@@ -235,11 +260,20 @@ class SchedulePipeDream(PipelineScheduleSingle):
                 name: p.detach().clone().requires_grad_(p.requires_grad)
                 for name, p in self._stage.submod.named_parameters()
             }
+            self._count_versions()
         return self._versions[version]
 
-    def _release_versions(self) -> None:
+    def _count_versions(self) -> None:
+        self.peak_stashed = max(self.peak_stashed, len(self._versions))
+        self.peak_versions = max(self.peak_versions, len(self.versions_held))
+
+    def _version_for(self, mb: int) -> int:
+        """The weight version micro-batch ``mb`` runs on here (a subclass's rule may differ)."""
         stage = self._stage
-        oldest_needed = start_version(self._next_fwd, stage.stage_index, stage.num_stages, self.vertical_sync)
+        return start_version(mb, stage.stage_index, stage.num_stages, self.vertical_sync)
+
+    def _release_versions(self) -> None:
+        oldest_needed = self._version_for(self._next_fwd)
         live = set(self._mb_version.values()) | {v for v in self._versions if v >= oldest_needed}
         for v in [v for v in self._versions if v not in live]:
             del self._versions[v]
@@ -251,7 +285,7 @@ class SchedulePipeDream(PipelineScheduleSingle):
         self._recv(stage.get_fwd_recv_ops(slot))
         for mover in self.movers:
             mover.before_forward(mb)
-        version = start_version(mb, stage.stage_index, stage.num_stages, self.vertical_sync)
+        version = self._version_for(mb)
         weights = self._stash(version)
         for mover in self.movers:
             mover.add_weights(version, weights)
@@ -284,7 +318,7 @@ class SchedulePipeDream(PipelineScheduleSingle):
         self._send(stage.get_bwd_send_ops(slot))
         for mover in self.movers:
             mover.before_update(mb)
-        self._apply_update(self._versions[self._mb_version.pop(mb)])
+        self._update_after(mb)
         for mover in self.movers:
             mover.after_update(self.updates)
         self.movers = [m for m in self.movers if not m.done]
@@ -292,6 +326,10 @@ class SchedulePipeDream(PipelineScheduleSingle):
         self._next_bwd += 1
         self._release_versions()
         return loss.detach() if loss is not None else None
+
+    def _update_after(self, mb: int) -> None:
+        """PipeDream steps after every micro-batch's backward."""
+        self._apply_update(self._versions[self._mb_version.pop(mb)])
 
     def _apply_update(self, weights: dict[str, torch.Tensor]) -> None:
         """Move the micro-batch's gradient from its stashed weights to the live parameters and step."""

@@ -15,7 +15,7 @@ if TYPE_CHECKING:  # models imports torch: the CLI's light commands (logs, plann
     from vpipe_lab.runtime.models import ModelSpec
 
 from vpipe.files import check_output_dir, check_output_file
-from vpipe_lab.runtime.layout import MULTI_STAGE, SCHEDULES, V_SHAPED, rank_stages, stage_rank
+from vpipe_lab.runtime.layout import MULTI_STAGE, SCHEDULES, STREAMS, V_SHAPED, rank_stages, stage_rank
 
 MODELS = ("transformer", "cnn")
 OPTIMIZERS = ("adam", "adamw", "sgd")
@@ -97,12 +97,14 @@ class RunConfig:
         need(self.vpipe or not self.moves, "forced moves need vpipe (the layer manager moves the layers)")
         need(self.vpipe or not self.nas, "adding and removing layers needs vpipe (the layer manager does it)")
         need(not (self.nas and self.moves), "combine either forced moves or layer edits in one run, not both")
-        need(not (self.nas and self.schedule == "pipedream"), "layer edits need a flush schedule (any but pipedream)")
+        need(not (self.nas and self.schedule in STREAMS),
+             f"layer edits need a flush schedule (any but {self.schedule})")
         need(0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout}")
         need(isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0,
              f"lr must be a positive finite number, got {self.lr}")
         need(not self.vertical_sync or self.schedule == "pipedream",
-             f"vertical_sync is a PipeDream option; {self.schedule} keeps no weight versions")
+             f"vertical_sync is a PipeDream option; {self.schedule} " + (
+                 "runs every stage on one version already" if self.schedule in STREAMS else "keeps no weight versions"))
         need(self.d_model % self.n_heads == 0,
              f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
         self._check_size()
@@ -116,7 +118,7 @@ class RunConfig:
         self._check_layout()
         n_layers = self.n_layers
         need(self.virtual_stages <= n_layers, f"{self._stages_text} but the model has only {n_layers} layers")
-        if self.schedule in ("1f1b", "pipedream"):
+        if self.schedule in ("1f1b", *STREAMS):
             need(self.micro_batches >= self.stages,
                  f"{self.schedule} needs micro_batches >= stages ({self.micro_batches} < {self.stages})")
         if self.partition is not None:
@@ -171,9 +173,9 @@ class RunConfig:
             raise ValueError(f"checkpoint_every must be an integer >= 0, got {self.checkpoint_every!r}")
         if self.checkpoint_every and not self.checkpoint_dir:
             raise ValueError("checkpoint_every needs checkpoint_dir (where to write the checkpoints)")
-        if (self.checkpoint_dir or self.resume) and self.schedule == "pipedream":
-            raise ValueError("checkpoints need a flush schedule (any but pipedream): a PipeDream stream never has "
-                             "every micro-batch's weights at rest")
+        if (self.checkpoint_dir or self.resume) and self.schedule in STREAMS:
+            raise ValueError(f"checkpoints need a flush schedule (any but {self.schedule}): a PipeDream stream "
+                             "never has every micro-batch's weights at rest")
         if (self.checkpoint_dir or self.resume) and self.nas:
             raise ValueError("checkpoints cannot be combined with layer edits (--nas) yet")
 

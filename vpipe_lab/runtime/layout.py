@@ -15,9 +15,10 @@ Plain Python (no torch): the CLI validates a layout before it starts any process
 
 from __future__ import annotations
 
-__all__ = ["SINGLE_STAGE", "MULTI_STAGE", "V_SHAPED", "SCHEDULES", "stage_rank", "rank_stages"]
+__all__ = ["SINGLE_STAGE", "STREAMS", "MULTI_STAGE", "V_SHAPED", "SCHEDULES", "stage_rank", "rank_stages"]
 
-SINGLE_STAGE = ("gpipe", "1f1b", "pipedream")
+SINGLE_STAGE = ("gpipe", "1f1b", "pipedream", "pipedream2bw")
+STREAMS = ("pipedream", "pipedream2bw")  # vpipe's own schedules: no flush between steps
 MULTI_STAGE = ("interleaved1f1b", "loopedbfs", "interleavedzb", "zbv", "dualpipev")
 V_SHAPED = ("zbv", "dualpipev")
 SCHEDULES = SINGLE_STAGE + MULTI_STAGE

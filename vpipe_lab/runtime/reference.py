@@ -7,6 +7,9 @@
 - PipeDream: the weight-stashing semantics written out directly: micro-batch ``i`` runs
   forward and backward on stage ``k``'s weight version ``start_version(i, k, p)``, and each
   stage applies one optimizer step per micro-batch in completion (= micro-batch) order.
+- PipeDream-2BW: every micro-batch of step ``t`` runs on the weights after ``t - 1`` steps
+  (the initial ones for steps 0 and 1), gradients summed over the step and divided by their
+  number, one optimizer step per step.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from vpipe_lab.runtime.config import RunConfig
 from vpipe_lab.runtime.models import block_spec, build_layer, build_model
 from vpipe_lab.runtime.optim import make_optimizer, make_scheduler
 
-__all__ = ["reference_flush", "reference_pipedream", "optimizer_state_by_name", "backward_order"]
+__all__ = ["reference_flush", "reference_pipedream", "reference_2bw", "optimizer_state_by_name", "backward_order"]
 
 
 def optimizer_state_by_name(named_params: Mapping[str, torch.Tensor],
@@ -143,4 +146,36 @@ def reference_pipedream(
             versions.pop(mb - p - 1, None)
         step_losses.append(float(torch.stack(losses).mean()))
     state = optimizer_state_by_name(params, list(optimizers.values()))
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, step_losses, state
+
+
+def reference_2bw(cfg: RunConfig) -> tuple[dict[str, torch.Tensor], list[float], dict[str, dict[str, torch.Tensor]]]:
+    """Parameters after ``cfg.steps`` PipeDream-2BW updates W(t+1) = W(t) - update(grad f(W(t-1))), the mean loss of
+    each step, and the optimizer state by name (a constant learning rate: under a stream a stage's update of step
+    ``t`` may come after the scheduler's step of ``t``)."""
+    torch.set_num_threads(1)
+    spec = cfg.model_spec()
+    model = build_model(spec, seed=cfg.seed)
+    optimizers = [make_optimizer(cfg, [p for i in ids for p in model.get_submodule(str(i)).parameters()])
+                  for ids in cfg.stage_layer_ids()]
+    loss_fn = spec.loss_fn()
+    params = dict(model.named_parameters())
+    history = [{n: t.detach().clone() for n, t in params.items()}]  # history[v]: the weights after v steps
+    step_losses = []
+    for step in range(cfg.steps):
+        weights = {n: t.clone().requires_grad_() for n, t in history[max(0, step - 1)].items()}
+        losses = []
+        for x, y in _micro_batches(cfg, step):
+            loss = loss_fn(functional_call(model, weights, (x,)), y)
+            loss.backward()
+            losses.append(loss.detach())
+        for n, t in params.items():
+            grad = weights[n].grad
+            t.grad = None if grad is None else grad.div_(cfg.micro_batches)
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        history.append({n: t.detach().clone() for n, t in params.items()})
+        step_losses.append(float(torch.stack(losses).mean()))
+    state = optimizer_state_by_name(params, optimizers)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, step_losses, state

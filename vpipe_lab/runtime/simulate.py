@@ -66,7 +66,7 @@ def action_order(schedule: str, stage: int, num_stages: int, micro_batches: int,
     p, m = num_stages, micro_batches
     warm = p - stage
     out: list[tuple[str, int]] = []
-    if schedule == "pipedream":
+    if schedule in ("pipedream", "pipedream2bw"):  # one stream; 2BW steps the optimizer once a period
         total = steps * m
         f = b = 0
         while b < total:
@@ -75,7 +75,8 @@ def action_order(schedule: str, stage: int, num_stages: int, micro_batches: int,
                 f += 1
             else:
                 out.append(("B", b))
-                out.append(("O", b))
+                if schedule == "pipedream" or (b + 1) % m == 0:
+                    out.append(("O", b))
                 b += 1
         return out
     for s in range(steps):
@@ -94,7 +95,7 @@ def action_order(schedule: str, stage: int, num_stages: int, micro_batches: int,
                     f += 1
             out += seq
         else:
-            raise ValueError(f"unknown schedule {schedule!r}; expected gpipe, 1f1b or pipedream")
+            raise ValueError(f"unknown schedule {schedule!r}; expected gpipe, 1f1b, pipedream or pipedream2bw")
         out.append(("O", base + m - 1))
     return out
 
@@ -124,7 +125,7 @@ def simulate(
         raise ValueError("need at least one stage, micro-batch and step")
     if stage_speeds is not None:
         costs = on_devices(costs, stage_speeds)
-    if schedule in ("1f1b", "pipedream") and m < p:
+    if schedule in ("1f1b", "pipedream", "pipedream2bw") and m < p:
         raise ValueError(f"{schedule} needs micro_batches >= stages ({m} < {p})")
     if not math.isfinite(background) or background < 0:
         raise ValueError(f"background load must be finite and >= 0, got {background}")
@@ -249,7 +250,7 @@ def _steady_step_s(step_end: list[float], schedule: str, total: float) -> float:
     new enters), so neither is the steady state.
     """
     gaps = [b - a for a, b in zip(step_end, step_end[1:])]
-    if schedule == "pipedream" and len(gaps) > 1:
+    if schedule in ("pipedream", "pipedream2bw") and len(gaps) > 1:
         gaps = gaps[:-1]
     if not gaps:
         return total / max(1, len(step_end))

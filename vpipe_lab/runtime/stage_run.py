@@ -19,6 +19,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from vpipe.compat.torch_internals import child_modules
 from vpipe.schedules.pipedream import SchedulePipeDream
+from vpipe.schedules.pipedream_2bw import SchedulePipeDream2BW
 from vpipe_lab.runtime.config import RunConfig
 from vpipe_lab.runtime.models import build_model
 from vpipe_lab.runtime.optim import make_optimizer, make_scheduler
@@ -138,6 +139,8 @@ def _schedule(cfg: RunConfig, stages: list[PipelineStage], loss_fn: Any, optimiz
         return Schedule1F1B(stages[0], cfg.micro_batches, loss_fn=loss_fn)
     if cfg.schedule == "pipedream":
         return SchedulePipeDream(stages[0], cfg.micro_batches, loss_fn, optimizer, vertical_sync=cfg.vertical_sync)
+    if cfg.schedule == "pipedream2bw":
+        return SchedulePipeDream2BW(stages[0], cfg.micro_batches, loss_fn, optimizer)
     cls = multi_stage_class(cfg.schedule)
     name = cls.__name__
     schedule = cls(stages, cfg.micro_batches, loss_fn=loss_fn)
