@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import struct
 import zlib
 from collections.abc import Iterator
 from itertools import chain
@@ -121,9 +122,18 @@ def _diff(a: Any, b: Any) -> tuple[bool, float]:
 
 
 def _equal(a: Any, b: Any) -> bool:
+    """Bitwise: a NaN equals the same NaN (a draw whose trainer blows up does so in both copies alike)."""
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b))
+        return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(_bits(a), _bits(b)))
+    if isinstance(a, float) and isinstance(b, float):
+        return struct.pack("<d", a) == struct.pack("<d", b)
     return a == b
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    if t.dtype == torch.bool or t.numel() == 0:
+        return t
+    return t.contiguous().reshape(-1).view(torch.uint8)
 
 
 def compare_maps(plain: dict[str, Any], moved: dict[str, Any]) -> dict[str, Any]:
@@ -154,7 +164,7 @@ def compare_losses(plain: dict[int, list], moved: dict[int, list]) -> dict[str, 
             first, close, worst = 0, False, math.inf
             continue
         for step, (la, lb) in enumerate(zip(a, b)):
-            if la == lb:
+            if len(la) == len(lb) and all(_equal(float(x), float(y)) for x, y in zip(la, lb)):
                 continue
             first = step if first is None else min(first, step)
             for x, y in zip(la, lb):
