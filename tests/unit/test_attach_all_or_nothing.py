@@ -168,7 +168,7 @@ def test_a_failure_after_any_step_of_attach_leaves_the_trainer_as_it_was(one_ran
             break  # every step made: the attach stands
     names = [getattr(undo, "__qualname__", "") for undo in made]
     assert fail_at == len(made) + 1 >= 14, names  # each part that is made registers its undo
-    assert {"RunLog.close", "TraceWindow.close", "StoreAgreement.clear", "DeferredNorms.undo", "RunKeys.close",
+    assert {"RunLog.close", "TraceWindow.close", "DeferredNorms.undo", "RunKeys.close",
             "Hoisted.undo", "TensorManager.close", "StageHandle.remove", "TransferChannel.close",
             "LayerManager.close"} <= set(names)
     during = _snapshot(model, stage, schedule, optimizer)

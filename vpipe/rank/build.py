@@ -6,7 +6,8 @@ and opens things of its own (a run log's handler, a timeline window, metrics fil
 threads, a planner daemon, a transfer group, store keys). Each step below registers its undo in the attach's
 :class:`Cleanups` the moment it has made its thing. When a step fails, every undo registered so far runs,
 newest first, and the step's own exception propagates: the trainer's modules and optimizers are exactly as
-before, and it may attach again. When every step succeeds the undos are kept: they are the detach.
+before, and it may attach again. When every step succeeds the undos are kept: they are the detach. (Store keys
+are the one thing a failure leaves, see :func:`_clear_keys`.)
 """
 
 from __future__ import annotations
@@ -198,7 +199,7 @@ def open_agreement(store: Store | None, pipeline: Pipeline, replicas: Replicas, 
                    cleanups: Cleanups) -> StoreAgreement:
     agreement = StoreAgreement(store, rank=pipeline.rank, world_size=pipeline.size, timeout_s=config.agree_timeout_s,
                                pipeline=replicas.name)
-    cleanups.add(agreement.clear)  # this rank's keys, once every part that reads them is undone
+    cleanups.add(partial(_clear_keys, agreement, cleanups))  # once every part that reads them is undone
     return agreement
 
 
@@ -387,6 +388,13 @@ def _say_attached(pipeline: Pipeline, engine: Engine, config: VpipeConfig, place
         if move_refusal is not None:
             decision("moves_off", f"stage {stage.index}: layers will not move ({move_refusal}); swap and recompute "
                      "plans still apply", stage=stage.index, reason=move_refusal)
+
+
+def _clear_keys(agreement: StoreAgreement, cleanups: Cleanups) -> None:
+    """This rank's store keys, at detach. A failed attach leaves them: a peer failing the same collective step may
+    not have read them yet, and no later attach reads them (each has a namespace of its own)."""
+    if cleanups.built:
+        agreement.clear()
 
 
 def _say_detached(pipeline: Pipeline, cleanups: Cleanups) -> None:
