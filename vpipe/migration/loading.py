@@ -16,6 +16,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from vpipe.compat.torch_internals import view_base
+
 __all__ = ["DTYPES", "dtype_name", "lookup", "sharding_matches", "like_owner", "load_grad", "load_buffer",
            "load_tensor"]
 
@@ -86,7 +88,7 @@ def load_buffer(module: nn.Module, target: torch.Tensor, value: torch.Tensor, en
 def _aliased(module: nn.Module, target: torch.Tensor) -> bool:
     """Whether ``target`` shares memory with another tensor of the block (a view of a buffer, or a buffer held
     under two names): a new tensor would cut the tie, so such buffers are copied into."""
-    if target._base is not None:
+    if view_base(target) is not None:
         return True
     where = target.untyped_storage().data_ptr()
     named = (*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False))
