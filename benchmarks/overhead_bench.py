@@ -193,7 +193,8 @@ def profile_breakdown(steps: int, tmp: Path) -> dict:
         calls = {"saved tensor": 0, "layer call": 0, "micro-batch": 0}
         for (path, _line, func), (_cc, ncalls, tottime, _ct, _callers) in stats.items():
             where = path.split("/vpipe/", 1)[1] + ":" + func if "/vpipe/" in path else None
-            if where is None or where.startswith(("_attach.py", "rank/agreement.py", "stage/pipeline.py")):
+            if where is None or where.startswith(("_attach.py", "rank/build.py", "rank/agreement.py",
+                                                  "stage/pipeline.py")):
                 continue
             group = next((g for g, prefixes in _PER.items() if where.startswith(prefixes)), None)
             if group is not None:

@@ -155,6 +155,7 @@ _failed_files: dict[str, str] = {}  # run logs that failed a write in this proce
 # straight to each open one (what logging would do, without its cost).
 _open: dict[tuple[str, int | None], tuple[RunLogHandler, list[RunLog]]] = {}
 _configured: list[Any] = []  # what configure() set up: the command's own (a process runs one command)
+_level_before: list[int] = []  # the "vpipe" logger's level before the first open run log set it
 
 
 class RunLog:
@@ -165,17 +166,21 @@ class RunLog:
         check_output_file(log_file, "log file")  # a FIFO would block the open, a directory fail it
         make_dirs(os.path.dirname(os.path.abspath(log_file)), "log file")  # 0700, through no planted link
         key = (os.path.abspath(log_file), rank)
+        logger = logging.getLogger("vpipe")
+        if not _open:  # the first run log open: the level it sets goes again with the last one
+            _level_before[:] = [logger.level]
         if key not in _open:
             handler = RunLogHandler(log_file, rank)
             _open[key] = (handler, [])
-            logging.getLogger("vpipe").addHandler(handler)
-        logging.getLogger("vpipe").setLevel(level)
+            logger.addHandler(handler)
+        logger.setLevel(level)
         self.handler, owners = _open[key]
         owners.append(self)
         self._key: tuple[str, int | None] | None = key
 
     def close(self) -> None:
-        """Stop logging to the file for this owner (the file's handler goes when its last owner closes)."""
+        """Stop logging to the file for this owner (the file's handler goes when its last owner closes, and with
+        the last run log the logger's level before the first)."""
         key, self._key = self._key, None
         if key is None or key not in _open:
             return
@@ -185,6 +190,8 @@ class RunLog:
             del _open[key]
             logging.getLogger("vpipe").removeHandler(handler)
             handler.close()
+            if not _open and _level_before:
+                logging.getLogger("vpipe").setLevel(_level_before.pop())
 
 
 def configure(log_file: str | os.PathLike[str] | None, rank: int | None = None, level: int = logging.INFO) -> None:

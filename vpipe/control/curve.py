@@ -73,6 +73,7 @@ def new_run_secret() -> str | None:
 
 
 _PRIVATE_FOLDERS: list[str] = []  # the key folders this process made, removed at exit
+_AT_EXIT: list[bool] = []  # whether their removal at exit is registered (once per process, however many attach)
 
 
 _FOLDER_PREFIX = "vpipe-run-"
@@ -86,8 +87,9 @@ def private_key_file(secret: str) -> str:
     """
     _remove_orphaned_folders()
     folder = tempfile.mkdtemp(prefix=f"{_FOLDER_PREFIX}{os.getpid()}-")  # mode 0700
-    if not _PRIVATE_FOLDERS:
+    if not _AT_EXIT:
         atexit.register(remove_private_key_files)
+        _AT_EXIT.append(True)
     _PRIVATE_FOLDERS.append(folder)
     path = os.path.join(folder, "control.key_secret")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

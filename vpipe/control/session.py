@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -111,38 +111,48 @@ class ControlSession:
         sources = saved_sources or {}
         schedule = SampleSchedule(self.options.sample_every, max_every=self.options.max_sample_every)
         whole = stage_modules or {}
-        self.monitors = {v: StageMonitor(layers, stage_index=v, device=device, optimizer=optimizer,
-                                         schedule=schedule, saved_source=sources.get(v), facts=layer_facts,
-                                         stage_module=whole.get(v))
-                         for v, layers in sorted(stages.items())}
-        self.plane = ControlPlane(store, rank, world_size, host=self.options.control_host,
-                                  curve=FROM_SETTINGS if self.options.keys is None else self.options.keys.curve())
-        num_stages = len(stage_ranks)
-        link = None
-        if rank == max(stage_ranks):
-            link = PlannerLink(self.plane, stage_index=rank, num_stages=num_stages,
-                               timeout_s=self.options.planner_timeout_s, heartbeat_s=self.options.heartbeat_s,
-                               log_file=self.options.log_file, keys=self.options.keys)
-        self.agent = StageAgent(self.plane, stage_index=rank, num_stages=num_stages, plan=plan, planner=link,
-                                stage_ranks=stage_ranks)
-        # every step's forward time of the stage modules: a change asks the planner to have every rank measure again
-        self.pulse = StagePulse(pulse_modules, device) if pulse_modules and self.options.pulse else None
-        self._pulse_interval = 0
-        self._undo_wraps = []
-        for v, stage in (pipeline_stages or {}).items():
-            undo = exclude_shape_inference(stage, self.monitors[v])
-            # without the wrap, the first step's shape inference would pollute its record: drop that one
-            self._distrust_first = undo is None
-            if undo is not None:
-                self._undo_wraps.append(undo)
-        self._steps = 0
-        self.combine_records = combine_records
-        self.last_records: list[Any] = []  # the StageRecords of the last step this rank sampled (else empty)
-        self._changed = False  # a plan or an edit took effect: sample at the base rate again
-        self._open: int | None = None
-        self._closed = False
-        if link is not None and self.options.planner:
-            link.start(self.options.planner, self.options.planner_config)
+        with ExitStack() as made:  # what is open so far, closed again if the session cannot be made whole
+            self.monitors: dict[int, StageMonitor] = {}
+            for v, layers in sorted(stages.items()):
+                self.monitors[v] = monitor = StageMonitor(
+                    layers, stage_index=v, device=device, optimizer=optimizer, schedule=schedule,
+                    saved_source=sources.get(v), facts=layer_facts, stage_module=whole.get(v))
+                made.callback(monitor.close)
+            self.plane = ControlPlane(store, rank, world_size, host=self.options.control_host,
+                                      curve=FROM_SETTINGS if self.options.keys is None else self.options.keys.curve())
+            made.callback(self.plane.close)
+            num_stages = len(stage_ranks)
+            link = None
+            if rank == max(stage_ranks):
+                link = PlannerLink(self.plane, stage_index=rank, num_stages=num_stages,
+                                   timeout_s=self.options.planner_timeout_s, heartbeat_s=self.options.heartbeat_s,
+                                   log_file=self.options.log_file, keys=self.options.keys)
+                made.callback(link.close, 0.0)
+            self.agent = StageAgent(self.plane, stage_index=rank, num_stages=num_stages, plan=plan, planner=link,
+                                    stage_ranks=stage_ranks)
+            # every step's forward time of the stage modules: a change asks the planner to have every rank measure
+            # again
+            self.pulse = StagePulse(pulse_modules, device) if pulse_modules and self.options.pulse else None
+            if self.pulse is not None:
+                made.callback(self.pulse.close)
+            self._pulse_interval = 0
+            self._undo_wraps = []
+            for v, stage in (pipeline_stages or {}).items():
+                undo = exclude_shape_inference(stage, self.monitors[v])
+                # without the wrap, the first step's shape inference would pollute its record: drop that one
+                self._distrust_first = undo is None
+                if undo is not None:
+                    self._undo_wraps.append(undo)
+                    made.callback(undo)
+            self._steps = 0
+            self.combine_records = combine_records
+            self.last_records: list[Any] = []  # the StageRecords of the last step this rank sampled (else empty)
+            self._changed = False  # a plan or an edit took effect: sample at the base rate again
+            self._open: int | None = None
+            self._closed = False
+            if link is not None and self.options.planner:
+                link.start(self.options.planner, self.options.planner_config)
+            made.pop_all()  # whole: close() undoes it from now on
 
     _distrust_first = False
 

@@ -134,17 +134,17 @@ class LayerManager:
             v: [*(listeners or {}).get(v, ()), self.carry.follower(v)] for v in self.blocks}
         self.shared: dict[int, str] = dict(shared or {})
         self.next_layer_id = max(initial.order) + 1
-        self.shapes = BoundaryShapes()
-        for v, stage_blocks in self.blocks.items():
+        for v, stage_blocks in self.blocks.items():  # checked before any hook goes on: a refusal leaves none
             if stage_blocks.ids != list(initial.stages[v]):
                 raise ValueError(f"stage {v} holds layers {stage_blocks.ids} but the placement says "
                                  f"{list(initial.stages[v])}")
-            for lid, layer in stage_blocks.blocks().items():
-                self.shapes.watch(lid, layer)
         ranks = {initial.rank_of(v) for v in self.blocks}
         if len(ranks) != 1:
             raise ValueError(f"the local stages {sorted(self.blocks)} run on ranks {sorted(ranks)}, not on one")
         self.rank = ranks.pop()
+        self.shapes = BoundaryShapes()
+        for lid, layer in ((lid, layer) for b in self.blocks.values() for lid, layer in b.blocks().items()):
+            self.shapes.watch(lid, layer)
 
     # ---------------------------------------------------------------- queries
     @property

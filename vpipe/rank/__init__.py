@@ -1,5 +1,7 @@
 """vpipe on one rank: the parts ``vpipe.attach`` wires together, one job each.
 
+- :mod:`.build`: the parts built in order, all or nothing: each undo registered (:mod:`.cleanups`) the moment
+  its part is made, every one run, newest first, when a later step fails or at detach;
 - :mod:`.resolved`: the user's configuration (:class:`vpipe.config.VpipeConfig`) resolved on this rank: the
   budget of ``"auto"`` in bytes, the planner's configuration from the pipeline (:mod:`.config`: the
   configuration's old import path);

@@ -232,13 +232,17 @@ class DeferredNorms:
         self.modules = [stage.module for stage in stages]
         self.modules += [a.module for a in carry if isinstance(a, AveragedModel)]
         self._undo: list[Callable[[], None]] = []
-        for module in self.modules:
-            defer_batch_norms(module)
-        for stage in stages:
-            if stage.pipeline_stage is not None:
-                undo = wrap_shape_inference(stage.pipeline_stage, paused)
-                if undo is not None:
-                    self._undo.append(undo)
+        try:
+            for module in self.modules:
+                defer_batch_norms(module)
+            for stage in stages:
+                if stage.pipeline_stage is not None:
+                    undo = wrap_shape_inference(stage.pipeline_stage, paused)
+                    if undo is not None:
+                        self._undo.append(undo)
+        except BaseException:
+            self.undo()  # one refused part-way (a SyncBatchNorm): those made deferred before it are torch's again
+            raise
 
     def factory(self, build: Callable[[int, Any], nn.Module] | None) -> Callable[[int, Any], nn.Module] | None:
         """``build`` (the user's layer factory), its blocks deferred; None for None."""
