@@ -517,20 +517,27 @@ def test_a_plan_that_follows_a_freeze_goes_at_once_and_a_plan_on_noise_waits():
     assert results[1] is None
 
 
-def test_a_straggler_that_recovers_unseen_by_the_pulse_goes_back_to_the_split_it_left():
-    """The split left for a slower device is right again once the samples show the device recovered, even when no
-    pulse reported it (one did not, in the straggler benchmark): the stage speeds differ from those the last plan
-    went with, which is a change seen, not noise to stay put on."""
-    planner = _planner()
-    current, step, plan = FOUR_FOUR, 9, None
-    while plan is None and step < 40:
-        plan = planner([_stage(0, IDS[0], step, kind="Block#a1"),
-                        _stage(1, IDS[1], step, slow=2.0, kind="Block#a1")], current)
-        step += 2
-    assert plan is not None and len(plan.stages[0]) > 4 and plan.stage_speeds == (1.0, 2.0)
-    current, back = plan, None
-    while back is None and step < 80:
-        back = planner([_stage(0, list(current.stages[0]), step, kind="Block#a1", epoch=current.epoch),
-                        _stage(1, list(current.stages[1]), step, kind="Block#a1", epoch=current.epoch)], current)
-        step += 2
-    assert back is not None and back.stages == FOUR_FOUR.stages and back.stage_speeds == (1.0, 1.0)
+def test_a_split_left_for_a_slower_device_is_taken_again_after_a_pulse_but_not_on_speeds_alone():
+    """A straggler that recovers goes back to the split it left once a pulse reports the change; speeds learnt
+    without one do not move it back (on shared cores a stage's factor measured on one block swings with the load,
+    and a 2x rank went 4,4 -> 7,1 -> 4,4 -> 7,1 in CI when they did)."""
+    results = []
+    for pulse in (False, True):
+        planner = _planner()
+        current, step, plan = FOUR_FOUR, 9, None
+        while plan is None and step < 40:
+            plan = planner([_stage(0, IDS[0], step, kind="Block#a1"),
+                            _stage(1, IDS[1], step, slow=2.0, kind="Block#a1")], current)
+            step += 2
+        assert plan is not None and len(plan.stages[0]) > 4 and plan.stage_speeds == (1.0, 2.0)
+        current, back = plan, None
+        if pulse:
+            planner.alerted(1, 0.5, step)
+            current = dataclasses.replace(current, epoch=current.epoch + 1)
+        while back is None and step < 80:
+            back = planner([_stage(0, list(current.stages[0]), step, kind="Block#a1", epoch=current.epoch),
+                            _stage(1, list(current.stages[1]), step, kind="Block#a1", epoch=current.epoch)], current)
+            step += 2
+        results.append(back)
+    assert results[0] is None
+    assert results[1] is not None and results[1].stages == FOUR_FOUR.stages
