@@ -84,16 +84,25 @@ def test_blocks_streamed_mid_step_under_pipedream_take_one_update_per_step(tmp_p
 def test_torchs_own_batchnorm_streamed_mid_step_under_pipedream_loads_without_failing_a_backward(tmp_path):
     """Without deferral: the hand-over loads the sender's running statistics into a copy whose backwards are still
     to come, and they saved its old ones; copying into those in place failed them ("modified by an inplace
-    operation", found while testing deferral). The buffers are replaced instead, and training goes on as the
-    same schedule's does without vpipe (per-micro-batch statistics overflow the last stage's running variance in
-    both: this model's own arithmetic, not vpipe's)."""
+    operation", found while testing deferral). The buffers are replaced instead, and training goes on.
+
+    What is compared: the updates each block's statistics took, and that the weights stay finite. Not the
+    statistics' values: torch's shape inference runs the second stage's forward once on ``torch.empty`` inputs at
+    the first step, in both copies, and its BatchNorms average whatever that memory held (NaN, 1e23 or small
+    values, run to run, vpipe attached or not: CI saw each copy overflow while the other did not). A streamed
+    block's statistics lose the updates its new stage's forwards made before the hand-over loaded the sender's
+    (docs/stage-shapes.md): one or two per hand-over here, where ``deferred_batch_norm=True`` merges them
+    (:func:`test_blocks_streamed_mid_step_under_pipedream_take_one_update_per_step`)."""
     result = run_norms(tmp_path, "pipedream_moves_plain")
     assert result["placement"] == [[0, 1, 2, 3, 4], [5, 6, 7]]
-    assert result["vpipe"].keys() == result["reference"].keys()
-
-    def overflowing(state: dict) -> list[str]:
-        return sorted(k for k, v in state.items() if not torch.isfinite(torch.tensor(v, dtype=torch.float64)).all())
-
-    assert overflowing(result["vpipe"]) == overflowing(result["reference"])
-    assert all(".bn.running_var" in k for k in overflowing(result["vpipe"]))
+    got, want = result["vpipe"], result["reference"]
+    assert got.keys() == want.keys()
+    counts = {k: (got[k], want[k]) for k in want if k.endswith("num_batches_tracked")}
+    assert len(counts) == 8
+    for layer in range(8):  # 8 steps of 4 micro-batches and torch's one inference forward on each BatchNorm
+        vp, plain = counts[f"layers.{layer}.bn.num_batches_tracked"]
+        assert plain == STEPS * 4 + 1
+        assert plain - {4: 3, 5: 2}.get(layer, 0) <= vp <= plain, layer  # 4 moved twice, 5 once
+    weights = {k: v for k, v in got.items() if ".bn." not in k}
+    assert all(torch.isfinite(torch.tensor(v)).all() for v in weights.values())
     assert result["classes"] == ["BatchNorm1d"]

@@ -76,7 +76,7 @@ def test_a_layer_edit_while_judging_ends_the_judging():
 
 def test_a_run_whose_planner_slows_it_down_is_put_back_and_says_so(tmp_path):
     log_file = tmp_path / "run.log"
-    proc = run_vpipe("train", "--stages", "2", "--steps", "60", "--monitor-every", "3", "--no-progress",
+    proc = run_vpipe("train", "--stages", "2", "--steps", "90", "--monitor-every", "3", "--no-progress",
                      "--blocks", "6", "--d-model", "64", "--seq-len", "32", "--micro-batches", "4",
                      "--vpipe", "--planner", "support.control_planners:slower_from_the_third",
                      "--log-file", str(log_file),
@@ -195,3 +195,20 @@ def test_a_large_remeasure_without_a_trial_forgets_the_steps_before():
     judge.remeasured(again, 2.2)  # a device got 2.2x slower: the steps before say nothing of the next plan
     judge.sent(Plan(epoch=2, stages=NEW.stages, reason="rebalance"), again)
     assert judge._trial is None
+
+
+def test_a_plan_sent_on_the_first_sample_after_a_large_remeasure_is_judged_against_that_sample():
+    """Under busy cores a pulse can report a 2x change just before a plan: the steps before are forgotten, and the
+    plan would have had no verdict at all (a bad one stayed for good, seen in CI). The first sample of the
+    re-measure, one-off costs included, is the yardstick then: a plan slower than even that is reverted."""
+    for after_s, reverted in (((0.9, 0.150, 0.140, 0.145), False), ((0.9, 0.300, 0.280, 0.290), True)):
+        judge = PlanJudge()
+        for t in (0.9, 0.100, 0.104):
+            judge.observe(_vector(0, t), OLD)
+        again = Plan(epoch=1, stages=OLD.stages, reason="re-measure: stage 0: ...")
+        judge.remeasured(again, 2.2)
+        judge.observe(_vector(1, 0.220), again)  # the re-measure's first sample: all there is
+        bad = Plan(epoch=2, stages=NEW.stages, reason="rebalance")
+        judge.sent(bad, again)
+        verdicts = [judge.observe(_vector(2, t), bad) for t in after_s]
+        assert any(v is not None for v in verdicts) == reverted == judge.refuses(bad)

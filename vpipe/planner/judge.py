@@ -6,7 +6,9 @@ a plan takes effect are the truth. The planner daemon hands every stats vector t
 running plan; once a new plan has run for ``after_samples`` sampled steps, it compares
 their median with the median of the last ``before_samples`` under the plan it replaced
 (medians of three: one slow sample, a busy moment, moves neither; the first sample of each plan
-is not counted, as it carries the warm-up or a move's one-off costs). When the
+is not counted, as it carries the warm-up or a move's one-off costs, unless it is all there is: a plan
+sent right after the devices changed is judged against that first sample, an overestimate that
+can only keep a plan, where judging nothing let a bad one stay for good). When the
 new one is slower by more than ``tolerance`` and every step after it was slower than every step
 before (on busy or shared devices steps vary by a third: a difference inside that spread is
 noise, and reverting on it undoes good plans), the judge returns the earlier placement and policies as a new plan
@@ -57,6 +59,7 @@ class PlanJudge:
         self._recent: deque[float] = deque(maxlen=before_samples)
         self._recent_epoch: int | None = None
         self._recent_signature: tuple[object, ...] | None = None
+        self._first: float | None = None  # the plan's first sample (one-off costs included), not in _recent
         self._trial: _Trial | None = None
         self._refused: set[tuple[object, ...]] = set()
         self.reverted = 0
@@ -74,6 +77,7 @@ class PlanJudge:
                 self._recent.clear()  # a re-measure (the same placement, a new epoch) keeps what was measured
             self._recent_epoch = epoch
             self._recent_signature = _signature(current) if known else None  # type: ignore[arg-type]
+            self._first = step_s
             return None
         trial = self._trial
         if trial is not None:
@@ -94,7 +98,7 @@ class PlanJudge:
         on trial now. Plans refused stay refused (a plan that made steps slower is never sent again)."""
         self._trial = None
         self._recent.clear()
-        self._recent_epoch = self._recent_signature = None
+        self._recent_epoch = self._recent_signature = self._first = None
 
     def remeasured(self, plan: Plan, ratio: float) -> None:
         """A rank's pulse saw its stage's forward time change by ``ratio``, and ``plan`` (the placement in force, a
@@ -116,12 +120,13 @@ class PlanJudge:
 
     def sent(self, plan: Plan, replaced: Plan | None) -> None:
         """A plan went to the stages: judge it against the steps measured under ``replaced``."""
-        if replaced is None or not self._recent or (self._recent_epoch != replaced.epoch
-                                                    and self._recent_signature != _signature(replaced)) \
+        before = list(self._recent) or ([self._first] if self._first is not None else [])
+        if replaced is None or not before or (self._recent_epoch != replaced.epoch
+                                              and self._recent_signature != _signature(replaced)) \
                 or plan.reason.startswith(_NOT_JUDGED) or _signature(plan) == _signature(replaced):
             self._trial = None
             return
-        self._trial = _Trial(plan, replaced, list(self._recent), [])
+        self._trial = _Trial(plan, replaced, before, [])
 
     def _verdict(self, trial: _Trial, current: Plan | None, iteration: int) -> Plan | None:
         before = statistics.median(trial.before_s)
