@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
 from support.tensor_manager import make_manager, model_spec
-from vpipe.plan import Policy
+from vpipe.plan import PlanError, Policy
 from vpipe.tensor_manager import LayerBusyError, install_on_stage
 from vpipe.tensor_manager.prefetch import BACKWARD, FORWARD, ArrivalPredictor
 from vpipe_lab.runtime.launch import free_port
@@ -40,6 +40,31 @@ def test_close_restores_every_module_exactly():
     assert model[4].forward is custom
     with pytest.raises(RuntimeError, match="closed"):
         manager.set_policy(0, "S")
+
+
+@pytest.mark.parametrize("fault", ["policy", "layer", "shared"])
+def test_a_manager_that_fails_half_way_leaves_every_module_as_it_was(fault):
+    """Layers 0-2 taken (0 under R: a forward attribute), then a bad policy, a non-module or a module already
+    taken: the error is the caller's, and no hook, forward attribute or claim stays on any module."""
+    from vpipe.tensor_manager import TensorManager
+
+    model = build_model(model_spec("transformer"), seed=0)
+    before = _snapshot(model)
+    layers: dict[int, object] = {i: model[i] for i in range(4)}
+    policies: dict[int, str] = {0: "R", 1: "S"}
+    expected: tuple[type[Exception], str] = (PlanError, "unknown policy 'X'; expected one of D, S, R")
+    if fault == "policy":
+        policies[3] = "X"
+    elif fault == "layer":
+        layers[3], expected = "not a module", (TypeError, "layer 3 must be an nn.Module")
+    else:
+        layers[3], expected = model[1], (ValueError, "already managed by this tensor manager")
+    with pytest.raises(expected[0], match=expected[1]):
+        TensorManager(layers, device="cpu", policies=policies, host_pool_bytes=32 << 20,  # type: ignore[arg-type]
+                      host_pool_chunk_bytes=1 << 20)
+    assert _snapshot(model) == before
+    make_manager(model, {0: "R"}).close()  # nothing claimed any more: a new manager takes them all
+    assert _snapshot(model) == before
 
 
 def test_saved_tensors_stay_usable_after_close():

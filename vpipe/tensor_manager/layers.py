@@ -41,6 +41,16 @@ _MISSING = object()
 _owners: weakref.WeakKeyDictionary[nn.Module, object] = weakref.WeakKeyDictionary()
 
 
+def check_sizes(*, budget_bytes: int | None, host_pool_bytes: int | None, min_swap_bytes: int) -> None:
+    """A tensor manager's sizes, checked before it allocates anything."""
+    if budget_bytes is not None and (not isinstance(budget_bytes, int) or budget_bytes <= 0):
+        raise ValueError(f"budget_bytes must be a positive integer or None, got {budget_bytes!r}")
+    if host_pool_bytes is not None and (not isinstance(host_pool_bytes, int) or host_pool_bytes <= 0):
+        raise ValueError(f"host_pool_bytes must be a positive integer or None, got {host_pool_bytes!r}")
+    if not isinstance(min_swap_bytes, int) or min_swap_bytes < 0:
+        raise ValueError(f"min_swap_bytes must be a non-negative integer, got {min_swap_bytes!r}")
+
+
 def claim_module(module: nn.Module, owner: object, layer_id: int, managed: Container[int]) -> None:
     """A module is managed by one manager at a time (two sets of hooks would fight), under a non-negative id
     that the manager does not use yet (``managed``: the ids it uses)."""

@@ -38,7 +38,7 @@ from vpipe.tensor_manager.current_pass import CurrentPass
 from vpipe.tensor_manager.governor import BudgetGovernor
 from vpipe.tensor_manager.in_flight import InFlight
 from vpipe.tensor_manager.interception import Interceptor
-from vpipe.tensor_manager.layers import ManagedLayer, claim_module, release_module
+from vpipe.tensor_manager.layers import ManagedLayer, check_sizes, claim_module, release_module
 from vpipe.tensor_manager.phases import PHASES, BackwardPhases
 from vpipe.tensor_manager.pool import DEFAULT_CHUNK_BYTES, HostPool, default_host_pool_bytes
 from vpipe.tensor_manager.prefetch import ArrivalPredictor, Prefetcher
@@ -79,12 +79,7 @@ class TensorManager:
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        if budget_bytes is not None and (not isinstance(budget_bytes, int) or budget_bytes <= 0):
-            raise ValueError(f"budget_bytes must be a positive integer or None, got {budget_bytes!r}")
-        if host_pool_bytes is not None and (not isinstance(host_pool_bytes, int) or host_pool_bytes <= 0):
-            raise ValueError(f"host_pool_bytes must be a positive integer or None, got {host_pool_bytes!r}")
-        if not isinstance(min_swap_bytes, int) or min_swap_bytes < 0:
-            raise ValueError(f"min_swap_bytes must be a non-negative integer, got {min_swap_bytes!r}")
+        check_sizes(budget_bytes=budget_bytes, host_pool_bytes=host_pool_bytes, min_swap_bytes=min_swap_bytes)
         self.device = device
         pool_max = host_pool_bytes or default_host_pool_bytes()
         self.ledger = ledger = Ledger()
@@ -111,10 +106,14 @@ class TensorManager:
         self._metering = True
         self._all_keep = True
         self._closed = False
-        for layer_id, module in layers.items():
-            self.add_layer(layer_id, module)
-        if policies:
-            self.set_policies(policies)
+        try:  # all or nothing: a bad layer or policy leaves no hook on the layers already taken
+            for layer_id, module in layers.items():
+                self.add_layer(layer_id, module)
+            if policies:
+                self.set_policies(policies)
+        except BaseException:
+            self.close()
+            raise
 
     # ================================================================== settings
     @property
@@ -164,14 +163,16 @@ class TensorManager:
 
     # ================================================================== layers
     def add_layer(self, layer_id: int, module: nn.Module, policy: Policy | str = Policy.KEEP) -> None:
-        """Manage one more layer (e.g. one that migrated to this stage)."""
+        """Manage one more layer (e.g. one that migrated to this stage); one not taken whole keeps no hook."""
         self._check_open()
         claim_module(module, self, layer_id, self._layers)
-        layer = ManagedLayer(layer_id, module)
-        calls = self._interceptor
-        layer.attach(partial(calls.pre_forward, layer), partial(calls.post_forward, layer))
-        self._layers[layer_id] = layer
-        self.set_policy(layer_id, policy)
+        layer = self._layers[layer_id] = ManagedLayer(layer_id, module)
+        try:
+            layer.attach(partial(self._interceptor.pre_forward, layer), partial(self._interceptor.post_forward, layer))
+            self.set_policy(layer_id, policy)
+        except BaseException:
+            self._detach(self._layers.pop(layer_id))
+            raise
 
     def remove_layer(self, layer_id: int) -> nn.Module:
         """Stop managing a layer (it migrates away); its saved tensors must all be gone."""
