@@ -81,6 +81,20 @@ def test_blocks_streamed_mid_step_under_pipedream_take_one_update_per_step(tmp_p
     assert result["classes"] == ["DeferredBatchNorm1d"] and result["classes_after_detach"] == ["BatchNorm1d"]
 
 
+def test_attached_after_a_step_under_pipedream_the_stashed_versions_pin_nothing(tmp_path):
+    """Stage 0 holds stashed weight versions when vpipe attaches mid-stream: dicts of tensor copies keyed by its
+    parameter names, which the scan for a trainer's weight averages took for an EMA and pinned every block.
+    They are the schedule's own (its engine names them): the blocks move as when attached at the start, and a
+    plan's switch counts the micro-batches the stream ran before attach (it asked for one already run)."""
+    result = run_norms(tmp_path, "pipedream_moves_late")
+    assert result["stashed_at_attach"][0] >= 1
+    assert not [r for r in result["log"] if r.get("event") == "moves_off"]
+    assert result["placement"] == [[0, 1, 2, 3, 4], [5, 6, 7]]  # a switch before attach's first step: an error
+    # the step before attach ran torch's BatchNorm (4 micro-batches and shape inference's forward), then one
+    # update per step, moved blocks included
+    assert [result["vpipe"][f"layers.{i}.bn.num_batches_tracked"] for i in range(8)] == [4 + 1 + STEPS - 1] * 8
+
+
 def test_torchs_own_batchnorm_streamed_mid_step_under_pipedream_loads_without_failing_a_backward(tmp_path):
     """Without deferral: the hand-over loads the sender's running statistics into a copy whose backwards are still
     to come, and they saved its old ones; copying into those in place failed them ("modified by an inplace

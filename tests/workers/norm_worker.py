@@ -10,7 +10,8 @@ trains the reference in one process: the same micro-batches, each BatchNorm norm
 its own (what the pipeline computes) and its running statistics updated once per step by torch's BatchNorm
 run on everything it saw in the step (one pass over the whole mini-batch). It writes both models' state
 dicts (the ranks' merged by global key), the placement and vpipe's log to ``argv[2]``. ``pipedream_still`` and
-``pipedream_moves`` run vpipe's PipeDream schedule instead (:func:`pipedream`).
+``pipedream_moves`` run vpipe's PipeDream schedule instead (:func:`pipedream`); ``pipedream_moves_late``
+attaches after the first step, with stashed weight versions in flight.
 """
 
 from __future__ import annotations
@@ -105,11 +106,19 @@ def pipedream(scenario: str) -> dict[str, Any]:
         defer_batch_norms(plain_module)
         wrap_shape_inference(single_stage(plain_schedule), paused)
     module, schedule = copies["vpipe"]
+    late = scenario == "pipedream_moves_late"  # attached after a step: stashed weight versions in flight
+    x, y = batch(0)
+    if late:  # the plain copy's stashed versions (a copy of the same model) would count as an average of it
+        schedule.step(x) if rank == 0 else schedule.step(target=y, losses=[])
+    stashed = len(schedule.stashed_versions())
     vp = vpipe.attach(schedule, optimizer=schedule.optimizer, planning=False, deferred_batch_norm=deferring)
+    if late:
+        plain_schedule.step(x) if rank == 0 else plain_schedule.step(target=y, losses=[])
+        commit_batch_norms(plain_module)
     moving = scenario.startswith("pipedream_moves")
     for epoch, (step, stages) in enumerate(sorted(PLANS.items() if moving else []), start=1):
-        vp.request_plan(Plan(epoch=epoch, stages=stages), at_step=step)
-    for step in range(STEPS):
+        vp.request_plan(Plan(epoch=epoch, stages=stages), at_step=step - late)
+    for step in range(late, STEPS):
         x, y = batch(step)
         for _, sched in copies.values():
             sched.step(x) if rank == 0 else sched.step(target=y, losses=[])
@@ -124,7 +133,7 @@ def pipedream(scenario: str) -> dict[str, Any]:
     vp.detach()
     return {"state": {f"layers.{k}": v.tolist() for k, v in module.state_dict().items()},
             "plain": {f"layers.{k}": v.tolist() for k, v in plain_module.state_dict().items()},
-            "placement": placement, "classes": deferred, "classes_after_detach": sorted(
+            "placement": placement, "stashed_at_attach": stashed, "classes": deferred, "classes_after_detach": sorted(
                 {type(m).__name__ for m in module.modules() if isinstance(m, nn.BatchNorm1d)})}
 
 
@@ -169,6 +178,7 @@ def main() -> None:
         plain = {k: v for r in gathered for k, v in r["plain"].items()} if side else reference()
         Path(out).write_text(json.dumps({
             "vpipe": merged, "reference": plain, "placement": result["placement"],
+            "stashed_at_attach": [r.get("stashed_at_attach") for r in gathered],
             "classes": sorted({c for r in gathered for c in r["classes"]}),
             "classes_after_detach": sorted({c for r in gathered for c in r["classes_after_detach"]})}))
     dist.barrier()

@@ -139,6 +139,11 @@ class Engine(abc.ABC):
         """This rank's layers that are not blocks and never move, said once at attach: layer id -> why."""
         return {}
 
+    def own_copies(self) -> list[object]:
+        """What the schedule itself keeps beside the stages' weights (a stream's stashed versions, keyed by
+        parameter name like a trainer's average): the scan for averages at attach passes over them."""
+        return []
+
     def followers(self) -> list[Any]:
         """Objects told of every block that arrives or leaves and of every plan in force (the engine's own
         record of the layers)."""

@@ -39,6 +39,9 @@ class PipeDreamEngine(TorchSingleEngine):
         n = self.pipeline.num_stages
         return n if self.pipeline.schedule.vertical_sync else n - stage
 
+    def own_copies(self) -> list[object]:
+        return list(self.pipeline.schedule.stashed_versions())
+
     def move_refusal(self) -> str | None:
         blocks = self.pipeline.first.blocks
         if blocks is not None and (blocks.path or blocks.style.value != "ids"):

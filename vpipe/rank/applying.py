@@ -35,6 +35,8 @@ class PlanApplier:
         self.move_refusal = move_refusal
         self.streamed_rest: Plan | None = None  # a PipeDream plan whose next round of hops is still to come
         self.streams = parts.engine.streams  # moves streamed into the schedule, a round of hops per step
+        # a stream numbers its micro-batches from its first step: those it ran before attach come first
+        self.first_mb = parts.engine.stream.next_forward if self.streams else 0
 
     def apply(self, plan: Plan, step: int, micro_batches: int) -> None:
         lm, owner, pipeline = self.parts.layer_manager, self.parts.plan_in_force, self.parts.pipeline
@@ -57,7 +59,8 @@ class PlanApplier:
             decision("plan_skipped", f"epoch {plan.epoch}: layers cannot move ({self.move_refusal}); "
                      "applied policies only", epoch=plan.epoch, stage=who)
         elif moves and self.streams:
-            reached = lm.start_streamed(plan, reached, self.parts.engine.stream, switch_mb=step * micro_batches)[1]
+            switch = self.first_mb + step * micro_batches
+            reached = lm.start_streamed(plan, reached, self.parts.engine.stream, switch_mb=switch)[1]
             if [list(s) for s in reached] != [list(s) for s in plan.stages]:
                 self.streamed_rest = plan  # a two-hop move: its next round follows when this one is done
         elif moves:
@@ -88,7 +91,7 @@ class PlanApplier:
         self.streamed_rest = None
         owner = self.parts.plan_in_force
         reached = self.parts.layer_manager.start_streamed(plan, owner.placement, pipeline.schedule,
-                                                          switch_mb=step * micro_batches)[1]
+                                                          switch_mb=self.first_mb + step * micro_batches)[1]
         owner.reached(reached)
         if [list(s) for s in reached] != [list(s) for s in plan.stages]:
             self.streamed_rest = plan

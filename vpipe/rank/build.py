@@ -134,7 +134,8 @@ def build_rank(target: AttachTarget, *, optimizer: Any, config: VpipeConfig, sto
         handles: dict[int, StageHandle] = {}
         if manages_activations(engine, config, pipeline.first.index):
             managers, handles = start_tensor_managers(pipeline, memories, initial, config, settings, cleanups)
-        shared = find_pins(pipeline, optimizer, carried.ids, fixed=engine.fixed_layers())
+        shared = find_pins(pipeline, optimizer, {*carried.ids, *map(id, engine.own_copies())},
+                           fixed=engine.fixed_layers())
         facts = LocalLayers({s.index: s.blocks for s in pipeline.stages if s.blocks is not None}, shared,
                             builds_any=config.layer_factory is not None)
         combine = ReplicaStats(agreement.job, world_rank=rank, peers=peers, leads=replicas.leads,

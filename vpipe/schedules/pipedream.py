@@ -139,6 +139,10 @@ class SchedulePipeDream(PipelineScheduleSingle):
         """The weight versions this stage holds now: its stashed ones and the live parameters' (``updates``)."""
         return sorted(set(self._versions) | {self.updates})
 
+    def stashed_versions(self) -> list[dict[str, torch.Tensor]]:
+        """Every stashed copy of the weights this stage holds now (name -> tensor), oldest first."""
+        return [self._versions[v] for v in sorted(self._versions)]
+
     def stashed(self, version: int) -> dict[str, torch.Tensor] | None:
         """The stashed weights of ``version`` (name -> tensor), None when this stage does not keep them (now)."""
         return self._versions.get(version)
