@@ -94,6 +94,9 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
     Benchmark("dynamic", "dynamic_bench.py",
               "dynamic workloads (a slower rank, a straggler, freezing, a growing sequence, a NAS edit): vpipe vs "
               "plain copies at the same and the best static split, side by side; reaction steps, moves, losses"),
+    Benchmark("schedules", "schedule_bench.py",
+              "time per step and memory per stage of GPipe, 1F1B, PipeDream, PipeDream-2BW and WPipe on 4 stages, "
+              "side by side in one launch"),
     Benchmark("soak", "soak.py",
               "thousands of steps of forced moves and policy changes: RSS growth, parameters vs the reference"),
 )}
