@@ -42,6 +42,20 @@ def test_in_flight_and_weight_versions_follow_the_schedule():
         in_flight("zb", 0, 4, 8)
 
 
+def test_a_schedule_is_one_row_of_the_rules_and_the_planner_prices_it(monkeypatch):
+    """A new one-stage-per-rank schedule needs no branch in the cost model: a row gives its in-flight count,
+    weight versions and whether it streams, and the setup, the step time and the memory follow from it."""
+    from vpipe.planner import setup
+
+    row = setup.ScheduleRules(streams=True, in_flight=lambda k, p, m: 1, versions=lambda k, p: 3)
+    monkeypatch.setitem(setup.RULES, "onebatch", row)
+    pipeline = PipelineSetup(num_stages=3, schedule="onebatch", micro_batches=4)
+    assert [pipeline.in_flight(k) for k in range(3)] == [1, 1, 1]
+    assert weight_versions("onebatch", 1, 3) == 3 and setup.streams("onebatch") and not setup.streams("1f1b")
+    assert pipeline.step_time([1.0, 2.0, 1.5]) == 4 * 2.0  # a stream: no bubble
+    assert pipeline_step_time([1.0, 2.0, 1.5], "1f1b", 4) == 4.5 + 3 * 2.0
+
+
 def _two_layers() -> LayerGraph:
     nodes = [LayerNode(10, "a", 1e-3, 2e-3, 100, 1000, 0), LayerNode(20, "b", 3e-3, 6e-3, 400, 10, 1)]
     return LayerGraph("two", nodes, [(10, 20, 50)])

@@ -31,7 +31,7 @@ from vpipe.monitors.records import StageRecord
 from vpipe.plan import PINNED_KIND, Plan, PlanError
 from vpipe.planner.cost_model import GraphProfile, Hardware, PipelineSetup, StageCosts
 from vpipe.planner.exact import min_secondary
-from vpipe.planner.setup import STREAMS, weight_versions
+from vpipe.planner.setup import streams, weight_versions
 from vpipe.planner.srp import Evaluated, check_method, evaluate, fastest_step, optimize_stages, srp_loop
 from vpipe.planner.uneven import uneven_min_secondary
 
@@ -101,7 +101,7 @@ def _per_hop_bytes(profile: GraphProfile, setup: PipelineSetup, current_stage: n
     2BW) also the stashed weight versions and the inputs of its in-flight micro-batches."""
     hw = setup.hardware
     out = profile.params * (1.0 + hw.optimizer_factor)
-    if setup.schedule in STREAMS:  # of the stage it leaves: p - k in flight; p - k versions (PipeDream) or 2
+    if streams(setup.schedule):  # of the stage it leaves: p - k in flight; p - k versions (PipeDream) or 2
         flight = setup.num_stages - current_stage
         versions = np.array([weight_versions(setup.schedule, int(k), setup.num_stages) for k in current_stage])
         out = out + profile.params * (versions - 1) + flight * profile.in_bytes

@@ -26,7 +26,7 @@ not on the device's cores, and keep their times.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Literal
@@ -35,12 +35,30 @@ import numpy as np
 
 from vpipe.plan import Policy
 
-__all__ = ["SCHEDULES", "STREAMS", "MULTI_STAGE", "ZERO_BUBBLE", "Schedule", "Code", "Hardware", "PipelineSetup",
-           "check_schedule", "in_flight", "weight_versions", "pipeline_step_time", "throughput"]
+__all__ = ["RULES", "ScheduleRules",
+           "SCHEDULES", "STREAMS", "MULTI_STAGE", "ZERO_BUBBLE", "Schedule", "Code", "Hardware", "PipelineSetup",
+           "check_schedule", "streams", "in_flight", "weight_versions", "pipeline_step_time", "throughput"]
 
 Schedule = Literal["gpipe", "1f1b", "pipedream", "pipedream2bw"]  # the one-stage-per-rank schedules
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "pipedream", "pipedream2bw")
-STREAMS: tuple[str, ...] = ("pipedream", "pipedream2bw")  # no flush: micro-batches stay in flight across steps
+
+
+@dataclass(frozen=True)
+class ScheduleRules:
+    """What the cost model knows of a one-stage-per-rank schedule: adding one is one row of :data:`RULES`."""
+
+    streams: bool  # no flush: micro-batches stay in flight across steps, no bubble
+    in_flight: Callable[[int, int, int], int]  # (stage, stages, micro-batches) -> activations held at the peak
+    versions: Callable[[int, int], int]  # (stage, stages) -> weight versions held (live and stashed)
+
+
+RULES: dict[str, ScheduleRules] = {
+    "gpipe": ScheduleRules(False, lambda k, p, m: m, lambda k, p: 1),
+    "1f1b": ScheduleRules(False, lambda k, p, m: max(1, min(p - k, m)), lambda k, p: 1),
+    "pipedream": ScheduleRules(True, lambda k, p, m: p - k, lambda k, p: p - k),  # a version per micro-batch
+    "pipedream2bw": ScheduleRules(True, lambda k, p, m: p - k, lambda k, p: 2),  # double-buffered weights
+}
+SCHEDULES: tuple[str, ...] = tuple(RULES)
+STREAMS: tuple[str, ...] = tuple(name for name, rules in RULES.items() if rules.streams)
 # several (virtual) stages per rank: planned with the in-flight counts and stage ranks the ranks read off the
 # schedule's action lists; "custom" is an action list loaded from a file
 MULTI_STAGE: tuple[str, ...] = ("interleaved1f1b", "loopedbfs", "interleavedzb", "zbv", "dualpipev", "custom")
@@ -68,8 +86,8 @@ _POLICY_OF = {v: k for k, v in _CODE_OF.items()}
 
 
 def check_schedule(schedule: str) -> str:
-    if schedule not in SCHEDULES + MULTI_STAGE:
-        raise ValueError(f"unknown schedule {schedule!r}; expected one of {', '.join(SCHEDULES + MULTI_STAGE)}")
+    if schedule not in RULES and schedule not in MULTI_STAGE:
+        raise ValueError(f"unknown schedule {schedule!r}; expected one of {', '.join((*RULES, *MULTI_STAGE))}")
     return schedule
 
 
@@ -79,19 +97,19 @@ def in_flight(schedule: str, stage: int, num_stages: int, micro_batches: int) ->
     if schedule in MULTI_STAGE:
         raise ValueError(f"{schedule} runs several stages per rank: its in-flight counts come from its action lists "
                          "(PipelineSetup(in_flight_counts=...))")
-    if schedule == "gpipe":
-        return micro_batches
-    if schedule == "1f1b":
-        return max(1, min(num_stages - stage, micro_batches))
-    return num_stages - stage
+    return RULES[schedule].in_flight(stage, num_stages, micro_batches)
+
+
+def streams(schedule: str) -> bool:
+    """Whether ``schedule`` keeps micro-batches in flight across steps (no flush)."""
+    rules = RULES.get(check_schedule(schedule))
+    return rules is not None and rules.streams
 
 
 def weight_versions(schedule: str, stage: int, num_stages: int) -> int:
     """Weight versions a stage keeps: PipeDream stashes one per in-flight micro-batch, 2BW two on every stage."""
     schedule = check_schedule(schedule)
-    if schedule == "pipedream":
-        return num_stages - stage
-    return 2 if schedule == "pipedream2bw" else 1
+    return RULES[schedule].versions(stage, num_stages) if schedule in RULES else 1
 
 
 @dataclass(frozen=True)
@@ -217,7 +235,7 @@ def pipeline_step_time(stage_times: Sequence[float] | np.ndarray, schedule: str,
         per_rank = np.bincount(ranks, weights=times)
         bubble = (per_rank.size - 1) * slowest * (_ZERO_BUBBLE_SHARE if schedule in ZERO_BUBBLE else 1.0)
         return micro_batches * float(per_rank.max()) + bubble
-    if schedule in STREAMS:
+    if RULES[schedule].streams:
         return micro_batches * slowest
     return float(times.sum()) + (micro_batches - 1) * slowest
 
