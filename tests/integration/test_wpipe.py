@@ -1,0 +1,80 @@
+"""WPipe (``vpipe.ScheduleWPipe``) on two real gloo ranks, two stages each (G0's and G1's), against its update
+rule written out by hand in one process (support/wpipe.py): every stage's weights bit for bit, for SGD and Adam;
+the weight versions each group holds (the WPipe paper's Table 1: two for G0, one for G1); and vpipe under it
+(planning off, every block recomputed) changing nothing, its layers refused moves in one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from support.processes import WORKERS, run_ranks
+from support.wpipe import FLUSH_AFTER, MICRO_BATCHES, PERIODS, layers, reference_wpipe
+
+RANKS = 2
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> list[dict]:
+    """One launch, three runs (see tests/workers/wpipe_worker.py): each rank's results."""
+    tmp = tmp_path_factory.mktemp("wpipe")
+    run_ranks([str(WORKERS / "wpipe_worker.py"), str(tmp / "runs")], RANKS, tmp / "ranks.txt")
+    ranks = [torch.load(tmp / f"runs.rank{r}.pt", weights_only=True) for r in range(RANKS)]
+    for rank in ranks:
+        for run in rank.values():
+            run["state"] = dict(run["state"])
+    return ranks
+
+
+def _unequal(state: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> list[str]:
+    return [k for k, v in state.items() if not torch.equal(v, ref[k])]
+
+
+def _group(name: str) -> int:
+    return int(int(name.split(".")[0]) >= layers(RANKS) // 2)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_every_stage_ends_bitwise_where_the_2gw_rule_by_hand_ends(runs, optimizer):
+    """W0(t+1) = W0(t) - lr * grad_0 f(W0(t-1), W1(t)) and W1(t+1) = W1(t) - lr * grad_1 f(W0(t-1), W1(t))."""
+    restart = FLUSH_AFTER if optimizer == "sgd" else None  # the SGD run flushes mid-way: G0's delay restarts
+    ref = reference_wpipe(optimizer, RANKS, restart=restart)
+    no_delay = reference_wpipe(optimizer, RANKS, restart=restart, delays=(0, 0))  # the flush schedules' rule
+    both_delayed = reference_wpipe(optimizer, RANKS, restart=restart, delays=(1, 1))  # 2BW's rule
+    for rank in range(RANKS):
+        state = runs[rank][optimizer]["state"]
+        # G0's stage r holds layers 2r, 2r+1; G1's stage W + r layers 2(W + r), 2(W + r) + 1: a weight, a bias each
+        assert sorted({int(k.split(".")[0]) for k in state}) == [2 * rank, 2 * rank + 1, 2 * (RANKS + rank),
+                                                                   2 * (RANKS + rank) + 1]
+        assert _unequal(state, ref) == [], f"rank {rank} left the 2GW rule"
+        # the delay of each group is observable: without G0's the rule differs, with G1's too
+        assert set(_unequal(state, no_delay)) == set(state)
+        assert set(_unequal(state, both_delayed)) == set(state)
+        assert runs[rank][optimizer]["updates"] == [PERIODS, PERIODS]  # each group one update a period
+
+
+def test_g0_holds_two_weight_versions_and_g1_one_as_in_the_papers_table_1(runs):
+    for rank in range(RANKS):
+        for name in ("sgd", "adam"):
+            run = runs[rank][name]
+            assert run["peak_versions"] == [2, 1]  # distinct versions held at once: G0 two, G1 one
+            assert run["peak_stashed"] == [2, 0]  # G0's copies beside its live weights; G1 runs on its live ones
+        # at the end of step s G0 has applied the update of period s - 1 (W0(s)) and keeps W0(s-1), which period
+        # s (in flight until step s + 1) runs on; G1 has applied period s's update and holds W1(s+1) alone
+        assert runs[rank]["adam"]["held"] == [[[0], [1]]] + [[[s - 1, s], [s + 1]] for s in range(1, PERIODS)]
+        # after the flush before period 3 every update is applied: periods 3 and 4 both run G0 on W0(3)
+        assert runs[rank]["sgd"]["held"][FLUSH_AFTER:] == [[[3], [4]], [[3, 4], [5]], [[4, 5], [6]]]
+    assert [len(step) for step in runs[RANKS - 1]["adam"]["losses"]] == [MICRO_BATCHES] * PERIODS
+
+
+def test_vpipe_under_wpipe_recomputes_every_block_and_trains_bitwise_like_the_schedule_alone(runs):
+    for rank in range(RANKS):
+        plain, attached = runs[rank]["adam"], runs[rank]["attached"]
+        assert _unequal(attached["state"], plain["state"]) == []
+        assert attached["losses"] == plain["losses"]
+        assert attached["kind"] == "wpipe" and attached["stages"] == [rank, RANKS + rank]
+        # every layer of both of the rank's stages recomputed once for each micro-batch's backward
+        mine = [2 * rank, 2 * rank + 1, 2 * (RANKS + rank), 2 * (RANKS + rank) + 1]
+        assert attached["recomputes"] == dict.fromkeys(mine, PERIODS * MICRO_BATCHES)
+        assert attached["move_refusal"].startswith("ScheduleWPipe's layers do not move")
+        assert attached["peak_versions"] == [2, 1]

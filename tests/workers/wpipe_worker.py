@@ -1,0 +1,76 @@
+"""Rank program for tests/integration/test_wpipe.py: ``vpipe.ScheduleWPipe`` on real gloo ranks.
+
+In one launch (``argv[1]``: where each rank writes ``OUT.rankR.pt``) it trains the model of
+:mod:`support.wpipe` (two stages a rank, G0's and G1's) three times: SGD with a flush before
+period ``FLUSH_AFTER``, Adam, and Adam again with ``vpipe.attach`` under it (planning off,
+every block recomputed). Each run writes the rank's parameters after the final flush, the
+weight versions each group held at the end of every step and at its peak, the last rank's
+losses, and under vpipe the engine it ran under and why its layers cannot move.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.pipelining import PipelineStage
+
+import vpipe
+from support.twobw import batch, make_optimizer
+from support.wpipe import FLUSH_AFTER, MICRO_BATCHES, PERIODS, layers, stage_module
+
+
+def train(optimizer_name: str, *, flush_after: int | None = None, attach: bool = False) -> dict[str, Any]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    modules = [stage_module(rank), stage_module(world + rank)]
+    stages = [PipelineStage(m, v, 2 * world, torch.device("cpu")) for m, v in zip(modules, (rank, world + rank))]
+    optimizer = make_optimizer(optimizer_name, [p for m in modules for p in m.parameters()])
+    schedule = vpipe.ScheduleWPipe(stages, MICRO_BATCHES, F.mse_loss, optimizer)
+    vp = None
+    if attach:
+        vp = vpipe.attach(schedule, optimizer=optimizer, planning=False,
+                          policies=dict.fromkeys(range(layers(world)), "R"))
+    held, losses = [], []  # per step: versions each group holds at its end, last rank's losses
+    for step in range(PERIODS):
+        if step == flush_after:
+            schedule.flush()
+        x, y = batch(step)
+        got: list[torch.Tensor] = []
+        if rank == 0:
+            schedule.step(x)
+        elif rank == world - 1:
+            schedule.step(target=y, losses=got)
+        else:
+            schedule.step()
+        held.append(schedule.versions_held)
+        losses.append([float(loss) for loss in got])
+    schedule.flush()
+    state = [(k, v.detach().clone()) for m in modules for k, v in m.state_dict().items()]
+    result: dict[str, Any] = {"state": state, "held": held, "peak_versions": schedule.peak_versions,
+                              "peak_stashed": schedule.peak_stashed, "losses": losses,
+                              "updates": schedule.updates}
+    if vp is not None:
+        recomputes = {lid: layer.recomputes for tm in vp.tensor_managers.values()
+                      for lid, layer in tm.stats().layers.items()}
+        result.update(kind=vp.engine.kind.value, move_refusal=vp.move_refusal, recomputes=recomputes,
+                      stages=sorted(vp.tensor_managers))
+        vp.detach()
+    return result
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    runs = {"sgd": train("sgd", flush_after=FLUSH_AFTER), "adam": train("adam")}
+    if len(sys.argv) < 3 or sys.argv[2] != "plain":
+        runs["attached"] = train("adam", attach=True)
+    torch.save(runs, f"{sys.argv[1]}.rank{dist.get_rank()}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
