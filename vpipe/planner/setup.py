@@ -15,7 +15,11 @@ boundary: ``(W - 1) * max_v t_v`` for the interleaved and looped schedules (W ra
 third of that for the zero-bubble ones (ZB-H1 keeps about a third of 1F1B's bubble; ZBV
 and DualPipeV no more). Each virtual stage holds its own in-flight micro-batches, read off
 the schedule's action lists by the ranks (``in_flight_counts``), and gets an equal share of
-its rank's memory budget.
+its rank's memory budget. WPipe (vpipe's ``ScheduleWPipe``) is planned the same way: two
+virtual stages a rank (G0's ``r``, G1's ``W + r``), its in-flight counts from the lists the
+schedule writes (G0's stage ``r`` ``m + W - r``, G1's ``W - r``), the looped bubble (G1's
+fill and drain each step; G0's period in flight across steps), and two weight versions on
+G0's stages, one on G1's (the WPipe paper's Table 1).
 
 *Uneven devices*: ``stage_speeds[k]`` is how much longer stage ``k`` takes for the same
 compute than the reference device (1.0; 2.0 for a device half as fast, a straggler or an
@@ -43,7 +47,7 @@ SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "pipedream", "pipedream2bw")
 STREAMS: tuple[str, ...] = ("pipedream", "pipedream2bw")  # no flush: micro-batches stay in flight across steps
 # several (virtual) stages per rank: planned with the in-flight counts and stage ranks the ranks read off the
 # schedule's action lists; "custom" is an action list loaded from a file
-MULTI_STAGE: tuple[str, ...] = ("interleaved1f1b", "loopedbfs", "interleavedzb", "zbv", "dualpipev", "custom")
+MULTI_STAGE: tuple[str, ...] = ("interleaved1f1b", "loopedbfs", "interleavedzb", "zbv", "dualpipev", "wpipe", "custom")
 ZERO_BUBBLE: tuple[str, ...] = ("interleavedzb", "zbv", "dualpipev")
 _ZERO_BUBBLE_SHARE = 1 / 3  # of the interleaved bubble that a zero-bubble schedule keeps
 
@@ -87,10 +91,13 @@ def in_flight(schedule: str, stage: int, num_stages: int, micro_batches: int) ->
 
 
 def weight_versions(schedule: str, stage: int, num_stages: int) -> int:
-    """Weight versions a stage keeps: PipeDream stashes one per in-flight micro-batch, 2BW two on every stage."""
+    """Weight versions a stage keeps: PipeDream stashes one per in-flight micro-batch, 2BW two on every stage,
+    WPipe two on G0's stages (the first half of its ``2W`` virtual stages) and one on G1's."""
     schedule = check_schedule(schedule)
     if schedule == "pipedream":
         return num_stages - stage
+    if schedule == "wpipe":
+        return 2 if stage < num_stages // 2 else 1
     return 2 if schedule == "pipedream2bw" else 1
 
 
