@@ -1,15 +1,23 @@
 """WPipe (``vpipe.ScheduleWPipe``) on two real gloo ranks, two stages each (G0's and G1's), against its update
 rule written out by hand in one process (support/wpipe.py): every stage's weights bit for bit, for SGD and Adam;
 the weight versions each group holds (the WPipe paper's Table 1: two for G0, one for G1); and vpipe under it
-(planning off, every block recomputed) changing nothing, its layers refused moves in one line."""
+(planning off, every block recomputed) changing nothing, its layers refused moves in one line; and the lab's
+``--schedule wpipe``."""
 
 from __future__ import annotations
+
+import dataclasses
+import json
+import re
 
 import pytest
 import torch
 
-from support.processes import WORKERS, run_ranks
+from support.processes import WORKERS, run_ranks, run_vpipe
+from support.results import assert_params_equal, load_run_params
 from support.wpipe import FLUSH_AFTER, MICRO_BATCHES, PERIODS, layers, reference_wpipe
+from vpipe_lab.runtime import reference
+from vpipe_lab.runtime.config import RunConfig
 
 RANKS = 2
 
@@ -78,3 +86,30 @@ def test_vpipe_under_wpipe_recomputes_every_block_and_trains_bitwise_like_the_sc
         assert attached["recomputes"] == dict.fromkeys(mine, PERIODS * MICRO_BATCHES)
         assert attached["move_refusal"].startswith("ScheduleWPipe's layers do not move")
         assert attached["peak_versions"] == [2, 1]
+
+
+def test_the_labs_wpipe_schedule_trains_as_its_single_process_reference(tmp_path):
+    cfg = RunConfig(stages=2, schedule="wpipe", steps=3, blocks=2, d_model=16, n_heads=2, seq_len=8,
+                    dropout=0.0, micro_batches=2, micro_batch_size=2)
+    proc = run_vpipe("train", "--stages", "2", "--schedule", "wpipe", "--steps", "3", "--blocks", "2",
+                     "--d-model", "16", "--n-heads", "2", "--seq-len", "8", "--dropout", "0", "--micro-batches", "2",
+                     "--micro-batch-size", "2", "--out-dir", str(tmp_path), "--no-progress")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rank0 = json.loads((tmp_path / "rank0.json").read_text())
+    assert rank0["stages"] == [0, 2] and rank0["stage_layer_ids"] == [[0], [2]]  # G0's stage 0, G1's stage 2
+    want, want_losses = reference.reference_wpipe(cfg)
+    assert_params_equal(load_run_params(tmp_path, 2), want)  # bitwise
+    assert json.loads((tmp_path / "rank1.json").read_text())["losses"] == want_losses
+    two_bw, _, _ = reference.reference_2bw(dataclasses.replace(cfg, schedule="pipedream2bw"))
+    assert any(not want[k].equal(v) for k, v in two_bw.items())  # G1 without the delay: not 2BW's rule
+
+
+def test_the_lab_refuses_what_a_wpipe_stream_cannot_do():
+    for extra, said in ([{"checkpoint_dir": "x"}, "checkpoints need a flush schedule (any but wpipe)"],
+                        [{"nas": [{"step": 1, "remove": [1]}], "vpipe": True}, "layer edits need a flush schedule"],
+                        [{"moves": [{"step": 1, "partition": [1, 2, 1, 1]}], "vpipe": True},
+                         "forced moves need layers that move (wpipe's do not)"],
+                        [{"stages_per_rank": 3}, "wpipe runs exactly 2 stages per rank (G0's and G1's)"],
+                        [{"micro_batches": 1}, "wpipe needs micro_batches >= stages"]):
+        with pytest.raises(ValueError, match=re.escape(said)):
+            RunConfig(stages=2, schedule="wpipe", blocks=3, **extra)
