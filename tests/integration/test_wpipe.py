@@ -1,8 +1,8 @@
 """WPipe (``vpipe.ScheduleWPipe``) on two real gloo ranks, two stages each (G0's and G1's), against its update
 rule written out by hand in one process (support/wpipe.py): every stage's weights bit for bit, for SGD and Adam;
-the weight versions each group holds (the WPipe paper's Table 1: two for G0, one for G1); and vpipe under it
-(planning off, every block recomputed) changing nothing, its layers refused moves in one line; and the lab's
-``--schedule wpipe``."""
+the weight versions each group holds (the WPipe paper's Table 1: two for G0, one for G1); vpipe under it
+(every block recomputed or swapped, planning off; or the planner running) changing nothing, its layers refused
+moves in one line; and the lab's ``--schedule wpipe``."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ RANKS = 2
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> list[dict]:
-    """One launch, three runs (see tests/workers/wpipe_worker.py): each rank's results."""
+    """One launch, five runs (see tests/workers/wpipe_worker.py): each rank's results."""
     tmp = tmp_path_factory.mktemp("wpipe")
     run_ranks([str(WORKERS / "wpipe_worker.py"), str(tmp / "runs")], RANKS, tmp / "ranks.txt")
     ranks = [torch.load(tmp / f"runs.rank{r}.pt", weights_only=True) for r in range(RANKS)]
@@ -86,6 +86,18 @@ def test_vpipe_under_wpipe_recomputes_every_block_and_trains_bitwise_like_the_sc
         assert attached["recomputes"] == dict.fromkeys(mine, PERIODS * MICRO_BATCHES)
         assert attached["move_refusal"].startswith("ScheduleWPipe's layers do not move")
         assert attached["peak_versions"] == [2, 1]
+
+
+def test_under_wpipe_swapped_blocks_and_a_running_planner_change_nothing(runs):
+    for rank in range(RANKS):
+        plain = runs[rank]["adam"]
+        mine = [2 * rank, 2 * rank + 1, 2 * (RANKS + rank), 2 * (RANKS + rank) + 1]
+        for name, policy in (("swapped", "S"), ("planned", "D")):
+            run = runs[rank][name]
+            assert _unequal(run["state"], plain["state"]) == [] and run["losses"] == plain["losses"], name
+            assert run["policies"] == {str(lid): policy for lid in mine}
+        assert runs[rank]["swapped"]["swapped_bytes"] > 0  # G0's saved activations went to the host across steps
+        assert runs[rank]["planned"]["swapped_bytes"] == 0
 
 
 def test_the_labs_wpipe_schedule_trains_as_its_single_process_reference(tmp_path):

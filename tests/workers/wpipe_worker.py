@@ -1,11 +1,13 @@
 """Rank program for tests/integration/test_wpipe.py: ``vpipe.ScheduleWPipe`` on real gloo ranks.
 
 In one launch (``argv[1]``: where each rank writes ``OUT.rankR.pt``) it trains the model of
-:mod:`support.wpipe` (two stages a rank, G0's and G1's) three times: SGD with a flush before
-period ``FLUSH_AFTER``, Adam, and Adam again with ``vpipe.attach`` under it (planning off,
-every block recomputed). Each run writes the rank's parameters after the final flush, the
-weight versions each group held at the end of every step and at its peak, the last rank's
-losses, and under vpipe the engine it ran under and why its layers cannot move.
+:mod:`support.wpipe` (two stages a rank, G0's and G1's) five times: SGD with a flush before
+period ``FLUSH_AFTER``, Adam, and Adam again with ``vpipe.attach`` under it three times:
+planning off with every block recomputed, planning off with every block swapped, and
+planning on (the planner daemon started, every block kept). Each run writes the rank's
+parameters after the final flush, the weight versions each group held at the end of every
+step and at its peak, the last rank's losses, and under vpipe the engine it ran under, why
+its layers cannot move, each layer's recomputes and policy, and the bytes swapped out.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from support.twobw import batch, make_optimizer
 from support.wpipe import FLUSH_AFTER, MICRO_BATCHES, PERIODS, layers, stage_module
 
 
-def train(optimizer_name: str, *, flush_after: int | None = None, attach: bool = False) -> dict[str, Any]:
+def train(optimizer_name: str, *, flush_after: int | None = None, attach: bool = False, policy: str = "R",
+          planning: bool = False) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     modules = [stage_module(rank), stage_module(world + rank)]
     stages = [PipelineStage(m, v, 2 * world, torch.device("cpu")) for m, v in zip(modules, (rank, world + rank))]
@@ -31,8 +34,10 @@ def train(optimizer_name: str, *, flush_after: int | None = None, attach: bool =
     schedule = vpipe.ScheduleWPipe(stages, MICRO_BATCHES, F.mse_loss, optimizer)
     vp = None
     if attach:
-        vp = vpipe.attach(schedule, optimizer=optimizer, planning=False,
-                          policies=dict.fromkeys(range(layers(world)), "R"))
+        vp = vpipe.attach(schedule, optimizer=optimizer, planning=planning,
+                          policies=dict.fromkeys(range(layers(world)), policy))
+        for manager in vp.tensor_managers.values():
+            manager.min_swap_bytes = 0  # the test's activations are a few hundred bytes: swap them all the same
     held, losses = [], []  # per step: versions each group holds at its end, last rank's losses
     for step in range(PERIODS):
         if step == flush_after:
@@ -53,10 +58,11 @@ def train(optimizer_name: str, *, flush_after: int | None = None, attach: bool =
                               "peak_stashed": schedule.peak_stashed, "losses": losses,
                               "updates": schedule.updates}
     if vp is not None:
-        recomputes = {lid: layer.recomputes for tm in vp.tensor_managers.values()
-                      for lid, layer in tm.stats().layers.items()}
+        stats = [tm.stats() for tm in vp.tensor_managers.values()]
+        recomputes = {lid: layer.recomputes for st in stats for lid, layer in st.layers.items()}
         result.update(kind=vp.engine.kind.value, move_refusal=vp.move_refusal, recomputes=recomputes,
-                      stages=sorted(vp.tensor_managers))
+                      stages=sorted(vp.tensor_managers), swapped_bytes=sum(st.d2h_bytes for st in stats),
+                      policies=vp.memory_report()["policies"])
         vp.detach()
     return result
 
@@ -67,6 +73,8 @@ def main() -> None:
     runs = {"sgd": train("sgd", flush_after=FLUSH_AFTER), "adam": train("adam")}
     if len(sys.argv) < 3 or sys.argv[2] != "plain":
         runs["attached"] = train("adam", attach=True)
+        runs["swapped"] = train("adam", attach=True, policy="S")
+        runs["planned"] = train("adam", attach=True, policy="D", planning=True)
     torch.save(runs, f"{sys.argv[1]}.rank{dist.get_rank()}.pt")
     dist.barrier()
     dist.destroy_process_group()
