@@ -15,17 +15,19 @@ of its backwards, G1 at the end of its period. For SGD::
     W0(t+1) = W0(t) - lr * grad_0 f(W0(t-1), W1(t))
     W1(t+1) = W1(t) - lr * grad_1 f(W0(t-1), W1(t))
 
-A step feeds period ``t`` and runs, on each rank, G0's phase (period ``t``'s forwards and
-period ``t - 1``'s backwards in 1F1B order, then G0's update) and then G1's phase (period
-``t`` in 1F1B, then G1's update). Decisions where the paper is silent are in
-docs/schedules.md ("WPipe"): the gradient is the period's mean (``scale_grads=True``), period
-0 runs G0 on the initial weights (``W0(-1) = W0(0)``), :meth:`flush` ends every period so
-the period after it runs G0 without the delay, one optimizer holds both groups (a group's
-update steps it with only that group's gradients set).
+A step feeds period ``t``; each rank runs G0's 1F1B list (period ``t``'s forwards, period
+``t - 1``'s backwards) and G1's (period ``t``) merged as the paper's Figure 5 interleaves
+them (:func:`rank_orders`); G0 updates after its last backward, G1 at the step's end.
+Decisions where the paper is silent are in docs/schedules.md ("WPipe"): the gradient is the
+period's mean (``scale_grads=True``), period 0 runs G0 on the initial weights
+(``W0(-1) = W0(0)``), :meth:`flush` ends every period so the period after it runs G0
+without the delay, one optimizer holds both groups (a group's update steps it with only
+that group's gradients set, the other's set aside).
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import deque
 from collections.abc import Callable
@@ -38,7 +40,9 @@ from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunk
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 from torch.func import functional_call
 
-__all__ = ["ScheduleWPipe", "one_f_one_b", "steady_order"]
+__all__ = ["ScheduleWPipe", "one_f_one_b", "rank_orders", "steady_order"]
+
+Op = tuple[int, str, int]  # an action of a rank's step: (group, "F" | "B", micro-batch of its period)
 
 
 class Action(NamedTuple):
@@ -65,15 +69,58 @@ def one_f_one_b(num_stages: int, k: int, m: int, forwards: bool = True,
     return order
 
 
+def _needs(group: int, kind: str, r: int, j: int, ranks: int) -> tuple[int, str, int, int] | None:
+    """What action (group, kind, rank, micro-batch) of this step must end before this one can start."""
+    if kind == "F":
+        if r:
+            return group, "F", r - 1, j
+        return (0, "F", ranks - 1, j) if group else None  # G1's first stage takes G0's last stage's output
+    if r < ranks - 1:
+        return group, "B", r + 1, j
+    return (1, "F", r, j) if group else None  # G0's last stage got its gradient in the step before
+
+
+@functools.lru_cache(maxsize=16)
+def rank_orders(ranks: int, m: int, forwards: bool = True, backwards: bool = True) -> dict[int, list[Op]]:
+    """Every rank's actions in one step, ``(group, "F" | "B", micro-batch)``: G0's 1F1B list (this period's
+    forwards, the period before's backwards) and G1's (this period) merged as Figure 5 runs them, a rank
+    taking the other group's next action when both can run, else the one that can. Worked out by playing the
+    step on every rank at once (a forward one unit long, a backward two), so each rank's order starts an action
+    only after what it receives was sent: the order is the same on every rank and cannot deadlock."""
+    queues = {r: [deque((0, k, j) for k, j in one_f_one_b(ranks, r, m, forwards, backwards)),
+                  deque((1, k, j) for k, j in (one_f_one_b(ranks, r, m) if forwards else []))] for r in range(ranks)}
+    ends: dict[tuple[int, str, int, int], int] = {}
+    free, last, now = [0] * ranks, [1] * ranks, 0
+    orders: dict[int, list[Op]] = {r: [] for r in range(ranks)}
+    while any(q for r in range(ranks) for q in queues[r]):
+        for r in range(ranks):
+            if free[r] > now:
+                continue
+            ready = []
+            for q in queues[r]:
+                if q:
+                    need = _needs(q[0][0], q[0][1], r, q[0][2], ranks)
+                    if need is None or ends.get(need, now + 1) <= now:
+                        ready.append(q)
+            if ready:
+                op = (ready[0] if len(ready) == 1 or ready[0][0][0] != last[r] else ready[1]).popleft()
+                last[r], free[r] = op[0], now + (1 if op[1] == "F" else 2)
+                ends[(op[0], op[1], r, op[2])] = free[r]
+                orders[r].append(op)
+        now += 1
+        if now > 8 * m * ranks + 16:  # every action of the step takes at most 2 units on one of 2m per rank
+            raise RuntimeError(f"WPipe's order for {ranks} ranks and {m} micro-batches does not finish")
+    return orders
+
+
 def steady_order(ranks: int, m: int) -> dict[int, list[Action]]:
     """Each rank's actions in a step after the first, led by the forwards of the period before on G0 (held
     since the step before): micro-batch ``j`` of that period is ``j``, of the step's period ``m + j``. vpipe
     reads the micro-batches each stage holds at once off it, as off torch's multi-stage schedules' lists."""
     order = {}
-    for r in range(ranks):
+    for r, ops in rank_orders(ranks, m).items():
         actions = [Action(r, "F", j) for j in range(m)]
-        actions += [Action(r, kind, m + j if kind == "F" else j) for kind, j in one_f_one_b(ranks, r, m)]
-        actions += [Action(ranks + r, kind, m + j) for kind, j in one_f_one_b(ranks, r, m)]
+        actions += [Action(r + ranks * g, kind, j if (g, kind) == (0, "B") else m + j) for g, kind, j in ops]
         order[r] = actions
     return order
 
@@ -185,8 +232,7 @@ class ScheduleWPipe(PipelineScheduleMulti):
                 stage.has_backward = True
             self._initialize_stages(arg_mbs[0], kwarg_mbs[0], target_mbs[0] if target_mbs else None)
         t = self._period
-        self._g0_phase(t, arg_mbs, kwarg_mbs)
-        step_losses = self._g1_phase(t, target_mbs)
+        step_losses = self._run(t, arg_mbs, kwarg_mbs, target_mbs)
         self._period += 1
         self._wait_sends(before_step=self._steps)
         self._steps += 1
@@ -198,44 +244,38 @@ class ScheduleWPipe(PipelineScheduleMulti):
         """Run G0's backwards still in flight and apply their update; the stream then restarts on the weights
         it left (the period after a flush runs G0 without the delay)."""
         if self._g0_pending is not None:
-            self._g0_phase(None, [], [])
+            self._run(None, [], [], None)
         self._wait_sends()
 
-    # ---------------------------------------------------------------- phases
-    def _g0_phase(self, t: int | None, arg_mbs: list[Any], kwarg_mbs: list[Any]) -> None:
-        """G0's forwards of period ``t`` (None: a flush, none) and backwards of the period before, in 1F1B order;
-        then G0's update with the period before's gradient."""
-        stage, pending = self._groups[0], self._g0_pending
-        order = one_f_one_b(self.ranks, stage.stage_index, self.micro_batches, t is not None, pending is not None)
-        for kind, j in order:
-            if kind == "F":
-                assert t is not None
-                self._forward_g0(t, j, arg_mbs[j], kwarg_mbs[j])
+    # ---------------------------------------------------------------- a step
+    def _run(self, t: int | None, arg_mbs: list[Any], kwarg_mbs: list[Any],
+             target_mbs: list[Any] | None) -> list[torch.Tensor]:
+        """This rank's actions of a step (:func:`rank_orders`): G0's forwards of period ``t`` (None: a flush,
+        none) and backwards of the period before, G1's period ``t``; G0's update after its last backward, G1's
+        at the end."""
+        g0, g1 = self._groups
+        pending = self._g0_pending
+        ops = rank_orders(self.ranks, self.micro_batches, t is not None, pending is not None)[self.rank]
+        g0_left = sum(1 for g, _, _ in ops if g == 0)
+        losses = []
+        for group, kind, j in ops:
+            if group == 0:
+                if kind == "F":
+                    self._forward_g0(cast(int, t), j, arg_mbs[j], kwarg_mbs[j])
+                else:
+                    self._backward(g0, cast(int, pending), j)
+                g0_left -= 1
+                if not g0_left and pending is not None:
+                    self._update_g0(pending)
+            elif kind == "F":
+                self._forward_g1(cast(int, t), j, target_mbs)
             else:
-                assert pending is not None
-                self._backward(stage, pending, j)
-        if pending is not None:
-            self._update_g0(pending)
-        self._g0_pending = t
-
-    def _g1_phase(self, t: int, target_mbs: list[Any] | None) -> list[torch.Tensor]:
-        """Period ``t`` on G1's stage in 1F1B order, on the live weights; then G1's update."""
-        stage, losses = self._groups[1], []
-        for kind, j in one_f_one_b(self.ranks, stage.stage_index - self.ranks, self.micro_batches):
-            if kind == "F":
-                slot = self._slot(t, j)
-                self._recv(stage, stage.get_fwd_recv_ops(slot))
-                output = stage.forward_one_chunk(slot, (), {}, save_forward_output=False)
-                if stage.is_last:
-                    target = target_mbs[j] if target_mbs else None
-                    self._losses[slot] = self._compute_loss(output, target)
-                self._send(stage, stage.get_fwd_send_ops(slot))
-                self._log("F", stage, t, j)
-            else:
-                loss = self._backward(stage, t, j)
+                loss = self._backward(g1, cast(int, t), j)
                 if loss is not None:
                     losses.append(loss)
-        self._apply(stage, {name: p.grad for name, p in stage.submod.named_parameters()}, group=1)
+        if t is not None:
+            self._apply(1, {name: p.grad for name, p in g1.submod.named_parameters()})
+        self._g0_pending = t
         return losses
 
     # ---------------------------------------------------------------- actions
@@ -259,6 +299,16 @@ class ScheduleWPipe(PipelineScheduleMulti):
             stage.forward_one_chunk(slot, args, kwargs, save_forward_output=False)
         finally:
             del stage.forward_maybe_with_nosync
+        self._send(stage, stage.get_fwd_send_ops(slot))
+        self._log("F", stage, t, j)
+
+    def _forward_g1(self, t: int, j: int, target_mbs: list[Any] | None) -> None:
+        """On G1's live weights: G1 updates only once its period is over."""
+        stage, slot = self._groups[1], self._slot(t, j)
+        self._recv(stage, stage.get_fwd_recv_ops(slot))
+        output = stage.forward_one_chunk(slot, (), {}, save_forward_output=False)
+        if stage.is_last:
+            self._losses[slot] = self._compute_loss(output, target_mbs[j] if target_mbs else None)
         self._send(stage, stage.get_fwd_send_ops(slot))
         self._log("F", stage, t, j)
 
@@ -298,16 +348,23 @@ class ScheduleWPipe(PipelineScheduleMulti):
         grads = {name: w.grad for name, w in weights.items()}
         for w in weights.values():
             w.grad = None
-        self._apply(self._groups[0], grads, group=0)
+        self._apply(0, grads)
 
-    def _apply(self, stage: PipelineStage, grads: dict[str, torch.Tensor | None], group: int) -> None:
-        for name, p in stage.submod.named_parameters():
+    def _apply(self, group: int, grads: dict[str, torch.Tensor | None]) -> None:
+        """Step the optimizer on ``group``'s gradients alone: the other group's (G1's, summing on its live
+        parameters while G0 updates mid-step) are set aside and put back."""
+        other = [(p, p.grad) for p in self._groups[1 - group].submod.parameters() if p.grad is not None]
+        for p, _ in other:
+            p.grad = None
+        for name, p in self._groups[group].submod.named_parameters():
             grad = grads.get(name)
             if grad is not None and self.mean_grads:
                 grad = grad.div_(self.micro_batches)
             p.grad = grad
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        for p, grad in other:
+            p.grad = grad
         self.updates[group] += 1
         self._count()
 
