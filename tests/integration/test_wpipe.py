@@ -84,7 +84,11 @@ def test_vpipe_under_wpipe_recomputes_every_block_and_trains_bitwise_like_the_sc
         # every layer of both of the rank's stages recomputed once for each micro-batch's backward
         mine = [2 * rank, 2 * rank + 1, 2 * (RANKS + rank), 2 * (RANKS + rank) + 1]
         assert attached["recomputes"] == dict.fromkeys(mine, PERIODS * MICRO_BATCHES)
-        assert attached["move_refusal"].startswith("ScheduleWPipe's layers do not move")
+        assert attached["move_refusal"] == ("ScheduleWPipe's layers do not move: streamed moves know one stage a "
+                                            "rank, not two groups updating at different points of a step")
+        # attach says so in one moves_off line per stage, as for every engine whose layers stay put
+        assert attached["moves_off"] == [f"stage {v}: layers will not move ({attached['move_refusal']}); swap and "
+                                         "recompute plans still apply" for v in (rank, RANKS + rank)]
         assert attached["peak_versions"] == [2, 1]
 
 

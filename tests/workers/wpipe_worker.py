@@ -7,11 +7,13 @@ planning off with every block recomputed, planning off with every block swapped,
 planning on (the planner daemon started, every block kept). Each run writes the rank's
 parameters after the final flush, the weight versions each group held at the end of every
 step and at its peak, the last rank's losses, and under vpipe the engine it ran under, why
-its layers cannot move, each layer's recomputes and policy, and the bytes swapped out.
+its layers cannot move (and the moves_off lines attach logged), each layer's recomputes and
+policy, and the bytes swapped out.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 from typing import Any
 
@@ -23,6 +25,18 @@ from torch.distributed.pipelining import PipelineStage
 import vpipe
 from support.twobw import batch, make_optimizer
 from support.wpipe import FLUSH_AFTER, MICRO_BATCHES, PERIODS, layers, stage_module
+from vpipe.log import decision_log
+
+
+class Decisions(logging.Handler):
+    """The decisions vpipe logs on this rank: (event, message)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.seen: list[tuple[str, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.seen.append((getattr(record, "vpipe_fields", {}).get("event", ""), record.getMessage()))
 
 
 def train(optimizer_name: str, *, flush_after: int | None = None, attach: bool = False, policy: str = "R",
@@ -32,8 +46,10 @@ def train(optimizer_name: str, *, flush_after: int | None = None, attach: bool =
     stages = [PipelineStage(m, v, 2 * world, torch.device("cpu")) for m, v in zip(modules, (rank, world + rank))]
     optimizer = make_optimizer(optimizer_name, [p for m in modules for p in m.parameters()])
     schedule = vpipe.ScheduleWPipe(stages, MICRO_BATCHES, F.mse_loss, optimizer)
-    vp = None
+    vp, decisions = None, Decisions()
     if attach:
+        decision_log.addHandler(decisions)
+        decision_log.setLevel(logging.INFO)
         vp = vpipe.attach(schedule, optimizer=optimizer, planning=planning,
                           policies=dict.fromkeys(range(layers(world)), policy))
         for manager in vp.tensor_managers.values():
@@ -62,7 +78,9 @@ def train(optimizer_name: str, *, flush_after: int | None = None, attach: bool =
         recomputes = {lid: layer.recomputes for st in stats for lid, layer in st.layers.items()}
         result.update(kind=vp.engine.kind.value, move_refusal=vp.move_refusal, recomputes=recomputes,
                       stages=sorted(vp.tensor_managers), swapped_bytes=sum(st.d2h_bytes for st in stats),
-                      policies=vp.memory_report()["policies"])
+                      policies=vp.memory_report()["policies"],
+                      moves_off=[message for event, message in decisions.seen if event == "moves_off"])
+        decision_log.removeHandler(decisions)
         vp.detach()
     return result
 

@@ -57,8 +57,8 @@ class WPipeEngine(Engine):
         return 2 if stage < self.pipeline.num_stages // 2 else 1
 
     def move_refusal(self) -> str | None:
-        return ("ScheduleWPipe's layers do not move: its two stages a rank and two groups updating at different "
-                "points of a step have no streamed moves (plans apply swap and recompute only)")
+        return ("ScheduleWPipe's layers do not move: streamed moves know one stage a rank, not two groups "
+                "updating at different points of a step")
 
     def edit_refusal(self) -> str | None:
         return "a ScheduleWPipe stream"
