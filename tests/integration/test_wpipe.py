@@ -1,7 +1,7 @@
 """WPipe (``vpipe.ScheduleWPipe``) on two real gloo ranks, two stages each (G0's and G1's), against its update
 rule written out by hand in one process (support/wpipe.py): every stage's weights bit for bit, for SGD and Adam;
 the weight versions each group holds (the WPipe paper's Table 1: two for G0, one for G1); vpipe under it
-(every block recomputed or swapped, planning off; or the planner running) changing nothing, its layers refused
+(every block recomputed, swapped or kept, planning off; or the planner running) changing nothing, its layers refused
 moves in one line; and the lab's ``--schedule wpipe``."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ RANKS = 2
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> list[dict]:
-    """One launch, five runs (see tests/workers/wpipe_worker.py): each rank's results."""
+    """One launch, six runs (see tests/workers/wpipe_worker.py): each rank's results."""
     tmp = tmp_path_factory.mktemp("wpipe")
     run_ranks([str(WORKERS / "wpipe_worker.py"), str(tmp / "runs")], RANKS, tmp / "ranks.txt")
     ranks = [torch.load(tmp / f"runs.rank{r}.pt", weights_only=True) for r in range(RANKS)]
@@ -96,12 +96,16 @@ def test_under_wpipe_swapped_blocks_and_a_running_planner_change_nothing(runs):
     for rank in range(RANKS):
         plain = runs[rank]["adam"]
         mine = [2 * rank, 2 * rank + 1, 2 * (RANKS + rank), 2 * (RANKS + rank) + 1]
-        for name, policy in (("swapped", "S"), ("planned", "D")):
+        for name, policy in (("swapped", "S"), ("planned", "D"), ("kept", "D")):
             run = runs[rank][name]
             assert _unequal(run["state"], plain["state"]) == [] and run["losses"] == plain["losses"], name
             assert run["policies"] == {str(lid): policy for lid in mine}
         assert runs[rank]["swapped"]["swapped_bytes"] > 0  # G0's saved activations went to the host across steps
         assert runs[rank]["planned"]["swapped_bytes"] == 0
+        # every block kept, nothing measured: both stages go quiet (their own methods, no manager) within three
+        # steps, G0's with its period in flight across the step boundary, and stay so
+        plain = runs[rank]["kept"]["plain"]
+        assert plain[:2] == [[False, False]] * 2 and plain[3:] == [[True, True]] * (PERIODS - 3)
 
 
 def test_the_labs_wpipe_schedule_trains_as_its_single_process_reference(tmp_path):

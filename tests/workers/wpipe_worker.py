@@ -1,10 +1,11 @@
 """Rank program for tests/integration/test_wpipe.py: ``vpipe.ScheduleWPipe`` on real gloo ranks.
 
 In one launch (``argv[1]``: where each rank writes ``OUT.rankR.pt``) it trains the model of
-:mod:`support.wpipe` (two stages a rank, G0's and G1's) five times: SGD with a flush before
-period ``FLUSH_AFTER``, Adam, and Adam again with ``vpipe.attach`` under it three times:
-planning off with every block recomputed, planning off with every block swapped, and
-planning on (the planner daemon started, every block kept). Each run writes the rank's
+:mod:`support.wpipe` (two stages a rank, G0's and G1's) six times: SGD with a flush before
+period ``FLUSH_AFTER``, Adam, and Adam again with ``vpipe.attach`` under it four times:
+planning off with every block recomputed, swapped, or kept (then the stages run without
+their managers after a few steps, G0's period in flight counted), and planning on (the
+planner daemon started, every block kept). Each run writes the rank's
 parameters after the final flush, the weight versions each group held at the end of every
 step and at its peak, the last rank's losses, and under vpipe the engine it ran under, why
 its layers cannot move (and the moves_off lines attach logged), each layer's recomputes and
@@ -54,7 +55,8 @@ def train(optimizer_name: str, *, flush_after: int | None = None, attach: bool =
                           policies=dict.fromkeys(range(layers(world)), policy))
         for manager in vp.tensor_managers.values():
             manager.min_swap_bytes = 0  # the test's activations are a few hundred bytes: swap them all the same
-    held, losses = [], []  # per step: versions each group holds at its end, last rank's losses
+    held, losses, plain = [], [], []  # per step: versions each group holds at its end, last rank's losses, and
+    # under vpipe whether each stage ran without its manager (the quiet path: every layer kept, nothing measured)
     for step in range(PERIODS):
         if step == flush_after:
             schedule.flush()
@@ -67,6 +69,8 @@ def train(optimizer_name: str, *, flush_after: int | None = None, attach: bool =
         else:
             schedule.step()
         held.append(schedule.versions_held)
+        if vp is not None:
+            plain.append([vp.stage_handles[v].plain for v in sorted(vp.stage_handles)])
         losses.append([float(loss) for loss in got])
     schedule.flush()
     state = [(k, v.detach().clone()) for m in modules for k, v in m.state_dict().items()]
@@ -79,7 +83,7 @@ def train(optimizer_name: str, *, flush_after: int | None = None, attach: bool =
         result.update(kind=vp.engine.kind.value, move_refusal=vp.move_refusal, recomputes=recomputes,
                       stages=sorted(vp.tensor_managers), swapped_bytes=sum(st.d2h_bytes for st in stats),
                       policies=vp.memory_report()["policies"],
-                      moves_off=[message for event, message in decisions.seen if event == "moves_off"])
+                      plain=plain, moves_off=[message for event, message in decisions.seen if event == "moves_off"])
         decision_log.removeHandler(decisions)
         vp.detach()
     return result
@@ -93,6 +97,7 @@ def main() -> None:
         runs["attached"] = train("adam", attach=True)
         runs["swapped"] = train("adam", attach=True, policy="S")
         runs["planned"] = train("adam", attach=True, policy="D", planning=True)
+        runs["kept"] = train("adam", attach=True, policy="D")
     torch.save(runs, f"{sys.argv[1]}.rank{dist.get_rank()}.pt")
     dist.barrier()
     dist.destroy_process_group()

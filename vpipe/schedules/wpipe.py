@@ -200,13 +200,21 @@ class ScheduleWPipe(PipelineScheduleMulti):
         """The periods whose G0 backwards have not run yet (one between steps, none after a flush)."""
         return [] if self._g0_pending is None else [self._g0_pending]
 
+    def in_flight_chunks_of(self, stage_index: int) -> list[int]:
+        """The chunk ids stage ``stage_index``'s methods were given for its micro-batches in flight between steps:
+        G0's period whose backwards run in the next step, none on G1's stage (its period ends in its step)."""
+        pending = self._g0_pending
+        if stage_index != self._groups[0].stage_index or pending is None:
+            return []
+        return [self._slot(pending, j) for j in range(self.micro_batches)]
+
     def period_version(self, period: int) -> int | None:
         """The G0 weight version a period in flight runs on."""
         return self._period_version.get(period)
 
     def step(self, *args: Any, target: Any = None, losses: list[torch.Tensor] | None = None, **kwargs: Any) -> None:
-        """Feed one period (``n_microbatches`` micro-batches): G0's phase, then G1's; the last stage's losses are
-        the period's."""
+        """Feed one period (``n_microbatches`` micro-batches): G0's and G1's actions of the step interleaved (see
+        :func:`rank_orders`); the last stage's losses are the period's."""
         if not torch.is_grad_enabled():
             raise RuntimeError("ScheduleWPipe.step() trains; it cannot run under torch.no_grad()")
         m = self.micro_batches
