@@ -15,7 +15,7 @@ import torch
 
 from support.processes import WORKERS, run_ranks, run_vpipe
 from support.results import assert_params_equal, load_run_params
-from support.wpipe import FLUSH_AFTER, MICRO_BATCHES, PERIODS, layers, reference_wpipe
+from support.wpipe import FLUSH_AFTER, MICRO_BATCHES, PERIODS, RECOMPUTE_AT, layers, reference_wpipe
 from vpipe_lab.runtime import reference
 from vpipe_lab.runtime.config import RunConfig
 
@@ -96,16 +96,19 @@ def test_under_wpipe_swapped_blocks_and_a_running_planner_change_nothing(runs):
     for rank in range(RANKS):
         plain = runs[rank]["adam"]
         mine = [2 * rank, 2 * rank + 1, 2 * (RANKS + rank), 2 * (RANKS + rank) + 1]
-        for name, policy in (("swapped", "S"), ("planned", "D"), ("kept", "D")):
+        for name, policy in (("swapped", "S"), ("planned", "D"), ("kept", "R")):
             run = runs[rank][name]
             assert _unequal(run["state"], plain["state"]) == [] and run["losses"] == plain["losses"], name
             assert run["policies"] == {str(lid): policy for lid in mine}
         assert runs[rank]["swapped"]["swapped_bytes"] > 0  # G0's saved activations went to the host across steps
         assert runs[rank]["planned"]["swapped_bytes"] == 0
-        # every block kept, nothing measured: both stages go quiet (their own methods, no manager) within three
-        # steps, G0's with its period in flight across the step boundary, and stay so
-        plain = runs[rank]["kept"]["plain"]
-        assert plain[:2] == [[False, False]] * 2 and plain[3:] == [[True, True]] * (PERIODS - 3)
+        # every block kept, nothing measured: the stages go quiet (their own methods, no manager), G1's at step 2,
+        # G0's at step 3 with its period 2 in flight across the boundary; a plan (policies only) has every block
+        # recomputed from step 4 on: the managers take over again (G0's counting period 3, whose forwards ran
+        # quiet and kept, as in flight) and recompute the micro-batches of periods 4 and 5 in both groups
+        kept = runs[rank]["kept"]
+        assert kept["plain"] == [[False, False]] * 2 + [[False, True], [True, True]] + [[False, False]] * 2
+        assert kept["recomputes"] == dict.fromkeys(mine, (PERIODS - RECOMPUTE_AT + 1) * MICRO_BATCHES)
 
 
 def test_the_labs_wpipe_schedule_trains_as_its_single_process_reference(tmp_path):

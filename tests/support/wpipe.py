@@ -14,6 +14,7 @@ from support.twobw import batch, make_layer, make_optimizer
 
 MICRO_BATCHES, PERIODS, LAYERS_PER_STAGE = 3, 6, 2
 FLUSH_AFTER = 3  # the SGD run flushes before this period: G0's delay restarts there
+RECOMPUTE_AT = 5  # a run under vpipe with every block kept is told to recompute them all from this step
 
 
 def layers(ranks: int) -> int:

@@ -4,7 +4,8 @@ In one launch (``argv[1]``: where each rank writes ``OUT.rankR.pt``) it trains t
 :mod:`support.wpipe` (two stages a rank, G0's and G1's) six times: SGD with a flush before
 period ``FLUSH_AFTER``, Adam, and Adam again with ``vpipe.attach`` under it four times:
 planning off with every block recomputed, swapped, or kept (then the stages run without
-their managers after a few steps, G0's period in flight counted), and planning on (the
+their managers after a few steps, G0's period in flight counted) until a plan has every block
+recomputed from step ``RECOMPUTE_AT``, and planning on (the
 planner daemon started, every block kept). Each run writes the rank's
 parameters after the final flush, the weight versions each group held at the end of every
 step and at its peak, the last rank's losses, and under vpipe the engine it ran under, why
@@ -25,7 +26,7 @@ from torch.distributed.pipelining import PipelineStage
 
 import vpipe
 from support.twobw import batch, make_optimizer
-from support.wpipe import FLUSH_AFTER, MICRO_BATCHES, PERIODS, layers, stage_module
+from support.wpipe import FLUSH_AFTER, MICRO_BATCHES, PERIODS, RECOMPUTE_AT, layers, stage_layers, stage_module
 from vpipe.log import decision_log
 
 
@@ -41,7 +42,7 @@ class Decisions(logging.Handler):
 
 
 def train(optimizer_name: str, *, flush_after: int | None = None, attach: bool = False, policy: str = "R",
-          planning: bool = False) -> dict[str, Any]:
+          planning: bool = False, recompute_at: int | None = None) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     modules = [stage_module(rank), stage_module(world + rank)]
     stages = [PipelineStage(m, v, 2 * world, torch.device("cpu")) for m, v in zip(modules, (rank, world + rank))]
@@ -55,6 +56,10 @@ def train(optimizer_name: str, *, flush_after: int | None = None, attach: bool =
                           policies=dict.fromkeys(range(layers(world)), policy))
         for manager in vp.tensor_managers.values():
             manager.min_swap_bytes = 0  # the test's activations are a few hundred bytes: swap them all the same
+        if recompute_at is not None:  # a plan that changes policies only: every block recomputed from then on
+            stages = tuple(tuple(stage_layers(v)) for v in range(2 * world))
+            recompute = dict.fromkeys(range(layers(world)), vpipe.Policy.RECOMPUTE)
+            vp.request_plan(vpipe.Plan(epoch=1, stages=stages, policies=recompute), at_step=recompute_at)
     held, losses, plain = [], [], []  # per step: versions each group holds at its end, last rank's losses, and
     # under vpipe whether each stage ran without its manager (the quiet path: every layer kept, nothing measured)
     for step in range(PERIODS):
@@ -97,7 +102,7 @@ def main() -> None:
         runs["attached"] = train("adam", attach=True)
         runs["swapped"] = train("adam", attach=True, policy="S")
         runs["planned"] = train("adam", attach=True, policy="D", planning=True)
-        runs["kept"] = train("adam", attach=True, policy="D")
+        runs["kept"] = train("adam", attach=True, policy="D", recompute_at=RECOMPUTE_AT)
     torch.save(runs, f"{sys.argv[1]}.rank{dist.get_rank()}.pt")
     dist.barrier()
     dist.destroy_process_group()
