@@ -24,7 +24,7 @@ RANKS = 2
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> list[dict]:
-    """One launch, six runs (see tests/workers/wpipe_worker.py): each rank's results."""
+    """One launch, seven runs (see tests/workers/wpipe_worker.py): each rank's results."""
     tmp = tmp_path_factory.mktemp("wpipe")
     run_ranks([str(WORKERS / "wpipe_worker.py"), str(tmp / "runs")], RANKS, tmp / "ranks.txt")
     ranks = [torch.load(tmp / f"runs.rank{r}.pt", weights_only=True) for r in range(RANKS)]
@@ -92,7 +92,7 @@ def test_vpipe_under_wpipe_recomputes_every_block_and_trains_bitwise_like_the_sc
         assert attached["peak_versions"] == [2, 1]
 
 
-def test_under_wpipe_swapped_blocks_and_a_running_planner_change_nothing(runs):
+def test_under_wpipe_swapped_blocks_a_budget_and_a_running_planner_change_nothing(runs):
     for rank in range(RANKS):
         plain = runs[rank]["adam"]
         mine = [2 * rank, 2 * rank + 1, 2 * (RANKS + rank), 2 * (RANKS + rank) + 1]
@@ -109,6 +109,15 @@ def test_under_wpipe_swapped_blocks_and_a_running_planner_change_nothing(runs):
         kept = runs[rank]["kept"]
         assert kept["plain"] == [[False, False]] * 2 + [[False, True], [True, True]] + [[False, False]] * 2
         assert kept["recomputes"] == dict.fromkeys(mine, (PERIODS - RECOMPUTE_AT + 1) * MICRO_BATCHES)
+    # a rank budget too small for rank 0's G0 stage at its peak (5 micro-batches) with every layer kept: that
+    # stage's layers are swapped to stay within it, rank 1's and both G1 stages keep theirs; bitwise all the same
+    budget = [runs[rank]["budget"] for rank in range(RANKS)]
+    assert [run["policies"] for run in budget] == [{"0": "S", "1": "S", "4": "D", "5": "D"},
+                                                   {"2": "D", "3": "D", "6": "D", "7": "D"}]
+    assert budget[0]["swapped_bytes"] > 0
+    for rank in range(RANKS):
+        assert _unequal(budget[rank]["state"], runs[rank]["adam"]["state"]) == []
+        assert budget[rank]["losses"] == runs[rank]["adam"]["losses"]
 
 
 def test_the_labs_wpipe_schedule_trains_as_its_single_process_reference(tmp_path):

@@ -14,6 +14,9 @@ from support.twobw import batch, make_layer, make_optimizer
 
 MICRO_BATCHES, PERIODS, LAYERS_PER_STAGE = 3, 6, 2
 FLUSH_AFTER = 3  # the SGD run flushes before this period: G0's delay restarts there
+# a rank's budget for vpipe: 5184 bytes of weights, gradients, Adam's state and G0's two versions, 1016 for
+# activations, fewer than rank 0's G0 stage holds at its peak with every layer kept
+BUDGET = 6200
 RECOMPUTE_AT = 5  # a run under vpipe with every block kept is told to recompute them all from this step
 
 

@@ -1,11 +1,12 @@
 """Rank program for tests/integration/test_wpipe.py: ``vpipe.ScheduleWPipe`` on real gloo ranks.
 
 In one launch (``argv[1]``: where each rank writes ``OUT.rankR.pt``) it trains the model of
-:mod:`support.wpipe` (two stages a rank, G0's and G1's) six times: SGD with a flush before
-period ``FLUSH_AFTER``, Adam, and Adam again with ``vpipe.attach`` under it four times:
+:mod:`support.wpipe` (two stages a rank, G0's and G1's) seven times: SGD with a flush before
+period ``FLUSH_AFTER``, Adam, and Adam again with ``vpipe.attach`` under it five times:
 planning off with every block recomputed, swapped, or kept (then the stages run without
 their managers after a few steps, G0's period in flight counted) until a plan has every block
-recomputed from step ``RECOMPUTE_AT``, and planning on (the
+recomputed from step ``RECOMPUTE_AT``, every block kept under a rank budget of ``BUDGET``
+bytes, and planning on (the
 planner daemon started, every block kept). Each run writes the rank's
 parameters after the final flush, the weight versions each group held at the end of every
 step and at its peak, the last rank's losses, and under vpipe the engine it ran under, why
@@ -26,7 +27,7 @@ from torch.distributed.pipelining import PipelineStage
 
 import vpipe
 from support.twobw import batch, make_optimizer
-from support.wpipe import FLUSH_AFTER, MICRO_BATCHES, PERIODS, RECOMPUTE_AT, layers, stage_layers, stage_module
+from support.wpipe import BUDGET, FLUSH_AFTER, MICRO_BATCHES, PERIODS, RECOMPUTE_AT, layers, stage_layers, stage_module
 from vpipe.log import decision_log
 
 
@@ -42,7 +43,7 @@ class Decisions(logging.Handler):
 
 
 def train(optimizer_name: str, *, flush_after: int | None = None, attach: bool = False, policy: str = "R",
-          planning: bool = False, recompute_at: int | None = None) -> dict[str, Any]:
+          planning: bool = False, recompute_at: int | None = None, budget: int | None = None) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     modules = [stage_module(rank), stage_module(world + rank)]
     stages = [PipelineStage(m, v, 2 * world, torch.device("cpu")) for m, v in zip(modules, (rank, world + rank))]
@@ -52,7 +53,7 @@ def train(optimizer_name: str, *, flush_after: int | None = None, attach: bool =
     if attach:
         decision_log.addHandler(decisions)
         decision_log.setLevel(logging.INFO)
-        vp = vpipe.attach(schedule, optimizer=optimizer, planning=planning,
+        vp = vpipe.attach(schedule, optimizer=optimizer, planning=planning, memory_budget=budget,
                           policies=dict.fromkeys(range(layers(world)), policy))
         for manager in vp.tensor_managers.values():
             manager.min_swap_bytes = 0  # the test's activations are a few hundred bytes: swap them all the same
@@ -103,6 +104,7 @@ def main() -> None:
         runs["swapped"] = train("adam", attach=True, policy="S")
         runs["planned"] = train("adam", attach=True, policy="D", planning=True)
         runs["kept"] = train("adam", attach=True, policy="D", recompute_at=RECOMPUTE_AT)
+        runs["budget"] = train("adam", attach=True, policy="D", budget=BUDGET)
     torch.save(runs, f"{sys.argv[1]}.rank{dist.get_rank()}.pt")
     dist.barrier()
     dist.destroy_process_group()
