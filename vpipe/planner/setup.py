@@ -17,9 +17,9 @@ and DualPipeV no more). Each virtual stage holds its own in-flight micro-batches
 the schedule's action lists by the ranks (``in_flight_counts``), and gets an equal share of
 its rank's memory budget. WPipe (vpipe's ``ScheduleWPipe``) is planned the same way: two
 virtual stages a rank (G0's ``r``, G1's ``W + r``), its in-flight counts from the lists the
-schedule writes (G0's stage ``r`` ``m + W - r``, G1's ``W - r``), the looped bubble (G1's
-fill and drain each step; G0's period in flight across steps), and two weight versions on
-G0's stages, one on G1's (the WPipe paper's Table 1).
+schedule writes (G0's stage ``r`` ``m + W - r``, G1's ``W - r``), the looped schedules'
+bubble (an upper bound: G0's actions fill part of G1's fill and drain), and two weight
+versions on G0's stages, one on G1's (the WPipe paper's Table 1).
 
 *Uneven devices*: ``stage_speeds[k]`` is how much longer stage ``k`` takes for the same
 compute than the reference device (1.0; 2.0 for a device half as fast, a straggler or an
