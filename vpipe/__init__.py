@@ -7,6 +7,7 @@ The public API::
     vpipe.VpipeConfig                              # every option of attach, validated
     vpipe.SchedulePipeDream                        # asynchronous 1F1B with weight stashing
     vpipe.SchedulePipeDream2BW                     # PipeDream-2BW: 1F1B, two weight versions, one update a step
+    vpipe.ScheduleWPipe                            # WPipe: two stages a rank, groups G0/G1 updated alternately
     vpipe.global_block_keys, vpipe.local_block_keys  # DCP keys for stages that number blocks locally
 
 Names are imported on first use, so light commands (``vpipe logs``) do not load torch; the
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     from vpipe.plan import Plan, Policy
     from vpipe.schedules.pipedream import SchedulePipeDream
     from vpipe.schedules.pipedream_2bw import SchedulePipeDream2BW
+    from vpipe.schedules.wpipe import ScheduleWPipe
 
     __version__: str
 
@@ -38,11 +40,12 @@ _PUBLIC = {
     "Policy": "vpipe.plan",
     "SchedulePipeDream": "vpipe.schedules.pipedream",
     "SchedulePipeDream2BW": "vpipe.schedules.pipedream_2bw",
+    "ScheduleWPipe": "vpipe.schedules.wpipe",
     "global_block_keys": "vpipe.checkpoint.block_keys",
     "local_block_keys": "vpipe.checkpoint.block_keys",
 }
-__all__ = ["Plan", "Policy", "SchedulePipeDream", "SchedulePipeDream2BW", "Vpipe", "VpipeConfig", "__version__",
-           "attach", "global_block_keys", "local_block_keys"]
+__all__ = ["Plan", "Policy", "SchedulePipeDream", "SchedulePipeDream2BW", "ScheduleWPipe", "Vpipe", "VpipeConfig",
+           "__version__", "attach", "global_block_keys", "local_block_keys"]
 
 
 def _version() -> str:

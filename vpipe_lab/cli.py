@@ -19,7 +19,7 @@ from vpipe.planner import DEFAULT_PLANNER
 from vpipe.sizes import parse_bytes
 from vpipe_lab import bench, demo, logview, plot
 from vpipe_lab.runtime.config import LR_SCHEDULES, MODELS, OPTIMIZERS, SCHEDULES, RunConfig
-from vpipe_lab.runtime.layout import MULTI_STAGE
+from vpipe_lab.runtime.layout import MULTI_STAGE, STREAMS
 from vpipe_lab.runtime.outputs import check_vpipe_outputs, claim_outputs, run_log_file
 
 
@@ -90,8 +90,8 @@ def add_run_arguments(p: argparse.ArgumentParser, *, steps: int, stages: int) ->
     p.add_argument("--schedule", choices=SCHEDULES, default="gpipe",
                    help=f"{', '.join(MULTI_STAGE)} run several virtual stages per rank")
     p.add_argument("--stages-per-rank", type=_positive_int, default=None, metavar="N",
-                   help="virtual stages per rank under a multi-stage schedule (default 2; zbv and dualpipev: "
-                        "exactly 2); --partition and --moves then count layers per virtual stage")
+                   help="virtual stages per rank under a multi-stage schedule (default 2; zbv, dualpipev and "
+                        "wpipe: exactly 2); --partition and --moves then count layers per virtual stage")
     p.add_argument("--micro-batches", type=_positive_int, default=4)
     p.add_argument("--micro-batch-size", type=_positive_int, default=4)
     p.add_argument("--steps", type=int, default=steps)
@@ -219,7 +219,7 @@ def cmd_nas(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from vpipe_lab.runtime.launch import rank_env, spawn
 
     cfg = config_from_args(args)
-    if cfg.schedule in ("pipedream", "pipedream2bw"):
+    if cfg.schedule in STREAMS:
         raise ValueError(f"vpipe nas adds and removes layers, which needs a flush schedule (any but {cfg.schedule})")
     if cfg.checkpoint_dir or cfg.resume:
         raise ValueError("vpipe nas writes no checkpoints and cannot resume from one: drop --checkpoint-dir/--resume")

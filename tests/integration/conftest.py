@@ -19,7 +19,7 @@ TRAINING_MODULES = {
     "test_mesh.py", "test_mesh_fsdp.py", "test_migration_faults.py", "test_migration_transparency.py",
     "test_multihost.py", "test_multistage.py", "test_multistage_train.py", "test_nas.py", "test_pipedream_trainer.py",
     "test_pipeline_equivalence.py", "test_soak.py", "test_stage_shapes.py", "test_tensor_manager_pipeline.py",
-    "test_train_conventions.py", "test_deferred_batch_norm_pipeline.py",
+    "test_train_conventions.py", "test_deferred_batch_norm_pipeline.py", "test_wpipe.py",
 }
 
 # The tests that train, or start several runs, in otherwise quick modules.

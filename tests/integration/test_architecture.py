@@ -50,7 +50,7 @@ OPTIONAL_EXTRAS = {
 # module -> (what it imports inside functions, why). Each entry must still be needed.
 LAZY_IMPORTS: dict[str, tuple[frozenset[str], str]] = {
     "vpipe": (frozenset({"vpipe._attach", "vpipe.config", "vpipe.plan", "vpipe.schedules.pipedream",
-                         "vpipe.schedules.pipedream_2bw",
+                         "vpipe.schedules.pipedream_2bw", "vpipe.schedules.wpipe",
                          "vpipe.checkpoint.block_keys", "importlib.metadata"}),
               "the public names (and the version, read from package metadata) load on first use: `import vpipe` "
               "(the CLI, the planner daemon) loads no torch"),

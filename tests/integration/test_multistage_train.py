@@ -152,7 +152,7 @@ def test_every_virtual_stage_reports_to_the_planner_daemon(tmp_path):
      "zbv runs exactly 2 stages per rank (a V), got stages_per_rank 3"),
     (["--schedule", "1f1b", "--stages-per-rank", "2"],
      "1f1b runs one stage per rank; 2 stages per rank need a multi-stage schedule (interleaved1f1b, loopedbfs, "
-     "interleavedzb, zbv, dualpipev)"),
+     "interleavedzb, zbv, dualpipev, wpipe)"),
     (["--schedule", "loopedbfs", "--stages-per-rank", "1"],
      "loopedbfs runs several stages per rank: stages_per_rank must be >= 2, got 1 (1f1b runs one stage per rank)"),
     (["--schedule", "interleaved1f1b", "--vertical-sync"],

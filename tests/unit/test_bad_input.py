@@ -126,7 +126,7 @@ def test_out_of_range_stages_and_epochs_in_messages_are_named(change, message):
     ({"schedule": "1f1b", "stages": 4, "micro_batches": 2}, "1f1b needs micro_batches >= stages (2 < 4)"),
     ({"schedule": "zero-bubble"}, "schedule must be one of gpipe, 1f1b, pipedream, pipedream2bw, interleaved1f1b, "
                                     "loopedbfs, interleavedzb, zbv, "
-                                    "dualpipev, got 'zero-bubble'"),
+                                    "dualpipev, wpipe, got 'zero-bubble'"),
     ({"memory_budget": 0}, "memory_budget must be a positive number of bytes, got 0"),
     ({"memory_budget": -1}, "memory_budget must be a positive number of bytes, got -1"),
     ({"policy": "X"}, "policy must be D, S or R, got 'X'"),

@@ -16,13 +16,15 @@ def _first_accepting(target: object) -> type[Engine]:
 
 def test_each_target_goes_to_its_engine_pipedream_before_torchs_schedules_and_the_module_last():
     from vpipe.schedules.pipedream_2bw import SchedulePipeDream2BW
+    from vpipe.schedules.wpipe import ScheduleWPipe
 
     kinds = [engine.kind for engine in registered_engines()]
-    # 2BW is a SchedulePipeDream too: asked before PipeDream's adapter
-    assert kinds == [EngineKind.PIPEDREAM_2BW, EngineKind.PIPEDREAM, EngineKind.DEEPSPEED, EngineKind.TORCH_MULTI,
-                     EngineKind.TORCH_SINGLE, EngineKind.MODULE]
+    # 2BW is a SchedulePipeDream too: asked before PipeDream's adapter; WPipe a PipelineScheduleMulti: before torch's
+    assert kinds == [EngineKind.WPIPE, EngineKind.PIPEDREAM_2BW, EngineKind.PIPEDREAM, EngineKind.DEEPSPEED,
+                     EngineKind.TORCH_MULTI, EngineKind.TORCH_SINGLE, EngineKind.MODULE]
     assert _first_accepting(SchedulePipeDream.__new__(SchedulePipeDream)).kind is EngineKind.PIPEDREAM
     assert _first_accepting(SchedulePipeDream2BW.__new__(SchedulePipeDream2BW)).kind is EngineKind.PIPEDREAM_2BW
+    assert _first_accepting(ScheduleWPipe.__new__(ScheduleWPipe)).kind is EngineKind.WPIPE
     assert _first_accepting(nn.Linear(2, 2)).kind is EngineKind.MODULE
 
 

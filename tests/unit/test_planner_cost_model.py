@@ -38,6 +38,11 @@ def test_in_flight_and_weight_versions_follow_the_schedule():
     # PipeDream-2BW: PipeDream's activations, two weight versions on every stage (the WPipe paper's Table 1)
     assert [in_flight("pipedream2bw", k, 4, 8) for k in range(4)] == [4, 3, 2, 1]
     assert [weight_versions("pipedream2bw", k, 4) for k in range(4)] == [2, 2, 2, 2]
+    # WPipe on 2 ranks: 4 virtual stages, G0's (0, 1) two weight versions, G1's (2, 3) one (Table 1 again); its
+    # in-flight counts come from the lists the schedule writes, as for torch's multi-stage schedules
+    assert [weight_versions("wpipe", k, 4) for k in range(4)] == [2, 2, 1, 1]
+    with pytest.raises(ValueError, match="wpipe runs several stages per rank"):
+        in_flight("wpipe", 0, 4, 8)
     with pytest.raises(ValueError, match="unknown schedule 'zb'"):
         in_flight("zb", 0, 4, 8)
 
@@ -130,6 +135,8 @@ def test_step_time_includes_the_bubble_for_flush_schedules_only():
     assert pipeline_step_time(times, "pipedream", 8) == pytest.approx(16.0)
     assert throughput(times, "pipedream", 8) == pytest.approx(0.5)
     assert pipeline_step_time(times, "pipedream2bw", 8) == pytest.approx(16.0)  # no flush either
+    # WPipe: rank 0 runs stages 0 and 2 (2.5 a micro-batch), rank 1 stages 1 and 3; G1's fill and drain once
+    assert pipeline_step_time([1.0, 2.0, 1.5, 0.5], "wpipe", 8, (0, 1, 0, 1)) == pytest.approx(8 * 2.5 + 2.0)
 
 
 def test_a_tensor_crosses_a_boundary_once_however_many_layers_consume_it():

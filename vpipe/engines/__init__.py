@@ -12,6 +12,7 @@ from vpipe.engines.pipedream_2bw import PipeDream2BWEngine
 from vpipe.engines.registry import engine_for, register_engine, registered_engines, unregister_engine
 from vpipe.engines.torch_multi import TorchMultiEngine
 from vpipe.engines.torch_single import TorchSingleEngine
+from vpipe.engines.wpipe import WPipeEngine
 
 __all__ = ["Capabilities", "Engine", "EngineKind", "engine_for", "register_engine", "registered_engines",
            "unregister_engine"]
@@ -24,3 +25,4 @@ register_engine(TorchMultiEngine)
 register_engine(DeepSpeedEngine)
 register_engine(PipeDreamEngine)
 register_engine(PipeDream2BWEngine)  # after PipeDream's: a SchedulePipeDream2BW is a SchedulePipeDream
+register_engine(WPipeEngine)  # after torch's multi-stage schedules': a ScheduleWPipe is a PipelineScheduleMulti

@@ -33,6 +33,7 @@ class EngineKind(enum.Enum):
     TORCH_MULTI = "torch_multi"  # torch's schedules that run an action list: several stages per rank
     PIPEDREAM = "pipedream"  # vpipe's SchedulePipeDream: a stream, weight stashing
     PIPEDREAM_2BW = "pipedream_2bw"  # vpipe's SchedulePipeDream2BW: a stream, two weight versions
+    WPIPE = "wpipe"  # vpipe's ScheduleWPipe: two stages a rank, G0 a stream with two weight versions, G1 one
     DEEPSPEED = "deepspeed"  # DeepSpeed's PipelineEngine
     MODULE = "module"  # a plain stage module in a hand-written loop
     OTHER = "other"

@@ -115,7 +115,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     return p
 
 
-_PLANNABLE_MULTI = tuple(s for s in MULTI_STAGE if s != "custom")  # "custom" is a run's own action list
+# "custom" is a run's own action list; "wpipe" writes its lists itself, on the ranks (vpipe's ScheduleWPipe)
+_PLANNABLE_MULTI = tuple(s for s in MULTI_STAGE if s not in ("custom", "wpipe"))
 
 
 def _budget(text: str | None) -> int | list[int] | None:

@@ -15,7 +15,11 @@ boundary: ``(W - 1) * max_v t_v`` for the interleaved and looped schedules (W ra
 third of that for the zero-bubble ones (ZB-H1 keeps about a third of 1F1B's bubble; ZBV
 and DualPipeV no more). Each virtual stage holds its own in-flight micro-batches, read off
 the schedule's action lists by the ranks (``in_flight_counts``), and gets an equal share of
-its rank's memory budget.
+its rank's memory budget. WPipe (vpipe's ``ScheduleWPipe``) is planned the same way: two
+virtual stages a rank (G0's ``r``, G1's ``W + r``), its in-flight counts from the lists the
+schedule writes (G0's stage ``r`` ``m + W - r``, G1's ``W - r``), the looped schedules'
+bubble (an upper bound: G0's actions fill part of G1's fill and drain), and two weight
+versions on G0's stages, one on G1's (the WPipe paper's Table 1).
 
 *Uneven devices*: ``stage_speeds[k]`` is how much longer stage ``k`` takes for the same
 compute than the reference device (1.0; 2.0 for a device half as fast, a straggler or an
@@ -61,8 +65,11 @@ SCHEDULES: tuple[str, ...] = tuple(RULES)
 STREAMS: tuple[str, ...] = tuple(name for name, rules in RULES.items() if rules.streams)
 # several (virtual) stages per rank: planned with the in-flight counts and stage ranks the ranks read off the
 # schedule's action lists; "custom" is an action list loaded from a file
-MULTI_STAGE: tuple[str, ...] = ("interleaved1f1b", "loopedbfs", "interleavedzb", "zbv", "dualpipev", "custom")
+MULTI_STAGE: tuple[str, ...] = ("interleaved1f1b", "loopedbfs", "interleavedzb", "zbv", "dualpipev", "wpipe", "custom")
 ZERO_BUBBLE: tuple[str, ...] = ("interleavedzb", "zbv", "dualpipev")
+# weight versions of the multi-stage schedules that keep more than one: WPipe's G0 (the first half of its 2W
+# virtual stages) two, G1 one
+MULTI_STAGE_VERSIONS: dict[str, Callable[[int, int], int]] = {"wpipe": lambda k, p: 2 if k < p // 2 else 1}
 _ZERO_BUBBLE_SHARE = 1 / 3  # of the interleaved bubble that a zero-bubble schedule keeps
 
 
@@ -107,9 +114,12 @@ def streams(schedule: str) -> bool:
 
 
 def weight_versions(schedule: str, stage: int, num_stages: int) -> int:
-    """Weight versions a stage keeps: PipeDream stashes one per in-flight micro-batch, 2BW two on every stage."""
+    """Weight versions a stage keeps: PipeDream stashes one per in-flight micro-batch, 2BW two on every stage,
+    WPipe two on G0's stages (the first half of its ``2W`` virtual stages) and one on G1's."""
     schedule = check_schedule(schedule)
-    return RULES[schedule].versions(stage, num_stages) if schedule in RULES else 1
+    if schedule in RULES:
+        return RULES[schedule].versions(stage, num_stages)
+    return MULTI_STAGE_VERSIONS[schedule](stage, num_stages) if schedule in MULTI_STAGE_VERSIONS else 1
 
 
 @dataclass(frozen=True)

@@ -146,7 +146,7 @@ class StepDriver:
         moving = stream is not None and bool(stream.movers)  # a streamed move switches layers mid-step
         # a step inside the timeline's window goes through the wrappers: they record its forwards and backwards
         keep_wrappers = moving or timeline.recording()
-        for handle in self.stage_handles.values():
+        for index, handle in self.stage_handles.items():
             manager, was_plain = handle.manager, handle.plain
             handle.run_plain(not keep_wrappers and manager.quiet.for_a_step(same_inputs, stream=stream is not None))
             if stream is None or handle.plain == was_plain:
@@ -156,7 +156,7 @@ class StepDriver:
             if handle.plain:
                 manager.quiet.forget_in_flight()
             else:
-                manager.quiet.count_in_flight(stream.in_flight_chunks)
+                manager.quiet.count_in_flight(stream.in_flight_chunks_of(index))
 
     def received(self, plans: list[Any]) -> None:
         self.boundary.received(plans, self.iteration, self.parts.plan_in_force.epoch)

@@ -129,6 +129,10 @@ class SchedulePipeDream(PipelineScheduleSingle):
         of a step, reused from step to step)."""
         return [self._slot(mb) for mb in range(self._next_bwd, self._next_fwd)]
 
+    def in_flight_chunks_of(self, stage_index: int) -> list[int]:
+        """:attr:`in_flight_chunks` of the stage ``stage_index`` (this schedule's one stage)."""
+        return self.in_flight_chunks
+
     @property
     def next_forward(self) -> int:
         """The micro-batch whose forward runs next here (counted over the whole stream, across steps)."""

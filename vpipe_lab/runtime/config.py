@@ -97,6 +97,7 @@ class RunConfig:
         need(self.vpipe or not self.moves, "forced moves need vpipe (the layer manager moves the layers)")
         need(self.vpipe or not self.nas, "adding and removing layers needs vpipe (the layer manager does it)")
         need(not (self.nas and self.moves), "combine either forced moves or layer edits in one run, not both")
+        need(not (self.moves and self.schedule == "wpipe"), "forced moves need layers that move (wpipe's do not)")
         need(not (self.nas and self.schedule in STREAMS),
              f"layer edits need a flush schedule (any but {self.schedule})")
         need(0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout}")
@@ -156,6 +157,8 @@ class RunConfig:
             return
         if name in V_SHAPED and per_rank not in (None, 2):
             raise ValueError(f"{name} runs exactly 2 stages per rank (a V), got stages_per_rank {per_rank}")
+        if name == "wpipe" and per_rank not in (None, 2):
+            raise ValueError(f"wpipe runs exactly 2 stages per rank (G0's and G1's), got stages_per_rank {per_rank}")
         if per_rank == 1:
             raise ValueError(f"{name} runs several stages per rank: stages_per_rank must be >= 2, got 1 "
                              "(1f1b runs one stage per rank)")

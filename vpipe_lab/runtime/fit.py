@@ -152,7 +152,8 @@ def _stage_fit(cfg: RunConfig, k: int, inputs: list[torch.Tensor], budget: int, 
     module = build_model(sub_spec(spec, ids), seed=cfg.seed, ids=ids)
     optimizer = make_optimizer(cfg, module.parameters())
     params = sum(p.numel() * p.element_size() for p in module.parameters())
-    versions = cfg.stages - k if cfg.schedule == "pipedream" else 2 if cfg.schedule == "pipedream2bw" else 1
+    versions = (cfg.stages - k if cfg.schedule == "pipedream" else 2 if cfg.schedule == "pipedream2bw"
+                else 2 if cfg.schedule == "wpipe" and k < cfg.stages else 1)
     fixed = stage_fixed_bytes(params, expected_state_factor(optimizer) * params, versions)
     layers = {int(name): child for name, child in module.named_children()}
     manager = TensorManager(layers, device="cpu", budget_bytes=(budget - fixed) if managed and budget > fixed else None,

@@ -7,6 +7,8 @@ each rank the stages its schedule will ask that rank to run:
 
 - looped (Interleaved 1F1B, LoopedBFS, Interleaved zero bubble): rank ``r`` of ``W`` runs
   stages ``r, r + W, r + 2W, ...``;
+- WPipe (vpipe's ``ScheduleWPipe``) is looped with exactly two stages per rank: G0's ``r``
+  and G1's ``W + r``;
 - V-shaped (ZBV, DualPipeV): exactly two stages per rank, ``r`` and ``2W - 1 - r``, so
   rank 0 holds both the first and the last stage.
 
@@ -18,8 +20,8 @@ from __future__ import annotations
 __all__ = ["SINGLE_STAGE", "STREAMS", "MULTI_STAGE", "V_SHAPED", "SCHEDULES", "stage_rank", "rank_stages"]
 
 SINGLE_STAGE = ("gpipe", "1f1b", "pipedream", "pipedream2bw")
-STREAMS = ("pipedream", "pipedream2bw")  # vpipe's own schedules: no flush between steps
-MULTI_STAGE = ("interleaved1f1b", "loopedbfs", "interleavedzb", "zbv", "dualpipev")
+STREAMS = ("pipedream", "pipedream2bw", "wpipe")  # vpipe's own schedules: no flush between steps
+MULTI_STAGE = ("interleaved1f1b", "loopedbfs", "interleavedzb", "zbv", "dualpipev", "wpipe")
 V_SHAPED = ("zbv", "dualpipev")
 SCHEDULES = SINGLE_STAGE + MULTI_STAGE
 

@@ -25,7 +25,8 @@ from vpipe_lab.runtime.config import RunConfig
 from vpipe_lab.runtime.models import block_spec, build_layer, build_model
 from vpipe_lab.runtime.optim import make_optimizer, make_scheduler
 
-__all__ = ["reference_flush", "reference_pipedream", "reference_2bw", "optimizer_state_by_name", "backward_order"]
+__all__ = ["reference_flush", "reference_pipedream", "reference_2bw", "reference_wpipe", "optimizer_state_by_name",
+           "backward_order"]
 
 
 def optimizer_state_by_name(named_params: Mapping[str, torch.Tensor],
@@ -179,3 +180,37 @@ def reference_2bw(cfg: RunConfig) -> tuple[dict[str, torch.Tensor], list[float],
         step_losses.append(float(torch.stack(losses).mean()))
     state = optimizer_state_by_name(params, optimizers)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, step_losses, state
+
+
+def reference_wpipe(cfg: RunConfig) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """Parameters after ``cfg.steps`` WPipe periods, W0(t+1) = W0(t) - update(grad_0 f(W0(t-1), W1(t))) for G0 (the
+    first ``W`` virtual stages' layers) and W1(t+1) = W1(t) - update(grad_1 f(W0(t-1), W1(t))) for G1, and the mean
+    loss of each step (a constant learning rate, as for 2BW)."""
+    torch.set_num_threads(1)
+    spec = cfg.model_spec()
+    model = build_model(spec, seed=cfg.seed)
+    ids, ranks = cfg.stage_layer_ids(), cfg.stages
+    optimizers = [make_optimizer(cfg, [p for i in ids[r] + ids[ranks + r]
+                                       for p in model.get_submodule(str(i)).parameters()]) for r in range(ranks)]
+    g0 = {f"{i}." for stage in ids[:ranks] for i in stage}
+    loss_fn = spec.loss_fn()
+    params = dict(model.named_parameters())
+    history = [{n: t.detach().clone() for n, t in params.items()}]  # history[v]: the weights after v periods
+    step_losses = []
+    for step in range(cfg.steps):
+        weights = {n: history[max(0, step - 1) if any(n.startswith(p) for p in g0) else step][n].clone()
+                   .requires_grad_() for n in params}
+        losses = []
+        for x, y in _micro_batches(cfg, step):
+            loss = loss_fn(functional_call(model, weights, (x,)), y)
+            loss.backward()
+            losses.append(loss.detach())
+        for n, t in params.items():
+            grad = weights[n].grad
+            t.grad = None if grad is None else grad.div_(cfg.micro_batches)
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        history.append({n: t.detach().clone() for n, t in params.items()})
+        step_losses.append(float(torch.stack(losses).mean()))
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, step_losses

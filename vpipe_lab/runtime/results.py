@@ -21,7 +21,6 @@ from rich.table import Table
 
 from vpipe.compat.torch_internals import child_modules
 from vpipe.files import make_dirs, replacing, write_atomic
-from vpipe.schedules.pipedream import SchedulePipeDream
 from vpipe_lab.runtime.config import RunConfig
 from vpipe_lab.runtime.reference import optimizer_state_by_name
 from vpipe_lab.runtime.stage_run import StageRun
@@ -66,7 +65,7 @@ def _write_rank_result(out: Path, run: StageRun, result: RunResult) -> None:
             "steps": result.steps, "seconds": result.seconds, "step_s": result.step_s,
             "boundary_s": result.boundary_s, "memory": result.memory,
             "lrs": [group["lr"] for group in run.optimizer.param_groups]}
-    if isinstance(run.schedule, SchedulePipeDream):
+    if run.streams:
         meta["trace"] = [list(event) for event in run.schedule.trace]
     write_atomic(out / f"rank{run.rank}.json", json.dumps(meta).encode())
 

@@ -20,6 +20,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from vpipe.compat.torch_internals import child_modules
 from vpipe.schedules.pipedream import SchedulePipeDream
 from vpipe.schedules.pipedream_2bw import SchedulePipeDream2BW
+from vpipe.schedules.wpipe import ScheduleWPipe
 from vpipe_lab.runtime.config import RunConfig
 from vpipe_lab.runtime.models import build_model
 from vpipe_lab.runtime.optim import make_optimizer, make_scheduler
@@ -40,6 +41,12 @@ class StageRun:
     schedule: Any
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+
+    @property
+    def streams(self) -> bool:
+        """Whether the schedule is one of vpipe's streams (PipeDream, 2BW, WPipe): it steps the optimizer itself,
+        keeps micro-batches in flight across steps and needs ``flush()`` at the end."""
+        return isinstance(self.schedule, (SchedulePipeDream, ScheduleWPipe))
 
     @property
     def stage_index(self) -> int:
@@ -91,7 +98,7 @@ class StageRun:
         args, target = self.step_inputs(step)
         losses: list[torch.Tensor] = []
         self.schedule.step(*args, target=target, losses=losses if self.is_last else None)
-        if not isinstance(self.schedule, SchedulePipeDream):
+        if not self.streams:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         if self.scheduler is not None:
@@ -141,6 +148,8 @@ def _schedule(cfg: RunConfig, stages: list[PipelineStage], loss_fn: Any, optimiz
         return SchedulePipeDream(stages[0], cfg.micro_batches, loss_fn, optimizer, vertical_sync=cfg.vertical_sync)
     if cfg.schedule == "pipedream2bw":
         return SchedulePipeDream2BW(stages[0], cfg.micro_batches, loss_fn, optimizer)
+    if cfg.schedule == "wpipe":  # G0's stage r and G1's W + r, as the looped layout places them
+        return ScheduleWPipe(stages, cfg.micro_batches, loss_fn, optimizer)
     cls = multi_stage_class(cfg.schedule)
     name = cls.__name__
     schedule = cls(stages, cfg.micro_batches, loss_fn=loss_fn)

@@ -24,7 +24,6 @@ from vpipe.checkpoint import restore_stage
 from vpipe.control.curve import RunKeys
 from vpipe.control.session import ControlOptions, open_for_stage_run
 from vpipe.plan import Plan, Policy
-from vpipe.schedules.pipedream import SchedulePipeDream
 from vpipe.settings import Settings, process_settings
 from vpipe_lab.runtime.checkpoints import check_checkpoint_dir, load_resume, resume_placement, save_run_checkpoint
 from vpipe_lab.runtime.config import RunConfig
@@ -92,7 +91,7 @@ def train_rank(cfg: RunConfig, ctx: Distributed) -> RunResult:
                                                                  and (step + 1) % cfg.checkpoint_every == 0)):
                 save_run_checkpoint(cfg, run, ctx, vp, steps_done=step + 1,
                                     placement=placement or cfg.stage_layer_ids())
-        if isinstance(run.schedule, SchedulePipeDream):
+        if run.streams:
             run.schedule.flush()
     result.seconds = time.perf_counter() - start
     if session is not None:

@@ -19,7 +19,6 @@ from torch.utils.checkpoint import checkpoint
 
 from vpipe._attach import VpipeConfig, attach
 from vpipe.plan import Policy
-from vpipe.schedules.pipedream import SchedulePipeDream
 from vpipe_lab.runtime.config import RunConfig
 from vpipe_lab.runtime.launch import Distributed
 from vpipe_lab.runtime.layout import MULTI_STAGE
@@ -90,7 +89,7 @@ class VariantRun:
         return out
 
     def close(self) -> None:
-        if isinstance(self.run.schedule, SchedulePipeDream):
+        if self.run.streams:
             self.run.schedule.flush()
         if self.vp is not None:
             self.vp.detach()
