@@ -1,4 +1,4 @@
-"""Time per step and memory per stage of every one-stage-per-rank schedule, side by side in one launch.
+"""Time per step and memory per rank of GPipe, 1F1B, PipeDream, 2BW and WPipe, side by side in one launch.
 
 The schedules of the design's papers on the lab's 4-stage transformer, without vpipe: GPipe and
 1F1B (a flush every step), PipeDream (weight stashing, an update per micro-batch), PipeDream-2BW
@@ -12,12 +12,14 @@ step is not counted (a stream refills after another schedule ran), each step is 
 over the ranks, and a round's time is the median of its steps. Reported: the median over
 rounds, and each schedule's per-round ratio to GPipe (median, min-max).
 
-Memory per stage is the tensor manager's accounting of a run of two steps of each stage in
-this process, in its schedule's order (``vpipe_lab/runtime/fit.py``): weights and gradients,
-optimizer state, extra weight versions (stashed or buffered) and the peak of saved
-activations. On a CPU the devices are the host's cores: 4 ranks on 2 cores share them, so a
-schedule that removes the bubble cannot gain what it gains on 4 GPUs (the ranks never idle);
-the table says what this machine measures.
+Memory per rank (a stage, or WPipe's two) is measured in the same launch, after the timed
+rounds, over a block of steps of each schedule: *fixed* is weights, gradients, the optimizer's
+state and the extra weight copies the schedule kept at its peak (PipeDream's stashes, 2BW's
+and WPipe's G0's second version); *saved* is the peak of the activations its autograd graphs
+hold, counted by a saved-tensor hook (each tensor once; weights and their stashed copies are
+fixed bytes, not activations). On a CPU the devices are the host's cores: 4 ranks on 2 cores
+share them, so a schedule that removes the bubble cannot gain what it gains on 4 GPUs (the
+ranks never idle); the table says what this machine measures.
 
     python benchmarks/schedule_bench.py [--rounds 4] [--block 6] [--json OUT]
 """
@@ -78,19 +80,59 @@ def base_config(args: argparse.Namespace) -> Any:
                      dropout=0.0, progress=False)
 
 
-def memory(args: argparse.Namespace) -> dict[str, list[dict[str, int]]]:
-    """Per schedule and stage: fixed bytes (weights, gradients, optimizer state, extra versions), peak saved."""
-    from dataclasses import replace
+class SavedBytes:
+    """The activations a rank's autograd graphs hold now and at their peak, as a saved-tensor hook sees them:
+    each tensor once, while any graph holds it; weights (parameters, and their stashed copies: leaves that
+    require grad shaped as a parameter) are not activations."""
 
-    from vpipe_lab.runtime.fit import pipeline_fit
+    def __init__(self, modules: list[Any]) -> None:
+        self.weight_shapes = {tuple(p.shape) for m in modules for p in m.parameters()}
+        self.held: dict[tuple[int, int, int], int] = {}  # (address, elements, element size) -> graphs holding it
+        self.now = self.peak = 0
 
-    base = base_config(args)
-    out = {}
-    for schedule in schedules():
-        fit = pipeline_fit(replace(base, schedule=schedule), 1 << 62, managed=False)
-        out[schedule] = [{"fixed_bytes": s.fixed_bytes, "peak_saved_bytes": s.peak_saved_bytes,
-                          "footprint_bytes": s.footprint_bytes} for s in fit.stages]
-    return out
+    def pack(self, t: Any) -> Any:
+        import torch
+
+        weight = t.is_leaf and t.requires_grad and tuple(t.shape) in self.weight_shapes
+        if isinstance(t, torch.nn.Parameter) or weight:
+            return t
+        key = (t.data_ptr(), t.numel(), t.element_size())
+        if key not in self.held:
+            self.now += t.numel() * t.element_size()
+            self.peak = max(self.peak, self.now)
+        self.held[key] = self.held.get(key, 0) + 1
+        return _Held(t, self, key)
+
+    def unpack(self, packed: Any) -> Any:
+        return packed.t if isinstance(packed, _Held) else packed
+
+    def release(self, key: tuple[int, int, int]) -> None:
+        self.held[key] -= 1
+        if not self.held[key]:
+            del self.held[key]
+            self.now -= key[1] * key[2]
+
+
+class _Held:
+    __slots__ = ("t", "owner", "key")
+
+    def __init__(self, t: Any, owner: SavedBytes, key: tuple[int, int, int]) -> None:
+        self.t, self.owner, self.key = t, owner, key
+
+    def __del__(self) -> None:
+        self.owner.release(self.key)
+
+
+def fixed_bytes(run: Any) -> int:
+    """Weights and gradients, the optimizer's state, and the extra weight copies the schedule kept at its peak."""
+    import torch
+
+    params = [sum(p.numel() * p.element_size() for p in m.parameters()) for m in run.modules]
+    state = sum(t.numel() * t.element_size() for st in run.optimizer.state.values() for t in st.values()
+                if isinstance(t, torch.Tensor))
+    stashed = getattr(run.schedule, "peak_stashed", 0)
+    copies = stashed[0] if isinstance(stashed, list) else stashed  # WPipe: G0's copies (its first stage's)
+    return 2 * sum(params) + state + copies * params[0]
 
 
 # ---------------------------------------------------------------------- one rank (worker)
@@ -125,9 +167,16 @@ def rank_main(args: argparse.Namespace) -> None:
                     r.step()
                     if i:
                         times[r.variant.name][-1].append(time.perf_counter() - start)
+        memory = {}
+        for r in runs:  # after the timing: the hook costs time
+            counter = SavedBytes(r.run.modules)
+            with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
+                for _ in range(args.block):
+                    r.step()
+            memory[r.variant.name] = {"fixed_bytes": fixed_bytes(r.run), "peak_saved_bytes": counter.peak}
         for r in runs:
             r.close()
-        Path(out_dir, f"rank{ctx.rank}.json").write_text(json.dumps({"times": times}))
+        Path(out_dir, f"rank{ctx.rank}.json").write_text(json.dumps({"times": times, "memory": memory}))
 
     run_rank(ctx, main)
 
@@ -166,7 +215,7 @@ def summarise(names: list[str], ranks: list[dict[str, Any]]) -> dict[str, Any]:
 
 def print_table(timing: dict[str, Any], mem: dict[str, list[dict[str, int]]]) -> None:
     mib = 1 << 20
-    print(f"{'schedule':<14}{'ms/step':>9}  {'vs GPipe (min-max)':<20} per stage: fixed + peak saved (MiB)")
+    print(f"{'schedule':<14}{'ms/step':>9}  {'vs GPipe (min-max)':<20} per rank: fixed + peak saved (MiB)")
     for name, t in timing.items():
         r = t["vs_gpipe"]
         stages = "  ".join(f"{s['fixed_bytes'] / mib:.2f}+{s['peak_saved_bytes'] / mib:.2f}" for s in mem[name])
@@ -183,8 +232,9 @@ def main(argv: list[str] | None = None) -> int:
         exit_now(0)
     started = time.perf_counter()
     names = schedules()
-    mem = memory(args)
-    timing = summarise(names, launch(args, names))
+    ranks = launch(args, names)
+    timing = summarise(names, ranks)
+    mem = {name: [rank["memory"][name] for rank in ranks] for name in names}
     print_table(timing, mem)
     out = {"benchmark": "schedules", "settings": {k: v for k, v in vars(args).items() if k != "rank_spec"},
            "schedules": names, "timing": timing, "memory": mem, "seconds": time.perf_counter() - started}
