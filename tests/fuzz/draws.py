@@ -38,9 +38,15 @@ AXES: dict[str, tuple[Any, ...]] = {
     # the blocks' first Linear under torch's weight_norm parametrization (``parametrizations.weight.original0/1``
     # train; the weight is computed on each forward), as users apply it
     "weights": ("plain", "parametrized"),
+    # each block compiled as torchtitan compiles them: replaced by ``torch.compile(block)`` in its container, or
+    # ``block.compile()`` in place (tests/fuzz/recipes.py)
+    "compiled": ("none", "wrap", "in_place"),
+    # torch's AMP recipe: a GradScaler (CPU) scales each micro-batch's loss, unscale_ before clipping, and its
+    # ``step`` skips the drawn steps whose first micro-batch's loss is infinite (tests/fuzz/recipes.py)
+    "scaler": ("none", "skips"),
 }
 # axes drawn after the others, not in the first round of choices
-LATE = ("fsdp", "mesh", "nas", "extra", "moves", "weights")
+LATE = ("fsdp", "mesh", "nas", "extra", "moves", "weights", "compiled", "scaler")
 DERIVED = ("mid_window_plan",)  # properties of a draw that the report groups failures by, next to the axes
 MULTI_STAGE = ("interleaved", "zbv")  # two stages per rank, four stages in all
 FUSED = ("sgd", "adam", "adamw", "adagrad")  # optimizers with a fused CPU kernel in torch 2.13 (RMSprop has none)
@@ -82,6 +88,9 @@ class Draw:
     moves: str = "forced"
     nas_add: tuple[int, ...] = ()  # (step, position): a new block (id ``layers``) inserted before that position
     weights: str = "plain"
+    compiled: str = "none"
+    scaler: str = "none"
+    inf_steps: tuple[int, ...] = ()  # scaler=skips: the schedule.step calls whose first micro-batch's loss is inf
 
     @property
     def nas(self) -> str:
@@ -136,6 +145,8 @@ class Draw:
         extra = f" extra={self.extra}" if self.extra != "none" else ""
         extra += " moves=planner" if self.moves == "planner" else ""
         extra += " weights=parametrized" if self.weights == "parametrized" else ""
+        extra += f" compiled={self.compiled}" if self.compiled != "none" else ""
+        extra += f" scaler=skips(inf at {','.join(map(str, self.inf_steps))})" if self.scaler != "none" else ""
         return (f"seed={self.seed} {self.shape}/{self.schedule} {impl}{extra} groups={self.groups} "
                 f"lr={self.lr_scheduler} accum={self.accum} {clip} autocast={self.autocast} state={state} "
                 f"{'fsdp(' + self.mesh + ') ' if self.fsdp else ''}L{self.layers} "
@@ -152,6 +163,7 @@ class Draw:
         raw["plans"] = tuple((s, tuple(c), p) for s, c, p in raw["plans"])
         raw["nas_remove"] = tuple(raw.get("nas_remove", ()))
         raw["nas_add"] = tuple(raw.get("nas_add", ()))
+        raw["inf_steps"] = tuple(raw.get("inf_steps", ()))
         return cls(**raw)
 
 
@@ -252,9 +264,24 @@ def draw(seed: int, fsdp_every: int = FSDP_EVERY) -> Draw:
     # module is not what torchtitan users build)
     weights = "parametrized" if not fsdp and rng.random() < 0.25 else "plain"
     added, plans = _addition(rng, fsdp or bool(nas), steps, layers, plans)
-    return Draw(seed=seed, fsdp=fsdp, mesh=mesh, layers=layers, counts=counts, steps=steps, policies=policies,
-                plans=tuple(plans), pinned=tuple(pinned), nas_remove=nas, extra=extra, moves=moves, weights=weights,
-                nas_add=added, **pick)
+    d = Draw(seed=seed, fsdp=fsdp, mesh=mesh, layers=layers, counts=counts, steps=steps, policies=policies,
+             plans=tuple(plans), pinned=tuple(pinned), nas_remove=nas, extra=extra, moves=moves, weights=weights,
+             nas_add=added, **pick)
+    return draw_late(rng, d)
+
+
+def draw_late(rng: random.Random, d: Draw) -> Draw:
+    """The axes added last, drawn after every other choice (a seed's earlier choices stay what they were)."""
+    # not under FSDP2: four ranks compiling (or fully_shard over compiled blocks) on two cores; torchtitan's
+    # compile-then-shard is not drawn yet. A third of the other draws compile their blocks
+    compiled = rng.choice(("wrap", "in_place")) if not d.fsdp and rng.random() < 1 / 3 else "none"
+    # a quarter of the draws (not FSDP2: GradScaler over DTensor shards is not drawn yet) scale their losses and
+    # make 1-2 drawn steps overflow (their first micro-batch's loss infinite, as a bad batch makes it): every
+    # stage's gradients are then non-finite, so every rank's scaler skips the same steps and halves its scale
+    scaler, inf_steps = "none", ()
+    if not d.fsdp and rng.random() < 0.25:
+        scaler, inf_steps = "skips", tuple(sorted(rng.sample(range(d.steps), rng.randint(1, 2))))
+    return replace(d, compiled=compiled, scaler=scaler, inf_steps=inf_steps)
 
 
 def _addition(rng: random.Random, excluded: bool, steps: int, layers: int, plans: list

@@ -148,7 +148,9 @@ def new_block(d: Draw, layer_id: int) -> nn.Module:
     build the same one, without touching the global random state the trainers draw from."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(10_000 * d.seed + layer_id)
-        return _weights(d, make_block(d, layer_id))
+        from fuzz.recipes import compile_block
+
+        return compile_block(d.compiled, _weights(d, make_block(d, layer_id)))
 
 
 def insert_block(d: Draw, module: nn.Module, at: int, block: nn.Module) -> None:

@@ -34,6 +34,7 @@ from fuzz.compare import fingerprint, snapshot  # noqa: E402
 from fuzz.draws import FSDP_EVERY, Draw, draw, override  # noqa: E402
 from fuzz.judge import judge  # noqa: E402
 from fuzz.models import container, new_block, whole_model  # noqa: E402
+from fuzz.recipes import forget_compiled  # noqa: E402
 from fuzz.trainer import Copy, add_block, build, remove_block, train_step  # noqa: E402
 
 GROUP_TIMEOUT_S = 30  # a rank left waiting on a peer that failed gives up after this, then the job goes on
@@ -69,6 +70,7 @@ class DrawState:
                 pass
         self.groups.clear()
         self.vp = None
+        forget_compiled()
 
 
 def _mesh(d: Draw, st: DrawState) -> Any:

@@ -21,7 +21,8 @@ from torch.distributed.pipelining import (
 )
 
 from fuzz.draws import GLOBAL_CLIP_NORM, STAGE_CLIP_NORM, Draw
-from fuzz.models import add_hooks, batch, loss_fn, stage_module
+from fuzz.models import add_hooks, batch, container, loss_fn, stage_module
+from fuzz.recipes import ScaledLoss, compile_blocks, step_all, unscale
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
              "zbv": ScheduleZBVZeroBubble}
@@ -44,6 +45,7 @@ class Copy:
     replica: int = 0
     losses: list[list[float]] = field(default_factory=list)
     averages: list[Any] = field(default_factory=list)  # extra=ema: an AveragedModel of each stage module
+    scaled: ScaledLoss | None = None  # scaler=skips: the loss function holding the GradScaler
 
     @property
     def optimizer_arg(self) -> Any:
@@ -142,6 +144,7 @@ def build(d: Draw, name: str, parts: Any, pp_group: Any, pp_rank: int, dp_mesh: 
     modules = []
     for v in stages:
         module = stage_module(d, parts, v)
+        compile_blocks(d.compiled, container(d, module), d.schedule)
         add_hooks(d, module)
         modules.append(_shard(d, module, dp_mesh) if dp_mesh is not None else module)
     pipe_stages = []
@@ -150,7 +153,9 @@ def build(d: Draw, name: str, parts: Any, pp_group: Any, pp_rank: int, dp_mesh: 
         keep_buffers_through_shape_inference(stage)
         pipe_stages.append(stage)
     cls = SCHEDULES[d.schedule]
-    schedule = cls(pipe_stages[0] if len(pipe_stages) == 1 else pipe_stages, d.micro_batches, loss_fn=loss_fn(d))
+    scaled = ScaledLoss(loss_fn(d)) if d.scaler == "skips" else None
+    schedule = cls(pipe_stages[0] if len(pipe_stages) == 1 else pipe_stages, d.micro_batches,
+                   loss_fn=scaled if scaled is not None else loss_fn(d))
     lr = LR[d.optimizer]
     if d.groups == "per_stage":
         optimizers = [_optimizer(d, _groups(d, [(v, m)], lr)) for v, m in zip(stages, modules)]
@@ -161,7 +166,8 @@ def build(d: Draw, name: str, parts: Any, pp_group: Any, pp_rank: int, dp_mesh: 
     schedulers = [s for s in (_lr_scheduler(d, o) for o in optimizers) if s is not None]
     averages = [_ema(m, carried=name == "vpipe") for m in modules] if d.extra == "ema" else []
     return Copy(name, stages, modules, schedule, optimizers, schedulers, pp_group,
-                dp_group=dp_mesh.get_group() if dp_mesh is not None else None, replica=replica, averages=averages)
+                dp_group=dp_mesh.get_group() if dp_mesh is not None else None, replica=replica, averages=averages,
+                scaled=scaled)
 
 
 def _with_muon(d: Draw, optimizer: torch.optim.Optimizer, modules: list[nn.Module]) -> list[torch.optim.Optimizer]:
@@ -242,6 +248,8 @@ def train_step(d: Draw, c: Copy, step: int, aux_group: Any) -> None:
     x, y = batch(d, step, c.replica)
     losses: list[torch.Tensor] = []
     inputs = (x,) if 0 in c.stages else ()
+    if c.scaled is not None:
+        c.scaled.overflow = step in d.inf_steps
     if d.num_stages - 1 in c.stages:
         c.schedule.step(*inputs, target=y, losses=losses)
     else:
@@ -250,13 +258,13 @@ def train_step(d: Draw, c: Copy, step: int, aux_group: Any) -> None:
         c.losses.append([float(loss.detach()) for loss in losses])
     if (step + 1) % d.accum:
         return
+    unscale(c.scaled, c.optimizers)  # the AMP recipe: unscale_ before clipping
     if d.clip == "global":
         _clip_global(c, aux_group)
     elif d.clip == "stage":
         for m in c.modules:  # the module's parameters asked for each time: a list captured once goes stale
             torch.nn.utils.clip_grad_norm_(m.parameters(), STAGE_CLIP_NORM)
-    for o in c.optimizers:
-        o.step()
+    step_all(c.scaled, c.optimizers)
     for average, module in zip(c.averages, c.modules):
         average.update_parameters(module)
     for s in c.lr_schedulers:

@@ -70,6 +70,9 @@ def test_draws_keep_their_constraints():
             assert any(set(d.pinned) <= set(ids) for ids in stage_blocks(d.counts))
         assert bool(d.pinned) == (d.block_state in ("tied", "hook"))
         assert not (d.clip == "global" and (d.block_state == "batchnorm" or d.shape == "mixed" or d.extra == "muon"))
+        assert d.compiled == "none" or not d.fsdp
+        assert (d.scaler == "skips") == bool(d.inf_steps) and not (d.inf_steps and d.fsdp)
+        assert all(0 <= s < d.steps for s in d.inf_steps) and len(d.inf_steps) <= 2
 
 
 def test_the_ci_sample_takes_every_value_of_every_axis_with_few_four_rank_draws():
