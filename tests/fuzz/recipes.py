@@ -54,8 +54,11 @@ def forget_compiled() -> None:
 
 
 class ScaledLoss:
-    """The schedule's loss function under GradScaler: the drawn loss, scaled; a step marked ``overflow`` makes its
-    first micro-batch's loss infinite (a bad batch), so every gradient of the step is non-finite on every stage."""
+    """The schedule's loss function under GradScaler: the drawn loss, scaled. A step marked to overflow has a bad
+    first micro-batch: its loss (the one whose target starts the step's target tensor) is infinite, so every
+    gradient of the step is non-finite on every stage. The bad micro-batch is told by its data, not by counting
+    calls: torch's shape inference calls the loss once more at the first step (and vpipe makes it redo that after
+    ``vp.add_layers``, one call more than without vpipe: seed 74 of commit ac34aaa, where a call count chose it)."""
 
     def __init__(self, loss: Any) -> None:
         self.loss = loss
@@ -63,12 +66,15 @@ class ScaledLoss:
         # a pipeline rank without the loss never calls scale(), which makes the scale tensor: make it on every rank
         # (unscale_ divides by it there too)
         self.scaler.scale(torch.zeros(()))
-        self.overflow = False
+        self.bad: int | None = None  # the data pointer of the overflowing step's target (its first micro-batch's)
+
+    def overflow(self, target: torch.Tensor | None) -> None:
+        """The next step overflows where ``target`` is its target (None: it does not)."""
+        self.bad = None if target is None else target.data_ptr()
 
     def __call__(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         loss = self.scaler.scale(self.loss(out, target))
-        if self.overflow:
-            self.overflow = False  # the first micro-batch of the step only
+        if self.bad is not None and target.data_ptr() == self.bad and target.device.type != "meta":
             loss = loss * float("inf")
         return loss
 
@@ -90,3 +96,15 @@ def step_all(scaled: ScaledLoss | None, optimizers: list[torch.optim.Optimizer])
     for o in optimizers:
         scaled.scaler.step(o)
     scaled.scaler.update()
+
+
+def all_reduce_grads(c: Any) -> None:
+    """Plain data-parallel replicas (no DDP, no FSDP2): the trainer averages each gradient over its dp group, in
+    the stage modules' parameter order (the replicas hold the same blocks in the same order)."""
+    import torch.distributed as dist
+
+    for module in c.modules:
+        for p in module.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=c.dp_group)
+                p.grad /= dist.get_world_size(c.dp_group)
