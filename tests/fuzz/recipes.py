@@ -38,14 +38,13 @@ def compile_blocks(compiled: str, blocks: nn.Module, schedule: str) -> None:
         return
     # torch's ZBV runs a block's input backward with retain_graph=True, which a compiled backward with donated
     # buffers refuses (the trainer without vpipe too): such users turn donation off, as torch's error says
-    torch._functorch.config.donated_buffer = schedule != "zbv"
+    import torch._functorch.config as functorch_config
+
+    functorch_config.donated_buffer = schedule != "zbv"
     for key, block in list(blocks.named_children()):
         new = compile_block(compiled, block)
-        if new is not block:
-            if isinstance(blocks, nn.ModuleDict):
-                blocks[key] = new
-            else:  # Sequential, ModuleList: by position
-                blocks[int(key)] = new
+        if new is not block:  # under its own name, in its place (keys are ids or positions)
+            setattr(blocks, key, new)
 
 
 def forget_compiled() -> None:
