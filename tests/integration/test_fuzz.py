@@ -1,8 +1,9 @@
 """The differential fuzzer (tests/fuzz/): its draws, and a fixed sample of them run with and without vpipe.
 
 The draw tests are quick and run in the default suite. The sample (20 seeds that together take
-every value of every axis, two of them FSDP2 draws on 4 ranks) trains real pipelines for about
-a minute on 2 cores (30 s more for each draw that fails on one rank): it is marked slow. A
+every value of every axis, up to four of them on 4 ranks: FSDP2 and data-parallel draws) trains
+real pipelines for about three minutes on 2 shared cores (30 s more for each draw that fails on
+one rank): it is marked slow. A
 failure names each failing seed, what it drew, and the command that runs it again.
 """
 
@@ -92,7 +93,7 @@ def test_the_ci_sample_takes_every_value_of_every_axis_with_few_four_rank_draws(
         assert seen[axis] == set(values), axis
 
 
-@pytest.mark.slow  # about 55 s on 2 cores
+@pytest.mark.slow  # about 180 s on 2 cores shared with other work
 @pytest.mark.timeout(900)
 def test_a_sample_of_draws_trains_like_the_same_trainer_without_vpipe(tmp_path: Path):
     from fuzz.run import run_fuzz
