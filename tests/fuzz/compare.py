@@ -31,7 +31,7 @@ RTOL, ATOL = 5e-3, 1e-6
 def _named(d: Draw, c: Copy, modules: list[torch.nn.Module] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Every parameter and buffer of this rank's stages (or of ``modules`` shaped like them: an EMA's copies) under
     its global name (shared ones under each name)."""
-    prefix = f"r{c.replica}/" if d.fsdp else ""
+    prefix = f"r{c.replica}/" if d.ranks == 4 else ""
     for module in c.modules if modules is None else modules:
         seen: set[int] = set()
         for i, block in enumerate(container(d, module).children()):

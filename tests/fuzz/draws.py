@@ -16,7 +16,9 @@ from typing import Any
 # every axis and its values; ``fsdp`` is not drawn freely: every ``fsdp_every``-th seed is an FSDP2 draw (4 ranks)
 AXES: dict[str, tuple[Any, ...]] = {
     "shape": ("sequential", "moduledict", "modulelist", "mixed"),
-    "schedule": ("gpipe", "1f1b", "interleaved", "zbv"),
+    # vpipe's own PipeDream schedules (drawn late, tests/fuzz/late.py): asynchronous 1F1B with weight stashing and
+    # an optimizer step per micro-batch, and PipeDream-2BW (double-buffered weights, a step per period)
+    "schedule": ("gpipe", "1f1b", "interleaved", "zbv", "pipedream", "2bw"),
     "optimizer": ("sgd", "adam", "adamw", "adagrad", "rmsprop"),
     "impl": ("foreach", "forloop", "fused"),
     "groups": ("one", "by_name", "per_stage"),
@@ -38,11 +40,23 @@ AXES: dict[str, tuple[Any, ...]] = {
     # the blocks' first Linear under torch's weight_norm parametrization (``parametrizations.weight.original0/1``
     # train; the weight is computed on each forward), as users apply it
     "weights": ("plain", "parametrized"),
+    # each block compiled as torchtitan compiles them: replaced by ``torch.compile(block)`` in its container, or
+    # ``block.compile()`` in place (tests/fuzz/recipes.py)
+    "compiled": ("none", "wrap", "in_place"),
+    # torch's AMP recipe: a GradScaler (CPU) scales each micro-batch's loss, unscale_ before clipping, and its
+    # ``step`` skips the drawn steps whose first micro-batch's loss is infinite (tests/fuzz/recipes.py)
+    "scaler": ("none", "skips"),
+    # data-parallel replicas without FSDP2 (a 2x2 mesh, 4 ranks): the trainer all-reduces the gradients itself after
+    # the window's last schedule.step; or those replicas under torch.distributed.optim.ZeroRedundancyOptimizer,
+    # which vpipe refuses (moves off for the run, one line): counted refused, never passed (tests/fuzz/late.py)
+    "dp": ("none", "allreduce", "zero"),
 }
-# axes drawn after the others, not in the first round of choices
-LATE = ("fsdp", "mesh", "nas", "extra", "moves", "weights")
+# axes drawn after the others, not in the first round of choices (and schedule's PipeDream values, tests/fuzz/late.py)
+LATE = ("fsdp", "mesh", "nas", "extra", "moves", "weights", "compiled", "scaler", "dp")
 DERIVED = ("mid_window_plan",)  # properties of a draw that the report groups failures by, next to the axes
 MULTI_STAGE = ("interleaved", "zbv")  # two stages per rank, four stages in all
+TORCH_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbv")  # the first round's choices (PipeDream's are late)
+PIPEDREAM = ("pipedream", "2bw")  # vpipe's schedules that own the optimizer steps
 FUSED = ("sgd", "adam", "adamw", "adagrad")  # optimizers with a fused CPU kernel in torch 2.13 (RMSprop has none)
 FSDP_FUSED = ("adam", "adamw")  # fused kernels DTensor can run
 STEPS = {1: 8, 2: 8, 3: 9}  # schedule.step calls per run, by accumulation: whole windows only
@@ -82,6 +96,10 @@ class Draw:
     moves: str = "forced"
     nas_add: tuple[int, ...] = ()  # (step, position): a new block (id ``layers``) inserted before that position
     weights: str = "plain"
+    compiled: str = "none"
+    scaler: str = "none"
+    inf_steps: tuple[int, ...] = ()  # scaler=skips: the schedule.step calls whose first micro-batch's loss is inf
+    dp: str = "none"
 
     @property
     def nas(self) -> str:
@@ -109,7 +127,7 @@ class Draw:
 
     @property
     def ranks(self) -> int:
-        return 4 if self.fsdp else 2
+        return 4 if self.fsdp or self.dp != "none" else 2
 
     @property
     def rounding(self) -> bool:
@@ -136,6 +154,9 @@ class Draw:
         extra = f" extra={self.extra}" if self.extra != "none" else ""
         extra += " moves=planner" if self.moves == "planner" else ""
         extra += " weights=parametrized" if self.weights == "parametrized" else ""
+        extra += f" compiled={self.compiled}" if self.compiled != "none" else ""
+        extra += f" scaler=skips(inf at {','.join(map(str, self.inf_steps))})" if self.scaler != "none" else ""
+        extra += f" dp={self.dp}({self.mesh})" if self.dp != "none" else ""
         return (f"seed={self.seed} {self.shape}/{self.schedule} {impl}{extra} groups={self.groups} "
                 f"lr={self.lr_scheduler} accum={self.accum} {clip} autocast={self.autocast} state={state} "
                 f"{'fsdp(' + self.mesh + ') ' if self.fsdp else ''}L{self.layers} "
@@ -152,6 +173,7 @@ class Draw:
         raw["plans"] = tuple((s, tuple(c), p) for s, c, p in raw["plans"])
         raw["nas_remove"] = tuple(raw.get("nas_remove", ()))
         raw["nas_add"] = tuple(raw.get("nas_add", ()))
+        raw["inf_steps"] = tuple(raw.get("inf_steps", ()))
         return cls(**raw)
 
 
@@ -195,7 +217,8 @@ def _pinned(rng: random.Random, shape: str, state: str, counts: tuple[int, ...])
 def draw(seed: int, fsdp_every: int = FSDP_EVERY) -> Draw:
     """The trainer of ``seed``: every ``fsdp_every``-th seed (``seed % fsdp_every == fsdp_every - 1``) is FSDP2."""
     rng = random.Random(seed)
-    pick = {axis: rng.choice(values) for axis, values in AXES.items() if axis not in LATE}
+    pick = {axis: rng.choice(TORCH_SCHEDULES if axis == "schedule" else values)
+            for axis, values in AXES.items() if axis not in LATE}
     fsdp = fsdp_every > 0 and seed % fsdp_every == fsdp_every - 1
     mesh = rng.choice(("dp_pp", "pp_dp")) if fsdp else ""
     if pick["impl"] == "fused" and pick["optimizer"] not in (FSDP_FUSED if fsdp else FUSED):
@@ -252,9 +275,12 @@ def draw(seed: int, fsdp_every: int = FSDP_EVERY) -> Draw:
     # module is not what torchtitan users build)
     weights = "parametrized" if not fsdp and rng.random() < 0.25 else "plain"
     added, plans = _addition(rng, fsdp or bool(nas), steps, layers, plans)
-    return Draw(seed=seed, fsdp=fsdp, mesh=mesh, layers=layers, counts=counts, steps=steps, policies=policies,
-                plans=tuple(plans), pinned=tuple(pinned), nas_remove=nas, extra=extra, moves=moves, weights=weights,
-                nas_add=added, **pick)
+    d = Draw(seed=seed, fsdp=fsdp, mesh=mesh, layers=layers, counts=counts, steps=steps, policies=policies,
+             plans=tuple(plans), pinned=tuple(pinned), nas_remove=nas, extra=extra, moves=moves, weights=weights,
+             nas_add=added, **pick)
+    from fuzz.late import draw_late  # the axes added last, in a module of their own
+
+    return draw_late(rng, d)
 
 
 def _addition(rng: random.Random, excluded: bool, steps: int, layers: int, plans: list
@@ -343,10 +369,10 @@ def override(d: Draw, settings: list[str]) -> Draw:
 
 
 def covering_seeds(count: int = 20, pool: range = range(600), fsdp_every: int = FSDP_EVERY,
-                   fsdp_draws: int = 2) -> list[int]:
-    """A small sample of seeds that together take every value of every axis (greedy), at most ``fsdp_draws`` of
-    them FSDP2 draws (4 ranks: the slow ones), padded to ``count`` with seeds that add the most pairs of values
-    not yet seen together."""
+                   four_rank_draws: int = 4) -> list[int]:
+    """A small sample of seeds that together take every value of every axis (greedy), at most ``four_rank_draws``
+    of them on 4 ranks (FSDP2 and data-parallel draws: the slow ones), padded to ``count`` with seeds that add the
+    most pairs of values not yet seen together."""
     draws = [draw(s, fsdp_every) for s in pool]
     values = {(axis, str(getattr(d, axis))) for d in draws for axis in AXES}
 
@@ -362,8 +388,8 @@ def covering_seeds(count: int = 20, pool: range = range(600), fsdp_every: int = 
     seen_pairs: set[Any] = set()
     for target, gain in ((values, singles), (None, pairs)):
         while len(chosen) < count and (target is None or not target <= seen):
-            fsdp_left = sum(d.fsdp for d in chosen) < fsdp_draws
-            pool_left = [d for d in draws if d not in chosen and (fsdp_left or not d.fsdp)]
+            four_left = sum(d.ranks == 4 for d in chosen) < four_rank_draws
+            pool_left = [d for d in draws if d not in chosen and (four_left or d.ranks == 2)]
             known = seen if gain is singles else seen_pairs
             best = max(pool_left, key=lambda d: (len(gain(d) - known), -d.seed))
             chosen.append(best)

@@ -18,7 +18,7 @@ from fuzz.draws import Draw
 # refusals a draw expects: pinned blocks (hooks, sharing), a block kind a stage cannot build (mixed), a param group
 # a stage does not have (per-stage groups)
 SECONDARY = ("timed out", "connection closed", "gloo")  # what a rank's peers report when it fails
-EXPECTED_REFUSAL = re.compile(r"hook|shares|kind|group|build", re.IGNORECASE)
+EXPECTED_REFUSAL = re.compile(r"hook|shares|kind|group|build|torch\.distributed\.optim", re.IGNORECASE)
 
 
 def _log(log_file: Path) -> list[dict[str, Any]]:
@@ -43,7 +43,9 @@ def judge(d: Draw, gathered: list[dict[str, Any]] | None, errors: list[dict[str,
           seconds: float) -> dict[str, Any]:
     record = _base(d, seconds)
     records = _log(log_file)
-    refusals = sorted({r["msg"] for r in records if r.get("event") == "migration_refused"})
+    refusals = sorted({r["msg"] for r in records if r.get("event") == "migration_refused"
+                       # moves off for a whole stage at attach (an optimizer wrapper such as ZeRO): a refusal too
+                       or r.get("event") == "moves_off" and "layers will not move" in str(r.get("msg"))})
     record["refusals"] = refusals
     record["migrations"] = sum(1 for r in records if r.get("event") == "migration_done")
     # every forced plan should take effect (moved, refused or not): one that does not was stale or skipped
@@ -86,7 +88,9 @@ def judge(d: Draw, gathered: list[dict[str, Any]] | None, errors: list[dict[str,
     record["max_abs_diff"] = None if math.isinf(record["max_abs_diff"]) else record["max_abs_diff"]
     bitwise = not differing and loss_cmp["first_step"] is None
     close = d.rounding and state_cmp["close"] and loss_cmp["close"]
-    if (bitwise or close) and not mismatch and not twice["vpipe"]:
+    # ZeRO is refused (moves off, one line that names it): a ZeRO draw without that line has not been refused
+    unrefused = d.dp == "zero" and not any("torch.distributed.optim" in m for m in refusals)
+    if (bitwise or close) and not mismatch and not twice["vpipe"] and not unrefused:
         outcome = "refused" if refusals else ("identical" if bitwise else "close")
         record.update(outcome=outcome, signature=outcome)
         unexpected = [m for m in refusals if not EXPECTED_REFUSAL.search(m)]
@@ -100,5 +104,7 @@ def judge(d: Draw, gathered: list[dict[str, Any]] | None, errors: list[dict[str,
         kinds.append("placement_mismatch")
     if twice["vpipe"]:
         kinds.append("block_on_two_stages")
+    if unrefused:
+        kinds.append("zero_not_refused")
     record.update(outcome="DIVERGED", signature="DIVERGED " + "+".join(kinds))
     return record

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from collections import OrderedDict
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fuzz.draws import Draw, block_kind
+from fuzz.draws import PIPEDREAM, Draw, block_kind
 
 DIM, HIDDEN, VOCAB, SEQ, EXPERTS, RANK = 16, 32, 32, 4, 2, 4
 
@@ -148,7 +149,9 @@ def new_block(d: Draw, layer_id: int) -> nn.Module:
     build the same one, without touching the global random state the trainers draw from."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(10_000 * d.seed + layer_id)
-        return _weights(d, make_block(d, layer_id))
+        from fuzz.recipes import compile_block
+
+        return compile_block(d.compiled, _weights(d, make_block(d, layer_id)))
 
 
 def insert_block(d: Draw, module: nn.Module, at: int, block: nn.Module) -> None:
@@ -229,8 +232,10 @@ def stage_module(d: Draw, parts: tuple[dict[str, nn.Module], list[nn.Module], di
     mine = [blocks[i] for i in ids]
     f = first if stage == 0 else {}
     la = last if stage == d.num_stages - 1 else {}
-    if d.shape == "sequential":
-        module: nn.Module = nn.Sequential(*mine)  # children named 0..n-1 on every stage
+    if d.shape == "sequential" and d.schedule in PIPEDREAM:  # what vpipe's PipeDream streams move: keyed by id
+        module: nn.Module = nn.Sequential(OrderedDict((str(b.layer_id), b) for b in mine))
+    elif d.shape == "sequential":
+        module = nn.Sequential(*mine)  # children named 0..n-1 on every stage
     elif d.shape == "modulelist":
         module = HFStage(mine, f, la)
     else:

@@ -34,7 +34,8 @@ from fuzz.compare import fingerprint, snapshot  # noqa: E402
 from fuzz.draws import FSDP_EVERY, Draw, draw, override  # noqa: E402
 from fuzz.judge import judge  # noqa: E402
 from fuzz.models import container, new_block, whole_model  # noqa: E402
-from fuzz.trainer import Copy, add_block, build, remove_block, train_step  # noqa: E402
+from fuzz.recipes import forget_compiled  # noqa: E402
+from fuzz.trainer import Copy, add_block, build, finish, remove_block, train_step  # noqa: E402
 
 GROUP_TIMEOUT_S = 30  # a rank left waiting on a peer that failed gives up after this, then the job goes on
 
@@ -69,6 +70,7 @@ class DrawState:
                 pass
         self.groups.clear()
         self.vp = None
+        forget_compiled()
 
 
 def _mesh(d: Draw, st: DrawState) -> Any:
@@ -93,13 +95,13 @@ def _mesh(d: Draw, st: DrawState) -> Any:
 
 def _copies(d: Draw, st: DrawState) -> dict[str, Copy]:
     parts = whole_model(d)
-    if not d.fsdp:
+    if d.ranks == 2:
         return {name: build(d, name, parts, st.group(), dist.get_rank()) for name in ("plain", "vpipe")}
     copies = {}
-    for name in ("plain", "vpipe"):
+    for name in ("plain", "vpipe"):  # FSDP2 shards over the mesh's dp; plain replicas only all-reduce over it
         mesh = _mesh(d, st)
-        copies[name] = build(d, name, parts, mesh.get_group("pp"), mesh["pp"].get_local_rank(), mesh["dp"],
-                             mesh["dp"].get_local_rank())
+        copies[name] = build(d, name, parts, mesh.get_group("pp"), mesh["pp"].get_local_rank(),
+                             mesh["dp"] if d.fsdp else None, mesh["dp"].get_local_rank(), mesh.get_group("dp"))
     if copies["plain"].dp_group is copies["vpipe"].dp_group:
         raise RuntimeError("the two copies' meshes share their dp group")
     return copies
@@ -160,6 +162,9 @@ def train_draw(d: Draw, st: DrawState, log_file: Path, mixed_autodetect: bool) -
             train_step(d, c, step, aux)
             prints[name].append(fingerprint(d, c))
         placements.append([list(s) for s in vp.placement])
+    for name, c in copies.items():
+        st.phase = f"finish:{name}"
+        finish(d, c)
     st.phase = "detach"
     held = {v: [getattr(b, "layer_id", type(b).__name__) for b in container(d, m).children()]
             for v, m in zip(moved.stages, moved.modules)}

@@ -148,7 +148,7 @@ def run_fuzz(seeds: Sequence[int], *, work: Path, fsdp_every: int = FSDP_EVERY, 
     extra += [f"--set={s}" for s in settings]
     by_ranks: dict[int, list[int]] = {}
     for s in seeds:
-        by_ranks.setdefault(draw(s, fsdp_every).ranks, []).append(s)
+        by_ranks.setdefault(override(draw(s, fsdp_every), list(settings)).ranks, []).append(s)  # ``--set dp=none``
     records: dict[int, dict[str, Any]] = {}
     number = 0
     try:

@@ -20,8 +20,9 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
-from fuzz.draws import GLOBAL_CLIP_NORM, STAGE_CLIP_NORM, Draw
-from fuzz.models import add_hooks, batch, loss_fn, stage_module
+from fuzz.draws import GLOBAL_CLIP_NORM, PIPEDREAM, STAGE_CLIP_NORM, Draw
+from fuzz.models import add_hooks, batch, container, loss_fn, stage_module
+from fuzz.recipes import ScaledLoss, all_reduce_grads, compile_blocks, step_all, unscale
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
              "zbv": ScheduleZBVZeroBubble}
@@ -44,6 +45,7 @@ class Copy:
     replica: int = 0
     losses: list[list[float]] = field(default_factory=list)
     averages: list[Any] = field(default_factory=list)  # extra=ema: an AveragedModel of each stage module
+    scaled: ScaledLoss | None = None  # scaler=skips: the loss function holding the GradScaler
 
     @property
     def optimizer_arg(self) -> Any:
@@ -102,13 +104,18 @@ def _groups(d: Draw, modules: list[tuple[int, nn.Module]], lr: float) -> list[di
     return groups + ([{"params": last, "name": "head", "lr": lr * 2}] if last else [])
 
 
-def _optimizer(d: Draw, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
-    impl = {"foreach": {"foreach": True}, "forloop": {"foreach": False}, "fused": {"fused": True}}[d.impl]
+def _optimizer(d: Draw, groups: list[dict[str, Any]], dp_group: Any = None) -> torch.optim.Optimizer:
+    impl: dict[str, Any] = {"foreach": {"foreach": True}, "forloop": {"foreach": False},
+                            "fused": {"fused": True}}[d.impl]
     lr = LR[d.optimizer]
     if d.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=lr, momentum=0.9, **impl)
-    cls = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "adagrad": torch.optim.Adagrad,
+        impl["momentum"] = 0.9
+    cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "adagrad": torch.optim.Adagrad,
            "rmsprop": torch.optim.RMSprop}[d.optimizer]
+    if d.dp == "zero":  # each replica keeps the state of its share of the parameters (torch's ZeRO-1)
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(groups, optimizer_class=cls, process_group=dp_group, lr=lr, **impl)
     return cls(groups, lr=lr, **impl)
 
 
@@ -136,12 +143,14 @@ def _shard(d: Draw, module: nn.Module, dp_mesh: Any) -> nn.Module:
 
 
 def build(d: Draw, name: str, parts: Any, pp_group: Any, pp_rank: int, dp_mesh: Any = None,
-          replica: int = 0) -> Copy:
-    """This rank's stages of one copy, on ``pp_group`` (sharded over ``dp_mesh`` for an FSDP2 draw)."""
+          replica: int = 0, dp_group: Any = None) -> Copy:
+    """This rank's stages of one copy, on ``pp_group`` (sharded over ``dp_mesh`` for an FSDP2 draw; data-parallel
+    replicas, FSDP2's or plain ones, over ``dp_group``)."""
     stages = stages_of_rank(d, pp_rank)
     modules = []
     for v in stages:
         module = stage_module(d, parts, v)
+        compile_blocks(d.compiled, container(d, module), d.schedule)
         add_hooks(d, module)
         modules.append(_shard(d, module, dp_mesh) if dp_mesh is not None else module)
     pipe_stages = []
@@ -149,19 +158,27 @@ def build(d: Draw, name: str, parts: Any, pp_group: Any, pp_rank: int, dp_mesh: 
         stage = PipelineStage(module, v, d.num_stages, torch.device("cpu"), group=pp_group)
         keep_buffers_through_shape_inference(stage)
         pipe_stages.append(stage)
-    cls = SCHEDULES[d.schedule]
-    schedule = cls(pipe_stages[0] if len(pipe_stages) == 1 else pipe_stages, d.micro_batches, loss_fn=loss_fn(d))
     lr = LR[d.optimizer]
     if d.groups == "per_stage":
-        optimizers = [_optimizer(d, _groups(d, [(v, m)], lr)) for v, m in zip(stages, modules)]
+        optimizers = [_optimizer(d, _groups(d, [(v, m)], lr), dp_group) for v, m in zip(stages, modules)]
     else:
-        optimizers = [_optimizer(d, _groups(d, list(zip(stages, modules)), lr))]
+        optimizers = [_optimizer(d, _groups(d, list(zip(stages, modules)), lr), dp_group)]
+    scaled = ScaledLoss(loss_fn(d)) if d.scaler == "skips" else None
+    if d.schedule in PIPEDREAM:  # vpipe's schedule, without vpipe attached on the plain copy: it owns the optimizer
+        import vpipe
+
+        cls = vpipe.SchedulePipeDream if d.schedule == "pipedream" else vpipe.SchedulePipeDream2BW
+        schedule = cls(pipe_stages[0], d.micro_batches, loss_fn(d), optimizers[0])
+    else:
+        schedule = SCHEDULES[d.schedule](pipe_stages[0] if len(pipe_stages) == 1 else pipe_stages,
+                                         d.micro_batches, loss_fn=scaled if scaled is not None else loss_fn(d))
     if d.extra == "muon":
         optimizers = [o for optimizer in optimizers for o in _with_muon(d, optimizer, modules)]
     schedulers = [s for s in (_lr_scheduler(d, o) for o in optimizers) if s is not None]
     averages = [_ema(m, carried=name == "vpipe") for m in modules] if d.extra == "ema" else []
     return Copy(name, stages, modules, schedule, optimizers, schedulers, pp_group,
-                dp_group=dp_mesh.get_group() if dp_mesh is not None else None, replica=replica, averages=averages)
+                dp_group=dp_group, replica=replica, averages=averages,
+                scaled=scaled)
 
 
 def _with_muon(d: Draw, optimizer: torch.optim.Optimizer, modules: list[nn.Module]) -> list[torch.optim.Optimizer]:
@@ -242,27 +259,40 @@ def train_step(d: Draw, c: Copy, step: int, aux_group: Any) -> None:
     x, y = batch(d, step, c.replica)
     losses: list[torch.Tensor] = []
     inputs = (x,) if 0 in c.stages else ()
+    if c.scaled is not None:  # the step's first micro-batch is a bad one (its rows start y)
+        c.scaled.overflow(y if step in d.inf_steps else None)
     if d.num_stages - 1 in c.stages:
         c.schedule.step(*inputs, target=y, losses=losses)
     else:
         c.schedule.step(*inputs)
     if losses:
         c.losses.append([float(loss.detach()) for loss in losses])
-    if (step + 1) % d.accum:
+    if (step + 1) % d.accum or d.schedule in PIPEDREAM:  # PipeDream's schedules step the optimizer themselves
         return
+    if d.dp != "none":
+        all_reduce_grads(c)
+    unscale(c.scaled, c.optimizers)  # the AMP recipe: unscale_ before clipping
     if d.clip == "global":
         _clip_global(c, aux_group)
     elif d.clip == "stage":
         for m in c.modules:  # the module's parameters asked for each time: a list captured once goes stale
             torch.nn.utils.clip_grad_norm_(m.parameters(), STAGE_CLIP_NORM)
-    for o in c.optimizers:
-        o.step()
+    step_all(c.scaled, c.optimizers)
     for average, module in zip(c.averages, c.modules):
         average.update_parameters(module)
     for s in c.lr_schedulers:
         s.step()
     for o in c.optimizers:
         o.zero_grad(set_to_none=True)
+
+
+def finish(d: Draw, c: Copy) -> None:
+    """After the last step: PipeDream's schedules run the backward of every micro-batch still in flight."""
+    if d.schedule in PIPEDREAM:
+        losses: list[torch.Tensor] = []
+        c.schedule.flush(losses)
+        if losses:
+            c.losses.append([float(loss.detach()) for loss in losses])
 
 
 def remove_block(d: Draw, c: Copy, layer_id: int) -> None:

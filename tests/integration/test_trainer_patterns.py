@@ -98,6 +98,19 @@ def test_removing_blocks_runs_no_extra_forward_that_a_users_stateful_hook_would_
     assert_trains_like_plain(result)
 
 
+def test_adding_a_block_inside_a_stage_calls_the_users_loss_no_extra_time(tmp_path):
+    """Found by the fuzzer's GradScaler axis: after add_layers vpipe made torch redo its first-step shape inference
+    on every stage, which calls the loss once more (on the last stage), and a loss that counts its calls (there:
+    to tell a step's first micro-batch) saw it. Shapes are now inferred again only where a new block ends a stage.
+    The extra call showed under Interleaved 1F1B (``python tests/fuzz/run.py --only 74`` at commit ac34aaa,
+    DIVERGED before the fix, refused as designed after it: ``--library`` this tree); this 1F1B trainer checks that
+    a block added inside a stage trains as the plain copy's and leaves the loss's calls alike."""
+    result = run_pattern(tmp_path, "added_counted")
+    assert result["placements"][-1] == [[0, 1, 8, 2, 3, 4, 5], [6, 7]]
+    assert result["loss_calls"]["vpipe"] == result["loss_calls"]["plain"]
+    assert_trains_like_plain(result)
+
+
 def test_the_muon_recipe_two_optimizers_a_stage_moves_each_parameter_into_its_kind(tmp_path):
     """Muon for the blocks' matrices and AdamW for the rest, given to attach as the trainer's container: moved
     weights join Muon on their new stage and moved norms and biases AdamW, state and all."""

@@ -21,7 +21,7 @@ from vpipe.control.daemon import PlannerDaemon, load_planner
 from vpipe.log import RunLog, decision, read_log, step_record
 from vpipe.planner import DEFAULT_PLANNER
 from vpipe.planner.online import OnlinePlanner
-from vpipe.stage.compiled import compile_like, hoist_compiled
+from vpipe.stage.compiled import compile_like, hoist_compiled, hoisting_factory
 
 
 def _compiled_block() -> nn.Module:
@@ -47,6 +47,18 @@ def test_undoing_one_attachs_hoisting_leaves_the_others_blocks_hoisted():
     assert theirs._compiled_call_impl is not None and "forward" not in theirs.__dict__  # compiled whole again
     first.undo()
     assert not _hoisted(mine)
+
+
+def test_a_block_the_layer_factory_compiles_in_place_joins_the_attachs_hoisting():
+    """Found by the fuzzer (seed 230): vp.add_layers of a block its factory compiled in place left the block's whole
+    call compiled, so a recompute replayed its eager forward against the compiled call's saved tensors."""
+    hoisted = hoist_compiled([_compiled_block()])
+    factory = hoisting_factory(lambda layer_id, spec: _compiled_block(), hoisted)
+    added = factory(8, {})
+    assert _hoisted(added) and len(hoisted) == 2
+    hoisted.undo()  # detach: compiled whole again, as the trainer's factory made it
+    assert not _hoisted(added) and added._compiled_call_impl is not None
+    assert hoisting_factory(None, hoisted) is None
 
 
 def test_two_run_logs_are_independent_and_the_commands_configuration_leaves_them_alone(tmp_path):

@@ -24,7 +24,9 @@ model's state (merged by global key), the placements and vpipe's log records to 
   clones by name), updated after each optimizer step;
 - ``ema_averaged_carried`` / ``ema_dict_carried``: the same EMAs given to ``attach(..., carry=[ema])``, with an
   ``on_move`` hook recording what it hears; both copies' averages are written too;
-- ``carry_refused``: ``attach`` with a ``carry=`` it cannot take (each on a fresh copy): the errors it raised.
+- ``carry_refused``: ``attach`` with a ``carry=`` it cannot take (each on a fresh copy): the errors it raised;
+- ``added_counted``: a block added inside stage 0 (``vp.add_layers``; by hand on the plain copy) while the loss
+  counts its calls (a trainer that schedules by them): the copies' call counts are written too.
 """
 
 from __future__ import annotations
@@ -127,6 +129,20 @@ def groups_per_stage(model: Net, last_decay: float = 0.1) -> torch.optim.Optimiz
     return torch.optim.AdamW(groups, lr=1e-3)
 
 
+class CountingLoss:
+    """The trainer's loss, counting its calls."""
+
+    def __init__(self, accumulation: int) -> None:
+        self.accumulation, self.calls = accumulation, 0
+
+    def __call__(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return F.mse_loss(out, y) / self.accumulation
+
+
+LOSSES: dict[int, CountingLoss] = {}  # id(stage module) -> its schedule's loss
+
+
 def _build(group: Any, kinds: str, accumulation: int, make_optimizer: Callable[[Net], torch.optim.Optimizer],
            counts: list[int] = COUNTS):
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -134,8 +150,29 @@ def _build(group: Any, kinds: str, accumulation: int, make_optimizer: Callable[[
     model = _split(Net(kinds), rank, counts)
     stage = PipelineStage(model, rank, world, torch.device("cpu"), group=group)
     keep_buffers_through_shape_inference(stage)
-    schedule = Schedule1F1B(stage, 4, loss_fn=lambda out, y: F.mse_loss(out, y) / accumulation)
+    loss = LOSSES[id(model)] = CountingLoss(accumulation)
+    schedule = Schedule1F1B(stage, 4, loss_fn=loss)
     return model, schedule, make_optimizer(model)
+
+
+def new_dense(layer_id: int) -> Dense:
+    """The block ``vp.add_layers`` builds (the layer factory) and the plain copy inserts: seeded by its id."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1000 + layer_id)
+        return Dense()
+
+
+def _add(model: Net, opt: torch.optim.Optimizer, position: int, layer_id: int) -> None:
+    """What a trainer without vpipe does to add a block before model position ``position`` of the first split."""
+    first = sum(COUNTS[:dist.get_rank()])
+    if not first <= position < first + COUNTS[dist.get_rank()]:
+        return
+    block = new_dense(layer_id)
+    items = list(model.layers.items())
+    items.insert(position - first, (str(layer_id), block))
+    model.layers.clear()
+    model.layers.update(items)
+    opt.param_groups[0]["params"].extend(block.parameters())
 
 
 def _remove(model: Net, opt: torch.optim.Optimizer, layer_ids: list[int]) -> None:
@@ -152,7 +189,8 @@ def side_by_side(plans: dict[int, list[list[int]]], *, kinds: str = "d" * LAYERS
                  make_optimizer: Callable[[Net], Any] = lambda m: torch.optim.Adam(
                      m.parameters(), lr=1e-2), removals: dict[int, list[int]] | None = None,
                  hooked: tuple[int, ...] = (), attach_optimizer: Callable[[Any], Any] = lambda o: o,
-                 ema: str | None = None, carried: bool = False, **options: Any) -> dict:
+                 ema: str | None = None, carried: bool = False, additions: dict[int, int] | None = None,
+                 **options: Any) -> dict:
     """Train both copies on the same batches; vpipe's applies ``plans`` (schedule.step() call -> placement); both
     remove the blocks of ``removals`` before those steps; ``hooked`` blocks carry a :class:`CountingHook`."""
     import vpipe
@@ -171,6 +209,8 @@ def side_by_side(plans: dict[int, list[list[int]]], *, kinds: str = "d" * LAYERS
     model, schedule, opt = copies["vpipe"]
     kept_params = list(model.parameters())  # the trainer's own list, taken once before attach
     heard: list[dict] = []
+    if additions:
+        options["layer_factory"] = lambda layer_id, spec: new_dense(layer_id)
     if carried:
         options.update(carry=[averages["vpipe"][0]], on_move=lambda e: heard.append(
             {"stage": e.stage, "arrived": sorted(e.arrived), "left": list(e.left), "cause": e.cause,
@@ -186,6 +226,9 @@ def side_by_side(plans: dict[int, list[list[int]]], *, kinds: str = "d" * LAYERS
         if step in (removals or {}):
             vp.remove_layers(removals[step])
             _remove(copies["plain"][0], copies["plain"][2], removals[step])
+        if step in (additions or {}):
+            assert vp.add_layers(additions[step], [{}]) == [LAYERS]
+            _add(copies["plain"][0], copies["plain"][2], additions[step], LAYERS)
         for name, (_, sched, o) in copies.items():
             for micro in range(accumulation):
                 x, y = batch(step * accumulation + micro)
@@ -216,7 +259,8 @@ def side_by_side(plans: dict[int, list[list[int]]], *, kinds: str = "d" * LAYERS
     heard_all: list = [None] * dist.get_world_size()
     dist.all_gather_object(heard_all, heard)
     return {"losses": losses if dist.get_rank() == 1 else None, "states": merged, "placements": placements,
-            "averages": merged_averages, "heard": heard_all}
+            "averages": merged_averages, "heard": heard_all,
+            "loss_calls": {name: LOSSES[id(m)].calls for name, (m, _, _) in copies.items()}}
 
 
 def autocast_splits() -> dict:
@@ -342,6 +386,8 @@ SCENARIOS: dict[str, Callable[[], dict]] = {
     "ema_averaged_carried": lambda: side_by_side(ALL_TO_4_4, ema="averaged", carried=True),
     "ema_dict_carried": lambda: side_by_side(ALL_TO_4_4, ema="dict", carried=True),
     "carry_refused": carry_refused,
+    # block 8 added before model position 2, inside stage 0: no boundary changes, no second shape inference
+    "added_counted": lambda: side_by_side({}, additions={3: 2}),
 }
 
 

@@ -51,7 +51,7 @@ from vpipe.rank.steps import MicroBatchCounter, StepDriver
 from vpipe.rank.tracing import TraceWindow
 from vpipe.settings import Settings
 from vpipe.stage.batch_norm import DeferredNorms
-from vpipe.stage.compiled import hoist_compiled
+from vpipe.stage.compiled import Hoisted, hoist_compiled, hoisting_factory
 from vpipe.stage.fsdp import FsdpRoot, is_fully_sharded
 from vpipe.stage.optimizers import optimizer_parts, raw_optimizers, wrapper_refusal
 from vpipe.stage.pipeline import AttachTarget, Pipeline, check_optimizer
@@ -129,7 +129,7 @@ def build_rank(target: AttachTarget, *, optimizer: Any, config: VpipeConfig, sto
         memories = stage_memories(pipeline, engine, optimizer, memory_budget)
         initial = Plan(epoch=0, stages=placement, policies=config.initial_policies())
         keys = agree_run_keys(settings, agreement, who, cleanups)
-        hoist(pipeline, cleanups)  # blocks compiled in place: their forward compiled, vpipe's hooks around it
+        hoisted = hoist(pipeline, cleanups)  # blocks compiled in place: their forward compiled, vpipe's hooks around
         managers: dict[int, TensorManager] = {}
         handles: dict[int, StageHandle] = {}
         if manages_activations(engine, config, pipeline.first.index):
@@ -147,7 +147,7 @@ def build_rank(target: AttachTarget, *, optimizer: Any, config: VpipeConfig, sto
         layer_manager = start_layer_manager(pipeline, engine, config, settings, optimizer=optimizer,
                                             placement=placement, shared=shared, managers=managers, session=session,
                                             replicas=replicas, agreement=agreement, norms=norms, carried=carried,
-                                            rank=rank, world_size=world_size, cleanups=cleanups)
+                                            rank=rank, world_size=world_size, cleanups=cleanups, hoisted=hoisted)
         # the one owner of the plan in force: the parts that keep a copy are told of each commit, in this order
         plan_in_force = PlanInForce(initial, [*engine.followers(), layer_manager, StagePolicies(managers, memories),
                                               session, carried])
@@ -233,9 +233,10 @@ def agree_run_keys(settings: Settings, agreement: StoreAgreement, who: str, clea
     return keys
 
 
-def hoist(pipeline: Pipeline, cleanups: Cleanups) -> None:
+def hoist(pipeline: Pipeline, cleanups: Cleanups) -> Hoisted:
     hoisted = hoist_compiled(b for s in pipeline.stages if s.blocks is not None for b in s.blocks.blocks().values())
-    cleanups.add(hoisted.undo)  # this attach's blocks only
+    cleanups.add(hoisted.undo)  # this attach's blocks only (and the layer factory's, which join it)
+    return hoisted
 
 
 def manages_activations(engine: Engine, config: VpipeConfig, stage_index: int) -> bool:
@@ -305,7 +306,8 @@ def start_layer_manager(pipeline: Pipeline, engine: Engine, config: VpipeConfig,
                         *, optimizer: torch.optim.Optimizer | None, placement: tuple[tuple[int, ...], ...],
                         shared: dict[int, str], managers: dict[int, TensorManager], session: ControlSession,
                         replicas: Replicas, agreement: StoreAgreement, norms: DeferredNorms | None,
-                        carried: CarriedState, rank: int, world_size: int, cleanups: Cleanups) -> LayerManager:
+                        carried: CarriedState, rank: int, world_size: int, cleanups: Cleanups,
+                        hoisted: Hoisted) -> LayerManager:
     listeners: dict[int, list[LayerListener]] = {}
     for stage in pipeline.stages:  # the parts that keep per-layer state follow their stage's layers
         mine = listeners[stage.index] = [session.monitors[stage.index]]
@@ -320,7 +322,8 @@ def start_layer_manager(pipeline: Pipeline, engine: Engine, config: VpipeConfig,
     manager = LayerManager(
         {s.index: s.blocks for s in pipeline.stages if s.blocks is not None}, placement=placement,
         stage_ranks=pipeline.stage_ranks, optimizer=optimizer,
-        factory=norms.factory(config.layer_factory) if norms else config.layer_factory, specs=config.specs,
+        factory=hoisting_factory(norms.factory(config.layer_factory) if norms else config.layer_factory, hoisted),
+        specs=config.specs,
         messenger=ControlMessenger(session.plane, pipeline.rank), channel=channel, device=pipeline.device,
         timeout_s=config.migration_timeout_s, faults=settings.faults.migration_faults(rank), shared=shared,
         listeners=listeners, carry=carried)

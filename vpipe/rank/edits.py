@@ -49,7 +49,11 @@ class LayerEdits:
         namesakes = {lid: entry for raw in self.agreement.gather(key, range(self.agreement.world_size), "add_layers",
                                                                  self.who) for lid, entry in json.loads(raw).items()}
         new_ids, placement = manager.add_layers(self.parts.plan_in_force.placement, position, specs, namesakes)
-        self._after_edit(placement)
+        # a stage's output is its last layer's: shapes are inferred again only where a new layer (never run, its
+        # output unknown) ends a stage. Inference runs the stage's forward and the loss once more, which a trainer
+        # without vpipe would not (a loss that counts its calls saw it: found by the fuzzer's GradScaler axis)
+        added = set(new_ids)
+        self._after_edit(placement, reshape=any(stage and stage[-1] in added for stage in placement))
         return new_ids
 
     def remove_layers(self, layer_ids: list[int]) -> None:

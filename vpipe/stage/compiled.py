@@ -23,7 +23,7 @@ from torch import nn
 
 from vpipe.compat.torch_internals import call_impl, compiled_call, set_compiled_call
 
-__all__ = ["Hoisted", "hoist_compiled", "compile_like", "compiled_forwards", "dynamo_context"]
+__all__ = ["Hoisted", "hoist_compiled", "hoisting_factory", "compile_like", "compiled_forwards", "dynamo_context"]
 
 
 class Hoisted:
@@ -71,6 +71,12 @@ def hoist_compiled(blocks: Iterable[nn.Module]) -> Hoisted:
     """Compile the forward instead of the whole call of every module compiled in place; the modules it did
     (``len``: how many), to undo at detach."""
     hoisted = Hoisted()
+    hoist_into(hoisted, blocks)
+    return hoisted
+
+
+def hoist_into(hoisted: Hoisted, blocks: Iterable[nn.Module]) -> None:
+    """Hoist every module of ``blocks`` compiled in place (and not hoisted yet) into ``hoisted``."""
     for block in blocks:
         for module in block.modules():
             compiled = compiled_call(module)
@@ -79,7 +85,21 @@ def hoist_compiled(blocks: Iterable[nn.Module]) -> Hoisted:
                 continue
             set_compiled_call(module, None)
             hoisted.add(module, ctx)
-    return hoisted
+
+
+def hoisting_factory(factory: Any, hoisted: Hoisted) -> Any:
+    """``factory`` (a layer factory, or None) whose blocks, where the trainer's factory compiles them in place, are
+    hoisted as attach hoists the stages' blocks: else a recompute replays their eager forward against the saved
+    tensors of their compiled call (found by the fuzzer: ``vp.add_layers`` of such a block, then recomputed)."""
+    if factory is None:
+        return None
+
+    def build(layer_id: int, spec: Any) -> nn.Module:
+        block = factory(layer_id, spec)
+        hoist_into(hoisted, [block])
+        return block
+
+    return build
 
 
 def compiled_forwards(donor: nn.Module) -> list[Any]:
