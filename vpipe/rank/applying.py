@@ -36,7 +36,8 @@ class PlanApplier:
         self.streamed_rest: Plan | None = None  # a PipeDream plan whose next round of hops is still to come
         self.streams = parts.engine.streams  # moves streamed into the schedule, a round of hops per step
         # a stream numbers its micro-batches from its first step: those it ran before attach come first
-        self.first_mb = parts.engine.stream.next_forward if self.streams else 0
+        # (only where blocks may move: WPipe streams too but moves nothing, and numbers periods, not micro-batches)
+        self.first_mb = parts.engine.stream.next_forward if self.streams and move_refusal is None else 0
 
     def apply(self, plan: Plan, step: int, micro_batches: int) -> None:
         lm, owner, pipeline = self.parts.layer_manager, self.parts.plan_in_force, self.parts.pipeline
