@@ -14,7 +14,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from torch.func import functional_call
@@ -155,31 +155,11 @@ def reference_2bw(cfg: RunConfig) -> tuple[dict[str, torch.Tensor], list[float],
     each step, and the optimizer state by name (a constant learning rate: under a stream a stage's update of step
     ``t`` may come after the scheduler's step of ``t``)."""
     torch.set_num_threads(1)
-    spec = cfg.model_spec()
-    model = build_model(spec, seed=cfg.seed)
+    model = build_model(cfg.model_spec(), seed=cfg.seed)
     optimizers = [make_optimizer(cfg, [p for i in ids for p in model.get_submodule(str(i)).parameters()])
                   for ids in cfg.stage_layer_ids()]
-    loss_fn = spec.loss_fn()
-    params = dict(model.named_parameters())
-    history = [{n: t.detach().clone() for n, t in params.items()}]  # history[v]: the weights after v steps
-    step_losses = []
-    for step in range(cfg.steps):
-        weights = {n: t.clone().requires_grad_() for n, t in history[max(0, step - 1)].items()}
-        losses = []
-        for x, y in _micro_batches(cfg, step):
-            loss = loss_fn(functional_call(model, weights, (x,)), y)
-            loss.backward()
-            losses.append(loss.detach())
-        for n, t in params.items():
-            grad = weights[n].grad
-            t.grad = None if grad is None else grad.div_(cfg.micro_batches)
-        for opt in optimizers:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        history.append({n: t.detach().clone() for n, t in params.items()})
-        step_losses.append(float(torch.stack(losses).mean()))
-    state = optimizer_state_by_name(params, optimizers)
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}, step_losses, state
+    state, step_losses = _delayed_updates(cfg, model, optimizers, lambda name: True)
+    return state, step_losses, optimizer_state_by_name(dict(model.named_parameters()), optimizers)
 
 
 def reference_wpipe(cfg: RunConfig) -> tuple[dict[str, torch.Tensor], list[float]]:
@@ -187,19 +167,25 @@ def reference_wpipe(cfg: RunConfig) -> tuple[dict[str, torch.Tensor], list[float
     first ``W`` virtual stages' layers) and W1(t+1) = W1(t) - update(grad_1 f(W0(t-1), W1(t))) for G1, and the mean
     loss of each step (a constant learning rate, as for 2BW)."""
     torch.set_num_threads(1)
-    spec = cfg.model_spec()
-    model = build_model(spec, seed=cfg.seed)
+    model = build_model(cfg.model_spec(), seed=cfg.seed)
     ids, ranks = cfg.stage_layer_ids(), cfg.stages
     optimizers = [make_optimizer(cfg, [p for i in ids[r] + ids[ranks + r]
                                        for p in model.get_submodule(str(i)).parameters()]) for r in range(ranks)]
-    g0 = {f"{i}." for stage in ids[:ranks] for i in stage}
-    loss_fn = spec.loss_fn()
+    g0 = tuple(f"{i}." for stage in ids[:ranks] for i in stage)
+    return _delayed_updates(cfg, model, optimizers, lambda name: name.startswith(g0))
+
+
+def _delayed_updates(cfg: RunConfig, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
+                     delayed: Callable[[str], bool]) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """Train ``cfg.steps`` steps in one process, each step's gradient taken on the weights of one update earlier for
+    the parameters ``delayed`` names and on the newest for the others (2BW: all delayed; WPipe: G0's); the final
+    state and the mean loss of each step."""
+    loss_fn = cfg.model_spec().loss_fn()
     params = dict(model.named_parameters())
-    history = [{n: t.detach().clone() for n, t in params.items()}]  # history[v]: the weights after v periods
+    history = [{n: t.detach().clone() for n, t in params.items()}]  # history[v]: the weights after v steps
     step_losses = []
     for step in range(cfg.steps):
-        weights = {n: history[max(0, step - 1) if any(n.startswith(p) for p in g0) else step][n].clone()
-                   .requires_grad_() for n in params}
+        weights = {n: history[max(0, step - 1) if delayed(n) else step][n].clone().requires_grad_() for n in params}
         losses = []
         for x, y in _micro_batches(cfg, step):
             loss = loss_fn(functional_call(model, weights, (x,)), y)
