@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 
-from support.processes import WORKERS, run_ranks, run_vpipe
+from support.processes import run_saved_runs, run_vpipe
 from support.results import assert_params_equal, load_run_params
 from support.twobw import FLUSH_AFTER, MICRO_BATCHES, PERIODS, reference_2bw
 from vpipe.schedules.pipedream_2bw import period_version
@@ -25,13 +25,7 @@ RANKS = 2
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> list[dict]:
     """One launch, four runs (see tests/workers/twobw_worker.py): each rank's results."""
-    tmp = tmp_path_factory.mktemp("twobw")
-    run_ranks([str(WORKERS / "twobw_worker.py"), str(tmp / "runs")], RANKS, tmp / "ranks.txt")
-    ranks = [torch.load(tmp / f"runs.rank{r}.pt", weights_only=True) for r in range(RANKS)]
-    for rank in ranks:
-        for run in rank.values():
-            run["state"] = dict(run["state"])
-    return ranks
+    return run_saved_runs(tmp_path_factory.mktemp("twobw"), "twobw_worker", RANKS)
 
 
 def _unequal(state: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> list[str]:

@@ -13,7 +13,7 @@ import re
 import pytest
 import torch
 
-from support.processes import WORKERS, run_ranks, run_vpipe
+from support.processes import run_saved_runs, run_vpipe
 from support.results import assert_params_equal, load_run_params
 from support.wpipe import FLUSH_AFTER, MICRO_BATCHES, PERIODS, RECOMPUTE_AT, layers, reference_wpipe
 from vpipe_lab.runtime import reference
@@ -25,13 +25,7 @@ RANKS = 2
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> list[dict]:
     """One launch, seven runs (see tests/workers/wpipe_worker.py): each rank's results."""
-    tmp = tmp_path_factory.mktemp("wpipe")
-    run_ranks([str(WORKERS / "wpipe_worker.py"), str(tmp / "runs")], RANKS, tmp / "ranks.txt")
-    ranks = [torch.load(tmp / f"runs.rank{r}.pt", weights_only=True) for r in range(RANKS)]
-    for rank in ranks:
-        for run in rank.values():
-            run["state"] = dict(run["state"])
-    return ranks
+    return run_saved_runs(tmp_path_factory.mktemp("wpipe"), "wpipe_worker", RANKS)
 
 
 def _unequal(state: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> list[str]:

@@ -137,3 +137,16 @@ def assert_death_mid_move_stops_everyone(tmp_path: Path, stderr_of: Callable[[],
     assert [r for r in log if r.get("event") == "migration_start" and r["rank"] == dead]  # it died mid-move
     assert not [r for r in log if r.get("event") == "migration_done"]  # nobody dropped or took the layer
     assert not (tmp_path / "fault.json").exists()
+
+
+def run_saved_runs(tmp: Path, worker: str, ranks: int) -> list[dict]:
+    """Run ``tests/workers/WORKER.py OUT`` on ``ranks`` ranks, each saving its runs (name -> {"state": ...,
+    ...}) to ``OUT.rankR.pt``: each rank's runs, their states as dicts."""
+    import torch
+
+    run_ranks([str(WORKERS / f"{worker}.py"), str(tmp / "runs")], ranks, tmp / "ranks.txt")
+    loaded = [torch.load(tmp / f"runs.rank{r}.pt", weights_only=True) for r in range(ranks)]
+    for rank in loaded:
+        for run in rank.values():
+            run["state"] = dict(run["state"])
+    return loaded
