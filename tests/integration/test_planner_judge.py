@@ -78,7 +78,7 @@ def test_a_run_whose_planner_slows_it_down_is_put_back_and_says_so(tmp_path):
     log_file = tmp_path / "run.log"
     proc = run_vpipe("train", "--stages", "2", "--steps", "90", "--monitor-every", "3", "--no-progress",
                      "--blocks", "6", "--d-model", "64", "--seq-len", "32", "--micro-batches", "4",
-                     "--vpipe", "--planner", "support.control_planners:slower_from_the_third",
+                     "--vpipe", "--planner", "support.control_planners:slower_from_the_sixth",
                      "--log-file", str(log_file),
                      env=planner_env(tmp_path / "unused.jsonl"))
     assert proc.returncode == 0, proc.stderr[-3000:]
