@@ -77,7 +77,8 @@ def rank_main(out: str, max_rounds: int, measure: int, model: list[str]) -> None
     vp.detach()
     if dist.get_rank() == 0:
         start = -measure
-        plain_s, vpipe_s = statistics.median(times["plain"][start:]), statistics.median(times["vpipe"][start:])
+        plain_s, vpipe_s = (statistics.median(times["plain"][start:]),
+                            statistics.median(times["vpipe"][start:]))
         ratios = [v / p for v, p in zip(times["vpipe"][start:], times["plain"][start:])]
         Path(out).write_text(json.dumps({
             "plain_step_s": plain_s, "vpipe_step_s": vpipe_s, "ratio": vpipe_s / plain_s,
@@ -103,14 +104,16 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-        code = spawn([sys.executable, __file__, "--rank-main", str(out), str(args.max_rounds), str(args.measure),
+        code = spawn([sys.executable, __file__, "--rank-main", str(out), str(args.max_rounds),
+                      str(args.measure),
                       f"--model={args.model}"], 2,
                      extra_env=env, timeout_s=900)
         if code != 0 or not out.exists():
             print(f"deepspeed_balance: the ranks failed (exit code {code})", file=sys.stderr)
             return 1
         result = json.loads(out.read_text())
-    print(f"DeepSpeed alone {result['plain_step_s'] * 1e3:.1f} ms/step, with vpipe {result['vpipe_step_s'] * 1e3:.1f} "
+    print(f"DeepSpeed alone {result['plain_step_s'] * 1e3:.1f} ms/step, with vpipe "
+          f"{result['vpipe_step_s'] * 1e3:.1f} "
           f"ms/step: {result['ratio']:.3f}x (rounds: median {result['ratio_of_rounds']['median']:.3f}); "
           f"placement {result['home']} -> {result['placement']} at round {result['moved_at_round']}; "
           f"losses bitwise equal: {result['losses_bitwise_equal']}")

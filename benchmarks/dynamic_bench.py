@@ -1,4 +1,5 @@
-"""Dynamic workloads: does vpipe move blocks soon, and how close does it get to the best static split in hindsight?
+"""Dynamic workloads: does vpipe move blocks soon, and how close does
+it get to the best static split in hindsight?
 
 The trainer is the torch pipelining tutorial's (``examples/train_tutorial.py``: embedding, 8
 ``TransformerDecoderLayer`` blocks, norm and head) on 2 CPU ranks (gloo, one thread each),
@@ -75,11 +76,13 @@ def scenarios(quick: bool) -> dict[str, dict[str, Any]]:
     s1, s2, seq_end = (15, 30, 45) if quick else (40, 80, 120)
     out: dict[str, dict[str, Any]] = {}
     for factor in (1.5, 2.0):
-        out[f"uneven-{factor:g}x"] = {"steps": uneven, "splits": SLOWER, "factor": {"0": factor}, "changes": [0],
+        out[f"uneven-{factor:g}x"] = {"steps": uneven, "splits": SLOWER, "factor": {"0": factor},
+                                      "changes": [0],
                                       "phases": [["settling", 2, settle], ["after", settle, uneven]],
                                       "targets": [["after", "best"]] if factor == 2.0 else []}
     c, b, end = slow_at, recover_at, straggler_end
-    out["straggler"] = {"steps": end, "splits": SLOWER, "factor": {str(c): 2.0, str(b): 1.0}, "changes": [c, b],
+    out["straggler"] = {"steps": end, "splits": SLOWER, "factor": {str(c): 2.0, str(b): 1.0},
+                        "changes": [c, b],
                         "phases": [["before", 2, c], ["slow: reacting", c, c + REACT], ["slow", c + REACT, b],
                                    ["recovering", b, b + REACT], ["recovered", b + REACT, end]],
                         "targets": [["slow", "best"], ["recovered", "even"]]}
@@ -91,8 +94,10 @@ def scenarios(quick: bool) -> dict[str, dict[str, Any]]:
                          "changes": [s1, s2], "phases": [["seq 32", 2, s1], ["seq 64", s1 + 3, s2],
                                                          ["seq 128", s2 + 3, seq_end]], "targets": []}
     a, ae = (15, 50) if quick else (30, 100)
-    out["nas"] = {"steps": ae, "splits": GROWN, "add": {"step": a, "position": 1, "blocks": ADDED}, "changes": [a],
-                  "phases": [["before", 2, a], ["reacting", a, a + REACT], ["after", a + REACT, ae]], "targets": []}
+    out["nas"] = {"steps": ae, "splits": GROWN, "add": {"step": a, "position": 1, "blocks": ADDED},
+                  "changes": [a],
+                  "phases": [["before", 2, a], ["reacting", a, a + REACT], ["after", a + REACT, ae]],
+                  "targets": []}
     return out
 
 
@@ -107,7 +112,8 @@ def _example() -> Any:
 
 # ---------------------------------------------------------------------- one rank of a launch
 def rank_main(spec_file: str) -> int:
-    """Build every copy on this rank, attach vpipe to one, and step them in rotating order through the changes."""
+    """Build every copy on this rank, attach vpipe to one, and step
+    them in rotating order through the changes."""
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -129,13 +135,15 @@ def rank_main(spec_file: str) -> int:
         model = example.split_model(example.Transformer(args), rank, split)
         stage = PipelineStage(model, rank, world, torch.device("cpu"), group=group)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        return model, Schedule1F1B(stage, model_spec["micro_batches"], loss_fn=example.tokenwise_loss_fn), optimizer
+        return model, Schedule1F1B(stage, model_spec["micro_batches"],
+                                   loss_fn=example.tokenwise_loss_fn), optimizer
 
     def make_block(layer_id: int, _spec: Any = None) -> nn.Module:
         """A new block (NAS): the same weights in every copy, whoever builds it (seeded by its id)."""
         with torch.random.fork_rng():
             torch.manual_seed(1000 + layer_id)
-            return nn.TransformerDecoderLayer(args.dim, args.n_heads, dim_feedforward=4 * args.dim, dropout=0.0)
+            return nn.TransformerDecoderLayer(args.dim, args.n_heads, dim_feedforward=4 * args.dim,
+                                              dropout=0.0)
 
     copies = {"vpipe": build([4, 4], None)}
     for split in spec["splits"]:
@@ -143,7 +151,8 @@ def rank_main(spec_file: str) -> int:
     options = {**spec["options"], **({"layer_factory": make_block} if spec.get("add") else {})}
     vp = vpipe.attach(copies["vpipe"][1], optimizer=copies["vpipe"][2], log_file=spec["log"], **options)
     # the slower device: every module of its stage (blocks, norm, head), the outermost of a nest waiting once
-    slow = SlowDevice(1.0, modules=of_class(nn.TransformerDecoderLayer, nn.LayerNorm, nn.Linear, nn.Embedding)) \
+    slow = SlowDevice(1.0, modules=of_class(nn.TransformerDecoderLayer, nn.LayerNorm, nn.Linear,
+                                            nn.Embedding)) \
         if rank == SLOW_RANK else None
     names = list(copies)
     step_s: dict[str, list[float]] = {name: [] for name in names}
@@ -190,7 +199,8 @@ def rank_main(spec_file: str) -> int:
             if out:
                 losses[name].append([float(loss.detach()) for loss in out])
         placement.append([len(s) for s in vp.placement])
-    times = torch.tensor([step_s[name] for name in names] + [vp.boundary_s[:spec["steps"]]], dtype=torch.float64)
+    times = torch.tensor([step_s[name] for name in names] + [vp.boundary_s[:spec["steps"]]],
+                         dtype=torch.float64)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a step lasts until its last rank is done
     vp.detach()
     if slow is not None:
@@ -217,7 +227,8 @@ def launch(name: str, scenario: dict[str, Any], model: dict[str, Any], options: 
         path.unlink(missing_ok=True)  # logs append: a rerun must not mix with an old one
     spec_file.write_text(json.dumps({**scenario, "model": model, "options": options, "log": str(log),
                                      "out": str(out)}))
-    window = CpuWindow().start()  # a shared machine's other work makes a 2-core comparison meaningless: say so
+    # a shared machine's other work makes a 2-core comparison meaningless: say so
+    window = CpuWindow().start()
     sampler = RunnableSampler(os.getpid()).start() if RunnableSampler.available() else None
     try:
         code = spawn([sys.executable, __file__, "--rank-main", str(spec_file)], 2,
@@ -236,7 +247,8 @@ def _median_ratio(a: list[float], b: list[float], start: int, end: int) -> float
 
 
 def moves(records: list[dict[str, Any]], boundary_s: list[float]) -> list[dict[str, Any]]:
-    """Each plan that took effect: its step, the blocks moved, the boundary's stall and the bytes per block."""
+    """Each plan that took effect: its step, the blocks moved, the
+    boundary's stall and the bytes per block."""
     applied: dict[int, dict[str, Any]] = {}
     for r in records:
         if r.get("event") == "plan_applied":
@@ -259,12 +271,14 @@ def moves(records: list[dict[str, Any]], boundary_s: list[float]) -> list[dict[s
 def compare_losses(a: list[list[float]], b: list[list[float]]) -> dict[str, Any]:
     """Bitwise equal throughout, or the first step that differs and the largest difference."""
     diffs = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
-    return {"bitwise_equal": not diffs and len(a) == len(b), "first_differing_step": diffs[0] if diffs else None,
+    return {"bitwise_equal": not diffs and len(a) == len(b), "first_differing_step": diffs[0] if diffs
+            else None,
             "max_abs_diff": max((abs(p - q) for x, y in zip(a, b) for p, q in zip(x, y)), default=0.0)}
 
 
 def split_at(scenario: dict[str, Any], name: str, step: int) -> str:
-    """A plain copy's split at ``step`` (a NAS edit grows its stage 0); copies are named by their first split."""
+    """A plain copy's split at ``step`` (a NAS edit grows its stage
+    0); copies are named by their first split."""
     first, second = (int(c) for c in name.split(","))
     add = scenario.get("add")
     return f"{first + add['blocks']},{second}" if add and step >= add["step"] else name
@@ -279,7 +293,8 @@ def analyse(name: str, scenario: dict[str, Any], run: dict[str, Any]) -> dict[st
         medians = {s: statistics.median(times[s][start:end]) for s in splits}
         best_copy = min(medians, key=medians.__getitem__)
         best = split_at(scenario, best_copy, start)
-        phases.append({"phase": label, "steps": [start, end], "vpipe_ms": 1e3 * statistics.median(vp[start:end]),
+        phases.append({"phase": label, "steps": [start, end],
+                       "vpipe_ms": 1e3 * statistics.median(vp[start:end]),
                        "plain_ms": {split_at(scenario, s, start): 1e3 * m for s, m in medians.items()},
                        "best_split": best, "vs_same": _median_ratio(vp, same, start, end),
                        "vs_best": _median_ratio(vp, times[best_copy], start, end),
@@ -296,7 +311,8 @@ def analyse(name: str, scenario: dict[str, Any], run: dict[str, Any]) -> dict[st
         phase = next(p for p in phases if p["phase"] == phase_name)
         if kind == "best":
             ok = phase["vs_best"] <= TARGET
-            what = f"{phase_name}: vpipe / best static ({phase['best_split']}) = {phase['vs_best']:.2f}x <= {TARGET}"
+            what = (f"{phase_name}: vpipe / best static ({phase['best_split']}) = "
+                    f"{phase['vs_best']:.2f}x <= {TARGET}")
         else:
             start, end = phase["steps"]
             held = run["placement"][start:end]
@@ -309,24 +325,28 @@ def analyse(name: str, scenario: dict[str, Any], run: dict[str, Any]) -> dict[st
                                                       for s in splits if s != "4,4"}}
     events = Counter(r["event"] for r in run["log"] if r.get("event"))
     return {"scenario": name, "phases": phases, "reactions": reactions, "moves": applied, "losses": losses,
-            "targets": targets, "final_placement": run["placement"][-1], "events": dict(sorted(events.items())),
+            "targets": targets, "final_placement": run["placement"][-1],
+            "events": dict(sorted(events.items())),
             "load": run["load"], "disturbed": run["load"]["external_cores"] > DISTURBED_CORES,
-            "per_step": {"step_s": run["step_s"], "placement": run["placement"], "boundary_s": run["boundary_s"]}}
+            "per_step": {"step_s": run["step_s"], "placement": run["placement"],
+                         "boundary_s": run["boundary_s"]}}
 
 
 def report(results: list[dict[str, Any]]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="dynamic workloads, 2 CPU ranks, 1F1B: vpipe (from 4,4) vs plain copies in the same launch")
+    table = (Table(title="dynamic workloads, 2 CPU ranks, 1F1B: vpipe (from 4,4) vs plain "
+                         "copies in the same launch"))
     for col in ("scenario", "phase", "vpipe ms", "vs same split", "vs best static", "best", "vpipe split",
                 "react (steps)", "moves (stall ms, MB/block)", "losses vs same split"):
         table.add_column(col, justify="left" if col in ("scenario", "phase") else "right")
     for res in results:
         react = ", ".join(f"{r['change_step']}->{r['first_move_step']}" if r["first_move_step"] is not None
                           else f"{r['change_step']}->none" for r in res["reactions"])
-        mv = "; ".join(f"{m['blocks']}@{m['step']} ({m['stall_ms'] or 0:.0f}, {(m['bytes_per_block'] or 0) / 1e6:.2f})"
-                       for m in res["moves"] if m["blocks"]) or "none"
+        mv = ("; ".join(f"{m['blocks']}@{m['step']} ({m['stall_ms'] or 0:.0f}, "
+                        f"{(m['bytes_per_block'] or 0) / 1e6:.2f})"
+                       for m in res["moves"] if m["blocks"]) or "none")
         loss = next(iter(res["losses"].values()))
         loss_text = "bitwise" if loss["bitwise_equal"] else \
             f"from step {loss['first_differing_step']}: max {loss['max_abs_diff']:.1e}"
@@ -340,9 +360,11 @@ def report(results: list[dict[str, Any]]) -> None:
     console.print(table)
     for res in results:
         load = res["load"]
-        threads = "" if load["outside_threads"] is None else f", {load['outside_threads']:.1f} runnable threads"
+        threads = ("" if load["outside_threads"] is None
+                   else f", {load['outside_threads']:.1f} runnable threads")
         console.print(f"{res['scenario']}: other processes used {load['external_cores']:.2f} cores{threads}"
-                      + ("  DISTURBED: the machine was busy, these ratios measure contention" if res["disturbed"]
+                      + ("  DISTURBED: the machine was busy, these ratios measure contention"
+                         if res["disturbed"]
                          else ""))
     for res in results:
         for t in res["targets"]:
@@ -354,9 +376,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--quick", action="store_true", help="a smoke run: fewer steps, a smaller model")
-    p.add_argument("--scenarios", default=None, help="comma-separated (default: all): uneven-1.5x, uneven-2x, "
+    p.add_argument("--scenarios", default=None,
+                   help="comma-separated (default: all): uneven-1.5x, uneven-2x, "
                    "straggler, freezing, seq-length, nas")
-    p.add_argument("--vpipe-options", default="{}", help="JSON of vpipe.attach options (default: the one line's)")
+    p.add_argument("--vpipe-options", default="{}",
+                   help="JSON of vpipe.attach options (default: the one line's)")
     p.add_argument("--log-dir", default=None, help="keep the run logs here (default: a temporary folder)")
     p.add_argument("--rank-main", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)

@@ -55,7 +55,8 @@ def _covered(intervals: list[Interval], start: float, end: float) -> float:
 
 
 def read_trace(path: str) -> dict[str, Any]:
-    """Per stream: kernel and copy intervals; the step's own markers; which host call launched each device op."""
+    """Per stream: kernel and copy intervals; the step's own
+    markers; which host call launched each device op."""
     events = json.loads(Path(path).read_text())["traceEvents"]
     streams: dict[int, dict[str, Any]] = {}
     ranges: list[tuple[str, float, float]] = []
@@ -183,7 +184,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def print_summary(result: dict[str, Any]) -> None:
     cfg = result["config"]
-    print(f"timeline: d={cfg['d_model']} micro-batches {result['micro_batches']} x {cfg['micro_batch_size']}, "
+    print(f"timeline: d={cfg['d_model']} micro-batches {result['micro_batches']} x "
+          f"{cfg['micro_batch_size']}, "
           f"{result['device']}, torch {result['torch']}, budget {result['budget_bytes'] / 2**30:.2f} GiB, "
           f"vpipe policies {result['vpipe_policies']}")
     for system, row in result["systems"].items():
@@ -191,8 +193,10 @@ def print_summary(result: dict[str, Any]) -> None:
             print(f"  {system}: {row['error']}")
             continue
         overlap = row["copy_overlap"]
-        print(f"  {system:12s} step {row['step_s'] * 1e3:7.1f} ms, kernels {row['kernel_ms']:7.1f} ms; idle forward "
-              f"{row['idle_forward_ms']:6.1f} of {row['forward_ms']:6.1f} ms, backward {row['idle_backward_ms']:6.1f} "
+        print(f"  {system:12s} step {row['step_s'] * 1e3:7.1f} ms, kernels "
+              f"{row['kernel_ms']:7.1f} ms; idle forward "
+              f"{row['idle_forward_ms']:6.1f} of {row['forward_ms']:6.1f} ms, backward "
+              f"{row['idle_backward_ms']:6.1f} "
               f"of {row['backward_ms']:6.1f} ms; copies hidden "
               + (f"{overlap:.0%}" if overlap is not None else "-"))
         for c in row["copies"]:

@@ -57,7 +57,8 @@ class _OperationCounter(TorchDispatchMode):
 
 
 def count_bytecodes(step: Callable[[], None]) -> tuple[int, int]:
-    """Bytecodes ``step`` executes: in all, and in modules of a vpipe package (this one or another revision's)."""
+    """Bytecodes ``step`` executes: in all, and in modules of a
+    vpipe package (this one or another revision's)."""
     total = own = 0
 
     def trace(frame: FrameType, event: str, arg: Any) -> Any:
@@ -94,7 +95,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for variant in variants:
             bench.step(variant)
     for variant, manager in bench.managers.items():
-        manager.metering = variant == "vpipe D metered"  # as attach runs the steps its monitor does not sample
+        # as attach runs the steps its monitor does not sample
+        manager.metering = variant == "vpipe D metered"
     rows, plain_ops = [], None
     for variant in variants:
         bench.step(variant)
@@ -103,8 +105,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if plain_ops is None:
             plain_ops = ops
         beyond = ops - plain_ops
-        rows.append({"variant": variant, "bytecodes": total, "vpipe_bytecodes": own, "operations": sum(ops.values()),
-                     "operations_beyond_plain": sum(beyond.values()), "most_beyond_plain": beyond.most_common(6)})
+        rows.append({"variant": variant, "bytecodes": total, "vpipe_bytecodes": own,
+                     "operations": sum(ops.values()),
+                     "operations_beyond_plain": sum(beyond.values()),
+                     "most_beyond_plain": beyond.most_common(6)})
     return {"config": {k: v for k, v in vars(args).items() if k != "json"}, "torch": torch.__version__,
             "rows": rows}
 
@@ -112,12 +116,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def print_table(result: dict[str, Any]) -> None:
     cfg = result["config"]
     print(f"host cost per unmetered step: {cfg['blocks']} blocks d={cfg['d_model']} T={cfg['seq_len']}, "
-          f"{cfg['micro_batches']} x {cfg['micro_batch_size']} micro-batches, {cfg['device']}, torch {result['torch']}")
+          f"{cfg['micro_batches']} x {cfg['micro_batch_size']} micro-batches, {cfg['device']}, "
+          f"torch {result['torch']}")
     header = f"{'variant':<20} {'bytecodes':>10} {'of vpipe':>10} {'tensor ops':>11} {'beyond plain':>13}"
     print(header + "  most beyond plain")
     for row in result["rows"]:
         most = ", ".join(f"{name.removeprefix('aten.')} {n}" for name, n in row["most_beyond_plain"])
-        print(f"{row['variant']:<20} {row['bytecodes']:>10,} {row['vpipe_bytecodes']:>10,} {row['operations']:>11,} "
+        print(f"{row['variant']:<20} {row['bytecodes']:>10,} {row['vpipe_bytecodes']:>10,} "
+              f"{row['operations']:>11,} "
               f"{row['operations_beyond_plain']:>13,}  {most}")
 
 

@@ -69,7 +69,8 @@ class Runner:
                                    seq_len=args.seq_len, dropout=0.0)
         self.model = build_model(self.spec, seed=0).to(self.device)
         self.managed = build_model(self.spec, seed=0).to(self.device)
-        self.manager = TensorManager({int(n): c for n, c in self.managed.named_children()}, device=self.device,
+        self.manager = TensorManager({int(n): c for n, c in self.managed.named_children()},
+                                     device=self.device,
                                      policies={int(n): Policy.KEEP for n, _ in self.managed.named_children()},
                                      prefetch_alloc=prefetch_alloc_from_env())
         self.loss_fn = self.spec.loss_fn()
@@ -166,7 +167,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--micro-batch-size", type=int, default=8)
-    p.add_argument("--fits", type=int, default=4, help="micro-batches plain's capped memory holds (default 4)")
+    p.add_argument("--fits", type=int, default=4,
+                   help="micro-batches plain's capped memory holds (default 4)")
     p.add_argument("--threads", type=int, default=1)
 
 
@@ -186,7 +188,8 @@ def cap_memory(runner: Runner, fits: int) -> dict[str, Any]:
     info: dict[str, Any] = {"saved_per_micro_batch_bytes": saved_per_mb}
     if runner.device.type != "cuda":
         return {**info, "cap_bytes": None}
-    per_mb = peak2 - peak1  # what one more micro-batch adds to the real peak (saved tensors, allocator rounding)
+    # what one more micro-batch adds to the real peak (saved tensors, allocator rounding)
+    per_mb = peak2 - peak1
     fixed = peak1 - per_mb  # weights, gradients, the working set of one micro-batch
     cap = fixed + int(fits * per_mb * 1.02) + (64 << 20)
     total = torch.cuda.get_device_properties(runner.device).total_memory
@@ -199,8 +202,9 @@ def cap_memory(runner: Runner, fits: int) -> dict[str, Any]:
 
 def largest_batch(runner: Runner, system: str, sizes: list[int], per_sample_limit: float | None,
                   steps: int, stop_when_slow: bool = False) -> dict[str, Any]:
-    """The batches of ``sizes`` that fit, their per-sample time, and the largest within ``per_sample_limit``
-    (``stop_when_slow``: none larger is tried once one is over it, for systems whose time per sample only grows)."""
+    """The batches of ``sizes`` that fit, their per-sample time, and the largest
+    within ``per_sample_limit`` (``stop_when_slow``: none larger is tried once one is
+    over it, for systems whose time per sample only grows)."""
     tried = []
     for n in sizes:
         try:
@@ -244,7 +248,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     runner.manager.metering = False  # as vpipe.attach runs the steps its monitor does not sample
     before = runner.manager.stats()
     times: dict[str, list[float]] = {s: [] for s in systems}
-    retries: dict[str, int] = dict.fromkeys(systems, 0)  # the allocator freeing its cache (a device sync) to fit
+    # the allocator freeing its cache (a device sync) to fit
+    retries: dict[str, int] = dict.fromkeys(systems, 0)
     for r in range(args.rounds):
         for system in list(systems if r % 2 == 0 else reversed(systems)):
             try:
@@ -253,7 +258,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 retries[system] += runner.alloc_retries() - before_retries
             except OutOfMemory as e:  # it fit its first step, not a later one: say so, measure the others
                 systems.remove(system)
-                at_batch[system] = {"fits": False, "error": f"round {r}: {e.args[0][:200]}", "samples_per_s": None}
+                at_batch[system] = {"fits": False, "error": f"round {r}: {e.args[0][:200]}",
+                                    "samples_per_s": None}
                 del times[system]
     stats = runner.manager.stats()  # (before the peak's untimed step)
     samples = n * args.micro_batch_size
@@ -265,26 +271,32 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             at_batch[system]["device_peak_bytes"] = runner.peak_bytes(system, n)
         except OutOfMemory:
             at_batch[system]["device_peak_bytes"] = None
-    at_batch["vpipe"].update(policies="".join(p.value for p in stats.policies.values()),
-                             peak_saved_bytes=stats.peak_resident_bytes, escalations=len(stats.escalations),
-                             escalated=[f"{lid}:{old.value}->{new.value}" for lid, old, new in stats.escalations],
-                             sync_fallbacks=stats.sync_fallbacks,
-                             # per timed step: packs that waited for late swap-outs, and how long
-                             budget_waits=(stats.budget_waits - before.budget_waits) / args.rounds,
-                             budget_wait_s=(stats.budget_wait_s - before.budget_wait_s) / args.rounds,
-                             # per timed step: the copies' device time (events), and the share of it the step
-                             # did not pay for against plain's per-sample time at its largest batch
-                             copy_s=((stats.d2h_s - before.d2h_s) + (stats.h2d_s - before.h2d_s)) / args.rounds)
+    at_batch["vpipe"].update(
+        policies="".join(p.value for p in stats.policies.values()),
+        peak_saved_bytes=stats.peak_resident_bytes,
+        escalations=len(stats.escalations),
+        escalated=[f"{lid}:{old.value}->{new.value}" for lid, old, new in stats.escalations],
+        sync_fallbacks=stats.sync_fallbacks,
+        # per timed step: packs that waited for late swap-outs, and how long
+        budget_waits=(stats.budget_waits - before.budget_waits) / args.rounds,
+        budget_wait_s=(stats.budget_wait_s - before.budget_wait_s) / args.rounds,
+        # per timed step: the copies' device time (events), and the share of it the step
+        # did not pay for against plain's per-sample time at its largest batch
+        copy_s=((stats.d2h_s - before.d2h_s) + (stats.h2d_s - before.h2d_s)) / args.rounds,
+    )
     vpipe_row = at_batch["vpipe"]
     if vpipe_row.get("step_s") and plain_row and vpipe_row["copy_s"] > 0:
         exposed = max(0.0, vpipe_row["step_s"] - plain_row["per_sample_s"] * samples)
         vpipe_row["copy_hidden"] = max(0.0, 1.0 - exposed / vpipe_row["copy_s"])
     sizes = sorted({args.fits * k // 2 for k in range(2, 2 * args.max_factor + 1)})
-    largest = {"plain": plain} | {s: largest_batch(runner, s, sizes, limit, args.steps, stop_when_slow=s != "vpipe")
+    largest = {"plain": plain} | {s: largest_batch(runner, s, sizes, limit, args.steps,
+                                                   stop_when_slow=s != "vpipe")
                                   for s in SYSTEMS[1:]}
     return {
-        "config": {k: v for k, v in vars(args).items() if k != "json"} | {"prefetch_alloc": prefetch_alloc_from_env()},
-        "device": f"{runner.device} ({torch.cuda.get_device_name(runner.device)})" if runner.device.type == "cuda"
+        "config": {k: v for k, v in vars(args).items()
+                   if k != "json"} | {"prefetch_alloc": prefetch_alloc_from_env()},
+        "device": f"{runner.device} ({torch.cuda.get_device_name(runner.device)})"
+            if runner.device.type == "cuda"
         else str(runner.device),
         "torch": torch.__version__, "memory": cap, "budget_bytes": budget, "micro_batches": n,
         "at_twice_plain": at_batch,
@@ -302,7 +314,8 @@ def print_summary(result: dict[str, Any]) -> None:
           f"{cfg['micro_batch_size']}, {result['device']}, torch {result['torch']}")
     cap = result["memory"].get("cap_bytes")
     print(f"  cap {cap / 2**30:.2f} GiB" if cap else "  no memory cap (CPU)",
-          f"budget {result['budget_bytes'] / 2**20:.0f} MiB; plain fits {result['plain_largest']} micro-batches")
+          f"budget {result['budget_bytes'] / 2**20:.0f} MiB; plain fits "
+          f"{result['plain_largest']} micro-batches")
     for system, row in result["at_twice_plain"].items():
         if not row["fits"]:
             print(f"  {system:12s} at {result['micro_batches']} micro-batches: does not fit ({row['error']})")
@@ -312,13 +325,15 @@ def print_summary(result: dict[str, Any]) -> None:
             extra += f", {row['alloc_retries']:g} allocator retries per step"
         if "copy_hidden" in row:
             extra += f", copies {row['copy_s'] * 1e3:.1f} ms/step, {row['copy_hidden']:.0%} hidden"
-        print(f"  {system:12s} at {result['micro_batches']} micro-batches: {row['samples_per_s']:8.1f} samples/s"
+        print(f"  {system:12s} at {result['micro_batches']} micro-batches: "
+              f"{row['samples_per_s']:8.1f} samples/s"
               + extra)
     print(f"  vpipe / checkpoint {result['vpipe_over_checkpoint']}, "
           f"vpipe / save_on_cpu {result['vpipe_over_save_on_cpu']}")
     for system, found in result["largest"].items():
         print(f"  largest batch within 10% of plain per sample, {system}: {found['largest']} micro-batches "
-              + " ".join(f"[{t['micro_batches']}: {'%.2f ms' % (t['per_sample_s'] * 1e3) if t['fits'] else 'OOM'}]"
+              + " ".join(f"[{t['micro_batches']}: "
+                         f"{'%.2f ms' % (t['per_sample_s'] * 1e3) if t['fits'] else 'OOM'}]"
                          for t in found["tried"]))
     print(f"  vpipe's largest / plain's: {result['vpipe_largest_over_plain']}")
 
@@ -329,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     add_model_arguments(p)
     p.add_argument("--max-factor", type=int, default=4, help="try batches up to this many times plain's")
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--steps", type=int, default=2, help="timed steps per batch size in the largest-batch search")
+    p.add_argument("--steps", type=int, default=2,
+                   help="timed steps per batch size in the largest-batch search")
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args(argv)
     if args.fits < 1 or args.max_factor < 2:

@@ -33,7 +33,8 @@ from vpipe_lab.runtime.config import RunConfig  # noqa: E402
 from vpipe_lab.runtime.fit import pipeline_fit  # noqa: E402
 from vpipe_lab.runtime.measure import run_training  # noqa: E402
 
-MODEL = dict(model="transformer", blocks=4, d_model=128, n_heads=4, seq_len=64, micro_batches=4, micro_batch_size=8,
+MODEL = dict(model="transformer", blocks=4, d_model=128, n_heads=4, seq_len=64, micro_batches=4,
+             micro_batch_size=8,
              dropout=0.0, stages=2)
 BUDGET = 18 * 2**20
 
@@ -77,12 +78,14 @@ def main(argv: list[str] | None = None) -> int:
     def footprint(name: str) -> list[int]:
         if name == "1f1b_kept":
             return [s.footprint_bytes for s in plain_fit.stages]
-        return [max(round_[name]["memory"][k]["footprint_bytes"] for round_ in rounds) for k in range(MODEL["stages"])]
+        return [max(round_[name]["memory"][k]["footprint_bytes"] for round_ in rounds)
+                for k in range(MODEL["stages"])]
 
     ratios = [r["vpipe_over_recompute"] for r in rounds]
     summary = {
         "budget_bytes": args.budget,
-        "samples_per_s": {name: statistics.median(r[name]["samples_per_s"] for r in rounds) for name in timed},
+        "samples_per_s": {name: statistics.median(r[name]["samples_per_s"] for r in rounds)
+                          for name in timed},
         "footprint_bytes": {name: footprint(name) for name in cfgs},
         "vpipe_policies": [rounds[-1]["vpipe"]["memory"][k]["policies"] for k in range(MODEL["stages"])],
         "vpipe_over_recompute": {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)},

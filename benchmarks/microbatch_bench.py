@@ -70,7 +70,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def base_config(args: argparse.Namespace, model: str, stages: int) -> RunConfig:
-    return RunConfig(model=model, blocks=args.blocks, d_model=args.d_model, seq_len=args.seq_len, stages=stages,
+    return RunConfig(model=model, blocks=args.blocks, d_model=args.d_model, seq_len=args.seq_len,
+                     stages=stages,
                      micro_batches=max(args.micro_batches, stages), micro_batch_size=args.pipedream_size,
                      progress=False)
 
@@ -100,7 +101,8 @@ def run_case(args: argparse.Namespace, model: str, stages: int) -> dict[str, Any
     for r in rows:
         r["vs_pipedream"] = r["max_micro_batch_size"] / ref if ref else None
     return {"model": model, "stages": stages, "micro_batches": base.micro_batches, "budget_bytes": budget,
-            "partition": base.layer_counts(), "budget_rule": f"PipeDream (all D) at micro-batch {args.pipedream_size}",
+            "partition": base.layer_counts(),
+            "budget_rule": f"PipeDream (all D) at micro-batch {args.pipedream_size}",
             "rows": rows}
 
 
@@ -110,13 +112,19 @@ def print_case(result: dict[str, Any]) -> None:
 
     from vpipe.tensor_manager.accounting import format_bytes
 
-    table = Table(title=(f"{result['model']} on {result['stages']} stages, {result['micro_batches']} micro-batches: "
-                         f"budget {format_bytes(result['budget_bytes'])} per stage ({result['budget_rule']})"))
+    table = Table(
+        title=(
+            f"{result['model']} on {result['stages']} stages, "
+            f"{result['micro_batches']} micro-batches: "
+            f"budget {format_bytes(result['budget_bytes'])} per stage ({result['budget_rule']})"
+        )
+    )
     for col in ("system", "max micro-batch", f"vs {REFERENCE}", "policies at max (per stage)"):
         table.add_column(col, justify="left" if col in ("system", "policies at max (per stage)") else "right")
     for r in result["rows"]:
         size = f">= {r['max_micro_batch_size']}" if r["capped"] else str(r["max_micro_batch_size"])
-        ratio = "-" if r["vs_pipedream"] is None else f"{'>= ' if r['capped'] else ''}{r['vs_pipedream']:.2f}x"
+        ratio = ("-" if r["vs_pipedream"] is None
+                 else f"{'>= ' if r['capped'] else ''}{r['vs_pipedream']:.2f}x")
         table.add_row(r["system"], size, ratio, " | ".join(r["policies"] or []))
     Console(width=150).print(table)
 

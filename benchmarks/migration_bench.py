@@ -62,7 +62,8 @@ def _stalls(step_times: list[list[float]], moves: list[int]) -> tuple[list[float
                       if 0 < i < len(times) and i not in moves]
             extra.append(times[step] - statistics.median(around))
         stalls.append(statistics.fmean(extra))
-    ordinary = [statistics.median(t for i, t in enumerate(times) if i not in moves and i > 0) for times in step_times]
+    ordinary = [statistics.median(t for i, t in enumerate(times) if i not in moves and i > 0)
+                for times in step_times]
     return stalls, max(ordinary)
 
 
@@ -136,7 +137,8 @@ def _worker(raw: str) -> None:
             if step in moves:  # drain is implicit at a GPipe step boundary: checkpoint, rebuild, reload
                 partition = PARTITIONS[moves.index(step) % 2]
                 state = {"params": dict(run.module.state_dict()),
-                         "optimizer": optimizer_state_by_name(dict(run.module.named_parameters()), [run.optimizer])}
+                         "optimizer": optimizer_state_by_name(dict(run.module.named_parameters()),
+                                                              [run.optimizer])}
                 torch.save(state, ckpt / f"ckpt{ctx.rank}.pt")
                 dist.barrier()
                 run = build_stage_run(RunConfig(**base, partition=partition), ctx.rank, ctx.device)

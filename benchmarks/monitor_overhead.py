@@ -168,7 +168,8 @@ def summarise(ranks: list[dict], args: argparse.Namespace) -> dict:
         "bookkeeping_fraction": bookkeeping / step_s,
         "layer_sum_over_step": statistics.median(rank0["coverage"]),
         "dropped_messages": rank0["dropped"],
-        "daemon_cpu_fraction": next((r["daemon_cpu_s"] / r["daemon_wall_s"] for r in ranks if "daemon_cpu_s" in r),
+        "daemon_cpu_fraction": next((r["daemon_cpu_s"] / r["daemon_wall_s"] for r in ranks
+                                     if "daemon_cpu_s" in r),
                                     None),
     }
 
@@ -183,7 +184,8 @@ def print_table(result: dict) -> None:
     table.add_column("measure")
     table.add_column("value", justify="right")
     table.add_row("overhead, wall, stage 0: median B/A - 1", f"{100 * result['wall_overhead_median']:+.2f} %")
-    table.add_row("  per round", " ".join(f"{100 * x:+.1f}" for x in result["wall_overhead_per_round"]) + " %")
+    table.add_row("  per round", " ".join(f"{100 * x:+.1f}"
+                                          for x in result["wall_overhead_per_round"]) + " %")
     table.add_row("  noise floor: median |A/A - 1|", f"{100 * result['wall_noise_median']:.2f} %")
     for rank, r in enumerate(result["ranks"]):
         table.add_row(f"overhead, CPU time, rank {rank}: median B/A - 1",
@@ -196,7 +198,8 @@ def print_table(result: dict) -> None:
                                                   f"({100 * result['bookkeeping_fraction']:.3f} %)")
     table.add_row("per-layer sum / stage step (stage 0)", f"{result['layer_sum_over_step']:.3f}")
     if result["daemon_cpu_fraction"] is not None:
-        table.add_row("planner daemon CPU / wall time", f"{100 * result['daemon_cpu_fraction']:.2f} % of a core")
+        table.add_row("planner daemon CPU / wall time",
+                      f"{100 * result['daemon_cpu_fraction']:.2f} % of a core")
     table.add_row("bad messages dropped", str(result["dropped_messages"] or 0))
     Console().print(table)
 

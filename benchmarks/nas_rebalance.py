@@ -57,7 +57,8 @@ def optimal_partition(cfg: RunConfig) -> list[int]:
     best: tuple[float, list[int]] | None = None
     for cuts in combinations(range(1, n), p - 1):
         counts = [b - a for a, b in zip((0, *cuts), (*cuts, n))]
-        slowest = max(s.fwd_s + s.bwd_s + s.optimizer_s for s in stage_costs(costs, counts, schedule=cfg.schedule))
+        slowest = max(s.fwd_s + s.bwd_s + s.optimizer_s
+                      for s in stage_costs(costs, counts, schedule=cfg.schedule))
         if best is None or slowest < best[0]:
             best = (slowest, counts)
     assert best is not None
@@ -86,7 +87,8 @@ def configs(args: argparse.Namespace, log_dir: Path, round_no: int) -> dict[str,
                             log_file=str(log_dir / f"static-{round_no}.log")),
         "vpipe": RunConfig(**common, vpipe=True, planning=True, nas=edits, monitor_every=args.monitor_every,
                            log_file=str(log_dir / f"vpipe-{round_no}.log")),
-        # as long as the others: a run speeds up over its first tens of steps, so a shorter one would read slower
+        # as long as the others: a run speeds up over its first tens of
+        # steps, so a shorter one would read slower
         "optimal": RunConfig(**{**grown.to_dict(), "partition": args.optimal_partition}),
     }
 
@@ -104,10 +106,12 @@ def measure(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
         runs: dict[str, Any] = {}
         for name in order:
             run = run_training(cfgs[name])
-            runs[name] = {"throughput": samples_per_s(run.step_s, samples), "external_cores": run.external_cores,
+            runs[name] = {"throughput": samples_per_s(run.step_s, samples),
+                          "external_cores": run.external_cores,
                           "final_layers": [len(rank["layer_ids"]) for rank in run.ranks]}
             print(f"round {r + 1}/{args.rounds} {name:8s} done ({run.wall_s:.0f} s, other load "
-                  f"{run.external_cores:.2f} cores, final layers per stage {runs[name]['final_layers']})", flush=True)
+                  f"{run.external_cores:.2f} cores, final layers per stage {runs[name]['final_layers']})",
+                  flush=True)
         rounds.append(runs)
     return {"rounds": rounds, "optimal_partition": args.optimal_partition}
 
@@ -196,7 +200,8 @@ def plot(result: dict[str, Any], add_step: int, output: str) -> None:
     for name, style in (("static", "C3"), ("vpipe", "C0")):
         tput = runs[name]["throughput"]
         ax.plot(range(len(tput)), tput, color=style, label=name)
-    ax.axhline(statistics.median(runs["optimal"]["throughput"][2:]), color="C2", label="optimal static (steady)")
+    ax.axhline(statistics.median(runs["optimal"]["throughput"][2:]), color="C2",
+               label="optimal static (steady)")
     ax.axvline(add_step, color="0.4", linestyle="--", linewidth=0.8)
     ax.text(add_step + 0.5, ax.get_ylim()[1] * 0.95, "8 blocks added to stage 0", fontsize=8, va="top")
     ax.set_xlabel("step")
@@ -215,12 +220,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--added", type=int, default=8)
     parser.add_argument("--add-step", type=int, default=6)
     parser.add_argument("--steps", type=int, default=42)
-    parser.add_argument("--rounds", type=int, default=2, help="rounds of the three runs, alternating their order")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="rounds of the three runs, alternating their order")
     parser.add_argument("--monitor-every", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--plot", default=None, help="draw throughput per step (first round) into this PNG")
-    parser.add_argument("--log-dir", default=None, help="keep the runs' logs here (default: a temporary folder)")
+    parser.add_argument("--log-dir", default=None,
+                        help="keep the runs' logs here (default: a temporary folder)")
     args = parser.parse_args(argv)
     if args.steps < args.add_step + TRANSITION_STEPS + RECOVERY_WINDOW:
         parser.error(f"--steps must be at least --add-step + {TRANSITION_STEPS + RECOVERY_WINDOW}")

@@ -110,7 +110,8 @@ def rank_main(args: argparse.Namespace) -> int:
         name = "plain" if i % 4 in (0, 3) else "vpipe"
         schedule, optimizer = copies[name]
         started = time.perf_counter()
-        x, y = example.batch(steps[name], args.micro_batches * args.micro_batch_size, args.seq_len, args.width)
+        x, y = example.batch(steps[name], args.micro_batches * args.micro_batch_size, args.seq_len,
+                             args.width)
         step_losses: list[torch.Tensor] = []
         if rank == 0:
             schedule.step(x)
@@ -130,12 +131,14 @@ def rank_main(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------- launches
 def run_launch(size: str, mode: str, tmp: Path) -> dict[str, Any]:
-    """One torchrun launch of both copies; the vpipe copy's mean step over the plain copy's (second halves)."""
+    """One torchrun launch of both copies; the vpipe copy's mean
+    step over the plain copy's (second halves)."""
     args, steps = SIZES[size]
     out, log_file = tmp / f"{size}-{mode}.json", tmp / f"{size}-{mode}.log"
     log_file.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(Path(__file__).resolve()), "--rank", "--mode", mode, "--steps", str(steps), "--out", str(out), *args]
+           str(Path(__file__).resolve()), "--rank", "--mode", mode, "--steps", str(steps), "--out", str(out),
+           *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(log_file), capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
         raise RuntimeError(f"{size} {mode} failed:\n{proc.stderr[-2000:]}")
@@ -158,14 +161,16 @@ _PER = {  # (first match wins: the micro-batch counts before the saved tensors' 
     "micro-batch": ("tensor_manager/pipelining.py:", "tensor_manager/manager.py:micro_batch",
                     "tensor_manager/quiet.py:", "tensor_manager/in_flight.py:",
                     "tensor_manager/interception.py:count_unhooked",
-                    "tensor_manager/accounting.py:add_micro_batch", "tensor_manager/accounting.py:sub_micro_batch",
+                    "tensor_manager/accounting.py:add_micro_batch",
+                    "tensor_manager/accounting.py:sub_micro_batch",
                     "tensor_manager/manager.py:backward", "tensor_manager/manager.py:_begin_forward",
                     "tensor_manager/interception.py:uncount", "tensor_manager/governor.py:comfortably_within",
                     "tensor_manager/prefetch.py:"),
     "saved tensor": ("tensor_manager/interception.py:pack", "tensor_manager/interception.py:unpack",
                      "tensor_manager/swap", "tensor_manager/handles.py:", "tensor_manager/accounting.py:",
                      "tensor_manager/layers.py:is_weight"),
-    "layer call": ("tensor_manager/interception.py:pre_forward", "tensor_manager/interception.py:post_forward",
+    "layer call": ("tensor_manager/interception.py:pre_forward",
+                   "tensor_manager/interception.py:post_forward",
                    "tensor_manager/interception.py:_frames", "tensor_manager/layers.py:__init__",
                    "monitors/stage.py:_forward", "monitors/stage.py:_backward", "monitors/stage.py:_counts"),
     "step": ("rank/", "control/", "monitors/", "log.py:"),
@@ -180,7 +185,8 @@ def profile_breakdown(steps: int, tmp: Path) -> dict:
     out, log_file = tmp / "profiled.json", tmp / "profiled.log"
     script = str(ROOT / "examples" / "train_sequential.py")
     wrapper = f'exec "{sys.executable}" -m cProfile -o "{tmp}/rank$RANK.prof" "{script}" "$@"'
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--no-python",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "--no-python",
            "sh", "-c", wrapper, "sh", "--steps", str(steps), "--partition", "4,4", "--out", str(out), *args,
            "--vpipe"]
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(log_file), capture_output=True, text=True, timeout=600)
@@ -273,14 +279,16 @@ def main(argv: list[str] | None = None) -> int:
         cells = [row["size"], f"{row['plain_step_s'] * 1e3:.1f} ms"]
         for mode in MODES:
             lo, hi = row[f"{mode}_range"]
-            cells += [f"{row[f'{mode}_step_s'] * 1e3:.1f} ms", f"{row[f'{mode}_over_plain']:.3f}x ({lo:.3f}-{hi:.3f})"]
+            cells += [f"{row[f'{mode}_step_s'] * 1e3:.1f} ms",
+                      f"{row[f'{mode}_over_plain']:.3f}x ({lo:.3f}-{hi:.3f})"]
         share = row["planner_cpu_share"]
         cells += ["-" if share is None else f"{share:.1%} of a core", str(row["plans_applied"]),
                   "yes" if row["same_losses"] else "NO"]
         table.add_row(*cells)
     Console().print(table)
     if breakdown is not None:
-        parts = Table(title="vpipe's own time per step of the small attached run, under cProfile (upper bounds)")
+        parts = (Table(title="vpipe's own time per step of the small attached run, under "
+                             "cProfile (upper bounds)"))
         for col in ("rank", "step", "per step", "per micro-batch", "per layer call", "per saved tensor"):
             parts.add_column(col, justify="right")
         for r in breakdown["ranks"]:

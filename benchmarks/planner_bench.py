@@ -15,7 +15,8 @@ reports, like the paper's Table 4:
 
 Prints a rich table; ``--json OUT`` also writes every number.
 
-    python benchmarks/planner_bench.py [--repeats 5] [--graphs amoebanet gnmt] [--stages 16 64] [--json out.json]
+    python benchmarks/planner_bench.py [--repeats 5] [--graphs
+    amoebanet gnmt] [--stages 16 64] [--json out.json]
 """
 
 from __future__ import annotations
@@ -108,20 +109,23 @@ def bench_graph(name: str, graph: LayerGraph, repeats: int, with_networkx: bool,
             row["nx_s"] = time.perf_counter() - started
             slowest, cut = parts_cost(graph, parts, hardware)
             row.update(nx_valid=is_valid_pipeline(graph.ids, graph.edges, parts), nx_parts=len(parts),
-                       nx_bottleneck_ms=slowest * 1e3, nx_gap=slowest / exact.bottleneck_s - 1, nx_comm_bytes=cut)
+                       nx_bottleneck_ms=slowest * 1e3, nx_gap=slowest / exact.bottleneck_s - 1,
+                       nx_comm_bytes=cut)
         rows.append(row)
     return rows
 
 
 def render(rows: list[dict[str, Any]], console: Console) -> None:
-    table = Table(title="vPipe planner (coarsen + coarse-chain DP + refine) vs exact optimum vs networkx plain KL")
+    table = (Table(title="vPipe planner (coarsen + coarse-chain DP + refine) vs exact optimum "
+                         "vs networkx plain KL"))
     columns = ["graph", "n/e", "P", "coarse n/e", "kl ms (median)", "kl gap", "kl bytes gap", "valid",
                "exact ms", "nx KL ms", "nx valid", "nx gap"]
     for c in columns:
         table.add_column(c, justify="left" if c == "graph" else "right", no_wrap=True)
     for r in rows:
         table.add_row(
-            r["graph"], f"{r['nodes']}/{r['edges']}", str(r["stages"]), f"{r['coarse_nodes']}/{r['coarse_edges']}",
+            r["graph"], f"{r['nodes']}/{r['edges']}", str(r["stages"]),
+                      f"{r['coarse_nodes']}/{r['coarse_edges']}",
             f"{r['kl_s_median'] * 1e3:.1f}", f"{r['kl_gap']:+.2%}", f"{r['kl_bytes_gap']:+.2%}",
             "yes" if r["kl_valid"] else "NO", f"{r['exact_s'] * 1e3:.0f}",
             f"{r['nx_s'] * 1e3:.0f}" if "nx_s" in r else "-",

@@ -37,7 +37,8 @@ _MODULE_PATH = re.compile(r"([\"'])vpipe\.")
 
 
 def export_vpipe(revision: str, directory: Path) -> Path:
-    """Write the ``vpipe`` package of a git revision under ``directory`` (for a machine without the history)."""
+    """Write the ``vpipe`` package of a git revision under
+    ``directory`` (for a machine without the history)."""
     directory.mkdir(parents=True, exist_ok=True)
     if (directory / "vpipe").exists():
         raise SystemExit(f"{directory / 'vpipe'} exists already; export into an empty directory")
@@ -47,7 +48,8 @@ def export_vpipe(revision: str, directory: Path) -> Path:
 
 
 def load_vpipe(source: str) -> tuple[ModuleType, str]:
-    """The ``vpipe`` package of ``source`` (a git revision or a directory that holds ``vpipe/``) and its label."""
+    """The ``vpipe`` package of ``source`` (a git revision or a
+    directory that holds ``vpipe/``) and its label."""
     root = Path(tempfile.mkdtemp(prefix="vpipe-revision-"))
     given = Path(source)
     if (given / "vpipe" / "__init__.py").is_file():

@@ -76,7 +76,8 @@ def base_config(args: argparse.Namespace) -> Any:
     from vpipe_lab.runtime.config import RunConfig
 
     return RunConfig(model="transformer", blocks=args.blocks, d_model=args.d_model, seq_len=args.seq_len,
-                     stages=args.stages, micro_batches=args.micro_batches, micro_batch_size=args.micro_batch_size,
+                     stages=args.stages, micro_batches=args.micro_batches,
+                     micro_batch_size=args.micro_batch_size,
                      dropout=0.0, progress=False)
 
 
@@ -87,7 +88,8 @@ class SavedBytes:
 
     def __init__(self, modules: list[Any]) -> None:
         self.weight_shapes = {tuple(p.shape) for m in modules for p in m.parameters()}
-        self.held: dict[tuple[int, int, int], int] = {}  # (address, elements, element size) -> graphs holding it
+        # (address, elements, element size) -> graphs holding it
+        self.held: dict[tuple[int, int, int], int] = {}
         self.now = self.peak = 0
 
     def pack(self, t: Any) -> Any:
@@ -124,7 +126,8 @@ class _Held:
 
 
 def fixed_bytes(run: Any) -> int:
-    """Weights and gradients, the optimizer's state, and the extra weight copies the schedule kept at its peak."""
+    """Weights and gradients, the optimizer's state, and the extra
+    weight copies the schedule kept at its peak."""
     import torch
 
     params = [sum(p.numel() * p.element_size() for p in m.parameters()) for m in run.modules]
@@ -203,13 +206,15 @@ def summarise(names: list[str], ranks: list[dict[str, Any]]) -> dict[str, Any]:
     per_round: dict[str, list[float]] = {}
     for name in names:
         rounds = len(ranks[0]["times"][name])
-        per_round[name] = [statistics.median(map(statistics.fmean, zip(*(rank["times"][name][r] for rank in ranks))))
+        per_round[name] = [statistics.median(map(statistics.fmean,
+                                                 zip(*(rank["times"][name][r] for rank in ranks))))
                            for r in range(rounds)]
     out = {}
     for name in names:
         ratios = [a / b for a, b in zip(per_round[name], per_round[names[0]])]
         out[name] = {"step_s": statistics.median(per_round[name]), "per_round_s": per_round[name],
-                     "vs_gpipe": {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}}
+                     "vs_gpipe": {"median": statistics.median(ratios), "min": min(ratios),
+                                  "max": max(ratios)}}
     return out
 
 
@@ -218,7 +223,8 @@ def print_table(timing: dict[str, Any], mem: dict[str, list[dict[str, int]]]) ->
     print(f"{'schedule':<14}{'ms/step':>9}  {'vs GPipe (min-max)':<20} per rank: fixed + peak saved (MiB)")
     for name, t in timing.items():
         r = t["vs_gpipe"]
-        stages = "  ".join(f"{s['fixed_bytes'] / mib:.2f}+{s['peak_saved_bytes'] / mib:.2f}" for s in mem[name])
+        stages = "  ".join(f"{s['fixed_bytes'] / mib:.2f}+{s['peak_saved_bytes'] / mib:.2f}"
+                           for s in mem[name])
         ratio = f"{r['median']:.2f}x ({r['min']:.2f}-{r['max']:.2f})"
         print(f"{name:<14}{t['step_s'] * 1e3:>9.1f}  {ratio:<20} {stages}")
 

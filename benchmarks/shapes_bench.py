@@ -51,7 +51,8 @@ def run_once(shape: str, run: str, steps: int, tmp: Path) -> dict:
     out, log_file = tmp / f"{shape}-{run}.json", tmp / f"{shape}-{run}.log"
     log_file.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(ROOT / "examples" / script), "--steps", str(steps), "--partition", partition, "--out", str(out), *size]
+           str(ROOT / "examples" / script), "--steps", str(steps), "--partition", partition, "--out",
+           str(out), *size]
     if with_vpipe:
         cmd.append("--vpipe")
     env = dict(_env(), VPIPE_LOG_FILE=str(log_file))
@@ -114,21 +115,26 @@ def main(argv: list[str] | None = None) -> int:
                 "moved": details["vpipe"]["moved"], "final_partition": details["vpipe"]["final_partition"],
                 "moved_at_step": details["vpipe"]["moved_at_step"],
             })
-    table = Table(title="the one line on users' trainers: 6,2 split + vpipe vs hand-balanced 4,4 (2 CPU stages, 1F1B)")
-    for col in ("shape", "4,4 plain", "6,2 plain", "6,2 + vpipe", "vpipe / 4,4", "6,2 / 4,4", "vpipe's split"):
+    table = (Table(title="the one line on users' trainers: 6,2 split + vpipe vs hand-balanced 4,4 "
+                         "(2 CPU stages, 1F1B)"))
+    for col in ("shape", "4,4 plain", "6,2 plain", "6,2 + vpipe", "vpipe / 4,4", "6,2 / 4,4",
+                "vpipe's split"):
         table.add_column(col, justify="left" if col == "shape" else "right")
     for row in rows:
         lo, hi = row["ratio_range"]
-        table.add_row(row["shape"], f"{row['balanced_step_s'] * 1e3:.0f} ms", f"{row['uneven_step_s'] * 1e3:.0f} ms",
+        table.add_row(row["shape"], f"{row['balanced_step_s'] * 1e3:.0f} ms",
+                      f"{row['uneven_step_s'] * 1e3:.0f} ms",
                       f"{row['vpipe_step_s'] * 1e3:.0f} ms",
-                      f"{row['vpipe_over_balanced']:.2f}x" + (f" ({lo:.2f}-{hi:.2f})" if args.rounds > 1 else ""),
+                      f"{row['vpipe_over_balanced']:.2f}x" + (f" ({lo:.2f}-{hi:.2f})" if args.rounds > 1
+                                                              else ""),
                       f"{row['uneven_over_balanced']:.2f}x",
                       ",".join(map(str, row["final_partition"])) + (f" at step {row['moved_at_step']}"
                                                                      if row["moved"] else " (no move)"))
     Console().print(table)
     for shape, why in skipped.items():
         print(f"shapes: {shape} skipped: {why}")
-    result = {"benchmark": "shapes", "steps": args.steps, "measure_steps": args.measure, "rounds": args.rounds,
+    result = {"benchmark": "shapes", "steps": args.steps, "measure_steps": args.measure,
+              "rounds": args.rounds,
               "rows": rows, "skipped": skipped}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))

@@ -67,7 +67,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help=f"steps per real run (the first 2 are warm-up; default {REFERENCE.steps})")
     p.add_argument("--validation-stages", type=int, nargs="*", default=[2, 4])
     p.add_argument("--recalibrate", action="store_true",
-                   help="calibrate every validated depth on its own runs (default: the first depth's calibration "
+                   help="calibrate every validated depth on its own runs (default: the first "
+                        "depth's calibration "
                         "predicts the others)")
     p.add_argument("--no-validation", action="store_true", help="projection only (no real runs)")
     p.add_argument("--stages", type=int, nargs="*", default=[8, 16, 32, 64], help="projected pipeline depths")
@@ -108,7 +109,8 @@ def repeated_blocks(costs: ModelCosts, blocks: int) -> ModelCosts:
 
 
 def project(costs: ModelCosts, stages: int, ratio: float, link: Link) -> dict[str, Any]:
-    """Simulate every system on ``stages`` devices whose block compute is ``ratio`` times its PCIe round trip."""
+    """Simulate every system on ``stages`` devices whose block
+    compute is ``ratio`` times its PCIe round trip."""
     model = repeated_blocks(costs, 2 * stages - 2)
     block = model.layers[1]
     speedup = (block.fwd_s + block.bwd_s) / (ratio * 2 * block.act_bytes / link.swap_bytes_per_s)
@@ -121,7 +123,8 @@ def project(costs: ModelCosts, stages: int, ratio: float, link: Link) -> dict[st
     for name, (schedule, policy) in SYSTEMS.items():
         per_stage = stage_costs(model, counts, schedule=schedule, link=link,
                                 policies={i: policy for i in range(len(model.layers))})
-        result = simulate(per_stage, schedule=schedule, micro_batches=m, steps=3 if schedule == "pipedream" else 2)
+        result = simulate(per_stage, schedule=schedule, micro_batches=m, steps=3 if schedule == "pipedream"
+                          else 2)
         row["systems"][name] = {"step_s": result.step_s, "of_ideal": ideal / result.step_s,
                                 "bubble": result.bubble_fraction}
     return row
@@ -131,9 +134,10 @@ def projection(args: argparse.Namespace, costs: ModelCosts) -> tuple[list[dict[s
     link = Link(send_bytes_per_s=args.net_gbs * 1e9, swap_bytes_per_s=args.pcie_gbs * 1e9, overlap=1.0)
     cases = [(p, r) for p in args.stages for r in args.ratios]
     cases += [(args.stages[0], r) for r in args.sweep_ratios if (args.stages[0], r) not in cases]
-    return [project(costs, p, s, link) for p, s in cases], {"link": dataclasses.asdict(link),
-                                                             "block_compute_s": statistics.median(
-                                                                 c.fwd_s + c.bwd_s for c in costs.layers[1:-1])}
+    return [project(costs, p, s, link) for p, s in cases], {
+        "link": dataclasses.asdict(link),
+        "block_compute_s": statistics.median(c.fwd_s + c.bwd_s for c in costs.layers[1:-1]),
+    }
 
 
 def print_tables(out: dict[str, Any]) -> None:
@@ -148,14 +152,16 @@ def print_tables(out: dict[str, Any]) -> None:
             table.add_column(col, justify="right")
         for r in out["validation"]:
             runs = ", ".join(f"{x * 1e3:.0f}" for x in r["measured_runs_s"])
-            table.add_row(str(r["stages"]), f"{r['predicted_s'] * 1e3:.0f}", f"{r['measured_s'] * 1e3:.0f} ({runs})",
+            table.add_row(str(r["stages"]), f"{r['predicted_s'] * 1e3:.0f}",
+                          f"{r['measured_s'] * 1e3:.0f} ({runs})",
                           f"{r['error']:+.1%} {'met' if abs(r['error']) <= 0.15 else 'NOT met'}",
                           f"{r['background']:.1f} threads",
                           f"{r['action_overhead_s'] * 1e3:.2f} ms", f"{r['compute_scale']:.2f}",
                           f"{r['calibrated_on_stages']} stages")
         console.print(table)
     table = Table(title=(f"projection: fraction of ideal, one GPU-like device per stage, PCIe "
-                         f"{out['config']['pcie_gbs']:g} GB/s swaps overlapped, {out['config']['net_gbs']:g} GB/s "
+                         f"{out['config']['pcie_gbs']:g} GB/s swaps overlapped, "
+                         f"{out['config']['net_gbs']:g} GB/s "
                          "between stages, 2 blocks per stage, 2 x stages micro-batches"))
     for col in ("stages", "compute / PCIe", "speedup over this CPU", *SYSTEMS):
         table.add_column(col, justify="right")
@@ -176,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = [] if args.no_validation else validation(args, profiles)
     projected, details = projection(args, profiles[REFERENCE.micro_batch_size])
     out = {"benchmark": "simulator", "validation": rows, "projection": projected, **details,
-           "seconds": time.perf_counter() - started, "config": {k: v for k, v in vars(args).items() if k != "json"}}
+           "seconds": time.perf_counter() - started, "config": {k: v for k, v in vars(args).items()
+                                                                if k != "json"}}
     print_tables(out)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))

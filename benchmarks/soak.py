@@ -76,7 +76,8 @@ def worker(out_dir: Path, steps: int, every: int, sample_every: int) -> dict[str
         cfg = run_config(steps)
         cfg.out_dir = str(out_dir)
         run = build_stage_run(cfg, ctx.rank, ctx.device)
-        vp = attach_vpipe(cfg, run, min_swap_bytes=1024, host_pool_bytes=POOL_BYTES)  # the small activations swap too
+        # the small activations swap too
+        vp = attach_vpipe(cfg, run, min_swap_bytes=1024, host_pool_bytes=POOL_BYTES)
         for step, plan in soak_plans(steps, every):
             vp.request_plan(plan, at_step=step)
         me = psutil.Process()
@@ -120,7 +121,8 @@ def soak(steps: int, every: int, sample_every: int) -> dict[str, Any]:
         env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                "OMP_NUM_THREADS": "1"}
         started = time.perf_counter()
-        code = spawn([sys.executable, str(Path(__file__).resolve()), "--worker", str(out), "--steps", str(steps),
+        code = spawn([sys.executable, str(Path(__file__).resolve()), "--worker", str(out), "--steps",
+                      str(steps),
                       "--move-every", str(every), "--sample-every", str(sample_every)], 2, extra_env=env)
         wall = time.perf_counter() - started
         if code != 0:
@@ -146,7 +148,8 @@ def soak(steps: int, every: int, sample_every: int) -> dict[str, Any]:
             "pool_capacity_mid_bytes": rec["samples"][len(rec["samples"]) // 2]["pool_capacity"],
             "pool_capacity_end_bytes": rec["samples"][-1]["pool_capacity"],
             "pool_used_end_bytes": rec["samples"][-1]["pool_used"],
-            "samples": [{k: s[k] for k in ("step", "t", "rss", "pool_used", "pool_capacity")} for s in rec["samples"]],
+            "samples": [{k: s[k] for k in ("step", "t", "rss", "pool_used", "pool_capacity")}
+                        for s in rec["samples"]],
         })
     result["max_rss_growth_second_half"] = max(r["rss_growth_second_half"] for r in result["ranks"])
     result["ok"] = result["params_equal_reference"] and result["max_rss_growth_second_half"] < RSS_TARGET
@@ -158,8 +161,9 @@ def print_table(result: dict[str, Any]) -> None:
     from rich.table import Table
 
     mib = 1 << 20
-    table = Table(title=f"vpipe soak: {result['steps']} steps, a forced plan every {result['move_every']} steps "
-                        f"({result['forced_plans']} plans), 2 stages")
+    table = (Table(title=f"vpipe soak: {result['steps']} steps, a forced plan every "
+                         f"{result['move_every']} steps "
+                        f"({result['forced_plans']} plans), 2 stages"))
     for col in ("rank", "plans applied", "RSS start MiB", "RSS mid MiB", "RSS end MiB", "growth 2nd half",
                 "pool peak KiB", "pool capacity mid/end MiB", "train s"):
         table.add_column(col, justify="right")

@@ -1,8 +1,9 @@
 """A straggler on 2 CPU ranks, with vpipe's one line, and what vpipe decides.
 
-The trainer of examples/train_sequential.py (8 residual MLP blocks, split 4,4, 1F1B, 4 micro-batches); every
-block that runs on rank 1 takes ``--factor`` times as long for the whole run, and 2x from step ``--on`` to step
-``--off`` (modelled by waiting, vpipe_lab.runtime.slowdown, so the two ranks on two cores do not slow each
+The trainer of examples/train_sequential.py (8 residual MLP blocks, split 4,4, 1F1B, 4
+micro-batches); every block that runs on rank 1 takes ``--factor`` times as long for the whole
+run, and 2x from step ``--on`` to step ``--off`` (modelled by waiting,
+vpipe_lab.runtime.slowdown, so the two ranks on two cores do not slow each
 other). Rank 0 prints its step times (ms); vpipe's decisions go to ``--decisions``::
 
     torchrun --standalone --nproc-per-node 2 benchmarks/straggler_run.py --on 40 --off 120 --steps 200
@@ -31,7 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     import vpipe
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--factor", type=float, default=1.0, help="rank 1's blocks this much slower all along")
+    parser.add_argument("--factor", type=float, default=1.0,
+                        help="rank 1's blocks this much slower all along")
     parser.add_argument("--on", type=int, default=-1, help="from this step rank 1's blocks are 2x slower")
     parser.add_argument("--off", type=int, default=-1, help="and from this step as fast as rank 0's again")
     parser.add_argument("--steps", type=int, default=60)

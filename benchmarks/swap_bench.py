@@ -122,7 +122,8 @@ def print_tables(result: dict[str, Any]) -> None:
     else:
         for col in ("swap", "compute alone", "copy alone", "both", "overlap of the shorter"):
             table.add_column(col, justify="right")
-        table.add_row(format_bytes(o["swap_bytes"]), f"{o['compute_s'] * 1e3:.2f} ms", f"{o['copy_s'] * 1e3:.2f} ms",
+        table.add_row(format_bytes(o["swap_bytes"]), f"{o['compute_s'] * 1e3:.2f} ms",
+                      f"{o['copy_s'] * 1e3:.2f} ms",
                       f"{o['both_s'] * 1e3:.2f} ms", f"{o['overlap']:.0%}")
     console.print(table)
 

@@ -55,12 +55,14 @@ from vpipe_lab.runtime.models import build_model, transformer_lm  # noqa: E402
 
 
 def prefetch_alloc_from_env() -> str:
-    """Where this run's tensor managers allocate prefetched copies: ``VPIPE_PREFETCH_ALLOC`` (the GPU suite sets
-    ``compute`` for one run), ``copy`` when unset, read as ``vpipe.attach`` reads it (another value is refused)."""
+    """Where this run's tensor managers allocate prefetched copies: ``VPIPE_PREFETCH_ALLOC``
+    (the GPU suite sets ``compute`` for one run), ``copy`` when unset, read as
+    ``vpipe.attach`` reads it (another value is refused)."""
     return process_settings().prefetch_alloc
 
 
-VARIANTS = ("plain", "vpipe D", "vpipe D metered", "vpipe S", "vpipe R", "vpipe 40%", "save_on_cpu", "checkpoint")
+VARIANTS = ("plain", "vpipe D", "vpipe D metered", "vpipe S", "vpipe R", "vpipe 40%", "save_on_cpu",
+            "checkpoint")
 
 
 class SavedBytesProbe:
@@ -110,12 +112,14 @@ class Bench:
     """One model instance per variant (same initial weights), so managers stay attached throughout."""
 
     def __init__(self, args: argparse.Namespace, against: dict[str, Any] | None = None) -> None:
-        """``against``: variant name -> (TensorManager class, Policy) of another revision, as ``vpipe S @<rev>``."""
+        """``against``: variant name -> (TensorManager class, Policy)
+        of another revision, as ``vpipe S @<rev>``."""
         self.args = args
         self.device = torch.device(args.device)
         self.spec = transformer_lm(n_blocks=args.blocks, d_model=args.d_model, n_heads=args.heads,
                                    seq_len=args.seq_len, dropout=0.1)
-        self.models = {v: build_model(self.spec, seed=0).to(self.device) for v in (*VARIANTS, *(against or {}))}
+        self.models = {v: build_model(self.spec, seed=0).to(self.device)
+                       for v in (*VARIANTS, *(against or {}))}
         x, y = self.spec.batch(0, args.micro_batches * args.micro_batch_size, 0)
         self.inputs = [t.to(self.device) for t in x.tensor_split(args.micro_batches)]
         self.targets = [t.to(self.device) for t in y.tensor_split(args.micro_batches)]
@@ -138,7 +142,8 @@ class Bench:
         losses = []
         for mb, x in enumerate(self.inputs):
             # the probe sees what the model's layers leave saved, as the manager counts (not the loss)
-            with torch.autograd.graph.saved_tensors_hooks(probe.pack, probe.unpack) if probe else nullcontext():
+            with torch.autograd.graph.saved_tensors_hooks(probe.pack,
+                                                          probe.unpack) if probe else nullcontext():
                 with self._forward_context(variant, mb):
                     out = model(x) if variant != "checkpoint" else self._checkpointed(model, x)
             losses.append(loss_fn(out, self.targets[mb]) / len(self.inputs))
@@ -185,7 +190,8 @@ class Bench:
         manager.synchronize()
         s = manager.stats()
         return s.peak_resident_bytes, {  # the copies of this one step
-            "d2h_bytes": s.d2h_bytes - before.d2h_bytes, "sync_fallbacks": s.sync_fallbacks - before.sync_fallbacks,
+            "d2h_bytes": s.d2h_bytes - before.d2h_bytes,
+                                       "sync_fallbacks": s.sync_fallbacks - before.sync_fallbacks,
             "copy_s": (s.d2h_s - before.d2h_s) + (s.h2d_s - before.h2d_s),
             "prefetched": s.prefetched - before.prefetched,
             "policies": "".join(p.value for p in s.policies.values()), "budget": s.budget_bytes,
@@ -193,7 +199,8 @@ class Bench:
 
 
 def _against(source: str, variants: tuple[str, ...]) -> dict[str, Any]:
-    """The kept, swapped and recomputed variants among ``variants``, with another revision's tensor manager."""
+    """The kept, swapped and recomputed variants among ``variants``,
+    with another revision's tensor manager."""
     import importlib
 
     from revision import load_vpipe
@@ -245,9 +252,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             **extra,
         })
     return {
-        "config": {k: v for k, v in vars(args).items() if k != "json"} | {"prefetch_alloc": prefetch_alloc_from_env()},
-        "device": (f"{bench.device} ({torch.cuda.get_device_name(bench.device)})" if bench.device.type == "cuda"
-                   else str(bench.device)), "torch": torch.__version__, "all_kept_peak_bytes": all_kept, "rows": rows,
+        "config": {k: v for k, v in vars(args).items()
+                   if k != "json"} | {"prefetch_alloc": prefetch_alloc_from_env()},
+        "device": (f"{bench.device} ({torch.cuda.get_device_name(bench.device)})"
+                   if bench.device.type == "cuda"
+                   else str(bench.device)), "torch": torch.__version__, "all_kept_peak_bytes": all_kept,
+            "rows": rows,
     }
 
 
@@ -268,7 +278,8 @@ def print_table(result: dict[str, Any]) -> None:
             if row["budget"]:
                 notes.append(f"budget {format_bytes(row['budget'])}")
             if row["d2h_bytes"]:
-                notes.append(f"swaps {format_bytes(row['d2h_bytes'])}/step, {row['sync_fallbacks']} sync fallbacks")
+                notes.append(f"swaps {format_bytes(row['d2h_bytes'])}/step, "
+                             f"{row['sync_fallbacks']} sync fallbacks")
             if row.get("copy_hidden") is not None:
                 notes.append(f"copies {row['copy_s'] * 1e3:.1f} ms/step, {row['copy_hidden']:.0%} hidden")
         table.add_row(row["variant"], f"{row['step_s'] * 1e3:.1f} ms", f"{row['ratio_vs_plain']:.3f}",
@@ -293,7 +304,8 @@ def add_bench_arguments(p: argparse.ArgumentParser, variants: tuple[str, ...], *
                    help="compare plain with these variants only (comma-separated: "
                         + ", ".join(variants[1:]).replace("%", "%%") + ")")
     p.add_argument("--against", default=None, metavar="REV",
-                   help="also run vpipe D/S/R as at this git revision, or from a directory holding its vpipe package")
+                   help="also run vpipe D/S/R as at this git revision, or from a directory "
+                        "holding its vpipe package")
     p.add_argument("--json", default=None, help="also write the results here")
 
 
@@ -308,7 +320,8 @@ def parse_bench_arguments(p: argparse.ArgumentParser, variants: tuple[str, ...],
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_bench_arguments(p, VARIANTS, device="cuda" if torch.cuda.is_available() else "cpu", d_model=256, heads=4,
+    add_bench_arguments(p, VARIANTS, device="cuda" if torch.cuda.is_available() else "cpu", d_model=256,
+                        heads=4,
                         seq_len=128, micro_batch_size=8, min_swap_bytes=64 * 1024)
     p.add_argument("--rounds", type=int, default=7)
     args = parse_bench_arguments(p, VARIANTS, argv)

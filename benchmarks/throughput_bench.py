@@ -66,7 +66,8 @@ sys.path.insert(0, str(ROOT))
 
 BASELINE = "GPipe (all R)"
 WITHOUT_VPIPE = {"GPipe + vpipe": "GPipe (all R)", "1F1B + vpipe": "1F1B (all D)",
-                 "PipeDream + vpipe": "PipeDream (all D)", "Interleaved 1F1B + vpipe": "Interleaved 1F1B (all D)",
+                 "PipeDream + vpipe": "PipeDream (all D)",
+                 "Interleaved 1F1B + vpipe": "Interleaved 1F1B (all D)",
                  "ZBV + vpipe": "ZBV (all D)"}
 MULTI_STAGE = (("interleaved1f1b", "Interleaved 1F1B"), ("zbv", "ZBV"))  # two virtual stages per rank
 
@@ -79,15 +80,22 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--micro-batch-size", type=int, default=8, help="the reference micro-batch size")
-    p.add_argument("--micro-batches", type=int, default=4, help="at the reference size (sets the global batch)")
-    p.add_argument("--cnn-micro-batch-size", type=int, default=32, help="the CNN's reference micro-batch size")
+    p.add_argument("--micro-batches", type=int, default=4,
+                   help="at the reference size (sets the global batch)")
+    p.add_argument("--cnn-micro-batch-size", type=int, default=32,
+                   help="the CNN's reference micro-batch size")
     p.add_argument("--budget-fraction", type=float, default=0.5,
                    help="of the largest stage's 1F1B all-kept activations, on top of its fixed bytes")
-    p.add_argument("--adapt", type=int, default=4, help="steps per system before timing (vpipe's planner settles)")
+    p.add_argument("--adapt", type=int, default=4,
+                   help="steps per system before timing (vpipe's planner settles)")
     p.add_argument("--rounds", type=int, default=12)
-    p.add_argument("--block", type=int, default=5, help="steps per system per block (the first is not counted)")
-    p.add_argument("--systems", default=None,
-                   help="comma-separated system names to run (default: all), e.g. '1F1B (all D),1F1B + vpipe'")
+    p.add_argument("--block", type=int, default=5,
+                   help="steps per system per block (the first is not counted)")
+    p.add_argument(
+        "--systems",
+        default=None,
+        help="comma-separated system names to run (default: all), e.g. '1F1B (all D),1F1B + vpipe'",
+    )
     p.add_argument("--cores", type=int, default=os.cpu_count() or 1, help="for the cores-capped ideal")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--work-dir", default=None, help="keep each launch's spec, rank results and logs here")
@@ -100,12 +108,14 @@ def base_config(args: argparse.Namespace, model: str, stages: int) -> Any:
     from vpipe_lab.runtime.config import RunConfig
 
     mbs = args.cnn_micro_batch_size if model == "cnn" else args.micro_batch_size
-    return RunConfig(model=model, blocks=args.blocks, d_model=args.d_model, seq_len=args.seq_len, stages=stages,
+    return RunConfig(model=model, blocks=args.blocks, d_model=args.d_model, seq_len=args.seq_len,
+                     stages=stages,
                      schedule="1f1b", micro_batches=args.micro_batches, micro_batch_size=mbs, progress=False)
 
 
 def plan_case(args: argparse.Namespace, model: str, stages: int) -> dict[str, Any]:
-    """Budget, partition and each system's micro-batch size for one case, from measurements in this process."""
+    """Budget, partition and each system's micro-batch size for one
+    case, from measurements in this process."""
     from vpipe_lab.runtime.costs import balanced_counts, measure_model_costs
     from vpipe_lab.runtime.fit import pipeline_fit
     from vpipe_lab.runtime.variants import Variant
@@ -122,12 +132,14 @@ def plan_case(args: argparse.Namespace, model: str, stages: int) -> dict[str, An
                  max(s.footprint_bytes for s in recomputed.stages))
 
     def config(schedule: str, size: int, partition: list[int] | None) -> Any:
-        return dataclasses.replace(base, schedule=schedule, micro_batch_size=size, micro_batches=batch // size,
+        return dataclasses.replace(base, schedule=schedule, micro_batch_size=size,
+                                   micro_batches=batch // size,
                                    partition=partition or base.partition)
 
     def fit(schedule: str, size: int, *, policy: str = "D", managed: bool = False,
             partition: list[int] | None = None) -> dict[str, Any]:
-        return pipeline_fit(config(schedule, size, partition), budget, managed=managed, policy=policy).to_dict()
+        return pipeline_fit(config(schedule, size, partition), budget, managed=managed,
+                            policy=policy).to_dict()
 
     def largest(schedule: str, partition: list[int] | None = None, *, managed: bool = False,
                 at_most: int = batch) -> tuple[int, dict[str, Any] | None]:
@@ -152,7 +164,8 @@ def plan_case(args: argparse.Namespace, model: str, stages: int) -> dict[str, An
         fits[label] = result or {"fits": False}
         if size:
             variants.append(Variant(label, schedule, size, batch // size))
-    for schedule, label in (("gpipe", "GPipe + vpipe"), ("1f1b", "1F1B + vpipe"), ("pipedream", "PipeDream + vpipe")):
+    for schedule, label in (("gpipe", "GPipe + vpipe"), ("1f1b", "1F1B + vpipe"),
+                            ("pipedream", "PipeDream + vpipe")):
         fits[label] = fit(schedule, mbs, managed=True)
         if fits[label]["fits"]:
             # a PipeDream stream cannot yet move a layer whose move changes a boundary shape (the CNN's):
@@ -179,7 +192,8 @@ def plan_case(args: argparse.Namespace, model: str, stages: int) -> dict[str, An
         wanted = {name.strip() for name in args.systems.split(",")}
         unknown = wanted - {v.name for v in variants}
         if unknown:
-            raise SystemExit(f"throughput_bench: no system {sorted(unknown)} in {model} on {stages} stages; it has "
+            raise SystemExit(f"throughput_bench: no system {sorted(unknown)} in {model} on "
+                             f"{stages} stages; it has "
                              + ", ".join(v.name for v in variants))
         variants = [v for v in variants if v.name in wanted]
     return {"model": model, "stages": stages, "base": base.to_dict(), "budget_bytes": budget,
@@ -275,7 +289,8 @@ def run_case(args: argparse.Namespace, case: dict[str, Any]) -> dict[str, Any]:
                                          "block": args.block}))
         env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                "OMP_NUM_THREADS": "1"}
-        code = spawn([sys.executable, str(Path(__file__).resolve()), "--rank-spec", str(spec_path)], case["stages"],
+        code = spawn([sys.executable, str(Path(__file__).resolve()), "--rank-spec", str(spec_path)],
+                     case["stages"],
                      extra_env=env)
         if code != 0:
             logs = "\n".join(p.read_text()[-2000:] for p in sorted(Path(tmp).glob("rank*.log")))
@@ -293,23 +308,26 @@ def summarise(args: argparse.Namespace, case: dict[str, Any], ranks: list[dict[s
     capped = [m * c / min(stages, args.cores) for c in ranks[0]["ideal_compute_s"]]
     per_round: dict[str, list[float]] = {}
     for n in names:
-        # a step lasts one pipeline period on every rank: average the ranks, then the median of the round's steps
-        # (one step the machine stalled does not make the round)
+        # a step lasts one pipeline period on every rank: average the ranks, then the median of the round's
+        # steps (one step the machine stalled does not make the round)
         rounds = []
         for r in range(len(ideal)):
             step = statistics.median(map(statistics.fmean, zip(*(rank["times"][n][r] for rank in ranks))))
             rounds.append(batch / step)
         per_round[n] = rounds
     def paired(a: str, b: str) -> list[float]:
-        return [x / y for x, y in zip(per_round[a], per_round[b])] if a in per_round and b in per_round else []
+        return [x / y for x, y in zip(per_round[a],
+                                      per_round[b])] if a in per_round and b in per_round else []
 
     rows = []
     for v in case["variants"]:
         n = v["name"]
         thr = per_round[n]
         rows.append({
-            "system": n, "schedule": v["schedule"], "vpipe": v["vpipe"], "micro_batch_size": v["micro_batch_size"],
-            "micro_batches": v["micro_batches"], "samples_per_s": statistics.median(thr), "samples_per_s_rounds": thr,
+            "system": n, "schedule": v["schedule"], "vpipe": v["vpipe"],
+                     "micro_batch_size": v["micro_batch_size"],
+            "micro_batches": v["micro_batches"], "samples_per_s": statistics.median(thr),
+                     "samples_per_s_rounds": thr,
             "vs_gpipe": _spread(paired(n, BASELINE)),
             "vs_without_vpipe": _spread(paired(n, WITHOUT_VPIPE[n])) if n in WITHOUT_VPIPE else None,
             "of_ideal": statistics.median(t * i / batch for t, i in zip(thr, ideal)),
@@ -358,10 +376,12 @@ def print_case(result: dict[str, Any]) -> None:
     virtual = f" ({result['virtual_partition']} on virtual stages)" if result.get("virtual_partition") else ""
     table = Table(title=(f"{result['model']} on {result['stages']} stages: "
                          f"budget {format_bytes(result['budget_bytes'])}"
-                         f" per rank, global batch {result['global_batch']}, partition {result['partition']}{virtual}; "
+                         f" per rank, global batch {result['global_batch']}, partition "
+                         f"{result['partition']}{virtual}; "
                          f"ideal {result['ideal_samples_per_s']:.0f} samples/s "
                          f"({result['ideal_cores_samples_per_s']:.0f} on the cores)"))
-    for col in ("system", "mb x n", "samples/s", "vs without vpipe", f"vs {BASELINE}", "of ideal", "of ideal (cores)",
+    for col in ("system", "mb x n", "samples/s", "vs without vpipe", f"vs {BASELINE}", "of ideal",
+                "of ideal (cores)",
                 "vpipe ended"):
         table.add_column(col, justify="left" if col in ("system", "vpipe ended") else "right",
                          no_wrap=col != "vpipe ended")
@@ -370,8 +390,10 @@ def print_case(result: dict[str, Any]) -> None:
             table.add_row(r["system"], "-", "does not fit", "", "", "", "", "")
             continue
         state = r["vpipe_state"]
-        ended = f"layers {[len(s) for s in state['stages']]}, {' | '.join(state['policies'])}" if state else ""
-        table.add_row(r["system"], f"{r['micro_batch_size']} x {r['micro_batches']}", f"{r['samples_per_s']:.1f}",
+        ended = (f"layers {[len(s) for s in state['stages']]}, {' | '.join(state['policies'])}" if state
+                 else "")
+        table.add_row(r["system"], f"{r['micro_batch_size']} x {r['micro_batches']}",
+                      f"{r['samples_per_s']:.1f}",
                       _ratio_text(r["vs_without_vpipe"]), _ratio_text(r["vs_gpipe"]), f"{r['of_ideal']:.0%}",
                       f"{r['of_ideal_cores']:.0%}", ended)
     Console(width=170).print(table)

@@ -55,7 +55,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--boundary-mib", type=float, default=8.0, help="activations sent to the next stage")
     p.add_argument("--net-gbs", type=float, default=10.0, help="between stages, GB/s")
     p.add_argument("--no-planner", action="store_true", help="leave out the planner's split")
-    p.add_argument("--steps", type=int, default=4, help="simulated steps (the step time is the steady state's)")
+    p.add_argument("--steps", type=int, default=4,
+                   help="simulated steps (the step time is the steady state's)")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--markdown", default=None, help="write the table and the command here")
     args = p.parse_args(argv)
@@ -74,7 +75,8 @@ def even_counts(blocks: int, stages: int) -> list[int]:
 
 
 def speed_aware_counts(costs: Sequence[float], speeds: Sequence[float]) -> list[int]:
-    """Blocks per stage of the contiguous split whose slowest stage (``speeds[k]`` x its blocks' cost) is fastest.
+    """Blocks per stage of the contiguous split whose slowest stage
+    (``speeds[k]`` x its blocks' cost) is fastest.
 
     Exact (a DP over every contiguous split). Many splits tie on the slowest stage, and
     1F1B's step still differs between them (each stage at the bottleneck can hold up the
@@ -129,23 +131,27 @@ def slowest_stage_s(costs: Sequence[float], speeds: Sequence[float], counts: Seq
 
 
 def planner_counts(args: argparse.Namespace, speeds: Sequence[float]) -> tuple[list[int] | None, str]:
-    """The planner's split of the same blocks for these speeds, or None (and why) where it cannot take speeds."""
+    """The planner's split of the same blocks for these speeds, or
+    None (and why) where it cannot take speeds."""
     from vpipe.graph import LayerGraph, LayerNode
     from vpipe.planner.setup import Hardware
     from vpipe.planner.srp import plan_pipeline
 
     if "stage_speeds" not in inspect.signature(plan_pipeline).parameters:
         return None, "vpipe.planner.srp.plan_pipeline takes no stage_speeds yet"
-    nodes = [LayerNode(i, f"block{i}", args.fwd_ms / 1e3, args.bwd_ms / 1e3, 0, 0, i) for i in range(args.blocks)]
+    nodes = [LayerNode(i, f"block{i}", args.fwd_ms / 1e3, args.bwd_ms / 1e3, 0, 0, i)
+             for i in range(args.blocks)]
     edges = [(i, i + 1, int(args.boundary_mib * 2**20)) for i in range(args.blocks - 1)]
     result = plan_pipeline(LayerGraph("identical blocks", nodes, edges), args.stages, schedule="1f1b",
-                           micro_batches=args.micro_batches, hardware=Hardware(net_bytes_per_s=args.net_gbs * 1e9),
+                           micro_batches=args.micro_batches,
+                           hardware=Hardware(net_bytes_per_s=args.net_gbs * 1e9),
                            stage_speeds=list(speeds))
     kept = all(policy.value == "D" for policy in result.policies.values())
     return [len(stage) for stage in result.stages], "" if kept else "the planner chose swaps or recomputes"
 
 
-def run_case(args: argparse.Namespace, name: str, about: str, counts: list[int], speeds: list[float]) -> dict[str, Any]:
+def run_case(args: argparse.Namespace, name: str, about: str, counts: list[int],
+             speeds: list[float]) -> dict[str, Any]:
     """Simulate one split on one set of devices."""
     send_s = args.boundary_mib * 2**20 / (args.net_gbs * 1e9)
     per_stage = [StageCost(fwd_s=n * args.fwd_ms / 1e3, bwd_s=n * args.bwd_ms / 1e3,
@@ -174,8 +180,10 @@ def project(args: argparse.Namespace) -> dict[str, Any]:
         planner, dp = cases[-1], cases[2]
         same = abs(planner["slowest_stage_s"] - dp["slowest_stage_s"]) <= 1e-9 * dp["slowest_stage_s"]
         note = note or (f"{'the same' if same else 'NOT the same'} slowest stage as the DP's "
-                        f"({planner['slowest_stage_s'] * 1e3:.1f} ms against {dp['slowest_stage_s'] * 1e3:.1f}), "
-                        f"{'the same split' if planner['counts'] == dp['counts'] else 'another split'}, a step "
+                        f"({planner['slowest_stage_s'] * 1e3:.1f} ms against "
+                        f"{dp['slowest_stage_s'] * 1e3:.1f}), "
+                        f"{'the same split' if planner['counts'] == dp['counts'] else 'another split'}, "
+                        "a step "
                         f"{planner['step_s'] / dp['step_s']:.3f}x the DP split's")
     for case in cases:
         case["vs_a"] = case["step_s"] / cases[0]["step_s"]
@@ -190,7 +198,8 @@ def markdown(out: dict[str, Any], command: str) -> str:
     cfg, cases = out["config"], out["cases"]
     lines = [f"{cfg['blocks']} identical blocks on {cfg['stages']} stages, 1F1B, {cfg['micro_batches']} "
              f"micro-batches; a block {cfg['fwd_ms']:g} ms forward + {cfg['bwd_ms']:g} ms backward, "
-             f"{cfg['boundary_mib']:g} MiB to the next stage at {cfg['net_gbs']:g} GB/s (synthetic); the slow "
+             f"{cfg['boundary_mib']:g} MiB to the next stage at {cfg['net_gbs']:g} GB/s "
+             "(synthetic); the slow "
              f"device's compute takes {cfg['slowdown']:g}x, its transfers do not. Simulated step time:", "",
              "| case | devices and split | blocks per stage | slowest stage (ms per micro-batch) | step (ms) "
              "| vs (a) | vs (b) |", "|---|---|---|---|---|---|---|"]
@@ -200,10 +209,14 @@ def markdown(out: dict[str, Any], command: str) -> str:
                      f"| {c['vs_b']:.3f}x |")
     a, b, c = (x["step_s"] for x in cases[:3])
     recovered = (b - c) / (b - a) if b > a else 0.0
-    lines += ["", f"The slow device costs the even split {b / a - 1:.1%} of its step; knowing the speeds, the split "
-              f"gives back {recovered:.0%} of that ({c / a - 1:+.1%} over (a)). Whole blocks are the limit: shared in "
-              f"proportion to the devices' speeds, the slowest stage would be {out['fractional_bound_s'] * 1e3:.1f} ms "
-              f"per micro-batch. Planner: {out['planner']}.", "", "Produced by:", "", "```bash", command, "```", ""]
+    lines += ["", f"The slow device costs the even split {b / a - 1:.1%} of its step; knowing "
+                  "the speeds, the split "
+              f"gives back {recovered:.0%} of that ({c / a - 1:+.1%} over (a)). Whole blocks are "
+              "the limit: shared in "
+              "proportion to the devices' speeds, the slowest stage would be "
+              f"{out['fractional_bound_s'] * 1e3:.1f} ms "
+              f"per micro-batch. Planner: {out['planner']}.", "", "Produced by:", "", "```bash", command,
+              "```", ""]
     return "\n".join(lines)
 
 
@@ -212,12 +225,17 @@ def print_table(out: dict[str, Any]) -> None:
     from rich.table import Table
 
     cfg = out["config"]
-    table = Table(title=f"{cfg['blocks']} blocks on {cfg['stages']} stages, 1F1B, {cfg['micro_batches']} "
-                        f"micro-batches, stage {cfg['slow_stage']} {cfg['slowdown']:g}x slower in (b) and (c)")
-    for col in ("case", "devices and split", "blocks per stage", "slowest stage ms/mb", "step ms", "vs (a)", "vs (b)"):
-        table.add_column(col, justify="left" if col in ("case", "devices and split", "blocks per stage") else "right")
+    table = Table(
+        title=f"{cfg['blocks']} blocks on {cfg['stages']} stages, 1F1B, {cfg['micro_batches']} "
+        f"micro-batches, stage {cfg['slow_stage']} {cfg['slowdown']:g}x slower in (b) and (c)"
+    )
+    for col in ("case", "devices and split", "blocks per stage", "slowest stage ms/mb", "step ms", "vs (a)",
+                "vs (b)"):
+        table.add_column(col, justify="left" if col in ("case", "devices and split", "blocks per stage")
+                         else "right")
     for c in out["cases"]:
-        table.add_row(c["case"], c["about"], ",".join(map(str, c["counts"])), f"{c['slowest_stage_s'] * 1e3:.1f}",
+        table.add_row(c["case"], c["about"], ",".join(map(str, c["counts"])),
+                      f"{c['slowest_stage_s'] * 1e3:.1f}",
                       f"{c['step_s'] * 1e3:.1f}", f"{c['vs_a']:.3f}x", f"{c['vs_b']:.3f}x")
     console = Console(width=170)
     console.print(table)
@@ -237,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.markdown:
         given = sys.argv[1:] if argv is None else argv
         command = shlex.join(["python", "benchmarks/uneven_projection.py", *given])
-        title = f"# Draft: one slow device in a {args.stages}-stage pipeline (`benchmarks/uneven_projection.py`)"
+        title = (f"# Draft: one slow device in a {args.stages}-stage pipeline "
+                 "(`benchmarks/uneven_projection.py`)")
         Path(args.markdown).write_text(f"{title}\n\n{markdown(out, command)}")
     return 0
 

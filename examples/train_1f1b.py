@@ -75,7 +75,8 @@ def main() -> None:
         import vpipe
 
         vpipe.attach(schedule, optimizer=optimizer, layer_factory=make_layer, planning=not args.no_planning,
-                     sample_every=2, planner_options={"warmup_samples": 1, "cooldown_steps": 4}, log_file=args.log_file)
+                     sample_every=2, planner_options={"warmup_samples": 1, "cooldown_steps": 4},
+                     log_file=args.log_file)
 
     losses_per_step = []
     for step in range(args.steps):

@@ -110,8 +110,10 @@ def split_model(model: Transformer, stage: int, counts: list[int]) -> Transforme
 
 
 def parallelize(model: Transformer, mesh: DeviceMesh) -> None:
-    """torchtitan's tensor-parallel plan on every block (no SequenceParallel), FSDP2 over dp if the mesh has it."""
-    plan = {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
+    """torchtitan's tensor-parallel plan on every block (no
+    SequenceParallel), FSDP2 over dp if the mesh has it."""
+    plan = {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(), "feed_forward.w1": ColwiseParallel(),
             "feed_forward.w3": ColwiseParallel(), "feed_forward.w2": RowwiseParallel()}
     names = mesh.mesh_dim_names or ()
@@ -138,7 +140,8 @@ def batch(step: int, replica: int, size: int, seq_len: int, vocab: int) -> tuple
 
 def train_step(schedule: Any, optimizer: torch.optim.Optimizer, pp_rank: int, pp: int, x: torch.Tensor,
                y: torch.Tensor) -> list[float]:
-    """One step on this pipeline rank: the first feeds the batch, the last the targets; its micro-batch losses."""
+    """One step on this pipeline rank: the first feeds the batch,
+    the last the targets; its micro-batch losses."""
     losses: list[torch.Tensor] = []
     if pp_rank == 0:
         schedule.step(x)
@@ -152,7 +155,8 @@ def train_step(schedule: Any, optimizer: torch.optim.Optimizer, pp_rank: int, pp
 
 
 def full_state(modules: list[nn.Module]) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer whole (DTensors gathered), by global key: comparable with a run without TP."""
+    """Every parameter and buffer whole (DTensors gathered), by
+    global key: comparable with a run without TP."""
     state: dict[str, torch.Tensor] = {}
     for module in modules:
         for key, value in module.state_dict().items():
@@ -167,13 +171,15 @@ def main() -> None:
     parser.add_argument("--mesh", default="pp,tp", help="mesh dimensions in order, of pp, tp and dp")
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--dp", type=int, default=2)
-    parser.add_argument("--partition", default=None, help="blocks per stage (default 6,2; interleaved 3,3,1,1)")
+    parser.add_argument("--partition", default=None,
+                        help="blocks per stage (default 6,2; interleaved 3,3,1,1)")
     parser.add_argument("--dim", type=int, default=int(os.environ.get("EXAMPLE_WIDTH", "64")))
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--micro-batch-size", type=int, default=2)
     parser.add_argument("--vpipe", action="store_true", help="attach vpipe (the one line below)")
-    parser.add_argument("--out", default=None, help="write the losses and every rank's whole state here (JSON + .pt)")
+    parser.add_argument("--out", default=None,
+                        help="write the losses and every rank's whole state here (JSON + .pt)")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
@@ -184,9 +190,11 @@ def main() -> None:
     counts = [int(c) for c in (args.partition or ("3,3,1,1" if interleaved else "6,2")).split(",")]
     pp = len(counts) // 2 if interleaved else len(counts)
     sizes = {"pp": pp, "tp": args.tp, "dp": args.dp}
-    if sorted(names) not in (["pp", "tp"], ["dp", "pp", "tp"], ["dp", "pp"]) or math.prod(sizes[n] for n in names) \
+    if sorted(names) not in (["pp", "tp"], ["dp", "pp", "tp"], ["dp", "pp"]) or math.prod(sizes[n]
+                                                                                          for n in names) \
             != world:
-        raise SystemExit(f"--mesh {args.mesh} with pp={pp} tp={args.tp} dp={args.dp} does not cover {world} ranks")
+        raise SystemExit(f"--mesh {args.mesh} with pp={pp} tp={args.tp} dp={args.dp} does "
+                         f"not cover {world} ranks")
     mesh = init_device_mesh("cpu", tuple(sizes[n] for n in names), mesh_dim_names=names)
     pp_rank, replica = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank() if "dp" in names else 0
     model_args = ModelArgs(dim=args.dim, n_layers=sum(counts))
@@ -211,7 +219,8 @@ def main() -> None:
     losses_per_step, step_s = [], []
     for step in range(args.steps):
         started = time.perf_counter()
-        x, y = batch(step, replica, args.micro_batches * args.micro_batch_size, args.seq_len, model_args.vocab_size)
+        x, y = batch(step, replica, args.micro_batches * args.micro_batch_size, args.seq_len,
+                     model_args.vocab_size)
         losses_per_step.append(train_step(schedule, optimizer, pp_rank, pp, x, y))
         step_s.append(time.perf_counter() - started)
         if rank == 0 and step % 10 == 0:

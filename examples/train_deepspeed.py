@@ -1,4 +1,5 @@
-"""A GPT-style model trained by DeepSpeed's pipeline engine, the way GPT-NeoX and Megatron-DeepSpeed build theirs.
+"""A GPT-style model trained by DeepSpeed's pipeline engine, the way
+GPT-NeoX and Megatron-DeepSpeed build theirs.
 
 The model is a ``PipelineModule`` of ``LayerSpec``s (an embedding, ``--layers`` transformer
 blocks, a final norm and head, the loss computed on the last stage) partitioned by
@@ -84,7 +85,8 @@ def layer_specs(args: argparse.Namespace) -> list[Any]:
     blocks = [LayerSpec(Block, dim, args.heads, args.heavy_repeat if i < args.heavy else 1)
               for i in range(args.layers)]
     if args.tied:
-        return [TiedLayerSpec("embed", Embedding, vocab, dim, args.seq), *blocks, LayerSpec(nn.LayerNorm, dim),
+        return [TiedLayerSpec("embed", Embedding, vocab, dim, args.seq), *blocks,
+                LayerSpec(nn.LayerNorm, dim),
                 TiedLayerSpec("embed", Embedding, vocab, dim, args.seq, forward_fn=tied_head)]
     return [LayerSpec(Embedding, vocab, dim, args.seq), *blocks, LayerSpec(Head, dim, vocab)]
 
@@ -141,7 +143,8 @@ def build_engine(args: argparse.Namespace) -> Any:
     # (DeepSpeed checkpoints every layer with parameters unless told which: not the embedding, whose input
     # tokens need no gradient)
     module = PipelineModule(layers=layer_specs(args), num_stages=args.stages, loss_fn=cross_entropy,
-                            partition_method=args.partition, activation_checkpoint_interval=args.checkpoint_interval,
+                            partition_method=args.partition,
+                            activation_checkpoint_interval=args.checkpoint_interval,
                             checkpointable_layers=["Block"] if args.checkpoint_interval else None)
     engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=[p for p in module.parameters()
                                                                            if p.requires_grad],
@@ -166,7 +169,9 @@ def main(argv: list[str] | None = None) -> None:
         times.append(time.perf_counter() - started)
         losses.append(float(loss))
     if dist.get_rank() == 0:
-        print(f"losses {losses[0]:.4f} -> {losses[-1]:.4f}; median step {sorted(times)[len(times) // 2]:.4f}s")
+        print(
+            f"losses {losses[0]:.4f} -> {losses[-1]:.4f}; median step {sorted(times)[len(times) // 2]:.4f}s"
+        )
         if args.out:
             with open(args.out, "w") as f:
                 json.dump({"losses": losses, "step_s": times, "world": dist.get_world_size(),

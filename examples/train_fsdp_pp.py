@@ -1,4 +1,5 @@
-"""Pipeline parallel inside a mesh, torchtitan's way: FSDP2 over ``dp``, the pipeline over ``pp``, plus the one line.
+"""Pipeline parallel inside a mesh, torchtitan's way: FSDP2 over
+``dp``, the pipeline over ``pp``, plus the one line.
 
 Run with torchrun (4 ranks: 2 pipeline stages x 2 data-parallel shards; gloo on CPU, NCCL with one GPU
 per rank, which has not been run yet)::

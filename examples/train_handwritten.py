@@ -29,7 +29,8 @@ SEQ = 16
 
 def train_step(module: nn.Module, rank: int, world: int, x: torch.Tensor, y: torch.Tensor,
                micro_batches: int) -> list[float]:
-    """GPipe by hand: all forwards, then all backwards; activations and gradients cross stages by send/recv."""
+    """GPipe by hand: all forwards, then all backwards; activations
+    and gradients cross stages by send/recv."""
     inputs, outputs, losses = [], [], []
     for xb, yb in zip(x.chunk(micro_batches), y.chunk(micro_batches)):
         if rank == 0:

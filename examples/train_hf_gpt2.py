@@ -26,7 +26,8 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 
 class GPT2Stage(nn.Module):
-    """One pipeline stage of a GPT-2: a slice of its blocks, with the embeddings or the head where they belong."""
+    """One pipeline stage of a GPT-2: a slice of its blocks, with
+    the embeddings or the head where they belong."""
 
     def __init__(self, model: GPT2LMHeadModel, first: int, last: int, is_first: bool, is_last: bool) -> None:
         super().__init__()
@@ -77,7 +78,8 @@ def main() -> None:
     parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--micro-batch-size", type=int, default=2)
     parser.add_argument("--vpipe", action="store_true", help="attach vpipe (the one line below)")
-    parser.add_argument("--out", default=None, help="write the losses and this stage's state here (JSON + .pt)")
+    parser.add_argument("--out", default=None,
+                        help="write the losses and this stage's state here (JSON + .pt)")
     args = parser.parse_args()
 
     torch.set_num_threads(1)

@@ -1,4 +1,5 @@
-"""Several stages per rank, the way torchtitan runs them: Interleaved 1F1B, LoopedBFS, the zero-bubble schedules.
+"""Several stages per rank, the way torchtitan runs them: Interleaved
+1F1B, LoopedBFS, the zero-bubble schedules.
 
 Run with torchrun (2 ranks, 2 virtual stages each)::
 

@@ -40,9 +40,11 @@ def main() -> None:
     parser.add_argument("--micro-batch-size", type=int, default=2)
     parser.add_argument("--vertical-sync", action="store_true")
     parser.add_argument("--vpipe", action="store_true", help="attach vpipe (the one line below)")
-    parser.add_argument("--no-planning", action="store_true", help="with --vpipe: no planner (moves only by --move)")
+    parser.add_argument("--no-planning", action="store_true",
+                        help="with --vpipe: no planner (moves only by --move)")
     parser.add_argument("--move", default=None, help="with --vpipe: STEP:COUNTS, e.g. 3:4,4")
-    parser.add_argument("--out", default=None, help="write the losses and this stage's state here (JSON + .pt)")
+    parser.add_argument("--out", default=None,
+                        help="write the losses and this stage's state here (JSON + .pt)")
     args = parser.parse_args()
 
     torch.set_num_threads(1)

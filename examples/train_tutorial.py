@@ -92,7 +92,8 @@ def main() -> None:
     parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--micro-batch-size", type=int, default=2)
     parser.add_argument("--vpipe", action="store_true", help="attach vpipe (the one line below)")
-    parser.add_argument("--out", default=None, help="write the losses and this stage's state here (JSON + .pt)")
+    parser.add_argument("--out", default=None,
+                        help="write the losses and this stage's state here (JSON + .pt)")
     args = parser.parse_args()
 
     torch.set_num_threads(1)

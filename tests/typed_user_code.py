@@ -1,4 +1,5 @@
-"""A user's code against vpipe's public names, as their type checker reads it: mypy checks it, nothing runs it.
+"""A user's code against vpipe's public names, as their type checker
+reads it: mypy checks it, nothing runs it.
 
 pyproject's ``[tool.mypy]`` lists this file and holds it to ``--strict``. It fails the type
 check when a public name loses its type: ``assert_type`` states what a user's checker must

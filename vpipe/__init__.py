@@ -2,13 +2,13 @@
 
 The public API::
 
-    vp = vpipe.attach(schedule, optimizer=opt)     # the one line (see vpipe._attach)
-    vpipe.Plan, vpipe.Policy                       # placements and keep/swap/recompute policies
-    vpipe.VpipeConfig                              # every option of attach, validated
-    vpipe.SchedulePipeDream                        # asynchronous 1F1B with weight stashing
-    vpipe.SchedulePipeDream2BW                     # PipeDream-2BW: 1F1B, two weight versions, one update a step
-    vpipe.ScheduleWPipe                            # WPipe: two stages a rank, groups G0/G1 updated alternately
-    vpipe.global_block_keys, vpipe.local_block_keys  # DCP keys for stages that number blocks locally
+    vp = vpipe.attach(schedule, optimizer=opt)     # the one line (see vpipe._attach) vpipe.Plan,
+    vpipe.Policy                       # placements and keep/swap/recompute policies vpipe.VpipeConfig
+    # every option of attach, validated vpipe.SchedulePipeDream                        # asynchronous
+    1F1B with weight stashing vpipe.SchedulePipeDream2BW                     # PipeDream-2BW: 1F1B, two
+    weight versions, one update a step vpipe.ScheduleWPipe                            # WPipe: two
+    stages a rank, groups G0/G1 updated alternately vpipe.global_block_keys, vpipe.local_block_keys  #
+    DCP keys for stages that number blocks locally
 
 Names are imported on first use, so light commands (``vpipe logs``) do not load torch; the
 ``TYPE_CHECKING`` imports below show a type checker the same names with their real types.
@@ -44,7 +44,8 @@ _PUBLIC = {
     "global_block_keys": "vpipe.checkpoint.block_keys",
     "local_block_keys": "vpipe.checkpoint.block_keys",
 }
-__all__ = ["Plan", "Policy", "SchedulePipeDream", "SchedulePipeDream2BW", "ScheduleWPipe", "Vpipe", "VpipeConfig",
+__all__ = ["Plan", "Policy", "SchedulePipeDream", "SchedulePipeDream2BW", "ScheduleWPipe", "Vpipe",
+           "VpipeConfig",
            "__version__", "attach", "global_block_keys", "local_block_keys"]
 
 

@@ -38,7 +38,8 @@ from vpipe.settings import Settings
 from vpipe.stage.pipeline import AttachTarget
 from vpipe.tensor_manager import TensorManager
 
-# one optimizer over the rank's stages, or one per stage module: a list, or a container holding ``.optimizers``
+# one optimizer over the rank's stages, or one per stage module: a
+# list, or a container holding ``.optimizers``
 OptimizerArg = torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None
 
 __all__ = ["attach", "Vpipe", "VpipeConfig", "AUTO_BUDGET", "DEFAULT_PLANNER", "resolve_memory_budget"]
@@ -48,15 +49,16 @@ def attach(target: AttachTarget, *, optimizer: OptimizerArg = None, config: Vpip
            store: Store | None = None, **options: Any) -> Vpipe:
     """Turn vpipe on for this rank's stages. Every rank of the run must call it (it is collective).
 
-    ``target`` is the trainer's schedule, DeepSpeed engine or stage module; ``optimizer`` the optimizer of
-    this rank's stages (a PipeDream schedule and a DeepSpeed engine bring their own), or one optimizer per stage
-    module in a list or a container holding them as ``.optimizers`` (torchtitan's); ``options`` override
-    :class:`VpipeConfig` fields. ``store`` is the run's c10d store (default: the one
-    ``torch.distributed`` was initialised with).
+    ``target`` is the trainer's schedule, DeepSpeed engine or stage module; ``optimizer`` the
+    optimizer of this rank's stages (a PipeDream schedule and a DeepSpeed engine bring their own), or
+    one optimizer per stage module in a list or a container holding them as ``.optimizers``
+    (torchtitan's); ``options`` override :class:`VpipeConfig` fields. ``store`` is the run's c10d
+    store (default: the one ``torch.distributed`` was initialised with).
     """
     if config is not None and options:
         raise TypeError("pass either config= or keyword options, not both")
-    settings = check_environment()  # every VPIPE_* variable, read once per process, checked here and handed on
+    # every VPIPE_* variable, read once per process, checked here and handed on
+    settings = check_environment()
     config = config or VpipeConfig.from_settings(settings, **options)
     return Vpipe(target, optimizer=optimizer, config=config, store=store, settings=settings)
 
@@ -67,11 +69,13 @@ class Vpipe:
     def __init__(self, target: AttachTarget, *, optimizer: OptimizerArg, config: VpipeConfig,
                  store: Store | None = None, settings: Settings | None = None) -> None:
         if not dist.is_initialized():
-            raise RuntimeError("vpipe.attach needs torch.distributed initialised first (torchrun or vpipe train)")
+            raise RuntimeError("vpipe.attach needs torch.distributed initialised first "
+                               "(torchrun or vpipe train)")
         self.config = config
         self.settings = settings if settings is not None else check_environment()
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()  # in the world (logs, files)
-        # all or nothing: a step that fails undoes every one before it, and the trainer's objects are as they were
+        # all or nothing: a step that fails undoes every one before it,
+        # and the trainer's objects are as they were
         built = build_rank(target, optimizer=optimizer, config=config, store=store, settings=self.settings,
                            rank=self.rank, world_size=self.world_size)
         self._cleanups = built.cleanups  # the detach: every undo, registered as its part was made
@@ -80,14 +84,16 @@ class Vpipe:
         self.pipeline = built.pipeline
         self.optimizer = built.optimizer  # several optimizers (per model part, or per stage) read as one
         self.stage_index, self.num_stages = self.pipeline.first.index, self.pipeline.num_stages
-        self.replicas, self.pipe_rank = built.replicas, self.pipeline.rank  # peers by rank in the pipeline's group
+        # peers by rank in the pipeline's group
+        self.replicas, self.pipe_rank = built.replicas, self.pipeline.rank
         self.agreement, self.keys = built.agreement, built.keys
         self.norms, self.carried, self.move_refusal = built.norms, built.carried, built.move_refusal
         self.memory_budget, self.memories = built.memory_budget, built.memories
         self.stage_handles, self.tensor_managers = built.stage_handles, built.tensor_managers
         self.session, self.layer_manager = built.session, built.layer_manager
         self.plan_in_force = built.plan_in_force  # the one owner of the plan in force
-        self._parts, self.boundary, self.driver, self.edits = built.parts, built.boundary, built.driver, built.edits
+        self._parts, self.boundary, self.driver, self.edits = (built.parts, built.boundary, built.driver,
+                                                               built.edits)
         atexit.register(self._at_exit)  # a script that never calls detach() still shuts vpipe down cleanly
 
     @property
@@ -101,7 +107,8 @@ class Vpipe:
         self.boundary.request(plan, at_step, self.driver.iteration)
 
     def add_layers(self, position: int, specs: list[Any]) -> list[int]:
-        """Insert layers before model position ``position`` (every rank calls it at the same step boundary)."""
+        """Insert layers before model position ``position`` (every
+        rank calls it at the same step boundary)."""
         return self.edits.add_layers(position, specs)
 
     def remove_layers(self, layer_ids: list[int]) -> None:
@@ -136,35 +143,40 @@ class Vpipe:
                 "iteration": self.driver.iteration}
 
     def state_dict(self) -> dict[str, Any]:
-        """vpipe's part of a checkpoint (plain JSON values): plan epoch, step, placement, policies, next layer id."""
+        """vpipe's part of a checkpoint (plain JSON values): plan
+        epoch, step, placement, policies, next layer id."""
         return vpipe_state(self._parts, self.driver.iteration)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from a checkpoint's vpipe state (every rank calls it with the same state, before a step)."""
+        """Continue from a checkpoint's vpipe state (every rank
+        calls it with the same state, before a step)."""
         restore_vpipe_state(state, self._parts, driver=self.driver, hand_written=self.engine.hand_written,
                             who=self.stage_index)
 
     def fixed_bytes(self) -> int:
-        """Bytes this rank's stages hold whatever their activation policies (weights, gradients, optimizer state)."""
+        """Bytes this rank's stages hold whatever their activation
+        policies (weights, gradients, optimizer state)."""
         return sum(memory.fixed_bytes() for memory in self.memories.values())
 
     def memory_report(self) -> dict[str, Any]:
         """This rank's memory as vpipe accounts it: budget, fixed bytes, peak saved activations, policies."""
         peak = sum(tm.ledger.peak for tm in self.tensor_managers.values())
         fixed = self.fixed_bytes()
-        policies = {str(lid): p.value for tm in self.tensor_managers.values() for lid, p in tm.policies().items()}
+        policies = {str(lid): p.value for tm in self.tensor_managers.values()
+                    for lid, p in tm.policies().items()}
         return {"budget_bytes": self.memory_budget, "fixed_bytes": fixed, "peak_saved_bytes": peak,
                 "footprint_bytes": fixed + peak, "policies": policies}
 
     # ------------------------------------------------------------------ the end
     def _at_exit(self) -> None:
-        if not self._detached:  # after an uncaught exception the peers' last stats may never come: no wait for them
+        # after an uncaught exception the peers' last stats may never come: no wait for them
+        if not self._detached:
             self._cleanups.wait_s = 0.0 if getattr(sys, "last_value", None) is not None else 5.0
             self.detach()
 
     def detach(self) -> None:
-        """Remove every hook and wrapper vpipe installed, and this rank's store keys (the current placement stays):
-        the undos the attach registered as it made each part, newest first."""
+        """Remove every hook and wrapper vpipe installed, and this rank's store keys (the current placement
+        stays): the undos the attach registered as it made each part, newest first."""
         if self._detached:
             return
         self._detached = True

@@ -1,5 +1,5 @@
-"""The one way a configuration says what is wrong with it: ``ValueError`` with a message that names the field, in a
-line a terminal can show (:func:`shorten`)."""
+"""The one way a configuration says what is wrong with it: ``ValueError`` with a message that names the
+field, in a line a terminal can show (:func:`shorten`)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,9 @@ def require(ok: bool, message: str) -> None:
 
 
 def shorten(line: str) -> str:
-    """``line`` with every run of more than :data:`LONGEST_WORD` non-space characters cut to its first 80, as the
-    settings' errors cut a value: a 100,000-character argument echoed in full buried the one line that names it."""
+    """``line`` with every run of more than :data:`LONGEST_WORD` non-space characters
+    cut to its first 80, as the settings' errors cut a value: a 100,000-character
+    argument echoed in full buried the one line that names it."""
     def cut(found: re.Match[str]) -> str:
         value = found.group().rstrip(":;,.")  # the punctuation after it stays
         return f"{value[:80]}... ({len(value):,} characters){found.group()[len(value):]}"

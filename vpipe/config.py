@@ -32,8 +32,9 @@ AUTO_BUDGET = "auto"
 
 
 def _default(name: str) -> Any:
-    """A field whose default a ``VPIPE_*`` variable sets: this process's settings, read once (a config made by
-    ``attach(**options)`` gets every one from the settings attach checked, :meth:`VpipeConfig.from_settings`)."""
+    """A field whose default a ``VPIPE_*`` variable sets: this process's settings,
+    read once (a config made by ``attach(**options)`` gets every one from the
+    settings attach checked, :meth:`VpipeConfig.from_settings`)."""
     return field(default_factory=lambda: getattr(process_settings(), name))
 
 
@@ -72,23 +73,28 @@ class VpipeConfig:
     memory_budget: int | str | None = AUTO_BUDGET
     planning: bool = True  # run the planner daemon and apply its plans
     planner: str = DEFAULT_PLANNER  # the daemon's planner function (module:function): the online SRP planner
-    # monitor every k-th step after attach and after each change (a plan, an edit, a change the pulse saw): the
-    # planner hears of an uneven split within a few steps
+    # monitor every k-th step after attach and after each change (a plan, an edit, a change the pulse saw):
+    # the planner hears of an uneven split within a few steps
     sample_every: int = 2
-    # while nothing changes the interval doubles every 5 samples up to this (None: 40 * sample_every; sample_every:
-    # never back off); the pulse (every step's stage forward time) asks for samples again when something changes
+    # while nothing changes the interval doubles every 5 samples up to this (None: 40 *
+    # sample_every; sample_every: never back off); the pulse (every step's stage
+    # forward time) asks for samples again when something changes
     max_sample_every: int | None = None
     layers: str | None = None  # dotted path of the block container in the stage module (default: found)
-    layer_factory: Callable[[int, Any], nn.Module] | None = None  # builds a layer by (id, spec); default: clone one
-    specs: Mapping[int, Any] | None = None  # layer id -> spec handed to the factory (plain msgpack-able values)
-    # weight averages of the stage module that move with its blocks: torch's AveragedModel, dicts of tensors keyed
-    # by parameter name (vpipe.migration.carried); on_move(BlockMoves) hears of each commit that moved blocks
+    # builds a layer by (id, spec); default: clone one
+    layer_factory: Callable[[int, Any], nn.Module] | None = None
+    # layer id -> spec handed to the factory (plain msgpack-able values)
+    specs: Mapping[int, Any] | None = None
+    # weight averages of the stage module that move with its blocks: torch's AveragedModel,
+    # dicts of tensors keyed by parameter name (vpipe.migration.carried);
+    # on_move(BlockMoves) hears of each commit that moved blocks
     carry: Sequence[Any] = ()
     on_move: Callable[[Any], object] | None = None
     policies: Mapping[int, Policy | str] | None = None  # initial keep/swap/recompute per layer (default keep)
     tensor_manager: bool = True
-    # every BatchNorm of the stage modules updates its running statistics once per step, from the whole mini-batch,
-    # not once per micro-batch (vpipe.stage.batch_norm); outputs and gradients stay plain BatchNorm's
+    # every BatchNorm of the stage modules updates its running statistics once per
+    # step, from the whole mini-batch, not once per micro-batch
+    # (vpipe.stage.batch_norm); outputs and gradients stay plain BatchNorm's
     deferred_batch_norm: bool = False
     min_swap_bytes: int | None = None
     host_pool_bytes: int | None = None
@@ -96,9 +102,11 @@ class VpipeConfig:
     # how long attach (and a layer edit) waits for every rank to make the same call
     agree_timeout_s: float = _default("agree_timeout_s")  # default: $VPIPE_AGREE_TIMEOUT, else 120
     apply_lag_steps: int = 2  # stage 0 schedules a plan this many steps after it has it
-    micro_batches: int | None = None  # per step of a hand-written loop (the planner models the pipeline with it)
-    # the planner's configuration, plain JSON values: for the default planner, OnlineConfig fields (attach adds
-    # the pipeline's schedule, micro-batches, budget); another planner gets them in its configured(config)
+    # per step of a hand-written loop (the planner models the pipeline with it)
+    micro_batches: int | None = None
+    # the planner's configuration, plain JSON values: for the default planner,
+    # OnlineConfig fields (attach adds the pipeline's schedule, micro-batches,
+    # budget); another planner gets them in its configured(config)
     planner_options: dict[str, Any] = field(default_factory=dict)
     # JSON lines of every decision; default: $VPIPE_LOG_FILE, so a one-line attach can be logged from outside
     log_file: str | None = _default("log_file")
@@ -106,8 +114,8 @@ class VpipeConfig:
     # $VPIPE_TRACE_STEPS ("start,count"); each rank writes trace_dir/timeline-rank{r}.json at the window's end
     trace_steps: tuple[int, int] | None = _default("trace_steps")
     trace_dir: str = _default("trace_dir")  # default: $VPIPE_TRACE_DIR, else vpipe-trace
-    # per-step scalars to "tensorboard", "wandb" or both ("tensorboard,wandb"); default: $VPIPE_METRICS; written to
-    # metrics_dir/rank{r} (vpipe.rank.metrics lists the fields)
+    # per-step scalars to "tensorboard", "wandb" or both ("tensorboard,wandb"); default: $VPIPE_METRICS;
+    # written to metrics_dir/rank{r} (vpipe.rank.metrics lists the fields)
     metrics: str | None = _default("metrics")
     metrics_dir: str = _default("metrics_dir")  # default: $VPIPE_METRICS_DIR, else vpipe-metrics
 
@@ -120,7 +128,8 @@ class VpipeConfig:
 
     @property
     def sampling_cap(self) -> int:
-        """The longest interval between sampled steps (``max_sample_every``, default 40 * ``sample_every``)."""
+        """The longest interval between sampled steps (``max_sample_every``,
+        default 40 * ``sample_every``)."""
         return self.max_sample_every if self.max_sample_every is not None else 40 * self.sample_every
 
     def __post_init__(self) -> None:
@@ -143,18 +152,21 @@ class VpipeConfig:
              f"max_sample_every must be an integer >= sample_every ({self.sample_every}) or None, "
              f"got {self.max_sample_every!r}")
         for name in ("planning", "tensor_manager", "deferred_batch_norm"):
-            need(isinstance(getattr(self, name), bool), f"{name} must be True or False, got {getattr(self, name)!r}")
+            need(isinstance(getattr(self, name), bool),
+                 f"{name} must be True or False, got {getattr(self, name)!r}")
         need(isinstance(self.planner, str) and ":" in self.planner,
              f"planner must be 'module:function', got {self.planner!r}")
         need(self.layer_factory is None or callable(self.layer_factory), "layer_factory must be callable")
-        need(isinstance(self.carry, (list, tuple)), f"carry must be a list of weight averages (AveragedModel, dicts "
+        need(isinstance(self.carry, (list, tuple)),
+             f"carry must be a list of weight averages (AveragedModel, dicts "
              f"of tensors by parameter name), got a {type(self.carry).__name__}")
         need(self.on_move is None or callable(self.on_move), "on_move must be callable")
         need(self.layers is None or (isinstance(self.layers, str) and bool(self.layers.strip())),
              f"layers must be the dotted path of the block container (e.g. 'layers'), got {self.layers!r}")
         need(_seconds(self.migration_timeout_s),
              f"migration_timeout_s must be positive, got {self.migration_timeout_s!r}")
-        need(_seconds(self.agree_timeout_s), f"agree_timeout_s must be positive, got {self.agree_timeout_s!r}")
+        need(_seconds(self.agree_timeout_s),
+             f"agree_timeout_s must be positive, got {self.agree_timeout_s!r}")
         need(_int_in(self.apply_lag_steps, 1, _MAX_LAG_STEPS),
              f"apply_lag_steps must be an integer in [1, {_MAX_LAG_STEPS}], got {self.apply_lag_steps!r}")
         need(self.policies is None or (isinstance(self.policies, Mapping)
@@ -162,7 +174,8 @@ class VpipeConfig:
              f"policies must map layer ids (integers >= 0) to 'D', 'S' or 'R', got {self.policies!r:.80}")
         for pol in (self.policies or {}).values():
             Policy.parse(pol.value if isinstance(pol, Policy) else pol)
-        need(self.specs is None or isinstance(self.specs, Mapping), f"specs must be a mapping, got {self.specs!r:.80}")
+        need(self.specs is None or isinstance(self.specs, Mapping),
+             f"specs must be a mapping, got {self.specs!r:.80}")
         need(isinstance(self.planner_options, dict) and _plain_json(self.planner_options),
              f"planner_options must be a dict of plain JSON values, got {self.planner_options!r:.80}")
         need(self.min_swap_bytes is None or _int_in(self.min_swap_bytes, 0, MAX_BYTES),
@@ -177,7 +190,8 @@ class VpipeConfig:
             steps = tuple(self.trace_steps) if isinstance(self.trace_steps, (tuple, list)) else ()
             need(len(steps) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in steps)
                  and steps[0] >= 0 and steps[1] >= 1,
-                 f"trace_steps must be (start, count) with start >= 0 and count >= 1, got {self.trace_steps!r}")
+                 "trace_steps must be (start, count) with start >= 0 and count >= 1, got "
+                 f"{self.trace_steps!r}")
             self.trace_steps = (steps[0], steps[1])
         need(isinstance(self.trace_dir, str) and bool(self.trace_dir.strip()),
              f"trace_dir must be a directory path, got {self.trace_dir!r}")
@@ -191,4 +205,5 @@ class VpipeConfig:
              f"metrics_dir must be a directory path, got {self.metrics_dir!r}")
 
     def initial_policies(self) -> dict[int, Policy]:
-        return {lid: Policy.parse(p.value if isinstance(p, Policy) else p) for lid, p in (self.policies or {}).items()}
+        return {lid: Policy.parse(p.value if isinstance(p, Policy) else p)
+                for lid, p in (self.policies or {}).items()}

@@ -46,7 +46,8 @@ def parse(text: str) -> dict[str, set[int]]:
             faults.setdefault(f"kill@{int(step)}", set()).add(int(rank))
             continue
         if name not in FAULTS or not sep or not rank.isdigit():
-            raise ValueError(f"{ENV}: bad entry {entry!r}; expected NAME@RANK with NAME one of {', '.join(FAULTS)} "
+            raise ValueError(f"{ENV}: bad entry {entry!r}; expected NAME@RANK with NAME one of "
+                             f"{', '.join(FAULTS)} "
                              "or kill@STEP:RANK")
         faults.setdefault(name, set()).add(int(rank))
     return faults
@@ -54,8 +55,8 @@ def parse(text: str) -> dict[str, set[int]]:
 
 @dataclass(frozen=True)
 class Faults:
-    """The faults one run injects (``VPIPE_FAULTS`` parsed, in :class:`vpipe.settings.Settings`): no global state,
-    so two attaches in one process each act on their own."""
+    """The faults one run injects (``VPIPE_FAULTS`` parsed, in :class:`vpipe.settings.Settings`): no global
+    state, so two attaches in one process each act on their own."""
 
     entries: tuple[tuple[str, frozenset[int]], ...] = ()  # (fault name, the ranks it acts on), sorted by name
 
@@ -74,7 +75,8 @@ class Faults:
 
     def kill_step(self, rank: int) -> int | None:
         """The step in which ``rank`` must kill itself (``kill@STEP:RANK``), or None."""
-        steps = [int(name.split("@")[1]) for name, ranks in self.entries if name.startswith("kill@") and rank in ranks]
+        steps = [int(name.split("@")[1]) for name, ranks in self.entries if name.startswith("kill@")
+                 and rank in ranks]
         return min(steps) if steps else None
 
     def install_kill(self, module: Any, rank: int, current_step: Any) -> Any:

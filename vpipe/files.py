@@ -31,8 +31,10 @@ import stat
 from collections.abc import Iterable, Iterator
 from typing import BinaryIO
 
-__all__ = ["FileCheckError", "read_regular", "open_regular", "check_regular", "check_output_file", "check_output_dir",
-           "create_new", "replacing", "write_atomic", "write_output", "output_file", "open_append", "open_lock",
+__all__ = ["FileCheckError", "read_regular", "open_regular", "check_regular", "check_output_file",
+           "check_output_dir",
+           "create_new", "replacing", "write_atomic", "write_output", "output_file", "open_append",
+           "open_lock",
            "open_dir", "make_dirs", "make_private_dir", "planted_link", "PlantedLinkError", "FILE_MODE",
            "DIR_MODE"]
 
@@ -46,8 +48,8 @@ class FileCheckError(ValueError):
 
 
 class PlantedLinkError(FileCheckError, OSError):
-    """A symbolic link another user could have planted where vpipe would write: a ValueError where a path is checked
-    (one line, exit 2), an OSError where a write meets it later (said once, as a full disk is)."""
+    """A symbolic link another user could have planted where vpipe would write: a ValueError where a path
+    is checked (one line, exit 2), an OSError where a write meets it later (said once, as a full disk is)."""
 
 
 def _describe(mode: int) -> str:
@@ -83,8 +85,10 @@ def open_regular(path: str | os.PathLike[str], what: str = "file", *, nofollow: 
     return fd
 
 
-def read_regular(path: str | os.PathLike[str], limit: int, what: str = "file", *, nofollow: bool = False) -> bytes:
-    """The contents of the regular file ``path``, at most ``limit`` bytes; FileCheckError names what is wrong."""
+def read_regular(path: str | os.PathLike[str], limit: int, what: str = "file", *,
+                 nofollow: bool = False) -> bytes:
+    """The contents of the regular file ``path``, at most ``limit``
+    bytes; FileCheckError names what is wrong."""
     fd = open_regular(path, what, nofollow=nofollow)
     try:
         chunks, size = [], 0
@@ -114,7 +118,8 @@ def check_output_file(path: str | os.PathLike[str], what: str) -> None:
     text, mode = _existing(path, what, "a file name")
     reason = planted_link(text)
     if reason is not None:
-        raise PlantedLinkError(f"{what} {text} is {reason}; vpipe does not write through it: remove it, or name "
+        raise PlantedLinkError(f"{what} {text} is {reason}; vpipe does not write through "
+                               "it: remove it, or name "
                                "another file")
     _check_links(os.path.dirname(os.path.abspath(text)), text, what)
     if mode is None:
@@ -140,7 +145,8 @@ def check_output_dir(path: str | os.PathLike[str], what: str, names: Iterable[st
     for name in names:
         reason = planted_link(os.path.join(text, name))
         if reason is not None:
-            raise PlantedLinkError(f"{what} {text}: {os.path.join(text, name)} is {reason}; vpipe does not write "
+            raise PlantedLinkError(f"{what} {text}: {os.path.join(text, name)} is {reason}; "
+                                   "vpipe does not write "
                                    "through it: remove it, or give this run a directory of its own")
 
 
@@ -170,8 +176,9 @@ def _check_parent(text: str, what: str) -> None:
 
 
 def _check_links(directory: str, text: str, what: str) -> None:
-    """FileCheckError when a component of the absolute ``directory`` that exists is a link another user could have
-    planted (:func:`planted_link`): checked at start, where :func:`open_dir` would refuse it later."""
+    """FileCheckError when a component of the absolute ``directory`` that exists is
+    a link another user could have planted (:func:`planted_link`): checked at
+    start, where :func:`open_dir` would refuse it later."""
     walked = os.sep
     for part in directory.split(os.sep):
         walked = os.path.join(walked, part)
@@ -189,9 +196,9 @@ def _refuse_link(link: str, text: str, what: str) -> None:
 
 # ====================================================================== writing
 def planted_link(path: str | os.PathLike[str]) -> str | None:
-    """Why the symbolic link ``path`` may be another user's (the text says what it is), or None when it is not a
-    link or only this user (or root) could have put it there: the link and its directory are theirs, and nobody
-    else can change the directory (or it is sticky, as /tmp is)."""
+    """Why the symbolic link ``path`` may be another user's (the text says what it is), or None when it is
+    not a link or only this user (or root) could have put it there: the link and its directory are theirs,
+    and nobody else can change the directory (or it is sticky, as /tmp is)."""
     try:
         link = os.lstat(path)
     except OSError:
@@ -212,10 +219,11 @@ def planted_link(path: str | os.PathLike[str]) -> str | None:
 
 
 def open_dir(path: str | os.PathLike[str], what: str = "directory", *, create: bool = False) -> int:
-    """A descriptor of the directory ``path``, reached one component at a time from the root: a component that is a
-    symbolic link is followed only where :func:`planted_link` finds nobody else could have put it (a link planted
-    anywhere on the way would take vpipe's files into another user's directory), FileCheckError naming it otherwise.
-    ``create`` makes the missing directories ``0700`` whatever the umask. OSError when one cannot be opened."""
+    """A descriptor of the directory ``path``, reached one component at a time from the root: a
+    component that is a symbolic link is followed only where :func:`planted_link` finds nobody else
+    could have put it (a link planted anywhere on the way would take vpipe's files into another user's
+    directory), FileCheckError naming it otherwise. ``create`` makes the missing directories ``0700``
+    whatever the umask. OSError when one cannot be opened."""
     text = os.path.abspath(os.fspath(path))
     fd, walked = os.open(os.sep, _DIR), os.sep
     try:
@@ -252,23 +260,23 @@ def _open_part(fd: int, part: str, walked: str, text: str, what: str, create: bo
 
 
 def make_dirs(path: str | os.PathLike[str], what: str = "directory") -> None:
-    """The directory ``path``, made with its missing parents ``0700`` (:func:`open_dir`); one that exists is left as
-    it is. FileCheckError for a planted link on the way, OSError when it cannot be made."""
+    """The directory ``path``, made with its missing parents ``0700`` (:func:`open_dir`); one that exists
+    is left as it is. FileCheckError for a planted link on the way, OSError when it cannot be made."""
     os.close(open_dir(path, what, create=True))
 
 
 def make_private_dir(path: str | os.PathLike[str]) -> None:
-    """Make the directory ``path`` (and its parents) ``0700`` whatever the umask; one that exists is left as it is.
-    OSError when it cannot be made."""
+    """Make the directory ``path`` (and its parents) ``0700`` whatever the umask; one that
+    exists is left as it is. OSError when it cannot be made."""
     make_dirs(path, "key directory")
 
 
 def create_new(directory: str | os.PathLike[str], prefix: str, suffix: str = ".tmp", mode: int = FILE_MODE, *,
                dir_fd: int | None = None) -> tuple[int, str]:
-    """A new file in ``directory`` (or the directory ``dir_fd``, ``directory`` then only naming it) for this process
-    alone, and its name there: made under a name nobody can guess with ``O_CREAT | O_EXCL | O_NOFOLLOW``, so nothing
-    planted there (a link, another user's file) is ever opened. ``mode`` is narrowed by the umask, as ``open``
-    does."""
+    """A new file in ``directory`` (or the directory ``dir_fd``, ``directory`` then only naming it)
+    for this process alone, and its name there: made under a name nobody can guess with ``O_CREAT |
+    O_EXCL | O_NOFOLLOW``, so nothing planted there (a link, another user's file) is ever opened.
+    ``mode`` is narrowed by the umask, as ``open`` does."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | _CLOEXEC
     for _ in range(100):
         name = f"{prefix}{secrets.token_hex(8)}{suffix}"
@@ -282,10 +290,11 @@ def create_new(directory: str | os.PathLike[str], prefix: str, suffix: str = ".t
 
 @contextlib.contextmanager
 def replacing(path: str | os.PathLike[str], *, fsync: bool = False, what: str = "file") -> Iterator[BinaryIO]:
-    """A binary file to write what ``path`` will hold: a new temporary beside it (:func:`create_new`, in the
-    directory :func:`open_dir` reached), renamed over ``path`` when the block ends. A link at ``path`` is replaced,
-    never followed; a reader sees the old file or the whole new one; a failure (a full disk, Ctrl-C) removes the
-    temporary and raises. ``fsync``: the file and the directory's entry reach the disk before it returns."""
+    """A binary file to write what ``path`` will hold: a new temporary beside it
+    (:func:`create_new`, in the directory :func:`open_dir` reached), renamed over ``path`` when the
+    block ends. A link at ``path`` is replaced, never followed; a reader sees the old file or the
+    whole new one; a failure (a full disk, Ctrl-C) removes the temporary and raises. ``fsync``: the
+    file and the directory's entry reach the disk before it returns."""
     text = os.fspath(path)
     directory, name = os.path.split(os.path.abspath(text))
     dir_fd = open_dir(directory, what)
@@ -309,7 +318,8 @@ def replacing(path: str | os.PathLike[str], *, fsync: bool = False, what: str = 
         os.close(dir_fd)
 
 
-def write_atomic(path: str | os.PathLike[str], data: bytes, *, fsync: bool = False, what: str = "file") -> None:
+def write_atomic(path: str | os.PathLike[str], data: bytes, *, fsync: bool = False,
+                 what: str = "file") -> None:
     """``data`` as the whole of ``path``, through :func:`replacing`."""
     with replacing(path, fsync=fsync, what=what) as f:
         f.write(data)
@@ -317,15 +327,16 @@ def write_atomic(path: str | os.PathLike[str], data: bytes, *, fsync: bool = Fal
 
 @contextlib.contextmanager
 def output_file(path: str | os.PathLike[str], what: str) -> Iterator[BinaryIO]:
-    """A command's output file (``-o``, ``--png``, ``--json``, ``--save-graph``), written through :func:`replacing`:
-    a link another user could have planted at ``path`` or on the way to it is refused, one of this user's replaced
-    (written through only to a device: ``-o /dev/stdout``). FileCheckError (one line, naming ``what``) for a
-    refusal or a write that fails."""
+    """A command's output file (``-o``, ``--png``, ``--json``, ``--save-graph``), written through
+    :func:`replacing`: a link another user could have planted at ``path`` or on the way to it is refused,
+    one of this user's replaced (written through only to a device: ``-o /dev/stdout``). FileCheckError (one
+    line, naming ``what``) for a refusal or a write that fails."""
     text = os.fspath(path)
     _check_links(os.path.dirname(os.path.abspath(text)), text, what)
     reason = planted_link(text)
     if reason is not None:
-        raise PlantedLinkError(f"{what} {text} is {reason}; vpipe does not write through it: remove it, or name "
+        raise PlantedLinkError(f"{what} {text} is {reason}; vpipe does not write through "
+                               "it: remove it, or name "
                                "another file")
     try:
         try:
@@ -353,10 +364,10 @@ def write_output(path: str | os.PathLike[str], data: bytes, what: str) -> None:
 
 
 def open_append(path: str | os.PathLike[str], what: str = "file") -> int:
-    """A descriptor appending to ``path`` (made ``0600`` if missing), for a file many writers share (a run log): in
-    the directory :func:`open_dir` reached, opened with ``O_NOFOLLOW`` unless the link is this user's own
-    (:func:`planted_link`), and only a regular file or a device (``/dev/null``, ``/dev/full``); FileCheckError names
-    what is wrong."""
+    """A descriptor appending to ``path`` (made ``0600`` if missing), for a file many writers share
+    (a run log): in the directory :func:`open_dir` reached, opened with ``O_NOFOLLOW`` unless the
+    link is this user's own (:func:`planted_link`), and only a regular file or a device
+    (``/dev/null``, ``/dev/full``); FileCheckError names what is wrong."""
     text = os.fspath(path)
     directory, name = os.path.split(os.path.abspath(text))
     flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | _CLOEXEC
@@ -369,7 +380,8 @@ def open_append(path: str | os.PathLike[str], what: str = "file") -> int:
                 raise
             reason = planted_link(text)
             if reason is not None:
-                raise PlantedLinkError(f"{what} {text} is {reason}; vpipe does not write through it: remove it, or "
+                raise PlantedLinkError(f"{what} {text} is {reason}; vpipe does not write "
+                                       "through it: remove it, or "
                                        "name another file") from None
             fd = os.open(name, flags, FILE_MODE, dir_fd=dir_fd)
         finally:
@@ -387,20 +399,23 @@ def open_append(path: str | os.PathLike[str], what: str = "file") -> int:
 
 
 def open_lock(path: str | os.PathLike[str], what: str = "lock file") -> int:
-    """A read-write descriptor of the lock file ``path`` (made ``0600`` if missing), never through a link: a regular
-    file with no other name (a hard link would hand its writes to another file); FileCheckError otherwise, OSError
-    when it cannot be opened."""
+    """A read-write descriptor of the lock file ``path`` (made ``0600`` if missing), never through a link:
+    a regular file with no other name (a hard link would hand its writes to another file); FileCheckError
+    otherwise, OSError when it cannot be opened."""
     text = os.fspath(path)
     try:
         fd = os.open(text, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC, FILE_MODE)
     except OSError as e:
         if e.errno == errno.ELOOP and os.path.islink(text):
-            raise FileCheckError(f"{what} {text} is a symbolic link; vpipe never writes through one") from None
+            raise FileCheckError(
+                f"{what} {text} is a symbolic link; vpipe never writes through one"
+            ) from None
         raise
     info = os.fstat(fd)
     if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
         os.close(fd)
-        kind = _describe(info.st_mode) if not stat.S_ISREG(info.st_mode) else "a file with other names (hard links)"
+        kind = (_describe(info.st_mode) if not stat.S_ISREG(info.st_mode)
+                else "a file with other names (hard links)")
         raise FileCheckError(f"{what} {text} is {kind}; vpipe never writes through one")
     os.set_blocking(fd, True)
     return fd

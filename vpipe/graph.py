@@ -151,8 +151,8 @@ class LayerGraph:
         return cls(name=name, nodes=nodes, edges=edges)
 
     def save(self, path: str | Path, what: str = "graph file") -> None:
-        """The graph's JSON as the whole of ``path``, never written through a link another user planted (one line
-        naming it, :func:`vpipe.files.write_output`)."""
+        """The graph's JSON as the whole of ``path``, never written through a link another user planted
+        (one line naming it, :func:`vpipe.files.write_output`)."""
         write_output(path, json.dumps(self.to_dict(), indent=1).encode(), what)
 
     @classmethod
@@ -163,7 +163,9 @@ class LayerGraph:
         except json.JSONDecodeError as e:
             raise ValueError(f"graph file {str(path)!r} is not valid JSON: {e}") from None
         except RecursionError:
-            raise ValueError(f"graph file {str(path)!r} nests its JSON too deeply to be a layer graph") from None
+            raise ValueError(
+                f"graph file {str(path)!r} nests its JSON too deeply to be a layer graph"
+            ) from None
         return cls.from_dict(data)
 
 
@@ -210,13 +212,17 @@ class ModelGraph:
         containers, blocks = raw.get("containers", []), raw.get("blocks", {})
         if not (isinstance(containers, list) and all(isinstance(c, str) for c in containers)):
             raise ValueError("graph 'model' annotation: 'containers' must be a list of module paths")
-        if not (isinstance(blocks, dict) and all(isinstance(v, str) and v in containers for v in blocks.values())):
-            raise ValueError("graph 'model' annotation: 'blocks' must map module names to one of 'containers'")
+        if not (isinstance(blocks, dict) and all(isinstance(v, str) and v in containers
+                                                 for v in blocks.values())):
+            raise ValueError(
+                "graph 'model' annotation: 'blocks' must map module names to one of 'containers'"
+            )
         texts = {key: raw.get(key, "") for key in ("source", "device")}
         unused = raw.get("unused", [])
         if not all(isinstance(v, str) for v in texts.values()) or not (
                 isinstance(unused, list) and all(isinstance(u, str) for u in unused)):
-            raise ValueError("graph 'model' annotation: 'source' and 'device' must be strings, 'unused' a list of them")
+            raise ValueError("graph 'model' annotation: 'source' and 'device' must be strings, "
+                             "'unused' a list of them")
         units = [Unit(node.name, blocks.get(node.name)) for node in graph.nodes]
         return cls(graph, units, containers, texts["device"], texts["source"], unused)
 
@@ -295,13 +301,15 @@ def _validate(graph: LayerGraph) -> None:
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"node {n.id} ({n.name}) has a negative or non-finite {what}: {value}")
             if value > MAX_SECONDS:
-                raise ValueError(f"node {n.id} ({n.name}) has a {what} of {value:.3g} s, beyond any real layer "
+                raise ValueError(f"node {n.id} ({n.name}) has a {what} of {value:.3g} s, "
+                                 "beyond any real layer "
                                  f"(at most {MAX_SECONDS:.0e} s per micro-batch)")
         for what, value in (("act_bytes", n.act_bytes), ("param_bytes", n.param_bytes)):
             if value < 0:
                 raise ValueError(f"node {n.id} ({n.name}) has negative {what}: {value}")
             if value > MAX_BYTES:
-                raise ValueError(f"node {n.id} ({n.name}) has {what} of {len(str(value))} digits, larger than any "
+                raise ValueError(f"node {n.id} ({n.name}) has {what} of {len(str(value))} "
+                                 "digits, larger than any "
                                  f"machine (at most {MAX_BYTES} bytes)")
     for s, d, b in graph.edges:
         for end in (s, d):
@@ -310,7 +318,8 @@ def _validate(graph: LayerGraph) -> None:
         if b < 0:
             raise ValueError(f"edge ({s}, {d}) has negative bytes: {b}")
         if b > MAX_BYTES:
-            raise ValueError(f"edge ({s}, {d}) has bytes of {len(str(b))} digits, larger than any machine (at most "
+            raise ValueError(f"edge ({s}, {d}) has bytes of {len(str(b))} digits, larger than "
+                             "any machine (at most "
                              f"{MAX_BYTES})")
         if s == d:
             raise ValueError(f"edge ({s}, {d}) is a self-loop: the graph has a cycle")

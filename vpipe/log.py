@@ -69,8 +69,8 @@ def json_line(t: float, rank: int | None, logger: str, level: str, fields: dict[
 
 
 class RunLogHandler(logging.FileHandler):
-    """The run log's handler. It also takes the last stage's per-step records straight, without a logging record
-    (building one cost more than the rest of vpipe's work in a small model's step), and appends them
+    """The run log's handler. It also takes the last stage's per-step records straight, without a logging
+    record (building one cost more than the rest of vpipe's work in a small model's step), and appends them
     :attr:`STEP_BATCH` at a time, or sooner when it flushes: after any other record, at close and at exit."""
 
     STEP_BATCH = 16
@@ -118,7 +118,8 @@ class RunLogHandler(logging.FileHandler):
             stream = self.stream
             if self._steps and stream is not None and not stream.closed:
                 lines = [json_line(t, self.rank, STEPS, "INFO", {"step": step, "step_s": step_s, **fields},
-                                   f"step {step} took {step_s:.4f} s") for t, step, step_s, fields in self._steps]
+                                   f"step {step} took {step_s:.4f} s")
+                         for t, step, step_s, fields in self._steps]
                 data = ("\n".join(lines) + "\n").encode("utf-8")
                 os.write(stream.fileno(), data)  # one append: whole lines, never split between two writes
             self._steps.clear()
@@ -149,10 +150,10 @@ class RunLogHandler(logging.FileHandler):
 
 _failed_files: dict[str, str] = {}  # run logs that failed a write in this process, and why (said once each)
 
-# Python's logging is one tree per process: every handler on the "vpipe" logger gets every vpipe record, whichever
-# attach made it. So the state here is keyed by its owners: one handler per (file, rank), shared by the RunLogs
-# that name it (two would write each record twice) and removed when the last of them closes; step records go
-# straight to each open one (what logging would do, without its cost).
+# Python's logging is one tree per process: every handler on the "vpipe" logger gets every vpipe record,
+# whichever attach made it. So the state here is keyed by its owners: one handler per (file, rank), shared by
+# the RunLogs that name it (two would write each record twice) and removed when the last of them closes; step
+# records go straight to each open one (what logging would do, without its cost).
 _open: dict[tuple[str, int | None], tuple[RunLogHandler, list[RunLog]]] = {}
 _configured: list[Any] = []  # what configure() set up: the command's own (a process runs one command)
 _level_before: list[int] = []  # the "vpipe" logger's level before the first open run log set it
@@ -162,7 +163,8 @@ class RunLog:
     """One owner's run log (an attach's, a command's): vpipe's records as JSON lines in ``log_file``, until
     :meth:`close`, which removes this owner's part and nothing of another's."""
 
-    def __init__(self, log_file: str | os.PathLike[str], rank: int | None = None, level: int = logging.INFO) -> None:
+    def __init__(self, log_file: str | os.PathLike[str], rank: int | None = None,
+                 level: int = logging.INFO) -> None:
         check_output_file(log_file, "log file")  # a FIFO would block the open, a directory fail it
         make_dirs(os.path.dirname(os.path.abspath(log_file)), "log file")  # 0700, through no planted link
         key = (os.path.abspath(log_file), rank)
@@ -179,8 +181,8 @@ class RunLog:
         self._key: tuple[str, int | None] | None = key
 
     def close(self) -> None:
-        """Stop logging to the file for this owner (the file's handler goes when its last owner closes, and with
-        the last run log the logger's level before the first)."""
+        """Stop logging to the file for this owner (the file's handler goes when its last owner closes, and
+        with the last run log the logger's level before the first)."""
         key, self._key = self._key, None
         if key is None or key not in _open:
             return
@@ -194,9 +196,11 @@ class RunLog:
                 logging.getLogger("vpipe").setLevel(_level_before.pop())
 
 
-def configure(log_file: str | os.PathLike[str] | None, rank: int | None = None, level: int = logging.INFO) -> None:
-    """The command's logging: vpipe's loggers (decisions included) to ``log_file`` as JSON lines, in place of what
-    the command configured before (None: nowhere). An attach's own run log (:class:`RunLog`) is left alone."""
+def configure(log_file: str | os.PathLike[str] | None, rank: int | None = None,
+              level: int = logging.INFO) -> None:
+    """The command's logging: vpipe's loggers (decisions included) to ``log_file`` as
+    JSON lines, in place of what the command configured before (None: nowhere). An
+    attach's own run log (:class:`RunLog`) is left alone."""
     _unconfigure()
     logging.getLogger("vpipe").setLevel(level)
     if log_file is not None:

@@ -16,7 +16,8 @@ from typing import Any
 
 __all__ = ["Policy", "Plan", "PlanError", "PINNED_KIND", "MAX_EPOCH_STEP"]
 
-# the end of a block kind (as the monitors report it) whose block never moves: no plan puts it on another stage
+# the end of a block kind (as the monitors report it) whose block never
+# moves: no plan puts it on another stage
 PINNED_KIND = "!pinned"
 
 # plans come one epoch (or a few layer edits) after another: a larger jump is not a plan, and one epoch of
@@ -79,9 +80,11 @@ class Plan:
         ):
             raise PlanError(f"predicted step time must be finite and >= 0, got {self.predicted_step_s}")
         if self.stage_speeds is not None and (len(self.stage_speeds) != len(self.stages) or any(
-                isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and 0 < v <= 1e6)
+                isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v)
+                                                                               and 0 < v <= 1e6)
                 for v in self.stage_speeds)):
-            raise PlanError(f"plan stage_speeds must be one factor in (0, 1e6] per stage ({len(self.stages)}), "
+            raise PlanError("plan stage_speeds must be one factor in (0, 1e6] per stage "
+                            f"({len(self.stages)}), "
                             f"got {self.stage_speeds!r:.120}")
 
     # ----------------------------------------------------------------- queries
@@ -117,7 +120,8 @@ class Plan:
         if missing:
             raise PlanError(f"plan leaves layers {missing[:5]} unplaced")
         if self.layer_ids != order:
-            raise PlanError("plan reorders layers: every stage must hold a contiguous run of the model's layers")
+            raise PlanError("plan reorders layers: every stage must hold a contiguous run "
+                            "of the model's layers")
 
     # ----------------------------------------------------------------- wire format
     def to_wire(self) -> dict[str, Any]:

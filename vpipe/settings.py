@@ -31,11 +31,13 @@ from typing import Any
 
 from vpipe.faults import Faults
 
-__all__ = ["Settings", "SettingError", "process_settings", "VARIABLES", "PREFETCH_ALLOC_ENV", "PREFETCH_ALLOCS",
+__all__ = ["Settings", "SettingError", "process_settings", "VARIABLES", "PREFETCH_ALLOC_ENV",
+           "PREFETCH_ALLOCS",
            "AUTH_VALUES", "METRIC_KINDS", "parse_metric_kinds", "MAX_SECONDS", "WILDCARDS"]
 
 PREFETCH_ALLOC_ENV = "VPIPE_PREFETCH_ALLOC"
-PREFETCH_ALLOCS = ("copy", "compute")  # where prefetched copies are allocated: the copy stream's or the compute's
+# where prefetched copies are allocated: the copy stream's or the compute's
+PREFETCH_ALLOCS = ("copy", "compute")
 AUTH_VALUES = ("auto", "required", "none")  # VPIPE_CONTROL_AUTH (vpipe.control.run_key says what each does)
 METRIC_KINDS = ("tensorboard", "wandb")
 MAX_SECONDS = 7 * 24 * 3600.0  # a timeout longer than a week is a mistake, not a setting
@@ -123,7 +125,8 @@ class Settings:
     # VpipeConfig.log_file's default: JSON lines of every decision
     log_file: str | None = field(default=None, metadata=_variable("VPIPE_LOG_FILE"))
     # VpipeConfig.trace_steps's default: (start, count) of the timeline window
-    trace_steps: tuple[int, int] | None = field(default=None, metadata=_variable("VPIPE_TRACE_STEPS", _trace_steps))
+    trace_steps: tuple[int, int] | None = field(default=None,
+                                                metadata=_variable("VPIPE_TRACE_STEPS", _trace_steps))
     trace_dir: str = field(default="vpipe-trace", metadata=_variable("VPIPE_TRACE_DIR"))
     # VpipeConfig.metrics's default: "tensorboard", "wandb" or both, comma-separated
     metrics: str | None = field(default=None, metadata=_variable("VPIPE_METRICS", _metrics))
@@ -131,17 +134,20 @@ class Settings:
     # faults injected for reliability tests (vpipe.faults)
     faults: Faults = field(default_factory=Faults, metadata=_variable("VPIPE_FAULTS", Faults.parse))
     # where the tensor manager allocates prefetched copies: the copy stream's memory, or the compute stream's
-    prefetch_alloc: str = field(default="copy", metadata=_variable(PREFETCH_ALLOC_ENV, _one_of(PREFETCH_ALLOCS)))
+    prefetch_alloc: str = field(default="copy", metadata=_variable(PREFETCH_ALLOC_ENV,
+                                                                   _one_of(PREFETCH_ALLOCS)))
     # auto, required or none: whether an unauthenticated control plane is refused (vpipe.control.run_key)
     control_auth: str = field(default="auto", metadata=_variable("VPIPE_CONTROL_AUTH", _one_of(AUTH_VALUES)))
     # the address control sockets bind ("": loopback, or the interface routing to MASTER_ADDR)
     control_host: str = field(default="", metadata=_variable("VPIPE_CONTROL_HOST", _address))
     # CURVE key files (vpipe.control.curve): this host's secret file and the public keys admitted
     curve_secret_file: str = field(default="", metadata=_variable("VPIPE_CURVE_SECRET_FILE", str.strip))
-    curve_public_keys: tuple[str, ...] = field(default=(), metadata=_variable("VPIPE_CURVE_PUBLIC_KEYS", _paths))
+    curve_public_keys: tuple[str, ...] = field(default=(),
+                                               metadata=_variable("VPIPE_CURVE_PUBLIC_KEYS", _paths))
     # the run's one CURVE secret (Z85), as the launcher hands it to its ranks, or a file holding it
     curve_run_secret: str = field(default="", metadata=_variable("VPIPE_CURVE_RUN_SECRET", str.strip))
-    curve_run_secret_file: str = field(default="", metadata=_variable("VPIPE_CURVE_RUN_SECRET_FILE", str.strip))
+    curve_run_secret_file: str = field(default="", metadata=_variable("VPIPE_CURVE_RUN_SECRET_FILE",
+                                                                      str.strip))
 
     @classmethod
     def read(cls, environ: Mapping[str, str]) -> Settings:

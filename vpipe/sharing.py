@@ -25,7 +25,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["keep_all_shares", "joint_peak", "in_flight_per_stage", "in_flight_together", "flat_actions", "action_kind"]
+__all__ = ["keep_all_shares", "joint_peak", "in_flight_per_stage", "in_flight_together", "flat_actions",
+           "action_kind"]
 
 
 def joint_peak(kept: Sequence[float], in_flight: Sequence[int],
@@ -45,9 +46,10 @@ def keep_all_shares(room: float, kept: Sequence[float], in_flight: Sequence[int]
                     stages: Sequence[int] | None = None) -> list[float] | None:
     """Each stage's share of ``room`` when the rank's peak with every layer kept fits it, else None.
 
-    ``kept``: one micro-batch's kept bytes per stage (0: not measured); ``in_flight``: each stage's peak
-    micro-batches; ``together``: the moments (see :func:`joint_peak`), a column per stage of ``kept``, or, with
-    ``stages`` (the pipeline indices of the stages ``kept`` is for), a column per stage of the pipeline."""
+    ``kept``: one micro-batch's kept bytes per stage (0: not measured); ``in_flight``: each
+    stage's peak micro-batches; ``together``: the moments (see :func:`joint_peak`), a
+    column per stage of ``kept``, or, with ``stages`` (the pipeline indices of the stages
+    ``kept`` is for), a column per stage of the pipeline."""
     if together and stages is not None:
         together = [[row[v] for v in stages] for row in together]
     if len(kept) != len(in_flight) or any(len(row) != len(kept) for row in together or ()):

@@ -27,7 +27,9 @@ def parse_bytes(text: str, *, what: str = "size") -> int:
         raise ValueError(f"{what} {raw!r} must not be negative")
     match = _SIZE.match(raw)
     if not match or match.group(2).lower() not in _UNITS:
-        raise ValueError(f"{what} {raw!r} is not a byte size (examples: 16000000000, 16e9, 16GB, 15GiB, 512M)")
+        raise ValueError(
+            f"{what} {raw!r} is not a byte size (examples: 16000000000, 16e9, 16GB, 15GiB, 512M)"
+        )
     value = float(match.group(1)) * _UNITS[match.group(2).lower()]
     if not math.isfinite(value) or value > MAX_BYTES:
         raise ValueError(f"{what} {raw!r} is larger than any machine ({MAX_BYTES} bytes at most)")

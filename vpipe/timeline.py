@@ -77,14 +77,16 @@ class Recorder:
             make_dirs(self.path.parent, "trace_dir")  # 0700, never through a link another user planted
             _replace_file(self.path, json.dumps(body))
         except OSError as e:  # the trace is for the user: said once here, and training goes on without it
-            _say(f"vpipe [rank {self.rank}]: cannot write the timeline {self.path} ({e.strerror or e}); training "
+            _say(f"vpipe [rank {self.rank}]: cannot write the timeline {self.path} "
+                 f"({e.strerror or e}); training "
                  "goes on without it")
             raise
         return self.path
 
 
 def _replace_file(path: Path, text: str) -> None:
-    """``text`` as the whole of ``path``, never written through a link planted there (:func:`write_atomic`)."""
+    """``text`` as the whole of ``path``, never written through a
+    link planted there (:func:`write_atomic`)."""
     write_atomic(path, text.encode("utf-8"))
 
 
@@ -96,24 +98,24 @@ def _say(line: str) -> None:
         pass
 
 
-# The windows open in this process, each its owner's (an attach's TraceWindow): a producer (the tensor manager, a
-# schedule) does not know its attach, so what it reports goes to every open window; each owner starts and stops
-# its own, and stopping one leaves the others recording.
+# The windows open in this process, each its owner's (an attach's TraceWindow): a producer (the tensor
+# manager, a schedule) does not know its attach, so what it reports goes to every open window; each owner
+# starts and stops its own, and stopping one leaves the others recording.
 _recorders: list[Recorder] = []
 _track = 0  # the stage whose forward or backward runs now (one at a time per rank): where memory work goes
 
 
 def start(rank: int, directory: str | Path, stages: Iterable[int]) -> Recorder:
-    """Begin recording a window of this rank (its file: ``directory/timeline-rank{rank}.json``); the recorder is
-    the caller's, to :func:`stop`."""
+    """Begin recording a window of this rank (its file: ``directory/timeline-rank{rank}.json``); the
+    recorder is the caller's, to :func:`stop`."""
     recorder = Recorder(rank, Path(directory) / FILE_PATTERN.format(rank=rank), sorted(stages))
     _recorders.append(recorder)
     return recorder
 
 
 def stop(recorder: Recorder | None = None) -> Path | None:
-    """End ``recorder``'s window (default: the one opened last) and write its file; returns the file (None when
-    it was not recording)."""
+    """End ``recorder``'s window (default: the one opened last) and write its
+    file; returns the file (None when it was not recording)."""
     if recorder is None:
         recorder = _recorders[-1] if _recorders else None
     if recorder is None or recorder not in _recorders:
@@ -164,7 +166,8 @@ class _Span:
     def __exit__(self, *exc: object) -> None:
         end = time.time_ns()
         for recorder in _recorders:
-            recorder.add(self.name, self.cat, _track if self.track is None else self.track, self.t0, end, self.args)
+            recorder.add(self.name, self.cat, _track if self.track is None else self.track, self.t0, end,
+                         self.args)
         if self.range is not None:
             self.range.__exit__(None, None, None)
 
@@ -177,7 +180,8 @@ def active() -> bool:
     return bool(_recorders) or _profiling()
 
 
-def span(name: str, cat: str, track: int | None = None, **args: Any) -> contextlib.AbstractContextManager[Any]:
+def span(name: str, cat: str, track: int | None = None,
+         **args: Any) -> contextlib.AbstractContextManager[Any]:
     """A context around one piece of vpipe's or the stage's work: recorded inside the window, a profiler range
     while torch's profiler runs, nothing otherwise. ``track``: the stage (None: the one running now) or
     :data:`RANK_TRACK`."""
@@ -204,7 +208,9 @@ def load_rank_file(path: Path) -> RankTimeline:
     if not stat.S_ISREG(info.st_mode):
         raise ValueError(f"{path} is not a regular file")
     if info.st_size > MAX_FILE_BYTES:
-        raise ValueError(f"{path} is {info.st_size} bytes, more than a timeline file holds ({MAX_FILE_BYTES})")
+        raise ValueError(
+            f"{path} is {info.st_size} bytes, more than a timeline file holds ({MAX_FILE_BYTES})"
+        )
     try:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -214,7 +220,8 @@ def load_rank_file(path: Path) -> RankTimeline:
     if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("version") != VERSION:
         raise ValueError(f"{path} is not a vpipe timeline file (format {FORMAT} version {VERSION})")
     rank, stages, events = data.get("rank"), data.get("stages"), data.get("events")
-    if not isinstance(rank, int) or not isinstance(stages, list) or not all(isinstance(s, int) for s in stages) \
+    if not isinstance(rank, int) or not isinstance(stages, list) or not all(isinstance(s, int)
+                                                                            for s in stages) \
             or not isinstance(events, list):
         raise ValueError(f"{path}: rank, stages or events missing or of the wrong type")
     for i, ev in enumerate(events):
@@ -236,7 +243,8 @@ def load_run(directory: Path) -> list[RankTimeline]:
         raise ValueError(f"{directory} is not a directory (give the trace_dir of a run)")
     files = sorted(directory.glob(FILE_PATTERN.format(rank="*")))
     if not files:
-        raise ValueError(f"no {FILE_PATTERN.format(rank='N')} files in {directory}: did the run set trace_steps?")
+        raise ValueError(f"no {FILE_PATTERN.format(rank='N')} files in {directory}: did the "
+                         "run set trace_steps?")
     ranks = [load_rank_file(f) for f in files]
     seen = [r.rank for r in ranks]
     if len(set(seen)) != len(seen):
@@ -251,7 +259,8 @@ def merge(ranks: list[RankTimeline]) -> dict[str, Any]:
     events: list[dict[str, Any]] = []
     for r in ranks:
         events.append({"name": "process_name", "ph": "M", "pid": r.rank, "args": {"name": f"rank {r.rank}"}})
-        events.append({"name": "process_sort_index", "ph": "M", "pid": r.rank, "args": {"sort_index": r.rank}})
+        events.append({"name": "process_sort_index", "ph": "M", "pid": r.rank,
+                       "args": {"sort_index": r.rank}})
         for stage in r.stages:
             events.append({"name": "thread_name", "ph": "M", "pid": r.rank, "tid": stage,
                            "args": {"name": f"stage {stage}"}})
@@ -261,7 +270,8 @@ def merge(ranks: list[RankTimeline]) -> dict[str, Any]:
                        "args": {"name": f"rank {r.rank}: send/recv waits, plans"}})
         for ev in r.events:
             events.append({"name": ev["name"], "cat": ev["cat"], "ph": "X", "pid": r.rank, "tid": ev["track"],
-                           "ts": (ev["start_ns"] - origin) / 1e3, "dur": (ev["end_ns"] - ev["start_ns"]) / 1e3,
+                           "ts": (ev["start_ns"] - origin) / 1e3,
+                           "dur": (ev["end_ns"] - ev["start_ns"]) / 1e3,
                            "args": ev["args"]})
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
@@ -288,7 +298,8 @@ class StageFractions:
 
 
 def stage_fractions(ranks: list[RankTimeline]) -> list[StageFractions]:
-    """Per stage, its share of the window (first event to last, all ranks) busy, in the bubble, and waiting."""
+    """Per stage, its share of the window (first event to last, all
+    ranks) busy, in the bubble, and waiting."""
     bounds = [(ev["start_ns"], ev["end_ns"]) for r in ranks for ev in r.events]
     if not bounds:
         return []
@@ -298,7 +309,8 @@ def stage_fractions(ranks: list[RankTimeline]) -> list[StageFractions]:
         waits = [(ev["start_ns"], ev["end_ns"]) for ev in r.events if ev["cat"] == COMM]
         waiting = _union_ns(waits) / window if window else 0.0
         for stage in r.stages:
-            work = [(ev["start_ns"], ev["end_ns"]) for ev in r.events if ev["cat"] == COMPUTE and ev["track"] == stage]
+            work = [(ev["start_ns"], ev["end_ns"]) for ev in r.events if ev["cat"] == COMPUTE
+                    and ev["track"] == stage]
             busy = _union_ns(work) / window if window else 0.0
             out.append(StageFractions(stage, r.rank, busy, 1.0 - busy, min(waiting, 1.0 - busy)))
     return sorted(out, key=lambda f: f.stage)
@@ -310,8 +322,9 @@ _COLOURS = {"vpipe.forward": "#4c72b0", "vpipe.backward": "#dd8452", "vpipe.p2p_
 
 
 def draw(ranks: list[RankTimeline], path: Path | BinaryIO) -> None:
-    """The merged timeline as a picture: a row per stage (its forwards, backwards and memory work) and per rank
-    (its waits and plan applications), milliseconds from the first event. Needs matplotlib (the plot extra)."""
+    """The merged timeline as a picture: a row per stage (its forwards, backwards
+    and memory work) and per rank (its waits and plan applications), milliseconds
+    from the first event. Needs matplotlib (the plot extra)."""
     try:
         import matplotlib
 
@@ -337,7 +350,8 @@ def draw(ranks: list[RankTimeline], path: Path | BinaryIO) -> None:
     ax.set_xlabel("ms from the window's first event")
     seen = sorted({ev["name"] for r in ranks for ev in r.events})
     ax.legend(handles=[matplotlib.patches.Patch(color=_COLOURS.get(n, "#999999"), label=n[len("vpipe."):])
-                       for n in seen], loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=len(seen), frameon=False)
+                       for n in seen], loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=len(seen),
+              frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=110, format="png")
     plt.close(fig)
@@ -357,7 +371,8 @@ def cmd_trace(args: argparse.Namespace, argv: object = None) -> int:
     for path, what in ((out, "-o"), *(((png, "--png"),) if png is not None else ())):
         check_output_file(path, what)  # a link planted there: refused before anything is written
     trace = merge(ranks)
-    write_output(out, json.dumps(trace).encode("utf-8"), "-o")  # a planted link refused, one of this user's replaced
+    # a planted link refused, one of this user's replaced
+    write_output(out, json.dumps(trace).encode("utf-8"), "-o")
     if png is not None:
         with output_file(png, "--png") as picture:
             draw(ranks, picture)
@@ -374,9 +389,11 @@ def cmd_trace(args: argparse.Namespace, argv: object = None) -> int:
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("trace", help="merge a run's per-rank timelines into one Chrome trace; print each stage's "
+    p = sub.add_parser("trace",
+                       help="merge a run's per-rank timelines into one Chrome trace; print each stage's "
                                      "busy, bubble and waiting fractions")
     p.add_argument("run_dir", help="the run's trace_dir (holding timeline-rank*.json)")
-    p.add_argument("-o", "--output", default="trace.json", help="the Chrome trace to write (default trace.json)")
+    p.add_argument("-o", "--output", default="trace.json",
+                   help="the Chrome trace to write (default trace.json)")
     p.add_argument("--png", default=None, help="also draw the timeline as a picture here (needs matplotlib)")
     p.set_defaults(func=cmd_trace)

@@ -64,42 +64,93 @@ class Benchmark:
         return folder / self.script
 
 
-BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
-    Benchmark("throughput", "throughput_bench.py",
-              "samples/s of GPipe / 1F1B / PipeDream / Interleaved 1F1B / ZBV with and without vpipe under one "
-              "memory budget, vs ideal",
-              ("--rounds", "2")),
-    Benchmark("microbatch", "microbatch_bench.py",
-              "the largest micro-batch each system trains under a fixed per-stage budget",
-              ("--cases", "transformer:2,cnn:2")),
-    Benchmark("planner", "planner_bench.py",
-              "planner time and gap to the exact optimum, 4-128 stages, vs networkx's plain KL",
-              ("--repeats", "3")),
-    Benchmark("simulator", "simulator_bench.py",
-              "the pipeline simulator vs real 2- and 4-stage runs, then projected to 8-64 stages and GPU costs"),
-    Benchmark("migration", "migration_bench.py",
-              "a live layer move vs stop-and-copy vs restart from a checkpoint", ("--steps", "22", "--restarts", "1")),
-    Benchmark("nas", "nas_rebalance.py",
-              "a NAS edit (8 blocks added to stage 0): static vs vpipe vs the optimal static partition, per phase"),
-    Benchmark("memory", "memory_budget.py",
-              "a budget plain 1F1B exceeds: vpipe within it vs GPipe with full recompute"),
-    Benchmark("shapes", "shapes_bench.py",
-              "the one line on the tutorial, Sequential-slice and Hugging Face trainers: a 6,2 split rebalanced "
-              "vs the hand-balanced 4,4"),
-    Benchmark("overhead", "overhead_bench.py",
-              "attaching vpipe to a balanced 2-stage pipeline that fits: plain vs attached vs planning, 2 sizes"),
-    Benchmark("deepspeed", "deepspeed_balance.py",
-              "DeepSpeed's pipeline engine alone vs with vpipe.attach(engine), side by side: a uniform split whose "
-              "first stage does three times the second's work (needs the deepspeed extra)"),
-    Benchmark("dynamic", "dynamic_bench.py",
-              "dynamic workloads (a slower rank, a straggler, freezing, a growing sequence, a NAS edit): vpipe vs "
-              "plain copies at the same and the best static split, side by side; reaction steps, moves, losses"),
-    Benchmark("schedules", "schedule_bench.py",
-              "time per step and memory per stage of GPipe, 1F1B, PipeDream, PipeDream-2BW and WPipe on 4 stages, "
-              "side by side in one launch"),
-    Benchmark("soak", "soak.py",
-              "thousands of steps of forced moves and policy changes: RSS growth, parameters vs the reference"),
-)}
+BENCHMARKS: dict[str, Benchmark] = {
+    b.name: b
+    for b in (
+        Benchmark(
+            "throughput",
+            "throughput_bench.py",
+            "samples/s of GPipe / 1F1B / PipeDream / Interleaved 1F1B / ZBV with and "
+            "without vpipe under one "
+            "memory budget, vs ideal",
+            ("--rounds", "2"),
+        ),
+        Benchmark(
+            "microbatch",
+            "microbatch_bench.py",
+            "the largest micro-batch each system trains under a fixed per-stage budget",
+            ("--cases", "transformer:2,cnn:2"),
+        ),
+        Benchmark(
+            "planner",
+            "planner_bench.py",
+            "planner time and gap to the exact optimum, 4-128 stages, vs networkx's plain KL",
+            ("--repeats", "3"),
+        ),
+        Benchmark(
+            "simulator",
+            "simulator_bench.py",
+            "the pipeline simulator vs real 2- and 4-stage runs, then projected to 8-64 stages and GPU costs",
+        ),
+        Benchmark(
+            "migration",
+            "migration_bench.py",
+            "a live layer move vs stop-and-copy vs restart from a checkpoint",
+            ("--steps", "22", "--restarts", "1"),
+        ),
+        Benchmark(
+            "nas",
+            "nas_rebalance.py",
+            "a NAS edit (8 blocks added to stage 0): static vs vpipe vs the optimal static "
+            "partition, per phase",
+        ),
+        Benchmark(
+            "memory",
+            "memory_budget.py",
+            "a budget plain 1F1B exceeds: vpipe within it vs GPipe with full recompute",
+        ),
+        Benchmark(
+            "shapes",
+            "shapes_bench.py",
+            "the one line on the tutorial, Sequential-slice and Hugging Face trainers: a "
+            "6,2 split rebalanced "
+            "vs the hand-balanced 4,4",
+        ),
+        Benchmark(
+            "overhead",
+            "overhead_bench.py",
+            "attaching vpipe to a balanced 2-stage pipeline that fits: plain vs attached "
+            "vs planning, 2 sizes",
+        ),
+        Benchmark(
+            "deepspeed",
+            "deepspeed_balance.py",
+            "DeepSpeed's pipeline engine alone vs with vpipe.attach(engine), side by side: a "
+            "uniform split whose "
+            "first stage does three times the second's work (needs the deepspeed extra)",
+        ),
+        Benchmark(
+            "dynamic",
+            "dynamic_bench.py",
+            "dynamic workloads (a slower rank, a straggler, freezing, a growing sequence, a "
+            "NAS edit): vpipe vs "
+            "plain copies at the same and the best static split, side by side; reaction "
+            "steps, moves, losses",
+        ),
+        Benchmark(
+            "schedules",
+            "schedule_bench.py",
+            "time per step and memory per stage of GPipe, 1F1B, PipeDream, PipeDream-2BW "
+            "and WPipe on 4 stages, "
+            "side by side in one launch",
+        ),
+        Benchmark(
+            "soak",
+            "soak.py",
+            "thousands of steps of forced moves and policy changes: RSS growth, parameters vs the reference",
+        ),
+    )
+}
 
 
 def run_benchmarks(names: list[str], out: Path | None, *, folder: Path | None = None,
@@ -113,15 +164,18 @@ def run_benchmarks(names: list[str], out: Path | None, *, folder: Path | None = 
     single_file = out is not None and len(names) == 1 and out.suffix == ".json"
     if out is not None and not single_file:
         if out.exists() and not out.is_dir():
-            raise ValueError(f"--json {out}: is a file; with {len(names)} benchmarks --json names a directory for "
+            raise ValueError(f"--json {out}: is a file; with {len(names)} benchmarks --json "
+                             "names a directory for "
                              "NAME.json and bench.json (a .json file only for one NAME)")
         try:
             make_dirs(out, "--json")  # 0700, never through a link another user planted
         except OSError as e:
             raise ValueError(f"--json {out}: cannot make the directory: {e.strerror or e}") from None
-    targets = {name: out if single_file else (out / f"{name}.json" if out is not None else None) for name in names}
+    targets = {name: out if single_file else (out / f"{name}.json" if out is not None else None)
+               for name in names}
     for target in filter(None, [*targets.values(), out / "bench.json" if out and not single_file else None]):
-        check_output_file(target, "--json")  # a link planted there is said now, not after an hour of benchmarks
+        # a link planted there is said now, not after an hour of benchmarks
+        check_output_file(target, "--json")
     records = []
     for name in names:
         records.append(_run_one(BENCHMARKS[name], folder, targets[name], extra or []))
@@ -175,12 +229,14 @@ def register(subparsers: Any) -> None:
     names = ", ".join(f"{b.name} ({b.about})" for b in BENCHMARKS.values())
     p = subparsers.add_parser("bench", help="run the benchmarks (all, or those named) and write their JSON",
                               description=f"Benchmarks: {names}.")
-    p.add_argument("names", nargs="*", metavar="NAME", help="benchmarks to run (default: all, at default size)")
+    p.add_argument("names", nargs="*", metavar="NAME",
+                   help="benchmarks to run (default: all, at default size)")
     p.add_argument("--json", default=None, metavar="OUT",
                    help="directory for NAME.json per benchmark and bench.json (or a .json file for one NAME)")
     p.add_argument("--list", action="store_true", help="list the benchmarks and exit")
     p.add_argument("--benchmarks", default=None, metavar="DIR",
-                   help="the benchmarks/ folder of a vpipe source checkout (default: the checkout vpipe runs from, "
+                   help="the benchmarks/ folder of a vpipe source checkout (default: the "
+                        "checkout vpipe runs from, "
                         "else ./benchmarks)")
     p.set_defaults(func=cmd_bench)
 
@@ -194,7 +250,8 @@ def cmd_bench(args: argparse.Namespace, argv: Any = None) -> int:
         return 0
     names = args.names or list(BENCHMARKS)
     if not folder.is_dir():
-        raise ValueError(f"vpipe bench runs the scripts of a vpipe source checkout's benchmarks/ folder, and {folder} "
+        raise ValueError("vpipe bench runs the scripts of a vpipe source checkout's benchmarks/ "
+                         f"folder, and {folder} "
                          "is not one: run it from the checkout or pass --benchmarks DIR")
     started = time.perf_counter()
     records = run_benchmarks(names, Path(args.json) if args.json else None, folder=folder)

@@ -1,4 +1,5 @@
-"""The ``vpipe`` command: the library's commands plus the laboratory's ``demo | train | nas | logs | plot | bench``.
+"""The ``vpipe`` command: the library's commands plus the laboratory's
+``demo | train | nas | logs | plot | bench``.
 
 ``vpipe train`` is torchrun-compatible: launched by torchrun (``RANK`` set) it runs one
 rank; run directly it spawns ``--stages`` ranks on this host and waits for them.
@@ -84,7 +85,8 @@ def add_run_arguments(p: argparse.ArgumentParser, *, steps: int, stages: int) ->
     p.add_argument("--seq-len", type=_positive_int, default=64)
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--stages", type=_positive_int, default=None,
-                   help=f"pipeline ranks, one stage each under gpipe, 1f1b, pipedream, pipedream2bw (default: "
+                   help="pipeline ranks, one stage each under gpipe, 1f1b, pipedream, "
+                        "pipedream2bw (default: "
                         f"WORLD_SIZE under torchrun, else {stages})")
     p.set_defaults(default_stages=stages)
     p.add_argument("--schedule", choices=SCHEDULES, default="gpipe",
@@ -104,7 +106,8 @@ def add_run_arguments(p: argparse.ArgumentParser, *, steps: int, stages: int) ->
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--partition", type=_partition, default=None,
                    help="layers per (virtual) stage, in model order, e.g. 6,4")
-    p.add_argument("--vertical-sync", action="store_true", help="PipeDream: every stage uses stage 0's weight version")
+    p.add_argument("--vertical-sync", action="store_true",
+                   help="PipeDream: every stage uses stage 0's weight version")
     p.add_argument("--log-file", default=None,
                    help="append JSON-lines logs (decisions included) here (default: $VPIPE_LOG_FILE)")
     p.add_argument("--out-dir", default=None, help="save each rank's final parameters and losses here")
@@ -112,27 +115,33 @@ def add_run_arguments(p: argparse.ArgumentParser, *, steps: int, stages: int) ->
     p.add_argument("--monitor-every", type=int, default=0, metavar="K",
                    help="measure every K-th step and send the stats to the planner daemon (default 0: off)")
     p.add_argument("--planner", default="auto", metavar="MODULE:FUNCTION",
-                   help="planner the last stage's daemon runs (auto: the SRP planner with --vpipe, else one that "
+                   help="planner the last stage's daemon runs (auto: the SRP planner with "
+                        "--vpipe, else one that "
                         "never plans); 'none' starts no daemon and waits for `vpipe planner --connect ...`")
     p.add_argument("--vpipe", action="store_true",
                    help="attach vpipe: tensor manager, monitor, planner, live migration")
     p.add_argument("--memory-budget", type=_bytes, default=None, metavar="BYTES",
-                   help="vpipe: per-stage memory budget (parameters, gradients, optimizer state, activations), "
+                   help="vpipe: per-stage memory budget (parameters, gradients, optimizer "
+                        "state, activations), "
                         "e.g. 64M")
     p.add_argument("--policy", choices=("D", "S", "R"), default=None,
-                   help="vpipe: initial policy of every layer: keep (D), swap (S) or recompute (R) activations")
+                   help="vpipe: initial policy of every layer: keep (D), swap (S) or "
+                        "recompute (R) activations")
     p.add_argument("--no-planning", action="store_true", help="vpipe: monitor only, never apply plans")
     p.add_argument("--nas", type=_json_list, default=None, metavar="JSON",
-                   help="vpipe: layer edits, e.g. '[{\"step\": 5, \"add\": {\"position\": 1, \"types\": [\"attn\"]}}, "
+                   help="vpipe: layer edits, e.g. '[{\"step\": 5, \"add\": {\"position\": 1, "
+                        "\"types\": [\"attn\"]}}, "
                         "{\"step\": 9, \"remove\": [3]}]'")
     p.add_argument("--moves", type=_moves, default=None, metavar="STEP:COUNTS[;...]",
                    help="vpipe: forced repartitions, e.g. '3:6,4;8:4,6' moves layers before steps 3 and 8")
     p.add_argument("--checkpoint-dir", default=None, metavar="DIR",
-                   help="write checkpoints (one step-N directory each, sealed by a manifest) here, at the end and "
+                   help="write checkpoints (one step-N directory each, sealed by a manifest) "
+                        "here, at the end and "
                         "every --checkpoint-every steps")
     p.add_argument("--checkpoint-every", type=int, default=0, metavar="N", help="checkpoint every N steps")
     p.add_argument("--resume", default=None, metavar="DIR", type=_directory_name,
-                   help="continue from this checkpoint (a step-N directory, or the newest complete one under DIR); "
+                   help="continue from this checkpoint (a step-N directory, or the newest "
+                        "complete one under DIR); "
                         "--steps counts from the start of the original run; any number of stages")
 
 
@@ -176,7 +185,8 @@ def _planner(args: argparse.Namespace) -> str | None:
     except (ImportError, ValueError):
         found = False
     if not found:
-        raise ValueError(f"--planner {args.planner}: no module {module!r} to import (give MODULE:FUNCTION, the "
+        raise ValueError(f"--planner {args.planner}: no module {module!r} to import (give "
+                         "MODULE:FUNCTION, the "
                          "module importable from here)")
     return args.planner
 
@@ -191,15 +201,17 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if rank_env() is None:
         from vpipe_lab.runtime.checkpoints import check_checkpoint_dir
 
-        # the launcher looks before any rank starts; a rank never does (rank 0 takes the lock for the run, and a
-        # rank that took it to look while rank 0 took it made rank 0 report the directory in use)
+        # the launcher looks before any rank starts; a rank never does (rank 0 takes the lock for the run, and
+        # a rank that took it to look while rank 0 took it made rank 0 report the directory in use)
         check_checkpoint_dir(cfg)
         claim_outputs(cfg, hold=False)  # --out-dir, --log-file and the trace directory: no other run's
         if cfg.resume:
             from vpipe_lab.runtime.checkpoints import load_resume
 
-            if load_resume(cfg, verify="all") is None:  # a bad checkpoint is named here, before any rank starts
-                print(f"vpipe: --resume {cfg.resume}: no checkpoint there yet; starting from step 0", file=sys.stderr)
+            # a bad checkpoint is named here, before any rank starts
+            if load_resume(cfg, verify="all") is None:
+                print(f"vpipe: --resume {cfg.resume}: no checkpoint there yet; starting from step 0",
+                      file=sys.stderr)
         return spawn([sys.executable, "-m", "vpipe_lab", *argv], cfg.stages)
     return _run_as_rank(cfg)
 
@@ -220,9 +232,11 @@ def cmd_nas(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
     cfg = config_from_args(args)
     if cfg.schedule in STREAMS:
-        raise ValueError(f"vpipe nas adds and removes layers, which needs a flush schedule (any but {cfg.schedule})")
+        raise ValueError("vpipe nas adds and removes layers, which needs a flush schedule "
+                         f"(any but {cfg.schedule})")
     if cfg.checkpoint_dir or cfg.resume:
-        raise ValueError("vpipe nas writes no checkpoints and cannot resume from one: drop --checkpoint-dir/--resume")
+        raise ValueError("vpipe nas writes no checkpoints and cannot resume from one: drop "
+                         "--checkpoint-dir/--resume")
     if not cfg.vpipe:
         planner = cfg.planner if cfg.planner != daemon.NO_CHANGE_PLANNER else DEFAULT_PLANNER
         cfg = RunConfig(**{**cfg.to_dict(), "vpipe": True, "planner": planner})
@@ -249,7 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_arguments(train, steps=20, stages=2)
     train.set_defaults(func=cmd_train)
 
-    nas = sub.add_parser("nas", help="regularized evolution over transformer variants, on a live vpipe pipeline")
+    nas = sub.add_parser("nas",
+                         help="regularized evolution over transformer variants, on a live vpipe pipeline")
     add_run_arguments(nas, steps=0, stages=2)
     nas.add_argument("--population", type=_positive_int, default=4)
     nas.add_argument("--sample", type=_positive_int, default=2)

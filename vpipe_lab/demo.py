@@ -56,21 +56,26 @@ class DemoPlan:
                 "2 blocks removed from stage 1": range(self.remove_step, self.steps)}
 
 
-def phase_throughput(step_s: list[list[float]], samples_per_step: int, phases: dict[str, range]) -> dict[str, float]:
+def phase_throughput(step_s: list[list[float]], samples_per_step: int,
+                     phases: dict[str, range]) -> dict[str, float]:
     """Median samples per second of each phase."""
     per_step = samples_per_s(step_s, samples_per_step)
-    return {name: statistics.median(per_step[i] for i in span if i < len(per_step)) for name, span in phases.items()}
+    return {name: statistics.median(per_step[i] for i in span if i < len(per_step))
+            for name, span in phases.items()}
 
 
 def run_demo(plan: DemoPlan, log_dir: Path) -> int:
     check_output_dir(log_dir, "--log-dir")  # a ValueError: one line, before the first run
     console = Console()
     make_dirs(log_dir, "--log-dir")  # 0700, never through a link another user planted
-    model: dict[str, Any] = dict(blocks=4, d_model=128, n_heads=4, seq_len=64, micro_batches=4, micro_batch_size=4,
+    model: dict[str, Any] = dict(blocks=4, d_model=128, n_heads=4, seq_len=64, micro_batches=4,
+                                 micro_batch_size=4,
                                  dropout=0.0, stages=2, schedule="1f1b", steps=plan.steps)
     console.print(f"[bold]vpipe demo[/]: a 4-block byte-level transformer on 2 stages (1F1B); at step "
-                  f"{plan.add_step} a NAS driver adds {plan.added} blocks to stage 0, at step {plan.remove_step} "
-                  f"it removes 2 blocks from stage 1. Once without vpipe's planner, once with it (~1-2 minutes).")
+                  f"{plan.add_step} a NAS driver adds {plan.added} blocks to stage 0, at "
+                  f"step {plan.remove_step} "
+                  "it removes 2 blocks from stage 1. Once without vpipe's planner, once "
+                  "with it (~1-2 minutes).")
     results = {}
     for name, planning in (("static", False), ("vpipe", True)):
         log_file = log_dir / f"{name}.log"
@@ -79,7 +84,8 @@ def run_demo(plan: DemoPlan, log_dir: Path) -> int:
                         log_file=str(log_file))
         console.print(f"  running {name} ...", end="")
         run = run_training(cfg)
-        results[name] = (run, phase_throughput(run.step_s, cfg.micro_batches * cfg.micro_batch_size, plan.phases()))
+        results[name] = (run, phase_throughput(run.step_s, cfg.micro_batches * cfg.micro_batch_size,
+                                               plan.phases()))
         console.print(f" done in {run.wall_s:.0f} s, final layers per stage "
                       f"{[len(r['layer_ids']) for r in run.ranks]}")
 
@@ -91,7 +97,8 @@ def run_demo(plan: DemoPlan, log_dir: Path) -> int:
         table.add_row(phase, f"{static:.1f}", f"{vp:.1f}", f"{vp / static:.2f}x")
     console.print(table)
 
-    decisions = Table(title="what vpipe decided (vpipe logs " + str(log_dir / "vpipe.log") + " shows every number)")
+    decisions = (Table(title="what vpipe decided (vpipe logs " + str(log_dir / "vpipe.log") + " shows every "
+                                                                                              "number)"))
     for col in ("t (s)", "who", "event", "message"):
         decisions.add_column(col)
     for when, who, event, message, _ in decision_rows(read_log(log_dir / "vpipe.log"), _SHOWN):
@@ -103,11 +110,13 @@ def run_demo(plan: DemoPlan, log_dir: Path) -> int:
 
 
 def register(sub: Any) -> None:
-    parser = sub.add_parser("demo", help="layers added and removed mid-run on 2 stages, with and without vpipe")
+    parser = sub.add_parser("demo",
+                            help="layers added and removed mid-run on 2 stages, with and without vpipe")
     parser.add_argument("--steps", type=int, default=DemoPlan.steps)
     parser.add_argument("--add-step", type=int, default=DemoPlan.add_step)
     parser.add_argument("--remove-step", type=int, default=DemoPlan.remove_step)
-    parser.add_argument("--log-dir", default="vpipe-demo", help="where the two runs' logs go (default ./vpipe-demo)")
+    parser.add_argument("--log-dir", default="vpipe-demo",
+                        help="where the two runs' logs go (default ./vpipe-demo)")
     parser.set_defaults(func=_cmd_demo)
 
 

@@ -34,9 +34,9 @@ MAX_CELL = 4000  # characters of one cell shown; the table's folding is quadrati
 
 
 def printable(text: str) -> str:
-    """``text`` with control and format characters written as escapes: a log's messages (plan reasons come from
-    the wire) must not move the cursor, retitle the terminal or reorder what it shows. A cell longer than
-    :data:`MAX_CELL` is cut, saying how much (a 16 MB line took 44 s to fold whole)."""
+    """``text`` with control and format characters written as escapes: a log's messages (plan reasons come
+    from the wire) must not move the cursor, retitle the terminal or reorder what it shows. A cell longer
+    than :data:`MAX_CELL` is cut, saying how much (a 16 MB line took 44 s to fold whole)."""
     cut = len(text) - MAX_CELL
     if cut > 0:
         text = text[:MAX_CELL]
@@ -72,13 +72,16 @@ def timeline_rows(records: Iterable[dict[str, Any]], *, everything: bool = False
         t = r.get("t")
         when = f"{t - start:9.3f}" if isinstance(t, (int, float)) else "?"
         details = "  ".join(f"{k}={_number(v)}" for k, v in r.items() if k not in _BOOKKEEPING)
-        rows.append((when, printable(_who(r)), printable(event), printable(str(r.get("msg", ""))), printable(details)))
+        rows.append((when, printable(_who(r)), printable(event), printable(str(r.get("msg", ""))),
+                     printable(details)))
     return rows
 
 
-def decision_rows(records: Iterable[dict[str, Any]], events: set[str]) -> list[tuple[str, str, str, str, str]]:
+def decision_rows(records: Iterable[dict[str, Any]], events: set[str]) -> list[tuple[str, str, str, str,
+                                                                                     str]]:
     """The timeline of ``events``, with layer edits (which every rank logs) shown once, as rank 0 saw them."""
-    return [row for row in timeline_rows(records, events=events) if not row[2].startswith("layers_") or row[1] == "0"]
+    return [row for row in timeline_rows(records, events=events) if not row[2].startswith("layers_")
+            or row[1] == "0"]
 
 
 def render(path: str, *, everything: bool = False, events: set[str] | None = None) -> int:

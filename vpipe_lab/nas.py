@@ -129,7 +129,8 @@ def morph(vp: Any, current: list[tuple[int, str]], target: Architecture,
     kept_before, kept_after = current[:head], current[len(current) - tail:]
     added: list[tuple[int, str]] = []
     if middle:
-        # model position: the embedding (1) plus the kept leading blocks and the blocks still to remove before them
+        # model position: the embedding (1) plus the kept leading
+        # blocks and the blocks still to remove before them
         position = 1 + head
         ids = vp.add_layers(position, [spec_of(kind) for kind in middle])
         added = list(zip(ids, middle))
@@ -193,15 +194,17 @@ def block_spec_for(d_model: int, n_heads: int, dropout: float) -> Callable[[str]
 
 
 def _write_result(out: Path, result: SearchResult, rank: int) -> None:
-    """``out/nas.json`` (0600, a new file renamed into place: never through a link); a write that fails is said in
-    one line, never a traceback."""
+    """``out/nas.json`` (0600, a new file renamed into place: never through a link); a
+    write that fails is said in one line, never a traceback."""
     body = {"best": {"architecture": list(result.best.arch.blocks), "loss": result.best.loss},
-            "history": [{"architecture": list(c.arch.blocks), "loss": c.loss, "step": c.step} for c in result.history]}
+            "history": [{"architecture": list(c.arch.blocks), "loss": c.loss, "step": c.step}
+                        for c in result.history]}
     try:
         make_dirs(out, "out_dir")
         write_atomic(out / "nas.json", json.dumps(body, indent=1).encode(), what="out_dir")
     except OSError as e:
-        stderr_line(f"vpipe [rank {rank}]: cannot write the search's results to {out} ({e.strerror or e}); the "
+        stderr_line(f"vpipe [rank {rank}]: cannot write the search's results to {out} "
+                    f"({e.strerror or e}); the "
                     "search finished without them")
 
 
@@ -209,7 +212,8 @@ def search_rank(cfg: Any, evo: EvolutionConfig, ctx: Any) -> SearchResult:
     """One rank of ``vpipe nas``: the reference transformer under vpipe, searched by regularized evolution."""
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     if ctx.rank == 0:
-        claim_outputs(cfg, hold=True)  # --out-dir, --log-file and the trace directory, for as long as the run lives
+        # --out-dir, --log-file and the trace directory, for as long as the run lives
+        claim_outputs(cfg, hold=True)
     run = build_stage_run(cfg, ctx.rank, ctx.device)
     vp = attach_vpipe(cfg, run)
     state = {"step": 0}
@@ -225,7 +229,8 @@ def search_rank(cfg: Any, evo: EvolutionConfig, ctx: Any) -> SearchResult:
 
     kinds = cfg.block_types or ["attn"] * cfg.blocks
     start = list(zip(range(1, cfg.blocks + 1), kinds))
-    result = regularized_evolution(vp, train_steps, start, evo, block_spec_for(cfg.d_model, cfg.n_heads, cfg.dropout),
+    result = regularized_evolution(vp, train_steps, start, evo,
+                                   block_spec_for(cfg.d_model, cfg.n_heads, cfg.dropout),
                                    last_rank=cfg.stage_rank(cfg.virtual_stages - 1))
     vp.detach()
     if cfg.out_dir and run.is_last:

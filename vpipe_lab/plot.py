@@ -39,7 +39,8 @@ class RunSeries:
 
     def rolling(self, window: int = 5) -> list[float]:
         """Median of the last ``window`` steps: one slow step should not look like a trend."""
-        return [statistics.median(self.throughput[max(0, i - window + 1):i + 1]) for i in range(len(self.throughput))]
+        return [statistics.median(self.throughput[max(0, i - window + 1):i + 1])
+                for i in range(len(self.throughput))]
 
 
 def series_from_log(records: Sequence[dict[str, Any]]) -> RunSeries:
@@ -63,11 +64,13 @@ def series_from_log(records: Sequence[dict[str, Any]]) -> RunSeries:
 
 
 def _number(record: dict[str, Any], key: str, default: float) -> float:
-    """``record[key]`` as a number (``default`` when absent); ``ValueError`` names the record and the field."""
+    """``record[key]`` as a number (``default`` when absent);
+    ``ValueError`` names the record and the field."""
     value = record.get(key, default)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         what = record.get("event") or record.get("logger") or "record"
-        raise ValueError(f"a {what} record (rank {record.get('rank', '?')}) has {key}={value!r:.40}, not a number")
+        raise ValueError(f"a {what} record (rank {record.get('rank', '?')}) has "
+                         f"{key}={value!r:.40}, not a number")
     return float(value)
 
 
@@ -77,7 +80,8 @@ def _positive(value: Any) -> bool:
 
 def _layers_event(out: RunSeries, r: dict[str, Any], t: float) -> None:
     event = r.get("event")
-    if event in ("attached", "plan_applied") and isinstance(r.get("stage"), int) and isinstance(r.get("layers"), list):
+    if event in ("attached", "plan_applied") and isinstance(r.get("stage"),
+                                                            int) and isinstance(r.get("layers"), list):
         count = len(r["layers"])
         history = out.layers.setdefault(r["stage"], [])
         if not history or history[-1][1] != count:
@@ -129,7 +133,8 @@ def plot_run(log_file: str | Path, output: str | Path, *, title: str | None = No
                            f"(dashed: red added, orange removed, green moved)")
     fig.tight_layout()
     try:
-        with output_file(output, "-o") as f:  # never through a planted link; exactly ``output``: no ".png" added
+        # never through a planted link; exactly ``output``: no ".png" added
+        with output_file(output, "-o") as f:
             fig.savefig(f, dpi=110, format="png")
     finally:
         plt.close(fig)
@@ -150,7 +155,8 @@ def _cmd_plot(args: argparse.Namespace, argv: Sequence[str]) -> int:
         return 2
     folder = Path(args.output).resolve().parent
     if not folder.is_dir():
-        print(f"vpipe plot: cannot write {args.output}: the directory {folder} does not exist", file=sys.stderr)
+        print(f"vpipe plot: cannot write {args.output}: the directory {folder} does not exist",
+              file=sys.stderr)
         return 2
     try:
         check_output_file(args.output, "-o")  # a planted link or a directory there: said before drawing
@@ -158,6 +164,7 @@ def _cmd_plot(args: argparse.Namespace, argv: Sequence[str]) -> int:
     except (ValueError, RuntimeError) as e:  # FileCheckError (a planted link, a full disk) included
         print(shorten(f"vpipe plot: {e}"), file=sys.stderr)
         return 2
-    print(f"vpipe plot: {len(series.step)} steps, {len(series.layers)} stages, {len(series.marks)} layer changes "
+    print(f"vpipe plot: {len(series.step)} steps, {len(series.layers)} stages, "
+          f"{len(series.marks)} layer changes "
           f"-> {args.output}")
     return 0

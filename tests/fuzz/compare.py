@@ -1,4 +1,5 @@
-"""Naming every tensor of a copy by global layer id, snapshotting it, and judging two copies against each other.
+"""Naming every tensor of a copy by global layer id, snapshotting it,
+and judging two copies against each other.
 
 A block's tensors are named ``L<layer_id>.<name in the block>`` wherever the block runs, the
 stage's own modules (embeddings, head) ``s.<name>``; the optimizer's state ``opt:<tensor>:<key>``
@@ -22,15 +23,17 @@ from fuzz.draws import Draw
 from fuzz.models import container
 from fuzz.trainer import Copy
 
-# for draws whose arithmetic depends on the split (global clipping) only: a difference within RTOL of the tensor's
-# largest magnitude. One rounding of the clip factor grows over a few steps (RMSprop and Adam divide by small
-# second moments, bf16 rounds again); a lost gradient or a wrong learning rate moves parameters by a whole update
+# for draws whose arithmetic depends on the split (global clipping) only: a difference within
+# RTOL of the tensor's largest magnitude. One rounding of the clip factor grows over a few steps
+# (RMSprop and Adam divide by small second moments, bf16 rounds again); a lost gradient or a
+# wrong learning rate moves parameters by a whole update
 RTOL, ATOL = 5e-3, 1e-6
 
 
-def _named(d: Draw, c: Copy, modules: list[torch.nn.Module] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every parameter and buffer of this rank's stages (or of ``modules`` shaped like them: an EMA's copies) under
-    its global name (shared ones under each name)."""
+def _named(d: Draw, c: Copy,
+           modules: list[torch.nn.Module] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every parameter and buffer of this rank's stages (or of ``modules`` shaped like them: an EMA's
+    copies) under its global name (shared ones under each name)."""
     prefix = f"r{c.replica}/" if d.ranks == 4 else ""
     for module in c.modules if modules is None else modules:
         seen: set[int] = set()
@@ -61,8 +64,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def fingerprint(d: Draw, c: Copy) -> dict[str, tuple[int, float]]:
-    """Each parameter's (crc32 of its bytes, float64 sum) on this rank after a step (a shard under FSDP2: keyed by
-    replica, so the copies' shards meet under one key)."""
+    """Each parameter's (crc32 of its bytes, float64 sum) on this rank after a step (a shard under FSDP2:
+    keyed by replica, so the copies' shards meet under one key)."""
     out = {}
     for name, t in _named(d, c):
         if isinstance(t, torch.nn.Parameter):
@@ -149,14 +152,17 @@ def compare_maps(plain: dict[str, Any], moved: dict[str, Any]) -> dict[str, Any]
         differing.append(key)
         ok, amount = _diff(plain[key], moved[key])
         close, worst = close and ok, max(worst, amount)
-        scale = float(plain[key].abs().max()) if isinstance(plain[key], torch.Tensor) and plain[key].numel() else 0.0
+        scale = float(plain[key].abs().max()) if isinstance(plain[key],
+                                                            torch.Tensor) and plain[key].numel() else 0.0
         amounts.append((amount, key, scale))
-    largest = [f"{key}: {amount:.3g} (of {scale:.3g})" for amount, key, scale in sorted(amounts, reverse=True)[:5]]
+    largest = [f"{key}: {amount:.3g} (of {scale:.3g})"
+               for amount, key, scale in sorted(amounts, reverse=True)[:5]]
     return {"differing": differing, "close": close, "max_abs_diff": worst, "largest": largest}
 
 
 def compare_losses(plain: dict[int, list], moved: dict[int, list]) -> dict[str, Any]:
-    """Per replica, per step, per micro-batch losses: the first step that differs (bitwise), and whether close."""
+    """Per replica, per step, per micro-batch losses: the first step
+    that differs (bitwise), and whether close."""
     first, close, worst = None, True, 0.0
     for replica in sorted(set(plain) | set(moved)):
         a, b = plain.get(replica, []), moved.get(replica, [])
@@ -175,12 +181,13 @@ def compare_losses(plain: dict[int, list], moved: dict[int, list]) -> dict[str, 
 
 def first_state_step(plain: list[dict[str, tuple[int, float]]], moved: list[dict[str, tuple[int, float]]],
                      rounding: bool) -> tuple[int | None, list[str]]:
-    """The first step after which some parameter differs (bitwise, or beyond rounding for a rounding draw), and
-    the parameters that differ then."""
+    """The first step after which some parameter differs (bitwise, or beyond rounding for a
+    rounding draw), and the parameters that differ then."""
     for step, (a, b) in enumerate(zip(plain, moved)):
         keys = sorted(set(a) ^ set(b))
         for key in sorted(set(a) & set(b)):
-            if a[key][0] != b[key][0] and (not rounding or not math.isclose(a[key][1], b[key][1], rel_tol=RTOL,
+            if a[key][0] != b[key][0] and (not rounding
+                                           or not math.isclose(a[key][1], b[key][1], rel_tol=RTOL,
                                                                              abs_tol=1e-3)):
                 keys.append(key)
         if keys:

@@ -1,4 +1,5 @@
-"""One random trainer per seed: a feature combination vpipe must run underneath without changing what is learnt.
+"""One random trainer per seed: a feature combination vpipe must run
+underneath without changing what is learnt.
 
 ``draw(seed)`` makes one choice per axis of :data:`AXES` with ``random.Random(seed)``, then the
 numbers that follow from them (layers, the first split, the forced plans and their steps). A
@@ -13,11 +14,12 @@ import random
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-# every axis and its values; ``fsdp`` is not drawn freely: every ``fsdp_every``-th seed is an FSDP2 draw (4 ranks)
+# every axis and its values; ``fsdp`` is not drawn freely: every
+# ``fsdp_every``-th seed is an FSDP2 draw (4 ranks)
 AXES: dict[str, tuple[Any, ...]] = {
     "shape": ("sequential", "moduledict", "modulelist", "mixed"),
-    # vpipe's own PipeDream schedules (drawn late, tests/fuzz/late.py): asynchronous 1F1B with weight stashing and
-    # an optimizer step per micro-batch, and PipeDream-2BW (double-buffered weights, a step per period)
+    # vpipe's own PipeDream schedules (drawn late, tests/fuzz/late.py): asynchronous 1F1B with weight stashing
+    # and an optimizer step per micro-batch, and PipeDream-2BW (double-buffered weights, a step per period)
     "schedule": ("gpipe", "1f1b", "interleaved", "zbv", "pipedream", "2bw"),
     "optimizer": ("sgd", "adam", "adamw", "adagrad", "rmsprop"),
     "impl": ("foreach", "forloop", "fused"),
@@ -31,33 +33,38 @@ AXES: dict[str, tuple[Any, ...]] = {
     "mesh": ("", "dp_pp", "pp_dp"),
     # vp.remove_layers of one block at a step, or vp.add_layers of a new one, next to the moves
     "nas": ("none", "remove", "add"),
-    # beside the optimizer (drawn last): the Muon recipe (Muon for the blocks' matrices, the drawn optimizer for the
-    # rest: several optimizers a stage), or an EMA of each stage module (AveragedModel) that vpipe carries
+    # beside the optimizer (drawn last): the Muon recipe (Muon for the blocks'
+    # matrices, the drawn optimizer for the rest: several optimizers a stage), or an
+    # EMA of each stage module (AveragedModel) that vpipe carries
     "extra": ("none", "muon", "ema"),
-    # who chooses the moves: plans forced at drawn steps, or vpipe's own planner (sampling every step, acting on
-    # one sample) from the drawn split, no plan forced: moves at steps and of blocks no one drew
+    # who chooses the moves: plans forced at drawn steps, or vpipe's own planner (sampling every step, acting
+    # on one sample) from the drawn split, no plan forced: moves at steps and of blocks no one drew
     "moves": ("forced", "planner"),
-    # the blocks' first Linear under torch's weight_norm parametrization (``parametrizations.weight.original0/1``
-    # train; the weight is computed on each forward), as users apply it
+    # the blocks' first Linear under torch's weight_norm
+    # parametrization (``parametrizations.weight.original0/1`` train;
+    # the weight is computed on each forward), as users apply it
     "weights": ("plain", "parametrized"),
-    # each block compiled as torchtitan compiles them: replaced by ``torch.compile(block)`` in its container, or
-    # ``block.compile()`` in place (tests/fuzz/recipes.py)
+    # each block compiled as torchtitan compiles them: replaced by ``torch.compile(block)`` in its container,
+    # or ``block.compile()`` in place (tests/fuzz/recipes.py)
     "compiled": ("none", "wrap", "in_place"),
     # torch's AMP recipe: a GradScaler (CPU) scales each micro-batch's loss, unscale_ before clipping, and its
     # ``step`` skips the drawn steps whose first micro-batch's loss is infinite (tests/fuzz/recipes.py)
     "scaler": ("none", "skips"),
-    # data-parallel replicas without FSDP2 (a 2x2 mesh, 4 ranks): the trainer all-reduces the gradients itself after
-    # the window's last schedule.step; or those replicas under torch.distributed.optim.ZeroRedundancyOptimizer,
-    # which vpipe refuses (moves off for the run, one line): counted refused, never passed (tests/fuzz/late.py)
+    # data-parallel replicas without FSDP2 (a 2x2 mesh, 4 ranks): the trainer all-reduces the gradients itself
+    # after the window's last schedule.step; or those replicas under
+    # torch.distributed.optim.ZeroRedundancyOptimizer, which vpipe refuses (moves off for the run, one line):
+    # counted refused, never passed (tests/fuzz/late.py)
     "dp": ("none", "allreduce", "zero"),
 }
-# axes drawn after the others, not in the first round of choices (and schedule's PipeDream values, tests/fuzz/late.py)
+# axes drawn after the others, not in the first round of choices (and
+# schedule's PipeDream values, tests/fuzz/late.py)
 LATE = ("fsdp", "mesh", "nas", "extra", "moves", "weights", "compiled", "scaler", "dp")
 DERIVED = ("mid_window_plan",)  # properties of a draw that the report groups failures by, next to the axes
 MULTI_STAGE = ("interleaved", "zbv")  # two stages per rank, four stages in all
 TORCH_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbv")  # the first round's choices (PipeDream's are late)
 PIPEDREAM = ("pipedream", "2bw")  # vpipe's schedules that own the optimizer steps
-FUSED = ("sgd", "adam", "adamw", "adagrad")  # optimizers with a fused CPU kernel in torch 2.13 (RMSprop has none)
+# optimizers with a fused CPU kernel in torch 2.13 (RMSprop has none)
+FUSED = ("sgd", "adam", "adamw", "adagrad")
 FSDP_FUSED = ("adam", "adamw")  # fused kernels DTensor can run
 STEPS = {1: 8, 2: 8, 3: 9}  # schedule.step calls per run, by accumulation: whole windows only
 FSDP_STEPS = {1: 6, 2: 6, 3: 6}  # four ranks on two cores: fewer steps
@@ -88,17 +95,20 @@ class Draw:
     counts: tuple[int, ...]  # blocks per stage at the start
     steps: int  # schedule.step calls
     policies: str  # one of D, S, R per layer id, given to attach
-    plans: tuple[tuple[int, tuple[int, ...], str], ...]  # (at_step, blocks per stage, policies) per forced plan
+    # (at_step, blocks per stage, policies) per forced plan
+    plans: tuple[tuple[int, tuple[int, ...], str], ...]
     pinned: tuple[int, ...]  # blocks vpipe must never move (tied pair, hooked block)
     micro_batches: int = MICRO_BATCHES
     nas_remove: tuple[int, ...] = ()  # (step, layer id): the block removed before that step on both copies
     extra: str = "none"
     moves: str = "forced"
-    nas_add: tuple[int, ...] = ()  # (step, position): a new block (id ``layers``) inserted before that position
+    # (step, position): a new block (id ``layers``) inserted before that position
+    nas_add: tuple[int, ...] = ()
     weights: str = "plain"
     compiled: str = "none"
     scaler: str = "none"
-    inf_steps: tuple[int, ...] = ()  # scaler=skips: the schedule.step calls whose first micro-batch's loss is inf
+    # scaler=skips: the schedule.step calls whose first micro-batch's loss is inf
+    inf_steps: tuple[int, ...] = ()
     dp: str = "none"
 
     @property
@@ -150,12 +160,18 @@ class Draw:
         state = self.block_state + (f"(pinned {','.join(map(str, self.pinned))})" if self.pinned else "")
         plans = " ".join(f"@{s}:{','.join(map(str, c))}" for s, c, _ in self.plans)
         nas = f" nas=remove L{self.nas_remove[1]}@{self.nas_remove[0]}" if self.nas_remove else ""
-        nas += f" nas=add L{self.layers} before position {self.nas_add[1]}@{self.nas_add[0]}" if self.nas_add else ""
+        nas += (
+            f" nas=add L{self.layers} before position {self.nas_add[1]}@{self.nas_add[0]}"
+            if self.nas_add
+            else ""
+        )
         extra = f" extra={self.extra}" if self.extra != "none" else ""
         extra += " moves=planner" if self.moves == "planner" else ""
         extra += " weights=parametrized" if self.weights == "parametrized" else ""
         extra += f" compiled={self.compiled}" if self.compiled != "none" else ""
-        extra += f" scaler=skips(inf at {','.join(map(str, self.inf_steps))})" if self.scaler != "none" else ""
+        extra += (
+            f" scaler=skips(inf at {','.join(map(str, self.inf_steps))})" if self.scaler != "none" else ""
+        )
         extra += f" dp={self.dp}({self.mesh})" if self.dp != "none" else ""
         return (f"seed={self.seed} {self.shape}/{self.schedule} {impl}{extra} groups={self.groups} "
                 f"lr={self.lr_scheduler} accum={self.accum} {clip} autocast={self.autocast} state={state} "
@@ -215,24 +231,26 @@ def _pinned(rng: random.Random, shape: str, state: str, counts: tuple[int, ...])
 
 
 def draw(seed: int, fsdp_every: int = FSDP_EVERY) -> Draw:
-    """The trainer of ``seed``: every ``fsdp_every``-th seed (``seed % fsdp_every == fsdp_every - 1``) is FSDP2."""
+    """The trainer of ``seed``: every ``fsdp_every``-th seed (``seed
+    % fsdp_every == fsdp_every - 1``) is FSDP2."""
     rng = random.Random(seed)
     pick = {axis: rng.choice(TORCH_SCHEDULES if axis == "schedule" else values)
             for axis, values in AXES.items() if axis not in LATE}
     fsdp = fsdp_every > 0 and seed % fsdp_every == fsdp_every - 1
     mesh = rng.choice(("dp_pp", "pp_dp")) if fsdp else ""
     if pick["impl"] == "fused" and pick["optimizer"] not in (FSDP_FUSED if fsdp else FUSED):
-        # torch has no fused RMSprop, and DTensor (FSDP2's parameters) no sharding rule for fused SGD or Adagrad
+        # torch has no fused RMSprop, and DTensor (FSDP2's parameters)
+        # no sharding rule for fused SGD or Adagrad
         pick["impl"] = rng.choice(("foreach", "forloop"))
     if pick["block_state"] == "tied" and (fsdp or pick["schedule"] == "zbv"):
         # fully_shard on each block cannot shard one module that two blocks hold; torch's ZBV computes weight
-        # gradients apart from input gradients and fails on a parameter two blocks share ("backward through the
-        # graph a second time", the trainer without vpipe too): these draws tie nothing
+        # gradients apart from input gradients and fails on a parameter two blocks share ("backward through
+        # the graph a second time", the trainer without vpipe too): these draws tie nothing
         pick["block_state"] = rng.choice(("plain", "batchnorm", "frozen", "hook"))
     if pick["clip"] == "global" and (pick["block_state"] == "batchnorm" or pick["shape"] == "mixed"):
         # global clipping agrees to rounding only, and a rounding difference does not stay small where a 2-row
-        # micro-batch's BatchNorm divides by its variance, or a token changes expert under MoE's top-1 routing (seen
-        # as 2 % and 30 % after 8 steps): these draws clip per stage or not at all
+        # micro-batch's BatchNorm divides by its variance, or a token changes expert under MoE's top-1 routing
+        # (seen as 2 % and 30 % after 8 steps): these draws clip per stage or not at all
         pick["clip"] = rng.choice(("none", "stage"))
     stages = 4 if pick["schedule"] in MULTI_STAGE else 2
     layers = 8 if stages == 4 else rng.choice((4, 6, 8))
@@ -244,8 +262,9 @@ def draw(seed: int, fsdp_every: int = FSDP_EVERY) -> Draw:
     else:
         raise AssertionError(f"seed {seed}: no split ties two blocks")
     steps = (FSDP_STEPS if fsdp else STEPS)[pick["accum"]]
-    # 2-4 forced plans at distinct steps 1 .. steps-1 (each leaves a step to train after it), each a different
-    # contiguous split with every stage non-empty: moves in both directions, some inside an accumulation window
+    # 2-4 forced plans at distinct steps 1 .. steps-1 (each leaves a step to train
+    # after it), each a different contiguous split with every stage non-empty: moves
+    # in both directions, some inside an accumulation window
     at_steps = sorted(rng.sample(range(1, steps), rng.randint(2, 4)))
     plans, last = [], counts
     for at in at_steps:
@@ -258,16 +277,17 @@ def draw(seed: int, fsdp_every: int = FSDP_EVERY) -> Draw:
         last = new
     policies = _policies(rng, layers)
     nas, plans = _removal(rng, fsdp, steps, counts, plans, tuple(pinned))
-    # FSDP2 draws: Muon has no DTensor support, and an AveragedModel copy of a sharded root is not what users keep
+    # FSDP2 draws: Muon has no DTensor support, and an AveragedModel
+    # copy of a sharded root is not what users keep
     extra = "none" if fsdp else rng.choice(AXES["extra"])
     if extra == "muon" and pick["clip"] == "global":
-        # Muon orthogonalises each update in bfloat16: global clipping's rounding difference (the stages' norms
-        # summed in another grouping) comes out of it 0.5 % of a weight apart (seen: seed 1206 of the old draws,
-        # identical with clip none or per stage): these draws clip per stage or not at all
+        # Muon orthogonalises each update in bfloat16: global clipping's rounding difference (the stages'
+        # norms summed in another grouping) comes out of it 0.5 % of a weight apart (seen: seed 1206 of the
+        # old draws, identical with clip none or per stage): these draws clip per stage or not at all
         pick["clip"] = rng.choice(("none", "stage"))
-    # a quarter of the draws leave the moves to vpipe's planner: no plan is forced and no block removed (a removal
-    # must leave its stage a block whatever the placement, which only forced plans make known); not under FSDP2
-    # (four ranks on two cores: the planner would act on contention)
+    # a quarter of the draws leave the moves to vpipe's planner: no plan is forced and no block removed (a
+    # removal must leave its stage a block whatever the placement, which only forced plans make known); not
+    # under FSDP2 (four ranks on two cores: the planner would act on contention)
     moves = "planner" if not fsdp and rng.random() < 0.25 else "forced"
     if moves == "planner":
         plans, nas = [], ()
@@ -276,7 +296,8 @@ def draw(seed: int, fsdp_every: int = FSDP_EVERY) -> Draw:
     weights = "parametrized" if not fsdp and rng.random() < 0.25 else "plain"
     added, plans = _addition(rng, fsdp or bool(nas), steps, layers, plans)
     d = Draw(seed=seed, fsdp=fsdp, mesh=mesh, layers=layers, counts=counts, steps=steps, policies=policies,
-             plans=tuple(plans), pinned=tuple(pinned), nas_remove=nas, extra=extra, moves=moves, weights=weights,
+             plans=tuple(plans), pinned=tuple(pinned), nas_remove=nas, extra=extra, moves=moves,
+             weights=weights,
              nas_add=added, **pick)
     from fuzz.late import draw_late  # the axes added last, in a module of their own
 
@@ -285,10 +306,10 @@ def draw(seed: int, fsdp_every: int = FSDP_EVERY) -> Draw:
 
 def _addition(rng: random.Random, excluded: bool, steps: int, layers: int, plans: list
               ) -> tuple[tuple[int, ...], list]:
-    """A fifth of the draws that remove nothing add a block (``vp.add_layers`` with the trainer's layer factory;
-    the plain copy inserts the same block by hand) before a random step and model position; plans from that step
-    on place it too (one more block on the stage that holds its position in that plan's split). Not under FSDP2
-    (attach refuses a factory's unsharded blocks there). Drawn last."""
+    """A fifth of the draws that remove nothing add a block (``vp.add_layers`` with the trainer's layer
+    factory; the plain copy inserts the same block by hand) before a random step and model position; plans
+    from that step on place it too (one more block on the stage that holds its position in that plan's
+    split). Not under FSDP2 (attach refuses a factory's unsharded blocks there). Drawn last."""
     if excluded or rng.random() >= 0.2:
         return (), plans
     at, position = rng.randrange(1, steps), rng.randrange(0, layers + 1)
@@ -316,16 +337,18 @@ def _stage_of(counts: tuple[int, ...], layer_id: int) -> int:
     return next(s for s, ids in enumerate(stage_blocks(counts)) if layer_id in ids)
 
 
-def _removal(rng: random.Random, fsdp: bool, steps: int, counts: tuple[int, ...], plans: list, pinned: tuple[int, ...]
+def _removal(rng: random.Random, fsdp: bool, steps: int, counts: tuple[int, ...], plans: list,
+             pinned: tuple[int, ...]
              ) -> tuple[tuple[int, ...], list]:
-    """A third of the draws remove one block (``vp.remove_layers``; the plain copy deletes it from its container and
-    optimizer) before a random step; plans from that step on place the blocks left. Drawn last, so a seed's other
-    choices stay what they were without this axis."""
-    if rng.random() >= 1 / 3 or fsdp:  # FSDP2: the plain copy cannot take a block out of a sharded root by hand
+    """A third of the draws remove one block (``vp.remove_layers``; the plain copy deletes it from its
+    container and optimizer) before a random step; plans from that step on place the blocks left. Drawn
+    last, so a seed's other choices stay what they were without this axis."""
+    # FSDP2: the plain copy cannot take a block out of a sharded root by hand
+    if rng.random() >= 1 / 3 or fsdp:
         return (), plans
     at = rng.randrange(1, steps)
-    # the block is pinned by nothing, and its stage keeps a block whatever placement is in force when it goes (a
-    # refused plan leaves an earlier one) and in every plan after it
+    # the block is pinned by nothing, and its stage keeps a block whatever placement is in force when it goes
+    # (a refused plan leaves an earlier one) and in every plan after it
     placements = [counts] + [c for s, c, _ in plans]
     options = [x for x in range(sum(counts)) if x not in pinned
                and all(c[_stage_of(c, x)] >= 2 for c in placements)]
@@ -342,15 +365,17 @@ def _removal(rng: random.Random, fsdp: bool, steps: int, counts: tuple[int, ...]
 
 
 def override(d: Draw, settings: list[str]) -> Draw:
-    """``d`` with axes set by hand (``["autocast=none", "accum=1"]``), to bisect a failure; also ``policies=X``
-    (X one of D, S, R: every layer, at attach and in every plan) and ``plans=none`` (no forced plan). No
-    constraint is checked, and a value that changes the split (``shape``, ``schedule``) may not fit the plans."""
+    """``d`` with axes set by hand (``["autocast=none", "accum=1"]``), to bisect a failure; also
+    ``policies=X`` (X one of D, S, R: every layer, at attach and in every plan) and
+    ``plans=none`` (no forced plan). No constraint is checked, and a value that changes the
+    split (``shape``, ``schedule``) may not fit the plans."""
     changes: dict[str, Any] = {}
     for setting in settings:
         axis, _, value = setting.partition("=")
         if axis == "policies" and value in ("D", "S", "R"):
             changes["policies"] = value * d.layers
-            changes["plans"] = tuple((at, counts, value * d.layers) for at, counts, _ in changes.get("plans", d.plans))
+            changes["plans"] = tuple((at, counts, value * d.layers)
+                                     for at, counts, _ in changes.get("plans", d.plans))
             continue
         if axis == "plans" and value == "none":
             changes["plans"] = ()
@@ -370,9 +395,9 @@ def override(d: Draw, settings: list[str]) -> Draw:
 
 def covering_seeds(count: int = 20, pool: range = range(600), fsdp_every: int = FSDP_EVERY,
                    four_rank_draws: int = 4) -> list[int]:
-    """A small sample of seeds that together take every value of every axis (greedy), at most ``four_rank_draws``
-    of them on 4 ranks (FSDP2 and data-parallel draws: the slow ones), padded to ``count`` with seeds that add the
-    most pairs of values not yet seen together."""
+    """A small sample of seeds that together take every value of every axis (greedy), at most
+    ``four_rank_draws`` of them on 4 ranks (FSDP2 and data-parallel draws: the slow ones), padded to
+    ``count`` with seeds that add the most pairs of values not yet seen together."""
     draws = [draw(s, fsdp_every) for s in pool]
     values = {(axis, str(getattr(d, axis))) for d in draws for axis in AXES}
 

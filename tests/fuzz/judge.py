@@ -15,8 +15,8 @@ from typing import Any
 from fuzz.compare import compare_losses, compare_maps, family, first_state_step, merge
 from fuzz.draws import Draw
 
-# refusals a draw expects: pinned blocks (hooks, sharing), a block kind a stage cannot build (mixed), a param group
-# a stage does not have (per-stage groups)
+# refusals a draw expects: pinned blocks (hooks, sharing), a block kind a stage cannot build (mixed), a param
+# group a stage does not have (per-stage groups)
 SECONDARY = ("timed out", "connection closed", "gloo")  # what a rank's peers report when it fails
 EXPECTED_REFUSAL = re.compile(r"hook|shares|kind|group|build|torch\.distributed\.optim", re.IGNORECASE)
 
@@ -44,7 +44,8 @@ def judge(d: Draw, gathered: list[dict[str, Any]] | None, errors: list[dict[str,
     record = _base(d, seconds)
     records = _log(log_file)
     refusals = sorted({r["msg"] for r in records if r.get("event") == "migration_refused"
-                       # moves off for a whole stage at attach (an optimizer wrapper such as ZeRO): a refusal too
+                       # moves off for a whole stage at attach (an optimizer
+                       # wrapper such as ZeRO): a refusal too
                        or r.get("event") == "moves_off" and "layers will not move" in str(r.get("msg"))})
     record["refusals"] = refusals
     record["migrations"] = sum(1 for r in records if r.get("event") == "migration_done")
@@ -60,7 +61,8 @@ def judge(d: Draw, gathered: list[dict[str, Any]] | None, errors: list[dict[str,
         first = min(errors, key=lambda e: (any(w in e["message"].lower() for w in SECONDARY), e["rank"]))
         record.update(outcome="ERROR", error_phase=first["phase"], error=first["traceback"],
                       error_ranks=[e["rank"] for e in errors],
-                      signature=f"ERROR[{first['phase'].split('@')[0]}] {first['type']}: {_squash(first['message'])}")
+                      signature=f"ERROR[{first['phase'].split('@')[0]}] {first['type']}: "
+                                f"{_squash(first['message'])}")
         return record
     placements = gathered[0]["placements"]
     record["moves"] = sum(1 for a, b in zip(placements, placements[1:]) if a != b)

@@ -25,9 +25,10 @@ def draw_late(rng: random.Random, d: Draw) -> Draw:
         # torch's ZBV refuses a stage module holding an OptimizedModule (the trainer without vpipe too): ZBV's
         # users compile their blocks in place
         compiled = "in_place"
-    # a quarter of the draws (not FSDP2: GradScaler over DTensor shards is not drawn yet) scale their losses and
-    # make 1-2 drawn steps overflow (their first micro-batch's loss infinite, as a bad batch makes it): every
-    # stage's gradients are then non-finite, so every rank's scaler skips the same steps and halves its scale
+    # a quarter of the draws (not FSDP2: GradScaler over DTensor shards is not drawn yet)
+    # scale their losses and make 1-2 drawn steps overflow (their first micro-batch's loss
+    # infinite, as a bad batch makes it): every stage's gradients are then non-finite, so
+    # every rank's scaler skips the same steps and halves its scale
     scaler, inf_steps = "none", ()
     if not d.fsdp and rng.random() < 0.25:
         scaler, inf_steps = "skips", tuple(sorted(rng.sample(range(d.steps), rng.randint(1, 2))))
@@ -40,15 +41,16 @@ def draw_late(rng: random.Random, d: Draw) -> Draw:
 
 
 def _replicas(rng: random.Random, d: Draw) -> Draw:
-    """The draw on two data-parallel replicas of its pipeline (a 2x2 mesh in a drawn order), gradients all-reduced
-    by the trainer; under ZeRO a third of the time."""
+    """The draw on two data-parallel replicas of its pipeline (a 2x2 mesh in a drawn order), gradients
+    all-reduced by the trainer; under ZeRO a third of the time."""
     dp = "zero" if rng.random() < 1 / 3 else "allreduce"
     mesh = rng.choice(("dp_pp", "pp_dp"))
-    # four ranks on two cores: vpipe's planner would act on contention (as under FSDP2), so plans are forced; a
-    # planner draw gets none (vpipe's other work, swap and recompute, still runs)
+    # four ranks on two cores: vpipe's planner would act on contention (as under FSDP2), so plans are forced;
+    # a planner draw gets none (vpipe's other work, swap and recompute, still runs)
     extra = d.extra
     if dp == "zero" and extra == "muon":
-        extra = "none"  # ZeRO wraps one optimizer class: the Muon recipe's second optimizer is not drawn with it
+        # ZeRO wraps one optimizer class: the Muon recipe's second optimizer is not drawn with it
+        extra = "none"
     if d.moves == "planner":  # two plans of its own instead, over the blocks drawn (no block added then)
         d = replace(d, plans=_plans(rng, d, sorted(rng.sample(range(1, d.steps), 2))), nas_add=())
     return replace(d, dp=dp, mesh=mesh, extra=extra, moves="forced")
@@ -78,20 +80,23 @@ def _pipedream(rng: random.Random, d: Draw, schedule: str) -> Draw:
         first = rng.randrange(2, STEPS[1] - TWO_BW_GAP)
         steps = [first] + ([rng.randrange(first + TWO_BW_GAP, STEPS[1])] if rng.random() < 0.5 else [])
         plans = list(_plans(rng, d, steps))
-    # PipeDream's weight stashing keeps p - k versions on stage k: a block that moves trains on another delay, so
-    # two runs on two splits differ (docs/schedules.md, the schedule's own arithmetic): PipeDream draws force no
-    # plan, and what vpipe does under it (swap, recompute by the drawn policies) must change nothing
+    # PipeDream's weight stashing keeps p - k versions on stage k: a block that moves trains on another delay,
+    # so two runs on two splits differ (docs/schedules.md, the schedule's own arithmetic): PipeDream draws
+    # force no plan, and what vpipe does under it (swap, recompute by the drawn policies) must change nothing
     return replace(
-        # vpipe's PipeDream streams move blocks only in an nn.Sequential named by global layer id (docs/schedules.md):
-        # the stage module users give those schedules (tests/fuzz/models.py builds it so under them)
-        d, shape="sequential", schedule=schedule, plans=tuple(plans), moves="forced", nas_remove=(), nas_add=(),
-        # the schedule steps the optimizer inside step() (one per micro-batch, or per period at its last
-        # backward), at points that differ per stage: no accumulation window, no LR scheduler stepped between
-        # step() calls, no clipping or GradScaler between backward and step (nowhere for the trainer to put them)
+        # vpipe's PipeDream streams move blocks only in an nn.Sequential named by
+        # global layer id (docs/schedules.md): the stage module users give those
+        # schedules (tests/fuzz/models.py builds it so under them)
+        d, shape="sequential", schedule=schedule, plans=tuple(plans), moves="forced", nas_remove=(),
+                   nas_add=(),
+        # the schedule steps the optimizer inside step() (one per micro-batch, or per period
+        # at its last backward), at points that differ per stage: no accumulation window, no
+        # LR scheduler stepped between step() calls, no clipping or GradScaler between
+        # backward and step (nowhere for the trainer to put them)
         accum=1, steps=STEPS[1], lr_scheduler="none", clip="none", scaler="none", inf_steps=(),
-        # an EMA under PipeDream is refused at attach with carry= (docs/identical.md), and the schedule holds one
-        # optimizer (the Muon recipe's two cannot be given to it): nothing beside the optimizer
+        # an EMA under PipeDream is refused at attach with carry= (docs/identical.md), and the schedule holds
+        # one optimizer (the Muon recipe's two cannot be given to it): nothing beside the optimizer
         extra="none",
-        # vpipe defers BatchNorm's statistics to the step's end under PipeDream; the plain copy would have to defer
-        # them by hand (tests/workers/norm_worker.py): BatchNorm draws run plain blocks here
+        # vpipe defers BatchNorm's statistics to the step's end under PipeDream; the plain copy would have to
+        # defer them by hand (tests/workers/norm_worker.py): BatchNorm draws run plain blocks here
         block_state="plain" if d.block_state == "batchnorm" else d.block_state)

@@ -42,14 +42,15 @@ class DenseBlock(nn.Module):
 
 
 class NormBlock(nn.Module):
-    """BatchNorm (float running stats, int64 ``num_batches_tracked``) and the buffers users keep: an int64 call
-    counter the forward bumps, a float64 running scale (after tests/workers/block_worker.py)."""
+    """BatchNorm (float running stats, int64 ``num_batches_tracked``) and the buffers users keep: an int64
+    call counter the forward bumps, a float64 running scale (after tests/workers/block_worker.py)."""
 
     def __init__(self, layer_id: int, bf16: bool, scalar_gain: bool = True) -> None:
         super().__init__()
         self.layer_id, self.bf16 = layer_id, bf16
         self.fc = nn.Linear(DIM, DIM)
-        self.gain = nn.Parameter(torch.ones(() if scalar_gain else (1,)))  # fully_shard cannot shard a 0-d one
+        # fully_shard cannot shard a 0-d one
+        self.gain = nn.Parameter(torch.ones(() if scalar_gain else (1,)))
         self.bn = nn.BatchNorm1d(DIM)
         self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
         self.register_buffer("scale", torch.ones(DIM, dtype=torch.float64))
@@ -66,7 +67,8 @@ class NormBlock(nn.Module):
 
 
 class LoraBlock(nn.Module):
-    """LoRA-like: a frozen base projection, trainable low-rank factors and norm (the optimizer sees only those)."""
+    """LoRA-like: a frozen base projection, trainable low-rank
+    factors and norm (the optimizer sees only those)."""
 
     def __init__(self, layer_id: int, bf16: bool) -> None:
         super().__init__()
@@ -95,8 +97,9 @@ class Expert(nn.Module):
 
 
 class MoEBlock(nn.Module):
-    """A small mixture of experts: a router, an ``experts`` ModuleList, top-1 routing and an int64 buffer counting
-    the tokens each expert got (every expert runs on every token, so the result does not depend on routing)."""
+    """A small mixture of experts: a router, an ``experts`` ModuleList, top-1 routing
+    and an int64 buffer counting the tokens each expert got (every expert runs on
+    every token, so the result does not depend on routing)."""
 
     def __init__(self, layer_id: int, bf16: bool) -> None:
         super().__init__()
@@ -106,9 +109,10 @@ class MoEBlock(nn.Module):
         self.register_buffer("tokens_per_expert", torch.zeros(EXPERTS, dtype=torch.int64))
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        # autocast caches its cast of a leaf that requires grad, and a stage's received input is one: a block first
-        # on its stage would sum its input's gradient from router and experts in bf16, elsewhere in fp32 (torch's
-        # arithmetic depending on the split, found by this fuzzer): the block casts its input once itself
+        # autocast caches its cast of a leaf that requires grad, and a stage's received input
+        # is one: a block first on its stage would sum its input's gradient from router and
+        # experts in bf16, elsewhere in fp32 (torch's arithmetic depending on the split, found
+        # by this fuzzer): the block casts its input once itself
         x = h.to(torch.bfloat16) if self.bf16 else h
         with _autocast(self.bf16):
             gate = torch.softmax(self.router(x).float(), dim=-1)
@@ -145,8 +149,8 @@ def _weights(d: Draw, block: nn.Module) -> nn.Module:
 
 
 def new_block(d: Draw, layer_id: int) -> nn.Module:
-    """The block ``nas=add`` inserts (and the layer factory vpipe's copy is given): seeded by its id, so both copies
-    build the same one, without touching the global random state the trainers draw from."""
+    """The block ``nas=add`` inserts (and the layer factory vpipe's copy is given): seeded by its id, so
+    both copies build the same one, without touching the global random state the trainers draw from."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(10_000 * d.seed + layer_id)
         from fuzz.recipes import compile_block
@@ -155,8 +159,8 @@ def new_block(d: Draw, layer_id: int) -> nn.Module:
 
 
 def insert_block(d: Draw, module: nn.Module, at: int, block: nn.Module) -> None:
-    """Put ``block`` at local position ``at`` of ``module``'s container, as vpipe does (keyed by its global id in a
-    ModuleDict; the positional containers renumber)."""
+    """Put ``block`` at local position ``at`` of ``module``'s container, as vpipe does (keyed by its global
+    id in a ModuleDict; the positional containers renumber)."""
     blocks = container(d, module)
     if isinstance(blocks, nn.ModuleDict):
         items = list(blocks.items())
@@ -168,10 +172,12 @@ def insert_block(d: Draw, module: nn.Module, at: int, block: nn.Module) -> None:
 
 
 class IdStage(nn.Module):
-    """The torch pipelining tutorial's / torchtitan's shape: ``layers`` a ModuleDict keyed by global id, an input
-    projection on the first stage and a head on the last, None elsewhere (``moduledict`` and ``mixed``)."""
+    """The torch pipelining tutorial's / torchtitan's shape: ``layers`` a ModuleDict
+    keyed by global id, an input projection on the first stage and a head on the
+    last, None elsewhere (``moduledict`` and ``mixed``)."""
 
-    def __init__(self, blocks: list[nn.Module], first: dict[str, nn.Module], last: dict[str, nn.Module]) -> None:
+    def __init__(self, blocks: list[nn.Module], first: dict[str, nn.Module],
+                 last: dict[str, nn.Module]) -> None:
         super().__init__()
         self.inp: nn.Module | None = first.get("inp")
         self.layers = nn.ModuleDict({str(b.layer_id): b for b in blocks})
@@ -185,10 +191,11 @@ class IdStage(nn.Module):
 
 
 class HFStage(nn.Module):
-    """Hugging Face's shape: token embeddings on the first stage, ``self.h`` a ModuleList of this stage's blocks,
-    ``ln_f`` and the LM head on the last."""
+    """Hugging Face's shape: token embeddings on the first stage, ``self.h`` a ModuleList of this stage's
+    blocks, ``ln_f`` and the LM head on the last."""
 
-    def __init__(self, blocks: list[nn.Module], first: dict[str, nn.Module], last: dict[str, nn.Module]) -> None:
+    def __init__(self, blocks: list[nn.Module], first: dict[str, nn.Module],
+                 last: dict[str, nn.Module]) -> None:
         super().__init__()
         self.wte: nn.Module | None = first.get("wte")
         self.h = nn.ModuleList(blocks)
@@ -232,7 +239,8 @@ def stage_module(d: Draw, parts: tuple[dict[str, nn.Module], list[nn.Module], di
     mine = [blocks[i] for i in ids]
     f = first if stage == 0 else {}
     la = last if stage == d.num_stages - 1 else {}
-    if d.shape == "sequential" and d.schedule in PIPEDREAM:  # what vpipe's PipeDream streams move: keyed by id
+    # what vpipe's PipeDream streams move: keyed by id
+    if d.shape == "sequential" and d.schedule in PIPEDREAM:
         module: nn.Module = nn.Sequential(OrderedDict((str(b.layer_id), b) for b in mine))
     elif d.shape == "sequential":
         module = nn.Sequential(*mine)  # children named 0..n-1 on every stage
@@ -274,7 +282,8 @@ def batch(d: Draw, step: int, replica: int) -> tuple[torch.Tensor, torch.Tensor]
     gen = torch.Generator().manual_seed(d.seed * 1000 + step * 10 + replica)
     rows = 2 * d.micro_batches
     if d.shape == "modulelist":
-        return (torch.randint(VOCAB, (rows, SEQ), generator=gen), torch.randint(VOCAB, (rows, SEQ), generator=gen))
+        return (torch.randint(VOCAB, (rows, SEQ), generator=gen),
+                torch.randint(VOCAB, (rows, SEQ), generator=gen))
     return torch.randn(rows, DIM, generator=gen), torch.randn(rows, DIM, generator=gen)
 
 

@@ -1,13 +1,14 @@
 """Rank program of the fuzzer: many draws in one job of ranks, each trained twice side by side.
 
-``rank_program.py --out OUT --logs DIR --seeds 3,4,5 [--fsdp-every 10] [--draw-timeout S] [--mixed-autodetect]``,
-launched on 2 ranks (or 4 for FSDP2 draws) by ``tests/fuzz/run.py`` as ``support.processes`` launches the
-workers. For each seed, in the same processes: build the draw's trainer twice (a plain copy and a copy with
-``vpipe.attach``) on process groups made for the draw, train both on the same batches while vpipe's copy is
-told to move blocks, compare, detach, clean up. Rank 0 appends a ``start`` line before a draw and one
-result line after it to OUT (JSON lines). A draw that raises on any rank is an ERROR on every rank (a flag
-all-reduced over the fuzzer's own group), and the job goes on; a draw that hangs ends the job after
-``--draw-timeout`` with every thread's stack (faulthandler), and ``run.py`` starts the rest again.
+``rank_program.py --out OUT --logs DIR --seeds 3,4,5 [--fsdp-every 10] [--draw-timeout S]
+[--mixed-autodetect]``, launched on 2 ranks (or 4 for FSDP2 draws) by ``tests/fuzz/run.py`` as
+``support.processes`` launches the workers. For each seed, in the same processes: build the draw's
+trainer twice (a plain copy and a copy with ``vpipe.attach``) on process groups made for the draw,
+train both on the same batches while vpipe's copy is told to move blocks, compare, detach, clean up.
+Rank 0 appends a ``start`` line before a draw and one result line after it to OUT (JSON lines). A
+draw that raises on any rank is an ERROR on every rank (a flag all-reduced over the fuzzer's own
+group), and the job goes on; a draw that hangs ends the job after ``--draw-timeout`` with every
+thread's stack (faulthandler), and ``run.py`` starts the rest again.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ import psutil
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: ``fuzz`` importable when run as a script
+# tests/: ``fuzz`` importable when run as a script
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fuzz.compare import fingerprint, snapshot  # noqa: E402
 from fuzz.draws import FSDP_EVERY, Draw, draw, override  # noqa: E402
@@ -74,8 +76,8 @@ class DrawState:
 
 
 def _mesh(d: Draw, st: DrawState) -> Any:
-    """A 2x2 mesh in the draw's dimension order, from groups made here (init_device_mesh's groups wait 30 min on a
-    peer that failed: these give up after GROUP_TIMEOUT_S)."""
+    """A 2x2 mesh in the draw's dimension order, from groups made here (init_device_mesh's groups wait 30
+    min on a peer that failed: these give up after GROUP_TIMEOUT_S)."""
     from torch.distributed.device_mesh import DeviceMesh
 
     order = ("dp", "pp") if d.mesh == "dp_pp" else ("pp", "dp")
@@ -101,7 +103,8 @@ def _copies(d: Draw, st: DrawState) -> dict[str, Copy]:
     for name in ("plain", "vpipe"):  # FSDP2 shards over the mesh's dp; plain replicas only all-reduce over it
         mesh = _mesh(d, st)
         copies[name] = build(d, name, parts, mesh.get_group("pp"), mesh["pp"].get_local_rank(),
-                             mesh["dp"] if d.fsdp else None, mesh["dp"].get_local_rank(), mesh.get_group("dp"))
+                             mesh["dp"] if d.fsdp else None, mesh["dp"].get_local_rank(),
+                             mesh.get_group("dp"))
     if copies["plain"].dp_group is copies["vpipe"].dp_group:
         raise RuntimeError("the two copies' meshes share their dp group")
     return copies
@@ -139,13 +142,15 @@ def train_draw(d: Draw, st: DrawState, log_file: Path, mixed_autodetect: bool) -
                 stages = d.plan_stages(at, counts)
                 # an edit starts an epoch of its own: a plan after it with an epoch not above it is stale
                 vp.request_plan(Plan(epoch=epoch + after_edit, stages=tuple(tuple(s) for s in stages),
-                                     policies={i: Policy(policies[i]) for s in stages for i in s}), at_step=at)
+                                     policies={i: Policy(policies[i]) for s in stages for i in s}),
+                                at_step=at)
 
     request(after_edit=False)
     prints: dict[str, list] = {name: [] for name in copies}
     placements = [[list(s) for s in vp.placement]]
     for step in range(d.steps):
-        if d.nas_remove and step == d.nas_remove[0]:  # at the step boundary, on both copies, before either steps
+        # at the step boundary, on both copies, before either steps
+        if d.nas_remove and step == d.nas_remove[0]:
             st.phase = f"remove_layers@{step}"
             remove_block(d, copies["plain"], d.nas_remove[1])
             vp.remove_layers([d.nas_remove[1]])
@@ -178,8 +183,9 @@ def train_draw(d: Draw, st: DrawState, log_file: Path, mixed_autodetect: bool) -
 
 
 def _short_default_timeout() -> None:
-    """Every group made from here on without a timeout of its own (vpipe's transfer group, whose vote would wait
-    30 minutes for a rank whose move raised) gives up after GROUP_TIMEOUT_S, so a failed draw costs seconds."""
+    """Every group made from here on without a timeout of its own (vpipe's transfer
+    group, whose vote would wait 30 minutes for a rank whose move raised) gives up
+    after GROUP_TIMEOUT_S, so a failed draw costs seconds."""
     from torch.distributed import distributed_c10d
 
     distributed_c10d._get_default_timeout = lambda backend: datetime.timedelta(seconds=GROUP_TIMEOUT_S)
@@ -192,8 +198,8 @@ def _agree_failed(ctrl: Any, failed: bool) -> bool:
 
 
 def _resync_attaches(ctrl: Any) -> None:
-    """After a failed draw some ranks may have counted an attach the others did not: every rank goes on from the
-    highest count, so the next attach's store namespace is the same, fresh one everywhere."""
+    """After a failed draw some ranks may have counted an attach the others did not: every rank goes on
+    from the highest count, so the next attach's store namespace is the same, fresh one everywhere."""
     from vpipe.rank import agreement
 
     n = torch.tensor([next(agreement._ATTACHES)])
@@ -213,9 +219,11 @@ def run_one(d: Draw, ctrl: Any, logs: Path, mixed_autodetect: bool) -> dict[str,
     try:
         local = train_draw(d, st, log_file, mixed_autodetect)
     except Exception as e:  # noqa: BLE001 - a failing draw is a result: recorded, and the job goes on
-        error = {"rank": dist.get_rank(), "phase": st.phase, "type": type(e).__name__, "message": str(e)[:2000],
+        error = {"rank": dist.get_rank(), "phase": st.phase, "type": type(e).__name__,
+                 "message": str(e)[:2000],
                  "traceback": traceback.format_exc()[-3000:]}
-        print(f"rank {dist.get_rank()}: seed {d.seed} failed in {st.phase}\n{traceback.format_exc()}", file=sys.stderr,
+        print(f"rank {dist.get_rank()}: seed {d.seed} failed in {st.phase}\n{traceback.format_exc()}",
+              file=sys.stderr,
               flush=True)
     failed = _agree_failed(ctrl, error is not None)
     st.cleanup()
@@ -242,7 +250,8 @@ def main() -> None:
     parser.add_argument("--draw-timeout", type=float, default=240.0)
     parser.add_argument("--mixed-autodetect", action="store_true", help="attach mixed draws without layers=")
     parser.add_argument("--keep-logs", action="store_true")
-    parser.add_argument("--set", action="append", default=[], help="override an axis of every draw: AXIS=VALUE")
+    parser.add_argument("--set", action="append", default=[],
+                        help="override an axis of every draw: AXIS=VALUE")
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

@@ -13,10 +13,11 @@ from typing import Any
 import torch
 from torch import nn
 
-# aot_eager, not inductor: inductor's C++ codegen costs tens of seconds a graph on two shared cores, in every
-# forked rank, for every block kind, autocast and parametrization drawn (hundreds of draws); aot_eager still runs
-# what vpipe meets under inductor (the OptimizedModule wrapper and its ``_orig_mod`` names, dynamo's guards on the
-# module, AOTAutograd's joint graph and its saved tensors) and torch's own tests cover inductor's kernels
+# aot_eager, not inductor: inductor's C++ codegen costs tens of seconds a graph on two shared cores,
+# in every forked rank, for every block kind, autocast and parametrization drawn (hundreds of draws);
+# aot_eager still runs what vpipe meets under inductor (the OptimizedModule wrapper and its
+# ``_orig_mod`` names, dynamo's guards on the module, AOTAutograd's joint graph and its saved
+# tensors) and torch's own tests cover inductor's kernels
 BACKEND = "aot_eager"
 INIT_SCALE = 2.0**8  # powers of two: scaling and unscaling are exact in fp32
 GROWTH_INTERVAL = 2  # the scale doubles after every 2 steps without overflow: it changes during the run
@@ -33,7 +34,8 @@ def compile_block(compiled: str, block: nn.Module) -> nn.Module:
 
 
 def compile_blocks(compiled: str, blocks: nn.Module, schedule: str) -> None:
-    """Every block of a stage's container compiled (torchtitan's ``apply_compile``: each block, in place of itself)."""
+    """Every block of a stage's container compiled (torchtitan's
+    ``apply_compile``: each block, in place of itself)."""
     if compiled == "none":
         return
     # torch's ZBV runs a block's input backward with retain_graph=True, which a compiled backward with donated
@@ -48,24 +50,27 @@ def compile_blocks(compiled: str, blocks: nn.Module, schedule: str) -> None:
 
 
 def forget_compiled() -> None:
-    """Each draw compiles from nothing: what an earlier draw compiled (guards, recompile counts) changes nothing."""
+    """Each draw compiles from nothing: what an earlier draw
+    compiled (guards, recompile counts) changes nothing."""
     torch._dynamo.reset()
 
 
 class ScaledLoss:
-    """The schedule's loss function under GradScaler: the drawn loss, scaled. A step marked to overflow has a bad
-    first micro-batch: its loss (the one whose target starts the step's target tensor) is infinite, so every
-    gradient of the step is non-finite on every stage. The bad micro-batch is told by its data, not by counting
-    calls: torch's shape inference calls the loss once more at the first step (and vpipe makes it redo that after
-    ``vp.add_layers``, one call more than without vpipe: seed 74 of commit ac34aaa, where a call count chose it)."""
+    """The schedule's loss function under GradScaler: the drawn loss, scaled. A step marked to
+    overflow has a bad first micro-batch: its loss (the one whose target starts the step's target
+    tensor) is infinite, so every gradient of the step is non-finite on every stage. The bad
+    micro-batch is told by its data, not by counting calls: torch's shape inference calls the loss
+    once more at the first step (and vpipe makes it redo that after ``vp.add_layers``, one call more
+    than without vpipe: seed 74 of commit ac34aaa, where a call count chose it)."""
 
     def __init__(self, loss: Any) -> None:
         self.loss = loss
         self.scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL)
-        # a pipeline rank without the loss never calls scale(), which makes the scale tensor: make it on every rank
-        # (unscale_ divides by it there too)
+        # a pipeline rank without the loss never calls scale(), which makes the scale tensor: make
+        # it on every rank (unscale_ divides by it there too)
         self.scaler.scale(torch.zeros(()))
-        self.bad: int | None = None  # the data pointer of the overflowing step's target (its first micro-batch's)
+        # the data pointer of the overflowing step's target (its first micro-batch's)
+        self.bad: int | None = None
 
     def overflow(self, target: torch.Tensor | None) -> None:
         """The next step overflows where ``target`` is its target (None: it does not)."""
@@ -98,8 +103,8 @@ def step_all(scaled: ScaledLoss | None, optimizers: list[torch.optim.Optimizer])
 
 
 def all_reduce_grads(c: Any) -> None:
-    """Plain data-parallel replicas (no DDP, no FSDP2): the trainer averages each gradient over its dp group, in
-    the stage modules' parameter order (the replicas hold the same blocks in the same order)."""
+    """Plain data-parallel replicas (no DDP, no FSDP2): the trainer averages each gradient over its dp
+    group, in the stage modules' parameter order (the replicas hold the same blocks in the same order)."""
     import torch.distributed as dist
 
     for module in c.modules:

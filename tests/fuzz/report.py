@@ -1,4 +1,5 @@
-"""The fuzzer's summary: outcomes per axis value, and the failures grouped by signature with what they share."""
+"""The fuzzer's summary: outcomes per axis value, and the failures
+grouped by signature with what they share."""
 
 from __future__ import annotations
 
@@ -43,15 +44,16 @@ def print_summary(table: dict[str, Any], wall_s: float) -> None:
     print(f"{'all':<26}" + "".join(f"{total.get(o, 0):>10}" for o in OUTCOMES))
     per = table["seconds_per_draw"]
     by = ", ".join(f"{k} ranks {v:.2f} s" for k, v in sorted(table["seconds_per_draw_by_ranks"].items()))
-    print(f"\n{table['draws']} draws, {table['plans_applied']} of {table['plans']} forced plans applied (moved or "
+    print(f"\n{table['draws']} draws, {table['plans_applied']} of {table['plans']} forced "
+          "plans applied (moved or "
           f"refused), {table.get('planner_plans', 0)} plans of vpipe's planner applied (moves=planner), "
           f"{table['moves']} placement changes, wall {wall_s:.1f} s"
           + (f", {per:.2f} s per draw inside its job ({by})" if per is not None else ""))
 
 
 def failures(records: list[dict[str, Any]], draw_of: Callable[[int], Draw]) -> list[dict[str, Any]]:
-    """DIVERGED and ERROR draws grouped by signature, each with the axis values all of its draws share and that
-    not every draw of the run shares (the likely cause), most frequent first."""
+    """DIVERGED and ERROR draws grouped by signature, each with the axis values all of its draws share and
+    that not every draw of the run shares (the likely cause), most frequent first."""
     groups: dict[str, list[dict[str, Any]]] = {}
     for r in records:
         if r["outcome"] in ("DIVERGED", "ERROR"):
@@ -62,7 +64,8 @@ def failures(records: list[dict[str, Any]], draw_of: Callable[[int], Draw]) -> l
         shared = _shared([draw_of(r["seed"]) for r in members])
         common = {k: v for k, v in shared.items() if everyone.get(k) != v}
         out.append({"signature": sig, "seeds": [r["seed"] for r in members], "common": common,
-                    "example": {k: members[0].get(k) for k in ("describe", "first_diff_step", "first_state_step",
+                    "example": {k: members[0].get(k) for k in ("describe", "first_diff_step",
+                                                               "first_state_step",
                                                                "differing", "max_abs_diff", "error_phase")}})
     return out
 

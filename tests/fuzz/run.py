@@ -1,4 +1,5 @@
-"""The fuzzer's command: draw trainers, run them in jobs of ranks, report every outcome and how to reproduce it.
+"""The fuzzer's command: draw trainers, run them in jobs of ranks,
+report every outcome and how to reproduce it.
 
     python tests/fuzz/run.py --draws 300 --seed 0 [--fsdp-every 10] [--jobs-per-launch 40] [--json FILE]
     python tests/fuzz/run.py --only SEED          # one draw again, its log kept
@@ -35,8 +36,8 @@ FAILED = ("DIVERGED", "ERROR")
 
 
 def rank_env(library: str | None) -> dict[str, str]:
-    """A rank's environment: one thread, unbuffered, no inherited rank, ``fuzz`` importable, the library's copy
-    first on the path when one is named."""
+    """A rank's environment: one thread, unbuffered, no inherited rank, ``fuzz`` importable,
+    the library's copy first on the path when one is named."""
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.pop("RANK", None)
@@ -46,7 +47,8 @@ def rank_env(library: str | None) -> dict[str, str]:
 
 
 def make_starter(env: dict[str, str]) -> Any:
-    """A warm starter forking ranks with torch (and the library ``env`` names) imported; None where none can run."""
+    """A warm starter forking ranks with torch (and the library
+    ``env`` names) imported; None where none can run."""
     from vpipe_lab.runtime.warm_start import WarmStarter, warm_start_possible
 
     return WarmStarter(env) if warm_start_possible([sys.executable, "-"], env) else None
@@ -84,7 +86,8 @@ def _read(path: Path) -> tuple[dict[int, dict[str, Any]], list[int]]:
     return results, started
 
 
-def run_launch(seeds: list[int], ranks: int, work: Path, *, env: dict[str, str], starter: Any, fsdp_every: int,
+def run_launch(seeds: list[int], ranks: int, work: Path, *, env: dict[str, str], starter: Any,
+               fsdp_every: int,
                draw_timeout: float, extra: Sequence[str], show: Callable[[dict[str, Any]], None],
                number: int) -> list[dict[str, Any]]:
     """Run ``seeds`` in jobs of ``ranks`` ranks until each has a result (a job that died costs its draw)."""
@@ -139,7 +142,8 @@ def run_fuzz(seeds: Sequence[int], *, work: Path, fsdp_every: int = FSDP_EVERY, 
     env = rank_env(library)
     work = work.resolve()
     here = os.getcwd()
-    if library is not None:  # ``python -m`` puts the directory it starts in first on the path: the library's copy
+    # ``python -m`` puts the directory it starts in first on the path: the library's copy
+    if library is not None:
         os.chdir(library)
     own = starter is None
     if own:
@@ -148,7 +152,8 @@ def run_fuzz(seeds: Sequence[int], *, work: Path, fsdp_every: int = FSDP_EVERY, 
     extra += [f"--set={s}" for s in settings]
     by_ranks: dict[int, list[int]] = {}
     for s in seeds:
-        by_ranks.setdefault(override(draw(s, fsdp_every), list(settings)).ranks, []).append(s)  # ``--set dp=none``
+        # ``--set dp=none``
+        by_ranks.setdefault(override(draw(s, fsdp_every), list(settings)).ranks, []).append(s)
     records: dict[int, dict[str, Any]] = {}
     number = 0
     try:
@@ -170,8 +175,10 @@ def run_fuzz(seeds: Sequence[int], *, work: Path, fsdp_every: int = FSDP_EVERY, 
 def _show(record: dict[str, Any]) -> None:
     seconds = record.get("seconds")
     took = f"{seconds:6.2f}s" if isinstance(seconds, (int, float)) else "     - "
-    extra = "" if record["outcome"] in ("identical", "close", "refused") else f"  {record.get('signature', '')}"
-    print(f"{record['seed']:>6}  {record['outcome']:<9} {took}  moves={record.get('moves', '-')}{extra}", flush=True)
+    extra = "" if record["outcome"] in ("identical", "close",
+                                        "refused") else f"  {record.get('signature', '')}"
+    print(f"{record['seed']:>6}  {record['outcome']:<9} {took}  moves={record.get('moves', '-')}{extra}",
+          flush=True)
 
 
 def reproduction(seed: int, args: argparse.Namespace) -> str:
@@ -190,15 +197,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--draws", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0, help="the first seed (seeds SEED .. SEED+DRAWS-1)")
-    parser.add_argument("--only", type=int, action="append", help="run this seed only (repeatable); keeps its log")
-    parser.add_argument("--fsdp-every", type=int, default=FSDP_EVERY, help="every N-th seed is an FSDP2 draw (0: none)")
+    parser.add_argument("--only", type=int, action="append",
+                        help="run this seed only (repeatable); keeps its log")
+    parser.add_argument("--fsdp-every", type=int, default=FSDP_EVERY,
+                        help="every N-th seed is an FSDP2 draw (0: none)")
     parser.add_argument("--jobs-per-launch", type=int, default=40, help="draws per job of ranks")
-    parser.add_argument("--draw-timeout", type=float, default=240.0, help="seconds before a draw counts as hung")
+    parser.add_argument("--draw-timeout", type=float, default=240.0,
+                        help="seconds before a draw counts as hung")
     parser.add_argument("--library", default=None, help="run this copy of vpipe (a directory holding vpipe/)")
     parser.add_argument("--mixed-autodetect", action="store_true", help="attach mixed draws without layers=")
     parser.add_argument("--set", action="append", default=[], metavar="AXIS=VALUE",
                         help="override an axis of every draw (to bisect a failure)")
-    parser.add_argument("--work", default=None, help="directory for job output and logs (default: a temporary one)")
+    parser.add_argument("--work", default=None,
+                        help="directory for job output and logs (default: a temporary one)")
     parser.add_argument("--keep-logs", action="store_true", help="keep every draw's vpipe log")
     parser.add_argument("--json", default=None, help="write every record and the summary here")
     args = parser.parse_args(argv)
@@ -208,7 +219,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{len(seeds)} draws, work directory {work}", flush=True)
     started = time.perf_counter()
     records = run_fuzz(seeds, work=work, fsdp_every=args.fsdp_every, per_launch=args.jobs_per_launch,
-                       draw_timeout=args.draw_timeout, library=args.library, mixed_autodetect=args.mixed_autodetect,
+                       draw_timeout=args.draw_timeout, library=args.library,
+                       mixed_autodetect=args.mixed_autodetect,
                        keep_logs=args.keep_logs or bool(args.only), settings=args.set, show=_show)
     wall = time.perf_counter() - started
     def draw_of(seed: int) -> Any:

@@ -1,4 +1,5 @@
-"""One copy of a drawn trainer on one rank: stage modules, schedule, optimizer(s) and LR schedulers, and its step.
+"""One copy of a drawn trainer on one rank: stage modules, schedule,
+optimizer(s) and LR schedulers, and its step.
 
 Both copies (plain and vpipe's) are built by :func:`build` from the same whole model, so their
 initial tensors are equal; each runs on process groups of its own, made for the draw.
@@ -63,9 +64,9 @@ def stages_of_rank(d: Draw, pp_rank: int) -> list[int]:
 
 
 def keep_buffers_through_shape_inference(stage: PipelineStage) -> None:
-    """torch's first ``step()`` infers shapes by running a stage's forward on uninitialised tensors, which puts
-    garbage into BatchNorm statistics and counters, different garbage in each copy: restore the buffers after it
-    (tests/workers/block_worker.py does the same)."""
+    """torch's first ``step()`` infers shapes by running a stage's forward on uninitialised tensors, which
+    puts garbage into BatchNorm statistics and counters, different garbage in each copy: restore the
+    buffers after it (tests/workers/block_worker.py does the same)."""
     inner = stage._prepare_forward_infra
 
     def prepare(*args: Any, **kwargs: Any) -> Any:
@@ -91,9 +92,11 @@ def _groups(d: Draw, modules: list[tuple[int, nn.Module]], lr: float) -> list[di
                {"params": no_decay, "name": "no_decay", "weight_decay": 0.0}]
     if d.groups == "by_name":
         return by_name
-    # per_stage: one optimizer per stage module (``modules`` is one stage) whose groups differ in order and count
+    # per_stage: one optimizer per stage module (``modules`` is one
+    # stage) whose groups differ in order and count
     stage, module = modules[0]
-    if d.shape == "sequential":  # no embeddings or head to give groups of their own: the order differs instead
+    # no embeddings or head to give groups of their own: the order differs instead
+    if d.shape == "sequential":
         return by_name if stage == 0 else by_name[::-1]
     first = [p for n, p in module.named_parameters() if n.split(".")[0] in ("inp", "wte") and p.requires_grad]
     last = [p for n, p in module.named_parameters() if n.split(".")[0] in ("out", "ln_f", "head")]
@@ -110,7 +113,8 @@ def _optimizer(d: Draw, groups: list[dict[str, Any]], dp_group: Any = None) -> t
     lr = LR[d.optimizer]
     if d.optimizer == "sgd":
         impl["momentum"] = 0.9
-    cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "adagrad": torch.optim.Adagrad,
+    cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW,
+           "adagrad": torch.optim.Adagrad,
            "rmsprop": torch.optim.RMSprop}[d.optimizer]
     if d.dp == "zero":  # each replica keeps the state of its share of the parameters (torch's ZeRO-1)
         from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -144,8 +148,8 @@ def _shard(d: Draw, module: nn.Module, dp_mesh: Any) -> nn.Module:
 
 def build(d: Draw, name: str, parts: Any, pp_group: Any, pp_rank: int, dp_mesh: Any = None,
           replica: int = 0, dp_group: Any = None) -> Copy:
-    """This rank's stages of one copy, on ``pp_group`` (sharded over ``dp_mesh`` for an FSDP2 draw; data-parallel
-    replicas, FSDP2's or plain ones, over ``dp_group``)."""
+    """This rank's stages of one copy, on ``pp_group`` (sharded over ``dp_mesh`` for an FSDP2 draw;
+    data-parallel replicas, FSDP2's or plain ones, over ``dp_group``)."""
     stages = stages_of_rank(d, pp_rank)
     modules = []
     for v in stages:
@@ -164,14 +168,16 @@ def build(d: Draw, name: str, parts: Any, pp_group: Any, pp_rank: int, dp_mesh: 
     else:
         optimizers = [_optimizer(d, _groups(d, list(zip(stages, modules)), lr), dp_group)]
     scaled = ScaledLoss(loss_fn(d)) if d.scaler == "skips" else None
-    if d.schedule in PIPEDREAM:  # vpipe's schedule, without vpipe attached on the plain copy: it owns the optimizer
+    # vpipe's schedule, without vpipe attached on the plain copy: it owns the optimizer
+    if d.schedule in PIPEDREAM:
         import vpipe
 
         cls = vpipe.SchedulePipeDream if d.schedule == "pipedream" else vpipe.SchedulePipeDream2BW
         schedule = cls(pipe_stages[0], d.micro_batches, loss_fn(d), optimizers[0])
     else:
         schedule = SCHEDULES[d.schedule](pipe_stages[0] if len(pipe_stages) == 1 else pipe_stages,
-                                         d.micro_batches, loss_fn=scaled if scaled is not None else loss_fn(d))
+                                         d.micro_batches, loss_fn=scaled if scaled is not None
+                                         else loss_fn(d))
     if d.extra == "muon":
         optimizers = [o for optimizer in optimizers for o in _with_muon(d, optimizer, modules)]
     schedulers = [s for s in (_lr_scheduler(d, o) for o in optimizers) if s is not None]
@@ -181,12 +187,14 @@ def build(d: Draw, name: str, parts: Any, pp_group: Any, pp_rank: int, dp_mesh: 
                 scaled=scaled)
 
 
-def _with_muon(d: Draw, optimizer: torch.optim.Optimizer, modules: list[nn.Module]) -> list[torch.optim.Optimizer]:
+def _with_muon(d: Draw, optimizer: torch.optim.Optimizer,
+               modules: list[nn.Module]) -> list[torch.optim.Optimizer]:
     """The Muon recipe: the blocks' 2-D weights leave ``optimizer`` for a Muon of their own (norms, biases,
     embeddings and the head stay): two optimizers over the same stages."""
     from fuzz.models import container
 
-    matrices = {id(p) for m in modules for p in container(d, m).parameters() if p.ndim == 2 and p.requires_grad}
+    matrices = {id(p) for m in modules for p in container(d, m).parameters() if p.ndim == 2
+                and p.requires_grad}
     mine = [p for g in optimizer.param_groups for p in g["params"] if id(p) in matrices]
     for g in optimizer.param_groups:
         g["params"] = [p for p in g["params"] if id(p) not in matrices]
@@ -208,10 +216,10 @@ def _ema(module: nn.Module, carried: bool) -> Any:
 
 class PlainEMA:
     """The plain copy's EMA: ``AveragedModel``'s arithmetic (its first update copies, later ones
-    ``get_ema_multi_avg_fn``; buffers copied from the model, as ``use_buffers=False`` does) over a copy of the stage
-    module, but not an ``AveragedModel``: both copies live in one
-    process, and vpipe's scan at attach takes an AveragedModel whose parameters are named as its stage's for an
-    average of that stage (it would keep the vpipe copy's blocks from moving)."""
+    ``get_ema_multi_avg_fn``; buffers copied from the model, as ``use_buffers=False`` does) over a copy of
+    the stage module, but not an ``AveragedModel``: both copies live in one process, and vpipe's scan at
+    attach takes an AveragedModel whose parameters are named as its stage's for an average of that stage
+    (it would keep the vpipe copy's blocks from moving)."""
 
     def __init__(self, module: nn.Module) -> None:
         import copy
@@ -236,8 +244,9 @@ class PlainEMA:
 
 
 def _clip_global(c: Copy, aux_group: Any) -> None:
-    """torchtitan's clipping under pipelining: each rank's norm (full over its dp shards), squared, summed over the
-    pipeline, the same factor on every stage (the sum's grouping depends on the split: to rounding)."""
+    """torchtitan's clipping under pipelining: each rank's norm (full over its dp
+    shards), squared, summed over the pipeline, the same factor on every stage
+    (the sum's grouping depends on the split: to rounding)."""
     from torch.distributed.tensor import DTensor
 
     params = [p for m in c.modules for p in m.parameters() if p.grad is not None]
@@ -296,8 +305,8 @@ def finish(d: Draw, c: Copy) -> None:
 
 
 def remove_block(d: Draw, c: Copy, layer_id: int) -> None:
-    """What a trainer without vpipe does to drop a block (a NAS step): out of its container, its optimizer and its
-    EMA's copy of the stage."""
+    """What a trainer without vpipe does to drop a block (a NAS step): out of its
+    container, its optimizer and its EMA's copy of the stage."""
     for average in c.averages:
         _drop(d, average.module, layer_id)
     for module in c.modules:
@@ -314,7 +323,8 @@ def remove_block(d: Draw, c: Copy, layer_id: int) -> None:
 
 
 def _drop(d: Draw, module: nn.Module, layer_id: int) -> nn.Module | None:
-    """Take block ``layer_id`` out of ``module``'s container: the block, or None where the module does not hold it."""
+    """Take block ``layer_id`` out of ``module``'s container: the
+    block, or None where the module does not hold it."""
     from fuzz.models import container
 
     blocks = container(d, module)
@@ -329,10 +339,10 @@ def _drop(d: Draw, module: nn.Module, layer_id: int) -> nn.Module | None:
 
 
 def add_block(d: Draw, c: Copy, position: int, block: nn.Module) -> None:
-    """What a trainer without vpipe does to add a block before model ``position`` (a NAS step), on the stage of the
-    first split that holds that position (the last when appending): into its container, each trainable parameter
-    into a group of that stage's optimizers by the trainer's own rule (Muon for the blocks' matrices under the Muon
-    recipe; decay or no-decay by name), and a copy into the stage's EMA."""
+    """What a trainer without vpipe does to add a block before model ``position`` (a NAS step), on the
+    stage of the first split that holds that position (the last when appending): into its container, each
+    trainable parameter into a group of that stage's optimizers by the trainer's own rule (Muon for the
+    blocks' matrices under the Muon recipe; decay or no-decay by name), and a copy into the stage's EMA."""
     import copy
 
     from fuzz.models import insert_block
@@ -354,8 +364,10 @@ def add_block(d: Draw, c: Copy, position: int, block: nn.Module) -> None:
         insert_block(d, c.averages[index].module, position - starts[holder], copy.deepcopy(block))
 
 
-def _group_by_rule(d: Draw, optimizers: list[torch.optim.Optimizer], name: str, p: torch.Tensor) -> dict[str, Any]:
-    """The param group the trainer's own rule (:func:`_groups`, :func:`_with_muon`) puts a block's parameter in."""
+def _group_by_rule(d: Draw, optimizers: list[torch.optim.Optimizer], name: str,
+                   p: torch.Tensor) -> dict[str, Any]:
+    """The param group the trainer's own rule (:func:`_groups`,
+    :func:`_with_muon`) puts a block's parameter in."""
     muon = [o for o in optimizers if isinstance(o, torch.optim.Muon)]
     if muon and p.ndim == 2:
         return muon[0].param_groups[0]

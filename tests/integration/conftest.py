@@ -15,9 +15,11 @@ import pytest
 
 # Modules whose every test trains real pipelines (10-60 s each on 2 cores).
 TRAINING_MODULES = {
-    "test_block_moves.py", "test_control_run.py", "test_faults.py", "test_launch.py", "test_memory_scenario.py",
+    "test_block_moves.py", "test_control_run.py", "test_faults.py", "test_launch.py",
+                    "test_memory_scenario.py",
     "test_mesh.py", "test_mesh_fsdp.py", "test_migration_faults.py", "test_migration_transparency.py",
-    "test_multihost.py", "test_multistage.py", "test_multistage_train.py", "test_nas.py", "test_pipedream_trainer.py",
+    "test_multihost.py", "test_multistage.py", "test_multistage_train.py", "test_nas.py",
+                    "test_pipedream_trainer.py",
     "test_pipeline_equivalence.py", "test_soak.py", "test_stage_shapes.py", "test_tensor_manager_pipeline.py",
     "test_train_conventions.py", "test_deferred_batch_norm_pipeline.py", "test_wpipe.py",
 }
@@ -65,10 +67,13 @@ SMOKE = {
 # --no-loadscope-reorder: one module per xdist worker, in collection order), these start first, so that the
 # many short modules fill the end and the workers finish together instead of one running a long module alone.
 LONGEST_FIRST = [
-    "test_stage_shapes.py", "test_multistage_train.py", "test_multistage.py", "test_mesh.py", "test_launch.py",
-    "test_migration_transparency.py", "test_mesh_fsdp.py", "test_checkpoint.py", "test_pipeline_equivalence.py",
+    "test_stage_shapes.py", "test_multistage_train.py", "test_multistage.py", "test_mesh.py",
+                 "test_launch.py",
+    "test_migration_transparency.py", "test_mesh_fsdp.py", "test_checkpoint.py",
+                 "test_pipeline_equivalence.py",
     "test_nas.py", "test_attach.py", "test_bad_input_commands.py", "test_tensor_manager_pipeline.py",
-    "test_faults.py", "test_multihost.py", "test_control_run.py", "test_block_moves.py", "test_migration_faults.py",
+    "test_faults.py", "test_multihost.py", "test_control_run.py", "test_block_moves.py",
+                 "test_migration_faults.py",
 ]
 
 

@@ -52,7 +52,8 @@ LAZY_IMPORTS: dict[str, tuple[frozenset[str], str]] = {
     "vpipe": (frozenset({"vpipe._attach", "vpipe.config", "vpipe.plan", "vpipe.schedules.pipedream",
                          "vpipe.schedules.pipedream_2bw", "vpipe.schedules.wpipe",
                          "vpipe.checkpoint.block_keys", "importlib.metadata"}),
-              "the public names (and the version, read from package metadata) load on first use: `import vpipe` "
+              "the public names (and the version, read from package metadata) load on first "
+              "use: `import vpipe` "
               "(the CLI, the planner daemon) loads no torch"),
     "vpipe.planner": (frozenset({"vpipe.planner.srp", "vpipe.planner.proposals", "vpipe.planner.cuts",
                                  "vpipe.planner.cost_model", "vpipe.planner.sr"}),
@@ -71,13 +72,16 @@ LAZY_IMPORTS: dict[str, tuple[frozenset[str], str]] = {
     "vpipe_lab.runtime.config": (frozenset({"vpipe_lab.runtime.models"}),
                              "the CLI builds its options from RunConfig without loading torch"),
     "vpipe_lab.runtime.measure": (frozenset({"vpipe_lab.runtime.launch"}),
-                              "vpipe demo and bench measure from a torch-free parent (the CLI imports vpipe_lab.demo)"),
+                              "vpipe demo and bench measure from a torch-free parent (the CLI "
+                              "imports vpipe_lab.demo)"),
     "vpipe.timeline": (frozenset({"vpipe.compat.torch_internals"}),
-                       "the timeline is torch-free: it reads torch's profiler flag through compat only once a "
+                       "the timeline is torch-free: it reads torch's profiler flag "
+                       "through compat only once a "
                        "producer has loaded torch"),
     "vpipe_lab.runtime.launch": (frozenset({"vpipe.tensor_manager.copy_engine", "vpipe.tensor_manager.budget",
                                         "vpipe.tensor_manager.pool", "vpipe.stage.blocks"}),
-                             "the spawning parent imports launch for spawn(): it must not load torch's pipelining"),
+                             "the spawning parent imports launch for spawn(): it must not "
+                             "load torch's pipelining"),
 }
 
 
@@ -147,7 +151,8 @@ def _lazy_exports(tree: ast.Module) -> Iterator[tuple[str, int]]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Dict):
             for value in node.values:
-                if isinstance(value, ast.Constant) and isinstance(value.value, str) and value.value in modules():
+                if isinstance(value, ast.Constant) and isinstance(value.value,
+                                                                  str) and value.value in modules():
                     yield value.value, value.lineno
 
 
@@ -169,7 +174,8 @@ def imports() -> tuple[Import, ...]:
             for child in ast.iter_child_nodes(node):
                 inside = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
                 if isinstance(child, (ast.Import, ast.ImportFrom)):
-                    found.extend(Import(module, t, child.lineno, inside, guarded) for t in _targets(module, child))
+                    found.extend(Import(module, t, child.lineno, inside, guarded)
+                                 for t in _targets(module, child))
                 if isinstance(child, ast.Try) and _catches_import_error(child):
                     for statement in child.body:
                         visit(ast.Module([statement], []), inside, True)
@@ -202,7 +208,9 @@ def table() -> dict[str, Row]:
         name, _job, torch, allowed = _cells(line, lower=False)
         (room_name,) = re.findall(r"`([^`]+)`", name)
         assert room_name not in rows, f"docs/architecture.md lists {room_name} twice"
-        assert torch == "no" or torch.startswith("yes"), f"{room_name}: the torch column starts with yes or no"
+        assert torch == "no" or torch.startswith("yes"), (
+            f"{room_name}: the torch column starts with yes or no"
+        )
         free = [m for m in modules() if room(m) == room_name] if torch == "no" else [
             _module_of(room_name, file) for file in re.findall(r"`([^`]+)`", torch)]
         rows[room_name] = Row(tuple(re.findall(r"`([^`]+)`", allowed)), tuple(free))
@@ -233,13 +241,18 @@ def test_the_table_names_every_room_once():
     rooms = {room(m) for m in modules()}
     listed = set(table())
     assert rooms - listed == set(), f"rooms missing from docs/architecture.md: {sorted(rooms - listed)}"
-    assert listed - rooms == set(), f"docs/architecture.md lists rooms that do not exist: {sorted(listed - rooms)}"
+    assert listed - rooms == set(), (
+        f"docs/architecture.md lists rooms that do not exist: {sorted(listed - rooms)}"
+    )
     for name, row in table().items():
-        assert set(row.allowed) <= rooms, f"{name} may import unknown rooms {sorted(set(row.allowed) - rooms)}"
+        assert set(row.allowed) <= rooms, (
+            f"{name} may import unknown rooms {sorted(set(row.allowed) - rooms)}"
+        )
 
 
 def test_the_library_never_imports_the_laboratory():
-    """``pip install vpipe`` without the lab extra must still import and attach: no vpipe module reaches vpipe_lab."""
+    """``pip install vpipe`` without the lab extra must still import
+    and attach: no vpipe module reaches vpipe_lab."""
     reaching = [f"{imp.module}:{imp.line} imports {imp.target}" for imp in imports()
                 if imp.module.split(".")[0] == "vpipe" and imp.target.split(".")[0] == "vpipe_lab"]
     assert not reaching, f"the library imports the laboratory: {reaching}"
@@ -253,7 +266,8 @@ def test_every_import_between_rooms_is_allowed_by_the_table():
 
 def test_the_table_allows_only_what_is_imported():
     used = set(_between_rooms())
-    unused = [f"{src} -> {dst}" for src, row in table().items() for dst in row.allowed if (src, dst) not in used]
+    unused = [f"{src} -> {dst}" for src, row in table().items() for dst in row.allowed
+              if (src, dst) not in used]
     assert not unused, f"docs/architecture.md allows imports nobody makes (remove them): {unused}"
 
 
@@ -294,7 +308,9 @@ def test_torch_free_rooms_import_without_torch():
             "        break\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == "", f"{proc.stdout.strip()} loads torch, yet docs/architecture.md says it does not"
+    assert proc.stdout.strip() == "", (
+        f"{proc.stdout.strip()} loads torch, yet docs/architecture.md says it does not"
+    )
 
 
 def test_no_module_is_longer_than_max_lines():
@@ -348,7 +364,9 @@ def test_find_cycle_names_the_circle():
 def test_no_modules_import_each_other_in_a_circle():
     """A circle closed by an import under ``if TYPE_CHECKING:`` counts: give one side a narrow interface."""
     cycle = find_cycle(module_graph())
-    assert cycle is None, f"modules import each other in a circle (TYPE_CHECKING imports count): {' -> '.join(cycle)}"
+    assert cycle is None, (
+        f"modules import each other in a circle (TYPE_CHECKING imports count): {' -> '.join(cycle)}"
+    )
 
 
 # ---------------------------------------------------------------------- private names of other objects
@@ -370,9 +388,10 @@ def _literal(node: ast.AST | None) -> str | None:
 
 
 def private_touches(tree: ast.AST) -> Iterator[tuple[int, str]]:
-    """(line, what) for each private name of another object that ``tree`` touches: ``x._y`` (not on ``self`` or
-    ``cls``), ``getattr(x, "_y")`` and its kin, ``x.__dict__["_y"]`` / ``.get("_y")`` / ``"_y" in x.__dict__``, and
-    imports of a foreign private module or name (``from torch._C import ...``, ``from torch.x import _y``)."""
+    """(line, what) for each private name of another object that ``tree`` touches: ``x._y`` (not
+    on ``self`` or ``cls``), ``getattr(x, "_y")`` and its kin, ``x.__dict__["_y"]`` /
+    ``.get("_y")`` / ``"_y" in x.__dict__``, and imports of a foreign private module or name
+    (``from torch._C import ...``, ``from torch.x import _y``)."""
     inner = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Attribute) and _private(n.attr)}
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and _private(node.attr) and id(node) not in inner:
@@ -384,7 +403,8 @@ def private_touches(tree: ast.AST) -> Iterator[tuple[int, str]]:
             name = _literal(node.args[1])
             if name is not None and _private(name):
                 yield node.lineno, f"{node.func.id}({ast.unparse(node.args[0])}, {name!r})"
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and _is_dict_of(node.func.value) \
+        elif isinstance(node, ast.Call) and isinstance(node.func,
+                                                       ast.Attribute) and _is_dict_of(node.func.value) \
                 and node.args and (name := _literal(node.args[0])) is not None and _private(name):
             yield node.lineno, f"{ast.unparse(node.func)}({name!r})"
         elif isinstance(node, ast.Subscript) and _is_dict_of(node.value) \
@@ -400,12 +420,14 @@ def private_touches(tree: ast.AST) -> Iterator[tuple[int, str]]:
         elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
             foreign = not _own_package(node.module)
             for alias in node.names:
-                if (foreign and any(_private(part) for part in node.module.split("."))) or _private(alias.name):
+                if (foreign and any(_private(part)
+                                    for part in node.module.split("."))) or _private(alias.name):
                     yield node.lineno, f"from {node.module} import {alias.name}"
 
 
 def test_private_touches_names_each_kind():
-    code = ("import torch._C\nfrom torch.a._b import c\nfrom torch.a import _d\nfrom vpipe._attach import attach\n"
+    code = ("import torch._C\nfrom torch.a._b import c\nfrom torch.a import _d\nfrom "
+            "vpipe._attach import attach\n"
             "self._ok, cls._ok, os._exit, t._replace()\nm._modules\ntorch._C._x\ngetattr(m, '_y', None)\n"
             "m.__dict__.get('_z')\nm.__dict__['_w']\n'_v' in m.__dict__\nm.__dict__.get('forward')\n")
     found = [what for _, what in private_touches(ast.parse(code))]
@@ -434,8 +456,10 @@ def test_only_the_compat_modules_touch_private_names_of_other_objects():
 
 
 # ---------------------------------------------------------------------- the environment
-SETTINGS_MODULE = "vpipe.settings"  # reads every VPIPE_* variable, once, where vpipe starts (docs/architecture.md)
-# Modules that still read a VPIPE_* variable themselves, each with its reason; each entry must still be needed.
+# reads every VPIPE_* variable, once, where vpipe starts (docs/architecture.md)
+SETTINGS_MODULE = "vpipe.settings"
+# Modules that still read a VPIPE_* variable themselves, each with its
+# reason; each entry must still be needed.
 ENVIRONMENT_READERS: dict[str, str] = {}
 _LOG_CALLS = {"debug", "info", "warning", "error", "exception", "critical", "log"}
 _ENVIRON_WRITES = {"pop", "popitem", "update", "setdefault", "clear", "__setitem__", "__delitem__"}
@@ -476,11 +500,13 @@ def _variable_reads(tree: ast.Module, constants: set[str]) -> Iterator[int]:
     environment is often passed on under another name), a call handed a variable's name (``getenv(NAME)``, a
     helper that reads it), and ``os.environ`` looked up by a computed name (it could be one)."""
     for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and any(_names_a_variable(arg, constants) for arg in node.args) and not (
+        if isinstance(node, ast.Call) and any(_names_a_variable(arg, constants)
+                                              for arg in node.args) and not (
                 isinstance(node.func, ast.Attribute) and node.func.attr in _LOG_CALLS):  # a name in a message
             yield node.lineno
         elif isinstance(node, ast.Call) and node.args and not isinstance(node.args[0], ast.Constant) and (
-                (isinstance(node.func, ast.Attribute) and node.func.attr == "get" and _is_environ(node.func.value))
+                (isinstance(node.func, ast.Attribute) and node.func.attr == "get"
+                 and _is_environ(node.func.value))
                 or (isinstance(node.func, ast.Attribute) and node.func.attr == "getenv")):
             yield node.lineno
         elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) and (
@@ -500,11 +526,14 @@ def test_only_the_settings_module_reads_vpipe_variables():
     readers = {module: lines for module, tree in _library_trees() if module != SETTINGS_MODULE
                if (lines := sorted(set(_variable_reads(tree, constants))))}
     unexpected = {m: lines for m, lines in readers.items() if m not in ENVIRONMENT_READERS}
-    assert not unexpected, f"VPIPE_* variables read outside {SETTINGS_MODULE} (take them from Settings): {unexpected}"
+    assert not unexpected, (
+        f"VPIPE_* variables read outside {SETTINGS_MODULE} (take them from Settings): {unexpected}"
+    )
     stale = sorted(set(ENVIRONMENT_READERS) - set(readers))
     assert not stale, f"ENVIRONMENT_READERS lists modules that no longer read a VPIPE_* variable: {stale}"
     tree = ast.parse((ROOT / "vpipe" / "settings.py").read_text())
-    assert any(_is_environ(node) for node in ast.walk(tree)), "vpipe/settings.py no longer reads the environment"
+    assert any(_is_environ(node)
+               for node in ast.walk(tree)), "vpipe/settings.py no longer reads the environment"
 
 
 def test_the_library_never_writes_the_environment():

@@ -13,7 +13,8 @@ from vpipe.log import read_log
 def _example(tmp_path, name: str, *extra: str, width: int = 192, script: str = "train_1f1b.py",
              ranks: int = 4) -> tuple[dict, list[dict]]:
     out, log_file = tmp_path / f"{name}.json", tmp_path / f"{name}.log"
-    run_ranks([str(ROOT / "examples" / script), "--steps", "20", "--out", str(out), "--log-file", str(log_file),
+    run_ranks([str(ROOT / "examples" / script), "--steps", "20", "--out", str(out), "--log-file",
+               str(log_file),
                *extra], ranks, tmp_path / f"{name}.txt", child_env(EXAMPLE_WIDTH=str(width)))
     return json.loads(out.read_text()), (read_log(log_file) if log_file.exists() else [])
 
@@ -46,7 +47,8 @@ def test_one_line_with_live_rebalancing_keeps_the_losses(plain, tmp_path):
 
 
 def test_hand_written_loop_gets_the_same_losses_with_moves_and_recompute(tmp_path):
-    """``vpipe.attach(module, optimizer=...)`` under a send/recv GPipe loop: the optimizer step is the boundary."""
+    """``vpipe.attach(module, optimizer=...)`` under a send/recv
+    GPipe loop: the optimizer step is the boundary."""
     run = {"script": "train_handwritten.py", "ranks": 2}
     plain, _ = _example(tmp_path, "plain", **run)
     recompute, _ = _example(tmp_path, "recompute", "--vpipe", "--no-planning", "--policy", "R", **run)
@@ -54,7 +56,8 @@ def test_hand_written_loop_gets_the_same_losses_with_moves_and_recompute(tmp_pat
     planned, log = _example(tmp_path, "planned", "--vpipe", **run)
     moved = [r for r in log if r.get("event") == "migration_done" and r["moved"]]
     assert moved, "the 6,2 partition should have been rebalanced"
-    back = len({r["epoch"] for r in moved}) >= 2  # moved, then back (the judge or the planner, on 2 shared cores)
+    # moved, then back (the judge or the planner, on 2 shared cores)
+    back = len({r["epoch"] for r in moved}) >= 2
     assert planned["layers"] != plain["layers"] or back
     for got, want in zip(planned["losses"], plain["losses"]):
         for a, b in zip(got, want):
@@ -97,7 +100,8 @@ def test_the_planner_is_configured_with_the_pipelines_shape_and_the_users_option
 
     config = VpipeConfig(micro_batches=4, planner_options={"confirm_samples": 1})
     sent = planner_config(config, _hand_written_pipeline(), 1 << 30, allow_moves=False)
-    assert OnlineConfig.from_mapping(sent) == OnlineConfig(schedule="gpipe", micro_batches=4, memory_budget=1 << 30,
+    assert OnlineConfig.from_mapping(sent) == OnlineConfig(schedule="gpipe", micro_batches=4,
+                                                           memory_budget=1 << 30,
                                                            allow_moves=False, confirm_samples=1)
     # another planner gets the user's options as they are, or nothing
     mine = VpipeConfig(planner="mypkg.plans:rebalance", planner_options={"threshold": 0.2})
@@ -107,7 +111,8 @@ def test_the_planner_is_configured_with_the_pipelines_shape_and_the_users_option
 
 
 @pytest.mark.parametrize("options, message", [
-    ({"micro_batches": 2, "schedule": "1f1b"}, "vpipe config: planner_options cannot set micro_batches, schedule: "
+    ({"micro_batches": 2, "schedule": "1f1b"},
+     "vpipe config: planner_options cannot set micro_batches, schedule: "
                                                "attach reads them off the pipeline"),
     ({"confirm_sample": 1}, "planner config has unknown keys: confirm_sample"),
     ({"min_gain": 2}, "planner config: min_gain must be in [0, 1), got 2"),

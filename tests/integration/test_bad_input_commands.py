@@ -26,7 +26,8 @@ def _one_line(proc, text: str) -> None:
 
 
 @pytest.mark.parametrize("first, text", [
-    ({"act_bytes": 10**400}, "vpipe: error: node 0 (0) has act_bytes of 401 digits, larger than any machine (at "
+    ({"act_bytes": 10**400},
+     "vpipe: error: node 0 (0) has act_bytes of 401 digits, larger than any machine (at "
                              "most 4611686018427387904 bytes)"),
     ({"fwd_ms": 1e308}, "vpipe: error: node 0 (0) has a fwd time of 1e+305 s, beyond any real layer (at most "
                         "1e+06 s per micro-batch)"),
@@ -51,13 +52,16 @@ def test_a_json_nested_beyond_reason_is_refused_not_a_recursion_error(tmp_path):
 def test_plot_into_a_missing_directory_says_so(tmp_path):
     log = tmp_path / "run.log"
     log.write_text('{"event": "attached", "t": 1.0}\n')
-    _one_line(run_vpipe("plot", str(log), "-o", "/nonexistent/dir/x.png", timeout=60),
-              "vpipe plot: cannot write /nonexistent/dir/x.png: the directory /nonexistent/dir does not exist")
+    _one_line(
+        run_vpipe("plot", str(log), "-o", "/nonexistent/dir/x.png", timeout=60),
+        "vpipe plot: cannot write /nonexistent/dir/x.png: the directory /nonexistent/dir does not exist",
+    )
 
 
 def test_plot_names_the_log_and_the_record_whose_number_is_not_a_number(tmp_path):
     log = tmp_path / "run.log"
-    log.write_text('{"event": "attached", "t": 1.0}\n{"logger": "vpipe.steps", "t": 2.0, "rank": 1, "step_s": 0.5, '
+    log.write_text('{"event": "attached", "t": 1.0}\n{"logger": "vpipe.steps", "t": 2.0, '
+                   '"rank": 1, "step_s": 0.5, '
                    '"micro_batches": "abc"}\n')
     _one_line(run_vpipe("plot", str(log), "-o", str(tmp_path / "x.png"), timeout=60),
               f"vpipe plot: {log}: a vpipe.steps record (rank 1) has micro_batches='abc', not a number")
@@ -67,17 +71,21 @@ def test_bench_json_naming_a_file_for_several_benchmarks_says_so(tmp_path):
     out = tmp_path / "results"
     out.write_text("")
     _one_line(run_vpipe("bench", "memory", "overhead", "--json", str(out), timeout=60),
-              f"vpipe: error: --json {out}: is a file; with 2 benchmarks --json names a directory for NAME.json "
+              f"vpipe: error: --json {out}: is a file; with 2 benchmarks --json names a "
+              "directory for NAME.json "
               "and bench.json (a .json file only for one NAME)")
 
 
 def test_a_budget_below_the_weights_ends_the_run_with_one_line_per_rank_and_no_traceback():
-    proc = run_vpipe("train", "--memory-budget", "1", "--vpipe", "--steps", "2", "--blocks", "2", "--d-model", "16",
+    proc = run_vpipe("train", "--memory-budget", "1", "--vpipe", "--steps", "2", "--blocks", "2", "--d-model",
+                     "16",
                      "--seq-len", "8", "--no-progress")
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     lines = [line for line in proc.stderr.strip().splitlines() if line.startswith("vpipe")]
-    assert any("rank 0 failed: MemoryBudgetError: stage 0: parameters, gradients, optimizer state and stashed "
-               "weight versions take" in line and line.endswith("the memory budget is 1 bytes") for line in lines)
+    assert any("rank 0 failed: MemoryBudgetError: stage 0: parameters, gradients, "
+               "optimizer state and stashed "
+               "weight versions take" in line and line.endswith("the memory budget is 1 bytes")
+               for line in lines)
     assert len(proc.stderr.strip().splitlines()) <= 4, proc.stderr
 
 
@@ -86,19 +94,21 @@ def test_a_full_disk_for_the_run_log_is_reported_once_per_rank_and_training_fini
                      "--d-model", "16", "--seq-len", "8", "--no-progress")
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     for rank in (0, 1):
-        said = [line for line in proc.stderr.splitlines() if line.startswith(f"vpipe [rank {rank}]: cannot write")]
+        said = [line for line in proc.stderr.splitlines()
+                if line.startswith(f"vpipe [rank {rank}]: cannot write")]
         assert said == [f"vpipe [rank {rank}]: cannot write the run log /dev/full (No space left on device); "
                         "training goes on, and its further log records are dropped"], proc.stderr[-3000:]
 
 
-# ---------------------------------------------------------------------- paths: what they are, checked at start
+# --------------------------------------------------------------------- paths: what they are, checked at start
 @pytest.fixture
 def paths(tmp_path):
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
     regular = tmp_path / "file"
     regular.write_text("x")
-    return {"<fifo>": str(fifo), "<dir>": str(tmp_path), "<file>": str(regular), "<png>": str(tmp_path / "o.png")}
+    return {"<fifo>": str(fifo), "<dir>": str(tmp_path), "<file>": str(regular),
+            "<png>": str(tmp_path / "o.png")}
 
 
 @pytest.mark.parametrize("argv, text", [
@@ -108,16 +118,19 @@ def paths(tmp_path):
     ("logs <fifo>", "log file <fifo> is a FIFO, not a regular file"),
     ("plot /dev/zero -o <png>", "log file /dev/zero is a device, not a regular file"),
     ("plot <fifo> -o <png>", "log file <fifo> is a FIFO, not a regular file"),
-    ("planner --connect tcp://127.0.0.1:9 --server-key=<fifo>", "CURVE key file <fifo> is a FIFO, not a regular file"),
+    ("planner --connect tcp://127.0.0.1:9 --server-key=<fifo>",
+     "CURVE key file <fifo> is a FIFO, not a regular file"),
     ("planner --connect tcp://127.0.0.1:9 --server-key=/dev/zero",
      "CURVE key file /dev/zero is a device, not a regular file"),
-    ("planner --connect tcp://127.0.0.1:9 --log-file <dir>", "log file <dir> is a directory, not a file to write to"),
+    ("planner --connect tcp://127.0.0.1:9 --log-file <dir>",
+     "log file <dir> is a directory, not a file to write to"),
     ("train --steps 1 --log-file <fifo>", "log file <fifo> is a FIFO, not a file to write to"),
     ("train --steps 1 --log-file <dir>", "log file <dir> is a directory, not a file to write to"),
     ("train --steps 1 --out-dir <file>", "out_dir <file> is a file, not a directory"),
     ("train --steps 1 --checkpoint-dir <file>", "checkpoint_dir <file> is a file, not a directory"),
     ("train --steps 1 --out-dir <file>/sub", "out_dir <file>/sub: <file> is a file, not a directory"),
-    ("train --steps 1 --resume <file>", "resume <file> is a file; give a checkpoint directory (or the directory of "
+    ("train --steps 1 --resume <file>",
+     "resume <file> is a file; give a checkpoint directory (or the directory of "
                                       "checkpoints)"),
 ])
 def test_paths_that_are_not_what_they_should_be_are_refused_at_start(paths, capsys, argv, text):
@@ -146,8 +159,10 @@ VPIPE_ONLY = "--memory-budget and --policy are vpipe's (its tensor manager): add
     ("train --steps 1 --lr nan", "lr must be a positive finite number, got nan"),
     ("train --steps 1 --memory-budget 1G", VPIPE_ONLY),
     ("train --steps 1 --policy R", VPIPE_ONLY),
-    ("train --steps 1 --vertical-sync", "vertical_sync is a PipeDream option; gpipe keeps no weight versions"),
-    ("nas --schedule pipedream", "vpipe nas adds and removes layers, which needs a flush schedule (any but pipedream)"),
+    ("train --steps 1 --vertical-sync",
+     "vertical_sync is a PipeDream option; gpipe keeps no weight versions"),
+    ("nas --schedule pipedream",
+     "vpipe nas adds and removes layers, which needs a flush schedule (any but pipedream)"),
     ("nas --checkpoint-dir <dir>", "vpipe nas writes no checkpoints and cannot resume from one: drop "
                                    "--checkpoint-dir/--resume"),
     ("planner --connect tcp://127.0.0.1:9 --idle-timeout nan", "--heartbeat (0.5) must be > 0 and below "
@@ -175,7 +190,8 @@ def test_ctrl_c_is_reported_as_an_interruption_not_a_failure(tmp_path):
          "--seq-len", "8", "--no-progress", "--monitor-every", "5", "--log-file", str(log_file)],
         cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        wait_while_running(lambda: log_file.exists() and sum("control_endpoint" in r for r in read_log(log_file)) >= 2,
+        wait_while_running(lambda: log_file.exists() and sum("control_endpoint" in r
+                                                             for r in read_log(log_file)) >= 2,
                            120, "both ranks' control inboxes", launcher)
         wait_while_running(lambda: ranks_training(log_file) == 2, 120, "both ranks training", launcher)
         launcher.send_signal(signal.SIGINT)  # as Ctrl-C does (the launcher passes it on to every rank)
@@ -190,17 +206,20 @@ def test_ctrl_c_is_reported_as_an_interruption_not_a_failure(tmp_path):
 
 
 @pytest.mark.parametrize("argv, env, text", [
-    ("train --steps 1", {"VPIPE_CURVE_SECRET_FILE": "/nonexistent", "VPIPE_CURVE_PUBLIC_KEYS": "/nonexistent"},
+    ("train --steps 1", {"VPIPE_CURVE_SECRET_FILE": "/nonexistent",
+                         "VPIPE_CURVE_PUBLIC_KEYS": "/nonexistent"},
      "CURVE key file /nonexistent does not exist"),
     ("train --steps 1", {"VPIPE_CONTROL_HOST": "999.1.1.1"},
      "VPIPE_CONTROL_HOST='999.1.1.1': expected an IP address of this host (or 0.0.0.0 for every interface)"),
     ("plan --model torch.nn:Identity --input-shape 100000000,32 --stages 2", {},
-     "--input-shape 100000000,32 is 3.2e+09 elements per micro-batch; profiling runs the model on it, so at most "
+     "--input-shape 100000000,32 is 3.2e+09 elements per micro-batch; profiling runs the "
+     "model on it, so at most "
      "2.68e+08 (one micro-batch, not the whole batch)"),
     ("plan --model <models>:exits --stages 2", {},
      "--model: <models>:exits() called sys.exit(0) instead of returning a model"),
 ])
-def test_bad_settings_end_the_command_before_it_starts_with_one_line(paths, capsys, monkeypatch, argv, env, text):
+def test_bad_settings_end_the_command_before_it_starts_with_one_line(paths, capsys, monkeypatch, argv, env,
+                                                                     text):
     from support.processes import ROOT
 
     for name, value in env.items():
@@ -219,7 +238,9 @@ def test_plot_writes_exactly_the_file_named_or_says_why_not(tmp_path, capsys):
     assert main(["plot", str(log), "-o", ""]) == 2  # was written to .png
     assert capsys.readouterr().err.strip() == "vpipe plot: -o is empty; give the PNG file to write"
     assert main(["plot", str(log), "-o", str(tmp_path / "plain")]) == 0
-    assert (tmp_path / "plain").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not (tmp_path / "plain.png").exists()
+    assert (tmp_path / "plain").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not (
+        tmp_path / "plain.png"
+    ).exists()
 
 
 def test_two_runs_cannot_share_a_checkpoint_directory(tmp_path):
@@ -230,7 +251,8 @@ def test_two_runs_cannot_share_a_checkpoint_directory(tmp_path):
     from support.processes import ROOT, child_env, wait_while_running
 
     ck = tmp_path / "ck"
-    args = ["train", "--steps", "100000", "--blocks", "2", "--d-model", "16", "--seq-len", "8", "--no-progress",
+    args = ["train", "--steps", "100000", "--blocks", "2", "--d-model", "16", "--seq-len", "8",
+            "--no-progress",
             "--checkpoint-dir", str(ck)]
     first = subprocess.Popen([sys.executable, "-m", "vpipe_lab", *args], cwd=ROOT, env=child_env(),
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -247,7 +269,8 @@ def test_two_runs_cannot_share_a_checkpoint_directory(tmp_path):
         except subprocess.TimeoutExpired:
             first.kill()
             first.wait()
-    _one_line(second, f"vpipe: error: --checkpoint-dir {ck} is in use by another run (pid {owner}); give each run "
+    _one_line(second,
+              f"vpipe: error: --checkpoint-dir {ck} is in use by another run (pid {owner}); give each run "
                       "a directory of its own")
     from vpipe_lab.runtime.checkpoints import check_checkpoint_dir
     from vpipe_lab.runtime.config import RunConfig
@@ -260,20 +283,25 @@ def test_a_bandwidth_no_link_has_is_refused_not_planned_with(tmp_path, capsys, f
     from vpipe_lab.cli import main
 
     assert main(["plan", _graph(tmp_path), "--stages", "2", flag, value]) == 2  # printed a step of 1e300 ms
-    assert capsys.readouterr().err.strip() == (f"vpipe: error: {flag} must be between 1000 and 1e+15 bytes/s, "
+    assert capsys.readouterr().err.strip() == (f"vpipe: error: {flag} must be between "
+                                               "1000 and 1e+15 bytes/s, "
                                                f"got {value!r}")
 
 
 @pytest.mark.parametrize("argv, text", [
     ("train --steps 1 --planner nosuchmod:fn",
-     "vpipe: error: --planner nosuchmod:fn: no statistics reach a planner without --vpipe or --monitor-every K"),
+     "vpipe: error: --planner nosuchmod:fn: no statistics reach a planner without --vpipe "
+     "or --monitor-every K"),
     ("train --steps 1 --vpipe --planner nosuchmod_xyz:fn",
-     "vpipe: error: --planner nosuchmod_xyz:fn: no module 'nosuchmod_xyz' to import (give MODULE:FUNCTION, the "
+     "vpipe: error: --planner nosuchmod_xyz:fn: no module 'nosuchmod_xyz' to import (give "
+     "MODULE:FUNCTION, the "
      "module importable from here)"),
-    ("keys <dir>/keys --name ", "vpipe: error: --name '': give a file name stem (letters, digits, - and _), or "
+    ("keys <dir>/keys --name ",
+     "vpipe: error: --name '': give a file name stem (letters, digits, - and _), or "
                                 "leave --name out for this host's name"),
 ])
-def test_a_planner_that_would_be_ignored_or_missing_and_an_empty_key_name_are_refused(paths, capsys, argv, text):
+def test_a_planner_that_would_be_ignored_or_missing_and_an_empty_key_name_are_refused(paths, capsys, argv,
+                                                                                      text):
     """A missing --planner module used to print an error and exit 0; --planner without --vpipe was ignored;
     --name '' fell back to the host's name."""
     from vpipe_lab.cli import main
@@ -294,9 +322,11 @@ def test_json_nested_beyond_reason_in_a_manifest_a_timeline_nas_edits_or_planner
     (traces / "timeline-rank0.json").write_text(deep)
     cases = [
         (("train", "--steps", "2", "--resume", str(tmp_path / "ck")),
-         f"vpipe: error: checkpoint manifest {step / 'manifest.json'} nests its JSON too deeply to be a manifest"),
+         f"vpipe: error: checkpoint manifest {step / 'manifest.json'} nests its JSON too "
+         "deeply to be a manifest"),
         (("trace", str(traces), "-o", str(tmp_path / "t.json")),
-         f"vpipe: error: {traces / 'timeline-rank0.json'} is not a vpipe timeline file (its JSON nests too deeply)"),
+         f"vpipe: error: {traces / 'timeline-rank0.json'} is not a vpipe timeline file (its "
+         "JSON nests too deeply)"),
         (("train", "--steps", "1", "--vpipe", "--nas", deep),
          "vpipe train: error: argument --nas: its JSON nests too deeply to be a list of edits"),
         (("planner", "--connect", "tcp://127.0.0.1:9", "--planner-config", deep),

@@ -46,14 +46,16 @@ def test_resume_on_the_same_stages_equals_an_uninterrupted_run(tmp_path):
     # vpipe with forced moves on both sides of the checkpoint: the placement and plan epoch must resume too
     common = ["--stages", "2", "--vpipe", "--no-planning", "--moves", "2:1,5;5:4,2"]
     train(*common, "--steps", "4", "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "3")
-    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [".vpipe-lock", "step-00000003", "step-00000004"]
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [".vpipe-lock", "step-00000003",
+                                                                   "step-00000004"]
     first = load_checkpoint(tmp_path / "ck" / "step-00000003")
     assert first.step == 3 and first.placement == [[0], [1, 2, 3, 4, 5]] and first.vpipe["epoch"] == 1
     train(*common, "--steps", "8", "--resume", str(tmp_path / "ck" / "step-00000003"),
           "--out-dir", str(tmp_path / "resumed"))
     train(*common, "--steps", "8", "--out-dir", str(tmp_path / "straight"))
     assert_params_equal(load_run_params(tmp_path / "resumed", 2), load_run_params(tmp_path / "straight", 2))
-    assert_optimizer_equal(load_run_optimizer(tmp_path / "resumed", 2), load_run_optimizer(tmp_path / "straight", 2))
+    assert_optimizer_equal(load_run_optimizer(tmp_path / "resumed", 2),
+                           load_run_optimizer(tmp_path / "straight", 2))
     final = [json.loads((tmp_path / "resumed" / f"rank{r}.json").read_text())["layer_ids"] for r in range(2)]
     assert final == [[0, 1, 2, 3], [4, 5]]  # the move at step 5 happened after the resume
 
@@ -68,7 +70,8 @@ def test_resume_two_stages_on_four_matches_the_single_process_reference(tmp_path
     assert layers == [[0, 1], [2, 3], [4], [5]]  # re-placed: an even split over four stages
     final = load_checkpoint(tmp_path / "ck4")
     assert final.step == 6 and final.placement == layers
-    assert final.vpipe["policies"] == {str(lid): "R" for lid in range(6)}  # the policies came back (not --policy D)
+    # the policies came back (not --policy D)
+    assert final.vpipe["policies"] == {str(lid): "R" for lid in range(6)}
     want, _, want_optim = reference_flush(small_cfg(stages=2, steps=6, optimizer="sgd"))
     assert_params_equal(load_run_params(tmp_path / "out", 4), want)
     assert_optimizer_equal(load_run_optimizer(tmp_path / "out", 4), want_optim)
@@ -78,7 +81,8 @@ def test_resume_refuses_a_damaged_checkpoint_before_starting_any_rank(tmp_path):
     root = write_checkpoint(tmp_path)
     shard = next(root.glob("rank1-*.pt"))
     shard.write_bytes(shard.read_bytes()[:-10])
-    proc = run_vpipe("train", *SMALL, "--stages", "2", "--steps", "4", "--resume", str(tmp_path / "ck"), timeout=60)
+    proc = run_vpipe("train", *SMALL, "--stages", "2", "--steps", "4", "--resume", str(tmp_path / "ck"),
+                     timeout=60)
     assert proc.returncode == 2
     assert f"vpipe: error: checkpoint shard {shard} is truncated or padded" in proc.stderr
     assert "rank 0" not in proc.stderr  # refused by the launcher
@@ -157,9 +161,11 @@ def damage_flip(path: Path) -> None:
     (MANIFEST, damage_truncate, "checkpoint manifest {} is not valid JSON (truncated or corrupted)"),
     (MANIFEST, lambda p: p.write_text(p.read_text().replace('"epoch": 2', '"epoch": 3')),
      "checkpoint manifest {} is corrupted: its sha256 does not match its contents"),
-    (MANIFEST, lambda p: p.write_text(p.read_text().replace('"version": 1,\n "vpipe"', '"version": 9,\n "vpipe"')),
+    (MANIFEST, lambda p: p.write_text(p.read_text().replace('"version": 1,\n "vpipe"',
+                                                            '"version": 9,\n "vpipe"')),
      "checkpoint manifest {} has format version 9; this vpipe reads version 1"),
-], ids=["truncated-shard", "flipped-byte", "missing-shard", "truncated-manifest", "edited-manifest", "version"])
+], ids=["truncated-shard", "flipped-byte", "missing-shard", "truncated-manifest", "edited-manifest",
+        "version"])
 def test_damage_is_named_and_leaves_the_model_untouched(tmp_path, target, damage, message):
     step_dir = write_checkpoint(tmp_path)
     victim = next(step_dir.glob(target))
@@ -180,7 +186,8 @@ def test_a_model_of_another_shape_is_refused_before_loading(tmp_path):
     model = build_model(cfg.model_spec(), seed=0)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(CheckpointError,
-                       match=r"0\.pos is \(16, 32\) torch.float32 there, \(16, 64\) torch.float32 in this model"):
+                       match=r"0\.pos is \(16, 32\) torch.float32 there, \(16, 64\) "
+                             r"torch.float32 in this model"):
         restore_stage(load_checkpoint(step_dir), model, None)
     assert_params_equal(model.state_dict(), before)
 
@@ -207,7 +214,8 @@ def test_an_unsealed_checkpoint_is_never_picked(tmp_path):
     ({"next_layer_id": 2}, "next_layer_id 2 is not above the largest layer id 2"),
 ])
 def test_vpipe_state_is_validated(change, message):
-    state = {"version": 1, "epoch": 4, "iteration": 10, "stages": [[0], [1, 2]], "policies": {}, "next_layer_id": 3}
+    state = {"version": 1, "epoch": 4, "iteration": 10, "stages": [[0], [1, 2]], "policies": {},
+             "next_layer_id": 3}
     assert check_vpipe_state(dict(state)) == state
     with pytest.raises(CheckpointError) as err:
         check_vpipe_state({**state, **change})
@@ -216,7 +224,8 @@ def test_vpipe_state_is_validated(change, message):
 
 @pytest.mark.parametrize("args, message", [
     (["--checkpoint-every", "3"], "checkpoint_every needs checkpoint_dir"),
-    (["--checkpoint-dir", "x", "--checkpoint-every", "-1"], "checkpoint_every must be an integer >= 0, got -1"),
+    (["--checkpoint-dir", "x", "--checkpoint-every", "-1"],
+     "checkpoint_every must be an integer >= 0, got -1"),
     (["--checkpoint-dir", "x", "--schedule", "pipedream"], "checkpoints need a flush schedule"),
 ])
 def test_checkpoint_options_are_validated_before_any_rank_starts(args, message):
@@ -224,24 +233,32 @@ def test_checkpoint_options_are_validated_before_any_rank_starts(args, message):
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
 
 
-def test_resume_keeps_adamw_its_weight_decay_and_a_warmup_cosine_schedule_on_the_same_and_other_stages(tmp_path):
+def test_resume_keeps_adamw_its_weight_decay_and_a_warmup_cosine_schedule_on_the_same_and_other_stages(
+    tmp_path,
+):
     """The whole training state comes back: learning rates mid-schedule, weight decay, moments, RNG."""
     common = ["--optimizer", "adamw", "--weight-decay", "0.1", "--lr-schedule", "warmup-cosine",
               "--warmup-steps", "3", "--lr", "0.01", "--steps", "8"]
     train("--stages", "2", *common, "--out-dir", str(tmp_path / "straight"))
-    train("--stages", "2", *common, "--steps", "8", "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every",
+    train("--stages", "2", *common, "--steps", "8", "--checkpoint-dir", str(tmp_path / "ck"),
+          "--checkpoint-every",
           "4")
     saved = load_checkpoint(tmp_path / "ck" / "step-00000004")
     state = saved.load_shards()
     assert {g["weight_decay"] for g in state["groups"].values()} == {0.1}
-    assert state["scheduler"]["last_epoch"] == 4 and state["rng"] is None  # rng only when a rank asks for its own
+    # rng only when a rank asks for its own
+    assert state["scheduler"]["last_epoch"] == 4 and state["rng"] is None
     for stages in ("2", "4"):
         out = tmp_path / f"resumed{stages}"
-        train("--stages", stages, *common, "--resume", str(tmp_path / "ck" / "step-00000004"), "--out-dir", str(out))
+        train("--stages", stages, *common, "--resume", str(tmp_path / "ck" / "step-00000004"), "--out-dir",
+              str(out))
         assert_params_equal(load_run_params(out, int(stages)), load_run_params(tmp_path / "straight", 2))
-        assert_optimizer_equal(load_run_optimizer(out, int(stages)), load_run_optimizer(tmp_path / "straight", 2))
-        lrs = {lr for r in range(int(stages)) for lr in json.loads((out / f"rank{r}.json").read_text())["lrs"]}
-        want = {lr for r in range(2) for lr in json.loads((tmp_path / "straight" / f"rank{r}.json").read_text())["lrs"]}
+        assert_optimizer_equal(load_run_optimizer(out, int(stages)),
+                               load_run_optimizer(tmp_path / "straight", 2))
+        lrs = {lr for r in range(int(stages))
+               for lr in json.loads((out / f"rank{r}.json").read_text())["lrs"]}
+        want = {lr for r in range(2)
+                for lr in json.loads((tmp_path / "straight" / f"rank{r}.json").read_text())["lrs"]}
         assert lrs == want and len(want) == 1  # bitwise the uninterrupted run's rate after step 8
     want, _, _ = reference_flush(small_cfg(stages=2, steps=8, optimizer="adamw", weight_decay=0.1,
                                            lr_schedule="warmup-cosine", warmup_steps=3, lr=0.01))
@@ -270,7 +287,8 @@ def test_param_group_hyperparameters_come_back_by_parameter_name_and_a_conflict_
     step_dir = tmp_path / "ck" / "step-00000001"
     shards = [save_shard(step_dir, r, stages[r], optims[r], {}) for r in range(2)]
     write_manifest(step_dir, 1, shards, {"version": 1, "epoch": 0, "iteration": 1,
-                                         "stages": [[int(n) for n in s._modules] for s in stages], "policies": {},
+                                         "stages": [[int(n) for n in s._modules] for s in stages],
+                                         "policies": {},
                                          "next_layer_id": 6})
     ckpt = load_checkpoint(step_dir)
     fresh, _ = two_stage_model(seed=1)
@@ -287,7 +305,8 @@ def test_param_group_hyperparameters_come_back_by_parameter_name_and_a_conflict_
     before = [p.detach().clone() for p in whole.parameters()]
     with pytest.raises(CheckpointError, match="group 0 had different hyperparameters"):
         restore_stage(ckpt, whole, mixed)
-    assert all(torch.equal(a, b) for a, b in zip(before, whole.parameters()))  # refused before touching anything
+    # refused before touching anything
+    assert all(torch.equal(a, b) for a, b in zip(before, whole.parameters()))
     assert mixed.param_groups[0]["lr"] == 1e-3
 
 
@@ -316,17 +335,20 @@ def test_ranks_hash_only_the_shards_they_load(tmp_path):
 
 
 def test_resume_problems_are_named_at_launch_in_one_line(tmp_path):
-    train("--stages", "2", "--steps", "4", "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "2")
+    train("--stages", "2", "--steps", "4", "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every",
+          "2")
     (tmp_path / "ck" / "step-00000004" / MANIFEST).unlink()  # the newest is incomplete now
     older = run_vpipe("train", *SMALL, "--stages", "2", "--steps", "5", "--resume", str(tmp_path / "ck"))
     assert older.returncode == 0, older.stderr[-2000:]
-    assert (f"vpipe: {tmp_path / 'ck' / 'step-00000004'} has no manifest.json (unfinished or damaged); resuming "
+    assert (f"vpipe: {tmp_path / 'ck' / 'step-00000004'} has no manifest.json (unfinished "
+            "or damaged); resuming "
             "from step-00000002") in older.stderr
     for args, message in (
         (["--d-model", "48"], "was saved with d_model 32; this run has 48"),
         (["--optimizer", "sgd"], "was saved with optimizer 'adam'; this run has 'sgd'"),
     ):
-        proc = run_vpipe("train", *SMALL, *args, "--stages", "2", "--steps", "5", "--resume", str(tmp_path / "ck"))
+        proc = run_vpipe("train", *SMALL, *args, "--stages", "2", "--steps", "5", "--resume",
+                         str(tmp_path / "ck"))
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
         assert proc.stderr.strip().splitlines()[-1].startswith("vpipe: error: checkpoint ")
         assert proc.stderr.strip().endswith(message)

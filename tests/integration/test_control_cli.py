@@ -10,7 +10,13 @@ import sys
 import pytest
 
 from support.processes import ROOT, child_env, run_vpipe
-from vpipe.control.daemon import NO_CHANGE_PLANNER, _server_key, build_parser, load_planner, parse_planner_config
+from vpipe.control.daemon import (
+    NO_CHANGE_PLANNER,
+    _server_key,
+    build_parser,
+    load_planner,
+    parse_planner_config,
+)
 from vpipe.control.planner_link import daemon_arguments, manual_command
 from vpipe.planner import DEFAULT_PLANNER
 from vpipe.planner.online import OnlineConfig, OnlinePlanner, srp
@@ -23,13 +29,16 @@ def write_log(path, records) -> None:
 
 RECORDS = [
     {"t": 100.0, "rank": 1, "logger": "vpipe.runtime", "level": "INFO", "msg": "stage 1 of 2: training"},
-    {"t": 100.5, "rank": 1, "logger": "vpipe.decisions", "level": "INFO", "event": "planner_started", "pid": 77,
+    {"t": 100.5, "rank": 1, "logger": "vpipe.decisions", "level": "INFO", "event": "planner_started",
+     "pid": 77,
      "msg": "started planner daemon pid 77"},
-    {"t": 101.25, "rank": None, "role": "planner", "logger": "vpipe.decisions", "level": "INFO", "event": "plan",
+    {"t": 101.25, "rank": None, "role": "planner", "logger": "vpipe.decisions", "level": "INFO",
+     "event": "plan",
      "epoch": 3, "layers_per_stage": [5, 3], "predicted_step_s": 0.123456, "msg": "plan epoch 3: rebalance"},
     {"t": 102.0, "rank": 1, "logger": "vpipe.decisions", "level": "WARNING", "event": "planner_lost",
      "reason": "no message", "msg": "planner lost"},
-    {"t": 102.5, "rank": 0, "logger": "vpipe.control", "level": "WARNING", "msg": "dropped a bad control message"},
+    {"t": 102.5, "rank": 0, "logger": "vpipe.control", "level": "WARNING",
+     "msg": "dropped a bad control message"},
 ]
 
 
@@ -39,7 +48,9 @@ def test_timeline_rows_show_time_since_start_who_event_and_numbers():
         ("0.500", "1", "planner_started"), ("1.250", "planner", "plan"), ("2.000", "1", "planner_lost")]
     assert rows[1][3] == "plan epoch 3: rebalance"
     details = rows[1][4]
-    assert "epoch=3" in details and "layers_per_stage=[5, 3]" in details and "predicted_step_s=0.1235" in details
+    assert (
+        "epoch=3" in details and "layers_per_stage=[5, 3]" in details and "predicted_step_s=0.1235" in details
+    )
     assert len(timeline_rows(RECORDS, everything=True)) == 5
     assert [r[2] for r in timeline_rows(RECORDS, events={"plan"})] == ["plan"]
 
@@ -84,7 +95,8 @@ def test_the_daemon_entry_point_imports_no_torch():
             "try:\n    runpy.run_module('vpipe.control.daemon', run_name='__main__')\n"
             "except SystemExit:\n    pass\n"
             "print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=child_env(), capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=child_env(), capture_output=True,
+                          text=True,
                           timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "--server-key" in proc.stdout and proc.stdout.strip().endswith("[]")
@@ -95,7 +107,8 @@ def test_decision_rows_show_an_edit_once_and_only_the_asked_events():
 
     records = [{"t": 1.0, "rank": r, "logger": "vpipe.decisions", "event": "layers_added", "msg": "added"}
                for r in (1, 0)]
-    records += [{"t": 2.0, "rank": None, "role": None, "logger": "vpipe.decisions", "event": "plan", "msg": "p"},
+    records += [{"t": 2.0, "rank": None, "role": None, "logger": "vpipe.decisions", "event": "plan",
+                 "msg": "p"},
                 {"t": 3.0, "rank": 1, "logger": "vpipe.decisions", "event": "plan_received", "msg": "r"}]
     rows = decision_rows(records, {"layers_added", "plan"})
     assert [(who, event) for _, who, event, _, _ in rows] == [("0", "layers_added"), ("-", "plan")]
@@ -114,10 +127,12 @@ def test_a_server_key_beginning_with_a_dash_reaches_the_daemon():
 
 
 def test_the_planner_configuration_reaches_the_daemon_as_data():
-    """What the last stage starts the daemon with is what the planner is made with: no environment in between."""
+    """What the last stage starts the daemon with is what the
+    planner is made with: no environment in between."""
     config = {"schedule": "zbv", "micro_batches": 6, "in_flight": [4, 2], "stage_ranks": [0, 0],
               "in_flight_together": [[4, 0], [2, 2]], "smoothing": 0.3}
-    started = daemon_arguments("tcp://10.0.0.2:4100", DEFAULT_PLANNER, parent_pid=7, heartbeat_s=0.5, server_key=None,
+    started = daemon_arguments("tcp://10.0.0.2:4100", DEFAULT_PLANNER, parent_pid=7, heartbeat_s=0.5,
+                               server_key=None,
                                log_file=None, planner_config=config)
     args = build_parser().parse_args(started)
     planner = load_planner(args.planner, parse_planner_config(args.planner_config))

@@ -30,11 +30,12 @@ from vpipe.control.curve import RUN_SECRET_ENV
 from vpipe.control.messages import MAX_MESSAGE_BYTES, frame_limit
 
 FRAME = frame_limit(MAX_MESSAGE_BYTES) - 64  # a keyed flood's frames: over the message cap, within zmq's
-# docs/control-plane.md: zmq holds 2 frames (RCVHWM) for each of at most 12 authenticated connections (MAX_CONNECTIONS),
-# 48 MiB of 2 MiB frames; decoding and what the allocator keeps stay within the rest
+# docs/control-plane.md: zmq holds 2 frames (RCVHWM) for each of at most 12 authenticated connections
+# (MAX_CONNECTIONS), 48 MiB of 2 MiB frames; decoding and what the allocator keeps stay within the rest
 RSS_BOUND_BYTES = 64 << 20
 DAEMON_RSS_BOUND_BYTES = 32 << 20  # its inbox holds 4 connections: 16 MiB of frames
-UNPROVEN_HELD = 16  # silent connections an inbox keeps (MAX_UNPROVEN): a newcomer takes the oldest one's place
+# silent connections an inbox keeps (MAX_UNPROVEN): a newcomer takes the oldest one's place
+UNPROVEN_HELD = 16
 
 # Another process: COUNT plain TCP connections to 127.0.0.1:PORT that send nothing, held HOLD_S, then closed.
 STRANGER = r"""
@@ -169,7 +170,8 @@ def test_a_keyed_flood_of_the_planner_daemon_keeps_it_within_its_memory_bound():
     secret = zmq.curve_keypair()[1]
     public = zmq.curve_public(secret).decode()
     daemon = subprocess.Popen(  # a daemon by hand, its last stage not there yet (port 9: nobody listens)
-        [sys.executable, "-m", "vpipe.control.daemon", "--connect", "tcp://127.0.0.1:9", f"--server-key={public}",
+        [sys.executable, "-m", "vpipe.control.daemon", "--connect", "tcp://127.0.0.1:9",
+         f"--server-key={public}",
          "--idle-timeout", "60"], cwd=ROOT, env=child_env(**{RUN_SECRET_ENV: secret.decode()}),
         stderr=subprocess.PIPE, text=True)
     try:
@@ -182,7 +184,8 @@ def test_a_keyed_flood_of_the_planner_daemon_keeps_it_within_its_memory_bound():
         time.sleep(1.0)
         process = psutil.Process(daemon.pid)
         baseline = peak = process.memory_info().rss
-        flood = subprocess.Popen([sys.executable, "-c", KEYED_FLOOD, endpoint, secret.decode(), "24", str(FRAME),
+        flood = subprocess.Popen([sys.executable, "-c", KEYED_FLOOD, endpoint, secret.decode(), "24",
+                                  str(FRAME),
                                   "5"], stdout=subprocess.PIPE, text=True)
         while flood.poll() is None:
             peak = max(peak, process.memory_info().rss)
@@ -193,7 +196,8 @@ def test_a_keyed_flood_of_the_planner_daemon_keeps_it_within_its_memory_bound():
         daemon.kill()
         daemon.wait()
     growth = peak - baseline
-    print(f"keyed flood of the daemon: {sent} frames; RSS {baseline / 2**20:.0f} MiB +{growth / 2**20:.1f} MiB")
+    print(f"keyed flood of the daemon: {sent} frames; RSS {baseline / 2**20:.0f} MiB "
+          f"+{growth / 2**20:.1f} MiB")
     # its 4 connections take 2 frames each between reads; the other 20 wait in their handshakes, queues full
     assert sent >= 50
     assert growth < DAEMON_RSS_BOUND_BYTES, f"the daemon grew {growth / 2**20:.0f} MiB under a keyed flood"
@@ -243,7 +247,8 @@ def test_a_run_under_the_default_open_file_limit_survives_a_thousand_silent_conn
             launcher.kill()
             launcher.wait()
     print(f"stranger: {stranger.stdout.read().strip()} (held, failed); rank 0 at most {max(fds)} descriptors")
-    assert launcher.returncode == 0, stderr[-3000:]  # before: rank 0 failed: OSError: [Errno 24] Too many open files
+    # before: rank 0 failed: OSError: [Errno 24] Too many open files
+    assert launcher.returncode == 0, stderr[-3000:]
     assert max(fds) < 512, max(fds)  # before: ~1020 of its 1024, and any file it opened then could fail
     records = read_log(log_file)
     assert any("raised the open-file limit" in r["msg"] for r in records if r.get("rank") == 0)

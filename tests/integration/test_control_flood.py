@@ -68,7 +68,8 @@ def _flood(endpoint: str, secret: bytes | None, frame: bytes, stop: threading.Ev
 
 def _rank_process(launcher: subprocess.Popen, log_file: Path, rank: int) -> psutil.Process | None:
     pid = training_pids(log_file).get(rank)
-    descendants = {p.pid for p in psutil.Process().children(recursive=True)}  # via the launcher or the starter
+    # via the launcher or the starter
+    descendants = {p.pid for p in psutil.Process().children(recursive=True)}
     return psutil.Process(pid) if pid in descendants else None
 
 
@@ -118,9 +119,12 @@ def test_a_flood_of_valid_and_garbage_messages_keeps_memory_bounded_and_training
     growth = max(during) - baseline
     print(f"flood: {keyed[0]} keyed, {garbage[0]} garbage messages; stage 0 RSS {baseline / 2**20:.0f} MiB, "
           f"+{growth / 2**20:.1f} MiB")
-    assert growth < RSS_BOUND_BYTES, f"stage 0 grew {growth / 2**20:.0f} MiB under a flood of {keyed[0]} messages"
+    assert growth < RSS_BOUND_BYTES, (
+        f"stage 0 grew {growth / 2**20:.0f} MiB under a flood of {keyed[0]} messages"
+    )
     messages = [r["msg"] for r in read_log(log_file) if r.get("rank") == 0]
-    assert any("nobody polled for" in m for m in messages), messages  # the valid flood: dropped, counted, logged
+    # the valid flood: dropped, counted, logged
+    assert any("nobody polled for" in m for m in messages), messages
     # the garbage: refused at the handshake. zmq names the mechanism mismatch when stage 0 reads the
     # sender's greeting, and gives no detail when the sender saw the mismatch first and hung up
     # (under load that can be every one of the few attempts a 6 s flood makes)

@@ -11,7 +11,13 @@ import zmq.auth
 
 from vpipe.cli import main
 from vpipe.control.curve import PUBLIC_ENV, SECRET_ENV, CurveConfig, RunKeys
-from vpipe.control.keys import KeyFileError, public_keys_from, read_public_file, read_secret_file, write_keypair
+from vpipe.control.keys import (
+    KeyFileError,
+    public_keys_from,
+    read_public_file,
+    read_secret_file,
+    write_keypair,
+)
 from vpipe.settings import Settings
 
 

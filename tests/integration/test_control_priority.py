@@ -45,7 +45,8 @@ def test_a_rank_starts_its_daemon_at_its_own_priority_and_the_daemon_lowers_itse
         link.start("vpipe.planner.online:srp")
         daemon = link.process
         assert daemon is not None
-        assert os.getpriority(os.PRIO_PROCESS, daemon.pid) == os.getpriority(os.PRIO_PROCESS, 0)  # still importing
+        # still importing
+        assert os.getpriority(os.PRIO_PROCESS, daemon.pid) == os.getpriority(os.PRIO_PROCESS, 0)
         deadline = time.monotonic() + 30
         while os.getpriority(os.PRIO_PROCESS, daemon.pid) != PLANNER_NICE:
             assert daemon.poll() is None, f"the daemon exited with code {daemon.returncode}"

@@ -68,8 +68,10 @@ def test_killed_planner_is_reported_training_finishes_and_a_restarted_one_resume
     out, log_file = tmp_path / "planner.jsonl", tmp_path / "run.log"
     env = planner_env(out)  # the kill is seen as the process exiting, not by a timeout
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "vpipe_lab", "train", "--stages", "2", "--steps", "600", "--monitor-every", "5",
-         "--blocks", "2", "--d-model", "32", "--seq-len", "16", "--micro-batches", "2", "--micro-batch-size", "2",
+        [sys.executable, "-m", "vpipe_lab", "train", "--stages", "2", "--steps", "600", "--monitor-every",
+         "5",
+         "--blocks", "2", "--d-model", "32", "--seq-len", "16", "--micro-batches", "2", "--micro-batch-size",
+         "2",
          "--no-progress", "--planner", MARKER, "--log-file", str(log_file)],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
@@ -88,7 +90,8 @@ def test_killed_planner_is_reported_training_finishes_and_a_restarted_one_resume
         server_key = re.search(r"--server-key='([^']+)'", command).group(1)
         assert f"--connect {endpoint}" in command
         restarted = subprocess.Popen(
-            [sys.executable, "-m", "vpipe_lab", "planner", "--connect", endpoint, f"--server-key={server_key}",
+            [sys.executable, "-m", "vpipe_lab", "planner", "--connect", endpoint,
+             f"--server-key={server_key}",
              "--planner", MARKER, "--log-file", str(log_file)], cwd=ROOT,
             env=dict(env, VPIPE_CURVE_RUN_SECRET_FILE=secret_file), stderr=subprocess.PIPE, text=True,
         )
@@ -132,7 +135,8 @@ def test_a_local_process_without_the_runs_key_cannot_take_over_the_planner_link(
 
     log_file = tmp_path / "run.log"
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "vpipe_lab", "train", "--stages", "2", "--steps", "60", "--vpipe", "--blocks", "2",
+        [sys.executable, "-m", "vpipe_lab", "train", "--stages", "2", "--steps", "60", "--vpipe", "--blocks",
+         "2",
          "--d-model", "16", "--seq-len", "8", "--no-progress", "--log-file", str(log_file)],
         cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     context = zmq.Context()

@@ -39,7 +39,8 @@ CFG = RunConfig(stages=2, steps=300, blocks=2, d_model=16, n_heads=2, seq_len=8,
                 micro_batch_size=2, dropout=0.0, monitor_every=4)
 INTRUDER_PID = 4242
 KEYS = ("vpipe/ctl/planner", "vpipe/ctl/ep/0", "vpipe/ctl/ep/1", "vpipe/ctl/key/0", "vpipe/ctl/key/1",
-        "ctl/run-secret", "ctl/run-key-file", "ctl/run-key-read/1", "ctl/run-key-gone", "layers/0", "layers/1")
+        "ctl/run-secret", "ctl/run-key-file", "ctl/run-key-read/1", "ctl/run-key-gone", "layers/0",
+        "layers/1")
 INTRUDER_EPOCH = 500  # far above what the run's marker planner reaches in 300 steps, within the jump limit
 
 
@@ -57,7 +58,8 @@ class Intruder:
 
         raw = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
         # the ranks' default store: the process group's prefix over the store given to it, or over env://'s
-        self.roots = [raw, dist.PrefixStore("0/", raw), dist.PrefixStore("0/", dist.PrefixStore("default_pg", raw))]
+        self.roots = [raw, dist.PrefixStore("0/", raw),
+                      dist.PrefixStore("0/", dist.PrefixStore("default_pg", raw))]
         self.read: dict[str, bytes] = {}
         self.events: list[int] = []
         self.public = b""
@@ -149,7 +151,8 @@ def test_a_store_reader_cannot_pass_the_control_planes_authentication(tmp_path):
             run.kill()
             run.wait()
     assert run.returncode == 0, output[-3000:]
-    assert "ctl/run-secret" not in intruder.read and "ctl/run-key-file" in intruder.read  # no secret in it ...
+    # no secret in it ...
+    assert "ctl/run-secret" not in intruder.read and "ctl/run-key-file" in intruder.read
     assert intruder.secret() is None  # ... nor reachable from it
     assert zmq.EVENT_HANDSHAKE_SUCCEEDED not in intruder.events
     assert zmq.EVENT_HANDSHAKE_FAILED_AUTH in intruder.events  # the run's ZAP handler refused its key
@@ -172,15 +175,17 @@ def test_a_store_reader_cannot_pass_the_control_planes_authentication(tmp_path):
 def clean_env(monkeypatch):
     for name in (RUN_SECRET_ENV, RUN_SECRET_FILE_ENV, "VPIPE_CURVE_SECRET_FILE", "VPIPE_CURVE_PUBLIC_KEYS",
                  AUTH_ENV, "LOCAL_WORLD_SIZE", "WORLD_SIZE"):
-        # set first, so that teardown restores the variable as it was even when the code under test set it (the key
-        # it agrees on must not reach the later tests of this process: their sockets would expect CURVE)
+        # set first, so that teardown restores the variable as it was even when the
+        # code under test set it (the key it agrees on must not reach the later tests
+        # of this process: their sockets would expect CURVE)
         monkeypatch.setenv(name, "")
         monkeypatch.delenv(name)
     return monkeypatch
 
 
 def _keys_now():
-    """Keys of the environment as it is now, as a process started now reads it (this one read its settings once)."""
+    """Keys of the environment as it is now, as a process started
+    now reads it (this one read its settings once)."""
     return RunKeys(Settings.read(os.environ))
 
 
@@ -208,7 +213,8 @@ def test_two_ranks_share_a_key_through_a_private_file_that_is_gone_after(clean_e
         t.join(20)
     assert not errors and got == {0: "private-file", 1: "private-file"}
     secret = keys[0].secret
-    assert keys[1].secret == secret and RUN_SECRET_ENV not in os.environ  # held by the attach, not the process
+    # held by the attach, not the process
+    assert keys[1].secret == secret and RUN_SECRET_ENV not in os.environ
     assert keys[0].curve() == keys[1].curve() is not None
     assert len(secret) == 40 and secret.encode() not in store.get("ctl/run-key-file")
     assert not os.path.exists(store.get("ctl/run-key-file").decode())
@@ -240,11 +246,12 @@ def test_a_key_file_that_is_not_private_or_not_this_users_is_refused(tmp_path):
 
 
 def test_several_hosts_without_a_key_refuse_unless_told_to_run_unauthenticated(clean_env, caplog):
-    """Two torchrun agents with --nnodes 2 used to run the control plane unauthenticated by default; another local
-    user took over the planner link with a plain hello."""
+    """Two torchrun agents with --nnodes 2 used to run the control plane unauthenticated by default;
+    another local user took over the planner link with a plain hello."""
     clean_env.setenv("LOCAL_WORLD_SIZE", "1")
     clean_env.setenv("WORLD_SIZE", "2")
-    with pytest.raises(RuntimeError, match=f"would be unauthenticated .* and {AUTH_ENV}=auto; give every rank one "
+    with pytest.raises(RuntimeError,
+                       match=f"would be unauthenticated .* and {AUTH_ENV}=auto; give every rank one "
                                            f"key .*, or set {AUTH_ENV}=none to run it unauthenticated"):
         agree_run_key(None, rank=1, world_size=2, timeout_s=1, who="rank 1")
     clean_env.setenv(AUTH_ENV, "none")
@@ -261,4 +268,5 @@ def test_several_hosts_without_a_key_refuse_unless_told_to_run_unauthenticated(c
         agree_run_key(None, rank=1, world_size=2, timeout_s=1, who="rank 1", keys=_keys_now())
     clean_env.setenv(AUTH_ENV, "required")
     clean_env.setenv(RUN_SECRET_ENV, zmq.curve_keypair()[1].decode())  # a key the user gave: no warning
-    assert agree_run_key(None, rank=1, world_size=2, timeout_s=1, who="rank 1", keys=_keys_now()) == "configured"
+    assert agree_run_key(None, rank=1, world_size=2, timeout_s=1, who="rank 1",
+                         keys=_keys_now()) == "configured"

@@ -64,7 +64,8 @@ def test_a_squatter_on_the_peers_own_address_never_keeps_a_peer_out(keyed, per_e
                 process.kill()
         context.destroy(linger=0)
     waited = result["arrived"]["0"] - sent_at if "0" in result["arrived"] else float("inf")
-    print(f"{per_endpoint} squatting connections ({'CURVE' if keyed else 'no CURVE'}): the peer's first message "
+    print(f"{per_endpoint} squatting connections ({'CURVE' if keyed else 'no CURVE'}): the "
+          "peer's first message "
           f"arrived after {waited:.2f} s; squatter {report}; inbox evicted {result['evicted']}")
     assert waited < GET_IN_S  # before: cut as it came, for as long as the squatter stayed
     assert sorted(result["got"]) == friend.sent  # and every message after it
@@ -72,9 +73,11 @@ def test_a_squatter_on_the_peers_own_address_never_keeps_a_peer_out(keyed, per_e
 
 
 def test_with_a_squatter_on_every_inbox_the_planner_attaches_and_plans_are_applied(tmp_path):
-    """A real run (slow: 10-40 s on 2 cores), the tutorial trainer on 2 ranks with the one line and its daemon."""
+    """A real run (slow: 10-40 s on 2 cores), the tutorial trainer
+    on 2 ranks with the one line and its daemon."""
     log_file = tmp_path / "run.log"
-    squatter = _squat("--log", str(log_file), "--per-endpoint", "8")  # the issue's: 8 per inbox, as they appear
+    # the issue's: 8 per inbox, as they appear
+    squatter = _squat("--log", str(log_file), "--per-endpoint", "8")
     started = time.monotonic()
     try:
         run_ranks([str(ROOT / "examples" / "train_tutorial.py"), "--vpipe", "--steps", "60"], 2,
@@ -90,10 +93,12 @@ def test_with_a_squatter_on_every_inbox_the_planner_attaches_and_plans_are_appli
     attached = [r for r in log if r.get("event") == "planner_attached"]
     applied = {r["rank"] for r in log if r.get("event") == "plan_applied"}
     planner_started = next(r for r in log if r.get("event") == "planner_started")
-    print(f"squatter {report}; planner attached {attached[0]['t'] - daemon['t']:.2f} s after its inbox opened "
+    print(f"squatter {report}; planner attached {attached[0]['t'] - daemon['t']:.2f} s "
+          "after its inbox opened "
           f"({attached[0]['t'] - planner_started['t']:.2f} s after it was started); plans applied on ranks "
           f"{sorted(applied)}; {wall:.1f} s in all" if attached else f"never attached; squatter {report}")
-    assert set(report["endpoints"]) == set(inboxes) and len(inboxes) == 3  # both ranks' inboxes and the daemon's
+    # both ranks' inboxes and the daemon's
+    assert set(report["endpoints"]) == set(inboxes) and len(inboxes) == 3
     assert report["opened"] >= 3 * 8
     assert attached and attached[0]["t"] - daemon["t"] < GET_IN_S  # before: never
     assert applied == {0, 1}  # before: training finished, no plan ever applied

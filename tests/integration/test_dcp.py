@@ -30,14 +30,16 @@ def _run(tmp_path: Path, shape: str) -> dict:
 
 
 @pytest.mark.parametrize("shape", [
-    pytest.param("tutorial", marks=pytest.mark.slow),  # 25-40 s on 2 shared cores (nothing of vpipe's to test here)
+    # 25-40 s on 2 shared cores (nothing of vpipe's to test here)
+    pytest.param("tutorial", marks=pytest.mark.slow),
     "sequential",  # 15-30 s: the renamed keys, end to end
 ])
 def test_a_dcp_checkpoint_after_moves_resumes_the_plain_trainer_on_any_split_bitwise(tmp_path, shape):
     result = _run(tmp_path, shape)
     first, last = result["ranks"]
     moved = [len(first["moved_to"]), len(last["moved_to"])]
-    assert moved != [6, 2] and sum(moved) == 8, (moved, last["saved_at"])  # vpipe moved blocks before the save
+    # vpipe moved blocks before the save
+    assert moved != [6, 2] and sum(moved) == 8, (moved, last["saved_at"])
     assert last["never_stopped"] and all(len(step) == 4 for step in last["never_stopped"])
     for split in ("6,2", "2,6"):
         assert last["resumed"][split] == last["never_stopped"], split  # bitwise, every micro-batch
@@ -50,7 +52,8 @@ def test_a_dcp_checkpoint_after_moves_resumes_the_plain_trainer_on_any_split_bit
 
 
 def test_block_keys_follow_the_block_for_model_and_flattened_optimizer_keys():
-    sd = {"0.up.weight": 1, "1.up.weight": 2, "state.1.down.bias.exp_avg": 3, "param_groups.0.up.weight.lr": 4,
+    sd = {"0.up.weight": 1, "1.up.weight": 2, "state.1.down.bias.exp_avg": 3,
+          "param_groups.0.up.weight.lr": 4,
           "norm.weight": 5}
     named = global_block_keys(sd, [5, 6])
     assert named == {"5.up.weight": 1, "6.up.weight": 2, "state.6.down.bias.exp_avg": 3,
@@ -68,14 +71,17 @@ def test_block_keys_follow_the_block_for_model_and_flattened_optimizer_keys():
 
 
 def test_a_rollback_to_a_snapshot_taken_before_a_move_trains_as_the_plain_trainers_rollback(tmp_path):
-    """A loss-spike rollback across a move: the plain trainer's deep copy of the stage's state dict is refused in
-    one line naming the blocks that moved; the DCP snapshot with global block keys restores every block where it
-    lives now, and the replayed steps equal the plain trainer's rollback bitwise."""
+    """A loss-spike rollback across a move: the plain trainer's deep copy of the stage's state dict is
+    refused in one line naming the blocks that moved; the DCP snapshot with global block keys restores
+    every block where it lives now, and the replayed steps equal the plain trainer's rollback bitwise."""
     result = _run(tmp_path, "rollback")
     first, last = result["ranks"]
     assert first["snapshot"] == [0, 1, 2, 3, 4, 5] and first["moved_to"] != first["snapshot"]
     refusal = first["refusal"]
     assert refusal is not None and refusal.startswith("vpipe: this stage module state dict holds blocks "
                                                       "[0, 1, 2, 3, 4, 5], the stage holds ")
-    assert "left since it was taken); snapshot with torch.distributed.checkpoint and vpipe.global_block_keys" in refusal
+    assert (
+        "left since it was taken); snapshot with torch.distributed.checkpoint and vpipe.global_block_keys"
+        in refusal
+    )
     assert last["replayed"] == last["plain"] and all(len(step) == 4 for step in last["plain"])

@@ -17,16 +17,18 @@ from support.processes import WORKERS, run_ranks, run_vpipe
 
 
 def test_six_hundred_blocks_train_on_a_128_kib_stack(tmp_path):
-    """The mechanism at a size the default suite affords: 600 blocks on a thread with a 128 KiB C stack (the old
-    code overflowed it at 300 blocks, the main thread's 8 MiB at about 3000 of the lab's transformer blocks)."""
+    """The mechanism at a size the default suite affords: 600 blocks on a thread
+    with a 128 KiB C stack (the old code overflowed it at 300 blocks, the main
+    thread's 8 MiB at about 3000 of the lab's transformer blocks)."""
     out = tmp_path / "deep.json"
-    run_ranks([str(WORKERS / "deep_worker.py"), "600", "128", str(out)], 1, tmp_path / "deep.txt", timeout_s=180)
+    run_ranks([str(WORKERS / "deep_worker.py"), "600", "128", str(out)], 1, tmp_path / "deep.txt",
+              timeout_s=180)
     assert json.loads(out.read_text()) == {"steps": 3}
 
 
 def test_three_thousand_blocks_on_one_stage_train_with_vpipe(tmp_path):
-    """The reported run: about 3000 transformer blocks on stage 0 of 2 (it died of SIGSEGV in its second step), every
-    step after the first sampled."""
+    """The reported run: about 3000 transformer blocks on stage 0 of 2 (it died of SIGSEGV in its second
+    step), every step after the first sampled."""
     proc = run_vpipe("train", "--stages", "2", "--blocks", "3000", "--partition", "3000,2", "--d-model", "8",
                      "--n-heads", "1", "--seq-len", "4", "--steps", "3", "--vpipe", "--monitor-every", "1",
                      "--no-progress", "--out-dir", str(tmp_path / "out"), timeout=900)

@@ -47,7 +47,8 @@ def test_moves_keep_the_losses_and_a_checkpoint_after_them_resumes_in_deepspeed_
     assert result["placements"][2] == [[1, 2], [3, 4, 5, 6, 7, 8]]
     assert result["placements"][4] == result["placements"][6] == [[1, 2, 3, 4, 5], [6, 7, 8]]
     assert [r["msg"].split(": ")[1] for r in _events(result, "checkpoint_placement") if r["rank"] == 0] == [
-        "layers moved home for DeepSpeed's save_checkpoint", "layers moved back after DeepSpeed's save_checkpoint"]
+        "layers moved home for DeepSpeed's save_checkpoint", "layers moved back after "
+                                                             "DeepSpeed's save_checkpoint"]
     # DeepSpeed's own file per layer, named by global index, and one optimizer file per stage
     assert result["files"] == [f"layer_{i:02d}-model_states.pt" for i in range(10)] + [
         "mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"]
@@ -58,21 +59,26 @@ def test_moves_keep_the_losses_and_a_checkpoint_after_them_resumes_in_deepspeed_
     stage0, stage1 = result["forward_funcs"]["stages"]
     assert stage0["parts"] == stage1["parts"] == [0, 6, 10]
     assert stage0["funcs"] == ["Embedding"] + ["Block"] * 5 and stage1["funcs"] == ["Block"] * 3 + ["Head"]
-    assert stage1["registered"] == ["6", "7", "8", "9"] and stage1["fwd_map"] == {"6": 0, "7": 1, "8": 2, "9": 3}
+    assert stage1["registered"] == ["6", "7", "8", "9"] and stage1["fwd_map"] == {"6": 0, "7": 1, "8": 2,
+                                                                                  "9": 3}
     assert not _events(result, "stale_references")  # the engine's names of the parameters follow the moves
     assert result["edit_refused"].startswith("remove_layers cannot edit a DeepSpeed PipelineModule")
-    assert result["module_refused"].startswith("vpipe.attach takes DeepSpeed's engine, not its PipelineModule")
+    assert result["module_refused"].startswith(
+        "vpipe.attach takes DeepSpeed's engine, not its PipelineModule"
+    )
 
 
 def test_swapped_and_recomputed_layers_train_as_deepspeed_alone(tmp_path):
     result = _run(tmp_path, "policies", 2)
     _assert_as_deepspeed_alone(result)
     assert result["placements"][-1] == MOVED
-    assert result["d2h_bytes"] > 0 and result["recompute_s"] > 0  # stage 0 swapped block 1, recomputed block 2
+    # stage 0 swapped block 1, recomputed block 2
+    assert result["d2h_bytes"] > 0 and result["recompute_s"] > 0
 
 
 @pytest.mark.parametrize("scenario, ranks", [("checkpointing", 2), ("tied", 2), ("replicas", 4)])
-def test_deepspeeds_own_checkpointing_a_tied_head_and_replicas_move_with_the_same_losses(tmp_path, scenario, ranks):
+def test_deepspeeds_own_checkpointing_a_tied_head_and_replicas_move_with_the_same_losses(tmp_path, scenario,
+                                                                                         ranks):
     result = _run(tmp_path, scenario, ranks)
     _assert_as_deepspeed_alone(result)
     moved = [[1, 2, 3], [4, 5, 6, 7, 8]]
@@ -94,7 +100,8 @@ def test_deepspeeds_own_checkpointing_a_tied_head_and_replicas_move_with_the_sam
     ("bf16", 2, "DeepSpeed bf16/fp16: its optimizer keeps flat fp32 master copies"),
     ("zero1", 4, "DeepSpeed ZeRO stage 1: its optimizer flattens and partitions"),
 ])
-def test_bf16_and_zero1_are_refused_moves_in_one_line_and_train_as_deepspeed_alone(tmp_path, scenario, ranks, why):
+def test_bf16_and_zero1_are_refused_moves_in_one_line_and_train_as_deepspeed_alone(tmp_path, scenario, ranks,
+                                                                                   why):
     result = _run(tmp_path, scenario, ranks)
     _assert_as_deepspeed_alone(result)
     assert result["moves_off"].startswith(why)
@@ -106,7 +113,8 @@ def test_bf16_and_zero1_are_refused_moves_in_one_line_and_train_as_deepspeed_alo
 
 def test_a_grid_with_a_model_axis_is_refused_moves_in_one_line(tmp_path):
     result = _run(tmp_path, "model_parallel", 4)
-    assert result["moves_off"].startswith("DeepSpeed tensor model parallelism (2 ranks on the grid's model axis)")
+    assert result["moves_off"].startswith("DeepSpeed tensor model parallelism (2 ranks on "
+                                          "the grid's model axis)")
     assert sorted(r["rank"] for r in _events(result, "moves_off")) == [0, 1, 2, 3]
 
 

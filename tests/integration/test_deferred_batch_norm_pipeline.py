@@ -1,5 +1,5 @@
-"""``deferred_batch_norm=True`` on a real 2-rank GPipe pipeline: every BatchNorm's running statistics are those
-of one process training the whole model on the same batches, one update per step, blocks moved or not.
+"""``deferred_batch_norm=True`` on a real 2-rank GPipe pipeline: every BatchNorm's running statistics are
+those of one process training the whole model on the same batches, one update per step, blocks moved or not.
 
 ``tests/workers/norm_worker.py`` trains 8 BatchNorm blocks (momentum 0.1 and None, affine and not) split 6,2
 for 8 steps of 4 micro-batches, and the reference in one process. Parameters: the pipeline computes what the
@@ -70,9 +70,10 @@ def test_under_pipedream_each_step_commits_once_as_the_schedule_without_vpipe_wo
 
 
 def test_blocks_streamed_mid_step_under_pipedream_take_one_update_per_step(tmp_path):
-    """A streamed move switches at a micro-batch inside a step: the block's accumulators go with its state at the
-    hand-over, the sender's part makes its own update (an earlier mini-batch's), the receiver's joins this
-    step's. (A moved layer runs on another stage's weight versions, so there is no statistic to compare.)"""
+    """A streamed move switches at a micro-batch inside a step: the block's accumulators go with
+    its state at the hand-over, the sender's part makes its own update (an earlier
+    mini-batch's), the receiver's joins this step's. (A moved layer runs on another stage's
+    weight versions, so there is no statistic to compare.)"""
     result = run_norms(tmp_path, "pipedream_moves")
     assert result["placement"] == [[0, 1, 2, 3, 4], [5, 6, 7]]
     assert [result["vpipe"][f"layers.{i}.bn.num_batches_tracked"] for i in range(8)] == [STEPS] * 8
@@ -82,30 +83,34 @@ def test_blocks_streamed_mid_step_under_pipedream_take_one_update_per_step(tmp_p
 
 
 def test_attached_after_a_step_under_pipedream_the_stashed_versions_pin_nothing(tmp_path):
-    """Stage 0 holds stashed weight versions when vpipe attaches mid-stream: dicts of tensor copies keyed by its
-    parameter names, which the scan for a trainer's weight averages took for an EMA and pinned every block.
-    They are the schedule's own (its engine names them): the blocks move as when attached at the start, and a
-    plan's switch counts the micro-batches the stream ran before attach (it asked for one already run)."""
+    """Stage 0 holds stashed weight versions when vpipe attaches mid-stream: dicts of tensor
+    copies keyed by its parameter names, which the scan for a trainer's weight averages took for
+    an EMA and pinned every block. They are the schedule's own (its engine names them): the
+    blocks move as when attached at the start, and a plan's switch counts the micro-batches the
+    stream ran before attach (it asked for one already run)."""
     result = run_norms(tmp_path, "pipedream_moves_late")
     assert result["stashed_at_attach"][0] >= 1
     assert not [r for r in result["log"] if r.get("event") == "moves_off"]
-    assert result["placement"] == [[0, 1, 2, 3, 4], [5, 6, 7]]  # a switch before attach's first step: an error
+    # a switch before attach's first step: an error
+    assert result["placement"] == [[0, 1, 2, 3, 4], [5, 6, 7]]
     # the step before attach ran torch's BatchNorm (4 micro-batches and shape inference's forward), then one
     # update per step, moved blocks included
-    assert [result["vpipe"][f"layers.{i}.bn.num_batches_tracked"] for i in range(8)] == [4 + 1 + STEPS - 1] * 8
+    assert [result["vpipe"][f"layers.{i}.bn.num_batches_tracked"]
+            for i in range(8)] == [4 + 1 + STEPS - 1] * 8
 
 
 def test_torchs_own_batchnorm_streamed_mid_step_under_pipedream_loads_without_failing_a_backward(tmp_path):
-    """Without deferral: the hand-over loads the sender's running statistics into a copy whose backwards are still
-    to come, and they saved its old ones; copying into those in place failed them ("modified by an inplace
-    operation", found while testing deferral). The buffers are replaced instead, and training goes on.
+    """Without deferral: the hand-over loads the sender's running statistics into a copy whose backwards are
+    still to come, and they saved its old ones; copying into those in place failed them ("modified by an
+    inplace operation", found while testing deferral). The buffers are replaced instead, and training goes on.
 
     What is compared: the updates each block's statistics took, and that the weights stay finite. Not the
-    statistics' values: torch's shape inference runs the second stage's forward once on ``torch.empty`` inputs at
-    the first step, in both copies, and its BatchNorms average whatever that memory held (NaN, 1e23 or small
-    values, run to run, vpipe attached or not: CI saw each copy overflow while the other did not). A streamed
-    block's statistics lose the updates its new stage's forwards made before the hand-over loaded the sender's
-    (docs/stage-shapes.md): one or two per hand-over here, where ``deferred_batch_norm=True`` merges them
+    statistics' values: torch's shape inference runs the second stage's forward once on ``torch.empty``
+    inputs at the first step, in both copies, and its BatchNorms average whatever that memory held (NaN,
+    1e23 or small values, run to run, vpipe attached or not: CI saw each copy overflow while the other did
+    not). A streamed block's statistics lose the updates its new stage's forwards made before the hand-over
+    loaded the sender's (docs/stage-shapes.md): one or two per hand-over here, where
+    ``deferred_batch_norm=True`` merges them
     (:func:`test_blocks_streamed_mid_step_under_pipedream_take_one_update_per_step`)."""
     result = run_norms(tmp_path, "pipedream_moves_plain")
     assert result["placement"] == [[0, 1, 2, 3, 4], [5, 6, 7]]

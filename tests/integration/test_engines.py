@@ -12,7 +12,8 @@ from vpipe.log import read_log
 
 def _run(tmp_path, scenario: str) -> tuple[dict, list[dict]]:
     out = tmp_path / f"{scenario}.json"
-    run_ranks([str(WORKERS / "engine_worker.py"), scenario, str(out)], 2, tmp_path / f"{scenario}.txt", child_env())
+    run_ranks([str(WORKERS / "engine_worker.py"), scenario, str(out)], 2, tmp_path / f"{scenario}.txt",
+              child_env())
     return json.loads(out.read_text()), read_log(out.with_suffix(".log"))
 
 

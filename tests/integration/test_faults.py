@@ -2,9 +2,10 @@
 
 Covered elsewhere (not repeated here):
 - a rank killed from outside by SIGKILL: ``test_launch.py::test_dead_rank_ends_every_rank_with_its_name``;
-- the planner daemon killed, training finishing on the current plan and a new daemon
-  re-attaching: ``test_control_run.py::test_killed_planner_is_reported_training_finishes_and_a_restarted_one_resumes``
-  (and in-process ``test_control_agent.py::test_lost_planner_is_reported_and_a_new_one_attaches_and_gets_the_backlog``);
+- the planner daemon killed, training finishing on the current plan and a new daemon re-attaching:
+  ``test_control_run.py::test_killed_planner_is_reported_training_finishes_and_a_restarted_one_resumes`` (and
+  in-process
+  ``test_control_agent.py::test_lost_planner_is_reported_and_a_new_one_attaches_and_gets_the_backlog``);
 - a neighbour that never answers during a migration (rollback on both sides, parameters
   equal to the reference) or dies in it: ``test_migration_faults.py``.
 """
@@ -45,8 +46,8 @@ def test_a_stage_killed_mid_step_stops_every_rank_and_the_last_checkpoint_resume
     for rank in (0, 1, 3):
         lines = rank_lines(proc.stderr, rank)
         assert lines and "rank 2 stopped answering (dead or hung)" in lines[-1], proc.stderr[-3000:]
-    # the checkpoints before the kill are sealed and whole; nothing of step 5 or later was sealed
-    # (the lock file rank 0 held on the directory stays, as test_checkpoint.py shows; its flock died with the run)
+    # the checkpoints before the kill are sealed and whole; nothing of step 5 or later was sealed (the lock
+    # file rank 0 held on the directory stays, as test_checkpoint.py shows; its flock died with the run)
     assert sorted(p.name for p in ck.iterdir()) == [".vpipe-lock", "step-00000002", "step-00000004"]
     last = load_checkpoint(find_latest(ck))  # verifies every shard's sha256
     assert last.step == 4 and last.num_stages == 4
@@ -54,7 +55,8 @@ def test_a_stage_killed_mid_step_stops_every_rank_and_the_last_checkpoint_resume
     resumed = run_vpipe("train", *SMALL, "--stages", "2", "--steps", "6", "--resume", str(ck),
                         "--out-dir", str(tmp_path / "out"))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    cfg = RunConfig(stages=2, steps=6, blocks=4, d_model=32, n_heads=2, seq_len=16, micro_batch_size=2, dropout=0.0)
+    cfg = RunConfig(stages=2, steps=6, blocks=4, d_model=32, n_heads=2, seq_len=16, micro_batch_size=2,
+                    dropout=0.0)
     assert_params_equal(load_run_params(tmp_path / "out", 2), reference_flush(cfg)[0])
 
 
@@ -65,8 +67,11 @@ def test_a_budget_that_cannot_hold_one_layer_names_the_layer_and_sizes():
     assert proc.returncode == 1
     message = ("MemoryBudgetError: layer 1 needs 69.5 KiB of saved activations even fully recomputed "
                "> budget 67.0 KiB")
-    assert rank_lines(proc.stderr, 0)[-1] == f"vpipe [rank 0]: rank 0 failed: {message}: a recompute " \
-        "materialises them all at once; raise the stage's budget, use smaller micro-batches, or split the layer"
+    assert (
+        rank_lines(proc.stderr, 0)[-1] == f"vpipe [rank 0]: rank 0 failed: {message}: a recompute "
+        "materialises them all at once; raise the stage's budget, use smaller micro-batches, "
+        "or split the layer"
+    )
     assert f"stopping because rank 0 failed: {message}" in rank_lines(proc.stderr, 1)[-1]
     assert "rank 0 exited first with code 1" in proc.stderr
 
@@ -76,7 +81,8 @@ def test_a_budget_below_the_weights_is_refused_at_attach():
                      "--memory-budget", "300KiB", env=child_env(VPIPE_HEARTBEAT_TIMEOUT="5"), timeout=180)
     assert proc.returncode == 1
     assert rank_lines(proc.stderr, 0)[-1] == (
-        "vpipe [rank 0]: rank 0 failed: MemoryBudgetError: stage 0: parameters, gradients, optimizer state and "
+        "vpipe [rank 0]: rank 0 failed: MemoryBudgetError: stage 0: parameters, gradients, "
+        "optimizer state and "
         "stashed weight versions take 545792 bytes, the memory budget is 307200 bytes")
 
 
@@ -94,7 +100,8 @@ def attach_outcome(tmp_path, mode: str) -> dict:
 ], ids=["host-pool", "budget"])
 def test_an_impossible_memory_limit_fails_the_step_before_any_damage(tmp_path, mode, error):
     got = attach_outcome(tmp_path, mode)
-    assert re.match(error, got["error"]), got["error"]  # vpipe's error, not torch's "[Stage 0] failed to run forward"
+    # vpipe's error, not torch's "[Stage 0] failed to run forward"
+    assert re.match(error, got["error"]), got["error"]
     assert got["params_unchanged"] and got["optimizer_state_empty"]
     assert got["trains_afterwards"]  # detached, the same trainer trains normally
 

@@ -69,11 +69,13 @@ def test_draws_keep_their_constraints():
         if d.block_state == "tied":  # the tied pair starts on one stage
             assert any(set(d.pinned) <= set(ids) for ids in stage_blocks(d.counts))
         assert bool(d.pinned) == (d.block_state in ("tied", "hook"))
-        assert not (d.clip == "global" and (d.block_state == "batchnorm" or d.shape == "mixed" or d.extra == "muon"))
+        assert not (d.clip == "global" and (d.block_state == "batchnorm" or d.shape == "mixed"
+                                            or d.extra == "muon"))
         assert d.compiled == "none" or not d.fsdp
         assert (d.scaler == "skips") == bool(d.inf_steps) and not (d.inf_steps and d.fsdp)
         assert all(0 <= s < d.steps for s in d.inf_steps) and len(d.inf_steps) <= 2
-        if d.schedule in PIPEDREAM:  # the schedule owns the optimizer steps; PipeDream's own delay depends on the split
+        # the schedule owns the optimizer steps; PipeDream's own delay depends on the split
+        if d.schedule in PIPEDREAM:
             assert d.accum == 1 and d.clip == d.lr_scheduler == d.scaler == d.extra == "none" and d.ranks == 2
             assert not d.nas_add and not d.nas_remove and d.block_state != "batchnorm" and d.moves == "forced"
             assert not d.plans if d.schedule == "pipedream" else 1 <= len(d.plans) <= 2
@@ -103,7 +105,8 @@ def test_a_sample_of_draws_trains_like_the_same_trainer_without_vpipe(tmp_path: 
     assert [r["seed"] for r in records] == SAMPLE
     bad = [r for r in records if r["outcome"] not in ("identical", "close", "refused")]
     assert not bad, "\n".join(
-        f"{r['outcome']} {r['signature']}\n  {r['describe']}\n  first differing step {r.get('first_diff_step')}, "
+        f"{r['outcome']} {r['signature']}\n  {r['describe']}\n  first differing step "
+        f"{r.get('first_diff_step')}, "
         f"state {r.get('first_state_keys') or r.get('differing')}\n  {(r.get('error') or '')[-600:]}\n"
         f"  reproduce: python tests/fuzz/run.py --only {r['seed']}" for r in bad)
     assert sum(r["moves"] for r in records) >= len(SAMPLE)  # blocks did move

@@ -43,7 +43,8 @@ def test_train_pipedream_four_stages_trains_like_weight_stashing(tmp_path):
 
 
 def test_demo_runs_static_and_vpipe_through_both_edits(tmp_path):
-    proc = run_vpipe("demo", "--steps", "12", "--add-step", "3", "--remove-step", "7", "--log-dir", str(tmp_path),
+    proc = run_vpipe("demo", "--steps", "12", "--add-step", "3", "--remove-step", "7", "--log-dir",
+                     str(tmp_path),
                      timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = " ".join(proc.stdout.split())
@@ -67,7 +68,8 @@ def test_bad_arguments_fail_before_any_rank_starts():
 
 
 def test_rank_env_reads_torchrun_variables():
-    env = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500",
+    env = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "10.0.0.1",
+           "MASTER_PORT": "29500",
            "TORCHELASTIC_USE_AGENT_STORE": "True"}
     got = rank_env(env)
     assert ((got.rank, got.world_size, got.master_addr, got.master_port, got.agent_store)
@@ -83,7 +85,8 @@ def test_rank_env_reads_torchrun_variables():
 def test_torchrun_launch_trains_like_one_process(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "vpipe_lab", "train", "--stages", "2", "--steps", "2", "--dropout", "0", "--out-dir", str(tmp_path),
+         "-m", "vpipe_lab", "train", "--stages", "2", "--steps", "2", "--dropout", "0", "--out-dir",
+         str(tmp_path),
          "--no-progress"],
         cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=240,
     )
@@ -107,7 +110,8 @@ def test_dead_rank_ends_every_rank_with_its_name(tmp_path):
     launcher = subprocess.Popen(
         [sys.executable, "-m", "vpipe_lab", "train", "--stages", "4", "--steps", "100000", "--no-progress",
          "--log-file", str(log_file)],
-        cwd=ROOT, env=child_env(VPIPE_HEARTBEAT_TIMEOUT="5"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=ROOT, env=child_env(VPIPE_HEARTBEAT_TIMEOUT="5"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True,
     )
     try:
         wait_while_running(lambda: ranks_training(log_file) == 4, 120, "every rank training", launcher)
@@ -148,7 +152,10 @@ def test_a_stopped_rank_is_named_and_the_run_ends_within_the_heartbeat_timeout(t
         if launcher.poll() is None:
             launcher.kill()
     assert launcher.returncode != 0
-    assert elapsed < 4 + 8, f"the run took {elapsed:.0f} s to end after rank 1 stopped"  # timeout + a few seconds
+    # timeout + a few seconds
+    assert elapsed < 4 + 8, f"the run took {elapsed:.0f} s to end after rank 1 stopped"
     last = stderr.strip().splitlines()[-1]
-    assert last.startswith("vpipe: run failed; rank 1 stopped answering (dead or hung): no heartbeat for "), stderr
+    assert last.startswith("vpipe: run failed; rank 1 stopped answering (dead or hung): no heartbeat for "), (
+        stderr
+    )
     assert "so it was ended" in last and "rank 0 exited first" not in stderr

@@ -53,7 +53,8 @@ def test_runnable_sampler_counts_busy_threads_outside_the_tree_only():
     busy = [subprocess.Popen(BUSY) for _ in range(2)]
     try:
         time.sleep(0.5)
-        seen_from_elsewhere, seen_from_its_tree = _outside_threads(idle.pid, os.getpid())  # busy: our children
+        # busy: our children
+        seen_from_elsewhere, seen_from_its_tree = _outside_threads(idle.pid, os.getpid())
     finally:
         for p in (idle, *busy):
             p.kill()
@@ -63,7 +64,8 @@ def test_runnable_sampler_counts_busy_threads_outside_the_tree_only():
 
 def test_bad_heartbeat_timeout_is_named_before_any_rank_starts():
     cfg = RunConfig(stages=2, steps=3, blocks=2, d_model=32, progress=False)
-    with pytest.raises(ValueError, match=r"VPIPE_HEARTBEAT_TIMEOUT must be a number of seconds above 1, got 'abc'"):
+    with pytest.raises(ValueError,
+                       match=r"VPIPE_HEARTBEAT_TIMEOUT must be a number of seconds above 1, got 'abc'"):
         run_training(cfg, extra_env={"VPIPE_HEARTBEAT_TIMEOUT": "abc"})
     assert heartbeat_timeout_from_env({}) == 10.0
     for bad in ("0", "1", "nan", "inf", "-3"):

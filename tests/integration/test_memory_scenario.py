@@ -1,4 +1,5 @@
-"""A per-stage budget that plain 1F1B overflows on stage 0: with vpipe the same run fits, and trains the same."""
+"""A per-stage budget that plain 1F1B overflows on stage 0: with
+vpipe the same run fits, and trains the same."""
 
 from __future__ import annotations
 
@@ -40,7 +41,8 @@ def test_a_budget_the_plain_schedule_just_fits_is_held_by_vpipe():
     """vpipe's projection is never more cautious than the schedule's own footprint (no backward reserve while
     every layer is kept): a budget with not a byte to spare for the plain schedule fits under vpipe too."""
     for model in ("cnn", "transformer"):
-        cfg = RunConfig(model=model, stages=2, schedule="1f1b", blocks=4, d_model=64, seq_len=32, micro_batches=4,
+        cfg = RunConfig(model=model, stages=2, schedule="1f1b", blocks=4, d_model=64, seq_len=32,
+                        micro_batches=4,
                         micro_batch_size=4)
         plain = pipeline_fit(cfg, 1 << 62, managed=False)
         budget = max(s.footprint_bytes for s in plain.stages)  # the fullest stage fits exactly

@@ -26,7 +26,8 @@ def _replica_params(ranks: list[dict], copy: str) -> dict[int, dict[str, torch.T
     """Each replica's whole model (its ranks' state dicts merged by global key)."""
     merged: dict[int, dict[str, torch.Tensor]] = {}
     for r in ranks:
-        merged.setdefault(r["coords"]["dp"], {}).update({k: torch.tensor(v) for k, v in r["states"][copy].items()})
+        merged.setdefault(r["coords"]["dp"], {}).update({k: torch.tensor(v)
+                                                         for k, v in r["states"][copy].items()})
     return merged
 
 
@@ -49,7 +50,9 @@ def test_replicas_of_a_pipeline_move_blocks_alike_and_train_as_without_vpipe(tmp
 
 
 @pytest.mark.slow
-def test_interleaved_1f1b_with_two_stages_per_rank_attaches_inside_a_mesh_and_trains_as_without_vpipe(tmp_path):
+def test_interleaved_1f1b_with_two_stages_per_rank_attaches_inside_a_mesh_and_trains_as_without_vpipe(
+    tmp_path,
+):
     """Moves are optional here (the planner may or may not find one worth it in the steps run): replicas still
     hold one placement at every step and train exactly as the plain run."""
     ranks = run_worker(tmp_path, "mesh_worker", "interleaved", 4)["ranks"]
@@ -76,12 +79,14 @@ def _assert_as_without_vpipe(ranks: list[dict]) -> None:
 def test_sharding_across_stages_and_replicate_on_a_stage_module_are_refused_saying_what_to_do(tmp_path):
     result = run_worker(tmp_path, "mesh_worker", "refusals", 4)
     assert result["across"].startswith("TypeError: vpipe.attach: stage ")
-    assert ("DTensor parameter(s) layers.0.linear1.weight are placed on a mesh that holds other ranks of this "
+    assert ("DTensor parameter(s) layers.0.linear1.weight are placed on a mesh that holds "
+            "other ranks of this "
             "pipeline") in result["across"]
     # Shard(0) like FSDP2's, but no FSDP2 state holds them: tensor-parallel, and welcome
     assert result["colwise"] == "attached"
     assert result["found"]["colwise"] == ["linear1.weight", "linear1.bias"]
-    assert result["replicate"].startswith("TypeError: vpipe.attach does not support a stage module wrapped in "
+    assert result["replicate"].startswith("TypeError: vpipe.attach does not support a "
+                                          "stage module wrapped in "
                                           "replicate(): ")
     assert "all-reduce its gradients over the data-parallel group after schedule.step() yourself" in \
         result["replicate"]

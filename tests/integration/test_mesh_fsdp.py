@@ -41,9 +41,9 @@ def test_fsdp2_stages_move_sharded_blocks_and_train_as_without_vpipe(tmp_path):
 
 
 def test_interleaved_1f1b_with_fsdp2_and_an_optimizer_per_model_part_trains_as_without_vpipe(tmp_path):
-    """Two stages per rank, each fully_shard-ed, one AdamW per model part in torchtitan's container. The planner
-    may or may not move blocks in the steps run; a forced plan moves two (one each way between the ranks), and
-    each arrives in the optimizer of the stage it lands on."""
+    """Two stages per rank, each fully_shard-ed, one AdamW per model part in torchtitan's container. The
+    planner may or may not move blocks in the steps run; a forced plan moves two (one each way between the
+    ranks), and each arrives in the optimizer of the stage it lands on."""
     ranks = run_worker(tmp_path, "fsdp_worker", "fsdp_interleaved", 4)["ranks"]
     placements = [r["placements"] for r in ranks]
     assert all(p == placements[0] for p in placements)

@@ -22,7 +22,8 @@ MOVES = {
     ("transformer", 4): [{"step": 3, "partition": [1, 1, 1, 5]},  # several layers at once, some two hops
                          {"step": 6, "partition": [4, 2, 1, 1]},  # the other direction, two hops again
                          {"step": 9, "partition": [2, 2, 2, 2]}],
-    ("cnn", 2): [{"step": 3, "partition": [5, 2]}, {"step": 6, "partition": [2, 5]}],  # boundary shapes change
+    # boundary shapes change
+    ("cnn", 2): [{"step": 3, "partition": [5, 2]}, {"step": 6, "partition": [2, 5]}],
     ("cnn", 4): [{"step": 3, "partition": [1, 1, 1, 4]}, {"step": 8, "partition": [2, 2, 2, 1]}],
 }
 
@@ -33,7 +34,8 @@ def _args(cfg: RunConfig, out_dir, log_file) -> list[str]:
             "--steps", str(cfg.steps), "--micro-batches", str(cfg.micro_batches),
             "--micro-batch-size", str(cfg.micro_batch_size), "--dropout", "0", "--blocks", str(cfg.blocks),
             "--d-model", str(cfg.d_model), "--n-heads", str(cfg.n_heads), "--seq-len", str(cfg.seq_len),
-            "--out-dir", str(out_dir), "--log-file", str(log_file), "--no-progress", "--vpipe", "--no-planning"]
+            "--out-dir", str(out_dir), "--log-file", str(log_file), "--no-progress", "--vpipe",
+            "--no-planning"]
     if moves:
         args += ["--moves", moves]
     if cfg.vertical_sync:
@@ -47,14 +49,16 @@ def _run(cfg: RunConfig, tmp_path):
     out = tmp_path / "out"
     final = [json.loads((out / f"rank{r}.json").read_text())["layer_ids"] for r in range(cfg.stages)]
     _run.traces = [json.loads((out / f"rank{r}.json").read_text()).get("trace") for r in range(cfg.stages)]
-    return load_run_params(out, cfg.stages), load_run_optimizer(out, cfg.stages), final, read_log(tmp_path / "run.log")
+    return (load_run_params(out, cfg.stages), load_run_optimizer(out, cfg.stages), final,
+            read_log(tmp_path / "run.log"))
 
 
 def _expected_stages(cfg: RunConfig) -> list[list[int]]:
     return cfg.stage_layer_ids(cfg.steps)
 
 
-# the 4-stage moves run in CI's slow run (4 ranks on 2 cores); the streamed 4-stage moves below stay in the default
+# the 4-stage moves run in CI's slow run (4 ranks on 2 cores); the
+# streamed 4-stage moves below stay in the default
 @pytest.mark.parametrize("model,stages", [key if key[1] == 2 else pytest.param(*key, marks=pytest.mark.slow)
                                           for key in sorted(MOVES)])
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

@@ -37,7 +37,8 @@ def _gone(pid: int) -> bool:
         return True
 
 
-def _stop_to_exit(pids: Path, running: threading.Event | subprocess.Popen, limit_s: float, stops: int = 1) -> float:
+def _stop_to_exit(pids: Path, running: threading.Event | subprocess.Popen, limit_s: float,
+                  stops: int = 1) -> float:
     """Seconds from rank ``stops`` stopping to the other rank exiting (the stopped one is then killed, as its
     launcher would later)."""
     deadline = time.monotonic() + limit_s
@@ -54,7 +55,8 @@ def _stop_to_exit(pids: Path, running: threading.Event | subprocess.Popen, limit
         ended = running.is_set() if isinstance(running, threading.Event) else running.poll() is not None
         assert not ended, f"the run ended before rank {stops} stopped mid-move"
         time.sleep(0.05)
-    raise AssertionError(f"rank {stops} never stopped, or rank {1 - stops} was still running {limit_s:.0f} s later")
+    raise AssertionError(f"rank {stops} never stopped, or rank {1 - stops} was still running "
+                         f"{limit_s:.0f} s later")
 
 
 def test_a_rank_stopped_mid_move_is_named_and_the_other_exits_within_the_timeout(tmp_path):
@@ -67,8 +69,10 @@ def test_a_rank_stopped_mid_move_is_named_and_the_other_exits_within_the_timeout
 
     def run() -> None:
         with out.open("w") as sink:
-            codes.append(spawn([sys.executable, str(WORKERS / "hang_worker.py"), str(timeout_s), str(pids)], 2,
-                               extra_env=env, timeout_s=120, stdout=sink, stderr=sink, starter=warm_starter()))
+            codes.append(spawn([sys.executable, str(WORKERS / "hang_worker.py"), str(timeout_s), str(pids)],
+                               2,
+                               extra_env=env, timeout_s=120, stdout=sink, stderr=sink,
+                               starter=warm_starter()))
         done.set()
 
     launcher = threading.Thread(target=run, daemon=True)
@@ -110,8 +114,10 @@ def test_a_stopped_rank_that_hosts_the_store_still_lets_the_other_exit(tmp_path)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = child_env(VPIPE_FAULTS="migration_stop@0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2")
-    ranks = [subprocess.Popen([sys.executable, str(WORKERS / "hang_worker.py"), str(timeout_s), str(pids), "0"],
+    env = child_env(VPIPE_FAULTS="migration_stop@0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                    WORLD_SIZE="2")
+    ranks = [subprocess.Popen([sys.executable, str(WORKERS / "hang_worker.py"), str(timeout_s), str(pids),
+                               "0"],
                               cwd=ROOT, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for r in range(2)]
     try:
@@ -123,7 +129,8 @@ def test_a_stopped_rank_that_hosts_the_store_still_lets_the_other_exit(tmp_path)
                 rank.kill()
             rank.communicate()
     assert ranks[1].returncode != 0
-    assert elapsed < timeout_s + 15, said[-3000:]  # the store asked 2 s, the keys 2 s, the last stage's stats 5 s
+    # the store asked 2 s, the keys 2 s, the last stage's stats 5 s
+    assert elapsed < timeout_s + 15, said[-3000:]
     assert "the move of epoch 1 (round 0) failed after at most" in said, said[-3000:]
     assert "the store did not say who is missing" in said, said[-3000:]
     print(f"rank 1 exited {elapsed:.1f} s after rank 0, the store's host, stopped (timeout {timeout_s} s)")

@@ -139,7 +139,8 @@ class Watch:
     def _note_family(self, agent: int) -> None:
         self.family[agent] = "agent"
         try:
-            for child in psutil.Process(agent).children(recursive=True):  # ranks, and the daemon rank 1 starts
+            # ranks, and the daemon rank 1 starts
+            for child in psutil.Process(agent).children(recursive=True):
                 self.family[child.pid] = "vpipe"
         except psutil.NoSuchProcess:
             pass
@@ -151,7 +152,8 @@ def launch(host: Host, node_rank: int, master: Host, env: dict[str, str], out: P
     argv = ["ip", "netns", "exec", host.namespace, sys.executable, "-m", "torch.distributed.run",
             "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node_rank),
             "--master-addr", master.address, "--master-port", str(MASTER_PORT),
-            "-m", "vpipe_lab", "train", "--stages", "2", "--steps", str(CFG.steps), "--blocks", str(CFG.blocks),
+            "-m", "vpipe_lab", "train", "--stages", "2", "--steps", str(CFG.steps), "--blocks",
+            str(CFG.blocks),
             "--d-model", str(CFG.d_model), "--n-heads", str(CFG.n_heads), "--seq-len", str(CFG.seq_len),
             "--micro-batches", str(CFG.micro_batches), "--micro-batch-size", str(CFG.micro_batch_size),
             "--dropout", "0", "--monitor-every", str(CFG.monitor_every), "--planner", MARKER,

@@ -1,11 +1,11 @@
 """The schedules with several stages per rank, under vpipe: torch's five, with 2 virtual stages per rank.
 
-Each case runs tests/workers/multistage_worker.py (the examples/train_multistage.py trainer, torchtitan
-style: one chunk per virtual stage, one optimizer) on real ranks started by the lab's spawner
-(torchrun's environment; test_launch.py and test_stage_shapes.py cover torchrun itself), without vpipe and with it,
-and compares the losses: bitwise when vpipe keeps everything or swaps or recomputes every
-block, to rounding when policies and moves are forced mid-run (a move across ranks, and on
-the V-shaped schedules one between the two stages of a rank).
+Each case runs tests/workers/multistage_worker.py (the examples/train_multistage.py trainer,
+torchtitan style: one chunk per virtual stage, one optimizer) on real ranks started by the lab's
+spawner (torchrun's environment; test_launch.py and test_stage_shapes.py cover torchrun itself),
+without vpipe and with it, and compares the losses: bitwise when vpipe keeps everything or swaps or
+recomputes every block, to rounding when policies and moves are forced mid-run (a move across ranks,
+and on the V-shaped schedules one between the two stages of a rank).
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ def multistage_run(tmp_path_factory):
 def _run(tmp_path_factory, schedule: str, partition: str, scenario: str, ranks: int, steps: int) -> dict:
     tmp = tmp_path_factory.mktemp(f"{schedule}-{scenario}")
     out, log_file = tmp / "run", tmp / "vpipe.log"
-    run_ranks([str(WORKERS / "multistage_worker.py"), schedule, partition, scenario, str(out), str(steps)], ranks,
+    run_ranks([str(WORKERS / "multistage_worker.py"), schedule, partition, scenario, str(out), str(steps)],
+              ranks,
               tmp / "output.txt", child_env(VPIPE_LOG_FILE=str(log_file)))
     results = [json.loads((tmp / f"run.rank{r}.json").read_text()) for r in range(ranks)]
     states = [torch.load(tmp / f"run.rank{r}.pt", weights_only=True) for r in range(ranks)]
@@ -54,7 +55,8 @@ def _close(got: list[list[float]], want: list[list[float]], rtol: float) -> None
 
 
 # two schedules in the default suite (one looped, one V); the other three in CI's slow run
-@pytest.mark.parametrize("schedule", [s if s in ("interleaved1f1b", "zbv") else pytest.param(s, marks=pytest.mark.slow)
+@pytest.mark.parametrize("schedule", [s if s in ("interleaved1f1b", "zbv")
+                                      else pytest.param(s, marks=pytest.mark.slow)
                                       for s in SCHEDULES])
 def test_kept_swapped_and_recomputed_blocks_train_bitwise_like_the_schedule_alone(multistage_run, schedule):
     plain = multistage_run(schedule, "2,2,2,2", "plain")
@@ -106,6 +108,7 @@ def test_the_one_line_rebalances_an_uneven_v_shaped_split(multistage_run):
     applied = [r for r in planned["log"] if r.get("event") == "plan_applied"]
     moved = [r for r in planned["log"] if r.get("event") == "migration_done" and r.get("moved")]
     assert applied and moved
-    back = len({r["epoch"] for r in moved}) >= 2  # moved, then back (the judge or the planner, on 2 shared cores)
+    # moved, then back (the judge or the planner, on 2 shared cores)
+    back = len({r["epoch"] for r in moved}) >= 2
     assert [len(s) for s in planned["ranks"][0]["placement"]] != [5, 1, 1, 1] or back
     _close(planned["losses"], plain["losses"], rtol=1e-6)

@@ -1,4 +1,5 @@
-"""`vpipe train` with several virtual stages per rank trains exactly like one process running the same micro-batches.
+"""`vpipe train` with several virtual stages per rank trains exactly
+like one process running the same micro-batches.
 
 Every case is a real run through the CLI (gloo, 2 ranks x 2 virtual stages unless said
 otherwise) compared with :func:`reference_flush`: without vpipe, with vpipe swapping or
@@ -33,7 +34,8 @@ def _args(cfg: RunConfig, out_dir, log_file) -> list[str]:
     args = ["train", "--schedule", cfg.schedule, "--stages", str(cfg.stages), "--steps", str(cfg.steps),
             "--micro-batches", str(cfg.micro_batches), "--micro-batch-size", str(cfg.micro_batch_size),
             "--dropout", "0", "--blocks", str(cfg.blocks), "--d-model", str(cfg.d_model), "--n-heads",
-            str(cfg.n_heads), "--seq-len", str(cfg.seq_len), "--out-dir", str(out_dir), "--log-file", str(log_file),
+            str(cfg.n_heads), "--seq-len", str(cfg.seq_len), "--out-dir", str(out_dir), "--log-file",
+            str(log_file),
             "--no-progress"]
     if cfg.vpipe:
         args += ["--vpipe", "--no-planning", "--policy", cfg.policy]
@@ -102,7 +104,8 @@ def test_forced_moves_over_virtual_stages_are_transparent(schedule, tmp_path):
 
 
 def test_four_ranks_of_a_v_with_forced_moves(tmp_path):
-    moves = [{"step": 2, "partition": [1, 1, 1, 2, 1, 1, 1, 2]}, {"step": 4, "partition": [2, 1, 1, 1, 1, 1, 1, 2]}]
+    moves = [{"step": 2, "partition": [1, 1, 1, 2, 1, 1, 1, 2]},
+             {"step": 4, "partition": [2, 1, 1, 1, 1, 1, 1, 2]}]
     cfg = RunConfig(schedule="zbv", stages=4, steps=5, vpipe=True, moves=moves, **{**SMALL, "blocks": 8})
     run = _run(cfg, tmp_path)
     assert [r["stages"] for r in run["ranks"]] == [[0, 7], [1, 6], [2, 5], [3, 4]]
@@ -136,7 +139,8 @@ def test_every_virtual_stage_reports_to_the_planner_daemon(tmp_path):
 
     out = tmp_path / "planner.jsonl"
     proc = run_vpipe("train", "--schedule", "zbv", "--stages", "2", "--steps", "6", "--monitor-every", "3",
-                     "--no-progress", "--blocks", "4", "--d-model", "32", "--seq-len", "16", "--planner", MARKER,
+                     "--no-progress", "--blocks", "4", "--d-model", "32", "--seq-len", "16", "--planner",
+                     MARKER,
                      "--log-file", str(tmp_path / "run.log"), env=planner_env(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     vectors = received(out)
@@ -151,16 +155,20 @@ def test_every_virtual_stage_reports_to_the_planner_daemon(tmp_path):
     (["--schedule", "zbv", "--stages-per-rank", "3"],
      "zbv runs exactly 2 stages per rank (a V), got stages_per_rank 3"),
     (["--schedule", "1f1b", "--stages-per-rank", "2"],
-     "1f1b runs one stage per rank; 2 stages per rank need a multi-stage schedule (interleaved1f1b, loopedbfs, "
+     "1f1b runs one stage per rank; 2 stages per rank need a multi-stage schedule "
+     "(interleaved1f1b, loopedbfs, "
      "interleavedzb, zbv, dualpipev, wpipe)"),
     (["--schedule", "loopedbfs", "--stages-per-rank", "1"],
-     "loopedbfs runs several stages per rank: stages_per_rank must be >= 2, got 1 (1f1b runs one stage per rank)"),
+     "loopedbfs runs several stages per rank: stages_per_rank must be >= 2, got 1 (1f1b "
+     "runs one stage per rank)"),
     (["--schedule", "interleaved1f1b", "--vertical-sync"],
      "vertical_sync is a PipeDream option; interleaved1f1b keeps no weight versions"),
     (["--schedule", "interleavedzb", "--micro-batches", "5"],
-     "interleavedzb needs micro_batches to be a multiple of its rounds, max(1, micro_batches // ranks) = 2; got 5 "
+     "interleavedzb needs micro_batches to be a multiple of its rounds, max(1, micro_batches "
+     "// ranks) = 2; got 5 "
      "micro-batches on 2 ranks"),
-    (["--schedule", "dualpipev", "--micro-batches", "3"], "dualpipev needs micro_batches >= its 4 stages, got 3"),
+    (["--schedule", "dualpipev", "--micro-batches", "3"],
+     "dualpipev needs micro_batches >= its 4 stages, got 3"),
     (["--schedule", "zbv", "--partition", "4,2"], "partition has 2 entries for 4 stages (2 ranks x 2)"),
     (["--schedule", "loopedbfs", "--stages", "4", "--blocks", "4"],
      "8 stages (4 ranks x 2) but the model has only 6 layers"),
@@ -173,19 +181,21 @@ def test_bad_layouts_end_with_one_error_line_and_status_2(args, message, capsys)
 
 
 def test_where_plain_interleaved_1f1b_fits_a_budget_vpipe_keeps_every_layer_and_sends_no_plan(tmp_path):
-    """A rank's two stages do not peak at once: plain Interleaved 1F1B fits a budget that the stages' own peaks
-    added up pass. vpipe shares the rank's budget by its real peak, so it keeps every layer too, and the planner
-    finds nothing to fix."""
+    """A rank's two stages do not peak at once: plain Interleaved 1F1B fits a budget that the
+    stages' own peaks added up pass. vpipe shares the rank's budget by its real peak, so it keeps
+    every layer too, and the planner finds nothing to fix."""
     from vpipe_lab.runtime.fit import pipeline_fit
 
-    cfg = RunConfig(model="cnn", schedule="interleaved1f1b", stages=2, steps=6, micro_batches=4, micro_batch_size=16,
+    cfg = RunConfig(model="cnn", schedule="interleaved1f1b", stages=2, steps=6, micro_batches=4,
+                    micro_batch_size=16,
                     partition=[1, 1, 2, 3], vpipe=True)
     plain = pipeline_fit(RunConfig(**{**cfg.to_dict(), "vpipe": False}), 1 << 62, managed=False)
     # 6% over plain's footprint: the first step runs on equal halves and swaps stage 0's block, which then
     # counts its activations summed (12% over what it keeps for this block) until it keeps every layer again
     budget = int(max(rank.footprint_bytes for rank in plain.stages) * 1.06)
     out, log_file = tmp_path / "out", tmp_path / "run.log"
-    proc = run_vpipe("train", "--model", "cnn", "--schedule", "interleaved1f1b", "--stages", "2", "--steps", "6",
+    proc = run_vpipe("train", "--model", "cnn", "--schedule", "interleaved1f1b", "--stages", "2", "--steps",
+                     "6",
                      "--micro-batches", "4", "--micro-batch-size", "16", "--partition", "1,1,2,3", "--vpipe",
                      "--memory-budget", str(budget), "--out-dir", str(out), "--log-file", str(log_file),
                      "--no-progress", timeout=400)

@@ -25,11 +25,13 @@ def test_layer_edits_train_like_the_same_edits_in_one_process(schedule, tmp_path
     cfg = RunConfig(stages=2, schedule=schedule, steps=9, vpipe=True, planning=False, nas=EDITS, **SMALL)
     proc = run_vpipe("train", "--stages", "2", "--schedule", schedule, "--steps", "9", "--blocks", "4",
                      "--d-model", "32", "--n-heads", "2", "--seq-len", "16", "--micro-batch-size", "2",
-                     "--dropout", "0", "--vpipe", "--no-planning", "--nas", json.dumps(EDITS), "--no-progress",
+                     "--dropout", "0", "--vpipe", "--no-planning", "--nas", json.dumps(EDITS),
+                     "--no-progress",
                      "--out-dir", str(tmp_path), "--log-file", str(tmp_path / "run.log"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     final = [json.loads((tmp_path / f"rank{r}.json").read_text())["layer_ids"] for r in range(2)]
-    assert final == [[0, 6, 8, 1, 2], [3, 9, 5]]  # ids are never reused; the new layers joined their neighbours
+    # ids are never reused; the new layers joined their neighbours
+    assert final == [[0, 6, 8, 1, 2], [3, 9, 5]]
     assert_params_equal(load_run_params(tmp_path, 2), reference_flush(cfg)[0])
     events = [r["event"] for r in read_log(tmp_path / "run.log") if r.get("event", "").startswith("layers_")]
     assert events.count("layers_added") == 4 and events.count("layers_removed") == 2  # logged by both ranks
@@ -76,9 +78,11 @@ def test_search_on_a_live_pipeline_repeats_under_its_seed(tmp_path):
     for name in ("a", "b"):
         out = tmp_path / name
         proc = run_vpipe("nas", "--stages", "2", "--blocks", "2", "--d-model", "32", "--n-heads", "2",
-                         "--seq-len", "16", "--micro-batches", "2", "--micro-batch-size", "2", "--dropout", "0",
+                         "--seq-len", "16", "--micro-batches", "2", "--micro-batch-size", "2", "--dropout",
+                         "0",
                          "--population", "2", "--sample", "2", "--cycles", "2", "--steps-per-candidate", "2",
-                         "--seed", "3", "--no-progress", "--out-dir", str(out), "--log-file", str(out / "run.log"))
+                         "--seed", "3", "--no-progress", "--out-dir", str(out), "--log-file",
+                         str(out / "run.log"))
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs.append(json.loads((out / "nas.json").read_text()))
     assert runs[0] == runs[1]

@@ -1,9 +1,11 @@
-"""Links planted where a command writes: at every output file of every command, and on the way to every directory.
+"""Links planted where a command writes: at every output file of every
+command, and on the way to every directory.
 
-Each test plants what another user could: a symbolic link at the name vpipe writes, or a link in place of a
-directory vpipe writes in, in a directory other users can change (``0777``, not sticky) or made by another user
-(``lchown`` to a uid that is not ours). The link's target must be unchanged, and the command must say so in one
-line and exit 2, before it writes anything. Before: ``vpipe nas --out-dir`` (nas.json), ``vpipe plan --model
+Each test plants what another user could: a symbolic link at the name vpipe writes, or a link in
+place of a directory vpipe writes in, in a directory other users can change (``0777``, not sticky)
+or made by another user (``lchown`` to a uid that is not ours). The link's target must be
+unchanged, and the command must say so in one line and exit 2, before it writes anything. Before:
+``vpipe nas --out-dir`` (nas.json), ``vpipe plan --model
 --save-graph``, ``LayerGraph.save``, ``vpipe bench --json``, ``vpipe plot -o`` and ``vpipe trace --png`` wrote
 through the link, and every directory link was followed (files made in the other user's directory).
 """
@@ -28,7 +30,8 @@ TINY = ["--blocks", "2", "--d-model", "16", "--seq-len", "8", "--no-progress"]
 
 @pytest.fixture
 def place(tmp_path):
-    """Where a test plants: ``shared`` (0777) and the victim's file and directory, whose contents must stay."""
+    """Where a test plants: ``shared`` (0777) and the victim's file
+    and directory, whose contents must stay."""
     shared = tmp_path / "shared"
     shared.mkdir()
     shared.chmod(0o777)
@@ -72,7 +75,8 @@ def _fake_benchmarks(tmp_path: Path, monkeypatch) -> None:
 
     scripts = tmp_path / "benchmarks"
     scripts.mkdir()
-    (scripts / "fake.py").write_text("import argparse, json\np = argparse.ArgumentParser()\np.add_argument('--json')\n"
+    (scripts / "fake.py").write_text("import argparse, json\np = "
+                                     "argparse.ArgumentParser()\np.add_argument('--json')\n"
                                      "json.dump({'value': 42}, open(p.parse_args().json, 'w'))\n")
     monkeypatch.setattr(bench, "default_benchmarks_dir", lambda: scripts)
     monkeypatch.setattr(bench, "BENCHMARKS", {"fake": bench.Benchmark("fake", "fake.py", "a fake")})
@@ -97,7 +101,8 @@ OUT_DIR = [("train", "rank0.pt"), ("train", "rank1.json"), ("nas", "nas.json")]
 
 @pytest.mark.parametrize("foreign", [False, True], ids=["shared-directory", "another-users-link"])
 @pytest.mark.parametrize("command", COMMANDS)
-def test_a_link_at_any_output_file_of_a_command_is_refused_in_one_line(place, capsys, monkeypatch, command, foreign):
+def test_a_link_at_any_output_file_of_a_command_is_refused_in_one_line(place, capsys, monkeypatch, command,
+                                                                       foreign):
     argv, name, what = COMMANDS[command]
     holder = place / "shared" if not foreign else place / "mine"
     holder.mkdir(exist_ok=True)
@@ -105,21 +110,28 @@ def test_a_link_at_any_output_file_of_a_command_is_refused_in_one_line(place, ca
     (place / "private").mkdir()
     out = holder / name
     reason = plant(out, place / "victim", foreign=foreign)
-    swap = {"<run>": str(_run_dir(place)), "<log>": str(plotted_log(place / "run.log", steps=4)), "<out>": str(out),
+    swap = {"<run>": str(_run_dir(place)), "<log>": str(plotted_log(place / "run.log", steps=4)),
+            "<out>": str(out),
             "<shared>": str(holder), "<private>": str(place / "private")}
     argv = [swap.get(a, a.replace("<private>", str(place / "private"))) for a in argv]
     said = one_line(argv, capsys)
     prefix = "vpipe plot: " if argv[0] == "plot" else "vpipe: error: "
-    assert said == f"{prefix}{what} {out} is {reason}; vpipe does not write through it: remove it, or name another file"
+    assert (
+        said
+        == f"{prefix}{what} {out} is {reason}; vpipe does not write through it: "
+        "remove it, or name another file"
+    )
     untouched(place)
 
 
 @pytest.mark.parametrize("command, name", OUT_DIR)
-def test_a_link_at_a_file_the_ranks_write_in_out_dir_is_refused_before_any_rank_starts(place, capsys, command, name):
+def test_a_link_at_a_file_the_ranks_write_in_out_dir_is_refused_before_any_rank_starts(place, capsys, command,
+                                                                                       name):
     out = place / "shared"
     reason = plant(out / name, place / "victim")
     assert one_line([command, *TINY, "--steps", "1", "--out-dir", str(out)], capsys) == (
-        f"vpipe: error: out_dir {out}: {out / name} is {reason}; vpipe does not write through it: remove it, or give "
+        f"vpipe: error: out_dir {out}: {out / name} is {reason}; vpipe does not write through "
+        "it: remove it, or give "
         "this run a directory of its own")
     untouched(place)
 
@@ -143,7 +155,8 @@ DIRECTORIES = {  # how a run is given the directory, and what its one line calls
     "--out-dir": (["--out-dir", "<dir>"], {}, "out_dir"),
     "--checkpoint-dir": (["--checkpoint-dir", "<dir>"], {}, "checkpoint_dir"),
     "--log-file's directory": (["--log-file", "<dir>/run.log"], {}, "log file"),
-    "VPIPE_TRACE_DIR": (["--vpipe"], {"VPIPE_TRACE_DIR": "<dir>", "VPIPE_TRACE_STEPS": "1,1"}, "VPIPE_TRACE_DIR"),
+    "VPIPE_TRACE_DIR": (["--vpipe"], {"VPIPE_TRACE_DIR": "<dir>", "VPIPE_TRACE_STEPS": "1,1"},
+                        "VPIPE_TRACE_DIR"),
     "VPIPE_METRICS_DIR": (["--vpipe"], {"VPIPE_METRICS_DIR": "<dir>", "VPIPE_METRICS": "tensorboard"},
                           "VPIPE_METRICS_DIR"),
 }
@@ -151,7 +164,8 @@ DIRECTORIES = {  # how a run is given the directory, and what its one line calls
 
 @pytest.mark.parametrize("foreign", [False, True], ids=["shared-directory", "another-users-link"])
 @pytest.mark.parametrize("given", DIRECTORIES)
-def test_a_directory_that_is_a_planted_link_is_refused_before_any_rank_starts(place, capsys, monkeypatch, given,
+def test_a_directory_that_is_a_planted_link_is_refused_before_any_rank_starts(place, capsys, monkeypatch,
+                                                                              given,
                                                                              foreign):
     flags, env, what = DIRECTORIES[given]
     holder = place / ("shared" if not foreign else "mine")
@@ -163,14 +177,17 @@ def test_a_directory_that_is_a_planted_link_is_refused_before_any_rank_starts(pl
     argv = ["train", *TINY, "--steps", "1", *[f.replace("<dir>", str(link)) for f in flags]]
     named = f"{link}/run.log: {link}" if given.startswith("--log-file") else str(link)
     fix = "remove it, or name another directory"
-    assert one_line(argv, capsys) == f"vpipe: error: {what} {named} is {reason}; vpipe does not write through it: {fix}"
+    assert (
+        one_line(argv, capsys)
+        == f"vpipe: error: {what} {named} is {reason}; vpipe does not write through it: {fix}"
+    )
     untouched(place)
 
 
 def test_the_library_never_makes_a_file_through_a_directory_link(place, tmp_path):
-    """Where the ranks write later (a link planted after the run started): the timeline, a checkpoint, a run log,
-    the metrics' directory and an attach-given trace_dir are refused, and nothing lands in the other user's
-    directory."""
+    """Where the ranks write later (a link planted after the run started): the timeline, a
+    checkpoint, a run log, the metrics' directory and an attach-given trace_dir are
+    refused, and nothing lands in the other user's directory."""
     import torch
 
     from vpipe.checkpoint import save_checkpoint

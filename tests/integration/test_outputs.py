@@ -36,7 +36,8 @@ def _foreign_checkpoint(ck) -> None:
             return [self[k] for k in keys]
 
     module = torch.nn.Sequential(torch.nn.Linear(2, 2))
-    save_checkpoint(ck, 30, module=module, optimizer=None, rank=0, world_size=1, store=Store(), run_id="earlier",
+    save_checkpoint(ck, 30, module=module, optimizer=None, rank=0, world_size=1, store=Store(),
+                    run_id="earlier",
                     vpipe_state={"version": 1, "epoch": 0, "iteration": 30, "stages": [[0]], "policies": {},
                                  "next_layer_id": 1})
 
@@ -47,8 +48,10 @@ def test_a_directory_holding_another_runs_checkpoints_is_refused_at_start_unless
 
     ck = tmp_path / "ck"
     _foreign_checkpoint(ck)
-    assert _refused(["train", "--steps", "15", "--checkpoint-dir", str(ck), "--checkpoint-every", "5"], capsys) == (
-        f"vpipe: error: --checkpoint-dir {ck} holds another run's checkpoints (the newest: step-00000030); give "
+    assert _refused(["train", "--steps", "15", "--checkpoint-dir", str(ck), "--checkpoint-every", "5"],
+                    capsys) == (
+        f"vpipe: error: --checkpoint-dir {ck} holds another run's checkpoints (the newest: "
+        "step-00000030); give "
         f"this run a directory of its own, or --resume {ck} to continue that run")
     assert sorted(p.name for p in ck.glob("step-*")) == ["step-00000030"]
     for resume in (ck, ck / "step-00000030"):  # --resume naming the directory, or one of its checkpoints
@@ -61,14 +64,16 @@ def test_a_planted_lock_link_ends_the_command_before_it_starts(tmp_path, capsys)
     target.write_text(PRECIOUS)
     (ck / ".vpipe-lock").symlink_to(target)
     assert _refused(["train", "--steps", "1", "--checkpoint-dir", str(ck)], capsys) == (
-        f"vpipe: error: --checkpoint-dir {ck}: its lock file {ck / '.vpipe-lock'} is a symbolic link; vpipe never "
+        f"vpipe: error: --checkpoint-dir {ck}: its lock file {ck / '.vpipe-lock'} is a "
+        "symbolic link; vpipe never "
         "writes through one: remove it, or give this run a directory of its own")
     assert target.read_text() == PRECIOUS
 
 
 @pytest.mark.parametrize("variable, enable", [("VPIPE_METRICS_DIR", ("VPIPE_METRICS", "tensorboard")),
                                               ("VPIPE_TRACE_DIR", ("VPIPE_TRACE_STEPS", "2,1"))])
-def test_a_metrics_or_trace_directory_that_is_a_file_is_refused_at_start(tmp_path, capsys, monkeypatch, variable,
+def test_a_metrics_or_trace_directory_that_is_a_file_is_refused_at_start(tmp_path, capsys, monkeypatch,
+                                                                         variable,
                                                                           enable):
     blocker = tmp_path / "file"
     blocker.write_text("")
@@ -78,7 +83,9 @@ def test_a_metrics_or_trace_directory_that_is_a_file_is_refused_at_start(tmp_pat
         f"vpipe: error: {variable} {blocker} is a file, not a directory")
 
 
-def test_checkpoints_and_results_that_cannot_be_written_are_said_once_per_rank_and_training_finishes(tmp_path):
+def test_checkpoints_and_results_that_cannot_be_written_are_said_once_per_rank_and_training_finishes(
+    tmp_path,
+):
     ck, out = tmp_path / "ck", tmp_path / "out"
     ck.mkdir()
     (ck / "step-00000002").write_text("in the way")  # the checkpoint after step 2 cannot be made
@@ -88,12 +95,16 @@ def test_checkpoints_and_results_that_cannot_be_written_are_said_once_per_rank_a
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     said = sorted(line for line in proc.stderr.splitlines() if "cannot write" in line)
     assert said == [
-        f"vpipe [rank 0]: cannot write the checkpoint after step 2 in {ck} (Not a directory); training goes on "
+        f"vpipe [rank 0]: cannot write the checkpoint after step 2 in {ck} (Not a "
+        "directory); training goes on "
         "without checkpoints",
-        f"vpipe [rank 1]: cannot write the checkpoint after step 2 in {ck} (Not a directory); training goes on "
+        f"vpipe [rank 1]: cannot write the checkpoint after step 2 in {ck} (Not a "
+        "directory); training goes on "
         "without checkpoints",
-        f"vpipe [rank 1]: cannot write this rank's results to {out} (Is a directory); training finished without them",
+        f"vpipe [rank 1]: cannot write this rank's results to {out} (Is a directory); training "
+        "finished without them",
     ], proc.stderr[-3000:]
     assert not list(ck.glob("step-00000004"))  # dropped after the failure, on every rank alike
-    assert sorted(p.name for p in out.iterdir()) == [".vpipe-lock", "rank0.json", "rank0.pt", "rank1.json", "rank1.pt"]
+    assert sorted(p.name for p in out.iterdir()) == [".vpipe-lock", "rank0.json", "rank0.pt", "rank1.json",
+                                                     "rank1.pt"]
     assert os.path.isdir(out / "rank1.json")

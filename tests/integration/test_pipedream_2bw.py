@@ -1,7 +1,7 @@
-"""PipeDream-2BW (``vpipe.SchedulePipeDream2BW``) on two real gloo ranks, against its update rule written out by
-hand in one process (support/twobw.py): every stage's weights bit for bit, for SGD and Adam; the weight versions
-a stage holds (the WPipe paper's Table 1: two); vpipe under it changing nothing, blocks streamed between stages
-included; and the lab's ``--schedule pipedream2bw``."""
+"""PipeDream-2BW (``vpipe.SchedulePipeDream2BW``) on two real gloo ranks, against its update rule written
+out by hand in one process (support/twobw.py): every stage's weights bit for bit, for SGD and Adam; the
+weight versions a stage holds (the WPipe paper's Table 1: two); vpipe under it changing nothing, blocks
+streamed between stages included; and the lab's ``--schedule pipedream2bw``."""
 
 from __future__ import annotations
 
@@ -49,8 +49,8 @@ def test_every_stage_holds_two_weight_versions_as_in_the_papers_table_1(runs):
         adam = runs[rank]["adam"]
         assert adam["peak_versions"] == 2  # distinct versions: the period's and the newest
         assert all(len(held) <= 2 for run in ("sgd", "adam") for held in runs[rank][run]["held"])
-    # at the end of step s stage 0 still runs period s on W(s-1) while the live weights are W(s); the last stage
-    # has applied the update of period s and keeps W(s) for period s+1
+    # at the end of step s stage 0 still runs period s on W(s-1) while the live weights are W(s); the last
+    # stage has applied the update of period s and keeps W(s) for period s+1
     assert runs[0]["adam"]["held"] == [[0]] + [[s - 1, s] for s in range(1, PERIODS)]
     assert runs[1]["adam"]["held"] == [[s, s + 1] for s in range(PERIODS)]
     # stashed copies beside the live weights: two buffers where micro-batches of the next period are in flight
@@ -68,8 +68,9 @@ def test_vpipe_under_2bw_trains_bitwise_like_the_schedule_alone(runs):
 
 
 def test_blocks_streamed_both_ways_under_2bw_end_bitwise_as_the_schedule_alone(runs):
-    """2BW runs every stage on one version, so where a block trained does not change it: a run from 3,1 with a
-    block moved to stage 1 at step 2 and back at step 5 (the last) ends as the plain run on 2,2, bit for bit."""
+    """2BW runs every stage on one version, so where a block trained does not change
+    it: a run from 3,1 with a block moved to stage 1 at step 2 and back at step 5
+    (the last) ends as the plain run on 2,2, bit for bit."""
     moved = {k: v for r in range(RANKS) for k, v in runs[r]["moved"]["state"].items()}
     plain = {k: v for r in range(RANKS) for k, v in runs[r]["adam"]["state"].items()}
     assert [runs[0]["moved"]["layers"][s] for s in (1, 2, 4, 5)] == [[0, 1, 2], [0, 1], [0, 1], [0, 1, 2]]
@@ -91,7 +92,8 @@ def test_the_labs_pipedream2bw_schedule_trains_as_its_single_process_reference(t
     cfg = RunConfig(stages=2, schedule="pipedream2bw", steps=3, blocks=2, d_model=16, n_heads=2, seq_len=8,
                     dropout=0.0, micro_batches=2, micro_batch_size=2)
     proc = run_vpipe("train", "--stages", "2", "--schedule", "pipedream2bw", "--steps", "3", "--blocks", "2",
-                     "--d-model", "16", "--n-heads", "2", "--seq-len", "8", "--dropout", "0", "--micro-batches", "2",
+                     "--d-model", "16", "--n-heads", "2", "--seq-len", "8", "--dropout", "0",
+                     "--micro-batches", "2",
                      "--micro-batch-size", "2", "--out-dir", str(tmp_path), "--no-progress")
     assert proc.returncode == 0, proc.stderr[-3000:]
     want, want_losses, _ = reference.reference_2bw(cfg)
@@ -103,7 +105,8 @@ def test_the_labs_pipedream2bw_schedule_trains_as_its_single_process_reference(t
 
 def test_the_lab_refuses_what_a_2bw_stream_cannot_do():
     for extra, said in ([{"checkpoint_dir": "x"}, "checkpoints need a flush schedule (any but pipedream2bw)"],
-                        [{"nas": [{"step": 1, "remove": [1]}], "vpipe": True}, "layer edits need a flush schedule"],
+                        [{"nas": [{"step": 1, "remove": [1]}], "vpipe": True},
+                         "layer edits need a flush schedule"],
                         [{"micro_batches": 1}, "pipedream2bw needs micro_batches >= stages"]):
         with pytest.raises(ValueError, match=re.escape(said)):
             RunConfig(stages=2, schedule="pipedream2bw", blocks=2, **extra)

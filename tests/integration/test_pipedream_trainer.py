@@ -1,6 +1,6 @@
-"""A user's PipeDream trainer (examples/train_pipedream.py, vpipe.SchedulePipeDream, ranks started as torchrun
-starts them) with and without the one line: a streamed move mid-run leaves the result the schedule gives on the
-final partition."""
+"""A user's PipeDream trainer (examples/train_pipedream.py, vpipe.SchedulePipeDream, ranks
+started as torchrun starts them) with and without the one line: a streamed move mid-run
+leaves the result the schedule gives on the final partition."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ STEPS = 8
 
 def _train(tmp_path, name: str, *args: str) -> tuple[dict, dict[str, torch.Tensor], list[dict]]:
     out, log_file = tmp_path / f"{name}.json", tmp_path / f"{name}.log"
-    run_ranks([str(ROOT / "examples" / "train_pipedream.py"), "--steps", str(STEPS), "--vertical-sync", "--out",
+    run_ranks([str(ROOT / "examples" / "train_pipedream.py"), "--steps", str(STEPS), "--vertical-sync",
+               "--out",
                str(out), *args], 2, tmp_path / f"{name}.txt", child_env(VPIPE_LOG_FILE=str(log_file)))
     state = {k: v for r in range(2) for k, v in torch.load(f"{out}.rank{r}.pt", weights_only=True).items()}
     return json.loads(out.read_text()), state, read_log(log_file) if log_file.exists() else []

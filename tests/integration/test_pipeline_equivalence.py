@@ -34,7 +34,8 @@ def _run(cfg: RunConfig, tmp_path):
 
 
 @pytest.mark.parametrize("model", ["transformer", "cnn"])
-@pytest.mark.parametrize("stages", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4 ranks on 2 cores: CI's slow run
+# 4 ranks on 2 cores: CI's slow run
+@pytest.mark.parametrize("stages", [2, pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_flush_schedules_match_gradient_accumulation(schedule, stages, model, tmp_path):
     cfg = RunConfig(model=model, stages=stages, schedule=schedule, steps=3, **SMALL)

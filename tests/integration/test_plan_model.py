@@ -27,7 +27,8 @@ torch.set_num_threads(1)
 REFERENCE = ["--model", "vpipe_lab.runtime.models:reference_transformer", "--input-shape", "4,64",
              "--input-dtype", "int64", "--repeats", "1"]
 TWO_ARGUMENTS = ["--model", f"{MODELS}:encoder_decoder", "--repeats", "1"]
-ENCODER_DECODER_ORDER = ["embed", "encoder.0", "encoder.1", "decoder.0", "decoder.1", "decoder.2", "decoder.3",
+ENCODER_DECODER_ORDER = ["embed", "encoder.0", "encoder.1", "decoder.0", "decoder.1", "decoder.2",
+                         "decoder.3",
                          "norm", "head"]
 
 
@@ -83,7 +84,9 @@ def test_blocks_with_two_arguments_and_a_keyword_get_a_plan_and_a_working_pipeli
 def test_the_table_names_modules_and_prints_what_a_trainer_needs(capsys):
     code, out, err = plan_command(capsys, *TWO_ARGUMENTS, "--stages", "2")
     assert code == 0 and err == ""
-    assert "split_spec for torch.distributed.pipelining.pipeline: {'" in out and "SplitPoint.BEGINNING}" in out
+    assert (
+        "split_spec for torch.distributed.pipelining.pipeline: {'" in out and "SplitPoint.BEGINNING}" in out
+    )
     assert "blocks per stage for a manual split of decoder: " in out and "predicted step " in out
     assert "slowest stage " in out and " = compute " in out and "embed" in out and "head" in out
 
@@ -91,7 +94,8 @@ def test_the_table_names_modules_and_prints_what_a_trainer_needs(capsys):
 def test_a_memory_budget_gives_swap_or_recompute_policies_within_it(capsys):
     free = json_plan(capsys, *REFERENCE, "--stages", "2", "--schedule", "gpipe")
     budget = int(0.7 * max(free["stage_memory_bytes"]))
-    tight = json_plan(capsys, *REFERENCE, "--stages", "2", "--schedule", "gpipe", "--memory-budget", str(budget))
+    tight = json_plan(capsys, *REFERENCE, "--stages", "2", "--schedule", "gpipe", "--memory-budget",
+                      str(budget))
     assert set(tight["policies"].values()) & {"S", "R"}
     assert max(tight["stage_memory_bytes"]) <= budget
 
@@ -109,7 +113,8 @@ def test_the_measured_graph_is_saved_and_planned_again_in_module_names(capsys, t
     data["model"]["blocks"] = {"decoder.0": "nowhere"}
     path.write_text(json.dumps(data))
     code, _, err = plan_command(capsys, str(path), "--stages", "2")
-    assert code == 2 and err == ("vpipe: error: graph 'model' annotation: 'blocks' must map module names to one of "
+    assert code == 2 and err == ("vpipe: error: graph 'model' annotation: 'blocks' must map "
+                                 "module names to one of "
                                  "'containers'\n")
 
 
@@ -119,7 +124,8 @@ def test_a_hugging_face_gpt2_is_planned_in_its_module_names(capsys):
 
     plan = json_plan(capsys, "--model", f"{MODELS}:hf_gpt2", "--repeats", "1", "--stages", "3")
     model, _ = hf_gpt2()
-    order = (["transformer.wte", "transformer.wpe", "transformer.drop"] + [f"transformer.h.{i}" for i in range(4)]
+    order = (["transformer.wte", "transformer.wpe", "transformer.drop"] + [f"transformer.h.{i}"
+                                                                           for i in range(4)]
              + ["transformer.ln_f", "lm_head"])
     _assert_valid(plan, model, order, 3)
     assert list(plan["layer_counts"]) == ["transformer.h"] and sum(plan["layer_counts"]["transformer.h"]) == 4
@@ -155,34 +161,58 @@ def test_the_encoders_output_is_a_skip_edge_to_every_decoder_block():
 
 
 # --------------------------------------------------------------------- bad input
-@pytest.mark.parametrize(("args", "message"), [
-    (["--model", "no_colon_here"], "--model must be MODULE:FACTORY"),
-    (["--model", "no_such_module_xyz:build"], "--model: cannot import module 'no_such_module_xyz'"),
-    (["--model", f"{MODELS}:missing"], f"--model: {MODELS!r} has no 'missing'"),
-    (["--model", "tests/nowhere.py:build"], "--model: no file 'tests/nowhere.py'"),
-    (["--model", "tests/workers/:build"], "--model: 'tests/workers/' is a directory, not a Python file"),
-    (["--model", "/dev/null:build"], "--model: '/dev/null' is a device, not a Python file"),
-    (["--model", f"{MODELS}:raises"], f"--model: {MODELS}:raises() raised RuntimeError: the factory failed"),
-    (["--model", f"{MODELS}:not_a_module"],
-     f"--model: {MODELS}:not_a_module() returned int; it must return an nn.Module"),
-    (["--model", "vpipe_lab.runtime.models:reference_transformer"], "--input-shape is needed"),
-    (["--model", "vpipe_lab.runtime.models:reference_transformer", "--input-shape", "4,x"],
-     "--input-shape must be positive integers separated by commas, like 8,128; got '4,x'"),
-    (["--model", "vpipe_lab.runtime.models:reference_transformer", "--input-shape", "4,0"], "got '4,0'"),
-    (["--model", "vpipe_lab.runtime.models:reference_transformer", "--input-shape", "4,64", "--input-dtype", "int99"],
-     "--input-dtype must be one of float32"),
-    (["--model", "vpipe_lab.runtime.models:reference_transformer", "--input-shape", "4,64"],
-     "running the model on the example input failed: RuntimeError: Expected tensor for argument #1 'indices'"),
-    ([*TWO_ARGUMENTS, "--input-shape", "4,64"],
-     "--input-shape and --input-dtype are for factories that return only a model"),
-    ([*REFERENCE, "--memory-budget", "1kB"], "infeasible: layer "),
-    ([*REFERENCE, "--stages", "11"], "--stages 11 is more than the model's 10 placement units"),
-    ([*REFERENCE, "--layers", "nope"], "--layers: the model (Sequential) has no submodule 'nope'"),
-    ([*REFERENCE, "--device", "tpu"], "--device must be cpu, cuda, cuda:N or auto; got 'tpu'"),
-    ([*REFERENCE, "--repeats", "0"], "--repeats must be at least 1"),
-    ([*REFERENCE, "graph.json"], "give GRAPH.json or --model MODULE:FACTORY, not both"),
-    ([], "give either GRAPH.json or --model MODULE:FACTORY"),
-])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--model", "no_colon_here"], "--model must be MODULE:FACTORY"),
+        (["--model", "no_such_module_xyz:build"], "--model: cannot import module 'no_such_module_xyz'"),
+        (["--model", f"{MODELS}:missing"], f"--model: {MODELS!r} has no 'missing'"),
+        (["--model", "tests/nowhere.py:build"], "--model: no file 'tests/nowhere.py'"),
+        (["--model", "tests/workers/:build"], "--model: 'tests/workers/' is a directory, not a Python file"),
+        (["--model", "/dev/null:build"], "--model: '/dev/null' is a device, not a Python file"),
+        (
+            ["--model", f"{MODELS}:raises"],
+            f"--model: {MODELS}:raises() raised RuntimeError: the factory failed",
+        ),
+        (
+            ["--model", f"{MODELS}:not_a_module"],
+            f"--model: {MODELS}:not_a_module() returned int; it must return an nn.Module",
+        ),
+        (["--model", "vpipe_lab.runtime.models:reference_transformer"], "--input-shape is needed"),
+        (
+            ["--model", "vpipe_lab.runtime.models:reference_transformer", "--input-shape", "4,x"],
+            "--input-shape must be positive integers separated by commas, like 8,128; got '4,x'",
+        ),
+        (["--model", "vpipe_lab.runtime.models:reference_transformer", "--input-shape", "4,0"], "got '4,0'"),
+        (
+            [
+                "--model",
+                "vpipe_lab.runtime.models:reference_transformer",
+                "--input-shape",
+                "4,64",
+                "--input-dtype",
+                "int99",
+            ],
+            "--input-dtype must be one of float32",
+        ),
+        (
+            ["--model", "vpipe_lab.runtime.models:reference_transformer", "--input-shape", "4,64"],
+            "running the model on the example input failed: RuntimeError: "
+            "Expected tensor for argument #1 'indices'",
+        ),
+        (
+            [*TWO_ARGUMENTS, "--input-shape", "4,64"],
+            "--input-shape and --input-dtype are for factories that return only a model",
+        ),
+        ([*REFERENCE, "--memory-budget", "1kB"], "infeasible: layer "),
+        ([*REFERENCE, "--stages", "11"], "--stages 11 is more than the model's 10 placement units"),
+        ([*REFERENCE, "--layers", "nope"], "--layers: the model (Sequential) has no submodule 'nope'"),
+        ([*REFERENCE, "--device", "tpu"], "--device must be cpu, cuda, cuda:N or auto; got 'tpu'"),
+        ([*REFERENCE, "--repeats", "0"], "--repeats must be at least 1"),
+        ([*REFERENCE, "graph.json"], "give GRAPH.json or --model MODULE:FACTORY, not both"),
+        ([], "give either GRAPH.json or --model MODULE:FACTORY"),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_2(capsys, args, message):
     if "--stages" not in args:
         args = [*args, "--stages", "2"]
@@ -210,4 +240,6 @@ def test_a_model_is_measured_on_the_gpu(capsys):
 def test_the_installed_command_prints_one_line_not_a_traceback():
     proc = run_vpipe("plan", "--model", f"{MODELS}:raises", "--stages", "2", timeout=120)
     assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr == f"vpipe: error: --model: {MODELS}:raises() raised RuntimeError: the factory failed\n"
+    assert (
+        proc.stderr == f"vpipe: error: --model: {MODELS}:raises() raised RuntimeError: the factory failed\n"
+    )

@@ -41,7 +41,8 @@ def test_json_output_has_the_documented_keys(capsys, graph_file):
 
 
 def test_budget_schedule_method_and_bandwidth_options_reach_the_planner(capsys, graph_file):
-    code, out, _ = _run(capsys, graph_file, "--stages", "2", "--memory-budget", "150MB", "--schedule", "gpipe",
+    code, out, _ = _run(capsys, graph_file, "--stages", "2", "--memory-budget", "150MB", "--schedule",
+                        "gpipe",
                         "--micro-batches", "4", "--method", "exact", "--copy-bandwidth", "1e9", "--json")
     assert code == 0
     plan = json.loads(out)
@@ -63,9 +64,11 @@ def test_table_output_names_every_stage(capsys, graph_file):
     (["--stages", "2", "--memory-budget=-5GB"], "must not be negative"),
     (["--stages", "2", "--memory-budget", "-5"], "must not be negative"),
     (["--stages", "2", "--memory-budget", "lots"], "memory budget 'lots' is not a byte size"),
-    (["--stages", "2", "--memory-budget", "1MB"], "infeasible: layer 1000 (l0) needs 6000000 bytes > budget 1000000"),
+    (["--stages", "2", "--memory-budget", "1MB"],
+     "infeasible: layer 1000 (l0) needs 6000000 bytes > budget 1000000"),
     (["--stages", "2", "--schedule", "zb"], "--schedule must be one of gpipe, 1f1b, pipedream, pipedream2bw, "
-                                             "interleaved1f1b, loopedbfs, interleavedzb, zbv, dualpipev, got 'zb'"),
+                                             "interleaved1f1b, loopedbfs, interleavedzb, "
+                                             "zbv, dualpipev, got 'zb'"),
     (["--stages", "2", "--method", "metis"], "--method must be one of kl, exact, got 'metis'"),
     (["--stages", "2", "--micro-batches", "0"], "--micro-batches must be at least 1"),
     (["--stages", "2", "--network-bandwidth", "-1"], "--network-bandwidth must be a positive finite number"),

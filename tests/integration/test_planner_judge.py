@@ -12,7 +12,8 @@ from vpipe.planner.judge import PlanJudge
 
 
 def _vector(epoch: int, step_s: float, iteration: int = 9) -> list[StageRecord]:
-    return [StageRecord(s, iteration, epoch, "cpu", 0.0, step_s * (0.9 if s == 0 else 1.0), (), 0, 0, 0, 0, 0, 0,
+    return [StageRecord(s, iteration, epoch, "cpu", 0.0, step_s * (0.9 if s == 0 else 1.0), (), 0, 0, 0, 0, 0,
+                        0,
                         0, 0, 0, 0.0, 0, 0.0, 0.0, None, None, None) for s in range(2)]
 
 
@@ -85,8 +86,10 @@ def test_a_run_whose_planner_slows_it_down_is_put_back_and_says_so(tmp_path):
     reverted = decisions(log_file, "plan_reverted")
     assert len(reverted) == 1
     sent = decisions(log_file, "plan_sent")
-    assert len(sent) == 2 and sent[1]["epoch"] == reverted[0]["revert_epoch"]  # the bad plan is not sent again
-    # on busy cores a pulse may have every rank measure again in between: the bad plan is judged under that epoch
+    # the bad plan is not sent again
+    assert len(sent) == 2 and sent[1]["epoch"] == reverted[0]["revert_epoch"]
+    # on busy cores a pulse may have every rank measure again in
+    # between: the bad plan is judged under that epoch
     assert sent[0]["epoch"] <= reverted[0]["epoch"] < reverted[0]["revert_epoch"]
     assert reverted[0]["step_s_after"] > reverted[0]["step_s_before"] > 0
     applied = {(r["rank"], r["epoch"]): r["layers"] for r in decisions(log_file, "plan_applied")}
@@ -148,7 +151,8 @@ def test_no_trial_without_samples_under_the_plan_it_replaces():
     assert all(judge.observe(_vector(1, 0.3), NEW) is None for _ in range(3))
     judge = PlanJudge()
     judge.observe(_vector(0, 0.1), OLD)
-    judge.sent(Plan(epoch=2, stages=NEW.stages), Plan(epoch=1, stages=OLD.stages))  # samples of epoch 0, not 1
+    # samples of epoch 0, not 1
+    judge.sent(Plan(epoch=2, stages=NEW.stages), Plan(epoch=1, stages=OLD.stages))
     assert all(judge.observe(_vector(2, 0.3), NEW) is None for _ in range(3))
 
 
@@ -198,9 +202,10 @@ def test_a_large_remeasure_without_a_trial_forgets_the_steps_before():
 
 
 def test_a_plan_sent_on_the_first_sample_after_a_large_remeasure_is_judged_against_that_sample():
-    """Under busy cores a pulse can report a 2x change just before a plan: the steps before are forgotten, and the
-    plan would have had no verdict at all (a bad one stayed for good, seen in CI). The first sample of the
-    re-measure, one-off costs included, is the yardstick then: a plan slower than even that is reverted."""
+    """Under busy cores a pulse can report a 2x change just before a plan: the steps before
+    are forgotten, and the plan would have had no verdict at all (a bad one stayed for good,
+    seen in CI). The first sample of the re-measure, one-off costs included, is the
+    yardstick then: a plan slower than even that is reverted."""
     for after_s, reverted in (((0.9, 0.150, 0.140, 0.145), False), ((0.9, 0.300, 0.280, 0.290), True)):
         judge = PlanJudge()
         for t in (0.9, 0.100, 0.104):

@@ -1,5 +1,5 @@
-"""The package's public names: the one line works whatever the user imported first, and a type checker
-sees each name with its real type (tests/typed_user_code.py, checked by mypy, shows it from the user's side)."""
+"""The package's public names: the one line works whatever the user imported first, and a type checker sees
+each name with its real type (tests/typed_user_code.py, checked by mypy, shows it from the user's side)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("first", ["import vpipe", "from vpipe import VpipeConfig", "import vpipe._attach",
-                                   "from vpipe._attach import VpipeConfig", "from vpipe.config import VpipeConfig",
+                                   "from vpipe._attach import VpipeConfig",
+                                   "from vpipe.config import VpipeConfig",
                                    "from vpipe.rank.config import VpipeConfig"])
 def test_vpipe_attach_is_the_one_line_after_any_import(first):
     code = (f"{first}\nimport vpipe\n"
@@ -36,9 +37,11 @@ def test_vpipe_attach_is_the_one_line_after_any_import(first):
 
 
 def test_a_type_checker_sees_every_public_name_where_it_is_loaded_from():
-    """The ``if TYPE_CHECKING:`` imports name every lazy public name, from the module ``__getattr__`` loads."""
+    """The ``if TYPE_CHECKING:`` imports name every lazy public
+    name, from the module ``__getattr__`` loads."""
     tree = ast.parse((ROOT / "vpipe" / "__init__.py").read_text())
-    guarded = next(node for node in tree.body if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING")
+    guarded = next(node for node in tree.body if isinstance(node, ast.If)
+                   and ast.unparse(node.test) == "TYPE_CHECKING")
     seen = {alias.name: node.module for node in guarded.body if isinstance(node, ast.ImportFrom)
             for alias in node.names}
     assert seen == vpipe._PUBLIC
@@ -57,8 +60,11 @@ def test_attach_and_vpipe_have_typed_parameters():
         if callable(function) and (not name.startswith("_") or name == "__init__"):
             hints = typing.get_type_hints(function)
             assert "return" in hints, f"Vpipe.{name} has no return type"
-            unannotated = set(function.__code__.co_varnames[1:function.__code__.co_argcount
-                                                            + function.__code__.co_kwonlyargcount]) - set(hints)
+            unannotated = set(
+                function.__code__.co_varnames[
+                    1 : function.__code__.co_argcount + function.__code__.co_kwonlyargcount
+                ]
+            ) - set(hints)
             assert not unannotated, f"Vpipe.{name}: parameters {sorted(unannotated)} have no type"
 
 

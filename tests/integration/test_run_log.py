@@ -24,7 +24,8 @@ def test_step_records_are_whole_lines_in_order_around_decisions(tmp_path):
     records = read_log(path)
     steps = [r for r in records if r["logger"] == STEPS]
     assert [r["step"] for r in steps] == list(range(RunLogHandler.STEP_BATCH + 3)) + [99]
-    assert steps[0] == {**steps[0], "rank": 1, "level": "INFO", "step_s": 0.01, "stage": 1, "micro_batches": 4,
+    assert steps[0] == {**steps[0], "rank": 1, "level": "INFO", "step_s": 0.01, "stage": 1,
+                        "micro_batches": 4,
                         "layers": 4, "msg": "step 0 took 0.0100 s"}
     assert [r["event"] for r in records if r["logger"] == DECISIONS] == ["plan"]
     assert len(path.read_text().splitlines()) == len(records)  # every line a record

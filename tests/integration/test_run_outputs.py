@@ -1,11 +1,11 @@
 """What a run writes is its own, and the small ones of reliability round 5.
 
-- Two runs given the same ``--out-dir``, ``--log-file`` or trace directory: the second is refused in one line, as a
-  second run on one checkpoint directory is (it used to replace the first's results and timeline and interleave the
-  logs in silence).
-- A run of ``vpipe train`` under a umask of 000 makes its files ``0600`` and its directories ``0700`` (they were
-  ``0666`` / ``0777``; in-process: ``tests/unit/test_output_modes.py``), and writes the ``VPIPE_LOG_FILE`` it
-  checks (it never wrote to it).
+- Two runs given the same ``--out-dir``, ``--log-file`` or trace directory: the second is refused
+  in one line, as a second run on one checkpoint directory is (it used to replace the first's
+  results and timeline and interleave the logs in silence).
+- A run of ``vpipe train`` under a umask of 000 makes its files ``0600`` and its directories ``0700`` (they
+  were ``0666`` / ``0777``; in-process: ``tests/unit/test_output_modes.py``), and writes the
+  ``VPIPE_LOG_FILE`` it checks (it never wrote to it).
 - A 100,000-character value is cut in the one line that refuses it (it was echoed in full).
 """
 
@@ -53,24 +53,29 @@ def test_an_out_dir_log_file_or_trace_directory_another_run_holds_is_refused_in_
         assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
         train = ["train", *TINY, "--steps", "1"]
         assert _refused([*train, "--out-dir", str(out)], capsys) == (
-            f"vpipe: error: --out-dir {out} is in use by another run (pid {holder.pid}); give each run a directory of "
+            f"vpipe: error: --out-dir {out} is in use by another run (pid {holder.pid}); give "
+            "each run a directory of "
             "its own")
         assert _refused([*train, "--log-file", str(log)], capsys) == (
-            f"vpipe: error: --log-file {log} is being written by another run; give each run a log file of its own")
+            f"vpipe: error: --log-file {log} is being written by another run; give each run "
+            "a log file of its own")
         monkeypatch.setenv("VPIPE_TRACE_STEPS", "2,1")
         monkeypatch.setenv("VPIPE_TRACE_DIR", str(trace))
         process_settings.cache_clear()  # the next command reads them, as a new process would
         assert _refused([*train, "--vpipe"], capsys) == (
-            f"vpipe: error: VPIPE_TRACE_DIR {trace} is in use by another run (pid {holder.pid}); give each run a "
+            f"vpipe: error: VPIPE_TRACE_DIR {trace} is in use by another run (pid "
+            f"{holder.pid}); give each run a "
             "directory of its own")
-        assert _refused(["nas", *TINY, "--out-dir", str(out)], capsys).startswith(f"vpipe: error: --out-dir {out} is")
+        assert _refused(["nas", *TINY, "--out-dir", str(out)],
+                        capsys).startswith(f"vpipe: error: --out-dir {out} is")
     finally:
         holder.kill()
         holder.wait()
     from vpipe_lab.runtime.config import RunConfig
     from vpipe_lab.runtime.outputs import claim_outputs
 
-    claim_outputs(RunConfig(out_dir=str(out), log_file=str(log), vpipe=True), hold=False)  # free once it is gone
+    # free once it is gone
+    claim_outputs(RunConfig(out_dir=str(out), log_file=str(log), vpipe=True), hold=False)
 
 
 def test_a_second_training_run_on_the_same_outputs_is_refused_while_the_first_trains(tmp_path):
@@ -78,14 +83,16 @@ def test_a_second_training_run_on_the_same_outputs_is_refused_while_the_first_tr
     out, log, trace = tmp_path / "out", tmp_path / "run.log", tmp_path / "trace"
     env = child_env(VPIPE_TRACE_STEPS="100000,1", VPIPE_TRACE_DIR=str(trace))
     args = ["train", *TINY, "--vpipe", "--no-planning", "--out-dir", str(out), "--log-file", str(log)]
-    first = subprocess.Popen([sys.executable, "-m", "vpipe_lab", *args, "--steps", "100000"], cwd=ROOT, env=env,
+    first = subprocess.Popen([sys.executable, "-m", "vpipe_lab", *args, "--steps", "100000"], cwd=ROOT,
+                             env=env,
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         from support.processes import ranks_training, wait_while_running
 
         wait_while_running(lambda: ranks_training(log) == 2, 120, "the first run's ranks training", first)
         pid = int((out / ".vpipe-lock").read_text())
-        for given, said in [(["--out-dir", str(out)], f"--out-dir {out} is in use by another run (pid {pid})"),
+        for given, said in [(["--out-dir", str(out)],
+                             f"--out-dir {out} is in use by another run (pid {pid})"),
                             (["--log-file", str(log)], f"--log-file {log} is being written by another run"),
                             (["--vpipe"], f"VPIPE_TRACE_DIR {trace} is in use by another run (pid {pid})")]:
             second = run_vpipe("train", *TINY, "--steps", "2", *given, env=env, timeout=120)
@@ -105,13 +112,15 @@ def test_a_run_under_umask_000_makes_its_files_0600_and_directories_0700_and_wri
     log = base / "logs" / "run.log"
     env = child_env(VPIPE_LOG_FILE=str(log), VPIPE_TRACE_STEPS="1,1", VPIPE_TRACE_DIR=str(base / "trace"))
     proc = subprocess.run([sys.executable, "-m", "vpipe_lab", "train", *TINY, "--steps", "2", "--vpipe",
-                           "--no-planning", "--out-dir", str(base / "out"), "--checkpoint-dir", str(base / "ck")],
+                           "--no-planning", "--out-dir", str(base / "out"), "--checkpoint-dir",
+                           str(base / "ck")],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=240,
                           preexec_fn=lambda: os.umask(0))
     assert proc.returncode == 0, proc.stderr[-3000:]
     from vpipe.log import read_log
 
-    assert {r["rank"] for r in read_log(log)} == {0, 1}  # the variable the launcher checked, written by each rank
+    # the variable the launcher checked, written by each rank
+    assert {r["rank"] for r in read_log(log)} == {0, 1}
     modes = _modes(base)
     made = {"logs/run.log", "out/rank0.pt", "out/rank1.json", "ck/step-00000002/manifest.json",
             "trace/timeline-rank0.json", "trace/timeline-rank1.json", "out/.vpipe-lock"}
@@ -146,7 +155,8 @@ LONG = "x" * 100_000
     (["train", "--steps", "1", "--vpipe"], {"VPIPE_TRACE_DIR": LONG, "VPIPE_TRACE_STEPS": "1,1"}),
     (["plot", "run.log", "-o", LONG], {}),
     (["trace", LONG], {}),
-], ids=["log-file", "out-dir", "checkpoint-dir", "resume", "planner", "VPIPE_LOG_FILE", "VPIPE_TRACE_DIR", "plot",
+], ids=["log-file", "out-dir", "checkpoint-dir", "resume", "planner", "VPIPE_LOG_FILE", "VPIPE_TRACE_DIR",
+        "plot",
         "trace"])
 def test_a_100000_character_value_is_cut_in_the_line_that_refuses_it(capsys, monkeypatch, argv, env):
     from vpipe_lab.cli import main

@@ -22,7 +22,8 @@ def test_sizes_read_the_same_way_everywhere(text, value):
 @pytest.mark.parametrize("text, message", [
     ("-1", "must not be negative"), ("16 apples", "is not a byte size"), ("", "is not a byte size"),
     ("0", "must be at least 1 byte"), ("0.5", "must be at least 1 byte"), ("infG", "is not a byte size"),
-    ("1e400", "larger than any machine"), ("1e400G", "larger than any machine"), ("9EiB", "is not a byte size"),
+    ("1e400", "larger than any machine"), ("1e400G", "larger than any machine"),
+                                           ("9EiB", "is not a byte size"),
     (str(2 * MAX_BYTES), "larger than any machine"), ("1.5B", "is not a whole number of bytes"),
     ("1.5", "is not a whole number of bytes"),
 ])
@@ -36,8 +37,11 @@ def test_train_and_plan_refuse_a_bad_size_with_the_same_words_and_no_traceback()
     plan = run_vpipe("plan", "x.json", "--stages", "2", "--memory-budget", "infG", timeout=60)
     assert train.returncode == plan.returncode == 2
     assert "Traceback" not in train.stderr + plan.stderr
-    assert train.stderr.strip().splitlines()[-1] == ("vpipe train: error: argument --memory-budget: memory budget "
-                                                     "'1e400G' is larger than any machine (4611686018427387904 "
+    assert train.stderr.strip().splitlines()[-1] == ("vpipe train: error: argument "
+                                                     "--memory-budget: memory budget "
+                                                     "'1e400G' is larger than any machine "
+                                                     "(4611686018427387904 "
                                                      "bytes at most)")
-    assert plan.stderr.strip() == ("vpipe: error: memory budget 'infG' is not a byte size (examples: 16000000000, "
+    assert plan.stderr.strip() == ("vpipe: error: memory budget 'infG' is not a byte size "
+                                   "(examples: 16000000000, "
                                    "16e9, 16GB, 15GiB, 512M)")

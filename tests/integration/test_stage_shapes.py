@@ -1,4 +1,5 @@
-"""The trainers people write attach with one line: Sequential slices, the tutorial/torchtitan shape, Hugging Face.
+"""The trainers people write attach with one line: Sequential slices,
+the tutorial/torchtitan shape, Hugging Face.
 
 Each trainer in examples/ is run twice, without and with
 ``vpipe.attach(schedule, optimizer=opt)`` (the only difference), from an uneven split; the
@@ -22,9 +23,10 @@ import torch
 from support.processes import ROOT, child_env, run_ranks, run_worker
 from vpipe.log import read_log
 
-# With the defaults the planner proposes from the sample of step 3, confirms it with step 5's and the move
-# applies a few steps later (step 9 on a quiet machine); 50 steps leave room for a planner that runs late
-# because the machine is busy (it plans at a low priority), and for the later moves a slower stage may ask for.
+# With the defaults the planner proposes from the sample of step 3, confirms it with step
+# 5's and the move applies a few steps later (step 9 on a quiet machine); 50 steps leave
+# room for a planner that runs late because the machine is busy (it plans at a low
+# priority), and for the later moves a slower stage may ask for.
 STEPS = 50
 TORCHRUN_CASE = ("train_tutorial", 2, "6,2", "1f1b")  # (script, ranks, partition, schedule) run by torchrun
 
@@ -59,8 +61,10 @@ def _train(tmp_path_factory, script: str, ranks: int, partition: str, schedule: 
                "--schedule", schedule, "--out", str(out), *(["--vpipe"] if vpipe else [])]
     env = child_env(VPIPE_LOG_FILE=str(log_file))
     if (script, ranks, partition, schedule) == TORCHRUN_CASE:
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                               str(ranks), *trainer], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                               "--nproc-per-node",
+                               str(ranks), *trainer], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
     else:
         run_ranks(trainer, ranks, output, env)
@@ -101,7 +105,8 @@ def _fresh_stage(script: str, rank: int, counts: list[int]) -> torch.nn.Module:
 CASES = [
     ("train_tutorial", 2, "6,2", "gpipe"),
     ("train_tutorial", 2, "6,2", "1f1b"),
-    pytest.param("train_tutorial", 4, "5,1,1,1", "1f1b", marks=pytest.mark.slow),  # 4 ranks on 2 cores: CI's slow run
+    # 4 ranks on 2 cores: CI's slow run
+    pytest.param("train_tutorial", 4, "5,1,1,1", "1f1b", marks=pytest.mark.slow),
     ("train_sequential", 2, "6,2", "1f1b"),
     ("train_sequential", 4, "5,1,1,1", "gpipe"),
     ("train_hf_gpt2", 2, "6,2", "gpipe"),
@@ -127,7 +132,8 @@ def test_one_line_rebalances_the_trainer_and_keeps_its_losses(shape_run, script,
         fresh.load_state_dict(state, strict=True)
     if script == "train_hf_gpt2":
         first_last = sum(counts[:-1])
-        assert with_vpipe["layer_idx"] == list(range(first_last, first_last + counts[-1]))  # layer_idx travelled
+        # layer_idx travelled
+        assert with_vpipe["layer_idx"] == list(range(first_last, first_last + counts[-1]))
 
 
 @pytest.mark.parametrize("script", ["train_tutorial", "train_sequential", "train_hf_gpt2"])
@@ -152,7 +158,8 @@ def test_the_tutorial_model_trains_to_the_same_parameters_after_moves(shape_run)
     assert merged_plain.keys() == merged_moved.keys()
     epochs = {r["epoch"] for r in log if r.get("event") == "migration_done" and r["moved"]}
     assert epochs  # moved; the final split may be the first again only after a move back (2 shared cores)
-    assert {k for k in moved[1] if k.startswith("layers.")} != {k for k in plain[1] if k.startswith("layers.")} \
+    assert {k for k in moved[1] if k.startswith("layers.")} != {k for k in plain[1]
+                                                                if k.startswith("layers.")} \
         or len(epochs) >= 2
     for name, want in merged_plain.items():
         assert torch.allclose(merged_moved[name], want, rtol=1e-5, atol=1e-7), name
@@ -165,7 +172,8 @@ def _scenario(tmp_path: Path, name: str, ranks: int) -> dict:
 
 def test_shapes_attach_cannot_use_get_one_error_that_says_what_was_found_and_what_to_pass(tmp_path):
     result = _scenario(tmp_path, "refusals", 1)
-    assert result["no_container"].startswith("BlockContainerError: stage 0: vpipe.attach found no container of "
+    assert result["no_container"].startswith("BlockContainerError: stage 0: vpipe.attach "
+                                             "found no container of "
                                              "repeated blocks in the stage module (Flat)")
     assert "layers='path.to.container'" in result["no_container"]
     assert "layers='blocks': the stage module (Transformer) has no submodule 'blocks'" in result["bad_path"]
@@ -176,11 +184,14 @@ def test_shapes_attach_cannot_use_get_one_error_that_says_what_was_found_and_wha
 
 def test_pipelines_inside_a_mesh_that_are_not_replicas_are_refused_before_anything_is_installed(tmp_path):
     result = _scenario(tmp_path, "subgroup", 2)
-    assert result["error"].startswith("ValueError: vpipe.attach on stage 0: world rank(s) [1] run another pipeline ")
-    assert result["error"].endswith("every data-parallel replica must run the same stages, schedule and blocks")
+    assert result["error"].startswith("ValueError: vpipe.attach on stage 0: world rank(s) [1] "
+                                      "run another pipeline ")
+    assert result["error"].endswith("every data-parallel replica must run the same "
+                                    "stages, schedule and blocks")
     assert not [r for r in result["log"] if r.get("event") == "attached"]
     assert result["swapped"] == ("ValueError: vpipe.attach: stage 1 runs on rank 0 of its pipeline's process "
-                                 "group; vpipe needs stage i on group rank i (as torch's single-stage schedules do)")
+                                 "group; vpipe needs stage i on group rank i (as torch's "
+                                 "single-stage schedules do)")
 
 
 def test_a_traced_split_gets_recompute_but_no_moves_and_says_so_once(tmp_path):
@@ -193,7 +204,8 @@ def test_a_traced_split_gets_recompute_but_no_moves_and_says_so_once(tmp_path):
     assert sorted(r["stage"] for r in off) == [0, 1] and "traced GraphModule" in off[0]["msg"]
     assert not [r for r in result["log"] if r.get("event") == "migration_start"]
     plans = [r for r in result["log"] if r.get("event") == "plan"]
-    assert plans and all(p["new_stages"] == p["old_stages"] for p in plans)  # the planner proposes policies only
+    # the planner proposes policies only
+    assert plans and all(p["new_stages"] == p["old_stages"] for p in plans)
     # with no memory budget, recomputing only costs time: the plan puts every layer back to keep
     changed = {lid: policy for p in plans for lid, policy in p["policies_changed"].items()}
     assert changed == {str(i): "D" for i in range(8)}
@@ -219,17 +231,20 @@ def test_under_a_roomy_budget_the_tutorial_trainer_runs_its_blocks_without_hooks
         # hooks on the first step (nothing measured yet) and on the sampled, metered ones (steps 1 and 13: the
         # base rate samples every second step, every fifth sample meters); none after
         assert r["hooked_steps"] and max(r["hooked_steps"]) <= 13, r["hooked_steps"]
-        # nor any call into the tensor manager: its stage runs torch's own methods (the first step measures, the
-        # sampled, metered steps 1 and 13 measure again)
+        # nor any call into the tensor manager: its stage runs torch's own methods (the first step measures,
+        # the sampled, metered steps 1 and 13 measure again)
         assert r["called_steps"] == [0, 1, 13], r["called_steps"]
-        assert 0 < r["peak"] <= r["budget"] < 1 << 30  # (the rank's budget less its weights and optimizer state)
-        assert r["max_sample_every"] == 80  # the one line's defaults: every 2nd step, backing off to every 80th
+        # (the rank's budget less its weights and optimizer state)
+        assert 0 < r["peak"] <= r["budget"] < 1 << 30
+        # the one line's defaults: every 2nd step, backing off to every 80th
+        assert r["max_sample_every"] == 80
 
 
 def test_the_tutorial_trainer_swapping_every_block_skips_the_copies_that_would_come_straight_back(tmp_path):
-    """From the second step on (the first learns the schedule's order): 1F1B's last stage runs each micro-batch's
-    backward right after its forward, so it copies nothing; under GPipe with a budget each rank keeps on the
-    device what the budget has room for and copies the rest. Losses bitwise as without vpipe throughout."""
+    """From the second step on (the first learns the schedule's order): 1F1B's last stage
+    runs each micro-batch's backward right after its forward, so it copies nothing; under
+    GPipe with a budget each rank keeps on the device what the budget has room for and copies
+    the rest. Losses bitwise as without vpipe throughout."""
     first, last = _scenario(tmp_path, "swaps_skipped", 2)["ranks"]
     for case in ("1f1b", "gpipe"):
         assert last[case]["losses"]["vpipe"] == last[case]["losses"]["plain"], case
@@ -257,7 +272,8 @@ def test_a_step_whose_inputs_change_shape_under_a_budget_calls_the_manager_for_e
         measured = seq_lens[step] != seq_lens[step - 1] or metering[step]
         assert (calls[step] >= 4 if measured else calls[step] == 0), (step, calls)
     assert result["hooked"] is False
-    # the manager measured each new shape: the micro-batches of step 6 and of step 10 (2 sequences of 16 or 32)
+    # the manager measured each new shape: the micro-batches of step 6
+    # and of step 10 (2 sequences of 16 or 32)
     assert result["input_shapes"][6] == [[2, 16]] and result["input_shapes"][10] == [[2, 32]]
 
 
@@ -265,10 +281,13 @@ def test_pipedream_runs_its_quiet_steps_without_the_manager_and_counts_what_stay
     """PipeDream's micro-batches stay in flight across steps: a step that runs the stage's own methods leaves
     none counted, and the next step that calls the manager counts those its forwards left in flight."""
     ranks = _scenario(tmp_path, "pipedream_budget", 2)["ranks"]
-    assert ranks[1]["losses"]["vpipe"] == ranks[1]["losses"]["plain"] and len(ranks[1]["losses"]["plain"]) == 24 * 4
+    assert (
+        ranks[1]["losses"]["vpipe"] == ranks[1]["losses"]["plain"]
+        and len(ranks[1]["losses"]["plain"]) == 24 * 4
+    )
     first, last = ranks
-    # the first step and the metered samples (1, 13) call the manager; on the first stage so does the step after
-    # each, whose backwards release what the sample's forwards saved through the hooks
+    # the first step and the metered samples (1, 13) call the manager; on the first stage so does the step
+    # after each, whose backwards release what the sample's forwards saved through the hooks
     assert first["called_steps"] == [0, 1, 2, 13, 14] and last["called_steps"] == [0, 1, 13]
     for r in ranks:
         assert r["same_weights"], r["rank"]
@@ -284,8 +303,9 @@ def test_pipedream_runs_its_quiet_steps_without_the_manager_and_counts_what_stay
 
 
 def test_the_tutorial_model_on_interleaved_1f1b_keeps_every_block_where_the_ranks_real_peak_fits(tmp_path):
-    """Each rank runs two stages that never peak together: a budget between the rank's real peak with every block
-    kept and its stages' own peaks added up holds the plain schedule, and vpipe keeps every block too."""
+    """Each rank runs two stages that never peak together: a budget between the
+    rank's real peak with every block kept and its stages' own peaks added up holds
+    the plain schedule, and vpipe keeps every block too."""
     ranks = _scenario(tmp_path, "budget_interleaved", 2)["ranks"]
     last = ranks[1]
     assert last["losses"]["vpipe"] == last["losses"]["plain"] and len(last["losses"]["plain"]) == 16 * 4
@@ -317,7 +337,9 @@ def test_misuse_gets_a_clear_error_on_every_rank_instead_of_a_hang_or_an_abort(t
         assert "remove_layers must be called between steps (after optimizer.step()), not inside one" in \
             r["edit_in_forward"]
     assert first["layers_after"] == ["0", "1", "2", "3"] and second["layers_after"] == ["4", "5", "6", "7"]
-    assert first["one_rank_edit"] == ("RuntimeError: remove_layers on stage 0: stage(s) [1] did not make the same "
+    assert first["one_rank_edit"] == ("RuntimeError: remove_layers on stage 0: stage(s) [1] "
+                                      "did not make the same "
                                       "call within 3 s; every rank must call it, at the same step")
-    assert first["one_rank_attach"] == ("RuntimeError: vpipe.attach on stage 0: stage(s) [1] did not make the same "
+    assert first["one_rank_attach"] == ("RuntimeError: vpipe.attach on stage 0: stage(s) [1] "
+                                        "did not make the same "
                                         "call within 3 s; every rank must call it, at the same step")

@@ -19,7 +19,8 @@ from support.processes import ROOT, child_env
 RANKS = 2
 
 
-def _launch(tmp_path, schedule: str, scenarios: str, model: str = "transformer", blocks: int = 4) -> list[dict]:
+def _launch(tmp_path, schedule: str, scenarios: str, model: str = "transformer",
+            blocks: int = 4) -> list[dict]:
     path = os.pathsep.join([str(ROOT / "tests" / "workers"), str(ROOT), os.environ.get("PYTHONPATH", "")])
     proc = subprocess.run(
         [sys.executable, "-m", "tensor_manager_worker", "--schedule", schedule, "--model", model,
@@ -45,9 +46,11 @@ def _managers(ranks: list[dict], scenario: str) -> list[dict]:
     """Every stage's manager statistics under ``scenario``: each rank has its stages' managers, and together
     they manage every layer of the model exactly once."""
     per_rank = [record["scenarios"][scenario]["stats"] for record in ranks]
-    assert per_rank[0] and all(len(stats) == len(per_rank[0]) for stats in per_rank), [len(s) for s in per_rank]
+    assert per_rank[0] and all(len(stats) == len(per_rank[0]) for stats in per_rank), [len(s)
+                                                                                       for s in per_rank]
     layers = sorted(lid for stats in per_rank for s in stats for lid in s["layers"])
-    assert layers == list(range(len(layers))) and all(s["layers"] for stats in per_rank for s in stats), layers
+    assert layers == list(range(len(layers))) and all(s["layers"] for stats in per_rank
+                                                      for s in stats), layers
     return [s for stats in per_rank for s in stats]
 
 
@@ -55,7 +58,8 @@ def _managers(ranks: list[dict], scenario: str) -> list[dict]:
 def test_flush_schedules_exact_and_under_budget(schedule, tmp_path):
     ranks = _launch(tmp_path, schedule, "D,S,R,mix,switch,budget", blocks=6)
     _assert_exact(ranks)
-    assert all(len(_managers(ranks, scenario)) == RANKS for scenario in ("D", "S", "R", "mix", "switch", "budget"))
+    assert all(len(_managers(ranks, scenario)) == RANKS
+               for scenario in ("D", "S", "R", "mix", "switch", "budget"))
     for stats in _managers(ranks, "budget"):
         assert stats["budget"] is not None and 0 < stats["peak"] <= stats["budget"], stats
     all_kept = {tuple(s["layers"]): s["peak"] for s in _managers(ranks, "D")}
@@ -68,7 +72,8 @@ def test_flush_schedules_exact_and_under_budget(schedule, tmp_path):
 
 @pytest.mark.parametrize("schedule", ["zb", "zbv", "dualpipev"])
 def test_zero_bubble_two_stages_per_rank_exact_fetched_once_recomputed_once(schedule, tmp_path):
-    """Split backwards (input pass, weight pass later): every layer swapped, recomputed, or a mix; a budget."""
+    """Split backwards (input pass, weight pass later): every layer
+    swapped, recomputed, or a mix; a budget."""
     ranks = _launch(tmp_path, schedule, "D,S,R,mix,budget")
     _assert_exact(ranks)
     for stats in _managers(ranks, "budget"):  # 40% of the rank's largest all-kept peak, weight passes lagging

@@ -75,16 +75,16 @@ def test_swapped_and_recomputed_tensor_parallel_blocks_train_as_kept_ones(tmp_pa
 
 @pytest.mark.slow
 def test_a_tp_rank_dying_mid_move_stops_every_rank_naming_it(tmp_path, capfd):
-    """World rank 3 is stage 1's second tp rank on a ("pp", "tp") mesh: it dies as a forced move's layer reaches
-    it, while its tp peer's shard of the same layer arrives; every other rank stops, naming it."""
+    """World rank 3 is stage 1's second tp rank on a ("pp", "tp") mesh: it dies as a forced move's layer
+    reaches it, while its tp peer's shard of the same layer arrives; every other rank stops, naming it."""
     assert_death_mid_move_stops_everyone(tmp_path, lambda: capfd.readouterr().err, "tp_worker")
 
 
 @pytest.mark.slow
 def test_three_dimensions_pp_dp_tp_move_a_block_as_fsdp2_and_tensor_parallel_shards(tmp_path):
-    """8 ranks on ("pp", "dp", "tp"): FSDP2 over dp on top of tensor parallelism in every block. A forced move of
-    layer 5 sends each (dp, tp) rank's 2-D shards to its peer; the arriving block is parallelised over tp, then
-    sharded over dp as its donor is."""
+    """8 ranks on ("pp", "dp", "tp"): FSDP2 over dp on top of tensor parallelism in every block. A forced
+    move of layer 5 sends each (dp, tp) rank's 2-D shards to its peer; the arriving block is parallelised
+    over tp, then sharded over dp as its donor is."""
     result = run_worker(tmp_path, "tp_worker", "pp_dp_tp", 8)
     ranks = result["ranks"]
     assert not [r for r in result["log"] if r.get("event") == "moves_off"]
@@ -96,8 +96,9 @@ def test_three_dimensions_pp_dp_tp_move_a_block_as_fsdp2_and_tensor_parallel_sha
 
 @pytest.mark.slow
 def test_the_3d_example_trains_with_the_one_line_and_saves_whole_parameters(tmp_path):
-    """examples/train_3d.py as a user runs it (torchrun's environment), with --vpipe: every rank's saved state is
-    the whole parameters of its stage (DTensors gathered), the shapes of the model built without a mesh."""
+    """examples/train_3d.py as a user runs it (torchrun's environment), with --vpipe:
+    every rank's saved state is the whole parameters of its stage (DTensors
+    gathered), the shapes of the model built without a mesh."""
     from support.processes import child_env, run_ranks
 
     out = tmp_path / "run.json"

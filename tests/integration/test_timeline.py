@@ -1,5 +1,6 @@
-"""The pipeline timeline: a window of steps recorded on every rank, merged by `vpipe trace` into one Chrome trace
-with each stage's busy / bubble / waiting fractions; vpipe's work under its own names in torch.profiler."""
+"""The pipeline timeline: a window of steps recorded on every rank, merged by
+`vpipe trace` into one Chrome trace with each stage's busy / bubble / waiting
+fractions; vpipe's work under its own names in torch.profiler."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from vpipe.settings import process_settings
 
 def _trained(tmp_path: Path, scenario: str = "timeline") -> tuple[dict, Path]:
     out, trace_dir = tmp_path / "out.json", tmp_path / "trace"
-    run_ranks([str(WORKERS / "trace_worker.py"), str(out), str(trace_dir), scenario], 2, tmp_path / "output.txt",
+    run_ranks([str(WORKERS / "trace_worker.py"), str(out), str(trace_dir), scenario], 2,
+              tmp_path / "output.txt",
               timeout_s=240)
     return json.loads(out.read_text()), trace_dir
 
@@ -36,7 +38,8 @@ def test_a_trace_window_gives_one_chrome_trace_with_every_micro_batch_and_the_li
     printed = capsys.readouterr().out
     trace = json.loads(out.read_text())
     events = trace["traceEvents"]
-    tracks = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    tracks = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["ph"] == "M"
+              and e["name"] == "thread_name"}
     assert tracks[(0, 0)] == "stage 0" and tracks[(1, 1)] == "stage 1"  # one track per stage
     spans = [e for e in events if e["ph"] == "X"]
     assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in spans)
@@ -44,7 +47,8 @@ def test_a_trace_window_gives_one_chrome_trace_with_every_micro_batch_and_the_li
         for name in ("vpipe.forward", "vpipe.backward"):
             mbs = sorted(e["args"]["mb"] for e in spans if e["name"] == name and e["tid"] == stage)
             assert mbs == sorted([0, 1, 2, 3] * 3), (stage, name)  # every micro-batch of the 3 steps
-    assert any(e["name"] == "vpipe.recompute" and e["tid"] == 0 for e in spans)  # on the stage that recomputes
+    # on the stage that recomputes
+    assert any(e["name"] == "vpipe.recompute" and e["tid"] == 0 for e in spans)
     assert any(e["name"] == "vpipe.p2p_wait" and e["tid"] == timeline.RANK_TRACK for e in spans)
 
     fractions = {f.stage: f for f in timeline.stage_fractions(timeline.load_run(trace_dir))}
@@ -63,7 +67,8 @@ def test_trace_names_what_is_wrong_with_a_run_directory_in_one_line(tmp_path, ca
     (tmp_path / "timeline-rank0.json").write_text("{not json")
     assert cli_main(["trace", str(tmp_path)]) == 2
     assert "is not a vpipe timeline file" in capsys.readouterr().err
-    (tmp_path / "timeline-rank0.json").write_text(json.dumps({"format": "vpipe-timeline", "version": 1, "rank": 0,
+    (tmp_path / "timeline-rank0.json").write_text(json.dumps({"format": "vpipe-timeline", "version": 1,
+                                                              "rank": 0,
                                                              "stages": [0], "events": [{"name": "x"}]}))
     assert cli_main(["trace", str(tmp_path)]) == 2
     assert "event 0 is malformed" in capsys.readouterr().err
@@ -90,7 +95,8 @@ def test_the_fractions_count_overlapping_work_once_and_waits_inside_the_bubble()
     ms = 1_000_000
 
     def ev(name, cat, track, start, end):
-        return {"name": name, "cat": cat, "track": track, "start_ns": start * ms, "end_ns": end * ms, "args": {}}
+        return {"name": name, "cat": cat, "track": track, "start_ns": start * ms, "end_ns": end * ms,
+                "args": {}}
 
     ranks = [timeline.RankTimeline(0, [0], [ev("f", "compute", 0, 0, 6), ev("r", "memory", 0, 1, 2),
                                             ev("b", "compute", 0, 5, 8)], 0),
@@ -105,7 +111,8 @@ def test_the_fractions_count_overlapping_work_once_and_waits_inside_the_bubble()
 
 
 def test_trace_steps_are_checked_where_they_enter(monkeypatch):
-    with pytest.raises(ValueError, match=r"trace_steps must be \(start, count\) with start >= 0 and count >= 1"):
+    with pytest.raises(ValueError,
+                       match=r"trace_steps must be \(start, count\) with start >= 0 and count >= 1"):
         VpipeConfig(trace_steps=(-1, 3))
     with pytest.raises(ValueError, match="trace_steps must be"):
         VpipeConfig(trace_steps=(2, 0))
@@ -124,7 +131,8 @@ def test_outside_a_window_and_the_profiler_a_span_is_one_shared_nothing():
     assert timeline.span("vpipe.x", timeline.MEMORY) is timeline.span("vpipe.y", timeline.COMPUTE, 3, mb=1)
 
 
-EVERY_STEP = ["step_time_s", "plan_epoch", "stage{k}/layers", "stage{k}/peak_saved_bytes", "stage{k}/swapped_bytes",
+EVERY_STEP = ["step_time_s", "plan_epoch", "stage{k}/layers", "stage{k}/peak_saved_bytes",
+              "stage{k}/swapped_bytes",
               "stage{k}/recompute_s"]
 SAMPLED = ["stage{k}/compute_s", "stage{k}/bubble", "stage{k}/device_peak_bytes"]
 
@@ -147,7 +155,8 @@ def test_metrics_go_to_tensorboard_for_every_step_and_the_sampled_ones_on_sample
         assert all(v > 0 for v in series("step_time_s").values())
         recomputed = series("stage{k}/recompute_s")
         assert (sum(recomputed.values()) > 0) == (rank == 0)  # block 1 (stage 0) is recomputed
-        # the monitor samples every 3rd step (sample_every=3): those steps, and no other, carry the sampled fields
+        # the monitor samples every 3rd step (sample_every=3): those
+        # steps, and no other, carry the sampled fields
         sampled = sorted(series("stage{k}/compute_s"))
         assert len(sampled) >= 2 and sampled == list(range(sampled[0], len(steps), 3)), sampled
         for tag in SAMPLED:
@@ -178,8 +187,9 @@ def test_metrics_reach_weights_and_biases_offline(tmp_path, monkeypatch):
     wandb.teardown()  # what a trainer's exit does: W&B's service process writes out what it holds
     assert values == {"step_time_s": 0.5, "plan_epoch": 3.0, "stage0/layers": 4.0}
     (run_file,) = (tmp_path / "rank0" / "wandb").glob("offline-run-*/run-*.wandb")
-    # The offline run's records: each logged key is in them, as W&B would sync it. W&B's service process writes
-    # them and may flush after finish() returns (a CI run once read the file too early), so wait for them.
+    # The offline run's records: each logged key is in them, as W&B would sync it.
+    # W&B's service process writes them and may flush after finish() returns (a CI
+    # run once read the file too early), so wait for them.
     deadline = time.monotonic() + 30
     while missing := [key for key in values if key.encode() not in run_file.read_bytes()]:
         assert time.monotonic() < deadline, f"{missing} not in {run_file} ({run_file.stat().st_size} bytes)"

@@ -7,14 +7,16 @@ import sys
 
 from support.processes import ROOT, child_env, run_vpipe
 
-SMALL = ["--blocks", "2", "--d-model", "16", "--seq-len", "8", "--micro-batches", "4", "--micro-batch-size", "1",
+SMALL = ["--blocks", "2", "--d-model", "16", "--seq-len", "8", "--micro-batches", "4", "--micro-batch-size",
+         "1",
          "--no-progress"]
 
 
 def test_under_torchrun_the_stages_default_to_the_number_of_ranks(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "-m", "vpipe_lab",
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "-m",
+         "vpipe_lab",
          "train", "--steps", "2", "--out-dir", str(out), *SMALL],
         cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,8 +1,9 @@
 """Trainer patterns that once changed what the model learns under vpipe's moves, silently: each trains exactly
 as without vpipe now, or the move is refused in one line.
 
-Each scenario of ``tests/workers/pattern_worker.py`` runs on two real ranks (6,2 split of 8 blocks) next to the
-same trainer without vpipe; the losses, and every parameter and buffer of the whole model, must be bitwise equal.
+Each scenario of ``tests/workers/pattern_worker.py`` runs on two real ranks (6,2
+split of 8 blocks) next to the same trainer without vpipe; the losses, and every
+parameter and buffer of the whole model, must be bitwise equal.
 """
 
 from __future__ import annotations
@@ -24,15 +25,16 @@ def _events(log: list[dict], event: str) -> list[dict]:
 
 
 def test_gradients_accumulated_over_two_schedule_steps_move_with_their_blocks(tmp_path):
-    """A plan taking effect between the two schedule.step() calls of an accumulation window: before the fix the
-    moved blocks' first-half gradients stayed behind and the next optimizer step used half a gradient. A list of
-    parameters the trainer took before attach is reported stale in one line."""
+    """A plan taking effect between the two schedule.step() calls of an accumulation window: before the fix
+    the moved blocks' first-half gradients stayed behind and the next optimizer step used half a gradient.
+    A list of parameters the trainer took before attach is reported stale in one line."""
     result = run_pattern(tmp_path, "accumulation")
     placements = result["placements"]
     assert placements[2] == [[0, 1, 2, 3, 4, 5], [6, 7]] and placements[3] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert placements[-1] == [[0, 1, 2, 3, 4, 5], [6, 7]]  # and back, again inside a window
     assert_trains_like_plain(result)
-    # the trainer's own list of the stage's parameters, taken before attach, is named once per move off stage 0
+    # the trainer's own list of the stage's parameters, taken before
+    # attach, is named once per move off stage 0
     stale = [r for r in _events(result["log"], "stale_references") if r["stage"] == 0]
     assert stale, "the trainer's own parameter list names blocks that left stage 0"
     first = stale[0]
@@ -42,8 +44,9 @@ def test_gradients_accumulated_over_two_schedule_steps_move_with_their_blocks(tm
 
 
 def test_named_param_groups_that_differ_between_stages_keep_each_parameter_in_its_group(tmp_path):
-    """Stage 0 lists [embeddings, decay, no_decay], the last stage [decay, no_decay, head]: before the fix moved
-    weights landed by index (decayed weights in no_decay, norms and biases in head, at another learning rate)."""
+    """Stage 0 lists [embeddings, decay, no_decay], the last stage [decay, no_decay,
+    head]: before the fix moved weights landed by index (decayed weights in no_decay,
+    norms and biases in head, at another learning rate)."""
     result = run_pattern(tmp_path, "groups")
     assert result["placements"][-1] == [[0, 1, 2], [3, 4, 5, 6, 7]]
     assert moved_layers(result["log"])
@@ -55,17 +58,20 @@ def test_a_move_into_a_stage_without_a_matching_group_is_refused_in_one_line(tmp
     assert result["placements"][-1] == [[0, 1, 2, 3, 4, 5], [6, 7]]  # nothing moved
     refused = _events(result["log"], "migration_refused")
     assert len(refused) == 1
-    assert ("layer 4's up.weight trains in param group 1 'decay' on its stage; no param group here has its settings "
+    assert ("layer 4's up.weight trains in param group 1 'decay' on its stage; no param group "
+            "here has its settings "
             "(the closest, group 0 'decay', has weight_decay 0.05 (not 0.1))") in refused[0]["msg"]
     assert _events(result["log"], "migration_aborted")
     assert_trains_like_plain(result)
 
 
 def test_dense_and_moe_blocks_interleaved_share_one_container_and_move(tmp_path):
-    """Stage 1 holds one dense and one MoE block: alone it would pick the MoE block's experts as its container."""
+    """Stage 1 holds one dense and one MoE block: alone it would
+    pick the MoE block's experts as its container."""
     result = run_pattern(tmp_path, "mixed")
     assert result["placements"][-1] == [[0, 1, 2], [3, 4, 5, 6, 7]]
-    assert [r["moved"] for r in _events(result["log"], "migration_done") if r["rank"] == 0] == [[[4, 5]], [[4]],
+    assert [r["moved"] for r in _events(result["log"], "migration_done") if r["rank"] == 0] == [[[4, 5]],
+                                                                                                [[4]],
                                                                                                 [[3, 4]]]
     assert_trains_like_plain(result)  # router weights, experts and their token counts travel
     assert sum(result["states"]["vpipe"]["layers.5.tokens_per_expert"]) == 8 * 8  # 8 steps of 8 samples
@@ -90,21 +96,22 @@ def test_an_autocast_around_the_step_depends_on_the_split_unless_its_cache_is_of
 
 
 def test_removing_blocks_runs_no_extra_forward_that_a_users_stateful_hook_would_see(tmp_path):
-    """Found by the fuzzer: after remove_layers vpipe redid torch's shape inference, one more forward of the stage,
-    and a user's counting hook on a block that stayed saw it (the losses differed from the removal on). Shapes are
-    now inferred again only where a boundary changes."""
+    """Found by the fuzzer: after remove_layers vpipe redid torch's shape inference, one more forward of
+    the stage, and a user's counting hook on a block that stayed saw it (the losses differed from the
+    removal on). Shapes are now inferred again only where a boundary changes."""
     result = run_pattern(tmp_path, "removal_hooked")
     assert result["placements"][-1] == [[0, 1, 3, 4, 5], [6]]
     assert_trains_like_plain(result)
 
 
 def test_adding_a_block_inside_a_stage_calls_the_users_loss_no_extra_time(tmp_path):
-    """Found by the fuzzer's GradScaler axis: after add_layers vpipe made torch redo its first-step shape inference
-    on every stage, which calls the loss once more (on the last stage), and a loss that counts its calls (there:
-    to tell a step's first micro-batch) saw it. Shapes are now inferred again only where a new block ends a stage.
-    The extra call showed under Interleaved 1F1B (``python tests/fuzz/run.py --only 74`` at commit ac34aaa,
-    DIVERGED before the fix, refused as designed after it: ``--library`` this tree); this 1F1B trainer checks that
-    a block added inside a stage trains as the plain copy's and leaves the loss's calls alike."""
+    """Found by the fuzzer's GradScaler axis: after add_layers vpipe made torch redo its first-step
+    shape inference on every stage, which calls the loss once more (on the last stage), and a loss
+    that counts its calls (there: to tell a step's first micro-batch) saw it. Shapes are now inferred
+    again only where a new block ends a stage. The extra call showed under Interleaved 1F1B (``python
+    tests/fuzz/run.py --only 74`` at commit ac34aaa, DIVERGED before the fix, refused as designed
+    after it: ``--library`` this tree); this 1F1B trainer checks that a block added inside a stage
+    trains as the plain copy's and leaves the loss's calls alike."""
     result = run_pattern(tmp_path, "added_counted")
     assert result["placements"][-1] == [[0, 1, 8, 2, 3, 4, 5], [6, 7]]
     assert result["loss_calls"]["vpipe"] == result["loss_calls"]["plain"]
@@ -135,8 +142,8 @@ def test_blocks_whose_parameters_train_in_no_optimizer_given_to_attach_are_named
     ("ema_dict", "is averaged beside its stage (a dict of "),
 ])
 def test_a_stage_whose_weights_are_averaged_beside_it_keeps_its_blocks_and_says_so(tmp_path, scenario, found):
-    """An EMA vpipe cannot carry yet: the blocks stay (a move would freeze their average on one stage and crash
-    or restart it on the other), named in one line at attach, and training matches the plain copy."""
+    """An EMA vpipe cannot carry yet: the blocks stay (a move would freeze their average on one stage and
+    crash or restart it on the other), named in one line at attach, and training matches the plain copy."""
     result = run_pattern(tmp_path, scenario)
     assert all(p == [[0, 1, 2, 3, 4, 5], [6, 7]] for p in result["placements"])
     off = {r["stage"]: r for r in _events(result["log"], "moves_off")}
@@ -146,11 +153,13 @@ def test_a_stage_whose_weights_are_averaged_beside_it_keeps_its_blocks_and_says_
 
 @pytest.mark.parametrize("scenario", ["ema_averaged_carried", "ema_dict_carried"])
 def test_an_average_named_in_carry_moves_with_its_blocks_and_ends_as_without_vpipe(tmp_path, scenario):
-    """carry=[ema]: the blocks move (6,2 -> 4,4 -> 5,3 -> 3,5), each moved block's average travels in the move's
-    payload, and after training both the model and its average equal the trainer's without vpipe, bitwise."""
+    """carry=[ema]: the blocks move (6,2 -> 4,4 -> 5,3 -> 3,5), each moved block's
+    average travels in the move's payload, and after training both the model and
+    its average equal the trainer's without vpipe, bitwise."""
     result = run_pattern(tmp_path, scenario)
     assert result["placements"][-1] == [[0, 1, 2], [3, 4, 5, 6, 7]]
-    assert [r["moved"] for r in _events(result["log"], "migration_done") if r["rank"] == 0] == [[[4, 5]], [[4]],
+    assert [r["moved"] for r in _events(result["log"], "migration_done") if r["rank"] == 0] == [[[4, 5]],
+                                                                                                [[4]],
                                                                                                 [[3, 4]]]
     assert not _events(result["log"], "moves_off")  # a carried average pins nothing
     assert_trains_like_plain(result)
@@ -162,7 +171,8 @@ def test_an_average_named_in_carry_moves_with_its_blocks_and_ends_as_without_vpi
         assert moved["n_averaged"] == 8  # steps
     # on_move heard each commit on each rank once per stage that changed, the arrived blocks in place
     rank0, rank1 = result["heard"]
-    assert [(e["arrived"], e["left"], e["cause"]) for e in rank0] == [([], [4, 5], "applied"), ([4], [], "applied"),
+    assert [(e["arrived"], e["left"], e["cause"]) for e in rank0] == [([], [4, 5], "applied"),
+                                                                      ([4], [], "applied"),
                                                                       ([], [3, 4], "applied")]
     assert [(e["arrived"], e["left"]) for e in rank1] == [([4, 5], []), ([], [4]), ([3, 4], [])]
     assert all(e["in_container"] for e in rank0 + rank1)
@@ -170,14 +180,20 @@ def test_an_average_named_in_carry_moves_with_its_blocks_and_ends_as_without_vpi
 
 def test_a_carry_it_cannot_take_is_refused_at_attach_in_one_line(tmp_path):
     errors = run_pattern(tmp_path, "carry_refused")["errors"]
-    assert errors[0].keys() == errors[1].keys() == {"other_module", "bad_keys", "unsupported"}  # on every rank
-    assert "not of this rank's stage module (Net, 14 parameters)" in errors[1]["other_module"]  # each names its own
-    assert errors[0]["other_module"].startswith("vpipe.attach: carry[0] is an AveragedModel of another module "
-                                                "(Linear, 2 parameters), not of this rank's stage module (Net, ")
-    assert errors[0]["bad_keys"] == ("vpipe.attach: carry[0] is a dict keyed by 'decoder.weight', which names no "
+    # on every rank
+    assert errors[0].keys() == errors[1].keys() == {"other_module", "bad_keys", "unsupported"}
+    # each names its own
+    assert "not of this rank's stage module (Net, 14 parameters)" in errors[1]["other_module"]
+    assert errors[0]["other_module"].startswith("vpipe.attach: carry[0] is an "
+                                                "AveragedModel of another module "
+                                                "(Linear, 2 parameters), not of this "
+                                                "rank's stage module (Net, ")
+    assert errors[0]["bad_keys"] == ("vpipe.attach: carry[0] is a dict keyed by "
+                                     "'decoder.weight', which names no "
                                      "parameter of this rank's stage module: a carried dict is keyed by the "
                                      "parameter names named_parameters() gives")
     assert errors[0]["unsupported"].startswith("vpipe.attach: carry[0] is a list: carry= takes torch's "
-                                               "AveragedModel of the stage module or a dict of tensors keyed by its "
+                                               "AveragedModel of the stage module or a dict of "
+                                               "tensors keyed by its "
                                                "parameter names")
     assert all("\n" not in message for message in errors[0].values())

@@ -1,6 +1,6 @@
-"""A trainer of your own that dies of an uncaught exception with vpipe attached: vpipe's exit handler detaches at
-once, where the last stage used to wait 5 s for statistics its upstream could not send (the upstream is blocked on
-it in the pipeline until its process is gone)."""
+"""A trainer of your own that dies of an uncaught exception with vpipe attached: vpipe's exit handler
+detaches at once, where the last stage used to wait 5 s for statistics its upstream could not send (the
+upstream is blocked on it in the pipeline until its process is gone)."""
 
 from __future__ import annotations
 

@@ -21,7 +21,8 @@ from support.processes import child_env
 from vpipe_lab.runtime.launch import spawn
 from vpipe_lab.runtime.warm_start import COLD_START_ENV, SHARED_STARTER_ENV, WarmStarter, warm_start_possible
 
-# A rank reports what a program sees of its start; ``warm`` says whether torch was there before it imported it.
+# A rank reports what a program sees of its start; ``warm`` says
+# whether torch was there before it imported it.
 REPORT = """
 import json, os, random, sys
 warm = "torch.distributed.pipelining" in sys.modules
@@ -61,11 +62,13 @@ def test_a_forked_rank_sees_its_program_as_a_cold_one_does(tmp_path):
     assert warm_code == cold_code == 0
     assert [r["warm"] for r in warm] == [True, True] and [r["warm"] for r in cold] == [False, False]
     for w, c in zip(warm, cold):
-        assert w["argv"][0] == c["argv"][0] and w["argv"][1:] != c["argv"][1:]  # the same program, its own out dir
+        # the same program, its own out dir
+        assert w["argv"][0] == c["argv"][0] and w["argv"][1:] != c["argv"][1:]
         assert (w["rank"], w["cwd"], w["path0"], w["name"], w["world"]) == (c["rank"], c["cwd"], c["path0"],
                                                                             c["name"], c["world"])
     assert warm[0]["store"] == warm[1]["store"]
-    # a cold interpreter seeds random and numpy from the OS: forked ranks must not share their parent's sequence
+    # a cold interpreter seeds random and numpy from the OS: forked
+    # ranks must not share their parent's sequence
     assert warm[0]["random"] != warm[1]["random"] and warm[0]["numpy"] != warm[1]["numpy"]
 
 
@@ -86,12 +89,14 @@ def test_a_forked_rank_ends_the_run_with_the_code_a_cold_one_would(tmp_path, cap
 def test_modules_and_code_strings_start_warm_too(tmp_path):
     (tmp_path / "wsmod.py").write_text("import os, sys\nopen(sys.argv[1] + os.environ['RANK'], 'w').write("
                                        "repr((__name__, sys.argv[2:], 'torch' in sys.modules)))\n")
-    code = spawn([sys.executable, "-m", "wsmod", str(tmp_path / "m"), "a", "b"], 2, extra_env={"PYTHONPATH": str(
+    code = spawn([sys.executable, "-m", "wsmod", str(tmp_path / "m"), "a", "b"], 2,
+                 extra_env={"PYTHONPATH": str(
         tmp_path)})
     assert code == 0
     assert [(tmp_path / f"m{r}").read_text() for r in range(2)] == ["('__main__', ['a', 'b'], True)"] * 2
     # rank 0 fails at once; rank 1 waits to be ended, so which rank failed first is never a race
-    code = spawn([sys.executable, "-c", "import os, sys, time; rank = int(os.environ['RANK']); time.sleep(600 * rank); "
+    code = spawn([sys.executable, "-c",
+                  "import os, sys, time; rank = int(os.environ['RANK']); time.sleep(600 * rank); "
                   "sys.exit(5 + rank)"], 2, grace_s=1)
     assert code == 5
 
@@ -127,7 +132,8 @@ def test_the_starter_ends_its_ranks_when_the_launcher_goes(tmp_path):
 def test_one_starter_serves_runs_one_after_another_each_with_its_own_output_and_path(tmp_path):
     (tmp_path / "only_here.py").write_text("WHERE = 'tmp'\n")
     program = ("import os, sys\nimport only_here\n"
-               "print(f\"rank {os.environ['RANK']} of run {sys.argv[1]} found {only_here.WHERE}\", file=sys.stderr)\n")
+               "print(f\"rank {os.environ['RANK']} of run {sys.argv[1]} found "
+               "{only_here.WHERE}\", file=sys.stderr)\n")
     starter = WarmStarter(child_env())
     try:
         for run in ("a", "b"):
@@ -157,9 +163,11 @@ def test_launchers_share_a_listening_starter_and_one_that_goes_takes_only_its_ow
                 break
             time.sleep(0.1)
         assert len(sleeping) == 2 and not psutil.Process(sleeper.pid).children()  # the starter's, not its own
-        report = ("import os, sys; print(os.environ['RANK'], os.getppid(), 'torch' in sys.modules, flush=True); "
+        report = ("import os, sys; print(os.environ['RANK'], os.getppid(), 'torch' in "
+                  "sys.modules, flush=True); "
                   "sys.exit(5 * int(os.environ['RANK']))")  # rank 1 fails, rank 0 ends well
-        quick = subprocess.run([sys.executable, "-c", spawn_ + f"sys.exit(spawn([sys.executable, '-c', {report!r}], "
+        quick = subprocess.run([sys.executable, "-c",
+                                spawn_ + f"sys.exit(spawn([sys.executable, '-c', {report!r}], "
                                 "2, grace_s=5))\n"], env=env, capture_output=True, text=True, timeout=120)
         assert quick.returncode == 5 and "rank 1 exited first with code 5" in quick.stderr, quick.stderr
         assert sorted(quick.stdout.split("\n")[:2]) == [f"{r} {starter.pid} True" for r in range(2)]
@@ -186,7 +194,8 @@ def _launcher_with_sleeping_ranks() -> tuple[subprocess.Popen, psutil.Process, l
     ranks; returns it, its starter and every process under it."""
     program = ("import sys\nfrom vpipe_lab.runtime.launch import spawn\n"
                "sys.exit(spawn([sys.executable, '-c', 'import time; time.sleep(600)'], 2))\n")
-    launcher = subprocess.Popen([sys.executable, "-c", program], start_new_session=True, stderr=subprocess.PIPE,
+    launcher = subprocess.Popen([sys.executable, "-c", program], start_new_session=True,
+                                stderr=subprocess.PIPE,
                                 text=True, env=child_env(**{COLD_START_ENV: "0", SHARED_STARTER_ENV: ""}))
     descendants: list = []
     for _ in range(600):

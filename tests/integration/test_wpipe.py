@@ -1,8 +1,8 @@
-"""WPipe (``vpipe.ScheduleWPipe``) on two real gloo ranks, two stages each (G0's and G1's), against its update
-rule written out by hand in one process (support/wpipe.py): every stage's weights bit for bit, for SGD and Adam;
-the weight versions each group holds (the WPipe paper's Table 1: two for G0, one for G1); vpipe under it
-(every block recomputed, swapped or kept, planning off; or the planner running) changing nothing, its layers refused
-moves in one line; and the lab's ``--schedule wpipe``."""
+"""WPipe (``vpipe.ScheduleWPipe``) on two real gloo ranks, two stages each (G0's and G1's), against its
+update rule written out by hand in one process (support/wpipe.py): every stage's weights bit for bit, for
+SGD and Adam; the weight versions each group holds (the WPipe paper's Table 1: two for G0, one for G1);
+vpipe under it (every block recomputed, swapped or kept, planning off; or the planner running) changing
+nothing, its layers refused moves in one line; and the lab's ``--schedule wpipe``."""
 
 from __future__ import annotations
 
@@ -45,7 +45,8 @@ def test_every_stage_ends_bitwise_where_the_2gw_rule_by_hand_ends(runs, optimize
     both_delayed = reference_wpipe(optimizer, RANKS, restart=restart, delays=(1, 1))  # 2BW's rule
     for rank in range(RANKS):
         state = runs[rank][optimizer]["state"]
-        # G0's stage r holds layers 2r, 2r+1; G1's stage W + r layers 2(W + r), 2(W + r) + 1: a weight, a bias each
+        # G0's stage r holds layers 2r, 2r+1; G1's stage W + r layers
+        # 2(W + r), 2(W + r) + 1: a weight, a bias each
         assert sorted({int(k.split(".")[0]) for k in state}) == [2 * rank, 2 * rank + 1, 2 * (RANKS + rank),
                                                                    2 * (RANKS + rank) + 1]
         assert _unequal(state, ref) == [], f"rank {rank} left the 2GW rule"
@@ -60,9 +61,11 @@ def test_g0_holds_two_weight_versions_and_g1_one_as_in_the_papers_table_1(runs):
         for name in ("sgd", "adam"):
             run = runs[rank][name]
             assert run["peak_versions"] == [2, 1]  # distinct versions held at once: G0 two, G1 one
-            assert run["peak_stashed"] == [2, 0]  # G0's copies beside its live weights; G1 runs on its live ones
-        # at the end of step s G0 has applied the update of period s - 1 (W0(s)) and keeps W0(s-1), which period
-        # s (in flight until step s + 1) runs on; G1 has applied period s's update and holds W1(s+1) alone
+            # G0's copies beside its live weights; G1 runs on its live ones
+            assert run["peak_stashed"] == [2, 0]
+        # at the end of step s G0 has applied the update of period s - 1 (W0(s))
+        # and keeps W0(s-1), which period s (in flight until step s + 1) runs on;
+        # G1 has applied period s's update and holds W1(s+1) alone
         assert runs[rank]["adam"]["held"] == [[[0], [1]]] + [[[s - 1, s], [s + 1]] for s in range(1, PERIODS)]
         # after the flush before period 3 every update is applied: periods 3 and 4 both run G0 on W0(3)
         assert runs[rank]["sgd"]["held"][FLUSH_AFTER:] == [[[3], [4]], [[3, 4], [5]], [[4, 5], [6]]]
@@ -78,10 +81,12 @@ def test_vpipe_under_wpipe_recomputes_every_block_and_trains_bitwise_like_the_sc
         # every layer of both of the rank's stages recomputed once for each micro-batch's backward
         mine = [2 * rank, 2 * rank + 1, 2 * (RANKS + rank), 2 * (RANKS + rank) + 1]
         assert attached["recomputes"] == dict.fromkeys(mine, PERIODS * MICRO_BATCHES)
-        assert attached["move_refusal"] == ("ScheduleWPipe's layers do not move: streamed moves know one stage a "
+        assert attached["move_refusal"] == ("ScheduleWPipe's layers do not move: streamed "
+                                            "moves know one stage a "
                                             "rank, not two groups updating at different points of a step")
         # attach says so in one moves_off line per stage, as for every engine whose layers stay put
-        assert attached["moves_off"] == [f"stage {v}: layers will not move ({attached['move_refusal']}); swap and "
+        assert attached["moves_off"] == [f"stage {v}: layers will not move "
+                                         f"({attached['move_refusal']}); swap and "
                                          "recompute plans still apply" for v in (rank, RANKS + rank)]
         assert attached["peak_versions"] == [2, 1]
 
@@ -94,17 +99,20 @@ def test_under_wpipe_swapped_blocks_a_budget_and_a_running_planner_change_nothin
             run = runs[rank][name]
             assert _unequal(run["state"], plain["state"]) == [] and run["losses"] == plain["losses"], name
             assert run["policies"] == {str(lid): policy for lid in mine}
-        assert runs[rank]["swapped"]["swapped_bytes"] > 0  # G0's saved activations went to the host across steps
+        # G0's saved activations went to the host across steps
+        assert runs[rank]["swapped"]["swapped_bytes"] > 0
         assert runs[rank]["planned"]["swapped_bytes"] == 0
-        # every block kept, nothing measured: the stages go quiet (their own methods, no manager), G1's at step 2,
-        # G0's at step 3 with its period 2 in flight across the boundary; a plan (policies only) has every block
-        # recomputed from step 4 on: the managers take over again (G0's counting period 3, whose forwards ran
-        # quiet and kept, as in flight) and recompute the micro-batches of periods 4 and 5 in both groups
+        # every block kept, nothing measured: the stages go quiet (their own methods, no manager),
+        # G1's at step 2, G0's at step 3 with its period 2 in flight across the boundary; a plan
+        # (policies only) has every block recomputed from step 4 on: the managers take over again
+        # (G0's counting period 3, whose forwards ran quiet and kept, as in flight) and recompute
+        # the micro-batches of periods 4 and 5 in both groups
         kept = runs[rank]["kept"]
         assert kept["plain"] == [[False, False]] * 2 + [[False, True], [True, True]] + [[False, False]] * 2
         assert kept["recomputes"] == dict.fromkeys(mine, (PERIODS - RECOMPUTE_AT + 1) * MICRO_BATCHES)
-    # a rank budget too small for rank 0's G0 stage at its peak (5 micro-batches) with every layer kept: that
-    # stage's layers are swapped to stay within it, rank 1's and both G1 stages keep theirs; bitwise all the same
+    # a rank budget too small for rank 0's G0 stage at its peak (5 micro-batches) with
+    # every layer kept: that stage's layers are swapped to stay within it, rank 1's
+    # and both G1 stages keep theirs; bitwise all the same
     budget = [runs[rank]["budget"] for rank in range(RANKS)]
     assert [run["policies"] for run in budget] == [{"0": "S", "1": "S", "4": "D", "5": "D"},
                                                    {"2": "D", "3": "D", "6": "D", "7": "D"}]
@@ -118,7 +126,8 @@ def test_the_labs_wpipe_schedule_trains_as_its_single_process_reference(tmp_path
     cfg = RunConfig(stages=2, schedule="wpipe", steps=3, blocks=2, d_model=16, n_heads=2, seq_len=8,
                     dropout=0.0, micro_batches=2, micro_batch_size=2)
     proc = run_vpipe("train", "--stages", "2", "--schedule", "wpipe", "--steps", "3", "--blocks", "2",
-                     "--d-model", "16", "--n-heads", "2", "--seq-len", "8", "--dropout", "0", "--micro-batches", "2",
+                     "--d-model", "16", "--n-heads", "2", "--seq-len", "8", "--dropout", "0",
+                     "--micro-batches", "2",
                      "--micro-batch-size", "2", "--out-dir", str(tmp_path), "--no-progress")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rank0 = json.loads((tmp_path / "rank0.json").read_text())
@@ -132,7 +141,8 @@ def test_the_labs_wpipe_schedule_trains_as_its_single_process_reference(tmp_path
 
 def test_the_lab_refuses_what_a_wpipe_stream_cannot_do():
     for extra, said in ([{"checkpoint_dir": "x"}, "checkpoints need a flush schedule (any but wpipe)"],
-                        [{"nas": [{"step": 1, "remove": [1]}], "vpipe": True}, "layer edits need a flush schedule"],
+                        [{"nas": [{"step": 1, "remove": [1]}], "vpipe": True},
+                         "layer edits need a flush schedule"],
                         [{"moves": [{"step": 1, "partition": [1, 2, 1, 1]}], "vpipe": True},
                          "forced moves need layers that move (wpipe's do not)"],
                         [{"stages_per_rank": 3}, "wpipe runs exactly 2 stages per rank (G0's and G1's)"],

@@ -26,7 +26,8 @@ def test_blocks_leave_the_last_stage_of_a_modulelist_zbv_pipeline(tmp_path, scen
     want = {"swap_recompute": [[0, 1], [2, 3], [4, 5, 6], [7]], "keep": [[0, 1], [2, 3], [4, 5], [6, 7]]}
     assert result["placement"] == want[scenario]
     # at every step boundary, after every micro-batch's input and weight passes: nothing held for a backward
-    assert all(row["live"] == 0 and row["host_pool"] == 0 and row["resident"] == 0 for row in result["left"]), \
+    assert all(row["live"] == 0 and row["host_pool"] == 0 and row["resident"] == 0
+               for row in result["left"]), \
         [row for row in result["left"] if row["live"] or row["host_pool"] or row["resident"]]
     assert len(result["losses"]["plain"]) == 8 * 4  # 8 steps of 4 micro-batches
     assert result["losses"]["vpipe"] == result["losses"]["plain"]  # bitwise, every micro-batch of every step

@@ -44,7 +44,8 @@ def packed(wire) -> bytes:
 
 VALID = [
     make("stats", (stage_record(0, 9, (0, 1)), stage_record(1, 9, (2, 3))), epoch=2, iteration=9, stage=1),
-    make("plan", Plan(epoch=3, stages=((0, 1), (2, 3)), policies={2: Policy.SWAP}, reason="r"), epoch=3, stage=PLANNER),
+    make("plan", Plan(epoch=3, stages=((0, 1), (2, 3)), policies={2: Policy.SWAP}, reason="r"), epoch=3,
+         stage=PLANNER),
     make("hello", {"pid": 1234, "endpoint": "tcp://127.0.0.1:5555"}),
     make("welcome", {"plan": None, "num_stages": 4}, stage=3),
     make("welcome", {"plan": Plan(epoch=0, stages=((0,), (1,))), "num_stages": 2}, stage=1),
@@ -107,7 +108,8 @@ def pump(agents, iteration, sampled, plans, rounds=1):
     """One pipeline step in flush order: the last stage finishes first."""
     for _ in range(rounds):
         for agent in reversed(agents):
-            record = stage_record(agent.stage_index, iteration, LAYERS[agent.stage_index]) if sampled else None
+            record = stage_record(agent.stage_index, iteration,
+                                  LAYERS[agent.stage_index]) if sampled else None
             plans[agent.stage_index] += agent.after_step(iteration, record)
         time.sleep(0.02)
 

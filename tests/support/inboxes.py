@@ -38,7 +38,8 @@ class Store(dict):
     def check(self, keys): return all(k in self for k in keys)
     def wait(self, keys, timeout=None): pass
 
-plane = ControlPlane(Store(), 0, 2, host="127.0.0.1")  # CURVE with the run's key from the environment, if given
+# CURVE with the run's key from the environment, if given
+plane = ControlPlane(Store(), 0, 2, host="127.0.0.1")
 print(plane.endpoint, flush=True)
 last = []  # the number of the last message its peers send, given with "stop"
 threading.Thread(target=lambda: last.append(int(sys.stdin.readline())), daemon=True).start()
@@ -68,8 +69,8 @@ plane.close(linger_ms=0)
 
 
 class Friend:
-    """A peer holding the run's key (None: a run without CURVE): a PUSH socket sending numbered ``done`` messages
-    from a thread."""
+    """A peer holding the run's key (None: a run without CURVE): a PUSH
+    socket sending numbered ``done`` messages from a thread."""
 
     def __init__(self, context: zmq.Context, endpoint: str, secret: bytes | None, first: int) -> None:
         self.socket = context.socket(zmq.PUSH)
@@ -83,7 +84,8 @@ class Friend:
         self.next = first
 
     def send(self) -> None:
-        self.socket.send(encode(make("done", self.next, stage=1)))  # blocks until connected: queued, never lost
+        # blocks until connected: queued, never lost
+        self.socket.send(encode(make("done", self.next, stage=1)))
         self.sent.append(self.next)
         self.next += 1
 

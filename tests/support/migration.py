@@ -57,13 +57,15 @@ class Hub:
 
 
 class FakeMessenger:
-    """:class:`~vpipe.migration.handshake.Messenger` over the hub; matches messages by key like ControlMessenger."""
+    """:class:`~vpipe.migration.handshake.Messenger` over the hub;
+    matches messages by key like ControlMessenger."""
 
     def __init__(self, hub: Hub, rank: int) -> None:
         self.hub, self.rank = hub, rank
 
     def send_to(self, peer: int, type: str, body: dict[str, Any], *, epoch: int) -> None:
-        msg = decode(encode(make(type, body, epoch=epoch, stage=self.rank)))  # the wire format, parsers included
+        # the wire format, parsers included
+        msg = decode(encode(make(type, body, epoch=epoch, stage=self.rank)))
         with self.hub.cond:
             self.hub.log.append((self.rank, peer, msg.type, msg.body, msg.epoch))
             self.hub.mail[peer].append((self.rank, msg.type, msg.body, msg.epoch))
@@ -75,7 +77,8 @@ class FakeMessenger:
 
         def find() -> int | None:
             return next((i for i, (src, type_, body, epoch) in enumerate(box)
-                         if type_ in types and src == from_rank and (epoch, body["round"], body["move"]) == key), None)
+                         if type_ in types and src == from_rank
+                         and (epoch, body["round"], body["move"]) == key), None)
 
         with self.hub.cond:
             if not self.hub.cond.wait_for(lambda: find() is not None, timeout=timeout_s):
@@ -104,7 +107,8 @@ class _Arrival:
 
 
 class FakeChannel:
-    """:class:`~vpipe.migration.transfer.TransferChannel` over the hub: queues for payloads, a barrier for votes."""
+    """:class:`~vpipe.migration.transfer.TransferChannel` over the
+    hub: queues for payloads, a barrier for votes."""
 
     timeout_s = 1800.0  # torch's default for a group
 
@@ -160,15 +164,19 @@ class Rank:
 
     def __init__(self, rank: int, placement: Sequence[Sequence[int]], stage_ranks: Sequence[int], hub: Hub, *,
                  kind: type[Block] = Block, factory: Callable[[int, Any], nn.Module] | None = None,
-                 specs: dict[int, Any] | None = None, faults: FaultHook = NO_FAULTS, timeout_s: float = WAIT_S,
+                 specs: dict[int, Any] | None = None, faults: FaultHook = NO_FAULTS,
+                 timeout_s: float = WAIT_S,
                  epoch: int = 0) -> None:
         torch.manual_seed(100 + rank)
         local = [v for v, r in enumerate(stage_ranks) if r == rank]
         self.containers = {v: nn.Sequential(OrderedDict((str(lid), kind(lid)) for lid in placement[v]))
                            for v in local}
-        self.optimizer = torch.optim.Adam([p for c in self.containers.values() for p in c.parameters()], lr=0.01)
-        self.manager = LayerManager(self.containers, placement=placement, optimizer=self.optimizer, factory=factory,
-                                    specs=specs, messenger=FakeMessenger(hub, rank), channel=FakeChannel(hub, rank),
+        self.optimizer = torch.optim.Adam([p for c in self.containers.values() for p in c.parameters()],
+                                          lr=0.01)
+        self.manager = LayerManager(self.containers, placement=placement, optimizer=self.optimizer,
+                                    factory=factory,
+                                    specs=specs, messenger=FakeMessenger(hub, rank),
+                                    channel=FakeChannel(hub, rank),
                                     device=torch.device("cpu"), stage_ranks=stage_ranks, timeout_s=timeout_s,
                                     epoch=epoch, faults=faults)
         self.placement = tuple(tuple(s) for s in placement)  # this rank's plan in force: where the layers are
@@ -187,7 +195,8 @@ class Rank:
         self.optimizer.zero_grad(set_to_none=True)
 
     def apply(self, plan: Plan) -> MigrationReport:
-        """Move towards ``plan`` from the placement in force, and keep the one reached (as the plan applier does)."""
+        """Move towards ``plan`` from the placement in force, and
+        keep the one reached (as the plan applier does)."""
         report = self.manager.apply(plan, self.placement)
         self.placement = report.placement
         return report
@@ -201,7 +210,8 @@ class Rank:
         return reshapes
 
     def block(self, layer_id: int) -> nn.Module:
-        return next(c._modules[str(layer_id)] for c in self.containers.values() if str(layer_id) in c._modules)
+        return next(c._modules[str(layer_id)] for c in self.containers.values()
+                    if str(layer_id) in c._modules)
 
     def keys(self) -> dict[int, list[str]]:
         return {v: list(c._modules) for v, c in self.containers.items()}
@@ -220,7 +230,8 @@ def run_ranks(ranks: Sequence[Rank | LayerManager], plan: Plan,
 
 
 def on_every_rank(ranks: Sequence[Rank | LayerManager], call: Callable[[LayerManager], Any]) -> list[Any]:
-    """``call(manager)`` on every rank at once, each on its own thread (a collective inside it needs them all)."""
+    """``call(manager)`` on every rank at once, each on its own
+    thread (a collective inside it needs them all)."""
     managers = [r.manager if isinstance(r, Rank) else r for r in ranks]
     reports: list[Any] = [None] * len(managers)
 
@@ -247,17 +258,20 @@ TWO = [[0, 1, 2], [3, 4, 5]]
 
 
 # ---------------------------------------------------------------------- moves that fail
-def assert_unchanged(ranks: Sequence[Rank], keys: list[dict], params: list[list[int]], states: list[dict]) -> None:
+def assert_unchanged(ranks: Sequence[Rank], keys: list[dict], params: list[list[int]],
+                     states: list[dict]) -> None:
     """Every rank's containers, optimizer (parameters and state) and listeners are as they were."""
     for rank, k, p, s in zip(ranks, keys, params, states):
         assert rank.keys() == k
         assert rank.optimizer_params() == p
         assert sorted(id(q) for q in rank.optimizer.state) == sorted(s)
         for q, st in rank.optimizer.state.items():
-            assert sorted(st) == sorted(s[id(q)]) and all(torch.equal(v, s[id(q)][kk]) for kk, v in st.items())
+            assert sorted(st) == sorted(s[id(q)]) and all(torch.equal(v, s[id(q)][kk])
+                                                          for kk, v in st.items())
         assert all(not listener.events for listener in rank.listeners.values())
 
 
 def placement_snapshot(ranks: Sequence[Rank]) -> tuple[list, list, list]:
     return ([r.keys() for r in ranks], [r.optimizer_params() for r in ranks],
-            [{id(q): {k: v.clone() for k, v in st.items()} for q, st in r.optimizer.state.items()} for r in ranks])
+            [{id(q): {k: v.clone() for k, v in st.items()} for q, st in r.optimizer.state.items()}
+             for r in ranks])

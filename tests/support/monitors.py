@@ -30,4 +30,5 @@ def stage_record(stage: int = 1, iteration: int = 9, layers=(3, 4), **changes) -
 
 def chain(width: int = 32, ids=(5, 6, 7)) -> nn.Sequential:
     torch.manual_seed(0)
-    return nn.Sequential(OrderedDict((str(i), nn.Sequential(nn.Linear(width, width), nn.Tanh())) for i in ids))
+    return nn.Sequential(OrderedDict((str(i), nn.Sequential(nn.Linear(width, width), nn.Tanh()))
+                                     for i in ids))

@@ -19,9 +19,11 @@ class EncoderDecoder(nn.Module):
     def __init__(self, dim: int = 32, encoders: int = 2, decoders: int = 4, vocab: int = 64) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
-        self.encoder = nn.ModuleList(nn.TransformerEncoderLayer(dim, 4, 4 * dim, dropout=0.0, batch_first=True)
+        self.encoder = nn.ModuleList(nn.TransformerEncoderLayer(dim, 4, 4 * dim, dropout=0.0,
+                                                                batch_first=True)
                                      for _ in range(encoders))
-        self.decoder = nn.ModuleList(nn.TransformerDecoderLayer(dim, 4, 4 * dim, dropout=0.0, batch_first=True)
+        self.decoder = nn.ModuleList(nn.TransformerDecoderLayer(dim, 4, 4 * dim, dropout=0.0,
+                                                                batch_first=True)
                                      for _ in range(decoders))
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab)
@@ -52,8 +54,9 @@ def hf_gpt2() -> tuple[nn.Module, torch.Tensor]:
 
 
 def tutorial_transformer() -> tuple[nn.Module, torch.Tensor]:
-    """The pipelining tutorial's (and torchtitan's) model from ``examples/train_tutorial.py``: ``tok_embeddings``,
-    ``layers`` (an ``nn.ModuleDict`` keyed by global id), ``norm``, ``output``; one micro-batch of token ids."""
+    """The pipelining tutorial's (and torchtitan's) model from
+    ``examples/train_tutorial.py``: ``tok_embeddings``, ``layers`` (an ``nn.ModuleDict``
+    keyed by global id), ``norm``, ``output``; one micro-batch of token ids."""
     spec = importlib.util.spec_from_file_location("train_tutorial", EXAMPLES / "train_tutorial.py")
     assert spec is not None and spec.loader is not None
     example = sys.modules.setdefault("train_tutorial", importlib.util.module_from_spec(spec))

@@ -39,8 +39,10 @@ def _base_env() -> dict[str, str]:
     return env
 
 
-def run_vpipe(*args: str, timeout: float = 240, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """Run ``python -m vpipe_lab ARGS`` (the `vpipe` command); return the finished process, output captured."""
+def run_vpipe(*args: str, timeout: float = 240,
+              env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run ``python -m vpipe_lab ARGS`` (the `vpipe` command);
+    return the finished process, output captured."""
     return subprocess.run(
         [sys.executable, "-m", "vpipe_lab", *args],
         cwd=ROOT, env=env or child_env(), capture_output=True, text=True, timeout=timeout,
@@ -57,14 +59,16 @@ def warm_starter():
 
     if not _STARTER:
         env = _base_env()
-        _STARTER.append(WarmStarter(env, listen=True) if warm_start_possible([sys.executable, "-"], env) else None)
+        _STARTER.append(WarmStarter(env, listen=True) if warm_start_possible([sys.executable, "-"], env)
+                        else None)
         if _STARTER[0] is not None:
             atexit.register(_STARTER[0].close)
     return _STARTER[0]
 
 
 def run_worker(tmp_path: Path, worker: str, scenario: str, ranks: int, timeout_s: float = 240) -> dict:
-    """Run ``tests/workers/WORKER.py SCENARIO OUT`` on ``ranks`` real ranks; its JSON result plus the log records."""
+    """Run ``tests/workers/WORKER.py SCENARIO OUT`` on ``ranks``
+    real ranks; its JSON result plus the log records."""
     from vpipe.log import read_log
 
     out, log_file = tmp_path / f"{scenario}.json", tmp_path / f"{scenario}.log"
@@ -77,10 +81,11 @@ def run_worker(tmp_path: Path, worker: str, scenario: str, ranks: int, timeout_s
 
 def run_ranks(program: list[str], ranks: int, output: Path, env: dict[str, str] | None = None,
               timeout_s: float = 300) -> None:
-    """Run a Python program (a trainer script or a rank program: its path and arguments) on ``ranks`` ranks with
-    the environment and rendezvous store torchrun gives its ranks, forked from this test process's warm starter
-    (torchrun's agent and cold ranks cost about 12 s of CPU a run, more than most runs here train; test_launch
-    and a few trainer tests run torchrun itself). Fails with the end of the ranks' output (kept in ``output``)."""
+    """Run a Python program (a trainer script or a rank program: its path and arguments) on
+    ``ranks`` ranks with the environment and rendezvous store torchrun gives its ranks, forked from
+    this test process's warm starter (torchrun's agent and cold ranks cost about 12 s of CPU a run,
+    more than most runs here train; test_launch and a few trainer tests run torchrun itself). Fails
+    with the end of the ranks' output (kept in ``output``)."""
     from vpipe_lab.runtime.launch import spawn
 
     with output.open("w") as sink:
@@ -116,17 +121,21 @@ def training_pids(log_file: Path) -> dict[int, int]:
 
 def assert_death_mid_move_stops_everyone(tmp_path: Path, stderr_of: Callable[[], str], worker: str,
                                          dead: int = 3, ranks: int = 4) -> None:
-    """Run ``tests/workers/WORKER.py fault`` with ``VPIPE_FAULTS=migration_die@DEAD``: world rank ``dead`` dies as
-    a forced move's layer reaches it. Every other rank must stop within 90 s naming it, nobody may finish the
-    move, and no result may be written. ``stderr_of`` reads the ranks' stderr (pytest's ``capfd``)."""
+    """Run ``tests/workers/WORKER.py fault`` with ``VPIPE_FAULTS=migration_die@DEAD``: world
+    rank ``dead`` dies as a forced move's layer reaches it. Every other rank must stop
+    within 90 s naming it, nobody may finish the move, and no result may be written.
+    ``stderr_of`` reads the ranks' stderr (pytest's ``capfd``)."""
     from vpipe.log import read_log
     from vpipe_lab.runtime.launch import spawn
 
     log_file = tmp_path / "fault.log"
     started = time.monotonic()
-    code = spawn([sys.executable, str(WORKERS / f"{worker}.py"), "fault", str(tmp_path / "fault.json")], ranks,
-                 extra_env={"PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)]), "VPIPE_LOG_FILE": str(log_file),
-                            "VPIPE_FAULTS": f"migration_die@{dead}", "VPIPE_HEARTBEAT_TIMEOUT": "5"}, timeout_s=120)
+    code = spawn([sys.executable, str(WORKERS / f"{worker}.py"), "fault", str(tmp_path / "fault.json")],
+                 ranks,
+                 extra_env={"PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)]),
+                            "VPIPE_LOG_FILE": str(log_file),
+                            "VPIPE_FAULTS": f"migration_die@{dead}", "VPIPE_HEARTBEAT_TIMEOUT": "5"},
+                 timeout_s=120)
     stderr = stderr_of()
     assert code != 0
     assert time.monotonic() - started < 90

@@ -33,7 +33,8 @@ def assert_optimizer_equal(actual: dict[str, dict[str, torch.Tensor]],
             assert torch.equal(actual[name][key], value), f"optimizer state {name}.{key} differs"
 
 
-def assert_params_equal(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], rtol: float = 0.0) -> None:
+def assert_params_equal(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
+                        rtol: float = 0.0) -> None:
     assert sorted(actual) == sorted(expected)
     for name, want in expected.items():
         got = actual[name]
@@ -45,7 +46,8 @@ def assert_params_equal(actual: dict[str, torch.Tensor], expected: dict[str, tor
 
 
 def assert_losses_close(ranks: list[dict], rel: float) -> None:
-    """Each rank's losses with vpipe (``losses["vpipe"]``) within ``rel`` of the plain run's, and some losses."""
+    """Each rank's losses with vpipe (``losses["vpipe"]``) within
+    ``rel`` of the plain run's, and some losses."""
     for r in ranks:
         plain, moved = r["losses"]["plain"], r["losses"]["vpipe"]
         assert len(plain) == len(moved)

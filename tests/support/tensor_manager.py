@@ -29,7 +29,8 @@ def layers_of(model: nn.Sequential) -> dict[int, nn.Module]:
 def make_manager(model: nn.Sequential, policies: Mapping[int, Policy | str] | None = None,
                  **kwargs: object) -> TensorManager:
     kwargs = {"min_swap_bytes": 0, "host_pool_bytes": 32 << 20, "host_pool_chunk_bytes": 1 << 20, **kwargs}
-    return TensorManager(layers_of(model), device=torch.device("cpu"), policies=policies, **kwargs)  # type: ignore[arg-type]
+    return TensorManager(layers_of(model), device=torch.device("cpu"), policies=policies,
+                         **kwargs)  # type: ignore[arg-type]
 
 
 def gpipe_step(

@@ -1,5 +1,6 @@
-"""The model, data and hand-written update rule that tests/integration/test_pipedream_2bw.py and its rank
-program (tests/workers/twobw_worker.py) share: PipeDream-2BW's semantics written out directly, in one process."""
+"""The model, data and hand-written update rule that tests/integration/test_pipedream_2bw.py
+and its rank program (tests/workers/twobw_worker.py) share: PipeDream-2BW's semantics
+written out directly, in one process."""
 
 from __future__ import annotations
 
@@ -28,8 +29,10 @@ def stage_layers(stage: int, num_stages: int, counts: tuple[int, ...] | None = N
 
 
 def stage_module(stage: int, num_stages: int, counts: tuple[int, ...] | None = None) -> nn.Sequential:
-    """A stage's slice of the model, children named by global layer id (state dict keys as the whole model's)."""
-    return nn.Sequential(OrderedDict((str(i), make_layer(i)) for i in stage_layers(stage, num_stages, counts)))
+    """A stage's slice of the model, children named by global layer
+    id (state dict keys as the whole model's)."""
+    return nn.Sequential(OrderedDict((str(i), make_layer(i))
+                                     for i in stage_layers(stage, num_stages, counts)))
 
 
 def make_optimizer(name: str, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
@@ -46,9 +49,10 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def reference_2bw(optimizer: str, num_stages: int, *, periods: int = PERIODS, restart: int | None = None,
                   delay: int = 1) -> dict[str, torch.Tensor]:
-    """The parameters after ``periods`` updates of W(t+1) = W(t) - update(mean over period t's micro-batches of
-    grad f(W(t - delay))), the weights never older than those at the (re)start; one optimizer per stage.
-    ``delay=1`` is PipeDream-2BW; ``delay=0`` the flush schedules' rule (used to show the two differ)."""
+    """The parameters after ``periods`` updates of W(t+1) = W(t) - update(mean over period
+    t's micro-batches of grad f(W(t - delay))), the weights never older than those at the
+    (re)start; one optimizer per stage. ``delay=1`` is PipeDream-2BW; ``delay=0`` the
+    flush schedules' rule (used to show the two differ)."""
     model = nn.Sequential(OrderedDict((str(i), make_layer(i)) for i in range(LAYERS)))
     params = dict(model.named_parameters())
     optimizers = [make_optimizer(optimizer, [p for i in stage_layers(s, num_stages)

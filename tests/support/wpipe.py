@@ -1,5 +1,6 @@
-"""The model, data and hand-written update rule that tests/integration/test_wpipe.py and its rank program
-(tests/workers/wpipe_worker.py) share: WPipe's double-grouped weight updates written out directly, in one process."""
+"""The model, data and hand-written update rule that tests/integration/test_wpipe.py
+and its rank program (tests/workers/wpipe_worker.py) share: WPipe's double-grouped
+weight updates written out directly, in one process."""
 
 from __future__ import annotations
 
@@ -36,9 +37,10 @@ def stage_module(stage: int) -> nn.Sequential:
 
 def reference_wpipe(optimizer: str, ranks: int, *, periods: int = PERIODS, restart: int | None = None,
                     delays: tuple[int, int] = (1, 0)) -> dict[str, torch.Tensor]:
-    """The parameters after ``periods`` periods of Wg(t+1) = Wg(t) - update(mean over period t's micro-batches of
-    grad_g f(W0(t - delays[0]), W1(t - delays[1]))), a group's weights never older than those at the (re)start.
-    ``delays=(1, 0)`` is WPipe (G0 delayed, G1 not); others show the rule is observable."""
+    """The parameters after ``periods`` periods of Wg(t+1) = Wg(t) - update(mean over
+    period t's micro-batches of grad_g f(W0(t - delays[0]), W1(t - delays[1]))), a group's
+    weights never older than those at the (re)start. ``delays=(1, 0)`` is WPipe (G0
+    delayed, G1 not); others show the rule is observable."""
     n = layers(ranks)
     model = nn.Sequential(OrderedDict((str(i), make_layer(i)) for i in range(n)))
     params = dict(model.named_parameters())

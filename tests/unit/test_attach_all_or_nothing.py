@@ -1,11 +1,12 @@
-"""Attach is all or nothing: a step of ``vpipe.attach`` that fails leaves the trainer's objects exactly as they were.
+"""Attach is all or nothing: a step of ``vpipe.attach`` that fails
+leaves the trainer's objects exactly as they were.
 
 Every undo of an attach is registered as its thing is made (``vpipe/rank/build.py``). Each test makes one
 construction step fail on a one-rank pipeline and compares everything attach may touch before and after: the
-stage module's and its blocks' classes, hooks, instance attributes, parameters and buffers, the optimizer's hooks,
-attributes, param groups and state, the schedule's and the pipelining stage's wrapped methods, the process's
-module and optimizer hooks, the ``vpipe`` logger's handlers and level, atexit, vpipe's threads; the failure must
-propagate unchanged, and an attach afterwards must work.
+stage module's and its blocks' classes, hooks, instance attributes, parameters and buffers, the optimizer's
+hooks, attributes, param groups and state, the schedule's and the pipelining stage's wrapped methods, the
+process's module and optimizer hooks, the ``vpipe`` logger's handlers and level, atexit, vpipe's threads; the
+failure must propagate unchanged, and an attach afterwards must work.
 """
 
 from __future__ import annotations
@@ -29,15 +30,19 @@ from vpipe.control import session as session_module
 from vpipe.rank.cleanups import Cleanups
 from vpipe.stage import batch_norm
 
-MODULE_TABLES = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
-                 "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks",
+MODULE_TABLES = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+                 "_forward_pre_hooks",
+                 "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks",
+                 "_state_dict_hooks",
                  "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
-OPTIMIZER_TABLES = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
+OPTIMIZER_TABLES = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
+                    "_optimizer_state_dict_pre_hooks",
                     "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
                     "_optimizer_load_state_dict_post_hooks")
 GLOBAL_TABLES = [(torch_module, name) for name in ("_global_forward_hooks", "_global_forward_pre_hooks",
                                                    "_global_backward_hooks", "_global_backward_pre_hooks")]
-GLOBAL_TABLES += [(torch_optimizer, name) for name in ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")]
+GLOBAL_TABLES += [(torch_optimizer, name) for name in ("_global_optimizer_pre_hooks",
+                                                       "_global_optimizer_post_hooks")]
 
 
 class Boom(RuntimeError):
@@ -80,14 +85,16 @@ def _trainer(norm: type[nn.Module] = nn.BatchNorm1d) -> tuple[nn.Module, Pipelin
     model(torch.randn(8, 4)).sum().backward()
     optimizer.step()  # state (momentum buffers) that must stay the optimizer's
     stage = PipelineStage(model, 0, 1, torch.device("cpu"))
-    return model, stage, ScheduleGPipe(stage, 2, loss_fn=lambda out, target: ((out - target) ** 2).mean()), optimizer
+    return model, stage, ScheduleGPipe(stage, 2,
+                                       loss_fn=lambda out, target: ((out - target) ** 2).mean()), optimizer
 
 
 def _table(owner: Any, name: str) -> list[tuple[int, int]]:
     return [(key, id(hook)) for key, hook in getattr(owner, name, {}).items()]
 
 
-def _snapshot(model: nn.Module, stage: PipelineStage, schedule: ScheduleGPipe, optimizer: torch.optim.Optimizer,
+def _snapshot(model: nn.Module, stage: PipelineStage, schedule: ScheduleGPipe,
+              optimizer: torch.optim.Optimizer,
               values: bool = True) -> dict[str, Any]:
     """Everything attach may touch, comparable with ==; ``values``: parameters, buffers and state by value."""
     modules = {}
@@ -96,11 +103,13 @@ def _snapshot(model: nn.Module, stage: PipelineStage, schedule: ScheduleGPipe, o
             "object": (id(m), type(m)), "tables": {t: _table(m, t) for t in MODULE_TABLES},
             "attributes": sorted(m.__dict__), "compiled": m.__dict__.get("_compiled_call_impl") is not None,
             "children": [(n, id(c)) for n, c in m.named_children()],
-            "parameters": [(n, id(p), p.tolist() if values else None) for n, p in m.named_parameters(recurse=False)],
+            "parameters": [(n, id(p), p.tolist() if values else None)
+                           for n, p in m.named_parameters(recurse=False)],
             "buffers": [(n, b.tolist() if values else None) for n, b in m.named_buffers(recurse=False)],
             "non_persistent": sorted(m.__dict__.get("_non_persistent_buffers_set", ())),
         }
-    groups = [{k: [id(p) for p in v] if k == "params" else v for k, v in g.items()} for g in optimizer.param_groups]
+    groups = [{k: [id(p) for p in v] if k == "params" else v for k, v in g.items()}
+              for g in optimizer.param_groups]
     state = {id(p): {k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
              for p, s in optimizer.state.items()} if values else sorted(id(p) for p in optimizer.state)
     vpipe_logger = logging.getLogger("vpipe")
@@ -172,7 +181,8 @@ def test_a_failure_after_any_step_of_attach_leaves_the_trainer_as_it_was(one_ran
             "Hoisted.undo", "TensorManager.close", "StageHandle.remove", "TransferChannel.close",
             "LayerManager.close"} <= set(names)
     during = _snapshot(model, stage, schedule, optimizer)
-    assert during != before and type(model[0][1]) is batch_norm.DeferredBatchNorm1d  # it did install its parts
+    # it did install its parts
+    assert during != before and type(model[0][1]) is batch_norm.DeferredBatchNorm1d
     vp.detach()  # the same undos
     assert _snapshot(model, stage, schedule, optimizer) == before
     vp = _attach(schedule, optimizer, tmp_path)  # and the trainer trains under a new attach
@@ -188,10 +198,11 @@ def _fail(*_: Any, **__: Any) -> Any:
     raise Boom("inside a part")
 
 
-@pytest.mark.parametrize("where", ["session.StageAgent", "session.StagePulse", "batch_norm.wrap_shape_inference"])
+@pytest.mark.parametrize("where", ["session.StageAgent", "session.StagePulse",
+                                   "batch_norm.wrap_shape_inference"])
 def test_a_part_that_fails_half_made_closes_what_it_opened(one_rank, tmp_path, where):
-    """The control session (monitors, sockets and threads, the planner's link, hooks) and the deferred BatchNorms
-    are made of several things: one failing leaves none of the others."""
+    """The control session (monitors, sockets and threads, the planner's link, hooks) and the deferred
+    BatchNorms are made of several things: one failing leaves none of the others."""
     model, stage, schedule, optimizer = _trainer()
     threads = _vpipe_threads()
     before = _snapshot(model, stage, schedule, optimizer)

@@ -1,6 +1,7 @@
 """What an attach sets up in the process is its own: a second attach, or a detach, touches only its own.
 
-Compiled blocks hoisted, run logs, timeline windows, the planner a daemon plans with, and the settings read once.
+Compiled blocks hoisted, run logs, timeline windows, the planner a
+daemon plans with, and the settings read once.
 """
 
 from __future__ import annotations
@@ -50,8 +51,9 @@ def test_undoing_one_attachs_hoisting_leaves_the_others_blocks_hoisted():
 
 
 def test_a_block_the_layer_factory_compiles_in_place_joins_the_attachs_hoisting():
-    """Found by the fuzzer (seed 230): vp.add_layers of a block its factory compiled in place left the block's whole
-    call compiled, so a recompute replayed its eager forward against the compiled call's saved tensors."""
+    """Found by the fuzzer (seed 230): vp.add_layers of a block its factory
+    compiled in place left the block's whole call compiled, so a recompute replayed
+    its eager forward against the compiled call's saved tensors."""
     hoisted = hoist_compiled([_compiled_block()])
     factory = hoisting_factory(lambda layer_id, spec: _compiled_block(), hoisted)
     added = factory(8, {})
@@ -98,7 +100,8 @@ def test_stopping_one_timeline_window_leaves_the_other_recording(tmp_path):
         written = timeline.stop(first)
     assert not timeline.recording() and timeline.stop(first) is None
     assert [e["name"] for e in timeline.load_rank_file(written).events] == ["vpipe.forward", "vpipe.backward"]
-    assert [e["name"] for e in timeline.load_rank_file(tmp_path / "second" / "timeline-rank1.json").events] == \
+    assert [e["name"]
+            for e in timeline.load_rank_file(tmp_path / "second" / "timeline-rank1.json").events] == \
         ["vpipe.forward"]
 
 
@@ -145,7 +148,8 @@ def test_attach_reads_the_settings_once_and_a_detach_undoes_only_its_own(one_ran
                      trace_steps=(0, 3), log_file=str(tmp_path / "a.log"))
     assert len(reads) == 1 and a.config.trace_dir == str(tmp_path / "trace-a")  # one read, handed on
     b = vpipe.attach(schedule_b, optimizer=torch.optim.SGD(model_b.parameters(), lr=0.1), planning=False,
-                     trace_steps=(0, 1), trace_dir=str(tmp_path / "trace-b"), log_file=str(tmp_path / "b.log"))
+                     trace_steps=(0, 1), trace_dir=str(tmp_path / "trace-b"),
+                     log_file=str(tmp_path / "b.log"))
     assert len(reads) == 1 and b.settings is a.settings  # the process's settings, read once for both
     try:
         for _ in range(2):
@@ -160,6 +164,8 @@ def test_attach_reads_the_settings_once_and_a_detach_undoes_only_its_own(one_ran
         b.detach()
     assert len(reads) == 1
     assert (tmp_path / "trace-a" / "timeline-rank0.json").exists() and (tmp_path / "trace-b").exists()
-    events = {name: [r.get("event") for r in read_log(tmp_path / name) if r.get("event") in ("attached", "detached")]
+    events = {name: [r.get("event") for r in read_log(tmp_path / name)
+                     if r.get("event") in ("attached", "detached")]
               for name in ("a.log", "b.log")}
-    assert events == {"a.log": ["attached", "attached", "detached", "detached"], "b.log": ["attached", "detached"]}
+    assert events == {"a.log": ["attached", "attached", "detached", "detached"],
+                      "b.log": ["attached", "detached"]}

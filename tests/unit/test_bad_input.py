@@ -29,7 +29,8 @@ from vpipe.rank.plan_in_force import PlanInForce
 from vpipe_lab.runtime.config import RunConfig
 
 # ---------------------------------------------------------------------- plans
-PLAN = {"epoch": 3, "stages": [[0, 1], [2, 3]], "policies": {"1": "S"}, "predicted_step_s": 0.5, "reason": "r"}
+PLAN = {"epoch": 3, "stages": [[0, 1], [2, 3]], "policies": {"1": "S"}, "predicted_step_s": 0.5,
+        "reason": "r"}
 
 
 @pytest.mark.parametrize("change, message", [
@@ -121,10 +122,12 @@ def test_out_of_range_stages_and_epochs_in_messages_are_named(change, message):
     ({"dropout": 1.0}, "dropout must be in [0, 1), got 1.0"),
     ({"lr": 0.0}, "lr must be a positive finite number, got 0.0"),
     ({"d_model": 30, "n_heads": 4}, "d_model (30) must be divisible by n_heads (4)"),
-    ({"d_model": 1_000_000}, "the model's weights, gradients and optimizer state would take about 1,430,511 GiB"),
+    ({"d_model": 1_000_000},
+     "the model's weights, gradients and optimizer state would take about 1,430,511 GiB"),
     ({"micro_batch_size": 10**9}, "one micro-batch's activations would take about 2,441,406 GiB"),
     ({"schedule": "1f1b", "stages": 4, "micro_batches": 2}, "1f1b needs micro_batches >= stages (2 < 4)"),
-    ({"schedule": "zero-bubble"}, "schedule must be one of gpipe, 1f1b, pipedream, pipedream2bw, interleaved1f1b, "
+    ({"schedule": "zero-bubble"},
+     "schedule must be one of gpipe, 1f1b, pipedream, pipedream2bw, interleaved1f1b, "
                                     "loopedbfs, interleavedzb, zbv, "
                                     "dualpipev, wpipe, got 'zero-bubble'"),
     ({"memory_budget": 0}, "memory_budget must be a positive number of bytes, got 0"),
@@ -134,9 +137,12 @@ def test_out_of_range_stages_and_epochs_in_messages_are_named(change, message):
     ({"partition": [10, 0]}, "every stage needs at least one layer, got partition [10, 0]"),
     ({"partition": [4, 4]}, "partition [4, 4] covers 8 layers, the model has 10"),
     ({"moves": [{"step": 3, "partition": [5, 5]}]}, "forced moves need vpipe"),
-    ({"vpipe": True, "moves": [{"step": 0, "partition": [5, 5]}]}, "moves[0]: steps must be increasing integers >= 1"),
-    ({"vpipe": True, "moves": [{"step": 2, "partition": [9, 2]}]}, "moves[0]: partition [9, 2] must give each"),
-    ({"vpipe": True, "nas": [{"step": 1, "remove": [0]}]}, "nas[0]: cannot remove [0]: not a block of the model"),
+    ({"vpipe": True, "moves": [{"step": 0, "partition": [5, 5]}]},
+     "moves[0]: steps must be increasing integers >= 1"),
+    ({"vpipe": True, "moves": [{"step": 2, "partition": [9, 2]}]},
+     "moves[0]: partition [9, 2] must give each"),
+    ({"vpipe": True, "nas": [{"step": 1, "remove": [0]}]},
+     "nas[0]: cannot remove [0]: not a block of the model"),
     ({"vpipe": True, "nas": [{"step": 1, "add": {"position": 0, "types": ["attn"]}}]},
      "nas[0]: position must be between 1 and 9"),
     ({"monitor_every": -1}, "monitor_every must be an integer >= 0, got -1"),
@@ -170,7 +176,8 @@ def test_unknown_run_config_keys_are_named():
     ({"min_swap_bytes": "1k"}, "min_swap_bytes must be >= 0"),
     ({"host_pool_bytes": 1.5}, "host_pool_bytes must be positive"),
     ({"policies": ["R"]}, "policies must map layer ids (integers >= 0) to 'D', 'S' or 'R', got ['R']"),
-    ({"policies": {"0": "R"}}, "policies must map layer ids (integers >= 0) to 'D', 'S' or 'R', got {'0': 'R'}"),
+    ({"policies": {"0": "R"}},
+     "policies must map layer ids (integers >= 0) to 'D', 'S' or 'R', got {'0': 'R'}"),
     ({"specs": [1]}, "specs must be a mapping, got [1]"),
     ({"planner_options": None}, "planner_options must be a dict of plain JSON values, got None"),
     ({"planner_options": {"min_gain": float("nan")}},
@@ -181,9 +188,11 @@ def test_unknown_run_config_keys_are_named():
     ({"min_swap_bytes": -1}, "min_swap_bytes must be >= 0"),
     ({"host_pool_bytes": 0}, "host_pool_bytes must be positive"),
     ({"layer_factory": 3}, "layer_factory must be callable"),
-    ({"memory_budget": "16 apples"}, "memory_budget '16 apples' is not a byte size (examples: 16000000000, 16e9, "
+    ({"memory_budget": "16 apples"},
+     "memory_budget '16 apples' is not a byte size (examples: 16000000000, 16e9, "
                                      "16GB, 15GiB, 512M)"),
-    ({"memory_budget": "1e400G"}, "memory_budget '1e400G' is larger than any machine (4611686018427387904 bytes at "
+    ({"memory_budget": "1e400G"},
+     "memory_budget '1e400G' is larger than any machine (4611686018427387904 bytes at "
                                   "most)"),
     ({"micro_batches": 0}, "micro_batches must be a positive integer or None, got 0"),
 ])
@@ -197,12 +206,15 @@ def test_impossible_vpipe_configs_are_rejected(kwargs, message):
 
 # ---------------------------------------------------------------------- property tests over the decoders
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-layer_ids = st.one_of(st.integers(-3, 12), st.booleans(), st.floats(allow_nan=True), st.text(max_size=3), st.none())
+layer_ids = st.one_of(st.integers(-3, 12), st.booleans(), st.floats(allow_nan=True), st.text(max_size=3),
+                      st.none())
 garbage_plan = st.fixed_dictionaries(
     {"epoch": st.one_of(st.integers(-(1 << 70), 1 << 70), plain),
      "stages": st.one_of(st.lists(st.lists(layer_ids, max_size=4), max_size=4), plain)},
-    optional={"policies": st.one_of(st.dictionaries(st.one_of(st.text(max_size=4), st.integers(), st.floats()),
-                                                    st.one_of(st.sampled_from("DSRX"), plain), max_size=4), plain),
+    optional={"policies": st.one_of(st.dictionaries(st.one_of(st.text(max_size=4), st.integers(),
+                                                              st.floats()),
+                                                    st.one_of(st.sampled_from("DSRX"), plain), max_size=4),
+                                    plain),
               "predicted_step_s": st.one_of(st.floats(), st.integers(-(1 << 70), 1 << 1100), plain),
               "reason": plain, "extra": plain},
 )
@@ -272,7 +284,8 @@ def test_fuzz_every_registered_type_with_garbage_bodies(kind, body, epoch):
      "entries": st.lists(st.one_of(plain, st.fixed_dictionaries(
          {"kind": st.sampled_from(["param", "optim", "buffer", "optim_value", "x"]), "name": plain,
           "shape": st.one_of(st.lists(st.integers(-2, 4), max_size=3), plain), "dtype": st.one_of(
-              st.sampled_from(["float32", "int64", "complex64"]), plain), "nbytes": st.one_of(st.integers(-8, 64),
+              st.sampled_from(["float32", "int64", "complex64"]), plain),
+          "nbytes": st.one_of(st.integers(-8, 64),
                                                                                                 plain)})),
          max_size=3)})))
 def test_fuzz_migration_manifests(manifest):
@@ -282,7 +295,8 @@ def test_fuzz_migration_manifests(manifest):
 @FUZZ
 @given(state=st.one_of(plain, st.fixed_dictionaries(
     {"version": st.one_of(st.just(1), plain), "epoch": st.one_of(st.integers(-1, 3), plain),
-     "iteration": st.one_of(st.integers(-1, 3), plain), "stages": st.one_of(st.lists(st.lists(layer_ids, max_size=3),
+     "iteration": st.one_of(st.integers(-1, 3), plain),
+     "stages": st.one_of(st.lists(st.lists(layer_ids, max_size=3),
                                                                                       max_size=3), plain),
      "policies": st.one_of(st.dictionaries(st.text(max_size=3), st.sampled_from("DSRQ"), max_size=3), plain),
      "next_layer_id": st.one_of(st.integers(-1, 20), plain)})))
@@ -312,7 +326,8 @@ def test_a_failing_run_log_write_is_reported_once_and_dropped(capfd):
     finally:
         run_log.configure(None)
     err = capfd.readouterr().err
-    assert err.splitlines() == ["vpipe [rank 3]: cannot write the run log /dev/full (No space left on device); "
+    assert err.splitlines() == ["vpipe [rank 3]: cannot write the run log /dev/full (No "
+                                "space left on device); "
                                 "training goes on, and its further log records are dropped"]
 
 
@@ -324,7 +339,8 @@ def test_a_planner_returning_a_huge_epoch_cannot_lock_out_its_own_daemon():
         layers = [0, 1, 2, 3]
         daemon.current = Plan(epoch=3, stages=((0, 1), (2, 3)))
         huge = Plan(epoch=2**63 - 1, stages=((0, 1, 2), (3,)))
-        assert daemon._check(huge, layers) == ("epoch 9223372036854775807 jumps more than 1000 past the current "
+        assert daemon._check(huge,
+                             layers) == ("epoch 9223372036854775807 jumps more than 1000 past the current "
                                                "epoch 3")
         assert daemon._check(Plan(epoch=4, stages=((0, 1, 2), (3,))), layers) is None  # the next real plan
         daemon.current = None
@@ -372,7 +388,8 @@ def test_a_checkpoint_write_that_fails_midway_leaves_the_old_file_and_no_tempora
 
     target = tmp_path / "manifest.json"
     atomic_write(target, b"the previous checkpoint")
-    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG, as on a full disk
+    # the write fails with EFBIG, as on a full disk
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
     resource.setrlimit(resource.RLIMIT_FSIZE, (4096, old_limit[1]))
     try:

@@ -1,4 +1,5 @@
-"""Every benchmark script answers ``--help`` with its usage (a stray ``%`` in a help text made argparse crash)."""
+"""Every benchmark script answers ``--help`` with its usage (a stray
+``%`` in a help text made argparse crash)."""
 
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ def test_another_revision_loads_beside_this_checkout_with_its_own_modules(tmp_pa
 
     import vpipe.tensor_manager
 
-    spec = importlib.util.spec_from_file_location("benchmark_revision_loader", SCRIPTS[0].parent / "revision.py")
+    spec = importlib.util.spec_from_file_location("benchmark_revision_loader",
+                                                  SCRIPTS[0].parent / "revision.py")
     revision = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(revision)
     exported = revision.export_vpipe("HEAD", tmp_path / "base")
@@ -51,9 +53,9 @@ def test_another_revision_loads_beside_this_checkout_with_its_own_modules(tmp_pa
 
 
 def test_host_cost_counts_what_each_policy_adds_to_a_step():
-    """benchmarks/host_cost.py: counted, not timed. Every layer kept with metering off (how attach runs the steps
-    its monitor does not sample) dispatches exactly plain's tensor operations; swapping adds the prefetches'
-    allocations and one batched copy per layer call."""
+    """benchmarks/host_cost.py: counted, not timed. Every layer kept with metering off (how attach runs the
+    steps its monitor does not sample) dispatches exactly plain's tensor operations; swapping adds the
+    prefetches' allocations and one batched copy per layer call."""
     spec = importlib.util.spec_from_file_location("benchmark_host_cost", SCRIPTS[0].parent / "host_cost.py")
     host_cost = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(host_cost)
@@ -64,7 +66,8 @@ def test_host_cost_counts_what_each_policy_adds_to_a_step():
     try:
         rows = {row["variant"]: row for row in host_cost.run(args)["rows"]}
     finally:
-        torch.set_num_threads(threads)  # (run() sets the benchmark's own: later tests in this process keep theirs)
+        # (run() sets the benchmark's own: later tests in this process keep theirs)
+        torch.set_num_threads(threads)
     assert list(rows) == ["plain", "vpipe D", "vpipe S"]
     assert rows["plain"]["vpipe_bytecodes"] == 0 and rows["plain"]["operations_beyond_plain"] == 0
     assert rows["vpipe D"]["operations"] == rows["plain"]["operations"]
@@ -91,7 +94,8 @@ def _stages_at(costs, speeds, split, bottleneck):
 
 
 def test_uneven_projection_split_is_the_exact_min_max_with_the_fewest_stages_at_it():
-    """benchmarks/uneven_projection.py: the speed-aware split against every contiguous split of small chains."""
+    """benchmarks/uneven_projection.py: the speed-aware split
+    against every contiguous split of small chains."""
     import itertools
     import random
 
@@ -116,8 +120,8 @@ def test_uneven_projection_split_is_the_exact_min_max_with_the_fewest_stages_at_
 
 
 def test_uneven_projection_one_slow_stage_of_sixteen():
-    """Identical blocks: the slow stage takes fewer, one stage takes the one left over, as early as it goes; the
-    speed-aware split's step sits between the uniform devices' and the speed-blind split's."""
+    """Identical blocks: the slow stage takes fewer, one stage takes the one left over, as early as it
+    goes; the speed-aware split's step sits between the uniform devices' and the speed-blind split's."""
     uneven = _uneven_projection()
     assert uneven.even_counts(10, 4) == [3, 3, 2, 2]
     speeds = [1.0] * 16

@@ -110,8 +110,9 @@ def test_schedule_internals_of_torchs_single_stage_schedules_are_all_there():
     assert td.missing_schedule_internals(object()) == ["_stage_forward_initialized",
                                                         "_stage_backward_initialized", "_stage"]
     assert td.batch_p2p_wait() is not None and td.get_schedule_ops is not None
-    assert issubclass(td.PipelineScheduleRuntime, PipelineScheduleMulti) and issubclass(PipelineStage,
-                                                                                          td.PipelineStageBase)
+    assert issubclass(td.PipelineScheduleRuntime, PipelineScheduleMulti) and issubclass(
+        PipelineStage, td.PipelineStageBase
+    )
 
 
 def test_shape_inference_is_wrapped_and_unwrapped_on_the_stage_object_only():
@@ -135,5 +136,6 @@ def test_shape_inference_is_wrapped_and_unwrapped_on_the_stage_object_only():
     undo = td.wrap_shape_inference(stage, Around)
     assert undo is not None and stage._prepare_forward_infra(1) == ("forward", 1) and entered == [True]
     undo()
-    assert "_prepare_forward_infra" not in vars(stage) and Stage()._prepare_backward_infra(2) == ("backward", 2)
+    assert "_prepare_forward_infra" not in vars(stage) and Stage()._prepare_backward_infra(2) == ("backward",
+                                                                                                  2)
     assert td.wrap_shape_inference(object(), Around) is None

@@ -123,7 +123,8 @@ def test_stale_and_misshapen_plans_are_dropped_with_a_log_line(planes, caplog):
 
 
 def test_committing_an_older_plan_never_sets_the_received_epoch_back(planes):
-    # plans 1 and 2 arrive before the step boundary that applies 1: committing 1 must not make 2 look new again
+    # plans 1 and 2 arrive before the step boundary that applies 1:
+    # committing 1 must not make 2 look new again
     plan0, plan1, plan2 = (Plan(epoch=e, stages=LAYERS, reason=f"epoch {e}") for e in range(3))
     a1 = StageAgent(planes[1], stage_index=1, num_stages=3, plan=plan0)
     for plan in (plan1, plan2):
@@ -133,18 +134,22 @@ def test_committing_an_older_plan_never_sets_the_received_epoch_back(planes):
     a1.plan_changed(plan1)
     assert a1.plan == plan1 and a1.latest_received == plan2 and a1.epoch == 2
     planes[2].send(1, make("plan", plan2, epoch=2, stage=2))  # a repeat of the newest plan is still stale
-    assert wait_for(lambda: a1.rejected["stale_plan"] == 1, step=lambda: accepted.extend(a1.after_step(1, None)))
+    assert wait_for(lambda: a1.rejected["stale_plan"] == 1,
+                    step=lambda: accepted.extend(a1.after_step(1, None)))
     assert [p.epoch for p in accepted] == [1, 2]
 
 
 def test_messages_that_make_no_sense_here_are_dropped(planes):
     a1 = StageAgent(planes[1], stage_index=1, num_stages=3)
-    planes[2].send(1, make("stats", (stage_record(0, 3, (0, 1)),), iteration=3, stage=2))  # stats from downstream
+    # stats from downstream
+    planes[2].send(1, make("stats", (stage_record(0, 3, (0, 1)),), iteration=3, stage=2))
     planes[0].send(1, make("plan", Plan(epoch=1, stages=LAYERS), stage=0))  # plans never come from upstream
     planes[0].send(1, make("stats", (stage_record(0, 3, (0, 1)), stage_record(1, 3, (2, 3))), iteration=3,
                            stage=0))  # a vector of the wrong length
-    planes[0].send(1, make("stats", (stage_record(0, 4, (0, 1)),), iteration=3, stage=0))  # iteration mismatch
-    planes[0].send(1, make("hello", {"pid": 1, "endpoint": "tcp://127.0.0.1:1"}, stage=PLANNER))  # not the last stage
+    # iteration mismatch
+    planes[0].send(1, make("stats", (stage_record(0, 4, (0, 1)),), iteration=3, stage=0))
+    # not the last stage
+    planes[0].send(1, make("hello", {"pid": 1, "endpoint": "tcp://127.0.0.1:1"}, stage=PLANNER))
     assert wait_for(lambda: sum(a1.rejected.values()) >= 5, step=lambda: a1.after_step(0, None))
     assert a1.rejected == {"unexpected": 3, "bad_vector": 2}
     assert a1.plan is None
@@ -208,7 +213,8 @@ class fake_daemon:
 # ---------------------------------------------------------------- the daemon
 def one_stage(plane, decisions_timeout=2.0):
     link = PlannerLink(plane, stage_index=0, num_stages=1, timeout_s=decisions_timeout, heartbeat_s=0.05)
-    return StageAgent(plane, stage_index=0, num_stages=1, plan=Plan(epoch=0, stages=((0, 1),)), planner=link), link
+    return StageAgent(plane, stage_index=0, num_stages=1, plan=Plan(epoch=0, stages=((0, 1),)),
+                      planner=link), link
 
 
 def test_daemon_survives_a_failing_planner_and_rejects_unusable_plans(planes, decisions):

@@ -42,7 +42,8 @@ def test_opening_an_inbox_raises_the_open_file_limit_to_the_hard_limit():
         "print(*resource.getrlimit(resource.RLIMIT_NOFILE))\n"
         "inbox.close(); context.term()\n"
     )
-    out = subprocess.run([sys.executable, "-c", program], cwd=ROOT, env=child_env(), capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", program], cwd=ROOT, env=child_env(), capture_output=True,
+                         text=True,
                          timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
     soft, hard = map(int, out.stdout.split())
@@ -104,7 +105,8 @@ def _closed(sock: socket.socket) -> bool:
 
 
 def _silent(box: Inbox, count: int) -> list[socket.socket]:
-    """``count`` raw connections that say nothing, each seen by the doorman before the next (so in that order)."""
+    """``count`` raw connections that say nothing, each seen by the
+    doorman before the next (so in that order)."""
     held = []
     for _ in range(count):
         sock = socket.create_connection(("127.0.0.1", _port(box)), timeout=5)
@@ -149,21 +151,24 @@ def test_past_the_quota_of_unauthenticated_connections_the_oldest_make_room(inbo
     assert closed == [True] * 6 + [False] * 4  # each newcomer got in, the oldest silent one went for it
     assert box.evicted == Counter(unauthenticated=6)
     cuts = [r.getMessage() for r in caplog.records if "connection(s)" in r.getMessage()]
-    assert cuts == ["test inbox: cut 1 connection(s) because 4 had not authenticated; newer ones need the room "
+    assert cuts == ["test inbox: cut 1 connection(s) because 4 had not authenticated; "
+                    "newer ones need the room "
                     "(1 so far)"]  # then at most one line per 10 s
 
 
 @pytest.mark.parametrize("keyed", [True, False], ids=["curve", "null"])
 def test_strangers_that_fill_the_quota_never_keep_a_peer_out_nor_cut_it(inbox, keyed):
-    """Issue 56: 8 silent connections from the peers' own address, reopened as they were cut, kept every peer out.
-    Now a peer gets in at once, and no number of strangers coming after cuts it: one that said nothing goes
-    before one that began a handshake, and a connection that authenticated is never cut for a newcomer."""
+    """Issue 56: 8 silent connections from the peers' own address, reopened as they were
+    cut, kept every peer out. Now a peer gets in at once, and no number of strangers coming
+    after cuts it: one that said nothing goes before one that began a handshake, and a
+    connection that authenticated is never cut for a newcomer."""
     curve = _curve(keyed)
     box = inbox(curve, MAX_UNPROVEN=4, HANDSHAKE_S=30.0)  # none closed at the deadline while the test runs
     context = zmq.Context()
     held = _silent(box, 4)
     try:
-        talker = socket.create_connection(("127.0.0.1", _port(box)), timeout=5)  # says a ZMTP signature, no more
+        # says a ZMTP signature, no more
+        talker = socket.create_connection(("127.0.0.1", _port(box)), timeout=5)
         talker.sendall(b"\xff" + bytes(8) + b"\x7f")
         held.append(talker)
         start = time.monotonic()
@@ -174,10 +179,12 @@ def test_strangers_that_fill_the_quota_never_keep_a_peer_out_nor_cut_it(inbox, k
         assert _received(box, got, [0], timeout_s=3.0), box.evicted
         waited = time.monotonic() - start
         held += _silent(box, 20)  # many more, as fast as they come: they make room among themselves
-        assert wait_for(lambda: box.evicted["unauthenticated"] >= 21), box.evicted  # 2 + 20 - the room the peer left
+        # 2 + 20 - the room the peer left
+        assert wait_for(lambda: box.evicted["unauthenticated"] >= 21), box.evicted
         peer.send(encode(make("done", 1, stage=1)))
         assert _received(box, got, [0, 1], timeout_s=3.0), got
-        assert [_closed(s) for s in held[:5]] == [True] * 4 + [False]  # the silent ones went, the talker stays
+        # the silent ones went, the talker stays
+        assert [_closed(s) for s in held[:5]] == [True] * 4 + [False]
         assert not ends.poll(0)  # the peer's one connection was never cut
     finally:
         for s in held:
@@ -252,7 +259,8 @@ def test_a_full_pending_queue_makes_room_without_walking_it(monkeypatch):
 
 def test_the_pending_queue_drops_unasked_types_first_and_returns_arrival_order():
     pending = PendingMessages("t", Counter(), max_count=4)
-    pending.add([(make("ping", stage=1), 10), (make("done", 1, stage=1), 10), (make("bye", "x", stage=2), 10)])
+    pending.add([(make("ping", stage=1), 10), (make("done", 1, stage=1), 10),
+                 (make("bye", "x", stage=2), 10)])
     pending.take_first("done", from_rank=7)  # nothing from rank 7, but "done" is asked for now
     pending.add([(make("done", 2, stage=1), 10), (make("done", 3, stage=2), 10)])
     assert pending.dropped["unclaimed"] == 1 and len(pending) == 4  # the ping: nobody asked for pings
@@ -287,7 +295,8 @@ def test_future_epoch_migration_messages_are_dropped_and_held_ones_bounded(caplo
     with caplog.at_level(logging.INFO, logger="vpipe.migration"):
         assert messenger.wait_for({"migrate_ack"}, from_rank=0, key=(4, 0, 7), timeout_s=1.0) == (
             "migrate_ack", {"round": 0, "move": 7})
-    assert len(messenger._held) == migration.MAX_HELD - 1  # the newest but the one taken; the oldest made room
+    # the newest but the one taken; the oldest made room
+    assert len(messenger._held) == migration.MAX_HELD - 1
     assert messenger.dropped == Counter(future_epoch=5000, too_many=1201 - migration.MAX_HELD)
     assert len([r for r in caplog.records if "migration message(s)" in r.getMessage()]) == 1  # once per 10 s
     assert messenger.wait_for({"migrate_ack"}, from_rank=0, key=(5, 2, 399), timeout_s=0.1) is not None
@@ -313,5 +322,6 @@ def test_a_flood_of_stale_migration_messages_is_logged_once(caplog):
         assert messenger.wait_for({"migrate_ack"}, from_rank=0, key=(4, 0, 1), timeout_s=0.2) is None
     assert messenger.stale == 1000 and len(messenger._held) == 0
     lines = [r.getMessage() for r in caplog.records if r.name == "vpipe.migration"]
-    assert lines == ["rank 1: dropped 1 stale migration message(s) matching no move (latest: migrate_ack from "
+    assert lines == ["rank 1: dropped 1 stale migration message(s) matching no move "
+                     "(latest: migrate_ack from "
                      "rank 0, epoch 3 round 9; 1 so far)"], lines  # the other 999: counted, in the next line

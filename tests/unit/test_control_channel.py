@@ -81,7 +81,8 @@ def test_bad_frames_are_dropped_counted_and_never_raise(planes):
         raw.send(b"\xc1garbage")
         raw.send_multipart([b"a", b"b"])
         raw.send(encode(make("ping", stage=0))[:-1])  # truncated
-        raw.send(b"x" * (frame_limit(plane.max_message_bytes) + 1))  # over the socket cap: zmq cuts this sender off
+        # over the socket cap: zmq cuts this sender off
+        raw.send(b"x" * (frame_limit(plane.max_message_bytes) + 1))
         planes[0].send(1, make("ping", stage=0))  # others still get through (the garbage is never returned)
         got = poll_until(plane, 1)
         assert [(m.type, m.src) for m in got] == [("ping", 0)]

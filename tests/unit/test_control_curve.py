@@ -164,7 +164,8 @@ def test_curve_and_plain_ranks_refuse_each_other_clearly(store, opened):
     pair = zmq.curve_keypair()
     secure = plane(store, 0, 2, opened, config(pair, []))
     plain = plane(store, 1, 2, opened, None)
-    with pytest.raises(ValueError, match="rank 1: rank 0 runs its control plane with CURVE but this rank does not"):
+    with pytest.raises(ValueError,
+                       match="rank 1: rank 0 runs its control plane with CURVE but this rank does not"):
         plain.send(0, make("ping", stage=1))
     with pytest.raises(ValueError, match="rank 1 published no CURVE key, but CURVE is on here"):
         secure.send(1, make("ping", stage=0))
@@ -175,7 +176,8 @@ def test_the_planner_daemon_speaks_curve(store, opened):
     stage_pair, daemon_pair = keypairs(2)
     last = plane(store, 0, 1, opened, config(stage_pair, [daemon_pair]))
     link = PlannerLink(last, stage_index=0, num_stages=1, timeout_s=5.0, heartbeat_s=0.1)
-    agent = StageAgent(last, stage_index=0, num_stages=1, plan=Plan(epoch=0, stages=(LAYERS[0],)), planner=link)
+    agent = StageAgent(last, stage_index=0, num_stages=1, plan=Plan(epoch=0, stages=(LAYERS[0],)),
+                       planner=link)
     with pytest.raises(ValueError, match="CURVE is on: the planner daemon needs the last stage's public key"):
         start_daemon(last.endpoint, Recorder(), curve=config(daemon_pair, [stage_pair]))
     recorder = Recorder()
@@ -202,7 +204,8 @@ def test_a_hello_whose_key_is_not_trusted_does_not_attach(store, opened, caplog)
     last = plane(store, 0, 1, opened, config(stage_pair, []))
     link = PlannerLink(last, stage_index=0, num_stages=1, timeout_s=5.0, heartbeat_s=0.1)
     untrusted, _ = zmq.curve_keypair()
-    hello = make("hello", {"pid": 4242, "endpoint": "tcp://127.0.0.1:9", "key": untrusted.decode()}, stage=PLANNER)
+    hello = make("hello", {"pid": 4242, "endpoint": "tcp://127.0.0.1:9", "key": untrusted.decode()},
+                 stage=PLANNER)
     with caplog.at_level(logging.WARNING, logger="vpipe.control"):
         link.handle(hello, None)
         link.handle(make("hello", {"pid": 4243, "endpoint": "tcp://127.0.0.1:9"}, stage=PLANNER), None)
@@ -217,11 +220,15 @@ def test_a_hello_naming_an_endpoint_off_this_host_is_ignored(store, opened, capl
     with caplog.at_level(logging.WARNING, logger="vpipe.control"):
         link.handle(make("hello", {"pid": 4244, "endpoint": "tcp://203.0.113.9:5555"}, stage=PLANNER), None)
     assert not link.attached and link.refused_hellos == 1 and "planner" not in last._peers
-    assert "a planner hello names tcp://203.0.113.9:5555: neither loopback nor this run's interface" in caplog.text
+    assert (
+        "a planner hello names tcp://203.0.113.9:5555: neither loopback nor this run's interface"
+        in caplog.text
+    )
 
 
 def test_key_folders_of_processes_killed_outright_are_removed_by_the_next_one(tmp_path, monkeypatch):
-    """A run ended by SIGTERM or a crash skips its exit handlers and left /tmp/vpipe-run-*/control.key_secret."""
+    """A run ended by SIGTERM or a crash skips its exit handlers and
+    left /tmp/vpipe-run-*/control.key_secret."""
     import subprocess
     import sys
     import tempfile
@@ -229,7 +236,8 @@ def test_key_folders_of_processes_killed_outright_are_removed_by_the_next_one(tm
     from vpipe.control import curve
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True)
     orphan = tmp_path / f"vpipe-run-{int(dead.stdout)}-abc"
     orphan.mkdir(mode=0o700)
     (orphan / "control.key_secret").write_text("secret\n")

@@ -169,7 +169,8 @@ def test_fuzz_wrong_types_inside_stats_records(record, field, value):
 
 
 @FUZZ
-@given(header=st.sampled_from([b"\xdc", b"\xdd", b"\xde", b"\xdf", b"\xda", b"\xdb", b"\xc5", b"\xc6", b"\xc9"]),
+@given(header=st.sampled_from([b"\xdc", b"\xdd", b"\xde", b"\xdf", b"\xda", b"\xdb", b"\xc5", b"\xc6",
+                               b"\xc9"]),
        length=st.integers(0, (1 << 32) - 1), tail=st.binary(max_size=40))
 def test_fuzz_huge_length_headers(header, length, tail):
     size = 2 if header in (b"\xdc", b"\xde", b"\xda", b"\xc5") else 4

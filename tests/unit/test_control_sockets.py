@@ -58,7 +58,8 @@ def test_every_socket_is_capped_and_only_inproc_helpers_are_not(store, monkeypat
 
     monkeypatch.setattr(zmq.Context, "socket", recording)
     pairs = keypairs(3)
-    planes = [ControlPlane(store, r, 2, lookup_timeout_s=2.0, curve=config(pairs[r], pairs)) for r in range(2)]
+    planes = [ControlPlane(store, r, 2, lookup_timeout_s=2.0, curve=config(pairs[r], pairs))
+              for r in range(2)]
     link = PlannerLink(planes[1], stage_index=1, num_stages=2, timeout_s=5.0, heartbeat_s=0.1)
     plan = Plan(epoch=0, stages=LAYERS[:2])
     agents = [StageAgent(planes[0], stage_index=0, num_stages=2, plan=plan),
@@ -79,7 +80,8 @@ def test_every_socket_is_capped_and_only_inproc_helpers_are_not(store, monkeypat
         for p in planes:
             p.close(linger_ms=0)
     tcp = [s for s, ep in endpoints.items() if ep.startswith("tcp://")]
-    # 3 inboxes (2 ranks, daemon); outboxes 0->1 (stats), 1->0 (plans), 1->daemon, daemon->1 and its heartbeat's
+    # 3 inboxes (2 ranks, daemon); outboxes 0->1 (stats), 1->0 (plans),
+    # 1->daemon, daemon->1 and its heartbeat's
     assert sorted(s.type for s in tcp) == sorted([zmq.PULL] * 3 + [zmq.PUSH] * 5)
     assert all(caps[s] == frame_limit(MAX_MESSAGE_BYTES) for s in tcp)
     others = [s for s in endpoints if s not in tcp]
@@ -187,13 +189,17 @@ def test_unsolicited_valid_messages_are_bounded_in_bytes_and_the_drops_are_count
     manifest = {"layer": 0, "spec": "x" * 900_000, "entries": []}  # valid, and nearly 1 MB on the wire
     try:
         for _ in range(150):  # 135 MB that no protocol step asked for (no move is under way)
-            assert sender.send(make("migrate_handover", {"round": 0, "move": 0, "manifests": [manifest]}, stage=1))
+            assert sender.send(make("migrate_handover", {"round": 0, "move": 0, "manifests": [manifest]},
+                                    stage=1))
         got = []
         deadline = __import__("time").monotonic() + 20
         while plane.inbox.decoder.dropped["unclaimed"] < 100 and __import__("time").monotonic() < deadline:
             got += plane.poll(timeout_ms=50, types={"stats"})  # the stage agent's kind of poll
         assert got == []
-        assert plane.pending.bytes <= MAX_PENDING_BYTES and len(plane.pending) <= MAX_PENDING_BYTES // 900_000 + 1
+        assert (
+            plane.pending.bytes <= MAX_PENDING_BYTES
+            and len(plane.pending) <= MAX_PENDING_BYTES // 900_000 + 1
+        )
         assert plane.inbox.decoder.dropped["unclaimed"] >= 100  # counted (and logged) as dropped
     finally:
         sender.close(linger_ms=0)

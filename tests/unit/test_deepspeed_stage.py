@@ -1,4 +1,5 @@
-"""Which of a DeepSpeed PipelineModule's layers are vpipe's blocks (DeepSpeed's own LayerSpec classes, no ranks)."""
+"""Which of a DeepSpeed PipelineModule's layers are vpipe's blocks
+(DeepSpeed's own LayerSpec classes, no ranks)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ class Block(nn.Linear):
 
 
 def test_the_blocks_are_the_longest_run_of_the_repeated_classes():
-    specs = [pipe.LayerSpec(nn.Embedding, 8, 4), *[pipe.LayerSpec(Block, 4, 4) for _ in range(4)], lambda x: x,
+    specs = [pipe.LayerSpec(nn.Embedding, 8, 4), *[pipe.LayerSpec(Block, 4, 4) for _ in range(4)],
+             lambda x: x,
              pipe.LayerSpec(Block, 4, 4), Block(4, 4), pipe.LayerSpec(nn.LayerNorm, 4)]
     assert block_run(specs) == range(1, 5)  # the function breaks the run; the embedding and norm appear once
     assert spec_class(specs[6]) == spec_class(specs[7]) == f"{Block.__module__}.{Block.__qualname__}"

@@ -1,5 +1,5 @@
-"""Deferred BatchNorm (``deferred_batch_norm=True``): per micro-batch it is plain BatchNorm bit for bit, and its
-running statistics take one update per step, those of one pass over the whole mini-batch.
+"""Deferred BatchNorm (``deferred_batch_norm=True``): per micro-batch it is plain BatchNorm bit for bit, and
+its running statistics take one update per step, those of one pass over the whole mini-batch.
 
 Tolerance of the statistics: plain BatchNorm on the whole batch sums the batch in one order (float32 values,
 a double accumulator on CPU); the deferred one gets each micro-batch's mean and variance from the same
@@ -51,19 +51,24 @@ MICRO = 4
 
 
 def _model(kind: str, affine: bool, momentum: float | None) -> tuple[nn.Module, tuple[int, ...]]:
-    """A layer before one BatchNorm (its input does not depend on how the batch is split) and the input shape."""
+    """A layer before one BatchNorm (its input does not depend on
+    how the batch is split) and the input shape."""
     if kind == "1d":
         return nn.Sequential(nn.Linear(6, 5), nn.BatchNorm1d(5, affine=affine, momentum=momentum)), (8, 6)
     if kind == "1d-seq":
-        return nn.Sequential(nn.Conv1d(3, 5, 3), nn.BatchNorm1d(5, affine=affine, momentum=momentum)), (8, 3, 9)
+        return nn.Sequential(nn.Conv1d(3, 5, 3), nn.BatchNorm1d(5, affine=affine, momentum=momentum)), (8, 3,
+                                                                                                        9)
     if kind == "2d":
-        return nn.Sequential(nn.Conv2d(3, 5, 3), nn.BatchNorm2d(5, affine=affine, momentum=momentum)), (8, 3, 7, 7)
-    return nn.Sequential(nn.Conv3d(2, 4, 3), nn.BatchNorm3d(4, affine=affine, momentum=momentum)), (8, 2, 5, 5, 5)
+        return nn.Sequential(nn.Conv2d(3, 5, 3), nn.BatchNorm2d(5, affine=affine, momentum=momentum)), (8, 3,
+                                                                                                        7, 7)
+    return nn.Sequential(nn.Conv3d(2, 4, 3), nn.BatchNorm3d(4, affine=affine, momentum=momentum)), (8, 2, 5,
+                                                                                                    5, 5)
 
 
 def _batch(step: int, shape: tuple[int, ...]) -> torch.Tensor:
     gen = torch.Generator().manual_seed(100 + step)
-    return torch.randn(shape, generator=gen) * (1 + step) + 3 * step  # a mean and spread that change every step
+    # a mean and spread that change every step
+    return torch.randn(shape, generator=gen) * (1 + step) + 3 * step
 
 
 @pytest.mark.parametrize("momentum", [0.1, None])
@@ -91,7 +96,8 @@ def test_running_statistics_are_one_pass_over_the_whole_batch_and_outputs_plain_
         torch.testing.assert_close(bn.running_mean, ref.running_mean, **TOL)
         torch.testing.assert_close(bn.running_var, ref.running_var, **TOL)
         assert bn.num_batches_tracked.item() == ref.num_batches_tracked.item() == step + 1
-    # one update per micro-batch (plain BatchNorm in a pipeline) is far from it: the tolerance tells them apart
+    # one update per micro-batch (plain BatchNorm in a pipeline) is far
+    # from it: the tolerance tells them apart
     assert not torch.allclose(per_micro[1].running_var, whole[1].running_var, **TOL)
     deferred.eval()
     whole.eval()
@@ -108,8 +114,9 @@ def _plain_like(bn: DeferredBatchNorm) -> nn.Module:
 
 
 def _collected_reference(model: nn.Module, xs: list[torch.Tensor]) -> None:
-    """What one pass over the whole mini-batch gives each BatchNorm of ``model``: the micro-batches normalised on
-    their own (as the pipeline does), then each BatchNorm run once, by torch, on everything it saw."""
+    """What one pass over the whole mini-batch gives each BatchNorm of
+    ``model``: the micro-batches normalised on their own (as the pipeline does),
+    then each BatchNorm run once, by torch, on everything it saw."""
     seen: dict[nn.Module, list[torch.Tensor]] = {}
     bns = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d | nn.BatchNorm1d)]
     handles = [bn.register_forward_pre_hook(lambda m, args: seen.setdefault(m, []).append(args[0].detach()))
@@ -128,7 +135,8 @@ def _collected_reference(model: nn.Module, xs: list[torch.Tensor]) -> None:
 def test_several_batch_norms_in_a_row_match_each_one_pass_over_what_it_saw():
     torch.manual_seed(0)
     reference = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 4, 3),
-                              nn.BatchNorm2d(4, momentum=None), nn.Flatten(), nn.Linear(36, 6), nn.BatchNorm1d(6))
+                              nn.BatchNorm2d(4, momentum=None), nn.Flatten(), nn.Linear(36, 6),
+                              nn.BatchNorm1d(6))
     deferred = copy.deepcopy(reference)
     assert defer_batch_norms(deferred) == 3
     for step in range(4):
@@ -149,7 +157,8 @@ def test_a_module_keeps_its_objects_keys_and_hooks_and_detach_gives_torch_s_batc
     assert defer_batch_norms(model) == 1  # the one without running statistics has nothing to defer
     assert model[1] is bn and type(bn) is DeferredBatchNorm2d and type(untracked) is nn.BatchNorm2d
     assert list(model.state_dict()) == keys  # the accumulators are not part of a checkpoint
-    assert {n for n, _ in bn.named_buffers()} == {"running_mean", "running_var", "num_batches_tracked", *ACCUMULATORS}
+    assert {n for n, _ in bn.named_buffers()} == {"running_mean", "running_var", "num_batches_tracked",
+                                                  *ACCUMULATORS}
     model(torch.randn(4, 3, 6, 6))
     assert calls == [1] and bn.deferred_count.item() == 4 * 16
     assert defer_batch_norms(model) == 0  # twice is once
@@ -176,14 +185,19 @@ def test_nothing_accumulated_commits_nothing_and_paused_forwards_are_not_counted
 
 def test_subclasses_with_their_own_forward_are_refused_by_name():
     model = nn.Sequential(nn.Linear(3, 3), nn.SyncBatchNorm(3))
-    with pytest.raises(ValueError, match=r"deferred_batch_norm: 1 is a SyncBatchNorm, whose forward vpipe cannot "
-                                         r"defer; it defers torch's BatchNorm1d, BatchNorm2d and BatchNorm3d"):
+    with pytest.raises(
+        ValueError,
+        match=r"deferred_batch_norm: 1 is a SyncBatchNorm, whose forward vpipe cannot "
+        r"defer; it defers torch's BatchNorm1d, BatchNorm2d and BatchNorm3d",
+    ):
         defer_batch_norms(model)
 
 
 def _forwards_then_backwards(model: nn.Module, xs: list[torch.Tensor], manager: Any = None) -> None:
-    """GPipe's order: every micro-batch's forward, then the backwards, last first (through ``manager`` if given)."""
-    around = (lambda call, mb: getattr(manager, call)(mb)) if manager else (lambda call, mb: contextlib.nullcontext())
+    """GPipe's order: every micro-batch's forward, then the backwards,
+    last first (through ``manager`` if given)."""
+    around = (lambda call, mb: getattr(manager,
+                                       call)(mb)) if manager else (lambda call, mb: contextlib.nullcontext())
     outs = []
     for mb, x in enumerate(xs):
         with around("micro_batch", mb):
@@ -278,7 +292,8 @@ def _assert_statistics(model: nn.Module) -> None:
     state = model.state_dict()
     for name, want in _reference_statistics().items():
         torch.testing.assert_close(state[name], want, **TOL, msg=name)
-    assert all(type(m) is nn.BatchNorm1d for m in model.modules() if isinstance(m, nn.BatchNorm1d))  # detached
+    # detached
+    assert all(type(m) is nn.BatchNorm1d for m in model.modules() if isinstance(m, nn.BatchNorm1d))
 
 
 def test_under_a_schedule_each_step_updates_the_statistics_once_and_shape_inference_not_at_all(one_rank):
@@ -298,12 +313,14 @@ def test_under_a_schedule_each_step_updates_the_statistics_once_and_shape_infere
 def test_a_hand_written_loop_updates_them_at_its_optimizer_step(one_rank):
     model = _blocks()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    vp = vpipe.attach(model, optimizer=optimizer, planning=False, micro_batches=MICRO, deferred_batch_norm=True)
+    vp = vpipe.attach(model, optimizer=optimizer, planning=False, micro_batches=MICRO,
+                      deferred_batch_norm=True)
     try:
         for step, (x, y) in enumerate(_steps()):
             for xm, ym in zip(x.chunk(MICRO), y.chunk(MICRO)):
                 _loss(model(xm), ym).backward()
-            assert model[0].bn.num_batches_tracked.item() == vp.iteration == step  # this step's comes at its end
+            # this step's comes at its end
+            assert model[0].bn.num_batches_tracked.item() == vp.iteration == step
             optimizer.step()
     finally:
         vp.detach()
@@ -321,10 +338,12 @@ class _NormBlock(Block):
 
 @pytest.mark.parametrize("use_buffers", [True, False])
 @pytest.mark.parametrize("average_made", ["before attach", "after attach"])
-def test_a_moved_deferred_block_arrives_deferred_and_its_average_keeps_the_average_s_form(average_made, use_buffers):
-    """A carried ``AveragedModel`` of the stage made after attach holds deferred BatchNorms; one made before holds
-    torch's, made deferred by the attach (``update_parameters`` pairs its buffers with the stage's one by one,
-    whether it averages them or copies them). The moved block's average joins the receiver's deferred."""
+def test_a_moved_deferred_block_arrives_deferred_and_its_average_keeps_the_average_s_form(average_made,
+                                                                                          use_buffers):
+    """A carried ``AveragedModel`` of the stage made after attach holds deferred BatchNorms;
+    one made before holds torch's, made deferred by the attach (``update_parameters`` pairs
+    its buffers with the stage's one by one, whether it averages them or copies them). The
+    moved block's average joins the receiver's deferred."""
     hub = Hub(2)
     ranks = [Rank(0, TWO, [0, 1], hub, kind=_NormBlock), Rank(1, TWO, [0, 1], hub, kind=_NormBlock)]
     averages, norms = {}, []
@@ -332,7 +351,8 @@ def test_a_moved_deferred_block_arrives_deferred_and_its_average_keeps_the_avera
         v, container = next(iter(rank.containers.items()))
         if average_made == "after attach":
             defer_batch_norms(container)
-        averages[rank] = AveragedModel(container, multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=use_buffers)
+        averages[rank] = AveragedModel(container, multi_avg_fn=get_ema_multi_avg_fn(0.9),
+                                       use_buffers=use_buffers)
         norms.append(DeferredNorms([LocalStage(v, container)], carry=[averages[rank]]))
         rank.manager.carry = CarriedState({v: [AveragedCopy(averages[rank], rank.manager.blocks[v])]})
     source_block = ranks[0].block(2)
@@ -346,7 +366,8 @@ def test_a_moved_deferred_block_arrives_deferred_and_its_average_keeps_the_avera
     for name, b in arrived.named_buffers():
         assert torch.equal(b, sent[name]), name
     received = averages[ranks[1]]
-    assert [type(m) for m in received.module.modules() if isinstance(m, nn.BatchNorm1d)] == [DeferredBatchNorm1d] * 4
+    assert [type(m) for m in received.module.modules()
+            if isinstance(m, nn.BatchNorm1d)] == [DeferredBatchNorm1d] * 4
     received.update_parameters(ranks[1].containers[1])  # zipped with the stage module without a mismatch
     norms[1].undo()  # detach: torch's BatchNorm again, in the stage and (when made deferred) in the average
     if average_made == "before attach":
@@ -355,7 +376,8 @@ def test_a_moved_deferred_block_arrives_deferred_and_its_average_keeps_the_avera
 
 
 def test_a_block_compiled_with_fullgraph_defers_too():
-    """torch.compile(fullgraph=True) traces the deferred forward whole (the pause flag is a global it guards on)."""
+    """torch.compile(fullgraph=True) traces the deferred forward
+    whole (the pause flag is a global it guards on)."""
     torch.manual_seed(0)
     plain = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
     deferred = copy.deepcopy(plain)
@@ -375,8 +397,9 @@ def test_a_block_compiled_with_fullgraph_defers_too():
 
 
 def test_a_block_streamed_mid_step_updates_once_for_the_sender_s_mini_batch_and_once_for_this_one():
-    """A streamed PipeDream move: micro-batches before the switch ran on the sender (an earlier mini-batch), those
-    from it run on the receiver's clone before the sender's state arrives at the hand-over."""
+    """A streamed PipeDream move: micro-batches before the switch ran on the
+    sender (an earlier mini-batch), those from it run on the receiver's
+    clone before the sender's state arrives at the hand-over."""
     torch.manual_seed(0)
     source = nn.Sequential(nn.BatchNorm1d(4, momentum=None))
     defer_batch_norms(source)

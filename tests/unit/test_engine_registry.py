@@ -19,11 +19,14 @@ def test_each_target_goes_to_its_engine_pipedream_before_torchs_schedules_and_th
     from vpipe.schedules.wpipe import ScheduleWPipe
 
     kinds = [engine.kind for engine in registered_engines()]
-    # 2BW is a SchedulePipeDream too: asked before PipeDream's adapter; WPipe a PipelineScheduleMulti: before torch's
+    # 2BW is a SchedulePipeDream too: asked before PipeDream's adapter;
+    # WPipe a PipelineScheduleMulti: before torch's
     assert kinds == [EngineKind.WPIPE, EngineKind.PIPEDREAM_2BW, EngineKind.PIPEDREAM, EngineKind.DEEPSPEED,
                      EngineKind.TORCH_MULTI, EngineKind.TORCH_SINGLE, EngineKind.MODULE]
     assert _first_accepting(SchedulePipeDream.__new__(SchedulePipeDream)).kind is EngineKind.PIPEDREAM
-    assert _first_accepting(SchedulePipeDream2BW.__new__(SchedulePipeDream2BW)).kind is EngineKind.PIPEDREAM_2BW
+    assert (
+        _first_accepting(SchedulePipeDream2BW.__new__(SchedulePipeDream2BW)).kind is EngineKind.PIPEDREAM_2BW
+    )
     assert _first_accepting(ScheduleWPipe.__new__(ScheduleWPipe)).kind is EngineKind.WPIPE
     assert _first_accepting(nn.Linear(2, 2)).kind is EngineKind.MODULE
 
@@ -49,7 +52,8 @@ def test_a_registered_engine_is_asked_first_and_forgotten_when_unregistered():
 def test_bad_registrations_and_unknown_targets_fail_in_one_line():
     with pytest.raises(TypeError, match=r"^register_engine takes a subclass of vpipe.engines.Engine, got 3$"):
         register_engine(3)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match=r"^vpipe.attach takes a pipelining schedule, a DeepSpeed PipelineEngine or "
+    with pytest.raises(TypeError,
+                       match=r"^vpipe.attach takes a pipelining schedule, a DeepSpeed PipelineEngine or "
                                         r"a stage module, got object$"):
         engine_for(object())
 

@@ -34,20 +34,24 @@ def test_a_bad_value_is_one_line_naming_variable_value_and_what_is_allowed(name,
 def test_a_metrics_directory_that_is_a_file_is_named(tmp_path):
     afile = tmp_path / "f"
     afile.write_text("")
-    with pytest.raises(SettingError, match=f"VPIPE_METRICS_DIR='{afile}': the metrics directory {afile} is a file"):
+    with pytest.raises(SettingError,
+                       match=f"VPIPE_METRICS_DIR='{afile}': the metrics directory {afile} is a file"):
         check_environment({"VPIPE_METRICS_DIR": str(afile)})
 
 
 def test_good_values_and_unset_or_empty_variables_pass(tmp_path):
-    check_environment({"VPIPE_PLANNER_TIMEOUT": "2.5", "VPIPE_TRACE_STEPS": "3,2", "VPIPE_METRICS": "tensorboard",
-                       "VPIPE_FAULTS": "kill@5:1", "VPIPE_PREFETCH_ALLOC": "compute", "VPIPE_CONTROL_AUTH": "none",
+    check_environment({"VPIPE_PLANNER_TIMEOUT": "2.5", "VPIPE_TRACE_STEPS": "3,2",
+                       "VPIPE_METRICS": "tensorboard",
+                       "VPIPE_FAULTS": "kill@5:1", "VPIPE_PREFETCH_ALLOC": "compute",
+                       "VPIPE_CONTROL_AUTH": "none",
                        "VPIPE_CONTROL_HOST": "127.0.0.1", "VPIPE_METRICS_DIR": str(tmp_path / "m"),
                        "VPIPE_AGREE_TIMEOUT": ""})
     check_environment({})
 
 
 @pytest.mark.parametrize("name, value, allowed", [BAD[0], BAD[3], BAD[10]])
-def test_vpipe_train_stops_before_any_rank_with_that_line_and_exit_2(monkeypatch, capsys, name, value, allowed):
+def test_vpipe_train_stops_before_any_rank_with_that_line_and_exit_2(monkeypatch, capsys, name, value,
+                                                                     allowed):
     from vpipe_lab.cli import main
 
     monkeypatch.setenv(name, value)

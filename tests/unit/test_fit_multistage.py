@@ -32,7 +32,8 @@ def test_a_rank_runs_each_forward_and_backward_of_its_stages_once_per_step(sched
 def test_a_ranks_budget_is_shared_by_its_stages():
     cfg = RunConfig(schedule="zbv", stages=2, partition=[2, 1, 1, 2], **MODEL)
     kept = pipeline_fit(cfg, 1 << 62, managed=False)
-    assert [(s.stage, s.policies) for s in kept.stages] == [(0, "DD/DD"), (1, "D/D")]  # per rank: stages 0+3, 1+2
+    # per rank: stages 0+3, 1+2
+    assert [(s.stage, s.policies) for s in kept.stages] == [(0, "DD/DD"), (1, "D/D")]
     assert kept.fits and all(s.peak_saved_bytes > 0 and s.working_bytes == 0 for s in kept.stages)
     model = build_model(cfg.model_spec())
     weights = [sum(p.numel() * p.element_size() for p in model[lid].parameters()) for lid in range(6)]
@@ -46,5 +47,6 @@ def test_a_ranks_budget_is_shared_by_its_stages():
     assert managed.stages[0].peak_saved_bytes < rank.peak_saved_bytes
     tiny = pipeline_fit(cfg, 2 * rank.fixed_bytes // 3, managed=True)
     assert not tiny.fits
-    assert any(s.error == f"rank {s.stage}: its stages' fixed bytes {s.fixed_bytes} exceed the budget {s.budget_bytes}"
+    assert any(s.error == f"rank {s.stage}: its stages' fixed bytes {s.fixed_bytes} exceed the "
+                          f"budget {s.budget_bytes}"
                for s in tiny.stages)

@@ -1,4 +1,5 @@
-"""LayerGraph: the builders of vpipe.profiling, JSON round trip, and a clear error for every kind of bad input."""
+"""LayerGraph: the builders of vpipe.profiling, JSON round trip, and
+a clear error for every kind of bad input."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""FSDP2 blocks on the move, in one process (a one-rank mesh): what attach refuses, what a move packs and loads,
-and the stage's FSDP root relearning its blocks."""
+"""FSDP2 blocks on the move, in one process (a one-rank mesh): what attach refuses, what a move packs and
+loads, and the stage's FSDP root relearning its blocks."""
 
 from __future__ import annotations
 
@@ -90,7 +90,8 @@ def test_a_moved_fsdp_block_arrives_sharded_alike_with_its_shards_and_adam_momen
     state = pack_layer(2, sender.layers["2"], send_opt)
     marks = {(e["name"], e.get("key", "param")): e.get("shard", False) for e in state.manifest["entries"]}
     assert marks == {(name, what): what != "step" for name in ("0.weight", "0.bias")
-                     for what in ("param", "step", "exp_avg", "exp_avg_sq")}  # Adam's step count is no DTensor
+                     # Adam's step count is no DTensor
+                     for what in ("param", "step", "exp_avg", "exp_avg_sq")}
     clone = clone_block(receiver.layers["0"])
     assert type(clone) is type(receiver.layers["0"])  # FSDP's class around the block's own
     register_layer(load_layer(state, clone, recv_opt), recv_opt)

@@ -22,7 +22,8 @@ class Block(nn.Module):
         return self.norm(self.fc(x))
 
 
-def _hf_groups(modules: list[nn.Module], extra_first: list[dict] = (), extra_last: list[dict] = ()) -> list[dict]:
+def _hf_groups(modules: list[nn.Module], extra_first: list[dict] = (),
+               extra_last: list[dict] = ()) -> list[dict]:
     """Hugging Face's grouping: weight decay on weights, none on biases and norms, groups named."""
     params = [(n, p) for m in modules for n, p in m.named_parameters()]
     decay = [p for n, p in params if n.endswith("weight") and "norm" not in n]
@@ -52,8 +53,10 @@ def test_a_moved_parameter_joins_the_group_with_its_settings_not_its_index():
     opt_src = torch.optim.AdamW(_hf_groups([src], extra_first=[{"params": list(emb.parameters()), "lr": 5e-4,
                                                                  "weight_decay": 0.0, "name": "embeddings"}]),
                                 lr=1e-3)
-    opt_dst = torch.optim.AdamW(_hf_groups([resident], extra_last=[{"params": list(head.parameters()), "lr": 2e-3,
-                                                                    "weight_decay": 0.0, "name": "head"}]), lr=1e-3)
+    opt_dst = torch.optim.AdamW(_hf_groups([resident], extra_last=[{"params": list(head.parameters()),
+                                                                    "lr": 2e-3,
+                                                                    "weight_decay": 0.0, "name": "head"}]),
+                                lr=1e-3)
     unpack_layer(pack_layer(3, src, opt_src), dst, opt_dst)
     named = {group["name"]: {id(p) for p in group["params"]} for group in opt_dst.param_groups}
     assert {id(dst.fc.weight)} <= named["decay"]
@@ -64,10 +67,13 @@ def test_a_moved_parameter_joins_the_group_with_its_settings_not_its_index():
 def test_a_move_into_a_stage_without_the_group_is_refused_naming_the_difference():
     src, dst = Block(), Block()
     opt_src = torch.optim.AdamW(_hf_groups([src]), lr=1e-3)
-    opt_dst = torch.optim.AdamW([{"params": list(Block().parameters()), "weight_decay": 0.1, "name": "decay"}],
+    opt_dst = torch.optim.AdamW([{"params": list(Block().parameters()), "weight_decay": 0.1,
+                                  "name": "decay"}],
                                 lr=3e-3)
-    with pytest.raises(GroupMismatch, match=r"layer 3's fc.weight trains in param group 0 'decay' on its stage; "
-                                            r"no param group here has its settings \(the closest, group 0 'decay', "
+    with pytest.raises(GroupMismatch,
+                       match=r"layer 3's fc.weight trains in param group 0 'decay' on its stage; "
+                                            r"no param group here has its settings \(the "
+                                            r"closest, group 0 'decay', "
                                             r"has lr 0.003 \(not 0.001\)\)"):
         unpack_layer(pack_layer(3, src, opt_src), dst, opt_dst)
     assert all(len(group["params"]) == 4 for group in opt_dst.param_groups)  # nothing half-registered
@@ -113,12 +119,14 @@ def test_references_the_trainer_holds_to_leaving_parameters_are_named_and_nothin
     clip_list = list(block.parameters()) + list(other.parameters())
     ema = Ema(list(block.parameters()))
     by_name = dict(block.named_parameters())
-    assert stale_holders(leaving, [block]) == ["a dict of 4 (4 of them leaving)", "a list of 8 (4 of them leaving)",
+    assert stale_holders(leaving, [block]) == ["a dict of 4 (4 of them leaving)",
+                                               "a list of 8 (4 of them leaving)",
                                                "a tuple of 4 (4 of them leaving)"]
     del clip_list, ema, by_name, optimizer
-    # an object of the trainer's that keeps a parameter as an attribute is named (by its attribute table); one of
-    # torch's (FSDP2 keeps one per parameter of a block, which leaves with the block) is not
-    mine, torchs = Pinned(), type("FSDPParam", (), {"__module__": "torch.distributed.fsdp._fully_shard._fsdp_param"})()
+    # an object of the trainer's that keeps a parameter as an attribute is named (by its attribute table); one
+    # of torch's (FSDP2 keeps one per parameter of a block, which leaves with the block) is not
+    mine, torchs = Pinned(), type("FSDPParam", (),
+                                  {"__module__": "torch.distributed.fsdp._fully_shard._fsdp_param"})()
     mine.weight = torchs.sharded_param = leaving[0]
     vars(mine), vars(torchs)  # their attribute tables, as objects read by name get them (FSDP2's are)
     assert stale_holders(leaving, [block]) == ["a dict of 1 (1 of them leaving)"]

@@ -52,7 +52,8 @@ def snapshot(module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict,
     return params, state
 
 
-def assert_state_equal(module: nn.Module, optimizer: torch.optim.Optimizer, want: tuple[dict, list[dict]]) -> None:
+def assert_state_equal(module: nn.Module, optimizer: torch.optim.Optimizer,
+                       want: tuple[dict, list[dict]]) -> None:
     params, state = want
     got = dict(module.named_parameters())
     assert sorted(got) == sorted(params)
@@ -89,7 +90,9 @@ def test_a_move_to_the_next_stage_commits_on_both_ranks():
     for rank in (src, dst):
         assert rank.placement == ((0, 1), (2, 3, 4, 5))
     # the containers are the user's objects, edited in place
-    assert src.manager.blocks[0].container is containers[0] and dst.manager.blocks[1].container is containers[1]
+    assert (
+        src.manager.blocks[0].container is containers[0] and dst.manager.blocks[1].container is containers[1]
+    )
     assert src.keys() == {0: ["0", "1"]} and dst.keys() == {1: ["2", "3", "4", "5"]}
     assert src.manager.layer_ids == [0, 1] and dst.manager.layer_ids == [2, 3, 4, 5]
     # the source forgot the layer and its optimizer state
@@ -129,7 +132,8 @@ def test_a_move_upstream_appends_to_the_previous_stage():
 
 
 def test_a_move_by_the_layer_factory_carries_the_spec_and_a_changed_boundary_is_reported_on_every_rank():
-    """Stage 0 ends with a wider layer; moving it makes stage 0 send another shape: both ranks must re-infer."""
+    """Stage 0 ends with a wider layer; moving it makes stage 0 send
+    another shape: both ranks must re-infer."""
     specs = {0: 4, 1: 4, 2: 8, 3: 8}
 
     def factory(layer_id: int, width: int) -> nn.Module:
@@ -143,7 +147,8 @@ def test_a_move_by_the_layer_factory_carries_the_spec_and_a_changed_boundary_is_
         blocks = nn.Sequential(OrderedDict((str(lid), factory(lid, specs[lid])) for lid in placement[rank]))
         opt = torch.optim.SGD(blocks.parameters(), lr=0.1, momentum=0.9)
         manager = LayerManager({rank: blocks}, placement=placement, optimizer=opt, factory=factory,
-                               specs={lid: specs[lid] for lid in placement[rank]},  # its own layers' specs only
+                               # its own layers' specs only
+                               specs={lid: specs[lid] for lid in placement[rank]},
                                messenger=FakeMessenger(hub, rank), channel=FakeChannel(hub, rank),
                                device=torch.device("cpu"), timeout_s=WAIT_S)
         blocks(torch.randn(2, 4 if rank == 0 else 8)).sum().backward()  # (.., 4) -> 4 -> 4 -> 8 | 8 -> 8
@@ -192,7 +197,8 @@ def test_a_layer_two_stages_away_hops_twice_and_keeps_its_state():
     assert [r.keys() for r in ranks] == [{0: ["0"]}, {1: ["1"]}, {2: ["2", "3", "4"]}]
     assert_state_equal(ranks[2].block(2), ranks[2].optimizer, want)
     assert hub.votes == 2
-    assert [e[:2] for e in ranks[1].listeners[1].events] == [("remove", 3), ("add", 1), ("add", 2), ("remove", 2)]
+    assert [e[:2] for e in ranks[1].listeners[1].events] == [("remove", 3), ("add", 1), ("add", 2),
+                                                             ("remove", 2)]
 
 
 
@@ -201,7 +207,8 @@ def test_a_layer_two_stages_away_hops_twice_and_keeps_its_state():
 
 def test_a_target_that_cannot_build_the_layers_answers_abort_and_nothing_moves(caplog):
     hub = Hub(2)
-    ranks = [Rank(0, TWO, [0, 1], hub), Rank(1, TWO, [0, 1], hub, kind=Other)]  # no Block on rank 1, no factory
+    # no Block on rank 1, no factory
+    ranks = [Rank(0, TWO, [0, 1], hub), Rank(1, TWO, [0, 1], hub, kind=Other)]
     keys, params, states = placement_snapshot(ranks)
     with caplog.at_level(logging.INFO, logger="vpipe"):
         reports = run_ranks(ranks, Plan(epoch=2, stages=((0, 1), (2, 3, 4, 5))))
@@ -252,9 +259,11 @@ def test_announced_layers_that_differ_from_the_plan_stop_the_target():
     hub = Hub(2)
     target = Rank(1, TWO, [0, 1], hub)
     manifest = pack_layer(1, Block(1), None).manifest
-    FakeMessenger(hub, 0).send_to(1, "migrate_prepare", {"round": 0, "move": 1, "src": 0, "dst": 1, "layers": [1],
+    FakeMessenger(hub, 0).send_to(1, "migrate_prepare",
+                                  {"round": 0, "move": 1, "src": 0, "dst": 1, "layers": [1],
                                                          "manifests": [manifest]}, epoch=1)
-    with pytest.raises(MigrationError, match=r"stage 1: stage 0 announced layers \[1\] but the plan moves \[2\]"):
+    with pytest.raises(MigrationError,
+                       match=r"stage 1: stage 0 announced layers \[1\] but the plan moves \[2\]"):
         target.apply(Plan(epoch=1, stages=((0, 1), (2, 3, 4, 5))))
     assert target.keys() == {1: ["3", "4", "5"]}
 
@@ -296,7 +305,8 @@ def test_a_move_between_two_stages_of_one_rank_re_parents_the_blocks_without_a_m
 
 
 def test_a_v_shaped_layout_moves_locally_at_the_turn_and_across_ranks_elsewhere():
-    """Stages 0 and 3 on rank 0, 1 and 2 on rank 1: one round moves 0 -> 1 across ranks and 1 -> 2 inside rank 1."""
+    """Stages 0 and 3 on rank 0, 1 and 2 on rank 1: one round moves
+    0 -> 1 across ranks and 1 -> 2 inside rank 1."""
     placement = [[0, 1], [2, 3], [4, 5], [6, 7]]
     ranks_of = [0, 1, 1, 0]
     hub = Hub(2)
@@ -356,7 +366,8 @@ def test_adding_layers_checks_the_position_and_needs_a_factory_where_they_land()
     with pytest.raises(ValueError, match=r"position 7 is outside 0\.\.6"):
         ranks[0].add_layers(7, [WIDTH])
     assert ranks[0].add_layers(4, [WIDTH]) == [6]  # lands on rank 1's stage: rank 0 builds nothing
-    with pytest.raises(ValueError, match="adding layers needs layer_factory= in the vpipe config to build them"):
+    with pytest.raises(ValueError,
+                       match="adding layers needs layer_factory= in the vpipe config to build them"):
         ranks[1].add_layers(4, [WIDTH])
     assert ranks[1].keys() == {1: ["3", "4", "5"]} and ranks[1].placement == tuple(map(tuple, TWO))
 

@@ -1,4 +1,5 @@
-"""The migration's control-plane messages: bodies checked on arrival, and the messenger that waits for one by key."""
+"""The migration's control-plane messages: bodies checked on
+arrival, and the messenger that waits for one by key."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ MANIFEST = pack_layer(3, torch.nn.Linear(2, 2), None).manifest
 @pytest.mark.parametrize("type_, body, message", [
     ("migrate_ready", [0, 1], "body must be a map, got list"),
     ("migrate_ready", {"round": 0}, "body keys ['round'] do not match ['move', 'round']"),
-    ("migrate_ready", {"round": 0, "move": 1, "extra": 2}, "body keys ['extra', 'move', 'round'] do not match"),
+    ("migrate_ready", {"round": 0, "move": 1, "extra": 2},
+     "body keys ['extra', 'move', 'round'] do not match"),
     ("migrate_ack", {"round": 1 << 17, "move": 1}, "round must be an integer in [0, 65536], got 131072"),
     ("migrate_ack", {"round": 0, "move": True}, "move must be an integer in [0, 262144], got True"),
     ("migrate_transfer", {"round": 0, "move": 1, "nbytes": -1}, "nbytes must be an integer in [0, "),
@@ -25,7 +27,8 @@ MANIFEST = pack_layer(3, torch.nn.Linear(2, 2), None).manifest
     ("migrate_abort", {"round": 0, "move": 1, "reason": 5}, "abort reason must be a short string"),
     ("migrate_prepare", {"round": 0, "move": 1, "src": 0, "dst": 1, "layers": [], "manifests": []},
      "layers must be a list of 1..4096 ids"),
-    ("migrate_prepare", {"round": 0, "move": 1, "src": 0, "dst": 1, "layers": [3, 4], "manifests": [MANIFEST]},
+    ("migrate_prepare", {"round": 0, "move": 1, "src": 0, "dst": 1, "layers": [3, 4],
+                         "manifests": [MANIFEST]},
      "prepare needs one manifest per layer"),
     ("migrate_prepare", {"round": 0, "move": 1, "src": 0, "dst": -1, "layers": [3], "manifests": [MANIFEST]},
      "dst must be an integer in [0, 65536], got -1"),
@@ -79,7 +82,8 @@ def test_messages_go_out_from_this_rank_and_a_full_queue_is_logged(caplog):
     assert (peer, msg.type, msg.src, msg.stage, msg.epoch, msg.body) == (3, "migrate_ready", 2, 2, 7,
                                                                          {"round": 1, "move": 5})
     with caplog.at_level(logging.WARNING, logger="vpipe.migration"):
-        ControlMessenger(FakePlane(accept=False), rank=2).send_to(3, "migrate_ack", {"round": 1, "move": 5}, epoch=7)
+        ControlMessenger(FakePlane(accept=False), rank=2).send_to(3, "migrate_ack", {"round": 1, "move": 5},
+                                                                  epoch=7)
     assert "rank 2: could not queue migrate_ack for rank 3" in caplog.text
 
 
@@ -94,13 +98,15 @@ def test_a_wait_takes_its_own_message_and_keeps_the_others_for_their_waiters():
     assert messenger.wait_for({"migrate_ready"}, from_rank=0, key=(4, 0, 1), timeout_s=1.0) == (
         "migrate_ready", {"round": 0, "move": 1})
     polls = plane.polls
-    assert messenger.wait_for({"migrate_ready", "migrate_abort"}, from_rank=0, key=(4, 0, 5), timeout_s=1.0)[1] == {
+    assert messenger.wait_for({"migrate_ready", "migrate_abort"}, from_rank=0, key=(4, 0, 5),
+                              timeout_s=1.0)[1] == {
         "round": 0, "move": 5}
     assert messenger.wait_for({"migrate_ready"}, from_rank=2, key=(4, 0, 1), timeout_s=1.0) is not None
     assert messenger.wait_for({"migrate_ack"}, from_rank=0, key=(4, 0, 1), timeout_s=1.0) is not None
     assert plane.polls == polls  # held since the first wait: no polling needed
     assert [m.type for m in plane.inbox] == ["migrate_prepare_other"] and messenger.stale == 0
-    assert messenger.wait_for({"migrate_ready"}, from_rank=0, key=(4, 0, 1), timeout_s=0.05) is None  # taken once
+    # taken once
+    assert messenger.wait_for({"migrate_ready"}, from_rank=0, key=(4, 0, 1), timeout_s=0.05) is None
 
 
 def test_messages_of_rounds_that_ended_are_dropped_as_stale():

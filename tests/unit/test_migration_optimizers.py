@@ -39,7 +39,8 @@ def test_a_container_whose_parts_are_not_one_per_stage_is_refused_saying_what_to
     modules = stages()
     everything = [torch.optim.SGD(modules[0].parameters(), lr=0.1), torch.optim.SGD(
         [*modules[0].parameters(), *modules[2].parameters()], lr=0.1)]
-    with pytest.raises(ValueError, match=r"optimizer\(s\) \[1\] train several of this rank's stages while a stage "
+    with pytest.raises(ValueError,
+                       match=r"optimizer\(s\) \[1\] train several of this rank's stages while a stage "
                                          "has several optimizers; give each stage its own optimizers"):
         optimizer_parts(everything, modules)
     alone = torch.optim.SGD(modules[0].parameters(), lr=0.1)
@@ -50,8 +51,8 @@ def test_a_container_whose_parts_are_not_one_per_stage_is_refused_saying_what_to
 
 
 def test_several_optimizers_that_each_train_every_stage_of_the_rank_are_one_set():
-    """The Muon recipe over interleaved stages: Muon for both stages' matrices, AdamW for both stages' biases (the
-    fuzzer's extra=muon draws were refused before)."""
+    """The Muon recipe over interleaved stages: Muon for both stages' matrices, AdamW for both stages'
+    biases (the fuzzer's extra=muon draws were refused before)."""
     modules = stages()
     both = [*modules[0].parameters(), *modules[2].parameters()]
     muon = torch.optim.SGD([p for p in both if p.ndim == 2], lr=0.1)
@@ -147,7 +148,8 @@ def test_a_parameter_moves_with_the_state_of_the_optimizer_that_trains_it_and_jo
 
 
 def test_a_block_moving_between_two_stages_of_a_rank_each_with_muon_and_adagrad_keeps_both_states():
-    """ZBV with the Muon recipe per stage (found by the fuzzer: the move read the state after leaving the group)."""
+    """ZBV with the Muon recipe per stage (found by the fuzzer: the
+    move read the state after leaving the group)."""
     torch.manual_seed(0)
     first, second = nn.Linear(4, 4), nn.Linear(4, 4)
     parts = optimizer_parts(Container([*_adagrad_then_muon(first), *_adagrad_then_muon(second)]),
@@ -174,8 +176,10 @@ def test_an_optimizer_wrapper_that_keeps_state_of_its_own_turns_moves_off_naming
         block = nn.Linear(4, 4)
         zero = ZeroRedundancyOptimizer(block.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
         assert wrapper_refusal(zero) == (
-            "the optimizer is torch.distributed.optim.zero_redundancy_optimizer.ZeroRedundancyOptimizer, whose "
-            "per-rank shards and parameter-to-rank maps vpipe cannot carry with a block; to let blocks move, shard "
+            "the optimizer is "
+            "torch.distributed.optim.zero_redundancy_optimizer.ZeroRedundancyOptimizer, whose "
+            "per-rank shards and parameter-to-rank maps vpipe cannot carry with a block; to "
+            "let blocks move, shard "
             "the state with FSDP2 instead (fully_shard over the data-parallel mesh: vpipe moves its shards)")
         assert wrapper_refusal(optimizer_parts([zero, torch.optim.SGD(nn.Linear(2, 2).parameters())],
                                                {0: block})) is not None
@@ -185,9 +189,10 @@ def test_an_optimizer_wrapper_that_keeps_state_of_its_own_turns_moves_off_naming
 
 
 def test_an_added_layer_trains_each_parameter_where_its_namesake_in_the_nearest_block_alike_does():
-    """vp.add_layers under the Muon recipe with decay / no-decay groups: the new block's matrices join Muon, its
-    norm's weight and biases AdamW's no-decay group, as its namesakes train on another stage (before: every
-    parameter in group 0, Muon's, which cannot train 1-D parameters); the receiving stage holds no block alike."""
+    """vp.add_layers under the Muon recipe with decay / no-decay groups: the new block's matrices
+    join Muon, its norm's weight and biases AdamW's no-decay group, as its namesakes train on
+    another stage (before: every parameter in group 0, Muon's, which cannot train 1-D
+    parameters); the receiving stage holds no block alike."""
     from vpipe.migration.namesakes import group_table, join_groups
     from vpipe.stage.blocks import KeyStyle, StageBlocks
 
@@ -209,4 +214,5 @@ def test_an_added_layer_trains_each_parameter_where_its_namesake_in_the_nearest_
     joins = {id(p): g for p, g in join_groups(stage, new, 2, [0, 1, 2], table)}
     groups = stage.param_groups  # Muon's group, then AdamW's decay and no_decay
     assert groups[joins[id(new[0].weight)]] is muon.param_groups[0]
-    assert all(groups[joins[id(p)]] is adamw.param_groups[1] for p in (new[0].bias, new[1].weight, new[1].bias))
+    assert all(groups[joins[id(p)]] is adamw.param_groups[1]
+               for p in (new[0].bias, new[1].weight, new[1].bias))

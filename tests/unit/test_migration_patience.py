@@ -1,4 +1,5 @@
-"""A round of moves waits no longer than the trainer's process-group timeout, and a missed vote names who missed it."""
+"""A round of moves waits no longer than the trainer's process-group
+timeout, and a missed vote names who missed it."""
 
 from __future__ import annotations
 
@@ -22,13 +23,15 @@ class Clock:
 
 
 def test_every_wait_of_a_round_ends_by_the_groups_timeout_and_the_vote_gets_at_least_the_floor():
-    assert patience_s(30.0, 20.0) == 10.0 and patience_s(30.0, 1800.0) == 30.0  # a late answer still finds the vote
+    # a late answer still finds the vote
+    assert patience_s(30.0, 20.0) == 10.0 and patience_s(30.0, 1800.0) == 30.0
     now = Clock()
     clock = RoundClock(20.0, 10.0, now=now)
     assert clock.wait_s() == 10.0 and clock.wait_s(2) == 20.0 and clock.vote_s() == 20.0
     now.t += 15.0  # a handshake wait ran out, and more
     assert clock.wait_s() == 5.0 and clock.remaining_s() == 5.0 and clock.vote_s() == 5.0
-    now.t += 30.0  # past the round's end: waits take nothing more, the vote the floor (ranks start a round apart)
+    # past the round's end: waits take nothing more, the vote the floor (ranks start a round apart)
+    now.t += 30.0
     assert clock.wait_s() == 0.0 and clock.vote_s() == FLOOR_S
     assert RoundClock(1.0, 0.5, now=now).vote_s() == 1.0  # a floor above a short timeout is the timeout
 

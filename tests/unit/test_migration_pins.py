@@ -30,8 +30,11 @@ def test_every_kind_of_user_hook_on_a_block_or_its_submodules_is_found():
     block[0].register_load_state_dict_post_hook(lambda module, keys: None)
     found = user_hooks(block)
     assert found[0] == "forward hook scale"
-    assert "forward pre hook test_every_kind_of_user_hook_on_a_block_or_its_submodules_is_found.<locals>.<lambda> " \
-        "on 0" in found
+    assert (
+        "forward pre hook "
+        "test_every_kind_of_user_hook_on_a_block_or_its_submodules_is_found.<locals>.<lambda> on 0"
+        in found
+    )
     assert len(found) == 5 and any(h.startswith("backward hook") and h.endswith(" on 2") for h in found)
     assert any(h.startswith("state dict hook") for h in found)
     assert any(h.startswith("load state dict post hook") and h.endswith(" on 0") for h in found)
@@ -43,7 +46,8 @@ def test_hooks_torch_utilities_keep_on_a_module_count_but_checkpoint_wrapper_and
     wrapped = checkpoint_wrapper(_block())  # its state-dict hooks are the module's own: cloned with it
     assert user_hooks(wrapped) == []
     block = _block()
-    manager = TensorManager({1: block}, device=torch.device("cpu"))  # vpipe's own hooks (the tensor manager's)
+    # vpipe's own hooks (the tensor manager's)
+    manager = TensorManager({1: block}, device=torch.device("cpu"))
     assert block._forward_pre_hooks and user_hooks(block) == []
     manager.close()
 
@@ -61,7 +65,8 @@ def test_blocks_sharing_a_module_or_a_tensor_with_the_stage_outside_them_are_pin
     pins = shared_pins(blocks, outside_tensors(stage, [f"layers.{i}" for i in blocks]))
     assert pins == {1: "shares 0.weight with layers [2]", 2: "shares 2.weight with layers [1]",
                     3: "shares table with the stage module outside its blocks"}
-    assert outside_tensors(stage.layers, map(str, blocks)) == set()  # a container holds nothing outside its blocks
+    # a container holds nothing outside its blocks
+    assert outside_tensors(stage.layers, map(str, blocks)) == set()
     # a stage whose blocks are direct children among others (DeepSpeed's PipelineModule: "0" the embedding)
     flat = nn.Module()
     flat.add_module("0", nn.Embedding(4, 2))
@@ -71,4 +76,5 @@ def test_blocks_sharing_a_module_or_a_tensor_with_the_stage_outside_them_are_pin
     kind = planner_kind(pins, lambda: blocks)
     assert kind(blocks[0]) == block_kind(blocks[0]) and kind(blocks[1]) == block_kind(blocks[1]) + PINNED_KIND
     blocks[0].register_forward_hook(scale)  # hooks count when they are there
-    assert pin_reason(0, blocks[0], pins) == "carries forward hook scale (hooks cannot be carried to another process)"
+    assert pin_reason(0, blocks[0],
+                      pins) == "carries forward hook scale (hooks cannot be carried to another process)"

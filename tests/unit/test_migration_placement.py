@@ -1,4 +1,5 @@
-"""Placement bookkeeping: layers per (virtual) stage, the rank of each stage, and edits that keep it consistent."""
+"""Placement bookkeeping: layers per (virtual) stage, the rank of
+each stage, and edits that keep it consistent."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Boundary shapes: what each layer takes and sends, and whether a move changes what crosses a stage boundary."""
+"""Boundary shapes: what each layer takes and sends, and whether a
+move changes what crosses a stage boundary."""
 
 from __future__ import annotations
 
@@ -51,7 +52,8 @@ def test_the_first_call_of_a_watched_layer_is_recorded_and_unwatching_stops_it()
     shapes.unwatch(0)
     shapes.forget(1)
     assert not wide._forward_hooks and not pair._forward_hooks
-    assert 0 in shapes.out_meta and 1 not in shapes.out_meta and 1 not in shapes.in_meta  # unwatch keeps, forget drops
+    # unwatch keeps, forget drops
+    assert 0 in shapes.out_meta and 1 not in shapes.out_meta and 1 not in shapes.in_meta
     other = nn.Linear(4, 4)
     shapes.watch(2, other)
     shapes.close()
@@ -84,7 +86,8 @@ W4, W8 = (((4,), F32),), (((8,), F32),)
 @pytest.mark.parametrize("before, after, out, arriving, changes", [
     ((0, 1, 2), (0, 1, 2, 3), {2: W4}, {}, True),  # the new last layer is unknown: counts as a change
     ((0, 1, 2), (0, 1, 2, 3), {2: W4, 3: W4}, {}, False),  # same output: nothing to redo
-    ((0, 1, 2), (0, 1), {1: W4, 2: W8}, {}, True),  # the last layer leaves, the one before sends another shape
+    # the last layer leaves, the one before sends another shape
+    ((0, 1, 2), (0, 1), {1: W4, 2: W8}, {}, True),
     ((0, 1, 2), (0, 1, 2, 3), {2: W4}, {3: {"out_meta": [[[4], F32]]}}, False),  # arriving: its manifest says
     ((0, 1, 2), (0, 1, 2, 3), {2: W4}, {3: {"out_meta": [[[8], F32]]}}, True),
     ((0, 1, 2), (1, 2), {}, {}, False),  # the last layer stays: the stage sends the same
@@ -96,7 +99,8 @@ def test_last_output_changes(before, after, out, arriving, changes):
 
 def test_boundary_changes_are_judged_by_the_stage_that_held_the_new_last_layer():
     before = ((0, 1, 2), (3, 4), (5,))
-    # stage 0 gives layer 2 away: boundary 0 now carries layer 1's output instead of layer 2's; stage 0 ran both
+    # stage 0 gives layer 2 away: boundary 0 now carries layer 1's
+    # output instead of layer 2's; stage 0 ran both
     after = ((0, 1), (2, 3, 4), (5,))
     assert _known({1: W4, 2: W4}).boundary_changed(0, before, after) is False
     assert _known({1: W8, 2: W4}).boundary_changed(0, before, after) is True

@@ -38,7 +38,8 @@ def test_state_moves_between_optimizers_exactly(opt_name):
     ref_opt = make(list(reference.parameters()))
     state = {i: {k: v.clone() if torch.is_tensor(v) else v for k, v in src_opt.state[p].items()}
              for i, p in enumerate(src.parameters())}
-    group = dict(src_opt.state_dict()["param_groups"][0], params=list(range(len(list(reference.parameters())))))
+    group = dict(src_opt.state_dict()["param_groups"][0],
+                 params=list(range(len(list(reference.parameters())))))
     ref_opt.load_state_dict({"state": state, "param_groups": [group]})
 
     state = pack_layer(3, src, src_opt, spec=spec)

@@ -1,4 +1,5 @@
-"""A moved block's state arrives bit for bit, whatever it holds: any dtype and shape, any optimizer, no alignment.
+"""A moved block's state arrives bit for bit, whatever it holds: any
+dtype and shape, any optimizer, no alignment.
 
 Property tests over random blocks (parameters and buffers of random dtypes and shapes,
 0-d tensors, non-contiguous views, buffers that are views of each other) under the
@@ -18,14 +19,15 @@ from torch import nn
 from vpipe.migration.cloning import clone_block
 from vpipe.migration.state import pack_layer, unpack_layer, validate_manifest
 
-_BUFFER_DTYPES = [torch.int64, torch.bool, torch.float64, torch.bfloat16, torch.float16, torch.int32, torch.uint8,
+_BUFFER_DTYPES = [torch.int64, torch.bool, torch.float64, torch.bfloat16, torch.float16, torch.int32,
+                  torch.uint8,
                   torch.int8, torch.float32, torch.complex64]
 _PARAM_DTYPES = [torch.float32, torch.float64]
 
 
 class Counting(torch.optim.Optimizer):
-    """SGD with momentum whose state also holds plain values (a count, a phase name, a list) and one tensor under
-    two keys: an optimizer whose state is not only tensors."""
+    """SGD with momentum whose state also holds plain values (a count, a phase name, a list) and one tensor
+    under two keys: an optimizer whose state is not only tensors."""
 
     def __init__(self, params, lr: float = 0.1) -> None:
         super().__init__(params, {"lr": lr})
@@ -74,7 +76,12 @@ class RandomBlock(nn.Module):
             t = (torch.randn(shape, generator=gen) * 100).to(dtype) if dtype != torch.bool \
                 else torch.rand(shape, generator=gen) > 0.5
             self.register_buffer(f"b{i}", t)
-        if view_of is not None and view_of < len(buffers) and buffers[view_of][0] and buffers[view_of][0][0] > 1:
+        if (
+            view_of is not None
+            and view_of < len(buffers)
+            and buffers[view_of][0]
+            and buffers[view_of][0][0] > 1
+        ):
             self.register_buffer("view", getattr(self, f"b{view_of}")[1:])  # a buffer that aliases another
 
     def forward(self) -> torch.Tensor:
@@ -83,7 +90,8 @@ class RandomBlock(nn.Module):
 
 _shapes = st.lists(st.integers(1, 5), min_size=0, max_size=3)
 _blocks = st.fixed_dictionaries({
-    "params": st.lists(st.tuples(_shapes, st.sampled_from(_PARAM_DTYPES), st.booleans()), min_size=1, max_size=4),
+    "params": st.lists(st.tuples(_shapes, st.sampled_from(_PARAM_DTYPES), st.booleans()), min_size=1,
+                       max_size=4),
     "buffers": st.lists(st.tuples(_shapes, st.sampled_from(_BUFFER_DTYPES)), max_size=5),
     "view_of": st.one_of(st.none(), st.integers(0, 4)),
     "optimizer": st.sampled_from(sorted(OPTIMIZERS)),

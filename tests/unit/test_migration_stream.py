@@ -33,7 +33,8 @@ KEY = (1, 0, 1)  # epoch 1, round 0, move 2 * src + forward
 class FakeSchedule:
     def __init__(self, stage_index: int, num_stages: int, optimizer: torch.optim.Optimizer, *, updates: int,
                  next_fwd: int, vertical_sync: bool = False) -> None:
-        self._stage = SimpleNamespace(stage_index=stage_index, num_stages=num_stages, device=torch.device("cpu"))
+        self._stage = SimpleNamespace(stage_index=stage_index, num_stages=num_stages,
+                                      device=torch.device("cpu"))
         self.optimizer = optimizer
         self.updates = updates
         self._next_fwd = next_fwd
@@ -57,14 +58,16 @@ class FakeSchedule:
 
     @property
     def upcoming_version(self) -> int:
-        return start_version(self._next_fwd, self._stage.stage_index, self._stage.num_stages, self.vertical_sync)
+        return start_version(self._next_fwd, self._stage.stage_index, self._stage.num_stages,
+                             self.vertical_sync)
 
     def defer_wait(self, work: object, payload: torch.Tensor) -> None:
         self.deferred.append((work, payload))
 
 
 class Side:
-    """One stage: a container keyed by layer id, its optimizer (SGD with momentum: state to move) and schedule."""
+    """One stage: a container keyed by layer id, its optimizer (SGD
+    with momentum: state to move) and schedule."""
 
     def __init__(self, stage: int, ids: list[int], num_stages: int, *, updates: int, next_fwd: int,
                  vertical_sync: bool = False, seed: int = 0) -> None:
@@ -99,8 +102,10 @@ def _pair(num_stages: int, switch_mb: int, *, updates: int, vertical_sync: bool 
         src.update()
     src.schedule._next_fwd = min(updates + 1, switch_mb - 1)  # forwarded ahead of its updates, not yet S
     moving = src.container._modules["2"]
-    out = OutgoingStream(src.schedule, src.blocks, {2: moving}, forward=True, switch_mb=switch_mb, dst=1, key=KEY,
-                         channel=FakeChannel(hub, 0), messenger=FakeMessenger(hub, 0), listeners=[src.listener])
+    out = OutgoingStream(src.schedule, src.blocks, {2: moving}, forward=True, switch_mb=switch_mb, dst=1,
+                         key=KEY,
+                         channel=FakeChannel(hub, 0), messenger=FakeMessenger(hub, 0),
+                         listeners=[src.listener])
     arriving = nn.Linear(4, 4)
     inc = IncomingStream(dst.schedule, dst.blocks, {2: arriving}, [pack_layer(2, moving, None).manifest],
                          forward=True, switch_mb=switch_mb, src=0, key=KEY, channel=FakeChannel(hub, 1),
@@ -110,21 +115,25 @@ def _pair(num_stages: int, switch_mb: int, *, updates: int, vertical_sync: bool 
 
 def test_the_target_gets_the_switch_version_and_then_the_live_state_and_the_source_lets_go():
     hub, src, dst, out, inc, moving, arriving = _pair(2, switch_mb=4, updates=2)
-    assert list(out.window) == list(inc.window) == [4]  # the target's first forward (micro-batch 4) runs version 4
+    # the target's first forward (micro-batch 4) runs version 4
+    assert list(out.window) == list(inc.window) == [4]
     assert not hub.wire and out.bytes_sent == 0  # version 4 does not exist yet
     src.update()  # update 3
     out.after_update(3)
     assert not hub.wire
-    # micro-batch 4's forward: the layer leaves the source's forward, its in-flight micro-batches still update it
+    # micro-batch 4's forward: the layer leaves the source's forward,
+    # its in-flight micro-batches still update it
     out.before_forward(4)
-    assert list(src.container._modules) == ["0", "1"] and set(src.schedule.departing) == {"2.weight", "2.bias"}
+    assert list(src.container._modules) == ["0", "1"] and set(src.schedule.departing) == {"2.weight",
+                                                                                          "2.bias"}
     assert src.schedule.departing["2.weight"] is moving.weight and not out.done
     src.update()  # update 4 (micro-batch 3's backward): the departing layer is updated one last time
     live = {n: p.detach().clone() for n, p in moving.named_parameters()}
     momentum = {n: src.optimizer.state[p]["momentum_buffer"].clone() for n, p in moving.named_parameters()}
     out.after_update(4)  # version 4 goes, then the hand-over
     assert out.done and src.schedule.departing == {}
-    assert not {id(p) for p in moving.parameters()} & {id(p) for g in src.optimizer.param_groups for p in g["params"]}
+    assert not {id(p) for p in moving.parameters()} & {id(p) for g in src.optimizer.param_groups
+                                                       for p in g["params"]}
     assert not any(p in src.optimizer.state for p in moving.parameters())
     # the listeners heard the layer leave the forward path at the switch, and go at the hand-over
     assert src.listener.events == [("retire", 2, None), ("remove", 2, None)]
@@ -145,7 +154,8 @@ def test_the_target_gets_the_switch_version_and_then_the_live_state_and_the_sour
     assert all(torch.equal(p.detach(), live[n]) for n, p in arriving.named_parameters())
     assert all(torch.equal(dst.optimizer.state[p]["momentum_buffer"], momentum[n])
                for n, p in arriving.named_parameters())
-    assert {id(p) for p in arriving.parameters()} <= {id(p) for g in dst.optimizer.param_groups for p in g["params"]}
+    assert {id(p) for p in arriving.parameters()} <= {id(p) for g in dst.optimizer.param_groups
+                                                      for p in g["params"]}
     assert dst.listener.events == [("add", 2, arriving)]
     assert out.bytes_sent == inc.bytes_received == 2 * 20 * 4 + 20 * 4  # version 4, then weights and momentum
     dst.schedule._next_fwd = 4
@@ -156,10 +166,12 @@ def test_the_target_gets_the_switch_version_and_then_the_live_state_and_the_sour
 
 def test_under_vertical_sync_versions_already_made_go_at_once_from_the_stash():
     # 4 stages, target stage 1: micro-batch 8 starts on version 8 - 4 + 1 = 5; versions 5 and 6 exist already
-    hub, src, dst, out, inc, moving, arriving = _pair(4, switch_mb=8, updates=7, vertical_sync=True, stash=(5, 6))
+    hub, src, dst, out, inc, moving, arriving = _pair(4, switch_mb=8, updates=7, vertical_sync=True,
+                                                      stash=(5, 6))
     assert list(out.window) == [5, 6, 7, 8]
     stashed = {v: {n: src.schedule._versions[v][f"2.{n}"] for n in ("weight", "bias")} for v in (5, 6)}
-    assert len(hub.wire) == 3 and out.bytes_sent == 3 * 20 * 4  # 5 and 6 from the stash, 7 live, at registration
+    # 5 and 6 from the stash, 7 live, at registration
+    assert len(hub.wire) == 3 and out.bytes_sent == 3 * 20 * 4
     live7 = {n: p.detach().clone() for n, p in moving.named_parameters()}
     out.before_forward(8)
     src.update()
@@ -174,7 +186,8 @@ def test_under_vertical_sync_versions_already_made_go_at_once_from_the_stash():
     inc.add_weights(8, weights)
     assert all(torch.equal(weights[f"2.{n}"], p.detach()) for n, p in moving.named_parameters())
     inc.before_update(8)
-    assert all(torch.equal(a.detach(), b.detach()) for a, b in zip(arriving.parameters(), moving.parameters()))
+    assert all(torch.equal(a.detach(), b.detach()) for a, b in zip(arriving.parameters(),
+                                                                   moving.parameters()))
     assert out.bytes_sent == inc.bytes_received
 
 
@@ -183,7 +196,8 @@ def test_a_move_registered_too_late_or_after_its_versions_were_dropped_is_refuse
     side = Side(0, [0, 1, 2], 4, updates=7, next_fwd=8, vertical_sync=True)
     layer = {2: side.container._modules["2"]}
     kwargs = dict(forward=True, dst=1, key=KEY, channel=FakeChannel(hub, 0), messenger=FakeMessenger(hub, 0))
-    with pytest.raises(RuntimeError, match="^streamed move registered too late: micro-batch 8 already started$"):
+    with pytest.raises(RuntimeError,
+                       match="^streamed move registered too late: micro-batch 8 already started$"):
         OutgoingStream(side.schedule, side.blocks, layer, switch_mb=8, **kwargs)
     side.schedule._next_fwd = 7
     side.schedule._versions = {6: {}}  # version 5 was released already
@@ -198,7 +212,8 @@ def test_a_target_whose_source_never_hands_over_stops_naming_it():
     with pytest.raises(RuntimeError, match=r"^stage 1: stage 0 never handed over layers \[2\] \(epoch 1\)$"):
         inc.before_update(4)
     FakeMessenger(hub, 0).send_to(1, "migrate_handover", {"round": 0, "move": 1,
-                                                          "manifests": [pack_layer(1, nn.Linear(4, 4), None).manifest]},
+                                                          "manifests": [pack_layer(1, nn.Linear(4, 4),
+                                                                                   None).manifest]},
                                   epoch=1)
     with pytest.raises(RuntimeError, match=r"^hand-over of layers \[1\], expected \[2\]$"):
         inc.before_update(4)
@@ -206,13 +221,14 @@ def test_a_target_whose_source_never_hands_over_stops_naming_it():
 
 
 def test_the_version_window_follows_the_weight_stashing_rule():
-    assert list(version_window(4, 1, 2, vertical_sync=False)) == [4]  # one micro-batch in flight on stage 1 of 2
+    # one micro-batch in flight on stage 1 of 2
+    assert list(version_window(4, 1, 2, vertical_sync=False)) == [4]
     assert list(version_window(8, 1, 4, vertical_sync=False)) == [6, 7, 8]
     assert list(version_window(8, 1, 4, vertical_sync=True)) == [5, 6, 7, 8]
     assert list(version_window(1, 0, 4, vertical_sync=True)) == [0, 1]  # never before version 0
 
 
-# ---------------------------------------------------------------------- starting a streamed move (the layer manager)
+# --------------------------------------------------------------- starting a streamed move (the layer manager)
 def _streaming_ranks(run_forward: bool = True, faults=None):
     """Two single-stage ranks with layer managers, mid-stream: 2 updates applied, micro-batch 3 forwarded."""
     hub = Hub(2)
@@ -220,7 +236,8 @@ def _streaming_ranks(run_forward: bool = True, faults=None):
     for rank, ids in enumerate(([0, 1, 2], [3, 4])):
         side = Side(rank, ids, 2, updates=2, next_fwd=3, seed=rank)
         side.schedule.movers = []
-        manager = LayerManager(side.container, placement=[[0, 1, 2], [3, 4]], optimizer=side.optimizer, factory=None,
+        manager = LayerManager(side.container, placement=[[0, 1, 2], [3, 4]], optimizer=side.optimizer,
+                               factory=None,
                                specs=None, messenger=FakeMessenger(hub, rank), channel=FakeChannel(hub, rank),
                                device=torch.device("cpu"), stage_index=rank, timeout_s=0.5,
                                faults=faults if faults is not None and rank == 1 else NO_FAULTS)
@@ -276,7 +293,8 @@ def test_a_streamed_move_starts_on_both_ranks_and_completes_through_the_schedule
     assert all(torch.equal(a.detach(), b.detach()) for a, b in zip(arrived.parameters(), moving.parameters()))
     assert src.listener.events == [("retire", 2, None), ("remove", 2, None)]
     assert dst.listener.events == [("add", 2, arrived)]
-    assert 2 in managers[1].shapes._hooks and 2 not in managers[0].shapes._hooks  # the shape watchers followed
+    # the shape watchers followed
+    assert 2 in managers[1].shapes._hooks and 2 not in managers[0].shapes._hooks
 
 
 def test_a_streamed_move_whose_target_is_not_ready_starts_nowhere():
@@ -294,10 +312,12 @@ def test_a_streamed_move_of_a_block_with_a_user_hook_is_refused_at_once_and_star
         results = _start(managers, sides, Plan(epoch=1, stages=((0, 1), (2, 3, 4))))
     assert results == [([], ((0, 1, 2), (3, 4)))] * 2 and all(s.schedule.movers == [] for s in sides)
     assert [list(s.container._modules) for s in sides] == [["0", "1", "2"], ["3", "4"]]
-    assert [(m[0], m[1], m[2]) for m in hub.log] == [(0, 1, "migrate_abort")]  # no prepare: the target is told
+    # no prepare: the target is told
+    assert [(m[0], m[1], m[2]) for m in hub.log] == [(0, 1, "migrate_abort")]
     refused = [r.getMessage() for r in caplog.records
                if getattr(r, "vpipe_fields", {}).get("event") == "migration_refused"]
-    assert len(refused) == 1 and refused[0].startswith("stage 0 cannot send layers [2]: layer 2 carries forward hook")
+    assert len(refused) == 1 and refused[0].startswith("stage 0 cannot send layers [2]: layer 2 "
+                                                       "carries forward hook")
 
 
 def test_a_streamed_move_that_changes_a_boundary_shape_is_refused_on_every_rank():
@@ -312,7 +332,9 @@ def test_a_streamed_move_that_changes_a_boundary_shape_is_refused_on_every_rank(
 def test_a_new_streamed_move_waits_for_the_last_one():
     _, (src, _), managers = _streaming_ranks()
     src.schedule.movers = [SimpleNamespace(done=False)]
-    with pytest.raises(MigrationError, match="^a streamed move is still in progress; wait for it before the next "
+    with pytest.raises(MigrationError,
+                       match="^a streamed move is still in progress; wait for it before the next "
                                              "plan$"):
-        managers[0].start_streamed(Plan(epoch=1, stages=((0, 1), (2, 3, 4))), ((0, 1, 2), (3, 4)), src.schedule, 4)
+        managers[0].start_streamed(Plan(epoch=1, stages=((0, 1), (2, 3, 4))), ((0, 1, 2), (3, 4)),
+                                   src.schedule, 4)
     assert managers[0].epoch == 0

@@ -10,7 +10,8 @@ import torch
 from support.monitors import chain
 from vpipe.monitors import StageMonitor, layers_of
 
-pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                   reason="needs an NVIDIA GPU")]
 
 
 def test_cuda_record_has_event_times_allocator_memory_and_nvml_figures():

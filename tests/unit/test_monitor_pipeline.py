@@ -27,7 +27,8 @@ def one_rank_group():
 
 
 def monitored_steps(schedule: str, steps: int, **cfg_changes) -> list:
-    fields = dict(stages=1, blocks=4, d_model=128, seq_len=64, dropout=0.0, micro_batches=4, micro_batch_size=4,
+    fields = dict(stages=1, blocks=4, d_model=128, seq_len=64, dropout=0.0, micro_batches=4,
+                  micro_batch_size=4,
                   schedule=schedule, optimizer="sgd")
     cfg = RunConfig(**{**fields, **cfg_changes})
     run = build_stage_run(cfg, 0, torch.device("cpu"))

@@ -80,7 +80,8 @@ def test_record_with_absurd_layer_count_is_rejected():
 
 def test_block_kinds_and_what_a_stage_builds_travel_and_are_checked():
     rec = stage_record(layers=(3,), builds=("Block#ab12", "Head#cd34"))
-    rec = StageRecord(**{**rec.__dict__, "layers": (LayerRecord(**{**rec.layers[0].__dict__, "kind": "Block#ab12"}),)})
+    rec = StageRecord(**{**rec.__dict__, "layers": (LayerRecord(**{**rec.layers[0].__dict__,
+                                                                   "kind": "Block#ab12"}),)})
     back = StageRecord.from_wire(through_msgpack(rec.to_wire()))
     assert back == rec and back.builds == ("Block#ab12", "Head#cd34") and back.layers[0].kind == "Block#ab12"
     older = rec.to_wire()

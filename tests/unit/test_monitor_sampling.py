@@ -1,4 +1,5 @@
-"""Which steps the monitors measure: the base rate, the back-off while nothing changes, the restart after a change."""
+"""Which steps the monitors measure: the base rate, the back-off
+while nothing changes, the restart after a change."""
 
 from __future__ import annotations
 
@@ -54,7 +55,8 @@ def test_the_config_caps_the_back_off_at_forty_base_intervals_unless_told():
     assert VpipeConfig().sample_every == 2 and VpipeConfig().sampling_cap == 80
     assert VpipeConfig(sample_every=3).sampling_cap == 120
     assert VpipeConfig(sample_every=10, max_sample_every=10).sampling_cap == 10  # never back off
-    with pytest.raises(ValueError, match=r"max_sample_every must be an integer >= sample_every \(10\) or None, "
+    with pytest.raises(ValueError,
+                       match=r"max_sample_every must be an integer >= sample_every \(10\) or None, "
                                          r"got 4"):
         VpipeConfig(sample_every=10, max_sample_every=4)
 
@@ -99,7 +101,8 @@ def test_a_new_plan_epoch_restarts_the_sessions_sampling_at_the_next_step(sessio
     assert run(range(60)) == [1, 3, 5, 7, 9,  # 5 at the base rate (the default back-off)
                               13, 17, 21, 25, 29,  # 5 at every 4th
                               37, 45, 53]  # then every 8th, the cap
-    session.plan_changed(Plan(epoch=0, stages=((0, 1),)), "applied")  # the epoch in force again: nothing changed
+    # the epoch in force again: nothing changed
+    session.plan_changed(Plan(epoch=0, stages=((0, 1),)), "applied")
     assert run(range(60, 68)) == [61]
     session.plan_changed(Plan(epoch=1, stages=((0, 1),)), "applied")  # a plan took effect before step 68
     assert run(range(68, 74)) == [69, 71, 73]

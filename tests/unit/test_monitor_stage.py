@@ -14,7 +14,8 @@ from vpipe.monitors import KeepAllSource, SavedTensorStats, StageMonitor, layers
 from vpipe.monitors.records import GPU_ONLY_FIELDS
 
 
-def train_step(model: nn.Module, micro_batches: int = 3, width: int = 32, *, first_needs_grad: bool = False) -> None:
+def train_step(model: nn.Module, micro_batches: int = 3, width: int = 32, *,
+               first_needs_grad: bool = False) -> None:
     for _ in range(micro_batches):
         x = torch.randn(4, width, requires_grad=first_needs_grad)
         model(x).sum().backward()
@@ -171,7 +172,8 @@ def test_swap_and_recompute_figures_come_from_the_source_as_differences():
         train_step(model)
         source.reading = SavedTensorStats(activation_bytes={5: 111, 6: 222, 7: 333}, host_pool_used_bytes=20,
                                           host_pool_peak_bytes=700, host_pool_capacity_bytes=1000,
-                                          d2h_bytes=612, d2h_s=1.25, h2d_bytes=356, h2d_s=1.5, recompute_s=2.125)
+                                          d2h_bytes=612, d2h_s=1.25, h2d_bytes=356, h2d_s=1.5,
+                                          recompute_s=2.125)
     r = sample.record
     assert [lr.activation_bytes for lr in r.layers] == [111, 222, 333]
     assert (r.host_pool_used_bytes, r.host_pool_peak_bytes, r.host_pool_capacity_bytes) == (20, 700, 1000)
@@ -229,7 +231,8 @@ def test_keep_all_source_can_count_only_the_first_call_after_enabling():
     assert source.stats().activation_bytes == {}
     source.set_enabled(True)
     model(torch.randn(8, 16)).sum().backward()
-    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())  # counted, then unhooked
+    # counted, then unhooked
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
     model(torch.randn(2, 16))  # not counted
     assert source.stats().activation_bytes[5] == 2 * 8 * 16 * 4
     source.set_enabled(True)

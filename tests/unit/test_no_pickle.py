@@ -33,7 +33,8 @@ _LINE_PATTERNS = [
 
 
 def _code_part(line: str) -> str:
-    """The line without a trailing ``#`` comment (good enough: vpipe has no '#' inside strings it greps for)."""
+    """The line without a trailing ``#`` comment (good enough: vpipe
+    has no '#' inside strings it greps for)."""
     return line.split("#", 1)[0]
 
 

@@ -46,7 +46,8 @@ def test_a_planted_lock_link_leaves_its_target_unchanged(tmp_path):
     (ck / ".vpipe-lock").symlink_to(target)
     held = dict(outputs._held)
     try:
-        with pytest.raises(CheckpointError, match=r"\.vpipe-lock is a symbolic link; vpipe never writes through one"):
+        with pytest.raises(CheckpointError,
+                           match=r"\.vpipe-lock is a symbolic link; vpipe never writes through one"):
             checkpoints.check_checkpoint_dir(RunConfig(checkpoint_dir=str(ck)), hold=True)  # rank 0's call
     finally:
         for key in set(outputs._held) - set(held):  # what the unfixed code kept: the truncated victim
@@ -90,7 +91,8 @@ def test_a_planted_run_log_link_leaves_its_target_unchanged_and_a_link_of_ones_o
     target, directory = victim(tmp_path), shared(tmp_path)
     planted = directory / "run.log"
     planted.symlink_to(target)
-    reason = r"log file .*run\.log is a symbolic link in a directory other users can change; vpipe does not write"
+    reason = (r"log file .*run\.log is a symbolic link in a directory other users can change; "
+              r"vpipe does not write")
     with pytest.raises(FileCheckError, match=reason):
         check_output_file(planted, "log file")  # at start: one line, exit 2
     try:
@@ -146,7 +148,8 @@ def _save(root: Path, step: int, run_id: str) -> None:
     from vpipe.checkpoint import save_checkpoint
 
     module = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
-    state = {"version": 1, "epoch": 0, "iteration": step, "stages": [[0, 1]], "policies": {}, "next_layer_id": 2}
+    state = {"version": 1, "epoch": 0, "iteration": step, "stages": [[0, 1]], "policies": {},
+             "next_layer_id": 2}
     save_checkpoint(root, step, module=module, optimizer=None, rank=0, world_size=1, store=_Store(),
                     vpipe_state=state, run_id=run_id)
 
@@ -161,7 +164,8 @@ def test_a_run_prunes_only_its_own_checkpoints(tmp_path):
         _save(root, step, "second")
     runs = {d.name: load_checkpoint(d).run for d in sorted(root.glob("step-*"))}
     assert runs == {"step-00000010": "second", "step-00000015": "second", "step-00000020": "first",
-                    "step-00000030": "first"}  # each run kept its newest two; the first's step 10 was replaced
+                    # each run kept its newest two; the first's step 10 was replaced
+                    "step-00000030": "first"}
 
 
 # ---------------------------------------------------------------------- outputs that fail later
@@ -179,7 +183,8 @@ def test_a_failing_metrics_write_is_reported_once_and_training_goes_on(tmp_path,
         writer.step(step, 0.1, 0, {1: (2, None)}, [])
     writer.close()
     assert capfd.readouterr().err.splitlines() == [
-        f"vpipe [rank 1]: cannot write the metrics to {tmp_path / 'metrics' / 'rank1'} (No space left on device); "
+        f"vpipe [rank 1]: cannot write the metrics to {tmp_path / 'metrics' / 'rank1'} (No "
+        "space left on device); "
         "training goes on, and its further metrics are dropped"]
 
 

@@ -20,7 +20,12 @@ from torch.distributed.pipelining.schedules import get_schedule_class
 
 from support.graphs import chain
 from support.plan_cli import MODELS, json_plan, plan_command
-from support.plan_formats import megatron_layout, torchtitan_layers_per_stage, torchtitan_split, torchtitan_stage_ranks
+from support.plan_formats import (
+    megatron_layout,
+    torchtitan_layers_per_stage,
+    torchtitan_split,
+    torchtitan_stage_ranks,
+)
 from support.plan_models import encoder_decoder, tutorial_transformer
 from vpipe.plan import Plan, Policy
 from vpipe.planner.cost_model import GraphProfile
@@ -42,10 +47,12 @@ def _blocks(plan: dict) -> list[int]:
 def _assert_torchtitan_reads_the_plan(plan: dict, model: torch.nn.Module, ranks: int) -> None:
     titan = plan["torchtitan"]
     assert titan["pipeline_parallel_degree"] == ranks
-    get_schedule_class(titan["pipeline_parallel_schedule"])  # what torchtitan does with the name: it must exist
+    # what torchtitan does with the name: it must exist
+    get_schedule_class(titan["pipeline_parallel_schedule"])
     assert torchtitan_split(model, titan["module_fqns_per_model_part"]) == plan["stages"]
     stage_ranks = plan.get("stage_ranks", list(range(len(plan["stages"]))))
-    assert torchtitan_stage_ranks(titan["pipeline_parallel_schedule"], len(plan["stages"]), ranks) == stage_ranks
+    assert torchtitan_stage_ranks(titan["pipeline_parallel_schedule"], len(plan["stages"]),
+                                  ranks) == stage_ranks
 
 
 def _assert_megatron_reads_the_plan(plan: dict, ranks: int, embedding: set[str], loss: set[str]) -> None:
@@ -67,7 +74,8 @@ def test_the_tutorial_models_plan_reads_back_the_same_in_torchtitan_and_megatron
     _assert_torchtitan_reads_the_plan(plan, model, int(stages))
     _assert_megatron_reads_the_plan(plan, int(stages), {"tok_embeddings"}, {"norm", "output"})
     titan = plan["torchtitan"]
-    first, last = titan["pipeline_parallel_first_stage_less_layers"], titan["pipeline_parallel_last_stage_less_layers"]
+    first, last = (titan["pipeline_parallel_first_stage_less_layers"],
+                   titan["pipeline_parallel_last_stage_less_layers"])
     if first is not None:  # torchtitan's own split, from the two numbers, gives the same blocks per stage
         assert torchtitan_layers_per_stage(len(plan["stages"]), 6, first, last) == _blocks(plan)
     else:
@@ -83,7 +91,9 @@ def test_the_table_prints_the_torchtitan_fields_and_the_megatron_flags(capsys):
     assert '  pipeline_parallel_degree = 2\n  pipeline_parallel_schedule = "1F1B"\n' in out
     assert '  module_fqns_per_model_part = [["tok_embeddings", "layers.0"' in out
     line = next(x for x in out.splitlines() if x.startswith("Megatron-LM: "))
-    assert line.startswith('Megatron-LM: --pipeline-model-parallel-size 2 --pipeline-model-parallel-layout "E')
+    assert line.startswith(
+        'Megatron-LM: --pipeline-model-parallel-size 2 --pipeline-model-parallel-layout "E'
+    )
     assert line.endswith(',L"') and plan["megatron"]["pipeline_model_parallel_layout"].count("|") == 1
 
 
@@ -92,11 +102,12 @@ def test_a_hugging_face_gpt2_gets_a_megatron_layout_and_no_torchtitan_list_it_ca
     pytest.importorskip("transformers")
     from support.plan_models import hf_gpt2
 
-    # the model measured, then planned from its graph with the times pinned: where the cuts fall must not depend
-    # on this machine's load (on CI's, with another worker busy, a module before the blocks was once timed as
-    # slow as a block, and the plan cut between them, which Megatron's layout then rightly notes)
+    # the model measured, then planned from its graph with the times pinned: where the cuts fall must not
+    # depend on this machine's load (on CI's, with another worker busy, a module before the blocks was once
+    # timed as slow as a block, and the plan cut between them, which Megatron's layout then rightly notes)
     graph = tmp_path / "gpt2.json"
-    json_plan(capsys, "--model", f"{MODELS}:hf_gpt2", "--repeats", "1", "--stages", "3", "--save-graph", str(graph))
+    json_plan(capsys, "--model", f"{MODELS}:hf_gpt2", "--repeats", "1", "--stages", "3", "--save-graph",
+              str(graph))
     measured = json.loads(graph.read_text())
     for node in measured["nodes"]:
         block = node["name"].startswith("transformer.h.")
@@ -107,19 +118,23 @@ def test_a_hugging_face_gpt2_gets_a_megatron_layout_and_no_torchtitan_list_it_ca
                                     {"transformer.ln_f", "lm_head"})
     titan = plan["torchtitan"]
     assert titan["module_fqns_per_model_part"] is None
-    assert titan["notes"][0] == ("module_fqns_per_model_part: torchtitan splits only top-level children and the "
-                                 "entries of top-level ModuleList/ModuleDict containers; transformer.wte is deeper")
+    assert titan["notes"][0] == ("module_fqns_per_model_part: torchtitan splits only "
+                                 "top-level children and the "
+                                 "entries of top-level ModuleList/ModuleDict containers; "
+                                 "transformer.wte is deeper")
     model, _ = hf_gpt2()
     assert torchtitan_split(model, plan["stages"]) != plan["stages"]  # torchtitan would not make this split
 
 
 def test_a_sequential_model_gets_torchtitan_names_and_no_megatron_layout(capsys):
-    plan = json_plan(capsys, "--model", "vpipe_lab.runtime.models:reference_transformer", "--input-shape", "4,64",
+    plan = json_plan(capsys, "--model", "vpipe_lab.runtime.models:reference_transformer", "--input-shape",
+                     "4,64",
                       "--input-dtype", "int64", "--repeats", "1", "--stages", "3")
     _assert_torchtitan_reads_the_plan(plan, reference_transformer(), 3)
     assert plan["megatron"] == {
         "pipeline_model_parallel_size": 3, "pipeline_model_parallel_layout": None,
-        "notes": ["pipeline_model_parallel_layout: the model has no module before its blocks to be the embedding "
+        "notes": ["pipeline_model_parallel_layout: the model has no module before its blocks "
+                  "to be the embedding "
                   "and the head"]}
 
 
@@ -127,7 +142,8 @@ def test_two_block_stacks_get_no_megatron_layout(capsys):
     plan = json_plan(capsys, "--model", f"{MODELS}:encoder_decoder", "--repeats", "1", "--stages", "2")
     _assert_torchtitan_reads_the_plan(plan, encoder_decoder()[0], 2)
     assert plan["megatron"]["pipeline_model_parallel_layout"] is None
-    assert plan["megatron"]["notes"] == ["pipeline_model_parallel_layout: the model has 2 block containers; these "
+    assert plan["megatron"]["notes"] == ["pipeline_model_parallel_layout: the model has 2 "
+                                         "block containers; these "
                                          "forms describe one stack of blocks"]
 
 
@@ -142,7 +158,8 @@ def test_a_multi_stage_plan_has_a_stage_per_rank_and_virtual_stage_and_reads_bac
     if megatron:
         _assert_megatron_reads_the_plan(plan, 2, {"tok_embeddings"}, {"norm", "output"})
     else:
-        assert plan["megatron"]["notes"] == ["pipeline_model_parallel_layout: Megatron places stage i on rank i % 2; "
+        assert plan["megatron"]["notes"] == ["pipeline_model_parallel_layout: Megatron places "
+                                             "stage i on rank i % 2; "
                                              "zbv places its stages in a V"]
 
 
@@ -168,7 +185,8 @@ def test_an_offline_multi_stage_plan_is_the_live_planners_plan_for_the_same_grap
                           in_flight=in_flight_per_stage(order, 4), stage_ranks=ranks,
                           in_flight_together=in_flight_together(order, 4))
     records = {node.id: SimpleNamespace(param_bytes=node.param_bytes, optimizer_bytes=node.param_bytes)
-               for node in graph.nodes}  # Adam-like state: the live planner's optimizer factor is then the default
+               # Adam-like state: the live planner's optimizer factor is then the default
+               for node in graph.nodes}
     ids = [node.id for node in graph.nodes]
     current = Plan(0, tuple(tuple(ids[i:i + 3]) for i in (0, 3, 6)) + ((ids[9],),),
                    {lid: Policy.KEEP for lid in ids})
@@ -184,18 +202,22 @@ def test_an_offline_multi_stage_plan_is_the_live_planners_plan_for_the_same_grap
 
 # --------------------------------------------------------------------- bad combinations
 @pytest.mark.parametrize(("args", "message"), [
-    (["--stages-per-rank", "2"], "--stages-per-rank is for the multi-stage schedules (interleaved1f1b, loopedbfs, "
+    (["--stages-per-rank", "2"],
+     "--stages-per-rank is for the multi-stage schedules (interleaved1f1b, loopedbfs, "
                                  "interleavedzb, zbv, dualpipev); 1f1b runs one stage per rank"),
     (["--schedule", "gpipe", "--stages-per-rank", "1"], "gpipe runs one stage per rank"),
     (["--schedule", "interleaved1f1b", "--stages-per-rank", "1"],
      "--stages-per-rank must be at least 2 under interleaved1f1b, got 1"),
     (["--schedule", "zbv", "--stages-per-rank", "3"],
      "zbv runs exactly 2 stages per rank (a V), got --stages-per-rank 3"),
-    (["--schedule", "loopedbfs", "--stages-per-rank", "two"], "--stages-per-rank must be an integer, got 'two'"),
+    (["--schedule", "loopedbfs", "--stages-per-rank", "two"],
+     "--stages-per-rank must be an integer, got 'two'"),
     (["--schedule", "dualpipev", "--micro-batches", "2"],
-     "torch's ScheduleDualPipeV refuses 2 ranks x 2 stages with 2 micro-batches: DualPipeV requires at least as "
+     "torch's ScheduleDualPipeV refuses 2 ranks x 2 stages with 2 micro-batches: DualPipeV "
+     "requires at least as "
      "many microbatches as stages"),
-    (["--schedule", "custom"], "--schedule must be one of gpipe, 1f1b, pipedream, pipedream2bw, interleaved1f1b"),
+    (["--schedule", "custom"],
+     "--schedule must be one of gpipe, 1f1b, pipedream, pipedream2bw, interleaved1f1b"),
     (["--schedule", "interleaved1f1b", "--stages", "4", "--stages-per-rank", "3"],
      "--stages 4 x --stages-per-rank 3 is more than the graph's 10 layers"),
 ])
@@ -219,7 +241,8 @@ def test_graph_json_plans_print_ranks_for_a_multi_stage_schedule(capsys, tmp_pat
     assert json.loads(json.dumps(plan)) == plan and Path(path).exists()
 
 
-@pytest.mark.parametrize("blocks", [[2, 2, 2], [3, 3], [2, 3, 1], [1, 4, 4, 1], [0, 3, 3, 0], [5], [4, 4], [3, 2, 2],
+@pytest.mark.parametrize("blocks", [[2, 2, 2], [3, 3], [2, 3, 1], [1, 4, 4, 1], [0, 3, 3, 0], [5], [4, 4],
+                                    [3, 2, 2],
                                     [3, 4, 4, 4, 2], [1, 1, 6]])
 def test_the_less_layers_fields_are_written_exactly_when_torchtitans_rule_gives_those_blocks(blocks):
     from vpipe.graph import Unit
@@ -234,7 +257,8 @@ def test_the_less_layers_fields_are_written_exactly_when_torchtitans_rule_gives_
                       + (["norm", "output"] if k == len(blocks) - 1 else []))
         at += count
     titan = torchtitan_form(stages, units, "1f1b", len(blocks), 1)
-    first, last = titan["pipeline_parallel_first_stage_less_layers"], titan["pipeline_parallel_last_stage_less_layers"]
+    first, last = (titan["pipeline_parallel_first_stage_less_layers"],
+                   titan["pipeline_parallel_last_stage_less_layers"])
 
     def gives(a: int, b: int) -> bool:
         try:
@@ -249,8 +273,9 @@ def test_the_less_layers_fields_are_written_exactly_when_torchtitans_rule_gives_
 
 
 # --------------------------------------------------------------------- DeepSpeed's partition_method
-# (weights, stages) -> the parts DeepSpeed 0.19.8's own partition_balanced returns (deepspeed/runtime/utils.py, run
-# on these inputs); its rule minimises the spread between stages greedily, prefix by prefix, so ties matter
+# (weights, stages) -> the parts DeepSpeed 0.19.8's own partition_balanced returns
+# (deepspeed/runtime/utils.py, run on these inputs); its rule minimises the spread
+# between stages greedily, prefix by prefix, so ties matter
 DEEPSPEED_BALANCED = [
     ([1] * 8, 2, [0, 4, 8]),
     ([1] * 8, 3, [0, 3, 6, 8]),
@@ -271,7 +296,8 @@ def test_the_balanced_partition_is_deepspeeds_tie_for_tie(weights, stages, parts
 
 
 def test_the_balanced_partition_matches_an_installed_deepspeed_on_random_weights():
-    utils = pytest.importorskip("deepspeed.runtime.utils", reason="DeepSpeed is not installed (the deepspeed extra)")
+    utils = pytest.importorskip("deepspeed.runtime.utils",
+                                reason="DeepSpeed is not installed (the deepspeed extra)")
     import random
 
     from vpipe.planner.formats import balanced_bounds, uniform_bounds
@@ -301,7 +327,8 @@ def _stages(units: list, counts: list[int]) -> list[list[str]]:
 
 
 @pytest.mark.parametrize("counts, method", [([4, 2, 4], "type:TransformerBlock"), ([3, 4, 4], None),
-                                            ([6, 6], "parameters"), ([5, 5, 1], None), ([4, 4, 3], "uniform")])
+                                            ([6, 6], "parameters"), ([5, 5, 1], None),
+                                            ([4, 4, 3], "uniform")])
 def test_the_deepspeed_method_is_one_whose_rule_gives_the_planned_parts(counts, method):
     from vpipe.planner.formats import balanced_bounds, deepspeed_form, uniform_bounds
 
@@ -311,7 +338,8 @@ def test_the_deepspeed_method_is_one_whose_rule_gives_the_planned_parts(counts, 
     assert form["parts"] == parts and form["partition_method"] == method
     rules = {"parameters": balanced_bounds([u.params for u in units], len(counts)),
              "uniform": uniform_bounds(len(units), len(counts)),
-             "type:TransformerBlock": balanced_bounds([int(u.container is not None) for u in units], len(counts))}
+             "type:TransformerBlock": balanced_bounds([int(u.container is not None) for u in units],
+                                                      len(counts))}
     if method is None:
         assert all(rule != parts for rule in rules.values())
         assert form["notes"] == [f"partition_method: no method gives the planned parts {parts}: "
@@ -337,6 +365,7 @@ def test_the_table_and_the_json_carry_deepspeeds_partition_method(capsys):
     form = plan["deepspeed"]
     sizes = [len(s) for s in plan["stages"]]
     assert form["parts"] == [0, sizes[0], sum(sizes)]
-    assert form["partition_method"] is not None or form["notes"][0].startswith("partition_method: no method gives")
+    assert form["partition_method"] is not None or form["notes"][0].startswith("partition_method: "
+                                                                               "no method gives")
     code, out, _ = plan_command(capsys, *TUTORIAL, "--stages", "2")
     assert code == 0 and [x for x in out.splitlines() if x.startswith("DeepSpeed: ")]

@@ -38,8 +38,8 @@ def test_in_flight_and_weight_versions_follow_the_schedule():
     # PipeDream-2BW: PipeDream's activations, two weight versions on every stage (the WPipe paper's Table 1)
     assert [in_flight("pipedream2bw", k, 4, 8) for k in range(4)] == [4, 3, 2, 1]
     assert [weight_versions("pipedream2bw", k, 4) for k in range(4)] == [2, 2, 2, 2]
-    # WPipe on 2 ranks: 4 virtual stages, G0's (0, 1) two weight versions, G1's (2, 3) one (Table 1 again); its
-    # in-flight counts come from the lists the schedule writes, as for torch's multi-stage schedules
+    # WPipe on 2 ranks: 4 virtual stages, G0's (0, 1) two weight versions, G1's (2, 3) one (Table 1 again);
+    # its in-flight counts come from the lists the schedule writes, as for torch's multi-stage schedules
     assert [weight_versions("wpipe", k, 4) for k in range(4)] == [2, 2, 1, 1]
     with pytest.raises(ValueError, match="wpipe runs several stages per rank"):
         in_flight("wpipe", 0, 4, 8)
@@ -81,13 +81,15 @@ def test_on_a_cpu_a_swaps_copies_add_to_the_compute_they_run_on():
     cpu = Hardware(copy_bytes_per_s=1e6, copies_overlap=False)
     assert stage_time(g, [10, 20], {20: S}, cpu) == pytest.approx(12e-3 + 0.8e-3)  # 800 bytes at 1 MB/s
     assert stage_time(g, [10, 20], {}, cpu) == pytest.approx(12e-3)
-    # the policy search prices it the same way: with memory to spare nothing is swapped, and under a budget
-    # that one swap or one recompute meets, the cheaper one is chosen (b's 3 ms forward against its 0.8 ms copy)
+    # the policy search prices it the same way: with memory to spare nothing is
+    # swapped, and under a budget that one swap or one recompute meets, the cheaper one
+    # is chosen (b's 3 ms forward against its 0.8 ms copy)
     profile = GraphProfile(g)
     for hardware, cheaper in ((cpu, Code.S), (Hardware(copy_bytes_per_s=1e5, copies_overlap=False), Code.R)):
         setup = PipelineSetup(1, "gpipe", 4, hardware)  # 3 x 1010 parameter bytes + 4 x 500 activations kept
         assert list(optimize_segment(profile, setup, 0, 2, 0, budget=1e9).codes) == [Code.D, Code.D]
-        tight = optimize_segment(profile, setup, 0, 2, 0, budget=5030 - 1000)  # only b's swap or recompute saves it
+        # only b's swap or recompute saves it
+        tight = optimize_segment(profile, setup, 0, 2, 0, budget=5030 - 1000)
         assert tight.fits and list(tight.codes) == [Code.D, cheaper]
 
 
@@ -109,7 +111,8 @@ def test_stage_memory_counts_params_optimizer_versions_and_in_flight_activations
     # S keeps one copy of b, R keeps b's input (50 bytes) per in-flight micro-batch
     assert stage_memory(g, [10, 20], {20: S}, schedule="1f1b", **kw) == 1010 * 3 + 4 * 100 + 400
     assert stage_memory(g, [10, 20], {20: R}, schedule="1f1b", **kw) == 1010 * 3 + 4 * (100 + 50)
-    assert stage_memory(g, [10, 20], schedule="1f1b", hardware=Hardware(optimizer_factor=0), **kw) == 1010 + 2000
+    assert stage_memory(g, [10, 20], schedule="1f1b", hardware=Hardware(optimizer_factor=0),
+                        **kw) == 1010 + 2000
 
 
 def test_public_helpers_reject_non_contiguous_stages_and_bad_hardware():
@@ -169,7 +172,8 @@ def test_segment_queries_agree_with_the_public_helpers(graph):
             assert costs.time(i, j) == pytest.approx(stage_time(graph, ids, policies))
             for k in range(3):
                 assert costs.memory(i, j, k) == pytest.approx(
-                    stage_memory(graph, ids, policies, stage=k, num_stages=3, schedule="pipedream", micro_batches=4))
+                    stage_memory(graph, ids, policies, stage=k, num_stages=3, schedule="pipedream",
+                                 micro_batches=4))
                 assert costs.best_case_memory(i, j, k) <= costs.memory(i, j, k) * (1 + 1e-12) + 1e-6
 
 
@@ -189,7 +193,9 @@ def test_virtual_stages_take_their_in_flight_counts_from_the_schedule_and_share_
     assert [setup.in_flight(k) for k in range(4)] == [4, 3, 2, 1]
     assert list(setup.budgets(8e9)) == [4e9] * 4  # two stages per rank: half the rank's budget each
     assert setup.step_time([1.0, 1.0, 1.0, 1.0]) == 4 * 2.0 + 1.0
-    with pytest.raises(ValueError, match="zbv runs several stages per rank: give in_flight_counts and stage_ranks"):
+    with pytest.raises(ValueError,
+                       match="zbv runs several stages per rank: give in_flight_counts and stage_ranks"):
         PipelineSetup(4, "zbv", 4)
-    with pytest.raises(ValueError, match="in_flight_counts must give a non-negative integer for each of the 4"):
+    with pytest.raises(ValueError,
+                       match="in_flight_counts must give a non-negative integer for each of the 4"):
         PipelineSetup(4, "zbv", 4, in_flight_counts=(1, 2), stage_ranks=(0, 1, 1, 0))

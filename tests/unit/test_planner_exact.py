@@ -25,7 +25,8 @@ def _brute_force(costs: StageCosts, p: int, budgets: np.ndarray, memory: str = "
         if any(mem(b[k], b[k + 1], k) > budgets[k] for k in range(p)):
             continue
         key = (float(costs.stage_times(cuts).max()), costs.comm_bytes(cuts))
-        if best is None or key[0] < best[0] * (1 - 1e-9) or (key[0] <= best[0] * (1 + 1e-9) and key[1] < best[1]):
+        if best is None or key[0] < best[0] * (1 - 1e-9) or (key[0] <= best[0] * (1 + 1e-9)
+                                                             and key[1] < best[1]):
             best = key
     return best
 
@@ -55,7 +56,8 @@ def test_exact_oracle_equals_brute_force(problem, memory):
             exact_partition(costs, p, budgets, memory=memory)
         return
     got = exact_partition(costs, p, budgets, memory=memory)
-    assert _lower_bound(costs, p) <= expected[0] * (1 + 1e-9) + 1e-15  # the DP's first limit is below the optimum
+    # the DP's first limit is below the optimum
+    assert _lower_bound(costs, p) <= expected[0] * (1 + 1e-9) + 1e-15
     assert got.bottleneck_s == pytest.approx(expected[0], rel=1e-9, abs=1e-15)
     assert costs.comm_bytes(got.cuts) == pytest.approx(expected[1], rel=1e-9, abs=1)
     bounds = [0, *got.cuts, costs.n]
@@ -112,7 +114,8 @@ def test_a_coarse_view_prices_partitions_on_its_positions_exactly(problem, data)
     positions = np.array(sorted({0, costs.n, *inner}))
     view = CoarseCosts(costs, positions)
     q = min(p, view.n)
-    cuts = sorted(data.draw(st.lists(st.integers(1, view.n - 1), min_size=q - 1, max_size=q - 1, unique=True))) \
+    cuts = sorted(data.draw(st.lists(st.integers(1, view.n - 1), min_size=q - 1, max_size=q - 1,
+                                     unique=True))) \
         if view.n > 1 else []
     full = view.full_cuts(cuts)
     assert np.allclose(view.stage_times(cuts), costs.stage_times(full))

@@ -164,7 +164,8 @@ def test_heavy_cuts_everywhere_in_front_do_not_starve_it_of_stages():
     so it must hold little compute), every cut in the second half is cheap."""
     n, cell = 2400, 20
     nodes = [LayerNode(i, f"n{i}", 1e-4, 2e-4, 1000, 100, i) for i in range(n)]
-    edges = [(i, i + 1, (400_000_000 if i % cell else 250_000_000) if i < n // 2 else 1_000) for i in range(n - 1)]
+    edges = [(i, i + 1, (400_000_000 if i % cell else 250_000_000) if i < n // 2 else 1_000)
+             for i in range(n - 1)]
     costs = _costs(LayerGraph("front-heavy", nodes, edges), 32)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(partition, "_EXACT_CELLS", -1)  # as on the real 4481-node graph: the coarse chain's DP

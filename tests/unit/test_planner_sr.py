@@ -93,7 +93,8 @@ def test_optimize_sr_fits_and_is_locally_optimal(graph, fraction, schedule, copy
 def test_a_budget_below_the_most_frugal_policies_does_not_fit(graph):
     ids = graph.ids
     setup = dict(stage=0, num_stages=2, schedule="gpipe", micro_batches=4)
-    frugal = {n.id: min((D, S, R), key=lambda p: stage_memory(graph, ids, {n.id: p}, **setup)) for n in graph.nodes}
+    frugal = {n.id: min((D, S, R), key=lambda p: stage_memory(graph, ids, {n.id: p}, **setup))
+              for n in graph.nodes}
     least = stage_memory(graph, ids, frugal, **setup)
     assume(least > 1)
     assert not optimize_sr(graph, ids, memory_budget=least * 0.999, **setup).fits

@@ -58,7 +58,8 @@ def test_per_stage_budgets_hold_stage_by_stage():
     for budgets in ([tight, 10**12], [10**12, tight]):
         result = plan_pipeline(g, 2, memory_budget=budgets, schedule="gpipe", micro_batches=2)
         # each stage's peak, priced again from its layers and policies, is within that stage's own budget
-        memory = [stage_memory(g, layers, result.policies, stage=k, num_stages=2, schedule="gpipe", micro_batches=2)
+        memory = [stage_memory(g, layers, result.policies, stage=k, num_stages=2, schedule="gpipe",
+                               micro_batches=2)
                   for k, layers in enumerate(result.stages)]
         assert memory == pytest.approx(result.stage_memory_bytes)
         assert all(m <= b for m, b in zip(memory, budgets)), (memory, budgets)
@@ -83,7 +84,8 @@ def test_bad_arguments():
         plan_pipeline(g, 2, method="metis")
     with pytest.raises(ValueError, match="unknown schedule"):
         plan_pipeline(g, 2, schedule="async")
-    with pytest.raises(InfeasibleError, match=r"^infeasible: layer \d+ \(l0\) needs \d+ bytes > budget 1000$"):
+    with pytest.raises(InfeasibleError,
+                       match=r"^infeasible: layer \d+ \(l0\) needs \d+ bytes > budget 1000$"):
         plan_pipeline(g, 2, memory_budget=1000)
 
 
@@ -242,10 +244,12 @@ def test_one_stage_that_cannot_hold_all_layers_is_infeasible(method):
     """Every layer fits alone (2 bytes each), all of them together (6 bytes) do not: found by hypothesis."""
     from vpipe.graph import LayerNode
 
-    nodes = [LayerNode(id=i, name=f"n{i}", fwd_s=0.0, bwd_s=0.0, act_bytes=0, param_bytes=int(i >= 2), order=i)
+    nodes = [LayerNode(id=i, name=f"n{i}", fwd_s=0.0, bwd_s=0.0, act_bytes=0, param_bytes=int(i >= 2),
+                       order=i)
              for i in range(5)]
     with pytest.raises(InfeasibleError, match="^infeasible: "):
-        plan_pipeline(LayerGraph("random", nodes, []), 1, schedule="gpipe", micro_batches=4, memory_budget=4.0,
+        plan_pipeline(LayerGraph("random", nodes, []), 1, schedule="gpipe", micro_batches=4,
+                      memory_budget=4.0,
                       method=method)
 
 

@@ -13,7 +13,8 @@ from vpipe.planner.srp import plan_pipeline
 from vpipe_lab.runtime import zoo
 
 # (nodes, edges) the paper's Table 4 reports, and how close the zoo must come
-PAPER_SIZES = {"bert-large": (976, 1262), "transformer": (662, 830), "amoebanet": (4380, 5080), "gnmt": (190, 228)}
+PAPER_SIZES = {"bert-large": (976, 1262), "transformer": (662, 830), "amoebanet": (4380, 5080),
+               "gnmt": (190, 228)}
 
 
 @pytest.fixture(scope="module")

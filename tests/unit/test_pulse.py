@@ -42,7 +42,8 @@ def test_a_stage_that_slows_down_and_recovers_is_reported_each_way_within_three_
     stage.wait_s = 0.030  # three times as slow
     slowed = _steps(pulse, stage, 6)
     reported = [c for c in slowed if c is not None]
-    # the first report comes within three steps (on a quiet machine it is the only one: the level is learnt anew)
+    # the first report comes within three steps (on a quiet machine it
+    # is the only one: the level is learnt anew)
     assert reported and reported[0].ratio > 1.3 and slowed.index(reported[0]) <= 2
     assert "forward time per micro-batch changed" in reported[0].what
     stage.wait_s = 0.010
@@ -92,8 +93,8 @@ def test_steps_slowed_now_and_then_by_a_busy_core_are_not_a_change():
 
 
 def test_a_change_that_comes_as_the_sampling_interval_changes_is_still_reported():
-    """The straggler benchmark's device recovered two steps before the interval doubled: learning the level anew
-    there swallowed the change, and the planner learnt of it 49 steps later from its sparse samples."""
+    """The straggler benchmark's device recovered two steps before the interval doubled: learning the level
+    anew there swallowed the change, and the planner learnt of it 49 steps later from its sparse samples."""
     stage = _Stage()
     pulse = StagePulse([stage], "cpu")
     _steps(pulse, stage, 8)

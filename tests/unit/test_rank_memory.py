@@ -25,7 +25,8 @@ def test_a_ranks_stages_share_by_need_once_every_stage_measured_it_and_equally_b
     first, second = _rank(0, 2)
     left = BUDGET - 4 * 1088
     assert first.activation_budget(0) == second.activation_budget(0) == left // 2
-    assert first.activation_budget(0, {0: (300, 1), 2: (0, 1)}) == left // 2  # stage 2 has not measured it yet
+    # stage 2 has not measured it yet
+    assert first.activation_budget(0, {0: (300, 1), 2: (0, 1)}) == left // 2
     needs = {0: (100, 3), 2: (100, 1)}  # without the schedule's moments: both peak at once, 300 + 100
     assert first.activation_budget(0, needs) == left * 3 // 4
     assert second.activation_budget(0, needs) == left // 4
@@ -34,13 +35,14 @@ def test_a_ranks_stages_share_by_need_once_every_stage_measured_it_and_equally_b
 
 
 def test_stages_that_do_not_peak_together_each_get_at_least_their_own_peak():
-    # the schedule's moments (columns: stages 0..3, this rank runs 0 and 2): stage 0 holds 4 micro-batches while
-    # stage 2 holds none, stage 2 holds 2 once stage 0 is down to 1
+    # the schedule's moments (columns: stages 0..3, this rank runs 0 and 2): stage 0 holds 4 micro-batches
+    # while stage 2 holds none, stage 2 holds 2 once stage 0 is down to 1
     together = [[4, 0, 0, 0], [1, 0, 2, 0], [2, 0, 1, 0]]
     first, second = _rank(0, 2, together=together)
     left = BUDGET - 4 * 1088
     kept = left // 5
-    needs = {0: (kept, 4), 2: (kept, 2)}  # own peaks 4/5 and 2/5 of the room: 6/5 together, the rank's peak 4/5
+    # own peaks 4/5 and 2/5 of the room: 6/5 together, the rank's peak 4/5
+    needs = {0: (kept, 4), 2: (kept, 2)}
     assert first.activation_budget(0, needs) == left
     assert second.activation_budget(0, needs) == left // 2
     first, second = _rank(0, 2)  # the same needs peaking together would not fit: halves

@@ -1,5 +1,6 @@
-"""The one owner of the plan in force: a plan is checked once and committed once, and the parts that keep a copy
-learn it from the owner, in order; stale plans, plans for other layers and plans that do not fit change nothing."""
+"""The one owner of the plan in force: a plan is checked once and committed once, and
+the parts that keep a copy learn it from the owner, in order; stale plans, plans for
+other layers and plans that do not fit change nothing."""
 
 from __future__ import annotations
 
@@ -46,7 +47,9 @@ def test_the_placement_is_the_plan_in_force_and_a_streamed_round_records_where_i
     assert owner.placement == ((0, 1, 2), (3,)) and owner.order == [0, 1, 2, 3]
     owner.reached([[0, 1], [2, 3]])  # the next round of a streamed plan's hops
     assert owner.placement == ((0, 1), (2, 3)) and owner.plan.stages == ((0, 1), (2, 3))
-    assert owner.plan.epoch == 2 and owner.plan.policies == {3: Policy.SWAP} and owner.plan.reason == "two hops"
+    assert (
+        owner.plan.epoch == 2 and owner.plan.policies == {3: Policy.SWAP} and owner.plan.reason == "two hops"
+    )
     assert log == []  # the same plan: its listeners heard of it when it was committed
 
 
@@ -68,13 +71,15 @@ def _one_rank(epoch: int = 0) -> Rank:
 
 
 def _events(caplog: pytest.LogCaptureFixture, event: str) -> list[dict[str, Any]]:
-    return [rec.vpipe_fields for rec in caplog.records if getattr(rec, "vpipe_fields", {}).get("event") == event]
+    return [rec.vpipe_fields for rec in caplog.records
+            if getattr(rec, "vpipe_fields", {}).get("event") == event]
 
 
 def test_an_applied_plan_is_checked_once_moved_and_committed_once(monkeypatch, caplog):
     checks: list[int] = []
     check_against = Plan.check_against
-    monkeypatch.setattr(Plan, "check_against", lambda self, *a: checks.append(self.epoch) or check_against(self, *a))
+    monkeypatch.setattr(Plan, "check_against", lambda self, *a: checks.append(self.epoch)
+                        or check_against(self, *a))
     log: list[tuple[str, Plan, str]] = []
     rank = _one_rank()
     applier, owner = _applier(rank, log)
@@ -113,7 +118,8 @@ def test_a_plan_that_does_not_fit_is_skipped_before_anything_moves(caplog, stage
     applier, owner = _applier(rank, log)
     with caplog.at_level(logging.INFO, logger="vpipe"):
         applier.apply(Plan(epoch=4, stages=stages), step=1, micro_batches=1)
-    skipped = [r.getMessage() for r in caplog.records if getattr(r, "vpipe_fields", {}).get("event") == "plan_skipped"]
+    skipped = [r.getMessage() for r in caplog.records if getattr(r, "vpipe_fields",
+                                                                 {}).get("event") == "plan_skipped"]
     assert len(skipped) == 1 and skipped[0].startswith(f"epoch 4: {why}")
     assert rank.keys() == {0: ["0", "1", "2"], 1: ["3", "4"]} and owner.epoch == 0 and log == []
 
@@ -123,9 +129,11 @@ def test_a_plan_whose_layers_cannot_move_applies_its_policies_only(caplog):
     rank = _one_rank()
     applier, owner = _applier(rank, log, move_refusal="a traced split")
     with caplog.at_level(logging.INFO, logger="vpipe"):
-        applier.apply(Plan(epoch=1, stages=((0, 1), (2, 3, 4)), policies={0: Policy.SWAP}), step=1, micro_batches=1)
+        applier.apply(Plan(epoch=1, stages=((0, 1), (2, 3, 4)), policies={0: Policy.SWAP}), step=1,
+                      micro_batches=1)
     assert rank.keys() == {0: ["0", "1", "2"], 1: ["3", "4"]}
-    assert owner.plan == Plan(epoch=1, stages=((0, 1, 2), (3, 4)), policies={0: Policy.SWAP})  # where they are
+    # where they are
+    assert owner.plan == Plan(epoch=1, stages=((0, 1, 2), (3, 4)), policies={0: Policy.SWAP})
     assert len(log) == 1 and len(_events(caplog, "plan_skipped")) == 1
 
 
@@ -193,4 +201,5 @@ def test_a_restored_checkpoint_is_committed_once_and_saved_back_alike():
     assert log == [("session", committed, "restored")] and owner.plan == committed
     assert rank.manager.epoch == 6 and driver.iteration == 40 and rank.manager.next_layer_id == 9
     saved = vpipe_state(parts, 41)
-    assert (saved["epoch"], saved["iteration"], saved["policies"], saved["next_layer_id"]) == (6, 41, {"2": "S"}, 9)
+    assert (saved["epoch"], saved["iteration"], saved["policies"], saved["next_layer_id"]) == (6, 41,
+                                                                                               {"2": "S"}, 9)

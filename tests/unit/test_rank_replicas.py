@@ -1,4 +1,5 @@
-"""Data-parallel replicas of a pipeline apply the leading replica's plans at the same step (in-process, one store)."""
+"""Data-parallel replicas of a pipeline apply the leading replica's
+plans at the same step (in-process, one store)."""
 
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ def test_a_follower_applies_the_leaders_plan_at_the_leaders_step_and_never_its_o
 def test_a_follower_that_sees_a_plan_after_its_step_fails_instead_of_diverging():
     leader, follower = _boundaries(dist.HashStore())
     leader.received([PLAN], iteration=4, current_epoch=0)
-    with pytest.raises(RuntimeError, match="plan epoch 1 was due at step 6 but this stage only saw the decision "
+    with pytest.raises(RuntimeError,
+                       match="plan epoch 1 was due at step 6 but this stage only saw the decision "
                                            "at step 7"):
         follower.due(7)
 
@@ -53,7 +55,8 @@ def test_replicas_name_their_namespace_and_leader():
 def test_the_planner_sees_per_stage_the_slowest_replicas_times_and_the_fullest_memory():
     fast = stage_record(stage=1, iteration=9, device_peak_bytes=50 << 20)
     slow = stage_record(stage=1, iteration=9, layers=(3, 4), step_s=0.3, device_peak_bytes=20 << 20)
-    slow = dataclasses.replace(slow, layers=tuple(dataclasses.replace(x, fwd_s=x.fwd_s * 3) for x in slow.layers))
+    slow = dataclasses.replace(slow, layers=tuple(dataclasses.replace(x, fwd_s=x.fwd_s * 3)
+                                                  for x in slow.layers))
     store = dist.HashStore()
     follower = ReplicaStats(store, world_rank=3, peers=[1], leads=False, timeout_s=1.0)
     leader = ReplicaStats(store, world_rank=1, peers=[3], leads=True, timeout_s=1.0)
@@ -74,7 +77,8 @@ def test_a_leader_whose_followers_never_report_goes_on_with_its_own_records():
 def test_one_ranks_reason_layers_cannot_move_turns_moves_off_on_every_rank_of_the_job():
     """A round of moves ends in a vote of every rank: either all ranks move layers or none does."""
     store = dist.HashStore()
-    ranks = [StoreAgreement(store, rank=0, world_size=2, timeout_s=1.0, pipeline=f"pipeline-{r}/") for r in range(3)]
+    ranks = [StoreAgreement(store, rank=0, world_size=2, timeout_s=1.0, pipeline=f"pipeline-{r}/")
+             for r in range(3)]
     for agreement in ranks[1:]:
         agreement.job = ranks[0].job  # one attach: the counter numbers attaches per process
     ranks[2].job.set("refusal/2", "null")  # world rank 2 has no reason (written before the others wait)

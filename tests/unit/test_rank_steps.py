@@ -32,7 +32,8 @@ def _driver(kind: str, managers: dict[int, _Manager]) -> StepDriver:
 
 
 def test_a_flush_schedules_step_clears_what_its_managers_count_in_flight():
-    """After a flush schedule's step every backward has run: a move at the next boundary finds no layer busy."""
+    """After a flush schedule's step every backward has run: a move
+    at the next boundary finds no layer busy."""
     managers = {0: _Manager(), 3: _Manager()}
     driver = _driver("1f1b", managers)
     assert driver.run(lambda: "loss") == "loss"

@@ -21,23 +21,29 @@ ROOT = Path(__file__).resolve().parents[2]
 
 EVERY = {"VPIPE_PLANNER_TIMEOUT": "2.5", "VPIPE_MIGRATION_TIMEOUT": "7", "VPIPE_AGREE_TIMEOUT": "9",
          "VPIPE_LOG_FILE": "run.log", "VPIPE_TRACE_STEPS": "3,2", "VPIPE_TRACE_DIR": "t",
-         "VPIPE_METRICS": "tensorboard", "VPIPE_METRICS_DIR": "m", "VPIPE_FAULTS": "kill@5:1, migration_silent@0",
+         "VPIPE_METRICS": "tensorboard", "VPIPE_METRICS_DIR": "m",
+         "VPIPE_FAULTS": "kill@5:1, migration_silent@0",
          "VPIPE_PREFETCH_ALLOC": "compute", "VPIPE_CONTROL_AUTH": " none ", "VPIPE_CONTROL_HOST": "127.0.0.1",
          "VPIPE_CURVE_SECRET_FILE": " s.key_secret", "VPIPE_CURVE_PUBLIC_KEYS": f"a{os.pathsep}b",
          "VPIPE_CURVE_RUN_SECRET": "x", "VPIPE_CURVE_RUN_SECRET_FILE": "f"}
 
 
 def test_every_variable_the_library_names_is_a_field_of_the_settings():
-    named = {m for path in (ROOT / "vpipe").rglob("*.py") for m in re.findall(r"VPIPE_[A-Z_]+", path.read_text())}
+    named = {m for path in (ROOT / "vpipe").rglob("*.py")
+             for m in re.findall(r"VPIPE_[A-Z_]+", path.read_text())}
     assert named == set(VARIABLES) == set(EVERY) and len(VARIABLES) == 16
 
 
 def test_each_variable_is_parsed_into_its_field():
     settings = Settings.read(EVERY)
-    assert (settings.planner_timeout_s, settings.migration_timeout_s, settings.agree_timeout_s) == (2.5, 7.0, 9.0)
+    assert (settings.planner_timeout_s, settings.migration_timeout_s, settings.agree_timeout_s) == (2.5, 7.0,
+                                                                                                    9.0)
     assert (settings.log_file, settings.trace_steps, settings.trace_dir) == ("run.log", (3, 2), "t")
-    assert (settings.metrics, settings.metrics_dir, settings.prefetch_alloc) == ("tensorboard", "m", "compute")
-    assert settings.faults == Faults.parse("migration_silent@0,kill@5:1") and settings.faults.kill_step(1) == 5
+    assert (settings.metrics, settings.metrics_dir, settings.prefetch_alloc) == ("tensorboard", "m",
+                                                                                 "compute")
+    assert (
+        settings.faults == Faults.parse("migration_silent@0,kill@5:1") and settings.faults.kill_step(1) == 5
+    )
     assert (settings.control_auth, settings.control_host) == ("none", "127.0.0.1")
     assert (settings.curve_secret_file, settings.curve_public_keys) == ("s.key_secret", ("a", "b"))
     assert (settings.curve_run_secret, settings.curve_run_secret_file) == ("x", "f")
@@ -68,14 +74,17 @@ def test_a_config_made_at_attach_takes_its_defaults_from_the_settings_read_there
     config = VpipeConfig.from_settings(settings, sample_every=4, trace_dir="mine")
     assert (config.log_file, config.trace_steps, config.agree_timeout_s) == (None, (1, 2), 3.0)
     assert (config.sample_every, config.trace_dir) == (4, "mine")  # what the caller sets wins
-    assert VpipeConfig().log_file == "from-the-environment.log"  # a config made by hand: the process's settings
-    assert (process_settings().log_file, process_settings().trace_dir) == ("from-the-environment.log", "vpipe-trace")
+    # a config made by hand: the process's settings
+    assert VpipeConfig().log_file == "from-the-environment.log"
+    assert (process_settings().log_file, process_settings().trace_dir) == ("from-the-environment.log",
+                                                                           "vpipe-trace")
 
 
 def test_the_process_reads_its_settings_once_and_a_later_change_changes_nothing(monkeypatch):
     reads = []
     real = Settings.read.__func__  # type: ignore[attr-defined]
-    monkeypatch.setattr(Settings, "read", classmethod(lambda cls, environ: reads.append(1) or real(cls, environ)))
+    monkeypatch.setattr(Settings, "read", classmethod(lambda cls, environ: reads.append(1)
+                                                      or real(cls, environ)))
     monkeypatch.setenv("VPIPE_LOG_FILE", "first.log")
     monkeypatch.setenv("VPIPE_CONTROL_HOST", "127.0.0.1")
     first = VpipeConfig()
@@ -100,7 +109,10 @@ def test_the_configuration_has_its_own_home_and_its_old_import_path_works():
     from vpipe._attach import VpipeConfig as from_attach
     from vpipe.rank.config import VpipeConfig as old_path
 
-    assert vpipe.VpipeConfig is from_attach is old_path is VpipeConfig and VpipeConfig.__module__ == "vpipe.config"
+    assert (
+        vpipe.VpipeConfig is from_attach is old_path is VpipeConfig
+        and VpipeConfig.__module__ == "vpipe.config"
+    )
 
 
 @pytest.mark.skipif(not zmq.has("curve"), reason="this libzmq has no CURVE")

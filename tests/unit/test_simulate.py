@@ -97,11 +97,13 @@ def test_processor_sharing_halves_the_rate_of_two_concurrent_actions():
 def test_background_load_takes_its_share_of_the_cores():
     """One stage on one core beside one always-busy outside thread runs at half speed."""
     alone = simulate([StageCost(0.010, 0.020)], schedule="gpipe", micro_batches=4, steps=4, cores=1)
-    shared = simulate([StageCost(0.010, 0.020)], schedule="gpipe", micro_batches=4, steps=4, cores=1, background=1.0)
+    shared = simulate([StageCost(0.010, 0.020)], schedule="gpipe", micro_batches=4, steps=4, cores=1,
+                      background=1.0)
     assert shared.step_s == pytest.approx(2 * alone.step_s)
     # two cores and one outside thread: alone a stage gets a whole core, two computing stages 2/3 each
     # F0@s0 [0,10] alone; F1@s0 and F0@s1 together [10,25]; F1@s1 alone [25,35]
-    two = simulate([StageCost(0.010, 0.0)] * 2, schedule="gpipe", micro_batches=2, steps=1, cores=2, background=1.0)
+    two = simulate([StageCost(0.010, 0.0)] * 2, schedule="gpipe", micro_batches=2, steps=1, cores=2,
+                   background=1.0)
     assert two.total_s == pytest.approx(0.035)
     with pytest.raises(ValueError, match="background load"):
         simulate([StageCost(1, 1)], schedule="gpipe", micro_batches=1, background=-1)
@@ -116,9 +118,12 @@ def test_migration_stall_delays_every_later_step():
 
 def test_action_orders_are_the_schedules_orders():
     assert action_order("gpipe", 0, 2, 2, 1) == [("F", 0), ("F", 1), ("B", 0), ("B", 1), ("O", 1)]
-    assert action_order("1f1b", 0, 2, 3, 1) == [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("B", 2), ("O", 2)]
-    assert action_order("1f1b", 1, 2, 3, 1) == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2), ("O", 2)]
-    assert action_order("pipedream", 1, 2, 2, 1) == [("F", 0), ("B", 0), ("O", 0), ("F", 1), ("B", 1), ("O", 1)]
+    assert action_order("1f1b", 0, 2, 3, 1) == [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("B", 2),
+                                                ("O", 2)]
+    assert action_order("1f1b", 1, 2, 3, 1) == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2),
+                                                ("O", 2)]
+    assert action_order("pipedream", 1, 2, 2, 1) == [("F", 0), ("B", 0), ("O", 0), ("F", 1), ("B", 1),
+                                                     ("O", 1)]
 
 
 def test_bad_arguments_are_clear_errors():
@@ -150,8 +155,9 @@ def test_speeds_of_one_reproduce_the_plain_simulation_exactly(schedule, cores):
 
 @pytest.mark.parametrize("m", [2, 4, 8])
 def test_1f1b_two_stages_with_the_last_twice_as_slow_matches_its_closed_form(m):
-    """Stage 1 is busy without a gap from its first forward to its last backward; around that, stage 0's first
-    forward and last backward, a transfer each way and stage 0's update (stage 1's hides under that backward)."""
+    """Stage 1 is busy without a gap from its first forward to its last backward;
+    around that, stage 0's first forward and last backward, a transfer each way and
+    stage 0's update (stage 1's hides under that backward)."""
     f, b, send, opt = 0.010, 0.020, 0.001, 0.003
     result = simulate([StageCost(f, b, send_s=send, optimizer_s=opt)] * 2, schedule="1f1b", micro_batches=m,
                       steps=4, stage_speeds=[1.0, 2.0])
@@ -241,8 +247,10 @@ def test_ideal_is_the_compute_split_evenly():
 def _synthetic_point(size: int, overhead: float = 0.003, scale: float = 1.3, noise: float = 1.0):
     """Runs made by the simulator itself with a known overhead and scale, under different outside loads."""
     cfg = dataclasses.replace(REFERENCE_RUN, stages=2, micro_batch_size=size)
-    costs = scaled(_costs(REFERENCE_RUN.n_layers), size)  # compute grows with the micro-batch, overheads do not
-    runs = [(noise * predict_step_s(cfg, scaled(costs, scale), action_overhead_s=overhead, background=load), load)
+    # compute grows with the micro-batch, overheads do not
+    costs = scaled(_costs(REFERENCE_RUN.n_layers), size)
+    runs = [(noise * predict_step_s(cfg, scaled(costs, scale), action_overhead_s=overhead, background=load),
+             load)
             for load in (0.0, 0.5, 2.0)]
     return cfg, costs, runs
 
@@ -266,10 +274,12 @@ def test_calibration_on_three_sizes_spreads_one_noisy_run():
 
 
 def test_typical_profile_is_the_median_round_per_layer_so_one_slow_moment_moves_nothing():
-    """Three rounds of the same profile, one taken while the machine was slow on one layer and another while it
-    was fast on the loss: the typical profile is the middle round everywhere, unlike the fastest or the mean."""
+    """Three rounds of the same profile, one taken while the machine was slow on one
+    layer and another while it was fast on the loss: the typical profile is the
+    middle round everywhere, unlike the fastest or the mean."""
     base = _costs()
-    slow_layer = dataclasses.replace(base, layers=[dataclasses.replace(base.layers[0], fwd_s=0.010, bwd_s=0.030),
+    slow_layer = dataclasses.replace(base, layers=[dataclasses.replace(base.layers[0], fwd_s=0.010,
+                                                                       bwd_s=0.030),
                                                    *base.layers[1:]])
     fast_loss = dataclasses.replace(scaled(base, 1.1), loss_fwd_s=0.0001)
     middle = typical([slow_layer, base, fast_loss])
@@ -308,13 +318,15 @@ def test_validation_predicts_another_depth_with_a_given_calibration(monkeypatch)
 
 
 def test_validation_profiles_every_size_after_each_run_and_shares_them_with_the_next_depth(monkeypatch):
-    """The profiles see the machine at as many moments as the runs: one round of every size after each real run,
-    combined by their median; the dict passed in is filled, and a second depth given it profiles nothing."""
+    """The profiles see the machine at as many moments as the runs: one round of
+    every size after each real run, combined by their median; the dict passed in is
+    filled, and a second depth given it profiles nothing."""
     from vpipe_lab.runtime import calibrate as calibration_module
 
     cfg = dataclasses.replace(REFERENCE_RUN, stages=2, micro_batch_size=8)
     events: list[tuple[str, int]] = []
-    slowdown = iter([1.0, 0.5, 3.0] * 100)  # each size: one round as it is, one at a fast moment, one at a slow
+    # each size: one round as it is, one at a fast moment, one at a slow
+    slowdown = iter([1.0, 0.5, 3.0] * 100)
 
     def fake_run(run_cfg):
         events.append(("run", run_cfg.micro_batch_size))
@@ -322,7 +334,8 @@ def test_validation_profiles_every_size_after_each_run_and_shares_them_with_the_
 
     def fake_profile(run_cfg, rounds):
         events.append(("profile", run_cfg.micro_batch_size))
-        return scaled(dataclasses.replace(_costs(REFERENCE_RUN.n_layers), micro_batch_size=run_cfg.micro_batch_size),
+        return scaled(dataclasses.replace(_costs(REFERENCE_RUN.n_layers),
+                                          micro_batch_size=run_cfg.micro_batch_size),
                       run_cfg.micro_batch_size * next(slowdown))
 
     monkeypatch.setattr(calibration_module, "_measure_run", fake_run)
@@ -333,11 +346,13 @@ def test_validation_profiles_every_size_after_each_run_and_shares_them_with_the_
     assert events == [event for _ in range(3) for size in sizes
                       for event in [("run", size), *(("profile", s) for s in sizes)]]
     assert sorted(shared) == [1, 4, 8, 16]
-    for size, profile in shared.items():  # the median of the three rounds: neither the fastest nor the slowest
+    # the median of the three rounds: neither the fastest nor the slowest
+    for size, profile in shared.items():
         assert profile.layers == scaled(_costs(REFERENCE_RUN.n_layers), size).layers
     assert first.error == pytest.approx(0.0, abs=1e-3)
     events.clear()
-    second = validate(dataclasses.replace(cfg, stages=4), repeats=2, profiles=shared, calibration=first.calibration,
+    second = validate(dataclasses.replace(cfg, stages=4), repeats=2, profiles=shared,
+                      calibration=first.calibration,
                       calibrated_on_stages=2)
     assert events == [("run", 8), ("run", 8)]  # the first depth's profiles, not new ones
     assert second.calibrated_on_stages == 2

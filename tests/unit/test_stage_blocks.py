@@ -36,7 +36,8 @@ class Block(nn.Module):
 
 
 class TutorialStage(nn.Module):
-    """The torch pipelining tutorial's shape: ModuleDict keyed by global id, None where a part does not belong."""
+    """The torch pipelining tutorial's shape: ModuleDict keyed by
+    global id, None where a part does not belong."""
 
     def __init__(self, ids: list[int], first: bool, last: bool) -> None:
         super().__init__()
@@ -130,7 +131,8 @@ def test_key_styles_and_global_ids():
     assert global_ids(slices, KeyStyle.POSITIONS) == [[0, 1, 2], [3]]
     hf = [ContainerLayout("h", "ModuleList", ("0",)), ContainerLayout("h", "ModuleList", ("0", "1"))]
     assert agree_key_style(hf) is KeyStyle.POSITIONS  # a ModuleList is positional even when keys look unique
-    named = [ContainerLayout("", "Sequential", ("embed", "b0")), ContainerLayout("", "Sequential", ("b1", "head"))]
+    named = [ContainerLayout("", "Sequential", ("embed", "b0")),
+             ContainerLayout("", "Sequential", ("b1", "head"))]
     assert agree_key_style(named) is KeyStyle.NAMES
     assert global_ids(named, KeyStyle.NAMES) == [[0, 1], [2, 3]]
 
@@ -220,8 +222,9 @@ def test_a_block_description_from_a_peer_is_validated(info, match):
 
 
 def test_stages_that_chose_differently_agree_on_the_container_holding_every_choice():
-    """Dense and MoE blocks interleaved: a stage of one dense and one MoE block picks the experts of its MoE block,
-    a stage of many blocks picks ``layers``; the path every stage uses is ``layers``, which holds both kinds."""
+    """Dense and MoE blocks interleaved: a stage of one dense and one MoE block picks
+    the experts of its MoE block, a stage of many blocks picks ``layers``; the path
+    every stage uses is ``layers``, which holds both kinds."""
     from vpipe.stage.blocks import BlockContainerError, common_container
 
     assert common_container([("layers.1.experts", ["layers", "layers.1.experts"]),

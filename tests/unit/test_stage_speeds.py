@@ -1,4 +1,5 @@
-"""Uneven devices in the planner: per-stage speeds fitted from measured blocks, and partitions priced with them."""
+"""Uneven devices in the planner: per-stage speeds fitted from
+measured blocks, and partitions priced with them."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from vpipe.planner.uneven import uneven_partition
 
 
 def _graph(rng: np.random.Generator, n: int) -> LayerGraph:
-    nodes = [LayerNode(id=i, name=str(i), fwd_s=float(rng.uniform(0.1, 1.0)), bwd_s=float(rng.uniform(0.1, 2.0)),
+    nodes = [LayerNode(id=i, name=str(i), fwd_s=float(rng.uniform(0.1, 1.0)),
+                       bwd_s=float(rng.uniform(0.1, 2.0)),
                        act_bytes=1000, param_bytes=1000, order=i) for i in range(n)]
     edges = [(i, i + 1, int(rng.integers(1, 10**9))) for i in range(n - 1)]
     return LayerGraph(name="g", nodes=nodes, edges=edges)
@@ -29,13 +31,15 @@ def test_the_uneven_partition_is_the_best_split_when_each_stage_is_priced_on_its
     speeds = tuple(float(s) for s in rng.uniform(1.0, 3.0, p))
     costs = StageCosts(GraphProfile(graph), PipelineSetup(p, hardware=Hardware(), stage_speeds=speeds))
     found = uneven_partition(costs, p, np.full(p, np.inf))
-    brute = min(float(costs.stage_times(list(cuts)).max()) for cuts in itertools.combinations(range(1, n), p - 1))
+    brute = min(float(costs.stage_times(list(cuts)).max())
+                for cuts in itertools.combinations(range(1, n), p - 1))
     assert found is not None and found.bottleneck_s == pytest.approx(brute, rel=1e-9)
     assert plan_pipeline(graph, p, stage_speeds=speeds).bottleneck_s == pytest.approx(brute, rel=1e-9)
 
 
 def test_a_slower_stage_gets_fewer_blocks_and_the_lower_bound_knows_it():
-    nodes = [LayerNode(id=i, name=str(i), fwd_s=1.0, bwd_s=2.0, act_bytes=0, param_bytes=0, order=i) for i in range(8)]
+    nodes = [LayerNode(id=i, name=str(i), fwd_s=1.0, bwd_s=2.0, act_bytes=0, param_bytes=0, order=i)
+             for i in range(8)]
     graph = LayerGraph(name="even", nodes=nodes, edges=[(i, i + 1, 0) for i in range(7)])
     assert [len(s) for s in plan_pipeline(graph, 2).stages] == [4, 4]
     result = plan_pipeline(graph, 2, stage_speeds=[1.0, 2.0])
@@ -85,7 +89,8 @@ def test_a_stage_is_as_slow_as_it_was_in_every_recent_sample():
 
 
 def test_a_stage_less_than_strongly_slower_must_stay_so_twice_as_long():
-    shared = [(1.0, 1.0)] * 3 + [(1.0, 1.4), (1.0, 1.35), (1.0, 1.45)]  # ranks sharing cores, three samples in a row
+    # ranks sharing cores, three samples in a row
+    shared = [(1.0, 1.0)] * 3 + [(1.0, 1.4), (1.0, 1.35), (1.0, 1.45)]
     assert steady_speeds(shared, 2) == (1.0, 1.0)
     assert steady_speeds(shared[3:], 2) == (1.0, 1.0)  # three samples alone do not say it either
     steady = [(1.0, 1.5), (1.0, 1.45), (1.0, 1.55)] * 2  # a 1.5x slower device: every sample of six
@@ -95,8 +100,8 @@ def test_a_stage_less_than_strongly_slower_must_stay_so_twice_as_long():
 
 
 def test_a_slow_device_stays_slow_through_a_sample_that_a_busy_fast_stage_made_look_even():
-    """Stage 0 preempted in one sample makes stage 1's 2x device look 1.1x there: most of the window still says
-    2x, and the factor is their median (the least sample moved blocks back towards the slow stage)."""
+    """Stage 0 preempted in one sample makes stage 1's 2x device look 1.1x there: most of the window still
+    says 2x, and the factor is their median (the least sample moved blocks back towards the slow stage)."""
     noisy = [(1.0, 2.4), (1.0, 2.1), (1.0, 1.6), (1.0, 2.2), (1.0, 2.0), (1.9, 2.1)]
     assert steady_speeds(noisy, 2) == (1.0, 2.1)
     recovered = [(1.0, 2.0)] * 3 + [(1.0, 1.0)] * 3  # without a pulse's alert, half the window says even

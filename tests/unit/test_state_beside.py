@@ -1,4 +1,5 @@
-"""What keeps a per-block copy of a stage's weights beside it (an EMA): found at attach, so its blocks stay."""
+"""What keeps a per-block copy of a stage's weights beside it (an
+EMA): found at attach, so its blocks stay."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ def test_an_averaged_model_and_a_dict_of_clones_are_found_and_views_of_the_weigh
     clones = {name: p.detach().clone() for name, p in stage.named_parameters()}
     views = dict(stage.named_parameters())
     found = averages_of(stage, [ema, clones, views, AveragedModel(other), {"0.weight": torch.ones(1)}])
-    assert found == ["an AveragedModel of it (Sequential, 4 parameters)", "a dict of 4 tensors keyed by its parameter "
+    assert found == ["an AveragedModel of it (Sequential, 4 parameters)",
+                     "a dict of 4 tensors keyed by its parameter "
                      "names"]
     assert averages_of(stage, [views, stage.state_dict()]) == []

@@ -20,8 +20,10 @@ def test_a_state_dict_from_another_placement_is_refused_and_one_from_this_placem
     taken, taken_opt = copy.deepcopy(module.state_dict()), copy.deepcopy(optimizer.state_dict())
     module.load_state_dict(taken)  # same blocks: loads
     optimizer.load_state_dict(taken_opt)
-    held[:] = [5, 6]  # block 4 left, block 6 arrived (a Sequential slice renumbered 0..1: same keys, same shapes)
-    with pytest.raises(StaleStateError, match=r"^vpipe: this stage module state dict holds blocks \[4, 5\], the "
+    # block 4 left, block 6 arrived (a Sequential slice renumbered 0..1: same keys, same shapes)
+    held[:] = [5, 6]
+    with pytest.raises(StaleStateError,
+                       match=r"^vpipe: this stage module state dict holds blocks \[4, 5\], the "
                                               r"stage holds \[5, 6\] now \(blocks \[4\] left; blocks \[6\] "
                                               r"arrived since it was taken\); snapshot with"):
         module.load_state_dict(taken)

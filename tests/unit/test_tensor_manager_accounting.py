@@ -190,7 +190,9 @@ def test_per_layer_copy_and_recompute_statistics():
     model, manager, losses = _forward_all("transformer", {1: "S", 2: "R", 3: "D"})
     _backward_all(manager, losses)
     s = manager.stats()
-    assert s.layers[1].d2h_bytes > 0 and s.layers[1].h2d_bytes == s.layers[1].d2h_bytes and s.layers[1].d2h_s > 0
+    assert (
+        s.layers[1].d2h_bytes > 0 and s.layers[1].h2d_bytes == s.layers[1].d2h_bytes and s.layers[1].d2h_s > 0
+    )
     assert s.layers[2].recomputes >= 3 and s.layers[2].recompute_s > 0 and s.layers[2].d2h_bytes == 0
     assert s.layers[2].input_bytes and s.layers[2].input_bytes < s.layers[2].activation_bytes_per_micro_batch
     assert s.layers[3].d2h_bytes == 0 and s.layers[3].recomputes == 0

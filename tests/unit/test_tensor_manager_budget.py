@@ -7,7 +7,14 @@ import logging
 import pytest
 import torch
 
-from support.tensor_manager import LateCopies, assert_grads_equal, gpipe_step, make_manager, model_spec, train_grads
+from support.tensor_manager import (
+    LateCopies,
+    assert_grads_equal,
+    gpipe_step,
+    make_manager,
+    model_spec,
+    train_grads,
+)
 from vpipe.plan import Policy
 from vpipe.tensor_manager import MemoryBudgetError
 from vpipe.tensor_manager.accounting import Ledger
@@ -54,7 +61,8 @@ def test_budget_recomputes_when_the_host_pool_cannot_take_swaps():
     peak = _peak_all_kept("transformer", micro_batches=4)
     spec = model_spec("transformer")
     model = build_model(spec, seed=0)
-    manager = make_manager(model, budget_bytes=int(0.5 * peak), host_pool_bytes=4096, host_pool_chunk_bytes=4096)
+    manager = make_manager(model, budget_bytes=int(0.5 * peak), host_pool_bytes=4096,
+                           host_pool_chunk_bytes=4096)
     for step in range(2):
         gpipe_step(model, spec, step, manager, micro_batches=4)
     s = manager.stats()
@@ -80,7 +88,8 @@ def test_too_many_micro_batches_in_flight_for_the_budget_is_an_error():
     model = build_model(spec, seed=0)
     # room for the largest layer's backward, but not for 4 micro-batches of recomputed inputs besides
     manager = make_manager(model, budget_bytes=90 * 1024, host_pool_bytes=4096, host_pool_chunk_bytes=4096)
-    with pytest.raises(MemoryBudgetError, match=r"stage budget 90\.0 KiB cannot hold 2 micro-batches in flight: "
+    with pytest.raises(MemoryBudgetError,
+                       match=r"stage budget 90\.0 KiB cannot hold 2 micro-batches in flight: "
                                                 r"even with every layer swapped or recomputed each keeps"):
         gpipe_step(model, spec, 0, manager, micro_batches=4)
 
@@ -97,9 +106,12 @@ def test_escalations_go_from_recompute_to_swap_when_recompute_was_not_lean_enoug
 
 def test_escalations_pick_the_cheapest_seconds_per_byte():
     estimates = [
-        LayerEstimate(0, Policy.KEEP, activation_bytes=1000, swappable_bytes=1000, input_bytes=100, forward_s=1.0),
-        LayerEstimate(1, Policy.KEEP, activation_bytes=1000, swappable_bytes=1000, input_bytes=100, forward_s=0.01),
-        LayerEstimate(2, Policy.SWAP, activation_bytes=800, swappable_bytes=800, input_bytes=100, forward_s=0.01),
+        LayerEstimate(0, Policy.KEEP, activation_bytes=1000, swappable_bytes=1000, input_bytes=100,
+                      forward_s=1.0),
+        LayerEstimate(1, Policy.KEEP, activation_bytes=1000, swappable_bytes=1000, input_bytes=100,
+                      forward_s=0.01),
+        LayerEstimate(2, Policy.SWAP, activation_bytes=800, swappable_bytes=800, input_bytes=100,
+                      forward_s=0.01),
     ]
     # copies cost 1 ms per byte: recomputing layer 1 (10 ms) beats swapping anything (2 s per 1000 bytes)
     changes = cheapest_escalations(estimates, 500, swap_s_per_byte=1e-3, overlap=0.0, pool_free_bytes=10**9,
@@ -131,7 +143,8 @@ def test_swaps_fill_the_copy_engine_behind_the_forward_and_recomputes_take_the_r
 
     # 0.5 s of copy per layer: all three swaps fit in the 3 s window, free
     assert chosen(0.5e-3) == [(0, Policy.SWAP), (1, Policy.SWAP), (2, Policy.SWAP)]
-    # 1.5 s per layer: two swaps fill the window; a third would expose 1.5 s, more per byte than its 1 s recompute
+    # 1.5 s per layer: two swaps fill the window; a third would expose
+    # 1.5 s, more per byte than its 1 s recompute
     assert chosen(1.5e-3) == [(0, Policy.SWAP), (1, Policy.SWAP), (2, Policy.RECOMPUTE)]
     # (a swap-in has the backward, twice the forward: only the swap-outs' window counted above)
     assert exposed_copy_s(4.5, 3.0, 1.0) == 1.5 and exposed_copy_s(7.0, 3.0, 1.0) == 4.0 + 1.0
@@ -160,7 +173,8 @@ def test_swap_outs_still_copying_count_as_gone_when_the_budget_projects(copies_l
             t = torch.ones(kib)
             storage = t.untyped_storage()
             args = (t, lid, mb, storage.data_ptr(), storage.nbytes())
-            held.append(engine.swap_out(t, storage, *args[1:]) if lid == 0 and copies_late else engine.keep(*args))
+            held.append(engine.swap_out(t, storage, *args[1:]) if lid == 0 and copies_late
+                        else engine.keep(*args))
         engine.flush_swap_outs()
     assert ledger.resident == 24 * kib and engine.outgoing_bytes() == (12 * kib if copies_late else 0)
     governor.fit(3, in_flight=4, lag_share=0.0, all_keep=False, set_policy=lambda *_: None)
@@ -190,11 +204,13 @@ def test_a_pack_over_the_budget_first_issues_the_swap_outs_its_layer_has_packed(
 
 def test_a_recomputed_layer_whose_input_is_big_goes_to_swap():
     # recompute keeps the 900-byte input, a swap keeps only the 100 unswappable bytes
-    estimates = [LayerEstimate(0, Policy.RECOMPUTE, activation_bytes=1000, swappable_bytes=900, input_bytes=900,
+    estimates = [LayerEstimate(0, Policy.RECOMPUTE, activation_bytes=1000, swappable_bytes=900,
+                               input_bytes=900,
                                forward_s=0.01)]
     changes = cheapest_escalations(estimates, 800, swap_s_per_byte=1e-9, overlap=0.0, pool_free_bytes=10**9,
                                    budget_bytes=4000, context="test")
-    assert [(c.layer_id, c.old, c.new, c.saved_bytes) for c in changes] == [(0, Policy.RECOMPUTE, Policy.SWAP, 800)]
+    assert [(c.layer_id, c.old, c.new, c.saved_bytes) for c in changes] == [(0, Policy.RECOMPUTE, Policy.SWAP,
+                                                                             800)]
     assert changes[0].cost_s == 0.0  # the copies are cheaper than the forward it no longer repeats
 
 
@@ -203,7 +219,8 @@ def test_escalations_are_undone_once_the_budget_holds_every_layer_kept_but_a_pla
     peak = _peak_all_kept(kind, micro_batches=4)
     spec = model_spec(kind)
     model = build_model(spec, seed=0)
-    manager = make_manager(model, budget_bytes=int(0.4 * peak))  # a share of a rank's budget before needs are known
+    # a share of a rank's budget before needs are known
+    manager = make_manager(model, budget_bytes=int(0.4 * peak))
     gpipe_step(model, spec, 0, manager, micro_batches=4)
     escalated = {lid for lid, _, _ in manager.stats().escalations}
     assert escalated and manager.keep_all_bytes() > 0
@@ -233,7 +250,8 @@ def test_a_stage_that_never_kept_every_layer_counts_its_layers_activations_summe
     model = build_model(spec, seed=0)
     manager = make_manager(model, budget_bytes=int(0.2 * peak))  # escalates from its first micro-batch on
     gpipe_step(model, spec, 0, manager, micro_batches=4)
-    assert manager.stats().escalations and manager._budget.kept_per_mb is None  # no micro-batch kept everything
+    # no micro-batch kept everything
+    assert manager.stats().escalations and manager._budget.kept_per_mb is None
     summed = sum(manager.ledger.activation_bytes(lid) for lid in manager.policies())
     kept, in_flight = manager.keep_all_need()
     assert (kept, in_flight) == (summed, 4)

@@ -146,9 +146,9 @@ def test_budget_on_gpu_keeps_the_peak_and_the_gradients():
 
 
 def test_a_batch_twice_what_the_memory_holds_trains_under_the_budget_with_the_same_gradients():
-    """The memory benchmark's claim as behaviour: capped so that plain holds half the batch (twice it runs out of
-    memory), the budgeted manager trains the whole batch within the cap, with the gradients of an uncapped plain
-    run."""
+    """The memory benchmark's claim as behaviour: capped so that plain holds half the
+    batch (twice it runs out of memory), the budgeted manager trains the whole batch
+    within the cap, with the gradients of an uncapped plain run."""
     spec = transformer_lm(n_blocks=4, d_model=512, n_heads=8, seq_len=256, dropout=0.0)
     x, y = spec.batch(0, 8 * 8, 0)
     inputs = [t.to(DEVICE) for t in x.tensor_split(8)]
@@ -179,7 +179,8 @@ def test_a_batch_twice_what_the_memory_holds_trains_under_the_budget_with_the_sa
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     total = torch.cuda.get_device_properties(DEVICE).total_memory
-    torch.cuda.set_per_process_memory_fraction((half + sum(want_bytes.values()) + (256 << 20)) / total, DEVICE)
+    torch.cuda.set_per_process_memory_fraction((half + sum(want_bytes.values()) + (256 << 20)) / total,
+                                               DEVICE)
     try:
         with pytest.raises(torch.OutOfMemoryError):
             plain_step(8)

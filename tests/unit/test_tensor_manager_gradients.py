@@ -10,7 +10,14 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from support.tensor_manager import assert_grads_equal, gpipe_step, layers_of, make_manager, model_spec, train_grads
+from support.tensor_manager import (
+    assert_grads_equal,
+    gpipe_step,
+    layers_of,
+    make_manager,
+    model_spec,
+    train_grads,
+)
 from vpipe.plan import Plan, Policy
 from vpipe_lab.runtime.models import build_model
 

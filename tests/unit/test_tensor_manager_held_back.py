@@ -27,7 +27,8 @@ def _d2h_per_step(steps: int, last_first: bool, **kwargs: object):
     for step in range(steps):
         before = {lid: layer.d2h_bytes for lid, layer in manager.stats().layers.items()}
         gpipe_step(model, spec, step, manager, last_first=last_first)
-        copied.append({lid: layer.d2h_bytes - before.get(lid, 0) for lid, layer in manager.stats().layers.items()})
+        copied.append({lid: layer.d2h_bytes - before.get(lid, 0)
+                       for lid, layer in manager.stats().layers.items()})
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
         model.zero_grad(set_to_none=True)
     return copied, grads, manager
@@ -57,7 +58,11 @@ def test_the_micro_batch_whose_backward_comes_next_swaps_nothing_once_the_order_
     assert copied[1][0] == copied[2][0] < copied[0][0]
     assert_grads_equal(grads, _reference(3, last_first=True))
     s = manager.stats()
-    assert s.sync_fallbacks == 0 and s.h2d_bytes == s.d2h_bytes + s.refetched_bytes and s.live_saved_storages == 0
+    assert (
+        s.sync_fallbacks == 0
+        and s.h2d_bytes == s.d2h_bytes + s.refetched_bytes
+        and s.live_saved_storages == 0
+    )
 
 
 def test_without_a_budget_micro_batches_waiting_for_others_backwards_still_swap_everything():

@@ -60,7 +60,8 @@ def test_a_manager_that_fails_half_way_leaves_every_module_as_it_was(fault):
     else:
         layers[3], expected = model[1], (ValueError, "already managed by this tensor manager")
     with pytest.raises(expected[0], match=expected[1]):
-        TensorManager(layers, device="cpu", policies=policies, host_pool_bytes=32 << 20,  # type: ignore[arg-type]
+        TensorManager(layers, device="cpu", policies=policies, host_pool_bytes=32 << 20,
+                      # type: ignore[arg-type]
                       host_pool_chunk_bytes=1 << 20)
     assert _snapshot(model) == before
     make_manager(model, {0: "R"}).close()  # nothing claimed any more: a new manager takes them all

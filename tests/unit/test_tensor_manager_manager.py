@@ -1,5 +1,5 @@
-"""The tensor manager facade: its arguments, its contexts, unmetered micro-batches that never ran their backward,
-the learned step order driving prefetches, and what it says about itself.
+"""The tensor manager facade: its arguments, its contexts, unmetered micro-batches that never ran their
+backward, the learned step order driving prefetches, and what it says about itself.
 
 (Gradients, byte counts, budgets, the pool and attaching to a stage have their own files.)
 """
@@ -34,7 +34,8 @@ def test_layers_must_be_modules_with_non_negative_integer_ids():
         manager.add_layer(3, 5)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="^layer id must be a non-negative integer, got True$"):
         manager.add_layer(True, nn.Linear(2, 2))  # type: ignore[arg-type]
-    with pytest.raises(KeyError, match=r"layer 4 is not managed by this tensor manager \(it manages layers \[\]\)"):
+    with pytest.raises(KeyError,
+                       match=r"layer 4 is not managed by this tensor manager \(it manages layers \[\]\)"):
         manager.remove_layer(4)
     assert manager.layer_ids == []
 
@@ -45,7 +46,8 @@ def test_a_forward_that_starts_inside_another_is_refused_and_the_outer_one_goes_
     manager = make_manager(model)
     x, _ = spec.batch(0, 2, 0)
     with manager.micro_batch(0):
-        with pytest.raises(RuntimeError, match="^micro-batch 1's forward started inside micro-batch 0's forward$"):
+        with pytest.raises(RuntimeError,
+                           match="^micro-batch 1's forward started inside micro-batch 0's forward$"):
             with manager.micro_batch(1):
                 pass
         model(x)
@@ -73,8 +75,8 @@ def test_swapping_pins_the_first_host_chunk_when_the_policy_is_set():
 
 
 def _unmetered_forwards(micro_batches: list[int]):
-    """One metered GPipe step (the kept layers' bytes are learned), then forwards with metering off, no backward;
-    returns the resident bytes after each of those forwards."""
+    """One metered GPipe step (the kept layers' bytes are learned), then forwards with metering off, no
+    backward; returns the resident bytes after each of those forwards."""
     spec = model_spec("transformer")
     model = build_model(spec, seed=0)
     manager = make_manager(model)
@@ -91,7 +93,8 @@ def _unmetered_forwards(micro_batches: list[int]):
 
 
 def test_micro_batches_whose_backward_never_ran_are_not_counted_forever():
-    """A step that failed between forwards and backwards: the next step's forwards, or end_of_step(), uncount them."""
+    """A step that failed between forwards and backwards: the next
+    step's forwards, or end_of_step(), uncount them."""
     model, manager, resident, _ = _unmetered_forwards([0, 1])
     per_mb = resident[0]
     assert per_mb > 0 and resident[1] == 2 * per_mb  # counted with the metered call's bytes
@@ -133,7 +136,8 @@ def test_a_learned_step_order_prefetches_each_backward_before_it_starts():
             on_host[-1].append(manager._swap_in.host_bytes(mb))
             with manager.backward(mb):
                 loss.backward()
-    # the first step: each backward fetched its own micro-batch when it started; the second: the action before did
+    # the first step: each backward fetched its own micro-batch when it
+    # started; the second: the action before did
     assert all(n > 0 for n in on_host[0]) and on_host[1] == [0, 0, 0]
     s = manager.stats()
     assert s.sync_fallbacks == 0 and s.h2d_bytes == s.d2h_bytes and s.live_saved_storages == 0
@@ -142,7 +146,9 @@ def test_a_learned_step_order_prefetches_each_backward_before_it_starts():
 def test_what_it_says_about_itself_and_that_it_stays_closed():
     model = build_model(model_spec("transformer"), seed=0)
     manager = TensorManager(layers_of(model), device="cpu", policies={1: "S", 2: "R"}, budget_bytes=3 << 20)
-    assert repr(manager) == "TensorManager(device=cpu, layers=[0, 1, 2, 3, 4], policies=DSRDD, budget=3.0 MiB)"
+    assert (
+        repr(manager) == "TensorManager(device=cpu, layers=[0, 1, 2, 3, 4], policies=DSRDD, budget=3.0 MiB)"
+    )
     assert manager.layer_saved_bytes() == dict.fromkeys(range(5), 0)  # nothing ran yet
     manager.close()
     for call in (lambda: manager.add_layer(9, nn.Linear(2, 2)), lambda: manager.set_policy(0, "S"),

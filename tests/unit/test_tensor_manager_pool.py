@@ -32,7 +32,8 @@ def test_grows_in_chunks_up_to_its_maximum_then_names_capacity_and_request():
     pool = HostPool(3 * 1024, pinned=False, chunk_bytes=1024)
     blocks = [pool.alloc(1000) for _ in range(3)]
     assert pool.chunks == 3 and pool.capacity_bytes == 3 * 1024
-    with pytest.raises(HostPoolFullError, match=r"a swap of 1000 B does not fit; 3\.0 KiB of the pool's maximum "
+    with pytest.raises(HostPoolFullError,
+                       match=r"a swap of 1000 B does not fit; 3\.0 KiB of the pool's maximum "
                                                 r"3\.0 KiB are in use \(3 chunks, 3\.0 KiB allocated\)"):
         pool.alloc(1000)
     pool.free(blocks[1])
@@ -71,7 +72,8 @@ def test_live_ranges_never_overlap_and_usage_adds_up(ops):
     assert pool.used_bytes == 0
     chunks = pool.chunks
     whole = [pool.alloc(pool.chunk_bytes) for _ in range(chunks)]  # every range freed came back together
-    assert pool.chunks == chunks and sorted((b.chunk, b.offset) for b in whole) == [(i, 0) for i in range(chunks)]
+    assert pool.chunks == chunks and sorted((b.chunk, b.offset) for b in whole) == [(i, 0)
+                                                                                    for i in range(chunks)]
 
 
 def test_a_freed_range_goes_to_the_next_request_of_its_size_and_back_to_the_chunk_when_needed():
@@ -96,7 +98,8 @@ def test_a_manager_whose_pool_is_full_says_so():
     manager = make_manager(model, {lid: "S" for lid in range(5)}, host_pool_bytes=64 * 1024,
                            host_pool_chunk_bytes=64 * 1024)
     x, _ = spec.batch(0, 2, 0)
-    with pytest.raises(HostPoolFullError, match=r"host pool full: a swap of .* of the pool's maximum 64\.0 KiB"):
+    with pytest.raises(HostPoolFullError,
+                       match=r"host pool full: a swap of .* of the pool's maximum 64\.0 KiB"):
         with manager.micro_batch(0):
             model(x)
     # the failed forward left no saved-tensor hooks behind, and the manager keeps working

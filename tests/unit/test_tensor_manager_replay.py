@@ -1,4 +1,5 @@
-"""A recomputed call captures the device RNG states torch.utils.checkpoint captures, without its tree walks."""
+"""A recomputed call captures the device RNG states torch.utils.checkpoint
+captures, without its tree walks."""
 
 from __future__ import annotations
 

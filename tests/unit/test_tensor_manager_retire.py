@@ -61,7 +61,8 @@ def _last_stage(policies: dict[int, str] | None) -> tuple[dict, list[torch.Tenso
     return grads, outputs, manager
 
 
-@pytest.mark.parametrize("policies", [{1: "S", 2: "S", 3: "S"}, {1: "R", 2: "R", 3: "R"}, {1: "D", 2: "D", 3: "D"},
+@pytest.mark.parametrize("policies", [{1: "S", 2: "S", 3: "S"}, {1: "R", 2: "R", 3: "R"},
+                                      {1: "D", 2: "D", 3: "D"},
                                       {1: "S", 2: "R", 3: "D", 4: "S"}], ids=["S", "R", "D", "mix"])
 def test_a_graph_kept_past_the_weight_pass_holds_nothing_of_the_manager(policies):
     want, _, _ = _last_stage(None)

@@ -228,14 +228,16 @@ def test_budget_holds_while_weight_passes_lag(which, caplog):
             want_model.zero_grad(set_to_none=True)
             model.zero_grad(set_to_none=True)
             after = manager.stats()
-            steps.append({"peak": after.peak_resident_bytes, "dropped": after.lag_dropped - before.lag_dropped,
+            steps.append({"peak": after.peak_resident_bytes,
+                          "dropped": after.lag_dropped - before.lag_dropped,
                           "refetched": after.refetched_bytes - before.refetched_bytes,
                           "repeats": after.repeat_recomputes - before.repeat_recomputes})
             manager.reset_peak()
     assert all(0 < step["peak"] <= budget for step in steps), (steps, budget)
     assert max(lag_held) > 0  # micro-batches did hold bytes for their weight passes
-    # the first step measures what a lagging micro-batch holds; from then on the projection counts it
-    # (escalating where needed), so nothing kept for a weight pass has to be dropped, fetched or recomputed again
+    # the first step measures what a lagging micro-batch holds; from then on the
+    # projection counts it (escalating where needed), so nothing kept for a
+    # weight pass has to be dropped, fetched or recomputed again
     assert all(step["dropped"] == step["refetched"] == step["repeats"] == 0 for step in steps[1:]), steps
     dropped = [r for r in caplog.records if getattr(r, "vpipe_fields", {}).get("event") == "weight_pass_drop"]
     assert bool(dropped) == (steps[0]["dropped"] > 0)
@@ -249,7 +251,8 @@ def test_the_projection_counts_what_lagging_micro_batches_hold():
     """kept_bytes adds a swapped or recomputed layer's lag bytes, spread over the micro-batches in flight."""
     from vpipe.tensor_manager.budget import LayerEstimate, fit_micro_batch, kept_bytes
 
-    e = LayerEstimate(0, Policy.SWAP, activation_bytes=1000, swappable_bytes=900, input_bytes=200, forward_s=1.0,
+    e = LayerEstimate(0, Policy.SWAP, activation_bytes=1000, swappable_bytes=900, input_bytes=200,
+                      forward_s=1.0,
                       lag_bytes=300, lag_share=0.5)
     assert kept_bytes(e, Policy.KEEP) == 1000  # autograd holds everything until the weight pass anyway
     assert kept_bytes(e, Policy.SWAP) == 100 + 150
@@ -260,7 +263,8 @@ def test_the_projection_counts_what_lagging_micro_batches_hold():
     kept = [LayerEstimate(i, Policy.KEEP, 1000, 900, 200, 1.0, lag_bytes=300) for i in range(3)]
     assert [c.new for c in fit_micro_batch(kept, **common)] == [Policy.SWAP]
     # ... but not with half the micro-batches in flight waiting for their weight pass (2250): two swaps
-    lagging = [LayerEstimate(i, Policy.KEEP, 1000, 900, 200, 1.0, lag_bytes=300, lag_share=0.5) for i in range(3)]
+    lagging = [LayerEstimate(i, Policy.KEEP, 1000, 900, 200, 1.0, lag_bytes=300, lag_share=0.5)
+               for i in range(3)]
     assert [c.new for c in fit_micro_batch(lagging, **common)] == [Policy.SWAP, Policy.SWAP]
 
 

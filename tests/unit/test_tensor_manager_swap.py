@@ -1,4 +1,5 @@
-"""The swap engine on its own: keep, swap out, prefetch, restore and release saved storages, and count their bytes.
+"""The swap engine on its own: keep, swap out, prefetch, restore and
+release saved storages, and count their bytes.
 
 Storages are saved by hand here (no autograd), with the engine's own copy engine on CPU
 (synchronous: every ticket is born complete) or with :class:`LateCopies`, whose copies
@@ -30,7 +31,8 @@ def make_engine(copies: CpuCopyEngine | None = None, pool_bytes: int = 64 * KIB,
                 batch_bytes: int = 1 << 30) -> tuple[SwapEngine, Ledger]:
     ledger = Ledger()
     engine = SwapEngine(CPU, ledger, copies or CpuCopyEngine(CPU),
-                        lambda: HostPool(pool_bytes, pinned=False, chunk_bytes=16 * KIB), batch_bytes=batch_bytes)
+                        lambda: HostPool(pool_bytes, pinned=False, chunk_bytes=16 * KIB),
+                        batch_bytes=batch_bytes)
     return engine, ledger
 
 
@@ -85,7 +87,11 @@ def test_a_storage_already_kept_is_not_swapped_when_saved_again():
     x = kib(2)
     kept = keep(engine, x)
     again = swap(engine, x[10:])
-    assert isinstance(again, KeptHandle) and again.entry is kept.entry and again.tensor.data_ptr() == x[10:].data_ptr()
+    assert (
+        isinstance(again, KeptHandle)
+        and again.entry is kept.entry
+        and again.tensor.data_ptr() == x[10:].data_ptr()
+    )
     engine.flush_swap_outs()
     assert ledger.resident == 2 * KIB and engine.copies.bytes[D2H] == 0 and not engine.has_pool
 
@@ -100,12 +106,14 @@ def test_swapped_bytes_stay_counted_until_their_copy_ran_then_live_on_the_host_o
     assert ledger.resident == 4 * KIB and engine.copies.bytes[D2H] == 0 and engine.pool.used_bytes == 4 * KIB
     engine.flush_swap_outs()
     assert engine.copies.bytes[D2H] == 4 * KIB and engine.layer_d2h == {1: 4 * KIB}
-    assert ledger.resident == 0 and ledger.peak == 4 * KIB  # a synchronous copy: the device bytes went at once
+    # a synchronous copy: the device bytes went at once
+    assert ledger.resident == 0 and ledger.peak == 4 * KIB
     assert torch.equal(handle.entry.host.data, x.reshape(-1).view(torch.uint8))
     assert back(engine).host_bytes(0) == 4 * KIB and engine.live_micro_batches(1) == {0: 1}
 
     restored = back(engine).restore(handle)  # no prefetch: copied back on demand
-    assert torch.equal(restored, x) and restored.stride() == x.stride() and restored.data_ptr() != x.data_ptr()
+    assert torch.equal(restored,
+                       x) and restored.stride() == x.stride() and restored.data_ptr() != x.data_ptr()
     assert back(engine).sync_fallbacks == 1 and engine.copies.bytes[H2D] == 4 * KIB
     assert back(engine).layer_h2d == {1: 4 * KIB}
     assert ledger.resident == 0  # its only handle was unpacked: the node holds the copy, the ledger does not
@@ -121,12 +129,17 @@ def test_views_of_one_storage_are_copied_out_once_and_brought_back_once():
     handles = [swap(engine, t, layer=2, mb=0) for t in (q, k, v)]
     assert len({h.entry for h in handles}) == 1
     engine.flush_swap_outs()
-    assert engine.copies.bytes[D2H] == 6 * KIB and engine.pool.used_bytes == 6 * KIB and engine.live_entries() == 1
+    assert (
+        engine.copies.bytes[D2H] == 6 * KIB
+        and engine.pool.used_bytes == 6 * KIB
+        and engine.live_entries() == 1
+    )
     got = [back(engine).restore(h) for h in handles]
     for want, have in zip((q, k, v), got):
         assert torch.equal(have, want) and have.stride() == want.stride()
         assert have.storage_offset() == want.storage_offset()
-    assert engine.copies.bytes[H2D] == 6 * KIB and back(engine).sync_fallbacks == 1  # one copy served all three
+    # one copy served all three
+    assert engine.copies.bytes[H2D] == 6 * KIB and back(engine).sync_fallbacks == 1
     assert ledger.peak == 6 * KIB
     del handles, got
     engine.drain()
@@ -166,7 +179,8 @@ def test_every_saved_tensor_comes_back_with_its_layout_whichever_way_its_storage
     assert engine.copies.bytes[D2H] == engine.copies.bytes[H2D] == nbytes
     # nothing rebuilt for a tensor that spans its storage: the copy is the tensor
     assert [have is copy for have in got] == {"output": [True], "view without a base": [False],
-                                              "other dtype": [True, False], "odd-sized storage": [False]}[case]
+                                              "other dtype": [True, False],
+                                              "odd-sized storage": [False]}[case]
     del handles, got
     engine.drain()
     assert engine.pool.used_bytes == 0 and ledger.resident == 0
@@ -202,8 +216,11 @@ def test_a_storage_two_micro_batches_saved_is_copied_once_and_prefetched_for_eit
 def test_a_full_host_pool_names_the_layer_and_micro_batch_and_counts_nothing():
     engine, ledger = make_engine(pool_bytes=4 * KIB)
     keepalive = swap(engine, kib(3), layer=1, mb=0)
-    with pytest.raises(HostPoolFullError, match=r"^layer 4, micro-batch 2: host pool full: a swap of 2\.0 KiB does "
-                                                r"not fit; 3\.0 KiB of the pool's maximum 4\.0 KiB are in use"):
+    with pytest.raises(
+        HostPoolFullError,
+        match=r"^layer 4, micro-batch 2: host pool full: a swap of 2\.0 KiB does "
+        r"not fit; 3\.0 KiB of the pool's maximum 4\.0 KiB are in use",
+    ):
         swap(engine, kib(2), layer=4, mb=2)
     assert ledger.resident == 3 * KIB and engine.live_entries() == 1 and engine.live_micro_batches(4) == {}
     assert keepalive.entry.layer == 1
@@ -236,12 +253,16 @@ def test_prefetch_brings_the_last_saved_back_first_and_stops_at_the_limit():
     tensors, handles = _three_swapped(engine)
     assert back(engine).host_bytes(0) == 3 * KIB and ledger.resident == 0
     assert back(engine).prefetch(0, KIB - 1) is False and back(engine).prefetched == 0  # not even one fits
-    assert back(engine).prefetch(0, 2 * KIB) is False  # the last two saved (the backward's first), then the limit
+    # the last two saved (the backward's first), then the limit
+    assert back(engine).prefetch(0, 2 * KIB) is False
     assert [h.entry.device_copy is not None for h in handles] == [False, True, True]
     assert ledger.resident == 2 * KIB and back(engine).prefetched == 2 and back(engine).host_bytes(0) == KIB
     assert back(engine).layer_h2d == {1: KIB, 2: KIB}
-    assert back(engine).prefetch(0, None) is True and ledger.resident == 3 * KIB and back(engine).prefetched == 3
-    assert back(engine).prefetch(0, None) is True and back(engine).prefetched == 3  # nothing left to bring back
+    assert (
+        back(engine).prefetch(0, None) is True and ledger.resident == 3 * KIB and back(engine).prefetched == 3
+    )
+    # nothing left to bring back
+    assert back(engine).prefetch(0, None) is True and back(engine).prefetched == 3
     for handle, want in zip(reversed(handles), reversed(tensors)):
         assert torch.equal(back(engine).restore(handle), want)
     assert back(engine).sync_fallbacks == 0 and engine.copies.bytes[H2D] == 3 * KIB
@@ -256,7 +277,8 @@ def test_the_end_of_a_backward_drops_its_micro_batchs_device_copies_only():
     assert ledger.resident == 3 * KIB and ledger.resident_of(2) == {1: KIB}
     end_full_phase(engine, 0)
     assert ledger.resident == KIB and ledger.resident_by_layer() == {2: KIB}
-    assert engine.pool.used_bytes == 3 * KIB and engine.live_entries() == 3  # the host copies stay with the handles
+    # the host copies stay with the handles
+    assert engine.pool.used_bytes == 3 * KIB and engine.live_entries() == 3
     assert back(engine).host_bytes(0) == 2 * KIB
     assert torch.equal(back(engine).restore(handles[0]), tensors[0])
     assert back(engine).sync_fallbacks == 1  # fetched again
@@ -264,7 +286,7 @@ def test_the_end_of_a_backward_drops_its_micro_batchs_device_copies_only():
     assert ledger.resident == 0
 
 
-# ---------------------------------------------------------------------- copies still in flight (a GPU's streams)
+# ------------------------------------------------------------------- copies still in flight (a GPU's streams)
 def test_device_bytes_are_dropped_only_once_their_copy_to_the_host_finished():
     copies = LateCopies()
     engine, ledger = make_engine(copies)
@@ -340,7 +362,8 @@ def test_swap_outs_are_issued_together_unless_the_batch_cap_is_reached():
 
 # ---------------------------------------------------------------------- through autograd
 class _ConjugatingBlock(torch.nn.Module):
-    """Saves lazily conjugated and negated views: ``x.conj()`` for the matmul, ``z.conj().imag`` for the mul."""
+    """Saves lazily conjugated and negated views: ``x.conj()`` for
+    the matmul, ``z.conj().imag`` for the mul."""
 
     def __init__(self, seed: int) -> None:
         super().__init__()

@@ -37,7 +37,8 @@ def _run(steps: int, metering_from: int, policies=None, budget: int | None = Non
         manager.metering = step < metering_from
         before = counter.calls
         gpipe_step(model, spec, step, manager,
-                   before_backward=lambda mb: resident_mid.append(manager.ledger.resident) if mb == 0 else None)
+                   before_backward=lambda mb: resident_mid.append(manager.ledger.resident) if mb == 0
+                   else None)
         packs.append(counter.calls - before)
     return model, manager, packs, resident_mid
 
@@ -162,7 +163,8 @@ def test_swapped_layers_and_a_tight_budget_keep_every_call_metered():
     _, probe, _, _ = _run(1, metering_from=1)
     per_mb = sum(layer.kept_bytes for layer in probe._layers.values())
     _, _, exact, _ = _run(2, metering_from=1, budget=3 * per_mb)
-    assert exact[1] == 0  # three micro-batches in flight fit to the byte: no margin (the plain schedule has none)
+    # three micro-batches in flight fit to the byte: no margin (the plain schedule has none)
+    assert exact[1] == 0
     _, _, short, _ = _run(2, metering_from=1, budget=3 * per_mb - 1)
     assert short[1] > 0  # a byte short: every byte is counted exactly
 
@@ -170,7 +172,8 @@ def test_swapped_layers_and_a_tight_budget_keep_every_call_metered():
 def test_a_storage_two_layers_save_is_counted_once_by_unmetered_calls_as_by_metered_ones():
     # each Tanh saves its output, which the next Linear saves as its input: one storage, two layers
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64), torch.nn.Tanh(),
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64),
+                                torch.nn.Tanh(),
                                 torch.nn.Linear(64, 8))
     manager = make_manager(model, budget_bytes=1 << 30)  # a budget far away: kept layers may run unmetered
     x = torch.randn(4, 16)

@@ -1,5 +1,6 @@
-"""The tensor manager's parts see narrow interfaces: each is built with what it reads, and nothing is set on a part
-from outside after it was built (read from the source, as tests/integration/test_architecture.py reads imports)."""
+"""The tensor manager's parts see narrow interfaces: each is built with what it reads, and nothing is set
+on a part from outside after it was built (read from the source, as
+tests/integration/test_architecture.py reads imports)."""
 
 from __future__ import annotations
 
@@ -36,8 +37,9 @@ def _constructor_annotations(node: ast.ClassDef) -> list[tuple[str, str]]:
 
 
 def collaborators(node: ast.ClassDef, classes: set[str]) -> list[str]:
-    """The parameters that hand a class another tensor-manager object (a class or Protocol of the package), or a
-    callback into one (a ``Callable``); plain settings, devices, locks and modules are not collaborators."""
+    """The parameters that hand a class another tensor-manager object (a class or
+    Protocol of the package), or a callback into one (a ``Callable``); plain
+    settings, devices, locks and modules are not collaborators."""
     out = []
     for name, annotation in _constructor_annotations(node):
         names = set(re.findall(r"[A-Za-z_]\w*", annotation))
@@ -51,7 +53,8 @@ def test_every_part_is_built_with_at_most_five_collaborators():
     classes = _defined_classes(trees)
     counted = {f"{module}:{node.name}": collaborators(node, classes)
                for module, tree in trees.items() for node in ast.walk(tree) if isinstance(node, ast.ClassDef)}
-    assert {"budget", "phases"} <= set(counted["interception.py:Interceptor"])  # (the rule sees collaborators)
+    # (the rule sees collaborators)
+    assert {"budget", "phases"} <= set(counted["interception.py:Interceptor"])
     too_many = {part: names for part, names in counted.items() if len(names) > MOST_COLLABORATORS}
     assert not too_many, f"parts built with more than {MOST_COLLABORATORS} collaborators: {too_many}"
 
@@ -77,13 +80,15 @@ def _own(target: ast.expr) -> bool:
     """``self.x`` or ``self.x[k]``: a field of the object itself (or an item of a container it owns)."""
     if isinstance(target, ast.Subscript):
         target = target.value
-    return isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "self"
+    return isinstance(target, ast.Attribute) and isinstance(target.value,
+                                                            ast.Name) and target.value.id == "self"
 
 
 def test_the_front_class_sets_only_its_own_fields():
     # a part's field set from manager.py (``calls.mb = ...``, ``part.back_reference = self``) is wiring after
     # construction or the facade doing a part's job: it calls the part's methods instead
     tree = ast.parse((PACKAGE / "manager.py").read_text())
-    foreign = [f"line {target.lineno}: {ast.unparse(target)}" for node in ast.walk(tree) for target in _assigned(node)
+    foreign = [f"line {target.lineno}: {ast.unparse(target)}" for node in ast.walk(tree)
+               for target in _assigned(node)
                if isinstance(target, (ast.Attribute, ast.Subscript)) and not _own(target)]
     assert not foreign, foreign

@@ -1,5 +1,6 @@
-"""ScheduleWPipe's order on a rank, without processes: G0's and G1's 1F1B lists, their merge (the paper's
-Figure 5), and the micro-batches each virtual stage holds as vpipe reads them off the lists the schedule writes."""
+"""ScheduleWPipe's order on a rank, without processes: G0's and G1's 1F1B lists,
+their merge (the paper's Figure 5), and the micro-batches each virtual stage holds
+as vpipe reads them off the lists the schedule writes."""
 
 from __future__ import annotations
 
@@ -18,10 +19,14 @@ def test_a_stage_runs_its_1f1b_warmup_then_a_backward_and_a_forward_in_turn():
 
 
 def test_a_rank_takes_g0_and_g1_in_turn_once_both_can_run():
-    assert rank_orders(2, 3)[0] == [(0, "F", 0), (0, "F", 1), (1, "F", 0), (0, "B", 0), (1, "F", 1), (0, "F", 2),
-                                    (1, "B", 0), (0, "B", 1), (1, "F", 2), (1, "B", 1), (0, "B", 2), (1, "B", 2)]
-    assert rank_orders(2, 3)[1] == [(0, "F", 0), (0, "B", 0), (1, "F", 0), (0, "F", 1), (1, "B", 0), (0, "B", 1),
-                                    (1, "F", 1), (0, "F", 2), (1, "B", 1), (0, "B", 2), (1, "F", 2), (1, "B", 2)]
+    assert rank_orders(2, 3)[0] == [(0, "F", 0), (0, "F", 1), (1, "F", 0), (0, "B", 0), (1, "F", 1),
+                                    (0, "F", 2),
+                                    (1, "B", 0), (0, "B", 1), (1, "F", 2), (1, "B", 1), (0, "B", 2),
+                                    (1, "B", 2)]
+    assert rank_orders(2, 3)[1] == [(0, "F", 0), (0, "B", 0), (1, "F", 0), (0, "F", 1), (1, "B", 0),
+                                    (0, "B", 1),
+                                    (1, "F", 1), (0, "F", 2), (1, "B", 1), (0, "B", 2), (1, "F", 2),
+                                    (1, "B", 2)]
     assert rank_orders(2, 2, forwards=False)[0] == [(0, "B", 0), (0, "B", 1)]  # a flush: G0's backwards alone
 
 

@@ -20,7 +20,8 @@ def snapshot(schedule, stage, module, optimizer) -> dict:
                        "forward" in m.__dict__) for name, m in module.named_modules()}
     return {
         "schedule_attrs": sorted(k for k in schedule.__dict__ if k in ("step",)),
-        "stage_attrs": sorted(k for k in stage.__dict__ if "chunk" in k or k.startswith("_prepare") or "vpipe" in k),
+        "stage_attrs": sorted(k for k in stage.__dict__ if "chunk" in k or k.startswith("_prepare")
+                              or "vpipe" in k),
         "hooks": children,
         "params": [id(p) for g in optimizer.param_groups for p in g["params"]],
         "optimizer_hooks": len(getattr(optimizer, "_optimizer_step_post_hooks", {})),
@@ -31,7 +32,8 @@ def main() -> dict:
     import vpipe
 
     torch.manual_seed(0)
-    module = nn.Sequential(OrderedDict((str(i), nn.Sequential(nn.Linear(16, 16), nn.GELU())) for i in range(3)))
+    module = nn.Sequential(OrderedDict((str(i), nn.Sequential(nn.Linear(16, 16), nn.GELU()))
+                                       for i in range(3)))
     stage = PipelineStage(module, 0, 1, torch.device("cpu"))
     optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
     schedule = ScheduleGPipe(stage, 2, loss_fn=F.mse_loss)

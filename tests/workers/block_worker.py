@@ -30,14 +30,16 @@ STEPS = int(__import__("os").environ.get("BW_STEPS", 9))
 
 
 class NormBlock(nn.Module):
-    """A residual block with BatchNorm (float running stats, an int64 ``num_batches_tracked``) and buffers of the
-    kinds users keep: an int64 step counter the forward bumps, a bool feature mask, a float64 running scale."""
+    """A residual block with BatchNorm (float running stats, an int64
+    ``num_batches_tracked``) and buffers of the kinds users keep: an int64 step counter the
+    forward bumps, a bool feature mask, a float64 running scale."""
 
     def __init__(self, layer_id: int) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.fc = nn.Linear(DIM, DIM)
-        self.gain = nn.Parameter(torch.ones(()))  # a 0-d parameter: an odd run of 4-byte values before the int64s
+        # a 0-d parameter: an odd run of 4-byte values before the int64s
+        self.gain = nn.Parameter(torch.ones(()))
         self.bn = nn.BatchNorm1d(DIM)
         self.register_buffer("seen", torch.tensor([True, False, layer_id % 2 == 0]))  # 3 bytes
         self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
@@ -54,8 +56,8 @@ class NormBlock(nn.Module):
 
 
 class Net(nn.Module):
-    """The torchtitan / pipelining tutorial shape: a ModuleDict of blocks keyed by global id, None where a module
-    belongs to another stage."""
+    """The torchtitan / pipelining tutorial shape: a ModuleDict of blocks keyed by
+    global id, None where a module belongs to another stage."""
 
     def __init__(self, make_block: Callable[[int], nn.Module]) -> None:
         super().__init__()
@@ -104,9 +106,10 @@ def build(group: Any, make_block: Callable[[int], nn.Module], optimizer: str,
 
 
 def keep_buffers_through_shape_inference(stage: PipelineStage) -> None:
-    """torch's first ``step()`` infers shapes by running a stage's forward on uninitialised tensors (on every stage
-    but the first), which puts garbage into BatchNorm statistics, different garbage in each copy. Both copies
-    restore their buffers after it, so that the comparison sees only what training and vpipe do."""
+    """torch's first ``step()`` infers shapes by running a stage's forward on
+    uninitialised tensors (on every stage but the first), which puts garbage into
+    BatchNorm statistics, different garbage in each copy. Both copies restore their
+    buffers after it, so that the comparison sees only what training and vpipe do."""
     inner = stage._prepare_forward_infra
 
     def prepare(*args: Any, **kwargs: Any) -> Any:
@@ -125,7 +128,8 @@ def train_step(schedule: Any, optimizer: torch.optim.Optimizer, step: int) -> li
     return pipeline_step(schedule, optimizer, *batch(step))
 
 
-def pipeline_step(schedule: Any, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> list[float]:
+def pipeline_step(schedule: Any, optimizer: torch.optim.Optimizer, x: torch.Tensor,
+                  y: torch.Tensor) -> list[float]:
     """One step of the torch pipelining tutorial's loop on a 2-rank pipeline; the last stage's losses."""
     losses: list[torch.Tensor] = []
     if dist.get_rank() == 0:
@@ -160,10 +164,12 @@ def side_by_side(make_block: Callable[[int], nn.Module], optimizer: str, *, plan
     placement = [list(s) for s in vp.placement]
     recomputes = sum(layer.recomputes for tm in vp.tensor_managers.values() for layer in tm._layers.values())
     vp.detach()
-    states = {name: {k: v.tolist() for k, v in model.state_dict().items()} for name, (model, _, _) in copies.items()}
+    states = {name: {k: v.tolist() for k, v in model.state_dict().items()}
+              for name, (model, _, _) in copies.items()}
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, states)
-    merged = {name: {k: v for rank_states in gathered for k, v in rank_states[name].items()} for name in copies}
+    merged = {name: {k: v for rank_states in gathered for k, v in rank_states[name].items()}
+              for name in copies}
     return {"losses": losses if dist.get_rank() == 1 else None, "states": merged, "placement": placement,
             "recomputes": recomputes}
 
@@ -210,7 +216,8 @@ class SharingBlock(NormBlock):
 
 
 def shared() -> dict:
-    """Blocks 1 and 2 share their projection: blocks 4 and 5 move (6,2 -> 4,4), block 2 is refused (-> 2,6)."""
+    """Blocks 1 and 2 share their projection: blocks 4 and 5 move
+    (6,2 -> 4,4), block 2 is refused (-> 2,6)."""
 
     def prepare(model: Net) -> None:
         if "1" in model.layers:
@@ -234,7 +241,8 @@ class MLPBlock(nn.Module):
 
 
 def compiled() -> dict:
-    """torchtitan's way: each block replaced by ``torch.compile(block)`` (an OptimizedModule in the ModuleDict)."""
+    """torchtitan's way: each block replaced by ``torch.compile(block)``
+    (an OptimizedModule in the ModuleDict)."""
 
     def prepare(model: Net) -> None:
         for key in list(model.layers):
@@ -259,11 +267,13 @@ def compiled_in_place() -> dict:
 
 def recompute_norm() -> dict:
     """Every block recomputed (no moves): its replays must leave BatchNorm statistics and counters alone."""
-    return side_by_side(NormBlock, "adam", plans={}, policies={i: "R" for i in range(LAYERS)}, min_swap_bytes=0)
+    return side_by_side(NormBlock, "adam", plans={}, policies={i: "R" for i in range(LAYERS)},
+                        min_swap_bytes=0)
 
 
 SCENARIOS: dict[str, Callable[[], dict]] = {"buffers_adam": buffers_adam, "buffers_sgd": buffers_sgd,
-                                            "recompute_norm": recompute_norm, "hooked": hooked, "shared": shared,
+                                            "recompute_norm": recompute_norm, "hooked": hooked,
+                                            "shared": shared,
                                             "compiled": compiled, "compiled_in_place": compiled_in_place}
 
 

@@ -64,7 +64,8 @@ def _save(model: nn.Module, optimizer: torch.optim.Optimizer, path: str, layer_i
 
     model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIONS)
     if layer_ids is not None:
-        model_sd, optim_sd = vpipe.global_block_keys(model_sd, layer_ids), vpipe.global_block_keys(optim_sd, layer_ids)
+        model_sd, optim_sd = vpipe.global_block_keys(model_sd, layer_ids), vpipe.global_block_keys(optim_sd,
+                                                                                                   layer_ids)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
 
 
@@ -73,12 +74,14 @@ def _load(model: nn.Module, optimizer: torch.optim.Optimizer, path: str, layer_i
 
     model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIONS)
     if layer_ids is not None:
-        model_sd, optim_sd = vpipe.global_block_keys(model_sd, layer_ids), vpipe.global_block_keys(optim_sd, layer_ids)
+        model_sd, optim_sd = vpipe.global_block_keys(model_sd, layer_ids), vpipe.global_block_keys(optim_sd,
+                                                                                                   layer_ids)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=path)
     model_sd, optim_sd = state["model"], state["optim"]
     if layer_ids is not None:
-        model_sd, optim_sd = vpipe.local_block_keys(model_sd, layer_ids), vpipe.local_block_keys(optim_sd, layer_ids)
+        model_sd, optim_sd = vpipe.local_block_keys(model_sd, layer_ids), vpipe.local_block_keys(optim_sd,
+                                                                                                 layer_ids)
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=OPTIONS)
 
 
@@ -105,7 +108,8 @@ def run(shape: str, path: str) -> dict:
         model, optimizer, schedule = _build(shape, counts)
         first = sum(counts[:rank])
         _load(model, optimizer, path, list(range(first, first + counts[rank])) if named else None)
-        resumed[",".join(map(str, counts))] = [_step(shape, schedule, optimizer, s) for s in range(step, step + AFTER)]
+        resumed[",".join(map(str, counts))] = [_step(shape, schedule, optimizer, s)
+                                               for s in range(step, step + AFTER)]
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, {"moved_to": moved_to, "saved_at": step, "never_stopped": never_stopped,
                                       "resumed": resumed})
@@ -115,11 +119,11 @@ def run(shape: str, path: str) -> dict:
 
 
 def rollback(path: str) -> dict:
-    """A trainer that rolls back to a snapshot after a loss spike, across a move: vpipe's copy snapshots with DCP
-    and global block keys at step 2 on 6,2, trains on until vpipe has moved blocks, tries the plain trainer's
-    rollback (``load_state_dict`` of a deep copy taken at step 2: refused in one line), then loads the DCP
-    snapshot into the blocks wherever they are now and replays steps 2..; the plain copy rolls back with its
-    deep copies. Both must train the replayed steps alike, bitwise."""
+    """A trainer that rolls back to a snapshot after a loss spike, across a move: vpipe's copy snapshots
+    with DCP and global block keys at step 2 on 6,2, trains on until vpipe has moved blocks, tries the
+    plain trainer's rollback (``load_state_dict`` of a deep copy taken at step 2: refused in one line),
+    then loads the DCP snapshot into the blocks wherever they are now and replays steps 2..; the plain copy
+    rolls back with its deep copies. Both must train the replayed steps alike, bitwise."""
     import copy
 
     import vpipe

@@ -11,7 +11,8 @@ In one launch each scenario trains a plain DeepSpeed engine and an engine with t
 - ``policies``: blocks 1 swapped and 2 recomputed (min_swap_bytes=0) and a forced move;
 - ``checkpointing``: ``activation_checkpoint_interval=1``: DeepSpeed recomputes, vpipe only moves;
 - ``tied``: the head tied to the embedding (``TiedLayerSpec``), a forced move;
-- ``bf16`` and ``zero1`` (4 ranks: 2 replicas): moves refused in one line, a forced plan applies policies only;
+- ``bf16`` and ``zero1`` (4 ranks: 2 replicas): moves refused in one
+  line, a forced plan applies policies only;
 - ``replicas`` (4 ranks): 2 data-parallel replicas without ZeRO, a forced move made by both alike;
 - ``model_parallel`` (4 ranks): a grid with a model axis: moves refused in one line;
 - ``shapes``: block 4 halves the sequence; forced moves carry it to stage 1 and back, each changing the
@@ -59,7 +60,8 @@ def engine_for(args: Any) -> Any:
     return engine
 
 
-def side_by_side(argv: list[str], *, forced: list[tuple[int, Any]], steps: int = STEPS, **options: Any) -> dict:
+def side_by_side(argv: list[str], *, forced: list[tuple[int, Any]], steps: int = STEPS,
+                 **options: Any) -> dict:
     import vpipe
 
     args = example.parse_args(argv)
@@ -79,8 +81,8 @@ def side_by_side(argv: list[str], *, forced: list[tuple[int, Any]], steps: int =
 
 
 def _digests(engine: Any) -> dict:
-    """Every layer's parameters (by global index, from the stage that holds it) as one digest per tensor, merged
-    over the ranks of the first replica."""
+    """Every layer's parameters (by global index, from the stage that holds it) as one digest per tensor,
+    merged over the ranks of the first replica."""
     start = engine.module.parts[engine.stage_id]
     mine = {}
     for position, layer in enumerate(engine.module.forward_funcs):
@@ -149,7 +151,8 @@ def policies(_: Path) -> dict:
     import vpipe
 
     return side_by_side([], forced=[(3, vpipe.Plan(epoch=1, stages=((1, 2, 3), (4, 5, 6, 7, 8)),
-                                                   policies={1: vpipe.Policy.SWAP, 2: vpipe.Policy.RECOMPUTE}))],
+                                                   policies={1: vpipe.Policy.SWAP,
+                                                             2: vpipe.Policy.RECOMPUTE}))],
                         policies={1: "S", 2: "R"}, min_swap_bytes=0)
 
 
@@ -160,8 +163,8 @@ def _moved(argv: list[str]) -> dict:
 
 
 class StridingBlock(example.Block):
-    """The example's block that keeps every ``stride``-th position of its output (a plain attribute: a clone of
-    one of its kind takes the moved block's)."""
+    """The example's block that keeps every ``stride``-th position of its output (a plain attribute: a
+    clone of one of its kind takes the moved block's)."""
 
     def __init__(self, dim: int, heads: int, stride: int = 1) -> None:
         super().__init__(dim, heads)
@@ -181,13 +184,15 @@ def shapes(_: Path) -> dict:
 
     args = example.parse_args([])
     layers = [example.LayerSpec(example.Embedding, args.vocab, args.dim, args.seq),
-              *[example.LayerSpec(StridingBlock, args.dim, args.heads, 2 if i == 4 else 1) for i in range(1, 9)],
+              *[example.LayerSpec(StridingBlock, args.dim, args.heads, 2 if i == 4 else 1)
+                for i in range(1, 9)],
               example.LayerSpec(example.Head, args.dim, args.vocab)]
 
     def build() -> Any:
         torch.manual_seed(0)
         module = example.PipelineModule(layers=layers, num_stages=2, loss_fn=strided_loss)
-        engine, _, _, _ = example.deepspeed.initialize(model=module, model_parameters=list(module.parameters()),
+        engine, _, _, _ = example.deepspeed.initialize(model=module,
+                                                       model_parameters=list(module.parameters()),
                                                        config=example.ds_config(args))
         engine.args_for_test = args
         return engine
@@ -203,7 +208,8 @@ def shapes(_: Path) -> dict:
 
 
 def model_parallel(_: Path) -> dict:
-    """A grid with a model axis (Megatron-DeepSpeed's tensor parallelism): 2 stages x 2 model-parallel ranks."""
+    """A grid with a model axis (Megatron-DeepSpeed's tensor
+    parallelism): 2 stages x 2 model-parallel ranks."""
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
     import vpipe

@@ -1,4 +1,5 @@
-"""Rank program for tests/integration/test_engines.py: an engine vpipe does not ship, registered by the trainer.
+"""Rank program for tests/integration/test_engines.py: an engine vpipe
+does not ship, registered by the trainer.
 
 The trainer's engine is :class:`LoopTrainer`: the hand-written GPipe loop of
 examples/train_handwritten.py behind a ``train_batch(x, y)`` method (all forwards, all
@@ -73,7 +74,8 @@ def _trainer() -> LoopTrainer:
     rank = dist.get_rank()
     first = sum(PARTITION[:rank])
     torch.manual_seed(0)
-    module = nn.Sequential(OrderedDict((str(i), make_layer(i)) for i in range(first, first + PARTITION[rank])))
+    module = nn.Sequential(OrderedDict((str(i), make_layer(i))
+                                       for i in range(first, first + PARTITION[rank])))
     return LoopTrainer(module, torch.optim.Adam(module.parameters(), lr=1e-3), MICRO_BATCHES)
 
 

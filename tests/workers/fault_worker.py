@@ -29,7 +29,8 @@ BATCH = 16  # two micro-batches of 8 rows: one activation is 8 KiB
 
 def build() -> tuple[nn.Sequential, ScheduleGPipe, torch.optim.Optimizer]:
     torch.manual_seed(0)
-    module = nn.Sequential(OrderedDict((str(i), nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.GELU())) for i in range(3)))
+    module = nn.Sequential(OrderedDict((str(i), nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.GELU()))
+                                       for i in range(3)))
     stage = PipelineStage(module, 0, 1, torch.device("cpu"))
     schedule = ScheduleGPipe(stage, 2, loss_fn=F.mse_loss)
     return module, schedule, torch.optim.SGD(module.parameters(), lr=0.1)
@@ -67,7 +68,8 @@ def main(mode: str) -> dict:
         optimizer.zero_grad()
         schedule.step(x, target=x)
         optimizer.step()
-        result["trains_afterwards"] = not all(torch.equal(v, before[k]) for k, v in module.state_dict().items())
+        result["trains_afterwards"] = not all(torch.equal(v, before[k])
+                                              for k, v in module.state_dict().items())
     return result
 
 

@@ -2,15 +2,17 @@
 
 Scenarios (``argv[1]``), 4 ranks each, launched by ``vpipe_lab.runtime.launch.spawn``:
 
-- ``fsdp_1f1b``: the torch pipelining tutorial's model split 6,2 over 2 stages on a ``("dp", "pp")`` mesh,
-  ``fully_shard`` on every block and on the stage module over the dp dimension (``reshard_after_forward=False``,
-  as torchtitan shards pipeline stages), under 1F1B. Twice side by side: a plain copy on a mesh of its own and
-  a copy with the one line ``vpipe.attach(schedule, optimizer=opt)``. Rank 0 writes every rank's losses,
-  placements and full parameters (gathered with ``full_tensor``, by global key) to ``argv[2]``;
-- ``fsdp_interleaved``: the same on a ``("pp", "dp")`` mesh under Interleaved 1F1B, the model split 3,3,1,1 into
-  4 stages, stages p and p + 2 on pipeline rank p, one optimizer per model part in a container (torchtitan's);
-  a forced plan moves layer 2 to stage 1 and layer 5 to stage 2 before step 3 (across ranks both ways), and each
-  rank says whether every part's optimizer holds exactly its stage module's parameters at the end.
+- ``fsdp_1f1b``: the torch pipelining tutorial's model split 6,2 over 2 stages on a ``("dp",
+  "pp")`` mesh, ``fully_shard`` on every block and on the stage module over the dp dimension
+  (``reshard_after_forward=False``, as torchtitan shards pipeline stages), under 1F1B. Twice side
+  by side: a plain copy on a mesh of its own and a copy with the one line
+  ``vpipe.attach(schedule, optimizer=opt)``. Rank 0 writes every rank's losses, placements and
+  full parameters (gathered with ``full_tensor``, by global key) to ``argv[2]``;
+- ``fsdp_interleaved``: the same on a ``("pp", "dp")`` mesh under Interleaved 1F1B, the model
+  split 3,3,1,1 into 4 stages, stages p and p + 2 on pipeline rank p, one optimizer per model
+  part in a container (torchtitan's); a forced plan moves layer 2 to stage 1 and layer 5 to stage
+  2 before step 3 (across ranks both ways), and each rank says whether every part's optimizer
+  holds exactly its stage module's parameters at the end.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from mesh_worker import coordinates, everyone, train_side_by_side  # this directory is the script's: on the path
+
+# this directory is the script's: on the path
+from mesh_worker import coordinates, everyone, train_side_by_side
 from shape_worker import run_ranks, tut
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -60,7 +64,8 @@ def build(mesh: Any, stage_index: int, interleaved: bool) -> tuple[list[nn.Modul
     torch.manual_seed(0)
     counts = [3, 3, 1, 1] if interleaved else [6, 2]
     indices = [stage_index, stage_index + 2] if interleaved else [stage_index]
-    models = [shard(tut.split_model(tut.Transformer(tut.ModelArgs()), v, counts), mesh["dp"]) for v in indices]
+    models = [shard(tut.split_model(tut.Transformer(tut.ModelArgs()), v, counts), mesh["dp"])
+              for v in indices]
     stages = [PipelineStage(m, v, len(counts), torch.device("cpu"), group=mesh.get_group("pp"))
               for m, v in zip(models, indices)]
     if interleaved:
@@ -94,13 +99,24 @@ def side_by_side(order: tuple[str, str], interleaved: bool = False) -> dict:
     if interleaved:
         vp.request_plan(vpipe.Plan(epoch=1, stages=((0, 1), (2, 3, 4), (5, 6), (7,))), at_step=3)
     # the tutorial's loop, one batch per replica; FSDP reduce-scatters the gradients inside the schedule
-    losses, placements = train_side_by_side({name: (*copy, None) for name, copy in copies.items()}, vp, coords, STEPS,
+    losses, placements = train_side_by_side({name: (*copy, None) for name, copy in copies.items()}, vp,
+                                            coords, STEPS,
                                             until_moved=not interleaved)
     states = {name: full_state(models) for name, (models, _, _) in copies.items()}
-    return everyone({"rank": dist.get_rank(), "coords": coords, "losses": losses, "placements": placements,
-                     "states": states, "parts_hold_their_stages": not interleaved or all(
-                         {id(p) for g in part.param_groups for p in g["params"]} == {id(p) for p in model.parameters()}
-                         for part, model in zip(opt.optimizers, copies["vpipe"][0]))})
+    return everyone(
+        {
+            "rank": dist.get_rank(),
+            "coords": coords,
+            "losses": losses,
+            "placements": placements,
+            "states": states,
+            "parts_hold_their_stages": not interleaved
+            or all(
+                {id(p) for g in part.param_groups for p in g["params"]} == {id(p) for p in model.parameters()}
+                for part, model in zip(opt.optimizers, copies["vpipe"][0])
+            ),
+        }
+    )
 
 
 def fsdp_1f1b() -> dict:

@@ -35,14 +35,16 @@ COUNTS, STEPS, MICRO = [6, 2], int(os.environ.get("MESH_STEPS", 40)), 4
 
 
 def coordinates(order: tuple[str, str]) -> dict[str, int]:
-    """This rank's (dp, pp) coordinates on a 2x2 mesh with dimensions in ``order`` (row-major, as DeviceMesh)."""
+    """This rank's (dp, pp) coordinates on a 2x2 mesh with
+    dimensions in ``order`` (row-major, as DeviceMesh)."""
     rank = dist.get_rank()
     first, second = rank // 2, rank % 2
     return {order[0]: first, order[1]: second}
 
 
 def manual_groups(order: tuple[str, str]) -> dict[str, Any]:
-    """The mesh's pp and dp groups made by hand (collective: every rank makes every group, in the same order)."""
+    """The mesh's pp and dp groups made by hand (collective: every
+    rank makes every group, in the same order)."""
     ranks = {r: {order[0]: r // 2, order[1]: r % 2} for r in range(4)}
     mine = coordinates(order)
     groups: dict[str, Any] = {}
@@ -61,7 +63,8 @@ def build(pp_group: Any, stage_index: int, interleaved: bool):
     counts = [3, 3, 1, 1] if interleaved else COUNTS
     indices = [stage_index, stage_index + 2] if interleaved else [stage_index]
     models = [tut.split_model(tut.Transformer(tut.ModelArgs()), v, counts) for v in indices]
-    stages = [PipelineStage(m, v, len(counts), torch.device("cpu"), group=pp_group) for m, v in zip(models, indices)]
+    stages = [PipelineStage(m, v, len(counts), torch.device("cpu"), group=pp_group)
+              for m, v in zip(models, indices)]
     optimizer = torch.optim.AdamW([p for m in models for p in m.parameters()], lr=1e-3)
     schedule = (ScheduleInterleaved1F1B(stages, MICRO, loss_fn=tut.tokenwise_loss_fn) if interleaved
                 else ScheduleGPipe(stages[0], MICRO, loss_fn=tut.tokenwise_loss_fn))
@@ -78,7 +81,8 @@ def train_step(models: list[nn.Module], schedule: Any, optimizer: Any, dp_group:
         schedule.step(x)
     else:
         schedule.step(target=y, losses=losses)
-    grads = [p.grad for m in models for p in m.parameters() if p.grad is not None] if dp_group is not None else []
+    grads = [p.grad for m in models for p in m.parameters()
+             if p.grad is not None] if dp_group is not None else []
     for grad in grads:
         dist.all_reduce(grad, group=dp_group)
         grad /= 2
@@ -107,8 +111,8 @@ def side_by_side(order: tuple[str, str], interleaved: bool = False) -> dict:
 
 def train_side_by_side(copies: dict[str, tuple], vp: Any, coords: dict[str, int], steps: int,
                        until_moved: bool = False) -> tuple[dict[str, list[float]], list]:
-    """Train every copy ``(models, schedule, optimizer, dp group)`` step by step; each copy's losses, and vpipe's
-    placement after every step. Detaches ``vp`` at the end.
+    """Train every copy ``(models, schedule, optimizer, dp group)`` step by step; each copy's losses, and
+    vpipe's placement after every step. Detaches ``vp`` at the end.
 
     The planner's first plan lands a few steps before ``steps`` by default, later on a loaded machine: with
     ``until_moved`` the copies train on (up to twice ``steps``) until the placement has changed and trained
@@ -167,7 +171,8 @@ def fault() -> dict:
 
 
 def run_with_watchdog(scenario: Any) -> None:
-    """Run ``scenario`` on this rank as the laboratory's ranks run: a failure names the rank that caused it."""
+    """Run ``scenario`` on this rank as the laboratory's ranks run:
+    a failure names the rank that caused it."""
     from vpipe_lab.runtime.launch import init_distributed, run_rank
 
     torch.set_num_threads(1)
@@ -184,9 +189,10 @@ def _error(attach: Any) -> str:
 
 
 def refusals() -> dict:
-    """A DTensor sharded across the pipeline's own ranks and replicate() on the stage module: refused at attach,
-    before anything is installed. A block of ColwiseParallel layers alone (every weight Shard(0), like FSDP2's
-    shards, but no FSDP2 state holds them) is tensor parallelism over the other dimension: it attaches."""
+    """A DTensor sharded across the pipeline's own ranks and replicate() on the stage
+    module: refused at attach, before anything is installed. A block of ColwiseParallel
+    layers alone (every weight Shard(0), like FSDP2's shards, but no FSDP2 state holds them)
+    is tensor parallelism over the other dimension: it attaches."""
     from torch.distributed._composable.replicate import replicate
     from torch.distributed.tensor import Shard, distribute_tensor
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
@@ -203,13 +209,15 @@ def refusals() -> dict:
         wrap(model)
         stage = PipelineStage(model, coords["pp"], 2, torch.device("cpu"), group=mesh.get_group("pp"))
         schedule = ScheduleGPipe(stage, 2, loss_fn=tut.tokenwise_loss_fn)
-        return _error(lambda: vpipe.attach(schedule, optimizer=torch.optim.SGD(model.parameters()), planning=False))
+        return _error(lambda: vpipe.attach(schedule, optimizer=torch.optim.SGD(model.parameters()),
+                                           planning=False))
 
     def across_stages(model: nn.Module) -> None:  # a linear layer sharded over the pipeline's own two ranks
         linear = next(iter(model.layers.values())).linear1
         linear.weight = nn.Parameter(distribute_tensor(linear.weight.detach(), mesh["pp"], [Shard(1)]))
 
-    def colwise_only(model: nn.Module) -> None:  # torchtitan's ColwiseParallel alone over dp: every weight Shard(0)
+    # torchtitan's ColwiseParallel alone over dp: every weight Shard(0)
+    def colwise_only(model: nn.Module) -> None:
         block = next(iter(model.layers.values()))
         parallelize_module(block, mesh["dp"], {"linear1": ColwiseParallel()})
         found["colwise"] = tensor_parallel_names(block)

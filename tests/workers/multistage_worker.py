@@ -1,6 +1,7 @@
 """One rank of the multi-stage trainer (examples/train_multistage.py) under a scenario; torchrun runs it.
 
-``python -m torch.distributed.run ... tests/workers/multistage_worker.py SCHEDULE PARTITION SCENARIO OUT STEPS``
+``python -m torch.distributed.run ... tests/workers/multistage_worker.py
+SCHEDULE PARTITION SCENARIO OUT STEPS``
 
 SCHEDULE is one of examples/train_multistage.py's, or ``custom``: Interleaved 1F1B's action
 lists written to a CSV file and run by torch's ``_PipelineScheduleRuntime``. Scenarios:
@@ -50,12 +51,14 @@ def _forced_plans(vp, counts: list[int]):
 
 
 def _from_csv(schedule, stages, path: Path):
-    """A _PipelineScheduleRuntime that runs ``schedule``'s compute-only action lists, loaded from a CSV file."""
+    """A _PipelineScheduleRuntime that runs ``schedule``'s
+    compute-only action lists, loaded from a CSV file."""
     from torch.distributed.pipelining.schedules import PipelineScheduleMulti, _PipelineScheduleRuntime
 
     from train_tutorial import tokenwise_loss_fn
 
-    PipelineScheduleMulti._dump_csv(schedule, str(path))  # the compute-only actions (the runtime's own adds comms)
+    # the compute-only actions (the runtime's own adds comms)
+    PipelineScheduleMulti._dump_csv(schedule, str(path))
     runtime = _PipelineScheduleRuntime(stages, 4, loss_fn=tokenwise_loss_fn)
     runtime._load_csv(str(path))
     return runtime

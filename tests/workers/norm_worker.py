@@ -24,7 +24,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from block_worker import COUNTS, DIM, LAYERS, PLANS, Net, pipeline_step, split  # this directory is on the path
+
+# this directory is on the path
+from block_worker import COUNTS, DIM, LAYERS, PLANS, Net, pipeline_step, split
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
@@ -45,7 +47,8 @@ class NormBlock(nn.Module):
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(step)
-    return torch.randn(BATCH, DIM, generator=gen) * (1 + step % 3) + step, torch.randn(BATCH, DIM, generator=gen)
+    return torch.randn(BATCH, DIM, generator=gen) * (1 + step % 3) + step, torch.randn(BATCH, DIM,
+                                                                                       generator=gen)
 
 
 def whole_model() -> Net:
@@ -59,10 +62,12 @@ def pipelined(scenario: str) -> dict[str, Any]:
 
     rank = dist.get_rank()
     model = split(whole_model(), rank)
-    schedule = ScheduleGPipe(PipelineStage(model, rank, len(COUNTS), torch.device("cpu")), MICRO, loss_fn=F.mse_loss)
+    schedule = ScheduleGPipe(PipelineStage(model, rank, len(COUNTS), torch.device("cpu")), MICRO,
+                             loss_fn=F.mse_loss)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    options: dict[str, Any] = {"layer_factory": lambda layer_id, spec: NormBlock(layer_id)} if scenario == "factory" \
-        else {}
+    options: dict[str, Any] = ({"layer_factory": lambda layer_id, spec: NormBlock(layer_id)}
+                               if scenario == "factory" \
+        else {})
     vp = vpipe.attach(schedule, optimizer=optimizer, planning=False, deferred_batch_norm=True, **options)
     for epoch, (step, stages) in enumerate(sorted(PLANS.items() if scenario != "still" else []), start=1):
         vp.request_plan(Plan(epoch=epoch, stages=stages), at_step=step)
@@ -77,11 +82,12 @@ def pipelined(scenario: str) -> dict[str, Any]:
 
 
 def pipedream(scenario: str) -> dict[str, Any]:
-    """vpipe's PipeDream schedule: no flush, a step's forwards and backwards belong to different micro-batches and
-    weights are stashed versions, so the reference is the same schedule without vpipe, side by side, its
-    BatchNorms made deferred by hand and committed at each step's end (and torch's shape inference paused).
-    In ``pipedream_moves`` vpipe's copy streams blocks between the stages mid-step (6,2 -> 4,4 -> 5,3): a moved
-    layer then runs on another stage's weight versions, so only the updates are counted, not compared."""
+    """vpipe's PipeDream schedule: no flush, a step's forwards and backwards belong to different
+    micro-batches and weights are stashed versions, so the reference is the same schedule without
+    vpipe, side by side, its BatchNorms made deferred by hand and committed at each step's end (and
+    torch's shape inference paused). In ``pipedream_moves`` vpipe's copy streams blocks between the
+    stages mid-step (6,2 -> 4,4 -> 5,3): a moved layer then runs on another stage's weight
+    versions, so only the updates are counted, not compared."""
     from collections import OrderedDict
 
     import vpipe
@@ -97,7 +103,8 @@ def pipedream(scenario: str) -> dict[str, Any]:
         blocks = [NormBlock(i) for i in range(LAYERS)]
         module = nn.Sequential(OrderedDict((str(i), blocks[i]) for i in range(first, first + COUNTS[rank])))
         stage = PipelineStage(module, rank, len(COUNTS), torch.device("cpu"), group=group)
-        return module, vpipe.SchedulePipeDream(stage, MICRO, F.mse_loss, torch.optim.SGD(module.parameters(), lr=LR))
+        return module, vpipe.SchedulePipeDream(stage, MICRO, F.mse_loss,
+                                               torch.optim.SGD(module.parameters(), lr=LR))
 
     copies = {"plain": build(dist.new_group(backend="gloo")), "vpipe": build(None)}
     plain_module, plain_schedule = copies["plain"]
@@ -133,13 +140,15 @@ def pipedream(scenario: str) -> dict[str, Any]:
     vp.detach()
     return {"state": {f"layers.{k}": v.tolist() for k, v in module.state_dict().items()},
             "plain": {f"layers.{k}": v.tolist() for k, v in plain_module.state_dict().items()},
-            "placement": placement, "stashed_at_attach": stashed, "classes": deferred, "classes_after_detach": sorted(
+            "placement": placement, "stashed_at_attach": stashed, "classes": deferred,
+            "classes_after_detach": sorted(
                 {type(m).__name__ for m in module.modules() if isinstance(m, nn.BatchNorm1d)})}
 
 
 def reference() -> dict[str, list[Any]]:
-    """One process, the whole model, the same micro-batches; each BatchNorm's running statistics updated once a
-    step by torch's own BatchNorm on the concatenation of what it saw (the pipeline's per-micro-batch outputs)."""
+    """One process, the whole model, the same micro-batches; each BatchNorm's running
+    statistics updated once a step by torch's own BatchNorm on the concatenation of
+    what it saw (the pipeline's per-micro-batch outputs)."""
     model = whole_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     bns = [m for m in model.modules() if isinstance(m, nn.BatchNorm1d)]
@@ -150,7 +159,8 @@ def reference() -> dict[str, list[Any]]:
         seen.clear()
         x, y = batch(step)
         for bn in bns:
-            bn.track_running_stats = False  # each micro-batch normalised with its own statistics, nothing updated
+            # each micro-batch normalised with its own statistics, nothing updated
+            bn.track_running_stats = False
         for xm, ym in zip(x.chunk(MICRO), y.chunk(MICRO)):
             F.mse_loss(model(xm), ym).backward()
         for bn in bns:

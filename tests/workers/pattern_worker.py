@@ -1,5 +1,5 @@
-"""Rank program for tests/integration/test_trainer_patterns.py: everyday trainer patterns that once changed what
-the model learns under vpipe's moves, each against the same trainer without vpipe.
+"""Rank program for tests/integration/test_trainer_patterns.py: everyday trainer patterns that once changed
+what the model learns under vpipe's moves, each against the same trainer without vpipe.
 
 Each scenario (``argv[1]``) builds a torchtitan-shaped model (``layers`` a ModuleDict keyed by global id, an
 input projection on the first stage, a head on the last) split 6,2 over two ranks, twice side by side: a
@@ -20,13 +20,13 @@ model's state (merged by global key), the placements and vpipe's log records to 
 - ``muon``: the Muon recipe, two optimizers per stage (Muon for the blocks' 2-D weights, AdamW for norms,
   biases, the input projection and the head) in a container holding ``.optimizers``;
 - ``muon_only``: only the Muon optimizer given to attach: the blocks' norms and biases train in none;
-- ``ema_averaged`` / ``ema_dict``: an EMA of the weights beside the stage (torch's ``AveragedModel``, a dict of
-  clones by name), updated after each optimizer step;
-- ``ema_averaged_carried`` / ``ema_dict_carried``: the same EMAs given to ``attach(..., carry=[ema])``, with an
-  ``on_move`` hook recording what it hears; both copies' averages are written too;
+- ``ema_averaged`` / ``ema_dict``: an EMA of the weights beside the stage (torch's ``AveragedModel``, a dict
+  of clones by name), updated after each optimizer step;
+- ``ema_averaged_carried`` / ``ema_dict_carried``: the same EMAs given to ``attach(..., carry=[ema])``, with
+  an ``on_move`` hook recording what it hears; both copies' averages are written too;
 - ``carry_refused``: ``attach`` with a ``carry=`` it cannot take (each on a fresh copy): the errors it raised;
-- ``added_counted``: a block added inside stage 0 (``vp.add_layers``; by hand on the plain copy) while the loss
-  counts its calls (a trainer that schedules by them): the copies' call counts are written too.
+- ``added_counted``: a block added inside stage 0 (``vp.add_layers``; by hand on the plain copy) while the
+  loss counts its calls (a trainer that schedules by them): the copies' call counts are written too.
 """
 
 from __future__ import annotations
@@ -121,7 +121,8 @@ def _decay_groups(model: Net, weight_decay: float) -> list[dict[str, Any]]:
 
 def groups_per_stage(model: Net, last_decay: float = 0.1) -> torch.optim.Optimizer:
     if dist.get_rank() == 0:
-        groups = [{"params": list(model.inp.parameters()), "lr": 5e-4, "weight_decay": 0.0, "name": "embeddings"},
+        groups = [{"params": list(model.inp.parameters()), "lr": 5e-4, "weight_decay": 0.0,
+                   "name": "embeddings"},
                   *_decay_groups(model, 0.1)]
     else:
         groups = [*_decay_groups(model, last_decay),
@@ -163,7 +164,8 @@ def new_dense(layer_id: int) -> Dense:
 
 
 def _add(model: Net, opt: torch.optim.Optimizer, position: int, layer_id: int) -> None:
-    """What a trainer without vpipe does to add a block before model position ``position`` of the first split."""
+    """What a trainer without vpipe does to add a block before model
+    position ``position`` of the first split."""
     first = sum(COUNTS[:dist.get_rank()])
     if not first <= position < first + COUNTS[dist.get_rank()]:
         return
@@ -176,7 +178,8 @@ def _add(model: Net, opt: torch.optim.Optimizer, position: int, layer_id: int) -
 
 
 def _remove(model: Net, opt: torch.optim.Optimizer, layer_ids: list[int]) -> None:
-    """What a trainer without vpipe does to drop blocks (a NAS step): out of the container and the optimizer."""
+    """What a trainer without vpipe does to drop blocks (a NAS
+    step): out of the container and the optimizer."""
     for lid in layer_ids:
         if str(lid) in model.layers:
             gone = {id(p) for p in model.layers[str(lid)].parameters()}
@@ -191,8 +194,9 @@ def side_by_side(plans: dict[int, list[list[int]]], *, kinds: str = "d" * LAYERS
                  hooked: tuple[int, ...] = (), attach_optimizer: Callable[[Any], Any] = lambda o: o,
                  ema: str | None = None, carried: bool = False, additions: dict[int, int] | None = None,
                  **options: Any) -> dict:
-    """Train both copies on the same batches; vpipe's applies ``plans`` (schedule.step() call -> placement); both
-    remove the blocks of ``removals`` before those steps; ``hooked`` blocks carry a :class:`CountingHook`."""
+    """Train both copies on the same batches; vpipe's applies ``plans``
+    (schedule.step() call -> placement); both remove the blocks of ``removals`` before
+    those steps; ``hooked`` blocks carry a :class:`CountingHook`."""
     import vpipe
     from vpipe.plan import Plan
 
@@ -202,8 +206,8 @@ def side_by_side(plans: dict[int, list[list[int]]], *, kinds: str = "d" * LAYERS
         for lid in hooked:
             if str(lid) in m.layers:
                 m.layers[str(lid)].register_forward_hook(CountingHook())
-    # a carried average is made before attach; the plain copy's after it (attach would find it and pin the blocks:
-    # it is named as the vpipe copy's stage module is, and not carried)
+    # a carried average is made before attach; the plain copy's after it (attach would find it and pin the
+    # blocks: it is named as the vpipe copy's stage module is, and not carried)
     averages = {name: _average(ema, m) for name, (m, _, _) in copies.items()
                 if not (carried and name == "plain")} if ema else {}
     model, schedule, opt = copies["vpipe"]
@@ -249,7 +253,8 @@ def side_by_side(plans: dict[int, list[list[int]]], *, kinds: str = "d" * LAYERS
     states = {name: {k: v.tolist() for k, v in m.state_dict().items()} for name, (m, _, _) in copies.items()}
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, states)
-    merged = {name: {k: v for rank_states in gathered for k, v in rank_states[name].items()} for name in copies}
+    merged = {name: {k: v for rank_states in gathered for k, v in rank_states[name].items()}
+              for name in copies}
     mine = {name: {k: v.tolist() for k, v in _averaged_state(average).items()} for name, (average, _) in
             averages.items()}
     every: list = [None] * dist.get_world_size()
@@ -264,9 +269,9 @@ def side_by_side(plans: dict[int, list[list[int]]], *, kinds: str = "d" * LAYERS
 
 
 def autocast_splits() -> dict:
-    """No vpipe: the torch pipelining tutorial's trainer on a 6,2 and a 4,4 split with a bf16 autocast around each
-    schedule.step(), with torch's default cache of down-cast weights and without it: what docs/stage-shapes.md
-    says about autocast."""
+    """No vpipe: the torch pipelining tutorial's trainer on a 6,2 and a 4,4 split with a bf16
+    autocast around each schedule.step(), with torch's default cache of down-cast weights and
+    without it: what docs/stage-shapes.md says about autocast."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("train_tutorial", ROOT / "examples" / "train_tutorial.py")
@@ -295,7 +300,8 @@ def autocast_splits() -> dict:
 
 
 class Optimizers:
-    """A trainer's own container of several optimizers (torchtitan's shape: ``.optimizers``), stepped together."""
+    """A trainer's own container of several optimizers (torchtitan's
+    shape: ``.optimizers``), stepped together."""
 
     def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
         self.optimizers = optimizers
@@ -310,8 +316,8 @@ class Optimizers:
 
 
 def _average(kind: str, model: Net) -> tuple[Any, Callable[[Net], None]]:
-    """An EMA of the weights kept beside the stage (torch's AveragedModel, or a dict of clones by name), and the
-    update the trainer calls after each optimizer step."""
+    """An EMA of the weights kept beside the stage (torch's AveragedModel, or a dict of clones by name),
+    and the update the trainer calls after each optimizer step."""
     from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
     if kind == "averaged":
@@ -332,7 +338,8 @@ def _averaged_state(average: Any) -> dict[str, torch.Tensor]:
 
 
 def carry_refused() -> dict:
-    """attach(..., carry=...) with what it cannot carry, each on a fresh copy of the model: the one-line errors."""
+    """attach(..., carry=...) with what it cannot carry, each on a
+    fresh copy of the model: the one-line errors."""
     from torch.optim.swa_utils import AveragedModel
 
     import vpipe
@@ -341,7 +348,8 @@ def carry_refused() -> dict:
     for name, bad in [("other_module", lambda m: AveragedModel(nn.Linear(DIM, DIM))),
                       ("bad_keys", lambda m: {"decoder.weight": torch.zeros(1)}),
                       ("unsupported", lambda m: [p.detach().clone() for p in m.parameters()])]:
-        model, schedule, opt = _build(None, "d" * LAYERS, 1, lambda m: torch.optim.Adam(m.parameters(), lr=1e-2))
+        model, schedule, opt = _build(None, "d" * LAYERS, 1,
+                                      lambda m: torch.optim.Adam(m.parameters(), lr=1e-2))
         try:
             vpipe.attach(schedule, optimizer=opt, planning=False, carry=[bad(model)])
         except ValueError as e:
@@ -359,13 +367,16 @@ def muon_recipe(model: Net) -> Optimizers:
 
 
 def muon_only() -> dict:
-    """The trainer steps both, but gives vpipe only Muon: the blocks' norms and biases are in no optimizer vpipe
-    sees, so its blocks stay where they are (the plan is refused) and training matches the plain copy."""
-    return side_by_side({2: [[0, 1, 2, 3], [4, 5, 6, 7]]}, make_optimizer=muon_recipe, attach_optimizer=lambda o:
+    """The trainer steps both, but gives vpipe only Muon: the blocks' norms and
+    biases are in no optimizer vpipe sees, so its blocks stay where they are (the
+    plan is refused) and training matches the plain copy."""
+    return side_by_side({2: [[0, 1, 2, 3], [4, 5, 6, 7]]}, make_optimizer=muon_recipe,
+                        attach_optimizer=lambda o:
                         o.optimizers[0])
 
 
-ALL_TO_4_4 = {1: [[0, 1, 2, 3], [4, 5, 6, 7]], 4: [[0, 1, 2, 3, 4], [5, 6, 7]], 7: [[0, 1, 2], [3, 4, 5, 6, 7]]}
+ALL_TO_4_4 = {1: [[0, 1, 2, 3], [4, 5, 6, 7]], 4: [[0, 1, 2, 3, 4], [5, 6, 7]],
+              7: [[0, 1, 2], [3, 4, 5, 6, 7]]}
 SCENARIOS: dict[str, Callable[[], dict]] = {
     # plans at odd schedule.step() calls: between the two calls of an accumulation window
     "accumulation": lambda: side_by_side({3: [[0, 1, 2, 3], [4, 5, 6, 7]], 9: [[0, 1, 2, 3, 4, 5], [6, 7]]},
@@ -374,10 +385,12 @@ SCENARIOS: dict[str, Callable[[], dict]] = {
     "groups_refused": lambda: side_by_side({2: [[0, 1, 2, 3], [4, 5, 6, 7]]},
                                            make_optimizer=lambda m: groups_per_stage(m, last_decay=0.05)),
     "mixed": lambda: side_by_side(ALL_TO_4_4, kinds="dmdmdmdm"),
-    "mixed_unbuildable": lambda: side_by_side({2: [[0, 1, 2, 3, 4, 5, 6], [7]], 4: [[0, 1, 2], [3, 4, 5, 6, 7]]},
+    "mixed_unbuildable": lambda: side_by_side({2: [[0, 1, 2, 3, 4, 5, 6], [7]],
+                                               4: [[0, 1, 2], [3, 4, 5, 6, 7]]},
                                               kinds="dmdmdmdd"),
     "autocast_splits": autocast_splits,
-    # block 6 carries a stateful hook; removing block 7 leaves stage 1's boundary alike: no second shape inference
+    # block 6 carries a stateful hook; removing block 7 leaves stage
+    # 1's boundary alike: no second shape inference
     "removal_hooked": lambda: side_by_side({}, removals={3: [2], 5: [7]}, hooked=(6,)),
     "muon": lambda: side_by_side(ALL_TO_4_4, make_optimizer=muon_recipe),
     "muon_only": muon_only,

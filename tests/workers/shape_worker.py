@@ -68,8 +68,8 @@ def _train_step(schedule, optimizer, step: int) -> list[float]:
 
 
 def _count_manager_calls(manager) -> list[int]:
-    """Count the times vpipe's stage wrappers ask ``manager`` whether a micro-batch's forward is quiet (once per
-    forward, twice for one that is not)."""
+    """Count the times vpipe's stage wrappers ask ``manager`` whether a micro-batch's forward is quiet
+    (once per forward, twice for one that is not)."""
     calls = [0]
     inner = manager.quiet.begin_forward
 
@@ -211,8 +211,9 @@ def nas() -> dict:
 
 
 def budget() -> dict:
-    """The tutorial trainer twice side by side (a plain copy on its own gloo group, and one with the one line and
-    a memory budget it fits many times over): losses, and whether vpipe's copy ran its blocks without hooks."""
+    """The tutorial trainer twice side by side (a plain copy on its own gloo group,
+    and one with the one line and a memory budget it fits many times over): losses,
+    and whether vpipe's copy ran its blocks without hooks."""
     import vpipe
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -249,8 +250,9 @@ def budget() -> dict:
 
 
 def swaps_skipped() -> dict:
-    """The tutorial trainer side by side, plain and with the one line swapping every block: under 1F1B without a
-    budget, and under GPipe with a budget; the losses, and per step the bytes each rank copied to the host."""
+    """The tutorial trainer side by side, plain and with the one line swapping every
+    block: under 1F1B without a budget, and under GPipe with a budget; the losses,
+    and per step the bytes each rank copied to the host."""
     import vpipe
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -264,9 +266,11 @@ def swaps_skipped() -> dict:
 
     result: dict = {"rank": rank}
     for case, schedule_class, budget in (("1f1b", Schedule1F1B, None), ("gpipe", ScheduleGPipe, 8_000_000)):
-        copies = {"plain": build(schedule_class, dist.new_group(backend="gloo")), "vpipe": build(schedule_class, None)}
+        copies = {"plain": build(schedule_class, dist.new_group(backend="gloo")),
+                  "vpipe": build(schedule_class, None)}
         schedule, optimizer = copies["vpipe"]
-        vp = vpipe.attach(schedule, optimizer=optimizer, memory_budget=budget, planning=False, min_swap_bytes=0,
+        vp = vpipe.attach(schedule, optimizer=optimizer, memory_budget=budget, planning=False,
+                          min_swap_bytes=0,
                           policies=dict.fromkeys(range(8), "S"))
         losses: dict[str, list[float]] = {name: [] for name in copies}
         copied = []
@@ -286,9 +290,9 @@ def swaps_skipped() -> dict:
 
 
 def budget_interleaved() -> dict:
-    """The tutorial's model split by hand into 4 stages, 2 per rank under ScheduleInterleaved1F1B, plain and with
-    the one line side by side. vpipe's copy gets a budget between the rank's real peak with every block kept and
-    its two stages' own peaks added up, as measured by a first attach with room to spare."""
+    """The tutorial's model split by hand into 4 stages, 2 per rank under ScheduleInterleaved1F1B, plain
+    and with the one line side by side. vpipe's copy gets a budget between the rank's real peak with every
+    block kept and its two stages' own peaks added up, as measured by a first attach with room to spare."""
     import vpipe
     from vpipe.sharing import joint_peak
 
@@ -310,7 +314,8 @@ def budget_interleaved() -> dict:
     needs = [vp.tensor_managers[v].keep_all_need() for v in local]
     kept, in_flight = [k for k, _ in needs], [n for _, n in needs]
     # what a stage that escalated before keeping every layer counts instead: its blocks' activations summed
-    summed = [sum(vp.tensor_managers[v].ledger.activation_bytes(lid) for lid in vp.tensor_managers[v].policies())
+    summed = [sum(vp.tensor_managers[v].ledger.activation_bytes(lid)
+                  for lid in vp.tensor_managers[v].policies())
               for v in local]
     together = [[row[v] for v in local] for row in vp.pipeline.in_flight_together()]
     fixed = vp.fixed_bytes()
@@ -340,7 +345,8 @@ def budget_interleaved() -> dict:
     result = {"rank": rank, "losses": losses, "budget": budget, "decided_by": decided_by, "fixed": fixed,
               "rank_peak": rank_peak, "counted_peak": counted_peak, "own_peaks": own_peaks,
               "policies": [{str(k): p.value for k, p in m.policies().items()} for m in managers],
-              "escalations": [len(m.stats().escalations) for m in managers], "hooked": [m.hooked for m in managers],
+              "escalations": [len(m.stats().escalations) for m in managers],
+              "hooked": [m.hooked for m in managers],
               "called_steps": [called_steps[v] for v in local]}
     vp.detach()
     gathered: list = [None] * world
@@ -349,9 +355,10 @@ def budget_interleaved() -> dict:
 
 
 def new_shapes() -> dict:
-    """One rank, the tutorial's whole model as one stage under Schedule1F1B, plain and with the one line side by
-    side, vpipe's copy under a roomy budget; the batch's sequence length changes from 32 to 16 at step 6 and
-    back to 32 at step 10. Per step: how many calls vpipe's stage wrappers made into the tensor manager."""
+    """One rank, the tutorial's whole model as one stage under Schedule1F1B, plain and with
+    the one line side by side, vpipe's copy under a roomy budget; the batch's sequence length
+    changes from 32 to 16 at step 6 and back to 32 at step 10. Per step: how many calls
+    vpipe's stage wrappers made into the tensor manager."""
     import vpipe
 
     def build(group):
@@ -381,7 +388,8 @@ def new_shapes() -> dict:
         per_step.append(calls[0] - before)
         seq_lens.append(seq_len)
         metering.append(manager.metering)
-        shapes.append(None if manager.quiet.input_shapes is None else [list(s) for s in manager.quiet.input_shapes])
+        shapes.append(None if manager.quiet.input_shapes is None
+                      else [list(s) for s in manager.quiet.input_shapes])
     result = {"losses": losses, "calls": per_step, "seq_lens": seq_lens, "metering": metering,
               "input_shapes": shapes, "hooked": manager.hooked}
     vp.detach()
@@ -389,10 +397,10 @@ def new_shapes() -> dict:
 
 
 def pipedream_budget() -> dict:
-    """The PipeDream example's trainer (vpipe.SchedulePipeDream, residual MLP blocks split 4,4) plain and with the
-    one line side by side, vpipe's copy under a roomy budget. Per step: whether vpipe's stage wrappers called the
-    tensor manager, what its ledger counted when the step's first forward reached it and when the step ended,
-    and the micro-batches in flight after it."""
+    """The PipeDream example's trainer (vpipe.SchedulePipeDream, residual MLP blocks split 4,4) plain and
+    with the one line side by side, vpipe's copy under a roomy budget. Per step: whether vpipe's stage
+    wrappers called the tensor manager, what its ledger counted when the step's first forward reached it
+    and when the step ended, and the micro-batches in flight after it."""
     from collections import OrderedDict
 
     import torch.nn.functional as F
@@ -438,8 +446,10 @@ def pipedream_budget() -> dict:
         sched.flush()
     plain_state, vpipe_state = (m.state_dict() for m, _ in copies.values())
     result = {"rank": rank, "losses": losses, "called_steps": sorted(at_first_forward),
-              "at_first_forward": at_first_forward, "resident": resident, "in_flight": in_flight, "per_mb": per_mb,
-              "after_flush": manager.ledger.resident, "counted_after_flush": len(manager._interceptor.counted),
+              "at_first_forward": at_first_forward, "resident": resident, "in_flight": in_flight,
+              "per_mb": per_mb,
+              "after_flush": manager.ledger.resident,
+              "counted_after_flush": len(manager._interceptor.counted),
               "same_weights": all(torch.equal(plain_state[k], vpipe_state[k]) for k in plain_state)}
     vp.detach()
     gathered: list = [None] * world
@@ -459,7 +469,8 @@ def reattach() -> dict:
     schedule = Schedule1F1B(stage, 4, loss_fn=tut.tokenwise_loss_fn)
     applied, step = [], 0
     for policies in ({}, {i: "R" for i in range(8)}):  # the second attach gets plans that turn R back to D
-        vp = vpipe.attach(schedule, optimizer=optimizer, sample_every=2, planner_options={"warmup_samples": 1},
+        vp = vpipe.attach(schedule, optimizer=optimizer, sample_every=2,
+                          planner_options={"warmup_samples": 1},
                           policies=policies)
         first_plan = None
         for _ in range(100):  # until a plan took effect (at the same step on every rank), and two steps more
@@ -477,7 +488,8 @@ def reattach() -> dict:
     leftover = [k for k in ("vpipe/attach-0/layers/0", "vpipe/attach-0/apply/1", "vpipe/attach-1/layers/0")
                 if dist.distributed_c10d._get_default_store().check([k])]
     gathered: list = [None] * world
-    dist.all_gather_object(gathered, {"epochs": applied, "layers": list(model.layers.keys()), "leftover": leftover})
+    dist.all_gather_object(gathered, {"epochs": applied, "layers": list(model.layers.keys()),
+                                      "leftover": leftover})
     return {"ranks": gathered}
 
 

@@ -3,11 +3,11 @@ find it, against the same trainer without vpipe.
 
 The blocks of ``block_worker``'s torchtitan-shaped model, split 4,4, each waiting 2 ms in its forward (the
 device's compute; waiting, not work, so that the two ranks on two cores do not slow each other). In scenario
-``slow`` every block that runs on rank 1 takes twice as long (:class:`vpipe_lab.runtime.slowdown.SlowDevice`, in
-both copies: values are untouched); in ``even`` the devices are alike; ``slow_200`` and ``even_200`` train
-200 steps (a steady state: nothing changes after the start). vpipe's copy attaches with the one line
-(its planner on) and both copies train the same batches; rank 0 writes the losses, the whole model's state and
-the final placement.
+``slow`` every block that runs on rank 1 takes twice as long
+(:class:`vpipe_lab.runtime.slowdown.SlowDevice`, in both copies: values are untouched); in ``even`` the
+devices are alike; ``slow_200`` and ``even_200`` train 200 steps (a steady state: nothing changes after the
+start). vpipe's copy attaches with the one line (its planner on) and both copies train the same batches;
+rank 0 writes the losses, the whole model's state and the final placement.
 """
 
 from __future__ import annotations
@@ -57,14 +57,16 @@ def run(slow: float, steps: int = STEPS) -> dict:
     states = {name: {k: v.tolist() for k, v in m.state_dict().items()} for name, (m, _, _) in copies.items()}
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, states)
-    merged = {name: {k: v for rank_states in gathered for k, v in rank_states[name].items()} for name in copies}
+    merged = {name: {k: v for rank_states in gathered for k, v in rank_states[name].items()}
+              for name in copies}
     return {"losses": losses if dist.get_rank() == 1 else None, "states": merged, "placement": placement}
 
 
 def main() -> None:
     scenario, out = sys.argv[1], Path(sys.argv[2])
     dist.init_process_group("gloo")
-    slow, steps = {"slow": (2.0, STEPS), "even": (1.0, STEPS), "slow_200": (2.0, 200), "even_200": (1.0, 200)}[scenario]
+    slow, steps = {"slow": (2.0, STEPS), "even": (1.0, STEPS), "slow_200": (2.0, 200),
+                   "even_200": (1.0, 200)}[scenario]
     result = run(slow, steps)
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, result["losses"])

@@ -81,7 +81,8 @@ class Pipeline:
             stages = []
             for s in self.stage_ids:
                 ids = cfg.stage_layer_ids()[s]
-                module = build_model(replace(spec, layers=[spec.layers[i] for i in ids]), seed=cfg.seed, ids=ids)
+                module = build_model(replace(spec, layers=[spec.layers[i] for i in ids]), seed=cfg.seed,
+                                     ids=ids)
                 self.modules.append(module)
                 stages.append(PipelineStage(module, s, cfg.stages, device))
             self.stages = stages
@@ -116,7 +117,8 @@ class Pipeline:
         for stage, manager in zip(self.stages, self.managers):
             inner = stage.forward_one_chunk
 
-            def forward(chunk: int, *a: Any, _inner: Any = inner, _manager: TensorManager = manager, **kw: Any) -> Any:
+            def forward(chunk: int, *a: Any, _inner: Any = inner, _manager: TensorManager = manager,
+                        **kw: Any) -> Any:
                 self.forwards += 1
                 for lid in _manager.layer_ids:
                     _manager.set_policy(lid, CYCLE[(lid + self.forwards) % len(CYCLE)])
@@ -186,7 +188,8 @@ def stats_record(managers: list[TensorManager]) -> list[dict[str, Any]]:
             "live": s.live_saved_storages, "multi_phase": s.multi_phase_storages,
             "weights_skipped": s.weight_tensors_skipped, "host_used": s.host_pool_used_bytes,
             "policies": {str(k): v.value for k, v in s.policies.items()},
-            "refetched": s.refetched_bytes, "h2d_by_phase": s.h2d_bytes_by_phase, "lag_dropped": s.lag_dropped,
+            "refetched": s.refetched_bytes, "h2d_by_phase": s.h2d_bytes_by_phase,
+                    "lag_dropped": s.lag_dropped,
             "recomputes": sum(v.recomputes for v in s.layers.values()),
             "recompute_calls": sum(v.recompute_calls for v in s.layers.values()),
             "repeat_recomputes": s.repeat_recomputes,

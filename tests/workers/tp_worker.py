@@ -34,7 +34,8 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 STEPS, MICRO = int(os.environ.get("TP_STEPS", 40)), 4
-_spec = importlib.util.spec_from_file_location("train_3d", Path(__file__).parents[2] / "examples" / "train_3d.py")
+_spec = importlib.util.spec_from_file_location("train_3d",
+                                               Path(__file__).parents[2] / "examples" / "train_3d.py")
 example = importlib.util.module_from_spec(_spec)
 sys.modules["train_3d"] = example  # (its dataclass looks its module up)
 _spec.loader.exec_module(example)  # type: ignore[union-attr]
@@ -49,7 +50,8 @@ def build(mesh: Any, counts: list[int], schedule: str) -> tuple[list[nn.Module],
     models = []
     for index in indices:
         torch.manual_seed(0)
-        model = example.split_model(example.Transformer(example.ModelArgs(n_layers=sum(counts))), index, counts)
+        model = example.split_model(example.Transformer(example.ModelArgs(n_layers=sum(counts))), index,
+                                    counts)
         example.parallelize(model, mesh)
         models.append(model)
     from torch.distributed.pipelining import PipelineStage
@@ -155,4 +157,5 @@ if __name__ == "__main__":
         order, schedule = scenario.split("-")
         run_ranks(lambda: moves(order, schedule), sys.argv[2])
     else:
-        run_ranks({"interleaved": interleaved, "policies": policies, "pp_dp_tp": pp_dp_tp}[scenario], sys.argv[2])
+        run_ranks({"interleaved": interleaved, "policies": policies, "pp_dp_tp": pp_dp_tp}[scenario],
+                  sys.argv[2])

@@ -1,5 +1,5 @@
-"""Rank program for tests/integration/test_timeline.py: the torch pipelining tutorial's trainer on a 6,2 split,
-what rank 0 saw as JSON. Scenarios:
+"""Rank program for tests/integration/test_timeline.py: the torch pipelining tutorial's
+trainer on a 6,2 split, what rank 0 saw as JSON. Scenarios:
 
 - ``timeline``: a trace window of steps 2-4 into DIR, then one step under torch.profiler;
 - ``metrics``: per-step metrics to TensorBoard in DIR, the monitor sampling every 3rd step.
@@ -34,10 +34,13 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     schedule = Schedule1F1B(stage, 4, loss_fn=tut.tokenwise_loss_fn)
     if scenario == "metrics":
-        vp = vpipe.attach(schedule, optimizer=optimizer, metrics="tensorboard", metrics_dir=trace_dir, sample_every=3,
+        vp = vpipe.attach(schedule, optimizer=optimizer, metrics="tensorboard", metrics_dir=trace_dir,
+                          sample_every=3,
                           max_sample_every=3, policies={1: "R"})
-    else:  # the one line, with the timeline of steps 2, 3 and 4; block 1 recomputed: vpipe has work of its own
-        vp = vpipe.attach(schedule, optimizer=optimizer, trace_steps=(2, 3), trace_dir=trace_dir, policies={1: "R"})
+    # the one line, with the timeline of steps 2, 3 and 4; block 1 recomputed: vpipe has work of its own
+    else:
+        vp = vpipe.attach(schedule, optimizer=optimizer, trace_steps=(2, 3), trace_dir=trace_dir,
+                          policies={1: "R"})
 
     def train_step(step: int) -> None:
         x, y = tut.batch(step, 8, 32, model_args.vocab_size)

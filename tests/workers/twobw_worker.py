@@ -1,14 +1,14 @@
-"""Rank program for tests/integration/test_pipedream_2bw.py: ``vpipe.SchedulePipeDream2BW`` on real gloo ranks.
+"""Rank program for tests/integration/test_pipedream_2bw.py:
+``vpipe.SchedulePipeDream2BW`` on real gloo ranks.
 
 In one launch (``argv[1]``: where each rank writes ``OUT.rankR.pt``) it trains the model of
-:mod:`support.twobw` four times: SGD with a flush before period ``FLUSH_AFTER``, Adam, Adam
-again with ``vpipe.attach`` under it (planning off, every block recomputed), and Adam under
-vpipe from the 3,1 split with two streamed moves (to 2,2 at step 2, back to 3,1 at step 5,
-the last: a block leaves stage 0, then the last stage; under 2BW a move holds the stream for
-two steps, and the ranks start a move's round a step before it takes effect). Each run writes the stage's parameters
-after the final flush, the weight versions the stage held at the end of every step and at
-its peak, the last stage's losses, and under vpipe the engine it ran under and why its
-layers cannot move (None: they can).
+:mod:`support.twobw` four times: SGD with a flush before period ``FLUSH_AFTER``, Adam, Adam again with
+``vpipe.attach`` under it (planning off, every block recomputed), and Adam under vpipe from the 3,1 split with
+two streamed moves (to 2,2 at step 2, back to 3,1 at step 5, the last: a block leaves stage 0, then the last
+stage; under 2BW a move holds the stream for two steps, and the ranks start a move's round a step before it
+takes effect). Each run writes the stage's parameters after the final flush, the weight versions the stage
+held at the end of every step and at its peak, the last stage's losses, and under vpipe the engine it ran
+under and why its layers cannot move (None: they can).
 """
 
 from __future__ import annotations
@@ -53,8 +53,8 @@ def train(optimizer_name: str, *, flush_after: int | None = None, attach: bool =
         layers.append([int(name) for name, _ in module.named_children()])
         losses.append([float(loss) for loss in got])
     schedule.flush()
-    # pairs, not a dict: a later run's attach takes a dict of clones keyed by parameter names for a weight average
-    # kept beside the stage (vpipe.stage.beside) and pins its blocks
+    # pairs, not a dict: a later run's attach takes a dict of clones keyed by parameter names for a weight
+    # average kept beside the stage (vpipe.stage.beside) and pins its blocks
     result: dict[str, Any] = {"state": [(k, v.detach().clone()) for k, v in module.state_dict().items()],
                               "held": held, "peak_versions": schedule.peak_versions,
                               "peak_stashed": schedule.peak_stashed, "losses": losses,
@@ -68,7 +68,8 @@ def train(optimizer_name: str, *, flush_after: int | None = None, attach: bool =
 def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    runs = {"sgd": train("sgd", flush_after=FLUSH_AFTER), "adam": train("adam"), "attached": train("adam", attach=True),
+    runs = {"sgd": train("sgd", flush_after=FLUSH_AFTER), "adam": train("adam"),
+            "attached": train("adam", attach=True),
             "moved": train("adam", attach=True, moves=True)}
     torch.save(runs, f"{sys.argv[1]}.rank{dist.get_rank()}.pt")
     dist.barrier()

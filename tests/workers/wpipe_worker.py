@@ -27,7 +27,16 @@ from torch.distributed.pipelining import PipelineStage
 
 import vpipe
 from support.twobw import batch, make_optimizer
-from support.wpipe import BUDGET, FLUSH_AFTER, MICRO_BATCHES, PERIODS, RECOMPUTE_AT, layers, stage_layers, stage_module
+from support.wpipe import (
+    BUDGET,
+    FLUSH_AFTER,
+    MICRO_BATCHES,
+    PERIODS,
+    RECOMPUTE_AT,
+    layers,
+    stage_layers,
+    stage_module,
+)
 from vpipe.log import decision_log
 
 
@@ -43,10 +52,12 @@ class Decisions(logging.Handler):
 
 
 def train(optimizer_name: str, *, flush_after: int | None = None, attach: bool = False, policy: str = "R",
-          planning: bool = False, recompute_at: int | None = None, budget: int | None = None) -> dict[str, Any]:
+          planning: bool = False, recompute_at: int | None = None,
+          budget: int | None = None) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     modules = [stage_module(rank), stage_module(world + rank)]
-    stages = [PipelineStage(m, v, 2 * world, torch.device("cpu")) for m, v in zip(modules, (rank, world + rank))]
+    stages = [PipelineStage(m, v, 2 * world, torch.device("cpu"))
+              for m, v in zip(modules, (rank, world + rank))]
     optimizer = make_optimizer(optimizer_name, [p for m in modules for p in m.parameters()])
     schedule = vpipe.ScheduleWPipe(stages, MICRO_BATCHES, F.mse_loss, optimizer)
     vp, decisions = None, Decisions()
@@ -56,13 +67,16 @@ def train(optimizer_name: str, *, flush_after: int | None = None, attach: bool =
         vp = vpipe.attach(schedule, optimizer=optimizer, planning=planning, memory_budget=budget,
                           policies=dict.fromkeys(range(layers(world)), policy))
         for manager in vp.tensor_managers.values():
-            manager.min_swap_bytes = 0  # the test's activations are a few hundred bytes: swap them all the same
+            # the test's activations are a few hundred bytes: swap them all the same
+            manager.min_swap_bytes = 0
         if recompute_at is not None:  # a plan that changes policies only: every block recomputed from then on
             stages = tuple(tuple(stage_layers(v)) for v in range(2 * world))
             recompute = dict.fromkeys(range(layers(world)), vpipe.Policy.RECOMPUTE)
             vp.request_plan(vpipe.Plan(epoch=1, stages=stages, policies=recompute), at_step=recompute_at)
-    held, losses, plain = [], [], []  # per step: versions each group holds at its end, last rank's losses, and
-    # under vpipe whether each stage ran without its manager (the quiet path: every layer kept, nothing measured)
+    # per step: versions each group holds at its end, last rank's losses, and
+    held, losses, plain = [], [], []
+    # under vpipe whether each stage ran without its manager (the quiet
+    # path: every layer kept, nothing measured)
     for step in range(PERIODS):
         if step == flush_after:
             schedule.flush()
@@ -89,7 +103,8 @@ def train(optimizer_name: str, *, flush_after: int | None = None, attach: bool =
         result.update(kind=vp.engine.kind.value, move_refusal=vp.move_refusal, recomputes=recomputes,
                       stages=sorted(vp.tensor_managers), swapped_bytes=sum(st.d2h_bytes for st in stats),
                       policies=vp.memory_report()["policies"],
-                      plain=plain, moves_off=[message for event, message in decisions.seen if event == "moves_off"])
+                      plain=plain, moves_off=[message for event, message in decisions.seen
+                                              if event == "moves_off"])
         decision_log.removeHandler(decisions)
         vp.detach()
     return result

@@ -1,5 +1,5 @@
-"""Rank program for tests/integration/test_zbv_moves.py: a Hugging Face-shaped trainer under ZBV, moved by vpipe,
-against the same trainer without vpipe.
+"""Rank program for tests/integration/test_zbv_moves.py: a Hugging Face-shaped trainer under ZBV, moved by
+vpipe, against the same trainer without vpipe.
 
 Two ranks run ``ScheduleZBVZeroBubble`` over four stages in its V (rank 0 holds stages 0 and 3, rank 1
 stages 1 and 2). Each stage module has Hugging Face's shape: token embeddings on the first stage, ``self.h`` a
@@ -46,7 +46,8 @@ class Block(nn.Module):
 
 
 class HFStage(nn.Module):
-    """Hugging Face's shape: ``wte`` on the first stage, ``self.h`` a ModuleList, ``ln_f`` and ``head`` on the last."""
+    """Hugging Face's shape: ``wte`` on the first stage, ``self.h``
+    a ModuleList, ``ln_f`` and ``head`` on the last."""
 
     def __init__(self, blocks: list[nn.Module], first: bool, last: bool) -> None:
         super().__init__()
@@ -87,7 +88,8 @@ def build(group: Any) -> tuple[list[int], Any, torch.optim.Optimizer]:
     rank = dist.get_rank()
     stages = [rank, len(COUNTS) - 1 - rank]  # the V
     modules = [stage_module(v) for v in stages]
-    pipe = [PipelineStage(m, v, len(COUNTS), torch.device("cpu"), group=group) for v, m in zip(stages, modules)]
+    pipe = [PipelineStage(m, v, len(COUNTS), torch.device("cpu"), group=group)
+            for v, m in zip(stages, modules)]
     schedule = ScheduleZBVZeroBubble(pipe, MICRO_BATCHES, loss_fn=loss_fn)
     optimizer = torch.optim.Adam([p for m in modules for p in m.parameters()], lr=1e-2)
     return stages, schedule, optimizer

@@ -3,9 +3,10 @@
 A checkpoint of the run after ``step`` steps is one directory::
 
     ROOT/step-00000120/
-        rank0-3f9c2a1b7d40.pt     # torch.save of {"params": {name: tensor}, "optimizer": {name: {key: value}},
-                                  #   "param_groups": [{hyperparameters, "params": [names]}], "scheduler": {...},
-                                  #   "rng": this rank's torch RNG state}
+        rank0-3f9c2a1b7d40.pt     # torch.save of {"params": {name: tensor},
+                                  #   "optimizer": {name: {key: value}},
+                                  #   "param_groups": [{hyperparameters, "params": [names]}], "scheduler":
+                                  {...}, #   "rng": this rank's torch RNG state}
         rank1-a81e0c55d2f3.pt     # names end with the first 12 hex digits of the file's sha256
         manifest.json             # format, version, step, vpipe state, the run that wrote it, and per shard:
                                   #   file, sha256, bytes, layers
@@ -53,7 +54,13 @@ from vpipe.checkpoint.layout import (
 )
 from vpipe.checkpoint.load import Checkpoint, load_checkpoint
 from vpipe.checkpoint.restore import restore_stage, stage_state
-from vpipe.checkpoint.save import optimizer_groups, optimizer_state, save_checkpoint, save_shard, write_manifest
+from vpipe.checkpoint.save import (
+    optimizer_groups,
+    optimizer_state,
+    save_checkpoint,
+    save_shard,
+    write_manifest,
+)
 
 __all__ = [
     "FORMAT", "VERSION", "MANIFEST", "CheckpointError", "Checkpoint", "ShardInfo",

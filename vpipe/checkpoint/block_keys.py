@@ -27,7 +27,8 @@ __all__ = ["global_block_keys", "local_block_keys"]
 V = TypeVar("V")
 
 
-def global_block_keys(state_dict: Mapping[str, V], layer_ids: Sequence[int], container: str = "") -> dict[str, V]:
+def global_block_keys(state_dict: Mapping[str, V], layer_ids: Sequence[int],
+                      container: str = "") -> dict[str, V]:
     """``state_dict`` with each block's local index replaced by its global layer id (before a DCP save)."""
     ids = _ids(layer_ids)
 
@@ -40,14 +41,16 @@ def global_block_keys(state_dict: Mapping[str, V], layer_ids: Sequence[int], con
     return _renamed(state_dict, container, rename)
 
 
-def local_block_keys(state_dict: Mapping[str, V], layer_ids: Sequence[int], container: str = "") -> dict[str, V]:
+def local_block_keys(state_dict: Mapping[str, V], layer_ids: Sequence[int],
+                     container: str = "") -> dict[str, V]:
     """``state_dict`` with global layer ids replaced by this stage's local indices (after a DCP load)."""
     ids = _ids(layer_ids)
     position = {lid: i for i, lid in enumerate(ids)}
 
     def rename(layer_id: int, key: str) -> int:
         if layer_id not in position:
-            raise ValueError(f"local_block_keys: key {key!r} names layer {layer_id}, which is not one of this "
+            raise ValueError(f"local_block_keys: key {key!r} names layer {layer_id}, "
+                             "which is not one of this "
                              f"stage's layer_ids {list(ids)}")
         return position[layer_id]
 

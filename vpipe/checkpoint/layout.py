@@ -23,8 +23,10 @@ from vpipe.plan import Plan, PlanError, Policy
 log = logging.getLogger("vpipe.checkpoint")
 
 __all__ = [
-    "FORMAT", "VERSION", "MANIFEST", "MAX_MANIFEST_BYTES", "CheckpointError", "ShardInfo", "check_vpipe_state",
-    "checkpoint_dir", "manifest_digest", "step_dirs", "find_latest", "holds_checkpoints", "resolve", "skipped_newer",
+    "FORMAT", "VERSION", "MANIFEST", "MAX_MANIFEST_BYTES", "CheckpointError", "ShardInfo",
+           "check_vpipe_state",
+    "checkpoint_dir", "manifest_digest", "step_dirs", "find_latest", "holds_checkpoints", "resolve",
+           "skipped_newer",
     "check_run_id", "manifest_run",
 ]
 
@@ -62,7 +64,8 @@ class ShardInfo:
             raise CheckpointError(f"{where}: a shard entry must be an object")
         try:
             info = cls(rank=data["rank"], file=data["file"], sha256=data["sha256"], bytes=data["bytes"],
-                       layers=tuple(data["layers"]), optimizer=data["optimizer"], policies=dict(data["policies"]))
+                       layers=tuple(data["layers"]), optimizer=data["optimizer"],
+                       policies=dict(data["policies"]))
         except (KeyError, TypeError) as e:
             raise CheckpointError(f"{where}: a shard entry lacks or mistypes {e}") from None
         if not (isinstance(info.file, str) and "/" not in info.file and info.file not in ("", ".", "..")):
@@ -105,8 +108,8 @@ def check_vpipe_state(state: Any, where: str = "vpipe state") -> dict[str, Any]:
 
 
 def check_run_id(run: Any, where: str) -> str | None:
-    """A manifest's ``run``: the id of the run that wrote it (a run prunes only its own checkpoints), or None for
-    a checkpoint written without one."""
+    """A manifest's ``run``: the id of the run that wrote it (a run prunes only its own checkpoints), or
+    None for a checkpoint written without one."""
     if run is None or (isinstance(run, str) and 0 < len(run) <= _MAX_RUN_ID and run.isprintable()):
         return run
     raise CheckpointError(f"{where}: run must be a short printable string, got {run!r:.80}")

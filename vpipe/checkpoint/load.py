@@ -58,10 +58,11 @@ class Checkpoint:
     def layer_order(self) -> list[int]:
         return [lid for s in self.vpipe["stages"] for lid in s]
 
-    def load_shards(self, layer_ids: Iterable[int] | None = None, rng_rank: int | None = None) -> dict[str, Any]:
-        """Merged ``{"params", "optimizer", "groups", "scheduler", "rng"}`` of the shards holding ``layer_ids``
-        (default all): ``groups`` maps each parameter name to its param group's hyperparameters, ``rng``
-        is rank ``rng_rank``'s RNG state (None if not asked for, or absent)."""
+    def load_shards(self, layer_ids: Iterable[int] | None = None,
+                    rng_rank: int | None = None) -> dict[str, Any]:
+        """Merged ``{"params", "optimizer", "groups", "scheduler", "rng"}`` of the shards holding
+        ``layer_ids`` (default all): ``groups`` maps each parameter name to its param group's
+        hyperparameters, ``rng`` is rank ``rng_rank``'s RNG state (None if not asked for, or absent)."""
         wanted = None if layer_ids is None else set(layer_ids)
         params: dict[str, torch.Tensor] = {}
         optim: dict[str, dict[str, Any]] = {}
@@ -115,15 +116,18 @@ def load_checkpoint(path: str | os.PathLike[str], verify: str = "all") -> Checkp
     try:
         manifest = json.loads(raw)
     except json.JSONDecodeError as e:
-        raise CheckpointError(f"checkpoint manifest {manifest_path} is not valid JSON (truncated or corrupted): "
+        raise CheckpointError(f"checkpoint manifest {manifest_path} is not valid JSON "
+                              "(truncated or corrupted): "
                               f"{e}") from None
     except RecursionError:
-        raise CheckpointError(f"checkpoint manifest {manifest_path} nests its JSON too deeply to be a manifest") \
+        raise CheckpointError(f"checkpoint manifest {manifest_path} nests its JSON too "
+                              "deeply to be a manifest") \
             from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{manifest_path} is not a vpipe checkpoint manifest")
     if manifest.get("version") != VERSION:
-        raise CheckpointError(f"checkpoint manifest {manifest_path} has format version {manifest.get('version')!r}; "
+        raise CheckpointError(f"checkpoint manifest {manifest_path} has format version "
+                              f"{manifest.get('version')!r}; "
                               f"this vpipe reads version {VERSION}")
     body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
     if manifest.get("manifest_sha256") != manifest_digest(body):
@@ -142,5 +146,6 @@ def load_checkpoint(path: str | os.PathLike[str], verify: str = "all") -> Checkp
         else:  # each shard is hashed when it is loaded: a rank reads only its own, once
             check_file(step_dir / shard.file, "checkpoint shard", size=shard.bytes)
     run = check_run_id(manifest.get("run"), f"checkpoint manifest {manifest_path}")
-    return Checkpoint(path=step_dir, step=step, vpipe=state, shards=shards, extra=dict(manifest.get("extra") or {}),
+    return Checkpoint(path=step_dir, step=step, vpipe=state, shards=shards,
+                      extra=dict(manifest.get("extra") or {}),
                       run=run)

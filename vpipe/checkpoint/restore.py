@@ -59,11 +59,13 @@ def _group_settings(checkpoint: Checkpoint, module: nn.Module, optimizer: torch.
             out.append(None)
             continue
         if any(_differs(f, found[0]) for f in found[1:]):
-            raise CheckpointError(f"checkpoint {checkpoint.path}: the parameters of this stage's optimizer group {g} "
+            raise CheckpointError(f"checkpoint {checkpoint.path}: the parameters of this stage's "
+                                  f"optimizer group {g} "
                                   "had different hyperparameters (learning rate, weight decay...) when saved")
         unknown = sorted(set(found[0]) - set(group))
         if unknown:
-            raise CheckpointError(f"checkpoint {checkpoint.path}: its optimizer groups have {unknown}, this stage's "
+            raise CheckpointError(f"checkpoint {checkpoint.path}: its optimizer groups have "
+                                  f"{unknown}, this stage's "
                                   f"{type(optimizer).__name__} has not")
         out.append(found[0])
     return out
@@ -72,7 +74,8 @@ def _group_settings(checkpoint: Checkpoint, module: nn.Module, optimizer: torch.
 def _differs(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
     if a.keys() != b.keys():
         return True
-    return any(not torch.equal(x, y) if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) else x != y
+    return any(not torch.equal(x, y) if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)
+               else x != y
                for x, y in ((a[k], b[k]) for k in a))
 
 
@@ -89,11 +92,14 @@ def restore_stage(checkpoint: Checkpoint, module: nn.Module, optimizer: torch.op
     mine = set(child_modules(module))
     kinds = {s.optimizer for s in checkpoint.shards if {str(lid) for lid in s.layers} & mine}
     if optimizer is not None and state["optimizer"] and type(optimizer).__name__ not in kinds:
-        raise CheckpointError(f"checkpoint {checkpoint.path} holds {sorted(k for k in kinds if k)} optimizer state, "
+        raise CheckpointError(f"checkpoint {checkpoint.path} holds "
+                              f"{sorted(k for k in kinds if k)} optimizer state, "
                               f"this stage's optimizer is {type(optimizer).__name__}")
-    settings = _group_settings(checkpoint, module, optimizer, state["groups"]) if optimizer is not None else []
+    settings = _group_settings(checkpoint, module, optimizer,
+                               state["groups"]) if optimizer is not None else []
     if scheduler is not None and state["scheduler"] is None and checkpoint.step > 0:
-        log.warning("checkpoint %s has no learning-rate scheduler state; the scheduler starts over", checkpoint.path)
+        log.warning("checkpoint %s has no learning-rate scheduler state; the scheduler starts over",
+                    checkpoint.path)
     with torch.no_grad():
         for name, target in module.state_dict(keep_vars=True).items():
             target.copy_(state["params"][name])

@@ -45,7 +45,8 @@ __all__ = ["optimizer_state", "optimizer_groups", "save_shard", "write_manifest"
 
 _SHARD_KEY = "vpipe/checkpoint/{}/{}"
 _SCALARS = (bool, int, float, type(None))
-# (root, run id) -> the step directories this process began as rank 0: its own unfinished attempts, which it prunes
+# (root, run id) -> the step directories this process began as rank 0:
+# its own unfinished attempts, which it prunes
 _attempted: dict[tuple[str, str | None], set[str]] = {}
 
 
@@ -81,7 +82,8 @@ def save_shard(step_dir: str | os.PathLike[str], rank: int, module: nn.Module,
     step_dir = Path(step_dir)
     make_step_dir(step_dir)
     state = {"params": {k: v.detach().cpu().clone() for k, v in module.state_dict().items()},
-             "optimizer": optimizer_state(module, optimizer), "param_groups": optimizer_groups(module, optimizer),
+             "optimizer": optimizer_state(module, optimizer),
+             "param_groups": optimizer_groups(module, optimizer),
              "scheduler": scheduler.state_dict() if scheduler is not None else None,
              "rng": torch.get_rng_state()}
     buffer = io.BytesIO()
@@ -113,7 +115,8 @@ def write_manifest(step_dir: str | os.PathLike[str], step: int, shards: Iterable
     placed = sorted(lid for s in state["stages"] for lid in s)
     stored = sorted(lid for s in shards for lid in s.layers)
     if placed != stored:
-        raise CheckpointError(f"checkpoint {step_dir}: the shards hold layers {stored}, the placement has {placed}")
+        raise CheckpointError(f"checkpoint {step_dir}: the shards hold layers {stored}, the "
+                              f"placement has {placed}")
     body = {"format": FORMAT, "version": VERSION, "step": step, "vpipe": state,
             "shards": [s.to_json() for s in shards], "extra": dict(extra or {})}
     if run_id is not None:
@@ -169,9 +172,9 @@ def save_checkpoint(root: str | os.PathLike[str], step: int, *, module: nn.Modul
 
 
 def _prune(root: Path, keep_last: int, newest: Path, run_id: str | None) -> None:
-    """Remove this run's checkpoints older than its ``keep_last`` newest up to ``newest`` (the one just sealed),
-    and the unfinished attempts this process made before them. Another run's checkpoints, and this run's after
-    ``newest`` (a resume from an older one), are not this prune's to remove."""
+    """Remove this run's checkpoints older than its ``keep_last`` newest up to ``newest`` (the one just
+    sealed), and the unfinished attempts this process made before them. Another run's checkpoints, and this
+    run's after ``newest`` (a resume from an older one), are not this prune's to remove."""
     if keep_last < 1:
         return
     ours = [d for d in step_dirs(root) if d.name <= newest.name and (d / MANIFEST).exists()

@@ -23,7 +23,8 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["is_pipeline_engine", "is_pipeline_module", "layer_specs", "spec_class", "is_tied_spec", "local_range",
+__all__ = ["is_pipeline_engine", "is_pipeline_module", "layer_specs", "spec_class", "is_tied_spec",
+           "local_range",
            "set_local_range"]
 
 
@@ -49,7 +50,8 @@ def layer_specs(module: Any) -> Sequence[Any]:
 
 
 def is_tied_spec(spec: Any) -> bool:
-    """Whether ``spec`` is a ``TiedLayerSpec`` (one module, shared by the stages that use it). Checked: 0.19.8."""
+    """Whether ``spec`` is a ``TiedLayerSpec`` (one module, shared
+    by the stages that use it). Checked: 0.19.8."""
     return _named(spec, "TiedLayerSpec", "deepspeed.runtime.pipe")
 
 

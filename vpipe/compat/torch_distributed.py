@@ -1,4 +1,5 @@
-"""``torch.distributed``'s private parts that vpipe uses (pipelining, FSDP2, c10d), each behind a named function.
+"""``torch.distributed``'s private parts that vpipe uses (pipelining,
+FSDP2, c10d), each behind a named function.
 
 Apart from :mod:`.torch_internals` because importing pipelining costs about a second,
 which the spawning parent and the torch-free commands never pay. The project supports
@@ -67,9 +68,11 @@ except ImportError:  # an older torch
 __all__ = ["single_stage", "schedule_stages", "n_microbatches", "missing_schedule_internals",
            "mark_stages_uninitialized", "forget_inferred_meta", "missing_stage_state", "reset_stage_shapes",
            "initialize_stage", "wrap_shape_inference",
-           "batch_p2p_wait", "set_batch_p2p_wait", "get_schedule_ops", "PipelineScheduleRuntime", "PipelineStageBase",
+           "batch_p2p_wait", "set_batch_p2p_wait", "get_schedule_ops", "PipelineScheduleRuntime",
+           "PipelineStageBase",
            "COMPOSABLE_KEYS", "composable_apis", "is_fsdp1", "fsdp_state", "fsdp_internals_missing",
-           "fsdp_param_groups", "fsdp_mp_policy", "drop_fsdp_prefetch", "forget_fsdp_root", "is_parallel_style_hook",
+           "fsdp_param_groups", "fsdp_mp_policy", "drop_fsdp_prefetch", "forget_fsdp_root",
+           "is_parallel_style_hook",
            "is_strided_shard", "default_store", "group_timeout_s", "set_group_timeout"]
 
 
@@ -87,7 +90,8 @@ without processes (torch's schedule visualizer; checked: 2.13.0); None in a torc
 _SINGLE_FLAGS = ("_stage_forward_initialized", "_stage_backward_initialized")
 _MULTI_FLAGS = ("_stages_forward_initialized", "_stages_backward_initialized")
 _OLD_STAGE_META = ("inputs_meta", "_outputs_meta")
-_STAGE_STATE = ("args_recv_info", "grad_recv_info", "act_send_info", "grad_send_info", "fwd_cache", "bwd_cache")
+_STAGE_STATE = ("args_recv_info", "grad_recv_info", "act_send_info", "grad_send_info", "fwd_cache",
+                "bwd_cache")
 _STAGE_METHODS = ("forward_one_chunk", "backward_one_chunk", "submod")
 _INFRA = ("_prepare_forward_infra", "_prepare_backward_infra")
 _INITIALIZE_TAKES_TARGET = "target" in inspect.signature(PipelineScheduleSingle._initialize_stage).parameters
@@ -112,7 +116,8 @@ def schedule_stages(schedule: Any) -> list[Any]:
 
 
 def n_microbatches(schedule: Any) -> int:
-    """The micro-batches a schedule splits each step into (``_n_microbatches``; checked: 2.13.0; 1 without)."""
+    """The micro-batches a schedule splits each step into
+    (``_n_microbatches``; checked: 2.13.0; 1 without)."""
     return int(getattr(schedule, "_n_microbatches", 1))
 
 
@@ -133,8 +138,8 @@ def mark_stages_uninitialized(schedule: Any) -> None:
 
 
 def forget_inferred_meta(stage: Any) -> None:
-    """Clear the shapes torch <= 2.11 keeps on a stage (it infers again only while they are unset); newer torch
-    has no such fields and this does nothing."""
+    """Clear the shapes torch <= 2.11 keeps on a stage (it infers again only while they are unset); newer
+    torch has no such fields and this does nothing."""
     for name in _OLD_STAGE_META:
         if hasattr(stage, name):
             setattr(stage, name, None)
@@ -147,10 +152,10 @@ def missing_stage_state(stage: Any) -> list[str]:
 
 
 def reset_stage_shapes(schedule: Any) -> None:
-    """Make the schedule's next ``step()`` redo P2P warm-up and shape inference on every stage of this rank: its
-    flags unset, each stage's receive and send metadata (``args_recv_info``, ``grad_recv_info``,
-    ``act_send_info``, ``grad_send_info``) cleared, and torch 2.11's inferred shapes forgotten (checked: 2.13.0;
-    :func:`missing_stage_state` and :func:`missing_schedule_internals` check the names at attach)."""
+    """Make the schedule's next ``step()`` redo P2P warm-up and shape inference on every stage of this
+    rank: its flags unset, each stage's receive and send metadata (``args_recv_info``, ``grad_recv_info``,
+    ``act_send_info``, ``grad_send_info``) cleared, and torch 2.11's inferred shapes forgotten (checked:
+    2.13.0; :func:`missing_stage_state` and :func:`missing_schedule_internals` check the names at attach)."""
     mark_stages_uninitialized(schedule)
     for stage in schedule_stages(schedule):
         stage.args_recv_info.clear()
@@ -170,7 +175,8 @@ def initialize_stage(schedule: PipelineScheduleSingle, args: tuple[Any, ...], kw
         schedule._initialize_stage(args, kwargs)
 
 
-def wrap_shape_inference(stage: Any, around: Callable[[], AbstractContextManager[Any]]) -> Callable[[], None] | None:
+def wrap_shape_inference(stage: Any,
+                         around: Callable[[], AbstractContextManager[Any]]) -> Callable[[], None] | None:
     """Run a stage's shape-inference calls inside ``around()``; returns an undo, or None where this torch has
     other ones (``_prepare_forward_infra``, ``_prepare_backward_infra``; checked: 2.13.0).
 
@@ -196,8 +202,8 @@ def wrap_shape_inference(stage: Any, around: Callable[[], AbstractContextManager
 
 
 def batch_p2p_wait() -> Callable[[Any], Any] | None:
-    """The function torch's schedules wait for a batch of sends and receives with (``schedules._wait_batch_p2p``;
-    checked: 2.13.0); None where they wait otherwise."""
+    """The function torch's schedules wait for a batch of sends and receives with
+    (``schedules._wait_batch_p2p``; checked: 2.13.0); None where they wait otherwise."""
     return getattr(schedules, "_wait_batch_p2p", None)
 
 
@@ -206,10 +212,10 @@ def set_batch_p2p_wait(wait: Callable[[Any], Any]) -> None:
     schedules._wait_batch_p2p = wait  # type: ignore[assignment]
 
 
-# ---------------------------------------------------------------------- FSDP2 (fully_shard) and the composable API
+# ----------------------------------------------------------------- FSDP2 (fully_shard) and the composable API
 COMPOSABLE_KEYS: frozenset[str] = frozenset({STATE_KEY, REGISTRY_KEY})
-"""The entries torch's composable API (``fully_shard``, ``replicate``) adds to a module's ``__dict__``: its state,
-which a plain copy of the module leaves behind (checked: 2.13.0)."""
+"""The entries torch's composable API (``fully_shard``, ``replicate``) adds to a module's ``__dict__``: its
+state, which a plain copy of the module leaves behind (checked: 2.13.0)."""
 
 _STATE_FIELDS = ("_is_root", "_state_ctx", "_fsdp_param_groups", "_states_to_forward_prefetch",
                  "_states_to_backward_prefetch", "_mp_policy")
@@ -230,20 +236,22 @@ def is_fsdp1(module: nn.Module) -> bool:
 
 
 def fsdp_state(module: nn.Module) -> Any:
-    """The FSDP2 state object of a module ``fully_shard`` was applied to (``_get_fsdp_state()``; checked: 2.13.0)."""
+    """The FSDP2 state object of a module ``fully_shard`` was
+    applied to (``_get_fsdp_state()``; checked: 2.13.0)."""
     return module._get_fsdp_state()  # type: ignore[operator]
 
 
 def fsdp_internals_missing(state: Any) -> list[str]:
-    """The fields of an FSDP2 state (and of its param groups, as ``group.<name>``) that vpipe reads or resets and
-    this torch lacks (checked: 2.13.0: none)."""
+    """The fields of an FSDP2 state (and of its param groups, as ``group.<name>``) that vpipe reads or
+    resets and this torch lacks (checked: 2.13.0: none)."""
     missing = [f for f in _STATE_FIELDS if not hasattr(state, f)]
-    return missing + [f"group.{f}" for g in fsdp_param_groups(state) for f in _GROUP_FIELDS if not hasattr(g, f)]
+    return missing + [f"group.{f}" for g in fsdp_param_groups(state) for f in _GROUP_FIELDS
+                      if not hasattr(g, f)]
 
 
 def fsdp_param_groups(state: Any) -> list[Any]:
-    """An FSDP2 state's parameter groups, each with ``mesh_info``, ``post_forward_mesh_info`` and ``offload_policy``
-    (``_fsdp_param_groups``; checked: 2.13.0); empty where this torch lacks them."""
+    """An FSDP2 state's parameter groups, each with ``mesh_info``, ``post_forward_mesh_info`` and
+    ``offload_policy`` (``_fsdp_param_groups``; checked: 2.13.0); empty where this torch lacks them."""
     return list(getattr(state, "_fsdp_param_groups", []))
 
 
@@ -273,36 +281,39 @@ def forget_fsdp_root(root: Any) -> None:
 
 
 # ---------------------------------------------------------------------- tensor parallelism
-_PARALLEL_STYLE_MODULES = frozenset({"torch.distributed.tensor._api", "torch.distributed.tensor.parallel.style"})
+_PARALLEL_STYLE_MODULES = frozenset({"torch.distributed.tensor._api",
+                                     "torch.distributed.tensor.parallel.style"})
 
 
 def is_strided_shard(placement: Any) -> bool:
-    """Whether ``placement`` is the ``_StridedShard`` FSDP2 puts on the dp dimension of a parameter that tensor
-    parallelism sharded on the same dim first (checked: 2.13.0, where it is no ``Shard`` and its ``is_shard()``
-    is False; fallback: such parameters are not recognised, so their blocks do not move)."""
+    """Whether ``placement`` is the ``_StridedShard`` FSDP2 puts on the dp dimension of a parameter that
+    tensor parallelism sharded on the same dim first (checked: 2.13.0, where it is no ``Shard`` and its
+    ``is_shard()`` is False; fallback: such parameters are not recognised, so their blocks do not move)."""
     return type(placement).__name__ == "_StridedShard"
 
 
 def is_parallel_style_hook(fn: Any) -> bool:
-    """Whether ``fn`` is a hook ``parallelize_module`` put on a module (through a parallel style or
-    ``distribute_module``) to redistribute its inputs or outputs (checked: 2.13.0: they are functions defined
-    in those two modules, closing over the style and the mesh, and take the module they run on as an argument)."""
+    """Whether ``fn`` is a hook ``parallelize_module`` put on a module (through a parallel
+    style or ``distribute_module``) to redistribute its inputs or outputs (checked:
+    2.13.0: they are functions defined in those two modules, closing over the style and
+    the mesh, and take the module they run on as an argument)."""
     return getattr(fn, "__module__", None) in _PARALLEL_STYLE_MODULES
 
 
 # ---------------------------------------------------------------------- c10d
 def default_store() -> Any | None:
-    """The default process group's rendezvous store (``distributed_c10d._get_default_store``; checked: 2.13.0);
-    None where this torch has no such getter. Raises as torch does when no default group exists."""
+    """The default process group's rendezvous store (``distributed_c10d._get_default_store``; checked:
+    2.13.0); None where this torch has no such getter. Raises as torch does when no default group exists."""
     getter = getattr(dist.distributed_c10d, "_get_default_store", None)
     return None if getter is None else getter()
 
 
 def group_timeout_s(group: Any = None) -> float:
-    """How long a collective of ``group`` (default: the default group, which ``init_process_group(timeout=...)``
-    set) may take, in seconds: the longest of its backends' ``options._timeout`` (checked: 2.13.0, gloo and NCCL;
-    ``new_group()`` without a timeout gets torch's default, 30 minutes, not the default group's). Fallback:
-    torch's default timeout, also when no default group exists."""
+    """How long a collective of ``group`` (default: the default group, which
+    ``init_process_group(timeout=...)`` set) may take, in seconds: the longest of its
+    backends' ``options._timeout`` (checked: 2.13.0, gloo and NCCL; ``new_group()``
+    without a timeout gets torch's default, 30 minutes, not the default group's).
+    Fallback: torch's default timeout, also when no default group exists."""
     if group is None and not dist.is_initialized():
         return dist.distributed_c10d.default_pg_timeout.total_seconds()
     group = dist.distributed_c10d._get_default_group() if group is None else group
@@ -318,8 +329,9 @@ def group_timeout_s(group: Any = None) -> float:
 
 
 def set_group_timeout(group: Any, seconds: float) -> bool:
-    """Bound ``group``'s next collectives and transfers by ``seconds`` (``distributed_c10d._set_pg_timeout``, which
-    sets its gloo or NCCL backends' timeout; checked: 2.13.0). Whether it could: False where this torch lacks it."""
+    """Bound ``group``'s next collectives and transfers by ``seconds``
+    (``distributed_c10d._set_pg_timeout``, which sets its gloo or NCCL backends' timeout; checked: 2.13.0).
+    Whether it could: False where this torch lacks it."""
     setter = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
     if setter is None:
         return False

@@ -52,11 +52,14 @@ try:
 except ImportError:  # pragma: no cover - every supported torch has both
     _get_current_function_mode_stack = None  # type: ignore[assignment]
 
-__all__ = ["child_modules", "parameter_table", "buffer_table", "MODULE_INTERNALS", "call_hook_tables", "HOOK_KINDS",
+__all__ = ["child_modules", "parameter_table", "buffer_table", "MODULE_INTERNALS", "call_hook_tables",
+           "HOOK_KINDS",
            "hooks_of", "current_graph_task_id", "current_autograd_node", "will_engine_execute_node",
-           "queue_engine_callback", "view_base", "neg_view", "storage_weak_ref", "weak_ref_expired", "free_weak_ref",
+           "queue_engine_callback", "view_base", "neg_view", "storage_weak_ref", "weak_ref_expired",
+           "free_weak_ref",
            "foreach_copy_", "raw_stream_getter", "profiler_enabled", "compiled_call", "set_compiled_call",
-           "call_impl", "compile_wrapper_inner", "get_autocast_kwargs", "get_device_module", "infer_device_type",
+           "call_impl", "compile_wrapper_inner", "get_autocast_kwargs", "get_device_module",
+           "infer_device_type",
            "device_initialized", "active_device_context", "BatchNormBase"]
 
 
@@ -83,8 +86,9 @@ def buffer_table(module: nn.Module) -> dict[str, torch.Tensor | None]:
 
 
 MODULE_INTERNALS: frozenset[str] = (frozenset(nn.Module().__dict__) - {"training"}) | {"_compiled_call_impl"}
-"""What torch keeps on every module instance besides ``training`` (its tables of children, tensors and hooks),
-and the compiled call ``Module.compile`` sets: torch's, never one of a block's own attributes (checked: 2.13.0)."""
+"""What torch keeps on every module instance besides ``training`` (its tables of
+children, tensors and hooks), and the compiled call ``Module.compile`` sets: torch's,
+never one of a block's own attributes (checked: 2.13.0)."""
 
 _CALL_HOOKS = tuple(sorted(name for name in MODULE_INTERNALS
                            if name.endswith(("hooks", "hooks_with_kwargs", "hooks_always_called"))
@@ -111,7 +115,8 @@ def hooks_of(module: nn.Module, kind: str) -> Mapping[Any, Callable[..., Any]]:
 
 # ---------------------------------------------------------------------- autograd
 current_graph_task_id: Callable[[], int] = torch._C._current_graph_task_id
-"""The id of the autograd graph task (one backward pass) running on this thread, -1 outside one (checked: 2.13.0)."""
+"""The id of the autograd graph task (one backward pass) running on
+this thread, -1 outside one (checked: 2.13.0)."""
 
 current_autograd_node: Callable[[], Any] = torch._C._current_autograd_node
 """The autograd node whose backward runs on this thread now, or None (checked: 2.13.0)."""
@@ -127,8 +132,8 @@ def queue_engine_callback(callback: Callable[[], None]) -> None:
     Variable._execution_engine.queue_callback(callback)
 
 
-# ``view_base(t)``: the tensor ``t`` is a view of, None for a tensor that owns its storage (``t._base``; checked:
-# 2.13.0). Called per saved tensor: bound without a Python frame.
+# ``view_base(t)``: the tensor ``t`` is a view of, None for a tensor that owns its storage (``t._base``;
+# checked: 2.13.0). Called per saved tensor: bound without a Python frame.
 view_base: Callable[[torch.Tensor], torch.Tensor | None] = operator.attrgetter("_base")
 
 
@@ -166,13 +171,14 @@ def raw_stream_getter() -> Callable[[int], int] | None:
 
 # ---------------------------------------------------------------------- profiler
 profiler_enabled: Callable[[], bool] = torch.autograd._profiler_enabled
-"""Whether torch's profiler is recording on this thread (``torch.autograd._profiler_enabled``; checked: 2.13.0)."""
+"""Whether torch's profiler is recording on this thread (``torch.autograd._profiler_enabled``;
+checked: 2.13.0)."""
 
 
 # ---------------------------------------------------------------------- dynamo (torch.compile)
 def compiled_call(module: nn.Module) -> Any | None:
-    """What ``module.compile()`` compiled, the module's whole call, or None (``module._compiled_call_impl`` on the
-    instance; checked: 2.13.0)."""
+    """What ``module.compile()`` compiled, the module's whole call, or None
+    (``module._compiled_call_impl`` on the instance; checked: 2.13.0)."""
     return module.__dict__.get("_compiled_call_impl")
 
 
@@ -202,7 +208,8 @@ get_device_module: Callable[..., Any] = _get_device_module
 """``torch.cuda`` (or another device type's module) by device type name (checked: 2.13.0)."""
 
 infer_device_type: Callable[..., str] = _infer_device_type
-"""The device type whose RNG a call on these arguments draws from, as checkpointing decides (checked: 2.13.0)."""
+"""The device type whose RNG a call on these arguments draws from,
+as checkpointing decides (checked: 2.13.0)."""
 
 
 def device_initialized(device_module: Any) -> bool:
@@ -223,6 +230,6 @@ def active_device_context() -> contextlib.AbstractContextManager[Any] | None:
 
 
 # ---------------------------------------------------------------------- batch norm
-# BatchNorm1d/2d/3d's common base (their forward, running statistics, ``_check_input_dim``); SyncBatchNorm and the
-# lazy ones derive from it too (checked: 2.13.0)
+# BatchNorm1d/2d/3d's common base (their forward, running statistics, ``_check_input_dim``); SyncBatchNorm and
+# the lazy ones derive from it too (checked: 2.13.0)
 BatchNormBase = _BatchNorm

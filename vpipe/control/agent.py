@@ -104,8 +104,8 @@ class StageAgent:
 
     @property
     def epoch(self) -> int:
-        """The newest epoch this rank knows: an arriving plan must be newer. Committing a plan older than one that
-        arrived meanwhile (plans queue for their step boundary) never sets it back."""
+        """The newest epoch this rank knows: an arriving plan must be newer. Committing a plan older than
+        one that arrived meanwhile (plans queue for their step boundary) never sets it back."""
         newest = self.newest
         return newest.epoch if newest is not None else 0
 
@@ -132,9 +132,9 @@ class StageAgent:
         return plans
 
     def finish(self, timeout_s: float = 60.0) -> list[Plan]:
-        """End of training: wait for upstream's last stats (up to ``timeout_s``; 0: none, as a process that dies of
-        an exception does: its upstream may wait on it, in the pipeline, before it sends them), forward them, tell
-        downstream we are done."""
+        """End of training: wait for upstream's last stats (up to ``timeout_s``; 0: none, as a process that
+        dies of an exception does: its upstream may wait on it, in the pipeline, before it sends them),
+        forward them, tell downstream we are done."""
         plans: list[Plan] = []
         deadline = time.monotonic() + timeout_s
         while self.upstream is not None and self._upstream_done is None and timeout_s > 0:
@@ -186,7 +186,8 @@ class StageAgent:
 
     def _send_vector(self, iteration: int, vector: tuple[StageRecord, ...]) -> None:
         if self.downstream is not None:
-            sent = self.plane.send(self.downstream, make("stats", vector, epoch=self.epoch, iteration=iteration,
+            sent = self.plane.send(self.downstream, make("stats", vector, epoch=self.epoch,
+                                                         iteration=iteration,
                                                          stage=self.stage_index))
         elif self.planner is not None:
             sent = self.planner.send_stats(vector, iteration, self.epoch)
@@ -226,7 +227,8 @@ class StageAgent:
             self._reject("stale_plan", f"plan epoch {plan.epoch} from {_who(message)} is not newer than "
                          f"the current epoch {self.epoch}; dropped")
             return None
-        if plan.epoch > self.epoch + MAX_EPOCH_STEP:  # one forged epoch 2**63-1 would make every real plan stale
+        # one forged epoch 2**63-1 would make every real plan stale
+        if plan.epoch > self.epoch + MAX_EPOCH_STEP:
             self._reject("bad_plan", f"plan epoch {plan.epoch} from {_who(message)} jumps more than "
                          f"{MAX_EPOCH_STEP} past the current epoch {self.epoch}; dropped")
             return None

@@ -49,7 +49,8 @@ __all__ = ["MAX_PENDING_BYTES", "Inbox", "Outbox", "ControlPlane", "endpoint_key
 
 PLANNER_CONNECT_KEY = "vpipe/ctl/planner"  # the endpoint a standalone planner daemon connects to
 _WILDCARDS = ("0.0.0.0", "::", "*")
-FROM_SETTINGS = "settings"  # ``curve=FROM_SETTINGS``: CURVE as this process's settings configure it (off when unset)
+# ``curve=FROM_SETTINGS``: CURVE as this process's settings configure it (off when unset)
+FROM_SETTINGS = "settings"
 
 
 def endpoint_key(rank: int) -> str:
@@ -108,9 +109,11 @@ class Inbox:
         if guard.config is not None:
             guard.config.make_server(self.socket)
         else:
-            self.socket.setsockopt(zmq.ZAP_DOMAIN, NULL_DOMAIN)  # so libzmq asks the guard about NULL handshakes
+            # so libzmq asks the guard about NULL handshakes
+            self.socket.setsockopt(zmq.ZAP_DOMAIN, NULL_DOMAIN)
         self.doorman = Doorman(self.socket, name=name, monitor_max_bytes=frame_limit(max_message_bytes),
-                               guard=guard, max_connections=max_connections)  # its thread answers ZAP requests
+                               # its thread answers ZAP requests
+                               guard=guard, max_connections=max_connections)
         bind = "*" if bind_host in _WILDCARDS else (f"[{bind_host}]" if ":" in bind_host else bind_host)
         try:
             port = self.socket.bind_to_random_port(f"tcp://{bind}")
@@ -128,11 +131,13 @@ class Inbox:
 
     @property
     def evicted(self) -> Counter:
-        """Connections the doorman cut (``unauthenticated``) or handshakes it held (``inbox_full``), by reason."""
+        """Connections the doorman cut (``unauthenticated``) or
+        handshakes it held (``inbox_full``), by reason."""
         return self.doorman.evicted
 
     def receive(self, timeout_ms: int = 0, limit: int = 1000) -> list[Message]:
-        """Up to ``limit`` valid messages (about ``RECEIVE_BYTES``), waiting at most ``timeout_ms`` for the first."""
+        """Up to ``limit`` valid messages (about ``RECEIVE_BYTES``),
+        waiting at most ``timeout_ms`` for the first."""
         return [message for message, _ in self.receive_sized(timeout_ms, limit)]
 
     def receive_sized(self, timeout_ms: int = 0, limit: int = 1000,
@@ -175,7 +180,8 @@ class Outbox:
                  queue: int = 1000, linger_ms: int = 1000, curve: CurveConfig | None = None,
                  server_key: bytes | str | None = None) -> None:
         host, _ = check_endpoint(endpoint)
-        server = None if curve is None else curve.check_server_key(server_key, f"the control endpoint {endpoint}")
+        server = None if curve is None else curve.check_server_key(server_key,
+                                                                   f"the control endpoint {endpoint}")
         self.endpoint = endpoint
         self.max_message_bytes = max_message_bytes
         self.socket = new_socket(context, zmq.PUSH, max_message_bytes, linger_ms)
@@ -235,7 +241,8 @@ class ControlPlane:
         self.pending = PendingMessages(name, self.inbox.decoder.dropped)  # what nobody polled for yet
         self.send_failures: Counter = Counter()
         if self.curve is not None:
-            store.set(curve_key_key(rank), self.curve.public)  # before the endpoint: whoever sees one finds both
+            # before the endpoint: whoever sees one finds both
+            store.set(curve_key_key(rank), self.curve.public)
         store.set(endpoint_key(rank), self.inbox.endpoint)
         log.info("rank %d: control inbox at %s (bound to %s%s)", rank, self.inbox.endpoint, bind,
                  ", CURVE" if self.curve else "",
@@ -283,7 +290,8 @@ class ControlPlane:
         if self.curve is None:
             if published is not None:
                 raise ValueError(f"rank {self.rank}: rank {rank} runs its control plane with CURVE but this "
-                                 f"rank does not: set VPIPE_CURVE_SECRET_FILE and VPIPE_CURVE_PUBLIC_KEYS here too")
+                                 "rank does not: set VPIPE_CURVE_SECRET_FILE and "
+                                 "VPIPE_CURVE_PUBLIC_KEYS here too")
             return None
         return self.curve.check_server_key(published, f"rank {rank}")
 
@@ -293,7 +301,8 @@ class ControlPlane:
                       server_key=server_key)
 
     def connect(self, name: str, endpoint: str, server_key: bytes | str | None = None) -> None:
-        """Add (or re-point) a named peer that is not a rank, e.g. ``"planner"`` (its CURVE key with CURVE on)."""
+        """Add (or re-point) a named peer that is not a rank, e.g.
+        ``"planner"`` (its CURVE key with CURVE on)."""
         outbox = self._outbox(endpoint, server_key)  # raises before the old peer is dropped
         self.disconnect(name)
         self._peers[name] = outbox
@@ -333,7 +342,8 @@ class ControlPlane:
         return self.pending.take(types)
 
     def recv(self, type: str, *, from_rank: int | None = None, timeout_s: float) -> Message:
-        """Block until a ``type`` message (from ``from_rank`` if given) arrives; others wait in :meth:`poll`."""
+        """Block until a ``type`` message (from ``from_rank`` if
+        given) arrives; others wait in :meth:`poll`."""
         waiting = self.pending.take_first(type, from_rank)
         if waiting is not None:
             return waiting
@@ -342,7 +352,8 @@ class ControlPlane:
             remaining_ms = int((deadline - time.monotonic()) * 1000)
             if remaining_ms <= 0:
                 source = f"rank {from_rank}" if from_rank is not None else "any peer"
-                raise TimeoutError(f"rank {self.rank}: no {type!r} message from {source} within {timeout_s:.1f} s")
+                raise TimeoutError(f"rank {self.rank}: no {type!r} message from {source} "
+                                   f"within {timeout_s:.1f} s")
             found, others = None, []
             for message, nbytes in self.inbox.receive_sized(min(remaining_ms, 100)):
                 if found is None and _matches(message, type, from_rank):

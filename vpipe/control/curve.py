@@ -56,7 +56,8 @@ from vpipe.settings import Settings, process_settings
 
 log = logging.getLogger("vpipe.control")
 
-__all__ = ["SECRET_ENV", "PUBLIC_ENV", "RUN_SECRET_ENV", "RUN_SECRET_FILE_ENV", "CurveConfig", "RunKeys", "log_due",
+__all__ = ["SECRET_ENV", "PUBLIC_ENV", "RUN_SECRET_ENV", "RUN_SECRET_FILE_ENV", "CurveConfig", "RunKeys",
+           "log_due",
            "new_run_secret", "private_key_file", "remove_private_key_file", "remove_private_key_files"]
 
 SECRET_ENV = "VPIPE_CURVE_SECRET_FILE"
@@ -73,7 +74,8 @@ def new_run_secret() -> str | None:
 
 
 _PRIVATE_FOLDERS: list[str] = []  # the key folders this process made, removed at exit
-_AT_EXIT: list[bool] = []  # whether their removal at exit is registered (once per process, however many attach)
+# whether their removal at exit is registered (once per process, however many attach)
+_AT_EXIT: list[bool] = []
 
 
 _FOLDER_PREFIX = "vpipe-run-"
@@ -152,7 +154,9 @@ class CurveConfig:
     def from_files(cls, secret_file: str | os.PathLike[str], public_keys: list[str]) -> CurveConfig:
         """Read and check the key files; :class:`KeyFileError` names the file that is wrong."""
         if not zmq.has("curve"):
-            raise KeyFileError("this libzmq was built without CURVE support; the control plane cannot encrypt")
+            raise KeyFileError(
+                "this libzmq was built without CURVE support; the control plane cannot encrypt"
+            )
         public, secret = read_secret_file(secret_file)
         trusted = set(public_keys_from(public_keys))
         trusted.add(public)
@@ -165,7 +169,8 @@ class CurveConfig:
                              f"start every process of the run with the same CURVE settings")
         data = key.encode("ascii", "replace") if isinstance(key, str) else bytes(key)
         if data not in self.trusted:
-            raise ValueError(f"{peer} presents CURVE key {data[:40].decode('ascii', 'replace')!r}, which is not "
+            raise ValueError(f"{peer} presents CURVE key "
+                             f"{data[:40].decode('ascii', 'replace')!r}, which is not "
                              f"among the trusted keys ({PUBLIC_ENV}); refusing to connect")
         return data
 
@@ -181,9 +186,10 @@ class CurveConfig:
 
 
 class RunKeys:
-    """One attach's (or one command's) CURVE keys: the key files the settings name, or the run's secret (given
-    in the settings, or agreed at attach by :func:`~vpipe.control.run_key.agree_run_key`), and the private
-    file holding it that a daemon started by hand reads (made when first asked for, removed by :meth:`close`)."""
+    """One attach's (or one command's) CURVE keys: the key files the settings name, or the run's
+    secret (given in the settings, or agreed at attach by
+    :func:`~vpipe.control.run_key.agree_run_key`), and the private file holding it that a daemon
+    started by hand reads (made when first asked for, removed by :meth:`close`)."""
 
     def __init__(self, settings: Settings, secret: str | None = None) -> None:
         self.settings = settings
@@ -220,15 +226,18 @@ class RunKeys:
         if not self.by_files:
             return self._run_config()
         if not settings.curve_secret_file:
-            raise KeyFileError(f"{PUBLIC_ENV} is set but {SECRET_ENV} is not: CURVE needs this host's secret key "
+            raise KeyFileError(f"{PUBLIC_ENV} is set but {SECRET_ENV} is not: CURVE needs "
+                               "this host's secret key "
                                "file")
         if not settings.curve_public_keys:
-            raise KeyFileError(f"{SECRET_ENV} is set but {PUBLIC_ENV} is not: CURVE needs the public keys to admit")
+            raise KeyFileError(f"{SECRET_ENV} is set but {PUBLIC_ENV} is not: CURVE needs the "
+                               "public keys to admit")
         return CurveConfig.from_files(Path(settings.curve_secret_file), list(settings.curve_public_keys))
 
     def _run_config(self) -> CurveConfig | None:
         secret_text = self.secret
-        if not secret_text and self.settings.curve_run_secret_file:  # a bare key or a `vpipe keys` secret file
+        # a bare key or a `vpipe keys` secret file
+        if not secret_text and self.settings.curve_run_secret_file:
             secret_text = read_secret_file(self.settings.curve_run_secret_file)[1].decode("ascii")
         if not secret_text or not zmq.has("curve"):
             return None

@@ -58,13 +58,16 @@ from vpipe.settings import process_settings
 
 log = logging.getLogger("vpipe.planner.daemon")
 
-__all__ = ["PlannerFn", "no_change", "load_planner", "parse_planner_config", "PlannerDaemon", "NO_CHANGE_PLANNER",
+__all__ = ["PlannerFn", "no_change", "load_planner", "parse_planner_config", "PlannerDaemon",
+           "NO_CHANGE_PLANNER",
            "register", "build_parser"]
 
 PlannerFn = Callable[[list[StageRecord], "Plan | None"], "Plan | None"]
-# the planner that never changes the plan: a daemon started by hand without --planner, a run that only monitors
+# the planner that never changes the plan: a daemon started by hand
+# without --planner, a run that only monitors
 NO_CHANGE_PLANNER = "vpipe.control.daemon:no_change"
-_REMEASURE_GAP = 8  # steps: alerts within this of the last one that made the ranks measure again ask nothing new
+# steps: alerts within this of the last one that made the ranks measure again ask nothing new
+_REMEASURE_GAP = 8
 MAX_PLANNER_CONFIG_CHARS = 1 << 20  # a pipeline's shape is kilobytes; beyond this it is a mistake
 
 
@@ -76,20 +79,24 @@ def no_change(vector: list[StageRecord], current: Plan | None) -> Plan | None:
 def parse_planner_config(text: str) -> dict[str, Any]:
     """``--planner-config``: a JSON object, checked for shape here (its fields by the planner)."""
     if len(text) > MAX_PLANNER_CONFIG_CHARS:
-        raise ValueError(f"--planner-config is {len(text)} characters, over the {MAX_PLANNER_CONFIG_CHARS} allowed")
+        raise ValueError(f"--planner-config is {len(text)} characters, over the "
+                         f"{MAX_PLANNER_CONFIG_CHARS} allowed")
     try:
         config = json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"--planner-config is not valid JSON: {e}") from None
     except RecursionError:
-        raise ValueError("--planner-config nests its JSON too deeply to be a planner's configuration") from None
+        raise ValueError(
+            "--planner-config nests its JSON too deeply to be a planner's configuration"
+        ) from None
     if not isinstance(config, dict):
         raise ValueError(f"--planner-config must be a JSON object, got {type(config).__name__}")
     return config
 
 
 def load_planner(spec: str, config: dict[str, Any] | None = None) -> PlannerFn:
-    """The function named by ``module:function``, made with ``config`` when given; ValueError naming what is wrong."""
+    """The function named by ``module:function``, made with ``config``
+    when given; ValueError naming what is wrong."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"a planner must be given as module:function, got {spec!r}")
@@ -104,10 +111,12 @@ def load_planner(spec: str, config: dict[str, Any] | None = None) -> PlannerFn:
         return cast(PlannerFn, fn)
     configured = getattr(fn, "configured", None)
     if not callable(configured):
-        raise ValueError(f"planner {spec} takes no configuration: it has no configured(config) for --planner-config")
+        raise ValueError(f"planner {spec} takes no configuration: it has no configured(config) "
+                         "for --planner-config")
     planner = configured(config)
     if not callable(planner):
-        raise ValueError(f"{spec}.configured(config) returned {type(planner).__name__}, not a planner function")
+        raise ValueError(f"{spec}.configured(config) returned {type(planner).__name__}, "
+                         "not a planner function")
     return cast(PlannerFn, planner)
 
 
@@ -137,7 +146,8 @@ class PlannerDaemon:
             server_key, f"the last stage at {connect}")
         self._max_bytes = max_message_bytes
         self.connect = connect
-        # an entry that makes planners (vpipe's srp) gives each daemon its own: a planner remembers its samples
+        # an entry that makes planners (vpipe's srp) gives each daemon
+        # its own: a planner remembers its samples
         for_daemon = getattr(planner, "for_daemon", None)
         self.planner: PlannerFn = for_daemon() if callable(for_daemon) else planner
         self.planner_name = planner_name or getattr(planner, "__name__", "planner")
@@ -168,7 +178,8 @@ class PlannerDaemon:
     def run(self) -> int:
         log.info("planner daemon pid %d (%s): inbox %s (bound to %s%s), connecting to %s", os.getpid(),
                  self.planner_name, self.inbox.endpoint, self.bind_host, ", CURVE" if self.curve else "",
-                 self.connect, extra={"vpipe_fields": {"control_endpoint": self.inbox.endpoint, "bind": self.bind_host,
+                 self.connect, extra={"vpipe_fields": {"control_endpoint": self.inbox.endpoint,
+                                                       "bind": self.bind_host,
                                                        "curve": self.curve is not None}})
         self._heartbeat.start()
         try:
@@ -214,10 +225,12 @@ class PlannerDaemon:
                          now - self._last_heard)
                 self._attached.clear()
             if now - self._last_heard > self.idle_timeout_s:
-                log.warning("planner daemon: nothing from %s for %.0f s; exiting", self.connect, self.idle_timeout_s)
+                log.warning("planner daemon: nothing from %s for %.0f s; exiting", self.connect,
+                            self.idle_timeout_s)
                 return 1
             if self.parent_pid is not None and os.getppid() != self.parent_pid:
-                log.warning("planner daemon: the process that started it (pid %d) is gone; exiting", self.parent_pid)
+                log.warning("planner daemon: the process that started it (pid %d) is gone; exiting",
+                            self.parent_pid)
                 return 1
 
     def _welcome(self, message: Message) -> None:
@@ -226,7 +239,8 @@ class PlannerDaemon:
         if not self._attached.is_set():
             self._attached.set()
             decision("planner_ready", f"planner daemon attached to {self.connect}", role="planner",
-                     pid=os.getpid(), planner=self.planner_name, epoch=self.current.epoch if self.current else None)
+                     pid=os.getpid(), planner=self.planner_name, epoch=self.current.epoch if self.current
+                     else None)
 
     def _plan(self, message: Message) -> None:
         vector = list(message.body)
@@ -260,8 +274,9 @@ class PlannerDaemon:
         self._send(plan, message, vector)
 
     def _remeasure(self, message: Message) -> None:
-        """A rank's pulse saw its stage change: a plan of the same placement (a new epoch) has every rank measure its
-        blocks again from one step; several ranks seeing one change ask once; the judge hears of it."""
+        """A rank's pulse saw its stage change: a plan of the same placement (a new
+        epoch) has every rank measure its blocks again from one step; several ranks
+        seeing one change ask once; the judge hears of it."""
         body, at = message.body, message.iteration
         if self.current is None or self.planner is no_change or (
                 self._remeasured_at is not None and 0 <= at - self._remeasured_at < _REMEASURE_GAP):
@@ -270,16 +285,19 @@ class PlannerDaemon:
         if callable(alerted := getattr(self.planner, "alerted", None)):
             alerted(body["stage"], body["ratio"], at)
         what = f"stage {body['stage']}: {body['what']}"
-        self.current = plan = replace(self.current, epoch=self.current.epoch + 1, reason=f"re-measure: {what}")
+        self.current = plan = replace(self.current, epoch=self.current.epoch + 1,
+                                      reason=f"re-measure: {what}")
         self.judge.remeasured(plan, body["ratio"])
         self._outbox.send(make("plan", plan, epoch=plan.epoch, iteration=at, stage=PLANNER))
-        decision("remeasure", f"{what} at step {at}; every stage measures its blocks again (epoch {plan.epoch})",
+        decision("remeasure",
+                 f"{what} at step {at}; every stage measures its blocks again (epoch {plan.epoch})",
                  role="planner", stage=body["stage"], ratio=body["ratio"], epoch=plan.epoch, iteration=at)
 
     def _send(self, plan: Plan, message: Message, vector: list[StageRecord]) -> None:
         self.current = plan
         self._outbox.send(make("plan", plan, epoch=plan.epoch, iteration=message.iteration, stage=PLANNER))
-        decision("plan_sent", f"plan epoch {plan.epoch} sent: {plan.reason or 'no reason given'}", role="planner",
+        decision("plan_sent", f"plan epoch {plan.epoch} sent: {plan.reason or 'no reason given'}",
+                 role="planner",
                  epoch=plan.epoch, layers_per_stage=plan.counts(), reason=plan.reason,
                  predicted_step_s=plan.predicted_step_s, from_iteration=message.iteration,
                  stage_step_s=[r.step_s for r in vector], stage_compute_s=[r.compute_s for r in vector])
@@ -291,7 +309,8 @@ class PlannerDaemon:
         current = self.current.epoch if self.current is not None else 0
         if self.current is not None and plan.epoch <= current:
             return f"epoch {plan.epoch} is not newer than the current epoch {current}"
-        if plan.epoch > current + MAX_EPOCH_STEP:  # the stages would drop it, and every plan after it be stale here
+        # the stages would drop it, and every plan after it be stale here
+        if plan.epoch > current + MAX_EPOCH_STEP:
             return f"epoch {plan.epoch} jumps more than {MAX_EPOCH_STEP} past the current epoch {current}"
         if self.num_stages is not None and plan.num_stages != self.num_stages:
             return f"{plan.num_stages} stages for a {self.num_stages}-stage pipeline"
@@ -366,13 +385,15 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the last stage's control endpoint, tcp://HOST:PORT (logged by the run, "
                         "and stored under vpipe/ctl/planner)")
     p.add_argument("--planner", default=NO_CHANGE_PLANNER, metavar="MODULE:FUNCTION",
-                   help=f"planner(vector, current) -> Plan | None (default {NO_CHANGE_PLANNER}, which never changes "
+                   help=f"planner(vector, current) -> Plan | None (default {NO_CHANGE_PLANNER}, "
+                        "which never changes "
                         f"the plan; vpipe.attach's default is {DEFAULT_PLANNER})")
     p.add_argument("--planner-config", default=None, metavar="JSON",
                    help="a JSON object handed to the planner's configured(config) before the first plan (for "
                         f"{DEFAULT_PLANNER}: OnlineConfig fields)")
     p.add_argument("--server-key", default=None, metavar="KEY|FILE",
-                   help="with CURVE on: the last stage's public key, Z85 or a public key file (logged by the run)")
+                   help="with CURVE on: the last stage's public key, Z85 or a public key "
+                        "file (logged by the run)")
     p.add_argument("--log-file", default=None, help="append JSON-lines logs (decisions included) here")
     p.add_argument("--heartbeat", type=float, default=0.5, help="seconds between pings (default 0.5)")
     p.add_argument("--idle-timeout", type=float, default=300.0,
@@ -395,7 +416,8 @@ def cmd_planner(args: argparse.Namespace, argv: Any = None) -> int:
     check_endpoint(args.connect)
     if not (math.isfinite(args.heartbeat) and math.isfinite(args.idle_timeout)) or args.heartbeat <= 0 \
             or args.idle_timeout <= args.heartbeat:
-        raise ValueError(f"--heartbeat ({args.heartbeat}) must be > 0 and below --idle-timeout ({args.idle_timeout}), "
+        raise ValueError(f"--heartbeat ({args.heartbeat}) must be > 0 and below --idle-timeout "
+                         f"({args.idle_timeout}), "
                          "both finite")
     config = None if args.planner_config is None else parse_planner_config(args.planner_config)
     planner = load_planner(args.planner, config)

@@ -59,14 +59,16 @@ __all__ = ["HANDSHAKE_S", "MAX_CONNECTIONS", "DAEMON_CONNECTIONS", "MAX_UNPROVEN
            "LOG_EVERY_S", "Doorman", "raise_open_file_limit"]
 
 HANDSHAKE_S = 3.0  # greeting + CURVE + ZAP within this (ZMQ_HANDSHAKE_IVL; zmq's default is 30 s)
-MAX_CONNECTIONS = 12  # authenticated connections a rank's inbox holds (its few peers: neighbours, the daemon's two)
+# authenticated connections a rank's inbox holds (its few peers: neighbours, the daemon's two)
+MAX_CONNECTIONS = 12
 DAEMON_CONNECTIONS = 4  # the planner daemon's (its one peer is the last stage)
 MAX_UNPROVEN = 16  # connections not yet authenticated an inbox holds, from every address together
 RCVHWM = 2  # frames zmq queues per connection (1 stalls the CURVE handshake in libzmq 4.3.5)
 RCVBUF = 256 << 10  # the kernel's receive buffer per connection (SO_RCVBUF): what waits behind zmq's frames
 LOG_EVERY_S = 10.0
-# What an inbox sends during a handshake (ZMTP 3.0, RFC 23; CURVE, RFC 26): its signature at once, the rest of
-# its greeting once the peer's signature came, CURVE's WELCOME after a valid HELLO, READY only once ZAP admitted.
+# What an inbox sends during a handshake (ZMTP 3.0, RFC 23; CURVE, RFC 26): its
+# signature at once, the rest of its greeting once the peer's signature came, CURVE's
+# WELCOME after a valid HELLO, READY only once ZAP admitted.
 SIGNATURE_BYTES = 10
 GREETING_BYTES = 64
 WELCOME_BYTES = 170
@@ -78,13 +80,19 @@ _EVENTS_PER_TURN = 64  # monitor events taken before the ZAP requests are served
 _KEEPALIVE = ((zmq.TCP_KEEPALIVE, 1), (zmq.TCP_KEEPALIVE_IDLE, 60), (zmq.TCP_KEEPALIVE_INTVL, 10),
               (zmq.TCP_KEEPALIVE_CNT, 3))
 _MONITOR_QUEUE = 100_000  # monitor events waiting for the doorman (about 100 bytes each)
-_EVENTS = (zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_MONITOR_STOPPED
-           | HANDSHAKE_EVENTS)
+_EVENTS = (
+    zmq.EVENT_ACCEPTED
+    | zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | zmq.EVENT_MONITOR_STOPPED
+    | HANDSHAKE_EVENTS
+)
 _T = TypeVar("_T")
 
 
 def raise_open_file_limit() -> tuple[int, int] | None:
-    """Raise this process's soft ``RLIMIT_NOFILE`` to its hard limit; (before, after), or None when unchanged."""
+    """Raise this process's soft ``RLIMIT_NOFILE`` to its hard
+    limit; (before, after), or None when unchanged."""
     try:
         import resource
     except ImportError:  # not a POSIX system
@@ -111,7 +119,8 @@ class _Connection:
 
 
 class _Every:
-    """The first occurrence is logged at once, then at most one line per ``LOG_EVERY_S`` with the count since."""
+    """The first occurrence is logged at once, then at most one line
+    per ``LOG_EVERY_S`` with the count since."""
 
     def __init__(self) -> None:
         self.next = 0.0
@@ -145,7 +154,8 @@ class Doorman:
         self.connections: dict[int, _Connection] = {}  # descriptor -> connection (the doorman's thread only)
         self.proven_fds: set[int] = set()  # read by the inbox: which descriptors need no report
         self._reports: list[int] = []  # descriptors a frame came from, appended by the inbox's thread
-        self._approvals: deque[float] = deque()  # ZAP admissions whose connection was not seen authenticated yet
+        # ZAP admissions whose connection was not seen authenticated yet
+        self._approvals: deque[float] = deque()
         # more than this sent on a connection: READY went, so ZAP admitted it
         self._authenticated_after = GREETING_BYTES + (WELCOME_BYTES if guard.config is not None else 0)
         self._port = 0
@@ -199,7 +209,8 @@ class Doorman:
                 self._drain()
                 self._take_reports()
                 self.guard.serve(self._admit, HANDSHAKE_S)
-                if self.guard.holding != holding:  # a held request: wake for monitor events and the clock only
+                # a held request: wake for monitor events and the clock only
+                if self.guard.holding != holding:
                     holding = self.guard.holding
                     poller.modify(self.guard.zap_socket, 0 if holding else zmq.POLLIN)
             except zmq.ZMQError as e:  # the context is going away
@@ -268,7 +279,8 @@ class Doorman:
             self._approvals.append(now)
             return True
         if first:
-            self._count("inbox_full", f"it holds {self.max_connections} authenticated connections; a handshake "
+            self._count("inbox_full",
+                        f"it holds {self.max_connections} authenticated connections; a handshake "
                         f"waits for one to leave", "held")
         return False
 
@@ -277,8 +289,10 @@ class Doorman:
         if reason is None:
             return
         self.refused = self.refused + Counter({reason: 1})
-        if reason != "untrusted_key" and self._due(f"refused {reason}"):  # the guard logs that one, with the key
-            log.warning("%s: refused a connection whose handshake failed (%s; %d so far)%s", self.name, reason,
+        # the guard logs that one, with the key
+        if reason != "untrusted_key" and self._due(f"refused {reason}"):
+            log.warning("%s: refused a connection whose handshake failed (%s; %d so far)%s", self.name,
+                        reason,
                         self.refused[reason], "" if self.guard.config is None else
                         " - a peer without CURVE or with the wrong keys?")
 
@@ -295,11 +309,13 @@ class Doorman:
             self._make_room(fd, waiting)
 
     def _make_room(self, newcomer: int, waiting: list[int]) -> None:
-        """Cut one unauthenticated connection for ``newcomer``: from the address with the most, the oldest that
-        never sent a ZMTP signature (the inbox sent its own only), else the oldest; ``newcomer`` only alone."""
+        """Cut one unauthenticated connection for ``newcomer``: from the address
+        with the most, the oldest that never sent a ZMTP signature (the inbox sent
+        its own only), else the oldest; ``newcomer`` only alone."""
         sources = Counter(self.connections[fd].peer[0] for fd in waiting)
         source = max(sources, key=sources.__getitem__)
-        candidates = sorted((fd for fd in waiting if fd != newcomer and self.connections[fd].peer[0] == source),
+        candidates = sorted((fd for fd in waiting if fd != newcomer
+                             and self.connections[fd].peer[0] == source),
                             key=lambda fd: self.connections[fd].since)
         why = f"{MAX_UNPROVEN} had not authenticated; newer ones need the room"
         spoke: int | None = None  # the oldest that began a handshake: cut only when none is silent
@@ -335,8 +351,8 @@ class Doorman:
             self._release(sock)
 
     def _on(self, fd: int, act: Callable[[socket.socket], _T]) -> tuple[bool, _T | None]:
-        """``act`` on connection ``fd`` if it is still the one seen accepted (the duplicate pins it: its number
-        may have been reused since); (False, None), and the connection forgotten, when it is gone."""
+        """``act`` on connection ``fd`` if it is still the one seen accepted (the duplicate pins it: its
+        number may have been reused since); (False, None), and the connection forgotten, when it is gone."""
         sock = self._duplicate(fd)
         try:
             same = sock is not None and sock.getsockname()[1] == self._port and \
@@ -399,7 +415,8 @@ class Doorman:
 
 
 def _cut_if_silent(sock: socket.socket) -> int | None:
-    """Bytes the inbox sent on ``sock``; cut when its peer never sent a ZMTP signature (the inbox sent its own only)."""
+    """Bytes the inbox sent on ``sock``; cut when its peer never
+    sent a ZMTP signature (the inbox sent its own only)."""
     sent = bytes_sent(sock)
     if sent is not None and sent <= SIGNATURE_BYTES:
         sock.shutdown(socket.SHUT_RDWR)

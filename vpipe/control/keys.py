@@ -158,9 +158,11 @@ def write_keypair(directory: str | os.PathLike[str], name: str) -> tuple[Path, P
     _write_new(secret_path, head.format("secret") + "#   keep it on this host, mode 0600\nmetadata\ncurve\n"
                f"    public-key = \"{public.decode()}\"\n    secret-key = \"{secret.decode()}\"\n", 0o600)
     try:
-        _write_new(public_path, head.format("public") + "#   give it to every host of the run\nmetadata\ncurve\n"
+        _write_new(public_path,
+                   head.format("public") + "#   give it to every host of the run\nmetadata\ncurve\n"
                    f"    public-key = \"{public.decode()}\"\n", 0o644)
-    except BaseException:  # the public half failed (a full disk, a name taken since): no secret left without it
+    # the public half failed (a full disk, a name taken since): no secret left without it
+    except BaseException:
         secret_path.unlink(missing_ok=True)
         raise
     return public_path, secret_path
@@ -177,7 +179,8 @@ def register(subparsers: Any) -> None:
 
 def cmd_keys(args: argparse.Namespace, argv: Any = None) -> int:
     if args.name is not None and (not args.name.strip() or "/" in args.name or args.name.startswith(".")):
-        raise ValueError(f"--name {args.name!r}: give a file name stem (letters, digits, - and _), or leave --name "
+        raise ValueError(f"--name {args.name!r}: give a file name stem (letters, digits, - and "
+                         "_), or leave --name "
                          "out for this host's name")
     name = args.name or socket.gethostname().split(".")[0] or "vpipe"
     public_path, secret_path = write_keypair(args.directory, name)

@@ -117,7 +117,9 @@ def encode(message: Message, *, max_bytes: int = MAX_MESSAGE_BYTES) -> bytes:
     """The wire bytes of a message; ValueError for an unknown type or one over ``max_bytes``."""
     kind = _REGISTRY.get(message.type)
     if kind is None:
-        raise ValueError(f"unknown message type {message.type!r}; registered: {', '.join(registered_types())}")
+        raise ValueError(
+            f"unknown message type {message.type!r}; registered: {', '.join(registered_types())}"
+        )
     wire = {"v": message.v, "type": message.type, "epoch": message.epoch, "iter": message.iteration,
             "stage": message.stage, "src": message.src, "body": kind.dump(message.body)}
     data = msgpack.packb(wire, use_bin_type=True)
@@ -156,7 +158,8 @@ def decode(data: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
         missing, extra = sorted(_ENVELOPE - keys), sorted(str(k) for k in keys - _ENVELOPE)
         raise DecodeError("bad_envelope", f"missing {missing}, unexpected {extra[:5]}")
     if wire["v"] != SCHEMA_VERSION or isinstance(wire["v"], bool):
-        raise DecodeError("bad_version", f"schema version {wire['v']!r:.40}, this side speaks {SCHEMA_VERSION}")
+        raise DecodeError("bad_version",
+                          f"schema version {wire['v']!r:.40}, this side speaks {SCHEMA_VERSION}")
     kind = _REGISTRY.get(wire["type"]) if isinstance(wire["type"], str) else None
     if kind is None:
         raise DecodeError("unknown_type", f"type {wire['type']!r:.80}")
@@ -204,7 +207,8 @@ class Decoder:
         if n <= self.log_first:
             log.warning("%s: dropped a bad control message (%s: %s)", self.name, reason, detail)
         elif n % self.log_every == 0:
-            log.warning("%s: %d bad control messages dropped for %s so far (latest: %s)", self.name, n, reason, detail)
+            log.warning("%s: %d bad control messages dropped for %s so far (latest: %s)", self.name, n,
+                        reason, detail)
 
     @property
     def total_dropped(self) -> int:
@@ -303,6 +307,6 @@ register_type("welcome", _parse_welcome, _dump_welcome)  # last stage -> daemon:
 register_type("ping", _parse_empty, lambda body: None)  # liveness, both ways between daemon and last stage
 register_type("bye", _parse_text("reason"), lambda reason: {"reason": reason})  # the sender leaves
 register_type("done", _parse_done, lambda last: {"last_iter": last})  # upstream stage flushed its last stats
-# a rank's pulse saw its stage change (speed, trainable parameters): down the chain to the daemon, which has every
-# rank measure again
+# a rank's pulse saw its stage change (speed, trainable parameters): down the
+# chain to the daemon, which has every rank measure again
 register_type("alert", _parse_alert, lambda body: dict(body))

@@ -65,7 +65,8 @@ def control_host(
         try:
             ipaddress.ip_address(explicit)
         except ValueError:
-            raise ValueError(f"VPIPE_CONTROL_HOST={explicit!r} is not an IP address of this host (or 0.0.0.0 for "
+            raise ValueError(f"VPIPE_CONTROL_HOST={explicit!r} is not an IP address of this "
+                             "host (or 0.0.0.0 for "
                              f"every interface)") from None
         return explicit, explicit
     if is_loopback(master):

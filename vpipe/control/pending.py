@@ -39,7 +39,8 @@ class PendingMessages:
         self.dropped = dropped
         self.max_count = max_count
         self.max_bytes = max_bytes
-        self._queues: dict[str, deque[tuple[int, Message, int]]] = {}  # type -> (arrival, message, wire bytes)
+        # type -> (arrival, message, wire bytes)
+        self._queues: dict[str, deque[tuple[int, Message, int]]] = {}
         self._arrivals = 0
         self._count = 0
         self.bytes = 0
@@ -106,7 +107,9 @@ class PendingMessages:
         now = time.monotonic()
         if now >= self._next_log:
             self._next_log = now + DROP_LOG_S
-            log.warning("%s: dropped %d control message(s) nobody polled for, to stay within %d MiB (latest: %r "
-                        "from rank %d, %d bytes; %d in all)", self.name, self._since_log, self.max_bytes >> 20,
+            log.warning("%s: dropped %d control message(s) nobody polled for, to stay "
+                        "within %d MiB (latest: %r "
+                        "from rank %d, %d bytes; %d in all)", self.name, self._since_log,
+                        self.max_bytes >> 20,
                         stale.type, stale.src, nbytes, self.dropped["unclaimed"])
             self._since_log = 0

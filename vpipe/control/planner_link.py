@@ -44,7 +44,8 @@ def daemon_arguments(endpoint: str, planner: str, *, parent_pid: int, heartbeat_
     """The daemon's command-line arguments for a daemon this stage starts itself."""
     args = ["--connect", endpoint, "--planner", planner, "--parent-pid", str(parent_pid),
             "--heartbeat", str(heartbeat_s)]
-    if planner_config is not None:  # one word, as the key below; JSON of plain values (ValueError if it is not)
+    # one word, as the key below; JSON of plain values (ValueError if it is not)
+    if planner_config is not None:
         args.append(f"--planner-config={json.dumps(planner_config, allow_nan=False, separators=(',', ':'))}")
     if server_key is not None:  # one word: a Z85 key may begin with '-', which argparse takes for an option
         args.append(f"--server-key={server_key.decode()}")
@@ -114,7 +115,8 @@ class PlannerLink:
         ``config`` (plain JSON values) when given."""
         # the daemon's own entry point, not `-m vpipe planner`: the full CLI imports torch (seconds)
         cmd = [sys.executable, "-m", "vpipe.control.daemon",
-               *daemon_arguments(self.plane.endpoint, planner, parent_pid=os.getpid(), heartbeat_s=self.heartbeat_s,
+               *daemon_arguments(self.plane.endpoint, planner, parent_pid=os.getpid(),
+                                 heartbeat_s=self.heartbeat_s,
                                  server_key=self.plane.curve.public if self.plane.curve else None,
                                  log_file=self.log_file, planner_config=config)]
         # its environment: this process's (the settings the daemon reads at its start), not a rank's, with the
@@ -154,8 +156,10 @@ class PlannerLink:
             if host not in ("127.0.0.1", "::1", "localhost", check_endpoint(self.plane.endpoint)[0]):
                 self.refused_hellos += 1
                 if log_due(self.refused_hellos):
-                    log.warning("a planner hello names %s: neither loopback nor this run's interface; ignored",
-                                endpoint)
+                    log.warning(
+                        "a planner hello names %s: neither loopback nor this run's interface; ignored",
+                        endpoint,
+                    )
                 return
             if endpoint != self.attached_endpoint:
                 previous = self.attached_pid
@@ -188,13 +192,15 @@ class PlannerLink:
             dropped_iteration = self._backlog.popleft()[0]
             self.vectors_dropped += 1
             if self.vectors_dropped == 1 or self.vectors_dropped % 100 == 0:
-                log.info("no planner daemon attached: stats of iteration %d dropped (%d so far); the newest %d wait",
+                log.info("no planner daemon attached: stats of iteration %d dropped (%d so "
+                         "far); the newest %d wait",
                          dropped_iteration, self.vectors_dropped, self._backlog_size)
         self._backlog.append((iteration, tuple(vector), epoch))
         return True
 
     def send_alert(self, message: Message) -> bool:
-        """Hand a pulse's alert to the daemon (dropped while none is attached: the next samples see the change)."""
+        """Hand a pulse's alert to the daemon (dropped while none is
+        attached: the next samples see the change)."""
         return self.attached and self._send(message)
 
     def _send_vector(self, iteration: int, vector: tuple[StageRecord, ...], epoch: int) -> bool:

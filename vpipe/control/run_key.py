@@ -65,9 +65,10 @@ def agree_run_key(store: Any, *, rank: int, world_size: int, timeout_s: float, w
     ``keys``: the keys of this process's settings, which only a test wants). Returns how it was keyed:
     ``configured`` (by the launcher or the user), ``private-file``, or ``unauthenticated``.
 
-    ``VPIPE_CONTROL_AUTH`` (``keys.settings.control_auth``): ``auto`` (default) keys every run it can and refuses
-    a run of several hosts without a key; ``required`` refuses any unauthenticated control plane; ``none`` lets
-    one run unauthenticated (several hosts without keys, on a network the user trusts), with a warning."""
+    ``VPIPE_CONTROL_AUTH`` (``keys.settings.control_auth``): ``auto`` (default) keys every run it
+    can and refuses a run of several hosts without a key; ``required`` refuses any
+    unauthenticated control plane; ``none`` lets one run unauthenticated (several hosts without
+    keys, on a network the user trusts), with a warning."""
     keys = keys if keys is not None else RunKeys.of_process()
     mode = keys.settings.control_auth
     if keys.by_files or keys.given:
@@ -80,7 +81,8 @@ def agree_run_key(store: Any, *, rank: int, world_size: int, timeout_s: float, w
                 f"(VPIPE_CURVE_SECRET_FILE and VPIPE_CURVE_PUBLIC_KEYS)")
         if mode == "required" or (hosts and mode == "auto"):
             allow = "" if mode == "required" else f", or set {AUTH_ENV}=none to run it unauthenticated"
-            raise RuntimeError(f"{who}: the control plane would be unauthenticated ({why}) and {AUTH_ENV}={mode}; "
+            raise RuntimeError(f"{who}: the control plane would be unauthenticated ({why}) "
+                               f"and {AUTH_ENV}={mode}; "
                                f"{hint}{allow}")
         log.warning("%s: THE CONTROL PLANE IS UNAUTHENTICATED (%s): anyone who can reach its ports can send "
                     "plans; %s, or set %s=required to refuse", who, why, hint, AUTH_ENV)
@@ -129,14 +131,16 @@ def _receive(store: Any, rank: int, deadline: float, who: str) -> str:
 def _wait(store: Any, key: str, deadline: float, who: str) -> bytes:
     while not store.check([key]):
         if time.monotonic() > deadline:
-            raise RuntimeError(f"vpipe.attach on {who}: the other ranks did not agree on the control-plane key in "
+            raise RuntimeError(f"vpipe.attach on {who}: the other ranks did not agree on the "
+                               "control-plane key in "
                                f"time (waiting for {key}); every rank must call it")
         time.sleep(0.01)
     return store.get(key)
 
 
 def read_private_key(path: str) -> str:
-    """The key in stage 0's file, if the file and its directory are this user's and private; KeyFileError else."""
+    """The key in stage 0's file, if the file and its directory are
+    this user's and private; KeyFileError else."""
     uid = os.geteuid()
     folder = os.path.dirname(path) or "."
     try:

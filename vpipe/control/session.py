@@ -42,8 +42,8 @@ __all__ = ["ControlOptions", "ControlSession", "StepPlans", "open_for_stage_run"
 class ControlOptions:
     """How a session samples and plans. ``planner=None``: start no daemon, wait for ``vpipe planner``.
 
-    ``planner_config`` (plain JSON values) goes to the daemon's planner as ``--planner-config``. ``control_host``
-    and ``keys`` are the settings' (None: this process's settings, read once)."""
+    ``planner_config`` (plain JSON values) goes to the daemon's planner as ``--planner-config``.
+    ``control_host`` and ``keys`` are the settings' (None: this process's settings, read once)."""
 
     sample_every: int = 10
     max_sample_every: int | None = None  # back off to this while nothing changes (None: a fixed interval)
@@ -54,7 +54,8 @@ class ControlOptions:
     finish_timeout_s: float = 60.0
     pulse: bool = True  # time the stage modules' forwards every step, to notice a device or workload change
     log_file: str | None = None
-    control_host: str | None = None  # where the inbox binds (VPIPE_CONTROL_HOST); None: the process's settings'
+    # where the inbox binds (VPIPE_CONTROL_HOST); None: the process's settings'
+    control_host: str | None = None
     keys: RunKeys | None = None  # the attach's CURVE keys; None: the process's settings'
 
 
@@ -119,19 +120,22 @@ class ControlSession:
                     saved_source=sources.get(v), facts=layer_facts, stage_module=whole.get(v))
                 made.callback(monitor.close)
             self.plane = ControlPlane(store, rank, world_size, host=self.options.control_host,
-                                      curve=FROM_SETTINGS if self.options.keys is None else self.options.keys.curve())
+                                      curve=FROM_SETTINGS if self.options.keys is None
+                                      else self.options.keys.curve())
             made.callback(self.plane.close)
             num_stages = len(stage_ranks)
             link = None
             if rank == max(stage_ranks):
                 link = PlannerLink(self.plane, stage_index=rank, num_stages=num_stages,
-                                   timeout_s=self.options.planner_timeout_s, heartbeat_s=self.options.heartbeat_s,
+                                   timeout_s=self.options.planner_timeout_s,
+                                   heartbeat_s=self.options.heartbeat_s,
                                    log_file=self.options.log_file, keys=self.options.keys)
                 made.callback(link.close, 0.0)
-            self.agent = StageAgent(self.plane, stage_index=rank, num_stages=num_stages, plan=plan, planner=link,
+            self.agent = StageAgent(self.plane, stage_index=rank, num_stages=num_stages, plan=plan,
+                                    planner=link,
                                     stage_ranks=stage_ranks)
-            # every step's forward time of the stage modules: a change asks the planner to have every rank measure
-            # again
+            # every step's forward time of the stage modules: a change
+            # asks the planner to have every rank measure again
             self.pulse = StagePulse(pulse_modules, device) if pulse_modules and self.options.pulse else None
             if self.pulse is not None:
                 made.callback(self.pulse.close)
@@ -146,7 +150,8 @@ class ControlSession:
                     made.callback(undo)
             self._steps = 0
             self.combine_records = combine_records
-            self.last_records: list[Any] = []  # the StageRecords of the last step this rank sampled (else empty)
+            # the StageRecords of the last step this rank sampled (else empty)
+            self.last_records: list[Any] = []
             self._changed = False  # a plan or an edit took effect: sample at the base rate again
             self._open: int | None = None
             self._closed = False
@@ -160,7 +165,8 @@ class ControlSession:
     def monitor(self) -> StageMonitor:
         """The monitor of a rank that runs one stage."""
         if len(self.monitors) != 1:
-            raise ValueError(f"rank {self.stage_index} runs stages {sorted(self.monitors)}: use monitors[stage]")
+            raise ValueError(f"rank {self.stage_index} runs stages "
+                             f"{sorted(self.monitors)}: use monitors[stage]")
         return next(iter(self.monitors.values()))
 
     def is_sampled(self, iteration: int) -> bool:
@@ -189,8 +195,8 @@ class ControlSession:
         for monitor in self.monitors.values():
             monitor.begin_iteration(iteration)
         if self.pulse is not None:
-            # a new sampling interval changes what runs beside the steps (the planner's turns on a shared host): the
-            # pulse skips a step there, keeping its level (and a change that came with it)
+            # a new sampling interval changes what runs beside the steps (the planner's turns on a shared
+            # host): the pulse skips a step there, keeping its level (and a change that came with it)
             interval = next(iter(self.monitors.values())).schedule.interval_at(iteration)
             if interval != self._pulse_interval:
                 self._pulse_interval = interval
@@ -217,7 +223,8 @@ class ControlSession:
         self.last_records = records
         change = self.pulse.end_step() if self.pulse is not None else None
         if change is not None:
-            log.info("rank %d: %s at step %d; asking the planner to measure again", self.stage_index, change.what,
+            log.info("rank %d: %s at step %d; asking the planner to measure again", self.stage_index,
+                     change.what,
                      iteration)
             self.agent.alert(iteration, min(self.monitors), change.what, change.ratio)
         return self.agent.after_step(iteration, records)

@@ -31,7 +31,8 @@ log = logging.getLogger("vpipe.control")
 __all__ = ["ZAP_ENDPOINT", "NULL_DOMAIN", "HANDSHAKE_EVENTS", "ZapGuard", "handshake_failure"]
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # where libzmq asks a context's ZAP handler (RFC 27)
-NULL_DOMAIN = b"vpipe"  # an inbox without CURVE sets it: libzmq asks ZAP about NULL handshakes only with a domain
+# an inbox without CURVE sets it: libzmq asks ZAP about NULL handshakes only with a domain
+NULL_DOMAIN = b"vpipe"
 FULL = b"300"  # the status of a request refused because the inbox stayed full (a CURVE client retries)
 
 
@@ -95,7 +96,8 @@ class ZapGuard:
     def _refusal(self, request: list[bytes]) -> list[bytes] | None:
         """The answer that refuses ``request``; None when it may authenticate."""
         if len(request) < 6 or request[0] != b"1.0":
-            return [b"1.0", request[1] if len(request) > 1 else b"", b"500", b"malformed ZAP request", b"", b""]
+            return [b"1.0", request[1] if len(request) > 1 else b"", b"500", b"malformed ZAP request", b"",
+                    b""]
         request_id, domain, mechanism, credentials = request[1], request[2], request[5], request[6:]
         if self.config is None:
             return None if mechanism == b"NULL" else [b"1.0", request_id, b"400", b"NULL only", b"", b""]

@@ -17,12 +17,13 @@ from vpipe.engines.wpipe import WPipeEngine
 __all__ = ["Capabilities", "Engine", "EngineKind", "engine_for", "register_engine", "registered_engines",
            "unregister_engine"]
 
-# asked latest first: the plain module last (it takes any nn.Module), PipeDream before torch's single-stage schedules,
-# 2BW before PipeDream
+# asked latest first: the plain module last (it takes any nn.Module), PipeDream
+# before torch's single-stage schedules, 2BW before PipeDream
 register_engine(ModuleEngine)
 register_engine(TorchSingleEngine)
 register_engine(TorchMultiEngine)
 register_engine(DeepSpeedEngine)
 register_engine(PipeDreamEngine)
 register_engine(PipeDream2BWEngine)  # after PipeDream's: a SchedulePipeDream2BW is a SchedulePipeDream
-register_engine(WPipeEngine)  # after torch's multi-stage schedules': a ScheduleWPipe is a PipelineScheduleMulti
+# after torch's multi-stage schedules': a ScheduleWPipe is a PipelineScheduleMulti
+register_engine(WPipeEngine)

@@ -63,11 +63,15 @@ class Engine(abc.ABC):
     """
 
     kind: ClassVar[EngineKind] = EngineKind.OTHER
-    streams: ClassVar[bool] = False  # micro-batches stay in flight across steps (PipeDream), or every step flushes
-    step_method: ClassVar[str | None] = "step"  # the target's method that runs one step; None: the trainer's loop
-    counts_forwards: ClassVar[bool] = False  # micro-batches numbered by the stage module's forwards, not by actions
+    # micro-batches stay in flight across steps (PipeDream), or every step flushes
+    streams: ClassVar[bool] = False
+    # the target's method that runs one step; None: the trainer's loop
+    step_method: ClassVar[str | None] = "step"
+    # micro-batches numbered by the stage module's forwards, not by actions
+    counts_forwards: ClassVar[bool] = False
     replica_refusal: ClassVar[str | None] = None  # why data-parallel replicas of this pipeline are refused
-    carry_refusal: ClassVar[str | None] = None  # why attach(carry=...) is refused (weight averages cannot move)
+    # why attach(carry=...) is refused (weight averages cannot move)
+    carry_refusal: ClassVar[str | None] = None
 
     def __init__(self, pipeline: Pipeline) -> None:
         self.pipeline = pipeline
@@ -128,12 +132,14 @@ class Engine(abc.ABC):
         return None
 
     def unsettled(self) -> str | None:
-        """Why the layers cannot be edited at this step boundary (a stream still holds micro-batches), or None."""
+        """Why the layers cannot be edited at this step boundary (a
+        stream still holds micro-batches), or None."""
         return None
 
     # ------------------------------------------------------------------ what vpipe keeps in step
     def recomputes_itself(self) -> str | None:
-        """Why the engine recomputes the blocks' activations itself (vpipe's tensor managers then stay off)."""
+        """Why the engine recomputes the blocks' activations itself
+        (vpipe's tensor managers then stay off)."""
         return None
 
     def fixed_layers(self) -> Mapping[int, str]:

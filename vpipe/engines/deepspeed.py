@@ -47,17 +47,22 @@ class DeepSpeedEngine(Engine):
         stage = DeepSpeedStage(target)
         group = target.grid.get_pipe_parallel_group()
         if dist.get_rank(group) != stage.index:
-            raise ValueError(f"vpipe.attach: DeepSpeed stage {stage.index} is rank {dist.get_rank(group)} of its "
-                             "pipe group; vpipe needs stage i on group rank i (DeepSpeed's own topologies do that)")
+            raise ValueError(f"vpipe.attach: DeepSpeed stage {stage.index} is rank "
+                             f"{dist.get_rank(group)} of its "
+                             "pipe group; vpipe needs stage i on group rank i (DeepSpeed's "
+                             "own topologies do that)")
         empty = stage.empty_stages()
         if empty:
-            raise BlockContainerError(f"vpipe.attach: DeepSpeed stage(s) {empty} hold none of the model's repeated "
-                                      f"blocks (layers {stage.run.start}..{stage.run.stop - 1}); vpipe needs one per "
+            raise BlockContainerError(f"vpipe.attach: DeepSpeed stage(s) {empty} hold none of "
+                                      "the model's repeated "
+                                      f"blocks (layers {stage.run.start}..{stage.run.stop - 1}); "
+                                      "vpipe needs one per "
                                       "stage: use partition_method='uniform' or 'type:BlockClass'")
         p = next(stage.module.parameters(), None)
         device = p.device if p is not None else torch.device("cpu")
         local = [LocalStage(stage.index, stage.module, container=stage.container)]
-        pipeline = Pipeline(target, local, stage.num_stages, tuple(range(stage.num_stages)), "1f1b", device, group,
+        pipeline = Pipeline(target, local, stage.num_stages, tuple(range(stage.num_stages)), "1f1b", device,
+                            group,
                             int(target.micro_batches))
         return cls(check_tensor_parallel(pipeline), stage)
 
@@ -71,7 +76,8 @@ class DeepSpeedEngine(Engine):
         return self.stage.move_refusal()
 
     def edit_refusal(self) -> str | None:
-        return ("a DeepSpeed PipelineModule: its layer specs and checkpoint files are numbered by layer index at "
+        return ("a DeepSpeed PipelineModule: its layer specs and checkpoint files are "
+                "numbered by layer index at "
                 "initialize; vpipe only moves its layers")
 
     def recomputes_itself(self) -> str | None:
@@ -81,7 +87,8 @@ class DeepSpeedEngine(Engine):
                 f"(activation_checkpoint_interval={self.stage.module.activation_checkpoint_interval})")
 
     def fixed_layers(self) -> Mapping[int, str]:
-        return dict.fromkeys(self.stage.tied_layers(), "is a DeepSpeed TiedLayerSpec, shared with another stage")
+        return dict.fromkeys(self.stage.tied_layers(),
+                             "is a DeepSpeed TiedLayerSpec, shared with another stage")
 
     def followers(self) -> list[Any]:
         return [self.stage]  # the engine's names of the parameters, and the module written back at each plan

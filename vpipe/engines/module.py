@@ -1,4 +1,5 @@
-"""A plain stage module in a hand-written loop: one stage, stage i on rank i, the optimizer's step ends a step."""
+"""A plain stage module in a hand-written loop: one stage, stage i
+on rank i, the optimizer's step ends a step."""
 
 from __future__ import annotations
 
@@ -32,5 +33,6 @@ class ModuleEngine(Engine):
         p = next(module.parameters(), None)
         device = p.device if p is not None else torch.device("cpu")
         rank, world = dist.get_rank(), dist.get_world_size()
-        return cls(check_tensor_parallel(Pipeline(None, [LocalStage(rank, module)], world, tuple(range(world)),
+        return cls(check_tensor_parallel(Pipeline(None, [LocalStage(rank, module)], world,
+                                                  tuple(range(world)),
                                                   "gpipe", device)))

@@ -20,7 +20,8 @@ class PipeDreamEngine(TorchSingleEngine):
     kind = EngineKind.PIPEDREAM
     streams = True
     carry_refusal = "is not supported under SchedulePipeDream (its streamed moves do not carry averages)"
-    replica_refusal = ("a PipeDream stream with data-parallel replicas is not supported; run one pipeline over the "
+    replica_refusal = ("a PipeDream stream with data-parallel replicas is not supported; run "
+                       "one pipeline over the "
                        "whole world, or use GPipe / 1F1B / the multi-stage schedules")
 
     @classmethod
@@ -45,12 +46,14 @@ class PipeDreamEngine(TorchSingleEngine):
     def move_refusal(self) -> str | None:
         blocks = self.pipeline.first.blocks
         if blocks is not None and (blocks.path or blocks.style.value != "ids"):
-            return ("a PipeDream stream moves layers only in a stage module that is an nn.Sequential named by "
+            return ("a PipeDream stream moves layers only in a stage module that is an "
+                    "nn.Sequential named by "
                     "global layer id")
         return None
 
     def unsettled(self) -> str | None:
         in_flight = self.pipeline.schedule.in_flight
         if in_flight:
-            return f"a PipeDream stream needs schedule.flush() first ({len(in_flight)} micro-batches in flight)"
+            return (f"a PipeDream stream needs schedule.flush() first ({len(in_flight)} "
+                    "micro-batches in flight)")
         return None

@@ -1,4 +1,5 @@
-"""vpipe's own ``SchedulePipeDream2BW``: a PipeDream stream that updates once per period on two weight versions."""
+"""vpipe's own ``SchedulePipeDream2BW``: a PipeDream stream that
+updates once per period on two weight versions."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ class PipeDream2BWEngine(PipeDreamEngine):
 
     kind = EngineKind.PIPEDREAM_2BW
     carry_refusal = "is not supported under SchedulePipeDream2BW (its streamed moves do not carry averages)"
-    replica_refusal = ("a PipeDream-2BW stream with data-parallel replicas is not supported; run one pipeline over "
+    replica_refusal = ("a PipeDream-2BW stream with data-parallel replicas is not supported; "
+                       "run one pipeline over "
                        "the whole world, or use GPipe / 1F1B / the multi-stage schedules")
 
     @classmethod
@@ -37,5 +39,6 @@ class PipeDream2BWEngine(PipeDreamEngine):
     def unsettled(self) -> str | None:
         in_flight = self.pipeline.schedule.in_flight
         if in_flight:
-            return f"a PipeDream-2BW stream needs schedule.flush() first ({len(in_flight)} micro-batches in flight)"
+            return (f"a PipeDream-2BW stream needs schedule.flush() first ({len(in_flight)} "
+                    "micro-batches in flight)")
         return None

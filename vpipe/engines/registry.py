@@ -42,5 +42,6 @@ def engine_for(target: Any) -> Engine:
     for engine in reversed(_ENGINES):
         if engine.accepts(target):
             return engine.read(target)
-    raise TypeError("vpipe.attach takes a pipelining schedule, a DeepSpeed PipelineEngine or a stage module, got "
+    raise TypeError("vpipe.attach takes a pipelining schedule, a DeepSpeed PipelineEngine or "
+                    "a stage module, got "
                     f"{type(target).__name__}")

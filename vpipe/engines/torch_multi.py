@@ -1,5 +1,5 @@
-"""torch's multi-stage schedules (those that run an action list): several *virtual* stages per rank, the schedule
-knows which rank runs each."""
+"""torch's multi-stage schedules (those that run an action list): several *virtual*
+stages per rank, the schedule knows which rank runs each."""
 
 from __future__ import annotations
 
@@ -34,8 +34,8 @@ MULTI_STAGE_SCHEDULES = {
 
 
 class TorchMultiEngine(Engine):
-    """Interleaved 1F1B, LoopedBFS, the zero-bubble schedules, or a ``_PipelineScheduleRuntime`` loaded from an
-    action list: every step flushes, boundary shapes come from torch's shape inference."""
+    """Interleaved 1F1B, LoopedBFS, the zero-bubble schedules, or a ``_PipelineScheduleRuntime`` loaded
+    from an action list: every step flushes, boundary shapes come from torch's shape inference."""
 
     kind = EngineKind.TORCH_MULTI
 
@@ -47,7 +47,8 @@ class TorchMultiEngine(Engine):
     def read(cls, target: Any) -> Engine:
         if not isinstance(target, PipelineScheduleRuntime) or getattr(target, "pipeline_order", None) is None:
             raise TypeError(f"vpipe.attach supports the multi-stage schedules that run an action list "
-                            f"({', '.join(MULTI_STAGE_SCHEDULES)}, or _PipelineScheduleRuntime with a loaded CSV); "
+                            f"({', '.join(MULTI_STAGE_SCHEDULES)}, or _PipelineScheduleRuntime "
+                            "with a loaded CSV); "
                             f"{type(target).__name__} has none")
         check_schedule_api(target)
         stages = sorted(schedule_stages(target), key=lambda s: s.stage_index)
@@ -58,12 +59,14 @@ class TorchMultiEngine(Engine):
         ranks = tuple(int(mapping[v]) for v in range(num_stages))
         mine = [v for v, r in enumerate(ranks) if r == rank]
         if [s.stage_index for s in stages] != mine:
-            raise ValueError(f"vpipe.attach: this rank's schedule holds stages {[s.stage_index for s in stages]}, its "
+            raise ValueError("vpipe.attach: this rank's schedule holds stages "
+                             f"{[s.stage_index for s in stages]}, its "
                              f"action lists give rank {rank} stages {mine}")
         kind = MULTI_STAGE_SCHEDULES.get(type(target).__name__, "custom")
         local = [LocalStage(s.stage_index, unwrap_stage_module(s.submod), s) for s in stages]
         return cls(check_tensor_parallel(Pipeline(target, local, num_stages, ranks, kind,
-                                                  torch.device(stages[0].device), group, n_microbatches(target))))
+                                                  torch.device(stages[0].device), group,
+                                                  n_microbatches(target))))
 
     def reset_shapes(self) -> None:
         reset_shape_inference(self.pipeline.schedule)

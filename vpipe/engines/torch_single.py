@@ -1,4 +1,5 @@
-"""torch's single-stage schedules (``ScheduleGPipe``, ``Schedule1F1B``): one stage per rank, stage i on rank i."""
+"""torch's single-stage schedules (``ScheduleGPipe``, ``Schedule1F1B``):
+one stage per rank, stage i on rank i."""
 
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ def read_single_stage(schedule: Any, kind: str) -> Pipeline:
                          "process group; vpipe needs stage i on group rank i (as torch's single-stage "
                          "schedules do)")
     local = [LocalStage(stage.stage_index, unwrap_stage_module(stage.submod), stage)]
-    return check_tensor_parallel(Pipeline(schedule, local, stage.num_stages, tuple(range(stage.num_stages)), kind,
+    return check_tensor_parallel(Pipeline(schedule, local, stage.num_stages, tuple(range(stage.num_stages)),
+                                          kind,
                                           torch.device(stage.device), group, n_microbatches(schedule)))
 
 

@@ -1,4 +1,5 @@
-"""vpipe's own ``ScheduleWPipe``: two stages a rank (groups G0 and G1), G0's micro-batches in flight across steps."""
+"""vpipe's own ``ScheduleWPipe``: two stages a rank (groups G0 and
+G1), G0's micro-batches in flight across steps."""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ class WPipeEngine(Engine):
     kind = EngineKind.WPIPE
     streams = True
     carry_refusal = "is not supported under ScheduleWPipe (its layers do not move)"
-    replica_refusal = ("a WPipe stream with data-parallel replicas is not supported; run one pipeline over the whole "
+    replica_refusal = ("a WPipe stream with data-parallel replicas is not supported; run one "
+                       "pipeline over the whole "
                        "world, or use GPipe / 1F1B / the multi-stage schedules")
 
     @classmethod
@@ -47,7 +49,8 @@ class WPipeEngine(Engine):
         order = tuple(v % ranks for v in range(2 * ranks))
         local = [LocalStage(s.stage_index, unwrap_stage_module(s.submod), s) for s in stages]
         return cls(check_tensor_parallel(Pipeline(target, local, 2 * ranks, order, "wpipe",
-                                                  torch.device(stages[0].device), group, target.micro_batches)))
+                                                  torch.device(stages[0].device), group,
+                                                  target.micro_batches)))
 
     def default_optimizer(self) -> torch.optim.Optimizer | None:
         optimizer: torch.optim.Optimizer | None = self.pipeline.schedule.optimizer

@@ -51,8 +51,8 @@ class Average(abc.ABC):
 
     @abc.abstractmethod
     def put(self, layer_id: int, block: nn.Module, value: Any) -> None:
-        """Give the block (already in the stage's container) its average: held here, received (``Tensors``), or
-        None (a new block: its own weights, as an average starts)."""
+        """Give the block (already in the stage's container) its average: held here, received
+        (``Tensors``), or None (a new block: its own weights, as an average starts)."""
 
     def _position(self, layer_id: int, present: list[int]) -> int:
         ids = self.stage_blocks.ids
@@ -93,7 +93,8 @@ class AveragedCopy(Average):
                 name: t.detach() for name, t in [*block.named_parameters(), *block.named_buffers()]}
             targets = dict([*copy.named_parameters(), *copy.named_buffers()])
             if set(source) != set(targets):
-                raise ValueError(f"layer {layer_id}'s average has tensors {sorted(source)[:4]}, its block here "
+                raise ValueError(f"layer {layer_id}'s average has tensors "
+                                 f"{sorted(source)[:4]}, its block here "
                                  f"{sorted(targets)[:4]}")
             with torch.no_grad():
                 for name, t in targets.items():
@@ -114,7 +115,8 @@ class NamedCopy(Average):
 
     def _pop(self, path: str) -> Tensors:
         prefix = path + "."
-        return {key[len(prefix):]: self.values.pop(key) for key in [k for k in self.values if k.startswith(prefix)]}
+        return {key[len(prefix):]: self.values.pop(key)
+                for key in [k for k in self.values if k.startswith(prefix)]}
 
     def sync(self) -> None:
         here = set(self.stage_blocks.ids)
@@ -123,7 +125,8 @@ class NamedCopy(Average):
             if lid not in here:
                 self.held[lid] = self._pop(path)
                 del self.paths[lid]
-            elif self.stage_blocks.module_path(lid) != path:  # renumbered: every renamed block out first, then in
+            # renumbered: every renamed block out first, then in
+            elif self.stage_blocks.module_path(lid) != path:
                 moved[lid] = self._pop(path)
         for lid, entries in moved.items():
             self._add(lid, entries)

@@ -1,4 +1,5 @@
-"""State a trainer keeps per block beside its stage, carried with the blocks when they move: ``carry=``, ``on_move=``.
+"""State a trainer keeps per block beside its stage, carried with the
+blocks when they move: ``carry=``, ``on_move=``.
 
 ``vpipe.attach(..., carry=[ema])`` names weight averages of the stage module (torch's
 ``AveragedModel``, or a dict of tensors keyed by parameter name; :mod:`.averages`). When a block
@@ -37,9 +38,9 @@ __all__ = ["BlockMoves", "CarriedState", "carried_state"]
 
 @dataclass(frozen=True)
 class BlockMoves:
-    """What one commit changed on one of this rank's stages: the ids of the blocks that left, and those that arrived
-    (layer id -> the block now in the stage's container). A block that left and came back is in both: handle
-    ``left`` first."""
+    """What one commit changed on one of this rank's stages: the ids of the blocks that left,
+    and those that arrived (layer id -> the block now in the stage's container). A block that
+    left and came back is in both: handle ``left`` first."""
 
     stage: int
     arrived: dict[int, nn.Module]
@@ -67,11 +68,13 @@ class CarriedState:
     """This rank's carried averages, per local stage (in ``carry=``'s order), and the ``on_move`` hook."""
 
     def __init__(self, averages: Mapping[int, Sequence[Average]] | None = None,
-                 on_move: Callable[[BlockMoves], object] | None = None, carried_ids: frozenset[int] = frozenset()
+                 on_move: Callable[[BlockMoves], object] | None = None,
+                 carried_ids: frozenset[int] = frozenset()
                  ) -> None:
         self.averages = {v: list(found) for v, found in (averages or {}).items()}
         self.on_move = on_move
-        self.ids = carried_ids  # the carried objects (by id): what the scan for averages at attach leaves alone
+        # the carried objects (by id): what the scan for averages at attach leaves alone
+        self.ids = carried_ids
         self._pending: dict[int, tuple[dict[int, nn.Module], set[int]]] = {}
 
     def follower(self, stage: int) -> _Follower:
@@ -79,7 +82,8 @@ class CarriedState:
 
     # ------------------------------------------------------------ the layer manager's calls
     def pack(self, stage: int, layer_id: int) -> dict[int, Tensors]:
-        """The block's averaged tensors on its stage, by the average's place in the stage's list (the payload)."""
+        """The block's averaged tensors on its stage, by the average's
+        place in the stage's list (the payload)."""
         return {i: average.tensors(layer_id) for i, average in enumerate(self.averages.get(stage, ()))}
 
     def left(self, stage: int, layer_ids: Sequence[int]) -> None:
@@ -109,7 +113,8 @@ class CarriedState:
         came, went = self._pending.setdefault(stage, ({}, set()))
         if arrived and module is not None:
             came[layer_id] = module  # one that left and came back is in both: it is another module now
-        elif came.pop(layer_id, None) is None or layer_id in went:  # one that only passed through is in neither
+        # one that only passed through is in neither
+        elif came.pop(layer_id, None) is None or layer_id in went:
             went.add(layer_id)
 
     def plan_changed(self, plan: Any, cause: str) -> None:
@@ -135,8 +140,8 @@ class Gatherer(Protocol):
 
 def carried_state(pipeline: Pipeline, carry: Sequence[Any], on_move: Callable[[BlockMoves], object] | None,
                   agreement: Gatherer, who: str, *, refusal: str | None = None) -> CarriedState:
-    """Check ``carry=`` against this rank's stages and every stage's against the others' (the same kinds in the
-    same order): a ``ValueError`` in one line on every rank, else the state the layer manager carries.
+    """Check ``carry=`` against this rank's stages and every stage's against the others' (the same kinds in
+    the same order): a ``ValueError`` in one line on every rank, else the state the layer manager carries.
     ``refusal``: why the engine cannot carry averages (its adapter's), if it cannot."""
     averages: dict[int, list[Average]] = {s.index: [] for s in pipeline.stages}
     error = None
@@ -151,21 +156,24 @@ def carried_state(pipeline: Pipeline, carry: Sequence[Any], on_move: Callable[[B
         error = str(e)
     kinds = {str(v): [a.kind for a in found] for v, found in averages.items()}
     agreement.set(f"carry/{agreement.rank}", json.dumps({"error": error, "kinds": kinds}))
-    seen = [json.loads(raw) for raw in agreement.gather("carry/{}", range(agreement.world_size), "vpipe.attach", who)]
+    seen = [json.loads(raw) for raw in agreement.gather("carry/{}", range(agreement.world_size),
+                                                        "vpipe.attach", who)]
     first = error or next((s["error"] for s in seen if s["error"] is not None), None)
     if first is not None:
         raise ValueError(first)
     every = {int(v): k for s in seen for v, k in s["kinds"].items()}
     if len({json.dumps(k) for k in every.values()}) > 1:
         each = ", ".join(f"stage {v} {k or 'nothing'}" for v, k in sorted(every.items()))
-        raise ValueError(f"vpipe.attach: carry= differs between stages ({each}); every stage must carry the same "
+        raise ValueError(f"vpipe.attach: carry= differs between stages ({each}); every stage "
+                         "must carry the same "
                          "kinds of average, in the same order")
     return CarriedState(averages, on_move, frozenset(id(item) for item in carry))
 
 
 def _supported(carry: Sequence[Any], refusal: str | None) -> None:
     if carry and refusal is not None:  # the engine's adapter says why
-        raise ValueError(f"vpipe.attach: carry= {refusal}; leave it out and the averaged stages keep their blocks")
+        raise ValueError(f"vpipe.attach: carry= {refusal}; leave it out and the averaged "
+                         "stages keep their blocks")
 
 
 def _tensors(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -173,9 +181,10 @@ def _tensors(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _nearest(found: list[LocalStage], values: dict[str, torch.Tensor]) -> list[LocalStage]:
-    """Of stages whose parameters an average matches by name and shape (interleaved stages built alike), the one
-    it averages: an average tracks its own stage's weights (equals them when just made), far nearer than another
-    stage's, which started from other values; ``found`` as it was when no stage is clearly nearest."""
+    """Of stages whose parameters an average matches by name and shape (interleaved stages
+    built alike), the one it averages: an average tracks its own stage's weights (equals them
+    when just made), far nearer than another stage's, which started from other values;
+    ``found`` as it was when no stage is clearly nearest."""
     def distance(stage: LocalStage) -> float:
         mine = _tensors(stage.module)
         return sum(float((values[n].detach().double() - mine[n].detach().double()).square().sum())
@@ -201,28 +210,37 @@ def _stage_of(i: int, item: Any, stages: Sequence[LocalStage]) -> LocalStage:
     elif type(item) is dict:
         bad = next((k for k in item if not isinstance(k, str)), None)
         if bad is not None or not item:
-            raise ValueError(f"{what} is a dict keyed by {bad!r}: a carried dict maps the stage module's parameter "
+            raise ValueError(f"{what} is a dict keyed by {bad!r}: a carried dict maps the "
+                             "stage module's parameter "
                              "names (as named_parameters() gives them) to tensors")
         found = [s for s in stages if set(item) <= set(_tensors(s.module))]
         if not found:
             names = set().union(*(_tensors(s.module) for s in stages))
             key = next(k for k in item if k not in names)
-            raise ValueError(f"{what} is a dict keyed by {key!r}, which names no parameter of this rank's stage "
-                             "module: a carried dict is keyed by the parameter names named_parameters() gives")
+            raise ValueError(
+                f"{what} is a dict keyed by {key!r}, which names no parameter "
+                "of this rank's stage "
+                "module: a carried dict is keyed by the parameter names named_parameters() gives"
+            )
         own = {id(t) for s in found for t in _tensors(s.module).values()}
         values = item
         if any(not isinstance(t, torch.Tensor) or id(t) in own for t in values.values()):
-            raise ValueError(f"{what}: a carried dict holds tensors of its own (copies of the weights), not the "
+            raise ValueError(f"{what}: a carried dict holds tensors of its own (copies of "
+                             "the weights), not the "
                              "stage's parameters themselves")
     else:
-        raise ValueError(f"{what} is a {type(item).__name__}: carry= takes torch's AveragedModel of the stage module "
-                         "or a dict of tensors keyed by its parameter names (on_move= hears of moves for anything "
+        raise ValueError(f"{what} is a {type(item).__name__}: carry= takes torch's AveragedModel "
+                         "of the stage module "
+                         "or a dict of tensors keyed by its parameter names (on_move= hears "
+                         "of moves for anything "
                          "else)")
     if len(found) > 1:
         found = _nearest(found, values)
     if len(found) > 1:
-        raise ValueError(f"{what} averages stages {[s.index for s in found]} of this rank alike (the same names and "
-                         "shapes, and values as near to each); carry one average per stage module, made from it "
+        raise ValueError(f"{what} averages stages {[s.index for s in found]} of this rank alike "
+                         "(the same names and "
+                         "shapes, and values as near to each); carry one average per stage "
+                         "module, made from it "
                          "before training (as AveragedModel(stage_module) is)")
     if any(isinstance(t, DTensor) for t in values.values()):
         raise ValueError(f"{what} holds sharded tensors (DTensor): carried averages must be whole tensors")

@@ -25,7 +25,8 @@ from vpipe.tensor_manager import is_routed_forward
 __all__ = ["clone_block", "block_attrs", "set_block_attrs", "block_info", "validate_block_info"]
 
 _PLAIN = (bool, int, float, str, type(None))
-_CALLS = frozenset({"forward"})  # how a module is called, never a plain attribute (torch's compiled call is internal)
+# how a module is called, never a plain attribute (torch's compiled call is internal)
+_CALLS = frozenset({"forward"})
 _MAX_ATTRS = 512
 _MAX_TEXT = 256
 
@@ -61,9 +62,15 @@ def validate_attrs(raw: Any, layer_id: int) -> dict[str, dict[str, Any]]:
     if raw is None:
         return {}
     if not isinstance(raw, dict) or len(raw) > _MAX_ATTRS:
-        raise ValueError(f"layer {layer_id}: block attributes must be a map of at most {_MAX_ATTRS} submodules")
+        raise ValueError(f"layer {layer_id}: block attributes must be a map of at most "
+                         f"{_MAX_ATTRS} submodules")
     for sub, values in raw.items():
-        if not isinstance(sub, str) or len(sub) > _MAX_TEXT or not isinstance(values, dict) or len(values) > _MAX_ATTRS:
+        if (
+            not isinstance(sub, str)
+            or len(sub) > _MAX_TEXT
+            or not isinstance(values, dict)
+            or len(values) > _MAX_ATTRS
+        ):
             raise ValueError(f"layer {layer_id}: bad block attributes for submodule {sub!r:.80}")
         for key, value in values.items():
             if not isinstance(key, str) or not key.isidentifier() or key in MODULE_INTERNALS or key in _CALLS:
@@ -74,7 +81,8 @@ def validate_attrs(raw: Any, layer_id: int) -> dict[str, dict[str, Any]]:
 
 
 def block_info(block: nn.Module, key: str) -> dict[str, Any]:
-    """The ``block`` part of a moved layer's manifest: what the target needs besides the tensors to rebuild it."""
+    """The ``block`` part of a moved layer's manifest: what the
+    target needs besides the tensors to rebuild it."""
     return {"kind": block_kind(block), "key": key, "attrs": block_attrs(block)}
 
 
@@ -95,13 +103,15 @@ def set_block_attrs(block: nn.Module, attrs: Mapping[str, Mapping[str, Any]], la
     """Give ``block`` (a clone) the moved block's plain attributes; both must have the same ones."""
     mine = block_attrs(block)
     if {k: set(v) for k, v in mine.items()} != {k: set(v) for k, v in attrs.items()}:
-        raise ValueError(f"layer {layer_id}: the block here has plain attributes {_names(mine)}, the moved one "
+        raise ValueError(f"layer {layer_id}: the block here has plain attributes "
+                         f"{_names(mine)}, the moved one "
                          f"{_names(attrs)}: they are not the same kind of block")
     for sub, values in attrs.items():
         module = block.get_submodule(sub)
         for key, value in values.items():
             old = getattr(module, key)
-            setattr(module, key, tuple(value) if isinstance(old, tuple) and isinstance(value, list) else value)
+            setattr(module, key, tuple(value) if isinstance(old, tuple) and isinstance(value, list)
+                    else value)
 
 
 def _names(attrs: Mapping[str, Mapping[str, Any]]) -> list[str]:
@@ -134,7 +144,8 @@ def _empty_alike(tensors: Sequence[torch.Tensor]) -> dict[int, torch.Tensor]:
         storage = torch.UntypedStorage(end - start, device=group[0].device)
         for t in group:
             offset = (t.storage_offset() * t.element_size() - start) // t.element_size()
-            out[id(t)] = torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, offset, t.shape, t.stride())
+            out[id(t)] = torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, offset, t.shape,
+                                                                             t.stride())
     return out
 
 

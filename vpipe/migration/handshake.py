@@ -48,7 +48,8 @@ class MigrationError(RuntimeError):
 
 
 class Messenger(Protocol):
-    """The control-plane operations a migration needs (see :class:`vpipe.migration.messages.ControlMessenger`)."""
+    """The control-plane operations a migration needs (see
+    :class:`vpipe.migration.messages.ControlMessenger`)."""
 
     def send_to(self, peer: int, type: str, body: dict[str, Any], *, epoch: int) -> None: ...
 
@@ -99,7 +100,8 @@ class BlockBuilder:
         donor = next((b for blocks in self.blocks.values() for b in blocks.blocks().values()
                       if block_kind(b) == info["kind"]), None)
         if donor is None:
-            raise MigrationError(f"this rank has no block of kind {info['kind']} to build layer {lid} from; pass "
+            raise MigrationError(f"this rank has no block of kind {info['kind']} to build "
+                                 f"layer {lid} from; pass "
                                  "layer_factory= to vpipe.attach for models whose blocks differ")
         block = clone_block(donor)
         try:
@@ -108,7 +110,8 @@ class BlockBuilder:
             raise MigrationError(str(e)) from None
         return block
 
-    def for_manifests(self, manifests: Sequence[dict[str, Any]], early: dict[int, nn.Module]) -> dict[int, nn.Module]:
+    def for_manifests(self, manifests: Sequence[dict[str, Any]],
+                      early: dict[int, nn.Module]) -> dict[int, nn.Module]:
         modules = {}
         for man in manifests:
             lid = man["layer"]
@@ -124,12 +127,15 @@ def announce(messenger: Messenger, move: Move, dst_rank: int, manifests: list[di
              key: tuple[int, int, int]) -> None:
     """Source side: tell the target which layers come, with their manifests."""
     messenger.send_to(dst_rank, "migrate_prepare",
-                      {"round": key[1], "move": key[2], "src": move.src, "dst": move.dst, "layers": list(move.layers),
+                      {"round": key[1], "move": key[2], "src": move.src, "dst": move.dst,
+                       "layers": list(move.layers),
                        "manifests": manifests}, epoch=key[0])
 
 
-def refuse_move(messenger: Messenger, move: Move, dst_rank: int, key: tuple[int, int, int], reason: str) -> None:
-    """Source side: the layers cannot move (pinned, or state that cannot travel); one line, and the target hears it."""
+def refuse_move(messenger: Messenger, move: Move, dst_rank: int, key: tuple[int, int, int],
+                reason: str) -> None:
+    """Source side: the layers cannot move (pinned, or state that
+    cannot travel); one line, and the target hears it."""
     decision("migration_refused", f"stage {move.src} cannot send layers {list(move.layers)}: {reason}",
              stage=move.src, layers=list(move.layers), reason=reason)
     messenger.send_to(dst_rank, "migrate_abort", {"round": key[1], "move": key[2], "reason": reason[:200]},
@@ -142,9 +148,11 @@ def receive_prepare(messenger: Messenger, builder: BlockBuilder, move: Move, src
     # the plan names the layers: build those whose spec we know while the source packs them
     early = ({lid: builder.build(lid, builder.specs[lid]) for lid in move.layers if lid in builder.specs}
              if builder.factory is not None else {})
-    got = messenger.wait_for({"migrate_prepare", "migrate_abort"}, from_rank=src_rank, key=key, timeout_s=timeout_s)
+    got = messenger.wait_for({"migrate_prepare", "migrate_abort"}, from_rank=src_rank, key=key,
+                             timeout_s=timeout_s)
     if got is None or got[0] == "migrate_abort":
-        log.warning("stage %d: no migrate_prepare from stage %d for layers %s", move.dst, move.src, list(move.layers))
+        log.warning("stage %d: no migrate_prepare from stage %d for layers %s", move.dst, move.src,
+                    list(move.layers))
         return Incoming(move, [], {}, ok=False)
     if faults("prepare_received"):
         log.warning("stage %d: fault injected: ignoring migrate_prepare from stage %d", move.dst, move.src)
@@ -161,7 +169,8 @@ def receive_prepare(messenger: Messenger, builder: BlockBuilder, move: Move, src
     except MigrationError as e:
         decision("migration_refused", f"stage {move.dst} cannot build layers {list(move.layers)}: {e}",
                  stage=move.dst, layers=list(move.layers), reason=str(e))
-        messenger.send_to(src_rank, "migrate_abort", {"round": key[1], "move": key[2], "reason": str(e)[:200]},
+        messenger.send_to(src_rank, "migrate_abort", {"round": key[1], "move": key[2],
+                                                      "reason": str(e)[:200]},
                           epoch=key[0])
         return Incoming(move, [], {}, ok=False)
     messenger.send_to(src_rank, "migrate_ready", {"round": key[1], "move": key[2]}, epoch=key[0])
@@ -171,10 +180,12 @@ def receive_prepare(messenger: Messenger, builder: BlockBuilder, move: Move, src
 def await_ready(messenger: Messenger, move: Move, dst_rank: int, key: tuple[int, int, int], timeout_s: float,
                 *, abort_on_silence: bool) -> bool:
     """Source side: whether the target said ready (a silent one gets an abort when ``abort_on_silence``)."""
-    answer = messenger.wait_for({"migrate_ready", "migrate_abort"}, from_rank=dst_rank, key=key, timeout_s=timeout_s)
+    answer = messenger.wait_for({"migrate_ready", "migrate_abort"}, from_rank=dst_rank, key=key,
+                                timeout_s=timeout_s)
     if answer is not None:
         return answer[0] == "migrate_ready"
-    log.warning("stage %d: no migrate_ready from stage %d for layers %s", move.src, move.dst, list(move.layers))
+    log.warning("stage %d: no migrate_ready from stage %d for layers %s", move.src, move.dst,
+                list(move.layers))
     if abort_on_silence:
         messenger.send_to(dst_rank, "migrate_abort", {"round": key[1], "move": key[2], "reason": "no ready"},
                           epoch=key[0])

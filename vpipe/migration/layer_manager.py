@@ -3,7 +3,8 @@
 A plan (with an epoch) is diffed against the placement it is handed into rounds of neighbour moves
 (:mod:`vpipe.migration.moves`), and the placement reached is returned. A move between two stages this
 rank runs (the multi-stage schedules) re-parents the blocks locally, with nothing sent. A move to another
-rank is an exchange over the control plane, the tensors travelling over the migration group (:mod:`.transfer`)::
+rank is an exchange over the control plane, the tensors travelling over the migration group
+(:mod:`.transfer`)::
 
     source                                   target
       migrate_prepare (manifests) ------->     build the layers (meta device, no init cost)
@@ -120,7 +121,8 @@ class LayerManager:
             if stage_index is None:
                 raise ValueError("a single block container needs stage_index=")
             blocks = {stage_index: blocks}
-        self.blocks: dict[int, StageBlocks] = {v: StageBlocks.keyed_by_ids(b) if isinstance(b, nn.Sequential) else b
+        self.blocks: dict[int, StageBlocks] = {v: StageBlocks.keyed_by_ids(b) if isinstance(b, nn.Sequential)
+                                               else b
                                                for v, b in sorted(blocks.items())}
         initial = Placement.of(placement, stage_ranks)
         self.stage_ranks = initial.stage_ranks
@@ -128,7 +130,8 @@ class LayerManager:
         self.specs: dict[int, Any] = dict(specs or {})
         self.builder = BlockBuilder(self.blocks, factory, self.specs, device)
         self.messenger = messenger
-        self.channel, self.device, self.timeout_s, self.epoch, self.faults = channel, device, timeout_s, epoch, faults
+        self.channel, self.device, self.timeout_s, self.epoch, self.faults = (channel, device, timeout_s,
+                                                                              epoch, faults)
         self.carry = carry if carry is not None else CarriedState()  # averages beside the stages, on_move
         self.listeners: dict[int, list[LayerListener]] = {
             v: [*(listeners or {}).get(v, ()), self.carry.follower(v)] for v in self.blocks}
@@ -140,7 +143,8 @@ class LayerManager:
                                  f"{list(initial.stages[v])}")
         ranks = {initial.rank_of(v) for v in self.blocks}
         if len(ranks) != 1:
-            raise ValueError(f"the local stages {sorted(self.blocks)} run on ranks {sorted(ranks)}, not on one")
+            raise ValueError(f"the local stages {sorted(self.blocks)} run on ranks "
+                             f"{sorted(ranks)}, not on one")
         self.rank = ranks.pop()
         self.shapes = BoundaryShapes()
         for lid, layer in ((lid, layer) for b in self.blocks.values() for lid, layer in b.blocks().items()):
@@ -204,10 +208,13 @@ class LayerManager:
         report.seconds = time.perf_counter() - started
         if mine:
             decision("migration_done",
-                     f"epoch {plan.epoch}: rank {self.rank} moved {len(report.moved)}, aborted {len(report.aborted)}",
-                     epoch=plan.epoch, stage=self.local_stages[0], stages=self.local_stages, seconds=report.seconds,
+                     f"epoch {plan.epoch}: rank {self.rank} moved {len(report.moved)}, aborted "
+                     f"{len(report.aborted)}",
+                     epoch=plan.epoch, stage=self.local_stages[0], stages=self.local_stages,
+                     seconds=report.seconds,
                      bytes_sent=report.bytes_sent, bytes_received=report.bytes_received,
-                     moved=[list(m.layers) for m in report.moved], aborted=[list(m.layers) for m in report.aborted],
+                     moved=[list(m.layers) for m in report.moved],
+                     aborted=[list(m.layers) for m in report.aborted],
                      layers=self.layer_ids, rebuilt=report.rebuilt)
         return report
 
@@ -215,8 +222,9 @@ class LayerManager:
         return self.stage_ranks[stage]
 
     def _link(self) -> MoveLink:
-        """What the exchanges with other ranks may use of this manager, with a clock for one round (made per round:
-        fields may be swapped). The round ends within the transfer group's timeout, the trainer's."""
+        """What the exchanges with other ranks may use of this manager, with a
+        clock for one round (made per round: fields may be swapped). The round ends
+        within the transfer group's timeout, the trainer's."""
         limit = self.channel.timeout_s
         patience = patience_s(self.timeout_s, limit)
         return MoveLink(self.messenger, self.channel, self.stage_ranks, patience, self.builder,
@@ -243,8 +251,8 @@ class LayerManager:
         return states
 
     def _run_round(self, epoch: int, r: int, moves: Sequence[Move], report: MigrationReport) -> bool:
-        """One round of moves from ``report.placement``; True if every move of the round went through on every rank
-        (and ``report.placement`` is the round's)."""
+        """One round of moves from ``report.placement``; True if every move of the round went through on
+        every rank (and ``report.placement`` is the round's)."""
         local = self.blocks
         outgoing = [m for m in moves if m.src in local and m.dst not in local]
         incoming = [m for m in moves if m.dst in local and m.src not in local]
@@ -258,10 +266,12 @@ class LayerManager:
         before = report.placement
         after = apply_round(before, moves)
         ok, changed = self.channel.vote([(ok, True), (self._output_changes(before, after, arriving), False)],
-                                        timeout_s=link.clock.vote_s(), what=f"the move of epoch {epoch} (round {r})")
+                                        timeout_s=link.clock.vote_s(),
+                                        what=f"the move of epoch {epoch} (round {r})")
         if not ok:
             report.aborted.extend(self._involved(moves))
-            decision("migration_aborted", f"epoch {epoch} round {r}: a move failed; every stage keeps its layers",
+            decision("migration_aborted",
+                     f"epoch {epoch} round {r}: a move failed; every stage keeps its layers",
                      epoch=epoch, round=r, stage=self.local_stages[0])
             return False
         for m in outgoing:
@@ -280,7 +290,8 @@ class LayerManager:
         return True
 
     def _can_move_within(self, moves: Sequence[Move]) -> bool:
-        """Whether every move between two of this rank's stages finds its param groups there (before the vote)."""
+        """Whether every move between two of this rank's stages
+        finds its param groups there (before the vote)."""
         for m in moves:
             params = [p for lid in m.layers for p in self.blocks[m.src].blocks()[lid].parameters()]
             reason = group_refusal(part_of(self.optimizer, m.src), part_of(self.optimizer, m.dst), params)
@@ -292,7 +303,8 @@ class LayerManager:
 
     def _output_changes(self, before: Sequence[Sequence[int]], after: Sequence[Sequence[int]],
                         arriving: Sequence[Incoming]) -> bool:
-        """Whether this round changes what one of this rank's stages sends downstream (shape, dtype, arity)."""
+        """Whether this round changes what one of this rank's stages
+        sends downstream (shape, dtype, arity)."""
         manifests = {man["layer"]: man for inc in arriving for man in inc.manifests}
         return any(self.shapes.last_output_changes(before[v], after[v], manifests)
                    for v in self.blocks if v != self.num_stages - 1)
@@ -300,8 +312,8 @@ class LayerManager:
     # ---------------------------------------------------------------- streamed moves (PipeDream)
     def start_streamed(self, plan: Plan, start: Sequence[Sequence[int]], schedule: Any,
                        switch_mb: int) -> tuple[list[Any], tuple[tuple[int, ...], ...]]:
-        """Begin moving from placement ``start`` towards ``plan`` inside a running PipeDream stream, switching at
-        ``switch_mb``.
+        """Begin moving from placement ``start`` towards ``plan`` inside a
+        running PipeDream stream, switching at ``switch_mb``.
 
         Called on every rank at the same step boundary, before the step that contains
         ``switch_mb`` starts its forwards. Only the first round of neighbour moves is started
@@ -316,7 +328,8 @@ class LayerManager:
         if not rounds:
             return [], before
         s, after = self.stage_index, apply_round(before, rounds[0])
-        movers = start_round(self._link(), schedule, switch_mb, plan.epoch, rounds[0], stage=s, blocks=self.blocks[s],
+        movers = start_round(self._link(), schedule, switch_mb, plan.epoch, rounds[0], stage=s,
+                             blocks=self.blocks[s],
                              listeners=[WatchShapes(self.shapes), *self.listeners[s]],
                              reshapes=self.shapes.boundary_changed(s, before, after))
         if movers is None:
@@ -325,11 +338,13 @@ class LayerManager:
 
     # ---------------------------------------------------------------- adding and removing layers
     def add_layers(self, start: Sequence[Sequence[int]], position: int, specs: Sequence[Any],
-                   namesakes: Mapping[str, Any] | None = None) -> tuple[list[int], tuple[tuple[int, ...], ...]]:
-        """Insert new layers before model position ``position`` of placement ``start`` (0 = first; every rank calls
-        it alike): fresh ids (never reused), on the stage holding the layer at ``position`` (the last when
-        appending), built by the factory, each parameter in the group its namesake in the nearest block alike trains
-        in (``namesakes``: every rank's :func:`.namesakes.group_table`). Returns the new ids and the placement."""
+                   namesakes: Mapping[str, Any] | None = None) -> tuple[list[int],
+                                                                        tuple[tuple[int, ...], ...]]:
+        """Insert new layers before model position ``position`` of placement ``start`` (0 = first;
+        every rank calls it alike): fresh ids (never reused), on the stage holding the layer at
+        ``position`` (the last when appending), built by the factory, each parameter in the group its
+        namesake in the nearest block alike trains in (``namesakes``: every rank's
+        :func:`.namesakes.group_table`). Returns the new ids and the placement."""
         before = Placement.of(start, self.stage_ranks)
         if not specs:
             return [], before.stages
@@ -339,7 +354,8 @@ class LayerManager:
         if owner in self.blocks:
             if self.builder.factory is None:
                 raise ValueError("adding layers needs layer_factory= in the vpipe config to build them")
-            built = [(lid, self.builder.factory(lid, spec).to(self.device)) for lid, spec in zip(new_ids, specs)]
+            built = [(lid, self.builder.factory(lid, spec).to(self.device))
+                     for lid, spec in zip(new_ids, specs)]
             optimizer = part_of(self.optimizer, owner)
             joins = [j for lid, layer in built for j in join_groups(optimizer, layer, lid, placement.order,
                                                                    namesakes or {})]
@@ -357,9 +373,9 @@ class LayerManager:
 
     def remove_layers(self, start: Sequence[Sequence[int]],
                       layer_ids: Iterable[int]) -> tuple[bool, tuple[tuple[int, ...], ...]]:
-        """Remove layers by id from placement ``start`` (every rank calls it alike; no stage left empty); whether
-        any stage now sends another activation downstream (voted: every rank learns it alike), and the placement
-        without them."""
+        """Remove layers by id from placement ``start`` (every rank calls it alike; no stage
+        left empty); whether any stage now sends another activation downstream (voted: every
+        rank learns it alike), and the placement without them."""
         doomed = set(layer_ids)
         placement = Placement.of(start, self.stage_ranks).without(doomed)
         reshapes = self.channel.vote([(any(self.shapes.last_output_changes(start[v], placement.stages[v], {})
@@ -396,7 +412,8 @@ class LayerManager:
             self.shapes.unwatch(lid)
         self._take(stage, layer_ids)
         self.carry.left(stage, layer_ids)
-        report_stale_references(stage, layer_ids, [p for lid in layer_ids for p in children[lid].parameters()],
+        report_stale_references(stage, layer_ids, [p for lid in layer_ids
+                                                   for p in children[lid].parameters()],
                                 [children[lid] for lid in layer_ids])
 
     def _welcome(self, stage: int, layer_id: int, layer: nn.Module) -> None:
@@ -416,4 +433,5 @@ class LayerManager:
         blocks.insert(0 if inc.move.forward else len(blocks.ids), new)
         for lid in inc.move.layers:
             self._welcome(inc.move.dst, lid, inc.modules[lid])
-        self.carry.arrived(inc.move.dst, {lid: b for lid, b, _ in new}, {ld.layer_id: ld.carried for ld in inc.loaded})
+        self.carry.arrived(inc.move.dst, {lid: b for lid, b, _ in new},
+                           {ld.layer_id: ld.carried for ld in inc.loaded})

@@ -47,15 +47,18 @@ def sharding_matches(target: torch.Tensor, entry: dict[str, Any], layer_id: int)
                          "every stage's blocks alike)")
 
 
-def like_owner(value: torch.Tensor, owner: torch.Tensor, entry: dict[str, Any], layer_id: int) -> torch.Tensor:
+def like_owner(value: torch.Tensor, owner: torch.Tensor, entry: dict[str, Any],
+               layer_id: int) -> torch.Tensor:
     """An optimizer state shard as the DTensor its sharded parameter's state is (else ``value`` as it is)."""
     if not entry.get("shard", False):
         return value
     sharding_matches(owner, entry, layer_id)
     assert isinstance(owner, DTensor)
     if list(owner.to_local().shape) != list(value.shape):
-        raise ValueError(f"layer {layer_id}: optimizer state {entry['key']!r} of {entry['name']} is a shard of "
-                         f"{tuple(value.shape)}, the parameter's shard here is {tuple(owner.to_local().shape)}")
+        raise ValueError(f"layer {layer_id}: optimizer state {entry['key']!r} of "
+                         f"{entry['name']} is a shard of "
+                         f"{tuple(value.shape)}, the parameter's shard here is "
+                         f"{tuple(owner.to_local().shape)}")
     return DTensor.from_local(value, owner.device_mesh, owner.placements, run_check=False, shape=owner.shape,
                               stride=owner.stride())
 
@@ -71,13 +74,14 @@ def load_grad(owner: torch.Tensor, value: torch.Tensor, entry: dict[str, Any], l
 
 def load_buffer(module: nn.Module, target: torch.Tensor, value: torch.Tensor, entry: dict[str, Any],
                  layer_id: int) -> None:
-    """A plain buffer takes the sender's values as a new tensor: a PipeDream hand-over loads a block whose copy here
-    already ran forwards, and backwards still to come saved its old buffers (BatchNorm's running statistics), which
-    an in-place copy made fail ("modified by an inplace operation")."""
+    """A plain buffer takes the sender's values as a new tensor: a PipeDream hand-over loads a block whose
+    copy here already ran forwards, and backwards still to come saved its old buffers (BatchNorm's running
+    statistics), which an in-place copy made fail ("modified by an inplace operation")."""
     path, _, leaf = entry["name"].rpartition(".")
     owner = module.get_submodule(path)
     if isinstance(target, DTensor) or getattr(owner, leaf, None) is not target or _aliased(module, target):
-        load_tensor(target, value, entry, layer_id)  # sharded, or sharing memory with another tensor: in place
+        # sharded, or sharing memory with another tensor: in place
+        load_tensor(target, value, entry, layer_id)
         return
     _same_kind(target, entry, layer_id)
     fresh = target.detach().clone()  # the same layout (strides) as the block built here

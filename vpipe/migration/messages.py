@@ -180,7 +180,8 @@ class HeldMessages:
         if now >= self._next_log:
             self._next_log = now + DROP_LOG_S
             counts = ", ".join(f"{n} {r}" for r, n in sorted(self._since_log.items()))
-            log.info("rank %d: dropped %s migration message(s) matching no move (latest: %s from rank %d, epoch %d "
+            log.info("rank %d: dropped %s migration message(s) matching no move (latest: %s "
+                     "from rank %d, epoch %d "
                      "round %d; %d so far)", self.rank, counts, message.type, message.src, message.epoch,
                      message.body["round"], self.dropped.total())
             self._since_log.clear()

@@ -26,7 +26,8 @@ __all__ = ["group_table", "join_groups"]
 
 
 def group_table(blocks: Mapping[int, StageBlocks], optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-    """Per block of this rank (by id): its class and the settings of the group each of its parameters trains in."""
+    """Per block of this rank (by id): its class and the settings of
+    the group each of its parameters trains in."""
     table: dict[str, Any] = {}
     for stage, stage_blocks in blocks.items():
         part = part_of(optimizer, stage)
@@ -41,17 +42,20 @@ def group_table(blocks: Mapping[int, StageBlocks], optimizer: torch.optim.Optimi
     return table
 
 
-def join_groups(optimizer: torch.optim.Optimizer | None, layer: nn.Module, layer_id: int, order: Sequence[int],
+def join_groups(optimizer: torch.optim.Optimizer | None, layer: nn.Module, layer_id: int,
+                order: Sequence[int],
                 table: Mapping[str, Any]) -> list[tuple[torch.Tensor, int]]:
-    """(parameter, index of the group it joins) for each parameter of the new ``layer`` that trains: the group with
-    the settings its namesake trains with in the nearest block of its class in model ``order`` (every rank's
-    blocks in ``table``). A parameter without a trained namesake joins group 0 if it trains, else none. Raises
-    ``GroupMismatch`` (before anything is edited) when this stage's optimizer has no group with those settings."""
+    """(parameter, index of the group it joins) for each parameter of the new ``layer`` that
+    trains: the group with the settings its namesake trains with in the nearest block of its class
+    in model ``order`` (every rank's blocks in ``table``). A parameter without a trained namesake
+    joins group 0 if it trains, else none. Raises ``GroupMismatch`` (before anything is edited)
+    when this stage's optimizer has no group with those settings."""
     if optimizer is None:
         return []
     at = list(order).index(layer_id)
     cls = type(layer).__qualname__
-    alike = sorted((i for i, lid in enumerate(order) if lid != layer_id and table.get(str(lid), {}).get("class")
+    alike = sorted((i for i, lid in enumerate(order) if lid != layer_id
+                    and table.get(str(lid), {}).get("class")
                     == cls), key=lambda i: (abs(i - at), i))
     theirs = table[str(order[alike[0]])]["params"] if alike else {}
     kinds = group_kinds(optimizer)

@@ -120,7 +120,8 @@ class VoteMarks:
 
     def silent(self, ranks: list[int], watch_s: float = SILENT_S) -> list[int] | None:
         """Of ``ranks``, those whose beat did not advance within ``watch_s`` (None: the store did not say)."""
-        def beats() -> dict[int, int]:  # add(key, 0) reads a counter (and makes one missing: a rank never beat)
+        # add(key, 0) reads a counter (and makes one missing: a rank never beat)
+        def beats() -> dict[int, int]:
             return {r: int(self.store.add(f"beat/{r}", 0)) for r in ranks}
 
         what = f"rank {self.rank}: the store did not say whose beat advanced"

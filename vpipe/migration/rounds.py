@@ -61,12 +61,14 @@ def exchange(link: MoveLink, epoch: int, r: int, outgoing: Sequence[Move], incom
     for m in outgoing:
         try:
             states = link.pack(m, True)
-        except ValueError as e:  # a block or state a move cannot carry: the target hears why, the round aborts
+        # a block or state a move cannot carry: the target hears why, the round aborts
+        except ValueError as e:
             refuse_move(link.messenger, m, link.rank_of(m.dst), move_key(epoch, r, m), str(e))
             ok = False
             continue
         sent_states[m] = states
-        announce(link.messenger, m, link.rank_of(m.dst), [st.manifest for st in states], move_key(epoch, r, m))
+        announce(link.messenger, m, link.rank_of(m.dst), [st.manifest for st in states],
+                 move_key(epoch, r, m))
     # phase 2: build what arrives (on the meta device, then empty storage: no init cost)
     arriving = [receive_prepare(link.messenger, link.builder, m, link.rank_of(m.src), move_key(epoch, r, m),
                                 link.clock.wait_s(), link.faults) for m in incoming]
@@ -74,7 +76,8 @@ def exchange(link: MoveLink, epoch: int, r: int, outgoing: Sequence[Move], incom
     works = []
     for m in sent_states:
         key = move_key(epoch, r, m)
-        if not await_ready(link.messenger, m, link.rank_of(m.dst), key, link.clock.wait_s(), abort_on_silence=True):
+        if not await_ready(link.messenger, m, link.rank_of(m.dst), key, link.clock.wait_s(),
+                           abort_on_silence=True):
             ok = False
             continue
         payload = torch.cat([st.payload for st in sent_states[m]])
@@ -100,7 +103,8 @@ def exchange(link: MoveLink, epoch: int, r: int, outgoing: Sequence[Move], incom
         answer = link.messenger.wait_for({"migrate_ack", "migrate_abort"}, from_rank=link.rank_of(m.dst),
                                          key=move_key(epoch, r, m), timeout_s=link.clock.wait_s())
         if answer is None or answer[0] != "migrate_ack":
-            log.warning("rank %d: no migrate_ack from stage %d for layers %s; aborting", link.rank_of(m.src), m.dst,
+            log.warning("rank %d: no migrate_ack from stage %d for layers %s; aborting", link.rank_of(m.src),
+                        m.dst,
                         list(m.layers))
             ok = False
     return ok, arriving
@@ -113,7 +117,8 @@ def _tag(link: MoveLink, key: tuple[int, int, int]) -> int:
     return transfer_tag(epoch, MOVE, (round_index * 2 * link.num_stages + move) % 10_000)
 
 
-def _receive_payload(link: MoveLink, inc: Incoming, key: tuple[int, int, int], report: MigrationReport) -> None:
+def _receive_payload(link: MoveLink, inc: Incoming, key: tuple[int, int, int],
+                     report: MigrationReport) -> None:
     m, src = inc.move, link.rank_of(inc.move.src)
     got = link.messenger.wait_for({"migrate_transfer", "migrate_abort"}, from_rank=src, key=key,
                                   timeout_s=link.clock.wait_s(2))
@@ -144,7 +149,8 @@ def _receive_payload(link: MoveLink, inc: Incoming, key: tuple[int, int, int], r
     except ValueError as e:
         decision("migration_refused", f"stage {m.dst} cannot load layers {list(m.layers)}: {e}",
                  stage=m.dst, layers=list(m.layers), reason=str(e))
-        link.messenger.send_to(src, "migrate_abort", {"round": key[1], "move": key[2], "reason": str(e)[:200]},
+        link.messenger.send_to(src, "migrate_abort", {"round": key[1], "move": key[2],
+                                                      "reason": str(e)[:200]},
                                epoch=key[0])
         inc.ok = False
         return

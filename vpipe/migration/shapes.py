@@ -87,7 +87,8 @@ class BoundaryShapes:
     def describe(self, layer_id: int) -> dict[str, Any]:
         """What travels with a moved layer so its new stage knows its boundary shapes."""
         self._prune()
-        return {"out_meta": wire_meta(self.out_meta.get(layer_id)), "in_meta": wire_meta(self.in_meta.get(layer_id))}
+        return {"out_meta": wire_meta(self.out_meta.get(layer_id)),
+                "in_meta": wire_meta(self.in_meta.get(layer_id))}
 
     def learn(self, layer_id: int, manifest: dict[str, Any]) -> None:
         for table, key in ((self.out_meta, "out_meta"), (self.in_meta, "in_meta")):
@@ -106,12 +107,15 @@ class BoundaryShapes:
         if not after or not before or after[-1] == before[-1]:
             return False
         new_last = after[-1]
-        new = unwire_meta(arriving[new_last].get("out_meta")) if new_last in arriving else self.out_meta.get(new_last)
+        new = (unwire_meta(arriving[new_last].get("out_meta")) if new_last in arriving
+               else self.out_meta.get(new_last))
         old = self.out_meta.get(before[-1])
         return old is None or new is None or old != new
 
-    def boundary_changed(self, stage: int, before: Sequence[Sequence[int]], after: Sequence[Sequence[int]]) -> bool:
-        """Before a one-round move: whether a boundary next to local ``stage`` will carry a different activation.
+    def boundary_changed(self, stage: int, before: Sequence[Sequence[int]],
+                         after: Sequence[Sequence[int]]) -> bool:
+        """Before a one-round move: whether a boundary next to local
+        ``stage`` will carry a different activation.
 
         Boundary ``b`` (between stages b and b+1) is judged by the stage that held its new
         last layer before the move: it knows that layer's output and the old boundary (as

@@ -37,9 +37,10 @@ def _describe(holder: Any, leaving: set[int]) -> str:
 
 
 def stale_holders(params: Sequence[torch.Tensor], blocks: Iterable[nn.Module]) -> list[str]:
-    """What outside the blocks themselves holds one of ``params`` (the parameters of blocks leaving the stage):
-    lists, tuples, dicts and sets of the trainer's, or objects of its own classes. Frames (local variables of a
-    running call), torch's and vpipe's own objects are not the trainer's references and are left out."""
+    """What outside the blocks themselves holds one of ``params`` (the parameters of blocks
+    leaving the stage): lists, tuples, dicts and sets of the trainer's, or objects of its
+    own classes. Frames (local variables of a running call), torch's and vpipe's own
+    objects are not the trainer's references and are left out."""
     own = {id(m.__dict__) for block in blocks for m in block.modules()}
     own |= {id(parameter_table(m)) for block in blocks for m in block.modules()}
     leaving = {id(p) for p in params}
@@ -55,8 +56,8 @@ def _library(obj: Any) -> bool:
 
 
 def _library_attributes(holder: Any) -> bool:
-    """Whether ``holder`` is the attribute table of torch's or vpipe's own object (FSDP2's per-parameter state of
-    a leaving block keeps its parameter so): not a reference of the trainer's."""
+    """Whether ``holder`` is the attribute table of torch's or vpipe's own object (FSDP2's per-parameter
+    state of a leaving block keeps its parameter so): not a reference of the trainer's."""
     return isinstance(holder, dict) and any(
         _library(owner) and getattr(owner, "__dict__", None) is holder for owner in gc.get_referrers(holder))
 
@@ -83,7 +84,9 @@ def report_stale_references(stage: int, layer_ids: Sequence[int], params: Sequen
         decision("stale_references",
                  f"stage {stage}: {len(holders)} reference(s) outside the model and the optimizer still hold "
                  f"parameters of layers {list(layer_ids)}, which left this stage: {'; '.join(holders[:4])}. "
-                 "They no longer train here, and blocks that arrive are missing from them: take the parameters "
-                 "from model.parameters() or optimizer.param_groups when you use them, not once before training",
+                 "They no longer train here, and blocks that arrive are missing from them: "
+                 "take the parameters "
+                 "from model.parameters() or optimizer.param_groups when you use them, not "
+                 "once before training",
                  stage=stage, layers=list(layer_ids), count=len(holders), holders=holders[:16])
     return holders

@@ -84,7 +84,8 @@ def _local(t: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
 
 
 def _dense_strides(shape: list[int], stride: list[int]) -> bool:
-    """Whether ``stride`` lays out ``shape`` densely with no element twice (a permutation of a contiguous layout)."""
+    """Whether ``stride`` lays out ``shape`` densely with no element
+    twice (a permutation of a contiguous layout)."""
     expected = 1
     for st, size in sorted((st, size) for st, size in zip(stride, shape) if size != 1):
         if st != expected:
@@ -94,7 +95,8 @@ def _dense_strides(shape: list[int], stride: list[int]) -> bool:
 
 
 def _layout(t: torch.Tensor) -> dict[str, Any]:
-    """The strides of a dense, non-contiguous optimizer state tensor (a transposed moment), so it arrives alike."""
+    """The strides of a dense, non-contiguous optimizer state tensor
+    (a transposed moment), so it arrives alike."""
     shape, stride = list(t.shape), list(t.stride())
     if stride == list(torch.empty(shape, device="meta").stride()) or not _dense_strides(shape, stride):
         return {}
@@ -117,7 +119,8 @@ def _param_group_index(optimizer: torch.optim.Optimizer | None) -> dict[int, int
     return {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
 
 
-def _grad_entry(name: str, p: torch.Tensor, entries: list[dict[str, Any]], tensors: list[torch.Tensor]) -> None:
+def _grad_entry(name: str, p: torch.Tensor, entries: list[dict[str, Any]],
+                tensors: list[torch.Tensor]) -> None:
     """A gradient the trainer has not stepped on yet travels with its parameter (as its shard, sharded)."""
     if p.grad is None:
         return
@@ -127,7 +130,8 @@ def _grad_entry(name: str, p: torch.Tensor, entries: list[dict[str, Any]], tenso
 
 
 def _optimizer_entries(name: str, p: torch.Tensor, optimizer: torch.optim.Optimizer | None,
-                       entries: list[dict[str, Any]], tensors: list[torch.Tensor], sent: dict[int, int]) -> None:
+                       entries: list[dict[str, Any]], tensors: list[torch.Tensor],
+                       sent: dict[int, int]) -> None:
     """Append the optimizer state of parameter ``name``: tensors (each object once), and plain values."""
     state = optimizer.state.get(p, {}) if optimizer is not None else {}
     for key, value in state.items():
@@ -151,8 +155,8 @@ def _optimizer_entries(name: str, p: torch.Tensor, optimizer: torch.optim.Optimi
 
 def pack_layer(layer_id: int, module: nn.Module, optimizer: torch.optim.Optimizer | None, spec: Any = None,
                carried: Mapping[int, Mapping[str, torch.Tensor]] | None = None) -> LayerState:
-    """Everything needed to continue training ``module`` elsewhere, bit for bit; ``carried``: its averages beside
-    the stage, by their place in ``carry=`` (:mod:`.carried`)."""
+    """Everything needed to continue training ``module`` elsewhere, bit for bit; ``carried``: its averages
+    beside the stage, by their place in ``carry=`` (:mod:`.carried`)."""
     groups = _param_group_index(optimizer)
     entries: list[dict[str, Any]] = []
     tensors: list[torch.Tensor] = []
@@ -210,13 +214,15 @@ def validate_manifest(manifest: Any) -> dict[str, Any]:
             same = e.get("same_as")
             if not isinstance(same, int) or isinstance(same, bool) or not 0 <= same < i \
                     or entries[same].get("kind") != "optim":
-                raise ValueError(f"layer {layer}: entry {e['name']!r} aliases {same!r}, not an earlier optimizer "
+                raise ValueError(f"layer {layer}: entry {e['name']!r} aliases {same!r}, not "
+                                 "an earlier optimizer "
                                  "state tensor")
             continue
         if e["kind"] == "optim_value":
             continue
         if e["kind"] == "carried" and not (type(e.get("carry")) is int and 0 <= e["carry"] < 64):
-            raise ValueError(f"layer {layer}: entry {e['name']!r} is carried by a bad average {e.get('carry')!r}")
+            raise ValueError(f"layer {layer}: entry {e['name']!r} is carried by a bad "
+                             f"average {e.get('carry')!r}")
         _validate_tensor_entry(e, layer)
     return manifest
 
@@ -263,7 +269,8 @@ def decode_tensor(raw: torch.Tensor, entry: dict[str, Any]) -> torch.Tensor:
 
 @dataclass
 class LoadedLayer:
-    """A layer whose tensors are in its new module; its parameters join the optimizer when the move commits."""
+    """A layer whose tensors are in its new module; its parameters
+    join the optimizer when the move commits."""
 
     layer_id: int
     params: Mapping[str, torch.Tensor]
@@ -273,7 +280,8 @@ class LoadedLayer:
 
 
 def load_layer(state: LayerState, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> LoadedLayer:
-    """Check ``state`` against ``module`` and ``optimizer`` and copy its tensors into ``module`` (a fresh block).
+    """Check ``state`` against ``module`` and ``optimizer`` and copy
+    its tensors into ``module`` (a fresh block).
 
     The optimizer is only read here (which of its param groups each parameter joins), so a
     state that fails any check leaves the stage as it was; :func:`register_layer` then edits
@@ -305,7 +313,8 @@ def load_layer(state: LayerState, module: nn.Module, optimizer: torch.optim.Opti
             target.requires_grad_(bool(e.get("requires_grad", True)))
             groups[e["name"]] = e.get("group")
         elif e["kind"] == "buffer":
-            load_buffer(module, lookup(buffers, e["name"], state.layer_id, "buffer"), value, e, state.layer_id)
+            load_buffer(module, lookup(buffers, e["name"], state.layer_id, "buffer"), value, e,
+                        state.layer_id)
         elif e["kind"] == "grad":
             load_grad(lookup(params, e["name"], state.layer_id, "parameter"), value, e, state.layer_id)
         elif e["kind"] == "carried":
@@ -313,7 +322,8 @@ def load_layer(state: LayerState, module: nn.Module, optimizer: torch.optim.Opti
         else:
             owner = lookup(params, e["name"], state.layer_id, "parameter")
             device = owner.device if e.get("with_param", True) else torch.device("cpu")
-            decoded[i] = optim_state.setdefault(e["name"], {})[e["key"]] = like_owner(value.to(device), owner, e,
+            decoded[i] = optim_state.setdefault(e["name"], {})[e["key"]] = like_owner(value.to(device), owner,
+                                                                                      e,
                                                                                       state.layer_id)
     missing = sorted(set(params) - set(groups))
     if missing:
@@ -324,14 +334,16 @@ def load_layer(state: LayerState, module: nn.Module, optimizer: torch.optim.Opti
     return LoadedLayer(state.layer_id, params, groups, optim_state, carried)
 
 
-def _group_here(g: int | None, manifest: dict[str, Any], optimizer: torch.optim.Optimizer, what: str) -> int | None:
-    """The index of the param group a parameter that sat in group ``g`` on its stage joins here: the group with
-    the same settings (a manifest without settings, from an older sender, keeps the index)."""
+def _group_here(g: int | None, manifest: dict[str, Any], optimizer: torch.optim.Optimizer,
+                what: str) -> int | None:
+    """The index of the param group a parameter that sat in group ``g`` on its stage joins here: the group
+    with the same settings (a manifest without settings, from an older sender, keeps the index)."""
     if g is None:
         return None
     settings = manifest.get("groups", {}).get(str(g))
     if settings is not None:
-        return matching_group(settings, optimizer.param_groups, preferred=g, what=what, kinds=group_kinds(optimizer))
+        return matching_group(settings, optimizer.param_groups, preferred=g, what=what,
+                              kinds=group_kinds(optimizer))
     count = len(optimizer.param_groups)
     if not (isinstance(g, int) and 0 <= g < count):
         raise ValueError(f"{what} belongs to optimizer param group {g}, this stage's optimizer has {count}")
@@ -361,7 +373,8 @@ def detach_from_optimizer(optimizer: torch.optim.Optimizer | None, params: Itera
     if optimizer is None:
         return
     ids = {id(p) for p in params}
-    for p in [p for p in optimizer.state if id(p) in ids]:  # first: several optimizers' state is found by group
+    # first: several optimizers' state is found by group
+    for p in [p for p in optimizer.state if id(p) in ids]:
         del optimizer.state[p]
     for group in optimizer.param_groups:
         group["params"][:] = [p for p in group["params"] if id(p) not in ids]

@@ -102,7 +102,8 @@ class OutgoingStream:
             if v < schedule.updates:
                 stashed = schedule.stashed(v)
                 if stashed is None:
-                    raise RuntimeError(f"stage {stage.stage_index}: weight version {v} of layers {list(layers)} "
+                    raise RuntimeError(f"stage {stage.stage_index}: weight version {v} of "
+                                       f"layers {list(layers)} "
                                        "is no longer kept; register the move earlier")
                 self._send_version(v, [stashed[n] for n in self.names])
         self._send_live_if_due(schedule.updates)
@@ -113,7 +114,8 @@ class OutgoingStream:
 
     def _send_version(self, v: int, tensors: list[torch.Tensor]) -> None:
         payload = _version_payload(tensors)
-        self.schedule.defer_wait(self.channel.send(payload, self.dst, transfer_tag(self.epoch, VERSION, v % 10_000)),
+        self.schedule.defer_wait(self.channel.send(payload, self.dst,
+                                                   transfer_tag(self.epoch, VERSION, v % 10_000)),
                                  payload)
         self._sent.add(v)
         self.bytes_sent += int(payload.numel())
@@ -159,7 +161,8 @@ class OutgoingStream:
         self.messenger.send_to(self.dst, "migrate_handover", {"round": self.key[1], "move": self.key[2],
                                                               "manifests": [s.manifest for s in states]},
                                epoch=self.epoch)
-        self.schedule.defer_wait(self.channel.send(payload, self.dst, transfer_tag(self.epoch, HANDOVER, 0)), payload)
+        self.schedule.defer_wait(self.channel.send(payload, self.dst, transfer_tag(self.epoch, HANDOVER, 0)),
+                                 payload)
         self.bytes_sent += int(payload.numel())
         for lid, layer in self.layers.items():
             detach_from_optimizer(self.schedule.optimizer, layer.parameters())
@@ -201,7 +204,8 @@ class IncomingStream:
     @property
     def done(self) -> bool:
         """Handed over, and no later forward can need a version from the source any more."""
-        return self._handed_over and self.schedule.upcoming_version > self.schedule.updates_before(self.switch_mb)
+        return (self._handed_over
+                and self.schedule.upcoming_version > self.schedule.updates_before(self.switch_mb))
 
     def _receive_version(self, v: int) -> dict[str, torch.Tensor]:
         if v not in self._versions:
@@ -226,7 +230,8 @@ class IncomingStream:
             return
         new = [(lid, layer, str(lid)) for lid, layer in self.layers.items()]
         self.blocks.insert(0 if self.forward else len(self.blocks.ids), new)
-        for layer in self.layers.values():  # deferred BatchNorms: what they see here waits for the sender's part
+        # deferred BatchNorms: what they see here waits for the sender's part
+        for layer in self.layers.values():
             arriving(layer)
 
     def add_weights(self, version: int, weights: dict[str, torch.Tensor]) -> None:
@@ -236,13 +241,16 @@ class IncomingStream:
     def before_update(self, mb: int) -> None:
         if mb != self.switch_mb:
             return
-        got = self.messenger.wait_for({"migrate_handover"}, from_rank=self.src, key=self.key, timeout_s=self.timeout_s)
+        got = self.messenger.wait_for({"migrate_handover"}, from_rank=self.src, key=self.key,
+                                      timeout_s=self.timeout_s)
         if got is None:
-            raise RuntimeError(f"stage {single_stage(self.schedule).stage_index}: stage {self.src} never handed over "
+            raise RuntimeError(f"stage {single_stage(self.schedule).stage_index}: stage "
+                               f"{self.src} never handed over "
                                f"layers {list(self.layers)} (epoch {self.epoch})")
         manifests = [validate_manifest(man) for man in got[1].get("manifests", [])]
         if [man["layer"] for man in manifests] != list(self.layers):
-            raise RuntimeError(f"hand-over of layers {[m['layer'] for m in manifests]}, expected {list(self.layers)}")
+            raise RuntimeError(f"hand-over of layers {[m['layer'] for m in manifests]}, "
+                               f"expected {list(self.layers)}")
         nbytes = sum(payload_bytes(man) for man in manifests)
         buf, work = self.channel.recv(nbytes, self.src, transfer_tag(self.epoch, HANDOVER, 0))
         work.wait()
@@ -253,13 +261,15 @@ class IncomingStream:
             size = payload_bytes(man)
             lid = man["layer"]
             early = accumulated(self.layers[lid])
-            unpack_layer(LayerState(lid, man, buf[offset:offset + size]), self.layers[lid], self.schedule.optimizer)
+            unpack_layer(LayerState(lid, man, buf[offset:offset + size]), self.layers[lid],
+                         self.schedule.optimizer)
             handed_over(self.layers[lid], early)
             offset += size
             for listener in self.listeners:
                 listener.add_layer(lid, self.layers[lid])
-        # the source sent every version of the window before the hand-over: take them now, so none is left unread
-        # (and the source waiting on its send at a flush) when the run ends before a forward would have asked
+        # the source sent every version of the window before the hand-over: take them
+        # now, so none is left unread (and the source waiting on its send at a flush)
+        # when the run ends before a forward would have asked
         for v in self.window:
             self._receive_version(v)
         self._handed_over = True
@@ -275,7 +285,8 @@ def check_idle(schedule: Any) -> None:
 
 
 def start_round(link: MoveLink, schedule: Any, switch_mb: int, epoch: int, moves: Sequence[Move], *,
-                stage: int, blocks: StageBlocks, listeners: Sequence[Any], reshapes: bool) -> list[Any] | None:
+                stage: int, blocks: StageBlocks, listeners: Sequence[Any],
+                reshapes: bool) -> list[Any] | None:
     """Start one round of neighbour moves inside a running PipeDream stream, switching at ``switch_mb``.
 
     Called on every rank at the same step boundary, before the step that contains
@@ -299,15 +310,18 @@ def start_round(link: MoveLink, schedule: Any, switch_mb: int, epoch: int, moves
             refuse_move(link.messenger, m, link.rank_of(m.dst), move_key(epoch, 0, m), str(e))
             refused.append(m)
             continue
-        announce(link.messenger, m, link.rank_of(m.dst), [st.manifest for st in leaving[m]], move_key(epoch, 0, m))
+        announce(link.messenger, m, link.rank_of(m.dst), [st.manifest for st in leaving[m]],
+                 move_key(epoch, 0, m))
     arriving = [receive_prepare(link.messenger, link.builder, m, link.rank_of(m.src), move_key(epoch, 0, m),
                                 link.clock.wait_s(), link.faults) for m in incoming]
     ready = all(inc.ok for inc in arriving) and not refused
     for m in leaving:
-        ready = await_ready(link.messenger, m, link.rank_of(m.dst), move_key(epoch, 0, m), link.clock.wait_s(),
+        ready = await_ready(link.messenger, m, link.rank_of(m.dst), move_key(epoch, 0, m),
+                            link.clock.wait_s(),
                             abort_on_silence=False) and ready
     if not link.channel.vote([(ready, True)], timeout_s=link.clock.vote_s(), what=what)[0]:
-        decision("migration_aborted", f"epoch {epoch}: a streamed move was not ready; every stage keeps its layers",
+        decision("migration_aborted",
+                 f"epoch {epoch}: a streamed move was not ready; every stage keeps its layers",
                  epoch=epoch, stage=stage)
         return None
     decision("migration_start", f"epoch {epoch}: streamed move at micro-batch {switch_mb}",
@@ -319,13 +333,15 @@ def start_round(link: MoveLink, schedule: Any, switch_mb: int, epoch: int, moves
     for m in outgoing:
         movers.append(OutgoingStream(schedule, blocks, {lid: children[lid] for lid in m.layers},
                                      forward=m.forward, switch_mb=switch_mb, dst=link.rank_of(m.dst),
-                                     key=move_key(epoch, 0, m), channel=link.channel, messenger=link.messenger,
+                                     key=move_key(epoch, 0, m), channel=link.channel,
+                                     messenger=link.messenger,
                                      listeners=listeners))
     for inc in arriving:
         movers.append(IncomingStream(schedule, blocks, inc.modules, inc.manifests, forward=inc.move.forward,
                                      switch_mb=switch_mb, src=link.rank_of(inc.move.src),
                                      key=move_key(epoch, 0, inc.move), channel=link.channel,
-                                     messenger=link.messenger, timeout_s=3 * link.timeout_s, listeners=listeners))
+                                     messenger=link.messenger, timeout_s=3 * link.timeout_s,
+                                     listeners=listeners))
     schedule.movers.extend(movers)
     return movers
 

@@ -63,8 +63,14 @@ class TransferChannel:
                  timeout_s: float | None = None, marks: VoteMarks | None = None) -> None:
         self.device = device
         self.timeout_s = timeout_s if timeout_s is not None else group_timeout_s(group)
-        self.group = group if group is not None else dist.new_group(
-            backend="nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=self.timeout_s))
+        self.group = (
+            group
+            if group is not None
+            else dist.new_group(
+                backend="nccl" if device.type == "cuda" else "gloo",
+                timeout=datetime.timedelta(seconds=self.timeout_s),
+            )
+        )
         self.world_ranks = None if world_ranks is None else tuple(world_ranks)
         self.marks = marks
         if marks is not None:
@@ -79,7 +85,8 @@ class TransferChannel:
         return rank if self.world_ranks is None else self.world_ranks[rank]
 
     def send(self, payload: torch.Tensor, dst: int, tag: int) -> Any:
-        """Start sending to pipeline rank ``dst``; returns the work to wait on (keep ``payload`` alive until then)."""
+        """Start sending to pipeline rank ``dst``; returns the work
+        to wait on (keep ``payload`` alive until then)."""
         return dist.isend(payload.to(self.device), dst=self._world(dst), group=self.group, tag=tag)
 
     def recv(self, nbytes: int, src: int, tag: int) -> tuple[torch.Tensor, Any]:
@@ -119,13 +126,15 @@ class TransferChannel:
             silent = self.marks.silent(absent) or absent  # type: ignore[union-attr]
             busy = [r for r in absent if r not in silent]
             one = len(silent) == 1
-            when = f"within {limit:.0f} s" if waited >= limit - 1 else f"(the vote broke after {waited:.1f} s)"
+            when = (f"within {limit:.0f} s" if waited >= limit - 1
+                    else f"(the vote broke after {waited:.1f} s)")
             also = f"; {_ranks(busy)} (alive) had not reached it" if busy else ""
             return (f"{_ranks(silent)} stopped answering (dead or hung) during {what}: no vote from "
                     f"{'it' if one else 'them'} {when}{also}; stopping (no layer was dropped or taken here)")
         nobody = ("; the store did not say who is missing (its host may be the one)" if self.marks is not None
                   and absent is None else "")
-        return f"{what} failed after at most {limit:.0f} s ({str(error).splitlines()[0][:200]}){nobody}; stopping"
+        return (f"{what} failed after at most {limit:.0f} s "
+                f"({str(error).splitlines()[0][:200]}){nobody}; stopping")
 
     @staticmethod
     def wait(work: Any, timeout_s: float) -> None:

@@ -11,7 +11,8 @@ from typing import Any
 from vpipe.monitors.records import GPU_ONLY_FIELDS, LayerRecord, RecordError, StageRecord
 from vpipe.monitors.source import SavedTensorSource, SavedTensorStats
 
-__all__ = ["StageMonitor", "Sample", "layers_of", "KeepAllSource", "LayerRecord", "StageRecord", "RecordError",
+__all__ = ["StageMonitor", "Sample", "layers_of", "KeepAllSource", "LayerRecord", "StageRecord",
+           "RecordError",
            "SavedTensorSource", "SavedTensorStats", "GPU_ONLY_FIELDS"]
 
 

@@ -49,12 +49,14 @@ class NvmlProbe:
             index = self.device.index if self.device.index is not None else torch.cuda.current_device()
             try:
                 uuid = str(torch.cuda.get_device_properties(index).uuid)
-                self._handle = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+                self._handle = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-")
+                                                                else f"GPU-{uuid}")
             except Exception:  # noqa: BLE001 - older drivers: fall back to the index
                 self._handle = pynvml.nvmlDeviceGetHandleByIndex(index)
             self._nvml = pynvml
         except Exception as e:  # noqa: BLE001 - NVML is optional
-            log.warning("NVML unavailable for %s (%s): GPU utilisation and PCIe figures will be empty", self.device, e)
+            log.warning("NVML unavailable for %s (%s): GPU utilisation and PCIe figures will be empty",
+                        self.device, e)
             return
         self._thread = threading.Thread(target=self._loop, name="vpipe-nvml", daemon=True)
         self._thread.start()

@@ -22,7 +22,8 @@ __all__ = ["HeldNodes", "first_grad_tensor"]
 
 
 def first_grad_tensor(output: Any) -> torch.Tensor | None:
-    """The tensor of a layer's output whose gradient marks the start of its backward (None: no such tensor)."""
+    """The tensor of a layer's output whose gradient marks the start
+    of its backward (None: no such tensor)."""
     if isinstance(output, (tuple, list)):
         return next((t for t in output if isinstance(t, torch.Tensor) and t.requires_grad), None)
     return output if isinstance(output, torch.Tensor) and output.requires_grad else None
@@ -32,7 +33,8 @@ class HeldNodes:
     """The hooked nodes of recent steps, by step."""
 
     def __init__(self) -> None:
-        self._steps: list[tuple[int, list[Any]]] = []  # (iteration, its hooked nodes in forward order), oldest first
+        # (iteration, its hooked nodes in forward order), oldest first
+        self._steps: list[tuple[int, list[Any]]] = []
 
     def hook(self, iteration: int, tensor: torch.Tensor, hook: Callable[[torch.Tensor], Any]) -> None:
         """Put ``hook`` on ``tensor``'s gradient and keep its node (which the hook gave a Python object)."""

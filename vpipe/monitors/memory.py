@@ -53,7 +53,8 @@ def layer_bytes(
     for layer_id, module in layers.items():
         params = list(module.parameters())
         constant = _tensor_bytes(params + list(module.buffers()), seen)
-        opt_tensors = [v for p in params for v in state.get(id(p), {}).values() if isinstance(v, torch.Tensor)]
+        opt_tensors = [v for p in params for v in state.get(id(p), {}).values()
+                       if isinstance(v, torch.Tensor)]
         out[layer_id] = (constant, _tensor_bytes(opt_tensors, seen))
     return out
 

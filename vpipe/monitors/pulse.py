@@ -64,7 +64,8 @@ class StagePulse:
         self.threshold = threshold
         self.confirm = confirm
         self._clock = clock_for(torch.device(device))
-        self._history: deque[float] = deque(maxlen=history)  # per micro-batch forward seconds since the change
+        # per micro-batch forward seconds since the change
+        self._history: deque[float] = deque(maxlen=history)
         self._recent: deque[float] = deque(maxlen=confirm)
         self._open: dict[int, Any] = {}
         self._marks: list[tuple[Any, Any]] = []
@@ -91,9 +92,9 @@ class StagePulse:
         self._trainable = self._trainable_count()
 
     def pause(self) -> None:
-        """The next step runs beside other work than the last (the sampling interval changed): it is not judged,
-        but the level stays. Learning it anew (:meth:`restart`) would swallow a change that came in the same few
-        steps: a device recovering as the interval doubled was never reported."""
+        """The next step runs beside other work than the last (the sampling interval changed): it is not
+        judged, but the level stays. Learning it anew (:meth:`restart`) would swallow a change that came in
+        the same few steps: a device recovering as the interval doubled was never reported."""
         self._skip = max(self._skip, 1)
 
     # ---------------------------------------------------------------- per step
@@ -121,9 +122,11 @@ class StagePulse:
         if len(self._history) >= self.confirm + 1 and len(self._recent) == self.confirm:
             level = max(statistics.median(self._history), 1e-12)
             ratio = statistics.median(self._recent) / level
-            # every one of the last steps beyond the threshold, on the same side: a busy core slows some steps by
-            # 1.4x and more (ranks sharing cores), a slower device or a longer sequence slows them all
-            if min(self._recent) / level > 1 + self.threshold or max(self._recent) / level < 1 / (1 + self.threshold):
+            # every one of the last steps beyond the threshold, on the same side: a busy core slows some steps
+            # by 1.4x and more (ranks sharing cores), a slower device or a longer sequence slows them all
+            if min(self._recent) / level > 1 + self.threshold or max(self._recent) / level < 1 / (
+                1 + self.threshold
+            ):
                 self._history.clear()
                 self._history.extend(self._recent)  # the new level is the one to compare with from now on
                 self._recent.clear()

@@ -41,7 +41,8 @@ def _index(name: str, value: Any) -> int:
 
 def _amount(name: str, value: Any) -> float:
     """A finite non-negative number (seconds, bytes per second, percent)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+    if isinstance(value, bool) or not isinstance(value,
+                                                 (int, float)) or not math.isfinite(value) or value < 0:
         raise RecordError(f"{name} must be a finite number >= 0, got {value!r}")
     return float(value)
 
@@ -62,7 +63,8 @@ def _text(name: str, value: Any) -> str:
     return value
 
 
-def _read(cls: type, data: Any, checkers: Mapping[str, Callable[[str, Any], Any]], what: str) -> dict[str, Any]:
+def _read(cls: type, data: Any, checkers: Mapping[str, Callable[[str, Any], Any]],
+          what: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise RecordError(f"{what} must be a map, got {type(data).__name__}")
     names = {f.name for f in fields(cls)}
@@ -90,7 +92,8 @@ class LayerRecord:
     optimizer_bytes: int  # optimizer state of the layer's parameters
     output_bytes: int  # what the layer hands to the next one, per micro-batch (a boundary's size)
     kind: str = ""  # which blocks it is interchangeable with (vpipe.stage.blocks.block_kind); "" unknown
-    # whether any of its parameters trains: a frozen block has no weight-gradient work, so its backward is shorter
+    # whether any of its parameters trains: a frozen block has no
+    # weight-gradient work, so its backward is shorter
     trainable: bool = True
 
     @property
@@ -143,7 +146,8 @@ class StageRecord:
     pcie_tx_bytes_s: float | None
     # the kinds of block this stage can build for an arriving layer; None: any (a layer factory builds them)
     builds: tuple[str, ...] | None = None
-    # the stage's modules outside its blocks (embeddings, norms, heads): they never move, but cost time and memory
+    # the stage's modules outside its blocks (embeddings, norms,
+    # heads): they never move, but cost time and memory
     outside_fwd_s: float = 0.0  # totals over the iteration's timed forwards, like a layer's
     outside_bwd_s: float = 0.0  # from the stage output's gradient to its last block's backward (the head's)
     outside_calls: int = 0
@@ -151,8 +155,8 @@ class StageRecord:
     # one micro-batch's saved bytes on this stage with every layer kept, each storage once (0: not measured);
     # less than the layers' activation_bytes summed where two layers save the same tensor
     kept_bytes_per_mb: int = 0
-    # seconds this rank spent applying the plan that took effect before this sample, if it moved layers (else 0):
-    # what a move really costs, for the planner to weigh the next against its gain
+    # seconds this rank spent applying the plan that took effect before this sample, if it moved layers (else
+    # 0): what a move really costs, for the planner to weigh the next against its gain
     move_s: float = 0.0
 
     @property
@@ -173,7 +177,8 @@ class StageRecord:
     @classmethod
     def from_wire(cls, data: Any) -> StageRecord:
         checkers: dict[str, Callable[[str, Any], Any]] = {
-            "stage": _index, "iteration": _count, "epoch": _count, "device": _text, "t": _amount, "step_s": _amount,
+            "stage": _index, "iteration": _count, "epoch": _count, "device": _text, "t": _amount,
+                                                          "step_s": _amount,
             "layers": _layers,
         }
         for name in ("param_bytes", "optimizer_bytes", "device_resident_bytes", "device_peak_bytes",

@@ -25,14 +25,15 @@ def _positive_int(name: str, value: object) -> int:
 
 
 class SampleSchedule:
-    """Sampled iterations: ``every - 1``, ``2 * every - 1``, ... after each restart; the interval doubles after
-    each ``backoff_after`` samples, up to ``max_every`` (``max_every == every``: a fixed interval)."""
+    """Sampled iterations: ``every - 1``, ``2 * every - 1``, ... after each restart; the interval doubles
+    after each ``backoff_after`` samples, up to ``max_every`` (``max_every == every``: a fixed interval)."""
 
     def __init__(self, every: int = 10, *, max_every: int | None = None, backoff_after: int = 5) -> None:
         self.every = _positive_int("sample_every", every)
         self.max_every = every if max_every is None else _positive_int("max_sample_every", max_every)
         if self.max_every < self.every:
-            raise ValueError(f"max_sample_every ({self.max_every}) must be at least sample_every ({self.every})")
+            raise ValueError(f"max_sample_every ({self.max_every}) must be at least "
+                             f"sample_every ({self.every})")
         self.backoff_after = _positive_int("backoff_after", backoff_after)
         self.origin = 0  # the iteration the schedule last restarted at
 
@@ -45,7 +46,8 @@ class SampleSchedule:
         return self._phase(iteration - self.origin)[1]
 
     def is_sampled(self, iteration: int) -> bool:
-        """Whether the monitors measure ``iteration`` (never the restart's own step: it carries one-off costs)."""
+        """Whether the monitors measure ``iteration`` (never the
+        restart's own step: it carries one-off costs)."""
         offset = iteration - self.origin
         if offset < 0:
             return False
@@ -61,5 +63,6 @@ class SampleSchedule:
         return start, interval
 
     def __repr__(self) -> str:
-        return (f"SampleSchedule(every={self.every}, max_every={self.max_every}, backoff_after={self.backoff_after}, "
+        return (f"SampleSchedule(every={self.every}, max_every={self.max_every}, "
+                f"backoff_after={self.backoff_after}, "
                 f"origin={self.origin})")

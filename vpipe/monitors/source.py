@@ -1,4 +1,5 @@
-"""What the monitor needs from whatever manages a stage's saved activations, and from whatever moves its layers.
+"""What the monitor needs from whatever manages a stage's saved
+activations, and from whatever moves its layers.
 
 The tensor manager knows how many bytes each layer saves per micro-batch and what its
 swap pool and copy streams did; the monitor only reads that. The contract is this
@@ -31,8 +32,9 @@ class SavedTensorStats:
     """
 
     activation_bytes: Mapping[int, int] = field(default_factory=dict)  # layer id -> bytes per micro-batch
-    # what one micro-batch keeps on the stage with every layer kept, each storage once (0: not measured); below
-    # the sum of activation_bytes where layers save the same tensor (a layer's output, its successor's input)
+    # what one micro-batch keeps on the stage with every layer kept, each storage
+    # once (0: not measured); below the sum of activation_bytes where layers save the
+    # same tensor (a layer's output, its successor's input)
     kept_bytes_per_mb: int = 0
     host_pool_used_bytes: int = 0
     host_pool_peak_bytes: int = 0
@@ -52,7 +54,8 @@ class SavedTensorSource(Protocol):
 
 
 class TensorManagerSource:
-    """The tensor manager as a :class:`SavedTensorSource` (its richer stats, reduced to what the monitor reads)."""
+    """The tensor manager as a :class:`SavedTensorSource` (its
+    richer stats, reduced to what the monitor reads)."""
 
     def __init__(self, manager: object) -> None:
         self.manager = manager

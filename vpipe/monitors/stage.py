@@ -5,15 +5,14 @@ Timing uses hooks on the layers themselves (never a wrapper module, so schedules
 during a sampled iteration: other iterations run exactly as without a monitor.
 
 - Forward: a forward pre-hook and a forward hook per layer time each call.
-- Backward: the forward hook also puts a gradient hook on the layer's output; it fires
-  when the gradient of that output is ready, i.e. when the layer's backward starts. In
-  one backward pass the layers' starts come one after another (a stage is a chain), so a
-  layer's backward lasts until the next start, and the stage's first layer until the
-  pass ends (an autograd engine callback); the hooked nodes are held a step longer
-  (:mod:`.held_nodes`: the graph is then freed one block at a time). This works for ``torch.autograd.backward`` on
-  stage outputs (torch's pipelining) and for vpipe's PipeDream schedule alike; the loss's
-  own backward, before the last layer's start, is attributed to no layer. Zero-bubble
-  schedules' separate weight-gradient passes are not timed.
+- Backward: the forward hook also puts a gradient hook on the layer's output; it fires when the gradient of
+  that output is ready, i.e. when the layer's backward starts. In one backward pass the layers' starts come
+  one after another (a stage is a chain), so a layer's backward lasts until the next start, and the stage's
+  first layer until the pass ends (an autograd engine callback); the hooked nodes are held a step longer
+  (:mod:`.held_nodes`: the graph is then freed one block at a time). This works for
+  ``torch.autograd.backward`` on stage outputs (torch's pipelining) and for vpipe's PipeDream schedule alike;
+  the loss's own backward, before the last layer's start, is attributed to no layer. Zero-bubble schedules'
+  separate weight-gradient passes are not timed.
 - A forward that runs inside a backward (recomputation) is not counted as a forward: it
   is part of the layer's backward, as in the cost model (b + R*f).
 - Forwards without grad (evaluation) are skipped, and :meth:`StageMonitor.suspended` hides
@@ -48,7 +47,8 @@ from vpipe.tensor_manager.accounting import tensor_bytes
 
 __all__ = ["StageMonitor", "Sample", "layers_of"]
 
-_OUTSIDE = -1  # the stage module as a whole, timed like a layer; minus its blocks it is what lies outside them
+# the stage module as a whole, timed like a layer; minus its blocks it is what lies outside them
+_OUTSIDE = -1
 
 
 def layers_of(module: nn.Module) -> dict[int, nn.Module]:
@@ -104,7 +104,8 @@ class StageMonitor:
         self.optimizer = optimizer
         # which iterations are measured (a session shares one among the monitors of its rank)
         self.schedule = schedule if schedule is not None else SampleSchedule(sample_every)
-        self._owned_source = KeepAllSource({}, enabled=False, first_call_only=True) if saved_source is None else None
+        self._owned_source = KeepAllSource({}, enabled=False,
+                                           first_call_only=True) if saved_source is None else None
         self.saved_source: SavedTensorSource = saved_source or self._owned_source  # type: ignore[assignment]
         self._clock = clock_for(self.device)
         self._memory = DeviceMemory(self.device)
@@ -119,7 +120,8 @@ class StageMonitor:
         self._baseline = SavedTensorStats()
         self._fwd_open: dict[int, Any] = {}
         self.epoch = 0  # the plan in force's (records carry it), as :meth:`plan_changed` tells
-        self.move_s = 0.0  # what applying the last plan that moved layers cost this rank (the next record says)
+        # what applying the last plan that moved layers cost this rank (the next record says)
+        self.move_s = 0.0
         self.facts = facts
         self._kinds: dict[int, str] = {}
         self._constant_key: tuple[object, ...] | None = None
@@ -394,7 +396,8 @@ class StageMonitor:
             pcie_rx_bytes_s=gpu.pcie_rx_bytes_s,
             pcie_tx_bytes_s=gpu.pcie_tx_bytes_s,
             builds=None if builds is None else tuple(builds),
-            outside_fwd_s=max(0.0, stage_fwd_s - sum(fwd_s[lid] for lid in self._layers)) if outside_calls else 0.0,
+            outside_fwd_s=max(0.0, stage_fwd_s - sum(fwd_s[lid] for lid in self._layers)) if outside_calls
+                           else 0.0,
             outside_bwd_s=outside_bwd_s,
             outside_calls=outside_calls,
             outside_param_bytes=self._outside_param_bytes(layers),
@@ -403,8 +406,8 @@ class StageMonitor:
         )
 
     def _constant_bytes(self) -> dict[int, tuple[int, int]]:
-        """Per layer (parameter and buffer bytes, optimizer-state bytes): counted again only when the layers or
-        the optimizer's state (it appears at the first step) changed."""
+        """Per layer (parameter and buffer bytes, optimizer-state bytes): counted again only when the
+        layers or the optimizer's state (it appears at the first step) changed."""
         key = (tuple((lid, id(m)) for lid, m in sorted(self._layers.items())),
                len(self.optimizer.state) if self.optimizer is not None else 0)
         if key != self._constant_key:

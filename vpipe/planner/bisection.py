@@ -65,7 +65,8 @@ def _kl_cut(costs: StageCosts, candidates: np.ndarray, lo: int, hi: int, left_st
     if not np.isfinite(estimate).any():  # too few coarse boundaries for the inner cuts
         estimate = np.maximum(busy_left / left_stages, busy_right / right_stages)
     penalty = np.maximum(0.0, estimate - (1.0 + _BALANCE_TOL) * estimate.min())
-    overflow = _memory_overflow(costs, candidates, lo, hi, left_stages, right_stages, first_stage, budgets, memory)
+    overflow = _memory_overflow(costs, candidates, lo, hi, left_stages, right_stages, first_stage, budgets,
+                                memory)
     cut_bytes = costs.cut[candidates]
     keys = (overflow, penalty, cut_bytes)
     # start at the best-balanced boundary, then let passes move it while they gain
@@ -86,10 +87,12 @@ def _kl_cut(costs: StageCosts, candidates: np.ndarray, lo: int, hi: int, left_st
 
 
 def _memory_overflow(costs: StageCosts, candidates: np.ndarray, lo: int, hi: int, left_stages: int,
-                     right_stages: int, first_stage: int, budgets: np.ndarray, memory: MemoryMode) -> np.ndarray:
+                     right_stages: int, first_stage: int, budgets: np.ndarray,
+                     memory: MemoryMode) -> np.ndarray:
     """How far each side's average stage would exceed its tightest budget (0 when it fits)."""
     out = np.zeros(candidates.size)
-    sides = ((first_stage, left_stages, lo, candidates), (first_stage + left_stages, right_stages, candidates, hi))
+    sides = ((first_stage, left_stages, lo, candidates),
+             (first_stage + left_stages, right_stages, candidates, hi))
     for side_first, count, start, end in sides:
         limit = float(budgets[side_first:side_first + count].min())
         if np.isfinite(limit):

@@ -1,4 +1,5 @@
-"""``vpipe plan``: plan a layer graph, or a model, offline and print the plan (a table, or JSON with ``--json``).
+"""``vpipe plan``: plan a layer graph, or a model, offline and print
+the plan (a table, or JSON with ``--json``).
 
 ``vpipe plan GRAPH.json`` plans a layer graph (``docs/graph-format.md``) and names layers by
 id. ``vpipe plan --model MODULE:FACTORY`` builds the graph itself: it measures the model's
@@ -55,13 +56,15 @@ def _positive_float(what: str, text: str) -> float:
     return value
 
 
-_MIN_BANDWIDTH, _MAX_BANDWIDTH = 1e3, 1e15  # bytes/s: below a modem, above any link; outside, plans are nonsense
+# bytes/s: below a modem, above any link; outside, plans are nonsense
+_MIN_BANDWIDTH, _MAX_BANDWIDTH = 1e3, 1e15
 
 
 def _bandwidth(what: str, text: str) -> float:
     value = _positive_float(what, text)
     if not _MIN_BANDWIDTH <= value <= _MAX_BANDWIDTH:
-        raise ValueError(f"{what} must be between {_MIN_BANDWIDTH:g} and {_MAX_BANDWIDTH:g} bytes/s, got {text!r}")
+        raise ValueError(f"{what} must be between {_MIN_BANDWIDTH:g} and {_MAX_BANDWIDTH:g} "
+                         f"bytes/s, got {text!r}")
     return value
 
 
@@ -73,7 +76,8 @@ def _one_line_error(message: str) -> NoReturn:
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add the ``plan`` subcommand to the ``vpipe`` parser."""
     p = subparsers.add_parser(
-        "plan", help="plan a layer graph or a model onto pipeline stages (partition + swap/recompute policies)",
+        "plan", help="plan a layer graph or a model onto pipeline stages (partition + "
+                     "swap/recompute policies)",
         description="Partition GRAPH.json, or the model a factory builds (--model), into contiguous pipeline "
                     "stages and choose each layer's keep (D) / swap (S) / recompute (R) policy "
                     "(vPipe's SRP search).")
@@ -81,24 +85,30 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("graph", metavar="GRAPH.json", nargs="?", default=None,
                    help="layer graph (docs/graph-format.md); or use --model")
     p.add_argument("--model", metavar="MODULE:FACTORY", default=None,
-                   help="plan a model: FACTORY() in MODULE (a module name or a .py file) returns an nn.Module, "
-                        "or (module, example input); its blocks and modules are measured on this machine. The "
+                   help="plan a model: FACTORY() in MODULE (a module name or a .py file) "
+                        "returns an nn.Module, "
+                        "or (module, example input); its blocks and modules are measured "
+                        "on this machine. The "
                         "module's code runs here, as python FILE would run it: name only code you trust")
     p.add_argument("--input-shape", metavar="DIMS", default=None,
-                   help="--model: one micro-batch's input shape, e.g. 8,1024 (for a factory returning only a model)")
+                   help="--model: one micro-batch's input shape, e.g. 8,1024 (for a factory "
+                        "returning only a model)")
     p.add_argument("--input-dtype", metavar="DTYPE", default=None,
                    help="--model: the input's dtype, e.g. int64 for token ids (default float32)")
     p.add_argument("--device", default="auto",
-                   help="--model: where to measure: cpu, cuda, cuda:N, or auto (cuda if there is one; default)")
+                   help="--model: where to measure: cpu, cuda, cuda:N, or auto (cuda if "
+                        "there is one; default)")
     p.add_argument("--layers", metavar="PATH[,PATH]", default=None,
                    help="--model: the containers of repeated blocks (dotted paths); found when not given")
-    p.add_argument("--repeats", default="3", metavar="N", help="--model: timed runs per module, median (default 3)")
+    p.add_argument("--repeats", default="3", metavar="N",
+                   help="--model: timed runs per module, median (default 3)")
     p.add_argument("--save-graph", metavar="GRAPH.json", default=None,
                    help="--model: also write the measured layer graph here (vpipe plan reads it back)")
     p.add_argument("--stages", required=True, metavar="P",
                    help="pipeline ranks: one stage each, or --stages-per-rank under a multi-stage schedule")
     p.add_argument("--stages-per-rank", default=None, metavar="V",
-                   help="virtual stages per rank under a multi-stage schedule (default 2; zbv, dualpipev: 2); the "
+                   help="virtual stages per rank under a multi-stage schedule (default 2; "
+                        "zbv, dualpipev: 2); the "
                         "plan has P x V stages")
     p.add_argument("--memory-budget", metavar="BYTES", default=None,
                    help="device memory per stage, e.g. 16e9, 16GB, 15GiB, or one per stage: 8GB,8GB,12GB")
@@ -133,7 +143,8 @@ def cmd_plan(args: argparse.Namespace, argv: object = None) -> int:
     ranks = _positive_int("--stages", args.stages)
     micro_batches = _positive_int("--micro-batches", args.micro_batches)
     if args.schedule not in SCHEDULES + _PLANNABLE_MULTI:
-        raise ValueError(f"--schedule must be one of {', '.join(SCHEDULES + _PLANNABLE_MULTI)}, got {args.schedule!r}")
+        raise ValueError(f"--schedule must be one of {', '.join(SCHEDULES + _PLANNABLE_MULTI)}, "
+                         f"got {args.schedule!r}")
     per_rank = _stages_per_rank(args.schedule, args.stages_per_rank)
     stages = ranks * per_rank
     if args.method not in METHODS:
@@ -157,7 +168,8 @@ def cmd_plan(args: argparse.Namespace, argv: object = None) -> int:
         model_graph = _measure_model(args)
         graph = model_graph.graph
         if stages > len(graph):
-            raise ValueError(f"{_stages_text(ranks, per_rank)} is more than the model's {len(graph)} placement "
+            raise ValueError(f"{_stages_text(ranks, per_rank)} is more than the model's "
+                             f"{len(graph)} placement "
                              f"units ({_names(model_graph)})")
     layout = _layout(args.schedule, ranks, per_rank, micro_batches)
     result = plan_pipeline(graph, stages, schedule=args.schedule, micro_batches=micro_batches,
@@ -167,7 +179,8 @@ def cmd_plan(args: argparse.Namespace, argv: object = None) -> int:
     extra = {} if layout is None else {"stage_ranks": layout.stage_ranks, "in_flight": layout.in_flight}
     if model_graph is not None:
         plan = model_plan(model_graph, result, hardware)
-        forms = {"torchtitan": torchtitan_form(plan.stages, model_graph.units, args.schedule, ranks, per_rank),
+        forms = {"torchtitan": torchtitan_form(plan.stages, model_graph.units, args.schedule, ranks,
+                                               per_rank),
                  "megatron": megatron_form(plan.stages, model_graph.units, args.schedule, ranks),
                  "deepspeed": deepspeed_form(plan.stages, model_graph.units, args.schedule, per_rank)}
         if args.json:
@@ -187,22 +200,25 @@ def cmd_plan(args: argparse.Namespace, argv: object = None) -> int:
 def _rank_lines(layout: Any) -> list[str]:
     if layout is None:
         return []
-    return [f"stage ranks (rank of stage 0, 1, ...): {','.join(map(str, layout.stage_ranks))}; micro-batches in "
-            f"flight at each stage's peak: {','.join(map(str, layout.in_flight))}"]
+    return (["stage ranks (rank of stage 0, 1, ...): "
+             f"{','.join(map(str, layout.stage_ranks))}; micro-batches in "
+            f"flight at each stage's peak: {','.join(map(str, layout.in_flight))}"])
 
 
 def _stages_per_rank(schedule: str, text: str | None) -> int:
     """Virtual stages per rank, as ``vpipe train`` and torch's schedules count them."""
     if schedule not in _PLANNABLE_MULTI:
         if text is not None:
-            raise ValueError(f"--stages-per-rank is for the multi-stage schedules ({', '.join(_PLANNABLE_MULTI)}); "
+            raise ValueError("--stages-per-rank is for the multi-stage schedules "
+                             f"({', '.join(_PLANNABLE_MULTI)}); "
                              f"{schedule} runs one stage per rank")
         return 1
     if text is None:
         return 2
     per_rank = _positive_int("--stages-per-rank", text)
     if per_rank < 2:
-        raise ValueError(f"--stages-per-rank must be at least 2 under {schedule}, got {per_rank} (1f1b runs one "
+        raise ValueError(f"--stages-per-rank must be at least 2 under {schedule}, got "
+                         f"{per_rank} (1f1b runs one "
                          "stage per rank)")
     if schedule in ("zbv", "dualpipev") and per_rank != 2:
         raise ValueError(f"{schedule} runs exactly 2 stages per rank (a V), got --stages-per-rank {per_rank}")
@@ -245,11 +261,13 @@ def _print_table(graph: LayerGraph, result: PlanResult, args: argparse.Namespace
         swaps = sum(1 for lid in layers if result.policies[lid] is Policy.SWAP)
         recomputes = sum(1 for lid in layers if result.policies[lid] is Policy.RECOMPUTE)
         out_bytes = profile.cut[end] if end < profile.n else 0.0
-        rows.append([str(k), str(len(layers)), f"{layers[0]}..{layers[-1]}", f"{result.stage_times_s[k] * 1e3:.3f}",
+        rows.append([str(k), str(len(layers)), f"{layers[0]}..{layers[-1]}",
+                     f"{result.stage_times_s[k] * 1e3:.3f}",
                      _human(result.stage_memory_bytes[k]), str(swaps), str(recomputes), _human(out_bytes)])
     print(text_table(f"{getattr(graph, 'name', 'graph')}: {len(result.stages)} stages, {args.schedule}, "
                      f"{args.micro_batches} micro-batches, method {result.method}",
-                     ["stage", "layers", "ids", "time ms", "memory", "swap", "recompute", "boundary out"], rows,
+                     ["stage", "layers", "ids", "time ms", "memory", "swap", "recompute", "boundary out"],
+                     rows,
                      left={"ids"}))
     print(f"slowest stage {result.bottleneck_s * 1e3:.3f} ms, step {result.step_s * 1e3:.3f} ms "
           f"(bubble included), boundary bytes {result.comm_bytes:,}, planned in "
@@ -295,11 +313,18 @@ def _compact(names: list[str], containers: dict[str, str | None]) -> str:
 
 def _print_model_table(mg: ModelGraph, pl: ModelPlan, args: argparse.Namespace, forms: list[str]) -> None:
     containers = {u.name: u.container for u in mg.units}
-    rows = [[str(k), _compact(names, containers), f"{pl.stage_s[k] * 1e3:.3f}", _human(pl.stage_memory_bytes[k]),
+    rows = [[str(k), _compact(names, containers), f"{pl.stage_s[k] * 1e3:.3f}",
+             _human(pl.stage_memory_bytes[k]),
              "".join(pl.policies[n] for n in names)] for k, names in enumerate(pl.stages)]
-    print(text_table(f"{args.model or mg.source or args.graph}: {len(pl.stages)} stages, {args.schedule}, "
-                     f"{args.micro_batches} micro-batches, measured on {mg.device or '?'}, method {pl.method}",
-                     ["stage", "modules", "time ms", "memory", "policies"], rows, left={"modules", "policies"}))
+    print(
+        text_table(
+            f"{args.model or mg.source or args.graph}: {len(pl.stages)} stages, {args.schedule}, "
+            f"{args.micro_batches} micro-batches, measured on {mg.device or '?'}, method {pl.method}",
+            ["stage", "modules", "time ms", "memory", "policies"],
+            rows,
+            left={"modules", "policies"},
+        )
+    )
     parts = pl.bottleneck
     lines = [
         f"predicted step {pl.step_s * 1e3:.3f} ms (bubble included); slowest stage {pl.bottleneck_stage}: "
@@ -310,7 +335,8 @@ def _print_model_table(mg: ModelGraph, pl: ModelPlan, args: argparse.Namespace, 
     ]
     slowest = pl.stages[pl.bottleneck_stage]
     if len(slowest) == 1 and len(pl.stages) > 1:
-        lines.append(f"the slowest stage is one module, {slowest[0]}: no split makes a stage faster than it, so "
+        lines.append(f"the slowest stage is one module, {slowest[0]}: no split makes a "
+                     "stage faster than it, so "
                      "more stages do not shorten the step")
     for container, counts in pl.layer_counts.items():
         lines.append(f"blocks per stage for a manual split of {container or 'the model'}: "

@@ -64,7 +64,8 @@ def coarsen(costs: StageCosts, num_stages: int) -> CoarseGraph:
     g_src, g_dst = group_of[src], group_of[dst]
     crossing = g_src != g_dst
     coarse_edges = int(np.unique(g_src[crossing] * (n + 1) + g_dst[crossing]).size)
-    return CoarseGraph(bounds, int(is_backbone.sum()), int(is_subgraph.sum()), int(is_sparse.sum()), coarse_edges)
+    return CoarseGraph(bounds, int(is_backbone.sum()), int(is_subgraph.sum()), int(is_sparse.sum()),
+                       coarse_edges)
 
 
 def _valleys(costs: StageCosts, reach: float) -> np.ndarray:

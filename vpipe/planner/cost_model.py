@@ -250,7 +250,12 @@ class CoarseCosts(StageCosts):
 
     def __init__(self, costs: StageCosts, positions: np.ndarray) -> None:  # a view: no prefix sums of its own
         positions = np.asarray(positions, dtype=np.int64)
-        if positions.size < 2 or positions[0] != 0 or positions[-1] != costs.n or np.any(np.diff(positions) <= 0):
+        if (
+            positions.size < 2
+            or positions[0] != 0
+            or positions[-1] != costs.n
+            or np.any(np.diff(positions) <= 0)
+        ):
             raise ValueError("positions must rise strictly from 0 to the number of layers")
         self.base, self.positions = costs, positions
         self.profile, self.setup, self.codes = costs.profile, costs.setup, costs.codes

@@ -39,8 +39,8 @@ class Partition:
 
 def partition_from_dp(costs: StageCosts, parents: list[np.ndarray], value: np.ndarray, secondary: bool
                       ) -> Partition | None:
-    """The partition a DP over (stage, end) found: ``parents[k][j]`` is where stage ``k`` ending at ``j`` starts,
-    ``value[n]`` the objective of the whole (inf: none fits); priced by ``costs``."""
+    """The partition a DP over (stage, end) found: ``parents[k][j]`` is where stage ``k`` ending at ``j``
+    starts, ``value[n]`` the objective of the whole (inf: none fits); priced by ``costs``."""
     n = costs.n
     if not np.isfinite(value[n]):
         return None

@@ -60,7 +60,8 @@ def _lower_bound(costs: StageCosts, p: int) -> float:
     c, comm, n = costs.compute_prefix, costs.comm, costs.n
     inner = np.sort(comm[1:n])[: p - 1] if p > 1 else np.zeros(0)
     mean = (float(c[-1]) + 2.0 * float(inner.sum())) / p
-    into = np.minimum.accumulate(comm[:-1] - c[:-1]) + c[:-1]  # min over starts s <= i of comm[s] + C[i] - C[s]
+    # min over starts s <= i of comm[s] + C[i] - C[s]
+    into = np.minimum.accumulate(comm[:-1] - c[:-1]) + c[:-1]
     # min over ends e > i of C[e] - C[i+1] + comm[e]
     out = np.minimum.accumulate((c[1:] + comm[1:])[::-1])[::-1] - c[1:]
     holding = into + (c[1:] - c[:-1]) + out
@@ -104,7 +105,8 @@ def _greedy_probe(costs: StageCosts, p: int, budgets: np.ndarray, memory: Memory
             js = np.array([n])
         else:
             j_max = min(int(np.searchsorted(prefix, prefix[i] + limit, side="right")) - 1,
-                        int(np.searchsorted(costs.swap_prefix, costs.swap_prefix[i] + limit, side="right")) - 1,
+                        int(np.searchsorted(costs.swap_prefix, costs.swap_prefix[i] + limit,
+                                            side="right")) - 1,
                         n - (p - 1 - k))
             js = np.arange(i + 1, j_max + 1)
         ok = np.asarray(costs.time(i, js)) <= limit

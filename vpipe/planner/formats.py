@@ -67,12 +67,15 @@ def _ends(stages: list[list[str]], units: list[Unit]) -> tuple[list[str], list[s
     before = [u.name for u in units[:first]]
     after = [u.name for u in units[last + 1:]]
     if not (before and after):
-        return before, after, (f"the model has no module {'before' if not before else 'after'} its blocks to be the "
-                               "embedding and the head")
+        return (before, after,
+                (f"the model has no module {'before' if not before else 'after'} its blocks to be the "
+                               "embedding and the head"))
     if before and not set(before) <= set(stages[0]):
-        return before, after, f"the modules before the blocks ({', '.join(before)}) are not all on the first stage"
+        return (before, after,
+                f"the modules before the blocks ({', '.join(before)}) are not all on the first stage")
     if after and not set(after) <= set(stages[-1]):
-        return before, after, f"the modules after the blocks ({', '.join(after)}) are not all on the last stage"
+        return (before, after,
+                f"the modules after the blocks ({', '.join(after)}) are not all on the last stage")
     return before, after, None
 
 
@@ -112,12 +115,14 @@ def _less_layers(blocks: list[int], stages_per_rank: int, schedule: str) -> tupl
 
 def torchtitan_form(stages: list[list[str]], units: list[Unit], schedule: str, ranks: int,
                     stages_per_rank: int) -> dict[str, Any]:
-    """torchtitan's ``[parallelism]`` fields for the plan; a field it cannot express is None, with a note why."""
+    """torchtitan's ``[parallelism]`` fields for the plan; a field
+    it cannot express is None, with a note why."""
     notes: list[str] = []
     deep = [u.name for u in units if "." in (u.name if u.container is None else u.container)]
     fqns = None if deep else [list(names) for names in stages]
     if deep:
-        notes.append(f"module_fqns_per_model_part: torchtitan splits only top-level children and the entries of "
+        notes.append("module_fqns_per_model_part: torchtitan splits only top-level "
+                     "children and the entries of "
                      f"top-level ModuleList/ModuleDict containers; {deep[0]} is deeper")
     blocks = [sum(1 for name in names if name in {u.name for u in units if u.container is not None})
               for names in stages]
@@ -127,7 +132,8 @@ def torchtitan_form(stages: list[list[str]], units: list[Unit], schedule: str, r
     less = None if why else _less_layers(blocks, stages_per_rank, schedule)
     if less is None:
         notes.append("first/last_stage_less_layers: " + (why or f"no pair gives blocks per stage "
-                                                                f"{','.join(map(str, blocks))} with {stages_per_rank} "
+                                                                f"{','.join(map(str, blocks))} "
+                                                                f"with {stages_per_rank} "
                                                                 f"stage(s) per rank"))
     if schedule not in TORCHTITAN_SCHEDULES:
         notes.append(f"pipeline_parallel_schedule: torchtitan has no {schedule} schedule")
@@ -142,8 +148,8 @@ def torchtitan_form(stages: list[list[str]], units: list[Unit], schedule: str, r
 
 
 def megatron_form(stages: list[list[str]], units: list[Unit], schedule: str, ranks: int) -> dict[str, Any]:
-    """Megatron's ``--pipeline-model-parallel-size`` and ``--pipeline-model-parallel-layout`` (None, with a note
-    why, where the plan cannot be written as one)."""
+    """Megatron's ``--pipeline-model-parallel-size`` and ``--pipeline-model-parallel-layout`` (None, with a
+    note why, where the plan cannot be written as one)."""
     before, after, why = _ends(stages, units)
     if why is None and schedule in _V_SHAPED:
         why = f"Megatron places stage i on rank i % {ranks}; {schedule} places its stages in a V"
@@ -162,8 +168,9 @@ def megatron_form(stages: list[list[str]], units: list[Unit], schedule: str, ran
 
 
 def uniform_bounds(num_layers: int, num_stages: int) -> list[int]:
-    """Stage boundaries (``num_stages + 1`` layer indices) of DeepSpeed's ``uniform`` method: equal counts, the
-    first ``num_layers % num_stages`` stages one more; with fewer layers than stages, one layer per stage."""
+    """Stage boundaries (``num_stages + 1`` layer indices) of DeepSpeed's
+    ``uniform`` method: equal counts, the first ``num_layers % num_stages`` stages
+    one more; with fewer layers than stages, one layer per stage."""
     if num_layers <= num_stages:
         return [min(k, num_layers) for k in range(num_stages + 1)]
     per, extra = divmod(num_layers, num_stages)
@@ -171,7 +178,8 @@ def uniform_bounds(num_layers: int, num_stages: int) -> list[int]:
 
 
 def balanced_bounds(weights: list[int], num_stages: int) -> list[int]:
-    """Stage boundaries of DeepSpeed's balanced linear partition (``parameters`` and ``type:``), as 0.19.8 makes it.
+    """Stage boundaries of DeepSpeed's balanced linear partition
+    (``parameters`` and ``type:``), as 0.19.8 makes it.
 
     Its dynamic programme extends, for every prefix of ``i`` layers in ``j`` stages, the
     chosen ``j - 1``-stage split of a shorter prefix by one last stage, keeping the extension
@@ -187,7 +195,8 @@ def balanced_bounds(weights: list[int], num_stages: int) -> list[int]:
         prefix.append(prefix[-1] + w)
     inf = float("inf")
     # best[j][i] = (spread, heaviest, lightest, where the last stage starts) of prefix i in j stages
-    best: list[list[tuple[float, float, float, int] | None]] = [[None] * (n + 1) for _ in range(num_stages + 1)]
+    best: list[list[tuple[float, float, float, int] | None]] = [[None] * (n + 1)
+                                                                for _ in range(num_stages + 1)]
     best[0][0] = (0.0, 0.0, inf, 0)
     for i in range(1, n + 1):
         for j in range(1, min(i, num_stages) + 1):
@@ -209,9 +218,10 @@ def balanced_bounds(weights: list[int], num_stages: int) -> list[int]:
     return bounds[::-1]
 
 
-def deepspeed_form(stages: list[list[str]], units: list[Unit], schedule: str, stages_per_rank: int) -> dict[str, Any]:
-    """The ``partition_method`` that makes DeepSpeed's ``PipelineModule`` split the model's units as planned (None,
-    with a note saying what each method would give instead, where none does)."""
+def deepspeed_form(stages: list[list[str]], units: list[Unit], schedule: str,
+                   stages_per_rank: int) -> dict[str, Any]:
+    """The ``partition_method`` that makes DeepSpeed's ``PipelineModule`` split the model's units as
+    planned (None, with a note saying what each method would give instead, where none does)."""
     bounds = [0]
     for names in stages:
         bounds.append(bounds[-1] + len(names))
@@ -233,7 +243,8 @@ def deepspeed_form(stages: list[list[str]], units: list[Unit], schedule: str, st
     if kind is not None:  # DeepSpeed matches the regex anywhere in a layer's class name, ignoring case
         others = {u.kind or "" for u in units if u.container is None}
         if all(kind.lower() not in other.lower() for other in others):
-            gives[f"type:{kind}"] = balanced_bounds([int(u.container is not None) for u in units], len(stages))
+            gives[f"type:{kind}"] = balanced_bounds([int(u.container is not None) for u in units],
+                                                    len(stages))
     method = next((m for m, b in gives.items() if b == bounds), None)
     if method is None:
         tried = "; ".join(f"{m} gives {b}" for m, b in gives.items())
@@ -253,12 +264,14 @@ def format_lines(torchtitan: dict[str, Any], megatron: dict[str, Any],
     lines += [f"  # not written: {note}" for note in torchtitan["notes"]]
     layout = megatron["pipeline_model_parallel_layout"]
     if layout is not None:
-        lines.append(f"Megatron-LM: --pipeline-model-parallel-size {megatron['pipeline_model_parallel_size']} "
+        lines.append("Megatron-LM: --pipeline-model-parallel-size "
+                     f"{megatron['pipeline_model_parallel_size']} "
                      f"--pipeline-model-parallel-layout \"{layout}\"")
     lines += [f"Megatron-LM: not written: {note}" for note in megatron["notes"]]
     if deepspeed is not None:
         if deepspeed["partition_method"] is not None:
-            lines.append(f"DeepSpeed: PipelineModule(..., partition_method=\"{deepspeed['partition_method']}\") "
+            lines.append("DeepSpeed: PipelineModule(..., "
+                         f"partition_method=\"{deepspeed['partition_method']}\") "
                          f"(parts {deepspeed['parts']})")
         lines += [f"DeepSpeed: not written: {note}" for note in deepspeed["notes"]]
     return lines

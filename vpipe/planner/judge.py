@@ -1,18 +1,17 @@
 """Judging a plan by the steps that follow it: one that made them slower is reverted.
 
-The planner's predictions come from a cost model; the step times the stages measure after
-a plan takes effect are the truth. The planner daemon hands every stats vector to a
-:class:`PlanJudge` before it plans. The judge remembers the step times measured under the
-running plan; once a new plan has run for ``after_samples`` sampled steps, it compares
-their median with the median of the last ``before_samples`` under the plan it replaced
-(medians of three: one slow sample, a busy moment, moves neither; the first sample of each plan
-is not counted, as it carries the warm-up or a move's one-off costs, unless it is all there is: a plan
-sent right after the devices changed is judged against that first sample, an overestimate that
-can only keep a plan, where judging nothing let a bad one stay for good). When the
-new one is slower by more than ``tolerance`` and every step after it was slower than every step
-before (on busy or shared devices steps vary by a third: a difference inside that spread is
-noise, and reverting on it undoes good plans), the judge returns the earlier placement and policies as a new plan
-(``plan_reverted`` in the log, with both step times), and refuses that plan from then on.
+The planner's predictions come from a cost model; the step times the stages measure after a plan takes
+effect are the truth. The planner daemon hands every stats vector to a :class:`PlanJudge` before it plans.
+The judge remembers the step times measured under the running plan; once a new plan has run for
+``after_samples`` sampled steps, it compares their median with the median of the last ``before_samples``
+under the plan it replaced (medians of three: one slow sample, a busy moment, moves neither; the first
+sample of each plan is not counted, as it carries the warm-up or a move's one-off costs, unless it is all
+there is: a plan sent right after the devices changed is judged against that first sample, an overestimate
+that can only keep a plan, where judging nothing let a bad one stay for good). When the new one is slower
+by more than ``tolerance`` and every step after it was slower than every step before (on busy or shared
+devices steps vary by a third: a difference inside that spread is noise, and reverting on it undoes good
+plans), the judge returns the earlier placement and policies as a new plan (``plan_reverted`` in the log,
+with both step times), and refuses that plan from then on.
 
 What is measured is a sampled step's time on each stage; the pipeline's step is its
 slowest stage's. Plans made to fit memory or to follow a layer edit ("memory ...",
@@ -71,7 +70,8 @@ class PlanJudge:
             return None  # measured across a plan change: belongs to neither side
         epoch = epochs.pop()
         step_s = max(rec.step_s for rec in vector)
-        if epoch != self._recent_epoch:  # its first sample carries one-off costs (warm-up, a move's aftermath)
+        # its first sample carries one-off costs (warm-up, a move's aftermath)
+        if epoch != self._recent_epoch:
             known = current is not None and current.epoch == epoch
             if not known or _signature(current) != self._recent_signature:  # type: ignore[arg-type]
                 self._recent.clear()  # a re-measure (the same placement, a new epoch) keeps what was measured
@@ -94,18 +94,19 @@ class PlanJudge:
         return None
 
     def forget(self) -> None:
-        """The devices changed (a straggler came or went): step times measured before say nothing about the plan
-        on trial now. Plans refused stay refused (a plan that made steps slower is never sent again)."""
+        """The devices changed (a straggler came or went): step times measured before say nothing about the
+        plan on trial now. Plans refused stay refused (a plan that made steps slower is never sent again)."""
         self._trial = None
         self._recent.clear()
         self._recent_epoch = self._recent_signature = self._first = None
 
     def remeasured(self, plan: Plan, ratio: float) -> None:
-        """A rank's pulse saw its stage's forward time change by ``ratio``, and ``plan`` (the placement in force, a
-        new epoch) has every rank measure again. A plan on trial goes on being judged under the new epoch (on busy
-        cores the pulse fires every few steps; forgetting the trial let a bad plan stay); after a change of
-        :data:`DEVICES_CHANGED` or more, either way, on the steps from now on. Without a trial, such a change is
-        the devices': what was measured before says nothing of later plans (:meth:`forget`)."""
+        """A rank's pulse saw its stage's forward time change by ``ratio``, and ``plan`` (the
+        placement in force, a new epoch) has every rank measure again. A plan on trial goes on being
+        judged under the new epoch (on busy cores the pulse fires every few steps; forgetting the
+        trial let a bad plan stay); after a change of :data:`DEVICES_CHANGED` or more, either way, on
+        the steps from now on. Without a trial, such a change is the devices': what was measured
+        before says nothing of later plans (:meth:`forget`)."""
         big = not ratio > 0 or abs(math.log(ratio)) >= math.log(DEVICES_CHANGED)
         if self._trial is not None and _signature(self._trial.plan) == _signature(plan):
             self._trial.plan = plan
@@ -140,10 +141,12 @@ class PlanJudge:
         old = trial.replaced
         revert = Plan(epoch=current.epoch + 1, stages=old.stages, policies=old.policies,
                       predicted_step_s=before,
-                      reason=(f"revert epoch {trial.plan.epoch}: measured {after * 1e3:.2f} ms/step after it, "
+                      reason=(f"revert epoch {trial.plan.epoch}: measured "
+                              f"{after * 1e3:.2f} ms/step after it, "
                               f"{before * 1e3:.2f} ms/step before"))
         decision("plan_reverted", f"epoch {trial.plan.epoch} made steps slower ({before * 1e3:.2f} -> "
-                 f"{after * 1e3:.2f} ms measured); back to the plan of epoch {old.epoch} as epoch {revert.epoch}",
+                 f"{after * 1e3:.2f} ms measured); back to the plan of epoch {old.epoch} as "
+                 f"epoch {revert.epoch}",
                  role="planner", epoch=trial.plan.epoch, revert_epoch=revert.epoch, iteration=iteration,
                  step_s_before=before, step_s_after=after, samples_before=trial.before_s,
                  samples_after=trial.after_s, predicted_step_s=trial.plan.predicted_step_s)

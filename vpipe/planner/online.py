@@ -60,15 +60,21 @@ __all__ = ["OnlineConfig", "OnlinePlanner", "SRPEntry", "srp"]
 
 _AT_ONCE = ("memory", "layers changed")  # proposals that are not confirmed first: the current plan cannot run
 _UNCHANGED = 0.01  # per-layer cost moves under this (relative) since the last search: nothing new to plan
-# the stages' time outside their blocks is one number per end, with no interchangeable blocks to pool it with:
-# the least of its last samples, since a busy core only ever adds time (a preempted sample is not a heavier head)
+# the stages' time outside their blocks is one number per end, with no
+# interchangeable blocks to pool it with: the least of its last samples, since a busy
+# core only ever adds time (a preempted sample is not a heavier head)
 _OUTSIDE_SAMPLES = 3
-_WARM_SAMPLES = 1  # samples after attach that say nothing of the stages' speeds (start-up work runs beside them)
-_SPEED_SAMPLES = 3  # a stage is as slow as it was in all of this many samples (noise hits a sample, a device all)
-_WEAK_SPEED_SAMPLES = 6  # ... and in this many when less than speeds.STRONG slower (shared cores look like that)
-# a pulse names a change after several steps at the new level: samples of the last steps before its alert saw it
+# samples after attach that say nothing of the stages' speeds (start-up work runs beside them)
+_WARM_SAMPLES = 1
+# a stage is as slow as it was in all of this many samples (noise hits a sample, a device all)
+_SPEED_SAMPLES = 3
+# ... and in this many when less than speeds.STRONG slower (shared cores look like that)
+_WEAK_SPEED_SAMPLES = 6
+# a pulse names a change after several steps at the new level: samples
+# of the last steps before its alert saw it
 _ALERT_LAG = 2
-_MOVED_SAMPLES = 10  # samples for which a moved block's time before its move still says how fast its old stage was
+# samples for which a moved block's time before its move still says how fast its old stage was
+_MOVED_SAMPLES = 10
 
 
 def _plan_key(plan: Plan) -> tuple[Any, ...]:
@@ -90,23 +96,26 @@ class OnlinePlanner:
         self._outside_bytes: dict[str, int] = {}
         self._samples = 0
         self._epoch: int | None = None  # of the last vector observed
-        self._fresh_after: int | None = None  # after an alert: the first sample of a newer epoch replaces the costs
+        # after an alert: the first sample of a newer epoch replaces the costs
+        self._fresh_after: int | None = None
         self._stage_of: dict[int, int] = {}  # where each block was measured last
         # blocks that moved lately: where they ran before and what they took there (their device's evidence)
         self._moved: dict[int, tuple[int, float, int]] = {}
         self.speeds: tuple[float, ...] | None = None  # each stage's time factor, as last fitted
-        self._left: set[tuple[tuple[int, ...], ...]] = set()  # placements moved away from since the last alert
+        # placements moved away from since the last alert
+        self._left: set[tuple[tuple[int, ...], ...]] = set()
         self._speed_samples = SpeedSamples(_WEAK_SPEED_SAMPLES)  # the last samples' factors
         self._alerted = False  # since the last alert, fewer samples name a slower stage
         self._froze = False  # a pulse reported blocks frozen since the last plan went
         self._planned_speeds: tuple[float, ...] | None = None  # the stages' factors when the last plan went
-        self._moving: dict[int, int] = {}  # epoch -> bytes, of the moves sent whose cost no sample has told yet
+        # epoch -> bytes, of the moves sent whose cost no sample has told yet
+        self._moving: dict[int, int] = {}
         self._reported_speeds: tuple[float, ...] | None = None
         self._srp: Any = None
         self._srp_key: tuple[Any, ...] | None = None
         self._last_search: tuple[Plan, list[tuple[float, int]], Any] | None = None
-        # what the last searches proposed: (its key, how many samples in a row found it worth sending, the plan,
-        # the step of the sample that first proposed it)
+        # what the last searches proposed: (its key, how many samples in a row found it worth sending, the
+        # plan, the step of the sample that first proposed it)
         self._proposed: tuple[Any, int, Plan, int] | None = None
 
     def __call__(self, vector: list[StageRecord], current: Plan | None) -> Plan | None:
@@ -143,10 +152,11 @@ class OnlinePlanner:
         proposal = planner.propose(graph, current, vector[-1].iteration, placeable=placeable)
         if proposal is not None and not edited and proposal.plan.stages in self._left:
             # back to a placement this run left, with no change seen since (no alert): what made it worse then
-            # still holds, and moving back and forth costs every move twice. Speeds learnt since do not count: on
-            # shared cores a stage's factor measured on one block swings with the load (a 2x rank went 4,4 -> 7,1
-            # -> 4,4 -> 7,1 in CI when they did); a recovery is the pulse's to report
-            log.info("planner: iteration %d would move back to %s, left earlier with no change seen since; staying",
+            # still holds, and moving back and forth costs every move twice. Speeds learnt since do not count:
+            # on shared cores a stage's factor measured on one block swings with the load (a 2x rank went 4,4
+            # -> 7,1 -> 4,4 -> 7,1 in CI when they did); a recovery is the pulse's to report
+            log.info("planner: iteration %d would move back to %s, left earlier with no "
+                     "change seen since; staying",
                      vector[-1].iteration, proposal.plan.counts())
             planner.last_proposal_step = last_proposal
             proposal = None
@@ -154,7 +164,8 @@ class OnlinePlanner:
             self._proposed = None  # nothing to gain now: a later proposal starts its count again
             return None
         proposal = self._confirmed(proposal, vector[-1].iteration, at_once=edited or self._known_change(),
-                                   reprice=lambda earlier: planner.reprice(graph, current, earlier, placeable))
+                                   reprice=lambda earlier: planner.reprice(graph, current, earlier,
+                                                                           placeable))
         seconds = time.perf_counter() - started
         if proposal is None:
             planner.last_proposal_step = last_proposal  # nothing was sent: no cooldown starts
@@ -174,16 +185,18 @@ class OnlinePlanner:
             predicted_step_s_before=proposal.before_step_s, predicted_step_s_after=proposal.after_step_s,
             predicted_stage_s_before=list(proposal.stage_s_before),
             predicted_stage_s_after=list(proposal.stage_s_after),
-            expected_gain=proposal.gain, migration_bytes=proposal.migration_bytes, migration_s=proposal.migration_s,
+            expected_gain=proposal.gain, migration_bytes=proposal.migration_bytes,
+                 migration_s=proposal.migration_s,
             stage_speeds=None if speeds is None else list(speeds), planner_s=seconds,
         )
         return plan
 
     def alerted(self, stage: int, ratio: float, iteration: int) -> None:
-        """A rank's pulse saw ``stage`` change at ``iteration`` (the daemon has every rank measure again): what was
-        measured before (speed samples, a proposal made on them, where moved blocks ran) says nothing of the
-        devices now, and a placement left may be right again. Samples of the last ``_ALERT_LAG`` steps saw the
-        change and are kept: a neighbour's pulse may fire a few steps after the change it follows."""
+        """A rank's pulse saw ``stage`` change at ``iteration`` (the daemon has every rank
+        measure again): what was measured before (speed samples, a proposal made on them, where
+        moved blocks ran) says nothing of the devices now, and a placement left may be right
+        again. Samples of the last ``_ALERT_LAG`` steps saw the change and are kept: a
+        neighbour's pulse may fire a few steps after the change it follows."""
         since = iteration - _ALERT_LAG
         if self._proposed is not None and self._proposed[3] < since:
             self._proposed = None
@@ -200,7 +213,8 @@ class OnlinePlanner:
         that name a factor agree already). The plan for it then goes without waiting for another search."""
         now = self.speeds or ()
         before = self._planned_speeds or (1.0,) * len(now)
-        return self._froze or len(before) != len(now) or any(abs(a / b - 1.0) > 0.25 for a, b in zip(now, before))
+        return self._froze or len(before) != len(now) or any(abs(a / b - 1.0) > 0.25
+                                                             for a, b in zip(now, before))
 
     def _confirmed(self, proposal: Proposal, iteration: int, *, at_once: bool,
                    reprice: Callable[[Plan], Proposal | None]) -> Proposal | None:
@@ -209,10 +223,10 @@ class OnlinePlanner:
         A plan that fits memory or follows a layer edit goes at once (``at_once``: the stages report layers
         the planner did not place, a known change and not noise). A plan for speed goes once it was worth
         sending on ``confirm_samples`` samples in a row: proposed by each search, or proposed by an earlier
-        one and still worth sending on the new statistics (``reprice``). Near-equal plans that noise makes
-        the searches alternate between are one imbalance seen twice: the earlier of them goes, unless the newer
-        one is better on the newest statistics by more than ``min_gain`` (the imbalance is larger than the first
-        sample showed: moving part of the way would need a second move).
+        one and still worth sending on the new statistics (``reprice``). Near-equal plans that noise makes the
+        searches alternate between are one imbalance seen twice: the earlier of them goes, unless the newer
+        one is better on the newest statistics by more than ``min_gain`` (the imbalance is larger than the
+        first sample showed: moving part of the way would need a second move).
         """
         if at_once or proposal.reason.startswith(_AT_ONCE) or self.config.confirm_samples <= 1:
             self._proposed = None
@@ -223,20 +237,23 @@ class OnlinePlanner:
             again = reprice(earlier[2])
             if again is not None and proposal.after_step_s < again.after_step_s - self.config.min_gain * \
                     again.before_step_s:
-                earlier = (key, earlier[1], proposal.plan, earlier[3])  # the same imbalance, a better plan for it
+                # the same imbalance, a better plan for it
+                earlier = (key, earlier[1], proposal.plan, earlier[3])
             elif again is not None:
                 proposal, key = again, earlier[0]
         seen = earlier[1] + 1 if earlier is not None and earlier[0] == key else 1
         if seen < self.config.confirm_samples:
             self._proposed = (key, seen, proposal.plan, earlier[3] if seen > 1 and earlier else iteration)
-            log.info("planner: iteration %d proposes %s (%d of %d searches in a row); waiting for the next sample",
+            log.info("planner: iteration %d proposes %s (%d of %d searches in a row); "
+                     "waiting for the next sample",
                      iteration, proposal.reason, seen, self.config.confirm_samples)
             return None
         self._proposed = None
         return proposal
 
     def _unchanged_since_last_search(self, graph: Any, current: Plan) -> bool:
-        """Whether the last search saw this plan and costs within ``_UNCHANGED`` of these (then it found nothing)."""
+        """Whether the last search saw this plan and costs within
+        ``_UNCHANGED`` of these (then it found nothing)."""
         costs = [(n.fwd_s + n.bwd_s, n.act_bytes) for n in graph.nodes]
         last, self._last_search = self._last_search, (current, costs, self.speeds)
         if last is None or last[0] != current or len(last[1]) != len(costs) or last[2] != self.speeds:
@@ -252,7 +269,8 @@ class OnlinePlanner:
         stages = tuple(tuple(rec.layer_ids) for rec in vector)
         if any(not layers for layers in stages):
             return None
-        policies = {lid: current.policy(lid) for layers in stages for lid in layers if lid in current.layer_ids}
+        policies = {lid: current.policy(lid) for layers in stages for lid in layers
+                    if lid in current.layer_ids}
         return Plan(epoch=vector[0].epoch, stages=stages, policies=policies, reason="observed")
 
     # ---------------------------------------------------------------- statistics
@@ -290,12 +308,14 @@ class OnlinePlanner:
             recent.append([rec.outside_fwd_s / calls, rec.outside_bwd_s / calls] if calls else [0.0, 0.0])
             self._outside[end] = [min(s[i] for s in recent) for i in (0, 1)]
             self._outside_bytes[end] = rec.outside_param_bytes
-        if self._samples >= _WARM_SAMPLES:  # the first samples run beside start-up work (the daemon, allocators)
+        # the first samples run beside start-up work (the daemon, allocators)
+        if self._samples >= _WARM_SAMPLES:
             self._speed_samples.add(vector[-1].iteration, self._sample_speeds(vector))
         self._note_move_cost(vector)
         self._samples += 1
 
-    def _graph(self, current: Plan, records: dict[int, Any], shares: dict[int, float] | None = None) -> LayerGraph:
+    def _graph(self, current: Plan, records: dict[int, Any],
+               shares: dict[int, float] | None = None) -> LayerGraph:
         order = current.layer_ids
         # the first layer is always on the first stage and the last on the last: they carry those stages'
         # embeddings and heads, which never move (a contiguous partition cannot separate them)
@@ -305,7 +325,8 @@ class OnlinePlanner:
         extra = {lid: [0.0, 0.0, 0] for lid in order}
         for end, lid in (("first", order[0]), ("last", order[-1])):
             fwd, bwd = (t / speeds[stage_of[lid]] for t in self._outside.get(end, [0.0, 0.0]))
-            extra[lid] = [extra[lid][0] + fwd, extra[lid][1] + bwd, extra[lid][2] + self._outside_bytes.get(end, 0)]
+            extra[lid] = [extra[lid][0] + fwd, extra[lid][1] + bwd,
+                          extra[lid][2] + self._outside_bytes.get(end, 0)]
         normal = {lid: [t / speeds[stage_of[lid]] for t in self._costs[lid]] for lid in order}
         costs = pooled_costs(order, records, normal)
         nodes = [
@@ -319,8 +340,8 @@ class OnlinePlanner:
         return LayerGraph(name="live", nodes=nodes, edges=edges)
 
     def _note_move_cost(self, vector: list[StageRecord]) -> None:
-        """What the last move this planner sent cost the ranks (the slowest), per byte: later moves are weighed
-        against their gain with it."""
+        """What the last move this planner sent cost the ranks (the slowest), per byte:
+        later moves are weighed against their gain with it."""
         moved = self._moving.pop(vector[0].epoch, None)
         seconds = max(rec.move_s for rec in vector)
         if moved and seconds > 0 and self._srp is not None:
@@ -328,8 +349,9 @@ class OnlinePlanner:
             log.info("planner: moving %.1f MB took %.1f ms", moved / 1e6, seconds * 1e3)
 
     def _sample_speeds(self, vector: list[StageRecord]) -> tuple[float, ...]:
-        """This sample's stage factors: interchangeable blocks on different stages, and blocks that moved (their
-        time now against their smoothed time where they ran before), fitted by :mod:`vpipe.planner.speeds`."""
+        """This sample's stage factors: interchangeable blocks on different stages,
+        and blocks that moved (their time now against their smoothed time where they
+        ran before), fitted by :mod:`vpipe.planner.speeds`."""
         stage_of = {lr.layer_id: rec.stage for rec in vector for lr in rec.layers}
         now = {lr.layer_id: lr.fwd_per_call_s + lr.bwd_per_call_s for rec in vector for lr in rec.layers}
         observations = [(interchangeable(lr) or ("block", lr.layer_id), rec.stage, now[lr.layer_id])
@@ -340,8 +362,8 @@ class OnlinePlanner:
         return fit_stage_speeds(observations, len(vector), dead_band=0.0)
 
     def _fit_speeds(self, num_stages: int) -> tuple[float, ...]:
-        """Each stage's time factor: the least of the last samples' (a busy core slows one stage in some samples, a
-        slower device in every one), reported in the run's log when it changes."""
+        """Each stage's time factor: the least of the last samples' (a busy core slows one stage in some
+        samples, a slower device in every one), reported in the run's log when it changes."""
         samples = self._speed_samples.of(num_stages)
         # after a rank saw its stage change, two samples that agree suffice: the change is known, not guessed
         speeds = steady_speeds(samples, num_stages, needed=2 if self._alerted else _SPEED_SAMPLES,
@@ -369,7 +391,8 @@ class OnlinePlanner:
             last = self._srp.last_proposal_step if self._srp is not None else None
             rate = self._srp.measured_s_per_byte if self._srp is not None else None
             self._srp = SRPPlanner(current.num_stages, self.config.schedule, self.config.micro_batches,
-                                   self.config.memory_budget, hardware, horizon_steps=self.config.horizon_steps,
+                                   self.config.memory_budget, hardware,
+                                   horizon_steps=self.config.horizon_steps,
                                    min_gain=self.config.min_gain, cooldown_steps=self.config.cooldown_steps,
                                    allow_moves=self.config.allow_moves,
                                    in_flight_counts=as_tuple(self.config.in_flight),
@@ -384,24 +407,29 @@ class OnlinePlanner:
                                         self._hardware) for k, layers in enumerate(current.stages)]
         mean = sum(times) / len(times)
         if mean > 0 and max(times) / mean - 1.0 > self.config.imbalance_threshold:
-            decision("imbalance",
-                     f"slowest stage {times.index(max(times))} is {max(times) / mean - 1.0:.0%} over the mean",
-                     iteration=vector[-1].iteration, epoch=current.epoch, stage_times_s=times,
-                     layers_per_stage=current.counts())
+            decision(
+                "imbalance",
+                f"slowest stage {times.index(max(times))} is {max(times) / mean - 1.0:.0%} over the mean",
+                iteration=vector[-1].iteration,
+                epoch=current.epoch,
+                stage_times_s=times,
+                layers_per_stage=current.counts(),
+            )
 
 
 class SRPEntry:
-    """The daemon's planner function ``vpipe.planner.online:srp``: it makes each daemon an :class:`OnlinePlanner`
-    of its own.
+    """The daemon's planner function ``vpipe.planner.online:srp``: it
+    makes each daemon an :class:`OnlinePlanner` of its own.
 
-    The daemon hands ``--planner-config`` to :meth:`configured`, which returns the planner made with it;
-    without configuration it asks :meth:`for_daemon` for one with :class:`OnlineConfig`'s defaults. The entry
-    holds no planner (a planner remembers samples: one shared by the module would mix two daemons' runs), so it
-    does not plan when called itself.
+    The daemon hands ``--planner-config`` to :meth:`configured`, which returns the planner made with
+    it; without configuration it asks :meth:`for_daemon` for one with :class:`OnlineConfig`'s defaults.
+    The entry holds no planner (a planner remembers samples: one shared by the module would mix two
+    daemons' runs), so it does not plan when called itself.
     """
 
     def __call__(self, vector: list[StageRecord], current: Plan | None) -> Plan | None:
-        raise TypeError("vpipe.planner.online:srp makes planners, one per daemon: plan with srp.for_daemon() or "
+        raise TypeError("vpipe.planner.online:srp makes planners, one per daemon: plan with "
+                        "srp.for_daemon() or "
                         "srp.configured(config)")
 
     @staticmethod

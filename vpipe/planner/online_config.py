@@ -25,7 +25,8 @@ class OnlineConfig:
 
     schedule: str = "1f1b"
     micro_batches: int = 8
-    memory_budget: int | None = None  # per stage: parameters, gradients, optimizer state and saved activations
+    # per stage: parameters, gradients, optimizer state and saved activations
+    memory_budget: int | None = None
     horizon_steps: int = 500
     min_gain: float = 0.05
     cooldown_steps: int = 10
@@ -39,8 +40,9 @@ class OnlineConfig:
     allow_moves: bool = True  # False: only swap/recompute policies change (no layer factory)
     copy_bytes_per_s: float = 12e9
     net_bytes_per_s: float = 10e9
-    # several stages per rank: each stage's peak in-flight micro-batches and rank, from the schedule's action lists,
-    # and the micro-batches every stage holds at each moment of them (a rank's stages do not peak at once)
+    # several stages per rank: each stage's peak in-flight micro-batches and rank, from
+    # the schedule's action lists, and the micro-batches every stage holds at each
+    # moment of them (a rank's stages do not peak at once)
     in_flight: list[int] | None = None
     stage_ranks: list[int] | None = None
     in_flight_together: list[list[int]] | None = None
@@ -62,14 +64,17 @@ class OnlineConfig:
         need(rows is None or (self.in_flight is not None and isinstance(rows, list) and all(
             isinstance(row, list) and len(row) == len(self.in_flight) and all(_count(v) for v in row)
             for row in rows)),
-             f"in_flight_together must be null or rows of one non-negative integer per stage, with in_flight, "
+             "in_flight_together must be null or rows of one non-negative integer per "
+             "stage, with in_flight, "
              f"got {rows!r}")
         need(self.schedule not in MULTI_STAGE or self.in_flight is not None,
              f"schedule {self.schedule} runs several stages per rank: in_flight and stage_ranks are needed")
-        need(_pos_int(self.micro_batches), f"micro_batches must be a positive integer, got {self.micro_batches!r}")
+        need(_pos_int(self.micro_batches),
+             f"micro_batches must be a positive integer, got {self.micro_batches!r}")
         need(self.memory_budget is None or _pos_int(self.memory_budget),
              f"memory_budget must be a positive number of bytes or null, got {self.memory_budget!r}")
-        need(_pos_int(self.horizon_steps), f"horizon_steps must be a positive integer, got {self.horizon_steps!r}")
+        need(_pos_int(self.horizon_steps),
+             f"horizon_steps must be a positive integer, got {self.horizon_steps!r}")
         need(0.0 <= self.min_gain < 1.0, f"min_gain must be in [0, 1), got {self.min_gain!r}")
         need(isinstance(self.cooldown_steps, int) and self.cooldown_steps >= 0,
              f"cooldown_steps must be >= 0, got {self.cooldown_steps!r}")
@@ -78,14 +83,17 @@ class OnlineConfig:
              f"warmup_samples must be >= 1, got {self.warmup_samples!r}")
         need(_pos_int(self.confirm_samples),
              f"confirm_samples must be a positive integer, got {self.confirm_samples!r}")
-        need(self.imbalance_threshold >= 0, f"imbalance_threshold must be >= 0, got {self.imbalance_threshold!r}")
+        need(self.imbalance_threshold >= 0,
+             f"imbalance_threshold must be >= 0, got {self.imbalance_threshold!r}")
         need(self.copy_bytes_per_s > 0 and self.net_bytes_per_s > 0, "bandwidths must be positive")
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> OnlineConfig:
-        """The configuration a JSON object describes (``to_dict``'s output); ValueError naming what is wrong."""
+        """The configuration a JSON object describes (``to_dict``'s
+        output); ValueError naming what is wrong."""
         if not isinstance(data, Mapping):
-            raise ValueError(f"{_WHAT} must be a JSON object of OnlineConfig fields, got {type(data).__name__}")
+            raise ValueError(f"{_WHAT} must be a JSON object of OnlineConfig fields, got "
+                             f"{type(data).__name__}")
         known = {f.name for f in fields(cls)}
         unknown = sorted(str(key) for key in set(data) - known)
         if unknown:

@@ -46,12 +46,14 @@ def shared_budgets(budget: int, setup: Any, graph: LayerGraph, current: Plan, ve
     if not all(kept) or len(kept) != current.num_stages:
         return budget
     params = {node.id: node.param_bytes for node in graph.nodes}
-    fixed = [setup.param_factor(k) * sum(params[lid] for lid in layers) for k, layers in enumerate(current.stages)]
+    fixed = [setup.param_factor(k) * sum(params[lid] for lid in layers)
+             for k, layers in enumerate(current.stages)]
     ranks = setup.stage_ranks
     shares = []
     for k in range(current.num_stages):
         mates = [j for j in range(current.num_stages) if ranks[j] == ranks[k]]
         left = budget - sum(fixed[j] for j in mates)
-        part = keep_all_shares(left, [kept[j] for j in mates], [setup.in_flight(j) for j in mates], together, mates)
+        part = keep_all_shares(left, [kept[j] for j in mates], [setup.in_flight(j) for j in mates], together,
+                               mates)
         shares.append(fixed[k] + part[mates.index(k)] if part is not None else budget / len(mates))
     return shares

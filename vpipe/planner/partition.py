@@ -83,7 +83,8 @@ def kl_partition(costs: StageCosts, num_stages: int, budgets: np.ndarray | None 
         return None if cuts is None else _partition_of(costs, cuts)
     coarse = coarsen(costs, num_stages)
     start = None
-    if coarse.num_nodes >= num_stages and dp_cells(CoarseCosts(costs, coarse.bounds), num_stages) <= _COARSE_CELLS:
+    if coarse.num_nodes >= num_stages and dp_cells(CoarseCosts(costs, coarse.bounds),
+                                                   num_stages) <= _COARSE_CELLS:
         start = chain_dp(costs, coarse.bounds, num_stages, budgets, memory)
     if start is not None:
         starts = [start]

@@ -103,7 +103,8 @@ def _per_hop_bytes(profile: GraphProfile, setup: PipelineSetup, current_stage: n
     out = profile.params * (1.0 + hw.optimizer_factor)
     if streams(setup.schedule):  # of the stage it leaves: p - k in flight; p - k versions (PipeDream) or 2
         flight = setup.num_stages - current_stage
-        versions = np.array([weight_versions(setup.schedule, int(k), setup.num_stages) for k in current_stage])
+        versions = np.array([weight_versions(setup.schedule, int(k), setup.num_stages)
+                             for k in current_stage])
         out = out + profile.params * (versions - 1) + flight * profile.in_bytes
     return out
 
@@ -213,7 +214,8 @@ class SRPPlanner:
     def _may_move(self, profile: GraphProfile, plan: Evaluated, moved: int,
                   placeable: Callable[[list[list[int]]], bool] | None) -> bool:
         """A plan that moves layers needs moves on and stages that can build the layers arriving."""
-        return moved == 0 or (self.allow_moves and (placeable is None or placeable(profile.stages_of(plan.cuts))))
+        return moved == 0 or (self.allow_moves and (placeable is None
+                                                    or placeable(profile.stages_of(plan.cuts))))
 
     def _proposal(self, profile: GraphProfile, current: Plan, before: Evaluated | None,
                   chosen: tuple[Evaluated, int, float, str]) -> Proposal:
@@ -223,8 +225,10 @@ class SRPPlanner:
         reason = (f"{why}: step {_ms(before_step)} -> {_ms(plan.step_s)} ms predicted, "
                   f"{moved} layer(s) move ({moved_bytes / 1e6:.1f} MB, {migration_s * 1e3:.1f} ms)")
         new_plan = Plan(epoch=current.epoch + 1, stages=tuple(tuple(s) for s in profile.stages_of(plan.cuts)),
-                        policies=profile.policies_from(plan.codes), predicted_step_s=plan.step_s, reason=reason)
-        return Proposal(new_plan, before_step, plan.step_s, int(round(moved_bytes)), migration_s, moved, reason,
+                        policies=profile.policies_from(plan.codes), predicted_step_s=plan.step_s,
+                        reason=reason)
+        return Proposal(new_plan, before_step, plan.step_s, int(round(moved_bytes)), migration_s, moved,
+                        reason,
                         tuple(float(t) for t in before.times) if before is not None else (),
                         tuple(float(t) for t in plan.times))
 
@@ -266,7 +270,8 @@ class SRPPlanner:
             if limit >= ceiling:
                 break
             if setup.uneven:
-                lean = uneven_min_secondary(costs, setup.num_stages, limit, migration, budgets, memory="best_case")
+                lean = uneven_min_secondary(costs, setup.num_stages, limit, migration, budgets,
+                                            memory="best_case")
             else:
                 lean = min_secondary(costs, setup.num_stages, limit, migration, budgets, memory="best_case")
             if lean is not None:
@@ -274,7 +279,8 @@ class SRPPlanner:
         return out
 
     def move_s(self, moved_bytes: float) -> float:
-        """What moving ``moved_bytes`` costs: the link's time, or what the last move measured if that was more."""
+        """What moving ``moved_bytes`` costs: the link's time, or
+        what the last move measured if that was more."""
         linked = moved_bytes / self.setup.hardware.net_bytes_per_s
         return max(linked, moved_bytes * self.measured_s_per_byte) if self.measured_s_per_byte else linked
 
@@ -287,7 +293,8 @@ class SRPPlanner:
             # the running plan cannot run (layers changed) or overflows memory: fix it
             base = before.step_s if before is not None else max(c[0].step_s for c in feasible)
             plan, moved, moved_bytes = max(
-                feasible, key=lambda c: (self.horizon_steps * (base - c[0].step_s) - self.move_s(c[2]), -c[2]))
+                feasible, key=lambda c: (self.horizon_steps * (base - c[0].step_s) - self.move_s(c[2]),
+                                         -c[2]))
             why = "layers changed" if before is None else "memory over budget"
             return plan, moved, moved_bytes, why
         worthwhile = []

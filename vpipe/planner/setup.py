@@ -40,7 +40,8 @@ import numpy as np
 from vpipe.plan import Policy
 
 __all__ = ["RULES", "ScheduleRules",
-           "SCHEDULES", "STREAMS", "MULTI_STAGE", "ZERO_BUBBLE", "Schedule", "Code", "Hardware", "PipelineSetup",
+           "SCHEDULES", "STREAMS", "MULTI_STAGE", "ZERO_BUBBLE", "Schedule", "Code", "Hardware",
+           "PipelineSetup",
            "check_schedule", "streams", "in_flight", "weight_versions", "pipeline_step_time", "throughput"]
 
 Schedule = Literal["gpipe", "1f1b", "pipedream", "pipedream2bw"]  # the one-stage-per-rank schedules
@@ -51,7 +52,8 @@ class ScheduleRules:
     """What the cost model knows of a one-stage-per-rank schedule: adding one is one row of :data:`RULES`."""
 
     streams: bool  # no flush: micro-batches stay in flight across steps, no bubble
-    in_flight: Callable[[int, int, int], int]  # (stage, stages, micro-batches) -> activations held at the peak
+    # (stage, stages, micro-batches) -> activations held at the peak
+    in_flight: Callable[[int, int, int], int]
     versions: Callable[[int, int], int]  # (stage, stages) -> weight versions held (live and stashed)
 
 
@@ -65,7 +67,8 @@ SCHEDULES: tuple[str, ...] = tuple(RULES)
 STREAMS: tuple[str, ...] = tuple(name for name, rules in RULES.items() if rules.streams)
 # several (virtual) stages per rank: planned with the in-flight counts and stage ranks the ranks read off the
 # schedule's action lists; "custom" is an action list loaded from a file
-MULTI_STAGE: tuple[str, ...] = ("interleaved1f1b", "loopedbfs", "interleavedzb", "zbv", "dualpipev", "wpipe", "custom")
+MULTI_STAGE: tuple[str, ...] = ("interleaved1f1b", "loopedbfs", "interleavedzb", "zbv", "dualpipev", "wpipe",
+                                "custom")
 ZERO_BUBBLE: tuple[str, ...] = ("interleavedzb", "zbv", "dualpipev")
 # weight versions of the multi-stage schedules that keep more than one: WPipe's G0 (the first half of its 2W
 # virtual stages) two, G1 one
@@ -94,7 +97,9 @@ _POLICY_OF = {v: k for k, v in _CODE_OF.items()}
 
 def check_schedule(schedule: str) -> str:
     if schedule not in RULES and schedule not in MULTI_STAGE:
-        raise ValueError(f"unknown schedule {schedule!r}; expected one of {', '.join((*RULES, *MULTI_STAGE))}")
+        raise ValueError(
+            f"unknown schedule {schedule!r}; expected one of {', '.join((*RULES, *MULTI_STAGE))}"
+        )
     return schedule
 
 
@@ -102,7 +107,8 @@ def in_flight(schedule: str, stage: int, num_stages: int, micro_batches: int) ->
     """Micro-batches whose activations stage ``stage`` (0-based) holds at its peak."""
     check_schedule(schedule)
     if schedule in MULTI_STAGE:
-        raise ValueError(f"{schedule} runs several stages per rank: its in-flight counts come from its action lists "
+        raise ValueError(f"{schedule} runs several stages per rank: its in-flight counts come "
+                         "from its action lists "
                          "(PipelineSetup(in_flight_counts=...))")
     return RULES[schedule].in_flight(stage, num_stages, micro_batches)
 
@@ -170,18 +176,22 @@ class PipelineSetup:
             values = getattr(self, name)
             if values is not None and (len(values) != self.num_stages or any(
                     not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in values)):
-                raise ValueError(f"{name} must give a non-negative integer for each of the {self.num_stages} stages")
+                raise ValueError(f"{name} must give a non-negative integer for each of the "
+                                 f"{self.num_stages} stages")
         if self.stage_speeds is not None and (len(self.stage_speeds) != self.num_stages or any(
                 isinstance(v, bool) or not isinstance(v, (int, float)) or not (np.isfinite(v) and v > 0)
                 for v in self.stage_speeds)):
-            raise ValueError(f"stage_speeds must give a positive finite factor for each of the {self.num_stages} "
+            raise ValueError("stage_speeds must give a positive finite factor for each of "
+                             f"the {self.num_stages} "
                              f"stages, got {self.stage_speeds!r:.200}")
         if self.schedule in MULTI_STAGE and (self.in_flight_counts is None or self.stage_ranks is None):
-            raise ValueError(f"{self.schedule} runs several stages per rank: give in_flight_counts and stage_ranks")
+            raise ValueError(f"{self.schedule} runs several stages per rank: give "
+                             "in_flight_counts and stage_ranks")
 
     @property
     def uneven(self) -> bool:
-        """Whether the stages' devices run at different speeds (the partitioners must price each stage apart)."""
+        """Whether the stages' devices run at different speeds (the
+        partitioners must price each stage apart)."""
         return self.stage_speeds is not None and len(set(self.stage_speeds)) > 1
 
     def speed(self, stage: int) -> float:
@@ -216,7 +226,9 @@ class PipelineSetup:
         if memory_budget is None:
             return np.full(p, np.inf)
         if isinstance(memory_budget, bool):  # an int to Python, but never a number of bytes
-            raise TypeError(f"memory budget must be a number of bytes or one per stage, got {memory_budget!r}")
+            raise TypeError(
+                f"memory budget must be a number of bytes or one per stage, got {memory_budget!r}"
+            )
         if isinstance(memory_budget, (int, float, np.integer, np.floating)):
             # a rank's budget, shared equally by the stages it runs
             values = [float(memory_budget) / self.stages_per_rank(k) for k in range(p)]
@@ -226,7 +238,9 @@ class PipelineSetup:
                 raise ValueError(f"got {len(values)} memory budgets for {p} stages")
         for k, v in enumerate(values):
             if not v >= 0:
-                raise ValueError(f"memory budget of stage {k} must be a non-negative number of bytes, got {v}")
+                raise ValueError(
+                    f"memory budget of stage {k} must be a non-negative number of bytes, got {v}"
+                )
         return np.array(values, dtype=float)
 
 

@@ -24,11 +24,13 @@ from collections import defaultdict, deque
 from collections.abc import Hashable, Iterable, Sequence
 from typing import Any
 
-__all__ = ["fit_stage_speeds", "steady_speeds", "SpeedSamples", "describe_speeds", "interchangeable", "pooled_costs",
+__all__ = ["fit_stage_speeds", "steady_speeds", "SpeedSamples", "describe_speeds", "interchangeable",
+           "pooled_costs",
            "DEAD_BAND"]
 
 STRONG = 1.6  # a stage this much slower than the fastest is believed after a few samples; less needs more
-DEAD_BAND = 0.25  # a stage this close to the fastest (relative) runs at its speed: the rest is measurement noise
+# a stage this close to the fastest (relative) runs at its speed: the rest is measurement noise
+DEAD_BAND = 0.25
 _ROUNDS = 60
 
 
@@ -52,7 +54,8 @@ def fit_stage_speeds(observations: Iterable[tuple[Hashable, int, float]], num_st
     log_factor = dict.fromkeys(known, 0.0)
     for _ in range(_ROUNDS):
         work = [statistics.fmean(t - log_factor[s] for s, t in stages.items()) for stages in shared]
-        new = {s: statistics.fmean(stages[s] - w for stages, w in zip(shared, work) if s in stages) for s in known}
+        new = {s: statistics.fmean(stages[s] - w for stages, w in zip(shared, work) if s in stages)
+               for s in known}
         lowest = min(new.values())
         new = {s: v - lowest for s, v in new.items()}
         settled = max(abs(new[s] - log_factor[s]) for s in known) < 1e-9
@@ -67,12 +70,13 @@ def steady_speeds(samples: Sequence[Sequence[float]], num_stages: int, dead_band
                   needed: int = 3, weak_needed: int = 6, strong: float = STRONG) -> tuple[float, ...]:
     """The stages' factors over the last samples (all 1.0 before ``needed`` samples).
 
-    A stage is slower when it was in every one of the last ``needed`` samples (a busy core slows one stage in some
-    samples, a slower device in every one), or, at ``strong`` or more, in most of the last ``weak_needed`` (a busy
-    core on the fastest stage makes one sample of a slow device look even). A factor below ``strong`` must hold in
-    all of the last ``weak_needed``: ranks that share cores measure each other 1.3-1.5x apart for several samples in
-    a row, a device that much slower stays so. Its value is the median of the samples that saw it slower (the
-    least one followed every dip that a busy reference stage made, and moved blocks back and forth with it).
+    A stage is slower when it was in every one of the last ``needed`` samples (a busy core slows one stage
+    in some samples, a slower device in every one), or, at ``strong`` or more, in most of the last
+    ``weak_needed`` (a busy core on the fastest stage makes one sample of a slow device look even). A
+    factor below ``strong`` must hold in all of the last ``weak_needed``: ranks that share cores measure
+    each other 1.3-1.5x apart for several samples in a row, a device that much slower stays so. Its value
+    is the median of the samples that saw it slower (the least one followed every dip that a busy reference
+    stage made, and moved blocks back and forth with it).
     """
     if len(samples) < needed:
         return (1.0,) * num_stages
@@ -92,10 +96,11 @@ def steady_speeds(samples: Sequence[Sequence[float]], num_stages: int, dead_band
 class SpeedSamples:
     """The last samples' stage factors, each with the step it was measured at.
 
-    When a rank's pulse sees its stage change, the samples measured before the change say nothing of the devices
-    now, and those measured after it do: a pulse names a change only after several steps at the new level, and a
-    neighbour's pulse often fires a few steps after the stage that changed (its waits changed with it). Dropping
-    every sample then threw away what the planner had just learnt and cost a straggler about ten steps.
+    When a rank's pulse sees its stage change, the samples measured before the change say nothing
+    of the devices now, and those measured after it do: a pulse names a change only after several
+    steps at the new level, and a neighbour's pulse often fires a few steps after the stage that
+    changed (its waits changed with it). Dropping every sample then threw away what the planner
+    had just learnt and cost a straggler about ten steps.
     """
 
     def __init__(self, keep: int) -> None:
@@ -126,7 +131,8 @@ def describe_speeds(factors: tuple[float, ...]) -> str:
     return "; ".join(parts)
 
 
-def pooled_costs(order: list[int], records: dict[int, Any], costs: dict[int, list[float]]) -> dict[int, list[float]]:
+def pooled_costs(order: list[int], records: dict[int, Any],
+                 costs: dict[int, list[float]]) -> dict[int, list[float]]:
     """Per layer [fwd_s, bwd_s]: the median over the blocks it is interchangeable with.
 
     Blocks of one kind (class, parameter shapes) that save and send the same bytes run the

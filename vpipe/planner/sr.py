@@ -61,7 +61,8 @@ class _Stage:
 
     def __init__(self, profile: GraphProfile, setup: PipelineSetup, start: int, end: int, stage: int) -> None:
         hw = setup.hardware
-        speed = setup.speed(stage)  # the stage's device: its compute takes this much longer than the reference
+        # the stage's device: its compute takes this much longer than the reference
+        speed = setup.speed(stage)
         self.f = profile.fwd[start:end] * speed
         self.b = profile.bwd[start:end] * speed
         a = profile.act[start:end]

@@ -120,7 +120,8 @@ def optimize_stages(profile: GraphProfile, setup: PipelineSetup, budgets: np.nda
 
 
 def _partition(costs: StageCosts, p: int, budgets: np.ndarray, method: str) -> Partition:
-    if costs.setup.uneven:  # each stage priced on its own device: the homogeneous searches' bounds do not hold
+    # each stage priced on its own device: the homogeneous searches' bounds do not hold
+    if costs.setup.uneven:
         found = uneven_partition(costs, p, budgets, memory="best_case")
         if found is None:
             raise InfeasibleError(f"infeasible: no split into {p} stages fits the memory budget")
@@ -162,7 +163,8 @@ def srp_loop(profile: GraphProfile, setup: PipelineSetup, budgets: np.ndarray, m
     if over:
         # every layer fits alone, but the partitioner found no split whose stages all fit
         k = over[0]
-        raise InfeasibleError(f"infeasible: stage {k} needs {best.memory[k]:.0f} bytes > budget {budgets[k]:.0f} "
+        raise InfeasibleError(f"infeasible: stage {k} needs {best.memory[k]:.0f} bytes > "
+                              f"budget {budgets[k]:.0f} "
                               f"even with its layers at their leanest policies ({method} partition)")
     return best, iterations
 

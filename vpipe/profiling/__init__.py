@@ -18,5 +18,6 @@ from vpipe.profiling.layers import LayerProfile, from_layers, param_bytes, profi
 from vpipe.profiling.model import profile_model
 from vpipe.profiling.units import find_units
 
-__all__ = ["from_layers", "from_fx", "profile_layers", "profile_model", "find_units", "load_model", "ModelInput",
+__all__ = ["from_layers", "from_fx", "profile_layers", "profile_model", "find_units", "load_model",
+           "ModelInput",
            "LayerProfile", "param_bytes"]

@@ -51,7 +51,8 @@ def one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
 
 
-MAX_INPUT_ELEMENTS = 1 << 28  # 1 GiB of float32: far beyond one micro-batch of any model profiled on one device
+# 1 GiB of float32: far beyond one micro-batch of any model profiled on one device
+MAX_INPUT_ELEMENTS = 1 << 28
 
 
 def parse_shape(text: str) -> tuple[int, ...]:
@@ -62,10 +63,12 @@ def parse_shape(text: str) -> tuple[int, ...]:
     except ValueError:
         dims = ()
     if not dims or any(d < 1 for d in dims):
-        raise ValueError(f"--input-shape must be positive integers separated by commas, like 8,128; got {text!r}")
+        raise ValueError("--input-shape must be positive integers separated by commas, "
+                         f"like 8,128; got {text!r}")
     elements = math.prod(dims)
     if elements > MAX_INPUT_ELEMENTS:
-        raise ValueError(f"--input-shape {text} is {elements:.3g} elements per micro-batch; profiling runs the model "
+        raise ValueError(f"--input-shape {text} is {elements:.3g} elements per micro-batch; "
+                         "profiling runs the model "
                          f"on it, so at most {MAX_INPUT_ELEMENTS:.3g} (one micro-batch, not the whole batch)")
     return dims
 
@@ -145,7 +148,9 @@ def load_model(spec: str, shape_text: str | None = None, dtype_text: str | None 
     try:
         made = factory()
     except SystemExit as e:  # the user's code ending the process would end `vpipe plan` silently, even with 0
-        raise ValueError(f"--model: {spec}() called sys.exit({e.code!r}) instead of returning a model") from None
+        raise ValueError(
+            f"--model: {spec}() called sys.exit({e.code!r}) instead of returning a model"
+        ) from None
     except Exception as e:  # noqa: BLE001 - the user's code
         raise ValueError(f"--model: {spec}() raised {one_line(e)}") from None
     example = None
@@ -163,6 +168,7 @@ def load_model(spec: str, shape_text: str | None = None, dtype_text: str | None 
         if shape is None:
             raise ValueError(f"--input-shape is needed: {spec}() returns a model without an example input")
         dtype = dtype or torch.float32
-        tensor = torch.randn(shape, dtype=dtype) if dtype.is_floating_point else torch.zeros(shape, dtype=dtype)
+        tensor = torch.randn(shape, dtype=dtype) if dtype.is_floating_point else torch.zeros(shape,
+                                                                                             dtype=dtype)
         args, kwargs = (tensor,), {}
     return ModelInput(made, args, kwargs, spec)

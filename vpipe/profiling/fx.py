@@ -63,7 +63,8 @@ def from_fx(
                 fwd, act_bytes = 0.0, 0
             else:
                 moved = out_bytes + sum(recorder.out_bytes.get(a.name, 0) for a in node.all_input_nodes)
-                fwd = roofline.seconds(recorder.flops.get(node.name, 0), moved) if node.op.startswith("call") else 0.0
+                fwd = roofline.seconds(recorder.flops.get(node.name, 0),
+                                       moved) if node.op.startswith("call") else 0.0
         elif measure:
             fwd = recorder.seconds.get(node.name, 0.0)
         else:

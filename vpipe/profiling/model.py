@@ -215,7 +215,8 @@ def _measure(module: nn.Module, calls: list[_Call], repeats: int, device: torch.
 
 # --------------------------------------------------------------------- the graph
 def profile_model(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None, *,
-                  device: str | torch.device = "cpu", repeats: int = 3, containers: Sequence[str] | None = None,
+                  device: str | torch.device = "cpu", repeats: int = 3,
+                  containers: Sequence[str] | None = None,
                   source: str = "", name: str | None = None) -> ModelGraph:
     """Find ``model``'s units, run its forward once on ``args``/``kwargs`` (one micro-batch)
     recording each unit's calls, measure every unit alone, and return the layer graph.

@@ -32,7 +32,8 @@ TORCH_CLASSES = {
 
 @dataclass(frozen=True)
 class ScheduleLayout:
-    """Per virtual stage: its rank and its peak in-flight micro-batches; the rows of micro-batches held together."""
+    """Per virtual stage: its rank and its peak in-flight micro-batches;
+    the rows of micro-batches held together."""
 
     stage_ranks: list[int]
     in_flight: list[int]
@@ -40,7 +41,8 @@ class ScheduleLayout:
 
 
 def schedule_layout(schedule: str, ranks: int, stages_per_rank: int, micro_batches: int) -> ScheduleLayout:
-    """What the ranks would read off ``schedule``'s action lists; ``ValueError`` (one line) if torch refuses it."""
+    """What the ranks would read off ``schedule``'s action lists;
+    ``ValueError`` (one line) if torch refuses it."""
     if get_schedule_ops is None:
         raise ValueError(f"this torch has no schedule visualizer to read {schedule}'s action lists from")
     cls = getattr(pipelining, TORCH_CLASSES[schedule])
@@ -48,7 +50,8 @@ def schedule_layout(schedule: str, ranks: int, stages_per_rank: int, micro_batch
         lists = get_schedule_ops(cls, ranks, micro_batches, stages_per_rank)
     except Exception as e:  # noqa: BLE001 - torch's own check of the combination, reported as one line
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"torch's {TORCH_CLASSES[schedule]} refuses {ranks} ranks x {stages_per_rank} stages with "
+        raise ValueError(f"torch's {TORCH_CLASSES[schedule]} refuses {ranks} ranks x "
+                         f"{stages_per_rank} stages with "
                          f"{micro_batches} micro-batches: {first}") from None
     order: dict[int, Sequence[Any]] = dict(enumerate(lists))
     num_stages = ranks * stages_per_rank

@@ -74,7 +74,9 @@ def find_units(model: nn.Module, containers: Sequence[str] | None = None) -> tup
             try:
                 found = model.get_submodule(path)
             except AttributeError:
-                raise ValueError(f"--layers: the model ({type(model).__name__}) has no submodule {path!r}") from None
+                raise ValueError(
+                    f"--layers: the model ({type(model).__name__}) has no submodule {path!r}"
+                ) from None
             if not isinstance(found, _CONTAINERS) or not child_modules(found):
                 raise ValueError(f"--layers: {path!r} is a {type(found).__name__}; it must name a non-empty "
                                  "nn.Sequential, nn.ModuleList or nn.ModuleDict of blocks")
@@ -82,7 +84,8 @@ def find_units(model: nn.Module, containers: Sequence[str] | None = None) -> tup
         for i, a in enumerate(chosen):
             for b in chosen[i + 1:]:
                 if _nested(a, b):
-                    raise ValueError(f"--layers: {a!r} and {b!r} are the same container or one holds the other")
+                    raise ValueError(f"--layers: {a!r} and {b!r} are the same container "
+                                     "or one holds the other")
     else:
         chosen = _block_containers(model)
     units: list[Unit] = []
@@ -93,7 +96,8 @@ def find_units(model: nn.Module, containers: Sequence[str] | None = None) -> tup
                 continue
             path = _join(prefix, name)
             if path in chosen:
-                units.extend(_unit(_join(path, key), path, block) for key, block in child_modules(child).items()
+                units.extend(_unit(_join(path, key), path, block)
+                             for key, block in child_modules(child).items()
                              if block is not None)
             elif any(c.startswith(path + ".") for c in chosen):
                 walk(path, child)

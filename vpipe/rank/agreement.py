@@ -56,7 +56,8 @@ _ATTACHES = itertools.count()
 class StoreAgreement:
     """This rank's view of the attach's namespace in the store: what it wrote, what all wrote."""
 
-    def __init__(self, store: Any, *, rank: int, world_size: int, timeout_s: float, pipeline: str = "") -> None:
+    def __init__(self, store: Any, *, rank: int, world_size: int, timeout_s: float,
+                 pipeline: str = "") -> None:
         job = f"vpipe/attach-{next(_ATTACHES)}/"
         base = store if store is not None else _default_store()
         self.namespace = job + pipeline
@@ -91,14 +92,16 @@ class StoreAgreement:
         return store.multi_get(keys)
 
     def agree_edit(self, edit: dict[str, Any], who: str) -> None:
-        """Every rank makes the same layer edit, or every rank learns which did not (before anything changes)."""
+        """Every rank makes the same layer edit, or every rank
+        learns which did not (before anything changes)."""
         self._edits += 1
         key = f"edit/{self._edits}/{{}}"
         self.set(key.format(self.rank), json.dumps(edit, sort_keys=True))
         seen = [json.loads(raw) for raw in self.gather(key, range(self.world_size), edit["call"], who)]
         differ = [r for r, other in enumerate(seen) if other != edit]
         if differ:
-            raise RuntimeError(f"{edit['call']} on {who}: stage(s) {differ} made another layer edit at this point "
+            raise RuntimeError(f"{edit['call']} on {who}: stage(s) {differ} made another "
+                               "layer edit at this point "
                                f"({seen[differ[0]]} vs {edit}); every rank must make the same one")
 
     def agree_refusal(self, refusal: str | None, *, world_rank: int, world_size: int, who: str) -> str | None:
@@ -108,12 +111,14 @@ class StoreAgreement:
         moves layers or none does, whichever of its stages can."""
         key = "refusal/{}"
         self.job.set(key.format(world_rank), json.dumps(refusal))
-        seen = [json.loads(raw) for raw in self.gather(key, range(world_size), "vpipe.attach", who, store=self.job)]
+        seen = [json.loads(raw) for raw in self.gather(key, range(world_size), "vpipe.attach", who,
+                                                       store=self.job)]
         return next((r for r in seen if r is not None), None)
 
     def agree_run_secret(self, who: str, keys: RunKeys) -> str:
-        """This run's control-plane key when the launcher made none (torchrun), never through the store (see
-        ``vpipe.control.run_key``). ``keys``, the attach's, hold it: its sockets and its planner daemon get it."""
+        """This run's control-plane key when the launcher made none (torchrun), never
+        through the store (see ``vpipe.control.run_key``). ``keys``, the attach's,
+        hold it: its sockets and its planner daemon get it."""
         return agree_run_key(self.store, rank=self.rank, world_size=self.world_size,
                              timeout_s=self.timeout_s, who=who, keys=keys)
 
@@ -121,7 +126,8 @@ class StoreAgreement:
         """Delete every key this rank wrote (detach), waiting at most ``wait_s`` for the store: one whose host
         stopped (a rank hosting it that hangs) never answers, and the process must still be able to end."""
         written, self._written = self._written, []
-        deleting = threading.Thread(target=self._delete, args=(written,), daemon=True, name="vpipe-store-clear")
+        deleting = threading.Thread(target=self._delete, args=(written,), daemon=True,
+                                    name="vpipe-store-clear")
         deleting.start()
         deleting.join(wait_s)
 

@@ -35,8 +35,8 @@ class PlanApplier:
         self.move_refusal = move_refusal
         self.streamed_rest: Plan | None = None  # a PipeDream plan whose next round of hops is still to come
         self.streams = parts.engine.streams  # moves streamed into the schedule, a round of hops per step
-        # a stream numbers its micro-batches from its first step: those it ran before attach come first
-        # (only where blocks may move: WPipe streams too but moves nothing, and numbers periods, not micro-batches)
+        # a stream numbers its micro-batches from its first step: those it ran before attach come first (only
+        # where blocks may move: WPipe streams too but moves nothing, and numbers periods, not micro-batches)
         self.first_mb = parts.engine.stream.next_forward if self.streams and move_refusal is None else 0
 
     def apply(self, plan: Plan, step: int, micro_batches: int) -> None:
@@ -46,7 +46,8 @@ class PlanApplier:
             log.info("stage %d: skipping stale plan epoch %d", who, plan.epoch)
             return
         if sorted(plan.layer_ids) != sorted(owner.order):
-            decision("plan_skipped", f"epoch {plan.epoch}: made for another set of layers (they were edited since)",
+            decision("plan_skipped",
+                     f"epoch {plan.epoch}: made for another set of layers (they were edited since)",
                      epoch=plan.epoch, stage=who)
             return
         try:  # every rank holds the same order, so every rank skips the same plans
@@ -78,7 +79,8 @@ class PlanApplier:
                           predicted_step_s=plan.predicted_step_s, reason=plan.reason,
                           stage_speeds=plan.stage_speeds), "applied")
         for v in lm.local_stages:
-            decision("plan_applied", f"epoch {plan.epoch} takes effect at step {step}", epoch=plan.epoch, stage=v,
+            decision("plan_applied", f"epoch {plan.epoch} takes effect at step {step}", epoch=plan.epoch,
+                     stage=v,
                      step=step, layers=lm.layers_of(v),
                      policies={str(lid): plan.policy(lid).value for lid in lm.layers_of(v)})
 

@@ -59,7 +59,8 @@ class PlanBoundary:
                 self.agreement.set(_APPLY_KEY.format(plan.epoch), str(at))
                 if self.replicas is not None:
                     self.replicas.publish(plan, at)
-                decision("plan_scheduled", f"epoch {plan.epoch} will apply before step {at}", epoch=plan.epoch,
+                decision("plan_scheduled", f"epoch {plan.epoch} will apply before step {at}",
+                         epoch=plan.epoch,
                          step=at)
 
     def request(self, plan: Plan, at_step: int, iteration: int) -> None:
@@ -78,14 +79,16 @@ class PlanBoundary:
                 self._pending[plan.epoch] = plan
                 self._follow_at[plan.epoch] = at
         for epoch in sorted(self._pending):
-            value = self._follow_at.get(epoch) if self.follows else self.agreement.get(_APPLY_KEY.format(epoch))
+            value = (self._follow_at.get(epoch) if self.follows
+                     else self.agreement.get(_APPLY_KEY.format(epoch)))
             if value is None:
                 continue
             at = int(value)
             if at > now:
                 continue
             if at < now:
-                raise RuntimeError(f"{self.who}: plan epoch {epoch} was due at step {at} but this stage only saw "
+                raise RuntimeError(f"{self.who}: plan epoch {epoch} was due at step {at} but "
+                                   "this stage only saw "
                                    f"the decision at step {now}")
             due.append(self._pending.pop(epoch))
         return due

@@ -67,7 +67,8 @@ _MISSING = object()
 
 @dataclass(frozen=True)
 class RankBuild:
-    """What :func:`build_rank` made on this rank, and the undos (:attr:`cleanups`) that take it apart again."""
+    """What :func:`build_rank` made on this rank, and the undos
+    (:attr:`cleanups`) that take it apart again."""
 
     cleanups: Cleanups
     engine: Engine
@@ -103,11 +104,13 @@ def build_rank(target: AttachTarget, *, optimizer: Any, config: VpipeConfig, sto
         cleanups.add(partial(_say_detached, pipeline, cleanups))  # the run log's last lines
         if optimizer is None:  # a PipeDream schedule's, the torch optimizer DeepSpeed steps (fp32)
             optimizer = engine.default_optimizer()
-        # several optimizers (per model part, or per stage) read as one: a moved layer joins its kind on arrival
+        # several optimizers (per model part, or per stage) read as
+        # one: a moved layer joins its kind on arrival
         optimizer = optimizer_parts(optimizer, {s.index: s.module for s in pipeline.stages})
         check_optimizer(optimizer, [s.module for s in pipeline.stages])
         if engine.hand_written and optimizer is None:
-            raise ValueError("attaching to a stage module needs optimizer=: its step() marks the step boundary")
+            raise ValueError("attaching to a stage module needs optimizer=: its step() "
+                             "marks the step boundary")
         local, who = [s.index for s in pipeline.stages], f"stage {pipeline.first.index}"
         trace = open_trace_window(config, rank, local, cleanups)  # their directories checked before set-up
         metrics = open_metrics_writer(config, rank, cleanups)
@@ -117,19 +120,22 @@ def build_rank(target: AttachTarget, *, optimizer: Any, config: VpipeConfig, sto
         agreement = open_agreement(store, pipeline, replicas, config, cleanups)
         placement = agree_on_blocks(agreement, pipeline.stages, pipeline.num_stages, config.layers)
         norms = defer_batch_norms(pipeline, config, cleanups)
-        carried = carried_state(pipeline, config.carry, config.on_move, agreement, who, refusal=engine.carry_refusal)
+        carried = carried_state(pipeline, config.carry, config.on_move, agreement, who,
+                                refusal=engine.carry_refusal)
         peers = check_replicas_alike(
             agreement, world_rank=rank, world_size=world_size, who=who, replicas=replicas,
             layout={"schedule": pipeline.kind, "placement": [list(s) for s in placement],
                     "stage_ranks": list(pipeline.stage_ranks)}) if replicas.count > 1 else []
         capabilities = engine.capabilities(has_factory=config.layer_factory is not None,
                                            optimizer_refusal=wrapper_refusal(optimizer))
-        move_refusal = agreement.agree_refusal(capabilities.moves, world_rank=rank, world_size=world_size, who=who)
+        move_refusal = agreement.agree_refusal(capabilities.moves, world_rank=rank, world_size=world_size,
+                                               who=who)
         memory_budget = resolve_memory_budget(config.memory_budget, pipeline.device)
         memories = stage_memories(pipeline, engine, optimizer, memory_budget)
         initial = Plan(epoch=0, stages=placement, policies=config.initial_policies())
         keys = agree_run_keys(settings, agreement, who, cleanups)
-        hoisted = hoist(pipeline, cleanups)  # blocks compiled in place: their forward compiled, vpipe's hooks around
+        # blocks compiled in place: their forward compiled, vpipe's hooks around
+        hoisted = hoist(pipeline, cleanups)
         managers: dict[int, TensorManager] = {}
         handles: dict[int, StageHandle] = {}
         if manages_activations(engine, config, pipeline.first.index):
@@ -141,15 +147,21 @@ def build_rank(target: AttachTarget, *, optimizer: Any, config: VpipeConfig, sto
         combine = ReplicaStats(agreement.job, world_rank=rank, peers=peers, leads=replicas.leads,
                                timeout_s=agreement.timeout_s) if peers else None  # one planner, every replica
         session = start_session(pipeline, engine, config, settings, optimizer=optimizer, managers=managers,
-                                initial=initial, facts=facts, keys=keys, replicas=replicas, agreement=agreement,
+                                initial=initial, facts=facts, keys=keys, replicas=replicas,
+                                agreement=agreement,
                                 combine=combine, move_refusal=move_refusal, memory_budget=memory_budget,
                                 cleanups=cleanups)
         layer_manager = start_layer_manager(pipeline, engine, config, settings, optimizer=optimizer,
-                                            placement=placement, shared=shared, managers=managers, session=session,
-                                            replicas=replicas, agreement=agreement, norms=norms, carried=carried,
-                                            rank=rank, world_size=world_size, cleanups=cleanups, hoisted=hoisted)
-        # the one owner of the plan in force: the parts that keep a copy are told of each commit, in this order
-        plan_in_force = PlanInForce(initial, [*engine.followers(), layer_manager, StagePolicies(managers, memories),
+                                            placement=placement, shared=shared, managers=managers,
+                                            session=session,
+                                            replicas=replicas, agreement=agreement, norms=norms,
+                                            carried=carried,
+                                            rank=rank, world_size=world_size, cleanups=cleanups,
+                                            hoisted=hoisted)
+        # the one owner of the plan in force: the parts that keep a
+        # copy are told of each commit, in this order
+        plan_in_force = PlanInForce(initial, [*engine.followers(), layer_manager,
+                                              StagePolicies(managers, memories),
                                               session, carried])
         parts = RankParts(pipeline, layer_manager, session, managers, memories, plan_in_force, engine)
         boundary = PlanBoundary(agreement, decides=pipeline.rank == 0, lag_steps=config.apply_lag_steps,
@@ -161,25 +173,28 @@ def build_rank(target: AttachTarget, *, optimizer: Any, config: VpipeConfig, sto
                             logs_steps=pipeline.num_stages - 1 in local, stage_handles=handles, trace=trace,
                             counter=count_micro_batches(pipeline, engine, managers, cleanups),
                             metrics=metrics, norms=norms)
-        edits = LayerEdits(parts, agreement=agreement, driver=driver, has_factory=config.layer_factory is not None,
+        edits = LayerEdits(parts, agreement=agreement, driver=driver,
+                           has_factory=config.layer_factory is not None,
                            refusal=capabilities.edits, who=who)
         install_step(pipeline, engine, parts, optimizer, driver, cleanups)
         stamp(pipeline, layer_manager, optimizer, cleanups)
         _say_attached(pipeline, engine, config, placement, memory_budget, move_refusal)
-    return RankBuild(cleanups=cleanups, engine=engine, pipeline=pipeline, optimizer=optimizer, replicas=replicas,
+    return RankBuild(cleanups=cleanups, engine=engine, pipeline=pipeline, optimizer=optimizer,
+                     replicas=replicas,
                      agreement=agreement, norms=norms, carried=carried, move_refusal=move_refusal,
                      memory_budget=memory_budget, memories=memories, keys=keys, stage_handles=handles,
                      tensor_managers=managers, session=session, layer_manager=layer_manager,
                      plan_in_force=plan_in_force, parts=parts, boundary=boundary, driver=driver, edits=edits)
 
 
-# ------------------------------------------------------------------ the steps: each registers its undo as it makes
+# ------------------------------------------------------------- the steps: each registers its undo as it makes
 def open_run_log(config: VpipeConfig, rank: int, cleanups: Cleanups) -> None:
     if config.log_file is not None:
         cleanups.add(run_log.RunLog(config.log_file, rank=rank).close)  # the last undo: it takes every line
 
 
-def open_trace_window(config: VpipeConfig, rank: int, local: list[int], cleanups: Cleanups) -> TraceWindow | None:
+def open_trace_window(config: VpipeConfig, rank: int, local: list[int],
+                      cleanups: Cleanups) -> TraceWindow | None:
     if config.trace_steps is None:
         return None
     window = TraceWindow(config.trace_steps, config.trace_dir, rank=rank, stages=local)
@@ -198,7 +213,8 @@ def open_metrics_writer(config: VpipeConfig, rank: int, cleanups: Cleanups) -> M
 
 def open_agreement(store: Store | None, pipeline: Pipeline, replicas: Replicas, config: VpipeConfig,
                    cleanups: Cleanups) -> StoreAgreement:
-    agreement = StoreAgreement(store, rank=pipeline.rank, world_size=pipeline.size, timeout_s=config.agree_timeout_s,
+    agreement = StoreAgreement(store, rank=pipeline.rank, world_size=pipeline.size,
+                               timeout_s=config.agree_timeout_s,
                                pipeline=replicas.name)
     cleanups.add(partial(_clear_keys, agreement, cleanups))  # once every part that reads them is undone
     return agreement
@@ -220,7 +236,8 @@ def stage_memories(pipeline: Pipeline, engine: Engine, optimizer: torch.optim.Op
     memories = {}
     for stage in pipeline.stages:
         memories[stage.index] = StageMemory(stage.index, stage.module, optimizer, budget, siblings=siblings,
-                                            weight_versions=engine.weight_versions(stage.index), together=together)
+                                            weight_versions=engine.weight_versions(stage.index),
+                                            together=together)
     for memory in memories.values():
         memory.activation_budget()  # a budget below the fixed bytes fails here, at attach
     return memories
@@ -234,7 +251,8 @@ def agree_run_keys(settings: Settings, agreement: StoreAgreement, who: str, clea
 
 
 def hoist(pipeline: Pipeline, cleanups: Cleanups) -> Hoisted:
-    hoisted = hoist_compiled(b for s in pipeline.stages if s.blocks is not None for b in s.blocks.blocks().values())
+    hoisted = hoist_compiled(b for s in pipeline.stages if s.blocks is not None
+                             for b in s.blocks.blocks().values())
     cleanups.add(hoisted.undo)  # this attach's blocks only (and the layer factory's, which join it)
     return hoisted
 
@@ -244,20 +262,23 @@ def manages_activations(engine: Engine, config: VpipeConfig, stage_index: int) -
     recomputes them already: never twice)."""
     itself = engine.recomputes_itself()
     if config.tensor_manager and itself is not None:
-        decision("tensor_manager_off", f"stage {stage_index}: {itself}; vpipe does not swap or recompute them, "
+        decision("tensor_manager_off",
+                 f"stage {stage_index}: {itself}; vpipe does not swap or recompute them, "
                  "and still moves them", stage=stage_index)
         return False
     return config.tensor_manager
 
 
-def start_tensor_managers(pipeline: Pipeline, memories: dict[int, StageMemory], initial: Plan, config: VpipeConfig,
+def start_tensor_managers(pipeline: Pipeline, memories: dict[int, StageMemory], initial: Plan,
+                          config: VpipeConfig,
                           settings: Settings, cleanups: Cleanups
                           ) -> tuple[dict[int, TensorManager], dict[int, StageHandle]]:
     managers, handles = {}, {}
     for stage in pipeline.stages:
         assert stage.blocks is not None
         layers = stage.blocks.blocks()
-        kwargs: dict[str, Any] = {"device": pipeline.device, "budget_bytes": memories[stage.index].activation_budget(),
+        kwargs: dict[str, Any] = {"device": pipeline.device,
+                                  "budget_bytes": memories[stage.index].activation_budget(),
                                   "policies": {lid: initial.policy(lid) for lid in layers},
                                   "prefetch_alloc": settings.prefetch_alloc}
         if config.min_swap_bytes is not None:
@@ -273,12 +294,14 @@ def start_tensor_managers(pipeline: Pipeline, memories: dict[int, StageMemory], 
 
 
 def start_session(pipeline: Pipeline, engine: Engine, config: VpipeConfig, settings: Settings,
-                  *, optimizer: torch.optim.Optimizer | None, managers: dict[int, TensorManager], initial: Plan,
+                  *, optimizer: torch.optim.Optimizer | None, managers: dict[int, TensorManager],
+                  initial: Plan,
                   facts: LocalLayers, keys: RunKeys, replicas: Replicas, agreement: StoreAgreement,
                   combine: ReplicaStats | None, move_refusal: str | None, memory_budget: int | None,
                   cleanups: Cleanups) -> ControlSession:
     if config.planning and engine.hand_written and config.micro_batches is None:
-        log.warning("vpipe.attach(module): micro_batches= not given, the planner assumes 1 micro-batch per step "
+        log.warning("vpipe.attach(module): micro_batches= not given, the planner assumes 1 "
+                    "micro-batch per step "
                     "(a pipeline that then never overlaps stages, so it will not rebalance)")
     plans = config.planning and replicas.leads  # the leading replica's last stage starts the one daemon
     planning = plans and any(s.index == pipeline.num_stages - 1 for s in pipeline.stages)
@@ -286,11 +309,14 @@ def start_session(pipeline: Pipeline, engine: Engine, config: VpipeConfig, setti
                              planner=config.planner if plans else None, log_file=config.log_file,
                              planner_timeout_s=settings.planner_timeout_s, control_host=settings.control_host,
                              keys=keys, planner_config=planner_config(config, pipeline, memory_budget,
-                                                                      move_refusal is None) if planning else None)
+                                                                      move_refusal is None) if planning
+                             else None)
     session = ControlSession(  # (closes what it opened if it cannot be made whole)
         {s.index: s.blocks.blocks() for s in pipeline.stages if s.blocks is not None}, rank=pipeline.rank,
-        stage_ranks=pipeline.stage_ranks, store=agreement.store, world_size=pipeline.size, device=pipeline.device,
-        optimizer=optimizer, saved_sources={v: TensorManagerSource(m) for v, m in managers.items()}, plan=initial,
+        stage_ranks=pipeline.stage_ranks, store=agreement.store, world_size=pipeline.size,
+                             device=pipeline.device,
+        optimizer=optimizer, saved_sources={v: TensorManagerSource(m) for v, m in managers.items()},
+                             plan=initial,
         options=options, pipeline_stages={s.index: s.pipeline_stage for s in pipeline.stages
                                           if s.pipeline_stage is not None},
         layer_facts=facts, combine_records=combine,
@@ -322,7 +348,8 @@ def start_layer_manager(pipeline: Pipeline, engine: Engine, config: VpipeConfig,
     manager = LayerManager(
         {s.index: s.blocks for s in pipeline.stages if s.blocks is not None}, placement=placement,
         stage_ranks=pipeline.stage_ranks, optimizer=optimizer,
-        factory=hoisting_factory(norms.factory(config.layer_factory) if norms else config.layer_factory, hoisted),
+        factory=hoisting_factory(norms.factory(config.layer_factory) if norms else config.layer_factory,
+                                 hoisted),
         specs=config.specs,
         messenger=ControlMessenger(session.plane, pipeline.rank), channel=channel, device=pipeline.device,
         timeout_s=config.migration_timeout_s, faults=settings.faults.migration_faults(rank), shared=shared,
@@ -333,7 +360,8 @@ def start_layer_manager(pipeline: Pipeline, engine: Engine, config: VpipeConfig,
 
 def count_micro_batches(pipeline: Pipeline, engine: Engine, managers: dict[int, TensorManager],
                         cleanups: Cleanups) -> MicroBatchCounter | None:
-    """A hand-written loop's micro-batch counter: the n-th forward of the stage module in a step is number n."""
+    """A hand-written loop's micro-batch counter: the n-th forward
+    of the stage module in a step is number n."""
     if not engine.counts_forwards or not managers:
         return None
     counter = MicroBatchCounter(pipeline.first.module, managers[pipeline.first.index])
@@ -341,7 +369,8 @@ def count_micro_batches(pipeline: Pipeline, engine: Engine, managers: dict[int, 
     return counter
 
 
-def install_step(pipeline: Pipeline, engine: Engine, parts: RankParts, optimizer: torch.optim.Optimizer | None,
+def install_step(pipeline: Pipeline, engine: Engine, parts: RankParts,
+                 optimizer: torch.optim.Optimizer | None,
                  driver: StepDriver, cleanups: Cleanups) -> None:
     """Run every step through the driver: the schedule's step (DeepSpeed's train_batch) wrapped as an instance
     attribute, or a hand-written loop's optimizer step marking the boundary."""
@@ -359,7 +388,8 @@ def install_step(pipeline: Pipeline, engine: Engine, parts: RankParts, optimizer
 
     setattr(schedule, name, step)  # instance attribute over the class method
     cleanups.add(partial(_put_back, schedule, name, before))
-    if engine.checkpoint_home is not None:  # the engine's own checkpoints are written on the partition it built
+    # the engine's own checkpoints are written on the partition it built
+    if engine.checkpoint_home is not None:
         cleanups.add(HomeCheckpoints(parts, engine.checkpoint_home).install())
 
 
@@ -380,23 +410,26 @@ def _put_back(owner: Any, name: str, before: Any) -> None:
         setattr(owner, name, before)
 
 
-def _say_attached(pipeline: Pipeline, engine: Engine, config: VpipeConfig, placement: tuple[tuple[int, ...], ...],
+def _say_attached(pipeline: Pipeline, engine: Engine, config: VpipeConfig,
+                  placement: tuple[tuple[int, ...], ...],
                   memory_budget: int | None, move_refusal: str | None) -> None:
     local = [s.index for s in pipeline.stages]
     for stage in pipeline.stages:
         assert stage.blocks is not None  # agree_on_blocks set every local stage's blocks
-        decision("attached", f"vpipe attached to stage {stage.index} of {pipeline.num_stages}", stage=stage.index,
+        decision("attached", f"vpipe attached to stage {stage.index} of {pipeline.num_stages}",
+                 stage=stage.index,
                  layers=list(placement[stage.index]), schedule=engine.name, memory_budget=memory_budget,
                  planning=config.planning, container=stage.blocks.path or "<stage module>",
                  keys=stage.blocks.style.value, stages_on_rank=local)
         if move_refusal is not None:
-            decision("moves_off", f"stage {stage.index}: layers will not move ({move_refusal}); swap and recompute "
+            decision("moves_off",
+                     f"stage {stage.index}: layers will not move ({move_refusal}); swap and recompute "
                      "plans still apply", stage=stage.index, reason=move_refusal)
 
 
 def _clear_keys(agreement: StoreAgreement, cleanups: Cleanups) -> None:
-    """This rank's store keys, at detach. A failed attach leaves them: a peer failing the same collective step may
-    not have read them yet, and no later attach reads them (each has a namespace of its own)."""
+    """This rank's store keys, at detach. A failed attach leaves them: a peer failing the same collective
+    step may not have read them yet, and no later attach reads them (each has a namespace of its own)."""
     if cleanups.built:
         agreement.clear()
 

@@ -15,15 +15,17 @@ __all__ = ["Cleanups"]
 class Cleanups:
     """An attach's undos, in the order their things were made; :meth:`run` runs each once, newest first.
 
-    Every undo runs whatever another raised (an undo that fails must not leave the rest installed); what they
-    raised is returned, not raised, so a failed attach propagates its own error and a detach reports the first.
+    Every undo runs whatever another raised (an undo that fails must not leave the
+    rest installed); what they raised is returned, not raised, so a failed attach
+    propagates its own error and a detach reports the first.
     """
 
     def __init__(self) -> None:
         self._stack = contextlib.ExitStack()
         self._errors: list[Exception] = []
         self.built = False  # every step succeeded: the undos are a detach's
-        self.wait_s: float | None = None  # how long the control session's close waits for its peers' last stats
+        # how long the control session's close waits for its peers' last stats
+        self.wait_s: float | None = None
 
     def add(self, undo: Callable[[], object]) -> None:
         """Register the undo of what was just made (what it returns is ignored)."""
@@ -43,7 +45,8 @@ class Cleanups:
 
     @contextlib.contextmanager
     def until_built(self) -> Iterator[None]:
-        """Inside: a failure runs every undo registered so far and propagates unchanged; after: the undos are kept."""
+        """Inside: a failure runs every undo registered so far and
+        propagates unchanged; after: the undos are kept."""
         try:
             yield
         except BaseException:

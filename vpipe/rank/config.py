@@ -1,6 +1,6 @@
-"""The old home of :class:`~vpipe.config.VpipeConfig` (now :mod:`vpipe.config`, and ``vpipe.VpipeConfig``) and of
-what attach resolves from it (now :mod:`vpipe.rank.resolved`): ``from vpipe.rank.config import VpipeConfig`` keeps
-working."""
+"""The old home of :class:`~vpipe.config.VpipeConfig` (now :mod:`vpipe.config`, and
+``vpipe.VpipeConfig``) and of what attach resolves from it (now :mod:`vpipe.rank.resolved`):
+``from vpipe.rank.config import VpipeConfig`` keeps working."""
 
 from __future__ import annotations
 

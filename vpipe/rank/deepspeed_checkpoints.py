@@ -26,8 +26,8 @@ Placement = tuple[tuple[int, ...], ...]
 
 
 class HomeCheckpoints:
-    """Wraps an engine's ``save_checkpoint`` and ``load_checkpoint`` to run on its home partition (the engine's
-    :attr:`~vpipe.engines.base.Engine.checkpoint_home`: DeepSpeed's)."""
+    """Wraps an engine's ``save_checkpoint`` and ``load_checkpoint`` to run on its home partition (the
+    engine's :attr:`~vpipe.engines.base.Engine.checkpoint_home`: DeepSpeed's)."""
 
     def __init__(self, parts: RankParts, home: Placement) -> None:
         self.parts = parts
@@ -78,7 +78,9 @@ class HomeCheckpoints:
         owner.commit(Plan(epoch=plan.epoch, stages=report.placement, policies=plan.policies,
                           predicted_step_s=plan.predicted_step_s, reason=plan.reason), "restored")
         if report.placement != placement:
-            raise RuntimeError(f"vpipe could not move the layers {why} (a move aborted; the run log says why): they "
-                               f"are at {[list(s) for s in report.placement]}, not {[list(s) for s in placement]}")
+            raise RuntimeError(f"vpipe could not move the layers {why} (a move aborted; the run "
+                               "log says why): they "
+                               f"are at {[list(s) for s in report.placement]}, not "
+                               f"{[list(s) for s in placement]}")
         decision("checkpoint_placement", f"stage {self.stage}: layers moved {why}",
                  stage=self.stage, layers=list(placement[self.stage]))

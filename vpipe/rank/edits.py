@@ -34,24 +34,32 @@ class LayerEdits:
         self.who = who
 
     def add_layers(self, position: int, specs: list[Any]) -> list[int]:
-        """Insert layers before model position ``position`` (every rank calls it at the same step boundary)."""
+        """Insert layers before model position ``position`` (every
+        rank calls it at the same step boundary)."""
         self._require_boundary("add_layers")
         if not self.has_factory:
             raise RuntimeError("add_layers needs layer_factory= in the vpipe config to build the new layers")
         if any(is_fully_sharded(stage.module) for stage in self.parts.pipeline.stages):
-            raise RuntimeError("add_layers cannot add to an FSDP2 (fully_shard) stage: the factory's blocks would not "
+            raise RuntimeError("add_layers cannot add to an FSDP2 (fully_shard) stage: the "
+                               "factory's blocks would not "
                                "be sharded, nor their gradients reduced over the data-parallel group")
         self.agreement.agree_edit({"call": "add_layers", "position": position, "count": len(specs)}, self.who)
         manager = self.parts.layer_manager
-        # where every rank's blocks train: a new block's parameters join their namesakes' groups, wherever they are
+        # where every rank's blocks train: a new block's parameters
+        # join their namesakes' groups, wherever they are
         key = f"add_groups/{self.parts.plan_in_force.epoch}/{{}}"
-        self.agreement.set(key.format(self.agreement.rank), json.dumps(group_table(manager.blocks, manager.optimizer)))
-        namesakes = {lid: entry for raw in self.agreement.gather(key, range(self.agreement.world_size), "add_layers",
-                                                                 self.who) for lid, entry in json.loads(raw).items()}
-        new_ids, placement = manager.add_layers(self.parts.plan_in_force.placement, position, specs, namesakes)
-        # a stage's output is its last layer's: shapes are inferred again only where a new layer (never run, its
-        # output unknown) ends a stage. Inference runs the stage's forward and the loss once more, which a trainer
-        # without vpipe would not (a loss that counts its calls saw it: found by the fuzzer's GradScaler axis)
+        self.agreement.set(key.format(self.agreement.rank),
+                           json.dumps(group_table(manager.blocks, manager.optimizer)))
+        namesakes = {lid: entry for raw in self.agreement.gather(key, range(self.agreement.world_size),
+                                                                 "add_layers",
+                                                                 self.who)
+                     for lid, entry in json.loads(raw).items()}
+        new_ids, placement = manager.add_layers(self.parts.plan_in_force.placement, position, specs,
+                                                namesakes)
+        # a stage's output is its last layer's: shapes are inferred again only where a new layer
+        # (never run, its output unknown) ends a stage. Inference runs the stage's forward and
+        # the loss once more, which a trainer without vpipe would not (a loss that counts its
+        # calls saw it: found by the fuzzer's GradScaler axis)
         added = set(new_ids)
         self._after_edit(placement, reshape=any(stage and stage[-1] in added for stage in placement))
         return new_ids
@@ -63,13 +71,16 @@ class LayerEdits:
                                   self.who)
         # shapes are inferred again only where a boundary changes: inference runs the stage's forward (and the
         # user's hooks) once more, which a trainer without vpipe would not
-        reshape, placement = self.parts.layer_manager.remove_layers(self.parts.plan_in_force.placement, layer_ids)
+        reshape, placement = self.parts.layer_manager.remove_layers(self.parts.plan_in_force.placement,
+                                                                    layer_ids)
         self._after_edit(placement, reshape=reshape)
 
     def _require_boundary(self, what: str) -> None:
         counter = self.driver.counter
         if self.driver.in_step or (counter is not None and counter.next_mb > 0):
-            raise RuntimeError(f"{what} must be called between steps (after optimizer.step()), not inside one")
+            raise RuntimeError(
+                f"{what} must be called between steps (after optimizer.step()), not inside one"
+            )
         unsettled = self.parts.engine.unsettled()
         if unsettled is not None:
             raise RuntimeError(f"{what} on {unsettled}")

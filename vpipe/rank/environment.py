@@ -59,7 +59,8 @@ def check_settings(settings: Settings) -> Settings:
     defaults = Settings()
     for name, value, check in _checks(settings):
         if not value or value == getattr(defaults, _FIELDS[name]):
-            continue  # unset: nothing to check yet (what attach makes of the default is checked where it is made)
+            # unset: nothing to check yet (what attach makes of the default is checked where it is made)
+            continue
         try:
             check(value)
         except ValueError as e:
@@ -73,7 +74,7 @@ def check_settings(settings: Settings) -> Settings:
 
 
 def check_environment(environ: Mapping[str, str] | None = None) -> Settings:
-    """The settings ``environ`` sets (default: this process's, read once), every one checked (again, at each
-    call: an output directory may have gone since); :class:`SettingError` for the first variable set to a value
-    vpipe cannot use."""
+    """The settings ``environ`` sets (default: this process's, read once), every one checked
+    (again, at each call: an output directory may have gone since); :class:`SettingError`
+    for the first variable set to a value vpipe cannot use."""
     return check_settings(process_settings() if environ is None else Settings.read(environ))

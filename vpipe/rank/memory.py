@@ -53,7 +53,8 @@ class StageMemory:
         self.siblings = siblings if siblings is not None else [self]  # the rank's stages, this one among them
         if self not in self.siblings:
             self.siblings.append(self)
-        # micro-batches each stage (a column per stage of the pipeline) holds at each moment of the action lists
+        # micro-batches each stage (a column per stage of the pipeline)
+        # holds at each moment of the action lists
         self.together = together
         self._key: tuple[Any, ...] | None = None
         self._activation: int | None = None
@@ -89,10 +90,12 @@ class StageMemory:
             if fixed >= self.budget:
                 what = (f"stage {self.stage_index}" if len(self.siblings) == 1
                         else f"stages {sorted(s.stage_index for s in self.siblings)}")
-                raise MemoryBudgetError(f"{what}: parameters, gradients, optimizer state and stashed weight versions "
+                raise MemoryBudgetError(f"{what}: parameters, gradients, optimizer state and "
+                                        "stashed weight versions "
                                         f"take {fixed} bytes, the memory budget is {self.budget} bytes")
             left = self.budget - fixed
-            shares = keep_all_shares(left, [kept for kept, _ in need], [count for _, count in need], self.together,
+            shares = keep_all_shares(left, [kept for kept, _ in need], [count for _, count in need],
+                                     self.together,
                                      mates) if need else None
             share = int(shares[mates.index(self.stage_index)]) if shares else left // len(self.siblings)
             self._key, self._activation = key, share
@@ -101,8 +104,8 @@ class StageMemory:
 
 def apply_budgets(tensor_managers: Mapping[int, TensorManager], memories: Mapping[int, StageMemory],
                   epoch: int) -> None:
-    """Give each stage's tensor manager its activation budget (a rank's stages share theirs by need); a manager
-    whose budget holds every layer kept goes back to keeping those it escalated."""
+    """Give each stage's tensor manager its activation budget (a rank's stages share theirs by need); a
+    manager whose budget holds every layer kept goes back to keeping those it escalated."""
     if all(memories[v].budget is None for v in tensor_managers):
         return  # no budget on this rank: nothing to give or share (every step's boundary asks)
     needs = {v: manager.keep_all_need() for v, manager in tensor_managers.items()} \

@@ -62,10 +62,14 @@ class MetricsWriter:
             if "wandb" in kinds:
                 import wandb
 
-                self._wandb = wandb.init(project="vpipe", name=f"rank{rank}", dir=str(self.directory), reinit=True)
+                self._wandb = wandb.init(project="vpipe", name=f"rank{rank}", dir=str(self.directory),
+                                         reinit=True)
         except OSError as e:
-            raise ValueError(f"metrics_dir {directory}: cannot write in {self.directory}: {e.strerror or e}") from None
-        self._last: dict[int, tuple[int, float]] = {}  # stage -> (d2h bytes, recompute s) at the last step's end
+            raise ValueError(
+                f"metrics_dir {directory}: cannot write in {self.directory}: {e.strerror or e}"
+            ) from None
+        # stage -> (d2h bytes, recompute s) at the last step's end
+        self._last: dict[int, tuple[int, float]] = {}
 
     def step(self, iteration: int, step_s: float, epoch: int, stages: Mapping[int, tuple[int, Any]],
              records: list[Any], speeds: tuple[float, ...] | None = None) -> dict[str, float]:
@@ -93,7 +97,8 @@ class MetricsWriter:
             compute = sum(layer.fwd_s + layer.bwd_s for layer in record.layers) \
                 + record.outside_fwd_s + record.outside_bwd_s
             values[f"stage{record.stage}/compute_s"] = compute
-            values[f"stage{record.stage}/bubble"] = max(0.0, 1.0 - compute / record.step_s) if record.step_s else 0.0
+            values[f"stage{record.stage}/bubble"] = (max(0.0, 1.0 - compute / record.step_s) if record.step_s
+                                                     else 0.0)
             values[f"stage{record.stage}/device_peak_bytes"] = float(record.device_peak_bytes)
         if self._tensorboard is not None:
             try:
@@ -132,9 +137,11 @@ class MetricsWriter:
         if self._failed:
             return
         self._failed = True
-        reason = (error.strerror if isinstance(error, OSError) else None) or str(error) or type(error).__name__
+        reason = (error.strerror if isinstance(error, OSError)
+                  else None) or str(error) or type(error).__name__
         try:
-            sys.stderr.write(f"vpipe [rank {self.rank}]: cannot write the metrics to {self.directory} ({reason}); "
+            sys.stderr.write(f"vpipe [rank {self.rank}]: cannot write the metrics to "
+                             f"{self.directory} ({reason}); "
                              "training goes on, and its further metrics are dropped\n")
             sys.stderr.flush()
         except (OSError, ValueError):
@@ -149,8 +156,9 @@ def _quietly(close: Any) -> None:
 
 
 def _own_directory(base: Path, name: str) -> Path:
-    """``base/name``, made if missing: checked at attach, where a ``metrics_dir`` that is a file (or not writable)
-    is a ValueError naming it; the rank's directory must be this user's own, not a link or another user's."""
+    """``base/name``, made if missing: checked at attach, where a ``metrics_dir``
+    that is a file (or not writable) is a ValueError naming it; the rank's directory
+    must be this user's own, not a link or another user's."""
     if base.exists() and not base.is_dir():
         raise ValueError(f"metrics_dir {base} is a file, not a directory")
     path = base / name
@@ -167,9 +175,11 @@ def _own_directory(base: Path, name: str) -> Path:
     except OSError as e:
         raise ValueError(f"metrics_dir {base}: cannot make {path}: {e.strerror or e}") from None
     if not stat.S_ISDIR(info.st_mode):
-        raise ValueError(f"metrics_dir {base}: {path} is a symbolic link or a file, not a directory of this user's")
+        raise ValueError(f"metrics_dir {base}: {path} is a symbolic link or a file, not a "
+                         "directory of this user's")
     if info.st_uid != os.geteuid():
-        raise ValueError(f"metrics_dir {base}: {path} belongs to another user (uid {info.st_uid}); give metrics_dir "
+        raise ValueError(f"metrics_dir {base}: {path} belongs to another user (uid "
+                         f"{info.st_uid}); give metrics_dir "
                          "a directory of your own")
     if not os.access(path, os.W_OK | os.X_OK):
         raise ValueError(f"metrics_dir {base}: cannot write in {path}: permission denied")

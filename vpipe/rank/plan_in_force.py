@@ -85,9 +85,9 @@ class PlanInForce:
             listener.plan_changed(plan, cause)
 
     def reached(self, stages: Sequence[Sequence[int]]) -> None:
-        """A streamed plan's next round of hops took the layers to ``stages``: the same plan stays in force, and no
-        listener is told (they were when its first round started; DeepSpeed's, which follows the placement, never
-        streams)."""
+        """A streamed plan's next round of hops took the layers to ``stages``: the same plan
+        stays in force, and no listener is told (they were when its first round started;
+        DeepSpeed's, which follows the placement, never streams)."""
         self._plan = replace(self._plan, stages=tuple(tuple(s) for s in stages))
 
 
@@ -99,7 +99,8 @@ class StagePolicies:
     step boundary, as every boundary gives them.
     """
 
-    def __init__(self, tensor_managers: Mapping[int, TensorManager], memories: Mapping[int, StageMemory]) -> None:
+    def __init__(self, tensor_managers: Mapping[int, TensorManager],
+                 memories: Mapping[int, StageMemory]) -> None:
         self.tensor_managers = tensor_managers
         self.memories = memories
 

@@ -73,15 +73,19 @@ def check_replicas_alike(agreement: StoreAgreement, *, world_rank: int, world_si
 
     Returns the world ranks that run this rank's stages in the other replicas."""
     agreement.job.set(_LAYOUT_KEY + str(world_rank), json.dumps(layout, sort_keys=True))
-    seen = [json.loads(raw) for raw in agreement.gather(_LAYOUT_KEY + "{}", range(world_size), "vpipe.attach", who,
+    seen = [json.loads(raw) for raw in agreement.gather(_LAYOUT_KEY + "{}", range(world_size), "vpipe.attach",
+                                                        who,
                                                         store=agreement.job)]
     differ = [r for r, other in enumerate(seen) if other != json.loads(json.dumps(layout))]
     if differ:
-        raise ValueError(f"vpipe.attach on {who}: world rank(s) {differ} run another pipeline ({seen[differ[0]]} vs "
-                         f"{layout}); every data-parallel replica must run the same stages, schedule and blocks")
+        raise ValueError(f"vpipe.attach on {who}: world rank(s) {differ} run another pipeline "
+                         f"({seen[differ[0]]} vs "
+                         f"{layout}); every data-parallel replica must run the same "
+                         "stages, schedule and blocks")
     mine = replicas.world_ranks.index(world_rank)
     agreement.job.set(_FIRST_KEY + str(world_rank), json.dumps([replicas.world_ranks[0], mine]))
-    where = [json.loads(raw) for raw in agreement.gather(_FIRST_KEY + "{}", range(world_size), "vpipe.attach", who,
+    where = [json.loads(raw) for raw in agreement.gather(_FIRST_KEY + "{}", range(world_size), "vpipe.attach",
+                                                         who,
                                                          store=agreement.job)]
     return [r for r, (first, rank) in enumerate(where) if rank == mine and first != replicas.world_ranks[0]]
 
@@ -110,15 +114,19 @@ class ReplicaPlans:
 
 
 def slowest_and_fullest(records: Sequence[StageRecord]) -> StageRecord:
-    """One stage's records from every replica as one: the slowest replica's, with the largest memory readings."""
+    """One stage's records from every replica as one: the slowest
+    replica's, with the largest memory readings."""
     slowest = max(records, key=lambda r: (r.compute_s + r.outside_fwd_s + r.outside_bwd_s, r.step_s))
-    return dataclasses.replace(slowest, **{name: max(getattr(r, name) for r in records) for name in _MEMORY_FIELDS})
+    return dataclasses.replace(slowest, **{name: max(getattr(r, name) for r in records)
+                                           for name in _MEMORY_FIELDS})
 
 
 class ReplicaStats:
-    """A rank's sampled records shared with the same stages of the other replicas (see the module's docstring)."""
+    """A rank's sampled records shared with the same stages of the
+    other replicas (see the module's docstring)."""
 
-    def __init__(self, job: Any, *, world_rank: int, peers: Sequence[int], leads: bool, timeout_s: float) -> None:
+    def __init__(self, job: Any, *, world_rank: int, peers: Sequence[int], leads: bool,
+                 timeout_s: float) -> None:
         self.job = job
         self.world_rank = world_rank
         self.peers = list(peers)  # the world ranks that run this rank's stages in the other replicas
@@ -127,7 +135,8 @@ class ReplicaStats:
         self._published: list[str] = []
 
     def __call__(self, iteration: int, records: list[StageRecord]) -> list[StageRecord]:
-        """Followers publish ``records``; the leader returns them combined with every follower's, per stage."""
+        """Followers publish ``records``; the leader returns them
+        combined with every follower's, per stage."""
         if not records:
             return records
         if not self.leads:
@@ -140,7 +149,8 @@ class ReplicaStats:
         deadline = time.monotonic() + self.timeout_s
         while not self.job.check(keys):  # a follower ends its step on its own: this wait cannot deadlock
             if time.monotonic() > deadline:
-                log.warning("rank %d: the other replicas' records of step %d did not arrive within %.0f s; the "
+                log.warning("rank %d: the other replicas' records of step %d did not "
+                            "arrive within %.0f s; the "
                             "planner sees this replica's only", self.world_rank, iteration, self.timeout_s)
                 return records
             time.sleep(0.005)

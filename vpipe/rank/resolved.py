@@ -1,4 +1,5 @@
-"""The user's configuration resolved on this rank at attach: what its options mean on this device and pipeline.
+"""The user's configuration resolved on this rank at attach: what its
+options mean on this device and pipeline.
 
 ``memory_budget="auto"`` becomes bytes of this rank's GPU; the daemon's planner gets the pipeline's
 shape (schedule, micro-batches, in-flight counts, stage ranks) next to ``planner_options``. The
@@ -46,6 +47,7 @@ def planner_config(config: VpipeConfig, pipeline: Pipeline, memory_budget: int |
              "stage_ranks": list(pipeline.stage_ranks) if pipeline.multi_stage else None}
     taken = sorted(set(shape) & set(config.planner_options))
     if taken:
-        raise ValueError(f"vpipe config: planner_options cannot set {', '.join(taken)}: attach reads them off the "
+        raise ValueError(f"vpipe config: planner_options cannot set {', '.join(taken)}: "
+                         "attach reads them off the "
                          "pipeline")
     return OnlineConfig.from_mapping({**shape, **config.planner_options}).to_dict()

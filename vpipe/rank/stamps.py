@@ -1,4 +1,5 @@
-"""State dicts that say which blocks they hold, so one taken under another placement is refused, not misloaded.
+"""State dicts that say which blocks they hold, so one taken under
+another placement is refused, not misloaded.
 
 A trainer that keeps ``copy.deepcopy(stage_module.state_dict())`` (and its optimizer's) to
 roll back after a loss spike loads it into a stage that may hold other blocks by then: torch
@@ -22,7 +23,8 @@ from torch import nn
 __all__ = ["StaleStateError", "stamp_state_dicts"]
 
 _KEY = "vpipe_blocks"  # in a module's state-dict metadata, and as a key of an optimizer's state dict
-_ADVICE = ("snapshot with torch.distributed.checkpoint and vpipe.global_block_keys instead, which restores each "
+_ADVICE = ("snapshot with torch.distributed.checkpoint and vpipe.global_block_keys instead, "
+           "which restores each "
            "block where it lives now (docs/reliability.md, 'Rolling back across moves')")
 
 
@@ -40,17 +42,19 @@ def _check(what: str, stamped: Any, now: list[int]) -> None:
     was = [int(i) for i in stamped]
     gone, came = sorted(set(was) - set(now)), sorted(set(now) - set(was))
     moved = "; ".join(part for part in (f"blocks {_ids(gone)} left" if gone else "",
-                                        f"blocks {_ids(came)} arrived" if came else "") if part) or "reordered"
-    raise StaleStateError(f"vpipe: this {what} state dict holds blocks {_ids(was)}, the stage holds {_ids(now)} now "
+                                        f"blocks {_ids(came)} arrived" if came else "")
+                      if part) or "reordered"
+    raise StaleStateError(f"vpipe: this {what} state dict holds blocks {_ids(was)}, the stage "
+                          f"holds {_ids(now)} now "
                           f"({moved} since it was taken); {_ADVICE}")
 
 
 def stamp_state_dicts(modules: Sequence[tuple[nn.Module, Callable[[], list[int]]]],
                       optimizers: Sequence[torch.optim.Optimizer], blocks: Callable[[], list[int]]
                       ) -> Callable[[], None]:
-    """Stamp and check the state dicts of this rank's stage modules (each with the global ids of the blocks it
-    holds, in order) and of its ``optimizers`` (with ``blocks()``, those of all the rank's stages); returns the
-    undo."""
+    """Stamp and check the state dicts of this rank's stage modules (each with the
+    global ids of the blocks it holds, in order) and of its ``optimizers`` (with
+    ``blocks()``, those of all the rank's stages); returns the undo."""
     handles: list[Any] = []
 
     def on_module(held: Callable[[], list[int]]) -> tuple[Any, Any]:
@@ -72,7 +76,8 @@ def stamp_state_dicts(modules: Sequence[tuple[nn.Module, Callable[[], list[int]]
 
     for module, held in modules:
         stamp, check = on_module(held)
-        handles += [module.register_state_dict_post_hook(stamp), module.register_load_state_dict_pre_hook(check)]
+        handles += [module.register_state_dict_post_hook(stamp),
+                    module.register_load_state_dict_pre_hook(check)]
     for optimizer in optimizers:
         handles += [optimizer.register_state_dict_post_hook(optimizer_stamp),
                     optimizer.register_load_state_dict_pre_hook(optimizer_check)]

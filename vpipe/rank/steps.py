@@ -1,4 +1,5 @@
-"""The step boundary of the user's loop, where vpipe acts: around ``schedule.step``, or at ``optimizer.step()``.
+"""The step boundary of the user's loop, where vpipe acts: around
+``schedule.step``, or at ``optimizer.step()``.
 
 With a pipelining schedule, ``schedule.step`` is wrapped as an instance attribute: plans
 due at this step are applied before it starts (after the user's ``optimizer.step()`` of the
@@ -103,7 +104,8 @@ class StepDriver:
             self.in_step = False
         if self.norms is not None:  # every forward the step runs has run
             self.norms.step_done()
-        if not self.parts.engine.streams:  # a flush schedule's step ran every backward: nothing is left in flight
+        # a flush schedule's step ran every backward: nothing is left in flight
+        if not self.parts.engine.streams:
             for manager in self.tensor_managers.values():
                 manager.end_of_step()
         self.received(self.session.end_step())
@@ -130,25 +132,29 @@ class StepDriver:
             self.trace.end_step(self.iteration)
         if self.metrics is not None:
             layer_manager = self.parts.layer_manager
-            stages = {stage.index: (len(layer_manager.layers_of(stage.index)), self.tensor_managers.get(stage.index))
+            stages = {stage.index: (len(layer_manager.layers_of(stage.index)),
+                                    self.tensor_managers.get(stage.index))
                       for stage in self.parts.pipeline.stages}
             in_force = self.parts.plan_in_force.plan
             self.metrics.step(self.iteration, time.perf_counter() - self._step_started, in_force.epoch,
                               stages, self.session.last_records, in_force.stage_speeds)
 
     def _set_aside_quiet_wrappers(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Let each stage whose manager has nothing to do this step run its micro-batches without vpipe's calls."""
+        """Let each stage whose manager has nothing to do this step
+        run its micro-batches without vpipe's calls."""
         if not self.stage_handles:
             return
         shapes = input_shapes((*args, *kwargs.values()))
         same_inputs, self._input_shapes = shapes == self._input_shapes, shapes
         stream = self.parts.engine.stream
         moving = stream is not None and bool(stream.movers)  # a streamed move switches layers mid-step
-        # a step inside the timeline's window goes through the wrappers: they record its forwards and backwards
+        # a step inside the timeline's window goes through the
+        # wrappers: they record its forwards and backwards
         keep_wrappers = moving or timeline.recording()
         for index, handle in self.stage_handles.items():
             manager, was_plain = handle.manager, handle.plain
-            handle.run_plain(not keep_wrappers and manager.quiet.for_a_step(same_inputs, stream=stream is not None))
+            handle.run_plain(not keep_wrappers and manager.quiet.for_a_step(same_inputs,
+                                                                            stream=stream is not None))
             if stream is None or handle.plain == was_plain:
                 continue
             # a stream's micro-batches stay in flight across steps: counted while the manager sees their
@@ -166,12 +172,14 @@ class StepDriver:
             self.trace.begin_step(self.iteration)
         started = time.perf_counter()
         if self._boundary_at is not None and self.logs_steps:
-            step_record(self.iteration - 1, started - self._boundary_at, stage=self.parts.pipeline.stages[-1].index,
+            step_record(self.iteration - 1, started - self._boundary_at,
+                        stage=self.parts.pipeline.stages[-1].index,
                         micro_batches=self.micro_batches, layers=len(self.parts.layer_manager.layer_ids))
         self._boundary_at = started
         step = self.boundary.applying_step(self.iteration)
         for plan in self.boundary.due(self.iteration):
-            with timeline.span("vpipe.apply_plan", timeline.PLAN, timeline.RANK_TRACK, epoch=plan.epoch, step=step,
+            with timeline.span("vpipe.apply_plan", timeline.PLAN, timeline.RANK_TRACK, epoch=plan.epoch,
+                               step=step,
                                stage_speeds=None if plan.stage_speeds is None else list(plan.stage_speeds)):
                 self.applier.apply(plan, step, self.micro_batches)
         # the optimizer state may have grown, a stage sharing the rank may have measured what it needs
@@ -181,7 +189,8 @@ class StepDriver:
 
 
 def _own_error(exc: BaseException) -> BaseException | None:
-    """The tensor manager's own error (budget, host pool) inside ``exc``'s cause chain, if ``exc`` wraps one."""
+    """The tensor manager's own error (budget, host pool) inside
+    ``exc``'s cause chain, if ``exc`` wraps one."""
     seen: set[int] = set()
     cause = exc.__cause__
     while cause is not None and id(cause) not in seen:
@@ -199,7 +208,8 @@ class MicroBatchCounter:
         self.manager = manager
         self.next_mb = 0
         self._open: Any = None
-        self._handles = [module.register_forward_pre_hook(self._pre), module.register_forward_hook(self._post)]
+        self._handles = [module.register_forward_pre_hook(self._pre),
+                         module.register_forward_hook(self._post)]
 
     def _pre(self, _module: nn.Module, args: Any) -> None:
         if torch.is_grad_enabled():

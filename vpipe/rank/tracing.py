@@ -26,8 +26,10 @@ __all__ = ["TraceWindow"]
 class TraceWindow:
     """Records steps ``start`` .. ``start + count - 1`` of this rank into ``directory``."""
 
-    def __init__(self, steps: tuple[int, int] | None, directory: str | Path, *, rank: int, stages: list[int]) -> None:
-        if steps is not None:  # at attach, as metrics_dir is: a file there, or a link planted on the way, is refused
+    def __init__(self, steps: tuple[int, int] | None, directory: str | Path, *, rank: int,
+                 stages: list[int]) -> None:
+        # at attach, as metrics_dir is: a file there, or a link planted on the way, is refused
+        if steps is not None:
             check_output_dir(directory, "trace_dir")
         self.steps = steps
         self.directory = Path(directory)
@@ -90,5 +92,6 @@ class TraceWindow:
         if path is not None and self.steps is not None:
             self.written = path
             first, count = self.steps
-            decision("trace", f"rank {self.rank}: timeline of steps {first}..{first + count - 1} written to {path}; "
+            decision("trace",
+                     f"rank {self.rank}: timeline of steps {first}..{first + count - 1} written to {path}; "
                      f"merge with `vpipe trace {self.directory}`", rank=self.rank, path=str(path))

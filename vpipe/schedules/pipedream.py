@@ -97,8 +97,8 @@ class SchedulePipeDream(PipelineScheduleSingle):
         self._next_fwd = 0
         self._next_bwd = 0
         self._versions: dict[int, dict[str, torch.Tensor]] = {}
-        # the most stashed versions (copies beside the live weights) and distinct versions (stashed and live) held
-        # at once: what the papers count (PipeDream p - k; 2BW two)
+        # the most stashed versions (copies beside the live weights) and distinct versions (stashed and live)
+        # held at once: what the papers count (PipeDream p - k; 2BW two)
         self.peak_stashed = 0
         self.peak_versions = 1
         self._mb_version: dict[int, int] = {}
@@ -125,8 +125,8 @@ class SchedulePipeDream(PipelineScheduleSingle):
 
     @property
     def in_flight_chunks(self) -> list[int]:
-        """The chunk ids the stage's methods were given for the micro-batches in flight (a slot per micro-batch
-        of a step, reused from step to step)."""
+        """The chunk ids the stage's methods were given for the micro-batches in flight (a slot per
+        micro-batch of a step, reused from step to step)."""
         return [self._slot(mb) for mb in range(self._next_bwd, self._next_fwd)]
 
     def in_flight_chunks_of(self, stage_index: int) -> list[int]:
@@ -140,7 +140,8 @@ class SchedulePipeDream(PipelineScheduleSingle):
 
     @property
     def versions_held(self) -> list[int]:
-        """The weight versions this stage holds now: its stashed ones and the live parameters' (``updates``)."""
+        """The weight versions this stage holds now: its stashed
+        ones and the live parameters' (``updates``)."""
         return sorted(set(self._versions) | {self.updates})
 
     def stashed_versions(self) -> list[dict[str, torch.Tensor]]:
@@ -148,7 +149,8 @@ class SchedulePipeDream(PipelineScheduleSingle):
         return [self._versions[v] for v in sorted(self._versions)]
 
     def stashed(self, version: int) -> dict[str, torch.Tensor] | None:
-        """The stashed weights of ``version`` (name -> tensor), None when this stage does not keep them (now)."""
+        """The stashed weights of ``version`` (name -> tensor), None
+        when this stage does not keep them (now)."""
         return self._versions.get(version)
 
     def move_versions(self, switch_mb: int, stage_index: int) -> range:
@@ -159,7 +161,8 @@ class SchedulePipeDream(PipelineScheduleSingle):
         return range(first, self.updates_before(switch_mb) + 1)
 
     def updates_before(self, mb: int) -> int:
-        """The updates applied once every micro-batch before ``mb`` ran its backward: one each under PipeDream."""
+        """The updates applied once every micro-batch before ``mb``
+        ran its backward: one each under PipeDream."""
         return mb
 
     @property
@@ -171,7 +174,8 @@ class SchedulePipeDream(PipelineScheduleSingle):
         """The stashed weights an in-flight micro-batch uses (name -> tensor)."""
         return self._versions[self._mb_version[mb]]
 
-    def step(self, *args: Any, target: Any = None, losses: list[torch.Tensor] | None = None, **kwargs: Any) -> None:
+    def step(self, *args: Any, target: Any = None, losses: list[torch.Tensor] | None = None,
+             **kwargs: Any) -> None:
         """Feed one batch of ``n_microbatches`` micro-batches; returns once they are all forwarded here."""
         if not torch.is_grad_enabled():
             raise RuntimeError("SchedulePipeDream.step() trains; it cannot run under torch.no_grad()")

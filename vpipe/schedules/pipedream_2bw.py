@@ -40,13 +40,15 @@ __all__ = ["SchedulePipeDream2BW", "period_version"]
 
 
 def period_version(mb: int, micro_batches: int, base_version: int = 0, base_period: int = 0) -> int:
-    """Weight version micro-batch ``mb`` runs on under 2BW: that of two periods back, never one from before the
-    stream's start (``base_version`` after ``base_period`` periods; 0 and 0 unless the stream was flushed)."""
+    """Weight version micro-batch ``mb`` runs on under 2BW: that of two periods
+    back, never one from before the stream's start (``base_version`` after
+    ``base_period`` periods; 0 and 0 unless the stream was flushed)."""
     return base_version + max(0, mb // micro_batches - base_period - 1)
 
 
 class SchedulePipeDream2BW(SchedulePipeDream):
-    """1F1B without flushes, one optimizer step per period of ``n_microbatches`` micro-batches, two weight versions.
+    """1F1B without flushes, one optimizer step per period of
+    ``n_microbatches`` micro-batches, two weight versions.
 
     Used like :class:`~vpipe.schedules.pipedream.SchedulePipeDream` (the schedule owns the
     optimizer steps)::
@@ -66,8 +68,10 @@ class SchedulePipeDream2BW(SchedulePipeDream):
         *,
         scale_grads: bool = True,
     ) -> None:
-        if n_microbatches < stage.num_stages:  # else a period's weights may not exist yet at its first forward
-            raise ValueError(f"PipeDream-2BW needs an update period (micro-batches per step, {n_microbatches}) of "
+        # else a period's weights may not exist yet at its first forward
+        if n_microbatches < stage.num_stages:
+            raise ValueError("PipeDream-2BW needs an update period (micro-batches per step, "
+                             f"{n_microbatches}) of "
                              f"at least the number of stages ({stage.num_stages})")
         super().__init__(stage, n_microbatches, loss_fn, optimizer)
         self.mean_grads = scale_grads  # divide the period's summed gradient by its micro-batches
@@ -83,8 +87,8 @@ class SchedulePipeDream2BW(SchedulePipeDream):
         self._base_period = self._next_fwd // self._n_microbatches
 
     def move_versions(self, switch_mb: int, stage_index: int) -> range:
-        """A streamed move at a period's start (``switch_mb``): the period's version and the one its old stage's
-        update makes at the end of the period before, the same on every stage."""
+        """A streamed move at a period's start (``switch_mb``): the period's version and the one its old
+        stage's update makes at the end of the period before, the same on every stage."""
         return range(self._version_for(switch_mb), self.updates_before(switch_mb) + 1)
 
     def updates_before(self, mb: int) -> int:
@@ -100,7 +104,8 @@ class SchedulePipeDream2BW(SchedulePipeDream):
         Table 1): a third version would mean a wrong release."""
         self._count_versions()
         if self.peak_versions > 2:
-            raise RuntimeError(f"stage {self._stage.stage_index}: PipeDream-2BW held more than two weight versions "
+            raise RuntimeError(f"stage {self._stage.stage_index}: PipeDream-2BW held more than "
+                               "two weight versions "
                                f"(now {self.versions_held})")
 
     # ---------------------------------------------------------------- updates
@@ -125,4 +130,5 @@ class SchedulePipeDream2BW(SchedulePipeDream):
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.updates += 1
-        self._check_versions()  # every stash counted itself (peaks come at forwards); the live version moved on
+        # every stash counted itself (peaks come at forwards); the live version moved on
+        self._check_versions()

@@ -55,8 +55,9 @@ class Action(NamedTuple):
 
 def one_f_one_b(num_stages: int, k: int, m: int, forwards: bool = True,
                 backwards: bool = True) -> list[tuple[str, int]]:
-    """Stage ``k`` of ``num_stages``'s 1F1B order over ``m`` micro-batches: ``num_stages - k`` forwards, then a
-    backward and a forward in turn, then the last backwards. Without forwards (or backwards) the others alone."""
+    """Stage ``k`` of ``num_stages``'s 1F1B order over ``m`` micro-batches:
+    ``num_stages - k`` forwards, then a backward and a forward in turn, then the last
+    backwards. Without forwards (or backwards) the others alone."""
     if not forwards or not backwards:
         return [("F" if forwards else "B", j) for j in range(m)]
     warm = min(num_stages - k, m)
@@ -82,13 +83,15 @@ def _needs(group: int, kind: str, r: int, j: int, ranks: int) -> tuple[int, str,
 
 @functools.lru_cache(maxsize=16)
 def rank_orders(ranks: int, m: int, forwards: bool = True, backwards: bool = True) -> dict[int, list[Op]]:
-    """Every rank's actions in one step, ``(group, "F" | "B", micro-batch)``: G0's 1F1B list (this period's
-    forwards, the period before's backwards) and G1's (this period) merged as Figure 5 runs them, a rank
-    taking the other group's next action when both can run, else the one that can. Worked out by playing the
-    step on every rank at once (a forward one unit long, a backward two), so each rank's order starts an action
-    only after what it receives was sent: the order is the same on every rank and cannot deadlock."""
+    """Every rank's actions in one step, ``(group, "F" | "B", micro-batch)``: G0's 1F1B list
+    (this period's forwards, the period before's backwards) and G1's (this period) merged as
+    Figure 5 runs them, a rank taking the other group's next action when both can run, else the
+    one that can. Worked out by playing the step on every rank at once (a forward one unit long,
+    a backward two), so each rank's order starts an action only after what it receives was sent:
+    the order is the same on every rank and cannot deadlock."""
     queues = {r: [deque((0, k, j) for k, j in one_f_one_b(ranks, r, m, forwards, backwards)),
-                  deque((1, k, j) for k, j in (one_f_one_b(ranks, r, m) if forwards else []))] for r in range(ranks)}
+                  deque((1, k, j) for k, j in (one_f_one_b(ranks, r, m) if forwards else []))]
+              for r in range(ranks)}
     ends: dict[tuple[int, str, int, int], int] = {}
     free, last, now = [0] * ranks, [1] * ranks, 0
     orders: dict[int, list[Op]] = {r: [] for r in range(ranks)}
@@ -126,8 +129,9 @@ def steady_order(ranks: int, m: int) -> dict[int, list[Action]]:
 
 
 def _tagged(ops: list[dist.P2POp], boundary: int, backward: bool) -> list[dist.P2POp]:
-    """Each boundary's activations and its gradients travel under a tag of their own: a rank's two stages talk
-    to the same neighbours, and a G1 gradient sent in one step is received in the next, after other messages."""
+    """Each boundary's activations and its gradients travel under a tag of their
+    own: a rank's two stages talk to the same neighbours, and a G1 gradient sent in
+    one step is received in the next, after other messages."""
     for op in ops:
         op.tag = 2 * boundary + int(backward) + 1
     return ops
@@ -165,9 +169,11 @@ class ScheduleWPipe(PipelineScheduleMulti):
             raise ValueError(f"WPipe: rank {rank} runs stages {rank} (G0) and {ranks + rank} (G1), got "
                              f"{g0.stage_index} and {g1.stage_index}")
         if n_microbatches < ranks:
-            raise ValueError(f"WPipe needs an update period (micro-batches per step, {n_microbatches}) of at least "
+            raise ValueError("WPipe needs an update period (micro-batches per step, "
+                             f"{n_microbatches}) of at least "
                              f"the number of ranks ({ranks})")
-        # two periods are in flight on G0's stage: torch's stages get a chunk slot for each of 2m micro-batches
+        # two periods are in flight on G0's stage: torch's stages get a
+        # chunk slot for each of 2m micro-batches
         super().__init__(list(stages), 2 * n_microbatches, loss_fn, scale_grads=False)
         self.micro_batches = n_microbatches
         self._groups = (g0, g1)  # the rank's stages, G0's and G1's (torch keeps them in ``_stages`` too)
@@ -201,8 +207,9 @@ class ScheduleWPipe(PipelineScheduleMulti):
         return [] if self._g0_pending is None else [self._g0_pending]
 
     def in_flight_chunks_of(self, stage_index: int) -> list[int]:
-        """The chunk ids stage ``stage_index``'s methods were given for its micro-batches in flight between steps:
-        G0's period whose backwards run in the next step, none on G1's stage (its period ends in its step)."""
+        """The chunk ids stage ``stage_index``'s methods were given for its
+        micro-batches in flight between steps: G0's period whose backwards run in the
+        next step, none on G1's stage (its period ends in its step)."""
         pending = self._g0_pending
         if stage_index != self._groups[0].stage_index or pending is None:
             return []
@@ -212,14 +219,17 @@ class ScheduleWPipe(PipelineScheduleMulti):
         """The G0 weight version a period in flight runs on."""
         return self._period_version.get(period)
 
-    def step(self, *args: Any, target: Any = None, losses: list[torch.Tensor] | None = None, **kwargs: Any) -> None:
-        """Feed one period (``n_microbatches`` micro-batches): G0's and G1's actions of the step interleaved (see
-        :func:`rank_orders`); the last stage's losses are the period's."""
+    def step(self, *args: Any, target: Any = None, losses: list[torch.Tensor] | None = None,
+             **kwargs: Any) -> None:
+        """Feed one period (``n_microbatches`` micro-batches): G0's and G1's actions of the step
+        interleaved (see :func:`rank_orders`); the last stage's losses are the period's."""
         if not torch.is_grad_enabled():
             raise RuntimeError("ScheduleWPipe.step() trains; it cannot run under torch.no_grad()")
         m = self.micro_batches
         arg_mbs, kwarg_mbs = split_args_kwargs_into_chunks(args, kwargs, m)
-        target_mbs = None if target is None else [c[0] for c in split_args_kwargs_into_chunks((target,), None, m)[0]]
+        target_mbs = None if target is None else [c[0]
+                                                  for c in split_args_kwargs_into_chunks((target,), None,
+                                                                                         m)[0]]
         self._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses)
 
     def _step_microbatches(
@@ -345,11 +355,13 @@ class ScheduleWPipe(PipelineScheduleMulti):
         self.peak_versions = [max(self.peak_versions[g], len(held[g])) for g in range(2)]
         self.peak_stashed[0] = max(self.peak_stashed[0], len(self._versions))
         if self.peak_versions[0] > 2 or self.peak_versions[1] > 1:  # the paper's Table 1: a wrong release
-            raise RuntimeError(f"rank {self.rank}: WPipe held weight versions {held} (G0 at most two, G1 one)")
+            raise RuntimeError(
+                f"rank {self.rank}: WPipe held weight versions {held} (G0 at most two, G1 one)"
+            )
 
     def _update_g0(self, period: int) -> None:
-        """G0's update with ``period``'s gradient, summed on the version it ran on: that version is dropped first
-        (the next period's is kept), so the live weights make the second version, never a third."""
+        """G0's update with ``period``'s gradient, summed on the version it ran on: that version is dropped
+        first (the next period's is kept), so the live weights make the second version, never a third."""
         version = self._period_version.pop(period)
         weights = self._versions.pop(version) if version not in self._period_version.values() else \
             self._versions[version]

@@ -45,9 +45,9 @@ __all__ = ["DeferredBatchNorm", "DeferredBatchNorm1d", "DeferredBatchNorm2d", "D
 
 ACCUMULATORS = ("deferred_count", "deferred_mean", "deferred_m2")  # the buffers a deferred BatchNorm adds
 
-# set while torch infers a stage's shapes: forwards on uninitialised tensors are not the step's micro-batches. A
-# plain module global, not a ContextVar: torch.compile(fullgraph=True) reads it (guarding on it), not a ContextVar.
-# Training runs on the rank's main thread, so the process's one flag is the step's.
+# set while torch infers a stage's shapes: forwards on uninitialised tensors are not the step's micro-batches.
+# A plain module global, not a ContextVar: torch.compile(fullgraph=True) reads it (guarding on it), not a
+# ContextVar. Training runs on the rank's main thread, so the process's one flag is the step's.
 _paused = False
 
 
@@ -63,7 +63,8 @@ def paused() -> Iterator[None]:
 
 
 class DeferredBatchNorm(BatchNormBase):
-    """What the deferred BatchNorm1d/2d/3d share; made from torch's by :func:`defer_batch_norms`, never built."""
+    """What the deferred BatchNorm1d/2d/3d share; made from torch's
+    by :func:`defer_batch_norms`, never built."""
 
     deferred_count: torch.Tensor  # int64: values per channel seen since the last commit
     deferred_mean: torch.Tensor  # float64: their mean
@@ -134,13 +135,14 @@ class DeferredBatchNorm3d(DeferredBatchNorm, nn.BatchNorm3d):
 
 
 _DEFERRED: dict[type[nn.Module], type[DeferredBatchNorm]] = {
-    nn.BatchNorm1d: DeferredBatchNorm1d, nn.BatchNorm2d: DeferredBatchNorm2d, nn.BatchNorm3d: DeferredBatchNorm3d}
+    nn.BatchNorm1d: DeferredBatchNorm1d, nn.BatchNorm2d: DeferredBatchNorm2d,
+                                                             nn.BatchNorm3d: DeferredBatchNorm3d}
 _PLAIN: dict[type[nn.Module], type[nn.Module]] = {deferred: plain for plain, deferred in _DEFERRED.items()}
 
 
 def defer_batch_norms(module: nn.Module) -> int:
-    """Make every BatchNorm1d/2d/3d in ``module`` that tracks running statistics deferred, in place; returns how
-    many it changed.
+    """Make every BatchNorm1d/2d/3d in ``module`` that tracks running
+    statistics deferred, in place; returns how many it changed.
 
     The same module objects stay (their class changes and three buffers are added), so parameters,
     optimizers, hooks and ``state_dict`` keys are untouched. One that does not track running statistics
@@ -153,8 +155,10 @@ def defer_batch_norms(module: nn.Module) -> int:
             continue
         deferred = _DEFERRED.get(type(m))
         if deferred is None:
-            raise ValueError(f"deferred_batch_norm: {name or type(module).__name__} is a {type(m).__name__}, whose "
-                             "forward vpipe cannot defer; it defers torch's BatchNorm1d, BatchNorm2d and BatchNorm3d")
+            raise ValueError(f"deferred_batch_norm: {name or type(module).__name__} is a "
+                             f"{type(m).__name__}, whose "
+                             "forward vpipe cannot defer; it defers torch's BatchNorm1d, "
+                             "BatchNorm2d and BatchNorm3d")
         assert m.running_mean is not None
         m.__class__ = deferred
         dtype = torch.float32 if m.running_mean.device.type == "mps" else torch.float64  # mps has no float64
@@ -178,14 +182,14 @@ def commit_batch_norms(module: nn.Module) -> None:
             m.commit()
 
 
-# the deferred BatchNorms of blocks that joined a stage's forwards before their state arrived (a streamed PipeDream
-# move, vpipe.migration.stream): the sender's running statistics and accumulators are still to come
+# the deferred BatchNorms of blocks that joined a stage's forwards before their state arrived (a streamed
+# PipeDream move, vpipe.migration.stream): the sender's running statistics and accumulators are still to come
 _ARRIVING: weakref.WeakSet[DeferredBatchNorm] = weakref.WeakSet()
 
 
 def arriving(block: nn.Module) -> None:
-    """``block`` (an empty clone) runs forwards before its state arrives: its deferred BatchNorms accumulate from
-    empty and are not committed until :func:`handed_over`."""
+    """``block`` (an empty clone) runs forwards before its state arrives: its deferred BatchNorms
+    accumulate from empty and are not committed until :func:`handed_over`."""
     for m in _deferred(block):
         for name in ACCUMULATORS:
             getattr(m, name).zero_()
@@ -193,14 +197,17 @@ def arriving(block: nn.Module) -> None:
 
 
 def accumulated(block: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """A copy of what ``block``'s deferred BatchNorms accumulated (count, mean, squared deviations), in order."""
-    return [(m.deferred_count.clone(), m.deferred_mean.clone(), m.deferred_m2.clone()) for m in _deferred(block)]
+    """A copy of what ``block``'s deferred BatchNorms accumulated
+    (count, mean, squared deviations), in order."""
+    return [(m.deferred_count.clone(), m.deferred_mean.clone(), m.deferred_m2.clone())
+            for m in _deferred(block)]
 
 
 def handed_over(block: nn.Module, early: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
-    """``block``'s state arrived, the sender's accumulators with it: those are of micro-batches before the switch,
-    so of an earlier mini-batch than ``early`` (what it accumulated here before, :func:`accumulated`, taken before
-    the state was loaded), and make their own update now; then ``early`` is merged in, for this step's."""
+    """``block``'s state arrived, the sender's accumulators with it: those are of
+    micro-batches before the switch, so of an earlier mini-batch than ``early`` (what it
+    accumulated here before, :func:`accumulated`, taken before the state was loaded), and make
+    their own update now; then ``early`` is merged in, for this step's."""
     for m, (n, mean, m2) in zip(_deferred(block), early):
         m.commit()
         m.merge(n, mean, m2)
@@ -223,9 +230,10 @@ class DeferredNorms:
     they are built, torch's shape inference kept out of the statistics, one commit at each step's end
     (:meth:`step_done`), and everything back to torch's BatchNorm at detach (:meth:`undo`).
 
-    A block cloned for a move is deferred already: it is a copy of a deferred block of its kind. A carried
-    ``AveragedModel`` of a stage (``carry=``) is made deferred alike, since its ``update_parameters`` pairs its
-    buffers with the stage's one by one (``update_bn`` on it runs deferred forwards: call it after detach).
+    A block cloned for a move is deferred already: it is a copy of a deferred block of its
+    kind. A carried ``AveragedModel`` of a stage (``carry=``) is made deferred alike,
+    since its ``update_parameters`` pairs its buffers with the stage's one by one
+    (``update_bn`` on it runs deferred forwards: call it after detach).
     """
 
     def __init__(self, stages: Sequence[LocalStage], carry: Sequence[Any] = ()) -> None:
@@ -241,10 +249,12 @@ class DeferredNorms:
                     if undo is not None:
                         self._undo.append(undo)
         except BaseException:
-            self.undo()  # one refused part-way (a SyncBatchNorm): those made deferred before it are torch's again
+            # one refused part-way (a SyncBatchNorm): those made deferred before it are torch's again
+            self.undo()
             raise
 
-    def factory(self, build: Callable[[int, Any], nn.Module] | None) -> Callable[[int, Any], nn.Module] | None:
+    def factory(self, build: Callable[[int, Any], nn.Module] | None) -> Callable[[int, Any],
+                                                                                 nn.Module] | None:
         """``build`` (the user's layer factory), its blocks deferred; None for None."""
         if build is None:
             return None

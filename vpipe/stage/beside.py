@@ -29,8 +29,9 @@ _MIN_SHARE = 0.5  # a dict naming at least this share of the stage's parameters 
 
 def averages_of(module: nn.Module, objects: Iterable[object] | None = None, carried: Collection[int] = ()
                 ) -> list[str]:
-    """What keeps a per-block copy of ``module``'s weights (descriptions for the run log), among ``objects`` (default:
-    every object the garbage collector tracks) other than those ``carried`` (their ids)."""
+    """What keeps a per-block copy of ``module``'s weights (descriptions for
+    the run log), among ``objects`` (default: every object the garbage
+    collector tracks) other than those ``carried`` (their ids)."""
     names = {name for name, _ in module.named_parameters()}
     own = {id(p) for p in module.parameters()}
     if not names:

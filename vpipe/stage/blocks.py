@@ -84,7 +84,8 @@ def find_block_container(stage_module: nn.Module, path: str | None = None) -> tu
         try:
             container = stage_module.get_submodule(path)
         except AttributeError:
-            raise BlockContainerError(f"layers={path!r}: the stage module ({type(stage_module).__name__}) has no "
+            raise BlockContainerError(f"layers={path!r}: the stage module "
+                                      f"({type(stage_module).__name__}) has no "
                                       f"submodule {path!r}") from None
         if not isinstance(container, CONTAINERS) and not isinstance(stage_module, torch.fx.GraphModule):
             raise BlockContainerError(f"layers={path!r} is a {type(container).__name__}; it must name an "
@@ -111,14 +112,16 @@ def find_block_container(stage_module: nn.Module, path: str | None = None) -> tu
         found = f"; it has {', '.join(seen[:6])}" if seen else ""
         raise BlockContainerError(
             f"vpipe.attach found no container of repeated blocks in the stage module "
-            f"({type(stage_module).__name__}){found}. Put the stage's blocks in an nn.Sequential, nn.ModuleList "
+            f"({type(stage_module).__name__}){found}. Put the stage's blocks in an "
+            "nn.Sequential, nn.ModuleList "
             "or nn.ModuleDict, or pass layers='path.to.container'")
     scored.sort(key=lambda item: (-item[0], len(item[1])))
     best_params, best, container = scored[0]
     rivals = [(p, n) for p, n, _ in scored[1:]
               if p >= _AMBIGUITY * best_params and not _nested(n, best)]
     if rivals:
-        names = ", ".join(_describe(n, stage_module.get_submodule(n)) for n in [best] + [n for _, n in rivals[:3]])
+        names = ", ".join(_describe(n, stage_module.get_submodule(n))
+                          for n in [best] + [n for _, n in rivals[:3]])
         raise BlockContainerError(
             f"vpipe.attach cannot decide which container holds the stage's blocks: {names}. "
             f"Pass layers='{best}' (or another of them) to vpipe.attach")
@@ -126,8 +129,9 @@ def find_block_container(stage_module: nn.Module, path: str | None = None) -> tu
 
 
 def block_containers(stage_module: nn.Module) -> list[str]:
-    """Every container in the stage module that could hold its blocks, of one kind or several (each entry a
-    module with parameters): what the stages compare when their own choices differ (:func:`common_container`)."""
+    """Every container in the stage module that could hold its blocks, of one kind
+    or several (each entry a module with parameters): what the stages compare when
+    their own choices differ (:func:`common_container`)."""
     if isinstance(stage_module, torch.fx.GraphModule):
         return []
     return [name for name, module in stage_module.named_modules()
@@ -149,14 +153,17 @@ def common_container(found: Sequence[tuple[str | None, Sequence[str]]]) -> str:
         return chosen[0]
     # a choice inside an entry of a container (an MoE block's ``experts`` in ``layers``) is part of a block
     outer = {".".join(c.split(".")[:i]) for c in chosen for i in range(1, len(c.split(".")) - 1)}
-    everywhere = [c for c in sorted(set(chosen) | outer) if all(path == c or c in others for path, others in found)]
-    outermost = [c for c in everywhere if not any(o != c and (o == "" or c.startswith(o + ".")) for o in everywhere)]
+    everywhere = [c for c in sorted(set(chosen) | outer)
+                  if all(path == c or c in others for path, others in found)]
+    outermost = [c for c in everywhere if not any(o != c and (o == "" or c.startswith(o + "."))
+                                                  for o in everywhere)]
     if len(outermost) == 1:
         return outermost[0]
     each = ", ".join(f"stage {s} {path or '<the stage module>'!r}" if path is not None else f"stage {s} none"
                      for s, (path, _) in enumerate(found))
     raise BlockContainerError(f"the stages found different block containers ({each}); vpipe moves blocks "
-                              "between containers at one path: pass layers='path.to.container' to vpipe.attach")
+                              "between containers at one path: pass "
+                              "layers='path.to.container' to vpipe.attach")
 
 
 def _nested(a: str, b: str) -> bool:
@@ -186,8 +193,8 @@ class ContainerLayout:
 
 
 def container_kind(container: nn.Module) -> str:
-    """Sequential / ModuleList / ModuleDict, also for a container that FSDP2's ``fully_shard`` turned into a class
-    of its own (``FSDPSequential``): how its keys behave is its torch base class's."""
+    """Sequential / ModuleList / ModuleDict, also for a container that FSDP2's ``fully_shard`` turned into
+    a class of its own (``FSDPSequential``): how its keys behave is its torch base class's."""
     return next((c.__name__ for c in CONTAINERS if isinstance(container, c)), type(container).__name__)
 
 
@@ -240,7 +247,8 @@ class StageBlocks:
 
     @classmethod
     def keyed_by_ids(cls, container: nn.Module) -> StageBlocks:
-        """The blocks of a container keyed by their global layer ids (an ``nn.Sequential`` named ``"4"``, ``"5"``)."""
+        """The blocks of a container keyed by their global layer ids
+        (an ``nn.Sequential`` named ``"4"``, ``"5"``)."""
         return cls(container, [int(key) for key in child_modules(container)], KeyStyle.IDS)
 
     @property
@@ -264,7 +272,8 @@ class StageBlocks:
         return f"{self.path}.{key}" if self.path else key
 
     def insert(self, at: int, new: Sequence[tuple[int, nn.Module, str | None]]) -> None:
-        """Put ``(id, block, key)`` entries before position ``at``; ``key`` matters for name-keyed containers."""
+        """Put ``(id, block, key)`` entries before position ``at``;
+        ``key`` matters for name-keyed containers."""
         if not 0 <= at <= len(self._ids):
             raise ValueError(f"position {at} is outside 0..{len(self._ids)}")
         clash = [lid for lid, _, _ in new if lid in self._keys]
@@ -294,7 +303,8 @@ class StageBlocks:
             return str(layer_id)
         if self.style is KeyStyle.NAMES:
             if not key:
-                raise ValueError(f"layer {layer_id} arrives without its key; this container's keys travel with blocks")
+                raise ValueError(f"layer {layer_id} arrives without its key; this container's "
+                                 "keys travel with blocks")
             return key
         return ""  # positions: set by _rebuild
 

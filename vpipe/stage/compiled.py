@@ -23,12 +23,13 @@ from torch import nn
 
 from vpipe.compat.torch_internals import call_impl, compiled_call, set_compiled_call
 
-__all__ = ["Hoisted", "hoist_compiled", "hoisting_factory", "compile_like", "compiled_forwards", "dynamo_context"]
+__all__ = ["Hoisted", "hoist_compiled", "hoisting_factory", "compile_like", "compiled_forwards",
+           "dynamo_context"]
 
 
 class Hoisted:
-    """The modules one attach compiled forward-only, each with its dynamo context; :meth:`undo` gives just these
-    their compiled call back, so a detach leaves another attach's blocks as that attach left them."""
+    """The modules one attach compiled forward-only, each with its dynamo context; :meth:`undo` gives just
+    these their compiled call back, so a detach leaves another attach's blocks as that attach left them."""
 
     def __init__(self) -> None:
         self.contexts: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
@@ -50,8 +51,9 @@ class Hoisted:
             _OWNER.pop(module, None)
 
 
-# a hoisted module -> the attach's Hoisted that holds it: a block cloned from it (a move) joins the same one, and
-# a module is hoisted once whoever asks. The lookup is the process's (a module object is), the undo each owner's.
+# a hoisted module -> the attach's Hoisted that holds it: a block cloned from it (a move)
+# joins the same one, and a module is hoisted once whoever asks. The lookup is the
+# process's (a module object is), the undo each owner's.
 _OWNER: weakref.WeakKeyDictionary[nn.Module, Hoisted] = weakref.WeakKeyDictionary()
 
 
@@ -88,9 +90,10 @@ def hoist_into(hoisted: Hoisted, blocks: Iterable[nn.Module]) -> None:
 
 
 def hoisting_factory(factory: Any, hoisted: Hoisted) -> Any:
-    """``factory`` (a layer factory, or None) whose blocks, where the trainer's factory compiles them in place, are
-    hoisted as attach hoists the stages' blocks: else a recompute replays their eager forward against the saved
-    tensors of their compiled call (found by the fuzzer: ``vp.add_layers`` of such a block, then recomputed)."""
+    """``factory`` (a layer factory, or None) whose blocks, where the trainer's factory compiles
+    them in place, are hoisted as attach hoists the stages' blocks: else a recompute replays their
+    eager forward against the saved tensors of their compiled call (found by the fuzzer:
+    ``vp.add_layers`` of such a block, then recomputed)."""
     if factory is None:
         return None
 
@@ -103,7 +106,8 @@ def hoisting_factory(factory: Any, hoisted: Hoisted) -> Any:
 
 
 def compiled_forwards(donor: nn.Module) -> list[Any]:
-    """The compiled forwards of ``donor``'s modules (a clone must not share them: they are bound to the donor)."""
+    """The compiled forwards of ``donor``'s modules (a clone must
+    not share them: they are bound to the donor)."""
     return [m.__dict__["forward"] for m in donor.modules() if m in _OWNER and "forward" in m.__dict__]
 
 

@@ -29,7 +29,8 @@ __all__ = ["DeepSpeedStage", "block_run"]
 
 
 def block_run(specs: Sequence[Any]) -> range:
-    """The global indices of the blocks: the longest run of layers of the classes that appear more than once."""
+    """The global indices of the blocks: the longest run of layers
+    of the classes that appear more than once."""
     classes = [spec_class(s) for s in specs]
     repeated = {c for c, n in Counter(c for c in classes if c is not None).items() if n >= 2}
     best, start = range(0), None
@@ -44,11 +45,13 @@ def block_run(specs: Sequence[Any]) -> range:
 
 
 class DeepSpeedStage:
-    """This rank's stage of a DeepSpeed ``PipelineEngine``: its blocks, and the module kept in step with them."""
+    """This rank's stage of a DeepSpeed ``PipelineEngine``: its
+    blocks, and the module kept in step with them."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
-        self.module: Any = engine.module  # DeepSpeed's PipelineModule (typed loosely: vpipe never imports DeepSpeed)
+        # DeepSpeed's PipelineModule (typed loosely: vpipe never imports DeepSpeed)
+        self.module: Any = engine.module
         self.index = int(engine.stage_id)
         self.num_stages = int(engine.num_stages)
         specs = layer_specs(self.module)
@@ -59,7 +62,8 @@ class DeepSpeedStage:
         start, stop = local_range(self.module)
         funcs = list(self.module.forward_funcs)
         if (start, stop) != (parts[self.index], parts[self.index + 1]) or len(funcs) != stop - start:
-            raise RuntimeError(f"vpipe.attach: DeepSpeed stage {self.index} runs {len(funcs)} layers [{start}, {stop}) "
+            raise RuntimeError(f"vpipe.attach: DeepSpeed stage {self.index} runs {len(funcs)} "
+                               f"layers [{start}, {stop}) "
                                f"but its parts are {parts}; attach right after deepspeed.initialize")
         # every stage's layers that are not blocks stay where DeepSpeed put them
         self.fixed_of = [[i for i in range(parts[s], parts[s + 1]) if i not in self.run]
@@ -77,7 +81,8 @@ class DeepSpeedStage:
     def empty_stages(self) -> list[int]:
         """Stages that hold no block (vpipe needs one per stage to address a stage's blocks)."""
         parts = [int(p) for p in self.module.parts]
-        return [s for s in range(self.num_stages) if not any(i in self.run for i in range(parts[s], parts[s + 1]))]
+        return [s for s in range(self.num_stages) if not any(i in self.run
+                                                             for i in range(parts[s], parts[s + 1]))]
 
     def torch_optimizer(self) -> torch.optim.Optimizer | None:
         """The torch optimizer DeepSpeed steps as it is (fp32 without ZeRO), else None: its wrappers keep flat
@@ -90,22 +95,28 @@ class DeepSpeedStage:
         engine = self.engine
         optimizer = getattr(engine, "optimizer", None)
         if engine.bfloat16_enabled() or engine.fp16_enabled():
-            return ("DeepSpeed bf16/fp16: its optimizer keeps flat fp32 master copies of the stage's parameters, "
+            return ("DeepSpeed bf16/fp16: its optimizer keeps flat fp32 master copies of the "
+                    "stage's parameters, "
                     "which a move would leave stale; train in fp32 for moves")
         if engine.zero_optimization_stage() > 0:
-            return (f"DeepSpeed ZeRO stage {engine.zero_optimization_stage()}: its optimizer flattens and partitions "
+            return (f"DeepSpeed ZeRO stage {engine.zero_optimization_stage()}: its optimizer "
+                    "flattens and partitions "
                     "the stage's parameters over the replicas at initialize; use ZeRO stage 0 for moves")
         model_parallel = int(getattr(engine.grid, "model_parallel_size", 1))
         if model_parallel > 1:
-            return (f"DeepSpeed tensor model parallelism ({model_parallel} ranks on the grid's model axis): a block's "
+            return (f"DeepSpeed tensor model parallelism ({model_parallel} ranks on the grid's "
+                    "model axis): a block's "
                     "shards would have to move together, which vpipe does not do under DeepSpeed")
         if not isinstance(optimizer, torch.optim.Optimizer):
-            return f"DeepSpeed's optimizer is a {type(optimizer).__name__}, not a torch optimizer vpipe can edit"
+            return (f"DeepSpeed's optimizer is a {type(optimizer).__name__}, not a torch "
+                    "optimizer vpipe can edit")
         for s in range(self.num_stages):  # a block leaving past a fixed layer would reorder the model
             if s > 0 and self.fixed_of[s] and self.fixed_of[s][0] < self.run.start:
-                return f"DeepSpeed layer {self.fixed_of[s][0]} (not a block) starts stage {s}: blocks cannot pass it"
+                return (f"DeepSpeed layer {self.fixed_of[s][0]} (not a block) starts stage {s}: "
+                        "blocks cannot pass it")
             if s < self.num_stages - 1 and self.fixed_of[s] and self.fixed_of[s][-1] >= self.run.stop:
-                return f"DeepSpeed layer {self.fixed_of[s][-1]} (not a block) ends stage {s}: blocks cannot pass it"
+                return (f"DeepSpeed layer {self.fixed_of[s][-1]} (not a block) ends stage {s}: "
+                        "blocks cannot pass it")
         return None
 
     def tied_layers(self) -> list[int]:
@@ -136,7 +147,8 @@ class DeepSpeedStage:
         """(Streamed moves only: a PipeDream schedule, never DeepSpeed's.)"""
 
     def plan_changed(self, plan: Any, cause: str) -> None:
-        """A plan took effect (applied, an edit, a restored checkpoint): write the blocks back into the module."""
+        """A plan took effect (applied, an edit, a restored checkpoint):
+        write the blocks back into the module."""
         self.write_back(plan.stages)
 
     def write_back(self, placed: Sequence[Sequence[int]]) -> None:
@@ -161,7 +173,8 @@ class DeepSpeedStage:
         parts = self._parts(placement)
         module.parts = parts
         set_local_range(module, parts[self.index], parts[self.index + 1])
-        if self.checkpoints_itself:  # its cached groups of layers follow forward_funcs (it keeps them per interval)
+        # its cached groups of layers follow forward_funcs (it keeps them per interval)
+        if self.checkpoints_itself:
             module.is_checkpointable_results_interval = None
             module.set_checkpoint_interval(module.activation_checkpoint_interval)
         self._optimizer_in_module_order()
@@ -174,8 +187,9 @@ class DeepSpeedStage:
         return parts
 
     def _optimizer_in_module_order(self) -> None:
-        """Put each param group's parameters in the module's order, as DeepSpeed's initialize built them (moves
-        append arrivals): a checkpoint's optimizer state then lines up with a plain run on the same layers."""
+        """Put each param group's parameters in the module's order, as DeepSpeed's
+        initialize built them (moves append arrivals): a checkpoint's optimizer state
+        then lines up with a plain run on the same layers."""
         optimizer = getattr(self.engine, "optimizer", None)
         if not isinstance(optimizer, torch.optim.Optimizer):
             return

@@ -40,7 +40,8 @@ from vpipe.compat.torch_distributed import (
     is_strided_shard,
 )
 
-__all__ = ["is_fully_sharded", "fsdp_sharded", "fsdp_with_tensor_parallel", "not_fsdp_dtensors", "fsdp_refusal",
+__all__ = ["is_fully_sharded", "fsdp_sharded", "fsdp_with_tensor_parallel", "not_fsdp_dtensors",
+           "fsdp_refusal",
            "resharded", "clone_sharded",
            "FsdpRoot"]
 
@@ -61,10 +62,10 @@ def fsdp_sharded(p: torch.Tensor) -> bool:
 
 
 def not_fsdp_dtensors(module: nn.Module) -> list[str]:
-    """The DTensor parameters of ``module`` that are not FSDP2's shards, by name: a parameter is FSDP2's when
-    ``fully_shard`` was applied to a module that holds it (its FSDP2 state) and it is sharded on dim 0 over one
-    mesh dimension alone (:func:`fsdp_sharded`). A ``Shard(0)`` placement by itself is no proof: a
-    ``ColwiseParallel`` weight has it too."""
+    """The DTensor parameters of ``module`` that are not FSDP2's shards, by name: a parameter is
+    FSDP2's when ``fully_shard`` was applied to a module that holds it (its FSDP2 state) and it is
+    sharded on dim 0 over one mesh dimension alone (:func:`fsdp_sharded`). A ``Shard(0)`` placement by
+    itself is no proof: a ``ColwiseParallel`` weight has it too."""
     managed = {id(p) for m in module.modules() if is_fully_sharded(m) for p in m.parameters()}
     return [name for name, p in module.named_parameters()
             if isinstance(p, DTensor) and not (id(p) in managed and fsdp_sharded(p))]
@@ -85,7 +86,8 @@ def fsdp_refusal(stage_module: nn.Module, blocks: Iterable[nn.Module]) -> str | 
         return "FSDP: fully_shard the stage module too (its root state must learn of blocks that move)"
     for block in blocks:
         if not is_fully_sharded(block):
-            return "FSDP: a block is not fully_shard-ed by itself (fully_shard every block, as torchtitan does)"
+            return ("FSDP: a block is not fully_shard-ed by itself (fully_shard every "
+                    "block, as torchtitan does)")
         if any(is_fully_sharded(m) for m in block.modules() if m is not block):
             return "FSDP: fully_shard is applied inside a block; vpipe moves blocks sharded as one unit"
         if not all(fsdp_sharded(p) or fsdp_with_tensor_parallel(p) for p in block.parameters()):
@@ -98,14 +100,16 @@ def fsdp_refusal(stage_module: nn.Module, blocks: Iterable[nn.Module]) -> str | 
             return (f"FSDP: this torch keeps fully_shard's state differently from what vpipe resets "
                     f"({', '.join(missing[:3]) or 'several param groups per module'})")
         if any(g.post_forward_mesh_info not in (None, g.mesh_info) for g in groups):
-            return "FSDP: reshard_after_forward as a group size (an int); vpipe shards arriving blocks with a bool"
+            return ("FSDP: reshard_after_forward as a group size (an int); vpipe shards "
+                    "arriving blocks with a bool")
     return None
 
 
 def resharded(block: nn.Module) -> nn.Module:
     """``block`` with its parameters sharded (what a move packs); any other block as it is."""
     if is_fully_sharded(block):
-        block.reshard()  # type: ignore[operator]  # FSDPModule's public API; nothing happens when already sharded
+        # FSDPModule's public API; nothing happens when already sharded
+        block.reshard()  # type: ignore[operator]
     return block
 
 
@@ -121,7 +125,8 @@ def _before_sharding(p: torch.Tensor, dp_mesh: Any) -> torch.Tensor:
     if not rest or len(rest) == len(names):
         return torch.empty(p.shape, dtype=p.dtype, device=p.device)
     tp_mesh = mesh[tuple(names[i] for i in rest)] if len(rest) > 1 else mesh[names[rest[0]]]
-    return dtensor_empty(p.shape, dtype=p.dtype, device_mesh=tp_mesh, placements=[p.placements[i] for i in rest])
+    return dtensor_empty(p.shape, dtype=p.dtype, device_mesh=tp_mesh,
+                         placements=[p.placements[i] for i in rest])
 
 
 def fsdp_with_tensor_parallel(p: torch.Tensor) -> bool:
@@ -138,7 +143,8 @@ def _plain_class(module: nn.Module) -> type[nn.Module]:
 
 
 def clone_sharded(donor: nn.Module, memo: dict[int, Any]) -> nn.Module:
-    """A block like ``donor`` (an FSDP block), sharded with the donor's mesh and options, its tensors uninitialised.
+    """A block like ``donor`` (an FSDP block), sharded with the donor's
+    mesh and options, its tensors uninitialised.
 
     ``memo`` is :func:`~vpipe.migration.cloning.clone_block`'s (hook tables emptied, calls
     dropped); parameters become plain uninitialised tensors of their full shape (transient:
@@ -153,7 +159,8 @@ def clone_sharded(donor: nn.Module, memo: dict[int, Any]) -> nn.Module:
     clone = plain.__new__(plain)
     fields = {k: v for k, v in donor.__dict__.items() if k not in COMPOSABLE_KEYS}
     clone.__dict__.update(copy.deepcopy(fields, memo))
-    fully_shard(clone, mesh=group.mesh_info.mesh, reshard_after_forward=group.post_forward_mesh_info is not None,
+    fully_shard(clone, mesh=group.mesh_info.mesh,
+                reshard_after_forward=group.post_forward_mesh_info is not None,
                 mp_policy=fsdp_mp_policy(fsdp_state(donor)), offload_policy=group.offload_policy)
     return clone
 
@@ -180,7 +187,8 @@ class FsdpRoot:
         """(Streamed PipeDream moves only; FSDP stages never stream.)"""
 
     def _drop_prefetches(self, leaving: Any) -> None:
-        """Remove a leaving block from every state's explicit prefetch lists (``set_modules_to_*_prefetch``)."""
+        """Remove a leaving block from every state's explicit
+        prefetch lists (``set_modules_to_*_prefetch``)."""
         for module in self.module.modules():
             if is_fully_sharded(module):
                 drop_fsdp_prefetch(fsdp_state(module), leaving)

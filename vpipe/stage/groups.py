@@ -21,7 +21,8 @@ import torch
 
 __all__ = ["group_settings", "matching_group", "GroupMismatch", "OPTIMIZER_CLASS"]
 
-OPTIMIZER_CLASS = "optimizer_class"  # the settings' key naming the class of the optimizer that holds the group
+# the settings' key naming the class of the optimizer that holds the group
+OPTIMIZER_CLASS = "optimizer_class"
 
 _PLAIN = (bool, int, float, str, type(None))
 
@@ -31,7 +32,8 @@ class GroupMismatch(ValueError):
 
 
 def _setting(value: Any) -> Any:
-    """A group setting as a plain, comparable value that msgpack carries (tuples as lists, tensors as values)."""
+    """A group setting as a plain, comparable value that msgpack
+    carries (tuples as lists, tensors as values)."""
     if isinstance(value, _PLAIN):
         return value
     if isinstance(value, (list, tuple)):
@@ -42,9 +44,10 @@ def _setting(value: Any) -> Any:
 
 
 def group_settings(group: Mapping[str, Any], kind: str | None = None) -> dict[str, Any]:
-    """Everything a param group says about how its parameters train: every key but ``params``, and the class of
-    the optimizer holding it (``kind``) where known."""
-    settings = {str(k): _setting(v) for k, v in sorted(group.items(), key=lambda kv: str(kv[0])) if k != "params"}
+    """Everything a param group says about how its parameters train: every key but ``params``, and the
+    class of the optimizer holding it (``kind``) where known."""
+    settings = {str(k): _setting(v) for k, v in sorted(group.items(), key=lambda kv: str(kv[0]))
+                if k != "params"}
     if kind is not None:
         settings[OPTIMIZER_CLASS] = kind
     return settings

@@ -16,7 +16,8 @@ __all__ = ["block_kind", "compiled_inner"]
 
 
 def compiled_inner(block: nn.Module) -> nn.Module | None:
-    """The module a ``torch.compile(block)`` wrapper (``OptimizedModule``) compiles, or None for another block."""
+    """The module a ``torch.compile(block)`` wrapper (``OptimizedModule``)
+    compiles, or None for another block."""
     return compile_wrapper_inner(block)
 
 

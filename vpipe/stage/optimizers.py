@@ -25,14 +25,16 @@ from torch import nn
 
 from vpipe.stage.groups import GroupMismatch, group_settings, matching_group
 
-__all__ = ["OptimizerParts", "StageOptimizers", "optimizer_parts", "raw_optimizers", "part_of", "move_between",
+__all__ = ["OptimizerParts", "StageOptimizers", "optimizer_parts", "raw_optimizers", "part_of",
+           "move_between",
            "group_refusal", "wrapper_refusal", "group_kinds"]
 
 
 class _RoutedState(MutableMapping[torch.Tensor, Any]):
-    """The state of several optimizers of one stage: a parameter's entry is the one in the optimizer whose param
-    groups hold it. An entry another optimizer keeps for it is not its state (Adagrad fills its state at
-    construction: a trainer that then hands the matrices to Muon leaves Adagrad entries for them behind)."""
+    """The state of several optimizers of one stage: a parameter's entry is the one in the
+    optimizer whose param groups hold it. An entry another optimizer keeps for it is not
+    its state (Adagrad fills its state at construction: a trainer that then hands the
+    matrices to Muon leaves Adagrad entries for them behind)."""
 
     def __init__(self, parts: Sequence[torch.optim.Optimizer]) -> None:
         self.parts = parts
@@ -74,7 +76,8 @@ class _RoutedState(MutableMapping[torch.Tensor, Any]):
 
 
 class StageOptimizers(torch.optim.Optimizer):
-    """Several optimizers of one stage (Muon and AdamW), read and stepped as one; holds no parameters itself."""
+    """Several optimizers of one stage (Muon and AdamW), read and
+    stepped as one; holds no parameters itself."""
 
     def __init__(self, parts: Sequence[torch.optim.Optimizer], container: Any = None) -> None:
         self.parts = list(parts)
@@ -100,8 +103,9 @@ class StageOptimizers(torch.optim.Optimizer):
 
 
 class OptimizerParts(StageOptimizers):
-    """The parts of an optimizer container, each the optimizer of some of this rank's stages (or the several
-    optimizers of one, as a :class:`StageOptimizers`): read and stepped as one, each stage handed its own part."""
+    """The parts of an optimizer container, each the optimizer of some of this
+    rank's stages (or the several optimizers of one, as a :class:`StageOptimizers`):
+    read and stepped as one, each stage handed its own part."""
 
     def __init__(self, parts: Sequence[torch.optim.Optimizer], stage_parts: Mapping[int, int],
                  container: Any = None) -> None:
@@ -119,13 +123,16 @@ class OptimizerParts(StageOptimizers):
 
 
 def _parts(optimizer: Any) -> list[torch.optim.Optimizer] | None:
-    """The optimizers of a container (torchtitan's ``.optimizers``, or a list / tuple), or None for one optimizer."""
+    """The optimizers of a container (torchtitan's ``.optimizers``,
+    or a list / tuple), or None for one optimizer."""
     inner = getattr(optimizer, "optimizers", None)
-    parts = inner if isinstance(inner, (list, tuple)) else optimizer if isinstance(optimizer, (list, tuple)) else None
+    parts = inner if isinstance(inner, (list, tuple)) else optimizer if isinstance(optimizer,
+                                                                                   (list, tuple)) else None
     if parts is None:
         return None
     if not parts or not all(isinstance(p, torch.optim.Optimizer) for p in parts):
-        raise TypeError(f"vpipe.attach: optimizer= holds {[type(p).__name__ for p in parts]}; a container must "
+        raise TypeError("vpipe.attach: optimizer= holds "
+                        f"{[type(p).__name__ for p in parts]}; a container must "
                         "hold torch optimizers, one per model part")
     return list(parts)
 
@@ -150,13 +157,16 @@ def optimizer_parts(optimizer: Any, stages: Mapping[int, nn.Module]) -> torch.op
         mine = {id(p) for p in module.parameters()}
         owners[v] = [i for i, ids in enumerate(held) if ids & mine]
         if not owners[v]:
-            raise ValueError(f"vpipe.attach: none of the {len(parts)} optimizers given holds a parameter of stage "
+            raise ValueError(f"vpipe.attach: none of the {len(parts)} optimizers given holds "
+                             "a parameter of stage "
                              f"{v}; pass the optimizers of every stage this rank runs")
     shared = {i for v, mine in owners.items() for i in mine if any(i in owners[w] for w in owners if w != v)}
     one_set = len({tuple(mine) for mine in owners.values()}) == 1  # the same optimizers train every stage
     if shared and not one_set and any(len(mine) > 1 for mine in owners.values()):
-        raise ValueError(f"vpipe.attach: optimizer(s) {sorted(shared)} train several of this rank's stages while a "
-                         "stage has several optimizers; give each stage its own optimizers (as torchtitan builds "
+        raise ValueError(f"vpipe.attach: optimizer(s) {sorted(shared)} train several of this "
+                         "rank's stages while a "
+                         "stage has several optimizers; give each stage its own optimizers "
+                         "(as torchtitan builds "
                          "one per model part), or one set over all of them")
     if len(stages) == 1 or shared:  # one set of optimizers for everything this rank trains
         return StageOptimizers(parts, optimizer)
@@ -173,22 +183,24 @@ def raw_optimizers(optimizer: torch.optim.Optimizer | None) -> list[torch.optim.
 
 
 def wrapper_refusal(optimizer: torch.optim.Optimizer | None) -> str | None:
-    """Why moves cannot carry this optimizer's state, for a wrapper that keeps state of its own beside its param
-    groups (torch.distributed.optim's ZeroRedundancyOptimizer: per-rank shards of the state, parameter-to-rank
-    maps); None when they can."""
+    """Why moves cannot carry this optimizer's state, for a wrapper that keeps state of its own beside its
+    param groups (torch.distributed.optim's ZeroRedundancyOptimizer: per-rank shards of the state,
+    parameter-to-rank maps); None when they can."""
     for raw in raw_optimizers(optimizer):
         kind = type(raw)
         if kind.__module__.startswith("torch.distributed.optim"):
             return (f"the optimizer is {kind.__module__}.{kind.__name__}, whose per-rank shards and "
-                    "parameter-to-rank maps vpipe cannot carry with a block; to let blocks move, shard the state with "
+                    "parameter-to-rank maps vpipe cannot carry with a block; to let blocks move, "
+                    "shard the state with "
                     "FSDP2 instead (fully_shard over the data-parallel mesh: vpipe moves its shards)")
     return None
 
 
 def group_kinds(optimizer: torch.optim.Optimizer) -> list[str]:
-    """The class of the optimizer that holds each of ``optimizer``'s param groups (for several optimizers read as
-    one, the part's): a moved parameter joins a group of an optimizer of its own class."""
-    owners = {id(group): type(raw).__name__ for raw in raw_optimizers(optimizer) for group in raw.param_groups}
+    """The class of the optimizer that holds each of ``optimizer``'s param groups (for several optimizers
+    read as one, the part's): a moved parameter joins a group of an optimizer of its own class."""
+    owners = {id(group): type(raw).__name__ for raw in raw_optimizers(optimizer)
+              for group in raw.param_groups}
     return [owners.get(id(group), type(optimizer).__name__) for group in optimizer.param_groups]
 
 
@@ -203,7 +215,8 @@ def _joins(source: torch.optim.Optimizer, target: torch.optim.Optimizer,
     joins = []
     mine, theirs = group_kinds(source), group_kinds(target)
     for p in params:
-        g = next((g for g, group in enumerate(source.param_groups) if any(q is p for q in group["params"])), None)
+        g = next((g for g, group in enumerate(source.param_groups) if any(q is p for q in group["params"])),
+                 None)
         if g is not None:
             settings = group_settings(source.param_groups[g], mine[g])
             joins.append((p, g, matching_group(settings, target.param_groups, preferred=g, kinds=theirs,
@@ -224,10 +237,11 @@ def group_refusal(source: torch.optim.Optimizer | None, target: torch.optim.Opti
 
 def move_between(source: torch.optim.Optimizer | None, target: torch.optim.Optimizer | None,
                  params: Iterable[torch.Tensor]) -> None:
-    """Move parameters and their state from ``source`` to ``target`` (a layer moving between two stages of this
-    rank whose parts differ), each into the param group there with the settings of the one it leaves.
+    """Move parameters and their state from ``source`` to ``target`` (a layer moving between two stages of
+    this rank whose parts differ), each into the param group there with the settings of the one it leaves.
 
-    Every parameter's group is found before anything is edited, so a ``GroupMismatch`` leaves both as they were.
+    Every parameter's group is found before anything is edited, so a
+    ``GroupMismatch`` leaves both as they were.
     """
     if source is target or source is None or target is None:
         return

@@ -82,8 +82,8 @@ def user_hooks(block: nn.Module) -> list[str]:
 
 
 def outside_tensors(stage_module: nn.Module, block_names: Iterable[str]) -> set[int]:
-    """Ids of the parameters and buffers the stage module reaches other than through its blocks (``block_names``:
-    each block's name in the stage module, ``layers.4``)."""
+    """Ids of the parameters and buffers the stage module reaches other than through its blocks
+    (``block_names``: each block's name in the stage module, ``layers.4``)."""
     prefixes = tuple(f"{name}." for name in block_names)
     return {id(t) for name, t in [*stage_module.named_parameters(remove_duplicate=False),
                                   *stage_module.named_buffers(remove_duplicate=False)]
@@ -91,8 +91,8 @@ def outside_tensors(stage_module: nn.Module, block_names: Iterable[str]) -> set[
 
 
 def shared_pins(blocks: Mapping[int, nn.Module], outside: Iterable[int] = ()) -> dict[int, str]:
-    """Blocks that share a parameter or buffer (or a module holding them) with another block, or with the stage
-    module outside the blocks (``outside``: ids from :func:`outside_tensors`): layer id -> why."""
+    """Blocks that share a parameter or buffer (or a module holding them) with another block, or with the
+    stage module outside the blocks (``outside``: ids from :func:`outside_tensors`): layer id -> why."""
     owners: dict[int, list[int]] = {}  # id of a parameter or buffer -> the blocks holding it
     names: dict[tuple[int, int], str] = {}  # (tensor id, layer id) -> its name in that block
     for lid, block in blocks.items():
@@ -108,16 +108,18 @@ def shared_pins(blocks: Mapping[int, nn.Module], outside: Iterable[int] = ()) ->
     for key, holders in owners.items():
         if len(holders) > 1:
             for lid in holders:
-                pins.setdefault(lid, f"shares {names[key, lid]} with layers {[h for h in holders if h != lid]}")
+                pins.setdefault(lid, f"shares {names[key, lid]} with layers "
+                                     f"{[h for h in holders if h != lid]}")
         elif key in outer:
-            pins.setdefault(holders[0], f"shares {names[key, holders[0]]} with the stage module outside its blocks")
+            pins.setdefault(holders[0],
+                            f"shares {names[key, holders[0]]} with the stage module outside its blocks")
     return pins
 
 
 def untrained_pins(blocks: Mapping[int, nn.Module], optimizer: Any) -> dict[int, str]:
-    """Blocks with a parameter that trains (``requires_grad``) in none of the optimizers given to attach: layer id
-    -> why. On another stage it would join an optimizer and train, or be dropped from one it was never in, so
-    such a block stays where it is."""
+    """Blocks with a parameter that trains (``requires_grad``) in none of the optimizers given to attach:
+    layer id -> why. On another stage it would join an optimizer and train, or be dropped from one it was
+    never in, so such a block stays where it is."""
     if optimizer is None:
         return {}
     held = {id(p) for group in optimizer.param_groups for p in group["params"]}
@@ -140,8 +142,10 @@ def pin_reason(layer_id: int, block: nn.Module, shared: Mapping[int, str]) -> st
     return None
 
 
-def planner_kind(shared: Mapping[int, str], ids: Callable[[], Mapping[int, nn.Module]]) -> Callable[[nn.Module], str]:
-    """The block kind the monitors report: :func:`block_kind`, marked pinned for a block that must not move."""
+def planner_kind(shared: Mapping[int, str],
+                 ids: Callable[[], Mapping[int, nn.Module]]) -> Callable[[nn.Module], str]:
+    """The block kind the monitors report: :func:`block_kind`,
+    marked pinned for a block that must not move."""
 
     def kind(block: nn.Module) -> str:
         layer = next((lid for lid, b in ids().items() if b is block), None)

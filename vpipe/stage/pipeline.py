@@ -1,4 +1,5 @@
-"""A pipeline as vpipe reads it, whatever the engine: this rank's stages, every stage's rank, its process group.
+"""A pipeline as vpipe reads it, whatever the engine: this rank's
+stages, every stage's rank, its process group.
 
 Each engine's adapter (:mod:`vpipe.engines`) reads what the trainer passed to ``attach``
 into a :class:`Pipeline`: the local stages (torch's stage object, the user's module), the
@@ -41,7 +42,8 @@ log = logging.getLogger("vpipe.attach")
 
 __all__ = ["AttachTarget", "LocalStage", "Pipeline", "reset_shape_inference", "check_schedule_api",
            "check_optimizer", "check_tensor_parallel", "unwrap_stage_module", "pipeline_group",
-           "stage_move_refusal", "stage_edit_refusal", "in_flight_per_stage", "in_flight_together", "flat_actions",
+           "stage_move_refusal", "stage_edit_refusal", "in_flight_per_stage", "in_flight_together",
+           "flat_actions",
            "action_kind"]
 
 # what attach takes: a single-stage schedule (SchedulePipeDream is one), a multi-stage one, or a stage module
@@ -56,7 +58,8 @@ class LocalStage:
     module: nn.Module
     pipeline_stage: Any = None  # torch's PipelineStage; None for a hand-written loop
     blocks: StageBlocks | None = None  # its run of repeated blocks, once the stages agreed on layer ids
-    container: nn.Module | None = None  # where its blocks are when the adapter found them (DeepSpeed), else None
+    # where its blocks are when the adapter found them (DeepSpeed), else None
+    container: nn.Module | None = None
 
 
 @dataclass
@@ -70,7 +73,8 @@ class Pipeline:
     kind: str  # the cost model's schedule name: gpipe, 1f1b, pipedream, interleaved1f1b, ..., custom
     device: torch.device
     group: Any = None  # the pipeline's process group (None: the world)
-    step_micro_batches: int | None = None  # the micro-batches the engine runs per step; None: a hand-written loop
+    # the micro-batches the engine runs per step; None: a hand-written loop
+    step_micro_batches: int | None = None
 
     @property
     def rank(self) -> int:
@@ -96,11 +100,13 @@ class Pipeline:
         return self.stages[0]
 
     def micro_batches(self, configured: int | None) -> int:
-        """The micro-batches of a step: the engine's count, else what the trainer configured (a hand-written loop)."""
+        """The micro-batches of a step: the engine's count, else
+        what the trainer configured (a hand-written loop)."""
         return self.step_micro_batches or configured or 1
 
     def in_flight(self) -> list[int] | None:
-        """Per stage, the micro-batches it holds activations of at its peak (multi-stage schedules), else None."""
+        """Per stage, the micro-batches it holds activations of at
+        its peak (multi-stage schedules), else None."""
         if not self.multi_stage:
             return None
         return in_flight_per_stage(self.schedule.pipeline_order, self.num_stages)
@@ -118,13 +124,18 @@ def unwrap_stage_module(module: nn.Module) -> nn.Module:
     wrapped = type(module).__name__
     if wrapped == "DistributedDataParallel" or _composable(module, "replicate"):
         how = wrapped if wrapped == "DistributedDataParallel" else "replicate()"
-        raise TypeError(f"vpipe.attach does not support a stage module wrapped in {how}: its gradient buckets are "
-                        "fixed at wrap time and would go stale when blocks move. Keep the stage module unwrapped and "
-                        "all-reduce its gradients over the data-parallel group after schedule.step() yourself "
+        raise TypeError(f"vpipe.attach does not support a stage module wrapped in {how}: its "
+                        "gradient buckets are "
+                        "fixed at wrap time and would go stale when blocks move. Keep the stage "
+                        "module unwrapped and "
+                        "all-reduce its gradients over the data-parallel group after "
+                        "schedule.step() yourself "
                         "(vpipe keeps the replicas' blocks alike)")
     if any(is_fsdp1(m) for m in module.modules()):
-        raise TypeError("vpipe.attach does not support FSDP1 (FullyShardedDataParallel) on a stage module: its flat "
-                        "parameters hold every block at once. Use FSDP2, torchtitan's way: fully_shard(block, "
+        raise TypeError("vpipe.attach does not support FSDP1 (FullyShardedDataParallel) on a "
+                        "stage module: its flat "
+                        "parameters hold every block at once. Use FSDP2, torchtitan's "
+                        "way: fully_shard(block, "
                         "mesh=dp_mesh) on every block, then fully_shard(stage_module, mesh=dp_mesh)")
     return module
 
@@ -135,9 +146,12 @@ def check_tensor_parallel(pipeline: Pipeline) -> Pipeline:
     for stage in pipeline.stages:
         spanning = spanning_pipeline(stage.module, ranks, me)
         if spanning:
-            raise TypeError(f"vpipe.attach: stage {stage.index}'s DTensor parameter(s) {', '.join(spanning[:3])} are "
-                            f"placed on a mesh that holds other ranks of this pipeline (world ranks {list(ranks)}); "
-                            "a stage holds its blocks whole or shards them over other mesh dimensions (FSDP2 over "
+            raise TypeError(f"vpipe.attach: stage {stage.index}'s DTensor parameter(s) "
+                            f"{', '.join(spanning[:3])} are "
+                            "placed on a mesh that holds other ranks of this pipeline (world "
+                            f"ranks {list(ranks)}); "
+                            "a stage holds its blocks whole or shards them over other mesh "
+                            "dimensions (FSDP2 over "
                             "dp, tensor parallelism over tp), never over the pipeline's own")
     return pipeline
 
@@ -162,14 +176,18 @@ def check_optimizer(optimizer: torch.optim.Optimizer | None, modules: Sequence[n
     for module in modules:
         mine = {id(p) for p in module.parameters()}
         if mine and not mine & held:
-            raise ValueError(f"vpipe.attach: the optimizer holds none of this stage's {len(mine)} parameters; pass "
-                             "the optimizer built over this rank's stage modules (e.g. torch.optim.AdamW(params of "
+            raise ValueError("vpipe.attach: the optimizer holds none of this stage's "
+                             f"{len(mine)} parameters; pass "
+                             "the optimizer built over this rank's stage modules (e.g. "
+                             "torch.optim.AdamW(params of "
                              "every stage this rank runs))")
     staged = {id(p) for module in modules for p in module.parameters()}
-    foreign = {g: sum(id(p) not in staged for p in group["params"]) for g, group in enumerate(optimizer.param_groups)}
+    foreign = {g: sum(id(p) not in staged for p in group["params"])
+               for g, group in enumerate(optimizer.param_groups)}
     foreign = {g: n for g, n in foreign.items() if n}
     if foreign:  # e.g. an optimizer built over the whole model before it was split
-        log.warning("vpipe.attach: optimizer param group(s) %s hold %d parameter(s) that are not in this rank's "
+        log.warning("vpipe.attach: optimizer param group(s) %s hold %d parameter(s) that "
+                    "are not in this rank's "
                     "stage modules; moves carry only the stages' parameters and their optimizer state, so "
                     "those stay in this rank's optimizer", sorted(foreign), sum(foreign.values()))
 
@@ -181,7 +199,8 @@ def check_schedule_api(schedule: Any) -> None:
         missing += missing_stage_state(stage)
     if missing:
         raise RuntimeError(
-            f"vpipe cannot attach to {type(schedule).__name__} with torch {torch.__version__}: its pipelining API "
+            f"vpipe cannot attach to {type(schedule).__name__} with torch "
+            f"{torch.__version__}: its pipelining API "
             f"lacks {', '.join(sorted(set(missing)))} (vpipe is tested with torch 2.11 and 2.13)"
         )
 
@@ -199,14 +218,16 @@ def reset_shape_inference(schedule: Any) -> None:
 
 
 def stage_edit_refusal(pipeline: Pipeline) -> str | None:
-    """Why this rank's stages, whatever the engine, cannot have layers added or removed (a noun phrase), or None."""
+    """Why this rank's stages, whatever the engine, cannot have
+    layers added or removed (a noun phrase), or None."""
     if any(isinstance(s.module, torch.fx.GraphModule) for s in pipeline.stages):
         return "a traced GraphModule stage (its forward is a fixed graph)"
     return None
 
 
 def stage_move_refusal(pipeline: Pipeline, has_factory: bool) -> str | None:
-    """Why this rank's layers, whatever the engine, cannot move, or None (the engine may add a reason of its own)."""
+    """Why this rank's layers, whatever the engine, cannot move, or
+    None (the engine may add a reason of its own)."""
     if any(isinstance(s.module, torch.fx.GraphModule) for s in pipeline.stages):
         return "the stage is a traced GraphModule (pipeline() split): its forward is a fixed graph of modules"
     for stage in pipeline.stages:
@@ -219,7 +240,8 @@ def stage_move_refusal(pipeline: Pipeline, has_factory: bool) -> str | None:
             return tp
         fsdp = fsdp_refusal(stage.module, blocks)
         if fsdp is None and has_factory and is_fully_sharded(stage.module):
-            fsdp = "FSDP: blocks built by layer_factory= would not be sharded; leave it out (blocks are cloned)"
+            fsdp = ("FSDP: blocks built by layer_factory= would not be sharded; leave it "
+                    "out (blocks are cloned)")
         if fsdp is not None:
             return fsdp
     return None

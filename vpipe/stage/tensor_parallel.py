@@ -32,7 +32,8 @@ __all__ = ["tensor_parallel_names", "mesh_ranks", "spanning_pipeline", "tensor_p
 
 
 def tensor_parallel_names(module: nn.Module) -> list[str]:
-    """The parameters of ``module`` that are tensor-parallel DTensors (DTensors FSDP2 does not hold), by name."""
+    """The parameters of ``module`` that are tensor-parallel
+    DTensors (DTensors FSDP2 does not hold), by name."""
     return not_fsdp_dtensors(module)
 
 
@@ -46,7 +47,8 @@ def spanning_pipeline(module: nn.Module, pipeline_ranks: Sequence[int], me: int)
     across stages, which vpipe's stages never are (a tp mesh holds one rank of each pipeline)."""
     others = set(pipeline_ranks) - {me}
     names = set(tensor_parallel_names(module))
-    return [n for n, p in module.named_parameters() if n in names and mesh_ranks(p) & others]  # type: ignore[arg-type]
+    return [n for n, p in module.named_parameters() if n in names
+            and mesh_ranks(p) & others]  # type: ignore[arg-type]
 
 
 def tensor_parallel_move_refusal(blocks: Iterable[nn.Module]) -> str | None:
@@ -64,9 +66,11 @@ def tensor_parallel_move_refusal(blocks: Iterable[nn.Module]) -> str | None:
 
 
 def parallel_hook_ids(module: nn.Module) -> set[Any]:
-    """The handle ids of the hooks on ``module`` itself that the parallel styles put there: a clone keeps them,
-    so that it redistributes its inputs and outputs as the donor does (every other hook stays on the donor)."""
-    return {key for table in call_hook_tables(module) for key, fn in table.items() if is_parallel_style_hook(fn)}
+    """The handle ids of the hooks on ``module`` itself that the parallel styles put
+    there: a clone keeps them, so that it redistributes its inputs and outputs as
+    the donor does (every other hook stays on the donor)."""
+    return {key for table in call_hook_tables(module) for key, fn in table.items()
+            if is_parallel_style_hook(fn)}
 
 
 def keep_parallel_hooks(table: dict[Any, Any], kept: set[Any]) -> dict[Any, Any]:
@@ -77,4 +81,5 @@ def keep_parallel_hooks(table: dict[Any, Any], kept: set[Any]) -> dict[Any, Any]
 def empty_dtensor(t: DTensor) -> DTensor:
     """An uninitialised DTensor like ``t``: the same mesh, placements, global shape and stride."""
     local = torch.empty_like(t.to_local())
-    return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
+    return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape,
+                              stride=t.stride())

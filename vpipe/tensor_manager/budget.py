@@ -58,7 +58,8 @@ class LayerEstimate:
     swappable_bytes: int  # the part of it a swap can move (tensors at or above the threshold)
     input_bytes: int  # what a recomputed micro-batch keeps: its inputs
     forward_s: float  # one forward, which is also what a recompute costs
-    lag_bytes: int = 0  # kept between the input and the weight pass of a split backward (swapped or recomputed)
+    # kept between the input and the weight pass of a split backward (swapped or recomputed)
+    lag_bytes: int = 0
     lag_share: float = 0.0  # lagging micro-batches per micro-batch in flight (0: the backward is not split)
 
 
@@ -105,7 +106,8 @@ def expected_state_factor(optimizer: Any) -> int:
 def check_layer_fits(layer_id: int, activation_bytes: int, budget_bytes: int) -> None:
     if activation_bytes > budget_bytes:
         raise MemoryBudgetError(
-            f"layer {layer_id} needs {format_bytes(activation_bytes)} of saved activations even fully recomputed "
+            f"layer {layer_id} needs {format_bytes(activation_bytes)} of saved activations "
+            "even fully recomputed "
             f"> budget {format_bytes(budget_bytes)}: a recompute materialises them all at once; "
             f"raise the stage's budget, use smaller micro-batches, or split the layer"
         )
@@ -126,7 +128,8 @@ def exposed_copy_s(copy_s: float, forward_s: float, overlap: float) -> float:
 class _StepCost:
     """Seconds one micro-batch pays for its swaps and recomputes, under changing policies."""
 
-    def __init__(self, estimates: dict[int, LayerEstimate], policies: dict[int, Policy], swap_s_per_byte: float,
+    def __init__(self, estimates: dict[int, LayerEstimate], policies: dict[int, Policy],
+                 swap_s_per_byte: float,
                  overlap: float) -> None:
         self._estimates = estimates
         self._s_per_byte = swap_s_per_byte
@@ -253,7 +256,8 @@ def fit_micro_batch(
     least_without_lag = sum(leanest(replace(e, lag_share=0.0)) for e in estimates)
     if in_flight * least_without_lag + reserve_bytes > budget_bytes:
         raise MemoryBudgetError(
-            f"stage budget {format_bytes(budget_bytes)} cannot hold {in_flight} micro-batches in flight: even with "
+            f"stage budget {format_bytes(budget_bytes)} cannot hold {in_flight} micro-batches "
+            "in flight: even with "
             f"every layer swapped or recomputed each keeps {format_bytes(least_without_lag)}, plus "
             f"{format_bytes(reserve_bytes)} for the largest layer's backward"
         )

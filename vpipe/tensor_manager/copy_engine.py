@@ -25,7 +25,8 @@ import torch
 from vpipe.compat.torch_internals import foreach_copy_, raw_stream_getter
 from vpipe.settings import PREFETCH_ALLOCS
 
-__all__ = ["Ticket", "CopyEngine", "CpuCopyEngine", "CudaCopyEngine", "make_copy_engine", "comm_process_group_options"]
+__all__ = ["Ticket", "CopyEngine", "CpuCopyEngine", "CudaCopyEngine", "make_copy_engine",
+           "comm_process_group_options"]
 
 D2H = "d2h"
 H2D = "h2d"
@@ -78,7 +79,8 @@ class CopyEngine(ABC):
     # -- copies -------------------------------------------------------------
     @abstractmethod
     def to_host_batch(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Ticket:
-        """Copy each pair's device tensor into its host tensor (in a pool block) asynchronously; one ticket for all.
+        """Copy each pair's device tensor into its host tensor (in a
+        pool block) asynchronously; one ticket for all.
 
         One layer's saved tensors go together: the stream switch, the wait for the producer and
         the events cost once per layer, not once per tensor (they dominate small copies).
@@ -92,12 +94,13 @@ class CopyEngine(ABC):
     @abstractmethod
     def to_device_batch(self, sources: Sequence[torch.Tensor], after: Sequence[Ticket] = ()
                         ) -> tuple[list[torch.Tensor], Ticket]:
-        """Copy host tensors back into new device tensors of the same dtype and layout ahead of use (prefetch),
-        once ``after`` ended."""
+        """Copy host tensors back into new device tensors of the same dtype and
+        layout ahead of use (prefetch), once ``after`` ended."""
         ...
 
     def to_device(self, src: torch.Tensor, after: Ticket | None = None) -> tuple[torch.Tensor, Ticket]:
-        """Copy a host tensor back into a new device tensor of the same dtype and layout ahead of use (prefetch)."""
+        """Copy a host tensor back into a new device tensor of the
+        same dtype and layout ahead of use (prefetch)."""
         outs, ticket = self.to_device_batch([src], [after] if after is not None else ())
         return outs[0], ticket
 
@@ -309,11 +312,13 @@ class CudaCopyEngine(CopyEngine):
 
 
 def make_copy_engine(device: torch.device, prefetch_alloc: str = "copy") -> CopyEngine:
-    """The copy engine of ``device``. ``prefetch_alloc``: ``copy`` (the default) allocates prefetched copies on the
-    copy stream, ``compute`` from the compute stream's cached memory (an experiment timed by
+    """The copy engine of ``device``. ``prefetch_alloc``: ``copy`` (the default) allocates prefetched
+    copies on the copy stream, ``compute`` from the compute stream's cached memory (an experiment timed by
     ``benchmarks/gpu_suite.sh``); anything else is refused, on CPU too (a typo does not wait for a GPU)."""
     if prefetch_alloc not in PREFETCH_ALLOCS:
-        raise ValueError(f"prefetch_alloc must be one of {', '.join(PREFETCH_ALLOCS)}, got {prefetch_alloc!r}")
+        raise ValueError(
+            f"prefetch_alloc must be one of {', '.join(PREFETCH_ALLOCS)}, got {prefetch_alloc!r}"
+        )
     if device.type == "cuda":
         return CudaCopyEngine(device, prefetch_alloc)
     return CpuCopyEngine(device)

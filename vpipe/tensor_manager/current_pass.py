@@ -43,7 +43,8 @@ class CurrentPass:
         return self.unpacked
 
     def unpack_phase(self) -> str:
-        """The phase of the backward unpacking now (``"full"`` outside any ``backward()``); marks it as used."""
+        """The phase of the backward unpacking now (``"full"``
+        outside any ``backward()``); marks it as used."""
         self.unpacked = True
         return self.running[-1][1] if self.running else "full"
 

@@ -41,7 +41,8 @@ class StepOrder(Protocol):
 class BudgetGovernor:
     """Budget decisions of one tensor manager (``budget_bytes`` None: no budget, everything allowed)."""
 
-    def __init__(self, budget_bytes: int | None, host_pool_max_bytes: int, *, ledger: Ledger, engine: SwapEngine,
+    def __init__(self, budget_bytes: int | None, host_pool_max_bytes: int, *, ledger: Ledger,
+                 engine: SwapEngine,
                  layers: Mapping[int, ManagedLayer]) -> None:
         self.budget_bytes = budget_bytes
         self.host_pool_max_bytes = host_pool_max_bytes
@@ -55,8 +56,8 @@ class BudgetGovernor:
         self.kept_per_mb: int | None = None  # resident bytes a metered micro-batch added, every layer kept
         self._kept_layers: frozenset[int] = frozenset()  # the layers managed when kept_per_mb was measured
         self.swaps = 0  # tensors swapped because keeping them would pass the budget
-        # times a pack waited for swap-outs still copying to free the device bytes it needed, and for how long:
-        # copies that did not keep up with the forward
+        # times a pack waited for swap-outs still copying to free the device bytes it needed, and for how
+        # long: copies that did not keep up with the forward
         self.waits = 0
         self.wait_s = 0.0
         self.escalations: list[tuple[int, Policy, Policy]] = []
@@ -136,9 +137,9 @@ class BudgetGovernor:
         self._kept_layers = frozenset(self._layers)
 
     def kept_per_mb_now(self) -> int:
-        """``kept_per_mb`` if it was measured with the layers managed now; else, once every layer's activations
-        were measured, their sum (a storage two layers save counts twice: never less than keeping takes); 0
-        when not known.
+        """``kept_per_mb`` if it was measured with the layers managed now; else, once every
+        layer's activations were measured, their sum (a storage two layers save counts
+        twice: never less than keeping takes); 0 when not known.
 
         A stage that escalated at its first micro-batches (its part of a shared budget was not known yet)
         never runs a micro-batch with every layer kept to measure it: the sum lets it find out that keeping
@@ -159,8 +160,8 @@ class BudgetGovernor:
         budget = self.budget_bytes
         assert budget is not None
         # keeping everything needs no backward reserve (nothing is brought back or recomputed): when the
-        # measured bytes of a micro-batch, every layer kept, fit that way, as much fits as without vpipe
-        # (what relax() undoes escalations by: the two must agree, or a stage undoes and redoes them every step)
+        # measured bytes of a micro-batch, every layer kept, fit that way, as much fits as without vpipe (what
+        # relax() undoes escalations by: the two must agree, or a stage undoes and redoes them every step)
         kept = self.kept_per_mb_now()
         self.keep_all_fits = (all_keep and kept > 0
                               and kept <= min(budget - self.ledger.resident, budget // in_flight))
@@ -170,7 +171,8 @@ class BudgetGovernor:
         copies = self._engine.copies
         # (swap-outs still copying count as gone: a copy running late is a wait, not a reason to escalate)
         changes = fit_micro_batch(
-            estimates, budget_bytes=budget, resident_bytes=self.ledger.resident - self._engine.outgoing_bytes(),
+            estimates, budget_bytes=budget,
+                                  resident_bytes=self.ledger.resident - self._engine.outgoing_bytes(),
             reserve_bytes=self.reserve,
             in_flight=in_flight, pool_free_bytes=self._pool_free_bytes(),
             swap_s_per_byte=1.0 / copies.expected_bandwidth(D2H), overlap=_SWAP_OVERLAP[copies.kind],
@@ -180,14 +182,17 @@ class BudgetGovernor:
             set_policy(change.layer_id, change.new)
             self.escalations.append((change.layer_id, change.old, change.new))
             decision(
-                "policy", f"layer {change.layer_id}: {change.old.value} -> {change.new.value} to fit the budget",
-                layer=change.layer_id, old=change.old.value, new=change.new.value, saved_bytes=change.saved_bytes,
+                "policy", f"layer {change.layer_id}: {change.old.value} -> "
+                          f"{change.new.value} to fit the budget",
+                layer=change.layer_id, old=change.old.value, new=change.new.value,
+                     saved_bytes=change.saved_bytes,
                 cost_s=change.cost_s, budget_bytes=budget, in_flight=in_flight, micro_batch=mb,
             )
 
-    def swaps_to_skip(self, mb: int, order: StepOrder, later_forwards: int, lag_share: float) -> frozenset[int]:
-        """Swapped layers that micro-batch ``mb``, whose forward starts now, keeps on the device: swapping what
-        would come straight back, or what the budget has room for, only costs copies.
+    def swaps_to_skip(self, mb: int, order: StepOrder, later_forwards: int,
+                      lag_share: float) -> frozenset[int]:
+        """Swapped layers that micro-batch ``mb``, whose forward starts now, keeps on the device: swapping
+        what would come straight back, or what the budget has room for, only costs copies.
 
         Without a budget only when its own backward is the next action in the learned ``order`` (the last
         micro-batch when the backwards start from it, every micro-batch of 1F1B's last stage): the backward's
@@ -220,11 +225,13 @@ class BudgetGovernor:
         return frozenset(held)
 
     def relax(self, need: int, set_policy: Callable[[int, Policy], None]) -> None:
-        """Undo the escalations in force once keeping every layer (``need`` bytes at the peak) fits the budget.
+        """Undo the escalations in force once keeping every layer
+        (``need`` bytes at the peak) fits the budget.
 
-        A stage may escalate before it knows what it needs: on a rank whose stages share one budget, the shares
-        are equal until each stage measured its need, and the projection of an unmeasured micro-batch adds a
-        reserve. When the budget turns out to hold every layer kept, the stage keeps them, as without vpipe.
+        A stage may escalate before it knows what it needs: on a rank whose stages share one
+        budget, the shares are equal until each stage measured its need, and the projection of
+        an unmeasured micro-batch adds a reserve. When the budget turns out to hold every
+        layer kept, the stage keeps them, as without vpipe.
         """
         budget = self.budget_bytes
         active = self.escalations[self._relaxed:]
@@ -235,8 +242,8 @@ class BudgetGovernor:
             if after.get(layer_id) is new:
                 after[layer_id] = old
         if any(policy is not Policy.KEEP for policy in after.values()):
-            # a plan's swaps or recomputes stay: not every layer would be kept, the micro-batches would project
-            # with a backward reserve again and escalate again (undone and redone at every step)
+            # a plan's swaps or recomputes stay: not every layer would be kept, the micro-batches would
+            # project with a backward reserve again and escalate again (undone and redone at every step)
             return
         self._relaxed = len(self.escalations)
         for layer_id, old, new in reversed(active):
@@ -244,7 +251,8 @@ class BudgetGovernor:
             if layer is None or layer.policy is not new:
                 continue  # gone, or a plan set its policy since
             set_policy(layer_id, old)
-            decision("policy", f"layer {layer_id}: {new.value} -> {old.value}, every layer kept fits the budget",
+            decision("policy",
+                     f"layer {layer_id}: {new.value} -> {old.value}, every layer kept fits the budget",
                      layer=layer_id, old=new.value, new=old.value, need_bytes=need, budget_bytes=budget)
 
     def supersede_escalations(self) -> None:
@@ -277,8 +285,8 @@ class BudgetGovernor:
         return per_mb is not None and in_flight * per_mb <= self.budget_bytes
 
     def _kept_bytes_if_fits(self) -> int | None:
-        """One micro-batch's bytes, every layer kept and counted with its measured bytes, if keeping every layer
-        fits the budget (else None)."""
+        """One micro-batch's bytes, every layer kept and counted with its measured bytes,
+        if keeping every layer fits the budget (else None)."""
         if not self.keep_all_fits:
             return None
         per_mb = 0
@@ -289,8 +297,8 @@ class BudgetGovernor:
         return per_mb
 
     def holds_next_unwatched(self, in_flight: int) -> bool:
-        """Whether the next micro-batch, every layer kept and counted with its measured bytes, fits the room left
-        (always, without a budget)."""
+        """Whether the next micro-batch, every layer kept and counted with its measured
+        bytes, fits the room left (always, without a budget)."""
         if self.budget_bytes is None:
             return True
         per_mb = self._kept_bytes_if_fits()

@@ -22,24 +22,27 @@ from vpipe.compat.torch_internals import free_weak_ref, weak_ref_expired
 from vpipe.tensor_manager.copy_engine import Ticket
 from vpipe.tensor_manager.pool import PoolBlock
 
-__all__ = ["StorageEntry", "SwappedEntry", "KeptHandle", "SwappedHandle", "ShardHandle", "WHOLE", "VIEW", "BYTES",
+__all__ = ["StorageEntry", "SwappedEntry", "KeptHandle", "SwappedHandle", "ShardHandle", "WHOLE", "VIEW",
+           "BYTES",
            "without_graph"]
 
 
 def without_graph(t: torch.Tensor) -> torch.Tensor:
     """``t`` as a saved-tensor hook may hold it until the backward: detached if it has a grad_fn.
 
-    A saved output's grad_fn is the node saving it: holding the tensor itself would make a reference cycle
-    (node -> saved handle -> tensor -> node) that only the garbage collector breaks. ``is_leaf`` says the same as
-    ``grad_fn is None`` without reading ``grad_fn``, which gives the node a Python object: a graph whose nodes
-    have one is freed recursively, a C stack frame per node, and a stage of thousands of blocks overflowed it.
+    A saved output's grad_fn is the node saving it: holding the tensor itself would make a reference
+    cycle (node -> saved handle -> tensor -> node) that only the garbage collector breaks.
+    ``is_leaf`` says the same as ``grad_fn is None`` without reading ``grad_fn``, which gives the
+    node a Python object: a graph whose nodes have one is freed recursively, a C stack frame per
+    node, and a stage of thousands of blocks overflowed it.
     """
     return t if t.is_leaf else t.detach()
 
 
 class ShardHandle:
-    """A saved DTensor (a tensor-parallel block's input, say): the handle of its local shard, which is kept or
-    swapped as any saved tensor is, and what wraps that shard as the same DTensor again when it is unpacked."""
+    """A saved DTensor (a tensor-parallel block's input, say): the handle of its
+    local shard, which is kept or swapped as any saved tensor is, and what wraps that
+    shard as the same DTensor again when it is unpacked."""
 
     __slots__ = ("inner", "mesh", "placements", "shape", "stride")
 
@@ -73,7 +76,8 @@ class StorageEntry:
 class SwappedEntry(StorageEntry):
     """A storage copied to the host pool, and what brings it back."""
 
-    __slots__ = ("source", "host", "host_view", "whole", "d2h", "device_copy", "h2d", "weak", "phases", "last_phase",
+    __slots__ = ("source", "host", "host_view", "whole", "d2h", "device_copy", "h2d", "weak", "phases",
+                 "last_phase",
                  "task", "task_unpacks", "users", "unseen", "later", "fetches", "consumed")
     swapped = True
 
@@ -142,7 +146,8 @@ class SwappedHandle:
     handle reads none of it, and gets the copy itself back).
     """
 
-    __slots__ = ("entry", "dtype", "size", "stride", "offset", "layout", "conj", "neg", "_dead", "unpacked", "later")
+    __slots__ = ("entry", "dtype", "size", "stride", "offset", "layout", "conj", "neg", "_dead", "unpacked",
+                 "later")
 
     def __init__(self, t: torch.Tensor, entry: SwappedEntry, dead: deque, copied: bool = False) -> None:
         self.entry = entry

@@ -25,7 +25,8 @@ class ActionOrder(Protocol):
 
 
 class InFlight:
-    """``open``: the micro-batches in flight now; ``max``: the most this step, ``max_last_step``: the last's."""
+    """``open``: the micro-batches in flight now; ``max``: the most
+    this step, ``max_last_step``: the last's."""
 
     __slots__ = ("open", "max", "max_last_step", "_order", "_on_new_step")
 
@@ -37,8 +38,8 @@ class InFlight:
         self._on_new_step = on_new_step  # told at every step's first forward
 
     def forward_starts(self, mb: int) -> None:
-        """A forward of ``mb`` starts (an evaluation forward too): at a new step, remember how many were in flight
-        in the last."""
+        """A forward of ``mb`` starts (an evaluation forward too): at a new
+        step, remember how many were in flight in the last."""
         if self._order.observe(FORWARD, mb):
             self.max_last_step, self.max = self.max, 0
             self._on_new_step()

@@ -95,8 +95,8 @@ class Interceptor:
         return self.mb is not None
 
     def meter_recomputes(self, on: bool) -> None:
-        """Whether recomputed calls measure what they would save (off: counted as their last metered call of the
-        same input shapes)."""
+        """Whether recomputed calls measure what they would save (off: counted as
+        their last metered call of the same input shapes)."""
         self._metering = on
 
     def swap_from(self, min_swap_bytes: int) -> None:
@@ -130,7 +130,8 @@ class Interceptor:
         frames.append(frame)
         self.hooks.__enter__()
 
-    def post_forward(self, layer: ManagedLayer, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+    def post_forward(self, layer: ManagedLayer, module: nn.Module, args: tuple[Any, ...],
+                     output: Any) -> None:
         frame = self._frames().pop()
         if frame is None:
             return
@@ -149,7 +150,8 @@ class Interceptor:
             if counter is not None:
                 activation, swappable = counter.bytes, counter.swappable
                 layer.recompute_bytes = (input_shapes(frame.inputs), activation, swappable)
-            elif layer.recompute_bytes is not None:  # an unmetered call: as the last metered one of its shapes
+            # an unmetered call: as the last metered one of its shapes
+            elif layer.recompute_bytes is not None:
                 _, activation, swappable = layer.recompute_bytes
             else:
                 activation = swappable = 0
@@ -165,19 +167,22 @@ class Interceptor:
             self._engine.poll()
         self._budget.check_fits(layer.layer_id, activation)
 
-    def forward_layer(self, layer: ManagedLayer, inner: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def forward_layer(self, layer: ManagedLayer, inner: Any, args: tuple[Any, ...],
+                      kwargs: dict[str, Any]) -> Any:
         """The forward attribute of a layer under R: recompute slots when managed, else the original."""
         frames = self._frames()
         frame = frames[-1] if frames else None
         # a KeptCall frame is a kept layer's unmetered call: nothing to recompute either
-        if not isinstance(frame, LayerCall) or frame.layer is not layer or frame.policy is not Policy.RECOMPUTE:
+        if not isinstance(frame,
+                          LayerCall) or frame.layer is not layer or frame.policy is not Policy.RECOMPUTE:
             return inner(*args, **kwargs)
         measured = layer.recompute_bytes
         if self._metering or measured is None or measured[0] != input_shapes(frame.inputs):
             frame.counter = RecomputeCounter(frame.is_weight, self.min_swap_bytes)
         layer.recompute_calls += 1
         return self._recompute.run(layer.module, inner, args, kwargs, layer=layer.layer_id, mb=frame.mb,
-                                   counter=frame.counter, is_weight=frame.is_weight, save_inputs=self._save_inputs)
+                                   counter=frame.counter, is_weight=frame.is_weight,
+                                   save_inputs=self._save_inputs)
 
     # ================================================================== unmetered calls
     def uncount(self, mb: int) -> None:
@@ -210,10 +215,15 @@ class Interceptor:
         if frame.is_weight(t):
             self.weights_skipped += 1
             return t
-        if type(t) is not torch.Tensor or t.get_device() != self.device_index or t.layout is not torch.strided:
+        if (
+            type(t) is not torch.Tensor
+            or t.get_device() != self.device_index
+            or t.layout is not torch.strided
+        ):
             if isinstance(t, DTensor):
                 return self._pack_shard(t)
-            return without_graph(t)  # subclasses, sparse tensors, other devices: autograd keeps them as they are
+            # subclasses, sparse tensors, other devices: autograd keeps them as they are
+            return without_graph(t)
         storage = t.untyped_storage()
         nbytes = storage.nbytes()
         if nbytes == 0:
@@ -236,7 +246,8 @@ class Interceptor:
                 # the swapped bytes are still here until their copy ran: issue it and wait for it
                 engine.wait_swap_outs(limit)
         else:
-            handle = engine.keep(t, layer_id, frame.mb, key, nbytes)  # (the handle holds it without its graph)
+            # (the handle holds it without its graph)
+            handle = engine.keep(t, layer_id, frame.mb, key, nbytes)
         entry = handle.entry
         if entry not in frame.entries:  # count each storage once per layer call
             frame.entries.add(entry)
@@ -248,7 +259,8 @@ class Interceptor:
         return handle
 
     def _pack_shard(self, t: DTensor) -> Any:
-        """A DTensor is saved as its local shard (kept or swapped like any tensor) and wrapped again on unpack."""
+        """A DTensor is saved as its local shard (kept or swapped
+        like any tensor) and wrapped again on unpack."""
         with torch.no_grad():
             local = t.to_local()
         inner = self.pack(local)

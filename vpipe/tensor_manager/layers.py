@@ -63,7 +63,9 @@ def claim_module(module: nn.Module, owner: object, layer_id: int, managed: Conta
     current = _owners.get(module)
     if current is not None:
         where = "this" if current is owner else "another"
-        raise ValueError(f"the module given for layer {layer_id} is already managed by {where} tensor manager")
+        raise ValueError(
+            f"the module given for layer {layer_id} is already managed by {where} tensor manager"
+        )
     _owners[module] = owner
 
 
@@ -84,8 +86,8 @@ class ManagedLayer:
     recompute_s: float = 0.0
     recomputes: int = 0  # forwards run again in a backward
     recompute_calls: int = 0  # managed calls under R (each is recomputed once, whatever the schedule)
-    # what its last metered call under D saved that no earlier layer of its micro-batch saved (the output of the
-    # layer before it counts there, once)
+    # what its last metered call under D saved that no earlier layer of its micro-batch saved
+    # (the output of the layer before it counts there, once)
     kept_bytes: int | None = None
     input_shapes: tuple[Any, ...] | None = None  # the tensor input shapes of that call
     # under R, what its last metered call would have saved: (input shapes, bytes, bytes large enough to swap)
@@ -153,7 +155,8 @@ class ManagedLayer:
         module = self.module
         if module.__dict__.get("forward") is not self.wrapper:
             raise RuntimeError(
-                f"layer {self.layer_id}: its forward attribute was replaced after vpipe set it for recompute; "
+                f"layer {self.layer_id}: its forward attribute was replaced after vpipe "
+                "set it for recompute; "
                 f"vpipe cannot restore the module without undoing that change"
             )
         if self.original_forward is _MISSING:
@@ -167,7 +170,8 @@ class ManagedLayer:
 class LayerCall:
     """One managed call of a layer inside a micro-batch's forward: what it saved."""
 
-    __slots__ = ("layer", "mb", "policy", "inputs", "t0", "entries", "bytes", "new_bytes", "first_seq", "swappable",
+    __slots__ = ("layer", "mb", "policy", "inputs", "t0", "entries", "bytes", "new_bytes", "first_seq",
+                 "swappable",
                  "counter", "buffers")
 
     def __init__(self, layer: ManagedLayer, mb: int, args: tuple[Any, ...], first_seq: int = 0) -> None:
@@ -182,7 +186,8 @@ class LayerCall:
         self.swappable = 0
         self.counter: RecomputeCounter | None = None
         self.buffers: frozenset[int] = (
-            frozenset(local_of(b).untyped_storage().data_ptr() for b in layer.module.buffers()) if layer.has_buffers
+            frozenset(local_of(b).untyped_storage().data_ptr() for b in layer.module.buffers())
+                                        if layer.has_buffers
             else frozenset()
         )
         self.t0 = time.perf_counter()
@@ -191,7 +196,8 @@ class LayerCall:
         """Parameters, views of them, stashed weight versions (leaves that require grad), buffers."""
         base = view_base(t)
         root = t if base is None else base
-        if not root.is_leaf:  # (not root.grad_fn: that would give the node a Python object; see without_graph)
+        # (not root.grad_fn: that would give the node a Python object; see without_graph)
+        if not root.is_leaf:
             return False  # computed in this forward: an activation
         if root.requires_grad or root.__class__ is nn.Parameter:
             return not any(root is a for a in self.inputs)  # a stage input is an activation

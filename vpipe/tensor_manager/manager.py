@@ -86,21 +86,25 @@ class TensorManager:
         self._layers: dict[int, ManagedLayer] = {}
         self._copies = make_copy_engine(device, prefetch_alloc)  # (refuses an unknown prefetch_alloc)
         self._engine = engine = SwapEngine(device, ledger, self._copies, partial(
-            HostPool, pool_max, pinned=self._copies.pinned, chunk_bytes=host_pool_chunk_bytes, preallocate=True))
+            HostPool, pool_max, pinned=self._copies.pinned, chunk_bytes=host_pool_chunk_bytes,
+                                                                                 preallocate=True))
         self._swap_in = SwapIn(engine)
         self._budget = budget = BudgetGovernor(budget_bytes, pool_max, ledger=ledger, engine=engine,
                                                layers=self._layers)
         current = CurrentPass()  # asked by both the phases and the recompute store
-        self._recompute = RecomputeStore(device, ledger, engine.lock, current=current, may_keep=budget.may_keep,
+        self._recompute = RecomputeStore(device, ledger, engine.lock, current=current,
+                                         may_keep=budget.may_keep,
                                          on_recompute=self._recomputed)
         self._stores = stores = SavedTensorStores(ledger, engine, self._swap_in, self._recompute)
         self._phases = BackwardPhases(stores=stores, current=current, budget=budget, layers=self._layers)
         self._order = ArrivalPredictor()  # the step's order of actions, told by _in_flight
         self._prefetcher = Prefetcher(self._swap_in, self._phases, budget, self._order)
-        self._interceptor = Interceptor(device=device, min_swap_bytes=min_swap_bytes, stores=stores, budget=budget,
+        self._interceptor = Interceptor(device=device, min_swap_bytes=min_swap_bytes, stores=stores,
+                                        budget=budget,
                                         phases=self._phases, prefetcher=self._prefetcher)
         self._in_flight = InFlight(self._order, self._phases.new_step)
-        self.quiet = QuietPath(layers=self._layers, calls=self._interceptor, budget=budget, phases=self._phases,
+        self.quiet = QuietPath(layers=self._layers, calls=self._interceptor, budget=budget,
+                               phases=self._phases,
                                in_flight=self._in_flight)
         # every call goes through the saved-tensor hooks while True; vpipe.attach lowers it on unsampled steps
         self._metering = True
@@ -168,7 +172,8 @@ class TensorManager:
         claim_module(module, self, layer_id, self._layers)
         layer = self._layers[layer_id] = ManagedLayer(layer_id, module)
         try:
-            layer.attach(partial(self._interceptor.pre_forward, layer), partial(self._interceptor.post_forward, layer))
+            layer.attach(partial(self._interceptor.pre_forward, layer),
+                         partial(self._interceptor.post_forward, layer))
             self.set_policy(layer_id, policy)
         except BaseException:
             self._detach(self._layers.pop(layer_id))
@@ -194,8 +199,9 @@ class TensorManager:
         return layer.module
 
     def retire_layer(self, layer_id: int) -> None:
-        """The layer left the forward path (a streamed move switched it out): later micro-batches do not run it,
-        so they are not counted with its bytes; it is removed once its in-flight micro-batches' backwards ran."""
+        """The layer left the forward path (a streamed move switched it out): later
+        micro-batches do not run it, so they are not counted with its bytes; it is
+        removed once its in-flight micro-batches' backwards ran."""
         self._layer(layer_id).retire()
         self.quiet.forget_counts()
 
@@ -257,9 +263,9 @@ class TensorManager:
     def micro_batch(self, mb_id: int, inputs: tuple[Any, ...] | None = None) -> Iterator[TensorManager]:
         """Around one micro-batch's forward: its saved tensors are managed and attributed to ``mb_id``.
 
-        ``inputs``: the stage's inputs of this micro-batch (``()`` where they come from the previous stage, whose
-        shapes the pipeline fixes). Under a budget, kept layers run without hooks only when these are given and
-        have the shapes the layers were measured with.
+        ``inputs``: the stage's inputs of this micro-batch (``()`` where they come from the previous stage,
+        whose shapes the pipeline fixes). Under a budget, kept layers run without hooks only when these are
+        given and have the shapes the layers were measured with.
         """
         quiet = self.quiet
         if quiet.begin_forward(mb_id, inputs):
@@ -271,7 +277,8 @@ class TensorManager:
         self._check_open()
         calls = self._interceptor
         if calls.forwarding:
-            raise RuntimeError(f"micro-batch {mb_id}'s forward started inside micro-batch {calls.mb}'s forward")
+            raise RuntimeError(f"micro-batch {mb_id}'s forward started inside micro-batch "
+                               f"{calls.mb}'s forward")
         grad = torch.is_grad_enabled()
         if grad:
             quiet.measured_with(inputs)
@@ -293,8 +300,8 @@ class TensorManager:
                 budget.measured_kept(self.ledger.resident - start)
 
     def _begin_forward(self, mb: int) -> tuple[bool, frozenset[int]]:
-        """Before ``mb``'s forward: release, fit the budget, start prefetches; returns whether its kept layers may
-        skip the saved-tensor hooks, and the swapped layers that keep their tensors in it."""
+        """Before ``mb``'s forward: release, fit the budget, start prefetches; returns whether its kept
+        layers may skip the saved-tensor hooks, and the swapped layers that keep their tensors in it."""
         self._stores.release()
         self._engine.poll()
         flight = self._in_flight
@@ -309,7 +316,8 @@ class TensorManager:
             budget.fit(mb, in_flight, lag_share, self._all_keep, self.set_policy)
         unmetered = not self.metering and self._all_keep and budget.holds_next_unwatched(in_flight)
         held_back: frozenset[int] = frozenset()
-        if not self._all_keep:  # a swapped layer may keep what would come straight back, or what the room holds
+        # a swapped layer may keep what would come straight back, or what the room holds
+        if not self._all_keep:
             later = max(0, flight.max_last_step - len(flight.open))
             held_back = budget.swaps_to_skip(mb, self._order, later, lag_share)
         self._prefetcher.pump()
@@ -350,7 +358,8 @@ class TensorManager:
         return self._prefetcher.prefetch(mb_id)
 
     def end_of_step(self) -> None:
-        """Every micro-batch's backward ran (a step, a loop's ``optimizer.step()``): none is counted, none holds."""
+        """Every micro-batch's backward ran (a step, a loop's ``optimizer.step()``):
+        none is counted, none holds."""
         self._interceptor.uncount_all()
         self._phases.retire()
 
@@ -417,4 +426,5 @@ class TensorManager:
     def __repr__(self) -> str:
         pol = "".join(layer.policy.value for _, layer in sorted(self._layers.items()))
         budget = "none" if self.budget_bytes is None else format_bytes(self.budget_bytes)
-        return f"TensorManager(device={self.device}, layers={self.layer_ids}, policies={pol}, budget={budget})"
+        return (f"TensorManager(device={self.device}, layers={self.layer_ids}, "
+                f"policies={pol}, budget={budget})")

@@ -113,18 +113,21 @@ class BackwardPhases:
         if swapped or recomputed_bytes:
             decision(
                 "weight_pass_drop",
-                f"micro-batch {mb}: dropped {format_bytes(swapped + recomputed_bytes)} its weight pass needs to stay "
-                f"under the budget ({format_bytes(swapped)} to fetch again, {format_bytes(recomputed_bytes)} to "
+                f"micro-batch {mb}: dropped {format_bytes(swapped + recomputed_bytes)} its "
+                "weight pass needs to stay "
+                f"under the budget ({format_bytes(swapped)} to fetch again, "
+                f"{format_bytes(recomputed_bytes)} to "
                 f"recompute again)", micro_batch=mb, swapped_bytes=swapped, recomputed_bytes=recomputed_bytes,
                 budget_bytes=self._budget.budget_bytes, lagging=len(self.lagging),
             )
 
     def retire(self, mb: int | None = None) -> None:
-        """The backward of ``mb`` (None: of every micro-batch, at the end of a step) is over: let go of what it
-        still holds. Autograd may keep some of it: the input pass ran with ``retain_graph``, so the nodes only it
-        ran keep their saved tensors while the graph lives, and a last stage's output that torch cannot detach
-        in place (a view: a 3-d LM head's logits) keeps the graph alive until the next step. Nothing unpacks
-        them any more: recomputed calls drop their inputs, and the storages left are released."""
+        """The backward of ``mb`` (None: of every micro-batch, at the end of a step) is over: let go
+        of what it still holds. Autograd may keep some of it: the input pass ran with
+        ``retain_graph``, so the nodes only it ran keep their saved tensors while the graph lives,
+        and a last stage's output that torch cannot detach in place (a view: a 3-d LM head's logits)
+        keeps the graph alive until the next step. Nothing unpacks them any more: recomputed calls
+        drop their inputs, and the storages left are released."""
         self._recompute.retire(mb)
         self._swap_in.engine.retire(mb)
 
@@ -142,7 +145,8 @@ class BackwardPhases:
         return self._current.running
 
     def restore(self, handle: SwappedHandle) -> torch.Tensor:
-        """A swapped tensor the running pass unpacks, on the device (kept for the weight pass if it needs it)."""
+        """A swapped tensor the running pass unpacks, on the device
+        (kept for the weight pass if it needs it)."""
         current = self._current
         phase = current.unpack_phase()
         later = phase == "input" and current.needed_by_weight_pass()

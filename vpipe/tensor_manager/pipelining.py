@@ -39,14 +39,14 @@ __all__ = ["install_on_stage", "StageHandle"]
 _WRAPPED = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
 _MISSING = object()
 _OWN_ERRORS = (MemoryBudgetError, HostPoolFullError, LayerBusyError)
-# the stages a manager is installed on now: vpipe's record, not a mark on torch's object (weak: a stage dropped
-# by its owner leaves the set by itself)
+# the stages a manager is installed on now: vpipe's record, not a mark on torch's object (weak: a stage
+# dropped by its owner leaves the set by itself)
 _installed: weakref.WeakSet[PipelineStageBase] = weakref.WeakSet()
 
 
 class StageHandle:
-    """Returned by :func:`install_on_stage`; ``remove()`` puts the stage's methods back, ``run_plain(True)`` sets
-    them aside for as long as the manager has nothing to do."""
+    """Returned by :func:`install_on_stage`; ``remove()`` puts the stage's methods back,
+    ``run_plain(True)`` sets them aside for as long as the manager has nothing to do."""
 
     def __init__(self, stage: PipelineStageBase, manager: TensorManager, saved: dict[str, Any],
                  wrappers: dict[str, Any]) -> None:
@@ -58,12 +58,13 @@ class StageHandle:
         self.plain = False  # the stage's own methods are in place (the manager is not called)
 
     def run_plain(self, plain: bool) -> None:
-        """Between steps: with ``plain``, the stage's micro-batches call its own methods, not vpipe's wrappers.
+        """Between steps: with ``plain``, the stage's micro-batches
+        call its own methods, not vpipe's wrappers.
 
-        A quiet micro-batch only has its count kept; when a whole step is quiet (every layer kept without hooks,
-        nothing in flight, see :meth:`.quiet.QuietPath.for_a_step`), even that call is a cost without a use
-        (tens of microseconds per micro-batch on a CPU, between tensor work that has evicted the caches). Methods
-        someone else put on the stage since vpipe wrapped it are left alone (``plain`` stays False).
+        A quiet micro-batch only has its count kept; when a whole step is quiet (every layer kept without
+        hooks, nothing in flight, see :meth:`.quiet.QuietPath.for_a_step`), even that call is a cost without a
+        use (tens of microseconds per micro-batch on a CPU, between tensor work that has evicted the caches).
+        Methods someone else put on the stage since vpipe wrapped it are left alone (``plain`` stays False).
         """
         if self.removed or plain == self.plain:
             return
@@ -82,7 +83,8 @@ class StageHandle:
         if not self.plain:
             for name, wrapper in self._wrappers.items():
                 if self.stage.__dict__.get(name) is not wrapper:
-                    raise RuntimeError(f"stage {self.stage.stage_index}: {name} was replaced after vpipe wrapped "
+                    raise RuntimeError(f"stage {self.stage.stage_index}: {name} was replaced "
+                                       "after vpipe wrapped "
                                        f"it; cannot restore it")
             self._restore()
         _installed.discard(self.stage)
@@ -107,11 +109,12 @@ def _whole_backward_deferred(stage: PipelineStageBase) -> bool:
 
 
 def _stage_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
-    """The tensors a ``forward_one_chunk(chunk_id, args, kwargs)`` call hands the stage, flat; ``()`` for a stage
-    that receives its inputs from the previous one (torch passes it no args)."""
+    """The tensors a ``forward_one_chunk(chunk_id, args, kwargs)`` call hands the stage, flat; ``()`` for a
+    stage that receives its inputs from the previous one (torch passes it no args)."""
     chunk_args = args[0] if args else kwargs.get("args")
     chunk_kwargs = args[1] if len(args) > 1 else kwargs.get("kwargs")
-    flat = tuple(chunk_args) if isinstance(chunk_args, (tuple, list)) else ((chunk_args,) if chunk_args is not None
+    flat = tuple(chunk_args) if isinstance(chunk_args, (tuple, list)) else ((chunk_args,)
+                                                                            if chunk_args is not None
                                                                            else ())
     if isinstance(chunk_kwargs, dict):
         flat += tuple(chunk_kwargs.values())
@@ -121,7 +124,8 @@ def _stage_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, .
 def install_on_stage(stage: PipelineStageBase, manager: TensorManager) -> StageHandle:
     """Route the stage's forwards and backwards through ``manager`` (micro-batch id = chunk id)."""
     if not isinstance(stage, PipelineStageBase):
-        raise TypeError(f"install_on_stage needs a torch.distributed.pipelining stage, got {type(stage).__name__}")
+        raise TypeError("install_on_stage needs a torch.distributed.pipelining stage, got "
+                        f"{type(stage).__name__}")
     if stage in _installed:
         raise RuntimeError(f"stage {stage.stage_index} already has a vpipe tensor manager installed")
     saved = {name: stage.__dict__.get(name, _MISSING) for name in _WRAPPED}
@@ -170,10 +174,12 @@ def install_on_stage(stage: PipelineStageBase, manager: TensorManager) -> StageH
         with timeline.span("vpipe.backward", timeline.COMPUTE, index, mb=bwd_chunk_id, phase=phase):
             return managed_backward(bwd_chunk_id, loss, full_backward, last_backward, phase)
 
-    def managed_backward(bwd_chunk_id: int, loss: Any, full_backward: bool, last_backward: bool, phase: str) -> Any:
+    def managed_backward(bwd_chunk_id: int, loss: Any, full_backward: bool, last_backward: bool,
+                         phase: str) -> Any:
         if quiet.begin_backward(bwd_chunk_id, phase):
             try:
-                return backward(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
+                return backward(bwd_chunk_id, loss=loss, full_backward=full_backward,
+                                last_backward=last_backward)
             finally:
                 quiet.end_backward(bwd_chunk_id)
         with manager.backward(bwd_chunk_id, phase=phase):

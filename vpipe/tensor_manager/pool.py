@@ -66,9 +66,9 @@ class PoolBlock:
     views: dict[tuple[torch.dtype, torch.Size, tuple[int, ...]], torch.Tensor] = field(default_factory=dict)
 
     def view(self, layout: tuple[torch.dtype, torch.Size, tuple[int, ...]]) -> torch.Tensor:
-        """``data`` as a tensor of this dense ``(dtype, size, stride)`` (the same ``nbytes``): what a whole saved
-        tensor is copied into and back from, so neither side needs a flat byte view of its storage. Made once
-        per layout and range: every step saves tensors of the same shapes again."""
+        """``data`` as a tensor of this dense ``(dtype, size, stride)`` (the same ``nbytes``): what a whole
+        saved tensor is copied into and back from, so neither side needs a flat byte view of its storage.
+        Made once per layout and range: every step saves tensors of the same shapes again."""
         view = self.views.get(layout)
         if view is None:
             if len(self.views) >= MAX_VIEWS_PER_BLOCK:
@@ -164,7 +164,8 @@ class HostPool:
         if need > room:
             raise HostPoolFullError(
                 f"host pool full: a swap of {format_bytes(nbytes)} does not fit; "
-                f"{format_bytes(self.used_bytes)} of the pool's maximum {format_bytes(self.max_bytes)} are in use "
+                f"{format_bytes(self.used_bytes)} of the pool's maximum "
+                f"{format_bytes(self.max_bytes)} are in use "
                 f"({len(self._chunks)} chunks, {format_bytes(self.capacity_bytes)} allocated). "
                 f"Raise host_pool_bytes, or recompute (R) instead of swapping (S) some layers."
             )

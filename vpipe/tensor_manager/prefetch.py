@@ -109,7 +109,8 @@ class ArrivalPredictor:
             if kind != BACKWARD or mb in out:
                 continue
             ahead = (t - here) / self.safety
-            if index == pos or ((most_seconds is None or ahead <= most_seconds(mb)) and ahead <= copy_seconds(mb)):
+            if index == pos or ((most_seconds is None or ahead <= most_seconds(mb))
+                                and ahead <= copy_seconds(mb)):
                 out.append(mb)
         return out
 

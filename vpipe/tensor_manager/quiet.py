@@ -70,7 +70,8 @@ class QuietPath:
                 layer.unhook() if hookless else layer.hook()
 
     def measured_with(self, inputs: tuple[Any, ...] | None) -> None:
-        """A micro-batch with these stage inputs (None: not known) runs with hooks: its shapes are measured."""
+        """A micro-batch with these stage inputs (None: not known)
+        runs with hooks: its shapes are measured."""
         self.input_shapes = None if inputs is None else input_shapes(inputs)
 
     def forget_counts(self) -> None:
@@ -82,8 +83,9 @@ class QuietPath:
         self._ready = False
 
     def _became_quiet(self) -> bool:
-        """Whether the layers run without hooks and nothing saved through them is alive any more. It stays so
-        until the hooks change (nothing can be saved through hooks that are not there), so it is remembered."""
+        """Whether the layers run without hooks and nothing saved through them is
+        alive any more. It stays so until the hooks change (nothing can be saved
+        through hooks that are not there), so it is remembered."""
         self._ready = self.hookless and not self._closed and self._calls.holds_nothing
         return self._ready
 
@@ -103,8 +105,10 @@ class QuietPath:
         calls = self._calls
         if (not self._ready and not self._became_quiet()) or calls.forwarding or not torch.is_grad_enabled():
             return False
-        if self._budget.budget_bytes is not None and (inputs is None or input_shapes(inputs) != self.input_shapes):
-            # new shapes (or unknown ones) under a budget: the hooks come back and this micro-batch is measured
+        if self._budget.budget_bytes is not None and (inputs is None
+                                                      or input_shapes(inputs) != self.input_shapes):
+            # new shapes (or unknown ones) under a budget: the hooks
+            # come back and this micro-batch is measured
             self.input_shapes = None
             self._set(False)
             return False
@@ -118,8 +122,9 @@ class QuietPath:
         self.count(mb)
 
     def begin_backward(self, mb: int, phase: str) -> bool:
-        """Start ``mb``'s backward phase if it is a quiet full backward (then :meth:`end_backward` must follow);
-        False: use :meth:`TensorManager.backward <vpipe.tensor_manager.manager.TensorManager.backward>`."""
+        """Start ``mb``'s backward phase if it is a quiet full backward (then :meth:`end_backward` must
+        follow); False: use :meth:`TensorManager.backward
+        <vpipe.tensor_manager.manager.TensorManager.backward>`."""
         if phase != "full" or (not self._ready and not self._became_quiet()) or self._phases.lagging:
             return False
         self._in_flight.backward_starts(mb)
@@ -131,13 +136,14 @@ class QuietPath:
 
     # ------------------------------------------------------------------ a whole step
     def for_a_step(self, same_inputs: bool, stream: bool = False) -> bool:
-        """Between steps: whether a whole step's micro-batches would all be quiet, so that the stage may run them
-        without calling the manager at all (:meth:`StageHandle.run_plain`). Besides the layers running without
-        hooks with nothing saved through them alive, no micro-batch may be inside a forward or between its
-        backward passes, and none in flight (a flush schedule between steps has none) or, with ``stream`` (a
-        schedule whose micro-batches stay in flight across steps), none in flight that is more than counted.
-        Under a budget the step's inputs must have the shapes of the last step's (``same_inputs``): each
-        micro-batch of that step was quiet with its shapes checked, or was measured."""
+        """Between steps: whether a whole step's micro-batches would all be quiet, so that the
+        stage may run them without calling the manager at all (:meth:`StageHandle.run_plain`).
+        Besides the layers running without hooks with nothing saved through them alive, no
+        micro-batch may be inside a forward or between its backward passes, and none in flight (a
+        flush schedule between steps has none) or, with ``stream`` (a schedule whose micro-batches
+        stay in flight across steps), none in flight that is more than counted. Under a budget the
+        step's inputs must have the shapes of the last step's (``same_inputs``): each micro-batch
+        of that step was quiet with its shapes checked, or was measured."""
         calls = self._calls
         if not (self._ready or self._became_quiet()) or calls.forwarding or self._phases.lagging:
             return False
@@ -147,14 +153,14 @@ class QuietPath:
         return opened <= calls.counted.keys() if stream else not opened and not calls.counted
 
     def forget_in_flight(self) -> None:
-        """A stream's stage runs without the manager from this step: the backwards of its micro-batches in flight
-        will not be seen, so their counts go now (their forwards were quiet: counted, nothing else)."""
+        """A stream's stage runs without the manager from this step: the backwards of its micro-batches in
+        flight will not be seen, so their counts go now (their forwards were quiet: counted, nothing else)."""
         self._calls.uncount_all()
         self._in_flight.forget()
 
     def count_in_flight(self, mbs: Iterable[int]) -> None:
-        """A stream's stage calls the manager again from this step: count the micro-batches its forwards left in
-        flight while it did not, as their quiet forwards would have."""
+        """A stream's stage calls the manager again from this step: count the micro-batches its forwards
+        left in flight while it did not, as their quiet forwards would have."""
         for mb in mbs:
             self._calls.uncount(mb)
             self._in_flight.add(mb)

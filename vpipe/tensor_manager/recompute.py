@@ -112,14 +112,16 @@ class RecomputeFrame:
         self.slots: list[weakref.ref[Slot] | None] = []  # None: a weight, which autograd holds itself
         self.meta: list[tuple[torch.Size, torch.dtype, torch.device]] = []
         self.input_keys: frozenset[int] = frozenset()
-        self.storages: dict[int, list[int]] = {}  # address -> [bytes, slots holding it] (counted in the ledger)
+        # address -> [bytes, slots holding it] (counted in the ledger)
+        self.storages: dict[int, list[int]] = {}
         self.recomputes = 0
         self.retired = False  # the micro-batch's backward is over: nothing is recomputed any more
         self.replay = Replay(module, forward, args, kwargs, save_inputs)  # packs the inputs
 
     # ------------------------------------------------------------------ forward
     def pack(self, t: torch.Tensor, is_weight: bool) -> torch.Tensor | Slot:
-        """A slot for an activation; a weight is returned as it is (autograd holds it, nothing to recompute)."""
+        """A slot for an activation; a weight is returned as it is
+        (autograd holds it, nothing to recompute)."""
         self.meta.append((t.shape, t.dtype, t.device))
         if is_weight:
             self.slots.append(None)
@@ -135,7 +137,8 @@ class RecomputeFrame:
             if self.retired:
                 raise RuntimeError(
                     f"layer {self.layer}, micro-batch {self.mb}: a recomputed tensor was unpacked after the "
-                    f"micro-batch's backward ended (its weight pass, or the step); the tensor manager let go of "
+                    "micro-batch's backward ended (its weight pass, or the step); the "
+                    "tensor manager let go of "
                     f"the call's inputs then. Trying to backward through the graph a second time?")
             self.recompute(slot, phase)
         value = slot.value
@@ -177,7 +180,8 @@ class RecomputeFrame:
                 found = (x.shape, x.dtype, x.device)
                 if found != meta[index]:
                     raise RecomputeError(
-                        f"layer {layer}, micro-batch {mb}: saved tensor {index} was {meta[index]} in the forward "
+                        f"layer {layer}, micro-batch {mb}: saved tensor {index} was "
+                        f"{meta[index]} in the forward "
                         f"and {found} in the recompute; the layer's forward is not deterministic")
                 added += frame.hold(slot, x.detach() if x.requires_grad else x)
             if index == last:
@@ -211,7 +215,12 @@ class RecomputeFrame:
         in the ledger)."""
         slot.value = value
         found = _storage_of(value)
-        if found is None or value.device != self.support.device or found[0] in self.input_keys or found[1] == 0:
+        if (
+            found is None
+            or value.device != self.support.device
+            or found[0] in self.input_keys
+            or found[1] == 0
+        ):
             slot.key = None  # not device bytes of its own (an input of the layer is counted already)
             return 0
         key, nbytes = found
@@ -234,8 +243,8 @@ class RecomputeFrame:
         return self.release(key) if key is not None else 0
 
     def retire(self) -> None:
-        """The micro-batch's backward is over: drop every tensor the slots hold and let go of the call's inputs
-        and state (autograd may keep slots alive longer, in a graph something still refers to)."""
+        """The micro-batch's backward is over: drop every tensor the slots hold and let go of the call's
+        inputs and state (autograd may keep slots alive longer, in a graph something still refers to)."""
         for slot in list(self.live_slots()):
             self.drop(slot)
         self.retired = True

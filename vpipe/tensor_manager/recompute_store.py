@@ -64,7 +64,8 @@ class RecomputeStore:
         self.dropped_bytes: dict[int, int] = {}  # layer -> bytes of such tensors
         self._support = FrameSupport(device, ledger, self._released, self.recomputed, current.reading_inputs)
 
-    def run(self, module: nn.Module, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], *,
+    def run(self, module: nn.Module, forward: Callable[..., Any], args: tuple[Any, ...],
+            kwargs: dict[str, Any], *,
             layer: int, mb: int, counter: RecomputeCounter | None, is_weight: Callable[[torch.Tensor], bool],
             save_inputs: SavedTensorHooks) -> Any:
         """``forward(*args, **kwargs)`` with what it saves replaced by slots, recomputed in the backward.

@@ -159,7 +159,8 @@ def _device_context() -> contextlib.AbstractContextManager[Any]:
 class Replay:
     """One call of a layer, captured when it runs: its inputs (packed by ``hooks``) and its state."""
 
-    __slots__ = ("module", "forward", "captured", "kwargs", "layout", "unpack", "saved", "device_type", "cpu_rng",
+    __slots__ = ("module", "forward", "captured", "kwargs", "layout", "unpack", "saved", "device_type",
+                 "cpu_rng",
                  "device_rng", "rng_devices", "autocast", "device_ctx", "buffers")
 
     def __init__(self, module: nn.Module, forward: Callable[..., Any], args: tuple[Any, ...],
@@ -211,7 +212,8 @@ class Replay:
         rng_now = self._rng_now()
         try:
             self._set_rng(self.cpu_rng, self.device_rng)
-            with torch.autograd.graph.saved_tensors_hooks(pack, _identity), torch.enable_grad(), self.device_ctx:
+            with torch.autograd.graph.saved_tensors_hooks(pack,
+                                                          _identity), torch.enable_grad(), self.device_ctx:
                 if self.autocast is None and not _autocast_on(self.device_type):
                     self._call(args)
                 else:

@@ -129,7 +129,8 @@ class LayerStats:
     d2h_s: float  # bytes over the measured copy bandwidth
     h2d_s: float
     recompute_calls: int = 0  # managed calls under R: each should be recomputed once (``recomputes``)
-    lag_bytes: int | None = None  # kept between the input and the weight pass of a split backward, per micro-batch
+    # kept between the input and the weight pass of a split backward, per micro-batch
+    lag_bytes: int | None = None
 
     @property
     def activation_bytes_per_micro_batch(self) -> int:
@@ -177,9 +178,10 @@ class TensorManagerStats:
 
 
 def collect_stats(*, layers: Mapping[int, LayerView], saved: SavedView, budget: BudgetView,
-                  lag_resident_bytes: Callable[[], int], intercepted: InterceptedCounts) -> TensorManagerStats:
-    """The statistics of one tensor manager, from what its parts show (``lag_resident_bytes``: what micro-batches
-    between the passes of a split backward hold now, read with the rest)."""
+                  lag_resident_bytes: Callable[[], int],
+                  intercepted: InterceptedCounts) -> TensorManagerStats:
+    """The statistics of one tensor manager, from what its parts show (``lag_resident_bytes``: what
+    micro-batches between the passes of a split backward hold now, read with the rest)."""
     with saved.settled():
         ledger, copies = saved.ledger, saved.copies
         d2h_bw, h2d_bw = copies.expected_bandwidth(D2H), copies.expected_bandwidth(H2D)
@@ -227,10 +229,11 @@ def collect_stats(*, layers: Mapping[int, LayerView], saved: SavedView, budget: 
         )
 
 
-def collect_summary(*, layers: Mapping[int, LayerView], saved: SavedView, budget: BudgetView) -> dict[str, Any]:
-    """What a monitor reads twice per sampled step, without :func:`collect_stats`'s per-layer detail: saved bytes
-    per layer and per micro-batch (each storage once), the host pool's gauges, cumulative copy and recompute
-    figures."""
+def collect_summary(*, layers: Mapping[int, LayerView], saved: SavedView,
+                    budget: BudgetView) -> dict[str, Any]:
+    """What a monitor reads twice per sampled step, without :func:`collect_stats`'s
+    per-layer detail: saved bytes per layer and per micro-batch (each storage once), the
+    host pool's gauges, cumulative copy and recompute figures."""
     with saved.settled():
         ledger, copies, pool = saved.ledger, saved.copies, saved.pool()
         return {"activation_bytes": {lid: ledger.activation_bytes(lid) or 0 for lid in sorted(layers)},

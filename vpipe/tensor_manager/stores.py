@@ -70,7 +70,9 @@ class SavedTensorStores:
     def counters(self) -> SavedCounters:
         swap_in, recompute = self.swap_in, self.recompute
         return SavedCounters(
-            recompute_s=self.recompute_s, sync_fallbacks=swap_in.sync_fallbacks, prefetched=swap_in.prefetched,
-            live_saved_storages=self.engine.live_entries(), multi_phase_storages=self.engine.multi_phase_entries,
+            recompute_s=self.recompute_s, sync_fallbacks=swap_in.sync_fallbacks,
+                             prefetched=swap_in.prefetched,
+            live_saved_storages=self.engine.live_entries(),
+                             multi_phase_storages=self.engine.multi_phase_entries,
             h2d_bytes_by_phase=dict(swap_in.h2d_by_phase), refetched_bytes=swap_in.refetched_bytes,
             repeat_recomputes=recompute.repeat_recomputes, lag_dropped=swap_in.dropped + recompute.dropped)

@@ -57,7 +57,8 @@ def flat_bytes(storage: torch.UntypedStorage, device: torch.device) -> torch.Ten
 
 
 def dense_source(t: torch.Tensor, nbytes: int) -> torch.Tensor | None:
-    """A tensor of ``t``'s dtype over exactly its storage's ``nbytes``, to copy the storage as (None: as bytes).
+    """A tensor of ``t``'s dtype over exactly its storage's ``nbytes``,
+    to copy the storage as (None: as bytes).
 
     The tensor whose storage it is, when it spans it (an output, a mask; q, k and v through their qkv
     output), with its graph (it is only copied, under ``no_grad``, and let go once the copy ran: a
@@ -79,7 +80,8 @@ def dense_source(t: torch.Tensor, nbytes: int) -> torch.Tensor | None:
 
 
 class SwapEngine:
-    """Keeps, swaps out and releases saved storages; feeds the ledger (:class:`.swap_in.SwapIn` brings them back)."""
+    """Keeps, swaps out and releases saved storages; feeds the
+    ledger (:class:`.swap_in.SwapIn` brings them back)."""
 
     def __init__(self, device: torch.device, ledger: Ledger, copies: CopyEngine,
                  make_pool: Callable[[], HostPool], batch_bytes: int = DEFAULT_BATCH_BYTES) -> None:
@@ -189,17 +191,20 @@ class SwapEngine:
         return entry
 
     def flush_swap_outs(self) -> None:
-        """Issue the swap-out copies packed since the last flush, as one batch (after each layer's forward)."""
+        """Issue the swap-out copies packed since the last flush, as
+        one batch (after each layer's forward)."""
         with self.lock:
             if not self._unissued:
                 return
-            # source and host_view are both set when an entry is packed; only a release (filtered out) clears them
+            # source and host_view are both set when an entry is
+            # packed; only a release (filtered out) clears them
             batch = [e for e in self._unissued if not e.released]
             self._unissued = []
             self._unissued_bytes = 0
             if not batch:
                 return
-            pairs: list[tuple[torch.Tensor, torch.Tensor]] = [(e.source, e.host_view) for e in batch]  # type: ignore[misc]
+            pairs: list[tuple[torch.Tensor, torch.Tensor]] = [
+                (e.source, e.host_view) for e in batch]  # type: ignore[misc]
             with timeline.span("vpipe.swap_out", timeline.MEMORY, tensors=len(pairs),
                                bytes=sum(e.nbytes for e in batch)), torch.no_grad():
                 ticket = self.copies.to_host_batch(pairs)
@@ -244,17 +249,18 @@ class SwapEngine:
         return released
 
     def retire(self, mb: int | None = None) -> int:
-        """Release what ``mb`` (None: every micro-batch) still holds once its backward is over; returns how many
-        entries. Autograd may still hold handles on them (in a graph that outlives the backward, see the module
-        docstring): those are inert from now on. A swapped storage a handle still expects (one never unpacked:
-        another micro-batch's too, or one an input pass flagged for a weight pass that did not come) stays until
-        the step ends (``mb`` None)."""
+        """Release what ``mb`` (None: every micro-batch) still holds once its backward is over; returns how
+        many entries. Autograd may still hold handles on them (in a graph that outlives the backward, see
+        the module docstring): those are inert from now on. A swapped storage a handle still expects (one
+        never unpacked: another micro-batch's too, or one an input pass flagged for a weight pass that did
+        not come) stays until the step ends (``mb`` None)."""
         with self.lock:
             self.drain()
             if mb is None:
                 entries = [e for by_seq in self._live.values() for e in by_seq.values()]
             else:
-                entries = [e for (_, owner), by_seq in self._live.items() if owner == mb for e in by_seq.values()
+                entries = [e for (_, owner), by_seq in self._live.items() if owner == mb
+                           for e in by_seq.values()
                            if not (isinstance(e, SwappedEntry) and (e.unseen or e.later))]
                 entries += [e for e in self._swapped.get(mb, {}).values()
                             if e.mb != mb and not (e.unseen or e.later)]  # others' storages it used

@@ -67,7 +67,8 @@ class SwapIn:
             if entry.released:
                 raise RuntimeError(
                     f"layer {entry.layer}, micro-batch {entry.mb}: a saved tensor was unpacked after the "
-                    f"micro-batch's backward ended (its weight pass, or the step); the tensor manager let go of "
+                    "micro-batch's backward ended (its weight pass, or the step); the "
+                    "tensor manager let go of "
                     f"it then. Trying to backward through the graph a second time?")
             if serial != entry.last_phase:
                 entry.last_phase = serial
@@ -119,7 +120,8 @@ class SwapIn:
             return restored
 
     def _fetch_now(self, entry: SwappedEntry, phase: str) -> torch.Tensor:
-        with timeline.span("vpipe.swap_in_now", timeline.MEMORY, mb=entry.mb, layer=entry.layer, bytes=entry.nbytes):
+        with timeline.span("vpipe.swap_in_now", timeline.MEMORY, mb=entry.mb, layer=entry.layer,
+                           bytes=entry.nbytes):
             assert entry.host_view is not None  # (only a release clears it)
             copy, ticket = self.copies.to_device_now(entry.host_view)
         self._fetched(entry, copy, ticket)
@@ -136,8 +138,8 @@ class SwapIn:
             self.refetched_bytes += entry.nbytes
 
     def _count(self, arrived: list[SwappedEntry], phase: str) -> None:
-        """Entries brought back for a ``phase`` pass: resident again, and their bytes counted per layer and per
-        phase (one update per layer, not per storage)."""
+        """Entries brought back for a ``phase`` pass: resident again, and their bytes counted per layer and
+        per phase (one update per layer, not per storage)."""
         layer_h2d = self.layer_h2d
         total = 0
         for (layer, _), nbytes in self.ledger.add_each(arrived).items():
@@ -191,8 +193,9 @@ class SwapIn:
                 nbytes = resident - self.ledger.resident
                 with timeline.span("vpipe.prefetch", timeline.MEMORY, mb=mb, phase=phase, tensors=len(batch),
                                    bytes=nbytes):
+                    views = [e.host_view for e in batch]
                     copies, ticket = self.copies.to_device_batch(
-                        [e.host_view for e in batch], [e.d2h for e in batch if e.d2h is not None])  # type: ignore[misc]
+                        views, [e.d2h for e in batch if e.d2h is not None])  # type: ignore[arg-type]
                 for entry, copy in zip(batch, copies):
                     self._fetched(entry, copy, ticket)
                 self._count(batch, phase)

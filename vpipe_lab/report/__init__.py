@@ -13,10 +13,10 @@ JSON is missing are left out and said so.
 
     python -m vpipe_lab.report docs/results --readme README.md --docs docs/benchmarks.md --plots docs/img
 
-The parts, one job each: ``results.py`` (reading the JSON), ``markdown.py`` (the table and
-number formats the others share), ``headline.py`` (the README's headline rows),
-``tables.py`` (every benchmark's full table), ``gpu.py`` (the GPU section), ``plots.py`` (the PNGs) and ``command.py``
-(``python -m vpipe_lab.report``: rewriting the files between their markers).
+The parts, one job each: ``results.py`` (reading the JSON), ``markdown.py`` (the table and number formats
+the others share), ``headline.py`` (the README's headline rows), ``tables.py`` (every benchmark's full
+table), ``gpu.py`` (the GPU section), ``plots.py`` (the PNGs) and ``command.py`` (``python -m
+vpipe_lab.report``: rewriting the files between their markers).
 """
 
 from vpipe_lab.report.command import main, replace_between
@@ -26,5 +26,6 @@ from vpipe_lab.report.plots import plot
 from vpipe_lab.report.results import Results, load_results
 from vpipe_lab.report.tables import SECTIONS, results_markdown
 
-__all__ = ["load_results", "headline_rows", "headline_markdown", "results_markdown", "gpu_markdown", "replace_between",
+__all__ = ["load_results", "headline_rows", "headline_markdown", "results_markdown", "gpu_markdown",
+           "replace_between",
            "plot", "main", "Results", "SECTIONS"]

@@ -21,11 +21,13 @@ from vpipe_lab.report.tables import results_markdown
 
 __all__ = ["replace_between", "main"]
 
-DESCRIPTION = "Benchmark results users can read: the README's headline table, docs tables and plots, from the JSON."
+DESCRIPTION = ("Benchmark results users can read: the README's headline table, docs tables and "
+               "plots, from the JSON.")
 
 
 def replace_between(text: str, marker: str, body: str) -> str:
-    """``text`` with what lies between ``<!-- marker:start -->`` and ``<!-- marker:end -->`` replaced by ``body``."""
+    """``text`` with what lies between ``<!-- marker:start -->`` and
+    ``<!-- marker:end -->`` replaced by ``body``."""
     start, end = f"<!-- {marker}:start -->", f"<!-- {marker}:end -->"
     pattern = re.compile(re.escape(start) + ".*?" + re.escape(end), re.S)
     if not pattern.search(text):
@@ -35,7 +37,8 @@ def replace_between(text: str, marker: str, body: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m vpipe_lab.report", description=DESCRIPTION)
-    p.add_argument("results", nargs="?", default="docs/results", help="directory of NAME.json (default docs/results)")
+    p.add_argument("results", nargs="?", default="docs/results",
+                   help="directory of NAME.json (default docs/results)")
     p.add_argument("--readme", default=None, help="rewrite its headline table (between the headline markers)")
     p.add_argument("--docs", default=None, help="rewrite its full tables (between the results markers)")
     p.add_argument("--plots", default=None, metavar="DIR", help="write PNG plots here (needs matplotlib)")

@@ -1,4 +1,5 @@
-"""The GPU section of ``docs/benchmarks.md``, from ``benchmarks/gpu_suite.sh``'s files in ``docs/results/gpu``.
+"""The GPU section of ``docs/benchmarks.md``, from ``benchmarks/gpu_suite.sh``'s
+files in ``docs/results/gpu``.
 
 Written between ``<!-- gpu:start -->`` and ``<!-- gpu:end -->``: the card and torch the
 numbers came from, the ``cuda`` tests, the swap path, the tensor manager on a
@@ -16,7 +17,8 @@ from vpipe_lab.report.results import Results
 __all__ = ["gpu_markdown", "GPU_FILES"]
 
 # what each suite file holds, in the order the section shows them
-GPU_FILES = ("gpu_cuda_tests", "gpu_swap", "gpu_tensor_manager", "gpu_tensor_manager_compute", "gpu_memory_bound")
+GPU_FILES = ("gpu_cuda_tests", "gpu_swap", "gpu_tensor_manager", "gpu_tensor_manager_compute",
+             "gpu_memory_bound")
 
 
 def _tests_md(data: dict[str, Any]) -> str:
@@ -34,7 +36,8 @@ def _swap_md(data: dict[str, Any]) -> str:
     text += f" and {back:.1f} GB/s back" if back else ""
     text += f", against {naive:.1f} GB/s for `.cpu()`" if naive else ""
     if overlap:
-        text += (f"; {overlap['swap_bytes'] >> 20} MiB of swap-outs beside {overlap['compute_s'] * 1e3:.0f} ms of "
+        text += (f"; {overlap['swap_bytes'] >> 20} MiB of swap-outs beside "
+                 f"{overlap['compute_s'] * 1e3:.0f} ms of "
                  f"compute overlap by {overlap['overlap']:.0%}")
     return text + "."
 
@@ -56,10 +59,12 @@ def _verdict(value: float | None, target: float | None, at_most: bool = True) ->
 
 
 def _prefetch_alloc_md(cfg: dict[str, Any]) -> str:
-    """The clause a table's title gains when the run took prefetched copies from the compute stream's memory."""
+    """The clause a table's title gains when the run took prefetched
+    copies from the compute stream's memory."""
     if cfg.get("prefetch_alloc") != "compute":
         return ""
-    return "; vpipe's prefetched copies allocated from the compute stream's memory (`VPIPE_PREFETCH_ALLOC=compute`)"
+    return ("; vpipe's prefetched copies allocated from the compute stream's memory "
+            "(`VPIPE_PREFETCH_ALLOC=compute`)")
 
 
 def _tensor_manager_md(data: dict[str, Any], title: str, targets: list[tuple[str, str, str | float]]) -> str:
@@ -75,13 +80,15 @@ def _tensor_manager_md(data: dict[str, Any], title: str, targets: list[tuple[str
         if r.get("sync_fallbacks"):
             notes.append(f"{r['sync_fallbacks']} sync fallbacks")
         body.append([r["variant"], f"{r['step_s'] * 1e3:.1f} ms", f"{r['ratio_vs_plain']:.2f}",
-                     f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f}", f"{r['peak_vs_plain']:.2f}", "; ".join(notes)])
+                     f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f}", f"{r['peak_vs_plain']:.2f}",
+                     "; ".join(notes)])
     checks = []
     for label, variant, target in targets:
         limit = _row_ratio(rows, target) if isinstance(target, str) else target
         checks.append(f"{label}: {_verdict(_row_ratio(rows, variant), limit)}")
     return (f"**{title}**: {cfg['blocks']} blocks, d_model {cfg['d_model']}, sequence {cfg['seq_len']}, "
-            f"{cfg['micro_batches']} micro-batches of {cfg['micro_batch_size']} in GPipe order, one CPU thread, "
+            f"{cfg['micro_batches']} micro-batches of {cfg['micro_batch_size']} in GPipe "
+            "order, one CPU thread, "
             f"median of {cfg['rounds']} rounds (`tensor_manager_bench.py`){_prefetch_alloc_md(cfg)}\n\n"
             + table(["variant", "step", "vs plain", "range", "peak saved vs plain", "notes"], body)
             + "\n\n" + "; ".join(checks) + ".")
@@ -91,7 +98,8 @@ def _memory_bound_md(data: dict[str, Any]) -> str:
     cfg, memory = data["config"], data["memory"]
     at = data["at_twice_plain"]
     largest_vpipe = data["largest"].get("vpipe", {})
-    from_search = next((t for t in largest_vpipe.get("tried", []) if t["micro_batches"] == data["micro_batches"]
+    from_search = next((t for t in largest_vpipe.get("tried", [])
+                        if t["micro_batches"] == data["micro_batches"]
                         and t["fits"]), None)
     crossed = ""
     if not at["vpipe"].get("samples_per_s") and from_search and at.get("checkpoint", {}).get("samples_per_s"):
@@ -105,17 +113,21 @@ def _memory_bound_md(data: dict[str, Any]) -> str:
              "; ".join(x for x in (f"policies {row['policies']}, {row['escalations']} escalations"
                                    if "policies" in row else "",
                                    (f"{row['budget_waits']:g} waits for swap-outs per step, "
-                                    f"{row['budget_wait_s'] * 1e3:.1f} ms") if row.get("budget_waits") else "",
-                                   (f"copies {row['copy_s'] * 1e3:.0f} ms/step, {row['copy_hidden']:.0%} hidden"
+                                    f"{row['budget_wait_s'] * 1e3:.1f} ms") if row.get("budget_waits")
+                                   else "",
+                                   (f"copies {row['copy_s'] * 1e3:.0f} ms/step, "
+                                    f"{row['copy_hidden']:.0%} hidden"
                                     if row.get("copy_hidden") is not None else ""),
                                    (f"{row['alloc_retries']:.1f} allocator retries per step"
                                     if row.get("alloc_retries") else ""),
-                                   f"out of memory in {row['error'].split('. Tried')[0]}" if row.get("error") else "")
+                                   f"out of memory in {row['error'].split('. Tried')[0]}" if row.get("error")
+                                   else "")
                        if x)]
             for system, row in at.items()]
     sizes = []
     for system, found in data["largest"].items():
-        tried = ", ".join(f"{t['micro_batches']}: " + (f"{t['per_sample_s'] * 1e3:.2f} ms" if t["fits"] else "OOM")
+        tried = ", ".join(f"{t['micro_batches']}: " + (f"{t['per_sample_s'] * 1e3:.2f} ms" if t["fits"]
+                                                       else "OOM")
                           for t in found["tried"])
         sizes.append([system, str(found["largest"] or "none"), tried])
     cap = memory.get("cap_bytes")
@@ -139,16 +151,20 @@ def _memory_bound_md(data: dict[str, Any]) -> str:
 
 def _timeline_md(data: dict[str, Any]) -> str:
     cfg = data["config"]
-    lines = [f"**Timeline of one step** (`gpu_timeline.py`): d_model {cfg['d_model']}, {data['micro_batches']} "
-             f"micro-batches of {cfg['micro_batch_size']}, the memory-bound benchmark's cap and budget (vpipe "
-             f"{data['vpipe_policies']}); the compute stream's idle time, the copies and the longest gaps (ms from "
-             "the step's first kernel):"]
+    lines = ([f"**Timeline of one step** (`gpu_timeline.py`): d_model {cfg['d_model']}, "
+              f"{data['micro_batches']} "
+             f"micro-batches of {cfg['micro_batch_size']}, the memory-bound benchmark's "
+             "cap and budget (vpipe "
+             f"{data['vpipe_policies']}); the compute stream's idle time, the copies and the "
+             "longest gaps (ms from "
+             "the step's first kernel):"])
     for system, row in data["systems"].items():
         if "error" in row:
             lines.append(f"- {system}: {row['error']}")
             continue
         copies = ", ".join(f"{c['direction']} {c['busy_ms']:.0f} ms ({c['bytes'] / 2**30:.2f} GiB, "
-                           f"{c['hidden']:.0%} under kernels)" for c in row["copies"] if not c["on_compute_stream"])
+                           f"{c['hidden']:.0%} under kernels)" for c in row["copies"]
+                           if not c["on_compute_stream"])
         split = row.get("phase_split") == "device"
         gaps = ", ".join(f"{g['ms']:.1f} ms at {g['at_ms']:.0f} ms" + (f" ({g['phase']})" if split else "")
                          for g in row["gaps"][:4] if g["ms"] >= 1.0)
@@ -158,7 +174,8 @@ def _timeline_md(data: dict[str, Any]) -> str:
         else:  # an older file split the phases at the host's time: only the total holds
             idle = (f"idle {row['idle_forward_ms'] + row['idle_backward_ms']:.1f} of "
                     f"{row['forward_ms'] + row['backward_ms']:.0f} ms")
-        lines.append(f"- {system}: step {row['step_s'] * 1e3:.0f} ms; {idle}" + (f"; copies {copies}" if copies else "")
+        lines.append(f"- {system}: step {row['step_s'] * 1e3:.0f} ms; {idle}" + (f"; copies {copies}"
+                                                                                 if copies else "")
                      + (f"; longest gaps {gaps}" if gaps else ""))
     return "\n".join(lines)
 
@@ -169,8 +186,10 @@ def _host_cost_md(data: dict[str, Any]) -> str:
              f"{r['operations_beyond_plain']:,}",
              ", ".join(f"{name.removeprefix('aten.')} {n}" for name, n in r["most_beyond_plain"])]
             for r in data["rows"]]
-    return (f"**Host cost per step, counted** (`host_cost.py`): the launch-bound model ({cfg['blocks']} blocks, "
-            f"d_model {cfg['d_model']}, {cfg['micro_batches']} micro-batches of {cfg['micro_batch_size']}), one "
+    return ("**Host cost per step, counted** (`host_cost.py`): the launch-bound model "
+            f"({cfg['blocks']} blocks, "
+            f"d_model {cfg['d_model']}, {cfg['micro_batches']} micro-batches of "
+            f"{cfg['micro_batch_size']}), one "
             "unmetered step: Python bytecodes executed and tensor operations dispatched (each a launch, an "
             "allocation or a copy on the GPU)\n\n"
             + table(["variant", "bytecodes", "of them vpipe's", "tensor operations", "beyond plain",
@@ -181,8 +200,10 @@ def gpu_markdown(results: Results) -> str:
     """The GPU section's body; says which suite files are missing."""
     found = [name for name in GPU_FILES if name in results]
     if not found:
-        return "_No GPU results in `docs/results/gpu`: run `benchmarks/gpu_suite.sh` on a machine with a GPU._"
-    source = next((results[n] for n in ("gpu_memory_bound", "gpu_tensor_manager", "gpu_swap") if n in results), {})
+        return ("_No GPU results in `docs/results/gpu`: run `benchmarks/gpu_suite.sh` on a "
+                "machine with a GPU._")
+    source = next((results[n] for n in ("gpu_memory_bound", "gpu_tensor_manager", "gpu_swap")
+                   if n in results), {})
     parts = [f"Measured on {source.get('device', 'a GPU')} with torch {source.get('torch', '?')} by "
              "`benchmarks/gpu_suite.sh`; raw files in `docs/results/gpu/`."]
     if "gpu_cuda_tests" in results:
@@ -194,7 +215,8 @@ def gpu_markdown(results: Results) -> str:
             ("every layer kept", "vpipe D", 1.02), ("all swapped vs save_on_cpu", "vpipe S", "save_on_cpu"),
             ("all recomputed vs checkpoint", "vpipe R", "checkpoint")]))
     if "gpu_launch_bound_compute_alloc" in results:
-        parts.append(_tensor_manager_md(results["gpu_launch_bound_compute_alloc"], "Launch-bound transformer", [
+        parts.append(_tensor_manager_md(results["gpu_launch_bound_compute_alloc"], "Launch-bound transformer",
+                                        [
             ("all swapped vs save_on_cpu", "vpipe S", "save_on_cpu")]))
     if "gpu_host_cost" in results:
         parts.append(_host_cost_md(results["gpu_host_cost"]))

@@ -23,7 +23,8 @@ def headline_rows(results: Results) -> list[list[str]]:
             rows.append([f"throughput, {case['model']} on {case['stages']} CPU stages, same memory budget",
                          f"{best_v['system']}: {best_v['samples_per_s']:.0f} samples/s "
                          f"({best_v['of_ideal']:.0%} of ideal)",
-                         f"{best_b['system']}: {best_b['samples_per_s']:.0f} samples/s ({best_b['of_ideal']:.0%})",
+                         f"{best_b['system']}: {best_b['samples_per_s']:.0f} samples/s "
+                         f"({best_b['of_ideal']:.0%})",
                          f"{best_v['samples_per_s'] / best_b['samples_per_s']:.2f}x"])
     for case in results.get("microbatch", {}).get("cases", []):
         by = {r["system"]: r for r in case["rows"]}
@@ -40,23 +41,28 @@ def headline_rows(results: Results) -> list[list[str]]:
         on = r.get("calibrated_on_stages") or r["stages"]
         rows.append([f"simulator vs real run, {r['stages']} stages ({r['schedule']}"
                      + (f", calibrated on {on} stages)" if on != r["stages"] else ")"),
-                     f"predicted {r['predicted_s'] * 1e3:.0f} ms/step", f"measured {r['measured_s'] * 1e3:.0f} ms",
+                     f"predicted {r['predicted_s'] * 1e3:.0f} ms/step",
+                     f"measured {r['measured_s'] * 1e3:.0f} ms",
                      f"{r['error']:+.1%}"])
     migration = results.get("migration", {})
     mig = {r["method"]: r for r in migration.get("rows", [])}
     live, sac = mig.get("live (vpipe)"), mig.get("stop-and-copy")
     if live and sac:
+        live_stall = max(live["stall_ratio"], migration["live_boundary_ratio"])
         rows.append(["repartition cost, 2 stages (stall / step)",
-                     f"live move: {live['stall_ratio']:.1%} (the move itself {migration['live_boundary_ratio']:.1%})",
+                     f"live move: {live['stall_ratio']:.1%} (the move itself "
+                     f"{migration['live_boundary_ratio']:.1%})",
                      f"stop-and-copy: {sac['stall_ratio']:.0%}",
-                     f"{sac['stall_ratio'] / max(live['stall_ratio'], migration['live_boundary_ratio']):.0f}x less"])
+                     f"{sac['stall_ratio'] / live_stall:.0f}x less"])
     nas = results.get("nas", {})
     if nas.get("per_round"):
         after = {name: statistics.median(r["throughput"][name]["after"] for r in nas["per_round"])
                  for name in ("static", "vpipe")}
         rows.append(["NAS edit: 8 blocks added to stage 0 of 2, throughput after it",
-                     f"vpipe: {after['vpipe']:.0f} samples/s ({nas['vpipe_over_optimal_after']['median']:.0%} of the "
-                     f"optimal static partition; per round, 90% of it reached after: {steps(nas['recovery_steps'])})",
+                     f"vpipe: {after['vpipe']:.0f} samples/s "
+                     f"({nas['vpipe_over_optimal_after']['median']:.0%} of the "
+                     "optimal static partition; per round, 90% of it reached after: "
+                     f"{steps(nas['recovery_steps'])})",
                      f"static: {after['static']:.0f} samples/s "
                      f"({nas['static_over_optimal_after']['median']:.0%} of optimal)",
                      ratio(nas["vpipe_over_static_after"])])
@@ -71,7 +77,8 @@ def headline_rows(results: Results) -> list[list[str]]:
     shapes = results.get("shapes", {}).get("rows", [])
     if shapes:
         worst = max(shapes, key=lambda r: r["vpipe_over_balanced"])
-        rows.append([f"the one line on users' trainers ({', '.join(r['shape'] for r in shapes)}), 6,2 split on 2 "
+        rows.append(["the one line on users' trainers "
+                     f"({', '.join(r['shape'] for r in shapes)}), 6,2 split on 2 "
                      "stages",
                      "+ vpipe: " + ", ".join(f"{r['vpipe_step_s'] * 1e3:.0f}" for r in shapes) + " ms/step",
                      "hand-balanced 4,4: " + ", ".join(f"{r['balanced_step_s'] * 1e3:.0f}" for r in shapes)
@@ -94,7 +101,8 @@ def headline_rows(results: Results) -> list[list[str]]:
         pool, pageable = by.get((size, "d2h pool (copy engine)")), by.get((size, "d2h pageable (.cpu())"))
         if pool and pageable:
             rows.append([f"GPU swap-out of {size >> 20} MiB ({swap['device'].split('(')[-1].rstrip(')')})",
-                         f"pinned pool: {pool:.1f} GB/s, {swap['overlap']['overlap']:.0%} hidden under compute",
+                         f"pinned pool: {pool:.1f} GB/s, {swap['overlap']['overlap']:.0%} "
+                         "hidden under compute",
                          f"`.cpu()`: {pageable:.1f} GB/s", f"{pool / pageable:.0f}x"])
     return rows
 
@@ -119,7 +127,9 @@ def _planner_headline(planner: list[dict[str, Any]]) -> list[str]:
     nodes = sorted({r["nodes"] for r in planner})
     return [f"planner, paper graphs ({nodes[0]}-{nodes[-1]} nodes) on {stages[0]}-{stages[-1]} stages",
             f"worst gap to optimum {worst['kl_gap']:+.2%} ({worst['graph']}, {worst['stages']} stages); "
-            f"slowest plan {slowest['kl_s_median'] * 1e3:.0f} ms ({slowest['graph']}, {slowest['stages']} stages)",
+            f"slowest plan {slowest['kl_s_median'] * 1e3:.0f} ms ({slowest['graph']}, "
+            f"{slowest['stages']} stages)",
             f"networkx KL, {big['graph']} on {big['stages']} stages: {big['nx_s'] * 1e3:.0f} ms, gap "
-            f"{big['nx_gap']:+.0%}, {'valid' if big['nx_valid'] else 'not a valid pipeline'}" if "nx_s" in big else "-",
+            f"{big['nx_gap']:+.0%}, {'valid' if big['nx_valid'] else 'not a valid pipeline'}" if "nx_s" in big
+            else "-",
             f"{big['nx_s'] / big['kl_s_median']:.1f}x faster" if "nx_s" in big else "-"]

@@ -51,7 +51,8 @@ def plot(results: Results, directory: Path) -> list[Path]:
         rows = [r for r in projection if r["ratio"] == ratio]
         fig, ax = plt.subplots(figsize=(6, 4))
         for name in rows[0]["systems"]:
-            ax.plot([r["stages"] for r in rows], [r["systems"][name]["of_ideal"] for r in rows], marker="o", label=name)
+            ax.plot([r["stages"] for r in rows], [r["systems"][name]["of_ideal"] for r in rows], marker="o",
+                    label=name)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("stages (one GPU-like device each)")
         ax.set_ylabel("fraction of ideal throughput")

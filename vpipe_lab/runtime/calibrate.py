@@ -34,7 +34,8 @@ __all__ = ["REFERENCE_RUN", "Calibration", "Prediction", "predict_step_s", "cali
 
 # The reference run the simulator is validated on (tests and benchmarks/simulator_bench.py): the
 # transformer LM of `vpipe train` at 8 blocks, 4 micro-batches of 8 under GPipe; ``stages`` is set per case.
-REFERENCE_RUN = RunConfig(model="transformer", blocks=8, d_model=64, seq_len=64, schedule="gpipe", micro_batches=4,
+REFERENCE_RUN = RunConfig(model="transformer", blocks=8, d_model=64, seq_len=64, schedule="gpipe",
+                          micro_batches=4,
                           micro_batch_size=8, steps=14, progress=False)
 
 
@@ -51,7 +52,8 @@ class Prediction:
     action_overhead_s: float
     compute_scale: float = 1.0
     measured_runs_s: tuple[float, ...] = ()
-    runs: tuple[tuple[int, float, float], ...] = ()  # every real run: (micro-batch size, step seconds, outside load)
+    # every real run: (micro-batch size, step seconds, outside load)
+    runs: tuple[tuple[int, float, float], ...] = ()
     calibrated_on_stages: int = 0  # the pipeline depth whose runs gave the overhead and scale
 
     @property
@@ -67,7 +69,8 @@ class Prediction:
         return {**dataclasses.asdict(self), "error": self.error}
 
 
-def predict_step_s(cfg: RunConfig, costs: ModelCosts, *, action_overhead_s: float = 0.0, background: float = 0.0,
+def predict_step_s(cfg: RunConfig, costs: ModelCosts, *, action_overhead_s: float = 0.0,
+                   background: float = 0.0,
                    cores: int | None = None, link: Link | None = None, steps: int = 8) -> float:
     """Steady step time the simulator predicts for ``cfg`` (its schedule, partition, micro-batches)."""
     per_stage = stage_costs(costs, cfg.layer_counts(), schedule=cfg.schedule, link=link,
@@ -79,7 +82,8 @@ def predict_step_s(cfg: RunConfig, costs: ModelCosts, *, action_overhead_s: floa
 def _measure_run(cfg: RunConfig) -> tuple[float, float]:
     """One real run: its median steady step and the outside load during it (runnable threads)."""
     run = run_training(cfg)
-    return statistics.median(run.steady()), run.external_cores if run.outside_threads is None else run.outside_threads
+    return (statistics.median(run.steady()), run.external_cores if run.outside_threads is None
+            else run.outside_threads)
 
 
 def _ratio(cfg: RunConfig, costs: ModelCosts, runs: list[tuple[float, float]], overhead: float) -> float:
@@ -123,7 +127,8 @@ def calibrate(*points: CalibrationPoint, iterations: int = 30) -> Calibration:
         step_overhead, step_scale = _least_squares_step(j_overhead, j_scale, r)
         if overhead + step_overhead < 0.0:  # the overhead stops at zero: fit the scale alone
             step_overhead = -overhead
-            step_scale = _least_squares_step(None, j_scale, [a + ja * step_overhead for a, ja in zip(r, j_overhead)])[1]
+            step_scale = _least_squares_step(None, j_scale,
+                                             [a + ja * step_overhead for a, ja in zip(r, j_overhead)])[1]
         overhead = overhead + step_overhead
         scale = min(max(scale + step_scale, 0.05), 20.0)
         if abs(step_overhead) < 1e-8 and abs(step_scale) < 1e-6 * scale:
@@ -144,7 +149,8 @@ def _least_squares_step(a: list[float] | None, b: list[float], r: list[float]) -
 
 
 def calibration_sizes(cfg: RunConfig) -> list[int]:
-    """The micro-batch sizes :func:`validate` calibrates on: 1, half and twice ``cfg``'s (``cfg`` in between)."""
+    """The micro-batch sizes :func:`validate` calibrates on: 1, half
+    and twice ``cfg``'s (``cfg`` in between)."""
     return sorted({1, max(1, cfg.micro_batch_size // 2), 2 * cfg.micro_batch_size})
 
 
@@ -165,14 +171,16 @@ def typical(profiles: list[ModelCosts]) -> ModelCosts:
     if not profiles:
         raise ValueError("typical needs at least one profile")
     first = profiles[0]
-    if any((p.model, p.micro_batch_size, len(p.layers)) != (first.model, first.micro_batch_size, len(first.layers))
+    if any((p.model, p.micro_batch_size, len(p.layers)) != (first.model, first.micro_batch_size,
+                                                            len(first.layers))
            for p in profiles):
         raise ValueError("typical combines profiles of one model at one micro-batch size only")
     layers = [dataclasses.replace(layer, fwd_s=statistics.median(p.layers[i].fwd_s for p in profiles),
                                   bwd_s=statistics.median(p.layers[i].bwd_s for p in profiles),
                                   opt_s=statistics.median(p.layers[i].opt_s for p in profiles))
               for i, layer in enumerate(first.layers)]
-    return dataclasses.replace(first, layers=layers, loss_fwd_s=statistics.median(p.loss_fwd_s for p in profiles),
+    return dataclasses.replace(first, layers=layers, loss_fwd_s=statistics.median(p.loss_fwd_s
+                                                                                  for p in profiles),
                                loss_bwd_s=statistics.median(p.loss_bwd_s for p in profiles),
                                batch_s=statistics.median(p.batch_s for p in profiles))
 
@@ -224,8 +232,10 @@ def validate(cfg: RunConfig, *, repeats: int = 3, profiles: dict[int, ModelCosts
     return Prediction(stages=cfg.stages, schedule=cfg.schedule, micro_batch_size=cfg.micro_batch_size,
                       predicted_s=measured_s * ratio, measured_s=measured_s,
                       background=statistics.median(load for _, load in runs),
-                      action_overhead_s=calibration.action_overhead_s, compute_scale=calibration.compute_scale,
+                      action_overhead_s=calibration.action_overhead_s,
+                      compute_scale=calibration.compute_scale,
                       measured_runs_s=tuple(step for step, _ in runs),
                       runs=tuple((c.micro_batch_size, step, load)
-                                 for c, r in zip([*configs, cfg], [*calibration_runs, runs]) for step, load in r),
+                                 for c, r in zip([*configs, cfg], [*calibration_runs, runs])
+                                 for step, load in r),
                       calibrated_on_stages=calibrated_on_stages)

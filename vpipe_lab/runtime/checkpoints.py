@@ -56,7 +56,8 @@ def load_resume(cfg: RunConfig, verify: str = "stat") -> Any:
         print(f"vpipe: {newer} has no manifest.json (unfinished or damaged); resuming from {ckpt.path.name}",
               file=sys.stderr)
     if ckpt.layer_order != list(range(cfg.n_layers)):
-        raise CheckpointError(f"checkpoint {ckpt.path} holds layers {ckpt.layer_order[:3]}...{ckpt.layer_order[-1:]} "
+        raise CheckpointError(f"checkpoint {ckpt.path} holds layers "
+                              f"{ckpt.layer_order[:3]}...{ckpt.layer_order[-1:]} "
                               f"in that order; this run's model has layers 0..{cfg.n_layers - 1}")
     if ckpt.step > cfg.steps:
         raise CheckpointError(f"checkpoint {ckpt.path} is after step {ckpt.step}, beyond --steps {cfg.steps}")
@@ -64,7 +65,8 @@ def load_resume(cfg: RunConfig, verify: str = "stat") -> Any:
     if isinstance(saved, dict):  # the model and optimizer must be the ones that were saved
         for name in ("model", "blocks", "d_model", "n_heads", "seq_len", "block_types", "optimizer"):
             if name in saved and saved[name] != getattr(cfg, name):
-                raise CheckpointError(f"checkpoint {ckpt.path} was saved with {name} {saved[name]!r}; this run has "
+                raise CheckpointError(f"checkpoint {ckpt.path} was saved with {name} "
+                                      f"{saved[name]!r}; this run has "
                                       f"{getattr(cfg, name)!r}")
     return ckpt
 
@@ -83,10 +85,14 @@ def check_checkpoint_dir(cfg: RunConfig, *, hold: bool = False) -> None:
     root = Path(cfg.checkpoint_dir)
     fd = lock_directory(root, "--checkpoint-dir", CheckpointError)  # the lock every run's outputs take
     latest = find_latest(root)
-    if latest is not None and not _resumes_from(cfg, root):  # its checkpoints would mix with ours, or be pruned
+    # its checkpoints would mix with ours, or be pruned
+    if latest is not None and not _resumes_from(cfg, root):
         os.close(fd)
-        raise CheckpointError(f"--checkpoint-dir {root} holds another run's checkpoints (the newest: {latest.name}); "
-                              f"give this run a directory of its own, or --resume {root} to continue that run")
+        raise CheckpointError(
+            f"--checkpoint-dir {root} holds another run's checkpoints (the "
+            f"newest: {latest.name}); "
+            f"give this run a directory of its own, or --resume {root} to continue that run"
+        )
     keep(fd, hold)
     if hold:
         _run["id"] = _resumed_run_id(cfg) if cfg.resume else uuid.uuid4().hex
@@ -132,11 +138,13 @@ def save_run_checkpoint(cfg: RunConfig, run: StageRun, ctx: Distributed, vp: Any
     state["iteration"] = steps_done
     sealed = False
     try:
-        save_checkpoint(cfg.checkpoint_dir or ".", steps_done, module=run.layers_view(), optimizer=run.optimizer,
+        save_checkpoint(cfg.checkpoint_dir or ".", steps_done, module=run.layers_view(),
+                        optimizer=run.optimizer,
                         rank=ctx.rank, world_size=ctx.world_size, store=ctx.store, vpipe_state=state,
                         extra={"run_config": cfg.to_dict()}, scheduler=run.scheduler, run_id=_run.get("id"))
         sealed = True
-    except OSError as e:  # a full disk, a name in the way: said once, and training goes on without checkpoints
+    # a full disk, a name in the way: said once, and training goes on without checkpoints
+    except OSError as e:
         _saving["dropped"] = True
         stderr_line(f"vpipe [rank {ctx.rank}]: cannot write the checkpoint after step {steps_done} in "
                     f"{cfg.checkpoint_dir} ({e.strerror or e}); training goes on without checkpoints")
@@ -147,8 +155,9 @@ def save_run_checkpoint(cfg: RunConfig, run: StageRun, ctx: Distributed, vp: Any
 
 
 def _dropped(ctx: Distributed) -> bool:
-    """Whether this run's checkpoints were given up: after one that rank 0 could not seal, every rank skips the
-    rest alike (a rank that went on would wait for shards that never come, or leave shards nobody seals)."""
+    """Whether this run's checkpoints were given up: after one that rank 0 could
+    not seal, every rank skips the rest alike (a rank that went on would wait for
+    shards that never come, or leave shards nobody seals)."""
     if not _saving["dropped"] and ctx.rank != 0 and _saving["last"] is not None:
         _saving["dropped"] = ctx.store.get(_SEALED_KEY.format(_saving["last"])) != b"1"
     return bool(_saving["dropped"])

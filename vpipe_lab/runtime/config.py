@@ -47,26 +47,32 @@ class RunConfig:
     lr: float = 1e-3
     optimizer: str = "adam"
     weight_decay: float = 0.0
-    lr_schedule: str = "constant"  # warmup-cosine: linear warm-up over warmup_steps, then cosine to 0 at steps
+    # warmup-cosine: linear warm-up over warmup_steps, then cosine to 0 at steps
+    lr_schedule: str = "constant"
     warmup_steps: int = 0
     seed: int = 0
     partition: list[int] | None = None  # layers per (virtual) stage, in order
     moves: list[dict[str, Any]] | None = None  # forced repartitions: [{"step": s, "partition": [...]}, ...]
-    nas: list[dict[str, Any]] | None = None  # layer edits: [{"step": s, "add": {"position": p, "types": [...]}},
+    # layer edits: [{"step": s, "add": {"position": p, "types": [...]}},
+    nas: list[dict[str, Any]] | None = None
     #                                          {"step": s, "remove": [ids]}]; vpipe and flush schedules only
     vertical_sync: bool = False
     log_file: str | None = None
     out_dir: str | None = None
     progress: bool = True
     monitor_every: int = 0  # sample every k-th step with the monitor + control plane; 0 = off
-    planner: str | None = "vpipe.control.daemon:no_change"  # daemon's planner; None = wait for `vpipe planner`
+    # daemon's planner; None = wait for `vpipe planner`
+    planner: str | None = "vpipe.control.daemon:no_change"
     vpipe: bool = False  # attach vpipe (tensor manager, monitor, planner, layer manager) to every stage
-    memory_budget: int | None = None  # vpipe: bytes per stage (parameters, gradients, optimizer state, activations)
+    # vpipe: bytes per stage (parameters, gradients, optimizer state, activations)
+    memory_budget: int | None = None
     policy: str = "D"  # vpipe: initial keep (D) / swap (S) / recompute (R) policy of every layer
     planning: bool = True  # vpipe: apply the planner's plans
-    checkpoint_dir: str | None = None  # write a checkpoint here every ``checkpoint_every`` steps and at the end
+    # write a checkpoint here every ``checkpoint_every`` steps and at the end
+    checkpoint_dir: str | None = None
     checkpoint_every: int = 0  # 0: only at the end (when checkpoint_dir is set)
-    resume: str | None = None  # continue from this checkpoint (a step-* directory, or the newest one under it)
+    # continue from this checkpoint (a step-* directory, or the newest one under it)
+    resume: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -75,15 +81,18 @@ class RunConfig:
                 raise ValueError(message)
 
         need(self.model in MODELS, f"model must be one of {', '.join(MODELS)}, got {self.model!r}")
-        need(self.schedule in SCHEDULES, f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
-        need(self.optimizer in OPTIMIZERS, f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        need(self.schedule in SCHEDULES,
+             f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        need(self.optimizer in OPTIMIZERS,
+             f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
         need(self.lr_schedule in LR_SCHEDULES,
              f"lr_schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}")
         need(isinstance(self.warmup_steps, int) and self.warmup_steps >= 0,
              f"warmup_steps must be a non-negative integer, got {self.warmup_steps!r}")
         need(self.weight_decay >= 0 and self.weight_decay == self.weight_decay,
              f"weight_decay must be >= 0, got {self.weight_decay!r}")
-        for name in ("blocks", "d_model", "n_heads", "seq_len", "stages", "micro_batches", "micro_batch_size"):
+        for name in ("blocks", "d_model", "n_heads", "seq_len", "stages", "micro_batches",
+                     "micro_batch_size"):
             need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1,
                  f"{name} must be a positive integer, got {getattr(self, name)!r}")
         need(isinstance(self.steps, int) and self.steps >= 0, f"steps must be >= 0, got {self.steps!r}")
@@ -97,7 +106,8 @@ class RunConfig:
         need(self.vpipe or not self.moves, "forced moves need vpipe (the layer manager moves the layers)")
         need(self.vpipe or not self.nas, "adding and removing layers needs vpipe (the layer manager does it)")
         need(not (self.nas and self.moves), "combine either forced moves or layer edits in one run, not both")
-        need(not (self.moves and self.schedule == "wpipe"), "forced moves need layers that move (wpipe's do not)")
+        need(not (self.moves and self.schedule == "wpipe"),
+             "forced moves need layers that move (wpipe's do not)")
         need(not (self.nas and self.schedule in STREAMS),
              f"layer edits need a flush schedule (any but {self.schedule})")
         need(0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout}")
@@ -105,7 +115,8 @@ class RunConfig:
              f"lr must be a positive finite number, got {self.lr}")
         need(not self.vertical_sync or self.schedule == "pipedream",
              f"vertical_sync is a PipeDream option; {self.schedule} " + (
-                 "runs every stage on one version already" if self.schedule in STREAMS else "keeps no weight versions"))
+                 "runs every stage on one version already" if self.schedule in STREAMS
+                                                                         else "keeps no weight versions"))
         need(self.d_model % self.n_heads == 0,
              f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
         self._check_size()
@@ -146,19 +157,23 @@ class RunConfig:
                  f"{n_layers} layers")
 
     def _check_layout(self) -> None:
-        """Virtual stages per rank as the schedule runs them, and the micro-batch counts torch's schedules accept."""
+        """Virtual stages per rank as the schedule runs them, and
+        the micro-batch counts torch's schedules accept."""
         per_rank, name, m = self.stages_per_rank, self.schedule, self.micro_batches
-        if per_rank is not None and (not isinstance(per_rank, int) or isinstance(per_rank, bool) or per_rank < 1):
+        if per_rank is not None and (not isinstance(per_rank, int) or isinstance(per_rank, bool)
+                                     or per_rank < 1):
             raise ValueError(f"stages_per_rank must be a positive integer, got {per_rank!r}")
         if name not in MULTI_STAGE:
             if per_rank not in (None, 1):
-                raise ValueError(f"{name} runs one stage per rank; {per_rank} stages per rank need a multi-stage "
+                raise ValueError(f"{name} runs one stage per rank; {per_rank} stages per "
+                                 "rank need a multi-stage "
                                  f"schedule ({', '.join(MULTI_STAGE)})")
             return
         if name in V_SHAPED and per_rank not in (None, 2):
             raise ValueError(f"{name} runs exactly 2 stages per rank (a V), got stages_per_rank {per_rank}")
         if name == "wpipe" and per_rank not in (None, 2):
-            raise ValueError(f"wpipe runs exactly 2 stages per rank (G0's and G1's), got stages_per_rank {per_rank}")
+            raise ValueError("wpipe runs exactly 2 stages per rank (G0's and G1's), got "
+                             f"stages_per_rank {per_rank}")
         if per_rank == 1:
             raise ValueError(f"{name} runs several stages per rank: stages_per_rank must be >= 2, got 1 "
                              "(1f1b runs one stage per rank)")
@@ -166,7 +181,8 @@ class RunConfig:
             raise ValueError(f"vertical_sync is a PipeDream option; {name} keeps no weight versions")
         rounds = max(1, m // self.stages)
         if name in ("interleaved1f1b", "interleavedzb") and m % rounds:
-            raise ValueError(f"{name} needs micro_batches to be a multiple of its rounds, max(1, micro_batches // "
+            raise ValueError(f"{name} needs micro_batches to be a multiple of its rounds, "
+                             "max(1, micro_batches // "
                              f"ranks) = {rounds}; got {m} micro-batches on {self.stages} ranks")
         if name == "dualpipev" and m < self.virtual_stages:
             raise ValueError(f"dualpipev needs micro_batches >= its {self.virtual_stages} stages, got {m}")
@@ -177,30 +193,35 @@ class RunConfig:
         if self.checkpoint_every and not self.checkpoint_dir:
             raise ValueError("checkpoint_every needs checkpoint_dir (where to write the checkpoints)")
         if (self.checkpoint_dir or self.resume) and self.schedule in STREAMS:
-            raise ValueError(f"checkpoints need a flush schedule (any but {self.schedule}): a PipeDream stream "
+            raise ValueError("checkpoints need a flush schedule (any but "
+                             f"{self.schedule}): a PipeDream stream "
                              "never has every micro-batch's weights at rest")
         if (self.checkpoint_dir or self.resume) and self.nas:
             raise ValueError("checkpoints cannot be combined with layer edits (--nas) yet")
 
     def _check_size(self) -> None:
-        """A model or batch no machine of this size can hold is refused here, not by an allocation traceback on
-        every rank: its weights with their gradients and Adam moments (about 12 d_model^2 per block, 16 bytes
-        each), or one micro-batch's activations through every block (about 20 values per d_model each)."""
+        """A model or batch no machine of this size can hold is refused here, not by an
+        allocation traceback on every rank: its weights with their gradients and Adam moments
+        (about 12 d_model^2 per block, 16 bytes each), or one micro-batch's activations
+        through every block (about 20 values per d_model each)."""
         memory = psutil.virtual_memory().total
         weights = self.blocks * 12 * self.d_model ** 2 * 16
         activations = self.micro_batch_size * self.seq_len * self.d_model * self.blocks * 20 * 4
         for what, need_bytes in (("the model's weights, gradients and optimizer state", weights),
                                  ("one micro-batch's activations", activations)):
             if need_bytes > memory:
-                raise ValueError(f"{what} would take about {need_bytes / 2**30:,.0f} GiB (blocks {self.blocks}, "
+                raise ValueError(f"{what} would take about {need_bytes / 2**30:,.0f} GiB "
+                                 f"(blocks {self.blocks}, "
                                  f"d_model {self.d_model}, micro_batch_size {self.micro_batch_size}, seq_len "
                                  f"{self.seq_len}); this machine has {memory / 2**30:,.0f} GiB")
 
     def _check_paths(self) -> None:
-        """Every path the run writes, checked before it starts (not after training, when results would be lost)."""
+        """Every path the run writes, checked before it starts (not
+        after training, when results would be lost)."""
         if self.log_file is not None:
             check_output_file(self.log_file, "log file")
-        if self.out_dir is not None:  # what the ranks write there (the last one nas.json), links planted there refused
+        # what the ranks write there (the last one nas.json), links planted there refused
+        if self.out_dir is not None:
             check_output_dir(self.out_dir, "out_dir", [f"rank{r}.{kind}" for r in range(self.stages)
                                                        for kind in ("pt", "json")] + ["nas.json"])
         if self.checkpoint_dir is not None:
@@ -213,7 +234,8 @@ class RunConfig:
             except OSError as e:  # a name too long, a directory it cannot search
                 raise ValueError(f"resume {self.resume}: {e.strerror or e}") from None
             if is_file:
-                raise ValueError(f"resume {self.resume} is a file; give a checkpoint directory (or the directory "
+                raise ValueError(f"resume {self.resume} is a file; give a checkpoint "
+                                 "directory (or the directory "
                                  f"of checkpoints)")
 
     def _check_nas(self, n_layers: int) -> None:
@@ -225,7 +247,8 @@ class RunConfig:
         for i, event in enumerate(self.nas or []):
             where = f"nas[{i}]"
             if not isinstance(event, dict) or "step" not in event or len(set(event) & {"add", "remove"}) != 1:
-                raise ValueError(f"{where} must be {{'step': s, 'add': {{...}}}} or {{'step': s, 'remove': [ids]}}")
+                raise ValueError(f"{where} must be {{'step': s, 'add': {{...}}}} or "
+                                 f"{{'step': s, 'remove': [ids]}}")
             step = event["step"]
             if not isinstance(step, int) or step < last_step or step < 1:
                 raise ValueError(f"{where}: steps must be non-decreasing integers >= 1, got {step!r}")
@@ -247,7 +270,8 @@ class RunConfig:
                     raise ValueError(f"{where}: 'remove' must be a list of layer ids")
                 unknown = sorted(set(doomed) - set(ids[1:-1]))
                 if unknown:
-                    raise ValueError(f"{where}: cannot remove {unknown}: not a block of the model at step {step}")
+                    raise ValueError(f"{where}: cannot remove {unknown}: not a block of the "
+                                     f"model at step {step}")
                 ids = [lid for lid in ids if lid not in doomed]
 
     @property

@@ -111,7 +111,8 @@ def measure_model_costs(cfg: RunConfig, *, micro_batch_size: int | None = None, 
         with torch.no_grad():
             logits = model(x)
         loss_fwd, loss_bwd = _loss_s(spec.loss_fn(), logits, y, repeats * max(1, rounds))
-        batch_s = min(_timed(lambda: spec.batch(1, mbs * cfg.micro_batches, cfg.seed)) for _ in range(repeats))
+        batch_s = min(_timed(lambda: spec.batch(1, mbs * cfg.micro_batches, cfg.seed))
+                      for _ in range(repeats))
     finally:
         torch.set_num_threads(previous_threads)
     layers = [LayerCost(fwd_s=p.fwd_s, bwd_s=p.bwd_s, act_bytes=p.act_bytes, input_bytes=i,
@@ -127,7 +128,8 @@ def _timed(fn: Any) -> float:
     return time.perf_counter() - start
 
 
-def _optimizer_s(cfg: RunConfig, layer: torch.nn.Module, repeats: int, rounds: int, make_optimizer: Any) -> float:
+def _optimizer_s(cfg: RunConfig, layer: torch.nn.Module, repeats: int, rounds: int,
+                 make_optimizer: Any) -> float:
     params = [p for p in layer.parameters() if p.requires_grad]
     if not params:
         return 0.0
@@ -172,7 +174,9 @@ def stage_costs(costs: ModelCosts, counts: Sequence[int], *, schedule: str = "gp
     made on the first and the last.
     """
     if sum(counts) != len(costs.layers) or any(c < 1 for c in counts):
-        raise ValueError(f"counts {list(counts)} must give every stage >= 1 of the {len(costs.layers)} layers")
+        raise ValueError(
+            f"counts {list(counts)} must give every stage >= 1 of the {len(costs.layers)} layers"
+        )
     link = link or Link()
     policies = policies or {}
     out: list[StageCost] = []
@@ -219,8 +223,10 @@ def ideal_step_s(costs: ModelCosts, stages: int, micro_batches: int, *, cores: i
 
 def scaled(costs: ModelCosts, factor: float) -> ModelCosts:
     """Every time multiplied by ``factor`` (a faster or slower device), bytes unchanged."""
-    layers = [replace(c, fwd_s=c.fwd_s * factor, bwd_s=c.bwd_s * factor, opt_s=c.opt_s * factor) for c in costs.layers]
-    return replace(costs, layers=layers, loss_fwd_s=costs.loss_fwd_s * factor, loss_bwd_s=costs.loss_bwd_s * factor,
+    layers = [replace(c, fwd_s=c.fwd_s * factor, bwd_s=c.bwd_s * factor, opt_s=c.opt_s * factor)
+              for c in costs.layers]
+    return replace(costs, layers=layers, loss_fwd_s=costs.loss_fwd_s * factor,
+                   loss_bwd_s=costs.loss_bwd_s * factor,
                    batch_s=costs.batch_s * factor)
 
 

@@ -51,7 +51,8 @@ def lm_batch(step: int, batch_size: int, seq_len: int, seed: int = 0) -> tuple[t
     return window[:, :-1].contiguous(), window[:, 1:].contiguous()
 
 
-def image_batch(step: int, batch_size: int, side: int = 16, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def image_batch(step: int, batch_size: int, side: int = 16, seed: int = 0) -> tuple[torch.Tensor,
+                                                                                    torch.Tensor]:
     """Windows of ``side*side`` bytes as 1-channel images; the label is the byte that follows."""
     corpus = stdlib_corpus()
     span = side * side

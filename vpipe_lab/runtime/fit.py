@@ -82,7 +82,8 @@ class PipelineFit:
 
     def to_dict(self) -> dict[str, Any]:
         return {"micro_batch_size": self.micro_batch_size, "fits": self.fits,
-                "stages": [{**s.__dict__, "footprint_bytes": s.footprint_bytes, "fits": s.fits} for s in self.stages]}
+                "stages": [{**s.__dict__, "footprint_bytes": s.footprint_bytes, "fits": s.fits}
+                           for s in self.stages]}
 
 
 def pipeline_fit(cfg: RunConfig, budget_bytes: int, *, managed: bool, policy: str = "D",
@@ -106,7 +107,8 @@ def pipeline_fit(cfg: RunConfig, budget_bytes: int, *, managed: bool, policy: st
 
 
 def largest_fitting(fits: Callable[[int], bool], *, low: int = 1, high: int = 1024) -> int:
-    """The largest ``n`` in ``[low, high]`` with ``fits(n)`` (0 if not even ``low``), assuming fit is monotone."""
+    """The largest ``n`` in ``[low, high]`` with ``fits(n)`` (0 if
+    not even ``low``), assuming fit is monotone."""
     if not fits(low):
         return 0
     good, n = low, low
@@ -156,13 +158,15 @@ def _stage_fit(cfg: RunConfig, k: int, inputs: list[torch.Tensor], budget: int, 
                 else 2 if cfg.schedule == "wpipe" and k < cfg.stages else 1)
     fixed = stage_fixed_bytes(params, expected_state_factor(optimizer) * params, versions)
     layers = {int(name): child for name, child in module.named_children()}
-    manager = TensorManager(layers, device="cpu", budget_bytes=(budget - fixed) if managed and budget > fixed else None,
+    manager = TensorManager(layers, device="cpu", budget_bytes=(budget - fixed) if managed and budget > fixed
+                            else None,
                             policies={lid: Policy(policy) for lid in layers})
     last = k == cfg.stages - 1
     loss_fn = spec.loss_fn()
     _, y = spec.batch(0, cfg.batch_size, cfg.seed)
     targets = list(y.tensor_split(cfg.micro_batches))
-    error = None if not managed or budget > fixed else f"stage {k}: fixed bytes {fixed} exceed the budget {budget}"
+    error = (None if not managed or budget > fixed
+             else f"stage {k}: fixed bytes {fixed} exceed the budget {budget}")
     try:
         if error is None:
             _run_stage(cfg, k, module, manager, optimizer, inputs, targets if last else None, loss_fn, steps,
@@ -174,12 +178,14 @@ def _stage_fit(cfg: RunConfig, k: int, inputs: list[torch.Tensor], budget: int, 
         manager.close()
     recomputed = [lid for lid, s in stats.layers.items() if s.policy is Policy.RECOMPUTE]
     working = max((stats.layers[lid].activation_bytes_per_micro_batch for lid in recomputed), default=0)
-    return StageFit(stage=k, budget_bytes=budget, fixed_bytes=fixed, peak_saved_bytes=stats.peak_resident_bytes,
+    return StageFit(stage=k, budget_bytes=budget, fixed_bytes=fixed,
+                    peak_saved_bytes=stats.peak_resident_bytes,
                     working_bytes=working, error=error,
                     policies="".join(stats.layers[lid].policy.value for lid in sorted(stats.layers)))
 
 
-def _run_stage(cfg: RunConfig, k: int, module: torch.nn.Module, manager: Any, optimizer: torch.optim.Optimizer,
+def _run_stage(cfg: RunConfig, k: int, module: torch.nn.Module, manager: Any,
+               optimizer: torch.optim.Optimizer,
                inputs: list[torch.Tensor], targets: list[torch.Tensor] | None, loss_fn: Any, steps: int,
                action_order: Any) -> None:
     m = cfg.micro_batches
@@ -219,7 +225,8 @@ def _rank_fit(cfg: RunConfig, rank: int, inputs: list[list[torch.Tensor]], budge
     share = (budget - sum(fixed.values())) // len(indices)  # each stage's room for activations
     for v in indices:
         layers = {int(name): child for name, child in modules[v].named_children()}
-        managers[v] = TensorManager(layers, device="cpu", budget_bytes=share if managed and share > 0 else None,
+        managers[v] = TensorManager(layers, device="cpu", budget_bytes=share if managed and share > 0
+                                    else None,
                                     policies={lid: Policy(policy) for lid in layers})
     error = (f"rank {rank}: its stages' fixed bytes {sum(fixed.values())} exceed the budget {budget}"
              if managed and share <= 0 else None)
@@ -245,8 +252,10 @@ def _rank_fit(cfg: RunConfig, rank: int, inputs: list[list[torch.Tensor]], budge
         stats = {v: managers[v].stats() for v in indices}
         for manager in managers.values():
             manager.close()
-    if managed and any(layer.policy is not Policy.KEEP for s in stats.values() for layer in s.layers.values()):
-        peak = sum(s.peak_resident_bytes for s in stats.values())  # a swap's or recompute's transients: own peaks
+    if managed and any(layer.policy is not Policy.KEEP for s in stats.values()
+                       for layer in s.layers.values()):
+        # a swap's or recompute's transients: own peaks
+        peak = sum(s.peak_resident_bytes for s in stats.values())
     working = max((s.layers[lid].activation_bytes_per_micro_batch for s in stats.values() for lid in s.layers
                    if s.layers[lid].policy is Policy.RECOMPUTE), default=0)
     return StageFit(stage=rank, budget_bytes=budget, fixed_bytes=sum(fixed.values()), peak_saved_bytes=peak,
@@ -258,7 +267,8 @@ def _rank_fit(cfg: RunConfig, rank: int, inputs: list[list[torch.Tensor]], budge
 def _run_rank(cfg: RunConfig, rank: int, modules: Mapping[int, torch.nn.Module], managers: dict[int, Any],
               optimizer: torch.optim.Optimizer, inputs: list[list[torch.Tensor]], spec: Any, steps: int,
               between_steps: Callable[[], None]) -> int:
-    """Run ``steps`` steps of the rank; returns the peak of its stages' summed saved bytes in the last step."""
+    """Run ``steps`` steps of the rank; returns the peak of its
+    stages' summed saved bytes in the last step."""
     m, last = cfg.micro_batches, cfg.virtual_stages - 1
     loss_fn = spec.loss_fn()
     _, y = spec.batch(0, cfg.batch_size, cfg.seed)
@@ -291,15 +301,17 @@ def _run_rank(cfg: RunConfig, rank: int, modules: Mapping[int, torch.nn.Module],
 def _rank_actions(cfg: RunConfig, rank: int) -> list[Any]:
     """One step's actions of ``rank`` under ``cfg``'s multi-stage schedule, as torch lists them."""
     if get_schedule_ops is None:
-        raise RuntimeError(f"torch {torch.__version__} has no schedule visualizer to read {cfg.schedule}'s action "
+        raise RuntimeError(f"torch {torch.__version__} has no schedule visualizer to read "
+                           f"{cfg.schedule}'s action "
                            "lists from")
-    return get_schedule_ops(multi_stage_class(cfg.schedule), cfg.stages, cfg.micro_batches, cfg.n_local_stages)[rank]
+    return get_schedule_ops(multi_stage_class(cfg.schedule), cfg.stages, cfg.micro_batches,
+                            cfg.n_local_stages)[rank]
 
 
 def rank_action_order(cfg: RunConfig, rank: int, steps: int) -> list[tuple[str, int, int]]:
-    """``(kind, stage, global micro-batch)`` of ``rank`` under ``cfg``'s multi-stage schedule over ``steps`` steps,
-    read off torch's own action lists: ``F`` forward, ``B`` backward (a zero-bubble weight pass ``W``; its input
-    pass ``I`` is left out), ``O`` the optimizer step at the end of each step."""
+    """``(kind, stage, global micro-batch)`` of ``rank`` under ``cfg``'s multi-stage schedule over
+    ``steps`` steps, read off torch's own action lists: ``F`` forward, ``B`` backward (a zero-bubble weight
+    pass ``W``; its input pass ``I`` is left out), ``O`` the optimizer step at the end of each step."""
     one_step = []
     for action in flat_actions(_rank_actions(cfg, rank)):
         kind = action_kind(action)

@@ -33,7 +33,13 @@ from vpipe.control.netaddr import control_host
 from vpipe.files import FileCheckError
 from vpipe.rank.environment import check_environment
 from vpipe_lab.runtime.outputs import OutputInUseError
-from vpipe_lab.runtime.warm_start import SHARED_STARTER_ENV, StarterLink, WarmStarter, connect, warm_start_possible
+from vpipe_lab.runtime.warm_start import (
+    SHARED_STARTER_ENV,
+    StarterLink,
+    WarmStarter,
+    connect,
+    warm_start_possible,
+)
 from vpipe_lab.runtime.watchdog import Watchdog, stderr_line
 
 log = logging.getLogger("vpipe.runtime")  # the run log keeps vpipe.* loggers
@@ -111,7 +117,9 @@ def init_distributed(
 
     env = rank_env()
     if env is None:
-        raise RuntimeError("not launched as a rank: RANK/WORLD_SIZE are unset (use torchrun or `vpipe train`)")
+        raise RuntimeError(
+            "not launched as a rank: RANK/WORLD_SIZE are unset (use torchrun or `vpipe train`)"
+        )
     if torch.cuda.is_available():
         device = torch.device("cuda", env.local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
@@ -173,12 +181,14 @@ def run_rank(ctx: Distributed, main: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 def _explains_itself(exc: BaseException) -> bool:
-    """vpipe's own errors about the user's input (a budget, a checkpoint, a stage shape): one line, no traceback."""
+    """vpipe's own errors about the user's input (a budget, a
+    checkpoint, a stage shape): one line, no traceback."""
     from vpipe.stage.blocks import BlockContainerError
     from vpipe.tensor_manager.budget import MemoryBudgetError
     from vpipe.tensor_manager.pool import HostPoolFullError
 
-    return isinstance(exc, (MemoryBudgetError, HostPoolFullError, CheckpointError, BlockContainerError, KeyFileError,
+    return isinstance(exc, (MemoryBudgetError, HostPoolFullError, CheckpointError, BlockContainerError,
+                            KeyFileError,
                             FileCheckError, OutputInUseError))
 
 
@@ -206,12 +216,15 @@ def host_store(host: str, world_size: int) -> tuple[Any, socket.socket | None]:
     listener.bind((host, 0))
     listener.listen(max(128, 4 * world_size))
     try:
-        store = dist.TCPStore(host, listener.getsockname()[1], world_size, is_master=True, wait_for_workers=False,
+        store = dist.TCPStore(host, listener.getsockname()[1], world_size, is_master=True,
+                              wait_for_workers=False,
                               timeout=timeout, master_listen_fd=listener.fileno())
-    except (TypeError, RuntimeError) as e:  # a torch without master_listen_fd: the old way, on every interface
+    # a torch without master_listen_fd: the old way, on every interface
+    except (TypeError, RuntimeError) as e:
         listener.close()
         log.warning("rendezvous store listens on every interface (%s)", e)
-        return dist.TCPStore(host, 0, world_size, is_master=True, wait_for_workers=False, timeout=timeout), None
+        return dist.TCPStore(host, 0, world_size, is_master=True, wait_for_workers=False,
+                             timeout=timeout), None
     return store, listener
 
 
@@ -273,7 +286,8 @@ def spawn(
             p.send_signal(signum)  # a no-op for a rank that has ended
 
     in_main_thread = threading.current_thread() is threading.main_thread()
-    old = {s: signal.signal(s, forward_signal) for s in (signal.SIGINT, signal.SIGTERM)} if in_main_thread else {}
+    old = {s: signal.signal(s, forward_signal) for s in (signal.SIGINT,
+                                                         signal.SIGTERM)} if in_main_thread else {}
     try:
         for rank in range(nprocs):
             env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0")
@@ -299,7 +313,8 @@ def _shared_starter(environ: dict[str, str]) -> StarterLink | None:
     try:
         return connect(address)
     except OSError as e:
-        log.warning("%s=%s: no warm starter answers there (%s); starting one for this run", SHARED_STARTER_ENV,
+        log.warning("%s=%s: no warm starter answers there (%s); starting one for this run",
+                    SHARED_STARTER_ENV,
                     address, e.strerror or e)
         return None
 
@@ -339,7 +354,8 @@ def _wait_all(procs: list[Any], grace_s: float, timeout_s: float | None = None,
             for p in procs:
                 p.kill()
                 p.wait()
-            raise TimeoutError(f"the run did not finish within {timeout_s:g} s; its {len(procs)} ranks were killed")
+            raise TimeoutError(f"the run did not finish within {timeout_s:g} s; its "
+                               f"{len(procs)} ranks were killed")
         for rank, code in enumerate(codes):
             if code not in (None, 0) and first_failure is None:
                 first_failure = (rank, code)
@@ -347,7 +363,8 @@ def _wait_all(procs: list[Any], grace_s: float, timeout_s: float | None = None,
             if code not in (None, 0) and blamed is None:
                 culprit = _blamed(store, rank)
                 if culprit is not None and 0 <= culprit[0] < len(procs) and codes[culprit[0]] is None:
-                    blamed = culprit  # every other rank gave up on it: no grace for a rank that does not answer
+                    # every other rank gave up on it: no grace for a rank that does not answer
+                    blamed = culprit
                     procs[culprit[0]].kill()
         if first_failure is not None and time.monotonic() - failed_at > grace_s:
             for p in procs:
@@ -363,10 +380,12 @@ def _wait_all(procs: list[Any], grace_s: float, timeout_s: float | None = None,
         return 1
     if bad and interrupted:
         name = signal.Signals(interrupted[0]).name
-        print(f"vpipe: interrupted ({name}); every rank stopped (exit codes: {summary})", file=sys.stderr, flush=True)
+        print(f"vpipe: interrupted ({name}); every rank stopped (exit codes: {summary})", file=sys.stderr,
+              flush=True)
         return 128 + interrupted[0]
     if bad and blamed is not None:
-        print(f"vpipe: run failed; {blamed[1]}, so it was ended (exit codes: {summary})", file=sys.stderr, flush=True)
+        print(f"vpipe: run failed; {blamed[1]}, so it was ended (exit codes: {summary})", file=sys.stderr,
+              flush=True)
         return 1
     if bad:
         rank, code = first_failure or bad[0]

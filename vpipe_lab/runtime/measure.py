@@ -42,7 +42,8 @@ def train_argv(cfg: RunConfig) -> list[str]:
     """``vpipe train`` arguments that reproduce ``cfg`` (the fields the CLI exposes)."""
     argv = ["train", "--model", cfg.model, "--blocks", str(cfg.blocks), "--d-model", str(cfg.d_model),
             "--n-heads", str(cfg.n_heads), "--seq-len", str(cfg.seq_len), "--dropout", str(cfg.dropout),
-            "--stages", str(cfg.stages), "--schedule", cfg.schedule, "--micro-batches", str(cfg.micro_batches),
+            "--stages", str(cfg.stages), "--schedule", cfg.schedule, "--micro-batches",
+            str(cfg.micro_batches),
             "--micro-batch-size", str(cfg.micro_batch_size), "--steps", str(cfg.steps), "--lr", str(cfg.lr),
             "--optimizer", cfg.optimizer, "--seed", str(cfg.seed), "--no-progress"]
     if cfg.block_types is not None:
@@ -58,7 +59,8 @@ def train_argv(cfg: RunConfig) -> list[str]:
         if cfg.monitor_every:
             argv += ["--monitor-every", str(cfg.monitor_every)]
         if cfg.moves:
-            argv += ["--moves", ";".join(f"{m['step']}:{','.join(map(str, m['partition']))}" for m in cfg.moves)]
+            argv += ["--moves", ";".join(f"{m['step']}:{','.join(map(str, m['partition']))}"
+                                         for m in cfg.moves)]
     if cfg.nas:
         argv += ["--nas", json.dumps(cfg.nas)]
     if cfg.log_file:
@@ -156,14 +158,16 @@ class MeasuredRun:
     external_cores: float
     wall_s: float
     ranks: list[dict[str, Any]] = field(default_factory=list)  # each rank's rankN.json
-    outside_threads: float | None = None  # mean runnable threads of other processes (Linux), see RunnableSampler
+    # mean runnable threads of other processes (Linux), see RunnableSampler
+    outside_threads: float | None = None
 
     def steady(self, skip: int = 2) -> list[float]:
         """Per step (after ``skip`` warm-up steps), the mean over ranks of the step's wall time."""
         return steady_step_s(self.step_s, skip)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"cfg": self.cfg, "step_s": self.step_s, "external_cores": self.external_cores, "wall_s": self.wall_s,
+        return {"cfg": self.cfg, "step_s": self.step_s, "external_cores": self.external_cores,
+                "wall_s": self.wall_s,
                 "outside_threads": self.outside_threads}
 
 
@@ -181,7 +185,8 @@ def samples_per_s(step_s: list[list[float]], samples_per_step: int) -> list[floa
     return [samples_per_step / statistics.fmean(s[i] for s in step_s) for i in range(steps)]
 
 
-def run_training(cfg: RunConfig, *, timeout_s: float = 600, extra_env: dict[str, str] | None = None) -> MeasuredRun:
+def run_training(cfg: RunConfig, *, timeout_s: float = 600,
+                 extra_env: dict[str, str] | None = None) -> MeasuredRun:
     """Run ``vpipe train`` for ``cfg`` (one process per stage, one thread each) and collect its results.
 
     The ranks are spawned from this process, as ``vpipe train`` would spawn them, so a
@@ -206,7 +211,8 @@ def run_training(cfg: RunConfig, *, timeout_s: float = 600, extra_env: dict[str,
         external = window.stop()
         if code:
             stderr.seek(0)
-            raise RuntimeError(f"vpipe train failed (exit {code}): {' '.join(argv[2:])}\n{stderr.read()[-3000:]}")
+            raise RuntimeError(f"vpipe train failed (exit {code}): "
+                               f"{' '.join(argv[2:])}\n{stderr.read()[-3000:]}")
         ranks = [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(cfg.stages)]
     return MeasuredRun(cfg=cfg.to_dict(), step_s=[r["step_s"] for r in ranks], external_cores=external,
                        wall_s=wall, ranks=ranks, outside_threads=outside)

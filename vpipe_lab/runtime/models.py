@@ -179,7 +179,8 @@ def transformer_lm(
 
 
 def block_spec(type: str, d_model: int, n_heads: int, d_ff: int, dropout: float) -> LayerSpec:
-    return {"kind": "block", "type": type, "d_model": d_model, "n_heads": n_heads, "d_ff": d_ff, "dropout": dropout}
+    return {"kind": "block", "type": type, "d_model": d_model, "n_heads": n_heads, "d_ff": d_ff,
+            "dropout": dropout}
 
 
 # ------------------------------------------------------------------ CNN
@@ -249,7 +250,8 @@ def build_model(spec: ModelSpec, seed: int = 0, ids: list[int] | None = None) ->
     return nn.Sequential(OrderedDict((str(i), build_layer(s, i, seed)) for i, s in zip(ids, spec.layers)))
 
 
-def reference_transformer(blocks: int = 8, d_model: int = 64, seq_len: int = 64, dropout: float = 0.1) -> nn.Sequential:
+def reference_transformer(blocks: int = 8, d_model: int = 64, seq_len: int = 64,
+                          dropout: float = 0.1) -> nn.Sequential:
     """The reference transformer LM as one module, for ``vpipe plan --model``: its input is a
     micro-batch of token ids, shape ``(batch, seq_len)``, dtype int64."""
     return build_model(transformer_lm(n_blocks=blocks, d_model=d_model, seq_len=seq_len, dropout=dropout))

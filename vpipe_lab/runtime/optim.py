@@ -20,7 +20,8 @@ def make_optimizer(cfg: RunConfig, params: Any) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
-def make_scheduler(cfg: RunConfig, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler | None:
+def make_scheduler(cfg: RunConfig,
+                   optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler | None:
     """The run's learning-rate schedule, stepped once per training step (None: constant)."""
     if cfg.lr_schedule == "constant":
         return None

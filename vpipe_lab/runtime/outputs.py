@@ -24,11 +24,13 @@ from vpipe.files import FileCheckError, check_output_dir, check_output_file, mak
 from vpipe.settings import Settings, process_settings
 from vpipe_lab.runtime.config import RunConfig
 
-__all__ = ["check_vpipe_outputs", "run_log_file", "claim_outputs", "lock_directory", "keep", "OutputInUseError",
+__all__ = ["check_vpipe_outputs", "run_log_file", "claim_outputs", "lock_directory", "keep",
+           "OutputInUseError",
            "LOCK_NAME"]
 
 LOCK_NAME = ".vpipe-lock"
-_held: dict[tuple[int, int], int] = {}  # (device, inode) of a lock this process holds -> its descriptor, to the end
+# (device, inode) of a lock this process holds -> its descriptor, to the end
+_held: dict[tuple[int, int], int] = {}
 
 
 class OutputInUseError(ValueError):
@@ -36,8 +38,8 @@ class OutputInUseError(ValueError):
 
 
 def run_log_file(flag: str | None, settings: Settings | None = None) -> str | None:
-    """The run log a run writes: ``--log-file``, else ``VPIPE_LOG_FILE`` (which the launcher checked, and nothing
-    wrote to before). ``settings``: this process's (read once) unless given."""
+    """The run log a run writes: ``--log-file``, else ``VPIPE_LOG_FILE`` (which the launcher checked, and
+    nothing wrote to before). ``settings``: this process's (read once) unless given."""
     if flag is not None:
         return flag
     value = (process_settings() if settings is None else settings).log_file
@@ -59,8 +61,9 @@ def check_vpipe_outputs(vpipe: bool, settings: Settings | None = None) -> None:
 
 
 def claim_outputs(cfg: RunConfig, *, hold: bool, settings: Settings | None = None) -> None:
-    """OutputInUseError when another run holds ``cfg``'s ``--out-dir``, ``--log-file`` or (with ``--vpipe`` and
-    ``VPIPE_TRACE_STEPS``) trace directory. The launcher looks (``hold=False``); rank 0 keeps them for the run."""
+    """OutputInUseError when another run holds ``cfg``'s ``--out-dir``, ``--log-file``
+    or (with ``--vpipe`` and ``VPIPE_TRACE_STEPS``) trace directory. The launcher
+    looks (``hold=False``); rank 0 keeps them for the run."""
     if cfg.out_dir:
         keep(lock_directory(Path(cfg.out_dir), "--out-dir"), hold)
     settings = process_settings() if settings is None else settings
@@ -71,10 +74,10 @@ def claim_outputs(cfg: RunConfig, *, hold: bool, settings: Settings | None = Non
 
 
 def lock_directory(root: Path, what: str, error: type[ValueError] = OutputInUseError) -> int:
-    """A descriptor of ``root/.vpipe-lock``, locked by this process (which may hold it already, through another
-    descriptor: one directory given twice); ``root`` is made ``0700`` if missing. :func:`keep` holds or releases
-    it. ``error`` (one line naming ``what``) when another
-    run holds it, a link was planted where it goes, or ``root`` cannot be written."""
+    """A descriptor of ``root/.vpipe-lock``, locked by this process (which may hold it already, through
+    another descriptor: one directory given twice); ``root`` is made ``0700`` if missing. :func:`keep`
+    holds or releases it. ``error`` (one line naming ``what``) when another run holds it, a link was
+    planted where it goes, or ``root`` cannot be written."""
     try:
         make_dirs(root, what)  # never through a link another user planted
     except FileCheckError as e:
@@ -90,7 +93,8 @@ def lock_directory(root: Path, what: str, error: type[ValueError] = OutputInUseE
     if not _lock(fd):
         owner = os.read(fd, 64).decode("ascii", "replace").strip() or "?"
         os.close(fd)
-        raise error(f"{what} {root} is in use by another run (pid {owner}); give each run a directory of its own")
+        raise error(f"{what} {root} is in use by another run (pid {owner}); give each run a "
+                    "directory of its own")
     return fd
 
 
@@ -103,7 +107,8 @@ def _lock_log(log_file: str) -> int | None:
         return None
     if not _lock(fd):
         os.close(fd)
-        raise OutputInUseError(f"--log-file {log_file} is being written by another run; give each run a log file of "
+        raise OutputInUseError(f"--log-file {log_file} is being written by another run; give "
+                               "each run a log file of "
                                "its own")
     return fd
 
@@ -121,8 +126,8 @@ def _lock(fd: int) -> bool:
 
 
 def keep(fd: int | None, hold: bool, *, pid: bool = True) -> None:
-    """Hold the lock of ``fd`` until this process ends (``pid``: its pid written in the lock file, for the message
-    another run gets), or let it go (the launcher's look)."""
+    """Hold the lock of ``fd`` until this process ends (``pid``: its pid written in the lock file, for the
+    message another run gets), or let it go (the launcher's look)."""
     if fd is None:
         return
     info = os.fstat(fd)

@@ -25,7 +25,8 @@ from vpipe_lab.runtime.config import RunConfig
 from vpipe_lab.runtime.models import block_spec, build_layer, build_model
 from vpipe_lab.runtime.optim import make_optimizer, make_scheduler
 
-__all__ = ["reference_flush", "reference_pipedream", "reference_2bw", "reference_wpipe", "optimizer_state_by_name",
+__all__ = ["reference_flush", "reference_pipedream", "reference_2bw", "reference_wpipe",
+           "optimizer_state_by_name",
            "backward_order"]
 
 
@@ -37,7 +38,8 @@ def optimizer_state_by_name(named_params: Mapping[str, torch.Tensor],
     for opt in optimizers:
         for p, state in opt.state.items():
             if id(p) in by_id:
-                out[by_id[id(p)]] = {k: v.detach().clone() for k, v in state.items() if isinstance(v, torch.Tensor)}
+                out[by_id[id(p)]] = {k: v.detach().clone() for k, v in state.items()
+                                     if isinstance(v, torch.Tensor)}
     return out
 
 
@@ -46,7 +48,8 @@ def _micro_batches(cfg: RunConfig, step: int) -> list[tuple[torch.Tensor, torch.
     return list(zip(x.tensor_split(cfg.micro_batches), y.tensor_split(cfg.micro_batches)))
 
 
-def reference_flush(cfg: RunConfig) -> tuple[dict[str, torch.Tensor], list[float], dict[str, dict[str, torch.Tensor]]]:
+def reference_flush(cfg: RunConfig) -> tuple[dict[str, torch.Tensor], list[float],
+                                             dict[str, dict[str, torch.Tensor]]]:
     """Parameters after ``cfg.steps`` steps, the mean loss of each step, and the optimizer state by name."""
     torch.set_num_threads(1)
     spec = cfg.model_spec()
@@ -83,8 +86,10 @@ def backward_order(cfg: RunConfig) -> list[int]:
     return order[::-1] if cfg.schedule == "loopedbfs" else order
 
 
-def _edit_layers(cfg: RunConfig, model: torch.nn.Sequential, optimizers: list, step: int, next_id: int) -> int:
-    """Apply the layer edits of ``cfg.nas`` due before ``step``, as the layer manager does; returns the next id."""
+def _edit_layers(cfg: RunConfig, model: torch.nn.Sequential, optimizers: list, step: int,
+                 next_id: int) -> int:
+    """Apply the layer edits of ``cfg.nas`` due before ``step``, as
+    the layer manager does; returns the next id."""
     for event in cfg.nas or []:
         if event["step"] != step:
             continue
@@ -150,10 +155,11 @@ def reference_pipedream(
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, step_losses, state
 
 
-def reference_2bw(cfg: RunConfig) -> tuple[dict[str, torch.Tensor], list[float], dict[str, dict[str, torch.Tensor]]]:
-    """Parameters after ``cfg.steps`` PipeDream-2BW updates W(t+1) = W(t) - update(grad f(W(t-1))), the mean loss of
-    each step, and the optimizer state by name (a constant learning rate: under a stream a stage's update of step
-    ``t`` may come after the scheduler's step of ``t``)."""
+def reference_2bw(cfg: RunConfig) -> tuple[dict[str, torch.Tensor], list[float],
+                                           dict[str, dict[str, torch.Tensor]]]:
+    """Parameters after ``cfg.steps`` PipeDream-2BW updates W(t+1) = W(t) - update(grad f(W(t-1))), the
+    mean loss of each step, and the optimizer state by name (a constant learning rate: under a stream a
+    stage's update of step ``t`` may come after the scheduler's step of ``t``)."""
     torch.set_num_threads(1)
     model = build_model(cfg.model_spec(), seed=cfg.seed)
     optimizers = [make_optimizer(cfg, [p for i in ids for p in model.get_submodule(str(i)).parameters()])
@@ -163,29 +169,31 @@ def reference_2bw(cfg: RunConfig) -> tuple[dict[str, torch.Tensor], list[float],
 
 
 def reference_wpipe(cfg: RunConfig) -> tuple[dict[str, torch.Tensor], list[float]]:
-    """Parameters after ``cfg.steps`` WPipe periods, W0(t+1) = W0(t) - update(grad_0 f(W0(t-1), W1(t))) for G0 (the
-    first ``W`` virtual stages' layers) and W1(t+1) = W1(t) - update(grad_1 f(W0(t-1), W1(t))) for G1, and the mean
-    loss of each step (a constant learning rate, as for 2BW)."""
+    """Parameters after ``cfg.steps`` WPipe periods, W0(t+1) = W0(t) - update(grad_0 f(W0(t-1), W1(t))) for
+    G0 (the first ``W`` virtual stages' layers) and W1(t+1) = W1(t) - update(grad_1 f(W0(t-1), W1(t))) for
+    G1, and the mean loss of each step (a constant learning rate, as for 2BW)."""
     torch.set_num_threads(1)
     model = build_model(cfg.model_spec(), seed=cfg.seed)
     ids, ranks = cfg.stage_layer_ids(), cfg.stages
     optimizers = [make_optimizer(cfg, [p for i in ids[r] + ids[ranks + r]
-                                       for p in model.get_submodule(str(i)).parameters()]) for r in range(ranks)]
+                                       for p in model.get_submodule(str(i)).parameters()])
+                  for r in range(ranks)]
     g0 = tuple(f"{i}." for stage in ids[:ranks] for i in stage)
     return _delayed_updates(cfg, model, optimizers, lambda name: name.startswith(g0))
 
 
 def _delayed_updates(cfg: RunConfig, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
                      delayed: Callable[[str], bool]) -> tuple[dict[str, torch.Tensor], list[float]]:
-    """Train ``cfg.steps`` steps in one process, each step's gradient taken on the weights of one update earlier for
-    the parameters ``delayed`` names and on the newest for the others (2BW: all delayed; WPipe: G0's); the final
-    state and the mean loss of each step."""
+    """Train ``cfg.steps`` steps in one process, each step's gradient taken on the weights of one update
+    earlier for the parameters ``delayed`` names and on the newest for the others (2BW: all delayed; WPipe:
+    G0's); the final state and the mean loss of each step."""
     loss_fn = cfg.model_spec().loss_fn()
     params = dict(model.named_parameters())
     history = [{n: t.detach().clone() for n, t in params.items()}]  # history[v]: the weights after v steps
     step_losses = []
     for step in range(cfg.steps):
-        weights = {n: history[max(0, step - 1) if delayed(n) else step][n].clone().requires_grad_() for n in params}
+        weights = {n: history[max(0, step - 1) if delayed(n) else step][n].clone().requires_grad_()
+                   for n in params}
         losses = []
         for x, y in _micro_batches(cfg, step):
             loss = loss_fn(functional_call(model, weights, (x,)), y)

@@ -45,7 +45,8 @@ def save_rank_result(cfg: RunConfig, run: StageRun, result: RunResult) -> None:
     try:
         _write_rank_result(out, run, result)
     except OSError as e:
-        stderr_line(f"vpipe [rank {run.rank}]: cannot write this rank's results to {out} ({e.strerror or e}); "
+        stderr_line(f"vpipe [rank {run.rank}]: cannot write this rank's results to {out} "
+                    f"({e.strerror or e}); "
                     "training finished without them")
 
 
@@ -77,7 +78,8 @@ def samples_per_s(cfg: RunConfig, result: RunResult) -> float:
 def print_summary(cfg: RunConfig, result: RunResult) -> None:
     table = Table(title="vpipe run summary", show_header=False)
     table.add_row("model", f"{cfg.model_spec().name} ({cfg.n_layers} layers)")
-    stages = f"{cfg.virtual_stages} stages on {cfg.stages} ranks" if cfg.multi_stage else f"{cfg.stages} stages"
+    stages = (f"{cfg.virtual_stages} stages on {cfg.stages} ranks" if cfg.multi_stage
+              else f"{cfg.stages} stages")
     table.add_row("pipeline", f"{stages}, {cfg.schedule}, layers per stage {cfg.layer_counts()}")
     table.add_row("batch", f"{cfg.micro_batches} micro-batches x {cfg.micro_batch_size}")
     table.add_row("steps", f"{result.steps} in {result.seconds:.1f} s")

@@ -33,12 +33,14 @@ __all__ = ["StageCost", "SimResult", "simulate", "action_order", "on_devices"]
 
 @dataclass(frozen=True)
 class StageCost:
-    """Seconds per micro-batch on one stage (on the reference device when ``simulate`` gets ``stage_speeds``)."""
+    """Seconds per micro-batch on one stage (on the reference device
+    when ``simulate`` gets ``stage_speeds``)."""
 
     fwd_s: float
     bwd_s: float
     send_s: float = 0.0  # boundary transfer to the next stage (activations forward, gradients back)
-    optimizer_s: float = 0.0  # one optimizer step (per step for flush schedules, per micro-batch for PipeDream)
+    # one optimizer step (per step for flush schedules, per micro-batch for PipeDream)
+    optimizer_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("fwd_s", "bwd_s", "send_s", "optimizer_s"):
@@ -61,8 +63,10 @@ class SimResult:
         return 1.0 - sum(self.busy_s) / (len(self.busy_s) * self.total_s)
 
 
-def action_order(schedule: str, stage: int, num_stages: int, micro_batches: int, steps: int) -> list[tuple[str, int]]:
-    """This stage's actions ``("F"|"B"|"O", global micro-batch)`` over ``steps`` steps (``O`` = optimizer step)."""
+def action_order(schedule: str, stage: int, num_stages: int, micro_batches: int,
+                 steps: int) -> list[tuple[str, int]]:
+    """This stage's actions ``("F"|"B"|"O", global micro-batch)``
+    over ``steps`` steps (``O`` = optimizer step)."""
     p, m = num_stages, micro_batches
     warm = p - stage
     out: list[tuple[str, int]] = []
@@ -95,7 +99,9 @@ def action_order(schedule: str, stage: int, num_stages: int, micro_batches: int,
                     f += 1
             out += seq
         else:
-            raise ValueError(f"unknown schedule {schedule!r}; expected gpipe, 1f1b, pipedream or pipedream2bw")
+            raise ValueError(
+                f"unknown schedule {schedule!r}; expected gpipe, 1f1b, pipedream or pipedream2bw"
+            )
         out.append(("O", base + m - 1))
     return out
 
@@ -207,7 +213,9 @@ def simulate(
             del pausing[s]
             check.add(s)
     if any(nxt[s] < len(orders[s]) for s in range(p)):
-        raise RuntimeError("simulation deadlocked: an action waits for one that never runs")  # pragma: no cover
+        raise RuntimeError(
+            "simulation deadlocked: an action waits for one that never runs"
+        )  # pragma: no cover
     total = max(done.values()) if done else 0.0
     return SimResult(step_s=_steady_step_s(step_end, schedule, total), total_s=total, busy_s=busy,
                      finish_s=step_end)
@@ -222,7 +230,9 @@ def on_devices(costs: Sequence[StageCost], stage_speeds: Sequence[float]) -> lis
     """
     speeds = list(stage_speeds)
     if len(speeds) != len(costs):
-        raise ValueError(f"stage_speeds must give one factor per stage: {len(speeds)} for {len(costs)} stages")
+        raise ValueError(
+            f"stage_speeds must give one factor per stage: {len(speeds)} for {len(costs)} stages"
+        )
     bad = [(k, v) for k, v in enumerate(speeds)
            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not (math.isfinite(v) and v > 0)]
     if bad:

@@ -1,4 +1,5 @@
-"""A slower device, modelled by waiting: selected modules' forwards and backwards take ``factor`` times as long.
+"""A slower device, modelled by waiting: selected modules' forwards and
+backwards take ``factor`` times as long.
 
 Why waiting and not work: on a shared 2-core machine two ranks compete for the cores, so
 busy work on one rank would slow the other one too; a rank that sleeps gives its core
@@ -42,8 +43,8 @@ def of_class(*classes: type[nn.Module]) -> ModulePredicate:
 
 
 def children_of(*containers: nn.Module) -> ModulePredicate:
-    """Select the current children of ``containers`` (a stage's blocks), read at each call: blocks that a layer
-    manager moves in or out of a container in place are followed."""
+    """Select the current children of ``containers`` (a stage's blocks), read at each call: blocks that a
+    layer manager moves in or out of a container in place are followed."""
     def selected(module: nn.Module) -> bool:
         return any(module is child for container in containers for child in container.children())
     return selected
@@ -65,7 +66,8 @@ class _SlowBackward(torch.autograd.Function):
 
 
 def _first_grad_tensor(output: Any) -> tuple[int, torch.Tensor] | None:
-    """Where the wait of the backward goes: the output's first tensor that needs a gradient (one wait per call)."""
+    """Where the wait of the backward goes: the output's first
+    tensor that needs a gradient (one wait per call)."""
     if isinstance(output, torch.Tensor):
         return (-1, output) if output.requires_grad else None
     if isinstance(output, (tuple, list)):
@@ -80,7 +82,8 @@ def _is_meta(args: Iterable[Any]) -> bool:
 
 
 class SlowDevice:
-    """Make the selected modules of this process ``factor`` times slower by sleeping (see the module docstring).
+    """Make the selected modules of this process ``factor`` times
+    slower by sleeping (see the module docstring).
 
     ``modules`` decides which modules wait (:func:`of_class`, :func:`children_of`, or any predicate). The
     hooks are installed only while ``factor != 1`` (a factor of 1 costs nothing), so a straggler can appear
@@ -142,7 +145,8 @@ class SlowDevice:
         depth = self._depth() - 1
         self._local.depth = max(depth, 0)
         if depth != 0 or output is None:
-            return None  # an inner selected module (the outermost one waits for the whole), or a forward that raised
+            # an inner selected module (the outermost one waits for the whole), or a forward that raised
+            return None
         elapsed = time.perf_counter() - self._local.started
         extra = (self.factor - 1.0) * elapsed
         if extra <= 0:

@@ -44,8 +44,8 @@ class StageRun:
 
     @property
     def streams(self) -> bool:
-        """Whether the schedule is one of vpipe's streams (PipeDream, 2BW, WPipe): it steps the optimizer itself,
-        keeps micro-batches in flight across steps and needs ``flush()`` at the end."""
+        """Whether the schedule is one of vpipe's streams (PipeDream, 2BW, WPipe): it steps the optimizer
+        itself, keeps micro-batches in flight across steps and needs ``flush()`` at the end."""
         return isinstance(self.schedule, (SchedulePipeDream, ScheduleWPipe))
 
     @property
@@ -57,7 +57,8 @@ class StageRun:
     def module(self) -> nn.Sequential:
         """This rank's only chunk; under a multi-stage schedule use :attr:`modules` or :meth:`layers_view`."""
         if len(self.modules) != 1:
-            raise ValueError(f"rank {self.rank} runs stages {self.stage_indices}: use modules[i] or layers_view()")
+            raise ValueError(f"rank {self.rank} runs stages {self.stage_indices}: use "
+                             "modules[i] or layers_view()")
         return self.modules[0]
 
     @property
@@ -118,7 +119,8 @@ def build_stage_run(cfg: RunConfig, rank: int, device: torch.device, group: Any 
     indices = cfg.rank_stages(rank)
     modules = [build_model(sub_spec(spec, placement[v]), seed=cfg.seed, ids=list(placement[v])).to(device)
                for v in indices]
-    stages = [PipelineStage(module, v, cfg.virtual_stages, device, group=group) for module, v in zip(modules, indices)]
+    stages = [PipelineStage(module, v, cfg.virtual_stages, device, group=group)
+              for module, v in zip(modules, indices)]
     optimizer = make_optimizer(cfg, [p for module in modules for p in module.parameters()])
     schedule = _schedule(cfg, stages, spec.loss_fn(), optimizer)
     return StageRun(cfg, rank, indices, modules, stages, schedule, optimizer, make_scheduler(cfg, optimizer))
@@ -138,14 +140,16 @@ _MULTI_STAGE_CLASSES: dict[str, type] = {
 }
 
 
-def _schedule(cfg: RunConfig, stages: list[PipelineStage], loss_fn: Any, optimizer: torch.optim.Optimizer) -> Any:
+def _schedule(cfg: RunConfig, stages: list[PipelineStage], loss_fn: Any,
+              optimizer: torch.optim.Optimizer) -> Any:
     """``cfg.schedule`` over this rank's stages; a multi-stage one must place stages where ``cfg`` does."""
     if cfg.schedule == "gpipe":
         return ScheduleGPipe(stages[0], cfg.micro_batches, loss_fn=loss_fn)
     if cfg.schedule == "1f1b":
         return Schedule1F1B(stages[0], cfg.micro_batches, loss_fn=loss_fn)
     if cfg.schedule == "pipedream":
-        return SchedulePipeDream(stages[0], cfg.micro_batches, loss_fn, optimizer, vertical_sync=cfg.vertical_sync)
+        return SchedulePipeDream(stages[0], cfg.micro_batches, loss_fn, optimizer,
+                                 vertical_sync=cfg.vertical_sync)
     if cfg.schedule == "pipedream2bw":
         return SchedulePipeDream2BW(stages[0], cfg.micro_batches, loss_fn, optimizer)
     if cfg.schedule == "wpipe":  # G0's stage r and G1's W + r, as the looped layout places them
@@ -154,9 +158,11 @@ def _schedule(cfg: RunConfig, stages: list[PipelineStage], loss_fn: Any, optimiz
     name = cls.__name__
     schedule = cls(stages, cfg.micro_batches, loss_fn=loss_fn)
     placed = [int(schedule.stage_index_to_group_rank[v]) for v in range(cfg.virtual_stages)]
-    if placed != [cfg.stage_rank(v) for v in range(cfg.virtual_stages)]:  # a torch that lays stages out otherwise
+    # a torch that lays stages out otherwise
+    if placed != [cfg.stage_rank(v) for v in range(cfg.virtual_stages)]:
         raise RuntimeError(f"torch {torch.__version__}'s {name} runs stages on ranks {placed}; the reference "
-                           f"trainer built them for ranks {[cfg.stage_rank(v) for v in range(cfg.virtual_stages)]}")
+                           "trainer built them for ranks "
+                           f"{[cfg.stage_rank(v) for v in range(cfg.virtual_stages)]}")
     return schedule
 
 

@@ -25,7 +25,12 @@ from vpipe.control.curve import RunKeys
 from vpipe.control.session import ControlOptions, open_for_stage_run
 from vpipe.plan import Plan, Policy
 from vpipe.settings import Settings, process_settings
-from vpipe_lab.runtime.checkpoints import check_checkpoint_dir, load_resume, resume_placement, save_run_checkpoint
+from vpipe_lab.runtime.checkpoints import (
+    check_checkpoint_dir,
+    load_resume,
+    resume_placement,
+    save_run_checkpoint,
+)
 from vpipe_lab.runtime.config import RunConfig
 from vpipe_lab.runtime.launch import Distributed
 from vpipe_lab.runtime.models import block_spec, build_layer
@@ -47,7 +52,8 @@ def train_rank(cfg: RunConfig, ctx: Distributed) -> RunResult:
         raise ValueError(f"the run has {ctx.world_size} ranks but the config asks for {cfg.stages} "
                          f"{'ranks' if cfg.multi_stage else 'stages'}")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    settings = process_settings()  # the rank's VPIPE_* variables, read once per process (attach takes the same)
+    # the rank's VPIPE_* variables, read once per process (attach takes the same)
+    settings = process_settings()
     if ctx.rank == 0:  # the locks of the run's directories and log, for as long as the run lives
         check_checkpoint_dir(cfg, hold=True)
         claim_outputs(cfg, hold=True)
@@ -62,7 +68,8 @@ def train_rank(cfg: RunConfig, ctx: Distributed) -> RunResult:
                       rank=ctx.rank if same_layout else None)
         first_step = resumed.step
         log.info("stage %d: resumed from %s after step %d", ctx.rank, resumed.path, first_step)
-    log.info("rank %d of %d: stages %s of %d, training layers %s with %s", ctx.rank, cfg.stages, run.stage_indices,
+    log.info("rank %d of %d: stages %s of %d, training layers %s with %s", ctx.rank, cfg.stages,
+             run.stage_indices,
              cfg.virtual_stages, run.layer_ids, cfg.schedule, extra={"vpipe_fields": {"pid": os.getpid()}})
     vp = attach_vpipe(cfg, run, resumed.vpipe if resumed is not None else None) if cfg.vpipe else None
     session = _control_session(cfg, run, ctx, settings) if vp is None else None
@@ -143,7 +150,8 @@ def apply_layer_edits(cfg: RunConfig, vp: Any, step: int) -> None:
             continue
         if "add" in event:
             add = event["add"]
-            specs = [block_spec(t, cfg.d_model, cfg.n_heads, 4 * cfg.d_model, cfg.dropout) for t in add["types"]]
+            specs = [block_spec(t, cfg.d_model, cfg.n_heads, 4 * cfg.d_model, cfg.dropout)
+                     for t in add["types"]]
             vp.add_layers(add["position"], specs)
         else:
             vp.remove_layers(event["remove"])

@@ -43,14 +43,16 @@ class Variant:
     planning: bool = True  # vpipe only: run the online planner (rebalancing) and apply its plans
     sample_every: int = 2  # vpipe only: monitor every k-th step
     moves: bool = True  # vpipe only: plans may move layers (False: policies only)
-    partition: list[int] | None = None  # layers per (virtual) stage; None: the base's (an even split if multi-stage)
+    # layers per (virtual) stage; None: the base's (an even split if multi-stage)
+    partition: list[int] | None = None
 
     def config(self, base: RunConfig) -> RunConfig:
         partition = self.partition
         if partition is None and self.schedule not in MULTI_STAGE:
             partition = base.partition
         return replace(base, schedule=self.schedule, micro_batch_size=self.micro_batch_size,
-                       micro_batches=self.micro_batches, vpipe=self.vpipe, policy=self.policy, partition=partition,
+                       micro_batches=self.micro_batches, vpipe=self.vpipe, policy=self.policy,
+                       partition=partition,
                        memory_budget=self.memory_budget if self.vpipe else None, progress=False)
 
     def to_dict(self) -> dict[str, Any]:
@@ -83,7 +85,8 @@ class VariantRun:
             out.update(policies="/".join(policies),
                        peak_saved_bytes=sum(s.peak_resident_bytes for s in stats),
                        budget_bytes=None if None in budgets else sum(budgets),
-                       escalations=sum(len(s.escalations) for s in stats), d2h_bytes=sum(s.d2h_bytes for s in stats),
+                       escalations=sum(len(s.escalations) for s in stats),
+                       d2h_bytes=sum(s.d2h_bytes for s in stats),
                        hooked=[tm.hooked for tm in managers])
             out["fixed_bytes"] = self.vp.fixed_bytes()
         return out
@@ -107,7 +110,9 @@ def build_variant(variant: Variant, base: RunConfig, ctx: Distributed, index: in
         for layer in (layer for module in run.modules for layer in module):
             layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
     elif variant.policy != "D":
-        raise ValueError(f"variant {variant.name}: without vpipe the policy is D or R, got {variant.policy!r}")
+        raise ValueError(
+            f"variant {variant.name}: without vpipe the policy is D or R, got {variant.policy!r}"
+        )
     return VariantRun(variant, run, vp)
 
 
@@ -115,8 +120,10 @@ def _attach(cfg: RunConfig, run: StageRun, variant: Variant, store: Any) -> Any:
     spec = cfg.model_spec()
     config = VpipeConfig(
         memory_budget=variant.memory_budget, planning=variant.planning, sample_every=variant.sample_every,
-        layer_factory=(lambda lid, layer_spec: build_layer(layer_spec, lid, cfg.seed)) if variant.moves else None,
-        specs=dict(enumerate(spec.layers)), policies={lid: Policy(variant.policy) for lid in range(cfg.n_layers)},
+        layer_factory=(lambda lid, layer_spec: build_layer(layer_spec, lid, cfg.seed)) if variant.moves
+                         else None,
+        specs=dict(enumerate(spec.layers)), policies={lid: Policy(variant.policy)
+                                                      for lid in range(cfg.n_layers)},
     )
     return attach(run.schedule, optimizer=run.optimizer, config=config, store=store)
 

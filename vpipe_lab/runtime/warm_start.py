@@ -61,7 +61,8 @@ class StarterLink:
         self.exit_codes: dict[int, int] = {}
         self.lost = False  # the starter ended while this link was open: nobody reports its ranks' exits
 
-    def start(self, argv: Sequence[str], env: dict[str, str], stdout: Any = None, stderr: Any = None) -> WarmRank:
+    def start(self, argv: Sequence[str], env: dict[str, str], stdout: Any = None,
+              stderr: Any = None) -> WarmRank:
         """Fork one rank running ``argv`` (a Python command line) with ``env``; return its handle.
 
         ``stdout`` and ``stderr`` as for ``subprocess.Popen``: None (this process's), DEVNULL, or a file.
@@ -169,7 +170,8 @@ def _descriptor(target: Any, default: int) -> Iterator[int]:
         target.flush()
         yield target.fileno()
     else:
-        raise ValueError(f"a warm-started rank's output goes to a file, DEVNULL or this process's, not {target!r}")
+        raise ValueError("a warm-started rank's output goes to a file, DEVNULL or this "
+                         f"process's, not {target!r}")
 
 
 class WarmRank:
@@ -183,8 +185,8 @@ class WarmRank:
     def returncode(self) -> int | None:
         code = self._starter.exit_codes.get(self.pid)
         if code is None and self._starter.lost:
-            # the starter that would report its exit is gone (killed): the rank dies with it (it asked the kernel
-            # to, at fork), and is ended here in case it has not yet; it counts as killed
+            # the starter that would report its exit is gone (killed): the rank dies with it (it asked the
+            # kernel to, at fork), and is ended here in case it has not yet; it counts as killed
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(self.pid, signal.SIGKILL)
             code = self._starter.exit_codes[self.pid] = -signal.SIGKILL
@@ -269,8 +271,8 @@ def _serve(owner_fd: int, listener_fd: int | None = None) -> dict[str, Any]:
 
 
 def _die_with_starter() -> None:
-    """Ask the kernel to kill this forked rank when the starter dies (``kill -9`` of the starter leaves no rank
-    training on as an orphan). Linux's ``prctl(PR_SET_PDEATHSIG)``; elsewhere the launcher ends them."""
+    """Ask the kernel to kill this forked rank when the starter dies (``kill -9`` of the starter leaves no
+    rank training on as an orphan). Linux's ``prctl(PR_SET_PDEATHSIG)``; elsewhere the launcher ends them."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
@@ -346,11 +348,13 @@ def _become(request: dict[str, Any]) -> None:
 
 
 def _follow_pythonpath(started_with: str, wanted: str) -> None:
-    """Give ``sys.path`` the request's ``PYTHONPATH`` entries where the starter had its own (right after [0])."""
+    """Give ``sys.path`` the request's ``PYTHONPATH`` entries where
+    the starter had its own (right after [0])."""
     if started_with == wanted:
         return
     old = set(filter(None, started_with.split(os.pathsep)))
-    sys.path[1:] = [entry for entry in wanted.split(os.pathsep) if entry] + [e for e in sys.path[1:] if e not in old]
+    sys.path[1:] = [entry for entry in wanted.split(os.pathsep) if entry] + [e for e in sys.path[1:]
+                                                                             if e not in old]
 
 
 if __name__ == "__main__":

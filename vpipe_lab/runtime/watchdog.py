@@ -37,7 +37,8 @@ def is_communication_error(exc: BaseException) -> bool:
     if isinstance(exc, getattr(dist, "DistError", ())):
         return True
     text = str(exc).lower()
-    return any(w in text for w in ("connection closed", "connection reset", "broken pipe", "gloo", "nccl", "timed out"))
+    return any(w in text for w in ("connection closed", "connection reset", "broken pipe", "gloo", "nccl",
+                                   "timed out"))
 
 
 class Watchdog:
@@ -78,11 +79,13 @@ class Watchdog:
                 store.add(_HB.format(self.rank), 1)
                 culprit = self.find_culprit(store)
             except Exception as e:  # the store itself is gone: the launcher died
-                self._exit(f"lost the rendezvous store ({e}); the launcher or rank 0's host is gone", EXIT_PEER_FAILED)
+                self._exit(f"lost the rendezvous store ({e}); the launcher or rank 0's host is gone",
+                           EXIT_PEER_FAILED)
                 return
             if culprit is not None and culprit[0] != self.rank:
                 try:  # say who is to blame, so the launcher can name it (and end it, if it hangs)
-                    store.set(_FAIL.format(self.rank), json.dumps({"cause": culprit[0], "error": culprit[1][:500]}))
+                    store.set(_FAIL.format(self.rank), json.dumps({"cause": culprit[0],
+                                                                   "error": culprit[1][:500]}))
                     store.add(_NFAIL, 1)
                 except Exception:  # noqa: BLE001 - the store is going away with the run
                     pass

@@ -76,7 +76,8 @@ def amoebanet(*, batch: int = 8, image: int = 224, normal_per_stack: int = 23, c
     )
 
 
-def gnmt(*, layers: int = 16, batch: int = 64, seq: int = 16, roofline: Roofline = DEFAULT_ROOFLINE) -> LayerGraph:
+def gnmt(*, layers: int = 16, batch: int = 64, seq: int = 16,
+         roofline: Roofline = DEFAULT_ROOFLINE) -> LayerGraph:
     """GNMT-like LSTM translation model, hidden 1024, ``layers`` encoder and decoder layers.
 
     The default 16 + 16 is GNMT-8 doubled, as the paper doubles every model's depth for its

@@ -51,7 +51,8 @@ class Attention(nn.Module):
     def _split(self, x: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
         return x.view(batch, seq, self.heads, self.head_dim).permute(0, 2, 1, 3)
 
-    def forward(self, x: torch.Tensor, memory: torch.Tensor, mask: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, memory: torch.Tensor, mask: torch.Tensor, batch: int,
+                seq: int) -> torch.Tensor:
         q = self._split(self.q(x), batch, seq)
         k = self._split(self.k(memory), batch, seq)
         v = self._split(self.v(memory), batch, seq)
@@ -92,7 +93,8 @@ class DecoderLayer(nn.Module):
         self.ln1, self.ln2, self.ln3 = LayerNorm(dim), LayerNorm(dim), LayerNorm(dim)
         self.drop1, self.drop2 = nn.Dropout(0.1), nn.Dropout(0.1)
 
-    def forward(self, x: torch.Tensor, memory: torch.Tensor, causal: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, memory: torch.Tensor, causal: torch.Tensor,
+                mask: torch.Tensor) -> torch.Tensor:
         x = self.ln1(x + self.drop1(self.self_attn(x, x, causal, self.batch, self.seq)))
         x = self.ln2(x + self.drop2(self.cross_attn(x, memory, mask, self.batch, self.seq)))
         return self.ln3(x + self.ffn(x))
@@ -105,7 +107,8 @@ class BertLike(nn.Module):
         super().__init__()
         self.tok, self.pos, self.seg = nn.Embedding(vocab, dim), nn.Embedding(seq, dim), nn.Embedding(2, dim)
         self.ln, self.drop = LayerNorm(dim), nn.Dropout(0.1)
-        self.layers = nn.ModuleList(EncoderLayer(dim, heads, 4 * dim, batch, seq, Gelu()) for _ in range(layers))
+        self.layers = nn.ModuleList(EncoderLayer(dim, heads, 4 * dim, batch, seq, Gelu())
+                                    for _ in range(layers))
         self.pool, self.cls = nn.Linear(dim, dim), nn.Linear(dim, 2)
 
     def forward(self, tokens: torch.Tensor, segments: torch.Tensor, positions: torch.Tensor,
@@ -123,10 +126,12 @@ class EncoderDecoder(nn.Module):
     def __init__(self, layers: int, dim: int, heads: int, vocab: int, batch: int, seq: int) -> None:
         super().__init__()
         self.src_emb, self.tgt_emb = nn.Embedding(vocab, dim), nn.Embedding(vocab, dim)
-        self.positions = nn.Parameter(torch.zeros(seq, dim))  # sinusoidal table in the original: a constant here
+        # sinusoidal table in the original: a constant here
+        self.positions = nn.Parameter(torch.zeros(seq, dim))
         self.scale = math.sqrt(dim)
         self.src_drop, self.tgt_drop = nn.Dropout(0.1), nn.Dropout(0.1)
-        self.encoder = nn.ModuleList(EncoderLayer(dim, heads, 4 * dim, batch, seq, nn.ReLU()) for _ in range(layers))
+        self.encoder = nn.ModuleList(EncoderLayer(dim, heads, 4 * dim, batch, seq, nn.ReLU())
+                                     for _ in range(layers))
         self.decoder = nn.ModuleList(DecoderLayer(dim, heads, 4 * dim, batch, seq) for _ in range(layers))
         self.out = nn.Linear(dim, vocab)
 
@@ -213,7 +218,8 @@ class Cell(nn.Module):
         self.pre0 = ReluConvBn(c_prev_prev, channels, 1, 2 if reduction_prev else 1)
         self.pre1 = ReluConvBn(c_prev, channels, 1)
         self.inputs = [i for _, i in genotype]
-        self.ops = nn.ModuleList(_cell_op(op, channels, 2 if reduction and i < 2 else 1) for op, i in genotype)
+        self.ops = nn.ModuleList(_cell_op(op, channels, 2 if reduction and i < 2 else 1)
+                                 for op, i in genotype)
         used = set(self.inputs)
         self.concat = [i for i in range(2, 2 + len(genotype) // 2) if i not in used]
         self.out_channels = channels * len(self.concat)
