@@ -196,8 +196,7 @@ def print_summary(result: dict[str, Any]) -> None:
         print(f"  {system:12s} step {row['step_s'] * 1e3:7.1f} ms, kernels "
               f"{row['kernel_ms']:7.1f} ms; idle forward "
               f"{row['idle_forward_ms']:6.1f} of {row['forward_ms']:6.1f} ms, backward "
-              f"{row['idle_backward_ms']:6.1f} "
-              f"of {row['backward_ms']:6.1f} ms; copies hidden "
+              f"{row['idle_backward_ms']:6.1f} of {row['backward_ms']:6.1f} ms; copies hidden "
               + (f"{overlap:.0%}" if overlap is not None else "-"))
         for c in row["copies"]:
             print(f"      stream {c['stream']:3d} {c['direction']} {c['busy_ms']:7.1f} ms "

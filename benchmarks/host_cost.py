@@ -123,8 +123,7 @@ def print_table(result: dict[str, Any]) -> None:
     for row in result["rows"]:
         most = ", ".join(f"{name.removeprefix('aten.')} {n}" for name, n in row["most_beyond_plain"])
         print(f"{row['variant']:<20} {row['bytecodes']:>10,} {row['vpipe_bytecodes']:>10,} "
-              f"{row['operations']:>11,} "
-              f"{row['operations_beyond_plain']:>13,}  {most}")
+              f"{row['operations']:>11,} {row['operations_beyond_plain']:>13,}  {most}")
 
 
 def main(argv: list[str] | None = None) -> int:

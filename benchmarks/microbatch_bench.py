@@ -114,8 +114,7 @@ def print_case(result: dict[str, Any]) -> None:
 
     table = Table(
         title=(
-            f"{result['model']} on {result['stages']} stages, "
-            f"{result['micro_batches']} micro-batches: "
+            f"{result['model']} on {result['stages']} stages, {result['micro_batches']} micro-batches: "
             f"budget {format_bytes(result['budget_bytes'])} per stage ({result['budget_rule']})"
         )
     )

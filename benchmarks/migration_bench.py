@@ -191,8 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     live["boundary_median_s"] = statistics.median(live["boundary_s"])
     Console().print(f"live moves: the move itself (at the step boundary, on the last rank to get there) took "
                     f"{live['boundary_median_s'] * 1e3:.1f} ms median = "
-                    f"{live['boundary_median_s'] / live['step_s']:.1%} "
-                    "of a step")
+                    f"{live['boundary_median_s'] / live['step_s']:.1%} of a step")
     result = {"benchmark": "migration", "rows": rows, "target_live_stall_ratio": 0.10,
               "live_boundary_ratio": live["boundary_median_s"] / live["step_s"],
               "live_meets_target": live["boundary_median_s"] / live["step_s"] <= 0.10}

@@ -68,8 +68,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--validation-stages", type=int, nargs="*", default=[2, 4])
     p.add_argument("--recalibrate", action="store_true",
                    help="calibrate every validated depth on its own runs (default: the first "
-                        "depth's calibration "
-                        "predicts the others)")
+                        "depth's calibration predicts the others)")
     p.add_argument("--no-validation", action="store_true", help="projection only (no real runs)")
     p.add_argument("--stages", type=int, nargs="*", default=[8, 16, 32, 64], help="projected pipeline depths")
     p.add_argument("--ratios", type=float, nargs="*", default=[2.0],

@@ -162,8 +162,7 @@ def print_table(result: dict[str, Any]) -> None:
 
     mib = 1 << 20
     table = (Table(title=f"vpipe soak: {result['steps']} steps, a forced plan every "
-                         f"{result['move_every']} steps "
-                        f"({result['forced_plans']} plans), 2 stages"))
+                         f"{result['move_every']} steps ({result['forced_plans']} plans), 2 stages"))
     for col in ("rank", "plans applied", "RSS start MiB", "RSS mid MiB", "RSS end MiB", "growth 2nd half",
                 "pool peak KiB", "pool capacity mid/end MiB", "train s"):
         table.add_column(col, justify="right")

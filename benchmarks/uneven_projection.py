@@ -183,8 +183,7 @@ def project(args: argparse.Namespace) -> dict[str, Any]:
                         f"({planner['slowest_stage_s'] * 1e3:.1f} ms against "
                         f"{dp['slowest_stage_s'] * 1e3:.1f}), "
                         f"{'the same split' if planner['counts'] == dp['counts'] else 'another split'}, "
-                        "a step "
-                        f"{planner['step_s'] / dp['step_s']:.3f}x the DP split's")
+                        f"a step {planner['step_s'] / dp['step_s']:.3f}x the DP split's")
     for case in cases:
         case["vs_a"] = case["step_s"] / cases[0]["step_s"]
         case["vs_b"] = case["step_s"] / cases[1]["step_s"]
@@ -212,8 +211,7 @@ def markdown(out: dict[str, Any], command: str) -> str:
     lines += ["", f"The slow device costs the even split {b / a - 1:.1%} of its step; knowing "
                   "the speeds, the split "
               f"gives back {recovered:.0%} of that ({c / a - 1:+.1%} over (a)). Whole blocks are "
-              "the limit: shared in "
-              "proportion to the devices' speeds, the slowest stage would be "
+              "the limit: shared in proportion to the devices' speeds, the slowest stage would be "
               f"{out['fractional_bound_s'] * 1e3:.1f} ms "
               f"per micro-batch. Planner: {out['planner']}.", "", "Produced by:", "", "```bash", command,
               "```", ""]

@@ -47,8 +47,7 @@ def parse(text: str) -> dict[str, set[int]]:
             continue
         if name not in FAULTS or not sep or not rank.isdigit():
             raise ValueError(f"{ENV}: bad entry {entry!r}; expected NAME@RANK with NAME one of "
-                             f"{', '.join(FAULTS)} "
-                             "or kill@STEP:RANK")
+                             f"{', '.join(FAULTS)} or kill@STEP:RANK")
         faults.setdefault(name, set()).add(int(rank))
     return faults
 

@@ -302,15 +302,13 @@ def _validate(graph: LayerGraph) -> None:
                 raise ValueError(f"node {n.id} ({n.name}) has a negative or non-finite {what}: {value}")
             if value > MAX_SECONDS:
                 raise ValueError(f"node {n.id} ({n.name}) has a {what} of {value:.3g} s, "
-                                 "beyond any real layer "
-                                 f"(at most {MAX_SECONDS:.0e} s per micro-batch)")
+                                 f"beyond any real layer (at most {MAX_SECONDS:.0e} s per micro-batch)")
         for what, value in (("act_bytes", n.act_bytes), ("param_bytes", n.param_bytes)):
             if value < 0:
                 raise ValueError(f"node {n.id} ({n.name}) has negative {what}: {value}")
             if value > MAX_BYTES:
                 raise ValueError(f"node {n.id} ({n.name}) has {what} of {len(str(value))} "
-                                 "digits, larger than any "
-                                 f"machine (at most {MAX_BYTES} bytes)")
+                                 f"digits, larger than any machine (at most {MAX_BYTES} bytes)")
     for s, d, b in graph.edges:
         for end in (s, d):
             if end not in seen_ids:
@@ -319,8 +317,7 @@ def _validate(graph: LayerGraph) -> None:
             raise ValueError(f"edge ({s}, {d}) has negative bytes: {b}")
         if b > MAX_BYTES:
             raise ValueError(f"edge ({s}, {d}) has bytes of {len(str(b))} digits, larger than "
-                             "any machine (at most "
-                             f"{MAX_BYTES})")
+                             f"any machine (at most {MAX_BYTES})")
         if s == d:
             raise ValueError(f"edge ({s}, {d}) is a self-loop: the graph has a cycle")
     _check_acyclic(graph)

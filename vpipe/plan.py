@@ -84,8 +84,7 @@ class Plan:
                                                                                and 0 < v <= 1e6)
                 for v in self.stage_speeds)):
             raise PlanError("plan stage_speeds must be one factor in (0, 1e6] per stage "
-                            f"({len(self.stages)}), "
-                            f"got {self.stage_speeds!r:.120}")
+                            f"({len(self.stages)}), got {self.stage_speeds!r:.120}")
 
     # ----------------------------------------------------------------- queries
     @property

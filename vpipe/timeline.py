@@ -78,8 +78,7 @@ class Recorder:
             _replace_file(self.path, json.dumps(body))
         except OSError as e:  # the trace is for the user: said once here, and training goes on without it
             _say(f"vpipe [rank {self.rank}]: cannot write the timeline {self.path} "
-                 f"({e.strerror or e}); training "
-                 "goes on without it")
+                 f"({e.strerror or e}); training goes on without it")
             raise
         return self.path
 

@@ -70,8 +70,7 @@ BENCHMARKS: dict[str, Benchmark] = {
         Benchmark(
             "throughput",
             "throughput_bench.py",
-            "samples/s of GPipe / 1F1B / PipeDream / Interleaved 1F1B / ZBV with and "
-            "without vpipe under one "
+            "samples/s of GPipe / 1F1B / PipeDream / Interleaved 1F1B / ZBV with and without vpipe under one "
             "memory budget, vs ideal",
             ("--rounds", "2"),
         ),
@@ -113,8 +112,7 @@ BENCHMARKS: dict[str, Benchmark] = {
             "shapes",
             "shapes_bench.py",
             "the one line on the tutorial, Sequential-slice and Hugging Face trainers: a "
-            "6,2 split rebalanced "
-            "vs the hand-balanced 4,4",
+            "6,2 split rebalanced vs the hand-balanced 4,4",
         ),
         Benchmark(
             "overhead",
@@ -126,23 +124,20 @@ BENCHMARKS: dict[str, Benchmark] = {
             "deepspeed",
             "deepspeed_balance.py",
             "DeepSpeed's pipeline engine alone vs with vpipe.attach(engine), side by side: a "
-            "uniform split whose "
-            "first stage does three times the second's work (needs the deepspeed extra)",
+            "uniform split whose first stage does three times the second's work (needs the deepspeed extra)",
         ),
         Benchmark(
             "dynamic",
             "dynamic_bench.py",
             "dynamic workloads (a slower rank, a straggler, freezing, a growing sequence, a "
-            "NAS edit): vpipe vs "
-            "plain copies at the same and the best static split, side by side; reaction "
+            "NAS edit): vpipe vs plain copies at the same and the best static split, side by side; reaction "
             "steps, moves, losses",
         ),
         Benchmark(
             "schedules",
             "schedule_bench.py",
             "time per step and memory per stage of GPipe, 1F1B, PipeDream, PipeDream-2BW "
-            "and WPipe on 4 stages, "
-            "side by side in one launch",
+            "and WPipe on 4 stages, side by side in one launch",
         ),
         Benchmark(
             "soak",
@@ -236,8 +231,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--list", action="store_true", help="list the benchmarks and exit")
     p.add_argument("--benchmarks", default=None, metavar="DIR",
                    help="the benchmarks/ folder of a vpipe source checkout (default: the "
-                        "checkout vpipe runs from, "
-                        "else ./benchmarks)")
+                        "checkout vpipe runs from, else ./benchmarks)")
     p.set_defaults(func=cmd_bench)
 
 

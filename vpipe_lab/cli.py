@@ -85,8 +85,7 @@ def add_run_arguments(p: argparse.ArgumentParser, *, steps: int, stages: int) ->
     p.add_argument("--seq-len", type=_positive_int, default=64)
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--stages", type=_positive_int, default=None,
-                   help="pipeline ranks, one stage each under gpipe, 1f1b, pipedream, "
-                        "pipedream2bw (default: "
+                   help="pipeline ranks, one stage each under gpipe, 1f1b, pipedream, pipedream2bw (default: "
                         f"WORLD_SIZE under torchrun, else {stages})")
     p.set_defaults(default_stages=stages)
     p.add_argument("--schedule", choices=SCHEDULES, default="gpipe",
@@ -122,22 +121,19 @@ def add_run_arguments(p: argparse.ArgumentParser, *, steps: int, stages: int) ->
                    help="attach vpipe: tensor manager, monitor, planner, live migration")
     p.add_argument("--memory-budget", type=_bytes, default=None, metavar="BYTES",
                    help="vpipe: per-stage memory budget (parameters, gradients, optimizer "
-                        "state, activations), "
-                        "e.g. 64M")
+                        "state, activations), e.g. 64M")
     p.add_argument("--policy", choices=("D", "S", "R"), default=None,
                    help="vpipe: initial policy of every layer: keep (D), swap (S) or "
                         "recompute (R) activations")
     p.add_argument("--no-planning", action="store_true", help="vpipe: monitor only, never apply plans")
     p.add_argument("--nas", type=_json_list, default=None, metavar="JSON",
                    help="vpipe: layer edits, e.g. '[{\"step\": 5, \"add\": {\"position\": 1, "
-                        "\"types\": [\"attn\"]}}, "
-                        "{\"step\": 9, \"remove\": [3]}]'")
+                        "\"types\": [\"attn\"]}}, {\"step\": 9, \"remove\": [3]}]'")
     p.add_argument("--moves", type=_moves, default=None, metavar="STEP:COUNTS[;...]",
                    help="vpipe: forced repartitions, e.g. '3:6,4;8:4,6' moves layers before steps 3 and 8")
     p.add_argument("--checkpoint-dir", default=None, metavar="DIR",
                    help="write checkpoints (one step-N directory each, sealed by a manifest) "
-                        "here, at the end and "
-                        "every --checkpoint-every steps")
+                        "here, at the end and every --checkpoint-every steps")
     p.add_argument("--checkpoint-every", type=int, default=0, metavar="N", help="checkpoint every N steps")
     p.add_argument("--resume", default=None, metavar="DIR", type=_directory_name,
                    help="continue from this checkpoint (a step-N directory, or the newest "
@@ -186,8 +182,7 @@ def _planner(args: argparse.Namespace) -> str | None:
         found = False
     if not found:
         raise ValueError(f"--planner {args.planner}: no module {module!r} to import (give "
-                         "MODULE:FUNCTION, the "
-                         "module importable from here)")
+                         "MODULE:FUNCTION, the module importable from here)")
     return args.planner
 
 

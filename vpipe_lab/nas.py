@@ -204,8 +204,7 @@ def _write_result(out: Path, result: SearchResult, rank: int) -> None:
         write_atomic(out / "nas.json", json.dumps(body, indent=1).encode(), what="out_dir")
     except OSError as e:
         stderr_line(f"vpipe [rank {rank}]: cannot write the search's results to {out} "
-                    f"({e.strerror or e}); the "
-                    "search finished without them")
+                    f"({e.strerror or e}); the search finished without them")
 
 
 def search_rank(cfg: Any, evo: EvolutionConfig, ctx: Any) -> SearchResult:

@@ -165,6 +165,5 @@ def _cmd_plot(args: argparse.Namespace, argv: Sequence[str]) -> int:
         print(shorten(f"vpipe plot: {e}"), file=sys.stderr)
         return 2
     print(f"vpipe plot: {len(series.step)} steps, {len(series.layers)} stages, "
-          f"{len(series.marks)} layer changes "
-          f"-> {args.output}")
+          f"{len(series.marks)} layer changes -> {args.output}")
     return 0

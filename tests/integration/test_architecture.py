@@ -53,8 +53,7 @@ LAZY_IMPORTS: dict[str, tuple[frozenset[str], str]] = {
                          "vpipe.schedules.pipedream_2bw", "vpipe.schedules.wpipe",
                          "vpipe.checkpoint.block_keys", "importlib.metadata"}),
               "the public names (and the version, read from package metadata) load on first "
-              "use: `import vpipe` "
-              "(the CLI, the planner daemon) loads no torch"),
+              "use: `import vpipe` (the CLI, the planner daemon) loads no torch"),
     "vpipe.planner": (frozenset({"vpipe.planner.srp", "vpipe.planner.proposals", "vpipe.planner.cuts",
                                  "vpipe.planner.cost_model", "vpipe.planner.sr"}),
                       "entry points load on first use: the daemon imports vpipe.planner.judge without numpy"),
@@ -76,8 +75,7 @@ LAZY_IMPORTS: dict[str, tuple[frozenset[str], str]] = {
                               "imports vpipe_lab.demo)"),
     "vpipe.timeline": (frozenset({"vpipe.compat.torch_internals"}),
                        "the timeline is torch-free: it reads torch's profiler flag "
-                       "through compat only once a "
-                       "producer has loaded torch"),
+                       "through compat only once a producer has loaded torch"),
     "vpipe_lab.runtime.launch": (frozenset({"vpipe.tensor_manager.copy_engine", "vpipe.tensor_manager.budget",
                                         "vpipe.tensor_manager.pool", "vpipe.stage.blocks"}),
                              "the spawning parent imports launch for spawn(): it must not "
@@ -300,12 +298,8 @@ def test_imports_inside_functions_are_the_listed_exceptions():
 
 def test_torch_free_rooms_import_without_torch():
     free = sorted(m for row in table().values() for m in row.torch_free if not m.endswith("__main__"))
-    code = ("import importlib, sys\n"
-            f"for name in {free!r}:\n"
-            "    importlib.import_module(name)\n"
-            "    if 'torch' in sys.modules:\n"
-            "        print(name)\n"
-            "        break\n")
+    code = (f"import importlib, sys\nfor name in {free!r}:\n    importlib.import_module(name)\n"
+            "    if 'torch' in sys.modules:\n        print(name)\n        break\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "", (

@@ -112,8 +112,7 @@ def test_the_planner_is_configured_with_the_pipelines_shape_and_the_users_option
 
 @pytest.mark.parametrize("options, message", [
     ({"micro_batches": 2, "schedule": "1f1b"},
-     "vpipe config: planner_options cannot set micro_batches, schedule: "
-                                               "attach reads them off the pipeline"),
+     "vpipe config: planner_options cannot set micro_batches, schedule: attach reads them off the pipeline"),
     ({"confirm_sample": 1}, "planner config has unknown keys: confirm_sample"),
     ({"min_gain": 2}, "planner config: min_gain must be in [0, 1), got 2"),
 ])

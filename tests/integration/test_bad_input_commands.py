@@ -61,8 +61,7 @@ def test_plot_into_a_missing_directory_says_so(tmp_path):
 def test_plot_names_the_log_and_the_record_whose_number_is_not_a_number(tmp_path):
     log = tmp_path / "run.log"
     log.write_text('{"event": "attached", "t": 1.0}\n{"logger": "vpipe.steps", "t": 2.0, '
-                   '"rank": 1, "step_s": 0.5, '
-                   '"micro_batches": "abc"}\n')
+                   '"rank": 1, "step_s": 0.5, "micro_batches": "abc"}\n')
     _one_line(run_vpipe("plot", str(log), "-o", str(tmp_path / "x.png"), timeout=60),
               f"vpipe plot: {log}: a vpipe.steps record (rank 1) has micro_batches='abc', not a number")
 
@@ -72,8 +71,7 @@ def test_bench_json_naming_a_file_for_several_benchmarks_says_so(tmp_path):
     out.write_text("")
     _one_line(run_vpipe("bench", "memory", "overhead", "--json", str(out), timeout=60),
               f"vpipe: error: --json {out}: is a file; with 2 benchmarks --json names a "
-              "directory for NAME.json "
-              "and bench.json (a .json file only for one NAME)")
+              "directory for NAME.json and bench.json (a .json file only for one NAME)")
 
 
 def test_a_budget_below_the_weights_ends_the_run_with_one_line_per_rank_and_no_traceback():
@@ -83,8 +81,8 @@ def test_a_budget_below_the_weights_ends_the_run_with_one_line_per_rank_and_no_t
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     lines = [line for line in proc.stderr.strip().splitlines() if line.startswith("vpipe")]
     assert any("rank 0 failed: MemoryBudgetError: stage 0: parameters, gradients, "
-               "optimizer state and stashed "
-               "weight versions take" in line and line.endswith("the memory budget is 1 bytes")
+               "optimizer state and stashed weight versions take"
+               in line and line.endswith("the memory budget is 1 bytes")
                for line in lines)
     assert len(proc.stderr.strip().splitlines()) <= 4, proc.stderr
 
@@ -130,8 +128,7 @@ def paths(tmp_path):
     ("train --steps 1 --checkpoint-dir <file>", "checkpoint_dir <file> is a file, not a directory"),
     ("train --steps 1 --out-dir <file>/sub", "out_dir <file>/sub: <file> is a file, not a directory"),
     ("train --steps 1 --resume <file>",
-     "resume <file> is a file; give a checkpoint directory (or the directory of "
-                                      "checkpoints)"),
+     "resume <file> is a file; give a checkpoint directory (or the directory of checkpoints)"),
 ])
 def test_paths_that_are_not_what_they_should_be_are_refused_at_start(paths, capsys, argv, text):
     from vpipe_lab.cli import main
@@ -213,8 +210,7 @@ def test_ctrl_c_is_reported_as_an_interruption_not_a_failure(tmp_path):
      "VPIPE_CONTROL_HOST='999.1.1.1': expected an IP address of this host (or 0.0.0.0 for every interface)"),
     ("plan --model torch.nn:Identity --input-shape 100000000,32 --stages 2", {},
      "--input-shape 100000000,32 is 3.2e+09 elements per micro-batch; profiling runs the "
-     "model on it, so at most "
-     "2.68e+08 (one micro-batch, not the whole batch)"),
+     "model on it, so at most 2.68e+08 (one micro-batch, not the whole batch)"),
     ("plan --model <models>:exits --stages 2", {},
      "--model: <models>:exits() called sys.exit(0) instead of returning a model"),
 ])
@@ -284,8 +280,7 @@ def test_a_bandwidth_no_link_has_is_refused_not_planned_with(tmp_path, capsys, f
 
     assert main(["plan", _graph(tmp_path), "--stages", "2", flag, value]) == 2  # printed a step of 1e300 ms
     assert capsys.readouterr().err.strip() == (f"vpipe: error: {flag} must be between "
-                                               "1000 and 1e+15 bytes/s, "
-                                               f"got {value!r}")
+                                               f"1000 and 1e+15 bytes/s, got {value!r}")
 
 
 @pytest.mark.parametrize("argv, text", [
@@ -294,8 +289,7 @@ def test_a_bandwidth_no_link_has_is_refused_not_planned_with(tmp_path, capsys, f
      "or --monitor-every K"),
     ("train --steps 1 --vpipe --planner nosuchmod_xyz:fn",
      "vpipe: error: --planner nosuchmod_xyz:fn: no module 'nosuchmod_xyz' to import (give "
-     "MODULE:FUNCTION, the "
-     "module importable from here)"),
+     "MODULE:FUNCTION, the module importable from here)"),
     ("keys <dir>/keys --name ",
      "vpipe: error: --name '': give a file name stem (letters, digits, - and _), or "
                                 "leave --name out for this host's name"),

@@ -387,8 +387,7 @@ def test_the_gpu_section_is_regenerated_from_the_suite_files_and_holds_each_numb
     # all-swapped once more with prefetched copies from the compute
     # stream's memory: its own table, that says so
     assert ("median of 15 rounds (`tensor_manager_bench.py`); vpipe's prefetched copies "
-            "allocated from the compute "
-            "stream's memory (`VPIPE_PREFETCH_ALLOC=compute`)") in text
+            "allocated from the compute stream's memory (`VPIPE_PREFETCH_ALLOC=compute`)") in text
     assert "all swapped vs save_on_cpu: 1.50x vs <= 1.66x: met" in text
     assert "vpipe / all-recompute: 1.20x vs >= 1.15x: met" in text
     assert "| vpipe S | 615,108 | 565,584 | 3,319 | 703 | empty_like 312, detach 308 |" in text
@@ -397,8 +396,7 @@ def test_the_gpu_section_is_regenerated_from_the_suite_files_and_holds_each_numb
     assert "vpipe's largest / plain's: 3.00x vs >= 2.00x: met" in text
     assert "| plain | 4 | 4: 6.80 ms, 5: OOM |" in text
     assert ("| vpipe | 120.0 | - | policies DSSSSD, 4 escalations; 2.5 waits for "
-            "swap-outs per step, 12.3 ms; "
-            "copies 84 ms/step, 93% hidden |") in text
+            "swap-outs per step, 12.3 ms; copies 84 ms/step, 93% hidden |") in text
     assert ("- vpipe: step 500 ms; idle 2.0 of 160 ms in the forward, 50.0 of 340 ms in the "
             "backward; copies h2d "
             "125 ms (6.00 GiB, 80% under kernels); longest gaps 11.2 ms at 244 ms (backward)\n"

@@ -66,16 +66,13 @@ def test_blocks_with_user_hooks_stay_with_their_hooks_and_each_refusal_says_why(
                              "CountingHook (hooks cannot be carried to another process); "
                              "layer 5 carries forward "
                              "hook hooked.<locals>.prepare.<locals>.<lambda> (hooks cannot "
-                             "be carried to another "
-                             "process)")
+                             "be carried to another process)")
     refused = _events(result["log"], "migration_refused")
     assert [r["msg"] for r in refused] == [
         "stage 0 cannot send layers [4, 5]: layer 4 carries forward hook CountingHook (hooks "
-        "cannot be carried to "
-        "another process)",
+        "cannot be carried to another process)",
         "stage 0 cannot send layers [5]: layer 5 carries forward hook "
-        "hooked.<locals>.prepare.<locals>.<lambda> "
-        "(hooks cannot be carried to another process)"]
+        "hooked.<locals>.prepare.<locals>.<lambda> (hooks cannot be carried to another process)"]
     assert len(_events(result["log"], "migration_aborted")) == 4  # each plan, on both ranks
 
 
@@ -87,8 +84,7 @@ def test_blocks_that_share_a_module_never_move_and_the_others_still_do(tmp_path)
     off = _events(result["log"], "moves_off")
     assert [(r["stage"], r["layers"]) for r in off] == [(0, [1, 2])]
     assert off[0]["msg"] == ("stage 0: layers [1, 2] never move to another stage: layer 1 "
-                             "shares proj.weight with "
-                             "layers [2]; layer 2 shares proj.weight with layers [1]")
+                             "shares proj.weight with layers [2]; layer 2 shares proj.weight with layers [1]")
     assert [r["msg"] for r in _events(result["log"], "migration_refused")] == [
         "stage 0 cannot send layers [2, 3]: layer 2 shares proj.weight with layers [1]"]
 

@@ -341,8 +341,7 @@ def test_resume_problems_are_named_at_launch_in_one_line(tmp_path):
     older = run_vpipe("train", *SMALL, "--stages", "2", "--steps", "5", "--resume", str(tmp_path / "ck"))
     assert older.returncode == 0, older.stderr[-2000:]
     assert (f"vpipe: {tmp_path / 'ck' / 'step-00000004'} has no manifest.json (unfinished "
-            "or damaged); resuming "
-            "from step-00000002") in older.stderr
+            "or damaged); resuming from step-00000002") in older.stderr
     for args, message in (
         (["--d-model", "48"], "was saved with d_model 32; this run has 48"),
         (["--optimizer", "sgd"], "was saved with optimizer 'adam'; this run has 'sgd'"),

@@ -93,8 +93,7 @@ def test_the_daemon_entry_point_imports_no_torch():
     """The last stage starts `python -m vpipe.control.daemon`: it must attach in well under a second."""
     code = ("import sys, runpy; sys.argv = ['x', '--help']\n"
             "try:\n    runpy.run_module('vpipe.control.daemon', run_name='__main__')\n"
-            "except SystemExit:\n    pass\n"
-            "print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))")
+            "except SystemExit:\n    pass\nprint(sorted(m for m in ('torch', 'numpy') if m in sys.modules))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=child_env(), capture_output=True,
                           text=True,
                           timeout=60)

@@ -82,8 +82,7 @@ def test_a_budget_below_the_weights_is_refused_at_attach():
     assert proc.returncode == 1
     assert rank_lines(proc.stderr, 0)[-1] == (
         "vpipe [rank 0]: rank 0 failed: MemoryBudgetError: stage 0: parameters, gradients, "
-        "optimizer state and "
-        "stashed weight versions take 545792 bytes, the memory budget is 307200 bytes")
+        "optimizer state and stashed weight versions take 545792 bytes, the memory budget is 307200 bytes")
 
 
 def attach_outcome(tmp_path, mode: str) -> dict:

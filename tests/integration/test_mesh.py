@@ -80,14 +80,12 @@ def test_sharding_across_stages_and_replicate_on_a_stage_module_are_refused_sayi
     result = run_worker(tmp_path, "mesh_worker", "refusals", 4)
     assert result["across"].startswith("TypeError: vpipe.attach: stage ")
     assert ("DTensor parameter(s) layers.0.linear1.weight are placed on a mesh that holds "
-            "other ranks of this "
-            "pipeline") in result["across"]
+            "other ranks of this pipeline") in result["across"]
     # Shard(0) like FSDP2's, but no FSDP2 state holds them: tensor-parallel, and welcome
     assert result["colwise"] == "attached"
     assert result["found"]["colwise"] == ["linear1.weight", "linear1.bias"]
     assert result["replicate"].startswith("TypeError: vpipe.attach does not support a "
-                                          "stage module wrapped in "
-                                          "replicate(): ")
+                                          "stage module wrapped in replicate(): ")
     assert "all-reduce its gradients over the data-parallel group after schedule.step() yourself" in \
         result["replicate"]
     attached = [r for r in result["log"] if r.get("event") == "attached"]

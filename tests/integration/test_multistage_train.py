@@ -156,8 +156,7 @@ def test_every_virtual_stage_reports_to_the_planner_daemon(tmp_path):
      "zbv runs exactly 2 stages per rank (a V), got stages_per_rank 3"),
     (["--schedule", "1f1b", "--stages-per-rank", "2"],
      "1f1b runs one stage per rank; 2 stages per rank need a multi-stage schedule "
-     "(interleaved1f1b, loopedbfs, "
-     "interleavedzb, zbv, dualpipev, wpipe)"),
+     "(interleaved1f1b, loopedbfs, interleavedzb, zbv, dualpipev, wpipe)"),
     (["--schedule", "loopedbfs", "--stages-per-rank", "1"],
      "loopedbfs runs several stages per rank: stages_per_rank must be >= 2, got 1 (1f1b "
      "runs one stage per rank)"),
@@ -165,8 +164,7 @@ def test_every_virtual_stage_reports_to_the_planner_daemon(tmp_path):
      "vertical_sync is a PipeDream option; interleaved1f1b keeps no weight versions"),
     (["--schedule", "interleavedzb", "--micro-batches", "5"],
      "interleavedzb needs micro_batches to be a multiple of its rounds, max(1, micro_batches "
-     "// ranks) = 2; got 5 "
-     "micro-batches on 2 ranks"),
+     "// ranks) = 2; got 5 micro-batches on 2 ranks"),
     (["--schedule", "dualpipev", "--micro-batches", "3"],
      "dualpipev needs micro_batches >= its 4 stages, got 3"),
     (["--schedule", "zbv", "--partition", "4,2"], "partition has 2 entries for 4 stages (2 ranks x 2)"),

@@ -131,8 +131,7 @@ def test_a_link_at_a_file_the_ranks_write_in_out_dir_is_refused_before_any_rank_
     reason = plant(out / name, place / "victim")
     assert one_line([command, *TINY, "--steps", "1", "--out-dir", str(out)], capsys) == (
         f"vpipe: error: out_dir {out}: {out / name} is {reason}; vpipe does not write through "
-        "it: remove it, or give "
-        "this run a directory of its own")
+        "it: remove it, or give this run a directory of its own")
     untouched(place)
 
 

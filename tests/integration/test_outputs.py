@@ -51,8 +51,7 @@ def test_a_directory_holding_another_runs_checkpoints_is_refused_at_start_unless
     assert _refused(["train", "--steps", "15", "--checkpoint-dir", str(ck), "--checkpoint-every", "5"],
                     capsys) == (
         f"vpipe: error: --checkpoint-dir {ck} holds another run's checkpoints (the newest: "
-        "step-00000030); give "
-        f"this run a directory of its own, or --resume {ck} to continue that run")
+        f"step-00000030); give this run a directory of its own, or --resume {ck} to continue that run")
     assert sorted(p.name for p in ck.glob("step-*")) == ["step-00000030"]
     for resume in (ck, ck / "step-00000030"):  # --resume naming the directory, or one of its checkpoints
         check_checkpoint_dir(RunConfig(checkpoint_dir=str(ck), resume=str(resume), steps=40))
@@ -65,8 +64,7 @@ def test_a_planted_lock_link_ends_the_command_before_it_starts(tmp_path, capsys)
     (ck / ".vpipe-lock").symlink_to(target)
     assert _refused(["train", "--steps", "1", "--checkpoint-dir", str(ck)], capsys) == (
         f"vpipe: error: --checkpoint-dir {ck}: its lock file {ck / '.vpipe-lock'} is a "
-        "symbolic link; vpipe never "
-        "writes through one: remove it, or give this run a directory of its own")
+        "symbolic link; vpipe never writes through one: remove it, or give this run a directory of its own")
     assert target.read_text() == PRECIOUS
 
 
@@ -96,11 +94,9 @@ def test_checkpoints_and_results_that_cannot_be_written_are_said_once_per_rank_a
     said = sorted(line for line in proc.stderr.splitlines() if "cannot write" in line)
     assert said == [
         f"vpipe [rank 0]: cannot write the checkpoint after step 2 in {ck} (Not a "
-        "directory); training goes on "
-        "without checkpoints",
+        "directory); training goes on without checkpoints",
         f"vpipe [rank 1]: cannot write the checkpoint after step 2 in {ck} (Not a "
-        "directory); training goes on "
-        "without checkpoints",
+        "directory); training goes on without checkpoints",
         f"vpipe [rank 1]: cannot write this rank's results to {out} (Is a directory); training "
         "finished without them",
     ], proc.stderr[-3000:]

@@ -114,8 +114,7 @@ def test_the_measured_graph_is_saved_and_planned_again_in_module_names(capsys, t
     path.write_text(json.dumps(data))
     code, _, err = plan_command(capsys, str(path), "--stages", "2")
     assert code == 2 and err == ("vpipe: error: graph 'model' annotation: 'blocks' must map "
-                                 "module names to one of "
-                                 "'containers'\n")
+                                 "module names to one of 'containers'\n")
 
 
 def test_a_hugging_face_gpt2_is_planned_in_its_module_names(capsys):

@@ -33,8 +33,7 @@ def test_step_records_are_whole_lines_in_order_around_decisions(tmp_path):
 
 def test_a_process_that_ends_without_closing_the_log_still_writes_its_last_steps(tmp_path):
     path = tmp_path / "run.log"
-    code = ("from vpipe import log\n"
-            f"log.configure({str(path)!r}, rank=0)\n"
+    code = (f"from vpipe import log\nlog.configure({str(path)!r}, rank=0)\n"
             "for step in range(3):\n    log.step_record(step, 0.1)\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
     assert [r["step"] for r in read_log(path) if r["logger"] == STEPS] == [0, 1, 2]

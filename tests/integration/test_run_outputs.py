@@ -54,8 +54,7 @@ def test_an_out_dir_log_file_or_trace_directory_another_run_holds_is_refused_in_
         train = ["train", *TINY, "--steps", "1"]
         assert _refused([*train, "--out-dir", str(out)], capsys) == (
             f"vpipe: error: --out-dir {out} is in use by another run (pid {holder.pid}); give "
-            "each run a directory of "
-            "its own")
+            "each run a directory of its own")
         assert _refused([*train, "--log-file", str(log)], capsys) == (
             f"vpipe: error: --log-file {log} is being written by another run; give each run "
             "a log file of its own")
@@ -64,8 +63,7 @@ def test_an_out_dir_log_file_or_trace_directory_another_run_holds_is_refused_in_
         process_settings.cache_clear()  # the next command reads them, as a new process would
         assert _refused([*train, "--vpipe"], capsys) == (
             f"vpipe: error: VPIPE_TRACE_DIR {trace} is in use by another run (pid "
-            f"{holder.pid}); give each run a "
-            "directory of its own")
+            f"{holder.pid}); give each run a directory of its own")
         assert _refused(["nas", *TINY, "--out-dir", str(out)],
                         capsys).startswith(f"vpipe: error: --out-dir {out} is")
     finally:

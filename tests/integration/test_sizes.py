@@ -40,8 +40,6 @@ def test_train_and_plan_refuse_a_bad_size_with_the_same_words_and_no_traceback()
     assert train.stderr.strip().splitlines()[-1] == ("vpipe train: error: argument "
                                                      "--memory-budget: memory budget "
                                                      "'1e400G' is larger than any machine "
-                                                     "(4611686018427387904 "
-                                                     "bytes at most)")
+                                                     "(4611686018427387904 bytes at most)")
     assert plan.stderr.strip() == ("vpipe: error: memory budget 'infG' is not a byte size "
-                                   "(examples: 16000000000, "
-                                   "16e9, 16GB, 15GiB, 512M)")
+                                   "(examples: 16000000000, 16e9, 16GB, 15GiB, 512M)")

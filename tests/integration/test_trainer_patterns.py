@@ -194,6 +194,5 @@ def test_a_carry_it_cannot_take_is_refused_at_attach_in_one_line(tmp_path):
                                      "parameter names named_parameters() gives")
     assert errors[0]["unsupported"].startswith("vpipe.attach: carry[0] is a list: carry= takes torch's "
                                                "AveragedModel of the stage module or a dict of "
-                                               "tensors keyed by its "
-                                               "parameter names")
+                                               "tensors keyed by its parameter names")
     assert all("\n" not in message for message in errors[0].values())

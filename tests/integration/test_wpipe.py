@@ -86,8 +86,8 @@ def test_vpipe_under_wpipe_recomputes_every_block_and_trains_bitwise_like_the_sc
                                             "rank, not two groups updating at different points of a step")
         # attach says so in one moves_off line per stage, as for every engine whose layers stay put
         assert attached["moves_off"] == [f"stage {v}: layers will not move "
-                                         f"({attached['move_refusal']}); swap and "
-                                         "recompute plans still apply" for v in (rank, RANKS + rank)]
+                                         f"({attached['move_refusal']}); swap and recompute plans still apply"
+                                         for v in (rank, RANKS + rank)]
         assert attached["peak_versions"] == [2, 1]
 
 

@@ -128,8 +128,7 @@ def test_out_of_range_stages_and_epochs_in_messages_are_named(change, message):
     ({"schedule": "1f1b", "stages": 4, "micro_batches": 2}, "1f1b needs micro_batches >= stages (2 < 4)"),
     ({"schedule": "zero-bubble"},
      "schedule must be one of gpipe, 1f1b, pipedream, pipedream2bw, interleaved1f1b, "
-                                    "loopedbfs, interleavedzb, zbv, "
-                                    "dualpipev, wpipe, got 'zero-bubble'"),
+                                    "loopedbfs, interleavedzb, zbv, dualpipev, wpipe, got 'zero-bubble'"),
     ({"memory_budget": 0}, "memory_budget must be a positive number of bytes, got 0"),
     ({"memory_budget": -1}, "memory_budget must be a positive number of bytes, got -1"),
     ({"policy": "X"}, "policy must be D, S or R, got 'X'"),
@@ -189,11 +188,9 @@ def test_unknown_run_config_keys_are_named():
     ({"host_pool_bytes": 0}, "host_pool_bytes must be positive"),
     ({"layer_factory": 3}, "layer_factory must be callable"),
     ({"memory_budget": "16 apples"},
-     "memory_budget '16 apples' is not a byte size (examples: 16000000000, 16e9, "
-                                     "16GB, 15GiB, 512M)"),
+     "memory_budget '16 apples' is not a byte size (examples: 16000000000, 16e9, 16GB, 15GiB, 512M)"),
     ({"memory_budget": "1e400G"},
-     "memory_budget '1e400G' is larger than any machine (4611686018427387904 bytes at "
-                                  "most)"),
+     "memory_budget '1e400G' is larger than any machine (4611686018427387904 bytes at most)"),
     ({"micro_batches": 0}, "micro_batches must be a positive integer or None, got 0"),
 ])
 def test_impossible_vpipe_configs_are_rejected(kwargs, message):

@@ -32,15 +32,11 @@ from vpipe.migration.messages import ControlMessenger
 
 def test_opening_an_inbox_raises_the_open_file_limit_to_the_hard_limit():
     program = (
-        "import resource\n"
-        "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
-        "resource.setrlimit(resource.RLIMIT_NOFILE, (min(256, hard), hard))\n"
-        "import zmq\n"
-        "from vpipe.control.channel import Inbox\n"
-        "context = zmq.Context()\n"
+        "import resource\nsoft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (min(256, hard), hard))\nimport zmq\n"
+        "from vpipe.control.channel import Inbox\ncontext = zmq.Context()\n"
         "inbox = Inbox(context, '127.0.0.1', '127.0.0.1', name='t')\n"
-        "print(*resource.getrlimit(resource.RLIMIT_NOFILE))\n"
-        "inbox.close(); context.term()\n"
+        "print(*resource.getrlimit(resource.RLIMIT_NOFILE))\ninbox.close(); context.term()\n"
     )
     out = subprocess.run([sys.executable, "-c", program], cwd=ROOT, env=child_env(), capture_output=True,
                          text=True,
@@ -152,8 +148,7 @@ def test_past_the_quota_of_unauthenticated_connections_the_oldest_make_room(inbo
     assert box.evicted == Counter(unauthenticated=6)
     cuts = [r.getMessage() for r in caplog.records if "connection(s)" in r.getMessage()]
     assert cuts == ["test inbox: cut 1 connection(s) because 4 had not authenticated; "
-                    "newer ones need the room "
-                    "(1 so far)"]  # then at most one line per 10 s
+                    "newer ones need the room (1 so far)"]  # then at most one line per 10 s
 
 
 @pytest.mark.parametrize("keyed", [True, False], ids=["curve", "null"])

@@ -137,8 +137,7 @@ class _Stage(nn.Module):
     (lambda m: AveragedModel(nn.Linear(2, 2)), "carry[0] is an AveragedModel of another module (Linear, 2 "
      "parameters), not of this rank's stage module (_Stage, 4 parameters)"),
     (lambda m: {"layers.0.fc.weight": torch.zeros(1), "head.weight": torch.zeros(1)},
-     "carry[0] is a dict keyed by "
-     "'head.weight', which names no parameter of this rank's stage module"),
+     "carry[0] is a dict keyed by 'head.weight', which names no parameter of this rank's stage module"),
     (lambda m: {0: torch.zeros(1)}, "carry[0] is a dict keyed by 0: a carried dict maps the stage module's "
      "parameter names"),
     (lambda m: dict(m.named_parameters()), "carry[0]: a carried dict holds tensors of its own (copies of the "

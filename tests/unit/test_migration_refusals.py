@@ -56,9 +56,7 @@ def test_a_state_the_target_cannot_load_aborts_the_move_before_the_source_drops_
     assert_unchanged(ranks, keys, params, states)
     assert [torch.equal(p, q) for p, q in zip(ranks[0].block(2).parameters(), block_params)] == [True, True]
     assert _refusals(caplog) == ["stage 1 cannot load layers [2]: layer 2's fc.weight trains "
-                                 "in param group 1 on "
-                                 "its stage; no param group here has its settings (the "
+                                 "in param group 1 on its stage; no param group here has its settings (the "
                                  "closest, group 0, has lr "
                                  "0.01 (not 0.001)): give every stage's optimizer groups "
-                                 "with the same settings, "
-                                 "named alike where they are named"]
+                                 "with the same settings, named alike where they are named"]

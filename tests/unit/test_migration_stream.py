@@ -333,8 +333,7 @@ def test_a_new_streamed_move_waits_for_the_last_one():
     _, (src, _), managers = _streaming_ranks()
     src.schedule.movers = [SimpleNamespace(done=False)]
     with pytest.raises(MigrationError,
-                       match="^a streamed move is still in progress; wait for it before the next "
-                                             "plan$"):
+                       match="^a streamed move is still in progress; wait for it before the next plan$"):
         managers[0].start_streamed(Plan(epoch=1, stages=((0, 1), (2, 3, 4))), ((0, 1, 2), (3, 4)),
                                    src.schedule, 4)
     assert managers[0].epoch == 0

@@ -105,10 +105,8 @@ BAD = {
 
 GOOD = (
     '"""Never pickle: msgpack only."""\n'
-    "# import pickle would be wrong here\n"
-    "state = torch.load(path, weights_only=True)\n"
-    "state = torch.load(\n    path,\n    weights_only=True,\n)\n"
-    "data = msgpack.unpackb(raw)\n"
+    "# import pickle would be wrong here\nstate = torch.load(path, weights_only=True)\n"
+    "state = torch.load(\n    path,\n    weights_only=True,\n)\ndata = msgpack.unpackb(raw)\n"
     "picklers = 0  # a name that merely contains the word\n"
 )
 

@@ -184,8 +184,7 @@ def test_a_failing_metrics_write_is_reported_once_and_training_goes_on(tmp_path,
     writer.close()
     assert capfd.readouterr().err.splitlines() == [
         f"vpipe [rank 1]: cannot write the metrics to {tmp_path / 'metrics' / 'rank1'} (No "
-        "space left on device); "
-        "training goes on, and its further metrics are dropped"]
+        "space left on device); training goes on, and its further metrics are dropped"]
 
 
 def test_a_metrics_directory_that_is_a_file_is_refused_where_vpipe_attaches(tmp_path):

@@ -134,8 +134,7 @@ def test_a_sequential_model_gets_torchtitan_names_and_no_megatron_layout(capsys)
     assert plan["megatron"] == {
         "pipeline_model_parallel_size": 3, "pipeline_model_parallel_layout": None,
         "notes": ["pipeline_model_parallel_layout: the model has no module before its blocks "
-                  "to be the embedding "
-                  "and the head"]}
+                  "to be the embedding and the head"]}
 
 
 def test_two_block_stacks_get_no_megatron_layout(capsys):
@@ -143,8 +142,7 @@ def test_two_block_stacks_get_no_megatron_layout(capsys):
     _assert_torchtitan_reads_the_plan(plan, encoder_decoder()[0], 2)
     assert plan["megatron"]["pipeline_model_parallel_layout"] is None
     assert plan["megatron"]["notes"] == ["pipeline_model_parallel_layout: the model has 2 "
-                                         "block containers; these "
-                                         "forms describe one stack of blocks"]
+                                         "block containers; these forms describe one stack of blocks"]
 
 
 # --------------------------------------------------------------------- multi-stage schedules
@@ -159,8 +157,7 @@ def test_a_multi_stage_plan_has_a_stage_per_rank_and_virtual_stage_and_reads_bac
         _assert_megatron_reads_the_plan(plan, 2, {"tok_embeddings"}, {"norm", "output"})
     else:
         assert plan["megatron"]["notes"] == ["pipeline_model_parallel_layout: Megatron places "
-                                             "stage i on rank i % 2; "
-                                             "zbv places its stages in a V"]
+                                             "stage i on rank i % 2; zbv places its stages in a V"]
 
 
 @pytest.mark.parametrize("schedule", ["interleaved1f1b", "zbv"])
@@ -214,8 +211,7 @@ def test_an_offline_multi_stage_plan_is_the_live_planners_plan_for_the_same_grap
      "--stages-per-rank must be an integer, got 'two'"),
     (["--schedule", "dualpipev", "--micro-batches", "2"],
      "torch's ScheduleDualPipeV refuses 2 ranks x 2 stages with 2 micro-batches: DualPipeV "
-     "requires at least as "
-     "many microbatches as stages"),
+     "requires at least as many microbatches as stages"),
     (["--schedule", "custom"],
      "--schedule must be one of gpipe, 1f1b, pipedream, pipedream2bw, interleaved1f1b"),
     (["--schedule", "interleaved1f1b", "--stages", "4", "--stages-per-rank", "3"],

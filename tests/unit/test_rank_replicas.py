@@ -41,8 +41,7 @@ def test_a_follower_that_sees_a_plan_after_its_step_fails_instead_of_diverging()
     leader, follower = _boundaries(dist.HashStore())
     leader.received([PLAN], iteration=4, current_epoch=0)
     with pytest.raises(RuntimeError,
-                       match="plan epoch 1 was due at step 6 but this stage only saw the decision "
-                                           "at step 7"):
+                       match="plan epoch 1 was due at step 6 but this stage only saw the decision at step 7"):
         follower.due(7)
 
 

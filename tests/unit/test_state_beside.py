@@ -18,6 +18,5 @@ def test_an_averaged_model_and_a_dict_of_clones_are_found_and_views_of_the_weigh
     views = dict(stage.named_parameters())
     found = averages_of(stage, [ema, clones, views, AveragedModel(other), {"0.weight": torch.ones(1)}])
     assert found == ["an AveragedModel of it (Sequential, 4 parameters)",
-                     "a dict of 4 tensors keyed by its parameter "
-                     "names"]
+                     "a dict of 4 tensors keyed by its parameter names"]
     assert averages_of(stage, [views, stage.state_dict()]) == []

@@ -50,8 +50,7 @@ def local_block_keys(state_dict: Mapping[str, V], layer_ids: Sequence[int],
     def rename(layer_id: int, key: str) -> int:
         if layer_id not in position:
             raise ValueError(f"local_block_keys: key {key!r} names layer {layer_id}, "
-                             "which is not one of this "
-                             f"stage's layer_ids {list(ids)}")
+                             f"which is not one of this stage's layer_ids {list(ids)}")
         return position[layer_id]
 
     return _renamed(state_dict, container, rename)

@@ -117,8 +117,7 @@ def load_checkpoint(path: str | os.PathLike[str], verify: str = "all") -> Checkp
         manifest = json.loads(raw)
     except json.JSONDecodeError as e:
         raise CheckpointError(f"checkpoint manifest {manifest_path} is not valid JSON "
-                              "(truncated or corrupted): "
-                              f"{e}") from None
+                              f"(truncated or corrupted): {e}") from None
     except RecursionError:
         raise CheckpointError(f"checkpoint manifest {manifest_path} nests its JSON too "
                               "deeply to be a manifest") \
@@ -127,8 +126,7 @@ def load_checkpoint(path: str | os.PathLike[str], verify: str = "all") -> Checkp
         raise CheckpointError(f"{manifest_path} is not a vpipe checkpoint manifest")
     if manifest.get("version") != VERSION:
         raise CheckpointError(f"checkpoint manifest {manifest_path} has format version "
-                              f"{manifest.get('version')!r}; "
-                              f"this vpipe reads version {VERSION}")
+                              f"{manifest.get('version')!r}; this vpipe reads version {VERSION}")
     body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
     if manifest.get("manifest_sha256") != manifest_digest(body):
         raise CheckpointError(f"checkpoint manifest {manifest_path} is corrupted: its sha256 does not match "

@@ -65,8 +65,7 @@ def _group_settings(checkpoint: Checkpoint, module: nn.Module, optimizer: torch.
         unknown = sorted(set(found[0]) - set(group))
         if unknown:
             raise CheckpointError(f"checkpoint {checkpoint.path}: its optimizer groups have "
-                                  f"{unknown}, this stage's "
-                                  f"{type(optimizer).__name__} has not")
+                                  f"{unknown}, this stage's {type(optimizer).__name__} has not")
         out.append(found[0])
     return out
 

@@ -227,8 +227,7 @@ class RunKeys:
             return self._run_config()
         if not settings.curve_secret_file:
             raise KeyFileError(f"{PUBLIC_ENV} is set but {SECRET_ENV} is not: CURVE needs "
-                               "this host's secret key "
-                               "file")
+                               "this host's secret key file")
         if not settings.curve_public_keys:
             raise KeyFileError(f"{SECRET_ENV} is set but {PUBLIC_ENV} is not: CURVE needs the "
                                "public keys to admit")

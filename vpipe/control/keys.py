@@ -180,8 +180,7 @@ def register(subparsers: Any) -> None:
 def cmd_keys(args: argparse.Namespace, argv: Any = None) -> int:
     if args.name is not None and (not args.name.strip() or "/" in args.name or args.name.startswith(".")):
         raise ValueError(f"--name {args.name!r}: give a file name stem (letters, digits, - and "
-                         "_), or leave --name "
-                         "out for this host's name")
+                         "_), or leave --name out for this host's name")
     name = args.name or socket.gethostname().split(".")[0] or "vpipe"
     public_path, secret_path = write_keypair(args.directory, name)
     print(f"public key: {public_path} ({read_public_file(public_path).decode()})")

@@ -66,8 +66,7 @@ def control_host(
             ipaddress.ip_address(explicit)
         except ValueError:
             raise ValueError(f"VPIPE_CONTROL_HOST={explicit!r} is not an IP address of this "
-                             "host (or 0.0.0.0 for "
-                             f"every interface)") from None
+                             f"host (or 0.0.0.0 for every interface)") from None
         return explicit, explicit
     if is_loopback(master):
         return "127.0.0.1", "127.0.0.1"

@@ -82,8 +82,7 @@ def agree_run_key(store: Any, *, rank: int, world_size: int, timeout_s: float, w
         if mode == "required" or (hosts and mode == "auto"):
             allow = "" if mode == "required" else f", or set {AUTH_ENV}=none to run it unauthenticated"
             raise RuntimeError(f"{who}: the control plane would be unauthenticated ({why}) "
-                               f"and {AUTH_ENV}={mode}; "
-                               f"{hint}{allow}")
+                               f"and {AUTH_ENV}={mode}; {hint}{allow}")
         log.warning("%s: THE CONTROL PLANE IS UNAUTHENTICATED (%s): anyone who can reach its ports can send "
                     "plans; %s, or set %s=required to refuse", who, why, hint, AUTH_ENV)
         return "unauthenticated"
@@ -132,8 +131,7 @@ def _wait(store: Any, key: str, deadline: float, who: str) -> bytes:
     while not store.check([key]):
         if time.monotonic() > deadline:
             raise RuntimeError(f"vpipe.attach on {who}: the other ranks did not agree on the "
-                               "control-plane key in "
-                               f"time (waiting for {key}); every rank must call it")
+                               f"control-plane key in time (waiting for {key}); every rank must call it")
         time.sleep(0.01)
     return store.get(key)
 

@@ -77,8 +77,7 @@ class DeepSpeedEngine(Engine):
 
     def edit_refusal(self) -> str | None:
         return ("a DeepSpeed PipelineModule: its layer specs and checkpoint files are "
-                "numbered by layer index at "
-                "initialize; vpipe only moves its layers")
+                "numbered by layer index at initialize; vpipe only moves its layers")
 
     def recomputes_itself(self) -> str | None:
         if not self.stage.checkpoints_itself:

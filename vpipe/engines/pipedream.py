@@ -21,8 +21,7 @@ class PipeDreamEngine(TorchSingleEngine):
     streams = True
     carry_refusal = "is not supported under SchedulePipeDream (its streamed moves do not carry averages)"
     replica_refusal = ("a PipeDream stream with data-parallel replicas is not supported; run "
-                       "one pipeline over the "
-                       "whole world, or use GPipe / 1F1B / the multi-stage schedules")
+                       "one pipeline over the whole world, or use GPipe / 1F1B / the multi-stage schedules")
 
     @classmethod
     def accepts(cls, target: Any) -> bool:
@@ -47,8 +46,7 @@ class PipeDreamEngine(TorchSingleEngine):
         blocks = self.pipeline.first.blocks
         if blocks is not None and (blocks.path or blocks.style.value != "ids"):
             return ("a PipeDream stream moves layers only in a stage module that is an "
-                    "nn.Sequential named by "
-                    "global layer id")
+                    "nn.Sequential named by global layer id")
         return None
 
     def unsettled(self) -> str | None:

@@ -43,5 +43,4 @@ def engine_for(target: Any) -> Engine:
         if engine.accepts(target):
             return engine.read(target)
     raise TypeError("vpipe.attach takes a pipelining schedule, a DeepSpeed PipelineEngine or "
-                    "a stage module, got "
-                    f"{type(target).__name__}")
+                    f"a stage module, got {type(target).__name__}")

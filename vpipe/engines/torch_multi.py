@@ -48,8 +48,7 @@ class TorchMultiEngine(Engine):
         if not isinstance(target, PipelineScheduleRuntime) or getattr(target, "pipeline_order", None) is None:
             raise TypeError(f"vpipe.attach supports the multi-stage schedules that run an action list "
                             f"({', '.join(MULTI_STAGE_SCHEDULES)}, or _PipelineScheduleRuntime "
-                            "with a loaded CSV); "
-                            f"{type(target).__name__} has none")
+                            f"with a loaded CSV); {type(target).__name__} has none")
         check_schedule_api(target)
         stages = sorted(schedule_stages(target), key=lambda s: s.stage_index)
         group = pipeline_group(stages[0])

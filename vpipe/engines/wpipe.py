@@ -33,8 +33,7 @@ class WPipeEngine(Engine):
     streams = True
     carry_refusal = "is not supported under ScheduleWPipe (its layers do not move)"
     replica_refusal = ("a WPipe stream with data-parallel replicas is not supported; run one "
-                       "pipeline over the whole "
-                       "world, or use GPipe / 1F1B / the multi-stage schedules")
+                       "pipeline over the whole world, or use GPipe / 1F1B / the multi-stage schedules")
 
     @classmethod
     def accepts(cls, target: Any) -> bool:

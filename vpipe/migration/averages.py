@@ -94,8 +94,7 @@ class AveragedCopy(Average):
             targets = dict([*copy.named_parameters(), *copy.named_buffers()])
             if set(source) != set(targets):
                 raise ValueError(f"layer {layer_id}'s average has tensors "
-                                 f"{sorted(source)[:4]}, its block here "
-                                 f"{sorted(targets)[:4]}")
+                                 f"{sorted(source)[:4]}, its block here {sorted(targets)[:4]}")
             with torch.no_grad():
                 for name, t in targets.items():
                     t.copy_(source[name])

@@ -165,8 +165,7 @@ def carried_state(pipeline: Pipeline, carry: Sequence[Any], on_move: Callable[[B
     if len({json.dumps(k) for k in every.values()}) > 1:
         each = ", ".join(f"stage {v} {k or 'nothing'}" for v, k in sorted(every.items()))
         raise ValueError(f"vpipe.attach: carry= differs between stages ({each}); every stage "
-                         "must carry the same "
-                         "kinds of average, in the same order")
+                         "must carry the same kinds of average, in the same order")
     return CarriedState(averages, on_move, frozenset(id(item) for item in carry))
 
 
@@ -211,37 +210,32 @@ def _stage_of(i: int, item: Any, stages: Sequence[LocalStage]) -> LocalStage:
         bad = next((k for k in item if not isinstance(k, str)), None)
         if bad is not None or not item:
             raise ValueError(f"{what} is a dict keyed by {bad!r}: a carried dict maps the "
-                             "stage module's parameter "
-                             "names (as named_parameters() gives them) to tensors")
+                             "stage module's parameter names (as named_parameters() gives them) to tensors")
         found = [s for s in stages if set(item) <= set(_tensors(s.module))]
         if not found:
             names = set().union(*(_tensors(s.module) for s in stages))
             key = next(k for k in item if k not in names)
             raise ValueError(
-                f"{what} is a dict keyed by {key!r}, which names no parameter "
-                "of this rank's stage "
+                f"{what} is a dict keyed by {key!r}, which names no parameter of this rank's stage "
                 "module: a carried dict is keyed by the parameter names named_parameters() gives"
             )
         own = {id(t) for s in found for t in _tensors(s.module).values()}
         values = item
         if any(not isinstance(t, torch.Tensor) or id(t) in own for t in values.values()):
             raise ValueError(f"{what}: a carried dict holds tensors of its own (copies of "
-                             "the weights), not the "
-                             "stage's parameters themselves")
+                             "the weights), not the stage's parameters themselves")
     else:
         raise ValueError(f"{what} is a {type(item).__name__}: carry= takes torch's AveragedModel "
                          "of the stage module "
                          "or a dict of tensors keyed by its parameter names (on_move= hears "
-                         "of moves for anything "
-                         "else)")
+                         "of moves for anything else)")
     if len(found) > 1:
         found = _nearest(found, values)
     if len(found) > 1:
         raise ValueError(f"{what} averages stages {[s.index for s in found]} of this rank alike "
                          "(the same names and "
                          "shapes, and values as near to each); carry one average per stage "
-                         "module, made from it "
-                         "before training (as AveragedModel(stage_module) is)")
+                         "module, made from it before training (as AveragedModel(stage_module) is)")
     if any(isinstance(t, DTensor) for t in values.values()):
         raise ValueError(f"{what} holds sharded tensors (DTensor): carried averages must be whole tensors")
     return found[0]

@@ -56,8 +56,7 @@ def like_owner(value: torch.Tensor, owner: torch.Tensor, entry: dict[str, Any],
     assert isinstance(owner, DTensor)
     if list(owner.to_local().shape) != list(value.shape):
         raise ValueError(f"layer {layer_id}: optimizer state {entry['key']!r} of "
-                         f"{entry['name']} is a shard of "
-                         f"{tuple(value.shape)}, the parameter's shard here is "
+                         f"{entry['name']} is a shard of {tuple(value.shape)}, the parameter's shard here is "
                          f"{tuple(owner.to_local().shape)}")
     return DTensor.from_local(value, owner.device_mesh, owner.placements, run_check=False, shape=owner.shape,
                               stride=owner.stride())

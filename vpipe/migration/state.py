@@ -215,8 +215,7 @@ def validate_manifest(manifest: Any) -> dict[str, Any]:
             if not isinstance(same, int) or isinstance(same, bool) or not 0 <= same < i \
                     or entries[same].get("kind") != "optim":
                 raise ValueError(f"layer {layer}: entry {e['name']!r} aliases {same!r}, not "
-                                 "an earlier optimizer "
-                                 "state tensor")
+                                 "an earlier optimizer state tensor")
             continue
         if e["kind"] == "optim_value":
             continue

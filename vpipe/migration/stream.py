@@ -103,8 +103,7 @@ class OutgoingStream:
                 stashed = schedule.stashed(v)
                 if stashed is None:
                     raise RuntimeError(f"stage {stage.stage_index}: weight version {v} of "
-                                       f"layers {list(layers)} "
-                                       "is no longer kept; register the move earlier")
+                                       f"layers {list(layers)} is no longer kept; register the move earlier")
                 self._send_version(v, [stashed[n] for n in self.names])
         self._send_live_if_due(schedule.updates)
 

@@ -64,5 +64,4 @@ class SampleSchedule:
 
     def __repr__(self) -> str:
         return (f"SampleSchedule(every={self.every}, max_every={self.max_every}, "
-                f"backoff_after={self.backoff_after}, "
-                f"origin={self.origin})")
+                f"backoff_after={self.backoff_after}, origin={self.origin})")

@@ -108,8 +108,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="pipeline ranks: one stage each, or --stages-per-rank under a multi-stage schedule")
     p.add_argument("--stages-per-rank", default=None, metavar="V",
                    help="virtual stages per rank under a multi-stage schedule (default 2; "
-                        "zbv, dualpipev: 2); the "
-                        "plan has P x V stages")
+                        "zbv, dualpipev: 2); the plan has P x V stages")
     p.add_argument("--memory-budget", metavar="BYTES", default=None,
                    help="device memory per stage, e.g. 16e9, 16GB, 15GiB, or one per stage: 8GB,8GB,12GB")
     p.add_argument("--schedule", default="1f1b",
@@ -169,8 +168,7 @@ def cmd_plan(args: argparse.Namespace, argv: object = None) -> int:
         graph = model_graph.graph
         if stages > len(graph):
             raise ValueError(f"{_stages_text(ranks, per_rank)} is more than the model's "
-                             f"{len(graph)} placement "
-                             f"units ({_names(model_graph)})")
+                             f"{len(graph)} placement units ({_names(model_graph)})")
     layout = _layout(args.schedule, ranks, per_rank, micro_batches)
     result = plan_pipeline(graph, stages, schedule=args.schedule, micro_batches=micro_batches,
                            memory_budget=budget, method=args.method, hardware=hardware,
@@ -210,16 +208,14 @@ def _stages_per_rank(schedule: str, text: str | None) -> int:
     if schedule not in _PLANNABLE_MULTI:
         if text is not None:
             raise ValueError("--stages-per-rank is for the multi-stage schedules "
-                             f"({', '.join(_PLANNABLE_MULTI)}); "
-                             f"{schedule} runs one stage per rank")
+                             f"({', '.join(_PLANNABLE_MULTI)}); {schedule} runs one stage per rank")
         return 1
     if text is None:
         return 2
     per_rank = _positive_int("--stages-per-rank", text)
     if per_rank < 2:
         raise ValueError(f"--stages-per-rank must be at least 2 under {schedule}, got "
-                         f"{per_rank} (1f1b runs one "
-                         "stage per rank)")
+                         f"{per_rank} (1f1b runs one stage per rank)")
     if schedule in ("zbv", "dualpipev") and per_rank != 2:
         raise ValueError(f"{schedule} runs exactly 2 stages per rank (a V), got --stages-per-rank {per_rank}")
     return per_rank
@@ -336,8 +332,7 @@ def _print_model_table(mg: ModelGraph, pl: ModelPlan, args: argparse.Namespace, 
     slowest = pl.stages[pl.bottleneck_stage]
     if len(slowest) == 1 and len(pl.stages) > 1:
         lines.append(f"the slowest stage is one module, {slowest[0]}: no split makes a "
-                     "stage faster than it, so "
-                     "more stages do not shorten the step")
+                     "stage faster than it, so more stages do not shorten the step")
     for container, counts in pl.layer_counts.items():
         lines.append(f"blocks per stage for a manual split of {container or 'the model'}: "
                      f"{','.join(str(c) for c in counts)}")

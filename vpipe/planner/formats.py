@@ -133,8 +133,7 @@ def torchtitan_form(stages: list[list[str]], units: list[Unit], schedule: str, r
     if less is None:
         notes.append("first/last_stage_less_layers: " + (why or f"no pair gives blocks per stage "
                                                                 f"{','.join(map(str, blocks))} "
-                                                                f"with {stages_per_rank} "
-                                                                f"stage(s) per rank"))
+                                                                f"with {stages_per_rank} stage(s) per rank"))
     if schedule not in TORCHTITAN_SCHEDULES:
         notes.append(f"pipeline_parallel_schedule: torchtitan has no {schedule} schedule")
     return {

@@ -142,8 +142,7 @@ class PlanJudge:
         revert = Plan(epoch=current.epoch + 1, stages=old.stages, policies=old.policies,
                       predicted_step_s=before,
                       reason=(f"revert epoch {trial.plan.epoch}: measured "
-                              f"{after * 1e3:.2f} ms/step after it, "
-                              f"{before * 1e3:.2f} ms/step before"))
+                              f"{after * 1e3:.2f} ms/step after it, {before * 1e3:.2f} ms/step before"))
         decision("plan_reverted", f"epoch {trial.plan.epoch} made steps slower ({before * 1e3:.2f} -> "
                  f"{after * 1e3:.2f} ms measured); back to the plan of epoch {old.epoch} as "
                  f"epoch {revert.epoch}",

@@ -64,8 +64,7 @@ class OnlineConfig:
         need(rows is None or (self.in_flight is not None and isinstance(rows, list) and all(
             isinstance(row, list) and len(row) == len(self.in_flight) and all(_count(v) for v in row)
             for row in rows)),
-             "in_flight_together must be null or rows of one non-negative integer per "
-             "stage, with in_flight, "
+             "in_flight_together must be null or rows of one non-negative integer per stage, with in_flight, "
              f"got {rows!r}")
         need(self.schedule not in MULTI_STAGE or self.in_flight is not None,
              f"schedule {self.schedule} runs several stages per rank: in_flight and stage_ranks are needed")

@@ -108,8 +108,7 @@ def in_flight(schedule: str, stage: int, num_stages: int, micro_batches: int) ->
     check_schedule(schedule)
     if schedule in MULTI_STAGE:
         raise ValueError(f"{schedule} runs several stages per rank: its in-flight counts come "
-                         "from its action lists "
-                         "(PipelineSetup(in_flight_counts=...))")
+                         "from its action lists (PipelineSetup(in_flight_counts=...))")
     return RULES[schedule].in_flight(stage, num_stages, micro_batches)
 
 
@@ -182,8 +181,7 @@ class PipelineSetup:
                 isinstance(v, bool) or not isinstance(v, (int, float)) or not (np.isfinite(v) and v > 0)
                 for v in self.stage_speeds)):
             raise ValueError("stage_speeds must give a positive finite factor for each of "
-                             f"the {self.num_stages} "
-                             f"stages, got {self.stage_speeds!r:.200}")
+                             f"the {self.num_stages} stages, got {self.stage_speeds!r:.200}")
         if self.schedule in MULTI_STAGE and (self.in_flight_counts is None or self.stage_ranks is None):
             raise ValueError(f"{self.schedule} runs several stages per rank: give "
                              "in_flight_counts and stage_ranks")

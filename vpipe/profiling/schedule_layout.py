@@ -51,8 +51,7 @@ def schedule_layout(schedule: str, ranks: int, stages_per_rank: int, micro_batch
     except Exception as e:  # noqa: BLE001 - torch's own check of the combination, reported as one line
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(f"torch's {TORCH_CLASSES[schedule]} refuses {ranks} ranks x "
-                         f"{stages_per_rank} stages with "
-                         f"{micro_batches} micro-batches: {first}") from None
+                         f"{stages_per_rank} stages with {micro_batches} micro-batches: {first}") from None
     order: dict[int, Sequence[Any]] = dict(enumerate(lists))
     num_stages = ranks * stages_per_rank
     owner: dict[int, int] = {}

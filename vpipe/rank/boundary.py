@@ -88,7 +88,6 @@ class PlanBoundary:
                 continue
             if at < now:
                 raise RuntimeError(f"{self.who}: plan epoch {epoch} was due at step {at} but "
-                                   "this stage only saw "
-                                   f"the decision at step {now}")
+                                   f"this stage only saw the decision at step {now}")
             due.append(self._pending.pop(epoch))
         return due

@@ -79,8 +79,7 @@ class HomeCheckpoints:
                           predicted_step_s=plan.predicted_step_s, reason=plan.reason), "restored")
         if report.placement != placement:
             raise RuntimeError(f"vpipe could not move the layers {why} (a move aborted; the run "
-                               "log says why): they "
-                               f"are at {[list(s) for s in report.placement]}, not "
+                               f"log says why): they are at {[list(s) for s in report.placement]}, not "
                                f"{[list(s) for s in placement]}")
         decision("checkpoint_placement", f"stage {self.stage}: layers moved {why}",
                  stage=self.stage, layers=list(placement[self.stage]))

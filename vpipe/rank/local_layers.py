@@ -63,8 +63,7 @@ def averaged_pins(pipeline: Pipeline, carried: Collection[int] = ()) -> dict[int
         found = averages_of(stage.module, carried=carried) if stage.blocks is not None else []
         if found:
             why = (f"is averaged beside its stage ({found[0]}): a move would leave its "
-                   "average behind (name it in "
-                   "vpipe.attach(..., carry=[...]) and it moves with the blocks)")
+                   "average behind (name it in vpipe.attach(..., carry=[...]) and it moves with the blocks)")
             pins.update(dict.fromkeys(stage.blocks.ids, why))  # type: ignore[union-attr]
     return pins
 

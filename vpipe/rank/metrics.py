@@ -179,8 +179,7 @@ def _own_directory(base: Path, name: str) -> Path:
                          "directory of this user's")
     if info.st_uid != os.geteuid():
         raise ValueError(f"metrics_dir {base}: {path} belongs to another user (uid "
-                         f"{info.st_uid}); give metrics_dir "
-                         "a directory of your own")
+                         f"{info.st_uid}); give metrics_dir a directory of your own")
     if not os.access(path, os.W_OK | os.X_OK):
         raise ValueError(f"metrics_dir {base}: cannot write in {path}: permission denied")
     return path

@@ -79,8 +79,7 @@ def check_replicas_alike(agreement: StoreAgreement, *, world_rank: int, world_si
     differ = [r for r, other in enumerate(seen) if other != json.loads(json.dumps(layout))]
     if differ:
         raise ValueError(f"vpipe.attach on {who}: world rank(s) {differ} run another pipeline "
-                         f"({seen[differ[0]]} vs "
-                         f"{layout}); every data-parallel replica must run the same "
+                         f"({seen[differ[0]]} vs {layout}); every data-parallel replica must run the same "
                          "stages, schedule and blocks")
     mine = replicas.world_ranks.index(world_rank)
     agreement.job.set(_FIRST_KEY + str(world_rank), json.dumps([replicas.world_ranks[0], mine]))

@@ -48,6 +48,5 @@ def planner_config(config: VpipeConfig, pipeline: Pipeline, memory_budget: int |
     taken = sorted(set(shape) & set(config.planner_options))
     if taken:
         raise ValueError(f"vpipe config: planner_options cannot set {', '.join(taken)}: "
-                         "attach reads them off the "
-                         "pipeline")
+                         "attach reads them off the pipeline")
     return OnlineConfig.from_mapping({**shape, **config.planner_options}).to_dict()

@@ -24,8 +24,7 @@ __all__ = ["StaleStateError", "stamp_state_dicts"]
 
 _KEY = "vpipe_blocks"  # in a module's state-dict metadata, and as a key of an optimizer's state dict
 _ADVICE = ("snapshot with torch.distributed.checkpoint and vpipe.global_block_keys instead, "
-           "which restores each "
-           "block where it lives now (docs/reliability.md, 'Rolling back across moves')")
+           "which restores each block where it lives now (docs/reliability.md, 'Rolling back across moves')")
 
 
 class StaleStateError(ValueError):
@@ -45,8 +44,7 @@ def _check(what: str, stamped: Any, now: list[int]) -> None:
                                         f"blocks {_ids(came)} arrived" if came else "")
                       if part) or "reordered"
     raise StaleStateError(f"vpipe: this {what} state dict holds blocks {_ids(was)}, the stage "
-                          f"holds {_ids(now)} now "
-                          f"({moved} since it was taken); {_ADVICE}")
+                          f"holds {_ids(now)} now ({moved} since it was taken); {_ADVICE}")
 
 
 def stamp_state_dicts(modules: Sequence[tuple[nn.Module, Callable[[], list[int]]]],

@@ -71,8 +71,7 @@ class SchedulePipeDream2BW(SchedulePipeDream):
         # else a period's weights may not exist yet at its first forward
         if n_microbatches < stage.num_stages:
             raise ValueError("PipeDream-2BW needs an update period (micro-batches per step, "
-                             f"{n_microbatches}) of "
-                             f"at least the number of stages ({stage.num_stages})")
+                             f"{n_microbatches}) of at least the number of stages ({stage.num_stages})")
         super().__init__(stage, n_microbatches, loss_fn, optimizer)
         self.mean_grads = scale_grads  # divide the period's summed gradient by its micro-batches
         self._base_version = 0  # the version the first two periods after the (re)start run on
@@ -105,8 +104,7 @@ class SchedulePipeDream2BW(SchedulePipeDream):
         self._count_versions()
         if self.peak_versions > 2:
             raise RuntimeError(f"stage {self._stage.stage_index}: PipeDream-2BW held more than "
-                               "two weight versions "
-                               f"(now {self.versions_held})")
+                               f"two weight versions (now {self.versions_held})")
 
     # ---------------------------------------------------------------- updates
     def _update_after(self, mb: int) -> None:

@@ -170,8 +170,7 @@ class ScheduleWPipe(PipelineScheduleMulti):
                              f"{g0.stage_index} and {g1.stage_index}")
         if n_microbatches < ranks:
             raise ValueError("WPipe needs an update period (micro-batches per step, "
-                             f"{n_microbatches}) of at least "
-                             f"the number of ranks ({ranks})")
+                             f"{n_microbatches}) of at least the number of ranks ({ranks})")
         # two periods are in flight on G0's stage: torch's stages get a
         # chunk slot for each of 2m micro-batches
         super().__init__(list(stages), 2 * n_microbatches, loss_fn, scale_grads=False)

@@ -85,8 +85,7 @@ def find_block_container(stage_module: nn.Module, path: str | None = None) -> tu
             container = stage_module.get_submodule(path)
         except AttributeError:
             raise BlockContainerError(f"layers={path!r}: the stage module "
-                                      f"({type(stage_module).__name__}) has no "
-                                      f"submodule {path!r}") from None
+                                      f"({type(stage_module).__name__}) has no submodule {path!r}") from None
         if not isinstance(container, CONTAINERS) and not isinstance(stage_module, torch.fx.GraphModule):
             raise BlockContainerError(f"layers={path!r} is a {type(container).__name__}; it must name an "
                                       "nn.Sequential, nn.ModuleList or nn.ModuleDict of blocks")
@@ -113,8 +112,7 @@ def find_block_container(stage_module: nn.Module, path: str | None = None) -> tu
         raise BlockContainerError(
             f"vpipe.attach found no container of repeated blocks in the stage module "
             f"({type(stage_module).__name__}){found}. Put the stage's blocks in an "
-            "nn.Sequential, nn.ModuleList "
-            "or nn.ModuleDict, or pass layers='path.to.container'")
+            "nn.Sequential, nn.ModuleList or nn.ModuleDict, or pass layers='path.to.container'")
     scored.sort(key=lambda item: (-item[0], len(item[1])))
     best_params, best, container = scored[0]
     rivals = [(p, n) for p, n, _ in scored[1:]

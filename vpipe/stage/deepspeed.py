@@ -96,8 +96,7 @@ class DeepSpeedStage:
         optimizer = getattr(engine, "optimizer", None)
         if engine.bfloat16_enabled() or engine.fp16_enabled():
             return ("DeepSpeed bf16/fp16: its optimizer keeps flat fp32 master copies of the "
-                    "stage's parameters, "
-                    "which a move would leave stale; train in fp32 for moves")
+                    "stage's parameters, which a move would leave stale; train in fp32 for moves")
         if engine.zero_optimization_stage() > 0:
             return (f"DeepSpeed ZeRO stage {engine.zero_optimization_stage()}: its optimizer "
                     "flattens and partitions "

@@ -158,16 +158,14 @@ def optimizer_parts(optimizer: Any, stages: Mapping[int, nn.Module]) -> torch.op
         owners[v] = [i for i, ids in enumerate(held) if ids & mine]
         if not owners[v]:
             raise ValueError(f"vpipe.attach: none of the {len(parts)} optimizers given holds "
-                             "a parameter of stage "
-                             f"{v}; pass the optimizers of every stage this rank runs")
+                             f"a parameter of stage {v}; pass the optimizers of every stage this rank runs")
     shared = {i for v, mine in owners.items() for i in mine if any(i in owners[w] for w in owners if w != v)}
     one_set = len({tuple(mine) for mine in owners.values()}) == 1  # the same optimizers train every stage
     if shared and not one_set and any(len(mine) > 1 for mine in owners.values()):
         raise ValueError(f"vpipe.attach: optimizer(s) {sorted(shared)} train several of this "
                          "rank's stages while a "
                          "stage has several optimizers; give each stage its own optimizers "
-                         "(as torchtitan builds "
-                         "one per model part), or one set over all of them")
+                         "(as torchtitan builds one per model part), or one set over all of them")
     if len(stages) == 1 or shared:  # one set of optimizers for everything this rank trains
         return StageOptimizers(parts, optimizer)
     merged = [parts[mine[0]] if len(mine) == 1 else StageOptimizers([parts[i] for i in mine]) for mine in

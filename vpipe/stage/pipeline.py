@@ -127,14 +127,11 @@ def unwrap_stage_module(module: nn.Module) -> nn.Module:
         raise TypeError(f"vpipe.attach does not support a stage module wrapped in {how}: its "
                         "gradient buckets are "
                         "fixed at wrap time and would go stale when blocks move. Keep the stage "
-                        "module unwrapped and "
-                        "all-reduce its gradients over the data-parallel group after "
-                        "schedule.step() yourself "
-                        "(vpipe keeps the replicas' blocks alike)")
+                        "module unwrapped and all-reduce its gradients over the data-parallel group after "
+                        "schedule.step() yourself (vpipe keeps the replicas' blocks alike)")
     if any(is_fsdp1(m) for m in module.modules()):
         raise TypeError("vpipe.attach does not support FSDP1 (FullyShardedDataParallel) on a "
-                        "stage module: its flat "
-                        "parameters hold every block at once. Use FSDP2, torchtitan's "
+                        "stage module: its flat parameters hold every block at once. Use FSDP2, torchtitan's "
                         "way: fully_shard(block, "
                         "mesh=dp_mesh) on every block, then fully_shard(stage_module, mesh=dp_mesh)")
     return module
@@ -179,8 +176,7 @@ def check_optimizer(optimizer: torch.optim.Optimizer | None, modules: Sequence[n
             raise ValueError("vpipe.attach: the optimizer holds none of this stage's "
                              f"{len(mine)} parameters; pass "
                              "the optimizer built over this rank's stage modules (e.g. "
-                             "torch.optim.AdamW(params of "
-                             "every stage this rank runs))")
+                             "torch.optim.AdamW(params of every stage this rank runs))")
     staged = {id(p) for module in modules for p in module.parameters()}
     foreign = {g: sum(id(p) not in staged for p in group["params"])
                for g, group in enumerate(optimizer.param_groups)}

@@ -156,8 +156,7 @@ class ManagedLayer:
         if module.__dict__.get("forward") is not self.wrapper:
             raise RuntimeError(
                 f"layer {self.layer_id}: its forward attribute was replaced after vpipe "
-                "set it for recompute; "
-                f"vpipe cannot restore the module without undoing that change"
+                f"set it for recompute; vpipe cannot restore the module without undoing that change"
             )
         if self.original_forward is _MISSING:
             del module.__dict__["forward"]

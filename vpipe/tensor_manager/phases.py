@@ -114,8 +114,7 @@ class BackwardPhases:
             decision(
                 "weight_pass_drop",
                 f"micro-batch {mb}: dropped {format_bytes(swapped + recomputed_bytes)} its "
-                "weight pass needs to stay "
-                f"under the budget ({format_bytes(swapped)} to fetch again, "
+                f"weight pass needs to stay under the budget ({format_bytes(swapped)} to fetch again, "
                 f"{format_bytes(recomputed_bytes)} to "
                 f"recompute again)", micro_batch=mb, swapped_bytes=swapped, recomputed_bytes=recomputed_bytes,
                 budget_bytes=self._budget.budget_bytes, lagging=len(self.lagging),

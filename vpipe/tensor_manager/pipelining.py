@@ -84,8 +84,7 @@ class StageHandle:
             for name, wrapper in self._wrappers.items():
                 if self.stage.__dict__.get(name) is not wrapper:
                     raise RuntimeError(f"stage {self.stage.stage_index}: {name} was replaced "
-                                       "after vpipe wrapped "
-                                       f"it; cannot restore it")
+                                       f"after vpipe wrapped it; cannot restore it")
             self._restore()
         _installed.discard(self.stage)
         self.removed = True

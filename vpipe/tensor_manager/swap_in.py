@@ -68,8 +68,7 @@ class SwapIn:
                 raise RuntimeError(
                     f"layer {entry.layer}, micro-batch {entry.mb}: a saved tensor was unpacked after the "
                     "micro-batch's backward ended (its weight pass, or the step); the "
-                    "tensor manager let go of "
-                    f"it then. Trying to backward through the graph a second time?")
+                    f"tensor manager let go of it then. Trying to backward through the graph a second time?")
             if serial != entry.last_phase:
                 entry.last_phase = serial
                 entry.phases += 1

@@ -37,8 +37,7 @@ def _swap_md(data: dict[str, Any]) -> str:
     text += f", against {naive:.1f} GB/s for `.cpu()`" if naive else ""
     if overlap:
         text += (f"; {overlap['swap_bytes'] >> 20} MiB of swap-outs beside "
-                 f"{overlap['compute_s'] * 1e3:.0f} ms of "
-                 f"compute overlap by {overlap['overlap']:.0%}")
+                 f"{overlap['compute_s'] * 1e3:.0f} ms of compute overlap by {overlap['overlap']:.0%}")
     return text + "."
 
 
@@ -137,8 +136,7 @@ def _memory_bound_md(data: dict[str, Any]) -> str:
             + (f"the GPU's memory capped at {cap / 2**30:.2f} GiB" if cap else "no memory cap")
             + f" so that plain holds {data['plain_largest']} micro-batches; vpipe's "
             f"budget {data['budget_bytes'] / 2**30:.2f} GiB (0.8 x what plain's largest batch saves)"
-            + _prefetch_alloc_md(cfg) + ". At "
-            f"{data['micro_batches']} micro-batches:\n\n"
+            + _prefetch_alloc_md(cfg) + f". At {data['micro_batches']} micro-batches:\n\n"
             + table(["system", "samples/s", "device peak GiB", "vpipe's choice / error"], rows)
             + f"\n\nvpipe / all-recompute: {_verdict(data['vpipe_over_checkpoint'], 1.15, at_most=False)}; "
               f"vpipe / save_on_cpu {_times(data['vpipe_over_save_on_cpu'])}.{crossed}\n\n"
@@ -156,8 +154,7 @@ def _timeline_md(data: dict[str, Any]) -> str:
              f"micro-batches of {cfg['micro_batch_size']}, the memory-bound benchmark's "
              "cap and budget (vpipe "
              f"{data['vpipe_policies']}); the compute stream's idle time, the copies and the "
-             "longest gaps (ms from "
-             "the step's first kernel):"])
+             "longest gaps (ms from the step's first kernel):"])
     for system, row in data["systems"].items():
         if "error" in row:
             lines.append(f"- {system}: {row['error']}")
@@ -187,8 +184,7 @@ def _host_cost_md(data: dict[str, Any]) -> str:
              ", ".join(f"{name.removeprefix('aten.')} {n}" for name, n in r["most_beyond_plain"])]
             for r in data["rows"]]
     return ("**Host cost per step, counted** (`host_cost.py`): the launch-bound model "
-            f"({cfg['blocks']} blocks, "
-            f"d_model {cfg['d_model']}, {cfg['micro_batches']} micro-batches of "
+            f"({cfg['blocks']} blocks, d_model {cfg['d_model']}, {cfg['micro_batches']} micro-batches of "
             f"{cfg['micro_batch_size']}), one "
             "unmetered step: Python bytecodes executed and tensor operations dispatched (each a launch, an "
             "allocation or a copy on the GPU)\n\n"

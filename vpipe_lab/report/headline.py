@@ -78,8 +78,7 @@ def headline_rows(results: Results) -> list[list[str]]:
     if shapes:
         worst = max(shapes, key=lambda r: r["vpipe_over_balanced"])
         rows.append(["the one line on users' trainers "
-                     f"({', '.join(r['shape'] for r in shapes)}), 6,2 split on 2 "
-                     "stages",
+                     f"({', '.join(r['shape'] for r in shapes)}), 6,2 split on 2 stages",
                      "+ vpipe: " + ", ".join(f"{r['vpipe_step_s'] * 1e3:.0f}" for r in shapes) + " ms/step",
                      "hand-balanced 4,4: " + ", ".join(f"{r['balanced_step_s'] * 1e3:.0f}" for r in shapes)
                      + " ms/step",

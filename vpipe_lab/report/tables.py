@@ -33,8 +33,7 @@ def _throughput_md(data: dict[str, Any]) -> str:
         parts.append(f"**{case['model']} on {case['stages']} stages**: budget "
                      f"{case['budget_bytes'] / 2**20:.1f} MiB "
                      f"per rank, global batch {case['global_batch']}, partition "
-                     f"{case['partition']}{virtual}, ideal "
-                     f"{case['ideal_samples_per_s']:.0f} samples/s\n\n"
+                     f"{case['partition']}{virtual}, ideal {case['ideal_samples_per_s']:.0f} samples/s\n\n"
                      + table(["system", "mb x n", "samples/s", "vs without vpipe", "vs GPipe (all R)",
                               "of ideal"],
                               rows))
@@ -132,8 +131,7 @@ def _memory_md(data: dict[str, Any]) -> str:
         f"Budget {data['budget_bytes'] / mib:.0f} MiB per stage, 2 stages, micro-batch "
         f"{data['model']['micro_batch_size']}:\n\n"
         + table(["run", "samples/s", "stage footprints (MiB)", "within budget"], rows)
-        + "\n\nvpipe / GPipe with every layer recomputed: "
-        f"{ratio(data['vpipe_over_recompute'])}; vpipe's "
+        + f"\n\nvpipe / GPipe with every layer recomputed: {ratio(data['vpipe_over_recompute'])}; vpipe's "
         f"policies per stage at the end (layer: policy): "
         f"{' / '.join(' '.join(f'{k}:{v}' for k, v in stage.items()) for stage in data['vpipe_policies'])}."
     )
@@ -149,8 +147,7 @@ def _shapes_md(data: dict[str, Any]) -> str:
             for r in data["rows"]]
     skipped = "".join(f" {name} skipped: {why}." for name, why in data.get("skipped", {}).items())
     return (f"2 CPU stages, 1F1B, {data['steps']} steps per run, median step of the last "
-            f"{data['measure_steps']}, "
-            f"{data['rounds']} round(s) (runs alternate):\n\n"
+            f"{data['measure_steps']}, {data['rounds']} round(s) (runs alternate):\n\n"
             + table(["trainer", "4,4 plain ms", "6,2 plain ms", "6,2 + vpipe ms", "vpipe / 4,4", "6,2 / 4,4",
                       "vpipe's split"], rows) + skipped)
 
@@ -187,8 +184,7 @@ def _overhead_md(data: dict[str, Any]) -> str:
         text += ("\n\nWhere vpipe's own time goes, per step of the small attached run "
                  "(microseconds, under cProfile, "
                  f"which inflates every Python call: upper bounds; {breakdown['steps']} steps, "
-                 "the saved-tensor hooks "
-                 "run on the monitor's sampled steps only):\n\n"
+                 "the saved-tensor hooks run on the monitor's sampled steps only):\n\n"
                  + table(["rank", "step ms", "per step (boundary, monitor, control)", "per micro-batch",
                            "per layer call", "per saved tensor"], parts))
     return text
@@ -201,8 +197,7 @@ def _soak_md(data: dict[str, Any]) -> str:
              f"{r['rss_growth_second_half']:+.2%}", f"{r['pool_peak_bytes'] / 1024:.0f}",
              f"{r['pool_used_end_bytes'] / 1024:.0f}"] for r in data["ranks"]]
     return (f"{data['steps']} steps on 2 stages, a forced plan (partition and policies) every "
-            f"{data['move_every']} "
-            f"steps ({data['forced_plans']} plans):\n\n"
+            f"{data['move_every']} steps ({data['forced_plans']} plans):\n\n"
             + table(["rank", "plans applied", "RSS start MiB", "RSS mid MiB", "RSS end MiB",
                      "growth 2nd half",
                       "host pool peak KiB", "host pool in use at end KiB"], rows)

@@ -66,8 +66,7 @@ def load_resume(cfg: RunConfig, verify: str = "stat") -> Any:
         for name in ("model", "blocks", "d_model", "n_heads", "seq_len", "block_types", "optimizer"):
             if name in saved and saved[name] != getattr(cfg, name):
                 raise CheckpointError(f"checkpoint {ckpt.path} was saved with {name} "
-                                      f"{saved[name]!r}; this run has "
-                                      f"{getattr(cfg, name)!r}")
+                                      f"{saved[name]!r}; this run has {getattr(cfg, name)!r}")
     return ckpt
 
 
@@ -89,8 +88,7 @@ def check_checkpoint_dir(cfg: RunConfig, *, hold: bool = False) -> None:
     if latest is not None and not _resumes_from(cfg, root):
         os.close(fd)
         raise CheckpointError(
-            f"--checkpoint-dir {root} holds another run's checkpoints (the "
-            f"newest: {latest.name}); "
+            f"--checkpoint-dir {root} holds another run's checkpoints (the newest: {latest.name}); "
             f"give this run a directory of its own, or --resume {root} to continue that run"
         )
     keep(fd, hold)

@@ -166,8 +166,7 @@ class RunConfig:
         if name not in MULTI_STAGE:
             if per_rank not in (None, 1):
                 raise ValueError(f"{name} runs one stage per rank; {per_rank} stages per "
-                                 "rank need a multi-stage "
-                                 f"schedule ({', '.join(MULTI_STAGE)})")
+                                 f"rank need a multi-stage schedule ({', '.join(MULTI_STAGE)})")
             return
         if name in V_SHAPED and per_rank not in (None, 2):
             raise ValueError(f"{name} runs exactly 2 stages per rank (a V), got stages_per_rank {per_rank}")
@@ -235,8 +234,7 @@ class RunConfig:
                 raise ValueError(f"resume {self.resume}: {e.strerror or e}") from None
             if is_file:
                 raise ValueError(f"resume {self.resume} is a file; give a checkpoint "
-                                 "directory (or the directory "
-                                 f"of checkpoints)")
+                                 f"directory (or the directory of checkpoints)")
 
     def _check_nas(self, n_layers: int) -> None:
         """Replay the layer edits on the layer ids, so a bad one fails before any rank starts."""

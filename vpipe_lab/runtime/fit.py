@@ -302,8 +302,7 @@ def _rank_actions(cfg: RunConfig, rank: int) -> list[Any]:
     """One step's actions of ``rank`` under ``cfg``'s multi-stage schedule, as torch lists them."""
     if get_schedule_ops is None:
         raise RuntimeError(f"torch {torch.__version__} has no schedule visualizer to read "
-                           f"{cfg.schedule}'s action "
-                           "lists from")
+                           f"{cfg.schedule}'s action lists from")
     return get_schedule_ops(multi_stage_class(cfg.schedule), cfg.stages, cfg.micro_batches,
                             cfg.n_local_stages)[rank]
 

@@ -108,8 +108,7 @@ def _lock_log(log_file: str) -> int | None:
     if not _lock(fd):
         os.close(fd)
         raise OutputInUseError(f"--log-file {log_file} is being written by another run; give "
-                               "each run a log file of "
-                               "its own")
+                               "each run a log file of its own")
     return fd
 
 

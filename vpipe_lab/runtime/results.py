@@ -46,8 +46,7 @@ def save_rank_result(cfg: RunConfig, run: StageRun, result: RunResult) -> None:
         _write_rank_result(out, run, result)
     except OSError as e:
         stderr_line(f"vpipe [rank {run.rank}]: cannot write this rank's results to {out} "
-                    f"({e.strerror or e}); "
-                    "training finished without them")
+                    f"({e.strerror or e}); training finished without them")
 
 
 def _write_rank_result(out: Path, run: StageRun, result: RunResult) -> None:
