@@ -28,11 +28,10 @@ import errno
 import os
 import secrets
 import stat
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import BinaryIO
 
-__all__ = ["FileCheckError", "read_regular", "open_regular", "check_regular", "check_output_file",
-           "check_output_dir",
+__all__ = ["FileCheckError", "read_regular", "open_regular", "check_regular", "describe_mode", "check_links",
            "create_new", "replacing", "write_atomic", "write_output", "output_file", "open_append",
            "open_lock",
            "open_dir", "make_dirs", "make_private_dir", "planted_link", "PlantedLinkError", "FILE_MODE",
@@ -52,7 +51,8 @@ class PlantedLinkError(FileCheckError, OSError):
     is checked (one line, exit 2), an OSError where a write meets it later (said once, as a full disk is)."""
 
 
-def _describe(mode: int) -> str:
+def describe_mode(mode: int) -> str:
+    """What a file that is not a regular one is, in words."""
     if stat.S_ISDIR(mode):
         return "a directory"
     if stat.S_ISFIFO(mode):
@@ -80,7 +80,7 @@ def open_regular(path: str | os.PathLike[str], what: str = "file", *, nofollow: 
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(fd)
-        raise FileCheckError(f"{what} {os.fspath(path)} is {_describe(mode)}, not a regular file")
+        raise FileCheckError(f"{what} {os.fspath(path)} is {describe_mode(mode)}, not a regular file")
     os.set_blocking(fd, True)
     return fd
 
@@ -112,73 +112,10 @@ def check_regular(path: str | os.PathLike[str], what: str = "file") -> None:
     os.close(open_regular(path, what))
 
 
-def check_output_file(path: str | os.PathLike[str], what: str) -> None:
-    """FileCheckError unless ``path`` can be a file to append to: not empty, not a directory or a FIFO, in a
-    directory that exists (or can be made) and, if it exists, writable. Checked at start, not at the end."""
-    text, mode = _existing(path, what, "a file name")
-    reason = planted_link(text)
-    if reason is not None:
-        raise PlantedLinkError(f"{what} {text} is {reason}; vpipe does not write through "
-                               "it: remove it, or name "
-                               "another file")
-    _check_links(os.path.dirname(os.path.abspath(text)), text, what)
-    if mode is None:
-        return
-    if stat.S_ISDIR(mode) or stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
-        raise FileCheckError(f"{what} {text} is {_describe(mode)}, not a file to write to")
-    if not os.access(text, os.W_OK):
-        raise FileCheckError(f"cannot write {what} {text}: permission denied")
-
-
-def check_output_dir(path: str | os.PathLike[str], what: str, names: Iterable[str] = ()) -> None:
-    """FileCheckError unless ``path`` is a writable directory or one that can be made, reached through no link
-    another user could have planted, and holding none at the ``names`` vpipe will write there."""
-    text, mode = _existing(path, what, "a directory")
-    _check_links(os.path.abspath(text), text, what)
-    if mode is None:
-        return
-    if not stat.S_ISDIR(mode):
-        raise FileCheckError(f"{what} {text} is {_describe(mode) if not stat.S_ISREG(mode) else 'a file'}, "
-                             f"not a directory")
-    if not os.access(text, os.W_OK | os.X_OK):
-        raise FileCheckError(f"cannot write in {what} {text}: permission denied")
-    for name in names:
-        reason = planted_link(os.path.join(text, name))
-        if reason is not None:
-            raise PlantedLinkError(f"{what} {text}: {os.path.join(text, name)} is {reason}; "
-                                   "vpipe does not write "
-                                   "through it: remove it, or give this run a directory of its own")
-
-
-def _existing(path: str | os.PathLike[str], what: str, wanted: str) -> tuple[str, int | None]:
-    """(path, its mode) if it exists; (path, None) when it is still to be made, where it can be."""
-    text = os.fspath(path)
-    if not text.strip():
-        raise FileCheckError(f"{what} is empty; give {wanted}")
-    try:
-        return text, os.stat(text).st_mode
-    except (FileNotFoundError, NotADirectoryError):
-        _check_parent(text, what)
-        return text, None
-    except OSError as e:
-        raise FileCheckError(f"{what} {text}: {e.strerror or e}") from None
-
-
-def _check_parent(text: str, what: str) -> None:
-    """The nearest existing ancestor of a path still to be made must be a writable directory."""
-    parent = os.path.dirname(os.path.abspath(text))
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        raise FileCheckError(f"{what} {text}: {parent} is a file, not a directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise FileCheckError(f"cannot create {what} {text}: {parent} is not writable")
-
-
-def _check_links(directory: str, text: str, what: str) -> None:
-    """FileCheckError when a component of the absolute ``directory`` that exists is
+def check_links(directory: str, text: str, what: str) -> None:
+    """PlantedLinkError when a component of the absolute ``directory`` that exists is
     a link another user could have planted (:func:`planted_link`): checked at
-    start, where :func:`open_dir` would refuse it later."""
+    start (:mod:`vpipe.output_paths`), where :func:`open_dir` would refuse it later."""
     walked = os.sep
     for part in directory.split(os.sep):
         walked = os.path.join(walked, part)
@@ -332,7 +269,7 @@ def output_file(path: str | os.PathLike[str], what: str) -> Iterator[BinaryIO]:
     one of this user's replaced (written through only to a device: ``-o /dev/stdout``). FileCheckError (one
     line, naming ``what``) for a refusal or a write that fails."""
     text = os.fspath(path)
-    _check_links(os.path.dirname(os.path.abspath(text)), text, what)
+    check_links(os.path.dirname(os.path.abspath(text)), text, what)
     reason = planted_link(text)
     if reason is not None:
         raise PlantedLinkError(f"{what} {text} is {reason}; vpipe does not write through "
@@ -344,7 +281,7 @@ def output_file(path: str | os.PathLike[str], what: str) -> Iterator[BinaryIO]:
         except FileNotFoundError:
             mode = None
         if mode is not None and not (stat.S_ISREG(mode) or stat.S_ISCHR(mode)):
-            raise FileCheckError(f"{what} {text} is {_describe(mode)}, not a file to write")
+            raise FileCheckError(f"{what} {text} is {describe_mode(mode)}, not a file to write")
         if mode is not None and stat.S_ISCHR(mode):  # /dev/null, /dev/stdout: written to, never replaced
             with open(text, "wb") as device:
                 yield device
@@ -393,7 +330,7 @@ def open_append(path: str | os.PathLike[str], what: str = "file") -> int:
     mode = os.fstat(fd).st_mode
     if not (stat.S_ISREG(mode) or stat.S_ISCHR(mode)):
         os.close(fd)
-        raise FileCheckError(f"{what} {text} is {_describe(mode)}, not a file to write to")
+        raise FileCheckError(f"{what} {text} is {describe_mode(mode)}, not a file to write to")
     os.set_blocking(fd, True)
     return fd
 
@@ -414,7 +351,7 @@ def open_lock(path: str | os.PathLike[str], what: str = "lock file") -> int:
     info = os.fstat(fd)
     if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
         os.close(fd)
-        kind = (_describe(info.st_mode) if not stat.S_ISREG(info.st_mode)
+        kind = (describe_mode(info.st_mode) if not stat.S_ISREG(info.st_mode)
                 else "a file with other names (hard links)")
         raise FileCheckError(f"{what} {text} is {kind}; vpipe never writes through one")
     os.set_blocking(fd, True)

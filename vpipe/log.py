@@ -21,7 +21,8 @@ import sys
 import time
 from typing import Any
 
-from vpipe.files import check_output_file, make_dirs, open_append, read_regular
+from vpipe.files import make_dirs, open_append, read_regular
+from vpipe.output_paths import check_output_file
 
 DECISIONS = "vpipe.decisions"
 decision_log = logging.getLogger(DECISIONS)

@@ -38,7 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from vpipe.files import check_output_file, make_dirs, output_file, write_atomic, write_output
+from vpipe.files import make_dirs, output_file, write_atomic, write_output
+from vpipe.output_paths import check_output_file
 
 __all__ = ["span", "active", "start", "stop", "recording", "Recorder", "set_track", "RANK_TRACK", "merge",
            "stage_fractions", "load_rank_file", "load_run", "draw", "register", "FILE_PATTERN"]

@@ -38,7 +38,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from vpipe.files import check_output_file, make_dirs, read_regular, write_output
+from vpipe.files import make_dirs, read_regular, write_output
+from vpipe.output_paths import check_output_file
 
 __all__ = ["Benchmark", "BENCHMARKS", "run_benchmarks", "register"]
 

@@ -20,8 +20,9 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from vpipe.files import check_output_dir, make_dirs
+from vpipe.files import make_dirs
 from vpipe.log import read_log
+from vpipe.output_paths import check_output_dir
 from vpipe_lab.logview import decision_rows
 from vpipe_lab.runtime.config import RunConfig
 from vpipe_lab.runtime.measure import run_training, samples_per_s

@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from vpipe.checks import shorten
-from vpipe.files import check_output_file, output_file
+from vpipe.files import output_file
 from vpipe.log import DECISIONS, STEPS, read_log
+from vpipe.output_paths import check_output_file
 
 __all__ = ["RunSeries", "series_from_log", "plot_run", "register"]
 

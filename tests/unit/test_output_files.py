@@ -86,7 +86,7 @@ def test_a_planted_trace_output_temporary_link_leaves_its_target_unchanged(tmp_p
 
 def test_a_planted_run_log_link_leaves_its_target_unchanged_and_a_link_of_ones_own_still_works(tmp_path):
     from vpipe import log
-    from vpipe.files import check_output_file
+    from vpipe.output_paths import check_output_file
 
     target, directory = victim(tmp_path), shared(tmp_path)
     planted = directory / "run.log"

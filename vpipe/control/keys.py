@@ -22,7 +22,8 @@ from typing import Any
 
 import zmq
 
-from vpipe.files import FileCheckError, check_output_dir, make_private_dir, read_regular
+from vpipe.files import FileCheckError, make_private_dir, read_regular
+from vpipe.output_paths import check_output_dir
 
 __all__ = ["KeyFileError", "read_secret_file", "read_public_file", "public_keys_from", "write_keypair",
            "check_z85_key", "register"]

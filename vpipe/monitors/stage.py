@@ -2,54 +2,40 @@
 
 Timing uses hooks on the layers themselves (never a wrapper module, so schedules and
 ``torch.func.functional_call`` see the stage's own modules), and the hooks exist only
-during a sampled iteration: other iterations run exactly as without a monitor.
-
-- Forward: a forward pre-hook and a forward hook per layer time each call.
-- Backward: the forward hook also puts a gradient hook on the layer's output; it fires when the gradient of
-  that output is ready, i.e. when the layer's backward starts. In one backward pass the layers' starts come
-  one after another (a stage is a chain), so a layer's backward lasts until the next start, and the stage's
-  first layer until the pass ends (an autograd engine callback); the hooked nodes are held a step longer
-  (:mod:`.held_nodes`: the graph is then freed one block at a time). This works for
-  ``torch.autograd.backward`` on stage outputs (torch's pipelining) and for vpipe's PipeDream schedule alike;
-  the loss's own backward, before the last layer's start, is attributed to no layer. Zero-bubble schedules'
-  separate weight-gradient passes are not timed.
-- A forward that runs inside a backward (recomputation) is not counted as a forward: it
-  is part of the layer's backward, as in the cost model (b + R*f).
-- Forwards without grad (evaluation) are skipped, and :meth:`StageMonitor.suspended` hides
-  the pipeline's first-step shape-inference from the hooks.
+during a sampled iteration: other iterations run exactly as without a monitor. What the hooks
+mark and the times it gives are :mod:`.timing`'s: a layer's forward calls, and its share of each
+backward pass (up to the next layer's start). This works for ``torch.autograd.backward`` on stage
+outputs (torch's pipelining) and for vpipe's PipeDream schedule alike; the loss's own backward,
+before the last layer's start, is attributed to no layer. Zero-bubble schedules' separate
+weight-gradient passes are not timed. Forwards without grad (evaluation) are skipped, and
+:meth:`StageMonitor.suspended` hides the pipeline's first-step shape-inference from the hooks.
 """
 
 from __future__ import annotations
 
 import time
-from collections import Counter, defaultdict
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from vpipe.compat.torch_internals import queue_engine_callback
 from vpipe.monitors.clock import clock_for
 from vpipe.monitors.gpu import NvmlProbe
-from vpipe.monitors.held_nodes import HeldNodes, first_grad_tensor
+from vpipe.monitors.held_nodes import HeldNodes
 from vpipe.monitors.keep_all import KeepAllSource
 from vpipe.monitors.memory import DeviceMemory, host_rss_bytes, layer_bytes
 from vpipe.monitors.pulse import trains
 from vpipe.monitors.records import LayerRecord, StageRecord
 from vpipe.monitors.sampling import SampleSchedule
 from vpipe.monitors.source import LayerFacts, SavedTensorSource, SavedTensorStats
-from vpipe.tensor_manager.accounting import tensor_bytes
+from vpipe.monitors.timing import OUTSIDE, LayerTimer
 
 __all__ = ["StageMonitor", "Sample", "layers_of"]
-
-# the stage module as a whole, timed like a layer; minus its blocks it is what lies outside them
-_OUTSIDE = -1
-
 
 def layers_of(module: nn.Module) -> dict[int, nn.Module]:
     """A stage module's children keyed by global layer id (vpipe names children by id)."""
@@ -107,18 +93,14 @@ class StageMonitor:
         self._owned_source = KeepAllSource({}, enabled=False,
                                            first_call_only=True) if saved_source is None else None
         self.saved_source: SavedTensorSource = saved_source or self._owned_source  # type: ignore[assignment]
-        self._clock = clock_for(self.device)
         self._memory = DeviceMemory(self.device)
         self._nvml = NvmlProbe(self.device)
         self._layers: dict[int, nn.Module] = {}
         self._handles: dict[int, list[RemovableHandle]] = {}
-        self._armed = False
-        self._suspended = 0
         self._current: int | None = None  # the open iteration
         self._sampling = False
         self._started = 0.0
         self._baseline = SavedTensorStats()
-        self._fwd_open: dict[int, Any] = {}
         self.epoch = 0  # the plan in force's (records carry it), as :meth:`plan_changed` tells
         # what applying the last plan that moved layers cost this rank (the next record says)
         self.move_s = 0.0
@@ -127,12 +109,8 @@ class StageMonitor:
         self._constant_key: tuple[object, ...] | None = None
         self._constant: dict[int, tuple[int, int]] = {}
         self._stage_module = stage_module
-        self._last_block_out: torch.Tensor | None = None
-        self._out_bytes: dict[int, int] = {}
-        self._fwd: list[tuple[int, Any, Any]] = []
-        self._bwd_pass: list[tuple[int, Any]] | None = None
-        self._bwd_passes: list[tuple[list[tuple[int, Any]], Any]] = []
         self._held = HeldNodes()
+        self._timer = LayerTimer(clock_for(self.device), self._held)  # what the hooks mark, while they exist
         for layer_id, module in layers.items():
             self.add_layer(layer_id, module)
 
@@ -158,7 +136,7 @@ class StageMonitor:
         self._layers[layer_id] = module
         if self._owned_source is not None:
             self._owned_source.add_layer(layer_id, module)
-        if self._armed:
+        if self._timer.armed:
             self._hook(layer_id)
 
     def remove_layer(self, layer_id: int) -> None:
@@ -168,7 +146,7 @@ class StageMonitor:
         self._unhook(layer_id)
         del self._layers[layer_id]
         self._kinds.pop(layer_id, None)
-        self._fwd_open.pop(layer_id, None)
+        self._timer.forget(layer_id)
         if self._owned_source is not None:
             self._owned_source.remove_layer(layer_id)
 
@@ -206,10 +184,7 @@ class StageMonitor:
         self._sampling = self.is_sampled(iteration)
         if not self._sampling:
             return
-        self._fwd_open.clear()
-        self._fwd.clear()
-        self._bwd_pass = None
-        self._bwd_passes.clear()
+        self._timer.start(iteration)
         self._memory.reset_peak()
         self._baseline = self.saved_source.stats()
         self._arm()
@@ -246,28 +221,26 @@ class StageMonitor:
     @contextmanager
     def suspended(self) -> Iterator[None]:
         """Forwards and backwards inside this block are not measured (shape inference, probes)."""
-        self._suspended += 1
-        try:
+        with self._timer.suspended():
             yield
-        finally:
-            self._suspended -= 1
 
     # ---------------------------------------------------------------- hooks
     def _arm(self) -> None:
-        if not self._armed:
-            self._armed = True
+        timer = self._timer
+        if not timer.armed:
+            timer.armed = True
             if self._owned_source is not None:  # first, so that its pre-hook runs outside the timed span
                 self._owned_source.set_enabled(True)
             for layer_id in self._layers:
                 self._hook(layer_id)
             if self._stage_module is not None:
-                self._handles[_OUTSIDE] = [
-                    self._stage_module.register_forward_pre_hook(partial(self._forward_start, _OUTSIDE)),
-                    self._stage_module.register_forward_hook(partial(self._forward_end, _OUTSIDE)),
+                self._handles[OUTSIDE] = [
+                    self._stage_module.register_forward_pre_hook(partial(timer.forward_start, OUTSIDE)),
+                    self._stage_module.register_forward_hook(partial(timer.forward_end, OUTSIDE)),
                 ]
 
     def _disarm(self) -> None:
-        self._armed = False
+        self._timer.armed = False
         for layer_id in list(self._handles):
             self._unhook(layer_id)
         if self._owned_source is not None:
@@ -276,82 +249,24 @@ class StageMonitor:
     def _hook(self, layer_id: int) -> None:
         module = self._layers[layer_id]
         self._handles[layer_id] = [
-            module.register_forward_pre_hook(partial(self._forward_start, layer_id)),
-            module.register_forward_hook(partial(self._forward_end, layer_id)),
+            module.register_forward_pre_hook(partial(self._timer.forward_start, layer_id)),
+            module.register_forward_hook(partial(self._timer.forward_end, layer_id)),
         ]
 
     def _unhook(self, layer_id: int) -> None:
         for handle in self._handles.pop(layer_id, []):
             handle.remove()
 
-    def _counts(self, args: tuple[Any, ...]) -> bool:
-        if self._suspended or self._bwd_pass is not None or not torch.is_grad_enabled():
-            return False
-        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
-        return first is None or not first.is_meta
-
-    def _forward_start(self, layer_id: int, module: nn.Module, args: tuple[Any, ...]) -> None:
-        if self._counts(args):
-            self._fwd_open[layer_id] = self._clock.mark()
-
-    def _forward_end(self, layer_id: int, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        start = self._fwd_open.pop(layer_id, None)
-        if start is None:
-            return
-        self._fwd.append((layer_id, start, self._clock.mark()))
-        out = first_grad_tensor(output)
-        if layer_id == _OUTSIDE:
-            last, self._last_block_out = self._last_block_out, None
-            if out is None or out is last:
-                return  # the stage ends with a block: nothing after it to time in the backward
-        else:
-            self._out_bytes[layer_id] = tensor_bytes(output)
-            self._last_block_out = out
-        if out is not None:
-            self._held.hook(self._current or 0, out, partial(self._backward_start, layer_id))
-
-    def _backward_start(self, layer_id: int, grad: torch.Tensor) -> None:
-        if not self._armed or self._suspended:
-            return
-        if self._bwd_pass is None:
-            self._bwd_pass = []
-            queue_engine_callback(self._backward_done)
-        self._bwd_pass.append((layer_id, self._clock.mark()))
-
-    def _backward_done(self) -> None:
-        if self._bwd_pass is not None:
-            self._bwd_passes.append((self._bwd_pass, self._clock.mark()))
-            self._bwd_pass = None
-
     # ---------------------------------------------------------------- the record
-    def _layer_times(self) -> tuple[dict[int, float], Counter, dict[int, float], Counter]:
-        clock = self._clock
-        ends = [end for _, _, end in self._fwd[-1:]] + [end for _, end in self._bwd_passes]
-        for end in ends:
-            clock.settle(end)
-        fwd_s: dict[int, float] = defaultdict(float)
-        bwd_s: dict[int, float] = defaultdict(float)
-        fwd_calls: Counter = Counter()
-        bwd_calls: Counter = Counter()
-        for layer_id, start, end in self._fwd:
-            fwd_s[layer_id] += clock.seconds(start, end)
-            fwd_calls[layer_id] += 1
-        for events, end in self._bwd_passes:
-            follow = [mark for _, mark in events[1:]] + [end]
-            for (layer_id, start), stop in zip(events, follow):
-                bwd_s[layer_id] += clock.seconds(start, stop)
-                bwd_calls[layer_id] += 1
-        return fwd_s, fwd_calls, bwd_s, bwd_calls
-
     def _ordered_ids(self) -> list[int]:
         order = self.facts.layers_of(self.stage_index) if self.facts is not None else []
         known = [lid for lid in order if lid in self._layers]
         return known + sorted(set(self._layers) - set(known))
 
     def _record(self, iteration: int, step_s: float) -> StageRecord:
-        fwd_s, fwd_calls, bwd_s, bwd_calls = self._layer_times()
-        stage_fwd_s, outside_calls, outside_bwd_s = fwd_s.pop(_OUTSIDE, 0.0), fwd_calls.pop(_OUTSIDE, 0), \
-            bwd_s.pop(_OUTSIDE, 0.0)
+        fwd_s, fwd_calls, bwd_s, bwd_calls = self._timer.layer_times()
+        stage_fwd_s, outside_calls, outside_bwd_s = fwd_s.pop(OUTSIDE, 0.0), fwd_calls.pop(OUTSIDE, 0), \
+            bwd_s.pop(OUTSIDE, 0.0)
         now = self.saved_source.stats()
         base = self._baseline
         constant = self._constant_bytes()
@@ -363,7 +278,7 @@ class StageMonitor:
                 layer_id=lid, fwd_s=fwd_s[lid], bwd_s=bwd_s[lid], fwd_calls=fwd_calls[lid],
                 bwd_calls=bwd_calls[lid], activation_bytes=int(now.activation_bytes.get(lid, 0)),
                 param_bytes=constant[lid][0], optimizer_bytes=constant[lid][1],
-                output_bytes=self._out_bytes.get(lid, 0), kind=self._kinds.get(lid, ""),
+                output_bytes=self._timer.out_bytes.get(lid, 0), kind=self._kinds.get(lid, ""),
                 trainable=trains(self._layers[lid]),
             )
             for lid in self._ordered_ids()

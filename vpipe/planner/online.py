@@ -15,7 +15,8 @@ the smoothed costs and the factors are learnt again. All that is turned
 into a :class:`~vpipe.graph.LayerGraph` in the pipeline's execution order, and handed to
 :class:`~vpipe.planner.proposals.SRPPlanner`, whose hysteresis, cooldown and gain-versus-migration
 test decide whether anything changes (a move costs what the ranks measured the last one to take,
-per byte, when that is more than the link's estimate). Every imbalance it sees and every plan it makes is a
+per byte, when that is more than the link's estimate); a plan for speed goes only once the next sample
+confirms it (:mod:`vpipe.planner.online_confirmation`). Every imbalance it sees and every plan it makes is a
 decision in the run's log.
 
 Configuration is data: ``vpipe.attach`` describes the pipeline (schedule, micro-batches,
@@ -33,7 +34,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -43,8 +44,9 @@ from vpipe.monitors.records import StageRecord
 from vpipe.plan import Plan, Policy
 from vpipe.planner.cost_model import Hardware, stage_time
 from vpipe.planner.online_config import OnlineConfig, as_tuple
+from vpipe.planner.online_confirmation import ProposalConfirmation, known_change
 from vpipe.planner.online_memory import kept_shares, shared_budgets
-from vpipe.planner.proposals import Proposal, SRPPlanner, placeable_partitions
+from vpipe.planner.proposals import SRPPlanner, placeable_partitions
 from vpipe.planner.speeds import (
     SpeedSamples,
     describe_speeds,
@@ -58,7 +60,6 @@ log = logging.getLogger("vpipe.planner.online")
 
 __all__ = ["OnlineConfig", "OnlinePlanner", "SRPEntry", "srp"]
 
-_AT_ONCE = ("memory", "layers changed")  # proposals that are not confirmed first: the current plan cannot run
 _UNCHANGED = 0.01  # per-layer cost moves under this (relative) since the last search: nothing new to plan
 # the stages' time outside their blocks is one number per end, with no
 # interchangeable blocks to pool it with: the least of its last samples, since a busy
@@ -75,11 +76,6 @@ _WEAK_SPEED_SAMPLES = 6
 _ALERT_LAG = 2
 # samples for which a moved block's time before its move still says how fast its old stage was
 _MOVED_SAMPLES = 10
-
-
-def _plan_key(plan: Plan) -> tuple[Any, ...]:
-    """What makes two proposals the same plan: placement and policies (not the epoch or the reason)."""
-    return (plan.stages, tuple(sorted((lid, pol.value) for lid, pol in plan.policies.items())))
 
 
 class OnlinePlanner:
@@ -114,9 +110,7 @@ class OnlinePlanner:
         self._srp: Any = None
         self._srp_key: tuple[Any, ...] | None = None
         self._last_search: tuple[Plan, list[tuple[float, int]], Any] | None = None
-        # what the last searches proposed: (its key, how many samples in a row found it worth sending, the
-        # plan, the step of the sample that first proposed it)
-        self._proposed: tuple[Any, int, Plan, int] | None = None
+        self._confirmation = ProposalConfirmation(self.config)  # plans for speed wait for a second search
 
     def __call__(self, vector: list[StageRecord], current: Plan | None) -> Plan | None:
         if current is None or len(vector) != current.num_stages:
@@ -144,7 +138,7 @@ class OnlinePlanner:
                                      self.config.in_flight_together)
             planner.budgets = planner.setup.budgets(shared)
         unchanged = self._unchanged_since_last_search(graph, current)
-        if planner.in_cooldown(vector[-1].iteration) or (unchanged and self._proposed is None):
+        if planner.in_cooldown(vector[-1].iteration) or (unchanged and not self._confirmation.waiting):
             return None  # too soon after a plan, or the same numbers as last time: the daemon idles
         started = time.perf_counter()
         last_proposal = planner.last_proposal_step
@@ -161,11 +155,12 @@ class OnlinePlanner:
             planner.last_proposal_step = last_proposal
             proposal = None
         if proposal is None:
-            self._proposed = None  # nothing to gain now: a later proposal starts its count again
+            self._confirmation.drop()  # nothing to gain now: a later proposal starts its count again
             return None
-        proposal = self._confirmed(proposal, vector[-1].iteration, at_once=edited or self._known_change(),
-                                   reprice=lambda earlier: planner.reprice(graph, current, earlier,
-                                                                           placeable))
+        at_once = edited or known_change(self._froze, self.speeds, self._planned_speeds)
+        proposal = self._confirmation.confirmed(
+            proposal, vector[-1].iteration, at_once=at_once,
+            reprice=lambda earlier: planner.reprice(graph, current, earlier, placeable))
         seconds = time.perf_counter() - started
         if proposal is None:
             planner.last_proposal_step = last_proposal  # nothing was sent: no cooldown starts
@@ -198,58 +193,13 @@ class OnlinePlanner:
         again. Samples of the last ``_ALERT_LAG`` steps saw the change and are kept: a
         neighbour's pulse may fire a few steps after the change it follows."""
         since = iteration - _ALERT_LAG
-        if self._proposed is not None and self._proposed[3] < since:
-            self._proposed = None
+        self._confirmation.drop_before(since)
         self._moved.clear()
         self._left.clear()
         self._speed_samples.drop_before(since)
         self._alerted = True
         self._froze = self._froze or ratio == 1.0  # a pulse reports a freeze with ratio 1.0
         self._fresh_after = self._epoch if self._epoch is not None else -1
-
-    def _known_change(self) -> bool:
-        """Whether the imbalance comes from a change that is known, not guessed: blocks froze (a pulse counted
-        trainable parameters), or a stage's factor is 25% off what it was when the last plan went (the samples
-        that name a factor agree already). The plan for it then goes without waiting for another search."""
-        now = self.speeds or ()
-        before = self._planned_speeds or (1.0,) * len(now)
-        return self._froze or len(before) != len(now) or any(abs(a / b - 1.0) > 0.25
-                                                             for a, b in zip(now, before))
-
-    def _confirmed(self, proposal: Proposal, iteration: int, *, at_once: bool,
-                   reprice: Callable[[Plan], Proposal | None]) -> Proposal | None:
-        """The proposal to send now, or None to wait for the next sample.
-
-        A plan that fits memory or follows a layer edit goes at once (``at_once``: the stages report layers
-        the planner did not place, a known change and not noise). A plan for speed goes once it was worth
-        sending on ``confirm_samples`` samples in a row: proposed by each search, or proposed by an earlier
-        one and still worth sending on the new statistics (``reprice``). Near-equal plans that noise makes the
-        searches alternate between are one imbalance seen twice: the earlier of them goes, unless the newer
-        one is better on the newest statistics by more than ``min_gain`` (the imbalance is larger than the
-        first sample showed: moving part of the way would need a second move).
-        """
-        if at_once or proposal.reason.startswith(_AT_ONCE) or self.config.confirm_samples <= 1:
-            self._proposed = None
-            return proposal
-        key = _plan_key(proposal.plan)
-        earlier = self._proposed
-        if earlier is not None and earlier[0] != key:
-            again = reprice(earlier[2])
-            if again is not None and proposal.after_step_s < again.after_step_s - self.config.min_gain * \
-                    again.before_step_s:
-                # the same imbalance, a better plan for it
-                earlier = (key, earlier[1], proposal.plan, earlier[3])
-            elif again is not None:
-                proposal, key = again, earlier[0]
-        seen = earlier[1] + 1 if earlier is not None and earlier[0] == key else 1
-        if seen < self.config.confirm_samples:
-            self._proposed = (key, seen, proposal.plan, earlier[3] if seen > 1 and earlier else iteration)
-            log.info("planner: iteration %d proposes %s (%d of %d searches in a row); "
-                     "waiting for the next sample",
-                     iteration, proposal.reason, seen, self.config.confirm_samples)
-            return None
-        self._proposed = None
-        return proposal
 
     def _unchanged_since_last_search(self, graph: Any, current: Plan) -> bool:
         """Whether the last search saw this plan and costs within

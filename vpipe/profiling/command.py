@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from vpipe.files import check_output_file
 from vpipe.graph import ModelGraph
+from vpipe.output_paths import check_output_file
 from vpipe.profiling.factory import load_model
 from vpipe.profiling.model import profile_model
 

@@ -19,7 +19,7 @@ import socket
 from collections.abc import Callable, Mapping
 
 from vpipe.control.curve import RunKeys
-from vpipe.files import check_output_dir, check_output_file
+from vpipe.output_paths import check_output_dir, check_output_file
 from vpipe.settings import MAX_SECONDS, WILDCARDS, SettingError, Settings, process_settings
 
 __all__ = ["SettingError", "check_environment", "check_settings", "SECONDS", "MAX_SECONDS"]

@@ -17,8 +17,8 @@ from typing import Any
 
 from vpipe import timeline
 from vpipe.compat.torch_distributed import batch_p2p_wait, set_batch_p2p_wait
-from vpipe.files import check_output_dir
 from vpipe.log import decision
+from vpipe.output_paths import check_output_dir
 
 __all__ = ["TraceWindow"]
 

@@ -14,7 +14,7 @@ import psutil
 if TYPE_CHECKING:  # models imports torch: the CLI's light commands (logs, planner) must not pay for it
     from vpipe_lab.runtime.models import ModelSpec
 
-from vpipe.files import check_output_dir, check_output_file
+from vpipe.output_paths import check_output_dir, check_output_file
 from vpipe_lab.runtime.layout import MULTI_STAGE, SCHEDULES, STREAMS, V_SHAPED, rank_stages, stage_rank
 
 MODELS = ("transformer", "cnn")

@@ -20,7 +20,8 @@ import os
 import stat
 from pathlib import Path
 
-from vpipe.files import FileCheckError, check_output_dir, check_output_file, make_dirs, open_append, open_lock
+from vpipe.files import FileCheckError, make_dirs, open_append, open_lock
+from vpipe.output_paths import check_output_dir, check_output_file
 from vpipe.settings import Settings, process_settings
 from vpipe_lab.runtime.config import RunConfig
 
