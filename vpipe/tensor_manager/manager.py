@@ -1,9 +1,11 @@
 """The tensor manager of one stage: keep (D), swap (S) or recompute (R) each layer's saved tensors.
 
 :class:`TensorManager` is the facade the runtime, ``vpipe.attach`` and hand-written loops use: it owns
-the managed layers and their policies, brackets each micro-batch's forward and each backward phase,
-and builds the parts that each do one job, each with what it reads (once, in dependency order; the
-facade calls their methods, never sets their fields):
+brackets each micro-batch's forward and each backward phase, and builds the parts that each do one
+job, each with what it reads (once, in dependency order; the facade calls their methods, never sets
+their fields):
+
+* :mod:`.managed`: the managed layers and their policies;
 
 * :mod:`.stores`: where saved tensors live, one value: the ledger, :mod:`.swap` (kept, swapped out),
   :mod:`.swap_in` (brought back), :mod:`.recompute_store` (recomputed calls);
@@ -22,7 +24,6 @@ layer is called, so a plan may change it between micro-batches.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from functools import partial
@@ -38,7 +39,8 @@ from vpipe.tensor_manager.current_pass import CurrentPass
 from vpipe.tensor_manager.governor import BudgetGovernor
 from vpipe.tensor_manager.in_flight import InFlight
 from vpipe.tensor_manager.interception import Interceptor
-from vpipe.tensor_manager.layers import ManagedLayer, check_sizes, claim_module, release_module
+from vpipe.tensor_manager.layers import ManagedLayer, check_sizes
+from vpipe.tensor_manager.managed import ManagedLayers
 from vpipe.tensor_manager.phases import PHASES, BackwardPhases
 from vpipe.tensor_manager.pool import DEFAULT_CHUNK_BYTES, HostPool, default_host_pool_bytes
 from vpipe.tensor_manager.prefetch import ArrivalPredictor, Prefetcher
@@ -48,8 +50,6 @@ from vpipe.tensor_manager.stats import TensorManagerStats, collect_stats, collec
 from vpipe.tensor_manager.stores import SavedTensorStores
 from vpipe.tensor_manager.swap import SwapEngine
 from vpipe.tensor_manager.swap_in import SwapIn
-
-log = logging.getLogger("vpipe.tensor_manager")
 
 __all__ = ["TensorManager", "LayerBusyError", "DEFAULT_MIN_SWAP_BYTES"]
 
@@ -86,8 +86,7 @@ class TensorManager:
         self._layers: dict[int, ManagedLayer] = {}
         self._copies = make_copy_engine(device, prefetch_alloc)  # (refuses an unknown prefetch_alloc)
         self._engine = engine = SwapEngine(device, ledger, self._copies, partial(
-            HostPool, pool_max, pinned=self._copies.pinned, chunk_bytes=host_pool_chunk_bytes,
-                                                                                 preallocate=True))
+            HostPool, pool_max, pinned=self._copies.pinned, chunk_bytes=host_pool_chunk_bytes, preallocate=True))
         self._swap_in = SwapIn(engine)
         self._budget = budget = BudgetGovernor(budget_bytes, pool_max, ledger=ledger, engine=engine,
                                                layers=self._layers)
@@ -104,8 +103,9 @@ class TensorManager:
                                         phases=self._phases, prefetcher=self._prefetcher)
         self._in_flight = InFlight(self._order, self._phases.new_step)
         self.quiet = QuietPath(layers=self._layers, calls=self._interceptor, budget=budget,
-                               phases=self._phases,
-                               in_flight=self._in_flight)
+                               phases=self._phases, in_flight=self._in_flight)
+        self._managed = ManagedLayers(self, layers=self._layers, calls=self._interceptor, engine=engine,
+                                      budget=budget, on_policies=self._policies_changed)
         # every call goes through the saved-tensor hooks while True; vpipe.attach lowers it on unsampled steps
         self._metering = True
         self._all_keep = True
@@ -165,23 +165,15 @@ class TensorManager:
     def host_pool_max_bytes(self, value: int) -> None:
         self._budget.set_host_pool_max(value)
 
-    # ================================================================== layers
+    # ================================================================== layers and policies
     def add_layer(self, layer_id: int, module: nn.Module, policy: Policy | str = Policy.KEEP) -> None:
         """Manage one more layer (e.g. one that migrated to this stage); one not taken whole keeps no hook."""
         self._check_open()
-        claim_module(module, self, layer_id, self._layers)
-        layer = self._layers[layer_id] = ManagedLayer(layer_id, module)
-        try:
-            layer.attach(partial(self._interceptor.pre_forward, layer),
-                         partial(self._interceptor.post_forward, layer))
-            self.set_policy(layer_id, policy)
-        except BaseException:
-            self._detach(self._layers.pop(layer_id))
-            raise
+        self._managed.add(layer_id, module, policy)
 
     def remove_layer(self, layer_id: int) -> nn.Module:
         """Stop managing a layer (it migrates away); its saved tensors must all be gone."""
-        layer = self._layer(layer_id)
+        self._managed.get(layer_id)
         live = self._engine.live_micro_batches(layer_id)
         live.update(self._interceptor.counted_micro_batches(layer_id))
         if live:
@@ -190,69 +182,44 @@ class TensorManager:
                 f"layer {layer_id} still has saved activations of micro-batches {sorted(live)} "
                 f"({format_bytes(resident)} on the device); run their backward before removing the layer"
             )
-        self._detach(layer)
-        del self._layers[layer_id]
-        self._all_keep = all(other.policy is Policy.KEEP for other in self._layers.values())
-        self.quiet.update(self._metering, self._all_keep)
+        module = self._managed.remove(layer_id)
         self.ledger.forget_layer(layer_id)
-        self._budget.reset_reserve()
-        return layer.module
+        return module
 
     def retire_layer(self, layer_id: int) -> None:
         """The layer left the forward path (a streamed move switched it out): later
         micro-batches do not run it, so they are not counted with its bytes; it is
         removed once its in-flight micro-batches' backwards ran."""
-        self._layer(layer_id).retire()
+        self._managed.get(layer_id).retire()
         self.quiet.forget_counts()
 
     @property
     def layer_ids(self) -> list[int]:
-        return sorted(self._layers)
-
-    def _layer(self, layer_id: int) -> ManagedLayer:
-        try:
-            return self._layers[layer_id]
-        except KeyError:
-            raise KeyError(f"layer {layer_id} is not managed by this tensor manager "
-                           f"(it manages layers {self.layer_ids})") from None
-
-    def _detach(self, layer: ManagedLayer) -> None:
-        try:
-            layer.detach()
-        finally:
-            release_module(layer.module)
+        return self._managed.ids
 
     def _recomputed(self, layer_id: int, seconds: float) -> None:
         layer = self._layers.get(layer_id)
         if layer is not None:  # (a layer removed since holds no saved tensors: never recomputed)
             layer.recomputed(seconds)
 
-    # ================================================================== policies
+    def _policies_changed(self, all_keep: bool) -> None:
+        self._all_keep = all_keep
+        self.quiet.update(self._metering, all_keep)
+
     def policy(self, layer_id: int) -> Policy:
-        return self._layer(layer_id).policy
+        return self._managed.get(layer_id).policy
 
     def policies(self) -> dict[int, Policy]:
-        return {lid: layer.policy for lid, layer in sorted(self._layers.items())}
+        return self._managed.policies()
 
     def set_policy(self, layer_id: int, policy: Policy | str) -> None:
         """Takes effect at the layer's next call (the next micro-batch)."""
         self._check_open()
-        layer = self._layer(layer_id)
-        policy = policy if isinstance(policy, Policy) else Policy.parse(policy)
-        layer.use_policy(policy, self._interceptor.forward_layer)
-        self._all_keep = all(other.policy is Policy.KEEP for other in self._layers.values())
-        self.quiet.update(self._metering, self._all_keep)
-        if policy is Policy.SWAP:
-            _ = self._engine.pool  # pin the first chunk now, not in the middle of a forward
+        self._managed.set(layer_id, policy)
 
     def set_policies(self, policies: Mapping[int, Policy | str]) -> None:
-        unknown = sorted(set(policies) - set(self._layers))
-        if unknown:
-            raise KeyError(f"policies name layers {unknown} that this tensor manager does not manage "
-                           f"(it manages layers {self.layer_ids})")
-        for layer_id, policy in policies.items():
-            self.set_policy(layer_id, policy)
-        self._budget.supersede_escalations()  # what the budget escalated before a plan is the plan's now
+        self._check_open()
+        self._managed.set_many(policies)
 
     def apply_plan(self, plan: Plan) -> None:
         """Set this stage's policies from a plan (layers it does not list are kept, D)."""
@@ -411,11 +378,7 @@ class TensorManager:
             return
         self._closed = True
         self.quiet.close()
-        for layer in self._layers.values():
-            try:
-                self._detach(layer)
-            except RuntimeError as e:  # someone else's forward attribute: leave it, say so
-                log.warning("tensor manager close: %s", e)
+        self._managed.detach_all()
 
     def __enter__(self) -> TensorManager:
         return self
