@@ -113,10 +113,9 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         result = json.loads(out.read_text())
     print(f"DeepSpeed alone {result['plain_step_s'] * 1e3:.1f} ms/step, with vpipe "
-          f"{result['vpipe_step_s'] * 1e3:.1f} "
-          f"ms/step: {result['ratio']:.3f}x (rounds: median {result['ratio_of_rounds']['median']:.3f}); "
-          f"placement {result['home']} -> {result['placement']} at round {result['moved_at_round']}; "
-          f"losses bitwise equal: {result['losses_bitwise_equal']}")
+          f"{result['vpipe_step_s'] * 1e3:.1f} ms/step: {result['ratio']:.3f}x (rounds: median "
+          f"{result['ratio_of_rounds']['median']:.3f}); placement {result['home']} -> {result['placement']} "
+          f"at round {result['moved_at_round']}; losses bitwise equal: {result['losses_bitwise_equal']}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     return 0

@@ -185,17 +185,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def print_summary(result: dict[str, Any]) -> None:
     cfg = result["config"]
     print(f"timeline: d={cfg['d_model']} micro-batches {result['micro_batches']} x "
-          f"{cfg['micro_batch_size']}, "
-          f"{result['device']}, torch {result['torch']}, budget {result['budget_bytes'] / 2**30:.2f} GiB, "
-          f"vpipe policies {result['vpipe_policies']}")
+          f"{cfg['micro_batch_size']}, {result['device']}, torch {result['torch']}, budget "
+          f"{result['budget_bytes'] / 2**30:.2f} GiB, vpipe policies {result['vpipe_policies']}")
     for system, row in result["systems"].items():
         if "error" in row:
             print(f"  {system}: {row['error']}")
             continue
         overlap = row["copy_overlap"]
-        print(f"  {system:12s} step {row['step_s'] * 1e3:7.1f} ms, kernels "
-              f"{row['kernel_ms']:7.1f} ms; idle forward "
-              f"{row['idle_forward_ms']:6.1f} of {row['forward_ms']:6.1f} ms, backward "
+        print(f"  {system:12s} step {row['step_s'] * 1e3:7.1f} ms, kernels {row['kernel_ms']:7.1f} ms; idle "
+              f"forward {row['idle_forward_ms']:6.1f} of {row['forward_ms']:6.1f} ms, backward "
               f"{row['idle_backward_ms']:6.1f} of {row['backward_ms']:6.1f} ms; copies hidden "
               + (f"{overlap:.0%}" if overlap is not None else "-"))
         for c in row["copies"]:

@@ -158,10 +158,9 @@ def print_tables(out: dict[str, Any]) -> None:
                           f"{r['action_overhead_s'] * 1e3:.2f} ms", f"{r['compute_scale']:.2f}",
                           f"{r['calibrated_on_stages']} stages")
         console.print(table)
-    table = Table(title=(f"projection: fraction of ideal, one GPU-like device per stage, PCIe "
-                         f"{out['config']['pcie_gbs']:g} GB/s swaps overlapped, "
-                         f"{out['config']['net_gbs']:g} GB/s "
-                         "between stages, 2 blocks per stage, 2 x stages micro-batches"))
+    table = Table(title=("projection: fraction of ideal, one GPU-like device per stage, PCIe "
+                         f"{out['config']['pcie_gbs']:g} GB/s swaps overlapped, {out['config']['net_gbs']:g} "
+                         "GB/s between stages, 2 blocks per stage, 2 x stages micro-batches"))
     for col in ("stages", "compute / PCIe", "speedup over this CPU", *SYSTEMS):
         table.add_column(col, justify="right")
     for r in out["projection"]:

@@ -374,11 +374,10 @@ def print_case(result: dict[str, Any]) -> None:
     from vpipe.tensor_manager.accounting import format_bytes
 
     virtual = f" ({result['virtual_partition']} on virtual stages)" if result.get("virtual_partition") else ""
-    table = Table(title=(f"{result['model']} on {result['stages']} stages: "
-                         f"budget {format_bytes(result['budget_bytes'])}"
-                         f" per rank, global batch {result['global_batch']}, partition "
-                         f"{result['partition']}{virtual}; "
-                         f"ideal {result['ideal_samples_per_s']:.0f} samples/s "
+    table = Table(title=(f"{result['model']} on {result['stages']} stages: budget "
+                         f"{format_bytes(result['budget_bytes'])} per rank, global batch "
+                         f"{result['global_batch']}, partition {result['partition']}{virtual}; ideal "
+                         f"{result['ideal_samples_per_s']:.0f} samples/s "
                          f"({result['ideal_cores_samples_per_s']:.0f} on the cores)"))
     for col in ("system", "mb x n", "samples/s", "vs without vpipe", f"vs {BASELINE}", "of ideal",
                 "of ideal (cores)",

@@ -273,8 +273,7 @@ def output_file(path: str | os.PathLike[str], what: str) -> Iterator[BinaryIO]:
     reason = planted_link(text)
     if reason is not None:
         raise PlantedLinkError(f"{what} {text} is {reason}; vpipe does not write through "
-                               "it: remove it, or name "
-                               "another file")
+                               "it: remove it, or name another file")
     try:
         try:
             mode: int | None = os.stat(text).st_mode
@@ -318,8 +317,7 @@ def open_append(path: str | os.PathLike[str], what: str = "file") -> int:
             reason = planted_link(text)
             if reason is not None:
                 raise PlantedLinkError(f"{what} {text} is {reason}; vpipe does not write "
-                                       "through it: remove it, or "
-                                       "name another file") from None
+                                       "through it: remove it, or name another file") from None
             fd = os.open(name, flags, FILE_MODE, dir_fd=dir_fd)
         finally:
             os.close(dir_fd)

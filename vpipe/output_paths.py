@@ -26,8 +26,7 @@ def check_output_file(path: str | os.PathLike[str], what: str) -> None:
     reason = planted_link(text)
     if reason is not None:
         raise PlantedLinkError(f"{what} {text} is {reason}; vpipe does not write through "
-                               "it: remove it, or name "
-                               "another file")
+                               "it: remove it, or name another file")
     check_links(os.path.dirname(os.path.abspath(text)), text, what)
     if mode is None:
         return
@@ -52,9 +51,8 @@ def check_output_dir(path: str | os.PathLike[str], what: str, names: Iterable[st
     for name in names:
         reason = planted_link(os.path.join(text, name))
         if reason is not None:
-            raise PlantedLinkError(f"{what} {text}: {os.path.join(text, name)} is {reason}; "
-                                   "vpipe does not write "
-                                   "through it: remove it, or give this run a directory of its own")
+            raise PlantedLinkError(f"{what} {text}: {os.path.join(text, name)} is {reason}; vpipe does not "
+                                   "write through it: remove it, or give this run a directory of its own")
 
 
 def _existing(path: str | os.PathLike[str], what: str, wanted: str) -> tuple[str, int | None]:

@@ -160,9 +160,8 @@ def run_benchmarks(names: list[str], out: Path | None, *, folder: Path | None = 
     single_file = out is not None and len(names) == 1 and out.suffix == ".json"
     if out is not None and not single_file:
         if out.exists() and not out.is_dir():
-            raise ValueError(f"--json {out}: is a file; with {len(names)} benchmarks --json "
-                             "names a directory for "
-                             "NAME.json and bench.json (a .json file only for one NAME)")
+            raise ValueError(f"--json {out}: is a file; with {len(names)} benchmarks --json names a "
+                             "directory for NAME.json and bench.json (a .json file only for one NAME)")
         try:
             make_dirs(out, "--json")  # 0700, never through a link another user planted
         except OSError as e:
@@ -245,9 +244,8 @@ def cmd_bench(args: argparse.Namespace, argv: Any = None) -> int:
         return 0
     names = args.names or list(BENCHMARKS)
     if not folder.is_dir():
-        raise ValueError("vpipe bench runs the scripts of a vpipe source checkout's benchmarks/ "
-                         f"folder, and {folder} "
-                         "is not one: run it from the checkout or pass --benchmarks DIR")
+        raise ValueError("vpipe bench runs the scripts of a vpipe source checkout's benchmarks/ folder, and "
+                         f"{folder} is not one: run it from the checkout or pass --benchmarks DIR")
     started = time.perf_counter()
     records = run_benchmarks(names, Path(args.json) if args.json else None, folder=folder)
     _print_summary(records, time.perf_counter() - started)

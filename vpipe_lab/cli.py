@@ -136,9 +136,8 @@ def add_run_arguments(p: argparse.ArgumentParser, *, steps: int, stages: int) ->
                         "here, at the end and every --checkpoint-every steps")
     p.add_argument("--checkpoint-every", type=int, default=0, metavar="N", help="checkpoint every N steps")
     p.add_argument("--resume", default=None, metavar="DIR", type=_directory_name,
-                   help="continue from this checkpoint (a step-N directory, or the newest "
-                        "complete one under DIR); "
-                        "--steps counts from the start of the original run; any number of stages")
+                   help="continue from this checkpoint (a step-N directory, or the newest complete one under "
+                        "DIR); --steps counts from the start of the original run; any number of stages")
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:

@@ -72,10 +72,9 @@ def run_demo(plan: DemoPlan, log_dir: Path) -> int:
     model: dict[str, Any] = dict(blocks=4, d_model=128, n_heads=4, seq_len=64, micro_batches=4,
                                  micro_batch_size=4,
                                  dropout=0.0, stages=2, schedule="1f1b", steps=plan.steps)
-    console.print(f"[bold]vpipe demo[/]: a 4-block byte-level transformer on 2 stages (1F1B); at step "
-                  f"{plan.add_step} a NAS driver adds {plan.added} blocks to stage 0, at "
-                  f"step {plan.remove_step} "
-                  "it removes 2 blocks from stage 1. Once without vpipe's planner, once "
+    console.print("[bold]vpipe demo[/]: a 4-block byte-level transformer on 2 stages (1F1B); at step "
+                  f"{plan.add_step} a NAS driver adds {plan.added} blocks to stage 0, at step "
+                  f"{plan.remove_step} it removes 2 blocks from stage 1. Once without vpipe's planner, once "
                   "with it (~1-2 minutes).")
     results = {}
     for name, planning in (("static", False), ("vpipe", True)):

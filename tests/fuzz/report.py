@@ -44,10 +44,9 @@ def print_summary(table: dict[str, Any], wall_s: float) -> None:
     print(f"{'all':<26}" + "".join(f"{total.get(o, 0):>10}" for o in OUTCOMES))
     per = table["seconds_per_draw"]
     by = ", ".join(f"{k} ranks {v:.2f} s" for k, v in sorted(table["seconds_per_draw_by_ranks"].items()))
-    print(f"\n{table['draws']} draws, {table['plans_applied']} of {table['plans']} forced "
-          "plans applied (moved or "
-          f"refused), {table.get('planner_plans', 0)} plans of vpipe's planner applied (moves=planner), "
-          f"{table['moves']} placement changes, wall {wall_s:.1f} s"
+    print(f"\n{table['draws']} draws, {table['plans_applied']} of {table['plans']} forced plans applied "
+          f"(moved or refused), {table.get('planner_plans', 0)} plans of vpipe's planner applied "
+          f"(moves=planner), {table['moves']} placement changes, wall {wall_s:.1f} s"
           + (f", {per:.2f} s per draw inside its job ({by})" if per is not None else ""))
 
 

@@ -420,10 +420,9 @@ def private_touches(tree: ast.AST) -> Iterator[tuple[int, str]]:
 
 
 def test_private_touches_names_each_kind():
-    code = ("import torch._C\nfrom torch.a._b import c\nfrom torch.a import _d\nfrom "
-            "vpipe._attach import attach\n"
-            "self._ok, cls._ok, os._exit, t._replace()\nm._modules\ntorch._C._x\ngetattr(m, '_y', None)\n"
-            "m.__dict__.get('_z')\nm.__dict__['_w']\n'_v' in m.__dict__\nm.__dict__.get('forward')\n")
+    code = ("import torch._C\nfrom torch.a._b import c\nfrom torch.a import _d\nfrom vpipe._attach import "
+            "attach\nself._ok, cls._ok, os._exit, t._replace()\nm._modules\ntorch._C._x\ngetattr(m, '_y', "
+            "None)\nm.__dict__.get('_z')\nm.__dict__['_w']\n'_v' in m.__dict__\nm.__dict__.get('forward')\n")
     found = [what for _, what in private_touches(ast.parse(code))]
     assert sorted(found) == sorted([
         "import torch._C", "from torch.a._b import c", "from torch.a import _d", "os._exit", "m._modules",

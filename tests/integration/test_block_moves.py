@@ -61,11 +61,9 @@ def test_blocks_with_user_hooks_stay_with_their_hooks_and_each_refusal_says_why(
     assert_trains_like_plain(result)  # the hooks (one counting its calls) ran on every step, as without vpipe
     off = _events(result["log"], "moves_off")
     assert [(r["stage"], r["layers"]) for r in off] == [(0, [4, 5])]
-    assert off[0]["msg"] == ("stage 0: layers [4, 5] never move to another stage: layer 4 "
-                             "carries forward hook "
-                             "CountingHook (hooks cannot be carried to another process); "
-                             "layer 5 carries forward "
-                             "hook hooked.<locals>.prepare.<locals>.<lambda> (hooks cannot "
+    assert off[0]["msg"] == ("stage 0: layers [4, 5] never move to another stage: layer 4 carries forward "
+                             "hook CountingHook (hooks cannot be carried to another process); layer 5 "
+                             "carries forward hook hooked.<locals>.prepare.<locals>.<lambda> (hooks cannot "
                              "be carried to another process)")
     refused = _events(result["log"], "migration_refused")
     assert [r["msg"] for r in refused] == [

@@ -64,9 +64,8 @@ def test_a_squatter_on_the_peers_own_address_never_keeps_a_peer_out(keyed, per_e
                 process.kill()
         context.destroy(linger=0)
     waited = result["arrived"]["0"] - sent_at if "0" in result["arrived"] else float("inf")
-    print(f"{per_endpoint} squatting connections ({'CURVE' if keyed else 'no CURVE'}): the "
-          "peer's first message "
-          f"arrived after {waited:.2f} s; squatter {report}; inbox evicted {result['evicted']}")
+    print(f"{per_endpoint} squatting connections ({'CURVE' if keyed else 'no CURVE'}): the peer's first "
+          f"message arrived after {waited:.2f} s; squatter {report}; inbox evicted {result['evicted']}")
     assert waited < GET_IN_S  # before: cut as it came, for as long as the squatter stayed
     assert sorted(result["got"]) == friend.sent  # and every message after it
     assert report["opened"] >= per_endpoint

@@ -37,9 +37,8 @@ def test_train_and_plan_refuse_a_bad_size_with_the_same_words_and_no_traceback()
     plan = run_vpipe("plan", "x.json", "--stages", "2", "--memory-budget", "infG", timeout=60)
     assert train.returncode == plan.returncode == 2
     assert "Traceback" not in train.stderr + plan.stderr
-    assert train.stderr.strip().splitlines()[-1] == ("vpipe train: error: argument "
-                                                     "--memory-budget: memory budget "
-                                                     "'1e400G' is larger than any machine "
+    assert train.stderr.strip().splitlines()[-1] == ("vpipe train: error: argument --memory-budget: memory "
+                                                     "budget '1e400G' is larger than any machine "
                                                      "(4611686018427387904 bytes at most)")
     assert plan.stderr.strip() == ("vpipe: error: memory budget 'infG' is not a byte size "
                                    "(examples: 16000000000, 16e9, 16GB, 15GiB, 512M)")

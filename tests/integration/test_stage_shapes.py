@@ -172,9 +172,8 @@ def _scenario(tmp_path: Path, name: str, ranks: int) -> dict:
 
 def test_shapes_attach_cannot_use_get_one_error_that_says_what_was_found_and_what_to_pass(tmp_path):
     result = _scenario(tmp_path, "refusals", 1)
-    assert result["no_container"].startswith("BlockContainerError: stage 0: vpipe.attach "
-                                             "found no container of "
-                                             "repeated blocks in the stage module (Flat)")
+    assert result["no_container"].startswith("BlockContainerError: stage 0: vpipe.attach found no container "
+                                             "of repeated blocks in the stage module (Flat)")
     assert "layers='path.to.container'" in result["no_container"]
     assert "layers='blocks': the stage module (Transformer) has no submodule 'blocks'" in result["bad_path"]
     assert result["ddp"].startswith("TypeError: vpipe.attach does not support a stage module wrapped in "
@@ -337,9 +336,7 @@ def test_misuse_gets_a_clear_error_on_every_rank_instead_of_a_hang_or_an_abort(t
         assert "remove_layers must be called between steps (after optimizer.step()), not inside one" in \
             r["edit_in_forward"]
     assert first["layers_after"] == ["0", "1", "2", "3"] and second["layers_after"] == ["4", "5", "6", "7"]
-    assert first["one_rank_edit"] == ("RuntimeError: remove_layers on stage 0: stage(s) [1] "
-                                      "did not make the same "
-                                      "call within 3 s; every rank must call it, at the same step")
-    assert first["one_rank_attach"] == ("RuntimeError: vpipe.attach on stage 0: stage(s) [1] "
-                                        "did not make the same "
-                                        "call within 3 s; every rank must call it, at the same step")
+    assert first["one_rank_edit"] == ("RuntimeError: remove_layers on stage 0: stage(s) [1] did not make the "
+                                      "same call within 3 s; every rank must call it, at the same step")
+    assert first["one_rank_attach"] == ("RuntimeError: vpipe.attach on stage 0: stage(s) [1] did not make "
+                                        "the same call within 3 s; every rank must call it, at the same step")

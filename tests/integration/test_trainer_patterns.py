@@ -184,14 +184,12 @@ def test_a_carry_it_cannot_take_is_refused_at_attach_in_one_line(tmp_path):
     assert errors[0].keys() == errors[1].keys() == {"other_module", "bad_keys", "unsupported"}
     # each names its own
     assert "not of this rank's stage module (Net, 14 parameters)" in errors[1]["other_module"]
-    assert errors[0]["other_module"].startswith("vpipe.attach: carry[0] is an "
-                                                "AveragedModel of another module "
-                                                "(Linear, 2 parameters), not of this "
-                                                "rank's stage module (Net, ")
-    assert errors[0]["bad_keys"] == ("vpipe.attach: carry[0] is a dict keyed by "
-                                     "'decoder.weight', which names no "
-                                     "parameter of this rank's stage module: a carried dict is keyed by the "
-                                     "parameter names named_parameters() gives")
+    assert errors[0]["other_module"].startswith("vpipe.attach: carry[0] is an AveragedModel of another "
+                                                "module (Linear, 2 parameters), not of this rank's stage "
+                                                "module (Net, ")
+    assert errors[0]["bad_keys"] == ("vpipe.attach: carry[0] is a dict keyed by 'decoder.weight', which "
+                                     "names no parameter of this rank's stage module: a carried dict is "
+                                     "keyed by the parameter names named_parameters() gives")
     assert errors[0]["unsupported"].startswith("vpipe.attach: carry[0] is a list: carry= takes torch's "
                                                "AveragedModel of the stage module or a dict of "
                                                "tensors keyed by its parameter names")

@@ -131,9 +131,8 @@ def test_the_starter_ends_its_ranks_when_the_launcher_goes(tmp_path):
 
 def test_one_starter_serves_runs_one_after_another_each_with_its_own_output_and_path(tmp_path):
     (tmp_path / "only_here.py").write_text("WHERE = 'tmp'\n")
-    program = ("import os, sys\nimport only_here\n"
-               "print(f\"rank {os.environ['RANK']} of run {sys.argv[1]} found "
-               "{only_here.WHERE}\", file=sys.stderr)\n")
+    program = ("import os, sys\nimport only_here\nprint(f\"rank {os.environ['RANK']} of run {sys.argv[1]} "
+               "found {only_here.WHERE}\", file=sys.stderr)\n")
     starter = WarmStarter(child_env())
     try:
         for run in ("a", "b"):

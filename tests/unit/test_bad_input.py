@@ -323,9 +323,8 @@ def test_a_failing_run_log_write_is_reported_once_and_dropped(capfd):
     finally:
         run_log.configure(None)
     err = capfd.readouterr().err
-    assert err.splitlines() == ["vpipe [rank 3]: cannot write the run log /dev/full (No "
-                                "space left on device); "
-                                "training goes on, and its further log records are dropped"]
+    assert err.splitlines() == ["vpipe [rank 3]: cannot write the run log /dev/full (No space left on "
+                                "device); training goes on, and its further log records are dropped"]
 
 
 def test_a_planner_returning_a_huge_epoch_cannot_lock_out_its_own_daemon():

@@ -176,11 +176,10 @@ def test_an_optimizer_wrapper_that_keeps_state_of_its_own_turns_moves_off_naming
         block = nn.Linear(4, 4)
         zero = ZeroRedundancyOptimizer(block.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
         assert wrapper_refusal(zero) == (
-            "the optimizer is "
-            "torch.distributed.optim.zero_redundancy_optimizer.ZeroRedundancyOptimizer, whose "
-            "per-rank shards and parameter-to-rank maps vpipe cannot carry with a block; to "
-            "let blocks move, shard "
-            "the state with FSDP2 instead (fully_shard over the data-parallel mesh: vpipe moves its shards)")
+            "the optimizer is torch.distributed.optim.zero_redundancy_optimizer.ZeroRedundancyOptimizer, "
+            "whose per-rank shards and parameter-to-rank maps vpipe cannot carry with a block; to let blocks "
+            "move, shard the state with FSDP2 instead (fully_shard over the data-parallel mesh: vpipe moves "
+            "its shards)")
         assert wrapper_refusal(optimizer_parts([zero, torch.optim.SGD(nn.Linear(2, 2).parameters())],
                                                {0: block})) is not None
         assert wrapper_refusal(torch.optim.AdamW(block.parameters())) is None

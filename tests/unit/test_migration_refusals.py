@@ -35,9 +35,8 @@ def test_optimizer_state_that_cannot_travel_is_refused_by_the_source_and_nothing
     assert all(r.moved == [] and r.aborted == [Move(0, 1, (2,))] for r in reports)
     del ranks[0].optimizer.state[moved]["schedule"]
     assert_unchanged(ranks, keys, params, states)
-    assert _refusals(caplog) == ["stage 0 cannot send layers [2]: cannot migrate optimizer "
-                                 "state 'schedule' of "
-                                 "fc.weight: a object is neither a tensor nor a plain value"]
+    assert _refusals(caplog) == ["stage 0 cannot send layers [2]: cannot migrate optimizer state 'schedule' "
+                                 "of fc.weight: a object is neither a tensor nor a plain value"]
 
 
 def test_a_state_the_target_cannot_load_aborts_the_move_before_the_source_drops_it(caplog):
@@ -55,8 +54,7 @@ def test_a_state_the_target_cannot_load_aborts_the_move_before_the_source_drops_
     assert all(r.moved == [] and r.aborted == [Move(0, 1, (2,))] for r in reports)
     assert_unchanged(ranks, keys, params, states)
     assert [torch.equal(p, q) for p, q in zip(ranks[0].block(2).parameters(), block_params)] == [True, True]
-    assert _refusals(caplog) == ["stage 1 cannot load layers [2]: layer 2's fc.weight trains "
-                                 "in param group 1 on its stage; no param group here has its settings (the "
-                                 "closest, group 0, has lr "
-                                 "0.01 (not 0.001)): give every stage's optimizer groups "
-                                 "with the same settings, named alike where they are named"]
+    assert _refusals(caplog) == ["stage 1 cannot load layers [2]: layer 2's fc.weight trains in param group "
+                                 "1 on its stage; no param group here has its settings (the closest, group "
+                                 "0, has lr 0.01 (not 0.001)): give every stage's optimizer groups with the "
+                                 "same settings, named alike where they are named"]

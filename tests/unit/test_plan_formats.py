@@ -118,10 +118,9 @@ def test_a_hugging_face_gpt2_gets_a_megatron_layout_and_no_torchtitan_list_it_ca
                                     {"transformer.ln_f", "lm_head"})
     titan = plan["torchtitan"]
     assert titan["module_fqns_per_model_part"] is None
-    assert titan["notes"][0] == ("module_fqns_per_model_part: torchtitan splits only "
-                                 "top-level children and the "
-                                 "entries of top-level ModuleList/ModuleDict containers; "
-                                 "transformer.wte is deeper")
+    assert titan["notes"][0] == ("module_fqns_per_model_part: torchtitan splits only top-level children and "
+                                 "the entries of top-level ModuleList/ModuleDict containers; transformer.wte "
+                                 "is deeper")
     model, _ = hf_gpt2()
     assert torchtitan_split(model, plan["stages"]) != plan["stages"]  # torchtitan would not make this split
 

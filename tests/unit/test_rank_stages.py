@@ -55,7 +55,6 @@ def test_an_optimizer_over_parameters_outside_the_stages_is_warned_about_once(ca
         check_optimizer(optimizer, [stage])
         check_optimizer(torch.optim.SGD(stage.parameters()), [stage])  # only the stage's: nothing to say
     assert [r.getMessage() for r in caplog.records] == [
-        "vpipe.attach: optimizer param group(s) [1] hold 2 parameter(s) that are not in this "
-        "rank's stage modules; "
-        "moves carry only the stages' parameters and their optimizer state, so those stay in "
-        "this rank's optimizer"]
+        "vpipe.attach: optimizer param group(s) [1] hold 2 parameter(s) that are not in this rank's stage "
+        "modules; moves carry only the stages' parameters and their optimizer state, so those stay in this "
+        "rank's optimizer"]

@@ -91,9 +91,8 @@ def restore_stage(checkpoint: Checkpoint, module: nn.Module, optimizer: torch.op
     mine = set(child_modules(module))
     kinds = {s.optimizer for s in checkpoint.shards if {str(lid) for lid in s.layers} & mine}
     if optimizer is not None and state["optimizer"] and type(optimizer).__name__ not in kinds:
-        raise CheckpointError(f"checkpoint {checkpoint.path} holds "
-                              f"{sorted(k for k in kinds if k)} optimizer state, "
-                              f"this stage's optimizer is {type(optimizer).__name__}")
+        raise CheckpointError(f"checkpoint {checkpoint.path} holds {sorted(k for k in kinds if k)} optimizer "
+                              f"state, this stage's optimizer is {type(optimizer).__name__}")
     settings = _group_settings(checkpoint, module, optimizer,
                                state["groups"]) if optimizer is not None else []
     if scheduler is not None and state["scheduler"] is None and checkpoint.step > 0:

@@ -169,9 +169,8 @@ class CurveConfig:
                              f"start every process of the run with the same CURVE settings")
         data = key.encode("ascii", "replace") if isinstance(key, str) else bytes(key)
         if data not in self.trusted:
-            raise ValueError(f"{peer} presents CURVE key "
-                             f"{data[:40].decode('ascii', 'replace')!r}, which is not "
-                             f"among the trusted keys ({PUBLIC_ENV}); refusing to connect")
+            raise ValueError(f"{peer} presents CURVE key {data[:40].decode('ascii', 'replace')!r}, which is "
+                             f"not among the trusted keys ({PUBLIC_ENV}); refusing to connect")
         return data
 
     def make_server(self, socket: zmq.Socket) -> None:

@@ -47,17 +47,15 @@ class DeepSpeedEngine(Engine):
         stage = DeepSpeedStage(target)
         group = target.grid.get_pipe_parallel_group()
         if dist.get_rank(group) != stage.index:
-            raise ValueError(f"vpipe.attach: DeepSpeed stage {stage.index} is rank "
-                             f"{dist.get_rank(group)} of its "
-                             "pipe group; vpipe needs stage i on group rank i (DeepSpeed's "
-                             "own topologies do that)")
+            raise ValueError(f"vpipe.attach: DeepSpeed stage {stage.index} is rank {dist.get_rank(group)} of "
+                             "its pipe group; vpipe needs stage i on group rank i (DeepSpeed's own "
+                             "topologies do that)")
         empty = stage.empty_stages()
         if empty:
-            raise BlockContainerError(f"vpipe.attach: DeepSpeed stage(s) {empty} hold none of "
-                                      "the model's repeated "
-                                      f"blocks (layers {stage.run.start}..{stage.run.stop - 1}); "
-                                      "vpipe needs one per "
-                                      "stage: use partition_method='uniform' or 'type:BlockClass'")
+            raise BlockContainerError(f"vpipe.attach: DeepSpeed stage(s) {empty} hold none of the model's "
+                                      f"repeated blocks (layers {stage.run.start}..{stage.run.stop - 1}); "
+                                      "vpipe needs one per stage: use partition_method='uniform' or "
+                                      "'type:BlockClass'")
         p = next(stage.module.parameters(), None)
         device = p.device if p is not None else torch.device("cpu")
         local = [LocalStage(stage.index, stage.module, container=stage.container)]

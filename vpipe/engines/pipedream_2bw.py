@@ -21,9 +21,8 @@ class PipeDream2BWEngine(PipeDreamEngine):
 
     kind = EngineKind.PIPEDREAM_2BW
     carry_refusal = "is not supported under SchedulePipeDream2BW (its streamed moves do not carry averages)"
-    replica_refusal = ("a PipeDream-2BW stream with data-parallel replicas is not supported; "
-                       "run one pipeline over "
-                       "the whole world, or use GPipe / 1F1B / the multi-stage schedules")
+    replica_refusal = ("a PipeDream-2BW stream with data-parallel replicas is not supported; run one "
+                       "pipeline over the whole world, or use GPipe / 1F1B / the multi-stage schedules")
 
     @classmethod
     def accepts(cls, target: Any) -> bool:

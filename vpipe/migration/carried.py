@@ -225,16 +225,14 @@ def _stage_of(i: int, item: Any, stages: Sequence[LocalStage]) -> LocalStage:
             raise ValueError(f"{what}: a carried dict holds tensors of its own (copies of "
                              "the weights), not the stage's parameters themselves")
     else:
-        raise ValueError(f"{what} is a {type(item).__name__}: carry= takes torch's AveragedModel "
-                         "of the stage module "
-                         "or a dict of tensors keyed by its parameter names (on_move= hears "
-                         "of moves for anything else)")
+        raise ValueError(f"{what} is a {type(item).__name__}: carry= takes torch's AveragedModel of the "
+                         "stage module or a dict of tensors keyed by its parameter names (on_move= hears of "
+                         "moves for anything else)")
     if len(found) > 1:
         found = _nearest(found, values)
     if len(found) > 1:
-        raise ValueError(f"{what} averages stages {[s.index for s in found]} of this rank alike "
-                         "(the same names and "
-                         "shapes, and values as near to each); carry one average per stage "
+        raise ValueError(f"{what} averages stages {[s.index for s in found]} of this rank alike (the same "
+                         "names and shapes, and values as near to each); carry one average per stage "
                          "module, made from it before training (as AveragedModel(stage_module) is)")
     if any(isinstance(t, DTensor) for t in values.values()):
         raise ValueError(f"{what} holds sharded tensors (DTensor): carried averages must be whole tensors")

@@ -103,9 +103,8 @@ def set_block_attrs(block: nn.Module, attrs: Mapping[str, Mapping[str, Any]], la
     """Give ``block`` (a clone) the moved block's plain attributes; both must have the same ones."""
     mine = block_attrs(block)
     if {k: set(v) for k, v in mine.items()} != {k: set(v) for k, v in attrs.items()}:
-        raise ValueError(f"layer {layer_id}: the block here has plain attributes "
-                         f"{_names(mine)}, the moved one "
-                         f"{_names(attrs)}: they are not the same kind of block")
+        raise ValueError(f"layer {layer_id}: the block here has plain attributes {_names(mine)}, the moved "
+                         f"one {_names(attrs)}: they are not the same kind of block")
     for sub, values in attrs.items():
         module = block.get_submodule(sub)
         for key, value in values.items():

@@ -100,9 +100,8 @@ class BlockBuilder:
         donor = next((b for blocks in self.blocks.values() for b in blocks.blocks().values()
                       if block_kind(b) == info["kind"]), None)
         if donor is None:
-            raise MigrationError(f"this rank has no block of kind {info['kind']} to build "
-                                 f"layer {lid} from; pass "
-                                 "layer_factory= to vpipe.attach for models whose blocks differ")
+            raise MigrationError(f"this rank has no block of kind {info['kind']} to build layer {lid} from; "
+                                 "pass layer_factory= to vpipe.attach for models whose blocks differ")
         block = clone_block(donor)
         try:
             set_block_attrs(block, info["attrs"], lid)

@@ -84,9 +84,8 @@ def report_stale_references(stage: int, layer_ids: Sequence[int], params: Sequen
         decision("stale_references",
                  f"stage {stage}: {len(holders)} reference(s) outside the model and the optimizer still hold "
                  f"parameters of layers {list(layer_ids)}, which left this stage: {'; '.join(holders[:4])}. "
-                 "They no longer train here, and blocks that arrive are missing from them: "
-                 "take the parameters "
-                 "from model.parameters() or optimizer.param_groups when you use them, not "
-                 "once before training",
+                 "They no longer train here, and blocks that arrive are missing from them: take the "
+                 "parameters from model.parameters() or optimizer.param_groups when you use them, not once "
+                 "before training",
                  stage=stage, layers=list(layer_ids), count=len(holders), holders=holders[:16])
     return holders

@@ -243,9 +243,8 @@ class IncomingStream:
         got = self.messenger.wait_for({"migrate_handover"}, from_rank=self.src, key=self.key,
                                       timeout_s=self.timeout_s)
         if got is None:
-            raise RuntimeError(f"stage {single_stage(self.schedule).stage_index}: stage "
-                               f"{self.src} never handed over "
-                               f"layers {list(self.layers)} (epoch {self.epoch})")
+            raise RuntimeError(f"stage {single_stage(self.schedule).stage_index}: stage {self.src} never "
+                               f"handed over layers {list(self.layers)} (epoch {self.epoch})")
         manifests = [validate_manifest(man) for man in got[1].get("manifests", [])]
         if [man["layer"] for man in manifests] != list(self.layers):
             raise RuntimeError(f"hand-over of layers {[m['layer'] for m in manifests]}, "

@@ -85,11 +85,10 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("graph", metavar="GRAPH.json", nargs="?", default=None,
                    help="layer graph (docs/graph-format.md); or use --model")
     p.add_argument("--model", metavar="MODULE:FACTORY", default=None,
-                   help="plan a model: FACTORY() in MODULE (a module name or a .py file) "
-                        "returns an nn.Module, "
-                        "or (module, example input); its blocks and modules are measured "
-                        "on this machine. The "
-                        "module's code runs here, as python FILE would run it: name only code you trust")
+                   help="plan a model: FACTORY() in MODULE (a module name or a .py file) returns an "
+                        "nn.Module, or (module, example input); its blocks and modules are measured on this "
+                        "machine. The module's code runs here, as python FILE would run it: name only code "
+                        "you trust")
     p.add_argument("--input-shape", metavar="DIMS", default=None,
                    help="--model: one micro-batch's input shape, e.g. 8,1024 (for a factory "
                         "returning only a model)")

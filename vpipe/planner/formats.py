@@ -121,9 +121,8 @@ def torchtitan_form(stages: list[list[str]], units: list[Unit], schedule: str, r
     deep = [u.name for u in units if "." in (u.name if u.container is None else u.container)]
     fqns = None if deep else [list(names) for names in stages]
     if deep:
-        notes.append("module_fqns_per_model_part: torchtitan splits only top-level "
-                     "children and the entries of "
-                     f"top-level ModuleList/ModuleDict containers; {deep[0]} is deeper")
+        notes.append("module_fqns_per_model_part: torchtitan splits only top-level children and the entries "
+                     f"of top-level ModuleList/ModuleDict containers; {deep[0]} is deeper")
     blocks = [sum(1 for name in names if name in {u.name for u in units if u.container is not None})
               for names in stages]
     _, _, why = _ends(stages, units)

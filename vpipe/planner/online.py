@@ -379,8 +379,7 @@ class SRPEntry:
 
     def __call__(self, vector: list[StageRecord], current: Plan | None) -> Plan | None:
         raise TypeError("vpipe.planner.online:srp makes planners, one per daemon: plan with "
-                        "srp.for_daemon() or "
-                        "srp.configured(config)")
+                        "srp.for_daemon() or srp.configured(config)")
 
     @staticmethod
     def for_daemon() -> OnlinePlanner:

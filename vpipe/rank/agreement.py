@@ -100,9 +100,8 @@ class StoreAgreement:
         seen = [json.loads(raw) for raw in self.gather(key, range(self.world_size), edit["call"], who)]
         differ = [r for r, other in enumerate(seen) if other != edit]
         if differ:
-            raise RuntimeError(f"{edit['call']} on {who}: stage(s) {differ} made another "
-                               "layer edit at this point "
-                               f"({seen[differ[0]]} vs {edit}); every rank must make the same one")
+            raise RuntimeError(f"{edit['call']} on {who}: stage(s) {differ} made another layer edit at this "
+                               f"point ({seen[differ[0]]} vs {edit}); every rank must make the same one")
 
     def agree_refusal(self, refusal: str | None, *, world_rank: int, world_size: int, who: str) -> str | None:
         """Why layers cannot move anywhere in the job: the first refusal of any rank of any replica, or None.

@@ -140,9 +140,8 @@ class MetricsWriter:
         reason = (error.strerror if isinstance(error, OSError)
                   else None) or str(error) or type(error).__name__
         try:
-            sys.stderr.write(f"vpipe [rank {self.rank}]: cannot write the metrics to "
-                             f"{self.directory} ({reason}); "
-                             "training goes on, and its further metrics are dropped\n")
+            sys.stderr.write(f"vpipe [rank {self.rank}]: cannot write the metrics to {self.directory} "
+                             f"({reason}); training goes on, and its further metrics are dropped\n")
             sys.stderr.flush()
         except (OSError, ValueError):
             pass

@@ -155,10 +155,9 @@ def defer_batch_norms(module: nn.Module) -> int:
             continue
         deferred = _DEFERRED.get(type(m))
         if deferred is None:
-            raise ValueError(f"deferred_batch_norm: {name or type(module).__name__} is a "
-                             f"{type(m).__name__}, whose "
-                             "forward vpipe cannot defer; it defers torch's BatchNorm1d, "
-                             "BatchNorm2d and BatchNorm3d")
+            raise ValueError(f"deferred_batch_norm: {name or type(module).__name__} is a {type(m).__name__}, "
+                             "whose forward vpipe cannot defer; it defers torch's BatchNorm1d, BatchNorm2d "
+                             "and BatchNorm3d")
         assert m.running_mean is not None
         m.__class__ = deferred
         dtype = torch.float32 if m.running_mean.device.type == "mps" else torch.float64  # mps has no float64

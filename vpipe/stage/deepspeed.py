@@ -103,9 +103,8 @@ class DeepSpeedStage:
                     "the stage's parameters over the replicas at initialize; use ZeRO stage 0 for moves")
         model_parallel = int(getattr(engine.grid, "model_parallel_size", 1))
         if model_parallel > 1:
-            return (f"DeepSpeed tensor model parallelism ({model_parallel} ranks on the grid's "
-                    "model axis): a block's "
-                    "shards would have to move together, which vpipe does not do under DeepSpeed")
+            return (f"DeepSpeed tensor model parallelism ({model_parallel} ranks on the grid's model axis): "
+                    "a block's shards would have to move together, which vpipe does not do under DeepSpeed")
         if not isinstance(optimizer, torch.optim.Optimizer):
             return (f"DeepSpeed's optimizer is a {type(optimizer).__name__}, not a torch "
                     "optimizer vpipe can edit")

@@ -131,9 +131,8 @@ def _parts(optimizer: Any) -> list[torch.optim.Optimizer] | None:
     if parts is None:
         return None
     if not parts or not all(isinstance(p, torch.optim.Optimizer) for p in parts):
-        raise TypeError("vpipe.attach: optimizer= holds "
-                        f"{[type(p).__name__ for p in parts]}; a container must "
-                        "hold torch optimizers, one per model part")
+        raise TypeError(f"vpipe.attach: optimizer= holds {[type(p).__name__ for p in parts]}; a container "
+                        "must hold torch optimizers, one per model part")
     return list(parts)
 
 
@@ -162,10 +161,9 @@ def optimizer_parts(optimizer: Any, stages: Mapping[int, nn.Module]) -> torch.op
     shared = {i for v, mine in owners.items() for i in mine if any(i in owners[w] for w in owners if w != v)}
     one_set = len({tuple(mine) for mine in owners.values()}) == 1  # the same optimizers train every stage
     if shared and not one_set and any(len(mine) > 1 for mine in owners.values()):
-        raise ValueError(f"vpipe.attach: optimizer(s) {sorted(shared)} train several of this "
-                         "rank's stages while a "
-                         "stage has several optimizers; give each stage its own optimizers "
-                         "(as torchtitan builds one per model part), or one set over all of them")
+        raise ValueError(f"vpipe.attach: optimizer(s) {sorted(shared)} train several of this rank's stages "
+                         "while a stage has several optimizers; give each stage its own optimizers (as "
+                         "torchtitan builds one per model part), or one set over all of them")
     if len(stages) == 1 or shared:  # one set of optimizers for everything this rank trains
         return StageOptimizers(parts, optimizer)
     merged = [parts[mine[0]] if len(mine) == 1 else StageOptimizers([parts[i] for i in mine]) for mine in

@@ -124,9 +124,8 @@ def unwrap_stage_module(module: nn.Module) -> nn.Module:
     wrapped = type(module).__name__
     if wrapped == "DistributedDataParallel" or _composable(module, "replicate"):
         how = wrapped if wrapped == "DistributedDataParallel" else "replicate()"
-        raise TypeError(f"vpipe.attach does not support a stage module wrapped in {how}: its "
-                        "gradient buckets are "
-                        "fixed at wrap time and would go stale when blocks move. Keep the stage "
+        raise TypeError(f"vpipe.attach does not support a stage module wrapped in {how}: its gradient "
+                        "buckets are fixed at wrap time and would go stale when blocks move. Keep the stage "
                         "module unwrapped and all-reduce its gradients over the data-parallel group after "
                         "schedule.step() yourself (vpipe keeps the replicas' blocks alike)")
     if any(is_fsdp1(m) for m in module.modules()):
@@ -144,12 +143,10 @@ def check_tensor_parallel(pipeline: Pipeline) -> Pipeline:
         spanning = spanning_pipeline(stage.module, ranks, me)
         if spanning:
             raise TypeError(f"vpipe.attach: stage {stage.index}'s DTensor parameter(s) "
-                            f"{', '.join(spanning[:3])} are "
-                            "placed on a mesh that holds other ranks of this pipeline (world "
-                            f"ranks {list(ranks)}); "
-                            "a stage holds its blocks whole or shards them over other mesh "
-                            "dimensions (FSDP2 over "
-                            "dp, tensor parallelism over tp), never over the pipeline's own")
+                            f"{', '.join(spanning[:3])} are placed on a mesh that holds other ranks of this "
+                            f"pipeline (world ranks {list(ranks)}); a stage holds its blocks whole or shards "
+                            "them over other mesh dimensions (FSDP2 over dp, tensor parallelism over tp), "
+                            "never over the pipeline's own")
     return pipeline
 
 
@@ -173,9 +170,8 @@ def check_optimizer(optimizer: torch.optim.Optimizer | None, modules: Sequence[n
     for module in modules:
         mine = {id(p) for p in module.parameters()}
         if mine and not mine & held:
-            raise ValueError("vpipe.attach: the optimizer holds none of this stage's "
-                             f"{len(mine)} parameters; pass "
-                             "the optimizer built over this rank's stage modules (e.g. "
+            raise ValueError(f"vpipe.attach: the optimizer holds none of this stage's {len(mine)} "
+                             "parameters; pass the optimizer built over this rank's stage modules (e.g. "
                              "torch.optim.AdamW(params of every stage this rank runs))")
     staged = {id(p) for module in modules for p in module.parameters()}
     foreign = {g: sum(id(p) not in staged for p in group["params"])

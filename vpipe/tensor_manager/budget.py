@@ -106,10 +106,9 @@ def expected_state_factor(optimizer: Any) -> int:
 def check_layer_fits(layer_id: int, activation_bytes: int, budget_bytes: int) -> None:
     if activation_bytes > budget_bytes:
         raise MemoryBudgetError(
-            f"layer {layer_id} needs {format_bytes(activation_bytes)} of saved activations "
-            "even fully recomputed "
-            f"> budget {format_bytes(budget_bytes)}: a recompute materialises them all at once; "
-            f"raise the stage's budget, use smaller micro-batches, or split the layer"
+            f"layer {layer_id} needs {format_bytes(activation_bytes)} of saved activations even fully "
+            f"recomputed > budget {format_bytes(budget_bytes)}: a recompute materialises them all at once; "
+            "raise the stage's budget, use smaller micro-batches, or split the layer"
         )
 
 
@@ -256,9 +255,8 @@ def fit_micro_batch(
     least_without_lag = sum(leanest(replace(e, lag_share=0.0)) for e in estimates)
     if in_flight * least_without_lag + reserve_bytes > budget_bytes:
         raise MemoryBudgetError(
-            f"stage budget {format_bytes(budget_bytes)} cannot hold {in_flight} micro-batches "
-            "in flight: even with "
-            f"every layer swapped or recomputed each keeps {format_bytes(least_without_lag)}, plus "
+            f"stage budget {format_bytes(budget_bytes)} cannot hold {in_flight} micro-batches in flight: "
+            f"even with every layer swapped or recomputed each keeps {format_bytes(least_without_lag)}, plus "
             f"{format_bytes(reserve_bytes)} for the largest layer's backward"
         )
     # what is resident now may come from micro-batches run under older policies: do what can be

@@ -85,8 +85,9 @@ class TensorManager:
         self.ledger = ledger = Ledger()
         self._layers: dict[int, ManagedLayer] = {}
         self._copies = make_copy_engine(device, prefetch_alloc)  # (refuses an unknown prefetch_alloc)
-        self._engine = engine = SwapEngine(device, ledger, self._copies, partial(
-            HostPool, pool_max, pinned=self._copies.pinned, chunk_bytes=host_pool_chunk_bytes, preallocate=True))
+        host_pool = partial(HostPool, pool_max, pinned=self._copies.pinned, chunk_bytes=host_pool_chunk_bytes,
+                            preallocate=True)
+        self._engine = engine = SwapEngine(device, ledger, self._copies, host_pool)
         self._swap_in = SwapIn(engine)
         self._budget = budget = BudgetGovernor(budget_bytes, pool_max, ledger=ledger, engine=engine,
                                                layers=self._layers)

@@ -164,10 +164,9 @@ class HostPool:
         if need > room:
             raise HostPoolFullError(
                 f"host pool full: a swap of {format_bytes(nbytes)} does not fit; "
-                f"{format_bytes(self.used_bytes)} of the pool's maximum "
-                f"{format_bytes(self.max_bytes)} are in use "
-                f"({len(self._chunks)} chunks, {format_bytes(self.capacity_bytes)} allocated). "
-                f"Raise host_pool_bytes, or recompute (R) instead of swapping (S) some layers."
+                f"{format_bytes(self.used_bytes)} of the pool's maximum {format_bytes(self.max_bytes)} are "
+                f"in use ({len(self._chunks)} chunks, {format_bytes(self.capacity_bytes)} allocated). Raise "
+                "host_pool_bytes, or recompute (R) instead of swapping (S) some layers."
             )
         index = self._grow(max(self.chunk_bytes, need))
         block = self._take(index, self._chunks[index], need, nbytes)

@@ -137,9 +137,8 @@ class RecomputeFrame:
             if self.retired:
                 raise RuntimeError(
                     f"layer {self.layer}, micro-batch {self.mb}: a recomputed tensor was unpacked after the "
-                    "micro-batch's backward ended (its weight pass, or the step); the "
-                    "tensor manager let go of "
-                    f"the call's inputs then. Trying to backward through the graph a second time?")
+                    "micro-batch's backward ended (its weight pass, or the step); the tensor manager let go "
+                    "of the call's inputs then. Trying to backward through the graph a second time?")
             self.recompute(slot, phase)
         value = slot.value
         assert value is not None
@@ -180,9 +179,8 @@ class RecomputeFrame:
                 found = (x.shape, x.dtype, x.device)
                 if found != meta[index]:
                     raise RecomputeError(
-                        f"layer {layer}, micro-batch {mb}: saved tensor {index} was "
-                        f"{meta[index]} in the forward "
-                        f"and {found} in the recompute; the layer's forward is not deterministic")
+                        f"layer {layer}, micro-batch {mb}: saved tensor {index} was {meta[index]} in the "
+                        f"forward and {found} in the recompute; the layer's forward is not deterministic")
                 added += frame.hold(slot, x.detach() if x.requires_grad else x)
             if index == last:
                 raise _Stop

@@ -151,10 +151,9 @@ def _timeline_md(data: dict[str, Any]) -> str:
     cfg = data["config"]
     lines = ([f"**Timeline of one step** (`gpu_timeline.py`): d_model {cfg['d_model']}, "
               f"{data['micro_batches']} "
-             f"micro-batches of {cfg['micro_batch_size']}, the memory-bound benchmark's "
-             "cap and budget (vpipe "
-             f"{data['vpipe_policies']}); the compute stream's idle time, the copies and the "
-             "longest gaps (ms from the step's first kernel):"])
+             f"micro-batches of {cfg['micro_batch_size']}, the memory-bound benchmark's cap and budget "
+             f"(vpipe {data['vpipe_policies']}); the compute stream's idle time, the copies and the longest "
+             "gaps (ms from the step's first kernel):"])
     for system, row in data["systems"].items():
         if "error" in row:
             lines.append(f"- {system}: {row['error']}")
@@ -183,11 +182,10 @@ def _host_cost_md(data: dict[str, Any]) -> str:
              f"{r['operations_beyond_plain']:,}",
              ", ".join(f"{name.removeprefix('aten.')} {n}" for name, n in r["most_beyond_plain"])]
             for r in data["rows"]]
-    return ("**Host cost per step, counted** (`host_cost.py`): the launch-bound model "
-            f"({cfg['blocks']} blocks, d_model {cfg['d_model']}, {cfg['micro_batches']} micro-batches of "
-            f"{cfg['micro_batch_size']}), one "
-            "unmetered step: Python bytecodes executed and tensor operations dispatched (each a launch, an "
-            "allocation or a copy on the GPU)\n\n"
+    return (f"**Host cost per step, counted** (`host_cost.py`): the launch-bound model ({cfg['blocks']} "
+            f"blocks, d_model {cfg['d_model']}, {cfg['micro_batches']} micro-batches of "
+            f"{cfg['micro_batch_size']}), one unmetered step: Python bytecodes executed and tensor "
+            "operations dispatched (each a launch, an allocation or a copy on the GPU)\n\n"
             + table(["variant", "bytecodes", "of them vpipe's", "tensor operations", "beyond plain",
                      "most beyond plain"], rows))
 

@@ -60,9 +60,8 @@ def headline_rows(results: Results) -> list[list[str]]:
                  for name in ("static", "vpipe")}
         rows.append(["NAS edit: 8 blocks added to stage 0 of 2, throughput after it",
                      f"vpipe: {after['vpipe']:.0f} samples/s "
-                     f"({nas['vpipe_over_optimal_after']['median']:.0%} of the "
-                     "optimal static partition; per round, 90% of it reached after: "
-                     f"{steps(nas['recovery_steps'])})",
+                     f"({nas['vpipe_over_optimal_after']['median']:.0%} of the optimal static partition; per "
+                     f"round, 90% of it reached after: {steps(nas['recovery_steps'])})",
                      f"static: {after['static']:.0f} samples/s "
                      f"({nas['static_over_optimal_after']['median']:.0%} of optimal)",
                      ratio(nas["vpipe_over_static_after"])])

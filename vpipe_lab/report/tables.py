@@ -82,9 +82,8 @@ def _simulator_md(data: dict[str, Any]) -> str:
             for r in data.get("projection", [])]
     if rows:
         link = data["link"]
-        parts.append(f"Projection (fraction of ideal; PCIe {link['swap_bytes_per_s'] / 1e9:g} "
-                     "GB/s swaps overlapped "
-                     f"with compute, {link['send_bytes_per_s'] / 1e9:g} GB/s between stages):\n\n"
+        parts.append(f"Projection (fraction of ideal; PCIe {link['swap_bytes_per_s'] / 1e9:g} GB/s swaps "
+                     f"overlapped with compute, {link['send_bytes_per_s'] / 1e9:g} GB/s between stages):\n\n"
                      + table(["stages", "block compute / PCIe round trip", "compute speedup over this CPU",
                               *systems],
                               rows))
@@ -163,17 +162,13 @@ def _overhead_md(data: dict[str, Any]) -> str:
              f"{r['planned_over_plain']:.3f}x ({r['planned_range'][0]:.3f}-{r['planned_range'][1]:.3f})",
              share(r), str(r["plans_applied"]), {True: "yes", False: "no"}.get(r.get("same_losses"), "-")]
             for r in data["rows"]]
-    text = ("The trainer of `examples/train_sequential.py` on 2 CPU stages split 4,4 (1F1B), "
-            "run twice side by side "
-            "in the same processes, a plain copy and one with the one line, stepped in "
-            "ABBA order on the same "
-            f"batches; {data['rounds']} launches of each kind: attached (`planning=False`) "
-            "and planned (the one "
-            "line's defaults). A launch's ratio is the vpipe copy's mean step over the plain "
-            "copy's (second halves); "
-            "median and range over launches. The planner daemon's CPU is a share of one "
-            "core over the launch; "
-            "\"same losses\": the two copies' losses were bitwise equal in every launch:\n\n"
+    text = ("The trainer of `examples/train_sequential.py` on 2 CPU stages split 4,4 (1F1B), run twice side "
+            "by side in the same processes, a plain copy and one with the one line, stepped in ABBA order "
+            f"on the same batches; {data['rounds']} launches of each kind: attached (`planning=False`) and "
+            "planned (the one line's defaults). A launch's ratio is the vpipe copy's mean step over the "
+            "plain copy's (second halves); median and range over launches. The planner daemon's CPU is a "
+            "share of one core over the launch; \"same losses\": the two copies' losses were bitwise equal "
+            "in every launch:\n\n"
             + table(["model", "steps per copy", "plain ms", "attached ms", "attached / plain", "planned ms",
                       "planned / plain", "planner CPU", "plans applied", "same losses"], rows))
     breakdown = data.get("breakdown")
@@ -181,10 +176,9 @@ def _overhead_md(data: dict[str, Any]) -> str:
         parts = [[str(r["rank"]), f"{r['step_s'] * 1e3:.1f}", f"{r['per_step_s']['step'] * 1e6:.0f}"]
                  + [f"{r['per_step_s'][g] * 1e6:.0f} ({r['calls_per_step'][g]:.0f} calls)"
                     for g in ("micro-batch", "layer call", "saved tensor")] for r in breakdown["ranks"]]
-        text += ("\n\nWhere vpipe's own time goes, per step of the small attached run "
-                 "(microseconds, under cProfile, "
-                 f"which inflates every Python call: upper bounds; {breakdown['steps']} steps, "
-                 "the saved-tensor hooks run on the monitor's sampled steps only):\n\n"
+        text += ("\n\nWhere vpipe's own time goes, per step of the small attached run (microseconds, under "
+                 f"cProfile, which inflates every Python call: upper bounds; {breakdown['steps']} steps, the "
+                 "saved-tensor hooks run on the monitor's sampled steps only):\n\n"
                  + table(["rank", "step ms", "per step (boundary, monitor, control)", "per micro-batch",
                            "per layer call", "per saved tensor"], parts))
     return text

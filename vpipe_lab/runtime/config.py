@@ -192,9 +192,8 @@ class RunConfig:
         if self.checkpoint_every and not self.checkpoint_dir:
             raise ValueError("checkpoint_every needs checkpoint_dir (where to write the checkpoints)")
         if (self.checkpoint_dir or self.resume) and self.schedule in STREAMS:
-            raise ValueError("checkpoints need a flush schedule (any but "
-                             f"{self.schedule}): a PipeDream stream "
-                             "never has every micro-batch's weights at rest")
+            raise ValueError(f"checkpoints need a flush schedule (any but {self.schedule}): a PipeDream "
+                             "stream never has every micro-batch's weights at rest")
         if (self.checkpoint_dir or self.resume) and self.nas:
             raise ValueError("checkpoints cannot be combined with layer edits (--nas) yet")
 
