@@ -21,8 +21,9 @@ from vpipe.config import VpipeConfig
 from vpipe.control.curve import RunKeys
 from vpipe.control.session import ControlOptions, ControlSession
 from vpipe.engines import Engine
+from vpipe.migration.block_edits import LayerListener
 from vpipe.migration.carried import CarriedState
-from vpipe.migration.layer_manager import LayerListener, LayerManager
+from vpipe.migration.layer_manager import LayerManager
 from vpipe.migration.messages import ControlMessenger
 from vpipe.migration.patience import VoteMarks
 from vpipe.migration.transfer import TransferChannel
