@@ -10,13 +10,8 @@ import sys
 import pytest
 
 from support.processes import ROOT, child_env, run_vpipe
-from vpipe.control.daemon import (
-    NO_CHANGE_PLANNER,
-    _server_key,
-    build_parser,
-    load_planner,
-    parse_planner_config,
-)
+from vpipe.control.daemon import NO_CHANGE_PLANNER, _server_key, build_parser
+from vpipe.control.planner_function import load_planner, parse_planner_config
 from vpipe.control.planner_link import daemon_arguments, manual_command
 from vpipe.planner import DEFAULT_PLANNER
 from vpipe.planner.online import OnlineConfig, OnlinePlanner, srp

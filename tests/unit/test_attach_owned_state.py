@@ -18,7 +18,8 @@ import vpipe
 from vpipe import log as run_log
 from vpipe import settings as settings_module
 from vpipe import timeline
-from vpipe.control.daemon import PlannerDaemon, load_planner
+from vpipe.control.daemon import PlannerDaemon
+from vpipe.control.planner_function import load_planner
 from vpipe.log import RunLog, decision, read_log, step_record
 from vpipe.planner import DEFAULT_PLANNER
 from vpipe.planner.online import OnlinePlanner

@@ -328,21 +328,16 @@ def test_a_failing_run_log_write_is_reported_once_and_dropped(capfd):
 
 
 def test_a_planner_returning_a_huge_epoch_cannot_lock_out_its_own_daemon():
-    from vpipe.control.daemon import PlannerDaemon
+    from vpipe.control.planner_function import plan_problem
 
-    daemon = PlannerDaemon("tcp://127.0.0.1:9", lambda vector, current: None, curve=None)
-    try:
-        layers = [0, 1, 2, 3]
-        daemon.current = Plan(epoch=3, stages=((0, 1), (2, 3)))
-        huge = Plan(epoch=2**63 - 1, stages=((0, 1, 2), (3,)))
-        assert daemon._check(huge,
-                             layers) == ("epoch 9223372036854775807 jumps more than 1000 past the current "
-                                               "epoch 3")
-        assert daemon._check(Plan(epoch=4, stages=((0, 1, 2), (3,))), layers) is None  # the next real plan
-        daemon.current = None
-        assert daemon._check(Plan(epoch=1001, stages=((0,), (1, 2, 3))), layers) is not None
-    finally:
-        daemon.close()
+    layers = [0, 1, 2, 3]
+    current = Plan(epoch=3, stages=((0, 1), (2, 3)))
+    huge = Plan(epoch=2**63 - 1, stages=((0, 1, 2), (3,)))
+    assert plan_problem(huge, current, None,
+                        layers) == "epoch 9223372036854775807 jumps more than 1000 past the current epoch 3"
+    next_plan = Plan(epoch=4, stages=((0, 1, 2), (3,)))  # the next real plan
+    assert plan_problem(next_plan, current, None, layers) is None
+    assert plan_problem(Plan(epoch=1001, stages=((0,), (1, 2, 3))), None, None, layers) is not None
 
 
 def test_vpipe_logs_shows_escape_sequences_and_markup_from_a_log_as_text(tmp_path, capsys):

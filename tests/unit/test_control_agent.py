@@ -18,8 +18,9 @@ from support.control import LAYERS, Recorder, pump, start_daemon, wait_for
 from support.monitors import stage_record
 from vpipe.control.agent import StageAgent
 from vpipe.control.channel import ControlPlane, Inbox, Outbox
-from vpipe.control.daemon import PlannerDaemon, load_planner, no_change
+from vpipe.control.daemon import PlannerDaemon, no_change
 from vpipe.control.messages import PLANNER, make
+from vpipe.control.planner_function import load_planner
 from vpipe.control.planner_link import PlannerLink
 from vpipe.plan import Plan
 

@@ -36,7 +36,8 @@ from typing import Any
 import zmq
 
 from vpipe.control.curve import CurveConfig, RunKeys
-from vpipe.control.doorman import Doorman, raise_open_file_limit
+from vpipe.control.descriptors import raise_open_file_limit
+from vpipe.control.doorman import Doorman
 from vpipe.control.messages import MAX_MESSAGE_BYTES, Decoder, Message, encode, frame_limit
 from vpipe.control.netaddr import check_endpoint, control_host, tcp_endpoint
 from vpipe.control.pending import MAX_PENDING_BYTES, PendingMessages

@@ -11,7 +11,8 @@ dropped, logged. A rank's ``alert`` (its stage changed speed) gets a plan of the
 
 A planner takes configuration as data: ``--planner-config JSON`` (a JSON object; the last
 stage passes the pipeline's shape this way) goes to the planner function's
-``configured(config)``, which checks it and returns the planner function to call.
+``configured(config)``, which checks it and returns the planner function to call
+(:mod:`vpipe.control.planner_function`, which also checks each plan before it is sent).
 
 With CURVE on (:mod:`vpipe.control.curve`, configured by the environment it inherits, read
 once when the command starts) its inbox is a CURVE server like every rank's, and it needs the
@@ -26,17 +27,14 @@ by itself. It exits on ``bye``, when the process that started it is gone, or aft
 from __future__ import annotations
 
 import argparse
-import importlib
-import json
 import logging
 import math
 import os
 import sys
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, cast
+from typing import Any
 
 import zmq
 
@@ -47,77 +45,30 @@ from vpipe.control.doorman import DAEMON_CONNECTIONS
 from vpipe.control.keys import check_z85_key, read_public_file
 from vpipe.control.messages import MAX_MESSAGE_BYTES, PLANNER, Message, make
 from vpipe.control.netaddr import check_endpoint, control_host
+from vpipe.control.planner_function import PlannerFn, load_planner, parse_planner_config, plan_problem
 from vpipe.control.priority import to_background
 from vpipe.control.zap import ZapGuard
 from vpipe.log import decision
 from vpipe.monitors.records import StageRecord
-from vpipe.plan import MAX_EPOCH_STEP, Plan, PlanError
+from vpipe.plan import Plan
 from vpipe.planner import DEFAULT_PLANNER
 from vpipe.planner.judge import PlanJudge
 from vpipe.settings import process_settings
 
 log = logging.getLogger("vpipe.planner.daemon")
 
-__all__ = ["PlannerFn", "no_change", "load_planner", "parse_planner_config", "PlannerDaemon",
-           "NO_CHANGE_PLANNER",
-           "register", "build_parser"]
+__all__ = ["no_change", "PlannerDaemon", "NO_CHANGE_PLANNER", "register", "build_parser"]
 
-PlannerFn = Callable[[list[StageRecord], "Plan | None"], "Plan | None"]
 # the planner that never changes the plan: a daemon started by hand
 # without --planner, a run that only monitors
 NO_CHANGE_PLANNER = "vpipe.control.daemon:no_change"
 # steps: alerts within this of the last one that made the ranks measure again ask nothing new
 _REMEASURE_GAP = 8
-MAX_PLANNER_CONFIG_CHARS = 1 << 20  # a pipeline's shape is kilobytes; beyond this it is a mistake
 
 
 def no_change(vector: list[StageRecord], current: Plan | None) -> Plan | None:
     """A planner that never changes the plan (monitoring only)."""
     return None
-
-
-def parse_planner_config(text: str) -> dict[str, Any]:
-    """``--planner-config``: a JSON object, checked for shape here (its fields by the planner)."""
-    if len(text) > MAX_PLANNER_CONFIG_CHARS:
-        raise ValueError(f"--planner-config is {len(text)} characters, over the "
-                         f"{MAX_PLANNER_CONFIG_CHARS} allowed")
-    try:
-        config = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--planner-config is not valid JSON: {e}") from None
-    except RecursionError:
-        raise ValueError(
-            "--planner-config nests its JSON too deeply to be a planner's configuration"
-        ) from None
-    if not isinstance(config, dict):
-        raise ValueError(f"--planner-config must be a JSON object, got {type(config).__name__}")
-    return config
-
-
-def load_planner(spec: str, config: dict[str, Any] | None = None) -> PlannerFn:
-    """The function named by ``module:function``, made with ``config``
-    when given; ValueError naming what is wrong."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"a planner must be given as module:function, got {spec!r}")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"cannot import planner module {module_name!r}: {e}") from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ValueError(f"{module_name!r} has no callable {attr!r}")
-    if config is None:
-        return cast(PlannerFn, fn)
-    configured = getattr(fn, "configured", None)
-    if not callable(configured):
-        raise ValueError(f"planner {spec} takes no configuration: it has no configured(config) "
-                         "for --planner-config")
-    planner = configured(config)
-    if not callable(planner):
-        raise ValueError(f"{spec}.configured(config) returned {type(planner).__name__}, "
-                         "not a planner function")
-    return cast(PlannerFn, planner)
 
 
 class PlannerDaemon:
@@ -262,7 +213,8 @@ class PlannerDaemon:
             return
         if plan is None:
             return
-        problem = self._check(plan, [lid for rec in vector for lid in rec.layer_ids])
+        layer_order = [lid for rec in vector for lid in rec.layer_ids]
+        problem = plan_problem(plan, self.current, self.num_stages, layer_order)
         if problem:
             decision("planner_error", f"planner {self.planner_name} returned an unusable plan: {problem}",
                      role="planner", iteration=message.iteration, error=problem)
@@ -301,24 +253,6 @@ class PlannerDaemon:
                  epoch=plan.epoch, layers_per_stage=plan.counts(), reason=plan.reason,
                  predicted_step_s=plan.predicted_step_s, from_iteration=message.iteration,
                  stage_step_s=[r.step_s for r in vector], stage_compute_s=[r.compute_s for r in vector])
-
-    def _check(self, plan: Any, layer_order: list[int]) -> str | None:
-        """Why ``plan`` cannot go to the stages (None when it can): checked here, before any stage sees it."""
-        if not isinstance(plan, Plan):
-            return f"expected a Plan or None, got {type(plan).__name__}"
-        current = self.current.epoch if self.current is not None else 0
-        if self.current is not None and plan.epoch <= current:
-            return f"epoch {plan.epoch} is not newer than the current epoch {current}"
-        # the stages would drop it, and every plan after it be stale here
-        if plan.epoch > current + MAX_EPOCH_STEP:
-            return f"epoch {plan.epoch} jumps more than {MAX_EPOCH_STEP} past the current epoch {current}"
-        if self.num_stages is not None and plan.num_stages != self.num_stages:
-            return f"{plan.num_stages} stages for a {self.num_stages}-stage pipeline"
-        try:
-            plan.check_against(layer_order, plan.num_stages)  # the layers the stages just reported, in order
-        except PlanError as e:
-            return str(e)
-        return None
 
     # ---------------------------------------------------------------- heartbeat
     def _new_outbox(self, linger_ms: int) -> Outbox:
@@ -386,8 +320,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                         "and stored under vpipe/ctl/planner)")
     p.add_argument("--planner", default=NO_CHANGE_PLANNER, metavar="MODULE:FUNCTION",
                    help=f"planner(vector, current) -> Plan | None (default {NO_CHANGE_PLANNER}, "
-                        "which never changes "
-                        f"the plan; vpipe.attach's default is {DEFAULT_PLANNER})")
+                        f"which never changes the plan; vpipe.attach's default is {DEFAULT_PLANNER})")
     p.add_argument("--planner-config", default=None, metavar="JSON",
                    help="a JSON object handed to the planner's configured(config) before the first plan (for "
                         f"{DEFAULT_PLANNER}: OnlineConfig fields)")
@@ -417,8 +350,7 @@ def cmd_planner(args: argparse.Namespace, argv: Any = None) -> int:
     if not (math.isfinite(args.heartbeat) and math.isfinite(args.idle_timeout)) or args.heartbeat <= 0 \
             or args.idle_timeout <= args.heartbeat:
         raise ValueError(f"--heartbeat ({args.heartbeat}) must be > 0 and below --idle-timeout "
-                         f"({args.idle_timeout}), "
-                         "both finite")
+                         f"({args.idle_timeout}), both finite")
     config = None if args.planner_config is None else parse_planner_config(args.planner_config)
     planner = load_planner(args.planner, config)
     server_key = _server_key(args.server_key)  # every argument checked before anything is installed

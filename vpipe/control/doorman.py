@@ -7,7 +7,7 @@ silent connections to each inbox, opening a new one whenever one was cut, kept t
 peers out, since they came from the same address (the planner never attached). Now:
 
 * every process that opens an inbox raises its soft ``RLIMIT_NOFILE`` to the hard limit
-  (:func:`raise_open_file_limit`);
+  (:func:`~vpipe.control.descriptors.raise_open_file_limit`);
 * a connection must finish its handshake (the ZMTP greeting, CURVE's and the ZAP check of
   :mod:`vpipe.control.zap`, with or without CURVE) within ``HANDSHAKE_S`` (``ZMQ_HANDSHAKE_IVL``),
   or zmq closes it;
@@ -16,7 +16,8 @@ peers out, since they came from the same address (the planner never attached). N
   Connections not yet authenticated are at most ``MAX_UNPROVEN``: a newcomer past it is let in,
   and the doorman cuts another in its place, from the address that has the most of them: one
   whose peer never sent a ZMTP signature first, else the oldest (a ``shutdown`` through a
-  duplicate of its descriptor, checked to be the same connection, after which zmq closes it).
+  duplicate of its descriptor, checked to be the same connection, after which zmq closes it:
+  :mod:`vpipe.control.descriptors`).
   So no number of strangers, silent or trickling bytes, reconnecting as fast as they are cut,
   keeps a peer out: the peer is never the one cut while a stranger that said nothing is there,
   and gets ``MAX_UNPROVEN - 1`` newcomers' time to authenticate otherwise.
@@ -36,9 +37,7 @@ at most once per ``LOG_EVERY_S`` with the count.
 
 from __future__ import annotations
 
-import errno
 import logging
-import os
 import socket
 import threading
 import time
@@ -50,13 +49,14 @@ from typing import Any, TypeVar
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from vpipe.control.descriptors import ConnectionDescriptors
 from vpipe.control.tcpinfo import bytes_sent
 from vpipe.control.zap import HANDSHAKE_EVENTS, ZapGuard, handshake_failure
 
 log = logging.getLogger("vpipe.control")
 
 __all__ = ["HANDSHAKE_S", "MAX_CONNECTIONS", "DAEMON_CONNECTIONS", "MAX_UNPROVEN", "RCVHWM", "RCVBUF",
-           "LOG_EVERY_S", "Doorman", "raise_open_file_limit"]
+           "LOG_EVERY_S", "Doorman"]
 
 HANDSHAKE_S = 3.0  # greeting + CURVE + ZAP within this (ZMQ_HANDSHAKE_IVL; zmq's default is 30 s)
 # authenticated connections a rank's inbox holds (its few peers: neighbours, the daemon's two)
@@ -88,26 +88,6 @@ _EVENTS = (
     | HANDSHAKE_EVENTS
 )
 _T = TypeVar("_T")
-
-
-def raise_open_file_limit() -> tuple[int, int] | None:
-    """Raise this process's soft ``RLIMIT_NOFILE`` to its hard
-    limit; (before, after), or None when unchanged."""
-    try:
-        import resource
-    except ImportError:  # not a POSIX system
-        return None
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    target = hard if hard != resource.RLIM_INFINITY else 1 << 20
-    if soft == resource.RLIM_INFINITY or soft >= target:
-        return None
-    try:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-    except (ValueError, OSError) as e:  # e.g. macOS refuses more than OPEN_MAX under an unlimited hard limit
-        log.debug("could not raise the open-file limit from %d to %d: %s", soft, target, e)
-        return None
-    log.info("raised the open-file limit (RLIMIT_NOFILE) from %d to %d, the hard limit", soft, target)
-    return soft, target
 
 
 @dataclass
@@ -158,10 +138,9 @@ class Doorman:
         self._approvals: deque[float] = deque()
         # more than this sent on a connection: READY went, so ZAP admitted it
         self._authenticated_after = GREETING_BYTES + (WELCOME_BYTES if guard.config is not None else 0)
-        self._port = 0
         self._stop = threading.Event()
         self._logs: dict[str, _Every] = {}
-        self._reserve = _open_reserve()  # closed to make room for a duplicate at the open-file limit
+        self._descriptors = ConnectionDescriptors()  # before the socket binds: its reserve is open
         sock.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_S * 1000))
         sock.setsockopt(zmq.RCVHWM, RCVHWM)
         sock.setsockopt(zmq.RCVBUF, RCVBUF)  # on the listening socket: its connections inherit it
@@ -178,7 +157,7 @@ class Doorman:
         self._thread = threading.Thread(target=self._run, name=f"vpipe-doorman {name}", daemon=True)
 
     def start(self, port: int) -> None:
-        self._port = port
+        self._descriptors.port = port
         self._thread.start()
 
     def saw(self, fd: int) -> None:
@@ -192,9 +171,7 @@ class Doorman:
         if self._thread.is_alive():
             self._thread.join(timeout=5.0)
         self.monitor.close(linger=0)
-        if self._reserve is not None:
-            os.close(self._reserve)
-            self._reserve = None
+        self._descriptors.close()
 
     # ---------------------------------------------------------------- the doorman's thread
     def _run(self) -> None:
@@ -298,7 +275,7 @@ class Doorman:
 
     def _accepted(self, fd: int) -> None:
         now = time.monotonic()
-        peer = self._peer(fd)
+        peer = self._descriptors.peer(fd)
         if peer is None:  # closed already, its number maybe taken by something else
             self.connections.pop(fd, None)
             return
@@ -340,28 +317,10 @@ class Doorman:
     def _is_proven(connection: _Connection, now: float) -> bool:
         return connection.proven or now - connection.since > HANDSHAKE_S + _PROVEN_AFTER_S
 
-    def _peer(self, fd: int) -> Any:
-        """The peer address of connection ``fd`` if it is one of this socket's, else None."""
-        sock = self._duplicate(fd)
-        try:
-            return sock.getpeername() if sock is not None and sock.getsockname()[1] == self._port else None
-        except (OSError, IndexError, TypeError):
-            return None
-        finally:
-            self._release(sock)
-
     def _on(self, fd: int, act: Callable[[socket.socket], _T]) -> tuple[bool, _T | None]:
-        """``act`` on connection ``fd`` if it is still the one seen accepted (the duplicate pins it: its
-        number may have been reused since); (False, None), and the connection forgotten, when it is gone."""
-        sock = self._duplicate(fd)
-        try:
-            same = sock is not None and sock.getsockname()[1] == self._port and \
-                sock.getpeername() == self.connections[fd].peer
-            result = act(sock) if same and sock is not None else None
-        except (OSError, IndexError, TypeError):
-            same, result = False, None
-        finally:
-            self._release(sock)
+        """``act`` on connection ``fd`` if it is still the one seen accepted; (False, None), and the
+        connection forgotten, when it is gone."""
+        same, result = self._descriptors.on(fd, self.connections[fd].peer, act)
         if not same:
             self.connections.pop(fd, None)  # gone already (its DISCONNECTED is on the way)
         return same, result
@@ -388,31 +347,6 @@ class Doorman:
     def _due(self, key: str) -> int:
         return self._logs.setdefault(key, _Every()).due(time.monotonic())
 
-    def _duplicate(self, fd: int) -> socket.socket | None:
-        """A socket object on a duplicate of ``fd``, None when it is closed or no socket."""
-        try:
-            dup = os.dup(fd)
-        except OSError as e:
-            if e.errno != errno.EMFILE or self._reserve is None:
-                return None
-            os.close(self._reserve)  # at the limit: the reserve makes room for the duplicate
-            self._reserve = None
-            try:
-                dup = os.dup(fd)
-            except OSError:
-                return None
-        try:
-            return socket.socket(fileno=dup)
-        except OSError:
-            os.close(dup)
-            return None
-
-    def _release(self, sock: socket.socket | None) -> None:
-        if sock is not None:
-            sock.close()  # the duplicate only: zmq's descriptor stays open
-        if self._reserve is None:
-            self._reserve = _open_reserve()
-
 
 def _cut_if_silent(sock: socket.socket) -> int | None:
     """Bytes the inbox sent on ``sock``; cut when its peer never
@@ -421,10 +355,3 @@ def _cut_if_silent(sock: socket.socket) -> int | None:
     if sent is not None and sent <= SIGNATURE_BYTES:
         sock.shutdown(socket.SHUT_RDWR)
     return sent
-
-
-def _open_reserve() -> int | None:
-    try:
-        return os.open(os.devnull, os.O_RDONLY)
-    except OSError:
-        return None

@@ -4,6 +4,7 @@ What a stage *is* (its blocks, pins, optimizers, wrappers) lives in :mod:`vpipe.
 package holds what moves blocks:
 
 - :mod:`.layer_manager`: one rank's placement and the rounds that change it;
+- :mod:`.block_edits`: a block taken out, put in or dropped, with every part that follows it told;
 - :mod:`.placement`, :mod:`.rounds`: a plan diffed into rounds of neighbour moves, and one round run;
 - :mod:`.handshake`, :mod:`.messages`, :mod:`.link`: the prepare / ready / transfer / ack exchange;
 - :mod:`.cloning`: building an arriving block from a local block of its kind (or the factory);

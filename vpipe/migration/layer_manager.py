@@ -17,20 +17,21 @@ rank is an exchange over the control plane, the tensors travelling over the migr
 
 The vote is the commit: a move that fails leaves the old placement everywhere and loses nothing. The
 phases up to the vote run in :mod:`.rounds`; the vote and the block edits (and the carried averages',
-:mod:`.carried`) are here; streamed PipeDream moves go on in :mod:`.stream`.
+:mod:`.carried`) are here, each block edit carried out with what follows it by :mod:`.block_edits`;
+streamed PipeDream moves go on in :mod:`.stream`.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from itertools import product
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
 
 from vpipe.log import decision
+from vpipe.migration.block_edits import BlockEdits, LayerListener
 from vpipe.migration.carried import CarriedState
 from vpipe.migration.cloning import block_info
 from vpipe.migration.handshake import (
@@ -49,28 +50,16 @@ from vpipe.migration.patience import RoundClock, patience_s
 from vpipe.migration.placement import Placement
 from vpipe.migration.rounds import MigrationReport, exchange
 from vpipe.migration.shapes import BoundaryShapes
-from vpipe.migration.stale import report_stale_references
-from vpipe.migration.state import LayerState, detach_from_optimizer, pack_layer, register_layer
+from vpipe.migration.state import LayerState, pack_layer
 from vpipe.migration.stream import WatchShapes, check_idle, start_round
 from vpipe.migration.transfer import TransferChannel
 from vpipe.plan import Plan
 from vpipe.stage.blocks import StageBlocks
 from vpipe.stage.fsdp import resharded
-from vpipe.stage.optimizers import group_refusal, move_between, part_of
+from vpipe.stage.optimizers import group_refusal, part_of
 from vpipe.stage.pins import pin_reason
 
-__all__ = ["LayerManager", "LayerListener", "MigrationReport", "MigrationError", "Messenger"]
-
-
-class LayerListener(Protocol):
-    """Parts that keep per-layer state (tensor manager, monitor) follow the placement of their stage."""
-
-    def add_layer(self, layer_id: int, module: nn.Module) -> None: ...
-
-    def remove_layer(self, layer_id: int) -> object: ...  # what it returns (the module it let go) is unused
-
-    def retire_layer(self, layer_id: int) -> None:
-        """It left the forward path (a streamed move) and stays until its in-flight backwards have run."""
+__all__ = ["LayerManager", "MigrationReport", "MigrationError", "Messenger"]
 
 
 class LayerManager:
@@ -274,16 +263,14 @@ class LayerManager:
                      f"epoch {epoch} round {r}: a move failed; every stage keeps its layers",
                      epoch=epoch, round=r, stage=self.local_stages[0])
             return False
+        edits = self._edits()
         for m in outgoing:
-            self._drop(m.src, m.layers)
-        moved_here = [(m, self._take(m.src, m.layers)) for m in within]
+            edits.drop(m.src, m.layers)
+        moved_here = [(m, edits.take(m.src, m.layers)) for m in within]
         for inc in arriving:
-            self._insert(inc)
+            edits.insert(inc)
         for m, entries in moved_here:
-            move_between(part_of(self.optimizer, m.src), part_of(self.optimizer, m.dst),
-                         [p for _, block, _ in entries for p in block.parameters()])
-            self._put(m.dst, m.forward, entries)
-            self.carry.moved(m.src, m.dst, {lid: block for lid, block, _ in entries})
+            edits.move(m, entries)
         report.placement = Placement.of(after, self.stage_ranks).stages
         report.moved.extend(self._involved(moves))
         report.rebuilt = report.rebuilt or changed
@@ -362,8 +349,9 @@ class LayerManager:
             self.blocks[owner].insert(at, [(lid, layer, str(lid)) for lid, layer in built])
             for p, g in joins:
                 optimizer.param_groups[g]["params"].append(p)  # type: ignore[union-attr]
+            edits = self._edits()
             for lid, layer in built:
-                self._welcome(owner, lid, layer)
+                edits.welcome(owner, lid, layer)
             self.carry.arrived(owner, dict(built), None)
         self.specs.update(zip(new_ids, specs))
         self.next_layer_id = max(new_ids) + 1
@@ -381,8 +369,9 @@ class LayerManager:
         reshapes = self.channel.vote([(any(self.shapes.last_output_changes(start[v], placement.stages[v], {})
                                            for v in self.blocks if v != self.num_stages - 1), False)],
                                      what="a layer removal")[0]
+        edits = self._edits()
         for v in self.blocks:
-            self._drop(v, [lid for lid in self.blocks[v].ids if lid in doomed])
+            edits.drop(v, [lid for lid in self.blocks[v].ids if lid in doomed])
         for lid in doomed:
             self.specs.pop(lid, None)
             self.shapes.forget(lid)
@@ -390,48 +379,7 @@ class LayerManager:
                  placement=placement.as_lists())
         return reshapes, placement.stages
 
-    # ---------------------------------------------------------------- placement edits
-    def _take(self, stage: int, layer_ids: Sequence[int]) -> list[tuple[int, nn.Module, str]]:
-        """Take blocks out of a local stage, as (id, block, key): still this rank's (a local move follows)."""
-        blocks = self.blocks[stage]
-        keys = [blocks.key_of(lid) for lid in layer_ids]
-        for lid, listener in product(layer_ids, self.listeners[stage]):
-            listener.remove_layer(lid)
-        return list(zip(layer_ids, blocks.remove(layer_ids), keys))
-
-    def _put(self, stage: int, at_front: bool, entries: Sequence[tuple[int, nn.Module, str]]) -> None:
-        blocks = self.blocks[stage]
-        blocks.insert(0 if at_front else len(blocks.ids), entries)
-        for (lid, layer, _), listener in product(entries, self.listeners[stage]):
-            listener.add_layer(lid, layer)
-
-    def _drop(self, stage: int, layer_ids: Sequence[int]) -> None:
-        children = self.blocks[stage].blocks()
-        for lid in layer_ids:
-            detach_from_optimizer(part_of(self.optimizer, stage), children[lid].parameters())
-            self.shapes.unwatch(lid)
-        self._take(stage, layer_ids)
-        self.carry.left(stage, layer_ids)
-        report_stale_references(stage, layer_ids, [p for lid in layer_ids
-                                                   for p in children[lid].parameters()],
-                                [children[lid] for lid in layer_ids])
-
-    def _welcome(self, stage: int, layer_id: int, layer: nn.Module) -> None:
-        self.shapes.watch(layer_id, layer)
-        for listener in self.listeners[stage]:
-            listener.add_layer(layer_id, layer)
-
-    def _insert(self, inc: Incoming) -> None:
-        for st, loaded in zip(inc.states, inc.loaded):
-            register_layer(loaded, part_of(self.optimizer, inc.move.dst))
-            self.shapes.learn(st.layer_id, st.manifest)
-            if st.manifest.get("spec") is not None:
-                self.specs[st.layer_id] = st.manifest["spec"]
-        keys = {man["layer"]: (man.get("block") or {}).get("key") for man in inc.manifests}
-        blocks = self.blocks[inc.move.dst]
-        new = [(lid, inc.modules[lid], keys.get(lid) or str(lid)) for lid in inc.move.layers]
-        blocks.insert(0 if inc.move.forward else len(blocks.ids), new)
-        for lid in inc.move.layers:
-            self._welcome(inc.move.dst, lid, inc.modules[lid])
-        self.carry.arrived(inc.move.dst, {lid: b for lid, b, _ in new},
-                           {ld.layer_id: ld.carried for ld in inc.loaded})
+    def _edits(self) -> BlockEdits:
+        """Edits of this rank's blocks with everything that follows them (made per edit: fields may be
+        swapped)."""
+        return BlockEdits(self.blocks, self.listeners, self.optimizer, self.shapes, self.carry, self.specs)

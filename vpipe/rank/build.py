@@ -7,12 +7,12 @@ threads, a planner daemon, a transfer group, store keys). Each step below regist
 :class:`Cleanups` the moment it has made its thing. When a step fails, every undo registered so far runs,
 newest first, and the step's own exception propagates: the trainer's modules and optimizers are exactly as
 before, and it may attach again. When every step succeeds the undos are kept: they are the detach. (Store keys
-are the one thing a failure leaves, see :func:`_clear_keys`.)
+are the one thing a failure leaves, see :func:`_clear_keys`.) The two parts that work with other processes,
+the control session and the layer manager, are made in :mod:`vpipe.rank.peer_parts`.
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -23,15 +23,11 @@ from torch.distributed.distributed_c10d import Store
 from vpipe import log as run_log
 from vpipe.config import VpipeConfig
 from vpipe.control.curve import RunKeys
-from vpipe.control.session import ControlOptions, ControlSession
+from vpipe.control.session import ControlSession
 from vpipe.engines import Engine, engine_for
 from vpipe.log import decision
 from vpipe.migration.carried import CarriedState, carried_state
-from vpipe.migration.layer_manager import LayerListener, LayerManager
-from vpipe.migration.messages import ControlMessenger
-from vpipe.migration.patience import VoteMarks
-from vpipe.migration.transfer import TransferChannel
-from vpipe.monitors.source import TensorManagerSource
+from vpipe.migration.layer_manager import LayerManager
 from vpipe.plan import Plan
 from vpipe.rank.agreement import StoreAgreement, agree_on_blocks
 from vpipe.rank.applying import PlanApplier
@@ -43,22 +39,20 @@ from vpipe.rank.local_layers import LocalLayers, find_pins
 from vpipe.rank.memory import StageMemory
 from vpipe.rank.metrics import MetricsWriter, parse_metric_kinds
 from vpipe.rank.parts import RankParts
+from vpipe.rank.peer_parts import start_layer_manager, start_session
 from vpipe.rank.plan_in_force import PlanInForce, StagePolicies
 from vpipe.rank.replicas import ReplicaPlans, Replicas, ReplicaStats, check_replicas_alike
-from vpipe.rank.resolved import planner_config, resolve_memory_budget
+from vpipe.rank.resolved import resolve_memory_budget
 from vpipe.rank.stamps import stamp_state_dicts
 from vpipe.rank.steps import MicroBatchCounter, StepDriver
 from vpipe.rank.tracing import TraceWindow
 from vpipe.settings import Settings
 from vpipe.stage.batch_norm import DeferredNorms
-from vpipe.stage.compiled import Hoisted, hoist_compiled, hoisting_factory
-from vpipe.stage.fsdp import FsdpRoot, is_fully_sharded
+from vpipe.stage.compiled import Hoisted, hoist_compiled
 from vpipe.stage.optimizers import optimizer_parts, raw_optimizers, wrapper_refusal
 from vpipe.stage.pipeline import AttachTarget, Pipeline, check_optimizer
 from vpipe.tensor_manager import TensorManager, install_on_stage
 from vpipe.tensor_manager.pipelining import StageHandle
-
-log = logging.getLogger("vpipe.attach")
 
 __all__ = ["RankBuild", "build_rank"]
 
@@ -291,71 +285,6 @@ def start_tensor_managers(pipeline: Pipeline, memories: dict[int, StageMemory], 
             handle = handles[stage.index] = install_on_stage(stage.pipeline_stage, manager)
             cleanups.add(handle.remove)
     return managers, handles
-
-
-def start_session(pipeline: Pipeline, engine: Engine, config: VpipeConfig, settings: Settings,
-                  *, optimizer: torch.optim.Optimizer | None, managers: dict[int, TensorManager],
-                  initial: Plan,
-                  facts: LocalLayers, keys: RunKeys, replicas: Replicas, agreement: StoreAgreement,
-                  combine: ReplicaStats | None, move_refusal: str | None, memory_budget: int | None,
-                  cleanups: Cleanups) -> ControlSession:
-    if config.planning and engine.hand_written and config.micro_batches is None:
-        log.warning("vpipe.attach(module): micro_batches= not given, the planner assumes 1 "
-                    "micro-batch per step "
-                    "(a pipeline that then never overlaps stages, so it will not rebalance)")
-    plans = config.planning and replicas.leads  # the leading replica's last stage starts the one daemon
-    planning = plans and any(s.index == pipeline.num_stages - 1 for s in pipeline.stages)
-    options = ControlOptions(sample_every=config.sample_every, max_sample_every=config.sampling_cap,
-                             planner=config.planner if plans else None, log_file=config.log_file,
-                             planner_timeout_s=settings.planner_timeout_s, control_host=settings.control_host,
-                             keys=keys, planner_config=planner_config(config, pipeline, memory_budget,
-                                                                      move_refusal is None) if planning
-                             else None)
-    session = ControlSession(  # (closes what it opened if it cannot be made whole)
-        {s.index: s.blocks.blocks() for s in pipeline.stages if s.blocks is not None}, rank=pipeline.rank,
-        stage_ranks=pipeline.stage_ranks, store=agreement.store, world_size=pipeline.size,
-                             device=pipeline.device,
-        optimizer=optimizer, saved_sources={v: TensorManagerSource(m) for v, m in managers.items()},
-                             plan=initial,
-        options=options, pipeline_stages={s.index: s.pipeline_stage for s in pipeline.stages
-                                          if s.pipeline_stage is not None},
-        layer_facts=facts, combine_records=combine,
-        # modules outside the blocks: their cost is the stage's
-        stage_modules={s.index: s.module for s in pipeline.stages
-                       if s.blocks is not None and s.blocks.container is not s.module},
-        pulse_modules=[s.module for s in pipeline.stages])
-    cleanups.add(lambda: session.close(cleanups.wait_s))
-    return session
-
-
-def start_layer_manager(pipeline: Pipeline, engine: Engine, config: VpipeConfig, settings: Settings,
-                        *, optimizer: torch.optim.Optimizer | None, placement: tuple[tuple[int, ...], ...],
-                        shared: dict[int, str], managers: dict[int, TensorManager], session: ControlSession,
-                        replicas: Replicas, agreement: StoreAgreement, norms: DeferredNorms | None,
-                        carried: CarriedState, rank: int, world_size: int, cleanups: Cleanups,
-                        hoisted: Hoisted) -> LayerManager:
-    listeners: dict[int, list[LayerListener]] = {}
-    for stage in pipeline.stages:  # the parts that keep per-layer state follow their stage's layers
-        mine = listeners[stage.index] = [session.monitors[stage.index]]
-        if stage.index in managers:
-            mine.append(managers[stage.index])
-        mine.extend(engine.followers())  # the engine's own record of the layers too
-        if is_fully_sharded(stage.module) and stage.blocks is not None:  # its FSDP root too
-            mine.append(FsdpRoot(stage.module, stage.blocks.blocks()))
-    channel = TransferChannel(pipeline.device, world_ranks=replicas.world_ranks, marks=VoteMarks(
-        agreement.job, rank=rank, world_size=world_size))
-    cleanups.add(channel.close)  # its marks' beat (the layer manager's close stops it too)
-    manager = LayerManager(
-        {s.index: s.blocks for s in pipeline.stages if s.blocks is not None}, placement=placement,
-        stage_ranks=pipeline.stage_ranks, optimizer=optimizer,
-        factory=hoisting_factory(norms.factory(config.layer_factory) if norms else config.layer_factory,
-                                 hoisted),
-        specs=config.specs,
-        messenger=ControlMessenger(session.plane, pipeline.rank), channel=channel, device=pipeline.device,
-        timeout_s=config.migration_timeout_s, faults=settings.faults.migration_faults(rank), shared=shared,
-        listeners=listeners, carry=carried)
-    cleanups.add(manager.close)
-    return manager
 
 
 def count_micro_batches(pipeline: Pipeline, engine: Engine, managers: dict[int, TensorManager],
