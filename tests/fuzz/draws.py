@@ -28,7 +28,8 @@ AXES: dict[str, tuple[Any, ...]] = {
     "autocast": ("none", "bf16"),
     "block_state": ("plain", "batchnorm", "frozen", "tied", "hook"),
     "fsdp": (False, True),
-    "mesh": ("", "dp_pp", "pp_dp"),
+    # the 2x2 mesh's dimension order: FSDP2's or the data-parallel replicas' (dp), or tensor parallelism's
+    "mesh": ("", "dp_pp", "pp_dp", "tp_pp", "pp_tp"),
     # vp.remove_layers of one block at a step, or vp.add_layers of a new one, next to the moves
     "nas": ("none", "remove", "add"),
     # beside the optimizer (drawn last): the Muon recipe (Muon for the blocks' matrices, the drawn optimizer for the
@@ -50,9 +51,12 @@ AXES: dict[str, tuple[Any, ...]] = {
     # the window's last schedule.step; or those replicas under torch.distributed.optim.ZeroRedundancyOptimizer,
     # which vpipe refuses (moves off for the run, one line): counted refused, never passed (tests/fuzz/late.py)
     "dp": ("none", "allreduce", "zero"),
+    # every block under DTensor tensor parallelism over the tp dimension of a 2x2 (pp, tp) mesh (4 ranks):
+    # torchtitan's feed-forward plan, ColwiseParallel then RowwiseParallel (tests/fuzz/tensor_parallel.py)
+    "tp": ("none", "mlp"),
 }
 # axes drawn after the others, not in the first round of choices (and schedule's PipeDream values, tests/fuzz/late.py)
-LATE = ("fsdp", "mesh", "nas", "extra", "moves", "weights", "compiled", "scaler", "dp")
+LATE = ("fsdp", "mesh", "nas", "extra", "moves", "weights", "compiled", "scaler", "dp", "tp")
 DERIVED = ("mid_window_plan",)  # properties of a draw that the report groups failures by, next to the axes
 MULTI_STAGE = ("interleaved", "zbv")  # two stages per rank, four stages in all
 TORCH_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbv")  # the first round's choices (PipeDream's are late)
@@ -100,6 +104,7 @@ class Draw:
     scaler: str = "none"
     inf_steps: tuple[int, ...] = ()  # scaler=skips: the schedule.step calls whose first micro-batch's loss is inf
     dp: str = "none"
+    tp: str = "none"
 
     @property
     def nas(self) -> str:
@@ -127,7 +132,7 @@ class Draw:
 
     @property
     def ranks(self) -> int:
-        return 4 if self.fsdp or self.dp != "none" else 2
+        return 4 if self.fsdp or self.dp != "none" or self.tp != "none" else 2
 
     @property
     def rounding(self) -> bool:
@@ -157,6 +162,7 @@ class Draw:
         extra += f" compiled={self.compiled}" if self.compiled != "none" else ""
         extra += f" scaler=skips(inf at {','.join(map(str, self.inf_steps))})" if self.scaler != "none" else ""
         extra += f" dp={self.dp}({self.mesh})" if self.dp != "none" else ""
+        extra += f" tp={self.tp}({self.mesh})" if self.tp != "none" else ""
         return (f"seed={self.seed} {self.shape}/{self.schedule} {impl}{extra} groups={self.groups} "
                 f"lr={self.lr_scheduler} accum={self.accum} {clip} autocast={self.autocast} state={state} "
                 f"{'fsdp(' + self.mesh + ') ' if self.fsdp else ''}L{self.layers} "
@@ -369,7 +375,7 @@ def override(d: Draw, settings: list[str]) -> Draw:
 
 
 def covering_seeds(count: int = 20, pool: range = range(600), fsdp_every: int = FSDP_EVERY,
-                   four_rank_draws: int = 4) -> list[int]:
+                   four_rank_draws: int = 5) -> list[int]:
     """A small sample of seeds that together take every value of every axis (greedy), at most ``four_rank_draws``
     of them on 4 ranks (FSDP2 and data-parallel draws: the slow ones), padded to ``count`` with seeds that add the
     most pairs of values not yet seen together."""

@@ -15,6 +15,7 @@ from fuzz.draws import PIPEDREAM, STEPS, Draw, _policies, _split
 DP_EVERY, DP_RESIDUE = 10, 4  # every 10th seed (ending in 4; FSDP2's end in 9) runs on data-parallel replicas
 PIPEDREAM_SHARE = 0.3  # of the draws on two stages without FSDP2: about 15 % of all draws
 TWO_BW_GAP = 3  # under 2BW a move holds the stream for two steps: the next one takes effect 3 steps later
+TP_EVERY, TP_RESIDUE = 20, 7  # every 20th seed (07, 27, 47, ...) runs tensor-parallel blocks
 
 
 def draw_late(rng: random.Random, d: Draw) -> Draw:
@@ -34,6 +35,8 @@ def draw_late(rng: random.Random, d: Draw) -> Draw:
     d = replace(d, compiled=compiled, scaler=scaler, inf_steps=inf_steps)
     if not d.fsdp and d.seed % DP_EVERY == DP_RESIDUE:
         return _replicas(rng, d)
+    if not d.fsdp and d.seed % TP_EVERY == TP_RESIDUE:
+        return tensor_parallel(rng, d)
     if d.fsdp or d.schedule not in ("gpipe", "1f1b") or rng.random() >= PIPEDREAM_SHARE:
         return d
     return _pipedream(rng, d, rng.choice(PIPEDREAM))
@@ -52,6 +55,27 @@ def _replicas(rng: random.Random, d: Draw) -> Draw:
     if d.moves == "planner":  # two plans of its own instead, over the blocks drawn (no block added then)
         d = replace(d, plans=_plans(rng, d, sorted(rng.sample(range(1, d.steps), 2))), nas_add=())
     return replace(d, dp=dp, mesh=mesh, extra=extra, moves="forced")
+
+
+def tensor_parallel(rng: random.Random, d: Draw) -> Draw:
+    """The draw with its blocks tensor-parallel over a 2x2 (pp, tp) mesh in a drawn order (4 ranks)."""
+    # four ranks on two cores: forced plans, as for the data-parallel replicas (a planner draw gets two)
+    if d.moves == "planner":
+        d = replace(d, plans=_plans(rng, d, sorted(rng.sample(range(1, d.steps), 2))), nas_add=())
+    block_state, pinned = d.block_state, d.pinned
+    if block_state == "tied":  # parallelize_module cannot distribute one module that two blocks hold
+        block_state, pinned = "plain", ()
+    return replace(
+        d, tp="mlp", mesh=rng.choice(("tp_pp", "pp_tp")), moves="forced", block_state=block_state,
+        pinned=pinned,
+        # a stage holds DTensors (the blocks' projections) and plain tensors (norms, embeddings, head), and
+        # torch's foreach and fused kernels, and the norm clipping stacks, refuse a list mixing them: the
+        # optimizer steps parameter by parameter (torch's CPU default), and nothing clips
+        impl="forloop", clip="none",
+        # not drawn with tensor parallelism yet: compiled blocks and GradScaler over DTensors (four ranks on
+        # two cores, as under FSDP2); Muon (no DTensor support) and a carried EMA (vpipe carries no DTensor
+        # average); weight_norm, whose parameters' dotted names parallelize_module cannot register
+        compiled="none", scaler="none", inf_steps=(), extra="none", weights="plain")
 
 
 def _plans(rng: random.Random, d: Draw, steps: list[int]) -> tuple[tuple[int, tuple[int, ...], str], ...]:

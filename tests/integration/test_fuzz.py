@@ -1,9 +1,9 @@
 """The differential fuzzer (tests/fuzz/): its draws, and a fixed sample of them run with and without vpipe.
 
 The draw tests are quick and run in the default suite. The sample (20 seeds that together take
-every value of every axis, up to four of them on 4 ranks: FSDP2 and data-parallel draws) trains
-real pipelines for about three minutes on 2 shared cores (30 s more for each draw that fails on
-one rank): it is marked slow. A
+every value of every axis, up to five of them on 4 ranks: FSDP2, data-parallel and tensor-parallel
+draws) trains real pipelines for about three minutes on 2 shared cores (30 s more for each draw
+that fails on one rank): it is marked slow. A
 failure names each failing seed, what it drew, and the command that runs it again.
 """
 
@@ -82,12 +82,17 @@ def test_draws_keep_their_constraints():
         elif d.moves == "forced":
             assert 2 <= len(d.plans) <= 4
         assert not (d.compiled == "wrap" and d.schedule == "zbv")
+        assert (d.tp != "none") == (seed % 20 == 7 and not d.fsdp) and (d.tp != "none") == ("tp" in d.mesh)
+        if d.tp != "none":  # one pipeline on a (pp, tp) mesh: what DTensor blocks and their trainer support
+            assert d.ranks == 4 and d.dp == "none" and d.moves == "forced" and d.block_state != "tied"
+            assert d.impl == "forloop" and d.clip == d.compiled == d.scaler == d.extra == "none"
+            assert d.weights == "plain" and d.schedule not in PIPEDREAM
 
 
 def test_the_ci_sample_takes_every_value_of_every_axis_with_few_four_rank_draws():
     draws = [draw(seed) for seed in SAMPLE]
     assert 16 <= len(SAMPLE) <= 24
-    assert sum(d.fsdp for d in draws) >= 1 and sum(d.ranks == 4 for d in draws) <= 4
+    assert sum(d.fsdp for d in draws) >= 1 and sum(d.ranks == 4 for d in draws) <= 5
     seen = _values(draws)
     for axis, values in AXES.items():
         assert seen[axis] == set(values), axis
