@@ -16,6 +16,7 @@ DP_EVERY, DP_RESIDUE = 10, 4  # every 10th seed (ending in 4; FSDP2's end in 9) 
 PIPEDREAM_SHARE = 0.3  # of the draws on two stages without FSDP2: about 15 % of all draws
 TWO_BW_GAP = 3  # under 2BW a move holds the stream for two steps: the next one takes effect 3 steps later
 TP_EVERY, TP_RESIDUE = 20, 7  # every 20th seed (07, 27, 47, ...) runs tensor-parallel blocks
+DS_EVERY, DS_RESIDUE = 20, 17  # every 20th seed (17, 37, 57, ...) runs DeepSpeed's PipelineEngine
 
 
 def draw_late(rng: random.Random, d: Draw) -> Draw:
@@ -37,6 +38,8 @@ def draw_late(rng: random.Random, d: Draw) -> Draw:
         return _replicas(rng, d)
     if not d.fsdp and d.seed % TP_EVERY == TP_RESIDUE:
         return tensor_parallel(rng, d)
+    if not d.fsdp and d.seed % DS_EVERY == DS_RESIDUE:
+        return deepspeed(rng, d)
     if d.fsdp or d.schedule not in ("gpipe", "1f1b") or rng.random() >= PIPEDREAM_SHARE:
         return d
     return _pipedream(rng, d, rng.choice(PIPEDREAM))
@@ -76,6 +79,27 @@ def tensor_parallel(rng: random.Random, d: Draw) -> Draw:
         # two cores, as under FSDP2); Muon (no DTensor support) and a carried EMA (vpipe carries no DTensor
         # average); weight_norm, whose parameters' dotted names parallelize_module cannot register
         compiled="none", scaler="none", inf_steps=(), extra="none", weights="plain")
+
+
+def deepspeed(rng: random.Random, d: Draw) -> Draw:
+    """The draw trained by DeepSpeed's PipelineEngine on 2 ranks (tests/fuzz/deepspeed_draw.py)."""
+    # a PipelineModule of the blocks alone (an nn.Sequential's shape: no embeddings or head to pin at either
+    # end), on DeepSpeed's uniform partition, under its own 1F1B TrainSchedule; one train_batch is one step
+    layers = d.layers
+    counts = (layers // 2, layers - layers // 2)
+    d = replace(d, shape="sequential", schedule="1f1b", counts=counts, accum=1, steps=STEPS[1])
+    plans = _plans(rng, d, sorted(rng.sample(range(1, d.steps), rng.randint(2, 4))))
+    block_state, pinned = d.block_state, d.pinned
+    if block_state == "tied":  # a module shared by two LayerSpec layers is DeepSpeed's TiedLayerSpec's job
+        block_state, pinned = "plain", ()
+    return replace(
+        d, engine="deepspeed", plans=plans, block_state=block_state, pinned=pinned, moves="forced",
+        # DeepSpeed's own clipping measures the first stage's gradients only: a norm that depends on the split
+        # (tests/fuzz/deepspeed_draw.py); the draws clip nothing
+        clip="none",
+        # vpipe refuses layer edits under DeepSpeed (its checkpoint files are numbered by layer at initialize)
+        # and a carried EMA; DeepSpeed holds one optimizer and scales fp16 losses itself; not compiled here
+        nas_remove=(), nas_add=(), extra="none", scaler="none", inf_steps=(), compiled="none")
 
 
 def _plans(rng: random.Random, d: Draw, steps: list[int]) -> tuple[tuple[int, tuple[int, ...], str], ...]:

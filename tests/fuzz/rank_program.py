@@ -114,6 +114,10 @@ def _copies(d: Draw, st: DrawState) -> dict[str, Copy]:
 
 def train_draw(d: Draw, st: DrawState, log_file: Path, mixed_autodetect: bool) -> dict[str, Any]:
     """Build, attach, request the plans, train both copies, detach: this rank's results (collective)."""
+    if d.engine == "deepspeed":  # both copies DeepSpeed engines: a trainer of their own
+        from fuzz.deepspeed_draw import train_deepspeed
+
+        return train_deepspeed(d, st, log_file)
     import vpipe
     from vpipe.plan import Plan, Policy
 
@@ -260,13 +264,18 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
+    seeds = [int(s) for s in args.seeds.split(",")]
+    draws = {seed: override(draw(seed, args.fsdp_every), args.set) for seed in seeds}
+    if any(d.engine == "deepspeed" for d in draws.values()):  # before any draw's timeout starts
+        from fuzz.deepspeed_draw import warm_up
+
+        warm_up()
     # the fuzzer's own group, used only where every rank arrives: it waits as long as a draw may take
     ctrl = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=args.draw_timeout + 60))
     _short_default_timeout()
     logs, out = Path(args.logs), Path(args.out)
     logs.mkdir(parents=True, exist_ok=True)
-    for seed in (int(s) for s in args.seeds.split(",")):
-        d = override(draw(seed, args.fsdp_every), args.set)
+    for seed, d in draws.items():
         if d.ranks != dist.get_world_size():
             raise SystemExit(f"seed {seed} needs {d.ranks} ranks, this job has {dist.get_world_size()}")
         if dist.get_rank() == 0:

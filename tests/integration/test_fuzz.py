@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from fuzz.draws import AXES, FSDP_FUSED, FUSED, PIPEDREAM, Draw, covering_seeds, draw, stage_blocks
+from fuzz.constraints import Unsupported, violations
+from fuzz.draws import AXES, FSDP_FUSED, FUSED, PIPEDREAM, Draw, covering_seeds, draw, override, stage_blocks
 
 SAMPLE = covering_seeds(20)
 
@@ -83,10 +84,50 @@ def test_draws_keep_their_constraints():
             assert 2 <= len(d.plans) <= 4
         assert not (d.compiled == "wrap" and d.schedule == "zbv")
         assert (d.tp != "none") == (seed % 20 == 7 and not d.fsdp) and (d.tp != "none") == ("tp" in d.mesh)
+        assert not violations(d), (seed, violations(d))
+        assert (d.engine == "deepspeed") == (seed % 20 == 17 and not d.fsdp)
+        if d.engine == "deepspeed":  # DeepSpeed's uniform partition of the blocks, its own 1F1B
+            assert d.shape == "sequential" and d.schedule == "1f1b" and d.ranks == 2
+            assert 2 <= len(d.plans) <= 4
+            assert d.counts == (d.layers // 2, d.layers - d.layers // 2) and d.block_state != "tied"
         if d.tp != "none":  # one pipeline on a (pp, tp) mesh: what DTensor blocks and their trainer support
             assert d.ranks == 4 and d.dp == "none" and d.moves == "forced" and d.block_state != "tied"
             assert d.impl == "forloop" and d.clip == d.compiled == d.scaler == d.extra == "none"
             assert d.weights == "plain" and d.schedule not in PIPEDREAM
+
+
+def test_a_forced_value_brings_its_own_constraints_or_is_refused_in_one_line():
+    """``run.py --set schedule=2bw`` used to keep the seed's accumulation, clipping and LR scheduler, which
+    2BW's draws never have, and errored on every seed: the value's constraints now apply as when drawn."""
+    for value in ("schedule=2bw", "schedule=pipedream", "tp=mlp", "engine=deepspeed", "dp=allreduce",
+                  "schedule=zbv"):
+        axis, _, forced = value.partition("=")
+        ran = 0
+        for seed in range(40):
+            try:
+                d = override(draw(seed), [value])
+            except Unsupported as e:  # a seed that cannot take it: one line naming seed, value and why
+                assert str(e).startswith(f"seed {seed} with {value}: ") and "\n" not in str(e)
+                continue
+            assert str(getattr(d, axis)) == forced and not violations(d), (value, seed)
+            ran += 1
+        assert ran >= 25, value
+    two_bw = override(draw(0), ["schedule=2bw"])
+    assert two_bw.accum == 1 and two_bw.shape == "sequential" and 1 <= len(two_bw.plans) <= 2
+    with pytest.raises(Unsupported, match="one of fsdp, dp, tp and engine=deepspeed"):
+        override(draw(9), ["tp=mlp"])  # seed 9 is an FSDP2 draw
+    with pytest.raises(ValueError, match="unknown axis"):
+        override(draw(0), ["nonsense=1"])
+
+
+def test_run_refuses_a_forced_value_no_seed_can_take_in_one_line(capsys):
+    from fuzz.run import main
+
+    with pytest.raises(SystemExit):
+        main(["--only", "9", "--set", "tp=mlp"])
+    out, err = capsys.readouterr()
+    assert out.splitlines()[-1].startswith("not run: seed 9 with tp=mlp: one of fsdp, dp, tp")
+    assert "combines with none of the seeds" in err
 
 
 def test_the_ci_sample_takes_every_value_of_every_axis_with_few_four_rank_draws():
