@@ -55,6 +55,10 @@ def force(before: Draw, d: Draw, changes: dict[str, Any]) -> Draw:
         d = replace(d, block_state="plain", pinned=())
     if changes.get("engine") == "deepspeed" and before.engine != "deepspeed":
         d = deepspeed(rng, d)
+    if changes.get("scaler") == "skips" and not d.inf_steps:  # the steps that overflow, as drawn
+        d = replace(d, inf_steps=tuple(sorted(rng.sample(range(d.steps), rng.randint(1, 2)))))
+    if changes.get("scaler") == "none":
+        d = replace(d, inf_steps=())
     if d.ranks == 2 and d.mesh:  # ``--set dp=none`` / ``tp=none``: one pipeline on 2 ranks
         d = replace(d, mesh="")
     return d

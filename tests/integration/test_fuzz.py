@@ -112,6 +112,7 @@ def test_a_forced_value_brings_its_own_constraints_or_is_refused_in_one_line():
             assert str(getattr(d, axis)) == forced and not violations(d), (value, seed)
             ran += 1
         assert ran >= 25, value
+    assert override(draw(0), ["scaler=skips"]).inf_steps and not override(draw(0), ["scaler=none"]).inf_steps
     two_bw = override(draw(0), ["schedule=2bw"])
     assert two_bw.accum == 1 and two_bw.shape == "sequential" and 1 <= len(two_bw.plans) <= 2
     with pytest.raises(Unsupported, match="one of fsdp, dp, tp and engine=deepspeed"):
