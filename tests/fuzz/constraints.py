@@ -86,7 +86,9 @@ def violations(d: Draw) -> list[str]:
     rule(d.ranks == 4 and d.moves == "planner", "moves=planner only on 2 ranks (it would act on contention)")
     rule(bool(d.nas_remove or d.nas_add) and d.fsdp, "no layer edit under FSDP2")
     rule(d.fsdp and (d.extra != "none" or d.weights != "plain"), "FSDP2 draws: no Muon, EMA or weight_norm")
-    rule(dtensor and (d.compiled != "none" or d.scaler != "none"), "no compile or GradScaler over DTensors")
+    rule(d.tp != "none" and (d.compiled != "none" or d.scaler != "none"),
+         "no compile or GradScaler with tensor parallelism")
+    rule(d.fsdp and d.compiled == "wrap", "FSDP2 draws compile in place (vpipe cannot move a wrapped one)")
     rule(d.compiled == "wrap" and d.schedule == "zbv", "ZBV compiles its blocks in place")
     rule(d.dp == "zero" and d.extra == "muon", "ZeRO wraps one optimizer class: no Muon")
     rule(d.schedule in PIPEDREAM and (d.accum != 1 or d.lr_scheduler != "none" or d.clip != "none"
