@@ -27,7 +27,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 def warm_up() -> None:
     """DeepSpeed's communication backend over the job's world, made once a job before its first draw: the
-    first time on a machine it builds its CPU communication op (about two minutes on 2 cores), which no
+    first time on a machine it builds its CPU communication op (2-4 minutes on 2 shared cores), which no
     draw's timeout should count."""
     import deepspeed
 

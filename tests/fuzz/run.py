@@ -8,6 +8,8 @@ draws each, forked from a warm starter as ``tests/support/processes.py`` forks t
 that dies or hangs mid-draw costs that draw (an ERROR) and the rest are launched again. Exits
 non-zero on any DIVERGED or ERROR. ``--library DIR`` runs another copy of vpipe (a directory holding
 ``vpipe/`` and ``vpipe_lab/``, e.g. ``git archive HEAD vpipe vpipe_lab | tar -x -C DIR``).
+``--set AXIS=VALUE`` forces a value with its own constraints (tests/fuzz/constraints.py); a seed
+that cannot take it is left out in one ``not run:`` line.
 """
 
 from __future__ import annotations
@@ -33,8 +35,8 @@ from fuzz.report import failures, print_summary, summary  # noqa: E402
 
 PROGRAM = Path(__file__).resolve().parent / "rank_program.py"
 FAILED = ("DIVERGED", "ERROR")
-# a job with DeepSpeed draws first makes DeepSpeed's communication backend, which on a new machine builds its
-# CPU op (about two minutes on 2 cores): outside every draw's timeout, inside the job's
+# a job with DeepSpeed draws first makes DeepSpeed's communication backend, which on a new machine builds
+# its CPU op (2-4 minutes on 2 shared cores; 237 s here): outside every draw's timeout, inside the job's
 DS_BUILD_S = 600
 
 
