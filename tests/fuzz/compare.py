@@ -34,7 +34,10 @@ def _named(d: Draw, c: Copy,
            modules: list[torch.nn.Module] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Every parameter and buffer of this rank's stages (or of ``modules`` shaped like them: an EMA's
     copies) under its global name (shared ones under each name)."""
+    # 4 ranks: each data-parallel replica's names apart, or each tp rank's (its shards, its plain tensors)
     prefix = f"r{c.replica}/" if d.ranks == 4 else ""
+    if c.tp_mesh is not None:
+        prefix = f"t{c.tp_mesh.get_local_rank()}/"
     for module in c.modules if modules is None else modules:
         seen: set[int] = set()
         for i, block in enumerate(container(d, module).children()):

@@ -30,7 +30,8 @@ AXES: dict[str, tuple[Any, ...]] = {
     "autocast": ("none", "bf16"),
     "block_state": ("plain", "batchnorm", "frozen", "tied", "hook"),
     "fsdp": (False, True),
-    "mesh": ("", "dp_pp", "pp_dp"),
+    # the 2x2 mesh's dimension order: FSDP2's or the data-parallel replicas' (dp), or tensor parallelism's
+    "mesh": ("", "dp_pp", "pp_dp", "tp_pp", "pp_tp"),
     # vp.remove_layers of one block at a step, or vp.add_layers of a new one, next to the moves
     "nas": ("none", "remove", "add"),
     # beside the optimizer (drawn last): the Muon recipe (Muon for the blocks'
@@ -55,10 +56,17 @@ AXES: dict[str, tuple[Any, ...]] = {
     # torch.distributed.optim.ZeroRedundancyOptimizer, which vpipe refuses (moves off for the run, one line):
     # counted refused, never passed (tests/fuzz/late.py)
     "dp": ("none", "allreduce", "zero"),
+    # every block under DTensor tensor parallelism over the tp dimension of a 2x2 (pp, tp) mesh (4 ranks):
+    # torchtitan's feed-forward plan, ColwiseParallel then RowwiseParallel (tests/fuzz/tensor_parallel.py)
+    "tp": ("none", "mlp"),
+    # who runs the pipeline: torch's schedules (or vpipe's PipeDream), or DeepSpeed's PipelineEngine on both
+    # copies, vpipe attached to one (tests/fuzz/deepspeed_draw.py)
+    "engine": ("torch", "deepspeed"),
 }
 # axes drawn after the others, not in the first round of choices (and
 # schedule's PipeDream values, tests/fuzz/late.py)
-LATE = ("fsdp", "mesh", "nas", "extra", "moves", "weights", "compiled", "scaler", "dp")
+LATE = ("fsdp", "mesh", "nas", "extra", "moves", "weights", "compiled", "scaler", "dp", "tp",
+        "engine")
 DERIVED = ("mid_window_plan",)  # properties of a draw that the report groups failures by, next to the axes
 MULTI_STAGE = ("interleaved", "zbv")  # two stages per rank, four stages in all
 TORCH_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbv")  # the first round's choices (PipeDream's are late)
@@ -110,6 +118,8 @@ class Draw:
     # scaler=skips: the schedule.step calls whose first micro-batch's loss is inf
     inf_steps: tuple[int, ...] = ()
     dp: str = "none"
+    tp: str = "none"
+    engine: str = "torch"
 
     @property
     def nas(self) -> str:
@@ -137,7 +147,7 @@ class Draw:
 
     @property
     def ranks(self) -> int:
-        return 4 if self.fsdp or self.dp != "none" else 2
+        return 4 if self.fsdp or self.dp != "none" or self.tp != "none" else 2
 
     @property
     def rounding(self) -> bool:
@@ -173,6 +183,8 @@ class Draw:
             f" scaler=skips(inf at {','.join(map(str, self.inf_steps))})" if self.scaler != "none" else ""
         )
         extra += f" dp={self.dp}({self.mesh})" if self.dp != "none" else ""
+        extra += f" tp={self.tp}({self.mesh})" if self.tp != "none" else ""
+        extra += " engine=deepspeed" if self.engine == "deepspeed" else ""
         return (f"seed={self.seed} {self.shape}/{self.schedule} {impl}{extra} groups={self.groups} "
                 f"lr={self.lr_scheduler} accum={self.accum} {clip} autocast={self.autocast} state={state} "
                 f"{'fsdp(' + self.mesh + ') ' if self.fsdp else ''}L{self.layers} "
@@ -366,9 +378,9 @@ def _removal(rng: random.Random, fsdp: bool, steps: int, counts: tuple[int, ...]
 
 def override(d: Draw, settings: list[str]) -> Draw:
     """``d`` with axes set by hand (``["autocast=none", "accum=1"]``), to bisect a failure; also
-    ``policies=X`` (X one of D, S, R: every layer, at attach and in every plan) and
-    ``plans=none`` (no forced plan). No constraint is checked, and a value that changes the
-    split (``shape``, ``schedule``) may not fit the plans."""
+    ``policies=X`` (X one of D, S, R: every layer, at attach and in every plan) and ``plans=none`` (no
+    forced plan). A forced value's own constraints are applied again (tests/fuzz/constraints.py); a
+    combination still unsupported raises Unsupported (a ValueError), in one line that says why."""
     changes: dict[str, Any] = {}
     for setting in settings:
         axis, _, value = setting.partition("=")
@@ -390,11 +402,18 @@ def override(d: Draw, settings: list[str]) -> Draw:
         if value not in allowed:
             raise ValueError(f"{axis} takes {', '.join(allowed)}, not {value!r}")
         changes[axis] = allowed[value]
-    return replace(d, **changes) if changes else d
+    if not changes:
+        return d
+    from fuzz.constraints import Unsupported, force, violations
+
+    forced = force(d, replace(d, **changes), changes)
+    if broken := violations(forced):
+        raise Unsupported(f"seed {d.seed} with {' '.join(settings)}: {'; '.join(broken)}")
+    return forced
 
 
 def covering_seeds(count: int = 20, pool: range = range(600), fsdp_every: int = FSDP_EVERY,
-                   four_rank_draws: int = 4) -> list[int]:
+                   four_rank_draws: int = 5) -> list[int]:
     """A small sample of seeds that together take every value of every axis (greedy), at most
     ``four_rank_draws`` of them on 4 ranks (FSDP2 and data-parallel draws: the slow ones), padded to
     ``count`` with seeds that add the most pairs of values not yet seen together."""

@@ -15,26 +15,36 @@ from fuzz.draws import PIPEDREAM, STEPS, Draw, _policies, _split
 DP_EVERY, DP_RESIDUE = 10, 4  # every 10th seed (ending in 4; FSDP2's end in 9) runs on data-parallel replicas
 PIPEDREAM_SHARE = 0.3  # of the draws on two stages without FSDP2: about 15 % of all draws
 TWO_BW_GAP = 3  # under 2BW a move holds the stream for two steps: the next one takes effect 3 steps later
+TP_EVERY, TP_RESIDUE = 20, 7  # every 20th seed (07, 27, 47, ...) runs tensor-parallel blocks
+DS_EVERY, DS_RESIDUE = 20, 17  # every 20th seed (17, 37, 57, ...) runs DeepSpeed's PipelineEngine
 
 
 def draw_late(rng: random.Random, d: Draw) -> Draw:
-    # not under FSDP2: four ranks compiling (or fully_shard over compiled blocks) on two cores; torchtitan's
-    # compile-then-shard is not drawn yet. A third of the other draws compile their blocks
-    compiled = rng.choice(("wrap", "in_place")) if not d.fsdp and rng.random() < 1 / 3 else "none"
+    # a third of the draws compile their blocks; under FSDP2 a sixth (four ranks compiling on two cores), in
+    # place then sharded: fully_shard over a wrapped block (torch.compile's OptimizedModule) trains, but
+    # vpipe's move of one fails (a block arrives whose compiled forward runs on its shards: seed 29 with
+    # --set compiled=wrap at 8c15274), so FSDP2 draws do not wrap until vpipe moves them
+    if d.fsdp:
+        compiled = "in_place" if rng.random() < 1 / 6 else "none"
+    else:
+        compiled = rng.choice(("wrap", "in_place")) if rng.random() < 1 / 3 else "none"
     if compiled == "wrap" and d.schedule == "zbv":
         # torch's ZBV refuses a stage module holding an OptimizedModule (the trainer without vpipe too): ZBV's
         # users compile their blocks in place
         compiled = "in_place"
-    # a quarter of the draws (not FSDP2: GradScaler over DTensor shards is not drawn yet)
-    # scale their losses and make 1-2 drawn steps overflow (their first micro-batch's loss
-    # infinite, as a bad batch makes it): every stage's gradients are then non-finite, so
-    # every rank's scaler skips the same steps and halves its scale
+    # a quarter of the draws (FSDP2's too: GradScaler unscales DTensor shards) scale their losses and make 1-2
+    # drawn steps overflow (their first micro-batch's loss infinite, as a bad batch makes it): every stage's
+    # gradients are then non-finite, so every rank's scaler skips the same steps and halves its scale
     scaler, inf_steps = "none", ()
-    if not d.fsdp and rng.random() < 0.25:
+    if rng.random() < 0.25:
         scaler, inf_steps = "skips", tuple(sorted(rng.sample(range(d.steps), rng.randint(1, 2))))
     d = replace(d, compiled=compiled, scaler=scaler, inf_steps=inf_steps)
     if not d.fsdp and d.seed % DP_EVERY == DP_RESIDUE:
         return _replicas(rng, d)
+    if not d.fsdp and d.seed % TP_EVERY == TP_RESIDUE:
+        return tensor_parallel(rng, d)
+    if not d.fsdp and d.seed % DS_EVERY == DS_RESIDUE:
+        return deepspeed(rng, d)
     if d.fsdp or d.schedule not in ("gpipe", "1f1b") or rng.random() >= PIPEDREAM_SHARE:
         return d
     return _pipedream(rng, d, rng.choice(PIPEDREAM))
@@ -54,6 +64,48 @@ def _replicas(rng: random.Random, d: Draw) -> Draw:
     if d.moves == "planner":  # two plans of its own instead, over the blocks drawn (no block added then)
         d = replace(d, plans=_plans(rng, d, sorted(rng.sample(range(1, d.steps), 2))), nas_add=())
     return replace(d, dp=dp, mesh=mesh, extra=extra, moves="forced")
+
+
+def tensor_parallel(rng: random.Random, d: Draw) -> Draw:
+    """The draw with its blocks tensor-parallel over a 2x2 (pp, tp) mesh in a drawn order (4 ranks)."""
+    # four ranks on two cores: forced plans, as for the data-parallel replicas (a planner draw gets two)
+    if d.moves == "planner":
+        d = replace(d, plans=_plans(rng, d, sorted(rng.sample(range(1, d.steps), 2))), nas_add=())
+    block_state, pinned = d.block_state, d.pinned
+    if block_state == "tied":  # parallelize_module cannot distribute one module that two blocks hold
+        block_state, pinned = "plain", ()
+    return replace(
+        d, tp="mlp", mesh=rng.choice(("tp_pp", "pp_tp")), moves="forced", block_state=block_state,
+        pinned=pinned,
+        # a stage holds DTensors (the blocks' projections) and plain tensors (norms, embeddings, head), and
+        # torch's foreach and fused kernels, and the norm clipping stacks, refuse a list mixing them: the
+        # optimizer steps parameter by parameter (torch's CPU default), and nothing clips
+        impl="forloop", clip="none",
+        # not drawn with tensor parallelism yet: compiled blocks and GradScaler over DTensors (four ranks on
+        # two cores, as under FSDP2); Muon (no DTensor support) and a carried EMA (vpipe carries no DTensor
+        # average); weight_norm, whose parameters' dotted names parallelize_module cannot register
+        compiled="none", scaler="none", inf_steps=(), extra="none", weights="plain")
+
+
+def deepspeed(rng: random.Random, d: Draw) -> Draw:
+    """The draw trained by DeepSpeed's PipelineEngine on 2 ranks (tests/fuzz/deepspeed_draw.py)."""
+    # a PipelineModule of the blocks alone (an nn.Sequential's shape: no embeddings or head to pin at either
+    # end), on DeepSpeed's uniform partition, under its own 1F1B TrainSchedule; one train_batch is one step
+    layers = d.layers
+    counts = (layers // 2, layers - layers // 2)
+    d = replace(d, shape="sequential", schedule="1f1b", counts=counts, accum=1, steps=STEPS[1])
+    plans = _plans(rng, d, sorted(rng.sample(range(1, d.steps), rng.randint(2, 4))))
+    block_state, pinned = d.block_state, d.pinned
+    if block_state == "tied":  # a module shared by two LayerSpec layers is DeepSpeed's TiedLayerSpec's job
+        block_state, pinned = "plain", ()
+    return replace(
+        d, engine="deepspeed", plans=plans, block_state=block_state, pinned=pinned, moves="forced",
+        # DeepSpeed's own clipping measures the first stage's gradients only: a norm that depends on the split
+        # (tests/fuzz/deepspeed_draw.py); the draws clip nothing
+        clip="none",
+        # vpipe refuses layer edits under DeepSpeed (its checkpoint files are numbered by layer at initialize)
+        # and a carried EMA; DeepSpeed holds one optimizer and scales fp16 losses itself; not compiled here
+        nas_remove=(), nas_add=(), extra="none", scaler="none", inf_steps=(), compiled="none")
 
 
 def _plans(rng: random.Random, d: Draw, steps: list[int]) -> tuple[tuple[int, tuple[int, ...], str], ...]:

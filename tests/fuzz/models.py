@@ -137,7 +137,8 @@ def make_block(d: Draw, layer_id: int) -> nn.Module:
             block.router.requires_grad_(False)
         return block
     if d.block_state == "batchnorm":
-        return NormBlock(layer_id, bf16, scalar_gain=not d.fsdp)
+        # fully_shard cannot shard a 0-d parameter, nor DeepSpeed's initialize broadcast one (as bytes)
+        return NormBlock(layer_id, bf16, scalar_gain=not d.fsdp and d.engine == "torch")
     return DENSE_KINDS[d.block_state](layer_id, bf16)
 
 

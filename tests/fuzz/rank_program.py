@@ -80,11 +80,12 @@ def _mesh(d: Draw, st: DrawState) -> Any:
     min on a peer that failed: these give up after GROUP_TIMEOUT_S)."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    order = ("dp", "pp") if d.mesh == "dp_pp" else ("pp", "dp")
+    order = tuple(d.mesh.split("_"))  # ("dp", "pp"), ("pp", "tp"), ...
+    side = "tp" if "tp" in order else "dp"  # the dimension beside the pipeline's
     coords = {r: {order[0]: r // 2, order[1]: r % 2} for r in range(4)}
     mine = coords[dist.get_rank()]
     groups: dict[str, Any] = {}
-    for dim, other in (("pp", "dp"), ("dp", "pp")):
+    for dim, other in (("pp", side), (side, "pp")):
         for fixed in range(2):  # collective: every rank makes every group, in the same order
             g = dist.new_group([r for r in range(4) if coords[r][other] == fixed], backend="gloo",
                                timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
@@ -102,16 +103,24 @@ def _copies(d: Draw, st: DrawState) -> dict[str, Copy]:
     copies = {}
     for name in ("plain", "vpipe"):  # FSDP2 shards over the mesh's dp; plain replicas only all-reduce over it
         mesh = _mesh(d, st)
+        if d.tp != "none":  # one pipeline, its blocks tensor-parallel: every tp rank trains replica 0's batch
+            copies[name] = build(d, name, parts, mesh.get_group("pp"), mesh["pp"].get_local_rank(),
+                                 tp_mesh=mesh["tp"])
+            continue
         copies[name] = build(d, name, parts, mesh.get_group("pp"), mesh["pp"].get_local_rank(),
                              mesh["dp"] if d.fsdp else None, mesh["dp"].get_local_rank(),
                              mesh.get_group("dp"))
-    if copies["plain"].dp_group is copies["vpipe"].dp_group:
+    if d.tp == "none" and copies["plain"].dp_group is copies["vpipe"].dp_group:
         raise RuntimeError("the two copies' meshes share their dp group")
     return copies
 
 
 def train_draw(d: Draw, st: DrawState, log_file: Path, mixed_autodetect: bool) -> dict[str, Any]:
     """Build, attach, request the plans, train both copies, detach: this rank's results (collective)."""
+    if d.engine == "deepspeed":  # both copies DeepSpeed engines: a trainer of their own
+        from fuzz.deepspeed_draw import train_deepspeed
+
+        return train_deepspeed(d, st, log_file)
     import vpipe
     from vpipe.plan import Plan, Policy
 
@@ -130,7 +139,7 @@ def train_draw(d: Draw, st: DrawState, log_file: Path, mixed_autodetect: bool) -
         options.update(planning=True, sample_every=1, apply_lag_steps=1,
                        planner_options={"warmup_samples": 1, "confirm_samples": 1, "cooldown_steps": 0})
     if d.nas_add:  # vp.add_layers builds the new block with the trainer's factory
-        options["layer_factory"] = lambda layer_id, spec: new_block(d, layer_id)
+        options["layer_factory"] = lambda layer_id, spec: _parallel(new_block(d, layer_id), copies["vpipe"])
     moved = copies["vpipe"]
     if moved.averages:
         options["carry"] = list(moved.averages)
@@ -157,7 +166,7 @@ def train_draw(d: Draw, st: DrawState, log_file: Path, mixed_autodetect: bool) -
             request(after_edit=True)
         if d.nas_add and step == d.nas_add[0]:
             st.phase = f"add_layers@{step}"
-            add_block(d, copies["plain"], d.nas_add[1], new_block(d, d.layers))
+            add_block(d, copies["plain"], d.nas_add[1], _parallel(new_block(d, d.layers), copies["plain"]))
             added = vp.add_layers(d.nas_add[1], [{"kind": "fuzz"}])
             if added != [d.layers]:
                 raise AssertionError(f"vp.add_layers gave ids {added}, the plain copy added {d.layers}")
@@ -180,6 +189,15 @@ def train_draw(d: Draw, st: DrawState, log_file: Path, mixed_autodetect: bool) -
             "prints": prints, "states": {name: snapshot(d, c) for name, c in copies.items()},
             "placements": placements, "mismatch": {str(k): v for k, v in mismatch.items()},
             "rss_mb": psutil.Process().memory_info().rss / 2**20}
+
+
+def _parallel(block: Any, c: Copy) -> Any:
+    """A new block as the copy's blocks are: tensor-parallel over its tp mesh where it has one."""
+    if c.tp_mesh is None:
+        return block
+    from fuzz.tensor_parallel import parallelize_block
+
+    return parallelize_block(block, c.tp_mesh)
 
 
 def _short_default_timeout() -> None:
@@ -255,13 +273,18 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
+    seeds = [int(s) for s in args.seeds.split(",")]
+    draws = {seed: override(draw(seed, args.fsdp_every), args.set) for seed in seeds}
+    if any(d.engine == "deepspeed" for d in draws.values()):  # before any draw's timeout starts
+        from fuzz.deepspeed_draw import warm_up
+
+        warm_up()
     # the fuzzer's own group, used only where every rank arrives: it waits as long as a draw may take
     ctrl = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=args.draw_timeout + 60))
     _short_default_timeout()
     logs, out = Path(args.logs), Path(args.out)
     logs.mkdir(parents=True, exist_ok=True)
-    for seed in (int(s) for s in args.seeds.split(",")):
-        d = override(draw(seed, args.fsdp_every), args.set)
+    for seed, d in draws.items():
         if d.ranks != dist.get_world_size():
             raise SystemExit(f"seed {seed} needs {d.ranks} ranks, this job has {dist.get_world_size()}")
         if dist.get_rank() == 0:

@@ -9,6 +9,8 @@ draws each, forked from a warm starter as ``tests/support/processes.py`` forks t
 that dies or hangs mid-draw costs that draw (an ERROR) and the rest are launched again. Exits
 non-zero on any DIVERGED or ERROR. ``--library DIR`` runs another copy of vpipe (a directory holding
 ``vpipe/`` and ``vpipe_lab/``, e.g. ``git archive HEAD vpipe vpipe_lab | tar -x -C DIR``).
+``--set AXIS=VALUE`` forces a value with its own constraints (tests/fuzz/constraints.py); a seed
+that cannot take it is left out in one ``not run:`` line.
 """
 
 from __future__ import annotations
@@ -28,11 +30,15 @@ ROOT = Path(__file__).resolve().parents[2]
 TESTS = ROOT / "tests"
 sys.path[:0] = [str(ROOT), str(TESTS)]
 
+from fuzz.constraints import Unsupported  # noqa: E402
 from fuzz.draws import FSDP_EVERY, draw, override  # noqa: E402
 from fuzz.report import failures, print_summary, summary  # noqa: E402
 
 PROGRAM = Path(__file__).resolve().parent / "rank_program.py"
 FAILED = ("DIVERGED", "ERROR")
+# a job with DeepSpeed draws first makes DeepSpeed's communication backend, which on a new machine builds
+# its CPU op (2-4 minutes on 2 shared cores; 237 s here): outside every draw's timeout, inside the job's
+DS_BUILD_S = 600
 
 
 def rank_env(library: str | None) -> dict[str, str]:
@@ -40,6 +46,7 @@ def rank_env(library: str | None) -> dict[str, str]:
     the library's copy first on the path when one is named."""
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed draws (engine=deepspeed) run on CPU
     env.pop("RANK", None)
     env.pop("VPIPE_LOG_FILE", None)  # each draw names its own log
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [library, str(ROOT), str(TESTS), env.get("PYTHONPATH")]))
@@ -102,13 +109,16 @@ def run_launch(seeds: list[int], ranks: int, work: Path, *, env: dict[str, str],
                 "--seeds", ",".join(map(str, pending)), "--fsdp-every", str(fsdp_every),
                 "--draw-timeout", str(draw_timeout), *extra]
         out.unlink(missing_ok=True)  # a work directory used before
+        settings = [e.split("=", 1)[1] for e in extra if e.startswith("--set=")]
+        drawn = [override(draw(s, fsdp_every), settings) for s in pending]
         stop = threading.Event()
         tail = threading.Thread(target=_tail, args=(out, stop, show), daemon=True)
         tail.start()
         code: Any
         try:
             with output.open("w") as sink:
-                code = spawn(argv, ranks, extra_env=env, timeout_s=len(pending) * draw_timeout + 120,
+                code = spawn(argv, ranks, extra_env=env, timeout_s=len(pending) * draw_timeout + 120
+                             + (DS_BUILD_S if any(d.engine == "deepspeed" for d in drawn) else 0),
                              stdout=sink, stderr=sink, starter=starter, grace_s=10)
         except TimeoutError as e:
             code = f"timeout ({e})"
@@ -214,6 +224,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", default=None, help="write every record and the summary here")
     args = parser.parse_args(argv)
     seeds = args.only or list(range(args.seed, args.seed + args.draws))
+    refused = []
+    for seed in seeds:  # a forced value that does not combine with what the seed drew: one line, not run
+        try:
+            override(draw(seed, args.fsdp_every), args.set)
+        except Unsupported as e:
+            refused.append(seed)
+            print(f"not run: {e}", flush=True)
+        except ValueError as e:  # an unknown axis or value
+            parser.error(str(e))
+    seeds = [s for s in seeds if s not in refused]
+    if not seeds:
+        parser.error(f"--set {' '.join(args.set)} combines with none of the seeds")
     work = Path(args.work or tempfile.mkdtemp(prefix="vpipe-fuzz-"))
     work.mkdir(parents=True, exist_ok=True)
     print(f"{len(seeds)} draws, work directory {work}", flush=True)

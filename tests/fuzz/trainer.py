@@ -47,6 +47,7 @@ class Copy:
     losses: list[list[float]] = field(default_factory=list)
     averages: list[Any] = field(default_factory=list)  # extra=ema: an AveragedModel of each stage module
     scaled: ScaledLoss | None = None  # scaler=skips: the loss function holding the GradScaler
+    tp_mesh: Any = None  # tp=mlp: the 1-D mesh the blocks are parallelised over
 
     @property
     def optimizer_arg(self) -> Any:
@@ -147,13 +148,18 @@ def _shard(d: Draw, module: nn.Module, dp_mesh: Any) -> nn.Module:
 
 
 def build(d: Draw, name: str, parts: Any, pp_group: Any, pp_rank: int, dp_mesh: Any = None,
-          replica: int = 0, dp_group: Any = None) -> Copy:
-    """This rank's stages of one copy, on ``pp_group`` (sharded over ``dp_mesh`` for an FSDP2 draw;
-    data-parallel replicas, FSDP2's or plain ones, over ``dp_group``)."""
+          replica: int = 0, dp_group: Any = None, tp_mesh: Any = None) -> Copy:
+    """This rank's stages of one copy, on ``pp_group`` (sharded over ``dp_mesh``
+    for an FSDP2 draw; data-parallel replicas, FSDP2's or plain ones, over
+    ``dp_group``; blocks tensor-parallel over ``tp_mesh``)."""
     stages = stages_of_rank(d, pp_rank)
     modules = []
     for v in stages:
         module = stage_module(d, parts, v)
+        if tp_mesh is not None:
+            from fuzz.tensor_parallel import parallelize_blocks
+
+            parallelize_blocks(container(d, module), tp_mesh)
         compile_blocks(d.compiled, container(d, module), d.schedule)
         add_hooks(d, module)
         modules.append(_shard(d, module, dp_mesh) if dp_mesh is not None else module)
@@ -184,7 +190,7 @@ def build(d: Draw, name: str, parts: Any, pp_group: Any, pp_rank: int, dp_mesh: 
     averages = [_ema(m, carried=name == "vpipe") for m in modules] if d.extra == "ema" else []
     return Copy(name, stages, modules, schedule, optimizers, schedulers, pp_group,
                 dp_group=dp_group, replica=replica, averages=averages,
-                scaled=scaled)
+                scaled=scaled, tp_mesh=tp_mesh)
 
 
 def _with_muon(d: Draw, optimizer: torch.optim.Optimizer,

@@ -49,6 +49,9 @@ OPTIONAL_EXTRAS = {
 
 # module -> (what it imports inside functions, why). Each entry must still be needed.
 LAZY_IMPORTS: dict[str, tuple[frozenset[str], str]] = {
+    "vpipe.compat.torch_internals": (frozenset({"torch.distributed._functional_collectives"}),
+                                     "only a process holding DTensors asks (they imported it); the module "
+                                     "serves torch-only code that never imports torch.distributed"),
     "vpipe": (frozenset({"vpipe._attach", "vpipe.config", "vpipe.plan", "vpipe.schedules.pipedream",
                          "vpipe.schedules.pipedream_2bw", "vpipe.schedules.wpipe",
                          "vpipe.checkpoint.block_keys", "importlib.metadata"}),

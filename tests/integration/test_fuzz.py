@@ -1,9 +1,9 @@
 """The differential fuzzer (tests/fuzz/): its draws, and a fixed sample of them run with and without vpipe.
 
 The draw tests are quick and run in the default suite. The sample (20 seeds that together take
-every value of every axis, up to four of them on 4 ranks: FSDP2 and data-parallel draws) trains
-real pipelines for about three minutes on 2 shared cores (30 s more for each draw that fails on
-one rank): it is marked slow. A
+every value of every axis, up to five of them on 4 ranks: FSDP2, data-parallel and tensor-parallel
+draws) trains real pipelines for about three minutes on 2 shared cores (30 s more for each draw
+that fails on one rank): it is marked slow. A
 failure names each failing seed, what it drew, and the command that runs it again.
 """
 
@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from fuzz.draws import AXES, FSDP_FUSED, FUSED, PIPEDREAM, Draw, covering_seeds, draw, stage_blocks
+from fuzz.constraints import Unsupported, violations
+from fuzz.draws import AXES, FSDP_FUSED, FUSED, PIPEDREAM, Draw, covering_seeds, draw, override, stage_blocks
 
 SAMPLE = covering_seeds(20)
 
@@ -71,8 +72,8 @@ def test_draws_keep_their_constraints():
         assert bool(d.pinned) == (d.block_state in ("tied", "hook"))
         assert not (d.clip == "global" and (d.block_state == "batchnorm" or d.shape == "mixed"
                                             or d.extra == "muon"))
-        assert d.compiled == "none" or not d.fsdp
-        assert (d.scaler == "skips") == bool(d.inf_steps) and not (d.inf_steps and d.fsdp)
+        assert d.compiled != "wrap" or not d.fsdp  # FSDP2 draws compile in place
+        assert (d.scaler == "skips") == bool(d.inf_steps)
         assert all(0 <= s < d.steps for s in d.inf_steps) and len(d.inf_steps) <= 2
         # the schedule owns the optimizer steps; PipeDream's own delay depends on the split
         if d.schedule in PIPEDREAM:
@@ -84,12 +85,58 @@ def test_draws_keep_their_constraints():
         elif d.moves == "forced":
             assert 2 <= len(d.plans) <= 4
         assert not (d.compiled == "wrap" and d.schedule == "zbv")
+        assert (d.tp != "none") == (seed % 20 == 7 and not d.fsdp) and (d.tp != "none") == ("tp" in d.mesh)
+        assert not violations(d), (seed, violations(d))
+        assert (d.engine == "deepspeed") == (seed % 20 == 17 and not d.fsdp)
+        if d.engine == "deepspeed":  # DeepSpeed's uniform partition of the blocks, its own 1F1B
+            assert d.shape == "sequential" and d.schedule == "1f1b" and d.ranks == 2
+            assert 2 <= len(d.plans) <= 4
+            assert d.counts == (d.layers // 2, d.layers - d.layers // 2) and d.block_state != "tied"
+        if d.tp != "none":  # one pipeline on a (pp, tp) mesh: what DTensor blocks and their trainer support
+            assert d.ranks == 4 and d.dp == "none" and d.moves == "forced" and d.block_state != "tied"
+            assert d.impl == "forloop" and d.clip == d.compiled == d.scaler == d.extra == "none"
+            assert d.weights == "plain" and d.schedule not in PIPEDREAM
+
+
+def test_a_forced_value_brings_its_own_constraints_or_is_refused_in_one_line():
+    """``run.py --set schedule=2bw`` used to keep the seed's accumulation, clipping and LR scheduler, which
+    2BW's draws never have, and errored on every seed: the value's constraints now apply as when drawn."""
+    for value in ("schedule=2bw", "schedule=pipedream", "tp=mlp", "engine=deepspeed", "dp=allreduce",
+                  "schedule=zbv"):
+        axis, _, forced = value.partition("=")
+        ran = 0
+        for seed in range(40):
+            try:
+                d = override(draw(seed), [value])
+            except Unsupported as e:  # a seed that cannot take it: one line naming seed, value and why
+                assert str(e).startswith(f"seed {seed} with {value}: ") and "\n" not in str(e)
+                continue
+            assert str(getattr(d, axis)) == forced and not violations(d), (value, seed)
+            ran += 1
+        assert ran >= 25, value
+    assert override(draw(0), ["scaler=skips"]).inf_steps and not override(draw(0), ["scaler=none"]).inf_steps
+    two_bw = override(draw(0), ["schedule=2bw"])
+    assert two_bw.accum == 1 and two_bw.shape == "sequential" and 1 <= len(two_bw.plans) <= 2
+    with pytest.raises(Unsupported, match="one of fsdp, dp, tp and engine=deepspeed"):
+        override(draw(9), ["tp=mlp"])  # seed 9 is an FSDP2 draw
+    with pytest.raises(ValueError, match="unknown axis"):
+        override(draw(0), ["nonsense=1"])
+
+
+def test_run_refuses_a_forced_value_no_seed_can_take_in_one_line(capsys):
+    from fuzz.run import main
+
+    with pytest.raises(SystemExit):
+        main(["--only", "9", "--set", "tp=mlp"])
+    out, err = capsys.readouterr()
+    assert out.splitlines()[-1].startswith("not run: seed 9 with tp=mlp: one of fsdp, dp, tp")
+    assert "combines with none of the seeds" in err
 
 
 def test_the_ci_sample_takes_every_value_of_every_axis_with_few_four_rank_draws():
     draws = [draw(seed) for seed in SAMPLE]
     assert 16 <= len(SAMPLE) <= 24
-    assert sum(d.fsdp for d in draws) >= 1 and sum(d.ranks == 4 for d in draws) <= 4
+    assert sum(d.fsdp for d in draws) >= 1 and sum(d.ranks == 4 for d in draws) <= 5
     seen = _values(draws)
     for axis, values in AXES.items():
         assert seen[axis] == set(values), axis

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -243,3 +245,43 @@ def test_the_step_peak_restarts_without_touching_the_runs_peak():
     assert (ledger.peak, ledger.step_peak) == (100, 40)
     ledger.add_micro_batch(2, [(0, 80)])
     assert (ledger.peak, ledger.step_peak) == (120, 120)
+
+
+class _ReducedScale(nn.Module):
+    """A layer with a buffer whose output is scaled by an all-reduce it does not wait on: the scale, a
+    leaf ``AsyncCollectiveTensor`` that needs no gradient, is saved for the backward (as a tensor-parallel
+    MoE block saves its experts' ``RowwiseParallel`` outputs; fuzzer seeds 227 and 247)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+        import torch.distributed._functional_collectives as funcol
+
+        scale = funcol.all_reduce(torch.full((4,), 2.0), "sum", dist.group.WORLD)
+        return self.lin(x) * scale
+
+
+@pytest.mark.parametrize("policy", ["D", "S", "R"])
+def test_a_pending_collectives_result_saved_for_backward_is_counted_by_the_memory_it_wraps(policy):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(_ReducedScale(), _ReducedScale())
+        plain = copy.deepcopy(model)
+        manager = make_manager(model, {0: policy, 1: policy})
+        x = torch.randn(3, 4)
+        with manager.micro_batch(0):
+            out = model(x)  # its saved scale wraps storage: asking the wrapper raised before
+        with manager.backward(0):
+            out.sum().backward()
+        plain(x).sum().backward()
+        grads = [{n: p.grad for n, p in m.named_parameters()} for m in (model, plain)]
+        assert_grads_equal(grads[:1], grads[1:])
+    finally:
+        dist.destroy_process_group()

@@ -30,7 +30,9 @@ What each accessor reaches, by torch area (checked: 2.13.0 for all; fallbacks na
   :func:`active_device_context` (``torch.overrides._get_current_function_mode_stack``,
   ``torch.utils._device.DeviceContext``; fallback: none);
 - batch norm: :data:`BatchNormBase` (``torch.nn.modules.batchnorm._BatchNorm``, the base whose forward
-  BatchNorm1d/2d/3d share, the one a deferred BatchNorm replaces).
+  BatchNorm1d/2d/3d share, the one a deferred BatchNorm replaces);
+- functional collectives: :func:`pending_collective_elem` (``_functional_collectives.AsyncCollectiveTensor``
+  and its ``elem``).
 """
 
 from __future__ import annotations
@@ -233,3 +235,12 @@ def active_device_context() -> contextlib.AbstractContextManager[Any] | None:
 # BatchNorm1d/2d/3d's common base (their forward, running statistics, ``_check_input_dim``); SyncBatchNorm and
 # the lazy ones derive from it too (checked: 2.13.0)
 BatchNormBase = _BatchNorm
+
+
+def pending_collective_elem(t: torch.Tensor) -> torch.Tensor | None:
+    """The tensor inside a functional collective's result not yet waited on (``AsyncCollectiveTensor``, what a
+    ``RowwiseParallel`` output's all-reduce returns), else None. Such a wrapper has no storage of its own:
+    asking for its data pointer raises, so vpipe's accounting reads the memory it wraps. Checked: 2.13.0."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor  # (DTensor imported it)
+
+    return t.elem if isinstance(t, AsyncCollectiveTensor) else None

@@ -17,12 +17,19 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from vpipe.compat.torch_internals import pending_collective_elem
+
 
 def local_of(t: torch.Tensor) -> torch.Tensor:
-    """The tensor whose memory ``t`` is on this rank: a DTensor's local shard, else ``t``."""
+    """The tensor whose memory ``t`` is on this rank: a DTensor's local shard, the tensor a pending functional
+    collective wraps (a tensor-parallel output whose all-reduce is not waited on yet), else ``t``."""
     if isinstance(t, DTensor):
         with torch.no_grad():
             return t.to_local()
+    if type(t) is not torch.Tensor and not isinstance(t, nn.Parameter):
+        elem = pending_collective_elem(t)
+        if elem is not None:
+            return elem
     return t
 
 
