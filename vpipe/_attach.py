@@ -28,7 +28,7 @@ from torch.distributed.distributed_c10d import Store
 
 from vpipe.config import AUTO_BUDGET, VpipeConfig
 from vpipe.engines import Engine
-from vpipe.plan import Plan
+from vpipe.plan import Plan, PlanError
 from vpipe.planner import DEFAULT_PLANNER
 from vpipe.rank.build import build_rank
 from vpipe.rank.environment import check_environment
@@ -104,6 +104,9 @@ class Vpipe:
     def request_plan(self, plan: Plan, at_step: int) -> None:
         """Apply ``plan`` before step ``at_step`` (forced moves; every rank must call it identically)."""
         self.plan_in_force.check(plan, self.plan_in_force.order, self.num_stages)
+        refusal = self.engine.plan_refusal(self.plan_in_force.placement, plan.stages)
+        if refusal is not None:
+            raise PlanError(refusal)
         self.boundary.request(plan, at_step, self.driver.iteration)
 
     def add_layers(self, position: int, specs: list[Any]) -> list[int]:

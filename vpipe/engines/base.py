@@ -131,6 +131,11 @@ class Engine(abc.ABC):
         """The engine's own reason its layers cannot be added or removed (a noun phrase), or None."""
         return None
 
+    def plan_refusal(self, start: Placement, stages: Placement) -> str | None:
+        """Why the engine cannot take its layers from placement ``start`` to ``stages`` (a boundary it keeps
+        fixed), or None."""
+        return None
+
     def unsettled(self) -> str | None:
         """Why the layers cannot be edited at this step boundary (a
         stream still holds micro-batches), or None."""

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from vpipe.compat.torch_distributed import schedule_stages
-from vpipe.engines.base import Engine, EngineKind
+from vpipe.engines.base import Engine, EngineKind, Placement
 from vpipe.schedules.wpipe import ScheduleWPipe
 from vpipe.stage.pipeline import (
     LocalStage,
@@ -26,12 +26,13 @@ __all__ = ["WPipeEngine"]
 class WPipeEngine(Engine):
     """A stream (G0's period stays in flight from one step to the next) over two virtual stages a rank, stage
     ``v`` on rank ``v mod W`` as torch's looped schedules place them. G0 holds two weight versions, G1 one.
-    Layers stay where they are: streamed moves are PipeDream's and 2BW's, and do not know two stages a rank
-    nor two groups updating at different points of a step (docs/schedules.md, "WPipe")."""
+    Blocks move between neighbouring stages of one group: G0's streamed as under 2BW (switching at a period's
+    start, taking both versions and the optimizer state), G1's at a step boundary (its period ends within the
+    step); the boundary between the groups stays where it is (docs/schedules.md, "WPipe")."""
 
     kind = EngineKind.WPIPE
     streams = True
-    carry_refusal = "is not supported under ScheduleWPipe (its layers do not move)"
+    carry_refusal = "is not supported under ScheduleWPipe (its streamed moves do not carry averages)"
     replica_refusal = ("a WPipe stream with data-parallel replicas is not supported; run one "
                        "pipeline over the whole world, or use GPipe / 1F1B / the multi-stage schedules")
 
@@ -58,9 +59,23 @@ class WPipeEngine(Engine):
     def weight_versions(self, stage: int) -> int:
         return 2 if stage < self.pipeline.num_stages // 2 else 1
 
+    def own_copies(self) -> list[object]:
+        return list(self.pipeline.schedule.stashed_versions())
+
     def move_refusal(self) -> str | None:
-        return ("ScheduleWPipe's layers do not move: streamed moves know one stage a rank, not two groups "
-                "updating at different points of a step")
+        for stage in self.pipeline.stages:
+            if stage.blocks is not None and (stage.blocks.path or stage.blocks.style.value != "ids"):
+                return ("a WPipe stream moves layers only in stage modules that are nn.Sequential named by "
+                        "global layer id")
+        return None
+
+    def plan_refusal(self, start: Placement, stages: Placement) -> str | None:
+        half = self.pipeline.num_stages // 2
+        crossing = sorted(set().union(*start[:half]).symmetric_difference(set().union(*stages[:half])))
+        if crossing:
+            return (f"under ScheduleWPipe layers {crossing} would cross the boundary between G0 and G1 "
+                    f"(stages {half - 1} and {half}), which stays fixed")
+        return None
 
     def edit_refusal(self) -> str | None:
         return "a ScheduleWPipe stream"

@@ -296,32 +296,32 @@ class LayerManager:
         return any(self.shapes.last_output_changes(before[v], after[v], manifests)
                    for v in self.blocks if v != self.num_stages - 1)
 
-    # ---------------------------------------------------------------- streamed moves (PipeDream)
+    # ---------------------------------------------------------------- streamed moves (PipeDream, 2BW, WPipe)
     def start_streamed(self, plan: Plan, start: Sequence[Sequence[int]], schedule: Any,
                        switch_mb: int) -> tuple[list[Any], tuple[tuple[int, ...], ...]]:
-        """Begin moving from placement ``start`` towards ``plan`` inside a
-        running PipeDream stream, switching at ``switch_mb``.
-
-        Called on every rank at the same step boundary, before the step that contains
-        ``switch_mb`` starts its forwards. Only the first round of neighbour moves is started
-        (a layer two stages away hops once per plan); the rest follows with a later plan.
-        Returns the movers registered with the schedule (empty when the round aborted) and
-        the placement reached. Called again for a plan already begun, it starts the plan's
-        next round. The round's placement is reached at once: its blocks switch inside the stream.
-        """
+        """Begin moving from ``start`` towards ``plan`` in a running stream, switching at ``switch_mb``: every
+        rank at the same step boundary before that step, one round of neighbour hops a call. Returns the
+        movers (none when the round aborted) and the placement reached at once: streamed blocks switch in the
+        stream, those of a stage it does not stream (WPipe's G1) move here, at the step boundary."""
         check_idle(schedule)
         before = Placement.of(start, self.stage_ranks).stages
         rounds = plan_rounds(before, plan.stages)
         if not rounds:
             return [], before
-        s, after = self.stage_index, apply_round(before, rounds[0])
-        movers = start_round(self._link(), schedule, switch_mb, plan.epoch, rounds[0], stage=s,
-                             blocks=self.blocks[s],
-                             listeners=[WatchShapes(self.shapes), *self.listeners[s]],
-                             reshapes=self.shapes.boundary_changed(s, before, after))
+        streamed = [m for m in rounds[0] if schedule.streams_stage(m.src)]
+        s = next(v for v in self.blocks if schedule.streams_stage(v))
+        whole, part = apply_round(before, rounds[0]), apply_round(before, streamed)
+        shaped = any(self.shapes.boundary_changed(v, before, whole) for v in self.blocks)
+        movers = start_round(self._link(), schedule, switch_mb, plan.epoch, streamed, stage=s,
+                             blocks=self.blocks[s], listeners=[WatchShapes(self.shapes), *self.listeners[s]],
+                             device=self.device, reshapes=shaped)
         if movers is None:
             return [], before
-        return movers, Placement.of(after, self.stage_ranks).stages
+        report = MigrationReport(plan.epoch, Placement.of(part, self.stage_ranks).stages)
+        at_boundary = [m for m in rounds[0] if not schedule.streams_stage(m.src)]
+        if at_boundary:  # every rank sees the same round, joins its vote; round 0 keeps the stream's current
+            self._run_round(plan.epoch, 0, at_boundary, report)
+        return movers, report.placement
 
     # ---------------------------------------------------------------- adding and removing layers
     def add_layers(self, start: Sequence[Sequence[int]], position: int, specs: Sequence[Any],

@@ -30,7 +30,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from vpipe.compat.torch_distributed import single_stage
 from vpipe.log import decision
 from vpipe.migration.handshake import (
     MigrationError,
@@ -76,7 +75,7 @@ class OutgoingStream:
 
     def __init__(self, schedule: SchedulePipeDream, blocks: StageBlocks, layers: dict[int, nn.Module], *,
                  forward: bool, switch_mb: int, dst: int, key: tuple[int, int, int], channel: TransferChannel,
-                 messenger: Any, listeners: Sequence[Any] = ()) -> None:
+                 messenger: Any, stage_index: int, listeners: Sequence[Any] = ()) -> None:
         self.schedule = schedule
         self.blocks = blocks
         self.messenger = messenger
@@ -88,7 +87,6 @@ class OutgoingStream:
         self.epoch = key[0]
         self.channel = channel
         self.listeners = list(listeners)
-        stage = single_stage(schedule)
         self.window = schedule.move_versions(switch_mb, dst)
         self.handover_at = schedule.updates_before(switch_mb)  # the source's last update of the layers
         self.names = [f"{lid}.{n}" for lid, layer in layers.items() for n, _ in layer.named_parameters()]
@@ -99,13 +97,13 @@ class OutgoingStream:
         if schedule.next_forward >= switch_mb:
             raise RuntimeError(f"streamed move registered too late: micro-batch {switch_mb} already started")
         for v in self.window:  # versions that exist already go now
-            if v < schedule.updates:
+            if v < schedule.stream_updates:
                 stashed = schedule.stashed(v)
                 if stashed is None:
-                    raise RuntimeError(f"stage {stage.stage_index}: weight version {v} of "
+                    raise RuntimeError(f"stage {stage_index}: weight version {v} of "
                                        f"layers {list(layers)} is no longer kept; register the move earlier")
                 self._send_version(v, [stashed[n] for n in self.names])
-        self._send_live_if_due(schedule.updates)
+        self._send_live_if_due(schedule.stream_updates)
 
     def _live(self) -> list[torch.Tensor]:
         params = {f"{lid}.{n}": p for lid, layer in self.layers.items() for n, p in layer.named_parameters()}
@@ -178,7 +176,7 @@ class IncomingStream:
     def __init__(self, schedule: SchedulePipeDream, blocks: StageBlocks, layers: dict[int, nn.Module],
                  manifests: Sequence[dict[str, Any]], *, forward: bool, switch_mb: int, src: int,
                  key: tuple[int, int, int], channel: TransferChannel, messenger: Any, timeout_s: float,
-                 listeners: Sequence[Any] = ()) -> None:
+                 stage_index: int, device: torch.device, listeners: Sequence[Any] = ()) -> None:
         self.schedule = schedule
         self.blocks = blocks
         self.messenger = messenger
@@ -192,8 +190,9 @@ class IncomingStream:
         self.epoch = key[0]
         self.channel = channel
         self.listeners = list(listeners)
-        stage = single_stage(schedule)
-        self.window = schedule.move_versions(switch_mb, stage.stage_index)
+        self.stage_index = stage_index  # this rank's stage the layers arrive on
+        self.device = device
+        self.window = schedule.move_versions(switch_mb, stage_index)
         self.entries = [(f"{man['layer']}.{e['name']}", e)
                         for man in manifests for e in man["entries"] if e["kind"] == "param"]
         self._versions: dict[int, dict[str, torch.Tensor]] = {}
@@ -213,7 +212,7 @@ class IncomingStream:
             work.wait()
             buf = buf.cpu()
             self.bytes_received += nbytes
-            device = single_stage(self.schedule).device
+            device = self.device
             tensors, offset = {}, 0
             for name, e in self.entries:
                 raw = buf[offset:offset + e["nbytes"]]
@@ -243,7 +242,7 @@ class IncomingStream:
         got = self.messenger.wait_for({"migrate_handover"}, from_rank=self.src, key=self.key,
                                       timeout_s=self.timeout_s)
         if got is None:
-            raise RuntimeError(f"stage {single_stage(self.schedule).stage_index}: stage {self.src} never "
+            raise RuntimeError(f"stage {self.stage_index}: rank {self.src} never "
                                f"handed over layers {list(self.layers)} (epoch {self.epoch})")
         manifests = [validate_manifest(man) for man in got[1].get("manifests", [])]
         if [man["layer"] for man in manifests] != list(self.layers):
@@ -283,14 +282,15 @@ def check_idle(schedule: Any) -> None:
 
 
 def start_round(link: MoveLink, schedule: Any, switch_mb: int, epoch: int, moves: Sequence[Move], *,
-                stage: int, blocks: StageBlocks, listeners: Sequence[Any],
-                reshapes: bool) -> list[Any] | None:
+                stage: int, blocks: StageBlocks, listeners: Sequence[Any], reshapes: bool,
+                device: torch.device) -> list[Any] | None:
     """Start one round of neighbour moves inside a running PipeDream stream, switching at ``switch_mb``.
 
     Called on every rank at the same step boundary, before the step that contains
-    ``switch_mb`` starts its forwards; ``stage`` is this rank's one stage and ``blocks`` its
-    container, which the movers edit at the switch. ``reshapes``: this rank sees the round
-    change a boundary activation's shape (every rank votes on it first). Returns the movers
+    ``switch_mb`` starts its forwards; ``stage`` is this rank's stage that streams (its one, or
+    WPipe's G0 stage) and ``blocks`` its container, which the movers edit at the switch.
+    ``reshapes``: this rank sees the round change a boundary activation's shape (every rank votes
+    on it first); ``device`` is where arriving versions go. Returns the movers
     registered with the schedule, or None when the round aborted (nothing moves anywhere).
     """
     what = f"the streamed move of epoch {epoch}"
@@ -332,14 +332,14 @@ def start_round(link: MoveLink, schedule: Any, switch_mb: int, epoch: int, moves
         movers.append(OutgoingStream(schedule, blocks, {lid: children[lid] for lid in m.layers},
                                      forward=m.forward, switch_mb=switch_mb, dst=link.rank_of(m.dst),
                                      key=move_key(epoch, 0, m), channel=link.channel,
-                                     messenger=link.messenger,
+                                     messenger=link.messenger, stage_index=stage,
                                      listeners=listeners))
     for inc in arriving:
         movers.append(IncomingStream(schedule, blocks, inc.modules, inc.manifests, forward=inc.move.forward,
                                      switch_mb=switch_mb, src=link.rank_of(inc.move.src),
                                      key=move_key(epoch, 0, inc.move), channel=link.channel,
                                      messenger=link.messenger, timeout_s=3 * link.timeout_s,
-                                     listeners=listeners))
+                                     stage_index=stage, device=device, listeners=listeners))
     schedule.movers.extend(movers)
     return movers
 

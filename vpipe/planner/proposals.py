@@ -179,8 +179,9 @@ class SRPPlanner:
             policies_only = optimize_stages(profile, setup, budgets, before.cuts)
             if before.step_s - policies_only.step_s < self.min_gain * before.step_s:
                 return None
+        now = None if before is None else before.cuts
         candidates = [c for c in self._candidates(profile, before, best, current)
-                      if self._may_move(profile, c[0], c[1], placeable)]
+                      if self._may_move(profile, c[0], c[1], placeable, now)]
         chosen = self._choose(before, candidates)
         if chosen is None:
             return None
@@ -206,16 +207,21 @@ class SRPPlanner:
         current_stage = _stage_of_layers(profile, self.setup, before.cuts)
         moved, moved_bytes = _moves(profile, self.setup, after, current_stage,
                                     _per_hop_bytes(profile, self.setup, current_stage))
-        if not self._may_move(profile, after, moved, placeable):
+        if not self._may_move(profile, after, moved, placeable, before.cuts):
             return None
         chosen = self._choose(before, [(after, moved, moved_bytes)])
         return None if chosen is None else self._proposal(profile, current, before, chosen)
 
     def _may_move(self, profile: GraphProfile, plan: Evaluated, moved: int,
-                  placeable: Callable[[list[list[int]]], bool] | None) -> bool:
-        """A plan that moves layers needs moves on and stages that can build the layers arriving."""
-        return moved == 0 or (self.allow_moves and (placeable is None
-                                                    or placeable(profile.stages_of(plan.cuts))))
+                  placeable: Callable[[list[list[int]]], bool] | None, now: Sequence[int] | None) -> bool:
+        """A plan that moves layers needs moves on, stages that can build the layers arriving, and every
+        boundary the schedule keeps fixed where it is now (``now``: the running plan's cuts)."""
+        if moved == 0:
+            return True
+        fixed = self.setup.fixed_boundaries
+        if fixed and (now is None or any(plan.cuts[b - 1] != now[b - 1] for b in fixed)):
+            return False
+        return self.allow_moves and (placeable is None or placeable(profile.stages_of(plan.cuts)))
 
     def _proposal(self, profile: GraphProfile, current: Plan, before: Evaluated | None,
                   chosen: tuple[Evaluated, int, float, str]) -> Proposal:

@@ -40,8 +40,8 @@ import numpy as np
 from vpipe.plan import Policy
 
 __all__ = ["RULES", "ScheduleRules",
-           "SCHEDULES", "STREAMS", "MULTI_STAGE", "ZERO_BUBBLE", "Schedule", "Code", "Hardware",
-           "PipelineSetup",
+           "SCHEDULES", "STREAMS", "MULTI_STAGE", "ZERO_BUBBLE", "FIXED_BOUNDARIES",
+           "Schedule", "Code", "Hardware", "PipelineSetup",
            "check_schedule", "streams", "in_flight", "weight_versions", "pipeline_step_time", "throughput"]
 
 Schedule = Literal["gpipe", "1f1b", "pipedream", "pipedream2bw"]  # the one-stage-per-rank schedules
@@ -73,6 +73,9 @@ ZERO_BUBBLE: tuple[str, ...] = ("interleavedzb", "zbv", "dualpipev")
 # weight versions of the multi-stage schedules that keep more than one: WPipe's G0 (the first half of its 2W
 # virtual stages) two, G1 one
 MULTI_STAGE_VERSIONS: dict[str, Callable[[int, int], int]] = {"wpipe": lambda k, p: 2 if k < p // 2 else 1}
+# the stage boundaries a schedule's moves keep where they are, each named by the stage after it: WPipe's
+# between its groups (G0's last stage p/2 - 1 and G1's first p/2), which update at different points of a step
+FIXED_BOUNDARIES: dict[str, Callable[[int], tuple[int, ...]]] = {"wpipe": lambda p: (p // 2,)}
 _ZERO_BUBBLE_SHARE = 1 / 3  # of the interleaved bubble that a zero-bubble schedule keeps
 
 
@@ -199,6 +202,12 @@ class PipelineSetup:
     def speeds(self) -> np.ndarray:
         """Every stage's :meth:`speed`, as an array."""
         return np.array([self.speed(k) for k in range(self.num_stages)], dtype=float)
+
+    @property
+    def fixed_boundaries(self) -> tuple[int, ...]:
+        """The stages whose first layer a plan keeps (the boundary before each stays where it is)."""
+        rule = FIXED_BOUNDARIES.get(self.schedule)
+        return () if rule is None else rule(self.num_stages)
 
     def in_flight(self, stage: int) -> int:
         if self.in_flight_counts is not None:

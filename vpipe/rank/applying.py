@@ -35,8 +35,8 @@ class PlanApplier:
         self.move_refusal = move_refusal
         self.streamed_rest: Plan | None = None  # a PipeDream plan whose next round of hops is still to come
         self.streams = parts.engine.streams  # moves streamed into the schedule, a round of hops per step
-        # a stream numbers its micro-batches from its first step: those it ran before attach come first (only
-        # where blocks may move: WPipe streams too but moves nothing, and numbers periods, not micro-batches)
+        # a stream numbers its micro-batches from its first step: those it ran before attach come first
+        # (only where blocks may move; WPipe's count G0's: a period's j-th is period * m + j)
         self.first_mb = parts.engine.stream.next_forward if self.streams and move_refusal is None else 0
 
     def apply(self, plan: Plan, step: int, micro_batches: int) -> None:
@@ -57,6 +57,10 @@ class PlanApplier:
             return
         reached = owner.placement
         moves = [list(s) for s in plan.stages] != [list(s) for s in reached]
+        refusal = self.parts.engine.plan_refusal(reached, plan.stages) if moves else None
+        if refusal is not None:  # a boundary the engine keeps fixed: the plan is skipped whole, on every rank
+            decision("plan_skipped", f"epoch {plan.epoch}: {refusal}", epoch=plan.epoch, stage=who)
+            return
         if moves and self.move_refusal is not None:
             decision("plan_skipped", f"epoch {plan.epoch}: layers cannot move ({self.move_refusal}); "
                      "applied policies only", epoch=plan.epoch, stage=who)

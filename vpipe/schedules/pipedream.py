@@ -166,6 +166,15 @@ class SchedulePipeDream(PipelineScheduleSingle):
         return mb
 
     @property
+    def stream_updates(self) -> int:
+        """The updates this stage applied (what a streamed move counts versions by)."""
+        return self.updates
+
+    def streams_stage(self, stage_index: int) -> bool:
+        """Whether a block of stage ``stage_index`` moves inside the stream: every stage's does."""
+        return True
+
+    @property
     def upcoming_version(self) -> int:
         """The weight version the next forward here runs on."""
         return self._version_for(self._next_fwd)

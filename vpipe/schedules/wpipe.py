@@ -27,11 +27,10 @@ that group's gradients set, the other's set aside).
 
 from __future__ import annotations
 
-import functools
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any, NamedTuple, cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -40,92 +39,9 @@ from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunk
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 from torch.func import functional_call
 
+from vpipe.schedules.wpipe_order import one_f_one_b, rank_orders, steady_order
+
 __all__ = ["ScheduleWPipe", "one_f_one_b", "rank_orders", "steady_order"]
-
-Op = tuple[int, str, int]  # an action of a rank's step: (group, "F" | "B", micro-batch of its period)
-
-
-class Action(NamedTuple):
-    """One compute action of a rank, as torch's action lists name it (what :mod:`vpipe.sharing` reads)."""
-
-    stage_index: int
-    computation_type: str  # "F" or "B"
-    microbatch_index: int
-
-
-def one_f_one_b(num_stages: int, k: int, m: int, forwards: bool = True,
-                backwards: bool = True) -> list[tuple[str, int]]:
-    """Stage ``k`` of ``num_stages``'s 1F1B order over ``m`` micro-batches:
-    ``num_stages - k`` forwards, then a backward and a forward in turn, then the last
-    backwards. Without forwards (or backwards) the others alone."""
-    if not forwards or not backwards:
-        return [("F" if forwards else "B", j) for j in range(m)]
-    warm = min(num_stages - k, m)
-    order, f = [("F", j) for j in range(warm)], warm
-    for b in range(m):
-        order.append(("B", b))
-        if f < m:
-            order.append(("F", f))
-            f += 1
-    return order
-
-
-def _needs(group: int, kind: str, r: int, j: int, ranks: int) -> tuple[int, str, int, int] | None:
-    """What action (group, kind, rank, micro-batch) of this step must end before this one can start."""
-    if kind == "F":
-        if r:
-            return group, "F", r - 1, j
-        return (0, "F", ranks - 1, j) if group else None  # G1's first stage takes G0's last stage's output
-    if r < ranks - 1:
-        return group, "B", r + 1, j
-    return (1, "F", r, j) if group else None  # G0's last stage got its gradient in the step before
-
-
-@functools.lru_cache(maxsize=16)
-def rank_orders(ranks: int, m: int, forwards: bool = True, backwards: bool = True) -> dict[int, list[Op]]:
-    """Every rank's actions in one step, ``(group, "F" | "B", micro-batch)``: G0's 1F1B list
-    (this period's forwards, the period before's backwards) and G1's (this period) merged as
-    Figure 5 runs them, a rank taking the other group's next action when both can run, else the
-    one that can. Worked out by playing the step on every rank at once (a forward one unit long,
-    a backward two), so each rank's order starts an action only after what it receives was sent:
-    the order is the same on every rank and cannot deadlock."""
-    queues = {r: [deque((0, k, j) for k, j in one_f_one_b(ranks, r, m, forwards, backwards)),
-                  deque((1, k, j) for k, j in (one_f_one_b(ranks, r, m) if forwards else []))]
-              for r in range(ranks)}
-    ends: dict[tuple[int, str, int, int], int] = {}
-    free, last, now = [0] * ranks, [1] * ranks, 0
-    orders: dict[int, list[Op]] = {r: [] for r in range(ranks)}
-    while any(q for r in range(ranks) for q in queues[r]):
-        for r in range(ranks):
-            if free[r] > now:
-                continue
-            ready = []
-            for q in queues[r]:
-                if q:
-                    need = _needs(q[0][0], q[0][1], r, q[0][2], ranks)
-                    if need is None or ends.get(need, now + 1) <= now:
-                        ready.append(q)
-            if ready:
-                op = (ready[0] if len(ready) == 1 or ready[0][0][0] != last[r] else ready[1]).popleft()
-                last[r], free[r] = op[0], now + (1 if op[1] == "F" else 2)
-                ends[(op[0], op[1], r, op[2])] = free[r]
-                orders[r].append(op)
-        now += 1
-        if now > 8 * m * ranks + 16:  # every action of the step takes at most 2 units on one of 2m per rank
-            raise RuntimeError(f"WPipe's order for {ranks} ranks and {m} micro-batches does not finish")
-    return orders
-
-
-def steady_order(ranks: int, m: int) -> dict[int, list[Action]]:
-    """Each rank's actions in a step after the first, led by the forwards of the period before on G0 (held
-    since the step before): micro-batch ``j`` of that period is ``j``, of the step's period ``m + j``. vpipe
-    reads the micro-batches each stage holds at once off it, as off torch's multi-stage schedules' lists."""
-    order = {}
-    for r, ops in rank_orders(ranks, m).items():
-        actions = [Action(r, "F", j) for j in range(m)]
-        actions += [Action(r + ranks * g, kind, j if (g, kind) == (0, "B") else m + j) for g, kind, j in ops]
-        order[r] = actions
-    return order
 
 
 def _tagged(ops: list[dist.P2POp], boundary: int, backward: bool) -> list[dist.P2POp]:
@@ -177,7 +93,11 @@ class ScheduleWPipe(PipelineScheduleMulti):
         self.micro_batches = n_microbatches
         self._groups = (g0, g1)  # the rank's stages, G0's and G1's (torch keeps them in ``_stages`` too)
         self.pipeline_order = cast(Any, steady_order(ranks, n_microbatches))
-        self.movers: list[Any] = []  # streamed moves are not supported (docs/schedules.md, "WPipe")
+        # streamed moves of G0's blocks (vpipe.migration.stream), and the parameters of blocks that left G0's
+        # forward but still take the update of the period in flight (docs/schedules.md, "WPipe")
+        self.movers: list[Any] = []
+        self.departing: dict[str, torch.nn.Parameter] = {}
+        self._base = (0, 0)  # G0's version and the period the stream (re)started at: 0, 0 until a flush
         self.optimizer = optimizer
         self.mean_grads = scale_grads
         self.ranks = ranks
@@ -189,7 +109,7 @@ class ScheduleWPipe(PipelineScheduleMulti):
         self.peak_versions = [1, 1]  # distinct versions held at once (stashed and live), per group
         self.peak_stashed = [0, 0]  # copies beside the live weights, per group (G1 makes none)
         self._losses: dict[int, torch.Tensor] = {}
-        self._send_work: list[tuple[int, Any]] = []
+        self._send_work: list[tuple[int, Any, Any]] = []  # (step, work, tensor kept alive until done)
         self._steps = 0
         # (seconds, "F" | "B", stage, period, micro-batch) of the latest actions
         self.trace: deque[tuple[float, str, int, int, int]] = deque(maxlen=20_000)
@@ -217,6 +137,54 @@ class ScheduleWPipe(PipelineScheduleMulti):
     def period_version(self, period: int) -> int | None:
         """The G0 weight version a period in flight runs on."""
         return self._period_version.get(period)
+
+    # ---------------------------------------------------------------- streamed moves of G0's blocks
+    @property
+    def next_forward(self) -> int:
+        """G0's next micro-batch to run forward, counted over the stream (period t's j-th is ``t m + j``)."""
+        return self._period * self.micro_batches
+
+    @property
+    def stream_updates(self) -> int:
+        """The updates G0 applied: its newest weight version (G0's blocks are the ones that stream)."""
+        return self.updates[0]
+
+    def streams_stage(self, stage_index: int) -> bool:
+        """Whether a block of stage ``stage_index`` moves inside the stream (G0's), or at a step boundary
+        (G1's: its period ends within the step)."""
+        return stage_index < self.ranks
+
+    def _version_of_period(self, period: int) -> int:
+        version, start = self._base
+        return version + max(0, period - start - 1)
+
+    def move_versions(self, switch_mb: int, stage_index: int) -> range:
+        """A G0 move switching at period ``switch_mb // m``'s start: the version that period runs on and the
+        one its old stage's update with the period before's gradient makes, the same on every G0 stage."""
+        first = self._version_of_period(switch_mb // self.micro_batches)
+        return range(first, self.updates_before(switch_mb) + 1)
+
+    def updates_before(self, mb: int) -> int:
+        """G0's updates applied once every period before micro-batch ``mb``'s has ended (one a period)."""
+        version, start = self._base
+        return version + mb // self.micro_batches - start
+
+    @property
+    def upcoming_version(self) -> int:
+        """The G0 weight version the next period runs on."""
+        return self._version_of_period(self._period)
+
+    def stashed(self, version: int) -> dict[str, torch.Tensor] | None:
+        """G0's stashed weights of ``version`` (name -> tensor), None when not kept (now)."""
+        return self._versions.get(version)
+
+    def stashed_versions(self) -> list[dict[str, torch.Tensor]]:
+        """Every stashed copy of G0's weights held now (name -> tensor), oldest first."""
+        return [self._versions[v] for v in sorted(self._versions)]
+
+    def defer_wait(self, work: Any, keep_alive: Any = None) -> None:
+        """Wait for ``work`` (a send) at the end of the next step, keeping ``keep_alive`` until then."""
+        self._send_work.append((self._steps, work, keep_alive))
 
     def step(self, *args: Any, target: Any = None, losses: list[torch.Tensor] | None = None,
              **kwargs: Any) -> None:
@@ -251,6 +219,9 @@ class ScheduleWPipe(PipelineScheduleMulti):
         t = self._period
         step_losses = self._run(t, arg_mbs, kwarg_mbs, target_mbs)
         self._period += 1
+        for mover in self.movers:  # after a flush a step may apply no G0 update: a hand-over due comes here
+            mover.after_update(self.updates[0])
+        self.movers = [mover for mover in self.movers if not mover.done]
         self._wait_sends(before_step=self._steps)
         self._steps += 1
         if losses is not None:
@@ -263,6 +234,7 @@ class ScheduleWPipe(PipelineScheduleMulti):
         if self._g0_pending is not None:
             self._run(None, [], [], None)
         self._wait_sends()
+        self._base = (self.updates[0], self._period)
 
     # ---------------------------------------------------------------- a step
     def _run(self, t: int | None, arg_mbs: list[Any], kwarg_mbs: list[Any],
@@ -281,6 +253,8 @@ class ScheduleWPipe(PipelineScheduleMulti):
                     self._forward_g0(cast(int, t), j, arg_mbs[j], kwarg_mbs[j])
                 else:
                     self._backward(g0, cast(int, pending), j)
+                    for mover in self.movers:  # a block that arrived takes its live state before its update
+                        mover.before_update(cast(int, pending) * self.micro_batches + j)
                 g0_left -= 1
                 if not g0_left and pending is not None:
                     self._update_g0(pending)
@@ -302,10 +276,18 @@ class ScheduleWPipe(PipelineScheduleMulti):
     def _forward_g0(self, t: int, j: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         stage, slot = self._groups[0], self._slot(t, j)
         self._recv(stage, stage.get_fwd_recv_ops(slot))
+        for mover in self.movers:  # a streamed move switches here at its period's first micro-batch
+            mover.before_forward(t * self.micro_batches + j)
         if j == 0:  # the period runs on the live version: copied aside, since an update changes it in place
             self._period_version[t] = self._stash(self.updates[0])
-        weights = self._versions[self._period_version[t]]
+        version = self._period_version[t]
+        weights = self._versions[version]
+        for mover in self.movers:  # the version of a block that arrived comes from its old stage
+            mover.add_weights(version, weights)
         module = stage.submod
+        held = {name for name, _ in module.named_parameters()}
+        if len(held) != len(weights):  # a version stashed before a move names blocks that left
+            weights = {name: w for name, w in weights.items() if name in held}
 
         def run_on_version(*a: Any, **kw: Any) -> Any:
             return functional_call(module, weights, a, kw)
@@ -368,6 +350,8 @@ class ScheduleWPipe(PipelineScheduleMulti):
         for w in weights.values():
             w.grad = None
         self._apply(0, grads)
+        for mover in self.movers:  # the versions a move sends and its hand-over come after an update
+            mover.after_update(self.updates[0])
 
     def _apply(self, group: int, grads: dict[str, torch.Tensor | None]) -> None:
         """Step the optimizer on ``group``'s gradients alone: the other group's (G1's, summing on its live
@@ -375,7 +359,10 @@ class ScheduleWPipe(PipelineScheduleMulti):
         other = [(p, p.grad) for p in self._groups[1 - group].submod.parameters() if p.grad is not None]
         for p, _ in other:
             p.grad = None
-        for name, p in self._groups[group].submod.named_parameters():
+        params = dict(self._groups[group].submod.named_parameters())
+        if group == 0:
+            params.update(self.departing)  # blocks that left G0's forward take the update of their period
+        for name, p in params.items():
             grad = grads.get(name)
             if grad is not None and self.mean_grads:
                 grad = grad.div_(self.micro_batches)
@@ -398,13 +385,13 @@ class ScheduleWPipe(PipelineScheduleMulti):
         if ops:
             boundary = stage.stage_index - 1 if backward else stage.stage_index
             for work in dist.batch_isend_irecv(_tagged(ops, boundary, backward)):
-                self._send_work.append((self._steps, work))
+                self.defer_wait(work)
 
     def _wait_sends(self, before_step: int | None = None) -> None:
         keep = []
-        for step, work in self._send_work:
+        for step, work, alive in self._send_work:
             if before_step is None or step < before_step:
                 work.wait()
             else:
-                keep.append((step, work))
+                keep.append((step, work, alive))
         self._send_work = keep
