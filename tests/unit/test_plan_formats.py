@@ -31,6 +31,7 @@ from vpipe.plan import Plan, Policy
 from vpipe.planner.cost_model import GraphProfile
 from vpipe.planner.online import OnlineConfig, OnlinePlanner
 from vpipe.planner.srp import srp_loop
+from vpipe.schedules.wpipe_order import steady_order
 from vpipe.stage.pipeline import in_flight_per_stage, in_flight_together
 from vpipe_lab.runtime.models import reference_transformer
 
@@ -196,16 +197,47 @@ def test_an_offline_multi_stage_plan_is_the_live_planners_plan_for_the_same_grap
     assert offline["bottleneck_ms"] == pytest.approx(best.bottleneck_s * 1e3)
 
 
+def test_a_wpipe_plan_is_made_with_the_lists_the_schedule_writes(capsys, tmp_path):
+    """``vpipe plan --schedule wpipe``: G0's stages and G1's on ranks ``v mod W``, in flight as the ranks read
+    off ``ScheduleWPipe.pipeline_order`` (G0's stage 0 holds the period before and this one's warm-up), two
+    weight versions on G0's stages; the plan is the live planner's search with the same numbers."""
+    graph = chain([3.0, 1.0, 4.0, 1.0, 5.0, 9.0, 2.0, 6.0, 5.0, 3.0], act=40_000_000, param=4_000_000)
+    path = tmp_path / "graph.json"
+    graph.save(path)
+    offline = json_plan(capsys, str(path), "--stages", "2", "--schedule", "wpipe", "--micro-batches", "3",
+                        "--memory-budget", "700000000")
+    order = dict(steady_order(2, 3))
+    assert offline["stage_ranks"] == [0, 1, 0, 1] and offline["in_flight"] == [5, 4, 2, 1]
+    assert offline["in_flight"] == in_flight_per_stage(order, 4)
+    config = OnlineConfig(schedule="wpipe", micro_batches=3, memory_budget=700_000_000,
+                          in_flight=in_flight_per_stage(order, 4), stage_ranks=[0, 1, 0, 1],
+                          in_flight_together=in_flight_together(order, 4))
+    records = {node.id: SimpleNamespace(param_bytes=node.param_bytes, optimizer_bytes=node.param_bytes)
+               for node in graph.nodes}
+    ids = [node.id for node in graph.nodes]
+    current = Plan(0, (tuple(ids[:3]), tuple(ids[3:5]), tuple(ids[5:8]), tuple(ids[8:])),
+                   {lid: Policy.KEEP for lid in ids})
+    live = OnlinePlanner(config)._planner(graph, records, current)
+    assert live.setup.param_factor(0) - live.setup.param_factor(2) == 1  # G0 two versions, G1 one
+    best, _ = srp_loop(GraphProfile(graph), live.setup, live.budgets, live.method)
+    assert offline["stages"] == GraphProfile(graph).stages_of(best.cuts)
+    assert offline["bottleneck_ms"] == pytest.approx(best.bottleneck_s * 1e3)
+
+
 # --------------------------------------------------------------------- bad combinations
 @pytest.mark.parametrize(("args", "message"), [
     (["--stages-per-rank", "2"],
      "--stages-per-rank is for the multi-stage schedules (interleaved1f1b, loopedbfs, "
-                                 "interleavedzb, zbv, dualpipev); 1f1b runs one stage per rank"),
+                                 "interleavedzb, zbv, dualpipev, wpipe); 1f1b runs one stage per rank"),
     (["--schedule", "gpipe", "--stages-per-rank", "1"], "gpipe runs one stage per rank"),
     (["--schedule", "interleaved1f1b", "--stages-per-rank", "1"],
      "--stages-per-rank must be at least 2 under interleaved1f1b, got 1"),
     (["--schedule", "zbv", "--stages-per-rank", "3"],
      "zbv runs exactly 2 stages per rank (a V), got --stages-per-rank 3"),
+    (["--schedule", "wpipe", "--stages-per-rank", "3"],
+     "wpipe runs exactly 2 stages per rank (G0's and G1's), got --stages-per-rank 3"),
+    (["--schedule", "wpipe", "--micro-batches", "1"],
+     "wpipe needs at least as many micro-batches per step as ranks (1 < 2)"),
     (["--schedule", "loopedbfs", "--stages-per-rank", "two"],
      "--stages-per-rank must be an integer, got 'two'"),
     (["--schedule", "dualpipev", "--micro-batches", "2"],

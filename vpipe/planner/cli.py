@@ -123,8 +123,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     return p
 
 
-# "custom" is a run's own action list; "wpipe" writes its lists itself, on the ranks (vpipe's ScheduleWPipe)
-_PLANNABLE_MULTI = tuple(s for s in MULTI_STAGE if s not in ("custom", "wpipe"))
+# "custom" is a run's own action list; "wpipe" (vpipe's ScheduleWPipe) is planned with the lists it writes
+_PLANNABLE_MULTI = tuple(s for s in MULTI_STAGE if s != "custom")
 
 
 def _budget(text: str | None) -> int | list[int] | None:
@@ -215,8 +215,10 @@ def _stages_per_rank(schedule: str, text: str | None) -> int:
     if per_rank < 2:
         raise ValueError(f"--stages-per-rank must be at least 2 under {schedule}, got "
                          f"{per_rank} (1f1b runs one stage per rank)")
-    if schedule in ("zbv", "dualpipev") and per_rank != 2:
-        raise ValueError(f"{schedule} runs exactly 2 stages per rank (a V), got --stages-per-rank {per_rank}")
+    if schedule in ("zbv", "dualpipev", "wpipe") and per_rank != 2:
+        shape = "G0's and G1's" if schedule == "wpipe" else "a V"
+        raise ValueError(f"{schedule} runs exactly 2 stages per rank ({shape}), "
+                         f"got --stages-per-rank {per_rank}")
     return per_rank
 
 

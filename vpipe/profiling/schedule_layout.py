@@ -18,6 +18,7 @@ from typing import Any
 import torch.distributed.pipelining as pipelining
 
 from vpipe.compat.torch_distributed import get_schedule_ops
+from vpipe.schedules.wpipe_order import steady_order
 from vpipe.sharing import flat_actions, in_flight_per_stage, in_flight_together
 
 __all__ = ["ScheduleLayout", "schedule_layout", "TORCH_CLASSES"]
@@ -43,6 +44,8 @@ class ScheduleLayout:
 def schedule_layout(schedule: str, ranks: int, stages_per_rank: int, micro_batches: int) -> ScheduleLayout:
     """What the ranks would read off ``schedule``'s action lists;
     ``ValueError`` (one line) if torch refuses it."""
+    if schedule == "wpipe":
+        return _wpipe_layout(ranks, stages_per_rank, micro_batches)
     if get_schedule_ops is None:
         raise ValueError(f"this torch has no schedule visualizer to read {schedule}'s action lists from")
     cls = getattr(pipelining, TORCH_CLASSES[schedule])
@@ -62,5 +65,20 @@ def schedule_layout(schedule: str, ranks: int, stages_per_rank: int, micro_batch
         raise ValueError(f"torch's {TORCH_CLASSES[schedule]} action lists run stages {sorted(owner)}, "
                          f"not the {num_stages} stages of {ranks} ranks x {stages_per_rank}")
     return ScheduleLayout(stage_ranks=[owner[v] for v in range(num_stages)],
+                          in_flight=in_flight_per_stage(order, num_stages),
+                          together=in_flight_together(order, num_stages))
+
+
+def _wpipe_layout(ranks: int, stages_per_rank: int, micro_batches: int) -> ScheduleLayout:
+    """vpipe's ScheduleWPipe writes its own lists (the steady step's, what its ranks read): stage ``v`` on
+    rank ``v mod W``, two stages a rank, at least ``W`` micro-batches a step."""
+    if stages_per_rank != 2:
+        raise ValueError(f"wpipe runs exactly 2 stages per rank (G0's and G1's), got {stages_per_rank}")
+    if micro_batches < ranks:
+        raise ValueError(f"wpipe needs at least as many micro-batches per step as ranks "
+                         f"({micro_batches} < {ranks})")
+    order: dict[int, Sequence[Any]] = dict(steady_order(ranks, micro_batches))
+    num_stages = 2 * ranks
+    return ScheduleLayout(stage_ranks=[v % ranks for v in range(num_stages)],
                           in_flight=in_flight_per_stage(order, num_stages),
                           together=in_flight_together(order, num_stages))
