@@ -1,0 +1,97 @@
+"""Rank program for tests/integration/test_stream_checkpoints.py: vpipe's checkpoints under the streams that
+update once a period (``vpipe.SchedulePipeDream2BW``, ``vpipe.ScheduleWPipe``).
+
+``argv``: SCHEDULE (``2bw`` or ``wpipe``), PART (``whole``: every step, flushing before step
+``SAVE_AT`` and saving nothing; ``first``: the steps before ``SAVE_AT``, then ``flush()`` and
+a checkpoint; ``second``: fresh processes that restore that checkpoint, attach, load vpipe's
+state and train on), the checkpoint root, and OUT (each rank writes ``OUT.rankR.pt``: its
+parameters after the final flush, the last rank's losses of the steps it ran, the step vpipe
+counted last). Adam, planning off, every block recomputed under vpipe.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import OrderedDict
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+
+import vpipe
+from support import twobw, wpipe
+from support.twobw import batch, make_optimizer
+from vpipe.checkpoint import load_checkpoint, restore_stage, save_checkpoint
+from vpipe.compat.torch_distributed import default_store
+
+STEPS, SAVE_AT = 6, 3
+
+
+def build(schedule: str) -> tuple[list[nn.Module], Any, torch.optim.Optimizer]:
+    """This rank's stage modules, the schedule over them and its optimizer."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if schedule == "2bw":
+        modules = [twobw.stage_module(rank, world)]
+        stages = [PipelineStage(modules[0], rank, world, torch.device("cpu"))]
+    else:
+        modules = [wpipe.stage_module(rank), wpipe.stage_module(world + rank)]
+        stages = [PipelineStage(m, v, 2 * world, torch.device("cpu"))
+                  for m, v in zip(modules, (rank, world + rank))]
+    optimizer = make_optimizer("adam", [p for m in modules for p in m.parameters()])
+    if schedule == "2bw":
+        return modules, vpipe.SchedulePipeDream2BW(stages[0], twobw.MICRO_BATCHES, F.mse_loss,
+                                                   optimizer), optimizer
+    return modules, vpipe.ScheduleWPipe(stages, wpipe.MICRO_BATCHES, F.mse_loss, optimizer), optimizer
+
+
+def layers_view(modules: list[nn.Module]) -> nn.Module:
+    """The rank's blocks of every stage in one module, by global layer id (a rank's shard holds them all)."""
+    return nn.Sequential(OrderedDict((name, child) for m in modules for name, child in m.named_children()))
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    schedule_name, part, root, out = sys.argv[1:5]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    modules, schedule, optimizer = build(schedule_name)
+    layers = twobw.LAYERS if schedule_name == "2bw" else wpipe.layers(world)
+    store = default_store()
+    ckpt = None
+    if part == "second":
+        ckpt = load_checkpoint(root)
+        restore_stage(ckpt, layers_view(modules), optimizer, rank=rank)
+    vp = vpipe.attach(schedule, optimizer=optimizer, planning=False,
+                      policies=dict.fromkeys(range(layers), "R"))
+    if ckpt is not None:
+        vp.load_state_dict(ckpt.vpipe)
+    steps = {"first": range(SAVE_AT), "second": range(SAVE_AT, STEPS), "whole": range(STEPS)}[part]
+    losses = []
+    for step in steps:
+        if step == SAVE_AT and part == "whole":
+            schedule.flush()  # where the interrupted run flushed to save
+        x, y = batch(step)
+        got: list[torch.Tensor] = []
+        if rank == 0:
+            schedule.step(x)
+        elif rank == world - 1:
+            schedule.step(target=y, losses=got)
+        else:
+            schedule.step()
+        losses.append([float(loss) for loss in got])
+    schedule.flush()
+    if part == "first":
+        save_checkpoint(root, SAVE_AT, module=layers_view(modules), optimizer=optimizer, rank=rank,
+                        world_size=world, store=store, vpipe_state=vp.state_dict())
+    state = [(k, v.detach().clone()) for m in modules for k, v in m.state_dict().items()]
+    torch.save({"run": {"state": state, "losses": losses, "iteration": vp.iteration}}, f"{out}.rank{rank}.pt")
+    vp.detach()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
