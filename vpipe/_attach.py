@@ -147,7 +147,11 @@ class Vpipe:
 
     def state_dict(self) -> dict[str, Any]:
         """vpipe's part of a checkpoint (plain JSON values): plan
-        epoch, step, placement, policies, next layer id."""
+        epoch, step, placement, policies, next layer id. A stream is flushed first: what it holds in
+        flight (micro-batches, a period's gradient, stashed weight versions) is in no checkpoint."""
+        unsettled = self.engine.unsettled()
+        if unsettled is not None:
+            raise RuntimeError(f"a checkpoint on {unsettled}")
         return vpipe_state(self._parts, self.driver.iteration)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:

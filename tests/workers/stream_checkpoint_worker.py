@@ -1,12 +1,13 @@
 """Rank program for tests/integration/test_stream_checkpoints.py: vpipe's checkpoints under the streams that
 update once a period (``vpipe.SchedulePipeDream2BW``, ``vpipe.ScheduleWPipe``).
 
-``argv``: SCHEDULE (``2bw`` or ``wpipe``), PART (``whole``: every step, flushing before step
-``SAVE_AT`` and saving nothing; ``first``: the steps before ``SAVE_AT``, then ``flush()`` and
-a checkpoint; ``second``: fresh processes that restore that checkpoint, attach, load vpipe's
-state and train on), the checkpoint root, and OUT (each rank writes ``OUT.rankR.pt``: its
-parameters after the final flush, the last rank's losses of the steps it ran, the step vpipe
-counted last). Adam, planning off, every block recomputed under vpipe.
+``argv``: SCHEDULE (``2bw`` or ``wpipe``), PART (``first``: the run ``whole``, every step,
+flushing before step ``SAVE_AT`` and saving nothing, then the run ``first``, the steps before
+``SAVE_AT``, ``flush()`` and a checkpoint; ``second``: fresh processes that restore that
+checkpoint, attach, load vpipe's state and train on), the checkpoint root, and OUT (each
+rank writes ``OUT.rankR.pt``, for each run its parameters after the final flush, the last
+rank's losses of the steps it ran, the step vpipe counted last, and why ``vp.state_dict()``
+was refused before that flush). Adam, planning off, every block recomputed under vpipe.
 """
 
 from __future__ import annotations
@@ -52,14 +53,10 @@ def layers_view(modules: list[nn.Module]) -> nn.Module:
     return nn.Sequential(OrderedDict((name, child) for m in modules for name, child in m.named_children()))
 
 
-def main() -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    schedule_name, part, root, out = sys.argv[1:5]
+def train(schedule_name: str, part: str, root: str) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     modules, schedule, optimizer = build(schedule_name)
     layers = twobw.LAYERS if schedule_name == "2bw" else wpipe.layers(world)
-    store = default_store()
     ckpt = None
     if part == "second":
         ckpt = load_checkpoint(root)
@@ -82,13 +79,29 @@ def main() -> None:
         else:
             schedule.step()
         losses.append([float(loss) for loss in got])
+    refused = None
+    try:  # a stream's state is saved only once flushed: what is in flight would be lost
+        vp.state_dict()
+    except RuntimeError as e:
+        refused = str(e)
     schedule.flush()
     if part == "first":
         save_checkpoint(root, SAVE_AT, module=layers_view(modules), optimizer=optimizer, rank=rank,
-                        world_size=world, store=store, vpipe_state=vp.state_dict())
+                        world_size=world, store=default_store(), vpipe_state=vp.state_dict())
     state = [(k, v.detach().clone()) for m in modules for k, v in m.state_dict().items()]
-    torch.save({"run": {"state": state, "losses": losses, "iteration": vp.iteration}}, f"{out}.rank{rank}.pt")
+    result = {"state": state, "losses": losses, "iteration": vp.iteration, "refused": refused}
     vp.detach()
+    return result
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    schedule_name, part, root, out = sys.argv[1:5]
+    # one launch: the whole run, then the first part and its checkpoint; the second part: a launch of its own
+    parts = ("whole", "first") if part == "first" else (part,)
+    runs = {name: train(schedule_name, name, root) for name in parts}
+    torch.save(runs, f"{out}.rank{dist.get_rank()}.pt")
     dist.barrier()
     dist.destroy_process_group()
 

@@ -52,6 +52,7 @@ class PipeDreamEngine(TorchSingleEngine):
     def unsettled(self) -> str | None:
         in_flight = self.pipeline.schedule.in_flight
         if in_flight:
-            return (f"a PipeDream stream needs schedule.flush() first ({len(in_flight)} "
-                    "micro-batches in flight)")
+            n = len(in_flight)
+            return (f"a PipeDream stream needs schedule.flush() first "
+                    f"({n} micro-batch{'es' if n > 1 else ''} in flight)")
         return None

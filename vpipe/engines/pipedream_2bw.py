@@ -38,6 +38,7 @@ class PipeDream2BWEngine(PipeDreamEngine):
     def unsettled(self) -> str | None:
         in_flight = self.pipeline.schedule.in_flight
         if in_flight:
-            return (f"a PipeDream-2BW stream needs schedule.flush() first ({len(in_flight)} "
-                    "micro-batches in flight)")
+            n = len(in_flight)
+            return (f"a PipeDream-2BW stream needs schedule.flush() first "
+                    f"({n} micro-batch{'es' if n > 1 else ''} in flight)")
         return None
