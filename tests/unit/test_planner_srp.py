@@ -285,19 +285,22 @@ def test_a_partition_whose_arrivals_a_stage_cannot_build_is_never_proposed():
 
 
 
+
 def test_under_wpipe_a_proposal_never_moves_the_boundary_between_the_groups():
     """G0 (stages 0, 1) and G1 (stages 2, 3) update at different points of a step: a plan keeps the layers of
-    each in their group. A rebalance within the groups is proposed; one across them never is (the search is
-    not constrained: a best plan across the boundary is dropped, the running plan stays)."""
+    each in their group. The search alone would balance a heavy G1 with layers from G0; the planner proposes
+    the best it finds that keeps the boundary, and never sends a plan across it."""
     ranks = {"in_flight_counts": (5, 4, 2, 1), "stage_ranks": (0, 1, 0, 1)}
     planner = SRPPlanner(4, "wpipe", 4, cooldown_steps=0, **ranks)
     assert planner.setup.fixed_boundaries == (2,)
     even = chain([1.0] * 16)
     proposal = planner.propose(even, Plan.from_counts(even.ids, [6, 2, 4, 4], epoch=1), step=100)
     assert proposal is not None and proposal.plan.counts() == [4, 4, 4, 4]
-    heavy = chain([1.0] * 8 + [4.0] * 8)  # balanced over four stages, heavy G1 would take layers from G0
-    current = Plan.from_counts(heavy.ids, [6, 2, 4, 4], epoch=1)
+    heavy = chain([1.0] * 8 + [4.0] * 8)  # balanced over four stages, G1 would take layers from G0
+    current = Plan.from_counts(heavy.ids, [6, 2, 5, 3], epoch=1)
     free = SRPPlanner(4, "interleaved1f1b", 4, **ranks).propose(heavy, current, step=100)
     assert free is not None and sum(free.plan.counts()[:2]) != 8  # the search alone crosses it
-    assert planner.propose(heavy, current, step=100) is None
-    assert planner.reprice(heavy, current, free.plan) is None  # nor is an earlier plan across it sent again
+    kept = planner.propose(heavy, current, step=100)
+    assert kept is not None and sum(kept.plan.counts()[:2]) == 8 and kept.plan.counts()[2:] == [4, 4]
+    assert kept.after_step_s < kept.before_step_s
+    assert planner.reprice(heavy, current, free.plan) is None  # an earlier plan across it is never sent again

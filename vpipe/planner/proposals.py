@@ -40,6 +40,9 @@ __all__ = ["Proposal", "SRPPlanner", "placeable_partitions"]
 # bottleneck targets (relative to the best plan's) at which the planner also looks for the partition that
 # moves the fewest bytes
 _TARGET_SLACK = (0.0, 0.02, 0.05, 0.1, 0.2)
+# and further where the schedule keeps a boundary fixed: the best plan that keeps it may be far from the best
+_KEPT_SLACK = (0.35, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0)
+_WRONG_SIDE = 1e18  # the cost of a layer on the wrong side of a fixed boundary, beyond any bytes moved
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,22 @@ class _MigrationBytes:
             moved = self.per_hop * np.abs(self.current - stage)
             prefix = self._cache[stage] = np.concatenate([[0.0], np.cumsum(moved)])
         return prefix, -prefix
+
+
+class _KeepBoundaries:
+    """An additive cost: ``inner``'s, plus a price no partition that keeps the fixed boundaries pays for each
+    layer on the wrong side of one (``fixed``: stage -> the position its first layer keeps). Zero on every
+    stage that keeps them, so their ``inner`` cost stays exact."""
+
+    def __init__(self, inner: _MigrationBytes, fixed: dict[int, int], n: int) -> None:
+        self.inner, self.fixed, self.positions = inner, fixed, np.arange(n + 1)
+
+    def terms(self, stage: int) -> tuple[np.ndarray, np.ndarray]:
+        end, start = self.inner.terms(stage)
+        wrong = np.zeros(len(self.positions))
+        for b, c in self.fixed.items():  # the layers before c belong to stages before b, the rest to b on
+            wrong += self.positions.clip(min=c) - c if stage < b else self.positions.clip(max=c) - c
+        return end + _WRONG_SIDE * wrong, start - _WRONG_SIDE * wrong
 
 
 def _stage_of_layers(profile: GraphProfile, setup: PipelineSetup, cuts: Sequence[int]) -> np.ndarray:
@@ -271,15 +290,17 @@ class SRPPlanner:
         add(best)
         ceiling = before.bottleneck_s if before.fits else math.inf
         costs = StageCosts(profile, setup, best.codes)
-        for slack in _TARGET_SLACK:
+        fixed = {b: before.cuts[b - 1] for b in setup.fixed_boundaries}
+        secondary = _KeepBoundaries(migration, fixed, profile.n) if fixed else migration
+        for slack in _TARGET_SLACK + (_KEPT_SLACK if fixed else ()):
             limit = best.bottleneck_s * (1 + slack)
             if limit >= ceiling:
                 break
             if setup.uneven:
-                lean = uneven_min_secondary(costs, setup.num_stages, limit, migration, budgets,
+                lean = uneven_min_secondary(costs, setup.num_stages, limit, secondary, budgets,
                                             memory="best_case")
             else:
-                lean = min_secondary(costs, setup.num_stages, limit, migration, budgets, memory="best_case")
+                lean = min_secondary(costs, setup.num_stages, limit, secondary, budgets, memory="best_case")
             if lean is not None:
                 add(optimize_stages(profile, setup, budgets, lean.cuts))
         return out
