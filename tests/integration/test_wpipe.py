@@ -138,8 +138,9 @@ def test_the_lab_refuses_what_a_wpipe_stream_cannot_do():
     for extra, said in ([{"checkpoint_dir": "x"}, "checkpoints need a flush schedule (any but wpipe)"],
                         [{"nas": [{"step": 1, "remove": [1]}], "vpipe": True},
                          "layer edits need a flush schedule"],
-                        [{"moves": [{"step": 1, "partition": [1, 2, 1, 1]}], "vpipe": True},
-                         "forced moves need layers that move (wpipe's do not)"],
+                        [{"moves": [{"step": 1, "partition": [1, 1, 2, 1]}], "vpipe": True},
+                         "moves[0]: partition [1, 1, 2, 1] moves layers between wpipe's groups; its first 2 "
+                         "stages (G0) keep 3 layers"],
                         [{"stages_per_rank": 3}, "wpipe runs exactly 2 stages per rank (G0's and G1's)"],
                         [{"micro_batches": 1}, "wpipe needs micro_batches >= stages"]):
         with pytest.raises(ValueError, match=re.escape(said)):

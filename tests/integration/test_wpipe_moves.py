@@ -6,10 +6,15 @@ is refused in one line, and the engine names G0's stashed copies as its own
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
-from support.processes import run_saved_runs
+from support.processes import run_saved_runs, run_vpipe
+from support.results import assert_params_equal, load_run_params
+from vpipe_lab.runtime import reference
+from vpipe_lab.runtime.config import RunConfig
 
 RANKS = 2
 
@@ -63,3 +68,21 @@ def test_the_planner_running_under_wpipe_with_moves_allowed_changes_nothing(runs
         run, plain = runs[rank]["planned"], runs[rank]["plain"]
         assert run["move_refusal"] is None
         assert _unequal(run["state"], plain["state"]) == [] and run["losses"] == plain["losses"]
+
+
+def test_the_labs_wpipe_schedule_with_forced_moves_trains_as_its_single_process_reference(tmp_path):
+    """``vpipe train --schedule wpipe --vpipe --moves``: a block of each group moves at step 2 (G0's stage 1
+    to stage 0, G1's stage 2 to stage 3) and back at step 5; the weights are bitwise the reference's."""
+    args = ["--stages", "2", "--schedule", "wpipe", "--steps", "6", "--blocks", "6", "--d-model", "16",
+            "--n-heads", "2", "--seq-len", "8", "--dropout", "0", "--micro-batches", "2",
+            "--micro-batch-size", "2"]
+    proc = run_vpipe("train", *args, "--vpipe", "--no-planning", "--moves", "2:3,1,1,3;5:2,2,2,2",
+                     "--out-dir", str(tmp_path), "--no-progress")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cfg = RunConfig(stages=2, schedule="wpipe", steps=6, blocks=6, d_model=16, n_heads=2, seq_len=8,
+                    dropout=0.0, micro_batches=2, micro_batch_size=2)
+    want, want_losses = reference.reference_wpipe(cfg)
+    assert_params_equal(load_run_params(tmp_path, 2), want)  # bitwise
+    assert json.loads((tmp_path / "rank1.json").read_text())["losses"] == want_losses
+    rank0 = json.loads((tmp_path / "rank0.json").read_text())
+    assert rank0["stage_layer_ids"] == [[0, 1], [4, 5]]  # back where they started

@@ -47,6 +47,13 @@ class FakeSchedule:
     def next_forward(self) -> int:
         return self._next_fwd
 
+    @property
+    def stream_updates(self) -> int:
+        return self.updates
+
+    def streams_stage(self, stage_index: int) -> bool:
+        return True
+
     def stashed(self, version: int) -> dict[str, torch.Tensor] | None:
         return self._versions.get(version)
 
@@ -104,12 +111,13 @@ def _pair(num_stages: int, switch_mb: int, *, updates: int, vertical_sync: bool 
     moving = src.container._modules["2"]
     out = OutgoingStream(src.schedule, src.blocks, {2: moving}, forward=True, switch_mb=switch_mb, dst=1,
                          key=KEY,
-                         channel=FakeChannel(hub, 0), messenger=FakeMessenger(hub, 0),
+                         channel=FakeChannel(hub, 0), messenger=FakeMessenger(hub, 0), stage_index=0,
                          listeners=[src.listener])
     arriving = nn.Linear(4, 4)
     inc = IncomingStream(dst.schedule, dst.blocks, {2: arriving}, [pack_layer(2, moving, None).manifest],
                          forward=True, switch_mb=switch_mb, src=0, key=KEY, channel=FakeChannel(hub, 1),
-                         messenger=FakeMessenger(hub, 1), timeout_s=0.3, listeners=[dst.listener])
+                         messenger=FakeMessenger(hub, 1), timeout_s=0.3, stage_index=1,
+                         device=torch.device("cpu"), listeners=[dst.listener])
     return hub, src, dst, out, inc, moving, arriving
 
 
@@ -195,7 +203,8 @@ def test_a_move_registered_too_late_or_after_its_versions_were_dropped_is_refuse
     hub = Hub(2)
     side = Side(0, [0, 1, 2], 4, updates=7, next_fwd=8, vertical_sync=True)
     layer = {2: side.container._modules["2"]}
-    kwargs = dict(forward=True, dst=1, key=KEY, channel=FakeChannel(hub, 0), messenger=FakeMessenger(hub, 0))
+    kwargs = dict(forward=True, dst=1, key=KEY, channel=FakeChannel(hub, 0), messenger=FakeMessenger(hub, 0),
+                  stage_index=0)
     with pytest.raises(RuntimeError,
                        match="^streamed move registered too late: micro-batch 8 already started$"):
         OutgoingStream(side.schedule, side.blocks, layer, switch_mb=8, **kwargs)
@@ -209,7 +218,7 @@ def test_a_move_registered_too_late_or_after_its_versions_were_dropped_is_refuse
 
 def test_a_target_whose_source_never_hands_over_stops_naming_it():
     hub, src, dst, out, inc, moving, arriving = _pair(2, switch_mb=4, updates=2)
-    with pytest.raises(RuntimeError, match=r"^stage 1: stage 0 never handed over layers \[2\] \(epoch 1\)$"):
+    with pytest.raises(RuntimeError, match=r"^stage 1: rank 0 never handed over layers \[2\] \(epoch 1\)$"):
         inc.before_update(4)
     FakeMessenger(hub, 0).send_to(1, "migrate_handover", {"round": 0, "move": 1,
                                                           "manifests": [pack_layer(1, nn.Linear(4, 4),
@@ -293,8 +302,10 @@ def test_a_streamed_move_starts_on_both_ranks_and_completes_through_the_schedule
     assert all(torch.equal(a.detach(), b.detach()) for a, b in zip(arrived.parameters(), moving.parameters()))
     assert src.listener.events == [("retire", 2, None), ("remove", 2, None)]
     assert dst.listener.events == [("add", 2, arrived)]
-    # the shape watchers followed
-    assert 2 in managers[1].shapes._hooks and 2 not in managers[0].shapes._hooks
+    # the shapes followed: the target learned them from the source (a move back may come before layer 2 runs
+    # there), so it watches nothing; the source stopped watching
+    assert managers[1].shapes.out_meta[2] == managers[0].shapes.out_meta[2]
+    assert 2 not in managers[1].shapes._hooks and 2 not in managers[0].shapes._hooks
 
 
 def test_a_streamed_move_whose_target_is_not_ready_starts_nowhere():

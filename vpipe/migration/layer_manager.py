@@ -221,8 +221,8 @@ class LayerManager:
 
     def _pack(self, move: Move, with_state: bool) -> list[LayerState]:
         """The leaving layers of ``move`` and what the target needs to rebuild each block (kind, key, plain
-        attributes); their optimizer state and boundary shapes too when ``with_state`` (a streamed move
-        sends its state at the hand-over, and keeps its shapes). ``ValueError`` names a block that cannot
+        attributes, boundary shapes); their optimizer state too when ``with_state`` (a streamed move
+        sends its state at the hand-over). ``ValueError`` names a block that cannot
         move to another rank (shared, hooked)."""
         blocks = self.blocks[move.src]
         children = blocks.blocks()
@@ -235,8 +235,7 @@ class LayerManager:
                              self.carry.pack(move.src, lid)) for lid in move.layers]
         for st in states:
             st.manifest["block"] = block_info(children[st.layer_id], blocks.key_of(st.layer_id))
-            if with_state:
-                st.manifest.update(self.shapes.describe(st.layer_id))
+            st.manifest.update(self.shapes.describe(st.layer_id))
         return states
 
     def _run_round(self, epoch: int, r: int, moves: Sequence[Move], report: MigrationReport) -> bool:

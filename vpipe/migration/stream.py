@@ -326,6 +326,10 @@ def start_round(link: MoveLink, schedule: Any, switch_mb: int, epoch: int, moves
              epoch=epoch, stage=stage, switch_mb=switch_mb,
              moves=[{"src": m.src, "dst": m.dst, "layers": list(m.layers)} for m in moves
                     if stage in (m.src, m.dst)])
+    # the shapes of an arriving layer are known before its first call here (a move back may come first)
+    for watch, man in ((w, man) for w in listeners if isinstance(w, WatchShapes) for inc in arriving
+                       for man in inc.manifests):
+        watch.shapes.learn(man["layer"], man)
     movers: list[Any] = []
     children = blocks.blocks()
     for m in outgoing:

@@ -106,8 +106,6 @@ class RunConfig:
         need(self.vpipe or not self.moves, "forced moves need vpipe (the layer manager moves the layers)")
         need(self.vpipe or not self.nas, "adding and removing layers needs vpipe (the layer manager does it)")
         need(not (self.nas and self.moves), "combine either forced moves or layer edits in one run, not both")
-        need(not (self.moves and self.schedule == "wpipe"),
-             "forced moves need layers that move (wpipe's do not)")
         need(not (self.nas and self.schedule in STREAMS),
              f"layer edits need a flush schedule (any but {self.schedule})")
         need(0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout}")
@@ -155,6 +153,10 @@ class RunConfig:
                  and all(isinstance(c, int) and c >= 1 for c in counts) and sum(counts) == n_layers,
                  f"moves[{i}]: partition {counts!r} must give each of the {self._stages_text} >= 1 of the "
                  f"{n_layers} layers")
+            g0 = sum(self.layer_counts()[:self.stages])  # WPipe's groups keep their layers (G0: the first W)
+            need(self.schedule != "wpipe" or sum(counts[:self.stages]) == g0,
+                 f"moves[{i}]: partition {counts!r} moves layers between wpipe's groups; its first "
+                 f"{self.stages} stages (G0) keep {g0} layers")
 
     def _check_layout(self) -> None:
         """Virtual stages per rank as the schedule runs them, and
