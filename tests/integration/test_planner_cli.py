@@ -68,7 +68,7 @@ def test_table_output_names_every_stage(capsys, graph_file):
      "infeasible: layer 1000 (l0) needs 6000000 bytes > budget 1000000"),
     (["--stages", "2", "--schedule", "zb"], "--schedule must be one of gpipe, 1f1b, pipedream, pipedream2bw, "
                                              "interleaved1f1b, loopedbfs, interleavedzb, "
-                                             "zbv, dualpipev, got 'zb'"),
+                                             "zbv, dualpipev, wpipe, got 'zb'"),
     (["--stages", "2", "--method", "metis"], "--method must be one of kl, exact, got 'metis'"),
     (["--stages", "2", "--micro-batches", "0"], "--micro-batches must be at least 1"),
     (["--stages", "2", "--network-bandwidth", "-1"], "--network-bandwidth must be a positive finite number"),

@@ -60,8 +60,9 @@ def _applier(rank: Rank, log: list[tuple[str, Plan, str]], move_refusal: str | N
     lm = rank.manager
     owner = PlanInForce(Plan(epoch=epoch, stages=rank.placement), [lm, Told("session", log)])
     pipeline = SimpleNamespace(kind="1f1b", schedule=None, first=SimpleNamespace(index=lm.local_stages[0]))
+    engine = SimpleNamespace(streams=False, stream=None, plan_refusal=lambda reached, wanted: None)
     parts = RankParts(pipeline=pipeline, layer_manager=lm, session=None, tensor_managers={},
-                      memories={}, plan_in_force=owner, engine=SimpleNamespace(streams=False, stream=None))
+                      memories={}, plan_in_force=owner, engine=engine)
     return PlanApplier(parts, move_refusal), owner
 
 
