@@ -116,8 +116,9 @@ def test_a_thousand_silent_connections_leave_the_inbox_working_for_its_peers(har
           f"evicted {result['evicted']}, refused {result['refused']}")
     assert opened >= 900, stranger.stdout  # the kernel took them: the inbox had to deal with them
     assert result["failed"] == 0, result["failures"]  # the process could open files all along
-    # ~20 of its own, the ones it holds, and for a moment those accepted but not yet cut (before: ~1020)
-    assert result["max_fds"] < 300, result
+    # ~20 of its own, the ones it holds, and for a moment those accepted but not yet cut (before: ~1020);
+    # the last depend on how fast the inbox runs: 170-260 on a quiet 2-core machine, 308 under CI's load
+    assert result["max_fds"] < 450, result
     assert sorted(result["got"]) == before.sent + after.sent  # every authenticated message arrived
     assert sum(result["evicted"].values()) >= opened - 2 * UNPROVEN_HELD
     cuts = [line for line in err.splitlines() if "cut" in line and "connection(s) because" in line]
