@@ -74,3 +74,20 @@ def reference_2bw(optimizer: str, num_stages: int, *, periods: int = PERIODS, re
             opt.zero_grad(set_to_none=True)
         history.append({n: p.detach().clone() for n, p in params.items()})
     return {n: p.detach().clone() for n, p in params.items()}
+
+
+def feed_step(schedule, step: int) -> list[float]:
+    """Feed step ``step``'s batch to a streamed schedule as each rank does (the first the inputs, the last the
+    targets); the losses the last rank got, [] elsewhere."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x, y = batch(step)
+    got: list[torch.Tensor] = []
+    if rank == 0:
+        schedule.step(x)
+    elif rank == world - 1:
+        schedule.step(target=y, losses=got)
+    else:
+        schedule.step()
+    return [float(loss) for loss in got]

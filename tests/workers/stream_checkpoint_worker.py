@@ -24,7 +24,7 @@ from torch.distributed.pipelining import PipelineStage
 
 import vpipe
 from support import twobw, wpipe
-from support.twobw import batch, make_optimizer
+from support.twobw import feed_step, make_optimizer
 from vpipe.checkpoint import load_checkpoint, restore_stage, save_checkpoint
 from vpipe.compat.torch_distributed import default_store
 
@@ -70,15 +70,7 @@ def train(schedule_name: str, part: str, root: str) -> dict[str, Any]:
     for step in steps:
         if step == SAVE_AT and part == "whole":
             schedule.flush()  # where the interrupted run flushed to save
-        x, y = batch(step)
-        got: list[torch.Tensor] = []
-        if rank == 0:
-            schedule.step(x)
-        elif rank == world - 1:
-            schedule.step(target=y, losses=got)
-        else:
-            schedule.step()
-        losses.append([float(loss) for loss in got])
+        losses.append(feed_step(schedule, step))
     refused = None
     try:  # a stream's state is saved only once flushed: what is in flight would be lost
         vp.state_dict()

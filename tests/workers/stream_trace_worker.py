@@ -38,19 +38,13 @@ def main() -> None:
     trace_dir, schedule_name = sys.argv[1], sys.argv[2]
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     schedule, optimizer = build(schedule_name)
     first_stage = twobw.stage_layers(0, world) if schedule_name == "2bw" else wpipe.stage_layers(0)
     vp = vpipe.attach(schedule, optimizer=optimizer, trace_steps=WINDOW, trace_dir=trace_dir,
                       policies=dict.fromkeys(first_stage, "R"))
     for step in range(STEPS):
-        x, y = twobw.batch(step)
-        if rank == 0:
-            schedule.step(x)
-        elif rank == world - 1:
-            schedule.step(target=y, losses=[])
-        else:
-            schedule.step()
+        twobw.feed_step(schedule, step)
     schedule.flush()
     vp.detach()
     dist.barrier()

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage
 
 import vpipe
-from support.twobw import batch, make_optimizer
+from support.twobw import feed_step, make_optimizer
 from support.wpipe import MICRO_BATCHES, PERIODS, layers, stage_module
 
 MOVE_AT, BACK_AT = 2, 5
@@ -51,16 +51,9 @@ def train(*, attach: bool = False, moves: bool = False, planning: bool = False) 
         vp.request_plan(vpipe.Plan(epoch=3, stages=HOME), at_step=BACK_AT)
     losses, held, copies = [], [], []
     for step in range(PERIODS):
-        x, y = batch(step)
-        got: list[torch.Tensor] = []
-        if rank == 0:
-            schedule.step(x)
-        elif rank == world - 1:
-            schedule.step(target=y, losses=got)
-        else:
-            schedule.step()
+        got = feed_step(schedule, step)
         held.append([[int(name) for name, _ in m.named_children()] for m in modules])
-        losses.append([float(loss) for loss in got])
+        losses.append(got)
         if vp is not None:
             copies.append(sorted(name for copy in vp.engine.own_copies() for name in copy))
     schedule.flush()

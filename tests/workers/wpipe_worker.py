@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage
 
 import vpipe
-from support.twobw import batch, make_optimizer
+from support.twobw import feed_step, make_optimizer
 from support.wpipe import (
     BUDGET,
     FLUSH_AFTER,
@@ -80,18 +80,11 @@ def train(optimizer_name: str, *, flush_after: int | None = None, attach: bool =
     for step in range(PERIODS):
         if step == flush_after:
             schedule.flush()
-        x, y = batch(step)
-        got: list[torch.Tensor] = []
-        if rank == 0:
-            schedule.step(x)
-        elif rank == world - 1:
-            schedule.step(target=y, losses=got)
-        else:
-            schedule.step()
+        got = feed_step(schedule, step)
         held.append(schedule.versions_held)
         if vp is not None:
             plain.append([vp.stage_handles[v].plain for v in sorted(vp.stage_handles)])
-        losses.append([float(loss) for loss in got])
+        losses.append(got)
     schedule.flush()
     state = [(k, v.detach().clone()) for m in modules for k, v in m.state_dict().items()]
     result: dict[str, Any] = {"state": state, "held": held, "peak_versions": schedule.peak_versions,
