@@ -88,7 +88,6 @@ def violations(d: Draw) -> list[str]:
     rule(d.fsdp and (d.extra != "none" or d.weights != "plain"), "FSDP2 draws: no Muon, EMA or weight_norm")
     rule(d.tp != "none" and (d.compiled != "none" or d.scaler != "none"),
          "no compile or GradScaler with tensor parallelism")
-    rule(d.fsdp and d.compiled == "wrap", "FSDP2 draws compile in place (vpipe cannot move a wrapped one)")
     rule(d.compiled == "wrap" and d.schedule == "zbv", "ZBV compiles its blocks in place")
     rule(d.dp == "zero" and d.extra == "muon", "ZeRO wraps one optimizer class: no Muon")
     rule(d.schedule in PIPEDREAM and (d.accum != 1 or d.lr_scheduler != "none" or d.clip != "none"

@@ -20,14 +20,11 @@ DS_EVERY, DS_RESIDUE = 20, 17  # every 20th seed (17, 37, 57, ...) runs DeepSpee
 
 
 def draw_late(rng: random.Random, d: Draw) -> Draw:
-    # a third of the draws compile their blocks; under FSDP2 a sixth (four ranks compiling on two cores), in
-    # place then sharded: fully_shard over a wrapped block (torch.compile's OptimizedModule) trains, but
-    # vpipe's move of one fails (a block arrives whose compiled forward runs on its shards: seed 29 with
-    # --set compiled=wrap at 8c15274), so FSDP2 draws do not wrap until vpipe moves them
-    if d.fsdp:
-        compiled = "in_place" if rng.random() < 1 / 6 else "none"
-    else:
-        compiled = rng.choice(("wrap", "in_place")) if rng.random() < 1 / 3 else "none"
+    # a third of the draws compile their blocks; under FSDP2 a sixth (four ranks compiling on two cores),
+    # then sharded (torchtitan's order: fully_shard over the block torch.compile wrapped, or one compiled
+    # in place)
+    share = 1 / 6 if d.fsdp else 1 / 3
+    compiled = rng.choice(("wrap", "in_place")) if rng.random() < share else "none"
     if compiled == "wrap" and d.schedule == "zbv":
         # torch's ZBV refuses a stage module holding an OptimizedModule (the trainer without vpipe too): ZBV's
         # users compile their blocks in place

@@ -72,7 +72,6 @@ def test_draws_keep_their_constraints():
         assert bool(d.pinned) == (d.block_state in ("tied", "hook"))
         assert not (d.clip == "global" and (d.block_state == "batchnorm" or d.shape == "mixed"
                                             or d.extra == "muon"))
-        assert d.compiled != "wrap" or not d.fsdp  # FSDP2 draws compile in place
         assert (d.scaler == "skips") == bool(d.inf_steps)
         assert all(0 <= s < d.steps for s in d.inf_steps) and len(d.inf_steps) <= 2
         # the schedule owns the optimizer steps; PipeDream's own delay depends on the split

@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor
 from vpipe.migration.cloning import clone_block
 from vpipe.migration.state import load_layer, pack_layer, register_layer
 from vpipe.stage.fsdp import FsdpRoot, fsdp_refusal
+from vpipe.stage.kinds import compiled_inner
 from vpipe.stage.pins import user_hooks
 
 
@@ -102,6 +103,26 @@ def test_a_moved_fsdp_block_arrives_sharded_alike_with_its_shards_and_adam_momen
         assert isinstance(moments["exp_avg"], DTensor)
         assert torch.equal(moments["exp_avg"].full_tensor(), send_opt.state[q]["exp_avg"].full_tensor())
         assert torch.equal(moments["step"], send_opt.state[q]["step"])
+
+
+def test_a_block_compiled_then_sharded_arrives_so_and_runs_its_own_shards(mesh):
+    """torchtitan's order: ``torch.compile(block)`` in the block's place, then ``fully_shard`` over it."""
+    sender, receiver = Stage(), Stage()
+    for stage in (sender, receiver):
+        for key in list(stage.layers):
+            stage.layers[key] = torch.compile(stage.layers[key], backend="eager")
+        sharded(mesh, stage)
+    send_opt = trained(sender)
+    trained(sender)
+    recv_opt = trained(receiver)  # one step behind the sender: other weights
+    clone = clone_block(receiver.layers["0"])
+    assert type(clone) is type(receiver.layers["0"]) and compiled_inner(clone) is not None
+    register_layer(load_layer(pack_layer(2, sender.layers["2"], send_opt), clone, recv_opt), recv_opt)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        out = clone(x)
+        assert torch.equal(out, sender.layers["2"](x))  # its own shards, not the donor's (layer 0 here)
+        assert not torch.equal(out, receiver.layers["0"](x))
 
 
 def test_a_whole_block_does_not_load_into_a_sharded_one(mesh):

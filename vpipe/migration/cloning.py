@@ -17,7 +17,13 @@ from torch.distributed.tensor import DTensor
 
 from vpipe.compat.torch_internals import MODULE_INTERNALS, call_hook_tables
 from vpipe.stage.compiled import compile_like, compiled_forwards
-from vpipe.stage.fsdp import clone_sharded, is_fully_sharded
+from vpipe.stage.fsdp import (
+    clone_sharded,
+    is_fully_sharded,
+    shard_like,
+    unsharded_class,
+    unsharded_placeholders,
+)
 from vpipe.stage.kinds import block_kind, compiled_inner
 from vpipe.stage.tensor_parallel import empty_dtensor, keep_parallel_hooks, parallel_hook_ids
 from vpipe.tensor_manager import is_routed_forward
@@ -148,7 +154,7 @@ def _empty_alike(tensors: Sequence[torch.Tensor]) -> dict[int, torch.Tensor]:
     return out
 
 
-def clone_block(donor: nn.Module) -> nn.Module:
+def clone_block(donor: nn.Module, placeholders: Mapping[int, nn.Parameter] | None = None) -> nn.Module:
     """A structural copy of ``donor`` with uninitialised tensors and no hooks, for a moved block's state.
 
     ``copy.deepcopy`` with a memo that maps every parameter and buffer to an empty tensor
@@ -161,12 +167,16 @@ def clone_block(donor: nn.Module) -> nn.Module:
     donor's dynamo context: the same backend, mode, options, ``fullgraph`` and ``dynamic``; a
     module compiled in place is compiled as its donor counterpart is (:mod:`.compiled`). A block
     ``fully_shard``-ed by itself is cloned plain and sharded with the donor's mesh and options
-    (:mod:`.fsdp`).
+    (:mod:`.fsdp`); a wrapper ``fully_shard``-ed over the module it compiles is rebuilt plain around a
+    plain clone (``placeholders``: the parameters to put in place of the donor's) and sharded alike.
     """
     inner = compiled_inner(donor)
+    if inner is not None and is_fully_sharded(donor):  # compiled, then sharded: the same order for the clone
+        plain = clone_block(inner, unsharded_placeholders(donor))
+        return shard_like(donor, unsharded_class(donor)(plain, donor.dynamo_ctx))
     if inner is not None:  # compile the clone of what the donor compiles, the same way (same dynamo context)
-        return type(donor)(clone_block(inner), donor.dynamo_ctx)
-    memo: dict[int, Any] = {}
+        return type(donor)(clone_block(inner, placeholders), donor.dynamo_ctx)
+    memo: dict[int, Any] = dict(placeholders or {})
     for module in donor.modules():
         kept = parallel_hook_ids(module)  # how a tensor-parallel module redistributes: the clone must too
         for table in call_hook_tables(module):  # other hooks (vpipe's, the user's) stay with the donor
@@ -180,11 +190,12 @@ def clone_block(donor: nn.Module) -> nn.Module:
         clone = clone_sharded(donor, memo)
         _drop_routed(clone)
         return clone
-    tensors = [*donor.parameters(), *donor.buffers()]
+    tensors = [t for t in (*donor.parameters(), *donor.buffers()) if id(t) not in memo]
     empty = _empty_alike([t for t in tensors if not isinstance(t, DTensor)])
     empty.update({id(t): empty_dtensor(t) for t in tensors if isinstance(t, DTensor)})
     for p in donor.parameters():
-        memo[id(p)] = nn.Parameter(empty[id(p)], requires_grad=p.requires_grad)
+        if id(p) not in memo:
+            memo[id(p)] = nn.Parameter(empty[id(p)], requires_grad=p.requires_grad)
     for b in donor.buffers():
         memo[id(b)] = empty[id(b)]
     clone = copy.deepcopy(donor, memo)

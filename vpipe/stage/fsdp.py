@@ -42,7 +42,7 @@ from vpipe.compat.torch_distributed import (
 
 __all__ = ["is_fully_sharded", "fsdp_sharded", "fsdp_with_tensor_parallel", "not_fsdp_dtensors",
            "fsdp_refusal",
-           "resharded", "clone_sharded",
+           "resharded", "clone_sharded", "shard_like", "unsharded_class", "unsharded_placeholders",
            "FsdpRoot"]
 
 
@@ -137,9 +137,26 @@ def fsdp_with_tensor_parallel(p: torch.Tensor) -> bool:
     return all(pl.is_shard() or pl.is_replicate() or is_strided_shard(pl) for pl in p.placements)
 
 
-def _plain_class(module: nn.Module) -> type[nn.Module]:
+def unsharded_class(module: nn.Module) -> type[nn.Module]:
     """The class ``fully_shard`` subclassed (it makes ``FSDP<Class>(FSDPModule, Class)``)."""
     return next(c for c in type(module).__mro__ if issubclass(c, nn.Module) and not issubclass(c, FSDPModule))
+
+
+def unsharded_placeholders(donor: nn.Module) -> dict[int, nn.Parameter]:
+    """For each parameter of ``donor`` (an FSDP block), what ``fully_shard`` found in its place, uninitialised
+    (transient: ``fully_shard`` keeps this rank's shard), by the id of the donor's parameter."""
+    mesh = fsdp_param_groups(fsdp_state(donor))[0].mesh_info.mesh
+    return {id(p): nn.Parameter(_before_sharding(p, mesh), requires_grad=p.requires_grad)
+            for p in donor.parameters()}
+
+
+def shard_like(donor: nn.Module, clone: nn.Module) -> nn.Module:
+    """``clone`` (a plain block) ``fully_shard``-ed with the mesh and options of ``donor`` (an FSDP block)."""
+    group = fsdp_param_groups(fsdp_state(donor))[0]
+    fully_shard(clone, mesh=group.mesh_info.mesh,
+                reshard_after_forward=group.post_forward_mesh_info is not None,
+                mp_policy=fsdp_mp_policy(fsdp_state(donor)), offload_policy=group.offload_policy)
+    return clone
 
 
 def clone_sharded(donor: nn.Module, memo: dict[int, Any]) -> nn.Module:
@@ -147,22 +164,15 @@ def clone_sharded(donor: nn.Module, memo: dict[int, Any]) -> nn.Module:
     mesh and options, its tensors uninitialised.
 
     ``memo`` is :func:`~vpipe.migration.cloning.clone_block`'s (hook tables emptied, calls
-    dropped); parameters become plain uninitialised tensors of their full shape (transient:
-    ``fully_shard`` keeps this rank's shard) and the composable-API state stays behind, so
+    dropped); parameters become :func:`unsharded_placeholders` and the composable-API state stays behind, so
     the copy is a plain block that is then sharded like the donor.
     """
-    group = fsdp_param_groups(fsdp_state(donor))[0]
-    params = list(donor.parameters())
-    for p in params:
-        memo[id(p)] = nn.Parameter(_before_sharding(p, group.mesh_info.mesh), requires_grad=p.requires_grad)
-    plain = _plain_class(donor)
+    memo.update(unsharded_placeholders(donor))
+    plain = unsharded_class(donor)
     clone = plain.__new__(plain)
     fields = {k: v for k, v in donor.__dict__.items() if k not in COMPOSABLE_KEYS}
     clone.__dict__.update(copy.deepcopy(fields, memo))
-    fully_shard(clone, mesh=group.mesh_info.mesh,
-                reshard_after_forward=group.post_forward_mesh_info is not None,
-                mp_policy=fsdp_mp_policy(fsdp_state(donor)), offload_policy=group.offload_policy)
-    return clone
+    return shard_like(donor, clone)
 
 
 class FsdpRoot:
