@@ -15,6 +15,7 @@ from dataclasses import replace
 from typing import Any
 
 from fuzz.draws import FSDP_FUSED, FUSED, MULTI_STAGE, PIPEDREAM, Draw, _split
+from fuzz.late import fused_sgd_skips_its_first_step
 
 
 class Unsupported(ValueError):
@@ -75,6 +76,10 @@ def violations(d: Draw) -> list[str]:
     dtensor = d.fsdp or d.tp != "none"
     rule(d.impl == "fused" and d.optimizer not in (FSDP_FUSED if dtensor else FUSED),
          f"no fused {d.optimizer} for these parameters in torch")
+    rule(d.impl == "fused" and d.optimizer == "sgd" and bool(d.nas_add),
+         "torch's fused SGD cannot step a block added to a group that has stepped")
+    rule(fused_sgd_skips_its_first_step(d),
+         "torch's fused SGD keeps uninitialised momentum when GradScaler skips its first step")
     rule(d.block_state == "tied" and (dtensor or d.schedule == "zbv" or d.engine == "deepspeed"),
          "tied blocks only without FSDP2, tensor parallelism, ZBV or DeepSpeed")
     rule(d.clip == "global" and (d.block_state == "batchnorm" or d.shape == "mixed" or d.extra == "muon"),

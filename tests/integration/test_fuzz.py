@@ -61,6 +61,7 @@ def test_draws_keep_their_constraints():
         if d.nas_remove:
             assert not d.fsdp and d.nas_remove[1] not in d.pinned and 1 <= d.nas_remove[0] < d.steps
         if d.nas_add:
+            assert not (d.impl == "fused" and d.optimizer == "sgd")
             assert not d.fsdp and 1 <= d.nas_add[0] < d.steps and 0 <= d.nas_add[1] <= d.layers
         assert d.impl != "fused" or d.optimizer in (FSDP_FUSED if d.fsdp else FUSED)
         assert d.steps % d.accum == 0
@@ -73,6 +74,7 @@ def test_draws_keep_their_constraints():
         assert not (d.clip == "global" and (d.block_state == "batchnorm" or d.shape == "mixed"
                                             or d.extra == "muon"))
         assert (d.scaler == "skips") == bool(d.inf_steps)
+        assert not (d.impl == "fused" and d.optimizer == "sgd" and d.inf_steps and min(d.inf_steps) < d.accum)
         assert all(0 <= s < d.steps for s in d.inf_steps) and len(d.inf_steps) <= 2
         # the schedule owns the optimizer steps; PipeDream's own delay depends on the split
         if d.schedule in PIPEDREAM:
