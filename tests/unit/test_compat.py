@@ -139,3 +139,23 @@ def test_shape_inference_is_wrapped_and_unwrapped_on_the_stage_object_only():
     assert "_prepare_forward_infra" not in vars(stage) and Stage()._prepare_backward_infra(2) == ("backward",
                                                                                                   2)
     assert td.wrap_shape_inference(object(), Around) is None
+
+    trainers = stage._prepare_forward_infra = lambda n: ("trainer's", n)  # a trainer's own wrapper, first
+    undo = td.wrap_shape_inference(stage, Around)
+    assert stage._prepare_forward_infra(3) == ("trainer's", 3) and len(entered) == 2
+    undo()
+    assert stage._prepare_forward_infra is trainers  # put back, not dropped
+
+
+def test_the_loss_of_shape_inference_is_chosen_per_call_and_put_back():
+    class Stage:
+        def _prepare_backward_infra(self, n, loss_fn=None, target=None):
+            return loss_fn(n, target)
+
+    stage = Stage()
+    undo = td.wrap_inference_loss(stage, lambda loss_fn: (lambda out, target: ("stand-in", out)))
+    assert undo is not None
+    assert stage._prepare_backward_infra(4, loss_fn=lambda out, target: ("user's", out)) == ("stand-in", 4)
+    undo()
+    assert stage._prepare_backward_infra(4, loss_fn=lambda out, target: ("user's", out)) == ("user's", 4)
+    assert td.wrap_inference_loss(object(), lambda loss_fn: loss_fn) is None

@@ -26,7 +26,8 @@ model's state (merged by global key), the placements and vpipe's log records to 
   an ``on_move`` hook recording what it hears; both copies' averages are written too;
 - ``carry_refused``: ``attach`` with a ``carry=`` it cannot take (each on a fresh copy): the errors it raised;
 - ``added_counted``: a block added inside stage 0 (``vp.add_layers``; by hand on the plain copy) while the
-  loss counts its calls (a trainer that schedules by them): the copies' call counts are written too.
+  loss counts its calls (a trainer that schedules by them): the copies' call counts are written too;
+- ``added_last_hooked``: a block appended to the last stage, beside a block with a user's stateful hook.
 """
 
 from __future__ import annotations
@@ -166,8 +167,8 @@ def new_dense(layer_id: int) -> Dense:
 def _add(model: Net, opt: torch.optim.Optimizer, position: int, layer_id: int) -> None:
     """What a trainer without vpipe does to add a block before model
     position ``position`` of the first split."""
-    first = sum(COUNTS[:dist.get_rank()])
-    if not first <= position < first + COUNTS[dist.get_rank()]:
+    first, last = sum(COUNTS[:dist.get_rank()]), dist.get_rank() == len(COUNTS) - 1
+    if not first <= position < first + COUNTS[dist.get_rank()] + last:  # the last stage's may append
         return
     block = new_dense(layer_id)
     items = list(model.layers.items())
@@ -401,6 +402,9 @@ SCENARIOS: dict[str, Callable[[], dict]] = {
     "carry_refused": carry_refused,
     # block 8 added before model position 2, inside stage 0: no boundary changes, no second shape inference
     "added_counted": lambda: side_by_side({}, additions={3: 2}),
+    # block 8 appended to the last stage, which block 6 (hooked) trains on: the new block ends the stage, so
+    # every rank infers shapes again, quiet
+    "added_last_hooked": lambda: side_by_side({}, additions={3: LAYERS}, hooked=(6,)),
 }
 
 
@@ -412,8 +416,9 @@ def main() -> None:
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, result)
     if dist.get_rank() == 0:
-        losses = next(r["losses"] for r in gathered if r["losses"] is not None)
-        Path(out).write_text(json.dumps(dict(gathered[0], losses=losses)))
+        last = next(r for r in gathered if r["losses"] is not None)  # the rank that computes the loss
+        Path(out).write_text(json.dumps(dict(gathered[0], losses=last["losses"],
+                                             loss_calls=last.get("loss_calls"))))
     dist.barrier()
     dist.destroy_process_group()
 

@@ -67,7 +67,7 @@ except ImportError:  # an older torch
 
 __all__ = ["single_stage", "schedule_stages", "n_microbatches", "missing_schedule_internals",
            "mark_stages_uninitialized", "forget_inferred_meta", "missing_stage_state", "reset_stage_shapes",
-           "initialize_stage", "wrap_shape_inference",
+           "initialize_stage", "wrap_shape_inference", "wrap_inference_loss",
            "batch_p2p_wait", "set_batch_p2p_wait", "get_schedule_ops", "PipelineScheduleRuntime",
            "PipelineStageBase",
            "COMPOSABLE_KEYS", "composable_apis", "is_fsdp1", "fsdp_state", "fsdp_internals_missing",
@@ -180,11 +180,13 @@ def wrap_shape_inference(stage: Any,
     """Run a stage's shape-inference calls inside ``around()``; returns an undo, or None where this torch has
     other ones (``_prepare_forward_infra``, ``_prepare_backward_infra``; checked: 2.13.0).
 
-    The wrappers are instance attributes over torch's methods; the stage is otherwise untouched.
+    The wrappers are instance attributes over torch's methods (or over a wrapper already there, the
+    trainer's own too, which the undo puts back); the stage is otherwise untouched.
     """
     names = [n for n in _INFRA if callable(getattr(stage, n, None))]
     if len(names) != len(_INFRA):
         return None
+    undos = []
     for name in names:
         original = getattr(stage, name)
 
@@ -192,13 +194,46 @@ def wrap_shape_inference(stage: Any,
             with around():
                 return _original(*args, **kwargs)
 
-        setattr(stage, name, wraps(original)(inside))
+        undos.append(_set_wrapper(stage, name, wraps(original)(inside)))
 
     def undo() -> None:
-        for n in names:
-            stage.__dict__.pop(n, None)
+        for one in undos:
+            one()
 
     return undo
+
+
+def _set_wrapper(stage: Any, name: str, wrapper: Callable[..., Any]) -> Callable[[], None]:
+    """Put ``wrapper`` on ``stage`` as the instance attribute ``name``; the undo puts back what was there
+    (nothing, or an earlier wrapper) while ``wrapper`` is still the one on top."""
+    before = stage.__dict__.get(name)
+    stage.__dict__[name] = wrapper
+
+    def undo() -> None:
+        if stage.__dict__.get(name) is not wrapper:  # wrapped again since, by someone else: leave it
+            return
+        if before is None:
+            del stage.__dict__[name]
+        else:
+            stage.__dict__[name] = before
+
+    return undo
+
+
+def wrap_inference_loss(stage: Any, choose: Callable[[Any], Any]) -> Callable[[], None] | None:
+    """Have the last stage's backward shape inference call ``choose(loss_fn)`` in place of the schedule's
+    loss; returns an undo, or None where this torch passes the loss otherwise (``_prepare_backward_infra``'s
+    ``loss_fn`` keyword; checked: 2.13.0)."""
+    original = getattr(stage, "_prepare_backward_infra", None)
+    if not callable(original) or "loss_fn" not in inspect.signature(original).parameters:
+        return None
+
+    def infer(*args: Any, **kwargs: Any) -> Any:
+        if "loss_fn" in kwargs:
+            kwargs["loss_fn"] = choose(kwargs["loss_fn"])
+        return original(*args, **kwargs)
+
+    return _set_wrapper(stage, "_prepare_backward_infra", wraps(original)(infer))
 
 
 def batch_p2p_wait() -> Callable[[Any], Any] | None:

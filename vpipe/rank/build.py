@@ -51,6 +51,7 @@ from vpipe.stage.batch_norm import DeferredNorms
 from vpipe.stage.compiled import Hoisted, hoist_compiled
 from vpipe.stage.optimizers import optimizer_parts, raw_optimizers, wrapper_refusal
 from vpipe.stage.pipeline import AttachTarget, Pipeline, check_optimizer
+from vpipe.stage.quiet_inference import install_quiet_inference
 from vpipe.tensor_manager import TensorManager, install_on_stage
 from vpipe.tensor_manager.pipelining import StageHandle
 
@@ -114,6 +115,7 @@ def build_rank(target: AttachTarget, *, optimizer: Any, config: VpipeConfig, sto
         agreement = open_agreement(store, pipeline, replicas, config, cleanups)
         placement = agree_on_blocks(agreement, pipeline.stages, pipeline.num_stages, config.layers)
         norms = defer_batch_norms(pipeline, config, cleanups)
+        quiet_redone_inference(pipeline, cleanups)
         carried = carried_state(pipeline, config.carry, config.on_move, agreement, who,
                                 refusal=engine.carry_refusal)
         peers = check_replicas_alike(
@@ -220,6 +222,15 @@ def defer_batch_norms(pipeline: Pipeline, config: VpipeConfig, cleanups: Cleanup
     norms = DeferredNorms(pipeline.stages, config.carry)  # (undoes its own part-way conversions)
     cleanups.add(norms.undo)
     return norms
+
+
+def quiet_redone_inference(pipeline: Pipeline, cleanups: Cleanups) -> None:
+    """Shape inference that vpipe has torch redo runs without the user's hooks, buffers and RNG put back."""
+    for stage in pipeline.stages:
+        if stage.pipeline_stage is not None:
+            undo = install_quiet_inference(stage.pipeline_stage)
+            if undo is not None:
+                cleanups.add(undo)
 
 
 def stage_memories(pipeline: Pipeline, engine: Engine, optimizer: torch.optim.Optimizer | None,

@@ -35,9 +35,10 @@ from vpipe.compat.torch_internals import hooks_of
 from vpipe.plan import PINNED_KIND
 from vpipe.stage.kinds import block_kind
 
-__all__ = ["user_hooks", "outside_tensors", "shared_pins", "untrained_pins", "pin_reason", "planner_kind"]
+__all__ = ["MOVING_HOOKS", "user_hooks", "users_hook", "outside_tensors", "shared_pins", "untrained_pins",
+           "pin_reason", "planner_kind"]
 
-_MOVING_HOOKS = ("forward pre", "forward", "backward pre", "backward")
+MOVING_HOOKS = ("forward pre", "forward", "backward pre", "backward")
 _STATE_HOOKS = ("state dict", "state dict pre", "load state dict pre", "load state dict post")
 
 
@@ -66,18 +67,22 @@ def _fsdp(module: str) -> bool:
     return module.startswith("torch.distributed.fsdp.")
 
 
+def users_hook(fn: Callable[..., Any], kind: str) -> bool:
+    """Whether a hook of ``kind`` is the user's: not vpipe's, FSDP2's or a tensor-parallel style's, nor a
+    state-dict hook torch's own modules define."""
+    origin, _ = _origin(fn)
+    return not (_vpipe(origin) or _fsdp(origin) or is_parallel_style_hook(fn)
+                or (kind in _STATE_HOOKS and _torch(origin)))
+
+
 def user_hooks(block: nn.Module) -> list[str]:
     """The hooks on ``block`` and its submodules that a move could not carry, described for a log line."""
     found = []
     for sub_name, module in block.named_modules():
         where = f" on {sub_name}" if sub_name else ""
-        for kind in _MOVING_HOOKS + _STATE_HOOKS:
-            for fn in hooks_of(module, kind).values():
-                origin, name = _origin(fn)
-                if _vpipe(origin) or _fsdp(origin) or is_parallel_style_hook(fn) or (
-                        kind in _STATE_HOOKS and _torch(origin)):
-                    continue
-                found.append(f"{kind} hook {name}{where}")
+        for kind in MOVING_HOOKS + _STATE_HOOKS:
+            found += [f"{kind} hook {_origin(fn)[1]}{where}" for fn in hooks_of(module, kind).values()
+                      if users_hook(fn, kind)]
     return found
 
 

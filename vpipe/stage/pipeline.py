@@ -36,6 +36,7 @@ from vpipe.compat.torch_distributed import (
 from vpipe.sharing import action_kind, flat_actions, in_flight_per_stage, in_flight_together
 from vpipe.stage.blocks import StageBlocks
 from vpipe.stage.fsdp import fsdp_refusal, is_fully_sharded
+from vpipe.stage.quiet_inference import owe_quiet_inference
 from vpipe.stage.tensor_parallel import spanning_pipeline, tensor_parallel_move_refusal, tensor_parallel_names
 
 log = logging.getLogger("vpipe.attach")
@@ -203,10 +204,12 @@ def reset_shape_inference(schedule: Any) -> None:
     torch's stages size their receive buffers from a metadata pass that runs on the first
     ``step()`` and chains through every stage. When a move changes the shape, dtype or
     arity of a boundary activation, every rank must redo that pass at the same step (a
-    rebuild on two ranks only would hang the chain).
+    rebuild on two ranks only would hang the chain). The pass redone runs quiet (:mod:`.quiet_inference`).
     """
     check_schedule_api(schedule)
     reset_stage_shapes(schedule)
+    for stage in schedule_stages(schedule):
+        owe_quiet_inference(stage)
 
 
 def stage_edit_refusal(pipeline: Pipeline) -> str | None:
