@@ -67,12 +67,13 @@ SMOKE = {
 # --no-loadscope-reorder: one module per xdist worker, in collection order), these start first, so that the
 # many short modules fill the end and the workers finish together instead of one running a long module alone.
 LONGEST_FIRST = [
-    "test_tensor_parallel.py", "test_fuzz.py", "test_stage_shapes.py", "test_deep_stages.py",
-    "test_multistage_train.py", "test_multistage.py", "test_mesh.py", "test_mesh_fsdp.py",
-    "test_deepspeed.py", "test_launch.py", "test_uneven_devices.py", "test_migration_transparency.py",
-    "test_checkpoint.py", "test_pipeline_equivalence.py", "test_nas.py", "test_attach.py",
-    "test_bad_input_commands.py", "test_tensor_manager_pipeline.py", "test_faults.py", "test_multihost.py",
-    "test_control_run.py", "test_block_moves.py", "test_migration_faults.py",
+    "test_stage_shapes.py", "test_multistage_train.py", "test_multistage.py", "test_mesh.py",
+                 "test_launch.py",
+    "test_migration_transparency.py", "test_mesh_fsdp.py", "test_checkpoint.py",
+                 "test_pipeline_equivalence.py",
+    "test_nas.py", "test_attach.py", "test_bad_input_commands.py", "test_tensor_manager_pipeline.py",
+    "test_faults.py", "test_multihost.py", "test_control_run.py", "test_block_moves.py",
+                 "test_migration_faults.py",
 ]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 
 import pytest
@@ -241,13 +242,22 @@ def test_keep_all_source_can_count_only_the_first_call_after_enabling():
     source.close()
 
 
+class SlowHead(nn.Linear):
+    """A head that takes 5 ms a forward, far longer than the two small blocks: by waiting, not by work,
+    which on two shared cores could come out faster than the blocks' (it did, 1 run in 3)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.005)
+        return super().forward(x)
+
+
 class WithHead(nn.Module):
     """A stage with modules outside its blocks: a slow head after them."""
 
     def __init__(self, width: int = 32) -> None:
         super().__init__()
         self.blocks = chain(width, ids=(0, 1))
-        self.head = nn.Linear(width, 4096)  # far more work than the two small blocks
+        self.head = SlowHead(width, 4096)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.blocks(x))
